@@ -1,0 +1,80 @@
+# limpet's two commands: `make test` and `make demo`. Both set up what is missing first
+# (deploy/setup.sh: libtorch from PyPI's torch wheel and the digits data, cached per machine).
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+TORCH_VERSION := 2.13.0
+export LIMPET_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/limpet
+ENV_MK := $(LIMPET_CACHE)/env-$(TORCH_VERSION).mk
+VENV_STAMP := $(LIMPET_CACHE)/torch-$(TORCH_VERSION)/.complete
+DIGITS := $(LIMPET_CACHE)/data/digits.csv.gz
+FUZZ_SECONDS ?= 60
+DEMO_DIR ?= demo-out
+LIMPET := target/release/limpet
+
+# Every target but these needs the setup's paths; make runs setup.sh, then re-reads them.
+ifeq ($(filter help clean,$(MAKECMDGOALS)),)
+include $(ENV_MK)
+endif
+# LIBTORCH reaches cargo through .cargo/config.toml (the same value as plain cargo sees, so
+# switching between make and cargo does not rebuild torch-sys).
+export LIMPET_PYTHON LIMPET_DIGITS
+
+$(ENV_MK) $(VENV_STAMP) $(DIGITS) &: deploy/setup.sh
+	bash deploy/setup.sh
+	touch $(ENV_MK) $(VENV_STAMP) $(DIGITS)
+
+.PHONY: help setup build test lint unit fuzz-check fuzz demo clean
+
+help:
+	@echo "make test    set up, then lint and run every test"
+	@echo "make demo    set up, then train on real data, interrupt, resume, and report"
+	@echo "make setup   install libtorch (torch==$(TORCH_VERSION) from PyPI) and data into $(LIMPET_CACHE)"
+	@echo "make fuzz    run each fuzz target for FUZZ_SECONDS (default 60)"
+
+setup: $(ENV_MK)
+
+build: setup
+	cargo build --workspace --release --bins
+
+lint: setup
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets --locked -- -D warnings
+
+unit: setup
+	cargo test --workspace --locked
+
+# The fuzz crate builds outside the workspace; checking it keeps the targets from rotting.
+fuzz-check: setup
+	cargo check --manifest-path fuzz/Cargo.toml --quiet
+
+test: lint unit fuzz-check
+
+fuzz: setup
+	command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
+	cd fuzz && for t in $$(cargo fuzz list); do \
+	    RUSTC_BOOTSTRAP=1 cargo fuzz run $$t -- -max_total_time=$(FUZZ_SECONDS) || exit 1; done
+
+demo: build
+	rm -rf $(DEMO_DIR)
+	@echo; echo "== 1. MLP on handwritten digits (1,797 real 8x8 images), 400 steps"
+	$(LIMPET) train --model mlp --data digits --steps 400 --eval-every 100 --out $(DEMO_DIR)/mlp
+	@echo; echo "== 2. Convnet on digits, stopped at step 150 of 300 and resumed"
+	$(LIMPET) train --model convnet --steps 300 --out $(DEMO_DIR)/convnet-whole --json > $(DEMO_DIR)/whole.json
+	$(LIMPET) train --model convnet --steps 300 --stop-at 150 --out $(DEMO_DIR)/convnet-resumed
+	$(LIMPET) train --resume $(DEMO_DIR)/convnet-resumed --json > $(DEMO_DIR)/resumed.json
+	@python3 -c 'import json,sys; a,b=(json.load(open(f)) for f in sys.argv[1:]); \
+	    print("   uninterrupted state", a["content_hash"][:16], " accuracy %.2f%%" % (100*a["test_accuracy"])); \
+	    print("   resumed state      ", b["content_hash"][:16], " accuracy %.2f%%" % (100*b["test_accuracy"])); \
+	    sys.exit(0 if a["content_hash"]==b["content_hash"] else "resumed run differs from the uninterrupted one")' \
+	    $(DEMO_DIR)/whole.json $(DEMO_DIR)/resumed.json
+	@echo "   bit-identical: the resumed run equals the uninterrupted one"
+	@echo; echo "== 3. GPT-style character transformer on /usr/share/common-licenses, 300 steps"
+	$(LIMPET) train --model gpt --data chars --steps 300 --eval-every 100 --out $(DEMO_DIR)/gpt
+	@echo; echo "Loss plots: $(DEMO_DIR)/*/loss.svg   checkpoints: $(DEMO_DIR)/*/checkpoint.safetensors"
+
+clean:
+	cargo clean
+	rm -rf $(DEMO_DIR) fuzz/target

@@ -1,0 +1,308 @@
+//! `limpet train`: one-process training with a progress bar, a step log, a loss plot and a
+//! final report; `--resume` continues a checkpointed job bit-exactly.
+
+use crate::cli::{DataArg, ModelArg, OptimizerArg, TrainArgs};
+use crate::UsageError;
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressStyle};
+use limpet_trainer::data::{DataSpec, Dataset};
+use limpet_trainer::optim::OptimizerSpec;
+use limpet_trainer::{JobSpec, ModelKind, Progress, RunOptions, RunReport, Trainer, CHECKPOINT_FILE};
+use serde::{Deserialize, Serialize};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// File of one JSON line per applied step, in the run directory.
+pub const STEP_LOG: &str = "steps.jsonl";
+/// The loss plot, in the run directory.
+pub const LOSS_PLOT: &str = "loss.svg";
+
+/// One line of the step log.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StepRecord {
+    /// Steps applied after this one (1-based count).
+    pub step: u64,
+    /// Mean training loss of the step.
+    pub loss: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Seconds since this process started training.
+    pub t: f64,
+    /// Test loss, when the step was followed by an evaluation.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub test_loss: Option<f64>,
+    /// Test accuracy, likewise.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub test_accuracy: Option<f64>,
+}
+
+fn usage(msg: impl Into<String>) -> anyhow::Error {
+    UsageError(msg.into()).into()
+}
+
+/// Runs `limpet train`.
+pub fn run(args: TrainArgs) -> anyhow::Result<()> {
+    limpet_trainer::set_threads(usize::from(args.threads));
+    let (mut trainer, out) = match &args.resume {
+        Some(dir) => resume(&args, dir)?,
+        None => fresh(&args)?,
+    };
+    if let Some(stop) = args.stop_at {
+        if stop > trainer.job().steps {
+            return Err(usage(format!("--stop-at {stop} is beyond the job's {} steps", trainer.job().steps)));
+        }
+    }
+    std::fs::create_dir_all(&out).with_context(|| format!("creating --out {}", out.display()))?;
+    let mut log = keep_log_before(&out.join(STEP_LOG), trainer.step())?;
+    let end = args.stop_at.unwrap_or(trainer.job().steps);
+    let bar = ProgressBar::new(end.saturating_sub(trainer.step()));
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} steps ({per_sec}) {msg}",
+        )
+        .expect("valid template"),
+    );
+    let opts = RunOptions {
+        out: out.clone(),
+        stop_at: args.stop_at,
+        checkpoint_every: args.checkpoint_every,
+        eval_every: args.eval_every,
+    };
+    let started = Instant::now();
+    let mut pending: Option<StepRecord> = None;
+    let mut log_error = None;
+    let report = limpet_trainer::run_local(&mut trainer, &opts, |p| match p {
+        Progress::Step(s) => {
+            if let Some(r) = pending.take() {
+                log_error = log_error.take().or(write_record(&mut log, &r).err());
+            }
+            pending = Some(StepRecord {
+                step: s.step + 1,
+                loss: s.loss,
+                lr: s.lr,
+                t: started.elapsed().as_secs_f64(),
+                test_loss: None,
+                test_accuracy: None,
+            });
+            bar.inc(1);
+            bar.set_message(format!("loss {:.4}", s.loss));
+        }
+        Progress::Eval { step, eval } => {
+            if let Some(r) = pending.as_mut().filter(|r| r.step == *step) {
+                r.test_loss = Some(eval.loss);
+                r.test_accuracy = Some(eval.accuracy);
+            }
+            let line =
+                format!("step {step}: test loss {:.4}, accuracy {:.2}%", eval.loss, 100.0 * eval.accuracy);
+            if bar.is_hidden() {
+                eprintln!("{line}");
+            } else {
+                bar.println(line);
+            }
+        }
+        Progress::Checkpoint { .. } => {}
+    });
+    bar.finish_and_clear();
+    let report = report?;
+    if let Some(r) = pending.take() {
+        write_record(&mut log, &r)?;
+    }
+    if let Some(e) = log_error {
+        return Err(e);
+    }
+    drop(log);
+    let plot = out.join(LOSS_PLOT);
+    let records = read_log(&out.join(STEP_LOG))?;
+    crate::plot::loss_svg(
+        &plot,
+        &records,
+        &format!("{} on {}", kind_name(&report.model), kind_name(&report.data)),
+    )?;
+    print_report(&report, &plot, args.json)
+}
+
+fn kind_name(v: &serde_json::Value) -> String {
+    v.get("kind").and_then(|k| k.as_str()).unwrap_or("?").to_string()
+}
+
+fn write_record(log: &mut std::fs::File, r: &StepRecord) -> anyhow::Result<()> {
+    writeln!(log, "{}", serde_json::to_string(r)?).context("writing the step log")
+}
+
+/// Reads a step log, naming the line that does not parse.
+pub fn read_log(path: &Path) -> anyhow::Result<Vec<StepRecord>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| serde_json::from_str(l).with_context(|| format!("{} line {}", path.display(), i + 1)))
+        .collect()
+}
+
+/// Opens the step log for appending after dropping records of steps past `step`: those were
+/// logged after the checkpoint being resumed and will be run again.
+fn keep_log_before(path: &Path, step: u64) -> anyhow::Result<std::fs::File> {
+    let kept: Vec<StepRecord> = if step > 0 && path.exists() {
+        read_log(path)?.into_iter().filter(|r| r.step <= step).collect()
+    } else {
+        Vec::new()
+    };
+    let mut f = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    for r in &kept {
+        write_record(&mut f, r)?;
+    }
+    Ok(f)
+}
+
+fn fresh(args: &TrainArgs) -> anyhow::Result<(Trainer, PathBuf)> {
+    let out = args.out.clone().ok_or_else(|| usage("--out DIR is required (or --resume DIR)"))?;
+    let model = args.model.unwrap_or(ModelArg::Mlp);
+    let kind = match model {
+        ModelArg::Mlp => ModelKind::Mlp,
+        ModelArg::Convnet => ModelKind::Convnet,
+        ModelArg::Gpt => ModelKind::Gpt,
+    };
+    let data_arg = args.data.unwrap_or(if model == ModelArg::Gpt { DataArg::Chars } else { DataArg::Digits });
+    if args.context.is_some() && data_arg != DataArg::Chars {
+        return Err(usage("--context applies only to --data chars"));
+    }
+    if args.context == Some(0) {
+        return Err(usage("--context must be at least 1"));
+    }
+    let spec = match data_arg {
+        DataArg::Digits => DataSpec::Digits,
+        DataArg::Chars => DataSpec::Chars { context: args.context.unwrap_or(64) },
+        DataArg::Synthetic => {
+            DataSpec::Synthetic { samples: 4096, features: 32, classes: 8, seed: args.seed.unwrap_or(0) }
+        }
+    };
+    let data = Dataset::load(&spec, args.data_path.as_deref())?;
+    let mut job = JobSpec::defaults_for(kind, &data)?;
+    apply_flags(&mut job, args)?;
+    Ok((Trainer::try_new(job, data)?, out))
+}
+
+fn resume(args: &TrainArgs, dir: &Path) -> anyhow::Result<(Trainer, PathBuf)> {
+    let path = dir.join(CHECKPOINT_FILE);
+    let image = limpet_snapshot::read_file(&path)
+        .map_err(limpet_trainer::TrainerError::from)
+        .with_context(|| format!("checkpoint {}", path.display()))?;
+    let job: JobSpec = serde_json::from_value(image.meta().job.clone()).map_err(|e| {
+        limpet_trainer::TrainerError::Mismatch(format!("job spec in {} is unreadable: {e}", path.display()))
+    })?;
+    let mut wanted = job.clone();
+    apply_flags(&mut wanted, args)?;
+    if let Some(d) = job.diff(&wanted) {
+        return Err(usage(format!(
+            "flags change the checkpointed job ({d}, checkpoint vs flags); a resumed job keeps its spec"
+        )));
+    }
+    let data = Dataset::load(&job.data, args.data_path.as_deref())?;
+    let trainer =
+        Trainer::from_image(&image, data, None).with_context(|| format!("checkpoint {}", path.display()))?;
+    Ok((trainer, args.out.clone().unwrap_or_else(|| dir.to_path_buf())))
+}
+
+/// Overlays the job flags that were given on `job`, checking each against its flag name.
+fn apply_flags(job: &mut JobSpec, a: &TrainArgs) -> anyhow::Result<()> {
+    let positive =
+        |name: &str, v: u64| if v == 0 { Err(usage(format!("{name} must be at least 1"))) } else { Ok(()) };
+    if let Some(m) = a.model {
+        let want = match m {
+            ModelArg::Mlp => "mlp",
+            ModelArg::Convnet => "convnet",
+            ModelArg::Gpt => "gpt",
+        };
+        if kind_name(&serde_json::to_value(&job.model)?) != want {
+            return Err(usage(format!(
+                "--model {want} differs from the checkpoint's model {}",
+                kind_name(&serde_json::to_value(&job.model)?)
+            )));
+        }
+    }
+    if let Some(steps) = a.steps {
+        positive("--steps", steps)?;
+        job.steps = steps;
+        if a.warmup.is_none() {
+            job.schedule.warmup_steps = steps / 20;
+        }
+    }
+    if let Some(b) = a.batch {
+        positive("--batch", b as u64)?;
+        job.global_batch = b;
+        job.micro_batch = b;
+    }
+    if let Some(m) = a.micro_batch {
+        positive("--micro-batch", m as u64)?;
+        job.micro_batch = m;
+    }
+    if let Some(o) = a.optimizer {
+        let wd = match &job.optimizer {
+            OptimizerSpec::Sgd { weight_decay, .. } | OptimizerSpec::Adamw { weight_decay, .. } => {
+                *weight_decay
+            }
+        };
+        job.optimizer = match (o, &job.optimizer) {
+            (OptimizerArg::Sgd, OptimizerSpec::Sgd { .. })
+            | (OptimizerArg::Adamw, OptimizerSpec::Adamw { .. }) => job.optimizer.clone(),
+            (OptimizerArg::Sgd, _) => OptimizerSpec::sgd(0.05, wd),
+            (OptimizerArg::Adamw, _) => OptimizerSpec::adamw(3e-3, wd),
+        };
+    }
+    if let Some(lr) = a.lr {
+        if !(lr.is_finite() && lr > 0.0) {
+            return Err(usage(format!("--lr {lr} must be a positive number")));
+        }
+        job.optimizer.set_lr(lr);
+    }
+    if let Some(wd) = a.weight_decay {
+        if !(wd.is_finite() && wd >= 0.0) {
+            return Err(usage(format!("--weight-decay {wd} must be zero or positive")));
+        }
+        job.optimizer.set_weight_decay(wd);
+    }
+    if let Some(w) = a.warmup {
+        if w > job.steps {
+            return Err(usage(format!("--warmup {w} exceeds the job's {} steps", job.steps)));
+        }
+        job.schedule.warmup_steps = w;
+    }
+    if let Some(c) = a.clip {
+        if !(c.is_finite() && c >= 0.0) {
+            return Err(usage(format!("--clip {c} must be zero (off) or positive")));
+        }
+        job.clip_norm = (c > 0.0).then_some(c);
+    }
+    if let Some(s) = a.seed {
+        job.seed = s;
+    }
+    Ok(())
+}
+
+fn print_report(r: &RunReport, plot: &Path, json: bool) -> anyhow::Result<()> {
+    if json {
+        let mut v = serde_json::to_value(r)?;
+        v["plot"] = serde_json::Value::String(plot.display().to_string());
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!(
+        "limpet train: {} on {}, steps {} -> {} of {} in {:.1} s ({:.0} samples/s)",
+        kind_name(&r.model),
+        kind_name(&r.data),
+        r.start_step,
+        r.final_step,
+        r.total_steps,
+        r.elapsed_s,
+        r.samples_per_s
+    );
+    if let Some(l) = r.train_loss {
+        println!("  train loss    {l:.4}");
+    }
+    println!("  test loss     {:.4}", r.test_loss);
+    println!("  test accuracy {:.2}%", 100.0 * r.test_accuracy);
+    println!("  checkpoint    {} (state {})", r.checkpoint.display(), &r.content_hash[..16]);
+    println!("  loss plot     {}", plot.display());
+    Ok(())
+}

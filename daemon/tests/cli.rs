@@ -1,0 +1,147 @@
+//! `limpet train` end to end, as a user runs it: real processes, real files.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn limpet(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_limpet")).args(args).output().expect("limpet runs")
+}
+
+fn ok_json(args: &[&str]) -> serde_json::Value {
+    let out = limpet(args);
+    assert!(out.status.success(), "limpet {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("--json prints JSON")
+}
+
+fn fails(args: &[&str], code: i32, needle: &str) {
+    let out = limpet(args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(code), "limpet {args:?}: {err}");
+    assert!(err.contains(needle), "limpet {args:?}: expected '{needle}' in: {err}");
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn trains_digits_past_95_percent_and_writes_its_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = ok_json(&[
+        "train",
+        "--model",
+        "mlp",
+        "--data",
+        "digits",
+        "--steps",
+        "400",
+        "--out",
+        s(dir.path()),
+        "--json",
+    ]);
+    assert!(r["test_accuracy"].as_f64().unwrap() >= 0.95, "{r}");
+    assert_eq!(r["final_step"], 400);
+    for f in ["checkpoint.safetensors", "steps.jsonl", "loss.svg"] {
+        assert!(dir.path().join(f).exists(), "{f} missing");
+    }
+    let svg = std::fs::read_to_string(dir.path().join("loss.svg")).unwrap();
+    assert!(svg.contains("<svg") && svg.contains("train loss"), "plot lacks its series");
+}
+
+#[test]
+fn resume_continues_bit_exactly() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let common = ["train", "--model", "convnet", "--steps", "60", "--batch", "32", "--micro-batch", "12"];
+    let whole = ok_json(&[&common[..], &["--out", s(a.path()), "--json"]].concat());
+    let part = ok_json(&[&common[..], &["--out", s(b.path()), "--stop-at", "25", "--json"]].concat());
+    assert_eq!(part["final_step"], 25);
+    assert_ne!(part["content_hash"], whole["content_hash"]);
+    let resumed = ok_json(&["train", "--resume", s(b.path()), "--json"]);
+    assert_eq!(resumed["start_step"], 25);
+    assert_eq!(resumed["content_hash"], whole["content_hash"], "resumed run differs from uninterrupted run");
+    let log = std::fs::read_to_string(b.path().join("steps.jsonl")).unwrap();
+    let steps: Vec<u64> = log
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, (1..=60).collect::<Vec<_>>());
+}
+
+#[test]
+fn checkpoint_loads_in_python_safetensors() {
+    let python =
+        std::env::var("LIMPET_PYTHON").expect("LIMPET_PYTHON names setup's Python (make test sets it)");
+    let dir = tempfile::tempdir().unwrap();
+    ok_json(&["train", "--model", "gpt", "--steps", "3", "--batch", "4", "--out", s(dir.path()), "--json"]);
+    let ckpt = dir.path().join("checkpoint.safetensors");
+    let script = r#"
+import json, sys
+from safetensors import safe_open
+from safetensors.torch import load_file
+t = load_file(sys.argv[1])
+with safe_open(sys.argv[1], "pt") as f:
+    meta = json.loads(f.metadata()["limpet"])
+print(json.dumps({"step": meta["step"], "tensors": {k: [list(v.shape), float(v.double().sum())] for k, v in t.items()}}))
+"#;
+    let out = Command::new(&python).args(["-c", script, s(&ckpt)]).output().expect("python runs");
+    assert!(out.status.success(), "python: {}", String::from_utf8_lossy(&out.stderr));
+    let py: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let img = limpet_snapshot::read_file(&ckpt).unwrap();
+    assert_eq!(py["step"], 3);
+    assert_eq!(py["tensors"].as_object().unwrap().len(), img.tensors().len());
+    for (name, t) in img.tensors() {
+        let sum: f64 = t.to_f32().unwrap().iter().map(|v| f64::from(*v)).sum();
+        let p = &py["tensors"][name];
+        assert_eq!(p[0], serde_json::json!(t.shape()), "{name}");
+        assert!((p[1].as_f64().unwrap() - sum).abs() <= 1e-6 * (1.0 + sum.abs()), "{name}: {p} vs {sum}");
+    }
+}
+
+#[test]
+fn bad_flags_exit_64_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = s(dir.path());
+    fails(&["train", "--batch", "0", "--out", out], 64, "--batch must be at least 1");
+    fails(&["train", "--lr=-1", "--out", out], 64, "--lr -1 must be a positive number");
+    fails(&["train", "--steps", "10", "--stop-at", "11", "--out", out], 64, "--stop-at 11 is beyond");
+    fails(&["train", "--model", "gpt", "--data", "digits", "--out", out], 64, "needs a character corpus");
+    fails(&["train", "--context", "8", "--out", out], 64, "--context applies only to --data chars");
+    fails(&["train", "--steps", "10"], 64, "--out DIR is required");
+    fails(&["train", "--bogus"], 64, "--bogus");
+    fails(&["train", "--threads", "0", "--out", out], 64, "--threads");
+}
+
+#[test]
+fn resume_refuses_changed_job_and_broken_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = s(dir.path());
+    ok_json(&["train", "--steps", "20", "--stop-at", "10", "--out", d, "--json"]);
+    fails(&["train", "--resume", d, "--steps", "30"], 64, "steps: 20 vs 30");
+    fails(&["train", "--resume", d, "--model", "gpt"], 64, "--model gpt differs");
+
+    let ckpt = dir.path().join("checkpoint.safetensors");
+    let good = std::fs::read(&ckpt).unwrap();
+    let mut flipped = good.clone();
+    let n = flipped.len();
+    flipped[n - 3] ^= 0x10;
+    std::fs::write(&ckpt, &flipped).unwrap();
+    fails(&["train", "--resume", d], 65, "is corrupted: checksum");
+    std::fs::write(&ckpt, &good[..good.len() / 2]).unwrap();
+    fails(&["train", "--resume", d], 65, "not a valid safetensors file");
+    std::fs::write(&ckpt, b"").unwrap();
+    fails(&["train", "--resume", d], 65, "checkpoint.safetensors");
+    let empty = tempfile::tempdir().unwrap();
+    fails(&["train", "--resume", s(empty.path())], 65, "read");
+    // The refused resumes left the damaged file for inspection instead of replacing it.
+    assert_eq!(std::fs::read(&ckpt).unwrap(), b"");
+}
+
+#[test]
+fn missing_data_file_names_the_path() {
+    let dir = tempfile::tempdir().unwrap();
+    fails(
+        &["train", "--data-path", "/nonexistent/digits.csv.gz", "--out", s(dir.path())],
+        65,
+        "/nonexistent/digits.csv.gz",
+    );
+}

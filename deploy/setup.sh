@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Installs what limpet needs to build and run, into a cache outside the clone so that every
+# clone on the machine shares it:
+#   - libtorch, from PyPI's torch wheel of the version tch expects, in a Python venv (the same
+#     venv gives the tests Python's torch and safetensors);
+#   - scikit-learn's digits.csv.gz, taken out of its wheel (scikit-learn itself is not installed).
+# Then writes a make fragment with the paths. Safe to run again: finished parts are skipped.
+set -euo pipefail
+
+TORCH_VERSION=2.13.0            # tch 0.26 is built against this libtorch
+SKLEARN_VERSION=1.7.2
+DIGITS_SHA256=09f66e6debdee2cd2b5ae59e0d6abbb73fc2b0e0185d2e1957e9ebb51e23aa22
+
+CACHE="${LIMPET_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/limpet}"
+VENV="$CACHE/torch-$TORCH_VERSION"
+DATA="$CACHE/data"
+ENV_MK="$CACHE/env-$TORCH_VERSION.mk"
+PYTHON_BIN="${PYTHON:-python3}"
+
+say() { printf '==> %s\n' "$*" >&2; }
+die() { printf 'setup: %s\n' "$*" >&2; exit 1; }
+
+command -v "$PYTHON_BIN" >/dev/null || die "no $PYTHON_BIN: install Python 3.10 or newer"
+command -v cargo >/dev/null || die "no cargo: install the Rust toolchain (rustup)"
+mkdir -p "$CACHE" "$DATA"
+
+# One setup at a time: a second clone waits instead of racing on the same venv.
+exec 9>"$CACHE/.setup.lock"
+flock 9
+
+if [ ! -f "$VENV/.complete" ]; then
+    say "installing torch==$TORCH_VERSION from PyPI into $VENV (about 4 GB, once per machine)"
+    rm -rf "$VENV"
+    "$PYTHON_BIN" -m venv "$VENV" || die "python -m venv failed (Debian: apt-get install python3-venv)"
+    "$VENV/bin/pip" install -q --no-input --disable-pip-version-check --progress-bar off \
+        "torch==$TORCH_VERSION" safetensors numpy >&2
+    touch "$VENV/.complete"
+fi
+
+TORCH_DIR=$("$VENV/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')
+[ -f "$TORCH_DIR/lib/libtorch_cpu.so" ] || die "torch in $VENV has no lib/libtorch_cpu.so"
+
+if ! echo "$DIGITS_SHA256  $DATA/digits.csv.gz" | sha256sum -c --status 2>/dev/null; then
+    say "fetching digits.csv.gz from the scikit-learn==$SKLEARN_VERSION wheel"
+    tmp=$(mktemp -d)
+    trap 'rm -rf "$tmp"' EXIT
+    "$VENV/bin/pip" download -q --no-deps --only-binary=:all: --disable-pip-version-check \
+        --progress-bar off -d "$tmp" "scikit-learn==$SKLEARN_VERSION" >&2
+    "$VENV/bin/python" - "$tmp" "$DATA/digits.csv.gz.part" <<'PY'
+import glob, sys, zipfile
+wheel = glob.glob(sys.argv[1] + "/scikit_learn-*.whl")[0]
+with zipfile.ZipFile(wheel) as z, open(sys.argv[2], "wb") as out:
+    out.write(z.read("sklearn/datasets/data/digits.csv.gz"))
+PY
+    echo "$DIGITS_SHA256  $DATA/digits.csv.gz.part" | sha256sum -c --status \
+        || die "digits.csv.gz from scikit-learn $SKLEARN_VERSION has an unexpected checksum"
+    mv "$DATA/digits.csv.gz.part" "$DATA/digits.csv.gz"
+fi
+
+# Plain cargo in this clone finds libtorch through .cargo/config.toml and these links.
+CLONE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+mkdir -p "$CLONE/.limpet"
+ln -sfn "$TORCH_DIR" "$CLONE/.limpet/libtorch"
+ln -sfn "$VENV/bin/python" "$CLONE/.limpet/python"
+
+cat > "$ENV_MK.part" <<MK
+# Written by deploy/setup.sh; paths of this machine's limpet dependencies.
+LIBTORCH := $TORCH_DIR
+LIMPET_PYTHON := $VENV/bin/python
+LIMPET_DIGITS := $DATA/digits.csv.gz
+MK
+mv "$ENV_MK.part" "$ENV_MK"
+say "setup complete: libtorch at $TORCH_DIR"

@@ -1,0 +1,187 @@
+//! Round trips, tampering, and property tests of the decoder against arbitrary damage.
+
+use super::*;
+use proptest::prelude::*;
+
+fn sample() -> StateImage {
+    let mut tensors = BTreeMap::new();
+    tensors.insert(
+        "param/w".to_string(),
+        RawTensor::from_f32("w", vec![2, 3], &[1., 2., 3., 4., 5., 6.]).unwrap(),
+    );
+    tensors.insert("optim/m/w".to_string(), RawTensor::from_f32("m", vec![2, 3], &[0.; 6]).unwrap());
+    StateImage::new(7, 448, RngState { seed: 1, draws: 7 }, serde_json::json!({"model": "mlp"}), tensors)
+}
+
+/// Re-encodes `img` with a hand-edited metadata JSON, as an attacker or a bad disk might.
+fn with_meta(img: &StateImage, edit: impl FnOnce(&mut serde_json::Value)) -> Vec<u8> {
+    let mut meta = serde_json::to_value(img.meta()).unwrap();
+    edit(&mut meta);
+    let views: Vec<_> = img
+        .tensors()
+        .iter()
+        .map(|(n, t)| {
+            (n.clone(), TensorView::new(t.dtype().to_safetensors(), t.shape().to_vec(), t.data()).unwrap())
+        })
+        .collect();
+    safetensors::serialize(views, Some(HashMap::from([(META_KEY.to_string(), meta.to_string())]))).unwrap()
+}
+
+#[test]
+fn round_trip_is_exact() {
+    let img = sample();
+    let back = StateImage::decode(&img.encode().unwrap()).unwrap();
+    assert_eq!(back, img);
+    assert_eq!(back.tensors()["param/w"].to_f32().unwrap(), vec![1., 2., 3., 4., 5., 6.]);
+}
+
+#[test]
+fn content_hash_sees_every_part() {
+    let base = sample();
+    let mut other = base.tensors().clone();
+    other.insert("param/w".into(), RawTensor::from_f32("w", vec![2, 3], &[1., 2., 3., 4., 5., 6.5]).unwrap());
+    let changed_tensor = StateImage::new(7, 448, base.meta().rng, base.meta().job.clone(), other);
+    let changed_step =
+        StateImage::new(8, 448, base.meta().rng, base.meta().job.clone(), base.tensors().clone());
+    let changed_rng = StateImage::new(
+        7,
+        448,
+        RngState { seed: 1, draws: 8 },
+        base.meta().job.clone(),
+        base.tensors().clone(),
+    );
+    let hashes = [
+        base.content_hash(),
+        changed_tensor.content_hash(),
+        changed_step.content_hash(),
+        changed_rng.content_hash(),
+    ];
+    for i in 0..hashes.len() {
+        for j in i + 1..hashes.len() {
+            assert_ne!(hashes[i], hashes[j], "{i} vs {j}");
+        }
+    }
+}
+
+#[test]
+fn plain_safetensors_file_is_not_a_checkpoint() {
+    let t = RawTensor::from_f32("x", vec![1], &[1.0]).unwrap();
+    let bytes =
+        safetensors::serialize([("x", TensorView::new(StDtype::F32, vec![1], t.data()).unwrap())], None)
+            .unwrap();
+    let err = StateImage::decode(&bytes).unwrap_err();
+    assert!(matches!(err, SnapshotError::MissingMeta { .. }), "{err}");
+}
+
+#[test]
+fn flipped_tensor_byte_names_the_tensor() {
+    let img = sample();
+    let mut bytes = img.encode().unwrap();
+    let n = bytes.len();
+    bytes[n - 1] ^= 0x40; // last byte belongs to the last tensor in the data section
+    let err = StateImage::decode(&bytes).unwrap_err().to_string();
+    assert!(err.contains("tensor 'param/w' is corrupted"), "{err}");
+}
+
+#[test]
+fn edited_metadata_fails_the_content_hash() {
+    let bytes = with_meta(&sample(), |m| m["step"] = 9.into());
+    let err = StateImage::decode(&bytes).unwrap_err();
+    assert!(matches!(err, SnapshotError::ContentHash { .. }), "{err}");
+}
+
+#[test]
+fn newer_format_is_refused_by_version() {
+    let bytes = with_meta(&sample(), |m| {
+        m["format"] = 2.into();
+        m["future_field"] = true.into();
+    });
+    let err = StateImage::decode(&bytes).unwrap_err().to_string();
+    assert!(err.contains("format version 2 is not supported"), "{err}");
+}
+
+#[test]
+fn missing_and_extra_tensors_are_named() {
+    let img = sample();
+    let bytes = with_meta(&img, |m| {
+        m["checksums"].as_object_mut().unwrap().insert("param/gone".into(), "00".into());
+    });
+    let err = StateImage::decode(&bytes).unwrap_err().to_string();
+    assert!(err.contains("'param/gone' is listed in the checkpoint metadata but missing"), "{err}");
+    let bytes = with_meta(&img, |m| {
+        m["checksums"].as_object_mut().unwrap().remove("optim/m/w");
+    });
+    let err = StateImage::decode(&bytes).unwrap_err().to_string();
+    assert!(err.contains("'optim/m/w' is in the file but not listed"), "{err}");
+}
+
+#[test]
+fn missing_field_is_named() {
+    let bytes = with_meta(&sample(), |m| {
+        m.as_object_mut().unwrap().remove("cursor");
+    });
+    let err = StateImage::decode(&bytes).unwrap_err().to_string();
+    assert!(err.contains("cursor"), "{err}");
+}
+
+#[test]
+fn size_mismatch_is_named() {
+    let err = RawTensor::try_new("w", Dtype::F32, vec![2, 2], vec![0; 12]).unwrap_err().to_string();
+    assert!(err.contains("tensor 'w' has 12 bytes") && err.contains("needs 16"), "{err}");
+}
+
+fn arb_tensor() -> impl Strategy<Value = RawTensor> {
+    (
+        prop_oneof![Just(Dtype::F32), Just(Dtype::I64), Just(Dtype::U8), Just(Dtype::BF16)],
+        proptest::collection::vec(0usize..4, 0..3),
+    )
+        .prop_flat_map(|(dtype, shape)| {
+            let n = shape.iter().product::<usize>() * dtype.size();
+            proptest::collection::vec(any::<u8>(), n)
+                .prop_map(move |data| RawTensor::try_new("t", dtype, shape.clone(), data).unwrap())
+        })
+}
+
+fn arb_image() -> impl Strategy<Value = StateImage> {
+    (
+        any::<u64>(),
+        any::<u64>(),
+        any::<(u64, u64)>(),
+        proptest::collection::btree_map("[a-z][a-z0-9_./]{0,10}", arb_tensor(), 0..5),
+        any::<i32>(),
+    )
+        .prop_map(|(step, cursor, (seed, draws), tensors, j)| {
+            StateImage::new(step, cursor, RngState { seed, draws }, serde_json::json!({ "j": j }), tensors)
+        })
+}
+
+proptest! {
+    #[test]
+    fn prop_round_trip(img in arb_image()) {
+        prop_assert_eq!(StateImage::decode(&img.encode().unwrap()).unwrap(), img);
+    }
+
+    /// Any single damaged byte is either caught or harmless (a whitespace byte of the padded
+    /// header, say): never a panic, never a different state.
+    #[test]
+    fn prop_damage_is_caught(img in arb_image(), pos in any::<prop::sample::Index>(), xor in 1u8..=255) {
+        let mut bytes = img.encode().unwrap();
+        let i = pos.index(bytes.len());
+        bytes[i] ^= xor;
+        if let Ok(back) = StateImage::decode(&bytes) {
+            prop_assert_eq!(back, img);
+        }
+    }
+
+    #[test]
+    fn prop_truncation_is_an_error(img in arb_image(), cut in any::<prop::sample::Index>()) {
+        let bytes = img.encode().unwrap();
+        let keep = cut.index(bytes.len());
+        prop_assert!(StateImage::decode(&bytes[..keep]).is_err());
+    }
+
+    #[test]
+    fn prop_arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        let _ = StateImage::decode(&bytes);
+    }
+}

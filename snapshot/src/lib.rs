@@ -1,0 +1,23 @@
+//! The portable form of a training state, and its checkpoint files.
+//!
+//! A [`StateImage`] is what one rank knows about training at a step boundary: named raw tensors
+//! (parameters and optimizer slots) plus [`StateMeta`] (step, data cursor, RNG position, the job
+//! it belongs to). It carries no libtorch types, so the same bytes serve three uses: a local
+//! checkpoint file, a state handoff to a newcomer, and a cross-rank equality check through
+//! [`StateImage::content_hash`].
+//!
+//! Data flow: the trainer builds an image from its tensors ([`StateImage::new`] computes a
+//! per-tensor checksum and the content hash), [`StateImage::encode`] turns it into safetensors
+//! bytes with the metadata as JSON in the header, and [`write_atomic`] puts those bytes on disk
+//! so that a crash leaves either the old file or the new one. [`StateImage::decode`] is the
+//! reverse and trusts nothing: every failure names the tensor or field that was wrong.
+
+#![forbid(unsafe_code)]
+
+mod error;
+mod file;
+mod image;
+
+pub use error::SnapshotError;
+pub use file::{read_file, write_atomic};
+pub use image::{Dtype, RawTensor, RngState, StateImage, StateMeta, FORMAT_VERSION, META_KEY};

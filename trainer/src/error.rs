@@ -1,0 +1,31 @@
+//! The trainer's error type: data, configuration, checkpoint mismatch, and libtorch failures.
+
+use std::path::PathBuf;
+
+/// Why training could not start or go on.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainerError {
+    /// A libtorch call failed.
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
+    /// A state image could not be read, written or decoded.
+    #[error(transparent)]
+    Snapshot(#[from] limpet_snapshot::SnapshotError),
+    /// A data file is missing or malformed.
+    #[error("data {path}: {detail}")]
+    Data {
+        /// The file or directory.
+        path: PathBuf,
+        /// What was wrong.
+        detail: String,
+    },
+    /// The job does not make sense (bad batch sizes, a model that cannot read the data, ...).
+    #[error("invalid job: {0}")]
+    Config(String),
+    /// A checkpoint does not belong to this job.
+    #[error("checkpoint does not match the job: {0}")]
+    Mismatch(String),
+    /// A reduce across ranks failed.
+    #[error("gradient reduce failed: {0}")]
+    Reduce(String),
+}

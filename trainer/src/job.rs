@@ -1,0 +1,131 @@
+//! [`JobSpec`]: the complete, serializable description of a training job. It is stored in every
+//! checkpoint, so a resumed or handed-off state can be checked against the job it joins.
+
+use crate::data::{DataInfo, DataSpec, Dataset};
+use crate::model::ModelSpec;
+use crate::optim::{OptimizerSpec, Schedule};
+use crate::TrainerError;
+use serde::{Deserialize, Serialize};
+
+/// Model families; [`ModelSpec::for_data`] sizes one for a dataset.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelKind {
+    /// Multi-layer perceptron for flat features.
+    Mlp,
+    /// Small convolutional net for images.
+    Convnet,
+    /// GPT-style character transformer.
+    Gpt,
+}
+
+/// Everything that determines a training run's result, besides the hardware.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobSpec {
+    /// Architecture and sizes.
+    pub model: ModelSpec,
+    /// Which dataset.
+    pub data: DataSpec,
+    /// blake3 of the dataset's source bytes, so a state is never resumed on other data.
+    pub data_fingerprint: String,
+    /// Optimizer and its hyper-parameters.
+    pub optimizer: OptimizerSpec,
+    /// Learning-rate schedule.
+    pub schedule: Schedule,
+    /// Samples per optimizer step, summed over all ranks.
+    pub global_batch: usize,
+    /// Largest number of samples one forward pass takes; larger shares accumulate gradients.
+    pub micro_batch: usize,
+    /// Total optimizer steps (the schedule's horizon).
+    pub steps: u64,
+    /// Seed for initialization, sampling and the training RNG.
+    pub seed: u64,
+    /// Clip the averaged gradient to this global L2 norm.
+    pub clip_norm: Option<f64>,
+}
+
+impl JobSpec {
+    /// A job with limpet's defaults for `kind` on `data`.
+    pub fn defaults_for(kind: ModelKind, data: &Dataset) -> Result<Self, TrainerError> {
+        let model = ModelSpec::for_data(kind, &data.info)?;
+        let (optimizer, steps, global_batch) = match (kind, &data.info) {
+            (ModelKind::Gpt, _) => (OptimizerSpec::adamw(3e-3, 0.01), 600, 32),
+            (_, DataInfo::Classify { .. }) => (OptimizerSpec::adamw(3e-3, 1e-4), 400, 64),
+            (_, DataInfo::Chars { .. }) => (OptimizerSpec::adamw(3e-3, 0.01), 600, 32),
+        };
+        Ok(JobSpec {
+            model,
+            data: data.spec.clone(),
+            data_fingerprint: data.fingerprint.clone(),
+            optimizer,
+            schedule: Schedule { warmup_steps: steps / 20, min_lr_ratio: 0.1 },
+            global_batch,
+            micro_batch: global_batch,
+            steps,
+            seed: 0,
+            clip_norm: Some(1.0),
+        })
+    }
+
+    /// Checks the job on its own and against the data it will read.
+    pub fn validate(&self, data: &Dataset) -> Result<(), TrainerError> {
+        let bad = |m: String| Err(TrainerError::Config(m));
+        if self.global_batch == 0 {
+            return bad("global_batch must be at least 1".into());
+        }
+        if self.micro_batch == 0 {
+            return bad("micro_batch must be at least 1".into());
+        }
+        if self.steps == 0 {
+            return bad("steps must be at least 1".into());
+        }
+        if self.schedule.warmup_steps > self.steps {
+            return bad(format!(
+                "schedule.warmup_steps ({}) exceeds steps ({})",
+                self.schedule.warmup_steps, self.steps
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.schedule.min_lr_ratio) {
+            return bad(format!(
+                "schedule.min_lr_ratio ({}) must be within [0, 1]",
+                self.schedule.min_lr_ratio
+            ));
+        }
+        if let Some(c) = self.clip_norm {
+            if !(c.is_finite() && c > 0.0) {
+                return bad(format!("clip_norm ({c}) must be a positive number"));
+            }
+        }
+        self.optimizer.validate().map_err(TrainerError::Config)?;
+        if data.fingerprint != self.data_fingerprint {
+            return Err(TrainerError::Mismatch(format!(
+                "job was made for data with fingerprint {}, but {} has fingerprint {}",
+                self.data_fingerprint, data.source, data.fingerprint
+            )));
+        }
+        self.model.check_data(&data.info)
+    }
+
+    /// The first field where two jobs differ, as `path: ours vs theirs`, or `None` if equal.
+    pub fn diff(&self, other: &JobSpec) -> Option<String> {
+        let a = serde_json::to_value(self).expect("JobSpec serializes");
+        let b = serde_json::to_value(other).expect("JobSpec serializes");
+        first_difference("", &a, &b)
+    }
+}
+
+fn first_difference(path: &str, a: &serde_json::Value, b: &serde_json::Value) -> Option<String> {
+    use serde_json::Value;
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            let keys: std::collections::BTreeSet<_> = x.keys().chain(y.keys()).collect();
+            keys.into_iter().find_map(|k| {
+                let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
+                first_difference(&p, x.get(k).unwrap_or(&Value::Null), y.get(k).unwrap_or(&Value::Null))
+            })
+        }
+        _ if a == b => None,
+        _ => Some(format!("{path}: {a} vs {b}")),
+    }
+}

@@ -1,0 +1,36 @@
+//! limpet's trainer: everything one rank needs to train, and nothing about networking.
+//!
+//! Data flows through it like this. A [`JobSpec`] names the model, data, optimizer and batch.
+//! [`data::Dataset`] loads real data (digits, a character corpus) or a seeded synthetic set and
+//! splits it deterministically. [`sampler`] turns `(step, rank, world, plan)` into the sample
+//! indices of a rank's share of the global batch, so the union over ranks is the same global
+//! batch for any world size. A [`Trainer`] computes summed gradients for its share into one flat
+//! buffer ([`Trainer::compute_grads`]), hands the buffer to a [`Reduce`] (identity in one
+//! process, a ring allreduce across hosts), and applies the averaged update with an optimizer
+//! whose state it owns ([`optim`]). [`Trainer::image`] and [`Trainer::from_image`] convert the
+//! whole state to and from the portable [`limpet_snapshot::StateImage`], whose content hash is
+//! how ranks prove they hold the same state.
+
+#![forbid(unsafe_code)]
+
+pub mod data;
+mod error;
+mod job;
+pub mod model;
+pub mod optim;
+mod run;
+pub mod sampler;
+mod train;
+
+pub use error::TrainerError;
+pub use job::{JobSpec, ModelKind};
+pub use run::{run_local, save_checkpoint, Progress, RunOptions, RunReport, CHECKPOINT_FILE};
+pub use train::{Eval, NoReduce, Reduce, StepStats, Trainer};
+
+/// Makes libtorch use `n` intra-op threads. limpet runs one thread per rank by default, so
+/// several ranks on one machine do not oversubscribe it and results do not depend on how a
+/// reduction was split across threads.
+pub fn set_threads(n: usize) {
+    tch::set_num_threads(n.clamp(1, i32::MAX as usize) as i32);
+    tch::set_num_interop_threads(1);
+}

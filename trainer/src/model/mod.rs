@@ -1,0 +1,349 @@
+//! Models as a sequence of blocks, so a pipeline stage can own a contiguous range of them.
+//!
+//! Parameters are named `bNN.<layer>.<tensor>` after their block, so a model built from a
+//! block range has exactly the names (and initial values) those blocks have in the full model.
+//! Initialization draws from a ChaCha stream keyed by the seed and the parameter's name rather
+//! than from libtorch's global generator: it is the same on every host, thread and build.
+
+mod gpt;
+
+use crate::data::DataInfo;
+use crate::{ModelKind, TrainerError};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+use tch::nn::{self, ModuleT};
+use tch::{Device, Kind, Reduction, Tensor};
+
+/// Architecture and sizes of a model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum ModelSpec {
+    /// Linear+ReLU blocks, then a linear classifier block.
+    Mlp {
+        /// Input features.
+        inputs: usize,
+        /// Width of each hidden block.
+        hidden: Vec<usize>,
+        /// Output classes.
+        classes: usize,
+    },
+    /// 3x3 conv blocks (the last one max-pools), a dense block, and a classifier block.
+    Convnet {
+        /// Image height.
+        height: usize,
+        /// Image width.
+        width: usize,
+        /// Output channels of each conv block.
+        channels: Vec<usize>,
+        /// Width of the dense block.
+        hidden: usize,
+        /// Output classes.
+        classes: usize,
+    },
+    /// Token+position embedding block, pre-norm transformer blocks, and a norm+head block.
+    Gpt {
+        /// Vocabulary size.
+        vocab: usize,
+        /// Longest sequence.
+        context: usize,
+        /// Embedding width.
+        width: usize,
+        /// Transformer blocks.
+        layers: usize,
+        /// Attention heads (must divide `width`).
+        heads: usize,
+        /// Dropout probability after attention and MLP (0 keeps training exactly reproducible
+        /// across world sizes).
+        dropout: f64,
+    },
+}
+
+impl ModelSpec {
+    /// limpet's default model of `kind` for data shaped like `info`.
+    pub fn for_data(kind: ModelKind, info: &DataInfo) -> Result<Self, TrainerError> {
+        let spec = match (kind, info) {
+            (ModelKind::Mlp, DataInfo::Classify { features, classes, .. }) => {
+                ModelSpec::Mlp { inputs: *features, hidden: vec![128, 128], classes: *classes }
+            }
+            (ModelKind::Convnet, DataInfo::Classify { classes, image: Some((h, w)), .. }) => {
+                ModelSpec::Convnet {
+                    height: *h,
+                    width: *w,
+                    channels: vec![16, 32],
+                    hidden: 64,
+                    classes: *classes,
+                }
+            }
+            (ModelKind::Convnet, DataInfo::Classify { image: None, .. }) => {
+                return Err(TrainerError::Config("model 'convnet' needs image data (digits)".into()))
+            }
+            (ModelKind::Gpt, DataInfo::Chars { vocab, context }) => ModelSpec::Gpt {
+                vocab: *vocab,
+                context: *context,
+                width: 64,
+                layers: 2,
+                heads: 4,
+                dropout: 0.0,
+            },
+            (ModelKind::Gpt, DataInfo::Classify { .. }) => {
+                return Err(TrainerError::Config(
+                    "model 'gpt' needs a character corpus (data 'chars')".into(),
+                ))
+            }
+            (_, DataInfo::Chars { .. }) => {
+                return Err(TrainerError::Config(
+                    format!("model '{kind:?}' classifies; data 'chars' needs model 'gpt'").to_lowercase(),
+                ))
+            }
+        };
+        Ok(spec)
+    }
+
+    /// Checks that this model reads the data shaped like `info`.
+    pub fn check_data(&self, info: &DataInfo) -> Result<(), TrainerError> {
+        let fits = match (self, info) {
+            (ModelSpec::Mlp { inputs, classes, .. }, DataInfo::Classify { features, classes: c, .. }) => {
+                inputs == features && classes == c
+            }
+            (
+                ModelSpec::Convnet { height, width, classes, .. },
+                DataInfo::Classify { image, classes: c, .. },
+            ) => *image == Some((*height, *width)) && classes == c,
+            (ModelSpec::Gpt { vocab, context, .. }, DataInfo::Chars { vocab: v, context: t }) => {
+                vocab == v && context >= t
+            }
+            _ => false,
+        };
+        if fits {
+            Ok(())
+        } else {
+            Err(TrainerError::Config(format!("model {self:?} cannot read data shaped {info:?}")))
+        }
+    }
+
+    /// Number of blocks.
+    pub fn num_blocks(&self) -> usize {
+        match self {
+            ModelSpec::Mlp { hidden, .. } => hidden.len() + 1,
+            ModelSpec::Convnet { channels, .. } => channels.len() + 2,
+            ModelSpec::Gpt { layers, .. } => layers + 2,
+        }
+    }
+
+    /// True when the model predicts every position of a sequence (per-sample loss is a mean
+    /// over positions).
+    fn is_sequence(&self) -> bool {
+        matches!(self, ModelSpec::Gpt { .. })
+    }
+
+    fn validate(&self) -> Result<(), TrainerError> {
+        let bad = |m: &str| Err(TrainerError::Config(format!("model: {m}")));
+        match self {
+            ModelSpec::Mlp { inputs, hidden, classes } => {
+                if *inputs == 0 || *classes == 0 || hidden.contains(&0) {
+                    return bad("mlp sizes must be at least 1");
+                }
+            }
+            ModelSpec::Convnet { height, width, channels, hidden, classes } => {
+                if *height < 2
+                    || *width < 2
+                    || channels.is_empty()
+                    || channels.contains(&0)
+                    || *hidden == 0
+                    || *classes == 0
+                {
+                    return bad("convnet needs an image of at least 2x2 and non-zero sizes");
+                }
+            }
+            ModelSpec::Gpt { vocab, context, width, layers, heads, dropout } => {
+                if *vocab == 0 || *context == 0 || *layers == 0 || *heads == 0 || width % heads != 0 {
+                    return bad("gpt needs non-zero sizes and heads dividing width");
+                }
+                if !(0.0..1.0).contains(dropout) {
+                    return bad("gpt dropout must be within [0, 1)");
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The generator stochastic layers draw from, owned by one model and reseeded by the trainer.
+pub(crate) type DropoutRng = Arc<Mutex<ChaCha8Rng>>;
+
+/// Builds block `i` of `spec` under path `p`.
+fn build_block(spec: &ModelSpec, i: usize, p: &nn::Path, rng: &DropoutRng) -> Box<dyn ModuleT> {
+    let lin = |p: nn::Path, a: usize, b: usize| nn::linear(p, a as i64, b as i64, Default::default());
+    match spec {
+        ModelSpec::Mlp { inputs, hidden, classes } => {
+            let fan_in = if i == 0 { *inputs } else { hidden[i - 1] };
+            if i < hidden.len() {
+                Box::new(nn::seq_t().add(lin(p / "fc", fan_in, hidden[i])).add_fn(|x| x.relu()))
+            } else {
+                Box::new(lin(p / "fc", fan_in, *classes))
+            }
+        }
+        ModelSpec::Convnet { height, width, channels, hidden, classes } => {
+            let (h, w) = (*height as i64, *width as i64);
+            let conv_cfg = nn::ConvConfig { padding: 1, ..Default::default() };
+            if i < channels.len() {
+                let cin = if i == 0 { 1 } else { channels[i - 1] as i64 };
+                let conv = nn::conv2d(p / "conv", cin, channels[i] as i64, 3, conv_cfg);
+                let last = i + 1 == channels.len();
+                let first = i == 0;
+                Box::new(
+                    nn::seq_t()
+                        .add_fn(move |x| if first { x.view([-1, 1, h, w]) } else { x.shallow_clone() })
+                        .add(conv)
+                        .add_fn(move |x| if last { x.relu().max_pool2d_default(2) } else { x.relu() }),
+                )
+            } else if i == channels.len() {
+                let flat = *channels.last().expect("validated non-empty") as i64 * (h / 2) * (w / 2);
+                Box::new(
+                    nn::seq_t()
+                        .add_fn(|x| x.flatten(1, -1))
+                        .add(lin(p / "fc", flat as usize, *hidden))
+                        .add_fn(|x| x.relu()),
+                )
+            } else {
+                Box::new(lin(p / "fc", *hidden, *classes))
+            }
+        }
+        ModelSpec::Gpt { .. } => gpt::block(spec, i, p, rng),
+    }
+}
+
+/// A model, or a contiguous range of its blocks, with its parameters.
+#[derive(Debug)]
+pub struct Model {
+    spec: ModelSpec,
+    blocks: Range<usize>,
+    layers: Vec<Box<dyn ModuleT>>,
+    params: Vec<(String, Tensor)>,
+    dropout_rng: DropoutRng,
+    // Owns the variables the layers refer to.
+    _vs: nn::VarStore,
+}
+
+impl Model {
+    /// Builds the whole model with parameters initialized from `seed`.
+    pub fn new(spec: &ModelSpec, seed: u64) -> Result<Self, TrainerError> {
+        Self::with_blocks(spec, 0..spec.num_blocks(), seed)
+    }
+
+    /// Builds blocks `blocks` of the model (a pipeline stage).
+    pub fn with_blocks(spec: &ModelSpec, blocks: Range<usize>, seed: u64) -> Result<Self, TrainerError> {
+        spec.validate()?;
+        if blocks.start >= blocks.end || blocks.end > spec.num_blocks() {
+            return Err(TrainerError::Config(format!(
+                "block range {blocks:?} is not within the model's {} blocks",
+                spec.num_blocks()
+            )));
+        }
+        let vs = nn::VarStore::new(Device::Cpu);
+        let root = vs.root();
+        let dropout_rng = Arc::new(Mutex::new(ChaCha8Rng::seed_from_u64(seed)));
+        let layers = blocks
+            .clone()
+            .map(|i| build_block(spec, i, &(&root / format!("b{i:02}")), &dropout_rng))
+            .collect();
+        let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, t) in &params {
+            init_param(name, t, seed);
+        }
+        Ok(Model { spec: spec.clone(), blocks, layers, params, dropout_rng, _vs: vs })
+    }
+
+    /// The spec this model was built from.
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    /// Which blocks this model holds.
+    pub fn blocks(&self) -> Range<usize> {
+        self.blocks.clone()
+    }
+
+    /// Parameters sorted by name.
+    pub fn params(&self) -> &[(String, Tensor)] {
+        &self.params
+    }
+
+    /// Total number of parameter elements.
+    pub fn num_elements(&self) -> usize {
+        self.params.iter().map(|(_, t)| t.numel()).sum()
+    }
+
+    /// True when training-mode forward passes draw random numbers (dropout).
+    pub fn is_stochastic(&self) -> bool {
+        matches!(self.spec, ModelSpec::Gpt { dropout, .. } if dropout > 0.0)
+    }
+
+    /// Restarts the stochastic layers' generator at `seed`.
+    pub fn seed_dropout(&self, seed: u64) {
+        *self.dropout_rng.lock().expect("dropout generator lock") = ChaCha8Rng::seed_from_u64(seed);
+    }
+
+    /// Runs the blocks in order.
+    pub fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        self.layers.iter().fold(xs.shallow_clone(), |x, l| l.forward_t(&x, train))
+    }
+
+    /// Sum over samples of each sample's loss (mean over positions for sequence models).
+    /// Summing, not averaging, is what makes gradients of shares add up to the global batch's.
+    pub fn loss_sum(&self, logits: &Tensor, targets: &Tensor) -> Tensor {
+        let v = *logits.size().last().expect("logits have a class dimension");
+        let ce = logits.view([-1, v]).cross_entropy_loss::<Tensor>(
+            &targets.view(-1),
+            None,
+            Reduction::Sum,
+            -100,
+            0.0,
+        );
+        if self.spec.is_sequence() {
+            ce / targets.size()[1] as f64
+        } else {
+            ce
+        }
+    }
+
+    /// Sum over samples of the fraction of positions predicted right (1 or 0 for classifiers).
+    pub fn correct(&self, logits: &Tensor, targets: &Tensor) -> f64 {
+        let hits = logits.argmax(-1, false).eq_tensor(targets).to_kind(Kind::Double).sum(Kind::Double);
+        let per = if self.spec.is_sequence() { targets.size()[1] as f64 } else { 1.0 };
+        hits.double_value(&[]) / per
+    }
+}
+
+/// Fills one parameter: weights of rank >= 2 from U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (PyTorch's
+/// default for linear and conv layers), embeddings from N(0, 0.02) (GPT-2), norm scales with 1,
+/// biases with 0.
+fn init_param(name: &str, t: &Tensor, seed: u64) {
+    let shape = t.size();
+    let n = t.numel();
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    rng.set_stream(u64::from_le_bytes(
+        blake3::hash(name.as_bytes()).as_bytes()[..8].try_into().expect("8 bytes"),
+    ));
+    let values: Vec<f32> = if name.contains("emb") {
+        (0..n).map(|_| 0.02 * rng.sample::<f32, _>(rand_distr::StandardNormal)).collect()
+    } else if name.ends_with("weight") && shape.len() >= 2 {
+        let bound = 1.0 / (shape[1..].iter().product::<i64>() as f32).sqrt();
+        (0..n).map(|_| rng.random_range(-bound..bound)).collect()
+    } else if name.ends_with("weight") {
+        vec![1.0; n]
+    } else {
+        vec![0.0; n]
+    };
+    tch::no_grad(|| {
+        let mut t = t.shallow_clone();
+        t.copy_(&Tensor::from_slice(&values).view(shape.as_slice()));
+    });
+}
+
+#[cfg(test)]
+mod tests;

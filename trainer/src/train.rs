@@ -1,0 +1,319 @@
+//! [`Trainer`]: one rank's model, optimizer state, position in the data, and the split step.
+//!
+//! A step is three calls so that the network can sit in the middle:
+//! [`Trainer::compute_grads`] sums per-sample gradients of this rank's share (accumulating over
+//! micro-batches) into one flat buffer with the loss sum and sample count at its end; a
+//! [`Reduce`] sums the buffers of all ranks elementwise; [`Trainer::apply_update`] divides by
+//! the global sample count, clips, and steps the optimizer. Every rank that reduces the same
+//! buffers applies the same update.
+
+use crate::data::Dataset;
+use crate::job::JobSpec;
+use crate::model::Model;
+use crate::optim::{clip_global_norm, Optimizer};
+use crate::sampler::{BatchPlan, Sampler};
+use crate::TrainerError;
+use limpet_snapshot::{Dtype, RawTensor, RngState, StateImage};
+use rand::{RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::collections::BTreeMap;
+use tch::{Kind, Tensor};
+
+/// Sums gradient buffers across ranks, in place. Implementations must leave every rank with
+/// the same bytes.
+pub trait Reduce {
+    /// Replaces `buf` with the elementwise sum of every rank's `buf` for `step`.
+    fn allreduce_sum(&mut self, buf: &mut [f32], step: u64) -> Result<(), TrainerError>;
+}
+
+/// The reduce of a single-process run: the local buffer already is the sum.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoReduce;
+
+impl Reduce for NoReduce {
+    fn allreduce_sum(&mut self, _buf: &mut [f32], _step: u64) -> Result<(), TrainerError> {
+        Ok(())
+    }
+}
+
+/// What one applied step did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepStats {
+    /// The step that was applied (0-based).
+    pub step: u64,
+    /// Mean training loss over the global batch.
+    pub loss: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Samples in the global batch.
+    pub samples: usize,
+}
+
+/// Held-out metrics.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Eval {
+    /// Mean loss per test sample.
+    pub loss: f64,
+    /// Fraction of test predictions that were right (per token for character models).
+    pub accuracy: f64,
+}
+
+/// One rank's training state and the machinery to advance it.
+#[derive(Debug)]
+pub struct Trainer {
+    job: JobSpec,
+    data: Dataset,
+    model: Model,
+    optim: Optimizer,
+    sampler: Sampler,
+    plan: BatchPlan,
+    step: u64,
+    rng: RngState,
+}
+
+impl Trainer {
+    /// A fresh trainer at step 0, initialized from the job's seed.
+    pub fn try_new(job: JobSpec, data: Dataset) -> Result<Self, TrainerError> {
+        job.validate(&data)?;
+        let model = Model::new(&job.model, job.seed)?;
+        let optim = Optimizer::new(&job.optimizer, model.params());
+        let plan = BatchPlan::try_new(job.global_batch, job.micro_batch)?;
+        let sampler = Sampler::new(job.seed, data.train.len());
+        let rng = RngState::new(job.seed);
+        Ok(Trainer { job, data, model, optim, sampler, plan, step: 0, rng })
+    }
+
+    /// Restores a trainer from `image`. The image's own job is used; if `expected` is given it
+    /// must equal the image's job, and the error names the first field that differs.
+    pub fn from_image(
+        image: &StateImage,
+        data: Dataset,
+        expected: Option<&JobSpec>,
+    ) -> Result<Self, TrainerError> {
+        let meta = image.meta();
+        let job: JobSpec = serde_json::from_value(meta.job.clone())
+            .map_err(|e| TrainerError::Mismatch(format!("checkpoint's job spec is unreadable: {e}")))?;
+        if let Some(d) = expected.and_then(|e| e.diff(&job)) {
+            return Err(TrainerError::Mismatch(format!("job field {d} (expected vs checkpoint)")));
+        }
+        let mut t = Trainer::try_new(job, data)?;
+        let cursor = meta.step * t.plan.global_batch as u64;
+        if meta.cursor != cursor {
+            return Err(TrainerError::Mismatch(format!(
+                "field 'cursor' is {} but step {} x global_batch {} is {cursor}",
+                meta.cursor, meta.step, t.plan.global_batch
+            )));
+        }
+        let mut expected_names = Vec::new();
+        let targets: Vec<(String, Tensor)> = {
+            let params = t.model.params();
+            let mut v: Vec<(String, Tensor)> =
+                params.iter().map(|(n, p)| (format!("param/{n}"), p.shallow_clone())).collect();
+            v.extend(t.optim.named_state(params).map(|(n, s)| (n, s.shallow_clone())));
+            v
+        };
+        for (name, dst) in targets {
+            let src = image
+                .tensors()
+                .get(&name)
+                .ok_or_else(|| TrainerError::Mismatch(format!("tensor '{name}' is missing")))?;
+            load_into(&name, src, dst)?;
+            expected_names.push(name);
+        }
+        if let Some(extra) = image.tensors().keys().find(|k| !expected_names.contains(k)) {
+            return Err(TrainerError::Mismatch(format!("tensor '{extra}' does not belong to this model")));
+        }
+        t.step = meta.step;
+        t.rng = meta.rng;
+        Ok(t)
+    }
+
+    /// The job.
+    pub fn job(&self) -> &JobSpec {
+        &self.job
+    }
+
+    /// The data.
+    pub fn data(&self) -> &Dataset {
+        &self.data
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// Next step to run (= steps applied so far).
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Length of the flat buffer [`Trainer::compute_grads`] fills: every parameter element,
+    /// then the loss sum and the sample count.
+    pub fn buffer_len(&self) -> usize {
+        self.model.num_elements() + 2
+    }
+
+    /// Computes this rank's share of the current step: the sum over its samples of the
+    /// per-sample loss gradients, followed by the loss sum and sample count.
+    pub fn compute_grads(&mut self, rank: usize, world: usize) -> Result<Vec<f32>, TrainerError> {
+        let positions = self.plan.positions(self.step, rank, world);
+        let step_seed = self.peek_step_seed();
+        let mut loss_sum = 0.0;
+        for (k, mb) in self.plan.micro_batches(positions.clone()).enumerate() {
+            if self.model.is_stochastic() {
+                // Masks depend on the training RNG and the micro-batch's stream position only,
+                // so a replay from a checkpoint draws the same ones.
+                self.model.seed_dropout(step_seed ^ mb.start.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ k as u64);
+            }
+            let idx = self.sampler.indices(mb);
+            let (x, y) = self.data.train.batch(&idx);
+            let logits = self.model.forward_t(&x, true);
+            let loss = self.model.loss_sum(&logits, &y);
+            loss.f_backward()?;
+            loss_sum += loss.double_value(&[]);
+        }
+        let mut buf = vec![0f32; self.buffer_len()];
+        let mut offset = 0;
+        for (_, p) in self.model.params() {
+            let n = p.numel();
+            let mut g = p.grad();
+            if g.defined() {
+                g.f_copy_data(&mut buf[offset..offset + n], n)?;
+                let _ = g.zero_();
+            }
+            offset += n;
+        }
+        buf[offset] = loss_sum as f32;
+        buf[offset + 1] = (positions.end - positions.start) as f32;
+        Ok(buf)
+    }
+
+    /// Applies the update from a reduced buffer (the sum of every rank's
+    /// [`Trainer::compute_grads`] output) and advances to the next step.
+    pub fn apply_update(&mut self, reduced: &mut [f32]) -> Result<StepStats, TrainerError> {
+        let n = self.model.num_elements();
+        if reduced.len() != n + 2 {
+            return Err(TrainerError::Reduce(format!(
+                "buffer has {} values, expected {}",
+                reduced.len(),
+                n + 2
+            )));
+        }
+        let samples = reduced[n + 1];
+        if samples.round() as usize != self.plan.global_batch {
+            return Err(TrainerError::Reduce(format!(
+                "reduced sample count {samples} is not the global batch {}: a rank's share is missing or doubled",
+                self.plan.global_batch
+            )));
+        }
+        let loss = f64::from(reduced[n]) / f64::from(samples);
+        let grad = &mut reduced[..n];
+        let inv = 1.0 / samples;
+        grad.iter_mut().for_each(|g| *g *= inv);
+        let grad_norm = clip_global_norm(grad, self.job.clip_norm);
+        let lr = self.job.optimizer.lr() * self.job.schedule.factor(self.step, self.job.steps);
+        let g = Tensor::from_slice(grad);
+        self.optim.apply(self.model.params(), &g, lr, self.step + 1);
+        let stats = StepStats { step: self.step, loss, lr, grad_norm, samples: samples as usize };
+        self.next_step_seed();
+        self.step += 1;
+        Ok(stats)
+    }
+
+    /// One whole step: compute this rank's share, reduce, apply.
+    pub fn train_step(
+        &mut self,
+        rank: usize,
+        world: usize,
+        reduce: &mut dyn Reduce,
+    ) -> Result<StepStats, TrainerError> {
+        let mut buf = self.compute_grads(rank, world)?;
+        reduce.allreduce_sum(&mut buf, self.step)?;
+        self.apply_update(&mut buf)
+    }
+
+    /// Loss and accuracy on the held-out split.
+    pub fn evaluate(&self) -> Result<Eval, TrainerError> {
+        let test = &self.data.test;
+        let (mut loss, mut correct) = (0.0, 0.0);
+        tch::no_grad(|| {
+            for start in (0..test.len()).step_by(256) {
+                let len = 256.min(test.len() - start);
+                let (x, y) = test.range(start, len);
+                let logits = self.model.forward_t(&x, false);
+                loss += self.model.loss_sum(&logits, &y).double_value(&[]);
+                correct += self.model.correct(&logits, &y);
+            }
+        });
+        let n = test.len() as f64;
+        Ok(Eval { loss: loss / n, accuracy: correct / n })
+    }
+
+    /// The whole state as a portable image (parameters, optimizer slots, step, cursor, RNG).
+    pub fn image(&self) -> Result<StateImage, TrainerError> {
+        let params = self.model.params();
+        let mut tensors = BTreeMap::new();
+        for (name, p) in params {
+            tensors.insert(format!("param/{name}"), raw(&format!("param/{name}"), p)?);
+        }
+        for (name, s) in self.optim.named_state(params) {
+            let t = raw(&name, s)?;
+            tensors.insert(name, t);
+        }
+        let job = serde_json::to_value(&self.job).expect("JobSpec serializes");
+        Ok(StateImage::new(self.step, self.step * self.plan.global_batch as u64, self.rng, job, tensors))
+    }
+
+    /// Content hash of the current state (equal on ranks that hold the same state).
+    pub fn content_hash(&self) -> Result<String, TrainerError> {
+        Ok(self.image()?.content_hash().to_string())
+    }
+
+    fn rng_at(&self) -> ChaCha8Rng {
+        let mut r = ChaCha8Rng::seed_from_u64(self.rng.seed);
+        // Each draw is one 64-bit value: two 32-bit words of the ChaCha stream.
+        r.set_word_pos(u128::from(self.rng.draws) * 2);
+        r
+    }
+
+    fn peek_step_seed(&self) -> u64 {
+        self.rng_at().next_u64()
+    }
+
+    fn next_step_seed(&mut self) -> u64 {
+        let v = self.rng_at().next_u64();
+        self.rng.draws += 1;
+        v
+    }
+}
+
+/// Copies an f32 tensor out as raw bytes.
+fn raw(name: &str, t: &Tensor) -> Result<RawTensor, TrainerError> {
+    let t = t.detach().to_kind(Kind::Float).contiguous();
+    let n = t.numel();
+    let mut bytes = vec![0u8; n * 4];
+    t.f_copy_data_u8(&mut bytes, n)?;
+    let shape = t.size().iter().map(|&d| d as usize).collect();
+    Ok(RawTensor::try_new(name, Dtype::F32, shape, bytes)?)
+}
+
+/// Copies an image tensor into a parameter or slot, checking dtype and shape.
+fn load_into(name: &str, src: &RawTensor, mut dst: Tensor) -> Result<(), TrainerError> {
+    let want: Vec<usize> = dst.size().iter().map(|&d| d as usize).collect();
+    if src.dtype() != Dtype::F32 || src.shape() != want.as_slice() {
+        return Err(TrainerError::Mismatch(format!(
+            "tensor '{name}' is {} {:?}, the model needs F32 {want:?}",
+            src.dtype().name(),
+            src.shape()
+        )));
+    }
+    let values = src.to_f32().expect("checked F32");
+    tch::no_grad(|| dst.f_copy_(&Tensor::from_slice(&values).view_as(&dst)))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

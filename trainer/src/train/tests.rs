@@ -1,0 +1,206 @@
+//! The trainer's contract: it learns, its state round-trips bit-exactly, resuming equals not
+//! stopping, micro-batching and splitting across ranks do not change the update.
+
+use super::*;
+use crate::data::{DataSpec, Dataset};
+use crate::optim::OptimizerSpec;
+use crate::{ModelKind, RunOptions};
+use proptest::prelude::*;
+
+fn synthetic() -> Dataset {
+    Dataset::load(&DataSpec::Synthetic { samples: 600, features: 12, classes: 4, seed: 5 }, None).unwrap()
+}
+
+fn job(kind: ModelKind, data: &Dataset, batch: usize, micro: usize) -> JobSpec {
+    let mut j = JobSpec::defaults_for(kind, data).unwrap();
+    j.global_batch = batch;
+    j.micro_batch = micro;
+    j.steps = 40;
+    j.schedule.warmup_steps = 4;
+    j
+}
+
+fn char_data() -> Dataset {
+    let text = "the quick brown fox jumps over the lazy dog. ".repeat(60);
+    let f = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(f.path(), text).unwrap();
+    Dataset::load(&DataSpec::Chars { context: 16 }, Some(f.path())).unwrap()
+}
+
+fn params_of(t: &Trainer) -> Vec<Tensor> {
+    t.model().params().iter().map(|(_, p)| p.detach().copy()).collect()
+}
+
+#[test]
+fn mlp_learns_digits_past_95_percent() {
+    let data = Dataset::load(&DataSpec::Digits, None).expect("digits installed by setup");
+    let mut t = Trainer::try_new(JobSpec::defaults_for(ModelKind::Mlp, &data).unwrap(), data).unwrap();
+    let first = t.train_step(0, 1, &mut NoReduce).unwrap().loss;
+    let dir = tempfile::tempdir().unwrap();
+    let opts = RunOptions { out: dir.path().into(), stop_at: None, checkpoint_every: None, eval_every: None };
+    let report = crate::run_local(&mut t, &opts, |_| {}).unwrap();
+    assert!(report.train_loss.unwrap() < first / 5.0, "loss {first} -> {:?}", report.train_loss);
+    assert!(report.test_accuracy >= 0.95, "test accuracy {}", report.test_accuracy);
+}
+
+#[test]
+fn gpt_loss_falls_on_repetitive_text() {
+    let data = char_data();
+    let mut t = Trainer::try_new(job(ModelKind::Gpt, &data, 16, 16), data).unwrap();
+    let first = t.train_step(0, 1, &mut NoReduce).unwrap().loss;
+    let mut last = first;
+    for _ in 1..40 {
+        last = t.train_step(0, 1, &mut NoReduce).unwrap().loss;
+    }
+    assert!(last < first * 0.6, "gpt loss {first} -> {last}");
+}
+
+#[test]
+fn image_round_trips_bit_exactly() {
+    let data = synthetic();
+    let mut a = Trainer::try_new(job(ModelKind::Mlp, &data, 32, 32), data).unwrap();
+    for _ in 0..5 {
+        a.train_step(0, 1, &mut NoReduce).unwrap();
+    }
+    let img = a.image().unwrap();
+    let decoded = StateImage::decode(&img.encode().unwrap()).unwrap();
+    let b = Trainer::from_image(&decoded, synthetic(), Some(a.job())).unwrap();
+    assert_eq!(b.step(), 5);
+    assert_eq!(b.content_hash().unwrap(), img.content_hash());
+    for (pa, pb) in params_of(&a).iter().zip(params_of(&b)) {
+        assert!(pa.equal(&pb));
+    }
+}
+
+/// Stopping, saving, loading and going on gives the same bits as never stopping, for each
+/// model family and optimizer, with micro-batching and (for the transformer) dropout.
+#[test]
+fn resumed_training_equals_uninterrupted() {
+    let cases: Vec<(ModelKind, Dataset, OptimizerSpec, usize)> = vec![
+        (ModelKind::Mlp, synthetic(), OptimizerSpec::adamw(1e-2, 0.01), 8),
+        (ModelKind::Mlp, synthetic(), OptimizerSpec::sgd(0.05, 1e-4), 32),
+        (ModelKind::Gpt, char_data(), OptimizerSpec::adamw(3e-3, 0.01), 4),
+    ];
+    for (kind, data, opt, micro) in cases {
+        let mut j = job(kind, &data, 16, micro);
+        j.optimizer = opt;
+        if let crate::model::ModelSpec::Gpt { dropout, .. } = &mut j.model {
+            *dropout = 0.1;
+        }
+        let fresh = |d: Dataset| Trainer::try_new(j.clone(), d).unwrap();
+        let data2 = clone_data(&data);
+        let data3 = clone_data(&data);
+        let mut straight = fresh(data);
+        for _ in 0..12 {
+            straight.train_step(0, 1, &mut NoReduce).unwrap();
+        }
+        let mut first = fresh(data2);
+        for _ in 0..5 {
+            first.train_step(0, 1, &mut NoReduce).unwrap();
+        }
+        let bytes = first.image().unwrap().encode().unwrap();
+        drop(first);
+        let mut resumed = Trainer::from_image(&StateImage::decode(&bytes).unwrap(), data3, None).unwrap();
+        for _ in 5..12 {
+            resumed.train_step(0, 1, &mut NoReduce).unwrap();
+        }
+        assert_eq!(resumed.content_hash().unwrap(), straight.content_hash().unwrap(), "{kind:?}");
+    }
+}
+
+/// Loads the same dataset again (datasets hold libtorch tensors and are not `Clone`).
+fn clone_data(d: &Dataset) -> Dataset {
+    match &d.spec {
+        DataSpec::Chars { .. } => char_data(),
+        spec => Dataset::load(spec, None).unwrap(),
+    }
+}
+
+/// Two ranks that each compute half the batch and sum their buffers end with the same
+/// parameters as each other (bit for bit) and as one rank on the whole batch (up to float
+/// summation order: relative 1e-4, absolute 1e-6 after 10 steps).
+#[test]
+fn two_ranks_match_one() {
+    let data = synthetic();
+    let j = job(ModelKind::Mlp, &data, 30, 30);
+    let mut one = Trainer::try_new(j.clone(), data).unwrap();
+    let mut r0 = Trainer::try_new(j.clone(), synthetic()).unwrap();
+    let mut r1 = Trainer::try_new(j, synthetic()).unwrap();
+    for _ in 0..10 {
+        one.train_step(0, 1, &mut NoReduce).unwrap();
+        let mut a = r0.compute_grads(0, 2).unwrap();
+        let b = r1.compute_grads(1, 2).unwrap();
+        a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
+        let mut a2 = a.clone();
+        r0.apply_update(&mut a).unwrap();
+        r1.apply_update(&mut a2).unwrap();
+    }
+    assert_eq!(r0.content_hash().unwrap(), r1.content_hash().unwrap());
+    for (p1, p0) in params_of(&one).iter().zip(params_of(&r0)) {
+        assert!(p1.allclose(&p0, 1e-4, 1e-6, false), "max diff {}", (p1 - &p0).abs().max().double_value(&[]));
+    }
+}
+
+#[test]
+fn a_missing_share_is_detected() {
+    let data = synthetic();
+    let mut r0 = Trainer::try_new(job(ModelKind::Mlp, &data, 30, 30), data).unwrap();
+    let mut buf = r0.compute_grads(0, 2).unwrap();
+    let err = r0.apply_update(&mut buf).unwrap_err().to_string();
+    assert!(err.contains("is not the global batch 30"), "{err}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+
+    /// Accumulating k micro-batches gives the gradient of the whole share, within relative
+    /// 1e-5 of the largest gradient (float summation order differs).
+    #[test]
+    fn micro_batches_accumulate_to_the_batch_gradient(batch in 1usize..48, micro in 1usize..48, step in 0u64..30) {
+        let data = synthetic();
+        let mut whole = Trainer::try_new(job(ModelKind::Mlp, &data, batch, batch), data).unwrap();
+        let mut parts = Trainer::try_new(job(ModelKind::Mlp, &synthetic(), batch, micro), synthetic()).unwrap();
+        whole.step = step;
+        parts.step = step;
+        let a = whole.compute_grads(0, 1).unwrap();
+        let b = parts.compute_grads(0, 1).unwrap();
+        let scale = a.iter().fold(0f32, |m, v| m.max(v.abs())).max(1.0);
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            prop_assert!((x - y).abs() <= 1e-5 * scale, "element {}: {} vs {}", i, x, y);
+        }
+    }
+}
+
+#[test]
+fn mismatched_images_name_what_differs() {
+    let data = synthetic();
+    let mut j = job(ModelKind::Mlp, &data, 16, 16);
+    let t = Trainer::try_new(j.clone(), data).unwrap();
+    let img = t.image().unwrap();
+
+    j.optimizer.set_lr(0.5);
+    let err = Trainer::from_image(&img, synthetic(), Some(&j)).unwrap_err().to_string();
+    assert!(err.contains("optimizer.lr"), "{err}");
+
+    let other = Dataset::load(&DataSpec::Synthetic { samples: 600, features: 12, classes: 4, seed: 6 }, None)
+        .unwrap();
+    let err = Trainer::from_image(&img, other, None).unwrap_err().to_string();
+    assert!(err.contains("fingerprint"), "{err}");
+
+    let mut tensors = img.tensors().clone();
+    let name = tensors.keys().find(|k| k.starts_with("param/")).unwrap().clone();
+    tensors.insert(name.clone(), RawTensor::from_f32(&name, vec![1], &[0.0]).unwrap());
+    let meta = img.meta();
+    let bad = StateImage::new(meta.step, meta.cursor, meta.rng, meta.job.clone(), tensors.clone());
+    let err = Trainer::from_image(&bad, synthetic(), None).unwrap_err().to_string();
+    assert!(err.contains(&format!("tensor '{name}' is F32 [1]")), "{err}");
+
+    tensors.remove(&name);
+    let bad = StateImage::new(meta.step, meta.cursor, meta.rng, meta.job.clone(), tensors);
+    let err = Trainer::from_image(&bad, synthetic(), None).unwrap_err().to_string();
+    assert!(err.contains(&format!("tensor '{name}' is missing")), "{err}");
+
+    let bad = StateImage::new(3, 7, meta.rng, meta.job.clone(), img.tensors().clone());
+    let err = Trainer::from_image(&bad, synthetic(), None).unwrap_err().to_string();
+    assert!(err.contains("field 'cursor' is 7"), "{err}");
+}
