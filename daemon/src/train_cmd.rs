@@ -4,6 +4,7 @@
 use crate::cli::{DataArg, ModelArg, OptimizerArg, TrainArgs};
 use crate::UsageError;
 use anyhow::Context;
+use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
 use limpet_trainer::data::{DataSpec, Dataset};
 use limpet_trainer::optim::OptimizerSpec;
@@ -209,15 +210,12 @@ fn apply_flags(job: &mut JobSpec, a: &TrainArgs) -> anyhow::Result<()> {
     let positive =
         |name: &str, v: u64| if v == 0 { Err(usage(format!("{name} must be at least 1"))) } else { Ok(()) };
     if let Some(m) = a.model {
-        let want = match m {
-            ModelArg::Mlp => "mlp",
-            ModelArg::Convnet => "convnet",
-            ModelArg::Gpt => "gpt",
-        };
-        if kind_name(&serde_json::to_value(&job.model)?) != want {
+        let want = m.to_possible_value().expect("every model has a name");
+        let have = kind_name(&serde_json::to_value(&job.model)?);
+        if have != want.get_name() {
             return Err(usage(format!(
-                "--model {want} differs from the checkpoint's model {}",
-                kind_name(&serde_json::to_value(&job.model)?)
+                "--model {} differs from the checkpoint's model {have}",
+                want.get_name()
             )));
         }
     }
