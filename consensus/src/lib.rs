@@ -1,0 +1,28 @@
+//! limpet's control plane: a Raft group (tikv raft-rs) whose log holds the cluster's
+//! membership and epochs, persisted in sled and spoken over tonic gRPC.
+//!
+//! Data flows one way through the crate:
+//! - `state`: the replicated `ClusterState` and the `Command`s that change it (pure);
+//! - `membership`: the leader's voter controller, a pure function of what the leader sees;
+//! - `storage`: raft-rs `Storage` over sled (`SledLog`) and memory (`MemLog`);
+//! - `core`: one node's `RawNode` + storage + state machine, driven by ticks and messages;
+//! - `harness`: many cores on an in-memory network that drops, cuts, isolates and crashes;
+//! - `node` and `transport`: a core on a tokio task with gRPC between processes, and the
+//!   client the CLI and benchmarks use.
+
+pub mod core;
+pub mod error;
+pub mod harness;
+pub mod membership;
+pub mod node;
+pub mod state;
+pub mod storage;
+pub mod transport;
+
+pub use crate::core::{Applied, Core, CoreConfig, NodeStatus, Output};
+pub use error::{ConsensusError, Result};
+pub use membership::{VoterDecision, VoterPolicy};
+pub use node::{Node, NodeConfig, NodeHandle};
+pub use state::{ClusterState, Command, Epoch, Member, MemberSpec, MemberStatus, NodeId, ProposalId};
+pub use storage::{AppliedState, Identity, LogStore, MemLog, SledLog};
+pub use transport::{Client, ReadResult};

@@ -1,0 +1,386 @@
+//! The leader's voter controller: which nodes vote, as a pure function of what the leader
+//! sees. It does no I/O; `Core` feeds it a `VoterView` every tick and carries out the
+//! `VoterDecision` it returns, and tests call it directly.
+//!
+//! Rules, in order (the first that applies wins, one change at a time):
+//! 1. While a configuration change is pending or a leadership transfer runs, wait.
+//! 2. If the leader itself is leaving, hand leadership to a healthy voter first.
+//! 3. Members not yet in the configuration become learners; gone learners are removed.
+//! 4. Voters that are leaving, gone, failed, or silent longer than the failure timeout are
+//!    demoted (or removed, when gone) in one joint-consensus change that also promotes healthy,
+//!    caught-up learners in their place.
+//! 5. While there are fewer voters than the target (the largest odd number not above
+//!    `max_voters` and the healthy candidates), healthy learners are promoted.
+
+use crate::state::{Member, MemberStatus, NodeId};
+use std::collections::BTreeMap;
+
+/// Knobs of the controller.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VoterPolicy {
+    /// At most this many voters (odd; default 5).
+    pub max_voters: usize,
+    /// A voter not heard from for this many ticks is replaced.
+    pub failed_after_ticks: u64,
+    /// A learner counts as healthy when heard from within this many ticks.
+    pub healthy_within_ticks: u64,
+    /// A learner is caught up when it matches the leader's log within this many entries.
+    pub catch_up_slack: u64,
+}
+
+impl Default for VoterPolicy {
+    fn default() -> VoterPolicy {
+        VoterPolicy { max_voters: 5, failed_after_ticks: 50, healthy_within_ticks: 10, catch_up_slack: 50 }
+    }
+}
+
+impl VoterPolicy {
+    /// Checks the knobs.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_voters == 0 || self.max_voters % 2 == 0 {
+            return Err(format!("max_voters must be odd and positive, not {}", self.max_voters));
+        }
+        if self.failed_after_ticks == 0 || self.healthy_within_ticks == 0 {
+            return Err("failure and health windows must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+/// What the leader sees.
+#[derive(Clone, Debug)]
+pub struct VoterView<'a> {
+    /// The leader's id.
+    pub me: NodeId,
+    /// Current voters (incoming, if joint).
+    pub voters: &'a [NodeId],
+    /// Current learners.
+    pub learners: &'a [NodeId],
+    /// A configuration change is proposed but not applied, or the configuration is joint.
+    pub change_pending: bool,
+    /// A leadership transfer is running.
+    pub transferring: bool,
+    /// Members as the replicated state has them.
+    pub members: &'a BTreeMap<NodeId, Member>,
+    /// Ticks since the leader last heard from each peer (absent: never).
+    pub heard_ago: &'a BTreeMap<NodeId, u64>,
+    /// Each peer's matched log index.
+    pub matched: &'a BTreeMap<NodeId, u64>,
+    /// The leader's last log index.
+    pub last_index: u64,
+}
+
+/// What to do about the voter set.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VoterDecision {
+    /// Hand leadership to this voter.
+    TransferLeader {
+        /// The new leader.
+        to: NodeId,
+    },
+    /// One configuration change (joint consensus when it touches voters).
+    Reconfigure {
+        /// Learners to make voters.
+        promote: Vec<NodeId>,
+        /// Voters to make learners.
+        demote: Vec<NodeId>,
+        /// New learners.
+        add_learners: Vec<NodeId>,
+        /// Nodes to drop from the configuration.
+        remove: Vec<NodeId>,
+    },
+}
+
+impl VoterView<'_> {
+    fn status(&self, id: NodeId) -> Option<MemberStatus> {
+        self.members.get(&id).map(|m| m.status)
+    }
+
+    fn heard(&self, id: NodeId) -> Option<u64> {
+        if id == self.me {
+            Some(0)
+        } else {
+            self.heard_ago.get(&id).copied()
+        }
+    }
+
+    /// A voter that must go: leaving, failed, gone, unknown, or silent too long.
+    fn voter_must_go(&self, id: NodeId, policy: &VoterPolicy) -> Option<String> {
+        match self.status(id) {
+            None => return Some(format!("voter {id} is not a member")),
+            Some(s) if !s.is_staying() => return Some(format!("voter {id} is {s:?}")),
+            Some(_) => {}
+        }
+        match self.heard(id) {
+            Some(t) if t <= policy.failed_after_ticks => None,
+            Some(t) => Some(format!("voter {id} silent for {t} ticks")),
+            None => Some(format!("voter {id} never heard from")),
+        }
+    }
+
+    fn learner_ready(&self, id: NodeId, policy: &VoterPolicy) -> bool {
+        self.status(id).is_some_and(MemberStatus::is_staying)
+            && self.heard(id).is_some_and(|t| t <= policy.healthy_within_ticks)
+            && self.matched.get(&id).is_some_and(|m| m + policy.catch_up_slack >= self.last_index)
+    }
+}
+
+fn largest_odd_at_most(n: usize) -> usize {
+    if n == 0 {
+        0
+    } else if n % 2 == 1 {
+        n
+    } else {
+        n - 1
+    }
+}
+
+/// Decides the next change to the voter set, with its reason; `None` when nothing is due.
+pub fn plan(view: &VoterView<'_>, policy: &VoterPolicy) -> Option<(VoterDecision, String)> {
+    if view.change_pending || view.transferring {
+        return None;
+    }
+    if let Some(why) = leader_must_go(view) {
+        let successor = view
+            .voters
+            .iter()
+            .copied()
+            .filter(|&v| v != view.me && view.voter_must_go(v, policy).is_none())
+            .min_by_key(|&v| (std::cmp::Reverse(view.matched.get(&v).copied().unwrap_or(0)), v));
+        // Without a healthy voter to take over, fall through: promoting a learner first
+        // makes one.
+        if let Some(to) = successor {
+            return Some((
+                VoterDecision::TransferLeader { to },
+                format!("{why}; transferring leadership to {to}"),
+            ));
+        }
+    }
+    let in_conf = |id: &NodeId| view.voters.contains(id) || view.learners.contains(id);
+    let add_learners: Vec<NodeId> = view
+        .members
+        .values()
+        .filter(|m| {
+            m.status != MemberStatus::Gone && m.status != MemberStatus::Failed && !in_conf(&m.spec.id)
+        })
+        .map(|m| m.spec.id)
+        .collect();
+    let remove: Vec<NodeId> = view
+        .learners
+        .iter()
+        .copied()
+        .filter(|&l| matches!(view.status(l), None | Some(MemberStatus::Gone)))
+        .collect();
+    if !add_learners.is_empty() || !remove.is_empty() {
+        let why = format!("learners: add {add_learners:?}, remove {remove:?}");
+        return Some((reconfigure(vec![], vec![], add_learners, remove), why));
+    }
+
+    let going: Vec<(NodeId, String)> = view
+        .voters
+        .iter()
+        .copied()
+        .filter(|&v| v != view.me)
+        .filter_map(|v| view.voter_must_go(v, policy).map(|why| (v, why)))
+        .collect();
+    let staying = view.voters.len() - going.len();
+    let candidates: Vec<NodeId> =
+        view.learners.iter().copied().filter(|&l| view.learner_ready(l, policy)).collect();
+    let target = largest_odd_at_most(policy.max_voters.min(staying + candidates.len())).max(1);
+    let promote: Vec<NodeId> = candidates.iter().copied().take(target.saturating_sub(staying)).collect();
+
+    if !going.is_empty() {
+        let (mut demote, mut remove) = (Vec::new(), Vec::new());
+        for (v, _) in &going {
+            match view.status(*v) {
+                None | Some(MemberStatus::Gone) => remove.push(*v),
+                _ => demote.push(*v),
+            }
+        }
+        let reasons: Vec<&str> = going.iter().map(|(_, w)| w.as_str()).collect();
+        let why = format!("{}; replacing with {promote:?}", reasons.join(", "));
+        return Some((reconfigure(promote, demote, vec![], remove), why));
+    }
+    if !promote.is_empty() {
+        let why = format!("{staying} voters, target {target}: promoting {promote:?}");
+        return Some((reconfigure(promote, vec![], vec![], vec![]), why));
+    }
+    None
+}
+
+fn leader_must_go(view: &VoterView<'_>) -> Option<String> {
+    match view.status(view.me) {
+        Some(s) if !s.is_staying() => Some(format!("leader {} is {s:?}", view.me)),
+        None if !view.members.is_empty() => Some(format!("leader {} is not a member", view.me)),
+        _ => None,
+    }
+}
+
+fn reconfigure(
+    promote: Vec<NodeId>,
+    demote: Vec<NodeId>,
+    add_learners: Vec<NodeId>,
+    remove: Vec<NodeId>,
+) -> VoterDecision {
+    VoterDecision::Reconfigure { promote, demote, add_learners, remove }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::{Hardware, MemberSpec};
+
+    fn member(id: NodeId, status: MemberStatus) -> Member {
+        Member {
+            spec: MemberSpec {
+                id,
+                name: format!("n{id}"),
+                control_addr: String::new(),
+                data_addr: String::new(),
+                hardware: Hardware::default(),
+            },
+            status,
+            reason: String::new(),
+            deadline_ms: None,
+        }
+    }
+
+    struct World {
+        members: BTreeMap<NodeId, Member>,
+        heard: BTreeMap<NodeId, u64>,
+        matched: BTreeMap<NodeId, u64>,
+        voters: Vec<NodeId>,
+        learners: Vec<NodeId>,
+    }
+
+    impl World {
+        fn new(voters: &[NodeId], learners: &[NodeId]) -> World {
+            let all: Vec<NodeId> = voters.iter().chain(learners).copied().collect();
+            World {
+                members: all.iter().map(|&i| (i, member(i, MemberStatus::Active))).collect(),
+                heard: all.iter().map(|&i| (i, 1)).collect(),
+                matched: all.iter().map(|&i| (i, 100)).collect(),
+                voters: voters.to_vec(),
+                learners: learners.to_vec(),
+            }
+        }
+
+        fn plan(&self, me: NodeId) -> Option<(VoterDecision, String)> {
+            let view = VoterView {
+                me,
+                voters: &self.voters,
+                learners: &self.learners,
+                change_pending: false,
+                transferring: false,
+                members: &self.members,
+                heard_ago: &self.heard,
+                matched: &self.matched,
+                last_index: 100,
+            };
+            plan(&view, &VoterPolicy::default())
+        }
+    }
+
+    #[test]
+    fn a_stable_group_needs_nothing() {
+        assert_eq!(World::new(&[1, 2, 3, 4, 5], &[6, 7]).plan(1), None);
+        assert_eq!(World::new(&[1, 2, 3], &[]).plan(1), None);
+    }
+
+    #[test]
+    fn learners_are_promoted_to_the_largest_odd_count() {
+        let (d, why) = World::new(&[1], &[2, 3, 4]).plan(1).unwrap();
+        assert_eq!(d, reconfigure(vec![2, 3], vec![], vec![], vec![]));
+        assert!(why.contains("target 3"), "{why}");
+        // Two voters and one learner: three is odd and allowed.
+        let (d, _) = World::new(&[1, 2], &[3]).plan(1).unwrap();
+        assert_eq!(d, reconfigure(vec![3], vec![], vec![], vec![]));
+    }
+
+    #[test]
+    fn a_lagging_or_silent_learner_is_not_promoted() {
+        let mut w = World::new(&[1], &[2, 3]);
+        w.matched.insert(3, 10);
+        assert_eq!(w.plan(1), None, "only one caught-up learner: 2 voters would be even");
+        w.matched.insert(3, 100);
+        w.heard.insert(2, 11);
+        assert_eq!(w.plan(1), None);
+    }
+
+    #[test]
+    fn a_leaving_voter_is_swapped_for_a_learner_in_one_change() {
+        let mut w = World::new(&[1, 2, 3], &[4]);
+        w.members.get_mut(&2).unwrap().status = MemberStatus::Leaving;
+        let (d, why) = w.plan(1).unwrap();
+        assert_eq!(d, reconfigure(vec![4], vec![2], vec![], vec![]));
+        assert!(why.contains("voter 2 is Leaving"), "{why}");
+    }
+
+    #[test]
+    fn a_leaving_voter_without_replacement_is_still_demoted() {
+        let mut w = World::new(&[1, 2, 3], &[]);
+        w.members.get_mut(&3).unwrap().status = MemberStatus::Draining;
+        assert_eq!(w.plan(1).unwrap().0, reconfigure(vec![], vec![3], vec![], vec![]));
+    }
+
+    #[test]
+    fn a_leaving_leader_transfers_first() {
+        let mut w = World::new(&[1, 2, 3], &[4]);
+        w.members.get_mut(&1).unwrap().status = MemberStatus::Leaving;
+        w.matched.insert(2, 90);
+        let (d, why) = w.plan(1).unwrap();
+        assert_eq!(d, VoterDecision::TransferLeader { to: 3 }, "the most caught-up voter");
+        assert!(why.contains("leader 1 is Leaving"), "{why}");
+    }
+
+    #[test]
+    fn a_silent_voter_is_replaced_after_the_timeout_only() {
+        let mut w = World::new(&[1, 2, 3], &[4]);
+        w.heard.insert(3, 50);
+        assert_eq!(w.plan(1), None, "at the timeout, not yet");
+        w.heard.insert(3, 51);
+        let (d, why) = w.plan(1).unwrap();
+        assert_eq!(d, reconfigure(vec![4], vec![3], vec![], vec![]));
+        assert!(why.contains("silent for 51 ticks"), "{why}");
+    }
+
+    #[test]
+    fn new_members_become_learners_and_gone_ones_leave() {
+        let mut w = World::new(&[1, 2, 3], &[4]);
+        w.members.insert(9, member(9, MemberStatus::Joining));
+        w.members.get_mut(&4).unwrap().status = MemberStatus::Gone;
+        let (d, _) = w.plan(1).unwrap();
+        assert_eq!(d, reconfigure(vec![], vec![], vec![9], vec![4]));
+    }
+
+    #[test]
+    fn a_gone_voter_is_removed_not_demoted() {
+        let mut w = World::new(&[1, 2, 3], &[]);
+        w.members.get_mut(&2).unwrap().status = MemberStatus::Gone;
+        assert_eq!(w.plan(1).unwrap().0, reconfigure(vec![], vec![], vec![], vec![2]));
+    }
+
+    #[test]
+    fn nothing_happens_while_a_change_is_pending() {
+        let mut w = World::new(&[1], &[2, 3]);
+        w.members.get_mut(&1).unwrap().status = MemberStatus::Leaving;
+        let view = VoterView {
+            me: 1,
+            voters: &w.voters,
+            learners: &w.learners,
+            change_pending: true,
+            transferring: false,
+            members: &w.members,
+            heard_ago: &w.heard,
+            matched: &w.matched,
+            last_index: 100,
+        };
+        assert_eq!(plan(&view, &VoterPolicy::default()), None);
+    }
+
+    #[test]
+    fn policy_refuses_even_voter_limits() {
+        assert!(VoterPolicy { max_voters: 4, ..VoterPolicy::default() }.validate().is_err());
+        assert!(VoterPolicy::default().validate().is_ok());
+    }
+}

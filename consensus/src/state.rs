@@ -1,0 +1,792 @@
+//! The replicated state machine: `ClusterState` and the `Command`s that change it.
+//!
+//! Every agent applies the same committed commands in the same order, so `apply` is a pure
+//! function of (state, command): it validates first and mutates only when the command is
+//! accepted, and a rejected command leaves the state untouched on every node alike. Commands
+//! reach the log as versioned JSON (`Proposal`), which keeps the log readable and lets a newer
+//! agent refuse a record it does not understand instead of misreading it.
+
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// A node's id in the Raft group; never 0 (raft-rs reserves it).
+pub type NodeId = u64;
+
+/// Version of the `Proposal` and snapshot documents this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// How many checkpoint records the state keeps (the newest ones).
+pub const MAX_CHECKPOINT_RECORDS: usize = 16;
+
+/// Where a member is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum MemberStatus {
+    /// Admitted, catching up (log, then training state); not yet training.
+    Joining,
+    /// Training in the current epoch (or ready to).
+    Active,
+    /// Asked to leave by an operator; leaves at the next epoch boundary.
+    Draining,
+    /// Received a revocation notice with a deadline.
+    Leaving,
+    /// Declared dead (collective error or missed heartbeats) without notice.
+    Failed,
+    /// Left the cluster; kept as a record.
+    Gone,
+}
+
+impl MemberStatus {
+    /// Whether the member is expected to stay: it can vote, train and serve state.
+    pub fn is_staying(self) -> bool {
+        matches!(self, MemberStatus::Joining | MemberStatus::Active)
+    }
+}
+
+/// What a host has, as its agent reports it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hardware {
+    /// Cloud instance type or "local".
+    pub instance_type: String,
+    /// CPU cores.
+    pub cpus: u32,
+    /// Accelerators (0 on CPU hosts).
+    pub gpus: u32,
+    /// Host memory in MiB.
+    pub memory_mib: u64,
+    /// Measured training throughput, samples per second x 1000 (0 until measured); an
+    /// integer so that every node applies exactly the same value.
+    pub samples_per_sec_milli: u64,
+}
+
+/// What a node says about itself when it joins.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberSpec {
+    /// Raft id.
+    pub id: NodeId,
+    /// Human name, unique among members that are not gone.
+    pub name: String,
+    /// Address of its consensus (gRPC) endpoint, `host:port`.
+    pub control_addr: String,
+    /// Address of its data-plane endpoint, `host:port`.
+    pub data_addr: String,
+    /// Its hardware.
+    pub hardware: Hardware,
+}
+
+/// A member of the cluster as the log knows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Member {
+    /// Identity and addresses.
+    pub spec: MemberSpec,
+    /// Where it is in its life.
+    pub status: MemberStatus,
+    /// Why it has this status (the command's reason), for `limpet status`.
+    pub reason: String,
+    /// For `Leaving`: when the cloud takes the host back, unix milliseconds.
+    pub deadline_ms: Option<u64>,
+}
+
+/// How the ranks of an epoch are arranged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Layout {
+    /// Data-parallel replicas.
+    pub data: u32,
+    /// Pipeline stages per replica.
+    pub pipeline: u32,
+}
+
+/// How an epoch splits the global batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EpochBatch {
+    /// Samples per optimizer step over all ranks.
+    pub global_batch: u64,
+    /// Samples per forward/backward pass on one rank.
+    pub micro_batch: u64,
+}
+
+/// The unit of consistency: who trains, from which step, and how.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Epoch {
+    /// Strictly increasing over the life of the cluster.
+    pub id: u64,
+    /// The first step trained in this epoch.
+    pub start_step: u64,
+    /// Nodes in rank order.
+    pub ranks: Vec<NodeId>,
+    /// Data x pipeline arrangement of the ranks.
+    pub layout: Layout,
+    /// Batch plan of the epoch.
+    pub batch: EpochBatch,
+    /// Learning-rate multiplier chosen by the batch policy.
+    pub lr_scale: f64,
+    /// For each newcomer, the live peer it copies training state from.
+    pub sources: BTreeMap<NodeId, NodeId>,
+    /// Why this epoch exists (the event that caused it).
+    pub cause: String,
+}
+
+/// A durable checkpoint someone wrote.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointRecord {
+    /// Training step the checkpoint holds.
+    pub step: u64,
+    /// Epoch it was taken in.
+    pub epoch: u64,
+    /// The state's content hash (hex).
+    pub content_hash: String,
+    /// Where it was written (path or URL).
+    pub location: String,
+    /// Who wrote it.
+    pub node: NodeId,
+}
+
+/// The replicated state every agent trusts.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ClusterState {
+    /// Cluster name; its hash is the cluster id on the wire.
+    pub cluster: String,
+    /// Every member ever admitted, gone ones included.
+    pub members: BTreeMap<NodeId, Member>,
+    /// Raft voters, as of the last applied configuration change.
+    pub voters: Vec<NodeId>,
+    /// Raft learners, as of the last applied configuration change.
+    pub learners: Vec<NodeId>,
+    /// The job, as the trainer's JSON job spec; set once.
+    pub job: Option<serde_json::Value>,
+    /// The epoch being trained.
+    pub current: Option<Epoch>,
+    /// The next epoch, committed but not yet started.
+    pub scheduled: Option<Epoch>,
+    /// The newest checkpoint records, oldest first.
+    pub checkpoints: Vec<CheckpointRecord>,
+}
+
+/// A change to the cluster state.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Command {
+    /// Admit a node (or re-admit a gone one, or refresh its addresses).
+    Join {
+        /// Who.
+        member: MemberSpec,
+    },
+    /// A joining member caught up and trains.
+    Activate {
+        /// Who.
+        id: NodeId,
+    },
+    /// The cloud will take the host back at `deadline_ms`.
+    Notice {
+        /// Who.
+        id: NodeId,
+        /// Unix milliseconds.
+        deadline_ms: u64,
+        /// Which watcher saw it (aws, gcp, azure, sigterm, cli).
+        source: String,
+    },
+    /// An operator asked the node to leave.
+    Drain {
+        /// Who.
+        id: NodeId,
+        /// Why.
+        reason: String,
+    },
+    /// The node died without notice.
+    MarkFailed {
+        /// Who.
+        id: NodeId,
+        /// What showed it.
+        reason: String,
+    },
+    /// The node is out of the cluster.
+    Remove {
+        /// Who.
+        id: NodeId,
+        /// Why.
+        reason: String,
+    },
+    /// New hardware facts (e.g. measured throughput).
+    UpdateHardware {
+        /// Who.
+        id: NodeId,
+        /// What it has now.
+        hardware: Hardware,
+    },
+    /// Set the job; refused once a different job is set.
+    SetJob {
+        /// The trainer's job spec.
+        job: serde_json::Value,
+    },
+    /// Schedule the next epoch.
+    ScheduleEpoch {
+        /// The epoch.
+        epoch: Epoch,
+    },
+    /// The scheduled epoch started.
+    ActivateEpoch {
+        /// Its id.
+        id: u64,
+    },
+    /// A checkpoint was written.
+    RecordCheckpoint {
+        /// What and where.
+        record: CheckpointRecord,
+    },
+}
+
+/// Who proposed an entry: lets the proposer match the applied entry to its waiting caller.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ProposalId {
+    /// The node that accepted the request.
+    pub node: NodeId,
+    /// Its sequence number on that node.
+    pub seq: u64,
+}
+
+/// A log entry's payload: a versioned command.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Proposal {
+    /// `FORMAT_VERSION` of the writer.
+    pub v: u32,
+    /// Who proposed it.
+    pub origin: ProposalId,
+    /// The change.
+    pub command: Command,
+}
+
+/// Why a document could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{what}: {detail}")]
+pub struct DecodeError {
+    /// Which document.
+    pub what: &'static str,
+    /// What was wrong.
+    pub detail: String,
+}
+
+impl Proposal {
+    /// Encodes as the JSON stored in the log.
+    pub fn encode(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("proposals always serialize")
+    }
+
+    /// Decodes a log entry's payload, refusing other versions and malformed commands.
+    pub fn decode(bytes: &[u8]) -> Result<Proposal, DecodeError> {
+        let p: Proposal = serde_json::from_slice(bytes)
+            .map_err(|e| DecodeError { what: "proposal", detail: e.to_string() })?;
+        if p.v != FORMAT_VERSION {
+            return Err(DecodeError {
+                what: "proposal",
+                detail: format!("format version {} (this build reads {FORMAT_VERSION})", p.v),
+            });
+        }
+        Ok(p)
+    }
+}
+
+impl Command {
+    /// Decodes a command as the CLI and `Propose` RPC send it.
+    pub fn decode(bytes: &[u8]) -> Result<Command, DecodeError> {
+        serde_json::from_slice(bytes).map_err(|e| DecodeError { what: "command", detail: e.to_string() })
+    }
+
+    /// The member a command is about, if any.
+    pub fn subject(&self) -> Option<NodeId> {
+        match self {
+            Command::Join { member } => Some(member.id),
+            Command::Activate { id }
+            | Command::Notice { id, .. }
+            | Command::Drain { id, .. }
+            | Command::MarkFailed { id, .. }
+            | Command::Remove { id, .. }
+            | Command::UpdateHardware { id, .. } => Some(*id),
+            _ => None,
+        }
+    }
+}
+
+/// A snapshot's payload: the state at the snapshot's index, tagged with its cluster.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotData {
+    /// `FORMAT_VERSION` of the writer.
+    pub v: u32,
+    /// The cluster id it belongs to.
+    pub cluster_id: u64,
+    /// The state.
+    pub state: ClusterState,
+}
+
+impl SnapshotData {
+    /// Encodes as the bytes carried in a raft snapshot.
+    pub fn encode(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("states always serialize")
+    }
+
+    /// Decodes and checks version, cluster and the state's own invariants.
+    pub fn decode(bytes: &[u8], cluster_id: u64) -> Result<SnapshotData, DecodeError> {
+        let d: SnapshotData = serde_json::from_slice(bytes)
+            .map_err(|e| DecodeError { what: "snapshot", detail: e.to_string() })?;
+        if d.v != FORMAT_VERSION {
+            return Err(DecodeError {
+                what: "snapshot",
+                detail: format!("format version {} (this build reads {FORMAT_VERSION})", d.v),
+            });
+        }
+        if d.cluster_id != cluster_id {
+            return Err(DecodeError {
+                what: "snapshot",
+                detail: format!("belongs to cluster {:#018x}, not {cluster_id:#018x}", d.cluster_id),
+            });
+        }
+        d.state.validate().map_err(|e| DecodeError { what: "snapshot", detail: e })?;
+        Ok(d)
+    }
+}
+
+/// The wire id of a cluster name.
+pub fn cluster_id(name: &str) -> u64 {
+    let h = blake3::hash(name.as_bytes());
+    u64::from_le_bytes(h.as_bytes()[..8].try_into().expect("8 bytes"))
+}
+
+type Outcome = Result<String, String>;
+
+impl ClusterState {
+    /// An empty cluster with the given bootstrap members (all Active) and voters.
+    pub fn bootstrap(cluster: &str, members: &[MemberSpec]) -> ClusterState {
+        let mut state = ClusterState {
+            cluster: cluster.to_string(),
+            members: BTreeMap::new(),
+            voters: members.iter().map(|m| m.id).collect(),
+            learners: Vec::new(),
+            job: None,
+            current: None,
+            scheduled: None,
+            checkpoints: Vec::new(),
+        };
+        state.voters.sort_unstable();
+        for m in members {
+            state.members.insert(
+                m.id,
+                Member {
+                    spec: m.clone(),
+                    status: MemberStatus::Active,
+                    reason: "bootstrap".into(),
+                    deadline_ms: None,
+                },
+            );
+        }
+        state
+    }
+
+    /// Applies a command; `Ok` says what changed, `Err` why it was refused (state unchanged).
+    pub fn apply(&mut self, command: &Command) -> Outcome {
+        let outcome = match command {
+            Command::Join { member } => self.apply_join(member),
+            Command::Activate { id } => self.set_status(*id, Transition::Activate, "activated"),
+            Command::Notice { id, deadline_ms, source } => self.apply_notice(*id, *deadline_ms, source),
+            Command::Drain { id, reason } => self.set_status(*id, Transition::Drain, reason),
+            Command::MarkFailed { id, reason } => self.set_status(*id, Transition::Fail, reason),
+            Command::Remove { id, reason } => self.set_status(*id, Transition::Remove, reason),
+            Command::UpdateHardware { id, hardware } => match self.members.get_mut(id) {
+                Some(m) => {
+                    m.spec.hardware = hardware.clone();
+                    Ok(format!("node {id} hardware updated"))
+                }
+                None => Err(format!("node {id} is not a member")),
+            },
+            Command::SetJob { job } => match &self.job {
+                None => {
+                    self.job = Some(job.clone());
+                    Ok("job set".into())
+                }
+                Some(existing) if existing == job => Ok("job unchanged".into()),
+                Some(_) => Err("a different job is already set; a running job cannot change".into()),
+            },
+            Command::ScheduleEpoch { epoch } => self.apply_schedule(epoch),
+            Command::ActivateEpoch { id } => match self.scheduled.take() {
+                Some(e) if e.id == *id => {
+                    self.current = Some(e);
+                    Ok(format!("epoch {id} started"))
+                }
+                other => {
+                    let why = match &other {
+                        Some(e) => format!("epoch {id} is not scheduled (epoch {} is)", e.id),
+                        None => format!("epoch {id} is not scheduled (nothing is)"),
+                    };
+                    self.scheduled = other;
+                    Err(why)
+                }
+            },
+            Command::RecordCheckpoint { record } => self.apply_checkpoint(record),
+        };
+        debug_assert_eq!(self.validate(), Ok(()), "after {command:?}");
+        outcome
+    }
+
+    fn apply_join(&mut self, spec: &MemberSpec) -> Outcome {
+        if spec.id == 0 {
+            return Err("node id 0 is reserved".into());
+        }
+        if spec.name.is_empty() {
+            return Err(format!("node {} has an empty name", spec.id));
+        }
+        if let Some(other) = self
+            .members
+            .values()
+            .find(|m| m.spec.id != spec.id && m.spec.name == spec.name && m.status != MemberStatus::Gone)
+        {
+            return Err(format!("name {:?} is taken by node {}", spec.name, other.spec.id));
+        }
+        match self.members.get_mut(&spec.id) {
+            Some(m) if m.status.is_staying() || m.status == MemberStatus::Draining => {
+                m.spec = spec.clone();
+                Ok(format!("node {} refreshed", spec.id))
+            }
+            Some(m) => {
+                *m = Member {
+                    spec: spec.clone(),
+                    status: MemberStatus::Joining,
+                    reason: format!("rejoined after {:?}", m.status),
+                    deadline_ms: None,
+                };
+                Ok(format!("node {} rejoined", spec.id))
+            }
+            None => {
+                self.members.insert(
+                    spec.id,
+                    Member {
+                        spec: spec.clone(),
+                        status: MemberStatus::Joining,
+                        reason: "joined".into(),
+                        deadline_ms: None,
+                    },
+                );
+                Ok(format!("node {} ({}) joined", spec.id, spec.name))
+            }
+        }
+    }
+
+    fn apply_notice(&mut self, id: NodeId, deadline_ms: u64, source: &str) -> Outcome {
+        let m = self.members.get_mut(&id).ok_or_else(|| format!("node {id} is not a member"))?;
+        match m.status {
+            MemberStatus::Failed | MemberStatus::Gone => Err(format!("node {id} is already {:?}", m.status)),
+            MemberStatus::Leaving if m.deadline_ms.is_some_and(|d| d <= deadline_ms) => {
+                Ok(format!("node {id} already leaving by {}", m.deadline_ms.unwrap_or(0)))
+            }
+            _ => {
+                m.status = MemberStatus::Leaving;
+                m.deadline_ms = Some(deadline_ms);
+                m.reason = format!("revocation notice from {source}");
+                Ok(format!("node {id} leaving by {deadline_ms} ({source})"))
+            }
+        }
+    }
+
+    fn set_status(&mut self, id: NodeId, t: Transition, reason: &str) -> Outcome {
+        let m = self.members.get_mut(&id).ok_or_else(|| format!("node {id} is not a member"))?;
+        let from = m.status;
+        let to = match (t, from) {
+            (Transition::Activate, MemberStatus::Joining | MemberStatus::Active) => MemberStatus::Active,
+            (Transition::Drain, MemberStatus::Joining | MemberStatus::Active | MemberStatus::Draining) => {
+                MemberStatus::Draining
+            }
+            (Transition::Fail, s) if s != MemberStatus::Gone => MemberStatus::Failed,
+            (Transition::Remove, _) => MemberStatus::Gone,
+            _ => return Err(format!("node {id} is {from:?}; cannot {}", t.verb())),
+        };
+        if from == to {
+            return Ok(format!("node {id} already {to:?}"));
+        }
+        m.status = to;
+        m.reason = reason.to_string();
+        if to != MemberStatus::Leaving {
+            m.deadline_ms = None;
+        }
+        Ok(format!("node {id}: {from:?} -> {to:?}"))
+    }
+
+    fn apply_schedule(&mut self, epoch: &Epoch) -> Outcome {
+        let floor = self.scheduled.as_ref().or(self.current.as_ref());
+        if let Some(prev) = floor {
+            if epoch.id <= prev.id {
+                return Err(format!("epoch id {} is not above {}", epoch.id, prev.id));
+            }
+        }
+        if let Some(cur) = &self.current {
+            if epoch.start_step < cur.start_step {
+                return Err(format!(
+                    "epoch {} starts at step {} before the current epoch's start {}",
+                    epoch.id, epoch.start_step, cur.start_step
+                ));
+            }
+        }
+        self.check_epoch(epoch)?;
+        let replaced = self.scheduled.replace(epoch.clone());
+        Ok(match replaced {
+            Some(old) => {
+                format!("epoch {} scheduled at step {} (replaces {})", epoch.id, epoch.start_step, old.id)
+            }
+            None => format!("epoch {} scheduled at step {}", epoch.id, epoch.start_step),
+        })
+    }
+
+    /// Checks an epoch against the members (used when scheduling and by `validate`).
+    fn check_epoch(&self, e: &Epoch) -> Result<(), String> {
+        if e.ranks.is_empty() {
+            return Err(format!("epoch {} has no ranks", e.id));
+        }
+        let unique: BTreeSet<_> = e.ranks.iter().collect();
+        if unique.len() != e.ranks.len() {
+            return Err(format!("epoch {} lists a rank twice", e.id));
+        }
+        for r in &e.ranks {
+            match self.members.get(r) {
+                None => return Err(format!("epoch {}: rank node {r} is not a member", e.id)),
+                Some(m) if matches!(m.status, MemberStatus::Gone | MemberStatus::Failed) => {
+                    return Err(format!("epoch {}: rank node {r} is {:?}", e.id, m.status))
+                }
+                Some(_) => {}
+            }
+        }
+        if u64::from(e.layout.data) * u64::from(e.layout.pipeline) != e.ranks.len() as u64 {
+            return Err(format!(
+                "epoch {}: layout {}x{} does not cover {} ranks",
+                e.id,
+                e.layout.data,
+                e.layout.pipeline,
+                e.ranks.len()
+            ));
+        }
+        if e.batch.global_batch == 0 || e.batch.micro_batch == 0 {
+            return Err(format!("epoch {}: batch sizes must be positive", e.id));
+        }
+        if !(e.lr_scale.is_finite() && e.lr_scale > 0.0) {
+            return Err(format!("epoch {}: lr scale {} is not a positive number", e.id, e.lr_scale));
+        }
+        for (to, from) in &e.sources {
+            if !unique.contains(to) {
+                return Err(format!("epoch {}: state source for node {to}, which is not a rank", e.id));
+            }
+            if !self.members.contains_key(from) {
+                return Err(format!("epoch {}: state source node {from} is not a member", e.id));
+            }
+        }
+        Ok(())
+    }
+
+    fn apply_checkpoint(&mut self, r: &CheckpointRecord) -> Outcome {
+        if let Some(last) = self.checkpoints.last() {
+            if r.step < last.step {
+                return Err(format!(
+                    "checkpoint at step {} is older than the last one ({})",
+                    r.step, last.step
+                ));
+            }
+        }
+        let newest_epoch = self.scheduled.as_ref().or(self.current.as_ref()).map_or(0, |e| e.id);
+        if r.epoch > newest_epoch {
+            return Err(format!(
+                "checkpoint names epoch {}, newer than any scheduled ({newest_epoch})",
+                r.epoch
+            ));
+        }
+        self.checkpoints.push(r.clone());
+        if self.checkpoints.len() > MAX_CHECKPOINT_RECORDS {
+            self.checkpoints.remove(0);
+        }
+        Ok(format!("checkpoint at step {} recorded", r.step))
+    }
+
+    /// Mirrors the Raft configuration after a configuration change is applied.
+    pub fn set_configuration(&mut self, voters: &[NodeId], learners: &[NodeId]) {
+        self.voters = sorted(voters);
+        self.learners = sorted(learners);
+    }
+
+    /// Checks the state's invariants; run after every change in debug builds and on every
+    /// snapshot received.
+    pub fn validate(&self) -> Result<(), String> {
+        for (id, m) in &self.members {
+            if *id != m.spec.id || *id == 0 {
+                return Err(format!("member entry {id} holds node {}", m.spec.id));
+            }
+        }
+        if let Some(v) = self.voters.iter().find(|v| self.learners.contains(v)) {
+            return Err(format!("node {v} is both voter and learner"));
+        }
+        if let (Some(c), Some(s)) = (&self.current, &self.scheduled) {
+            if s.id <= c.id {
+                return Err(format!("scheduled epoch {} is not after current epoch {}", s.id, c.id));
+            }
+        }
+        for w in self.checkpoints.windows(2) {
+            if w[1].step < w[0].step {
+                return Err(format!("checkpoint records out of order at step {}", w[1].step));
+            }
+        }
+        if self.checkpoints.len() > MAX_CHECKPOINT_RECORDS {
+            return Err(format!("{} checkpoint records kept", self.checkpoints.len()));
+        }
+        if let Some(e) = &self.current {
+            if e.ranks.iter().any(|r| !self.members.contains_key(r)) {
+                return Err(format!("current epoch {} names a node that is not a member", e.id));
+            }
+        }
+        Ok(())
+    }
+
+    /// The member with this name, if any (gone members last).
+    pub fn member_named(&self, name: &str) -> Option<&Member> {
+        let mut found: Vec<_> = self.members.values().filter(|m| m.spec.name == name).collect();
+        found.sort_by_key(|m| m.status == MemberStatus::Gone);
+        found.first().copied()
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Transition {
+    Activate,
+    Drain,
+    Fail,
+    Remove,
+}
+
+impl Transition {
+    fn verb(self) -> &'static str {
+        match self {
+            Transition::Activate => "activate",
+            Transition::Drain => "drain",
+            Transition::Fail => "mark failed",
+            Transition::Remove => "remove",
+        }
+    }
+}
+
+fn sorted(ids: &[NodeId]) -> Vec<NodeId> {
+    let mut v = ids.to_vec();
+    v.sort_unstable();
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(id: NodeId, name: &str) -> MemberSpec {
+        MemberSpec {
+            id,
+            name: name.into(),
+            control_addr: format!("127.0.0.1:{}", 7000 + id),
+            data_addr: format!("127.0.0.1:{}", 8000 + id),
+            hardware: Hardware::default(),
+        }
+    }
+
+    fn three() -> ClusterState {
+        ClusterState::bootstrap("c", &[spec(1, "a"), spec(2, "b"), spec(3, "c")])
+    }
+
+    fn epoch(id: u64, start: u64, ranks: &[NodeId]) -> Epoch {
+        Epoch {
+            id,
+            start_step: start,
+            ranks: ranks.to_vec(),
+            layout: Layout { data: ranks.len() as u32, pipeline: 1 },
+            batch: EpochBatch { global_batch: 64, micro_batch: 16 },
+            lr_scale: 1.0,
+            sources: BTreeMap::new(),
+            cause: "test".into(),
+        }
+    }
+
+    #[test]
+    fn a_refused_command_changes_nothing() {
+        let mut st = three();
+        let before = st.clone();
+        assert!(st.apply(&Command::Join { member: spec(4, "a") }).unwrap_err().contains("taken by node 1"));
+        assert!(st.apply(&Command::Activate { id: 9 }).is_err());
+        assert!(st.apply(&Command::ScheduleEpoch { epoch: epoch(1, 0, &[1, 9]) }).is_err());
+        assert_eq!(st, before);
+    }
+
+    #[test]
+    fn members_follow_their_life_cycle() {
+        let mut st = three();
+        st.apply(&Command::Join { member: spec(4, "d") }).unwrap();
+        assert_eq!(st.members[&4].status, MemberStatus::Joining);
+        st.apply(&Command::Activate { id: 4 }).unwrap();
+        st.apply(&Command::Notice { id: 4, deadline_ms: 500, source: "aws".into() }).unwrap();
+        assert_eq!(st.members[&4].status, MemberStatus::Leaving);
+        assert_eq!(st.members[&4].deadline_ms, Some(500));
+        assert!(st.apply(&Command::Activate { id: 4 }).unwrap_err().contains("cannot activate"));
+        st.apply(&Command::Remove { id: 4, reason: "left".into() }).unwrap();
+        assert!(st.apply(&Command::Notice { id: 4, deadline_ms: 9, source: "aws".into() }).is_err());
+        // A gone node may come back under its name, and its name is free for others.
+        st.apply(&Command::Join { member: spec(4, "d") }).unwrap();
+        assert_eq!(st.members[&4].status, MemberStatus::Joining);
+    }
+
+    #[test]
+    fn epochs_only_move_forward() {
+        let mut st = three();
+        st.apply(&Command::ScheduleEpoch { epoch: epoch(1, 0, &[1, 2, 3]) }).unwrap();
+        st.apply(&Command::ActivateEpoch { id: 1 }).unwrap();
+        assert!(st.apply(&Command::ScheduleEpoch { epoch: epoch(1, 5, &[1, 2]) }).is_err(), "same id");
+        st.apply(&Command::ScheduleEpoch { epoch: epoch(2, 10, &[1, 2]) }).unwrap();
+        assert!(st.apply(&Command::ScheduleEpoch { epoch: epoch(3, 2, &[1, 2]) }).is_ok());
+        assert!(st.apply(&Command::ActivateEpoch { id: 2 }).unwrap_err().contains("epoch 3 is"));
+        let mut bad = epoch(4, 20, &[1, 2]);
+        bad.layout = Layout { data: 1, pipeline: 1 };
+        assert!(st.apply(&Command::ScheduleEpoch { epoch: bad }).unwrap_err().contains("does not cover"));
+        let mut bad = epoch(4, 20, &[1, 2]);
+        bad.lr_scale = f64::NAN;
+        assert!(st.apply(&Command::ScheduleEpoch { epoch: bad }).is_err());
+        let early = epoch(4, 0, &[1]);
+        st.apply(&Command::ActivateEpoch { id: 3 }).unwrap();
+        assert!(st
+            .apply(&Command::ScheduleEpoch { epoch: early })
+            .unwrap_err()
+            .contains("before the current"));
+    }
+
+    #[test]
+    fn the_job_is_set_once() {
+        let mut st = three();
+        let job = serde_json::json!({"model": "mlp", "steps": 10});
+        st.apply(&Command::SetJob { job: job.clone() }).unwrap();
+        st.apply(&Command::SetJob { job }).unwrap();
+        assert!(st.apply(&Command::SetJob { job: serde_json::json!({"model": "gpt"}) }).is_err());
+    }
+
+    #[test]
+    fn checkpoint_records_are_ordered_and_bounded() {
+        let mut st = three();
+        st.apply(&Command::ScheduleEpoch { epoch: epoch(1, 0, &[1]) }).unwrap();
+        let rec = |step| CheckpointRecord {
+            step,
+            epoch: 1,
+            content_hash: "h".into(),
+            location: "l".into(),
+            node: 1,
+        };
+        for step in 0..20 {
+            st.apply(&Command::RecordCheckpoint { record: rec(step) }).unwrap();
+        }
+        assert_eq!(st.checkpoints.len(), MAX_CHECKPOINT_RECORDS);
+        assert!(st.apply(&Command::RecordCheckpoint { record: rec(3) }).is_err());
+        let future = CheckpointRecord { epoch: 7, ..rec(30) };
+        assert!(st.apply(&Command::RecordCheckpoint { record: future }).is_err());
+    }
+
+    #[test]
+    fn proposals_of_another_version_are_refused_by_name() {
+        let p =
+            Proposal { v: 2, origin: ProposalId { node: 1, seq: 1 }, command: Command::Activate { id: 1 } };
+        let err = Proposal::decode(&p.encode()).unwrap_err();
+        assert!(err.to_string().contains("format version 2"), "{err}");
+        assert!(Proposal::decode(b"{\"v\":1}").unwrap_err().to_string().contains("missing field"));
+    }
+}

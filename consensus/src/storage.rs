@@ -1,0 +1,683 @@
+//! The Raft log's storage: raft-rs's `Storage` plus the writes the Ready loop makes.
+//!
+//! Two implementations with one contract (`tests/storage_contract.rs` runs the same suite
+//! against both): `MemLog` for the in-memory harness and property tests, `SledLog` for agents.
+//! Besides the log, hard state and latest snapshot, a store keeps the *applied state*: the
+//! encoded `ClusterState` at the applied index with the configuration at that index. A node
+//! restarts from it and replays only the committed entries after it, so configuration changes
+//! are never applied twice.
+
+use crate::error::{ConsensusError, Result};
+use protobuf::Message as _;
+use raft::prelude::{ConfState, Entry, HardState, Snapshot, SnapshotMetadata};
+use raft::{GetEntriesContext, RaftState, Storage, StorageError};
+use std::path::{Path, PathBuf};
+
+/// The state machine as of an index, with the configuration in force at that index.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AppliedState {
+    /// The last applied log index.
+    pub index: u64,
+    /// The Raft configuration after applying `index`.
+    pub conf: ConfState,
+    /// The encoded `SnapshotData` at `index`.
+    pub data: Vec<u8>,
+}
+
+/// What the Ready loop writes, on top of what raft-rs reads.
+pub trait LogStore: Storage {
+    /// Appends entries, first discarding any stored entries at or after the first new index.
+    fn append(&mut self, entries: &[Entry]) -> Result<()>;
+    /// Records term, vote and commit.
+    fn set_hard_state(&mut self, hs: &HardState) -> Result<()>;
+    /// Records the state machine after applying `state.index` (raising the stored commit to it).
+    fn save_applied(&mut self, state: &AppliedState) -> Result<()>;
+    /// The last saved applied state, if any.
+    fn applied_state(&self) -> Option<AppliedState>;
+    /// Replaces log and state with a snapshot from the leader.
+    fn install_snapshot(&mut self, snapshot: &Snapshot) -> Result<()>;
+    /// Makes the saved applied state the latest snapshot and discards the entries it covers.
+    fn compact_to_applied(&mut self) -> Result<()>;
+    /// Makes every write so far durable.
+    fn flush(&mut self) -> Result<()>;
+}
+
+fn snapshot_of(state: &AppliedState, term: u64) -> Snapshot {
+    let mut meta = SnapshotMetadata { index: state.index, term, ..Default::default() };
+    meta.set_conf_state(state.conf.clone());
+    let mut snap = Snapshot::default();
+    snap.set_metadata(meta);
+    snap.data = state.data.clone().into();
+    snap
+}
+
+/// The snapshot a leader sends: the applied state, not the last compaction point, so that its
+/// configuration includes the node it is sent to (raft-rs ignores a snapshot whose
+/// configuration lacks the receiver, and a new learner is added after the last compaction).
+fn fresh_snapshot<S: Storage>(
+    store: &S,
+    applied: Option<&AppliedState>,
+    request_index: u64,
+) -> raft::Result<Snapshot> {
+    match applied {
+        Some(a) if a.index >= request_index && a.index > 0 => Ok(snapshot_of(a, store.term(a.index)?)),
+        _ => Err(raft::Error::Store(StorageError::SnapshotTemporarilyUnavailable)),
+    }
+}
+
+fn applied_from_snapshot(snap: &Snapshot) -> AppliedState {
+    AppliedState {
+        index: snap.get_metadata().index,
+        conf: snap.get_metadata().get_conf_state().clone(),
+        data: snap.data.to_vec(),
+    }
+}
+
+fn entries_size_limited(mut entries: Vec<Entry>, max_size: Option<u64>) -> Vec<Entry> {
+    raft::util::limit_size(&mut entries, max_size);
+    entries
+}
+
+/// An in-memory log: the harness's storage, with exactly the sled store's behaviour.
+#[derive(Default, Clone)]
+pub struct MemLog {
+    hard_state: HardState,
+    snapshot: Snapshot,
+    entries: Vec<Entry>,
+    applied: Option<AppliedState>,
+}
+
+impl MemLog {
+    /// An empty log (a node that has never been part of a cluster).
+    pub fn new() -> MemLog {
+        MemLog::default()
+    }
+
+    fn snap_index(&self) -> u64 {
+        self.snapshot.get_metadata().index
+    }
+
+    fn last(&self) -> u64 {
+        self.entries.last().map_or(self.snap_index(), |e| e.index)
+    }
+}
+
+impl Storage for MemLog {
+    fn initial_state(&self) -> raft::Result<RaftState> {
+        let conf = match &self.applied {
+            Some(a) => a.conf.clone(),
+            None => self.snapshot.get_metadata().get_conf_state().clone(),
+        };
+        Ok(RaftState::new(self.hard_state.clone(), conf))
+    }
+
+    fn entries(
+        &self,
+        low: u64,
+        high: u64,
+        max_size: impl Into<Option<u64>>,
+        _context: GetEntriesContext,
+    ) -> raft::Result<Vec<Entry>> {
+        if low <= self.snap_index() {
+            return Err(raft::Error::Store(StorageError::Compacted));
+        }
+        if high > self.last() + 1 {
+            return Err(raft::Error::Store(StorageError::Unavailable));
+        }
+        let offset = self.snap_index() + 1;
+        let slice = &self.entries[(low - offset) as usize..(high - offset) as usize];
+        Ok(entries_size_limited(slice.to_vec(), max_size.into()))
+    }
+
+    fn term(&self, idx: u64) -> raft::Result<u64> {
+        if idx == self.snap_index() {
+            return Ok(self.snapshot.get_metadata().term);
+        }
+        if idx < self.snap_index() {
+            return Err(raft::Error::Store(StorageError::Compacted));
+        }
+        if idx > self.last() {
+            return Err(raft::Error::Store(StorageError::Unavailable));
+        }
+        Ok(self.entries[(idx - self.snap_index() - 1) as usize].term)
+    }
+
+    fn first_index(&self) -> raft::Result<u64> {
+        Ok(self.snap_index() + 1)
+    }
+
+    fn last_index(&self) -> raft::Result<u64> {
+        Ok(self.last())
+    }
+
+    fn snapshot(&self, request_index: u64, _to: u64) -> raft::Result<Snapshot> {
+        fresh_snapshot(self, self.applied.as_ref(), request_index)
+    }
+}
+
+impl LogStore for MemLog {
+    fn append(&mut self, entries: &[Entry]) -> Result<()> {
+        let Some(first) = entries.first() else { return Ok(()) };
+        check_append(first.index, self.snap_index(), self.last())?;
+        self.entries.truncate((first.index - self.snap_index() - 1) as usize);
+        self.entries.extend_from_slice(entries);
+        Ok(())
+    }
+
+    fn set_hard_state(&mut self, hs: &HardState) -> Result<()> {
+        self.hard_state = hs.clone();
+        Ok(())
+    }
+
+    fn save_applied(&mut self, state: &AppliedState) -> Result<()> {
+        self.hard_state.commit = self.hard_state.commit.max(state.index);
+        self.applied = Some(state.clone());
+        Ok(())
+    }
+
+    fn applied_state(&self) -> Option<AppliedState> {
+        self.applied.clone()
+    }
+
+    fn install_snapshot(&mut self, snapshot: &Snapshot) -> Result<()> {
+        let meta = snapshot.get_metadata();
+        self.hard_state.term = self.hard_state.term.max(meta.term);
+        self.hard_state.commit = self.hard_state.commit.max(meta.index);
+        self.entries.clear();
+        self.snapshot = snapshot.clone();
+        self.applied = Some(applied_from_snapshot(snapshot));
+        Ok(())
+    }
+
+    fn compact_to_applied(&mut self) -> Result<()> {
+        let Some(applied) = self.applied.clone() else { return Ok(()) };
+        if applied.index <= self.snap_index() {
+            return Ok(());
+        }
+        let term = self.term(applied.index)?;
+        let keep_from = (applied.index - self.snap_index()) as usize;
+        self.entries.drain(..keep_from.min(self.entries.len()));
+        self.snapshot = snapshot_of(&applied, term);
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Refuses appends that would leave a gap or rewrite compacted entries: raft-rs never asks
+/// for either, so one means a bug, and a bug must not damage the log.
+fn check_append(first: u64, snap_index: u64, last: u64) -> Result<()> {
+    if first <= snap_index {
+        return Err(ConsensusError::Raft(raft::Error::Store(StorageError::Compacted)));
+    }
+    if first > last + 1 {
+        return Err(ConsensusError::Raft(raft::Error::Store(StorageError::Unavailable)));
+    }
+    Ok(())
+}
+
+/// Which cluster and node a state directory belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Identity {
+    /// Layout version of the sled records.
+    pub format: u32,
+    /// The cluster's wire id.
+    pub cluster_id: u64,
+    /// This node's Raft id.
+    pub node_id: u64,
+}
+
+impl std::fmt::Display for Identity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "node {} of cluster {:#018x}", self.node_id, self.cluster_id)
+    }
+}
+
+/// The sled record layout version.
+pub const SLED_FORMAT: u32 = 1;
+
+/// A marker file beside the database, written once the database is initialized.
+pub const IDENTITY_FILE: &str = "identity.json";
+
+const KEY_IDENTITY: &[u8] = b"meta/identity";
+const KEY_HARD_STATE: &[u8] = b"meta/hard_state";
+const KEY_SNAPSHOT: &[u8] = b"meta/snapshot";
+const KEY_APPLIED_INDEX: &[u8] = b"meta/applied_index";
+const KEY_APPLIED_CONF: &[u8] = b"meta/applied_conf";
+const KEY_APPLIED_DATA: &[u8] = b"meta/applied_data";
+const ENTRY_PREFIX: &[u8] = b"log/";
+
+fn entry_key(index: u64) -> [u8; 12] {
+    let mut k = [0u8; 12];
+    k[..4].copy_from_slice(ENTRY_PREFIX);
+    k[4..].copy_from_slice(&index.to_be_bytes());
+    k
+}
+
+/// The Raft log in a sled database: one tree, entries keyed by big-endian index, metadata
+/// records beside them. Index bounds, hard state and snapshot are cached in memory; entries
+/// are read from sled.
+pub struct SledLog {
+    path: PathBuf,
+    db: sled::Db,
+    hard_state: HardState,
+    snapshot: Snapshot,
+    last: u64,
+    applied: Option<AppliedState>,
+    watermark: Watermark,
+}
+
+/// What the last flush made durable, kept in a 32-byte file beside the database.
+///
+/// sled recovers from damaged files by keeping the prefix of its log that checks out, which
+/// would silently forget flushed votes and committed entries. Raft's safety depends on
+/// them, so after each flush the store records the term and commit index it made durable,
+/// and refuses to open a database that holds less.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Watermark {
+    term: u64,
+    commit: u64,
+}
+
+const WATERMARK_FILE: &str = "flushed.bin";
+
+impl Watermark {
+    fn encode(self) -> [u8; 24] {
+        let mut b = [0u8; 24];
+        b[..8].copy_from_slice(&self.term.to_le_bytes());
+        b[8..16].copy_from_slice(&self.commit.to_le_bytes());
+        let sum = blake3::hash(&b[..16]);
+        b[16..].copy_from_slice(&sum.as_bytes()[..8]);
+        b
+    }
+
+    fn decode(b: &[u8]) -> Option<Watermark> {
+        if b.len() != 24 || blake3::hash(&b[..16]).as_bytes()[..8] != b[16..] {
+            return None;
+        }
+        let word = |r: std::ops::Range<usize>| u64::from_le_bytes(b[r].try_into().expect("8 bytes"));
+        Some(Watermark { term: word(0..8), commit: word(8..16) })
+    }
+}
+
+impl SledLog {
+    /// Opens (or creates) the log in `dir`, checking that it belongs to `identity` and that
+    /// every record decodes and the entries are contiguous. Never resets a damaged directory.
+    pub fn open(dir: &Path, identity: Identity) -> Result<SledLog> {
+        let path = dir.to_path_buf();
+        let shown = path.display().to_string();
+        std::fs::create_dir_all(dir)
+            .map_err(|e| ConsensusError::Storage { path: shown.clone(), detail: e.to_string() })?;
+        // sled panics on some kinds of damage instead of returning an error; a damaged
+        // directory must give a clear error, not a crash.
+        let sled_dir = dir.join("sled");
+        let opened = std::panic::catch_unwind(|| sled::Config::new().path(&sled_dir).open());
+        let db = match opened {
+            Ok(Ok(db)) => db,
+            Ok(Err(e)) => {
+                return Err(ConsensusError::Corrupt {
+                    path: shown,
+                    what: "sled database".into(),
+                    detail: e.to_string(),
+                })
+            }
+            Err(_) => {
+                return Err(ConsensusError::Corrupt {
+                    path: shown,
+                    what: "sled database".into(),
+                    detail: "sled could not read its files (it panicked while recovering)".into(),
+                })
+            }
+        };
+        let mut log = SledLog {
+            path,
+            db,
+            hard_state: HardState::default(),
+            snapshot: Snapshot::default(),
+            last: 0,
+            applied: None,
+            watermark: Watermark::default(),
+        };
+        log.check_identity(identity)?;
+        log.load()?;
+        log.check_watermark()?;
+        Ok(log)
+    }
+
+    fn storage_err(&self, e: impl std::fmt::Display) -> ConsensusError {
+        ConsensusError::Storage { path: self.path.display().to_string(), detail: e.to_string() }
+    }
+
+    fn corrupt(&self, what: impl Into<String>, detail: impl std::fmt::Display) -> ConsensusError {
+        ConsensusError::Corrupt {
+            path: self.path.display().to_string(),
+            what: what.into(),
+            detail: detail.to_string(),
+        }
+    }
+
+    fn get(&self, key: &[u8]) -> Result<Option<sled::IVec>> {
+        self.db.get(key).map_err(|e| self.storage_err(e))
+    }
+
+    fn check_identity(&mut self, expected: Identity) -> Result<()> {
+        match self.get(KEY_IDENTITY)? {
+            Some(raw) => {
+                let found: Identity =
+                    serde_json::from_slice(&raw).map_err(|e| self.corrupt("identity record", e))?;
+                if found.format != SLED_FORMAT {
+                    return Err(self.corrupt(
+                        "identity record",
+                        format!("layout version {} (this build reads {SLED_FORMAT})", found.format),
+                    ));
+                }
+                if found != expected {
+                    return Err(ConsensusError::WrongIdentity {
+                        path: self.path.display().to_string(),
+                        found: found.to_string(),
+                        expected: expected.to_string(),
+                    });
+                }
+                Ok(())
+            }
+            None => {
+                // The marker file outlives damage that makes sled recover an empty database:
+                // that must be an error, never a fresh start that forgets votes and entries.
+                if self.path.join(IDENTITY_FILE).exists() {
+                    return Err(self.corrupt(
+                        "sled database",
+                        format!("holds no identity record although {IDENTITY_FILE} says it was initialized"),
+                    ));
+                }
+                if self.db.iter().next().is_some() {
+                    return Err(self.corrupt("identity record", "missing, but the database holds records"));
+                }
+                let raw = serde_json::to_vec(&expected).expect("identity serializes");
+                self.db.insert(KEY_IDENTITY, raw.as_slice()).map_err(|e| self.storage_err(e))?;
+                self.db.flush().map_err(|e| self.storage_err(e))?;
+                limpet_snapshot::write_atomic(&self.path.join(IDENTITY_FILE), &raw)
+                    .map_err(|e| self.storage_err(e))?;
+                Ok(())
+            }
+        }
+    }
+
+    fn decode_pb<M: protobuf::Message>(&self, what: &str, raw: &[u8]) -> Result<M> {
+        M::parse_from_bytes(raw).map_err(|e| self.corrupt(what, e))
+    }
+
+    fn load(&mut self) -> Result<()> {
+        if let Some(raw) = self.get(KEY_HARD_STATE)? {
+            self.hard_state = self.decode_pb("hard state", &raw)?;
+        }
+        if let Some(raw) = self.get(KEY_SNAPSHOT)? {
+            self.snapshot = self.decode_pb("snapshot", &raw)?;
+        }
+        self.applied = self.load_applied()?;
+        let snap_index = self.snapshot.get_metadata().index;
+        let mut expected = snap_index + 1;
+        let mut prev_term = self.snapshot.get_metadata().term;
+        for item in self.db.scan_prefix(ENTRY_PREFIX) {
+            let (key, raw) = item.map_err(|e| self.storage_err(e))?;
+            let index =
+                u64::from_be_bytes(key[4..].try_into().map_err(|_| self.corrupt("log key", "not 8 bytes"))?);
+            let what = format!("log entry {index}");
+            let entry: Entry = self.decode_pb(&what, &raw)?;
+            if entry.index != index || index != expected {
+                return Err(
+                    self.corrupt(what, format!("expected index {expected}, record holds {}", entry.index))
+                );
+            }
+            if entry.term < prev_term {
+                return Err(self.corrupt(what, format!("term {} after term {prev_term}", entry.term)));
+            }
+            prev_term = entry.term;
+            expected += 1;
+        }
+        self.last = expected - 1;
+        if let Some(a) = &self.applied {
+            if a.index < snap_index || a.index > self.last.max(snap_index) {
+                return Err(self.corrupt(
+                    "applied index",
+                    format!("{} is outside the log [{snap_index}, {}]", a.index, self.last),
+                ));
+            }
+        }
+        if self.hard_state.commit > self.last.max(snap_index) {
+            return Err(self.corrupt(
+                "hard state",
+                format!("commit {} beyond the last entry {}", self.hard_state.commit, self.last),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_watermark(&mut self) -> Result<()> {
+        let path = self.path.join(WATERMARK_FILE);
+        let raw = match std::fs::read(&path) {
+            Ok(raw) => raw,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(self.storage_err(format!("{}: {e}", path.display()))),
+        };
+        let mark =
+            Watermark::decode(&raw).ok_or_else(|| self.corrupt(WATERMARK_FILE, "checksum mismatch"))?;
+        let have = Watermark { term: self.hard_state.term, commit: self.hard_state.commit };
+        if have.term < mark.term || have.commit < mark.commit {
+            return Err(self.corrupt(
+                "sled database",
+                format!(
+                    "holds term {} and commit {}, but term {} and commit {} were flushed: sled lost \
+                     durable records (damaged files?)",
+                    have.term, have.commit, mark.term, mark.commit
+                ),
+            ));
+        }
+        self.watermark = mark;
+        Ok(())
+    }
+
+    fn load_applied(&self) -> Result<Option<AppliedState>> {
+        let Some(raw_index) = self.get(KEY_APPLIED_INDEX)? else { return Ok(None) };
+        let index = u64::from_be_bytes(
+            raw_index.as_ref().try_into().map_err(|_| self.corrupt("applied index", "not 8 bytes"))?,
+        );
+        let conf_raw =
+            self.get(KEY_APPLIED_CONF)?.ok_or_else(|| self.corrupt("applied configuration", "missing"))?;
+        let data = self.get(KEY_APPLIED_DATA)?.ok_or_else(|| self.corrupt("applied state", "missing"))?;
+        Ok(Some(AppliedState {
+            index,
+            conf: self.decode_pb("applied configuration", &conf_raw)?,
+            data: data.to_vec(),
+        }))
+    }
+
+    fn snap_index(&self) -> u64 {
+        self.snapshot.get_metadata().index
+    }
+
+    fn read_entry(&self, index: u64) -> raft::Result<Entry> {
+        let other = |e: String| raft::Error::Store(StorageError::Other(e.into()));
+        let raw = self
+            .db
+            .get(entry_key(index))
+            .map_err(|e| other(e.to_string()))?
+            .ok_or_else(|| other(format!("log entry {index} missing in {}", self.path.display())))?;
+        Entry::parse_from_bytes(&raw).map_err(|e| other(format!("log entry {index}: {e}")))
+    }
+
+    /// The directory holding the database.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+fn pb_bytes<M: protobuf::Message>(m: &M) -> Vec<u8> {
+    m.write_to_bytes().expect("raft records always encode")
+}
+
+impl Storage for SledLog {
+    fn initial_state(&self) -> raft::Result<RaftState> {
+        let conf = match &self.applied {
+            Some(a) => a.conf.clone(),
+            None => self.snapshot.get_metadata().get_conf_state().clone(),
+        };
+        Ok(RaftState::new(self.hard_state.clone(), conf))
+    }
+
+    fn entries(
+        &self,
+        low: u64,
+        high: u64,
+        max_size: impl Into<Option<u64>>,
+        _context: GetEntriesContext,
+    ) -> raft::Result<Vec<Entry>> {
+        if low <= self.snap_index() {
+            return Err(raft::Error::Store(StorageError::Compacted));
+        }
+        if high > self.last.max(self.snap_index()) + 1 {
+            return Err(raft::Error::Store(StorageError::Unavailable));
+        }
+        let max_size = max_size.into();
+        let mut out = Vec::with_capacity((high - low) as usize);
+        let mut size = 0u64;
+        for index in low..high {
+            let e = self.read_entry(index)?;
+            size += u64::from(protobuf::Message::compute_size(&e));
+            out.push(e);
+            if max_size.is_some_and(|m| size > m) {
+                break;
+            }
+        }
+        Ok(entries_size_limited(out, max_size))
+    }
+
+    fn term(&self, idx: u64) -> raft::Result<u64> {
+        if idx == self.snap_index() {
+            return Ok(self.snapshot.get_metadata().term);
+        }
+        if idx < self.snap_index() {
+            return Err(raft::Error::Store(StorageError::Compacted));
+        }
+        if idx > self.last {
+            return Err(raft::Error::Store(StorageError::Unavailable));
+        }
+        Ok(self.read_entry(idx)?.term)
+    }
+
+    fn first_index(&self) -> raft::Result<u64> {
+        Ok(self.snap_index() + 1)
+    }
+
+    fn last_index(&self) -> raft::Result<u64> {
+        Ok(self.last.max(self.snap_index()))
+    }
+
+    fn snapshot(&self, request_index: u64, _to: u64) -> raft::Result<Snapshot> {
+        fresh_snapshot(self, self.applied.as_ref(), request_index)
+    }
+}
+
+impl LogStore for SledLog {
+    fn append(&mut self, entries: &[Entry]) -> Result<()> {
+        let Some(first) = entries.first() else { return Ok(()) };
+        let last = self.last.max(self.snap_index());
+        check_append(first.index, self.snap_index(), last)?;
+        let mut batch = sled::Batch::default();
+        for index in first.index..=last {
+            batch.remove(&entry_key(index));
+        }
+        for e in entries {
+            batch.insert(&entry_key(e.index), pb_bytes(e));
+        }
+        self.db.apply_batch(batch).map_err(|e| self.storage_err(e))?;
+        self.last = entries.last().map_or(last, |e| e.index);
+        Ok(())
+    }
+
+    fn set_hard_state(&mut self, hs: &HardState) -> Result<()> {
+        self.db.insert(KEY_HARD_STATE, pb_bytes(hs)).map_err(|e| self.storage_err(e))?;
+        self.hard_state = hs.clone();
+        Ok(())
+    }
+
+    fn save_applied(&mut self, state: &AppliedState) -> Result<()> {
+        let mut hs = self.hard_state.clone();
+        hs.commit = hs.commit.max(state.index);
+        let mut batch = sled::Batch::default();
+        batch.insert(KEY_APPLIED_INDEX, &state.index.to_be_bytes());
+        batch.insert(KEY_APPLIED_CONF, pb_bytes(&state.conf));
+        batch.insert(KEY_APPLIED_DATA, state.data.as_slice());
+        batch.insert(KEY_HARD_STATE, pb_bytes(&hs));
+        self.db.apply_batch(batch).map_err(|e| self.storage_err(e))?;
+        self.hard_state = hs;
+        self.applied = Some(state.clone());
+        Ok(())
+    }
+
+    fn applied_state(&self) -> Option<AppliedState> {
+        self.applied.clone()
+    }
+
+    fn install_snapshot(&mut self, snapshot: &Snapshot) -> Result<()> {
+        let meta = snapshot.get_metadata();
+        let mut hs = self.hard_state.clone();
+        hs.term = hs.term.max(meta.term);
+        hs.commit = hs.commit.max(meta.index);
+        let applied = applied_from_snapshot(snapshot);
+        let mut batch = sled::Batch::default();
+        for item in self.db.scan_prefix(ENTRY_PREFIX).keys() {
+            batch.remove(item.map_err(|e| self.storage_err(e))?);
+        }
+        batch.insert(KEY_SNAPSHOT, pb_bytes(snapshot));
+        batch.insert(KEY_HARD_STATE, pb_bytes(&hs));
+        batch.insert(KEY_APPLIED_INDEX, &applied.index.to_be_bytes());
+        batch.insert(KEY_APPLIED_CONF, pb_bytes(&applied.conf));
+        batch.insert(KEY_APPLIED_DATA, applied.data.as_slice());
+        self.db.apply_batch(batch).map_err(|e| self.storage_err(e))?;
+        self.hard_state = hs;
+        self.snapshot = snapshot.clone();
+        self.last = meta.index;
+        self.applied = Some(applied);
+        Ok(())
+    }
+
+    fn compact_to_applied(&mut self) -> Result<()> {
+        let Some(applied) = self.applied.clone() else { return Ok(()) };
+        let old = self.snap_index();
+        if applied.index <= old {
+            return Ok(());
+        }
+        let term = self.term(applied.index)?;
+        let snapshot = snapshot_of(&applied, term);
+        let mut batch = sled::Batch::default();
+        batch.insert(KEY_SNAPSHOT, pb_bytes(&snapshot));
+        for index in old + 1..=applied.index {
+            batch.remove(&entry_key(index));
+        }
+        self.db.apply_batch(batch).map_err(|e| self.storage_err(e))?;
+        self.snapshot = snapshot;
+        self.last = self.last.max(applied.index);
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        self.db.flush().map_err(|e| self.storage_err(e))?;
+        let now = Watermark { term: self.hard_state.term, commit: self.hard_state.commit };
+        if now != self.watermark {
+            use std::io::Write;
+            let path = self.path.join(WATERMARK_FILE);
+            let write = || -> std::io::Result<()> {
+                // One small in-place write and fdatasync: a 24-byte record never spans sectors.
+                let mut f =
+                    std::fs::OpenOptions::new().create(true).write(true).truncate(false).open(&path)?;
+                f.write_all(&now.encode())?;
+                f.sync_data()
+            };
+            write().map_err(|e| self.storage_err(format!("{}: {e}", path.display())))?;
+            self.watermark = now;
+        }
+        Ok(())
+    }
+}

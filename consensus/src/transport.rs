@@ -1,0 +1,236 @@
+//! The gRPC side of a node: the generated protocol, the decoders of bytes that arrive from
+//! peers (pure, fuzzed and property-tested), the outgoing per-peer senders, and the `Client`
+//! that the CLI, benchmarks and joining nodes use.
+
+use crate::core::NodeStatus;
+use crate::error::{ConsensusError, Result};
+use crate::state::{ClusterState, Command, NodeId};
+use prost::Message as _;
+use protobuf::Message as _;
+use raft::prelude::{Message, MessageType};
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// The generated protocol (`proto/consensus.proto`).
+#[allow(missing_docs, clippy::all, clippy::pedantic)]
+pub mod pb {
+    tonic::include_proto!("limpet.consensus.v1");
+}
+
+/// Most raft messages one batch carries.
+pub const MAX_BATCH: usize = 256;
+
+/// Decodes the raft messages of a batch received from a peer, refusing batches of another
+/// cluster, messages that do not decode, and messages whose sender is not the batch's sender.
+pub fn decode_batch(batch: &pb::RaftBatch, cluster_id: u64, me: NodeId) -> Result<Vec<Message>> {
+    if batch.cluster_id != cluster_id {
+        return Err(ConsensusError::WrongCluster { expected: cluster_id, got: batch.cluster_id });
+    }
+    if batch.messages.len() > MAX_BATCH {
+        return Err(ConsensusError::Decode {
+            what: "raft batch",
+            detail: format!("{} messages (at most {MAX_BATCH})", batch.messages.len()),
+        });
+    }
+    let mut out = Vec::with_capacity(batch.messages.len());
+    for (i, raw) in batch.messages.iter().enumerate() {
+        let msg = Message::parse_from_bytes(raw).map_err(|e| ConsensusError::Decode {
+            what: "raft message",
+            detail: format!("message {i}: {e}"),
+        })?;
+        if msg.from != batch.from || msg.to != me {
+            return Err(ConsensusError::Decode {
+                what: "raft message",
+                detail: format!(
+                    "message {i} is from {} to {}, but the batch is from {} to node {me}",
+                    msg.from, msg.to, batch.from
+                ),
+            });
+        }
+        out.push(msg);
+    }
+    Ok(out)
+}
+
+/// Decodes a whole `RaftBatch` from its protobuf bytes (what the fuzzer feeds).
+pub fn decode_batch_bytes(bytes: &[u8], cluster_id: u64, me: NodeId) -> Result<Vec<Message>> {
+    let batch = pb::RaftBatch::decode(bytes)
+        .map_err(|e| ConsensusError::Decode { what: "raft batch", detail: e.to_string() })?;
+    decode_batch(&batch, cluster_id, me)
+}
+
+/// Encodes messages into a batch.
+pub fn encode_batch(cluster_id: u64, from: NodeId, msgs: &[Message]) -> pb::RaftBatch {
+    pb::RaftBatch {
+        cluster_id,
+        from,
+        messages: msgs.iter().map(|m| m.write_to_bytes().expect("raft messages encode")).collect(),
+    }
+}
+
+/// What a sender tells its node after a delivery attempt.
+#[derive(Debug)]
+pub enum PeerReport {
+    /// The peer could not be reached.
+    Unreachable(NodeId),
+    /// A snapshot did (true) or did not (false) reach the peer.
+    Snapshot(NodeId, bool),
+}
+
+/// A queue to one peer, drained by its own task so a slow peer never blocks the Ready loop.
+pub struct PeerSender {
+    /// The address the task sends to.
+    pub addr: String,
+    tx: mpsc::Sender<Message>,
+}
+
+impl PeerSender {
+    /// Starts the sender task for `to` at `addr`.
+    pub fn spawn(
+        cluster_id: u64,
+        from: NodeId,
+        to: NodeId,
+        addr: String,
+        reports: mpsc::UnboundedSender<PeerReport>,
+    ) -> PeerSender {
+        let (tx, mut rx) = mpsc::channel::<Message>(4096);
+        let target = addr.clone();
+        tokio::spawn(async move {
+            let mut client: Option<pb::consensus_client::ConsensusClient<tonic::transport::Channel>> = None;
+            while let Some(first) = rx.recv().await {
+                let mut msgs = vec![first];
+                while msgs.len() < MAX_BATCH {
+                    match rx.try_recv() {
+                        Ok(m) => msgs.push(m),
+                        Err(_) => break,
+                    }
+                }
+                let has_snapshot = msgs.iter().any(|m| m.get_msg_type() == MessageType::MsgSnapshot);
+                let batch = encode_batch(cluster_id, from, &msgs);
+                let c = client.get_or_insert_with(|| connect_lazy(&target));
+                let sent = tokio::time::timeout(Duration::from_secs(2), c.send(batch)).await;
+                let ok = matches!(sent, Ok(Ok(_)));
+                if !ok {
+                    client = None;
+                    let _ = reports.send(PeerReport::Unreachable(to));
+                    // Back off a little so a dead peer costs little; raft resends.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                if has_snapshot {
+                    let _ = reports.send(PeerReport::Snapshot(to, ok));
+                }
+            }
+        });
+        PeerSender { addr, tx }
+    }
+
+    /// Queues a message; drops it when the queue is full (raft retransmits).
+    pub fn send(&self, msg: Message) -> bool {
+        self.tx.try_send(msg).is_ok()
+    }
+}
+
+fn endpoint(addr: &str) -> Result<tonic::transport::Endpoint> {
+    tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .map(|e| e.connect_timeout(Duration::from_secs(1)).tcp_nodelay(true))
+        .map_err(|e| ConsensusError::Config(format!("address {addr:?}: {e}")))
+}
+
+fn connect_lazy(addr: &str) -> pb::consensus_client::ConsensusClient<tonic::transport::Channel> {
+    let channel = match endpoint(addr) {
+        Ok(e) => e.connect_lazy(),
+        // An address that does not parse came from the replicated state; sending to it fails
+        // and is reported like any unreachable peer.
+        Err(_) => tonic::transport::Endpoint::from_static("http://0.0.0.0:1").connect_lazy(),
+    };
+    pb::consensus_client::ConsensusClient::new(channel)
+}
+
+/// The answer to a read.
+#[derive(Clone, Debug)]
+pub struct ReadResult {
+    /// The cluster state.
+    pub state: ClusterState,
+    /// The index it reflects.
+    pub applied_index: u64,
+    /// Whether it is linearizable (read index) or this node's possibly stale copy.
+    pub linearizable: bool,
+    /// The leader the node knew.
+    pub leader: NodeId,
+    /// Its term.
+    pub term: u64,
+}
+
+/// A client of any node's `Consensus` service.
+#[derive(Clone)]
+pub struct Client {
+    cluster_id: u64,
+    inner: pb::consensus_client::ConsensusClient<tonic::transport::Channel>,
+}
+
+fn status_error(e: tonic::Status) -> ConsensusError {
+    match e.code() {
+        tonic::Code::FailedPrecondition => ConsensusError::Rejected(e.message().to_string()),
+        tonic::Code::DeadlineExceeded => {
+            ConsensusError::Timeout { waited: Duration::ZERO, what: "the node's answer" }
+        }
+        tonic::Code::Unavailable => ConsensusError::Transport(e.message().to_string()),
+        _ => ConsensusError::Transport(format!("{:?}: {}", e.code(), e.message())),
+    }
+}
+
+impl Client {
+    /// Connects to a node at `addr` (`host:port`) of cluster `cluster`.
+    pub async fn connect(addr: &str, cluster: &str) -> Result<Client> {
+        let channel = endpoint(addr)?
+            .connect()
+            .await
+            .map_err(|e| ConsensusError::Transport(format!("cannot reach {addr}: {e}")))?;
+        Ok(Client {
+            cluster_id: crate::state::cluster_id(cluster),
+            inner: pb::consensus_client::ConsensusClient::new(channel),
+        })
+    }
+
+    /// Proposes a command and waits until the node applied it; returns its log index and
+    /// what the state machine said.
+    pub async fn propose(&mut self, command: &Command, timeout: Duration) -> Result<(u64, String)> {
+        let req = pb::ProposeRequest {
+            cluster_id: self.cluster_id,
+            command: serde_json::to_vec(command).expect("commands serialize"),
+            timeout_ms: timeout.as_millis() as u64,
+        };
+        let reply = self.inner.propose(req).await.map_err(status_error)?.into_inner();
+        if reply.accepted {
+            Ok((reply.index, reply.detail))
+        } else {
+            Err(ConsensusError::Rejected(reply.detail))
+        }
+    }
+
+    /// Reads the cluster state, linearizable or from the node's own copy.
+    pub async fn read(&mut self, linearizable: bool) -> Result<ReadResult> {
+        let req = pb::ReadRequest { cluster_id: self.cluster_id, linearizable };
+        let r = self.inner.read(req).await.map_err(status_error)?.into_inner();
+        let state = serde_json::from_slice(&r.state)
+            .map_err(|e| ConsensusError::Decode { what: "cluster state", detail: e.to_string() })?;
+        Ok(ReadResult {
+            state,
+            applied_index: r.applied_index,
+            linearizable: r.linearizable,
+            leader: r.leader,
+            term: r.term,
+        })
+    }
+
+    /// The node's own view.
+    pub async fn status(&mut self) -> Result<NodeStatus> {
+        let r = self
+            .inner
+            .status(pb::StatusRequest { cluster_id: self.cluster_id })
+            .await
+            .map_err(status_error)?;
+        serde_json::from_slice(&r.into_inner().status)
+            .map_err(|e| ConsensusError::Decode { what: "node status", detail: e.to_string() })
+    }
+}
