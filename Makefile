@@ -26,13 +26,14 @@ $(ENV_MK) $(VENV_STAMP) $(DIGITS) &: deploy/setup.sh
 	bash deploy/setup.sh
 	touch $(ENV_MK) $(VENV_STAMP) $(DIGITS)
 
-.PHONY: help setup build test lint unit fuzz-check fuzz demo clean
+.PHONY: help setup build test lint unit fuzz-check fuzz bench demo clean
 
 help:
 	@echo "make test    set up, then lint and run every test"
 	@echo "make demo    set up, then train on real data, interrupt, resume, and report"
 	@echo "make setup   install libtorch (torch==$(TORCH_VERSION) from PyPI) and data into $(LIMPET_CACHE)"
 	@echo "make fuzz    run each fuzz target for FUZZ_SECONDS (default 60)"
+	@echo "make bench   measure: raft commit latency and throughput with 5 node processes"
 
 setup: $(ENV_MK)
 
@@ -56,6 +57,10 @@ fuzz: setup
 	command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 	cd fuzz && for t in $$(cargo fuzz list); do \
 	    RUSTC_BOOTSTRAP=1 cargo fuzz run $$t -- -max_total_time=$(FUZZ_SECONDS) || exit 1; done
+
+bench: build
+	$(LIMPET) bench raft --nodes 5 --proposals 1000
+	$(LIMPET) bench raft --nodes 3 --proposals 1000
 
 demo: build
 	rm -rf $(DEMO_DIR)

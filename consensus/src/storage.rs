@@ -256,6 +256,53 @@ fn entry_key(index: u64) -> [u8; 12] {
     k
 }
 
+/// One record of the sled layout, decoded.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StoredRecord {
+    /// `meta/identity`.
+    Identity(Identity),
+    /// `meta/hard_state`.
+    HardState(HardState),
+    /// `meta/snapshot`.
+    Snapshot(Snapshot),
+    /// `meta/applied_index`.
+    AppliedIndex(u64),
+    /// `meta/applied_conf`.
+    AppliedConf(ConfState),
+    /// `meta/applied_data`: kept encoded; `Core` decodes it with the cluster id.
+    AppliedData(Vec<u8>),
+    /// `log/<index>`: the key's index and the entry.
+    Entry(u64, Entry),
+}
+
+/// Decodes one stored record by its key. Every record the store reads passes through here,
+/// so a damaged record is reported by name instead of misread.
+pub fn decode_record(key: &[u8], value: &[u8]) -> std::result::Result<StoredRecord, String> {
+    fn pb<M: protobuf::Message>(v: &[u8]) -> std::result::Result<M, String> {
+        M::parse_from_bytes(v).map_err(|e| e.to_string())
+    }
+    match key {
+        KEY_IDENTITY => serde_json::from_slice(value).map(StoredRecord::Identity).map_err(|e| e.to_string()),
+        KEY_HARD_STATE => pb(value).map(StoredRecord::HardState),
+        KEY_SNAPSHOT => pb(value).map(StoredRecord::Snapshot),
+        KEY_APPLIED_INDEX => value
+            .try_into()
+            .map(|b| StoredRecord::AppliedIndex(u64::from_be_bytes(b)))
+            .map_err(|_| format!("{} bytes, not 8", value.len())),
+        KEY_APPLIED_CONF => pb(value).map(StoredRecord::AppliedConf),
+        KEY_APPLIED_DATA => Ok(StoredRecord::AppliedData(value.to_vec())),
+        k if k.len() == 12 && k.starts_with(ENTRY_PREFIX) => {
+            let index = u64::from_be_bytes(k[4..].try_into().expect("8 bytes"));
+            let entry: Entry = pb(value)?;
+            if entry.index != index {
+                return Err(format!("key says index {index}, record holds {}", entry.index));
+            }
+            Ok(StoredRecord::Entry(index, entry))
+        }
+        k => Err(format!("unknown key {:?}", String::from_utf8_lossy(k))),
+    }
+}
+
 /// The Raft log in a sled database: one tree, entries keyed by big-endian index, metadata
 /// records beside them. Index bounds, hard state and snapshot are cached in memory; entries
 /// are read from sled.
@@ -365,8 +412,10 @@ impl SledLog {
     fn check_identity(&mut self, expected: Identity) -> Result<()> {
         match self.get(KEY_IDENTITY)? {
             Some(raw) => {
-                let found: Identity =
-                    serde_json::from_slice(&raw).map_err(|e| self.corrupt("identity record", e))?;
+                let StoredRecord::Identity(found) = self.record("identity record", KEY_IDENTITY, &raw)?
+                else {
+                    unreachable!("decode_record maps the identity key to an identity")
+                };
                 if found.format != SLED_FORMAT {
                     return Err(self.corrupt(
                         "identity record",
@@ -404,16 +453,20 @@ impl SledLog {
         }
     }
 
-    fn decode_pb<M: protobuf::Message>(&self, what: &str, raw: &[u8]) -> Result<M> {
-        M::parse_from_bytes(raw).map_err(|e| self.corrupt(what, e))
+    fn record(&self, what: &str, key: &[u8], raw: &[u8]) -> Result<StoredRecord> {
+        decode_record(key, raw).map_err(|e| self.corrupt(what, e))
     }
 
     fn load(&mut self) -> Result<()> {
         if let Some(raw) = self.get(KEY_HARD_STATE)? {
-            self.hard_state = self.decode_pb("hard state", &raw)?;
+            if let StoredRecord::HardState(hs) = self.record("hard state", KEY_HARD_STATE, &raw)? {
+                self.hard_state = hs;
+            }
         }
         if let Some(raw) = self.get(KEY_SNAPSHOT)? {
-            self.snapshot = self.decode_pb("snapshot", &raw)?;
+            if let StoredRecord::Snapshot(snap) = self.record("snapshot", KEY_SNAPSHOT, &raw)? {
+                self.snapshot = snap;
+            }
         }
         self.applied = self.load_applied()?;
         let snap_index = self.snapshot.get_metadata().index;
@@ -421,11 +474,19 @@ impl SledLog {
         let mut prev_term = self.snapshot.get_metadata().term;
         for item in self.db.scan_prefix(ENTRY_PREFIX) {
             let (key, raw) = item.map_err(|e| self.storage_err(e))?;
-            let index =
-                u64::from_be_bytes(key[4..].try_into().map_err(|_| self.corrupt("log key", "not 8 bytes"))?);
+            let (index, entry) = match decode_record(&key, &raw) {
+                Ok(StoredRecord::Entry(index, entry)) => (index, entry),
+                Ok(_) => unreachable!("log keys decode to entries"),
+                Err(e) => {
+                    let what = match key.get(4..).and_then(|k| <[u8; 8]>::try_from(k).ok()) {
+                        Some(k) => format!("log entry {}", u64::from_be_bytes(k)),
+                        None => format!("log key {key:?}"),
+                    };
+                    return Err(self.corrupt(what, e));
+                }
+            };
             let what = format!("log entry {index}");
-            let entry: Entry = self.decode_pb(&what, &raw)?;
-            if entry.index != index || index != expected {
+            if index != expected {
                 return Err(
                     self.corrupt(what, format!("expected index {expected}, record holds {}", entry.index))
                 );
@@ -480,15 +541,20 @@ impl SledLog {
 
     fn load_applied(&self) -> Result<Option<AppliedState>> {
         let Some(raw_index) = self.get(KEY_APPLIED_INDEX)? else { return Ok(None) };
-        let index = u64::from_be_bytes(
-            raw_index.as_ref().try_into().map_err(|_| self.corrupt("applied index", "not 8 bytes"))?,
-        );
+        let StoredRecord::AppliedIndex(index) =
+            self.record("applied index", KEY_APPLIED_INDEX, &raw_index)?
+        else {
+            unreachable!("decode_record maps the applied-index key to an index")
+        };
         let conf_raw =
             self.get(KEY_APPLIED_CONF)?.ok_or_else(|| self.corrupt("applied configuration", "missing"))?;
         let data = self.get(KEY_APPLIED_DATA)?.ok_or_else(|| self.corrupt("applied state", "missing"))?;
         Ok(Some(AppliedState {
             index,
-            conf: self.decode_pb("applied configuration", &conf_raw)?,
+            conf: match self.record("applied configuration", KEY_APPLIED_CONF, &conf_raw)? {
+                StoredRecord::AppliedConf(c) => c,
+                _ => unreachable!("decode_record maps the conf key to a configuration"),
+            },
             data: data.to_vec(),
         }))
     }

@@ -171,10 +171,10 @@ pub struct Client {
 fn status_error(e: tonic::Status) -> ConsensusError {
     match e.code() {
         tonic::Code::FailedPrecondition => ConsensusError::Rejected(e.message().to_string()),
-        tonic::Code::DeadlineExceeded => {
-            ConsensusError::Timeout { waited: Duration::ZERO, what: "the node's answer" }
+        // The node's own words say what timed out and for how long.
+        tonic::Code::DeadlineExceeded | tonic::Code::Unavailable => {
+            ConsensusError::Transport(e.message().to_string())
         }
-        tonic::Code::Unavailable => ConsensusError::Transport(e.message().to_string()),
         _ => ConsensusError::Transport(format!("{:?}: {}", e.code(), e.message())),
     }
 }

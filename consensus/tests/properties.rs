@@ -6,8 +6,12 @@ use limpet_consensus::harness::Network;
 use limpet_consensus::state::{
     Command, Epoch, EpochBatch, Hardware, Layout, Proposal, ProposalId, SnapshotData, FORMAT_VERSION,
 };
+use limpet_consensus::storage::decode_record;
+use limpet_consensus::transport::{decode_batch, decode_batch_bytes, encode_batch};
 use limpet_consensus::{ClusterState, CoreConfig, NodeId};
 use proptest::prelude::*;
+use prost::Message as _;
+use raft::prelude::{Message, MessageType};
 use std::collections::BTreeMap;
 
 #[derive(Clone, Debug)]
@@ -143,5 +147,54 @@ proptest! {
         let data = SnapshotData { v, cluster_id: cluster, state: ClusterState::bootstrap("c", &[]) };
         let ok = SnapshotData::decode(&data.encode(), 2).is_ok();
         prop_assert_eq!(ok, v == FORMAT_VERSION && cluster == 2);
+    }
+
+    #[test]
+    fn raft_batches_of_garbage_are_refused_without_panicking(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        let _ = decode_batch_bytes(&bytes, 7, 1);
+    }
+
+    #[test]
+    fn raft_batches_round_trip_and_foreign_ones_are_refused(
+        n in 0usize..8, term in any::<u64>(), index in any::<u64>(), cluster in 6u64..9, to in 1u64..3,
+    ) {
+        let msgs: Vec<Message> = (0..n)
+            .map(|i| {
+                let mut m = Message { from: 2, to, term, index: index.wrapping_add(i as u64), ..Default::default() };
+                m.set_msg_type(MessageType::MsgHeartbeat);
+                m
+            })
+            .collect();
+        let bytes = encode_batch(cluster, 2, &msgs).encode_to_vec();
+        let decoded = decode_batch_bytes(&bytes, 7, 1);
+        if cluster == 7 && (to == 1 || n == 0) {
+            prop_assert_eq!(&decoded.unwrap(), &msgs);
+        } else {
+            prop_assert!(decoded.is_err());
+        }
+        // A batch claiming another sender than its messages is refused too.
+        let mut lying = encode_batch(7, 3, &msgs);
+        lying.from = 3;
+        prop_assert_eq!(decode_batch(&lying, 7, 1).is_ok(), n == 0);
+    }
+
+    #[test]
+    fn stored_records_of_garbage_are_refused_without_panicking(
+        key in proptest::collection::vec(any::<u8>(), 0..16),
+        value in proptest::collection::vec(any::<u8>(), 0..256),
+        known in 0usize..7,
+    ) {
+        let keys: [&[u8]; 6] = [b"meta/identity", b"meta/hard_state", b"meta/snapshot",
+            b"meta/applied_index", b"meta/applied_conf", b"meta/applied_data"];
+        let _ = decode_record(&key, &value);
+        if known < 6 {
+            let _ = decode_record(keys[known], &value);
+        }
+        let mut entry_key = b"log/".to_vec();
+        entry_key.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 5]);
+        if let Ok(limpet_consensus::storage::StoredRecord::Entry(i, e)) = decode_record(&entry_key, &value) {
+            prop_assert_eq!(i, 5);
+            prop_assert_eq!(e.index, 5);
+        }
     }
 }

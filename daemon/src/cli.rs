@@ -17,6 +17,20 @@ pub struct Cli {
 pub enum Command {
     /// Train a model in this process, checkpointing to --out.
     Train(TrainArgs),
+    /// Run one membership-log node (Raft over gRPC, sled storage) without training; the
+    /// benchmarks and multi-process tests start these.
+    RaftNode(crate::raft_cmd::RaftNodeArgs),
+    /// Measure a part of limpet on this machine.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+/// `limpet bench ...`.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Commit latency (p50, p99) and throughput of membership proposals, N node processes on
+    /// loopback.
+    Raft(crate::raft_cmd::BenchRaftArgs),
 }
 
 /// Model families.
@@ -119,5 +133,7 @@ pub struct TrainArgs {
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Train(args) => crate::train_cmd::run(args),
+        Command::RaftNode(args) => crate::raft_cmd::run_node(args),
+        Command::Bench(BenchCommand::Raft(args)) => crate::raft_cmd::bench(args),
     }
 }

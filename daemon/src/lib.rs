@@ -6,6 +6,7 @@
 
 pub mod cli;
 mod plot;
+pub mod raft_cmd;
 mod train_cmd;
 
 /// Exit status for bad usage (sysexits' EX_USAGE): a flag, argument or combination is wrong.
@@ -23,6 +24,13 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
     use limpet_trainer::TrainerError;
     if e.downcast_ref::<UsageError>().is_some() {
         return EXIT_USAGE;
+    }
+    if let Some(c) = e.downcast_ref::<limpet_consensus::ConsensusError>() {
+        return match c {
+            limpet_consensus::ConsensusError::Config(_) => EXIT_USAGE,
+            c if c.is_fatal() => EXIT_DATA,
+            _ => 1,
+        };
     }
     match e.downcast_ref::<TrainerError>() {
         Some(TrainerError::Snapshot(_) | TrainerError::Mismatch(_) | TrainerError::Data { .. }) => EXIT_DATA,

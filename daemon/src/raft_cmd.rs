@@ -1,0 +1,385 @@
+//! `limpet raft-node` (one membership-log node in its own process, without training) and
+//! `limpet bench raft` (N such processes on loopback, measuring how fast membership
+//! proposals commit). `LocalCluster` starts and stops the processes for both the benchmark
+//! and the multi-process tests.
+
+use crate::UsageError;
+use anyhow::{bail, Context};
+use clap::Args;
+use limpet_consensus::state::{Command, Hardware, MemberSpec};
+use limpet_consensus::{Client, Node, NodeConfig, NodeStatus};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// `limpet raft-node`.
+#[derive(Debug, Args)]
+pub struct RaftNodeArgs {
+    /// Raft id of this node (non-zero).
+    #[arg(long)]
+    pub id: u64,
+    /// Name of this node [default: node-ID].
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Cluster name; nodes of other clusters are refused.
+    #[arg(long, default_value = "limpet")]
+    pub cluster: String,
+    /// gRPC listen address.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// State directory (the sled log lives in DIR/consensus).
+    #[arg(long, value_name = "DIR")]
+    pub dir: PathBuf,
+    /// Founding members, `ID=ADDR` each, the same list on every founder.
+    #[arg(long, value_name = "ID=ADDR", value_delimiter = ',')]
+    pub bootstrap: Vec<String>,
+    /// Address of a member to join through (for nodes that are not founders).
+    #[arg(long, value_name = "ADDR")]
+    pub seed: Vec<String>,
+    /// Milliseconds per raft tick (elections after 10-20 ticks).
+    #[arg(long, default_value_t = 100)]
+    pub tick_ms: u64,
+}
+
+/// Parses `ID=ADDR` founder entries.
+pub fn parse_founders(entries: &[String]) -> Result<Vec<MemberSpec>, UsageError> {
+    entries
+        .iter()
+        .map(|e| {
+            let (id, addr) = e
+                .split_once('=')
+                .ok_or_else(|| UsageError(format!("--bootstrap entry {e:?} is not ID=ADDR")))?;
+            let id: u64 =
+                id.parse().ok().filter(|&i| i != 0).ok_or_else(|| {
+                    UsageError(format!("--bootstrap entry {e:?}: {id:?} is not a non-zero id"))
+                })?;
+            addr.parse::<SocketAddr>()
+                .map_err(|err| UsageError(format!("--bootstrap entry {e:?}: address {addr:?}: {err}")))?;
+            Ok(MemberSpec {
+                id,
+                name: format!("node-{id}"),
+                control_addr: addr.to_string(),
+                data_addr: String::new(),
+                hardware: Hardware::default(),
+            })
+        })
+        .collect()
+}
+
+/// Runs one node until SIGTERM, SIGINT or a fatal storage error.
+pub fn run_node(args: RaftNodeArgs) -> anyhow::Result<()> {
+    if args.id == 0 {
+        bail!(UsageError("--id must be non-zero (raft reserves 0)".into()));
+    }
+    if args.tick_ms == 0 {
+        bail!(UsageError("--tick-ms must be positive".into()));
+    }
+    let founders = parse_founders(&args.bootstrap)?;
+    if !founders.is_empty() && !founders.iter().any(|f| f.id == args.id) {
+        bail!(UsageError(format!("--bootstrap does not list this node's id {}", args.id)));
+    }
+    let name = args.name.clone().unwrap_or_else(|| format!("node-{}", args.id));
+    let mut cfg = NodeConfig::new(args.id, &args.cluster, &name, args.listen, args.dir.clone());
+    cfg.tick = Duration::from_millis(args.tick_ms);
+    cfg.seeds = args.seed.clone();
+    if let Some(me) = founders.iter().find(|f| f.id == args.id) {
+        cfg.advertise = me.control_addr.clone();
+    }
+    cfg.bootstrap = (!founders.is_empty()).then_some(founders);
+    tracing_init();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(async move {
+        let shutdown = CancellationToken::new();
+        let node = Node::start(cfg, shutdown.clone()).await?;
+        println!("listening on {}", node.addr());
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                .expect("SIGTERM handler");
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+                _ = stop.cancelled() => {}
+            }
+            stop.cancel();
+        });
+        node.wait().await.map_err(anyhow::Error::from)
+    })
+}
+
+fn tracing_init() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("LIMPET_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,raft=warn"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+/// Node processes on loopback, killed when dropped.
+pub struct LocalCluster {
+    exe: PathBuf,
+    dir: PathBuf,
+    cluster: String,
+    tick_ms: u64,
+    /// Founders' `ID=ADDR` list.
+    founders: Vec<String>,
+    /// Each node's address, by id - 1.
+    pub addrs: Vec<String>,
+    children: Vec<Option<Child>>,
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+impl LocalCluster {
+    /// Starts `n` nodes of `exe raft-node` under `dir`, all founders (voters).
+    pub fn start(exe: &Path, n: usize, dir: &Path, tick_ms: u64) -> anyhow::Result<LocalCluster> {
+        let addrs: Vec<String> =
+            (0..n).map(|_| free_port().map(|p| format!("127.0.0.1:{p}"))).collect::<anyhow::Result<_>>()?;
+        let founders = addrs.iter().enumerate().map(|(i, a)| format!("{}={a}", i + 1)).collect();
+        let mut c = LocalCluster {
+            exe: exe.to_path_buf(),
+            dir: dir.to_path_buf(),
+            cluster: "limpet-local".into(),
+            tick_ms,
+            founders,
+            addrs,
+            children: (0..n).map(|_| None).collect(),
+        };
+        for id in 1..=n as u64 {
+            c.spawn(id)?;
+        }
+        Ok(c)
+    }
+
+    /// The cluster name the nodes use.
+    pub fn cluster(&self) -> &str {
+        &self.cluster
+    }
+
+    /// (Re)starts node `id` from its state directory.
+    pub fn spawn(&mut self, id: u64) -> anyhow::Result<()> {
+        let i = (id - 1) as usize;
+        let node_dir = self.dir.join(format!("node-{id}"));
+        std::fs::create_dir_all(&node_dir)?;
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(node_dir.join("node.log"))?;
+        let child = std::process::Command::new(&self.exe)
+            .arg("raft-node")
+            .args(["--id", &id.to_string(), "--cluster", &self.cluster, "--listen", &self.addrs[i]])
+            .arg("--dir")
+            .arg(&node_dir)
+            .args(["--bootstrap", &self.founders.join(","), "--tick-ms", &self.tick_ms.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {}", self.exe.display()))?;
+        self.children[i] = Some(child);
+        Ok(())
+    }
+
+    /// Kills node `id` with SIGKILL (no chance to flush or say goodbye).
+    pub fn kill(&mut self, id: u64) {
+        if let Some(mut c) = self.children[(id - 1) as usize].take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// A client of node `id`.
+    pub async fn client(&self, id: u64) -> anyhow::Result<Client> {
+        Ok(Client::connect(&self.addrs[(id - 1) as usize], &self.cluster).await?)
+    }
+
+    /// Every live node's status (None where the node does not answer).
+    pub async fn statuses(&self) -> Vec<Option<NodeStatus>> {
+        let mut out = Vec::new();
+        for (i, child) in self.children.iter().enumerate() {
+            let status = match child {
+                Some(_) => match self.client(i as u64 + 1).await {
+                    Ok(mut c) => c.status().await.ok(),
+                    Err(_) => None,
+                },
+                None => None,
+            };
+            out.push(status);
+        }
+        out
+    }
+
+    /// Waits until a leader is known by every live node, and returns it.
+    pub async fn wait_for_leader(&self, within: Duration) -> anyhow::Result<u64> {
+        let start = Instant::now();
+        loop {
+            let statuses = self.statuses().await;
+            let live: Vec<&NodeStatus> = statuses.iter().flatten().collect();
+            let alive = self.children.iter().filter(|c| c.is_some()).count();
+            if live.len() == alive {
+                if let Some(l) = live.iter().find(|s| s.role == "leader") {
+                    if live.iter().all(|s| s.leader == l.id) {
+                        return Ok(l.id);
+                    }
+                }
+            }
+            if start.elapsed() > within {
+                bail!("no leader after {within:?}; node logs are in {}", self.dir.display());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for LocalCluster {
+    fn drop(&mut self) {
+        for c in self.children.iter_mut().flatten() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// `limpet bench raft`.
+#[derive(Debug, Args)]
+pub struct BenchRaftArgs {
+    /// Nodes (processes) in the cluster.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=9))]
+    pub nodes: u64,
+    /// Proposals per phase.
+    #[arg(long, default_value_t = 1000)]
+    pub proposals: u64,
+    /// Proposals in flight during the throughput phase.
+    #[arg(long, default_value_t = 32)]
+    pub concurrency: u64,
+    /// Where the nodes keep their state [default: a temporary directory].
+    #[arg(long, value_name = "DIR")]
+    pub dir: Option<PathBuf>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The benchmark's findings.
+#[derive(Debug, serde::Serialize)]
+pub struct RaftBenchReport {
+    /// Nodes.
+    pub nodes: u64,
+    /// Proposals per phase.
+    pub proposals: u64,
+    /// Sequential commit latency, milliseconds.
+    pub latency_ms: Percentiles,
+    /// Proposals per second with `concurrency` in flight.
+    pub throughput_per_sec: f64,
+    /// In flight during the throughput phase.
+    pub concurrency: u64,
+    /// Log index at the end (every proposal is one entry).
+    pub final_index: u64,
+}
+
+/// Latency percentiles.
+#[derive(Debug, serde::Serialize)]
+pub struct Percentiles {
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// Slowest.
+    pub max: f64,
+}
+
+fn percentiles(mut xs: Vec<f64>) -> Percentiles {
+    xs.sort_by(f64::total_cmp);
+    let at = |q: f64| xs[((xs.len() as f64 - 1.0) * q).round() as usize];
+    Percentiles { p50: at(0.5), p90: at(0.9), p99: at(0.99), max: at(1.0) }
+}
+
+fn bump(id: u64, n: u64) -> Command {
+    Command::UpdateHardware { id, hardware: Hardware { samples_per_sec_milli: n, ..Hardware::default() } }
+}
+
+/// Runs the benchmark.
+pub fn bench(args: BenchRaftArgs) -> anyhow::Result<()> {
+    if args.proposals == 0 || args.concurrency == 0 {
+        bail!(UsageError("--proposals and --concurrency must be positive".into()));
+    }
+    let tmp = tempfile::tempdir()?;
+    let dir = args.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
+    let exe = std::env::current_exe()?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let report = rt.block_on(bench_async(&exe, &dir, &args))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        let l = &report.latency_ms;
+        println!("raft membership log, {} nodes on loopback (sled, fsync per batch)", report.nodes);
+        println!("  commit latency, one at a time ({} proposals):", report.proposals);
+        println!("    p50 {:.2} ms   p90 {:.2} ms   p99 {:.2} ms   max {:.2} ms", l.p50, l.p90, l.p99, l.max);
+        println!(
+            "  throughput with {} in flight: {:.0} proposals/s",
+            report.concurrency, report.throughput_per_sec
+        );
+        let verdict = if l.p99 < 20.0 { "meets" } else { "misses" };
+        println!("  goal p99 < 20 ms with 5 nodes: {verdict} it at {} nodes", report.nodes);
+    }
+    Ok(())
+}
+
+async fn bench_async(exe: &Path, dir: &Path, args: &BenchRaftArgs) -> anyhow::Result<RaftBenchReport> {
+    let cluster = LocalCluster::start(exe, args.nodes as usize, dir, 100)?;
+    let leader = cluster.wait_for_leader(Duration::from_secs(30)).await?;
+    let mut client = cluster.client(leader).await?;
+    let bar = indicatif::ProgressBar::new(args.proposals * 2);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{msg:>12} [{bar:30}] {pos}/{len} proposals")
+            .expect("template")
+            .progress_chars("=> "),
+    );
+    if args.json {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    bar.set_message("latency");
+    // Warm the connection and the leader's path first.
+    for n in 0..10 {
+        client.propose(&bump(leader, n), Duration::from_secs(5)).await?;
+    }
+    let mut lat = Vec::with_capacity(args.proposals as usize);
+    for n in 0..args.proposals {
+        let t = Instant::now();
+        client.propose(&bump(1 + n % args.nodes, n), Duration::from_secs(5)).await?;
+        lat.push(t.elapsed().as_secs_f64() * 1e3);
+        bar.inc(1);
+    }
+    bar.set_message("throughput");
+    let start = Instant::now();
+    let per_task = args.proposals.div_ceil(args.concurrency);
+    let mut tasks = tokio::task::JoinSet::new();
+    for t in 0..args.concurrency {
+        let mut c = client.clone();
+        let bar = bar.clone();
+        let nodes = args.nodes;
+        let count = per_task.min(args.proposals.saturating_sub(t * per_task));
+        tasks.spawn(async move {
+            for n in 0..count {
+                c.propose(&bump(1 + (t + n) % nodes, n), Duration::from_secs(10)).await?;
+                bar.inc(1);
+            }
+            anyhow::Ok(())
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r??;
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    let final_index = client.status().await?.applied;
+    Ok(RaftBenchReport {
+        nodes: args.nodes,
+        proposals: args.proposals,
+        latency_ms: percentiles(lat),
+        throughput_per_sec: args.proposals as f64 / elapsed,
+        concurrency: args.concurrency,
+        final_index,
+    })
+}

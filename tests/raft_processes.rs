@@ -1,0 +1,86 @@
+//! Real processes: three `limpet raft-node`s on loopback with sled state directories. The
+//! leader is killed with SIGKILL; a new leader must commit within a few seconds, and the
+//! killed node, restarted from its directory, must catch up with its log intact.
+
+use limpet_consensus::state::{Command, Hardware};
+use limpet_daemon::raft_cmd::LocalCluster;
+use std::time::{Duration, Instant};
+
+fn bump(id: u64, n: u64) -> Command {
+    Command::UpdateHardware { id, hardware: Hardware { samples_per_sec_milli: n, ..Hardware::default() } }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_leader_elects_another_and_the_restarted_node_catches_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_limpet"));
+    let mut cluster = LocalCluster::start(exe, 3, dir.path(), 50).unwrap();
+    let leader = cluster.wait_for_leader(Duration::from_secs(20)).await.unwrap();
+
+    let mut c = cluster.client(leader).await.unwrap();
+    for n in 0..20 {
+        c.propose(&bump(1 + n % 3, n), Duration::from_secs(5)).await.unwrap();
+    }
+    let before = c.status().await.unwrap().commit;
+
+    cluster.kill(leader);
+    let killed_at = Instant::now();
+    let survivor = (1..=3).find(|&i| i != leader).unwrap();
+    let mut s = cluster.client(survivor).await.unwrap();
+    // Proposals through a survivor wait for the new leader and then commit.
+    let (index, _) = loop {
+        match s.propose(&bump(survivor, 1000), Duration::from_secs(2)).await {
+            Ok(ok) => break ok,
+            Err(e) if killed_at.elapsed() < Duration::from_secs(10) => eprintln!("waiting: {e}"),
+            Err(e) => panic!("no commit {:?} after killing the leader: {e}", killed_at.elapsed()),
+        }
+    };
+    let failover = killed_at.elapsed();
+    assert!(index > before);
+    assert!(failover < Duration::from_secs(5), "new leader committed only after {failover:?}");
+    let new_leader = cluster.wait_for_leader(Duration::from_secs(5)).await.unwrap();
+    assert_ne!(new_leader, leader);
+    eprintln!("failover: {failover:?} (leader {leader} -> {new_leader})");
+
+    // The killed node comes back from its sled directory and catches up.
+    cluster.spawn(leader).unwrap();
+    let mut back = loop {
+        if let Ok(client) = cluster.client(leader).await {
+            break client;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let st = back.status().await.unwrap();
+        if st.applied >= index {
+            // It restarted from disk, not from scratch: its log starts where it left off.
+            assert!(st.term > 1);
+            break;
+        }
+        assert!(Instant::now() < deadline, "restarted node stuck at {st:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let local = back.read(false).await.unwrap();
+    assert!(!local.linearizable);
+    assert_eq!(local.state.members[&survivor].spec.hardware.samples_per_sec_milli, 1000);
+    let linear = back.read(true).await.unwrap();
+    assert!(linear.linearizable);
+    assert!(linear.applied_index >= index);
+    let mut l = cluster.client(new_leader).await.unwrap();
+    assert_eq!(l.read(true).await.unwrap().state, linear.state);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_refuses_requests_for_another_cluster() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_limpet"));
+    let cluster = LocalCluster::start(exe, 1, dir.path(), 50).unwrap();
+    cluster.wait_for_leader(Duration::from_secs(20)).await.unwrap();
+    let mut wrong = limpet_consensus::Client::connect(&cluster.addrs[0], "someone-else").await.unwrap();
+    let err = wrong.status().await.unwrap_err();
+    assert!(err.to_string().contains("this node serves cluster"), "{err}");
+    let mut right = cluster.client(1).await.unwrap();
+    let err = right.propose(&Command::Activate { id: 42 }, Duration::from_secs(5)).await.unwrap_err();
+    assert!(err.to_string().contains("node 42 is not a member"), "{err}");
+}
