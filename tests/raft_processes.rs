@@ -84,3 +84,66 @@ async fn a_node_refuses_requests_for_another_cluster() {
     let err = right.propose(&Command::Activate { id: 42 }, Duration::from_secs(5)).await.unwrap_err();
     assert!(err.to_string().contains("node 42 is not a member"), "{err}");
 }
+
+/// Polls the leader's status until `done` holds.
+async fn wait_for_status(
+    cluster: &LocalCluster,
+    within: Duration,
+    what: &str,
+    done: impl Fn(&limpet_consensus::NodeStatus) -> bool,
+) -> limpet_consensus::NodeStatus {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Ok(leader) = cluster.wait_for_leader(Duration::from_secs(5)).await {
+            if let Ok(mut c) = cluster.client(leader).await {
+                if let Ok(st) = c.status().await {
+                    if done(&st) {
+                        return st;
+                    }
+                    assert!(Instant::now() < deadline, "{what}: still {st:?}");
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_voter_is_replaced_by_a_joined_learner_and_a_revoked_leader_hands_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_limpet"));
+    let mut cluster = LocalCluster::start(exe, 3, dir.path(), 50).unwrap();
+    cluster.wait_for_leader(Duration::from_secs(20)).await.unwrap();
+    let newcomer = cluster.add_joiner().unwrap();
+    wait_for_status(&cluster, Duration::from_secs(10), "newcomer admitted as a learner", |s| {
+        s.learners.contains(&newcomer)
+    })
+    .await;
+
+    // A spot notice for a voter that does not lead: swapped for the learner in one change.
+    let leader = cluster.wait_for_leader(Duration::from_secs(5)).await.unwrap();
+    let victim = (1..=3).find(|&i| i != leader).unwrap();
+    let mut c = cluster.client(newcomer).await.unwrap();
+    let notice = Command::Notice { id: victim, deadline_ms: u64::MAX, source: "test".into() };
+    c.propose(&notice, Duration::from_secs(5)).await.unwrap();
+    let st = wait_for_status(&cluster, Duration::from_secs(10), "voter swap", |s| {
+        s.voters.contains(&newcomer) && !s.voters.contains(&victim) && s.voters_outgoing.is_empty()
+    })
+    .await;
+    assert_eq!(st.voters.len(), 3);
+    assert!(st.last_decision.contains(&format!("voter {victim} is Leaving")), "{}", st.last_decision);
+    cluster.kill(victim);
+
+    // A notice for the leader: it hands leadership over, then leaves the voters.
+    let notice = Command::Notice { id: leader, deadline_ms: u64::MAX, source: "test".into() };
+    c.propose(&notice, Duration::from_secs(5)).await.unwrap();
+    let st = wait_for_status(&cluster, Duration::from_secs(10), "leader handover", |s| {
+        s.id != leader && !s.voters.contains(&leader) && s.voters_outgoing.is_empty()
+    })
+    .await;
+    cluster.kill(leader);
+    // Two voters remain and still commit.
+    assert_eq!(st.voters.len(), 2, "{st:?}");
+    let (index, _) = c.propose(&bump(newcomer, 7), Duration::from_secs(5)).await.unwrap();
+    assert!(index > st.commit);
+}

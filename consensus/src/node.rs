@@ -67,7 +67,7 @@ impl NodeConfig {
 }
 
 enum Request {
-    Raft(Vec<raft::prelude::Message>),
+    Raft { from: NodeId, from_addr: String, msgs: Vec<raft::prelude::Message> },
     Propose { command: Command, deadline: Instant, reply: ProposeReply },
     Read { linearizable: bool, deadline: Instant, reply: oneshot::Sender<Result<ReadResult>> },
     Status { reply: oneshot::Sender<NodeStatus> },
@@ -115,7 +115,8 @@ pub struct Node {
 
 impl Node {
     /// Opens the state directory, binds the server and starts the node. A founder with an
-    /// empty directory bootstraps; a non-founder asks its seeds to admit it.
+    /// empty directory bootstraps; a non-founder asks its seeds to admit it. Needs a
+    /// multi-threaded tokio runtime (the sled flush runs in `block_in_place`).
     pub async fn start(cfg: NodeConfig, shutdown: CancellationToken) -> Result<Node> {
         let cid = cluster_id(&cfg.core.cluster);
         let identity = Identity { format: SLED_FORMAT, cluster_id: cid, node_id: cfg.core.id };
@@ -169,6 +170,7 @@ impl Node {
             retry: Vec::new(),
             next_seq: 1,
             me,
+            learned: HashMap::new(),
         };
         let task = tokio::spawn(looper.run(rx, shutdown.clone()));
         Ok(Node { handle, addr, task, shutdown })
@@ -243,6 +245,7 @@ struct Loop {
     retry: Vec<Request>,
     next_seq: u64,
     me: MemberSpec,
+    learned: HashMap<NodeId, String>,
 }
 
 impl Loop {
@@ -305,7 +308,10 @@ impl Loop {
 
     fn handle(&mut self, req: Request) {
         match req {
-            Request::Raft(msgs) => {
+            Request::Raft { from, from_addr, msgs } => {
+                if !from_addr.is_empty() && self.learned.get(&from) != Some(&from_addr) {
+                    self.learned.insert(from, from_addr);
+                }
                 for m in msgs {
                     let (from, kind) = (m.from, m.get_msg_type());
                     if let Err(why) = self.core.step(m) {
@@ -409,12 +415,15 @@ impl Loop {
         self.retry.clear();
     }
 
-    /// The address of a peer: from the replicated members, else the founding members.
+    /// The address of a peer: from the replicated members, else the founding members, else
+    /// what the peer said when it wrote to us (a new node knows no members until its first
+    /// snapshot arrives, but must answer the leader that sends it).
     fn address_of(&self, id: NodeId) -> Option<String> {
         if let Some(m) = self.core.state().members.get(&id) {
             return Some(m.spec.control_addr.clone());
         }
-        self.cfg.bootstrap.as_ref()?.iter().find(|m| m.id == id).map(|m| m.control_addr.clone())
+        let founder = self.cfg.bootstrap.as_ref().and_then(|b| b.iter().find(|m| m.id == id));
+        founder.map(|m| m.control_addr.clone()).or_else(|| self.learned.get(&id).cloned())
     }
 
     fn send(&mut self, msg: raft::prelude::Message, reports: &mpsc::UnboundedSender<PeerReport>) {
@@ -426,8 +435,8 @@ impl Loop {
         };
         let stale = self.peers.get(&to).is_none_or(|p| p.addr != addr);
         if stale {
-            let sender =
-                PeerSender::spawn(self.core.cluster_id(), self.cfg.core.id, to, addr, reports.clone());
+            let me = (self.cfg.core.id, self.me.control_addr.clone());
+            let sender = PeerSender::spawn(self.core.cluster_id(), me, to, addr, reports.clone());
             self.peers.insert(to, sender);
         }
         if !self.peers[&to].send(msg) {
@@ -481,7 +490,7 @@ impl pb::consensus_server::Consensus for Service {
             tonic::Status::from(e)
         })?;
         // A full queue means the node is behind; dropping is safe, raft retransmits.
-        let _ = self.tx.try_send(Request::Raft(msgs));
+        let _ = self.tx.try_send(Request::Raft { from: batch.from, from_addr: batch.from_addr, msgs });
         Ok(tonic::Response::new(pb::SendAck {}))
     }
 

@@ -64,6 +64,7 @@ pub fn encode_batch(cluster_id: u64, from: NodeId, msgs: &[Message]) -> pb::Raft
     pb::RaftBatch {
         cluster_id,
         from,
+        from_addr: String::new(),
         messages: msgs.iter().map(|m| m.write_to_bytes().expect("raft messages encode")).collect(),
     }
 }
@@ -88,7 +89,7 @@ impl PeerSender {
     /// Starts the sender task for `to` at `addr`.
     pub fn spawn(
         cluster_id: u64,
-        from: NodeId,
+        (from, from_addr): (NodeId, String),
         to: NodeId,
         addr: String,
         reports: mpsc::UnboundedSender<PeerReport>,
@@ -106,7 +107,8 @@ impl PeerSender {
                     }
                 }
                 let has_snapshot = msgs.iter().any(|m| m.get_msg_type() == MessageType::MsgSnapshot);
-                let batch = encode_batch(cluster_id, from, &msgs);
+                let mut batch = encode_batch(cluster_id, from, &msgs);
+                batch.from_addr.clone_from(&from_addr);
                 let c = client.get_or_insert_with(|| connect_lazy(&target));
                 let sent = tokio::time::timeout(Duration::from_secs(2), c.send(batch)).await;
                 let ok = matches!(sent, Ok(Ok(_)));

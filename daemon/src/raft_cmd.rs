@@ -133,10 +133,13 @@ fn free_port() -> anyhow::Result<u16> {
 }
 
 impl LocalCluster {
-    /// Starts `n` nodes of `exe raft-node` under `dir`, all founders (voters).
+    /// Starts `n` nodes of `exe raft-node` under `dir`: up to five founders (the voters), and
+    /// the rest join through node 1 as learners.
     pub fn start(exe: &Path, n: usize, dir: &Path, tick_ms: u64) -> anyhow::Result<LocalCluster> {
-        let addrs: Vec<String> =
-            (0..n).map(|_| free_port().map(|p| format!("127.0.0.1:{p}"))).collect::<anyhow::Result<_>>()?;
+        let n_founders = n.min(5);
+        let addrs: Vec<String> = (0..n_founders)
+            .map(|_| free_port().map(|p| format!("127.0.0.1:{p}")))
+            .collect::<anyhow::Result<_>>()?;
         let founders = addrs.iter().enumerate().map(|(i, a)| format!("{}={a}", i + 1)).collect();
         let mut c = LocalCluster {
             exe: exe.to_path_buf(),
@@ -145,10 +148,13 @@ impl LocalCluster {
             tick_ms,
             founders,
             addrs,
-            children: (0..n).map(|_| None).collect(),
+            children: (0..n_founders).map(|_| None).collect(),
         };
-        for id in 1..=n as u64 {
+        for id in 1..=n_founders as u64 {
             c.spawn(id)?;
+        }
+        for _ in n_founders..n {
+            c.add_joiner()?;
         }
         Ok(c)
     }
@@ -158,9 +164,24 @@ impl LocalCluster {
         &self.cluster
     }
 
+    /// Starts one more node that is not a founder: it asks node 1 to admit it. Returns its id.
+    pub fn add_joiner(&mut self) -> anyhow::Result<u64> {
+        self.addrs.push(format!("127.0.0.1:{}", free_port()?));
+        self.children.push(None);
+        let id = self.addrs.len() as u64;
+        self.spawn(id)?;
+        Ok(id)
+    }
+
     /// (Re)starts node `id` from its state directory.
     pub fn spawn(&mut self, id: u64) -> anyhow::Result<()> {
         let i = (id - 1) as usize;
+        let founders = self.founders.join(",");
+        let membership = if i < self.founders.len() {
+            ["--bootstrap", founders.as_str()]
+        } else {
+            ["--seed", self.addrs[0].as_str()]
+        };
         let node_dir = self.dir.join(format!("node-{id}"));
         std::fs::create_dir_all(&node_dir)?;
         let log = std::fs::OpenOptions::new().create(true).append(true).open(node_dir.join("node.log"))?;
@@ -169,7 +190,8 @@ impl LocalCluster {
             .args(["--id", &id.to_string(), "--cluster", &self.cluster, "--listen", &self.addrs[i]])
             .arg("--dir")
             .arg(&node_dir)
-            .args(["--bootstrap", &self.founders.join(","), "--tick-ms", &self.tick_ms.to_string()])
+            .args(membership)
+            .args(["--tick-ms", &self.tick_ms.to_string()])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
@@ -320,8 +342,10 @@ pub fn bench(args: BenchRaftArgs) -> anyhow::Result<()> {
             "  throughput with {} in flight: {:.0} proposals/s",
             report.concurrency, report.throughput_per_sec
         );
-        let verdict = if l.p99 < 20.0 { "meets" } else { "misses" };
-        println!("  goal p99 < 20 ms with 5 nodes: {verdict} it at {} nodes", report.nodes);
+        if report.nodes == 5 {
+            let verdict = if l.p99 < 20.0 { "met" } else { "missed" };
+            println!("  goal p99 < 20 ms with 5 nodes: {verdict}");
+        }
     }
     Ok(())
 }
