@@ -1,0 +1,313 @@
+//! One agent's data-plane listener and the handshake every connection passes.
+//!
+//! Handshake (all records fixed-size):
+//! 1. the connector sends `Hello {cluster, node, epoch, channel, nonce_c}`;
+//! 2. the acceptor checks cluster and epoch and answers `[0, nonce_s]`, or `[code]` and
+//!    closes (1: other cluster, 2: stale epoch);
+//! 3. the connector sends `HMAC(secret, "client" || hello || nonce_s)`;
+//! 4. the acceptor verifies it and answers `[0, HMAC(secret, "server" || hello || nonce_s)]`,
+//!    or `[3]` and closes; the connector verifies the acceptor's proof in turn.
+//!
+//! Only then does the connection carry frames. Accepted connections wait in an inbox keyed by
+//! (epoch, peer, channel) until a `Group` (or the handoff) takes them.
+
+use crate::dataplane::frame::{Channel, Hello, HELLO_LEN};
+use crate::dataplane::ring::Group;
+use crate::dataplane::DataPlaneError;
+use hmac::{KeyInit, Mac};
+use rand::RngCore;
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+type HmacSha256 = hmac::Hmac<sha2::Sha256>;
+
+/// How an agent's data plane is set up.
+#[derive(Clone)]
+pub struct DataPlaneConfig {
+    /// The cluster's id (the hash of its name).
+    pub cluster_id: u64,
+    /// This node.
+    pub node: u64,
+    /// The shared cluster secret (at least 16 bytes).
+    pub secret: Vec<u8>,
+    /// A collective or handshake that makes no progress for this long fails.
+    pub timeout: Duration,
+    /// Bytes per frame of a collective (the pipelining grain).
+    pub chunk_bytes: usize,
+}
+
+impl DataPlaneConfig {
+    /// Defaults: 5 s timeout, 512 KiB chunks.
+    pub fn new(cluster_id: u64, node: u64, secret: Vec<u8>) -> DataPlaneConfig {
+        DataPlaneConfig { cluster_id, node, secret, timeout: Duration::from_secs(5), chunk_bytes: 512 << 10 }
+    }
+
+    fn validate(&self) -> Result<(), DataPlaneError> {
+        if self.secret.len() < 16 {
+            return Err(DataPlaneError::Config(format!(
+                "the cluster secret has {} bytes; at least 16 are needed",
+                self.secret.len()
+            )));
+        }
+        if self.chunk_bytes < 4096 || self.chunk_bytes > crate::dataplane::frame::MAX_PAYLOAD as usize {
+            return Err(DataPlaneError::Config(format!("chunk size {} out of range", self.chunk_bytes)));
+        }
+        if self.timeout.is_zero() {
+            return Err(DataPlaneError::Config("timeout must be positive".into()));
+        }
+        Ok(())
+    }
+}
+
+type InboxKey = (u64, u64, Channel);
+
+struct Shared {
+    cfg: DataPlaneConfig,
+    min_epoch: AtomicU64,
+    inbox: Mutex<HashMap<InboxKey, TcpStream>>,
+    arrived: Condvar,
+    stop: AtomicBool,
+}
+
+/// An agent's data-plane endpoint: a listener thread and the connections it accepted.
+pub struct Endpoint {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+}
+
+const REFUSED_CLUSTER: u8 = 1;
+const REFUSED_EPOCH: u8 = 2;
+const REFUSED_PROOF: u8 = 3;
+
+fn proof(secret: &[u8], role: &[u8], hello: &[u8], nonce: &[u8]) -> HmacSha256 {
+    let mut mac = <HmacSha256 as KeyInit>::new_from_slice(secret).expect("HMAC takes any key length");
+    mac.update(b"limpet data plane v1 ");
+    mac.update(role);
+    mac.update(hello);
+    mac.update(nonce);
+    mac
+}
+
+impl Endpoint {
+    /// Binds `addr` (port 0 picks one) and starts accepting.
+    pub fn bind(addr: SocketAddr, cfg: DataPlaneConfig) -> Result<Endpoint, DataPlaneError> {
+        cfg.validate()?;
+        let listener = TcpListener::bind(addr).map_err(DataPlaneError::io(format!("binding {addr}")))?;
+        let addr = listener.local_addr().map_err(DataPlaneError::io("reading the bound address"))?;
+        let shared = Arc::new(Shared {
+            cfg,
+            min_epoch: AtomicU64::new(0),
+            inbox: Mutex::new(HashMap::new()),
+            arrived: Condvar::new(),
+            stop: AtomicBool::new(false),
+        });
+        let accept = Arc::clone(&shared);
+        std::thread::Builder::new()
+            .name("limpet-dp-accept".into())
+            .spawn(move || accept_loop(listener, accept))
+            .map_err(DataPlaneError::io("starting the accept thread"))?;
+        Ok(Endpoint { shared, addr })
+    }
+
+    /// The bound address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// This endpoint's configuration.
+    pub fn config(&self) -> &DataPlaneConfig {
+        &self.shared.cfg
+    }
+
+    /// Refuses connections for epochs before `epoch` from now on and drops queued ones.
+    pub fn set_min_epoch(&self, epoch: u64) {
+        self.shared.min_epoch.fetch_max(epoch, Ordering::SeqCst);
+        let mut inbox = self.shared.inbox.lock().expect("inbox lock");
+        inbox.retain(|(e, _, _), _| *e >= epoch);
+    }
+
+    /// Connects to `peer` at `addr` for `epoch`, retrying refused connections until the
+    /// timeout (the peer may still be starting), and runs the handshake.
+    pub fn connect(
+        &self,
+        addr: &str,
+        peer: u64,
+        epoch: u64,
+        channel: Channel,
+    ) -> Result<TcpStream, DataPlaneError> {
+        let cfg = &self.shared.cfg;
+        let deadline = Instant::now() + cfg.timeout;
+        let stream = loop {
+            match TcpStream::connect(addr) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() < deadline => {
+                    tracing::trace!(peer, addr, %e, "connect retry");
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => {
+                    return Err(DataPlaneError::Io {
+                        what: format!("connecting to node {peer} at {addr}"),
+                        source: e,
+                    })
+                }
+            }
+        };
+        stream.set_nodelay(true).map_err(DataPlaneError::io("setting TCP_NODELAY"))?;
+        client_handshake(&stream, cfg, epoch, channel, peer)?;
+        Ok(stream)
+    }
+
+    /// Waits for the authenticated connection from `peer` for `epoch` on `channel`.
+    pub fn accept_from(&self, peer: u64, epoch: u64, channel: Channel) -> Result<TcpStream, DataPlaneError> {
+        let timeout = self.shared.cfg.timeout;
+        let deadline = Instant::now() + timeout;
+        let mut inbox = self.shared.inbox.lock().expect("inbox lock");
+        loop {
+            if let Some(s) = inbox.remove(&(epoch, peer, channel)) {
+                return Ok(s);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(DataPlaneError::Timeout {
+                    peer,
+                    waited: timeout,
+                    during: format!("waiting for node {peer} to connect for epoch {epoch}"),
+                });
+            }
+            inbox = self.shared.arrived.wait_timeout(inbox, deadline - now).expect("inbox lock").0;
+        }
+    }
+
+    /// Builds the collective group of `epoch`: `ranks` in rank order (node ids) and their
+    /// data addresses; this node must be among them.
+    pub fn group(&self, epoch: u64, ranks: &[u64], addrs: &[String]) -> Result<Group, DataPlaneError> {
+        Group::connect(self, epoch, ranks, addrs)
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        // Wake the accept loop so it sees the flag.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(100));
+    }
+}
+
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    for conn in listener.incoming() {
+        if shared.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(stream) = conn else { continue };
+        let shared = Arc::clone(&shared);
+        // Each handshake on its own thread: a slow or hostile peer cannot stall the others.
+        let _ = std::thread::Builder::new().name("limpet-dp-hs".into()).spawn(move || {
+            let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+            match server_handshake(&stream, &shared) {
+                Ok(hello) => {
+                    let _ = stream.set_nodelay(true);
+                    let mut inbox = shared.inbox.lock().expect("inbox lock");
+                    inbox.insert((hello.epoch, hello.node, hello.channel), stream);
+                    shared.arrived.notify_all();
+                }
+                Err(e) => tracing::warn!(node = shared.cfg.node, peer, %e, "data-plane connection refused"),
+            }
+        });
+    }
+}
+
+fn read_exact(s: &TcpStream, buf: &mut [u8], what: &str) -> Result<(), DataPlaneError> {
+    (&*s).read_exact(buf).map_err(DataPlaneError::io(what))
+}
+
+fn write_all(s: &TcpStream, buf: &[u8], what: &str) -> Result<(), DataPlaneError> {
+    (&*s).write_all(buf).map_err(DataPlaneError::io(what))
+}
+
+fn server_handshake(s: &TcpStream, shared: &Shared) -> Result<Hello, DataPlaneError> {
+    let cfg = &shared.cfg;
+    s.set_read_timeout(Some(cfg.timeout)).map_err(DataPlaneError::io("setting a read timeout"))?;
+    s.set_write_timeout(Some(cfg.timeout)).map_err(DataPlaneError::io("setting a write timeout"))?;
+    let mut raw = [0u8; HELLO_LEN];
+    read_exact(s, &mut raw, "reading the hello")?;
+    let hello = Hello::decode(&raw)?;
+    if hello.cluster_id != cfg.cluster_id {
+        let _ = write_all(s, &[REFUSED_CLUSTER], "refusing");
+        return Err(DataPlaneError::Refused(format!(
+            "node {} belongs to cluster {:#018x}, not {:#018x}",
+            hello.node, hello.cluster_id, cfg.cluster_id
+        )));
+    }
+    let min = shared.min_epoch.load(Ordering::SeqCst);
+    if hello.epoch < min {
+        let _ = write_all(s, &[REFUSED_EPOCH], "refusing");
+        return Err(DataPlaneError::Refused(format!(
+            "node {} speaks epoch {}, older than epoch {min}",
+            hello.node, hello.epoch
+        )));
+    }
+    let mut nonce = [0u8; 16];
+    rand::rng().fill_bytes(&mut nonce);
+    let mut challenge = [0u8; 17];
+    challenge[1..].copy_from_slice(&nonce);
+    write_all(s, &challenge, "sending the challenge")?;
+    let mut client_mac = [0u8; 32];
+    read_exact(s, &mut client_mac, "reading the client's proof")?;
+    if proof(&cfg.secret, b"client", &raw, &nonce).verify_slice(&client_mac).is_err() {
+        let _ = write_all(s, &[REFUSED_PROOF], "refusing");
+        return Err(DataPlaneError::Refused(format!("node {} does not know the cluster secret", hello.node)));
+    }
+    let mut reply = [0u8; 33];
+    reply[1..].copy_from_slice(&proof(&cfg.secret, b"server", &raw, &nonce).finalize().into_bytes());
+    write_all(s, &reply, "sending the server's proof")?;
+    s.set_read_timeout(None).map_err(DataPlaneError::io("clearing the read timeout"))?;
+    s.set_write_timeout(None).map_err(DataPlaneError::io("clearing the write timeout"))?;
+    Ok(hello)
+}
+
+fn refusal(code: u8, peer: u64) -> DataPlaneError {
+    DataPlaneError::Refused(match code {
+        REFUSED_CLUSTER => format!("node {peer} serves another cluster"),
+        REFUSED_EPOCH => format!("node {peer} is past this epoch"),
+        REFUSED_PROOF => format!("node {peer} rejected our proof (different cluster secret?)"),
+        c => format!("node {peer} answered with unknown code {c}"),
+    })
+}
+
+fn client_handshake(
+    s: &TcpStream,
+    cfg: &DataPlaneConfig,
+    epoch: u64,
+    channel: Channel,
+    peer: u64,
+) -> Result<(), DataPlaneError> {
+    s.set_read_timeout(Some(cfg.timeout)).map_err(DataPlaneError::io("setting a read timeout"))?;
+    let mut nonce = [0u8; 16];
+    rand::rng().fill_bytes(&mut nonce);
+    let hello = Hello { cluster_id: cfg.cluster_id, node: cfg.node, epoch, channel, nonce }.encode();
+    write_all(s, &hello, "sending the hello")?;
+    let mut code = [0u8; 1];
+    read_exact(s, &mut code, "reading the challenge").map_err(|_| refusal(255, peer))?;
+    if code[0] != 0 {
+        return Err(refusal(code[0], peer));
+    }
+    let mut server_nonce = [0u8; 16];
+    read_exact(s, &mut server_nonce, "reading the challenge")?;
+    let mac = proof(&cfg.secret, b"client", &hello, &server_nonce).finalize().into_bytes();
+    write_all(s, &mac, "sending our proof")?;
+    read_exact(s, &mut code, "reading the verdict").map_err(|_| refusal(REFUSED_PROOF, peer))?;
+    if code[0] != 0 {
+        return Err(refusal(code[0], peer));
+    }
+    let mut server_mac = [0u8; 32];
+    read_exact(s, &mut server_mac, "reading the server's proof")?;
+    if proof(&cfg.secret, b"server", &hello, &server_nonce).verify_slice(&server_mac).is_err() {
+        return Err(DataPlaneError::Refused(format!("node {peer} does not know the cluster secret")));
+    }
+    s.set_read_timeout(None).map_err(DataPlaneError::io("clearing the read timeout"))?;
+    Ok(())
+}

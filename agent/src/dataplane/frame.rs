@@ -1,0 +1,147 @@
+//! The data plane's frame header and handshake messages, as fixed-size little-endian
+//! records. Every decoder here reads bytes that come from the network and is fuzzed
+//! (`fuzz/fuzz_targets/dataplane_frame.rs`) and property-tested.
+
+use crate::dataplane::DataPlaneError;
+
+/// First bytes of every header and hello: "LMPD".
+pub const MAGIC: [u8; 4] = *b"LMPD";
+/// Protocol version spoken by this build.
+pub const VERSION: u16 = 1;
+/// Bytes of a frame header.
+pub const HEADER_LEN: usize = 32;
+/// Largest payload one frame may carry.
+pub const MAX_PAYLOAD: u32 = 16 << 20;
+
+/// What a frame carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// A chunk of a collective's buffer.
+    Data = 1,
+    /// The sender gave up on the collective (it saw an error); the receiver must too.
+    Abort = 2,
+}
+
+/// A frame header: which collective (epoch, step, sequence number) and how many bytes follow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    /// What follows.
+    pub kind: Kind,
+    /// The epoch the sender is in.
+    pub epoch: u64,
+    /// The training step.
+    pub step: u64,
+    /// The collective's number within this group (0, 1, ...).
+    pub seq: u32,
+    /// Payload bytes after the header.
+    pub len: u32,
+}
+
+impl Header {
+    /// Encodes the header.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[..4].copy_from_slice(&MAGIC);
+        b[4] = self.kind as u8;
+        b[8..16].copy_from_slice(&self.epoch.to_le_bytes());
+        b[16..24].copy_from_slice(&self.step.to_le_bytes());
+        b[24..28].copy_from_slice(&self.seq.to_le_bytes());
+        b[28..32].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Decodes a header, refusing bad magic, unknown kinds, nonzero padding and oversized
+    /// payloads.
+    pub fn decode(b: &[u8]) -> Result<Header, DataPlaneError> {
+        let bad = |d: String| DataPlaneError::Protocol(format!("frame header: {d}"));
+        if b.len() != HEADER_LEN {
+            return Err(bad(format!("{} bytes, expected {HEADER_LEN}", b.len())));
+        }
+        if b[..4] != MAGIC {
+            return Err(bad(format!("magic {:02x?}", &b[..4])));
+        }
+        let kind = match b[4] {
+            1 => Kind::Data,
+            2 => Kind::Abort,
+            k => return Err(bad(format!("unknown kind {k}"))),
+        };
+        if b[5..8] != [0, 0, 0] {
+            return Err(bad("nonzero padding".into()));
+        }
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        let len = u32_at(28);
+        if len > MAX_PAYLOAD {
+            return Err(bad(format!("payload of {len} bytes (at most {MAX_PAYLOAD})")));
+        }
+        Ok(Header { kind, epoch: u64_at(8), step: u64_at(16), seq: u32_at(24), len })
+    }
+}
+
+/// Which use a connection is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Channel {
+    /// The ring of a collective group (from the left neighbour).
+    Ring = 1,
+    /// State handoff.
+    Handoff = 2,
+}
+
+/// Bytes of a `Hello`.
+pub const HELLO_LEN: usize = 56;
+
+/// What a connecting peer says first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// The cluster's id (hash of its name).
+    pub cluster_id: u64,
+    /// The connecting node.
+    pub node: u64,
+    /// The epoch it connects for.
+    pub epoch: u64,
+    /// What the connection is for.
+    pub channel: Channel,
+    /// Fresh randomness, so a recorded handshake cannot be replayed.
+    pub nonce: [u8; 16],
+}
+
+impl Hello {
+    /// Encodes the hello.
+    pub fn encode(&self) -> [u8; HELLO_LEN] {
+        let mut b = [0u8; HELLO_LEN];
+        b[..4].copy_from_slice(&MAGIC);
+        b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        b[6] = self.channel as u8;
+        b[8..16].copy_from_slice(&self.cluster_id.to_le_bytes());
+        b[16..24].copy_from_slice(&self.node.to_le_bytes());
+        b[24..32].copy_from_slice(&self.epoch.to_le_bytes());
+        b[32..48].copy_from_slice(&self.nonce);
+        b
+    }
+
+    /// Decodes a hello, refusing other magics, versions and channels.
+    pub fn decode(b: &[u8]) -> Result<Hello, DataPlaneError> {
+        let bad = |d: String| DataPlaneError::Protocol(format!("hello: {d}"));
+        if b.len() != HELLO_LEN {
+            return Err(bad(format!("{} bytes, expected {HELLO_LEN}", b.len())));
+        }
+        if b[..4] != MAGIC {
+            return Err(bad(format!("magic {:02x?} (not a limpet data-plane peer)", &b[..4])));
+        }
+        let version = u16::from_le_bytes([b[4], b[5]]);
+        if version != VERSION {
+            return Err(bad(format!("protocol version {version} (this build speaks {VERSION})")));
+        }
+        let channel = match b[6] {
+            1 => Channel::Ring,
+            2 => Channel::Handoff,
+            c => return Err(bad(format!("unknown channel {c}"))),
+        };
+        if b[7] != 0 || b[48..] != [0u8; 8] {
+            return Err(bad("nonzero padding".into()));
+        }
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        let nonce = b[32..48].try_into().expect("16 bytes");
+        Ok(Hello { cluster_id: u64_at(8), node: u64_at(16), epoch: u64_at(24), channel, nonce })
+    }
+}

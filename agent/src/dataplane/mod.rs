@@ -1,0 +1,80 @@
+//! The agent-to-agent data plane: authenticated TCP connections between agents and the
+//! collectives that synchronous data-parallel training runs every step.
+//!
+//! - `frame`: the fixed-size header every frame carries (epoch, step, sequence, length) and
+//!   the handshake's hello;
+//! - `endpoint`: one listener per agent; connections prove they know the cluster secret
+//!   (HMAC-SHA256 challenge-response, both ways) before any of their bytes are used, and are
+//!   queued by (epoch, peer, channel) until a group takes them;
+//! - `ring`: a `Group` of ranks in epoch order and its collectives (ring allreduce as
+//!   reduce-scatter + allgather, broadcast, allgather, barrier), chunked and pipelined over
+//!   non-blocking sockets so sending, receiving and summing overlap, each bounded by a
+//!   timeout: a dead or silent peer is an error on every survivor, never a hang.
+
+pub mod endpoint;
+pub mod frame;
+pub mod ring;
+
+pub use endpoint::{DataPlaneConfig, Endpoint};
+pub use ring::Group;
+
+/// What can go wrong on the data plane.
+#[derive(Debug, thiserror::Error)]
+pub enum DataPlaneError {
+    /// A socket operation failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// A peer closed its connection or vanished.
+    #[error("peer {peer} closed the connection during {during}")]
+    PeerClosed {
+        /// The peer's node id.
+        peer: u64,
+        /// Which collective or phase.
+        during: String,
+    },
+    /// Nothing arrived (or could be sent) for the whole timeout.
+    #[error("no progress for {waited:?} during {during} (peer {peer} silent or dead)")]
+    Timeout {
+        /// The peer waited on.
+        peer: u64,
+        /// How long.
+        waited: std::time::Duration,
+        /// Which collective or phase.
+        during: String,
+    },
+    /// A peer gave up on the collective and said so.
+    #[error("peer {peer} aborted {during}")]
+    PeerAborted {
+        /// Who.
+        peer: u64,
+        /// Which collective.
+        during: String,
+    },
+    /// Bytes that do not follow the protocol.
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+    /// A frame of another epoch, step or collective.
+    #[error("stale frame: {0}")]
+    Stale(String),
+    /// A peer failed the handshake (no secret, other cluster, stale epoch).
+    #[error("handshake refused: {0}")]
+    Refused(String),
+    /// The group saw an error before; it must be rebuilt for the next epoch.
+    #[error("the group is broken by an earlier error: {0}")]
+    Broken(String),
+    /// Bad arguments (world, rank order, addresses).
+    #[error("configuration: {0}")]
+    Config(String),
+}
+
+impl DataPlaneError {
+    pub(crate) fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DataPlaneError {
+        let what = what.into();
+        move |source| DataPlaneError::Io { what, source }
+    }
+}

@@ -1,0 +1,495 @@
+//! A collective group: the ranks of one epoch on a ring, each with a connection to its right
+//! neighbour (sending) and one from its left (receiving).
+//!
+//! Every collective is compiled into a *plan*: the chunks to send in order, each possibly
+//! waiting for a received chunk, and the chunks to receive in order, each added into or
+//! copied over the buffer. One thread drives the plan over non-blocking sockets with
+//! poll(2): it writes whatever is ready, reads whatever has arrived, sums a chunk as soon as
+//! it is whole and sends it on, so sending, receiving and summing overlap. A collective that
+//! makes no progress for the timeout fails; any failure closes both sockets, so neighbours
+//! fail at once instead of waiting out their own timeouts, and the error travels the ring.
+//!
+//! Ring allreduce is reduce-scatter then allgather (each rank sends 2(W-1)/W of the buffer).
+//! Each segment is summed in one order around the ring and then copied, so every rank ends
+//! with bit-identical results. Payloads are the host's little-endian f32 bytes.
+
+use crate::dataplane::endpoint::Endpoint;
+use crate::dataplane::frame::{Channel, Header, Kind, HEADER_LEN};
+use crate::dataplane::DataPlaneError;
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::ops::Range;
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    Add,
+    Copy,
+}
+
+#[derive(Debug)]
+struct SendItem {
+    range: Range<usize>,
+    /// Index of the received chunk this one must wait for.
+    after: Option<usize>,
+}
+
+#[derive(Debug)]
+struct RecvItem {
+    range: Range<usize>,
+    op: Op,
+}
+
+#[derive(Debug, Default)]
+struct Plan {
+    sends: Vec<SendItem>,
+    recvs: Vec<RecvItem>,
+}
+
+/// The ranks of one epoch, connected in a ring.
+pub struct Group {
+    epoch: u64,
+    rank: usize,
+    ranks: Vec<u64>,
+    timeout: Duration,
+    chunk_elems: usize,
+    right: Option<TcpStream>,
+    left: Option<TcpStream>,
+    seq: u32,
+    broken: Option<String>,
+    scratch: Vec<f32>,
+}
+
+impl Group {
+    pub(crate) fn connect(
+        ep: &Endpoint,
+        epoch: u64,
+        ranks: &[u64],
+        addrs: &[String],
+    ) -> Result<Group, DataPlaneError> {
+        let me = ep.config().node;
+        let world = ranks.len();
+        if world == 0 || addrs.len() != world {
+            return Err(DataPlaneError::Config(format!("{world} ranks but {} addresses", addrs.len())));
+        }
+        let mut sorted = ranks.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.len() != world {
+            return Err(DataPlaneError::Config(format!("rank order {ranks:?} lists a node twice")));
+        }
+        let rank = ranks
+            .iter()
+            .position(|&r| r == me)
+            .ok_or_else(|| DataPlaneError::Config(format!("node {me} is not in the rank order {ranks:?}")))?;
+        let mut g = Group {
+            epoch,
+            rank,
+            ranks: ranks.to_vec(),
+            timeout: ep.config().timeout,
+            chunk_elems: ep.config().chunk_bytes / 4,
+            right: None,
+            left: None,
+            seq: 0,
+            broken: None,
+            scratch: vec![0.0; ep.config().chunk_bytes / 4],
+        };
+        if world > 1 {
+            let right = (rank + 1) % world;
+            let left = (rank + world - 1) % world;
+            let out = ep.connect(&addrs[right], ranks[right], epoch, Channel::Ring)?;
+            let inc = ep.accept_from(ranks[left], epoch, Channel::Ring)?;
+            for s in [&out, &inc] {
+                s.set_nonblocking(true).map_err(DataPlaneError::io("making a socket non-blocking"))?;
+            }
+            g.right = Some(out);
+            g.left = Some(inc);
+        }
+        Ok(g)
+    }
+
+    /// Number of ranks.
+    pub fn world(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// This node's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The epoch the group serves.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    fn segment(&self, n: usize, i: usize) -> Range<usize> {
+        let w = self.world();
+        i * n / w..(i + 1) * n / w
+    }
+
+    fn chunks(&self, r: Range<usize>) -> Vec<Range<usize>> {
+        let mut out = Vec::new();
+        let mut s = r.start;
+        while s < r.end {
+            let e = (s + self.chunk_elems).min(r.end);
+            out.push(s..e);
+            s = e;
+        }
+        out
+    }
+
+    /// Plans a ring pass: at step `g`, send block `send_block(g)` and receive block
+    /// `recv_block(g)` with `op(g)`; a send at step g > 0 waits for the same chunk received
+    /// at step g - 1 (the ring forwards what it just received).
+    fn ring_plan(
+        &self,
+        blocks: &[Range<usize>],
+        steps: usize,
+        send_block: impl Fn(usize) -> usize,
+        recv_block: impl Fn(usize) -> usize,
+        op: impl Fn(usize) -> Op,
+    ) -> Plan {
+        let mut plan = Plan::default();
+        let mut prev_recv_start = 0;
+        for g in 0..steps {
+            let send_chunks = self.chunks(blocks[send_block(g)].clone());
+            for (c, range) in send_chunks.into_iter().enumerate() {
+                let after = (g > 0).then_some(prev_recv_start + c);
+                plan.sends.push(SendItem { range, after });
+            }
+            prev_recv_start = plan.recvs.len();
+            for range in self.chunks(blocks[recv_block(g)].clone()) {
+                plan.recvs.push(RecvItem { range, op: op(g) });
+            }
+        }
+        plan
+    }
+
+    fn check(&self) -> Result<(), DataPlaneError> {
+        match &self.broken {
+            Some(why) => Err(DataPlaneError::Broken(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Replaces `buf` with the elementwise sum of every rank's `buf`.
+    pub fn allreduce_sum(&mut self, buf: &mut [f32], step: u64) -> Result<(), DataPlaneError> {
+        self.check()?;
+        let w = self.world();
+        if w == 1 {
+            return Ok(());
+        }
+        let r = self.rank;
+        let blocks: Vec<Range<usize>> = (0..w).map(|i| self.segment(buf.len(), i)).collect();
+        let rs = w - 1;
+        let plan = self.ring_plan(
+            &blocks,
+            2 * (w - 1),
+            |g| if g < rs { (r + w - g) % w } else { (r + 1 + w - (g - rs)) % w },
+            |g| if g < rs { (r + 2 * w - g - 1) % w } else { (r + w - (g - rs)) % w },
+            |g| if g < rs { Op::Add } else { Op::Copy },
+        );
+        self.run(&plan, buf, step, "allreduce")
+    }
+
+    /// Copies `root`'s `buf` (rank index) to every rank, pipelined along the ring.
+    pub fn broadcast(&mut self, buf: &mut [f32], root: usize, step: u64) -> Result<(), DataPlaneError> {
+        self.check()?;
+        let w = self.world();
+        if root >= w {
+            return Err(DataPlaneError::Config(format!("broadcast root {root} in a world of {w}")));
+        }
+        if w == 1 {
+            return Ok(());
+        }
+        let chunks = self.chunks(0..buf.len());
+        let mut plan = Plan::default();
+        let last = (root + w - 1) % w;
+        if self.rank != root {
+            plan.recvs = chunks.iter().map(|c| RecvItem { range: c.clone(), op: Op::Copy }).collect();
+        }
+        if self.rank != last {
+            let relay = self.rank != root;
+            plan.sends = chunks
+                .into_iter()
+                .enumerate()
+                .map(|(i, range)| SendItem { range, after: relay.then_some(i) })
+                .collect();
+        }
+        self.run(&plan, buf, step, "broadcast")
+    }
+
+    /// Gathers every rank's `mine` into `out`, rank by rank (`out` holds world x mine).
+    pub fn allgather(&mut self, mine: &[f32], out: &mut [f32], step: u64) -> Result<(), DataPlaneError> {
+        self.check()?;
+        let (w, m, r) = (self.world(), mine.len(), self.rank);
+        if out.len() != w * m {
+            return Err(DataPlaneError::Config(format!(
+                "allgather output holds {}, not {w} x {m}",
+                out.len()
+            )));
+        }
+        out[r * m..(r + 1) * m].copy_from_slice(mine);
+        if w == 1 {
+            return Ok(());
+        }
+        let blocks: Vec<Range<usize>> = (0..w).map(|i| i * m..(i + 1) * m).collect();
+        let plan =
+            self.ring_plan(&blocks, w - 1, |g| (r + w - g) % w, |g| (r + 2 * w - g - 1) % w, |_| Op::Copy);
+        self.run(&plan, out, step, "allgather")
+    }
+
+    /// Returns once every rank has called it (or fails like any collective).
+    pub fn barrier(&mut self, step: u64) -> Result<(), DataPlaneError> {
+        let mut one = [1.0f32];
+        self.allreduce_sum(&mut one, step)?;
+        if one[0] != self.world() as f32 {
+            return Err(DataPlaneError::Protocol(format!(
+                "barrier counted {} of {} ranks",
+                one[0],
+                self.world()
+            )));
+        }
+        Ok(())
+    }
+
+    fn run(&mut self, plan: &Plan, buf: &mut [f32], step: u64, what: &str) -> Result<(), DataPlaneError> {
+        let seq = self.seq;
+        self.seq = self.seq.wrapping_add(1);
+        let during = format!("{what} #{seq} of step {step}, epoch {}", self.epoch);
+        match self.drive(plan, buf, step, seq, &during) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.break_group(&e, step, seq);
+                Err(e)
+            }
+        }
+    }
+
+    /// Tells the right neighbour we gave up, then closes both sockets so both neighbours
+    /// see the failure at once.
+    fn break_group(&mut self, e: &DataPlaneError, step: u64, seq: u32) {
+        self.broken = Some(e.to_string());
+        if let Some(right) = &self.right {
+            let abort = Header { kind: Kind::Abort, epoch: self.epoch, step, seq, len: 0 }.encode();
+            let _ = (&*right).write(&abort);
+        }
+        for s in [&self.right, &self.left].into_iter().flatten() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    fn drive(
+        &mut self,
+        plan: &Plan,
+        buf: &mut [f32],
+        step: u64,
+        seq: u32,
+        during: &str,
+    ) -> Result<(), DataPlaneError> {
+        let w = self.world();
+        let right_peer = self.ranks[(self.rank + 1) % w];
+        let left_peer = self.ranks[(self.rank + w - 1) % w];
+        let (Some(right), Some(left)) = (self.right.as_ref(), self.left.as_ref()) else {
+            return Ok(());
+        };
+        let closed = |peer| DataPlaneError::PeerClosed { peer, during: during.to_string() };
+        let header =
+            |len: usize| Header { kind: Kind::Data, epoch: self.epoch, step, seq, len: len as u32 }.encode();
+
+        let (mut si, mut sent) = (0usize, 0usize);
+        let mut send_hdr = plan.sends.first().map(|s| header(s.range.len() * 4)).unwrap_or([0; HEADER_LEN]);
+        let (mut ri, mut hdr_got, mut got) = (0usize, 0usize, 0usize);
+        let mut recv_hdr = [0u8; HEADER_LEN];
+        let mut last_progress = Instant::now();
+
+        while si < plan.sends.len() || ri < plan.recvs.len() {
+            let mut progressed = false;
+            // Send whatever is ready.
+            while si < plan.sends.len() && plan.sends[si].after.is_none_or(|a| a < ri) {
+                let item = &plan.sends[si];
+                let payload: &[u8] = bytemuck::cast_slice(&buf[item.range.clone()]);
+                let res = if sent < HEADER_LEN {
+                    (&*right).write(&send_hdr[sent..])
+                } else {
+                    (&*right).write(&payload[sent - HEADER_LEN..])
+                };
+                match res {
+                    Ok(0) => return Err(closed(right_peer)),
+                    Ok(n) => {
+                        sent += n;
+                        progressed = true;
+                        if sent == HEADER_LEN + payload.len() {
+                            si += 1;
+                            sent = 0;
+                            if let Some(next) = plan.sends.get(si) {
+                                send_hdr = header(next.range.len() * 4);
+                            }
+                        }
+                    }
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    Err(e) if is_disconnect(&e) => return Err(closed(right_peer)),
+                    Err(e) => {
+                        return Err(DataPlaneError::Io {
+                            what: format!("sending to node {right_peer}"),
+                            source: e,
+                        })
+                    }
+                }
+            }
+            // Receive whatever has arrived.
+            while ri < plan.recvs.len() {
+                let item = &plan.recvs[ri];
+                let bytes = item.range.len() * 4;
+                let res = if hdr_got < HEADER_LEN {
+                    (&*left).read(&mut recv_hdr[hdr_got..])
+                } else if item.op == Op::Copy {
+                    let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut buf[item.range.clone()]);
+                    (&*left).read(&mut dst[got..])
+                } else {
+                    let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut self.scratch[..item.range.len()]);
+                    (&*left).read(&mut dst[got..])
+                };
+                match res {
+                    Ok(0) => return Err(closed(left_peer)),
+                    Ok(n) => {
+                        progressed = true;
+                        if hdr_got < HEADER_LEN {
+                            hdr_got += n;
+                            if hdr_got == HEADER_LEN {
+                                self.check_header(&recv_hdr, step, seq, bytes, left_peer, during)?;
+                            }
+                        } else {
+                            got += n;
+                        }
+                        if hdr_got == HEADER_LEN && got == bytes {
+                            if item.op == Op::Add {
+                                for (d, s) in buf[item.range.clone()].iter_mut().zip(&self.scratch) {
+                                    *d += *s;
+                                }
+                            }
+                            ri += 1;
+                            hdr_got = 0;
+                            got = 0;
+                        }
+                    }
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    Err(e) if is_disconnect(&e) => return Err(closed(left_peer)),
+                    Err(e) => {
+                        return Err(DataPlaneError::Io {
+                            what: format!("receiving from node {left_peer}"),
+                            source: e,
+                        })
+                    }
+                }
+            }
+            if si >= plan.sends.len() && ri >= plan.recvs.len() {
+                break;
+            }
+            let now = Instant::now();
+            if progressed {
+                last_progress = now;
+                continue;
+            }
+            let idle = now - last_progress;
+            let want_send = si < plan.sends.len() && plan.sends[si].after.is_none_or(|a| a < ri);
+            let want_recv = ri < plan.recvs.len();
+            if idle >= self.timeout {
+                let peer = if want_recv { left_peer } else { right_peer };
+                return Err(DataPlaneError::Timeout {
+                    peer,
+                    waited: self.timeout,
+                    during: during.to_string(),
+                });
+            }
+            let wait = (self.timeout - idle).min(Duration::from_millis(500));
+            let mut fds = Vec::with_capacity(2);
+            if want_send {
+                fds.push(PollFd::new(right.as_fd(), PollFlags::POLLOUT));
+            }
+            if want_recv {
+                fds.push(PollFd::new(left.as_fd(), PollFlags::POLLIN));
+            }
+            let ms = PollTimeout::try_from(wait.as_millis().max(1) as i32).unwrap_or(PollTimeout::MAX);
+            match poll(&mut fds, ms) {
+                Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                Err(e) => {
+                    return Err(DataPlaneError::Io { what: "poll".into(), source: std::io::Error::from(e) });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_header(
+        &self,
+        raw: &[u8],
+        step: u64,
+        seq: u32,
+        bytes: usize,
+        peer: u64,
+        during: &str,
+    ) -> Result<(), DataPlaneError> {
+        let h = Header::decode(raw)?;
+        if h.kind == Kind::Abort {
+            return Err(DataPlaneError::PeerAborted { peer, during: during.to_string() });
+        }
+        if h.epoch != self.epoch {
+            return Err(DataPlaneError::Stale(format!(
+                "node {peer} sent a frame of epoch {} during {during}",
+                h.epoch
+            )));
+        }
+        if h.step != step || h.seq != seq {
+            return Err(DataPlaneError::Stale(format!(
+                "node {peer} sent a frame of step {} collective #{} during {during}",
+                h.step, h.seq
+            )));
+        }
+        if h.len as usize != bytes {
+            return Err(DataPlaneError::Protocol(format!(
+                "node {peer} sent {} bytes where {bytes} were due during {during} (buffer sizes differ?)",
+                h.len
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn is_disconnect(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::BrokenPipe
+            | ErrorKind::ConnectionReset
+            | ErrorKind::ConnectionAborted
+            | ErrorKind::UnexpectedEof
+    )
+}
+
+impl limpet_trainer::Reduce for Group {
+    fn allreduce_sum(&mut self, buf: &mut [f32], step: u64) -> Result<(), limpet_trainer::TrainerError> {
+        Group::allreduce_sum(self, buf, step).map_err(|e| limpet_trainer::TrainerError::Reduce(e.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_round_trip_and_refusals() {
+        let h = Header { kind: Kind::Data, epoch: 3, step: 9, seq: 2, len: 4096 };
+        assert_eq!(Header::decode(&h.encode()).unwrap(), h);
+        let mut bad = h.encode();
+        bad[0] = b'X';
+        assert!(Header::decode(&bad).unwrap_err().to_string().contains("magic"));
+        let mut big = h.encode();
+        big[28..32].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(Header::decode(&big).unwrap_err().to_string().contains("payload"));
+    }
+}

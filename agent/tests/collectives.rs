@@ -1,0 +1,195 @@
+//! Collectives between endpoints on loopback, one thread per rank: exact results for random
+//! sizes, world sizes 1-5 and rank orders; refusals of strangers and stale epochs.
+
+use limpet_agent::dataplane::frame::Channel;
+use limpet_agent::{DataPlaneConfig, DataPlaneError, Endpoint};
+use proptest::prelude::*;
+use std::time::Duration;
+
+const SECRET: &[u8] = b"0123456789abcdef-test-secret";
+
+fn endpoints(nodes: &[u64], chunk_bytes: usize) -> Vec<Endpoint> {
+    nodes
+        .iter()
+        .map(|&n| {
+            let mut cfg = DataPlaneConfig::new(77, n, SECRET.to_vec());
+            cfg.chunk_bytes = chunk_bytes;
+            cfg.timeout = Duration::from_secs(5);
+            Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg).unwrap()
+        })
+        .collect()
+}
+
+/// Each rank's input: a deterministic function of (node, index).
+fn input(node: u64, len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| ((node as f32) * 0.37 + (i % 97) as f32 * 0.013 - 0.5) * if i % 3 == 0 { -1.0 } else { 1.0 })
+        .collect()
+}
+
+/// Runs `f` on every rank (ranks in `order`) and returns each rank's result, in `order`.
+fn on_every_rank<T: Send>(
+    order: &[u64],
+    chunk_bytes: usize,
+    f: impl Fn(&mut limpet_agent::Group, u64) -> T + Sync,
+) -> Vec<T> {
+    let mut sorted = order.to_vec();
+    sorted.sort_unstable();
+    let eps = endpoints(&sorted, chunk_bytes);
+    let addrs: Vec<String> =
+        order.iter().map(|n| eps[sorted.iter().position(|s| s == n).unwrap()].addr().to_string()).collect();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = order
+            .iter()
+            .map(|&node| {
+                let ep = &eps[sorted.iter().position(|s| *s == node).unwrap()];
+                let (addrs, f) = (&addrs, &f);
+                s.spawn(move || {
+                    let mut g = ep.group(1, order, addrs).expect("group");
+                    f(&mut g, node)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn allreduce_equals_the_elementwise_sum(
+        world in 1usize..=5,
+        len in 0usize..20_000,
+        shuffle in any::<u64>(),
+        small_chunks in any::<bool>(),
+    ) {
+        let mut order: Vec<u64> = (1..=world as u64).map(|n| n * 10).collect();
+        // A rank order that is not the node order.
+        let k = (shuffle as usize) % world.max(1);
+        order.rotate_left(k);
+        if shuffle % 2 == 1 { order.reverse(); }
+        let chunk = if small_chunks { 4096 } else { 512 << 10 };
+        let results = on_every_rank(&order, chunk, |g, node| {
+            let mut buf = input(node, len);
+            g.allreduce_sum(&mut buf, 7).unwrap();
+            buf
+        });
+        // The exact sum in f64; the ring sums W f32 values, so the error is within
+        // (W - 1) ulps of the largest partial sum: 1e-5 relative to sum(|x|) is generous.
+        let inputs: Vec<Vec<f32>> = order.iter().map(|&n| input(n, len)).collect();
+        for i in 0..len {
+            let exact: f64 = inputs.iter().map(|x| f64::from(x[i])).sum();
+            let scale: f64 = inputs.iter().map(|x| f64::from(x[i].abs())).sum::<f64>().max(1e-6);
+            let got = f64::from(results[0][i]);
+            prop_assert!((got - exact).abs() <= 1e-5 * scale, "element {i}: {got} vs {exact}");
+        }
+        // Every rank holds bit-identical results.
+        for r in &results[1..] {
+            prop_assert!(r.iter().zip(&results[0]).all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
+    }
+
+    #[test]
+    fn broadcast_and_allgather_deliver_every_byte(world in 1usize..=5, len in 0usize..5000, root in 0usize..5) {
+        let order: Vec<u64> = (1..=world as u64).rev().collect();
+        let root = root % world;
+        let results = on_every_rank(&order, 4096, |g, node| {
+            let mut b = input(node, len);
+            g.broadcast(&mut b, root, 3).unwrap();
+            let mine = input(node, len);
+            let mut all = vec![0.0; len * g.world()];
+            g.allgather(&mine, &mut all, 3).unwrap();
+            g.barrier(3).unwrap();
+            (b, all)
+        });
+        let want_b = input(order[root], len);
+        let want_all: Vec<f32> = order.iter().flat_map(|&n| input(n, len)).collect();
+        for (b, all) in results {
+            prop_assert_eq!(&b, &want_b);
+            prop_assert_eq!(&all, &want_all);
+        }
+    }
+}
+
+#[test]
+fn a_peer_without_the_secret_is_refused() {
+    let eps = endpoints(&[1], 4096);
+    let mut cfg = DataPlaneConfig::new(77, 2, b"another-secret-of-16+bytes".to_vec());
+    cfg.timeout = Duration::from_secs(2);
+    let stranger = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg).unwrap();
+    let err = stranger.connect(&eps[0].addr().to_string(), 1, 1, Channel::Ring).unwrap_err();
+    assert!(matches!(err, DataPlaneError::Refused(_)), "{err}");
+    assert!(err.to_string().contains("secret"), "{err}");
+    // Nothing from the stranger reached the inbox.
+    let err = eps[0].accept_from(2, 1, Channel::Ring);
+    assert!(err.is_err());
+}
+
+#[test]
+fn a_peer_of_another_cluster_or_a_stale_epoch_is_refused() {
+    let eps = endpoints(&[1, 2], 4096);
+    eps[0].set_min_epoch(5);
+    let err = eps[1].connect(&eps[0].addr().to_string(), 1, 4, Channel::Ring).unwrap_err();
+    assert!(err.to_string().contains("past this epoch"), "{err}");
+    let other =
+        Endpoint::bind("127.0.0.1:0".parse().unwrap(), DataPlaneConfig::new(78, 3, SECRET.to_vec())).unwrap();
+    let err = other.connect(&eps[0].addr().to_string(), 1, 5, Channel::Ring).unwrap_err();
+    assert!(err.to_string().contains("another cluster"), "{err}");
+}
+
+#[test]
+fn garbage_on_the_port_is_refused_and_the_endpoint_keeps_serving() {
+    use std::io::{Read, Write};
+    let eps = endpoints(&[1, 2], 4096);
+    for junk in [&b"GET / HTTP/1.1\r\n\r\n"[..], &[0u8; 56][..], &[0xffu8; 200][..]] {
+        let mut s = std::net::TcpStream::connect(eps[0].addr()).unwrap();
+        let _ = s.write_all(junk);
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+        assert!(rest.len() <= 1, "the endpoint answered garbage with {} bytes", rest.len());
+    }
+    // A real peer still gets through.
+    let s = eps[1].connect(&eps[0].addr().to_string(), 1, 1, Channel::Ring);
+    assert!(s.is_ok());
+    assert!(eps[0].accept_from(2, 1, Channel::Ring).is_ok());
+}
+
+#[test]
+fn a_silent_peer_times_out_and_a_closed_one_fails_at_once() {
+    let eps: Vec<Endpoint> = [1u64, 2, 3]
+        .iter()
+        .map(|&n| {
+            let mut cfg = DataPlaneConfig::new(77, n, SECRET.to_vec());
+            cfg.timeout = Duration::from_millis(800);
+            Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg).unwrap()
+        })
+        .collect();
+    let addrs: Vec<String> = eps.iter().map(|e| e.addr().to_string()).collect();
+    let order = [1u64, 2, 3];
+    let started = std::time::Instant::now();
+    let results: Vec<Result<(), DataPlaneError>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..3)
+            .map(|i| {
+                let (ep, addrs) = (&eps[i], &addrs);
+                s.spawn(move || {
+                    let mut g = ep.group(1, &order, addrs)?;
+                    let mut buf = vec![1.0f32; 100_000];
+                    g.allreduce_sum(&mut buf, 0)?;
+                    if i == 2 {
+                        // Rank 3 stops taking part: it neither sends nor closes.
+                        std::thread::sleep(Duration::from_secs(3));
+                        return Ok(());
+                    }
+                    g.allreduce_sum(&mut buf, 1)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(results[0].is_err() && results[1].is_err(), "{results:?}");
+    // The survivors fail within the timeout plus the time their neighbour took to fail.
+    assert!(started.elapsed() < Duration::from_secs(4));
+    let msgs: Vec<String> = results[..2].iter().map(|r| r.as_ref().unwrap_err().to_string()).collect();
+    assert!(msgs.iter().any(|m| m.contains("no progress")), "{msgs:?}");
+}
