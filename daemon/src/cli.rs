@@ -20,6 +20,9 @@ pub enum Command {
     /// Run one membership-log node (Raft over gRPC, sled storage) without training; the
     /// benchmarks and multi-process tests start these.
     RaftNode(crate::raft_cmd::RaftNodeArgs),
+    /// Run one rank of a data-plane group (benchmarks and multi-process tests start these;
+    /// the cluster secret comes from LIMPET_DP_SECRET).
+    DpWorker(crate::dp_cmd::DpWorkerArgs),
     /// Measure a part of limpet on this machine.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -31,6 +34,11 @@ pub enum BenchCommand {
     /// Commit latency (p50, p99) and throughput of membership proposals, N node processes on
     /// loopback.
     Raft(crate::raft_cmd::BenchRaftArgs),
+    /// Ring allreduce bandwidth (algbw, busbw) of N processes on loopback, next to
+    /// torch.distributed's gloo backend in the same run.
+    Allreduce(crate::dp_cmd::BenchAllreduceArgs),
+    /// A verified state transfer next to a plain TCP copy of the same bytes.
+    Handoff(crate::dp_cmd::BenchHandoffArgs),
 }
 
 /// Model families.
@@ -135,5 +143,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Train(args) => crate::train_cmd::run(args),
         Command::RaftNode(args) => crate::raft_cmd::run_node(args),
         Command::Bench(BenchCommand::Raft(args)) => crate::raft_cmd::bench(args),
+        Command::DpWorker(args) => crate::dp_cmd::run_worker(args),
+        Command::Bench(BenchCommand::Allreduce(args)) => crate::dp_cmd::bench_allreduce(args),
+        Command::Bench(BenchCommand::Handoff(args)) => crate::dp_cmd::bench_handoff(args),
     }
 }

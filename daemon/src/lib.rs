@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 pub mod cli;
+pub mod dp_cmd;
 mod plot;
 pub mod raft_cmd;
 mod train_cmd;

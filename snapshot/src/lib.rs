@@ -16,6 +16,7 @@
 
 mod error;
 mod file;
+pub mod handoff;
 mod image;
 
 pub use error::SnapshotError;

@@ -41,9 +41,9 @@ pub struct DataPlaneConfig {
 }
 
 impl DataPlaneConfig {
-    /// Defaults: 5 s timeout, 512 KiB chunks.
+    /// Defaults: 5 s timeout, 2 MiB chunks (measured best of 0.5, 2 and 8 MiB on loopback).
     pub fn new(cluster_id: u64, node: u64, secret: Vec<u8>) -> DataPlaneConfig {
-        DataPlaneConfig { cluster_id, node, secret, timeout: Duration::from_secs(5), chunk_bytes: 512 << 10 }
+        DataPlaneConfig { cluster_id, node, secret, timeout: Duration::from_secs(5), chunk_bytes: 2 << 20 }
     }
 
     fn validate(&self) -> Result<(), DataPlaneError> {
