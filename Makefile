@@ -33,7 +33,7 @@ help:
 	@echo "make demo    set up, then train on real data, interrupt, resume, and report"
 	@echo "make setup   install libtorch (torch==$(TORCH_VERSION) from PyPI) and data into $(LIMPET_CACHE)"
 	@echo "make fuzz    run each fuzz target for FUZZ_SECONDS (default 60)"
-	@echo "make bench   measure: raft commit latency and throughput with 5 node processes"
+	@echo "make bench   measure: raft commits, allreduce against gloo, state handoff against plain TCP"
 
 setup: $(ENV_MK)
 
@@ -61,6 +61,9 @@ fuzz: setup
 bench: build
 	$(LIMPET) bench raft --nodes 5 --proposals 1000
 	$(LIMPET) bench raft --nodes 3 --proposals 1000
+	$(LIMPET) bench allreduce --world 2 --sizes 4K,256K,4M,16M,64M
+	$(LIMPET) bench allreduce --world 4 --sizes 4K,256K,4M,16M,64M
+	$(LIMPET) bench handoff --bytes 256M
 
 demo: build
 	rm -rf $(DEMO_DIR)

@@ -182,6 +182,24 @@ impl Endpoint {
         }
     }
 
+    /// Waits for any authenticated connection on `channel` (of any epoch still accepted) and
+    /// returns the peer it came from; `None` after `wait` without one.
+    pub fn accept_channel(&self, channel: Channel, wait: Duration) -> Option<(u64, TcpStream)> {
+        let deadline = Instant::now() + wait;
+        let mut inbox = self.shared.inbox.lock().expect("inbox lock");
+        loop {
+            let key = inbox.keys().find(|(_, _, c)| *c == channel).copied();
+            if let Some(key) = key {
+                return inbox.remove(&key).map(|s| (key.1, s));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            inbox = self.shared.arrived.wait_timeout(inbox, deadline - now).expect("inbox lock").0;
+        }
+    }
+
     /// Builds the collective group of `epoch`: `ranks` in rank order (node ids) and their
     /// data addresses; this node must be among them.
     pub fn group(&self, epoch: u64, ranks: &[u64], addrs: &[String]) -> Result<Group, DataPlaneError> {

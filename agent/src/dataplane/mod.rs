@@ -6,6 +6,7 @@
 //! - `endpoint`: one listener per agent; connections prove they know the cluster secret
 //!   (HMAC-SHA256 challenge-response, both ways) before any of their bytes are used, and are
 //!   queued by (epoch, peer, channel) until a group takes them;
+//! - `handoff`: the snapshot crate's state handoff over authenticated connections;
 //! - `ring`: a `Group` of ranks in epoch order and its collectives (ring allreduce as
 //!   reduce-scatter + allgather, broadcast, allgather, barrier), chunked and pipelined over
 //!   non-blocking sockets so sending, receiving and summing overlap, each bounded by a
@@ -13,6 +14,7 @@
 
 pub mod endpoint;
 pub mod frame;
+pub mod handoff;
 pub mod ring;
 
 pub use endpoint::{DataPlaneConfig, Endpoint};
