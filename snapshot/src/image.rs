@@ -235,6 +235,19 @@ impl StateImage {
         }
     }
 
+    /// The part of this state whose tensor names `keep` accepts (e.g. the blocks of one
+    /// pipeline stage, `b03.` to `b05.`), with the same step, cursor, RNG and job; a handoff
+    /// of one stage sends only this. Checksums are reused, not recomputed.
+    pub fn select(&self, keep: impl Fn(&str) -> bool) -> StateImage {
+        let tensors: BTreeMap<String, RawTensor> =
+            self.tensors.iter().filter(|(n, _)| keep(n)).map(|(n, t)| (n.clone(), t.clone())).collect();
+        let checksums: BTreeMap<String, String> =
+            tensors.keys().map(|n| (n.clone(), self.meta.checksums[n].clone())).collect();
+        let m = &self.meta;
+        let content_hash = content_hash(m.step, m.cursor, m.rng, &m.job, &tensors, &checksums);
+        StateImage { meta: StateMeta { checksums, content_hash, ..m.clone() }, tensors }
+    }
+
     /// The metadata.
     pub fn meta(&self) -> &StateMeta {
         &self.meta

@@ -150,3 +150,50 @@ proptest! {
         prop_assert!(Manifest::read_from(&mut bad.as_slice()).is_err());
     }
 }
+
+#[test]
+fn one_stage_of_a_state_travels_alone_and_verifies() {
+    let img = image(10_000);
+    let stage = img.select(|name| name.starts_with("b01."));
+    assert_eq!(stage.tensors().keys().collect::<Vec<_>>(), ["b01.w"]);
+    assert_eq!(stage.meta().step, img.meta().step);
+    assert_ne!(stage.content_hash(), img.content_hash());
+    let bytes = stage.encode().unwrap();
+    let server = Server::new();
+    server.offer(Offer::new(bytes, 4096, label_of(stage.content_hash())));
+    let addr = listen(server, None);
+    let want = FetchOptions { expect: Some(label_of(stage.content_hash())), ..opts() };
+    let (got, _) = fetch(&dialer(), &[addr], &want).unwrap();
+    let back = StateImage::decode(&got).unwrap();
+    assert_eq!(back, stage);
+    assert_eq!(back.tensors()["b01.w"], img.tensors()["b01.w"]);
+}
+
+#[test]
+fn a_transfer_finishes_on_its_copy_while_the_sender_moves_on() {
+    let old = image(20_000);
+    let old_bytes = old.encode().unwrap();
+    let server = Server::new();
+    server.offer(Offer::new(old_bytes.clone(), 8 << 10, label_of(old.content_hash())));
+    // While the first chunk is on its way, the sender trains on and offers a newer state.
+    let newer = Server::clone(&server);
+    let moved = Arc::new(AtomicUsize::new(0));
+    let m = Arc::clone(&moved);
+    let hook: Arc<ChunkHook> = Arc::new(move |_, _: &mut Vec<u8>| {
+        if m.fetch_add(1, Ordering::SeqCst) == 0 {
+            let next = StateImage::new(
+                43,
+                43 * 64,
+                RngState { seed: 1, draws: 10 },
+                serde_json::json!({}),
+                BTreeMap::new(),
+            );
+            newer.offer(Offer::new(next.encode().unwrap(), 4096, label_of(next.content_hash())));
+        }
+        true
+    });
+    let addr = listen(server, Some(hook));
+    let want = FetchOptions { expect: Some(label_of(old.content_hash())), ..opts() };
+    let (got, _) = fetch(&dialer(), &[addr], &want).unwrap();
+    assert_eq!(got, old_bytes, "the receiver got the consistent copy it started on");
+}

@@ -302,7 +302,7 @@ impl Group {
 
         let (mut si, mut sent) = (0usize, 0usize);
         let mut send_hdr = plan.sends.first().map(|s| header(s.range.len() * 4)).unwrap_or([0; HEADER_LEN]);
-        let (mut ri, mut hdr_got, mut got) = (0usize, 0usize, 0usize);
+        let (mut ri, mut hdr_got, mut got, mut added) = (0usize, 0usize, 0usize, 0usize);
         let mut recv_hdr = [0u8; HEADER_LEN];
         let mut last_progress = Instant::now();
 
@@ -365,16 +365,22 @@ impl Group {
                             }
                         } else {
                             got += n;
-                        }
-                        if hdr_got == HEADER_LEN && got == bytes {
                             if item.op == Op::Add {
-                                for (d, s) in buf[item.range.clone()].iter_mut().zip(&self.scratch) {
+                                // Sum what just arrived while it is still in cache, rather
+                                // than the whole chunk once it is complete.
+                                let upto = got / 4;
+                                let dst = &mut buf[item.range.start + added..item.range.start + upto];
+                                for (d, s) in dst.iter_mut().zip(&self.scratch[added..upto]) {
                                     *d += *s;
                                 }
+                                added = upto;
                             }
+                        }
+                        if hdr_got == HEADER_LEN && got == bytes {
                             ri += 1;
                             hdr_got = 0;
                             got = 0;
+                            added = 0;
                         }
                     }
                     Err(e) if e.kind() == ErrorKind::WouldBlock => break,
