@@ -73,6 +73,43 @@ fn applied_from_snapshot(snap: &Snapshot) -> AppliedState {
     }
 }
 
+/// The state raft-rs starts from: the hard state, and the configuration of the applied state
+/// (or of the snapshot when nothing was applied since).
+fn initial_state(hs: &HardState, snapshot: &Snapshot, applied: Option<&AppliedState>) -> RaftState {
+    let conf = match applied {
+        Some(a) => a.conf.clone(),
+        None => snapshot.get_metadata().get_conf_state().clone(),
+    };
+    RaftState::new(hs.clone(), conf)
+}
+
+/// Refuses entry reads below the snapshot or past the last entry.
+fn check_range(low: u64, high: u64, snap_index: u64, last: u64) -> raft::Result<()> {
+    if low <= snap_index {
+        return Err(raft::Error::Store(StorageError::Compacted));
+    }
+    if high > last + 1 {
+        return Err(raft::Error::Store(StorageError::Unavailable));
+    }
+    Ok(())
+}
+
+/// The term of `idx` when the snapshot answers it (`Some`), an error when `idx` is outside
+/// the log, `None` when an entry must be read.
+fn snapshot_term(idx: u64, snapshot: &Snapshot, last: u64) -> raft::Result<Option<u64>> {
+    let meta = snapshot.get_metadata();
+    if idx == meta.index {
+        return Ok(Some(meta.term));
+    }
+    if idx < meta.index {
+        return Err(raft::Error::Store(StorageError::Compacted));
+    }
+    if idx > last {
+        return Err(raft::Error::Store(StorageError::Unavailable));
+    }
+    Ok(None)
+}
+
 fn entries_size_limited(mut entries: Vec<Entry>, max_size: Option<u64>) -> Vec<Entry> {
     raft::util::limit_size(&mut entries, max_size);
     entries
@@ -104,11 +141,7 @@ impl MemLog {
 
 impl Storage for MemLog {
     fn initial_state(&self) -> raft::Result<RaftState> {
-        let conf = match &self.applied {
-            Some(a) => a.conf.clone(),
-            None => self.snapshot.get_metadata().get_conf_state().clone(),
-        };
-        Ok(RaftState::new(self.hard_state.clone(), conf))
+        Ok(initial_state(&self.hard_state, &self.snapshot, self.applied.as_ref()))
     }
 
     fn entries(
@@ -118,28 +151,17 @@ impl Storage for MemLog {
         max_size: impl Into<Option<u64>>,
         _context: GetEntriesContext,
     ) -> raft::Result<Vec<Entry>> {
-        if low <= self.snap_index() {
-            return Err(raft::Error::Store(StorageError::Compacted));
-        }
-        if high > self.last() + 1 {
-            return Err(raft::Error::Store(StorageError::Unavailable));
-        }
+        check_range(low, high, self.snap_index(), self.last())?;
         let offset = self.snap_index() + 1;
         let slice = &self.entries[(low - offset) as usize..(high - offset) as usize];
         Ok(entries_size_limited(slice.to_vec(), max_size.into()))
     }
 
     fn term(&self, idx: u64) -> raft::Result<u64> {
-        if idx == self.snap_index() {
-            return Ok(self.snapshot.get_metadata().term);
+        match snapshot_term(idx, &self.snapshot, self.last())? {
+            Some(t) => Ok(t),
+            None => Ok(self.entries[(idx - self.snap_index() - 1) as usize].term),
         }
-        if idx < self.snap_index() {
-            return Err(raft::Error::Store(StorageError::Compacted));
-        }
-        if idx > self.last() {
-            return Err(raft::Error::Store(StorageError::Unavailable));
-        }
-        Ok(self.entries[(idx - self.snap_index() - 1) as usize].term)
     }
 
     fn first_index(&self) -> raft::Result<u64> {
@@ -585,11 +607,7 @@ fn pb_bytes<M: protobuf::Message>(m: &M) -> Vec<u8> {
 
 impl Storage for SledLog {
     fn initial_state(&self) -> raft::Result<RaftState> {
-        let conf = match &self.applied {
-            Some(a) => a.conf.clone(),
-            None => self.snapshot.get_metadata().get_conf_state().clone(),
-        };
-        Ok(RaftState::new(self.hard_state.clone(), conf))
+        Ok(initial_state(&self.hard_state, &self.snapshot, self.applied.as_ref()))
     }
 
     fn entries(
@@ -599,12 +617,7 @@ impl Storage for SledLog {
         max_size: impl Into<Option<u64>>,
         _context: GetEntriesContext,
     ) -> raft::Result<Vec<Entry>> {
-        if low <= self.snap_index() {
-            return Err(raft::Error::Store(StorageError::Compacted));
-        }
-        if high > self.last.max(self.snap_index()) + 1 {
-            return Err(raft::Error::Store(StorageError::Unavailable));
-        }
+        check_range(low, high, self.snap_index(), self.last.max(self.snap_index()))?;
         let max_size = max_size.into();
         let mut out = Vec::with_capacity((high - low) as usize);
         let mut size = 0u64;
@@ -620,16 +633,10 @@ impl Storage for SledLog {
     }
 
     fn term(&self, idx: u64) -> raft::Result<u64> {
-        if idx == self.snap_index() {
-            return Ok(self.snapshot.get_metadata().term);
+        match snapshot_term(idx, &self.snapshot, self.last.max(self.snap_index()))? {
+            Some(t) => Ok(t),
+            None => Ok(self.read_entry(idx)?.term),
         }
-        if idx < self.snap_index() {
-            return Err(raft::Error::Store(StorageError::Compacted));
-        }
-        if idx > self.last {
-            return Err(raft::Error::Store(StorageError::Unavailable));
-        }
-        Ok(self.read_entry(idx)?.term)
     }
 
     fn first_index(&self) -> raft::Result<u64> {
