@@ -1,8 +1,11 @@
 //! One host's life in a limpet cluster. So far: the data plane (`dataplane`), the
 //! authenticated TCP connections between agents and the collectives training runs over
-//! them. The revocation watchers, failure detection, the leader's controller and epoch
-//! switching build on it (issue 5).
+//! them; the leader's reconfiguration controller (`controller`) and the batch and
+//! learning-rate policies it applies (`policy`), both pure. The revocation watchers, failure
+//! detection and epoch switching build on them.
 
+pub mod controller;
 pub mod dataplane;
+pub mod policy;
 
 pub use dataplane::{DataPlaneConfig, DataPlaneError, Endpoint, Group};

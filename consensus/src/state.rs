@@ -159,6 +159,9 @@ pub struct ClusterState {
     pub scheduled: Option<Epoch>,
     /// The newest checkpoint records, oldest first.
     pub checkpoints: Vec<CheckpointRecord>,
+    /// The highest epoch id ever scheduled (withdrawn ones included): ids are never reused.
+    #[serde(default)]
+    pub last_epoch_id: u64,
 }
 
 /// A change to the cluster state.
@@ -221,6 +224,13 @@ pub enum Command {
     ScheduleEpoch {
         /// The epoch.
         epoch: Epoch,
+    },
+    /// Withdraw the scheduled epoch before it starts (its nodes can no longer train).
+    CancelEpoch {
+        /// Its id.
+        id: u64,
+        /// Why.
+        reason: String,
     },
     /// The scheduled epoch started.
     ActivateEpoch {
@@ -365,6 +375,7 @@ impl ClusterState {
             current: None,
             scheduled: None,
             checkpoints: Vec::new(),
+            last_epoch_id: 0,
         };
         state.voters.sort_unstable();
         for m in members {
@@ -421,6 +432,13 @@ impl ClusterState {
                 }
             },
             Command::RecordCheckpoint { record } => self.apply_checkpoint(record),
+            Command::CancelEpoch { id, reason } => match &self.scheduled {
+                Some(e) if e.id == *id => {
+                    self.scheduled = None;
+                    Ok(format!("epoch {id} withdrawn: {reason}"))
+                }
+                _ => Err(format!("epoch {id} is not scheduled")),
+            },
         };
         debug_assert_eq!(self.validate(), Ok(()), "after {command:?}");
         outcome
@@ -509,11 +527,8 @@ impl ClusterState {
     }
 
     fn apply_schedule(&mut self, epoch: &Epoch) -> Outcome {
-        let floor = self.scheduled.as_ref().or(self.current.as_ref());
-        if let Some(prev) = floor {
-            if epoch.id <= prev.id {
-                return Err(format!("epoch id {} is not above {}", epoch.id, prev.id));
-            }
+        if epoch.id <= self.last_epoch_id {
+            return Err(format!("epoch id {} is not above {}", epoch.id, self.last_epoch_id));
         }
         if let Some(cur) = &self.current {
             if epoch.start_step < cur.start_step {
@@ -524,6 +539,7 @@ impl ClusterState {
             }
         }
         self.check_epoch(epoch)?;
+        self.last_epoch_id = epoch.id;
         let replaced = self.scheduled.replace(epoch.clone());
         Ok(match replaced {
             Some(old) => {
@@ -586,7 +602,7 @@ impl ClusterState {
                 ));
             }
         }
-        let newest_epoch = self.scheduled.as_ref().or(self.current.as_ref()).map_or(0, |e| e.id);
+        let newest_epoch = self.last_epoch_id;
         if r.epoch > newest_epoch {
             return Err(format!(
                 "checkpoint names epoch {}, newer than any scheduled ({newest_epoch})",
@@ -620,6 +636,14 @@ impl ClusterState {
         if let (Some(c), Some(s)) = (&self.current, &self.scheduled) {
             if s.id <= c.id {
                 return Err(format!("scheduled epoch {} is not after current epoch {}", s.id, c.id));
+            }
+        }
+        if let Some(e) = self.scheduled.as_ref().or(self.current.as_ref()) {
+            if e.id > self.last_epoch_id {
+                return Err(format!(
+                    "epoch {} is above the highest id ever scheduled ({})",
+                    e.id, self.last_epoch_id
+                ));
             }
         }
         for w in self.checkpoints.windows(2) {

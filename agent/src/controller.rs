@@ -1,0 +1,265 @@
+//! The leader's reconfiguration controller: from the replicated state, the ranks' progress
+//! and the time, decide which commands to propose, and say why. Pure: no I/O, no clock; the
+//! agent calls it on the leader and proposes what it returns, tests call it directly.
+//!
+//! Rules, in order:
+//! 1. A rank of the current epoch that is failed, gone or silent past the heartbeat timeout
+//!    is marked failed; the next epoch starts at the highest step a survivor applied (the step
+//!    in flight is abandoned), and survivors behind it copy state from the one ahead.
+//! 2. A member that is leaving (notice) or draining is left out of the next epoch, which starts
+//!    `lead_steps` after the furthest rank, or at the next step when the deadline is nearer
+//!    than that at the measured step time.
+//! 3. A healthy joining member is added; it copies state from a live rank.
+//! 4. With fewer candidates than `min_nodes`, nothing is scheduled (a scheduled epoch naming a
+//!    node that can no longer train is withdrawn): training pauses and waits.
+//! 5. A member that left the current epoch (leaving, draining) is removed.
+//!
+//! Ranks keep their order across epochs (survivors first, newcomers by id), so a rank's data
+//! share moves as little as possible.
+
+use crate::policy::{BaseBatch, BatchPolicy, GradientStats};
+use limpet_consensus::state::{ClusterState, Command, Epoch, Layout, MemberStatus, NodeId};
+use std::collections::BTreeMap;
+
+/// Knobs of the controller.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ControllerConfig {
+    /// Fewest ranks an epoch may have; below it training pauses.
+    pub min_nodes: usize,
+    /// A rank not heard from for this long has failed.
+    pub heartbeat_timeout_ms: u64,
+    /// A planned transition starts this many steps after the furthest rank (time for the
+    /// epoch to commit everywhere before anyone reaches it).
+    pub lead_steps: u64,
+    /// Safety margin kept before a revocation deadline.
+    pub notice_margin_ms: u64,
+    /// The batch / learning-rate policy.
+    pub policy: BatchPolicy,
+    /// The job's declared batch.
+    pub base: BaseBatch,
+}
+
+/// What the leader knows of one node's training.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NodeProgress {
+    /// Steps the node has applied (the next step it trains).
+    pub applied_step: u64,
+    /// Milliseconds since its last heartbeat.
+    pub heartbeat_age_ms: u64,
+}
+
+/// What the controller looks at.
+#[derive(Clone, Debug)]
+pub struct View<'a> {
+    /// The replicated state.
+    pub state: &'a ClusterState,
+    /// Now, unix milliseconds.
+    pub now_ms: u64,
+    /// Per-node progress (absent: never heard from).
+    pub progress: &'a BTreeMap<NodeId, NodeProgress>,
+    /// Measured time of one training step (0 when unknown).
+    pub step_time_ms: f64,
+    /// Gradient statistics for AdaScale.
+    pub grad_stats: Option<GradientStats>,
+}
+
+/// The controller's answer: commands to propose (maybe none) and why.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    /// To propose, in order.
+    pub commands: Vec<Command>,
+    /// Why (logged when it changes, shown in `limpet status`).
+    pub reason: String,
+}
+
+impl View<'_> {
+    fn healthy(&self, id: NodeId, cfg: &ControllerConfig) -> bool {
+        self.progress.get(&id).is_some_and(|p| p.heartbeat_age_ms <= cfg.heartbeat_timeout_ms)
+    }
+
+    fn status(&self, id: NodeId) -> Option<MemberStatus> {
+        self.state.members.get(&id).map(|m| m.status)
+    }
+
+    fn applied(&self, id: NodeId) -> u64 {
+        self.progress.get(&id).map_or(0, |p| p.applied_step)
+    }
+}
+
+/// Decides what to propose now.
+pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
+    let st = view.state;
+    if st.job.is_none() {
+        return wait("no job set yet");
+    }
+    let current_ranks: Vec<NodeId> = st.current.as_ref().map(|e| e.ranks.clone()).unwrap_or_default();
+    let mut commands = Vec::new();
+    let mut causes = Vec::new();
+
+    // 1. Failures among the current ranks.
+    let mut failed = Vec::new();
+    for &r in &current_ranks {
+        let status = view.status(r);
+        let dead =
+            matches!(status, None | Some(MemberStatus::Failed | MemberStatus::Gone)) || !view.healthy(r, cfg);
+        if dead {
+            failed.push(r);
+            if !matches!(status, None | Some(MemberStatus::Failed | MemberStatus::Gone)) {
+                let why = match view.progress.get(&r) {
+                    Some(p) => format!("no heartbeat for {:.1} s", p.heartbeat_age_ms as f64 / 1e3),
+                    None => "never heard from".to_string(),
+                };
+                commands.push(Command::MarkFailed { id: r, reason: why.clone() });
+                causes.push(format!("failure of node {r} ({why})"));
+            } else {
+                causes.push(format!("failure of node {r}"));
+            }
+        }
+    }
+
+    // 2-3. Who trains next: survivors in order, then healthy newcomers by id.
+    let candidate = |id: NodeId| {
+        view.status(id).is_some_and(MemberStatus::is_staying)
+            && view.healthy(id, cfg)
+            && !failed.contains(&id)
+    };
+    let mut ranks: Vec<NodeId> = current_ranks.iter().copied().filter(|&r| candidate(r)).collect();
+    for &r in &current_ranks {
+        if !failed.contains(&r) && !candidate(r) {
+            let m = &st.members[&r];
+            causes.push(match m.status {
+                MemberStatus::Leaving => format!("notice for node {r} ({})", m.reason),
+                MemberStatus::Draining => format!("drain of node {r}"),
+                s => format!("node {r} is {s:?}"),
+            });
+        }
+    }
+    let newcomers: Vec<NodeId> =
+        st.members.keys().copied().filter(|id| !current_ranks.contains(id) && candidate(*id)).collect();
+    for &n in &newcomers {
+        causes.push(format!("join of node {n}"));
+    }
+    ranks.extend(&newcomers);
+
+    // 5. Members that left the current epoch are removed.
+    for (id, m) in &st.members {
+        if matches!(m.status, MemberStatus::Leaving | MemberStatus::Draining) && !current_ranks.contains(id) {
+            let in_scheduled = st.scheduled.as_ref().is_some_and(|e| e.ranks.contains(id));
+            if !in_scheduled {
+                commands.push(Command::Remove { id: *id, reason: "left its last epoch".into() });
+            }
+        }
+    }
+
+    if ranks == current_ranks && failed.is_empty() && st.current.is_some() {
+        // A pending change that no longer applies (its newcomer left again) is withdrawn.
+        if let Some(s) = &st.scheduled {
+            commands.push(Command::CancelEpoch {
+                id: s.id,
+                reason: "the change it made no longer applies".into(),
+            });
+        }
+        return Decision { commands, reason: "steady".into() };
+    }
+    if ranks.len() < cfg.min_nodes.max(1) {
+        // A scheduled epoch naming a node that can no longer train is withdrawn.
+        if let Some(s) = &st.scheduled {
+            if s.ranks.iter().any(|r| !ranks.contains(r)) {
+                commands.push(Command::CancelEpoch { id: s.id, reason: "too few healthy nodes".into() });
+            }
+        }
+        let reason = format!(
+            "paused: {} healthy node(s), at least {} needed{}",
+            ranks.len(),
+            cfg.min_nodes.max(1),
+            if causes.is_empty() { String::new() } else { format!(" ({})", causes.join(", ")) }
+        );
+        return Decision { commands, reason };
+    }
+    if let Some(s) = &st.scheduled {
+        // A scheduled epoch that already has exactly these ranks stands.
+        if s.ranks == ranks {
+            return Decision {
+                commands,
+                reason: format!("epoch {} scheduled at step {}", s.id, s.start_step),
+            };
+        }
+    }
+
+    if st.current.is_none() {
+        causes.clear();
+    }
+    let epoch = plan_epoch(view, cfg, &ranks, &current_ranks, &failed, causes);
+    let reason = format!("epoch {} at step {}: {}", epoch.id, epoch.start_step, epoch.cause);
+    commands.push(Command::ScheduleEpoch { epoch });
+    Decision { commands, reason }
+}
+
+fn wait(why: &str) -> Decision {
+    Decision { commands: Vec::new(), reason: why.to_string() }
+}
+
+/// Builds the next epoch for `ranks`.
+fn plan_epoch(
+    view: &View<'_>,
+    cfg: &ControllerConfig,
+    ranks: &[NodeId],
+    current: &[NodeId],
+    failed: &[NodeId],
+    causes: Vec<String>,
+) -> Epoch {
+    let st = view.state;
+    let cur = st.current.as_ref();
+    let floor = cur.map_or(0, |e| e.start_step);
+    let survivors: Vec<NodeId> = current.iter().copied().filter(|r| ranks.contains(r)).collect();
+    let furthest = survivors.iter().copied().max_by_key(|&r| (view.applied(r), std::cmp::Reverse(r)));
+    let max_applied = survivors.iter().map(|&r| view.applied(r)).max().unwrap_or(floor).max(floor);
+    let start = if cur.is_none() {
+        // The first epoch starts where the job stands (0, or a checkpoint's step).
+        st.checkpoints.last().map_or(0, |c| c.step)
+    } else if !failed.is_empty() {
+        // Abandon the step in flight: start at the furthest survivor's applied step.
+        max_applied
+    } else {
+        let planned = max_applied + cfg.lead_steps.max(1);
+        let soonest_deadline = current
+            .iter()
+            .filter(|r| !ranks.contains(r))
+            .filter_map(|r| st.members.get(r).and_then(|m| m.deadline_ms))
+            .min();
+        match soonest_deadline {
+            Some(deadline) if view.step_time_ms > 0.0 => {
+                // The leaving node trains until `start`; it must finish before its deadline.
+                let budget = deadline.saturating_sub(view.now_ms + cfg.notice_margin_ms) as f64;
+                let steps_left = (budget / view.step_time_ms).floor() as u64;
+                planned.min(max_applied + steps_left.max(1))
+            }
+            _ => planned,
+        }
+    };
+    let start = start.max(floor);
+    // Anyone behind the start, and every newcomer, copies state from the furthest survivor.
+    let mut sources = BTreeMap::new();
+    if let Some(src) = furthest {
+        for &r in ranks {
+            // Survivors of a planned transition train up to the start themselves; after a
+            // failure the start is the furthest survivor's step and the others are behind.
+            let behind = !failed.is_empty() && view.applied(r) < start;
+            if r != src && (!current.contains(&r) || behind) {
+                sources.insert(r, src);
+            }
+        }
+    }
+    let id = st.last_epoch_id + 1;
+    let decision = cfg.policy.decide(cfg.base, ranks.len() as u64, view.grad_stats);
+    Epoch {
+        id,
+        start_step: start,
+        ranks: ranks.to_vec(),
+        layout: Layout { data: ranks.len() as u32, pipeline: 1 },
+        batch: decision.batch,
+        lr_scale: decision.lr_scale,
+        sources,
+        cause: if causes.is_empty() { "first epoch".into() } else { causes.join(", ") },
+    }
+}
