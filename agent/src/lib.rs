@@ -1,11 +1,14 @@
 //! One host's life in a limpet cluster. So far: the data plane (`dataplane`), the
 //! authenticated TCP connections between agents and the collectives training runs over
 //! them; the leader's reconfiguration controller (`controller`) and the batch and
-//! learning-rate policies it applies (`policy`), both pure. The revocation watchers, failure
-//! detection and epoch switching build on them.
+//! learning-rate policies it applies (`policy`), both pure; the revocation sources
+//! (`revocation`: AWS, GCP, Azure) and a fake metadata service that answers like those
+//! clouds (`fake_metadata`). Failure detection and epoch switching build on them.
 
 pub mod controller;
 pub mod dataplane;
+pub mod fake_metadata;
 pub mod policy;
+pub mod revocation;
 
 pub use dataplane::{DataPlaneConfig, DataPlaneError, Endpoint, Group};
