@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 pub mod cli;
+pub mod config;
 pub mod dp_cmd;
 mod plot;
 pub mod raft_cmd;

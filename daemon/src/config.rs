@@ -1,0 +1,364 @@
+//! `limpetd`'s configuration file (TOML): parsed strictly (an unknown or misspelt key is an
+//! error), then checked for meaning. Every error names the file, the key and what is wrong,
+//! so `limpetd validate --config FILE` (systemd's `ExecStartPre`) stops a bad deployment
+//! before it starts. The keys are documented in `docs/limpetd.md`.
+
+use limpet_agent::policy::BatchPolicy;
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+/// A configuration problem: which file and key, and what is wrong.
+#[derive(Debug, thiserror::Error)]
+#[error("{file}: {key}: {detail}")]
+pub struct ConfigError {
+    /// The file.
+    pub file: String,
+    /// The key, as `[section].name` (or the parser's location).
+    pub key: String,
+    /// What is wrong.
+    pub detail: String,
+}
+
+/// The whole file.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// This host.
+    pub node: NodeSection,
+    /// The cluster it belongs to.
+    pub cluster: ClusterSection,
+    /// The training job.
+    pub job: JobSection,
+    /// Where revocation notices come from.
+    #[serde(default)]
+    pub revocation: RevocationSection,
+}
+
+/// `[node]`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NodeSection {
+    /// Unique name in the cluster.
+    pub name: String,
+    /// Raft id (non-zero); derived from the name when absent.
+    pub id: Option<u64>,
+    /// Consensus (gRPC) listen address.
+    pub control: String,
+    /// Data-plane listen address.
+    pub data: String,
+    /// Control address peers use, if not the listen address.
+    pub advertise_control: Option<String>,
+    /// Data address peers use, if not the listen address.
+    pub advertise_data: Option<String>,
+    /// State directory (raft log, checkpoints).
+    pub state_dir: PathBuf,
+    /// File holding the cluster secret (at least 16 bytes).
+    pub secret_file: PathBuf,
+}
+
+/// `[cluster]`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterSection {
+    /// Cluster name.
+    pub name: String,
+    /// Control addresses of members to join through.
+    #[serde(default)]
+    pub seeds: Vec<String>,
+    /// Founding members `ID=ADDR`, identical on every founder (empty: join through seeds).
+    #[serde(default)]
+    pub bootstrap: Vec<String>,
+    /// Most voters in the Raft group (odd).
+    #[serde(default = "default_voters")]
+    pub max_voters: usize,
+    /// Fewest nodes training may continue with.
+    #[serde(default = "default_min_nodes")]
+    pub min_nodes: usize,
+}
+
+fn default_voters() -> usize {
+    5
+}
+
+fn default_min_nodes() -> usize {
+    1
+}
+
+/// `[job]`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct JobSection {
+    /// `mlp`, `convnet` or `gpt`.
+    pub model: String,
+    /// `digits`, `chars` or `synthetic`.
+    pub data: String,
+    /// Data file or directory.
+    pub data_path: Option<PathBuf>,
+    /// Total optimizer steps.
+    pub steps: u64,
+    /// Global batch.
+    pub global_batch: u64,
+    /// Largest micro-batch.
+    pub micro_batch: Option<u64>,
+    /// `fixed-global` (default), `linear`, `sqrt` or `adascale`.
+    #[serde(default = "default_policy")]
+    pub policy: BatchPolicy,
+    /// Seed.
+    #[serde(default)]
+    pub seed: u64,
+}
+
+fn default_policy() -> BatchPolicy {
+    BatchPolicy::FixedGlobal
+}
+
+/// `[revocation]`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RevocationSection {
+    /// Any of `aws`, `gcp`, `azure` (SIGTERM is always a drain).
+    #[serde(default)]
+    pub sources: Vec<String>,
+    /// Seconds between polls.
+    #[serde(default = "default_poll")]
+    pub poll_secs: f64,
+    /// AWS IMDS endpoint.
+    #[serde(default = "default_aws")]
+    pub aws_endpoint: String,
+    /// GCP metadata endpoint.
+    #[serde(default = "default_gcp")]
+    pub gcp_endpoint: String,
+    /// Azure IMDS endpoint.
+    #[serde(default = "default_aws")]
+    pub azure_endpoint: String,
+}
+
+impl Default for RevocationSection {
+    fn default() -> RevocationSection {
+        RevocationSection {
+            sources: Vec::new(),
+            poll_secs: default_poll(),
+            aws_endpoint: default_aws(),
+            gcp_endpoint: default_gcp(),
+            azure_endpoint: default_aws(),
+        }
+    }
+}
+
+fn default_poll() -> f64 {
+    2.0
+}
+
+fn default_aws() -> String {
+    "http://169.254.169.254".into()
+}
+
+fn default_gcp() -> String {
+    "http://metadata.google.internal".into()
+}
+
+impl Config {
+    /// Reads and checks `path`.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            file: file.clone(),
+            key: "(file)".into(),
+            detail: e.to_string(),
+        })?;
+        Config::parse(&text, &file)
+    }
+
+    /// Parses and checks `text` (named `file` in errors).
+    pub fn parse(text: &str, file: &str) -> Result<Config, ConfigError> {
+        let cfg: Config = toml::from_str(text).map_err(|e| ConfigError {
+            file: file.to_string(),
+            key: e.span().map_or("(file)".into(), |s| {
+                let line = text[..s.start.min(text.len())].lines().count().max(1);
+                format!("line {line}")
+            }),
+            detail: e.message().to_string(),
+        })?;
+        cfg.validate(file)?;
+        Ok(cfg)
+    }
+
+    /// Checks what the parser cannot: addresses, ranges, names, files.
+    pub fn validate(&self, file: &str) -> Result<(), ConfigError> {
+        let err = |key: &str, detail: String| Err(ConfigError { file: file.into(), key: key.into(), detail });
+        let addr = |key: &str, v: &str| -> Result<(), ConfigError> {
+            v.parse::<SocketAddr>().map(|_| ()).map_err(|e| ConfigError {
+                file: file.into(),
+                key: key.into(),
+                detail: format!("{v:?} is not HOST:PORT ({e})"),
+            })
+        };
+        if self.node.name.is_empty() {
+            return err("[node].name", "is empty".into());
+        }
+        if self.node.id == Some(0) {
+            return err("[node].id", "0 is reserved by raft".into());
+        }
+        addr("[node].control", &self.node.control)?;
+        addr("[node].data", &self.node.data)?;
+        if let Some(a) = &self.node.advertise_control {
+            addr("[node].advertise_control", a)?;
+        }
+        if let Some(a) = &self.node.advertise_data {
+            addr("[node].advertise_data", a)?;
+        }
+        match std::fs::read(&self.node.secret_file) {
+            Ok(s) if s.len() >= 16 => {}
+            Ok(s) => {
+                return err(
+                    "[node].secret_file",
+                    format!(
+                        "{} holds {} bytes; at least 16 are needed",
+                        self.node.secret_file.display(),
+                        s.len()
+                    ),
+                )
+            }
+            Err(e) => return err("[node].secret_file", format!("{}: {e}", self.node.secret_file.display())),
+        }
+        if self.cluster.name.is_empty() {
+            return err("[cluster].name", "is empty".into());
+        }
+        for s in &self.cluster.seeds {
+            addr("[cluster].seeds", s)?;
+        }
+        crate::raft_cmd::parse_founders(&self.cluster.bootstrap).map_err(|e| ConfigError {
+            file: file.into(),
+            key: "[cluster].bootstrap".into(),
+            detail: e.0,
+        })?;
+        if self.cluster.bootstrap.is_empty() && self.cluster.seeds.is_empty() {
+            return err("[cluster]", "needs seeds to join through, or bootstrap founders".into());
+        }
+        if self.cluster.max_voters == 0 || self.cluster.max_voters % 2 == 0 {
+            return err(
+                "[cluster].max_voters",
+                format!("{} is not an odd positive number", self.cluster.max_voters),
+            );
+        }
+        if self.cluster.min_nodes == 0 {
+            return err("[cluster].min_nodes", "must be at least 1".into());
+        }
+        if !["mlp", "convnet", "gpt"].contains(&self.job.model.as_str()) {
+            return err("[job].model", format!("{:?} is not one of mlp, convnet, gpt", self.job.model));
+        }
+        if !["digits", "chars", "synthetic"].contains(&self.job.data.as_str()) {
+            return err("[job].data", format!("{:?} is not one of digits, chars, synthetic", self.job.data));
+        }
+        if self.job.steps == 0 {
+            return err("[job].steps", "must be positive".into());
+        }
+        if self.job.global_batch == 0 {
+            return err("[job].global_batch", "must be positive".into());
+        }
+        if let Some(m) = self.job.micro_batch {
+            if m == 0 || m > self.job.global_batch {
+                return err("[job].micro_batch", format!("{m} is not within 1..={}", self.job.global_batch));
+            }
+        }
+        for s in &self.revocation.sources {
+            if !["aws", "gcp", "azure"].contains(&s.as_str()) {
+                return err("[revocation].sources", format!("{s:?} is not one of aws, gcp, azure"));
+            }
+        }
+        if !(self.revocation.poll_secs.is_finite() && self.revocation.poll_secs >= 0.1) {
+            return err("[revocation].poll_secs", format!("{} is below 0.1 s", self.revocation.poll_secs));
+        }
+        Ok(())
+    }
+
+    /// The node's Raft id: as configured, or derived from the name.
+    pub fn node_id(&self) -> u64 {
+        self.node.id.unwrap_or_else(|| {
+            let h = blake3::hash(self.node.name.as_bytes());
+            u64::from_le_bytes(h.as_bytes()[..8].try_into().expect("8 bytes")).max(1)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn example(secret: &Path) -> String {
+        format!(
+            r#"
+[node]
+name = "gpu-1"
+control = "127.0.0.1:7400"
+data = "127.0.0.1:7401"
+state_dir = "/tmp/limpet"
+secret_file = "{}"
+
+[cluster]
+name = "demo"
+bootstrap = ["1=127.0.0.1:7400"]
+
+[job]
+model = "mlp"
+data = "digits"
+steps = 400
+global_batch = 64
+
+[revocation]
+sources = ["aws"]
+aws_endpoint = "http://127.0.0.1:9000"
+"#,
+            secret.display()
+        )
+    }
+
+    fn secret() -> tempfile::NamedTempFile {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(f.path(), b"0123456789abcdef0123").unwrap();
+        f
+    }
+
+    #[test]
+    fn the_documented_example_is_valid() {
+        let s = secret();
+        let cfg = Config::parse(&example(s.path()), "limpet.toml").unwrap();
+        assert_eq!(cfg.job.policy, BatchPolicy::FixedGlobal);
+        assert_eq!(cfg.cluster.max_voters, 5);
+        assert_ne!(cfg.node_id(), 0);
+    }
+
+    #[test]
+    fn errors_name_the_file_and_the_key() {
+        let s = secret();
+        let good = example(s.path());
+        let cases = [
+            (good.replace("control = ", "contorl = "), "unknown field `contorl`"),
+            (good.replace("127.0.0.1:7401", "127.0.0.1:99999"), "[node].data"),
+            (good.replace("\"mlp\"", "\"resnet\""), "[job].model"),
+            (good.replace("sources = [\"aws\"]", "sources = [\"oracle\"]"), "[revocation].sources"),
+            (good.replace("steps = 400", "steps = \"many\""), "line"),
+            (good.replace("[\"1=127.0.0.1:7400\"]", "[\"one=127.0.0.1:7400\"]"), "[cluster].bootstrap"),
+            (
+                good.replace("global_batch = 64", "global_batch = 64\npolicy = \"cubic\""),
+                "unknown variant `cubic`",
+            ),
+        ];
+        for (text, want) in cases {
+            let e = Config::parse(&text, "limpet.toml").unwrap_err().to_string();
+            assert!(e.starts_with("limpet.toml: "), "{e}");
+            assert!(e.contains(want), "expected {want:?} in {e}");
+        }
+    }
+
+    #[test]
+    fn a_short_or_missing_secret_is_refused() {
+        let short = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(short.path(), b"short").unwrap();
+        let e = Config::parse(&example(short.path()), "c.toml").unwrap_err().to_string();
+        assert!(e.contains("[node].secret_file") && e.contains("5 bytes"), "{e}");
+        let e = Config::parse(&example(Path::new("/nonexistent/secret")), "c.toml").unwrap_err().to_string();
+        assert!(e.contains("/nonexistent/secret"), "{e}");
+    }
+}
