@@ -69,8 +69,8 @@ fn resume_continues_bit_exactly() {
 
 #[test]
 fn checkpoint_loads_in_python_safetensors() {
-    let python =
-        std::env::var("LIMPET_PYTHON").expect("LIMPET_PYTHON names setup's Python (make test sets it)");
+    // LIMPET_PYTHON (make sets it), else the clone's `.limpet/python` from setup.
+    let python = limpet_daemon::dp_cmd::python();
     let dir = tempfile::tempdir().unwrap();
     ok_json(&["train", "--model", "gpt", "--steps", "3", "--batch", "4", "--out", s(dir.path()), "--json"]);
     let ckpt = dir.path().join("checkpoint.safetensors");
