@@ -61,8 +61,8 @@ fuzz: setup
 bench: build
 	$(LIMPET) bench raft --nodes 5 --proposals 1000
 	$(LIMPET) bench raft --nodes 3 --proposals 1000
-	$(LIMPET) bench allreduce --world 2 --sizes 4K,256K,4M,16M,64M
-	$(LIMPET) bench allreduce --world 4 --sizes 4K,256K,4M,16M,64M
+	$(LIMPET) bench allreduce --world 2 --sizes 4K,256K,4M,16M,64M --rounds 3
+	$(LIMPET) bench allreduce --world 4 --sizes 4K,256K,4M,16M,64M --rounds 3
 	$(LIMPET) bench handoff --bytes 256M
 
 demo: build

@@ -222,9 +222,17 @@ pub struct BenchAllreduceArgs {
     /// Skip the gloo comparison.
     #[arg(long)]
     pub no_gloo: bool,
+    /// Rounds of (limpet, gloo), alternating; each size reports the median round.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=20))]
+    pub rounds: u64,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
+}
+
+/// Per size, the median of several rounds' timings.
+fn median_times(rounds: &[Vec<(usize, f64)>]) -> Vec<(usize, f64)> {
+    (0..rounds[0].len()).map(|i| (rounds[0][i].0, median(rounds.iter().map(|r| r[i].1).collect()))).collect()
 }
 
 /// Parses `4K`, `16M`, `1G` or plain byte counts.
@@ -360,18 +368,26 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
     }
     spinner.enable_steady_tick(Duration::from_millis(120));
     spinner.set_message(format!("limpet ring allreduce, {} processes", args.world));
-    let workers = spawn_workers(
-        &exe,
-        &order,
-        &["--mode".into(), "bench".into(), "--plan".into(), plan_arg, "--timeout-ms".into(), "30000".into()],
-    )?;
-    let ours = rank0_times(workers)?;
-    let theirs = if args.no_gloo {
-        None
-    } else {
-        spinner.set_message(format!("gloo allreduce (torch.distributed), {} processes", args.world));
-        Some(gloo_times(args.world, &plan)?)
-    };
+    // Alternate the two so that drift in the machine's state affects both alike.
+    let (mut ours_rounds, mut theirs_rounds) = (Vec::new(), Vec::new());
+    for round in 1..=args.rounds {
+        spinner.set_message(format!(
+            "round {round}/{}: limpet ring allreduce, {} processes",
+            args.rounds, args.world
+        ));
+        let worker_args =
+            ["--mode", "bench", "--plan", plan_arg.as_str(), "--timeout-ms", "30000"].map(String::from);
+        ours_rounds.push(rank0_times(spawn_workers(&exe, &order, &worker_args)?)?);
+        if !args.no_gloo {
+            spinner.set_message(format!(
+                "round {round}/{}: gloo allreduce (torch.distributed), {} processes",
+                args.rounds, args.world
+            ));
+            theirs_rounds.push(gloo_times(args.world, &plan)?);
+        }
+    }
+    let ours = median_times(&ours_rounds);
+    let theirs = (!args.no_gloo).then(|| median_times(&theirs_rounds));
     spinner.finish_and_clear();
     let rows: Vec<SizeReport> = ours
         .iter()
@@ -390,7 +406,10 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
         );
         return Ok(());
     }
-    println!("allreduce (sum, f32), world {}, loopback; busbw = algbw x 2(N-1)/N", args.world);
+    println!(
+        "allreduce (sum, f32), world {}, loopback; busbw = algbw x 2(N-1)/N; median of {} round(s)",
+        args.world, args.rounds
+    );
     println!(
         "{:>8} | {:>10} {:>8} {:>8} | {:>10} {:>8} {:>8} | {:>6}",
         "size", "limpet", "algbw", "busbw", "gloo", "algbw", "busbw", "ratio"
