@@ -45,6 +45,15 @@ impl Sim {
         Sim { state, progress, now: 1_000_000 }
     }
 
+    /// `n` nodes in their first epoch, `steps` steps in.
+    fn training(n: u64, steps: u64) -> Sim {
+        let mut sim = Sim::new(n);
+        sim.control();
+        sim.start_scheduled();
+        sim.train(steps);
+        sim
+    }
+
     /// Runs the controller and applies what it proposes; every command must be accepted.
     fn control(&mut self) -> String {
         let view = View {
@@ -100,10 +109,7 @@ fn the_first_epoch_takes_every_healthy_node() {
 
 #[test]
 fn a_notice_schedules_an_epoch_without_the_node_before_its_deadline() {
-    let mut sim = Sim::new(3);
-    sim.control();
-    sim.start_scheduled();
-    sim.train(10);
+    let mut sim = Sim::training(3, 10);
     // The cloud takes node 2 back in 120 s: plenty of time, so the planned lead applies.
     let deadline = sim.now + 120_000;
     sim.state.apply(&Command::Notice { id: 2, deadline_ms: deadline, source: "aws".into() }).unwrap();
@@ -114,10 +120,7 @@ fn a_notice_schedules_an_epoch_without_the_node_before_its_deadline() {
     assert!(why.contains("notice for node 2"), "{why}");
     assert!(e.sources.is_empty(), "survivors keep their state: {:?}", e.sources);
     // With the deadline 1.5 s away and 100 ms steps (1 s margin), node 2 has time for 5 steps only.
-    let mut sim2 = Sim::new(3);
-    sim2.control();
-    sim2.start_scheduled();
-    sim2.train(10);
+    let mut sim2 = Sim::training(3, 10);
     let deadline = sim2.now + 1_500;
     sim2.state.apply(&Command::Notice { id: 2, deadline_ms: deadline, source: "aws".into() }).unwrap();
     let mut cfg_lead = config();
@@ -136,10 +139,7 @@ fn a_notice_schedules_an_epoch_without_the_node_before_its_deadline() {
 
 #[test]
 fn a_failure_restarts_from_the_furthest_survivor_and_laggards_copy_from_it() {
-    let mut sim = Sim::new(4);
-    sim.control();
-    sim.start_scheduled();
-    sim.train(7);
+    let mut sim = Sim::training(4, 7);
     // Node 3 dies mid-step; node 1 had applied one step more than node 4.
     sim.progress.get_mut(&3).unwrap().heartbeat_age_ms = 5000;
     sim.progress.get_mut(&1).unwrap().applied_step = 8;
@@ -154,10 +154,7 @@ fn a_failure_restarts_from_the_furthest_survivor_and_laggards_copy_from_it() {
 
 #[test]
 fn a_joining_node_is_added_with_a_live_source() {
-    let mut sim = Sim::new(2);
-    sim.control();
-    sim.start_scheduled();
-    sim.train(5);
+    let mut sim = Sim::training(2, 5);
     sim.state.apply(&Command::Join { member: spec(7) }).unwrap();
     sim.progress.insert(7, NodeProgress { applied_step: 0, heartbeat_age_ms: 0 });
     let why = sim.control();
@@ -169,10 +166,7 @@ fn a_joining_node_is_added_with_a_live_source() {
 
 #[test]
 fn too_few_nodes_pause_instead_of_failing() {
-    let mut sim = Sim::new(2);
-    sim.control();
-    sim.start_scheduled();
-    sim.train(3);
+    let mut sim = Sim::training(2, 3);
     sim.progress.get_mut(&2).unwrap().heartbeat_age_ms = 10_000;
     let why = sim.control();
     assert!(why.starts_with("paused: 1 healthy node(s), at least 2 needed"), "{why}");
@@ -184,10 +178,7 @@ fn too_few_nodes_pause_instead_of_failing() {
 fn the_leader_host_itself_can_be_revoked() {
     // The controller does not know who leads: the leaving node is handled like any other,
     // and a new leader running the same function on the same state decides the same.
-    let mut sim = Sim::new(3);
-    sim.control();
-    sim.start_scheduled();
-    sim.train(4);
+    let mut sim = Sim::training(3, 4);
     sim.state.apply(&Command::Drain { id: 1, reason: "maintenance".into() }).unwrap();
     let first = sim.control();
     assert!(first.contains("drain of node 1"), "{first}");
