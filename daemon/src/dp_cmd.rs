@@ -2,6 +2,7 @@
 //! multi-process tests) and `limpet bench allreduce` (N such processes on loopback, next to
 //! the same sizes through torch.distributed's gloo backend in the same run).
 
+use crate::raft_cmd::free_port;
 use crate::UsageError;
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
@@ -131,7 +132,7 @@ pub fn run_worker(args: DpWorkerArgs) -> anyhow::Result<()> {
                     let scale: f64 = inputs.iter().map(|x| f64::from(x[i].abs())).sum::<f64>().max(1e-6);
                     worst = worst.max((f64::from(*got) - exact).abs() / scale);
                 }
-                let hash = blake3::hash(bytemuck_bytes(&buf)).to_hex().to_string();
+                let hash = blake3::hash(bytemuck::cast_slice(&buf)).to_hex().to_string();
                 let line =
                     serde_json::json!({"node": args.node, "len": len, "max_rel_err": worst, "hash": hash});
                 writeln!(out.lock(), "{line}")?;
@@ -164,10 +165,6 @@ pub fn run_worker(args: DpWorkerArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn bytemuck_bytes(v: &[f32]) -> &[u8] {
-    bytemuck::cast_slice(v)
-}
-
 /// Worker processes of one group, killed when dropped.
 pub struct Workers {
     /// The children, in rank order.
@@ -181,10 +178,6 @@ impl Drop for Workers {
             let _ = c.wait();
         }
     }
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 /// Starts `world` workers (node ids `order`) of `exe dp-worker` with `extra` arguments.

@@ -128,7 +128,8 @@ pub struct LocalCluster {
     children: Vec<Option<Child>>,
 }
 
-fn free_port() -> anyhow::Result<u16> {
+/// A loopback port nobody listens on right now (for child processes told their address).
+pub(crate) fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
