@@ -283,15 +283,7 @@ impl Proposal {
 
     /// Decodes a log entry's payload, refusing other versions and malformed commands.
     pub fn decode(bytes: &[u8]) -> Result<Proposal, DecodeError> {
-        let p: Proposal = serde_json::from_slice(bytes)
-            .map_err(|e| DecodeError { what: "proposal", detail: e.to_string() })?;
-        if p.v != FORMAT_VERSION {
-            return Err(DecodeError {
-                what: "proposal",
-                detail: format!("format version {} (this build reads {FORMAT_VERSION})", p.v),
-            });
-        }
-        Ok(p)
+        decode_versioned("proposal", bytes, |p: &Proposal| p.v)
     }
 }
 
@@ -336,14 +328,7 @@ impl SnapshotData {
 
     /// Decodes and checks version, cluster and the state's own invariants.
     pub fn decode(bytes: &[u8], cluster_id: u64) -> Result<SnapshotData, DecodeError> {
-        let d: SnapshotData = serde_json::from_slice(bytes)
-            .map_err(|e| DecodeError { what: "snapshot", detail: e.to_string() })?;
-        if d.v != FORMAT_VERSION {
-            return Err(DecodeError {
-                what: "snapshot",
-                detail: format!("format version {} (this build reads {FORMAT_VERSION})", d.v),
-            });
-        }
+        let d: SnapshotData = decode_versioned("snapshot", bytes, |d: &SnapshotData| d.v)?;
         if d.cluster_id != cluster_id {
             return Err(DecodeError {
                 what: "snapshot",
@@ -353,6 +338,23 @@ impl SnapshotData {
         d.state.validate().map_err(|e| DecodeError { what: "snapshot", detail: e })?;
         Ok(d)
     }
+}
+
+/// Parses a JSON document of ours and refuses other format versions.
+fn decode_versioned<T: serde::de::DeserializeOwned>(
+    what: &'static str,
+    bytes: &[u8],
+    version: impl Fn(&T) -> u32,
+) -> Result<T, DecodeError> {
+    let doc: T = serde_json::from_slice(bytes).map_err(|e| DecodeError { what, detail: e.to_string() })?;
+    let v = version(&doc);
+    if v != FORMAT_VERSION {
+        return Err(DecodeError {
+            what,
+            detail: format!("format version {v} (this build reads {FORMAT_VERSION})"),
+        });
+    }
+    Ok(doc)
 }
 
 /// The wire id of a cluster name.
