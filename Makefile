@@ -30,7 +30,7 @@ $(ENV_MK) $(VENV_STAMP) $(DIGITS) &: deploy/setup.sh
 
 help:
 	@echo "make test    set up, then lint and run every test"
-	@echo "make demo    set up, then train on real data, interrupt, resume, and report"
+	@echo "make demo    set up, then run 4 agents through a spot notice, a join, a kill -9 and a drain"
 	@echo "make setup   install libtorch (torch==$(TORCH_VERSION) from PyPI) and data into $(LIMPET_CACHE)"
 	@echo "make fuzz    run each fuzz target for FUZZ_SECONDS (default 60)"
 	@echo "make bench   measure: raft commits, allreduce against gloo, state handoff against plain TCP"
@@ -66,22 +66,7 @@ bench: build
 	$(LIMPET) bench handoff --bytes 256M
 
 demo: build
-	rm -rf $(DEMO_DIR)
-	@echo; echo "== 1. MLP on handwritten digits (1,797 real 8x8 images), 400 steps"
-	$(LIMPET) train --model mlp --data digits --steps 400 --eval-every 100 --out $(DEMO_DIR)/mlp
-	@echo; echo "== 2. Convnet on digits, stopped at step 150 of 300 and resumed"
-	$(LIMPET) train --model convnet --steps 300 --out $(DEMO_DIR)/convnet-whole --json > $(DEMO_DIR)/whole.json
-	$(LIMPET) train --model convnet --steps 300 --stop-at 150 --out $(DEMO_DIR)/convnet-resumed
-	$(LIMPET) train --resume $(DEMO_DIR)/convnet-resumed --json > $(DEMO_DIR)/resumed.json
-	@python3 -c 'import json,sys; a,b=(json.load(open(f)) for f in sys.argv[1:]); \
-	    print("   uninterrupted state", a["content_hash"][:16], " accuracy %.2f%%" % (100*a["test_accuracy"])); \
-	    print("   resumed state      ", b["content_hash"][:16], " accuracy %.2f%%" % (100*b["test_accuracy"])); \
-	    sys.exit(0 if a["content_hash"]==b["content_hash"] else "resumed run differs from the uninterrupted one")' \
-	    $(DEMO_DIR)/whole.json $(DEMO_DIR)/resumed.json
-	@echo "   bit-identical: the resumed run equals the uninterrupted one"
-	@echo; echo "== 3. GPT-style character transformer on /usr/share/common-licenses, 300 steps"
-	$(LIMPET) train --model gpt --data chars --steps 300 --eval-every 100 --out $(DEMO_DIR)/gpt
-	@echo; echo "Loss plots: $(DEMO_DIR)/*/loss.svg   checkpoints: $(DEMO_DIR)/*/checkpoint.safetensors"
+	$(LIMPET) demo --dir $(DEMO_DIR)
 
 clean:
 	cargo clean

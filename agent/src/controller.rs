@@ -61,6 +61,9 @@ pub struct View<'a> {
     pub step_time_ms: f64,
     /// Gradient statistics for AdaScale.
     pub grad_stats: Option<GradientStats>,
+    /// A rank reports that the current epoch's group broke although every rank is alive:
+    /// rebuild it with the same ranks, from the furthest rank's step.
+    pub rebuild: bool,
 }
 
 /// The controller's answer: commands to propose (maybe none) and why.
@@ -106,6 +109,9 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
             failed.push(r);
             if !matches!(status, None | Some(MemberStatus::Failed | MemberStatus::Gone)) {
                 let why = match view.progress.get(&r) {
+                    Some(p) if p.heartbeat_age_ms == u64::MAX => {
+                        "a peer's collective failed on it and it went silent".to_string()
+                    }
                     Some(p) => format!("no heartbeat for {:.1} s", p.heartbeat_age_ms as f64 / 1e3),
                     None => "never heard from".to_string(),
                 };
@@ -151,7 +157,11 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
         }
     }
 
-    if ranks == current_ranks && failed.is_empty() && st.current.is_some() {
+    if view.rebuild && failed.is_empty() && ranks == current_ranks {
+        causes.push("collective failure with every rank alive".into());
+    }
+    let rebuild = view.rebuild && failed.is_empty() && ranks == current_ranks;
+    if ranks == current_ranks && failed.is_empty() && st.current.is_some() && !rebuild {
         // A pending change that no longer applies (its newcomer left again) is withdrawn.
         if let Some(s) = &st.scheduled {
             commands.push(Command::CancelEpoch {
@@ -178,7 +188,7 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
     }
     if let Some(s) = &st.scheduled {
         // A scheduled epoch that already has exactly these ranks stands.
-        if s.ranks == ranks {
+        if s.ranks == ranks && !(rebuild && s.start_step > max_applied(view, &ranks)) {
             return Decision {
                 commands,
                 reason: format!("epoch {} scheduled at step {}", s.id, s.start_step),
@@ -189,10 +199,14 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
     if st.current.is_none() {
         causes.clear();
     }
-    let epoch = plan_epoch(view, cfg, &ranks, &current_ranks, &failed, causes);
+    let epoch = plan_epoch(view, cfg, &ranks, &current_ranks, &failed, rebuild, causes);
     let reason = format!("epoch {} at step {}: {}", epoch.id, epoch.start_step, epoch.cause);
     commands.push(Command::ScheduleEpoch { epoch });
     Decision { commands, reason }
+}
+
+fn max_applied(view: &View<'_>, ranks: &[NodeId]) -> u64 {
+    ranks.iter().map(|&r| view.applied(r)).max().unwrap_or(0)
 }
 
 fn wait(why: &str) -> Decision {
@@ -206,8 +220,10 @@ fn plan_epoch(
     ranks: &[NodeId],
     current: &[NodeId],
     failed: &[NodeId],
+    rebuild: bool,
     causes: Vec<String>,
 ) -> Epoch {
+    let restart = !failed.is_empty() || rebuild;
     let st = view.state;
     let cur = st.current.as_ref();
     let floor = cur.map_or(0, |e| e.start_step);
@@ -217,7 +233,7 @@ fn plan_epoch(
     let start = if cur.is_none() {
         // The first epoch starts where the job stands (0, or a checkpoint's step).
         st.checkpoints.last().map_or(0, |c| c.step)
-    } else if !failed.is_empty() {
+    } else if restart {
         // Abandon the step in flight: start at the furthest survivor's applied step.
         max_applied
     } else {
@@ -244,7 +260,7 @@ fn plan_epoch(
         for &r in ranks {
             // Survivors of a planned transition train up to the start themselves; after a
             // failure the start is the furthest survivor's step and the others are behind.
-            let behind = !failed.is_empty() && view.applied(r) < start;
+            let behind = restart && view.applied(r) < start;
             if r != src && (!current.contains(&r) || behind) {
                 sources.insert(r, src);
             }

@@ -9,6 +9,9 @@ pub mod controller;
 pub mod dataplane;
 pub mod fake_metadata;
 pub mod policy;
+pub mod report;
 pub mod revocation;
+#[cfg(feature = "trainer")]
+pub mod runtime;
 
 pub use dataplane::{DataPlaneConfig, DataPlaneError, Endpoint, Group};

@@ -62,6 +62,7 @@ impl Sim {
             progress: &self.progress,
             step_time_ms: 100.0,
             grad_stats: None,
+            rebuild: false,
         };
         let d = decide(&view, &config());
         for c in &d.commands {
@@ -131,6 +132,7 @@ fn a_notice_schedules_an_epoch_without_the_node_before_its_deadline() {
         progress: &sim2.progress,
         step_time_ms: 100.0,
         grad_stats: None,
+        rebuild: false,
     };
     let d = decide(&view, &cfg_lead);
     let Some(Command::ScheduleEpoch { epoch }) = d.commands.last() else { panic!("{d:?}") };

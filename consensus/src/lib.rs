@@ -22,7 +22,7 @@ pub mod transport;
 pub use crate::core::{Applied, Core, CoreConfig, NodeStatus, Output};
 pub use error::{ConsensusError, Result};
 pub use membership::{VoterDecision, VoterPolicy};
-pub use node::{Node, NodeConfig, NodeHandle};
+pub use node::{LocalState, Node, NodeConfig, NodeHandle, NodeReport, Reports};
 pub use state::{ClusterState, Command, Epoch, Member, MemberSpec, MemberStatus, NodeId, ProposalId};
 pub use storage::{AppliedState, Identity, LogStore, MemLog, SledLog};
 pub use transport::{Client, ReadResult};

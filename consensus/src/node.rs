@@ -15,8 +15,9 @@ use crate::transport::{decode_batch, pb, Client, PeerReport, PeerSender, ReadRes
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -73,11 +74,69 @@ enum Request {
     Status { reply: oneshot::Sender<NodeStatus> },
 }
 
+/// The largest heartbeat report a node keeps.
+pub const MAX_REPORT_BYTES: usize = 64 << 10;
+
+/// One agent's latest report as it arrived at this node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeReport {
+    /// Who sent it.
+    pub node: NodeId,
+    /// How long ago it arrived (this node's clock only).
+    pub age: Duration,
+    /// The report, opaque to consensus.
+    pub report: Vec<u8>,
+}
+
+/// Agents' latest heartbeat reports, keyed by sender, stamped with their arrival time here.
+#[derive(Clone, Default)]
+pub struct Reports(Arc<Mutex<ReportTable>>);
+
+/// Latest report per node, with its arrival time.
+type ReportTable = HashMap<NodeId, (std::time::Instant, Arc<Vec<u8>>)>;
+
+impl Reports {
+    /// Keeps `report` as `node`'s latest.
+    pub fn put(&self, node: NodeId, report: Vec<u8>) {
+        let mut t = self.0.lock().expect("reports lock");
+        t.insert(node, (std::time::Instant::now(), Arc::new(report)));
+    }
+
+    /// Every report held, by node id.
+    pub fn all(&self) -> Vec<NodeReport> {
+        let t = self.0.lock().expect("reports lock");
+        let mut v: Vec<NodeReport> = t
+            .iter()
+            .map(|(&node, (at, r))| NodeReport { node, age: at.elapsed(), report: r.to_vec() })
+            .collect();
+        v.sort_by_key(|r| r.node);
+        v
+    }
+}
+
+/// What this node has applied, published after every change so agents can follow the log
+/// without asking.
+#[derive(Clone, Debug)]
+pub struct LocalState {
+    /// The state machine at `applied_index`.
+    pub state: Arc<ClusterState>,
+    /// Applied index.
+    pub applied_index: u64,
+    /// The leader this node knows (0: none).
+    pub leader: NodeId,
+    /// Whether this node is the leader.
+    pub is_leader: bool,
+    /// Current term.
+    pub term: u64,
+}
+
 /// A handle to talk to a running node from the same process.
 #[derive(Clone)]
 pub struct NodeHandle {
     tx: mpsc::Sender<Request>,
     timeout: Duration,
+    reports: Reports,
+    watch: watch::Receiver<LocalState>,
 }
 
 impl NodeHandle {
@@ -102,6 +161,16 @@ impl NodeHandle {
     /// This node's view.
     pub async fn status(&self) -> Result<NodeStatus> {
         self.ask(|reply| Request::Status { reply }).await
+    }
+
+    /// The heartbeat reports this node received (its own agent's included once recorded).
+    pub fn reports(&self) -> &Reports {
+        &self.reports
+    }
+
+    /// Follows what this node applies.
+    pub fn watch(&self) -> watch::Receiver<LocalState> {
+        self.watch.clone()
     }
 }
 
@@ -129,9 +198,16 @@ impl Node {
         let addr = listener.local_addr().map_err(|e| ConsensusError::Config(e.to_string()))?;
         let advertise = if cfg.advertise.is_empty() { addr.to_string() } else { cfg.advertise.clone() };
         let (tx, rx) = mpsc::channel(1024);
-        let handle = NodeHandle { tx: tx.clone(), timeout: cfg.request_timeout };
+        let reports = Reports::default();
+        let (watch_tx, watch_rx) = watch::channel(local_state(&core));
+        let handle = NodeHandle {
+            tx: tx.clone(),
+            timeout: cfg.request_timeout,
+            reports: reports.clone(),
+            watch: watch_rx,
+        };
 
-        let service = Service { tx, cluster_id: cid, me: cfg.core.id, timeout: cfg.request_timeout };
+        let service = Service { tx, cluster_id: cid, me: cfg.core.id, timeout: cfg.request_timeout, reports };
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
         let server_stop = shutdown.clone();
         tokio::spawn(async move {
@@ -171,6 +247,7 @@ impl Node {
             next_seq: 1,
             me,
             learned: HashMap::new(),
+            watch: watch_tx,
         };
         let task = tokio::spawn(looper.run(rx, shutdown.clone()));
         Ok(Node { handle, addr, task, shutdown })
@@ -246,6 +323,17 @@ struct Loop {
     next_seq: u64,
     me: MemberSpec,
     learned: HashMap<NodeId, String>,
+    watch: watch::Sender<LocalState>,
+}
+
+fn local_state(core: &Core<SledLog>) -> LocalState {
+    LocalState {
+        state: Arc::new(core.state().clone()),
+        applied_index: core.applied(),
+        leader: core.leader(),
+        is_leader: core.is_leader(),
+        term: core.term(),
+    }
 }
 
 impl Loop {
@@ -299,6 +387,14 @@ impl Loop {
                 if let Some((_, reply)) = self.reads.remove(&id) {
                     let _ = reply.send(Ok(self.read_result(true)));
                 }
+            }
+            let seen = self.watch.borrow().clone();
+            if seen.applied_index != self.core.applied()
+                || seen.leader != self.core.leader()
+                || seen.term != self.core.term()
+                || seen.is_leader != self.core.is_leader()
+            {
+                self.watch.send_replace(local_state(&self.core));
             }
         }
         self.fail_all(|| ConsensusError::Shutdown);
@@ -451,6 +547,7 @@ struct Service {
     cluster_id: u64,
     me: NodeId,
     timeout: Duration,
+    reports: Reports,
 }
 
 impl Service {
@@ -537,5 +634,36 @@ impl pb::consensus_server::Consensus for Service {
         Ok(tonic::Response::new(pb::StatusReply {
             status: serde_json::to_vec(&status).expect("status serializes"),
         }))
+    }
+
+    async fn heartbeat(
+        &self,
+        req: tonic::Request<pb::HeartbeatRequest>,
+    ) -> std::result::Result<tonic::Response<pb::HeartbeatReply>, tonic::Status> {
+        let req = req.into_inner();
+        self.check_cluster(req.cluster_id, "heartbeat")?;
+        if req.from == 0 || req.report.len() > MAX_REPORT_BYTES {
+            return Err(ConsensusError::Decode {
+                what: "heartbeat",
+                detail: format!("from node {} with {} report bytes", req.from, req.report.len()),
+            }
+            .into());
+        }
+        self.reports.put(req.from, req.report);
+        Ok(tonic::Response::new(pb::HeartbeatReply {}))
+    }
+
+    async fn reports(
+        &self,
+        req: tonic::Request<pb::ReportsRequest>,
+    ) -> std::result::Result<tonic::Response<pb::ReportsReply>, tonic::Status> {
+        self.check_cluster(req.into_inner().cluster_id, "reports")?;
+        let reports = self
+            .reports
+            .all()
+            .into_iter()
+            .map(|r| pb::NodeReport { node: r.node, age_ms: r.age.as_millis() as u64, report: r.report })
+            .collect();
+        Ok(tonic::Response::new(pb::ReportsReply { reports }))
     }
 }

@@ -18,6 +18,9 @@ pub const FORMAT_VERSION: u32 = 1;
 /// How many checkpoint records the state keeps (the newest ones).
 pub const MAX_CHECKPOINT_RECORDS: usize = 16;
 
+/// How many started epochs the state remembers (the newest ones), for `limpet status`.
+pub const MAX_EPOCH_HISTORY: usize = 32;
+
 /// Where a member is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum MemberStatus {
@@ -119,10 +122,33 @@ pub struct Epoch {
     pub batch: EpochBatch,
     /// Learning-rate multiplier chosen by the batch policy.
     pub lr_scale: f64,
-    /// For each newcomer, the live peer it copies training state from.
+    /// For each newcomer, the live peer it copies training state from. Written as a list of
+    /// `[to, from]` pairs: a map with integer keys would not survive the tagged `Command`
+    /// enum's decoding (JSON object keys are strings there).
+    #[serde(with = "node_pairs")]
     pub sources: BTreeMap<NodeId, NodeId>,
     /// Why this epoch exists (the event that caused it).
     pub cause: String,
+}
+
+mod node_pairs {
+    use super::NodeId;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use std::collections::BTreeMap;
+
+    pub fn serialize<S: Serializer>(m: &BTreeMap<NodeId, NodeId>, s: S) -> Result<S::Ok, S::Error> {
+        m.iter().map(|(k, v)| [*k, *v]).collect::<Vec<_>>().serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<NodeId, NodeId>, D::Error> {
+        let pairs = Vec::<[NodeId; 2]>::deserialize(d)?;
+        let n = pairs.len();
+        let m: BTreeMap<NodeId, NodeId> = pairs.into_iter().map(|[k, v]| (k, v)).collect();
+        if m.len() != n {
+            return Err(serde::de::Error::custom("a node has two state sources"));
+        }
+        Ok(m)
+    }
 }
 
 /// A durable checkpoint someone wrote.
@@ -162,6 +188,9 @@ pub struct ClusterState {
     /// The highest epoch id ever scheduled (withdrawn ones included): ids are never reused.
     #[serde(default)]
     pub last_epoch_id: u64,
+    /// The newest started epochs, oldest first (the current one last).
+    #[serde(default)]
+    pub history: Vec<Epoch>,
 }
 
 /// A change to the cluster state.
@@ -378,6 +407,7 @@ impl ClusterState {
             scheduled: None,
             checkpoints: Vec::new(),
             last_epoch_id: 0,
+            history: Vec::new(),
         };
         state.voters.sort_unstable();
         for m in members {
@@ -421,6 +451,10 @@ impl ClusterState {
             Command::ScheduleEpoch { epoch } => self.apply_schedule(epoch),
             Command::ActivateEpoch { id } => match self.scheduled.take() {
                 Some(e) if e.id == *id => {
+                    self.history.push(e.clone());
+                    if self.history.len() > MAX_EPOCH_HISTORY {
+                        self.history.remove(0);
+                    }
                     self.current = Some(e);
                     Ok(format!("epoch {id} started"))
                 }
@@ -726,6 +760,22 @@ mod tests {
             sources: BTreeMap::new(),
             cause: "test".into(),
         }
+    }
+
+    #[test]
+    fn an_epoch_with_sources_survives_the_log() {
+        let mut e = epoch(3, 10, &[1, 2]);
+        e.sources.insert(2, 1);
+        let p = Proposal {
+            v: FORMAT_VERSION,
+            origin: ProposalId { node: 1, seq: 1 },
+            command: Command::ScheduleEpoch { epoch: e.clone() },
+        };
+        let back = Proposal::decode(&p.encode()).unwrap();
+        assert_eq!(back, p);
+        let twice = String::from_utf8(p.encode()).unwrap().replace("[[2,1]]", "[[2,1],[2,3]]");
+        let err = Proposal::decode(twice.as_bytes()).unwrap_err().to_string();
+        assert!(err.contains("two state sources"), "{err}");
     }
 
     #[test]

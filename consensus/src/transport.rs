@@ -235,4 +235,29 @@ impl Client {
         serde_json::from_slice(&r.into_inner().status)
             .map_err(|e| ConsensusError::Decode { what: "node status", detail: e.to_string() })
     }
+
+    /// Sends this agent's heartbeat report.
+    pub async fn heartbeat(&mut self, from: NodeId, report: Vec<u8>) -> Result<()> {
+        let req = pb::HeartbeatRequest { cluster_id: self.cluster_id, from, report };
+        self.inner.heartbeat(req).await.map_err(status_error)?;
+        Ok(())
+    }
+
+    /// Every heartbeat report the node holds.
+    pub async fn reports(&mut self) -> Result<Vec<crate::node::NodeReport>> {
+        let r = self
+            .inner
+            .reports(pb::ReportsRequest { cluster_id: self.cluster_id })
+            .await
+            .map_err(status_error)?
+            .into_inner();
+        Ok(r.reports
+            .into_iter()
+            .map(|r| crate::node::NodeReport {
+                node: r.node,
+                age: Duration::from_millis(r.age_ms),
+                report: r.report,
+            })
+            .collect())
+    }
 }

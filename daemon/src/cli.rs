@@ -26,6 +26,61 @@ pub enum Command {
     /// Measure a part of limpet on this machine.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Show the cluster: nodes with role and status, leader, epoch, step, loss, throughput,
+    /// and recent transitions with cause, idle time and lost steps.
+    Status(crate::status::StatusArgs),
+    /// Ask a node to leave at the next epoch boundary.
+    Drain(crate::status::DrainArgs),
+    /// Inject a revocation: a spot notice (--in SECS) or a kill without notice (--hard).
+    Revoke(crate::status::RevokeArgs),
+    /// Local clusters on loopback.
+    #[command(subcommand)]
+    Local(LocalCommand),
+    /// The demo: 4 agents on real data through a spot notice, a join, a kill -9 and a drain.
+    Demo(crate::demo::DemoArgs),
+    /// Run a local cluster through a scripted scenario (the multi-process tests use it).
+    #[command(hide = true)]
+    Scenario(crate::demo::ScenarioArgs),
+    /// Serve a fake cloud metadata service (AWS IMDSv2, GCP, Azure shapes) for local nodes.
+    #[command(hide = true)]
+    FakeMetadata {
+        /// Listen address.
+        #[arg(long)]
+        listen: std::net::SocketAddr,
+    },
+}
+
+/// `limpet local ...`.
+#[derive(Debug, Subcommand)]
+pub enum LocalCommand {
+    /// Start N agents on loopback, each with a fake metadata service; runs until Ctrl-C.
+    Up(LocalUpArgs),
+}
+
+/// `limpet local up`.
+#[derive(Debug, Args)]
+pub struct LocalUpArgs {
+    /// Founding agents.
+    #[arg(long, default_value_t = 3)]
+    pub nodes: usize,
+    /// Directory for configurations, state, logs and cluster.json (must not hold a cluster).
+    #[arg(long)]
+    pub dir: PathBuf,
+    /// Model family.
+    #[arg(long, value_enum, default_value = "mlp")]
+    pub model: ModelArg,
+    /// Dataset.
+    #[arg(long, value_enum, default_value = "digits")]
+    pub data: DataArg,
+    /// Total steps.
+    #[arg(long, default_value_t = 2000)]
+    pub steps: u64,
+    /// Global batch.
+    #[arg(long, default_value_t = 64)]
+    pub batch: u64,
+    /// Batch / learning-rate policy: fixed-global, linear, sqrt, adascale.
+    #[arg(long, default_value = "fixed-global")]
+    pub policy: String,
 }
 
 /// `limpet bench ...`.
@@ -146,5 +201,63 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::DpWorker(args) => crate::dp_cmd::run_worker(args),
         Command::Bench(BenchCommand::Allreduce(args)) => crate::dp_cmd::bench_allreduce(args),
         Command::Bench(BenchCommand::Handoff(args)) => crate::dp_cmd::bench_handoff(args),
+        Command::Status(args) => crate::status::status(args),
+        Command::Drain(args) => crate::status::drain(args),
+        Command::Revoke(args) => crate::status::revoke(args),
+        Command::Local(LocalCommand::Up(args)) => local_up(args),
+        Command::Demo(args) => crate::demo::run(args),
+        Command::Scenario(args) => crate::demo::scenario(args),
+        Command::FakeMetadata { listen } => fake_metadata(listen),
     }
+}
+
+fn value_name<T: ValueEnum>(v: T) -> String {
+    v.to_possible_value().map(|p| p.get_name().to_string()).unwrap_or_default()
+}
+
+fn local_up(a: LocalUpArgs) -> anyhow::Result<()> {
+    if !["fixed-global", "linear", "sqrt", "adascale"].contains(&a.policy.as_str()) {
+        return Err(crate::UsageError(format!(
+            "--policy {:?} is not one of fixed-global, linear, sqrt, adascale",
+            a.policy
+        ))
+        .into());
+    }
+    let job = crate::local::LocalJob {
+        model: value_name(a.model),
+        data: value_name(a.data),
+        steps: a.steps,
+        global_batch: a.batch,
+        policy: a.policy.clone(),
+        ..crate::local::LocalJob::default()
+    };
+    let mut cluster = crate::local::LocalCluster::up(&a.dir, a.nodes, job)?;
+    println!(
+        "{} agents up in {}; `limpet status --dir {}` shows them. Ctrl-C stops them.",
+        a.nodes,
+        a.dir.display(),
+        a.dir.display()
+    );
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate())?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        anyhow::Ok(())
+    })?;
+    cluster.down();
+    Ok(())
+}
+
+fn fake_metadata(listen: std::net::SocketAddr) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        let md = limpet_agent::fake_metadata::FakeMetadata::start(listen).await?;
+        eprintln!("fake metadata at {}", md.url());
+        std::future::pending::<()>().await;
+        anyhow::Ok(())
+    })
 }

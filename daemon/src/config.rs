@@ -33,6 +33,40 @@ pub struct Config {
     /// Where revocation notices come from.
     #[serde(default)]
     pub revocation: RevocationSection,
+    /// Failure detection and transition timing.
+    #[serde(default)]
+    pub timing: TimingSection,
+}
+
+/// `[timing]`: how fast failures are detected and transitions planned.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TimingSection {
+    /// Milliseconds between heartbeats.
+    pub heartbeat_ms: u64,
+    /// Silence after which a node has failed, milliseconds.
+    pub failure_timeout_ms: u64,
+    /// A collective with no progress for this long fails, milliseconds.
+    pub data_timeout_ms: u64,
+    /// Raft tick, milliseconds (elections take 10-20 ticks).
+    pub raft_tick_ms: u64,
+    /// How far ahead of the furthest rank a planned change is scheduled, milliseconds.
+    pub lead_ms: u64,
+    /// Margin kept before a revocation deadline, milliseconds.
+    pub notice_margin_ms: u64,
+}
+
+impl Default for TimingSection {
+    fn default() -> TimingSection {
+        TimingSection {
+            heartbeat_ms: 100,
+            failure_timeout_ms: 1000,
+            data_timeout_ms: 3000,
+            raft_tick_ms: 50,
+            lead_ms: 400,
+            notice_margin_ms: 1000,
+        }
+    }
 }
 
 /// `[node]`.
@@ -53,6 +87,8 @@ pub struct NodeSection {
     pub advertise_data: Option<String>,
     /// State directory (raft log, checkpoints).
     pub state_dir: PathBuf,
+    /// Append one JSON line per completed step here.
+    pub step_log: Option<PathBuf>,
     /// File holding the cluster secret (at least 16 bytes).
     pub secret_file: PathBuf,
 }
@@ -107,6 +143,11 @@ pub struct JobSection {
     /// Seed.
     #[serde(default)]
     pub seed: u64,
+    /// Peak learning rate (the model's default when absent).
+    pub lr: Option<f64>,
+    /// World size the batch and learning rate were tuned for (the policies scale from it;
+    /// default: the number of founders).
+    pub base_world: Option<u64>,
 }
 
 fn default_policy() -> BatchPolicy {
@@ -266,6 +307,37 @@ impl Config {
             if !["aws", "gcp", "azure"].contains(&s.as_str()) {
                 return err("[revocation].sources", format!("{s:?} is not one of aws, gcp, azure"));
             }
+        }
+        if let Some(lr) = self.job.lr {
+            if !(lr.is_finite() && lr > 0.0) {
+                return err("[job].lr", format!("{lr} is not a positive number"));
+            }
+        }
+        if self.job.base_world == Some(0) {
+            return err("[job].base_world", "must be at least 1".into());
+        }
+        let t = &self.timing;
+        for (key, v, lo) in [
+            ("[timing].heartbeat_ms", t.heartbeat_ms, 10),
+            ("[timing].failure_timeout_ms", t.failure_timeout_ms, 50),
+            ("[timing].data_timeout_ms", t.data_timeout_ms, 50),
+            ("[timing].raft_tick_ms", t.raft_tick_ms, 5),
+            ("[timing].lead_ms", t.lead_ms, 0),
+            ("[timing].notice_margin_ms", t.notice_margin_ms, 0),
+        ] {
+            if v < lo {
+                return err(key, format!("{v} is below {lo}"));
+            }
+        }
+        if t.failure_timeout_ms < 2 * t.heartbeat_ms {
+            return err(
+                "[timing].failure_timeout_ms",
+                format!(
+                    "{} must be at least two heartbeats ({} ms)",
+                    t.failure_timeout_ms,
+                    2 * t.heartbeat_ms
+                ),
+            );
         }
         if !(self.revocation.poll_secs.is_finite() && self.revocation.poll_secs >= 0.1) {
             return err("[revocation].poll_secs", format!("{} is below 0.1 s", self.revocation.poll_secs));

@@ -6,9 +6,13 @@
 
 pub mod cli;
 pub mod config;
+pub mod demo;
 pub mod dp_cmd;
+pub mod limpetd;
+pub mod local;
 mod plot;
 pub mod raft_cmd;
+pub mod status;
 mod train_cmd;
 
 /// Exit status for bad usage (sysexits' EX_USAGE): a flag, argument or combination is wrong.
@@ -39,4 +43,16 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
         Some(TrainerError::Config(_)) => EXIT_USAGE,
         _ => 1,
     }
+}
+
+/// Logs to stderr, filtered by `LIMPET_LOG` (default: info, raft-rs at warn).
+pub fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("LIMPET_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,raft=warn"));
+    use std::io::IsTerminal;
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr)
+        .try_init();
 }

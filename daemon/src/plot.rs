@@ -44,3 +44,83 @@ pub fn loss_svg(path: &Path, records: &[StepRecord], title: &str) -> anyhow::Res
     };
     draw().map_err(|e| anyhow::anyhow!("{e}")).with_context(|| format!("drawing {}", path.display()))
 }
+
+/// One completed step of an elastic run, for `elastic_svg`.
+pub struct ElasticPoint {
+    /// Step.
+    pub step: u64,
+    /// Global loss.
+    pub loss: f64,
+    /// World size of its epoch.
+    pub world: usize,
+}
+
+/// Draws loss (top, log scale) and world size (bottom) against step, with every transition
+/// marked by a vertical line and its label.
+pub fn elastic_svg(
+    path: &Path,
+    points: &[ElasticPoint],
+    transitions: &[(u64, String)],
+    title: &str,
+) -> anyhow::Result<()> {
+    let draw = || -> Result<(), Box<dyn std::error::Error>> {
+        let last = points.last().map_or(1, |p| p.step).max(1) as f64;
+        let finite: Vec<&ElasticPoint> =
+            points.iter().filter(|p| p.loss.is_finite() && p.loss > 0.0).collect();
+        let (lo, hi) = finite.iter().fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.loss), b.max(p.loss)));
+        let (lo, hi) = if lo <= hi { (lo * 0.8, hi * 1.25) } else { (0.01, 10.0) };
+        let max_world = points.iter().map(|p| p.world).max().unwrap_or(1) as f64 + 1.0;
+        let root = SVGBackend::new(path, (1000, 640)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let (top, bottom) = root.split_vertically(420);
+        let mut chart = ChartBuilder::on(&top)
+            .caption(title, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(30)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0f64..last, (lo..hi).log_scale())?;
+        chart.configure_mesh().y_desc("loss").draw()?;
+        // A light per-step line and a 25-step moving average on top.
+        chart.draw_series(LineSeries::new(finite.iter().map(|p| (p.step as f64, p.loss)), BLUE.mix(0.25)))?;
+        let k = 25usize;
+        let smooth: Vec<(f64, f64)> = finite
+            .windows(k.min(finite.len()).max(1))
+            .map(|w| (w[w.len() - 1].step as f64, w.iter().map(|p| p.loss).sum::<f64>() / w.len() as f64))
+            .collect();
+        chart
+            .draw_series(LineSeries::new(smooth, &BLUE))?
+            .label("train loss (25-step mean)")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLUE));
+        for (step, label) in transitions {
+            let x = *step as f64;
+            chart.draw_series(LineSeries::new(vec![(x, lo), (x, hi)], RED.mix(0.6)))?;
+            chart.draw_series(std::iter::once(Text::new(
+                label.clone(),
+                (x, hi / 1.15),
+                ("sans-serif", 13).into_font().color(&RED),
+            )))?;
+        }
+        chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw()?;
+        let mut world = ChartBuilder::on(&bottom)
+            .margin(12)
+            .x_label_area_size(36)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0f64..last, 0f64..max_world)?;
+        world.configure_mesh().x_desc("step").y_desc("world size").draw()?;
+        let mut steps = Vec::new();
+        for p in points {
+            if let Some(&(_, w)) = steps.last() {
+                steps.push((p.step as f64, w));
+            }
+            steps.push((p.step as f64, p.world as f64));
+        }
+        world.draw_series(LineSeries::new(steps, GREEN.stroke_width(2)))?;
+        for (step, _) in transitions {
+            let x = *step as f64;
+            world.draw_series(LineSeries::new(vec![(x, 0.0), (x, max_world)], RED.mix(0.6)))?;
+        }
+        root.present()?;
+        Ok(())
+    };
+    draw().map_err(|e| anyhow::anyhow!("{e}")).with_context(|| format!("drawing {}", path.display()))
+}

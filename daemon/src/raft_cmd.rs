@@ -110,9 +110,7 @@ pub fn run_node(args: RaftNodeArgs) -> anyhow::Result<()> {
 }
 
 fn tracing_init() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("LIMPET_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,raft=warn"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    crate::init_tracing();
 }
 
 /// Node processes on loopback, killed when dropped.
@@ -129,7 +127,7 @@ pub struct LocalCluster {
 }
 
 /// A loopback port nobody listens on right now (for child processes told their address).
-pub(crate) fn free_port() -> anyhow::Result<u16> {
+pub fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 

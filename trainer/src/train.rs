@@ -70,6 +70,11 @@ pub struct Trainer {
     sampler: Sampler,
     plan: BatchPlan,
     step: u64,
+    /// Samples consumed so far: where the next step's global batch starts in the sample
+    /// order. Equals `step * global_batch` while the batch never changed.
+    cursor: u64,
+    /// Learning-rate multiplier set by the elastic batch policy (1 for a fixed global batch).
+    lr_scale: f64,
     rng: RngState,
 }
 
@@ -82,7 +87,7 @@ impl Trainer {
         let plan = BatchPlan::try_new(job.global_batch, job.micro_batch)?;
         let sampler = Sampler::new(job.seed, data.train.len());
         let rng = RngState::new(job.seed);
-        Ok(Trainer { job, data, model, optim, sampler, plan, step: 0, rng })
+        Ok(Trainer { job, data, model, optim, sampler, plan, step: 0, cursor: 0, lr_scale: 1.0, rng })
     }
 
     /// Restores a trainer from `image`. The image's own job is used; if `expected` is given it
@@ -99,35 +104,74 @@ impl Trainer {
             return Err(TrainerError::Mismatch(format!("job field {d} (expected vs checkpoint)")));
         }
         let mut t = Trainer::try_new(job, data)?;
-        let cursor = meta.step * t.plan.global_batch as u64;
-        if meta.cursor != cursor {
+        t.load_image(image)?;
+        Ok(t)
+    }
+
+    /// Replaces this trainer's state (parameters, optimizer state, step, cursor, RNG) with
+    /// `image`'s, which must be of the same job: how a newcomer or a lagging rank takes a
+    /// live peer's state. Nothing changes when the image does not fit.
+    pub fn load_image(&mut self, image: &StateImage) -> Result<(), TrainerError> {
+        let meta = image.meta();
+        let job: JobSpec = serde_json::from_value(meta.job.clone())
+            .map_err(|e| TrainerError::Mismatch(format!("the image's job spec is unreadable: {e}")))?;
+        if let Some(d) = self.job.diff(&job) {
+            return Err(TrainerError::Mismatch(format!("job field {d} (this trainer vs the image)")));
+        }
+        if meta.cursor < meta.step {
             return Err(TrainerError::Mismatch(format!(
-                "field 'cursor' is {} but step {} x global_batch {} is {cursor}",
-                meta.cursor, meta.step, t.plan.global_batch
+                "field 'cursor' is {} but {} steps consume at least {} samples",
+                meta.cursor, meta.step, meta.step
             )));
         }
         let mut expected_names = Vec::new();
         let targets: Vec<(String, Tensor)> = {
-            let params = t.model.params();
+            let params = self.model.params();
             let mut v: Vec<(String, Tensor)> =
                 params.iter().map(|(n, p)| (format!("param/{n}"), p.shallow_clone())).collect();
-            v.extend(t.optim.named_state(params).map(|(n, s)| (n, s.shallow_clone())));
+            v.extend(self.optim.named_state(params).map(|(n, s)| (n, s.shallow_clone())));
             v
         };
-        for (name, dst) in targets {
+        // Check every tensor before copying any, so a bad image changes nothing.
+        for (name, dst) in &targets {
             let src = image
                 .tensors()
-                .get(&name)
+                .get(name)
                 .ok_or_else(|| TrainerError::Mismatch(format!("tensor '{name}' is missing")))?;
-            load_into(&name, src, dst)?;
-            expected_names.push(name);
+            check_fits(name, src, dst)?;
+            expected_names.push(name.clone());
         }
         if let Some(extra) = image.tensors().keys().find(|k| !expected_names.contains(k)) {
             return Err(TrainerError::Mismatch(format!("tensor '{extra}' does not belong to this model")));
         }
-        t.step = meta.step;
-        t.rng = meta.rng;
-        Ok(t)
+        for (name, dst) in targets {
+            load_into(&image.tensors()[&name], dst)?;
+        }
+        self.step = meta.step;
+        self.cursor = meta.cursor;
+        self.rng = meta.rng;
+        Ok(())
+    }
+
+    /// Sets the batch plan and learning-rate multiplier of an epoch (the elastic batch
+    /// policy's decision). Under `fixed-global` this keeps the job's own batch and scale 1.
+    pub fn set_epoch_plan(
+        &mut self,
+        global_batch: usize,
+        micro_batch: usize,
+        lr_scale: f64,
+    ) -> Result<(), TrainerError> {
+        if !(lr_scale.is_finite() && lr_scale > 0.0) {
+            return Err(TrainerError::Config(format!("lr scale {lr_scale} is not a positive number")));
+        }
+        self.plan = BatchPlan::try_new(global_batch, micro_batch)?;
+        self.lr_scale = lr_scale;
+        Ok(())
+    }
+
+    /// The current batch plan.
+    pub fn plan(&self) -> BatchPlan {
+        self.plan
     }
 
     /// The job.
@@ -159,7 +203,8 @@ impl Trainer {
     /// Computes this rank's share of the current step: the sum over its samples of the
     /// per-sample loss gradients, followed by the loss sum and sample count.
     pub fn compute_grads(&mut self, rank: usize, world: usize) -> Result<Vec<f32>, TrainerError> {
-        let positions = self.plan.positions(self.step, rank, world);
+        let share = self.plan.share(rank, world);
+        let positions = self.cursor + share.start as u64..self.cursor + share.end as u64;
         let step_seed = self.peek_step_seed();
         let mut loss_sum = 0.0;
         for (k, mb) in self.plan.micro_batches(positions.clone()).enumerate() {
@@ -214,12 +259,14 @@ impl Trainer {
         let inv = 1.0 / samples;
         grad.iter_mut().for_each(|g| *g *= inv);
         let grad_norm = clip_global_norm(grad, self.job.clip_norm);
-        let lr = self.job.optimizer.lr() * self.job.schedule.factor(self.step, self.job.steps);
+        let lr =
+            self.job.optimizer.lr() * self.job.schedule.factor(self.step, self.job.steps) * self.lr_scale;
         let g = Tensor::from_slice(grad);
         self.optim.apply(self.model.params(), &g, lr, self.step + 1);
         let stats = StepStats { step: self.step, loss, lr, grad_norm, samples: samples as usize };
         self.next_step_seed();
         self.step += 1;
+        self.cursor += self.plan.global_batch as u64;
         Ok(stats)
     }
 
@@ -264,7 +311,7 @@ impl Trainer {
             tensors.insert(name, t);
         }
         let job = serde_json::to_value(&self.job).expect("JobSpec serializes");
-        Ok(StateImage::new(self.step, self.step * self.plan.global_batch as u64, self.rng, job, tensors))
+        Ok(StateImage::new(self.step, self.cursor, self.rng, job, tensors))
     }
 
     /// Content hash of the current state (equal on ranks that hold the same state).
@@ -301,7 +348,7 @@ fn raw(name: &str, t: &Tensor) -> Result<RawTensor, TrainerError> {
 }
 
 /// Copies an image tensor into a parameter or slot, checking dtype and shape.
-fn load_into(name: &str, src: &RawTensor, mut dst: Tensor) -> Result<(), TrainerError> {
+fn check_fits(name: &str, src: &RawTensor, dst: &Tensor) -> Result<(), TrainerError> {
     let want: Vec<usize> = dst.size().iter().map(|&d| d as usize).collect();
     if src.dtype() != Dtype::F32 || src.shape() != want.as_slice() {
         return Err(TrainerError::Mismatch(format!(
@@ -310,6 +357,10 @@ fn load_into(name: &str, src: &RawTensor, mut dst: Tensor) -> Result<(), Trainer
             src.shape()
         )));
     }
+    Ok(())
+}
+
+fn load_into(src: &RawTensor, mut dst: Tensor) -> Result<(), TrainerError> {
     let values = src.to_f32().expect("checked F32");
     tch::no_grad(|| dst.f_copy_(&Tensor::from_slice(&values).view_as(&dst)))?;
     Ok(())

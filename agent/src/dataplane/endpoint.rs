@@ -139,12 +139,25 @@ impl Endpoint {
         epoch: u64,
         channel: Channel,
     ) -> Result<TcpStream, DataPlaneError> {
+        self.connect_until(addr, peer, epoch, channel, Instant::now() + self.shared.cfg.timeout, &|| false)
+    }
+
+    /// Like `connect`, retrying a refused connection until `deadline` unless `abort` says
+    /// to stop (a peer that is gone for good never starts listening again).
+    pub fn connect_until(
+        &self,
+        addr: &str,
+        peer: u64,
+        epoch: u64,
+        channel: Channel,
+        deadline: Instant,
+        abort: &dyn Fn() -> bool,
+    ) -> Result<TcpStream, DataPlaneError> {
         let cfg = &self.shared.cfg;
-        let deadline = Instant::now() + cfg.timeout;
         let stream = loop {
             match TcpStream::connect(addr) {
                 Ok(s) => break s,
-                Err(e) if Instant::now() < deadline => {
+                Err(e) if Instant::now() < deadline && !abort() => {
                     tracing::trace!(peer, addr, %e, "connect retry");
                     std::thread::sleep(Duration::from_millis(20));
                 }
@@ -163,22 +176,36 @@ impl Endpoint {
 
     /// Waits for the authenticated connection from `peer` for `epoch` on `channel`.
     pub fn accept_from(&self, peer: u64, epoch: u64, channel: Channel) -> Result<TcpStream, DataPlaneError> {
-        let timeout = self.shared.cfg.timeout;
-        let deadline = Instant::now() + timeout;
+        self.accept_until(peer, epoch, channel, Instant::now() + self.shared.cfg.timeout, &|| false)
+    }
+
+    /// Like `accept_from`, waiting until `deadline` and giving up early when `abort` says so
+    /// (checked every 50 ms): a rank that enters an epoch early waits for its peers to reach
+    /// the boundary, but not for an epoch that was withdrawn or replaced meanwhile.
+    pub fn accept_until(
+        &self,
+        peer: u64,
+        epoch: u64,
+        channel: Channel,
+        deadline: Instant,
+        abort: &dyn Fn() -> bool,
+    ) -> Result<TcpStream, DataPlaneError> {
+        let started = Instant::now();
         let mut inbox = self.shared.inbox.lock().expect("inbox lock");
         loop {
             if let Some(s) = inbox.remove(&(epoch, peer, channel)) {
                 return Ok(s);
             }
             let now = Instant::now();
-            if now >= deadline {
+            if now >= deadline || abort() {
                 return Err(DataPlaneError::Timeout {
                     peer,
-                    waited: timeout,
+                    waited: now - started,
                     during: format!("waiting for node {peer} to connect for epoch {epoch}"),
                 });
             }
-            inbox = self.shared.arrived.wait_timeout(inbox, deadline - now).expect("inbox lock").0;
+            let slice = (deadline - now).min(Duration::from_millis(50));
+            inbox = self.shared.arrived.wait_timeout(inbox, slice).expect("inbox lock").0;
         }
     }
 
@@ -203,7 +230,20 @@ impl Endpoint {
     /// Builds the collective group of `epoch`: `ranks` in rank order (node ids) and their
     /// data addresses; this node must be among them.
     pub fn group(&self, epoch: u64, ranks: &[u64], addrs: &[String]) -> Result<Group, DataPlaneError> {
-        Group::connect(self, epoch, ranks, addrs)
+        Group::connect(self, epoch, ranks, addrs, Instant::now() + self.shared.cfg.timeout, &|| false)
+    }
+
+    /// Forms a group whose members may arrive at different times: waits for the left
+    /// neighbour until `deadline`, giving up early when `abort` returns true.
+    pub fn group_until(
+        &self,
+        epoch: u64,
+        ranks: &[u64],
+        addrs: &[String],
+        deadline: Instant,
+        abort: &dyn Fn() -> bool,
+    ) -> Result<Group, DataPlaneError> {
+        Group::connect(self, epoch, ranks, addrs, deadline, abort)
     }
 }
 

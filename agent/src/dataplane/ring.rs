@@ -68,6 +68,8 @@ impl Group {
         epoch: u64,
         ranks: &[u64],
         addrs: &[String],
+        deadline: std::time::Instant,
+        abort: &dyn Fn() -> bool,
     ) -> Result<Group, DataPlaneError> {
         let me = ep.config().node;
         let world = ranks.len();
@@ -99,8 +101,10 @@ impl Group {
         if world > 1 {
             let right = (rank + 1) % world;
             let left = (rank + world - 1) % world;
-            let out = ep.connect(&addrs[right], ranks[right], epoch, Channel::Ring)?;
-            let inc = ep.accept_from(ranks[left], epoch, Channel::Ring)?;
+            let connect_by = deadline.min(std::time::Instant::now() + ep.config().timeout);
+            let out =
+                ep.connect_until(&addrs[right], ranks[right], epoch, Channel::Ring, connect_by, abort)?;
+            let inc = ep.accept_until(ranks[left], epoch, Channel::Ring, deadline, abort)?;
             for s in [&out, &inc] {
                 s.set_nonblocking(true).map_err(DataPlaneError::io("making a socket non-blocking"))?;
             }

@@ -1,0 +1,120 @@
+//! What an agent tells the cluster about itself every heartbeat: its training progress,
+//! health and recent transitions. Sent as JSON to every member (consensus keeps it opaque,
+//! stamped with its arrival time); the leader's controller reads progress and failures from
+//! it, and `limpet status` shows it. Decoding is strict and bounded: a report comes from the
+//! network.
+
+use limpet_consensus::state::NodeId;
+use serde::{Deserialize, Serialize};
+
+/// Version of the report document.
+pub const REPORT_VERSION: u32 = 1;
+
+/// How many transitions a report carries (the newest).
+pub const MAX_TRANSITIONS: usize = 16;
+
+/// What the agent's trainer is doing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Phase {
+    /// Started; not in any epoch yet.
+    Starting,
+    /// Waiting to be included in an epoch (joining) or for the next epoch after a failure.
+    Waiting,
+    /// Forming an epoch's group, checking state hashes, copying state.
+    Entering,
+    /// Training in its epoch.
+    Training,
+    /// Reached the job's last step.
+    Finished,
+    /// Left training (notice, drain); waiting to be removed.
+    Left,
+}
+
+/// One epoch change as this agent lived it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Transition {
+    /// The epoch entered.
+    pub epoch: u64,
+    /// The step it was entered at.
+    pub step: u64,
+    /// Why the epoch exists (from the log).
+    pub cause: String,
+    /// Milliseconds from this agent's last completed step to the epoch's entry (0 for the
+    /// first epoch).
+    pub idle_ms: u64,
+    /// Step computations thrown away because a collective failed mid-step.
+    pub lost_steps: u64,
+    /// Whether this agent copied its state from a peer on entry, and how many bytes.
+    pub fetched_bytes: u64,
+    /// Whether the hashes at entry disagreed at equal steps (divergence repaired).
+    pub repaired: bool,
+}
+
+/// An agent's heartbeat document.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentReport {
+    /// `REPORT_VERSION`.
+    pub v: u32,
+    /// The node.
+    pub node: NodeId,
+    /// Its process id (for local clusters' `limpet revoke --hard`).
+    pub pid: u32,
+    /// What it is doing.
+    pub phase: Phase,
+    /// The epoch whose group it trains in (0: none).
+    pub epoch: u64,
+    /// Steps applied: the next step it trains.
+    pub applied_step: u64,
+    /// Loss of its last step.
+    pub loss: Option<f64>,
+    /// Smoothed wall time of a step, milliseconds (0 until measured).
+    pub step_time_ms: f64,
+    /// Samples per second over the whole world (global batch / step time).
+    pub samples_per_s: f64,
+    /// The epoch whose collective failed under it, and since when (ms), if waiting on one.
+    pub broken: Option<Broken>,
+    /// Newest transitions, oldest first.
+    pub transitions: Vec<Transition>,
+}
+
+/// A collective failure the agent is waiting to be resolved.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Broken {
+    /// The epoch whose group broke.
+    pub epoch: u64,
+    /// Milliseconds since it broke.
+    pub since_ms: u64,
+    /// The peer the error names, if it names one.
+    pub suspect: Option<NodeId>,
+    /// The error.
+    pub error: String,
+}
+
+impl AgentReport {
+    /// Encodes as sent.
+    pub fn encode(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("reports serialize")
+    }
+
+    /// Decodes a report received from `from`, refusing other versions and reports that
+    /// claim to be someone else's.
+    pub fn decode(bytes: &[u8], from: NodeId) -> Result<AgentReport, String> {
+        let r: AgentReport =
+            serde_json::from_slice(bytes).map_err(|e| format!("report of node {from}: {e}"))?;
+        if r.v != REPORT_VERSION {
+            return Err(format!(
+                "report of node {from}: version {} (this build reads {REPORT_VERSION})",
+                r.v
+            ));
+        }
+        if r.node != from {
+            return Err(format!("report of node {from} claims to be node {}", r.node));
+        }
+        if r.transitions.len() > MAX_TRANSITIONS {
+            return Err(format!("report of node {from}: {} transitions", r.transitions.len()));
+        }
+        Ok(r)
+    }
+}

@@ -1,0 +1,457 @@
+//! `limpet demo` (and `make demo`): a local cluster of `limpetd` processes trains a
+//! character-level GPT on real text while a scripted scenario plays: a spot notice through a
+//! node's metadata service, a new node joining, a `kill -9` without notice, and a drain.
+//! Shows live status, then a summary table (steps, test accuracy, every transition with its
+//! cause, idle time and lost steps), `summary.json`, and a plot of loss and world size
+//! against step with the transitions marked.
+
+use crate::local::{post_notice, LocalCluster, LocalJob};
+use crate::plot::{elastic_svg, ElasticPoint};
+use crate::status::{gather, StatusDoc, TransitionDoc};
+use anyhow::Context;
+use clap::Args;
+use limpet_agent::runtime::StepLine;
+use limpet_consensus::state::Command;
+use limpet_consensus::Client;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// `limpet demo`.
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Output directory (configurations, logs, state, summary.json, demo.svg); a previous
+    /// demo's output there is replaced.
+    #[arg(long, default_value = "demo-out")]
+    pub dir: PathBuf,
+    /// Total training steps (the corpus is small: past about 4000 steps the model overfits).
+    #[arg(long, default_value_t = 4000)]
+    pub steps: u64,
+    /// Give up if the job has not finished after this many seconds.
+    #[arg(long, default_value_t = 900)]
+    pub timeout: u64,
+}
+
+/// `limpet scenario`: any local cluster, job and script (the tests' driver).
+#[derive(Debug, Args)]
+pub struct ScenarioArgs {
+    /// Output directory (must be empty or a previous run's).
+    #[arg(long)]
+    pub dir: PathBuf,
+    /// Founding agents.
+    #[arg(long, default_value_t = 3)]
+    pub nodes: usize,
+    /// Model: mlp, convnet, gpt.
+    #[arg(long, default_value = "convnet")]
+    pub model: String,
+    /// Data: digits, chars, synthetic.
+    #[arg(long, default_value = "digits")]
+    pub data: String,
+    /// Total steps.
+    #[arg(long, default_value_t = 1000)]
+    pub steps: u64,
+    /// Global batch.
+    #[arg(long, default_value_t = 64)]
+    pub batch: u64,
+    /// Events as FRACTION:ACTION[:NODE[:SECS]], comma-separated; actions: notice, join,
+    /// kill, drain; NODE may be `leader`. Example: 0.2:notice:node-2:20,0.5:join,0.7:kill:leader
+    #[arg(long, default_value = "")]
+    pub script: String,
+    /// Give up after this many seconds.
+    #[arg(long, default_value_t = 600)]
+    pub timeout: u64,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs the demo.
+pub fn run(a: DemoArgs) -> anyhow::Result<()> {
+    let job = LocalJob {
+        model: "gpt".into(),
+        data: "chars".into(),
+        steps: a.steps,
+        global_batch: 32,
+        ..LocalJob::default()
+    };
+    println!(
+        "limpet demo: 4 agents on loopback train a character GPT on /usr/share/common-licenses for {} steps.",
+        a.steps
+    );
+    println!("Scenario: spot notice, join, kill -9, drain. Output in {}/\n", a.dir.display());
+    let script = vec![
+        (0.15, Action::Notice { node: "node-2".into(), in_secs: 30 }),
+        (0.35, Action::Join),
+        (0.55, Action::Kill { node: "node-3".into() }),
+        (0.75, Action::Drain { node: "node-4".into() }),
+    ];
+    let summary = run_scenario(&a.dir, 4, job, &script, Duration::from_secs(a.timeout), true)?;
+    print_summary(&summary, &a.dir.join("demo.svg"));
+    check(&summary)
+}
+
+/// Runs `limpet scenario`.
+pub fn scenario(a: ScenarioArgs) -> anyhow::Result<()> {
+    let script = parse_script(&a.script)?;
+    let job = LocalJob {
+        model: a.model.clone(),
+        data: a.data.clone(),
+        steps: a.steps,
+        global_batch: a.batch,
+        ..LocalJob::default()
+    };
+    let summary = run_scenario(&a.dir, a.nodes, job, &script, Duration::from_secs(a.timeout), !a.json)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        print_summary(&summary, &a.dir.join("demo.svg"));
+    }
+    check(&summary)
+}
+
+fn check(s: &Summary) -> anyhow::Result<()> {
+    if s.steps_applied_twice > 0 {
+        anyhow::bail!("{} step(s) were applied twice in the surviving lineage", s.steps_applied_twice);
+    }
+    Ok(())
+}
+
+/// Parses `--script`.
+pub fn parse_script(text: &str) -> anyhow::Result<Vec<(f64, Action)>> {
+    let bad = |m: String| anyhow::Error::from(crate::UsageError(format!("--script: {m}")));
+    let mut out = Vec::new();
+    for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let parts: Vec<&str> = item.split(':').collect();
+        let frac: f64 =
+            parts[0].parse().map_err(|_| bad(format!("{item:?}: {:?} is not a fraction", parts[0])))?;
+        if !(0.0..1.0).contains(&frac) {
+            return Err(bad(format!("{item:?}: fraction {frac} is not within [0, 1)")));
+        }
+        let node = |i: usize| {
+            parts.get(i).map(|s| s.to_string()).ok_or_else(|| bad(format!("{item:?}: which node?")))
+        };
+        let action = match parts.get(1).copied() {
+            Some("notice") => {
+                let secs = parts.get(3).map_or(Ok(30), |s| {
+                    s.parse().map_err(|_| bad(format!("{item:?}: {s:?} is not seconds")))
+                })?;
+                Action::Notice { node: node(2)?, in_secs: secs }
+            }
+            Some("join") => Action::Join,
+            Some("kill") => Action::Kill { node: node(2)? },
+            Some("drain") => Action::Drain { node: node(2)? },
+            other => {
+                return Err(bad(format!("{item:?}: action {other:?} is not notice, join, kill or drain")))
+            }
+        };
+        out.push((frac, action));
+    }
+    out.sort_by(|a, b| a.0.total_cmp(&b.0));
+    Ok(out)
+}
+
+/// A scripted event, fired when the cluster reaches a fraction of the job.
+#[derive(Clone, Debug)]
+pub enum Action {
+    /// A spot notice through the node's metadata service.
+    Notice {
+        /// Which node (or `leader`).
+        node: String,
+        /// Seconds to the revocation.
+        in_secs: u64,
+    },
+    /// A new node joins.
+    Join,
+    /// `kill -9`.
+    Kill {
+        /// Which node (or `leader`).
+        node: String,
+    },
+    /// `limpet drain`.
+    Drain {
+        /// Which node (or `leader`).
+        node: String,
+    },
+}
+
+impl Action {
+    fn describe(&self) -> String {
+        match self {
+            Action::Notice { node, in_secs } => format!("spot notice for {node} (revocation in {in_secs} s)"),
+            Action::Join => "a new node joins".into(),
+            Action::Kill { node } => format!("kill -9 {node} (no notice)"),
+            Action::Drain { node } => format!("drain {node}"),
+        }
+    }
+}
+
+/// What the demo writes to `summary.json`.
+#[derive(Debug, Serialize)]
+pub struct Summary {
+    /// Steps of the job.
+    pub steps: u64,
+    /// Wall time from start to the last step, seconds.
+    pub wall_s: f64,
+    /// Test loss of the final state.
+    pub test_loss: f64,
+    /// Test accuracy of the final state.
+    pub test_accuracy: f64,
+    /// The final checkpoint evaluated.
+    pub checkpoint: PathBuf,
+    /// The scripted events, with the step they fired at.
+    pub events: Vec<(u64, String)>,
+    /// Every epoch change with cause, idle time and lost steps.
+    pub transitions: Vec<TransitionDoc>,
+    /// Steps completed more than once in the merged step logs (must be 0).
+    pub steps_applied_twice: u64,
+    /// Distinct steps in the merged step logs (the job's steps when none is missing).
+    pub steps_logged: u64,
+}
+
+/// Starts a local cluster in `dir`, plays `script`, waits for the job to finish, and
+/// writes `summary.json` and `demo.svg` there.
+pub fn run_scenario(
+    dir: &Path,
+    nodes: usize,
+    job: LocalJob,
+    script: &[(f64, Action)],
+    timeout: Duration,
+    show: bool,
+) -> anyhow::Result<Summary> {
+    if dir.join("cluster.json").exists() {
+        std::fs::remove_dir_all(dir)
+            .with_context(|| format!("clearing the previous run in {}", dir.display()))?;
+    } else if dir.exists() && std::fs::read_dir(dir)?.next().is_some() {
+        return Err(crate::UsageError(format!("{} exists and holds something else", dir.display())).into());
+    }
+    let steps = job.steps;
+    let started = Instant::now();
+    let mut cluster = LocalCluster::up(dir, nodes, job)?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let bar = if show { indicatif::ProgressBar::new(steps) } else { indicatif::ProgressBar::hidden() };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:40}] step {pos}/{len} {msg}")
+            .expect("template")
+            .progress_chars("=> "),
+    );
+    let mut fired = Vec::new();
+    let mut killed = Vec::new();
+    let mut next = 0;
+    let deadline = Instant::now() + timeout;
+    let mut last: Option<StatusDoc> = None;
+    loop {
+        if Instant::now() > deadline {
+            bar.abandon();
+            anyhow::bail!(
+                "the job did not finish within {} s; logs are in {}",
+                timeout.as_secs(),
+                dir.display()
+            );
+        }
+        let doc = match rt.block_on(gather(&cluster.file.cluster, &cluster.file.control_addrs())) {
+            Ok(d) => d,
+            Err(_) => {
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        bar.set_position(doc.step.min(steps));
+        let world = doc.epoch.as_ref().map_or(0, |e| e.ranks.len());
+        let loss = doc.nodes.iter().filter_map(|n| n.loss).next().map_or("-".into(), |l| format!("{l:.3}"));
+        bar.set_message(format!(
+            "epoch {} world {world} loss {loss} leader {}",
+            doc.epoch.as_ref().map_or(0, |e| e.id),
+            doc.leader.as_deref().unwrap_or("-")
+        ));
+        if let Some(prev) = &last {
+            for t in doc.transitions.iter().filter(|t| !prev.transitions.iter().any(|p| p.epoch == t.epoch)) {
+                bar.println(format!(
+                    "  epoch {} at step {}: world {} ({})",
+                    t.epoch, t.step, t.world, t.cause
+                ));
+            }
+        }
+        while next < script.len() && doc.step as f64 >= script[next].0 * steps as f64 {
+            let action = resolve(&script[next].1, &doc);
+            bar.println(format!("step {}: {}", doc.step, action.describe()));
+            if let Action::Kill { node } = &action {
+                killed.push(cluster.file.node(node)?.id);
+            }
+            fire(&mut cluster, &rt, &action)?;
+            fired.push((doc.step, action.describe()));
+            next += 1;
+        }
+        let current = doc.epoch.as_ref().map(|e| e.ranks.clone()).unwrap_or_default();
+        let done = !current.is_empty()
+            && current
+                .iter()
+                .all(|r| doc.nodes.iter().any(|n| &n.name == r && n.phase.as_deref() == Some("finished")));
+        last = Some(doc);
+        if done && next == script.len() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    bar.finish();
+    let wall_s = started.elapsed().as_secs_f64();
+    let doc = last.expect("at least one status");
+    // Give the heartbeats a moment so every rank's transition record is in.
+    std::thread::sleep(Duration::from_millis(300));
+    let doc = rt.block_on(gather(&cluster.file.cluster, &cluster.file.control_addrs())).unwrap_or(doc);
+    let survivor =
+        doc.epoch.as_ref().and_then(|e| e.ranks.first().cloned()).context("no current epoch at the end")?;
+    let checkpoint = dir.join(&survivor).join(limpet_trainer::CHECKPOINT_FILE);
+    let (test_loss, test_accuracy) = evaluate(&checkpoint)?;
+    let lines = read_step_logs(&cluster.file.nodes.iter().map(|n| n.step_log.clone()).collect::<Vec<_>>())?;
+    let (points, twice) = merge(&lines, &killed);
+    let marks: Vec<(u64, String)> =
+        doc.transitions.iter().skip(1).map(|t| (t.step, short_cause(&t.cause))).collect();
+    elastic_svg(&dir.join("demo.svg"), &points, &marks, "limpet: loss and world size through revocations")?;
+    cluster.down();
+    let summary = Summary {
+        steps,
+        wall_s,
+        test_loss,
+        test_accuracy,
+        checkpoint,
+        events: fired,
+        transitions: doc.transitions.clone(),
+        steps_applied_twice: twice,
+        steps_logged: points.len() as u64,
+    };
+    std::fs::write(dir.join("summary.json"), serde_json::to_vec_pretty(&summary)?)?;
+    Ok(summary)
+}
+
+/// Replaces `leader` in an action by the leader's name now.
+fn resolve(action: &Action, doc: &StatusDoc) -> Action {
+    let leader = || doc.leader.clone().unwrap_or_default();
+    let pick = |n: &String| if n == "leader" { leader() } else { n.clone() };
+    match action {
+        Action::Notice { node, in_secs } => Action::Notice { node: pick(node), in_secs: *in_secs },
+        Action::Kill { node } => Action::Kill { node: pick(node) },
+        Action::Drain { node } => Action::Drain { node: pick(node) },
+        Action::Join => Action::Join,
+    }
+}
+
+fn fire(cluster: &mut LocalCluster, rt: &tokio::runtime::Runtime, action: &Action) -> anyhow::Result<()> {
+    match action {
+        Action::Notice { node, in_secs } => post_notice(&cluster.file.node(node)?.metadata, *in_secs),
+        Action::Join => cluster.add().map(|_| ()),
+        Action::Kill { node } => cluster.kill(node),
+        Action::Drain { node } => {
+            let id = cluster.file.node(node)?.id;
+            let addrs = cluster.file.control_addrs();
+            let name = cluster.file.cluster.clone();
+            rt.block_on(async {
+                let mut last = None;
+                for addr in &addrs {
+                    let attempt = async {
+                        let mut c = Client::connect(addr, &name).await?;
+                        c.propose(
+                            &Command::Drain { id, reason: "limpet drain".into() },
+                            Duration::from_secs(5),
+                        )
+                        .await
+                    };
+                    match attempt.await {
+                        Ok(_) => return Ok(()),
+                        Err(e) => last = Some(e),
+                    }
+                }
+                Err(anyhow::anyhow!("could not drain {node}: {last:?}"))
+            })
+        }
+    }
+}
+
+fn short_cause(cause: &str) -> String {
+    let c = cause.split(" (").next().unwrap_or(cause);
+    c.replace("notice for ", "notice ")
+        .replace("failure of ", "kill ")
+        .replace("drain of ", "drain ")
+        .replace("join of ", "join ")
+}
+
+/// Test loss and accuracy of the final checkpoint in a node's state directory.
+fn evaluate(path: &Path) -> anyhow::Result<(f64, f64)> {
+    let image = limpet_snapshot::read_file(path).with_context(|| format!("reading {}", path.display()))?;
+    let job: limpet_trainer::JobSpec = serde_json::from_value(image.meta().job.clone())?;
+    let data = limpet_trainer::data::Dataset::load(&job.data, None)?;
+    let t = limpet_trainer::Trainer::from_image(&image, data, None)?;
+    let e = t.evaluate()?;
+    Ok((e.loss, e.accuracy))
+}
+
+/// Every node's step log, parsed.
+pub fn read_step_logs(paths: &[PathBuf]) -> anyhow::Result<Vec<StepLine>> {
+    let mut out = Vec::new();
+    for p in paths {
+        let Ok(text) = std::fs::read_to_string(p) else { continue };
+        for (i, line) in text.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            // A node killed mid-write leaves a torn last line; anything else is an error.
+            match serde_json::from_str::<StepLine>(line) {
+                Ok(l) => out.push(l),
+                Err(e) if i + 1 == text.lines().count() => tracing::debug!(%e, "torn last line"),
+                Err(e) => anyhow::bail!("{}: line {}: {e}", p.display(), i + 1),
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Merges step logs into one point per step and counts steps completed in two different
+/// epochs by nodes that were not killed (a step applied, then redone, would show up here; a
+/// killed node's last step may legitimately be redone by the survivors, who never got it).
+pub fn merge(lines: &[StepLine], killed: &[u64]) -> (Vec<ElasticPoint>, u64) {
+    let mut by_step: BTreeMap<u64, BTreeMap<u64, &StepLine>> = BTreeMap::new();
+    for l in lines.iter().filter(|l| !killed.contains(&l.node)) {
+        by_step.entry(l.step).or_default().insert(l.epoch, l);
+    }
+    for l in lines.iter().filter(|l| killed.contains(&l.node)) {
+        by_step.entry(l.step).or_default().entry(l.epoch).or_insert(l);
+    }
+    let mut twice = 0;
+    let points = by_step
+        .iter()
+        .map(|(step, epochs)| {
+            let survivors = epochs.values().filter(|l| !killed.contains(&l.node)).count() as u64;
+            twice += survivors.saturating_sub(1);
+            let l = epochs.values().next_back().expect("non-empty");
+            ElasticPoint { step: *step, loss: l.loss, world: l.world }
+        })
+        .collect();
+    (points, twice)
+}
+
+fn print_summary(s: &Summary, plot: &Path) {
+    println!("\n== limpet demo summary ==");
+    println!("steps            {}", s.steps);
+    println!("wall time        {:.1} s", s.wall_s);
+    println!("final test loss  {:.4}", s.test_loss);
+    println!("test accuracy    {:.2}%", s.test_accuracy * 100.0);
+    println!("steps logged     {} of {}", s.steps_logged, s.steps);
+    println!("steps redone     {}", s.steps_applied_twice);
+    println!(
+        "\n{:<6} {:>6} {:>5} {:>9} {:>5} {:>10}  CAUSE",
+        "EPOCH", "STEP", "WORLD", "IDLE(ms)", "LOST", "COPIED"
+    );
+    for t in &s.transitions {
+        println!(
+            "{:<6} {:>6} {:>5} {:>9} {:>5} {:>10}  {}",
+            t.epoch,
+            t.step,
+            t.world,
+            t.idle_ms.map_or("-".into(), |v| v.to_string()),
+            t.lost_steps.map_or("-".into(), |v| v.to_string()),
+            if t.fetched_bytes > 0 { format!("{:.1} MB", t.fetched_bytes as f64 / 1e6) } else { "-".into() },
+            t.cause
+        );
+    }
+    println!("\nplot: {}", plot.display());
+}

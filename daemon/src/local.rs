@@ -1,0 +1,333 @@
+//! Local clusters on loopback: `limpetd` processes with generated configurations, each with
+//! its own fake cloud metadata service (a `limpet fake-metadata` process), described in
+//! `DIR/cluster.json` so that `limpet status/drain/revoke --dir DIR` find them. The demo and
+//! the multi-process tests drive clusters through this module.
+
+use crate::raft_cmd::free_port;
+use anyhow::{bail, Context};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The job a local cluster trains.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct LocalJob {
+    /// `mlp`, `convnet` or `gpt`.
+    pub model: String,
+    /// `digits`, `chars` or `synthetic`.
+    pub data: String,
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Global batch.
+    pub global_batch: u64,
+    /// Micro-batch (default: the global batch).
+    pub micro_batch: Option<u64>,
+    /// Peak learning rate (default: the model's).
+    pub lr: Option<f64>,
+    /// `fixed-global`, `linear`, `sqrt` or `adascale`.
+    pub policy: String,
+    /// Seed.
+    pub seed: u64,
+}
+
+impl Default for LocalJob {
+    fn default() -> LocalJob {
+        LocalJob {
+            model: "mlp".into(),
+            data: "digits".into(),
+            steps: 400,
+            global_batch: 64,
+            micro_batch: None,
+            lr: None,
+            policy: "fixed-global".into(),
+            seed: 0,
+        }
+    }
+}
+
+/// One node of a local cluster.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct LocalNode {
+    /// Name.
+    pub name: String,
+    /// Raft id.
+    pub id: u64,
+    /// Control (consensus) address.
+    pub control: String,
+    /// Data-plane address.
+    pub data: String,
+    /// Its fake metadata service's base URL.
+    pub metadata: String,
+    /// Its configuration file.
+    pub config: PathBuf,
+    /// Its log file (stderr and stdout).
+    pub log: PathBuf,
+    /// Its step log.
+    pub step_log: PathBuf,
+    /// Process id of its limpetd.
+    pub pid: u32,
+    /// Process id of its fake metadata service.
+    pub metadata_pid: u32,
+}
+
+/// `DIR/cluster.json`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ClusterFile {
+    /// Cluster name.
+    pub cluster: String,
+    /// Every node ever started, in order.
+    pub nodes: Vec<LocalNode>,
+}
+
+impl ClusterFile {
+    /// Reads `dir/cluster.json`.
+    pub fn load(dir: &Path) -> anyhow::Result<ClusterFile> {
+        let path = dir.join("cluster.json");
+        let text = std::fs::read(&path)
+            .with_context(|| format!("{} (is a local cluster up there?)", path.display()))?;
+        serde_json::from_slice(&text)
+            .with_context(|| format!("{} is not a cluster description", path.display()))
+    }
+
+    /// Control addresses of every node, for clients.
+    pub fn control_addrs(&self) -> Vec<String> {
+        self.nodes.iter().map(|n| n.control.clone()).collect()
+    }
+
+    /// The node called `name`.
+    pub fn node(&self, name: &str) -> anyhow::Result<&LocalNode> {
+        self.nodes.iter().find(|n| n.name == name).ok_or_else(|| {
+            let names: Vec<&str> = self.nodes.iter().map(|n| n.name.as_str()).collect();
+            anyhow::anyhow!("no node {name:?} in this cluster (nodes: {})", names.join(", "))
+        })
+    }
+}
+
+/// A local cluster this process started and owns.
+pub struct LocalCluster {
+    /// Where everything lives.
+    pub dir: PathBuf,
+    /// The description (also in `dir/cluster.json`).
+    pub file: ClusterFile,
+    job: LocalJob,
+    exe: PathBuf,
+    limpetd: PathBuf,
+    children: HashMap<String, Child>,
+    metadata: HashMap<String, Child>,
+    founders: Vec<String>,
+}
+
+/// `limpetd`'s path: beside the running `limpet`.
+pub fn limpetd_path() -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let p = exe.with_file_name("limpetd");
+    if !p.exists() {
+        bail!("{} not found (build it with `cargo build --bin limpetd`)", p.display());
+    }
+    Ok(p)
+}
+
+impl LocalCluster {
+    /// Starts `n` founding nodes under `dir` training `job`.
+    pub fn up(dir: &Path, n: usize, job: LocalJob) -> anyhow::Result<LocalCluster> {
+        if n == 0 {
+            bail!(crate::UsageError("--nodes must be at least 1".into()));
+        }
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        if dir.join("cluster.json").exists() {
+            bail!(crate::UsageError(format!(
+                "{} already holds a cluster; use an empty directory",
+                dir.display()
+            )));
+        }
+        let secret: String = (0..32).map(|_| format!("{:x}", rand::random::<u8>() & 15)).collect();
+        std::fs::write(dir.join("secret"), secret).context("writing the cluster secret")?;
+        let mut c = LocalCluster {
+            dir: dir.to_path_buf(),
+            file: ClusterFile { cluster: "local".into(), nodes: Vec::new() },
+            job,
+            exe: std::env::current_exe()?,
+            limpetd: limpetd_path()?,
+            children: HashMap::new(),
+            metadata: HashMap::new(),
+            founders: Vec::new(),
+        };
+        let controls: Vec<String> =
+            (0..n).map(|_| free_port().map(|p| format!("127.0.0.1:{p}"))).collect::<anyhow::Result<_>>()?;
+        c.founders = controls.iter().enumerate().map(|(i, a)| format!("{}={a}", i + 1)).collect();
+        for (i, control) in controls.iter().enumerate() {
+            c.start_node(&format!("node-{}", i + 1), (i + 1) as u64, control, true)?;
+        }
+        Ok(c)
+    }
+
+    /// Adds a node that joins through the founders.
+    pub fn add(&mut self) -> anyhow::Result<String> {
+        let id = self.file.nodes.iter().map(|n| n.id).max().unwrap_or(0) + 1;
+        let name = format!("node-{id}");
+        let control = format!("127.0.0.1:{}", free_port()?);
+        self.start_node(&name, id, &control, false)?;
+        Ok(name)
+    }
+
+    fn start_node(&mut self, name: &str, id: u64, control: &str, founder: bool) -> anyhow::Result<()> {
+        let data = format!("127.0.0.1:{}", free_port()?);
+        let md_addr = format!("127.0.0.1:{}", free_port()?);
+        let log = self.dir.join(format!("{name}.log"));
+        let md_child = Command::new(&self.exe)
+            .args(["fake-metadata", "--listen", &md_addr])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting a fake metadata service")?;
+        let step_log = self.dir.join(format!("{name}.steps.jsonl"));
+        let config = self.dir.join(format!("{name}.toml"));
+        let seeds: Vec<String> = self.file.nodes.iter().map(|n| format!("{:?}", n.control)).collect();
+        let j = &self.job;
+        let mut text = format!(
+            "[node]\nname = {name:?}\nid = {id}\ncontrol = {control:?}\ndata = {data:?}\nstate_dir = {:?}\nsecret_file = {:?}\nstep_log = {:?}\n\n",
+            self.dir.join(name).display().to_string(),
+            self.dir.join("secret").display().to_string(),
+            step_log.display().to_string(),
+        );
+        text += "[cluster]\nname = \"local\"\nmin_nodes = 1\n";
+        if founder {
+            text += &format!(
+                "bootstrap = [{}]\n",
+                self.founders.iter().map(|f| format!("{f:?}")).collect::<Vec<_>>().join(", ")
+            );
+        } else {
+            text += &format!("seeds = [{}]\n", seeds.join(", "));
+        }
+        text += &format!(
+            "\n[job]\nmodel = {:?}\ndata = {:?}\nsteps = {}\nglobal_batch = {}\npolicy = {:?}\nseed = {}\nbase_world = {}\n",
+            j.model,
+            j.data,
+            j.steps,
+            j.global_batch,
+            j.policy,
+            j.seed,
+            self.founders.len()
+        );
+        if let Some(m) = j.micro_batch {
+            text += &format!("micro_batch = {m}\n");
+        }
+        if let Some(lr) = j.lr {
+            text += &format!("lr = {lr:?}\n");
+        }
+        text += &format!(
+            "\n[revocation]\nsources = [\"aws\"]\npoll_secs = 0.2\naws_endpoint = \"http://{md_addr}\"\n"
+        );
+        std::fs::write(&config, text).with_context(|| format!("writing {}", config.display()))?;
+        let out = std::fs::File::create(&log)?;
+        let child = Command::new(&self.limpetd)
+            .args(["--config", &config.display().to_string()])
+            .env("LIMPET_LOG", std::env::var("LIMPET_LOG").unwrap_or_else(|_| "info,raft=warn".into()))
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .context("starting limpetd")?;
+        self.file.nodes.push(LocalNode {
+            name: name.to_string(),
+            id,
+            control: control.to_string(),
+            data,
+            metadata: format!("http://{md_addr}"),
+            config,
+            log,
+            step_log,
+            pid: child.id(),
+            metadata_pid: md_child.id(),
+        });
+        self.children.insert(name.to_string(), child);
+        self.metadata.insert(name.to_string(), md_child);
+        self.save()
+    }
+
+    fn save(&self) -> anyhow::Result<()> {
+        let tmp = self.dir.join("cluster.json.tmp");
+        std::fs::write(&tmp, serde_json::to_vec_pretty(&self.file)?)?;
+        std::fs::rename(&tmp, self.dir.join("cluster.json"))?;
+        Ok(())
+    }
+
+    /// `kill -9` of a node's limpetd.
+    pub fn kill(&mut self, name: &str) -> anyhow::Result<()> {
+        let child = self.children.get_mut(name).ok_or_else(|| anyhow::anyhow!("no running node {name:?}"))?;
+        child.kill().with_context(|| format!("killing {name}"))?;
+        let _ = child.wait();
+        Ok(())
+    }
+
+    /// Whether a node's limpetd still runs (and reaps it if it ended).
+    pub fn running(&mut self, name: &str) -> bool {
+        self.children.get_mut(name).is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// Waits up to `wait` for a node's limpetd to exit; its exit status.
+    pub fn wait_exit(&mut self, name: &str, wait: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + wait;
+        let child = self.children.get_mut(name)?;
+        loop {
+            if let Ok(Some(s)) = child.try_wait() {
+                return Some(s);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Stops everything: SIGINT to every limpetd (then SIGKILL), and the metadata services.
+    pub fn down(&mut self) {
+        for c in self.children.values_mut() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(c.id() as i32),
+                nix::sys::signal::Signal::SIGINT,
+            );
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for c in self.children.values_mut() {
+            while Instant::now() < deadline && matches!(c.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        for c in self.metadata.values_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.children.clear();
+        self.metadata.clear();
+    }
+}
+
+impl Drop for LocalCluster {
+    fn drop(&mut self) {
+        self.down();
+    }
+}
+
+/// Posts a spot notice to a fake metadata service: the node's own watcher sees it through
+/// the real IMDSv2 flow.
+pub fn post_notice(metadata_url: &str, in_secs: u64) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        let r = reqwest::Client::new()
+            .post(format!("{metadata_url}/_limpet/notice"))
+            .json(&serde_json::json!({ "in_secs": in_secs }))
+            .send()
+            .await
+            .with_context(|| format!("posting a notice to {metadata_url}"))?;
+        if !r.status().is_success() {
+            bail!("{metadata_url} answered {}", r.status());
+        }
+        Ok(())
+    })
+}

@@ -1,0 +1,462 @@
+//! `limpet status`, `drain` and `revoke`: cluster operations through any node's consensus
+//! endpoint. The status document (`--json`) is versioned and documented in
+//! `docs/status.md`; fields are only ever added.
+
+use crate::local::{post_notice, ClusterFile};
+use crate::UsageError;
+use anyhow::Context;
+use clap::Args;
+use limpet_agent::report::AgentReport;
+use limpet_consensus::state::{ClusterState, Command, Epoch, MemberStatus, NodeId};
+use limpet_consensus::Client;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Version of the status document.
+pub const STATUS_VERSION: u32 = 1;
+
+/// Where the cluster is.
+#[derive(Debug, Clone, Args)]
+pub struct Target {
+    /// A local cluster's directory (from `limpet local up`).
+    #[arg(long, conflicts_with = "addr")]
+    pub dir: Option<PathBuf>,
+    /// Control address of a node (repeatable; the first that answers is used).
+    #[arg(long)]
+    pub addr: Vec<String>,
+    /// Cluster name (with --addr).
+    #[arg(long, default_value = "local")]
+    pub cluster: String,
+}
+
+impl Target {
+    fn resolve(&self) -> anyhow::Result<(String, Vec<String>, Option<ClusterFile>)> {
+        match (&self.dir, self.addr.is_empty()) {
+            (Some(dir), _) => {
+                let f = ClusterFile::load(dir)?;
+                Ok((f.cluster.clone(), f.control_addrs(), Some(f)))
+            }
+            (None, false) => Ok((self.cluster.clone(), self.addr.clone(), None)),
+            (None, true) => {
+                Err(UsageError("say where the cluster is: --dir DIR or --addr HOST:PORT".into()).into())
+            }
+        }
+    }
+}
+
+/// An epoch as shown.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct EpochDoc {
+    /// Id.
+    pub id: u64,
+    /// First step.
+    pub start_step: u64,
+    /// Rank names in order.
+    pub ranks: Vec<String>,
+    /// Global batch.
+    pub global_batch: u64,
+    /// Micro-batch.
+    pub micro_batch: u64,
+    /// Learning-rate multiplier.
+    pub lr_scale: f64,
+    /// Why it exists.
+    pub cause: String,
+}
+
+/// A node as shown.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct NodeDoc {
+    /// Raft id.
+    pub id: u64,
+    /// Name.
+    pub name: String,
+    /// Membership status (Joining, Active, Draining, Leaving, Failed, Gone).
+    pub status: String,
+    /// Why it has that status.
+    pub reason: String,
+    /// leader, voter, learner or none.
+    pub role: String,
+    /// Trainer phase from its last report (none if never heard from).
+    pub phase: Option<String>,
+    /// Epoch it trains in.
+    pub epoch: Option<u64>,
+    /// Steps applied.
+    pub step: Option<u64>,
+    /// Loss of its last step.
+    pub loss: Option<f64>,
+    /// Samples per second.
+    pub samples_per_s: Option<f64>,
+    /// Milliseconds since its last heartbeat reached the answering node.
+    pub heartbeat_age_ms: Option<u64>,
+    /// Revocation deadline (unix ms), if leaving.
+    pub deadline_ms: Option<u64>,
+}
+
+/// A transition as shown: an epoch and how its ranks lived the change.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct TransitionDoc {
+    /// The epoch entered.
+    pub epoch: u64,
+    /// Its start step.
+    pub step: u64,
+    /// World size.
+    pub world: usize,
+    /// Cause.
+    pub cause: String,
+    /// Largest idle time any reporting rank saw, ms.
+    pub idle_ms: Option<u64>,
+    /// Step computations thrown away (largest over ranks).
+    pub lost_steps: Option<u64>,
+    /// Bytes of state copied from peers (sum over ranks).
+    pub fetched_bytes: u64,
+}
+
+/// `limpet status --json`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct StatusDoc {
+    /// `STATUS_VERSION`.
+    pub v: u32,
+    /// Cluster name.
+    pub cluster: String,
+    /// The node that answered.
+    pub answered_by: String,
+    /// Leader name (none during an election).
+    pub leader: Option<String>,
+    /// Raft term.
+    pub term: u64,
+    /// The current epoch.
+    pub epoch: Option<EpochDoc>,
+    /// The next epoch, committed but not started.
+    pub scheduled: Option<EpochDoc>,
+    /// Highest step any rank of the current epoch applied.
+    pub step: u64,
+    /// The job's total steps.
+    pub total_steps: Option<u64>,
+    /// Every member.
+    pub nodes: Vec<NodeDoc>,
+    /// Newest transitions, oldest first.
+    pub transitions: Vec<TransitionDoc>,
+}
+
+async fn connect_any(cluster: &str, addrs: &[String]) -> anyhow::Result<(Client, String)> {
+    let mut last = String::from("no addresses");
+    for a in addrs {
+        match tokio::time::timeout(Duration::from_secs(2), Client::connect(a, cluster)).await {
+            Ok(Ok(c)) => return Ok((c, a.clone())),
+            Ok(Err(e)) => last = e.to_string(),
+            Err(_) => last = format!("{a}: no answer in 2 s"),
+        }
+    }
+    anyhow::bail!("no node answered ({last})")
+}
+
+fn name_of(st: &ClusterState, id: NodeId) -> String {
+    st.members.get(&id).map_or_else(|| format!("node {id}"), |m| m.spec.name.clone())
+}
+
+fn epoch_doc(st: &ClusterState, e: &Epoch) -> EpochDoc {
+    EpochDoc {
+        id: e.id,
+        start_step: e.start_step,
+        ranks: e.ranks.iter().map(|&r| name_of(st, r)).collect(),
+        global_batch: e.batch.global_batch,
+        micro_batch: e.batch.micro_batch,
+        lr_scale: e.lr_scale,
+        cause: e.cause.clone(),
+    }
+}
+
+/// Gathers the status document from the first node that answers.
+pub async fn gather(cluster: &str, addrs: &[String]) -> anyhow::Result<StatusDoc> {
+    let mut errors = Vec::new();
+    for a in addrs {
+        let attempt = async {
+            let (mut c, at) = connect_any(cluster, std::slice::from_ref(a)).await?;
+            let read = c.read(false).await?;
+            let reports = c.reports().await?;
+            anyhow::Ok((read, reports, at))
+        };
+        match tokio::time::timeout(Duration::from_secs(3), attempt).await {
+            Ok(Ok((read, reports, at))) => {
+                return Ok(build(cluster, &read.state, read.leader, read.term, &reports, &at))
+            }
+            Ok(Err(e)) => errors.push(format!("{a}: {e}")),
+            Err(_) => errors.push(format!("{a}: no answer in 3 s")),
+        }
+    }
+    anyhow::bail!("no node answered: {}", errors.join("; "))
+}
+
+fn build(
+    cluster: &str,
+    st: &ClusterState,
+    leader: NodeId,
+    term: u64,
+    reports: &[limpet_consensus::NodeReport],
+    at: &str,
+) -> StatusDoc {
+    let parsed: BTreeMap<NodeId, (u64, AgentReport)> = reports
+        .iter()
+        .filter_map(|r| {
+            Some((r.node, (r.age.as_millis() as u64, AgentReport::decode(&r.report, r.node).ok()?)))
+        })
+        .collect();
+    let nodes = st
+        .members
+        .values()
+        .map(|m| {
+            let id = m.spec.id;
+            let r = parsed.get(&id);
+            let role = if id == leader {
+                "leader"
+            } else if st.voters.contains(&id) {
+                "voter"
+            } else if st.learners.contains(&id) {
+                "learner"
+            } else {
+                "none"
+            };
+            let live = m.status != MemberStatus::Gone;
+            NodeDoc {
+                id,
+                name: m.spec.name.clone(),
+                status: format!("{:?}", m.status),
+                reason: m.reason.clone(),
+                role: role.into(),
+                phase: r.filter(|_| live).map(|(_, r)| {
+                    serde_json::to_value(r.phase)
+                        .ok()
+                        .and_then(|v| v.as_str().map(String::from))
+                        .unwrap_or_default()
+                }),
+                epoch: r.filter(|_| live).map(|(_, r)| r.epoch),
+                step: r.map(|(_, r)| r.applied_step),
+                loss: r.and_then(|(_, r)| r.loss),
+                samples_per_s: r.filter(|_| live).map(|(_, r)| r.samples_per_s),
+                heartbeat_age_ms: r.map(|(age, _)| *age),
+                deadline_ms: m.deadline_ms,
+            }
+        })
+        .collect();
+    let mut transitions: Vec<TransitionDoc> = st
+        .history
+        .iter()
+        .map(|e| {
+            let lived: Vec<_> =
+                parsed.values().flat_map(|(_, r)| r.transitions.iter().filter(|t| t.epoch == e.id)).collect();
+            TransitionDoc {
+                epoch: e.id,
+                step: e.start_step,
+                world: e.ranks.len(),
+                cause: e.cause.clone(),
+                idle_ms: lived.iter().map(|t| t.idle_ms).max(),
+                lost_steps: lived.iter().map(|t| t.lost_steps).max(),
+                fetched_bytes: lived.iter().map(|t| t.fetched_bytes).sum(),
+            }
+        })
+        .collect();
+    if transitions.len() > 16 {
+        transitions.drain(..transitions.len() - 16);
+    }
+    let step = st
+        .current
+        .as_ref()
+        .map(|e| {
+            e.ranks
+                .iter()
+                .filter_map(|r| parsed.get(r).map(|(_, p)| p.applied_step))
+                .max()
+                .unwrap_or(e.start_step)
+        })
+        .unwrap_or(0);
+    let total_steps = st.job.as_ref().and_then(|j| j.get("steps")).and_then(|v| v.as_u64());
+    StatusDoc {
+        v: STATUS_VERSION,
+        cluster: cluster.to_string(),
+        answered_by: at.to_string(),
+        leader: (leader != 0).then(|| name_of(st, leader)),
+        term,
+        epoch: st.current.as_ref().map(|e| epoch_doc(st, e)),
+        scheduled: st.scheduled.as_ref().map(|e| epoch_doc(st, e)),
+        step,
+        total_steps,
+        nodes,
+        transitions,
+    }
+}
+
+/// Renders the status document for people.
+pub fn render(d: &StatusDoc) -> String {
+    let mut s = String::new();
+    let total = d.total_steps.map_or(String::new(), |t| format!("/{t}"));
+    s += &format!(
+        "cluster {}  leader {}  term {}  step {}{}\n",
+        d.cluster,
+        d.leader.as_deref().unwrap_or("(election)"),
+        d.term,
+        d.step,
+        total
+    );
+    if let Some(e) = &d.epoch {
+        s += &format!(
+            "epoch {} from step {}: {} rank(s) [{}], global batch {}, lr x{:.3}\n",
+            e.id,
+            e.start_step,
+            e.ranks.len(),
+            e.ranks.join(" "),
+            e.global_batch,
+            e.lr_scale
+        );
+    }
+    if let Some(e) = &d.scheduled {
+        s +=
+            &format!("next epoch {} at step {}: [{}] ({})\n", e.id, e.start_step, e.ranks.join(" "), e.cause);
+    }
+    s += &format!(
+        "\n{:<8} {:<8} {:<9} {:<9} {:>6} {:>6} {:>8} {:>9} {:>7}  {}\n",
+        "NODE", "ROLE", "STATUS", "PHASE", "EPOCH", "STEP", "LOSS", "SAMPLES/S", "HB(ms)", "REASON"
+    );
+    for n in &d.nodes {
+        let opt = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+        s += &format!(
+            "{:<8} {:<8} {:<9} {:<9} {:>6} {:>6} {:>8} {:>9} {:>7}  {}\n",
+            n.name,
+            n.role,
+            n.status,
+            opt(n.phase.clone()),
+            opt(n.epoch.map(|e| e.to_string())),
+            opt(n.step.map(|e| e.to_string())),
+            opt(n.loss.map(|l| format!("{l:.4}"))),
+            opt(n.samples_per_s.map(|v| format!("{v:.0}"))),
+            opt(n.heartbeat_age_ms.map(|v| v.to_string())),
+            n.reason
+        );
+    }
+    if !d.transitions.is_empty() {
+        s += &format!(
+            "\n{:<6} {:>6} {:>5} {:>8} {:>5}  {}\n",
+            "EPOCH", "STEP", "WORLD", "IDLE(ms)", "LOST", "CAUSE"
+        );
+        for t in &d.transitions {
+            s += &format!(
+                "{:<6} {:>6} {:>5} {:>8} {:>5}  {}\n",
+                t.epoch,
+                t.step,
+                t.world,
+                t.idle_ms.map_or("-".into(), |v| v.to_string()),
+                t.lost_steps.map_or("-".into(), |v| v.to_string()),
+                t.cause
+            );
+        }
+    }
+    s
+}
+
+/// `limpet status`.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// The cluster.
+    #[command(flatten)]
+    pub target: Target,
+    /// Print the versioned JSON document (docs/status.md) instead of tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `limpet drain NODE`.
+#[derive(Debug, Args)]
+pub struct DrainArgs {
+    /// The node's name.
+    pub node: String,
+    /// The cluster.
+    #[command(flatten)]
+    pub target: Target,
+}
+
+/// `limpet revoke NODE`.
+#[derive(Debug, Args)]
+pub struct RevokeArgs {
+    /// The node's name.
+    pub node: String,
+    /// A spot notice: the host goes away in SECS seconds.
+    #[arg(long = "in", value_name = "SECS", conflicts_with = "hard")]
+    pub in_secs: Option<u64>,
+    /// No notice: kill the node's limpetd with SIGKILL (local clusters only).
+    #[arg(long)]
+    pub hard: bool,
+    /// The cluster.
+    #[command(flatten)]
+    pub target: Target,
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_current_thread().enable_all().build()?)
+}
+
+/// Runs `limpet status`.
+pub fn status(a: StatusArgs) -> anyhow::Result<()> {
+    let (cluster, addrs, _) = a.target.resolve()?;
+    let doc = runtime()?.block_on(gather(&cluster, &addrs))?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        print!("{}", render(&doc));
+    }
+    Ok(())
+}
+
+async fn propose(cluster: &str, addrs: &[String], cmd: Command) -> anyhow::Result<String> {
+    let (mut c, _) = connect_any(cluster, addrs).await?;
+    let (index, detail) = c.propose(&cmd, Duration::from_secs(5)).await?;
+    Ok(format!("{detail} (log index {index})"))
+}
+
+async fn member_id(cluster: &str, addrs: &[String], name: &str) -> anyhow::Result<NodeId> {
+    let (mut c, _) = connect_any(cluster, addrs).await?;
+    let st = c.read(false).await?.state;
+    st.member_named(name).map(|m| m.spec.id).ok_or_else(|| {
+        let names: Vec<&str> = st.members.values().map(|m| m.spec.name.as_str()).collect();
+        UsageError(format!("no member {name:?} (members: {})", names.join(", "))).into()
+    })
+}
+
+/// Runs `limpet drain`.
+pub fn drain(a: DrainArgs) -> anyhow::Result<()> {
+    let (cluster, addrs, _) = a.target.resolve()?;
+    let out = runtime()?.block_on(async {
+        let id = member_id(&cluster, &addrs, &a.node).await?;
+        propose(&cluster, &addrs, Command::Drain { id, reason: "limpet drain".into() }).await
+    })?;
+    println!("{}: {out}", a.node);
+    Ok(())
+}
+
+/// Runs `limpet revoke`.
+pub fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
+    let (cluster, addrs, local) = a.target.resolve()?;
+    if a.hard {
+        let f = local.ok_or_else(|| UsageError("--hard needs --dir (it kills a local process)".into()))?;
+        let n = f.node(&a.node)?;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(n.pid as i32), nix::sys::signal::Signal::SIGKILL)
+            .with_context(|| format!("killing {} (pid {})", n.name, n.pid))?;
+        println!("{}: killed (pid {}, no notice)", n.name, n.pid);
+        return Ok(());
+    }
+    let secs = a.in_secs.ok_or_else(|| UsageError("say --in SECS (a spot notice) or --hard".into()))?;
+    if let Some(f) = &local {
+        // Through the node's own metadata service, as the cloud would.
+        let n = f.node(&a.node)?;
+        post_notice(&n.metadata, secs)?;
+        println!("{}: spot notice posted to {} (revocation in {secs} s)", n.name, n.metadata);
+        return Ok(());
+    }
+    let out = runtime()?.block_on(async {
+        let id = member_id(&cluster, &addrs, &a.node).await?;
+        let deadline_ms = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis() as u64 + secs * 1000;
+        propose(&cluster, &addrs, Command::Notice { id, deadline_ms, source: "cli".into() }).await
+    })?;
+    println!("{}: {out}", a.node);
+    Ok(())
+}

@@ -1,0 +1,141 @@
+//! Elastic training end to end with real processes: `limpetd` agents on loopback (through
+//! `limpet scenario`), spot notices through their fake metadata services, joins, `kill -9`
+//! and drains, with the leader's own host among the revoked. Checks what users rely on:
+//! the job finishes, no step is applied twice, a notice loses no step, a kill loses at most
+//! the step in flight, and the result equals an uninterrupted single-process run.
+
+use limpet_snapshot::StateImage;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn exe() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_limpet"))
+}
+
+fn scenario(dir: &Path, nodes: usize, model: &str, steps: u64, script: &str) -> Value {
+    let out = Command::new(exe())
+        .args(["scenario", "--json", "--dir"])
+        .arg(dir)
+        .args(["--nodes", &nodes.to_string(), "--model", model, "--data", "digits"])
+        .args(["--steps", &steps.to_string(), "--batch", "64", "--script", script, "--timeout", "300"])
+        .output()
+        .unwrap();
+    let logs = || {
+        let mut s = String::new();
+        for e in std::fs::read_dir(dir).unwrap().flatten() {
+            if e.path().extension().is_some_and(|x| x == "log") {
+                s += &format!(
+                    "--- {}\n{}",
+                    e.path().display(),
+                    std::fs::read_to_string(e.path()).unwrap_or_default()
+                );
+            }
+        }
+        s
+    };
+    assert!(out.status.success(), "scenario failed: {}\n{}", String::from_utf8_lossy(&out.stderr), logs());
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn transition<'a>(summary: &'a Value, cause: &str) -> &'a Value {
+    summary["transitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["cause"].as_str().unwrap().contains(cause))
+        .unwrap_or_else(|| panic!("no transition caused by {cause:?} in {summary:#}"))
+}
+
+fn params(path: &Path) -> (StateImage, Vec<(String, Vec<f32>)>) {
+    let img = limpet_snapshot::read_file(path).unwrap();
+    let p = img
+        .tensors()
+        .iter()
+        .filter(|(k, _)| k.starts_with("param/"))
+        .map(|(k, t)| (k.clone(), t.to_f32().unwrap()))
+        .collect();
+    (img, p)
+}
+
+/// The largest relative L2 difference over the parameter tensors.
+fn max_rel_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|((na, x), (nb, y))| {
+            assert_eq!(na, nb);
+            let d: f64 = x.iter().zip(y).map(|(p, q)| f64::from(p - q).powi(2)).sum::<f64>().sqrt();
+            let n: f64 = y.iter().map(|q| f64::from(*q).powi(2)).sum::<f64>().sqrt();
+            d / n.max(1e-12)
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Relative L2 tolerance of the parameters after the elastic run, against one process. The
+/// elastic run sums the same samples' gradients in another order (ring allreduce over 2-3
+/// ranks), so it is not bit-identical. For this MLP over 3000 steps the measured largest
+/// difference was 0.9e-3 to 2.3e-3 (with or without transitions). A convnet trained with
+/// AdamW until its loss is ~0 amplifies such rounding differences (7.6e-2 after 400 steps
+/// with no transition at all), which is why the comparison uses the MLP.
+const PARAM_TOLERANCE: f64 = 1e-2;
+
+#[test]
+fn an_elastic_run_with_a_notice_a_join_and_a_kill_matches_one_uninterrupted_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let steps = 3000;
+    let summary = scenario(
+        &tmp.path().join("elastic"),
+        3,
+        "mlp",
+        steps,
+        "0.1:notice:node-2:20,0.3:join,0.7:kill:node-3",
+    );
+    assert_eq!(summary["steps_applied_twice"], 0, "{summary:#}");
+    assert_eq!(summary["steps_logged"], steps, "{summary:#}");
+    // With notice: no step lost, the others barely wait.
+    let notice = transition(&summary, "notice for node 2");
+    assert_eq!(notice["lost_steps"], 0, "{notice}");
+    // A join copies state from a live peer.
+    let join = transition(&summary, "join of node 4");
+    assert!(join["fetched_bytes"].as_u64().unwrap() > 0, "{join}");
+    // Without notice: at most the step in flight is redone.
+    let kill = transition(&summary, "failure of node 3");
+    assert!(kill["lost_steps"].as_u64().unwrap() <= 1, "{kill}");
+
+    let single = tmp.path().join("single");
+    let out = Command::new(exe())
+        .args(["train", "--model", "mlp", "--data", "digits", "--batch", "64", "--json"])
+        .args(["--steps", &steps.to_string(), "--out"])
+        .arg(&single)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let single_report: Value = serde_json::from_slice(&out.stdout).unwrap();
+
+    let (elastic_img, elastic) = params(&PathBuf::from(summary["checkpoint"].as_str().unwrap()));
+    let (single_img, one) = params(&single.join("checkpoint.safetensors"));
+    assert_eq!(elastic_img.meta().job, single_img.meta().job, "the two runs must train the same job");
+    assert_eq!(elastic_img.meta().step, steps);
+    let diff = max_rel_diff(&elastic, &one);
+    eprintln!("largest relative parameter difference: {diff:.2e}");
+    assert!(diff < PARAM_TOLERANCE, "parameters differ by {diff:.3e} (tolerance {PARAM_TOLERANCE:e})");
+    let (a, b) =
+        (summary["test_accuracy"].as_f64().unwrap(), single_report["test_accuracy"].as_f64().unwrap());
+    assert!((a - b).abs() <= 0.01, "test accuracy {a} (elastic) vs {b} (one process)");
+}
+
+#[test]
+fn the_leaders_own_host_revoked_with_notice_then_killed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let summary =
+        scenario(&tmp.path().join("leader"), 4, "mlp", 3000, "0.1:notice:leader:20,0.5:kill:leader");
+    assert_eq!(summary["steps_applied_twice"], 0, "{summary:#}");
+    assert_eq!(summary["steps_logged"], 3000, "{summary:#}");
+    let t = summary["transitions"].as_array().unwrap();
+    assert!(t.len() >= 3, "{summary:#}");
+    assert!(t.iter().any(|t| t["cause"].as_str().unwrap().contains("notice for node")), "{summary:#}");
+    let kill = transition(&summary, "failure of node");
+    assert!(kill["lost_steps"].as_u64().unwrap() <= 1, "{kill}");
+    assert_eq!(t.last().unwrap()["world"], 2, "{summary:#}");
+}
