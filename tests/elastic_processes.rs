@@ -23,7 +23,7 @@ fn scenario(dir: &Path, nodes: usize, model: &str, steps: u64, script: &str) -> 
         .unwrap();
     let logs = || {
         let mut s = String::new();
-        for e in std::fs::read_dir(dir).unwrap().flatten() {
+        for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
             if e.path().extension().is_some_and(|x| x == "log") {
                 s += &format!(
                     "--- {}\n{}",
@@ -126,10 +126,15 @@ fn an_elastic_run_with_a_notice_a_join_and_a_kill_matches_one_uninterrupted_proc
 }
 
 #[test]
-fn the_leaders_own_host_revoked_with_notice_then_killed() {
+fn the_leaders_own_host_revoked_with_notice_then_killed_and_a_sigterm_drains() {
     let tmp = tempfile::tempdir().unwrap();
-    let summary =
-        scenario(&tmp.path().join("leader"), 4, "mlp", 3000, "0.1:notice:leader:20,0.5:kill:leader");
+    let summary = scenario(
+        &tmp.path().join("leader"),
+        5,
+        "mlp",
+        3000,
+        "0.1:notice:leader:20,0.4:kill:leader,0.7:term:node-5",
+    );
     assert_eq!(summary["steps_applied_twice"], 0, "{summary:#}");
     assert_eq!(summary["steps_logged"], 3000, "{summary:#}");
     let t = summary["transitions"].as_array().unwrap();
@@ -137,5 +142,37 @@ fn the_leaders_own_host_revoked_with_notice_then_killed() {
     assert!(t.iter().any(|t| t["cause"].as_str().unwrap().contains("notice for node")), "{summary:#}");
     let kill = transition(&summary, "failure of node");
     assert!(kill["lost_steps"].as_u64().unwrap() <= 1, "{kill}");
+    // SIGTERM (systemd stopping limpetd) is a drain: no step lost.
+    let term = transition(&summary, "drain of node 5");
+    assert_eq!(term["lost_steps"], 0, "{term}");
     assert_eq!(t.last().unwrap()["world"], 2, "{summary:#}");
+}
+
+#[test]
+fn limpetd_validate_accepts_a_good_file_and_names_the_bad_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    let secret = tmp.path().join("secret");
+    std::fs::write(&secret, "0123456789abcdef0123").unwrap();
+    let good = format!(
+        "[node]\nname = \"a\"\ncontrol = \"127.0.0.1:7400\"\ndata = \"127.0.0.1:7401\"\nstate_dir = {:?}\nsecret_file = {:?}\n\n\
+         [cluster]\nname = \"c\"\nbootstrap = [\"1=127.0.0.1:7400\"]\n\n\
+         [job]\nmodel = \"mlp\"\ndata = \"digits\"\nsteps = 10\nglobal_batch = 8\n",
+        tmp.path().join("state").display().to_string(),
+        secret.display().to_string()
+    );
+    let limpetd = Path::new(env!("CARGO_BIN_EXE_limpetd"));
+    let run = |text: &str| {
+        let f = tmp.path().join("node.toml");
+        std::fs::write(&f, text).unwrap();
+        Command::new(limpetd).args(["validate", "--config"]).arg(&f).output().unwrap()
+    };
+    let ok = run(&good);
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    let bad = run(&(good.clone() + "\n[timing]\nheartbeat_ms = 500\nfailure_timeout_ms = 600\n"));
+    assert_eq!(bad.status.code(), Some(64));
+    let msg = String::from_utf8_lossy(&bad.stderr);
+    assert!(msg.contains("node.toml: [timing].failure_timeout_ms"), "{msg}");
+    let typo = run(&good.replace("global_batch", "global_bach"));
+    assert_eq!(typo.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&typo.stderr).contains("global_bach"));
 }

@@ -118,3 +118,64 @@ impl AgentReport {
         Ok(r)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn report(node: NodeId) -> AgentReport {
+        AgentReport {
+            v: REPORT_VERSION,
+            node,
+            pid: 42,
+            phase: Phase::Training,
+            epoch: 3,
+            applied_step: 120,
+            loss: Some(0.5),
+            step_time_ms: 4.5,
+            samples_per_s: 1000.0,
+            broken: Some(Broken { epoch: 3, since_ms: 10, suspect: Some(2), error: "closed".into() }),
+            transitions: vec![Transition {
+                epoch: 3,
+                step: 100,
+                cause: "join of node 4".into(),
+                idle_ms: 12,
+                lost_steps: 0,
+                fetched_bytes: 1 << 20,
+                repaired: false,
+            }],
+        }
+    }
+
+    #[test]
+    fn reports_round_trip_and_bad_ones_are_named() {
+        let r = report(7);
+        assert_eq!(AgentReport::decode(&r.encode(), 7).unwrap(), r);
+        let e = AgentReport::decode(&r.encode(), 8).unwrap_err();
+        assert!(e.contains("claims to be node 7"), "{e}");
+        let old = String::from_utf8(r.encode()).unwrap().replace("\"v\":1", "\"v\":9");
+        assert!(AgentReport::decode(old.as_bytes(), 7).unwrap_err().contains("version 9"));
+        let extra = String::from_utf8(r.encode()).unwrap().replacen('{', "{\"evil\":1,", 1);
+        assert!(AgentReport::decode(extra.as_bytes(), 7).unwrap_err().contains("unknown field"));
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512), from in 1u64..10) {
+            if let Ok(r) = AgentReport::decode(&bytes, from) {
+                prop_assert_eq!(AgentReport::decode(&r.encode(), from).unwrap(), r);
+            }
+        }
+
+        #[test]
+        fn damaged_reports_never_panic(pos in any::<prop::sample::Index>(), byte in any::<u8>()) {
+            let mut bytes = report(3).encode();
+            let i = pos.index(bytes.len());
+            bytes[i] = byte;
+            if let Ok(r) = AgentReport::decode(&bytes, 3) {
+                prop_assert_eq!(AgentReport::decode(&r.encode(), 3).unwrap(), r);
+            }
+        }
+    }
+}

@@ -55,7 +55,7 @@ pub struct ScenarioArgs {
     #[arg(long, default_value_t = 64)]
     pub batch: u64,
     /// Events as FRACTION:ACTION[:NODE[:SECS]], comma-separated; actions: notice, join,
-    /// kill, drain; NODE may be `leader`. Example: 0.2:notice:node-2:20,0.5:join,0.7:kill:leader
+    /// kill, drain, term (SIGTERM); NODE may be `leader`. Example: 0.2:notice:node-2:20,0.5:join,0.7:kill:leader
     #[arg(long, default_value = "")]
     pub script: String,
     /// Give up after this many seconds.
@@ -141,8 +141,11 @@ pub fn parse_script(text: &str) -> anyhow::Result<Vec<(f64, Action)>> {
             Some("join") => Action::Join,
             Some("kill") => Action::Kill { node: node(2)? },
             Some("drain") => Action::Drain { node: node(2)? },
+            Some("term") => Action::Term { node: node(2)? },
             other => {
-                return Err(bad(format!("{item:?}: action {other:?} is not notice, join, kill or drain")))
+                return Err(bad(format!(
+                    "{item:?}: action {other:?} is not notice, join, kill, drain or term"
+                )))
             }
         };
         out.push((frac, action));
@@ -173,6 +176,11 @@ pub enum Action {
         /// Which node (or `leader`).
         node: String,
     },
+    /// SIGTERM to the node's limpetd (systemd stopping the service): it drains itself.
+    Term {
+        /// Which node (or `leader`).
+        node: String,
+    },
 }
 
 impl Action {
@@ -182,6 +190,7 @@ impl Action {
             Action::Join => "a new node joins".into(),
             Action::Kill { node } => format!("kill -9 {node} (no notice)"),
             Action::Drain { node } => format!("drain {node}"),
+            Action::Term { node } => format!("SIGTERM to {node}'s limpetd"),
         }
     }
 }
@@ -332,6 +341,7 @@ fn resolve(action: &Action, doc: &StatusDoc) -> Action {
         Action::Notice { node, in_secs } => Action::Notice { node: pick(node), in_secs: *in_secs },
         Action::Kill { node } => Action::Kill { node: pick(node) },
         Action::Drain { node } => Action::Drain { node: pick(node) },
+        Action::Term { node } => Action::Term { node: pick(node) },
         Action::Join => Action::Join,
     }
 }
@@ -341,6 +351,11 @@ fn fire(cluster: &mut LocalCluster, rt: &tokio::runtime::Runtime, action: &Actio
         Action::Notice { node, in_secs } => post_notice(&cluster.file.node(node)?.metadata, *in_secs),
         Action::Join => cluster.add().map(|_| ()),
         Action::Kill { node } => cluster.kill(node),
+        Action::Term { node } => {
+            let pid = cluster.file.node(node)?.pid;
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGTERM)
+                .with_context(|| format!("SIGTERM to {node}"))
+        }
         Action::Drain { node } => {
             let id = cluster.file.node(node)?.id;
             let addrs = cluster.file.control_addrs();
