@@ -33,7 +33,7 @@ help:
 	@echo "make demo    set up, then run 4 agents through a spot notice, a join, a kill -9 and a drain"
 	@echo "make setup   install libtorch (torch==$(TORCH_VERSION) from PyPI) and data into $(LIMPET_CACHE)"
 	@echo "make fuzz    run each fuzz target for FUZZ_SECONDS (default 60)"
-	@echo "make bench   measure: raft commits, allreduce against gloo, state handoff against plain TCP"
+	@echo "make bench   measure: raft commits, allreduce against gloo, state handoff against plain TCP, transitions against torchrun"
 
 setup: $(ENV_MK)
 
@@ -64,6 +64,8 @@ bench: build
 	$(LIMPET) bench allreduce --world 2 --sizes 4K,256K,4M,16M,64M --rounds 3
 	$(LIMPET) bench allreduce --world 4 --sizes 4K,256K,4M,16M,64M --rounds 3
 	$(LIMPET) bench handoff --bytes 256M
+	$(LIMPET) bench elastic
+	$(LIMPET) bench elastic --model gpt --steps 3000
 
 demo: build
 	$(LIMPET) demo --dir $(DEMO_DIR)

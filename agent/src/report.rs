@@ -47,6 +47,9 @@ pub struct Transition {
     pub lost_steps: u64,
     /// Whether this agent copied its state from a peer on entry, and how many bytes.
     pub fetched_bytes: u64,
+    /// How long that copy took, milliseconds (0 without a copy).
+    #[serde(default)]
+    pub fetch_ms: u64,
     /// Whether the hashes at entry disagreed at equal steps (divergence repaired).
     pub repaired: bool,
 }
@@ -143,6 +146,7 @@ mod tests {
                 idle_ms: 12,
                 lost_steps: 0,
                 fetched_bytes: 1 << 20,
+                fetch_ms: 3,
                 repaired: false,
             }],
         }

@@ -12,6 +12,7 @@
 //! rank starts the epoch with a bit-identical state, checked, not assumed.
 
 use crate::controller::{self, ControllerConfig, NodeProgress};
+use crate::dataplane::frame::Channel;
 use crate::dataplane::handoff::{serve_handoff, HandoffDialer};
 use crate::dataplane::{DataPlaneConfig, DataPlaneError, Endpoint, Group};
 use crate::policy::{BaseBatch, BatchPolicy};
@@ -274,6 +275,7 @@ impl Agent {
             log: None,
             rt: tokio::runtime::Handle::current(),
             finished: false,
+            pending: None,
         };
         let trainer = std::thread::Builder::new().name("limpet-trainer".into()).spawn(move || {
             let r = looper.run();
@@ -588,6 +590,15 @@ struct TrainLoop {
     log: Option<std::fs::File>,
     rt: tokio::runtime::Handle,
     finished: bool,
+    /// The next epoch's ring connections, made ahead of its boundary.
+    pending: Option<Pending>,
+}
+
+/// Ring connections of an epoch not entered yet.
+struct Pending {
+    epoch: u64,
+    right: Option<std::net::TcpStream>,
+    left: Option<std::net::TcpStream>,
 }
 
 impl TrainLoop {
@@ -641,6 +652,10 @@ impl TrainLoop {
             if let Some(n) = newest.filter(|n| n.id > in_epoch) {
                 let at_boundary = self.trainer.step() >= n.start_step;
                 if n.ranks.contains(&me) {
+                    if self.group.is_some() && self.broken_at.is_none() && !at_boundary {
+                        let n = n.clone();
+                        self.preform(&n);
+                    }
                     if self.group.is_none() || self.broken_at.is_some() || at_boundary {
                         let n = n.clone();
                         if let Err(e) = self.enter(&n) {
@@ -742,6 +757,72 @@ impl TrainLoop {
         Ok(())
     }
 
+    /// The data addresses of an epoch's ranks, in rank order.
+    fn addrs_of(&self, n: &Epoch) -> Result<Vec<String>, String> {
+        let st = Arc::clone(&self.watch.borrow().state);
+        let addrs: Vec<String> = n
+            .ranks
+            .iter()
+            .map(|r| st.members.get(r).map(|m| m.spec.data_addr.clone()).unwrap_or_default())
+            .collect();
+        if addrs.iter().any(String::is_empty) {
+            return Err(format!("epoch {}: a rank has no data address yet", n.id));
+        }
+        Ok(addrs)
+    }
+
+    /// Whether an epoch newer than `epoch_id` is in the log (then waiting for `epoch_id`'s
+    /// peers is pointless).
+    fn superseded(&self, epoch_id: u64) -> impl Fn() -> bool {
+        let watch = self.watch.clone();
+        move || {
+            let st = Arc::clone(&watch.borrow().state);
+            let newer =
+                [st.current.as_ref(), st.scheduled.as_ref()].into_iter().flatten().any(|e| e.id > epoch_id);
+            newer
+        }
+    }
+
+    /// Connects the next epoch's ring while the current one still trains, without ever
+    /// waiting: the connection to the right neighbour is made once (its endpoint answers the
+    /// handshake on its own threads), the left neighbour's is picked up whenever it has
+    /// arrived. So the boundary itself costs only the state check.
+    fn preform(&mut self, n: &Epoch) {
+        if self.pending.as_ref().is_some_and(|p| p.epoch != n.id) {
+            self.pending = None;
+        }
+        let Ok(addrs) = self.addrs_of(n) else { return };
+        let Ok((right, left)) = Group::neighbours(&self.endpoint, &n.ranks, &addrs) else { return };
+        if self.pending.is_none() {
+            let out = match right {
+                None => None,
+                Some(r) => {
+                    let soon = Instant::now() + Duration::from_millis(200);
+                    match self.endpoint.connect_until(
+                        &addrs[r],
+                        n.ranks[r],
+                        n.id,
+                        Channel::Ring,
+                        soon,
+                        &|| false,
+                    ) {
+                        Ok(s) => Some(s),
+                        Err(e) => {
+                            tracing::debug!(epoch = n.id, %e, "could not connect the next epoch early");
+                            return;
+                        }
+                    }
+                }
+            };
+            self.pending = Some(Pending { epoch: n.id, right: out, left: None });
+        }
+        let p = self.pending.as_mut().expect("set above");
+        if let (None, Some(l)) = (&p.left, left) {
+            p.left =
+                self.endpoint.accept_until(n.ranks[l], n.id, Channel::Ring, Instant::now(), &|| false).ok();
+        }
+    }
+
     /// Enters epoch `n`: forms its group, agrees on one state and switches to it.
     fn enter(&mut self, n: &Epoch) -> Result<(), String> {
         let me = self.cfg.id;
@@ -749,31 +830,31 @@ impl TrainLoop {
         // The old group is done; peers of older epochs are refused from now on.
         self.group = None;
         self.endpoint.set_min_epoch(n.id);
-        let addrs: Vec<String> = {
-            let st = Arc::clone(&self.watch.borrow().state);
-            n.ranks
-                .iter()
-                .map(|r| st.members.get(r).map(|m| m.spec.data_addr.clone()).unwrap_or_default())
-                .collect()
+        let addrs = self.addrs_of(n)?;
+        // Peers arrive when they reach the boundary: wait for them (up to two minutes for a
+        // newcomer that enters early), but not for an epoch replaced meanwhile.
+        let by = Instant::now() + Duration::from_secs(120);
+        let superseded = self.superseded(n.id);
+        let mut group = match self.pending.take() {
+            Some(p) if p.epoch == n.id => {
+                let (_, left) =
+                    Group::neighbours(&self.endpoint, &n.ranks, &addrs).map_err(|e| e.to_string())?;
+                let left = match (p.left, left) {
+                    (Some(s), _) => Some(s),
+                    (None, Some(l)) => Some(
+                        self.endpoint
+                            .accept_until(n.ranks[l], n.id, Channel::Ring, by, &superseded)
+                            .map_err(|e| e.to_string())?,
+                    ),
+                    (None, None) => None,
+                };
+                Group::assemble(&self.endpoint, n.id, &n.ranks, p.right, left).map_err(|e| e.to_string())?
+            }
+            _ => self
+                .endpoint
+                .group_until(n.id, &n.ranks, &addrs, by, &superseded)
+                .map_err(|e| e.to_string())?,
         };
-        if addrs.iter().any(String::is_empty) {
-            return Err(format!("epoch {}: a rank has no data address yet", n.id));
-        }
-        let watch = self.watch.clone();
-        let epoch_id = n.id;
-        let superseded = move || {
-            let st = Arc::clone(&watch.borrow().state);
-            let newer =
-                [st.current.as_ref(), st.scheduled.as_ref()].into_iter().flatten().any(|e| e.id > epoch_id);
-            newer
-        };
-        // Peers arrive when they reach the boundary; wait for them, but not for an epoch
-        // that was replaced meanwhile.
-        let deadline = Instant::now() + Duration::from_secs(120);
-        let mut group = self
-            .endpoint
-            .group_until(n.id, &n.ranks, &addrs, deadline, &superseded)
-            .map_err(|e| e.to_string())?;
 
         // Publish this rank's state, then agree on (step, hash).
         let image = self.trainer.image().map_err(|e| e.to_string())?;
@@ -788,6 +869,7 @@ impl TrainLoop {
         let src = ranks.iter().position(|r| r.0 == top).expect("some rank is at the top");
         let mine_at = ranks[group.rank()];
         let mut fetched_bytes = 0;
+        let mut fetch_ms = 0;
         let mut repaired = false;
         if mine_at != ranks[src] {
             repaired = mine_at.0 == top;
@@ -803,6 +885,7 @@ impl TrainLoop {
             let hex: String = ranks[src].1.iter().map(|b| format!("{b:02x}")).collect();
             let opts = FetchOptions { expect: Some(label_of(&hex)), ..FetchOptions::default() };
             let dialer = HandoffDialer { endpoint: &self.endpoint, epoch: n.id };
+            let fetch_started = Instant::now();
             let (bytes, stats) = fetch(&dialer, &[source], &opts).map_err(|e| e.to_string())?;
             fetched_bytes = stats.bytes;
             let img = StateImage::decode(&bytes).map_err(|e| e.to_string())?;
@@ -810,6 +893,7 @@ impl TrainLoop {
                 return Err(format!("state from node {src_node} does not hash to what it announced"));
             }
             self.trainer.load_image(&img).map_err(|e| e.to_string())?;
+            fetch_ms = fetch_started.elapsed().as_millis() as u64;
             tracing::info!(
                 epoch = n.id,
                 step = top,
@@ -830,6 +914,7 @@ impl TrainLoop {
             idle_ms,
             lost_steps: std::mem::take(&mut self.lost),
             fetched_bytes,
+            fetch_ms,
             repaired,
         };
         tracing::info!(node = me, epoch = n.id, step = t.step, world = n.ranks.len(), idle_ms, cause = %n.cause, "entered epoch");

@@ -94,6 +94,9 @@ pub enum BenchCommand {
     Allreduce(crate::dp_cmd::BenchAllreduceArgs),
     /// A verified state transfer next to a plain TCP copy of the same bytes.
     Handoff(crate::dp_cmd::BenchHandoffArgs),
+    /// Idle time and lost steps of a spot notice, a join and a kill -9 of the leader's host,
+    /// next to torchrun recovering from a killed worker in the same run.
+    Elastic(crate::elastic_bench::BenchElasticArgs),
 }
 
 /// Model families.
@@ -201,6 +204,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::DpWorker(args) => crate::dp_cmd::run_worker(args),
         Command::Bench(BenchCommand::Allreduce(args)) => crate::dp_cmd::bench_allreduce(args),
         Command::Bench(BenchCommand::Handoff(args)) => crate::dp_cmd::bench_handoff(args),
+        Command::Bench(BenchCommand::Elastic(args)) => crate::elastic_bench::bench(args),
         Command::Status(args) => crate::status::status(args),
         Command::Drain(args) => crate::status::drain(args),
         Command::Revoke(args) => crate::status::revoke(args),

@@ -208,8 +208,8 @@ pub struct Summary {
     pub test_accuracy: f64,
     /// The final checkpoint evaluated.
     pub checkpoint: PathBuf,
-    /// The scripted events, with the step they fired at.
-    pub events: Vec<(u64, String)>,
+    /// The scripted events: step and unix ms when they fired, and what.
+    pub events: Vec<(u64, u64, String)>,
     /// Every epoch change with cause, idle time and lost steps.
     pub transitions: Vec<TransitionDoc>,
     /// Steps completed more than once in the merged step logs (must be 0).
@@ -287,8 +287,9 @@ pub fn run_scenario(
             if let Action::Kill { node } = &action {
                 killed.push(cluster.file.node(node)?.id);
             }
+            let at = now_ms();
             fire(&mut cluster, &rt, &action)?;
-            fired.push((doc.step, action.describe()));
+            fired.push((doc.step, at, action.describe()));
             next += 1;
         }
         let current = doc.epoch.as_ref().map(|e| e.ranks.clone()).unwrap_or_default();
@@ -469,4 +470,9 @@ fn print_summary(s: &Summary, plot: &Path) {
         );
     }
     println!("\nplot: {}", plot.display());
+}
+
+/// Unix milliseconds now.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }

@@ -8,6 +8,7 @@ pub mod cli;
 pub mod config;
 pub mod demo;
 pub mod dp_cmd;
+pub mod elastic_bench;
 pub mod limpetd;
 pub mod local;
 mod plot;

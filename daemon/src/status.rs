@@ -111,6 +111,9 @@ pub struct TransitionDoc {
     pub lost_steps: Option<u64>,
     /// Bytes of state copied from peers (sum over ranks).
     pub fetched_bytes: u64,
+    /// Longest state copy of a rank, ms.
+    #[serde(default)]
+    pub fetch_ms: u64,
 }
 
 /// `limpet status --json`.
@@ -254,6 +257,7 @@ fn build(
                 idle_ms: lived.iter().map(|t| t.idle_ms).max(),
                 lost_steps: lived.iter().map(|t| t.lost_steps).max(),
                 fetched_bytes: lived.iter().map(|t| t.fetched_bytes).sum(),
+                fetch_ms: lived.iter().map(|t| t.fetch_ms).max().unwrap_or(0),
             }
         })
         .collect();

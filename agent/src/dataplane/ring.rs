@@ -71,6 +71,30 @@ impl Group {
         deadline: std::time::Instant,
         abort: &dyn Fn() -> bool,
     ) -> Result<Group, DataPlaneError> {
+        let (right, left) = Group::neighbours(ep, ranks, addrs)?;
+        let (mut out, mut inc) = (None, None);
+        if let (Some(right), Some(left)) = (right, left) {
+            let connect_by = deadline.min(std::time::Instant::now() + ep.config().timeout);
+            out = Some(ep.connect_until(
+                &addrs[right],
+                ranks[right],
+                epoch,
+                Channel::Ring,
+                connect_by,
+                abort,
+            )?);
+            inc = Some(ep.accept_until(ranks[left], epoch, Channel::Ring, deadline, abort)?);
+        }
+        Group::assemble(ep, epoch, ranks, out, inc)
+    }
+
+    /// Checks a rank order and returns this node's right and left neighbours' positions
+    /// (`None` for a world of one).
+    pub fn neighbours(
+        ep: &Endpoint,
+        ranks: &[u64],
+        addrs: &[String],
+    ) -> Result<(Option<usize>, Option<usize>), DataPlaneError> {
         let me = ep.config().node;
         let world = ranks.len();
         if world == 0 || addrs.len() != world {
@@ -86,32 +110,47 @@ impl Group {
             .iter()
             .position(|&r| r == me)
             .ok_or_else(|| DataPlaneError::Config(format!("node {me} is not in the rank order {ranks:?}")))?;
-        let mut g = Group {
+        if world == 1 {
+            return Ok((None, None));
+        }
+        Ok((Some((rank + 1) % world), Some((rank + world - 1) % world)))
+    }
+
+    /// Builds a group from its two ring connections, made by the caller (the agent connects
+    /// the next epoch's ring while the current one still trains).
+    pub fn assemble(
+        ep: &Endpoint,
+        epoch: u64,
+        ranks: &[u64],
+        right: Option<TcpStream>,
+        left: Option<TcpStream>,
+    ) -> Result<Group, DataPlaneError> {
+        let me = ep.config().node;
+        let rank = ranks
+            .iter()
+            .position(|&r| r == me)
+            .ok_or_else(|| DataPlaneError::Config(format!("node {me} is not in the rank order {ranks:?}")))?;
+        if (ranks.len() > 1) != (right.is_some() && left.is_some()) {
+            return Err(DataPlaneError::Config(format!(
+                "a world of {} needs both ring connections",
+                ranks.len()
+            )));
+        }
+        for s in right.iter().chain(left.iter()) {
+            s.set_nonblocking(true).map_err(DataPlaneError::io("making a socket non-blocking"))?;
+        }
+        Ok(Group {
             epoch,
             rank,
             ranks: ranks.to_vec(),
             timeout: ep.config().timeout,
             chunk_elems: ep.config().chunk_bytes / 4,
-            right: None,
-            left: None,
+            right,
+            left,
             seq: 0,
             broken: None,
             scratch: vec![0.0; ep.config().chunk_bytes / 4],
-        };
-        if world > 1 {
-            let right = (rank + 1) % world;
-            let left = (rank + world - 1) % world;
-            let connect_by = deadline.min(std::time::Instant::now() + ep.config().timeout);
-            let out =
-                ep.connect_until(&addrs[right], ranks[right], epoch, Channel::Ring, connect_by, abort)?;
-            let inc = ep.accept_until(ranks[left], epoch, Channel::Ring, deadline, abort)?;
-            for s in [&out, &inc] {
-                s.set_nonblocking(true).map_err(DataPlaneError::io("making a socket non-blocking"))?;
-            }
-            g.right = Some(out);
-            g.left = Some(inc);
-        }
-        Ok(g)
+        })
     }
 
     /// Number of ranks.

@@ -1,0 +1,300 @@
+//! `limpet bench elastic`: what a transition costs, measured from step logs, next to
+//! torchrun (PyTorch's elastic launcher, gloo backend) recovering from a killed worker on the
+//! same model and data in the same run.
+//!
+//! limpet: a local cluster trains the digits MLP through a spot notice, a join, and a
+//! `kill -9` of the Raft leader's host. Reported per transition: the ranks' idle time, lost
+//! steps, and for the kill the time from the kill to the next completed step (a new leader
+//! included). torchrun: `bench/torchrun_elastic.py` (checkpoint every 100 steps) with one
+//! worker killed at the same point of the job; reported: the time from the kill to the next
+//! completed step, and the steps redone from the checkpoint.
+
+use crate::demo::{now_ms, read_step_logs, run_scenario, Action};
+use crate::local::LocalJob;
+use anyhow::Context;
+use clap::Args;
+use serde::Serialize;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// `limpet bench elastic`.
+#[derive(Debug, Args)]
+pub struct BenchElasticArgs {
+    /// Steps of the job.
+    #[arg(long, default_value_t = 6000)]
+    pub steps: u64,
+    /// `mlp` (digits, global batch 64; compared with torchrun) or `gpt` (common-licenses,
+    /// global batch 32: longer steps, limpet only).
+    #[arg(long, default_value = "mlp")]
+    pub model: String,
+    /// Founding agents (and torchrun workers).
+    #[arg(long, default_value_t = 4)]
+    pub nodes: usize,
+    /// How long to wait for torchrun's next step after the kill, seconds.
+    #[arg(long, default_value_t = 60)]
+    pub torchrun_wait: u64,
+    /// Print the results as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One measured transition.
+#[derive(Debug, Serialize)]
+pub struct Measured {
+    /// What happened.
+    pub event: String,
+    /// Largest idle time of a surviving rank, ms (from the agents' records).
+    pub idle_ms: Option<u64>,
+    /// From the event to the next completed step, ms (kills only; from the step logs).
+    pub recovery_ms: Option<u64>,
+    /// Step computations lost or steps redone.
+    pub lost_steps: Option<u64>,
+    /// State copy time, ms (joins).
+    pub fetch_ms: Option<u64>,
+    /// The goal, in words.
+    pub goal: String,
+    /// Whether the goal was met.
+    pub met: bool,
+}
+
+/// The whole result.
+#[derive(Debug, Serialize)]
+pub struct ElasticBench {
+    /// Median step time in limpet's first epoch, ms.
+    pub step_ms: f64,
+    /// limpet's transitions.
+    pub limpet: Vec<Measured>,
+    /// torchrun after a killed worker (MLP only: its script trains the MLP).
+    pub torchrun: Option<Measured>,
+}
+
+/// Runs the benchmark.
+pub fn bench(a: BenchElasticArgs) -> anyhow::Result<()> {
+    if a.nodes < 3 {
+        return Err(crate::UsageError("--nodes must be at least 3".into()).into());
+    }
+    let tmp = tempfile::tempdir()?;
+    let (model, data, global_batch) = match a.model.as_str() {
+        "mlp" => ("mlp", "digits", 64),
+        "gpt" => ("gpt", "chars", 32),
+        m => return Err(crate::UsageError(format!("--model {m:?} is not mlp or gpt")).into()),
+    };
+    let job = LocalJob {
+        model: model.into(),
+        data: data.into(),
+        steps: a.steps,
+        global_batch,
+        ..LocalJob::default()
+    };
+    let script = vec![
+        (0.2, Action::Notice { node: "node-2".into(), in_secs: 30 }),
+        (0.4, Action::Join),
+        (0.6, Action::Kill { node: "leader".into() }),
+    ];
+    eprintln!(
+        "limpet: {} agents, {model} on {data}, {} steps: notice, join, kill -9 of the leader",
+        a.nodes, a.steps
+    );
+    let dir = tmp.path().join("limpet");
+    let s = run_scenario(&dir, a.nodes, job, &script, Duration::from_secs(600), !a.json)?;
+    let lines = read_step_logs(
+        &std::fs::read_dir(&dir)?
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.to_string_lossy().ends_with(".steps.jsonl"))
+            .collect::<Vec<_>>(),
+    )?;
+    let mut first: Vec<u64> =
+        lines.iter().filter(|l| l.epoch == 1 && l.node == 1).map(|l| l.wall_ms).collect();
+    first.sort_unstable();
+    let mut gaps: Vec<u64> = first.windows(2).map(|w| w[1] - w[0]).collect();
+    gaps.sort_unstable();
+    let step_ms = if gaps.is_empty() { 0.0 } else { gaps[gaps.len() / 2].max(1) as f64 };
+    let find = |cause: &str| s.transitions.iter().find(|t| t.cause.contains(cause));
+    let mut limpet = Vec::new();
+    if let Some(t) = find("notice for") {
+        let idle = t.idle_ms.unwrap_or(0);
+        limpet.push(Measured {
+            event: "spot notice".into(),
+            idle_ms: t.idle_ms,
+            recovery_ms: None,
+            lost_steps: t.lost_steps,
+            fetch_ms: None,
+            goal: format!("idle <= 1 step ({step_ms:.1} ms), 0 lost"),
+            met: idle as f64 <= step_ms.max(1.0) && t.lost_steps == Some(0),
+        });
+    }
+    if let Some(t) = find("join of") {
+        let idle = t.idle_ms.unwrap_or(0);
+        limpet.push(Measured {
+            event: "join".into(),
+            idle_ms: t.idle_ms,
+            recovery_ms: None,
+            lost_steps: t.lost_steps,
+            fetch_ms: Some(t.fetch_ms),
+            goal: "idle <= state copy + 500 ms".into(),
+            met: idle <= t.fetch_ms + 500,
+        });
+    }
+    if let Some(t) = find("failure of") {
+        let kill_at = s.events.iter().find(|e| e.2.starts_with("kill -9")).map(|e| e.1).unwrap_or(0);
+        let before = lines.iter().filter(|l| l.wall_ms <= kill_at).map(|l| l.epoch).max().unwrap_or(0);
+        let next = lines.iter().filter(|l| l.wall_ms > kill_at && l.epoch > before).map(|l| l.wall_ms).min();
+        let recovery = next.map(|n| n - kill_at);
+        limpet.push(Measured {
+            event: "kill -9 of the leader's host".into(),
+            idle_ms: t.idle_ms,
+            recovery_ms: recovery,
+            lost_steps: t.lost_steps,
+            fetch_ms: None,
+            goal: "kill to next step < 3 s".into(),
+            met: recovery.is_some_and(|r| r < 3000),
+        });
+    }
+    let torchrun = if model == "mlp" {
+        eprintln!(
+            "torchrun: {} workers, the same MLP and data, checkpoint every 100 steps, one worker killed at 60%",
+            a.nodes
+        );
+        Some(torchrun(&tmp.path().join("torchrun"), a.nodes, a.steps, Duration::from_secs(a.torchrun_wait))?)
+    } else {
+        None
+    };
+    let r = ElasticBench { step_ms, limpet, torchrun };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        print_table(&r);
+    }
+    Ok(())
+}
+
+fn print_table(r: &ElasticBench) {
+    let ms = |v: Option<u64>| v.map_or("-".into(), |v| format!("{v} ms"));
+    println!("\nlimpet bench elastic (median step {:.1} ms)", r.step_ms);
+    println!(
+        "{:<32} {:>10} {:>14} {:>6} {:>10}  {:<34} met",
+        "transition", "idle", "kill->step", "lost", "copy", "goal"
+    );
+    for m in r.limpet.iter().chain(r.torchrun.as_ref()) {
+        println!(
+            "{:<32} {:>10} {:>14} {:>6} {:>10}  {:<34} {}",
+            m.event,
+            ms(m.idle_ms),
+            ms(m.recovery_ms),
+            m.lost_steps.map_or("-".into(), |v| v.to_string()),
+            ms(m.fetch_ms),
+            m.goal,
+            if m.met { "yes" } else { "NO" }
+        );
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct TorchLine {
+    wall_ms: u64,
+    step: u64,
+    restart: u64,
+}
+
+fn torch_lines(path: &Path) -> Vec<TorchLine> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// Runs torchrun, kills one worker at 60% of the job, and measures its recovery.
+fn torchrun(dir: &Path, workers: usize, steps: u64, wait: Duration) -> anyhow::Result<Measured> {
+    std::fs::create_dir_all(dir)?;
+    let script = dir.join("torchrun_elastic.py");
+    std::fs::write(&script, include_str!("../../bench/torchrun_elastic.py"))?;
+    let log = std::fs::File::create(dir.join("torchrun.log"))?;
+    let digits = limpet_trainer::data::default_digits_path();
+    let mut child = Command::new(crate::dp_cmd::python())
+        .args(["-m", "torch.distributed.run", "--standalone", "--max-restarts=3", "--monitor-interval=0.5"])
+        .arg(format!("--nproc-per-node={workers}"))
+        .arg(&script)
+        .env("OUT", dir)
+        .env("STEPS", steps.to_string())
+        .env("CKPT_EVERY", "100")
+        .env("DIGITS", &digits)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .process_group(0)
+        .spawn()
+        .context("starting torchrun (python -m torch.distributed.run)")?;
+    let pgid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let stop = |why: &str| {
+        let _ = nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGKILL);
+        eprintln!("torchrun: {why}");
+    };
+    let steps_file = dir.join("steps.jsonl");
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let kill_step = steps * 6 / 10;
+    loop {
+        if Instant::now() > deadline || matches!(child.try_wait(), Ok(Some(_))) {
+            stop("did not reach the kill point");
+            anyhow::bail!(
+                "torchrun did not reach step {kill_step}; see {}",
+                dir.join("torchrun.log").display()
+            );
+        }
+        if torch_lines(&steps_file).last().is_some_and(|l| l.step >= kill_step) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pid: i32 = std::fs::read_to_string(dir.join("pid-0-1"))?.trim().parse()?;
+    let kill_at = now_ms();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL)?;
+    let give_up = Instant::now() + wait;
+    let goal = "(peer: restart from checkpoint)".to_string();
+    loop {
+        let lines = torch_lines(&steps_file);
+        if let Some(l) = lines.iter().find(|l| l.restart > 0) {
+            let last_before = lines.iter().filter(|x| x.restart == 0).map(|x| x.step).max().unwrap_or(0);
+            let m = Measured {
+                event: "torchrun: kill -9 of a worker".into(),
+                idle_ms: None,
+                recovery_ms: Some(l.wall_ms.saturating_sub(kill_at)),
+                lost_steps: Some((last_before + 1).saturating_sub(l.step)),
+                fetch_ms: None,
+                goal,
+                met: true,
+            };
+            stop("recovered; stopped");
+            let _ = child.wait();
+            return Ok(m);
+        }
+        if Instant::now() > give_up || matches!(child.try_wait(), Ok(Some(_))) {
+            let restarted = std::fs::read_dir(dir)?
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with("pid-1-"));
+            stop("no step after the kill; stopped");
+            let _ = child.wait();
+            return Ok(Measured {
+                event: format!(
+                    "torchrun: kill -9 of a worker: no step within {} s ({})",
+                    wait.as_secs(),
+                    if restarted {
+                        "restarted workers never trained"
+                    } else {
+                        "restarted workers never got past init_process_group"
+                    }
+                ),
+                idle_ms: None,
+                recovery_ms: None,
+                lost_steps: None,
+                fetch_ms: None,
+                goal,
+                met: false,
+            });
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
