@@ -14,8 +14,12 @@ fn exe() -> &'static Path {
 }
 
 fn scenario(dir: &Path, nodes: usize, model: &str, steps: u64, script: &str) -> Value {
+    scenario_with(dir, nodes, model, steps, script, "fixed-global")
+}
+
+fn scenario_with(dir: &Path, nodes: usize, model: &str, steps: u64, script: &str, policy: &str) -> Value {
     let out = Command::new(exe())
-        .args(["scenario", "--json", "--dir"])
+        .args(["scenario", "--json", "--policy", policy, "--dir"])
         .arg(dir)
         .args(["--nodes", &nodes.to_string(), "--model", model, "--data", "digits"])
         .args(["--steps", &steps.to_string(), "--batch", "64", "--script", script, "--timeout", "300"])
@@ -175,4 +179,20 @@ fn limpetd_validate_accepts_a_good_file_and_names_the_bad_key() {
     let typo = run(&good.replace("global_batch", "global_bach"));
     assert_eq!(typo.status.code(), Some(64));
     assert!(String::from_utf8_lossy(&typo.stderr).contains("global_bach"));
+}
+
+#[test]
+fn the_linear_policy_rescales_batch_and_learning_rate_with_the_world() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Three founders declared the batch (64 at world 3); a notice shrinks the world to 2.
+    let summary = scenario_with(&tmp.path().join("linear"), 3, "mlp", 3000, "0.2:notice:node-2:20", "linear");
+    assert_eq!(summary["steps_applied_twice"], 0, "{summary:#}");
+    assert_eq!(summary["steps_logged"], 3000, "{summary:#}");
+    let first = &summary["transitions"][0];
+    assert_eq!(first["global_batch"], 66, "per-rank 22 (64/3 rounded up) x 3: {first}");
+    assert_eq!(first["lr_scale"], 1.0, "{first}");
+    let after = transition(&summary, "notice for node 2");
+    assert_eq!(after["global_batch"], 44, "{after}");
+    assert!((after["lr_scale"].as_f64().unwrap() - 2.0 / 3.0).abs() < 1e-9, "{after}");
+    assert!(summary["test_accuracy"].as_f64().unwrap() > 0.9, "{summary:#}");
 }

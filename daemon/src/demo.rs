@@ -54,6 +54,9 @@ pub struct ScenarioArgs {
     /// Global batch.
     #[arg(long, default_value_t = 64)]
     pub batch: u64,
+    /// Batch / learning-rate policy: fixed-global, linear, sqrt, adascale.
+    #[arg(long, default_value = "fixed-global")]
+    pub policy: String,
     /// Events as FRACTION:ACTION[:NODE[:SECS]], comma-separated; actions: notice, join,
     /// kill, drain, term (SIGTERM); NODE may be `leader`. Example: 0.2:notice:node-2:20,0.5:join,0.7:kill:leader
     #[arg(long, default_value = "")]
@@ -99,6 +102,7 @@ pub fn scenario(a: ScenarioArgs) -> anyhow::Result<()> {
         data: a.data.clone(),
         steps: a.steps,
         global_batch: a.batch,
+        policy: a.policy.clone(),
         ..LocalJob::default()
     };
     let summary = run_scenario(&a.dir, a.nodes, job, &script, Duration::from_secs(a.timeout), !a.json)?;

@@ -114,6 +114,12 @@ pub struct TransitionDoc {
     /// Longest state copy of a rank, ms.
     #[serde(default)]
     pub fetch_ms: u64,
+    /// The epoch's global batch (the batch policy's decision).
+    #[serde(default)]
+    pub global_batch: u64,
+    /// The epoch's learning-rate multiplier.
+    #[serde(default)]
+    pub lr_scale: f64,
 }
 
 /// `limpet status --json`.
@@ -258,6 +264,8 @@ fn build(
                 lost_steps: lived.iter().map(|t| t.lost_steps).max(),
                 fetched_bytes: lived.iter().map(|t| t.fetched_bytes).sum(),
                 fetch_ms: lived.iter().map(|t| t.fetch_ms).max().unwrap_or(0),
+                global_batch: e.batch.global_batch,
+                lr_scale: e.lr_scale,
             }
         })
         .collect();
