@@ -12,7 +12,6 @@ use anyhow::Context;
 use clap::Args;
 use limpet_agent::runtime::StepLine;
 use limpet_consensus::state::Command;
-use limpet_consensus::Client;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -279,15 +278,16 @@ pub fn run_scenario(
         ));
         if let Some(prev) = &last {
             for t in doc.transitions.iter().filter(|t| !prev.transitions.iter().any(|p| p.epoch == t.epoch)) {
-                bar.println(format!(
-                    "  epoch {} at step {}: world {} ({})",
-                    t.epoch, t.step, t.world, t.cause
-                ));
+                say(
+                    &bar,
+                    show,
+                    format!("  epoch {} at step {}: world {} ({})", t.epoch, t.step, t.world, t.cause),
+                );
             }
         }
         while next < script.len() && doc.step as f64 >= script[next].0 * steps as f64 {
             let action = resolve(&script[next].1, &doc);
-            bar.println(format!("step {}: {}", doc.step, action.describe()));
+            say(&bar, show, format!("step {}: {}", doc.step, action.describe()));
             if let Action::Kill { node } = &action {
                 killed.push(cluster.file.node(node)?.id);
             }
@@ -363,26 +363,9 @@ fn fire(cluster: &mut LocalCluster, rt: &tokio::runtime::Runtime, action: &Actio
         }
         Action::Drain { node } => {
             let id = cluster.file.node(node)?.id;
-            let addrs = cluster.file.control_addrs();
-            let name = cluster.file.cluster.clone();
-            rt.block_on(async {
-                let mut last = None;
-                for addr in &addrs {
-                    let attempt = async {
-                        let mut c = Client::connect(addr, &name).await?;
-                        c.propose(
-                            &Command::Drain { id, reason: "limpet drain".into() },
-                            Duration::from_secs(5),
-                        )
-                        .await
-                    };
-                    match attempt.await {
-                        Ok(_) => return Ok(()),
-                        Err(e) => last = Some(e),
-                    }
-                }
-                Err(anyhow::anyhow!("could not drain {node}: {last:?}"))
-            })
+            let cmd = Command::Drain { id, reason: "limpet drain".into() };
+            rt.block_on(crate::status::propose(&cluster.file.cluster, &cluster.file.control_addrs(), cmd))
+                .map(|_| ())
         }
     }
 }
@@ -457,26 +440,21 @@ fn print_summary(s: &Summary, plot: &Path) {
     println!("test accuracy    {:.2}%", s.test_accuracy * 100.0);
     println!("steps logged     {} of {}", s.steps_logged, s.steps);
     println!("steps redone     {}", s.steps_applied_twice);
-    println!(
-        "\n{:<6} {:>6} {:>5} {:>9} {:>5} {:>10}  CAUSE",
-        "EPOCH", "STEP", "WORLD", "IDLE(ms)", "LOST", "COPIED"
-    );
-    for t in &s.transitions {
-        println!(
-            "{:<6} {:>6} {:>5} {:>9} {:>5} {:>10}  {}",
-            t.epoch,
-            t.step,
-            t.world,
-            t.idle_ms.map_or("-".into(), |v| v.to_string()),
-            t.lost_steps.map_or("-".into(), |v| v.to_string()),
-            if t.fetched_bytes > 0 { format!("{:.1} MB", t.fetched_bytes as f64 / 1e6) } else { "-".into() },
-            t.cause
-        );
-    }
-    println!("\nplot: {}", plot.display());
+    println!("\n{}", crate::status::transitions_table(&s.transitions));
+    println!("plot: {}", plot.display());
 }
 
 /// Unix milliseconds now.
 pub fn now_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Prints a line above the progress bar, or plainly when the bar is not drawn (output is not
+/// a terminal), so logs of piped runs keep the scenario's events. Nothing when `show` is off.
+fn say(bar: &indicatif::ProgressBar, show: bool, line: String) {
+    if !bar.is_hidden() {
+        bar.println(line);
+    } else if show {
+        println!("{line}");
+    }
 }

@@ -347,21 +347,31 @@ pub fn render(d: &StatusDoc) -> String {
         );
     }
     if !d.transitions.is_empty() {
+        s += "\n";
+        s += &transitions_table(&d.transitions);
+    }
+    s
+}
+
+/// The transitions as a table: epoch, step, world, batch, idle time, lost steps, state
+/// copied, cause.
+pub fn transitions_table(transitions: &[TransitionDoc]) -> String {
+    let mut s = format!(
+        "{:<6} {:>6} {:>5} {:>6} {:>9} {:>5} {:>9}  {}\n",
+        "EPOCH", "STEP", "WORLD", "BATCH", "IDLE(ms)", "LOST", "COPIED", "CAUSE"
+    );
+    for t in transitions {
         s += &format!(
-            "\n{:<6} {:>6} {:>5} {:>8} {:>5}  {}\n",
-            "EPOCH", "STEP", "WORLD", "IDLE(ms)", "LOST", "CAUSE"
+            "{:<6} {:>6} {:>5} {:>6} {:>9} {:>5} {:>9}  {}\n",
+            t.epoch,
+            t.step,
+            t.world,
+            t.global_batch,
+            t.idle_ms.map_or("-".into(), |v| v.to_string()),
+            t.lost_steps.map_or("-".into(), |v| v.to_string()),
+            if t.fetched_bytes > 0 { format!("{:.1} MB", t.fetched_bytes as f64 / 1e6) } else { "-".into() },
+            t.cause
         );
-        for t in &d.transitions {
-            s += &format!(
-                "{:<6} {:>6} {:>5} {:>8} {:>5}  {}\n",
-                t.epoch,
-                t.step,
-                t.world,
-                t.idle_ms.map_or("-".into(), |v| v.to_string()),
-                t.lost_steps.map_or("-".into(), |v| v.to_string()),
-                t.cause
-            );
-        }
     }
     s
 }
@@ -419,7 +429,8 @@ pub fn status(a: StatusArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn propose(cluster: &str, addrs: &[String], cmd: Command) -> anyhow::Result<String> {
+/// Proposes `cmd` through the first node that answers; what the state machine said.
+pub async fn propose(cluster: &str, addrs: &[String], cmd: Command) -> anyhow::Result<String> {
     let (mut c, _) = connect_any(cluster, addrs).await?;
     let (index, detail) = c.propose(&cmd, Duration::from_secs(5)).await?;
     Ok(format!("{detail} (log index {index})"))
