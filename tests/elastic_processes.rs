@@ -14,12 +14,14 @@ fn exe() -> &'static Path {
 }
 
 fn scenario(dir: &Path, nodes: usize, model: &str, steps: u64, script: &str) -> Value {
-    scenario_with(dir, nodes, model, steps, script, "fixed-global")
+    scenario_with(dir, nodes, model, steps, script, &["--policy", "fixed-global"])
 }
 
-fn scenario_with(dir: &Path, nodes: usize, model: &str, steps: u64, script: &str, policy: &str) -> Value {
+fn scenario_with(dir: &Path, nodes: usize, model: &str, steps: u64, script: &str, extra: &[&str]) -> Value {
     let out = Command::new(exe())
-        .args(["scenario", "--json", "--policy", policy, "--dir"])
+        .args(["scenario", "--json"])
+        .args(extra)
+        .arg("--dir")
         .arg(dir)
         .args(["--nodes", &nodes.to_string(), "--model", model, "--data", "digits"])
         .args(["--steps", &steps.to_string(), "--batch", "64", "--script", script, "--timeout", "300"])
@@ -185,7 +187,14 @@ fn limpetd_validate_accepts_a_good_file_and_names_the_bad_key() {
 fn the_linear_policy_rescales_batch_and_learning_rate_with_the_world() {
     let tmp = tempfile::tempdir().unwrap();
     // Three founders declared the batch (64 at world 3); a notice shrinks the world to 2.
-    let summary = scenario_with(&tmp.path().join("linear"), 3, "mlp", 3000, "0.2:notice:node-2:20", "linear");
+    let summary = scenario_with(
+        &tmp.path().join("linear"),
+        3,
+        "mlp",
+        3000,
+        "0.2:notice:node-2:20",
+        &["--policy", "linear"],
+    );
     assert_eq!(summary["steps_applied_twice"], 0, "{summary:#}");
     assert_eq!(summary["steps_logged"], 3000, "{summary:#}");
     let first = &summary["transitions"][0];
@@ -195,4 +204,39 @@ fn the_linear_policy_rescales_batch_and_learning_rate_with_the_world() {
     assert_eq!(after["global_batch"], 44, "{after}");
     assert!((after["lr_scale"].as_f64().unwrap() - 2.0 / 3.0).abs() < 1e-9, "{after}");
     assert!(summary["test_accuracy"].as_f64().unwrap() > 0.9, "{summary:#}");
+}
+
+#[test]
+fn with_too_few_nodes_training_pauses_and_resumes_when_a_node_joins() {
+    let tmp = tempfile::tempdir().unwrap();
+    // At least 3 nodes: killing one of 3 leaves 2, so training waits for the newcomer.
+    let summary = scenario_with(
+        &tmp.path().join("pause"),
+        3,
+        "mlp",
+        2000,
+        "0.3:kill:node-3,0.3:join",
+        &["--min-nodes", "3"],
+    );
+    assert_eq!(summary["steps_applied_twice"], 0, "{summary:#}");
+    assert_eq!(summary["steps_logged"], 2000, "{summary:#}");
+    let t = summary["transitions"].as_array().unwrap();
+    assert!(t.iter().all(|t| t["world"].as_u64().unwrap() >= 3), "an epoch below the minimum: {summary:#}");
+    let resumed = transition(&summary, "join of node 4");
+    assert_eq!(resumed["world"], 3, "{resumed}");
+    assert!(resumed["cause"].as_str().unwrap().contains("failure of node 3"), "{resumed}");
+}
+
+#[test]
+fn adascale_raises_the_learning_rate_by_its_measured_gain_when_the_world_grows() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Two founders declared the batch (64 at world 2); a third node joins: scale S = 1.5.
+    let summary =
+        scenario_with(&tmp.path().join("adascale"), 2, "mlp", 3000, "0.3:join", &["--policy", "adascale"]);
+    assert_eq!(summary["steps_logged"], 3000, "{summary:#}");
+    let joined = transition(&summary, "join of node 3");
+    assert_eq!(joined["global_batch"], 96, "{joined}");
+    // The gain (σ² + μ²)/(σ²/S + μ²) lies in [1, S], and above 1 when gradients are noisy.
+    let gain = joined["lr_scale"].as_f64().unwrap();
+    assert!(gain > 1.0 && gain <= 1.5, "AdaScale gain {gain}: {joined}");
 }

@@ -80,6 +80,10 @@ pub struct AgentReport {
     pub broken: Option<Broken>,
     /// Newest transitions, oldest first.
     pub transitions: Vec<Transition>,
+    /// Smoothed gradient statistics of its epoch (per-sample variance σ², squared norm of
+    /// the mean μ²), for AdaScale; absent with one rank.
+    #[serde(default)]
+    pub grad_stats: Option<(f64, f64)>,
 }
 
 /// A collective failure the agent is waiting to be resolved.
@@ -139,6 +143,7 @@ mod tests {
             step_time_ms: 4.5,
             samples_per_s: 1000.0,
             broken: Some(Broken { epoch: 3, since_ms: 10, suspect: Some(2), error: "closed".into() }),
+            grad_stats: Some((2.0, 0.5)),
             transitions: vec![Transition {
                 epoch: 3,
                 step: 100,

@@ -235,6 +235,7 @@ impl Agent {
             samples_per_s: 0.0,
             broken: None,
             transitions: Vec::new(),
+            grad_stats: None,
         }));
         let beat_now = Arc::new(Notify::new());
         let mut tasks = Vec::new();
@@ -276,6 +277,7 @@ impl Agent {
             rt: tokio::runtime::Handle::current(),
             finished: false,
             pending: None,
+            grad_stats: None,
         };
         let trainer = std::thread::Builder::new().name("limpet-trainer".into()).spawn(move || {
             let r = looper.run();
@@ -541,7 +543,7 @@ fn plan_commands(
         now_ms: now_ms(),
         progress: &progress,
         step_time_ms,
-        grad_stats: None,
+        grad_stats: current_grad_stats(st, reports, timeout_ms),
         rebuild,
     };
     let decision = controller::decide(&view, &ccfg);
@@ -572,6 +574,21 @@ fn plan_commands(
     commands
 }
 
+/// Gradient statistics reported by a live rank of the current epoch (all ranks compute the
+/// same values).
+fn current_grad_stats(
+    st: &ClusterState,
+    reports: &BTreeMap<NodeId, (u64, AgentReport)>,
+    timeout_ms: u64,
+) -> Option<crate::policy::GradientStats> {
+    let cur = st.current.as_ref()?;
+    cur.ranks.iter().find_map(|r| {
+        let (age, rep) = reports.get(r)?;
+        let (variance, mean_sq) = rep.grad_stats.filter(|_| *age <= timeout_ms && rep.epoch == cur.id)?;
+        Some(crate::policy::GradientStats { variance, mean_sq })
+    })
+}
+
 /// The trainer thread's state.
 struct TrainLoop {
     cfg: Arc<AgentConfig>,
@@ -592,6 +609,8 @@ struct TrainLoop {
     finished: bool,
     /// The next epoch's ring connections, made ahead of its boundary.
     pending: Option<Pending>,
+    /// Smoothed (σ², μ²) of the current epoch.
+    grad_stats: Option<(f64, f64)>,
 }
 
 /// Ring connections of an epoch not entered yet.
@@ -748,8 +767,10 @@ impl TrainLoop {
             s.push('\n');
             f.write_all(s.as_bytes()).map_err(|e| format!("writing the step log: {e}"))?;
         }
+        self.observe_gradients(&stats, world);
         {
             let mut p = self.progress.lock().expect("progress lock");
+            p.grad_stats = self.grad_stats;
             p.loss = Some(stats.loss);
             p.samples_per_s = stats.samples as f64 / (self.step_time_ms / 1e3).max(1e-9);
         }
@@ -821,6 +842,31 @@ impl TrainLoop {
             p.left =
                 self.endpoint.accept_until(n.ranks[l], n.id, Channel::Ring, Instant::now(), &|| false).ok();
         }
+    }
+
+    /// Updates the gradient statistics AdaScale needs from a step's reduced values. Each
+    /// rank's mean gradient over b samples has E|m_i|² = μ² + σ²/b, the global mean over
+    /// N = W b samples has E|g|² = μ² + σ²/N; the two give unbiased estimates of σ² and μ²
+    /// (as AdaScale's and KungFu's implementations do). Every rank computes the same values
+    /// from the same reduced buffer.
+    fn observe_gradients(&mut self, stats: &limpet_trainer::StepStats, world: usize) {
+        if world < 2 || stats.samples < world {
+            self.grad_stats = None;
+            return;
+        }
+        let (n, w) = (stats.samples as f64, world as f64);
+        let b = n / w;
+        let global = stats.grad_norm * stats.grad_norm;
+        let per_rank = stats.rank_mean_sq_sum / w;
+        let variance = ((per_rank - global) / (1.0 / b - 1.0 / n)).max(0.0);
+        let mean_sq = (global - variance / n).max(0.0);
+        if !(variance.is_finite() && mean_sq.is_finite()) {
+            return;
+        }
+        self.grad_stats = Some(match self.grad_stats {
+            Some((v, m)) => (0.9 * v + 0.1 * variance, 0.9 * m + 0.1 * mean_sq),
+            None => (variance, mean_sq),
+        });
     }
 
     /// Enters epoch `n`: forms its group, agrees on one state and switches to it.

@@ -56,6 +56,9 @@ pub struct ScenarioArgs {
     /// Batch / learning-rate policy: fixed-global, linear, sqrt, adascale.
     #[arg(long, default_value = "fixed-global")]
     pub policy: String,
+    /// Fewest nodes training continues with.
+    #[arg(long, default_value_t = 1)]
+    pub min_nodes: usize,
     /// Events as FRACTION:ACTION[:NODE[:SECS]], comma-separated; actions: notice, join,
     /// kill, drain, term (SIGTERM); NODE may be `leader`. Example: 0.2:notice:node-2:20,0.5:join,0.7:kill:leader
     #[arg(long, default_value = "")]
@@ -102,6 +105,7 @@ pub fn scenario(a: ScenarioArgs) -> anyhow::Result<()> {
         steps: a.steps,
         global_batch: a.batch,
         policy: a.policy.clone(),
+        min_nodes: a.min_nodes,
         ..LocalJob::default()
     };
     let summary = run_scenario(&a.dir, a.nodes, job, &script, Duration::from_secs(a.timeout), !a.json)?;

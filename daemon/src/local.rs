@@ -30,6 +30,8 @@ pub struct LocalJob {
     pub policy: String,
     /// Seed.
     pub seed: u64,
+    /// Fewest nodes training continues with (fewer: it pauses until enough are back).
+    pub min_nodes: usize,
 }
 
 impl Default for LocalJob {
@@ -43,6 +45,7 @@ impl Default for LocalJob {
             lr: None,
             policy: "fixed-global".into(),
             seed: 0,
+            min_nodes: 1,
         }
     }
 }
@@ -146,7 +149,9 @@ impl LocalCluster {
         std::fs::write(dir.join("secret"), secret).context("writing the cluster secret")?;
         let mut c = LocalCluster {
             dir: dir.to_path_buf(),
-            file: ClusterFile { cluster: "local".into(), nodes: Vec::new() },
+            // A name of its own: two local clusters on one machine (parallel tests) must never
+            // take each other's raft traffic for their own if a port is reused.
+            file: ClusterFile { cluster: format!("local-{:08x}", rand::random::<u32>()), nodes: Vec::new() },
             job,
             exe: std::env::current_exe()?,
             limpetd: limpetd_path()?,
@@ -193,7 +198,7 @@ impl LocalCluster {
             self.dir.join("secret").display().to_string(),
             step_log.display().to_string(),
         );
-        text += "[cluster]\nname = \"local\"\nmin_nodes = 1\n";
+        text += &format!("[cluster]\nname = {:?}\nmin_nodes = {}\n", self.file.cluster, self.job.min_nodes);
         if founder {
             text += &format!(
                 "bootstrap = [{}]\n",

@@ -2,7 +2,8 @@
 //!
 //! A step is three calls so that the network can sit in the middle:
 //! [`Trainer::compute_grads`] sums per-sample gradients of this rank's share (accumulating over
-//! micro-batches) into one flat buffer with the loss sum and sample count at its end; a
+//! micro-batches) into one flat buffer with the loss sum, the sample count and the squared
+//! norm of its own mean gradient (for AdaScale's variance estimate) at its end; a
 //! [`Reduce`] sums the buffers of all ranks elementwise; [`Trainer::apply_update`] divides by
 //! the global sample count, clips, and steps the optimizer. Every rank that reduces the same
 //! buffers applies the same update.
@@ -49,6 +50,9 @@ pub struct StepStats {
     pub grad_norm: f64,
     /// Samples in the global batch.
     pub samples: usize,
+    /// Sum over ranks of the squared norm of each rank's own mean gradient: with the global
+    /// mean's norm it estimates the per-sample gradient variance (AdaScale).
+    pub rank_mean_sq_sum: f64,
 }
 
 /// Held-out metrics.
@@ -195,9 +199,9 @@ impl Trainer {
     }
 
     /// Length of the flat buffer [`Trainer::compute_grads`] fills: every parameter element,
-    /// then the loss sum and the sample count.
+    /// then the loss sum, the sample count and the squared norm of this rank's mean gradient.
     pub fn buffer_len(&self) -> usize {
-        self.model.num_elements() + 2
+        self.model.num_elements() + 3
     }
 
     /// Computes this rank's share of the current step: the sum over its samples of the
@@ -231,8 +235,11 @@ impl Trainer {
             }
             offset += n;
         }
+        let count = (positions.end - positions.start) as f64;
+        let sq: f64 = buf[..offset].iter().map(|&g| f64::from(g) * f64::from(g)).sum();
         buf[offset] = loss_sum as f32;
-        buf[offset + 1] = (positions.end - positions.start) as f32;
+        buf[offset + 1] = count as f32;
+        buf[offset + 2] = if count > 0.0 { (sq / (count * count)) as f32 } else { 0.0 };
         Ok(buf)
     }
 
@@ -240,13 +247,14 @@ impl Trainer {
     /// [`Trainer::compute_grads`] output) and advances to the next step.
     pub fn apply_update(&mut self, reduced: &mut [f32]) -> Result<StepStats, TrainerError> {
         let n = self.model.num_elements();
-        if reduced.len() != n + 2 {
+        if reduced.len() != n + 3 {
             return Err(TrainerError::Reduce(format!(
                 "buffer has {} values, expected {}",
                 reduced.len(),
-                n + 2
+                n + 3
             )));
         }
+        let rank_mean_sq_sum = f64::from(reduced[n + 2]);
         let samples = reduced[n + 1];
         if samples.round() as usize != self.plan.global_batch {
             return Err(TrainerError::Reduce(format!(
@@ -263,7 +271,8 @@ impl Trainer {
             self.job.optimizer.lr() * self.job.schedule.factor(self.step, self.job.steps) * self.lr_scale;
         let g = Tensor::from_slice(grad);
         self.optim.apply(self.model.params(), &g, lr, self.step + 1);
-        let stats = StepStats { step: self.step, loss, lr, grad_norm, samples: samples as usize };
+        let stats =
+            StepStats { step: self.step, loss, lr, grad_norm, samples: samples as usize, rank_mean_sq_sum };
         self.next_step_seed();
         self.step += 1;
         self.cursor += self.plan.global_batch as u64;
