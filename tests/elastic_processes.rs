@@ -240,3 +240,20 @@ fn adascale_raises_the_learning_rate_by_its_measured_gain_when_the_world_grows()
     let gain = joined["lr_scale"].as_f64().unwrap();
     assert!(gain > 1.0 && gain <= 1.5, "AdaScale gain {gain}: {joined}");
 }
+
+#[test]
+fn cluster_commands_name_what_is_wrong() {
+    let run = |args: &[&str]| Command::new(exe()).args(args).output().unwrap();
+    let cases: [(&[&str], &str); 4] = [
+        (&["status"], "--dir DIR or --addr"),
+        (&["revoke", "node-1", "--dir", "/nonexistent"], "/nonexistent/cluster.json"),
+        (&["revoke", "node-1", "--addr", "127.0.0.1:1"], "--in SECS"),
+        (&["scenario", "--dir", "/tmp/never", "--script", "0.5:explode"], "\"explode\" is not notice"),
+    ];
+    for (args, want) in cases {
+        let out = run(args);
+        assert_eq!(out.status.code(), Some(64), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}

@@ -150,9 +150,10 @@ pub fn parse_script(text: &str) -> anyhow::Result<Vec<(f64, Action)>> {
             Some("drain") => Action::Drain { node: node(2)? },
             Some("term") => Action::Term { node: node(2)? },
             other => {
+                let other = other.unwrap_or("");
                 return Err(bad(format!(
                     "{item:?}: action {other:?} is not notice, join, kill, drain or term"
-                )))
+                )));
             }
         };
         out.push((frac, action));

@@ -88,10 +88,12 @@ impl ClusterFile {
     /// Reads `dir/cluster.json`.
     pub fn load(dir: &Path) -> anyhow::Result<ClusterFile> {
         let path = dir.join("cluster.json");
-        let text = std::fs::read(&path)
-            .with_context(|| format!("{} (is a local cluster up there?)", path.display()))?;
-        serde_json::from_slice(&text)
-            .with_context(|| format!("{} is not a cluster description", path.display()))
+        let text = std::fs::read(&path).map_err(|e| {
+            crate::UsageError(format!("{}: {e} (is a local cluster up there?)", path.display()))
+        })?;
+        serde_json::from_slice(&text).map_err(|e| {
+            crate::UsageError(format!("{} is not a cluster description: {e}", path.display())).into()
+        })
     }
 
     /// Control addresses of every node, for clients.
