@@ -143,8 +143,12 @@ pub struct JobSection {
     /// Seed.
     #[serde(default)]
     pub seed: u64,
+    /// `adamw` (default) or `sgd` (momentum 0.9).
+    pub optimizer: Option<String>,
     /// Peak learning rate (the model's default when absent).
     pub lr: Option<f64>,
+    /// Weight decay (the model's default when absent).
+    pub weight_decay: Option<f64>,
     /// World size the batch and learning rate were tuned for (the policies scale from it;
     /// default: the number of founders).
     pub base_world: Option<u64>,
@@ -308,6 +312,16 @@ impl Config {
                 return err("[revocation].sources", format!("{s:?} is not one of aws, gcp, azure"));
             }
         }
+        if let Some(o) = &self.job.optimizer {
+            if !["adamw", "sgd"].contains(&o.as_str()) {
+                return err("[job].optimizer", format!("{o:?} is not one of adamw, sgd"));
+            }
+        }
+        if let Some(wd) = self.job.weight_decay {
+            if !(wd.is_finite() && wd >= 0.0) {
+                return err("[job].weight_decay", format!("{wd} is not a non-negative number"));
+            }
+        }
         if let Some(lr) = self.job.lr {
             if !(lr.is_finite() && lr > 0.0) {
                 return err("[job].lr", format!("{lr} is not a positive number"));
@@ -409,6 +423,11 @@ aws_endpoint = "http://127.0.0.1:9000"
             (good.replace("control = ", "contorl = "), "unknown field `contorl`"),
             (good.replace("127.0.0.1:7401", "127.0.0.1:99999"), "[node].data"),
             (good.replace("\"mlp\"", "\"resnet\""), "[job].model"),
+            (good.replace("global_batch = 64", "global_batch = 64\noptimizer = \"lion\""), "[job].optimizer"),
+            (
+                good.replace("global_batch = 64", "global_batch = 64\nweight_decay = -1.0"),
+                "[job].weight_decay",
+            ),
             (good.replace("sources = [\"aws\"]", "sources = [\"oracle\"]"), "[revocation].sources"),
             (good.replace("steps = 400", "steps = \"many\""), "line"),
             (good.replace("[\"1=127.0.0.1:7400\"]", "[\"one=127.0.0.1:7400\"]"), "[cluster].bootstrap"),

@@ -198,15 +198,15 @@ pub fn job_spec(cfg: &Config) -> anyhow::Result<JobSpec> {
     job.global_batch = j.global_batch as usize;
     job.micro_batch = j.micro_batch.unwrap_or(j.global_batch) as usize;
     job.seed = j.seed;
+    if let Some(o) = &j.optimizer {
+        let (lr, wd) = (job.optimizer.lr(), job.optimizer.weight_decay());
+        job.optimizer = if o == "sgd" { OptimizerSpec::sgd(lr, wd) } else { OptimizerSpec::adamw(lr, wd) };
+    }
     if let Some(lr) = j.lr {
-        job.optimizer = match job.optimizer {
-            OptimizerSpec::Sgd { momentum, weight_decay, .. } => {
-                OptimizerSpec::Sgd { lr, momentum, weight_decay }
-            }
-            OptimizerSpec::Adamw { beta1, beta2, eps, weight_decay, .. } => {
-                OptimizerSpec::Adamw { lr, beta1, beta2, eps, weight_decay }
-            }
-        };
+        job.optimizer.set_lr(lr);
+    }
+    if let Some(wd) = j.weight_decay {
+        job.optimizer.set_weight_decay(wd);
     }
     job.validate(&data)?;
     Ok(job)

@@ -51,6 +51,15 @@ impl OptimizerSpec {
         }
     }
 
+    /// The weight decay.
+    pub fn weight_decay(&self) -> f64 {
+        match self {
+            OptimizerSpec::Sgd { weight_decay, .. } | OptimizerSpec::Adamw { weight_decay, .. } => {
+                *weight_decay
+            }
+        }
+    }
+
     /// Sets the peak learning rate.
     pub fn set_lr(&mut self, value: f64) {
         match self {
