@@ -911,14 +911,13 @@ impl TrainLoop {
         let mut all = vec![0f32; mine.len() * n.ranks.len()];
         group.allgather(&mine, &mut all, ENTRY_STEP).map_err(|e| e.to_string())?;
         let ranks: Vec<(u64, [u8; 32])> = all.chunks(mine.len()).map(decode_entry).collect();
-        let top = ranks.iter().map(|r| r.0).max().unwrap_or(0);
-        let src = ranks.iter().position(|r| r.0 == top).expect("some rank is at the top");
-        let mine_at = ranks[group.rank()];
+        let (src, action) = entry_plan(&ranks, group.rank());
+        let top = ranks[src].0;
         let mut fetched_bytes = 0;
         let mut fetch_ms = 0;
         let mut repaired = false;
-        if mine_at != ranks[src] {
-            repaired = mine_at.0 == top;
+        if action != Entry::Keep {
+            repaired = action == Entry::Repair;
             if repaired {
                 tracing::warn!(
                     epoch = n.id,
@@ -979,6 +978,32 @@ impl TrainLoop {
     }
 }
 
+/// What a rank does with its state when it enters an epoch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Entry {
+    /// It holds the source's state.
+    Keep,
+    /// It is behind (or new): copy the source's state.
+    CatchUp,
+    /// It is at the source's step with another state (divergence): copy and report.
+    Repair,
+}
+
+/// From every rank's (step, content hash) in rank order: the source (the first rank at the
+/// highest step) and what rank `me` must do.
+fn entry_plan(ranks: &[(u64, [u8; 32])], me: usize) -> (usize, Entry) {
+    let top = ranks.iter().map(|r| r.0).max().unwrap_or(0);
+    let src = ranks.iter().position(|r| r.0 == top).unwrap_or(0);
+    let action = if ranks[me] == ranks[src] {
+        Entry::Keep
+    } else if ranks[me].0 == top {
+        Entry::Repair
+    } else {
+        Entry::CatchUp
+    };
+    (src, action)
+}
+
 /// The peer a data-plane error names, if any.
 fn suspect_of(e: &DataPlaneError) -> Option<NodeId> {
     match e {
@@ -1015,6 +1040,24 @@ fn decode_entry(w: &[f32]) -> (u64, [u8; 32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn entry_plan_picks_the_first_rank_at_the_top_and_repairs_divergence() {
+        let (a, b) = ([1u8; 32], [2u8; 32]);
+        // Everyone equal: nobody copies; rank 0 is the source.
+        let same = [(7, a), (7, a), (7, a)];
+        assert!((0..3).all(|r| entry_plan(&same, r) == (0, Entry::Keep)));
+        // A laggard (it did not apply the step in flight) and a newcomer at step 0 catch up
+        // from the first rank at the top.
+        let mixed = [(6, b), (7, a), (0, b), (7, a)];
+        assert_eq!(entry_plan(&mixed, 0), (1, Entry::CatchUp));
+        assert_eq!(entry_plan(&mixed, 1), (1, Entry::Keep));
+        assert_eq!(entry_plan(&mixed, 2), (1, Entry::CatchUp));
+        assert_eq!(entry_plan(&mixed, 3), (1, Entry::Keep));
+        // Same step, other state: copy and report.
+        let diverged = [(7, a), (7, b)];
+        assert_eq!(entry_plan(&diverged, 1), (0, Entry::Repair));
+    }
 
     #[test]
     fn entry_words_round_trip() {
