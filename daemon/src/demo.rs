@@ -60,7 +60,8 @@ pub struct ScenarioArgs {
     #[arg(long, default_value_t = 1)]
     pub min_nodes: usize,
     /// Events as FRACTION:ACTION[:NODE[:SECS]], comma-separated; actions: notice, join,
-    /// kill, drain, term (SIGTERM); NODE may be `leader`. Example: 0.2:notice:node-2:20,0.5:join,0.7:kill:leader
+    /// kill, drain, term (SIGTERM); NODE may be `leader` or `follower` (a rank of the
+    /// current epoch that does not lead). Example: 0.2:notice:node-2:20,0.5:join,0.7:kill:leader
     #[arg(long, default_value = "")]
     pub script: String,
     /// Give up after this many seconds.
@@ -343,10 +344,18 @@ pub fn run_scenario(
     Ok(summary)
 }
 
-/// Replaces `leader` in an action by the leader's name now.
+/// Replaces `leader` in an action by the leader's name now, and `follower` by the first rank
+/// of the current epoch that does not lead.
 fn resolve(action: &Action, doc: &StatusDoc) -> Action {
-    let leader = || doc.leader.clone().unwrap_or_default();
-    let pick = |n: &String| if n == "leader" { leader() } else { n.clone() };
+    let leader = doc.leader.clone().unwrap_or_default();
+    let follower = || {
+        doc.epoch.as_ref().and_then(|e| e.ranks.iter().find(|r| **r != leader).cloned()).unwrap_or_default()
+    };
+    let pick = |n: &String| match n.as_str() {
+        "leader" => leader.clone(),
+        "follower" => follower(),
+        _ => n.clone(),
+    };
     match action {
         Action::Notice { node, in_secs } => Action::Notice { node: pick(node), in_secs: *in_secs },
         Action::Kill { node } => Action::Kill { node: pick(node) },
