@@ -41,7 +41,11 @@ fn scenario_with(dir: &Path, nodes: usize, model: &str, steps: u64, script: &str
         s
     };
     assert!(out.status.success(), "scenario failed: {}\n{}", String::from_utf8_lossy(&out.stderr), logs());
-    serde_json::from_slice(&out.stdout).unwrap()
+    let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
+    // Every run: each step logged, none applied twice in the surviving lineage.
+    assert_eq!(summary["steps_applied_twice"], 0, "{summary:#}");
+    assert_eq!(summary["steps_logged"], steps, "{summary:#}");
+    summary
 }
 
 fn transition<'a>(summary: &'a Value, cause: &str) -> &'a Value {
@@ -97,8 +101,6 @@ fn an_elastic_run_with_a_notice_a_join_and_a_kill_matches_one_uninterrupted_proc
         steps,
         "0.1:notice:node-2:20,0.3:join,0.7:kill:node-3",
     );
-    assert_eq!(summary["steps_applied_twice"], 0, "{summary:#}");
-    assert_eq!(summary["steps_logged"], steps, "{summary:#}");
     // With notice: no step lost, the others barely wait.
     let notice = transition(&summary, "notice for node 2");
     assert_eq!(notice["lost_steps"], 0, "{notice}");
@@ -141,8 +143,6 @@ fn the_leaders_own_host_revoked_with_notice_then_killed_and_a_sigterm_drains() {
         3000,
         "0.1:notice:leader:20,0.4:kill:leader,0.7:term:follower",
     );
-    assert_eq!(summary["steps_applied_twice"], 0, "{summary:#}");
-    assert_eq!(summary["steps_logged"], 3000, "{summary:#}");
     let t = summary["transitions"].as_array().unwrap();
     assert!(t.len() >= 3, "{summary:#}");
     assert!(t.iter().any(|t| t["cause"].as_str().unwrap().contains("notice for node")), "{summary:#}");
@@ -195,8 +195,6 @@ fn the_linear_policy_rescales_batch_and_learning_rate_with_the_world() {
         "0.2:notice:node-2:20",
         &["--policy", "linear"],
     );
-    assert_eq!(summary["steps_applied_twice"], 0, "{summary:#}");
-    assert_eq!(summary["steps_logged"], 3000, "{summary:#}");
     let first = &summary["transitions"][0];
     assert_eq!(first["global_batch"], 66, "per-rank 22 (64/3 rounded up) x 3: {first}");
     assert_eq!(first["lr_scale"], 1.0, "{first}");
@@ -218,8 +216,6 @@ fn with_too_few_nodes_training_pauses_and_resumes_when_a_node_joins() {
         "0.3:kill:node-3,0.3:join",
         &["--min-nodes", "3"],
     );
-    assert_eq!(summary["steps_applied_twice"], 0, "{summary:#}");
-    assert_eq!(summary["steps_logged"], 2000, "{summary:#}");
     let t = summary["transitions"].as_array().unwrap();
     assert!(t.iter().all(|t| t["world"].as_u64().unwrap() >= 3), "an epoch below the minimum: {summary:#}");
     let resumed = transition(&summary, "join of node 4");
@@ -233,7 +229,6 @@ fn adascale_raises_the_learning_rate_by_its_measured_gain_when_the_world_grows()
     // Two founders declared the batch (64 at world 2); a third node joins: scale S = 1.5.
     let summary =
         scenario_with(&tmp.path().join("adascale"), 2, "mlp", 3000, "0.3:join", &["--policy", "adascale"]);
-    assert_eq!(summary["steps_logged"], 3000, "{summary:#}");
     let joined = transition(&summary, "join of node 3");
     assert_eq!(joined["global_batch"], 96, "{joined}");
     // The gain (σ² + μ²)/(σ²/S + μ²) lies in [1, S], and above 1 when gradients are noisy.
