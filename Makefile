@@ -68,6 +68,7 @@ bench: build
 	$(LIMPET) bench elastic --model gpt --steps 3000
 
 demo: build
+	rm -rf $(DEMO_DIR)
 	$(LIMPET) demo --dir $(DEMO_DIR)
 
 clean:
