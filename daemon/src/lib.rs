@@ -57,3 +57,27 @@ pub fn init_tracing() {
         .with_writer(std::io::stderr)
         .try_init();
 }
+
+/// A binary's `main`: parses its arguments (clap's errors exit with [`EXIT_USAGE`], help and
+/// version with 0), runs it, and maps an error to its exit status after printing it as
+/// `NAME: error: cause`.
+pub fn main_with<C: clap::Parser>(
+    name: &str,
+    run: impl FnOnce(C) -> anyhow::Result<()>,
+) -> std::process::ExitCode {
+    let cli = match C::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let code = if e.use_stderr() { EXIT_USAGE } else { 0 };
+            let _ = e.print();
+            return std::process::ExitCode::from(code);
+        }
+    };
+    match run(cli) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{name}: {e:#}");
+            std::process::ExitCode::from(exit_code(&e))
+        }
+    }
+}
