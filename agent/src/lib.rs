@@ -8,6 +8,7 @@
 pub mod controller;
 pub mod dataplane;
 pub mod fake_metadata;
+pub mod planner;
 pub mod policy;
 pub mod report;
 pub mod revocation;

@@ -23,6 +23,9 @@ pub enum Command {
     /// Run one rank of a data-plane group (benchmarks and multi-process tests start these;
     /// the cluster secret comes from LIMPET_DP_SECRET).
     DpWorker(crate::dp_cmd::DpWorkerArgs),
+    /// Choose a data x pipeline layout for a model and a set of hosts: profiles the model's
+    /// blocks here, then prints the chosen layout, its predicted step time and the runners-up.
+    Plan(crate::plan_cmd::PlanArgs),
     /// Measure a part of limpet on this machine.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -130,9 +133,10 @@ pub enum OptimizerArg {
     Sgd,
 }
 
-/// `limpet train`: job flags are optional so that `--resume` can tell which ones were given.
-#[derive(Debug, Args)]
-pub struct TrainArgs {
+/// The job flags `limpet train` and `limpet plan` share. Optional so that `--resume` can
+/// tell which ones were given.
+#[derive(Debug, Clone, Args)]
+pub struct JobArgs {
     /// Model family [default: mlp].
     #[arg(long, value_enum)]
     pub model: Option<ModelArg>,
@@ -172,6 +176,17 @@ pub struct TrainArgs {
     /// Context length in bytes for --data chars.
     #[arg(long)]
     pub context: Option<usize>,
+    /// Transformer blocks of --model gpt [default: 2].
+    #[arg(long)]
+    pub layers: Option<usize>,
+}
+
+/// `limpet train`.
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    /// The job.
+    #[command(flatten)]
+    pub job: JobArgs,
     /// Directory for checkpoint.safetensors, steps.jsonl and loss.svg [default: --resume DIR].
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
@@ -199,6 +214,7 @@ pub struct TrainArgs {
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Train(args) => crate::train_cmd::run(args),
+        Command::Plan(args) => crate::plan_cmd::run(args),
         Command::RaftNode(args) => crate::raft_cmd::run_node(args),
         Command::Bench(BenchCommand::Raft(args)) => crate::raft_cmd::bench(args),
         Command::DpWorker(args) => crate::dp_cmd::run_worker(args),

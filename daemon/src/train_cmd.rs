@@ -1,7 +1,7 @@
 //! `limpet train`: one-process training with a progress bar, a step log, a loss plot and a
 //! final report; `--resume` continues a checkpointed job bit-exactly.
 
-use crate::cli::{DataArg, ModelArg, OptimizerArg, TrainArgs};
+use crate::cli::{DataArg, JobArgs, ModelArg, OptimizerArg, TrainArgs};
 use crate::UsageError;
 use anyhow::Context;
 use clap::ValueEnum;
@@ -158,6 +158,12 @@ fn keep_log_before(path: &Path, step: u64) -> anyhow::Result<std::fs::File> {
 
 fn fresh(args: &TrainArgs) -> anyhow::Result<(Trainer, PathBuf)> {
     let out = args.out.clone().ok_or_else(|| usage("--out DIR is required (or --resume DIR)"))?;
+    let (job, data) = job_from_flags(&args.job)?;
+    Ok((Trainer::try_new(job, data)?, out))
+}
+
+/// The job the flags describe, on its loaded data.
+pub(crate) fn job_from_flags(args: &JobArgs) -> anyhow::Result<(JobSpec, Dataset)> {
     let model = args.model.unwrap_or(ModelArg::Mlp);
     let kind = match model {
         ModelArg::Mlp => ModelKind::Mlp,
@@ -181,7 +187,7 @@ fn fresh(args: &TrainArgs) -> anyhow::Result<(Trainer, PathBuf)> {
     let data = Dataset::load(&spec, args.data_path.as_deref())?;
     let mut job = JobSpec::defaults_for(kind, &data)?;
     apply_flags(&mut job, args)?;
-    Ok((Trainer::try_new(job, data)?, out))
+    Ok((job, data))
 }
 
 fn resume(args: &TrainArgs, dir: &Path) -> anyhow::Result<(Trainer, PathBuf)> {
@@ -193,20 +199,20 @@ fn resume(args: &TrainArgs, dir: &Path) -> anyhow::Result<(Trainer, PathBuf)> {
         limpet_trainer::TrainerError::Mismatch(format!("job spec in {} is unreadable: {e}", path.display()))
     })?;
     let mut wanted = job.clone();
-    apply_flags(&mut wanted, args)?;
+    apply_flags(&mut wanted, &args.job)?;
     if let Some(d) = job.diff(&wanted) {
         return Err(usage(format!(
             "flags change the checkpointed job ({d}, checkpoint vs flags); a resumed job keeps its spec"
         )));
     }
-    let data = Dataset::load(&job.data, args.data_path.as_deref())?;
+    let data = Dataset::load(&job.data, args.job.data_path.as_deref())?;
     let trainer =
         Trainer::from_image(&image, data, None).with_context(|| format!("checkpoint {}", path.display()))?;
     Ok((trainer, args.out.clone().unwrap_or_else(|| dir.to_path_buf())))
 }
 
 /// Overlays the job flags that were given on `job`, checking each against its flag name.
-fn apply_flags(job: &mut JobSpec, a: &TrainArgs) -> anyhow::Result<()> {
+fn apply_flags(job: &mut JobSpec, a: &JobArgs) -> anyhow::Result<()> {
     let positive =
         |name: &str, v: u64| if v == 0 { Err(usage(format!("{name} must be at least 1"))) } else { Ok(()) };
     if let Some(m) = a.model {
@@ -274,6 +280,13 @@ fn apply_flags(job: &mut JobSpec, a: &TrainArgs) -> anyhow::Result<()> {
     }
     if let Some(s) = a.seed {
         job.seed = s;
+    }
+    if let Some(l) = a.layers {
+        match &mut job.model {
+            limpet_trainer::model::ModelSpec::Gpt { layers, .. } if l > 0 => *layers = l,
+            limpet_trainer::model::ModelSpec::Gpt { .. } => return Err(usage("--layers must be at least 1")),
+            _ => return Err(usage("--layers applies only to --model gpt")),
+        }
     }
     Ok(())
 }

@@ -145,3 +145,51 @@ fn missing_data_file_names_the_path() {
         "/nonexistent/digits.csv.gz",
     );
 }
+
+#[test]
+fn plan_profiles_the_model_and_respects_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = dir.path().join("profile.json");
+    let common = ["plan", "--model", "gpt", "--layers", "2", "--batch", "16", "--reps", "1"];
+    let common = [&common[..], &["--link-gbps", "1", "--latency-ms", "0.05", "--json"]].concat();
+    let r = ok_json(&[&common[..], &["--hosts", "4", "--save-profile", s(&profile)]].concat());
+    assert_eq!(r["input"]["profile"]["blocks"].as_array().unwrap().len(), 4, "{r}");
+    let best = &r["report"]["best"];
+    let stages = best["layout"]["stages"].as_array().unwrap();
+    assert_eq!(stages.first().unwrap()["start"], 0);
+    assert_eq!(stages.last().unwrap()["end"], 4);
+    // Hosts too small for the whole model's weights, gradients and optimizer state force a
+    // pipeline, whatever the micro-batch.
+    let blocks = r["input"]["profile"]["blocks"].as_array().unwrap();
+    let fixed: u64 = blocks
+        .iter()
+        .map(|b| 2 * b["param_bytes"].as_u64().unwrap() + b["optim_bytes"].as_u64().unwrap())
+        .sum();
+    let one_sample = |b: &serde_json::Value| b["saved_bytes"].as_u64().unwrap() / 16;
+    let all_activations: u64 = blocks.iter().map(one_sample).sum();
+    let largest = blocks.iter().map(one_sample).max().unwrap();
+    // Room for every weight but not for every activation of even one sample: an unsplit
+    // model does not fit.
+    assert!(largest < all_activations);
+    let need = fixed + largest;
+    let hosts = format!("4x1.0:{need}");
+    let split = ok_json(&[&common[..], &["--profile", s(&profile), "--hosts", &hosts]].concat());
+    let best = &split["report"]["best"];
+    assert!(best["layout"]["stages"].as_array().unwrap().len() >= 2, "{best}");
+    for st in best["stages"].as_array().unwrap() {
+        assert!(st["mem_bytes"].as_u64().unwrap() <= need, "{best}");
+    }
+    // A forced layout is predicted, not searched.
+    let forced = ok_json(
+        &[&common[..], &["--profile", s(&profile), "--hosts", "2", "--layout", "0..1@h0|1..4@h1"]].concat(),
+    );
+    assert_eq!(forced["forced"]["layout"]["stages"][1]["start"], 1);
+    fails(
+        &[&common[..], &["--profile", s(&profile), "--hosts", "4x1.0:100K"]].concat(),
+        1,
+        "even the largest block alone needs",
+    );
+    fails(&["plan", "--hosts", "2xfast"], 64, "speed \"fast\"");
+    fails(&["plan", "--hosts", "2", "--layout", "0..9@h0"], 64, "--layout");
+    fails(&["plan", "--model", "mlp", "--layers", "3"], 64, "--layers applies only to --model gpt");
+}

@@ -18,6 +18,8 @@ mod error;
 mod job;
 pub mod model;
 pub mod optim;
+pub mod pipeline;
+pub mod profile;
 mod run;
 pub mod sampler;
 mod train;

@@ -137,6 +137,12 @@ impl Schedule {
 /// Computed in f64 over the reduced buffer, so every rank clips identically.
 pub fn clip_global_norm(grad: &mut [f32], max_norm: Option<f64>) -> f64 {
     let norm = grad.iter().map(|g| f64::from(*g) * f64::from(*g)).sum::<f64>().sqrt();
+    clip_to_norm(grad, norm, max_norm)
+}
+
+/// Scales `grad`, a part of a gradient whose whole norm is `norm` (a pipeline stage's
+/// slice), as [`clip_global_norm`] scales the whole; returns `norm`.
+pub fn clip_to_norm(grad: &mut [f32], norm: f64, max_norm: Option<f64>) -> f64 {
     if let Some(max) = max_norm {
         if norm > max {
             let s = (max / (norm + 1e-6)) as f32;

@@ -11,13 +11,15 @@
 use crate::data::Dataset;
 use crate::job::JobSpec;
 use crate::model::Model;
-use crate::optim::{clip_global_norm, Optimizer};
+use crate::optim::{clip_global_norm, clip_to_norm, Optimizer};
+use crate::pipeline::{Activation, StageLink, StagePosition, StageReducers};
 use crate::sampler::{BatchPlan, Sampler};
 use crate::TrainerError;
 use limpet_snapshot::{Dtype, RawTensor, RngState, StateImage};
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
+use std::ops::Range;
 use tch::{Kind, Tensor};
 
 /// Sums gradient buffers across ranks, in place. Implementations must leave every rank with
@@ -85,8 +87,16 @@ pub struct Trainer {
 impl Trainer {
     /// A fresh trainer at step 0, initialized from the job's seed.
     pub fn try_new(job: JobSpec, data: Dataset) -> Result<Self, TrainerError> {
+        let blocks = 0..job.model.num_blocks();
+        Self::for_stage(job, data, blocks)
+    }
+
+    /// A fresh trainer of blocks `blocks` of the job's model: one pipeline stage. Its state
+    /// (and image) holds only those blocks' parameters and optimizer slots, with the names
+    /// and initial values they have in the whole model.
+    pub fn for_stage(job: JobSpec, data: Dataset, blocks: Range<usize>) -> Result<Self, TrainerError> {
         job.validate(&data)?;
-        let model = Model::new(&job.model, job.seed)?;
+        let model = Model::with_blocks(&job.model, blocks, job.seed)?;
         let optim = Optimizer::new(&job.optimizer, model.params());
         let plan = BatchPlan::try_new(job.global_batch, job.micro_batch)?;
         let sampler = Sampler::new(job.seed, data.train.len());
@@ -224,23 +234,7 @@ impl Trainer {
             loss.f_backward()?;
             loss_sum += loss.double_value(&[]);
         }
-        let mut buf = vec![0f32; self.buffer_len()];
-        let mut offset = 0;
-        for (_, p) in self.model.params() {
-            let n = p.numel();
-            let mut g = p.grad();
-            if g.defined() {
-                g.f_copy_data(&mut buf[offset..offset + n], n)?;
-                let _ = g.zero_();
-            }
-            offset += n;
-        }
-        let count = (positions.end - positions.start) as f64;
-        let sq: f64 = buf[..offset].iter().map(|&g| f64::from(g) * f64::from(g)).sum();
-        buf[offset] = loss_sum as f32;
-        buf[offset + 1] = count as f32;
-        buf[offset + 2] = if count > 0.0 { (sq / (count * count)) as f32 } else { 0.0 };
-        Ok(buf)
+        self.flat_grads(loss_sum, (positions.end - positions.start) as f64)
     }
 
     /// Applies the update from a reduced buffer (the sum of every rank's
@@ -267,16 +261,147 @@ impl Trainer {
         let inv = 1.0 / samples;
         grad.iter_mut().for_each(|g| *g *= inv);
         let grad_norm = clip_global_norm(grad, self.job.clip_norm);
+        Ok(self.apply_clipped(grad, loss, grad_norm, samples as usize, rank_mean_sq_sum))
+    }
+
+    /// Steps the optimizer with an averaged, clipped gradient and advances to the next step.
+    fn apply_clipped(
+        &mut self,
+        grad: &[f32],
+        loss: f64,
+        grad_norm: f64,
+        samples: usize,
+        rank_mean_sq_sum: f64,
+    ) -> StepStats {
         let lr =
             self.job.optimizer.lr() * self.job.schedule.factor(self.step, self.job.steps) * self.lr_scale;
         let g = Tensor::from_slice(grad);
         self.optim.apply(self.model.params(), &g, lr, self.step + 1);
-        let stats =
-            StepStats { step: self.step, loss, lr, grad_norm, samples: samples as usize, rank_mean_sq_sum };
+        let stats = StepStats { step: self.step, loss, lr, grad_norm, samples, rank_mean_sq_sum };
         self.next_step_seed();
         self.step += 1;
         self.cursor += self.plan.global_batch as u64;
-        Ok(stats)
+        stats
+    }
+
+    /// One step of this trainer's pipeline stage at `pos`: its replica's share of the
+    /// global batch in micro-batches on a 1F1B schedule, activations and their gradients
+    /// through `link`, gradients summed over the stage's replicas and the norm, loss and
+    /// AdaScale statistic over the replica's stages (see [`crate::pipeline`]).
+    pub fn pipeline_step(
+        &mut self,
+        pos: StagePosition,
+        link: &mut dyn StageLink,
+        reduce: StageReducers<'_>,
+    ) -> Result<StepStats, TrainerError> {
+        let blocks = self.model.blocks();
+        let (first, last) = (blocks.start == 0, blocks.end == self.job.model.num_blocks());
+        if pos.stage >= pos.stages
+            || pos.replica >= pos.replicas
+            || first != pos.is_first()
+            || last != pos.is_last()
+        {
+            return Err(TrainerError::Config(format!(
+                "blocks {blocks:?} of {} cannot be stage {} of {}",
+                self.job.model.num_blocks(),
+                pos.stage,
+                pos.stages
+            )));
+        }
+        let step = self.step;
+        let share = self.plan.share(pos.replica, pos.replicas);
+        let positions = self.cursor + share.start as u64..self.cursor + share.end as u64;
+        let micros: Vec<Range<u64>> = self.plan.micro_batches(positions.clone()).collect();
+        let step_seed = self.peek_step_seed();
+        // Per micro-batch between its forward and backward: the stage's input (whose
+        // gradient goes back) and its output (or, on the last stage, the loss).
+        let mut held: Vec<Option<(Tensor, Tensor)>> = (0..micros.len()).map(|_| None).collect();
+        let mut loss_sum = 0.0;
+        for (forward, k) in pos.schedule(micros.len()) {
+            if forward {
+                let mb = micros[k].clone();
+                if self.model.is_stochastic() {
+                    self.model
+                        .seed_dropout(step_seed ^ mb.start.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ k as u64);
+                }
+                let idx = if first || last { self.sampler.indices(mb) } else { Vec::new() };
+                let input = if first {
+                    self.data.train.batch(&idx).0
+                } else {
+                    link.recv_activation(step, k)?.to_tensor()?.set_requires_grad(true)
+                };
+                let out = self.model.forward_t(&input, true);
+                if last {
+                    let (_, y) = self.data.train.batch(&idx);
+                    let loss = self.model.loss_sum(&out, &y);
+                    loss_sum += loss.double_value(&[]);
+                    held[k] = Some((input, loss));
+                } else {
+                    link.send_activation(step, k, &Activation::from_tensor(&out)?)?;
+                    held[k] = Some((input, out));
+                }
+            } else {
+                let (input, out) = held[k].take().expect("the schedule runs a forward before its backward");
+                if last {
+                    out.f_backward()?;
+                } else {
+                    let g = link.recv_gradient(step, k)?.to_tensor()?;
+                    if g.size() != out.size() {
+                        return Err(TrainerError::Reduce(format!(
+                            "step {step} micro-batch {k}: gradient of shape {:?} for an output of shape {:?}",
+                            g.size(),
+                            out.size()
+                        )));
+                    }
+                    (&out * &g).sum(Kind::Float).f_backward()?;
+                }
+                if !first {
+                    link.send_gradient(step, k, &Activation::from_tensor(&input.grad())?)?;
+                }
+            }
+        }
+        let mut buf = self.flat_grads(loss_sum, (positions.end - positions.start) as f64)?;
+        reduce.replicas.allreduce_sum(&mut buf, step)?;
+        let n = self.model.num_elements();
+        let samples = buf[n + 1];
+        if samples.round() as usize != self.plan.global_batch {
+            return Err(TrainerError::Reduce(format!(
+                "reduced sample count {samples} is not the global batch {}: a replica's share is missing or doubled",
+                self.plan.global_batch
+            )));
+        }
+        let grad = &mut buf[..n];
+        let inv = 1.0 / samples;
+        grad.iter_mut().for_each(|g| *g *= inv);
+        let stage_sq: f64 = grad.iter().map(|&g| f64::from(g) * f64::from(g)).sum();
+        let mut scalars = [stage_sq as f32, buf[n], buf[n + 2]];
+        reduce.stages.allreduce_sum(&mut scalars, step)?;
+        let norm = f64::from(scalars[0]).sqrt();
+        let grad = &mut buf[..n];
+        clip_to_norm(grad, norm, self.job.clip_norm);
+        let loss = f64::from(scalars[1]) / f64::from(samples);
+        Ok(self.apply_clipped(&buf[..n], loss, norm, samples as usize, f64::from(scalars[2])))
+    }
+
+    /// The flat buffer of this rank's summed gradients (zeroing them), then the loss sum,
+    /// the sample count and the squared norm of the mean gradient.
+    fn flat_grads(&mut self, loss_sum: f64, count: f64) -> Result<Vec<f32>, TrainerError> {
+        let mut buf = vec![0f32; self.buffer_len()];
+        let mut offset = 0;
+        for (_, p) in self.model.params() {
+            let n = p.numel();
+            let mut g = p.grad();
+            if g.defined() {
+                g.f_copy_data(&mut buf[offset..offset + n], n)?;
+                let _ = g.zero_();
+            }
+            offset += n;
+        }
+        let sq: f64 = buf[..offset].iter().map(|&g| f64::from(g) * f64::from(g)).sum();
+        buf[offset] = loss_sum as f32;
+        buf[offset + 1] = count as f32;
+        buf[offset + 2] = if count > 0.0 { (sq / (count * count)) as f32 } else { 0.0 };
+        Ok(buf)
     }
 
     /// One whole step: compute this rank's share, reduce, apply.

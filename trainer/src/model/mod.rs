@@ -133,6 +133,44 @@ impl ModelSpec {
         }
     }
 
+    /// Bytes block `i`'s backward pass keeps per sample: the inputs of its matrix products
+    /// and the outputs of its nonlinearities, counted from the architecture (libtorch's CPU
+    /// allocator does not report what autograd holds). The planner's memory estimate.
+    pub fn saved_bytes_per_sample(&self, i: usize) -> u64 {
+        let floats = match self {
+            ModelSpec::Mlp { inputs, hidden, classes } => {
+                let fan_in = if i == 0 { *inputs } else { hidden[i - 1] };
+                let out = hidden.get(i).unwrap_or(classes);
+                fan_in + 2 * out
+            }
+            ModelSpec::Convnet { height, width, channels, hidden, classes } => {
+                let px = height * width;
+                if i < channels.len() {
+                    let cin = if i == 0 { 1 } else { channels[i - 1] };
+                    let pool = if i + 1 == channels.len() { channels[i] * px / 4 } else { 0 };
+                    cin * px + 2 * channels[i] * px + pool
+                } else if i == channels.len() {
+                    channels.last().copied().unwrap_or(0) * px / 4 + 2 * hidden
+                } else {
+                    hidden + 2 * classes
+                }
+            }
+            ModelSpec::Gpt { vocab, context, width, layers, heads, .. } => {
+                let (t, d) = (*context, *width);
+                if i == 0 {
+                    t * d + t
+                } else if i <= *layers {
+                    // ln1, qkv, scores and probabilities, attention output, projection,
+                    // residual, ln2, fc and gelu (4d each), output.
+                    t * (19 * d + 2 * heads * t)
+                } else {
+                    t * (2 * d + 2 * vocab)
+                }
+            }
+        };
+        floats as u64 * 4
+    }
+
     /// True when the model predicts every position of a sequence (per-sample loss is a mean
     /// over positions).
     fn is_sequence(&self) -> bool {
@@ -286,6 +324,22 @@ impl Model {
     /// Restarts the stochastic layers' generator at `seed`.
     pub fn seed_dropout(&self, seed: u64) {
         *self.dropout_rng.lock().expect("dropout generator lock") = ChaCha8Rng::seed_from_u64(seed);
+    }
+
+    /// Runs block `i` (an index into the whole model; it must be one this model holds).
+    pub fn block_forward(&self, i: usize, xs: &Tensor, train: bool) -> Tensor {
+        assert!(self.blocks.contains(&i), "block {i} is not among {:?}", self.blocks);
+        self.layers[i - self.blocks.start].forward_t(xs, train)
+    }
+
+    /// Parameters of block `i`, sorted by name.
+    pub fn block_params(&self, i: usize) -> Vec<(String, Tensor)> {
+        let prefix = format!("b{i:02}.");
+        self.params
+            .iter()
+            .filter(|(n, _)| n.starts_with(&prefix))
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect()
     }
 
     /// Runs the blocks in order.

@@ -1,0 +1,849 @@
+//! The pipeline planner: which data x pipeline layout a set of hosts should train a model in.
+//! Pure: it takes a profile of the model's blocks, the hosts (speed and memory) and the link,
+//! and returns the layout with the lowest predicted step time, with its runners-up. Nothing
+//! here measures or talks to anyone; the profiler lives in the trainer and the controller
+//! calls [`plan`] when the hosts change.
+//!
+//! # Cost model
+//!
+//! A layout has `D` data-parallel replicas of a `P`-stage pipeline. Every replica uses the
+//! same block cuts, so the `D` copies of a stage can sum their gradients with one allreduce.
+//! Each replica trains its share of the global batch in `m` micro-batches on a 1F1B schedule.
+//! For stage `s` on a host of relative speed `v`:
+//!
+//! - `c_s` = (forward + backward time of its blocks) / `v` + sending its output activation
+//!   forward and its input gradient back, each `bytes / bandwidth + latency`;
+//! - `tail_s` = ring allreduce of its gradients among the `D` replicas
+//!   (`2 (D-1)/D x bytes / bandwidth + 2 (D-1) x latency`) + its optimizer step / `v`;
+//! - memory = parameters + gradients + optimizer slots + the activations it keeps for
+//!   backward, `min(m, P - s)` micro-batches of them under 1F1B.
+//!
+//! The step time is `sum_s c_s + (m - 1) max_s c_s + max_s tail_s`: filling and draining the
+//! pipeline costs one pass through every stage, and the steady state runs at the pace of the
+//! slowest stage (PipeDream, GPipe, Hydrozoa use the same form). Synchronous replicas of a
+//! stage run at the pace of the slowest, so hosts are grouped by speed: sorted fastest
+//! first, every run of `D` consecutive hosts is one *group*, and a stage is held by one group
+//! (its replica `r` on the group's `r`-th host). Hosts left over after `floor(H / D)` groups
+//! are spares.
+//!
+//! # Search
+//!
+//! For every `(D, P)`, a dynamic program over (blocks placed, groups used) extends a partial
+//! pipeline by one stage at a time: the next contiguous block range on an unused group. The
+//! step time is not a sum over stages (it has two maxima), so each DP cell keeps the Pareto
+//! front of (sum of `c`, max `c`, max `tail`); the front is exact, and [`exhaustive`] (every
+//! cut, every ordered choice of groups) confirms it in the tests.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// What one block of the model costs, measured on a host of speed 1 for one micro-batch.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BlockCost {
+    /// Forward time, ms.
+    pub fwd_ms: f64,
+    /// Backward time, ms.
+    pub bwd_ms: f64,
+    /// The part of `fwd_ms` that does not shrink with the micro-batch (per-call overhead).
+    #[serde(default)]
+    pub fixed_fwd_ms: f64,
+    /// The part of `bwd_ms` that does not shrink with the micro-batch.
+    #[serde(default)]
+    pub fixed_bwd_ms: f64,
+    /// Optimizer step over the block's parameters, ms (once per step, not per micro-batch).
+    pub apply_ms: f64,
+    /// Bytes of the block's output for one micro-batch (what a stage boundary sends).
+    pub out_bytes: u64,
+    /// Bytes the block keeps for its backward pass, per micro-batch.
+    pub saved_bytes: u64,
+    /// Bytes of its parameters.
+    pub param_bytes: u64,
+    /// Bytes of its optimizer state.
+    pub optim_bytes: u64,
+}
+
+/// A model's per-block costs at one micro-batch size.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelProfile {
+    /// What was profiled (for people reading a plan).
+    pub model: String,
+    /// Samples per micro-batch the costs are for.
+    pub micro_batch: usize,
+    /// The blocks, in model order.
+    pub blocks: Vec<BlockCost>,
+}
+
+/// One host the planner may use.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostSpec {
+    /// Its name (a node name in a cluster).
+    pub name: String,
+    /// Compute speed relative to the profiled host (2.0 = twice as fast).
+    pub speed: f64,
+    /// Memory training may use, bytes.
+    pub mem_bytes: u64,
+}
+
+/// The network between hosts (one figure for every pair).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Link {
+    /// Bytes per second one connection carries.
+    pub bytes_per_s: f64,
+    /// One-way latency, ms.
+    pub latency_ms: f64,
+}
+
+/// Everything a plan depends on.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlanInput {
+    /// The model's block costs.
+    pub profile: ModelProfile,
+    /// Available hosts.
+    pub hosts: Vec<HostSpec>,
+    /// The network.
+    pub link: Link,
+    /// Samples per optimizer step over all replicas.
+    pub global_batch: usize,
+    /// Deepest pipeline to consider (None: as many stages as blocks).
+    pub max_depth: Option<usize>,
+}
+
+/// One pipeline stage of a layout: a block range and the host of each replica.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StageLayout {
+    /// First block.
+    pub start: usize,
+    /// One past the last block.
+    pub end: usize,
+    /// Host of replica `r` of this stage, for every replica.
+    pub hosts: Vec<String>,
+}
+
+/// A data x pipeline layout.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Layout {
+    /// Data-parallel replicas.
+    pub data: usize,
+    /// Samples per micro-batch (0: as large as the profile's micro-batch allows).
+    pub micro_batch: usize,
+    /// Stages in pipeline order.
+    pub stages: Vec<StageLayout>,
+}
+
+impl Layout {
+    /// Pipeline depth.
+    pub fn pipeline(&self) -> usize {
+        self.stages.len()
+    }
+
+    /// The block cuts: where each stage after the first starts.
+    pub fn cuts(&self) -> Vec<usize> {
+        self.stages.iter().skip(1).map(|s| s.start).collect()
+    }
+}
+
+impl std::str::FromStr for Layout {
+    type Err = PlanError;
+
+    /// Parses `START..END@HOST[,HOST...]` stages joined by `|`, in pipeline order, optionally
+    /// followed by `;micro=N`; every stage names one host per data-parallel replica, e.g.
+    /// `0..2@a,b|2..4@c,d;micro=8` (2 x 2, micro-batches of 8).
+    fn from_str(s: &str) -> Result<Self, PlanError> {
+        let bad = |m: String| PlanError::Layout(m);
+        let (s, micro_batch) = match s.split_once(';') {
+            Some((l, m)) => {
+                let n = m
+                    .trim()
+                    .strip_prefix("micro=")
+                    .and_then(|n| n.parse::<usize>().ok())
+                    .filter(|&n| n > 0)
+                    .ok_or_else(|| bad(format!("{m:?} is not micro=N with N at least 1")))?;
+                (l, n)
+            }
+            None => (s, 0),
+        };
+        let mut stages = Vec::new();
+        for (i, part) in s.split('|').enumerate() {
+            let (range, hosts) = part
+                .split_once('@')
+                .ok_or_else(|| bad(format!("stage {i} ({part:?}) is not START..END@HOST[,HOST...]")))?;
+            let (a, b) = range
+                .split_once("..")
+                .ok_or_else(|| bad(format!("stage {i}: block range {range:?} is not START..END")))?;
+            let num = |v: &str| {
+                v.trim().parse::<usize>().map_err(|_| bad(format!("stage {i}: {v:?} is not a block number")))
+            };
+            let hosts: Vec<String> = hosts.split(',').map(|h| h.trim().to_string()).collect();
+            if hosts.iter().any(String::is_empty) {
+                return Err(bad(format!("stage {i}: an empty host name in {part:?}")));
+            }
+            stages.push(StageLayout { start: num(a)?, end: num(b)?, hosts });
+        }
+        let data = stages[0].hosts.len();
+        if let Some((i, s)) = stages.iter().enumerate().find(|(_, s)| s.hosts.len() != data) {
+            return Err(bad(format!("stage {i} names {} hosts but stage 0 names {data}", s.hosts.len())));
+        }
+        Ok(Layout { data, micro_batch, stages })
+    }
+}
+
+impl Layout {
+    /// The `START..END@HOST,...|...` form [`Layout::from_str`] reads.
+    pub fn spec(&self) -> String {
+        let stages = self
+            .stages
+            .iter()
+            .map(|s| format!("{}..{}@{}", s.start, s.end, s.hosts.join(",")))
+            .collect::<Vec<_>>();
+        match self.micro_batch {
+            0 => stages.join("|"),
+            n => format!("{};micro={n}", stages.join("|")),
+        }
+    }
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}x{} ", self.data, self.pipeline())?;
+        if self.micro_batch > 0 {
+            write!(f, "micro {}: ", self.micro_batch)?;
+        }
+        for (i, s) in self.stages.iter().enumerate() {
+            if i > 0 {
+                write!(f, " | ")?;
+            }
+            write!(f, "blocks {}..{} on {}", s.start, s.end, s.hosts.join(","))?;
+        }
+        Ok(())
+    }
+}
+
+/// Predicted cost of one stage.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StagePrediction {
+    /// Forward + backward + boundary traffic per micro-batch, ms.
+    pub micro_ms: f64,
+    /// Gradient allreduce among replicas plus the optimizer step, ms.
+    pub tail_ms: f64,
+    /// Peak memory on each of its hosts, bytes.
+    pub mem_bytes: u64,
+}
+
+/// A layout with its predicted step time.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    /// The layout.
+    pub layout: Layout,
+    /// Micro-batches per replica per step.
+    pub micro_batches: usize,
+    /// Predicted time of one optimizer step, ms.
+    pub step_ms: f64,
+    /// Per stage.
+    pub stages: Vec<StagePrediction>,
+}
+
+/// The planner's answer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanReport {
+    /// The chosen layout.
+    pub best: Plan,
+    /// The best layout of every other (data, pipeline) shape that fits, fastest first.
+    pub runners_up: Vec<Plan>,
+    /// Why the best one won.
+    pub reason: String,
+}
+
+/// Why no plan (or no prediction) could be made.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PlanError {
+    /// The input itself is unusable.
+    #[error("plan input: {0}")]
+    Input(String),
+    /// A forced layout does not fit the model or the hosts.
+    #[error("layout: {0}")]
+    Layout(String),
+    /// No layout fits the hosts' memory.
+    #[error("no layout fits: {0}")]
+    NoFit(String),
+}
+
+/// Groups larger than this many per shape are not searched (the DP is exponential in groups).
+pub const MAX_GROUPS: usize = 12;
+
+impl PlanInput {
+    fn validate(&self) -> Result<(), PlanError> {
+        let bad = |m: String| Err(PlanError::Input(m));
+        if self.profile.blocks.is_empty() {
+            return bad("the profile has no blocks".into());
+        }
+        if self.profile.micro_batch == 0 {
+            return bad("the profile's micro_batch is 0".into());
+        }
+        if self.global_batch == 0 {
+            return bad("global_batch is 0".into());
+        }
+        if self.hosts.is_empty() {
+            return bad("no hosts".into());
+        }
+        for (i, b) in self.profile.blocks.iter().enumerate() {
+            for (what, v) in [("fwd_ms", b.fwd_ms), ("bwd_ms", b.bwd_ms), ("apply_ms", b.apply_ms)] {
+                if !(v.is_finite() && v >= 0.0) {
+                    return bad(format!("block {i}: {what} is {v}"));
+                }
+            }
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for h in &self.hosts {
+            if !(h.speed.is_finite() && h.speed > 0.0) {
+                return bad(format!("host '{}': speed {} is not a positive number", h.name, h.speed));
+            }
+            if !names.insert(h.name.as_str()) {
+                return bad(format!("host '{}' is listed twice", h.name));
+            }
+        }
+        if !(self.link.bytes_per_s.is_finite() && self.link.bytes_per_s > 0.0) {
+            return bad(format!("link bandwidth {} is not a positive number", self.link.bytes_per_s));
+        }
+        if !(self.link.latency_ms.is_finite() && self.link.latency_ms >= 0.0) {
+            return bad(format!("link latency {} is not a non-negative number", self.link.latency_ms));
+        }
+        Ok(())
+    }
+
+    /// Samples of the busiest replica among `d`.
+    fn share(&self, d: usize) -> usize {
+        self.global_batch.div_ceil(d)
+    }
+
+    /// The (micro-batch size, micro-batches per step) choices for `d` replicas: the profile's
+    /// micro-batch (the largest a host may compute at once), halvings of it down to an eighth
+    /// (which fill a pipeline better at the price of more per-call overhead), and single
+    /// samples (the least activation memory).
+    fn micro_choices(&self, d: usize) -> Vec<(usize, usize)> {
+        let share = self.share(d);
+        let mut out: Vec<(usize, usize)> = Vec::new();
+        for div in [1, 2, 4, 8, usize::MAX] {
+            let mb = (self.profile.micro_batch / div).clamp(1, share);
+            let m = share.div_ceil(mb);
+            if !out.iter().any(|&(_, k)| k == m) {
+                out.push((share.div_ceil(m), m));
+            }
+        }
+        out
+    }
+
+    fn transfer_ms(&self, bytes: u64) -> f64 {
+        bytes as f64 / self.link.bytes_per_s * 1e3 + self.link.latency_ms
+    }
+
+    /// Cost of blocks `a..b` as stage `s` of `p`, on hosts of speed `speed`, with `d` replicas
+    /// and `m` micro-batches of `n` samples. Times are affine in `n` (the fixed part is per
+    /// call), bytes linear.
+    #[allow(clippy::too_many_arguments)]
+    fn stage_cost(
+        &self,
+        (a, b): (usize, usize),
+        s: usize,
+        p: usize,
+        d: usize,
+        (n, m): (usize, usize),
+        speed: f64,
+    ) -> StagePrediction {
+        let blocks = &self.profile.blocks[a..b];
+        let frac = n as f64 / self.profile.micro_batch as f64;
+        let scaled = |full: f64, fixed: f64| fixed.min(full) + (full - fixed.min(full)) * frac;
+        let bytes = |v: u64| (v as f64 * frac).ceil() as u64;
+        let compute: f64 = blocks
+            .iter()
+            .map(|c| scaled(c.fwd_ms, c.fixed_fwd_ms) + scaled(c.bwd_ms, c.fixed_bwd_ms))
+            .sum::<f64>()
+            / speed;
+        let mut micro_ms = compute;
+        if s > 0 {
+            // This stage sends the gradient of its input back.
+            micro_ms += self.transfer_ms(bytes(self.profile.blocks[a - 1].out_bytes));
+        }
+        if s + 1 < p {
+            micro_ms += self.transfer_ms(bytes(blocks[blocks.len() - 1].out_bytes));
+        }
+        let params: u64 = blocks.iter().map(|c| c.param_bytes).sum();
+        let optim: u64 = blocks.iter().map(|c| c.optim_bytes).sum();
+        let saved: u64 = blocks.iter().map(|c| bytes(c.saved_bytes)).sum();
+        let allreduce = if d > 1 {
+            2.0 * (d - 1) as f64 / d as f64 * params as f64 / self.link.bytes_per_s * 1e3
+                + 2.0 * (d - 1) as f64 * self.link.latency_ms
+        } else {
+            0.0
+        };
+        let apply: f64 = blocks.iter().map(|c| c.apply_ms).sum::<f64>() / speed;
+        let in_flight = m.min(p - s) as u64;
+        StagePrediction {
+            micro_ms,
+            tail_ms: allreduce + apply,
+            mem_bytes: 2 * params + optim + saved * in_flight,
+        }
+    }
+}
+
+/// A speed-sorted run of `d` hosts that holds one stage's replicas.
+#[derive(Clone, Debug)]
+struct Group {
+    hosts: Vec<String>,
+    speed: f64,
+    mem: u64,
+}
+
+fn groups(hosts: &[HostSpec], d: usize) -> Vec<Group> {
+    let mut sorted: Vec<&HostSpec> = hosts.iter().collect();
+    sorted.sort_by(|a, b| {
+        b.speed.total_cmp(&a.speed).then(b.mem_bytes.cmp(&a.mem_bytes)).then(a.name.cmp(&b.name))
+    });
+    sorted
+        .chunks_exact(d)
+        .take(MAX_GROUPS)
+        .map(|c| Group {
+            hosts: c.iter().map(|h| h.name.clone()).collect(),
+            speed: c.iter().map(|h| h.speed).fold(f64::INFINITY, f64::min),
+            mem: c.iter().map(|h| h.mem_bytes).min().unwrap_or(0),
+        })
+        .collect()
+}
+
+fn step_ms(stages: &[StagePrediction], m: usize) -> f64 {
+    let sum: f64 = stages.iter().map(|s| s.micro_ms).sum();
+    let max = stages.iter().map(|s| s.micro_ms).fold(0.0, f64::max);
+    let tail = stages.iter().map(|s| s.tail_ms).fold(0.0, f64::max);
+    sum + (m as f64 - 1.0) * max + tail
+}
+
+/// Predicts the step time of a given layout (a forced one, or one to compare against).
+pub fn predict(input: &PlanInput, layout: &Layout) -> Result<Plan, PlanError> {
+    input.validate()?;
+    let bad = |m: String| Err(PlanError::Layout(m));
+    let nb = input.profile.blocks.len();
+    let (d, p) = (layout.data, layout.pipeline());
+    if d == 0 || p == 0 {
+        return bad(format!("{d}x{p} has no ranks"));
+    }
+    let mut next = 0;
+    let mut used = std::collections::BTreeSet::new();
+    let share = input.share(d);
+    let n = match layout.micro_batch {
+        0 => share.div_ceil(share.div_ceil(input.profile.micro_batch)),
+        n => n.min(share),
+    };
+    let m = share.div_ceil(n);
+    let mut stages = Vec::new();
+    for (s, st) in layout.stages.iter().enumerate() {
+        if st.start != next || st.end <= st.start {
+            return bad(format!(
+                "stage {s} holds blocks {}..{}; it must start at block {next} and hold at least one",
+                st.start, st.end
+            ));
+        }
+        if st.end > nb {
+            return bad(format!("stage {s} holds blocks {}..{} but the model has {nb}", st.start, st.end));
+        }
+        if st.hosts.len() != d {
+            return bad(format!("stage {s} names {} hosts for {d} replicas", st.hosts.len()));
+        }
+        let mut speed = f64::INFINITY;
+        let mut mem = u64::MAX;
+        for h in &st.hosts {
+            let Some(spec) = input.hosts.iter().find(|x| &x.name == h) else {
+                return bad(format!("stage {s}: host '{h}' is not among the hosts"));
+            };
+            if !used.insert(h.clone()) {
+                return bad(format!("host '{h}' holds two stage replicas"));
+            }
+            speed = speed.min(spec.speed);
+            mem = mem.min(spec.mem_bytes);
+        }
+        let cost = input.stage_cost((st.start, st.end), s, p, d, (n, m), speed);
+        if cost.mem_bytes > mem {
+            return bad(format!(
+                "stage {s} (blocks {}..{}) needs {} bytes, its smallest host has {mem}",
+                st.start, st.end, cost.mem_bytes
+            ));
+        }
+        stages.push(cost);
+        next = st.end;
+    }
+    if next != nb {
+        return bad(format!("the stages cover blocks 0..{next} of {nb}"));
+    }
+    let layout = Layout { micro_batch: n, ..layout.clone() };
+    Ok(Plan { layout, micro_batches: m, step_ms: step_ms(&stages, m), stages })
+}
+
+/// A Pareto point of the DP: a partial pipeline and its cost coordinates.
+#[derive(Clone)]
+struct Partial {
+    sum: f64,
+    max: f64,
+    tail: f64,
+    /// (end block, group) per stage so far.
+    path: Vec<(usize, usize)>,
+}
+
+impl Partial {
+    fn dominated_by(&self, o: &Partial) -> bool {
+        o.sum <= self.sum && o.max <= self.max && o.tail <= self.tail
+    }
+}
+
+fn push_pareto(front: &mut Vec<Partial>, cand: Partial) {
+    if front.iter().any(|f| cand.dominated_by(f)) {
+        return;
+    }
+    front.retain(|f| !f.dominated_by(&cand));
+    front.push(cand);
+}
+
+fn build_plan(input: &PlanInput, gs: &[Group], d: usize, n: usize, path: &[(usize, usize)]) -> Plan {
+    let mut start = 0;
+    let stages = path
+        .iter()
+        .map(|&(end, g)| {
+            let st = StageLayout { start, end, hosts: gs[g].hosts.clone() };
+            start = end;
+            st
+        })
+        .collect();
+    predict(input, &Layout { data: d, micro_batch: n, stages }).expect("the search builds valid layouts")
+}
+
+/// The best layout with `d` replicas and `p` stages, by dynamic programming (once per
+/// micro-batch choice).
+fn best_for_shape(input: &PlanInput, d: usize, p: usize) -> Option<Plan> {
+    let gs = groups(&input.hosts, d);
+    if p > gs.len() || p > input.profile.blocks.len() || d > input.global_batch {
+        return None;
+    }
+    input
+        .micro_choices(d)
+        .into_iter()
+        .filter_map(|nm| best_for_micro(input, &gs, d, p, nm))
+        .min_by(|a, b| a.step_ms.total_cmp(&b.step_ms))
+}
+
+fn best_for_micro(
+    input: &PlanInput,
+    gs: &[Group],
+    d: usize,
+    p: usize,
+    (n, m): (usize, usize),
+) -> Option<Plan> {
+    let nb = input.profile.blocks.len();
+    let k = gs.len();
+    // front[i][mask]: partial pipelines placing blocks 0..i on the groups in mask.
+    let mut front: Vec<Vec<Vec<Partial>>> = vec![vec![Vec::new(); 1 << k]; nb + 1];
+    front[0][0].push(Partial { sum: 0.0, max: 0.0, tail: 0.0, path: Vec::new() });
+    for i in 0..nb {
+        for mask in 0..(1usize << k) {
+            let s = mask.count_ones() as usize;
+            if s >= p || front[i][mask].is_empty() {
+                continue;
+            }
+            let cur = std::mem::take(&mut front[i][mask]);
+            // The last stage must take every remaining block; earlier ones leave at least one
+            // block per remaining stage.
+            let ends: Vec<usize> = if s + 1 == p { vec![nb] } else { (i + 1..=nb - (p - s - 1)).collect() };
+            for (g, group) in gs.iter().enumerate() {
+                if mask & (1 << g) != 0 {
+                    continue;
+                }
+                for &j in &ends {
+                    let c = input.stage_cost((i, j), s, p, d, (n, m), group.speed);
+                    if c.mem_bytes > group.mem {
+                        continue;
+                    }
+                    for part in &cur {
+                        let mut path = part.path.clone();
+                        path.push((j, g));
+                        push_pareto(
+                            &mut front[j][mask | (1 << g)],
+                            Partial {
+                                sum: part.sum + c.micro_ms,
+                                max: part.max.max(c.micro_ms),
+                                tail: part.tail.max(c.tail_ms),
+                                path,
+                            },
+                        );
+                    }
+                }
+            }
+            front[i][mask] = cur;
+        }
+    }
+    let mut best: Option<(f64, &Partial)> = None;
+    for (mask, parts) in front[nb].iter().enumerate() {
+        if mask.count_ones() as usize != p {
+            continue;
+        }
+        for part in parts {
+            let t = part.sum + (m as f64 - 1.0) * part.max + part.tail;
+            if best.is_none_or(|(bt, _)| t < bt) {
+                best = Some((t, part));
+            }
+        }
+    }
+    best.map(|(_, part)| build_plan(input, gs, d, n, &part.path))
+}
+
+/// The best layout with `d` replicas and `p` stages by trying every cut and every ordered
+/// choice of groups: the reference the DP is tested against. Exponential; small inputs only.
+pub fn exhaustive(input: &PlanInput, d: usize, p: usize) -> Option<Plan> {
+    let nb = input.profile.blocks.len();
+    let gs = groups(&input.hosts, d);
+    if p > gs.len() || p > nb || d > input.global_batch {
+        return None;
+    }
+    let mut best: Option<Plan> = None;
+    let mut cuts = Vec::new();
+    let mut order = Vec::new();
+    for (n, _) in input.micro_choices(d) {
+        visit_cuts(nb, p, 0, &mut cuts, &mut |ends| {
+            visit_orders(gs.len(), p, &mut order, &mut |groups_in_order| {
+                let path: Vec<(usize, usize)> =
+                    ends.iter().copied().zip(groups_in_order.iter().copied()).collect();
+                let mut start = 0;
+                let stages = path
+                    .iter()
+                    .map(|&(end, g)| {
+                        let st = StageLayout { start, end, hosts: gs[g].hosts.clone() };
+                        start = end;
+                        st
+                    })
+                    .collect();
+                if let Ok(plan) = predict(input, &Layout { data: d, micro_batch: n, stages }) {
+                    if best.as_ref().is_none_or(|b| plan.step_ms < b.step_ms) {
+                        best = Some(plan);
+                    }
+                }
+            });
+        });
+    }
+    best
+}
+
+fn visit_cuts(nb: usize, p: usize, start: usize, ends: &mut Vec<usize>, f: &mut dyn FnMut(&[usize])) {
+    if ends.len() + 1 == p {
+        ends.push(nb);
+        f(ends);
+        ends.pop();
+        return;
+    }
+    let left = p - ends.len() - 1;
+    for e in start + 1..=nb - left {
+        ends.push(e);
+        visit_cuts(nb, p, e, ends, f);
+        ends.pop();
+    }
+}
+
+fn visit_orders(k: usize, p: usize, order: &mut Vec<usize>, f: &mut dyn FnMut(&[usize])) {
+    if order.len() == p {
+        f(order);
+        return;
+    }
+    for g in 0..k {
+        if !order.contains(&g) {
+            order.push(g);
+            visit_orders(k, p, order, f);
+            order.pop();
+        }
+    }
+}
+
+/// Plans the fastest layout for the input: the best of every (data, pipeline) shape.
+pub fn plan(input: &PlanInput) -> Result<PlanReport, PlanError> {
+    input.validate()?;
+    let nb = input.profile.blocks.len();
+    let h = input.hosts.len();
+    let max_p = input.max_depth.unwrap_or(nb).min(nb).max(1);
+    let mut plans = Vec::new();
+    for d in 1..=h {
+        for p in 1..=max_p.min(h / d) {
+            if let Some(plan) = best_for_shape(input, d, p) {
+                plans.push(plan);
+            }
+        }
+    }
+    // Fastest first; among equal predictions prefer more replicas (more state survives a
+    // loss), then fewer stages (less traffic that the model does not capture).
+    plans.sort_by(|a, b| {
+        a.step_ms
+            .total_cmp(&b.step_ms)
+            .then(b.layout.data.cmp(&a.layout.data))
+            .then(a.layout.pipeline().cmp(&b.layout.pipeline()))
+    });
+    if plans.is_empty() {
+        let need = input.stage_memory_floor();
+        let most = input.hosts.iter().map(|h| h.mem_bytes).max().unwrap_or(0);
+        return Err(PlanError::NoFit(format!(
+            "even the largest block alone needs {need} bytes (weights, gradients, optimizer state and one sample's activations), and the largest host has {most}; deeper pipelines keep more activations"
+        )));
+    }
+    let best = plans.remove(0);
+    let reason = match plans.first() {
+        Some(next) => format!(
+            "{}x{} predicts {:.2} ms per step, {:.1}% faster than the next shape ({}x{}, {:.2} ms)",
+            best.layout.data,
+            best.layout.pipeline(),
+            best.step_ms,
+            (next.step_ms - best.step_ms) / next.step_ms * 100.0,
+            next.layout.data,
+            next.layout.pipeline(),
+            next.step_ms
+        ),
+        None => format!(
+            "{}x{} is the only shape that fits ({:.2} ms per step)",
+            best.layout.data,
+            best.layout.pipeline(),
+            best.step_ms
+        ),
+    };
+    Ok(PlanReport { best, runners_up: plans, reason })
+}
+
+impl PlanInput {
+    /// The least memory any layout needs on some host: the largest block alone, with
+    /// micro-batches of one sample.
+    fn stage_memory_floor(&self) -> u64 {
+        let per_sample = |v: u64| v.div_ceil(self.profile.micro_batch as u64);
+        self.profile
+            .blocks
+            .iter()
+            .map(|b| 2 * b.param_bytes + b.optim_bytes + per_sample(b.saved_bytes))
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block(ms: f64, param_bytes: u64) -> BlockCost {
+        BlockCost {
+            fwd_ms: ms,
+            bwd_ms: 2.0 * ms,
+            fixed_fwd_ms: 0.0,
+            fixed_bwd_ms: 0.0,
+            apply_ms: 0.01,
+            out_bytes: 4096,
+            saved_bytes: 8192,
+            param_bytes,
+            optim_bytes: 2 * param_bytes,
+        }
+    }
+
+    fn input(blocks: Vec<BlockCost>, hosts: &[(f64, u64)]) -> PlanInput {
+        PlanInput {
+            profile: ModelProfile { model: "test".into(), micro_batch: 8, blocks },
+            hosts: hosts
+                .iter()
+                .enumerate()
+                .map(|(i, &(speed, mem))| HostSpec { name: format!("h{i}"), speed, mem_bytes: mem })
+                .collect(),
+            link: Link { bytes_per_s: 1e9, latency_ms: 0.05 },
+            global_batch: 64,
+            max_depth: None,
+        }
+    }
+
+    #[test]
+    fn one_host_trains_the_whole_model() {
+        let inp = input(vec![block(1.0, 1000); 3], &[(1.0, 1 << 30)]);
+        let r = plan(&inp).unwrap();
+        assert_eq!(r.best.layout.data, 1);
+        assert_eq!(r.best.layout.stages, vec![StageLayout { start: 0, end: 3, hosts: vec!["h0".into()] }]);
+        // 8 micro-batches of 9 ms plus the optimizer.
+        assert!((r.best.step_ms - (8.0 * 9.0 + 0.03)).abs() < 1e-9, "{}", r.best.step_ms);
+    }
+
+    #[test]
+    fn memory_forces_a_pipeline() {
+        // Each block needs 4 MB of weights, gradients and optimizer state; a host holds 6 MB.
+        let inp = input(vec![block(1.0, 1 << 20); 4], &[(1.0, 6 << 20); 4]);
+        let r = plan(&inp).unwrap();
+        assert_eq!(r.best.layout.pipeline(), 4, "{}", r.best.layout);
+        for p in std::iter::once(&r.best).chain(&r.runners_up) {
+            for (s, st) in p.stages.iter().enumerate() {
+                assert!(st.mem_bytes <= 6 << 20, "stage {s} of {} needs {}", p.layout, st.mem_bytes);
+            }
+        }
+        let small = input(vec![block(1.0, 4 << 20); 2], &[(1.0, 6 << 20); 4]);
+        let e = plan(&small).unwrap_err();
+        assert!(e.to_string().contains("even the largest block alone needs"), "{e}");
+    }
+
+    #[test]
+    fn faster_hosts_get_heavier_stages() {
+        // Eight equal blocks on one fast and one slow host (no memory limit): data parallelism
+        // would make the fast host wait, so a pipeline gives the fast host more blocks.
+        let mut inp = input(vec![block(1.0, 1000); 8], &[(3.0, 1 << 30), (1.0, 1 << 30)]);
+        inp.link.latency_ms = 0.0;
+        let r = plan(&inp).unwrap();
+        assert_eq!(r.best.layout.pipeline(), 2, "{}", r.best.layout);
+        let on = |name: &str| r.best.layout.stages.iter().find(|s| s.hosts[0] == name).unwrap();
+        let (fast, slow) = (on("h0"), on("h1"));
+        assert!(fast.end - fast.start > slow.end - slow.start, "{}", r.best.layout);
+        assert_eq!(fast.end - fast.start, 6, "{}", r.best.layout);
+    }
+
+    #[test]
+    fn forced_layouts_are_checked() {
+        let inp = input(vec![block(1.0, 1000); 3], &[(1.0, 1 << 30); 2]);
+        let ok = Layout {
+            data: 1,
+            micro_batch: 8,
+            stages: vec![
+                StageLayout { start: 0, end: 1, hosts: vec!["h0".into()] },
+                StageLayout { start: 1, end: 3, hosts: vec!["h1".into()] },
+            ],
+        };
+        assert_eq!(ok.to_string(), "1x2 micro 8: blocks 0..1 on h0 | blocks 1..3 on h1");
+        predict(&inp, &ok).unwrap();
+        let mut gap = ok.clone();
+        gap.stages[1].start = 2;
+        assert!(predict(&inp, &gap).unwrap_err().to_string().contains("must start at block 1"));
+        let mut twice = ok.clone();
+        twice.stages[1].hosts = vec!["h0".into()];
+        assert!(predict(&inp, &twice).unwrap_err().to_string().contains("holds two"));
+        let mut unknown = ok.clone();
+        unknown.stages[0].hosts = vec!["h9".into()];
+        assert!(predict(&inp, &unknown).unwrap_err().to_string().contains("'h9'"));
+        assert_eq!(ok.spec().parse::<Layout>().unwrap(), ok);
+        for (text, says) in [
+            ("0..2", "is not START..END@HOST"),
+            ("0-2@a", "is not START..END"),
+            ("0..x@a", "\"x\" is not a block number"),
+            ("0..1@a,b|1..2@c", "stage 1 names 1 hosts but stage 0 names 2"),
+            ("0..1@a,", "an empty host name"),
+            ("0..1@a;micro=0", "is not micro=N"),
+        ] {
+            let e = text.parse::<Layout>().unwrap_err().to_string();
+            assert!(e.contains(says), "{text}: {e}");
+        }
+    }
+
+    #[test]
+    fn bad_input_is_named() {
+        let mut inp = input(vec![block(1.0, 1000)], &[(1.0, 1 << 30)]);
+        inp.hosts[0].speed = 0.0;
+        assert!(plan(&inp).unwrap_err().to_string().contains("host 'h0': speed 0"));
+        let mut inp = input(vec![block(f64::NAN, 1000)], &[(1.0, 1 << 30)]);
+        assert!(plan(&inp).unwrap_err().to_string().contains("block 0: fwd_ms"));
+        inp.profile.blocks.clear();
+        assert!(plan(&inp).unwrap_err().to_string().contains("no blocks"));
+    }
+}

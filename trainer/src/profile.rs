@@ -1,0 +1,149 @@
+//! Measures what each block of a model costs on this host, for the pipeline planner: forward
+//! and backward time of one micro-batch, the optimizer step over its parameters, the bytes of
+//! its output (what a stage boundary sends), of its parameters and optimizer state, and the
+//! bytes it keeps for backward (counted from the architecture).
+
+use crate::data::Dataset;
+use crate::job::JobSpec;
+use crate::model::Model;
+use crate::optim::Optimizer;
+use crate::TrainerError;
+use std::time::Instant;
+use tch::{Kind, Tensor};
+
+/// One block's measured costs (times are medians over the repetitions).
+#[derive(Clone, Debug, PartialEq)]
+pub struct BlockMeasure {
+    /// Forward time of one micro-batch, ms.
+    pub fwd_ms: f64,
+    /// Backward time of one micro-batch, ms.
+    pub bwd_ms: f64,
+    /// The part of `fwd_ms` that does not shrink with the micro-batch, ms.
+    pub fixed_fwd_ms: f64,
+    /// The part of `bwd_ms` that does not shrink with the micro-batch, ms.
+    pub fixed_bwd_ms: f64,
+    /// One optimizer step over the block's parameters, ms.
+    pub apply_ms: f64,
+    /// Bytes of the block's output for one micro-batch.
+    pub out_bytes: u64,
+    /// Bytes its backward keeps for one micro-batch.
+    pub saved_bytes: u64,
+    /// Bytes of its parameters.
+    pub param_bytes: u64,
+    /// Bytes of its optimizer state.
+    pub optim_bytes: u64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The per-call part of a time measured at `n` and `k` < `n` samples (the intercept of the
+/// line through both points; 0 when they do not differ).
+fn intercept(at_n: f64, at_k: f64, n: usize, k: usize) -> f64 {
+    if n <= k {
+        return 0.0;
+    }
+    ((at_k * n as f64 - at_n * k as f64) / (n - k) as f64).clamp(0.0, at_n)
+}
+
+/// Median forward and backward times of block `i` on input `x` (and the output).
+fn time_block(model: &Model, i: usize, x: &Tensor, reps: usize) -> Result<(f64, f64, Tensor), TrainerError> {
+    let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
+    let mut y = Tensor::new();
+    for r in 0..=reps {
+        let inp = if x.is_floating_point() { x.detach().set_requires_grad(true) } else { x.shallow_clone() };
+        let t0 = Instant::now();
+        y = model.block_forward(i, &inp, true);
+        let t1 = Instant::now();
+        // The gradient a later stage would send back: any tensor of the output's shape.
+        let g = y.ones_like() * 1e-3;
+        (&y * &g).sum(Kind::Float).f_backward()?;
+        let t2 = Instant::now();
+        if r > 0 {
+            fwd.push((t1 - t0).as_secs_f64() * 1e3);
+            bwd.push((t2 - t1).as_secs_f64() * 1e3);
+        }
+    }
+    Ok((median(fwd), median(bwd), y))
+}
+
+/// Profiles every block of `job`'s model at its micro-batch and at a quarter of it (to split
+/// each time into a per-call and a per-sample part), on real samples of `data`, repeating
+/// each measurement `reps` times (after one warm-up) and keeping the median.
+pub fn profile_blocks(job: &JobSpec, data: &Dataset, reps: usize) -> Result<Vec<BlockMeasure>, TrainerError> {
+    job.validate(data)?;
+    let reps = reps.max(1);
+    let model = Model::new(&job.model, job.seed)?;
+    let mb = job.micro_batch.min(data.train.len()).max(1);
+    let idx: Vec<i64> = (0..mb as i64).collect();
+    let (mut x, _) = data.train.batch(&idx);
+    let slots = job.optimizer.slots().len() as u64;
+    let mut out = Vec::new();
+    for i in model.blocks() {
+        let params = model.block_params(i);
+        let small_n = (mb / 4).max(1) as i64;
+        let (fwd, bwd, y) = time_block(&model, i, &x, reps)?;
+        let (fwd_small, bwd_small, _) = time_block(&model, i, &x.narrow(0, 0, small_n), reps)?;
+        let mut apply = Vec::new();
+        let numel: i64 = params.iter().map(|(_, p)| p.numel() as i64).sum();
+        let mut optim = Optimizer::new(&job.optimizer, &params);
+        let grad = Tensor::full([numel.max(1)], 1e-4, (Kind::Float, tch::Device::Cpu)).narrow(0, 0, numel);
+        for r in 0..=reps {
+            let t0 = Instant::now();
+            optim.apply(&params, &grad, 0.0, r as u64 + 1);
+            if r > 0 {
+                apply.push(t0.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        for (_, p) in &params {
+            let mut g = p.grad();
+            if g.defined() {
+                let _ = g.zero_();
+            }
+        }
+        let param_bytes = numel as u64 * 4;
+        out.push(BlockMeasure {
+            fwd_ms: fwd,
+            bwd_ms: bwd,
+            fixed_fwd_ms: intercept(fwd, fwd_small, mb, small_n as usize),
+            fixed_bwd_ms: intercept(bwd, bwd_small, mb, small_n as usize),
+            apply_ms: median(apply),
+            out_bytes: y.numel() as u64 * y.kind().elt_size_in_bytes() as u64,
+            saved_bytes: job.model.saved_bytes_per_sample(i) * mb as u64,
+            param_bytes,
+            optim_bytes: param_bytes * slots,
+        });
+        x = y.detach();
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::DataSpec;
+    use crate::ModelKind;
+
+    #[test]
+    fn every_block_is_measured() {
+        let data =
+            Dataset::load(&DataSpec::Synthetic { samples: 256, features: 16, classes: 4, seed: 1 }, None)
+                .unwrap();
+        let mut job = JobSpec::defaults_for(ModelKind::Mlp, &data).unwrap();
+        job.micro_batch = 32;
+        let blocks = profile_blocks(&job, &data, 3).unwrap();
+        assert_eq!(blocks.len(), job.model.num_blocks());
+        // 16 -> 128 -> 128 -> 4, f32, AdamW's two slots.
+        assert_eq!(blocks[0].param_bytes, (16 * 128 + 128) * 4);
+        assert_eq!(blocks[0].optim_bytes, 2 * blocks[0].param_bytes);
+        assert_eq!(blocks[0].out_bytes, 32 * 128 * 4);
+        assert_eq!(blocks[2].out_bytes, 32 * 4 * 4);
+        for b in &blocks {
+            assert!(b.fwd_ms > 0.0 && b.bwd_ms > 0.0 && b.apply_ms > 0.0, "{b:?}");
+            assert!(b.saved_bytes > 0);
+            assert!((0.0..=b.fwd_ms).contains(&b.fixed_fwd_ms), "{b:?}");
+        }
+    }
+}
