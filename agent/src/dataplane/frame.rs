@@ -85,6 +85,58 @@ pub enum Channel {
     Ring = 1,
     /// State handoff.
     Handoff = 2,
+    /// Activations and their gradients between neighbouring pipeline stages (from the
+    /// previous stage).
+    Pipe = 3,
+}
+
+/// Most dimensions a tensor sent between stages may have.
+pub const MAX_DIMS: usize = 8;
+/// Most bytes one tensor sent between stages may have (it travels in several frames).
+pub const MAX_TENSOR_BYTES: u64 = 1 << 32;
+
+/// Encodes the shape frame that precedes a tensor's values: the number of dimensions
+/// (u32), 4 zero bytes, then each dimension (i64), little-endian.
+pub fn encode_shape(shape: &[i64]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(8 + 8 * shape.len());
+    b.extend_from_slice(&(shape.len() as u32).to_le_bytes());
+    b.extend_from_slice(&[0; 4]);
+    for d in shape {
+        b.extend_from_slice(&d.to_le_bytes());
+    }
+    b
+}
+
+/// Decodes a shape frame, refusing more than [`MAX_DIMS`] dimensions, negative ones, a
+/// length that does not match, and tensors over [`MAX_TENSOR_BYTES`] of f32 values.
+pub fn decode_shape(b: &[u8]) -> Result<Vec<i64>, DataPlaneError> {
+    let bad = |d: String| DataPlaneError::Protocol(format!("tensor shape: {d}"));
+    if b.len() < 8 {
+        return Err(bad(format!("{} bytes, at least 8 expected", b.len())));
+    }
+    let n = u32::from_le_bytes(b[..4].try_into().expect("4 bytes")) as usize;
+    if n > MAX_DIMS {
+        return Err(bad(format!("{n} dimensions (at most {MAX_DIMS})")));
+    }
+    if b[4..8] != [0; 4] {
+        return Err(bad("nonzero padding".into()));
+    }
+    if b.len() != 8 + 8 * n {
+        return Err(bad(format!("{} bytes for {n} dimensions", b.len())));
+    }
+    let dims: Vec<i64> =
+        b[8..].chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
+    let mut bytes: u64 = 4;
+    for &d in &dims {
+        if d < 0 {
+            return Err(bad(format!("negative dimension {d}")));
+        }
+        bytes = bytes.saturating_mul(d as u64);
+    }
+    if bytes > MAX_TENSOR_BYTES {
+        return Err(bad(format!("{dims:?} is {bytes} bytes (at most {MAX_TENSOR_BYTES})")));
+    }
+    Ok(dims)
 }
 
 /// Bytes of a `Hello`.
@@ -135,6 +187,7 @@ impl Hello {
         let channel = match b[6] {
             1 => Channel::Ring,
             2 => Channel::Handoff,
+            3 => Channel::Pipe,
             c => return Err(bad(format!("unknown channel {c}"))),
         };
         if b[7] != 0 || b[48..] != [0u8; 8] {

@@ -7,6 +7,8 @@
 //!   (HMAC-SHA256 challenge-response, both ways) before any of their bytes are used, and are
 //!   queued by (epoch, peer, channel) until a group takes them;
 //! - `handoff`: the snapshot crate's state handoff over authenticated connections;
+//! - `pipe`: point-to-point links between neighbouring pipeline stages (activations forward,
+//!   gradients back);
 //! - `ring`: a `Group` of ranks in epoch order and its collectives (ring allreduce as
 //!   reduce-scatter + allgather, broadcast, allgather, barrier), chunked and pipelined over
 //!   non-blocking sockets so sending, receiving and summing overlap, each bounded by a
@@ -15,9 +17,11 @@
 pub mod endpoint;
 pub mod frame;
 pub mod handoff;
+pub mod pipe;
 pub mod ring;
 
 pub use endpoint::{DataPlaneConfig, Endpoint};
+pub use pipe::PipeLink;
 pub use ring::Group;
 
 /// What can go wrong on the data plane.

@@ -1,0 +1,62 @@
+//! The data plane's decoders of peer bytes (frame header, hello, pipeline tensor shape):
+//! valid values round-trip, arbitrary and damaged bytes give errors, never panics. The fuzz
+//! target `dataplane_frame` runs the same decoders.
+
+use limpet_agent::dataplane::frame::{
+    decode_shape, encode_shape, Channel, Header, Hello, Kind, HEADER_LEN, HELLO_LEN, MAX_PAYLOAD,
+};
+use proptest::prelude::*;
+
+proptest! {
+    #[test]
+    fn headers_round_trip(abort in any::<bool>(), epoch in any::<u64>(), step in any::<u64>(), seq in any::<u32>(), len in 0..=MAX_PAYLOAD) {
+        let h = Header { kind: if abort { Kind::Abort } else { Kind::Data }, epoch, step, seq, len };
+        prop_assert_eq!(Header::decode(&h.encode()).unwrap(), h);
+    }
+
+    #[test]
+    fn hellos_round_trip(cluster_id in any::<u64>(), node in any::<u64>(), epoch in any::<u64>(), c in 0usize..3, nonce in any::<[u8; 16]>()) {
+        let channel = [Channel::Ring, Channel::Handoff, Channel::Pipe][c];
+        let h = Hello { cluster_id, node, epoch, channel, nonce };
+        prop_assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
+    }
+
+    #[test]
+    fn shapes_round_trip(shape in prop::collection::vec(0i64..8, 0..=8)) {
+        prop_assert_eq!(decode_shape(&encode_shape(&shape)).unwrap(), shape);
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..96)) {
+        if Header::decode(&bytes).is_ok() {
+            prop_assert_eq!(bytes.len(), HEADER_LEN);
+        }
+        if Hello::decode(&bytes).is_ok() {
+            prop_assert_eq!(bytes.len(), HELLO_LEN);
+        }
+        if let Ok(shape) = decode_shape(&bytes) {
+            prop_assert_eq!(encode_shape(&shape), bytes);
+        }
+    }
+
+    #[test]
+    fn damaged_shapes_are_refused_or_reread(shape in prop::collection::vec(0i64..64, 1..=8), at in any::<prop::sample::Index>(), byte in any::<u8>()) {
+        let mut b = encode_shape(&shape);
+        let i = at.index(b.len());
+        b[i] = byte;
+        if let Ok(s) = decode_shape(&b) {
+            prop_assert_eq!(encode_shape(&s), b);
+        }
+    }
+}
+
+#[test]
+fn shape_refusals_name_the_problem() {
+    let huge = encode_shape(&[1 << 20, 1 << 20]);
+    assert!(decode_shape(&huge).unwrap_err().to_string().contains("at most"));
+    assert!(decode_shape(&encode_shape(&[-1])).unwrap_err().to_string().contains("negative dimension"));
+    assert!(decode_shape(&encode_shape(&[1; 9])).unwrap_err().to_string().contains("9 dimensions"));
+    let mut short = encode_shape(&[2, 3]);
+    short.pop();
+    assert!(decode_shape(&short).unwrap_err().to_string().contains("bytes for 2 dimensions"));
+}

@@ -1,0 +1,185 @@
+//! Pipelined training over the data plane computes the same updates as unpipelined training:
+//! each layout below runs its stages as threads with their own endpoints, real TCP links
+//! between stages (activations forward, gradients back) and ring groups among the replicas
+//! of each stage, and is compared, step by step and parameter by parameter, with one trainer
+//! holding the whole model.
+
+use limpet_agent::dataplane::PipeLink;
+use limpet_agent::{DataPlaneConfig, Endpoint};
+use limpet_trainer::data::{DataSpec, Dataset};
+use limpet_trainer::model::ModelSpec;
+use limpet_trainer::pipeline::{StagePosition, StageReducers};
+use limpet_trainer::{JobSpec, ModelKind, NoReduce, Trainer};
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+const STEPS: u64 = 6;
+
+fn job() -> (JobSpec, Dataset) {
+    let data = Dataset::load(&DataSpec::Chars { context: 16 }, None).unwrap();
+    let mut job = JobSpec::defaults_for(ModelKind::Gpt, &data).unwrap();
+    if let ModelSpec::Gpt { width, layers, heads, .. } = &mut job.model {
+        (*width, *layers, *heads) = (32, 3, 2);
+    }
+    job.steps = STEPS;
+    job.global_batch = 12;
+    job.micro_batch = 3;
+    job.schedule.warmup_steps = 1;
+    // Small enough that clipping is active on some steps: the norm must be the whole model's.
+    job.clip_norm = Some(0.5);
+    (job, data)
+}
+
+struct RankResult {
+    stage: usize,
+    losses: Vec<f64>,
+    norms: Vec<f64>,
+    params: BTreeMap<String, Vec<f32>>,
+    hash: String,
+}
+
+/// Trains `STEPS` steps in `d` replicas of the pipeline cut at `stages`.
+fn run_layout(d: usize, stages: &[Range<usize>]) -> Vec<RankResult> {
+    let p = stages.len();
+    let node = |r: usize, s: usize| (r * p + s + 1) as u64;
+    let eps: Vec<Endpoint> = (0..d * p)
+        .map(|i| {
+            let cfg = DataPlaneConfig::new(7, i as u64 + 1, b"sixteen-byte-secret!".to_vec());
+            Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg).unwrap()
+        })
+        .collect();
+    let addrs: Vec<String> = eps.iter().map(|e| e.addr().to_string()).collect();
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = eps
+            .iter()
+            .enumerate()
+            .map(|(i, ep)| {
+                let (r, s) = (i / p, i % p);
+                let addrs = &addrs;
+                let blocks = stages[s].clone();
+                sc.spawn(move || {
+                    let replicas: Vec<u64> = (0..d).map(|r| node(r, s)).collect();
+                    let replica_addrs: Vec<String> = (0..d).map(|r| addrs[node(r, s) as usize - 1].clone()).collect();
+                    let pipe: Vec<u64> = (0..p).map(|s| node(r, s)).collect();
+                    let pipe_addrs: Vec<String> = (0..p).map(|s| addrs[node(r, s) as usize - 1].clone()).collect();
+                    let mut stage_group = ep.group(1, &replicas, &replica_addrs).unwrap();
+                    let mut pipe_group = ep.group(1, &pipe, &pipe_addrs).unwrap();
+                    let prev = (s > 0).then(|| node(r, s - 1));
+                    let next = (s + 1 < p).then(|| (node(r, s + 1), addrs[node(r, s + 1) as usize - 1].as_str()));
+                    let mut link =
+                        PipeLink::connect(ep, 1, prev, next, Instant::now() + Duration::from_secs(10), &|| false)
+                            .unwrap();
+                    let (job, data) = job();
+                    let mut t = Trainer::for_stage(job, data, blocks).unwrap();
+                    let pos = StagePosition { stage: s, stages: p, replica: r, replicas: d };
+                    let (mut losses, mut norms) = (Vec::new(), Vec::new());
+                    for _ in 0..STEPS {
+                        let st = t
+                            .pipeline_step(
+                                pos,
+                                &mut link,
+                                StageReducers { replicas: &mut stage_group, stages: &mut pipe_group },
+                            )
+                            .unwrap();
+                        losses.push(st.loss);
+                        norms.push(st.grad_norm);
+                    }
+                    let image = t.image().unwrap();
+                    let params = image
+                        .tensors()
+                        .iter()
+                        .filter(|(n, _)| n.starts_with("param/"))
+                        .map(|(n, raw)| (n.clone(), raw.to_f32().unwrap()))
+                        .collect();
+                    RankResult { stage: s, losses, norms, params, hash: image.content_hash().to_string() }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn reference() -> (Vec<f64>, Vec<f64>, BTreeMap<String, Vec<f32>>) {
+    let (job, data) = job();
+    let mut t = Trainer::try_new(job, data).unwrap();
+    let (mut losses, mut norms) = (Vec::new(), Vec::new());
+    for _ in 0..STEPS {
+        let st = t.train_step(0, 1, &mut NoReduce).unwrap();
+        losses.push(st.loss);
+        norms.push(st.grad_norm);
+    }
+    let params = t
+        .image()
+        .unwrap()
+        .tensors()
+        .iter()
+        .filter(|(n, _)| n.starts_with("param/"))
+        .map(|(n, raw)| (n.clone(), raw.to_f32().unwrap()))
+        .collect();
+    (losses, norms, params)
+}
+
+/// Relative tolerance for losses and norms: the pipelined step sums the same per-sample
+/// gradients in another order (per stage, per replica), and the norm's square crosses
+/// stages in f32.
+const TOL: f64 = 2e-4;
+/// Tolerance for parameters, relative to each tensor's scale (its largest value, at least
+/// 0.05). Looser than for losses: AdamW divides each gradient by its own running size, so a
+/// coordinate whose true gradient is zero (the key bias of attention, which softmax ignores)
+/// moves by the sign of rounding noise, up to the learning rate per step, in either run.
+const PARAM_TOL: f32 = 2e-3;
+
+fn threads() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| limpet_trainer::set_threads(1));
+}
+
+fn check(layout: &str, d: usize, stages: &[Range<usize>]) {
+    let (losses, norms, params) = reference();
+    assert!(norms.iter().any(|&n| n > 0.5), "clipping never engaged: {norms:?}");
+    let ranks = run_layout(d, stages);
+    let mut covered = BTreeMap::new();
+    let mut largest = 0f32;
+    for r in &ranks {
+        for (step, (a, b)) in losses.iter().zip(&r.losses).enumerate() {
+            assert!((a - b).abs() <= TOL * a.abs(), "{layout} stage {}: step {step} loss {b} vs {a}", r.stage);
+        }
+        for (step, (a, b)) in norms.iter().zip(&r.norms).enumerate() {
+            assert!((a - b).abs() <= TOL * a.abs(), "{layout} stage {}: step {step} norm {b} vs {a}", r.stage);
+        }
+        for (name, got) in &r.params {
+            let want = &params[name];
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(0.05);
+            let worst = got.iter().zip(want).map(|(g, w)| (g - w).abs() / scale).fold(0f32, f32::max);
+            assert!(worst <= PARAM_TOL, "{layout}: {name} differs by {worst} (relative to its scale)");
+            largest = largest.max(worst);
+            covered.insert(name.clone(), ());
+        }
+    }
+    assert_eq!(covered.len(), params.len(), "{layout}: the stages do not hold every parameter");
+    eprintln!("{layout}: largest parameter difference {largest:.2e} of scale");
+    // The replicas of a stage hold bit-identical state.
+    for r in &ranks {
+        let first = ranks.iter().find(|x| x.stage == r.stage).unwrap();
+        assert_eq!(r.hash, first.hash, "{layout}: replicas of stage {} differ", r.stage);
+    }
+}
+
+#[test]
+fn two_stages_train_like_one_model() {
+    threads();
+    check("1x2", 1, &[0..2, 2..5]);
+}
+
+#[test]
+fn three_stages_train_like_one_model() {
+    threads();
+    check("1x3", 1, &[0..1, 1..3, 3..5]);
+}
+
+#[test]
+fn two_replicas_of_two_stages_train_like_one_model() {
+    threads();
+    check("2x2", 2, &[0..3, 3..5]);
+}
