@@ -33,7 +33,7 @@ help:
 	@echo "make demo    set up, then run 4 agents through a spot notice, a join, a kill -9 and a drain"
 	@echo "make setup   install libtorch (torch==$(TORCH_VERSION) from PyPI) and data into $(LIMPET_CACHE)"
 	@echo "make fuzz    run each fuzz target for FUZZ_SECONDS (default 60)"
-	@echo "make bench   measure: raft commits, allreduce against gloo, state handoff against plain TCP, transitions against torchrun"
+	@echo "make bench   measure: raft commits, allreduce against gloo, state handoff against plain TCP, transitions against torchrun, planner predictions and pipelines"
 
 setup: $(ENV_MK)
 
@@ -66,6 +66,8 @@ bench: build
 	$(LIMPET) bench handoff --bytes 256M
 	$(LIMPET) bench elastic
 	$(LIMPET) bench elastic --model gpt --steps 3000
+	$(LIMPET) bench pipeline --model gpt --layers 4 --batch 32 --micro-batch 8 --hosts 2 --train-steps 40
+	$(LIMPET) bench pipeline --model gpt --layers 4 --batch 32 --micro-batch 8 --hosts 4 --train-steps 40
 
 demo: build
 	rm -rf $(DEMO_DIR)

@@ -151,7 +151,11 @@ fn the_leaders_own_host_revoked_with_notice_then_killed_and_a_sigterm_drains() {
     // SIGTERM (systemd stopping limpetd) is a drain: no step lost.
     let term = transition(&summary, "drain of node");
     assert_eq!(term["lost_steps"], 0, "{term}");
-    assert_eq!(t.last().unwrap()["world"], 2, "{summary:#}");
+    // Three ranks left (notice, kill, drain). On a loaded machine a slow agent may miss the
+    // first epoch and join later, so count from the first epoch's world and the joins.
+    let joins = t.iter().filter(|t| t["cause"].as_str().unwrap().contains("join of node")).count() as u64;
+    let first = t[0]["world"].as_u64().unwrap();
+    assert_eq!(t.last().unwrap()["world"].as_u64().unwrap() + 3, first + joins, "{summary:#}");
 }
 
 #[test]

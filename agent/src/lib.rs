@@ -14,5 +14,7 @@ pub mod report;
 pub mod revocation;
 #[cfg(feature = "trainer")]
 pub mod runtime;
+#[cfg(feature = "trainer")]
+pub mod stage;
 
 pub use dataplane::{DataPlaneConfig, DataPlaneError, Endpoint, Group};

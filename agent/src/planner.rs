@@ -73,6 +73,10 @@ pub struct ModelProfile {
     pub micro_batch: usize,
     /// The blocks, in model order.
     pub blocks: Vec<BlockCost>,
+    /// Per micro-batch, what a step spends outside the blocks (reading samples, the loss,
+    /// gathering gradients), ms; charged to the last stage.
+    #[serde(default)]
+    pub overhead_ms: f64,
 }
 
 /// One host the planner may use.
@@ -286,6 +290,9 @@ impl PlanInput {
         if self.profile.micro_batch == 0 {
             return bad("the profile's micro_batch is 0".into());
         }
+        if !(self.profile.overhead_ms.is_finite() && self.profile.overhead_ms >= 0.0) {
+            return bad(format!("the profile's overhead_ms is {}", self.profile.overhead_ms));
+        }
         if self.global_batch == 0 {
             return bad("global_batch is 0".into());
         }
@@ -366,6 +373,9 @@ impl PlanInput {
             .sum::<f64>()
             / speed;
         let mut micro_ms = compute;
+        if s + 1 == p {
+            micro_ms += self.profile.overhead_ms / speed;
+        }
         if s > 0 {
             // This stage sends the gradient of its input back.
             micro_ms += self.transfer_ms(bytes(self.profile.blocks[a - 1].out_bytes));
@@ -748,7 +758,7 @@ mod tests {
 
     fn input(blocks: Vec<BlockCost>, hosts: &[(f64, u64)]) -> PlanInput {
         PlanInput {
-            profile: ModelProfile { model: "test".into(), micro_batch: 8, blocks },
+            profile: ModelProfile { model: "test".into(), micro_batch: 8, blocks, overhead_ms: 0.0 },
             hosts: hosts
                 .iter()
                 .enumerate()

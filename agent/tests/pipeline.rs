@@ -4,11 +4,10 @@
 //! of each stage, and is compared, step by step and parameter by parameter, with one trainer
 //! holding the whole model.
 
-use limpet_agent::dataplane::PipeLink;
+use limpet_agent::stage::StageConnections;
 use limpet_agent::{DataPlaneConfig, Endpoint};
 use limpet_trainer::data::{DataSpec, Dataset};
 use limpet_trainer::model::ModelSpec;
-use limpet_trainer::pipeline::{StagePosition, StageReducers};
 use limpet_trainer::{JobSpec, ModelKind, NoReduce, Trainer};
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -42,7 +41,6 @@ struct RankResult {
 /// Trains `STEPS` steps in `d` replicas of the pipeline cut at `stages`.
 fn run_layout(d: usize, stages: &[Range<usize>]) -> Vec<RankResult> {
     let p = stages.len();
-    let node = |r: usize, s: usize| (r * p + s + 1) as u64;
     let eps: Vec<Endpoint> = (0..d * p)
         .map(|i| {
             let cfg = DataPlaneConfig::new(7, i as u64 + 1, b"sixteen-byte-secret!".to_vec());
@@ -59,29 +57,16 @@ fn run_layout(d: usize, stages: &[Range<usize>]) -> Vec<RankResult> {
                 let addrs = &addrs;
                 let blocks = stages[s].clone();
                 sc.spawn(move || {
-                    let replicas: Vec<u64> = (0..d).map(|r| node(r, s)).collect();
-                    let replica_addrs: Vec<String> = (0..d).map(|r| addrs[node(r, s) as usize - 1].clone()).collect();
-                    let pipe: Vec<u64> = (0..p).map(|s| node(r, s)).collect();
-                    let pipe_addrs: Vec<String> = (0..p).map(|s| addrs[node(r, s) as usize - 1].clone()).collect();
-                    let mut stage_group = ep.group(1, &replicas, &replica_addrs).unwrap();
-                    let mut pipe_group = ep.group(1, &pipe, &pipe_addrs).unwrap();
-                    let prev = (s > 0).then(|| node(r, s - 1));
-                    let next = (s + 1 < p).then(|| (node(r, s + 1), addrs[node(r, s + 1) as usize - 1].as_str()));
-                    let mut link =
-                        PipeLink::connect(ep, 1, prev, next, Instant::now() + Duration::from_secs(10), &|| false)
-                            .unwrap();
+                    let ranks: Vec<u64> = (0..d * p).map(|i| i as u64 + 1).collect();
+                    let deadline = Instant::now() + Duration::from_secs(10);
+                    let mut conn =
+                        StageConnections::connect(ep, 1, (d, p), &ranks, addrs, deadline, &|| false).unwrap();
+                    assert_eq!((conn.pos.replica, conn.pos.stage), (r, s));
                     let (job, data) = job();
                     let mut t = Trainer::for_stage(job, data, blocks).unwrap();
-                    let pos = StagePosition { stage: s, stages: p, replica: r, replicas: d };
                     let (mut losses, mut norms) = (Vec::new(), Vec::new());
                     for _ in 0..STEPS {
-                        let st = t
-                            .pipeline_step(
-                                pos,
-                                &mut link,
-                                StageReducers { replicas: &mut stage_group, stages: &mut pipe_group },
-                            )
-                            .unwrap();
+                        let st = conn.step(&mut t).unwrap();
                         losses.push(st.loss);
                         norms.push(st.grad_norm);
                     }
@@ -143,10 +128,18 @@ fn check(layout: &str, d: usize, stages: &[Range<usize>]) {
     let mut largest = 0f32;
     for r in &ranks {
         for (step, (a, b)) in losses.iter().zip(&r.losses).enumerate() {
-            assert!((a - b).abs() <= TOL * a.abs(), "{layout} stage {}: step {step} loss {b} vs {a}", r.stage);
+            assert!(
+                (a - b).abs() <= TOL * a.abs(),
+                "{layout} stage {}: step {step} loss {b} vs {a}",
+                r.stage
+            );
         }
         for (step, (a, b)) in norms.iter().zip(&r.norms).enumerate() {
-            assert!((a - b).abs() <= TOL * a.abs(), "{layout} stage {}: step {step} norm {b} vs {a}", r.stage);
+            assert!(
+                (a - b).abs() <= TOL * a.abs(),
+                "{layout} stage {}: step {step} norm {b} vs {a}",
+                r.stage
+            );
         }
         for (name, got) in &r.params {
             let want = &params[name];
@@ -182,4 +175,62 @@ fn three_stages_train_like_one_model() {
 fn two_replicas_of_two_stages_train_like_one_model() {
     threads();
     check("2x2", 2, &[0..3, 3..5]);
+}
+
+/// A stage that vanishes mid-run (its sockets close, as when its process is killed) makes
+/// every other stage's step fail at once, not after the data-plane timeout.
+#[test]
+fn a_vanished_stage_fails_its_neighbours_fast() {
+    threads();
+    let (d, p) = (1, 3);
+    let stages = [0..1, 1..3, 3..5];
+    let eps: Vec<Endpoint> = (0..d * p)
+        .map(|i| {
+            let mut cfg = DataPlaneConfig::new(7, i as u64 + 1, b"sixteen-byte-secret!".to_vec());
+            cfg.timeout = Duration::from_secs(20);
+            Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg).unwrap()
+        })
+        .collect();
+    let addrs: Vec<String> = eps.iter().map(|e| e.addr().to_string()).collect();
+    /// Per stage: the steps it ran before it left, or the error it saw and how long it took.
+    type Outcome = (usize, Result<u64, (String, Duration)>);
+    let outcomes: Vec<Outcome> = std::thread::scope(|sc| {
+        let handles: Vec<_> = eps
+            .iter()
+            .enumerate()
+            .map(|(i, ep)| {
+                let (addrs, blocks) = (&addrs, stages[i].clone());
+                sc.spawn(move || {
+                    let ranks: Vec<u64> = (1..=3).collect();
+                    let deadline = Instant::now() + Duration::from_secs(10);
+                    let mut conn =
+                        StageConnections::connect(ep, 1, (d, p), &ranks, addrs, deadline, &|| false).unwrap();
+                    let (job, data) = job();
+                    let mut t = Trainer::for_stage(job, data, blocks).unwrap();
+                    for step in 0..STEPS {
+                        if i == 1 && step == 2 {
+                            // The middle stage is gone: its connections close with it.
+                            return (i, Ok(step));
+                        }
+                        let started = Instant::now();
+                        if let Err(e) = conn.step(&mut t) {
+                            return (i, Err((e.to_string(), started.elapsed())));
+                        }
+                    }
+                    (i, Ok(STEPS))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, out) in outcomes {
+        match (i, out) {
+            (1, Ok(2)) => {}
+            (_, Err((e, waited))) => {
+                assert!(waited < Duration::from_secs(3), "stage {i} waited {waited:?} for: {e}");
+                assert!(e.contains("node 2") || e.contains("closed"), "stage {i}: {e}");
+            }
+            (i, other) => panic!("stage {i}: {other:?}"),
+        }
+    }
 }

@@ -28,7 +28,7 @@ fn arb_input() -> impl Strategy<Value = PlanInput> {
         prop::sample::select(vec![1e7, 1e8, 1e9]),
     )
         .prop_map(|(blocks, hosts, global_batch, micro_batch, bw)| PlanInput {
-            profile: ModelProfile { model: "random".into(), micro_batch, blocks },
+            profile: ModelProfile { model: "random".into(), micro_batch, blocks, overhead_ms: 0.3 },
             hosts: hosts
                 .into_iter()
                 .enumerate()

@@ -26,6 +26,10 @@ pub enum Command {
     /// Choose a data x pipeline layout for a model and a set of hosts: profiles the model's
     /// blocks here, then prints the chosen layout, its predicted step time and the runners-up.
     Plan(crate::plan_cmd::PlanArgs),
+    /// Run one rank of a data x pipeline layout (the pipeline benchmark starts these; the
+    /// cluster secret comes from LIMPET_DP_SECRET).
+    #[command(hide = true)]
+    PipeWorker(crate::pipe_bench::PipeWorkerArgs),
     /// Measure a part of limpet on this machine.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -100,6 +104,9 @@ pub enum BenchCommand {
     /// Idle time and lost steps of a spot notice, a join and a kill -9 of the leader's host,
     /// next to torchrun recovering from a killed worker in the same run.
     Elastic(crate::elastic_bench::BenchElasticArgs),
+    /// Planner accuracy (predicted against measured step time of the chosen layout and
+    /// others) and pipelined throughput against plain data parallelism, N processes.
+    Pipeline(crate::pipe_bench::BenchPipelineArgs),
 }
 
 /// Model families.
@@ -215,6 +222,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Train(args) => crate::train_cmd::run(args),
         Command::Plan(args) => crate::plan_cmd::run(args),
+        Command::PipeWorker(args) => crate::pipe_bench::run_worker(args),
+        Command::Bench(BenchCommand::Pipeline(args)) => crate::pipe_bench::bench(args),
         Command::RaftNode(args) => crate::raft_cmd::run_node(args),
         Command::Bench(BenchCommand::Raft(args)) => crate::raft_cmd::bench(args),
         Command::DpWorker(args) => crate::dp_cmd::run_worker(args),
@@ -231,7 +240,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-fn value_name<T: ValueEnum>(v: T) -> String {
+/// The command-line spelling of a value.
+pub fn value_name<T: ValueEnum>(v: T) -> String {
     v.to_possible_value().map(|p| p.get_name().to_string()).unwrap_or_default()
 }
 

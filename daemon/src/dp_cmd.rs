@@ -82,19 +82,25 @@ pub fn check_input(seed: u64, node: u64, len: usize) -> Vec<f32> {
         .collect()
 }
 
+/// A worker's endpoint: node `node` of `ranks`, bound to its own address in `addrs`, with the
+/// secret its parent passed in the environment.
+pub fn bind_worker(node: u64, ranks: &[u64], addrs: &[String], timeout_ms: u64) -> anyhow::Result<Endpoint> {
+    let secret = std::env::var(SECRET_ENV).map_err(|_| UsageError(format!("{SECRET_ENV} is not set")))?;
+    let rank = ranks
+        .iter()
+        .position(|&r| r == node)
+        .ok_or_else(|| UsageError(format!("--node {node} is not in --ranks")))?;
+    let listen = addrs.get(rank).ok_or_else(|| UsageError("--addrs shorter than --ranks".into()))?;
+    let mut cfg = DataPlaneConfig::new(WORKER_CLUSTER_ID, node, secret.into_bytes());
+    cfg.timeout = Duration::from_millis(timeout_ms);
+    Ok(Endpoint::bind(listen.parse().with_context(|| format!("address {listen:?}"))?, cfg)?)
+}
+
 /// Runs one worker.
 pub fn run_worker(args: DpWorkerArgs) -> anyhow::Result<()> {
-    let secret = std::env::var(SECRET_ENV).map_err(|_| UsageError(format!("{SECRET_ENV} is not set")))?;
     let plan = parse_plan(&args.plan)?;
-    let rank = args
-        .ranks
-        .iter()
-        .position(|&r| r == args.node)
-        .ok_or_else(|| UsageError(format!("--node {} is not in --ranks", args.node)))?;
-    let listen = args.addrs.get(rank).ok_or_else(|| UsageError("--addrs shorter than --ranks".into()))?;
-    let mut cfg = DataPlaneConfig::new(WORKER_CLUSTER_ID, args.node, secret.into_bytes());
-    cfg.timeout = Duration::from_millis(args.timeout_ms);
-    let ep = Endpoint::bind(listen.parse().with_context(|| format!("address {listen:?}"))?, cfg)?;
+    let ep = bind_worker(args.node, &args.ranks, &args.addrs, args.timeout_ms)?;
+    let rank = args.ranks.iter().position(|&r| r == args.node).expect("bind_worker checked the node");
     let mut g = ep.group(args.epoch, &args.ranks, &args.addrs)?;
     let out = std::io::stdout();
     match args.mode {
@@ -182,6 +188,17 @@ impl Drop for Workers {
 
 /// Starts `world` workers (node ids `order`) of `exe dp-worker` with `extra` arguments.
 pub fn spawn_workers(exe: &std::path::Path, order: &[u64], extra: &[String]) -> anyhow::Result<Workers> {
+    spawn_group(exe, "dp-worker", order, extra)
+}
+
+/// Starts one `exe SUBCOMMAND` process per node of `order`, each told every node's id and a
+/// free loopback address, sharing a fresh secret.
+pub fn spawn_group(
+    exe: &std::path::Path,
+    subcommand: &str,
+    order: &[u64],
+    extra: &[String],
+) -> anyhow::Result<Workers> {
     let addrs: Vec<String> =
         order.iter().map(|_| free_port().map(|p| format!("127.0.0.1:{p}"))).collect::<anyhow::Result<_>>()?;
     let ranks: Vec<String> = order.iter().map(u64::to_string).collect();
@@ -189,7 +206,7 @@ pub fn spawn_workers(exe: &std::path::Path, order: &[u64], extra: &[String]) -> 
     let mut children = Vec::new();
     for &node in order {
         let child = Command::new(exe)
-            .arg("dp-worker")
+            .arg(subcommand)
             .args(["--node", &node.to_string(), "--ranks", &ranks.join(","), "--addrs", &addrs.join(",")])
             .args(extra)
             .env(SECRET_ENV, &secret)

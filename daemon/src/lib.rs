@@ -11,6 +11,7 @@ pub mod dp_cmd;
 pub mod elastic_bench;
 pub mod limpetd;
 pub mod local;
+pub mod pipe_bench;
 pub mod plan_cmd;
 mod plot;
 pub mod raft_cmd;

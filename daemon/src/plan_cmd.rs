@@ -165,7 +165,9 @@ pub fn profile(
     data: &limpet_trainer::data::Dataset,
     reps: usize,
 ) -> anyhow::Result<ModelProfile> {
-    let blocks = limpet_trainer::profile::profile_blocks(job, data, reps)?
+    let measured = limpet_trainer::profile::profile_blocks(job, data, reps)?;
+    let overhead_ms = limpet_trainer::profile::profile_step_overhead(job, data, &measured, reps)?;
+    let blocks = measured
         .into_iter()
         .map(|b| BlockCost {
             fwd_ms: b.fwd_ms,
@@ -180,7 +182,7 @@ pub fn profile(
         })
         .collect();
     let model = serde_json::to_value(&job.model)?["kind"].as_str().unwrap_or("model").to_string();
-    Ok(ModelProfile { model, micro_batch: job.micro_batch, blocks })
+    Ok(ModelProfile { model, micro_batch: job.micro_batch, blocks, overhead_ms })
 }
 
 #[derive(Serialize)]
@@ -277,7 +279,7 @@ fn print_input(input: &PlanInput) {
         input.link.bytes_per_s / 1e9,
         input.link.latency_ms
     );
-    println!("\nprofile (this host, one micro-batch):");
+    println!("\nprofile (this host, one micro-batch; {:.3} ms outside the blocks):", p.overhead_ms);
     println!(
         "  {:>5} {:>9} {:>9} {:>9} {:>11} {:>11} {:>11}",
         "block", "fwd ms", "bwd ms", "apply ms", "output", "saved", "params"

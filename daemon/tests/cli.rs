@@ -193,3 +193,18 @@ fn plan_profiles_the_model_and_respects_memory() {
     fails(&["plan", "--hosts", "2", "--layout", "0..9@h0"], 64, "--layout");
     fails(&["plan", "--model", "mlp", "--layers", "3"], 64, "--layers applies only to --model gpt");
 }
+
+#[test]
+fn bench_pipeline_trains_each_layout_in_worker_processes() {
+    let args =
+        "bench pipeline --model gpt --layers 2 --batch 8 --micro-batch 4 --hosts 2 --train-steps 4 --json";
+    let r = ok_json(&args.split(' ').collect::<Vec<_>>());
+    let rows = r["rows"].as_array().unwrap();
+    assert_eq!(rows[0]["role"], "chosen", "{r}");
+    // The chosen layout, two runners-up, and plain data parallelism among them.
+    assert!(rows.len() >= 3, "{r}");
+    assert!(rows.iter().any(|x| x["shape"] == "2x1"), "{r}");
+    for x in rows {
+        assert!(x["measured_ms"].as_f64().unwrap() > 0.0 && x["predicted_ms"].as_f64().unwrap() > 0.0, "{x}");
+    }
+}

@@ -123,6 +123,20 @@ pub fn default_digits_path() -> PathBuf {
 }
 
 impl Dataset {
+    /// Another handle on the same samples (the tensors are shared, not copied).
+    pub fn shallow_clone(&self) -> Dataset {
+        let split = |s: &Split| Split { x: s.x.shallow_clone(), y: s.y.shallow_clone() };
+        Dataset {
+            spec: self.spec.clone(),
+            info: self.info.clone(),
+            fingerprint: self.fingerprint.clone(),
+            source: self.source.clone(),
+            train: split(&self.train),
+            test: split(&self.test),
+            vocab: self.vocab.clone(),
+        }
+    }
+
     /// Loads `spec`, reading from `path` when given, else from the dataset's default place.
     pub fn load(spec: &DataSpec, path: Option<&Path>) -> Result<Self, TrainerError> {
         match spec {

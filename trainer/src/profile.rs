@@ -120,6 +120,30 @@ pub fn profile_blocks(job: &JobSpec, data: &Dataset, reps: usize) -> Result<Vec<
     Ok(out)
 }
 
+/// Time a whole one-micro-batch step spends outside the blocks' forward and backward passes
+/// (reading the samples, the loss, gathering gradients into the flat buffer), in ms: the
+/// median of `reps` timed `compute_grads` calls minus the blocks' profiled times.
+pub fn profile_step_overhead(
+    job: &JobSpec,
+    data: &Dataset,
+    blocks: &[BlockMeasure],
+    reps: usize,
+) -> Result<f64, TrainerError> {
+    let mut one = job.clone();
+    one.global_batch = job.micro_batch;
+    let mut t = crate::Trainer::try_new(one, data.shallow_clone())?;
+    let mut times = Vec::new();
+    for r in 0..=reps.max(1) {
+        let t0 = Instant::now();
+        t.compute_grads(0, 1)?;
+        if r > 0 {
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    let inside: f64 = blocks.iter().map(|b| b.fwd_ms + b.bwd_ms).sum();
+    Ok((median(times) - inside).max(0.0))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -145,5 +169,7 @@ mod tests {
             assert!(b.saved_bytes > 0);
             assert!((0.0..=b.fwd_ms).contains(&b.fixed_fwd_ms), "{b:?}");
         }
+        let overhead = profile_step_overhead(&job, &data, &blocks, 3).unwrap();
+        assert!(overhead.is_finite() && overhead >= 0.0);
     }
 }

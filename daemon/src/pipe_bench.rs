@@ -1,0 +1,263 @@
+//! `limpet bench pipeline`: how good the planner's predictions are and what pipelining buys.
+//! It profiles the model here, plans a layout for N hosts (processes on this machine), then
+//! trains a few steps in the chosen layout, in the runners-up and in plain data parallelism,
+//! each rank a real `limpet pipe-worker` process on loopback, and prints predicted against
+//! measured step time and the throughput of each.
+
+use crate::cli::JobArgs;
+use crate::dp_cmd::{spawn_group, Workers};
+use crate::UsageError;
+use anyhow::Context;
+use clap::Args;
+use limpet_agent::planner::{self, HostSpec, Layout, Plan, PlanInput};
+use limpet_agent::stage::StageConnections;
+use serde::Serialize;
+use std::io::{BufRead, BufReader, Write};
+use std::time::{Duration, Instant};
+
+/// `limpet pipe-worker`: one rank of a data x pipeline layout, for the benchmark.
+#[derive(Debug, Args)]
+pub struct PipeWorkerArgs {
+    /// The job.
+    #[command(flatten)]
+    pub job: JobArgs,
+    /// This node's id.
+    #[arg(long)]
+    pub node: u64,
+    /// Node ids in rank order (data-major: replica r, stage s is rank r * stages + s).
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub ranks: Vec<u64>,
+    /// Data-plane addresses in rank order (this node binds its own).
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub addrs: Vec<String>,
+    /// The layout (`START..END@HOST,...|...;micro=N`); host `hK` is rank order's node K+1.
+    #[arg(long)]
+    pub layout: String,
+    /// Steps to train.
+    #[arg(long, default_value_t = 20)]
+    pub train_steps: u64,
+    /// Data-plane timeout in milliseconds.
+    #[arg(long, default_value_t = 10_000)]
+    pub timeout_ms: u64,
+}
+
+/// What a worker prints when it is done.
+#[derive(Debug, Serialize, serde::Deserialize)]
+struct WorkerReport {
+    node: u64,
+    stage: usize,
+    replica: usize,
+    step_ms: Vec<f64>,
+    loss: f64,
+}
+
+/// Runs `limpet pipe-worker`.
+pub fn run_worker(args: PipeWorkerArgs) -> anyhow::Result<()> {
+    limpet_trainer::set_threads(1);
+    let layout: Layout = args.layout.parse().map_err(|e| UsageError(format!("--layout: {e}")))?;
+    let ep = crate::dp_cmd::bind_worker(args.node, &args.ranks, &args.addrs, args.timeout_ms)?;
+    let (d, p) = (layout.data, layout.pipeline());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut conn = StageConnections::connect(&ep, 1, (d, p), &args.ranks, &args.addrs, deadline, &|| false)?;
+    let stage = &layout.stages[conn.pos.stage];
+    let (mut job, data) = crate::train_cmd::job_from_flags(&args.job)?;
+    if layout.micro_batch > 0 {
+        job.micro_batch = layout.micro_batch;
+    }
+    job.steps = job.steps.max(args.train_steps);
+    let mut trainer = limpet_trainer::Trainer::for_stage(job, data, stage.start..stage.end)?;
+    let mut step_ms = Vec::new();
+    let mut loss = 0.0;
+    for _ in 0..args.train_steps {
+        let t = Instant::now();
+        loss = conn.step(&mut trainer)?.loss;
+        step_ms.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let report =
+        WorkerReport { node: args.node, stage: conn.pos.stage, replica: conn.pos.replica, step_ms, loss };
+    writeln!(std::io::stdout().lock(), "{}", serde_json::to_string(&report)?)?;
+    Ok(())
+}
+
+/// `limpet bench pipeline`.
+#[derive(Debug, Args)]
+pub struct BenchPipelineArgs {
+    /// The job (model, data, batch).
+    #[command(flatten)]
+    pub job: JobArgs,
+    /// Hosts, each a process on this machine.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=8))]
+    pub hosts: u64,
+    /// Steps each layout trains; the first fifth are warm-up and not counted.
+    #[arg(long, default_value_t = 30)]
+    pub train_steps: u64,
+    /// Runner-up layouts to measure besides the chosen one and plain data parallelism.
+    #[arg(long, default_value_t = 2)]
+    pub others: usize,
+    /// Print the results as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct Measured {
+    layout: String,
+    shape: String,
+    role: &'static str,
+    predicted_ms: f64,
+    measured_ms: f64,
+    error_pct: f64,
+    samples_per_s: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The job flags as command-line arguments again, for the workers.
+fn job_flags(j: &JobArgs) -> Vec<String> {
+    let mut v = Vec::new();
+    let mut push = |k: &str, val: Option<String>| {
+        if let Some(x) = val {
+            v.push(format!("--{k}"));
+            v.push(x);
+        }
+    };
+    let name = |x: &dyn Fn() -> Option<String>| x();
+    push("model", name(&|| j.model.map(crate::cli::value_name)));
+    push("data", name(&|| j.data.map(crate::cli::value_name)));
+    push("data-path", j.data_path.as_ref().map(|p| p.display().to_string()));
+    push("steps", j.steps.map(|x| x.to_string()));
+    push("batch", j.batch.map(|x| x.to_string()));
+    push("micro-batch", j.micro_batch.map(|x| x.to_string()));
+    push("optimizer", j.optimizer.map(crate::cli::value_name));
+    push("lr", j.lr.map(|x| x.to_string()));
+    push("weight-decay", j.weight_decay.map(|x| x.to_string()));
+    push("warmup", j.warmup.map(|x| x.to_string()));
+    push("clip", j.clip.map(|x| x.to_string()));
+    push("seed", j.seed.map(|x| x.to_string()));
+    push("context", j.context.map(|x| x.to_string()));
+    push("layers", j.layers.map(|x| x.to_string()));
+    v
+}
+
+/// Trains `layout` in worker processes and returns the measured step time (ms): per rank
+/// the median after warm-up, then the slowest rank.
+fn measure(layout: &Layout, job: &JobArgs, steps: u64) -> anyhow::Result<f64> {
+    let exe = std::env::current_exe()?;
+    let p = layout.pipeline();
+    let host_node = |h: &str| -> anyhow::Result<u64> {
+        Ok(h.strip_prefix('h').and_then(|k| k.parse::<u64>().ok()).context("planner host names are hK")? + 1)
+    };
+    let mut ranks = Vec::new();
+    for r in 0..layout.data {
+        for s in 0..p {
+            ranks.push(host_node(&layout.stages[s].hosts[r])?);
+        }
+    }
+    let mut extra = vec!["--layout".to_string(), layout.spec(), "--train-steps".into(), steps.to_string()];
+    extra.extend(job_flags(job));
+    let mut workers: Workers = spawn_group(&exe, "pipe-worker", &ranks, &extra)?;
+    let mut slowest: f64 = 0.0;
+    for c in &mut workers.children {
+        let out = c.stdout.take().context("worker stdout")?;
+        let mut line = String::new();
+        BufReader::new(out).read_line(&mut line)?;
+        let rep: WorkerReport = serde_json::from_str(line.trim())
+            .with_context(|| format!("a pipe worker of {} printed {line:?}", layout.spec()))?;
+        let warm = (rep.step_ms.len() / 5).max(1).min(rep.step_ms.len() - 1);
+        slowest = slowest.max(median(rep.step_ms[warm..].to_vec()));
+    }
+    for c in &mut workers.children {
+        let status = c.wait()?;
+        if !status.success() {
+            anyhow::bail!("a pipe worker of {} exited with {status}", layout.spec());
+        }
+    }
+    Ok(slowest)
+}
+
+/// Runs `limpet bench pipeline`.
+pub fn bench(args: BenchPipelineArgs) -> anyhow::Result<()> {
+    limpet_trainer::set_threads(1);
+    if args.train_steps < 3 {
+        return Err(UsageError("--train-steps must be at least 3".into()).into());
+    }
+    let (job, data) = crate::train_cmd::job_from_flags(&args.job)?;
+    let profile = crate::plan_cmd::profile(&job, &data, 5)?;
+    let link = crate::plan_cmd::measure_loopback().context("measuring the loopback link")?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    // The hosts share this machine's cores: with every host busy each runs at cores / hosts
+    // of the speed the profile saw.
+    let speed = (cores / args.hosts as f64).min(1.0);
+    let hosts: Vec<HostSpec> =
+        (0..args.hosts).map(|k| HostSpec { name: format!("h{k}"), speed, mem_bytes: 16 << 30 }).collect();
+    let input = PlanInput { profile, hosts, link, global_batch: job.global_batch, max_depth: None };
+    let report = planner::plan(&input)?;
+    let mut todo: Vec<(&'static str, Plan)> = vec![("chosen", report.best.clone())];
+    for p in report.runners_up.iter().take(args.others) {
+        todo.push(("runner-up", p.clone()));
+    }
+    let dp = |p: &Plan| p.layout.pipeline() == 1 && p.layout.data as u64 == args.hosts;
+    if !todo.iter().any(|(_, p)| dp(p)) {
+        if let Some(p) = report.runners_up.iter().find(|p| dp(p)) {
+            todo.push(("data parallel", p.clone()));
+        }
+    }
+    if let Some(t) = todo.iter_mut().skip(1).find(|(_, p)| dp(p)) {
+        t.0 = "data parallel";
+    }
+    let bar = indicatif::ProgressBar::new(todo.len() as u64);
+    let mut rows = Vec::new();
+    for (role, plan) in &todo {
+        bar.set_message(plan.layout.spec());
+        let measured_ms = measure(&plan.layout, &args.job, args.train_steps)?;
+        bar.inc(1);
+        rows.push(Measured {
+            layout: plan.layout.spec(),
+            shape: format!("{}x{}", plan.layout.data, plan.layout.pipeline()),
+            role,
+            predicted_ms: plan.step_ms,
+            measured_ms,
+            error_pct: (plan.step_ms - measured_ms) / measured_ms * 100.0,
+            samples_per_s: job.global_batch as f64 / (measured_ms / 1e3),
+        });
+    }
+    bar.finish_and_clear();
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(
+                &serde_json::json!({"hosts": args.hosts, "host_speed": speed, "rows": rows})
+            )?
+        );
+        return Ok(());
+    }
+    println!(
+        "limpet bench pipeline: {} blocks, global batch {}, {} hosts on {} cores (speed {:.2} each), link {:.2} GB/s",
+        input.profile.blocks.len(),
+        job.global_batch,
+        args.hosts,
+        cores,
+        speed,
+        input.link.bytes_per_s / 1e9
+    );
+    println!(
+        "{:>14} {:>6} {:>13} {:>12} {:>8} {:>10}  layout",
+        "role", "shape", "predicted ms", "measured ms", "error", "samples/s"
+    );
+    for r in &rows {
+        println!(
+            "{:>14} {:>6} {:>13.2} {:>12.2} {:>7.1}% {:>10.0}  {}",
+            r.role, r.shape, r.predicted_ms, r.measured_ms, r.error_pct, r.samples_per_s, r.layout
+        );
+    }
+    if let Some(d) = rows.iter().find(|r| r.role == "data parallel") {
+        println!(
+            "chosen layout against data parallelism on the same hosts: {:.2}x the samples/s",
+            rows[0].samples_per_s / d.samples_per_s
+        );
+    }
+    Ok(())
+}
