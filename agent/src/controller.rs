@@ -13,10 +13,15 @@
 //! 4. With fewer candidates than `min_nodes`, nothing is scheduled (a scheduled epoch naming a
 //!    node that can no longer train is withdrawn): training pauses and waits.
 //! 5. A member that left the current epoch (leaving, draining) is removed.
+//! 6. When the job is pipelined (the job document has `pipeline` settings), the planner lays
+//!    the candidates out as data x pipeline from the job's recorded profile; candidates the
+//!    best layout does not use stay out as spares, and a change of layout alone (after a
+//!    join that makes another layout faster) is an epoch change too.
 //!
 //! Ranks keep their order across epochs (survivors first, newcomers by id), so a rank's data
 //! share moves as little as possible.
 
+use crate::planner::{arrange, PipelineJob};
 use crate::policy::{BaseBatch, BatchPolicy, GradientStats};
 use limpet_consensus::state::{ClusterState, Command, Epoch, Layout, MemberStatus, NodeId};
 use std::collections::BTreeMap;
@@ -142,10 +147,36 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
     }
     let newcomers: Vec<NodeId> =
         st.members.keys().copied().filter(|id| !current_ranks.contains(id) && candidate(*id)).collect();
-    for &n in &newcomers {
+    ranks.extend(&newcomers);
+    // 6. With a pipelined job the planner lays the candidates out; some may stay spares.
+    let pipeline = match st.job.as_ref().and_then(|j| j.get("pipeline")) {
+        None => None,
+        Some(v) => match serde_json::from_value::<PipelineJob>(v.clone()) {
+            Ok(p) => Some(p),
+            Err(e) => return wait(&format!("the job's pipeline settings are unreadable: {e}")),
+        },
+    };
+    let mut layout = Layout::data_parallel(ranks.len());
+    let mut micro = None;
+    if let Some(p) = &pipeline {
+        if ranks.len() >= cfg.min_nodes.max(1) {
+            match arrange(p, &ranks, cfg.base.global_batch as usize) {
+                Ok((arranged, plan)) => {
+                    ranks = arranged;
+                    layout = Layout {
+                        data: plan.layout.data as u32,
+                        pipeline: plan.layout.pipeline() as u32,
+                        cuts: plan.layout.cuts().iter().map(|&c| c as u32).collect(),
+                    };
+                    micro = Some(plan.layout.micro_batch as u64);
+                }
+                Err(e) => return wait(&format!("paused: no layout for {} node(s): {e}", ranks.len())),
+            }
+        }
+    }
+    for &n in newcomers.iter().filter(|n| ranks.contains(n)) {
         causes.push(format!("join of node {n}"));
     }
-    ranks.extend(&newcomers);
 
     // 5. Members that left the current epoch are removed.
     for (id, m) in &st.members {
@@ -161,7 +192,8 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
         causes.push("collective failure with every rank alive".into());
     }
     let rebuild = view.rebuild && failed.is_empty() && ranks == current_ranks;
-    if ranks == current_ranks && failed.is_empty() && st.current.is_some() && !rebuild {
+    let same_layout = st.current.as_ref().is_none_or(|c| c.layout == layout);
+    if ranks == current_ranks && same_layout && failed.is_empty() && st.current.is_some() && !rebuild {
         // A pending change that no longer applies (its newcomer left again) is withdrawn.
         if let Some(s) = &st.scheduled {
             commands.push(Command::CancelEpoch {
@@ -188,7 +220,7 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
     }
     if let Some(s) = &st.scheduled {
         // A scheduled epoch that already has exactly these ranks stands.
-        if s.ranks == ranks && !(rebuild && s.start_step > max_applied(view, &ranks)) {
+        if s.ranks == ranks && s.layout == layout && !(rebuild && s.start_step > max_applied(view, &ranks)) {
             return Decision {
                 commands,
                 reason: format!("epoch {} scheduled at step {}", s.id, s.start_step),
@@ -199,7 +231,10 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
     if st.current.is_none() {
         causes.clear();
     }
-    let epoch = plan_epoch(view, cfg, &ranks, &current_ranks, &failed, rebuild, causes);
+    if causes.is_empty() && st.current.is_some() {
+        causes.push(format!("re-plan to a {}x{} layout", layout.data, layout.pipeline));
+    }
+    let epoch = plan_epoch(view, cfg, (&ranks, layout, micro), &current_ranks, &failed, rebuild, causes);
     let reason = format!("epoch {} at step {}: {}", epoch.id, epoch.start_step, epoch.cause);
     commands.push(Command::ScheduleEpoch { epoch });
     Decision { commands, reason }
@@ -217,7 +252,7 @@ fn wait(why: &str) -> Decision {
 fn plan_epoch(
     view: &View<'_>,
     cfg: &ControllerConfig,
-    ranks: &[NodeId],
+    (ranks, layout, micro): (&[NodeId], Layout, Option<u64>),
     current: &[NodeId],
     failed: &[NodeId],
     rebuild: bool,
@@ -267,13 +302,18 @@ fn plan_epoch(
         }
     }
     let id = st.last_epoch_id + 1;
-    let decision = cfg.policy.decide(cfg.base, ranks.len() as u64, view.grad_stats);
+    // The batch policy scales with the data-parallel replicas, not with pipeline stages.
+    let decision = cfg.policy.decide(cfg.base, u64::from(layout.data), view.grad_stats);
+    let mut batch = decision.batch;
+    if let Some(m) = micro.filter(|&m| m > 0) {
+        batch.micro_batch = m;
+    }
     Epoch {
         id,
         start_step: start,
         ranks: ranks.to_vec(),
-        layout: Layout { data: ranks.len() as u32, pipeline: 1 },
-        batch: decision.batch,
+        layout,
+        batch,
         lr_scale: decision.lr_scale,
         sources,
         cause: if causes.is_empty() { "first epoch".into() } else { causes.join(", ") },

@@ -278,6 +278,58 @@ pub enum PlanError {
     NoFit(String),
 }
 
+/// A cluster job's pipeline settings, recorded with the job in the log so that every
+/// leader plans from the same profile.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PipelineJob {
+    /// The model's block costs, measured by the node that set the job.
+    pub profile: ModelProfile,
+    /// The network between hosts.
+    pub link: Link,
+    /// Stages per replica, or `None` for the planner's choice.
+    pub depth: Option<usize>,
+    /// Memory training may use on each host, bytes.
+    pub mem_bytes: u64,
+}
+
+/// The planner's layout for an epoch whose candidate ranks are `candidates` (node ids):
+/// the ranks that train, in the epoch's data-major order (candidates the layout does not
+/// use stay out as spares), the stage cuts, the micro-batch, and the prediction.
+pub fn arrange(
+    job: &PipelineJob,
+    candidates: &[u64],
+    global_batch: usize,
+) -> Result<(Vec<u64>, Plan), PlanError> {
+    let input = PlanInput {
+        profile: job.profile.clone(),
+        hosts: candidates
+            .iter()
+            .map(|id| HostSpec { name: id.to_string(), speed: 1.0, mem_bytes: job.mem_bytes })
+            .collect(),
+        link: job.link,
+        global_batch,
+        max_depth: job.depth,
+    };
+    let report = plan(&input)?;
+    let chosen = match job.depth {
+        None => report.best,
+        Some(d) => std::iter::once(report.best)
+            .chain(report.runners_up)
+            .find(|p| p.layout.pipeline() == d)
+            .ok_or_else(|| {
+            PlanError::NoFit(format!("no {d}-stage layout fits {} hosts", candidates.len()))
+        })?,
+    };
+    let mut ranks = Vec::new();
+    for r in 0..chosen.layout.data {
+        for st in &chosen.layout.stages {
+            ranks.push(st.hosts[r].parse::<u64>().expect("hosts are named by node id"));
+        }
+    }
+    Ok((ranks, chosen))
+}
+
 /// Groups larger than this many per shape are not searched (the DP is exponential in groups).
 pub const MAX_GROUPS: usize = 12;
 

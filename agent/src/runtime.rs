@@ -18,6 +18,7 @@ use crate::dataplane::{DataPlaneConfig, DataPlaneError, Endpoint, Group};
 use crate::policy::{BaseBatch, BatchPolicy};
 use crate::report::{AgentReport, Broken, Phase, Transition, MAX_TRANSITIONS, REPORT_VERSION};
 use crate::revocation::{Source, Watcher};
+use crate::stage::StageConnections;
 use limpet_consensus::state::{
     cluster_id, ClusterState, Command, Epoch, Hardware, MemberSpec, MemberStatus, NodeId,
 };
@@ -29,6 +30,7 @@ use limpet_trainer::{JobSpec, Trainer};
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::net::SocketAddr;
+use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
@@ -92,6 +94,20 @@ pub struct AgentConfig {
     pub lead: Duration,
     /// Margin kept before a revocation deadline.
     pub notice_margin: Duration,
+    /// Pipeline parallelism; `None` trains plain data parallelism.
+    pub pipeline: Option<PipelineSettings>,
+}
+
+/// An agent's pipeline settings. The node that sets the job profiles the model and records
+/// the profile with these in the job, so every leader plans from the same numbers.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PipelineSettings {
+    /// Stages per replica, or `None` for the planner's choice.
+    pub depth: Option<usize>,
+    /// Memory training may use on each host, bytes.
+    pub mem_bytes: u64,
+    /// The network between hosts.
+    pub link: crate::planner::Link,
 }
 
 impl AgentConfig {
@@ -130,6 +146,7 @@ impl AgentConfig {
             step_log: None,
             lead: Duration::from_millis(400),
             notice_margin: Duration::from_millis(1000),
+            pipeline: None,
         }
     }
 }
@@ -448,7 +465,7 @@ async fn watch_revocations(
 /// While this node leads: sets the job, runs the controller on the reports, activates
 /// epochs that ranks entered and members that trained.
 async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: CancellationToken) {
-    let job = serde_json::to_value(&cfg.job).expect("job serializes");
+    let mut job = None;
     let mut last_reason = String::new();
     loop {
         tokio::select! {
@@ -461,7 +478,17 @@ async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: CancellationToken
         }
         let st = &local.state;
         if st.job.is_none() {
-            if let Err(e) = handle.propose(Command::SetJob { job: job.clone() }, None).await {
+            if job.is_none() {
+                match job_document(&cfg).await {
+                    Ok(doc) => job = Some(doc),
+                    Err(e) => {
+                        tracing::error!(%e, "could not profile the model for the pipeline planner");
+                        continue;
+                    }
+                }
+            }
+            let doc = job.clone().expect("set above");
+            if let Err(e) = handle.propose(Command::SetJob { job: doc }, None).await {
                 tracing::warn!(%e, "could not set the job");
             }
             continue;
@@ -483,6 +510,24 @@ async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: CancellationToken
             }
         }
     }
+}
+
+/// The job as the log records it: the trainer's job spec and, for a pipelined job, the
+/// pipeline settings with this node's profile of the model's blocks.
+async fn job_document(cfg: &AgentConfig) -> anyhow::Result<serde_json::Value> {
+    let mut doc = serde_json::to_value(&cfg.job)?;
+    if let Some(p) = &cfg.pipeline {
+        let (job, path) = (cfg.job.clone(), cfg.data_path.clone());
+        let profile = tokio::task::spawn_blocking(move || -> anyhow::Result<crate::planner::ModelProfile> {
+            let data = Dataset::load(&job.data, path.as_deref())?;
+            Ok(crate::stage::profile_model(&job, &data, 5)?)
+        })
+        .await??;
+        let pj =
+            crate::planner::PipelineJob { profile, link: p.link, depth: p.depth, mem_bytes: p.mem_bytes };
+        doc["pipeline"] = serde_json::to_value(pj)?;
+    }
+    Ok(doc)
 }
 
 /// The leader's decisions for one round (pure apart from logging).
@@ -599,7 +644,7 @@ struct TrainLoop {
     beat_now: Arc<Notify>,
     stop: CancellationToken,
     trainer: Trainer,
-    group: Option<(Epoch, Group)>,
+    group: Option<(Epoch, Conn)>,
     broken_at: Option<(Instant, Option<NodeId>, String)>,
     last_step_done: Option<Instant>,
     lost: u64,
@@ -611,6 +656,14 @@ struct TrainLoop {
     pending: Option<Pending>,
     /// Smoothed (σ², μ²) of the current epoch.
     grad_stats: Option<(f64, f64)>,
+}
+
+/// What a rank of the current epoch trains over.
+enum Conn {
+    /// Data parallelism: one ring over every rank.
+    Ring(Group),
+    /// A data x pipeline layout: its stage's replicas, its replica's stages, pipe links.
+    Stages(Box<StageConnections>),
 }
 
 /// Ring connections of an epoch not entered yet.
@@ -732,23 +785,37 @@ impl TrainLoop {
     /// Trains one step in the current group; a collective error breaks the group.
     fn step(&mut self, epoch: &Epoch) -> Result<(), String> {
         let started = Instant::now();
-        let (group_rank, world) = {
-            let (_, g) = self.group.as_ref().expect("in a group");
-            (g.rank(), g.world())
-        };
-        let mut buf = self.trainer.compute_grads(group_rank, world).map_err(|e| e.to_string())?;
         let step = self.trainer.step();
-        let (_, g) = self.group.as_mut().expect("in a group");
-        if let Err(e) = g.allreduce_sum(&mut buf, step) {
-            let suspect = suspect_of(&e);
-            tracing::warn!(epoch = epoch.id, step, %e, "collective failed; waiting for the next epoch");
-            self.lost += 1;
-            self.broken_at = Some((Instant::now(), suspect, e.to_string()));
-            self.set_phase(Phase::Waiting);
-            self.beat_now.notify_one();
-            return Ok(());
-        }
-        let stats = self.trainer.apply_update(&mut buf).map_err(|e| e.to_string())?;
+        let world = epoch.ranks.len();
+        let group_rank = epoch.ranks.iter().position(|&r| r == self.cfg.id).unwrap_or(0);
+        let (_, conn) = self.group.as_mut().expect("in a group");
+        // A failed collective or stage link: (the peer it names, the error).
+        let outcome: Result<limpet_trainer::StepStats, (Option<NodeId>, String)> = match conn {
+            Conn::Ring(g) => {
+                let mut buf = self.trainer.compute_grads(g.rank(), g.world()).map_err(|e| e.to_string())?;
+                match g.allreduce_sum(&mut buf, step) {
+                    Ok(()) => Ok(self.trainer.apply_update(&mut buf).map_err(|e| e.to_string())?),
+                    Err(e) => Err((suspect_of(&e), e.to_string())),
+                }
+            }
+            Conn::Stages(c) => match c.step(&mut self.trainer) {
+                Ok(stats) => Ok(stats),
+                // The data plane's errors reach the trainer as text; they name the peer.
+                Err(limpet_trainer::TrainerError::Reduce(e)) => Err((suspect_in(&e), e)),
+                Err(e) => return Err(e.to_string()),
+            },
+        };
+        let stats = match outcome {
+            Ok(stats) => stats,
+            Err((suspect, e)) => {
+                tracing::warn!(epoch = epoch.id, step, %e, "collective failed; waiting for the next epoch");
+                self.lost += 1;
+                self.broken_at = Some((Instant::now(), suspect, e));
+                self.set_phase(Phase::Waiting);
+                self.beat_now.notify_one();
+                return Ok(());
+            }
+        };
         let took = started.elapsed().as_secs_f64() * 1e3;
         self.step_time_ms =
             if self.step_time_ms == 0.0 { took } else { 0.9 * self.step_time_ms + 0.1 * took };
@@ -767,7 +834,8 @@ impl TrainLoop {
             s.push('\n');
             f.write_all(s.as_bytes()).map_err(|e| format!("writing the step log: {e}"))?;
         }
-        self.observe_gradients(&stats, world);
+        // AdaScale's statistics are over data-parallel replicas, not pipeline stages.
+        self.observe_gradients(&stats, epoch.layout.data as usize);
         {
             let mut p = self.progress.lock().expect("progress lock");
             p.grad_stats = self.grad_stats;
@@ -902,50 +970,83 @@ impl TrainLoop {
                 .map_err(|e| e.to_string())?,
         };
 
-        // Publish this rank's state, then agree on (step, hash).
+        // Publish this rank's state, then agree on (step, blocks held, hash).
         let image = self.trainer.image().map_err(|e| e.to_string())?;
         let hash = image.content_hash().to_string();
         let encoded = image.encode().map_err(|e| e.to_string())?;
         self.server.offer(Offer::new(encoded, 1 << 20, label_of(&hash)));
-        let mine = entry_words(self.trainer.step(), &hash);
+        let held = self.trainer.model().blocks();
+        let mine = entry_words(self.trainer.step(), &hash, held.clone());
         let mut all = vec![0f32; mine.len() * n.ranks.len()];
         group.allgather(&mine, &mut all, ENTRY_STEP).map_err(|e| e.to_string())?;
-        let ranks: Vec<(u64, [u8; 32])> = all.chunks(mine.len()).map(decode_entry).collect();
-        let (src, action) = entry_plan(&ranks, group.rank());
-        let top = ranks[src].0;
+        let ranks: Vec<RankState> = all.chunks(mine.len()).map(decode_entry).collect();
+        let me_idx = group.rank();
+        let stages = n.layout.stage_blocks(self.cfg.job.model.num_blocks())?;
+        let target = stages[me_idx % stages.len()].clone();
+        let plan = entry_plan(&ranks, me_idx, target.clone())?;
         let mut fetched_bytes = 0;
         let mut fetch_ms = 0;
-        let mut repaired = false;
-        if action != Entry::Keep {
-            repaired = action == Entry::Repair;
+        let repaired = plan.action == Entry::Repair;
+        if plan.action != Entry::Keep {
             if repaired {
                 tracing::warn!(
                     epoch = n.id,
-                    step = top,
+                    step = plan.step,
                     "state hash differs from the source's at the same step; repairing"
                 );
             }
-            let src_node = n.ranks[src];
-            let source = format!("{src_node}@{}", addrs[src]);
-            let hex: String = ranks[src].1.iter().map(|b| format!("{b:02x}")).collect();
-            let opts = FetchOptions { expect: Some(label_of(&hex)), ..FetchOptions::default() };
-            let dialer = HandoffDialer { endpoint: &self.endpoint, epoch: n.id };
             let fetch_started = Instant::now();
-            let (bytes, stats) = fetch(&dialer, &[source], &opts).map_err(|e| e.to_string())?;
-            fetched_bytes = stats.bytes;
-            let img = StateImage::decode(&bytes).map_err(|e| e.to_string())?;
-            if img.content_hash() != hex {
-                return Err(format!("state from node {src_node} does not hash to what it announced"));
+            let mut tensors = BTreeMap::new();
+            let mut meta = None;
+            for (src, blocks) in &plan.sources {
+                let fetched;
+                let img = if *src == me_idx {
+                    &image
+                } else {
+                    let src_node = n.ranks[*src];
+                    let source = format!("{src_node}@{}", addrs[*src]);
+                    let hex: String = ranks[*src].hash.iter().map(|b| format!("{b:02x}")).collect();
+                    let opts = FetchOptions { expect: Some(label_of(&hex)), ..FetchOptions::default() };
+                    let dialer = HandoffDialer { endpoint: &self.endpoint, epoch: n.id };
+                    let (bytes, stats) = fetch(&dialer, &[source], &opts).map_err(|e| e.to_string())?;
+                    fetched_bytes += stats.bytes;
+                    fetched = StateImage::decode(&bytes).map_err(|e| e.to_string())?;
+                    if fetched.content_hash() != hex {
+                        return Err(format!("state from node {src_node} does not hash to what it announced"));
+                    }
+                    tracing::info!(
+                        epoch = n.id,
+                        step = plan.step,
+                        from = src_node,
+                        ?blocks,
+                        bytes = stats.bytes,
+                        "state copied from a peer"
+                    );
+                    &fetched
+                };
+                for (name, t) in img.tensors() {
+                    if block_of(name).is_some_and(|b| blocks.contains(&b)) {
+                        tensors.insert(name.clone(), t.clone());
+                    }
+                }
+                if meta.is_none() || *src != me_idx {
+                    let m = img.meta();
+                    meta = Some((m.step, m.cursor, m.rng, m.job.clone()));
+                }
             }
-            self.trainer.load_image(&img).map_err(|e| e.to_string())?;
+            let (step, cursor, rng, job) = meta.expect("an entry that copies names a source");
+            let merged = StateImage::new(step, cursor, rng, job, tensors);
+            if target != held {
+                tracing::info!(epoch = n.id, from = ?held, to = ?target, "this rank's blocks change");
+                self.trainer = Trainer::for_stage(
+                    self.cfg.job.clone(),
+                    self.trainer.data().shallow_clone(),
+                    target.clone(),
+                )
+                .map_err(|e| e.to_string())?;
+            }
+            self.trainer.load_image(&merged).map_err(|e| e.to_string())?;
             fetch_ms = fetch_started.elapsed().as_millis() as u64;
-            tracing::info!(
-                epoch = n.id,
-                step = top,
-                from = src_node,
-                bytes = fetched_bytes,
-                "state copied from a peer"
-            );
         }
         self.trainer
             .set_epoch_plan(n.batch.global_batch as usize, n.batch.micro_batch as usize, n.lr_scale)
@@ -963,7 +1064,20 @@ impl TrainLoop {
             repaired,
         };
         tracing::info!(node = me, epoch = n.id, step = t.step, world = n.ranks.len(), idle_ms, cause = %n.cause, "entered epoch");
-        self.group = Some((n.clone(), group));
+        let conn = if n.layout.pipeline > 1 {
+            // Every rank passed the barrier, so every ring connection of the entry is taken:
+            // the stage groups' connections (same epoch, same channel) cannot be mistaken
+            // for them.
+            drop(group);
+            let layout = (n.layout.data as usize, n.layout.pipeline as usize);
+            Conn::Stages(Box::new(
+                StageConnections::connect(&self.endpoint, n.id, layout, &n.ranks, &addrs, by, &superseded)
+                    .map_err(|e| e.to_string())?,
+            ))
+        } else {
+            Conn::Ring(group)
+        };
+        self.group = Some((n.clone(), conn));
         self.broken_at = None;
         {
             let mut p = self.progress.lock().expect("progress lock");
@@ -981,27 +1095,92 @@ impl TrainLoop {
 /// What a rank does with its state when it enters an epoch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Entry {
-    /// It holds the source's state.
+    /// It holds the epoch's state for its blocks.
     Keep,
-    /// It is behind (or new): copy the source's state.
+    /// It is behind, new, or holds other blocks: assemble its blocks from holders.
     CatchUp,
-    /// It is at the source's step with another state (divergence): copy and report.
+    /// It holds its blocks at the top step but with another state (divergence): copy them
+    /// from the reference and report.
     Repair,
 }
 
-/// From every rank's (step, content hash) in rank order: the source (the first rank at the
-/// highest step) and what rank `me` must do.
-fn entry_plan(ranks: &[(u64, [u8; 32])], me: usize) -> (usize, Entry) {
-    let top = ranks.iter().map(|r| r.0).max().unwrap_or(0);
-    let src = ranks.iter().position(|r| r.0 == top).unwrap_or(0);
-    let action = if ranks[me] == ranks[src] {
-        Entry::Keep
-    } else if ranks[me].0 == top {
-        Entry::Repair
-    } else {
-        Entry::CatchUp
-    };
-    (src, action)
+/// One rank's state as the entry protocol publishes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct RankState {
+    /// Steps applied.
+    step: u64,
+    /// Content hash of its state.
+    hash: [u8; 32],
+    /// The blocks it holds.
+    blocks: (usize, usize),
+}
+
+impl RankState {
+    fn holds(&self, block: usize) -> bool {
+        (self.blocks.0..self.blocks.1).contains(&block)
+    }
+}
+
+/// How a rank enters: the step everyone starts at, what it does, and for each source rank
+/// the blocks it takes from it (itself included, for blocks it already holds).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct EntryPlan {
+    step: u64,
+    action: Entry,
+    sources: Vec<(usize, Vec<usize>)>,
+}
+
+/// From every rank's published state (in rank order), how rank `me`, which trains blocks
+/// `target` in the epoch, enters. The epoch starts at the highest step any rank applied.
+/// The *reference* is the first rank at that step holding exactly `target`: a rank that
+/// holds the same blocks at the same step must match its hash or repair from it. Otherwise
+/// each block comes from this rank itself if it holds it at the top step, else from the
+/// reference, else from the first rank at the top step that holds it. A block nobody holds
+/// at the top step is an error: there is no live replica to copy.
+fn entry_plan(ranks: &[RankState], me: usize, target: Range<usize>) -> Result<EntryPlan, String> {
+    let top = ranks.iter().map(|r| r.step).max().unwrap_or(0);
+    let want = (target.start, target.end);
+    let reference = ranks.iter().position(|r| r.step == top && r.blocks == want);
+    let mine = ranks[me];
+    if mine.step == top && mine.blocks == want {
+        let r = reference.expect("this rank qualifies");
+        if ranks[r].hash == mine.hash {
+            return Ok(EntryPlan { step: top, action: Entry::Keep, sources: Vec::new() });
+        }
+        return Ok(EntryPlan { step: top, action: Entry::Repair, sources: vec![(r, target.collect())] });
+    }
+    let mut sources: Vec<(usize, Vec<usize>)> = Vec::new();
+    for k in target {
+        let src = if mine.step == top && mine.holds(k) {
+            me
+        } else if let Some(r) = reference {
+            r
+        } else {
+            ranks.iter().position(|r| r.step == top && r.holds(k)).ok_or_else(|| {
+                format!("no rank holds block {k} at step {top}: no live replica to copy it from")
+            })?
+        };
+        match sources.iter_mut().find(|(s, _)| *s == src) {
+            Some((_, blocks)) => blocks.push(k),
+            None => sources.push((src, vec![k])),
+        }
+    }
+    Ok(EntryPlan { step: top, action: Entry::CatchUp, sources })
+}
+
+/// The block a state tensor belongs to: `param/bNN.x` and `optim/<slot>/bNN.x` are block NN's.
+fn block_of(name: &str) -> Option<usize> {
+    let leaf = name.rsplit('/').next()?;
+    let digits = leaf.strip_prefix('b')?.split('.').next()?;
+    digits.parse().ok()
+}
+
+/// A peer named in a data-plane error's text (`peer N ...`), for errors that reach the
+/// agent through the trainer as text.
+fn suspect_in(text: &str) -> Option<NodeId> {
+    let at = text.find("peer ")? + "peer ".len();
+    let digits: String = text[at..].chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
 }
 
 /// The peer a data-plane error names, if any.
@@ -1014,9 +1193,10 @@ fn suspect_of(e: &DataPlaneError) -> Option<NodeId> {
     }
 }
 
-/// (step, 32-byte hash) as eleven f32 words for the allgather (bit patterns, never summed).
-fn entry_words(step: u64, hash_hex: &str) -> [f32; 10] {
-    let mut w = [0f32; 10];
+/// (step, 32-byte hash, blocks held) as twelve f32 words for the allgather (bit patterns,
+/// never summed).
+fn entry_words(step: u64, hash_hex: &str, blocks: Range<usize>) -> [f32; 12] {
+    let mut w = [0f32; 12];
     w[0] = f32::from_bits(step as u32);
     w[1] = f32::from_bits((step >> 32) as u32);
     let bytes: Vec<u8> = (0..32)
@@ -1025,46 +1205,86 @@ fn entry_words(step: u64, hash_hex: &str) -> [f32; 10] {
     for (i, c) in bytes.chunks(4).enumerate() {
         w[2 + i] = f32::from_bits(u32::from_le_bytes(c.try_into().expect("4 bytes")));
     }
+    w[10] = f32::from_bits(blocks.start as u32);
+    w[11] = f32::from_bits(blocks.end as u32);
     w
 }
 
-fn decode_entry(w: &[f32]) -> (u64, [u8; 32]) {
+fn decode_entry(w: &[f32]) -> RankState {
     let step = u64::from(w[0].to_bits()) | (u64::from(w[1].to_bits()) << 32);
-    let mut h = [0u8; 32];
+    let mut hash = [0u8; 32];
     for i in 0..8 {
-        h[4 * i..4 * i + 4].copy_from_slice(&w[2 + i].to_bits().to_le_bytes());
+        hash[4 * i..4 * i + 4].copy_from_slice(&w[2 + i].to_bits().to_le_bytes());
     }
-    (step, h)
+    RankState { step, hash, blocks: (w[10].to_bits() as usize, w[11].to_bits() as usize) }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn at(step: u64, hash: [u8; 32], blocks: (usize, usize)) -> RankState {
+        RankState { step, hash, blocks }
+    }
+
     #[test]
     fn entry_plan_picks_the_first_rank_at_the_top_and_repairs_divergence() {
         let (a, b) = ([1u8; 32], [2u8; 32]);
-        // Everyone equal: nobody copies; rank 0 is the source.
-        let same = [(7, a), (7, a), (7, a)];
-        assert!((0..3).all(|r| entry_plan(&same, r) == (0, Entry::Keep)));
+        let all = (0, 4);
+        // Everyone equal: nobody copies.
+        let same = [at(7, a, all), at(7, a, all), at(7, a, all)];
+        assert!((0..3).all(|r| entry_plan(&same, r, 0..4).unwrap().action == Entry::Keep));
         // A laggard (it did not apply the step in flight) and a newcomer at step 0 catch up
         // from the first rank at the top.
-        let mixed = [(6, b), (7, a), (0, b), (7, a)];
-        assert_eq!(entry_plan(&mixed, 0), (1, Entry::CatchUp));
-        assert_eq!(entry_plan(&mixed, 1), (1, Entry::Keep));
-        assert_eq!(entry_plan(&mixed, 2), (1, Entry::CatchUp));
-        assert_eq!(entry_plan(&mixed, 3), (1, Entry::Keep));
+        let mixed = [at(6, b, all), at(7, a, all), at(0, b, all), at(7, a, all)];
+        let p = entry_plan(&mixed, 0, 0..4).unwrap();
+        assert_eq!((p.step, p.action, p.sources), (7, Entry::CatchUp, vec![(1, vec![0, 1, 2, 3])]));
+        assert_eq!(entry_plan(&mixed, 1, 0..4).unwrap().action, Entry::Keep);
+        assert_eq!(entry_plan(&mixed, 2, 0..4).unwrap().sources, vec![(1, vec![0, 1, 2, 3])]);
+        assert_eq!(entry_plan(&mixed, 3, 0..4).unwrap().action, Entry::Keep);
         // Same step, other state: copy and report.
-        let diverged = [(7, a), (7, b)];
-        assert_eq!(entry_plan(&diverged, 1), (0, Entry::Repair));
+        let diverged = [at(7, a, all), at(7, b, all)];
+        let p = entry_plan(&diverged, 1, 0..4).unwrap();
+        assert_eq!((p.action, p.sources), (Entry::Repair, vec![(0, vec![0, 1, 2, 3])]));
+    }
+
+    #[test]
+    fn entry_plan_moves_blocks_between_stages() {
+        let (a, b, c) = ([1u8; 32], [2u8; 32], [3u8; 32]);
+        // Two stages (0..2, 2..4) become plain data parallelism: each rank keeps its own
+        // blocks and takes the others from the other stage.
+        let two = [at(9, a, (0, 2)), at(9, b, (2, 4))];
+        let p = entry_plan(&two, 1, 0..4).unwrap();
+        assert_eq!((p.action, p.sources), (Entry::CatchUp, vec![(0, vec![0, 1]), (1, vec![2, 3])]));
+        // A 2x2 layout lost stage 1 of replica 0; the survivors re-plan to 1x2 with new
+        // cuts (0..3, 3..4): the first takes block 2 from the surviving replica of stage 1.
+        let survivors = [at(9, a, (0, 2)), at(9, a, (0, 2)), at(9, c, (2, 4))];
+        let p = entry_plan(&survivors, 0, 0..3).unwrap();
+        assert_eq!(p.sources, vec![(0, vec![0, 1]), (2, vec![2])]);
+        let p = entry_plan(&survivors, 2, 3..4).unwrap();
+        assert_eq!(p.sources, vec![(2, vec![3])]);
+        // A block whose only holder did not apply the last step cannot be copied.
+        let stale = [at(9, a, (0, 2)), at(8, b, (2, 4))];
+        let e = entry_plan(&stale, 0, 0..4).unwrap_err();
+        assert!(e.contains("no rank holds block 2 at step 9"), "{e}");
+    }
+
+    #[test]
+    fn tensor_names_map_to_blocks_and_errors_to_peers() {
+        assert_eq!(block_of("param/b03.qkv.weight"), Some(3));
+        assert_eq!(block_of("optim/m/b12.fc.bias"), Some(12));
+        assert_eq!(block_of("param/tok"), None);
+        assert_eq!(suspect_in("gradient reduce failed: peer 17 closed the connection"), Some(17));
+        assert_eq!(suspect_in("no progress (peer 4 silent or dead)"), Some(4));
+        assert_eq!(suspect_in("protocol violation"), None);
     }
 
     #[test]
     fn entry_words_round_trip() {
         let hex = "00ff10203040506070808090a0b0c0d0e0f0112233445566778899aabbccddee";
-        let (step, h) = decode_entry(&entry_words(0x1_0000_0007, hex));
-        assert_eq!(step, 0x1_0000_0007);
-        let back: String = h.iter().map(|b| format!("{b:02x}")).collect();
+        let r = decode_entry(&entry_words(0x1_0000_0007, hex, 2..5));
+        assert_eq!((r.step, r.blocks), (0x1_0000_0007, (2, 5)));
+        let back: String = r.hash.iter().map(|b| format!("{b:02x}")).collect();
         assert_eq!(back, hex);
     }
 }

@@ -4,6 +4,7 @@
 //! epoch includes a node that is leaving or past its deadline.
 
 use limpet_agent::controller::{decide, ControllerConfig, NodeProgress, View};
+use limpet_agent::planner::{BlockCost, Link, ModelProfile, PipelineJob};
 use limpet_agent::policy::{BaseBatch, BatchPolicy};
 use limpet_consensus::state::{ClusterState, Command, Hardware, MemberSpec, MemberStatus, NodeId};
 use proptest::prelude::*;
@@ -188,6 +189,93 @@ fn the_leader_host_itself_can_be_revoked() {
     sim.start_scheduled();
     sim.control();
     assert_eq!(sim.state.members[&1].status, MemberStatus::Gone, "removed once out of the epoch");
+}
+
+/// A pipelined job: four equal blocks that each need 8 MB of weights, gradients and optimizer
+/// state, on hosts of 20 MB, so no host holds more than two blocks.
+fn pipelined(n: u64, depth: Option<usize>) -> Sim {
+    let mut sim = Sim::new(0);
+    let members: Vec<MemberSpec> = (1..=n).map(spec).collect();
+    sim.state = ClusterState::bootstrap("c", &members);
+    let block = BlockCost {
+        fwd_ms: 1.0,
+        bwd_ms: 2.0,
+        fixed_fwd_ms: 0.0,
+        fixed_bwd_ms: 0.0,
+        apply_ms: 0.1,
+        out_bytes: 4096,
+        saved_bytes: 4096,
+        param_bytes: 2 << 20,
+        optim_bytes: 4 << 20,
+    };
+    let job = PipelineJob {
+        profile: ModelProfile {
+            model: "test".into(),
+            micro_batch: 16,
+            blocks: vec![block; 4],
+            overhead_ms: 0.0,
+        },
+        link: Link { bytes_per_s: 1e9, latency_ms: 0.05 },
+        depth,
+        mem_bytes: 20 << 20,
+    };
+    let doc = serde_json::json!({"model": "mlp", "pipeline": job});
+    sim.state.apply(&Command::SetJob { job: doc }).unwrap();
+    sim.progress = (1..=n).map(|i| (i, NodeProgress { applied_step: 0, heartbeat_age_ms: 0 })).collect();
+    sim
+}
+
+#[test]
+fn a_pipelined_job_is_laid_out_by_the_planner_and_re_planned_when_a_stage_host_leaves() {
+    let mut sim = pipelined(4, Some(2));
+    sim.control();
+    let e = sim.state.scheduled.clone().unwrap();
+    assert_eq!((e.layout.data, e.layout.pipeline, e.layout.cuts.clone()), (2, 2, vec![2]), "{e:?}");
+    assert_eq!(e.ranks.len(), 4);
+    sim.start_scheduled();
+    sim.train(10);
+    assert_eq!(sim.control(), "steady");
+    // Node 1's host gets a notice: three hosts left, so one 2-stage pipeline and a spare.
+    let leaving = e.ranks[0];
+    sim.state
+        .apply(&Command::Notice { id: leaving, deadline_ms: sim.now + 120_000, source: "aws".into() })
+        .unwrap();
+    let why = sim.control();
+    let next = sim.state.scheduled.clone().unwrap();
+    assert!(why.contains(&format!("notice for node {leaving}")), "{why}");
+    assert_eq!((next.layout.data, next.layout.pipeline, next.ranks.len()), (1, 2, 2), "{next:?}");
+    assert!(!next.ranks.contains(&leaving));
+    sim.start_scheduled();
+    sim.train(5);
+    assert_eq!(sim.control(), "steady", "the spare does not trigger a re-plan");
+    // A stage host dies: the spare takes its place.
+    let dead = next.ranks[1];
+    sim.progress.get_mut(&dead).unwrap().heartbeat_age_ms = 10_000;
+    let why = sim.control();
+    let last = sim.state.scheduled.clone().unwrap();
+    assert!(why.contains(&format!("failure of node {dead}")), "{why}");
+    assert_eq!((last.layout.data, last.layout.pipeline, last.ranks.len()), (1, 2, 2), "{last:?}");
+    assert!(!last.ranks.contains(&dead) && !last.ranks.contains(&leaving));
+    // Without a forced depth, two hosts that cannot each hold the model still pipeline.
+    let mut free = pipelined(2, None);
+    free.control();
+    let e = free.state.scheduled.clone().unwrap();
+    assert_eq!((e.layout.data, e.layout.pipeline), (1, 2), "{e:?}");
+    // One host cannot hold the model: training pauses and says why.
+    let mut alone = pipelined(1, None);
+    let mut cfg_one = config();
+    cfg_one.min_nodes = 1;
+    let view = View {
+        state: &alone.state,
+        now_ms: alone.now,
+        progress: &alone.progress,
+        step_time_ms: 0.0,
+        grad_stats: None,
+        rebuild: false,
+    };
+    let d = decide(&view, &cfg_one);
+    assert!(d.reason.starts_with("paused: no layout for 1 node(s)"), "{}", d.reason);
+    alone.now += 1;
 }
 
 #[derive(Clone, Debug)]

@@ -89,13 +89,39 @@ pub struct Member {
     pub deadline_ms: Option<u64>,
 }
 
-/// How the ranks of an epoch are arranged.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// How the ranks of an epoch are arranged: `data` replicas of a `pipeline`-stage pipeline,
+/// rank `r * pipeline + s` being replica `r` of stage `s`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Layout {
     /// Data-parallel replicas.
     pub data: u32,
     /// Pipeline stages per replica.
     pub pipeline: u32,
+    /// The first block of every stage after the first (empty without a pipeline).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cuts: Vec<u32>,
+}
+
+impl Layout {
+    /// Plain data parallelism over `n` ranks.
+    pub fn data_parallel(n: usize) -> Layout {
+        Layout { data: n as u32, pipeline: 1, cuts: Vec::new() }
+    }
+
+    /// The block range of every stage of a model of `blocks` blocks, or why the cuts do not
+    /// fit it.
+    pub fn stage_blocks(&self, blocks: usize) -> Result<Vec<std::ops::Range<usize>>, String> {
+        let mut bounds = vec![0usize];
+        bounds.extend(self.cuts.iter().map(|&c| c as usize));
+        bounds.push(blocks);
+        if bounds.len() != self.pipeline as usize + 1 || bounds.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(format!(
+                "cuts {:?} do not split {blocks} blocks into {} stages",
+                self.cuts, self.pipeline
+            ));
+        }
+        Ok(bounds.windows(2).map(|w| w[0]..w[1]).collect())
+    }
 }
 
 /// How an epoch splits the global batch.
@@ -612,6 +638,16 @@ impl ClusterState {
                 e.ranks.len()
             ));
         }
+        let want_cuts = e.layout.pipeline.saturating_sub(1) as usize;
+        if e.layout.cuts.len() != want_cuts
+            || e.layout.cuts.windows(2).any(|w| w[0] >= w[1])
+            || e.layout.cuts.first() == Some(&0)
+        {
+            return Err(format!(
+                "epoch {}: {} stages need {want_cuts} increasing block cuts after block 0, not {:?}",
+                e.id, e.layout.pipeline, e.layout.cuts
+            ));
+        }
         if e.batch.global_batch == 0 || e.batch.micro_batch == 0 {
             return Err(format!("epoch {}: batch sizes must be positive", e.id));
         }
@@ -754,7 +790,7 @@ mod tests {
             id,
             start_step: start,
             ranks: ranks.to_vec(),
-            layout: Layout { data: ranks.len() as u32, pipeline: 1 },
+            layout: Layout::data_parallel(ranks.len()),
             batch: EpochBatch { global_batch: 64, micro_batch: 16 },
             lr_scale: 1.0,
             sources: BTreeMap::new(),
@@ -815,8 +851,20 @@ mod tests {
         assert!(st.apply(&Command::ScheduleEpoch { epoch: epoch(3, 2, &[1, 2]) }).is_ok());
         assert!(st.apply(&Command::ActivateEpoch { id: 2 }).unwrap_err().contains("epoch 3 is"));
         let mut bad = epoch(4, 20, &[1, 2]);
-        bad.layout = Layout { data: 1, pipeline: 1 };
+        bad.layout = Layout::data_parallel(1);
         assert!(st.apply(&Command::ScheduleEpoch { epoch: bad }).unwrap_err().contains("does not cover"));
+        let mut bad = epoch(4, 20, &[1, 2]);
+        bad.layout = Layout { data: 1, pipeline: 2, cuts: vec![] };
+        assert!(st
+            .apply(&Command::ScheduleEpoch { epoch: bad })
+            .unwrap_err()
+            .contains("need 1 increasing block cuts"));
+        let mut bad = epoch(4, 20, &[1, 2]);
+        bad.layout = Layout { data: 1, pipeline: 2, cuts: vec![0] };
+        assert!(st.apply(&Command::ScheduleEpoch { epoch: bad }).is_err(), "a stage without blocks");
+        let pipelined = Layout { data: 1, pipeline: 2, cuts: vec![3] };
+        assert_eq!(pipelined.stage_blocks(5).unwrap(), vec![0..3, 3..5]);
+        assert!(pipelined.stage_blocks(3).unwrap_err().contains("do not split 3 blocks"));
         let mut bad = epoch(4, 20, &[1, 2]);
         bad.lr_scale = f64::NAN;
         assert!(st.apply(&Command::ScheduleEpoch { epoch: bad }).is_err());

@@ -47,7 +47,7 @@ fn command(what: u8, next_epoch: &mut u64) -> Command {
                     id: *next_epoch,
                     start_step: u64::from(what),
                     ranks: vec![1, 2, 3],
-                    layout: Layout { data: 3, pipeline: 1 },
+                    layout: Layout::data_parallel(3),
                     batch: EpochBatch { global_batch: 96, micro_batch: 32 },
                     lr_scale: 1.0,
                     // Sometimes with a state source, so the log carries that shape too.

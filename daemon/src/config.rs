@@ -36,6 +36,47 @@ pub struct Config {
     /// Failure detection and transition timing.
     #[serde(default)]
     pub timing: TimingSection,
+    /// Pipeline parallelism (absent: plain data parallelism).
+    pub pipeline: Option<PipelineSection>,
+}
+
+/// How many stages: a number, or `"auto"` for the planner's choice.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum Stages {
+    /// Exactly this many stages per replica.
+    Fixed(usize),
+    /// `"auto"`.
+    Named(String),
+}
+
+/// `[pipeline]`: split the model into stages across hosts, laid out by the planner.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PipelineSection {
+    /// Stages per data-parallel replica, or `"auto"`.
+    pub stages: Stages,
+    /// Memory training may use on each host (`16G`, `512M`, ...).
+    #[serde(default = "default_memory")]
+    pub memory: String,
+    /// Bandwidth between hosts, GB/s.
+    #[serde(default = "default_link_gbps")]
+    pub link_gbps: f64,
+    /// One-way latency between hosts, ms.
+    #[serde(default = "default_latency_ms")]
+    pub latency_ms: f64,
+}
+
+fn default_memory() -> String {
+    "16G".into()
+}
+
+fn default_link_gbps() -> f64 {
+    1.0
+}
+
+fn default_latency_ms() -> f64 {
+    0.1
 }
 
 /// `[timing]`: how fast failures are detected and transitions planned.
@@ -152,6 +193,8 @@ pub struct JobSection {
     /// World size the batch and learning rate were tuned for (the policies scale from it;
     /// default: the number of founders).
     pub base_world: Option<u64>,
+    /// Transformer blocks of the `gpt` model (default 2).
+    pub layers: Option<usize>,
 }
 
 fn default_policy() -> BatchPolicy {
@@ -352,6 +395,32 @@ impl Config {
                     2 * t.heartbeat_ms
                 ),
             );
+        }
+        if let Some(p) = &self.pipeline {
+            match &p.stages {
+                Stages::Fixed(0) => {
+                    return err("[pipeline].stages", "must be at least 1 (or \"auto\")".into())
+                }
+                Stages::Named(s) if s != "auto" => {
+                    return err("[pipeline].stages", format!("{s:?} is neither a number nor \"auto\""))
+                }
+                _ => {}
+            }
+            if let Err(e) = crate::plan_cmd::parse_bytes(&p.memory) {
+                return err("[pipeline].memory", e);
+            }
+            if !(p.link_gbps.is_finite() && p.link_gbps > 0.0) {
+                return err("[pipeline].link_gbps", format!("{} is not a positive number", p.link_gbps));
+            }
+            if !(p.latency_ms.is_finite() && p.latency_ms >= 0.0) {
+                return err(
+                    "[pipeline].latency_ms",
+                    format!("{} is not a non-negative number", p.latency_ms),
+                );
+            }
+        }
+        if self.job.layers == Some(0) || (self.job.layers.is_some() && self.job.model != "gpt") {
+            return err("[job].layers", "applies to model \"gpt\" only, and must be at least 1".into());
         }
         if !(self.revocation.poll_secs.is_finite() && self.revocation.poll_secs >= 0.1) {
             return err("[revocation].poll_secs", format!("{} is below 0.1 s", self.revocation.poll_secs));

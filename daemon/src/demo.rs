@@ -59,6 +59,15 @@ pub struct ScenarioArgs {
     /// Fewest nodes training continues with.
     #[arg(long, default_value_t = 1)]
     pub min_nodes: usize,
+    /// Pipeline stages per replica (a number, or `auto` for the planner's choice).
+    #[arg(long)]
+    pub pipeline: Option<String>,
+    /// Memory per host for the pipeline planner (`16G`, `2M`, ...).
+    #[arg(long)]
+    pub pipeline_memory: Option<String>,
+    /// Transformer blocks of the `gpt` model.
+    #[arg(long)]
+    pub layers: Option<usize>,
     /// Events as FRACTION:ACTION[:NODE[:SECS]], comma-separated; actions: notice, join,
     /// kill, drain, term (SIGTERM); NODE may be `leader` or `follower` (a rank of the
     /// current epoch that does not lead). Example: 0.2:notice:node-2:20,0.5:join,0.7:kill:leader
@@ -107,6 +116,9 @@ pub fn scenario(a: ScenarioArgs) -> anyhow::Result<()> {
         global_batch: a.batch,
         policy: a.policy.clone(),
         min_nodes: a.min_nodes,
+        pipeline: a.pipeline.clone(),
+        pipeline_memory: a.pipeline_memory.clone(),
+        layers: a.layers,
         ..LocalJob::default()
     };
     let summary = run_scenario(&a.dir, a.nodes, job, &script, Duration::from_secs(a.timeout), !a.json)?;
@@ -319,10 +331,11 @@ pub fn run_scenario(
     // Give the heartbeats a moment so every rank's transition record is in.
     std::thread::sleep(Duration::from_millis(300));
     let doc = rt.block_on(gather(&cluster.file.cluster, &cluster.file.control_addrs())).unwrap_or(doc);
-    let survivor =
-        doc.epoch.as_ref().and_then(|e| e.ranks.first().cloned()).context("no current epoch at the end")?;
-    let checkpoint = dir.join(&survivor).join(limpet_trainer::CHECKPOINT_FILE);
-    let (test_loss, test_accuracy) = evaluate(&checkpoint)?;
+    let ranks = doc.epoch.as_ref().map(|e| e.ranks.clone()).context("no current epoch at the end")?;
+    let checkpoints: Vec<PathBuf> =
+        ranks.iter().map(|r| dir.join(r).join(limpet_trainer::CHECKPOINT_FILE)).collect();
+    let checkpoint = checkpoints.first().cloned().context("the final epoch has no ranks")?;
+    let (test_loss, test_accuracy) = evaluate(&checkpoints)?;
     let lines = read_step_logs(&cluster.file.nodes.iter().map(|n| n.step_log.clone()).collect::<Vec<_>>())?;
     let (points, twice) = merge(&lines, &killed);
     let marks: Vec<(u64, String)> =
@@ -392,14 +405,30 @@ fn short_cause(cause: &str) -> String {
         .replace("join of ", "join ")
 }
 
-/// Test loss and accuracy of the final checkpoint in a node's state directory.
-fn evaluate(path: &Path) -> anyhow::Result<(f64, f64)> {
-    let image = limpet_snapshot::read_file(path).with_context(|| format!("reading {}", path.display()))?;
-    let job: limpet_trainer::JobSpec = serde_json::from_value(image.meta().job.clone())?;
-    let data = limpet_trainer::data::Dataset::load(&job.data, None)?;
-    let t = limpet_trainer::Trainer::from_image(&image, data, None)?;
-    let e = t.evaluate()?;
-    Ok((e.loss, e.accuracy))
+/// Test loss and accuracy of the final model, from the final checkpoints of the last
+/// epoch's ranks in order: the first holds the whole model under data parallelism; under a
+/// pipeline each holds its stage's blocks, and the stages of the first replica together
+/// hold the model.
+fn evaluate(paths: &[PathBuf]) -> anyhow::Result<(f64, f64)> {
+    let mut tensors = BTreeMap::new();
+    let mut first: Option<limpet_snapshot::StateImage> = None;
+    for path in paths {
+        let image =
+            limpet_snapshot::read_file(path).with_context(|| format!("reading {}", path.display()))?;
+        for (name, t) in image.tensors() {
+            tensors.entry(name.clone()).or_insert_with(|| t.clone());
+        }
+        let base = first.get_or_insert(image);
+        let m = base.meta();
+        let whole = limpet_snapshot::StateImage::new(m.step, m.cursor, m.rng, m.job.clone(), tensors.clone());
+        let job: limpet_trainer::JobSpec = serde_json::from_value(m.job.clone())?;
+        let data = limpet_trainer::data::Dataset::load(&job.data, None)?;
+        if let Ok(t) = limpet_trainer::Trainer::from_image(&whole, data, None) {
+            let e = t.evaluate()?;
+            return Ok((e.loss, e.accuracy));
+        }
+    }
+    anyhow::bail!("the final checkpoints {paths:?} do not hold the whole model")
 }
 
 /// Every node's step log, parsed.

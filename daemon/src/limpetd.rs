@@ -175,6 +175,14 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
     a.lead = Duration::from_millis(t.lead_ms);
     a.notice_margin = Duration::from_millis(t.notice_margin_ms);
     a.step_log = step_log.or_else(|| cfg.node.step_log.clone());
+    a.pipeline = cfg.pipeline.as_ref().map(|p| limpet_agent::runtime::PipelineSettings {
+        depth: match p.stages {
+            crate::config::Stages::Fixed(n) => Some(n),
+            crate::config::Stages::Named(_) => None,
+        },
+        mem_bytes: crate::plan_cmd::parse_bytes(&p.memory).unwrap_or(16 << 30),
+        link: limpet_agent::planner::Link { bytes_per_s: p.link_gbps * 1e9, latency_ms: p.latency_ms },
+    });
     Ok(a)
 }
 
@@ -207,6 +215,9 @@ pub fn job_spec(cfg: &Config) -> anyhow::Result<JobSpec> {
     }
     if let Some(wd) = j.weight_decay {
         job.optimizer.set_weight_decay(wd);
+    }
+    if let (Some(l), limpet_trainer::model::ModelSpec::Gpt { layers, .. }) = (j.layers, &mut job.model) {
+        *layers = l;
     }
     job.validate(&data)?;
     Ok(job)

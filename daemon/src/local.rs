@@ -32,6 +32,12 @@ pub struct LocalJob {
     pub seed: u64,
     /// Fewest nodes training continues with (fewer: it pauses until enough are back).
     pub min_nodes: usize,
+    /// Pipeline stages per replica (`2`, `auto`); `None` trains plain data parallelism.
+    pub pipeline: Option<String>,
+    /// Memory per host for the pipeline planner (`16G`, ...).
+    pub pipeline_memory: Option<String>,
+    /// Transformer blocks of the `gpt` model.
+    pub layers: Option<usize>,
 }
 
 impl Default for LocalJob {
@@ -46,6 +52,9 @@ impl Default for LocalJob {
             policy: "fixed-global".into(),
             seed: 0,
             min_nodes: 1,
+            pipeline: None,
+            pipeline_memory: None,
+            layers: None,
         }
     }
 }
@@ -224,6 +233,16 @@ impl LocalCluster {
         }
         if let Some(lr) = j.lr {
             text += &format!("lr = {lr:?}\n");
+        }
+        if let Some(l) = j.layers {
+            text += &format!("layers = {l}\n");
+        }
+        if let Some(p) = &j.pipeline {
+            let stages = if p == "auto" { "\"auto\"".to_string() } else { p.clone() };
+            text += &format!("\n[pipeline]\nstages = {stages}\n");
+            if let Some(m) = &j.pipeline_memory {
+                text += &format!("memory = {m:?}\n");
+            }
         }
         text += &format!(
             "\n[revocation]\nsources = [\"aws\"]\npoll_secs = 0.2\naws_endpoint = \"http://{md_addr}\"\n"

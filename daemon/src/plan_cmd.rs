@@ -6,7 +6,7 @@ use crate::cli::JobArgs;
 use crate::UsageError;
 use anyhow::Context;
 use clap::Args;
-use limpet_agent::planner::{self, BlockCost, HostSpec, Layout, Link, ModelProfile, Plan, PlanInput};
+use limpet_agent::planner::{self, HostSpec, Layout, Link, ModelProfile, Plan, PlanInput};
 use limpet_trainer::JobSpec;
 use serde::Serialize;
 use std::io::{Read, Write};
@@ -165,24 +165,7 @@ pub fn profile(
     data: &limpet_trainer::data::Dataset,
     reps: usize,
 ) -> anyhow::Result<ModelProfile> {
-    let measured = limpet_trainer::profile::profile_blocks(job, data, reps)?;
-    let overhead_ms = limpet_trainer::profile::profile_step_overhead(job, data, &measured, reps)?;
-    let blocks = measured
-        .into_iter()
-        .map(|b| BlockCost {
-            fwd_ms: b.fwd_ms,
-            bwd_ms: b.bwd_ms,
-            fixed_fwd_ms: b.fixed_fwd_ms,
-            fixed_bwd_ms: b.fixed_bwd_ms,
-            apply_ms: b.apply_ms,
-            out_bytes: b.out_bytes,
-            saved_bytes: b.saved_bytes,
-            param_bytes: b.param_bytes,
-            optim_bytes: b.optim_bytes,
-        })
-        .collect();
-    let model = serde_json::to_value(&job.model)?["kind"].as_str().unwrap_or("model").to_string();
-    Ok(ModelProfile { model, micro_batch: job.micro_batch, blocks, overhead_ms })
+    Ok(limpet_agent::stage::profile_model(job, data, reps)?)
 }
 
 #[derive(Serialize)]
