@@ -162,12 +162,20 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
         if ranks.len() >= cfg.min_nodes.max(1) {
             match arrange(p, &ranks, cfg.base.global_batch as usize) {
                 Ok((arranged, plan)) => {
-                    ranks = arranged;
                     layout = Layout {
                         data: plan.layout.data as u32,
                         pipeline: plan.layout.pipeline() as u32,
                         cuts: plan.layout.cuts().iter().map(|&c| c as u32).collect(),
                     };
+                    // Every candidate is planned as the same kind of host, so which one
+                    // takes which slot is free: put hosts where their blocks already are.
+                    ranks = place_holders(
+                        &ranks,
+                        arranged.len(),
+                        &layout,
+                        st.current.as_ref(),
+                        p.profile.blocks.len(),
+                    );
                     micro = Some(plan.layout.micro_batch as u64);
                 }
                 Err(e) => return wait(&format!("paused: no layout for {} node(s): {e}", ranks.len())),
@@ -238,6 +246,43 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
     let reason = format!("epoch {} at step {}: {}", epoch.id, epoch.start_step, epoch.cause);
     commands.push(Command::ScheduleEpoch { epoch });
     Decision { commands, reason }
+}
+
+/// Fills the `slots` rank slots of `layout` (data-major) from `candidates`, slot by slot
+/// giving each the free candidate whose blocks in the `current` epoch overlap the slot's
+/// blocks most (ties: candidates' order). So survivors keep their stages, blocks move only
+/// where they must, and a stage's last live holder is never left out as a spare while a
+/// host without its blocks trains it.
+fn place_holders(
+    candidates: &[NodeId],
+    slots: usize,
+    layout: &Layout,
+    current: Option<&Epoch>,
+    blocks: usize,
+) -> Vec<NodeId> {
+    let held = |id: NodeId| -> std::ops::Range<usize> {
+        let Some(cur) = current else { return 0..0 };
+        let Some(i) = cur.ranks.iter().position(|&r| r == id) else { return 0..0 };
+        let stages = cur.layout.stage_blocks(blocks).unwrap_or_else(|_| std::iter::once(0..blocks).collect());
+        stages[i % stages.len()].clone()
+    };
+    let stages = layout.stage_blocks(blocks).unwrap_or_else(|_| std::iter::once(0..blocks).collect());
+    let overlap = |id: NodeId, slot: usize| {
+        let (h, want) = (held(id), &stages[slot % stages.len()]);
+        h.end.min(want.end).saturating_sub(h.start.max(want.start))
+    };
+    // Greedy over all (slot, host) pairs: the largest overlap first, ties to the earlier
+    // slot and the earlier candidate.
+    let mut out: Vec<Option<NodeId>> = vec![None; slots];
+    let mut free: Vec<NodeId> = candidates.to_vec();
+    while let Some((slot, k)) = (0..slots)
+        .filter(|&i| out[i].is_none())
+        .flat_map(|i| (0..free.len()).map(move |k| (i, k)))
+        .max_by_key(|&(i, k)| (overlap(free[k], i), std::cmp::Reverse(i), std::cmp::Reverse(k)))
+    {
+        out[slot] = Some(free.remove(k));
+    }
+    out.into_iter().map(|r| r.expect("enough candidates")).collect()
 }
 
 fn max_applied(view: &View<'_>, ranks: &[NodeId]) -> u64 {

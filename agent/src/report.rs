@@ -52,6 +52,10 @@ pub struct Transition {
     pub fetch_ms: u64,
     /// Whether the hashes at entry disagreed at equal steps (divergence repaired).
     pub repaired: bool,
+    /// Steps this agent had applied that the epoch trains again: a pipeline whose stage had
+    /// no live replica went back to the last shadowed snapshot.
+    #[serde(default)]
+    pub redone_steps: u64,
 }
 
 /// An agent's heartbeat document.
@@ -153,6 +157,7 @@ mod tests {
                 fetched_bytes: 1 << 20,
                 fetch_ms: 3,
                 repaired: false,
+                redone_steps: 0,
             }],
         }
     }

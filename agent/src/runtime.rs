@@ -32,7 +32,7 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::ops::Range;
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::{watch, Notify};
@@ -108,6 +108,9 @@ pub struct PipelineSettings {
     pub mem_bytes: u64,
     /// The network between hosts.
     pub link: crate::planner::Link,
+    /// Mirror each stage's state to its neighbouring stage every this many steps (0: off),
+    /// so a stage with no live replica costs at most this many steps, not the job.
+    pub shadow_every: u64,
 }
 
 impl AgentConfig {
@@ -205,7 +208,9 @@ impl Agent {
         dp.timeout = cfg.dp_timeout;
         let endpoint = Arc::new(Endpoint::bind(cfg.data, dp)?);
         let data_addr = endpoint.addr();
-        let server = Server::new();
+        // Offers: the entry state, this rank's snapshot and the neighbour's it keeps, and
+        // their predecessors while receivers finish.
+        let server = Server::with_capacity(6);
         let stop_serving = Arc::new(AtomicBool::new(false));
         serve_handoff(Arc::clone(&endpoint), server.clone(), Arc::clone(&stop_serving));
 
@@ -295,6 +300,9 @@ impl Agent {
             finished: false,
             pending: None,
             grad_stats: None,
+            snapshots: Vec::new(),
+            shadows: Arc::new(Mutex::new(Vec::new())),
+            shadow_round: Arc::new(AtomicU64::new(0)),
         };
         let trainer = std::thread::Builder::new().name("limpet-trainer".into()).spawn(move || {
             let r = looper.run();
@@ -656,6 +664,52 @@ struct TrainLoop {
     pending: Option<Pending>,
     /// Smoothed (σ², μ²) of the current epoch.
     grad_stats: Option<(f64, f64)>,
+    /// This rank's own state at its last two shadowing steps, newest first (pipelined
+    /// epochs). Two, because the newest step's shadow may still be on its way when a host
+    /// dies: the step before is then the newest one both copies exist for.
+    snapshots: Vec<Snap>,
+    /// The next stage's state at those steps, fetched in the background, newest first.
+    shadows: Arc<Mutex<Vec<Snap>>>,
+    /// Bumped per shadowing round; an older round's fetch gives up.
+    shadow_round: Arc<AtomicU64>,
+}
+
+/// A state kept for a rollback: its descriptor and encoded bytes.
+#[derive(Clone)]
+struct Snap {
+    desc: Desc,
+    bytes: Arc<Vec<u8>>,
+}
+
+/// The offer label of `node`'s own snapshot (or, with `shadow`, of the neighbour's snapshot
+/// it keeps) at `step`: known to every rank without asking, unlike a content hash.
+fn snap_label(node: NodeId, step: u64, shadow: bool) -> [u8; 32] {
+    let mut h = blake3::Hasher::new();
+    h.update(b"limpet snapshot");
+    h.update(&node.to_le_bytes());
+    h.update(&step.to_le_bytes());
+    h.update(&[u8::from(shadow)]);
+    *h.finalize().as_bytes()
+}
+
+/// Puts `snap` among `kept` (replacing one of the same step) and keeps the newest two.
+fn keep_newest(kept: &mut Vec<Snap>, snap: Snap) {
+    kept.retain(|k| k.desc.step != snap.desc.step);
+    kept.push(snap);
+    kept.sort_by_key(|k| std::cmp::Reverse(k.desc.step));
+    kept.truncate(2);
+}
+
+fn hash_bytes(hex: &str) -> [u8; 32] {
+    let mut out = [0u8; 32];
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = hex.get(2 * i..2 * i + 2).and_then(|x| u8::from_str_radix(x, 16).ok()).unwrap_or(0);
+    }
+    out
+}
+
+fn hex_of(h: &[u8; 32]) -> String {
+    h.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// What a rank of the current epoch trains over.
@@ -746,6 +800,8 @@ impl TrainLoop {
                     );
                     self.group = None;
                     self.broken_at = None;
+                    // A rank that sits out (a spare) is not idle for the ones that train.
+                    self.last_step_done = None;
                     self.set_phase(Phase::Left);
                     continue;
                 }
@@ -836,6 +892,10 @@ impl TrainLoop {
         }
         // AdaScale's statistics are over data-parallel replicas, not pipeline stages.
         self.observe_gradients(&stats, epoch.layout.data as usize);
+        let every = self.cfg.pipeline.as_ref().map_or(0, |p| p.shadow_every);
+        if epoch.layout.pipeline > 1 && every > 0 && self.trainer.step() % every == 0 {
+            self.take_snapshot(epoch)?;
+        }
         {
             let mut p = self.progress.lock().expect("progress lock");
             p.grad_stats = self.grad_stats;
@@ -843,6 +903,82 @@ impl TrainLoop {
             p.samples_per_s = stats.samples as f64 / (self.step_time_ms / 1e3).max(1e-9);
         }
         self.set_phase(Phase::Training);
+        Ok(())
+    }
+
+    /// Keeps this rank's state as its snapshot (offered to peers under a label they can
+    /// compute) and starts fetching the next stage's snapshot of the same step in the
+    /// background: after this, losing any one stage host costs at most `shadow_every` steps.
+    fn take_snapshot(&mut self, epoch: &Epoch) -> Result<(), String> {
+        let image = self.trainer.image().map_err(|e| e.to_string())?;
+        let bytes = image.encode().map_err(|e| e.to_string())?;
+        let step = self.trainer.step();
+        let b = self.trainer.model().blocks();
+        let me = self.cfg.id;
+        self.server.offer(Offer::new(bytes.clone(), 1 << 20, snap_label(me, step, false)));
+        keep_newest(
+            &mut self.snapshots,
+            Snap {
+                desc: Desc { step, hash: hash_bytes(image.content_hash()), blocks: (b.start, b.end) },
+                bytes: Arc::new(bytes),
+            },
+        );
+        let p = epoch.layout.pipeline as usize;
+        let Some(i) = epoch.ranks.iter().position(|&r| r == me) else { return Ok(()) };
+        let next = (i / p) * p + (i % p + 1) % p;
+        let (node, addr) = (epoch.ranks[next], self.addrs_of(epoch)?[next].clone());
+        let round = self.shadow_round.fetch_add(1, Ordering::SeqCst) + 1;
+        let (endpoint, server, shadow, rounds) = (
+            Arc::clone(&self.endpoint),
+            self.server.clone(),
+            Arc::clone(&self.shadows),
+            Arc::clone(&self.shadow_round),
+        );
+        let epoch_id = epoch.id;
+        std::thread::spawn(move || {
+            let give_up = Instant::now() + Duration::from_secs(10);
+            let opts = FetchOptions {
+                expect: Some(snap_label(node, step, false)),
+                reconnects: 0,
+                ..Default::default()
+            };
+            while rounds.load(Ordering::SeqCst) == round && Instant::now() < give_up {
+                let dialer = HandoffDialer { endpoint: &endpoint, epoch: epoch_id };
+                let got =
+                    fetch(&dialer, &[format!("{node}@{addr}")], &opts).map_err(|e| e.to_string()).and_then(
+                        |(bytes, _)| Ok((StateImage::decode(&bytes).map_err(|e| e.to_string())?, bytes)),
+                    );
+                match got {
+                    Ok((img, bytes)) if img.meta().step == step => {
+                        let blocks = img
+                            .tensors()
+                            .keys()
+                            .filter_map(|n| block_of(n))
+                            .fold((usize::MAX, 0), |(lo, hi), k| (lo.min(k), hi.max(k + 1)));
+                        server.offer(Offer::new(bytes.clone(), 1 << 20, snap_label(me, step, true)));
+                        tracing::debug!(step, from = node, "shadowed the next stage");
+                        keep_newest(
+                            &mut shadow.lock().expect("shadow lock"),
+                            Snap {
+                                desc: Desc { step, hash: hash_bytes(img.content_hash()), blocks },
+                                bytes: Arc::new(bytes),
+                            },
+                        );
+                        return;
+                    }
+                    // Not offered yet (the neighbour finishes the step a moment later).
+                    other => {
+                        if let Err(e) = other {
+                            tracing::debug!(step, from = node, %e, "shadow fetch");
+                        }
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                }
+            }
+            if rounds.load(Ordering::SeqCst) == round {
+                tracing::warn!(step, from = node, "could not shadow the next stage's state");
+            }
+        });
         Ok(())
     }
 
@@ -976,14 +1112,25 @@ impl TrainLoop {
         let encoded = image.encode().map_err(|e| e.to_string())?;
         self.server.offer(Offer::new(encoded, 1 << 20, label_of(&hash)));
         let held = self.trainer.model().blocks();
-        let mine = entry_words(self.trainer.step(), &hash, held.clone());
+        // The kept states as published (the background fetch may add one meanwhile).
+        let snapshots = self.snapshots.clone();
+        let shadows = self.shadows.lock().expect("shadow lock").clone();
+        let slot = |v: &[Snap], i: usize| v.get(i).map(|s| s.desc);
+        let me_state = RankState {
+            live: Desc { step: self.trainer.step(), hash: hash_bytes(&hash), blocks: (held.start, held.end) },
+            snaps: [slot(&snapshots, 0), slot(&snapshots, 1)],
+            shadows: [slot(&shadows, 0), slot(&shadows, 1)],
+        };
+        let mine = entry_words(&me_state);
         let mut all = vec![0f32; mine.len() * n.ranks.len()];
         group.allgather(&mine, &mut all, ENTRY_STEP).map_err(|e| e.to_string())?;
         let ranks: Vec<RankState> = all.chunks(mine.len()).map(decode_entry).collect();
         let me_idx = group.rank();
-        let stages = n.layout.stage_blocks(self.cfg.job.model.num_blocks())?;
+        let nb = self.cfg.job.model.num_blocks();
+        let stages = n.layout.stage_blocks(nb)?;
         let target = stages[me_idx % stages.len()].clone();
-        let plan = entry_plan(&ranks, me_idx, target.clone())?;
+        let plan = entry_plan(&ranks, me_idx, target.clone(), nb)?;
+        let redone = self.trainer.step().saturating_sub(plan.step);
         let mut fetched_bytes = 0;
         let mut fetch_ms = 0;
         let repaired = plan.action == Entry::Repair;
@@ -998,15 +1145,35 @@ impl TrainLoop {
             let fetch_started = Instant::now();
             let mut tensors = BTreeMap::new();
             let mut meta = None;
-            for (src, blocks) in &plan.sources {
+            for (src, kind, blocks) in &plan.sources {
                 let fetched;
+                let desc = ranks[*src].desc(*kind).expect("the plan names descriptors that exist");
+                let hex = hex_of(&desc.hash);
                 let img = if *src == me_idx {
-                    &image
+                    let keep = match kind {
+                        Src::Live => None,
+                        Src::Snapshot(i) => snapshots.get(*i).cloned(),
+                        Src::Shadow(i) => shadows.get(*i).cloned(),
+                    };
+                    match keep {
+                        None => &image,
+                        Some(k) => {
+                            fetched = StateImage::decode(&k.bytes).map_err(|e| e.to_string())?;
+                            if fetched.content_hash() != hex {
+                                return Err("a kept snapshot no longer hashes to its descriptor".into());
+                            }
+                            &fetched
+                        }
+                    }
                 } else {
                     let src_node = n.ranks[*src];
                     let source = format!("{src_node}@{}", addrs[*src]);
-                    let hex: String = ranks[*src].hash.iter().map(|b| format!("{b:02x}")).collect();
-                    let opts = FetchOptions { expect: Some(label_of(&hex)), ..FetchOptions::default() };
+                    let label = match kind {
+                        Src::Live => label_of(&hex),
+                        Src::Snapshot(_) => snap_label(src_node, desc.step, false),
+                        Src::Shadow(_) => snap_label(src_node, desc.step, true),
+                    };
+                    let opts = FetchOptions { expect: Some(label), ..FetchOptions::default() };
                     let dialer = HandoffDialer { endpoint: &self.endpoint, epoch: n.id };
                     let (bytes, stats) = fetch(&dialer, &[source], &opts).map_err(|e| e.to_string())?;
                     fetched_bytes += stats.bytes;
@@ -1047,6 +1214,17 @@ impl TrainLoop {
             }
             self.trainer.load_image(&merged).map_err(|e| e.to_string())?;
             fetch_ms = fetch_started.elapsed().as_millis() as u64;
+            if plan.action == Entry::Rollback {
+                tracing::warn!(
+                    epoch = n.id,
+                    from = plan.step + redone,
+                    to = plan.step,
+                    "a stage had no live replica: back to the shadowed snapshot"
+                );
+                // Kept states newer than the lineage's new head belong to the abandoned one.
+                self.snapshots.retain(|k| k.desc.step <= plan.step);
+                self.shadows.lock().expect("shadow lock").retain(|k| k.desc.step <= plan.step);
+            }
         }
         self.trainer
             .set_epoch_plan(n.batch.global_batch as usize, n.batch.micro_batch as usize, n.lr_scale)
@@ -1062,6 +1240,7 @@ impl TrainLoop {
             fetched_bytes,
             fetch_ms,
             repaired,
+            redone_steps: if plan.action == Entry::Rollback { redone } else { 0 },
         };
         tracing::info!(node = me, epoch = n.id, step = t.step, world = n.ranks.len(), idle_ms, cause = %n.cause, "entered epoch");
         let conn = if n.layout.pipeline > 1 {
@@ -1102,68 +1281,154 @@ enum Entry {
     /// It holds its blocks at the top step but with another state (divergence): copy them
     /// from the reference and report.
     Repair,
+    /// Some block has no live replica at the top step: everyone goes back to the newest
+    /// step at which snapshots and live states together hold the whole model.
+    Rollback,
 }
 
-/// One rank's state as the entry protocol publishes it.
+/// One state a rank can serve: its step, content hash and blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct RankState {
-    /// Steps applied.
+struct Desc {
     step: u64,
-    /// Content hash of its state.
     hash: [u8; 32],
-    /// The blocks it holds.
     blocks: (usize, usize),
 }
 
-impl RankState {
+impl Desc {
     fn holds(&self, block: usize) -> bool {
         (self.blocks.0..self.blocks.1).contains(&block)
     }
 }
 
+/// Which of a rank's states.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Src {
+    /// The state it trains with.
+    Live,
+    /// Its own state at one of its last two shadowing steps (0: the newest).
+    Snapshot(usize),
+    /// The next stage's state at one of those steps, kept for it.
+    Shadow(usize),
+}
+
+/// Every state a rank publishes, live first.
+const KINDS: [Src; 5] = [Src::Live, Src::Snapshot(0), Src::Snapshot(1), Src::Shadow(0), Src::Shadow(1)];
+
+/// What a rank publishes at an epoch's entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct RankState {
+    live: Desc,
+    snaps: [Option<Desc>; 2],
+    shadows: [Option<Desc>; 2],
+}
+
+impl RankState {
+    fn desc(&self, kind: Src) -> Option<Desc> {
+        match kind {
+            Src::Live => Some(self.live),
+            Src::Snapshot(i) => self.snaps.get(i).copied().flatten(),
+            Src::Shadow(i) => self.shadows.get(i).copied().flatten(),
+        }
+    }
+}
+
 /// How a rank enters: the step everyone starts at, what it does, and for each source rank
-/// the blocks it takes from it (itself included, for blocks it already holds).
+/// which of its states and which blocks it takes (itself included).
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct EntryPlan {
     step: u64,
     action: Entry,
-    sources: Vec<(usize, Vec<usize>)>,
+    sources: Vec<(usize, Src, Vec<usize>)>,
 }
 
-/// From every rank's published state (in rank order), how rank `me`, which trains blocks
-/// `target` in the epoch, enters. The epoch starts at the highest step any rank applied.
-/// The *reference* is the first rank at that step holding exactly `target`: a rank that
-/// holds the same blocks at the same step must match its hash or repair from it. Otherwise
-/// each block comes from this rank itself if it holds it at the top step, else from the
-/// reference, else from the first rank at the top step that holds it. A block nobody holds
-/// at the top step is an error: there is no live replica to copy.
-fn entry_plan(ranks: &[RankState], me: usize, target: Range<usize>) -> Result<EntryPlan, String> {
-    let top = ranks.iter().map(|r| r.step).max().unwrap_or(0);
+fn add_source(sources: &mut Vec<(usize, Src, Vec<usize>)>, src: usize, kind: Src, k: usize) {
+    match sources.iter_mut().find(|(s, t, _)| *s == src && *t == kind) {
+        Some((_, _, blocks)) => blocks.push(k),
+        None => sources.push((src, kind, vec![k])),
+    }
+}
+
+/// From every rank's published states (in rank order), how rank `me`, which trains blocks
+/// `target` of a model of `blocks` blocks in the epoch, enters.
+///
+/// Normally the epoch starts at the highest step any rank applied, from live states. The
+/// *reference* is the first rank at that step holding exactly `target`: a rank that holds
+/// the same blocks at the same step must match its hash or repair from it. Otherwise each
+/// block comes from this rank itself if it holds it at the top step, else from the
+/// reference, else from the first rank at the top step that holds it.
+///
+/// When some block of the model has no live holder at the top step (a pipeline stage lost
+/// its only host), the epoch starts at the newest earlier step at which live states, kept
+/// snapshots and shadows together hold every block, and every rank loads that step: this
+/// rank's own states first, then the first rank's (live, then snapshot, then shadow).
+fn entry_plan(
+    ranks: &[RankState],
+    me: usize,
+    target: Range<usize>,
+    blocks: usize,
+) -> Result<EntryPlan, String> {
+    let top = ranks.iter().map(|r| r.live.step).max().unwrap_or(0);
+    let live_holder = |k: usize| ranks.iter().position(|r| r.live.step == top && r.live.holds(k));
+    if let Some(missing) = (0..blocks).find(|&k| live_holder(k).is_none()) {
+        // Every (rank, state) holding block `k` at `step`, in rank order, live first.
+        let held_at = |step: u64, k: usize| -> Vec<(usize, Src)> {
+            let mut v = Vec::new();
+            for (i, r) in ranks.iter().enumerate() {
+                for t in KINDS {
+                    if r.desc(t).is_some_and(|d| d.step == step && d.holds(k)) {
+                        v.push((i, t));
+                    }
+                }
+            }
+            v
+        };
+        let mut steps: Vec<u64> = ranks
+            .iter()
+            .flat_map(|r| KINDS.iter().filter_map(|&t| r.desc(t)).map(|d| d.step))
+            .filter(|&s| s < top)
+            .collect();
+        steps.sort_unstable_by(|a, b| b.cmp(a));
+        steps.dedup();
+        let step = steps.into_iter().find(|&s| (0..blocks).all(|k| !held_at(s, k).is_empty())).ok_or_else(|| {
+            format!("no rank holds block {missing} at step {top}, and no kept snapshot covers the model: no live replica to copy it from")
+        })?;
+        let mut sources = Vec::new();
+        for k in target {
+            let holders = held_at(step, k);
+            let (src, kind) = holders
+                .iter()
+                .find(|&&(i, _)| i == me)
+                .or(holders.first())
+                .copied()
+                .expect("the step was chosen so that every block is held");
+            add_source(&mut sources, src, kind, k);
+        }
+        return Ok(EntryPlan { step, action: Entry::Rollback, sources });
+    }
     let want = (target.start, target.end);
-    let reference = ranks.iter().position(|r| r.step == top && r.blocks == want);
-    let mine = ranks[me];
+    let reference = ranks.iter().position(|r| r.live.step == top && r.live.blocks == want);
+    let mine = ranks[me].live;
     if mine.step == top && mine.blocks == want {
         let r = reference.expect("this rank qualifies");
-        if ranks[r].hash == mine.hash {
+        if ranks[r].live.hash == mine.hash {
             return Ok(EntryPlan { step: top, action: Entry::Keep, sources: Vec::new() });
         }
-        return Ok(EntryPlan { step: top, action: Entry::Repair, sources: vec![(r, target.collect())] });
+        return Ok(EntryPlan {
+            step: top,
+            action: Entry::Repair,
+            sources: vec![(r, Src::Live, target.collect())],
+        });
     }
-    let mut sources: Vec<(usize, Vec<usize>)> = Vec::new();
+    let mut sources = Vec::new();
     for k in target {
         let src = if mine.step == top && mine.holds(k) {
             me
         } else if let Some(r) = reference {
             r
         } else {
-            ranks.iter().position(|r| r.step == top && r.holds(k)).ok_or_else(|| {
-                format!("no rank holds block {k} at step {top}: no live replica to copy it from")
-            })?
+            live_holder(k).expect("every block has a live holder at the top step")
         };
-        match sources.iter_mut().find(|(s, _)| *s == src) {
-            Some((_, blocks)) => blocks.push(k),
-            None => sources.push((src, vec![k])),
-        }
+        add_source(&mut sources, src, Src::Live, k);
     }
     Ok(EntryPlan { step: top, action: Entry::CatchUp, sources })
 }
@@ -1193,30 +1458,41 @@ fn suspect_of(e: &DataPlaneError) -> Option<NodeId> {
     }
 }
 
-/// (step, 32-byte hash, blocks held) as twelve f32 words for the allgather (bit patterns,
-/// never summed).
-fn entry_words(step: u64, hash_hex: &str, blocks: Range<usize>) -> [f32; 12] {
-    let mut w = [0f32; 12];
-    w[0] = f32::from_bits(step as u32);
-    w[1] = f32::from_bits((step >> 32) as u32);
-    let bytes: Vec<u8> = (0..32)
-        .map(|i| u8::from_str_radix(hash_hex.get(2 * i..2 * i + 2).unwrap_or("00"), 16).unwrap_or(0))
-        .collect();
-    for (i, c) in bytes.chunks(4).enumerate() {
-        w[2 + i] = f32::from_bits(u32::from_le_bytes(c.try_into().expect("4 bytes")));
+/// Words per state descriptor in the entry allgather: step (2), hash (8), blocks (2).
+const DESC_WORDS: usize = 12;
+
+/// A rank's published states (in `KINDS` order) as f32 words for the allgather (bit
+/// patterns, never summed); a missing state has step `u64::MAX`.
+fn entry_words(r: &RankState) -> [f32; KINDS.len() * DESC_WORDS] {
+    let mut w = [0f32; KINDS.len() * DESC_WORDS];
+    let none = Desc { step: u64::MAX, hash: [0; 32], blocks: (0, 0) };
+    for (i, d) in KINDS.iter().map(|&k| r.desc(k)).enumerate() {
+        let d = d.unwrap_or(none);
+        let o = i * DESC_WORDS;
+        w[o] = f32::from_bits(d.step as u32);
+        w[o + 1] = f32::from_bits((d.step >> 32) as u32);
+        for (j, c) in d.hash.chunks(4).enumerate() {
+            w[o + 2 + j] = f32::from_bits(u32::from_le_bytes(c.try_into().expect("4 bytes")));
+        }
+        w[o + 10] = f32::from_bits(d.blocks.0 as u32);
+        w[o + 11] = f32::from_bits(d.blocks.1 as u32);
     }
-    w[10] = f32::from_bits(blocks.start as u32);
-    w[11] = f32::from_bits(blocks.end as u32);
     w
 }
 
 fn decode_entry(w: &[f32]) -> RankState {
-    let step = u64::from(w[0].to_bits()) | (u64::from(w[1].to_bits()) << 32);
-    let mut hash = [0u8; 32];
-    for i in 0..8 {
-        hash[4 * i..4 * i + 4].copy_from_slice(&w[2 + i].to_bits().to_le_bytes());
-    }
-    RankState { step, hash, blocks: (w[10].to_bits() as usize, w[11].to_bits() as usize) }
+    let desc = |o: usize| {
+        let step = u64::from(w[o].to_bits()) | (u64::from(w[o + 1].to_bits()) << 32);
+        let mut hash = [0u8; 32];
+        for i in 0..8 {
+            hash[4 * i..4 * i + 4].copy_from_slice(&w[o + 2 + i].to_bits().to_le_bytes());
+        }
+        let d = Desc { step, hash, blocks: (w[o + 10].to_bits() as usize, w[o + 11].to_bits() as usize) };
+        (step != u64::MAX).then_some(d)
+    };
+    let none = Desc { step: 0, hash: [0; 32], blocks: (0, 0) };
+    let at = |k: usize| desc(k * DESC_WORDS);
+    RankState { live: at(0).unwrap_or(none), snaps: [at(1), at(2)], shadows: [at(3), at(4)] }
 }
 
 #[cfg(test)]
@@ -1224,7 +1500,11 @@ mod tests {
     use super::*;
 
     fn at(step: u64, hash: [u8; 32], blocks: (usize, usize)) -> RankState {
-        RankState { step, hash, blocks }
+        RankState { live: Desc { step, hash, blocks }, snaps: [None; 2], shadows: [None; 2] }
+    }
+
+    fn live(sources: Vec<(usize, Vec<usize>)>) -> Vec<(usize, Src, Vec<usize>)> {
+        sources.into_iter().map(|(s, b)| (s, Src::Live, b)).collect()
     }
 
     #[test]
@@ -1233,19 +1513,19 @@ mod tests {
         let all = (0, 4);
         // Everyone equal: nobody copies.
         let same = [at(7, a, all), at(7, a, all), at(7, a, all)];
-        assert!((0..3).all(|r| entry_plan(&same, r, 0..4).unwrap().action == Entry::Keep));
+        assert!((0..3).all(|r| entry_plan(&same, r, 0..4, 4).unwrap().action == Entry::Keep));
         // A laggard (it did not apply the step in flight) and a newcomer at step 0 catch up
         // from the first rank at the top.
         let mixed = [at(6, b, all), at(7, a, all), at(0, b, all), at(7, a, all)];
-        let p = entry_plan(&mixed, 0, 0..4).unwrap();
-        assert_eq!((p.step, p.action, p.sources), (7, Entry::CatchUp, vec![(1, vec![0, 1, 2, 3])]));
-        assert_eq!(entry_plan(&mixed, 1, 0..4).unwrap().action, Entry::Keep);
-        assert_eq!(entry_plan(&mixed, 2, 0..4).unwrap().sources, vec![(1, vec![0, 1, 2, 3])]);
-        assert_eq!(entry_plan(&mixed, 3, 0..4).unwrap().action, Entry::Keep);
+        let p = entry_plan(&mixed, 0, 0..4, 4).unwrap();
+        assert_eq!((p.step, p.action, p.sources), (7, Entry::CatchUp, live(vec![(1, vec![0, 1, 2, 3])])));
+        assert_eq!(entry_plan(&mixed, 1, 0..4, 4).unwrap().action, Entry::Keep);
+        assert_eq!(entry_plan(&mixed, 2, 0..4, 4).unwrap().sources, live(vec![(1, vec![0, 1, 2, 3])]));
+        assert_eq!(entry_plan(&mixed, 3, 0..4, 4).unwrap().action, Entry::Keep);
         // Same step, other state: copy and report.
         let diverged = [at(7, a, all), at(7, b, all)];
-        let p = entry_plan(&diverged, 1, 0..4).unwrap();
-        assert_eq!((p.action, p.sources), (Entry::Repair, vec![(0, vec![0, 1, 2, 3])]));
+        let p = entry_plan(&diverged, 1, 0..4, 4).unwrap();
+        assert_eq!((p.action, p.sources), (Entry::Repair, live(vec![(0, vec![0, 1, 2, 3])])));
     }
 
     #[test]
@@ -1254,19 +1534,60 @@ mod tests {
         // Two stages (0..2, 2..4) become plain data parallelism: each rank keeps its own
         // blocks and takes the others from the other stage.
         let two = [at(9, a, (0, 2)), at(9, b, (2, 4))];
-        let p = entry_plan(&two, 1, 0..4).unwrap();
-        assert_eq!((p.action, p.sources), (Entry::CatchUp, vec![(0, vec![0, 1]), (1, vec![2, 3])]));
+        let p = entry_plan(&two, 1, 0..4, 4).unwrap();
+        assert_eq!((p.action, p.sources), (Entry::CatchUp, live(vec![(0, vec![0, 1]), (1, vec![2, 3])])));
         // A 2x2 layout lost stage 1 of replica 0; the survivors re-plan to 1x2 with new
         // cuts (0..3, 3..4): the first takes block 2 from the surviving replica of stage 1.
         let survivors = [at(9, a, (0, 2)), at(9, a, (0, 2)), at(9, c, (2, 4))];
-        let p = entry_plan(&survivors, 0, 0..3).unwrap();
-        assert_eq!(p.sources, vec![(0, vec![0, 1]), (2, vec![2])]);
-        let p = entry_plan(&survivors, 2, 3..4).unwrap();
-        assert_eq!(p.sources, vec![(2, vec![3])]);
-        // A block whose only holder did not apply the last step cannot be copied.
+        let p = entry_plan(&survivors, 0, 0..3, 4).unwrap();
+        assert_eq!(p.sources, live(vec![(0, vec![0, 1]), (2, vec![2])]));
+        let p = entry_plan(&survivors, 2, 3..4, 4).unwrap();
+        assert_eq!(p.sources, live(vec![(2, vec![3])]));
+        // A block whose only holder did not apply the last step, and no snapshot: no way on.
         let stale = [at(9, a, (0, 2)), at(8, b, (2, 4))];
-        let e = entry_plan(&stale, 0, 0..4).unwrap_err();
+        let e = entry_plan(&stale, 0, 0..4, 4).unwrap_err();
         assert!(e.contains("no rank holds block 2 at step 9"), "{e}");
+    }
+
+    #[test]
+    fn entry_plan_rolls_back_to_shadowed_snapshots() {
+        let (a, b, sa, sb) = ([1u8; 32], [2u8; 32], [3u8; 32], [4u8; 32]);
+        let d = |step, hash, blocks| Desc { step, hash, blocks };
+        // Stage 0 (blocks 0..2) lost its host at step 23. The stage-1 host kept its own
+        // snapshot at step 20 and stage 0's (its shadow); a spare joins with nothing.
+        let ranks = [
+            RankState {
+                live: d(23, b, (2, 4)),
+                snaps: [Some(d(20, sb, (2, 4))), None],
+                shadows: [Some(d(20, sa, (0, 2))), None],
+            },
+            RankState { live: d(0, a, (0, 4)), snaps: [None; 2], shadows: [None; 2] },
+        ];
+        let p = entry_plan(&ranks, 0, 0..2, 4).unwrap();
+        assert_eq!((p.step, p.action), (20, Entry::Rollback));
+        assert_eq!(p.sources, vec![(0, Src::Shadow(0), vec![0, 1])]);
+        let p = entry_plan(&ranks, 1, 2..4, 4).unwrap();
+        assert_eq!(p.sources, vec![(0, Src::Snapshot(0), vec![2, 3])]);
+        // The host died before its step-30 snapshot reached the neighbour: the neighbour has
+        // its own at 30 and 20, the shadow at 20 only. Step 20 is the newest both exist for.
+        let late = [RankState {
+            live: d(33, b, (2, 4)),
+            snaps: [Some(d(30, sb, (2, 4))), Some(d(20, sb, (2, 4)))],
+            shadows: [Some(d(20, sa, (0, 2))), None],
+        }];
+        let p = entry_plan(&late, 0, 0..4, 4).unwrap();
+        assert_eq!(
+            (p.step, p.sources),
+            (20, vec![(0, Src::Shadow(0), vec![0, 1]), (0, Src::Snapshot(1), vec![2, 3])])
+        );
+        // Without the shadow only the spare's fresh state at step 0 (the job's deterministic
+        // initialization) holds every block: the job starts over.
+        let bare = [RankState { shadows: [None; 2], ..ranks[0] }, ranks[1]];
+        let p = entry_plan(&bare, 0, 0..2, 4).unwrap();
+        assert_eq!((p.step, p.sources), (0, vec![(1, Src::Live, vec![0, 1])]));
+        // With nobody at step 0 either, there is no way on.
+        let none = [RankState { shadows: [None; 2], ..ranks[0] }];
+        assert!(entry_plan(&none, 0, 0..2, 4).unwrap_err().contains("no kept snapshot covers the model"));
     }
 
     #[test]
@@ -1282,9 +1603,11 @@ mod tests {
     #[test]
     fn entry_words_round_trip() {
         let hex = "00ff10203040506070808090a0b0c0d0e0f0112233445566778899aabbccddee";
-        let r = decode_entry(&entry_words(0x1_0000_0007, hex, 2..5));
-        assert_eq!((r.step, r.blocks), (0x1_0000_0007, (2, 5)));
-        let back: String = r.hash.iter().map(|b| format!("{b:02x}")).collect();
-        assert_eq!(back, hex);
+        let live = Desc { step: 0x1_0000_0007, hash: hash_bytes(hex), blocks: (2, 5) };
+        let r =
+            RankState { live, snaps: [Some(Desc { step: 5, ..live }), None], shadows: [None, Some(live)] };
+        let back = decode_entry(&entry_words(&r));
+        assert_eq!(back, r);
+        assert_eq!(hex_of(&back.live.hash), hex);
     }
 }

@@ -235,8 +235,10 @@ fn a_pipelined_job_is_laid_out_by_the_planner_and_re_planned_when_a_stage_host_l
     sim.start_scheduled();
     sim.train(10);
     assert_eq!(sim.control(), "steady");
-    // Node 1's host gets a notice: three hosts left, so one 2-stage pipeline and a spare.
+    // The first rank's host gets a notice: three hosts left, so one 2-stage pipeline and
+    // a spare. Its stage's other replica takes the stage: its blocks stay live.
     let leaving = e.ranks[0];
+    let partner = e.ranks[2];
     sim.state
         .apply(&Command::Notice { id: leaving, deadline_ms: sim.now + 120_000, source: "aws".into() })
         .unwrap();
@@ -245,6 +247,8 @@ fn a_pipelined_job_is_laid_out_by_the_planner_and_re_planned_when_a_stage_host_l
     assert!(why.contains(&format!("notice for node {leaving}")), "{why}");
     assert_eq!((next.layout.data, next.layout.pipeline, next.ranks.len()), (1, 2, 2), "{next:?}");
     assert!(!next.ranks.contains(&leaving));
+    assert_eq!(next.ranks[0], partner, "stage 0 goes to the replica that holds it: {next:?}");
+    assert_eq!(next.ranks[1], e.ranks[1], "stage 1 stays where it was: {next:?}");
     sim.start_scheduled();
     sim.train(5);
     assert_eq!(sim.control(), "steady", "the spare does not trigger a re-plan");
@@ -261,6 +265,29 @@ fn a_pipelined_job_is_laid_out_by_the_planner_and_re_planned_when_a_stage_host_l
     free.control();
     let e = free.state.scheduled.clone().unwrap();
     assert_eq!((e.layout.data, e.layout.pipeline), (1, 2), "{e:?}");
+    // Two hosts join: the planner predicts a faster step using them, so the join re-plans;
+    // the survivors keep the blocks they hold.
+    free.start_scheduled();
+    free.train(5);
+    for id in [5, 6] {
+        free.state.apply(&Command::Join { member: spec(id) }).unwrap();
+        free.progress.insert(id, NodeProgress { applied_step: 0, heartbeat_age_ms: 0 });
+    }
+    let why = free.control();
+    let grown = free.state.scheduled.clone().unwrap();
+    assert!(why.contains("join of node 5") && why.contains("join of node 6"), "{why}");
+    assert_eq!(grown.ranks.len(), 4, "{grown:?}");
+    let blocks_of = |ep: &limpet_consensus::state::Epoch, id: NodeId| {
+        let i = ep.ranks.iter().position(|&r| r == id).unwrap();
+        ep.layout.stage_blocks(4).unwrap()[i % ep.layout.pipeline as usize].clone()
+    };
+    for &old in &e.ranks {
+        let (before, after) = (blocks_of(&e, old), blocks_of(&grown, old));
+        assert!(
+            after.start >= before.start && after.end <= before.end,
+            "node {old}: {before:?} -> {after:?}"
+        );
+    }
     // One host cannot hold the model: training pauses and says why.
     let mut alone = pipelined(1, None);
     let mut cfg_one = config();

@@ -65,6 +65,9 @@ pub struct PipelineSection {
     /// One-way latency between hosts, ms.
     #[serde(default = "default_latency_ms")]
     pub latency_ms: f64,
+    /// Mirror each stage's state to its neighbouring stage every this many steps (0: off).
+    #[serde(default)]
+    pub shadow_every: u64,
 }
 
 fn default_memory() -> String {

@@ -68,6 +68,12 @@ pub struct ScenarioArgs {
     /// Transformer blocks of the `gpt` model.
     #[arg(long)]
     pub layers: Option<usize>,
+    /// Shadow each pipeline stage to its neighbour every this many steps (0: off).
+    #[arg(long, default_value_t = 0)]
+    pub shadow_every: u64,
+    /// Global micro-batch (default: the batch).
+    #[arg(long)]
+    pub micro_batch: Option<u64>,
     /// Events as FRACTION:ACTION[:NODE[:SECS]], comma-separated; actions: notice, join,
     /// kill, drain, term (SIGTERM); NODE may be `leader` or `follower` (a rank of the
     /// current epoch that does not lead). Example: 0.2:notice:node-2:20,0.5:join,0.7:kill:leader
@@ -119,6 +125,8 @@ pub fn scenario(a: ScenarioArgs) -> anyhow::Result<()> {
         pipeline: a.pipeline.clone(),
         pipeline_memory: a.pipeline_memory.clone(),
         layers: a.layers,
+        shadow_every: a.shadow_every,
+        micro_batch: a.micro_batch,
         ..LocalJob::default()
     };
     let summary = run_scenario(&a.dir, a.nodes, job, &script, Duration::from_secs(a.timeout), !a.json)?;
@@ -337,7 +345,14 @@ pub fn run_scenario(
     let checkpoint = checkpoints.first().cloned().context("the final epoch has no ranks")?;
     let (test_loss, test_accuracy) = evaluate(&checkpoints)?;
     let lines = read_step_logs(&cluster.file.nodes.iter().map(|n| n.step_log.clone()).collect::<Vec<_>>())?;
-    let (points, twice) = merge(&lines, &killed);
+    let redone: Vec<(u64, u64)> =
+        // The epoch starts where the furthest survivor was; a rollback went back from there.
+        doc.transitions
+            .iter()
+            .filter(|t| t.redone_steps > 0)
+            .map(|t| (t.step.saturating_sub(t.redone_steps), t.redone_steps))
+            .collect();
+    let (points, twice) = merge(&lines, &killed, &redone);
     let marks: Vec<(u64, String)> =
         doc.transitions.iter().skip(1).map(|t| (t.step, short_cause(&t.cause))).collect();
     elastic_svg(&dir.join("demo.svg"), &points, &marks, "limpet: loss and world size through revocations")?;
@@ -454,7 +469,9 @@ pub fn read_step_logs(paths: &[PathBuf]) -> anyhow::Result<Vec<StepLine>> {
 /// Merges step logs into one point per step and counts steps completed in two different
 /// epochs by nodes that were not killed (a step applied, then redone, would show up here; a
 /// killed node's last step may legitimately be redone by the survivors, who never got it).
-pub fn merge(lines: &[StepLine], killed: &[u64]) -> (Vec<ElasticPoint>, u64) {
+/// Steps `[start, start + n)` for each `(start, n)` of `redone` were trained again after a
+/// rollback: their earlier application left the lineage, so it does not count as twice.
+pub fn merge(lines: &[StepLine], killed: &[u64], redone: &[(u64, u64)]) -> (Vec<ElasticPoint>, u64) {
     let mut by_step: BTreeMap<u64, BTreeMap<u64, &StepLine>> = BTreeMap::new();
     for l in lines.iter().filter(|l| !killed.contains(&l.node)) {
         by_step.entry(l.step).or_default().insert(l.epoch, l);
@@ -467,7 +484,8 @@ pub fn merge(lines: &[StepLine], killed: &[u64]) -> (Vec<ElasticPoint>, u64) {
         .iter()
         .map(|(step, epochs)| {
             let survivors = epochs.values().filter(|l| !killed.contains(&l.node)).count() as u64;
-            twice += survivors.saturating_sub(1);
+            let again = redone.iter().filter(|&&(s, n)| (s..s + n).contains(step)).count() as u64;
+            twice += survivors.saturating_sub(1 + again);
             let l = epochs.values().next_back().expect("non-empty");
             ElasticPoint { step: *step, loss: l.loss, world: l.world }
         })

@@ -182,6 +182,7 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
         },
         mem_bytes: crate::plan_cmd::parse_bytes(&p.memory).unwrap_or(16 << 30),
         link: limpet_agent::planner::Link { bytes_per_s: p.link_gbps * 1e9, latency_ms: p.latency_ms },
+        shadow_every: p.shadow_every,
     });
     Ok(a)
 }

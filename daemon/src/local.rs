@@ -38,6 +38,8 @@ pub struct LocalJob {
     pub pipeline_memory: Option<String>,
     /// Transformer blocks of the `gpt` model.
     pub layers: Option<usize>,
+    /// Shadow each pipeline stage to its neighbour every this many steps (0: off).
+    pub shadow_every: u64,
 }
 
 impl Default for LocalJob {
@@ -55,6 +57,7 @@ impl Default for LocalJob {
             pipeline: None,
             pipeline_memory: None,
             layers: None,
+            shadow_every: 0,
         }
     }
 }
@@ -243,6 +246,7 @@ impl LocalCluster {
             if let Some(m) = &j.pipeline_memory {
                 text += &format!("memory = {m:?}\n");
             }
+            text += &format!("shadow_every = {}\n", j.shadow_every);
         }
         text += &format!(
             "\n[revocation]\nsources = [\"aws\"]\npoll_secs = 0.2\naws_endpoint = \"http://{md_addr}\"\n"

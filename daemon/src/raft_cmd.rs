@@ -128,7 +128,19 @@ pub struct LocalCluster {
 
 /// A loopback port nobody listens on right now (for child processes told their address).
 pub fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    // A port is free once its probe closes, so the kernel may hand it out again before the
+    // process it was meant for binds it: never return the same port twice in one process
+    // (a local cluster allocates every node's ports here).
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().expect("port list lock");
+    for _ in 0..64 {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        if !given.contains(&port) {
+            given.push(port);
+            return Ok(port);
+        }
+    }
+    anyhow::bail!("no unused loopback port after 64 tries")
 }
 
 impl LocalCluster {

@@ -109,6 +109,13 @@ pub struct TransitionDoc {
     pub idle_ms: Option<u64>,
     /// Step computations thrown away (largest over ranks).
     pub lost_steps: Option<u64>,
+    /// Applied steps trained again after going back to a shadowed snapshot (largest over
+    /// ranks; 0 unless a pipeline stage had no live replica).
+    #[serde(default)]
+    pub redone_steps: u64,
+    /// `DATAxPIPELINE`.
+    #[serde(default)]
+    pub layout: String,
     /// Bytes of state copied from peers (sum over ranks).
     pub fetched_bytes: u64,
     /// Longest state copy of a rank, ms.
@@ -262,6 +269,8 @@ fn build(
                 cause: e.cause.clone(),
                 idle_ms: lived.iter().map(|t| t.idle_ms).max(),
                 lost_steps: lived.iter().map(|t| t.lost_steps).max(),
+                redone_steps: lived.iter().map(|t| t.redone_steps).max().unwrap_or(0),
+                layout: format!("{}x{}", e.layout.data, e.layout.pipeline),
                 fetched_bytes: lived.iter().map(|t| t.fetched_bytes).sum(),
                 fetch_ms: lived.iter().map(|t| t.fetch_ms).max().unwrap_or(0),
                 global_batch: e.batch.global_batch,
@@ -357,18 +366,23 @@ pub fn render(d: &StatusDoc) -> String {
 /// copied, cause.
 pub fn transitions_table(transitions: &[TransitionDoc]) -> String {
     let mut s = format!(
-        "{:<6} {:>6} {:>5} {:>6} {:>9} {:>5} {:>9}  {}\n",
-        "EPOCH", "STEP", "WORLD", "BATCH", "IDLE(ms)", "LOST", "COPIED", "CAUSE"
+        "{:<6} {:>6} {:>5} {:>6} {:>6} {:>9} {:>5} {:>9}  {}\n",
+        "EPOCH", "STEP", "WORLD", "LAYOUT", "BATCH", "IDLE(ms)", "LOST", "COPIED", "CAUSE"
     );
     for t in transitions {
         s += &format!(
-            "{:<6} {:>6} {:>5} {:>6} {:>9} {:>5} {:>9}  {}\n",
+            "{:<6} {:>6} {:>5} {:>6} {:>6} {:>9} {:>5} {:>9}  {}\n",
             t.epoch,
             t.step,
             t.world,
+            t.layout,
             t.global_batch,
             t.idle_ms.map_or("-".into(), |v| v.to_string()),
-            t.lost_steps.map_or("-".into(), |v| v.to_string()),
+            match (t.lost_steps, t.redone_steps) {
+                (None, _) => "-".into(),
+                (Some(l), 0) => l.to_string(),
+                (Some(l), r) => format!("{}", l + r),
+            },
             if t.fetched_bytes > 0 { format!("{:.1} MB", t.fetched_bytes as f64 / 1e6) } else { "-".into() },
             t.cause
         );

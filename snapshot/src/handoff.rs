@@ -259,11 +259,19 @@ fn error_record(message: &str) -> Vec<u8> {
     b
 }
 
-/// Serves offers to receivers. Keeps the two newest offers, so a receiver that started on
-/// the previous one can finish while the sender has moved on.
-#[derive(Default, Clone)]
+/// Serves offers to receivers. Keeps the newest offers (two unless told otherwise), so a
+/// receiver that started on the previous one can finish while the sender has moved on, and
+/// older offers stay reachable by label.
+#[derive(Clone)]
 pub struct Server {
     offers: Arc<Mutex<VecDeque<Arc<Offer>>>>,
+    keep: usize,
+}
+
+impl Default for Server {
+    fn default() -> Server {
+        Server::with_capacity(2)
+    }
 }
 
 /// A hook that may alter a chunk before it is sent (fault injection in tests).
@@ -275,11 +283,16 @@ impl Server {
         Server::default()
     }
 
+    /// A server that keeps the `keep` newest offers (at least one).
+    pub fn with_capacity(keep: usize) -> Server {
+        Server { offers: Arc::default(), keep: keep.max(1) }
+    }
+
     /// Makes `offer` the newest.
     pub fn offer(&self, offer: Offer) {
         let mut offers = self.offers.lock().expect("offers lock");
         offers.push_front(Arc::new(offer));
-        offers.truncate(2);
+        offers.truncate(self.keep);
     }
 
     fn find(&self, label: Option<&[u8; 32]>, root: Option<&[u8; 32]>) -> Option<Arc<Offer>> {
