@@ -67,7 +67,7 @@ bench: build
 	$(LIMPET) bench elastic
 	$(LIMPET) bench elastic --model gpt --steps 3000
 	$(LIMPET) bench pipeline --model gpt --layers 4 --batch 32 --micro-batch 8 --hosts 2 --train-steps 40
-	$(LIMPET) bench pipeline --model gpt --layers 4 --batch 32 --micro-batch 8 --hosts 4 --train-steps 40
+	$(LIMPET) bench pipeline --model gpt --layers 4 --batch 32 --micro-batch 8 --hosts 4 --train-steps 40 --chaos
 
 demo: build
 	rm -rf $(DEMO_DIR)

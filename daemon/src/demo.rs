@@ -245,6 +245,41 @@ pub struct Summary {
     pub steps_applied_twice: u64,
     /// Distinct steps in the merged step logs (the job's steps when none is missing).
     pub steps_logged: u64,
+    /// Per transition after the first epoch: how long the cluster made no progress, from
+    /// the step logs (epoch, stall in ms).
+    #[serde(default)]
+    pub stalls: Vec<(u64, u64)>,
+}
+
+/// For every epoch after the first, the time from the last step completed in an earlier
+/// epoch to the first step completed in it, less one median step: how long the change
+/// stopped training, measured from the ranks' own step logs rather than from reports.
+pub fn stalls(lines: &[StepLine]) -> Vec<(u64, u64)> {
+    let mut epochs: Vec<u64> = lines.iter().map(|l| l.epoch).collect();
+    epochs.sort_unstable();
+    epochs.dedup();
+    // The median gap between consecutive completions of one rank in one epoch.
+    let mut gaps = Vec::new();
+    let mut by_rank: BTreeMap<(u64, u64), Vec<u64>> = BTreeMap::new();
+    for l in lines {
+        by_rank.entry((l.node, l.epoch)).or_default().push(l.wall_ms);
+    }
+    for times in by_rank.values_mut() {
+        times.sort_unstable();
+        gaps.extend(times.windows(2).map(|w| w[1] - w[0]));
+    }
+    gaps.sort_unstable();
+    let step_ms = gaps.get(gaps.len() / 2).copied().unwrap_or(0);
+    epochs
+        .iter()
+        .skip(1)
+        .filter_map(|&e| {
+            let first = lines.iter().filter(|l| l.epoch == e).map(|l| l.wall_ms).min()?;
+            let before =
+                lines.iter().filter(|l| l.epoch < e && l.wall_ms <= first).map(|l| l.wall_ms).max()?;
+            Some((e, (first - before).saturating_sub(step_ms)))
+        })
+        .collect()
 }
 
 /// Starts a local cluster in `dir`, plays `script`, waits for the job to finish, and
@@ -367,6 +402,7 @@ pub fn run_scenario(
         transitions: doc.transitions.clone(),
         steps_applied_twice: twice,
         steps_logged: points.len() as u64,
+        stalls: stalls(&lines),
     };
     std::fs::write(dir.join("summary.json"), serde_json::to_vec_pretty(&summary)?)?;
     Ok(summary)
@@ -517,5 +553,36 @@ fn say(bar: &indicatif::ProgressBar, show: bool, line: String) {
         bar.println(line);
     } else if show {
         println!("{line}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(node: u64, epoch: u64, step: u64, wall_ms: u64) -> StepLine {
+        StepLine { wall_ms, step, epoch, world: 2, rank: 0, node, loss: 1.0 }
+    }
+
+    #[test]
+    fn merge_counts_steps_trained_twice_unless_a_rollback_redid_them() {
+        // Epoch 1 trains steps 0..5; epoch 2 goes back to step 3 (two steps redone).
+        let mut lines: Vec<StepLine> = (0..5).map(|s| line(1, 1, s, 100 * s)).collect();
+        lines.extend((3..8).map(|s| line(1, 2, s, 1000 + 100 * s)));
+        let (points, twice) = merge(&lines, &[], &[]);
+        assert_eq!((points.len(), twice), (8, 2));
+        let (_, twice) = merge(&lines, &[], &[(3, 2)]);
+        assert_eq!(twice, 0);
+        // A redone range that does not cover the repeats does not excuse them.
+        let (_, twice) = merge(&lines, &[], &[(4, 1)]);
+        assert_eq!(twice, 1);
+    }
+
+    #[test]
+    fn stalls_are_measured_from_the_step_logs() {
+        // 10 ms steps; epoch 2's first step completes 250 ms after epoch 1's last.
+        let mut lines: Vec<StepLine> = (0..5).map(|s| line(1, 1, s, 10 * s)).collect();
+        lines.extend((5..9).map(|s| line(1, 2, s, 40 + 250 + 10 * (s - 5))));
+        assert_eq!(stalls(&lines), vec![(2, 240)]);
     }
 }

@@ -97,6 +97,13 @@ pub struct BenchPipelineArgs {
     /// Print the results as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Also run a pipelined local cluster of `--hosts` agents through a spot notice and a
+    /// `kill -9` of stage hosts, and report each re-planned transition.
+    #[arg(long)]
+    pub chaos: bool,
+    /// Shadow every this many steps in the chaos run.
+    #[arg(long, default_value_t = 10)]
+    pub shadow_every: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -181,6 +188,12 @@ fn measure(layout: &Layout, job: &JobArgs, steps: u64) -> anyhow::Result<f64> {
 /// Runs `limpet bench pipeline`.
 pub fn bench(args: BenchPipelineArgs) -> anyhow::Result<()> {
     limpet_trainer::set_threads(1);
+    if args.chaos && args.hosts < 4 {
+        return Err(UsageError(
+            "--chaos needs --hosts 4 or more (a notice and a kill of two stage hosts)".into(),
+        )
+        .into());
+    }
     if args.train_steps < 3 {
         return Err(UsageError("--train-steps must be at least 3".into()).into());
     }
@@ -225,11 +238,12 @@ pub fn bench(args: BenchPipelineArgs) -> anyhow::Result<()> {
         });
     }
     bar.finish_and_clear();
+    let chaos = if args.chaos { Some(chaos_run(&args, &job, &todo[0].1)?) } else { None };
     if args.json {
         println!(
             "{}",
             serde_json::to_string_pretty(
-                &serde_json::json!({"hosts": args.hosts, "host_speed": speed, "rows": rows})
+                &serde_json::json!({"hosts": args.hosts, "host_speed": speed, "rows": rows, "chaos": chaos})
             )?
         );
         return Ok(());
@@ -259,5 +273,73 @@ pub fn bench(args: BenchPipelineArgs) -> anyhow::Result<()> {
             rows[0].samples_per_s / d.samples_per_s
         );
     }
+    if let Some(c) = &chaos {
+        println!(
+            "\nreassignment: {} agents, {} steps, a spot notice at 20% and kill -9 at 55% of a stage host (shadow every {}):",
+            args.hosts, c.steps, args.shadow_every
+        );
+        println!(
+            "{:>5} {:>6} {:>6} {:>10} {:>5} {:>6} {:>9}  cause",
+            "epoch", "step", "layout", "stall ms", "lost", "redone", "copied"
+        );
+        for t in c.transitions.iter().skip(1) {
+            let stall =
+                c.stalls.iter().find(|(e, _)| *e == t.epoch).map_or("-".into(), |(_, ms)| ms.to_string());
+            println!(
+                "{:>5} {:>6} {:>6} {:>10} {:>5} {:>6} {:>9}  {}",
+                t.epoch,
+                t.step,
+                t.layout,
+                stall,
+                t.lost_steps.map_or("-".into(), |v| v.to_string()),
+                t.redone_steps,
+                if t.fetched_bytes > 0 {
+                    format!("{:.1} MB", t.fetched_bytes as f64 / 1e6)
+                } else {
+                    "-".into()
+                },
+                t.cause
+            );
+        }
+        println!(
+            "test loss {:.4} after {} steps; steps applied twice: {}",
+            c.test_loss, c.steps, c.steps_applied_twice
+        );
+    }
     Ok(())
+}
+
+/// A pipelined local cluster through a notice and a kill of stage hosts (at the chosen
+/// layout's depth, at least 2), for the transitions' stall times.
+fn chaos_run(
+    args: &BenchPipelineArgs,
+    job: &limpet_trainer::JobSpec,
+    chosen: &Plan,
+) -> anyhow::Result<crate::demo::Summary> {
+    let dir = tempfile::tempdir()?;
+    let kind = |v: serde_json::Value| v["kind"].as_str().unwrap_or_default().to_string();
+    let layers = match &job.model {
+        limpet_trainer::model::ModelSpec::Gpt { layers, .. } => Some(*layers),
+        _ => None,
+    };
+    let local = crate::local::LocalJob {
+        model: kind(serde_json::to_value(&job.model)?),
+        data: kind(serde_json::to_value(&job.data)?),
+        steps: args.train_steps.max(100) * 10,
+        global_batch: job.global_batch as u64,
+        micro_batch: Some(job.micro_batch as u64),
+        pipeline: Some(chosen.layout.pipeline().max(2).to_string()),
+        layers,
+        shadow_every: args.shadow_every,
+        ..crate::local::LocalJob::default()
+    };
+    let script = crate::demo::parse_script("0.2:notice:follower:30,0.55:kill:follower")?;
+    crate::demo::run_scenario(
+        dir.path(),
+        args.hosts as usize,
+        local,
+        &script,
+        Duration::from_secs(900),
+        false,
+    )
 }
