@@ -289,6 +289,10 @@ pub struct PipelineJob {
     pub link: Link,
     /// Stages per replica, or `None` for the planner's choice.
     pub depth: Option<usize>,
+    /// Forced block cuts (where each stage after the first starts): the layout is then
+    /// these stages in as many replicas as the hosts allow, not the planner's choice.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuts: Option<Vec<usize>>,
     /// Memory training may use on each host, bytes.
     pub mem_bytes: u64,
 }
@@ -311,6 +315,32 @@ pub fn arrange(
         global_batch,
         max_depth: job.depth,
     };
+    if let Some(cuts) = &job.cuts {
+        // The user's layout: its stages, as many replicas as there are hosts for.
+        let p = cuts.len() + 1;
+        let d = candidates.len() / p;
+        if d == 0 {
+            return Err(PlanError::NoFit(format!(
+                "the forced {p}-stage layout needs {p} hosts, {} are healthy",
+                candidates.len()
+            )));
+        }
+        let bounds: Vec<usize> = std::iter::once(0)
+            .chain(cuts.iter().copied())
+            .chain(std::iter::once(job.profile.blocks.len()))
+            .collect();
+        let stages = bounds
+            .windows(2)
+            .enumerate()
+            .map(|(s, w)| StageLayout {
+                start: w[0],
+                end: w[1],
+                hosts: (0..d).map(|r| candidates[r * p + s].to_string()).collect(),
+            })
+            .collect();
+        let forced = predict(&input, &Layout { data: d, micro_batch: 0, stages })?;
+        return Ok((candidates[..d * p].to_vec(), forced));
+    }
     let report = plan(&input)?;
     let chosen = match job.depth {
         None => report.best,

@@ -104,6 +104,8 @@ pub struct AgentConfig {
 pub struct PipelineSettings {
     /// Stages per replica, or `None` for the planner's choice.
     pub depth: Option<usize>,
+    /// Forced block cuts instead of the planner's (the layout `--layout` names).
+    pub cuts: Option<Vec<usize>>,
     /// Memory training may use on each host, bytes.
     pub mem_bytes: u64,
     /// The network between hosts.
@@ -531,8 +533,13 @@ async fn job_document(cfg: &AgentConfig) -> anyhow::Result<serde_json::Value> {
             Ok(crate::stage::profile_model(&job, &data, 5)?)
         })
         .await??;
-        let pj =
-            crate::planner::PipelineJob { profile, link: p.link, depth: p.depth, mem_bytes: p.mem_bytes };
+        let pj = crate::planner::PipelineJob {
+            profile,
+            link: p.link,
+            depth: p.depth,
+            cuts: p.cuts.clone(),
+            mem_bytes: p.mem_bytes,
+        };
         doc["pipeline"] = serde_json::to_value(pj)?;
     }
     Ok(doc)

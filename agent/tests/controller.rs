@@ -217,6 +217,7 @@ fn pipelined(n: u64, depth: Option<usize>) -> Sim {
         },
         link: Link { bytes_per_s: 1e9, latency_ms: 0.05 },
         depth,
+        cuts: None,
         mem_bytes: 20 << 20,
     };
     let doc = serde_json::json!({"model": "mlp", "pipeline": job});
@@ -288,6 +289,20 @@ fn a_pipelined_job_is_laid_out_by_the_planner_and_re_planned_when_a_stage_host_l
             "node {old}: {before:?} -> {after:?}"
         );
     }
+    // A forced layout: the user's cuts, as many replicas as the hosts allow.
+    let mut forced = pipelined(5, Some(2));
+    let mut doc = forced.state.job.clone().unwrap();
+    doc["pipeline"]["cuts"] = serde_json::json!([1]);
+    doc["pipeline"]["mem_bytes"] = serde_json::json!(64 << 20);
+    forced.state = ClusterState::bootstrap("c", &(1..=5).map(spec).collect::<Vec<_>>());
+    forced.state.apply(&Command::SetJob { job: doc }).unwrap();
+    forced.control();
+    let e = forced.state.scheduled.clone().unwrap();
+    assert_eq!(
+        (e.layout.data, e.layout.pipeline, e.layout.cuts.clone(), e.ranks.len()),
+        (2, 2, vec![1], 4),
+        "{e:?}"
+    );
     // One host cannot hold the model: training pauses and says why.
     let mut alone = pipelined(1, None);
     let mut cfg_one = config();

@@ -68,6 +68,9 @@ pub struct PipelineSection {
     /// Mirror each stage's state to its neighbouring stage every this many steps (0: off).
     #[serde(default)]
     pub shadow_every: u64,
+    /// Force the layout's block cuts (where each stage after the first starts) instead of
+    /// the planner's; `stages` must then be their count plus one.
+    pub cuts: Option<Vec<usize>>,
 }
 
 fn default_memory() -> String {
@@ -409,6 +412,22 @@ impl Config {
                 }
                 _ => {}
             }
+            if let Some(cuts) = &p.cuts {
+                if cuts.windows(2).any(|w| w[0] >= w[1]) || cuts.first() == Some(&0) {
+                    return err("[pipeline].cuts", format!("{cuts:?} must increase and start after block 0"));
+                }
+                if p.stages != Stages::Fixed(cuts.len() + 1) {
+                    return err(
+                        "[pipeline].cuts",
+                        format!(
+                            "{} cut(s) make {} stages; set stages = {}",
+                            cuts.len(),
+                            cuts.len() + 1,
+                            cuts.len() + 1
+                        ),
+                    );
+                }
+            }
             if let Err(e) = crate::plan_cmd::parse_bytes(&p.memory) {
                 return err("[pipeline].memory", e);
             }
@@ -479,6 +498,15 @@ aws_endpoint = "http://127.0.0.1:9000"
     }
 
     #[test]
+    fn a_pipeline_section_parses() {
+        let s = secret();
+        let text = format!("{}\n[pipeline]\nstages = \"auto\"\nshadow_every = 10\n", example(s.path()));
+        let cfg = Config::parse(&text, "limpet.toml").unwrap();
+        let p = cfg.pipeline.unwrap();
+        assert_eq!((p.stages, p.shadow_every, p.memory.as_str()), (Stages::Named("auto".into()), 10, "16G"));
+    }
+
+    #[test]
     fn the_documented_example_is_valid() {
         let s = secret();
         let cfg = Config::parse(&example(s.path()), "limpet.toml").unwrap();
@@ -507,6 +535,13 @@ aws_endpoint = "http://127.0.0.1:9000"
                 good.replace("global_batch = 64", "global_batch = 64\npolicy = \"cubic\""),
                 "unknown variant `cubic`",
             ),
+            (format!("{good}\n[pipeline]\nstages = 0\n"), "[pipeline].stages"),
+            (format!("{good}\n[pipeline]\nstages = \"many\"\n"), "[pipeline].stages"),
+            (format!("{good}\n[pipeline]\nstages = 2\nmemory = \"lots\"\n"), "[pipeline].memory"),
+            (format!("{good}\n[pipeline]\nstages = 2\ncuts = [2, 1]\n"), "[pipeline].cuts"),
+            (format!("{good}\n[pipeline]\nstages = 3\ncuts = [2]\n"), "set stages = 2"),
+            (format!("{good}\n[pipeline]\nstages = 2\nlink_gbps = 0.0\n"), "[pipeline].link_gbps"),
+            (good.replace("global_batch = 64", "global_batch = 64\nlayers = 3"), "[job].layers"),
         ];
         for (text, want) in cases {
             let e = Config::parse(&text, "limpet.toml").unwrap_err().to_string();

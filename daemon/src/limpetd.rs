@@ -183,7 +183,17 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
         mem_bytes: crate::plan_cmd::parse_bytes(&p.memory).unwrap_or(16 << 30),
         link: limpet_agent::planner::Link { bytes_per_s: p.link_gbps * 1e9, latency_ms: p.latency_ms },
         shadow_every: p.shadow_every,
+        cuts: p.cuts.clone(),
     });
+    if let Some(cuts) = a.pipeline.as_ref().and_then(|p| p.cuts.as_ref()) {
+        let blocks = a.job.model.num_blocks();
+        if cuts.last().is_some_and(|&c| c >= blocks) {
+            return Err(UsageError(format!(
+                "[pipeline].cuts {cuts:?}: the model has {blocks} blocks, so every cut must be below {blocks}"
+            ))
+            .into());
+        }
+    }
     Ok(a)
 }
 
