@@ -599,7 +599,8 @@ fn push_pareto(front: &mut Vec<Partial>, cand: Partial) {
     front.push(cand);
 }
 
-fn build_plan(input: &PlanInput, gs: &[Group], d: usize, n: usize, path: &[(usize, usize)]) -> Plan {
+/// The layout a search path describes: per stage, its end block and its group.
+fn layout_of(gs: &[Group], d: usize, n: usize, path: &[(usize, usize)]) -> Layout {
     let mut start = 0;
     let stages = path
         .iter()
@@ -609,7 +610,11 @@ fn build_plan(input: &PlanInput, gs: &[Group], d: usize, n: usize, path: &[(usiz
             st
         })
         .collect();
-    predict(input, &Layout { data: d, micro_batch: n, stages }).expect("the search builds valid layouts")
+    Layout { data: d, micro_batch: n, stages }
+}
+
+fn build_plan(input: &PlanInput, gs: &[Group], d: usize, n: usize, path: &[(usize, usize)]) -> Plan {
+    predict(input, &layout_of(gs, d, n, path)).expect("the search builds valid layouts")
 }
 
 /// The best layout with `d` replicas and `p` stages, by dynamic programming (once per
@@ -706,16 +711,7 @@ pub fn exhaustive(input: &PlanInput, d: usize, p: usize) -> Option<Plan> {
             visit_orders(gs.len(), p, &mut order, &mut |groups_in_order| {
                 let path: Vec<(usize, usize)> =
                     ends.iter().copied().zip(groups_in_order.iter().copied()).collect();
-                let mut start = 0;
-                let stages = path
-                    .iter()
-                    .map(|&(end, g)| {
-                        let st = StageLayout { start, end, hosts: gs[g].hosts.clone() };
-                        start = end;
-                        st
-                    })
-                    .collect();
-                if let Ok(plan) = predict(input, &Layout { data: d, micro_batch: n, stages }) {
+                if let Ok(plan) = predict(input, &layout_of(&gs, d, n, &path)) {
                     if best.as_ref().is_none_or(|b| plan.step_ms < b.step_ms) {
                         best = Some(plan);
                     }
