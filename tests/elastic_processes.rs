@@ -49,6 +49,20 @@ fn scenario_with(dir: &Path, nodes: usize, model: &str, steps: u64, script: &str
     summary
 }
 
+/// The uninterrupted reference: `limpet train` of the same job in one process, into `out`;
+/// its JSON report.
+fn train_alone(out: &Path, job: &[&str], steps: u64) -> Value {
+    let run = Command::new(exe())
+        .arg("train")
+        .args(job)
+        .args(["--json", "--steps", &steps.to_string(), "--out"])
+        .arg(out)
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    serde_json::from_slice(&run.stdout).unwrap()
+}
+
 fn transition<'a>(summary: &'a Value, cause: &str) -> &'a Value {
     summary["transitions"]
         .as_array()
@@ -113,14 +127,7 @@ fn an_elastic_run_with_a_notice_a_join_and_a_kill_matches_one_uninterrupted_proc
     assert!(kill["lost_steps"].as_u64().unwrap() <= 1, "{kill}");
 
     let single = tmp.path().join("single");
-    let out = Command::new(exe())
-        .args(["train", "--model", "mlp", "--data", "digits", "--batch", "64", "--json"])
-        .args(["--steps", &steps.to_string(), "--out"])
-        .arg(&single)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let single_report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let single_report = train_alone(&single, &["--model", "mlp", "--data", "digits", "--batch", "64"], steps);
 
     let (elastic_img, elastic) = params(&PathBuf::from(summary["checkpoint"].as_str().unwrap()));
     let (single_img, one) = params(&single.join("checkpoint.safetensors"));
@@ -291,15 +298,11 @@ fn a_pipelined_job_survives_losing_stage_hosts_by_re_planning() {
     assert!(kill["lost_steps"].as_u64().unwrap() <= 1, "{kill}");
     assert!(kill["redone_steps"].as_u64().unwrap() <= 10, "{kill}");
 
-    let single = tmp.path().join("single");
-    let out = Command::new(exe())
-        .args(["train", "--model", "gpt", "--layers", "4", "--batch", "64", "--micro-batch", "8", "--json"])
-        .args(["--steps", &steps.to_string(), "--out"])
-        .arg(&single)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let single_report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let single_report = train_alone(
+        &tmp.path().join("single"),
+        &["--model", "gpt", "--layers", "4", "--batch", "64", "--micro-batch", "8"],
+        steps,
+    );
     let (a, b) = (summary["test_loss"].as_f64().unwrap(), single_report["test_loss"].as_f64().unwrap());
     eprintln!("test loss: pipelined through the losses {a:.4}, one process {b:.4}");
     // Same samples and the same updates up to float summation order (see PARAM_TOLERANCE).

@@ -55,16 +55,21 @@ impl Sim {
         sim
     }
 
-    /// Runs the controller and applies what it proposes; every command must be accepted.
-    fn control(&mut self) -> String {
-        let view = View {
+    /// What the controller sees now, with steps of `step_time_ms`.
+    fn view(&self, step_time_ms: f64) -> View<'_> {
+        View {
             state: &self.state,
             now_ms: self.now,
             progress: &self.progress,
-            step_time_ms: 100.0,
+            step_time_ms,
             grad_stats: None,
             rebuild: false,
-        };
+        }
+    }
+
+    /// Runs the controller and applies what it proposes; every command must be accepted.
+    fn control(&mut self) -> String {
+        let view = self.view(100.0);
         let d = decide(&view, &config());
         for c in &d.commands {
             if let Err(e) = self.state.apply(c) {
@@ -127,14 +132,7 @@ fn a_notice_schedules_an_epoch_without_the_node_before_its_deadline() {
     sim2.state.apply(&Command::Notice { id: 2, deadline_ms: deadline, source: "aws".into() }).unwrap();
     let mut cfg_lead = config();
     cfg_lead.lead_steps = 50;
-    let view = View {
-        state: &sim2.state,
-        now_ms: sim2.now,
-        progress: &sim2.progress,
-        step_time_ms: 100.0,
-        grad_stats: None,
-        rebuild: false,
-    };
+    let view = sim2.view(100.0);
     let d = decide(&view, &cfg_lead);
     let Some(Command::ScheduleEpoch { epoch }) = d.commands.last() else { panic!("{d:?}") };
     assert_eq!(epoch.start_step, 15, "{}", d.reason);
@@ -307,14 +305,7 @@ fn a_pipelined_job_is_laid_out_by_the_planner_and_re_planned_when_a_stage_host_l
     let mut alone = pipelined(1, None);
     let mut cfg_one = config();
     cfg_one.min_nodes = 1;
-    let view = View {
-        state: &alone.state,
-        now_ms: alone.now,
-        progress: &alone.progress,
-        step_time_ms: 0.0,
-        grad_stats: None,
-        rebuild: false,
-    };
+    let view = alone.view(0.0);
     let d = decide(&view, &cfg_one);
     assert!(d.reason.starts_with("paused: no layout for 1 node(s)"), "{}", d.reason);
     alone.now += 1;

@@ -28,9 +28,9 @@ pub enum WorkerMode {
     Loop,
 }
 
-/// `limpet dp-worker`.
+/// Who a worker process is among its group: what `spawn_group` passes every worker.
 #[derive(Debug, Args)]
-pub struct DpWorkerArgs {
+pub struct WorkerPeers {
     /// This node's id.
     #[arg(long)]
     pub node: u64,
@@ -40,6 +40,14 @@ pub struct DpWorkerArgs {
     /// Data-plane addresses in rank order (this node binds its own).
     #[arg(long, value_delimiter = ',', required = true)]
     pub addrs: Vec<String>,
+}
+
+/// `limpet dp-worker`.
+#[derive(Debug, Args)]
+pub struct DpWorkerArgs {
+    /// The group.
+    #[command(flatten)]
+    pub peers: WorkerPeers,
     /// The epoch.
     #[arg(long, default_value_t = 1)]
     pub epoch: u64,
@@ -82,9 +90,11 @@ pub fn check_input(seed: u64, node: u64, len: usize) -> Vec<f32> {
         .collect()
 }
 
-/// A worker's endpoint: node `node` of `ranks`, bound to its own address in `addrs`, with the
+/// A worker's endpoint: its node of the group's ranks, bound to its own address, with the
 /// secret its parent passed in the environment.
-pub fn bind_worker(node: u64, ranks: &[u64], addrs: &[String], timeout_ms: u64) -> anyhow::Result<Endpoint> {
+pub fn bind_worker(peers: &WorkerPeers, timeout_ms: u64) -> anyhow::Result<Endpoint> {
+    let WorkerPeers { node, ranks, addrs } = peers;
+    let node = *node;
     let secret = std::env::var(SECRET_ENV).map_err(|_| UsageError(format!("{SECRET_ENV} is not set")))?;
     let rank = ranks
         .iter()
@@ -99,9 +109,11 @@ pub fn bind_worker(node: u64, ranks: &[u64], addrs: &[String], timeout_ms: u64) 
 /// Runs one worker.
 pub fn run_worker(args: DpWorkerArgs) -> anyhow::Result<()> {
     let plan = parse_plan(&args.plan)?;
-    let ep = bind_worker(args.node, &args.ranks, &args.addrs, args.timeout_ms)?;
-    let rank = args.ranks.iter().position(|&r| r == args.node).expect("bind_worker checked the node");
-    let mut g = ep.group(args.epoch, &args.ranks, &args.addrs)?;
+    let ep = bind_worker(&args.peers, args.timeout_ms)?;
+    let WorkerPeers { node, ranks, addrs } = &args.peers;
+    let node = *node;
+    let rank = ranks.iter().position(|&r| r == node).expect("bind_worker checked the node");
+    let mut g = ep.group(args.epoch, ranks, addrs)?;
     let out = std::io::stdout();
     match args.mode {
         WorkerMode::Bench => {
@@ -128,19 +140,17 @@ pub fn run_worker(args: DpWorkerArgs) -> anyhow::Result<()> {
         }
         WorkerMode::Check => {
             for (step, &(len, _)) in plan.iter().enumerate() {
-                let mut buf = check_input(args.seed, args.node, len);
+                let mut buf = check_input(args.seed, node, len);
                 g.allreduce_sum(&mut buf, step as u64)?;
                 let mut worst = 0f64;
-                let inputs: Vec<Vec<f32>> =
-                    args.ranks.iter().map(|&n| check_input(args.seed, n, len)).collect();
+                let inputs: Vec<Vec<f32>> = ranks.iter().map(|&n| check_input(args.seed, n, len)).collect();
                 for (i, got) in buf.iter().enumerate() {
                     let exact: f64 = inputs.iter().map(|x| f64::from(x[i])).sum();
                     let scale: f64 = inputs.iter().map(|x| f64::from(x[i].abs())).sum::<f64>().max(1e-6);
                     worst = worst.max((f64::from(*got) - exact).abs() / scale);
                 }
                 let hash = blake3::hash(bytemuck::cast_slice(&buf)).to_hex().to_string();
-                let line =
-                    serde_json::json!({"node": args.node, "len": len, "max_rel_err": worst, "hash": hash});
+                let line = serde_json::json!({"node": node, "len": len, "max_rel_err": worst, "hash": hash});
                 writeln!(out.lock(), "{line}")?;
             }
         }
@@ -148,7 +158,7 @@ pub fn run_worker(args: DpWorkerArgs) -> anyhow::Result<()> {
             let mut buf = vec![1.0f32; plan.first().map_or(1 << 20, |p| p.0 / 4)];
             let mut step = 0u64;
             let mut last_ok = Instant::now();
-            writeln!(out.lock(), "{}", serde_json::json!({"node": args.node, "ready": true}))?;
+            writeln!(out.lock(), "{}", serde_json::json!({"node": node, "ready": true}))?;
             out.lock().flush()?;
             loop {
                 match g.allreduce_sum(&mut buf, step) {
@@ -158,7 +168,7 @@ pub fn run_worker(args: DpWorkerArgs) -> anyhow::Result<()> {
                     }
                     Err(e) => {
                         let line = serde_json::json!({
-                            "node": args.node, "steps": step, "error": e.to_string(),
+                            "node": node, "steps": step, "error": e.to_string(),
                             "ms_since_last_ok": last_ok.elapsed().as_secs_f64() * 1e3,
                         });
                         writeln!(out.lock(), "{line}")?;

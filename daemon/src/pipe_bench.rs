@@ -21,15 +21,9 @@ pub struct PipeWorkerArgs {
     /// The job.
     #[command(flatten)]
     pub job: JobArgs,
-    /// This node's id.
-    #[arg(long)]
-    pub node: u64,
-    /// Node ids in rank order (data-major: replica r, stage s is rank r * stages + s).
-    #[arg(long, value_delimiter = ',', required = true)]
-    pub ranks: Vec<u64>,
-    /// Data-plane addresses in rank order (this node binds its own).
-    #[arg(long, value_delimiter = ',', required = true)]
-    pub addrs: Vec<String>,
+    /// The group, ranks data-major (replica r, stage s is rank r * stages + s).
+    #[command(flatten)]
+    pub peers: crate::dp_cmd::WorkerPeers,
     /// The layout (`START..END@HOST,...|...;micro=N`); host `hK` is rank order's node K+1.
     #[arg(long)]
     pub layout: String,
@@ -55,10 +49,12 @@ struct WorkerReport {
 pub fn run_worker(args: PipeWorkerArgs) -> anyhow::Result<()> {
     limpet_trainer::set_threads(1);
     let layout: Layout = args.layout.parse().map_err(|e| UsageError(format!("--layout: {e}")))?;
-    let ep = crate::dp_cmd::bind_worker(args.node, &args.ranks, &args.addrs, args.timeout_ms)?;
+    let ep = crate::dp_cmd::bind_worker(&args.peers, args.timeout_ms)?;
+    let peers = &args.peers;
     let (d, p) = (layout.data, layout.pipeline());
     let deadline = Instant::now() + Duration::from_secs(30);
-    let mut conn = StageConnections::connect(&ep, 1, (d, p), &args.ranks, &args.addrs, deadline, &|| false)?;
+    let mut conn =
+        StageConnections::connect(&ep, 1, (d, p), &peers.ranks, &peers.addrs, deadline, &|| false)?;
     let stage = &layout.stages[conn.pos.stage];
     let (mut job, data) = crate::train_cmd::job_from_flags(&args.job)?;
     if layout.micro_batch > 0 {
@@ -74,7 +70,7 @@ pub fn run_worker(args: PipeWorkerArgs) -> anyhow::Result<()> {
         step_ms.push(t.elapsed().as_secs_f64() * 1e3);
     }
     let report =
-        WorkerReport { node: args.node, stage: conn.pos.stage, replica: conn.pos.replica, step_ms, loss };
+        WorkerReport { node: peers.node, stage: conn.pos.stage, replica: conn.pos.replica, step_ms, loss };
     writeln!(std::io::stdout().lock(), "{}", serde_json::to_string(&report)?)?;
     Ok(())
 }
