@@ -22,6 +22,16 @@ die() { printf 'setup: %s\n' "$*" >&2; exit 1; }
 
 command -v "$PYTHON_BIN" >/dev/null || die "no $PYTHON_BIN: install Python 3.10 or newer"
 command -v cargo >/dev/null || die "no cargo: install the Rust toolchain (rustup)"
+# The tests check the shipped systemd unit with systemd-analyze (Debian package systemd).
+if ! command -v systemd-analyze >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        say "installing systemd (for systemd-analyze)"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q systemd >&2 \
+            || die "apt-get install systemd failed"
+    else
+        die "no systemd-analyze: install systemd (Debian: apt-get install systemd)"
+    fi
+fi
 mkdir -p "$CACHE" "$DATA"
 
 # One setup at a time: a second clone waits instead of racing on the same venv.

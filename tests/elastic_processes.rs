@@ -4,14 +4,13 @@
 //! the job finishes, no step is applied twice, a notice loses no step, a kill loses at most
 //! the step in flight, and the result equals an uninterrupted single-process run.
 
-use limpet_snapshot::StateImage;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn exe() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_limpet"))
-}
+#[path = "common.rs"]
+mod common;
+use common::{exe, max_rel_diff, params, train_alone};
 
 fn scenario(dir: &Path, nodes: usize, model: &str, steps: u64, script: &str) -> Value {
     scenario_with(dir, nodes, model, steps, script, &["--policy", "fixed-global"])
@@ -49,20 +48,6 @@ fn scenario_with(dir: &Path, nodes: usize, model: &str, steps: u64, script: &str
     summary
 }
 
-/// The uninterrupted reference: `limpet train` of the same job in one process, into `out`;
-/// its JSON report.
-fn train_alone(out: &Path, job: &[&str], steps: u64) -> Value {
-    let run = Command::new(exe())
-        .arg("train")
-        .args(job)
-        .args(["--json", "--steps", &steps.to_string(), "--out"])
-        .arg(out)
-        .output()
-        .unwrap();
-    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
-    serde_json::from_slice(&run.stdout).unwrap()
-}
-
 fn transition<'a>(summary: &'a Value, cause: &str) -> &'a Value {
     summary["transitions"]
         .as_array()
@@ -70,31 +55,6 @@ fn transition<'a>(summary: &'a Value, cause: &str) -> &'a Value {
         .iter()
         .find(|t| t["cause"].as_str().unwrap().contains(cause))
         .unwrap_or_else(|| panic!("no transition caused by {cause:?} in {summary:#}"))
-}
-
-fn params(path: &Path) -> (StateImage, Vec<(String, Vec<f32>)>) {
-    let img = limpet_snapshot::read_file(path).unwrap();
-    let p = img
-        .tensors()
-        .iter()
-        .filter(|(k, _)| k.starts_with("param/"))
-        .map(|(k, t)| (k.clone(), t.to_f32().unwrap()))
-        .collect();
-    (img, p)
-}
-
-/// The largest relative L2 difference over the parameter tensors.
-fn max_rel_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|((na, x), (nb, y))| {
-            assert_eq!(na, nb);
-            let d: f64 = x.iter().zip(y).map(|(p, q)| f64::from(p - q).powi(2)).sum::<f64>().sqrt();
-            let n: f64 = y.iter().map(|q| f64::from(*q).powi(2)).sum::<f64>().sqrt();
-            d / n.max(1e-12)
-        })
-        .fold(0.0, f64::max)
 }
 
 /// Relative L2 tolerance of the parameters after the elastic run, against one process. The

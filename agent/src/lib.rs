@@ -5,6 +5,7 @@
 //! (`revocation`: AWS, GCP, Azure) and a fake metadata service that answers like those
 //! clouds (`fake_metadata`). Failure detection and epoch switching build on them.
 
+pub mod checkpoint;
 pub mod controller;
 pub mod dataplane;
 pub mod fake_metadata;

@@ -11,6 +11,7 @@
 //! step in flight, a diverged copy) fetches the source's state before a barrier. So every
 //! rank starts the epoch with a bit-identical state, checked, not assumed.
 
+use crate::checkpoint::CheckpointSettings;
 use crate::controller::{self, ControllerConfig, NodeProgress};
 use crate::dataplane::frame::Channel;
 use crate::dataplane::handoff::{serve_handoff, HandoffDialer};
@@ -96,6 +97,8 @@ pub struct AgentConfig {
     pub notice_margin: Duration,
     /// Pipeline parallelism; `None` trains plain data parallelism.
     pub pipeline: Option<PipelineSettings>,
+    /// Durable checkpoints; `None` writes only the final one.
+    pub checkpoint: Option<CheckpointSettings>,
 }
 
 /// An agent's pipeline settings. The node that sets the job profiles the model and records
@@ -152,6 +155,7 @@ impl AgentConfig {
             lead: Duration::from_millis(400),
             notice_margin: Duration::from_millis(1000),
             pipeline: None,
+            checkpoint: None,
         }
     }
 }
@@ -284,6 +288,10 @@ impl Agent {
 
         let fresh = Trainer::try_new(cfg.job.clone(), data)?;
         let looper = TrainLoop {
+            handle: handle.clone(),
+            last_checkpoint: None,
+            writing_checkpoint: Arc::new(AtomicBool::new(false)),
+            was_member: false,
             cfg: Arc::clone(&cfg),
             endpoint,
             server,
@@ -476,6 +484,7 @@ async fn watch_revocations(
 /// epochs that ranks entered and members that trained.
 async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: CancellationToken) {
     let mut job = None;
+    let mut resume_checked = false;
     let mut last_reason = String::new();
     loop {
         tokio::select! {
@@ -496,6 +505,22 @@ async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: CancellationToken
                         continue;
                     }
                 }
+            }
+            if !resume_checked && st.checkpoints.is_empty() {
+                // A new cluster: start from the newest durable checkpoint of this job, if
+                // there is one. Recorded before the job, so the first epoch starts there.
+                match find_resume_point(&cfg).await {
+                    Ok(Some(record)) => {
+                        if let Err(e) = handle.propose(Command::RecordCheckpoint { record }, None).await {
+                            tracing::warn!(%e, "could not record the checkpoint to resume from");
+                            continue;
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(e) => tracing::warn!(%e, "could not look for a checkpoint to resume from"),
+                }
+                resume_checked = true;
+                continue;
             }
             let doc = job.clone().expect("set above");
             if let Err(e) = handle.propose(Command::SetJob { job: doc }, None).await {
@@ -520,6 +545,32 @@ async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: CancellationToken
             }
         }
     }
+}
+
+/// The newest durable checkpoint of this agent's job in the configured directory, as the
+/// record a new cluster starts from (epoch 0: it predates every epoch of this cluster).
+async fn find_resume_point(
+    cfg: &AgentConfig,
+) -> anyhow::Result<Option<limpet_consensus::state::CheckpointRecord>> {
+    let Some(c) = cfg.checkpoint.clone().filter(|c| c.resume) else { return Ok(None) };
+    let job = serde_json::to_value(&cfg.job)?;
+    let blocks = cfg.job.model.num_blocks();
+    let (found, skipped) =
+        tokio::task::spawn_blocking(move || crate::checkpoint::newest(&c.dir, blocks, &job)).await??;
+    for why in &skipped {
+        tracing::warn!(why, "not resuming from this checkpoint");
+    }
+    Ok(found.map(|(listed, image)| {
+        let location = crate::checkpoint::step_dir(&cfg.checkpoint.as_ref().expect("checked").dir, listed.step);
+        tracing::info!(step = listed.step, location = %location.display(), "a new cluster: resuming from the newest checkpoint");
+        limpet_consensus::state::CheckpointRecord {
+            step: listed.step,
+            epoch: 0,
+            content_hash: image.content_hash().to_string(),
+            location: location.display().to_string(),
+            node: cfg.id,
+        }
+    }))
 }
 
 /// The job as the log records it: the trainer's job spec and, for a pipelined job, the
@@ -652,6 +703,14 @@ fn current_grad_stats(
 /// The trainer thread's state.
 struct TrainLoop {
     cfg: Arc<AgentConfig>,
+    /// Proposals (checkpoint records) from the trainer thread.
+    handle: NodeHandle,
+    /// When this rank last started writing a checkpoint (the time trigger's origin).
+    last_checkpoint: Option<Instant>,
+    /// A checkpoint is being written in the background: the next trigger waits for it.
+    writing_checkpoint: Arc<AtomicBool>,
+    /// This process saw the log count the node as a member (joining or active).
+    was_member: bool,
     endpoint: Arc<Endpoint>,
     server: Server,
     watch: watch::Receiver<LocalState>,
@@ -705,6 +764,24 @@ fn keep_newest(kept: &mut Vec<Snap>, snap: Snap) {
     kept.push(snap);
     kept.sort_by_key(|k| std::cmp::Reverse(k.desc.step));
     kept.truncate(2);
+}
+
+/// The kinds of change an epoch's cause names, as metric labels (the node ids stay out of
+/// label values, which must come from a small fixed set).
+fn cause_kinds(cause: &str) -> Vec<&'static str> {
+    cause
+        .split(", ")
+        .map(|c| match c.split(' ').next().unwrap_or("") {
+            "notice" => "notice",
+            "drain" => "drain",
+            "failure" => "failure",
+            "join" => "join",
+            "re-plan" => "replan",
+            "collective" => "rebuild",
+            "first" => "start",
+            _ => "other",
+        })
+        .collect()
 }
 
 fn hash_bytes(hex: &str) -> [u8; 32] {
@@ -772,9 +849,15 @@ impl TrainLoop {
             let local = self.watch.borrow().clone();
             let st = &local.state;
             if let Some(m) = st.members.get(&me) {
+                self.was_member |= m.status.is_staying();
                 // A removed node stays until the log no longer counts it as a voter: leaving
-                // earlier could take the voters below a majority.
-                if m.status == MemberStatus::Gone && self.group.is_none() && !st.voters.contains(&me) {
+                // earlier could take the voters below a majority. One that starts out gone
+                // (restarted after a drain) waits to be admitted again instead.
+                if m.status == MemberStatus::Gone
+                    && self.was_member
+                    && self.group.is_none()
+                    && !st.voters.contains(&me)
+                {
                     self.set_phase(Phase::Left);
                     return Ok(Exit::Removed(m.reason.clone()));
                 }
@@ -897,8 +980,14 @@ impl TrainLoop {
             s.push('\n');
             f.write_all(s.as_bytes()).map_err(|e| format!("writing the step log: {e}"))?;
         }
+        metrics::counter!("limpet_steps_total").increment(1);
+        metrics::histogram!("limpet_step_seconds").record(took / 1e3);
+        metrics::gauge!("limpet_applied_step").set(self.trainer.step() as f64);
+        metrics::gauge!("limpet_loss").set(stats.loss);
+        metrics::gauge!("limpet_samples_per_second").set(stats.samples as f64 / (took / 1e3).max(1e-9));
         // AdaScale's statistics are over data-parallel replicas, not pipeline stages.
         self.observe_gradients(&stats, epoch.layout.data as usize);
+        self.maybe_checkpoint(epoch, group_rank);
         let every = self.cfg.pipeline.as_ref().map_or(0, |p| p.shadow_every);
         if epoch.layout.pipeline > 1 && every > 0 && self.trainer.step() % every == 0 {
             self.take_snapshot(epoch)?;
@@ -911,6 +1000,114 @@ impl TrainLoop {
         }
         self.set_phase(Phase::Training);
         Ok(())
+    }
+
+    /// A new cluster's first epoch starts at the step of the checkpoint it resumes from: a
+    /// rank that can read that checkpoint loads it (the others copy it from such a rank in
+    /// the entry protocol, as any newcomer would).
+    fn resume_from_checkpoint(&mut self, n: &Epoch) {
+        if self.trainer.step() >= n.start_step {
+            return;
+        }
+        let st = Arc::clone(&self.watch.borrow().state);
+        let Some(rec) = st.checkpoints.iter().rev().find(|c| c.step == n.start_step && c.epoch == 0) else {
+            return;
+        };
+        let dir = PathBuf::from(&rec.location);
+        let loaded = (|| -> anyhow::Result<Trainer> {
+            let root = dir.parent().ok_or_else(|| anyhow::anyhow!("no parent directory"))?;
+            let listed = crate::checkpoint::list(root)?
+                .into_iter()
+                .find(|l| l.step == rec.step)
+                .ok_or_else(|| anyhow::anyhow!("not found"))?;
+            let image = crate::checkpoint::load(&listed, self.cfg.job.model.num_blocks())?;
+            if image.content_hash() != rec.content_hash {
+                anyhow::bail!("its content hash differs from the one recorded in the log");
+            }
+            let data = self.trainer.data().shallow_clone();
+            Ok(Trainer::from_image(&image, data, Some(&self.cfg.job))?)
+        })();
+        match loaded {
+            Ok(t) => {
+                tracing::info!(step = rec.step, location = %dir.display(), "resumed from the checkpoint");
+                self.trainer = t;
+            }
+            Err(e) => tracing::warn!(
+                step = rec.step,
+                location = %dir.display(),
+                %e,
+                "cannot read the checkpoint to resume from here; a peer that can will hand it over"
+            ),
+        }
+    }
+
+    /// Writes this rank's part of a durable checkpoint when one is due: the ranks of the
+    /// first replica write, one part per stage (the whole model in a data-parallel epoch).
+    /// The state is copied here, at the step boundary; encoding, the file and the log record
+    /// happen in the background while training goes on.
+    fn maybe_checkpoint(&mut self, epoch: &Epoch, rank: usize) {
+        let Some(c) = self.cfg.checkpoint.clone() else { return };
+        let stages = epoch.layout.pipeline.max(1) as usize;
+        if rank >= stages {
+            return;
+        }
+        let step = self.trainer.step();
+        let since = *self.last_checkpoint.get_or_insert_with(Instant::now);
+        // The time trigger only applies without stages: each stage decides alone, and only
+        // a step count gives them all the same answer.
+        let due = (c.every_steps > 0 && step % c.every_steps == 0)
+            || c.every.is_some_and(|d| stages == 1 && since.elapsed() >= d);
+        if !due {
+            return;
+        }
+        if self.writing_checkpoint.swap(true, Ordering::SeqCst) {
+            tracing::warn!(step, "the previous checkpoint is still being written; skipping this one");
+            return;
+        }
+        self.last_checkpoint = Some(Instant::now());
+        let image = match self.trainer.image() {
+            Ok(i) => i,
+            Err(e) => {
+                tracing::error!(step, %e, "could not copy the state for a checkpoint");
+                self.writing_checkpoint.store(false, Ordering::SeqCst);
+                return;
+            }
+        };
+        let blocks = self.trainer.model().blocks();
+        let nb = self.cfg.job.model.num_blocks();
+        let (handle, rt, busy) = (self.handle.clone(), self.rt.clone(), Arc::clone(&self.writing_checkpoint));
+        let (me, epoch_id) = (self.cfg.id, epoch.id);
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            match crate::checkpoint::write_part(&c.dir, &image, &blocks) {
+                Ok(path) => {
+                    let secs = started.elapsed().as_secs_f64();
+                    metrics::counter!("limpet_checkpoints_total").increment(1);
+                    metrics::gauge!("limpet_checkpoint_step").set(step as f64);
+                    metrics::histogram!("limpet_checkpoint_seconds").record(secs);
+                    tracing::info!(step, ?blocks, path = %path.display(), ms = (secs * 1e3) as u64, "checkpoint written");
+                    if let Err(e) = crate::checkpoint::prune(&c.dir, c.keep, nb) {
+                        tracing::warn!(%e, "could not delete old checkpoints");
+                    }
+                    let record = limpet_consensus::state::CheckpointRecord {
+                        step,
+                        epoch: epoch_id,
+                        content_hash: image.content_hash().to_string(),
+                        location: path.display().to_string(),
+                        node: me,
+                    };
+                    let cmd = Command::RecordCheckpoint { record };
+                    if let Err(e) = rt.block_on(handle.propose(cmd, Some(Duration::from_secs(5)))) {
+                        tracing::warn!(step, %e, "checkpoint written but not recorded in the log");
+                    }
+                }
+                Err(e) => {
+                    metrics::counter!("limpet_checkpoint_failures_total").increment(1);
+                    tracing::error!(step, %e, "writing a checkpoint failed");
+                }
+            }
+            busy.store(false, Ordering::SeqCst);
+        });
     }
 
     /// Keeps this rank's state as its snapshot (offered to peers under a label they can
@@ -951,10 +1148,12 @@ impl TrainLoop {
             };
             while rounds.load(Ordering::SeqCst) == round && Instant::now() < give_up {
                 let dialer = HandoffDialer { endpoint: &endpoint, epoch: epoch_id };
-                let got =
-                    fetch(&dialer, &[format!("{node}@{addr}")], &opts).map_err(|e| e.to_string()).and_then(
-                        |(bytes, _)| Ok((StateImage::decode(&bytes).map_err(|e| e.to_string())?, bytes)),
-                    );
+                let got = fetch(&dialer, &[format!("{node}@{addr}")], &opts)
+                    .map_err(|e| e.to_string())
+                    .and_then(|(bytes, stats)| {
+                        crate::dataplane::count_bytes(false, "handoff", stats.bytes);
+                        Ok((StateImage::decode(&bytes).map_err(|e| e.to_string())?, bytes))
+                    });
                 match got {
                     Ok((img, bytes)) if img.meta().step == step => {
                         let blocks = img
@@ -1113,6 +1312,7 @@ impl TrainLoop {
                 .map_err(|e| e.to_string())?,
         };
 
+        self.resume_from_checkpoint(n);
         // Publish this rank's state, then agree on (step, blocks held, hash).
         let image = self.trainer.image().map_err(|e| e.to_string())?;
         let hash = image.content_hash().to_string();
@@ -1184,6 +1384,7 @@ impl TrainLoop {
                     let dialer = HandoffDialer { endpoint: &self.endpoint, epoch: n.id };
                     let (bytes, stats) = fetch(&dialer, &[source], &opts).map_err(|e| e.to_string())?;
                     fetched_bytes += stats.bytes;
+                    crate::dataplane::count_bytes(false, "handoff", stats.bytes);
                     fetched = StateImage::decode(&bytes).map_err(|e| e.to_string())?;
                     if fetched.content_hash() != hex {
                         return Err(format!("state from node {src_node} does not hash to what it announced"));
@@ -1250,6 +1451,14 @@ impl TrainLoop {
             redone_steps: if plan.action == Entry::Rollback { redone } else { 0 },
         };
         tracing::info!(node = me, epoch = n.id, step = t.step, world = n.ranks.len(), idle_ms, cause = %n.cause, "entered epoch");
+        for kind in cause_kinds(&n.cause) {
+            metrics::counter!("limpet_transitions_total", "cause" => kind).increment(1);
+        }
+        metrics::histogram!("limpet_transition_idle_seconds").record(idle_ms as f64 / 1e3);
+        metrics::counter!("limpet_lost_steps_total").increment(t.lost_steps);
+        metrics::counter!("limpet_redone_steps_total").increment(t.redone_steps);
+        metrics::gauge!("limpet_epoch").set(n.id as f64);
+        metrics::gauge!("limpet_world_size").set(n.ranks.len() as f64);
         let conn = if n.layout.pipeline > 1 {
             // Every rank passed the barrier, so every ring connection of the entry is taken:
             // the stage groups' connections (same epoch, same channel) cannot be mistaken

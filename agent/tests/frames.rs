@@ -1,6 +1,7 @@
 //! The data plane's decoders of peer bytes (frame header, hello, pipeline tensor shape):
 //! valid values round-trip, arbitrary and damaged bytes give errors, never panics. The fuzz
-//! target `dataplane_frame` runs the same decoders.
+//! target `dataplane_frame` runs the same decoders. Also the checkpoint directory's names,
+//! which come from shared storage.
 
 use limpet_agent::dataplane::frame::{
     decode_shape, encode_shape, Channel, Header, Hello, Kind, HEADER_LEN, HELLO_LEN, MAX_PAYLOAD,
@@ -59,4 +60,19 @@ fn shape_refusals_name_the_problem() {
     let mut short = encode_shape(&[2, 3]);
     short.pop();
     assert!(decode_shape(&short).unwrap_err().to_string().contains("bytes for 2 dimensions"));
+}
+
+// Checkpoint directory and file names come from a shared directory anyone may write to.
+proptest! {
+    #[test]
+    fn checkpoint_names_never_panic_and_round_trip(name in ".{0,40}", step in any::<u64>(), a in 0usize..1000, len in 1usize..1000) {
+        let _ = limpet_agent::checkpoint::parse_step_dir(&name);
+        let _ = limpet_agent::checkpoint::parse_part(&name);
+        let dir = std::path::Path::new("/c");
+        let step = step % 1_000_000_000_000;
+        let sd = limpet_agent::checkpoint::step_dir(dir, step);
+        prop_assert_eq!(limpet_agent::checkpoint::parse_step_dir(sd.file_name().unwrap().to_str().unwrap()), Some(step));
+        let p = limpet_agent::checkpoint::part_path(dir, step, &(a..a + len));
+        prop_assert_eq!(limpet_agent::checkpoint::parse_part(p.file_name().unwrap().to_str().unwrap()), Some(a..a + len));
+    }
 }

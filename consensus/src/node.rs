@@ -228,14 +228,16 @@ impl Node {
             data_addr: cfg.data_addr.clone(),
             hardware: cfg.hardware.clone(),
         };
-        let member_known = core.state().members.contains_key(&cfg.core.id);
-        if !member_known && cfg.bootstrap.is_none() {
-            tokio::spawn(join_through_seeds(
-                cfg.seeds.clone(),
-                cfg.core.cluster.clone(),
-                me.clone(),
-                shutdown.clone(),
-            ));
+        let known = core.state().members.get(&cfg.core.id).map(|m| m.status);
+        // A node the log says has left (drained, then restarted: an upgrade) asks to be
+        // admitted again, through its seeds or, for a founder, through the other founders.
+        let gone = known == Some(crate::state::MemberStatus::Gone);
+        if (known.is_none() && cfg.bootstrap.is_none()) || gone {
+            let mut through = cfg.seeds.clone();
+            for f in cfg.bootstrap.iter().flatten().filter(|f| f.id != cfg.core.id) {
+                through.push(f.control_addr.clone());
+            }
+            tokio::spawn(join_through_seeds(through, cfg.core.cluster.clone(), me.clone(), shutdown.clone()));
         }
         let looper = Loop {
             core,

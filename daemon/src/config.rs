@@ -38,6 +38,36 @@ pub struct Config {
     pub timing: TimingSection,
     /// Pipeline parallelism (absent: plain data parallelism).
     pub pipeline: Option<PipelineSection>,
+    /// Durable checkpoints (absent: only the final one).
+    pub checkpoint: Option<CheckpointSection>,
+}
+
+/// `[checkpoint]`: periodic checkpoints that outlive every host, and resuming from them.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointSection {
+    /// Write one every this many steps (0: not by steps).
+    #[serde(default)]
+    pub every_steps: u64,
+    /// Write one when this many minutes passed since the last (0: not by time).
+    #[serde(default)]
+    pub every_minutes: f64,
+    /// Where (a shared mount survives losing every host); default `STATE_DIR/checkpoints`.
+    pub dir: Option<PathBuf>,
+    /// How many checkpoints to keep (older ones are deleted).
+    #[serde(default = "default_keep")]
+    pub keep: usize,
+    /// A new cluster starts from the newest checkpoint of the same job found in `dir`.
+    #[serde(default = "default_true")]
+    pub resume: bool,
+}
+
+fn default_keep() -> usize {
+    3
+}
+
+fn default_true() -> bool {
+    true
 }
 
 /// How many stages: a number, or `"auto"` for the planner's choice.
@@ -101,6 +131,9 @@ pub struct TimingSection {
     pub lead_ms: u64,
     /// Margin kept before a revocation deadline, milliseconds.
     pub notice_margin_ms: u64,
+    /// After SIGTERM, how long the drain may take before `limpetd` exits regardless, seconds
+    /// (systemd's `TimeoutStopSec` should be a little longer).
+    pub drain_grace_secs: u64,
 }
 
 impl Default for TimingSection {
@@ -112,6 +145,7 @@ impl Default for TimingSection {
             raft_tick_ms: 50,
             lead_ms: 400,
             notice_margin_ms: 1000,
+            drain_grace_secs: 90,
         }
     }
 }
@@ -138,6 +172,15 @@ pub struct NodeSection {
     pub step_log: Option<PathBuf>,
     /// File holding the cluster secret (at least 16 bytes).
     pub secret_file: PathBuf,
+    /// Serve Prometheus metrics at `http://ADDR/metrics` (absent: no metrics endpoint).
+    pub metrics: Option<String>,
+    /// Log lines as `text` (default) or `json` (one object per line, for journald/Loki).
+    #[serde(default = "default_log_format")]
+    pub log_format: String,
+}
+
+fn default_log_format() -> String {
+    "text".into()
 }
 
 /// `[cluster]`.
@@ -441,6 +484,40 @@ impl Config {
                 );
             }
         }
+        if let Some(a) = &self.node.metrics {
+            addr("[node].metrics", a)?;
+        }
+        if !["text", "json"].contains(&self.node.log_format.as_str()) {
+            return err("[node].log_format", format!("{:?} is not one of text, json", self.node.log_format));
+        }
+        if !(1..=3600).contains(&t.drain_grace_secs) {
+            return err(
+                "[timing].drain_grace_secs",
+                format!("{} is not within 1..=3600", t.drain_grace_secs),
+            );
+        }
+        if let Some(c) = &self.checkpoint {
+            if !(c.every_minutes.is_finite() && c.every_minutes >= 0.0) {
+                return err(
+                    "[checkpoint].every_minutes",
+                    format!("{} is not a non-negative number", c.every_minutes),
+                );
+            }
+            if c.every_steps == 0 && c.every_minutes == 0.0 {
+                return err("[checkpoint]", "set every_steps or every_minutes (or drop the section)".into());
+            }
+            if c.keep == 0 {
+                return err("[checkpoint].keep", "must be at least 1".into());
+            }
+            if self.pipeline.is_some() && c.every_minutes > 0.0 {
+                // Each stage writes its own part; only a step count tells every stage the same
+                // moment without another round of agreement.
+                return err(
+                    "[checkpoint].every_minutes",
+                    "a pipelined job checkpoints by every_steps only".into(),
+                );
+            }
+        }
         if self.job.layers == Some(0) || (self.job.layers.is_some() && self.job.model != "gpt") {
             return err("[job].layers", "applies to model \"gpt\" only, and must be at least 1".into());
         }
@@ -542,6 +619,16 @@ aws_endpoint = "http://127.0.0.1:9000"
             (format!("{good}\n[pipeline]\nstages = 3\ncuts = [2]\n"), "set stages = 2"),
             (format!("{good}\n[pipeline]\nstages = 2\nlink_gbps = 0.0\n"), "[pipeline].link_gbps"),
             (good.replace("global_batch = 64", "global_batch = 64\nlayers = 3"), "[job].layers"),
+            (good.replace("secret_file", "metrics = \"localhost\"\nsecret_file"), "[node].metrics"),
+            (good.replace("secret_file", "log_format = \"xml\"\nsecret_file"), "[node].log_format"),
+            (format!("{good}\n[timing]\ndrain_grace_secs = 0\n"), "[timing].drain_grace_secs"),
+            (format!("{good}\n[checkpoint]\nkeep = 2\n"), "set every_steps or every_minutes"),
+            (format!("{good}\n[checkpoint]\nevery_steps = 5\nkeep = 0\n"), "[checkpoint].keep"),
+            (format!("{good}\n[checkpoint]\nevery_minutes = -1.0\n"), "[checkpoint].every_minutes"),
+            (
+                format!("{good}\n[checkpoint]\nevery_minutes = 5.0\n[pipeline]\nstages = 2\n"),
+                "every_steps only",
+            ),
         ];
         for (text, want) in cases {
             let e = Config::parse(&text, "limpet.toml").unwrap_err().to_string();

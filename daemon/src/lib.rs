@@ -11,6 +11,7 @@ pub mod dp_cmd;
 pub mod elastic_bench;
 pub mod limpetd;
 pub mod local;
+pub mod metrics;
 pub mod pipe_bench;
 pub mod plan_cmd;
 mod plot;
@@ -50,14 +51,21 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
 
 /// Logs to stderr, filtered by `LIMPET_LOG` (default: info, raft-rs at warn).
 pub fn init_tracing() {
+    init_tracing_as(false);
+}
+
+/// Logs to stderr as text, or as one JSON object per line (`limpetd --log-format json`, for
+/// journald or a log shipper), filtered by `LIMPET_LOG`.
+pub fn init_tracing_as(json: bool) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("LIMPET_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,raft=warn"));
     use std::io::IsTerminal;
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr)
-        .try_init();
+    let fmt = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = if json {
+        fmt.json().with_current_span(false).try_init()
+    } else {
+        fmt.with_ansi(std::io::stderr().is_terminal()).try_init()
+    };
 }
 
 /// A binary's `main`: parses its arguments (clap's errors exit with [`EXIT_USAGE`], help and

@@ -1,7 +1,9 @@
-//! `limpetd`: the agent as a service. Reads and checks the configuration, starts the agent,
-//! tells systemd it is ready, and turns signals into cluster actions: SIGTERM (systemd stop,
-//! the usual shutdown path of a spot VM) drains the node so it leaves at an epoch boundary
-//! without losing a step; SIGINT stops at once (peers treat it as a failure).
+//! `limpetd`: the agent as a service. Reads and checks the configuration, starts the agent
+//! and its metrics endpoint, keeps systemd told (ready once joined, status, watchdog), and
+//! turns signals into cluster actions: SIGTERM (systemd stop, the usual shutdown path of a
+//! spot VM) drains the node so it leaves at an epoch boundary without losing a step, and
+//! exits 0; a second SIGTERM or the end of the grace period stops it at once, as does
+//! SIGINT (peers treat that as a failure, which they survive).
 
 use crate::config::Config;
 use crate::UsageError;
@@ -12,6 +14,7 @@ use limpet_consensus::state::MemberSpec;
 use limpet_trainer::data::{DataSpec, Dataset};
 use limpet_trainer::optim::OptimizerSpec;
 use limpet_trainer::{JobSpec, ModelKind};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -47,6 +50,9 @@ pub struct RunArgs {
     /// Append one JSON line per completed step here (overrides [node].step_log).
     #[arg(long)]
     pub step_log: Option<PathBuf>,
+    /// Log lines as text or JSON (overrides [node].log_format).
+    #[arg(long, value_parser = ["text", "json"])]
+    pub log_format: Option<String>,
 }
 
 /// Runs `limpetd` with parsed arguments.
@@ -64,47 +70,60 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
     }
     let path = cli.run.config.ok_or_else(|| UsageError("--config FILE is required".into()))?;
     let cfg = Config::load(&path).map_err(|e| UsageError(e.to_string()))?;
-    crate::init_tracing();
+    let json = cli.run.log_format.as_deref().unwrap_or(&cfg.node.log_format) == "json";
+    crate::init_tracing_as(json);
     limpet_trainer::set_threads(1);
     let agent_cfg = agent_config(&cfg, cli.run.step_log)?;
+    let opts = ServeOptions {
+        metrics: cfg.node.metrics.as_deref().map(str::parse).transpose()?,
+        grace: Duration::from_secs(cfg.timing.drain_grace_secs),
+    };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    rt.block_on(serve(agent_cfg))
+    rt.block_on(serve(agent_cfg, opts))
 }
 
-async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
+/// How `limpetd` serves beyond the agent itself.
+struct ServeOptions {
+    /// Where to serve Prometheus metrics.
+    metrics: Option<SocketAddr>,
+    /// How long a SIGTERM drain may take.
+    grace: Duration,
+}
+
+/// Tells systemd (when it started us with `Type=notify`; otherwise a no-op).
+fn notify(states: &[sd_notify::NotifyState]) {
+    let _ = sd_notify::notify(false, states);
+}
+
+async fn serve(cfg: AgentConfig, opts: ServeOptions) -> anyhow::Result<()> {
+    use sd_notify::NotifyState;
     use tokio::signal::unix::{signal, SignalKind};
+    // Bound before the agent starts, so a taken port stops limpetd before it joins.
+    let metrics = match opts.metrics {
+        Some(addr) => Some(crate::metrics::serve(addr).await?),
+        None => None,
+    };
     let name = cfg.name.clone();
     let me_id = cfg.id;
     let agent = Agent::start(cfg).await?;
-    tracing::info!(node = %name, control = %agent.control_addr(), data = %agent.data_addr(), "limpetd ready");
-    let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
+    tracing::info!(node = %name, control = %agent.control_addr(), data = %agent.data_addr(), metrics = ?metrics, "limpetd started");
     let stop = agent.shutdown_token();
     let handle = agent.handle();
+    tokio::spawn(crate::metrics::follow_consensus(handle.clone(), stop.clone()));
+    tokio::spawn(tell_systemd(handle.clone(), me_id, stop.clone()));
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
-    let drain_stop = stop.clone();
-    let waiter = tokio::spawn(agent.wait());
-    let me = name.clone();
-    let signals = tokio::spawn(async move {
-        tokio::select! {
-            _ = term.recv() => {
-                tracing::warn!(node = %me, "SIGTERM: draining");
-                let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
-                Some(())
-            }
-            _ = int.recv() => {
-                tracing::warn!(node = %me, "SIGINT: stopping now");
-                drain_stop.cancel();
-                None
-            }
-        }
-    });
-    let mut waiter = waiter;
-    let mut signals = signals;
+    let mut waiter = tokio::spawn(agent.wait());
+    let mut draining: Option<tokio::time::Instant> = None;
     loop {
+        let deadline = async {
+            match draining {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             r = &mut waiter => {
-                signals.abort();
                 let exit = r??;
                 match exit {
                     Exit::Removed(why) => tracing::info!(node = %name, why, "left the cluster"),
@@ -112,22 +131,80 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
                 }
                 return Ok(());
             }
-            s = &mut signals => {
-                if let Ok(Some(())) = s {
-                    // Drain: leave at the next boundary; give the cluster a bounded time.
-                    let cmd = limpet_consensus::state::Command::Drain { id: me_id, reason: "SIGTERM".into() };
-                    if let Err(e) = handle.propose(cmd, Some(Duration::from_secs(5))).await {
-                        tracing::warn!(%e, "could not record the drain; stopping");
-                        stop.cancel();
-                    }
-                    let stop = stop.clone();
-                    tokio::spawn(async move {
-                        tokio::time::sleep(Duration::from_secs(90)).await;
-                        stop.cancel();
-                    });
+            _ = term.recv() => {
+                if draining.is_some() {
+                    // A second SIGTERM: stop now. The cluster treats it as a failure, which it
+                    // survives like any other; the drain already recorded stays in the log.
+                    tracing::warn!(node = %name, "second SIGTERM: stopping now");
+                    stop.cancel();
+                    continue;
                 }
-                signals = tokio::spawn(std::future::pending());
+                tracing::warn!(node = %name, grace_s = opts.grace.as_secs(), "SIGTERM: draining");
+                notify(&[NotifyState::Stopping, NotifyState::Status("draining: leaving at the next epoch boundary")]);
+                draining = Some(tokio::time::Instant::now() + opts.grace);
+                // Leave at the next boundary; the leader (which may be this node: raft hands
+                // leadership over when a voter is removed) schedules the epoch without it.
+                let cmd = limpet_consensus::state::Command::Drain { id: me_id, reason: "SIGTERM".into() };
+                if let Err(e) = handle.propose(cmd, Some(Duration::from_secs(5))).await {
+                    tracing::warn!(%e, "could not record the drain; stopping");
+                    stop.cancel();
+                }
             }
+            _ = int.recv() => {
+                tracing::warn!(node = %name, "SIGINT: stopping now");
+                stop.cancel();
+            }
+            _ = deadline => {
+                tracing::warn!(node = %name, "the drain outlasted its grace period; stopping");
+                draining = None;
+                stop.cancel();
+            }
+        }
+    }
+}
+
+/// Keeps systemd told: `READY=1` once this node is a member of the cluster in the committed
+/// log (joined, not just listening), a `STATUS=` line as the phase changes, and watchdog
+/// pings while the consensus node keeps answering, so a wedged agent is restarted.
+async fn tell_systemd(
+    handle: limpet_consensus::NodeHandle,
+    me: u64,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    use sd_notify::NotifyState;
+    let mut usec = 0;
+    let watchdog = sd_notify::watchdog_enabled(false, &mut usec).then(|| Duration::from_micros(usec / 2));
+    let mut ready = false;
+    let mut last_status = String::new();
+    let mut tick =
+        tokio::time::interval(watchdog.unwrap_or(Duration::from_secs(1)).min(Duration::from_secs(1)));
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let local = handle.watch().borrow().clone();
+        let member = local.state.members.get(&me);
+        if !ready && member.is_some_and(|m| m.status.is_staying()) {
+            ready = true;
+            tracing::info!(node = me, leader = local.leader, "joined the cluster");
+            notify(&[NotifyState::Ready]);
+        }
+        let status = match (member, &local.state.current) {
+            (None, _) => "joining the cluster".to_string(),
+            (Some(m), Some(e)) if e.ranks.contains(&me) => {
+                format!("{:?}: training epoch {} of {} ranks", m.status, e.id, e.ranks.len())
+            }
+            (Some(m), _) => format!("{:?}: not training", m.status),
+        };
+        if status != last_status {
+            notify(&[NotifyState::Status(&status)]);
+            last_status = status;
+        }
+        // The watch only changes while the node's event loop runs; asking it something
+        // proves it is not wedged.
+        if watchdog.is_some() && handle.status().await.is_ok() {
+            notify(&[NotifyState::Watchdog]);
         }
     }
 }
@@ -184,6 +261,13 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
         link: limpet_agent::planner::Link { bytes_per_s: p.link_gbps * 1e9, latency_ms: p.latency_ms },
         shadow_every: p.shadow_every,
         cuts: p.cuts.clone(),
+    });
+    a.checkpoint = cfg.checkpoint.as_ref().map(|c| limpet_agent::checkpoint::CheckpointSettings {
+        every_steps: c.every_steps,
+        every: (c.every_minutes > 0.0).then(|| Duration::from_secs_f64(c.every_minutes * 60.0)),
+        dir: c.dir.clone().unwrap_or_else(|| cfg.node.state_dir.join("checkpoints")),
+        keep: c.keep,
+        resume: c.resume,
     });
     if let Some(cuts) = a.pipeline.as_ref().and_then(|p| p.cuts.as_ref()) {
         let blocks = a.job.model.num_blocks();

@@ -40,6 +40,11 @@ pub struct LocalJob {
     pub layers: Option<usize>,
     /// Shadow each pipeline stage to its neighbour every this many steps (0: off).
     pub shadow_every: u64,
+    /// Write a durable checkpoint every this many steps (0: off).
+    pub checkpoint_every: u64,
+    /// Where checkpoints go (default: each node's state directory). A directory shared by
+    /// every node (and by a later cluster) lets a new cluster resume from it.
+    pub checkpoint_dir: Option<PathBuf>,
 }
 
 impl Default for LocalJob {
@@ -58,6 +63,8 @@ impl Default for LocalJob {
             pipeline_memory: None,
             layers: None,
             shadow_every: 0,
+            checkpoint_every: 0,
+            checkpoint_dir: None,
         }
     }
 }
@@ -75,6 +82,9 @@ pub struct LocalNode {
     pub data: String,
     /// Its fake metadata service's base URL.
     pub metadata: String,
+    /// Its Prometheus endpoint (`http://ADDR/metrics`).
+    #[serde(default)]
+    pub metrics: String,
     /// Its configuration file.
     pub config: PathBuf,
     /// Its log file (stderr and stdout).
@@ -134,6 +144,19 @@ pub struct LocalCluster {
     children: HashMap<String, Child>,
     metadata: HashMap<String, Child>,
     founders: Vec<String>,
+    /// How the next node added is started: as systemd starts a `Type=notify` service.
+    systemd: Option<SystemdEnv>,
+}
+
+/// The environment systemd gives a `Type=notify` service with a watchdog.
+#[derive(Clone, Debug)]
+pub struct SystemdEnv {
+    /// The datagram socket `sd_notify` messages go to.
+    pub notify_socket: PathBuf,
+    /// `WatchdogSec`.
+    pub watchdog: Duration,
+    /// Extra `limpetd` arguments.
+    pub args: Vec<String>,
 }
 
 /// `limpetd`'s path: beside the running `limpet`.
@@ -147,8 +170,20 @@ pub fn limpetd_path() -> anyhow::Result<PathBuf> {
 }
 
 impl LocalCluster {
-    /// Starts `n` founding nodes under `dir` training `job`.
+    /// Starts `n` founding nodes under `dir` training `job`, with this `limpet` and the
+    /// `limpetd` beside it.
     pub fn up(dir: &Path, n: usize, job: LocalJob) -> anyhow::Result<LocalCluster> {
+        LocalCluster::up_with(dir, n, job, &std::env::current_exe()?, &limpetd_path()?)
+    }
+
+    /// Starts `n` founding nodes with the given binaries (tests run from their own).
+    pub fn up_with(
+        dir: &Path,
+        n: usize,
+        job: LocalJob,
+        limpet: &Path,
+        limpetd: &Path,
+    ) -> anyhow::Result<LocalCluster> {
         if n == 0 {
             bail!(crate::UsageError("--nodes must be at least 1".into()));
         }
@@ -167,11 +202,12 @@ impl LocalCluster {
             // take each other's raft traffic for their own if a port is reused.
             file: ClusterFile { cluster: format!("local-{:08x}", rand::random::<u32>()), nodes: Vec::new() },
             job,
-            exe: std::env::current_exe()?,
-            limpetd: limpetd_path()?,
+            exe: limpet.to_path_buf(),
+            limpetd: limpetd.to_path_buf(),
             children: HashMap::new(),
             metadata: HashMap::new(),
             founders: Vec::new(),
+            systemd: None,
         };
         let controls: Vec<String> =
             (0..n).map(|_| free_port().map(|p| format!("127.0.0.1:{p}"))).collect::<anyhow::Result<_>>()?;
@@ -180,6 +216,20 @@ impl LocalCluster {
             c.start_node(&format!("node-{}", i + 1), (i + 1) as u64, control, true)?;
         }
         Ok(c)
+    }
+
+    /// Adds a node that joins through the founders, started the way systemd starts a
+    /// `Type=notify` service (`NOTIFY_SOCKET`, `WATCHDOG_USEC`, `WATCHDOG_PID`).
+    pub fn add_as_service(&mut self, env: SystemdEnv) -> anyhow::Result<String> {
+        self.systemd = Some(env);
+        let r = self.add();
+        self.systemd = None;
+        r
+    }
+
+    /// Process id of a node's running limpetd.
+    pub fn pid(&self, name: &str) -> Option<u32> {
+        self.children.get(name).map(Child::id)
     }
 
     /// Adds a node that joins through the founders.
@@ -194,6 +244,7 @@ impl LocalCluster {
     fn start_node(&mut self, name: &str, id: u64, control: &str, founder: bool) -> anyhow::Result<()> {
         let data = format!("127.0.0.1:{}", free_port()?);
         let md_addr = format!("127.0.0.1:{}", free_port()?);
+        let metrics = format!("127.0.0.1:{}", free_port()?);
         let log = self.dir.join(format!("{name}.log"));
         let md_child = Command::new(&self.exe)
             .args(["fake-metadata", "--listen", &md_addr])
@@ -207,7 +258,7 @@ impl LocalCluster {
         let seeds: Vec<String> = self.file.nodes.iter().map(|n| format!("{:?}", n.control)).collect();
         let j = &self.job;
         let mut text = format!(
-            "[node]\nname = {name:?}\nid = {id}\ncontrol = {control:?}\ndata = {data:?}\nstate_dir = {:?}\nsecret_file = {:?}\nstep_log = {:?}\n\n",
+            "[node]\nname = {name:?}\nid = {id}\ncontrol = {control:?}\ndata = {data:?}\nmetrics = {metrics:?}\nstate_dir = {:?}\nsecret_file = {:?}\nstep_log = {:?}\n\n",
             self.dir.join(name).display().to_string(),
             self.dir.join("secret").display().to_string(),
             step_log.display().to_string(),
@@ -248,13 +299,37 @@ impl LocalCluster {
             }
             text += &format!("shadow_every = {}\n", j.shadow_every);
         }
+        if j.checkpoint_every > 0 {
+            text += &format!("\n[checkpoint]\nevery_steps = {}\nkeep = 2\n", j.checkpoint_every);
+            if let Some(d) = &j.checkpoint_dir {
+                text += &format!("dir = {:?}\n", d.display().to_string());
+            }
+        }
         text += &format!(
             "\n[revocation]\nsources = [\"aws\"]\npoll_secs = 0.2\naws_endpoint = \"http://{md_addr}\"\n"
         );
         std::fs::write(&config, text).with_context(|| format!("writing {}", config.display()))?;
         let out = std::fs::File::create(&log)?;
-        let child = Command::new(&self.limpetd)
-            .args(["--config", &config.display().to_string()])
+        let mut cmd = match &self.systemd {
+            // systemd sets WATCHDOG_PID to the service's own pid: the shell's, which exec
+            // hands to limpetd.
+            Some(sd) => {
+                let mut c = Command::new("sh");
+                c.args(["-c", "export WATCHDOG_PID=$$; exec \"$0\" \"$@\""])
+                    .arg(&self.limpetd)
+                    .args(["--config", &config.display().to_string()])
+                    .args(&sd.args)
+                    .env("NOTIFY_SOCKET", &sd.notify_socket)
+                    .env("WATCHDOG_USEC", sd.watchdog.as_micros().to_string());
+                c
+            }
+            None => {
+                let mut c = Command::new(&self.limpetd);
+                c.args(["--config", &config.display().to_string()]).env_remove("NOTIFY_SOCKET");
+                c
+            }
+        };
+        let child = cmd
             .env("LIMPET_LOG", std::env::var("LIMPET_LOG").unwrap_or_else(|_| "info,raft=warn".into()))
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)
@@ -267,6 +342,7 @@ impl LocalCluster {
             control: control.to_string(),
             data,
             metadata: format!("http://{md_addr}"),
+            metrics: format!("http://{metrics}/metrics"),
             config,
             log,
             step_log,
@@ -283,6 +359,30 @@ impl LocalCluster {
         std::fs::write(&tmp, serde_json::to_vec_pretty(&self.file)?)?;
         std::fs::rename(&tmp, self.dir.join("cluster.json"))?;
         Ok(())
+    }
+
+    /// Starts a stopped node's limpetd again with its configuration and state directory
+    /// (an upgrade: stop, replace the binary, start).
+    pub fn restart(&mut self, name: &str) -> anyhow::Result<()> {
+        if self.running(name) {
+            bail!("{name} is still running");
+        }
+        let node = self.file.node(name)?.clone();
+        let out = std::fs::OpenOptions::new().append(true).create(true).open(&node.log)?;
+        let child = Command::new(&self.limpetd)
+            .args(["--config", &node.config.display().to_string()])
+            .env_remove("NOTIFY_SOCKET")
+            .env("LIMPET_LOG", std::env::var("LIMPET_LOG").unwrap_or_else(|_| "info,raft=warn".into()))
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .context("starting limpetd")?;
+        if let Some(n) = self.file.nodes.iter_mut().find(|n| n.name == name) {
+            n.pid = child.id();
+        }
+        self.children.insert(name.to_string(), child);
+        self.save()
     }
 
     /// `kill -9` of a node's limpetd.
@@ -359,5 +459,22 @@ pub fn post_notice(metadata_url: &str, in_secs: u64) -> anyhow::Result<()> {
             bail!("{metadata_url} answered {}", r.status());
         }
         Ok(())
+    })
+}
+
+/// The body of a GET (a node's `/metrics`, for tests and the demo).
+pub fn get_text(url: &str) -> anyhow::Result<String> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        let r = reqwest::Client::new()
+            .get(url)
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await
+            .with_context(|| format!("GET {url}"))?;
+        if !r.status().is_success() {
+            bail!("{url} answered {}", r.status());
+        }
+        Ok(r.text().await?)
     })
 }

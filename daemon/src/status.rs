@@ -154,6 +154,23 @@ pub struct StatusDoc {
     pub nodes: Vec<NodeDoc>,
     /// Newest transitions, oldest first.
     pub transitions: Vec<TransitionDoc>,
+    /// Durable checkpoints recorded in the log, oldest first (a pipelined job records one
+    /// part per stage; epoch 0 marks the checkpoint a new cluster resumed from).
+    #[serde(default)]
+    pub checkpoints: Vec<CheckpointDoc>,
+}
+
+/// A checkpoint as the log records it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct CheckpointDoc {
+    /// The step it holds.
+    pub step: u64,
+    /// The epoch it was written in (0: before this cluster).
+    pub epoch: u64,
+    /// Where.
+    pub location: String,
+    /// Who wrote it.
+    pub node: String,
 }
 
 async fn connect_any(cluster: &str, addrs: &[String]) -> anyhow::Result<(Client, String)> {
@@ -305,6 +322,16 @@ fn build(
         total_steps,
         nodes,
         transitions,
+        checkpoints: st
+            .checkpoints
+            .iter()
+            .map(|c| CheckpointDoc {
+                step: c.step,
+                epoch: c.epoch,
+                location: c.location.clone(),
+                node: name_of(st, c.node),
+            })
+            .collect(),
     }
 }
 
@@ -358,6 +385,9 @@ pub fn render(d: &StatusDoc) -> String {
     if !d.transitions.is_empty() {
         s += "\n";
         s += &transitions_table(&d.transitions);
+    }
+    if let Some(c) = d.checkpoints.last() {
+        s += &format!("\nlast checkpoint: step {} by {} at {}\n", c.step, c.node, c.location);
     }
     s
 }

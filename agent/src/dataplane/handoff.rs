@@ -44,17 +44,38 @@ pub fn serve_handoff(
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         while !stop.load(Ordering::SeqCst) {
-            let Some((peer, mut conn)) =
-                endpoint.accept_channel(Channel::Handoff, Duration::from_millis(200))
+            let Some((peer, conn)) = endpoint.accept_channel(Channel::Handoff, Duration::from_millis(200))
             else {
                 continue;
             };
             let server = server.clone();
             std::thread::spawn(move || {
+                let mut conn = SentCounter(conn);
                 if let Err(e) = server.serve(&mut conn, None) {
                     tracing::warn!(peer, %e, "state handoff to a peer failed");
                 }
             });
         }
     })
+}
+
+/// A connection that counts what it writes as handoff bytes sent.
+struct SentCounter<S>(S);
+
+impl<S: std::io::Read> std::io::Read for SentCounter<S> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.0.read(buf)
+    }
+}
+
+impl<S: std::io::Write> std::io::Write for SentCounter<S> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.0.write(buf)?;
+        super::count_bytes(true, "handoff", n as u64);
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
+    }
 }

@@ -21,6 +21,14 @@ pub mod pipe;
 pub mod ring;
 
 pub use endpoint::{DataPlaneConfig, Endpoint};
+
+/// Counts bytes that crossed the data plane, by direction and kind (`ring`, `pipe`,
+/// `handoff`), into the `limpet_data_bytes_{sent,received}_total` metrics: payload and frame
+/// headers, not TCP's own overhead.
+pub fn count_bytes(sent: bool, kind: &'static str, bytes: u64) {
+    let name = if sent { "limpet_data_bytes_sent_total" } else { "limpet_data_bytes_received_total" };
+    metrics::counter!(name, "kind" => kind).increment(bytes);
+}
 pub use pipe::PipeLink;
 pub use ring::Group;
 

@@ -168,8 +168,11 @@ impl PipeLink {
             let queue = peer.queue.as_ref().expect("queue lives until drop");
             let closed =
                 |node| DataPlaneError::PeerClosed { peer: node, during: "queueing a pipe frame".into() };
-            queue.send(frame(&encode_shape(shape))).map_err(|_| closed(peer.node))?;
+            let first = frame(&encode_shape(shape));
+            super::count_bytes(true, "pipe", first.len() as u64);
+            queue.send(first).map_err(|_| closed(peer.node))?;
             for chunk in bytemuck::cast_slice::<f32, u8>(values).chunks(MAX_PAYLOAD as usize) {
+                super::count_bytes(true, "pipe", (HEADER_LEN + chunk.len()) as u64);
                 queue.send(frame(chunk)).map_err(|_| closed(peer.node))?;
             }
             Ok(())
@@ -204,6 +207,8 @@ impl PipeLink {
                 }
                 bytes.extend_from_slice(&part);
             }
+            let frames = 1 + bytes.len().div_ceil(MAX_PAYLOAD as usize);
+            super::count_bytes(false, "pipe", (frames * HEADER_LEN + shape_bytes.len() + bytes.len()) as u64);
             let values =
                 bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
             Ok((shape, values))

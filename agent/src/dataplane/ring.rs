@@ -304,7 +304,14 @@ impl Group {
         self.seq = self.seq.wrapping_add(1);
         let during = format!("{what} #{seq} of step {step}, epoch {}", self.epoch);
         match self.drive(plan, buf, step, seq, &during) {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                let frames = |items: &mut dyn Iterator<Item = usize>| {
+                    items.map(|len| (HEADER_LEN + 4 * len) as u64).sum::<u64>()
+                };
+                super::count_bytes(true, "ring", frames(&mut plan.sends.iter().map(|s| s.range.len())));
+                super::count_bytes(false, "ring", frames(&mut plan.recvs.iter().map(|r| r.range.len())));
+                Ok(())
+            }
             Err(e) => {
                 self.break_group(&e, step, seq);
                 Err(e)

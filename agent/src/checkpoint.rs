@@ -1,0 +1,312 @@
+//! Durable checkpoints: a directory of training states that outlives every host of a
+//! cluster, and finding the newest usable one when a new cluster starts.
+//!
+//! Layout: `DIR/step-000000001200/blocks-0-4.limpet`, one part per pipeline stage (a
+//! data-parallel job writes one part holding every block). Each part is a complete,
+//! checksummed [`StateImage`] written atomically, so a directory holds only whole parts; a
+//! checkpoint is usable when its parts cover every block of the model. A crash while
+//! writing leaves the previous checkpoints intact and at worst an incomplete newest one,
+//! which the search skips.
+
+use limpet_snapshot::{SnapshotError, StateImage};
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// When and where an agent writes checkpoints.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CheckpointSettings {
+    /// Every this many steps (0: not by steps).
+    pub every_steps: u64,
+    /// When this much time passed since the last (data-parallel jobs only).
+    pub every: Option<Duration>,
+    /// The directory (a shared mount survives losing every host).
+    pub dir: PathBuf,
+    /// How many checkpoints to keep.
+    pub keep: usize,
+    /// Whether a new cluster resumes from the newest one found in `dir`.
+    pub resume: bool,
+}
+
+/// Why a checkpoint directory could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// Reading or writing failed.
+    #[error("{op} {path}: {source}")]
+    Io {
+        /// What was done.
+        op: &'static str,
+        /// Where.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// A part is corrupt or does not belong with the others.
+    #[error("{path}: {detail}")]
+    Bad {
+        /// The part.
+        path: PathBuf,
+        /// What is wrong.
+        detail: String,
+    },
+    /// The snapshot layer refused.
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
+}
+
+/// The directory of the checkpoint at `step`.
+pub fn step_dir(dir: &Path, step: u64) -> PathBuf {
+    dir.join(format!("step-{step:012}"))
+}
+
+/// The file of the part holding `blocks` of the checkpoint at `step`.
+pub fn part_path(dir: &Path, step: u64, blocks: &Range<usize>) -> PathBuf {
+    step_dir(dir, step).join(format!("blocks-{}-{}.limpet", blocks.start, blocks.end))
+}
+
+/// The step a directory name stands for (`step-000000001200`), if it is one of ours.
+pub fn parse_step_dir(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("step-")?;
+    if digits.len() != 12 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// The blocks a part's file name stands for (`blocks-0-4.limpet`), if it is one of ours.
+pub fn parse_part(name: &str) -> Option<Range<usize>> {
+    let (a, b) = name.strip_prefix("blocks-")?.strip_suffix(".limpet")?.split_once('-')?;
+    let digits = |s: &str| !s.is_empty() && s.len() <= 9 && s.bytes().all(|c| c.is_ascii_digit());
+    if !digits(a) || !digits(b) {
+        return None;
+    }
+    let (a, b) = (a.parse().ok()?, b.parse().ok()?);
+    (a < b).then_some(a..b)
+}
+
+/// Writes one part (a stage's state, or the whole model's) of the checkpoint at the image's
+/// step; its path.
+pub fn write_part(dir: &Path, image: &StateImage, blocks: &Range<usize>) -> Result<PathBuf, CheckpointError> {
+    let step = image.meta().step;
+    let sd = step_dir(dir, step);
+    std::fs::create_dir_all(&sd).map_err(|source| CheckpointError::Io {
+        op: "creating",
+        path: sd,
+        source,
+    })?;
+    let path = part_path(dir, step, blocks);
+    limpet_snapshot::write_atomic(&path, &image.encode()?)?;
+    Ok(path)
+}
+
+/// A checkpoint on disk: its step and its parts (file, blocks), in block order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Listed {
+    /// The step.
+    pub step: u64,
+    /// The parts.
+    pub parts: Vec<(PathBuf, Range<usize>)>,
+}
+
+impl Listed {
+    /// Whether the parts tile `0..blocks` (going by the names; contents are checked on load).
+    pub fn complete(&self, blocks: usize) -> bool {
+        cover(&self.parts.iter().map(|(_, r)| r.clone()).collect::<Vec<_>>(), blocks).is_some()
+    }
+}
+
+/// Parts (of any overlap) chosen to tile `0..blocks` from left to right, if they can.
+fn cover(parts: &[Range<usize>], blocks: usize) -> Option<Vec<usize>> {
+    let mut at = 0;
+    let mut chosen = Vec::new();
+    while at < blocks {
+        // The part starting exactly here that reaches furthest.
+        let (i, r) = parts.iter().enumerate().filter(|(_, r)| r.start == at).max_by_key(|(_, r)| r.end)?;
+        chosen.push(i);
+        at = r.end;
+    }
+    (at == blocks).then_some(chosen)
+}
+
+/// Every checkpoint in `dir`, oldest first (a missing directory holds none).
+pub fn list(dir: &Path) -> Result<Vec<Listed>, CheckpointError> {
+    let rd = match std::fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => return Err(CheckpointError::Io { op: "listing", path: dir.to_path_buf(), source }),
+    };
+    let mut out = Vec::new();
+    for entry in rd.flatten() {
+        let Some(step) = entry.file_name().to_str().and_then(parse_step_dir) else { continue };
+        let mut parts: Vec<(PathBuf, Range<usize>)> = std::fs::read_dir(entry.path())
+            .map_err(|source| CheckpointError::Io { op: "listing", path: entry.path(), source })?
+            .flatten()
+            .filter_map(|p| Some((p.path(), parse_part(p.file_name().to_str()?)?)))
+            .collect();
+        parts.sort_by_key(|(_, r)| (r.start, r.end));
+        out.push(Listed { step, parts });
+    }
+    out.sort_by_key(|l| l.step);
+    Ok(out)
+}
+
+/// Deletes all but the newest `keep` complete checkpoints, and incomplete ones older than
+/// the oldest kept (a newer incomplete one may be a stage's part still being written).
+pub fn prune(dir: &Path, keep: usize, blocks: usize) -> Result<Vec<u64>, CheckpointError> {
+    let all = list(dir)?;
+    let complete: Vec<u64> = all.iter().filter(|l| l.complete(blocks)).map(|l| l.step).collect();
+    let oldest_kept = complete.len().checked_sub(keep).and_then(|i| complete.get(i)).copied().unwrap_or(0);
+    let mut removed = Vec::new();
+    for l in all.iter().filter(|l| l.step < oldest_kept) {
+        let d = step_dir(dir, l.step);
+        match std::fs::remove_dir_all(&d) {
+            // Another stage's writer pruned it first.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            r => r.map_err(|source| CheckpointError::Io { op: "removing", path: d, source })?,
+        }
+        removed.push(l.step);
+    }
+    Ok(removed)
+}
+
+/// Reads a checkpoint's parts and joins them into one image of the whole model, checking
+/// that every part is intact, at the checkpoint's step, and of one job and one data order.
+pub fn load(listed: &Listed, blocks: usize) -> Result<StateImage, CheckpointError> {
+    let ranges: Vec<Range<usize>> = listed.parts.iter().map(|(_, r)| r.clone()).collect();
+    let chosen = cover(&ranges, blocks).ok_or_else(|| CheckpointError::Bad {
+        path: listed.parts.first().map_or_else(PathBuf::new, |(p, _)| p.parent().unwrap_or(p).to_path_buf()),
+        detail: format!("the parts {ranges:?} do not cover blocks 0..{blocks}"),
+    })?;
+    let mut tensors = BTreeMap::new();
+    let mut meta: Option<limpet_snapshot::StateMeta> = None;
+    for i in chosen {
+        let path = &listed.parts[i].0;
+        let image = limpet_snapshot::read_file(path)
+            .map_err(|e| CheckpointError::Bad { path: path.clone(), detail: e.to_string() })?;
+        let m = image.meta();
+        if m.step != listed.step {
+            return Err(CheckpointError::Bad {
+                path: path.clone(),
+                detail: format!("holds step {}, but sits in the checkpoint of step {}", m.step, listed.step),
+            });
+        }
+        if let Some(first) = &meta {
+            if (first.cursor, first.rng, &first.job) != (m.cursor, m.rng, &m.job) {
+                return Err(CheckpointError::Bad {
+                    path: path.clone(),
+                    detail: "its job, data cursor or random state differs from the other parts'".into(),
+                });
+            }
+        } else {
+            meta = Some(m.clone());
+        }
+        for (name, t) in image.tensors() {
+            tensors.insert(name.clone(), t.clone());
+        }
+    }
+    let m = meta.expect("a cover of at least one block has a part");
+    Ok(StateImage::new(m.step, m.cursor, m.rng, m.job, tensors))
+}
+
+/// A usable checkpoint: where its parts are, and the whole model's state they hold.
+pub type Found = (Listed, StateImage);
+
+/// The newest checkpoint in `dir` that loads and whose job is `job`; the ones passed over
+/// and why (a newest checkpoint that is corrupt falls back to the one before).
+pub fn newest(
+    dir: &Path,
+    blocks: usize,
+    job: &serde_json::Value,
+) -> Result<(Option<Found>, Vec<String>), CheckpointError> {
+    let mut skipped = Vec::new();
+    for l in list(dir)?.into_iter().rev() {
+        if !l.complete(blocks) {
+            skipped.push(format!("{}: incomplete", step_dir(dir, l.step).display()));
+            continue;
+        }
+        match load(&l, blocks) {
+            Ok(image) if &image.meta().job == job => return Ok((Some((l, image)), skipped)),
+            Ok(_) => skipped.push(format!("{}: another job", step_dir(dir, l.step).display())),
+            Err(e) => skipped.push(e.to_string()),
+        }
+    }
+    Ok((None, skipped))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use limpet_snapshot::{RawTensor, RngState};
+
+    fn image(step: u64, blocks: Range<usize>, job: u64) -> StateImage {
+        let tensors = blocks
+            .map(|b| {
+                let name = format!("param/blocks.{b}.w");
+                let t = RawTensor::from_f32(&name, vec![2], &[b as f32, step as f32]).unwrap();
+                (name, t)
+            })
+            .collect();
+        StateImage::new(step, step * 8, RngState::new(1), serde_json::json!({ "job": job }), tensors)
+    }
+
+    #[test]
+    fn names_round_trip_and_foreign_names_are_ignored() {
+        let d = Path::new("/ck");
+        let p = part_path(d, 1200, &(0..4));
+        assert_eq!(p, Path::new("/ck/step-000000001200/blocks-0-4.limpet"));
+        assert_eq!(parse_step_dir("step-000000001200"), Some(1200));
+        assert_eq!(parse_part("blocks-0-4.limpet"), Some(0..4));
+        for bad in ["step-12", "step-00000000120x", "steps-000000001200", "step-+00000001200"] {
+            assert_eq!(parse_step_dir(bad), None, "{bad}");
+        }
+        for bad in ["blocks-4-0.limpet", "blocks-0-4.tmp", ".blocks-0-4.limpet.tmp-7", "blocks--4.limpet"] {
+            assert_eq!(parse_part(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn stage_parts_join_into_the_whole_model_and_the_newest_usable_one_wins() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        // Step 10: complete in two parts. Step 20: one part only (a stage died writing).
+        write_part(d, &image(10, 0..2, 1), &(0..2)).unwrap();
+        write_part(d, &image(10, 2..4, 1), &(2..4)).unwrap();
+        write_part(d, &image(20, 0..2, 1), &(0..2)).unwrap();
+        let (found, skipped) = newest(d, 4, &serde_json::json!({ "job": 1 })).unwrap();
+        let (l, whole) = found.unwrap();
+        assert_eq!((l.step, whole.tensors().len()), (10, 4));
+        assert!(skipped[0].contains("incomplete"), "{skipped:?}");
+        // Another job's checkpoints are never resumed.
+        let (found, _) = newest(d, 4, &serde_json::json!({ "job": 2 })).unwrap();
+        assert!(found.is_none());
+    }
+
+    #[test]
+    fn a_corrupt_newest_part_falls_back_to_the_one_before() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        write_part(d, &image(10, 0..4, 1), &(0..4)).unwrap();
+        let p = write_part(d, &image(20, 0..4, 1), &(0..4)).unwrap();
+        let mut bytes = std::fs::read(&p).unwrap();
+        let n = bytes.len();
+        bytes[n - 3] ^= 0x40;
+        std::fs::write(&p, bytes).unwrap();
+        let (found, skipped) = newest(d, 4, &serde_json::json!({ "job": 1 })).unwrap();
+        assert_eq!(found.unwrap().0.step, 10);
+        assert!(skipped[0].contains("blocks-0-4.limpet"), "the skip names the bad file: {skipped:?}");
+    }
+
+    #[test]
+    fn prune_keeps_the_newest_complete_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        for step in [10, 20, 30, 40] {
+            write_part(d, &image(step, 0..4, 1), &(0..4)).unwrap();
+        }
+        write_part(d, &image(50, 0..2, 1), &(0..2)).unwrap();
+        assert_eq!(prune(d, 2, 4).unwrap(), vec![10, 20]);
+        let left: Vec<u64> = list(d).unwrap().iter().map(|l| l.step).collect();
+        assert_eq!(left, vec![30, 40, 50]);
+    }
+}

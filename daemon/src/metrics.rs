@@ -1,0 +1,168 @@
+//! `limpetd`'s Prometheus endpoint: installs the exporter's recorder behind the `metrics`
+//! facade (the agent records steps, transitions, checkpoints and data-plane bytes where
+//! they happen), serves its text format at `GET /metrics`, and follows the consensus node
+//! for the raft gauges. `deploy/grafana/limpet.json` is a dashboard over these names.
+
+use limpet_consensus::NodeHandle;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use std::net::SocketAddr;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// Seconds: from a 1 ms MLP step to a multi-second stall.
+const BUCKETS: &[f64] = &[0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0];
+
+/// Every metric limpetd exports, with its help text (the `# HELP` lines).
+pub const METRICS: &[(&str, &str)] = &[
+    ("limpet_steps_total", "Optimizer steps this node completed."),
+    ("limpet_step_seconds", "Wall time of one training step on this node."),
+    ("limpet_applied_step", "Steps applied to this node's state (the next step to run)."),
+    ("limpet_loss", "Global mean loss of the last step."),
+    ("limpet_samples_per_second", "Samples per second of the last step, this rank's share."),
+    ("limpet_world_size", "Ranks in the epoch this node trains in."),
+    ("limpet_epoch", "The epoch this node trains in."),
+    ("limpet_transitions_total", "Epoch changes this node entered, by cause."),
+    ("limpet_transition_idle_seconds", "Time from this node's last step to its first step in the new epoch."),
+    ("limpet_lost_steps_total", "Steps abandoned in flight by a failed collective."),
+    ("limpet_redone_steps_total", "Steps trained again after rolling back to a pipeline stage's shadow."),
+    ("limpet_data_bytes_sent_total", "Data-plane bytes sent, by kind (ring, pipe, handoff)."),
+    ("limpet_data_bytes_received_total", "Data-plane bytes received, by kind (ring, pipe, handoff)."),
+    ("limpet_checkpoints_total", "Checkpoint parts this node wrote."),
+    ("limpet_checkpoint_failures_total", "Checkpoint parts this node failed to write."),
+    ("limpet_checkpoint_step", "Step of the last checkpoint part this node wrote."),
+    ("limpet_checkpoint_seconds", "Time to encode and write one checkpoint part."),
+    ("limpet_raft_term", "Raft term this node is in."),
+    ("limpet_raft_commit_index", "Newest log index this node knows to be committed."),
+    ("limpet_raft_applied_index", "Newest log index applied to this node's cluster state."),
+    ("limpet_raft_leader", "Raft id of the leader this node follows (0: none known)."),
+    ("limpet_raft_is_leader", "1 while this node leads the cluster."),
+    ("limpet_members", "Cluster members by status, as this node's log has them."),
+];
+
+/// Installs the recorder and serves `/metrics` on `addr`; the bound address.
+pub async fn serve(addr: SocketAddr) -> anyhow::Result<SocketAddr> {
+    let handle = install()?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| crate::UsageError(format!("[node].metrics {addr}: {e}")))?;
+    let bound = listener.local_addr()?;
+    let render = handle.clone();
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let h = render.clone();
+            async move { ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], h.render()) }
+        }),
+    );
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(%e, "the metrics endpoint stopped");
+        }
+    });
+    // Histograms keep their samples until upkeep folds them into the buckets.
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            handle.run_upkeep();
+        }
+    });
+    Ok(bound)
+}
+
+fn install() -> anyhow::Result<PrometheusHandle> {
+    let handle = PrometheusBuilder::new().set_buckets(BUCKETS)?.install_recorder()?;
+    for (name, help) in METRICS {
+        // The kind only decides the HELP line's placement; the recorder keeps the type the
+        // first update gives it.
+        metrics::describe_gauge!(*name, *help);
+    }
+    Ok(handle)
+}
+
+/// Keeps the raft and membership gauges current from the consensus node.
+pub async fn follow_consensus(handle: NodeHandle, stop: CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+        if let Ok(s) = handle.status().await {
+            metrics::gauge!("limpet_raft_term").set(s.term as f64);
+            metrics::gauge!("limpet_raft_commit_index").set(s.commit as f64);
+            metrics::gauge!("limpet_raft_applied_index").set(s.applied as f64);
+            metrics::gauge!("limpet_raft_leader").set(s.leader as f64);
+            metrics::gauge!("limpet_raft_is_leader").set(f64::from(u8::from(s.leader == s.id)));
+        }
+        let state = std::sync::Arc::clone(&handle.watch().borrow().state);
+        let mut by_status = std::collections::BTreeMap::new();
+        for m in state.members.values() {
+            *by_status.entry(format!("{:?}", m.status).to_lowercase()).or_insert(0u32) += 1;
+        }
+        for status in ["joining", "active", "leaving", "draining", "failed", "gone"] {
+            let n = by_status.get(status).copied().unwrap_or(0);
+            metrics::gauge!("limpet_members", "status" => status).set(f64::from(n));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::METRICS;
+
+    /// The metric names a PromQL expression uses (histogram series mapped to their metric).
+    fn names_in(expr: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut rest = expr;
+        while let Some(i) = rest.find("limpet_") {
+            let tail = &rest[i..];
+            let end = tail.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(tail.len());
+            let name = &tail[..end];
+            let base =
+                ["_bucket", "_sum", "_count"].iter().find_map(|s| name.strip_suffix(s)).unwrap_or(name);
+            out.push(base.to_string());
+            rest = &tail[end..];
+        }
+        out
+    }
+
+    #[test]
+    fn the_grafana_dashboard_only_queries_metrics_limpetd_exports() {
+        let dash: serde_json::Value =
+            serde_json::from_str(include_str!("../../deploy/grafana/limpet.json")).expect("valid JSON");
+        let known: Vec<&str> = METRICS.iter().map(|(n, _)| *n).collect();
+        let mut used = Vec::new();
+        let panels = dash["panels"].as_array().expect("panels");
+        assert!(panels.len() >= 10);
+        for p in panels {
+            let targets = p["targets"].as_array().expect("every panel queries something");
+            for t in targets {
+                used.extend(names_in(t["expr"].as_str().expect("expr")));
+            }
+        }
+        for name in &used {
+            assert!(
+                known.contains(&name.as_str()),
+                "the dashboard queries {name}, which limpetd does not export"
+            );
+        }
+        // Each headline figure of docs/operations.md has a panel.
+        for name in [
+            "limpet_step_seconds",
+            "limpet_transitions_total",
+            "limpet_data_bytes_sent_total",
+            "limpet_raft_term",
+        ] {
+            assert!(used.iter().any(|u| u == name), "no panel shows {name}");
+        }
+    }
+
+    #[test]
+    fn names_are_found_in_promql() {
+        let e = "histogram_quantile(0.9, sum by (le) (rate(limpet_step_seconds_bucket{job=~\"$job\"}[1m])))";
+        assert_eq!(names_in(e), vec!["limpet_step_seconds"]);
+        assert_eq!(
+            names_in("max(limpet_epoch) + limpet_raft_term"),
+            vec!["limpet_epoch", "limpet_raft_term"]
+        );
+    }
+}

@@ -1,0 +1,359 @@
+//! Running limpet as an operator would, with real processes: the systemd unit as shipped,
+//! `limpetd` started the way systemd starts a `Type=notify` service (its notifications read
+//! from a real datagram socket), its Prometheus endpoint scraped over HTTP, SIGTERM drains
+//! and a second SIGTERM, JSON logs, and durable checkpoints that let a brand-new cluster
+//! carry on after every host of the old one was killed.
+
+use limpet_daemon::local::{get_text, LocalCluster, LocalJob, SystemdEnv};
+use std::collections::BTreeMap;
+use std::os::unix::net::UnixDatagram;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+#[path = "common.rs"]
+mod common;
+use common::{exe, max_rel_diff, params, train_alone};
+
+const UNIT: &str = include_str!("../deploy/systemd/limpetd.service");
+
+/// The unit's value of `key` (the last one set).
+fn unit_value(key: &str) -> String {
+    UNIT.lines()
+        .filter_map(|l| l.strip_prefix(key)?.strip_prefix('='))
+        .next_back()
+        .unwrap_or_else(|| panic!("the unit sets no {key}"))
+        .to_string()
+}
+
+#[test]
+fn the_systemd_unit_passes_systemd_analyze_verify_and_outlasts_the_drain() {
+    let dir = tempfile::tempdir().unwrap();
+    // verify checks that the executables exist: point the unit at the binary under test.
+    let unit = dir.path().join("limpetd.service");
+    std::fs::write(&unit, UNIT.replace("/usr/local/bin/limpetd", env!("CARGO_BIN_EXE_limpetd"))).unwrap();
+    let out = Command::new("systemd-analyze")
+        .args(["verify", "--man=no"])
+        .arg(&unit)
+        .output()
+        .expect("systemd-analyze (Debian package systemd) is installed by deploy/setup.sh");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    // Unknown keys are only warnings to verify, so any output fails the test.
+    assert!(out.status.success() && stderr.trim().is_empty(), "systemd-analyze verify: {stderr}");
+
+    assert_eq!(unit_value("Type"), "notify");
+    assert!(unit_value("ExecStartPre").contains("limpetd validate --config"));
+    assert!(!unit_value("StateDirectory").is_empty());
+    assert_eq!(unit_value("Restart"), "always");
+    for hardening in ["NoNewPrivileges", "ProtectSystem", "ProtectHome", "CapabilityBoundingSet"] {
+        unit_value(hardening);
+    }
+    // systemd's SIGKILL must come after limpetd's own deadline, but not long after.
+    let stop: u64 = unit_value("TimeoutStopSec").parse().unwrap();
+    let grace = limpet_daemon::config::TimingSection::default().drain_grace_secs;
+    assert!(stop > grace && stop <= grace + 30, "TimeoutStopSec={stop}, drain grace {grace} s");
+    let watchdog: u64 = unit_value("WatchdogSec").parse().unwrap();
+    assert!(watchdog >= 10, "a watchdog of {watchdog} s would kill an agent busy entering an epoch");
+}
+
+/// What systemd would have received: every notification's fields, in order.
+struct NotifySocket {
+    sock: UnixDatagram,
+    path: PathBuf,
+    seen: Vec<BTreeMap<String, String>>,
+}
+
+impl NotifySocket {
+    fn bind(dir: &Path) -> NotifySocket {
+        let path = dir.join("notify.sock");
+        let sock = UnixDatagram::bind(&path).unwrap();
+        sock.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+        NotifySocket { sock, path, seen: Vec::new() }
+    }
+
+    /// Reads every message that arrives for `d`.
+    fn collect(&mut self, d: Duration) {
+        let start = Instant::now();
+        while start.elapsed() < d {
+            self.recv_one();
+        }
+    }
+
+    fn recv_one(&mut self) {
+        let mut buf = [0u8; 4096];
+        if let Ok(n) = self.sock.recv(&mut buf) {
+            let text = String::from_utf8_lossy(&buf[..n]).to_string();
+            let msg = text
+                .lines()
+                .filter_map(|l| l.split_once('='))
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            self.seen.push(msg);
+        }
+    }
+
+    /// Reads until a message has `key` (with `value`, if given); the time it took.
+    fn wait_for(&mut self, key: &str, value: Option<&str>, within: Duration) -> Duration {
+        let start = Instant::now();
+        let has = |m: &BTreeMap<String, String>| m.get(key).is_some_and(|v| value.is_none_or(|w| v == w));
+        loop {
+            if self.seen.iter().any(has) {
+                return start.elapsed();
+            }
+            assert!(start.elapsed() < within, "no {key}={value:?} within {within:?}; got {:?}", self.seen);
+            self.recv_one();
+        }
+    }
+
+    fn count(&self, key: &str) -> usize {
+        self.seen.iter().filter(|m| m.contains_key(key)).count()
+    }
+}
+
+/// The samples of a Prometheus text page: `name{labels}` to value.
+fn scrape(url: &str) -> BTreeMap<String, f64> {
+    get_text(url)
+        .unwrap()
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k.to_string(), v.parse().ok()?))
+        })
+        .collect()
+}
+
+fn wait_until(what: &str, within: Duration, done: impl FnMut() -> bool) {
+    wait_or_show(what, within, done, None);
+}
+
+/// Waits for `done`; on timeout the failure shows the logs of the cluster in `dir`.
+fn wait_or_show(what: &str, within: Duration, mut done: impl FnMut() -> bool, dir: Option<&Path>) {
+    let start = Instant::now();
+    while !done() {
+        assert!(
+            start.elapsed() < within,
+            "{what}: not within {within:?}\n{}",
+            dir.map(logs).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Steps a node logged: (step, epoch, world) per line.
+fn steps_of(path: &Path) -> Vec<(u64, u64, u64)> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .map(|v| (v["step"].as_u64().unwrap(), v["epoch"].as_u64().unwrap(), v["world"].as_u64().unwrap()))
+        .collect()
+}
+
+fn logs(dir: &Path) -> String {
+    let mut s = String::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if e.path().extension().is_some_and(|x| x == "log") {
+            let text = std::fs::read_to_string(e.path()).unwrap_or_default();
+            s += &format!("--- {}\n{}", e.path().display(), text);
+        }
+    }
+    s
+}
+
+fn up(dir: &Path, n: usize, job: LocalJob) -> anyhow::Result<LocalCluster> {
+    LocalCluster::up_with(dir, n, job, exe(), Path::new(env!("CARGO_BIN_EXE_limpetd")))
+}
+
+fn sigterm(pid: u32) {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGTERM)
+        .unwrap();
+}
+
+#[test]
+fn a_service_node_tells_systemd_serves_metrics_and_drains_on_sigterm() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cluster");
+    let job = LocalJob { steps: 1_000_000, ..LocalJob::default() };
+    let mut c = up(&dir, 3, job).unwrap();
+    let founders_log = c.file.node("node-1").unwrap().step_log.clone();
+    wait_until("the founders train", Duration::from_secs(120), || steps_of(&founders_log).len() > 50);
+    let mut notify = NotifySocket::bind(tmp.path());
+    let env = SystemdEnv {
+        notify_socket: notify.path.clone(),
+        watchdog: Duration::from_secs(2),
+        args: vec!["--log-format".into(), "json".into()],
+    };
+    let node = c.add_as_service(env).unwrap();
+    let me = c.file.node(&node).unwrap().clone();
+
+    // READY=1 only once the node is a member in the log; then the watchdog pings (every
+    // half period) and a status line while it trains.
+    notify.wait_for("READY", Some("1"), Duration::from_secs(120));
+    let status = Command::new(exe()).args(["status", "--json", "--dir"]).arg(&dir).output().unwrap();
+    let doc: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert!(
+        doc["nodes"].as_array().unwrap().iter().any(|n| n["name"] == node.as_str()),
+        "READY before the log knew the node: {doc:#}"
+    );
+    notify.wait_for("STATUS", None, Duration::from_secs(60));
+    let before = notify.count("WATCHDOG");
+    notify.collect(Duration::from_secs(4));
+    assert!(
+        notify.count("WATCHDOG") >= before + 2,
+        "watchdog pings in 4 s with WatchdogSec=2: {:?}",
+        notify.seen
+    );
+
+    // Metrics: the newcomer trains with the others and copied its state from a peer.
+    let mut m = BTreeMap::new();
+    wait_until("4 ranks training, seen in /metrics", Duration::from_secs(120), || {
+        m = scrape(&me.metrics);
+        m.get("limpet_world_size").copied() == Some(4.0)
+            && m.get("limpet_steps_total").is_some_and(|&s| s > 20.0)
+    });
+    for name in [
+        "limpet_loss",
+        "limpet_applied_step",
+        "limpet_samples_per_second",
+        "limpet_epoch",
+        "limpet_step_seconds_count",
+        "limpet_raft_term",
+        "limpet_raft_commit_index",
+        "limpet_raft_leader",
+        "limpet_raft_is_leader",
+        "limpet_transition_idle_seconds_count",
+    ] {
+        assert!(m.contains_key(name), "{name} missing from /metrics: {m:?}");
+    }
+    let positive = |k: &str| m.get(k).is_some_and(|&v| v > 0.0);
+    assert!(positive("limpet_data_bytes_sent_total{kind=\"ring\"}"), "{m:?}");
+    assert!(positive("limpet_data_bytes_received_total{kind=\"ring\"}"), "{m:?}");
+    assert!(positive("limpet_data_bytes_received_total{kind=\"handoff\"}"), "a joiner copies state: {m:?}");
+    assert!(positive("limpet_transitions_total{cause=\"join\"}"), "{m:?}");
+    assert!(positive("limpet_raft_commit_index") && positive("limpet_raft_leader"), "{m:?}");
+    assert_eq!(m.get("limpet_members{status=\"active\"}").copied(), Some(4.0), "{m:?}");
+    // The step-time histogram has buckets a dashboard can take quantiles of.
+    assert!(m.keys().any(|k| k.starts_with("limpet_step_seconds_bucket{le=\"0.005\"")), "{m:?}");
+
+    // Its log is JSON, one object per line, with a level and a message.
+    let log = std::fs::read_to_string(&me.log).unwrap();
+    let first = log.lines().next().unwrap();
+    let v: serde_json::Value = serde_json::from_str(first).unwrap_or_else(|e| panic!("{e}: {first}"));
+    assert!(v["level"].is_string() && v["fields"]["message"].is_string(), "{v}");
+
+    // SIGTERM: STOPPING=1, a drain (no step lost), exit 0.
+    sigterm(me.pid);
+    notify.wait_for("STOPPING", Some("1"), Duration::from_secs(10));
+    let status = c.wait_exit(&node, Duration::from_secs(60)).expect("limpetd exits after its drain");
+    assert!(status.success(), "after a drain limpetd exits 0, not {status:?}\n{}", logs(&dir));
+    let others = c.file.node("node-1").unwrap().step_log.clone();
+    let at_exit = steps_of(&others).last().map_or(0, |l| l.0);
+    wait_until("node-1 trains on after the drain", Duration::from_secs(60), || {
+        steps_of(&others).last().is_some_and(|l| l.0 > at_exit + 20 && l.2 == 3)
+    });
+    let text = Command::new(exe()).args(["status", "--json", "--dir"]).arg(&dir).output().unwrap();
+    let doc: serde_json::Value = serde_json::from_slice(&text.stdout).unwrap();
+    let drain = doc["transitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["cause"].as_str().unwrap().starts_with("drain"))
+        .unwrap_or_else(|| panic!("no drain transition: {doc:#}"));
+    assert_eq!(drain["lost_steps"], 0, "{drain}");
+
+    // An upgrade: the drained node starts again (same configuration and state directory, a
+    // new binary in real life), joins again and trains, while the others never stopped.
+    c.restart(&node).unwrap();
+    let at_restart = steps_of(&others).last().map_or(0, |l| l.0);
+    let mine = me.step_log.clone();
+    let before = steps_of(&mine).len();
+    wait_or_show(
+        "the restarted node trains again",
+        Duration::from_secs(120),
+        || steps_of(&mine).len() > before + 20 && steps_of(&mine).last().is_some_and(|l| l.2 == 4),
+        Some(&dir),
+    );
+    let gap = steps_of(&others).windows(2).filter(|w| w[0].0 >= at_restart).map(|w| w[1].0 - w[0].0).max();
+    assert_eq!(gap, Some(1), "the others trained every step through the rejoin");
+
+    // A second SIGTERM does not wait for the drain: limpetd stops at once, still with 0.
+    // The cluster sees a failure and goes on with the three others (node-3 was one of three
+    // voters; the other two are a majority).
+    let third = c.file.node("node-3").unwrap().clone();
+    sigterm(third.pid);
+    std::thread::sleep(Duration::from_millis(50));
+    sigterm(third.pid);
+    let status = c.wait_exit("node-3", Duration::from_secs(10)).expect("a second SIGTERM stops at once");
+    assert!(status.success(), "{status:?}");
+    let at_exit = steps_of(&others).last().map_or(0, |l| l.0);
+    wait_or_show(
+        "node-1 trains on without node-3",
+        Duration::from_secs(90),
+        || steps_of(&others).last().is_some_and(|l| l.0 > at_exit + 20 && l.2 == 3),
+        Some(&dir),
+    );
+    c.down();
+}
+
+#[test]
+fn a_new_cluster_resumes_from_the_newest_checkpoint_after_every_host_is_lost() {
+    let tmp = tempfile::tempdir().unwrap();
+    let shared = tmp.path().join("checkpoints");
+    let steps = 2000;
+    let job = LocalJob {
+        steps,
+        checkpoint_every: 100,
+        checkpoint_dir: Some(shared.clone()),
+        ..LocalJob::default()
+    };
+    let first_dir = tmp.path().join("first");
+    let mut first = up(&first_dir, 2, job.clone()).unwrap();
+    let log = first.file.node("node-1").unwrap().step_log.clone();
+    wait_until("the first cluster passes step 250", Duration::from_secs(180), || {
+        steps_of(&log).last().is_some_and(|l| l.0 >= 250)
+    });
+    // Both checkpoints so far are in the log before the hosts go.
+    wait_until("checkpoints recorded in the log", Duration::from_secs(30), || {
+        let out = Command::new(exe()).args(["status", "--json", "--dir"]).arg(&first_dir).output().unwrap();
+        let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        doc["checkpoints"].as_array().is_some_and(|c| c.iter().any(|c| c["step"] == 200))
+    });
+    // Every host lost at once.
+    first.kill("node-1").unwrap();
+    first.kill("node-2").unwrap();
+    first.down();
+    let newest = limpet_agent::checkpoint::list(&shared).unwrap().last().unwrap().step;
+    assert!(newest >= 200 && newest % 100 == 0, "newest checkpoint {newest}");
+    let kept = limpet_agent::checkpoint::list(&shared).unwrap().len();
+    assert!(kept <= 3, "keep = 2 (and one being written): {kept} kept");
+
+    // A brand-new cluster (new name, new raft log) with the same job and checkpoint store.
+    let second_dir = tmp.path().join("second");
+    let mut second = up(&second_dir, 2, job).unwrap();
+    let log = second.file.node("node-1").unwrap().step_log.clone();
+    let finished = || steps_of(&log).last().is_some_and(|l| l.0 == steps - 1);
+    wait_or_show("the new cluster finishes the job", Duration::from_secs(300), finished, Some(&second_dir));
+    let logged = steps_of(&log);
+    assert_eq!(
+        logged[0].0,
+        newest,
+        "the new cluster's first step is the checkpoint's\n{}",
+        logs(&second_dir)
+    );
+    let status = Command::new(exe()).args(["status", "--json", "--dir"]).arg(&second_dir).output().unwrap();
+    let doc: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    let resumed = &doc["checkpoints"][0];
+    assert_eq!((resumed["step"].as_u64(), resumed["epoch"].as_u64()), (Some(newest), Some(0)), "{doc:#}");
+    // The result is the uninterrupted job's (within the data-parallel rounding tolerance of
+    // the elastic tests).
+    let final_ckpt = second_dir.join("node-1").join("checkpoint.safetensors");
+    wait_until("the final checkpoint", Duration::from_secs(30), || final_ckpt.exists());
+    second.down();
+    let alone = tmp.path().join("alone");
+    train_alone(&alone, &["--model", "mlp", "--data", "digits", "--batch", "64"], steps);
+    let (_, a) = params(&final_ckpt);
+    let (_, b) = params(&alone.join("checkpoint.safetensors"));
+    let diff = max_rel_diff(&a, &b);
+    assert!(diff < 1e-2, "parameters differ from one uninterrupted process by {diff:.2e}");
+}
