@@ -2,13 +2,14 @@
 # Installs what limpet needs to build and run, into a cache outside the clone so that every
 # clone on the machine shares it:
 #   - libtorch, from PyPI's torch wheel of the version tch expects, in a Python venv (the same
-#     venv gives the tests Python's torch and safetensors);
+#     venv gives the tests Python's torch and safetensors, and moto's local EC2 API server);
 #   - scikit-learn's digits.csv.gz, taken out of its wheel (scikit-learn itself is not installed).
 # Then writes a make fragment with the paths. Safe to run again: finished parts are skipped.
 set -euo pipefail
 
 TORCH_VERSION=2.13.0            # tch 0.26 is built against this libtorch
 SKLEARN_VERSION=1.7.2
+MOTO_VERSION=5.2.5              # a local EC2 API server for the fleet tests
 DIGITS_SHA256=09f66e6debdee2cd2b5ae59e0d6abbb73fc2b0e0185d2e1957e9ebb51e23aa22
 
 CACHE="${LIMPET_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/limpet}"
@@ -45,6 +46,12 @@ if [ ! -f "$VENV/.complete" ]; then
     "$VENV/bin/pip" install -q --no-input --disable-pip-version-check --progress-bar off \
         "torch==$TORCH_VERSION" safetensors numpy >&2
     touch "$VENV/.complete"
+fi
+
+if ! "$VENV/bin/python" -c "import moto.server, yaml" 2>/dev/null; then
+    say "installing moto==$MOTO_VERSION into $VENV (a local EC2 API for the fleet tests)"
+    "$VENV/bin/pip" install -q --no-input --disable-pip-version-check --progress-bar off \
+        "moto[server,ec2]==$MOTO_VERSION" >&2
 fi
 
 TORCH_DIR=$("$VENV/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')

@@ -43,6 +43,9 @@ pub enum Command {
     /// Local clusters on loopback.
     #[command(subcommand)]
     Local(LocalCommand),
+    /// A cluster's spot capacity on EC2: launch, list, terminate.
+    #[command(subcommand)]
+    Fleet(crate::fleet_cmd::FleetCommand),
     /// The demo: 4 agents on real data through a spot notice, a join, a kill -9 and a drain.
     Demo(crate::demo::DemoArgs),
     /// Run a local cluster through a scripted scenario (the multi-process tests use it).
@@ -234,6 +237,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Drain(args) => crate::status::drain(args),
         Command::Revoke(args) => crate::status::revoke(args),
         Command::Local(LocalCommand::Up(args)) => local_up(args),
+        Command::Fleet(cmd) => crate::fleet_cmd::run(cmd),
         Command::Demo(args) => crate::demo::run(args),
         Command::Scenario(args) => crate::demo::scenario(args),
         Command::FakeMetadata { listen } => fake_metadata(listen),

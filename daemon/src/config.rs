@@ -201,6 +201,14 @@ pub struct ClusterSection {
     /// Fewest nodes training may continue with.
     #[serde(default = "default_min_nodes")]
     pub min_nodes: usize,
+    /// Also join through the running EC2 instances tagged `limpet:cluster = NAME` (their
+    /// private address, this node's control port).
+    #[serde(default)]
+    pub ec2_seeds: bool,
+    /// Region for `ec2_seeds` (default: the SDK's: environment, profile, instance metadata).
+    pub ec2_region: Option<String>,
+    /// EC2 endpoint for `ec2_seeds` (default: the region's).
+    pub ec2_endpoint: Option<String>,
 }
 
 fn default_voters() -> usize {
@@ -370,8 +378,16 @@ impl Config {
             key: "[cluster].bootstrap".into(),
             detail: e.0,
         })?;
-        if self.cluster.bootstrap.is_empty() && self.cluster.seeds.is_empty() {
-            return err("[cluster]", "needs seeds to join through, or bootstrap founders".into());
+        if self.cluster.bootstrap.is_empty() && self.cluster.seeds.is_empty() && !self.cluster.ec2_seeds {
+            return err(
+                "[cluster]",
+                "needs seeds to join through (or ec2_seeds = true), or bootstrap founders".into(),
+            );
+        }
+        if let Some(url) = &self.cluster.ec2_endpoint {
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return err("[cluster].ec2_endpoint", format!("{url:?} is not an http(s) URL"));
+            }
         }
         if self.cluster.max_voters == 0 || self.cluster.max_voters % 2 == 0 {
             return err(

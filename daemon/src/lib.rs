@@ -9,6 +9,7 @@ pub mod config;
 pub mod demo;
 pub mod dp_cmd;
 pub mod elastic_bench;
+pub mod fleet_cmd;
 pub mod limpetd;
 pub mod local;
 pub mod metrics;

@@ -73,12 +73,24 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
     let json = cli.run.log_format.as_deref().unwrap_or(&cfg.node.log_format) == "json";
     crate::init_tracing_as(json);
     limpet_trainer::set_threads(1);
-    let agent_cfg = agent_config(&cfg, cli.run.step_log)?;
+    let mut agent_cfg = agent_config(&cfg, cli.run.step_log)?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    if cfg.cluster.ec2_seeds && agent_cfg.bootstrap.is_none() {
+        let me = cfg.node.advertise_control.clone().unwrap_or_else(|| cfg.node.control.clone());
+        let seeds = rt.block_on(crate::fleet_cmd::ec2_seeds(
+            &cfg.cluster.name,
+            cfg.cluster.ec2_region.clone(),
+            cfg.cluster.ec2_endpoint.clone(),
+            agent_cfg.control.port(),
+            &me,
+        ))?;
+        tracing::info!(?seeds, "seeds from EC2 tags");
+        agent_cfg.seeds.extend(seeds);
+    }
     let opts = ServeOptions {
         metrics: cfg.node.metrics.as_deref().map(str::parse).transpose()?,
         grace: Duration::from_secs(cfg.timing.drain_grace_secs),
     };
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(serve(agent_cfg, opts))
 }
 

@@ -1,0 +1,214 @@
+//! `limpet fleet up|list|down`: a cluster's spot capacity on EC2, through `limpet-deploy`.
+
+use crate::UsageError;
+use clap::{Args, Subcommand};
+use limpet_deploy::{Fleet, FleetConfig, FleetError, LaunchSpec, Member};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+/// `limpet fleet ...`.
+#[derive(Debug, Subcommand)]
+pub enum FleetCommand {
+    /// Launch spot instances for the cluster from a launch template, tagged limpet:cluster.
+    Up(UpArgs),
+    /// List the cluster's instances that are not terminated.
+    List(ListArgs),
+    /// Terminate the cluster's instances (all of them, or those named).
+    Down(DownArgs),
+}
+
+/// Where the EC2 API is.
+#[derive(Debug, Args)]
+pub struct Ec2Args {
+    /// The cluster (the value of the limpet:cluster tag).
+    #[arg(long)]
+    pub cluster: String,
+    /// AWS region (default: AWS_REGION or the profile's).
+    #[arg(long)]
+    pub region: Option<String>,
+    /// Another EC2 endpoint (a local EC2 API server).
+    #[arg(long)]
+    pub endpoint_url: Option<String>,
+}
+
+/// `limpet fleet up`.
+#[derive(Debug, Args)]
+pub struct UpArgs {
+    #[command(flatten)]
+    ec2: Ec2Args,
+    /// Launch template name or id (AMI, instance type, network, IAM profile).
+    #[arg(long)]
+    launch_template: String,
+    /// Launch template version (default: its default version).
+    #[arg(long)]
+    template_version: Option<String>,
+    /// Instances wanted.
+    #[arg(long, default_value_t = 1)]
+    count: u32,
+    /// Launch nothing unless at least this many can be had (default: --count).
+    #[arg(long)]
+    min_count: Option<u32>,
+    /// Override the template's instance type.
+    #[arg(long)]
+    instance_type: Option<String>,
+    /// cloud-init user data template (deploy/cloud-init.yaml); `--set KEY=VALUE` fills it.
+    #[arg(long)]
+    user_data: Option<PathBuf>,
+    /// A value for the user data template (repeatable).
+    #[arg(long = "set", value_parser = parse_set)]
+    set: Vec<(String, String)>,
+    /// On-demand instead of spot.
+    #[arg(long)]
+    on_demand: bool,
+    /// Print the launched instances as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_set(s: &str) -> Result<(String, String), String> {
+    limpet_deploy::parse_set(s).map_err(|e| e.to_string())
+}
+
+/// `limpet fleet list`.
+#[derive(Debug, Args)]
+pub struct ListArgs {
+    #[command(flatten)]
+    ec2: Ec2Args,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `limpet fleet down`.
+#[derive(Debug, Args)]
+pub struct DownArgs {
+    #[command(flatten)]
+    ec2: Ec2Args,
+    /// Only these instance ids (default: every instance of the cluster).
+    ids: Vec<String>,
+    /// Required to terminate every instance of the cluster.
+    #[arg(long)]
+    all: bool,
+}
+
+fn usage_if_bad(e: FleetError) -> anyhow::Error {
+    match e {
+        FleetError::Usage(m) => UsageError(m).into(),
+        e => e.into(),
+    }
+}
+
+async fn connect(a: &Ec2Args) -> anyhow::Result<Fleet> {
+    let cfg = FleetConfig { region: a.region.clone(), endpoint: a.endpoint_url.clone(), credentials: None };
+    Fleet::connect(&a.cluster, &cfg).await.map_err(usage_if_bad)
+}
+
+fn table(members: &[Member]) -> String {
+    let mut s = format!(
+        "{:<20} {:<14} {:<12} {:<10} {:<16} {:<12} {}\n",
+        "INSTANCE", "STATE", "TYPE", "MARKET", "PRIVATE IP", "ZONE", "LAUNCHED"
+    );
+    for m in members {
+        s += &format!(
+            "{:<20} {:<14} {:<12} {:<10} {:<16} {:<12} {}\n",
+            m.id,
+            m.state,
+            m.instance_type,
+            m.lifecycle,
+            m.private_ip.as_deref().unwrap_or("-"),
+            m.zone.as_deref().unwrap_or("-"),
+            m.launched.as_deref().unwrap_or("-")
+        );
+    }
+    s
+}
+
+/// Runs `limpet fleet ...`.
+pub fn run(cmd: FleetCommand) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        match cmd {
+            FleetCommand::Up(a) => {
+                let user_data = match &a.user_data {
+                    Some(path) => {
+                        let t = std::fs::read_to_string(path)
+                            .map_err(|e| UsageError(format!("--user-data {}: {e}", path.display())))?;
+                        let vars: BTreeMap<String, String> = a.set.iter().cloned().collect();
+                        Some(
+                            limpet_deploy::render_user_data(&t, &vars)
+                                .map_err(|e| UsageError(format!("--user-data {}: {e}", path.display())))?,
+                        )
+                    }
+                    None if !a.set.is_empty() => {
+                        return Err(UsageError("--set fills a --user-data template; none given".into()).into())
+                    }
+                    None => None,
+                };
+                let spec = LaunchSpec {
+                    launch_template: a.launch_template.clone(),
+                    version: a.template_version.clone(),
+                    count: a.count,
+                    min_count: a.min_count.unwrap_or(a.count),
+                    instance_type: a.instance_type.clone(),
+                    user_data,
+                    on_demand: a.on_demand,
+                };
+                let fleet = connect(&a.ec2).await?;
+                let launched = fleet.up(&spec).await.map_err(usage_if_bad)?;
+                if a.json {
+                    println!("{}", serde_json::to_string_pretty(&launched)?);
+                } else {
+                    println!("launched {} instance(s) for cluster {}:", launched.len(), a.ec2.cluster);
+                    print!("{}", table(&launched));
+                }
+            }
+            FleetCommand::List(a) => {
+                let (members, _) = connect(&a.ec2).await?.list().await?;
+                if a.json {
+                    println!("{}", serde_json::to_string_pretty(&members)?);
+                } else {
+                    print!("{}", table(&members));
+                }
+            }
+            FleetCommand::Down(a) => {
+                if a.ids.is_empty() && !a.all {
+                    return Err(UsageError(format!(
+                        "name the instances to terminate, or pass --all for every instance of cluster {}",
+                        a.ec2.cluster
+                    ))
+                    .into());
+                }
+                let fleet = connect(&a.ec2).await?;
+                let done = fleet.down(&a.ids).await.map_err(usage_if_bad)?;
+                for (id, before, now) in &done {
+                    println!("{id}: {before} -> {now}");
+                }
+                if done.is_empty() {
+                    println!("cluster {} has no live instances", a.ec2.cluster);
+                }
+            }
+        }
+        anyhow::Ok(())
+    })
+}
+
+/// Seeds for `[cluster].ec2_seeds`: the control addresses of the cluster's running
+/// instances, without this node's own.
+pub async fn ec2_seeds(
+    cluster: &str,
+    region: Option<String>,
+    endpoint: Option<String>,
+    port: u16,
+    me: &str,
+) -> anyhow::Result<Vec<String>> {
+    let cfg = FleetConfig { region, endpoint, credentials: None };
+    let fleet = Fleet::connect(cluster, &cfg).await?;
+    let seeds: Vec<String> = fleet.seeds(port).await?.into_iter().filter(|s| s != me).collect();
+    if seeds.is_empty() {
+        anyhow::bail!(
+            "[cluster].ec2_seeds: no running instance tagged {}={cluster} to join through",
+            limpet_deploy::CLUSTER_TAG
+        );
+    }
+    Ok(seeds)
+}

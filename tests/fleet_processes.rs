@@ -1,0 +1,287 @@
+//! Fleet tooling against a local EC2 API: moto's server (from PyPI, installed by
+//! deploy/setup.sh) in its own process, spoken to by the real AWS SDK through
+//! `limpet-deploy`, the `limpet fleet` command line and `limpetd`'s seed discovery by tag.
+//! Also: the cloud-init template renders to YAML whose limpetd configuration validates.
+
+use limpet_deploy::{Fleet, FleetConfig, FleetError, LaunchSpec};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[path = "common.rs"]
+mod common;
+use common::exe;
+
+/// The Python that deploy/setup.sh installed (with torch, safetensors and moto).
+fn python() -> PathBuf {
+    std::env::var_os("LIMPET_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.limpet/python"))
+}
+
+/// moto's EC2 server on a free loopback port, stopped on drop.
+struct Moto {
+    child: Child,
+    url: String,
+}
+
+impl Moto {
+    fn start() -> Moto {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let child = Command::new(python())
+            .args(["-m", "moto.server", "-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("moto is installed by deploy/setup.sh (make setup)");
+        let start = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(start.elapsed() < Duration::from_secs(60), "moto's server did not start");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Moto { child, url: format!("http://127.0.0.1:{port}") }
+    }
+}
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn config(moto: &Moto) -> FleetConfig {
+    FleetConfig {
+        region: Some("us-east-1".into()),
+        endpoint: Some(moto.url.clone()),
+        credentials: Some(("testing".into(), "testing".into())),
+    }
+}
+
+/// A launch template as an operator would have made one.
+async fn make_template(fleet: &Fleet, name: &str) {
+    let c = fleet.client();
+    let images = c.describe_images().send().await.unwrap();
+    let ami = images.images()[0].image_id().unwrap().to_string();
+    c.create_launch_template()
+        .launch_template_name(name)
+        .launch_template_data(
+            aws_sdk_ec2::types::RequestLaunchTemplateData::builder()
+                .image_id(ami)
+                .instance_type(aws_sdk_ec2::types::InstanceType::G5Xlarge)
+                .build(),
+        )
+        .send()
+        .await
+        .unwrap();
+}
+
+fn spec(count: u32) -> LaunchSpec {
+    LaunchSpec {
+        launch_template: "limpet-gpu".into(),
+        version: None,
+        count,
+        // moto launches min_count instances (EC2 as many as it can up to count).
+        min_count: count,
+        instance_type: None,
+        user_data: Some("#cloud-config\n".into()),
+        on_demand: false,
+    }
+}
+
+#[test]
+fn fleet_up_list_down_and_seeds_through_the_sdk() {
+    let moto = Moto::start();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let mut a = Fleet::connect("train-a", &config(&moto)).await.unwrap();
+        let b = Fleet::connect("train-b", &config(&moto)).await.unwrap();
+        make_template(&a, "limpet-gpu").await;
+
+        let launched = a.up(&spec(3)).await.unwrap();
+        assert_eq!(launched.len(), 3);
+        assert!(
+            launched.iter().all(|m| m.instance_type == "g5.xlarge" && m.lifecycle == "spot"),
+            "{launched:?}"
+        );
+        b.up(&spec(1)).await.unwrap();
+
+        // The tag separates clusters; pages are followed to the end (moto, like EC2, pages
+        // by reservation: one per launch).
+        for _ in 0..5 {
+            a.up(&spec(1)).await.unwrap();
+        }
+        a.page_size = 5;
+        let (members, pages) = a.list().await.unwrap();
+        assert_eq!(members.len(), 8, "{members:?}");
+        assert!(pages >= 2, "6 launches in pages of 5 took {pages} page(s)");
+        assert_eq!(b.list().await.unwrap().0.len(), 1);
+
+        let seeds = a.seeds(7400).await.unwrap();
+        assert_eq!(seeds.len(), 8, "{seeds:?}");
+        assert!(seeds
+            .iter()
+            .all(|s| s.ends_with(":7400")
+                && s.split(':').next().unwrap().parse::<std::net::Ipv4Addr>().is_ok()));
+
+        // Errors name what is wrong.
+        let bad = LaunchSpec { launch_template: "no-such-template".into(), ..spec(1) };
+        match a.up(&bad).await {
+            Err(e @ FleetError::Api { .. }) => assert!(e.to_string().contains("RunInstances"), "{e}"),
+            other => panic!("expected EC2 to refuse a missing template, got {other:?}"),
+        }
+        let e = a.up(&LaunchSpec { min_count: 3, ..spec(2) }).await.unwrap_err();
+        assert!(matches!(e, FleetError::Usage(_)), "{e}");
+        let foreign = b.list().await.unwrap().0[0].id.clone();
+        let e = a.down(std::slice::from_ref(&foreign)).await.unwrap_err().to_string();
+        assert!(e.contains(&foreign) && e.contains("train-a"), "another cluster's instance is refused: {e}");
+
+        let done = a.down(&[]).await.unwrap();
+        assert_eq!(done.len(), 8);
+        assert!(a.list().await.unwrap().0.is_empty(), "terminated instances are not listed");
+        assert_eq!(b.list().await.unwrap().0.len(), 1, "the other cluster is untouched");
+    });
+
+    // The command line: JSON listing, and `down` without ids needs --all.
+    let run = |args: &[&str]| {
+        Command::new(exe())
+            .args(args)
+            .args(["--region", "us-east-1", "--endpoint-url", &moto.url])
+            .env("AWS_ACCESS_KEY_ID", "testing")
+            .env("AWS_SECRET_ACCESS_KEY", "testing")
+            .output()
+            .unwrap()
+    };
+    let out = run(&["fleet", "list", "--cluster", "train-b", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(listed.as_array().unwrap().len(), 1, "{listed}");
+    let out = run(&["fleet", "down", "--cluster", "train-b"]);
+    assert_eq!(out.status.code(), Some(64), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--all"));
+    let out =
+        run(&["fleet", "up", "--cluster", "train-b", "--launch-template", "limpet-gpu", "--set", "x=1"]);
+    assert_eq!(out.status.code(), Some(64), "--set without a template is a usage error");
+}
+
+fn user_data_vars(secret_b64: &str, checkpoint_dir: &Path) -> BTreeMap<String, String> {
+    [
+        ("cluster", "prod"),
+        ("secret_b64", secret_b64),
+        ("control_port", "7400"),
+        ("data_port", "7401"),
+        ("metrics_port", "9400"),
+        ("region", "us-east-1"),
+        ("model", "gpt"),
+        ("data", "chars"),
+        ("steps", "20000"),
+        ("global_batch", "256"),
+        ("checkpoint_every", "1000"),
+        ("checkpoint_dir", &checkpoint_dir.display().to_string()),
+        ("release_url", "https://example.invalid/limpet.tar.gz"),
+        ("release_sha256", "0000"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect()
+}
+
+#[test]
+fn the_cloud_init_template_renders_to_yaml_whose_limpetd_config_validates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let template =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/cloud-init.yaml"))
+            .unwrap();
+    let vars = user_data_vars("MDEyMzQ1Njc4OWFiY2RlZg==", &tmp.path().join("ck"));
+    let rendered = limpet_deploy::render_user_data(&template, &vars).unwrap();
+    assert!(rendered.starts_with("#cloud-config\n"));
+    // YAML, as cloud-init reads it: pull the config file out of write_files.
+    let doc = tmp.path().join("user-data.yaml");
+    std::fs::write(&doc, &rendered).unwrap();
+    let out = Command::new(python())
+        .args(["-c", "import json,sys,yaml; print(json.dumps(yaml.safe_load(open(sys.argv[1]))))"])
+        .arg(&doc)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "not YAML: {}", String::from_utf8_lossy(&out.stderr));
+    let parsed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let files = parsed["write_files"].as_array().unwrap();
+    let config =
+        files.iter().find(|f| f["path"] == "/etc/limpet/limpetd.toml").unwrap()["content"].as_str().unwrap();
+    // What the runcmd's sed does on the host; the secret file moved to where the test has it.
+    let secret = tmp.path().join("secret");
+    std::fs::write(&secret, "0123456789abcdef").unwrap();
+    let config = config
+        .replace("@INSTANCE_ID@", "i-0abc")
+        .replace("@PRIVATE_IP@", "10.0.0.7")
+        .replace("/etc/limpet/secret", &secret.display().to_string());
+    let path = tmp.path().join("limpetd.toml");
+    std::fs::write(&path, config).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_limpetd"))
+        .args(["validate", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // A forgotten value is caught before anything launches.
+    let mut missing = vars.clone();
+    missing.remove("region");
+    let e = limpet_deploy::render_user_data(&template, &missing).unwrap_err().to_string();
+    assert!(e.contains("\"region\""), "{e}");
+}
+
+#[test]
+fn limpetd_finds_its_seeds_by_the_cluster_tag() {
+    let moto = Moto::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let seeds = rt.block_on(async {
+        let a = Fleet::connect("tagged", &config(&moto)).await.unwrap();
+        make_template(&a, "limpet-gpu").await;
+        a.up(&spec(2)).await.unwrap();
+        a.seeds(7400).await.unwrap()
+    });
+    let secret = tmp.path().join("secret");
+    std::fs::write(&secret, "0123456789abcdef").unwrap();
+    let write = |cluster: &str| {
+        let path = tmp.path().join(format!("{cluster}.toml"));
+        let text = format!(
+            "[node]\nname = \"joiner\"\ncontrol = \"127.0.0.1:7400\"\ndata = \"127.0.0.1:0\"\nstate_dir = {:?}\nsecret_file = {:?}\n\n[cluster]\nname = {cluster:?}\nec2_seeds = true\nec2_region = \"us-east-1\"\nec2_endpoint = {:?}\n\n[job]\nmodel = \"mlp\"\ndata = \"digits\"\nsteps = 10\nglobal_batch = 8\n",
+            tmp.path().join(cluster).display().to_string(),
+            secret.display().to_string(),
+            moto.url
+        );
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let start = |path: &Path| {
+        Command::new(env!("CARGO_BIN_EXE_limpetd"))
+            .arg("--config")
+            .arg(path)
+            .env("AWS_ACCESS_KEY_ID", "testing")
+            .env("AWS_SECRET_ACCESS_KEY", "testing")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    // A cluster with no running instance: limpetd stops and says why.
+    let out = start(&write("empty")).wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("no running instance tagged limpet:cluster=empty"),
+        "{stderr}"
+    );
+    // The tagged cluster: limpetd joins through its instances' private addresses (which do
+    // not answer here; the log shows where it tried).
+    let mut child = start(&write("tagged"));
+    std::thread::sleep(Duration::from_secs(3));
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for s in &seeds {
+        assert!(stderr.contains(s.as_str()), "seed {s} not used: {stderr}");
+    }
+}
