@@ -1,7 +1,8 @@
 //! Fleet tooling against a local EC2 API: moto's server (from PyPI, installed by
 //! deploy/setup.sh) in its own process, spoken to by the real AWS SDK through
 //! `limpet-deploy`, the `limpet fleet` command line and `limpetd`'s seed discovery by tag.
-//! Also: the cloud-init template renders to YAML whose limpetd configuration validates.
+//! Also: EC2's "no spot capacity" answer is reported as such, and the cloud-init template
+//! renders to YAML whose limpetd configuration validates.
 
 use limpet_deploy::{Fleet, FleetConfig, FleetError, LaunchSpec};
 use std::collections::BTreeMap;
@@ -284,4 +285,39 @@ fn limpetd_finds_its_seeds_by_the_cluster_tag() {
     for s in &seeds {
         assert!(stderr.contains(s.as_str()), "seed {s} not used: {stderr}");
     }
+}
+
+/// EC2's answer when a spot pool is empty (moto never runs out): the error document EC2
+/// sends, served to the real SDK.
+const NO_CAPACITY: &str = r#"<?xml version="1.0" encoding="UTF-8"?>
+<Response><Errors><Error><Code>InsufficientInstanceCapacity</Code><Message>There is no Spot capacity available that matches your request.</Message></Error></Errors><RequestID>5c4b0b6a-41a4-4b2e-9d6c-8f0d6a1b2c3d</RequestID></Response>"#;
+
+#[test]
+fn no_spot_capacity_is_reported_as_such() {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    rt.block_on(async {
+        let app = axum::Router::new().fallback(|| async {
+            (
+                axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                [("content-type", "text/xml;charset=UTF-8")],
+                NO_CAPACITY,
+            )
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let cfg = FleetConfig {
+            region: Some("us-east-1".into()),
+            endpoint: Some(url),
+            credentials: Some(("testing".into(), "testing".into())),
+        };
+        let fleet = Fleet::connect("full", &cfg).await.unwrap();
+        match fleet.up(&spec(4)).await {
+            Err(e @ FleetError::Capacity { .. }) => {
+                let text = e.to_string();
+                assert!(text.contains("no spot capacity") && text.contains("limpet-gpu"), "{text}");
+            }
+            other => panic!("expected a capacity error, got {other:?}"),
+        }
+    });
 }
