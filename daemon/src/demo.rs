@@ -460,7 +460,7 @@ fn short_cause(cause: &str) -> String {
 /// epoch's ranks in order: the first holds the whole model under data parallelism; under a
 /// pipeline each holds its stage's blocks, and the stages of the first replica together
 /// hold the model.
-fn evaluate(paths: &[PathBuf]) -> anyhow::Result<(f64, f64)> {
+pub fn evaluate(paths: &[PathBuf]) -> anyhow::Result<(f64, f64)> {
     let mut tensors = BTreeMap::new();
     let mut first: Option<limpet_snapshot::StateImage> = None;
     for path in paths {
