@@ -127,6 +127,18 @@ fn the_leaders_own_host_revoked_with_notice_then_killed_and_a_sigterm_drains() {
 }
 
 #[test]
+fn sigterm_on_the_leaders_host_drains_it_and_hands_leadership_over() {
+    let tmp = tempfile::tempdir().unwrap();
+    // SIGTERM is what systemd sends on `systemctl stop` and on a spot VM's shutdown.
+    let summary = scenario(&tmp.path().join("term"), 3, "mlp", 1500, "0.3:term:leader");
+    let term = transition(&summary, "drain of node");
+    assert_eq!(term["lost_steps"], 0, "{term}");
+    // The job finished (checked by `scenario`) under a new leader: the old one is gone.
+    let t = summary["transitions"].as_array().unwrap();
+    assert_eq!(t.last().unwrap()["world"], 2, "{summary:#}");
+}
+
+#[test]
 fn limpetd_validate_accepts_a_good_file_and_names_the_bad_key() {
     let tmp = tempfile::tempdir().unwrap();
     let secret = tmp.path().join("secret");
