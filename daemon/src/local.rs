@@ -310,7 +310,7 @@ impl LocalCluster {
         );
         std::fs::write(&config, text).with_context(|| format!("writing {}", config.display()))?;
         let out = std::fs::File::create(&log)?;
-        let mut cmd = match &self.systemd {
+        let cmd = match &self.systemd {
             // systemd sets WATCHDOG_PID to the service's own pid: the shell's, which exec
             // hands to limpetd.
             Some(sd) => {
@@ -329,13 +329,7 @@ impl LocalCluster {
                 c
             }
         };
-        let child = cmd
-            .env("LIMPET_LOG", std::env::var("LIMPET_LOG").unwrap_or_else(|_| "info,raft=warn".into()))
-            .stdin(Stdio::null())
-            .stdout(out.try_clone()?)
-            .stderr(out)
-            .spawn()
-            .context("starting limpetd")?;
+        let child = spawn_logged(cmd, out)?;
         self.file.nodes.push(LocalNode {
             name: name.to_string(),
             id,
@@ -369,15 +363,9 @@ impl LocalCluster {
         }
         let node = self.file.node(name)?.clone();
         let out = std::fs::OpenOptions::new().append(true).create(true).open(&node.log)?;
-        let child = Command::new(&self.limpetd)
-            .args(["--config", &node.config.display().to_string()])
-            .env_remove("NOTIFY_SOCKET")
-            .env("LIMPET_LOG", std::env::var("LIMPET_LOG").unwrap_or_else(|_| "info,raft=warn".into()))
-            .stdin(Stdio::null())
-            .stdout(out.try_clone()?)
-            .stderr(out)
-            .spawn()
-            .context("starting limpetd")?;
+        let mut cmd = Command::new(&self.limpetd);
+        cmd.args(["--config", &node.config.display().to_string()]).env_remove("NOTIFY_SOCKET");
+        let child = spawn_logged(cmd, out)?;
         if let Some(n) = self.file.nodes.iter_mut().find(|n| n.name == name) {
             n.pid = child.id();
         }
@@ -436,6 +424,16 @@ impl LocalCluster {
         self.children.clear();
         self.metadata.clear();
     }
+}
+
+/// Starts a limpetd command with its output in `log` and the cluster's log filter.
+fn spawn_logged(mut cmd: Command, log: std::fs::File) -> anyhow::Result<Child> {
+    cmd.env("LIMPET_LOG", std::env::var("LIMPET_LOG").unwrap_or_else(|_| "info,raft=warn".into()))
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .context("starting limpetd")
 }
 
 impl Drop for LocalCluster {
