@@ -233,6 +233,15 @@ fn a_service_node_tells_systemd_serves_metrics_and_drains_on_sigterm() {
     assert!(positive("limpet_transitions_total{cause=\"join\"}"), "{m:?}");
     assert!(positive("limpet_raft_commit_index") && positive("limpet_raft_leader"), "{m:?}");
     assert_eq!(m.get("limpet_members{status=\"active\"}").copied(), Some(4.0), "{m:?}");
+    let page = get_text(&me.metrics).unwrap();
+    for line in [
+        "# TYPE limpet_steps_total counter",
+        "# TYPE limpet_step_seconds histogram",
+        "# TYPE limpet_world_size gauge",
+        "# HELP limpet_raft_commit_index",
+    ] {
+        assert!(page.contains(line), "{line:?} missing from /metrics:\n{page}");
+    }
     // The step-time histogram has buckets a dashboard can take quantiles of.
     assert!(m.keys().any(|k| k.starts_with("limpet_step_seconds_bucket{le=\"0.005\"")), "{m:?}");
 

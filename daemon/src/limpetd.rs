@@ -10,7 +10,7 @@ use crate::UsageError;
 use clap::{Args, Parser, Subcommand};
 use limpet_agent::revocation::Source;
 use limpet_agent::runtime::{Agent, AgentConfig, Exit};
-use limpet_consensus::state::MemberSpec;
+use limpet_consensus::state::{MemberSpec, MemberStatus};
 use limpet_trainer::data::{DataSpec, Dataset};
 use limpet_trainer::optim::OptimizerSpec;
 use limpet_trainer::{JobSpec, ModelKind};
@@ -204,6 +204,9 @@ async fn tell_systemd(
         }
         let status = match (member, &local.state.current) {
             (None, _) => "joining the cluster".to_string(),
+            (Some(m), _) if matches!(m.status, MemberStatus::Draining | MemberStatus::Leaving) => {
+                format!("{:?}: leaving at the next epoch boundary", m.status)
+            }
             (Some(m), Some(e)) if e.ranks.contains(&me) => {
                 format!("{:?}: training epoch {} of {} ranks", m.status, e.id, e.ranks.len())
             }

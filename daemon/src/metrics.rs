@@ -72,9 +72,14 @@ pub async fn serve(addr: SocketAddr) -> anyhow::Result<SocketAddr> {
 fn install() -> anyhow::Result<PrometheusHandle> {
     let handle = PrometheusBuilder::new().set_buckets(BUCKETS)?.install_recorder()?;
     for (name, help) in METRICS {
-        // The kind only decides the HELP line's placement; the recorder keeps the type the
-        // first update gives it.
-        metrics::describe_gauge!(*name, *help);
+        // Counters end in `_total`, histograms in `_seconds`; the rest are gauges.
+        if name.ends_with("_total") {
+            metrics::describe_counter!(*name, *help);
+        } else if name.ends_with("_seconds") {
+            metrics::describe_histogram!(*name, *help);
+        } else {
+            metrics::describe_gauge!(*name, *help);
+        }
     }
     Ok(handle)
 }
