@@ -139,16 +139,22 @@ pub fn list(dir: &Path) -> Result<Vec<Listed>, CheckpointError> {
     let mut out = Vec::new();
     for entry in rd.flatten() {
         let Some(step) = entry.file_name().to_str().and_then(parse_step_dir) else { continue };
-        let mut parts: Vec<(PathBuf, Range<usize>)> = std::fs::read_dir(entry.path())
-            .map_err(|source| CheckpointError::Io { op: "listing", path: entry.path(), source })?
-            .flatten()
-            .filter_map(|p| Some((p.path(), parse_part(p.file_name().to_str()?)?)))
-            .collect();
-        parts.sort_by_key(|(_, r)| (r.start, r.end));
-        out.push(Listed { step, parts });
+        out.push(listed_at(dir, step)?);
     }
     out.sort_by_key(|l| l.step);
     Ok(out)
+}
+
+/// The checkpoint at `step` in `dir`: its parts, in block order.
+pub fn listed_at(dir: &Path, step: u64) -> Result<Listed, CheckpointError> {
+    let sd = step_dir(dir, step);
+    let mut parts: Vec<(PathBuf, Range<usize>)> = std::fs::read_dir(&sd)
+        .map_err(|source| CheckpointError::Io { op: "listing", path: sd.clone(), source })?
+        .flatten()
+        .filter_map(|p| Some((p.path(), parse_part(p.file_name().to_str()?)?)))
+        .collect();
+    parts.sort_by_key(|(_, r)| (r.start, r.end));
+    Ok(Listed { step, parts })
 }
 
 /// Deletes all but the newest `keep` complete checkpoints, and incomplete ones older than

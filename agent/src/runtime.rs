@@ -552,16 +552,19 @@ async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: CancellationToken
 async fn find_resume_point(
     cfg: &AgentConfig,
 ) -> anyhow::Result<Option<limpet_consensus::state::CheckpointRecord>> {
-    let Some(c) = cfg.checkpoint.clone().filter(|c| c.resume) else { return Ok(None) };
+    let Some(dir) = cfg.checkpoint.as_ref().filter(|c| c.resume).map(|c| c.dir.clone()) else {
+        return Ok(None);
+    };
     let job = serde_json::to_value(&cfg.job)?;
     let blocks = cfg.job.model.num_blocks();
+    let search = dir.clone();
     let (found, skipped) =
-        tokio::task::spawn_blocking(move || crate::checkpoint::newest(&c.dir, blocks, &job)).await??;
+        tokio::task::spawn_blocking(move || crate::checkpoint::newest(&search, blocks, &job)).await??;
     for why in &skipped {
         tracing::warn!(why, "not resuming from this checkpoint");
     }
     Ok(found.map(|(listed, image)| {
-        let location = crate::checkpoint::step_dir(&cfg.checkpoint.as_ref().expect("checked").dir, listed.step);
+        let location = crate::checkpoint::step_dir(&dir, listed.step);
         tracing::info!(step = listed.step, location = %location.display(), "a new cluster: resuming from the newest checkpoint");
         limpet_consensus::state::CheckpointRecord {
             step: listed.step,
@@ -1016,10 +1019,7 @@ impl TrainLoop {
         let dir = PathBuf::from(&rec.location);
         let loaded = (|| -> anyhow::Result<Trainer> {
             let root = dir.parent().ok_or_else(|| anyhow::anyhow!("no parent directory"))?;
-            let listed = crate::checkpoint::list(root)?
-                .into_iter()
-                .find(|l| l.step == rec.step)
-                .ok_or_else(|| anyhow::anyhow!("not found"))?;
+            let listed = crate::checkpoint::listed_at(root, rec.step)?;
             let image = crate::checkpoint::load(&listed, self.cfg.job.model.num_blocks())?;
             if image.content_hash() != rec.content_hash {
                 anyhow::bail!("its content hash differs from the one recorded in the log");

@@ -152,7 +152,7 @@ async fn serve(cfg: AgentConfig, opts: ServeOptions) -> anyhow::Result<()> {
                     continue;
                 }
                 tracing::warn!(node = %name, grace_s = opts.grace.as_secs(), "SIGTERM: draining");
-                notify(&[NotifyState::Stopping, NotifyState::Status("draining: leaving at the next epoch boundary")]);
+                notify(&[NotifyState::Stopping]);
                 draining = Some(tokio::time::Instant::now() + opts.grace);
                 // Leave at the next boundary; the leader (which may be this node: raft hands
                 // leadership over when a voter is removed) schedules the epoch without it.

@@ -227,11 +227,6 @@ impl LocalCluster {
         r
     }
 
-    /// Process id of a node's running limpetd.
-    pub fn pid(&self, name: &str) -> Option<u32> {
-        self.children.get(name).map(Child::id)
-    }
-
     /// Adds a node that joins through the founders.
     pub fn add(&mut self) -> anyhow::Result<String> {
         let id = self.file.nodes.iter().map(|n| n.id).max().unwrap_or(0) + 1;
