@@ -4,8 +4,9 @@
 
 use limpet_snapshot::StateImage;
 use serde_json::Value;
-use std::path::Path;
-use std::process::Command;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 /// The `limpet` binary under test.
 pub fn exe() -> &'static Path {
@@ -49,4 +50,45 @@ pub fn max_rel_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f64 {
             d / n.max(1e-12)
         })
         .fold(0.0, f64::max)
+}
+
+/// The Python that deploy/setup.sh installed (with torch, safetensors and moto).
+pub fn python() -> PathBuf {
+    std::env::var_os("LIMPET_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.limpet/python"))
+}
+
+/// moto's server (its EC2 and S3 APIs) on a free loopback port, stopped on drop.
+pub struct Moto {
+    child: Child,
+    /// Its base URL.
+    pub url: String,
+}
+
+impl Moto {
+    /// Starts one.
+    pub fn start() -> Moto {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let child = Command::new(python())
+            .args(["-m", "moto.server", "-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("moto is installed by deploy/setup.sh (make setup)");
+        let start = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(start.elapsed() < Duration::from_secs(60), "moto's server did not start");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Moto { child, url: format!("http://127.0.0.1:{port}") }
+    }
+}
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

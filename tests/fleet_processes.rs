@@ -6,52 +6,13 @@
 
 use limpet_deploy::{Fleet, FleetConfig, FleetError, LaunchSpec};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 #[path = "common.rs"]
 mod common;
-use common::exe;
-
-/// The Python that deploy/setup.sh installed (with torch, safetensors and moto).
-fn python() -> PathBuf {
-    std::env::var_os("LIMPET_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.limpet/python"))
-}
-
-/// moto's EC2 server on a free loopback port, stopped on drop.
-struct Moto {
-    child: Child,
-    url: String,
-}
-
-impl Moto {
-    fn start() -> Moto {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let child = Command::new(python())
-            .args(["-m", "moto.server", "-H", "127.0.0.1", "-p", &port.to_string()])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("moto is installed by deploy/setup.sh (make setup)");
-        let start = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(start.elapsed() < Duration::from_secs(60), "moto's server did not start");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        Moto { child, url: format!("http://127.0.0.1:{port}") }
-    }
-}
-
-impl Drop for Moto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use common::{exe, python, Moto};
 
 fn config(moto: &Moto) -> FleetConfig {
     FleetConfig {

@@ -308,7 +308,52 @@ fn a_service_node_tells_systemd_serves_metrics_and_drains_on_sigterm() {
 #[test]
 fn a_new_cluster_resumes_from_the_newest_checkpoint_after_every_host_is_lost() {
     let job = LocalJob { steps: 2000, checkpoint_every: 100, ..LocalJob::default() };
-    resume_after_losing_every_host(job, 250, &["--model", "mlp", "--data", "digits", "--batch", "64"]);
+    resume_after_losing_every_host(job, 250, &["--model", "mlp", "--data", "digits", "--batch", "64"], None);
+}
+
+/// An S3 client for moto (which takes any credentials).
+fn s3_client(url: &str) -> aws_sdk_s3::Client {
+    let conf = aws_sdk_s3::Config::builder()
+        .behavior_version_latest()
+        .region(aws_sdk_s3::config::Region::new("us-east-1"))
+        .endpoint_url(url)
+        .force_path_style(true)
+        .credentials_provider(aws_sdk_s3::config::Credentials::new("test", "test", None, None, "test"))
+        .build();
+    aws_sdk_s3::Client::from_conf(conf)
+}
+
+#[test]
+fn a_new_cluster_resumes_from_s3_when_no_host_kept_a_checkpoint() {
+    // Each host checkpoints into its own state directory (lost with it) and copies to an S3
+    // API (moto's server, spoken to by the real SDK); the new cluster has only the bucket.
+    let moto = common::Moto::start();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let remote = limpet_agent::remote::RemoteSettings {
+        bucket: "limpet-ckpt".into(),
+        prefix: "runs/mlp".into(),
+        endpoint: Some(moto.url.clone()),
+        region: Some("us-east-1".into()),
+    };
+    let client = s3_client(&moto.url);
+    rt.block_on(client.create_bucket().bucket("limpet-ckpt").send()).unwrap();
+    let job = LocalJob {
+        steps: 1200,
+        checkpoint_every: 100,
+        checkpoint_s3: Some(("s3://limpet-ckpt/runs/mlp".into(), moto.url.clone())),
+        env: vec![
+            ("AWS_ACCESS_KEY_ID".into(), "test".into()),
+            ("AWS_SECRET_ACCESS_KEY".into(), "test".into()),
+            ("AWS_REGION".into(), "us-east-1".into()),
+        ],
+        ..LocalJob::default()
+    };
+    resume_after_losing_every_host(
+        job,
+        250,
+        &["--model", "mlp", "--data", "digits", "--batch", "64"],
+        Some((remote, client)),
+    );
 }
 
 #[test]
@@ -326,17 +371,25 @@ fn a_pipelined_job_resumes_from_its_stage_parts_after_every_host_is_lost() {
         ..LocalJob::default()
     };
     let alone = ["--model", "gpt", "--data", "chars", "--layers", "2", "--batch", "32", "--micro-batch", "8"];
-    resume_after_losing_every_host(job, 90, &alone);
+    resume_after_losing_every_host(job, 90, &alone, None);
 }
 
-/// Runs `job` on two hosts with checkpoints to a shared directory until `kill_after` steps,
-/// kills both, starts a brand-new cluster (new name, new raft log) with the same job and
-/// directory, and checks that it starts at the newest checkpoint and ends with the
-/// parameters of one uninterrupted `limpet train` with `alone`.
-fn resume_after_losing_every_host(mut job: LocalJob, kill_after: u64, alone: &[&str]) {
+/// Runs `job` on two hosts with checkpoints to a shared directory (or, with `remote`, each
+/// host's own directory copied to S3) until `kill_after` steps, kills both, starts a
+/// brand-new cluster (new name, new raft log, new directories) with the same job, and checks
+/// that it starts at the newest checkpoint and ends with the parameters of one uninterrupted
+/// `limpet train` with `alone`.
+fn resume_after_losing_every_host(
+    mut job: LocalJob,
+    kill_after: u64,
+    alone: &[&str],
+    remote: Option<(limpet_agent::remote::RemoteSettings, aws_sdk_s3::Client)>,
+) {
     let tmp = tempfile::tempdir().unwrap();
     let shared = tmp.path().join("checkpoints");
-    job.checkpoint_dir = Some(shared.clone());
+    if remote.is_none() {
+        job.checkpoint_dir = Some(shared.clone());
+    }
     let (steps, every, pipelined) = (job.steps, job.checkpoint_every, job.pipeline.is_some());
     let first_dir = tmp.path().join("first");
     let mut first = up(&first_dir, 2, job.clone()).unwrap();
@@ -358,7 +411,21 @@ fn resume_after_losing_every_host(mut job: LocalJob, kill_after: u64, alone: &[&
     first.kill("node-1").unwrap();
     first.kill("node-2").unwrap();
     first.down();
-    let listed = limpet_agent::checkpoint::list(&shared).unwrap();
+    let listed: Vec<limpet_agent::checkpoint::Listed> = match &remote {
+        None => limpet_agent::checkpoint::list(&shared).unwrap(),
+        Some((r, client)) => {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let by_step =
+                rt.block_on(limpet_agent::remote::Remote::with_client(client.clone(), r).list()).unwrap();
+            by_step
+                .into_iter()
+                .map(|(step, parts)| limpet_agent::checkpoint::Listed {
+                    step,
+                    parts: parts.into_iter().map(|b| (PathBuf::new(), b)).collect(),
+                })
+                .collect()
+        }
+    };
     // The model's block count: where the parts end.
     let blocks = listed.iter().flat_map(|l| l.parts.iter().map(|(_, r)| r.end)).max().unwrap();
     let newest = listed.iter().rev().find(|l| l.complete(blocks)).unwrap().step;

@@ -27,6 +27,8 @@ pub struct CheckpointSettings {
     pub keep: usize,
     /// Whether a new cluster resumes from the newest one found in `dir`.
     pub resume: bool,
+    /// Also copy every part to S3-compatible storage (and resume from there).
+    pub remote: Option<crate::remote::RemoteSettings>,
 }
 
 /// Why a checkpoint directory could not be used.
@@ -117,7 +119,7 @@ impl Listed {
 }
 
 /// Parts (of any overlap) chosen to tile `0..blocks` from left to right, if they can.
-fn cover(parts: &[Range<usize>], blocks: usize) -> Option<Vec<usize>> {
+pub(crate) fn cover(parts: &[Range<usize>], blocks: usize) -> Option<Vec<usize>> {
     let mut at = 0;
     let mut chosen = Vec::new();
     while at < blocks {

@@ -11,6 +11,7 @@ pub mod dataplane;
 pub mod fake_metadata;
 pub mod planner;
 pub mod policy;
+pub mod remote;
 pub mod report;
 pub mod revocation;
 #[cfg(feature = "trainer")]
@@ -18,4 +19,4 @@ pub mod runtime;
 #[cfg(feature = "trainer")]
 pub mod stage;
 
-pub use dataplane::{DataPlaneConfig, DataPlaneError, Endpoint, Group};
+pub use dataplane::{Conn, DataPlaneConfig, DataPlaneError, DataTls, Endpoint, Group};

@@ -99,6 +99,12 @@ pub struct AgentConfig {
     pub pipeline: Option<PipelineSettings>,
     /// Durable checkpoints; `None` writes only the final one.
     pub checkpoint: Option<CheckpointSettings>,
+    /// Mutual TLS on the control plane (and, with `tls_data`, the data plane); `None` runs
+    /// in plain text with the cluster secret only.
+    pub tls: Option<Arc<limpet_consensus::tls::Tls>>,
+    /// Encrypt data-plane connections too (TLS 1.3) when `tls` is set; otherwise they are
+    /// authenticated by the cluster secret only.
+    pub tls_data: bool,
 }
 
 /// An agent's pipeline settings. The node that sets the job profiles the model and records
@@ -156,6 +162,8 @@ impl AgentConfig {
             notice_margin: Duration::from_millis(1000),
             pipeline: None,
             checkpoint: None,
+            tls: None,
+            tls_data: true,
         }
     }
 }
@@ -212,6 +220,9 @@ impl Agent {
         cfg.job.validate(&data)?;
         let mut dp = DataPlaneConfig::new(cluster_id(&cfg.cluster), cfg.id, cfg.secret.clone());
         dp.timeout = cfg.dp_timeout;
+        if let (Some(tls), true) = (&cfg.tls, cfg.tls_data) {
+            dp.tls = Some(crate::dataplane::DataTls::from_tls(tls)?);
+        }
         let endpoint = Arc::new(Endpoint::bind(cfg.data, dp)?);
         let data_addr = endpoint.addr();
         // Offers: the entry state, this rank's snapshot and the neighbour's it keeps, and
@@ -228,6 +239,7 @@ impl Agent {
         ncfg.bootstrap = cfg.bootstrap.clone();
         ncfg.seeds = cfg.seeds.clone();
         ncfg.request_timeout = Duration::from_secs(3);
+        ncfg.tls = cfg.tls.clone();
         ncfg.hardware = Hardware {
             instance_type: "local".into(),
             cpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
@@ -407,12 +419,13 @@ async fn heartbeats(
             if m.spec.id == cfg.id || m.status == MemberStatus::Gone {
                 continue;
             }
-            let (addr, report, clients, cluster, me) = (
+            let (addr, report, clients, cluster, me, tls) = (
                 m.spec.control_addr.clone(),
                 report.clone(),
                 Arc::clone(&clients),
                 cfg.cluster.clone(),
                 cfg.id,
+                cfg.tls.clone(),
             );
             let budget = cfg.heartbeat.max(Duration::from_millis(200));
             tokio::spawn(async move {
@@ -421,7 +434,7 @@ async fn heartbeats(
                     let mut c = match cached {
                         Some(c) => c,
                         None => {
-                            let c = Client::connect(&addr, &cluster).await?;
+                            let c = Client::connect_with(&addr, &cluster, tls.as_deref()).await?;
                             clients.lock().await.insert(addr.clone(), c.clone());
                             c
                         }
@@ -552,11 +565,23 @@ async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: CancellationToken
 async fn find_resume_point(
     cfg: &AgentConfig,
 ) -> anyhow::Result<Option<limpet_consensus::state::CheckpointRecord>> {
-    let Some(dir) = cfg.checkpoint.as_ref().filter(|c| c.resume).map(|c| c.dir.clone()) else {
+    let Some(settings) = cfg.checkpoint.as_ref().filter(|c| c.resume) else {
         return Ok(None);
     };
+    let dir = settings.dir.clone();
     let job = serde_json::to_value(&cfg.job)?;
     let blocks = cfg.job.model.num_blocks();
+    if let Some(r) = &settings.remote {
+        // Bring the newest copies home; the search below checks them like local files.
+        let remote = crate::remote::Remote::connect(r).await;
+        match remote.fetch_newest(&dir, blocks, settings.keep.max(1)).await {
+            Ok(steps) if !steps.is_empty() => tracing::info!(?steps, "checkpoints fetched from S3"),
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(%e, "could not fetch checkpoints from S3; searching the local directory only")
+            }
+        }
+    }
     let search = dir.clone();
     let (found, skipped) =
         tokio::task::spawn_blocking(move || crate::checkpoint::newest(&search, blocks, &job)).await??;
@@ -810,8 +835,8 @@ enum Conn {
 /// Ring connections of an epoch not entered yet.
 struct Pending {
     epoch: u64,
-    right: Option<std::net::TcpStream>,
-    left: Option<std::net::TcpStream>,
+    right: Option<crate::dataplane::Conn>,
+    left: Option<crate::dataplane::Conn>,
 }
 
 impl TrainLoop {
@@ -1089,11 +1114,33 @@ impl TrainLoop {
                     if let Err(e) = crate::checkpoint::prune(&c.dir, c.keep, nb) {
                         tracing::warn!(%e, "could not delete old checkpoints");
                     }
+                    let mut location = path.display().to_string();
+                    if let Some(r) = &c.remote {
+                        let copied = rt.block_on(async {
+                            let remote = crate::remote::Remote::connect(r).await;
+                            let url = remote.upload(step, &blocks, &path).await?;
+                            if let Err(e) = remote.prune(c.keep, nb).await {
+                                tracing::warn!(%e, "could not delete old checkpoints in S3");
+                            }
+                            Ok::<_, crate::checkpoint::CheckpointError>(url)
+                        });
+                        match copied {
+                            Ok(url) => {
+                                tracing::info!(step, url, "checkpoint copied to S3");
+                                location = url;
+                            }
+                            Err(e) => {
+                                // The local copy stands; the failure counter is what alerts.
+                                metrics::counter!("limpet_checkpoint_failures_total").increment(1);
+                                tracing::error!(step, %e, "copying a checkpoint to S3 failed");
+                            }
+                        }
+                    }
                     let record = limpet_consensus::state::CheckpointRecord {
                         step,
                         epoch: epoch_id,
                         content_hash: image.content_hash().to_string(),
-                        location: path.display().to_string(),
+                        location,
                         node: me,
                     };
                     let cmd = Command::RecordCheckpoint { record };

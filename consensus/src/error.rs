@@ -76,6 +76,9 @@ pub enum ConsensusError {
     /// A peer could not be reached.
     #[error("transport: {0}")]
     Transport(String),
+    /// The caller's certificate (or its lack) does not allow the request.
+    #[error("not allowed: {0}")]
+    Denied(String),
 }
 
 impl ConsensusError {
@@ -104,7 +107,9 @@ impl From<ConsensusError> for tonic::Status {
         let msg = e.to_string();
         match e {
             ConsensusError::Decode { .. } | ConsensusError::Config(_) => tonic::Status::invalid_argument(msg),
-            ConsensusError::WrongCluster { .. } => tonic::Status::permission_denied(msg),
+            ConsensusError::WrongCluster { .. } | ConsensusError::Denied(_) => {
+                tonic::Status::permission_denied(msg)
+            }
             ConsensusError::NoLeader | ConsensusError::Raft(raft::Error::ProposalDropped) => {
                 tonic::Status::unavailable(msg)
             }

@@ -17,6 +17,7 @@ pub mod membership;
 pub mod node;
 pub mod state;
 pub mod storage;
+pub mod tls;
 pub mod transport;
 
 pub use crate::core::{Applied, Core, CoreConfig, NodeStatus, Output};

@@ -11,6 +11,7 @@ use crate::core::{Core, CoreConfig, NodeStatus};
 use crate::error::{ConsensusError, Result};
 use crate::state::{cluster_id, ClusterState, Command, Hardware, MemberSpec, NodeId, ProposalId};
 use crate::storage::{Identity, SledLog, SLED_FORMAT};
+use crate::tls::{Role, Tls};
 use crate::transport::{decode_batch, pb, Client, PeerReport, PeerSender, ReadResult};
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -46,6 +47,8 @@ pub struct NodeConfig {
     pub seeds: Vec<String>,
     /// Default wait for a proposal or read to complete.
     pub request_timeout: Duration,
+    /// Mutual TLS for the gRPC server and every connection to peers; `None` is plain text.
+    pub tls: Option<Arc<Tls>>,
 }
 
 impl NodeConfig {
@@ -63,6 +66,7 @@ impl NodeConfig {
             bootstrap: None,
             seeds: Vec::new(),
             request_timeout: Duration::from_secs(5),
+            tls: None,
         }
     }
 }
@@ -207,11 +211,24 @@ impl Node {
             watch: watch_rx,
         };
 
-        let service = Service { tx, cluster_id: cid, me: cfg.core.id, timeout: cfg.request_timeout, reports };
+        let service = Service {
+            tx,
+            cluster_id: cid,
+            me: cfg.core.id,
+            timeout: cfg.request_timeout,
+            reports,
+            tls: cfg.tls.as_ref().map(|t| t.anonymous_reads),
+        };
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
         let server_stop = shutdown.clone();
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = &cfg.tls {
+            builder = builder
+                .tls_config(tls.grpc_server())
+                .map_err(|e| ConsensusError::Config(format!("TLS for the control plane: {e}")))?;
+        }
         tokio::spawn(async move {
-            let result = tonic::transport::Server::builder()
+            let result = builder
                 .tcp_nodelay(true)
                 .add_service(pb::consensus_server::ConsensusServer::new(service))
                 .serve_with_incoming_shutdown(incoming, server_stop.cancelled_owned())
@@ -237,7 +254,13 @@ impl Node {
             for f in cfg.bootstrap.iter().flatten().filter(|f| f.id != cfg.core.id) {
                 through.push(f.control_addr.clone());
             }
-            tokio::spawn(join_through_seeds(through, cfg.core.cluster.clone(), me.clone(), shutdown.clone()));
+            tokio::spawn(join_through_seeds(
+                through,
+                cfg.core.cluster.clone(),
+                me.clone(),
+                cfg.tls.clone(),
+                shutdown.clone(),
+            ));
         }
         let looper = Loop {
             core,
@@ -283,6 +306,7 @@ async fn join_through_seeds(
     seeds: Vec<String>,
     cluster: String,
     me: MemberSpec,
+    tls: Option<Arc<Tls>>,
     shutdown: CancellationToken,
 ) {
     let command = Command::Join { member: me.clone() };
@@ -293,7 +317,7 @@ async fn join_through_seeds(
                 return;
             }
             let attempt = async {
-                let mut c = Client::connect(seed, &cluster).await?;
+                let mut c = Client::connect_with(seed, &cluster, tls.as_deref()).await?;
                 c.propose(&command, Duration::from_secs(5)).await
             };
             match attempt.await {
@@ -534,7 +558,14 @@ impl Loop {
         let stale = self.peers.get(&to).is_none_or(|p| p.addr != addr);
         if stale {
             let me = (self.cfg.core.id, self.me.control_addr.clone());
-            let sender = PeerSender::spawn(self.core.cluster_id(), me, to, addr, reports.clone());
+            let sender = PeerSender::spawn(
+                self.core.cluster_id(),
+                me,
+                to,
+                addr,
+                self.cfg.tls.clone(),
+                reports.clone(),
+            );
             self.peers.insert(to, sender);
         }
         if !self.peers[&to].send(msg) {
@@ -550,9 +581,71 @@ struct Service {
     me: NodeId,
     timeout: Duration,
     reports: Reports,
+    /// With mutual TLS: whether reads need no certificate.
+    tls: Option<bool>,
+}
+
+/// What a call needs of the caller's certificate.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Need {
+    /// Raft traffic and heartbeats: a node.
+    Node,
+    /// A proposal: a node, or an operator for the operator's commands.
+    Propose,
+    /// A read: any certificate, or none when anonymous reads are allowed.
+    Read,
+}
+
+/// The role of the caller's certificate, if it presented one.
+fn caller<T>(req: &tonic::Request<T>) -> Option<Role> {
+    req.peer_certs().and_then(|c| c.first().and_then(|c| crate::tls::role_of(c)))
+}
+
+/// The commands an operator's certificate may propose (drain, revoke, remove).
+fn operator_may_propose(c: &Command) -> bool {
+    matches!(c, Command::Drain { .. } | Command::Notice { .. } | Command::Remove { .. })
 }
 
 impl Service {
+    /// Checks the caller's certificate (when the node runs with TLS) against what the call
+    /// needs; the rustls handshake already verified it against the cluster CA.
+    fn authorize<T>(&self, req: &tonic::Request<T>, need: Need) -> std::result::Result<(), tonic::Status> {
+        self.authorize_role(caller(req), need, None)
+    }
+
+    fn authorize_role(
+        &self,
+        role: Option<Role>,
+        need: Need,
+        command: Option<&Command>,
+    ) -> std::result::Result<(), tonic::Status> {
+        let Some(anonymous_reads) = self.tls else { return Ok(()) };
+        let verdict = match (need, role) {
+            (_, Some(Role::Node)) => Ok(()),
+            (Need::Read, None) if anonymous_reads => Ok(()),
+            (Need::Read, Some(Role::Operator)) => Ok(()),
+            (Need::Propose, Some(Role::Operator)) if command.is_some_and(operator_may_propose) => Ok(()),
+            (Need::Propose, Some(Role::Operator)) => {
+                Err("an operator certificate may only drain, revoke or remove nodes".to_string())
+            }
+            (Need::Node, Some(Role::Operator)) => {
+                Err("only a node certificate may speak for a node".to_string())
+            }
+            (_, None) => Err(format!(
+                "this call needs a client certificate of the cluster CA ({})",
+                match need {
+                    Need::Read => "status needs one unless the node allows anonymous reads",
+                    Need::Propose => "drain and revoke need one: limpet certs issue NAME --client",
+                    Need::Node => "raft traffic needs a node certificate",
+                }
+            )),
+        };
+        verdict.map_err(|why| {
+            tracing::warn!(node = self.me, ?need, %why, "call refused");
+            tonic::Status::permission_denied(why)
+        })
+    }
+
     fn check_cluster(&self, got: u64, what: &str) -> std::result::Result<(), tonic::Status> {
         if got != self.cluster_id {
             let e = ConsensusError::WrongCluster { expected: self.cluster_id, got };
@@ -583,6 +676,7 @@ impl pb::consensus_server::Consensus for Service {
         &self,
         req: tonic::Request<pb::RaftBatch>,
     ) -> std::result::Result<tonic::Response<pb::SendAck>, tonic::Status> {
+        self.authorize(&req, Need::Node)?;
         let batch = req.into_inner();
         let msgs = decode_batch(&batch, self.cluster_id, self.me).map_err(|e| {
             tracing::warn!(node = self.me, from = batch.from, %e, "raft batch refused");
@@ -597,10 +691,11 @@ impl pb::consensus_server::Consensus for Service {
         &self,
         req: tonic::Request<pb::ProposeRequest>,
     ) -> std::result::Result<tonic::Response<pb::ProposeReply>, tonic::Status> {
-        let req = req.into_inner();
+        let (role, req) = (caller(&req), req.into_inner());
         self.check_cluster(req.cluster_id, "proposal")?;
         let command = Command::decode(&req.command)
             .map_err(|e| tonic::Status::from(ConsensusError::Decode { what: "command", detail: e.detail }))?;
+        self.authorize_role(role, Need::Propose, Some(&command))?;
         let deadline = self.deadline(req.timeout_ms);
         let reply = match self.ask(|reply| Request::Propose { command, deadline, reply }).await? {
             Ok((index, detail)) => pb::ProposeReply { index, accepted: true, detail },
@@ -614,6 +709,7 @@ impl pb::consensus_server::Consensus for Service {
         &self,
         req: tonic::Request<pb::ReadRequest>,
     ) -> std::result::Result<tonic::Response<pb::ReadReply>, tonic::Status> {
+        self.authorize(&req, Need::Read)?;
         let req = req.into_inner();
         self.check_cluster(req.cluster_id, "read")?;
         let deadline = self.deadline(0);
@@ -631,6 +727,7 @@ impl pb::consensus_server::Consensus for Service {
         &self,
         req: tonic::Request<pb::StatusRequest>,
     ) -> std::result::Result<tonic::Response<pb::StatusReply>, tonic::Status> {
+        self.authorize(&req, Need::Read)?;
         self.check_cluster(req.into_inner().cluster_id, "status")?;
         let status = self.ask(|reply| Request::Status { reply }).await?;
         Ok(tonic::Response::new(pb::StatusReply {
@@ -642,6 +739,7 @@ impl pb::consensus_server::Consensus for Service {
         &self,
         req: tonic::Request<pb::HeartbeatRequest>,
     ) -> std::result::Result<tonic::Response<pb::HeartbeatReply>, tonic::Status> {
+        self.authorize(&req, Need::Node)?;
         let req = req.into_inner();
         self.check_cluster(req.cluster_id, "heartbeat")?;
         if req.from == 0 || req.report.len() > MAX_REPORT_BYTES {
@@ -659,6 +757,7 @@ impl pb::consensus_server::Consensus for Service {
         &self,
         req: tonic::Request<pb::ReportsRequest>,
     ) -> std::result::Result<tonic::Response<pb::ReportsReply>, tonic::Status> {
+        self.authorize(&req, Need::Read)?;
         self.check_cluster(req.into_inner().cluster_id, "reports")?;
         let reports = self
             .reports

@@ -5,9 +5,11 @@
 use crate::core::NodeStatus;
 use crate::error::{ConsensusError, Result};
 use crate::state::{ClusterState, Command, NodeId};
+use crate::tls::Tls;
 use prost::Message as _;
 use protobuf::Message as _;
 use raft::prelude::{Message, MessageType};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 
@@ -92,6 +94,7 @@ impl PeerSender {
         (from, from_addr): (NodeId, String),
         to: NodeId,
         addr: String,
+        tls: Option<Arc<Tls>>,
         reports: mpsc::UnboundedSender<PeerReport>,
     ) -> PeerSender {
         let (tx, mut rx) = mpsc::channel::<Message>(4096);
@@ -109,7 +112,7 @@ impl PeerSender {
                 let has_snapshot = msgs.iter().any(|m| m.get_msg_type() == MessageType::MsgSnapshot);
                 let mut batch = encode_batch(cluster_id, from, &msgs);
                 batch.from_addr.clone_from(&from_addr);
-                let c = client.get_or_insert_with(|| connect_lazy(&target));
+                let c = client.get_or_insert_with(|| connect_lazy(&target, tls.as_deref()));
                 let sent = tokio::time::timeout(Duration::from_secs(2), c.send(batch)).await;
                 let ok = matches!(sent, Ok(Ok(_)));
                 if !ok {
@@ -132,14 +135,24 @@ impl PeerSender {
     }
 }
 
-fn endpoint(addr: &str) -> Result<tonic::transport::Endpoint> {
-    tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+fn endpoint(addr: &str, tls: Option<&Tls>) -> Result<tonic::transport::Endpoint> {
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let e = tonic::transport::Endpoint::from_shared(format!("{scheme}://{addr}"))
         .map(|e| e.connect_timeout(Duration::from_secs(1)).tcp_nodelay(true))
-        .map_err(|e| ConsensusError::Config(format!("address {addr:?}: {e}")))
+        .map_err(|e| ConsensusError::Config(format!("address {addr:?}: {e}")))?;
+    match tls {
+        Some(t) => {
+            e.tls_config(t.grpc_client()).map_err(|e| ConsensusError::Config(format!("TLS for {addr}: {e}")))
+        }
+        None => Ok(e),
+    }
 }
 
-fn connect_lazy(addr: &str) -> pb::consensus_client::ConsensusClient<tonic::transport::Channel> {
-    let channel = match endpoint(addr) {
+fn connect_lazy(
+    addr: &str,
+    tls: Option<&Tls>,
+) -> pb::consensus_client::ConsensusClient<tonic::transport::Channel> {
+    let channel = match endpoint(addr, tls) {
         Ok(e) => e.connect_lazy(),
         // An address that does not parse came from the replicated state; sending to it fails
         // and is reported like any unreachable peer.
@@ -171,23 +184,42 @@ pub struct Client {
 }
 
 fn status_error(e: tonic::Status) -> ConsensusError {
+    // A server that refuses our certificate (or speaks TLS to our plain text) ends the
+    // connection; what happened is only in the error's sources.
+    let mut detail = e.message().to_string();
+    let mut src = std::error::Error::source(&e);
+    while let Some(s) = src {
+        detail = format!("{detail}: {s}");
+        src = s.source();
+    }
     match e.code() {
-        tonic::Code::FailedPrecondition => ConsensusError::Rejected(e.message().to_string()),
+        tonic::Code::FailedPrecondition => ConsensusError::Rejected(detail),
+        tonic::Code::PermissionDenied | tonic::Code::Unauthenticated => ConsensusError::Denied(detail),
         // The node's own words say what timed out and for how long.
-        tonic::Code::DeadlineExceeded | tonic::Code::Unavailable => {
-            ConsensusError::Transport(e.message().to_string())
-        }
-        _ => ConsensusError::Transport(format!("{:?}: {}", e.code(), e.message())),
+        tonic::Code::DeadlineExceeded | tonic::Code::Unavailable => ConsensusError::Transport(detail),
+        code => ConsensusError::Transport(format!("{code:?}: {detail}")),
     }
 }
 
 impl Client {
-    /// Connects to a node at `addr` (`host:port`) of cluster `cluster`.
+    /// Connects to a node at `addr` (`host:port`) of cluster `cluster` in plain text.
     pub async fn connect(addr: &str, cluster: &str) -> Result<Client> {
-        let channel = endpoint(addr)?
-            .connect()
-            .await
-            .map_err(|e| ConsensusError::Transport(format!("cannot reach {addr}: {e}")))?;
+        Client::connect_with(addr, cluster, None).await
+    }
+
+    /// Connects with mutual TLS when `tls` is given (the cluster runs with certificates).
+    pub async fn connect_with(addr: &str, cluster: &str, tls: Option<&Tls>) -> Result<Client> {
+        let channel = endpoint(addr, tls)?.connect().await.map_err(|e| {
+            // tonic's own words end at "transport error"; the cause (a refused certificate,
+            // a closed port) is further down the chain.
+            let mut detail = e.to_string();
+            let mut src = std::error::Error::source(&e);
+            while let Some(s) = src {
+                detail = format!("{detail}: {s}");
+                src = s.source();
+            }
+            ConsensusError::Transport(format!("cannot reach {addr}: {detail}"))
+        })?;
         Ok(Client {
             cluster_id: crate::state::cluster_id(cluster),
             inner: pb::consensus_client::ConsensusClient::new(channel),

@@ -43,6 +43,9 @@ pub enum Command {
     /// Local clusters on loopback.
     #[command(subcommand)]
     Local(LocalCommand),
+    /// The cluster's certificates: a CA, node and operator certificates (mutual TLS).
+    #[command(subcommand)]
+    Certs(crate::certs::CertsCommand),
     /// A cluster's spot capacity on EC2: launch, list, terminate.
     #[command(subcommand)]
     Fleet(crate::fleet_cmd::FleetCommand),
@@ -91,6 +94,9 @@ pub struct LocalUpArgs {
     /// Batch / learning-rate policy: fixed-global, linear, sqrt, adascale.
     #[arg(long, default_value = "fixed-global")]
     pub policy: String,
+    /// Run with certificates (a CA and certificates in DIR/certs; mutual TLS everywhere).
+    #[arg(long)]
+    pub tls: bool,
 }
 
 /// `limpet bench ...`.
@@ -238,6 +244,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Revoke(args) => crate::status::revoke(args),
         Command::Local(LocalCommand::Up(args)) => local_up(args),
         Command::Fleet(cmd) => crate::fleet_cmd::run(cmd),
+        Command::Certs(cmd) => crate::certs::run(cmd),
         Command::Demo(args) => crate::demo::run(args),
         Command::Scenario(args) => crate::demo::scenario(args),
         Command::FakeMetadata { listen } => fake_metadata(listen),
@@ -263,6 +270,7 @@ fn local_up(a: LocalUpArgs) -> anyhow::Result<()> {
         steps: a.steps,
         global_batch: a.batch,
         policy: a.policy.clone(),
+        tls: a.tls,
         ..crate::local::LocalJob::default()
     };
     let mut cluster = crate::local::LocalCluster::up(&a.dir, a.nodes, job)?;

@@ -40,6 +40,63 @@ pub struct Config {
     pub pipeline: Option<PipelineSection>,
     /// Durable checkpoints (absent: only the final one).
     pub checkpoint: Option<CheckpointSection>,
+    /// Certificates (absent: plain text, the cluster secret only).
+    pub security: Option<SecuritySection>,
+}
+
+/// `[security]`: mutual TLS with certificates of the cluster CA (`limpet certs`).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SecuritySection {
+    /// The cluster CA's certificate.
+    pub ca: PathBuf,
+    /// This node's certificate (`limpet certs issue NAME`).
+    pub cert: PathBuf,
+    /// Its private key.
+    pub key: PathBuf,
+    /// Let clients without a certificate read status (drain and revoke always need one).
+    #[serde(default)]
+    pub anonymous_status: bool,
+    /// Data-plane connections: `tls` (encrypted and authenticated, the default) or `secret`
+    /// (authenticated by the cluster secret only, for a trusted network where encryption
+    /// would cost gradient bandwidth).
+    #[serde(default = "default_data_plane")]
+    pub data_plane: String,
+}
+
+fn default_data_plane() -> String {
+    "tls".into()
+}
+
+impl SecuritySection {
+    /// Loads and checks the certificates; errors name the key and the file.
+    pub fn load(&self, file: &str) -> Result<limpet_consensus::tls::Tls, ConfigError> {
+        use limpet_consensus::tls::{Role, Tls, TlsError, TlsFiles};
+        let files = TlsFiles { ca: self.ca.clone(), cert: self.cert.clone(), key: self.key.clone() };
+        let key_of = |what: &str| match what {
+            "CA certificate" => "[security].ca",
+            "private key" => "[security].key",
+            _ => "[security].cert",
+        };
+        let mut tls = Tls::load(&files).map_err(|e| {
+            let what = match &e {
+                TlsError::Read { what, .. } | TlsError::Bad { what, .. } => *what,
+            };
+            ConfigError { file: file.into(), key: key_of(what).into(), detail: e.to_string() }
+        })?;
+        if tls.role() != Some(Role::Node) {
+            return Err(ConfigError {
+                file: file.into(),
+                key: "[security].cert".into(),
+                detail: format!(
+                    "{} is an operator certificate; limpetd needs a node certificate (limpet certs issue NAME)",
+                    self.cert.display()
+                ),
+            });
+        }
+        tls.anonymous_reads = self.anonymous_status;
+        Ok(tls)
+    }
 }
 
 /// `[checkpoint]`: periodic checkpoints that outlive every host, and resuming from them.
@@ -60,6 +117,13 @@ pub struct CheckpointSection {
     /// A new cluster starts from the newest checkpoint of the same job found in `dir`.
     #[serde(default = "default_true")]
     pub resume: bool,
+    /// Also copy every checkpoint to S3-compatible storage, `s3://BUCKET/PREFIX`; a new
+    /// cluster resumes from there when `dir` has nothing newer.
+    pub s3: Option<String>,
+    /// An S3-compatible endpoint (`http://minio:9000`); default AWS's.
+    pub s3_endpoint: Option<String>,
+    /// The region (default: the SDK's: environment, profile, instance metadata).
+    pub s3_region: Option<String>,
 }
 
 fn default_keep() -> usize {
@@ -525,6 +589,19 @@ impl Config {
             if c.keep == 0 {
                 return err("[checkpoint].keep", "must be at least 1".into());
             }
+            if let Some(url) = &c.s3 {
+                if let Err(e) = limpet_agent::remote::parse_url(url) {
+                    return err("[checkpoint].s3", e);
+                }
+            }
+            if let Some(url) = &c.s3_endpoint {
+                if c.s3.is_none() {
+                    return err("[checkpoint].s3_endpoint", "set s3 too (the bucket and prefix)".into());
+                }
+                if !(url.starts_with("http://") || url.starts_with("https://")) {
+                    return err("[checkpoint].s3_endpoint", format!("{url:?} is not an http(s) URL"));
+                }
+            }
             if self.pipeline.is_some() && c.every_minutes > 0.0 {
                 // Each stage writes its own part; only a step count tells every stage the same
                 // moment without another round of agreement.
@@ -539,6 +616,15 @@ impl Config {
         }
         if !(self.revocation.poll_secs.is_finite() && self.revocation.poll_secs >= 0.1) {
             return err("[revocation].poll_secs", format!("{} is below 0.1 s", self.revocation.poll_secs));
+        }
+        if let Some(sec) = &self.security {
+            if !["tls", "secret"].contains(&sec.data_plane.as_str()) {
+                return err(
+                    "[security].data_plane",
+                    format!("{:?} is not one of tls, secret", sec.data_plane),
+                );
+            }
+            sec.load(file)?;
         }
         Ok(())
     }
@@ -645,12 +731,49 @@ aws_endpoint = "http://127.0.0.1:9000"
                 format!("{good}\n[checkpoint]\nevery_minutes = 5.0\n[pipeline]\nstages = 2\n"),
                 "every_steps only",
             ),
+            (format!("{good}\n[checkpoint]\nevery_steps = 5\ns3 = \"gs://x/y\"\n"), "[checkpoint].s3"),
+            (format!("{good}\n[checkpoint]\nevery_steps = 5\ns3 = \"s3://A_B/y\"\n"), "not a bucket name"),
+            (
+                format!("{good}\n[checkpoint]\nevery_steps = 5\ns3 = \"s3://bkt/y\"\ns3_endpoint = \"minio:9000\"\n"),
+                "[checkpoint].s3_endpoint",
+            ),
+            (format!("{good}\n[checkpoint]\nevery_steps = 5\ns3_endpoint = \"http://m\"\n"), "set s3 too"),
+            (
+                format!("{good}\n[security]\nca = \"/nonexistent/ca.pem\"\ncert = \"/x.pem\"\nkey = \"/x.key\"\n"),
+                "[security].ca",
+            ),
+            (
+                format!("{good}\n[security]\nca = \"/a\"\ncert = \"/b\"\nkey = \"/c\"\ndata_plane = \"none\"\n"),
+                "[security].data_plane",
+            ),
         ];
         for (text, want) in cases {
             let e = Config::parse(&text, "limpet.toml").unwrap_err().to_string();
             assert!(e.starts_with("limpet.toml: "), "{e}");
             assert!(e.contains(want), "expected {want:?} in {e}");
         }
+    }
+
+    #[test]
+    fn security_takes_a_node_certificate_of_the_ca_only() {
+        let s = secret();
+        let d = tempfile::tempdir().unwrap();
+        crate::certs::init(d.path(), "t", 5).unwrap();
+        crate::certs::issue_for_days(d.path(), "n1", crate::certs::Kind::Node, 5).unwrap();
+        crate::certs::issue_for_days(d.path(), "op", crate::certs::Kind::Client, 5).unwrap();
+        let with = |name: &str| {
+            let p = |f: String| d.path().join(f).display().to_string();
+            format!(
+                "{}\n[security]\nca = {:?}\ncert = {:?}\nkey = {:?}\n",
+                example(s.path()),
+                p("ca.pem".into()),
+                p(format!("{name}.pem")),
+                p(format!("{name}.key"))
+            )
+        };
+        Config::parse(&with("n1"), "c.toml").unwrap();
+        let e = Config::parse(&with("op"), "c.toml").unwrap_err().to_string();
+        assert!(e.contains("[security].cert") && e.contains("operator certificate"), "{e}");
     }
 
     #[test]

@@ -322,7 +322,7 @@ pub fn run_scenario(
                 dir.display()
             );
         }
-        let doc = match rt.block_on(gather(&cluster.file.cluster, &cluster.file.control_addrs())) {
+        let doc = match rt.block_on(gather(&cluster.file.cluster, &cluster.file.control_addrs(), None)) {
             Ok(d) => d,
             Err(_) => {
                 std::thread::sleep(Duration::from_millis(100));
@@ -373,7 +373,7 @@ pub fn run_scenario(
     let doc = last.expect("at least one status");
     // Give the heartbeats a moment so every rank's transition record is in.
     std::thread::sleep(Duration::from_millis(300));
-    let doc = rt.block_on(gather(&cluster.file.cluster, &cluster.file.control_addrs())).unwrap_or(doc);
+    let doc = rt.block_on(gather(&cluster.file.cluster, &cluster.file.control_addrs(), None)).unwrap_or(doc);
     let ranks = doc.epoch.as_ref().map(|e| e.ranks.clone()).context("no current epoch at the end")?;
     let checkpoints: Vec<PathBuf> =
         ranks.iter().map(|r| dir.join(r).join(limpet_trainer::CHECKPOINT_FILE)).collect();
@@ -442,8 +442,13 @@ fn fire(cluster: &mut LocalCluster, rt: &tokio::runtime::Runtime, action: &Actio
         Action::Drain { node } => {
             let id = cluster.file.node(node)?.id;
             let cmd = Command::Drain { id, reason: "limpet drain".into() };
-            rt.block_on(crate::status::propose(&cluster.file.cluster, &cluster.file.control_addrs(), cmd))
-                .map(|_| ())
+            rt.block_on(crate::status::propose(
+                &cluster.file.cluster,
+                &cluster.file.control_addrs(),
+                None,
+                cmd,
+            ))
+            .map(|_| ())
         }
     }
 }

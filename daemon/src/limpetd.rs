@@ -267,6 +267,10 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
     a.lead = Duration::from_millis(t.lead_ms);
     a.notice_margin = Duration::from_millis(t.notice_margin_ms);
     a.step_log = step_log.or_else(|| cfg.node.step_log.clone());
+    if let Some(sec) = &cfg.security {
+        a.tls = Some(std::sync::Arc::new(sec.load("the configuration")?));
+        a.tls_data = sec.data_plane == "tls";
+    }
     a.pipeline = cfg.pipeline.as_ref().map(|p| limpet_agent::runtime::PipelineSettings {
         depth: match p.stages {
             crate::config::Stages::Fixed(n) => Some(n),
@@ -283,6 +287,14 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
         dir: c.dir.clone().unwrap_or_else(|| cfg.node.state_dir.join("checkpoints")),
         keep: c.keep,
         resume: c.resume,
+        remote: c.s3.as_ref().and_then(|url| limpet_agent::remote::parse_url(url).ok()).map(
+            |(bucket, prefix)| limpet_agent::remote::RemoteSettings {
+                bucket,
+                prefix,
+                endpoint: c.s3_endpoint.clone(),
+                region: c.s3_region.clone(),
+            },
+        ),
     });
     if let Some(cuts) = a.pipeline.as_ref().and_then(|p| p.cuts.as_ref()) {
         let blocks = a.job.model.num_blocks();

@@ -45,6 +45,16 @@ pub struct LocalJob {
     /// Where checkpoints go (default: each node's state directory). A directory shared by
     /// every node (and by a later cluster) lets a new cluster resume from it.
     pub checkpoint_dir: Option<PathBuf>,
+    /// Run with certificates: a CA in `DIR/certs`, a node certificate per node, mutual TLS
+    /// on the control and data planes, and an operator certificate the CLI uses.
+    #[serde(default)]
+    pub tls: bool,
+    /// Copy checkpoints to S3: (`s3://BUCKET/PREFIX`, an S3-compatible endpoint URL).
+    #[serde(default)]
+    pub checkpoint_s3: Option<(String, String)>,
+    /// Extra environment for every `limpetd` (credentials for an S3-compatible store).
+    #[serde(default)]
+    pub env: Vec<(String, String)>,
 }
 
 impl Default for LocalJob {
@@ -65,6 +75,9 @@ impl Default for LocalJob {
             shadow_every: 0,
             checkpoint_every: 0,
             checkpoint_dir: None,
+            tls: false,
+            checkpoint_s3: None,
+            env: Vec::new(),
         }
     }
 }
@@ -104,6 +117,10 @@ pub struct ClusterFile {
     pub cluster: String,
     /// Every node ever started, in order.
     pub nodes: Vec<LocalNode>,
+    /// The operator certificate `limpet status/drain/revoke --dir` use, when the cluster
+    /// runs with certificates.
+    #[serde(default)]
+    pub operator_tls: Option<limpet_consensus::tls::TlsFiles>,
 }
 
 impl ClusterFile {
@@ -200,7 +217,11 @@ impl LocalCluster {
             dir: dir.to_path_buf(),
             // A name of its own: two local clusters on one machine (parallel tests) must never
             // take each other's raft traffic for their own if a port is reused.
-            file: ClusterFile { cluster: format!("local-{:08x}", rand::random::<u32>()), nodes: Vec::new() },
+            file: ClusterFile {
+                cluster: format!("local-{:08x}", rand::random::<u32>()),
+                nodes: Vec::new(),
+                operator_tls: None,
+            },
             job,
             exe: limpet.to_path_buf(),
             limpetd: limpetd.to_path_buf(),
@@ -209,6 +230,14 @@ impl LocalCluster {
             founders: Vec::new(),
             systemd: None,
         };
+        if c.job.tls {
+            let certs = c.certs_dir();
+            crate::certs::init(&certs, &c.file.cluster, 30)?;
+            let (cert, key) =
+                crate::certs::issue_for_days(&certs, "operator", crate::certs::Kind::Client, 30)?;
+            c.file.operator_tls =
+                Some(limpet_consensus::tls::TlsFiles { ca: certs.join("ca.pem"), cert, key });
+        }
         let controls: Vec<String> =
             (0..n).map(|_| free_port().map(|p| format!("127.0.0.1:{p}"))).collect::<anyhow::Result<_>>()?;
         c.founders = controls.iter().enumerate().map(|(i, a)| format!("{}={a}", i + 1)).collect();
@@ -234,6 +263,11 @@ impl LocalCluster {
         let control = format!("127.0.0.1:{}", free_port()?);
         self.start_node(&name, id, &control, false)?;
         Ok(name)
+    }
+
+    /// Where a cluster with certificates keeps them.
+    pub fn certs_dir(&self) -> PathBuf {
+        self.dir.join("certs")
     }
 
     fn start_node(&mut self, name: &str, id: u64, control: &str, founder: bool) -> anyhow::Result<()> {
@@ -299,6 +333,23 @@ impl LocalCluster {
             if let Some(d) = &j.checkpoint_dir {
                 text += &format!("dir = {:?}\n", d.display().to_string());
             }
+            if let Some((url, endpoint)) = &j.checkpoint_s3 {
+                text += &format!("s3 = {url:?}\ns3_endpoint = {endpoint:?}\ns3_region = \"us-east-1\"\n");
+            }
+        }
+        if j.tls {
+            let certs = self.certs_dir();
+            let (cert, key) = (certs.join(format!("{name}.pem")), certs.join(format!("{name}.key")));
+            // A restarted node keeps its certificate.
+            if !cert.exists() {
+                crate::certs::issue_for_days(&certs, name, crate::certs::Kind::Node, 30)?;
+            }
+            text += &format!(
+                "\n[security]\nca = {:?}\ncert = {:?}\nkey = {:?}\n",
+                certs.join("ca.pem").display().to_string(),
+                cert.display().to_string(),
+                key.display().to_string()
+            );
         }
         text += &format!(
             "\n[revocation]\nsources = [\"aws\"]\npoll_secs = 0.2\naws_endpoint = \"http://{md_addr}\"\n"
@@ -324,6 +375,8 @@ impl LocalCluster {
                 c
             }
         };
+        let mut cmd = cmd;
+        cmd.envs(self.job.env.iter().map(|(k, v)| (k, v)));
         let child = spawn_logged(cmd, out)?;
         self.file.nodes.push(LocalNode {
             name: name.to_string(),
@@ -360,6 +413,7 @@ impl LocalCluster {
         let out = std::fs::OpenOptions::new().append(true).create(true).open(&node.log)?;
         let mut cmd = Command::new(&self.limpetd);
         cmd.args(["--config", &node.config.display().to_string()]).env_remove("NOTIFY_SOCKET");
+        cmd.envs(self.job.env.iter().map(|(k, v)| (k, v)));
         let child = spawn_logged(cmd, out)?;
         if let Some(n) = self.file.nodes.iter_mut().find(|n| n.name == name) {
             n.pid = child.id();

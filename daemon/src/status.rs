@@ -8,6 +8,7 @@ use anyhow::Context;
 use clap::Args;
 use limpet_agent::report::AgentReport;
 use limpet_consensus::state::{ClusterState, Command, Epoch, MemberStatus, NodeId};
+use limpet_consensus::tls::{Tls, TlsFiles};
 use limpet_consensus::Client;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -29,20 +30,59 @@ pub struct Target {
     /// Cluster name (with --addr).
     #[arg(long, default_value = "local")]
     pub cluster: String,
+    /// The cluster CA's certificate, for a cluster that runs with certificates (with
+    /// --cert and --key; a local cluster's directory names its own).
+    /// Alone, it reads status without a certificate where the nodes allow that.
+    #[arg(long, env = "LIMPET_CA")]
+    pub ca: Option<PathBuf>,
+    /// Your operator certificate (`limpet certs issue NAME --client`).
+    #[arg(long, env = "LIMPET_CERT", requires_all = ["ca", "key"])]
+    pub cert: Option<PathBuf>,
+    /// Its private key.
+    #[arg(long, env = "LIMPET_KEY", requires_all = ["ca", "cert"])]
+    pub key: Option<PathBuf>,
+}
+
+/// Where a cluster is and how to reach it.
+pub struct Resolved {
+    /// The cluster's name.
+    pub cluster: String,
+    /// Its nodes' control addresses.
+    pub addrs: Vec<String>,
+    /// A local cluster's file.
+    pub local: Option<ClusterFile>,
+    /// The operator's certificates, when the cluster runs with TLS.
+    pub tls: Option<std::sync::Arc<Tls>>,
 }
 
 impl Target {
-    fn resolve(&self) -> anyhow::Result<(String, Vec<String>, Option<ClusterFile>)> {
-        match (&self.dir, self.addr.is_empty()) {
+    fn resolve(&self) -> anyhow::Result<Resolved> {
+        let (cluster, addrs, local) = match (&self.dir, self.addr.is_empty()) {
             (Some(dir), _) => {
                 let f = ClusterFile::load(dir)?;
-                Ok((f.cluster.clone(), f.control_addrs(), Some(f)))
+                (f.cluster.clone(), f.control_addrs(), Some(f))
             }
-            (None, false) => Ok((self.cluster.clone(), self.addr.clone(), None)),
+            (None, false) => (self.cluster.clone(), self.addr.clone(), None),
             (None, true) => {
-                Err(UsageError("say where the cluster is: --dir DIR or --addr HOST:PORT".into()).into())
+                return Err(
+                    UsageError("say where the cluster is: --dir DIR or --addr HOST:PORT".into()).into()
+                )
             }
-        }
+        };
+        let usage = |e: limpet_consensus::tls::TlsError| UsageError(e.to_string());
+        let tls = match (&self.ca, &self.cert, &self.key) {
+            (Some(ca), Some(cert), Some(key)) => Some(
+                Tls::load(&TlsFiles { ca: ca.clone(), cert: cert.clone(), key: key.clone() })
+                    .map_err(usage)?,
+            ),
+            (Some(ca), None, None) => Some(Tls::ca_only(ca).map_err(usage)?),
+            _ => match local.as_ref().and_then(|f| f.operator_tls.as_ref()) {
+                Some(f) => Some(Tls::load(f).map_err(usage)?),
+                None => None,
+            },
+        };
+        let tls = tls.map(std::sync::Arc::new);
+        Ok(Resolved { cluster, addrs, local, tls })
     }
 }
 
@@ -173,12 +213,30 @@ pub struct CheckpointDoc {
     pub node: String,
 }
 
-async fn connect_any(cluster: &str, addrs: &[String]) -> anyhow::Result<(Client, String)> {
+/// Adds what a bare transport error usually means here.
+fn explain(e: String, tls: Option<&Tls>) -> String {
+    let closed = e.contains("connection closed") || e.contains("broken pipe") || e.contains("canceled");
+    match tls.map(|t| t.role()) {
+        None if e.contains("h2 protocol error") || e.contains("transport error") => {
+            format!("{e} (does the cluster run with certificates? give --ca, --cert and --key)")
+        }
+        Some(None) if closed || e.contains("CertificateRequired") => format!(
+            "{e} (the nodes refused a client without a certificate; they allow that only for status \
+             with [security].anonymous_status = true: give --cert and --key)"
+        ),
+        Some(Some(_)) if closed => {
+            format!("{e} (the nodes may have refused this certificate: another cluster's CA, or expired?)")
+        }
+        _ => e,
+    }
+}
+
+async fn connect_any(cluster: &str, addrs: &[String], tls: Option<&Tls>) -> anyhow::Result<(Client, String)> {
     let mut last = String::from("no addresses");
     for a in addrs {
-        match tokio::time::timeout(Duration::from_secs(2), Client::connect(a, cluster)).await {
+        match tokio::time::timeout(Duration::from_secs(2), Client::connect_with(a, cluster, tls)).await {
             Ok(Ok(c)) => return Ok((c, a.clone())),
-            Ok(Err(e)) => last = e.to_string(),
+            Ok(Err(e)) => last = explain(e.to_string(), tls),
             Err(_) => last = format!("{a}: no answer in 2 s"),
         }
     }
@@ -202,11 +260,11 @@ fn epoch_doc(st: &ClusterState, e: &Epoch) -> EpochDoc {
 }
 
 /// Gathers the status document from the first node that answers.
-pub async fn gather(cluster: &str, addrs: &[String]) -> anyhow::Result<StatusDoc> {
+pub async fn gather(cluster: &str, addrs: &[String], tls: Option<&Tls>) -> anyhow::Result<StatusDoc> {
     let mut errors = Vec::new();
     for a in addrs {
         let attempt = async {
-            let (mut c, at) = connect_any(cluster, std::slice::from_ref(a)).await?;
+            let (mut c, at) = connect_any(cluster, std::slice::from_ref(a), tls).await?;
             let read = c.read(false).await?;
             let reports = c.reports().await?;
             anyhow::Ok((read, reports, at))
@@ -215,7 +273,7 @@ pub async fn gather(cluster: &str, addrs: &[String]) -> anyhow::Result<StatusDoc
             Ok(Ok((read, reports, at))) => {
                 return Ok(build(cluster, &read.state, read.leader, read.term, &reports, &at))
             }
-            Ok(Err(e)) => errors.push(format!("{a}: {e}")),
+            Ok(Err(e)) => errors.push(format!("{a}: {}", explain(e.to_string(), tls))),
             Err(_) => errors.push(format!("{a}: no answer in 3 s")),
         }
     }
@@ -463,8 +521,8 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 
 /// Runs `limpet status`.
 pub fn status(a: StatusArgs) -> anyhow::Result<()> {
-    let (cluster, addrs, _) = a.target.resolve()?;
-    let doc = runtime()?.block_on(gather(&cluster, &addrs))?;
+    let r = a.target.resolve()?;
+    let doc = runtime()?.block_on(gather(&r.cluster, &r.addrs, r.tls.as_deref()))?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
@@ -474,15 +532,23 @@ pub fn status(a: StatusArgs) -> anyhow::Result<()> {
 }
 
 /// Proposes `cmd` through the first node that answers; what the state machine said.
-pub async fn propose(cluster: &str, addrs: &[String], cmd: Command) -> anyhow::Result<String> {
-    let (mut c, _) = connect_any(cluster, addrs).await?;
-    let (index, detail) = c.propose(&cmd, Duration::from_secs(5)).await?;
+pub async fn propose(
+    cluster: &str,
+    addrs: &[String],
+    tls: Option<&Tls>,
+    cmd: Command,
+) -> anyhow::Result<String> {
+    let (mut c, _) = connect_any(cluster, addrs, tls).await?;
+    let (index, detail) = c
+        .propose(&cmd, Duration::from_secs(5))
+        .await
+        .map_err(|e| anyhow::anyhow!(explain(e.to_string(), tls)))?;
     Ok(format!("{detail} (log index {index})"))
 }
 
-async fn member_id(cluster: &str, addrs: &[String], name: &str) -> anyhow::Result<NodeId> {
-    let (mut c, _) = connect_any(cluster, addrs).await?;
-    let st = c.read(false).await?.state;
+async fn member_id(cluster: &str, addrs: &[String], tls: Option<&Tls>, name: &str) -> anyhow::Result<NodeId> {
+    let (mut c, _) = connect_any(cluster, addrs, tls).await?;
+    let st = c.read(false).await.map_err(|e| anyhow::anyhow!(explain(e.to_string(), tls)))?.state;
     st.member_named(name).map(|m| m.spec.id).ok_or_else(|| {
         let names: Vec<&str> = st.members.values().map(|m| m.spec.name.as_str()).collect();
         UsageError(format!("no member {name:?} (members: {})", names.join(", "))).into()
@@ -491,10 +557,11 @@ async fn member_id(cluster: &str, addrs: &[String], name: &str) -> anyhow::Resul
 
 /// Runs `limpet drain`.
 pub fn drain(a: DrainArgs) -> anyhow::Result<()> {
-    let (cluster, addrs, _) = a.target.resolve()?;
+    let r = a.target.resolve()?;
+    let tls = r.tls.as_deref();
     let out = runtime()?.block_on(async {
-        let id = member_id(&cluster, &addrs, &a.node).await?;
-        propose(&cluster, &addrs, Command::Drain { id, reason: "limpet drain".into() }).await
+        let id = member_id(&r.cluster, &r.addrs, tls, &a.node).await?;
+        propose(&r.cluster, &r.addrs, tls, Command::Drain { id, reason: "limpet drain".into() }).await
     })?;
     println!("{}: {out}", a.node);
     Ok(())
@@ -502,7 +569,8 @@ pub fn drain(a: DrainArgs) -> anyhow::Result<()> {
 
 /// Runs `limpet revoke`.
 pub fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
-    let (cluster, addrs, local) = a.target.resolve()?;
+    let Resolved { cluster, addrs, local, tls } = a.target.resolve()?;
+    let tls = tls.as_deref();
     if a.hard {
         let f = local.ok_or_else(|| UsageError("--hard needs --dir (it kills a local process)".into()))?;
         let n = f.node(&a.node)?;
@@ -520,9 +588,9 @@ pub fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let out = runtime()?.block_on(async {
-        let id = member_id(&cluster, &addrs, &a.node).await?;
+        let id = member_id(&cluster, &addrs, tls, &a.node).await?;
         let deadline_ms = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis() as u64 + secs * 1000;
-        propose(&cluster, &addrs, Command::Notice { id, deadline_ms, source: "cli".into() }).await
+        propose(&cluster, &addrs, tls, Command::Notice { id, deadline_ms, source: "cli".into() }).await
     })?;
     println!("{}: {out}", a.node);
     Ok(())

@@ -2,10 +2,10 @@
 //! that passed the cluster-secret handshake (channel `Handoff`), so a newcomer only takes
 //! state from a member and a member only serves state to one.
 
+use crate::dataplane::conn::Conn;
 use crate::dataplane::endpoint::Endpoint;
 use crate::dataplane::frame::Channel;
 use limpet_snapshot::handoff::{Dialer, Server};
-use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,9 +19,9 @@ pub struct HandoffDialer<'a> {
 }
 
 impl Dialer for HandoffDialer<'_> {
-    type Stream = TcpStream;
+    type Stream = Conn;
 
-    fn dial(&self, source: &str) -> std::io::Result<TcpStream> {
+    fn dial(&self, source: &str) -> std::io::Result<Conn> {
         let bad = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, m);
         let (node, addr) =
             source.split_once('@').ok_or_else(|| bad(format!("source {source:?} is not NODE@ADDR")))?;

@@ -1,6 +1,8 @@
 //! The agent-to-agent data plane: authenticated TCP connections between agents and the
 //! collectives that synchronous data-parallel training runs every step.
 //!
+//! - `conn`: one connection, plain TCP or TLS 1.3 (rustls, node certificates of the
+//!   cluster CA) when the cluster runs with certificates;
 //! - `frame`: the fixed-size header every frame carries (epoch, step, sequence, length) and
 //!   the handshake's hello;
 //! - `endpoint`: one listener per agent; connections prove they know the cluster secret
@@ -14,12 +16,14 @@
 //!   non-blocking sockets so sending, receiving and summing overlap, each bounded by a
 //!   timeout: a dead or silent peer is an error on every survivor, never a hang.
 
+pub mod conn;
 pub mod endpoint;
 pub mod frame;
 pub mod handoff;
 pub mod pipe;
 pub mod ring;
 
+pub use conn::{Conn, DataTls};
 pub use endpoint::{DataPlaneConfig, Endpoint};
 
 /// Counts bytes that crossed the data plane, by direction and kind (`ring`, `pipe`,

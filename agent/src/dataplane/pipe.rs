@@ -13,10 +13,11 @@
 //! frames of at most `MAX_PAYLOAD` bytes; every frame's `seq` is `2 * micro` for an
 //! activation and `2 * micro + 1` for a gradient.
 
+use crate::dataplane::conn::Conn;
 use crate::dataplane::frame::{decode_shape, encode_shape, Channel, Header, Kind, HEADER_LEN, MAX_PAYLOAD};
 use crate::dataplane::{DataPlaneError, Endpoint};
 use std::io::{ErrorKind, Read, Write};
-use std::net::{Shutdown, TcpStream};
+use std::net::Shutdown;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -24,14 +25,14 @@ use std::time::{Duration, Instant};
 /// One neighbour: the socket (read here, written by the writer thread) and the queue.
 struct Peer {
     node: u64,
-    stream: TcpStream,
+    stream: Conn,
     queue: Option<mpsc::Sender<Vec<u8>>>,
     writer: Option<std::thread::JoinHandle<()>>,
     write_error: Arc<Mutex<Option<String>>>,
 }
 
 impl Peer {
-    fn new(node: u64, stream: TcpStream, timeout: Duration) -> Result<Peer, DataPlaneError> {
+    fn new(node: u64, stream: Conn, timeout: Duration) -> Result<Peer, DataPlaneError> {
         stream.set_nonblocking(false).map_err(DataPlaneError::io("making a pipe socket blocking"))?;
         stream.set_read_timeout(Some(timeout)).map_err(DataPlaneError::io("setting a read timeout"))?;
         stream.set_write_timeout(Some(timeout)).map_err(DataPlaneError::io("setting a write timeout"))?;

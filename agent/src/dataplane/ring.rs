@@ -13,12 +13,13 @@
 //! Each segment is summed in one order around the ring and then copied, so every rank ends
 //! with bit-identical results. Payloads are the host's little-endian f32 bytes.
 
+use crate::dataplane::conn::Conn;
 use crate::dataplane::endpoint::Endpoint;
 use crate::dataplane::frame::{Channel, Header, Kind, HEADER_LEN};
 use crate::dataplane::DataPlaneError;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use std::io::{ErrorKind, Read, Write};
-use std::net::{Shutdown, TcpStream};
+use std::net::Shutdown;
 use std::ops::Range;
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
@@ -55,8 +56,8 @@ pub struct Group {
     ranks: Vec<u64>,
     timeout: Duration,
     chunk_elems: usize,
-    right: Option<TcpStream>,
-    left: Option<TcpStream>,
+    right: Option<Conn>,
+    left: Option<Conn>,
     seq: u32,
     broken: Option<String>,
     scratch: Vec<f32>,
@@ -122,8 +123,8 @@ impl Group {
         ep: &Endpoint,
         epoch: u64,
         ranks: &[u64],
-        right: Option<TcpStream>,
-        left: Option<TcpStream>,
+        right: Option<Conn>,
+        left: Option<Conn>,
     ) -> Result<Group, DataPlaneError> {
         let me = ep.config().node;
         let rank = ranks
@@ -356,7 +357,8 @@ impl Group {
         let mut recv_hdr = [0u8; HEADER_LEN];
         let mut last_progress = Instant::now();
 
-        while si < plan.sends.len() || ri < plan.recvs.len() {
+        // With TLS, encrypted bytes may still wait for the socket after the last send.
+        while si < plan.sends.len() || ri < plan.recvs.len() || right.has_pending() {
             let mut progressed = false;
             // Send whatever is ready.
             while si < plan.sends.len() && plan.sends[si].after.is_none_or(|a| a < ri) {
@@ -382,6 +384,21 @@ impl Group {
                     }
                     Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    Err(e) if is_disconnect(&e) => return Err(closed(right_peer)),
+                    Err(e) => {
+                        return Err(DataPlaneError::Io {
+                            what: format!("sending to node {right_peer}"),
+                            source: e,
+                        })
+                    }
+                }
+            }
+            // Encrypted bytes of a send already counted as done must reach the socket even
+            // while the next send waits for a receive: the peer may need them to send it.
+            if right.has_pending() {
+                match right.flush_pending() {
+                    Ok(()) => progressed = true,
+                    Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {}
                     Err(e) if is_disconnect(&e) => return Err(closed(right_peer)),
                     Err(e) => {
                         return Err(DataPlaneError::Io {
@@ -444,7 +461,7 @@ impl Group {
                     }
                 }
             }
-            if si >= plan.sends.len() && ri >= plan.recvs.len() {
+            if si >= plan.sends.len() && ri >= plan.recvs.len() && !right.has_pending() {
                 break;
             }
             let now = Instant::now();
@@ -453,7 +470,8 @@ impl Group {
                 continue;
             }
             let idle = now - last_progress;
-            let want_send = si < plan.sends.len() && plan.sends[si].after.is_none_or(|a| a < ri);
+            let want_send =
+                (si < plan.sends.len() && plan.sends[si].after.is_none_or(|a| a < ri)) || right.has_pending();
             let want_recv = ri < plan.recvs.len();
             if idle >= self.timeout {
                 let peer = if want_recv { left_peer } else { right_peer };

@@ -1,0 +1,322 @@
+//! A data-plane connection: plain TCP, or TCP carrying TLS 1.3 (rustls) when the cluster
+//! runs with certificates.
+//!
+//! With TLS every byte after the handshake is encrypted and authenticated per record, with
+//! the record's sequence number in its nonce: a replayed, reordered, altered or spliced-in
+//! record fails to decrypt and the connection reports an `InvalidData` error.
+//!
+//! The rustls state sits behind a mutex and socket I/O happens outside it, so a clone can
+//! write from one thread while the original reads in another (pipeline links), and the
+//! ring can drive it over a non-blocking socket with poll(2): `has_pending` says when
+//! encrypted bytes still wait for the socket, and reads never leave decrypted bytes behind
+//! a poll.
+
+use crate::dataplane::DataPlaneError;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Largest plaintext one `write` takes (the rest is the caller's next write).
+const MAX_PLAIN: usize = 256 << 10;
+/// Bytes read from the socket at a time.
+const READ_BUF: usize = 256 << 10;
+
+/// The rustls configurations of a data plane that runs with certificates.
+#[derive(Clone)]
+pub struct DataTls {
+    /// For connections this agent accepts (peers must present a node certificate).
+    pub server: Arc<rustls::ServerConfig>,
+    /// For connections this agent makes.
+    pub client: Arc<rustls::ClientConfig>,
+}
+
+impl DataTls {
+    /// Both configurations from a node's loaded certificates.
+    pub fn from_tls(tls: &limpet_consensus::tls::Tls) -> Result<DataTls, DataPlaneError> {
+        let e = |e: rustls::Error| DataPlaneError::Config(format!("TLS for the data plane: {e}"));
+        Ok(DataTls { server: tls.data_server().map_err(e)?, client: tls.data_client().map_err(e)? })
+    }
+}
+
+#[derive(Default)]
+struct Buffers {
+    /// Encrypted bytes not yet taken by the socket.
+    out: Vec<u8>,
+    out_pos: usize,
+    /// Bytes read from the socket not yet given to rustls.
+    inp: Vec<u8>,
+    in_pos: usize,
+}
+
+struct TlsSide {
+    state: Arc<Mutex<rustls::Connection>>,
+    bufs: Mutex<Buffers>,
+}
+
+/// One data-plane connection.
+pub struct Conn {
+    sock: TcpStream,
+    tls: Option<Box<TlsSide>>,
+}
+
+fn tls_error(e: rustls::Error) -> std::io::Error {
+    std::io::Error::new(ErrorKind::InvalidData, format!("TLS: {e}"))
+}
+
+impl Conn {
+    /// A plain TCP connection.
+    pub fn plain(sock: TcpStream) -> Conn {
+        Conn { sock, tls: None }
+    }
+
+    /// Runs the TLS handshake as the connecting side (blocking, bounded by `timeout`): the
+    /// server must hold a node certificate of the cluster CA.
+    pub fn tls_client(
+        sock: TcpStream,
+        cfg: Arc<rustls::ClientConfig>,
+        timeout: Duration,
+    ) -> std::io::Result<Conn> {
+        let name =
+            rustls::pki_types::ServerName::try_from(limpet_consensus::tls::NODE_NAME).expect("a DNS name");
+        let conn = rustls::ClientConnection::new(cfg, name).map_err(tls_error)?;
+        Conn::handshake(sock, conn.into(), timeout)
+    }
+
+    /// Runs the TLS handshake as the accepting side: the peer must present a node
+    /// certificate of the cluster CA (an operator's certificate is refused).
+    pub fn tls_server(
+        sock: TcpStream,
+        cfg: Arc<rustls::ServerConfig>,
+        timeout: Duration,
+    ) -> std::io::Result<Conn> {
+        let conn = rustls::ServerConnection::new(cfg).map_err(tls_error)?;
+        let c = Conn::handshake(sock, conn.into(), timeout)?;
+        let role = {
+            let st = c.tls.as_ref().expect("a TLS connection").state.lock().expect("TLS lock");
+            st.peer_certificates().and_then(|certs| certs.first().and_then(limpet_consensus::tls::role_of))
+        };
+        if role != Some(limpet_consensus::tls::Role::Node) {
+            return Err(std::io::Error::new(
+                ErrorKind::PermissionDenied,
+                "the peer's certificate is not a node certificate",
+            ));
+        }
+        Ok(c)
+    }
+
+    fn handshake(
+        mut sock: TcpStream,
+        mut conn: rustls::Connection,
+        timeout: Duration,
+    ) -> std::io::Result<Conn> {
+        sock.set_read_timeout(Some(timeout))?;
+        sock.set_write_timeout(Some(timeout))?;
+        while conn.is_handshaking() {
+            conn.complete_io(&mut sock)?;
+        }
+        // The writer drains everything itself; no limit on what one write may queue.
+        conn.set_buffer_limit(None);
+        Ok(Conn {
+            sock,
+            tls: Some(Box::new(TlsSide {
+                state: Arc::new(Mutex::new(conn)),
+                bufs: Mutex::new(Buffers::default()),
+            })),
+        })
+    }
+
+    /// Whether the connection is encrypted.
+    pub fn is_tls(&self) -> bool {
+        self.tls.is_some()
+    }
+
+    /// The TCP socket underneath.
+    pub fn socket(&self) -> &TcpStream {
+        &self.sock
+    }
+
+    /// A second handle on the same connection (one thread may read while another writes).
+    pub fn try_clone(&self) -> std::io::Result<Conn> {
+        Ok(Conn {
+            sock: self.sock.try_clone()?,
+            tls: self.tls.as_ref().map(|t| {
+                Box::new(TlsSide { state: Arc::clone(&t.state), bufs: Mutex::new(Buffers::default()) })
+            }),
+        })
+    }
+
+    /// Makes the socket (non-)blocking.
+    pub fn set_nonblocking(&self, on: bool) -> std::io::Result<()> {
+        self.sock.set_nonblocking(on)
+    }
+
+    /// Sets the socket's read timeout.
+    pub fn set_read_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        self.sock.set_read_timeout(t)
+    }
+
+    /// Sets the socket's write timeout.
+    pub fn set_write_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        self.sock.set_write_timeout(t)
+    }
+
+    /// Sets TCP_NODELAY.
+    pub fn set_nodelay(&self, on: bool) -> std::io::Result<()> {
+        self.sock.set_nodelay(on)
+    }
+
+    /// Shuts the socket down.
+    pub fn shutdown(&self, how: Shutdown) -> std::io::Result<()> {
+        self.sock.shutdown(how)
+    }
+
+    /// Whether encrypted bytes still wait for the socket (a non-blocking writer must call
+    /// `flush_pending` until this is false before it is done).
+    pub fn has_pending(&self) -> bool {
+        self.tls.as_ref().is_some_and(|t| {
+            let b = t.bufs.lock().expect("buffer lock");
+            b.out_pos < b.out.len()
+        })
+    }
+
+    /// Writes what waits for the socket; `WouldBlock` when a non-blocking socket is full.
+    pub fn flush_pending(&self) -> std::io::Result<()> {
+        let Some(t) = &self.tls else { return Ok(()) };
+        let mut b = t.bufs.lock().expect("buffer lock");
+        flush_out(&self.sock, &mut b)
+    }
+
+    fn tls_read(&self, t: &TlsSide, buf: &mut [u8]) -> std::io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        let mut b = t.bufs.lock().expect("buffer lock");
+        loop {
+            {
+                let mut st = t.state.lock().expect("TLS lock");
+                match st.reader().read(buf) {
+                    Ok(n) => return Ok(n),
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                    Err(e) => return Err(e),
+                }
+                if b.in_pos < b.inp.len() {
+                    let mut rest = &b.inp[b.in_pos..];
+                    let n = st.read_tls(&mut rest)?;
+                    b.in_pos += n;
+                    st.process_new_packets().map_err(tls_error)?;
+                    continue;
+                }
+            }
+            // Nothing decrypted and nothing buffered: read the socket, without the lock.
+            let b = &mut *b;
+            b.inp.resize(READ_BUF, 0);
+            b.in_pos = 0;
+            let n = match (&self.sock).read(&mut b.inp) {
+                Ok(n) => n,
+                Err(e) => {
+                    b.inp.clear();
+                    return Err(e);
+                }
+            };
+            b.inp.truncate(n);
+            if n == 0 {
+                // The peer closed: tell rustls, which says whether it was a clean close.
+                let mut st = t.state.lock().expect("TLS lock");
+                st.read_tls(&mut &[][..])?;
+                st.process_new_packets().map_err(tls_error)?;
+                return match st.reader().read(buf) {
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(0),
+                    other => other,
+                };
+            }
+        }
+    }
+
+    fn tls_write(&self, t: &TlsSide, buf: &[u8]) -> std::io::Result<usize> {
+        let mut b = t.bufs.lock().expect("buffer lock");
+        // Earlier bytes first: a non-blocking writer sees WouldBlock until they are out.
+        flush_out(&self.sock, &mut b)?;
+        let n = {
+            let mut st = t.state.lock().expect("TLS lock");
+            let n = st.writer().write(&buf[..buf.len().min(MAX_PLAIN)])?;
+            b.out.clear();
+            b.out_pos = 0;
+            while st.wants_write() {
+                st.write_tls(&mut b.out)?;
+            }
+            n
+        };
+        match flush_out(&self.sock, &mut b) {
+            Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(n),
+            Err(e) => Err(e),
+            Ok(()) => Ok(n),
+        }
+    }
+}
+
+fn flush_out(sock: &TcpStream, b: &mut Buffers) -> std::io::Result<()> {
+    while b.out_pos < b.out.len() {
+        match (&*sock).write(&b.out[b.out_pos..]) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(n) => b.out_pos += n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+impl Read for &Conn {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match &self.tls {
+            Some(t) => self.tls_read(t, buf),
+            None => (&self.sock).read(buf),
+        }
+    }
+}
+
+impl Write for &Conn {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match &self.tls {
+            Some(t) => self.tls_write(t, buf),
+            None => (&self.sock).write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.flush_pending()
+    }
+}
+
+impl Read for Conn {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        (&*self).read(buf)
+    }
+}
+
+impl Write for Conn {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        (&*self).write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        (&*self).flush()
+    }
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Conn")
+            .field("peer", &self.sock.peer_addr().ok())
+            .field("tls", &self.is_tls())
+            .finish()
+    }
+}
+
+impl AsFd for Conn {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.sock.as_fd()
+    }
+}

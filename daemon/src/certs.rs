@@ -1,0 +1,293 @@
+//! `limpet certs`: a cluster's CA and the certificates it issues (rcgen), as PEM files.
+//!
+//! `init` writes `ca.pem` and `ca.key` into a directory; `issue NAME` writes `NAME.pem` and
+//! `NAME.key` signed by that CA: a node certificate (names `limpet-node` and NAME, for
+//! limpetd) or, with `--client`, an operator certificate (names `limpet-client` and NAME,
+//! for the command line). Keys are ECDSA P-256, written with mode 0600, and nothing existing
+//! is overwritten.
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use limpet_consensus::tls::{CLIENT_NAME, NODE_NAME};
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
+    KeyPair, KeyUsagePurpose,
+};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use time::{Duration, OffsetDateTime};
+
+/// `limpet certs ...`.
+#[derive(Debug, Subcommand)]
+pub enum CertsCommand {
+    /// Create the cluster's CA in DIR (ca.pem, ca.key).
+    Init(InitArgs),
+    /// Issue a node certificate (or, with --client, an operator's) signed by the CA in DIR.
+    Issue(IssueArgs),
+}
+
+/// `limpet certs init`.
+#[derive(Debug, Args)]
+pub struct InitArgs {
+    /// Where the CA's files go (created if missing).
+    #[arg(long, default_value = "certs")]
+    pub dir: PathBuf,
+    /// The cluster's name (in the CA's subject).
+    #[arg(long, default_value = "limpet")]
+    pub cluster: String,
+    /// How long the CA is valid.
+    #[arg(long, default_value_t = 3650)]
+    pub days: u32,
+}
+
+/// `limpet certs issue`.
+#[derive(Debug, Args)]
+pub struct IssueArgs {
+    /// The node's name (as in its `[node].name`) or the operator's.
+    pub name: String,
+    /// The directory with the CA (the new files go there too).
+    #[arg(long, default_value = "certs")]
+    pub dir: PathBuf,
+    /// An operator's certificate for the command line instead of a node's.
+    #[arg(long)]
+    pub client: bool,
+    /// How long the certificate is valid.
+    #[arg(long, default_value_t = 365)]
+    pub days: u32,
+}
+
+/// Which kind of certificate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// limpetd's.
+    Node,
+    /// An operator's.
+    Client,
+}
+
+/// Runs `limpet certs`.
+pub fn run(cmd: CertsCommand) -> anyhow::Result<()> {
+    match cmd {
+        CertsCommand::Init(a) => {
+            let (cert, key) = init(&a.dir, &a.cluster, a.days)?;
+            println!("CA created: {} (key {})", cert.display(), key.display());
+        }
+        CertsCommand::Issue(a) => {
+            let kind = if a.client { Kind::Client } else { Kind::Node };
+            let (cert, key) = issue_for_days(&a.dir, &a.name, kind, a.days)?;
+            println!(
+                "{} certificate for {:?}: {} (key {})",
+                if a.client { "operator" } else { "node" },
+                a.name,
+                cert.display(),
+                key.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+fn usage(msg: String) -> anyhow::Error {
+    crate::UsageError(msg).into()
+}
+
+fn check_name(name: &str) -> anyhow::Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+        && !name.starts_with('-')
+        && !name.ends_with('-');
+    if !ok {
+        return Err(usage(format!(
+            "name {name:?}: use letters, digits and inner hyphens (at most 63), as in a host name"
+        )));
+    }
+    if name == NODE_NAME || name == CLIENT_NAME || name == "ca" {
+        return Err(usage(format!("name {name:?} is reserved")));
+    }
+    Ok(())
+}
+
+/// Writes `contents` to a new file (never over an existing one), private to its owner when
+/// `private`.
+fn write_new(path: &Path, contents: &str, private: bool) -> anyhow::Result<()> {
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create_new(true);
+    if private {
+        use std::os::unix::fs::OpenOptionsExt;
+        opts.mode(0o600);
+    }
+    let mut f = opts.open(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::AlreadyExists => {
+            usage(format!("{} exists; remove it first to replace it", path.display()))
+        }
+        _ => anyhow::Error::new(e).context(format!("creating {}", path.display())),
+    })?;
+    f.write_all(contents.as_bytes()).with_context(|| format!("writing {}", path.display()))?;
+    f.sync_all().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// Creates the CA in `dir`; returns its certificate's and key's paths.
+pub fn init(dir: &Path, cluster: &str, days: u32) -> anyhow::Result<(PathBuf, PathBuf)> {
+    if days == 0 {
+        return Err(usage("--days must be at least 1".into()));
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let (cert_path, key_path) = (dir.join("ca.pem"), dir.join("ca.key"));
+    for p in [&cert_path, &key_path] {
+        if p.exists() {
+            return Err(usage(format!("{} exists; this directory already has a CA", p.display())));
+        }
+    }
+    let key = KeyPair::generate().context("generating the CA key")?;
+    let mut params = CertificateParams::default();
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::CommonName, format!("limpet CA for cluster {cluster}"));
+    dn.push(DnType::OrganizationName, "limpet");
+    params.distinguished_name = dn;
+    params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    params.key_usages =
+        vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    let now = OffsetDateTime::now_utc();
+    params.not_before = now - Duration::minutes(5);
+    params.not_after = now + Duration::days(days.into());
+    let cert = params.self_signed(&key).context("signing the CA certificate")?;
+    write_new(&key_path, &key.serialize_pem(), true)?;
+    write_new(&cert_path, &cert.pem(), false)?;
+    Ok((cert_path, key_path))
+}
+
+/// Issues a certificate for `name` valid from now (less five minutes of clock skew) for
+/// `days`.
+pub fn issue_for_days(dir: &Path, name: &str, kind: Kind, days: u32) -> anyhow::Result<(PathBuf, PathBuf)> {
+    let now = OffsetDateTime::now_utc();
+    issue(dir, name, kind, now - Duration::minutes(5), now + Duration::days(days.into()))
+}
+
+/// Issues a certificate for `name` valid from `not_before` to `not_after`, signed by the CA
+/// in `dir`; returns its certificate's and key's paths.
+pub fn issue(
+    dir: &Path,
+    name: &str,
+    kind: Kind,
+    not_before: OffsetDateTime,
+    not_after: OffsetDateTime,
+) -> anyhow::Result<(PathBuf, PathBuf)> {
+    check_name(name)?;
+    if not_after <= not_before {
+        return Err(usage("the certificate would never be valid (--days must be at least 1)".into()));
+    }
+    let (ca_cert, ca_key) = (dir.join("ca.pem"), dir.join("ca.key"));
+    let read = |p: &Path| {
+        std::fs::read_to_string(p)
+            .with_context(|| format!("reading {} (run `limpet certs init` first?)", p.display()))
+    };
+    let ca_key = KeyPair::from_pem(&read(&ca_key)?)
+        .with_context(|| format!("{}: not a PEM private key", ca_key.display()))?;
+    let issuer = Issuer::from_ca_cert_pem(&read(&ca_cert)?, ca_key)
+        .with_context(|| format!("{}: not a PEM CA certificate", ca_cert.display()))?;
+    let (cert_path, key_path) = (dir.join(format!("{name}.pem")), dir.join(format!("{name}.key")));
+    for p in [&cert_path, &key_path] {
+        if p.exists() {
+            return Err(usage(format!("{} exists; remove it first to issue {name:?} again", p.display())));
+        }
+    }
+    let role_name = match kind {
+        Kind::Node => NODE_NAME,
+        Kind::Client => CLIENT_NAME,
+    };
+    let mut params =
+        CertificateParams::new(vec![role_name.to_string(), name.to_string()]).context("certificate names")?;
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::CommonName, name);
+    dn.push(DnType::OrganizationalUnitName, if kind == Kind::Node { "node" } else { "operator" });
+    params.distinguished_name = dn;
+    params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    params.extended_key_usages = match kind {
+        // A node is a server to its peers and a client of them.
+        Kind::Node => vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth],
+        Kind::Client => vec![ExtendedKeyUsagePurpose::ClientAuth],
+    };
+    params.use_authority_key_identifier_extension = true;
+    params.not_before = not_before;
+    params.not_after = not_after;
+    let key = KeyPair::generate().context("generating the key")?;
+    let cert = params.signed_by(&key, &issuer).context("signing the certificate")?;
+    write_new(&key_path, &key.serialize_pem(), true)?;
+    write_new(&cert_path, &cert.pem(), false)?;
+    Ok((cert_path, key_path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use limpet_consensus::tls::{Role, Tls, TlsFiles};
+
+    fn files(dir: &Path, name: &str) -> TlsFiles {
+        TlsFiles {
+            ca: dir.join("ca.pem"),
+            cert: dir.join(format!("{name}.pem")),
+            key: dir.join(format!("{name}.key")),
+        }
+    }
+
+    #[test]
+    fn issued_certificates_load_with_their_roles() {
+        let d = tempfile::tempdir().unwrap();
+        init(d.path(), "t", 10).unwrap();
+        let now = OffsetDateTime::now_utc();
+        issue(d.path(), "node-1", Kind::Node, now - Duration::minutes(1), now + Duration::days(1)).unwrap();
+        issue(d.path(), "alice", Kind::Client, now - Duration::minutes(1), now + Duration::days(1)).unwrap();
+        assert_eq!(Tls::load(&files(d.path(), "node-1")).unwrap().role(), Some(Role::Node));
+        assert_eq!(Tls::load(&files(d.path(), "alice")).unwrap().role(), Some(Role::Operator));
+        let mode = std::fs::metadata(d.path().join("alice.key")).unwrap().permissions();
+        assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777, 0o600);
+    }
+
+    #[test]
+    fn wrong_ca_expired_and_mismatched_keys_are_refused_at_load() {
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        init(a.path(), "a", 10).unwrap();
+        init(b.path(), "b", 10).unwrap();
+        let now = OffsetDateTime::now_utc();
+        issue(a.path(), "n1", Kind::Node, now - Duration::minutes(1), now + Duration::days(1)).unwrap();
+        issue(a.path(), "old", Kind::Node, now - Duration::days(3), now - Duration::days(1)).unwrap();
+        issue(a.path(), "n2", Kind::Node, now - Duration::minutes(1), now + Duration::days(1)).unwrap();
+        // Another cluster's CA.
+        let e = Tls::load(&TlsFiles { ca: b.path().join("ca.pem"), ..files(a.path(), "n1") }).unwrap_err();
+        assert!(e.to_string().contains("UnknownIssuer"), "{e}");
+        // Expired.
+        let e = Tls::load(&files(a.path(), "old")).unwrap_err();
+        assert!(e.to_string().contains("expired"), "{e}");
+        assert!(e.to_string().contains("old.pem"), "{e}");
+        // n1's certificate with n2's key.
+        let e = Tls::load(&TlsFiles { key: a.path().join("n2.key"), ..files(a.path(), "n1") }).unwrap_err();
+        assert!(e.to_string().contains("does not match"), "{e}");
+        // Not PEM at all.
+        std::fs::write(a.path().join("junk.pem"), "hello").unwrap();
+        let e =
+            Tls::load(&TlsFiles { cert: a.path().join("junk.pem"), ..files(a.path(), "n1") }).unwrap_err();
+        assert!(e.to_string().contains("junk.pem") && e.to_string().contains("no certificate"), "{e}");
+    }
+
+    #[test]
+    fn nothing_is_overwritten_and_bad_names_are_refused() {
+        let d = tempfile::tempdir().unwrap();
+        init(d.path(), "t", 10).unwrap();
+        let e = init(d.path(), "t", 10).unwrap_err();
+        assert!(e.to_string().contains("already has a CA"), "{e}");
+        let now = OffsetDateTime::now_utc();
+        issue(d.path(), "n1", Kind::Node, now, now + Duration::days(1)).unwrap();
+        let before = std::fs::read(d.path().join("n1.key")).unwrap();
+        let e = issue(d.path(), "n1", Kind::Node, now, now + Duration::days(1)).unwrap_err();
+        assert!(e.to_string().contains("exists"), "{e}");
+        assert_eq!(std::fs::read(d.path().join("n1.key")).unwrap(), before);
+        for bad in ["", "a b", "../x", "-x", "limpet-node", "ca"] {
+            assert!(issue(d.path(), bad, Kind::Node, now, now + Duration::days(1)).is_err(), "{bad:?}");
+        }
+        let e = issue(tempfile::tempdir().unwrap().path(), "n2", Kind::Node, now, now + Duration::days(1))
+            .unwrap_err();
+        assert!(format!("{e:#}").contains("limpet certs init"), "{e:#}");
+    }
+}

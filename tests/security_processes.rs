@@ -1,0 +1,491 @@
+//! Certificates and what they refuse, with real processes, real TLS and real TCP:
+//! - a cluster with certificates trains, and its nodes refuse callers without the right
+//!   certificate (plain text, no certificate, another CA, expired, an operator speaking as a
+//!   node), while an operator's certificate drains a node;
+//! - data-plane collectives over TLS sum exactly; connections with a foreign, expired or
+//!   operator certificate are refused; a replayed or spliced TLS record breaks the collective
+//!   on every rank, and a replayed session is never accepted.
+
+mod common;
+
+use common::exe;
+use limpet_agent::dataplane::frame::Channel;
+use limpet_agent::{DataPlaneConfig, DataPlaneError, DataTls, Endpoint};
+use limpet_consensus::state::Command;
+use limpet_consensus::tls::{Tls, TlsFiles};
+use limpet_consensus::transport::pb;
+use limpet_daemon::certs::{self, Kind};
+use limpet_daemon::local::{LocalCluster, LocalJob};
+use proptest::prelude::*;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::process::Command as Process;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use time::OffsetDateTime;
+
+fn files(dir: &Path, name: &str) -> TlsFiles {
+    TlsFiles {
+        ca: dir.join("ca.pem"),
+        cert: dir.join(format!("{name}.pem")),
+        key: dir.join(format!("{name}.key")),
+    }
+}
+
+/// A certificate valid from two days ago until yesterday.
+fn issue_expired(dir: &Path, name: &str, kind: Kind) {
+    let now = OffsetDateTime::now_utc();
+    certs::issue(dir, name, kind, now - time::Duration::days(2), now - time::Duration::days(1)).unwrap();
+}
+
+fn wait_until(what: &str, within: Duration, dir: &Path, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        if start.elapsed() > within {
+            let mut logs = String::new();
+            for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+                if e.path().extension().is_some_and(|x| x == "log") {
+                    logs += &format!(
+                        "--- {}\n{}",
+                        e.path().display(),
+                        std::fs::read_to_string(e.path()).unwrap()
+                    );
+                }
+            }
+            panic!("{what}: not within {within:?}\n{logs}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// (step, world) of each line a node logged.
+fn steps_of(path: &Path) -> Vec<(u64, u64)> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .map(|v| (v["step"].as_u64().unwrap(), v["world"].as_u64().unwrap()))
+        .collect()
+}
+
+fn limpet(args: &[&str]) -> (bool, String) {
+    let out = Process::new(exe()).args(args).env_remove("LIMPET_CA").output().unwrap();
+    (
+        out.status.success(),
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
+    )
+}
+
+/// A raw gRPC client with exactly the given CA and (optional) identity, so the node's own
+/// refusal is tested, not the command line's checks.
+async fn raw_client(
+    addr: &str,
+    ca: &Path,
+    identity: Option<(&Path, &Path)>,
+) -> Result<pb::consensus_client::ConsensusClient<tonic::transport::Channel>, String> {
+    let mut tls = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(std::fs::read(ca).unwrap()))
+        .domain_name(limpet_consensus::tls::NODE_NAME);
+    if let Some((cert, key)) = identity {
+        tls = tls.identity(tonic::transport::Identity::from_pem(
+            std::fs::read(cert).unwrap(),
+            std::fs::read(key).unwrap(),
+        ));
+    }
+    let channel = tonic::transport::Endpoint::from_shared(format!("https://{addr}"))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .map_err(|e| format!("{e:?}"))?;
+    Ok(pb::consensus_client::ConsensusClient::new(channel))
+}
+
+/// Whether a status call with this CA and identity is served.
+async fn status_served(
+    addr: &str,
+    cluster_id: u64,
+    ca: &Path,
+    identity: Option<(&Path, &Path)>,
+) -> Result<(), String> {
+    let mut c = raw_client(addr, ca, identity).await?;
+    c.status(pb::StatusRequest { cluster_id }).await.map(|_| ()).map_err(|e| format!("{e:?}"))
+}
+
+#[test]
+fn a_cluster_with_certificates_trains_and_refuses_callers_without_the_right_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("c");
+    let job = LocalJob { steps: 100_000, tls: true, ..LocalJob::default() };
+    let mut c = LocalCluster::up_with(&dir, 3, job, exe(), Path::new(env!("CARGO_BIN_EXE_limpetd"))).unwrap();
+    let logs: Vec<_> = c.file.nodes.iter().map(|n| n.step_log.clone()).collect();
+    // Training over TLS: every node logs steps of world 3.
+    wait_until("three nodes training over TLS", Duration::from_secs(120), &dir, || {
+        logs.iter().all(|l| steps_of(l).iter().any(|&(_, w)| w == 3))
+    });
+    let addr = c.file.nodes[0].control.clone();
+    let cluster = c.file.cluster.clone();
+    let cid = limpet_consensus::state::cluster_id(&cluster);
+    let certs_dir = c.certs_dir();
+    let ca = certs_dir.join("ca.pem");
+    let d = dir.display().to_string();
+
+    // The command line with the cluster's operator certificate (from cluster.json).
+    let (ok, out) = limpet(&["status", "--dir", &d, "--json"]);
+    assert!(ok, "{out}");
+    assert!(out.contains("\"node-3\""), "{out}");
+
+    // Plain text to a TLS node.
+    let (ok, out) = limpet(&["status", "--addr", &addr, "--cluster", &cluster]);
+    assert!(!ok && out.contains("does the cluster run with certificates"), "{out}");
+    // The CA but no client certificate: status is not anonymous by default, drain never is.
+    let (ok, out) =
+        limpet(&["status", "--addr", &addr, "--cluster", &cluster, "--ca", &ca.display().to_string()]);
+    assert!(!ok && out.contains("refused a client without a certificate"), "{out}");
+    let (ok, out) = limpet(&[
+        "drain",
+        "node-3",
+        "--addr",
+        &addr,
+        "--cluster",
+        &cluster,
+        "--ca",
+        &ca.display().to_string(),
+    ]);
+    assert!(!ok, "{out}");
+
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let operator = files(&certs_dir, "operator");
+    rt.block_on(async {
+        // The operator's certificate is served...
+        status_served(&addr, cid, &ca, Some((&operator.cert, &operator.key))).await.unwrap();
+        // ...another cluster's CA's is not,
+        let other = tmp.path().join("other-ca");
+        certs::init(&other, "other", 10).unwrap();
+        certs::issue_for_days(&other, "mallory", Kind::Client, 10).unwrap();
+        let m = files(&other, "mallory");
+        let e = status_served(&addr, cid, &ca, Some((&m.cert, &m.key))).await.unwrap_err();
+        assert!(!e.is_empty());
+        // ...nor an expired one of the right CA,
+        issue_expired(&certs_dir, "old-operator", Kind::Client);
+        let o = files(&certs_dir, "old-operator");
+        status_served(&addr, cid, &ca, Some((&o.cert, &o.key))).await.unwrap_err();
+        // ...nor none at all.
+        status_served(&addr, cid, &ca, None).await.unwrap_err();
+
+        // An operator may not speak for a node: no raft traffic, no joining.
+        let mut op = raw_client(&addr, &ca, Some((&operator.cert, &operator.key))).await.unwrap();
+        let e = op
+            .send(pb::RaftBatch { cluster_id: cid, from: 1, from_addr: String::new(), messages: vec![] })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        let join = Command::Join {
+            member: limpet_consensus::state::MemberSpec {
+                id: 99,
+                name: "intruder".into(),
+                control_addr: "127.0.0.1:1".into(),
+                data_addr: "127.0.0.1:2".into(),
+                hardware: Default::default(),
+            },
+        };
+        let e = op
+            .propose(pb::ProposeRequest {
+                cluster_id: cid,
+                command: serde_json::to_vec(&join).unwrap(),
+                timeout_ms: 2000,
+            })
+            .await
+            .unwrap_err();
+        assert!(e.message().contains("may only drain, revoke or remove"), "{e:?}");
+    });
+
+    // The operator's certificate drains a node, and the others train on without it.
+    let (ok, out) = limpet(&["drain", "node-3", "--dir", &d]);
+    assert!(ok, "{out}");
+    wait_until("world 2 after the drain", Duration::from_secs(60), &dir, || {
+        steps_of(&logs[0]).iter().any(|&(_, w)| w == 2)
+    });
+    // No member named intruder was ever admitted.
+    let (ok, out) = limpet(&["status", "--dir", &d, "--json"]);
+    assert!(ok && !out.contains("intruder"), "{out}");
+    c.down();
+}
+
+// ---- the data plane ----------------------------------------------------------------------
+
+const SECRET: &[u8] = b"0123456789abcdef-test-secret";
+
+/// A CA in `dir` with node certificates for `nodes`.
+fn node_certs(dir: &Path, nodes: &[u64]) {
+    certs::init(dir, "dp", 10).unwrap();
+    for n in nodes {
+        certs::issue_for_days(dir, &format!("n{n}"), Kind::Node, 10).unwrap();
+    }
+}
+
+fn data_tls(dir: &Path, name: &str) -> DataTls {
+    DataTls::from_tls(&Tls::load(&files(dir, name)).unwrap()).unwrap()
+}
+
+fn endpoint(node: u64, tls: Option<DataTls>, chunk_bytes: usize) -> Endpoint {
+    let mut cfg = DataPlaneConfig::new(77, node, SECRET.to_vec());
+    cfg.timeout = Duration::from_secs(3);
+    cfg.chunk_bytes = chunk_bytes;
+    cfg.tls = tls;
+    Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg).unwrap()
+}
+
+fn input(node: u64, len: usize) -> Vec<f32> {
+    (0..len).map(|i| (node as f32) * 0.25 + (i % 89) as f32 * 0.5 - 7.0).collect()
+}
+
+/// Allreduces each node's input over `addrs` (the addresses the ranks dial), one thread per
+/// rank; each rank's result or error.
+fn allreduce(
+    eps: &[Endpoint],
+    nodes: &[u64],
+    addrs: &[String],
+    len: usize,
+) -> Vec<Result<Vec<f32>, DataPlaneError>> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = eps
+            .iter()
+            .zip(nodes)
+            .map(|(ep, &n)| {
+                s.spawn(move || {
+                    let mut g = ep.group(1, nodes, addrs)?;
+                    let mut buf = input(n, len);
+                    g.allreduce_sum(&mut buf, 3)?;
+                    Ok(buf)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 6, ..ProptestConfig::default() })]
+
+    /// The TLS ring sums exactly what the plain one does, for any world and length (small
+    /// chunks: many frames, and records split across them).
+    #[test]
+    fn tls_allreduce_equals_the_elementwise_sum(world in 1usize..=4, len in 0usize..150_000) {
+        let tmp = tempfile::tempdir().unwrap();
+        let nodes: Vec<u64> = (1..=world as u64).collect();
+        node_certs(tmp.path(), &nodes);
+        let eps: Vec<Endpoint> =
+            nodes.iter().map(|&n| endpoint(n, Some(data_tls(tmp.path(), &format!("n{n}"))), 4096)).collect();
+        let addrs: Vec<String> = eps.iter().map(|e| e.addr().to_string()).collect();
+        let inputs: Vec<Vec<f32>> = nodes.iter().map(|&n| input(n, len)).collect();
+        let want: Vec<f32> = (0..len).map(|i| inputs.iter().map(|x| x[i]).sum()).collect();
+        for r in allreduce(&eps, &nodes, &addrs, len) {
+            let got = r.unwrap();
+            for (g, w) in got.iter().zip(&want) {
+                prop_assert!((g - w).abs() <= 1e-4 * w.abs().max(1.0), "{g} vs {w}");
+            }
+        }
+    }
+}
+
+#[test]
+fn connections_with_a_foreign_expired_or_operator_certificate_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (good, other) = (tmp.path().join("good"), tmp.path().join("other"));
+    node_certs(&good, &[1]);
+    node_certs(&other, &[2]);
+    certs::issue_for_days(&good, "op", Kind::Client, 10).unwrap();
+    issue_expired(&good, "old", Kind::Node);
+    let server = endpoint(1, Some(data_tls(&good, "n1")), 1 << 20);
+    let addr = server.addr().to_string();
+
+    // Another CA's node: each side refuses the other.
+    let foreign = endpoint(2, Some(data_tls(&other, "n2")), 1 << 20);
+    let e = foreign.connect(&addr, 1, 1, Channel::Ring).unwrap_err();
+    assert!(matches!(e, DataPlaneError::Refused(_)), "{e}");
+    // An operator's certificate of the right CA is not a node's.
+    let op = endpoint(3, Some(data_tls(&good, "op")), 1 << 20);
+    let e = op.connect(&addr, 1, 1, Channel::Ring).unwrap_err();
+    assert!(matches!(e, DataPlaneError::Refused(_)), "{e}");
+    // An expired node certificate (loading refuses it, so build its rustls side by hand).
+    let expired = {
+        use rustls::pki_types::pem::PemObject;
+        let f = files(&good, "old");
+        let chain: Vec<_> =
+            rustls::pki_types::CertificateDer::pem_file_iter(&f.cert).unwrap().map(Result::unwrap).collect();
+        let key = rustls::pki_types::PrivateKeyDer::from_pem_file(&f.key).unwrap();
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(rustls::pki_types::CertificateDer::from_pem_file(&f.ca).unwrap()).unwrap();
+        let client = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::aws_lc_rs::default_provider(),
+        ))
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key)
+        .unwrap();
+        DataTls { client: Arc::new(client), server: data_tls(&good, "n1").server }
+    };
+    let old = endpoint(4, Some(expired), 1 << 20);
+    let e = old.connect(&addr, 1, 1, Channel::Ring).unwrap_err();
+    assert!(matches!(e, DataPlaneError::Refused(_)), "{e}");
+    assert!(e.to_string().contains("CertificateExpired") || e.to_string().contains("expired"), "{e}");
+    // A plain-text peer (secret only) cannot talk to a TLS endpoint either.
+    let plain = endpoint(5, None, 1 << 20);
+    plain.connect(&addr, 1, 1, Channel::Ring).unwrap_err();
+    // None of them reached the inbox; a good node still does.
+    for peer in [2, 3, 4, 5] {
+        assert!(server.accept_until(peer, 1, Channel::Ring, Instant::now(), &|| false).is_err());
+    }
+    let good2 = {
+        certs::issue_for_days(&good, "n6", Kind::Node, 10).unwrap();
+        endpoint(6, Some(data_tls(&good, "n6")), 1 << 20)
+    };
+    good2.connect(&addr, 1, 1, Channel::Ring).unwrap();
+    server.accept_from(6, 1, Channel::Ring).unwrap();
+}
+
+/// What a relay does to the records it forwards from the dialling rank.
+#[derive(Clone)]
+enum Tamper {
+    /// Forward untouched, recording every byte.
+    Record,
+    /// Send the first large application-data record twice.
+    Duplicate,
+    /// Send this record (from another connection) before the first large one.
+    Splice(Vec<u8>),
+}
+
+struct Relay {
+    addr: String,
+    /// Every byte the dialling side sent, and the first large application record.
+    seen: Arc<Mutex<(Vec<u8>, Vec<u8>)>>,
+}
+
+/// A TCP relay in front of `upstream` that parses the TLS records the dialler sends.
+fn relay(upstream: String, tamper: Tamper) -> Relay {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let seen = Arc::new(Mutex::new((Vec::new(), Vec::new())));
+    let seen2 = Arc::clone(&seen);
+    std::thread::spawn(move || {
+        let Ok((mut down, _)) = l.accept() else { return };
+        let mut up = TcpStream::connect(&upstream).unwrap();
+        let (mut down_r, mut up_w) = (down.try_clone().unwrap(), up.try_clone().unwrap());
+        std::thread::spawn(move || {
+            let _ = std::io::copy(&mut up, &mut down);
+            let _ = down.shutdown(std::net::Shutdown::Both);
+        });
+        let mut done = false;
+        loop {
+            let mut head = [0u8; 5];
+            if down_r.read_exact(&mut head).is_err() {
+                break;
+            }
+            let len = u16::from_be_bytes([head[3], head[4]]) as usize;
+            let mut record = head.to_vec();
+            record.resize(5 + len, 0);
+            if down_r.read_exact(&mut record[5..]).is_err() {
+                break;
+            }
+            let big = head[0] == 23 && len > 8000 && !done;
+            let mut s = seen2.lock().unwrap();
+            s.0.extend_from_slice(&record);
+            if big {
+                s.1.clone_from(&record);
+            }
+            drop(s);
+            let mut out = Vec::new();
+            if let (Tamper::Splice(other), true) = (&tamper, big) {
+                out.extend_from_slice(other);
+            }
+            out.extend_from_slice(&record);
+            if matches!(tamper, Tamper::Duplicate) && big {
+                out.extend_from_slice(&record);
+            }
+            done |= big;
+            if up_w.write_all(&out).is_err() {
+                break;
+            }
+        }
+        let _ = up_w.shutdown(std::net::Shutdown::Both);
+    });
+    Relay { addr, seen }
+}
+
+/// Two TLS ranks; node 1 dials node 2 through a relay. Each rank's allreduce result and how
+/// long it took.
+/// Each rank's allreduce result and when it came.
+type Outcomes = Vec<(Result<Vec<f32>, DataPlaneError>, Duration)>;
+
+fn through_relay(tamper: Tamper) -> (Outcomes, Relay, Endpoint) {
+    let tmp = tempfile::tempdir().unwrap();
+    node_certs(tmp.path(), &[1, 2]);
+    let eps = [
+        endpoint(1, Some(data_tls(tmp.path(), "n1")), 1 << 20),
+        endpoint(2, Some(data_tls(tmp.path(), "n2")), 1 << 20),
+    ];
+    let r = relay(eps[1].addr().to_string(), tamper);
+    let addrs = vec![eps[0].addr().to_string(), r.addr.clone()];
+    let nodes = [1u64, 2];
+    let start = Instant::now();
+    let results = std::thread::scope(|s| {
+        let hs: Vec<_> = eps
+            .iter()
+            .zip(nodes)
+            .map(|(ep, n)| {
+                let addrs = &addrs;
+                s.spawn(move || {
+                    let res = (|| {
+                        let mut g = ep.group(1, &nodes, addrs)?;
+                        let mut buf = input(n, 1 << 20);
+                        g.allreduce_sum(&mut buf, 3)?;
+                        Ok(buf)
+                    })();
+                    (res, start.elapsed())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+    });
+    let [_, second] = eps;
+    (results, r, second)
+}
+
+#[test]
+fn a_replayed_or_spliced_record_breaks_the_collective_and_a_replayed_session_is_refused() {
+    // Untouched, the relay changes nothing.
+    let (ok, recorded, second) = through_relay(Tamper::Record);
+    for (r, _) in &ok {
+        r.as_ref().unwrap();
+    }
+    let (session, record) = recorded.seen.lock().unwrap().clone();
+    assert!(record.len() > 8000, "no large application record seen");
+
+    // A record sent twice: the receiver's TLS refuses it, and both ranks fail fast.
+    let (dup, _, _) = through_relay(Tamper::Duplicate);
+    let e = dup[1].0.as_ref().unwrap_err();
+    assert!(e.to_string().contains("TLS"), "{e}");
+    for (r, took) in &dup {
+        assert!(r.is_err(), "a rank completed the collective over a replayed record");
+        assert!(*took < Duration::from_secs(10), "{took:?}");
+    }
+    // A record of another connection spliced in.
+    let (spliced, _, _) = through_relay(Tamper::Splice(record));
+    let e = spliced[1].0.as_ref().unwrap_err();
+    assert!(e.to_string().contains("TLS"), "{e}");
+    assert!(spliced[0].0.is_err());
+
+    // The whole recorded session, replayed to the node that accepted it: the handshake
+    // cannot complete (fresh server randomness), so nothing reaches the inbox.
+    let mut raw = TcpStream::connect(second.addr()).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = raw.write_all(&session);
+    let mut sink = Vec::new();
+    let _ = raw.read_to_end(&mut sink);
+    let e = second.accept_until(1, 1, Channel::Ring, Instant::now() + Duration::from_secs(1), &|| false);
+    assert!(e.is_err(), "a replayed session was accepted");
+}
