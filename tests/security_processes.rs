@@ -489,3 +489,55 @@ fn a_replayed_or_spliced_record_breaks_the_collective_and_a_replayed_session_is_
     let e = second.accept_until(1, 1, Channel::Ring, Instant::now() + Duration::from_secs(1), &|| false);
     assert!(e.is_err(), "a replayed session was accepted");
 }
+
+#[test]
+fn limpet_certs_and_limpetd_validate_from_the_command_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("certs");
+    let ds = d.display().to_string();
+    let (ok, out) = limpet(&["certs", "issue", "n1", "--dir", &ds]);
+    assert!(!ok && out.contains("limpet certs init"), "{out}");
+    for args in [
+        vec!["certs", "init", "--dir", &ds, "--cluster", "t"],
+        vec!["certs", "issue", "n1", "--dir", &ds],
+        vec!["certs", "issue", "alice", "--dir", &ds, "--client"],
+    ] {
+        let (ok, out) = limpet(&args);
+        assert!(ok, "{args:?}: {out}");
+    }
+    // Nothing is overwritten; bad names are usage errors (exit 64).
+    let again = Process::new(exe()).args(["certs", "init", "--dir", &ds]).output().unwrap();
+    assert_eq!(again.status.code(), Some(64), "{}", String::from_utf8_lossy(&again.stderr));
+    let bad = Process::new(exe()).args(["certs", "issue", "../x", "--dir", &ds]).output().unwrap();
+    assert_eq!(bad.status.code(), Some(64));
+    issue_expired(&d, "old", Kind::Node);
+
+    let secret = tmp.path().join("secret");
+    std::fs::write(&secret, "0123456789abcdef0123").unwrap();
+    let config = |name: &str| {
+        format!(
+            "[node]\nname = \"a\"\ncontrol = \"127.0.0.1:7400\"\ndata = \"127.0.0.1:7401\"\nstate_dir = {:?}\nsecret_file = {:?}\n\n\
+             [cluster]\nname = \"c\"\nbootstrap = [\"1=127.0.0.1:7400\"]\n\n\
+             [job]\nmodel = \"mlp\"\ndata = \"digits\"\nsteps = 10\nglobal_batch = 8\n\n\
+             [security]\nca = {:?}\ncert = {:?}\nkey = {:?}\n",
+            tmp.path().join("state").display().to_string(),
+            secret.display().to_string(),
+            d.join("ca.pem").display().to_string(),
+            d.join(format!("{name}.pem")).display().to_string(),
+            d.join(format!("{name}.key")).display().to_string(),
+        )
+    };
+    let validate = |name: &str| {
+        let f = tmp.path().join("node.toml");
+        std::fs::write(&f, config(name)).unwrap();
+        Process::new(env!("CARGO_BIN_EXE_limpetd")).args(["validate", "--config"]).arg(&f).output().unwrap()
+    };
+    let ok = validate("n1");
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    for (name, want) in [("old", "expired"), ("alice", "operator certificate"), ("nobody", "nobody.pem")] {
+        let out = validate(name);
+        let msg = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{name}: {msg}");
+        assert!(msg.contains("[security].") && msg.contains(want), "{name}: {msg}");
+    }
+}

@@ -40,6 +40,9 @@ pub struct WorkerPeers {
     /// Data-plane addresses in rank order (this node binds its own).
     #[arg(long, value_delimiter = ',', required = true)]
     pub addrs: Vec<String>,
+    /// Connect over TLS with the certificates in DIR (`ca.pem`, `nNODE.pem`, `nNODE.key`).
+    #[arg(long)]
+    pub tls_dir: Option<PathBuf>,
 }
 
 /// `limpet dp-worker`.
@@ -93,7 +96,7 @@ pub fn check_input(seed: u64, node: u64, len: usize) -> Vec<f32> {
 /// A worker's endpoint: its node of the group's ranks, bound to its own address, with the
 /// secret its parent passed in the environment.
 pub fn bind_worker(peers: &WorkerPeers, timeout_ms: u64) -> anyhow::Result<Endpoint> {
-    let WorkerPeers { node, ranks, addrs } = peers;
+    let WorkerPeers { node, ranks, addrs, tls_dir } = peers;
     let node = *node;
     let secret = std::env::var(SECRET_ENV).map_err(|_| UsageError(format!("{SECRET_ENV} is not set")))?;
     let rank = ranks
@@ -103,6 +106,14 @@ pub fn bind_worker(peers: &WorkerPeers, timeout_ms: u64) -> anyhow::Result<Endpo
     let listen = addrs.get(rank).ok_or_else(|| UsageError("--addrs shorter than --ranks".into()))?;
     let mut cfg = DataPlaneConfig::new(WORKER_CLUSTER_ID, node, secret.into_bytes());
     cfg.timeout = Duration::from_millis(timeout_ms);
+    if let Some(dir) = tls_dir {
+        let files = limpet_consensus::tls::TlsFiles {
+            ca: dir.join("ca.pem"),
+            cert: dir.join(format!("n{node}.pem")),
+            key: dir.join(format!("n{node}.key")),
+        };
+        cfg.tls = Some(limpet_agent::DataTls::from_tls(&limpet_consensus::tls::Tls::load(&files)?)?);
+    }
     Ok(Endpoint::bind(listen.parse().with_context(|| format!("address {listen:?}"))?, cfg)?)
 }
 
@@ -110,7 +121,7 @@ pub fn bind_worker(peers: &WorkerPeers, timeout_ms: u64) -> anyhow::Result<Endpo
 pub fn run_worker(args: DpWorkerArgs) -> anyhow::Result<()> {
     let plan = parse_plan(&args.plan)?;
     let ep = bind_worker(&args.peers, args.timeout_ms)?;
-    let WorkerPeers { node, ranks, addrs } = &args.peers;
+    let WorkerPeers { node, ranks, addrs, .. } = &args.peers;
     let node = *node;
     let rank = ranks.iter().position(|&r| r == node).expect("bind_worker checked the node");
     let mut g = ep.group(args.epoch, ranks, addrs)?;
@@ -248,6 +259,10 @@ pub struct BenchAllreduceArgs {
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Also measure the ring over TLS 1.3 (certificates made for the run), in the same
+    /// rounds: what encrypting the data plane costs.
+    #[arg(long)]
+    pub tls: bool,
 }
 
 /// Per size, the median of several rounds' timings.
@@ -299,6 +314,8 @@ pub struct SizeReport {
     pub gloo: Option<Measurement>,
     /// limpet busbw / gloo busbw (for 4 KB, compare times: gloo time / limpet time is the same number).
     pub ratio: Option<f64>,
+    /// limpet's ring over TLS, when measured.
+    pub limpet_tls: Option<Measurement>,
 }
 
 fn measurement(bytes: usize, seconds: f64, world: u64) -> Measurement {
@@ -389,7 +406,14 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
     spinner.enable_steady_tick(Duration::from_millis(120));
     spinner.set_message(format!("limpet ring allreduce, {} processes", args.world));
     // Alternate the two so that drift in the machine's state affects both alike.
-    let (mut ours_rounds, mut theirs_rounds) = (Vec::new(), Vec::new());
+    let (mut ours_rounds, mut theirs_rounds, mut tls_rounds) = (Vec::new(), Vec::new(), Vec::new());
+    let certs = tempfile::tempdir()?;
+    if args.tls {
+        crate::certs::init(certs.path(), "bench", 1)?;
+        for n in &order {
+            crate::certs::issue_for_days(certs.path(), &format!("n{n}"), crate::certs::Kind::Node, 1)?;
+        }
+    }
     for round in 1..=args.rounds {
         spinner.set_message(format!(
             "round {round}/{}: limpet ring allreduce, {} processes",
@@ -398,6 +422,15 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
         let worker_args =
             ["--mode", "bench", "--plan", plan_arg.as_str(), "--timeout-ms", "30000"].map(String::from);
         ours_rounds.push(rank0_times(spawn_workers(&exe, &order, &worker_args)?)?);
+        if args.tls {
+            spinner.set_message(format!(
+                "round {round}/{}: limpet ring allreduce over TLS, {} processes",
+                args.rounds, args.world
+            ));
+            let mut with_tls = worker_args.to_vec();
+            with_tls.extend(["--tls-dir".to_string(), certs.path().display().to_string()]);
+            tls_rounds.push(rank0_times(spawn_workers(&exe, &order, &with_tls)?)?);
+        }
         if !args.no_gloo {
             spinner.set_message(format!(
                 "round {round}/{}: gloo allreduce (torch.distributed), {} processes",
@@ -408,6 +441,7 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
     }
     let ours = median_times(&ours_rounds);
     let theirs = (!args.no_gloo).then(|| median_times(&theirs_rounds));
+    let tls = args.tls.then(|| median_times(&tls_rounds));
     spinner.finish_and_clear();
     let rows: Vec<SizeReport> = ours
         .iter()
@@ -416,7 +450,8 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
             let limpet = measurement(bytes, secs, args.world);
             let gloo = theirs.as_ref().map(|t| measurement(bytes, t[i].1, args.world));
             let ratio = gloo.as_ref().map(|g| g.seconds / limpet.seconds);
-            SizeReport { bytes, limpet, gloo, ratio }
+            let limpet_tls = tls.as_ref().map(|t| measurement(bytes, t[i].1, args.world));
+            SizeReport { bytes, limpet, gloo, ratio, limpet_tls }
         })
         .collect();
     if args.json {
@@ -449,6 +484,25 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
         );
     }
     println!("bandwidths in GB/s; ratio = gloo time / limpet time (above 1: limpet is faster)");
+    if args.tls {
+        println!("\nthe same ring over TLS 1.3 (node certificates both ways), same rounds:");
+        println!(
+            "{:>8} | {:>10} {:>8} | {:>10} {:>8} | {:>9}",
+            "size", "plain", "busbw", "TLS", "busbw", "TLS/plain"
+        );
+        for r in &rows {
+            let Some(t) = &r.limpet_tls else { continue };
+            println!(
+                "{:>8} | {:>10} {:>8.3} | {:>10} {:>8.3} | {:>8.0}%",
+                human(r.bytes),
+                time(r.limpet.seconds),
+                r.limpet.busbw_gbps,
+                time(t.seconds),
+                t.busbw_gbps,
+                100.0 * t.busbw_gbps / r.limpet.busbw_gbps
+            );
+        }
+    }
     Ok(())
 }
 
