@@ -541,3 +541,23 @@ fn limpet_certs_and_limpetd_validate_from_the_command_line() {
         assert!(msg.contains("[security].") && msg.contains(want), "{name}: {msg}");
     }
 }
+
+#[test]
+fn anonymous_status_lets_a_client_without_a_certificate_read_but_never_drain() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("c");
+    let job = LocalJob { steps: 100_000, tls: true, anonymous_status: true, ..LocalJob::default() };
+    let mut c = LocalCluster::up_with(&dir, 1, job, exe(), Path::new(env!("CARGO_BIN_EXE_limpetd"))).unwrap();
+    let log = c.file.nodes[0].step_log.clone();
+    wait_until("the node trains", Duration::from_secs(120), &dir, || !steps_of(&log).is_empty());
+    let (addr, cluster) = (c.file.nodes[0].control.clone(), c.file.cluster.clone());
+    let ca = c.certs_dir().join("ca.pem").display().to_string();
+    let (ok, out) = limpet(&["status", "--addr", &addr, "--cluster", &cluster, "--ca", &ca, "--json"]);
+    assert!(ok && out.contains("\"node-1\""), "{out}");
+    let (ok, out) = limpet(&["drain", "node-1", "--addr", &addr, "--cluster", &cluster, "--ca", &ca]);
+    assert!(!ok && out.contains("drain and revoke need one"), "{out}");
+    let (ok, out) =
+        limpet(&["revoke", "node-1", "--in", "60", "--addr", &addr, "--cluster", &cluster, "--ca", &ca]);
+    assert!(!ok && out.contains("need"), "{out}");
+    c.down();
+}

@@ -49,6 +49,9 @@ pub struct LocalJob {
     /// on the control and data planes, and an operator certificate the CLI uses.
     #[serde(default)]
     pub tls: bool,
+    /// With `tls`: clients without a certificate may read status.
+    #[serde(default)]
+    pub anonymous_status: bool,
     /// Copy checkpoints to S3: (`s3://BUCKET/PREFIX`, an S3-compatible endpoint URL).
     #[serde(default)]
     pub checkpoint_s3: Option<(String, String)>,
@@ -76,6 +79,7 @@ impl Default for LocalJob {
             checkpoint_every: 0,
             checkpoint_dir: None,
             tls: false,
+            anonymous_status: false,
             checkpoint_s3: None,
             env: Vec::new(),
         }
@@ -345,10 +349,11 @@ impl LocalCluster {
                 crate::certs::issue_for_days(&certs, name, crate::certs::Kind::Node, 30)?;
             }
             text += &format!(
-                "\n[security]\nca = {:?}\ncert = {:?}\nkey = {:?}\n",
+                "\n[security]\nca = {:?}\ncert = {:?}\nkey = {:?}\nanonymous_status = {}\n",
                 certs.join("ca.pem").display().to_string(),
                 cert.display().to_string(),
-                key.display().to_string()
+                key.display().to_string(),
+                j.anonymous_status
             );
         }
         text += &format!(
