@@ -100,6 +100,32 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::aws_lc_rs::default_provider())
 }
 
+/// The PEM certificates in `pem` (at least one); `what` and `path` name the file in errors.
+fn certs_of(what: &'static str, pem: &[u8], path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    use rustls::pki_types::pem::PemObject;
+    let bad = |detail: String| TlsError::Bad { what, path: path.to_path_buf(), detail };
+    let all = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| bad(format!("not PEM certificates: {e}")))?;
+    if all.is_empty() {
+        return Err(bad("holds no certificate".into()));
+    }
+    Ok(all)
+}
+
+/// The trust roots of a CA file.
+fn roots_of(pem: &[u8], path: &Path) -> Result<Arc<RootCertStore>, TlsError> {
+    let mut roots = RootCertStore::empty();
+    for c in certs_of("CA certificate", pem, path)? {
+        roots.add(c).map_err(|e| TlsError::Bad {
+            what: "CA certificate",
+            path: path.to_path_buf(),
+            detail: e.to_string(),
+        })?;
+    }
+    Ok(Arc::new(roots))
+}
+
 /// The role a (verified) certificate grants, from the names it is valid for.
 pub fn role_of(cert: &CertificateDer<'_>) -> Option<Role> {
     let ee = webpki::EndEntityCert::try_from(cert).ok()?;
@@ -133,24 +159,14 @@ impl Tls {
     /// Only the CA: a client that verifies the nodes but presents no certificate (it may
     /// read status where the nodes allow anonymous reads).
     pub fn ca_only(ca: &Path) -> Result<Tls, TlsError> {
-        use rustls::pki_types::pem::PemObject;
         let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
         let ca_pem = std::fs::read(ca).map_err(|source| TlsError::Read {
             what: "CA certificate",
             path: ca.to_path_buf(),
             source,
         })?;
-        let bad = |detail: String| TlsError::Bad { what: "CA certificate", path: ca.to_path_buf(), detail };
-        let mut roots = RootCertStore::empty();
-        for c in CertificateDer::pem_slice_iter(&ca_pem) {
-            roots
-                .add(c.map_err(|e| bad(format!("not PEM certificates: {e}")))?)
-                .map_err(|e| bad(e.to_string()))?;
-        }
-        if roots.is_empty() {
-            return Err(bad("holds no certificate".into()));
-        }
-        Ok(Tls { ca_pem, roots: Arc::new(roots), identity: None, anonymous_reads: false })
+        let roots = roots_of(&ca_pem, ca)?;
+        Ok(Tls { ca_pem, roots, identity: None, anonymous_reads: false })
     }
 
     /// Like `load`, from PEM bytes; the paths only name the sources in errors.
@@ -168,25 +184,10 @@ impl Tls {
             path: path.to_path_buf(),
             detail,
         };
-        let certs =
-            |what: &'static str, pem: &[u8], path: &Path| -> Result<Vec<CertificateDer<'static>>, TlsError> {
-                let all = CertificateDer::pem_slice_iter(pem)
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(|e| bad(what, path, format!("not PEM certificates: {e}")))?;
-                if all.is_empty() {
-                    return Err(bad(what, path, "holds no certificate".into()));
-                }
-                Ok(all)
-            };
-        let ca = certs("CA certificate", &ca_pem, ca_path)?;
-        let chain = certs("certificate", &cert_pem, cert_path)?;
+        let roots = roots_of(&ca_pem, ca_path)?;
+        let chain = certs_of("certificate", &cert_pem, cert_path)?;
         let key = PrivateKeyDer::from_pem_slice(&key_pem)
             .map_err(|e| bad("private key", key_path, format!("not a PEM private key: {e}")))?;
-        let mut roots = RootCertStore::empty();
-        for c in ca {
-            roots.add(c).map_err(|e| bad("CA certificate", ca_path, e.to_string()))?;
-        }
-        let roots = Arc::new(roots);
         // The same check a peer will make, so a wrong, foreign or expired certificate stops
         // the process at start with its reason instead of failing every connection later.
         let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(roots.clone(), provider())

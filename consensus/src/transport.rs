@@ -183,15 +183,20 @@ pub struct Client {
     inner: pb::consensus_client::ConsensusClient<tonic::transport::Channel>,
 }
 
-fn status_error(e: tonic::Status) -> ConsensusError {
-    // A server that refuses our certificate (or speaks TLS to our plain text) ends the
-    // connection; what happened is only in the error's sources.
-    let mut detail = e.message().to_string();
-    let mut src = std::error::Error::source(&e);
+/// `first`, then each of `e`'s sources: tonic's own words end at "transport error", and a
+/// server that refuses our certificate (or speaks TLS to our plain text) shows only there.
+fn with_sources(first: String, e: &dyn std::error::Error) -> String {
+    let mut detail = first;
+    let mut src = e.source();
     while let Some(s) = src {
         detail = format!("{detail}: {s}");
         src = s.source();
     }
+    detail
+}
+
+fn status_error(e: tonic::Status) -> ConsensusError {
+    let detail = with_sources(e.message().to_string(), &e);
     match e.code() {
         tonic::Code::FailedPrecondition => ConsensusError::Rejected(detail),
         tonic::Code::PermissionDenied | tonic::Code::Unauthenticated => ConsensusError::Denied(detail),
@@ -210,15 +215,7 @@ impl Client {
     /// Connects with mutual TLS when `tls` is given (the cluster runs with certificates).
     pub async fn connect_with(addr: &str, cluster: &str, tls: Option<&Tls>) -> Result<Client> {
         let channel = endpoint(addr, tls)?.connect().await.map_err(|e| {
-            // tonic's own words end at "transport error"; the cause (a refused certificate,
-            // a closed port) is further down the chain.
-            let mut detail = e.to_string();
-            let mut src = std::error::Error::source(&e);
-            while let Some(s) = src {
-                detail = format!("{detail}: {s}");
-                src = s.source();
-            }
-            ConsensusError::Transport(format!("cannot reach {addr}: {detail}"))
+            ConsensusError::Transport(format!("cannot reach {addr}: {}", with_sources(e.to_string(), &e)))
         })?;
         Ok(Client {
             cluster_id: crate::state::cluster_id(cluster),

@@ -45,9 +45,10 @@ struct Buffers {
     /// Encrypted bytes not yet taken by the socket.
     out: Vec<u8>,
     out_pos: usize,
-    /// Bytes read from the socket not yet given to rustls.
-    inp: Vec<u8>,
+    /// Bytes read from the socket (`buf[in_pos..in_len]` not yet given to rustls).
+    buf: Vec<u8>,
     in_pos: usize,
+    in_len: usize,
 }
 
 struct TlsSide {
@@ -201,26 +202,24 @@ impl Conn {
                     Err(e) if e.kind() == ErrorKind::WouldBlock => {}
                     Err(e) => return Err(e),
                 }
-                if b.in_pos < b.inp.len() {
-                    let mut rest = &b.inp[b.in_pos..];
+                if b.in_pos < b.in_len {
+                    let mut rest = &b.buf[b.in_pos..b.in_len];
                     let n = st.read_tls(&mut rest)?;
                     b.in_pos += n;
                     st.process_new_packets().map_err(tls_error)?;
                     continue;
                 }
             }
-            // Nothing decrypted and nothing buffered: read the socket, without the lock.
+            // Nothing decrypted and nothing buffered: read the socket, without the lock, into
+            // the buffer allocated once (zeroing it per read would cost a pass over 256 KiB).
             let b = &mut *b;
-            b.inp.resize(READ_BUF, 0);
+            if b.buf.is_empty() {
+                b.buf = vec![0; READ_BUF];
+            }
             b.in_pos = 0;
-            let n = match (&self.sock).read(&mut b.inp) {
-                Ok(n) => n,
-                Err(e) => {
-                    b.inp.clear();
-                    return Err(e);
-                }
-            };
-            b.inp.truncate(n);
+            b.in_len = 0;
+            let n = (&self.sock).read(&mut b.buf)?;
+            b.in_len = n;
             if n == 0 {
                 // The peer closed: tell rustls, which says whether it was a clean close.
                 let mut st = t.state.lock().expect("TLS lock");
