@@ -76,3 +76,34 @@ fn killing_one_process_mid_collective_fails_every_survivor_within_the_bound() {
         assert!(workers.children[i].wait().unwrap().success());
     }
 }
+
+/// `limpet bench allreduce` reports which congestion control each side ran with: limpet's
+/// reno by default, the host's with `--congestion system`; a malformed name is a usage error.
+#[test]
+fn the_allreduce_benchmark_reports_its_congestion_control() {
+    let host =
+        std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control").unwrap().trim().to_string();
+    let run = |extra: &[&str]| {
+        let out = std::process::Command::new(exe())
+            .args(["bench", "allreduce", "--world", "2", "--sizes", "4K", "--no-gloo", "--json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(v["sizes"][0]["limpet"]["seconds"].as_f64().unwrap() > 0.0, "{v}");
+        (v["congestion"]["limpet"].as_str().unwrap().to_string(), v["congestion"]["host_default"].clone())
+    };
+    assert_eq!(run(&[]), ("reno".to_string(), serde_json::json!(host)));
+    assert_eq!(run(&["--congestion", "system"]).0, host);
+    let bad = std::process::Command::new(exe())
+        .args(["bench", "allreduce", "--no-gloo", "--congestion", "Reno!"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(64));
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("--congestion"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
+}

@@ -87,6 +87,8 @@ pub struct AgentConfig {
     pub heartbeat_timeout: Duration,
     /// Data-plane timeout (a dead or silent peer is an error after this).
     pub dp_timeout: Duration,
+    /// TCP congestion control of data-plane sockets (`None`: the host's default).
+    pub dp_congestion: Option<String>,
     /// Raft tick.
     pub tick: Duration,
     /// Append one JSON line per completed step here.
@@ -156,6 +158,7 @@ impl AgentConfig {
             heartbeat: Duration::from_millis(100),
             heartbeat_timeout: Duration::from_millis(1000),
             dp_timeout: Duration::from_secs(3),
+            dp_congestion: Some(crate::dataplane::endpoint::DEFAULT_CONGESTION.to_string()),
             tick: Duration::from_millis(50),
             step_log: None,
             lead: Duration::from_millis(400),
@@ -220,6 +223,7 @@ impl Agent {
         cfg.job.validate(&data)?;
         let mut dp = DataPlaneConfig::new(cluster_id(&cfg.cluster), cfg.id, cfg.secret.clone());
         dp.timeout = cfg.dp_timeout;
+        dp.congestion = cfg.dp_congestion.clone();
         if let (Some(tls), true) = (&cfg.tls, cfg.tls_data) {
             dp.tls = Some(crate::dataplane::DataTls::from_tls(tls)?);
         }

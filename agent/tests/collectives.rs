@@ -193,3 +193,37 @@ fn a_silent_peer_times_out_and_a_closed_one_fails_at_once() {
     let msgs: Vec<String> = results[..2].iter().map(|r| r.as_ref().unwrap_err().to_string()).collect();
     assert!(msgs.iter().any(|m| m.contains("no progress")), "{msgs:?}");
 }
+
+/// Both ends of a data-plane connection run the configured congestion control (reno by
+/// default, which every host allows); `None` keeps the host's default; a name the host
+/// refuses keeps the default too, and the connection still works.
+#[test]
+fn data_plane_sockets_use_the_configured_congestion_control() {
+    use limpet_agent::dataplane::endpoint::{congestion_of, DEFAULT_CONGESTION};
+    let host =
+        std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control").unwrap().trim().to_string();
+    let pair = |cc: Option<&str>| {
+        let eps: Vec<Endpoint> = [1u64, 2]
+            .iter()
+            .map(|&n| {
+                let mut cfg = DataPlaneConfig::new(77, n, SECRET.to_vec());
+                cfg.congestion = cc.map(str::to_string);
+                Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg).unwrap()
+            })
+            .collect();
+        let out = eps[1].connect(&eps[0].addr().to_string(), 1, 1, Channel::Ring).unwrap();
+        let inc = eps[0].accept_from(2, 1, Channel::Ring).unwrap();
+        (congestion_of(&out).unwrap(), congestion_of(&inc).unwrap())
+    };
+    assert_eq!(
+        pair(Some(DEFAULT_CONGESTION)),
+        (DEFAULT_CONGESTION.to_string(), DEFAULT_CONGESTION.to_string())
+    );
+    assert_eq!(pair(None), (host.clone(), host.clone()));
+    assert_eq!(pair(Some("nosuch_algo")), (host.clone(), host));
+    // A malformed name is refused up front, naming it.
+    let mut cfg = DataPlaneConfig::new(77, 3, SECRET.to_vec());
+    cfg.congestion = Some("Reno!".into());
+    let err = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg).err().expect("refused");
+    assert!(err.to_string().contains("\"Reno!\""), "{err}");
+}

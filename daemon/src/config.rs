@@ -241,6 +241,15 @@ pub struct NodeSection {
     /// Log lines as `text` (default) or `json` (one object per line, for journald/Loki).
     #[serde(default = "default_log_format")]
     pub log_format: String,
+    /// TCP congestion control of the data plane's sockets: a kernel algorithm's name
+    /// (default `reno`: no pacing timers on bulk in-datacenter transfers), or `system` for the
+    /// host's default.
+    #[serde(default = "default_data_congestion")]
+    pub data_congestion: String,
+}
+
+fn default_data_congestion() -> String {
+    limpet_agent::dataplane::endpoint::DEFAULT_CONGESTION.into()
 }
 
 fn default_log_format() -> String {
@@ -567,6 +576,11 @@ impl Config {
         if let Some(a) = &self.node.metrics {
             addr("[node].metrics", a)?;
         }
+        if self.node.data_congestion != "system" {
+            if let Err(e) = limpet_agent::dataplane::endpoint::check_congestion(&self.node.data_congestion) {
+                return err("[node].data_congestion", format!("{e} (or \"system\" for the host's default)"));
+            }
+        }
         if !["text", "json"].contains(&self.node.log_format.as_str()) {
             return err("[node].log_format", format!("{:?} is not one of text, json", self.node.log_format));
         }
@@ -723,6 +737,11 @@ aws_endpoint = "http://127.0.0.1:9000"
             (good.replace("global_batch = 64", "global_batch = 64\nlayers = 3"), "[job].layers"),
             (good.replace("secret_file", "metrics = \"localhost\"\nsecret_file"), "[node].metrics"),
             (good.replace("secret_file", "log_format = \"xml\"\nsecret_file"), "[node].log_format"),
+            (good.replace("secret_file", "data_congestion = \"BBR\"\nsecret_file"), "[node].data_congestion"),
+            (
+                good.replace("secret_file", "data_congestion = \"a_name_too_long_x\"\nsecret_file"),
+                "1 to 15 characters",
+            ),
             (format!("{good}\n[timing]\ndrain_grace_secs = 0\n"), "[timing].drain_grace_secs"),
             (format!("{good}\n[checkpoint]\nkeep = 2\n"), "set every_steps or every_minutes"),
             (format!("{good}\n[checkpoint]\nevery_steps = 5\nkeep = 0\n"), "[checkpoint].keep"),

@@ -43,6 +43,25 @@ pub struct WorkerPeers {
     /// Connect over TLS with the certificates in DIR (`ca.pem`, `nNODE.pem`, `nNODE.key`).
     #[arg(long)]
     pub tls_dir: Option<PathBuf>,
+    /// TCP congestion control of the data-plane sockets, or `system` for the host's default.
+    #[arg(long, default_value = limpet_agent::dataplane::endpoint::DEFAULT_CONGESTION)]
+    pub congestion: String,
+}
+
+/// `--congestion` as the data plane takes it: `system` keeps the host's default.
+pub fn congestion_arg(name: &str) -> Result<Option<String>, UsageError> {
+    if name == "system" {
+        return Ok(None);
+    }
+    limpet_agent::dataplane::endpoint::check_congestion(name)
+        .map_err(|e| UsageError(format!("--congestion: {e} (or \"system\")")))?;
+    Ok(Some(name.to_string()))
+}
+
+/// The host's default TCP congestion control, as the kernel reports it.
+pub fn host_congestion() -> String {
+    std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control")
+        .map_or_else(|_| "unknown".into(), |s| s.trim().to_string())
 }
 
 /// `limpet dp-worker`.
@@ -96,7 +115,7 @@ pub fn check_input(seed: u64, node: u64, len: usize) -> Vec<f32> {
 /// A worker's endpoint: its node of the group's ranks, bound to its own address, with the
 /// secret its parent passed in the environment.
 pub fn bind_worker(peers: &WorkerPeers, timeout_ms: u64) -> anyhow::Result<Endpoint> {
-    let WorkerPeers { node, ranks, addrs, tls_dir } = peers;
+    let WorkerPeers { node, ranks, addrs, tls_dir, congestion } = peers;
     let node = *node;
     let secret = std::env::var(SECRET_ENV).map_err(|_| UsageError(format!("{SECRET_ENV} is not set")))?;
     let rank = ranks
@@ -106,6 +125,7 @@ pub fn bind_worker(peers: &WorkerPeers, timeout_ms: u64) -> anyhow::Result<Endpo
     let listen = addrs.get(rank).ok_or_else(|| UsageError("--addrs shorter than --ranks".into()))?;
     let mut cfg = DataPlaneConfig::new(WORKER_CLUSTER_ID, node, secret.into_bytes());
     cfg.timeout = Duration::from_millis(timeout_ms);
+    cfg.congestion = congestion_arg(congestion)?;
     if let Some(dir) = tls_dir {
         let files = limpet_consensus::tls::TlsFiles {
             ca: dir.join("ca.pem"),
@@ -263,6 +283,10 @@ pub struct BenchAllreduceArgs {
     /// rounds: what encrypting the data plane costs.
     #[arg(long)]
     pub tls: bool,
+    /// TCP congestion control of limpet's sockets, or `system` for the host's default (gloo
+    /// always runs with the host's default).
+    #[arg(long, default_value = limpet_agent::dataplane::endpoint::DEFAULT_CONGESTION)]
+    pub congestion: String,
 }
 
 /// Per size, the median of several rounds' timings.
@@ -395,6 +419,9 @@ fn gloo_times(world: u64, plan: &[(usize, u64)]) -> anyhow::Result<Vec<(usize, f
 /// Runs the benchmark.
 pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
     let sizes: Vec<usize> = args.sizes.iter().map(|s| parse_size(s)).collect::<Result<_, _>>()?;
+    congestion_arg(&args.congestion)?;
+    let host_cc = host_congestion();
+    let ours_cc = if args.congestion == "system" { host_cc.clone() } else { args.congestion.clone() };
     let plan: Vec<(usize, u64)> = sizes.iter().map(|&b| (b, iterations(b))).collect();
     let plan_arg = plan.iter().map(|(b, i)| format!("{b}:{i}")).collect::<Vec<_>>().join(",");
     let exe = std::env::current_exe()?;
@@ -419,8 +446,17 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
             "round {round}/{}: limpet ring allreduce, {} processes",
             args.rounds, args.world
         ));
-        let worker_args =
-            ["--mode", "bench", "--plan", plan_arg.as_str(), "--timeout-ms", "30000"].map(String::from);
+        let worker_args = [
+            "--mode",
+            "bench",
+            "--plan",
+            plan_arg.as_str(),
+            "--timeout-ms",
+            "30000",
+            "--congestion",
+            args.congestion.as_str(),
+        ]
+        .map(String::from);
         ours_rounds.push(rank0_times(spawn_workers(&exe, &order, &worker_args)?)?);
         if args.tls {
             spinner.set_message(format!(
@@ -457,13 +493,20 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
     if args.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&serde_json::json!({"world": args.world, "sizes": rows}))?
+            serde_json::to_string_pretty(&serde_json::json!({
+                "world": args.world, "sizes": rows,
+                "congestion": {"limpet": ours_cc, "host_default": host_cc},
+            }))?
         );
         return Ok(());
     }
     println!(
         "allreduce (sum, f32), world {}, loopback; busbw = algbw x 2(N-1)/N; median of {} round(s)",
         args.world, args.rounds
+    );
+    println!(
+        "TCP congestion control: limpet {ours_cc}, gloo the host's default ({host_cc}); --congestion system \
+         runs limpet with the host's default"
     );
     println!(
         "{:>8} | {:>10} {:>8} {:>8} | {:>10} {:>8} {:>8} | {:>6}",

@@ -163,11 +163,6 @@ impl Conn {
         self.sock.set_write_timeout(t)
     }
 
-    /// Sets TCP_NODELAY.
-    pub fn set_nodelay(&self, on: bool) -> std::io::Result<()> {
-        self.sock.set_nodelay(on)
-    }
-
     /// Shuts the socket down.
     pub fn shutdown(&self, how: Shutdown) -> std::io::Result<()> {
         self.sock.shutdown(how)
