@@ -561,3 +561,48 @@ fn anonymous_status_lets_a_client_without_a_certificate_read_but_never_drain() {
     assert!(!ok && out.contains("need"), "{out}");
     c.down();
 }
+
+/// The demo's scenario under certificates (what `make demo` runs): a spot notice, a join
+/// (the newcomer gets its own node certificate and copies state over TLS), a `kill -9` and
+/// an operator's drain, each one epoch change, with every step logged once.
+#[test]
+fn a_scripted_scenario_runs_end_to_end_with_certificates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    let out = Process::new(exe())
+        .args(["scenario", "--json", "--tls", "--dir"])
+        .arg(&dir)
+        .args(["--nodes", "3", "--model", "gpt", "--data", "chars", "--steps", "800", "--batch", "32"])
+        .args([
+            "--script",
+            "0.15:notice:node-2:20,0.35:join,0.55:kill:node-3,0.75:drain:node-4",
+            "--timeout",
+            "300",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "scenario failed: {}", String::from_utf8_lossy(&out.stderr));
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["steps_logged"], 800, "{summary:#}");
+    assert_eq!(summary["steps_applied_twice"], 0, "{summary:#}");
+    let causes: Vec<String> = summary["transitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["cause"].as_str().unwrap().to_string())
+        .collect();
+    let want = ["first epoch", "notice for node 2", "join of node 4", "failure of node 3", "drain of node 4"];
+    assert_eq!(causes.len(), want.len(), "{causes:?}");
+    for (got, want) in causes.iter().zip(want) {
+        assert!(got.starts_with(want), "{causes:?}");
+    }
+    let joined = &summary["transitions"][2];
+    assert!(joined["fetched_bytes"].as_u64().unwrap() > 0, "the newcomer copied no state: {joined}");
+    // Every node, the newcomer included, ran with its own certificate of the run's CA.
+    for n in 1..=4 {
+        let cfg = std::fs::read_to_string(dir.join(format!("node-{n}.toml"))).unwrap();
+        assert!(cfg.contains("[security]"), "node-{n} ran without certificates:\n{cfg}");
+        let tls = Tls::load(&files(&dir.join("certs"), &format!("node-{n}"))).unwrap();
+        assert_eq!(tls.role(), Some(limpet_consensus::tls::Role::Node));
+    }
+}

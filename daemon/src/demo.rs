@@ -30,6 +30,9 @@ pub struct DemoArgs {
     /// Give up if the job has not finished after this many seconds.
     #[arg(long, default_value_t = 900)]
     pub timeout: u64,
+    /// Run without certificates (the cluster secret only, plain-text data plane).
+    #[arg(long)]
+    pub no_tls: bool,
 }
 
 /// `limpet scenario`: any local cluster, job and script (the tests' driver).
@@ -85,6 +88,10 @@ pub struct ScenarioArgs {
     /// Print the summary as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Run the cluster with mutual TLS (a CA and certificates made for the run; the driver
+    /// reads status and drains with an operator certificate).
+    #[arg(long)]
+    pub tls: bool,
 }
 
 /// Runs the demo.
@@ -94,11 +101,13 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
         data: "chars".into(),
         steps: a.steps,
         global_batch: 32,
+        tls: !a.no_tls,
         ..LocalJob::default()
     };
     println!(
-        "limpet demo: 4 agents on loopback train a character GPT on /usr/share/common-licenses for {} steps.",
-        a.steps
+        "limpet demo: 4 agents on loopback train a character GPT on /usr/share/common-licenses for {} steps{}.",
+        a.steps,
+        if a.no_tls { "" } else { ", with mutual TLS on every connection" }
     );
     println!("Scenario: spot notice, join, kill -9, drain. Output in {}/\n", a.dir.display());
     let script = vec![
@@ -127,6 +136,7 @@ pub fn scenario(a: ScenarioArgs) -> anyhow::Result<()> {
         layers: a.layers,
         shadow_every: a.shadow_every,
         micro_batch: a.micro_batch,
+        tls: a.tls,
         ..LocalJob::default()
     };
     let summary = run_scenario(&a.dir, a.nodes, job, &script, Duration::from_secs(a.timeout), !a.json)?;
@@ -301,6 +311,13 @@ pub fn run_scenario(
     let steps = job.steps;
     let started = Instant::now();
     let mut cluster = LocalCluster::up(dir, nodes, job)?;
+    // With certificates, the driver is an operator: it reads status and drains with the
+    // operator certificate the cluster was made with.
+    let tls = match &cluster.file.operator_tls {
+        Some(files) => Some(limpet_consensus::tls::Tls::load(files)?),
+        None => None,
+    };
+    let tls = tls.as_ref();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let bar = if show { indicatif::ProgressBar::new(steps) } else { indicatif::ProgressBar::hidden() };
     bar.set_style(
@@ -322,7 +339,7 @@ pub fn run_scenario(
                 dir.display()
             );
         }
-        let doc = match rt.block_on(gather(&cluster.file.cluster, &cluster.file.control_addrs(), None)) {
+        let doc = match rt.block_on(gather(&cluster.file.cluster, &cluster.file.control_addrs(), tls)) {
             Ok(d) => d,
             Err(_) => {
                 std::thread::sleep(Duration::from_millis(100));
@@ -353,7 +370,7 @@ pub fn run_scenario(
                 killed.push(cluster.file.node(node)?.id);
             }
             let at = now_ms();
-            fire(&mut cluster, &rt, &action)?;
+            fire(&mut cluster, &rt, tls, &action)?;
             fired.push((doc.step, at, action.describe()));
             next += 1;
         }
@@ -373,7 +390,7 @@ pub fn run_scenario(
     let doc = last.expect("at least one status");
     // Give the heartbeats a moment so every rank's transition record is in.
     std::thread::sleep(Duration::from_millis(300));
-    let doc = rt.block_on(gather(&cluster.file.cluster, &cluster.file.control_addrs(), None)).unwrap_or(doc);
+    let doc = rt.block_on(gather(&cluster.file.cluster, &cluster.file.control_addrs(), tls)).unwrap_or(doc);
     let ranks = doc.epoch.as_ref().map(|e| e.ranks.clone()).context("no current epoch at the end")?;
     let checkpoints: Vec<PathBuf> =
         ranks.iter().map(|r| dir.join(r).join(limpet_trainer::CHECKPOINT_FILE)).collect();
@@ -429,7 +446,12 @@ fn resolve(action: &Action, doc: &StatusDoc) -> Action {
     }
 }
 
-fn fire(cluster: &mut LocalCluster, rt: &tokio::runtime::Runtime, action: &Action) -> anyhow::Result<()> {
+fn fire(
+    cluster: &mut LocalCluster,
+    rt: &tokio::runtime::Runtime,
+    tls: Option<&limpet_consensus::tls::Tls>,
+    action: &Action,
+) -> anyhow::Result<()> {
     match action {
         Action::Notice { node, in_secs } => post_notice(&cluster.file.node(node)?.metadata, *in_secs),
         Action::Join => cluster.add().map(|_| ()),
@@ -445,7 +467,7 @@ fn fire(cluster: &mut LocalCluster, rt: &tokio::runtime::Runtime, action: &Actio
             rt.block_on(crate::status::propose(
                 &cluster.file.cluster,
                 &cluster.file.control_addrs(),
-                None,
+                tls,
                 cmd,
             ))
             .map(|_| ())
