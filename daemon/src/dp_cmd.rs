@@ -340,6 +340,11 @@ pub struct SizeReport {
     pub ratio: Option<f64>,
     /// limpet's ring over TLS, when measured.
     pub limpet_tls: Option<Measurement>,
+    /// limpet's ring with the host's default congestion control (gloo's), when that differs
+    /// from limpet's: the comparison with gloo on equal TCP settings.
+    pub limpet_host_congestion: Option<Measurement>,
+    /// gloo time / that ring's time.
+    pub ratio_host_congestion: Option<f64>,
 }
 
 fn measurement(bytes: usize, seconds: f64, world: u64) -> Measurement {
@@ -434,6 +439,11 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
     spinner.set_message(format!("limpet ring allreduce, {} processes", args.world));
     // Alternate the two so that drift in the machine's state affects both alike.
     let (mut ours_rounds, mut theirs_rounds, mut tls_rounds) = (Vec::new(), Vec::new(), Vec::new());
+    // When limpet's sockets use another algorithm than the host's default (which gloo
+    // gets), the ring also runs with the host's default in the same rounds, so the report
+    // shows the comparison on equal TCP settings too.
+    let also_host = ours_cc != host_cc;
+    let mut host_rounds = Vec::new();
     let certs = tempfile::tempdir()?;
     if args.tls {
         crate::certs::init(certs.path(), "bench", 1)?;
@@ -458,6 +468,15 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
         ]
         .map(String::from);
         ours_rounds.push(rank0_times(spawn_workers(&exe, &order, &worker_args)?)?);
+        if also_host {
+            spinner.set_message(format!(
+                "round {round}/{}: limpet ring allreduce with the host's congestion control ({host_cc}), {} processes",
+                args.rounds, args.world
+            ));
+            let mut host = worker_args[..6].to_vec();
+            host.extend(["--congestion".to_string(), "system".to_string()]);
+            host_rounds.push(rank0_times(spawn_workers(&exe, &order, &host)?)?);
+        }
         if args.tls {
             spinner.set_message(format!(
                 "round {round}/{}: limpet ring allreduce over TLS, {} processes",
@@ -478,6 +497,7 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
     let ours = median_times(&ours_rounds);
     let theirs = (!args.no_gloo).then(|| median_times(&theirs_rounds));
     let tls = args.tls.then(|| median_times(&tls_rounds));
+    let host = also_host.then(|| median_times(&host_rounds));
     spinner.finish_and_clear();
     let rows: Vec<SizeReport> = ours
         .iter()
@@ -487,7 +507,18 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
             let gloo = theirs.as_ref().map(|t| measurement(bytes, t[i].1, args.world));
             let ratio = gloo.as_ref().map(|g| g.seconds / limpet.seconds);
             let limpet_tls = tls.as_ref().map(|t| measurement(bytes, t[i].1, args.world));
-            SizeReport { bytes, limpet, gloo, ratio, limpet_tls }
+            let limpet_host_congestion = host.as_ref().map(|t| measurement(bytes, t[i].1, args.world));
+            let ratio_host_congestion =
+                gloo.as_ref().zip(limpet_host_congestion.as_ref()).map(|(g, h)| g.seconds / h.seconds);
+            SizeReport {
+                bytes,
+                limpet,
+                gloo,
+                ratio,
+                limpet_tls,
+                limpet_host_congestion,
+                ratio_host_congestion,
+            }
         })
         .collect();
     if args.json {
@@ -505,8 +536,8 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
         args.world, args.rounds
     );
     println!(
-        "TCP congestion control: limpet {ours_cc}, gloo the host's default ({host_cc}); --congestion system \
-         runs limpet with the host's default"
+        "TCP congestion control: limpet {ours_cc}, gloo the host's default ({host_cc}){}",
+        if also_host { "; limpet with the host's default is measured too, below" } else { "" }
     );
     println!(
         "{:>8} | {:>10} {:>8} {:>8} | {:>10} {:>8} {:>8} | {:>6}",
@@ -527,6 +558,26 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
         );
     }
     println!("bandwidths in GB/s; ratio = gloo time / limpet time (above 1: limpet is faster)");
+    if also_host {
+        println!("\nlimpet's ring with the host's congestion control ({host_cc}, as gloo), same rounds:");
+        println!(
+            "{:>8} | {:>10} {:>8} | {:>10} {:>8} | {:>6}",
+            "size", "limpet", "busbw", "gloo", "busbw", "ratio"
+        );
+        for r in &rows {
+            let Some(h) = &r.limpet_host_congestion else { continue };
+            let g = r.gloo.as_ref();
+            println!(
+                "{:>8} | {:>10} {:>8.3} | {:>10} {:>8} | {:>6}",
+                human(r.bytes),
+                time(h.seconds),
+                h.busbw_gbps,
+                g.map_or("-".into(), |g| time(g.seconds)),
+                g.map_or("-".into(), |g| format!("{:.3}", g.busbw_gbps)),
+                r.ratio_host_congestion.map_or("-".into(), |x| format!("{x:.2}x")),
+            );
+        }
+    }
     if args.tls {
         println!("\nthe same ring over TLS 1.3 (node certificates both ways), same rounds:");
         println!(
