@@ -307,6 +307,7 @@ impl Agent {
             handle: handle.clone(),
             last_checkpoint: None,
             writing_checkpoint: Arc::new(AtomicBool::new(false)),
+            remote: Arc::new(tokio::sync::OnceCell::new()),
             was_member: false,
             cfg: Arc::clone(&cfg),
             endpoint,
@@ -741,6 +742,10 @@ struct TrainLoop {
     last_checkpoint: Option<Instant>,
     /// A checkpoint is being written in the background: the next trigger waits for it.
     writing_checkpoint: Arc<AtomicBool>,
+    /// The S3 client checkpoints are copied with, built at the first copy and kept: a new
+    /// client would load the configuration and fetch credentials (on EC2, from the instance
+    /// metadata service) again for every checkpoint.
+    remote: Arc<tokio::sync::OnceCell<crate::remote::Remote>>,
     /// This process saw the log count the node as a member (joining or active).
     was_member: bool,
     endpoint: Arc<Endpoint>,
@@ -1105,6 +1110,7 @@ impl TrainLoop {
         let blocks = self.trainer.model().blocks();
         let nb = self.cfg.job.model.num_blocks();
         let (handle, rt, busy) = (self.handle.clone(), self.rt.clone(), Arc::clone(&self.writing_checkpoint));
+        let client = Arc::clone(&self.remote);
         let (me, epoch_id) = (self.cfg.id, epoch.id);
         std::thread::spawn(move || {
             let started = Instant::now();
@@ -1121,7 +1127,7 @@ impl TrainLoop {
                     let mut location = path.display().to_string();
                     if let Some(r) = &c.remote {
                         let copied = rt.block_on(async {
-                            let remote = crate::remote::Remote::connect(r).await;
+                            let remote = client.get_or_init(|| crate::remote::Remote::connect(r)).await;
                             let url = remote.upload(step, &blocks, &path).await?;
                             if let Err(e) = remote.prune(c.keep, nb).await {
                                 tracing::warn!(%e, "could not delete old checkpoints in S3");

@@ -135,6 +135,9 @@ pub struct Core<S: LogStore> {
     conf: ConfState,
     ticks: u64,
     heard: BTreeMap<NodeId, u64>,
+    /// The term this node leads and the tick it started leading it: silence is only judged
+    /// from then on.
+    led_since: Option<(u64, u64)>,
     reads_waiting: Vec<(u64, u64)>,
     next_read: u64,
     last_decision: String,
@@ -189,6 +192,7 @@ impl<S: LogStore> Core<S> {
             conf,
             ticks: 0,
             heard: BTreeMap::new(),
+            led_since: None,
             reads_waiting: Vec::new(),
             next_read: 1,
             last_decision: String::new(),
@@ -271,6 +275,10 @@ impl<S: LogStore> Core<S> {
         self.ticks += 1;
         self.raw.tick();
         if self.is_leader() {
+            let term = self.term();
+            if self.led_since.is_none_or(|(t, _)| t != term) {
+                self.led_since = Some((term, self.ticks));
+            }
             self.run_voter_controller();
         }
     }
@@ -461,8 +469,13 @@ impl<S: LogStore> Core<S> {
 
     fn run_voter_controller(&mut self) {
         let conf = self.raw.raft.prs().conf().to_conf_state();
-        let heard_ago: BTreeMap<NodeId, u64> =
-            self.heard.iter().map(|(&id, &t)| (id, self.ticks.saturating_sub(t))).collect();
+        let since = self.led_since.map_or(self.ticks, |(_, tick)| tick);
+        let heard_ago = membership::silence(
+            &self.heard,
+            conf.voters.iter().chain(&conf.learners).copied(),
+            self.ticks,
+            since,
+        );
         let matched: BTreeMap<NodeId, u64> =
             self.raw.raft.prs().iter().map(|(&id, p)| (id, p.matched)).collect();
         let view = VoterView {

@@ -125,6 +125,25 @@ impl VoterView<'_> {
     }
 }
 
+/// Ticks of silence of each peer as a leader that took over at tick `since` may count them:
+/// from the later of the peer's last message and `since`. A new leader has heard from only
+/// the peers that voted before it won; counting the others as silent since ever (or since
+/// their last message to the previous leader) would demote a healthy voter in the leader's
+/// first tick. The peers of the configuration that it never heard from count from `since`.
+pub fn silence(
+    heard: &BTreeMap<NodeId, u64>,
+    configured: impl Iterator<Item = NodeId>,
+    now: u64,
+    since: u64,
+) -> BTreeMap<NodeId, u64> {
+    let mut out: BTreeMap<NodeId, u64> =
+        heard.iter().map(|(&id, &t)| (id, now.saturating_sub(t.max(since)))).collect();
+    for id in configured {
+        out.entry(id).or_insert(now.saturating_sub(since));
+    }
+    out
+}
+
 fn largest_odd_at_most(n: usize) -> usize {
     if n == 0 {
         0
@@ -382,5 +401,28 @@ mod tests {
     fn policy_refuses_even_voter_limits() {
         assert!(VoterPolicy { max_voters: 4, ..VoterPolicy::default() }.validate().is_err());
         assert!(VoterPolicy::default().validate().is_ok());
+    }
+
+    /// A leader elected without one voter's vote has not heard from it yet: that voter is
+    /// not demoted in the leader's first ticks, only once it stays silent for the failure
+    /// timeout counted from the election.
+    #[test]
+    fn a_new_leader_counts_silence_from_its_election() {
+        let mut w = World::new(&[1, 2, 4], &[]);
+        let policy = VoterPolicy::default();
+        // Node 1 took over at tick 1000 with node 2's vote; node 4 last spoke (to the old
+        // leader, not to node 1) never, as far as node 1 knows.
+        let heard: BTreeMap<NodeId, u64> = [(2, 1000)].into_iter().collect();
+        w.heard = silence(&heard, [1, 2, 4].into_iter(), 1001, 1000);
+        assert_eq!(w.heard.get(&4), Some(&1));
+        assert_eq!(w.plan(1), None, "a healthy voter demoted at election");
+        // An old message does not count as more silence than the leader could judge.
+        let heard: BTreeMap<NodeId, u64> = [(2, 1000), (4, 3)].into_iter().collect();
+        assert_eq!(silence(&heard, [1, 2, 4].into_iter(), 1001, 1000).get(&4), Some(&1));
+        // Silent for the whole timeout since the election: it goes.
+        let now = 1000 + policy.failed_after_ticks + 1;
+        w.heard = silence(&[(2, now)].into_iter().collect(), [1, 2, 4].into_iter(), now, 1000);
+        let (_, why) = w.plan(1).expect("a change");
+        assert!(why.contains("voter 4 silent"), "{why}");
     }
 }
