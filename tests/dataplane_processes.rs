@@ -81,8 +81,7 @@ fn killing_one_process_mid_collective_fails_every_survivor_within_the_bound() {
 /// reno by default, the host's with `--congestion system`; a malformed name is a usage error.
 #[test]
 fn the_allreduce_benchmark_reports_its_congestion_control() {
-    let host =
-        std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control").unwrap().trim().to_string();
+    let host = limpet_agent::dataplane::endpoint::host_congestion();
     let run = |extra: &[&str]| {
         let out = std::process::Command::new(exe())
             .args(["bench", "allreduce", "--world", "2", "--sizes", "4K", "--no-gloo", "--json"])

@@ -200,8 +200,7 @@ fn a_silent_peer_times_out_and_a_closed_one_fails_at_once() {
 #[test]
 fn data_plane_sockets_use_the_configured_congestion_control() {
     use limpet_agent::dataplane::endpoint::{congestion_of, DEFAULT_CONGESTION};
-    let host =
-        std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control").unwrap().trim().to_string();
+    let host = limpet_agent::dataplane::endpoint::host_congestion();
     let pair = |cc: Option<&str>| {
         let eps: Vec<Endpoint> = [1u64, 2]
             .iter()

@@ -576,10 +576,8 @@ impl Config {
         if let Some(a) = &self.node.metrics {
             addr("[node].metrics", a)?;
         }
-        if self.node.data_congestion != "system" {
-            if let Err(e) = limpet_agent::dataplane::endpoint::check_congestion(&self.node.data_congestion) {
-                return err("[node].data_congestion", format!("{e} (or \"system\" for the host's default)"));
-            }
+        if let Err(e) = limpet_agent::dataplane::endpoint::parse_congestion(&self.node.data_congestion) {
+            return err("[node].data_congestion", e);
         }
         if !["text", "json"].contains(&self.node.log_format.as_str()) {
             return err("[node].log_format", format!("{:?} is not one of text, json", self.node.log_format));

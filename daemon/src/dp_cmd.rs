@@ -50,18 +50,8 @@ pub struct WorkerPeers {
 
 /// `--congestion` as the data plane takes it: `system` keeps the host's default.
 pub fn congestion_arg(name: &str) -> Result<Option<String>, UsageError> {
-    if name == "system" {
-        return Ok(None);
-    }
-    limpet_agent::dataplane::endpoint::check_congestion(name)
-        .map_err(|e| UsageError(format!("--congestion: {e} (or \"system\")")))?;
-    Ok(Some(name.to_string()))
-}
-
-/// The host's default TCP congestion control, as the kernel reports it.
-pub fn host_congestion() -> String {
-    std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control")
-        .map_or_else(|_| "unknown".into(), |s| s.trim().to_string())
+    limpet_agent::dataplane::endpoint::parse_congestion(name)
+        .map_err(|e| UsageError(format!("--congestion: {e}")))
 }
 
 /// `limpet dp-worker`.
@@ -424,9 +414,8 @@ fn gloo_times(world: u64, plan: &[(usize, u64)]) -> anyhow::Result<Vec<(usize, f
 /// Runs the benchmark.
 pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
     let sizes: Vec<usize> = args.sizes.iter().map(|s| parse_size(s)).collect::<Result<_, _>>()?;
-    congestion_arg(&args.congestion)?;
-    let host_cc = host_congestion();
-    let ours_cc = if args.congestion == "system" { host_cc.clone() } else { args.congestion.clone() };
+    let host_cc = limpet_agent::dataplane::endpoint::host_congestion();
+    let ours_cc = congestion_arg(&args.congestion)?.unwrap_or_else(|| host_cc.clone());
     let plan: Vec<(usize, u64)> = sizes.iter().map(|&b| (b, iterations(b))).collect();
     let plan_arg = plan.iter().map(|(b, i)| format!("{b}:{i}")).collect::<Vec<_>>().join(",");
     let exe = std::env::current_exe()?;
@@ -456,26 +445,17 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
             "round {round}/{}: limpet ring allreduce, {} processes",
             args.rounds, args.world
         ));
-        let worker_args = [
-            "--mode",
-            "bench",
-            "--plan",
-            plan_arg.as_str(),
-            "--timeout-ms",
-            "30000",
-            "--congestion",
-            args.congestion.as_str(),
-        ]
-        .map(String::from);
+        let base =
+            ["--mode", "bench", "--plan", plan_arg.as_str(), "--timeout-ms", "30000"].map(String::from);
+        let with_cc = |cc: &str| [&base[..], &["--congestion".to_string(), cc.to_string()]].concat();
+        let worker_args = with_cc(&args.congestion);
         ours_rounds.push(rank0_times(spawn_workers(&exe, &order, &worker_args)?)?);
         if also_host {
             spinner.set_message(format!(
                 "round {round}/{}: limpet ring allreduce with the host's congestion control ({host_cc}), {} processes",
                 args.rounds, args.world
             ));
-            let mut host = worker_args[..6].to_vec();
-            host.extend(["--congestion".to_string(), "system".to_string()]);
-            host_rounds.push(rank0_times(spawn_workers(&exe, &order, &host)?)?);
+            host_rounds.push(rank0_times(spawn_workers(&exe, &order, &with_cc("system"))?)?);
         }
         if args.tls {
             spinner.set_message(format!(

@@ -263,7 +263,8 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
     a.heartbeat = Duration::from_millis(t.heartbeat_ms);
     a.heartbeat_timeout = Duration::from_millis(t.failure_timeout_ms);
     a.dp_timeout = Duration::from_millis(t.data_timeout_ms);
-    a.dp_congestion = (cfg.node.data_congestion != "system").then(|| cfg.node.data_congestion.clone());
+    a.dp_congestion =
+        limpet_agent::dataplane::endpoint::parse_congestion(&cfg.node.data_congestion).map_err(UsageError)?;
     a.tick = Duration::from_millis(t.raft_tick_ms);
     a.lead = Duration::from_millis(t.lead_ms);
     a.notice_margin = Duration::from_millis(t.notice_margin_ms);

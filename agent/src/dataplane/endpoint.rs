@@ -69,6 +69,22 @@ pub fn check_congestion(name: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// A configured congestion control as the data plane takes it: `system` keeps the host's
+/// default (`None`), anything else must be a valid name.
+pub fn parse_congestion(name: &str) -> Result<Option<String>, String> {
+    if name == "system" {
+        return Ok(None);
+    }
+    check_congestion(name).map_err(|e| format!("{e} (or \"system\" for the host's default)"))?;
+    Ok(Some(name.to_string()))
+}
+
+/// The host's default TCP congestion control, as the kernel reports it.
+pub fn host_congestion() -> String {
+    std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control")
+        .map_or_else(|_| "unknown".into(), |s| s.trim().to_string())
+}
+
 impl DataPlaneConfig {
     /// Defaults: 5 s timeout, 2 MiB chunks (measured best of 0.5, 2 and 8 MiB on loopback).
     pub fn new(cluster_id: u64, node: u64, secret: Vec<u8>) -> DataPlaneConfig {
