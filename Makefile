@@ -26,14 +26,15 @@ $(ENV_MK) $(VENV_STAMP) $(DIGITS) &: deploy/setup.sh
 	bash deploy/setup.sh
 	touch $(ENV_MK) $(VENV_STAMP) $(DIGITS)
 
-.PHONY: help setup build test lint unit fuzz-check fuzz bench demo clean
+.PHONY: help setup build test gpu-test lint unit fuzz-check fuzz bench demo clean
 
 help:
 	@echo "make test    set up, then lint and run every test"
 	@echo "make demo    set up, then run 4 agents through a spot notice, a join, a kill -9 and a drain"
 	@echo "make setup   install libtorch (torch==$(TORCH_VERSION) from PyPI) and data into $(LIMPET_CACHE)"
 	@echo "make fuzz    run each fuzz target for FUZZ_SECONDS (default 60)"
-	@echo "make bench   measure: raft commits, allreduce against gloo, state handoff against plain TCP, transitions against torchrun, planner predictions and pipelines"
+	@echo "make gpu-test  run the CUDA tests where libtorch sees a GPU (says so and skips them where not)"
+	@echo "make bench   measure: raft commits, allreduce against gloo, state handoff against plain TCP, transitions against torchrun, planner predictions and pipelines, LLaMA training against transformers and torchrun + DDP, memory on a 4 GiB dataset"
 
 setup: $(ENV_MK)
 
@@ -53,6 +54,14 @@ fuzz-check: setup
 
 test: lint unit fuzz-check
 
+# The CUDA tests are #[ignore]d in `make test` (no GPU here); this runs them where there is one.
+gpu-test: setup
+	@if "$(LIMPET_PYTHON)" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+	    cargo test -p limpet-trainer --test cuda --locked -- --ignored; \
+	else \
+	    echo "make gpu-test: skipped: libtorch sees no CUDA device on this host (trainer/tests/cuda.rs not run)"; \
+	fi
+
 fuzz: setup
 	command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 	cd fuzz && for t in $$(cargo fuzz list); do \
@@ -68,6 +77,9 @@ bench: build
 	$(LIMPET) bench elastic --model gpt --steps 3000
 	$(LIMPET) bench pipeline --model gpt --layers 4 --batch 32 --micro-batch 8 --hosts 2 --train-steps 40
 	$(LIMPET) bench pipeline --model gpt --layers 4 --batch 32 --micro-batch 8 --hosts 4 --train-steps 40 --chaos
+	$(LIMPET) bench train --preset small --batch 8 --context 256
+	$(LIMPET) bench dp --preset small --world 2 --batch 16 --context 128
+	$(LIMPET) bench memory --preset 125m --dataset-gib 4 --batch 2 --context 128 --steps 5
 
 demo: build
 	rm -rf $(DEMO_DIR)

@@ -2,7 +2,8 @@
 # Installs what limpet needs to build and run, into a cache outside the clone so that every
 # clone on the machine shares it:
 #   - libtorch, from PyPI's torch wheel of the version tch expects, in a Python venv (the same
-#     venv gives the tests Python's torch and safetensors, and moto's local EC2 API server);
+#     venv gives the tests Python's torch, safetensors and transformers, and moto's local EC2
+#     API server);
 #   - scikit-learn's digits.csv.gz, taken out of its wheel (scikit-learn itself is not installed).
 # Then writes a make fragment with the paths. Safe to run again: finished parts are skipped.
 set -euo pipefail
@@ -10,6 +11,7 @@ set -euo pipefail
 TORCH_VERSION=2.13.0            # tch 0.26 is built against this libtorch
 SKLEARN_VERSION=1.7.2
 MOTO_VERSION=5.2.5              # a local EC2 API server for the fleet tests
+TRANSFORMERS_VERSION=5.23.0     # the other side of the Hugging Face interop tests
 DIGITS_SHA256=09f66e6debdee2cd2b5ae59e0d6abbb73fc2b0e0185d2e1957e9ebb51e23aa22
 
 CACHE="${LIMPET_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/limpet}"
@@ -52,6 +54,12 @@ if ! "$VENV/bin/python" -c "import moto.server, moto.s3.responses, py_partiql_pa
     say "installing moto==$MOTO_VERSION into $VENV (local EC2 and S3 APIs for the fleet and checkpoint tests)"
     "$VENV/bin/pip" install -q --no-input --disable-pip-version-check --progress-bar off \
         "moto[server,ec2,s3]==$MOTO_VERSION" >&2
+fi
+
+if ! "$VENV/bin/python" -c "import transformers; assert transformers.__version__ == '$TRANSFORMERS_VERSION'" 2>/dev/null; then
+    say "installing transformers==$TRANSFORMERS_VERSION into $VENV (the Hugging Face interop tests)"
+    "$VENV/bin/pip" install -q --no-input --disable-pip-version-check --progress-bar off \
+        "transformers==$TRANSFORMERS_VERSION" >&2
 fi
 
 TORCH_DIR=$("$VENV/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')

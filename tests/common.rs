@@ -13,6 +13,48 @@ pub fn exe() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_limpet"))
 }
 
+/// Runs `limpet scenario` with `args` for `steps` through `script` in `dir`; its JSON summary,
+/// after checking what holds for every run: each step logged once, none applied twice. On
+/// failure it shows every node's log.
+pub fn scenario_json(dir: &Path, args: &[&str], steps: u64, script: &str) -> Value {
+    let out = Command::new(exe())
+        .args(["scenario", "--json"])
+        .args(args)
+        .arg("--dir")
+        .arg(dir)
+        .args(["--steps", &steps.to_string(), "--script", script, "--timeout", "300"])
+        .output()
+        .unwrap();
+    let logs = || {
+        let mut s = String::new();
+        for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            if e.path().extension().is_some_and(|x| x == "log") {
+                s += &format!(
+                    "--- {}\n{}",
+                    e.path().display(),
+                    std::fs::read_to_string(e.path()).unwrap_or_default()
+                );
+            }
+        }
+        s
+    };
+    assert!(out.status.success(), "scenario failed: {}\n{}", String::from_utf8_lossy(&out.stderr), logs());
+    let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["steps_applied_twice"], 0, "{summary:#}");
+    assert_eq!(summary["steps_logged"], steps, "{summary:#}");
+    summary
+}
+
+/// The first transition whose cause mentions `cause`.
+pub fn transition<'a>(summary: &'a Value, cause: &str) -> &'a Value {
+    summary["transitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["cause"].as_str().unwrap().contains(cause))
+        .unwrap_or_else(|| panic!("no transition caused by {cause:?} in {summary:#}"))
+}
+
 /// The uninterrupted reference: `limpet train` of the same job in one process, into `out`;
 /// its JSON report.
 pub fn train_alone(out: &Path, job: &[&str], steps: u64) -> Value {
@@ -52,11 +94,14 @@ pub fn max_rel_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f64 {
         .fold(0.0, f64::max)
 }
 
-/// The Python that deploy/setup.sh installed (with torch, safetensors and moto).
+/// The Python that deploy/setup.sh installed (with torch, safetensors, transformers and
+/// moto): `LIMPET_PYTHON`, else the target of the clone's `.limpet/python` link (the
+/// target, because a venv's interpreter finds its packages from its own path).
 pub fn python() -> PathBuf {
-    std::env::var_os("LIMPET_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.limpet/python"))
+    std::env::var_os("LIMPET_PYTHON").map(PathBuf::from).unwrap_or_else(|| {
+        let link = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.limpet/python");
+        std::fs::read_link(&link).unwrap_or(link)
+    })
 }
 
 /// moto's server (its EC2 and S3 APIs) on a free loopback port, stopped on drop.

@@ -10,51 +10,18 @@ use std::process::Command;
 
 #[path = "common.rs"]
 mod common;
-use common::{exe, max_rel_diff, params, train_alone};
+use common::{exe, max_rel_diff, params, train_alone, transition};
 
 fn scenario(dir: &Path, nodes: usize, model: &str, steps: u64, script: &str) -> Value {
     scenario_with(dir, nodes, model, steps, script, &["--policy", "fixed-global"])
 }
 
 fn scenario_with(dir: &Path, nodes: usize, model: &str, steps: u64, script: &str, extra: &[&str]) -> Value {
-    let out = Command::new(exe())
-        .args(["scenario", "--json"])
-        .args(extra)
-        .arg("--dir")
-        .arg(dir)
-        .args(["--nodes", &nodes.to_string(), "--model", model])
-        .args(["--data", if model == "gpt" { "chars" } else { "digits" }])
-        .args(["--steps", &steps.to_string(), "--batch", "64", "--script", script, "--timeout", "300"])
-        .output()
-        .unwrap();
-    let logs = || {
-        let mut s = String::new();
-        for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-            if e.path().extension().is_some_and(|x| x == "log") {
-                s += &format!(
-                    "--- {}\n{}",
-                    e.path().display(),
-                    std::fs::read_to_string(e.path()).unwrap_or_default()
-                );
-            }
-        }
-        s
-    };
-    assert!(out.status.success(), "scenario failed: {}\n{}", String::from_utf8_lossy(&out.stderr), logs());
-    let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
-    // Every run: each step logged, none applied twice in the surviving lineage.
-    assert_eq!(summary["steps_applied_twice"], 0, "{summary:#}");
-    assert_eq!(summary["steps_logged"], steps, "{summary:#}");
-    summary
-}
-
-fn transition<'a>(summary: &'a Value, cause: &str) -> &'a Value {
-    summary["transitions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|t| t["cause"].as_str().unwrap().contains(cause))
-        .unwrap_or_else(|| panic!("no transition caused by {cause:?} in {summary:#}"))
+    let nodes = nodes.to_string();
+    let data = if model == "gpt" { "chars" } else { "digits" };
+    let mut args = vec!["--nodes", &nodes, "--model", model, "--data", data, "--batch", "64"];
+    args.extend_from_slice(extra);
+    common::scenario_json(dir, &args, steps, script)
 }
 
 /// Relative L2 tolerance of the parameters after the elastic run, against one process. The

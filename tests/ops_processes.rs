@@ -460,7 +460,7 @@ fn resume_after_losing_every_host(
     if pipelined {
         // Stages draw their own dropout masks, so a pipelined run's parameters drift from
         // one process's; the elastic pipeline test compares the test loss for that reason.
-        let (loss, _) = limpet_daemon::demo::evaluate(&finals).unwrap();
+        let (loss, _) = limpet_daemon::demo::evaluate(&finals, None).unwrap();
         let reference = report["test_loss"].as_f64().unwrap();
         assert!(
             (loss - reference).abs() <= 0.01 * reference,

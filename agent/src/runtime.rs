@@ -71,6 +71,10 @@ pub struct AgentConfig {
     pub job: JobSpec,
     /// Where the job's data is (if not the default).
     pub data_path: Option<PathBuf>,
+    /// Where this rank's parameters and optimizer state live.
+    pub device: limpet_trainer::device::DeviceChoice,
+    /// The Hugging Face directory the job's weights start from (its fingerprint is in the job).
+    pub init_from: Option<PathBuf>,
     /// Batch / learning-rate policy.
     pub policy: BatchPolicy,
     /// World size the job's batch was declared for.
@@ -150,6 +154,8 @@ impl AgentConfig {
             seeds: Vec::new(),
             job,
             data_path: None,
+            device: limpet_trainer::device::DeviceChoice::Cpu,
+            init_from: None,
             policy: BatchPolicy::FixedGlobal,
             base_world: 1,
             min_nodes: 1,
@@ -247,7 +253,7 @@ impl Agent {
         ncfg.hardware = Hardware {
             instance_type: "local".into(),
             cpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
-            gpus: 0,
+            gpus: limpet_trainer::device::gpu_count() as u32,
             memory_mib: 0,
             samples_per_sec_milli: 0,
         };
@@ -302,7 +308,13 @@ impl Agent {
             )));
         }
 
-        let fresh = Trainer::try_new(cfg.job.clone(), data)?;
+        let device = cfg.device.resolve().map_err(|e| anyhow::anyhow!("[job].device: {e}"))?;
+        tracing::info!(device = ?device, choice = ?cfg.device, gpus = ?limpet_trainer::device::gpu_models(), "training device");
+        let blocks = 0..cfg.job.model.num_blocks();
+        let mut fresh = Trainer::on_device(cfg.job.clone(), data, blocks, device)?;
+        if let Some(dir) = &cfg.init_from {
+            fresh.init_from_hf(dir)?;
+        }
         let looper = TrainLoop {
             handle: handle.clone(),
             last_checkpoint: None,
@@ -1059,7 +1071,14 @@ impl TrainLoop {
                 anyhow::bail!("its content hash differs from the one recorded in the log");
             }
             let data = self.trainer.data().shallow_clone();
-            Ok(Trainer::from_image(&image, data, Some(&self.cfg.job))?)
+            let mut t = Trainer::on_device(
+                self.cfg.job.clone(),
+                data,
+                0..self.cfg.job.model.num_blocks(),
+                self.trainer.model().device(),
+            )?;
+            t.load_image(&image)?;
+            Ok(t)
         })();
         match loaded {
             Ok(t) => {
@@ -1470,10 +1489,11 @@ impl TrainLoop {
             let merged = StateImage::new(step, cursor, rng, job, tensors);
             if target != held {
                 tracing::info!(epoch = n.id, from = ?held, to = ?target, "this rank's blocks change");
-                self.trainer = Trainer::for_stage(
+                self.trainer = Trainer::on_device(
                     self.cfg.job.clone(),
                     self.trainer.data().shallow_clone(),
                     target.clone(),
+                    self.trainer.model().device(),
                 )
                 .map_err(|e| e.to_string())?;
             }

@@ -30,6 +30,11 @@ pub enum Command {
     /// cluster secret comes from LIMPET_DP_SECRET).
     #[command(hide = true)]
     PipeWorker(crate::pipe_bench::PipeWorkerArgs),
+    /// Token shards for `data = "tokens"`: tokenize text, index existing .bin files, verify.
+    #[command(subcommand)]
+    Data(crate::data_cmd::DataCommand),
+    /// Write a LLaMA checkpoint as a Hugging Face directory that `transformers` loads.
+    Export(crate::data_cmd::ExportArgs),
     /// Measure a part of limpet on this machine.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -115,7 +120,15 @@ pub enum BenchCommand {
     Elastic(crate::elastic_bench::BenchElasticArgs),
     /// Planner accuracy (predicted against measured step time of the chosen layout and
     /// others) and pipelined throughput against plain data parallelism, N processes.
-    Pipeline(crate::pipe_bench::BenchPipelineArgs),
+    Pipeline(Box<crate::pipe_bench::BenchPipelineArgs>),
+    /// Tokens per second of limpet's LLaMA training step next to the same model in
+    /// transformers (PyTorch eager), same threads, batch and context, in the same run.
+    Train(crate::train_bench::BenchTrainArgs),
+    /// Samples per second of limpet agents training a LLaMA, next to torchrun + DDP (gloo)
+    /// with as many ranks on the same model and global batch, in the same run.
+    Dp(crate::train_bench::BenchDpArgs),
+    /// Peak RSS of training on a large token dataset against the model's own footprint.
+    Memory(crate::train_bench::BenchMemoryArgs),
 }
 
 /// Model families.
@@ -127,6 +140,8 @@ pub enum ModelArg {
     Convnet,
     /// GPT-style character transformer.
     Gpt,
+    /// LLaMA-family decoder (sized by --preset and the size flags, or by --init-from).
+    Llama,
 }
 
 /// Datasets.
@@ -136,6 +151,10 @@ pub enum DataArg {
     Digits,
     /// Bytes of a text corpus (default: /usr/share/common-licenses).
     Chars,
+    /// Token shards (a directory with limpet-tokens.json; see `limpet data tokenize`).
+    Tokens,
+    /// x and y arrays: a directory of x.npy and y.npy, or a safetensors file.
+    Tensors,
     /// Seeded synthetic classification data.
     Synthetic,
 }
@@ -189,12 +208,70 @@ pub struct JobArgs {
     /// Seed of initialization, sampling and the training RNG.
     #[arg(long)]
     pub seed: Option<u64>,
-    /// Context length in bytes for --data chars.
+    /// Tokens per sample for --data chars and tokens [default: 64 and 128].
     #[arg(long)]
     pub context: Option<usize>,
-    /// Transformer blocks of --model gpt [default: 2].
+    /// Layers of --model gpt [default: 2] or llama [default: the preset's].
     #[arg(long)]
     pub layers: Option<usize>,
+    /// The LLaMA model's sizes.
+    #[command(flatten)]
+    pub llama: LlamaFlags,
+    /// cpu, cuda, cuda:N or auto [default: cpu].
+    #[arg(long)]
+    pub device: Option<String>,
+    /// fp32 or bf16 (--model llama) [default: fp32].
+    #[arg(long)]
+    pub precision: Option<String>,
+}
+
+/// Sizes of `--model llama`: the `[model]` keys of limpetd's configuration as flags.
+#[derive(Debug, Clone, Default, Args)]
+pub struct LlamaFlags {
+    /// LLaMA size preset: tiny, small, 125m, 350m, 1b [default: tiny].
+    #[arg(long)]
+    pub preset: Option<String>,
+    /// LLaMA residual width.
+    #[arg(long)]
+    pub d_model: Option<usize>,
+    /// LLaMA query heads.
+    #[arg(long)]
+    pub heads: Option<usize>,
+    /// LLaMA key/value heads (fewer than --heads: grouped-query attention).
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    /// LLaMA SwiGLU width.
+    #[arg(long)]
+    pub ffn: Option<usize>,
+    /// LLaMA vocabulary [default: the data's].
+    #[arg(long)]
+    pub vocab: Option<usize>,
+    /// LLaMA: share the embedding with the head.
+    #[arg(long)]
+    pub tie_embeddings: bool,
+    /// Start --model llama from a Hugging Face LLaMA directory (config.json + safetensors).
+    #[arg(long, value_name = "DIR")]
+    pub init_from: Option<PathBuf>,
+}
+
+impl LlamaFlags {
+    /// The `[model]` section these flags (and `--layers`) describe.
+    pub fn section(&self, layers: Option<usize>) -> limpet_trainer::workload::ModelSection {
+        limpet_trainer::workload::ModelSection {
+            preset: self.preset.clone(),
+            layers,
+            d_model: self.d_model,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            ffn: self.ffn,
+            vocab: self.vocab,
+            context: None,
+            rope_theta: None,
+            norm_eps: None,
+            tie_embeddings: self.tie_embeddings.then_some(true),
+            init_from: self.init_from.clone(),
+        }
+    }
 }
 
 /// `limpet train`.
@@ -230,9 +307,14 @@ pub struct TrainArgs {
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Train(args) => crate::train_cmd::run(args),
+        Command::Data(cmd) => crate::data_cmd::run(cmd),
+        Command::Export(args) => crate::data_cmd::export(args),
         Command::Plan(args) => crate::plan_cmd::run(args),
         Command::PipeWorker(args) => crate::pipe_bench::run_worker(args),
-        Command::Bench(BenchCommand::Pipeline(args)) => crate::pipe_bench::bench(args),
+        Command::Bench(BenchCommand::Pipeline(args)) => crate::pipe_bench::bench(*args),
+        Command::Bench(BenchCommand::Train(args)) => crate::train_bench::bench(args),
+        Command::Bench(BenchCommand::Dp(args)) => crate::train_bench::bench_dp(args),
+        Command::Bench(BenchCommand::Memory(args)) => crate::train_bench::bench_memory(args),
         Command::RaftNode(args) => crate::raft_cmd::run_node(args),
         Command::Bench(BenchCommand::Raft(args)) => crate::raft_cmd::bench(args),
         Command::DpWorker(args) => crate::dp_cmd::run_worker(args),

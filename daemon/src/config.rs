@@ -30,6 +30,12 @@ pub struct Config {
     pub cluster: ClusterSection,
     /// The training job.
     pub job: JobSection,
+    /// The model's sizes, or the Hugging Face checkpoint it starts from.
+    #[serde(default)]
+    pub model: limpet_trainer::workload::ModelSection,
+    /// How samples are cut from the data.
+    #[serde(default)]
+    pub data: limpet_trainer::workload::DataSection,
     /// Where revocation notices come from.
     #[serde(default)]
     pub revocation: RevocationSection,
@@ -325,6 +331,20 @@ pub struct JobSection {
     pub base_world: Option<u64>,
     /// Transformer blocks of the `gpt` model (default 2).
     pub layers: Option<usize>,
+    /// `cpu`, `cuda`, `cuda:N` or `auto` (default `cpu`).
+    #[serde(default = "default_device")]
+    pub device: String,
+    /// `fp32` (default) or `bf16` (model `llama`).
+    #[serde(default = "default_precision")]
+    pub precision: String,
+}
+
+fn default_device() -> String {
+    "cpu".into()
+}
+
+fn default_precision() -> String {
+    "fp32".into()
 }
 
 fn default_policy() -> BatchPolicy {
@@ -471,11 +491,50 @@ impl Config {
         if self.cluster.min_nodes == 0 {
             return err("[cluster].min_nodes", "must be at least 1".into());
         }
-        if !["mlp", "convnet", "gpt"].contains(&self.job.model.as_str()) {
-            return err("[job].model", format!("{:?} is not one of mlp, convnet, gpt", self.job.model));
+        if !["mlp", "convnet", "gpt", "llama"].contains(&self.job.model.as_str()) {
+            return err(
+                "[job].model",
+                format!("{:?} is not one of mlp, convnet, gpt, llama", self.job.model),
+            );
         }
-        if !["digits", "chars", "synthetic"].contains(&self.job.data.as_str()) {
-            return err("[job].data", format!("{:?} is not one of digits, chars, synthetic", self.job.data));
+        if !["digits", "chars", "tokens", "tensors", "synthetic"].contains(&self.job.data.as_str()) {
+            return err(
+                "[job].data",
+                format!("{:?} is not one of digits, chars, tokens, tensors, synthetic", self.job.data),
+            );
+        }
+        if ["tokens", "tensors"].contains(&self.job.data.as_str()) && self.job.data_path.is_none() {
+            return err("[job].data_path", format!("data {:?} needs its files (data_path)", self.job.data));
+        }
+        if let Err(e) =
+            limpet_trainer::device::DeviceChoice::parse(&self.job.device).and_then(|d| d.resolve())
+        {
+            return err("[job].device", e);
+        }
+        let precision = match limpet_trainer::model::Precision::parse(&self.job.precision) {
+            Ok(p) => p,
+            Err(e) => return err("[job].precision", e),
+        };
+        if precision == limpet_trainer::model::Precision::Bf16 && self.job.model != "llama" {
+            return err("[job].precision", "\"bf16\" is available for model \"llama\" only".into());
+        }
+        if self.data.context == Some(0) {
+            return err("[data].context", "must be at least 1".into());
+        }
+        if self.data.context.is_some() && !["chars", "tokens"].contains(&self.job.data.as_str()) {
+            return err("[data].context", "applies to data \"chars\" and \"tokens\" only".into());
+        }
+        if let Err(e) = self.model.check_keys(&self.job.model) {
+            let msg = e.to_string();
+            let (key, why) =
+                msg.trim_start_matches("invalid job: ").split_once(": ").unwrap_or(("[model]", &msg));
+            return err(key, why.to_string());
+        }
+        if self.model.tie_embeddings == Some(true) && self.pipeline.is_some() {
+            return err(
+                "[model].tie_embeddings",
+                "the head shares the embedding, so the model cannot be split into pipeline stages".into(),
+            );
         }
         if self.job.steps == 0 {
             return err("[job].steps", "must be positive".into());
@@ -707,6 +766,23 @@ aws_endpoint = "http://127.0.0.1:9000"
     }
 
     #[test]
+    fn a_llama_on_token_shards_is_configured_by_model_and_data() {
+        let s = secret();
+        let text = example(s.path())
+            .replace("model = \"mlp\"", "model = \"llama\"\nprecision = \"bf16\"\ndevice = \"auto\"")
+            .replace("data = \"digits\"", "data = \"tokens\"\ndata_path = \"/data/shards\"")
+            + "\n[model]\npreset = \"small\"\nkv_heads = 2\n\n[data]\ncontext = 256\n";
+        let f = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(f.path(), text).unwrap();
+        let cfg = Config::load(f.path()).unwrap();
+        assert_eq!(
+            (cfg.model.preset.as_deref(), cfg.model.kv_heads, cfg.data.context),
+            (Some("small"), Some(2), Some(256))
+        );
+        assert_eq!((cfg.job.device.as_str(), cfg.job.precision.as_str()), ("auto", "bf16"));
+    }
+
+    #[test]
     fn errors_name_the_file_and_the_key() {
         let s = secret();
         let good = example(s.path());
@@ -733,6 +809,14 @@ aws_endpoint = "http://127.0.0.1:9000"
             (format!("{good}\n[pipeline]\nstages = 3\ncuts = [2]\n"), "set stages = 2"),
             (format!("{good}\n[pipeline]\nstages = 2\nlink_gbps = 0.0\n"), "[pipeline].link_gbps"),
             (good.replace("global_batch = 64", "global_batch = 64\nlayers = 3"), "[job].layers"),
+            (good.replace("global_batch = 64", "global_batch = 64\ndevice = \"gpu\""), "[job].device"),
+            (good.replace("global_batch = 64", "global_batch = 64\nprecision = \"fp16\""), "[job].precision"),
+            (good.replace("global_batch = 64", "global_batch = 64\nprecision = \"bf16\""), "for model \"llama\" only"),
+            (good.replace("data = \"digits\"", "data = \"tokens\""), "[job].data_path"),
+            (format!("{good}\n[model]\npreset = \"tiny\"\n"), "[model].preset: applies to model llama only"),
+            (format!("{good}\n[model]\nlayers = 3\n"), "[model].layers: applies to models gpt and llama"),
+            (format!("{good}\n[model]\nwidth = 3\n"), "unknown field `width`"),
+            (format!("{good}\n[data]\ncontext = 8\n"), "[data].context"),
             (good.replace("secret_file", "metrics = \"localhost\"\nsecret_file"), "[node].metrics"),
             (good.replace("secret_file", "log_format = \"xml\"\nsecret_file"), "[node].log_format"),
             (good.replace("secret_file", "data_congestion = \"BBR\"\nsecret_file"), "[node].data_congestion"),

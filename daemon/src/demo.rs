@@ -50,6 +50,15 @@ pub struct ScenarioArgs {
     /// Data: digits, chars, synthetic.
     #[arg(long, default_value = "digits")]
     pub data: String,
+    /// The data file or directory (token shards for `--data tokens`).
+    #[arg(long)]
+    pub data_path: Option<PathBuf>,
+    /// Tokens per sample for chars and tokens.
+    #[arg(long)]
+    pub context: Option<usize>,
+    /// The LLaMA model's sizes.
+    #[command(flatten)]
+    pub llama: crate::cli::LlamaFlags,
     /// Total steps.
     #[arg(long, default_value_t = 1000)]
     pub steps: u64,
@@ -133,10 +142,14 @@ pub fn scenario(a: ScenarioArgs) -> anyhow::Result<()> {
         min_nodes: a.min_nodes,
         pipeline: a.pipeline.clone(),
         pipeline_memory: a.pipeline_memory.clone(),
-        layers: a.layers,
+        // A LLaMA's layers are a [model] key; a GPT's the older [job].layers.
+        layers: a.layers.filter(|_| a.model != "llama"),
         shadow_every: a.shadow_every,
         micro_batch: a.micro_batch,
         tls: a.tls,
+        data_path: a.data_path.clone(),
+        data_section: limpet_trainer::workload::DataSection { context: a.context },
+        model_section: a.llama.section(a.layers.filter(|_| a.model == "llama")),
         ..LocalJob::default()
     };
     let summary = run_scenario(&a.dir, a.nodes, job, &script, Duration::from_secs(a.timeout), !a.json)?;
@@ -395,7 +408,7 @@ pub fn run_scenario(
     let checkpoints: Vec<PathBuf> =
         ranks.iter().map(|r| dir.join(r).join(limpet_trainer::CHECKPOINT_FILE)).collect();
     let checkpoint = checkpoints.first().cloned().context("the final epoch has no ranks")?;
-    let (test_loss, test_accuracy) = evaluate(&checkpoints)?;
+    let (test_loss, test_accuracy) = evaluate(&checkpoints, cluster.job.data_path.as_deref())?;
     let lines = read_step_logs(&cluster.file.nodes.iter().map(|n| n.step_log.clone()).collect::<Vec<_>>())?;
     let redone: Vec<(u64, u64)> =
         // The epoch starts where the furthest survivor was; a rollback went back from there.
@@ -486,8 +499,8 @@ fn short_cause(cause: &str) -> String {
 /// Test loss and accuracy of the final model, from the final checkpoints of the last
 /// epoch's ranks in order: the first holds the whole model under data parallelism; under a
 /// pipeline each holds its stage's blocks, and the stages of the first replica together
-/// hold the model.
-pub fn evaluate(paths: &[PathBuf]) -> anyhow::Result<(f64, f64)> {
+/// hold the model. `data_path` is the job's data (`None`: the dataset's own place).
+pub fn evaluate(paths: &[PathBuf], data_path: Option<&Path>) -> anyhow::Result<(f64, f64)> {
     let mut tensors = BTreeMap::new();
     let mut first: Option<limpet_snapshot::StateImage> = None;
     for path in paths {
@@ -500,7 +513,7 @@ pub fn evaluate(paths: &[PathBuf]) -> anyhow::Result<(f64, f64)> {
         let m = base.meta();
         let whole = limpet_snapshot::StateImage::new(m.step, m.cursor, m.rng, m.job.clone(), tensors.clone());
         let job: limpet_trainer::JobSpec = serde_json::from_value(m.job.clone())?;
-        let data = limpet_trainer::data::Dataset::load(&job.data, None)?;
+        let data = limpet_trainer::data::Dataset::load(&job.data, data_path)?;
         if let Ok(t) = limpet_trainer::Trainer::from_image(&whole, data, None) {
             let e = t.evaluate()?;
             return Ok((e.loss, e.accuracy));

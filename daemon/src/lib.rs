@@ -7,6 +7,7 @@
 pub mod certs;
 pub mod cli;
 pub mod config;
+pub mod data_cmd;
 pub mod demo;
 pub mod dp_cmd;
 pub mod elastic_bench;
@@ -19,6 +20,7 @@ pub mod plan_cmd;
 mod plot;
 pub mod raft_cmd;
 pub mod status;
+pub mod train_bench;
 mod train_cmd;
 
 /// Exit status for bad usage (sysexits' EX_USAGE): a flag, argument or combination is wrong.

@@ -11,8 +11,10 @@ use clap::{Args, Parser, Subcommand};
 use limpet_agent::revocation::Source;
 use limpet_agent::runtime::{Agent, AgentConfig, Exit};
 use limpet_consensus::state::{MemberSpec, MemberStatus};
-use limpet_trainer::data::{DataSpec, Dataset};
+use limpet_trainer::data::Dataset;
+use limpet_trainer::model::Precision;
 use limpet_trainer::optim::OptimizerSpec;
+use limpet_trainer::workload;
 use limpet_trainer::{JobSpec, ModelKind};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -246,6 +248,9 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
     a.bootstrap = if founders.is_empty() { None } else { Some(founders) };
     a.seeds = cfg.cluster.seeds.clone();
     a.data_path = cfg.job.data_path.clone();
+    a.device = limpet_trainer::device::DeviceChoice::parse(&cfg.job.device)
+        .map_err(|e| UsageError(format!("[job].device: {e}")))?;
+    a.init_from = cfg.model.init_from.clone();
     a.policy = cfg.job.policy;
     a.min_nodes = cfg.cluster.min_nodes;
     a.sources = cfg
@@ -310,26 +315,30 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
     Ok(a)
 }
 
-/// The trainer's job from `[job]`: the model's defaults, overridden by what the file sets.
+/// The trainer's job from `[job]`, `[model]` and `[data]`: the model's defaults, overridden
+/// by what the file sets.
 pub fn job_spec(cfg: &Config) -> anyhow::Result<JobSpec> {
     let j = &cfg.job;
     let kind = match j.model.as_str() {
         "mlp" => ModelKind::Mlp,
         "convnet" => ModelKind::Convnet,
+        "llama" => ModelKind::Llama,
         _ => ModelKind::Gpt,
     };
-    let spec = match j.data.as_str() {
-        "digits" => DataSpec::Digits,
-        "chars" => DataSpec::Chars { context: 64 },
-        _ => DataSpec::Synthetic { samples: 4096, features: 32, classes: 8, seed: j.seed },
-    };
+    let spec = workload::data_spec(&j.data, &cfg.data, j.seed)?;
     let data = Dataset::load(&spec, j.data_path.as_deref())?;
-    let mut job = JobSpec::defaults_for(kind, &data)?;
+    let mut model = cfg.model.clone();
+    if j.layers.is_some() {
+        model.layers = j.layers;
+    }
+    let mut job = workload::job_for(kind, &data, &model).map_err(|e| UsageError(e.to_string()))?;
     job.steps = j.steps;
     job.schedule.warmup_steps = j.steps / 20;
     job.global_batch = j.global_batch as usize;
     job.micro_batch = j.micro_batch.unwrap_or(j.global_batch) as usize;
     job.seed = j.seed;
+    job.precision =
+        Precision::parse(&j.precision).map_err(|e| UsageError(format!("[job].precision: {e}")))?;
     if let Some(o) = &j.optimizer {
         let (lr, wd) = (job.optimizer.lr(), job.optimizer.weight_decay());
         job.optimizer = if o == "sgd" { OptimizerSpec::sgd(lr, wd) } else { OptimizerSpec::adamw(lr, wd) };
@@ -339,9 +348,6 @@ pub fn job_spec(cfg: &Config) -> anyhow::Result<JobSpec> {
     }
     if let Some(wd) = j.weight_decay {
         job.optimizer.set_weight_decay(wd);
-    }
-    if let (Some(l), limpet_trainer::model::ModelSpec::Gpt { layers, .. }) = (j.layers, &mut job.model) {
-        *layers = l;
     }
     job.validate(&data)?;
     Ok(job)

@@ -58,6 +58,15 @@ pub struct LocalJob {
     /// Extra environment for every `limpetd` (credentials for an S3-compatible store).
     #[serde(default)]
     pub env: Vec<(String, String)>,
+    /// The data file or directory (default: the dataset's own).
+    #[serde(default)]
+    pub data_path: Option<PathBuf>,
+    /// `[data]` of every node's configuration.
+    #[serde(default)]
+    pub data_section: limpet_trainer::workload::DataSection,
+    /// `[model]` of every node's configuration.
+    #[serde(default)]
+    pub model_section: limpet_trainer::workload::ModelSection,
 }
 
 impl Default for LocalJob {
@@ -82,6 +91,9 @@ impl Default for LocalJob {
             anonymous_status: false,
             checkpoint_s3: None,
             env: Vec::new(),
+            data_path: None,
+            data_section: Default::default(),
+            model_section: Default::default(),
         }
     }
 }
@@ -159,7 +171,8 @@ pub struct LocalCluster {
     pub dir: PathBuf,
     /// The description (also in `dir/cluster.json`).
     pub file: ClusterFile,
-    job: LocalJob,
+    /// The job it trains.
+    pub job: LocalJob,
     exe: PathBuf,
     limpetd: PathBuf,
     children: HashMap<String, Child>,
@@ -323,6 +336,16 @@ impl LocalCluster {
         }
         if let Some(l) = j.layers {
             text += &format!("layers = {l}\n");
+        }
+        if let Some(p) = &j.data_path {
+            text += &format!("data_path = {:?}\n", p.display().to_string());
+        }
+        for (name, section) in
+            [("model", toml::to_string(&j.model_section)?), ("data", toml::to_string(&j.data_section)?)]
+        {
+            if !section.is_empty() {
+                text += &format!("\n[{name}]\n{section}");
+            }
         }
         if let Some(p) = &j.pipeline {
             let stages = if p == "auto" { "\"auto\"".to_string() } else { p.clone() };

@@ -128,19 +128,31 @@ pub struct LocalCluster {
 
 /// A loopback port nobody listens on right now (for child processes told their address).
 pub fn free_port() -> anyhow::Result<u16> {
-    // A port is free once its probe closes, so the kernel may hand it out again before the
-    // process it was meant for binds it: never return the same port twice in one process
-    // (a local cluster allocates every node's ports here).
+    // A port is free once its probe closes, so it may be handed out again before the process
+    // it was meant for binds it. Two guards: never return the same port twice in one process
+    // (a local cluster allocates every node's ports here), and take ports below the kernel's
+    // ephemeral range, which port-0 binds and outgoing connections of every other process
+    // draw from; below it only another caller of this function could pick the same port, at
+    // random among thousands.
     static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
     let mut given = GIVEN.lock().expect("port list lock");
-    for _ in 0..64 {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-        if !given.contains(&port) {
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse::<u16>().ok()))
+        .unwrap_or(32768);
+    let mut rng = rand::rng();
+    for _ in 0..256 {
+        let port = if low > 12_000 {
+            rand::Rng::random_range(&mut rng, 10_000..low)
+        } else {
+            std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port()
+        };
+        if !given.contains(&port) && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
             given.push(port);
             return Ok(port);
         }
     }
-    anyhow::bail!("no unused loopback port after 64 tries")
+    anyhow::bail!("no unused loopback port after 256 tries")
 }
 
 impl LocalCluster {

@@ -6,8 +6,11 @@ use crate::UsageError;
 use anyhow::Context;
 use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
-use limpet_trainer::data::{DataSpec, Dataset};
+use limpet_trainer::data::Dataset;
+use limpet_trainer::device::DeviceChoice;
+use limpet_trainer::model::Precision;
 use limpet_trainer::optim::OptimizerSpec;
+use limpet_trainer::workload;
 use limpet_trainer::{JobSpec, ModelKind, Progress, RunOptions, RunReport, Trainer, CHECKPOINT_FILE};
 use serde::{Deserialize, Serialize};
 use std::io::Write;
@@ -159,7 +162,23 @@ fn keep_log_before(path: &Path, step: u64) -> anyhow::Result<std::fs::File> {
 fn fresh(args: &TrainArgs) -> anyhow::Result<(Trainer, PathBuf)> {
     let out = args.out.clone().ok_or_else(|| usage("--out DIR is required (or --resume DIR)"))?;
     let (job, data) = job_from_flags(&args.job)?;
-    Ok((Trainer::try_new(job, data)?, out))
+    let blocks = 0..job.model.num_blocks();
+    let mut trainer = Trainer::on_device(job, data, blocks, device_from_flags(&args.job)?)?;
+    if let Some(dir) = &args.job.llama.init_from {
+        trainer.init_from_hf(dir)?;
+    }
+    Ok((trainer, out))
+}
+
+/// The device `--device` names, checked against this host.
+pub(crate) fn device_from_flags(args: &JobArgs) -> anyhow::Result<limpet_trainer::device::Device> {
+    let choice = DeviceChoice::parse(args.device.as_deref().unwrap_or("cpu"))
+        .map_err(|e| usage(format!("--device: {e}")))?;
+    let device = choice.resolve().map_err(|e| usage(format!("--device: {e}")))?;
+    if choice == DeviceChoice::Auto {
+        eprintln!("limpet train: --device auto chose {device:?}");
+    }
+    Ok(device)
 }
 
 /// The job the flags describe, on its loaded data.
@@ -169,25 +188,39 @@ pub(crate) fn job_from_flags(args: &JobArgs) -> anyhow::Result<(JobSpec, Dataset
         ModelArg::Mlp => ModelKind::Mlp,
         ModelArg::Convnet => ModelKind::Convnet,
         ModelArg::Gpt => ModelKind::Gpt,
+        ModelArg::Llama => ModelKind::Llama,
     };
-    let data_arg = args.data.unwrap_or(if model == ModelArg::Gpt { DataArg::Chars } else { DataArg::Digits });
-    if args.context.is_some() && data_arg != DataArg::Chars {
-        return Err(usage("--context applies only to --data chars"));
+    let data_arg = args.data.unwrap_or(match model {
+        ModelArg::Gpt => DataArg::Chars,
+        ModelArg::Llama => DataArg::Tokens,
+        _ => DataArg::Digits,
+    });
+    if args.context.is_some() && !matches!(data_arg, DataArg::Chars | DataArg::Tokens) {
+        return Err(usage("--context applies only to --data chars and tokens"));
     }
     if args.context == Some(0) {
         return Err(usage("--context must be at least 1"));
     }
-    let spec = match data_arg {
-        DataArg::Digits => DataSpec::Digits,
-        DataArg::Chars => DataSpec::Chars { context: args.context.unwrap_or(64) },
-        DataArg::Synthetic => {
-            DataSpec::Synthetic { samples: 4096, features: 32, classes: 8, seed: args.seed.unwrap_or(0) }
-        }
-    };
+    let name = data_arg.to_possible_value().expect("every dataset has a name");
+    let section = workload::DataSection { context: args.context };
+    let spec = workload::data_spec(name.get_name(), &section, args.seed.unwrap_or(0))?;
     let data = Dataset::load(&spec, args.data_path.as_deref())?;
-    let mut job = JobSpec::defaults_for(kind, &data)?;
+    let mut job = workload::job_for(kind, &data, &args.llama.section(args.layers))
+        .map_err(|e| usage(flag_names(&e.to_string())))?;
     apply_flags(&mut job, args)?;
     Ok((job, data))
+}
+
+/// Speaks of `[model].d_model` as `--d-model` (the flags and the file share one check).
+fn flag_names(msg: &str) -> String {
+    let mut out = msg.to_string();
+    while let Some(i) = out.find("[model].") {
+        let rest = &out[i + 8..];
+        let end = rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(rest.len());
+        let flag = format!("--{}", rest[..end].replace('_', "-"));
+        out = format!("{}{flag}{}", &out[..i], &rest[end..]);
+    }
+    out
 }
 
 fn resume(args: &TrainArgs, dir: &Path) -> anyhow::Result<(Trainer, PathBuf)> {
@@ -206,8 +239,9 @@ fn resume(args: &TrainArgs, dir: &Path) -> anyhow::Result<(Trainer, PathBuf)> {
         )));
     }
     let data = Dataset::load(&job.data, args.job.data_path.as_deref())?;
-    let trainer =
-        Trainer::from_image(&image, data, None).with_context(|| format!("checkpoint {}", path.display()))?;
+    let blocks = 0..job.model.num_blocks();
+    let mut trainer = Trainer::on_device(job, data, blocks, device_from_flags(&args.job)?)?;
+    trainer.load_image(&image).with_context(|| format!("checkpoint {}", path.display()))?;
     Ok((trainer, args.out.clone().unwrap_or_else(|| dir.to_path_buf())))
 }
 
@@ -284,8 +318,19 @@ fn apply_flags(job: &mut JobSpec, a: &JobArgs) -> anyhow::Result<()> {
     if let Some(l) = a.layers {
         match &mut job.model {
             limpet_trainer::model::ModelSpec::Gpt { layers, .. } if l > 0 => *layers = l,
-            limpet_trainer::model::ModelSpec::Gpt { .. } => return Err(usage("--layers must be at least 1")),
-            _ => return Err(usage("--layers applies only to --model gpt")),
+            limpet_trainer::model::ModelSpec::Llama(s) if l > 0 => s.layers = l,
+            limpet_trainer::model::ModelSpec::Gpt { .. } | limpet_trainer::model::ModelSpec::Llama(_) => {
+                return Err(usage("--layers must be at least 1"))
+            }
+            _ => return Err(usage("--layers applies only to --model gpt and llama")),
+        }
+    }
+    if let Some(p) = &a.precision {
+        job.precision = Precision::parse(p).map_err(|e| usage(format!("--precision: {e}")))?;
+        if job.precision == Precision::Bf16
+            && !matches!(job.model, limpet_trainer::model::ModelSpec::Llama(_))
+        {
+            return Err(usage("--precision bf16 is available for --model llama only"));
         }
     }
     Ok(())

@@ -104,7 +104,7 @@ fn bad_flags_exit_64_naming_the_flag() {
     fails(&["train", "--batch", "0", "--out", out], 64, "--batch must be at least 1");
     fails(&["train", "--lr=-1", "--out", out], 64, "--lr -1 must be a positive number");
     fails(&["train", "--steps", "10", "--stop-at", "11", "--out", out], 64, "--stop-at 11 is beyond");
-    fails(&["train", "--model", "gpt", "--data", "digits", "--out", out], 64, "needs a character corpus");
+    fails(&["train", "--model", "gpt", "--data", "digits", "--out", out], 64, "needs token sequences");
     fails(&["train", "--context", "8", "--out", out], 64, "--context applies only to --data chars");
     fails(&["train", "--steps", "10"], 64, "--out DIR is required");
     fails(&["train", "--bogus"], 64, "--bogus");
@@ -191,7 +191,7 @@ fn plan_profiles_the_model_and_respects_memory() {
     );
     fails(&["plan", "--hosts", "2xfast"], 64, "speed \"fast\"");
     fails(&["plan", "--hosts", "2", "--layout", "0..9@h0"], 64, "--layout");
-    fails(&["plan", "--model", "mlp", "--layers", "3"], 64, "--layers applies only to --model gpt");
+    fails(&["plan", "--model", "mlp", "--layers", "3"], 64, "--layers: applies to models gpt and llama only");
 }
 
 #[test]

@@ -2,7 +2,7 @@
 //! checkpoint, so a resumed or handed-off state can be checked against the job it joins.
 
 use crate::data::{DataInfo, DataSpec, Dataset};
-use crate::model::ModelSpec;
+use crate::model::{ModelSpec, Precision};
 use crate::optim::{OptimizerSpec, Schedule};
 use crate::TrainerError;
 use serde::{Deserialize, Serialize};
@@ -17,6 +17,8 @@ pub enum ModelKind {
     Convnet,
     /// GPT-style character transformer.
     Gpt,
+    /// LLaMA-family decoder (sized by a preset or by `[model]`).
+    Llama,
 }
 
 /// Everything that determines a training run's result, besides the hardware.
@@ -43,6 +45,17 @@ pub struct JobSpec {
     pub seed: u64,
     /// Clip the averaged gradient to this global L2 norm.
     pub clip_norm: Option<f64>,
+    /// The number format of forward and backward passes (absent in older images: f32).
+    #[serde(default, skip_serializing_if = "is_fp32")]
+    pub precision: Precision,
+    /// blake3 of the weights the model started from when they were imported (`init_from`)
+    /// rather than drawn from the seed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init: Option<String>,
+}
+
+fn is_fp32(p: &Precision) -> bool {
+    *p == Precision::Fp32
 }
 
 impl JobSpec {
@@ -51,8 +64,11 @@ impl JobSpec {
         let model = ModelSpec::for_data(kind, &data.info)?;
         let (optimizer, steps, global_batch) = match (kind, &data.info) {
             (ModelKind::Gpt, _) => (OptimizerSpec::adamw(3e-3, 0.01), 600, 32),
-            (_, DataInfo::Classify { .. }) => (OptimizerSpec::adamw(3e-3, 1e-4), 400, 64),
-            (_, DataInfo::Chars { .. }) => (OptimizerSpec::adamw(3e-3, 0.01), 600, 32),
+            (ModelKind::Llama, _) => (OptimizerSpec::adamw(1e-3, 0.1), 600, 16),
+            (_, DataInfo::Classify { .. } | DataInfo::Regress { .. }) => {
+                (OptimizerSpec::adamw(3e-3, 1e-4), 400, 64)
+            }
+            (_, DataInfo::Tokens { .. }) => (OptimizerSpec::adamw(3e-3, 0.01), 600, 32),
         };
         Ok(JobSpec {
             model,
@@ -65,6 +81,8 @@ impl JobSpec {
             steps,
             seed: 0,
             clip_norm: Some(1.0),
+            precision: Precision::Fp32,
+            init: None,
         })
     }
 

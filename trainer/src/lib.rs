@@ -14,7 +14,9 @@
 #![forbid(unsafe_code)]
 
 pub mod data;
+pub mod device;
 mod error;
+pub mod hf;
 mod job;
 pub mod model;
 pub mod optim;
@@ -23,10 +25,11 @@ pub mod profile;
 mod run;
 pub mod sampler;
 mod train;
+pub mod workload;
 
 pub use error::TrainerError;
 pub use job::{JobSpec, ModelKind};
-pub use run::{run_local, save_checkpoint, Progress, RunOptions, RunReport, CHECKPOINT_FILE};
+pub use run::{peak_rss_bytes, run_local, save_checkpoint, Progress, RunOptions, RunReport, CHECKPOINT_FILE};
 pub use train::{Eval, NoReduce, Reduce, StepStats, Trainer};
 
 /// Makes libtorch use `n` intra-op threads. limpet runs one thread per rank by default, so

@@ -75,7 +75,7 @@ pub struct Activation {
 impl Activation {
     /// Copies a tensor out.
     pub fn from_tensor(t: &Tensor) -> Result<Activation, TrainerError> {
-        let t = t.detach().to_kind(Kind::Float).contiguous();
+        let t = t.detach().to_kind(Kind::Float).to_device(tch::Device::Cpu).contiguous();
         let n = t.numel();
         let mut values = vec![0f32; n];
         t.f_copy_data(&mut values, n)?;

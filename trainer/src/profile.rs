@@ -78,7 +78,7 @@ pub fn profile_blocks(job: &JobSpec, data: &Dataset, reps: usize) -> Result<Vec<
     let model = Model::new(&job.model, job.seed)?;
     let mb = job.micro_batch.min(data.train.len()).max(1);
     let idx: Vec<i64> = (0..mb as i64).collect();
-    let (mut x, _) = data.train.batch(&idx);
+    let (mut x, _) = data.train.batch(&idx)?;
     let slots = job.optimizer.slots().len() as u64;
     let mut out = Vec::new();
     for i in model.blocks() {

@@ -71,6 +71,20 @@ pub struct RunReport {
     pub checkpoint: PathBuf,
     /// Content hash of the final state.
     pub content_hash: String,
+    /// The process's peak resident memory (Linux's VmHWM), bytes; 0 where unknown.
+    pub peak_rss_bytes: u64,
+}
+
+/// The process's peak resident set size so far, from `/proc/self/status`.
+pub fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
 }
 
 /// Checkpoints `trainer` to `dir`/[`CHECKPOINT_FILE`] atomically.
@@ -125,5 +139,6 @@ pub fn run_local(
         samples_per_s: samples as f64 / elapsed_s.max(1e-9),
         checkpoint,
         content_hash: trainer.content_hash()?,
+        peak_rss_bytes: peak_rss_bytes(),
     })
 }

@@ -1,7 +1,9 @@
 //! Deterministic global sampling.
 //!
 //! The training set is read as an endless stream of passes; pass `p` visits the samples in a
-//! permutation seeded by `(seed, p)`. Step `s` consumes the stream positions
+//! permutation seeded by `(seed, p)`: a Fisher-Yates shuffle held in memory for up to
+//! [`SHUFFLE_MAX`] samples, and above that a keyed Feistel permutation computed per position
+//! (constant memory, so a dataset of billions of windows costs nothing to sample from). Step `s` consumes the stream positions
 //! `[s*B, (s+1)*B)` for global batch `B`. A rank's share is a contiguous slice of that range,
 //! a pure function of `(step, rank, world, plan)`; the shares of all ranks tile the range
 //! exactly, so the samples of a step do not depend on how many ranks there are.
@@ -55,12 +57,45 @@ impl BatchPlan {
     }
 }
 
+/// Largest split whose passes are shuffled in memory (4 MiB of indices).
+pub const SHUFFLE_MAX: usize = 1 << 20;
+
 /// Maps stream positions to sample indices, caching the permutation of the current pass.
 #[derive(Debug)]
 pub struct Sampler {
     seed: u64,
     len: usize,
     pass: Option<(u64, Vec<u32>)>,
+}
+
+/// One value of the SplitMix64 sequence: a strong 64-bit mixer for the Feistel rounds.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Position `i` of a permutation of `0..n` keyed by `key`: a balanced Feistel network over
+/// the smallest even power of two at least `n`, walking the cycle until it lands below `n`
+/// (fewer than four steps on average). A bijection whatever the round function.
+pub(crate) fn feistel(i: u64, n: u64, key: u64) -> u64 {
+    debug_assert!(i < n);
+    let bits = (64 - (n - 1).max(1).leading_zeros()).max(2);
+    let half = bits.div_ceil(2);
+    let mask = (1u64 << half) - 1;
+    let mut x = i;
+    loop {
+        let (mut l, mut r) = (x >> half, x & mask);
+        for round in 0..6u64 {
+            let f = mix(key ^ mix(round ^ (r << 8))) & mask;
+            (l, r) = (r, l ^ f);
+        }
+        x = (l << half) | r;
+        if x < n {
+            return x;
+        }
+    }
 }
 
 impl Sampler {
@@ -73,6 +108,10 @@ impl Sampler {
     /// Sample index at stream position `pos`.
     pub fn index_at(&mut self, pos: u64) -> usize {
         let (pass, offset) = (pos / self.len as u64, (pos % self.len as u64) as usize);
+        if self.len > SHUFFLE_MAX {
+            let key = mix(self.seed ^ mix(pass));
+            return feistel(offset as u64, self.len as u64, key) as usize;
+        }
         if self.pass.as_ref().map(|(p, _)| *p) != Some(pass) {
             self.pass = Some((pass, permutation(self.len, self.seed, pass)));
         }
@@ -119,6 +158,14 @@ mod tests {
             prop_assert_eq!(next, start + len);
         }
 
+        /// The Feistel permutation is a bijection of `0..n` for any size and key.
+        #[test]
+        fn feistel_is_a_permutation(n in 1u64..3000, key in any::<u64>()) {
+            let mut seen: Vec<u64> = (0..n).map(|i| feistel(i, n, key)).collect();
+            seen.sort_unstable();
+            prop_assert_eq!(seen, (0..n).collect::<Vec<_>>());
+        }
+
         /// Every pass visits every sample exactly once.
         #[test]
         fn each_pass_is_a_permutation(len in 1usize..300, pass in 0u64..5, seed in any::<u64>()) {
@@ -128,6 +175,24 @@ mod tests {
             seen.sort_unstable();
             prop_assert_eq!(seen, (0..len as i64).collect::<Vec<_>>());
         }
+    }
+
+    /// Large splits are sampled in constant memory, still one permutation per pass.
+    #[test]
+    fn large_splits_use_no_memory_and_still_shuffle() {
+        let n = SHUFFLE_MAX + 12_345;
+        let mut s = Sampler::new(7, n);
+        let first: Vec<i64> = s.indices(0..1000);
+        assert!(s.pass.is_none(), "a large split cached a pass");
+        assert_ne!(first, (0..1000).collect::<Vec<i64>>());
+        assert_ne!(first, s.indices(n as u64..n as u64 + 1000), "passes repeat");
+        let mut seen: Vec<i64> = s.indices(0..n as u64);
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen.len(), n, "a pass of a large split misses samples");
+        // Not an identity on average: neighbours land far apart.
+        let far = first.windows(2).filter(|w| (w[0] - w[1]).abs() > 1000).count();
+        assert!(far > 990, "{far} of 999 neighbours stayed close");
     }
 
     #[test]

@@ -20,7 +20,7 @@ use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
 use std::ops::Range;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 /// Sums gradient buffers across ranks, in place. Implementations must leave every rank with
 /// the same bytes.
@@ -95,8 +95,20 @@ impl Trainer {
     /// (and image) holds only those blocks' parameters and optimizer slots, with the names
     /// and initial values they have in the whole model.
     pub fn for_stage(job: JobSpec, data: Dataset, blocks: Range<usize>) -> Result<Self, TrainerError> {
+        Self::on_device(job, data, blocks, Device::Cpu)
+    }
+
+    /// A fresh trainer of blocks `blocks` whose parameters and optimizer state live on
+    /// `device`. Batches are read on the host and copied there; gradients come back to the
+    /// host as one flat buffer per step, so every other part of limpet sees host bytes.
+    pub fn on_device(
+        job: JobSpec,
+        data: Dataset,
+        blocks: Range<usize>,
+        device: Device,
+    ) -> Result<Self, TrainerError> {
         job.validate(&data)?;
-        let model = Model::with_blocks(&job.model, blocks, job.seed)?;
+        let model = Model::build(&job.model, blocks, job.seed, device, job.precision)?;
         let optim = Optimizer::new(&job.optimizer, model.params());
         let plan = BatchPlan::try_new(job.global_batch, job.micro_batch)?;
         let sampler = Sampler::new(job.seed, data.train.len());
@@ -167,6 +179,38 @@ impl Trainer {
         Ok(())
     }
 
+    /// Replaces the seed's initial weights with a Hugging Face LLaMA checkpoint's (the job's
+    /// `init_from`): only before the first step, only weights whose fingerprint the job
+    /// records, and only for the model the job describes.
+    pub fn init_from_hf(&mut self, dir: &std::path::Path) -> Result<(), TrainerError> {
+        if self.step != 0 {
+            return Err(TrainerError::Config(format!(
+                "init_from applies at step 0, this state is at step {}",
+                self.step
+            )));
+        }
+        let crate::model::ModelSpec::Llama(ours) = &self.job.model else {
+            return Err(TrainerError::Config("init_from needs model 'llama'".into()));
+        };
+        let w = crate::hf::read_weights(dir, Some(ours.context))?;
+        if &w.spec != ours {
+            return Err(TrainerError::Mismatch(format!(
+                "{} describes {:?}, the job's model is {ours:?}",
+                dir.display(),
+                w.spec
+            )));
+        }
+        if self.job.init.as_deref() != Some(w.fingerprint.as_str()) {
+            return Err(TrainerError::Mismatch(format!(
+                "the weights in {} have fingerprint {}, the job records {:?}",
+                dir.display(),
+                w.fingerprint,
+                self.job.init
+            )));
+        }
+        self.model.load_named(&w.tensors)
+    }
+
     /// Sets the batch plan and learning-rate multiplier of an epoch (the elastic batch
     /// policy's decision). Under `fixed-global` this keeps the job's own batch and scale 1.
     pub fn set_epoch_plan(
@@ -228,7 +272,7 @@ impl Trainer {
                 self.model.seed_dropout(step_seed ^ mb.start.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ k as u64);
             }
             let idx = self.sampler.indices(mb);
-            let (x, y) = self.data.train.batch(&idx);
+            let (x, y) = self.batch_on_device(&idx)?;
             let logits = self.model.forward_t(&x, true);
             let loss = self.model.loss_sum(&logits, &y);
             loss.f_backward()?;
@@ -275,7 +319,7 @@ impl Trainer {
     ) -> StepStats {
         let lr =
             self.job.optimizer.lr() * self.job.schedule.factor(self.step, self.job.steps) * self.lr_scale;
-        let g = Tensor::from_slice(grad);
+        let g = Tensor::from_slice(grad).to_device(self.model.device());
         self.optim.apply(self.model.params(), &g, lr, self.step + 1);
         let stats = StepStats { step: self.step, loss, lr, grad_norm, samples, rank_mean_sq_sum };
         self.next_step_seed();
@@ -326,13 +370,16 @@ impl Trainer {
                 }
                 let idx = if first || last { self.sampler.indices(mb) } else { Vec::new() };
                 let input = if first {
-                    self.data.train.batch(&idx).0
+                    self.batch_on_device(&idx)?.0
                 } else {
-                    link.recv_activation(step, k)?.to_tensor()?.set_requires_grad(true)
+                    link.recv_activation(step, k)?
+                        .to_tensor()?
+                        .to_device(self.model.device())
+                        .set_requires_grad(true)
                 };
                 let out = self.model.forward_t(&input, true);
                 if last {
-                    let (_, y) = self.data.train.batch(&idx);
+                    let (_, y) = self.batch_on_device(&idx)?;
                     let loss = self.model.loss_sum(&out, &y);
                     loss_sum += loss.double_value(&[]);
                     held[k] = Some((input, loss));
@@ -345,7 +392,7 @@ impl Trainer {
                 if last {
                     out.f_backward()?;
                 } else {
-                    let g = link.recv_gradient(step, k)?.to_tensor()?;
+                    let g = link.recv_gradient(step, k)?.to_tensor()?.to_device(self.model.device());
                     if g.size() != out.size() {
                         return Err(TrainerError::Reduce(format!(
                             "step {step} micro-batch {k}: gradient of shape {:?} for an output of shape {:?}",
@@ -383,19 +430,39 @@ impl Trainer {
         Ok(self.apply_clipped(&buf[..n], loss, norm, samples as usize, f64::from(scalars[2])))
     }
 
+    /// The samples at `indices` of the training split, on the model's device.
+    fn batch_on_device(&self, indices: &[i64]) -> Result<(Tensor, Tensor), TrainerError> {
+        let (x, y) = self.data.train.batch(indices)?;
+        let d = self.model.device();
+        Ok((x.to_device(d), y.to_device(d)))
+    }
+
     /// The flat buffer of this rank's summed gradients (zeroing them), then the loss sum,
-    /// the sample count and the squared norm of the mean gradient.
+    /// the sample count and the squared norm of the mean gradient. The gradients are
+    /// gathered into one buffer on the model's device and copied to the host once.
     fn flat_grads(&mut self, loss_sum: f64, count: f64) -> Result<Vec<f32>, TrainerError> {
         let mut buf = vec![0f32; self.buffer_len()];
-        let mut offset = 0;
+        let parts: Vec<Tensor> = self
+            .model
+            .params()
+            .iter()
+            .map(|(_, p)| {
+                let g = p.grad();
+                if g.defined() {
+                    g.detach().reshape([-1])
+                } else {
+                    p.zeros_like().reshape([-1])
+                }
+            })
+            .collect();
+        let offset = self.model.num_elements();
+        let flat = Tensor::f_cat(&parts, 0)?.to_kind(Kind::Float).to_device(Device::Cpu);
+        flat.f_copy_data(&mut buf[..offset], offset)?;
         for (_, p) in self.model.params() {
-            let n = p.numel();
             let mut g = p.grad();
             if g.defined() {
-                g.f_copy_data(&mut buf[offset..offset + n], n)?;
                 let _ = g.zero_();
             }
-            offset += n;
         }
         let sq: f64 = buf[..offset].iter().map(|&g| f64::from(g) * f64::from(g)).sum();
         buf[offset] = loss_sum as f32;
@@ -420,15 +487,25 @@ impl Trainer {
     pub fn evaluate(&self) -> Result<Eval, TrainerError> {
         let test = &self.data.test;
         let (mut loss, mut correct) = (0.0, 0.0);
-        tch::no_grad(|| {
-            for start in (0..test.len()).step_by(256) {
-                let len = 256.min(test.len() - start);
-                let (x, y) = test.range(start, len);
+        // Windows of token shards can be long: evaluate them a micro-batch at a time.
+        let chunk = match test {
+            crate::data::Split::Memory { .. } => 256,
+            crate::data::Split::Windows(_) | crate::data::Split::Rows(_) => {
+                self.job.micro_batch.clamp(1, 256)
+            }
+        };
+        let d = self.model.device();
+        tch::no_grad(|| -> Result<(), TrainerError> {
+            for start in (0..test.len()).step_by(chunk) {
+                let len = chunk.min(test.len() - start);
+                let (x, y) = test.range(start, len)?;
+                let (x, y) = (x.to_device(d), y.to_device(d));
                 let logits = self.model.forward_t(&x, false);
                 loss += self.model.loss_sum(&logits, &y).double_value(&[]);
                 correct += self.model.correct(&logits, &y);
             }
-        });
+            Ok(())
+        })?;
         let n = test.len() as f64;
         Ok(Eval { loss: loss / n, accuracy: correct / n })
     }
@@ -473,7 +550,7 @@ impl Trainer {
 
 /// Copies an f32 tensor out as raw bytes.
 fn raw(name: &str, t: &Tensor) -> Result<RawTensor, TrainerError> {
-    let t = t.detach().to_kind(Kind::Float).contiguous();
+    let t = t.detach().to_kind(Kind::Float).to_device(Device::Cpu).contiguous();
     let n = t.numel();
     let mut bytes = vec![0u8; n * 4];
     t.f_copy_data_u8(&mut bytes, n)?;

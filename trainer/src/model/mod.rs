@@ -6,29 +6,204 @@
 //! than from libtorch's global generator: it is the same on every host, thread and build.
 
 mod gpt;
+mod llama;
 
 use crate::data::DataInfo;
 use crate::{ModelKind, TrainerError};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Reduction, Tensor};
 
+/// The number format the forward and backward passes compute in. Parameters, optimizer
+/// state, gradients and state images stay f32 either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// Everything in f32.
+    #[default]
+    Fp32,
+    /// Matrix products and attention in bfloat16, with f32 master weights, norms and loss.
+    Bf16,
+}
+
+impl Precision {
+    /// Parses `fp32` or `bf16`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "fp32" => Ok(Precision::Fp32),
+            "bf16" => Ok(Precision::Bf16),
+            other => Err(format!("{other:?} is not one of fp32, bf16")),
+        }
+    }
+
+    /// The kind matrix products are cast to, if any.
+    pub(crate) fn compute_kind(self) -> Option<Kind> {
+        match self {
+            Precision::Fp32 => None,
+            Precision::Bf16 => Some(Kind::BFloat16),
+        }
+    }
+}
+
+/// What a classifier or regressor minimizes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Loss {
+    /// Softmax cross-entropy against class labels.
+    #[default]
+    CrossEntropy,
+    /// Mean squared error against float targets (per sample: the mean over its outputs).
+    Mse,
+}
+
+impl Loss {
+    fn is_cross_entropy(&self) -> bool {
+        *self == Loss::CrossEntropy
+    }
+}
+
+/// Sizes of a LLaMA-family decoder (the names are Hugging Face's `LlamaConfig` fields where
+/// one exists: `d_model` is `hidden_size`, `ffn` is `intermediate_size`, `kv_heads` is
+/// `num_key_value_heads`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LlamaSpec {
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Longest sequence.
+    pub context: usize,
+    /// Width of the residual stream.
+    pub d_model: usize,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Query heads (must divide `d_model`).
+    pub heads: usize,
+    /// Key/value heads (must divide `heads`; fewer than `heads` is grouped-query attention).
+    pub kv_heads: usize,
+    /// Hidden width of the SwiGLU MLP.
+    pub ffn: usize,
+    /// Base of the rotary embedding's frequencies.
+    #[serde(default = "default_rope_theta")]
+    pub rope_theta: f64,
+    /// RMSNorm's epsilon.
+    #[serde(default = "default_norm_eps")]
+    pub norm_eps: f64,
+    /// The vocabulary head reuses the token embedding (the whole model must be one stage).
+    #[serde(default)]
+    pub tie_embeddings: bool,
+}
+
+fn default_rope_theta() -> f64 {
+    10_000.0
+}
+
+fn default_norm_eps() -> f64 {
+    1e-5
+}
+
+/// Named LLaMA sizes, smallest first: `(name, layers, d_model, heads, kv_heads, ffn)`.
+/// `1b` has the shape of Llama 3.2 1B (with the vocabulary the data brings).
+pub const LLAMA_PRESETS: &[(&str, usize, usize, usize, usize, usize)] = &[
+    ("tiny", 2, 64, 4, 2, 176),
+    ("small", 4, 256, 8, 4, 688),
+    ("125m", 12, 768, 12, 4, 2048),
+    ("350m", 24, 1024, 16, 8, 2816),
+    ("1b", 16, 2048, 32, 8, 8192),
+];
+
+impl LlamaSpec {
+    /// The preset `name` for a vocabulary of `vocab` tokens and sequences of `context`.
+    pub fn preset(name: &str, vocab: usize, context: usize) -> Result<Self, TrainerError> {
+        let &(_, layers, d_model, heads, kv_heads, ffn) =
+            LLAMA_PRESETS.iter().find(|p| p.0 == name).ok_or_else(|| {
+                let names: Vec<&str> = LLAMA_PRESETS.iter().map(|p| p.0).collect();
+                TrainerError::Config(format!("model.preset {name:?} is not one of {}", names.join(", ")))
+            })?;
+        Ok(LlamaSpec {
+            vocab,
+            context,
+            d_model,
+            layers,
+            heads,
+            kv_heads,
+            ffn,
+            rope_theta: default_rope_theta(),
+            norm_eps: default_norm_eps(),
+            tie_embeddings: false,
+        })
+    }
+
+    /// Width of one attention head.
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.heads.max(1)
+    }
+
+    /// Number of parameter elements.
+    pub fn num_params(&self) -> u64 {
+        let (v, d, f) = (self.vocab as u64, self.d_model as u64, self.ffn as u64);
+        let kvd = (self.kv_heads * self.head_dim()) as u64;
+        let layer = 2 * d + 2 * d * d + 2 * d * kvd + 3 * d * f;
+        let head = if self.tie_embeddings { 0 } else { v * d };
+        v * d + self.layers as u64 * layer + d + head
+    }
+
+    fn validate(&self) -> Result<(), TrainerError> {
+        let bad = |m: String| Err(TrainerError::Config(format!("model: {m}")));
+        for (name, v) in [
+            ("vocab", self.vocab),
+            ("context", self.context),
+            ("d_model", self.d_model),
+            ("layers", self.layers),
+            ("heads", self.heads),
+            ("kv_heads", self.kv_heads),
+            ("ffn", self.ffn),
+        ] {
+            if v == 0 {
+                return bad(format!("llama {name} must be at least 1"));
+            }
+        }
+        if self.d_model % self.heads != 0 {
+            return bad(format!("llama heads ({}) must divide d_model ({})", self.heads, self.d_model));
+        }
+        if self.heads % self.kv_heads != 0 {
+            return bad(format!("llama kv_heads ({}) must divide heads ({})", self.kv_heads, self.heads));
+        }
+        if self.head_dim() % 2 != 0 {
+            return bad(format!(
+                "llama head width d_model/heads ({}) must be even for rotary embeddings",
+                self.head_dim()
+            ));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 1.0) {
+            return bad(format!("llama rope_theta ({}) must be a number above 1", self.rope_theta));
+        }
+        if !(self.norm_eps.is_finite() && self.norm_eps > 0.0) {
+            return bad(format!("llama norm_eps ({}) must be a positive number", self.norm_eps));
+        }
+        Ok(())
+    }
+}
+
 /// Architecture and sizes of a model.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
 pub enum ModelSpec {
-    /// Linear+ReLU blocks, then a linear classifier block.
+    /// Linear+ReLU blocks, then a linear classifier (or regression) block.
     Mlp {
         /// Input features.
         inputs: usize,
         /// Width of each hidden block.
         hidden: Vec<usize>,
-        /// Output classes.
+        /// Output classes (or regression outputs).
         classes: usize,
+        /// The loss on the outputs (absent in older images: cross-entropy).
+        #[serde(default, skip_serializing_if = "Loss::is_cross_entropy")]
+        loss: Loss,
     },
     /// 3x3 conv blocks (the last one max-pools), a dense block, and a classifier block.
     Convnet {
@@ -59,14 +234,33 @@ pub enum ModelSpec {
         /// across world sizes).
         dropout: f64,
     },
+    /// LLaMA-family decoder: embedding block, decoder-layer blocks, and a norm+head block.
+    Llama(LlamaSpec),
 }
 
 impl ModelSpec {
     /// limpet's default model of `kind` for data shaped like `info`.
     pub fn for_data(kind: ModelKind, info: &DataInfo) -> Result<Self, TrainerError> {
         let spec = match (kind, info) {
-            (ModelKind::Mlp, DataInfo::Classify { features, classes, .. }) => {
-                ModelSpec::Mlp { inputs: *features, hidden: vec![128, 128], classes: *classes }
+            (ModelKind::Mlp, DataInfo::Classify { features, classes, .. }) => ModelSpec::Mlp {
+                inputs: *features,
+                hidden: vec![128, 128],
+                classes: *classes,
+                loss: Loss::CrossEntropy,
+            },
+            (ModelKind::Mlp, DataInfo::Regress { features, outputs }) => ModelSpec::Mlp {
+                inputs: *features,
+                hidden: vec![128, 128],
+                classes: *outputs,
+                loss: Loss::Mse,
+            },
+            (_, DataInfo::Regress { .. }) => {
+                return Err(TrainerError::Config(
+                    format!(
+                        "model '{kind:?}' classifies or predicts tokens; regression targets need model 'mlp'"
+                    )
+                    .to_lowercase(),
+                ))
             }
             (ModelKind::Convnet, DataInfo::Classify { classes, image: Some((h, w)), .. }) => {
                 ModelSpec::Convnet {
@@ -80,7 +274,10 @@ impl ModelSpec {
             (ModelKind::Convnet, DataInfo::Classify { image: None, .. }) => {
                 return Err(TrainerError::Config("model 'convnet' needs image data (digits)".into()))
             }
-            (ModelKind::Gpt, DataInfo::Chars { vocab, context }) => ModelSpec::Gpt {
+            (ModelKind::Llama, DataInfo::Tokens { vocab, context }) => {
+                ModelSpec::Llama(LlamaSpec::preset("tiny", *vocab, *context)?)
+            }
+            (ModelKind::Gpt, DataInfo::Tokens { vocab, context }) => ModelSpec::Gpt {
                 vocab: *vocab,
                 context: *context,
                 width: 64,
@@ -88,14 +285,16 @@ impl ModelSpec {
                 heads: 4,
                 dropout: 0.0,
             },
-            (ModelKind::Gpt, DataInfo::Classify { .. }) => {
+            (ModelKind::Gpt | ModelKind::Llama, DataInfo::Classify { .. }) => {
                 return Err(TrainerError::Config(
-                    "model 'gpt' needs a character corpus (data 'chars')".into(),
+                    format!("model '{kind:?}' needs token sequences (data 'chars' or 'tokens')")
+                        .to_lowercase(),
                 ))
             }
-            (_, DataInfo::Chars { .. }) => {
+            (_, DataInfo::Tokens { .. }) => {
                 return Err(TrainerError::Config(
-                    format!("model '{kind:?}' classifies; data 'chars' needs model 'gpt'").to_lowercase(),
+                    format!("model '{kind:?}' classifies; token data needs model 'gpt' or 'llama'")
+                        .to_lowercase(),
                 ))
             }
         };
@@ -105,15 +304,35 @@ impl ModelSpec {
     /// Checks that this model reads the data shaped like `info`.
     pub fn check_data(&self, info: &DataInfo) -> Result<(), TrainerError> {
         let fits = match (self, info) {
-            (ModelSpec::Mlp { inputs, classes, .. }, DataInfo::Classify { features, classes: c, .. }) => {
-                inputs == features && classes == c
+            (
+                ModelSpec::Mlp { inputs, classes, loss, .. },
+                DataInfo::Classify { features, classes: c, .. },
+            ) => inputs == features && classes == c && *loss == Loss::CrossEntropy,
+            (ModelSpec::Mlp { inputs, classes, loss, .. }, DataInfo::Regress { features, outputs }) => {
+                inputs == features && classes == outputs && *loss == Loss::Mse
             }
             (
                 ModelSpec::Convnet { height, width, classes, .. },
                 DataInfo::Classify { image, classes: c, .. },
             ) => *image == Some((*height, *width)) && classes == c,
-            (ModelSpec::Gpt { vocab, context, .. }, DataInfo::Chars { vocab: v, context: t }) => {
+            (ModelSpec::Gpt { vocab, context, .. }, DataInfo::Tokens { vocab: v, context: t }) => {
                 vocab == v && context >= t
+            }
+            (ModelSpec::Llama(l), DataInfo::Tokens { vocab: v, context: t }) => {
+                if l.vocab < *v {
+                    return Err(TrainerError::Config(format!(
+                        "model vocab ({}) is smaller than the data's vocabulary ({v}): token ids up to {} would be out of range",
+                        l.vocab,
+                        v - 1
+                    )));
+                }
+                if l.context < *t {
+                    return Err(TrainerError::Config(format!(
+                        "model context ({}) is shorter than the data's windows ({t})",
+                        l.context
+                    )));
+                }
+                true
             }
             _ => false,
         };
@@ -130,6 +349,7 @@ impl ModelSpec {
             ModelSpec::Mlp { hidden, .. } => hidden.len() + 1,
             ModelSpec::Convnet { channels, .. } => channels.len() + 2,
             ModelSpec::Gpt { layers, .. } => layers + 2,
+            ModelSpec::Llama(l) => l.layers + 2,
         }
     }
 
@@ -138,7 +358,7 @@ impl ModelSpec {
     /// allocator does not report what autograd holds). The planner's memory estimate.
     pub fn saved_bytes_per_sample(&self, i: usize) -> u64 {
         let floats = match self {
-            ModelSpec::Mlp { inputs, hidden, classes } => {
+            ModelSpec::Mlp { inputs, hidden, classes, .. } => {
                 let fan_in = if i == 0 { *inputs } else { hidden[i - 1] };
                 let out = hidden.get(i).unwrap_or(classes);
                 fan_in + 2 * out
@@ -167,20 +387,34 @@ impl ModelSpec {
                     t * (2 * d + 2 * vocab)
                 }
             }
+            ModelSpec::Llama(l) => {
+                let (t, d, f) = (l.context, l.d_model, l.ffn);
+                if i == 0 {
+                    t
+                } else if i <= l.layers {
+                    // Norm input and output, q, k, v, rotated q and k, attention output and its
+                    // log-sum-exp, projection; norm, gate, up, silu, product, down.
+                    let kvd = l.kv_heads * l.head_dim();
+                    t * (8 * d + 4 * kvd + l.heads + 4 * f)
+                } else {
+                    t * (2 * d + 2 * l.vocab)
+                }
+            }
         };
         floats as u64 * 4
     }
 
     /// True when the model predicts every position of a sequence (per-sample loss is a mean
     /// over positions).
-    fn is_sequence(&self) -> bool {
-        matches!(self, ModelSpec::Gpt { .. })
+    pub fn is_sequence(&self) -> bool {
+        matches!(self, ModelSpec::Gpt { .. } | ModelSpec::Llama(_))
     }
 
-    fn validate(&self) -> Result<(), TrainerError> {
+    /// Checks the sizes; the error names the field.
+    pub fn validate(&self) -> Result<(), TrainerError> {
         let bad = |m: &str| Err(TrainerError::Config(format!("model: {m}")));
         match self {
-            ModelSpec::Mlp { inputs, hidden, classes } => {
+            ModelSpec::Mlp { inputs, hidden, classes, .. } => {
                 if *inputs == 0 || *classes == 0 || hidden.contains(&0) {
                     return bad("mlp sizes must be at least 1");
                 }
@@ -204,6 +438,7 @@ impl ModelSpec {
                     return bad("gpt dropout must be within [0, 1)");
                 }
             }
+            ModelSpec::Llama(l) => l.validate()?,
         }
         Ok(())
     }
@@ -213,10 +448,17 @@ impl ModelSpec {
 pub(crate) type DropoutRng = Arc<Mutex<ChaCha8Rng>>;
 
 /// Builds block `i` of `spec` under path `p`.
-fn build_block(spec: &ModelSpec, i: usize, p: &nn::Path, rng: &DropoutRng) -> Box<dyn ModuleT> {
+fn build_block(
+    spec: &ModelSpec,
+    precision: Precision,
+    i: usize,
+    root: &nn::Path,
+    rng: &DropoutRng,
+) -> Box<dyn ModuleT> {
+    let p = &(root / format!("b{i:02}"));
     let lin = |p: nn::Path, a: usize, b: usize| nn::linear(p, a as i64, b as i64, Default::default());
     match spec {
-        ModelSpec::Mlp { inputs, hidden, classes } => {
+        ModelSpec::Mlp { inputs, hidden, classes, .. } => {
             let fan_in = if i == 0 { *inputs } else { hidden[i - 1] };
             if i < hidden.len() {
                 Box::new(nn::seq_t().add(lin(p / "fc", fan_in, hidden[i])).add_fn(|x| x.relu()))
@@ -251,6 +493,7 @@ fn build_block(spec: &ModelSpec, i: usize, p: &nn::Path, rng: &DropoutRng) -> Bo
             }
         }
         ModelSpec::Gpt { .. } => gpt::block(spec, i, p, rng),
+        ModelSpec::Llama(l) => llama::block(l, precision, i, root),
     }
 }
 
@@ -261,6 +504,7 @@ pub struct Model {
     blocks: Range<usize>,
     layers: Vec<Box<dyn ModuleT>>,
     params: Vec<(String, Tensor)>,
+    device: Device,
     dropout_rng: DropoutRng,
     // Owns the variables the layers refer to.
     _vs: nn::VarStore,
@@ -272,8 +516,20 @@ impl Model {
         Self::with_blocks(spec, 0..spec.num_blocks(), seed)
     }
 
-    /// Builds blocks `blocks` of the model (a pipeline stage).
+    /// Builds blocks `blocks` of the model (a pipeline stage) on the CPU in f32.
     pub fn with_blocks(spec: &ModelSpec, blocks: Range<usize>, seed: u64) -> Result<Self, TrainerError> {
+        Self::build(spec, blocks, seed, Device::Cpu, Precision::Fp32)
+    }
+
+    /// Builds blocks `blocks` of the model with its parameters on `device`, computing in
+    /// `precision`.
+    pub fn build(
+        spec: &ModelSpec,
+        blocks: Range<usize>,
+        seed: u64,
+        device: Device,
+        precision: Precision,
+    ) -> Result<Self, TrainerError> {
         spec.validate()?;
         if blocks.start >= blocks.end || blocks.end > spec.num_blocks() {
             return Err(TrainerError::Config(format!(
@@ -281,24 +537,38 @@ impl Model {
                 spec.num_blocks()
             )));
         }
-        let vs = nn::VarStore::new(Device::Cpu);
+        if let ModelSpec::Llama(l) = spec {
+            if l.tie_embeddings && blocks.end == spec.num_blocks() && blocks.start > 0 {
+                return Err(TrainerError::Config(format!(
+                    "model.tie_embeddings: the head shares block 0's embedding, so blocks {blocks:?} cannot be a stage of their own (untie it to split the model)"
+                )));
+            }
+        }
+        if precision == Precision::Bf16 && !matches!(spec, ModelSpec::Llama(_)) {
+            return Err(TrainerError::Config(
+                "precision \"bf16\" is available for model 'llama' only".into(),
+            ));
+        }
+        let vs = nn::VarStore::new(device);
         let root = vs.root();
         let dropout_rng = Arc::new(Mutex::new(ChaCha8Rng::seed_from_u64(seed)));
-        let layers = blocks
-            .clone()
-            .map(|i| build_block(spec, i, &(&root / format!("b{i:02}")), &dropout_rng))
-            .collect();
+        let layers = blocks.clone().map(|i| build_block(spec, precision, i, &root, &dropout_rng)).collect();
         let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
         params.sort_by(|a, b| a.0.cmp(&b.0));
         for (name, t) in &params {
             init_param(name, t, seed);
         }
-        Ok(Model { spec: spec.clone(), blocks, layers, params, dropout_rng, _vs: vs })
+        Ok(Model { spec: spec.clone(), blocks, layers, params, device, dropout_rng, _vs: vs })
     }
 
     /// The spec this model was built from.
     pub fn spec(&self) -> &ModelSpec {
         &self.spec
+    }
+
+    /// Where the parameters live.
+    pub fn device(&self) -> Device {
+        self.device
     }
 
     /// Which blocks this model holds.
@@ -326,6 +596,31 @@ impl Model {
         *self.dropout_rng.lock().expect("dropout generator lock") = ChaCha8Rng::seed_from_u64(seed);
     }
 
+    /// Replaces the parameters with `tensors` (by limpet's names, f32, on any device):
+    /// imported weights. Every parameter this model holds must be there with its shape;
+    /// tensors of blocks it does not hold (another stage's) are not used. Nothing changes
+    /// when one does not fit.
+    pub fn load_named(&self, tensors: &BTreeMap<String, Tensor>) -> Result<(), TrainerError> {
+        for (name, p) in &self.params {
+            let t = tensors.get(name).ok_or_else(|| {
+                TrainerError::Mismatch(format!("tensor '{name}' is missing from the imported weights"))
+            })?;
+            if t.size() != p.size() {
+                return Err(TrainerError::Mismatch(format!(
+                    "tensor '{name}' has shape {:?}, the model needs {:?}",
+                    t.size(),
+                    p.size()
+                )));
+            }
+        }
+        tch::no_grad(|| -> Result<(), TrainerError> {
+            for (name, p) in &self.params {
+                p.shallow_clone().f_copy_(&tensors[name].to_kind(Kind::Float))?;
+            }
+            Ok(())
+        })
+    }
+
     /// Runs block `i` (an index into the whole model; it must be one this model holds).
     pub fn block_forward(&self, i: usize, xs: &Tensor, train: bool) -> Tensor {
         assert!(self.blocks.contains(&i), "block {i} is not among {:?}", self.blocks);
@@ -350,6 +645,10 @@ impl Model {
     /// Sum over samples of each sample's loss (mean over positions for sequence models).
     /// Summing, not averaging, is what makes gradients of shares add up to the global batch's.
     pub fn loss_sum(&self, logits: &Tensor, targets: &Tensor) -> Tensor {
+        if let ModelSpec::Mlp { loss: Loss::Mse, classes, .. } = self.spec {
+            let diff = logits - targets.to_kind(Kind::Float).view_as(logits);
+            return (&diff * &diff).sum(Kind::Float) / classes as f64;
+        }
         let v = *logits.size().last().expect("logits have a class dimension");
         let ce = logits.view([-1, v]).cross_entropy_loss::<Tensor>(
             &targets.view(-1),
@@ -367,6 +666,9 @@ impl Model {
 
     /// Sum over samples of the fraction of positions predicted right (1 or 0 for classifiers).
     pub fn correct(&self, logits: &Tensor, targets: &Tensor) -> f64 {
+        if matches!(self.spec, ModelSpec::Mlp { loss: Loss::Mse, .. }) {
+            return 0.0; // regression has no right or wrong; its test loss is the MSE
+        }
         let hits = logits.argmax(-1, false).eq_tensor(targets).to_kind(Kind::Double).sum(Kind::Double);
         let per = if self.spec.is_sequence() { targets.size()[1] as f64 } else { 1.0 };
         hits.double_value(&[]) / per

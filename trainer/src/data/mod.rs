@@ -1,7 +1,11 @@
-//! Datasets, all offline: scikit-learn's handwritten digits (fetched once by the project's
-//! setup), a byte-level character corpus from any text file or directory, and a seeded synthetic
-//! classification set for benchmarks. Every dataset is split into train and test the same way on
-//! every host, and carries a fingerprint of its source bytes.
+//! Datasets: token shards on disk ([`tokens`], read a window at a time, never whole),
+//! scikit-learn's handwritten digits (fetched once by the project's setup), a byte-level
+//! character corpus from any text file or directory, and a seeded synthetic classification set
+//! for benchmarks. Every dataset is split into train and test the same way on every host, and
+//! carries a fingerprint of its source bytes (for token shards: of their manifest).
+
+pub mod tensors;
+pub mod tokens;
 
 use crate::TrainerError;
 use rand::{Rng, SeedableRng};
@@ -27,6 +31,13 @@ pub enum DataSpec {
         /// Window length in bytes.
         context: usize,
     },
+    /// Windows of `context` + 1 tokens from a directory of token shards ([`tokens`]).
+    Tokens {
+        /// Window length in tokens (the model sees `context`, predicts the next of each).
+        context: usize,
+    },
+    /// Rows of `x` and `y` arrays in `.npy` or safetensors files ([`tensors`]).
+    Tensors,
     /// Gaussian features labelled by a random linear teacher.
     Synthetic {
         /// Number of samples (train and test together).
@@ -52,26 +63,51 @@ pub enum DataInfo {
         /// (height, width) when the features are a one-channel image.
         image: Option<(usize, usize)>,
     },
-    /// Byte tokens; targets are the inputs shifted by one.
-    Chars {
-        /// Number of distinct bytes.
+    /// Float features and float targets per sample.
+    Regress {
+        /// Features per sample.
+        features: usize,
+        /// Target values per sample.
+        outputs: usize,
+    },
+    /// Token sequences; targets are the inputs shifted by one.
+    Tokens {
+        /// Vocabulary size (every id is below it).
         vocab: usize,
         /// Window length.
         context: usize,
     },
 }
 
-/// Inputs and targets of one split, indexed by sample along dimension 0.
+/// Inputs and targets of one split, indexed by sample: in memory, or windows of token shards
+/// read when asked for.
 #[derive(Debug)]
-pub struct Split {
-    x: Tensor,
-    y: Tensor,
+pub enum Split {
+    /// Tensors with samples along dimension 0.
+    Memory {
+        /// Inputs.
+        x: Tensor,
+        /// Targets.
+        y: Tensor,
+    },
+    /// Windows of token shards on disk.
+    Windows(tokens::Windows),
+    /// Rows of tensor files on disk.
+    Rows(tensors::Rows),
 }
 
 impl Split {
+    fn memory(x: Tensor, y: Tensor) -> Self {
+        Split::Memory { x, y }
+    }
+
     /// Number of samples.
     pub fn len(&self) -> usize {
-        self.x.size()[0] as usize
+        match self {
+            Split::Memory { x, .. } => x.size()[0] as usize,
+            Split::Windows(w) => w.len(),
+            Split::Rows(r) => r.len(),
+        }
     }
 
     /// True when the split holds no samples.
@@ -79,16 +115,56 @@ impl Split {
         self.len() == 0
     }
 
-    /// The samples at `indices`, as (inputs, targets).
-    pub fn batch(&self, indices: &[i64]) -> (Tensor, Tensor) {
-        let idx = Tensor::from_slice(indices);
-        (self.x.index_select(0, &idx), self.y.index_select(0, &idx))
+    /// The samples at `indices`, as (inputs, targets) on the CPU.
+    pub fn batch(&self, indices: &[i64]) -> Result<(Tensor, Tensor), TrainerError> {
+        match self {
+            Split::Memory { x, y } => {
+                let idx = Tensor::from_slice(indices);
+                Ok((x.index_select(0, &idx), y.index_select(0, &idx)))
+            }
+            Split::Windows(w) => window_tensors(w, indices.iter().map(|&i| i as u64)),
+            Split::Rows(r) => row_tensors(r, indices.iter().map(|&i| i as u64)),
+        }
     }
 
     /// Samples `start..start+len` in order (for evaluation).
-    pub fn range(&self, start: usize, len: usize) -> (Tensor, Tensor) {
-        (self.x.narrow(0, start as i64, len as i64), self.y.narrow(0, start as i64, len as i64))
+    pub fn range(&self, start: usize, len: usize) -> Result<(Tensor, Tensor), TrainerError> {
+        match self {
+            Split::Memory { x, y } => {
+                Ok((x.narrow(0, start as i64, len as i64), y.narrow(0, start as i64, len as i64)))
+            }
+            Split::Windows(w) => window_tensors(w, start as u64..(start + len) as u64),
+            Split::Rows(r) => row_tensors(r, start as u64..(start + len) as u64),
+        }
     }
+
+    fn shallow_clone(&self) -> Split {
+        match self {
+            Split::Memory { x, y } => Split::Memory { x: x.shallow_clone(), y: y.shallow_clone() },
+            Split::Windows(w) => Split::Windows(w.clone()),
+            Split::Rows(r) => Split::Rows(r.clone()),
+        }
+    }
+}
+
+fn row_tensors(r: &tensors::Rows, ids: impl Iterator<Item = u64>) -> Result<(Tensor, Tensor), TrainerError> {
+    let b = r.read(ids)?;
+    let x = Tensor::from_slice(&b.x).view([b.n as i64, -1]);
+    let y = if r.is_regression() {
+        Tensor::from_slice(&b.values).view([b.n as i64, r.target_width() as i64])
+    } else {
+        Tensor::from_slice(&b.labels)
+    };
+    Ok((x, y))
+}
+
+fn window_tensors(
+    w: &tokens::Windows,
+    ids: impl Iterator<Item = u64>,
+) -> Result<(Tensor, Tensor), TrainerError> {
+    let (x, y, n) = w.read(ids)?;
+    let shape = [n as i64, (x.len() / n.max(1)) as i64];
+    Ok((Tensor::from_slice(&x).view(shape), Tensor::from_slice(&y).view(shape)))
 }
 
 /// A loaded dataset.
@@ -125,14 +201,13 @@ pub fn default_digits_path() -> PathBuf {
 impl Dataset {
     /// Another handle on the same samples (the tensors are shared, not copied).
     pub fn shallow_clone(&self) -> Dataset {
-        let split = |s: &Split| Split { x: s.x.shallow_clone(), y: s.y.shallow_clone() };
         Dataset {
             spec: self.spec.clone(),
             info: self.info.clone(),
             fingerprint: self.fingerprint.clone(),
             source: self.source.clone(),
-            train: split(&self.train),
-            test: split(&self.test),
+            train: self.train.shallow_clone(),
+            test: self.test.shallow_clone(),
             vocab: self.vocab.clone(),
         }
     }
@@ -147,6 +222,20 @@ impl Dataset {
             DataSpec::Chars { context } => {
                 let path = path.unwrap_or(Path::new(DEFAULT_CORPUS));
                 load_chars(path, *context)
+            }
+            DataSpec::Tokens { context } => {
+                let dir = path.ok_or_else(|| {
+                    TrainerError::Config("data 'tokens' needs the shard directory (data_path)".into())
+                })?;
+                load_tokens(dir, *context)
+            }
+            DataSpec::Tensors => {
+                let p = path.ok_or_else(|| {
+                    TrainerError::Config(
+                        "data 'tensors' needs data_path: a directory with x.npy and y.npy, or a safetensors file".into(),
+                    )
+                })?;
+                load_tensors(p)
             }
             DataSpec::Synthetic { .. } => synthetic(spec),
         }
@@ -180,7 +269,7 @@ fn split_classify(features: Vec<f32>, labels: Vec<i64>, width: usize) -> (Split,
             .flat_map(|&i| features[i as usize * width..(i as usize + 1) * width].iter().copied())
             .collect();
         let y: Vec<i64> = ids.iter().map(|&i| labels[i as usize]).collect();
-        Split { x: Tensor::from_slice(&x).view([ids.len() as i64, width as i64]), y: Tensor::from_slice(&y) }
+        Split::memory(Tensor::from_slice(&x).view([ids.len() as i64, width as i64]), Tensor::from_slice(&y))
     };
     (take(&perm[..n - n_test]), take(&perm[n - n_test..]))
 }
@@ -282,16 +371,47 @@ fn load_chars(path: &Path, context: usize) -> Result<Dataset, TrainerError> {
             y.extend_from_slice(&t[w * context + 1..(w + 1) * context + 1]);
         }
         let shape = [n as i64, context as i64];
-        Ok(Split { x: Tensor::from_slice(&x).view(shape), y: Tensor::from_slice(&y).view(shape) })
+        Ok(Split::memory(Tensor::from_slice(&x).view(shape), Tensor::from_slice(&y).view(shape)))
     };
     Ok(Dataset {
         spec: DataSpec::Chars { context },
-        info: DataInfo::Chars { vocab: vocab.len(), context },
+        info: DataInfo::Tokens { vocab: vocab.len(), context },
         fingerprint: blake3::hash(&text).to_hex().to_string(),
         source: path.display().to_string(),
         train: windows(&tokens[..cut])?,
         test: windows(&tokens[cut..])?,
         vocab,
+    })
+}
+
+fn load_tensors(path: &Path) -> Result<Dataset, TrainerError> {
+    let t = tensors::open(path)?;
+    let info = if t.regression {
+        DataInfo::Regress { features: t.features, outputs: t.outputs }
+    } else {
+        DataInfo::Classify { features: t.features, classes: t.outputs, image: t.image }
+    };
+    Ok(Dataset {
+        spec: DataSpec::Tensors,
+        info,
+        fingerprint: t.fingerprint,
+        source: path.display().to_string(),
+        train: Split::Rows(t.train),
+        test: Split::Rows(t.test),
+        vocab: Vec::new(),
+    })
+}
+
+fn load_tokens(dir: &Path, context: usize) -> Result<Dataset, TrainerError> {
+    let shards = tokens::open(dir, context)?;
+    Ok(Dataset {
+        spec: DataSpec::Tokens { context },
+        info: DataInfo::Tokens { vocab: shards.manifest.vocab as usize, context },
+        fingerprint: shards.manifest.fingerprint(),
+        source: dir.display().to_string(),
+        train: Split::Windows(shards.train),
+        test: Split::Windows(shards.test),
+        vocab: Vec::new(),
     })
 }
 
@@ -344,8 +464,8 @@ mod tests {
         let b = Dataset::load(&DataSpec::Digits, None).unwrap();
         assert_eq!((a.train.len(), a.test.len()), (1438, 359));
         assert_eq!(a.fingerprint, b.fingerprint);
-        let (xa, ya) = a.test.range(0, 359);
-        let (xb, yb) = b.test.range(0, 359);
+        let (xa, ya) = a.test.range(0, 359).unwrap();
+        let (xb, yb) = b.test.range(0, 359).unwrap();
         assert!(xa.equal(&xb) && ya.equal(&yb));
     }
 
@@ -367,8 +487,8 @@ mod tests {
         let mut f = tempfile::NamedTempFile::new().unwrap();
         f.write_all(&b"abcdefghijklmnopqrstuvwxyz0123456789".repeat(2)).unwrap();
         let d = Dataset::load(&DataSpec::Chars { context: 4 }, Some(f.path())).unwrap();
-        assert_eq!(d.info, DataInfo::Chars { vocab: 36, context: 4 });
-        let (x, y) = d.train.range(0, 1);
+        assert_eq!(d.info, DataInfo::Tokens { vocab: 36, context: 4 });
+        let (x, y) = d.train.range(0, 1).unwrap();
         let (x, y): (Vec<i64>, Vec<i64>) =
             (Vec::try_from(x.view(-1)).unwrap(), Vec::try_from(y.view(-1)).unwrap());
         let dec = |v: &[i64]| v.iter().map(|&t| d.vocab[t as usize] as char).collect::<String>();
@@ -385,7 +505,7 @@ mod tests {
     fn synthetic_is_seeded() {
         let spec = DataSpec::Synthetic { samples: 100, features: 5, classes: 3, seed: 9 };
         let (a, b) = (Dataset::load(&spec, None).unwrap(), Dataset::load(&spec, None).unwrap());
-        assert!(a.train.range(0, 80).0.equal(&b.train.range(0, 80).0));
+        assert!(a.train.range(0, 80).unwrap().0.equal(&b.train.range(0, 80).unwrap().0));
         assert_eq!(a.test.len(), 20);
     }
 }

@@ -1,0 +1,471 @@
+//! `limpet bench train`: tokens per second of limpet's LLaMA training step in one process,
+//! next to the same model in `transformers` (PyTorch eager, `bench/hf_train.py`) in the same
+//! run, on equal settings: the same configuration (limpet writes the `config.json` both
+//! build from), batch, context, libtorch threads, AdamW and gradient clipping at norm 1.
+//!
+//! `limpet bench dp`: samples per second of a cluster of `limpetd` agents (the whole agent:
+//! Raft log, heartbeats, ring allreduce) training that LLaMA on token shards, next to
+//! `torchrun` + DistributedDataParallel (gloo) training the transformers model on the same
+//! global batch with as many ranks (`bench/ddp_llama.py`), one libtorch thread per rank on both.
+//!
+//! limpet's side is the real training path: a [`Trainer`] reading windows of token shards
+//! (random ids written for the run), computing gradients, flattening them into the buffer a
+//! ring would reduce, and stepping its own AdamW. The peer draws random ids in memory.
+
+use crate::dp_cmd::python;
+use anyhow::{bail, Context};
+use clap::Args;
+use limpet_trainer::data::tokens::{write_manifest, Manifest, ShardWriter, MANIFEST_FORMAT};
+use limpet_trainer::data::{DataSpec, Dataset};
+use limpet_trainer::model::{LlamaSpec, ModelSpec};
+use limpet_trainer::{JobSpec, ModelKind, NoReduce, Trainer};
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+/// `limpet bench train`.
+#[derive(Debug, Args)]
+pub struct BenchTrainArgs {
+    /// LLaMA preset: tiny, small, 125m, 350m, 1b.
+    #[arg(long, default_value = "small")]
+    pub preset: String,
+    /// Vocabulary size.
+    #[arg(long, default_value_t = 8192)]
+    pub vocab: usize,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 256)]
+    pub context: usize,
+    /// Timed steps per side (after the warm-up steps).
+    #[arg(long, default_value_t = 10)]
+    pub steps: u64,
+    /// Untimed steps first.
+    #[arg(long, default_value_t = 2)]
+    pub warmup: u64,
+    /// libtorch threads on both sides.
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
+    /// Print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What `limpet bench train` measured.
+#[derive(Debug, Serialize)]
+pub struct TrainBenchReport {
+    /// The model.
+    pub model: LlamaSpec,
+    /// Parameters.
+    pub params: u64,
+    /// Sequences per step, tokens per sequence, threads.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub context: usize,
+    /// libtorch threads.
+    pub threads: usize,
+    /// limpet's tokens per second.
+    pub limpet_tokens_per_s: f64,
+    /// transformers' tokens per second.
+    pub transformers_tokens_per_s: f64,
+    /// limpet / transformers.
+    pub ratio: f64,
+}
+
+/// Random token shards (ids below `vocab`) for `windows` windows of `context` + 1 in `dir`.
+fn random_shards(dir: &std::path::Path, vocab: usize, context: usize, windows: u64) -> anyhow::Result<()> {
+    let tokens = windows * (context as u64 + 1) + 1;
+    let mut w = ShardWriter::new(dir, "train", vocab as u64, 1 << 26);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+    let ids: Vec<u32> = (0..tokens).map(|_| rng.random_range(0..vocab as u32)).collect();
+    w.write(&ids)?;
+    let (dtype, train) = w.finish()?;
+    let m = Manifest {
+        format: MANIFEST_FORMAT.into(),
+        version: 1,
+        dtype,
+        vocab: vocab as u64,
+        tokenizer: None,
+        train,
+        val: vec![],
+    };
+    write_manifest(dir, &m)?;
+    Ok(())
+}
+
+/// Writes `spec`'s Hugging Face `config.json` and the peer's script into `dir`.
+fn peer_files(
+    dir: &std::path::Path,
+    spec: &LlamaSpec,
+    name: &str,
+    script: &str,
+) -> anyhow::Result<(std::path::PathBuf, std::path::PathBuf)> {
+    let cfg = dir.join("config.json");
+    std::fs::write(&cfg, serde_json::to_vec(&limpet_trainer::hf::hf_config(spec))?)?;
+    let path = dir.join(name);
+    std::fs::write(&path, script)?;
+    Ok((cfg, path))
+}
+
+/// Runs the benchmark.
+pub fn bench(a: BenchTrainArgs) -> anyhow::Result<()> {
+    if a.batch == 0 || a.context == 0 || a.steps == 0 || a.threads == 0 {
+        return Err(
+            crate::UsageError("--batch, --context, --steps and --threads must be at least 1".into()).into()
+        );
+    }
+    let spec =
+        LlamaSpec::preset(&a.preset, a.vocab, a.context).map_err(|e| crate::UsageError(e.to_string()))?;
+    let tmp = tempfile::tempdir()?;
+    // Enough random tokens for every step's windows, written as shards.
+    random_shards(tmp.path(), a.vocab, a.context, (a.steps + a.warmup + 1) * a.batch as u64)?;
+    let data = Dataset::load(&DataSpec::Tokens { context: a.context }, Some(tmp.path()))?;
+    let mut job = JobSpec::defaults_for(ModelKind::Llama, &data)?;
+    job.model = ModelSpec::Llama(spec.clone());
+    job.global_batch = a.batch;
+    job.micro_batch = a.batch;
+    job.steps = a.steps + a.warmup;
+    job.schedule.warmup_steps = 0;
+    job.optimizer = limpet_trainer::optim::OptimizerSpec::adamw(1e-3, 0.1);
+
+    limpet_trainer::set_threads(a.threads);
+    let mut t = Trainer::try_new(job, data)?;
+    let mut secs = 0.0;
+    for s in 0..a.steps + a.warmup {
+        let started = Instant::now();
+        t.train_step(0, 1, &mut NoReduce)?;
+        if s >= a.warmup {
+            secs += started.elapsed().as_secs_f64();
+        }
+    }
+    let ours = (a.batch * a.context) as f64 * a.steps as f64 / secs;
+    drop(t);
+
+    let (cfg, script) =
+        peer_files(tmp.path(), &spec, "hf_train.py", include_str!("../../bench/hf_train.py"))?;
+    let py = python();
+    let out = Command::new(&py)
+        .arg(&script)
+        .arg(&cfg)
+        .args([a.batch, a.context, a.steps as usize, a.warmup as usize, a.threads].map(|v| v.to_string()))
+        .env("OMP_NUM_THREADS", a.threads.to_string())
+        .env("HF_HUB_OFFLINE", "1")
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| format!("running {} (set LIMPET_PYTHON, or run `make setup`)", py.display()))?;
+    if !out.status.success() {
+        bail!("the transformers side failed ({})", out.status);
+    }
+    let theirs: serde_json::Value =
+        serde_json::from_slice(&out.stdout).context("the transformers side's output")?;
+    let theirs = theirs["tokens_per_s"].as_f64().context("no tokens_per_s from the transformers side")?;
+    let r = TrainBenchReport {
+        params: spec.num_params(),
+        model: spec,
+        batch: a.batch,
+        context: a.context,
+        threads: a.threads,
+        limpet_tokens_per_s: ours,
+        transformers_tokens_per_s: theirs,
+        ratio: ours / theirs,
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        println!(
+            "bench train: LLaMA {} ({:.1}M parameters), batch {} x {} tokens, {} thread(s)",
+            a.preset,
+            r.params as f64 / 1e6,
+            r.batch,
+            r.context,
+            r.threads
+        );
+        println!("  limpet        {:>10.0} tokens/s", r.limpet_tokens_per_s);
+        println!("  transformers  {:>10.0} tokens/s", r.transformers_tokens_per_s);
+        println!("  ratio         {:>10.2}x (goal: at least 1.0)", r.ratio);
+    }
+    Ok(())
+}
+
+/// `limpet bench dp`.
+#[derive(Debug, Args)]
+pub struct BenchDpArgs {
+    /// LLaMA preset: tiny, small, 125m, 350m, 1b.
+    #[arg(long, default_value = "small")]
+    pub preset: String,
+    /// Vocabulary size.
+    #[arg(long, default_value_t = 8192)]
+    pub vocab: usize,
+    /// Global batch (sequences per step over all ranks).
+    #[arg(long, default_value_t = 16)]
+    pub batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 128)]
+    pub context: usize,
+    /// Agents on limpet's side, ranks on torchrun's.
+    #[arg(long, default_value_t = 2)]
+    pub world: usize,
+    /// Timed steps (after the warm-up steps).
+    #[arg(long, default_value_t = 30)]
+    pub steps: u64,
+    /// Untimed steps first.
+    #[arg(long, default_value_t = 5)]
+    pub warmup: u64,
+    /// Print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What `limpet bench dp` measured.
+#[derive(Debug, Serialize)]
+pub struct DpBenchReport {
+    /// The model.
+    pub model: LlamaSpec,
+    /// Parameters.
+    pub params: u64,
+    /// Ranks on each side.
+    pub world: usize,
+    /// Global batch.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub context: usize,
+    /// limpet agents' samples per second in the steady state.
+    pub limpet_samples_per_s: f64,
+    /// torchrun + DDP's samples per second.
+    pub torchrun_samples_per_s: f64,
+    /// limpet / torchrun.
+    pub ratio: f64,
+}
+
+/// Runs `limpet bench dp`.
+pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
+    if a.world < 2 || a.batch < a.world || a.steps == 0 || a.context == 0 {
+        return Err(crate::UsageError(
+            "--world must be at least 2, --batch at least --world, --steps and --context at least 1".into(),
+        )
+        .into());
+    }
+    let spec =
+        LlamaSpec::preset(&a.preset, a.vocab, a.context).map_err(|e| crate::UsageError(e.to_string()))?;
+    let tmp = tempfile::tempdir()?;
+    let shards = tmp.path().join("shards");
+    std::fs::create_dir_all(&shards)?;
+    random_shards(&shards, a.vocab, a.context, (a.steps + a.warmup + 1) * a.batch as u64)?;
+    let steps = a.steps + a.warmup;
+    let job = crate::local::LocalJob {
+        model: "llama".into(),
+        data: "tokens".into(),
+        steps,
+        global_batch: a.batch as u64,
+        data_path: Some(shards.clone()),
+        data_section: limpet_trainer::workload::DataSection { context: Some(a.context) },
+        model_section: limpet_trainer::workload::ModelSection {
+            preset: Some(a.preset.clone()),
+            vocab: Some(a.vocab),
+            ..Default::default()
+        },
+        ..crate::local::LocalJob::default()
+    };
+    eprintln!(
+        "limpet: {} agents, LLaMA {} on token shards, global batch {}, {steps} steps",
+        a.world, a.preset, a.batch
+    );
+    let dir = tmp.path().join("limpet");
+    crate::demo::run_scenario(&dir, a.world, job, &[], std::time::Duration::from_secs(1800), !a.json)?;
+    let logs: Vec<std::path::PathBuf> = std::fs::read_dir(&dir)?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.to_string_lossy().ends_with(".steps.jsonl"))
+        .collect();
+    let lines = crate::demo::read_step_logs(&logs)?;
+    // Rank 0's completions after the warm-up: (steps - 1) intervals of the steady state.
+    let mut t: Vec<(u64, u64)> =
+        lines.iter().filter(|l| l.rank == 0 && l.step >= a.warmup).map(|l| (l.step, l.wall_ms)).collect();
+    t.sort_unstable();
+    t.dedup_by_key(|x| x.0);
+    if t.len() < 2 {
+        bail!("limpet's step logs hold {} timed steps", t.len());
+    }
+    let span_s = (t[t.len() - 1].1 - t[0].1) as f64 / 1e3;
+    let ours = (t.len() - 1) as f64 * a.batch as f64 / span_s.max(1e-9);
+
+    let (cfg, script) =
+        peer_files(tmp.path(), &spec, "ddp_llama.py", include_str!("../../bench/ddp_llama.py"))?;
+    eprintln!("torchrun: {} ranks, DDP (gloo), the same LLaMA in transformers", a.world);
+    let py = python();
+    let port = crate::raft_cmd::free_port()?;
+    let out = Command::new(&py)
+        .args(["-m", "torch.distributed.run", "--standalone", "--nnodes", "1"])
+        .arg(format!("--nproc_per_node={}", a.world))
+        .arg(format!("--master_port={port}"))
+        .arg(&script)
+        .arg(&cfg)
+        .args([a.batch, a.context, a.steps as usize, a.warmup as usize].map(|v| v.to_string()))
+        .env("OMP_NUM_THREADS", "1")
+        .env("HF_HUB_OFFLINE", "1")
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| {
+            format!("running torchrun with {} (set LIMPET_PYTHON, or run `make setup`)", py.display())
+        })?;
+    if !out.status.success() {
+        bail!("torchrun failed ({})", out.status);
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().rev().find(|l| l.starts_with('{')).context("no result line from torchrun")?;
+    let theirs: serde_json::Value = serde_json::from_str(line)?;
+    let theirs = theirs["samples_per_s"].as_f64().context("no samples_per_s from torchrun")?;
+    let r = DpBenchReport {
+        params: spec.num_params(),
+        model: spec,
+        world: a.world,
+        batch: a.batch,
+        context: a.context,
+        limpet_samples_per_s: ours,
+        torchrun_samples_per_s: theirs,
+        ratio: ours / theirs,
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        println!(
+            "bench dp: LLaMA {} ({:.1}M parameters), {} ranks, global batch {} x {} tokens, 1 thread per rank",
+            a.preset,
+            r.params as f64 / 1e6,
+            r.world,
+            r.batch,
+            r.context
+        );
+        println!("  limpet agents    {:>8.2} samples/s", r.limpet_samples_per_s);
+        println!("  torchrun + DDP   {:>8.2} samples/s", r.torchrun_samples_per_s);
+        println!("  ratio            {:>8.2}x (goal: at least 1.0)", r.ratio);
+    }
+    Ok(())
+}
+
+/// `limpet bench memory`.
+#[derive(Debug, Args)]
+pub struct BenchMemoryArgs {
+    /// LLaMA preset: tiny, small, 125m, 350m, 1b.
+    #[arg(long, default_value = "small")]
+    pub preset: String,
+    /// Size of the large token dataset, GiB (a sparse file: it takes no disk).
+    #[arg(long, default_value_t = 4)]
+    pub dataset_gib: u64,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 128)]
+    pub context: usize,
+    /// Steps of each run.
+    #[arg(long, default_value_t = 20)]
+    pub steps: u64,
+    /// Print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What `limpet bench memory` measured.
+#[derive(Debug, Serialize)]
+pub struct MemoryBenchReport {
+    /// Parameters of the model.
+    pub params: u64,
+    /// Its own footprint: f32 parameters, gradients and AdamW's two slots (16 bytes each).
+    pub model_bytes: u64,
+    /// The large dataset's size.
+    pub dataset_bytes: u64,
+    /// Peak RSS of `limpet train` on the large dataset.
+    pub peak_rss_large: u64,
+    /// Peak RSS of `limpet train` on a 1 MiB dataset, the same model and batch.
+    pub peak_rss_small: u64,
+    /// `peak_rss_large / model_bytes`.
+    pub ratio_to_model: f64,
+}
+
+/// A token-shard directory of `bytes` bytes of id 0 (a sparse file) with its manifest.
+fn sparse_shards(dir: &std::path::Path, bytes: u64, vocab: u64) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let bin = dir.join("train.bin");
+    std::fs::File::create(&bin)?.set_len(bytes)?;
+    let bar = indicatif::ProgressBar::new(bytes);
+    let blake3 = limpet_trainer::data::tokens::hash_file(&bin, |n| bar.inc(n))?;
+    bar.finish_and_clear();
+    let entry =
+        limpet_trainer::data::tokens::ShardEntry { file: "train.bin".into(), tokens: bytes / 2, blake3 };
+    let m = Manifest {
+        format: MANIFEST_FORMAT.into(),
+        version: 1,
+        dtype: limpet_trainer::data::tokens::TokenDtype::Uint16,
+        vocab,
+        tokenizer: None,
+        train: vec![entry],
+        val: vec![],
+    };
+    write_manifest(dir, &m)?;
+    Ok(())
+}
+
+/// Runs `limpet bench memory`: peak RSS of training on a large token dataset against the
+/// model's own footprint and against the same training on a small dataset.
+pub fn bench_memory(a: BenchMemoryArgs) -> anyhow::Result<()> {
+    let vocab = 8192usize;
+    let spec =
+        LlamaSpec::preset(&a.preset, vocab, a.context).map_err(|e| crate::UsageError(e.to_string()))?;
+    let tmp = tempfile::tempdir()?;
+    let (large, small) = (tmp.path().join("large"), tmp.path().join("small"));
+    eprintln!("writing and hashing a {} GiB token dataset (sparse)", a.dataset_gib);
+    sparse_shards(&large, a.dataset_gib << 30, vocab as u64)?;
+    sparse_shards(&small, 1 << 20, vocab as u64)?;
+    let exe = std::env::current_exe()?;
+    let peak = |data: &std::path::Path, out: &str| -> anyhow::Result<u64> {
+        let run = Command::new(&exe)
+            .args(["train", "--model", "llama", "--data", "tokens", "--json", "--preset", &a.preset])
+            .args(["--vocab", &vocab.to_string(), "--context", &a.context.to_string()])
+            .args(["--batch", &a.batch.to_string(), "--steps", &a.steps.to_string(), "--out"])
+            .arg(tmp.path().join(out))
+            .arg("--data-path")
+            .arg(data)
+            .stderr(Stdio::inherit())
+            .output()?;
+        if !run.status.success() {
+            bail!("limpet train on {} failed ({})", data.display(), run.status);
+        }
+        let v: serde_json::Value = serde_json::from_slice(&run.stdout)?;
+        v["peak_rss_bytes"].as_u64().context("no peak_rss_bytes in the report")
+    };
+    let peak_rss_large = peak(&large, "large")?;
+    let peak_rss_small = peak(&small, "small")?;
+    let params = spec.num_params();
+    let r = MemoryBenchReport {
+        params,
+        model_bytes: 16 * params,
+        dataset_bytes: a.dataset_gib << 30,
+        peak_rss_large,
+        peak_rss_small,
+        ratio_to_model: peak_rss_large as f64 / (16 * params) as f64,
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        println!(
+            "bench memory: LLaMA {} ({:.1}M parameters), batch {} x {}",
+            a.preset,
+            params as f64 / 1e6,
+            a.batch,
+            a.context
+        );
+        println!("  model (params, grads, AdamW slots)  {:>8.0} MiB", mib(r.model_bytes));
+        println!(
+            "  peak RSS, {} GiB dataset             {:>8.0} MiB ({:.2}x the model; goal at most 1.5x)",
+            a.dataset_gib,
+            mib(peak_rss_large),
+            r.ratio_to_model
+        );
+        println!("  peak RSS, 1 MiB dataset             {:>8.0} MiB", mib(peak_rss_small));
+    }
+    Ok(())
+}

@@ -1,0 +1,164 @@
+//! The LLaMA-family decoder's blocks: token embedding, pre-norm decoder layers (RMSNorm,
+//! grouped-query attention with rotary position embeddings through libtorch's
+//! `scaled_dot_product_attention`, a SwiGLU MLP), and a final RMSNorm with the vocabulary head.
+//!
+//! The arithmetic follows Hugging Face's `LlamaForCausalLM` (rotate-half rotary layout, RMSNorm
+//! in f32, no biases), so weights move between the two by renaming alone ([`crate::hf`]).
+//! Under [`Precision::Bf16`] the matrix products and attention run in bfloat16 while the
+//! parameters, the residual stream, the norms and the loss stay in f32: what autocast does,
+//! written out so that it runs the same on every device.
+
+use super::{LlamaSpec, Precision};
+use tch::nn::{self, ModuleT};
+use tch::{Kind, Tensor};
+
+/// Builds block `i` of a LLaMA model under `root` (as `bNN`): 0 embeds, the last normalizes and projects to
+/// the vocabulary, the rest are decoder layers. A tied head reuses block 0's embedding, which
+/// must already be in the same var store (checked by the caller).
+pub(super) fn block(spec: &LlamaSpec, precision: Precision, i: usize, root: &nn::Path) -> Box<dyn ModuleT> {
+    let p = &(root / format!("b{i:02}"));
+    let (v, d) = (spec.vocab as i64, spec.d_model as i64);
+    let hd = spec.head_dim() as i64;
+    let cast = precision.compute_kind();
+    if i == 0 {
+        let tok = (p / "tok_emb").var("weight", &[v, d], nn::Init::Const(0.0));
+        return Box::new(Embed { tok });
+    }
+    // Values come from the model's own initialization (or a checkpoint) afterwards.
+    let norm = |name: &str| (p / name).var("weight", &[d], nn::Init::Const(1.0));
+    let lin = |name: &str, out: i64, inp: i64| (p / name).var("weight", &[out, inp], nn::Init::Const(0.0));
+    if i <= spec.layers {
+        let (h, kv, f) = (spec.heads as i64, spec.kv_heads as i64, spec.ffn as i64);
+        Box::new(Layer {
+            attn_norm: norm("attn_norm"),
+            wq: lin("wq", h * hd, d),
+            wk: lin("wk", kv * hd, d),
+            wv: lin("wv", kv * hd, d),
+            wo: lin("wo", d, h * hd),
+            mlp_norm: norm("mlp_norm"),
+            w_gate: lin("w_gate", f, d),
+            w_up: lin("w_up", f, d),
+            w_down: lin("w_down", d, f),
+            heads: h,
+            kv_heads: kv,
+            head_dim: hd,
+            rope_theta: spec.rope_theta,
+            eps: spec.norm_eps,
+            cast,
+        })
+    } else {
+        let head = if spec.tie_embeddings {
+            (root / "b00" / "tok_emb").get("weight").expect("a tied head is built after its embedding")
+        } else {
+            lin("head", v, d)
+        };
+        Box::new(Head { norm: norm("norm"), head, eps: spec.norm_eps, cast })
+    }
+}
+
+/// `x` times `w` transposed, computed in `cast` when given (the bf16 path), result in f32.
+fn linear(x: &Tensor, w: &Tensor, cast: Option<Kind>) -> Tensor {
+    match cast {
+        Some(k) => x.to_kind(k).matmul(&w.to_kind(k).tr()),
+        None => x.matmul(&w.tr()),
+    }
+}
+
+/// RMSNorm as Hugging Face computes it: in f32, `w * x / sqrt(mean(x^2) + eps)`.
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
+    let x = x.to_kind(Kind::Float);
+    let var = x.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+    w * (x * (var + eps).rsqrt())
+}
+
+#[derive(Debug)]
+struct Embed {
+    tok: Tensor,
+}
+
+impl ModuleT for Embed {
+    fn forward_t(&self, xs: &Tensor, _train: bool) -> Tensor {
+        Tensor::embedding(&self.tok, xs, -1, false, false)
+    }
+}
+
+#[derive(Debug)]
+struct Layer {
+    attn_norm: Tensor,
+    wq: Tensor,
+    wk: Tensor,
+    wv: Tensor,
+    wo: Tensor,
+    mlp_norm: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    heads: i64,
+    kv_heads: i64,
+    head_dim: i64,
+    rope_theta: f64,
+    eps: f64,
+    cast: Option<Kind>,
+}
+
+/// The rotary tables for `t` positions: cos and sin of shape `[t, head_dim]`, in f32,
+/// with the frequencies repeated over both halves (Hugging Face's layout).
+pub(crate) fn rope_tables(t: i64, head_dim: i64, theta: f64, device: tch::Device) -> (Tensor, Tensor) {
+    let opts = (Kind::Float, device);
+    let exponents = Tensor::arange_start_step(0, head_dim, 2, opts) / head_dim as f64;
+    let inv_freq = Tensor::from(theta as f32).to_device(device).pow(&exponents).reciprocal();
+    let freqs = Tensor::arange(t, opts).unsqueeze(1) * inv_freq.unsqueeze(0);
+    let emb = Tensor::cat(&[&freqs, &freqs], -1);
+    (emb.cos(), emb.sin())
+}
+
+/// `x * cos + rotate_half(x) * sin` over the last dimension of `[b, h, t, hd]`.
+fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    let half = x.size()[3] / 2;
+    let (x1, x2) = (x.narrow(-1, 0, half), x.narrow(-1, half, half));
+    let rotated = Tensor::cat(&[&x2.neg(), &x1], -1);
+    x * cos + rotated * sin
+}
+
+impl Layer {
+    fn attention(&self, x: &Tensor) -> Tensor {
+        let (b, t, _) = x.size3().expect("[batch, time, width]");
+        let (h, kv, hd) = (self.heads, self.kv_heads, self.head_dim);
+        let split = |w: &Tensor, n: i64| linear(x, w, self.cast).view([b, t, n, hd]).transpose(1, 2);
+        let (q, k, v) = (split(&self.wq, h), split(&self.wk, kv), split(&self.wv, kv));
+        let (cos, sin) = rope_tables(t, hd, self.rope_theta, x.device());
+        let kind = q.kind();
+        let (cos, sin) = (cos.to_kind(kind), sin.to_kind(kind));
+        let (q, k) = (rotate(&q, &cos, &sin), rotate(&k, &cos, &sin));
+        let y = Tensor::scaled_dot_product_attention::<Tensor>(&q, &k, &v, None, 0.0, true, None, h != kv);
+        let y = y.transpose(1, 2).contiguous().view([b, t, h * hd]);
+        linear(&y, &self.wo, self.cast).to_kind(Kind::Float)
+    }
+
+    fn mlp(&self, x: &Tensor) -> Tensor {
+        let gate = linear(x, &self.w_gate, self.cast).silu();
+        let up = linear(x, &self.w_up, self.cast);
+        linear(&(gate * up), &self.w_down, self.cast).to_kind(Kind::Float)
+    }
+}
+
+impl ModuleT for Layer {
+    fn forward_t(&self, xs: &Tensor, _train: bool) -> Tensor {
+        let h = xs + self.attention(&rms_norm(xs, &self.attn_norm, self.eps));
+        &h + self.mlp(&rms_norm(&h, &self.mlp_norm, self.eps))
+    }
+}
+
+#[derive(Debug)]
+struct Head {
+    norm: Tensor,
+    head: Tensor,
+    eps: f64,
+    cast: Option<Kind>,
+}
+
+impl ModuleT for Head {
+    fn forward_t(&self, xs: &Tensor, _train: bool) -> Tensor {
+        linear(&rms_norm(xs, &self.norm, self.eps), &self.head, self.cast).to_kind(Kind::Float)
+    }
+}

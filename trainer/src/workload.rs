@@ -1,0 +1,194 @@
+//! What a user writes to describe a workload (`[model]` and `[data]` in `limpetd`'s TOML,
+//! the same keys as `limpet train` flags) and how it becomes a [`JobSpec`] on loaded data.
+//! One place, so the file and the flags cannot drift apart.
+
+use crate::data::{DataInfo, DataSpec, Dataset};
+use crate::model::{LlamaSpec, ModelSpec};
+use crate::{JobSpec, ModelKind, TrainerError};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// `[model]`: sizes of the model (each key overrides the preset or the default).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// A named LLaMA size (`tiny`, `small`, `125m`, `350m`, `1b`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub preset: Option<String>,
+    /// Layers (LLaMA decoder layers, GPT transformer blocks).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub layers: Option<usize>,
+    /// Width of the residual stream (LLaMA).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub d_model: Option<usize>,
+    /// Query heads (LLaMA).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub heads: Option<usize>,
+    /// Key/value heads (LLaMA).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_heads: Option<usize>,
+    /// SwiGLU hidden width (LLaMA).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ffn: Option<usize>,
+    /// Vocabulary size (default: the data's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vocab: Option<usize>,
+    /// Longest sequence (default: the data's window).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub context: Option<usize>,
+    /// Rotary base (LLaMA).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f64>,
+    /// RMSNorm epsilon (LLaMA).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub norm_eps: Option<f64>,
+    /// Share the embedding with the head (LLaMA; one stage only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tie_embeddings: Option<bool>,
+    /// A Hugging Face LLaMA directory to start from: its `config.json` sizes the model and
+    /// its weights replace the seed's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<PathBuf>,
+}
+
+/// `[data]`: how samples are cut from the data.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DataSection {
+    /// Tokens per sample for `chars` and `tokens` (default 64 and 128).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub context: Option<usize>,
+}
+
+/// The data a kind names, with the section's window length.
+pub fn data_spec(kind: &str, data: &DataSection, seed: u64) -> Result<DataSpec, TrainerError> {
+    if data.context == Some(0) {
+        return Err(TrainerError::Config("[data].context must be at least 1".into()));
+    }
+    Ok(match kind {
+        "digits" => DataSpec::Digits,
+        "chars" => DataSpec::Chars { context: data.context.unwrap_or(64) },
+        "tokens" => DataSpec::Tokens { context: data.context.unwrap_or(128) },
+        "tensors" => DataSpec::Tensors,
+        "synthetic" => DataSpec::Synthetic { samples: 4096, features: 32, classes: 8, seed },
+        other => {
+            return Err(TrainerError::Config(format!(
+                "data {other:?} is not one of digits, chars, tokens, tensors, synthetic"
+            )))
+        }
+    })
+}
+
+impl ModelSection {
+    /// The size keys and whether each is set (`layers` first; `context` and `init_from` apart).
+    fn size_keys(&self) -> [(&'static str, bool); 10] {
+        [
+            ("layers", self.layers.is_some()),
+            ("preset", self.preset.is_some()),
+            ("d_model", self.d_model.is_some()),
+            ("heads", self.heads.is_some()),
+            ("kv_heads", self.kv_heads.is_some()),
+            ("ffn", self.ffn.is_some()),
+            ("vocab", self.vocab.is_some()),
+            ("rope_theta", self.rope_theta.is_some()),
+            ("norm_eps", self.norm_eps.is_some()),
+            ("tie_embeddings", self.tie_embeddings.is_some()),
+        ]
+    }
+
+    /// The first key set that only LLaMA reads.
+    fn llama_only_key(&self) -> Option<&'static str> {
+        let extra = [("context", self.context.is_some()), ("init_from", self.init_from.is_some())];
+        self.size_keys()[1..].iter().chain(&extra).find_map(|&(k, set)| set.then_some(k))
+    }
+
+    /// Checks that every key set applies to `model` (`llama`, `gpt`, or another name); the
+    /// error names the key. Needs no data, so `limpetd validate` runs it.
+    pub fn check_keys(&self, model: &str) -> Result<(), TrainerError> {
+        let bad = |key: &str, why: &str| Err(TrainerError::Config(format!("[model].{key}: {why}")));
+        if model == "llama" {
+            return Ok(());
+        }
+        if let Some(key) = self.llama_only_key() {
+            return bad(key, "applies to model llama only");
+        }
+        if model != "gpt" && self.layers.is_some() {
+            return bad("layers", "applies to models gpt and llama only");
+        }
+        Ok(())
+    }
+
+    /// The model of `kind` for `data`, sized by this section. For `init_from`, also the
+    /// fingerprint of the weights (recorded in the job so every rank starts from the same).
+    pub fn model_for(
+        &self,
+        kind: ModelKind,
+        data: &Dataset,
+    ) -> Result<(ModelSpec, Option<String>), TrainerError> {
+        let mut spec = ModelSpec::for_data(kind, &data.info)?;
+        let bad = |key: &str, why: String| TrainerError::Config(format!("[model].{key}: {why}"));
+        match &mut spec {
+            ModelSpec::Llama(l) => {
+                let DataInfo::Tokens { context: window, .. } = data.info else {
+                    unreachable!("llama reads tokens")
+                };
+                if let Some(dir) = &self.init_from {
+                    if let Some(key) = self.size_keys().iter().find_map(|&(k, set)| set.then_some(k)) {
+                        return Err(bad(
+                            key,
+                            format!("the model's sizes come from init_from ({})", dir.display()),
+                        ));
+                    }
+                    let imported = crate::hf::read_config(dir, Some(self.context.unwrap_or(window)))?;
+                    *l = imported;
+                    let fp = crate::hf::read_weights(dir, Some(l.context))?.fingerprint;
+                    return Ok((spec, Some(fp)));
+                }
+                if let Some(p) = &self.preset {
+                    *l =
+                        LlamaSpec::preset(p, l.vocab, l.context).map_err(|e| bad("preset", e.to_string()))?;
+                }
+                let set = |slot: &mut usize, v: Option<usize>| {
+                    if let Some(v) = v {
+                        *slot = v;
+                    }
+                };
+                set(&mut l.layers, self.layers);
+                set(&mut l.d_model, self.d_model);
+                set(&mut l.heads, self.heads);
+                set(&mut l.kv_heads, self.kv_heads);
+                set(&mut l.ffn, self.ffn);
+                set(&mut l.vocab, self.vocab);
+                set(&mut l.context, self.context);
+                if let Some(t) = self.rope_theta {
+                    l.rope_theta = t;
+                }
+                if let Some(e) = self.norm_eps {
+                    l.norm_eps = e;
+                }
+                if let Some(t) = self.tie_embeddings {
+                    l.tie_embeddings = t;
+                }
+            }
+            ModelSpec::Gpt { layers, .. } => {
+                self.check_keys("gpt")?;
+                if let Some(n) = self.layers {
+                    *layers = n;
+                }
+            }
+            _ => self.check_keys("other")?,
+        }
+        spec.validate()?;
+        spec.check_data(&data.info)?;
+        Ok((spec, None))
+    }
+}
+
+/// A job with limpet's defaults for `kind` on `data`, its model sized by `model`.
+pub fn job_for(kind: ModelKind, data: &Dataset, model: &ModelSection) -> Result<JobSpec, TrainerError> {
+    let mut job = JobSpec::defaults_for(kind, data)?;
+    let (spec, init) = model.model_for(kind, data)?;
+    job.model = spec;
+    job.init = init;
+    Ok(job)
+}
