@@ -73,6 +73,9 @@ pub struct RunReport {
     pub content_hash: String,
     /// The process's peak resident memory (Linux's VmHWM), bytes; 0 where unknown.
     pub peak_rss_bytes: u64,
+    /// The same, read after the last step and before the final evaluation and checkpoint
+    /// (which holds a copy of the whole state as it encodes it).
+    pub train_peak_rss_bytes: u64,
 }
 
 /// The process's peak resident set size so far, from `/proc/self/status`.
@@ -120,6 +123,7 @@ pub fn run_local(
             on_progress(&Progress::Checkpoint { step: done, path });
         }
     }
+    let train_peak_rss_bytes = peak_rss_bytes();
     let eval = trainer.evaluate()?;
     on_progress(&Progress::Eval { step: trainer.step(), eval });
     let checkpoint = save_checkpoint(trainer, &opts.out)?;
@@ -140,5 +144,6 @@ pub fn run_local(
         checkpoint,
         content_hash: trainer.content_hash()?,
         peak_rss_bytes: peak_rss_bytes(),
+        train_peak_rss_bytes,
     })
 }

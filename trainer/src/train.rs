@@ -442,22 +442,11 @@ impl Trainer {
     /// gathered into one buffer on the model's device and copied to the host once.
     fn flat_grads(&mut self, loss_sum: f64, count: f64) -> Result<Vec<f32>, TrainerError> {
         let mut buf = vec![0f32; self.buffer_len()];
-        let parts: Vec<Tensor> = self
-            .model
-            .params()
-            .iter()
-            .map(|(_, p)| {
-                let g = p.grad();
-                if g.defined() {
-                    g.detach().reshape([-1])
-                } else {
-                    p.zeros_like().reshape([-1])
-                }
-            })
-            .collect();
         let offset = self.model.num_elements();
-        let flat = Tensor::f_cat(&parts, 0)?.to_kind(Kind::Float).to_device(Device::Cpu);
-        flat.f_copy_data(&mut buf[..offset], offset)?;
+        // On the CPU the host buffer is the device buffer: each gradient is copied into its
+        // place once, with no gathered copy in between (which would cost the model's size in
+        // memory again).
+        copy_grads(self.model.params(), &mut buf[..offset], self.model.device() != Device::Cpu)?;
         for (_, p) in self.model.params() {
             let mut g = p.grad();
             if g.defined() {
@@ -546,6 +535,40 @@ impl Trainer {
         self.rng.draws += 1;
         v
     }
+}
+
+/// Copies the parameters' gradients into `buf` in order (zeros where a parameter has none):
+/// gathered into one device buffer and copied to the host at once when `gather`, else one
+/// by one.
+fn copy_grads(params: &[(String, Tensor)], buf: &mut [f32], gather: bool) -> Result<(), TrainerError> {
+    if gather {
+        let parts: Vec<Tensor> = params
+            .iter()
+            .map(|(_, p)| {
+                let g = p.grad();
+                if g.defined() {
+                    g.detach().reshape([-1])
+                } else {
+                    p.zeros_like().reshape([-1])
+                }
+            })
+            .collect();
+        let flat = Tensor::f_cat(&parts, 0)?.to_kind(Kind::Float).to_device(Device::Cpu);
+        flat.f_copy_data(buf, buf.len())?;
+        return Ok(());
+    }
+    let mut at = 0;
+    for (_, p) in params {
+        let n = p.numel();
+        let g = p.grad();
+        if g.defined() {
+            g.f_copy_data(&mut buf[at..at + n], n)?;
+        } else {
+            buf[at..at + n].fill(0.0);
+        }
+        at += n;
+    }
+    Ok(())
 }
 
 /// Copies an f32 tensor out as raw bytes.

@@ -2,26 +2,15 @@
 //! and `make gpu-test` runs them where libtorch sees CUDA (and says it skipped them where
 //! not). The same code runs on the CPU in every other test.
 
-use limpet_trainer::data::tokens::{write_manifest, Manifest, ShardWriter, MANIFEST_FORMAT};
+use limpet_trainer::data::tokens::write_dataset;
 use limpet_trainer::data::{DataSpec, Dataset};
 use limpet_trainer::device::Device;
 use limpet_trainer::model::Precision;
 use limpet_trainer::{JobSpec, ModelKind, NoReduce, Trainer};
 
 fn data(dir: &std::path::Path) -> Dataset {
-    let mut w = ShardWriter::new(dir, "train", 97, 1 << 20);
-    w.write(&(0..20_000u32).map(|i| (i * 7919 + i / 5) % 97).collect::<Vec<_>>()).unwrap();
-    let (dtype, train) = w.finish().unwrap();
-    let m = Manifest {
-        format: MANIFEST_FORMAT.into(),
-        version: 1,
-        dtype,
-        vocab: 97,
-        tokenizer: None,
-        train,
-        val: vec![],
-    };
-    write_manifest(dir, &m).unwrap();
+    let ids: Vec<u32> = (0..20_000u32).map(|i| (i * 7919 + i / 5) % 97).collect();
+    write_dataset(dir, &ids, &[], 97, 1 << 20).unwrap();
     Dataset::load(&DataSpec::Tokens { context: 32 }, Some(dir)).unwrap()
 }
 

@@ -3,7 +3,7 @@
 //! same logits; limpet trains, exports, and `transformers` loads the export and computes the
 //! logits limpet does. Bad directories give errors that name the tensor or key.
 
-use limpet_trainer::data::tokens::{write_manifest, Manifest, ShardWriter, MANIFEST_FORMAT};
+use limpet_trainer::data::tokens::write_dataset;
 use limpet_trainer::data::{DataSpec, Dataset};
 use limpet_trainer::model::{Model, ModelSpec};
 use limpet_trainer::workload::{job_for, ModelSection};
@@ -82,20 +82,8 @@ fn a_transformers_checkpoint_gives_the_same_logits_in_limpet() {
 
 /// Token shards of `n` pseudo-random ids below 97.
 fn shard_dir(dir: &Path, n: usize) {
-    let mut w = ShardWriter::new(dir, "train", 97, 1 << 20);
     let ids: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + i / 3) % 97).collect();
-    w.write(&ids).unwrap();
-    let (dtype, train) = w.finish().unwrap();
-    let m = Manifest {
-        format: MANIFEST_FORMAT.into(),
-        version: 1,
-        dtype,
-        vocab: 97,
-        tokenizer: None,
-        train,
-        val: vec![],
-    };
-    write_manifest(dir, &m).unwrap();
+    write_dataset(dir, &ids, &[], 97, 1 << 20).unwrap();
 }
 
 #[test]

@@ -425,6 +425,29 @@ impl ShardWriter {
     }
 }
 
+/// Writes a whole shard directory: `train` and `val` ids in shards of `shard_tokens`, and the
+/// manifest (no tokenizer). For tests, benchmarks and data made in memory.
+pub fn write_dataset(
+    dir: &Path,
+    train: &[u32],
+    val: &[u32],
+    vocab: u64,
+    shard_tokens: u64,
+) -> Result<Manifest, TrainerError> {
+    let io = |e: std::io::Error| data_err(dir, e.to_string());
+    let split = |prefix: &str, ids: &[u32]| -> Result<(TokenDtype, Vec<ShardEntry>), TrainerError> {
+        let mut w = ShardWriter::new(dir, prefix, vocab, shard_tokens);
+        w.write(ids).map_err(io)?;
+        w.finish().map_err(io)
+    };
+    let (dtype, train) = split("train", train)?;
+    let (_, val) = split("val", val)?;
+    let m =
+        Manifest { format: MANIFEST_FORMAT.into(), version: 1, dtype, vocab, tokenizer: None, train, val };
+    write_manifest(dir, &m)?;
+    Ok(m)
+}
+
 /// Writes `manifest` into `dir` atomically.
 pub fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<PathBuf, TrainerError> {
     let path = dir.join(MANIFEST_FILE);

@@ -204,3 +204,19 @@ fn mismatched_images_name_what_differs() {
     let err = Trainer::from_image(&bad, synthetic(), None).unwrap_err().to_string();
     assert!(err.contains("field 'cursor' is 2"), "{err}");
 }
+
+/// The device path (gradients gathered into one buffer, copied once) and the CPU path (copied
+/// one by one) fill the same buffer.
+#[test]
+fn gathered_and_direct_gradient_copies_agree() {
+    let a = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]).view([2, 2]).set_requires_grad(true);
+    let b = Tensor::from_slice(&[5.0f32, 6.0]).set_requires_grad(true);
+    let c = Tensor::from_slice(&[7.0f32]).set_requires_grad(true);
+    ((&a * 2.0).sum(Kind::Float) + (&b * &b).sum(Kind::Float)).backward();
+    let params = vec![("a".to_string(), a), ("b".to_string(), b), ("c".to_string(), c)];
+    let (mut one, mut two) = (vec![9f32; 7], vec![9f32; 7]);
+    super::copy_grads(&params, &mut one, true).unwrap();
+    super::copy_grads(&params, &mut two, false).unwrap();
+    assert_eq!(one, [2.0, 2.0, 2.0, 2.0, 10.0, 12.0, 0.0]);
+    assert_eq!(one, two);
+}

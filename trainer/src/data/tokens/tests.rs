@@ -4,17 +4,7 @@ use proptest::prelude::*;
 /// Writes `ids` as shards of `per_shard` tokens with a manifest, returning the directory.
 fn shards(ids: &[u32], vocab: u64, per_shard: u64, val: Option<&[u32]>) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    let mut w = ShardWriter::new(dir.path(), "train", vocab, per_shard);
-    w.write(ids).unwrap();
-    let (dtype, train) = w.finish().unwrap();
-    let val = val.map_or_else(Vec::new, |v| {
-        let mut w = ShardWriter::new(dir.path(), "val", vocab, per_shard);
-        w.write(v).unwrap();
-        w.finish().unwrap().1
-    });
-    let m =
-        Manifest { format: MANIFEST_FORMAT.into(), version: 1, dtype, vocab, tokenizer: None, train, val };
-    write_manifest(dir.path(), &m).unwrap();
+    write_dataset(dir.path(), ids, val.unwrap_or(&[]), vocab, per_shard).unwrap();
     dir
 }
 
