@@ -86,7 +86,11 @@ fi
 CLONE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 mkdir -p "$CLONE/.limpet"
 ln -sfn "$TORCH_DIR" "$CLONE/.limpet/libtorch"
-ln -sfn "$VENV/bin/python" "$CLONE/.limpet/python"
+# A wrapper, not a link: a venv's interpreter finds its packages from the path it was
+# started by, so a link to it starts a Python without them.
+rm -f "$CLONE/.limpet/python"
+printf '#!/bin/sh\nexec "%s" "$@"\n' "$VENV/bin/python" > "$CLONE/.limpet/python"
+chmod +x "$CLONE/.limpet/python"
 
 cat > "$ENV_MK.part" <<MK
 # Written by deploy/setup.sh; paths of this machine's limpet dependencies.

@@ -95,13 +95,11 @@ pub fn max_rel_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f64 {
 }
 
 /// The Python that deploy/setup.sh installed (with torch, safetensors, transformers and
-/// moto): `LIMPET_PYTHON`, else the target of the clone's `.limpet/python` link (the
-/// target, because a venv's interpreter finds its packages from its own path).
+/// moto): `LIMPET_PYTHON`, else the clone's `.limpet/python` wrapper.
 pub fn python() -> PathBuf {
-    std::env::var_os("LIMPET_PYTHON").map(PathBuf::from).unwrap_or_else(|| {
-        let link = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.limpet/python");
-        std::fs::read_link(&link).unwrap_or(link)
-    })
+    std::env::var_os("LIMPET_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.limpet/python"))
 }
 
 /// moto's server (its EC2 and S3 APIs) on a free loopback port, stopped on drop.

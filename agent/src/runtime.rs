@@ -250,11 +250,14 @@ impl Agent {
         ncfg.seeds = cfg.seeds.clone();
         ncfg.request_timeout = Duration::from_secs(3);
         ncfg.tls = cfg.tls.clone();
+        let mut models = limpet_trainer::device::gpu_models();
+        models.dedup();
         ncfg.hardware = Hardware {
             instance_type: "local".into(),
             cpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
             gpus: limpet_trainer::device::gpu_count() as u32,
-            memory_mib: 0,
+            gpu_model: models.join(", "),
+            memory_mib: host_memory_mib(),
             samples_per_sec_milli: 0,
         };
         let node = Node::start(ncfg.clone(), shutdown.clone()).await?;
@@ -616,6 +619,18 @@ async fn find_resume_point(
             node: cfg.id,
         }
     }))
+}
+
+/// This host's memory (`MemTotal` of /proc/meminfo) in MiB; 0 where it cannot be read.
+fn host_memory_mib() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| {
+            t.lines().find_map(|l| {
+                l.strip_prefix("MemTotal:")?.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()
+            })
+        })
+        .map_or(0, |kib| kib / 1024)
 }
 
 /// The job as the log records it: the trainer's job spec and, for a pipelined job, the
@@ -987,9 +1002,9 @@ impl TrainLoop {
         // A failed collective or stage link: (the peer it names, the error).
         let outcome: Result<limpet_trainer::StepStats, (Option<NodeId>, String)> = match conn {
             Conn::Ring(g) => {
-                let mut buf = self.trainer.compute_grads(g.rank(), g.world()).map_err(|e| e.to_string())?;
-                match g.allreduce_sum(&mut buf, step) {
-                    Ok(()) => Ok(self.trainer.apply_update(&mut buf).map_err(|e| e.to_string())?),
+                let buf = self.trainer.compute_grads(g.rank(), g.world()).map_err(|e| e.to_string())?;
+                match g.allreduce_sum(buf, step) {
+                    Ok(()) => Ok(self.trainer.apply_reduced().map_err(|e| e.to_string())?),
                     Err(e) => Err((suspect_of(&e), e.to_string())),
                 }
             }

@@ -54,6 +54,10 @@ pub struct Hardware {
     pub cpus: u32,
     /// Accelerators (0 on CPU hosts).
     pub gpus: u32,
+    /// Their model names as the driver reports them, distinct ones joined by ", " (empty on
+    /// CPU hosts; absent in records of older agents).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub gpu_model: String,
     /// Host memory in MiB.
     pub memory_mib: u64,
     /// Measured training throughput, samples per second x 1000 (0 until measured); an

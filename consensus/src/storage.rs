@@ -382,7 +382,23 @@ impl SledLog {
         // sled panics on some kinds of damage instead of returning an error; a damaged
         // directory must give a clear error, not a crash.
         let sled_dir = dir.join("sled");
-        let opened = std::panic::catch_unwind(|| sled::Config::new().path(&sled_dir).open());
+        let open = || std::panic::catch_unwind(|| sled::Config::new().path(&sled_dir).open());
+        let mut opened = open();
+        // sled releases its file lock from a background thread after the last handle drops,
+        // so a reopen in the same process can find it held for a moment; another process
+        // holding it is another limpetd on this directory, which is not damage.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        while matches!(&opened, Ok(Err(sled::Error::Io(e))) if e.kind() == std::io::ErrorKind::WouldBlock) {
+            if std::time::Instant::now() > deadline {
+                return Err(ConsensusError::Storage {
+                    path: shown,
+                    detail: "the sled database is locked by another process (is another limpetd using this state_dir?)"
+                        .into(),
+                });
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            opened = open();
+        }
         let db = match opened {
             Ok(Ok(db)) => db,
             Ok(Err(e)) => {

@@ -142,6 +142,8 @@ pub enum ModelArg {
     Gpt,
     /// LLaMA-family decoder (sized by --preset and the size flags, or by --init-from).
     Llama,
+    /// A TorchScript module (--module FILE, --loss).
+    Torchscript,
 }
 
 /// Datasets.
@@ -252,6 +254,13 @@ pub struct LlamaFlags {
     /// Start --model llama from a Hugging Face LLaMA directory (config.json + safetensors).
     #[arg(long, value_name = "DIR")]
     pub init_from: Option<PathBuf>,
+    /// --model torchscript: the module's file (torch.jit.script or trace, saved).
+    #[arg(long, value_name = "FILE")]
+    pub module: Option<PathBuf>,
+    /// --model torchscript: cross_entropy or mse on its output, or module (forward(x, y)
+    /// returns each sample's loss) [default: mse for float targets, else cross_entropy].
+    #[arg(long)]
+    pub loss: Option<String>,
 }
 
 impl LlamaFlags {
@@ -270,6 +279,8 @@ impl LlamaFlags {
             norm_eps: None,
             tie_embeddings: self.tie_embeddings.then_some(true),
             init_from: self.init_from.clone(),
+            path: self.module.clone(),
+            loss: self.loss.clone(),
         }
     }
 }
@@ -301,6 +312,10 @@ pub struct TrainArgs {
     /// Print the final report as JSON on stdout.
     #[arg(long)]
     pub json: bool,
+    /// Instead of training, write the job's sample order to FILE ('-': stdout), one JSON
+    /// line per step: its samples (array rows, or shard file and token) and learning rate.
+    #[arg(long, value_name = "FILE")]
+    pub print_order: Option<PathBuf>,
 }
 
 /// Runs a parsed command line.

@@ -491,10 +491,17 @@ impl Config {
         if self.cluster.min_nodes == 0 {
             return err("[cluster].min_nodes", "must be at least 1".into());
         }
-        if !["mlp", "convnet", "gpt", "llama"].contains(&self.job.model.as_str()) {
+        if !["mlp", "convnet", "gpt", "llama", "torchscript"].contains(&self.job.model.as_str()) {
             return err(
                 "[job].model",
-                format!("{:?} is not one of mlp, convnet, gpt, llama", self.job.model),
+                format!("{:?} is not one of mlp, convnet, gpt, llama, torchscript", self.job.model),
+            );
+        }
+        if self.job.model == "torchscript" && self.pipeline.is_some() {
+            return err(
+                "[pipeline]",
+                "model torchscript is one stage: a TorchScript graph cannot be cut into pipeline stages"
+                    .into(),
             );
         }
         if !["digits", "chars", "tokens", "tensors", "synthetic"].contains(&self.job.data.as_str()) {

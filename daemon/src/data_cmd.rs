@@ -75,15 +75,23 @@ pub struct IndexArgs {
 
 /// `limpet export`.
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("format").required(true).args(["hf", "torchscript"])))]
 pub struct ExportArgs {
-    /// Write a Hugging Face LlamaForCausalLM directory here.
+    /// Write a Hugging Face LlamaForCausalLM directory here (model llama).
     #[arg(long, value_name = "DIR")]
-    pub hf: PathBuf,
+    pub hf: Option<PathBuf>,
+    /// Write the TorchScript module with the trained weights to this file (model
+    /// torchscript; PyTorch loads it with torch.jit.load).
+    #[arg(long, value_name = "FILE", requires = "module")]
+    pub torchscript: Option<PathBuf>,
+    /// The job's TorchScript module file (what it was trained from).
+    #[arg(long, value_name = "FILE")]
+    pub module: Option<PathBuf>,
     /// The checkpoint: a checkpoint.safetensors file, or the directory holding one.
     #[arg(long)]
     pub checkpoint: PathBuf,
-    /// A tokenizer.json to place beside the weights (default: the one the data's manifest names, if given --data-path).
-    #[arg(long)]
+    /// A tokenizer.json to copy beside the weights (with --hf).
+    #[arg(long, requires = "hf")]
     pub tokenizer: Option<PathBuf>,
 }
 
@@ -376,15 +384,45 @@ pub fn export(a: ExportArgs) -> anyhow::Result<()> {
     let image = limpet_snapshot::read_file(&file)
         .map_err(limpet_trainer::TrainerError::from)
         .with_context(|| format!("checkpoint {}", file.display()))?;
-    limpet_trainer::hf::export(&image, &a.hf)?;
+    if let (Some(out), Some(module)) = (&a.torchscript, &a.module) {
+        let job: limpet_trainer::JobSpec = serde_json::from_value(image.meta().job.clone())
+            .with_context(|| format!("the job in {}", file.display()))?;
+        let limpet_trainer::model::ModelSpec::Torchscript(spec) = &job.model else {
+            return Err(UsageError(format!(
+                "--torchscript: {} holds a {} model, not a TorchScript module",
+                file.display(),
+                serde_json::to_value(&job.model)?["kind"].as_str().unwrap_or("?")
+            ))
+            .into());
+        };
+        let hash = limpet_trainer::model::script::register(module)?;
+        if hash != spec.blake3 {
+            return Err(UsageError(format!(
+                "--module {} is not the module the checkpoint was trained from (blake3 {hash}, the job's is {})",
+                module.display(),
+                spec.blake3
+            ))
+            .into());
+        }
+        limpet_trainer::model::script::export(spec, &image, out)?;
+        println!(
+            "limpet export: step {} of {} written to {} (TorchScript)",
+            image.meta().step,
+            file.display(),
+            out.display()
+        );
+        return Ok(());
+    }
+    let hf = a.hf.as_ref().expect("clap requires --hf or --torchscript");
+    limpet_trainer::hf::export(&image, hf)?;
     if let Some(t) = &a.tokenizer {
-        std::fs::copy(t, a.hf.join("tokenizer.json")).with_context(|| format!("copying {}", t.display()))?;
+        std::fs::copy(t, hf.join("tokenizer.json")).with_context(|| format!("copying {}", t.display()))?;
     }
     println!(
         "limpet export: step {} of {} written to {} (config.json, model.safetensors)",
         image.meta().step,
         file.display(),
-        a.hf.display()
+        hf.display()
     );
     Ok(())
 }

@@ -44,10 +44,10 @@ pub struct ScenarioArgs {
     /// Founding agents.
     #[arg(long, default_value_t = 3)]
     pub nodes: usize,
-    /// Model: mlp, convnet, gpt.
+    /// Model: mlp, convnet, gpt, llama, torchscript.
     #[arg(long, default_value = "convnet")]
     pub model: String,
-    /// Data: digits, chars, synthetic.
+    /// Data: digits, chars, tokens, tensors, synthetic.
     #[arg(long, default_value = "digits")]
     pub data: String,
     /// The data file or directory (token shards for `--data tokens`).
@@ -65,6 +65,12 @@ pub struct ScenarioArgs {
     /// Global batch.
     #[arg(long, default_value_t = 64)]
     pub batch: u64,
+    /// Peak learning rate [default: the model's].
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Optimizer [default: the model's].
+    #[arg(long, value_parser = ["adamw", "sgd"])]
+    pub optimizer: Option<String>,
     /// Batch / learning-rate policy: fixed-global, linear, sqrt, adascale.
     #[arg(long, default_value = "fixed-global")]
     pub policy: String,
@@ -133,11 +139,17 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
 /// Runs `limpet scenario`.
 pub fn scenario(a: ScenarioArgs) -> anyhow::Result<()> {
     let script = parse_script(&a.script)?;
+    if let Some(module) = &a.llama.module {
+        // This process evaluates the final checkpoint: it needs the module too.
+        limpet_trainer::model::script::register(module)?;
+    }
     let job = LocalJob {
         model: a.model.clone(),
         data: a.data.clone(),
         steps: a.steps,
         global_batch: a.batch,
+        lr: a.lr,
+        optimizer: a.optimizer.clone(),
         policy: a.policy.clone(),
         min_nodes: a.min_nodes,
         pipeline: a.pipeline.clone(),
@@ -305,6 +317,9 @@ pub fn stalls(lines: &[StepLine]) -> Vec<(u64, u64)> {
         .collect()
 }
 
+/// Longest a scripted action waits for the previous one to show in the epoch.
+const SETTLE_MAX: Duration = Duration::from_secs(10);
+
 /// Starts a local cluster in `dir`, plays `script`, waits for the job to finish, and
 /// writes `summary.json` and `demo.svg` there.
 pub fn run_scenario(
@@ -341,6 +356,7 @@ pub fn run_scenario(
     let mut fired = Vec::new();
     let mut killed = Vec::new();
     let mut next = 0;
+    let mut settling: Option<(String, bool, Instant)> = None;
     let deadline = Instant::now() + timeout;
     let mut last: Option<StatusDoc> = None;
     loop {
@@ -376,22 +392,46 @@ pub fn run_scenario(
                 );
             }
         }
-        while next < script.len() && doc.step as f64 >= script[next].0 * steps as f64 {
+        let current = doc.epoch.as_ref().map(|e| e.ranks.clone()).unwrap_or_default();
+        let done = !current.is_empty()
+            && current
+                .iter()
+                .all(|r| doc.nodes.iter().any(|n| &n.name == r && n.phase.as_deref() == Some("finished")));
+        // The next action waits until the previous one shows in the epoch: a fast job must not
+        // stack a kill onto a membership change still under way (two voters left mid-change
+        // cannot lose one), and each transition is measured on its own. Not forever: a
+        // cluster held below its minimum size forms no epoch until a later action (a join).
+        let settled = settling.as_ref().is_none_or(|(node, joins, since)| {
+            done || current.contains(node) == *joins || since.elapsed() > SETTLE_MAX
+        });
+        if settled {
+            settling = None;
+        }
+        while settled && next < script.len() && doc.step as f64 >= script[next].0 * steps as f64 {
             let action = resolve(&script[next].1, &doc);
             say(&bar, show, format!("step {}: {}", doc.step, action.describe()));
             if let Action::Kill { node } = &action {
                 killed.push(cluster.file.node(node)?.id);
             }
             let at = now_ms();
-            fire(&mut cluster, &rt, tls, &action)?;
+            let joined = fire(&mut cluster, &rt, tls, &action)?;
             fired.push((doc.step, at, action.describe()));
             next += 1;
+            settling = match (&action, joined) {
+                (Action::Join, Some(name)) => Some((name, true, Instant::now())),
+                (
+                    Action::Notice { node, .. }
+                    | Action::Kill { node }
+                    | Action::Drain { node }
+                    | Action::Term { node },
+                    _,
+                ) => Some((node.clone(), false, Instant::now())),
+                (Action::Join, None) => None,
+            };
+            if settling.is_some() {
+                break;
+            }
         }
-        let current = doc.epoch.as_ref().map(|e| e.ranks.clone()).unwrap_or_default();
-        let done = !current.is_empty()
-            && current
-                .iter()
-                .all(|r| doc.nodes.iter().any(|n| &n.name == r && n.phase.as_deref() == Some("finished")));
         last = Some(doc);
         if done && next == script.len() {
             break;
@@ -459,15 +499,19 @@ fn resolve(action: &Action, doc: &StatusDoc) -> Action {
     }
 }
 
+/// Plays one action; for a join, the new node's name.
 fn fire(
     cluster: &mut LocalCluster,
     rt: &tokio::runtime::Runtime,
     tls: Option<&limpet_consensus::tls::Tls>,
     action: &Action,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Option<String>> {
+    if let Action::Join = action {
+        return cluster.add().map(Some);
+    }
     match action {
         Action::Notice { node, in_secs } => post_notice(&cluster.file.node(node)?.metadata, *in_secs),
-        Action::Join => cluster.add().map(|_| ()),
+        Action::Join => unreachable!("handled above"),
         Action::Kill { node } => cluster.kill(node),
         Action::Term { node } => {
             let pid = cluster.file.node(node)?.pid;
@@ -486,6 +530,7 @@ fn fire(
             .map(|_| ())
         }
     }
+    .map(|()| None)
 }
 
 fn short_cause(cause: &str) -> String {

@@ -373,9 +373,8 @@ fn parse_times(json: &str) -> anyhow::Result<Vec<(usize, f64)>> {
 }
 
 /// The Python interpreter of the setup's venv: `LIMPET_PYTHON`, else the clone's
-/// `.limpet/python` link (found from the working directory or from this executable in
-/// `target/<profile>/`). The link's target is used, not the link: a venv's interpreter finds
-/// its packages from its own path.
+/// `.limpet/python` wrapper (found from the working directory or from this executable in
+/// `target/<profile>/`).
 pub fn python() -> PathBuf {
     if let Some(p) = std::env::var_os("LIMPET_PYTHON") {
         return PathBuf::from(p);
@@ -387,7 +386,7 @@ pub fn python() -> PathBuf {
     bases
         .iter()
         .map(|b| b.join(".limpet/python"))
-        .find_map(|link| std::fs::read_link(&link).ok())
+        .find(|p| p.is_file())
         .unwrap_or_else(|| PathBuf::from("python3"))
 }
 

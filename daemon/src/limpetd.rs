@@ -68,6 +68,16 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
             cfg.node_id(),
             cfg.cluster.name
         );
+        if cfg.job.model == "torchscript" {
+            let path = cfg.model.path.as_deref().expect("validated: torchscript has [model].path");
+            let hash =
+                limpet_trainer::model::script::register(path).map_err(|e| UsageError(e.to_string()))?;
+            println!(
+                "model: TorchScript module {} (blake3 {}), trained as one stage: its graph cannot be cut into pipeline stages",
+                path.display(),
+                &hash[..16]
+            );
+        }
         return Ok(());
     }
     let path = cli.run.config.ok_or_else(|| UsageError("--config FILE is required".into()))?;
@@ -323,6 +333,7 @@ pub fn job_spec(cfg: &Config) -> anyhow::Result<JobSpec> {
         "mlp" => ModelKind::Mlp,
         "convnet" => ModelKind::Convnet,
         "llama" => ModelKind::Llama,
+        "torchscript" => ModelKind::Torchscript,
         _ => ModelKind::Gpt,
     };
     let spec = workload::data_spec(&j.data, &cfg.data, j.seed)?;

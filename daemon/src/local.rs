@@ -26,6 +26,8 @@ pub struct LocalJob {
     pub micro_batch: Option<u64>,
     /// Peak learning rate (default: the model's).
     pub lr: Option<f64>,
+    /// `adamw` or `sgd` (default: the model's).
+    pub optimizer: Option<String>,
     /// `fixed-global`, `linear`, `sqrt` or `adascale`.
     pub policy: String,
     /// Seed.
@@ -78,6 +80,7 @@ impl Default for LocalJob {
             global_batch: 64,
             micro_batch: None,
             lr: None,
+            optimizer: None,
             policy: "fixed-global".into(),
             seed: 0,
             min_nodes: 1,
@@ -333,6 +336,9 @@ impl LocalCluster {
         }
         if let Some(lr) = j.lr {
             text += &format!("lr = {lr:?}\n");
+        }
+        if let Some(o) = &j.optimizer {
+            text += &format!("optimizer = {o:?}\n");
         }
         if let Some(l) = j.layers {
             text += &format!("layers = {l}\n");

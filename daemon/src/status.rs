@@ -132,6 +132,9 @@ pub struct NodeDoc {
     pub heartbeat_age_ms: Option<u64>,
     /// Revocation deadline (unix ms), if leaving.
     pub deadline_ms: Option<u64>,
+    /// What the host has, as its agent reported when it joined: CPUs, memory, GPUs.
+    #[serde(default)]
+    pub host: String,
 }
 
 /// A transition as shown: an epoch and how its ranks lived the change.
@@ -328,6 +331,7 @@ fn build(
                 samples_per_s: r.filter(|_| live).map(|(_, r)| r.samples_per_s),
                 heartbeat_age_ms: r.map(|(age, _)| *age),
                 deadline_ms: m.deadline_ms,
+                host: host_line(&m.spec.hardware),
             }
         })
         .collect();
@@ -393,6 +397,20 @@ fn build(
     }
 }
 
+/// A host's hardware in a few words: `2 cpu 23.5G, 1x NVIDIA A100-SXM4-40GB` (no GPU part on
+/// CPU hosts, no memory where it is unknown).
+fn host_line(h: &limpet_consensus::state::Hardware) -> String {
+    let mut s = format!("{} cpu", h.cpus);
+    if h.memory_mib > 0 {
+        s += &format!(" {:.1}G", h.memory_mib as f64 / 1024.0);
+    }
+    if h.gpus > 0 {
+        let model = if h.gpu_model.is_empty() { "GPU" } else { h.gpu_model.as_str() };
+        s += &format!(", {}x {model}", h.gpus);
+    }
+    s
+}
+
 /// Renders the status document for people.
 pub fn render(d: &StatusDoc) -> String {
     let mut s = String::new();
@@ -421,13 +439,13 @@ pub fn render(d: &StatusDoc) -> String {
             &format!("next epoch {} at step {}: [{}] ({})\n", e.id, e.start_step, e.ranks.join(" "), e.cause);
     }
     s += &format!(
-        "\n{:<8} {:<8} {:<9} {:<9} {:>6} {:>6} {:>8} {:>9} {:>7}  {}\n",
-        "NODE", "ROLE", "STATUS", "PHASE", "EPOCH", "STEP", "LOSS", "SAMPLES/S", "HB(ms)", "REASON"
+        "\n{:<8} {:<8} {:<9} {:<9} {:>6} {:>6} {:>8} {:>9} {:>7}  {:<14}  {}\n",
+        "NODE", "ROLE", "STATUS", "PHASE", "EPOCH", "STEP", "LOSS", "SAMPLES/S", "HB(ms)", "HOST", "REASON"
     );
     for n in &d.nodes {
         let opt = |v: Option<String>| v.unwrap_or_else(|| "-".into());
         s += &format!(
-            "{:<8} {:<8} {:<9} {:<9} {:>6} {:>6} {:>8} {:>9} {:>7}  {}\n",
+            "{:<8} {:<8} {:<9} {:<9} {:>6} {:>6} {:>8} {:>9} {:>7}  {:<14}  {}\n",
             n.name,
             n.role,
             n.status,
@@ -437,6 +455,7 @@ pub fn render(d: &StatusDoc) -> String {
             opt(n.loss.map(|l| format!("{l:.4}"))),
             opt(n.samples_per_s.map(|v| format!("{v:.0}"))),
             opt(n.heartbeat_age_ms.map(|v| v.to_string())),
+            n.host,
             n.reason
         );
     }
@@ -594,4 +613,20 @@ pub fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
     })?;
     println!("{}: {out}", a.node);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::host_line;
+    use limpet_consensus::state::Hardware;
+
+    #[test]
+    fn a_host_is_described_by_what_it_reported() {
+        let cpu = Hardware { cpus: 2, memory_mib: 24_064, ..Hardware::default() };
+        assert_eq!(host_line(&cpu), "2 cpu 23.5G");
+        let gpu = Hardware { cpus: 8, gpus: 2, gpu_model: "NVIDIA A10G".into(), ..Hardware::default() };
+        assert_eq!(host_line(&gpu), "8 cpu, 2x NVIDIA A10G");
+        let old = Hardware { cpus: 4, gpus: 1, ..Hardware::default() };
+        assert_eq!(host_line(&old), "4 cpu, 1x GPU");
+    }
 }

@@ -48,6 +48,9 @@ fn usage(msg: impl Into<String>) -> anyhow::Error {
 /// Runs `limpet train`.
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     limpet_trainer::set_threads(usize::from(args.threads));
+    if let Some(to) = &args.print_order {
+        return print_order(&args, to);
+    }
     let (mut trainer, out) = match &args.resume {
         Some(dir) => resume(&args, dir)?,
         None => fresh(&args)?,
@@ -159,6 +162,30 @@ fn keep_log_before(path: &Path, step: u64) -> anyhow::Result<std::fs::File> {
     Ok(f)
 }
 
+/// Writes the job's sample order, step by step, without training.
+fn print_order(args: &TrainArgs, to: &Path) -> anyhow::Result<()> {
+    if args.resume.is_some() || args.out.is_some() {
+        return Err(usage("--print-order trains nothing: it takes the job's flags, not --out or --resume"));
+    }
+    let (job, data) = job_from_flags(&args.job)?;
+    let steps = job.steps;
+    let blocks = 0..job.model.num_blocks();
+    let mut trainer = Trainer::on_device(job, data, blocks, limpet_trainer::device::Device::Cpu)?;
+    let mut out: Box<dyn Write> = if to == Path::new("-") {
+        Box::new(std::io::BufWriter::new(std::io::stdout().lock()))
+    } else {
+        let f =
+            std::fs::File::create(to).with_context(|| format!("creating --print-order {}", to.display()))?;
+        Box::new(std::io::BufWriter::new(f))
+    };
+    for step in 0..steps {
+        writeln!(out, "{}", serde_json::to_string(&trainer.order(step))?)
+            .with_context(|| format!("writing --print-order {}", to.display()))?;
+    }
+    out.flush().with_context(|| format!("writing --print-order {}", to.display()))?;
+    Ok(())
+}
+
 fn fresh(args: &TrainArgs) -> anyhow::Result<(Trainer, PathBuf)> {
     let out = args.out.clone().ok_or_else(|| usage("--out DIR is required (or --resume DIR)"))?;
     let (job, data) = job_from_flags(&args.job)?;
@@ -189,10 +216,12 @@ pub(crate) fn job_from_flags(args: &JobArgs) -> anyhow::Result<(JobSpec, Dataset
         ModelArg::Convnet => ModelKind::Convnet,
         ModelArg::Gpt => ModelKind::Gpt,
         ModelArg::Llama => ModelKind::Llama,
+        ModelArg::Torchscript => ModelKind::Torchscript,
     };
     let data_arg = args.data.unwrap_or(match model {
         ModelArg::Gpt => DataArg::Chars,
         ModelArg::Llama => DataArg::Tokens,
+        ModelArg::Torchscript => DataArg::Tensors,
         _ => DataArg::Digits,
     });
     if args.context.is_some() && !matches!(data_arg, DataArg::Chars | DataArg::Tokens) {
@@ -237,6 +266,19 @@ fn resume(args: &TrainArgs, dir: &Path) -> anyhow::Result<(Trainer, PathBuf)> {
         return Err(usage(format!(
             "flags change the checkpointed job ({d}, checkpoint vs flags); a resumed job keeps its spec"
         )));
+    }
+    if let limpet_trainer::model::ModelSpec::Torchscript(s) = &job.model {
+        let module = args.job.llama.module.as_deref().ok_or_else(|| {
+            usage(format!("{} trains a TorchScript module: give its file with --module", path.display()))
+        })?;
+        let hash = limpet_trainer::model::script::register(module)?;
+        if hash != s.blake3 {
+            return Err(usage(format!(
+                "--module {} is not the checkpointed job's module (blake3 {hash}, the job's is {})",
+                module.display(),
+                s.blake3
+            )));
+        }
     }
     let data = Dataset::load(&job.data, args.job.data_path.as_deref())?;
     let blocks = 0..job.model.num_blocks();

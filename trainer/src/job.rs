@@ -19,6 +19,8 @@ pub enum ModelKind {
     Gpt,
     /// LLaMA-family decoder (sized by a preset or by `[model]`).
     Llama,
+    /// A TorchScript module from a file (`[model].path`).
+    Torchscript,
 }
 
 /// Everything that determines a training run's result, besides the hardware.
@@ -61,7 +63,11 @@ fn is_fp32(p: &Precision) -> bool {
 impl JobSpec {
     /// A job with limpet's defaults for `kind` on `data`.
     pub fn defaults_for(kind: ModelKind, data: &Dataset) -> Result<Self, TrainerError> {
-        let model = ModelSpec::for_data(kind, &data.info)?;
+        Ok(Self::defaults_with(kind, ModelSpec::for_data(kind, &data.info)?, data))
+    }
+
+    /// A job with limpet's defaults for `kind` on `data`, training `model`.
+    pub fn defaults_with(kind: ModelKind, model: ModelSpec, data: &Dataset) -> Self {
         let (optimizer, steps, global_batch) = match (kind, &data.info) {
             (ModelKind::Gpt, _) => (OptimizerSpec::adamw(3e-3, 0.01), 600, 32),
             (ModelKind::Llama, _) => (OptimizerSpec::adamw(1e-3, 0.1), 600, 16),
@@ -70,7 +76,7 @@ impl JobSpec {
             }
             (_, DataInfo::Tokens { .. }) => (OptimizerSpec::adamw(3e-3, 0.01), 600, 32),
         };
-        Ok(JobSpec {
+        JobSpec {
             model,
             data: data.spec.clone(),
             data_fingerprint: data.fingerprint.clone(),
@@ -83,7 +89,7 @@ impl JobSpec {
             clip_norm: Some(1.0),
             precision: Precision::Fp32,
             init: None,
-        })
+        }
     }
 
     /// Checks the job on its own and against the data it will read.

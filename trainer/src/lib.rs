@@ -11,7 +11,9 @@
 //! whole state to and from the portable [`limpet_snapshot::StateImage`], whose content hash is
 //! how ranks prove they hold the same state.
 
-#![forbid(unsafe_code)]
+// One audited exception: the gradient buffer lends libtorch's memory to the collectives
+// (train/grads.rs), which no safe tch call can do without a model-sized copy.
+#![deny(unsafe_code)]
 
 pub mod data;
 pub mod device;
@@ -30,7 +32,7 @@ pub mod workload;
 pub use error::TrainerError;
 pub use job::{JobSpec, ModelKind};
 pub use run::{peak_rss_bytes, run_local, save_checkpoint, Progress, RunOptions, RunReport, CHECKPOINT_FILE};
-pub use train::{Eval, NoReduce, Reduce, StepStats, Trainer};
+pub use train::{Eval, NoReduce, Reduce, StepOrder, StepStats, Trainer};
 
 /// Makes libtorch use `n` intra-op threads. limpet runs one thread per rank by default, so
 /// several ranks on one machine do not oversubscribe it and results do not depend on how a

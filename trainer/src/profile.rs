@@ -74,6 +74,11 @@ fn time_block(model: &Model, i: usize, x: &Tensor, reps: usize) -> Result<(f64, 
 /// each measurement `reps` times (after one warm-up) and keeping the median.
 pub fn profile_blocks(job: &JobSpec, data: &Dataset, reps: usize) -> Result<Vec<BlockMeasure>, TrainerError> {
     job.validate(data)?;
+    if matches!(job.model, crate::model::ModelSpec::Torchscript(_)) {
+        return Err(TrainerError::Config(
+            "a TorchScript module is one stage (its graph cannot be cut into blocks): there is no pipeline to plan".into(),
+        ));
+    }
     let reps = reps.max(1);
     let model = Model::new(&job.model, job.seed)?;
     let mb = job.micro_batch.min(data.train.len()).max(1);

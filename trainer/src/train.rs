@@ -4,9 +4,12 @@
 //! [`Trainer::compute_grads`] sums per-sample gradients of this rank's share (accumulating over
 //! micro-batches) into one flat buffer with the loss sum, the sample count and the squared
 //! norm of its own mean gradient (for AdaScale's variance estimate) at its end; a
-//! [`Reduce`] sums the buffers of all ranks elementwise; [`Trainer::apply_update`] divides by
-//! the global sample count, clips, and steps the optimizer. Every rank that reduces the same
-//! buffers applies the same update.
+//! [`Reduce`] sums the buffers of all ranks elementwise, in place; [`Trainer::apply_reduced`]
+//! divides by the global sample count, clips, and steps the optimizer. Every rank that
+//! reduces the same buffers applies the same update. The buffer is the trainer's own (see
+//! [`grads`]): on the CPU it is where backward writes the gradients.
+
+mod grads;
 
 use crate::data::Dataset;
 use crate::job::JobSpec;
@@ -15,6 +18,7 @@ use crate::optim::{clip_global_norm, clip_to_norm, Optimizer};
 use crate::pipeline::{Activation, StageLink, StagePosition, StageReducers};
 use crate::sampler::{BatchPlan, Sampler};
 use crate::TrainerError;
+use grads::GradBuffer;
 use limpet_snapshot::{Dtype, RawTensor, RngState, StateImage};
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -66,6 +70,17 @@ pub struct Eval {
     pub accuracy: f64,
 }
 
+/// One step of a job's sample order (what `limpet train --print-order` writes).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StepOrder {
+    /// The step (0-based).
+    pub step: u64,
+    /// Its learning rate.
+    pub lr: f64,
+    /// Its samples in order, where the dataset's files hold them.
+    pub samples: Vec<crate::data::Source>,
+}
+
 /// One rank's training state and the machinery to advance it.
 #[derive(Debug)]
 pub struct Trainer {
@@ -82,6 +97,7 @@ pub struct Trainer {
     /// Learning-rate multiplier set by the elastic batch policy (1 for a fixed global batch).
     lr_scale: f64,
     rng: RngState,
+    grads: GradBuffer,
 }
 
 impl Trainer {
@@ -113,7 +129,8 @@ impl Trainer {
         let plan = BatchPlan::try_new(job.global_batch, job.micro_batch)?;
         let sampler = Sampler::new(job.seed, data.train.len());
         let rng = RngState::new(job.seed);
-        Ok(Trainer { job, data, model, optim, sampler, plan, step: 0, cursor: 0, lr_scale: 1.0, rng })
+        let grads = GradBuffer::new(model.params(), device)?;
+        Ok(Trainer { job, data, model, optim, sampler, plan, step: 0, cursor: 0, lr_scale: 1.0, rng, grads })
     }
 
     /// Restores a trainer from `image`. The image's own job is used; if `expected` is given it
@@ -258,9 +275,12 @@ impl Trainer {
         self.model.num_elements() + 3
     }
 
-    /// Computes this rank's share of the current step: the sum over its samples of the
-    /// per-sample loss gradients, followed by the loss sum and sample count.
-    pub fn compute_grads(&mut self, rank: usize, world: usize) -> Result<Vec<f32>, TrainerError> {
+    /// Computes this rank's share of the current step into the trainer's buffer: the sum
+    /// over its samples of the per-sample loss gradients, then the loss sum, the sample count
+    /// and the squared norm of the share's mean gradient. The caller sums the buffer over
+    /// ranks in place, then calls [`Trainer::apply_reduced`].
+    pub fn compute_grads(&mut self, rank: usize, world: usize) -> Result<&mut [f32], TrainerError> {
+        self.grads.zero(self.model.params())?;
         let share = self.plan.share(rank, world);
         let positions = self.cursor + share.start as u64..self.cursor + share.end as u64;
         let step_seed = self.peek_step_seed();
@@ -273,18 +293,18 @@ impl Trainer {
             }
             let idx = self.sampler.indices(mb);
             let (x, y) = self.batch_on_device(&idx)?;
-            let logits = self.model.forward_t(&x, true);
-            let loss = self.model.loss_sum(&logits, &y);
+            let (_, loss) = self.model.forward_loss(&x, &y, true)?;
             loss.f_backward()?;
             loss_sum += loss.double_value(&[]);
         }
-        self.flat_grads(loss_sum, (positions.end - positions.start) as f64)
+        self.finish_grads(loss_sum, (positions.end - positions.start) as f64)?;
+        Ok(self.grads.as_mut_slice())
     }
 
-    /// Applies the update from a reduced buffer (the sum of every rank's
-    /// [`Trainer::compute_grads`] output) and advances to the next step.
-    pub fn apply_update(&mut self, reduced: &mut [f32]) -> Result<StepStats, TrainerError> {
-        let n = self.model.num_elements();
+    /// Applies the update from `reduced`, a buffer summed over ranks elsewhere (the sum of
+    /// every rank's [`Trainer::compute_grads`] output), and advances to the next step.
+    pub fn apply_update(&mut self, reduced: &[f32]) -> Result<StepStats, TrainerError> {
+        let n = self.grads.grads_len();
         if reduced.len() != n + 3 {
             return Err(TrainerError::Reduce(format!(
                 "buffer has {} values, expected {}",
@@ -292,6 +312,15 @@ impl Trainer {
                 n + 3
             )));
         }
+        self.grads.as_mut_slice().copy_from_slice(reduced);
+        self.apply_reduced()
+    }
+
+    /// Applies the update from the trainer's buffer, which the caller summed over ranks in
+    /// place after [`Trainer::compute_grads`], and advances to the next step.
+    pub fn apply_reduced(&mut self) -> Result<StepStats, TrainerError> {
+        let n = self.grads.grads_len();
+        let reduced = self.grads.as_mut_slice();
         let rank_mean_sq_sum = f64::from(reduced[n + 2]);
         let samples = reduced[n + 1];
         if samples.round() as usize != self.plan.global_batch {
@@ -305,13 +334,13 @@ impl Trainer {
         let inv = 1.0 / samples;
         grad.iter_mut().for_each(|g| *g *= inv);
         let grad_norm = clip_global_norm(grad, self.job.clip_norm);
-        Ok(self.apply_clipped(grad, loss, grad_norm, samples as usize, rank_mean_sq_sum))
+        Ok(self.apply_clipped(loss, grad_norm, samples as usize, rank_mean_sq_sum))
     }
 
-    /// Steps the optimizer with an averaged, clipped gradient and advances to the next step.
+    /// Steps the optimizer with the averaged, clipped gradient in the buffer and advances to
+    /// the next step.
     fn apply_clipped(
         &mut self,
-        grad: &[f32],
         loss: f64,
         grad_norm: f64,
         samples: usize,
@@ -319,13 +348,28 @@ impl Trainer {
     ) -> StepStats {
         let lr =
             self.job.optimizer.lr() * self.job.schedule.factor(self.step, self.job.steps) * self.lr_scale;
-        let g = Tensor::from_slice(grad).to_device(self.model.device());
+        let g = self.grads.grads_on(self.model.device());
         self.optim.apply(self.model.params(), &g, lr, self.step + 1);
         let stats = StepStats { step: self.step, loss, lr, grad_norm, samples, rank_mean_sq_sum };
         self.next_step_seed();
         self.step += 1;
         self.cursor += self.plan.global_batch as u64;
         stats
+    }
+
+    /// The samples and learning rate of step `step` of this job while its global batch is
+    /// the job's: the same for any number of ranks, since shares tile each step's samples.
+    /// What another framework needs to train on the very same sequence.
+    pub fn order(&mut self, step: u64) -> StepOrder {
+        let b = self.job.global_batch as u64;
+        let samples = self
+            .sampler
+            .indices(step * b..(step + 1) * b)
+            .into_iter()
+            .map(|i| self.data.train.source_of(i as u64))
+            .collect();
+        let lr = self.job.optimizer.lr() * self.job.schedule.factor(step, self.job.steps);
+        StepOrder { step, lr, samples }
     }
 
     /// One step of this trainer's pipeline stage at `pos`: its replica's share of the
@@ -353,6 +397,7 @@ impl Trainer {
             )));
         }
         let step = self.step;
+        self.grads.zero(self.model.params())?;
         let share = self.plan.share(pos.replica, pos.replicas);
         let positions = self.cursor + share.start as u64..self.cursor + share.end as u64;
         let micros: Vec<Range<u64>> = self.plan.micro_batches(positions.clone()).collect();
@@ -407,9 +452,10 @@ impl Trainer {
                 }
             }
         }
-        let mut buf = self.flat_grads(loss_sum, (positions.end - positions.start) as f64)?;
-        reduce.replicas.allreduce_sum(&mut buf, step)?;
-        let n = self.model.num_elements();
+        self.finish_grads(loss_sum, (positions.end - positions.start) as f64)?;
+        let n = self.grads.grads_len();
+        let buf = self.grads.as_mut_slice();
+        reduce.replicas.allreduce_sum(buf, step)?;
         let samples = buf[n + 1];
         if samples.round() as usize != self.plan.global_batch {
             return Err(TrainerError::Reduce(format!(
@@ -427,37 +473,42 @@ impl Trainer {
         let grad = &mut buf[..n];
         clip_to_norm(grad, norm, self.job.clip_norm);
         let loss = f64::from(scalars[1]) / f64::from(samples);
-        Ok(self.apply_clipped(&buf[..n], loss, norm, samples as usize, f64::from(scalars[2])))
+        Ok(self.apply_clipped(loss, norm, samples as usize, f64::from(scalars[2])))
     }
 
     /// The samples at `indices` of the training split, on the model's device.
     fn batch_on_device(&self, indices: &[i64]) -> Result<(Tensor, Tensor), TrainerError> {
         let (x, y) = self.data.train.batch(indices)?;
         let d = self.model.device();
-        Ok((x.to_device(d), y.to_device(d)))
+        Ok((self.shaped(x).to_device(d), y.to_device(d)))
     }
 
-    /// The flat buffer of this rank's summed gradients (zeroing them), then the loss sum,
-    /// the sample count and the squared norm of the mean gradient. The gradients are
-    /// gathered into one buffer on the model's device and copied to the host once.
-    fn flat_grads(&mut self, loss_sum: f64, count: f64) -> Result<Vec<f32>, TrainerError> {
-        let mut buf = vec![0f32; self.buffer_len()];
-        let offset = self.model.num_elements();
-        // On the CPU the host buffer is the device buffer: each gradient is copied into its
-        // place once, with no gathered copy in between (which would cost the model's size in
-        // memory again).
-        copy_grads(self.model.params(), &mut buf[..offset], self.model.device() != Device::Cpu)?;
-        for (_, p) in self.model.params() {
-            let mut g = p.grad();
-            if g.defined() {
-                let _ = g.zero_();
+    /// Inputs as the model takes them: limpet's own models read array rows flat; a
+    /// TorchScript module gets each row in the shape its file has (`[batch, C, H, W]` for
+    /// images stored that way).
+    fn shaped(&self, x: Tensor) -> Tensor {
+        match (&self.job.model, self.data.train.row_shape()) {
+            (crate::model::ModelSpec::Torchscript(_), Some(shape)) => {
+                let mut full = vec![x.size()[0]];
+                full.extend(shape.iter().map(|&d| d as i64));
+                x.view(full.as_slice())
             }
+            _ => x,
         }
-        let sq: f64 = buf[..offset].iter().map(|&g| f64::from(g) * f64::from(g)).sum();
-        buf[offset] = loss_sum as f32;
-        buf[offset + 1] = count as f32;
-        buf[offset + 2] = if count > 0.0 { (sq / (count * count)) as f32 } else { 0.0 };
-        Ok(buf)
+    }
+
+    /// Completes the buffer after this rank's backward passes: the gradients in place (copied
+    /// from the device when they are not views of it), then the loss sum, the sample count
+    /// and the squared norm of the mean gradient.
+    fn finish_grads(&mut self, loss_sum: f64, count: f64) -> Result<(), TrainerError> {
+        self.grads.collect(self.model.params())?;
+        let n = self.grads.grads_len();
+        let buf = self.grads.as_mut_slice();
+        let sq: f64 = buf[..n].iter().map(|&g| f64::from(g) * f64::from(g)).sum();
+        buf[n] = loss_sum as f32;
+        buf[n + 1] = count as f32;
+        buf[n + 2] = if count > 0.0 { (sq / (count * count)) as f32 } else { 0.0 };
+        Ok(())
     }
 
     /// One whole step: compute this rank's share, reduce, apply.
@@ -467,9 +518,10 @@ impl Trainer {
         world: usize,
         reduce: &mut dyn Reduce,
     ) -> Result<StepStats, TrainerError> {
-        let mut buf = self.compute_grads(rank, world)?;
-        reduce.allreduce_sum(&mut buf, self.step)?;
-        self.apply_update(&mut buf)
+        let step = self.step;
+        let buf = self.compute_grads(rank, world)?;
+        reduce.allreduce_sum(buf, step)?;
+        self.apply_reduced()
     }
 
     /// Loss and accuracy on the held-out split.
@@ -488,10 +540,12 @@ impl Trainer {
             for start in (0..test.len()).step_by(chunk) {
                 let len = chunk.min(test.len() - start);
                 let (x, y) = test.range(start, len)?;
-                let (x, y) = (x.to_device(d), y.to_device(d));
-                let logits = self.model.forward_t(&x, false);
-                loss += self.model.loss_sum(&logits, &y).double_value(&[]);
-                correct += self.model.correct(&logits, &y);
+                let (x, y) = (self.shaped(x).to_device(d), y.to_device(d));
+                let (out, l) = self.model.forward_loss(&x, &y, false)?;
+                loss += l.double_value(&[]);
+                if let Some(out) = out {
+                    correct += self.model.correct(&out, &y);
+                }
             }
             Ok(())
         })?;
@@ -535,40 +589,6 @@ impl Trainer {
         self.rng.draws += 1;
         v
     }
-}
-
-/// Copies the parameters' gradients into `buf` in order (zeros where a parameter has none):
-/// gathered into one device buffer and copied to the host at once when `gather`, else one
-/// by one.
-fn copy_grads(params: &[(String, Tensor)], buf: &mut [f32], gather: bool) -> Result<(), TrainerError> {
-    if gather {
-        let parts: Vec<Tensor> = params
-            .iter()
-            .map(|(_, p)| {
-                let g = p.grad();
-                if g.defined() {
-                    g.detach().reshape([-1])
-                } else {
-                    p.zeros_like().reshape([-1])
-                }
-            })
-            .collect();
-        let flat = Tensor::f_cat(&parts, 0)?.to_kind(Kind::Float).to_device(Device::Cpu);
-        flat.f_copy_data(buf, buf.len())?;
-        return Ok(());
-    }
-    let mut at = 0;
-    for (_, p) in params {
-        let n = p.numel();
-        let g = p.grad();
-        if g.defined() {
-            g.f_copy_data(&mut buf[at..at + n], n)?;
-        } else {
-            buf[at..at + n].fill(0.0);
-        }
-        at += n;
-    }
-    Ok(())
 }
 
 /// Copies an f32 tensor out as raw bytes.

@@ -3,6 +3,7 @@
 //! One place, so the file and the flags cannot drift apart.
 
 use crate::data::{DataInfo, DataSpec, Dataset};
+use crate::model::script::{self, ScriptLoss, ScriptSpec};
 use crate::model::{LlamaSpec, ModelSpec};
 use crate::{JobSpec, ModelKind, TrainerError};
 use serde::{Deserialize, Serialize};
@@ -49,6 +50,13 @@ pub struct ModelSection {
     /// its weights replace the seed's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub init_from: Option<PathBuf>,
+    /// The TorchScript module's file (model `torchscript`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    /// What a TorchScript module minimizes: `cross_entropy`, `mse` (on its output) or
+    /// `module` (it returns each sample's loss).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss: Option<String>,
 }
 
 /// `[data]`: how samples are cut from the data.
@@ -106,6 +114,23 @@ impl ModelSection {
     /// error names the key. Needs no data, so `limpetd validate` runs it.
     pub fn check_keys(&self, model: &str) -> Result<(), TrainerError> {
         let bad = |key: &str, why: &str| Err(TrainerError::Config(format!("[model].{key}: {why}")));
+        if model == "torchscript" {
+            if self.path.is_none() {
+                return bad("path", "model torchscript needs its module file");
+            }
+            if let Some(l) = &self.loss {
+                ScriptLoss::parse(l).map_err(|e| TrainerError::Config(format!("[model].loss: {e}")))?;
+            }
+            if let Some(key) = self.llama_only_key().or(self.layers.map(|_| "layers")) {
+                return bad(key, "a TorchScript module's sizes are its own");
+            }
+            return Ok(());
+        }
+        for (key, set) in [("path", self.path.is_some()), ("loss", self.loss.is_some())] {
+            if set {
+                return bad(key, "applies to model torchscript only");
+            }
+        }
         if model == "llama" {
             return Ok(());
         }
@@ -125,6 +150,18 @@ impl ModelSection {
         kind: ModelKind,
         data: &Dataset,
     ) -> Result<(ModelSpec, Option<String>), TrainerError> {
+        if kind == ModelKind::Torchscript {
+            self.check_keys("torchscript")?;
+            let path = self.path.as_deref().expect("checked: torchscript has a path");
+            let loss = match &self.loss {
+                Some(l) => ScriptLoss::parse(l).expect("checked"),
+                None if matches!(data.info, DataInfo::Regress { .. }) => ScriptLoss::Mse,
+                None => ScriptLoss::CrossEntropy,
+            };
+            let spec = ModelSpec::Torchscript(ScriptSpec { blake3: script::register(path)?, loss });
+            spec.check_data(&data.info)?;
+            return Ok((spec, None));
+        }
         let mut spec = ModelSpec::for_data(kind, &data.info)?;
         let bad = |key: &str, why: String| TrainerError::Config(format!("[model].{key}: {why}"));
         match &mut spec {
@@ -186,9 +223,8 @@ impl ModelSection {
 
 /// A job with limpet's defaults for `kind` on `data`, its model sized by `model`.
 pub fn job_for(kind: ModelKind, data: &Dataset, model: &ModelSection) -> Result<JobSpec, TrainerError> {
-    let mut job = JobSpec::defaults_for(kind, data)?;
     let (spec, init) = model.model_for(kind, data)?;
-    job.model = spec;
+    let mut job = JobSpec::defaults_with(kind, spec, data);
     job.init = init;
     Ok(job)
 }

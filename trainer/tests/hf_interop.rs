@@ -12,13 +12,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use tch::{Kind, Tensor};
 
-/// The setup's venv Python: `LIMPET_PYTHON`, else the target of the clone's `.limpet/python`
-/// link (the link's target, because a venv's interpreter finds its packages from its path).
+/// The setup's venv Python: `LIMPET_PYTHON`, else the clone's `.limpet/python` wrapper.
 fn python() -> PathBuf {
-    std::env::var_os("LIMPET_PYTHON").map(PathBuf::from).unwrap_or_else(|| {
-        let link = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.limpet/python");
-        std::fs::read_link(&link).unwrap_or(link)
-    })
+    std::env::var_os("LIMPET_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.limpet/python"))
 }
 
 fn hf_side(args: &[&str]) {

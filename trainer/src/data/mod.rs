@@ -79,6 +79,21 @@ pub enum DataInfo {
     },
 }
 
+/// Where a training sample comes from, in terms of the dataset's own files.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(untagged)]
+pub enum Source {
+    /// Row of the array files (or index into an in-memory dataset).
+    Index(u64),
+    /// A window of `context + 1` tokens starting at token `token` of shard `file`.
+    Window {
+        /// The shard's file name.
+        file: String,
+        /// Index of the window's first token in that file.
+        token: u64,
+    },
+}
+
 /// Inputs and targets of one split, indexed by sample: in memory, or windows of token shards
 /// read when asked for.
 #[derive(Debug)]
@@ -113,6 +128,29 @@ impl Split {
     /// True when the split holds no samples.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The shape of one input row of an array dataset (none for in-memory and token data).
+    pub fn row_shape(&self) -> Option<&[usize]> {
+        match self {
+            Split::Rows(r) => Some(r.row_shape()),
+            Split::Memory { .. } | Split::Windows(_) => None,
+        }
+    }
+
+    /// Where sample `index` comes from in the source files: the row of an array dataset,
+    /// the first token's position in the shards' concatenation, or the index itself for
+    /// in-memory data. What `limpet train --print-order` shows, so another framework can
+    /// read the very same samples.
+    pub fn source_of(&self, index: u64) -> Source {
+        match self {
+            Split::Memory { .. } => Source::Index(index),
+            Split::Windows(w) => {
+                let (file, token) = w.source_of(index);
+                Source::Window { file, token }
+            }
+            Split::Rows(r) => Source::Index(r.source_of(index)),
+        }
     }
 
     /// The samples at `indices`, as (inputs, targets) on the CPU.

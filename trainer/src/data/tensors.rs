@@ -314,11 +314,9 @@ impl Rows {
     pub fn read(&self, indices: impl Iterator<Item = u64>) -> Result<RowBatch, TrainerError> {
         let (mut xs, mut ys) = (Vec::new(), Vec::new());
         let mut n = 0;
-        let total = self.pair.x.rows();
         for j in indices {
             assert!(j < self.len, "row {j} outside a split of {}", self.len);
-            let pos = self.first + j;
-            let row = if self.permuted { feistel(pos, total, SPLIT_KEY) } else { pos };
+            let row = self.source_of(j);
             self.pair.x.read_row(row, &mut xs)?;
             self.pair.y.read_row(row, &mut ys)?;
             n += 1;
@@ -329,6 +327,16 @@ impl Rows {
         } else {
             RowBatch { x, labels: ys.iter().map(|&v| v as i64).collect(), n, ..Default::default() }
         })
+    }
+
+    /// The row of the files that split row `j` is.
+    pub fn source_of(&self, j: u64) -> u64 {
+        let pos = self.first + j;
+        if self.permuted {
+            feistel(pos, self.pair.x.rows(), SPLIT_KEY)
+        } else {
+            pos
+        }
     }
 
     /// Shape of one input row.

@@ -218,10 +218,15 @@ impl ShardSet {
 
     /// Reads window `j` (`context + 1` tokens) into `out`, checking every id against the
     /// vocabulary.
-    fn read_window(&self, j: u64, out: &mut Vec<i64>) -> Result<(), TrainerError> {
+    /// The shard file window `j` is read from and the index of its first token there.
+    fn locate(&self, j: u64) -> (&Shard, u64) {
         let s = self.shards.partition_point(|s| s.first_window <= j) - 1;
         let shard = &self.shards[s];
-        let first_token = (j - shard.first_window) * self.context;
+        (shard, (j - shard.first_window) * self.context)
+    }
+
+    fn read_window(&self, j: u64, out: &mut Vec<i64>) -> Result<(), TrainerError> {
+        let (shard, first_token) = self.locate(j);
         debug_assert!(first_token + self.context < shard.tokens);
         let width = self.dtype.width();
         let mut bytes = vec![0u8; ((self.context + 1) * width) as usize];
@@ -273,6 +278,14 @@ impl Windows {
     /// True when the split holds no windows.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// The shard file window `j` of this split starts in (its file name) and the index of
+    /// its first token there.
+    pub fn source_of(&self, j: u64) -> (String, u64) {
+        let (shard, token) = self.set.locate(self.first + j);
+        let name = shard.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        (name, token)
     }
 
     /// The windows at `indices` (relative to this split) as `[n, context]` inputs and targets.

@@ -7,6 +7,7 @@
 
 mod gpt;
 mod llama;
+pub mod script;
 
 use crate::data::DataInfo;
 use crate::{ModelKind, TrainerError};
@@ -236,12 +237,19 @@ pub enum ModelSpec {
     },
     /// LLaMA-family decoder: embedding block, decoder-layer blocks, and a norm+head block.
     Llama(LlamaSpec),
+    /// A TorchScript module (one block; its file holds the initial weights).
+    Torchscript(script::ScriptSpec),
 }
 
 impl ModelSpec {
     /// limpet's default model of `kind` for data shaped like `info`.
     pub fn for_data(kind: ModelKind, info: &DataInfo) -> Result<Self, TrainerError> {
         let spec = match (kind, info) {
+            (ModelKind::Torchscript, _) => {
+                return Err(TrainerError::Config(
+                    "model 'torchscript' needs its module file ([model].path, or --script)".into(),
+                ))
+            }
             (ModelKind::Mlp, DataInfo::Classify { features, classes, .. }) => ModelSpec::Mlp {
                 inputs: *features,
                 hidden: vec![128, 128],
@@ -318,6 +326,19 @@ impl ModelSpec {
             (ModelSpec::Gpt { vocab, context, .. }, DataInfo::Tokens { vocab: v, context: t }) => {
                 vocab == v && context >= t
             }
+            (ModelSpec::Torchscript(s), info) => match (s.loss, info) {
+                (script::ScriptLoss::Module, _) => true,
+                (script::ScriptLoss::Mse, DataInfo::Regress { .. }) => true,
+                (script::ScriptLoss::CrossEntropy, DataInfo::Classify { .. } | DataInfo::Tokens { .. }) => {
+                    true
+                }
+                (loss, _) => {
+                    return Err(TrainerError::Config(format!(
+                        "[model].loss {:?} does not fit data shaped {info:?} (cross_entropy takes class labels or tokens, mse takes float targets)",
+                        format!("{loss:?}").to_lowercase()
+                    )))
+                }
+            },
             (ModelSpec::Llama(l), DataInfo::Tokens { vocab: v, context: t }) => {
                 if l.vocab < *v {
                     return Err(TrainerError::Config(format!(
@@ -350,6 +371,7 @@ impl ModelSpec {
             ModelSpec::Convnet { channels, .. } => channels.len() + 2,
             ModelSpec::Gpt { layers, .. } => layers + 2,
             ModelSpec::Llama(l) => l.layers + 2,
+            ModelSpec::Torchscript(_) => 1,
         }
     }
 
@@ -400,6 +422,8 @@ impl ModelSpec {
                     t * (2 * d + 2 * l.vocab)
                 }
             }
+            // A script's graph is opaque: the planner cannot estimate it (and never splits it).
+            ModelSpec::Torchscript(_) => 0,
         };
         floats as u64 * 4
     }
@@ -439,6 +463,11 @@ impl ModelSpec {
                 }
             }
             ModelSpec::Llama(l) => l.validate()?,
+            ModelSpec::Torchscript(s) => {
+                if s.blake3.len() != 64 || !s.blake3.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    return bad("torchscript blake3 must be 64 hex digits");
+                }
+            }
         }
         Ok(())
     }
@@ -494,6 +523,7 @@ fn build_block(
         }
         ModelSpec::Gpt { .. } => gpt::block(spec, i, p, rng),
         ModelSpec::Llama(l) => llama::block(l, precision, i, root),
+        ModelSpec::Torchscript(_) => unreachable!("a TorchScript block is loaded by Model::build"),
     }
 }
 
@@ -506,6 +536,8 @@ pub struct Model {
     params: Vec<(String, Tensor)>,
     device: Device,
     dropout_rng: DropoutRng,
+    /// The module, when the model is TorchScript (also the one block in `layers`).
+    script: Option<Arc<script::Scripted>>,
     // Owns the variables the layers refer to.
     _vs: nn::VarStore,
 }
@@ -552,13 +584,22 @@ impl Model {
         let vs = nn::VarStore::new(device);
         let root = vs.root();
         let dropout_rng = Arc::new(Mutex::new(ChaCha8Rng::seed_from_u64(seed)));
-        let layers = blocks.clone().map(|i| build_block(spec, precision, i, &root, &dropout_rng)).collect();
+        let (layers, script) = if let ModelSpec::Torchscript(s) = spec {
+            let m = Arc::new(script::Scripted::load(s, &root)?);
+            let block: Box<dyn ModuleT> = Box::new(script::ScriptBlock(Arc::clone(&m)));
+            (vec![block], Some(m))
+        } else {
+            (blocks.clone().map(|i| build_block(spec, precision, i, &root, &dropout_rng)).collect(), None)
+        };
         let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
         params.sort_by(|a, b| a.0.cmp(&b.0));
-        for (name, t) in &params {
-            init_param(name, t, seed);
+        // A script starts from the weights its file holds.
+        if script.is_none() {
+            for (name, t) in &params {
+                init_param(name, t, seed);
+            }
         }
-        Ok(Model { spec: spec.clone(), blocks, layers, params, device, dropout_rng, _vs: vs })
+        Ok(Model { spec: spec.clone(), blocks, layers, params, device, dropout_rng, script, _vs: vs })
     }
 
     /// The spec this model was built from.
@@ -642,12 +683,64 @@ impl Model {
         self.layers.iter().fold(xs.shallow_clone(), |x, l| l.forward_t(&x, train))
     }
 
+    /// The model's outputs for `x` (none when a TorchScript module computes its own loss)
+    /// and the sum over samples of each sample's loss against `y`. Errors are a module's
+    /// (TorchScript checks shapes and types only when it runs).
+    pub fn forward_loss(
+        &self,
+        x: &Tensor,
+        y: &Tensor,
+        train: bool,
+    ) -> Result<(Option<Tensor>, Tensor), TrainerError> {
+        if let Some(m) = &self.script {
+            if m.loss() == script::ScriptLoss::Module {
+                return Ok((None, m.loss_sum(x, y, train)?));
+            }
+            let out = m.forward(x, train)?;
+            let loss = self.checked_loss(&out, y)?;
+            return Ok((Some(out), loss));
+        }
+        let out = self.forward_t(x, train);
+        let loss = self.loss_sum(&out, y);
+        Ok((Some(out), loss))
+    }
+
+    /// [`Model::loss_sum`] for a module's outputs, whose shapes are whatever it made.
+    fn checked_loss(&self, out: &Tensor, y: &Tensor) -> Result<Tensor, TrainerError> {
+        let (os, ys) = (out.size(), y.size());
+        let fits = if self.is_regression() {
+            out.numel() == y.numel() && os.first() == ys.first()
+        } else {
+            os.len() == ys.len() + 1 && os[..ys.len()] == ys[..]
+        };
+        if !fits {
+            return Err(TrainerError::Config(format!(
+                "the TorchScript module returned shape {os:?} for targets of shape {ys:?}: {}",
+                if self.is_regression() {
+                    "mse needs one prediction per target value"
+                } else {
+                    "cross_entropy needs the targets' shape plus a class dimension"
+                }
+            )));
+        }
+        Ok(self.loss_sum(out, y))
+    }
+
+    fn is_regression(&self) -> bool {
+        matches!(
+            self.spec,
+            ModelSpec::Mlp { loss: Loss::Mse, .. }
+                | ModelSpec::Torchscript(script::ScriptSpec { loss: script::ScriptLoss::Mse, .. })
+        )
+    }
+
     /// Sum over samples of each sample's loss (mean over positions for sequence models).
     /// Summing, not averaging, is what makes gradients of shares add up to the global batch's.
     pub fn loss_sum(&self, logits: &Tensor, targets: &Tensor) -> Tensor {
-        if let ModelSpec::Mlp { loss: Loss::Mse, classes, .. } = self.spec {
+        if self.is_regression() {
+            let per_sample = (targets.numel() / targets.size()[0].max(1) as usize).max(1);
             let diff = logits - targets.to_kind(Kind::Float).view_as(logits);
-            return (&diff * &diff).sum(Kind::Float) / classes as f64;
+            return (&diff * &diff).sum(Kind::Float) / per_sample as f64;
         }
         let v = *logits.size().last().expect("logits have a class dimension");
         let ce = logits.view([-1, v]).cross_entropy_loss::<Tensor>(
@@ -657,7 +750,7 @@ impl Model {
             -100,
             0.0,
         );
-        if self.spec.is_sequence() {
+        if self.spec.is_sequence() || targets.dim() == 2 {
             ce / targets.size()[1] as f64
         } else {
             ce
@@ -666,11 +759,11 @@ impl Model {
 
     /// Sum over samples of the fraction of positions predicted right (1 or 0 for classifiers).
     pub fn correct(&self, logits: &Tensor, targets: &Tensor) -> f64 {
-        if matches!(self.spec, ModelSpec::Mlp { loss: Loss::Mse, .. }) {
+        if self.is_regression() {
             return 0.0; // regression has no right or wrong; its test loss is the MSE
         }
         let hits = logits.argmax(-1, false).eq_tensor(targets).to_kind(Kind::Double).sum(Kind::Double);
-        let per = if self.spec.is_sequence() { targets.size()[1] as f64 } else { 1.0 };
+        let per = if targets.dim() == 2 { targets.size()[1] as f64 } else { 1.0 };
         hits.double_value(&[]) / per
     }
 }

@@ -128,12 +128,11 @@ fn two_ranks_match_one() {
     let mut r1 = Trainer::try_new(j, synthetic()).unwrap();
     for _ in 0..10 {
         one.train_step(0, 1, &mut NoReduce).unwrap();
-        let mut a = r0.compute_grads(0, 2).unwrap();
+        let mut a = r0.compute_grads(0, 2).unwrap().to_vec();
         let b = r1.compute_grads(1, 2).unwrap();
-        a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
-        let mut a2 = a.clone();
-        r0.apply_update(&mut a).unwrap();
-        r1.apply_update(&mut a2).unwrap();
+        a.iter_mut().zip(b.iter()).for_each(|(x, y)| *x += y);
+        r0.apply_update(&a).unwrap();
+        r1.apply_update(&a).unwrap();
     }
     assert_eq!(r0.content_hash().unwrap(), r1.content_hash().unwrap());
     for (p1, p0) in params_of(&one).iter().zip(params_of(&r0)) {
@@ -145,8 +144,8 @@ fn two_ranks_match_one() {
 fn a_missing_share_is_detected() {
     let data = synthetic();
     let mut r0 = Trainer::try_new(job(ModelKind::Mlp, &data, 30, 30), data).unwrap();
-    let mut buf = r0.compute_grads(0, 2).unwrap();
-    let err = r0.apply_update(&mut buf).unwrap_err().to_string();
+    r0.compute_grads(0, 2).unwrap();
+    let err = r0.apply_reduced().unwrap_err().to_string();
     assert!(err.contains("is not the global batch 30"), "{err}");
 }
 
@@ -162,8 +161,8 @@ proptest! {
         let mut parts = Trainer::try_new(job(ModelKind::Mlp, &synthetic(), batch, micro), synthetic()).unwrap();
         whole.step = step;
         parts.step = step;
-        let a = whole.compute_grads(0, 1).unwrap();
-        let b = parts.compute_grads(0, 1).unwrap();
+        let a = whole.compute_grads(0, 1).unwrap().to_vec();
+        let b = parts.compute_grads(0, 1).unwrap().to_vec();
         let scale = a.iter().fold(0f32, |m, v| m.max(v.abs())).max(1.0);
         for (i, (x, y)) in a.iter().zip(&b).enumerate() {
             prop_assert!((x - y).abs() <= 1e-5 * scale, "element {}: {} vs {}", i, x, y);
@@ -205,18 +204,38 @@ fn mismatched_images_name_what_differs() {
     assert!(err.contains("field 'cursor' is 2"), "{err}");
 }
 
-/// The device path (gradients gathered into one buffer, copied once) and the CPU path (copied
-/// one by one) fill the same buffer.
+/// The CPU path (gradients are views of the buffer: backward writes into it) and the device
+/// path (gradients gathered and copied into it once) fill the same buffer; the views
+/// accumulate over backward passes and zero in place.
 #[test]
-fn gathered_and_direct_gradient_copies_agree() {
-    let a = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]).view([2, 2]).set_requires_grad(true);
-    let b = Tensor::from_slice(&[5.0f32, 6.0]).set_requires_grad(true);
-    let c = Tensor::from_slice(&[7.0f32]).set_requires_grad(true);
-    ((&a * 2.0).sum(Kind::Float) + (&b * &b).sum(Kind::Float)).backward();
-    let params = vec![("a".to_string(), a), ("b".to_string(), b), ("c".to_string(), c)];
-    let (mut one, mut two) = (vec![9f32; 7], vec![9f32; 7]);
-    super::copy_grads(&params, &mut one, true).unwrap();
-    super::copy_grads(&params, &mut two, false).unwrap();
-    assert_eq!(one, [2.0, 2.0, 2.0, 2.0, 10.0, 12.0, 0.0]);
-    assert_eq!(one, two);
+fn bound_and_collected_gradient_buffers_agree() {
+    let params = || {
+        let a = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]).view([2, 2]).set_requires_grad(true);
+        let b = Tensor::from_slice(&[5.0f32, 6.0]).set_requires_grad(true);
+        let c = Tensor::from_slice(&[7.0f32]).set_requires_grad(true);
+        vec![("a".to_string(), a), ("b".to_string(), b), ("c".to_string(), c)]
+    };
+    let backward = |p: &[(String, Tensor)]| {
+        ((&p[0].1 * 2.0).sum(Kind::Float) + (&p[1].1 * &p[1].1).sum(Kind::Float)).backward();
+    };
+    let want = [2.0, 2.0, 2.0, 2.0, 10.0, 12.0, 0.0];
+    let (bp, cp) = (params(), params());
+    let mut bound = super::grads::GradBuffer::with_binding(&bp, true).unwrap();
+    let mut collected = super::grads::GradBuffer::with_binding(&cp, false).unwrap();
+    assert!(bound.as_mut_slice().iter().all(|&v| v == 0.0));
+    backward(&bp);
+    backward(&cp);
+    collected.collect(&cp).unwrap();
+    assert_eq!(bound.as_mut_slice()[..7], want);
+    assert_eq!(collected.as_mut_slice()[..7], want);
+    backward(&bp);
+    let twice: Vec<f32> = want.iter().map(|v| v * 2.0).collect();
+    assert_eq!(bound.as_mut_slice()[..7], twice[..]);
+    bound.zero(&bp).unwrap();
+    backward(&bp);
+    assert_eq!(bound.as_mut_slice()[..7], want);
+    // The gradient tensor the optimizer reads is the buffer itself.
+    let g = bound.grads_on(Device::Cpu);
+    bound.as_mut_slice()[0] = 42.0;
+    assert_eq!(g.double_value(&[0]), 42.0);
 }

@@ -1,0 +1,136 @@
+//! The flat gradient buffer a trainer reduces and steps from: every parameter's gradient in
+//! parameter order, then three scalars (the loss sum, the sample count and the squared norm
+//! of this rank's mean gradient).
+//!
+//! On the CPU the parameters' `.grad` tensors are views into this buffer, so backward
+//! accumulates straight into the bytes the ring reduces and the optimizer reads: no gradient
+//! copy and no second model-sized allocation per step. (libtorch's gradient accumulation adds
+//! into an existing `.grad` in place when autograd is not recording, which it never is
+//! during backward.) On another device the buffer is the host staging area that the
+//! gradients, gathered on the device, are copied into once per step.
+
+use crate::TrainerError;
+use tch::{Device, Kind, Tensor};
+
+#[derive(Debug)]
+pub(crate) struct GradBuffer {
+    /// `n + 3` f32 values on the host, contiguous; owned here and never resized.
+    flat: Tensor,
+    /// Number of gradient values.
+    n: usize,
+    /// The parameters' gradients are views into `flat`.
+    bound: bool,
+}
+
+impl GradBuffer {
+    /// A zeroed buffer for `params`; on the CPU their gradients are rebound into it.
+    pub(crate) fn new(params: &[(String, Tensor)], device: Device) -> Result<Self, TrainerError> {
+        Self::with_binding(params, device == Device::Cpu)
+    }
+
+    /// A zeroed buffer for `params`, their gradients rebound into it when `bind`.
+    pub(crate) fn with_binding(params: &[(String, Tensor)], bind: bool) -> Result<Self, TrainerError> {
+        let n: usize = params.iter().map(|(_, p)| p.numel()).sum();
+        let flat = Tensor::f_zeros([n as i64 + 3], (Kind::Float, Device::Cpu))?;
+        let mut buf = GradBuffer { flat, n, bound: false };
+        if bind {
+            buf.bind(params)?;
+        }
+        Ok(buf)
+    }
+
+    /// Makes every trainable parameter's `.grad` a view of its place in the buffer.
+    fn bind(&mut self, params: &[(String, Tensor)]) -> Result<(), TrainerError> {
+        let trainable: Vec<&Tensor> = params.iter().map(|(_, p)| p).filter(|p| p.requires_grad()).collect();
+        if trainable.is_empty() {
+            return Ok(());
+        }
+        // A `.grad` must exist to be rebound: one backward through the parameters' sum
+        // creates them all.
+        let total = trainable.iter().map(|p| p.sum(Kind::Float)).reduce(|a, b| a + b).expect("non-empty");
+        total.f_backward()?;
+        let mut offset = 0i64;
+        for (_, p) in params {
+            let n = p.numel() as i64;
+            if p.requires_grad() {
+                let mut g = p.grad();
+                if p.kind() != Kind::Float || g.size() != p.size() {
+                    return Err(TrainerError::Config(format!(
+                        "parameter of kind {:?} and shape {:?}: gradients are f32 and shaped like their parameter",
+                        p.kind(),
+                        p.size()
+                    )));
+                }
+                g.f_set_data(&self.flat.narrow(0, offset, n).view_as(p))?;
+            }
+            offset += n;
+        }
+        let _ = self.flat.f_zero_()?;
+        self.bound = true;
+        Ok(())
+    }
+
+    /// Number of gradient values (the buffer holds three more).
+    pub(crate) fn grads_len(&self) -> usize {
+        self.n
+    }
+
+    /// Zeroes gradients and scalars, before a step's backward passes accumulate.
+    pub(crate) fn zero(&mut self, params: &[(String, Tensor)]) -> Result<(), TrainerError> {
+        let _ = self.flat.f_zero_()?;
+        if !self.bound {
+            for (_, p) in params {
+                let mut g = p.grad();
+                if g.defined() {
+                    let _ = g.f_zero_()?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Brings this step's gradients into the buffer: nothing to do when they are views of
+    /// it; else gathered on their device and copied to the host at once.
+    pub(crate) fn collect(&mut self, params: &[(String, Tensor)]) -> Result<(), TrainerError> {
+        if self.bound {
+            return Ok(());
+        }
+        let parts: Vec<Tensor> = params
+            .iter()
+            .map(|(_, p)| {
+                let g = p.grad();
+                if g.defined() {
+                    g.detach().reshape([-1])
+                } else {
+                    p.zeros_like().reshape([-1])
+                }
+            })
+            .collect();
+        let gathered = Tensor::f_cat(&parts, 0)?.to_kind(Kind::Float).to_device(Device::Cpu);
+        let n = self.n;
+        gathered.f_copy_data(&mut self.as_mut_slice()[..n], n)?;
+        Ok(())
+    }
+
+    /// The gradient part as a tensor on `device` (the buffer itself on the CPU).
+    pub(crate) fn grads_on(&self, device: Device) -> Tensor {
+        let g = self.flat.narrow(0, 0, self.n as i64);
+        if device == Device::Cpu {
+            g
+        } else {
+            g.to_device(device)
+        }
+    }
+
+    /// The whole buffer as host memory, for the collectives and the scalars.
+    #[allow(unsafe_code)]
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [f32] {
+        let len = self.n + 3;
+        // SAFETY: `flat` is a contiguous f32 CPU tensor of `len` elements that this struct
+        // owns and never resizes or replaces, so the pointer is valid and aligned for `len`
+        // values. Its only other users are the parameters' gradient views, written by
+        // backward passes, which run inside the trainer's `&mut self` methods: none can run
+        // while this borrow of `self` is alive.
+        unsafe { std::slice::from_raw_parts_mut(self.flat.data_ptr() as *mut f32, len) }
+    }
+}
