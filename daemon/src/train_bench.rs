@@ -48,6 +48,10 @@ pub struct BenchTrainArgs {
     /// libtorch threads on both sides.
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
+    /// Rounds, each timing both sides (in alternating order, so a machine whose speed drifts
+    /// favours neither); the figures are the medians.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
@@ -70,8 +74,15 @@ pub struct TrainBenchReport {
     pub limpet_tokens_per_s: f64,
     /// transformers' tokens per second.
     pub transformers_tokens_per_s: f64,
-    /// limpet / transformers.
+    /// limpet / transformers (the median of the rounds' ratios).
     pub ratio: f64,
+    /// Each round's (limpet, transformers) tokens per second.
+    pub rounds: Vec<(f64, f64)>,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 /// Random token shards (ids below `vocab`) for `windows` windows of `context` + 1 in `dir`.
@@ -99,10 +110,11 @@ fn peer_files(
 
 /// Runs the benchmark.
 pub fn bench(a: BenchTrainArgs) -> anyhow::Result<()> {
-    if a.batch == 0 || a.context == 0 || a.steps == 0 || a.threads == 0 {
-        return Err(
-            crate::UsageError("--batch, --context, --steps and --threads must be at least 1".into()).into()
-        );
+    if a.batch == 0 || a.context == 0 || a.steps == 0 || a.threads == 0 || a.rounds == 0 {
+        return Err(crate::UsageError(
+            "--batch, --context, --steps, --threads and --rounds must be at least 1".into(),
+        )
+        .into());
     }
     let spec =
         LlamaSpec::preset(&a.preset, a.vocab, a.context).map_err(|e| crate::UsageError(e.to_string()))?;
@@ -119,45 +131,62 @@ pub fn bench(a: BenchTrainArgs) -> anyhow::Result<()> {
     job.optimizer = limpet_trainer::optim::OptimizerSpec::adamw(1e-3, 0.1);
 
     limpet_trainer::set_threads(a.threads);
-    let mut t = Trainer::try_new(job, data)?;
-    let mut secs = 0.0;
-    for s in 0..a.steps + a.warmup {
-        let started = Instant::now();
-        t.train_step(0, 1, &mut NoReduce)?;
-        if s >= a.warmup {
-            secs += started.elapsed().as_secs_f64();
+    let ours = || -> anyhow::Result<f64> {
+        let mut t = Trainer::try_new(job.clone(), data.shallow_clone())?;
+        let mut secs = 0.0;
+        for s in 0..a.steps + a.warmup {
+            let started = Instant::now();
+            t.train_step(0, 1, &mut NoReduce)?;
+            if s >= a.warmup {
+                secs += started.elapsed().as_secs_f64();
+            }
         }
-    }
-    let ours = (a.batch * a.context) as f64 * a.steps as f64 / secs;
-    drop(t);
-
+        Ok((a.batch * a.context) as f64 * a.steps as f64 / secs)
+    };
     let (cfg, script) =
         peer_files(tmp.path(), &spec, "hf_train.py", include_str!("../../bench/hf_train.py"))?;
     let py = python();
-    let out = Command::new(&py)
-        .arg(&script)
-        .arg(&cfg)
-        .args([a.batch, a.context, a.steps as usize, a.warmup as usize, a.threads].map(|v| v.to_string()))
-        .env("OMP_NUM_THREADS", a.threads.to_string())
-        .env("HF_HUB_OFFLINE", "1")
-        .stderr(Stdio::inherit())
-        .output()
-        .with_context(|| format!("running {} (set LIMPET_PYTHON, or run `make setup`)", py.display()))?;
-    if !out.status.success() {
-        bail!("the transformers side failed ({})", out.status);
+    let theirs = || -> anyhow::Result<f64> {
+        let out = Command::new(&py)
+            .arg(&script)
+            .arg(&cfg)
+            .args([a.batch, a.context, a.steps as usize, a.warmup as usize, a.threads].map(|v| v.to_string()))
+            .env("OMP_NUM_THREADS", a.threads.to_string())
+            .env("HF_HUB_OFFLINE", "1")
+            .stderr(Stdio::inherit())
+            .output()
+            .with_context(|| format!("running {} (set LIMPET_PYTHON, or run `make setup`)", py.display()))?;
+        if !out.status.success() {
+            bail!("the transformers side failed ({})", out.status);
+        }
+        let v: serde_json::Value =
+            serde_json::from_slice(&out.stdout).context("the transformers side's output")?;
+        v["tokens_per_s"].as_f64().context("no tokens_per_s from the transformers side")
+    };
+    let mut rounds = Vec::with_capacity(a.rounds);
+    for r in 0..a.rounds {
+        let pair = if r % 2 == 0 {
+            let o = ours()?;
+            (o, theirs()?)
+        } else {
+            let t = theirs()?;
+            (ours()?, t)
+        };
+        if !a.json {
+            eprintln!("  round {}: limpet {:.0}, transformers {:.0} tokens/s", r + 1, pair.0, pair.1);
+        }
+        rounds.push(pair);
     }
-    let theirs: serde_json::Value =
-        serde_json::from_slice(&out.stdout).context("the transformers side's output")?;
-    let theirs = theirs["tokens_per_s"].as_f64().context("no tokens_per_s from the transformers side")?;
     let r = TrainBenchReport {
         params: spec.num_params(),
         model: spec,
         batch: a.batch,
         context: a.context,
         threads: a.threads,
-        limpet_tokens_per_s: ours,
-        transformers_tokens_per_s: theirs,
-        ratio: ours / theirs,
+        limpet_tokens_per_s: median(rounds.iter().map(|p| p.0).collect()),
+        transformers_tokens_per_s: median(rounds.iter().map(|p| p.1).collect()),
+        ratio: median(rounds.iter().map(|p| p.0 / p.1).collect()),
+        rounds,
     };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
@@ -172,7 +201,11 @@ pub fn bench(a: BenchTrainArgs) -> anyhow::Result<()> {
         );
         println!("  limpet        {:>10.0} tokens/s", r.limpet_tokens_per_s);
         println!("  transformers  {:>10.0} tokens/s", r.transformers_tokens_per_s);
-        println!("  ratio         {:>10.2}x (goal: at least 1.0)", r.ratio);
+        println!(
+            "  ratio         {:>10.2}x (median of {} rounds; goal: at least 1.0)",
+            r.ratio,
+            r.rounds.len()
+        );
     }
     Ok(())
 }

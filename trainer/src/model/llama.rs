@@ -56,11 +56,13 @@ pub(super) fn block(spec: &LlamaSpec, precision: Precision, i: usize, root: &nn:
     }
 }
 
-/// `x` times `w` transposed, computed in `cast` when given (the bf16 path), result in f32.
+/// `x` times `w` transposed, computed in `cast` when given (the bf16 path). Through libtorch's
+/// `linear`, whose backward produces the weight's gradient in the weight's own layout (a
+/// `matmul` with `w.t()` produces its transpose, which then costs a strided copy into `.grad`).
 fn linear(x: &Tensor, w: &Tensor, cast: Option<Kind>) -> Tensor {
     match cast {
-        Some(k) => x.to_kind(k).matmul(&w.to_kind(k).tr()),
-        None => x.matmul(&w.tr()),
+        Some(k) => x.to_kind(k).linear(&w.to_kind(k), None::<Tensor>),
+        None => x.linear(w, None::<Tensor>),
     }
 }
 
