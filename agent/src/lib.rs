@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod controller;
 pub mod dataplane;
 pub mod fake_metadata;
+pub mod leader;
 pub mod planner;
 pub mod policy;
 pub mod remote;

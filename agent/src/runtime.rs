@@ -12,7 +12,6 @@
 //! rank starts the epoch with a bit-identical state, checked, not assumed.
 
 use crate::checkpoint::CheckpointSettings;
-use crate::controller::{self, ControllerConfig, NodeProgress};
 use crate::dataplane::frame::Channel;
 use crate::dataplane::handoff::{serve_handoff, HandoffDialer};
 use crate::dataplane::{DataPlaneConfig, DataPlaneError, Endpoint, Group};
@@ -20,9 +19,7 @@ use crate::policy::{BaseBatch, BatchPolicy};
 use crate::report::{AgentReport, Broken, Phase, Transition, MAX_TRANSITIONS, REPORT_VERSION};
 use crate::revocation::{Source, Watcher};
 use crate::stage::StageConnections;
-use limpet_consensus::state::{
-    cluster_id, ClusterState, Command, Epoch, Hardware, MemberSpec, MemberStatus, NodeId,
-};
+use limpet_consensus::state::{cluster_id, Command, Epoch, Hardware, MemberSpec, MemberStatus, NodeId};
 use limpet_consensus::{Client, LocalState, Node, NodeConfig, NodeHandle};
 use limpet_snapshot::handoff::{fetch, label_of, FetchOptions, Offer, Server};
 use limpet_snapshot::StateImage;
@@ -131,6 +128,23 @@ pub struct PipelineSettings {
 }
 
 impl AgentConfig {
+    /// What the leader's decisions depend on.
+    pub fn leader_settings(&self) -> crate::leader::LeaderSettings {
+        crate::leader::LeaderSettings {
+            heartbeat_ms: self.heartbeat.as_millis() as u64,
+            heartbeat_timeout_ms: self.heartbeat_timeout.as_millis() as u64,
+            lead_ms: self.lead.as_millis() as u64,
+            notice_margin_ms: self.notice_margin.as_millis() as u64,
+            min_nodes: self.min_nodes,
+            policy: self.policy,
+            base: BaseBatch {
+                global_batch: self.job.global_batch as u64,
+                micro_batch: self.job.micro_batch as u64,
+                world: self.base_world.max(1),
+            },
+        }
+    }
+
     /// A configuration with the defaults for everything but identity, addresses and job.
     pub fn new(
         id: NodeId,
@@ -519,6 +533,7 @@ async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: CancellationToken
     let mut job = None;
     let mut resume_checked = false;
     let mut last_reason = String::new();
+    let settings = cfg.leader_settings();
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
@@ -570,8 +585,12 @@ async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: CancellationToken
                 Some((r.node, (r.age.as_millis() as u64, rep)))
             })
             .collect();
-        let commands = plan_commands(&cfg, &local, &reports, &mut last_reason);
-        for cmd in commands {
+        let round = crate::leader::plan_round(&settings, &local.state, &reports, now_ms());
+        if round.reason != last_reason {
+            tracing::info!(reason = %round.reason, "controller");
+            last_reason = round.reason;
+        }
+        for cmd in round.commands {
             if let Err(e) = handle.propose(cmd.clone(), Some(Duration::from_secs(2))).await {
                 tracing::warn!(%e, ?cmd, "proposal failed");
                 break;
@@ -654,110 +673,6 @@ async fn job_document(cfg: &AgentConfig) -> anyhow::Result<serde_json::Value> {
         doc["pipeline"] = serde_json::to_value(pj)?;
     }
     Ok(doc)
-}
-
-/// The leader's decisions for one round (pure apart from logging).
-fn plan_commands(
-    cfg: &AgentConfig,
-    local: &LocalState,
-    reports: &BTreeMap<NodeId, (u64, AgentReport)>,
-    last_reason: &mut String,
-) -> Vec<Command> {
-    let st: &ClusterState = &local.state;
-    let timeout_ms = cfg.heartbeat_timeout.as_millis() as u64;
-    let cur_id = st.current.as_ref().map_or(0, |e| e.id);
-    let mut progress: BTreeMap<NodeId, NodeProgress> = reports
-        .iter()
-        .map(|(&id, (age, r))| (id, NodeProgress { applied_step: r.applied_step, heartbeat_age_ms: *age }))
-        .collect();
-    // A live rank whose collective broke names the peer; if that peer has also gone quiet
-    // for a few heartbeats, it is dead: no need to wait out the whole timeout.
-    let quiet = (cfg.heartbeat.as_millis() as u64 * 3).max(300);
-    for (_, r) in reports.values().filter(|(age, _)| *age <= timeout_ms) {
-        if let Some(b) = r.broken.as_ref().filter(|b| b.epoch == cur_id) {
-            if let Some(p) = b.suspect.and_then(|s| progress.get_mut(&s)) {
-                if p.heartbeat_age_ms > quiet {
-                    p.heartbeat_age_ms = u64::MAX;
-                }
-            }
-        }
-    }
-    let step_time_ms = reports
-        .values()
-        .filter(|(age, _)| *age <= timeout_ms)
-        .map(|(_, r)| r.step_time_ms)
-        .fold(0.0f64, f64::max);
-    let lead_steps = if step_time_ms > 0.0 {
-        ((cfg.lead.as_millis() as f64 / step_time_ms).ceil() as u64).clamp(2, 100_000)
-    } else {
-        5
-    };
-    // A group can also break with every node alive (a transient network fault): once a
-    // rank has waited on a broken group longer than the failure timeout, rebuild it.
-    let rebuild = reports.values().any(|(age, r)| {
-        *age <= timeout_ms && r.broken.as_ref().is_some_and(|b| b.epoch == cur_id && b.since_ms > timeout_ms)
-    });
-    let ccfg = ControllerConfig {
-        min_nodes: cfg.min_nodes,
-        heartbeat_timeout_ms: timeout_ms,
-        lead_steps,
-        notice_margin_ms: cfg.notice_margin.as_millis() as u64,
-        policy: cfg.policy,
-        base: BaseBatch {
-            global_batch: cfg.job.global_batch as u64,
-            micro_batch: cfg.job.micro_batch as u64,
-            world: cfg.base_world.max(1),
-        },
-    };
-    let view = controller::View {
-        state: st,
-        now_ms: now_ms(),
-        progress: &progress,
-        step_time_ms,
-        grad_stats: current_grad_stats(st, reports, timeout_ms),
-        rebuild,
-    };
-    let decision = controller::decide(&view, &ccfg);
-    if decision.reason != *last_reason {
-        tracing::info!(reason = %decision.reason, "controller");
-        *last_reason = decision.reason.clone();
-    }
-    let mut commands = decision.commands;
-    // A scheduled epoch that one of its ranks entered becomes the current one.
-    if let Some(s) = &st.scheduled {
-        let entered = reports.values().any(|(_, r)| r.epoch == s.id && s.ranks.contains(&r.node));
-        if entered
-            && !commands
-                .iter()
-                .any(|c| matches!(c, Command::ScheduleEpoch { .. } | Command::CancelEpoch { .. }))
-        {
-            commands.push(Command::ActivateEpoch { id: s.id });
-        }
-    }
-    // A joining member that trains in the current epoch is active.
-    for (id, m) in &st.members {
-        if m.status == MemberStatus::Joining
-            && reports.get(id).is_some_and(|(_, r)| r.epoch == cur_id && cur_id > 0)
-        {
-            commands.push(Command::Activate { id: *id });
-        }
-    }
-    commands
-}
-
-/// Gradient statistics reported by a live rank of the current epoch (all ranks compute the
-/// same values).
-fn current_grad_stats(
-    st: &ClusterState,
-    reports: &BTreeMap<NodeId, (u64, AgentReport)>,
-    timeout_ms: u64,
-) -> Option<crate::policy::GradientStats> {
-    let cur = st.current.as_ref()?;
-    cur.ranks.iter().find_map(|r| {
-        let (age, rep) = reports.get(r)?;
-        let (variance, mean_sq) = rep.grad_stats.filter(|_| *age <= timeout_ms && rep.epoch == cur.id)?;
-        Some(crate::policy::GradientStats { variance, mean_sq })
-    })
 }
 
 /// The trainer thread's state.

@@ -1,0 +1,130 @@
+//! The leader's decisions for one round, as a pure function of what it knows: the replicated
+//! state, the agents' latest reports (with their ages) and the time. From those it derives
+//! the controller's inputs (which nodes are alive, how far each got, how long a step takes,
+//! whether a broken group must be rebuilt), runs [`controller::decide`], and adds the
+//! bookkeeping commands that follow from the reports: a scheduled epoch a rank entered
+//! becomes current, a joining member that trains becomes active.
+//!
+//! The runtime's leader loop only gathers the inputs, logs the reason when it changes and
+//! proposes the commands; everything it decides is tested here by what this returns.
+
+use crate::controller::{self, ControllerConfig, NodeProgress};
+use crate::policy::{BaseBatch, BatchPolicy, GradientStats};
+use crate::report::AgentReport;
+use limpet_consensus::state::{ClusterState, Command, MemberStatus, NodeId};
+use std::collections::BTreeMap;
+
+/// The agents' latest reports by node: (milliseconds since it arrived, the report).
+pub type Reports = BTreeMap<NodeId, (u64, AgentReport)>;
+
+/// The settings the leader's decisions depend on (from the agent's configuration).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LeaderSettings {
+    /// How often agents report, ms.
+    pub heartbeat_ms: u64,
+    /// Silence after which a node has failed, ms.
+    pub heartbeat_timeout_ms: u64,
+    /// How far ahead of the furthest rank a planned change starts, ms.
+    pub lead_ms: u64,
+    /// Kept before a revocation deadline, ms.
+    pub notice_margin_ms: u64,
+    /// Fewest nodes an epoch may have.
+    pub min_nodes: usize,
+    /// The batch and learning-rate policy.
+    pub policy: BatchPolicy,
+    /// The batch the job declared, and the world it declared it for.
+    pub base: BaseBatch,
+}
+
+/// What the leader does this round, and why.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Round {
+    /// Commands to propose, in order.
+    pub commands: Vec<Command>,
+    /// The controller's reason (logged when it changes).
+    pub reason: String,
+}
+
+/// Steps of lead a planned change gets when no step time has been measured yet.
+const DEFAULT_LEAD_STEPS: u64 = 5;
+
+/// The leader's decisions for the state `st`, the `reports` and the time `now_ms`.
+pub fn plan_round(s: &LeaderSettings, st: &ClusterState, reports: &Reports, now_ms: u64) -> Round {
+    let timeout_ms = s.heartbeat_timeout_ms;
+    let cur_id = st.current.as_ref().map_or(0, |e| e.id);
+    let live = || reports.values().filter(|(age, _)| *age <= timeout_ms);
+    let mut progress: BTreeMap<NodeId, NodeProgress> = reports
+        .iter()
+        .map(|(&id, (age, r))| (id, NodeProgress { applied_step: r.applied_step, heartbeat_age_ms: *age }))
+        .collect();
+    // A live rank whose collective broke names the peer; if that peer has also gone quiet
+    // for a few heartbeats, it is dead: no need to wait out the whole timeout.
+    let quiet = (s.heartbeat_ms * 3).max(300);
+    for (_, r) in live() {
+        if let Some(b) = r.broken.as_ref().filter(|b| b.epoch == cur_id) {
+            if let Some(p) = b.suspect.and_then(|id| progress.get_mut(&id)) {
+                if p.heartbeat_age_ms > quiet {
+                    p.heartbeat_age_ms = u64::MAX;
+                }
+            }
+        }
+    }
+    let step_time_ms = live().map(|(_, r)| r.step_time_ms).fold(0.0f64, f64::max);
+    let lead_steps = if step_time_ms > 0.0 {
+        ((s.lead_ms as f64 / step_time_ms).ceil() as u64).clamp(2, 100_000)
+    } else {
+        DEFAULT_LEAD_STEPS
+    };
+    // A group can also break with every node alive (a transient network fault): once a
+    // rank has waited on a broken group longer than the failure timeout, rebuild it.
+    let rebuild =
+        live().any(|(_, r)| r.broken.as_ref().is_some_and(|b| b.epoch == cur_id && b.since_ms > timeout_ms));
+    let ccfg = ControllerConfig {
+        min_nodes: s.min_nodes,
+        heartbeat_timeout_ms: timeout_ms,
+        lead_steps,
+        notice_margin_ms: s.notice_margin_ms,
+        policy: s.policy,
+        base: s.base,
+    };
+    let view = controller::View {
+        state: st,
+        now_ms,
+        progress: &progress,
+        step_time_ms,
+        grad_stats: current_grad_stats(st, reports, timeout_ms),
+        rebuild,
+    };
+    let decision = controller::decide(&view, &ccfg);
+    let mut commands = decision.commands;
+    // A scheduled epoch that one of its ranks entered becomes the current one.
+    if let Some(sch) = &st.scheduled {
+        let entered = reports.values().any(|(_, r)| r.epoch == sch.id && sch.ranks.contains(&r.node));
+        let replanned =
+            commands.iter().any(|c| matches!(c, Command::ScheduleEpoch { .. } | Command::CancelEpoch { .. }));
+        if entered && !replanned {
+            commands.push(Command::ActivateEpoch { id: sch.id });
+        }
+    }
+    // A joining member that trains in the current epoch is active.
+    for (id, m) in &st.members {
+        if m.status == MemberStatus::Joining
+            && cur_id > 0
+            && reports.get(id).is_some_and(|(_, r)| r.epoch == cur_id)
+        {
+            commands.push(Command::Activate { id: *id });
+        }
+    }
+    Round { commands, reason: decision.reason }
+}
+
+/// Gradient statistics reported by a live rank of the current epoch (all ranks compute the
+/// same values).
+fn current_grad_stats(st: &ClusterState, reports: &Reports, timeout_ms: u64) -> Option<GradientStats> {
+    let cur = st.current.as_ref()?;
+    cur.ranks.iter().find_map(|r| {
+        let (age, rep) = reports.get(r)?;
+        let (variance, mean_sq) = rep.grad_stats.filter(|_| *age <= timeout_ms && rep.epoch == cur.id)?;
+        Some(GradientStats { variance, mean_sq })
+    })
+}

@@ -1,0 +1,139 @@
+//! The leader's round, called directly: what it proposes from the replicated state and the
+//! agents' reports (a rank that entered a scheduled epoch activates it, a joiner that trains
+//! becomes active, a quiet peer named by a broken collective is treated as failed at once, and
+//! a group broken with everyone alive is rebuilt after the failure timeout).
+
+use limpet_agent::leader::{plan_round, LeaderSettings, Reports};
+use limpet_agent::policy::{BaseBatch, BatchPolicy};
+use limpet_agent::report::{AgentReport, Broken, Phase, REPORT_VERSION};
+use limpet_consensus::state::{ClusterState, Command, Hardware, MemberSpec, MemberStatus, NodeId};
+
+fn spec(id: NodeId) -> MemberSpec {
+    MemberSpec {
+        id,
+        name: format!("n{id}"),
+        control_addr: String::new(),
+        data_addr: String::new(),
+        hardware: Hardware::default(),
+    }
+}
+
+fn settings() -> LeaderSettings {
+    LeaderSettings {
+        heartbeat_ms: 100,
+        heartbeat_timeout_ms: 1000,
+        lead_ms: 400,
+        notice_margin_ms: 1000,
+        min_nodes: 2,
+        policy: BatchPolicy::FixedGlobal,
+        base: BaseBatch { global_batch: 64, micro_batch: 64, world: 3 },
+    }
+}
+
+fn report(node: NodeId, epoch: u64, step: u64) -> AgentReport {
+    AgentReport {
+        v: REPORT_VERSION,
+        node,
+        pid: 0,
+        phase: Phase::Training,
+        epoch,
+        applied_step: step,
+        loss: None,
+        step_time_ms: 10.0,
+        samples_per_s: 0.0,
+        broken: None,
+        transitions: Vec::new(),
+        grad_stats: None,
+    }
+}
+
+const NOW: u64 = 1_000_000;
+
+/// Three members with the job set, the first epoch scheduled by the leader's first round.
+fn founded() -> (ClusterState, u64) {
+    let mut st = ClusterState::bootstrap("c", &[spec(1), spec(2), spec(3)]);
+    st.apply(&Command::SetJob { job: serde_json::json!({"model": "mlp"}) }).unwrap();
+    let fresh: Reports = (1..=3).map(|id| (id, (0, report(id, 0, 0)))).collect();
+    let round = plan_round(&settings(), &st, &fresh, NOW);
+    let id = round
+        .commands
+        .iter()
+        .find_map(|c| match c {
+            Command::ScheduleEpoch { epoch } => Some(epoch.id),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no first epoch: {round:?}"));
+    for c in &round.commands {
+        st.apply(c).unwrap();
+    }
+    (st, id)
+}
+
+#[test]
+fn an_entered_epoch_is_activated_and_not_before() {
+    let (st, id) = founded();
+    let waiting: Reports = (1..=3).map(|n| (n, (0, report(n, 0, 0)))).collect();
+    let round = plan_round(&settings(), &st, &waiting, NOW);
+    assert!(!round.commands.contains(&Command::ActivateEpoch { id }), "{round:?}");
+    let mut entered = waiting.clone();
+    entered.insert(2, (0, report(2, id, 0)));
+    let round = plan_round(&settings(), &st, &entered, NOW);
+    assert!(round.commands.contains(&Command::ActivateEpoch { id }), "{round:?}");
+}
+
+#[test]
+fn a_joiner_training_in_the_current_epoch_becomes_active() {
+    let (mut st, id) = founded();
+    st.apply(&Command::ActivateEpoch { id }).unwrap();
+    st.apply(&Command::Join { member: spec(4) }).unwrap();
+    assert_eq!(st.members[&4].status, MemberStatus::Joining);
+    let mut reports: Reports = (1..=3).map(|n| (n, (0, report(n, id, 50)))).collect();
+    reports.insert(4, (0, report(4, 0, 0)));
+    let round = plan_round(&settings(), &st, &reports, NOW);
+    assert!(!round.commands.contains(&Command::Activate { id: 4 }), "{round:?}");
+    reports.insert(4, (0, report(4, id, 50)));
+    let round = plan_round(&settings(), &st, &reports, NOW);
+    assert!(round.commands.contains(&Command::Activate { id: 4 }), "{round:?}");
+}
+
+#[test]
+fn a_quiet_peer_named_by_a_broken_collective_fails_before_the_timeout() {
+    let (mut st, id) = founded();
+    st.apply(&Command::ActivateEpoch { id }).unwrap();
+    // Node 3 has been silent 500 ms: below the 1 s timeout, above three heartbeats.
+    let mut reports: Reports = (1..=2).map(|n| (n, (0, report(n, id, 50)))).collect();
+    reports.insert(3, (500, report(3, id, 50)));
+    let calm = plan_round(&settings(), &st, &reports, NOW);
+    assert!(!calm.commands.iter().any(|c| matches!(c, Command::ScheduleEpoch { .. })), "{calm:?}");
+    let mut broken = report(1, id, 50);
+    broken.phase = Phase::Waiting;
+    broken.broken =
+        Some(Broken { epoch: id, since_ms: 200, suspect: Some(3), error: "peer 3 closed".into() });
+    reports.insert(1, (0, broken));
+    let round = plan_round(&settings(), &st, &reports, NOW);
+    let next = round.commands.iter().find_map(|c| match c {
+        Command::ScheduleEpoch { epoch } => Some(epoch.ranks.clone()),
+        _ => None,
+    });
+    assert_eq!(next, Some(vec![1, 2]), "{round:?}");
+}
+
+#[test]
+fn a_group_broken_with_everyone_alive_is_rebuilt_after_the_timeout() {
+    let (mut st, id) = founded();
+    st.apply(&Command::ActivateEpoch { id }).unwrap();
+    let mut reports: Reports = (1..=3).map(|n| (n, (0, report(n, id, 50)))).collect();
+    let mut broken = report(2, id, 50);
+    broken.broken = Some(Broken { epoch: id, since_ms: 400, suspect: None, error: "reset".into() });
+    reports.insert(2, (0, broken.clone()));
+    let early = plan_round(&settings(), &st, &reports, NOW);
+    assert!(!early.commands.iter().any(|c| matches!(c, Command::ScheduleEpoch { .. })), "{early:?}");
+    broken.broken.as_mut().unwrap().since_ms = 1500;
+    reports.insert(2, (0, broken));
+    let late = plan_round(&settings(), &st, &reports, NOW);
+    let next = late.commands.iter().find_map(|c| match c {
+        Command::ScheduleEpoch { epoch } => Some(epoch.ranks.clone()),
+        _ => None,
+    });
+    assert_eq!(next, Some(vec![1, 2, 3]), "{late:?}");
+}
