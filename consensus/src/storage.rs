@@ -388,7 +388,10 @@ impl SledLog {
         // so a reopen in the same process can find it held for a moment; another process
         // holding it is another limpetd on this directory, which is not damage.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
-        while matches!(&opened, Ok(Err(sled::Error::Io(e))) if e.kind() == std::io::ErrorKind::WouldBlock) {
+        // sled reports a held lock as an `Io` error of kind `Other` with this text (the OS's
+        // WouldBlock only inside the message); it has no variant of its own.
+        let locked = |o: &std::thread::Result<sled::Result<sled::Db>>| matches!(o, Ok(Err(sled::Error::Io(e))) if e.to_string().contains("could not acquire lock"));
+        while locked(&opened) {
             if std::time::Instant::now() > deadline {
                 return Err(ConsensusError::Storage {
                     path: shown,

@@ -264,3 +264,16 @@ fn raw_sled(dir: &std::path::Path) -> sled::Db {
     }
     panic!("sled database stays locked")
 }
+
+#[test]
+fn a_directory_held_by_another_handle_is_locked_not_corrupt() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(SledLog::open(dir.path(), identity(1)).unwrap());
+    let held = raw_sled(dir.path());
+    let err = SledLog::open(dir.path(), identity(1)).err().unwrap();
+    assert!(!matches!(err, ConsensusError::Corrupt { .. }), "{err}");
+    assert!(err.to_string().contains("locked by another process"), "{err}");
+    drop(held);
+    // Released, it opens with everything in place (sled frees the lock shortly after).
+    assert!(SledLog::open(dir.path(), identity(1)).is_ok());
+}

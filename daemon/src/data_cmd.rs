@@ -395,15 +395,8 @@ pub fn export(a: ExportArgs) -> anyhow::Result<()> {
             ))
             .into());
         };
-        let hash = limpet_trainer::model::script::register(module)?;
-        if hash != spec.blake3 {
-            return Err(UsageError(format!(
-                "--module {} is not the module the checkpoint was trained from (blake3 {hash}, the job's is {})",
-                module.display(),
-                spec.blake3
-            ))
-            .into());
-        }
+        limpet_trainer::model::script::register_as(module, spec)
+            .map_err(|e| UsageError(format!("--module: {e}")))?;
         limpet_trainer::model::script::export(spec, &image, out)?;
         println!(
             "limpet export: step {} of {} written to {} (TorchScript)",

@@ -271,14 +271,7 @@ fn resume(args: &TrainArgs, dir: &Path) -> anyhow::Result<(Trainer, PathBuf)> {
         let module = args.job.llama.module.as_deref().ok_or_else(|| {
             usage(format!("{} trains a TorchScript module: give its file with --module", path.display()))
         })?;
-        let hash = limpet_trainer::model::script::register(module)?;
-        if hash != s.blake3 {
-            return Err(usage(format!(
-                "--module {} is not the checkpointed job's module (blake3 {hash}, the job's is {})",
-                module.display(),
-                s.blake3
-            )));
-        }
+        limpet_trainer::model::script::register_as(module, s).map_err(|e| usage(format!("--module: {e}")))?;
     }
     let data = Dataset::load(&job.data, args.job.data_path.as_deref())?;
     let blocks = 0..job.model.num_blocks();

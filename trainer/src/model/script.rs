@@ -79,6 +79,20 @@ pub fn register(path: &Path) -> Result<String, TrainerError> {
     Ok(hash)
 }
 
+/// [`register`]s `path` as the copy of the module `spec` names; an error (naming the file and
+/// both hashes) when the file is another module.
+pub fn register_as(path: &Path, spec: &ScriptSpec) -> Result<(), TrainerError> {
+    let hash = register(path)?;
+    if hash != spec.blake3 {
+        return Err(TrainerError::Mismatch(format!(
+            "{} is not the job's TorchScript module (its blake3 is {hash}, the job's is {})",
+            path.display(),
+            spec.blake3
+        )));
+    }
+    Ok(())
+}
+
 fn first_line(s: &str) -> &str {
     s.lines().find(|l| !l.trim().is_empty()).unwrap_or(s).trim()
 }
