@@ -473,3 +473,23 @@ fn resume_after_losing_every_host(
         assert!(diff < 1e-2, "parameters differ from one uninterrupted process by {diff:.2e}");
     }
 }
+
+#[test]
+fn a_task_that_panics_takes_limpetd_down_with_a_non_zero_exit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cluster");
+    // The chaos hook makes the leader loop panic half a second after it starts: before, the
+    // node stayed up as a leader that never scheduled an epoch again.
+    let job = LocalJob {
+        steps: 1_000_000,
+        env: vec![("LIMPET_CHAOS_PANIC".into(), "lead".into())],
+        ..LocalJob::default()
+    };
+    let mut c = up(&dir, 1, job).unwrap();
+    let status = c.wait_exit("node-1", Duration::from_secs(60));
+    let text = logs(&dir);
+    let status = status.unwrap_or_else(|| panic!("limpetd still runs with a dead leader loop:\n{text}"));
+    assert!(!status.success(), "exit status {status:?}\n{text}");
+    assert!(text.contains("task lead failed: panicked: LIMPET_CHAOS_PANIC=lead"), "{text}");
+    c.down();
+}

@@ -23,7 +23,7 @@
 
 use crate::planner::{arrange, PipelineJob};
 use crate::policy::{BaseBatch, BatchPolicy, GradientStats};
-use limpet_consensus::state::{ClusterState, Command, Epoch, Layout, MemberStatus, NodeId};
+use limpet_consensus::state::{Cause, ClusterState, Command, Epoch, Layout, MemberStatus, NodeId};
 use std::collections::BTreeMap;
 
 /// Knobs of the controller.
@@ -121,9 +121,9 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
                     None => "never heard from".to_string(),
                 };
                 commands.push(Command::MarkFailed { id: r, reason: why.clone() });
-                causes.push(format!("failure of node {r} ({why})"));
+                causes.push(Cause::Failure { node: r, why: Some(why) });
             } else {
-                causes.push(format!("failure of node {r}"));
+                causes.push(Cause::Failure { node: r, why: None });
             }
         }
     }
@@ -139,9 +139,9 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
         if !failed.contains(&r) && !candidate(r) {
             let m = &st.members[&r];
             causes.push(match m.status {
-                MemberStatus::Leaving => format!("notice for node {r} ({})", m.reason),
-                MemberStatus::Draining => format!("drain of node {r}"),
-                s => format!("node {r} is {s:?}"),
+                MemberStatus::Leaving => Cause::Notice { node: r, reason: m.reason.clone() },
+                MemberStatus::Draining => Cause::Drain { node: r },
+                status => Cause::Unavailable { node: r, status },
             });
         }
     }
@@ -183,7 +183,7 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
         }
     }
     for &n in newcomers.iter().filter(|n| ranks.contains(n)) {
-        causes.push(format!("join of node {n}"));
+        causes.push(Cause::Join { node: n });
     }
 
     // 5. Members that left the current epoch are removed.
@@ -197,7 +197,7 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
     }
 
     if view.rebuild && failed.is_empty() && ranks == current_ranks {
-        causes.push("collective failure with every rank alive".into());
+        causes.push(Cause::Rebuild);
     }
     let rebuild = view.rebuild && failed.is_empty() && ranks == current_ranks;
     let same_layout = st.current.as_ref().is_none_or(|c| c.layout == layout);
@@ -222,7 +222,7 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
             "paused: {} healthy node(s), at least {} needed{}",
             ranks.len(),
             cfg.min_nodes.max(1),
-            if causes.is_empty() { String::new() } else { format!(" ({})", causes.join(", ")) }
+            if causes.is_empty() { String::new() } else { format!(" ({})", Cause::text(&causes)) }
         );
         return Decision { commands, reason };
     }
@@ -240,7 +240,7 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
         causes.clear();
     }
     if causes.is_empty() && st.current.is_some() {
-        causes.push(format!("re-plan to a {}x{} layout", layout.data, layout.pipeline));
+        causes.push(Cause::Replan { data: layout.data, pipeline: layout.pipeline });
     }
     let epoch = plan_epoch(view, cfg, (&ranks, layout, micro), &current_ranks, &failed, rebuild, causes);
     let reason = format!("epoch {} at step {}: {}", epoch.id, epoch.start_step, epoch.cause);
@@ -301,9 +301,12 @@ fn plan_epoch(
     current: &[NodeId],
     failed: &[NodeId],
     rebuild: bool,
-    causes: Vec<String>,
+    mut causes: Vec<Cause>,
 ) -> Epoch {
     let restart = !failed.is_empty() || rebuild;
+    if causes.is_empty() {
+        causes.push(Cause::Start);
+    }
     let st = view.state;
     let cur = st.current.as_ref();
     let floor = cur.map_or(0, |e| e.start_step);
@@ -361,6 +364,7 @@ fn plan_epoch(
         batch,
         lr_scale: decision.lr_scale,
         sources,
-        cause: if causes.is_empty() { "first epoch".into() } else { causes.join(", ") },
+        cause: Cause::text(&causes),
+        causes,
     }
 }

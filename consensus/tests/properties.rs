@@ -53,6 +53,7 @@ fn command(what: u8, next_epoch: &mut u64) -> Command {
                     // Sometimes with a state source, so the log carries that shape too.
                     sources: if what % 8 == 0 { BTreeMap::from([(3, 1)]) } else { BTreeMap::new() },
                     cause: "test".into(),
+                    causes: Vec::new(),
                 },
             }
         }

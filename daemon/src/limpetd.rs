@@ -9,7 +9,7 @@ use crate::config::Config;
 use crate::UsageError;
 use clap::{Args, Parser, Subcommand};
 use limpet_agent::revocation::Source;
-use limpet_agent::runtime::{Agent, AgentConfig, Exit};
+use limpet_agent::runtime::{Agent, AgentConfig, Exit, Tasks};
 use limpet_consensus::state::{MemberSpec, MemberStatus};
 use limpet_trainer::data::Dataset;
 use limpet_trainer::model::Precision;
@@ -103,7 +103,11 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
         metrics: cfg.node.metrics.as_deref().map(str::parse).transpose()?,
         grace: Duration::from_secs(cfg.timing.drain_grace_secs),
     };
-    rt.block_on(serve(agent_cfg, opts))
+    let result = rt.block_on(serve(agent_cfg, opts));
+    // Whatever did not stop within the agent's shutdown limit (a trainer thread stuck in a
+    // device call) is not waited for again: the process ends with the error above.
+    rt.shutdown_timeout(Duration::from_millis(500));
+    result
 }
 
 /// How `limpetd` serves beyond the agent itself.
@@ -122,19 +126,22 @@ fn notify(states: &[sd_notify::NotifyState]) {
 async fn serve(cfg: AgentConfig, opts: ServeOptions) -> anyhow::Result<()> {
     use sd_notify::NotifyState;
     use tokio::signal::unix::{signal, SignalKind};
+    // limpetd owns the root token: every task below, the agent's included, is tracked under
+    // it, and a panic in any of them ends the process with an error (systemd restarts it).
+    let tasks = Tasks::new(tokio_util::sync::CancellationToken::new());
     // Bound before the agent starts, so a taken port stops limpetd before it joins.
     let metrics = match opts.metrics {
-        Some(addr) => Some(crate::metrics::serve(addr).await?),
+        Some(addr) => Some(crate::metrics::serve(addr, &tasks).await?),
         None => None,
     };
     let name = cfg.name.clone();
     let me_id = cfg.id;
-    let agent = Agent::start(cfg).await?;
+    let agent = Agent::start_with(cfg, tasks.clone()).await?;
     tracing::info!(node = %name, control = %agent.control_addr(), data = %agent.data_addr(), metrics = ?metrics, "limpetd started");
-    let stop = agent.shutdown_token();
+    let stop = tasks.token();
     let handle = agent.handle();
-    tokio::spawn(crate::metrics::follow_consensus(handle.clone(), stop.clone()));
-    tokio::spawn(tell_systemd(handle.clone(), me_id, stop.clone()));
+    tasks.spawn("metrics-raft", crate::metrics::follow_consensus(handle.clone(), stop.clone()));
+    tasks.spawn("systemd", tell_systemd(handle.clone(), me_id, stop.clone()));
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let mut waiter = tokio::spawn(agent.wait());

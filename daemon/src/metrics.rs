@@ -39,8 +39,9 @@ pub const METRICS: &[(&str, &str)] = &[
     ("limpet_members", "Cluster members by status, as this node's log has them."),
 ];
 
-/// Installs the recorder and serves `/metrics` on `addr`; the bound address.
-pub async fn serve(addr: SocketAddr) -> anyhow::Result<SocketAddr> {
+/// Installs the recorder and serves `/metrics` on `addr` as tasks of `tasks` (they end with
+/// its root token); the bound address.
+pub async fn serve(addr: SocketAddr, tasks: &limpet_agent::runtime::Tasks) -> anyhow::Result<SocketAddr> {
     let handle = install()?;
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -54,16 +55,21 @@ pub async fn serve(addr: SocketAddr) -> anyhow::Result<SocketAddr> {
             async move { ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], h.render()) }
         }),
     );
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
+    let stop = tasks.token();
+    tasks.spawn("metrics", async move {
+        let serve = axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await });
+        if let Err(e) = serve.await {
             tracing::error!(%e, "the metrics endpoint stopped");
         }
     });
     // Histograms keep their samples until upkeep folds them into the buckets.
-    tokio::spawn(async move {
+    let stop = tasks.token();
+    tasks.spawn("metrics-upkeep", async move {
         loop {
-            tokio::time::sleep(Duration::from_secs(5)).await;
-            handle.run_upkeep();
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(Duration::from_secs(5)) => handle.run_upkeep(),
+            }
         }
     });
     Ok(bound)

@@ -25,7 +25,20 @@ pub enum TrainerError {
     /// A checkpoint does not belong to this job.
     #[error("checkpoint does not match the job: {0}")]
     Mismatch(String),
-    /// A reduce across ranks failed.
-    #[error("gradient reduce failed: {0}")]
-    Reduce(String),
+    /// A reduce (or a pipeline link) across ranks failed.
+    #[error("gradient reduce failed: {detail}")]
+    Reduce {
+        /// The peer the failure points at (it closed, went silent or broke the protocol),
+        /// when the transport knows one: the agent reports it as the suspect.
+        peer: Option<u64>,
+        /// What happened.
+        detail: String,
+    },
+}
+
+impl TrainerError {
+    /// A reduce failure that names no peer (a malformed buffer).
+    pub fn reduce(detail: impl Into<String>) -> TrainerError {
+        TrainerError::Reduce { peer: None, detail: detail.into() }
+    }
 }

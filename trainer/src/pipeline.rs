@@ -86,7 +86,7 @@ impl Activation {
     pub fn to_tensor(&self) -> Result<Tensor, TrainerError> {
         let n: i64 = self.shape.iter().product();
         if self.shape.iter().any(|&d| d < 0) || n as usize != self.values.len() {
-            return Err(TrainerError::Reduce(format!(
+            return Err(TrainerError::reduce(format!(
                 "a tensor of shape {:?} arrived with {} values",
                 self.shape,
                 self.values.len()

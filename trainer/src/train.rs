@@ -306,7 +306,7 @@ impl Trainer {
     pub fn apply_update(&mut self, reduced: &[f32]) -> Result<StepStats, TrainerError> {
         let n = self.grads.grads_len();
         if reduced.len() != n + 3 {
-            return Err(TrainerError::Reduce(format!(
+            return Err(TrainerError::reduce(format!(
                 "buffer has {} values, expected {}",
                 reduced.len(),
                 n + 3
@@ -324,7 +324,7 @@ impl Trainer {
         let rank_mean_sq_sum = f64::from(reduced[n + 2]);
         let samples = reduced[n + 1];
         if samples.round() as usize != self.plan.global_batch {
-            return Err(TrainerError::Reduce(format!(
+            return Err(TrainerError::reduce(format!(
                 "reduced sample count {samples} is not the global batch {}: a rank's share is missing or doubled",
                 self.plan.global_batch
             )));
@@ -439,7 +439,7 @@ impl Trainer {
                 } else {
                     let g = link.recv_gradient(step, k)?.to_tensor()?.to_device(self.model.device());
                     if g.size() != out.size() {
-                        return Err(TrainerError::Reduce(format!(
+                        return Err(TrainerError::reduce(format!(
                             "step {step} micro-batch {k}: gradient of shape {:?} for an output of shape {:?}",
                             g.size(),
                             out.size()
@@ -458,7 +458,7 @@ impl Trainer {
         reduce.replicas.allreduce_sum(buf, step)?;
         let samples = buf[n + 1];
         if samples.round() as usize != self.plan.global_batch {
-            return Err(TrainerError::Reduce(format!(
+            return Err(TrainerError::reduce(format!(
                 "reduced sample count {samples} is not the global batch {}: a replica's share is missing or doubled",
                 self.plan.global_batch
             )));

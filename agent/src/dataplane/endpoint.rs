@@ -167,6 +167,8 @@ pub fn congestion_of(fd: &impl std::os::fd::AsFd) -> std::io::Result<String> {
 pub struct Endpoint {
     shared: Arc<Shared>,
     addr: SocketAddr,
+    /// The accept thread, joined on drop so the port is free once the endpoint is gone.
+    acceptor: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 const REFUSED_CLUSTER: u8 = 1;
@@ -197,11 +199,11 @@ impl Endpoint {
             congestion_failed: AtomicBool::new(false),
         });
         let accept = Arc::clone(&shared);
-        std::thread::Builder::new()
+        let acceptor = std::thread::Builder::new()
             .name("limpet-dp-accept".into())
             .spawn(move || accept_loop(listener, accept))
             .map_err(DataPlaneError::io("starting the accept thread"))?;
-        Ok(Endpoint { shared, addr })
+        Ok(Endpoint { shared, addr, acceptor: Mutex::new(Some(acceptor)) })
     }
 
     /// The bound address.
@@ -347,8 +349,13 @@ impl Endpoint {
 impl Drop for Endpoint {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
-        // Wake the accept loop so it sees the flag.
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(100));
+        // Wake the accept loop so it sees the flag, and wait for it to close the listener
+        // (only if the wake-up got through: otherwise the loop may not return soon).
+        let woke = TcpStream::connect_timeout(&self.addr, Duration::from_millis(100)).is_ok();
+        let acceptor = self.acceptor.get_mut().map(Option::take).unwrap_or(None);
+        if let (true, Some(t)) = (woke, acceptor) {
+            let _ = t.join();
+        }
     }
 }
 

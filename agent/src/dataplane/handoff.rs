@@ -42,21 +42,24 @@ pub fn serve_handoff(
     server: Server,
     stop: Arc<AtomicBool>,
 ) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || {
-        while !stop.load(Ordering::SeqCst) {
-            let Some((peer, conn)) = endpoint.accept_channel(Channel::Handoff, Duration::from_millis(200))
-            else {
-                continue;
-            };
-            let server = server.clone();
-            std::thread::spawn(move || {
-                let mut conn = SentCounter(conn);
-                if let Err(e) = server.serve(&mut conn, None) {
-                    tracing::warn!(peer, %e, "state handoff to a peer failed");
-                }
-            });
-        }
-    })
+    std::thread::spawn(move || handoff_loop(&endpoint, &server, &|| stop.load(Ordering::SeqCst)))
+}
+
+/// Serves handoff requests on the calling thread until `stop` says so (each request on a
+/// thread of its own).
+pub fn handoff_loop(endpoint: &Endpoint, server: &Server, stop: &dyn Fn() -> bool) {
+    while !stop() {
+        let Some((peer, conn)) = endpoint.accept_channel(Channel::Handoff, Duration::from_millis(200)) else {
+            continue;
+        };
+        let server = server.clone();
+        std::thread::spawn(move || {
+            let mut conn = SentCounter(conn);
+            if let Err(e) = server.serve(&mut conn, None) {
+                tracing::warn!(peer, %e, "state handoff to a peer failed");
+            }
+        });
+    }
 }
 
 /// A connection that counts what it writes as handoff bytes sent.

@@ -91,6 +91,24 @@ pub enum DataPlaneError {
 }
 
 impl DataPlaneError {
+    /// The peer this error points at (it closed, went silent or aborted), if any: the
+    /// agent's heartbeat reports it as the suspect, so the leader can tell a dead peer
+    /// from a broken link.
+    pub fn suspect(&self) -> Option<u64> {
+        match self {
+            DataPlaneError::PeerClosed { peer, .. }
+            | DataPlaneError::Timeout { peer, .. }
+            | DataPlaneError::PeerAborted { peer, .. } => Some(*peer),
+            _ => None,
+        }
+    }
+
+    /// The same failure as the trainer's error, its suspect kept as data.
+    #[cfg(feature = "trainer")]
+    pub fn into_trainer(self) -> limpet_trainer::TrainerError {
+        limpet_trainer::TrainerError::Reduce { peer: self.suspect(), detail: self.to_string() }
+    }
+
     pub(crate) fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DataPlaneError {
         let what = what.into();
         move |source| DataPlaneError::Io { what, source }

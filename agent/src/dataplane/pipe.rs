@@ -304,14 +304,16 @@ impl limpet_trainer::pipeline::StageLink for PipeLink {
         micro: usize,
         a: &limpet_trainer::pipeline::Activation,
     ) -> Result<(), limpet_trainer::TrainerError> {
-        PipeLink::send_activation(self, step, micro, &a.shape, &a.values).map_err(reduce_err)
+        PipeLink::send_activation(self, step, micro, &a.shape, &a.values)
+            .map_err(DataPlaneError::into_trainer)
     }
     fn recv_activation(
         &mut self,
         step: u64,
         micro: usize,
     ) -> Result<limpet_trainer::pipeline::Activation, limpet_trainer::TrainerError> {
-        let (shape, values) = PipeLink::recv_activation(self, step, micro).map_err(reduce_err)?;
+        let (shape, values) =
+            PipeLink::recv_activation(self, step, micro).map_err(DataPlaneError::into_trainer)?;
         Ok(limpet_trainer::pipeline::Activation { shape, values })
     }
     fn send_gradient(
@@ -320,19 +322,15 @@ impl limpet_trainer::pipeline::StageLink for PipeLink {
         micro: usize,
         g: &limpet_trainer::pipeline::Activation,
     ) -> Result<(), limpet_trainer::TrainerError> {
-        PipeLink::send_gradient(self, step, micro, &g.shape, &g.values).map_err(reduce_err)
+        PipeLink::send_gradient(self, step, micro, &g.shape, &g.values).map_err(DataPlaneError::into_trainer)
     }
     fn recv_gradient(
         &mut self,
         step: u64,
         micro: usize,
     ) -> Result<limpet_trainer::pipeline::Activation, limpet_trainer::TrainerError> {
-        let (shape, values) = PipeLink::recv_gradient(self, step, micro).map_err(reduce_err)?;
+        let (shape, values) =
+            PipeLink::recv_gradient(self, step, micro).map_err(DataPlaneError::into_trainer)?;
         Ok(limpet_trainer::pipeline::Activation { shape, values })
     }
-}
-
-#[cfg(feature = "trainer")]
-fn reduce_err(e: DataPlaneError) -> limpet_trainer::TrainerError {
-    limpet_trainer::TrainerError::Reduce(e.to_string())
 }

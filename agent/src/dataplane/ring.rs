@@ -548,7 +548,7 @@ fn is_disconnect(e: &std::io::Error) -> bool {
 #[cfg(feature = "trainer")]
 impl limpet_trainer::Reduce for Group {
     fn allreduce_sum(&mut self, buf: &mut [f32], step: u64) -> Result<(), limpet_trainer::TrainerError> {
-        Group::allreduce_sum(self, buf, step).map_err(|e| limpet_trainer::TrainerError::Reduce(e.to_string()))
+        Group::allreduce_sum(self, buf, step).map_err(|e| e.into_trainer())
     }
 }
 

@@ -1,0 +1,197 @@
+//! Durable checkpoints from the trainer loop: when one is due (pure: [`due`]), the state is
+//! copied at the step boundary and a tracked thread encodes it, writes the part, prunes old
+//! ones, copies it to S3 and records it in the log while training goes on. Also the other
+//! direction: a new cluster's first epoch loading the checkpoint it resumes from.
+
+use super::tasks::Tasks;
+use crate::checkpoint::CheckpointSettings;
+use limpet_consensus::state::{ClusterState, Command, Epoch, NodeId};
+use limpet_consensus::NodeHandle;
+use limpet_trainer::{JobSpec, Trainer};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Whether a checkpoint is due at `step`, `since` the last one began, for a rank of an epoch
+/// with `stages` pipeline stages. The time trigger only applies without stages: each stage
+/// decides alone, and only a step count gives them all the same answer.
+pub(crate) fn due(c: &CheckpointSettings, step: u64, stages: usize, since: Duration) -> bool {
+    (c.every_steps > 0 && step % c.every_steps == 0) || c.every.is_some_and(|d| stages == 1 && since >= d)
+}
+
+/// One rank's checkpoint writer.
+pub(super) struct Checkpointer {
+    settings: Option<CheckpointSettings>,
+    /// When this rank last started writing a checkpoint (the time trigger's origin).
+    last: Option<Instant>,
+    /// A checkpoint is being written in the background: the next trigger waits for it.
+    writing: Arc<AtomicBool>,
+    /// The S3 client checkpoints are copied with, built at the first copy and kept: a new
+    /// client would load the configuration and fetch credentials (on EC2, from the instance
+    /// metadata service) again for every checkpoint.
+    remote: Arc<tokio::sync::OnceCell<crate::remote::Remote>>,
+}
+
+/// What writing a checkpoint needs of the agent.
+pub(super) struct Sink<'a> {
+    pub me: NodeId,
+    pub handle: &'a NodeHandle,
+    pub rt: &'a tokio::runtime::Handle,
+    pub tasks: &'a Tasks,
+}
+
+impl Checkpointer {
+    pub fn new(settings: Option<CheckpointSettings>) -> Checkpointer {
+        Checkpointer { settings, last: None, writing: Arc::default(), remote: Arc::default() }
+    }
+
+    /// Writes this rank's part of a durable checkpoint when one is due: the ranks of the
+    /// first replica write, one part per stage (the whole model in a data-parallel epoch).
+    pub fn maybe_write(&mut self, trainer: &Trainer, epoch: &Epoch, rank: usize, nb: usize, sink: &Sink<'_>) {
+        let Some(c) = self.settings.clone() else { return };
+        let stages = epoch.layout.pipeline.max(1) as usize;
+        if rank >= stages {
+            return;
+        }
+        let step = trainer.step();
+        let since = *self.last.get_or_insert_with(Instant::now);
+        if !due(&c, step, stages, since.elapsed()) {
+            return;
+        }
+        if self.writing.swap(true, Ordering::SeqCst) {
+            tracing::warn!(step, "the previous checkpoint is still being written; skipping this one");
+            return;
+        }
+        self.last = Some(Instant::now());
+        let image = match trainer.image() {
+            Ok(i) => i,
+            Err(e) => {
+                tracing::error!(step, %e, "could not copy the state for a checkpoint");
+                self.writing.store(false, Ordering::SeqCst);
+                return;
+            }
+        };
+        let blocks = trainer.model().blocks();
+        let (handle, rt, busy) = (sink.handle.clone(), sink.rt.clone(), Arc::clone(&self.writing));
+        let client = Arc::clone(&self.remote);
+        let (me, epoch_id) = (sink.me, epoch.id);
+        let write = move || {
+            let started = Instant::now();
+            match crate::checkpoint::write_part(&c.dir, &image, &blocks) {
+                Ok(path) => {
+                    let secs = started.elapsed().as_secs_f64();
+                    metrics::counter!("limpet_checkpoints_total").increment(1);
+                    metrics::gauge!("limpet_checkpoint_step").set(step as f64);
+                    metrics::histogram!("limpet_checkpoint_seconds").record(secs);
+                    tracing::info!(step, ?blocks, path = %path.display(), ms = (secs * 1e3) as u64, "checkpoint written");
+                    if let Err(e) = crate::checkpoint::prune(&c.dir, c.keep, nb) {
+                        tracing::warn!(%e, "could not delete old checkpoints");
+                    }
+                    let mut location = path.display().to_string();
+                    if let Some(r) = &c.remote {
+                        let copied = rt.block_on(async {
+                            let remote = client.get_or_init(|| crate::remote::Remote::connect(r)).await;
+                            let url = remote.upload(step, &blocks, &path).await?;
+                            if let Err(e) = remote.prune(c.keep, nb).await {
+                                tracing::warn!(%e, "could not delete old checkpoints in S3");
+                            }
+                            Ok::<_, crate::checkpoint::CheckpointError>(url)
+                        });
+                        match copied {
+                            Ok(url) => {
+                                tracing::info!(step, url, "checkpoint copied to S3");
+                                location = url;
+                            }
+                            Err(e) => {
+                                // The local copy stands; the failure counter is what alerts.
+                                metrics::counter!("limpet_checkpoint_failures_total").increment(1);
+                                tracing::error!(step, %e, "copying a checkpoint to S3 failed");
+                            }
+                        }
+                    }
+                    let record = limpet_consensus::state::CheckpointRecord {
+                        step,
+                        epoch: epoch_id,
+                        content_hash: image.content_hash().to_string(),
+                        location,
+                        node: me,
+                    };
+                    let cmd = Command::RecordCheckpoint { record };
+                    if let Err(e) = rt.block_on(handle.propose(cmd, Some(Duration::from_secs(5)))) {
+                        tracing::warn!(step, %e, "checkpoint written but not recorded in the log");
+                    }
+                }
+                Err(e) => {
+                    metrics::counter!("limpet_checkpoint_failures_total").increment(1);
+                    tracing::error!(step, %e, "writing a checkpoint failed");
+                }
+            }
+            busy.store(false, Ordering::SeqCst);
+        };
+        if let Err(e) = sink.tasks.spawn_thread("checkpoint", write) {
+            tracing::error!(step, %e, "could not start the checkpoint writer");
+            self.writing.store(false, Ordering::SeqCst);
+        }
+    }
+}
+
+/// A new cluster's first epoch `n` starts at the step of the checkpoint it resumes from: a
+/// rank that can read that checkpoint loads it into a new trainer (the others copy it from
+/// such a rank in the entry protocol, as any newcomer would). `None`: nothing to load here.
+pub(super) fn resume(trainer: &Trainer, job: &JobSpec, st: &ClusterState, n: &Epoch) -> Option<Trainer> {
+    if trainer.step() >= n.start_step {
+        return None;
+    }
+    let rec = st.checkpoints.iter().rev().find(|c| c.step == n.start_step && c.epoch == 0)?;
+    let dir = PathBuf::from(&rec.location);
+    let loaded = (|| -> anyhow::Result<Trainer> {
+        let root = dir.parent().ok_or_else(|| anyhow::anyhow!("no parent directory"))?;
+        let listed = crate::checkpoint::listed_at(root, rec.step)?;
+        let image = crate::checkpoint::load(&listed, job.model.num_blocks())?;
+        if image.content_hash() != rec.content_hash {
+            anyhow::bail!("its content hash differs from the one recorded in the log");
+        }
+        let data = trainer.data().shallow_clone();
+        let mut t =
+            Trainer::on_device(job.clone(), data, 0..job.model.num_blocks(), trainer.model().device())?;
+        t.load_image(&image)?;
+        Ok(t)
+    })();
+    match loaded {
+        Ok(t) => {
+            tracing::info!(step = rec.step, location = %dir.display(), "resumed from the checkpoint");
+            Some(t)
+        }
+        Err(e) => {
+            tracing::warn!(
+                step = rec.step,
+                location = %dir.display(),
+                %e,
+                "cannot read the checkpoint to resume from here; a peer that can will hand it over"
+            );
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(every_steps: u64, every: Option<Duration>) -> CheckpointSettings {
+        CheckpointSettings { every_steps, every, dir: PathBuf::new(), keep: 2, resume: false, remote: None }
+    }
+
+    #[test]
+    fn checkpoints_are_due_by_steps_everywhere_and_by_time_without_stages() {
+        let by_steps = settings(50, None);
+        assert!(due(&by_steps, 100, 2, Duration::ZERO));
+        assert!(!due(&by_steps, 101, 1, Duration::from_secs(999)));
+        let by_time = settings(0, Some(Duration::from_secs(60)));
+        assert!(due(&by_time, 7, 1, Duration::from_secs(61)));
+        assert!(!due(&by_time, 7, 1, Duration::from_secs(59)));
+        // Stages decide alone: a clock would give them different steps.
+        assert!(!due(&by_time, 7, 2, Duration::from_secs(61)));
+    }
+}

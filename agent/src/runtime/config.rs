@@ -1,0 +1,165 @@
+//! The agent's configuration: who it is, where it listens, the job, and the timings and
+//! policies its tasks run by. Built by `limpetd` from its file (or by tools directly);
+//! read-only once the agent starts.
+
+use crate::checkpoint::CheckpointSettings;
+use crate::policy::{BaseBatch, BatchPolicy};
+use crate::revocation::Source;
+use limpet_consensus::state::{MemberSpec, NodeId};
+use limpet_trainer::JobSpec;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Everything an agent needs to run.
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    /// Raft id.
+    pub id: NodeId,
+    /// Unique name.
+    pub name: String,
+    /// Cluster name.
+    pub cluster: String,
+    /// Consensus listen address.
+    pub control: SocketAddr,
+    /// Consensus address peers use (empty: the bound one).
+    pub advertise_control: String,
+    /// Data-plane listen address.
+    pub data: SocketAddr,
+    /// Data-plane address peers use (empty: the bound one).
+    pub advertise_data: String,
+    /// State directory.
+    pub state_dir: PathBuf,
+    /// Cluster secret.
+    pub secret: Vec<u8>,
+    /// Founding members (identical on every founder), or `None` to join through `seeds`.
+    pub bootstrap: Option<Vec<MemberSpec>>,
+    /// Control addresses to join through.
+    pub seeds: Vec<String>,
+    /// The job.
+    pub job: JobSpec,
+    /// Where the job's data is (if not the default).
+    pub data_path: Option<PathBuf>,
+    /// Where this rank's parameters and optimizer state live.
+    pub device: limpet_trainer::device::DeviceChoice,
+    /// The Hugging Face directory the job's weights start from (its fingerprint is in the job).
+    pub init_from: Option<PathBuf>,
+    /// Batch / learning-rate policy.
+    pub policy: BatchPolicy,
+    /// World size the job's batch was declared for.
+    pub base_world: u64,
+    /// Fewest ranks training continues with.
+    pub min_nodes: usize,
+    /// Revocation sources to poll.
+    pub sources: Vec<Source>,
+    /// Their poll interval.
+    pub poll: Duration,
+    /// Heartbeat interval.
+    pub heartbeat: Duration,
+    /// Silence after which a node is failed.
+    pub heartbeat_timeout: Duration,
+    /// Data-plane timeout (a dead or silent peer is an error after this).
+    pub dp_timeout: Duration,
+    /// TCP congestion control of data-plane sockets (`None`: the host's default).
+    pub dp_congestion: Option<String>,
+    /// Raft tick.
+    pub tick: Duration,
+    /// Append one JSON line per completed step here.
+    pub step_log: Option<PathBuf>,
+    /// Time a planned epoch change is scheduled ahead of the furthest rank.
+    pub lead: Duration,
+    /// Margin kept before a revocation deadline.
+    pub notice_margin: Duration,
+    /// Pipeline parallelism; `None` trains plain data parallelism.
+    pub pipeline: Option<PipelineSettings>,
+    /// Durable checkpoints; `None` writes only the final one.
+    pub checkpoint: Option<CheckpointSettings>,
+    /// Mutual TLS on the control plane (and, with `tls_data`, the data plane); `None` runs
+    /// in plain text with the cluster secret only.
+    pub tls: Option<Arc<limpet_consensus::tls::Tls>>,
+    /// Encrypt data-plane connections too (TLS 1.3) when `tls` is set; otherwise they are
+    /// authenticated by the cluster secret only.
+    pub tls_data: bool,
+}
+
+/// An agent's pipeline settings. The node that sets the job profiles the model and records
+/// the profile with these in the job, so every leader plans from the same numbers.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PipelineSettings {
+    /// Stages per replica, or `None` for the planner's choice.
+    pub depth: Option<usize>,
+    /// Forced block cuts instead of the planner's (the layout `--layout` names).
+    pub cuts: Option<Vec<usize>>,
+    /// Memory training may use on each host, bytes.
+    pub mem_bytes: u64,
+    /// The network between hosts.
+    pub link: crate::planner::Link,
+    /// Mirror each stage's state to its neighbouring stage every this many steps (0: off),
+    /// so a stage with no live replica costs at most this many steps, not the job.
+    pub shadow_every: u64,
+}
+
+impl AgentConfig {
+    /// What the leader's decisions depend on.
+    pub fn leader_settings(&self) -> crate::leader::LeaderSettings {
+        crate::leader::LeaderSettings {
+            heartbeat_ms: self.heartbeat.as_millis() as u64,
+            heartbeat_timeout_ms: self.heartbeat_timeout.as_millis() as u64,
+            lead_ms: self.lead.as_millis() as u64,
+            notice_margin_ms: self.notice_margin.as_millis() as u64,
+            min_nodes: self.min_nodes,
+            policy: self.policy,
+            base: BaseBatch {
+                global_batch: self.job.global_batch as u64,
+                micro_batch: self.job.micro_batch as u64,
+                world: self.base_world.max(1),
+            },
+        }
+    }
+
+    /// A configuration with the defaults for everything but identity, addresses and job.
+    pub fn new(
+        id: NodeId,
+        name: &str,
+        cluster: &str,
+        state_dir: PathBuf,
+        secret: Vec<u8>,
+        job: JobSpec,
+    ) -> AgentConfig {
+        AgentConfig {
+            id,
+            name: name.to_string(),
+            cluster: cluster.to_string(),
+            control: "127.0.0.1:0".parse().expect("address"),
+            advertise_control: String::new(),
+            data: "127.0.0.1:0".parse().expect("address"),
+            advertise_data: String::new(),
+            state_dir,
+            secret,
+            bootstrap: None,
+            seeds: Vec::new(),
+            job,
+            data_path: None,
+            device: limpet_trainer::device::DeviceChoice::Cpu,
+            init_from: None,
+            policy: BatchPolicy::FixedGlobal,
+            base_world: 1,
+            min_nodes: 1,
+            sources: Vec::new(),
+            poll: Duration::from_secs(2),
+            heartbeat: Duration::from_millis(100),
+            heartbeat_timeout: Duration::from_millis(1000),
+            dp_timeout: Duration::from_secs(3),
+            dp_congestion: Some(crate::dataplane::endpoint::DEFAULT_CONGESTION.to_string()),
+            tick: Duration::from_millis(50),
+            step_log: None,
+            lead: Duration::from_millis(400),
+            notice_margin: Duration::from_millis(1000),
+            pipeline: None,
+            checkpoint: None,
+            tls: None,
+            tls_data: true,
+        }
+    }
+}

@@ -1,0 +1,329 @@
+//! Entering an epoch: a small protocol on the new group. Every rank publishes its states
+//! (`wire`), the ranks allgather them, every rank computes the same plan (`plan`, pure): the
+//! step the epoch starts at and who copies what from whom. Ranks that differ from the
+//! source (a newcomer, a laggard that did not apply the step in flight, a diverged copy, a
+//! stage whose host died) fetch state before a barrier, so every rank starts the epoch with
+//! a bit-identical state, checked, not assumed. This module executes the plan; it also
+//! connects the next epoch's ring ahead of its boundary (`preform`).
+
+pub(crate) mod plan;
+pub(crate) mod wire;
+
+use super::checkpointer;
+use super::config::AgentConfig;
+use super::desc::{hash_bytes, hex_of, Desc};
+use super::shadows::{snap_label, Shadows, Snap};
+use crate::dataplane::frame::Channel;
+use crate::dataplane::handoff::HandoffDialer;
+use crate::stage::StageConnections;
+use crate::{Endpoint, Group};
+use limpet_consensus::state::{ClusterState, Epoch};
+use limpet_snapshot::handoff::{fetch, label_of, FetchOptions, Offer, Server};
+use limpet_snapshot::StateImage;
+use limpet_trainer::Trainer;
+use plan::{entry_plan, Entry, RankState, Src};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+/// The frame step marker of the entry protocol's collectives (no training step uses it).
+const ENTRY_STEP: u64 = u64::MAX;
+
+/// How long a rank waits at an entry for its peers (a newcomer that enters early waits for
+/// the survivors to reach the boundary), unless the epoch is replaced or the agent stops.
+const ENTRY_WAIT: Duration = Duration::from_secs(120);
+
+/// What a rank of the current epoch trains over.
+pub(super) enum Conn {
+    /// Data parallelism: one ring over every rank.
+    Ring(Group),
+    /// A data x pipeline layout: its stage's replicas, its replica's stages, pipe links.
+    Stages(Box<StageConnections>),
+}
+
+/// Ring connections of an epoch not entered yet.
+pub(super) struct Pending {
+    epoch: u64,
+    right: Option<crate::dataplane::Conn>,
+    left: Option<crate::dataplane::Conn>,
+}
+
+/// What entering needs of the agent.
+pub(super) struct Entering<'a> {
+    pub cfg: &'a AgentConfig,
+    pub endpoint: &'a Arc<Endpoint>,
+    pub server: &'a Server,
+    pub watch: &'a watch::Receiver<limpet_consensus::LocalState>,
+    pub stop: &'a CancellationToken,
+    pub trainer: &'a mut Trainer,
+    pub shadows: &'a mut Shadows,
+    pub pending: Option<Pending>,
+}
+
+/// What an entry did, for the transition record.
+pub(super) struct Entered {
+    pub conn: Conn,
+    pub fetched_bytes: u64,
+    pub fetch_ms: u64,
+    pub repaired: bool,
+    /// Steps trained again after a rollback to shadows (0 otherwise).
+    pub redone_steps: u64,
+}
+
+/// The data addresses of an epoch's ranks, in rank order.
+pub(super) fn addrs_of(st: &ClusterState, n: &Epoch) -> Result<Vec<String>, String> {
+    let addrs: Vec<String> = n
+        .ranks
+        .iter()
+        .map(|r| st.members.get(r).map(|m| m.spec.data_addr.clone()).unwrap_or_default())
+        .collect();
+    if addrs.iter().any(String::is_empty) {
+        return Err(format!("epoch {}: a rank has no data address yet", n.id));
+    }
+    Ok(addrs)
+}
+
+/// Whether waiting for `epoch_id`'s peers is pointless: a newer epoch is in the log, or the
+/// agent is stopping (so SIGTERM during an entry ends within the shutdown limit).
+fn give_up(
+    watch: &watch::Receiver<limpet_consensus::LocalState>,
+    stop: &CancellationToken,
+    epoch_id: u64,
+) -> impl Fn() -> bool {
+    let (watch, stop) = (watch.clone(), stop.clone());
+    move || {
+        let st = Arc::clone(&watch.borrow().state);
+        stop.is_cancelled()
+            || [st.current.as_ref(), st.scheduled.as_ref()].into_iter().flatten().any(|e| e.id > epoch_id)
+    }
+}
+
+/// Connects the next epoch's ring while the current one still trains, without ever
+/// waiting: the connection to the right neighbour is made once (its endpoint answers the
+/// handshake on its own threads), the left neighbour's is picked up whenever it has
+/// arrived. So the boundary itself costs only the state check.
+pub(super) fn preform(pending: &mut Option<Pending>, endpoint: &Endpoint, n: &Epoch, addrs: &[String]) {
+    if pending.as_ref().is_some_and(|p| p.epoch != n.id) {
+        *pending = None;
+    }
+    let Ok((right, left)) = Group::neighbours(endpoint, &n.ranks, addrs) else { return };
+    if pending.is_none() {
+        let out = match right {
+            None => None,
+            Some(r) => {
+                let soon = Instant::now() + Duration::from_millis(200);
+                match endpoint.connect_until(&addrs[r], n.ranks[r], n.id, Channel::Ring, soon, &|| false) {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        tracing::debug!(epoch = n.id, %e, "could not connect the next epoch early");
+                        return;
+                    }
+                }
+            }
+        };
+        *pending = Some(Pending { epoch: n.id, right: out, left: None });
+    }
+    let p = pending.as_mut().expect("set above");
+    if let (None, Some(l)) = (&p.left, left) {
+        p.left = endpoint.accept_until(n.ranks[l], n.id, Channel::Ring, Instant::now(), &|| false).ok();
+    }
+}
+
+/// Enters epoch `n`: forms its group, agrees on one state and switches to it.
+pub(super) fn enter(x: Entering<'_>, n: &Epoch) -> Result<Entered, String> {
+    x.endpoint.set_min_epoch(n.id);
+    let st = Arc::clone(&x.watch.borrow().state);
+    let addrs = addrs_of(&st, n)?;
+    let by = Instant::now() + ENTRY_WAIT;
+    let give_up = give_up(x.watch, x.stop, n.id);
+    let mut group = form_group(x.endpoint, x.pending, n, &addrs, by, &give_up)?;
+
+    if let Some(t) = checkpointer::resume(x.trainer, &x.cfg.job, &st, n) {
+        *x.trainer = t;
+    }
+    // Publish this rank's state, then agree on (step, blocks held, hash).
+    let image = x.trainer.image().map_err(|e| e.to_string())?;
+    let hash = image.content_hash().to_string();
+    let encoded = image.encode().map_err(|e| e.to_string())?;
+    x.server.offer(Offer::new(encoded, 1 << 20, label_of(&hash)));
+    let held = x.trainer.model().blocks();
+    let snapshots = x.shadows.snapshots.clone();
+    let shadows = x.shadows.shadows_now();
+    let slot = |v: &[Snap], i: usize| v.get(i).map(|s| s.desc);
+    let me_state = RankState {
+        live: Desc { step: x.trainer.step(), hash: hash_bytes(&hash), blocks: (held.start, held.end) },
+        snaps: [slot(&snapshots, 0), slot(&snapshots, 1)],
+        shadows: [slot(&shadows, 0), slot(&shadows, 1)],
+    };
+    let mine = wire::encode(&me_state);
+    let mut all = vec![0f32; mine.len() * n.ranks.len()];
+    group.allgather(&mine, &mut all, ENTRY_STEP).map_err(|e| e.to_string())?;
+    let nb = x.cfg.job.model.num_blocks();
+    let ranks = all
+        .chunks(mine.len())
+        .enumerate()
+        .map(|(i, w)| wire::decode(w, nb).map_err(|e| format!("node {}: {e}", n.ranks[i])))
+        .collect::<Result<Vec<RankState>, String>>()?;
+    let me_idx = group.rank();
+    let stages = n.layout.stage_blocks(nb)?;
+    let target = stages[me_idx % stages.len()].clone();
+    let plan = entry_plan(&ranks, me_idx, target.clone(), nb)?;
+    let redone = x.trainer.step().saturating_sub(plan.step);
+    let mut fetched_bytes = 0;
+    let mut fetch_ms = 0;
+    let repaired = plan.action == Entry::Repair;
+    if plan.action != Entry::Keep {
+        if repaired {
+            tracing::warn!(
+                epoch = n.id,
+                step = plan.step,
+                "state hash differs from the source's at the same step; repairing"
+            );
+        }
+        let fetch_started = Instant::now();
+        let mut tensors = BTreeMap::new();
+        let mut meta = None;
+        for (src, kind, blocks) in &plan.sources {
+            let desc = ranks[*src].desc(*kind).expect("the plan names descriptors that exist");
+            let hex = hex_of(&desc.hash);
+            let fetched;
+            let img = if *src == me_idx {
+                let keep = match kind {
+                    Src::Live => None,
+                    Src::Snapshot(i) => snapshots.get(*i).cloned(),
+                    Src::Shadow(i) => shadows.get(*i).cloned(),
+                };
+                match keep {
+                    None => &image,
+                    Some(k) => {
+                        fetched = StateImage::decode(&k.bytes).map_err(|e| e.to_string())?;
+                        if fetched.content_hash() != hex {
+                            return Err("a kept snapshot no longer hashes to its descriptor".into());
+                        }
+                        &fetched
+                    }
+                }
+            } else {
+                let src_node = n.ranks[*src];
+                let label = match kind {
+                    Src::Live => label_of(&hex),
+                    Src::Snapshot(_) => snap_label(src_node, desc.step, false),
+                    Src::Shadow(_) => snap_label(src_node, desc.step, true),
+                };
+                let (img, bytes) =
+                    fetch_state(x.endpoint, n.id, &format!("{src_node}@{}", addrs[*src]), label)?;
+                if img.content_hash() != hex {
+                    return Err(format!("state from node {src_node} does not hash to what it announced"));
+                }
+                fetched_bytes += bytes;
+                tracing::info!(
+                    epoch = n.id,
+                    step = plan.step,
+                    from = src_node,
+                    ?blocks,
+                    bytes,
+                    "state copied from a peer"
+                );
+                fetched = img;
+                &fetched
+            };
+            for (name, t) in img.tensors() {
+                if plan::block_of(name).is_some_and(|b| blocks.contains(&b)) {
+                    tensors.insert(name.clone(), t.clone());
+                }
+            }
+            if meta.is_none() || *src != me_idx {
+                let m = img.meta();
+                meta = Some((m.step, m.cursor, m.rng, m.job.clone()));
+            }
+        }
+        let (step, cursor, rng, job) = meta.expect("an entry that copies names a source");
+        let merged = StateImage::new(step, cursor, rng, job, tensors);
+        if target != held {
+            tracing::info!(epoch = n.id, from = ?held, to = ?target, "this rank's blocks change");
+            *x.trainer = Trainer::on_device(
+                x.cfg.job.clone(),
+                x.trainer.data().shallow_clone(),
+                target.clone(),
+                x.trainer.model().device(),
+            )
+            .map_err(|e| e.to_string())?;
+        }
+        x.trainer.load_image(&merged).map_err(|e| e.to_string())?;
+        fetch_ms = fetch_started.elapsed().as_millis() as u64;
+        if plan.action == Entry::Rollback {
+            tracing::warn!(
+                epoch = n.id,
+                from = plan.step + redone,
+                to = plan.step,
+                "a stage had no live replica: back to the shadowed snapshot"
+            );
+            // Kept states newer than the lineage's new head belong to the abandoned one.
+            x.shadows.forget_after(plan.step);
+        }
+    }
+    x.trainer
+        .set_epoch_plan(n.batch.global_batch as usize, n.batch.micro_batch as usize, n.lr_scale)
+        .map_err(|e| e.to_string())?;
+    group.barrier(ENTRY_STEP).map_err(|e| e.to_string())?;
+    let conn = if n.layout.pipeline > 1 {
+        // Every rank passed the barrier, so every ring connection of the entry is taken:
+        // the stage groups' connections (same epoch, same channel) cannot be mistaken for
+        // them.
+        drop(group);
+        let layout = (n.layout.data as usize, n.layout.pipeline as usize);
+        Conn::Stages(Box::new(
+            StageConnections::connect(x.endpoint, n.id, layout, &n.ranks, &addrs, by, &give_up)
+                .map_err(|e| e.to_string())?,
+        ))
+    } else {
+        Conn::Ring(group)
+    };
+    let redone_steps = if plan.action == Entry::Rollback { redone } else { 0 };
+    Ok(Entered { conn, fetched_bytes, fetch_ms, repaired, redone_steps })
+}
+
+/// The epoch's ring: from the connections made ahead of the boundary where there are
+/// some, else formed now (waiting for peers until `by` or `give_up`).
+fn form_group(
+    endpoint: &Arc<Endpoint>,
+    pending: Option<Pending>,
+    n: &Epoch,
+    addrs: &[String],
+    by: Instant,
+    give_up: &dyn Fn() -> bool,
+) -> Result<Group, String> {
+    match pending {
+        Some(p) if p.epoch == n.id => {
+            let (_, left) = Group::neighbours(endpoint, &n.ranks, addrs).map_err(|e| e.to_string())?;
+            let left = match (p.left, left) {
+                (Some(s), _) => Some(s),
+                (None, Some(l)) => Some(
+                    endpoint
+                        .accept_until(n.ranks[l], n.id, Channel::Ring, by, give_up)
+                        .map_err(|e| e.to_string())?,
+                ),
+                (None, None) => None,
+            };
+            Group::assemble(endpoint, n.id, &n.ranks, p.right, left).map_err(|e| e.to_string())
+        }
+        _ => endpoint.group_until(n.id, &n.ranks, addrs, by, give_up).map_err(|e| e.to_string()),
+    }
+}
+
+/// Fetches the state offered under `label` by `source` (`node@addr`): the image and the
+/// bytes moved.
+fn fetch_state(
+    endpoint: &Arc<Endpoint>,
+    epoch: u64,
+    source: &str,
+    label: [u8; 32],
+) -> Result<(StateImage, u64), String> {
+    let opts = FetchOptions { expect: Some(label), ..FetchOptions::default() };
+    let dialer = HandoffDialer { endpoint, epoch };
+    let (bytes, stats) = fetch(&dialer, &[source.to_string()], &opts).map_err(|e| e.to_string())?;
+    crate::dataplane::count_bytes(false, "handoff", stats.bytes);
+    Ok((StateImage::decode(&bytes).map_err(|e| e.to_string())?, stats.bytes))
+}

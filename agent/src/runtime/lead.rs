@@ -1,0 +1,150 @@
+//! The leader loop: while this node leads, it sets the job (profiled for the pipeline
+//! planner, resumed from the newest durable checkpoint of a new cluster), gathers the
+//! members' reports and proposes what [`crate::leader::plan_round`] decides. The decisions
+//! themselves are pure and live in `leader`/`controller`; this room only does the I/O.
+
+use super::config::AgentConfig;
+use crate::report::AgentReport;
+use limpet_consensus::state::{Command, NodeId};
+use limpet_consensus::NodeHandle;
+use limpet_trainer::data::Dataset;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// While this node leads: sets the job, runs the controller on the reports, activates
+/// epochs that ranks entered and members that trained.
+pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: CancellationToken) {
+    let mut job = None;
+    let mut resume_checked = false;
+    let mut last_reason = String::new();
+    let settings = cfg.leader_settings();
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+        }
+        let local = handle.watch().borrow().clone();
+        if !local.is_leader {
+            continue;
+        }
+        let st = &local.state;
+        if st.job.is_none() {
+            if job.is_none() {
+                match job_document(&cfg).await {
+                    Ok(doc) => job = Some(doc),
+                    Err(e) => {
+                        tracing::error!(%e, "could not profile the model for the pipeline planner");
+                        continue;
+                    }
+                }
+            }
+            if !resume_checked && st.checkpoints.is_empty() {
+                // A new cluster: start from the newest durable checkpoint of this job, if
+                // there is one. Recorded before the job, so the first epoch starts there.
+                match find_resume_point(&cfg).await {
+                    Ok(Some(record)) => {
+                        if let Err(e) = handle.propose(Command::RecordCheckpoint { record }, None).await {
+                            tracing::warn!(%e, "could not record the checkpoint to resume from");
+                            continue;
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(e) => tracing::warn!(%e, "could not look for a checkpoint to resume from"),
+                }
+                resume_checked = true;
+                continue;
+            }
+            let doc = job.clone().expect("set above");
+            if let Err(e) = handle.propose(Command::SetJob { job: doc }, None).await {
+                tracing::warn!(%e, "could not set the job");
+            }
+            continue;
+        }
+        let reports: BTreeMap<NodeId, (u64, AgentReport)> = handle
+            .reports()
+            .all()
+            .into_iter()
+            .filter_map(|r| {
+                let rep = AgentReport::decode(&r.report, r.node).ok()?;
+                Some((r.node, (r.age.as_millis() as u64, rep)))
+            })
+            .collect();
+        let round = crate::leader::plan_round(&settings, &local.state, &reports, super::now_ms());
+        if round.reason != last_reason {
+            tracing::info!(reason = %round.reason, "controller");
+            last_reason = round.reason;
+        }
+        for cmd in round.commands {
+            if let Err(e) = handle.propose(cmd.clone(), Some(Duration::from_secs(2))).await {
+                tracing::warn!(%e, ?cmd, "proposal failed");
+                break;
+            }
+        }
+    }
+}
+
+/// The newest durable checkpoint of this agent's job in the configured directory, as the
+/// record a new cluster starts from (epoch 0: it predates every epoch of this cluster).
+async fn find_resume_point(
+    cfg: &AgentConfig,
+) -> anyhow::Result<Option<limpet_consensus::state::CheckpointRecord>> {
+    let Some(settings) = cfg.checkpoint.as_ref().filter(|c| c.resume) else {
+        return Ok(None);
+    };
+    let dir = settings.dir.clone();
+    let job = serde_json::to_value(&cfg.job)?;
+    let blocks = cfg.job.model.num_blocks();
+    if let Some(r) = &settings.remote {
+        // Bring the newest copies home; the search below checks them like local files.
+        let remote = crate::remote::Remote::connect(r).await;
+        match remote.fetch_newest(&dir, blocks, settings.keep.max(1)).await {
+            Ok(steps) if !steps.is_empty() => tracing::info!(?steps, "checkpoints fetched from S3"),
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(%e, "could not fetch checkpoints from S3; searching the local directory only")
+            }
+        }
+    }
+    let search = dir.clone();
+    let (found, skipped) =
+        tokio::task::spawn_blocking(move || crate::checkpoint::newest(&search, blocks, &job)).await??;
+    for why in &skipped {
+        tracing::warn!(why, "not resuming from this checkpoint");
+    }
+    Ok(found.map(|(listed, image)| {
+        let location = crate::checkpoint::step_dir(&dir, listed.step);
+        tracing::info!(step = listed.step, location = %location.display(), "a new cluster: resuming from the newest checkpoint");
+        limpet_consensus::state::CheckpointRecord {
+            step: listed.step,
+            epoch: 0,
+            content_hash: image.content_hash().to_string(),
+            location: location.display().to_string(),
+            node: cfg.id,
+        }
+    }))
+}
+
+/// The job as the log records it: the trainer's job spec and, for a pipelined job, the
+/// pipeline settings with this node's profile of the model's blocks.
+async fn job_document(cfg: &AgentConfig) -> anyhow::Result<serde_json::Value> {
+    let mut doc = serde_json::to_value(&cfg.job)?;
+    if let Some(p) = &cfg.pipeline {
+        let (job, path) = (cfg.job.clone(), cfg.data_path.clone());
+        let profile = tokio::task::spawn_blocking(move || -> anyhow::Result<crate::planner::ModelProfile> {
+            let data = Dataset::load(&job.data, path.as_deref())?;
+            Ok(crate::stage::profile_model(&job, &data, 5)?)
+        })
+        .await??;
+        let pj = crate::planner::PipelineJob {
+            profile,
+            link: p.link,
+            depth: p.depth,
+            cuts: p.cuts.clone(),
+            mem_bytes: p.mem_bytes,
+        };
+        doc["pipeline"] = serde_json::to_value(pj)?;
+    }
+    Ok(doc)
+}

@@ -1,0 +1,311 @@
+//! The running agent: one host's consensus node, data-plane endpoint, trainer thread,
+//! heartbeats, revocation watchers and (while it leads) the reconfiguration controller.
+//!
+//! Rooms, one per concern:
+//! - `config`: what the agent runs by;
+//! - `tasks`: the one shutdown path (root token, tracked tasks and threads, panics fatal);
+//! - this module: start (wiring) and wait (the bounded stop);
+//! - one module per task: `announce`, `heartbeats`, `revocations`, `lead`;
+//! - `train_loop`: the trainer thread, deciding with the pure `next_action`;
+//! - `entry`: entering an epoch, as `plan` (pure), `wire` (codec) and execution;
+//! - `checkpointer` and `shadows`: the state copies a step leaves behind;
+//! - `desc`: the descriptor of a state a rank can serve.
+
+mod announce;
+mod checkpointer;
+mod config;
+mod desc;
+pub(crate) mod entry;
+mod heartbeats;
+mod lead;
+mod revocations;
+mod shadows;
+pub mod tasks;
+pub mod train_loop;
+
+pub use config::{AgentConfig, PipelineSettings};
+pub use tasks::Tasks;
+
+use crate::dataplane::handoff::handoff_loop;
+use crate::dataplane::{DataPlaneConfig, Endpoint};
+use crate::report::{AgentReport, Phase, REPORT_VERSION};
+use limpet_consensus::state::{cluster_id, Command, Hardware, MemberSpec, NodeId};
+use limpet_consensus::{NodeConfig, NodeHandle};
+use limpet_snapshot::handoff::Server;
+use limpet_trainer::data::Dataset;
+use limpet_trainer::Trainer;
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+/// Why an agent stopped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Exit {
+    /// Asked to stop (SIGINT, or the caller's token).
+    Stopped,
+    /// Removed from the cluster after leaving (notice, drain): its work is done.
+    Removed(String),
+}
+
+/// One line of the step log.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StepLine {
+    /// Unix milliseconds when the step completed.
+    pub wall_ms: u64,
+    /// The step completed (0-based).
+    pub step: u64,
+    /// Its epoch.
+    pub epoch: u64,
+    /// World size of the epoch.
+    pub world: usize,
+    /// This rank in it.
+    pub rank: usize,
+    /// The node.
+    pub node: NodeId,
+    /// Global mean loss of the step.
+    pub loss: f64,
+}
+
+/// A running agent.
+pub struct Agent {
+    handle: NodeHandle,
+    tasks: Tasks,
+    trainer: std::thread::JoinHandle<Result<Exit, String>>,
+    control_addr: SocketAddr,
+    data_addr: SocketAddr,
+    id: NodeId,
+}
+
+pub(crate) fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Agent {
+    /// Starts every part of the agent under a root token of its own. Needs a multi-threaded
+    /// tokio runtime.
+    pub async fn start(cfg: AgentConfig) -> anyhow::Result<Agent> {
+        Agent::start_with(cfg, Tasks::new(CancellationToken::new())).await
+    }
+
+    /// Starts every part of the agent as tasks of `tasks` (whose root token stops it).
+    pub async fn start_with(cfg: AgentConfig, tasks: Tasks) -> anyhow::Result<Agent> {
+        let data = Dataset::load(&cfg.job.data, cfg.data_path.as_deref())?;
+        cfg.job.validate(&data)?;
+        let mut dp = DataPlaneConfig::new(cluster_id(&cfg.cluster), cfg.id, cfg.secret.clone());
+        dp.timeout = cfg.dp_timeout;
+        dp.congestion = cfg.dp_congestion.clone();
+        if let (Some(tls), true) = (&cfg.tls, cfg.tls_data) {
+            dp.tls = Some(crate::dataplane::DataTls::from_tls(tls)?);
+        }
+        let endpoint = Arc::new(Endpoint::bind(cfg.data, dp)?);
+        let data_addr = endpoint.addr();
+        // Offers: the entry state, this rank's snapshot and the neighbour's it keeps, and
+        // their predecessors while receivers finish.
+        let server = Server::with_capacity(6);
+        let stop_serving = Arc::new(AtomicBool::new(false));
+        let (serving, offers, stopped) = (Arc::clone(&endpoint), server.clone(), Arc::clone(&stop_serving));
+        let root = tasks.token();
+        let stop = move || stopped.load(std::sync::atomic::Ordering::SeqCst) || root.is_cancelled();
+        tasks.spawn_thread("handoff", move || handoff_loop(&serving, &offers, &stop))?;
+
+        let ncfg = node_config(&cfg, data_addr);
+        let node = limpet_consensus::Node::start(ncfg.clone(), tasks.token()).await?;
+        let handle = node.handle();
+        let control_addr = node.addr();
+        let watcher = tasks.clone();
+        tasks.spawn("consensus", async move {
+            if let Err(e) = node.wait().await {
+                watcher.fail("consensus", &e.to_string());
+            }
+        });
+        let me = MemberSpec {
+            id: cfg.id,
+            name: cfg.name.clone(),
+            control_addr: if cfg.advertise_control.is_empty() {
+                control_addr.to_string()
+            } else {
+                cfg.advertise_control.clone()
+            },
+            data_addr: ncfg.data_addr.clone(),
+            hardware: ncfg.hardware.clone(),
+        };
+
+        let cfg = Arc::new(cfg);
+        let progress = Arc::new(Mutex::new(AgentReport {
+            v: REPORT_VERSION,
+            node: cfg.id,
+            pid: std::process::id(),
+            phase: Phase::Starting,
+            epoch: 0,
+            applied_step: 0,
+            loss: None,
+            step_time_ms: 0.0,
+            samples_per_s: 0.0,
+            broken: None,
+            transitions: Vec::new(),
+            grad_stats: None,
+        }));
+        let beat_now = Arc::new(Notify::new());
+        let stop = tasks.token();
+        tasks.spawn("announce", announce::announce(handle.clone(), me, stop.clone()));
+        tasks.spawn(
+            "heartbeats",
+            heartbeats::heartbeats(
+                Arc::clone(&cfg),
+                handle.clone(),
+                Arc::clone(&progress),
+                Arc::clone(&beat_now),
+                tasks.clone(),
+            ),
+        );
+        tasks.spawn("lead", lead::lead(Arc::clone(&cfg), handle.clone(), stop.clone()));
+        for source in &cfg.sources {
+            let watch = revocations::watch_revocations(
+                cfg.id,
+                source.clone(),
+                cfg.poll,
+                handle.clone(),
+                stop.clone(),
+            );
+            tasks.spawn("revocations", watch);
+        }
+
+        let device = cfg.device.resolve().map_err(|e| anyhow::anyhow!("[job].device: {e}"))?;
+        tracing::info!(device = ?device, choice = ?cfg.device, gpus = ?limpet_trainer::device::gpu_models(), "training device");
+        let blocks = 0..cfg.job.model.num_blocks();
+        let mut fresh = Trainer::on_device(cfg.job.clone(), data, blocks, device)?;
+        if let Some(dir) = &cfg.init_from {
+            fresh.init_from_hf(dir)?;
+        }
+        let id = cfg.id;
+        let looper = train_loop::TrainLoop::new(
+            cfg,
+            handle.clone(),
+            endpoint,
+            server,
+            progress,
+            beat_now,
+            tasks.clone(),
+            fresh,
+        );
+        let trainer = std::thread::Builder::new().name("limpet-trainer".into()).spawn(move || {
+            let r = looper.run();
+            stop_serving.store(true, std::sync::atomic::Ordering::SeqCst);
+            r
+        })?;
+        Ok(Agent { handle, tasks, trainer, control_addr, data_addr, id })
+    }
+
+    /// The consensus node's bound address.
+    pub fn control_addr(&self) -> SocketAddr {
+        self.control_addr
+    }
+
+    /// The data plane's bound address.
+    pub fn data_addr(&self) -> SocketAddr {
+        self.data_addr
+    }
+
+    /// The node handle (proposals, reads, reports).
+    pub fn handle(&self) -> NodeHandle {
+        self.handle.clone()
+    }
+
+    /// A token that stops the agent when cancelled.
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.tasks.token()
+    }
+
+    /// Asks the cluster to let this node go (SIGTERM from systemd): it leaves at the next
+    /// epoch boundary and is removed; `wait` then returns `Exit::Removed`.
+    pub async fn drain_self(&self, reason: &str) -> anyhow::Result<()> {
+        let cmd = Command::Drain { id: self.id, reason: reason.to_string() };
+        self.handle.propose(cmd, Some(Duration::from_secs(5))).await?;
+        Ok(())
+    }
+
+    /// Waits until the trainer thread ends (removed, stopped, or stopped by a fatal failure
+    /// elsewhere), then stops every task. Once the root token is cancelled, everything has
+    /// [`tasks::SHUTDOWN_LIMIT`] to end; a fatal failure is this call's error.
+    pub async fn wait(self) -> anyhow::Result<Exit> {
+        let Agent { trainer, tasks, .. } = self;
+        let root = tasks.token();
+        let mut joined = tokio::task::spawn_blocking(move || trainer.join());
+        let deadline = tokio::select! {
+            r = &mut joined => {
+                let deadline = tokio::time::Instant::now() + tasks::SHUTDOWN_LIMIT;
+                return finish(&tasks, deadline, r?).await;
+            }
+            _ = root.cancelled() => tokio::time::Instant::now() + tasks::SHUTDOWN_LIMIT,
+        };
+        match tokio::time::timeout_at(deadline, joined).await {
+            Ok(r) => finish(&tasks, deadline, r?).await,
+            Err(_) => {
+                let _ = tasks.shutdown(deadline).await;
+                let why = tasks.fatal().map_or(String::new(), |f| format!(" (after {f})"));
+                anyhow::bail!("the trainer did not stop within {:?}{why}", tasks::SHUTDOWN_LIMIT)
+            }
+        }
+    }
+}
+
+/// Stops the remaining tasks once the trainer thread ended with `r`.
+async fn finish(
+    tasks: &Tasks,
+    deadline: tokio::time::Instant,
+    r: std::thread::Result<Result<Exit, String>>,
+) -> anyhow::Result<Exit> {
+    let exit = match r {
+        Ok(r) => r,
+        Err(_) => {
+            tasks.fail("trainer", "panicked");
+            Err("the trainer thread panicked".into())
+        }
+    };
+    if let Err(e) = tasks.shutdown(deadline).await {
+        tracing::warn!(%e, "stopping the agent's tasks");
+    }
+    if let Some(f) = tasks.fatal() {
+        anyhow::bail!(f);
+    }
+    exit.map_err(|e| anyhow::anyhow!(e))
+}
+
+/// The consensus node's configuration for this agent.
+fn node_config(cfg: &AgentConfig, data_addr: SocketAddr) -> NodeConfig {
+    let mut ncfg = NodeConfig::new(cfg.id, &cfg.cluster, &cfg.name, cfg.control, cfg.state_dir.clone());
+    ncfg.advertise = cfg.advertise_control.clone();
+    ncfg.data_addr =
+        if cfg.advertise_data.is_empty() { data_addr.to_string() } else { cfg.advertise_data.clone() };
+    ncfg.tick = cfg.tick;
+    ncfg.bootstrap = cfg.bootstrap.clone();
+    ncfg.seeds = cfg.seeds.clone();
+    ncfg.request_timeout = Duration::from_secs(3);
+    ncfg.tls = cfg.tls.clone();
+    let mut models = limpet_trainer::device::gpu_models();
+    models.dedup();
+    ncfg.hardware = Hardware {
+        instance_type: "local".into(),
+        cpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
+        gpus: limpet_trainer::device::gpu_count() as u32,
+        gpu_model: models.join(", "),
+        memory_mib: host_memory_mib(),
+        samples_per_sec_milli: 0,
+    };
+    ncfg
+}
+
+/// This host's memory (`MemTotal` of /proc/meminfo) in MiB; 0 where it cannot be read.
+fn host_memory_mib() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| {
+            t.lines().find_map(|l| {
+                l.strip_prefix("MemTotal:")?.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()
+            })
+        })
+        .map_or(0, |kib| kib / 1024)
+}

@@ -1,0 +1,457 @@
+//! The trainer loop, on its own thread: it follows the committed log. Before every step it
+//! asks [`next_action`] (pure) what to do given the newest epoch: a survivor of a planned
+//! change trains the old epoch up to the new epoch's start step and switches there (while
+//! connecting the new ring early); a rank whose collective failed switches as soon as the
+//! new epoch is committed; a newcomer enters at once and waits for its peers at the boundary;
+//! a rank left out stops training; a removed node's work is done. Then it does that: a step
+//! (with its step log line, metrics, checkpoint and shadow), an entry (`entry`), or a wait.
+
+use super::checkpointer::{Checkpointer, Sink};
+use super::config::AgentConfig;
+use super::entry::{self, Conn, Entering, Pending};
+use super::shadows::{Links, Shadows};
+use super::tasks::Tasks;
+use super::{Exit, StepLine};
+use crate::report::{AgentReport, Broken, Phase, Transition, MAX_TRANSITIONS};
+use crate::Endpoint;
+use limpet_consensus::state::{ClusterState, Epoch, MemberStatus, NodeId};
+use limpet_consensus::{LocalState, NodeHandle};
+use limpet_snapshot::handoff::Server;
+use limpet_trainer::Trainer;
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{watch, Notify};
+
+/// Where this rank stands, as [`next_action`] needs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Position {
+    /// The epoch this rank trains in (`None`: in no group).
+    pub epoch: Option<u64>,
+    /// The next step it would train.
+    pub step: u64,
+    /// Its last collective failed (it waits for the next epoch).
+    pub broken: bool,
+    /// This process saw the log count the node as a member (joining or active).
+    pub was_member: bool,
+    /// The job's last step (training ends there).
+    pub job_steps: u64,
+}
+
+/// What the trainer loop does next.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    /// The node was removed from the cluster after leaving: its work is done.
+    Removed(String),
+    /// Enter this epoch now.
+    Enter(Epoch),
+    /// The next epoch goes on without this rank: leave training (`u64`: its id).
+    SitOut(u64),
+    /// Nothing to train: report `phase` and wait for the log to change.
+    Wait {
+        /// The phase to report.
+        phase: Phase,
+        /// How long to wait at most, ms.
+        ms: u64,
+    },
+    /// The job's steps are done: write the final checkpoint (once) and wait.
+    Finish {
+        /// A next epoch to connect ahead of its boundary meanwhile.
+        preform: Option<Epoch>,
+    },
+    /// Train one step in the current epoch.
+    Train {
+        /// A next epoch to connect ahead of its boundary first.
+        preform: Option<Epoch>,
+    },
+}
+
+/// What node `me` at `at` does next, given the cluster state `st`. Pure.
+pub fn next_action(st: &ClusterState, me: NodeId, at: Position) -> Action {
+    if let Some(m) = st.members.get(&me) {
+        // A removed node stays until the log no longer counts it as a voter: leaving
+        // earlier could take the voters below a majority. One that starts out gone
+        // (restarted after a drain) waits to be admitted again instead.
+        if m.status == MemberStatus::Gone && at.was_member && at.epoch.is_none() && !st.voters.contains(&me) {
+            return Action::Removed(m.reason.clone());
+        }
+    }
+    let newest = [st.current.as_ref(), st.scheduled.as_ref()].into_iter().flatten().max_by_key(|e| e.id);
+    let mut preform = None;
+    if let Some(n) = newest.filter(|n| n.id > at.epoch.unwrap_or(0)) {
+        let at_boundary = at.step >= n.start_step;
+        if n.ranks.contains(&me) {
+            if at.epoch.is_none() || at.broken || at_boundary {
+                return Action::Enter(n.clone());
+            }
+            preform = Some(n.clone());
+        } else if at.epoch.is_some() && (at.broken || at_boundary) {
+            return Action::SitOut(n.id);
+        }
+    }
+    if at.epoch.is_none() {
+        let leaving = st.members.get(&me).is_some_and(|m| !m.status.is_staying());
+        return Action::Wait { phase: if leaving { Phase::Left } else { Phase::Waiting }, ms: 100 };
+    }
+    if at.broken {
+        return Action::Wait { phase: Phase::Waiting, ms: 50 };
+    }
+    if at.step >= at.job_steps {
+        return Action::Finish { preform };
+    }
+    Action::Train { preform }
+}
+
+/// A failed collective: when, the peer it names, the error.
+struct BrokenAt {
+    at: Instant,
+    suspect: Option<NodeId>,
+    error: String,
+}
+
+/// The trainer thread's state.
+pub(super) struct TrainLoop {
+    pub cfg: Arc<AgentConfig>,
+    /// Proposals (checkpoint records) from the trainer thread.
+    pub handle: NodeHandle,
+    pub endpoint: Arc<Endpoint>,
+    pub server: Server,
+    pub watch: watch::Receiver<LocalState>,
+    pub progress: Arc<Mutex<AgentReport>>,
+    pub beat_now: Arc<Notify>,
+    pub tasks: Tasks,
+    pub rt: tokio::runtime::Handle,
+    pub trainer: Trainer,
+    pub checkpointer: Checkpointer,
+    pub shadows: Shadows,
+    group: Option<(Epoch, Conn)>,
+    broken: Option<BrokenAt>,
+    was_member: bool,
+    last_step_done: Option<Instant>,
+    /// Steps abandoned in flight since the last entry.
+    lost: u64,
+    step_time_ms: f64,
+    log: Option<std::fs::File>,
+    finished: bool,
+    /// The next epoch's ring connections, made ahead of its boundary.
+    pending: Option<Pending>,
+    /// Smoothed (σ², μ²) of the current epoch.
+    grad_stats: Option<(f64, f64)>,
+}
+
+impl TrainLoop {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        cfg: Arc<AgentConfig>,
+        handle: NodeHandle,
+        endpoint: Arc<Endpoint>,
+        server: Server,
+        progress: Arc<Mutex<AgentReport>>,
+        beat_now: Arc<Notify>,
+        tasks: Tasks,
+        trainer: Trainer,
+    ) -> TrainLoop {
+        TrainLoop {
+            checkpointer: Checkpointer::new(cfg.checkpoint.clone()),
+            watch: handle.watch(),
+            rt: tokio::runtime::Handle::current(),
+            cfg,
+            handle,
+            endpoint,
+            server,
+            progress,
+            beat_now,
+            tasks,
+            trainer,
+            shadows: Shadows::default(),
+            group: None,
+            broken: None,
+            was_member: false,
+            last_step_done: None,
+            lost: 0,
+            step_time_ms: 0.0,
+            log: None,
+            finished: false,
+            pending: None,
+            grad_stats: None,
+        }
+    }
+
+    fn set_phase(&self, phase: Phase) {
+        let mut p = self.progress.lock().expect("progress lock");
+        p.phase = phase;
+        p.epoch = self.group.as_ref().map_or(0, |(e, _)| e.id);
+        p.applied_step = self.trainer.step();
+        p.step_time_ms = self.step_time_ms;
+        p.broken = self.broken.as_ref().map(|b| Broken {
+            epoch: p.epoch,
+            since_ms: b.at.elapsed().as_millis() as u64,
+            suspect: b.suspect,
+            error: b.error.clone(),
+        });
+    }
+
+    /// Waits up to `d` for the log to change.
+    fn wait_change(&mut self, d: Duration) {
+        let mut w = self.watch.clone();
+        let _ = self.rt.block_on(async { tokio::time::timeout(d, w.changed()).await });
+    }
+
+    fn position(&self) -> Position {
+        Position {
+            epoch: self.group.as_ref().map(|(e, _)| e.id),
+            step: self.trainer.step(),
+            broken: self.broken.is_some(),
+            was_member: self.was_member,
+            job_steps: self.cfg.job.steps,
+        }
+    }
+
+    pub fn run(mut self) -> Result<Exit, String> {
+        if let Some(path) = &self.cfg.step_log {
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map_err(|e| format!("step log {}: {e}", path.display()))?;
+            self.log = Some(f);
+        }
+        let me = self.cfg.id;
+        let stop = self.tasks.token();
+        loop {
+            if stop.is_cancelled() {
+                return Ok(Exit::Stopped);
+            }
+            let st = Arc::clone(&self.watch.borrow().state);
+            if let Some(m) = st.members.get(&me) {
+                self.was_member |= m.status.is_staying();
+            }
+            match next_action(&st, me, self.position()) {
+                Action::Removed(why) => {
+                    self.set_phase(Phase::Left);
+                    return Ok(Exit::Removed(why));
+                }
+                Action::Enter(n) => {
+                    if let Err(e) = self.enter(&n) {
+                        tracing::warn!(epoch = n.id, %e, "could not enter the epoch");
+                        self.group = None;
+                        self.set_phase(Phase::Waiting);
+                        self.wait_change(Duration::from_millis(100));
+                    }
+                }
+                Action::SitOut(id) => {
+                    tracing::info!(
+                        epoch = id,
+                        step = self.trainer.step(),
+                        "left training: not in the next epoch"
+                    );
+                    self.group = None;
+                    self.broken = None;
+                    // A rank that sits out (a spare) is not idle for the ones that train.
+                    self.last_step_done = None;
+                    self.set_phase(Phase::Left);
+                }
+                Action::Wait { phase, ms } => {
+                    self.set_phase(phase);
+                    self.wait_change(Duration::from_millis(ms));
+                }
+                Action::Finish { preform } => {
+                    self.preform(&st, preform.as_ref());
+                    if !self.finished {
+                        // The job's result, where `limpet demo` and operators find it.
+                        let path = limpet_trainer::save_checkpoint(&self.trainer, &self.cfg.state_dir)
+                            .map_err(|e| format!("writing the final checkpoint: {e}"))?;
+                        tracing::info!(step = self.trainer.step(), path = %path.display(), "job finished; final checkpoint written");
+                        self.finished = true;
+                    }
+                    self.set_phase(Phase::Finished);
+                    self.wait_change(Duration::from_millis(200));
+                }
+                Action::Train { preform } => {
+                    self.preform(&st, preform.as_ref());
+                    let epoch = self.group.as_ref().expect("training is in a group").0.clone();
+                    self.step(&epoch, &st)?;
+                }
+            }
+        }
+    }
+
+    fn preform(&mut self, st: &ClusterState, n: Option<&Epoch>) {
+        if let Some(n) = n {
+            if let Ok(addrs) = entry::addrs_of(st, n) {
+                entry::preform(&mut self.pending, &self.endpoint, n, &addrs);
+            }
+        }
+    }
+
+    /// Trains one step in the current group; a collective error breaks the group.
+    fn step(&mut self, epoch: &Epoch, st: &ClusterState) -> Result<(), String> {
+        let started = Instant::now();
+        let step = self.trainer.step();
+        let world = epoch.ranks.len();
+        let group_rank = epoch.ranks.iter().position(|&r| r == self.cfg.id).unwrap_or(0);
+        let (_, conn) = self.group.as_mut().expect("in a group");
+        // A failed collective or stage link: (the peer it names, the error).
+        let outcome: Result<limpet_trainer::StepStats, (Option<NodeId>, String)> = match conn {
+            Conn::Ring(g) => {
+                let buf = self.trainer.compute_grads(g.rank(), g.world()).map_err(|e| e.to_string())?;
+                match g.allreduce_sum(buf, step) {
+                    Ok(()) => Ok(self.trainer.apply_reduced().map_err(|e| e.to_string())?),
+                    Err(e) => Err((e.suspect(), e.to_string())),
+                }
+            }
+            Conn::Stages(c) => match c.step(&mut self.trainer) {
+                Ok(stats) => Ok(stats),
+                Err(e @ limpet_trainer::TrainerError::Reduce { peer, .. }) => Err((peer, e.to_string())),
+                Err(e) => return Err(e.to_string()),
+            },
+        };
+        let stats = match outcome {
+            Ok(stats) => stats,
+            Err((suspect, error)) => {
+                tracing::warn!(epoch = epoch.id, step, %error, "collective failed; waiting for the next epoch");
+                self.lost += 1;
+                self.broken = Some(BrokenAt { at: Instant::now(), suspect, error });
+                self.set_phase(Phase::Waiting);
+                self.beat_now.notify_one();
+                return Ok(());
+            }
+        };
+        let took = started.elapsed().as_secs_f64() * 1e3;
+        self.step_time_ms =
+            if self.step_time_ms == 0.0 { took } else { 0.9 * self.step_time_ms + 0.1 * took };
+        self.last_step_done = Some(Instant::now());
+        let line = StepLine {
+            wall_ms: super::now_ms(),
+            step: stats.step,
+            epoch: epoch.id,
+            world,
+            rank: group_rank,
+            node: self.cfg.id,
+            loss: stats.loss,
+        };
+        if let Some(f) = self.log.as_mut() {
+            let mut s = serde_json::to_string(&line).expect("step lines serialize");
+            s.push('\n');
+            f.write_all(s.as_bytes()).map_err(|e| format!("writing the step log: {e}"))?;
+        }
+        metrics::counter!("limpet_steps_total").increment(1);
+        metrics::histogram!("limpet_step_seconds").record(took / 1e3);
+        metrics::gauge!("limpet_applied_step").set(self.trainer.step() as f64);
+        metrics::gauge!("limpet_loss").set(stats.loss);
+        metrics::gauge!("limpet_samples_per_second").set(stats.samples as f64 / (took / 1e3).max(1e-9));
+        // AdaScale's statistics are over data-parallel replicas, not pipeline stages.
+        self.grad_stats = observe_gradients(self.grad_stats, &stats, epoch.layout.data as usize);
+        let sink = Sink { me: self.cfg.id, handle: &self.handle, rt: &self.rt, tasks: &self.tasks };
+        self.checkpointer.maybe_write(
+            &self.trainer,
+            epoch,
+            group_rank,
+            self.cfg.job.model.num_blocks(),
+            &sink,
+        );
+        let every = self.cfg.pipeline.as_ref().map_or(0, |p| p.shadow_every);
+        if epoch.layout.pipeline > 1 && every > 0 && self.trainer.step() % every == 0 {
+            let addrs = entry::addrs_of(st, epoch)?;
+            let links =
+                Links { me: self.cfg.id, endpoint: &self.endpoint, server: &self.server, tasks: &self.tasks };
+            self.shadows.take(&self.trainer, epoch, &addrs, &links)?;
+        }
+        {
+            let mut p = self.progress.lock().expect("progress lock");
+            p.grad_stats = self.grad_stats;
+            p.loss = Some(stats.loss);
+            p.samples_per_s = stats.samples as f64 / (self.step_time_ms / 1e3).max(1e-9);
+        }
+        self.set_phase(Phase::Training);
+        Ok(())
+    }
+
+    /// Enters epoch `n` (see `entry`) and records the transition.
+    fn enter(&mut self, n: &Epoch) -> Result<(), String> {
+        self.set_phase(Phase::Entering);
+        // The old group is done; peers of older epochs are refused from now on.
+        self.group = None;
+        let x = Entering {
+            cfg: &self.cfg,
+            endpoint: &self.endpoint,
+            server: &self.server,
+            watch: &self.watch,
+            stop: &self.tasks.token(),
+            trainer: &mut self.trainer,
+            shadows: &mut self.shadows,
+            pending: self.pending.take(),
+        };
+        let done = entry::enter(x, n)?;
+        let idle_ms = self.last_step_done.map_or(0, |t| t.elapsed().as_millis() as u64);
+        let t = Transition {
+            epoch: n.id,
+            step: self.trainer.step(),
+            cause: n.cause.clone(),
+            idle_ms,
+            lost_steps: std::mem::take(&mut self.lost),
+            fetched_bytes: done.fetched_bytes,
+            fetch_ms: done.fetch_ms,
+            repaired: done.repaired,
+            redone_steps: done.redone_steps,
+        };
+        tracing::info!(node = self.cfg.id, epoch = n.id, step = t.step, world = n.ranks.len(), idle_ms, cause = %n.cause, "entered epoch");
+        for kind in cause_kinds(n) {
+            metrics::counter!("limpet_transitions_total", "cause" => kind).increment(1);
+        }
+        metrics::histogram!("limpet_transition_idle_seconds").record(idle_ms as f64 / 1e3);
+        metrics::counter!("limpet_lost_steps_total").increment(t.lost_steps);
+        metrics::counter!("limpet_redone_steps_total").increment(t.redone_steps);
+        metrics::gauge!("limpet_epoch").set(n.id as f64);
+        metrics::gauge!("limpet_world_size").set(n.ranks.len() as f64);
+        self.group = Some((n.clone(), done.conn));
+        self.broken = None;
+        {
+            let mut p = self.progress.lock().expect("progress lock");
+            p.transitions.push(t);
+            if p.transitions.len() > MAX_TRANSITIONS {
+                p.transitions.remove(0);
+            }
+        }
+        self.set_phase(Phase::Training);
+        self.beat_now.notify_one();
+        Ok(())
+    }
+}
+
+/// The kinds of change an epoch answers, as metric labels (from a small fixed set; node ids
+/// stay out). An epoch logged before causes were data counts as "other".
+fn cause_kinds(n: &Epoch) -> Vec<&'static str> {
+    if n.causes.is_empty() {
+        return vec!["other"];
+    }
+    n.causes.iter().map(limpet_consensus::state::Cause::kind).collect()
+}
+
+/// The gradient statistics AdaScale needs, updated from a step's reduced values. Each
+/// rank's mean gradient over b samples has E|m_i|² = μ² + σ²/b, the global mean over
+/// N = W b samples has E|g|² = μ² + σ²/N; the two give unbiased estimates of σ² and μ²
+/// (as AdaScale's and KungFu's implementations do). Every rank computes the same values
+/// from the same reduced buffer.
+fn observe_gradients(
+    prev: Option<(f64, f64)>,
+    stats: &limpet_trainer::StepStats,
+    world: usize,
+) -> Option<(f64, f64)> {
+    if world < 2 || stats.samples < world {
+        return None;
+    }
+    let (n, w) = (stats.samples as f64, world as f64);
+    let b = n / w;
+    let global = stats.grad_norm * stats.grad_norm;
+    let per_rank = stats.rank_mean_sq_sum / w;
+    let variance = ((per_rank - global) / (1.0 / b - 1.0 / n)).max(0.0);
+    let mean_sq = (global - variance / n).max(0.0);
+    if !(variance.is_finite() && mean_sq.is_finite()) {
+        return prev;
+    }
+    Some(match prev {
+        Some((v, m)) => (0.9 * v + 0.1 * variance, 0.9 * m + 0.1 * mean_sq),
+        None => (variance, mean_sq),
+    })
+}

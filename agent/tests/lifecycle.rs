@@ -1,0 +1,157 @@
+//! An agent's life inside a test process: started, trained, stopped (its ports free again);
+//! stopped while it waits in an epoch entry for a peer that never comes, within the shutdown
+//! limit; and a task that panics stops the whole agent with an error instead of silently.
+
+use limpet_agent::report::{AgentReport, Phase, REPORT_VERSION};
+use limpet_agent::runtime::tasks::SHUTDOWN_LIMIT;
+use limpet_agent::runtime::{Agent, AgentConfig, Exit, Tasks};
+use limpet_consensus::state::{Command, Hardware, MemberSpec};
+use limpet_trainer::data::{DataSpec, Dataset};
+use limpet_trainer::{JobSpec, ModelKind};
+use std::net::TcpListener;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+fn free_addr() -> std::net::SocketAddr {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap()
+}
+
+fn spec(id: u64, control: &str, data: &str) -> MemberSpec {
+    MemberSpec {
+        id,
+        name: format!("n{id}"),
+        control_addr: control.into(),
+        data_addr: data.into(),
+        hardware: Hardware::default(),
+    }
+}
+
+/// A one-founder cluster's agent training a small MLP for many steps.
+fn config(dir: &std::path::Path) -> AgentConfig {
+    static THREADS: std::sync::Once = std::sync::Once::new();
+    THREADS.call_once(|| limpet_trainer::set_threads(1));
+    let data = DataSpec::Synthetic { samples: 600, features: 12, classes: 4, seed: 5 };
+    let mut job = JobSpec::defaults_for(ModelKind::Mlp, &Dataset::load(&data, None).unwrap()).unwrap();
+    job.steps = 1_000_000;
+    let mut cfg =
+        AgentConfig::new(1, "n1", "lifecycle", dir.to_path_buf(), b"a lifecycle test secret".to_vec(), job);
+    cfg.control = free_addr();
+    cfg.data = free_addr();
+    cfg.bootstrap = Some(vec![spec(1, &cfg.control.to_string(), &cfg.data.to_string())]);
+    cfg
+}
+
+fn report_of(agent: &Agent, node: u64) -> Option<AgentReport> {
+    let r = agent.handle().reports().all().into_iter().find(|r| r.node == node)?;
+    AgentReport::decode(&r.report, node).ok()
+}
+
+async fn until(what: &str, within: Duration, mut done: impl FnMut() -> bool) {
+    let by = Instant::now() + within;
+    while !done() {
+        assert!(Instant::now() < by, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_starts_trains_and_stops_in_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path());
+    let agent = Agent::start(cfg).await.unwrap();
+    let (control, data) = (agent.control_addr(), agent.data_addr());
+    until("it trains", Duration::from_secs(60), || report_of(&agent, 1).is_some_and(|r| r.applied_step >= 5))
+        .await;
+    let stop = agent.shutdown_token();
+    stop.cancel();
+    let t = Instant::now();
+    assert_eq!(agent.wait().await.unwrap(), Exit::Stopped);
+    assert!(t.elapsed() < SHUTDOWN_LIMIT, "stopping took {:?}", t.elapsed());
+    // Nothing of it is left listening.
+    TcpListener::bind(control).expect("the control port is free again");
+    TcpListener::bind(data).expect("the data port is free again");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_waiting_in_an_epoch_entry_stops_within_the_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    // The next epoch starts a step ahead: each step until then also tries (for up to 200 ms)
+    // to connect the ghost's ring early.
+    cfg.lead = Duration::from_millis(1);
+    let agent = Agent::start(cfg).await.unwrap();
+    until("it trains", Duration::from_secs(60), || report_of(&agent, 1).is_some_and(|r| r.applied_step >= 5))
+        .await;
+    // A member that reports as healthy but whose data port nobody serves: the next epoch
+    // includes it, and this agent waits at the entry for a peer that never connects.
+    let ghost = spec(99, &free_addr().to_string(), &free_addr().to_string());
+    agent.handle().propose(Command::Join { member: ghost }, Some(Duration::from_secs(5))).await.unwrap();
+    let handle = agent.handle();
+    let beat = tokio::spawn(async move {
+        loop {
+            let r = AgentReport {
+                v: REPORT_VERSION,
+                node: 99,
+                pid: 0,
+                phase: Phase::Waiting,
+                epoch: 0,
+                applied_step: 0,
+                loss: None,
+                step_time_ms: 0.0,
+                samples_per_s: 0.0,
+                broken: None,
+                transitions: Vec::new(),
+                grad_stats: None,
+            };
+            handle.reports().put(99, r.encode());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    until("it waits in the entry", Duration::from_secs(60), || {
+        report_of(&agent, 1).is_some_and(|r| r.phase == Phase::Entering)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(report_of(&agent, 1).unwrap().phase, Phase::Entering, "the entry waits for the ghost");
+    agent.shutdown_token().cancel();
+    let t = Instant::now();
+    assert_eq!(agent.wait().await.unwrap(), Exit::Stopped);
+    assert!(t.elapsed() < SHUTDOWN_LIMIT, "stopping from an entry took {:?}", t.elapsed());
+    beat.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_that_panics_stops_the_agent_with_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = Tasks::new(CancellationToken::new());
+    let agent = Agent::start_with(config(dir.path()), tasks.clone()).await.unwrap();
+    until("it trains", Duration::from_secs(60), || report_of(&agent, 1).is_some_and(|r| r.applied_step >= 2))
+        .await;
+    tasks.spawn("buggy", async { panic!("a bug in a task") });
+    let t = Instant::now();
+    let e = agent.wait().await.expect_err("a panicking task is fatal");
+    assert!(e.to_string().contains("task buggy failed: panicked: a bug in a task"), "{e}");
+    assert!(t.elapsed() < SHUTDOWN_LIMIT + Duration::from_secs(1), "took {:?}", t.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tracked_threads_count_in_the_shutdown_and_their_panics_are_fatal() {
+    let tasks = Tasks::new(CancellationToken::new());
+    let stop = tasks.token();
+    tasks
+        .spawn_thread("slow", move || {
+            while !stop.is_cancelled() {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        })
+        .unwrap();
+    tasks.spawn_thread("bad", || panic!("thread bug")).unwrap();
+    until("the panic cancels the root", Duration::from_secs(5), || tasks.token().is_cancelled()).await;
+    tasks.shutdown(tokio::time::Instant::now() + Duration::from_secs(5)).await.unwrap();
+    assert_eq!(tasks.fatal().as_deref(), Some("task bad failed: panicked: thread bug"));
+    // A thread that ignores the token is reported at the limit, not waited for forever.
+    let stuck = Tasks::new(CancellationToken::new());
+    stuck.spawn_thread("stuck", || std::thread::sleep(Duration::from_secs(3))).unwrap();
+    let e = stuck.shutdown(tokio::time::Instant::now() + Duration::from_millis(200)).await.unwrap_err();
+    assert!(e.contains("1 task(s) still running"), "{e}");
+}
