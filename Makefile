@@ -12,7 +12,7 @@ VENV_STAMP := $(LIMPET_CACHE)/torch-$(TORCH_VERSION)/.complete
 DIGITS := $(LIMPET_CACHE)/data/digits.csv.gz
 FUZZ_SECONDS ?= 60
 DEMO_DIR ?= demo-out
-LIMPET := target/release/limpet
+LAB := target/release/limpet-lab
 
 # Every target but these needs the setup's paths; make runs setup.sh, then re-reads them.
 ifeq ($(filter help clean,$(MAKECMDGOALS)),)
@@ -68,22 +68,22 @@ fuzz: setup
 	    RUSTC_BOOTSTRAP=1 cargo fuzz run $$t -- -max_total_time=$(FUZZ_SECONDS) || exit 1; done
 
 bench: build
-	$(LIMPET) bench raft --nodes 5 --proposals 1000
-	$(LIMPET) bench raft --nodes 3 --proposals 1000
-	$(LIMPET) bench allreduce --world 2 --sizes 4K,256K,4M,16M,64M --rounds 3
-	$(LIMPET) bench allreduce --world 4 --sizes 4K,256K,4M,16M,64M --rounds 3
-	$(LIMPET) bench handoff --bytes 256M
-	$(LIMPET) bench elastic
-	$(LIMPET) bench elastic --model gpt --steps 3000
-	$(LIMPET) bench pipeline --model gpt --layers 4 --batch 32 --micro-batch 8 --hosts 2 --train-steps 40
-	$(LIMPET) bench pipeline --model gpt --layers 4 --batch 32 --micro-batch 8 --hosts 4 --train-steps 40 --chaos
-	$(LIMPET) bench train --preset small --batch 8 --context 256
-	$(LIMPET) bench dp --preset small --world 2 --batch 16 --context 128
-	$(LIMPET) bench memory --preset 125m --dataset-gib 4 --batch 2 --context 128 --steps 5
+	$(LAB) bench raft --nodes 5 --proposals 1000
+	$(LAB) bench raft --nodes 3 --proposals 1000
+	$(LAB) bench allreduce --world 2 --sizes 4K,256K,4M,16M,64M --rounds 3
+	$(LAB) bench allreduce --world 4 --sizes 4K,256K,4M,16M,64M --rounds 3
+	$(LAB) bench handoff --bytes 256M
+	$(LAB) bench elastic
+	$(LAB) bench elastic --model gpt --steps 3000
+	$(LAB) bench pipeline --model gpt --layers 4 --batch 32 --micro-batch 8 --hosts 2 --train-steps 40
+	$(LAB) bench pipeline --model gpt --layers 4 --batch 32 --micro-batch 8 --hosts 4 --train-steps 40 --chaos
+	$(LAB) bench train --preset small --batch 8 --context 256
+	$(LAB) bench dp --preset small --world 2 --batch 16 --context 128
+	$(LAB) bench memory --preset 125m --dataset-gib 4 --batch 2 --context 128 --steps 5
 
 demo: build
 	rm -rf $(DEMO_DIR)
-	$(LIMPET) demo --dir $(DEMO_DIR)
+	$(LAB) demo --dir $(DEMO_DIR)
 
 clean:
 	cargo clean

@@ -1,4 +1,4 @@
-"""The peer of `limpet bench dp`: torchrun + DistributedDataParallel (gloo) training the same
+"""The peer of `limpet-lab bench dp`: torchrun + DistributedDataParallel (gloo) training the same
 LLaMA in transformers on the same global batch, one libtorch thread per rank.
 
     torchrun --nproc_per_node W ddp_llama.py CONFIG_JSON GLOBAL_BATCH CONTEXT STEPS WARMUP

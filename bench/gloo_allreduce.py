@@ -1,4 +1,4 @@
-"""Allreduce through torch.distributed's gloo backend, timed the way `limpet bench
+"""Allreduce through torch.distributed's gloo backend, timed the way `limpet-lab bench
 allreduce` times its own ring: per size, a barrier, warm-up iterations, then the average of
 `iters` back-to-back allreduces of a float32 tensor, measured on rank 0.
 

@@ -1,4 +1,4 @@
-"""The peer of `limpet bench train`: the same LLaMA in transformers (PyTorch eager), trained
+"""The peer of `limpet-lab bench train`: the same LLaMA in transformers (PyTorch eager), trained
 on the same batch shape with the same optimizer, threads and gradient clipping.
 
     hf_train.py CONFIG_JSON BATCH CONTEXT STEPS WARMUP THREADS

@@ -1,10 +1,10 @@
-"""The peer of `limpet bench elastic`: the same MLP (64-128-128-10, AdamW, global batch 64)
+"""The peer of `limpet-lab bench elastic`: the same MLP (64-128-128-10, AdamW, global batch 64)
 on the same digits data, trained with torch.distributed (gloo) under torchrun, PyTorch's
 elastic launcher, with a checkpoint every CKPT_EVERY steps. That is how torchrun users survive
 a lost worker: torchrun stops every worker, restarts the group, and training resumes from the
 last checkpoint.
 
-Run by `limpet bench elastic` as:
+Run by `limpet-lab bench elastic` as:
   python -m torch.distributed.run --standalone --nproc-per-node=N --max-restarts=3 \
       torchrun_elastic.py
 with DIGITS, OUT (directory), STEPS and CKPT_EVERY in the environment. Each worker writes its

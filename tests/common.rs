@@ -13,11 +13,19 @@ pub fn exe() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_limpet"))
 }
 
-/// Runs `limpet scenario` with `args` for `steps` through `script` in `dir`; its JSON summary,
+/// The `limpet-lab` binary (demo, scenarios, benchmarks, local clusters, workers): another
+/// package's, built beside `limpet` by `cargo test --workspace` (what `make test` runs).
+pub fn lab_exe() -> PathBuf {
+    let lab = exe().with_file_name("limpet-lab");
+    assert!(lab.exists(), "{} is not built: run `cargo build --workspace --bins` first", lab.display());
+    lab
+}
+
+/// Runs `limpet-lab scenario` with `args` for `steps` through `script` in `dir`; its JSON summary,
 /// after checking what holds for every run: each step logged once, none applied twice. On
 /// failure it shows every node's log.
 pub fn scenario_json(dir: &Path, args: &[&str], steps: u64, script: &str) -> Value {
-    let out = Command::new(exe())
+    let out = Command::new(lab_exe())
         .args(["scenario", "--json"])
         .args(args)
         .arg("--dir")

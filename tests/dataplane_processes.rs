@@ -1,14 +1,17 @@
-//! The data plane across real processes: `limpet dp-worker`s on loopback. Allreduce equals
+//! The data plane across real processes: `limpet-lab dp-worker`s on loopback. Allreduce equals
 //! the exact sum for random world sizes, lengths and rank orders; killing one process
 //! mid-collective makes every survivor fail within the timeout, never hang.
 
-use limpet_daemon::dp_cmd::spawn_workers;
+use limpet_lab::dp_cmd::spawn_workers;
 use proptest::prelude::*;
 use std::io::{BufRead, BufReader};
 use std::time::{Duration, Instant};
 
-fn exe() -> &'static std::path::Path {
-    std::path::Path::new(env!("CARGO_BIN_EXE_limpet"))
+/// The `limpet-lab` binary (its workers and benchmarks), built beside `limpet`.
+fn exe() -> std::path::PathBuf {
+    let lab = std::path::Path::new(env!("CARGO_BIN_EXE_limpet")).with_file_name("limpet-lab");
+    assert!(lab.exists(), "{} is not built: run `cargo build --workspace --bins` first", lab.display());
+    lab
 }
 
 proptest! {
@@ -25,7 +28,7 @@ proptest! {
         order.rotate_left(rotate % world);
         let plan = lens.iter().map(|l| format!("{l}:1")).collect::<Vec<_>>().join(",");
         let args = ["--mode", "check", "--plan", &plan, "--seed", &seed.to_string()].map(String::from);
-        let mut workers = spawn_workers(exe(), &order, &args).unwrap();
+        let mut workers = spawn_workers(&exe(), &order, &args).unwrap();
         let mut lines: Vec<Vec<serde_json::Value>> = Vec::new();
         for c in &mut workers.children {
             let out = BufReader::new(c.stdout.take().unwrap());
@@ -49,7 +52,7 @@ proptest! {
 fn killing_one_process_mid_collective_fails_every_survivor_within_the_bound() {
     let order = [1u64, 2, 3, 4];
     let args = ["--mode", "loop", "--plan", "16777216:1", "--timeout-ms", "2000"].map(String::from);
-    let mut workers = spawn_workers(exe(), &order, &args).unwrap();
+    let mut workers = spawn_workers(&exe(), &order, &args).unwrap();
     let mut readers: Vec<_> =
         workers.children.iter_mut().map(|c| BufReader::new(c.stdout.take().unwrap())).collect();
     for r in &mut readers {
@@ -77,7 +80,7 @@ fn killing_one_process_mid_collective_fails_every_survivor_within_the_bound() {
     }
 }
 
-/// `limpet bench allreduce` reports which congestion control each side ran with: limpet's
+/// `limpet-lab bench allreduce` reports which congestion control each side ran with: limpet's
 /// reno by default, the host's with `--congestion system`; a malformed name is a usage error.
 #[test]
 fn the_allreduce_benchmark_reports_its_congestion_control() {

@@ -1,5 +1,5 @@
 //! Elastic training end to end with real processes: `limpetd` agents on loopback (through
-//! `limpet scenario`), spot notices through their fake metadata services, joins, `kill -9`
+//! `limpet-lab scenario`), spot notices through their fake metadata services, joins, `kill -9`
 //! and drains, with the leader's own host among the revoked. Checks what users rely on:
 //! the job finishes, no step is applied twice, a notice loses no step, a kill loses at most
 //! the step in flight, and the result equals an uninterrupted single-process run.
@@ -189,7 +189,10 @@ fn adascale_raises_the_learning_rate_by_its_measured_gain_when_the_world_grows()
 
 #[test]
 fn cluster_commands_name_what_is_wrong() {
-    let run = |args: &[&str]| Command::new(exe()).args(args).output().unwrap();
+    let run = |args: &[&str]| {
+        let bin = if args[0] == "scenario" { common::lab_exe() } else { exe().to_path_buf() };
+        Command::new(bin).args(args).output().unwrap()
+    };
     let cases: [(&[&str], &str); 4] = [
         (&["status"], "--dir DIR or --addr"),
         (&["revoke", "node-1", "--dir", "/nonexistent"], "/nonexistent/cluster.json"),

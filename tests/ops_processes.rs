@@ -4,7 +4,7 @@
 //! and a second SIGTERM, JSON logs, and durable checkpoints that let a brand-new cluster
 //! carry on after every host of the old one was killed.
 
-use limpet_daemon::local::{get_text, LocalCluster, LocalJob, SystemdEnv};
+use limpet_lab::local::{get_text, LocalCluster, LocalJob, SystemdEnv};
 use std::collections::BTreeMap;
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
@@ -162,7 +162,7 @@ fn logs(dir: &Path) -> String {
 }
 
 fn up(dir: &Path, n: usize, job: LocalJob) -> anyhow::Result<LocalCluster> {
-    LocalCluster::up_with(dir, n, job, exe(), Path::new(env!("CARGO_BIN_EXE_limpetd")))
+    LocalCluster::up_with(dir, n, job, &common::lab_exe(), Path::new(env!("CARGO_BIN_EXE_limpetd")))
 }
 
 fn sigterm(pid: u32) {
@@ -460,7 +460,7 @@ fn resume_after_losing_every_host(
     if pipelined {
         // Stages draw their own dropout masks, so a pipelined run's parameters drift from
         // one process's; the elastic pipeline test compares the test loss for that reason.
-        let (loss, _) = limpet_daemon::demo::evaluate(&finals, None).unwrap();
+        let (loss, _) = limpet_lab::demo::evaluate(&finals, None).unwrap();
         let reference = report["test_loss"].as_f64().unwrap();
         assert!(
             (loss - reference).abs() <= 0.01 * reference,

@@ -15,7 +15,7 @@ use limpet_consensus::state::Command;
 use limpet_consensus::tls::{Tls, TlsFiles};
 use limpet_consensus::transport::pb;
 use limpet_daemon::certs::{self, Kind};
-use limpet_daemon::local::{LocalCluster, LocalJob};
+use limpet_lab::local::{LocalCluster, LocalJob};
 use proptest::prelude::*;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -119,7 +119,9 @@ fn a_cluster_with_certificates_trains_and_refuses_callers_without_the_right_one(
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("c");
     let job = LocalJob { steps: 100_000, tls: true, ..LocalJob::default() };
-    let mut c = LocalCluster::up_with(&dir, 3, job, exe(), Path::new(env!("CARGO_BIN_EXE_limpetd"))).unwrap();
+    let mut c =
+        LocalCluster::up_with(&dir, 3, job, &common::lab_exe(), Path::new(env!("CARGO_BIN_EXE_limpetd")))
+            .unwrap();
     let logs: Vec<_> = c.file.nodes.iter().map(|n| n.step_log.clone()).collect();
     // Training over TLS: every node logs steps of world 3.
     wait_until("three nodes training over TLS", Duration::from_secs(120), &dir, || {
@@ -547,7 +549,9 @@ fn anonymous_status_lets_a_client_without_a_certificate_read_but_never_drain() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("c");
     let job = LocalJob { steps: 100_000, tls: true, anonymous_status: true, ..LocalJob::default() };
-    let mut c = LocalCluster::up_with(&dir, 1, job, exe(), Path::new(env!("CARGO_BIN_EXE_limpetd"))).unwrap();
+    let mut c =
+        LocalCluster::up_with(&dir, 1, job, &common::lab_exe(), Path::new(env!("CARGO_BIN_EXE_limpetd")))
+            .unwrap();
     let log = c.file.nodes[0].step_log.clone();
     wait_until("the node trains", Duration::from_secs(120), &dir, || !steps_of(&log).is_empty());
     let (addr, cluster) = (c.file.nodes[0].control.clone(), c.file.cluster.clone());
@@ -569,7 +573,7 @@ fn anonymous_status_lets_a_client_without_a_certificate_read_but_never_drain() {
 fn a_scripted_scenario_runs_end_to_end_with_certificates() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("run");
-    let out = Process::new(exe())
+    let out = Process::new(common::lab_exe())
         .args(["scenario", "--json", "--tls", "--dir"])
         .arg(&dir)
         .args(["--nodes", "3", "--model", "gpt", "--data", "chars", "--steps", "800", "--batch", "32"])

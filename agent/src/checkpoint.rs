@@ -12,24 +12,6 @@ use limpet_snapshot::{SnapshotError, StateImage};
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
-
-/// When and where an agent writes checkpoints.
-#[derive(Clone, Debug, PartialEq)]
-pub struct CheckpointSettings {
-    /// Every this many steps (0: not by steps).
-    pub every_steps: u64,
-    /// When this much time passed since the last (data-parallel jobs only).
-    pub every: Option<Duration>,
-    /// The directory (a shared mount survives losing every host).
-    pub dir: PathBuf,
-    /// How many checkpoints to keep.
-    pub keep: usize,
-    /// Whether a new cluster resumes from the newest one found in `dir`.
-    pub resume: bool,
-    /// Also copy every part to S3-compatible storage (and resume from there).
-    pub remote: Option<crate::remote::RemoteSettings>,
-}
 
 /// Why a checkpoint directory could not be used.
 #[derive(Debug, thiserror::Error)]

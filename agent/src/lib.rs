@@ -1,20 +1,19 @@
-//! One host's life in a limpet cluster. So far: the data plane (`dataplane`), the
-//! authenticated TCP connections between agents and the collectives training runs over
-//! them; the leader's reconfiguration controller (`controller`) and the batch and
-//! learning-rate policies it applies (`policy`), both pure; the revocation sources
+//! One host's life in a limpet cluster: the running agent (`runtime`: its tasks, the trainer
+//! loop, epoch entry, checkpoints and shadows), the data plane (`dataplane`: authenticated
+//! TCP between agents and the collectives training runs over them), pipeline stages over it
+//! (`stage`), durable checkpoints (`checkpoint`, `remote` for S3), revocation sources
 //! (`revocation`: AWS, GCP, Azure) and a fake metadata service that answers like those
-//! clouds (`fake_metadata`). Failure detection and epoch switching build on them.
+//! clouds (`fake_metadata`). The decisions it runs (controller, leader round, policies,
+//! planner, reports, entry planning) are the `limpet-decide` crate, re-exported here.
 
 pub mod checkpoint;
-pub mod controller;
 pub mod dataplane;
 pub mod fake_metadata;
-pub mod leader;
-pub mod planner;
-pub mod policy;
 pub mod remote;
-pub mod report;
 pub mod revocation;
+
+// The decisions the agent runs live in their own crate; their paths stay the agent's.
+pub use limpet_decide::{controller, leader, planner, policy, report};
 #[cfg(feature = "trainer")]
 pub mod runtime;
 #[cfg(feature = "trainer")]

@@ -10,20 +10,35 @@
 //! - `node` and `transport`: a core on a tokio task with gRPC between processes, and the
 //!   client the CLI and benchmarks use.
 
+//!
+//! Without the default `node` feature the crate is `state` and `membership` only.
+
+#[cfg(feature = "node")]
 pub mod core;
+#[cfg(feature = "node")]
 pub mod error;
+#[cfg(feature = "node")]
 pub mod harness;
 pub mod membership;
+#[cfg(feature = "node")]
 pub mod node;
 pub mod state;
+#[cfg(feature = "node")]
 pub mod storage;
+#[cfg(feature = "node")]
 pub mod tls;
+#[cfg(feature = "node")]
 pub mod transport;
 
+#[cfg(feature = "node")]
 pub use crate::core::{Applied, Core, CoreConfig, NodeStatus, Output};
+#[cfg(feature = "node")]
 pub use error::{ConsensusError, Result};
 pub use membership::{VoterDecision, VoterPolicy};
+#[cfg(feature = "node")]
 pub use node::{LocalState, Node, NodeConfig, NodeHandle, NodeReport, Reports};
 pub use state::{ClusterState, Command, Epoch, Member, MemberSpec, MemberStatus, NodeId, ProposalId};
+#[cfg(feature = "node")]
 pub use storage::{AppliedState, Identity, LogStore, MemLog, SledLog};
+#[cfg(feature = "node")]
 pub use transport::{Client, ReadResult};

@@ -81,16 +81,7 @@ enum Request {
 /// The largest heartbeat report a node keeps.
 pub const MAX_REPORT_BYTES: usize = 64 << 10;
 
-/// One agent's latest report as it arrived at this node.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct NodeReport {
-    /// Who sent it.
-    pub node: NodeId,
-    /// How long ago it arrived (this node's clock only).
-    pub age: Duration,
-    /// The report, opaque to consensus.
-    pub report: Vec<u8>,
-}
+pub use crate::transport::NodeReport;
 
 /// Agents' latest heartbeat reports, keyed by sender, stamped with their arrival time here.
 #[derive(Clone, Default)]

@@ -273,7 +273,7 @@ impl Client {
     }
 
     /// Every heartbeat report the node holds.
-    pub async fn reports(&mut self) -> Result<Vec<crate::node::NodeReport>> {
+    pub async fn reports(&mut self) -> Result<Vec<NodeReport>> {
         let r = self
             .inner
             .reports(pb::ReportsRequest { cluster_id: self.cluster_id })
@@ -282,11 +282,18 @@ impl Client {
             .into_inner();
         Ok(r.reports
             .into_iter()
-            .map(|r| crate::node::NodeReport {
-                node: r.node,
-                age: Duration::from_millis(r.age_ms),
-                report: r.report,
-            })
+            .map(|r| NodeReport { node: r.node, age: Duration::from_millis(r.age_ms), report: r.report })
             .collect())
     }
+}
+
+/// One agent's latest report as it arrived at this node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeReport {
+    /// Who sent it.
+    pub node: NodeId,
+    /// How long ago it arrived (this node's clock only).
+    pub age: std::time::Duration,
+    /// The report, opaque to consensus.
+    pub report: Vec<u8>,
 }

@@ -1,27 +1,23 @@
-//! limpet's binaries as a library: argument parsing, command implementations, and their
-//! output (progress bars, summaries, plots). `src/bin` only calls into here, so tests reach
-//! every command as a function call.
+//! limpet's product as a library: `limpetd` (the agent service: its configuration, metrics
+//! endpoint and signals) and `limpet` (the operator's command line: status, drain, revoke,
+//! certificates, fleet, training and data commands), with their output. `src/bin` only
+//! calls into here. The demo, benchmarks and local clusters are the `limpet-lab` crate.
 
 #![forbid(unsafe_code)]
 
+pub mod args;
 pub mod certs;
 pub mod cli;
+pub mod cluster_file;
 pub mod config;
 pub mod data_cmd;
-pub mod demo;
-pub mod dp_cmd;
-pub mod elastic_bench;
 pub mod fleet_cmd;
 pub mod limpetd;
-pub mod local;
 pub mod metrics;
-pub mod pipe_bench;
 pub mod plan_cmd;
-mod plot;
-pub mod raft_cmd;
+pub mod plot;
 pub mod status;
-pub mod train_bench;
-mod train_cmd;
+pub mod train_cmd;
 
 /// Exit status for bad usage (sysexits' EX_USAGE): a flag, argument or combination is wrong.
 pub const EXIT_USAGE: u8 = 64;

@@ -260,7 +260,7 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
     a.advertise_control = cfg.node.advertise_control.clone().unwrap_or_default();
     a.advertise_data = cfg.node.advertise_data.clone().unwrap_or_default();
     let founders: Vec<MemberSpec> =
-        crate::raft_cmd::parse_founders(&cfg.cluster.bootstrap).map_err(|e| UsageError(e.0))?;
+        crate::config::parse_founders(&cfg.cluster.bootstrap).map_err(|e| UsageError(e.0))?;
     a.base_world = cfg.job.base_world.unwrap_or(founders.len().max(1) as u64);
     a.bootstrap = if founders.is_empty() { None } else { Some(founders) };
     a.seeds = cfg.cluster.seeds.clone();
@@ -305,7 +305,7 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
         shadow_every: p.shadow_every,
         cuts: p.cuts.clone(),
     });
-    a.checkpoint = cfg.checkpoint.as_ref().map(|c| limpet_agent::checkpoint::CheckpointSettings {
+    a.checkpoint = cfg.checkpoint.as_ref().map(|c| limpet_agent::runtime::CheckpointSettings {
         every_steps: c.every_steps,
         every: (c.every_minutes > 0.0).then(|| Duration::from_secs_f64(c.every_minutes * 60.0)),
         dir: c.dir.clone().unwrap_or_else(|| cfg.node.state_dir.join("checkpoints")),

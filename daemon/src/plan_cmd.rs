@@ -2,11 +2,11 @@
 //! prints the data x pipeline layout the planner chooses for the given hosts, with its
 //! predicted step time and the runners-up.
 
-use crate::cli::JobArgs;
+use crate::args::JobArgs;
 use crate::UsageError;
 use anyhow::Context;
 use clap::Args;
-use limpet_agent::planner::{self, HostSpec, Layout, Link, ModelProfile, Plan, PlanInput};
+use limpet_agent::planner::{self, HostLayout, HostSpec, Link, ModelProfile, Plan, PlanInput};
 use limpet_trainer::JobSpec;
 use serde::Serialize;
 use std::io::{Read, Write};
@@ -181,10 +181,10 @@ struct PlanOutput<'a> {
 pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     limpet_trainer::set_threads(1);
     let hosts = parse_hosts(&args.hosts).map_err(usage)?;
-    let layout: Option<Layout> = args
+    let layout: Option<HostLayout> = args
         .layout
         .as_deref()
-        .map(|l| l.parse::<Layout>().map_err(|e| usage(format!("--layout: {e}"))))
+        .map(|l| l.parse::<HostLayout>().map_err(|e| usage(format!("--layout: {e}"))))
         .transpose()?;
     let (job, data) = crate::train_cmd::job_from_flags(&args.job)?;
     let profile = match &args.profile {

@@ -1,12 +1,22 @@
 //! SVG plots of training curves.
 
-use crate::train_cmd::StepRecord;
 use anyhow::Context;
 use plotters::prelude::*;
 use std::path::Path;
 
+/// One point of a loss curve.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossPoint {
+    /// The step (1-based count of applied steps).
+    pub step: u64,
+    /// Training loss.
+    pub loss: f64,
+    /// Test loss, where it was measured.
+    pub test_loss: Option<f64>,
+}
+
 /// Draws training loss per step, and test loss where it was measured, on a log scale.
-pub fn loss_svg(path: &Path, records: &[StepRecord], title: &str) -> anyhow::Result<()> {
+pub fn loss_svg(path: &Path, records: &[LossPoint], title: &str) -> anyhow::Result<()> {
     let draw = || -> Result<(), Box<dyn std::error::Error>> {
         let finite = |v: f64| v.is_finite() && v > 0.0;
         let losses =

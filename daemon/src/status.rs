@@ -2,7 +2,7 @@
 //! endpoint. The status document (`--json`) is versioned and documented in
 //! `docs/status.md`; fields are only ever added.
 
-use crate::local::{post_notice, ClusterFile};
+use crate::cluster_file::{post_notice, ClusterFile};
 use crate::UsageError;
 use anyhow::Context;
 use clap::Args;
@@ -21,7 +21,7 @@ pub const STATUS_VERSION: u32 = 1;
 /// Where the cluster is.
 #[derive(Debug, Clone, Args)]
 pub struct Target {
-    /// A local cluster's directory (from `limpet local up`).
+    /// A local cluster's directory (from `limpet-lab local up`).
     #[arg(long, conflicts_with = "addr")]
     pub dir: Option<PathBuf>,
     /// Control address of a node (repeatable; the first that answers is used).

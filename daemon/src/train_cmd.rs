@@ -1,7 +1,7 @@
 //! `limpet train`: one-process training with a progress bar, a step log, a loss plot and a
 //! final report; `--resume` continues a checkpointed job bit-exactly.
 
-use crate::cli::{DataArg, JobArgs, ModelArg, OptimizerArg, TrainArgs};
+use crate::args::{DataArg, JobArgs, ModelArg, OptimizerArg, TrainArgs};
 use crate::UsageError;
 use anyhow::Context;
 use clap::ValueEnum;
@@ -121,9 +121,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     drop(log);
     let plot = out.join(LOSS_PLOT);
     let records = read_log(&out.join(STEP_LOG))?;
+    let points: Vec<crate::plot::LossPoint> = records
+        .iter()
+        .map(|r| crate::plot::LossPoint { step: r.step, loss: r.loss, test_loss: r.test_loss })
+        .collect();
     crate::plot::loss_svg(
         &plot,
-        &records,
+        &points,
         &format!("{} on {}", kind_name(&report.model), kind_name(&report.data)),
     )?;
     print_report(&report, &plot, args.json)
@@ -209,7 +213,7 @@ pub(crate) fn device_from_flags(args: &JobArgs) -> anyhow::Result<limpet_trainer
 }
 
 /// The job the flags describe, on its loaded data.
-pub(crate) fn job_from_flags(args: &JobArgs) -> anyhow::Result<(JobSpec, Dataset)> {
+pub fn job_from_flags(args: &JobArgs) -> anyhow::Result<(JobSpec, Dataset)> {
     let model = args.model.unwrap_or(ModelArg::Mlp);
     let kind = match model {
         ModelArg::Mlp => ModelKind::Mlp,

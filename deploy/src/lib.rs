@@ -336,32 +336,50 @@ fn member_of(i: &aws_sdk_ec2::types::Instance) -> Member {
     }
 }
 
-/// Fills `{{name}}` placeholders of a user-data template. Every placeholder must have a
-/// value and every value a placeholder, so a typo fails here, not on a booting host.
+/// Renders a user-data template (minijinja, strict): every placeholder must have a value and
+/// every value a placeholder, so a typo fails here, not on a booting host; a value that could
+/// break out of the YAML, TOML or shell around it is refused.
 pub fn render_user_data(template: &str, vars: &BTreeMap<String, String>) -> Result<String, FleetError> {
-    let mut out = String::with_capacity(template.len());
-    let mut used = std::collections::BTreeSet::new();
-    let mut rest = template;
-    while let Some(i) = rest.find("{{") {
-        out.push_str(&rest[..i]);
-        let after = &rest[i + 2..];
-        let end = after.find("}}").ok_or_else(|| {
-            let line = template[..template.len() - rest.len() + i].matches('\n').count() + 1;
-            FleetError::Usage(format!("user data template line {line}: '{{{{' without '}}}}'"))
-        })?;
-        let key = after[..end].trim();
-        let value = vars.get(key).ok_or_else(|| {
-            FleetError::Usage(format!("user data template needs a value for {key:?} (--set {key}=...)"))
-        })?;
-        out.push_str(value);
-        used.insert(key.to_string());
-        rest = &after[end + 2..];
+    use minijinja::{Environment, UndefinedBehavior};
+    let usage = |e: minijinja::Error| {
+        let line = e.line().map_or(String::new(), |l| format!(" line {l}"));
+        FleetError::Usage(format!(
+            "user data template{line}: {}",
+            e.detail().unwrap_or(&e.kind().to_string())
+        ))
+    };
+    let mut env = Environment::new();
+    env.set_undefined_behavior(UndefinedBehavior::Strict);
+    // The values land in YAML, in TOML strings inside it, and in shell words: a quote, a
+    // backslash, a `$`, a backtick or a line break in one would change what the host runs, so
+    // such a value is refused instead of being written.
+    env.set_formatter(|out, _state, value| {
+        let text = value.to_string();
+        if let Some(c) = text.chars().find(|c| matches!(c, '"' | '\'' | '\\' | '$' | '`') || c.is_control()) {
+            return Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                format!("the value {text:?} holds {c:?}, which the template cannot carry safely"),
+            ));
+        }
+        out.write_str(&text).map_err(minijinja::Error::from)
+    });
+    env.add_template("user-data", template).map_err(usage)?;
+    let tmpl = env.get_template("user-data").map_err(usage)?;
+    let needed = tmpl.undeclared_variables(false);
+    if let Some(key) = needed.iter().find(|k| !vars.contains_key(*k)) {
+        return Err(FleetError::Usage(format!(
+            "user data template needs a value for {key:?} (--set {key}=...)"
+        )));
     }
-    out.push_str(rest);
-    if let Some(unused) = vars.keys().find(|k| !used.contains(*k)) {
+    if let Some(unused) = vars.keys().find(|k| !needed.contains(*k)) {
         return Err(FleetError::Usage(format!(
             "--set {unused}: the user data template has no {{{{{unused}}}}}"
         )));
+    }
+    let mut out = tmpl.render(vars).map_err(usage)?;
+    // Like the template's own last line break (minijinja drops it by default).
+    if template.ends_with('\n') && !out.ends_with('\n') {
+        out.push('\n');
     }
     Ok(out)
 }
@@ -393,6 +411,11 @@ mod tests {
         assert!(e.to_string().contains("--set prot"), "{e}");
         let e = render_user_data("a\n{{ open", &vars(&[])).unwrap_err().to_string();
         assert!(e.contains("line 2"), "{e}");
+        // A value that would break out of its TOML string or shell word is refused.
+        let e = render_user_data(t, &vars(&[("cluster", "a\" evil=\""), ("port", "1")])).unwrap_err();
+        assert!(e.to_string().contains("cannot carry safely"), "{e}");
+        let e = render_user_data(t, &vars(&[("cluster", "$(reboot)"), ("port", "1")])).unwrap_err();
+        assert!(e.to_string().contains("'$'"), "{e}");
     }
 
     #[test]

@@ -17,7 +17,6 @@
 
 use crate::dataplane::conn::{Conn, DataTls};
 use crate::dataplane::frame::{Channel, Hello, HELLO_LEN};
-use crate::dataplane::ring::Group;
 use crate::dataplane::DataPlaneError;
 use hmac::{KeyInit, Mac};
 use rand::RngCore;
@@ -324,25 +323,6 @@ impl Endpoint {
             }
             inbox = self.shared.arrived.wait_timeout(inbox, deadline - now).expect("inbox lock").0;
         }
-    }
-
-    /// Builds the collective group of `epoch`: `ranks` in rank order (node ids) and their
-    /// data addresses; this node must be among them.
-    pub fn group(&self, epoch: u64, ranks: &[u64], addrs: &[String]) -> Result<Group, DataPlaneError> {
-        Group::connect(self, epoch, ranks, addrs, Instant::now() + self.shared.cfg.timeout, &|| false)
-    }
-
-    /// Forms a group whose members may arrive at different times: waits for the left
-    /// neighbour until `deadline`, giving up early when `abort` returns true.
-    pub fn group_until(
-        &self,
-        epoch: u64,
-        ranks: &[u64],
-        addrs: &[String],
-        deadline: Instant,
-        abort: &dyn Fn() -> bool,
-    ) -> Result<Group, DataPlaneError> {
-        Group::connect(self, epoch, ranks, addrs, deadline, abort)
     }
 }
 

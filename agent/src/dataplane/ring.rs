@@ -545,6 +545,29 @@ fn is_disconnect(e: &std::io::Error) -> bool {
     )
 }
 
+// Forming a group is the endpoint's to offer, but the ring's to do: the methods live here so
+// the endpoint (which only connects and accepts) does not depend on the ring.
+impl Endpoint {
+    /// Builds the collective group of `epoch`: `ranks` in rank order (node ids) and their
+    /// data addresses; this node must be among them.
+    pub fn group(&self, epoch: u64, ranks: &[u64], addrs: &[String]) -> Result<Group, DataPlaneError> {
+        Group::connect(self, epoch, ranks, addrs, Instant::now() + self.config().timeout, &|| false)
+    }
+
+    /// Forms a group whose members may arrive at different times: waits for the left
+    /// neighbour until `deadline`, giving up early when `abort` returns true.
+    pub fn group_until(
+        &self,
+        epoch: u64,
+        ranks: &[u64],
+        addrs: &[String],
+        deadline: Instant,
+        abort: &dyn Fn() -> bool,
+    ) -> Result<Group, DataPlaneError> {
+        Group::connect(self, epoch, ranks, addrs, deadline, abort)
+    }
+}
+
 #[cfg(feature = "trainer")]
 impl limpet_trainer::Reduce for Group {
     fn allreduce_sum(&mut self, buf: &mut [f32], step: u64) -> Result<(), limpet_trainer::TrainerError> {

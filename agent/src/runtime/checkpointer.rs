@@ -3,8 +3,8 @@
 //! ones, copies it to S3 and records it in the log while training goes on. Also the other
 //! direction: a new cluster's first epoch loading the checkpoint it resumes from.
 
+use super::config::CheckpointSettings;
 use super::tasks::Tasks;
-use crate::checkpoint::CheckpointSettings;
 use limpet_consensus::state::{ClusterState, Command, Epoch, NodeId};
 use limpet_consensus::NodeHandle;
 use limpet_trainer::{JobSpec, Trainer};

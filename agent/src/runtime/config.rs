@@ -2,7 +2,6 @@
 //! policies its tasks run by. Built by `limpetd` from its file (or by tools directly);
 //! read-only once the agent starts.
 
-use crate::checkpoint::CheckpointSettings;
 use crate::policy::{BaseBatch, BatchPolicy};
 use crate::revocation::Source;
 use limpet_consensus::state::{MemberSpec, NodeId};
@@ -162,4 +161,21 @@ impl AgentConfig {
             tls_data: true,
         }
     }
+}
+
+/// When and where an agent writes checkpoints.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CheckpointSettings {
+    /// Every this many steps (0: not by steps).
+    pub every_steps: u64,
+    /// When this much time passed since the last (data-parallel jobs only).
+    pub every: Option<Duration>,
+    /// The directory (a shared mount survives losing every host).
+    pub dir: PathBuf,
+    /// How many checkpoints to keep.
+    pub keep: usize,
+    /// Whether a new cluster resumes from the newest one found in `dir`.
+    pub resume: bool,
+    /// Also copy every part to S3-compatible storage (and resume from there).
+    pub remote: Option<crate::remote::RemoteSettings>,
 }

@@ -7,14 +7,12 @@
 //! - this module: start (wiring) and wait (the bounded stop);
 //! - one module per task: `announce`, `heartbeats`, `revocations`, `lead`;
 //! - `train_loop`: the trainer thread, deciding with the pure `next_action`;
-//! - `entry`: entering an epoch, as `plan` (pure), `wire` (codec) and execution;
-//! - `checkpointer` and `shadows`: the state copies a step leaves behind;
-//! - `desc`: the descriptor of a state a rank can serve.
+//! - `entry`: entering an epoch (its plan and wire codec are `limpet_decide::entry`);
+//! - `checkpointer` and `shadows`: the state copies a step leaves behind.
 
 mod announce;
 mod checkpointer;
 mod config;
-mod desc;
 pub(crate) mod entry;
 mod heartbeats;
 mod lead;
@@ -23,7 +21,7 @@ mod shadows;
 pub mod tasks;
 pub mod train_loop;
 
-pub use config::{AgentConfig, PipelineSettings};
+pub use config::{AgentConfig, CheckpointSettings, PipelineSettings};
 pub use tasks::Tasks;
 
 use crate::dataplane::handoff::handoff_loop;

@@ -4,12 +4,11 @@
 //! host costs at most `shadow_every` steps: the entry protocol rolls back to the newest step
 //! at which live states, snapshots and shadows together hold the whole model.
 
-use super::desc::{hash_bytes, Desc};
-use super::entry::plan::block_of;
 use super::tasks::Tasks;
 use crate::dataplane::handoff::HandoffDialer;
 use crate::Endpoint;
 use limpet_consensus::state::{Epoch, NodeId};
+use limpet_decide::entry::{block_of, hash_bytes, Desc};
 use limpet_snapshot::handoff::{fetch, FetchOptions, Offer, Server};
 use limpet_snapshot::StateImage;
 use limpet_trainer::Trainer;

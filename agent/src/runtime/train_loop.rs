@@ -258,7 +258,7 @@ impl TrainLoop {
                 Action::Finish { preform } => {
                     self.preform(&st, preform.as_ref());
                     if !self.finished {
-                        // The job's result, where `limpet demo` and operators find it.
+                        // The job's result, where `limpet-lab demo` and operators find it.
                         let path = limpet_trainer::save_checkpoint(&self.trainer, &self.cfg.state_dir)
                             .map_err(|e| format!("writing the final checkpoint: {e}"))?;
                         tracing::info!(step = self.trainer.step(), path = %path.display(), "job finished; final checkpoint written");

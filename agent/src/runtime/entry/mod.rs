@@ -1,23 +1,21 @@
 //! Entering an epoch: a small protocol on the new group. Every rank publishes its states
-//! (`wire`), the ranks allgather them, every rank computes the same plan (`plan`, pure): the
+//! (`limpet_decide::entry::wire`), the ranks allgather them, every rank computes the same
+//! plan (`limpet_decide::entry::plan`, pure): the
 //! step the epoch starts at and who copies what from whom. Ranks that differ from the
 //! source (a newcomer, a laggard that did not apply the step in flight, a diverged copy, a
 //! stage whose host died) fetch state before a barrier, so every rank starts the epoch with
 //! a bit-identical state, checked, not assumed. This module executes the plan; it also
 //! connects the next epoch's ring ahead of its boundary (`preform`).
 
-pub(crate) mod plan;
-pub(crate) mod wire;
-
 use super::checkpointer;
 use super::config::AgentConfig;
-use super::desc::{hash_bytes, hex_of, Desc};
 use super::shadows::{snap_label, Shadows, Snap};
 use crate::dataplane::frame::Channel;
 use crate::dataplane::handoff::HandoffDialer;
 use crate::stage::StageConnections;
 use crate::{Endpoint, Group};
 use limpet_consensus::state::{ClusterState, Epoch};
+use limpet_decide::entry::{hash_bytes, hex_of, plan, wire, Desc};
 use limpet_snapshot::handoff::{fetch, label_of, FetchOptions, Offer, Server};
 use limpet_snapshot::StateImage;
 use limpet_trainer::Trainer;
@@ -230,7 +228,7 @@ pub(super) fn enter(x: Entering<'_>, n: &Epoch) -> Result<Entered, String> {
                 &fetched
             };
             for (name, t) in img.tensors() {
-                if plan::block_of(name).is_some_and(|b| blocks.contains(&b)) {
+                if limpet_decide::entry::block_of(name).is_some_and(|b| blocks.contains(&b)) {
                     tensors.insert(name.clone(), t.clone());
                 }
             }

@@ -1,21 +1,21 @@
-//! `limpet bench pipeline`: how good the planner's predictions are and what pipelining buys.
+//! `limpet-lab bench pipeline`: how good the planner's predictions are and what pipelining buys.
 //! It profiles the model here, plans a layout for N hosts (processes on this machine), then
 //! trains a few steps in the chosen layout, in the runners-up and in plain data parallelism,
-//! each rank a real `limpet pipe-worker` process on loopback, and prints predicted against
+//! each rank a real `limpet-lab pipe-worker` process on loopback, and prints predicted against
 //! measured step time and the throughput of each.
 
-use crate::cli::JobArgs;
 use crate::dp_cmd::{spawn_group, Workers};
-use crate::UsageError;
 use anyhow::Context;
 use clap::Args;
-use limpet_agent::planner::{self, HostSpec, Layout, Plan, PlanInput};
+use limpet_agent::planner::{self, HostLayout, HostSpec, Plan, PlanInput};
 use limpet_agent::stage::StageConnections;
+use limpet_daemon::args::JobArgs;
+use limpet_daemon::UsageError;
 use serde::Serialize;
 use std::io::{BufRead, BufReader, Write};
 use std::time::{Duration, Instant};
 
-/// `limpet pipe-worker`: one rank of a data x pipeline layout, for the benchmark.
+/// `limpet-lab pipe-worker`: one rank of a data x pipeline layout, for the benchmark.
 #[derive(Debug, Args)]
 pub struct PipeWorkerArgs {
     /// The job.
@@ -45,10 +45,10 @@ struct WorkerReport {
     loss: f64,
 }
 
-/// Runs `limpet pipe-worker`.
+/// Runs `limpet-lab pipe-worker`.
 pub fn run_worker(args: PipeWorkerArgs) -> anyhow::Result<()> {
     limpet_trainer::set_threads(1);
-    let layout: Layout = args.layout.parse().map_err(|e| UsageError(format!("--layout: {e}")))?;
+    let layout: HostLayout = args.layout.parse().map_err(|e| UsageError(format!("--layout: {e}")))?;
     let ep = crate::dp_cmd::bind_worker(&args.peers, args.timeout_ms)?;
     let peers = &args.peers;
     let (d, p) = (layout.data, layout.pipeline());
@@ -56,7 +56,7 @@ pub fn run_worker(args: PipeWorkerArgs) -> anyhow::Result<()> {
     let mut conn =
         StageConnections::connect(&ep, 1, (d, p), &peers.ranks, &peers.addrs, deadline, &|| false)?;
     let stage = &layout.stages[conn.pos.stage];
-    let (mut job, data) = crate::train_cmd::job_from_flags(&args.job)?;
+    let (mut job, data) = limpet_daemon::train_cmd::job_from_flags(&args.job)?;
     if layout.micro_batch > 0 {
         job.micro_batch = layout.micro_batch;
     }
@@ -75,7 +75,7 @@ pub fn run_worker(args: PipeWorkerArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `limpet bench pipeline`.
+/// `limpet-lab bench pipeline`.
 #[derive(Debug, Args)]
 pub struct BenchPipelineArgs {
     /// The job (model, data, batch).
@@ -128,13 +128,13 @@ fn job_flags(j: &JobArgs) -> Vec<String> {
         }
     };
     let name = |x: &dyn Fn() -> Option<String>| x();
-    push("model", name(&|| j.model.map(crate::cli::value_name)));
-    push("data", name(&|| j.data.map(crate::cli::value_name)));
+    push("model", name(&|| j.model.map(limpet_daemon::args::value_name)));
+    push("data", name(&|| j.data.map(limpet_daemon::args::value_name)));
     push("data-path", j.data_path.as_ref().map(|p| p.display().to_string()));
     push("steps", j.steps.map(|x| x.to_string()));
     push("batch", j.batch.map(|x| x.to_string()));
     push("micro-batch", j.micro_batch.map(|x| x.to_string()));
-    push("optimizer", j.optimizer.map(crate::cli::value_name));
+    push("optimizer", j.optimizer.map(limpet_daemon::args::value_name));
     push("lr", j.lr.map(|x| x.to_string()));
     push("weight-decay", j.weight_decay.map(|x| x.to_string()));
     push("warmup", j.warmup.map(|x| x.to_string()));
@@ -147,7 +147,7 @@ fn job_flags(j: &JobArgs) -> Vec<String> {
 
 /// Trains `layout` in worker processes and returns the measured step time (ms): per rank
 /// the median after warm-up, then the slowest rank.
-fn measure(layout: &Layout, job: &JobArgs, steps: u64) -> anyhow::Result<f64> {
+fn measure(layout: &HostLayout, job: &JobArgs, steps: u64) -> anyhow::Result<f64> {
     let exe = std::env::current_exe()?;
     let p = layout.pipeline();
     let host_node = |h: &str| -> anyhow::Result<u64> {
@@ -181,7 +181,7 @@ fn measure(layout: &Layout, job: &JobArgs, steps: u64) -> anyhow::Result<f64> {
     Ok(slowest)
 }
 
-/// Runs `limpet bench pipeline`.
+/// Runs `limpet-lab bench pipeline`.
 pub fn bench(args: BenchPipelineArgs) -> anyhow::Result<()> {
     limpet_trainer::set_threads(1);
     if args.chaos && args.hosts < 4 {
@@ -193,9 +193,9 @@ pub fn bench(args: BenchPipelineArgs) -> anyhow::Result<()> {
     if args.train_steps < 3 {
         return Err(UsageError("--train-steps must be at least 3".into()).into());
     }
-    let (job, data) = crate::train_cmd::job_from_flags(&args.job)?;
-    let profile = crate::plan_cmd::profile(&job, &data, 5)?;
-    let link = crate::plan_cmd::measure_loopback().context("measuring the loopback link")?;
+    let (job, data) = limpet_daemon::train_cmd::job_from_flags(&args.job)?;
+    let profile = limpet_daemon::plan_cmd::profile(&job, &data, 5)?;
+    let link = limpet_daemon::plan_cmd::measure_loopback().context("measuring the loopback link")?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
     // The hosts share this machine's cores: with every host busy each runs at cores / hosts
     // of the speed the profile saw.
@@ -245,7 +245,7 @@ pub fn bench(args: BenchPipelineArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "limpet bench pipeline: {} blocks, global batch {}, {} hosts on {} cores (speed {:.2} each), link {:.2} GB/s",
+        "limpet-lab bench pipeline: {} blocks, global batch {}, {} hosts on {} cores (speed {:.2} each), link {:.2} GB/s",
         input.profile.blocks.len(),
         job.global_batch,
         args.hosts,

@@ -1,20 +1,21 @@
-//! `limpet raft-node` (one membership-log node in its own process, without training) and
-//! `limpet bench raft` (N such processes on loopback, measuring how fast membership
-//! proposals commit). `LocalCluster` starts and stops the processes for both the benchmark
+//! `limpet-lab raft-node` (one membership-log node in its own process, without training) and
+//! `limpet-lab bench raft` (N such processes on loopback, measuring how fast membership
+//! proposals commit). `RaftCluster` starts and stops the processes for both the benchmark
 //! and the multi-process tests.
 
-use crate::UsageError;
 use anyhow::{bail, Context};
 use clap::Args;
-use limpet_consensus::state::{Command, Hardware, MemberSpec};
+use limpet_consensus::state::{Command, Hardware};
 use limpet_consensus::{Client, Node, NodeConfig, NodeStatus};
+use limpet_daemon::config::parse_founders;
+use limpet_daemon::UsageError;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
-/// `limpet raft-node`.
+/// `limpet-lab raft-node`.
 #[derive(Debug, Args)]
 pub struct RaftNodeArgs {
     /// Raft id of this node (non-zero).
@@ -41,31 +42,6 @@ pub struct RaftNodeArgs {
     /// Milliseconds per raft tick (elections after 10-20 ticks).
     #[arg(long, default_value_t = 100)]
     pub tick_ms: u64,
-}
-
-/// Parses `ID=ADDR` founder entries.
-pub fn parse_founders(entries: &[String]) -> Result<Vec<MemberSpec>, UsageError> {
-    entries
-        .iter()
-        .map(|e| {
-            let (id, addr) = e
-                .split_once('=')
-                .ok_or_else(|| UsageError(format!("--bootstrap entry {e:?} is not ID=ADDR")))?;
-            let id: u64 =
-                id.parse().ok().filter(|&i| i != 0).ok_or_else(|| {
-                    UsageError(format!("--bootstrap entry {e:?}: {id:?} is not a non-zero id"))
-                })?;
-            addr.parse::<SocketAddr>()
-                .map_err(|err| UsageError(format!("--bootstrap entry {e:?}: address {addr:?}: {err}")))?;
-            Ok(MemberSpec {
-                id,
-                name: format!("node-{id}"),
-                control_addr: addr.to_string(),
-                data_addr: String::new(),
-                hardware: Hardware::default(),
-            })
-        })
-        .collect()
 }
 
 /// Runs one node until SIGTERM, SIGINT or a fatal storage error.
@@ -110,11 +86,11 @@ pub fn run_node(args: RaftNodeArgs) -> anyhow::Result<()> {
 }
 
 fn tracing_init() {
-    crate::init_tracing();
+    limpet_daemon::init_tracing();
 }
 
 /// Node processes on loopback, killed when dropped.
-pub struct LocalCluster {
+pub struct RaftCluster {
     exe: PathBuf,
     dir: PathBuf,
     cluster: String,
@@ -155,16 +131,16 @@ pub fn free_port() -> anyhow::Result<u16> {
     anyhow::bail!("no unused loopback port after 256 tries")
 }
 
-impl LocalCluster {
+impl RaftCluster {
     /// Starts `n` nodes of `exe raft-node` under `dir`: up to five founders (the voters), and
     /// the rest join through node 1 as learners.
-    pub fn start(exe: &Path, n: usize, dir: &Path, tick_ms: u64) -> anyhow::Result<LocalCluster> {
+    pub fn start(exe: &Path, n: usize, dir: &Path, tick_ms: u64) -> anyhow::Result<RaftCluster> {
         let n_founders = n.min(5);
         let addrs: Vec<String> = (0..n_founders)
             .map(|_| free_port().map(|p| format!("127.0.0.1:{p}")))
             .collect::<anyhow::Result<_>>()?;
         let founders = addrs.iter().enumerate().map(|(i, a)| format!("{}={a}", i + 1)).collect();
-        let mut c = LocalCluster {
+        let mut c = RaftCluster {
             exe: exe.to_path_buf(),
             dir: dir.to_path_buf(),
             cluster: "limpet-local".into(),
@@ -275,7 +251,7 @@ impl LocalCluster {
     }
 }
 
-impl Drop for LocalCluster {
+impl Drop for RaftCluster {
     fn drop(&mut self) {
         for c in self.children.iter_mut().flatten() {
             let _ = c.kill();
@@ -284,7 +260,7 @@ impl Drop for LocalCluster {
     }
 }
 
-/// `limpet bench raft`.
+/// `limpet-lab bench raft`.
 #[derive(Debug, Args)]
 pub struct BenchRaftArgs {
     /// Nodes (processes) in the cluster.
@@ -374,7 +350,7 @@ pub fn bench(args: BenchRaftArgs) -> anyhow::Result<()> {
 }
 
 async fn bench_async(exe: &Path, dir: &Path, args: &BenchRaftArgs) -> anyhow::Result<RaftBenchReport> {
-    let cluster = LocalCluster::start(exe, args.nodes as usize, dir, 100)?;
+    let cluster = RaftCluster::start(exe, args.nodes as usize, dir, 100)?;
     let leader = cluster.wait_for_leader(Duration::from_secs(30)).await?;
     let mut client = cluster.client(leader).await?;
     let bar = indicatif::ProgressBar::new(args.proposals * 2);

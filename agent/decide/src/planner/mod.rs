@@ -34,8 +34,9 @@
 //! front of (sum of `c`, max `c`, max `tail`); the front is exact, and [`exhaustive`] (every
 //! cut, every ordered choice of groups) confirms it in the tests.
 
+mod layout;
+pub use layout::{HostLayout, StageLayout};
 use serde::{Deserialize, Serialize};
-use std::fmt;
 
 /// What one block of the model costs, measured on a host of speed 1 for one micro-batch.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -117,118 +118,6 @@ pub struct PlanInput {
     pub max_depth: Option<usize>,
 }
 
-/// One pipeline stage of a layout: a block range and the host of each replica.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct StageLayout {
-    /// First block.
-    pub start: usize,
-    /// One past the last block.
-    pub end: usize,
-    /// Host of replica `r` of this stage, for every replica.
-    pub hosts: Vec<String>,
-}
-
-/// A data x pipeline layout.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Layout {
-    /// Data-parallel replicas.
-    pub data: usize,
-    /// Samples per micro-batch (0: as large as the profile's micro-batch allows).
-    pub micro_batch: usize,
-    /// Stages in pipeline order.
-    pub stages: Vec<StageLayout>,
-}
-
-impl Layout {
-    /// Pipeline depth.
-    pub fn pipeline(&self) -> usize {
-        self.stages.len()
-    }
-
-    /// The block cuts: where each stage after the first starts.
-    pub fn cuts(&self) -> Vec<usize> {
-        self.stages.iter().skip(1).map(|s| s.start).collect()
-    }
-}
-
-impl std::str::FromStr for Layout {
-    type Err = PlanError;
-
-    /// Parses `START..END@HOST[,HOST...]` stages joined by `|`, in pipeline order, optionally
-    /// followed by `;micro=N`; every stage names one host per data-parallel replica, e.g.
-    /// `0..2@a,b|2..4@c,d;micro=8` (2 x 2, micro-batches of 8).
-    fn from_str(s: &str) -> Result<Self, PlanError> {
-        let bad = |m: String| PlanError::Layout(m);
-        let (s, micro_batch) = match s.split_once(';') {
-            Some((l, m)) => {
-                let n = m
-                    .trim()
-                    .strip_prefix("micro=")
-                    .and_then(|n| n.parse::<usize>().ok())
-                    .filter(|&n| n > 0)
-                    .ok_or_else(|| bad(format!("{m:?} is not micro=N with N at least 1")))?;
-                (l, n)
-            }
-            None => (s, 0),
-        };
-        let mut stages = Vec::new();
-        for (i, part) in s.split('|').enumerate() {
-            let (range, hosts) = part
-                .split_once('@')
-                .ok_or_else(|| bad(format!("stage {i} ({part:?}) is not START..END@HOST[,HOST...]")))?;
-            let (a, b) = range
-                .split_once("..")
-                .ok_or_else(|| bad(format!("stage {i}: block range {range:?} is not START..END")))?;
-            let num = |v: &str| {
-                v.trim().parse::<usize>().map_err(|_| bad(format!("stage {i}: {v:?} is not a block number")))
-            };
-            let hosts: Vec<String> = hosts.split(',').map(|h| h.trim().to_string()).collect();
-            if hosts.iter().any(String::is_empty) {
-                return Err(bad(format!("stage {i}: an empty host name in {part:?}")));
-            }
-            stages.push(StageLayout { start: num(a)?, end: num(b)?, hosts });
-        }
-        let data = stages[0].hosts.len();
-        if let Some((i, s)) = stages.iter().enumerate().find(|(_, s)| s.hosts.len() != data) {
-            return Err(bad(format!("stage {i} names {} hosts but stage 0 names {data}", s.hosts.len())));
-        }
-        Ok(Layout { data, micro_batch, stages })
-    }
-}
-
-impl Layout {
-    /// The `START..END@HOST,...|...` form [`Layout::from_str`] reads.
-    pub fn spec(&self) -> String {
-        let stages = self
-            .stages
-            .iter()
-            .map(|s| format!("{}..{}@{}", s.start, s.end, s.hosts.join(",")))
-            .collect::<Vec<_>>();
-        match self.micro_batch {
-            0 => stages.join("|"),
-            n => format!("{};micro={n}", stages.join("|")),
-        }
-    }
-}
-
-impl fmt::Display for Layout {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}x{} ", self.data, self.pipeline())?;
-        if self.micro_batch > 0 {
-            write!(f, "micro {}: ", self.micro_batch)?;
-        }
-        for (i, s) in self.stages.iter().enumerate() {
-            if i > 0 {
-                write!(f, " | ")?;
-            }
-            write!(f, "blocks {}..{} on {}", s.start, s.end, s.hosts.join(","))?;
-        }
-        Ok(())
-    }
-}
-
 /// Predicted cost of one stage.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StagePrediction {
@@ -244,7 +133,7 @@ pub struct StagePrediction {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
     /// The layout.
-    pub layout: Layout,
+    pub layout: HostLayout,
     /// Micro-batches per replica per step.
     pub micro_batches: usize,
     /// Predicted time of one optimizer step, ms.
@@ -338,7 +227,7 @@ pub fn arrange(
                 hosts: (0..d).map(|r| candidates[r * p + s].to_string()).collect(),
             })
             .collect();
-        let forced = predict(&input, &Layout { data: d, micro_batch: 0, stages })?;
+        let forced = predict(&input, &HostLayout { data: d, micro_batch: 0, stages })?;
         return Ok((candidates[..d * p].to_vec(), forced));
     }
     let report = plan(&input)?;
@@ -516,7 +405,7 @@ fn step_ms(stages: &[StagePrediction], m: usize) -> f64 {
 }
 
 /// Predicts the step time of a given layout (a forced one, or one to compare against).
-pub fn predict(input: &PlanInput, layout: &Layout) -> Result<Plan, PlanError> {
+pub fn predict(input: &PlanInput, layout: &HostLayout) -> Result<Plan, PlanError> {
     input.validate()?;
     let bad = |m: String| Err(PlanError::Layout(m));
     let nb = input.profile.blocks.len();
@@ -571,7 +460,7 @@ pub fn predict(input: &PlanInput, layout: &Layout) -> Result<Plan, PlanError> {
     if next != nb {
         return bad(format!("the stages cover blocks 0..{next} of {nb}"));
     }
-    let layout = Layout { micro_batch: n, ..layout.clone() };
+    let layout = HostLayout { micro_batch: n, ..layout.clone() };
     Ok(Plan { layout, micro_batches: m, step_ms: step_ms(&stages, m), stages })
 }
 
@@ -600,7 +489,7 @@ fn push_pareto(front: &mut Vec<Partial>, cand: Partial) {
 }
 
 /// The layout a search path describes: per stage, its end block and its group.
-fn layout_of(gs: &[Group], d: usize, n: usize, path: &[(usize, usize)]) -> Layout {
+fn layout_of(gs: &[Group], d: usize, n: usize, path: &[(usize, usize)]) -> HostLayout {
     let mut start = 0;
     let stages = path
         .iter()
@@ -610,7 +499,7 @@ fn layout_of(gs: &[Group], d: usize, n: usize, path: &[(usize, usize)]) -> Layou
             st
         })
         .collect();
-    Layout { data: d, micro_batch: n, stages }
+    HostLayout { data: d, micro_batch: n, stages }
 }
 
 fn build_plan(input: &PlanInput, gs: &[Group], d: usize, n: usize, path: &[(usize, usize)]) -> Plan {
@@ -817,121 +706,4 @@ impl PlanInput {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn block(ms: f64, param_bytes: u64) -> BlockCost {
-        BlockCost {
-            fwd_ms: ms,
-            bwd_ms: 2.0 * ms,
-            fixed_fwd_ms: 0.0,
-            fixed_bwd_ms: 0.0,
-            apply_ms: 0.01,
-            out_bytes: 4096,
-            saved_bytes: 8192,
-            param_bytes,
-            optim_bytes: 2 * param_bytes,
-        }
-    }
-
-    fn input(blocks: Vec<BlockCost>, hosts: &[(f64, u64)]) -> PlanInput {
-        PlanInput {
-            profile: ModelProfile { model: "test".into(), micro_batch: 8, blocks, overhead_ms: 0.0 },
-            hosts: hosts
-                .iter()
-                .enumerate()
-                .map(|(i, &(speed, mem))| HostSpec { name: format!("h{i}"), speed, mem_bytes: mem })
-                .collect(),
-            link: Link { bytes_per_s: 1e9, latency_ms: 0.05 },
-            global_batch: 64,
-            max_depth: None,
-        }
-    }
-
-    #[test]
-    fn one_host_trains_the_whole_model() {
-        let inp = input(vec![block(1.0, 1000); 3], &[(1.0, 1 << 30)]);
-        let r = plan(&inp).unwrap();
-        assert_eq!(r.best.layout.data, 1);
-        assert_eq!(r.best.layout.stages, vec![StageLayout { start: 0, end: 3, hosts: vec!["h0".into()] }]);
-        // 8 micro-batches of 9 ms plus the optimizer.
-        assert!((r.best.step_ms - (8.0 * 9.0 + 0.03)).abs() < 1e-9, "{}", r.best.step_ms);
-    }
-
-    #[test]
-    fn memory_forces_a_pipeline() {
-        // Each block needs 4 MB of weights, gradients and optimizer state; a host holds 6 MB.
-        let inp = input(vec![block(1.0, 1 << 20); 4], &[(1.0, 6 << 20); 4]);
-        let r = plan(&inp).unwrap();
-        assert_eq!(r.best.layout.pipeline(), 4, "{}", r.best.layout);
-        for p in std::iter::once(&r.best).chain(&r.runners_up) {
-            for (s, st) in p.stages.iter().enumerate() {
-                assert!(st.mem_bytes <= 6 << 20, "stage {s} of {} needs {}", p.layout, st.mem_bytes);
-            }
-        }
-        let small = input(vec![block(1.0, 4 << 20); 2], &[(1.0, 6 << 20); 4]);
-        let e = plan(&small).unwrap_err();
-        assert!(e.to_string().contains("even the largest block alone needs"), "{e}");
-    }
-
-    #[test]
-    fn faster_hosts_get_heavier_stages() {
-        // Eight equal blocks on one fast and one slow host (no memory limit): data parallelism
-        // would make the fast host wait, so a pipeline gives the fast host more blocks.
-        let mut inp = input(vec![block(1.0, 1000); 8], &[(3.0, 1 << 30), (1.0, 1 << 30)]);
-        inp.link.latency_ms = 0.0;
-        let r = plan(&inp).unwrap();
-        assert_eq!(r.best.layout.pipeline(), 2, "{}", r.best.layout);
-        let on = |name: &str| r.best.layout.stages.iter().find(|s| s.hosts[0] == name).unwrap();
-        let (fast, slow) = (on("h0"), on("h1"));
-        assert!(fast.end - fast.start > slow.end - slow.start, "{}", r.best.layout);
-        assert_eq!(fast.end - fast.start, 6, "{}", r.best.layout);
-    }
-
-    #[test]
-    fn forced_layouts_are_checked() {
-        let inp = input(vec![block(1.0, 1000); 3], &[(1.0, 1 << 30); 2]);
-        let ok = Layout {
-            data: 1,
-            micro_batch: 8,
-            stages: vec![
-                StageLayout { start: 0, end: 1, hosts: vec!["h0".into()] },
-                StageLayout { start: 1, end: 3, hosts: vec!["h1".into()] },
-            ],
-        };
-        assert_eq!(ok.to_string(), "1x2 micro 8: blocks 0..1 on h0 | blocks 1..3 on h1");
-        predict(&inp, &ok).unwrap();
-        let mut gap = ok.clone();
-        gap.stages[1].start = 2;
-        assert!(predict(&inp, &gap).unwrap_err().to_string().contains("must start at block 1"));
-        let mut twice = ok.clone();
-        twice.stages[1].hosts = vec!["h0".into()];
-        assert!(predict(&inp, &twice).unwrap_err().to_string().contains("holds two"));
-        let mut unknown = ok.clone();
-        unknown.stages[0].hosts = vec!["h9".into()];
-        assert!(predict(&inp, &unknown).unwrap_err().to_string().contains("'h9'"));
-        assert_eq!(ok.spec().parse::<Layout>().unwrap(), ok);
-        for (text, says) in [
-            ("0..2", "is not START..END@HOST"),
-            ("0-2@a", "is not START..END"),
-            ("0..x@a", "\"x\" is not a block number"),
-            ("0..1@a,b|1..2@c", "stage 1 names 1 hosts but stage 0 names 2"),
-            ("0..1@a,", "an empty host name"),
-            ("0..1@a;micro=0", "is not micro=N"),
-        ] {
-            let e = text.parse::<Layout>().unwrap_err().to_string();
-            assert!(e.contains(says), "{text}: {e}");
-        }
-    }
-
-    #[test]
-    fn bad_input_is_named() {
-        let mut inp = input(vec![block(1.0, 1000)], &[(1.0, 1 << 30)]);
-        inp.hosts[0].speed = 0.0;
-        assert!(plan(&inp).unwrap_err().to_string().contains("host 'h0': speed 0"));
-        let mut inp = input(vec![block(f64::NAN, 1000)], &[(1.0, 1 << 30)]);
-        assert!(plan(&inp).unwrap_err().to_string().contains("block 0: fwd_ms"));
-        inp.profile.blocks.clear();
-        assert!(plan(&inp).unwrap_err().to_string().contains("no blocks"));
-    }
-}
+mod tests;

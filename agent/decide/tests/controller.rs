@@ -3,10 +3,10 @@
 //! real `ClusterState`, that epochs only grow, every epoch has the minimum of nodes, and no
 //! epoch includes a node that is leaving or past its deadline.
 
-use limpet_agent::controller::{decide, ControllerConfig, NodeProgress, View};
-use limpet_agent::planner::{BlockCost, Link, ModelProfile, PipelineJob};
-use limpet_agent::policy::{BaseBatch, BatchPolicy};
 use limpet_consensus::state::{ClusterState, Command, Hardware, MemberSpec, MemberStatus, NodeId};
+use limpet_decide::controller::{decide, ControllerConfig, NodeProgress, View};
+use limpet_decide::planner::{BlockCost, Link, ModelProfile, PipelineJob};
+use limpet_decide::policy::{BaseBatch, BatchPolicy};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 

@@ -1,11 +1,18 @@
-//! What a rank can serve another: one training state's step, content hash and blocks. The
-//! entry protocol publishes these; snapshots and shadows are kept with them.
+//! Entering an epoch, the decisions: what a rank can serve another (one training state's
+//! step, content hash and blocks), how every rank's published states travel (`wire`), and
+//! from them who copies what from whom (`plan`). The agent executes the plan.
+
+pub mod plan;
+pub mod wire;
 
 /// One state a rank can serve: its step, content hash and blocks `[start, end)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Desc {
+pub struct Desc {
+    /// The step the state is at (the next step it would train).
     pub step: u64,
+    /// Its content hash.
     pub hash: [u8; 32],
+    /// The model blocks it holds.
     pub blocks: (usize, usize),
 }
 
@@ -17,7 +24,7 @@ impl Desc {
 }
 
 /// A content hash's hex text as bytes (zeros where the text is not hex).
-pub(crate) fn hash_bytes(hex: &str) -> [u8; 32] {
+pub fn hash_bytes(hex: &str) -> [u8; 32] {
     let mut out = [0u8; 32];
     for (i, b) in out.iter_mut().enumerate() {
         *b = hex.get(2 * i..2 * i + 2).and_then(|x| u8::from_str_radix(x, 16).ok()).unwrap_or(0);
@@ -26,8 +33,15 @@ pub(crate) fn hash_bytes(hex: &str) -> [u8; 32] {
 }
 
 /// A content hash's bytes as hex text.
-pub(crate) fn hex_of(h: &[u8; 32]) -> String {
+pub fn hex_of(h: &[u8; 32]) -> String {
     h.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The block a state tensor belongs to: `param/bNN.x` and `optim/<slot>/bNN.x` are block NN's.
+pub fn block_of(name: &str) -> Option<usize> {
+    let leaf = name.rsplit('/').next()?;
+    let digits = leaf.strip_prefix('b')?.split('.').next()?;
+    digits.parse().ok()
 }
 
 #[cfg(test)]

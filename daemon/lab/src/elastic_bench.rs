@@ -1,4 +1,4 @@
-//! `limpet bench elastic`: what a transition costs, measured from step logs, next to
+//! `limpet-lab bench elastic`: what a transition costs, measured from step logs, next to
 //! torchrun (PyTorch's elastic launcher, gloo backend) recovering from a killed worker on the
 //! same model and data in the same run.
 //!
@@ -19,7 +19,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// `limpet bench elastic`.
+/// `limpet-lab bench elastic`.
 #[derive(Debug, Args)]
 pub struct BenchElasticArgs {
     /// Steps of the job.
@@ -73,13 +73,13 @@ pub struct ElasticBench {
 /// Runs the benchmark.
 pub fn bench(a: BenchElasticArgs) -> anyhow::Result<()> {
     if a.nodes < 3 {
-        return Err(crate::UsageError("--nodes must be at least 3".into()).into());
+        return Err(limpet_daemon::UsageError("--nodes must be at least 3".into()).into());
     }
     let tmp = tempfile::tempdir()?;
     let (model, data, global_batch) = match a.model.as_str() {
         "mlp" => ("mlp", "digits", 64),
         "gpt" => ("gpt", "chars", 32),
-        m => return Err(crate::UsageError(format!("--model {m:?} is not mlp or gpt")).into()),
+        m => return Err(limpet_daemon::UsageError(format!("--model {m:?} is not mlp or gpt")).into()),
     };
     let job = LocalJob {
         model: model.into(),
@@ -211,7 +211,7 @@ fn torch_lines(path: &Path) -> Vec<TorchLine> {
 fn torchrun(dir: &Path, workers: usize, steps: u64, wait: Duration) -> anyhow::Result<Measured> {
     std::fs::create_dir_all(dir)?;
     let script = dir.join("torchrun_elastic.py");
-    std::fs::write(&script, include_str!("../../bench/torchrun_elastic.py"))?;
+    std::fs::write(&script, include_str!("../../../bench/torchrun_elastic.py"))?;
     let log = std::fs::File::create(dir.join("torchrun.log"))?;
     let digits = limpet_trainer::data::default_digits_path();
     let mut child = Command::new(crate::dp_cmd::python())

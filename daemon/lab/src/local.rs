@@ -1,10 +1,12 @@
 //! Local clusters on loopback: `limpetd` processes with generated configurations, each with
-//! its own fake cloud metadata service (a `limpet fake-metadata` process), described in
-//! `DIR/cluster.json` so that `limpet status/drain/revoke --dir DIR` find them. The demo and
+//! its own fake cloud metadata service (a `limpet-lab fake-metadata` process), described in
+//! `DIR/cluster.json` (`limpet_daemon::cluster_file`) so that `limpet status/drain/revoke
+//! --dir DIR` find them. The demo and
 //! the multi-process tests drive clusters through this module.
 
 use crate::raft_cmd::free_port;
 use anyhow::{bail, Context};
+pub use limpet_daemon::cluster_file::{post_notice, ClusterFile, LocalNode};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -101,73 +103,6 @@ impl Default for LocalJob {
     }
 }
 
-/// One node of a local cluster.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct LocalNode {
-    /// Name.
-    pub name: String,
-    /// Raft id.
-    pub id: u64,
-    /// Control (consensus) address.
-    pub control: String,
-    /// Data-plane address.
-    pub data: String,
-    /// Its fake metadata service's base URL.
-    pub metadata: String,
-    /// Its Prometheus endpoint (`http://ADDR/metrics`).
-    #[serde(default)]
-    pub metrics: String,
-    /// Its configuration file.
-    pub config: PathBuf,
-    /// Its log file (stderr and stdout).
-    pub log: PathBuf,
-    /// Its step log.
-    pub step_log: PathBuf,
-    /// Process id of its limpetd.
-    pub pid: u32,
-    /// Process id of its fake metadata service.
-    pub metadata_pid: u32,
-}
-
-/// `DIR/cluster.json`.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct ClusterFile {
-    /// Cluster name.
-    pub cluster: String,
-    /// Every node ever started, in order.
-    pub nodes: Vec<LocalNode>,
-    /// The operator certificate `limpet status/drain/revoke --dir` use, when the cluster
-    /// runs with certificates.
-    #[serde(default)]
-    pub operator_tls: Option<limpet_consensus::tls::TlsFiles>,
-}
-
-impl ClusterFile {
-    /// Reads `dir/cluster.json`.
-    pub fn load(dir: &Path) -> anyhow::Result<ClusterFile> {
-        let path = dir.join("cluster.json");
-        let text = std::fs::read(&path).map_err(|e| {
-            crate::UsageError(format!("{}: {e} (is a local cluster up there?)", path.display()))
-        })?;
-        serde_json::from_slice(&text).map_err(|e| {
-            crate::UsageError(format!("{} is not a cluster description: {e}", path.display())).into()
-        })
-    }
-
-    /// Control addresses of every node, for clients.
-    pub fn control_addrs(&self) -> Vec<String> {
-        self.nodes.iter().map(|n| n.control.clone()).collect()
-    }
-
-    /// The node called `name`.
-    pub fn node(&self, name: &str) -> anyhow::Result<&LocalNode> {
-        self.nodes.iter().find(|n| n.name == name).ok_or_else(|| {
-            let names: Vec<&str> = self.nodes.iter().map(|n| n.name.as_str()).collect();
-            anyhow::anyhow!("no node {name:?} in this cluster (nodes: {})", names.join(", "))
-        })
-    }
-}
-
 /// A local cluster this process started and owns.
 pub struct LocalCluster {
     /// Where everything lives.
@@ -198,17 +133,25 @@ pub struct SystemdEnv {
 
 /// `limpetd`'s path: beside the running `limpet`.
 pub fn limpetd_path() -> anyhow::Result<PathBuf> {
-    let exe = std::env::current_exe()?;
-    let p = exe.with_file_name("limpetd");
+    product_path("limpetd")
+}
+
+/// The operator's `limpet` beside this executable (the lab drives it as an operator would).
+pub fn limpet_path() -> anyhow::Result<PathBuf> {
+    product_path("limpet")
+}
+
+fn product_path(name: &str) -> anyhow::Result<PathBuf> {
+    let p = std::env::current_exe()?.with_file_name(name);
     if !p.exists() {
-        bail!("{} not found (build it with `cargo build --bin limpetd`)", p.display());
+        bail!("{} not found (build it with `cargo build --bin {name}`)", p.display());
     }
     Ok(p)
 }
 
 impl LocalCluster {
-    /// Starts `n` founding nodes under `dir` training `job`, with this `limpet` and the
-    /// `limpetd` beside it.
+    /// Starts `n` founding nodes under `dir` training `job`, with this `limpet-lab` (for the
+    /// fake metadata services) and the `limpetd` beside it.
     pub fn up(dir: &Path, n: usize, job: LocalJob) -> anyhow::Result<LocalCluster> {
         LocalCluster::up_with(dir, n, job, &std::env::current_exe()?, &limpetd_path()?)
     }
@@ -222,11 +165,11 @@ impl LocalCluster {
         limpetd: &Path,
     ) -> anyhow::Result<LocalCluster> {
         if n == 0 {
-            bail!(crate::UsageError("--nodes must be at least 1".into()));
+            bail!(limpet_daemon::UsageError("--nodes must be at least 1".into()));
         }
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         if dir.join("cluster.json").exists() {
-            bail!(crate::UsageError(format!(
+            bail!(limpet_daemon::UsageError(format!(
                 "{} already holds a cluster; use an empty directory",
                 dir.display()
             )));
@@ -252,9 +195,13 @@ impl LocalCluster {
         };
         if c.job.tls {
             let certs = c.certs_dir();
-            crate::certs::init(&certs, &c.file.cluster, 30)?;
-            let (cert, key) =
-                crate::certs::issue_for_days(&certs, "operator", crate::certs::Kind::Client, 30)?;
+            limpet_daemon::certs::init(&certs, &c.file.cluster, 30)?;
+            let (cert, key) = limpet_daemon::certs::issue_for_days(
+                &certs,
+                "operator",
+                limpet_daemon::certs::Kind::Client,
+                30,
+            )?;
             c.file.operator_tls =
                 Some(limpet_consensus::tls::TlsFiles { ca: certs.join("ca.pem"), cert, key });
         }
@@ -375,7 +322,7 @@ impl LocalCluster {
             let (cert, key) = (certs.join(format!("{name}.pem")), certs.join(format!("{name}.key")));
             // A restarted node keeps its certificate.
             if !cert.exists() {
-                crate::certs::issue_for_days(&certs, name, crate::certs::Kind::Node, 30)?;
+                limpet_daemon::certs::issue_for_days(&certs, name, limpet_daemon::certs::Kind::Node, 30)?;
             }
             text += &format!(
                 "\n[security]\nca = {:?}\ncert = {:?}\nkey = {:?}\nanonymous_status = {}\n",
@@ -523,24 +470,6 @@ impl Drop for LocalCluster {
     fn drop(&mut self) {
         self.down();
     }
-}
-
-/// Posts a spot notice to a fake metadata service: the node's own watcher sees it through
-/// the real IMDSv2 flow.
-pub fn post_notice(metadata_url: &str, in_secs: u64) -> anyhow::Result<()> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    rt.block_on(async {
-        let r = reqwest::Client::new()
-            .post(format!("{metadata_url}/_limpet/notice"))
-            .json(&serde_json::json!({ "in_secs": in_secs }))
-            .send()
-            .await
-            .with_context(|| format!("posting a notice to {metadata_url}"))?;
-        if !r.status().is_success() {
-            bail!("{metadata_url} answered {}", r.status());
-        }
-        Ok(())
-    })
 }
 
 /// The body of a GET (a node's `/metrics`, for tests and the demo).

@@ -1,12 +1,12 @@
-//! `limpet dp-worker` (one rank of a data-plane group in its own process, for benchmarks and
-//! multi-process tests) and `limpet bench allreduce` (N such processes on loopback, next to
+//! `limpet-lab dp-worker` (one rank of a data-plane group in its own process, for benchmarks and
+//! multi-process tests) and `limpet-lab bench allreduce` (N such processes on loopback, next to
 //! the same sizes through torch.distributed's gloo backend in the same run).
 
 use crate::raft_cmd::free_port;
-use crate::UsageError;
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use limpet_agent::{DataPlaneConfig, Endpoint};
+use limpet_daemon::UsageError;
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -54,7 +54,7 @@ pub fn congestion_arg(name: &str) -> Result<Option<String>, UsageError> {
         .map_err(|e| UsageError(format!("--congestion: {e}")))
 }
 
-/// `limpet dp-worker`.
+/// `limpet-lab dp-worker`.
 #[derive(Debug, Args)]
 pub struct DpWorkerArgs {
     /// The group.
@@ -251,7 +251,7 @@ pub fn spawn_group(
     Ok(Workers { children })
 }
 
-/// `limpet bench allreduce`.
+/// `limpet-lab bench allreduce`.
 #[derive(Debug, Args)]
 pub struct BenchAllreduceArgs {
     /// Ranks (processes).
@@ -393,7 +393,7 @@ pub fn python() -> PathBuf {
 fn gloo_times(world: u64, plan: &[(usize, u64)]) -> anyhow::Result<Vec<(usize, f64)>> {
     let dir = tempfile::tempdir()?;
     let script = dir.path().join("gloo_allreduce.py");
-    std::fs::write(&script, include_str!("../../bench/gloo_allreduce.py"))?;
+    std::fs::write(&script, include_str!("../../../bench/gloo_allreduce.py"))?;
     let py = python();
     let out = Command::new(&py)
         .arg(&script)
@@ -434,9 +434,14 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
     let mut host_rounds = Vec::new();
     let certs = tempfile::tempdir()?;
     if args.tls {
-        crate::certs::init(certs.path(), "bench", 1)?;
+        limpet_daemon::certs::init(certs.path(), "bench", 1)?;
         for n in &order {
-            crate::certs::issue_for_days(certs.path(), &format!("n{n}"), crate::certs::Kind::Node, 1)?;
+            limpet_daemon::certs::issue_for_days(
+                certs.path(),
+                &format!("n{n}"),
+                limpet_daemon::certs::Kind::Node,
+                1,
+            )?;
         }
     }
     for round in 1..=args.rounds {
@@ -596,7 +601,7 @@ fn time(s: f64) -> String {
     }
 }
 
-/// `limpet bench handoff`.
+/// `limpet-lab bench handoff`.
 #[derive(Debug, Args)]
 pub struct BenchHandoffArgs {
     /// Size of the state to transfer (K, M, G suffixes are powers of 1024).

@@ -1,4 +1,4 @@
-//! `limpet demo` (and `make demo`): a local cluster of `limpetd` processes trains a
+//! `limpet-lab demo` (and `make demo`): a local cluster of `limpetd` processes trains a
 //! character-level GPT on real text while a scripted scenario plays: a spot notice through a
 //! node's metadata service, a new node joining, a `kill -9` without notice, and a drain.
 //! Shows live status, then a summary table (steps, test accuracy, every transition with its
@@ -6,18 +6,18 @@
 //! against step with the transitions marked.
 
 use crate::local::{post_notice, LocalCluster, LocalJob};
-use crate::plot::{elastic_svg, ElasticPoint};
-use crate::status::{gather, StatusDoc, TransitionDoc};
 use anyhow::Context;
 use clap::Args;
 use limpet_agent::runtime::StepLine;
 use limpet_consensus::state::Command;
+use limpet_daemon::plot::{elastic_svg, ElasticPoint};
+use limpet_daemon::status::{gather, StatusDoc, TransitionDoc};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-/// `limpet demo`.
+/// `limpet-lab demo`.
 #[derive(Debug, Args)]
 pub struct DemoArgs {
     /// Output directory (configurations, logs, state, summary.json, demo.svg); a previous
@@ -35,7 +35,7 @@ pub struct DemoArgs {
     pub no_tls: bool,
 }
 
-/// `limpet scenario`: any local cluster, job and script (the tests' driver).
+/// `limpet-lab scenario`: any local cluster, job and script (the tests' driver).
 #[derive(Debug, Args)]
 pub struct ScenarioArgs {
     /// Output directory (must be empty or a previous run's).
@@ -58,7 +58,7 @@ pub struct ScenarioArgs {
     pub context: Option<usize>,
     /// The LLaMA model's sizes.
     #[command(flatten)]
-    pub llama: crate::cli::LlamaFlags,
+    pub llama: limpet_daemon::args::LlamaFlags,
     /// Total steps.
     #[arg(long, default_value_t = 1000)]
     pub steps: u64,
@@ -120,7 +120,7 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
         ..LocalJob::default()
     };
     println!(
-        "limpet demo: 4 agents on loopback train a character GPT on /usr/share/common-licenses for {} steps{}.",
+        "limpet-lab demo: 4 agents on loopback train a character GPT on /usr/share/common-licenses for {} steps{}.",
         a.steps,
         if a.no_tls { "" } else { ", with mutual TLS on every connection" }
     );
@@ -136,7 +136,7 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
     check(&summary)
 }
 
-/// Runs `limpet scenario`.
+/// Runs `limpet-lab scenario`.
 pub fn scenario(a: ScenarioArgs) -> anyhow::Result<()> {
     let script = parse_script(&a.script)?;
     if let Some(module) = &a.llama.module {
@@ -182,7 +182,7 @@ fn check(s: &Summary) -> anyhow::Result<()> {
 
 /// Parses `--script`.
 pub fn parse_script(text: &str) -> anyhow::Result<Vec<(f64, Action)>> {
-    let bad = |m: String| anyhow::Error::from(crate::UsageError(format!("--script: {m}")));
+    let bad = |m: String| anyhow::Error::from(limpet_daemon::UsageError(format!("--script: {m}")));
     let mut out = Vec::new();
     for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let parts: Vec<&str> = item.split(':').collect();
@@ -334,7 +334,9 @@ pub fn run_scenario(
         std::fs::remove_dir_all(dir)
             .with_context(|| format!("clearing the previous run in {}", dir.display()))?;
     } else if dir.exists() && std::fs::read_dir(dir)?.next().is_some() {
-        return Err(crate::UsageError(format!("{} exists and holds something else", dir.display())).into());
+        return Err(
+            limpet_daemon::UsageError(format!("{} exists and holds something else", dir.display())).into()
+        );
     }
     let steps = job.steps;
     let started = Instant::now();
@@ -521,7 +523,7 @@ fn fire(
         Action::Drain { node } => {
             let id = cluster.file.node(node)?.id;
             let cmd = Command::Drain { id, reason: "limpet drain".into() };
-            rt.block_on(crate::status::propose(
+            rt.block_on(limpet_daemon::status::propose(
                 &cluster.file.cluster,
                 &cluster.file.control_addrs(),
                 tls,
@@ -615,14 +617,14 @@ pub fn merge(lines: &[StepLine], killed: &[u64], redone: &[(u64, u64)]) -> (Vec<
 }
 
 fn print_summary(s: &Summary, plot: &Path) {
-    println!("\n== limpet demo summary ==");
+    println!("\n== limpet-lab demo summary ==");
     println!("steps            {}", s.steps);
     println!("wall time        {:.1} s", s.wall_s);
     println!("final test loss  {:.4}", s.test_loss);
     println!("test accuracy    {:.2}%", s.test_accuracy * 100.0);
     println!("steps logged     {} of {}", s.steps_logged, s.steps);
     println!("steps redone     {}", s.steps_applied_twice);
-    println!("\n{}", crate::status::transitions_table(&s.transitions));
+    println!("\n{}", limpet_daemon::status::transitions_table(&s.transitions));
     println!("plot: {}", plot.display());
 }
 

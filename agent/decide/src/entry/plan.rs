@@ -1,14 +1,14 @@
 //! Entry planning, pure: from every rank's published states (live, snapshots, shadows), the
 //! step the epoch starts at and, for one rank, which states and blocks it takes from whom.
-//! Execution (`entry::enter`) fetches what this plans; the wire codec (`entry::wire`)
-//! carries the published states.
+//! The agent's entry execution fetches what this plans; the wire codec (`wire`) carries the
+//! published states.
 
-pub(crate) use crate::runtime::desc::Desc;
+pub use super::Desc;
 use std::ops::Range;
 
 /// What a rank does with its state when it enters an epoch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Entry {
+pub enum Entry {
     /// It holds the epoch's state for its blocks.
     Keep,
     /// It is behind, new, or holds other blocks: assemble its blocks from holders.
@@ -23,7 +23,7 @@ pub(crate) enum Entry {
 
 /// Which of a rank's states.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Src {
+pub enum Src {
     /// The state it trains with.
     Live,
     /// Its own state at one of its last two shadowing steps (0: the newest).
@@ -33,18 +33,21 @@ pub(crate) enum Src {
 }
 
 /// Every state a rank publishes, live first.
-pub(crate) const KINDS: [Src; 5] =
-    [Src::Live, Src::Snapshot(0), Src::Snapshot(1), Src::Shadow(0), Src::Shadow(1)];
+pub const KINDS: [Src; 5] = [Src::Live, Src::Snapshot(0), Src::Snapshot(1), Src::Shadow(0), Src::Shadow(1)];
 
 /// What a rank publishes at an epoch's entry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct RankState {
+pub struct RankState {
+    /// The state it trains with.
     pub live: Desc,
+    /// Its own states at its last two shadowing steps, newest first.
     pub snaps: [Option<Desc>; 2],
+    /// The next stage's states it keeps at those steps, newest first.
     pub shadows: [Option<Desc>; 2],
 }
 
 impl RankState {
+    /// The state of `kind`, if it has one.
     pub fn desc(&self, kind: Src) -> Option<Desc> {
         match kind {
             Src::Live => Some(self.live),
@@ -57,9 +60,12 @@ impl RankState {
 /// How a rank enters: the step everyone starts at, what it does, and for each source rank
 /// which of its states and which blocks it takes (itself included).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct EntryPlan {
+pub struct EntryPlan {
+    /// The step every rank starts the epoch at.
     pub step: u64,
+    /// What this rank does.
     pub action: Entry,
+    /// For each source rank, which of its states and which blocks this rank takes.
     pub sources: Vec<(usize, Src, Vec<usize>)>,
 }
 
@@ -83,7 +89,7 @@ fn add_source(sources: &mut Vec<(usize, Src, Vec<usize>)>, src: usize, kind: Src
 /// its only host), the epoch starts at the newest earlier step at which live states, kept
 /// snapshots and shadows together hold every block, and every rank loads that step: this
 /// rank's own states first, then the first rank's (live, then snapshot, then shadow).
-pub(crate) fn entry_plan(
+pub fn entry_plan(
     ranks: &[RankState],
     me: usize,
     target: Range<usize>,
@@ -155,16 +161,10 @@ pub(crate) fn entry_plan(
     Ok(EntryPlan { step: top, action: Entry::CatchUp, sources })
 }
 
-/// The block a state tensor belongs to: `param/bNN.x` and `optim/<slot>/bNN.x` are block NN's.
-pub(crate) fn block_of(name: &str) -> Option<usize> {
-    let leaf = name.rsplit('/').next()?;
-    let digits = leaf.strip_prefix('b')?.split('.').next()?;
-    digits.parse().ok()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::entry::block_of;
 
     fn at(step: u64, hash: [u8; 32], blocks: (usize, usize)) -> RankState {
         RankState { live: Desc { step, hash, blocks }, snaps: [None; 2], shadows: [None; 2] }

@@ -1,6 +1,6 @@
 //! The planner's dynamic program against exhaustive search, on random profiles and hosts.
 
-use limpet_agent::planner::{exhaustive, plan, predict, BlockCost, HostSpec, Link, ModelProfile, PlanInput};
+use limpet_decide::planner::{exhaustive, plan, predict, BlockCost, HostSpec, Link, ModelProfile, PlanInput};
 use proptest::prelude::*;
 
 fn arb_block() -> impl Strategy<Value = BlockCost> {
@@ -102,10 +102,10 @@ proptest! {
         if let Some(m) = micro {
             text.push_str(&format!(";micro={m}"));
         }
-        if let Ok(layout) = text.parse::<limpet_agent::planner::Layout>() {
+        if let Ok(layout) = text.parse::<limpet_decide::planner::HostLayout>() {
             if let Ok(p) = predict(&inp, &layout) {
                 prop_assert!(p.step_ms.is_finite() && p.step_ms >= 0.0);
-                prop_assert_eq!(p.layout.spec().parse::<limpet_agent::planner::Layout>().unwrap(), p.layout.clone());
+                prop_assert_eq!(p.layout.spec().parse::<limpet_decide::planner::HostLayout>().unwrap(), p.layout.clone());
             }
         }
     }

@@ -3,10 +3,10 @@
 //! becomes active, a quiet peer named by a broken collective is treated as failed at once, and
 //! a group broken with everyone alive is rebuilt after the failure timeout).
 
-use limpet_agent::leader::{plan_round, LeaderSettings, Reports};
-use limpet_agent::policy::{BaseBatch, BatchPolicy};
-use limpet_agent::report::{AgentReport, Broken, Phase, REPORT_VERSION};
 use limpet_consensus::state::{ClusterState, Command, Hardware, MemberSpec, MemberStatus, NodeId};
+use limpet_decide::leader::{plan_round, LeaderSettings, Reports};
+use limpet_decide::policy::{BaseBatch, BatchPolicy};
+use limpet_decide::report::{AgentReport, Broken, Phase, REPORT_VERSION};
 
 fn spec(id: NodeId) -> MemberSpec {
     MemberSpec {

@@ -24,12 +24,12 @@ struct WireRank {
 }
 
 /// f32 words per rank in the allgather.
-pub(crate) const WORDS: usize = std::mem::size_of::<WireRank>() / 4;
+pub const WORDS: usize = std::mem::size_of::<WireRank>() / 4;
 
 const NONE: u64 = u64::MAX;
 
 /// `r` as allgather words.
-pub(crate) fn encode(r: &RankState) -> Vec<f32> {
+pub fn encode(r: &RankState) -> Vec<f32> {
     let mut w = WireRank::zeroed();
     for (slot, d) in w.descs.iter_mut().zip(KINDS.iter().map(|&k| r.desc(k))) {
         *slot = match d {
@@ -49,7 +49,7 @@ pub(crate) fn encode(r: &RankState) -> Vec<f32> {
 
 /// One rank's words back into its states, for a model of `blocks` blocks. A live state is
 /// required; block ranges must lie within the model and not be reversed.
-pub(crate) fn decode(words: &[f32], blocks: usize) -> Result<RankState, String> {
+pub fn decode(words: &[f32], blocks: usize) -> Result<RankState, String> {
     if words.len() != WORDS {
         return Err(format!("an entry record has {} words, expected {WORDS}", words.len()));
     }

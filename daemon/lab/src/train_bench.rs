@@ -1,9 +1,9 @@
-//! `limpet bench train`: tokens per second of limpet's LLaMA training step in one process,
+//! `limpet-lab bench train`: tokens per second of limpet's LLaMA training step in one process,
 //! next to the same model in `transformers` (PyTorch eager, `bench/hf_train.py`) in the same
 //! run, on equal settings: the same configuration (limpet writes the `config.json` both
 //! build from), batch, context, libtorch threads, AdamW and gradient clipping at norm 1.
 //!
-//! `limpet bench dp`: samples per second of a cluster of `limpetd` agents (the whole agent:
+//! `limpet-lab bench dp`: samples per second of a cluster of `limpetd` agents (the whole agent:
 //! Raft log, heartbeats, ring allreduce) training that LLaMA on token shards, next to
 //! `torchrun` + DistributedDataParallel (gloo) training the transformers model on the same
 //! global batch with as many ranks (`bench/ddp_llama.py`), one libtorch thread per rank on both.
@@ -24,7 +24,7 @@ use serde::Serialize;
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-/// `limpet bench train`.
+/// `limpet-lab bench train`.
 #[derive(Debug, Args)]
 pub struct BenchTrainArgs {
     /// LLaMA preset: tiny, small, 125m, 350m, 1b.
@@ -57,7 +57,7 @@ pub struct BenchTrainArgs {
     pub json: bool,
 }
 
-/// What `limpet bench train` measured.
+/// What `limpet-lab bench train` measured.
 #[derive(Debug, Serialize)]
 pub struct TrainBenchReport {
     /// The model.
@@ -111,13 +111,13 @@ fn peer_files(
 /// Runs the benchmark.
 pub fn bench(a: BenchTrainArgs) -> anyhow::Result<()> {
     if a.batch == 0 || a.context == 0 || a.steps == 0 || a.threads == 0 || a.rounds == 0 {
-        return Err(crate::UsageError(
+        return Err(limpet_daemon::UsageError(
             "--batch, --context, --steps, --threads and --rounds must be at least 1".into(),
         )
         .into());
     }
-    let spec =
-        LlamaSpec::preset(&a.preset, a.vocab, a.context).map_err(|e| crate::UsageError(e.to_string()))?;
+    let spec = LlamaSpec::preset(&a.preset, a.vocab, a.context)
+        .map_err(|e| limpet_daemon::UsageError(e.to_string()))?;
     let tmp = tempfile::tempdir()?;
     // Enough random tokens for every step's windows, written as shards.
     random_shards(tmp.path(), a.vocab, a.context, (a.steps + a.warmup + 1) * a.batch as u64)?;
@@ -144,7 +144,7 @@ pub fn bench(a: BenchTrainArgs) -> anyhow::Result<()> {
         Ok((a.batch * a.context) as f64 * a.steps as f64 / secs)
     };
     let (cfg, script) =
-        peer_files(tmp.path(), &spec, "hf_train.py", include_str!("../../bench/hf_train.py"))?;
+        peer_files(tmp.path(), &spec, "hf_train.py", include_str!("../../../bench/hf_train.py"))?;
     let py = python();
     let theirs = || -> anyhow::Result<f64> {
         let out = Command::new(&py)
@@ -210,7 +210,7 @@ pub fn bench(a: BenchTrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `limpet bench dp`.
+/// `limpet-lab bench dp`.
 #[derive(Debug, Args)]
 pub struct BenchDpArgs {
     /// LLaMA preset: tiny, small, 125m, 350m, 1b.
@@ -239,7 +239,7 @@ pub struct BenchDpArgs {
     pub json: bool,
 }
 
-/// What `limpet bench dp` measured.
+/// What `limpet-lab bench dp` measured.
 #[derive(Debug, Serialize)]
 pub struct DpBenchReport {
     /// The model.
@@ -260,16 +260,16 @@ pub struct DpBenchReport {
     pub ratio: f64,
 }
 
-/// Runs `limpet bench dp`.
+/// Runs `limpet-lab bench dp`.
 pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
     if a.world < 2 || a.batch < a.world || a.steps == 0 || a.context == 0 {
-        return Err(crate::UsageError(
+        return Err(limpet_daemon::UsageError(
             "--world must be at least 2, --batch at least --world, --steps and --context at least 1".into(),
         )
         .into());
     }
-    let spec =
-        LlamaSpec::preset(&a.preset, a.vocab, a.context).map_err(|e| crate::UsageError(e.to_string()))?;
+    let spec = LlamaSpec::preset(&a.preset, a.vocab, a.context)
+        .map_err(|e| limpet_daemon::UsageError(e.to_string()))?;
     let tmp = tempfile::tempdir()?;
     let shards = tmp.path().join("shards");
     std::fs::create_dir_all(&shards)?;
@@ -313,7 +313,7 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
     let ours = (t.len() - 1) as f64 * a.batch as f64 / span_s.max(1e-9);
 
     let (cfg, script) =
-        peer_files(tmp.path(), &spec, "ddp_llama.py", include_str!("../../bench/ddp_llama.py"))?;
+        peer_files(tmp.path(), &spec, "ddp_llama.py", include_str!("../../../bench/ddp_llama.py"))?;
     eprintln!("torchrun: {} ranks, DDP (gloo), the same LLaMA in transformers", a.world);
     let py = python();
     let port = crate::raft_cmd::free_port()?;
@@ -366,7 +366,7 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `limpet bench memory`.
+/// `limpet-lab bench memory`.
 #[derive(Debug, Args)]
 pub struct BenchMemoryArgs {
     /// LLaMA preset: tiny, small, 125m, 350m, 1b.
@@ -389,7 +389,7 @@ pub struct BenchMemoryArgs {
     pub json: bool,
 }
 
-/// What `limpet bench memory` measured.
+/// What `limpet-lab bench memory` measured.
 #[derive(Debug, Serialize)]
 pub struct MemoryBenchReport {
     /// Parameters of the model.
@@ -431,18 +431,18 @@ fn sparse_shards(dir: &std::path::Path, bytes: u64, vocab: u64) -> anyhow::Resul
     Ok(())
 }
 
-/// Runs `limpet bench memory`: peak RSS of training on a large token dataset against the
+/// Runs `limpet-lab bench memory`: peak RSS of training on a large token dataset against the
 /// model's own footprint and against the same training on a small dataset.
 pub fn bench_memory(a: BenchMemoryArgs) -> anyhow::Result<()> {
     let vocab = 8192usize;
-    let spec =
-        LlamaSpec::preset(&a.preset, vocab, a.context).map_err(|e| crate::UsageError(e.to_string()))?;
+    let spec = LlamaSpec::preset(&a.preset, vocab, a.context)
+        .map_err(|e| limpet_daemon::UsageError(e.to_string()))?;
     let tmp = tempfile::tempdir()?;
     let (large, small) = (tmp.path().join("large"), tmp.path().join("small"));
     eprintln!("writing and hashing a {} GiB token dataset (sparse)", a.dataset_gib);
     sparse_shards(&large, a.dataset_gib << 30, vocab as u64)?;
     sparse_shards(&small, 1 << 20, vocab as u64)?;
-    let exe = std::env::current_exe()?;
+    let exe = crate::local::limpet_path()?;
     let peak = |data: &std::path::Path, out: &str| -> anyhow::Result<(u64, u64)> {
         let run = Command::new(&exe)
             .args(["train", "--model", "llama", "--data", "tokens", "--json", "--preset", &a.preset])

@@ -1,0 +1,18 @@
+//! limpet's decisions, each a pure function of what it is given, so each is tested by what
+//! it returns and read in one place. Nothing here does I/O, reads a clock or spawns:
+//! - `controller`: from the replicated state and every member's progress, the commands that
+//!   change the cluster (failures, notices, drains, joins, layout re-plans);
+//! - `leader`: one round of the leader (reports in, commands and a reason out);
+//! - `policy`: the batch and learning-rate policies an epoch applies;
+//! - `planner`: the data x pipeline layout and stage cuts for a set of hosts;
+//! - `report`: what an agent tells the leader in its heartbeats;
+//! - `entry`: how the ranks of a new epoch agree on one state (who copies what from whom).
+//!
+//! The agent (`limpet-agent`) runs these; `limpet plan` and tests call them directly.
+
+pub mod controller;
+pub mod entry;
+pub mod leader;
+pub mod planner;
+pub mod policy;
+pub mod report;

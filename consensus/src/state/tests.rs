@@ -1,0 +1,136 @@
+use super::*;
+
+fn spec(id: NodeId, name: &str) -> MemberSpec {
+    MemberSpec {
+        id,
+        name: name.into(),
+        control_addr: format!("127.0.0.1:{}", 7000 + id),
+        data_addr: format!("127.0.0.1:{}", 8000 + id),
+        hardware: Hardware::default(),
+    }
+}
+
+fn three() -> ClusterState {
+    ClusterState::bootstrap("c", &[spec(1, "a"), spec(2, "b"), spec(3, "c")])
+}
+
+fn epoch(id: u64, start: u64, ranks: &[NodeId]) -> Epoch {
+    Epoch {
+        id,
+        start_step: start,
+        ranks: ranks.to_vec(),
+        layout: Layout::data_parallel(ranks.len()),
+        batch: EpochBatch { global_batch: 64, micro_batch: 16 },
+        lr_scale: 1.0,
+        sources: BTreeMap::new(),
+        cause: "test".into(),
+        causes: Vec::new(),
+    }
+}
+
+#[test]
+fn an_epoch_with_sources_survives_the_log() {
+    let mut e = epoch(3, 10, &[1, 2]);
+    e.sources.insert(2, 1);
+    let p = Proposal {
+        v: FORMAT_VERSION,
+        origin: ProposalId { node: 1, seq: 1 },
+        command: Command::ScheduleEpoch { epoch: e.clone() },
+    };
+    let back = Proposal::decode(&p.encode()).unwrap();
+    assert_eq!(back, p);
+    let twice = String::from_utf8(p.encode()).unwrap().replace("[[2,1]]", "[[2,1],[2,3]]");
+    let err = Proposal::decode(twice.as_bytes()).unwrap_err().to_string();
+    assert!(err.contains("two state sources"), "{err}");
+}
+
+#[test]
+fn a_refused_command_changes_nothing() {
+    let mut st = three();
+    let before = st.clone();
+    assert!(st.apply(&Command::Join { member: spec(4, "a") }).unwrap_err().contains("taken by node 1"));
+    assert!(st.apply(&Command::Activate { id: 9 }).is_err());
+    assert!(st.apply(&Command::ScheduleEpoch { epoch: epoch(1, 0, &[1, 9]) }).is_err());
+    assert_eq!(st, before);
+}
+
+#[test]
+fn members_follow_their_life_cycle() {
+    let mut st = three();
+    st.apply(&Command::Join { member: spec(4, "d") }).unwrap();
+    assert_eq!(st.members[&4].status, MemberStatus::Joining);
+    st.apply(&Command::Activate { id: 4 }).unwrap();
+    st.apply(&Command::Notice { id: 4, deadline_ms: 500, source: "aws".into() }).unwrap();
+    assert_eq!(st.members[&4].status, MemberStatus::Leaving);
+    assert_eq!(st.members[&4].deadline_ms, Some(500));
+    assert!(st.apply(&Command::Activate { id: 4 }).unwrap_err().contains("cannot activate"));
+    st.apply(&Command::Remove { id: 4, reason: "left".into() }).unwrap();
+    assert!(st.apply(&Command::Notice { id: 4, deadline_ms: 9, source: "aws".into() }).is_err());
+    // A gone node may come back under its name, and its name is free for others.
+    st.apply(&Command::Join { member: spec(4, "d") }).unwrap();
+    assert_eq!(st.members[&4].status, MemberStatus::Joining);
+}
+
+#[test]
+fn epochs_only_move_forward() {
+    let mut st = three();
+    st.apply(&Command::ScheduleEpoch { epoch: epoch(1, 0, &[1, 2, 3]) }).unwrap();
+    st.apply(&Command::ActivateEpoch { id: 1 }).unwrap();
+    assert!(st.apply(&Command::ScheduleEpoch { epoch: epoch(1, 5, &[1, 2]) }).is_err(), "same id");
+    st.apply(&Command::ScheduleEpoch { epoch: epoch(2, 10, &[1, 2]) }).unwrap();
+    assert!(st.apply(&Command::ScheduleEpoch { epoch: epoch(3, 2, &[1, 2]) }).is_ok());
+    assert!(st.apply(&Command::ActivateEpoch { id: 2 }).unwrap_err().contains("epoch 3 is"));
+    let mut bad = epoch(4, 20, &[1, 2]);
+    bad.layout = Layout::data_parallel(1);
+    assert!(st.apply(&Command::ScheduleEpoch { epoch: bad }).unwrap_err().contains("does not cover"));
+    let mut bad = epoch(4, 20, &[1, 2]);
+    bad.layout = Layout { data: 1, pipeline: 2, cuts: vec![] };
+    assert!(st
+        .apply(&Command::ScheduleEpoch { epoch: bad })
+        .unwrap_err()
+        .contains("need 1 increasing block cuts"));
+    let mut bad = epoch(4, 20, &[1, 2]);
+    bad.layout = Layout { data: 1, pipeline: 2, cuts: vec![0] };
+    assert!(st.apply(&Command::ScheduleEpoch { epoch: bad }).is_err(), "a stage without blocks");
+    let pipelined = Layout { data: 1, pipeline: 2, cuts: vec![3] };
+    assert_eq!(pipelined.stage_blocks(5).unwrap(), vec![0..3, 3..5]);
+    assert!(pipelined.stage_blocks(3).unwrap_err().contains("do not split 3 blocks"));
+    let mut bad = epoch(4, 20, &[1, 2]);
+    bad.lr_scale = f64::NAN;
+    assert!(st.apply(&Command::ScheduleEpoch { epoch: bad }).is_err());
+    let early = epoch(4, 0, &[1]);
+    st.apply(&Command::ActivateEpoch { id: 3 }).unwrap();
+    assert!(st.apply(&Command::ScheduleEpoch { epoch: early }).unwrap_err().contains("before the current"));
+}
+
+#[test]
+fn the_job_is_set_once() {
+    let mut st = three();
+    let job = serde_json::json!({"model": "mlp", "steps": 10});
+    st.apply(&Command::SetJob { job: job.clone() }).unwrap();
+    st.apply(&Command::SetJob { job }).unwrap();
+    assert!(st.apply(&Command::SetJob { job: serde_json::json!({"model": "gpt"}) }).is_err());
+}
+
+#[test]
+fn checkpoint_records_are_ordered_and_bounded() {
+    let mut st = three();
+    st.apply(&Command::ScheduleEpoch { epoch: epoch(1, 0, &[1]) }).unwrap();
+    let rec =
+        |step| CheckpointRecord { step, epoch: 1, content_hash: "h".into(), location: "l".into(), node: 1 };
+    for step in 0..20 {
+        st.apply(&Command::RecordCheckpoint { record: rec(step) }).unwrap();
+    }
+    assert_eq!(st.checkpoints.len(), MAX_CHECKPOINT_RECORDS);
+    assert!(st.apply(&Command::RecordCheckpoint { record: rec(3) }).is_err());
+    let future = CheckpointRecord { epoch: 7, ..rec(30) };
+    assert!(st.apply(&Command::RecordCheckpoint { record: future }).is_err());
+}
+
+#[test]
+fn proposals_of_another_version_are_refused_by_name() {
+    let p = Proposal { v: 2, origin: ProposalId { node: 1, seq: 1 }, command: Command::Activate { id: 1 } };
+    let err = Proposal::decode(&p.encode()).unwrap_err();
+    assert!(err.to_string().contains("format version 2"), "{err}");
+    assert!(Proposal::decode(b"{\"v\":1}").unwrap_err().to_string().contains("missing field"));
+}

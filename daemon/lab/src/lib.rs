@@ -1,0 +1,16 @@
+//! limpet's lab as a library: the demo (`demo`, which also drives scripted scenarios), local
+//! clusters on loopback (`local`), the benchmarks (`raft_cmd`, `dp_cmd`, `elastic_bench`,
+//! `pipe_bench`, `train_bench`) with the worker processes they start, and the `limpet-lab`
+//! command line (`cli`). Everything an operator runs is `limpet-daemon`; this crate only
+//! drives it, so the product binaries do not carry it.
+
+#![forbid(unsafe_code)]
+
+pub mod cli;
+pub mod demo;
+pub mod dp_cmd;
+pub mod elastic_bench;
+pub mod local;
+pub mod pipe_bench;
+pub mod raft_cmd;
+pub mod train_bench;

@@ -1,0 +1,176 @@
+use super::*;
+
+fn example(secret: &Path) -> String {
+    format!(
+        r#"
+[node]
+name = "gpu-1"
+control = "127.0.0.1:7400"
+data = "127.0.0.1:7401"
+state_dir = "/tmp/limpet"
+secret_file = "{}"
+
+[cluster]
+name = "demo"
+bootstrap = ["1=127.0.0.1:7400"]
+
+[job]
+model = "mlp"
+data = "digits"
+steps = 400
+global_batch = 64
+
+[revocation]
+sources = ["aws"]
+aws_endpoint = "http://127.0.0.1:9000"
+"#,
+        secret.display()
+    )
+}
+
+fn secret() -> tempfile::NamedTempFile {
+    let f = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(f.path(), b"0123456789abcdef0123").unwrap();
+    f
+}
+
+#[test]
+fn a_pipeline_section_parses() {
+    let s = secret();
+    let text = format!("{}\n[pipeline]\nstages = \"auto\"\nshadow_every = 10\n", example(s.path()));
+    let cfg = Config::parse(&text, "limpet.toml").unwrap();
+    let p = cfg.pipeline.unwrap();
+    assert_eq!((p.stages, p.shadow_every, p.memory.as_str()), (Stages::Named("auto".into()), 10, "16G"));
+}
+
+#[test]
+fn the_documented_example_is_valid() {
+    let s = secret();
+    let cfg = Config::parse(&example(s.path()), "limpet.toml").unwrap();
+    assert_eq!(cfg.job.policy, BatchPolicy::FixedGlobal);
+    assert_eq!(cfg.cluster.max_voters, 5);
+    assert_ne!(cfg.node_id(), 0);
+}
+
+#[test]
+fn a_llama_on_token_shards_is_configured_by_model_and_data() {
+    let s = secret();
+    let text = example(s.path())
+        .replace("model = \"mlp\"", "model = \"llama\"\nprecision = \"bf16\"\ndevice = \"auto\"")
+        .replace("data = \"digits\"", "data = \"tokens\"\ndata_path = \"/data/shards\"")
+        + "\n[model]\npreset = \"small\"\nkv_heads = 2\n\n[data]\ncontext = 256\n";
+    let f = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(f.path(), text).unwrap();
+    let cfg = Config::load(f.path()).unwrap();
+    assert_eq!(
+        (cfg.model.preset.as_deref(), cfg.model.kv_heads, cfg.data.context),
+        (Some("small"), Some(2), Some(256))
+    );
+    assert_eq!((cfg.job.device.as_str(), cfg.job.precision.as_str()), ("auto", "bf16"));
+}
+
+#[test]
+fn errors_name_the_file_and_the_key() {
+    let s = secret();
+    let good = example(s.path());
+    let cases = [
+        (good.replace("control = ", "contorl = "), "unknown field `contorl`"),
+        (good.replace("127.0.0.1:7401", "127.0.0.1:99999"), "[node].data"),
+        (good.replace("\"mlp\"", "\"resnet\""), "[job].model"),
+        (good.replace("global_batch = 64", "global_batch = 64\noptimizer = \"lion\""), "[job].optimizer"),
+        (good.replace("global_batch = 64", "global_batch = 64\nweight_decay = -1.0"), "[job].weight_decay"),
+        (good.replace("sources = [\"aws\"]", "sources = [\"oracle\"]"), "[revocation].sources"),
+        (good.replace("steps = 400", "steps = \"many\""), "line"),
+        (good.replace("[\"1=127.0.0.1:7400\"]", "[\"one=127.0.0.1:7400\"]"), "[cluster].bootstrap"),
+        (
+            good.replace("global_batch = 64", "global_batch = 64\npolicy = \"cubic\""),
+            "unknown variant `cubic`",
+        ),
+        (format!("{good}\n[pipeline]\nstages = 0\n"), "[pipeline].stages"),
+        (format!("{good}\n[pipeline]\nstages = \"many\"\n"), "[pipeline].stages"),
+        (format!("{good}\n[pipeline]\nstages = 2\nmemory = \"lots\"\n"), "[pipeline].memory"),
+        (format!("{good}\n[pipeline]\nstages = 2\ncuts = [2, 1]\n"), "[pipeline].cuts"),
+        (format!("{good}\n[pipeline]\nstages = 3\ncuts = [2]\n"), "set stages = 2"),
+        (format!("{good}\n[pipeline]\nstages = 2\nlink_gbps = 0.0\n"), "[pipeline].link_gbps"),
+        (good.replace("global_batch = 64", "global_batch = 64\nlayers = 3"), "[job].layers"),
+        (good.replace("global_batch = 64", "global_batch = 64\ndevice = \"gpu\""), "[job].device"),
+        (good.replace("global_batch = 64", "global_batch = 64\nprecision = \"fp16\""), "[job].precision"),
+        (
+            good.replace("global_batch = 64", "global_batch = 64\nprecision = \"bf16\""),
+            "for model \"llama\" only",
+        ),
+        (good.replace("data = \"digits\"", "data = \"tokens\""), "[job].data_path"),
+        (format!("{good}\n[model]\npreset = \"tiny\"\n"), "[model].preset: applies to model llama only"),
+        (format!("{good}\n[model]\nlayers = 3\n"), "[model].layers: applies to models gpt and llama"),
+        (format!("{good}\n[model]\nwidth = 3\n"), "unknown field `width`"),
+        (format!("{good}\n[data]\ncontext = 8\n"), "[data].context"),
+        (good.replace("secret_file", "metrics = \"localhost\"\nsecret_file"), "[node].metrics"),
+        (good.replace("secret_file", "log_format = \"xml\"\nsecret_file"), "[node].log_format"),
+        (good.replace("secret_file", "data_congestion = \"BBR\"\nsecret_file"), "[node].data_congestion"),
+        (
+            good.replace("secret_file", "data_congestion = \"a_name_too_long_x\"\nsecret_file"),
+            "1 to 15 characters",
+        ),
+        (format!("{good}\n[timing]\ndrain_grace_secs = 0\n"), "[timing].drain_grace_secs"),
+        (format!("{good}\n[checkpoint]\nkeep = 2\n"), "set every_steps or every_minutes"),
+        (format!("{good}\n[checkpoint]\nevery_steps = 5\nkeep = 0\n"), "[checkpoint].keep"),
+        (format!("{good}\n[checkpoint]\nevery_minutes = -1.0\n"), "[checkpoint].every_minutes"),
+        (format!("{good}\n[checkpoint]\nevery_minutes = 5.0\n[pipeline]\nstages = 2\n"), "every_steps only"),
+        (format!("{good}\n[checkpoint]\nevery_steps = 5\ns3 = \"gs://x/y\"\n"), "[checkpoint].s3"),
+        (format!("{good}\n[checkpoint]\nevery_steps = 5\ns3 = \"s3://A_B/y\"\n"), "not a bucket name"),
+        (
+            format!(
+                "{good}\n[checkpoint]\nevery_steps = 5\ns3 = \"s3://bkt/y\"\ns3_endpoint = \"minio:9000\"\n"
+            ),
+            "[checkpoint].s3_endpoint",
+        ),
+        (format!("{good}\n[checkpoint]\nevery_steps = 5\ns3_endpoint = \"http://m\"\n"), "set s3 too"),
+        (
+            format!(
+                "{good}\n[security]\nca = \"/nonexistent/ca.pem\"\ncert = \"/x.pem\"\nkey = \"/x.key\"\n"
+            ),
+            "[security].ca",
+        ),
+        (
+            format!("{good}\n[security]\nca = \"/a\"\ncert = \"/b\"\nkey = \"/c\"\ndata_plane = \"none\"\n"),
+            "[security].data_plane",
+        ),
+    ];
+    for (text, want) in cases {
+        let e = Config::parse(&text, "limpet.toml").unwrap_err().to_string();
+        assert!(e.starts_with("limpet.toml: "), "{e}");
+        assert!(e.contains(want), "expected {want:?} in {e}");
+    }
+}
+
+#[test]
+fn security_takes_a_node_certificate_of_the_ca_only() {
+    let s = secret();
+    let d = tempfile::tempdir().unwrap();
+    crate::certs::init(d.path(), "t", 5).unwrap();
+    crate::certs::issue_for_days(d.path(), "n1", crate::certs::Kind::Node, 5).unwrap();
+    crate::certs::issue_for_days(d.path(), "op", crate::certs::Kind::Client, 5).unwrap();
+    let with = |name: &str| {
+        let p = |f: String| d.path().join(f).display().to_string();
+        format!(
+            "{}\n[security]\nca = {:?}\ncert = {:?}\nkey = {:?}\n",
+            example(s.path()),
+            p("ca.pem".into()),
+            p(format!("{name}.pem")),
+            p(format!("{name}.key"))
+        )
+    };
+    Config::parse(&with("n1"), "c.toml").unwrap();
+    let e = Config::parse(&with("op"), "c.toml").unwrap_err().to_string();
+    assert!(e.contains("[security].cert") && e.contains("operator certificate"), "{e}");
+}
+
+#[test]
+fn a_short_or_missing_secret_is_refused() {
+    let short = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(short.path(), b"short").unwrap();
+    let e = Config::parse(&example(short.path()), "c.toml").unwrap_err().to_string();
+    assert!(e.contains("[node].secret_file") && e.contains("5 bytes"), "{e}");
+    let e = Config::parse(&example(Path::new("/nonexistent/secret")), "c.toml").unwrap_err().to_string();
+    assert!(e.contains("/nonexistent/secret"), "{e}");
+}

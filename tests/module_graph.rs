@@ -1,0 +1,216 @@
+//! The shape of the source tree, checked: no module of a crate depends on a module that
+//! depends back on it (directly or through others), and no source file grows past the size
+//! a reader can hold. A cycle means two rooms that cannot be understood, tested or moved
+//! apart; the fix is to move what both need into a third.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// Crate source folders, relative to the workspace root.
+const CRATES: &[&str] = &[
+    "agent/src",
+    "agent/decide/src",
+    "consensus/src",
+    "daemon/src",
+    "daemon/lab/src",
+    "trainer/src",
+    "snapshot/src",
+    "deploy/src",
+];
+
+/// Lines a source file may have.
+const MAX_LINES: usize = 800;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+/// Every module of a crate (`a::b`, the root is ``) and its file.
+fn modules(src: &Path) -> BTreeMap<String, PathBuf> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![src.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                if p.file_name().is_some_and(|n| n != "bin") {
+                    stack.push(p);
+                }
+                continue;
+            }
+            if p.extension().is_none_or(|x| x != "rs") {
+                continue;
+            }
+            let rel = p.strip_prefix(src).unwrap().with_extension("");
+            let mut parts: Vec<String> = rel.iter().map(|s| s.to_string_lossy().into_owned()).collect();
+            if matches!(parts.last().map(String::as_str), Some("mod" | "lib" | "main")) {
+                parts.pop();
+            }
+            out.insert(parts.join("::"), p);
+        }
+    }
+    out
+}
+
+/// The code of a file without its unit tests (they may reach anywhere in the crate).
+fn code(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap();
+    match text.find("#[cfg(test)]\nmod tests") {
+        Some(at) => text[..at].to_string(),
+        None => text,
+    }
+}
+
+/// The `a::b::c` paths following each occurrence of `prefix` in `text`.
+fn paths_after<'a>(text: &'a str, prefix: &'a str) -> impl Iterator<Item = Vec<&'a str>> + 'a {
+    text.match_indices(prefix).filter_map(move |(at, _)| {
+        let before = text[..at].chars().next_back();
+        if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
+            return None;
+        }
+        let rest = &text[at + prefix.len()..];
+        let end =
+            rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':')).unwrap_or(rest.len());
+        let path: Vec<&str> = rest[..end].split("::").filter(|s| !s.is_empty()).collect();
+        (!path.is_empty()).then_some(path)
+    })
+}
+
+/// The longest module of `names` that `path` (from `base`) names.
+fn resolve(names: &BTreeSet<String>, base: &[&str], path: &[&str]) -> Option<String> {
+    (1..=path.len()).rev().find_map(|i| {
+        let full: Vec<&str> = base.iter().chain(&path[..i]).copied().collect();
+        let name = full.join("::");
+        names.contains(&name).then_some(name)
+    })
+}
+
+/// The module dependency graph of one crate (edges between a module and its own ancestors
+/// or descendants do not count: a parent declares its children).
+fn graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
+    let mods = modules(src);
+    let names: BTreeSet<String> = mods.keys().cloned().collect();
+    let mut edges = BTreeMap::new();
+    for (m, file) in &mods {
+        let text = code(file);
+        let me: Vec<&str> = m.split("::").filter(|s| !s.is_empty()).collect();
+        let is_dir_module = file.file_name().is_some_and(|n| n == "mod.rs" || n == "lib.rs");
+        let parent: Vec<&str> =
+            if is_dir_module { me.clone() } else { me[..me.len().saturating_sub(1)].to_vec() };
+        let mut deps = BTreeSet::new();
+        for path in paths_after(&text, "crate::") {
+            deps.extend(resolve(&names, &[], &path));
+        }
+        for path in paths_after(&text, "super::") {
+            let up = &parent[..parent.len().saturating_sub(1)];
+            deps.extend(resolve(&names, up, &path));
+        }
+        deps.retain(|d| {
+            d != m
+                && !m.starts_with(&format!("{d}::"))
+                && !d.starts_with(&format!("{m}::"))
+                && !d.is_empty()
+                && !m.is_empty()
+        });
+        edges.insert(m.clone(), deps);
+    }
+    edges
+}
+
+/// Strongly connected components with more than one module (Tarjan).
+fn cycles(g: &BTreeMap<String, BTreeSet<String>>) -> Vec<Vec<String>> {
+    struct T<'a> {
+        g: &'a BTreeMap<String, BTreeSet<String>>,
+        index: BTreeMap<&'a str, usize>,
+        low: BTreeMap<&'a str, usize>,
+        stack: Vec<&'a str>,
+        on: BTreeSet<&'a str>,
+        out: Vec<Vec<String>>,
+    }
+    fn visit<'a>(t: &mut T<'a>, v: &'a str) {
+        let i = t.index.len();
+        t.index.insert(v, i);
+        t.low.insert(v, i);
+        t.stack.push(v);
+        t.on.insert(v);
+        for w in &t.g[v] {
+            if !t.index.contains_key(w.as_str()) {
+                visit(t, w);
+                let lw = t.low[w.as_str()];
+                let lv = t.low.get_mut(v).unwrap();
+                *lv = (*lv).min(lw);
+            } else if t.on.contains(w.as_str()) {
+                let iw = t.index[w.as_str()];
+                let lv = t.low.get_mut(v).unwrap();
+                *lv = (*lv).min(iw);
+            }
+        }
+        if t.low[v] == t.index[v] {
+            let mut comp = Vec::new();
+            loop {
+                let w = t.stack.pop().unwrap();
+                t.on.remove(w);
+                comp.push(w.to_string());
+                if w == v {
+                    break;
+                }
+            }
+            if comp.len() > 1 {
+                comp.sort();
+                t.out.push(comp);
+            }
+        }
+    }
+    let mut t = T {
+        g,
+        index: BTreeMap::new(),
+        low: BTreeMap::new(),
+        stack: Vec::new(),
+        on: BTreeSet::new(),
+        out: Vec::new(),
+    };
+    for v in g.keys() {
+        if !t.index.contains_key(v.as_str()) {
+            visit(&mut t, v);
+        }
+    }
+    t.out
+}
+
+#[test]
+fn no_crate_has_a_module_cycle() {
+    let mut found = Vec::new();
+    for c in CRATES {
+        for cycle in cycles(&graph(&root().join(c))) {
+            found.push(format!("{c}: {}", cycle.join(" <-> ")));
+        }
+    }
+    assert!(found.is_empty(), "module cycles:\n{}", found.join("\n"));
+}
+
+#[test]
+fn the_checker_finds_a_cycle() {
+    let g: BTreeMap<String, BTreeSet<String>> = [
+        ("a".to_string(), BTreeSet::from(["b".to_string()])),
+        ("b".to_string(), BTreeSet::from(["c".to_string()])),
+        ("c".to_string(), BTreeSet::from(["a".to_string()])),
+        ("d".to_string(), BTreeSet::from(["a".to_string()])),
+    ]
+    .into_iter()
+    .collect();
+    assert_eq!(cycles(&g), vec![vec!["a".to_string(), "b".to_string(), "c".to_string()]]);
+}
+
+#[test]
+fn no_source_file_is_over_the_limit() {
+    let mut long = Vec::new();
+    for c in CRATES {
+        for (_, file) in modules(&root().join(c)) {
+            let n = std::fs::read_to_string(&file).unwrap().lines().count();
+            if n > MAX_LINES {
+                long.push(format!("{} ({n} lines)", file.display()));
+            }
+        }
+    }
+    assert!(long.is_empty(), "files over {MAX_LINES} lines:\n{}", long.join("\n"));
+}
