@@ -6,6 +6,7 @@
 //! SIGINT (peers treat that as a failure, which they survive).
 
 use crate::config::Config;
+use crate::config::{OptimizerName, SourceName};
 use crate::UsageError;
 use clap::{Args, Parser, Subcommand};
 use limpet_agent::revocation::Source;
@@ -15,7 +16,7 @@ use limpet_trainer::data::Dataset;
 use limpet_trainer::model::Precision;
 use limpet_trainer::optim::OptimizerSpec;
 use limpet_trainer::workload;
-use limpet_trainer::{JobSpec, ModelKind};
+use limpet_trainer::JobSpec;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -68,7 +69,7 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
             cfg.node_id(),
             cfg.cluster.name
         );
-        if cfg.job.model == "torchscript" {
+        if cfg.job.model == crate::config::ModelName::Torchscript {
             let path = cfg.model.path.as_deref().expect("validated: torchscript has [model].path");
             let hash =
                 limpet_trainer::model::script::register(path).map_err(|e| UsageError(e.to_string()))?;
@@ -82,7 +83,11 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
     }
     let path = cli.run.config.ok_or_else(|| UsageError("--config FILE is required".into()))?;
     let cfg = Config::load(&path).map_err(|e| UsageError(e.to_string()))?;
-    let json = cli.run.log_format.as_deref().unwrap_or(&cfg.node.log_format) == "json";
+    let json = cli
+        .run
+        .log_format
+        .as_deref()
+        .map_or(cfg.node.log_format == crate::config::LogFormat::Json, |f| f == "json");
     crate::init_tracing_as(json);
     limpet_trainer::set_threads(1);
     let mut agent_cfg = agent_config(&cfg, cli.run.step_log)?;
@@ -274,10 +279,10 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
         .revocation
         .sources
         .iter()
-        .map(|s| match s.as_str() {
-            "aws" => Source::Aws { endpoint: cfg.revocation.aws_endpoint.clone() },
-            "gcp" => Source::Gcp { endpoint: cfg.revocation.gcp_endpoint.clone() },
-            _ => Source::Azure { endpoint: cfg.revocation.azure_endpoint.clone() },
+        .map(|s| match s {
+            SourceName::Aws => Source::Aws { endpoint: cfg.revocation.aws_endpoint.clone() },
+            SourceName::Gcp => Source::Gcp { endpoint: cfg.revocation.gcp_endpoint.clone() },
+            SourceName::Azure => Source::Azure { endpoint: cfg.revocation.azure_endpoint.clone() },
         })
         .collect();
     a.poll = Duration::from_secs_f64(cfg.revocation.poll_secs);
@@ -293,14 +298,14 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
     a.step_log = step_log.or_else(|| cfg.node.step_log.clone());
     if let Some(sec) = &cfg.security {
         a.tls = Some(std::sync::Arc::new(sec.load("the configuration")?));
-        a.tls_data = sec.data_plane == "tls";
+        a.tls_data = sec.data_plane == crate::config::DataPlaneMode::Tls;
     }
     a.pipeline = cfg.pipeline.as_ref().map(|p| limpet_agent::runtime::PipelineSettings {
         depth: match p.stages {
             crate::config::Stages::Fixed(n) => Some(n),
             crate::config::Stages::Named(_) => None,
         },
-        mem_bytes: crate::plan_cmd::parse_bytes(&p.memory).unwrap_or(16 << 30),
+        mem_bytes: crate::args::parse_bytes(&p.memory).unwrap_or(16 << 30),
         link: limpet_agent::planner::Link { bytes_per_s: p.link_gbps * 1e9, latency_ms: p.latency_ms },
         shadow_every: p.shadow_every,
         cuts: p.cuts.clone(),
@@ -336,13 +341,7 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
 /// by what the file sets.
 pub fn job_spec(cfg: &Config) -> anyhow::Result<JobSpec> {
     let j = &cfg.job;
-    let kind = match j.model.as_str() {
-        "mlp" => ModelKind::Mlp,
-        "convnet" => ModelKind::Convnet,
-        "llama" => ModelKind::Llama,
-        "torchscript" => ModelKind::Torchscript,
-        _ => ModelKind::Gpt,
-    };
+    let kind = j.model.kind();
     let spec = workload::data_spec(&j.data, &cfg.data, j.seed)?;
     let data = Dataset::load(&spec, j.data_path.as_deref())?;
     let mut model = cfg.model.clone();
@@ -359,7 +358,10 @@ pub fn job_spec(cfg: &Config) -> anyhow::Result<JobSpec> {
         Precision::parse(&j.precision).map_err(|e| UsageError(format!("[job].precision: {e}")))?;
     if let Some(o) = &j.optimizer {
         let (lr, wd) = (job.optimizer.lr(), job.optimizer.weight_decay());
-        job.optimizer = if o == "sgd" { OptimizerSpec::sgd(lr, wd) } else { OptimizerSpec::adamw(lr, wd) };
+        job.optimizer = match o {
+            OptimizerName::Sgd => OptimizerSpec::sgd(lr, wd),
+            OptimizerName::Adamw => OptimizerSpec::adamw(lr, wd),
+        };
     }
     if let Some(lr) = j.lr {
         job.optimizer.set_lr(lr);

@@ -2,7 +2,7 @@
 //! prints the data x pipeline layout the planner chooses for the given hosts, with its
 //! predicted step time and the runners-up.
 
-use crate::args::JobArgs;
+use crate::args::{parse_bytes, JobArgs};
 use crate::UsageError;
 use anyhow::Context;
 use clap::Args;
@@ -55,26 +55,6 @@ pub struct PlanArgs {
 
 fn usage(msg: impl Into<String>) -> anyhow::Error {
     UsageError(msg.into()).into()
-}
-
-/// Parses a memory size like `512M`, `16G`, `16GiB` or a plain byte count.
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let digits = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
-    let (num, unit) = t.split_at(digits);
-    let v: f64 = num.parse().map_err(|_| format!("{s:?} is not a size like 512M or 16G"))?;
-    let mult = match unit.trim().to_ascii_uppercase().trim_end_matches("IB").trim_end_matches('B') {
-        "" => 1u64,
-        "K" => 1 << 10,
-        "M" => 1 << 20,
-        "G" => 1 << 30,
-        "T" => 1 << 40,
-        _ => return Err(format!("{s:?} has unknown unit {unit:?} (use K, M, G or T)")),
-    };
-    if !v.is_finite() || v <= 0.0 {
-        return Err(format!("{s:?} is not a positive size"));
-    }
-    Ok((v * mult as f64) as u64)
 }
 
 /// Parses `--hosts`: `N`, or `[COUNTx]SPEED[:MEMORY]` groups joined by commas. Hosts are

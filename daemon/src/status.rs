@@ -438,27 +438,39 @@ pub fn render(d: &StatusDoc) -> String {
         s +=
             &format!("next epoch {} at step {}: [{}] ({})\n", e.id, e.start_step, e.ranks.join(" "), e.cause);
     }
-    s += &format!(
-        "\n{:<8} {:<8} {:<9} {:<9} {:>6} {:>6} {:>8} {:>9} {:>7}  {:<14}  {}\n",
-        "NODE", "ROLE", "STATUS", "PHASE", "EPOCH", "STEP", "LOSS", "SAMPLES/S", "HB(ms)", "HOST", "REASON"
+    let mut nodes = table(
+        &[
+            "NODE",
+            "ROLE",
+            "STATUS",
+            "PHASE",
+            "EPOCH",
+            "STEP",
+            "LOSS",
+            "SAMPLES/S",
+            "HB(ms)",
+            "HOST",
+            "REASON",
+        ],
+        4..9,
     );
     for n in &d.nodes {
         let opt = |v: Option<String>| v.unwrap_or_else(|| "-".into());
-        s += &format!(
-            "{:<8} {:<8} {:<9} {:<9} {:>6} {:>6} {:>8} {:>9} {:>7}  {:<14}  {}\n",
-            n.name,
-            n.role,
-            n.status,
+        nodes.add_row(vec![
+            n.name.clone(),
+            n.role.clone(),
+            n.status.clone(),
             opt(n.phase.clone()),
             opt(n.epoch.map(|e| e.to_string())),
             opt(n.step.map(|e| e.to_string())),
             opt(n.loss.map(|l| format!("{l:.4}"))),
             opt(n.samples_per_s.map(|v| format!("{v:.0}"))),
             opt(n.heartbeat_age_ms.map(|v| v.to_string())),
-            n.host,
-            n.reason
-        );
+            n.host.clone(),
+            n.reason.clone(),
+        ]);
     }
+    s += &format!("\n{nodes}\n");
     if !d.transitions.is_empty() {
         s += "\n";
         s += &transitions_table(&d.transitions);
@@ -472,29 +484,39 @@ pub fn render(d: &StatusDoc) -> String {
 /// The transitions as a table: epoch, step, world, batch, idle time, lost steps, state
 /// copied, cause.
 pub fn transitions_table(transitions: &[TransitionDoc]) -> String {
-    let mut s = format!(
-        "{:<6} {:>6} {:>5} {:>6} {:>6} {:>9} {:>5} {:>9}  {}\n",
-        "EPOCH", "STEP", "WORLD", "LAYOUT", "BATCH", "IDLE(ms)", "LOST", "COPIED", "CAUSE"
-    );
-    for t in transitions {
-        s += &format!(
-            "{:<6} {:>6} {:>5} {:>6} {:>6} {:>9} {:>5} {:>9}  {}\n",
-            t.epoch,
-            t.step,
-            t.world,
-            t.layout,
-            t.global_batch,
-            t.idle_ms.map_or("-".into(), |v| v.to_string()),
-            match (t.lost_steps, t.redone_steps) {
+    let mut t =
+        table(&["EPOCH", "STEP", "WORLD", "LAYOUT", "BATCH", "IDLE(ms)", "LOST", "COPIED", "CAUSE"], 1..8);
+    for x in transitions {
+        t.add_row(vec![
+            x.epoch.to_string(),
+            x.step.to_string(),
+            x.world.to_string(),
+            x.layout.clone(),
+            x.global_batch.to_string(),
+            x.idle_ms.map_or("-".into(), |v| v.to_string()),
+            match (x.lost_steps, x.redone_steps) {
                 (None, _) => "-".into(),
-                (Some(l), 0) => l.to_string(),
-                (Some(l), r) => format!("{}", l + r),
+                (Some(l), r) => (l + r).to_string(),
             },
-            if t.fetched_bytes > 0 { format!("{:.1} MB", t.fetched_bytes as f64 / 1e6) } else { "-".into() },
-            t.cause
-        );
+            if x.fetched_bytes > 0 { format!("{:.1} MB", x.fetched_bytes as f64 / 1e6) } else { "-".into() },
+            x.cause.clone(),
+        ]);
     }
-    s
+    format!("{t}\n")
+}
+
+/// A borderless table with `header`, its columns `right` aligned right (the numbers).
+fn table(header: &[&str], right: std::ops::Range<usize>) -> comfy_table::Table {
+    use comfy_table::{CellAlignment, ContentArrangement, Table};
+    let mut t = Table::new();
+    t.load_preset(comfy_table::presets::NOTHING).set_content_arrangement(ContentArrangement::Disabled);
+    t.set_header(header.to_vec());
+    for i in right {
+        if let Some(c) = t.column_mut(i) {
+            c.set_cell_alignment(CellAlignment::Right);
+        }
+    }
+    t
 }
 
 /// `limpet status`.

@@ -286,17 +286,8 @@ fn median_times(rounds: &[Vec<(usize, f64)>]) -> Vec<(usize, f64)> {
 
 /// Parses `4K`, `16M`, `1G` or plain byte counts.
 pub fn parse_size(s: &str) -> Result<usize, UsageError> {
-    let t = s.trim();
-    let (num, mult) = match t.chars().last() {
-        Some('K' | 'k') => (&t[..t.len() - 1], 1 << 10),
-        Some('M' | 'm') => (&t[..t.len() - 1], 1 << 20),
-        Some('G' | 'g') => (&t[..t.len() - 1], 1 << 30),
-        _ => (t, 1),
-    };
-    let n: usize =
-        num.parse().map_err(|_| UsageError(format!("size {s:?} is not a number with K, M or G")))?;
-    let bytes = n * mult;
-    if bytes < 4 || bytes % 4 != 0 {
+    let bytes = limpet_daemon::args::parse_bytes(s).map_err(|e| UsageError(format!("size {e}")))? as usize;
+    if bytes % 4 != 0 {
         return Err(UsageError(format!("size {s:?} is not a positive multiple of 4 bytes (f32)")));
     }
     Ok(bytes)
@@ -634,10 +625,7 @@ fn synthetic_image(bytes: usize) -> anyhow::Result<limpet_snapshot::StateImage> 
     Ok(StateImage::new(1, 0, RngState::new(0), serde_json::json!({"bench": "handoff"}), tensors))
 }
 
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
-}
+use crate::stats::median;
 
 /// Runs the handoff benchmark: a verified state transfer over loopback next to a plain TCP
 /// copy of the same bytes.

@@ -13,4 +13,5 @@ pub mod elastic_bench;
 pub mod local;
 pub mod pipe_bench;
 pub mod raft_cmd;
+pub mod stats;
 pub mod train_bench;

@@ -113,10 +113,7 @@ struct Measured {
     samples_per_s: f64,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
+use crate::stats::median;
 
 /// The job flags as command-line arguments again, for the workers.
 fn job_flags(j: &JobArgs) -> Vec<String> {

@@ -288,32 +288,13 @@ pub struct RaftBenchReport {
     /// Proposals per phase.
     pub proposals: u64,
     /// Sequential commit latency, milliseconds.
-    pub latency_ms: Percentiles,
+    pub latency_ms: crate::stats::Percentiles,
     /// Proposals per second with `concurrency` in flight.
     pub throughput_per_sec: f64,
     /// In flight during the throughput phase.
     pub concurrency: u64,
     /// Log index at the end (every proposal is one entry).
     pub final_index: u64,
-}
-
-/// Latency percentiles.
-#[derive(Debug, serde::Serialize)]
-pub struct Percentiles {
-    /// Median.
-    pub p50: f64,
-    /// 90th percentile.
-    pub p90: f64,
-    /// 99th percentile.
-    pub p99: f64,
-    /// Slowest.
-    pub max: f64,
-}
-
-fn percentiles(mut xs: Vec<f64>) -> Percentiles {
-    xs.sort_by(f64::total_cmp);
-    let at = |q: f64| xs[((xs.len() as f64 - 1.0) * q).round() as usize];
-    Percentiles { p50: at(0.5), p90: at(0.9), p99: at(0.99), max: at(1.0) }
 }
 
 fn bump(id: u64, n: u64) -> Command {
@@ -400,7 +381,7 @@ async fn bench_async(exe: &Path, dir: &Path, args: &BenchRaftArgs) -> anyhow::Re
     Ok(RaftBenchReport {
         nodes: args.nodes,
         proposals: args.proposals,
-        latency_ms: percentiles(lat),
+        latency_ms: crate::stats::percentiles(&lat),
         throughput_per_sec: args.proposals as f64 / elapsed,
         concurrency: args.concurrency,
         final_index,

@@ -80,10 +80,7 @@ pub struct TrainBenchReport {
     pub rounds: Vec<(f64, f64)>,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
+use crate::stats::median;
 
 /// Random token shards (ids below `vocab`) for `windows` windows of `context` + 1 in `dir`.
 fn random_shards(dir: &std::path::Path, vocab: usize, context: usize, windows: u64) -> anyhow::Result<()> {

@@ -3,7 +3,9 @@
 //! so `limpetd validate --config FILE` (systemd's `ExecStartPre`) stops a bad deployment
 //! before it starts. The keys are documented in `docs/limpetd.md`.
 
+mod names;
 use limpet_agent::policy::BatchPolicy;
+pub use names::{DataPlaneMode, LogFormat, ModelName, OptimizerName, SourceName};
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -66,12 +68,8 @@ pub struct SecuritySection {
     /// Data-plane connections: `tls` (encrypted and authenticated, the default) or `secret`
     /// (authenticated by the cluster secret only, for a trusted network where encryption
     /// would cost gradient bandwidth).
-    #[serde(default = "default_data_plane")]
-    pub data_plane: String,
-}
-
-fn default_data_plane() -> String {
-    "tls".into()
+    #[serde(default)]
+    pub data_plane: DataPlaneMode,
 }
 
 impl SecuritySection {
@@ -245,8 +243,8 @@ pub struct NodeSection {
     /// Serve Prometheus metrics at `http://ADDR/metrics` (absent: no metrics endpoint).
     pub metrics: Option<String>,
     /// Log lines as `text` (default) or `json` (one object per line, for journald/Loki).
-    #[serde(default = "default_log_format")]
-    pub log_format: String,
+    #[serde(default)]
+    pub log_format: LogFormat,
     /// TCP congestion control of the data plane's sockets: a kernel algorithm's name
     /// (default `reno`: no pacing timers on bulk in-datacenter transfers), or `system` for the
     /// host's default.
@@ -256,10 +254,6 @@ pub struct NodeSection {
 
 fn default_data_congestion() -> String {
     limpet_agent::dataplane::endpoint::DEFAULT_CONGESTION.into()
-}
-
-fn default_log_format() -> String {
-    "text".into()
 }
 
 /// `[cluster]`.
@@ -302,8 +296,8 @@ fn default_min_nodes() -> usize {
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct JobSection {
-    /// `mlp`, `convnet` or `gpt`.
-    pub model: String,
+    /// The model family.
+    pub model: ModelName,
     /// `digits`, `chars` or `synthetic`.
     pub data: String,
     /// Data file or directory.
@@ -321,7 +315,7 @@ pub struct JobSection {
     #[serde(default)]
     pub seed: u64,
     /// `adamw` (default) or `sgd` (momentum 0.9).
-    pub optimizer: Option<String>,
+    pub optimizer: Option<OptimizerName>,
     /// Peak learning rate (the model's default when absent).
     pub lr: Option<f64>,
     /// Weight decay (the model's default when absent).
@@ -357,7 +351,7 @@ fn default_policy() -> BatchPolicy {
 pub struct RevocationSection {
     /// Any of `aws`, `gcp`, `azure` (SIGTERM is always a drain).
     #[serde(default)]
-    pub sources: Vec<String>,
+    pub sources: Vec<SourceName>,
     /// Seconds between polls.
     #[serde(default = "default_poll")]
     pub poll_secs: f64,
@@ -412,17 +406,14 @@ impl Config {
     pub fn parse(text: &str, file: &str) -> Result<Config, ConfigError> {
         let cfg: Config = toml::from_str(text).map_err(|e| ConfigError {
             file: file.to_string(),
-            key: e.span().map_or("(file)".into(), |s| {
-                let line = text[..s.start.min(text.len())].lines().count().max(1);
-                format!("line {line}")
-            }),
+            key: e.span().map_or("(file)".into(), |s| key_at(text, s.start)),
             detail: e.message().to_string(),
         })?;
         cfg.validate(file)?;
         Ok(cfg)
     }
 
-    /// Checks what the parser cannot: addresses, ranges, names, files.
+    /// Checks what the parser cannot: addresses, ranges, files, combinations.
     pub fn validate(&self, file: &str) -> Result<(), ConfigError> {
         let err = |key: &str, detail: String| Err(ConfigError { file: file.into(), key: key.into(), detail });
         let addr = |key: &str, v: &str| -> Result<(), ConfigError> {
@@ -491,13 +482,7 @@ impl Config {
         if self.cluster.min_nodes == 0 {
             return err("[cluster].min_nodes", "must be at least 1".into());
         }
-        if !["mlp", "convnet", "gpt", "llama", "torchscript"].contains(&self.job.model.as_str()) {
-            return err(
-                "[job].model",
-                format!("{:?} is not one of mlp, convnet, gpt, llama, torchscript", self.job.model),
-            );
-        }
-        if self.job.model == "torchscript" && self.pipeline.is_some() {
+        if self.job.model == ModelName::Torchscript && self.pipeline.is_some() {
             return err(
                 "[pipeline]",
                 "model torchscript is one stage: a TorchScript graph cannot be cut into pipeline stages"
@@ -522,7 +507,7 @@ impl Config {
             Ok(p) => p,
             Err(e) => return err("[job].precision", e),
         };
-        if precision == limpet_trainer::model::Precision::Bf16 && self.job.model != "llama" {
+        if precision == limpet_trainer::model::Precision::Bf16 && self.job.model != ModelName::Llama {
             return err("[job].precision", "\"bf16\" is available for model \"llama\" only".into());
         }
         if self.data.context == Some(0) {
@@ -531,7 +516,7 @@ impl Config {
         if self.data.context.is_some() && !["chars", "tokens"].contains(&self.job.data.as_str()) {
             return err("[data].context", "applies to data \"chars\" and \"tokens\" only".into());
         }
-        if let Err(e) = self.model.check_keys(&self.job.model) {
+        if let Err(e) = self.model.check_keys(self.job.model.as_str()) {
             let msg = e.to_string();
             let (key, why) =
                 msg.trim_start_matches("invalid job: ").split_once(": ").unwrap_or(("[model]", &msg));
@@ -552,16 +537,6 @@ impl Config {
         if let Some(m) = self.job.micro_batch {
             if m == 0 || m > self.job.global_batch {
                 return err("[job].micro_batch", format!("{m} is not within 1..={}", self.job.global_batch));
-            }
-        }
-        for s in &self.revocation.sources {
-            if !["aws", "gcp", "azure"].contains(&s.as_str()) {
-                return err("[revocation].sources", format!("{s:?} is not one of aws, gcp, azure"));
-            }
-        }
-        if let Some(o) = &self.job.optimizer {
-            if !["adamw", "sgd"].contains(&o.as_str()) {
-                return err("[job].optimizer", format!("{o:?} is not one of adamw, sgd"));
             }
         }
         if let Some(wd) = self.job.weight_decay {
@@ -626,7 +601,7 @@ impl Config {
                     );
                 }
             }
-            if let Err(e) = crate::plan_cmd::parse_bytes(&p.memory) {
+            if let Err(e) = crate::args::parse_bytes(&p.memory) {
                 return err("[pipeline].memory", e);
             }
             if !(p.link_gbps.is_finite() && p.link_gbps > 0.0) {
@@ -644,9 +619,6 @@ impl Config {
         }
         if let Err(e) = limpet_agent::dataplane::endpoint::parse_congestion(&self.node.data_congestion) {
             return err("[node].data_congestion", e);
-        }
-        if !["text", "json"].contains(&self.node.log_format.as_str()) {
-            return err("[node].log_format", format!("{:?} is not one of text, json", self.node.log_format));
         }
         if !(1..=3600).contains(&t.drain_grace_secs) {
             return err(
@@ -689,19 +661,13 @@ impl Config {
                 );
             }
         }
-        if self.job.layers == Some(0) || (self.job.layers.is_some() && self.job.model != "gpt") {
+        if self.job.layers == Some(0) || (self.job.layers.is_some() && self.job.model != ModelName::Gpt) {
             return err("[job].layers", "applies to model \"gpt\" only, and must be at least 1".into());
         }
         if !(self.revocation.poll_secs.is_finite() && self.revocation.poll_secs >= 0.1) {
             return err("[revocation].poll_secs", format!("{} is below 0.1 s", self.revocation.poll_secs));
         }
         if let Some(sec) = &self.security {
-            if !["tls", "secret"].contains(&sec.data_plane.as_str()) {
-                return err(
-                    "[security].data_plane",
-                    format!("{:?} is not one of tls, secret", sec.data_plane),
-                );
-            }
             sec.load(file)?;
         }
         Ok(())
@@ -745,3 +711,19 @@ pub fn parse_founders(
 
 #[cfg(test)]
 mod tests;
+
+/// Where byte `offset` of a TOML file is, for a parse error: `[section].key (line N)`, or
+/// `line N` outside a `key = value` line.
+fn key_at(text: &str, offset: usize) -> String {
+    let before = &text[..offset.min(text.len())];
+    let line_no = before.lines().count().max(1);
+    let line = text.lines().nth(line_no - 1).unwrap_or("");
+    let section =
+        before.lines().rev().map(str::trim).find(|l| l.starts_with('[') && l.ends_with(']')).unwrap_or("");
+    match line.split_once('=') {
+        Some((key, _)) if !key.trim().is_empty() && !line.trim_start().starts_with('[') => {
+            format!("{section}.{} (line {line_no})", key.trim())
+        }
+        _ => format!("line {line_no}"),
+    }
+}

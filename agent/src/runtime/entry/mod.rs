@@ -130,47 +130,34 @@ pub(super) fn preform(pending: &mut Option<Pending>, endpoint: &Endpoint, n: &Ep
 }
 
 /// Enters epoch `n`: forms its group, agrees on one state and switches to it.
-pub(super) fn enter(x: Entering<'_>, n: &Epoch) -> Result<Entered, String> {
+pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, String> {
     x.endpoint.set_min_epoch(n.id);
     let st = Arc::clone(&x.watch.borrow().state);
     let addrs = addrs_of(&st, n)?;
     let by = Instant::now() + ENTRY_WAIT;
     let give_up = give_up(x.watch, x.stop, n.id);
-    let mut group = form_group(x.endpoint, x.pending, n, &addrs, by, &give_up)?;
+    let mut group = form_group(x.endpoint, x.pending.take(), n, &addrs, by, &give_up)?;
 
     if let Some(t) = checkpointer::resume(x.trainer, &x.cfg.job, &st, n) {
         *x.trainer = t;
     }
-    // Publish this rank's state, then agree on (step, blocks held, hash).
-    let image = x.trainer.image().map_err(|e| e.to_string())?;
-    let hash = image.content_hash().to_string();
-    let encoded = image.encode().map_err(|e| e.to_string())?;
-    x.server.offer(Offer::new(encoded, 1 << 20, label_of(&hash)));
-    let held = x.trainer.model().blocks();
-    let snapshots = x.shadows.snapshots.clone();
-    let shadows = x.shadows.shadows_now();
-    let slot = |v: &[Snap], i: usize| v.get(i).map(|s| s.desc);
-    let me_state = RankState {
-        live: Desc { step: x.trainer.step(), hash: hash_bytes(&hash), blocks: (held.start, held.end) },
-        snaps: [slot(&snapshots, 0), slot(&snapshots, 1)],
-        shadows: [slot(&shadows, 0), slot(&shadows, 1)],
-    };
-    let mine = wire::encode(&me_state);
-    let mut all = vec![0f32; mine.len() * n.ranks.len()];
-    group.allgather(&mine, &mut all, ENTRY_STEP).map_err(|e| e.to_string())?;
+    // Publish this rank's states, then agree on (step, blocks held, hash).
+    let mine = publish(&mut x)?;
     let nb = x.cfg.job.model.num_blocks();
+    let words = wire::encode(&mine.state);
+    let mut all = vec![0f32; words.len() * n.ranks.len()];
+    group.allgather(&words, &mut all, ENTRY_STEP).map_err(|e| e.to_string())?;
     let ranks = all
-        .chunks(mine.len())
+        .chunks(words.len())
         .enumerate()
         .map(|(i, w)| wire::decode(w, nb).map_err(|e| format!("node {}: {e}", n.ranks[i])))
         .collect::<Result<Vec<RankState>, String>>()?;
-    let me_idx = group.rank();
+    let me = group.rank();
     let stages = n.layout.stage_blocks(nb)?;
-    let target = stages[me_idx % stages.len()].clone();
-    let plan = entry_plan(&ranks, me_idx, target.clone(), nb)?;
+    let target = stages[me % stages.len()].clone();
+    let plan = entry_plan(&ranks, me, target.clone(), nb)?;
     let redone = x.trainer.step().saturating_sub(plan.step);
-    let mut fetched_bytes = 0;
-    let mut fetch_ms = 0;
+    let (mut fetched_bytes, mut fetch_ms) = (0, 0);
     let repaired = plan.action == Entry::Repair;
     if plan.action != Entry::Keep {
         if repaired {
@@ -180,65 +167,10 @@ pub(super) fn enter(x: Entering<'_>, n: &Epoch) -> Result<Entered, String> {
                 "state hash differs from the source's at the same step; repairing"
             );
         }
-        let fetch_started = Instant::now();
-        let mut tensors = BTreeMap::new();
-        let mut meta = None;
-        for (src, kind, blocks) in &plan.sources {
-            let desc = ranks[*src].desc(*kind).expect("the plan names descriptors that exist");
-            let hex = hex_of(&desc.hash);
-            let fetched;
-            let img = if *src == me_idx {
-                let keep = match kind {
-                    Src::Live => None,
-                    Src::Snapshot(i) => snapshots.get(*i).cloned(),
-                    Src::Shadow(i) => shadows.get(*i).cloned(),
-                };
-                match keep {
-                    None => &image,
-                    Some(k) => {
-                        fetched = StateImage::decode(&k.bytes).map_err(|e| e.to_string())?;
-                        if fetched.content_hash() != hex {
-                            return Err("a kept snapshot no longer hashes to its descriptor".into());
-                        }
-                        &fetched
-                    }
-                }
-            } else {
-                let src_node = n.ranks[*src];
-                let label = match kind {
-                    Src::Live => label_of(&hex),
-                    Src::Snapshot(_) => snap_label(src_node, desc.step, false),
-                    Src::Shadow(_) => snap_label(src_node, desc.step, true),
-                };
-                let (img, bytes) =
-                    fetch_state(x.endpoint, n.id, &format!("{src_node}@{}", addrs[*src]), label)?;
-                if img.content_hash() != hex {
-                    return Err(format!("state from node {src_node} does not hash to what it announced"));
-                }
-                fetched_bytes += bytes;
-                tracing::info!(
-                    epoch = n.id,
-                    step = plan.step,
-                    from = src_node,
-                    ?blocks,
-                    bytes,
-                    "state copied from a peer"
-                );
-                fetched = img;
-                &fetched
-            };
-            for (name, t) in img.tensors() {
-                if limpet_decide::entry::block_of(name).is_some_and(|b| blocks.contains(&b)) {
-                    tensors.insert(name.clone(), t.clone());
-                }
-            }
-            if meta.is_none() || *src != me_idx {
-                let m = img.meta();
-                meta = Some((m.step, m.cursor, m.rng, m.job.clone()));
-            }
-        }
-        let (step, cursor, rng, job) = meta.expect("an entry that copies names a source");
-        let merged = StateImage::new(step, cursor, rng, job, tensors);
+        let started = Instant::now();
+        let (merged, bytes) = assemble(&x, n, &addrs, (&plan, &ranks, me), &mine)?;
+        fetched_bytes = bytes;
+        let held = x.trainer.model().blocks();
         if target != held {
             tracing::info!(epoch = n.id, from = ?held, to = ?target, "this rank's blocks change");
             *x.trainer = Trainer::on_device(
@@ -250,12 +182,13 @@ pub(super) fn enter(x: Entering<'_>, n: &Epoch) -> Result<Entered, String> {
             .map_err(|e| e.to_string())?;
         }
         x.trainer.load_image(&merged).map_err(|e| e.to_string())?;
-        fetch_ms = fetch_started.elapsed().as_millis() as u64;
+        fetch_ms = started.elapsed().as_millis() as u64;
         if plan.action == Entry::Rollback {
+            let (from, to) = (plan.step + redone, plan.step);
             tracing::warn!(
                 epoch = n.id,
-                from = plan.step + redone,
-                to = plan.step,
+                from,
+                to,
                 "a stage had no live replica: back to the shadowed snapshot"
             );
             // Kept states newer than the lineage's new head belong to the abandoned one.
@@ -281,6 +214,101 @@ pub(super) fn enter(x: Entering<'_>, n: &Epoch) -> Result<Entered, String> {
     };
     let redone_steps = if plan.action == Entry::Rollback { redone } else { 0 };
     Ok(Entered { conn, fetched_bytes, fetch_ms, repaired, redone_steps })
+}
+
+/// What this rank publishes at an entry: its live state (offered to peers under its content
+/// hash) and the kept snapshots and shadows, as they are now.
+struct Published {
+    image: StateImage,
+    snapshots: Vec<Snap>,
+    shadows: Vec<Snap>,
+    state: RankState,
+}
+
+fn publish(x: &mut Entering<'_>) -> Result<Published, String> {
+    let image = x.trainer.image().map_err(|e| e.to_string())?;
+    let hash = image.content_hash().to_string();
+    let encoded = image.encode().map_err(|e| e.to_string())?;
+    x.server.offer(Offer::new(encoded, 1 << 20, label_of(&hash)));
+    let held = x.trainer.model().blocks();
+    let snapshots = x.shadows.snapshots.clone();
+    let shadows = x.shadows.shadows_now();
+    let slot = |v: &[Snap], i: usize| v.get(i).map(|s| s.desc);
+    let state = RankState {
+        live: Desc { step: x.trainer.step(), hash: hash_bytes(&hash), blocks: (held.start, held.end) },
+        snaps: [slot(&snapshots, 0), slot(&snapshots, 1)],
+        shadows: [slot(&shadows, 0), slot(&shadows, 1)],
+    };
+    Ok(Published { image, snapshots, shadows, state })
+}
+
+/// The state the plan names, assembled block by block from this rank's own states and the
+/// peers' (each checked against the hash its holder published), and the bytes fetched.
+fn assemble(
+    x: &Entering<'_>,
+    n: &Epoch,
+    addrs: &[String],
+    (plan, ranks, me): (&plan::EntryPlan, &[RankState], usize),
+    mine: &Published,
+) -> Result<(StateImage, u64), String> {
+    let mut fetched_bytes = 0;
+    let mut tensors = BTreeMap::new();
+    let mut meta = None;
+    for (src, kind, blocks) in &plan.sources {
+        let desc = ranks[*src].desc(*kind).expect("the plan names descriptors that exist");
+        let hex = hex_of(&desc.hash);
+        let fetched;
+        let img = if *src == me {
+            let keep = match kind {
+                Src::Live => None,
+                Src::Snapshot(i) => mine.snapshots.get(*i),
+                Src::Shadow(i) => mine.shadows.get(*i),
+            };
+            match keep {
+                None => &mine.image,
+                Some(k) => {
+                    fetched = StateImage::decode(&k.bytes).map_err(|e| e.to_string())?;
+                    if fetched.content_hash() != hex {
+                        return Err("a kept snapshot no longer hashes to its descriptor".into());
+                    }
+                    &fetched
+                }
+            }
+        } else {
+            let src_node = n.ranks[*src];
+            let label = match kind {
+                Src::Live => label_of(&hex),
+                Src::Snapshot(_) => snap_label(src_node, desc.step, false),
+                Src::Shadow(_) => snap_label(src_node, desc.step, true),
+            };
+            let (img, bytes) = fetch_state(x.endpoint, n.id, &format!("{src_node}@{}", addrs[*src]), label)?;
+            if img.content_hash() != hex {
+                return Err(format!("state from node {src_node} does not hash to what it announced"));
+            }
+            fetched_bytes += bytes;
+            tracing::info!(
+                epoch = n.id,
+                step = plan.step,
+                from = src_node,
+                ?blocks,
+                bytes,
+                "state copied from a peer"
+            );
+            fetched = img;
+            &fetched
+        };
+        for (name, t) in img.tensors() {
+            if limpet_decide::entry::block_of(name).is_some_and(|b| blocks.contains(&b)) {
+                tensors.insert(name.clone(), t.clone());
+            }
+        }
+        if meta.is_none() || *src != me {
+            let m = img.meta();
+            meta = Some((m.step, m.cursor, m.rng, m.job.clone()));
+        }
+    }
+    let (step, cursor, rng, job) = meta.expect("an entry that copies names a source");
+    Ok((StateImage::new(step, cursor, rng, job, tensors), fetched_bytes))
 }
 
 /// The epoch's ring: from the connections made ahead of the boundary where there are
