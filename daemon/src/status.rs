@@ -470,7 +470,7 @@ pub fn render(d: &StatusDoc) -> String {
             n.reason.clone(),
         ]);
     }
-    s += &format!("\n{nodes}\n");
+    s += &format!("\n{}\n", lines(&nodes));
     if !d.transitions.is_empty() {
         s += "\n";
         s += &transitions_table(&d.transitions);
@@ -502,21 +502,26 @@ pub fn transitions_table(transitions: &[TransitionDoc]) -> String {
             x.cause.clone(),
         ]);
     }
-    format!("{t}\n")
+    format!("{}\n", lines(&t))
 }
 
 /// A borderless table with `header`, its columns `right` aligned right (the numbers).
 fn table(header: &[&str], right: std::ops::Range<usize>) -> comfy_table::Table {
-    use comfy_table::{CellAlignment, ContentArrangement, Table};
+    use comfy_table::{Cell, CellAlignment, ContentArrangement, Table};
+    let align = |i: usize| if right.contains(&i) { CellAlignment::Right } else { CellAlignment::Left };
     let mut t = Table::new();
     t.load_preset(comfy_table::presets::NOTHING).set_content_arrangement(ContentArrangement::Disabled);
-    t.set_header(header.to_vec());
-    for i in right {
-        if let Some(c) = t.column_mut(i) {
-            c.set_cell_alignment(CellAlignment::Right);
-        }
+    t.set_header(header.iter().enumerate().map(|(i, h)| Cell::new(h).set_alignment(align(i))));
+    for (i, c) in t.column_iter_mut().enumerate() {
+        c.set_cell_alignment(align(i));
+        c.set_padding((0, 2));
     }
     t
+}
+
+/// A table's text without the padding after the last column.
+fn lines(t: &comfy_table::Table) -> String {
+    t.to_string().lines().map(str::trim_end).collect::<Vec<_>>().join("\n")
 }
 
 /// `limpet status`.
@@ -639,8 +644,34 @@ pub fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::host_line;
+    use super::{host_line, transitions_table, TransitionDoc};
     use limpet_consensus::state::Hardware;
+
+    #[test]
+    fn tables_align_numbers_right_and_end_lines_without_padding() {
+        let t = TransitionDoc {
+            epoch: 12,
+            step: 3025,
+            world: 2,
+            cause: "drain of node 4".into(),
+            idle_ms: Some(4),
+            lost_steps: Some(0),
+            redone_steps: 0,
+            layout: "2x1".into(),
+            fetched_bytes: 1_400_000,
+            fetch_ms: 3,
+            global_batch: 32,
+            lr_scale: 1.0,
+        };
+        let text = transitions_table(&[t]);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        assert!(lines.iter().all(|l| !l.ends_with(' ')), "{text:?}");
+        // Right-aligned: the header and the value of STEP end in the same column.
+        let end = |l: &str, w: &str| l.find(w).map(|i| i + w.len());
+        assert_eq!(end(lines[0], "STEP"), end(lines[1], "3025"), "{text}");
+        assert!(lines[1].contains("1.4 MB") && lines[1].ends_with("drain of node 4"), "{text}");
+    }
 
     #[test]
     fn a_host_is_described_by_what_it_reported() {

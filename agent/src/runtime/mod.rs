@@ -4,6 +4,7 @@
 //! Rooms, one per concern:
 //! - `config`: what the agent runs by;
 //! - `tasks`: the one shutdown path (root token, tracked tasks and threads, panics fatal);
+//! - `error`: what can go wrong, fatal kept apart from transient;
 //! - this module: start (wiring) and wait (the bounded stop);
 //! - one module per task: `announce`, `heartbeats`, `revocations`, `lead`;
 //! - `train_loop`: the trainer thread, deciding with the pure `next_action`;
@@ -14,6 +15,7 @@ mod announce;
 mod checkpointer;
 mod config;
 pub(crate) mod entry;
+pub mod error;
 mod heartbeats;
 mod lead;
 mod revocations;
@@ -22,6 +24,7 @@ pub mod tasks;
 pub mod train_loop;
 
 pub use config::{AgentConfig, CheckpointSettings, PipelineSettings};
+pub use error::AgentError;
 pub use tasks::Tasks;
 
 use crate::dataplane::handoff::handoff_loop;
@@ -71,7 +74,7 @@ pub struct StepLine {
 pub struct Agent {
     handle: NodeHandle,
     tasks: Tasks,
-    trainer: std::thread::JoinHandle<Result<Exit, String>>,
+    trainer: std::thread::JoinHandle<Result<Exit, AgentError>>,
     control_addr: SocketAddr,
     data_addr: SocketAddr,
     id: NodeId,
@@ -254,13 +257,13 @@ impl Agent {
 async fn finish(
     tasks: &Tasks,
     deadline: tokio::time::Instant,
-    r: std::thread::Result<Result<Exit, String>>,
+    r: std::thread::Result<Result<Exit, AgentError>>,
 ) -> anyhow::Result<Exit> {
     let exit = match r {
         Ok(r) => r,
         Err(_) => {
             tasks.fail("trainer", "panicked");
-            Err("the trainer thread panicked".into())
+            return Err(anyhow::anyhow!("the trainer thread panicked"));
         }
     };
     if let Err(e) = tasks.shutdown(deadline).await {
@@ -269,7 +272,7 @@ async fn finish(
     if let Some(f) = tasks.fatal() {
         anyhow::bail!(f);
     }
-    exit.map_err(|e| anyhow::anyhow!(e))
+    Ok(exit?)
 }
 
 /// The consensus node's configuration for this agent.

@@ -4,6 +4,7 @@
 //! host costs at most `shadow_every` steps: the entry protocol rolls back to the newest step
 //! at which live states, snapshots and shadows together hold the whole model.
 
+use super::error::AgentError;
 use super::tasks::Tasks;
 use crate::dataplane::handoff::HandoffDialer;
 use crate::Endpoint;
@@ -89,9 +90,9 @@ impl Shadows {
         epoch: &Epoch,
         addrs: &[String],
         l: &Links<'_>,
-    ) -> Result<(), String> {
-        let image = trainer.image().map_err(|e| e.to_string())?;
-        let bytes = image.encode().map_err(|e| e.to_string())?;
+    ) -> Result<(), AgentError> {
+        let image = trainer.image()?;
+        let bytes = image.encode()?;
         let step = trainer.step();
         let b = trainer.model().blocks();
         l.server.offer(Offer::new(bytes.clone(), 1 << 20, snap_label(l.me, step, false)));
@@ -155,7 +156,9 @@ impl Shadows {
                 tracing::warn!(step, from = node, "could not shadow the next stage's state");
             }
         };
-        l.tasks.spawn_thread("shadow", fetch_one).map_err(|e| format!("starting the shadow fetch: {e}"))
+        l.tasks
+            .spawn_thread("shadow", fetch_one)
+            .map_err(|source| AgentError::Io { what: "starting the shadow fetch".into(), source })
     }
 }
 

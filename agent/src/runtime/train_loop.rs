@@ -9,6 +9,7 @@
 use super::checkpointer::{Checkpointer, Sink};
 use super::config::AgentConfig;
 use super::entry::{self, Conn, Entering, Pending};
+use super::error::AgentError;
 use super::shadows::{Links, Shadows};
 use super::tasks::Tasks;
 use super::{Exit, StepLine};
@@ -207,13 +208,12 @@ impl TrainLoop {
         }
     }
 
-    pub fn run(mut self) -> Result<Exit, String> {
+    pub fn run(mut self) -> Result<Exit, AgentError> {
         if let Some(path) = &self.cfg.step_log {
-            let f = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(path)
-                .map_err(|e| format!("step log {}: {e}", path.display()))?;
+            let f =
+                std::fs::OpenOptions::new().create(true).append(true).open(path).map_err(|source| {
+                    AgentError::Io { what: format!("step log {}", path.display()), source }
+                })?;
             self.log = Some(f);
         }
         let me = self.cfg.id;
@@ -232,8 +232,10 @@ impl TrainLoop {
                     return Ok(Exit::Removed(why));
                 }
                 Action::Enter(n) => {
+                    // Every entry error is transient here, even the trainer's: its input is what
+                    // peers published, and the next epoch (without a faulty peer) may succeed.
                     if let Err(e) = self.enter(&n) {
-                        tracing::warn!(epoch = n.id, %e, "could not enter the epoch");
+                        tracing::warn!(epoch = n.id, %e, fatal_elsewhere = e.is_fatal(), "could not enter the epoch");
                         self.group = None;
                         self.set_phase(Phase::Waiting);
                         self.wait_change(Duration::from_millis(100));
@@ -260,7 +262,10 @@ impl TrainLoop {
                     if !self.finished {
                         // The job's result, where `limpet-lab demo` and operators find it.
                         let path = limpet_trainer::save_checkpoint(&self.trainer, &self.cfg.state_dir)
-                            .map_err(|e| format!("writing the final checkpoint: {e}"))?;
+                            .map_err(|e| AgentError::Io {
+                                what: "writing the final checkpoint".into(),
+                                source: std::io::Error::other(e.to_string()),
+                            })?;
                         tracing::info!(step = self.trainer.step(), path = %path.display(), "job finished; final checkpoint written");
                         self.finished = true;
                     }
@@ -285,7 +290,7 @@ impl TrainLoop {
     }
 
     /// Trains one step in the current group; a collective error breaks the group.
-    fn step(&mut self, epoch: &Epoch, st: &ClusterState) -> Result<(), String> {
+    fn step(&mut self, epoch: &Epoch, st: &ClusterState) -> Result<(), AgentError> {
         let started = Instant::now();
         let step = self.trainer.step();
         let world = epoch.ranks.len();
@@ -294,16 +299,16 @@ impl TrainLoop {
         // A failed collective or stage link: (the peer it names, the error).
         let outcome: Result<limpet_trainer::StepStats, (Option<NodeId>, String)> = match conn {
             Conn::Ring(g) => {
-                let buf = self.trainer.compute_grads(g.rank(), g.world()).map_err(|e| e.to_string())?;
+                let buf = self.trainer.compute_grads(g.rank(), g.world())?;
                 match g.allreduce_sum(buf, step) {
-                    Ok(()) => Ok(self.trainer.apply_reduced().map_err(|e| e.to_string())?),
+                    Ok(()) => Ok(self.trainer.apply_reduced()?),
                     Err(e) => Err((e.suspect(), e.to_string())),
                 }
             }
             Conn::Stages(c) => match c.step(&mut self.trainer) {
                 Ok(stats) => Ok(stats),
                 Err(e @ limpet_trainer::TrainerError::Reduce { peer, .. }) => Err((peer, e.to_string())),
-                Err(e) => return Err(e.to_string()),
+                Err(e) => return Err(e.into()),
             },
         };
         let stats = match outcome {
@@ -333,7 +338,8 @@ impl TrainLoop {
         if let Some(f) = self.log.as_mut() {
             let mut s = serde_json::to_string(&line).expect("step lines serialize");
             s.push('\n');
-            f.write_all(s.as_bytes()).map_err(|e| format!("writing the step log: {e}"))?;
+            f.write_all(s.as_bytes())
+                .map_err(|source| AgentError::Io { what: "writing the step log".into(), source })?;
         }
         metrics::counter!("limpet_steps_total").increment(1);
         metrics::histogram!("limpet_step_seconds").record(took / 1e3);
@@ -368,7 +374,7 @@ impl TrainLoop {
     }
 
     /// Enters epoch `n` (see `entry`) and records the transition.
-    fn enter(&mut self, n: &Epoch) -> Result<(), String> {
+    fn enter(&mut self, n: &Epoch) -> Result<(), AgentError> {
         self.set_phase(Phase::Entering);
         // The old group is done; peers of older epochs are refused from now on.
         self.group = None;

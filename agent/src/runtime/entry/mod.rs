@@ -9,6 +9,7 @@
 
 use super::checkpointer;
 use super::config::AgentConfig;
+use super::error::AgentError;
 use super::shadows::{snap_label, Shadows, Snap};
 use crate::dataplane::frame::Channel;
 use crate::dataplane::handoff::HandoffDialer;
@@ -71,14 +72,14 @@ pub(super) struct Entered {
 }
 
 /// The data addresses of an epoch's ranks, in rank order.
-pub(super) fn addrs_of(st: &ClusterState, n: &Epoch) -> Result<Vec<String>, String> {
+pub(super) fn addrs_of(st: &ClusterState, n: &Epoch) -> Result<Vec<String>, AgentError> {
     let addrs: Vec<String> = n
         .ranks
         .iter()
         .map(|r| st.members.get(r).map(|m| m.spec.data_addr.clone()).unwrap_or_default())
         .collect();
     if addrs.iter().any(String::is_empty) {
-        return Err(format!("epoch {}: a rank has no data address yet", n.id));
+        return Err(format!("epoch {}: a rank has no data address yet", n.id).into());
     }
     Ok(addrs)
 }
@@ -130,7 +131,7 @@ pub(super) fn preform(pending: &mut Option<Pending>, endpoint: &Endpoint, n: &Ep
 }
 
 /// Enters epoch `n`: forms its group, agrees on one state and switches to it.
-pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, String> {
+pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentError> {
     x.endpoint.set_min_epoch(n.id);
     let st = Arc::clone(&x.watch.borrow().state);
     let addrs = addrs_of(&st, n)?;
@@ -146,12 +147,12 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, String> {
     let nb = x.cfg.job.model.num_blocks();
     let words = wire::encode(&mine.state);
     let mut all = vec![0f32; words.len() * n.ranks.len()];
-    group.allgather(&words, &mut all, ENTRY_STEP).map_err(|e| e.to_string())?;
+    group.allgather(&words, &mut all, ENTRY_STEP)?;
     let ranks = all
         .chunks(words.len())
         .enumerate()
-        .map(|(i, w)| wire::decode(w, nb).map_err(|e| format!("node {}: {e}", n.ranks[i])))
-        .collect::<Result<Vec<RankState>, String>>()?;
+        .map(|(i, w)| wire::decode(w, nb).map_err(|e| AgentError::Entry(format!("node {}: {e}", n.ranks[i]))))
+        .collect::<Result<Vec<RankState>, AgentError>>()?;
     let me = group.rank();
     let stages = n.layout.stage_blocks(nb)?;
     let target = stages[me % stages.len()].clone();
@@ -178,10 +179,9 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, String> {
                 x.trainer.data().shallow_clone(),
                 target.clone(),
                 x.trainer.model().device(),
-            )
-            .map_err(|e| e.to_string())?;
+            )?;
         }
-        x.trainer.load_image(&merged).map_err(|e| e.to_string())?;
+        x.trainer.load_image(&merged)?;
         fetch_ms = started.elapsed().as_millis() as u64;
         if plan.action == Entry::Rollback {
             let (from, to) = (plan.step + redone, plan.step);
@@ -195,20 +195,17 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, String> {
             x.shadows.forget_after(plan.step);
         }
     }
-    x.trainer
-        .set_epoch_plan(n.batch.global_batch as usize, n.batch.micro_batch as usize, n.lr_scale)
-        .map_err(|e| e.to_string())?;
-    group.barrier(ENTRY_STEP).map_err(|e| e.to_string())?;
+    x.trainer.set_epoch_plan(n.batch.global_batch as usize, n.batch.micro_batch as usize, n.lr_scale)?;
+    group.barrier(ENTRY_STEP)?;
     let conn = if n.layout.pipeline > 1 {
         // Every rank passed the barrier, so every ring connection of the entry is taken:
         // the stage groups' connections (same epoch, same channel) cannot be mistaken for
         // them.
         drop(group);
         let layout = (n.layout.data as usize, n.layout.pipeline as usize);
-        Conn::Stages(Box::new(
-            StageConnections::connect(x.endpoint, n.id, layout, &n.ranks, &addrs, by, &give_up)
-                .map_err(|e| e.to_string())?,
-        ))
+        Conn::Stages(Box::new(StageConnections::connect(
+            x.endpoint, n.id, layout, &n.ranks, &addrs, by, &give_up,
+        )?))
     } else {
         Conn::Ring(group)
     };
@@ -225,10 +222,10 @@ struct Published {
     state: RankState,
 }
 
-fn publish(x: &mut Entering<'_>) -> Result<Published, String> {
-    let image = x.trainer.image().map_err(|e| e.to_string())?;
+fn publish(x: &mut Entering<'_>) -> Result<Published, AgentError> {
+    let image = x.trainer.image()?;
     let hash = image.content_hash().to_string();
-    let encoded = image.encode().map_err(|e| e.to_string())?;
+    let encoded = image.encode()?;
     x.server.offer(Offer::new(encoded, 1 << 20, label_of(&hash)));
     let held = x.trainer.model().blocks();
     let snapshots = x.shadows.snapshots.clone();
@@ -250,7 +247,7 @@ fn assemble(
     addrs: &[String],
     (plan, ranks, me): (&plan::EntryPlan, &[RankState], usize),
     mine: &Published,
-) -> Result<(StateImage, u64), String> {
+) -> Result<(StateImage, u64), AgentError> {
     let mut fetched_bytes = 0;
     let mut tensors = BTreeMap::new();
     let mut meta = None;
@@ -267,7 +264,7 @@ fn assemble(
             match keep {
                 None => &mine.image,
                 Some(k) => {
-                    fetched = StateImage::decode(&k.bytes).map_err(|e| e.to_string())?;
+                    fetched = StateImage::decode(&k.bytes)?;
                     if fetched.content_hash() != hex {
                         return Err("a kept snapshot no longer hashes to its descriptor".into());
                     }
@@ -283,7 +280,7 @@ fn assemble(
             };
             let (img, bytes) = fetch_state(x.endpoint, n.id, &format!("{src_node}@{}", addrs[*src]), label)?;
             if img.content_hash() != hex {
-                return Err(format!("state from node {src_node} does not hash to what it announced"));
+                return Err(format!("state from node {src_node} does not hash to what it announced").into());
             }
             fetched_bytes += bytes;
             tracing::info!(
@@ -320,22 +317,20 @@ fn form_group(
     addrs: &[String],
     by: Instant,
     give_up: &dyn Fn() -> bool,
-) -> Result<Group, String> {
+) -> Result<Group, AgentError> {
     match pending {
         Some(p) if p.epoch == n.id => {
-            let (_, left) = Group::neighbours(endpoint, &n.ranks, addrs).map_err(|e| e.to_string())?;
+            let (_, left) = Group::neighbours(endpoint, &n.ranks, addrs)?;
             let left = match (p.left, left) {
                 (Some(s), _) => Some(s),
-                (None, Some(l)) => Some(
-                    endpoint
-                        .accept_until(n.ranks[l], n.id, Channel::Ring, by, give_up)
-                        .map_err(|e| e.to_string())?,
-                ),
+                (None, Some(l)) => {
+                    Some(endpoint.accept_until(n.ranks[l], n.id, Channel::Ring, by, give_up)?)
+                }
                 (None, None) => None,
             };
-            Group::assemble(endpoint, n.id, &n.ranks, p.right, left).map_err(|e| e.to_string())
+            Group::assemble(endpoint, n.id, &n.ranks, p.right, left).map_err(AgentError::from)
         }
-        _ => endpoint.group_until(n.id, &n.ranks, addrs, by, give_up).map_err(|e| e.to_string()),
+        _ => endpoint.group_until(n.id, &n.ranks, addrs, by, give_up).map_err(AgentError::from),
     }
 }
 
@@ -346,10 +341,10 @@ fn fetch_state(
     epoch: u64,
     source: &str,
     label: [u8; 32],
-) -> Result<(StateImage, u64), String> {
+) -> Result<(StateImage, u64), AgentError> {
     let opts = FetchOptions { expect: Some(label), ..FetchOptions::default() };
     let dialer = HandoffDialer { endpoint, epoch };
-    let (bytes, stats) = fetch(&dialer, &[source.to_string()], &opts).map_err(|e| e.to_string())?;
+    let (bytes, stats) = fetch(&dialer, &[source.to_string()], &opts)?;
     crate::dataplane::count_bytes(false, "handoff", stats.bytes);
-    Ok((StateImage::decode(&bytes).map_err(|e| e.to_string())?, stats.bytes))
+    Ok((StateImage::decode(&bytes)?, stats.bytes))
 }

@@ -1,0 +1,73 @@
+//! The running agent's errors, kept apart by what the agent does about them. *Transient*
+//! ones (an entry whose peers did not come, a peer's state that did not arrive or did not
+//! verify, a plan the published states do not allow yet) end the attempt: the trainer loop
+//! waits for the log to change and tries the next epoch. *Fatal* ones (the trainer itself
+//! failed, a local file could not be written) stop this agent with an error, and systemd
+//! restarts it.
+
+use crate::DataPlaneError;
+use limpet_snapshot::handoff::HandoffError;
+use limpet_snapshot::SnapshotError;
+use limpet_trainer::TrainerError;
+
+/// What went wrong in the running agent.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// The data plane failed (a peer closed, went silent, or broke the protocol).
+    #[error(transparent)]
+    DataPlane(#[from] DataPlaneError),
+    /// A state handoff from a peer failed.
+    #[error("state handoff: {0}")]
+    Handoff(#[from] HandoffError),
+    /// A state image did not decode or verify.
+    #[error("state image: {0}")]
+    Image(#[from] SnapshotError),
+    /// What the ranks published does not allow entering the epoch (yet), or a peer's state
+    /// is not what it announced.
+    #[error("{0}")]
+    Entry(String),
+    /// The trainer failed on this rank.
+    #[error(transparent)]
+    Trainer(#[from] TrainerError),
+    /// A local file could not be written.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being written.
+        what: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+}
+
+impl AgentError {
+    /// Whether this error stops the agent (as opposed to ending one attempt).
+    pub fn is_fatal(&self) -> bool {
+        matches!(self, AgentError::Trainer(_) | AgentError::Io { .. })
+    }
+}
+
+impl From<String> for AgentError {
+    fn from(detail: String) -> AgentError {
+        AgentError::Entry(detail)
+    }
+}
+
+impl From<&str> for AgentError {
+    fn from(detail: &str) -> AgentError {
+        AgentError::Entry(detail.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failures_of_this_rank_are_fatal_and_failures_between_ranks_are_not() {
+        assert!(AgentError::from(TrainerError::Config("x".into())).is_fatal());
+        let io = AgentError::Io { what: "the step log".into(), source: std::io::Error::other("disk full") };
+        assert!(io.is_fatal());
+        assert!(!AgentError::from(DataPlaneError::Protocol("bad frame".into())).is_fatal());
+        assert!(!AgentError::from("node 3 does not hash to what it announced").is_fatal());
+    }
+}
