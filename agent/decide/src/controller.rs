@@ -105,28 +105,7 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
     let mut causes = Vec::new();
 
     // 1. Failures among the current ranks.
-    let mut failed = Vec::new();
-    for &r in &current_ranks {
-        let status = view.status(r);
-        let dead =
-            matches!(status, None | Some(MemberStatus::Failed | MemberStatus::Gone)) || !view.healthy(r, cfg);
-        if dead {
-            failed.push(r);
-            if !matches!(status, None | Some(MemberStatus::Failed | MemberStatus::Gone)) {
-                let why = match view.progress.get(&r) {
-                    Some(p) if p.heartbeat_age_ms == u64::MAX => {
-                        "a peer's collective failed on it and it went silent".to_string()
-                    }
-                    Some(p) => format!("no heartbeat for {:.1} s", p.heartbeat_age_ms as f64 / 1e3),
-                    None => "never heard from".to_string(),
-                };
-                commands.push(Command::MarkFailed { id: r, reason: why.clone() });
-                causes.push(Cause::Failure { node: r, why: Some(why) });
-            } else {
-                causes.push(Cause::Failure { node: r, why: None });
-            }
-        }
-    }
+    let failed = failures(view, cfg, &current_ranks, &mut commands, &mut causes);
 
     // 2-3. Who trains next: survivors in order, then healthy newcomers by id.
     let candidate = |id: NodeId| {
@@ -149,52 +128,16 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
         st.members.keys().copied().filter(|id| !current_ranks.contains(id) && candidate(*id)).collect();
     ranks.extend(&newcomers);
     // 6. With a pipelined job the planner lays the candidates out; some may stay spares.
-    let pipeline = match st.job.as_ref().and_then(|j| j.get("pipeline")) {
-        None => None,
-        Some(v) => match serde_json::from_value::<PipelineJob>(v.clone()) {
-            Ok(p) => Some(p),
-            Err(e) => return wait(&format!("the job's pipeline settings are unreadable: {e}")),
-        },
+    let (ranks, layout, micro) = match lay_out(view, cfg, ranks) {
+        Ok(l) => l,
+        Err(why) => return wait(&why),
     };
-    let mut layout = Layout::data_parallel(ranks.len());
-    let mut micro = None;
-    if let Some(p) = &pipeline {
-        if ranks.len() >= cfg.min_nodes.max(1) {
-            match arrange(p, &ranks, cfg.base.global_batch as usize) {
-                Ok((arranged, plan)) => {
-                    layout = Layout {
-                        data: plan.layout.data as u32,
-                        pipeline: plan.layout.pipeline() as u32,
-                        cuts: plan.layout.cuts().iter().map(|&c| c as u32).collect(),
-                    };
-                    // Every candidate is planned as the same kind of host, so which one
-                    // takes which slot is free: put hosts where their blocks already are.
-                    ranks = place_holders(
-                        &ranks,
-                        arranged.len(),
-                        &layout,
-                        st.current.as_ref(),
-                        p.profile.blocks.len(),
-                    );
-                    micro = Some(plan.layout.micro_batch as u64);
-                }
-                Err(e) => return wait(&format!("paused: no layout for {} node(s): {e}", ranks.len())),
-            }
-        }
-    }
     for &n in newcomers.iter().filter(|n| ranks.contains(n)) {
         causes.push(Cause::Join { node: n });
     }
 
     // 5. Members that left the current epoch are removed.
-    for (id, m) in &st.members {
-        if matches!(m.status, MemberStatus::Leaving | MemberStatus::Draining) && !current_ranks.contains(id) {
-            let in_scheduled = st.scheduled.as_ref().is_some_and(|e| e.ranks.contains(id));
-            if !in_scheduled {
-                commands.push(Command::Remove { id: *id, reason: "left its last epoch".into() });
-            }
-        }
-    }
+    commands.extend(removals(st, &current_ranks));
 
     if view.rebuild && failed.is_empty() && ranks == current_ranks {
         causes.push(Cause::Rebuild);
@@ -283,6 +226,100 @@ fn place_holders(
         out[slot] = Some(free.remove(k));
     }
     out.into_iter().map(|r| r.expect("enough candidates")).collect()
+}
+
+/// The current ranks that failed: dead in the log, or silent past the timeout. A newly
+/// failed one is marked failed; each is a cause of the next epoch.
+fn failures(
+    view: &View<'_>,
+    cfg: &ControllerConfig,
+    current_ranks: &[NodeId],
+    commands: &mut Vec<Command>,
+    causes: &mut Vec<Cause>,
+) -> Vec<NodeId> {
+    let mut failed = Vec::new();
+    for &r in current_ranks {
+        let status = view.status(r);
+        let dead =
+            matches!(status, None | Some(MemberStatus::Failed | MemberStatus::Gone)) || !view.healthy(r, cfg);
+        if dead {
+            failed.push(r);
+            if !matches!(status, None | Some(MemberStatus::Failed | MemberStatus::Gone)) {
+                let why = match view.progress.get(&r) {
+                    Some(p) if p.heartbeat_age_ms == u64::MAX => {
+                        "a peer's collective failed on it and it went silent".to_string()
+                    }
+                    Some(p) => format!("no heartbeat for {:.1} s", p.heartbeat_age_ms as f64 / 1e3),
+                    None => "never heard from".to_string(),
+                };
+                commands.push(Command::MarkFailed { id: r, reason: why.clone() });
+                causes.push(Cause::Failure { node: r, why: Some(why) });
+            } else {
+                causes.push(Cause::Failure { node: r, why: None });
+            }
+        }
+    }
+    failed
+}
+
+/// The candidates' layout: data parallelism, or for a pipelined job the planner's layout
+/// with its micro-batch and the candidates it places (spares left out). The error says why
+/// the cluster pauses instead.
+fn lay_out(
+    view: &View<'_>,
+    cfg: &ControllerConfig,
+    mut ranks: Vec<NodeId>,
+) -> Result<(Vec<NodeId>, Layout, Option<u64>), String> {
+    let st = view.state;
+    let pipeline = match st.job.as_ref().and_then(|j| j.get("pipeline")) {
+        None => None,
+        Some(v) => match serde_json::from_value::<PipelineJob>(v.clone()) {
+            Ok(p) => Some(p),
+            Err(e) => return Err(format!("the job's pipeline settings are unreadable: {e}")),
+        },
+    };
+    let mut layout = Layout::data_parallel(ranks.len());
+    let mut micro = None;
+    if let Some(p) = &pipeline {
+        if ranks.len() >= cfg.min_nodes.max(1) {
+            match arrange(p, &ranks, cfg.base.global_batch as usize) {
+                Ok((arranged, plan)) => {
+                    layout = Layout {
+                        data: plan.layout.data as u32,
+                        pipeline: plan.layout.pipeline() as u32,
+                        cuts: plan.layout.cuts().iter().map(|&c| c as u32).collect(),
+                    };
+                    // Every candidate is planned as the same kind of host, so which one
+                    // takes which slot is free: put hosts where their blocks already are.
+                    ranks = place_holders(
+                        &ranks,
+                        arranged.len(),
+                        &layout,
+                        st.current.as_ref(),
+                        p.profile.blocks.len(),
+                    );
+                    micro = Some(plan.layout.micro_batch as u64);
+                }
+                Err(e) => return Err(format!("paused: no layout for {} node(s): {e}", ranks.len())),
+            }
+        }
+    }
+    Ok((ranks, layout, micro))
+}
+
+/// Members that left (notice, drain) and are in neither the current nor the scheduled epoch
+/// are removed.
+fn removals(st: &ClusterState, current_ranks: &[NodeId]) -> Vec<Command> {
+    let mut out = Vec::new();
+    for (id, m) in &st.members {
+        if matches!(m.status, MemberStatus::Leaving | MemberStatus::Draining) && !current_ranks.contains(id) {
+            let in_scheduled = st.scheduled.as_ref().is_some_and(|e| e.ranks.contains(id));
+            if !in_scheduled {
+                out.push(Command::Remove { id: *id, reason: "left its last epoch".into() });
+            }
+        }
+    }
+    out
 }
 
 fn max_applied(view: &View<'_>, ranks: &[NodeId]) -> u64 {

@@ -72,66 +72,99 @@ impl Checkpointer {
                 return;
             }
         };
-        let blocks = trainer.model().blocks();
-        let (handle, rt, busy) = (sink.handle.clone(), sink.rt.clone(), Arc::clone(&self.writing));
-        let client = Arc::clone(&self.remote);
-        let (me, epoch_id) = (sink.me, epoch.id);
+        let part = Part {
+            settings: c,
+            image,
+            blocks: trainer.model().blocks(),
+            model_blocks: nb,
+            step,
+            epoch: epoch.id,
+            me: sink.me,
+            handle: sink.handle.clone(),
+            rt: sink.rt.clone(),
+            remote: Arc::clone(&self.remote),
+        };
+        let busy = Arc::clone(&self.writing);
         let write = move || {
-            let started = Instant::now();
-            match crate::checkpoint::write_part(&c.dir, &image, &blocks) {
-                Ok(path) => {
-                    let secs = started.elapsed().as_secs_f64();
-                    metrics::counter!("limpet_checkpoints_total").increment(1);
-                    metrics::gauge!("limpet_checkpoint_step").set(step as f64);
-                    metrics::histogram!("limpet_checkpoint_seconds").record(secs);
-                    tracing::info!(step, ?blocks, path = %path.display(), ms = (secs * 1e3) as u64, "checkpoint written");
-                    if let Err(e) = crate::checkpoint::prune(&c.dir, c.keep, nb) {
-                        tracing::warn!(%e, "could not delete old checkpoints");
-                    }
-                    let mut location = path.display().to_string();
-                    if let Some(r) = &c.remote {
-                        let copied = rt.block_on(async {
-                            let remote = client.get_or_init(|| crate::remote::Remote::connect(r)).await;
-                            let url = remote.upload(step, &blocks, &path).await?;
-                            if let Err(e) = remote.prune(c.keep, nb).await {
-                                tracing::warn!(%e, "could not delete old checkpoints in S3");
-                            }
-                            Ok::<_, crate::checkpoint::CheckpointError>(url)
-                        });
-                        match copied {
-                            Ok(url) => {
-                                tracing::info!(step, url, "checkpoint copied to S3");
-                                location = url;
-                            }
-                            Err(e) => {
-                                // The local copy stands; the failure counter is what alerts.
-                                metrics::counter!("limpet_checkpoint_failures_total").increment(1);
-                                tracing::error!(step, %e, "copying a checkpoint to S3 failed");
-                            }
-                        }
-                    }
-                    let record = limpet_consensus::state::CheckpointRecord {
-                        step,
-                        epoch: epoch_id,
-                        content_hash: image.content_hash().to_string(),
-                        location,
-                        node: me,
-                    };
-                    let cmd = Command::RecordCheckpoint { record };
-                    if let Err(e) = rt.block_on(handle.propose(cmd, Some(Duration::from_secs(5)))) {
-                        tracing::warn!(step, %e, "checkpoint written but not recorded in the log");
-                    }
-                }
-                Err(e) => {
-                    metrics::counter!("limpet_checkpoint_failures_total").increment(1);
-                    tracing::error!(step, %e, "writing a checkpoint failed");
-                }
-            }
+            part.write();
             busy.store(false, Ordering::SeqCst);
         };
         if let Err(e) = sink.tasks.spawn_thread("checkpoint", write) {
             tracing::error!(step, %e, "could not start the checkpoint writer");
             self.writing.store(false, Ordering::SeqCst);
+        }
+    }
+}
+
+/// One checkpoint part to write, copy and record, owned by the writer thread.
+struct Part {
+    settings: CheckpointSettings,
+    image: limpet_snapshot::StateImage,
+    blocks: std::ops::Range<usize>,
+    model_blocks: usize,
+    step: u64,
+    epoch: u64,
+    me: NodeId,
+    handle: NodeHandle,
+    rt: tokio::runtime::Handle,
+    remote: Arc<tokio::sync::OnceCell<crate::remote::Remote>>,
+}
+
+impl Part {
+    /// Writes the part, prunes old ones, copies it to S3 if configured, and records it in
+    /// the log; failures are counted and logged (the local copy stands if S3 fails).
+    fn write(&self) {
+        let started = Instant::now();
+        match crate::checkpoint::write_part(&self.settings.dir, &self.image, &self.blocks) {
+            Ok(path) => {
+                let secs = started.elapsed().as_secs_f64();
+                metrics::counter!("limpet_checkpoints_total").increment(1);
+                metrics::gauge!("limpet_checkpoint_step").set(self.step as f64);
+                metrics::histogram!("limpet_checkpoint_seconds").record(secs);
+                tracing::info!(step = self.step, blocks = ?self.blocks, path = %path.display(), ms = (secs * 1e3) as u64, "checkpoint written");
+                if let Err(e) =
+                    crate::checkpoint::prune(&self.settings.dir, self.settings.keep, self.model_blocks)
+                {
+                    tracing::warn!(%e, "could not delete old checkpoints");
+                }
+                let mut location = path.display().to_string();
+                if let Some(r) = &self.settings.remote {
+                    let copied = self.rt.block_on(async {
+                        let remote = self.remote.get_or_init(|| crate::remote::Remote::connect(r)).await;
+                        let url = remote.upload(self.step, &self.blocks, &path).await?;
+                        if let Err(e) = remote.prune(self.settings.keep, self.model_blocks).await {
+                            tracing::warn!(%e, "could not delete old checkpoints in S3");
+                        }
+                        Ok::<_, crate::checkpoint::CheckpointError>(url)
+                    });
+                    match copied {
+                        Ok(url) => {
+                            tracing::info!(step = self.step, url, "checkpoint copied to S3");
+                            location = url;
+                        }
+                        Err(e) => {
+                            // The local copy stands; the failure counter is what alerts.
+                            metrics::counter!("limpet_checkpoint_failures_total").increment(1);
+                            tracing::error!(step = self.step, %e, "copying a checkpoint to S3 failed");
+                        }
+                    }
+                }
+                let record = limpet_consensus::state::CheckpointRecord {
+                    step: self.step,
+                    epoch: self.epoch,
+                    content_hash: self.image.content_hash().to_string(),
+                    location,
+                    node: self.me,
+                };
+                let cmd = Command::RecordCheckpoint { record };
+                if let Err(e) = self.rt.block_on(self.handle.propose(cmd, Some(Duration::from_secs(5)))) {
+                    tracing::warn!(step = self.step, %e, "checkpoint written but not recorded in the log");
+                }
+            }
+            Err(e) => {
+                metrics::counter!("limpet_checkpoint_failures_total").increment(1);
+                tracing::error!(step = self.step, %e, "writing a checkpoint failed");
+            }
         }
     }
 }

@@ -95,13 +95,7 @@ impl Agent {
     pub async fn start_with(cfg: AgentConfig, tasks: Tasks) -> anyhow::Result<Agent> {
         let data = Dataset::load(&cfg.job.data, cfg.data_path.as_deref())?;
         cfg.job.validate(&data)?;
-        let mut dp = DataPlaneConfig::new(cluster_id(&cfg.cluster), cfg.id, cfg.secret.clone());
-        dp.timeout = cfg.dp_timeout;
-        dp.congestion = cfg.dp_congestion.clone();
-        if let (Some(tls), true) = (&cfg.tls, cfg.tls_data) {
-            dp.tls = Some(crate::dataplane::DataTls::from_tls(tls)?);
-        }
-        let endpoint = Arc::new(Endpoint::bind(cfg.data, dp)?);
+        let endpoint = Arc::new(bind_data_plane(&cfg)?);
         let data_addr = endpoint.addr();
         // Offers: the entry state, this rank's snapshot and the neighbour's it keeps, and
         // their predecessors while receivers finish.
@@ -150,29 +144,7 @@ impl Agent {
             grad_stats: None,
         }));
         let beat_now = Arc::new(Notify::new());
-        let stop = tasks.token();
-        tasks.spawn("announce", announce::announce(handle.clone(), me, stop.clone()));
-        tasks.spawn(
-            "heartbeats",
-            heartbeats::heartbeats(
-                Arc::clone(&cfg),
-                handle.clone(),
-                Arc::clone(&progress),
-                Arc::clone(&beat_now),
-                tasks.clone(),
-            ),
-        );
-        tasks.spawn("lead", lead::lead(Arc::clone(&cfg), handle.clone(), stop.clone()));
-        for source in &cfg.sources {
-            let watch = revocations::watch_revocations(
-                cfg.id,
-                source.clone(),
-                cfg.poll,
-                handle.clone(),
-                stop.clone(),
-            );
-            tasks.spawn("revocations", watch);
-        }
+        spawn_tasks(&tasks, &cfg, &handle, me, &progress, &beat_now);
 
         let device = cfg.device.resolve().map_err(|e| anyhow::anyhow!("[job].device: {e}"))?;
         tracing::info!(device = ?device, choice = ?cfg.device, gpus = ?limpet_trainer::device::gpu_models(), "training device");
@@ -250,6 +222,46 @@ impl Agent {
                 anyhow::bail!("the trainer did not stop within {:?}{why}", tasks::SHUTDOWN_LIMIT)
             }
         }
+    }
+}
+
+/// The data-plane endpoint the configuration describes (TLS when the cluster has
+/// certificates and does not opt out).
+fn bind_data_plane(cfg: &AgentConfig) -> anyhow::Result<Endpoint> {
+    let mut dp = DataPlaneConfig::new(cluster_id(&cfg.cluster), cfg.id, cfg.secret.clone());
+    dp.timeout = cfg.dp_timeout;
+    dp.congestion = cfg.dp_congestion.clone();
+    if let (Some(tls), true) = (&cfg.tls, cfg.tls_data) {
+        dp.tls = Some(crate::dataplane::DataTls::from_tls(tls)?);
+    }
+    Ok(Endpoint::bind(cfg.data, dp)?)
+}
+
+/// Starts the agent's background tasks: announce, heartbeats, the leader loop and one
+/// watcher per revocation source.
+fn spawn_tasks(
+    tasks: &Tasks,
+    cfg: &Arc<AgentConfig>,
+    handle: &NodeHandle,
+    me: MemberSpec,
+    progress: &Arc<Mutex<AgentReport>>,
+    beat_now: &Arc<Notify>,
+) {
+    let stop = tasks.token();
+    tasks.spawn("announce", announce::announce(handle.clone(), me, stop.clone()));
+    let beats = heartbeats::heartbeats(
+        Arc::clone(cfg),
+        handle.clone(),
+        Arc::clone(progress),
+        Arc::clone(beat_now),
+        tasks.clone(),
+    );
+    tasks.spawn("heartbeats", beats);
+    tasks.spawn("lead", lead::lead(Arc::clone(cfg), handle.clone(), stop.clone()));
+    for source in &cfg.sources {
+        let watch =
+            revocations::watch_revocations(cfg.id, source.clone(), cfg.poll, handle.clone(), stop.clone());
+        tasks.spawn("revocations", watch);
     }
 }
 

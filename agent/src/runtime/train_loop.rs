@@ -293,7 +293,6 @@ impl TrainLoop {
     fn step(&mut self, epoch: &Epoch, st: &ClusterState) -> Result<(), AgentError> {
         let started = Instant::now();
         let step = self.trainer.step();
-        let world = epoch.ranks.len();
         let group_rank = epoch.ranks.iter().position(|&r| r == self.cfg.id).unwrap_or(0);
         let (_, conn) = self.group.as_mut().expect("in a group");
         // A failed collective or stage link: (the peer it names, the error).
@@ -326,26 +325,7 @@ impl TrainLoop {
         self.step_time_ms =
             if self.step_time_ms == 0.0 { took } else { 0.9 * self.step_time_ms + 0.1 * took };
         self.last_step_done = Some(Instant::now());
-        let line = StepLine {
-            wall_ms: super::now_ms(),
-            step: stats.step,
-            epoch: epoch.id,
-            world,
-            rank: group_rank,
-            node: self.cfg.id,
-            loss: stats.loss,
-        };
-        if let Some(f) = self.log.as_mut() {
-            let mut s = serde_json::to_string(&line).expect("step lines serialize");
-            s.push('\n');
-            f.write_all(s.as_bytes())
-                .map_err(|source| AgentError::Io { what: "writing the step log".into(), source })?;
-        }
-        metrics::counter!("limpet_steps_total").increment(1);
-        metrics::histogram!("limpet_step_seconds").record(took / 1e3);
-        metrics::gauge!("limpet_applied_step").set(self.trainer.step() as f64);
-        metrics::gauge!("limpet_loss").set(stats.loss);
-        metrics::gauge!("limpet_samples_per_second").set(stats.samples as f64 / (took / 1e3).max(1e-9));
+        self.record_step(&stats, epoch, group_rank, took)?;
         // AdaScale's statistics are over data-parallel replicas, not pipeline stages.
         self.grad_stats = observe_gradients(self.grad_stats, &stats, epoch.layout.data as usize);
         let sink = Sink { me: self.cfg.id, handle: &self.handle, rt: &self.rt, tasks: &self.tasks };
@@ -370,6 +350,38 @@ impl TrainLoop {
             p.samples_per_s = stats.samples as f64 / (self.step_time_ms / 1e3).max(1e-9);
         }
         self.set_phase(Phase::Training);
+        Ok(())
+    }
+
+    /// Writes the step's line to the step log and its metrics.
+    fn record_step(
+        &mut self,
+        stats: &limpet_trainer::StepStats,
+        epoch: &Epoch,
+        group_rank: usize,
+        took: f64,
+    ) -> Result<(), AgentError> {
+        let world = epoch.ranks.len();
+        let line = StepLine {
+            wall_ms: super::now_ms(),
+            step: stats.step,
+            epoch: epoch.id,
+            world,
+            rank: group_rank,
+            node: self.cfg.id,
+            loss: stats.loss,
+        };
+        if let Some(f) = self.log.as_mut() {
+            let mut s = serde_json::to_string(&line).expect("step lines serialize");
+            s.push('\n');
+            f.write_all(s.as_bytes())
+                .map_err(|source| AgentError::Io { what: "writing the step log".into(), source })?;
+        }
+        metrics::counter!("limpet_steps_total").increment(1);
+        metrics::histogram!("limpet_step_seconds").record(took / 1e3);
+        metrics::gauge!("limpet_applied_step").set(self.trainer.step() as f64);
+        metrics::gauge!("limpet_loss").set(stats.loss);
+        metrics::gauge!("limpet_samples_per_second").set(stats.samples as f64 / (took / 1e3).max(1e-9));
         Ok(())
     }
 
