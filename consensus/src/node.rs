@@ -300,30 +300,38 @@ async fn join_through_seeds(
     tls: Option<Arc<Tls>>,
     shutdown: CancellationToken,
 ) {
+    use backon::{ExponentialBuilder, Retryable};
     let command = Command::Join { member: me.clone() };
-    let mut wait = Duration::from_millis(200);
-    loop {
+    // One round asks every seed in turn; rounds back off from 200 ms to 5 s, for as long as
+    // the node runs (a new host may boot before any member is reachable).
+    let round = || async {
+        let mut last = None;
         for seed in &seeds {
-            if shutdown.is_cancelled() {
-                return;
-            }
             let attempt = async {
                 let mut c = Client::connect_with(seed, &cluster, tls.as_deref()).await?;
                 c.propose(&command, Duration::from_secs(5)).await
             };
             match attempt.await {
-                Ok((index, detail)) => {
-                    tracing::info!(node = me.id, seed, index, detail, "admitted to the cluster");
-                    return;
+                Ok((index, detail)) => return Ok((seed.clone(), index, detail)),
+                Err(e) => {
+                    tracing::warn!(node = me.id, seed, %e, "join attempt failed");
+                    last = Some(e);
                 }
-                Err(e) => tracing::warn!(node = me.id, seed, %e, "join attempt failed"),
             }
         }
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(wait) => {}
+        Err(last.unwrap_or_else(|| ConsensusError::Config("no seeds to join through".into())))
+    };
+    let policy = ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(200))
+        .with_max_delay(Duration::from_secs(5))
+        .without_max_times();
+    tokio::select! {
+        _ = shutdown.cancelled() => {}
+        joined = round.retry(policy) => {
+            if let Ok((seed, index, detail)) = joined {
+                tracing::info!(node = me.id, seed, index, detail, "admitted to the cluster");
+            }
         }
-        wait = (wait * 2).min(Duration::from_secs(5));
     }
 }
 
