@@ -7,12 +7,9 @@ use proptest::prelude::*;
 use std::io::{BufRead, BufReader};
 use std::time::{Duration, Instant};
 
-/// The `limpet-lab` binary (its workers and benchmarks), built beside `limpet`.
-fn exe() -> std::path::PathBuf {
-    let lab = std::path::Path::new(env!("CARGO_BIN_EXE_limpet")).with_file_name("limpet-lab");
-    assert!(lab.exists(), "{} is not built: run `cargo build --workspace --bins` first", lab.display());
-    lab
-}
+#[path = "common.rs"]
+mod common;
+use common::lab_exe as exe;
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 10, ..ProptestConfig::default() })]

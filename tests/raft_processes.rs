@@ -2,6 +2,8 @@
 //! leader is killed with SIGKILL; a new leader must commit within a few seconds, and the
 //! killed node, restarted from its directory, must catch up with its log intact.
 
+#[path = "common.rs"]
+mod common;
 use limpet_consensus::state::{Command, Hardware};
 use limpet_lab::raft_cmd::RaftCluster;
 use std::time::{Duration, Instant};
@@ -13,7 +15,7 @@ fn bump(id: u64, n: u64) -> Command {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_leader_elects_another_and_the_restarted_node_catches_up() {
     let dir = tempfile::tempdir().unwrap();
-    let exe = &std::path::Path::new(env!("CARGO_BIN_EXE_limpet")).with_file_name("limpet-lab");
+    let exe = &common::lab_exe();
     let mut cluster = RaftCluster::start(exe, 3, dir.path(), 50).unwrap();
     let leader = cluster.wait_for_leader(Duration::from_secs(20)).await.unwrap();
 
@@ -74,7 +76,7 @@ async fn killing_the_leader_elects_another_and_the_restarted_node_catches_up() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_refuses_requests_for_another_cluster() {
     let dir = tempfile::tempdir().unwrap();
-    let exe = &std::path::Path::new(env!("CARGO_BIN_EXE_limpet")).with_file_name("limpet-lab");
+    let exe = &common::lab_exe();
     let cluster = RaftCluster::start(exe, 1, dir.path(), 50).unwrap();
     cluster.wait_for_leader(Duration::from_secs(20)).await.unwrap();
     let mut wrong = limpet_consensus::Client::connect(&cluster.addrs[0], "someone-else").await.unwrap();
@@ -111,7 +113,7 @@ async fn wait_for_status(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_voter_is_replaced_by_a_joined_learner_and_a_revoked_leader_hands_over() {
     let dir = tempfile::tempdir().unwrap();
-    let exe = &std::path::Path::new(env!("CARGO_BIN_EXE_limpet")).with_file_name("limpet-lab");
+    let exe = &common::lab_exe();
     let mut cluster = RaftCluster::start(exe, 3, dir.path(), 50).unwrap();
     cluster.wait_for_leader(Duration::from_secs(20)).await.unwrap();
     let newcomer = cluster.add_joiner().unwrap();

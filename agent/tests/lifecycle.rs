@@ -2,7 +2,7 @@
 //! stopped while it waits in an epoch entry for a peer that never comes, within the shutdown
 //! limit; and a task that panics stops the whole agent with an error instead of silently.
 
-use limpet_agent::report::{AgentReport, Phase, REPORT_VERSION};
+use limpet_agent::report::{AgentReport, Phase};
 use limpet_agent::runtime::tasks::SHUTDOWN_LIMIT;
 use limpet_agent::runtime::{Agent, AgentConfig, Exit, Tasks};
 use limpet_consensus::state::{Command, Hardware, MemberSpec};
@@ -89,20 +89,7 @@ async fn an_agent_waiting_in_an_epoch_entry_stops_within_the_limit() {
     let handle = agent.handle();
     let beat = tokio::spawn(async move {
         loop {
-            let r = AgentReport {
-                v: REPORT_VERSION,
-                node: 99,
-                pid: 0,
-                phase: Phase::Waiting,
-                epoch: 0,
-                applied_step: 0,
-                loss: None,
-                step_time_ms: 0.0,
-                samples_per_s: 0.0,
-                broken: None,
-                transitions: Vec::new(),
-                grad_stats: None,
-            };
+            let r = AgentReport::new(99, 0, Phase::Waiting);
             handle.reports().put(99, r.encode());
             tokio::time::sleep(Duration::from_millis(50)).await;
         }

@@ -104,6 +104,24 @@ pub struct Broken {
 }
 
 impl AgentReport {
+    /// A report of a node that has trained nothing yet, in `phase`.
+    pub fn new(node: NodeId, pid: u32, phase: Phase) -> AgentReport {
+        AgentReport {
+            v: REPORT_VERSION,
+            node,
+            pid,
+            phase,
+            epoch: 0,
+            applied_step: 0,
+            loss: None,
+            step_time_ms: 0.0,
+            samples_per_s: 0.0,
+            broken: None,
+            transitions: Vec::new(),
+            grad_stats: None,
+        }
+    }
+
     /// Encodes as sent.
     pub fn encode(&self) -> Vec<u8> {
         serde_json::to_vec(self).expect("reports serialize")

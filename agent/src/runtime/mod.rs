@@ -29,7 +29,7 @@ pub use tasks::Tasks;
 
 use crate::dataplane::handoff::handoff_loop;
 use crate::dataplane::{DataPlaneConfig, Endpoint};
-use crate::report::{AgentReport, Phase, REPORT_VERSION};
+use crate::report::{AgentReport, Phase};
 use limpet_consensus::state::{cluster_id, Command, Hardware, MemberSpec, NodeId};
 use limpet_consensus::{NodeConfig, NodeHandle};
 use limpet_snapshot::handoff::Server;
@@ -129,20 +129,7 @@ impl Agent {
         };
 
         let cfg = Arc::new(cfg);
-        let progress = Arc::new(Mutex::new(AgentReport {
-            v: REPORT_VERSION,
-            node: cfg.id,
-            pid: std::process::id(),
-            phase: Phase::Starting,
-            epoch: 0,
-            applied_step: 0,
-            loss: None,
-            step_time_ms: 0.0,
-            samples_per_s: 0.0,
-            broken: None,
-            transitions: Vec::new(),
-            grad_stats: None,
-        }));
+        let progress = Arc::new(Mutex::new(AgentReport::new(cfg.id, std::process::id(), Phase::Starting)));
         let beat_now = Arc::new(Notify::new());
         spawn_tasks(&tasks, &cfg, &handle, me, &progress, &beat_now);
 
