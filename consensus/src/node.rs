@@ -169,6 +169,41 @@ impl NodeHandle {
     }
 }
 
+/// Serves the consensus gRPC service on `listener` until `shutdown`.
+fn serve(
+    listener: tokio::net::TcpListener,
+    service: Service,
+    tls: Option<&Arc<Tls>>,
+    shutdown: CancellationToken,
+) -> Result<()> {
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder
+            .tls_config(tls.grpc_server())
+            .map_err(|e| ConsensusError::Config(format!("TLS for the control plane: {e}")))?;
+    }
+    tokio::spawn(async move {
+        let result = builder
+            .tcp_nodelay(true)
+            .add_service(pb::consensus_server::ConsensusServer::new(service))
+            .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
+            .await;
+        if let Err(e) = result {
+            tracing::error!(%e, "consensus server stopped");
+        }
+    });
+    Ok(())
+}
+
+/// Whether this node must ask the cluster to admit it: it is not in the log and not a
+/// founder, or the log says it has left (drained, then restarted: an upgrade), in which case
+/// a founder asks through the other founders.
+fn needs_admission(cfg: &NodeConfig, core: &Core<SledLog>) -> bool {
+    let known = core.state().members.get(&cfg.core.id).map(|m| m.status);
+    (known.is_none() && cfg.bootstrap.is_none()) || known == Some(crate::state::MemberStatus::Gone)
+}
+
 /// A running node.
 pub struct Node {
     handle: NodeHandle,
@@ -210,25 +245,7 @@ impl Node {
             reports,
             tls: cfg.tls.as_ref().map(|t| t.anonymous_reads),
         };
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-        let server_stop = shutdown.clone();
-        let mut builder = tonic::transport::Server::builder();
-        if let Some(tls) = &cfg.tls {
-            builder = builder
-                .tls_config(tls.grpc_server())
-                .map_err(|e| ConsensusError::Config(format!("TLS for the control plane: {e}")))?;
-        }
-        tokio::spawn(async move {
-            let result = builder
-                .tcp_nodelay(true)
-                .add_service(pb::consensus_server::ConsensusServer::new(service))
-                .serve_with_incoming_shutdown(incoming, server_stop.cancelled_owned())
-                .await;
-            if let Err(e) = result {
-                tracing::error!(%e, "consensus server stopped");
-            }
-        });
-
+        serve(listener, service, cfg.tls.as_ref(), shutdown.clone())?;
         let me = MemberSpec {
             id: cfg.core.id,
             name: cfg.name.clone(),
@@ -236,22 +253,13 @@ impl Node {
             data_addr: cfg.data_addr.clone(),
             hardware: cfg.hardware.clone(),
         };
-        let known = core.state().members.get(&cfg.core.id).map(|m| m.status);
-        // A node the log says has left (drained, then restarted: an upgrade) asks to be
-        // admitted again, through its seeds or, for a founder, through the other founders.
-        let gone = known == Some(crate::state::MemberStatus::Gone);
-        if (known.is_none() && cfg.bootstrap.is_none()) || gone {
+        if needs_admission(&cfg, &core) {
             let mut through = cfg.seeds.clone();
             for f in cfg.bootstrap.iter().flatten().filter(|f| f.id != cfg.core.id) {
                 through.push(f.control_addr.clone());
             }
-            tokio::spawn(join_through_seeds(
-                through,
-                cfg.core.cluster.clone(),
-                me.clone(),
-                cfg.tls.clone(),
-                shutdown.clone(),
-            ));
+            let (cluster, tls) = (cfg.core.cluster.clone(), cfg.tls.clone());
+            tokio::spawn(join_through_seeds(through, cluster, me.clone(), tls, shutdown.clone()));
         }
         let looper = Loop {
             core,

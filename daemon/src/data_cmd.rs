@@ -187,50 +187,25 @@ fn tokenize(a: TokenizeArgs) -> anyhow::Result<()> {
     let eos = tk.token_to_id(EOS);
     let total: u64 = files.iter().map(|f| std::fs::metadata(f).map_or(0, |m| m.len())).sum();
     let progress = bar(total, "tokenizing");
-    let mut train = ShardWriter::new(&a.out, "train", vocab, a.shard_tokens);
-    let mut val = ShardWriter::new(&a.out, "val", vocab, a.shard_tokens);
-    let (mut pending, mut chunk_no, mut written) = (Vec::<u32>::with_capacity(VAL_CHUNK), 0usize, 0u64);
-    let mut flush = |ids: &mut Vec<u32>, chunk_no: &mut usize| -> std::io::Result<()> {
-        let w = if *chunk_no % VAL_EVERY == VAL_EVERY - 1 { &mut val } else { &mut train };
-        w.write(ids)?;
-        *chunk_no += 1;
-        ids.clear();
-        Ok(())
+    let mut split = Splitter {
+        train: ShardWriter::new(&a.out, "train", vocab, a.shard_tokens),
+        val: ShardWriter::new(&a.out, "val", vocab, a.shard_tokens),
+        pending: Vec::with_capacity(VAL_CHUNK),
+        chunk_no: 0,
     };
+    let mut written = 0u64;
     for f in &files {
         let text = std::fs::read(f).with_context(|| format!("reading {}", f.display()))?;
-        let text = String::from_utf8_lossy(&text);
-        // Pieces of about 1 MiB cut at line ends keep memory flat on big files.
-        let mut rest: &str = &text;
-        while !rest.is_empty() {
-            let mut cut = rest.len().min(1 << 20);
-            while !rest.is_char_boundary(cut) {
-                cut += 1;
-            }
-            if cut < rest.len() {
-                cut = rest[..cut].rfind('\n').map_or(cut, |i| i + 1);
-            }
-            let enc = tk.encode(&rest[..cut], false).map_err(|e| anyhow::anyhow!("{}: {e}", f.display()))?;
-            for &id in enc.get_ids() {
-                pending.push(id);
-                if pending.len() == VAL_CHUNK {
-                    flush(&mut pending, &mut chunk_no)?;
-                }
-            }
+        for piece in pieces(&String::from_utf8_lossy(&text)) {
+            let enc = tk.encode(piece, false).map_err(|e| anyhow::anyhow!("{}: {e}", f.display()))?;
+            split.push(enc.get_ids())?;
             written += enc.get_ids().len() as u64;
-            progress.inc(cut as u64);
-            rest = &rest[cut..];
+            progress.inc(piece.len() as u64);
         }
-        if let Some(e) = eos {
-            pending.push(e);
-        }
-    }
-    if !pending.is_empty() {
-        flush(&mut pending, &mut chunk_no)?;
+        split.push(eos.as_slice())?;
     }
     progress.finish_and_clear();
-    let (dtype, train) = train.finish()?;
-    let (_, val) = val.finish()?;
+    let (dtype, train, val) = split.finish()?;
     if train.is_empty() {
         bail!("the inputs produced {written} tokens: too few for a training split");
     }
@@ -255,6 +230,64 @@ fn tokenize(a: TokenizeArgs) -> anyhow::Result<()> {
         path.display()
     );
     Ok(())
+}
+
+/// `text` in pieces of about 1 MiB cut at line ends, so big files tokenize in flat memory.
+fn pieces(text: &str) -> impl Iterator<Item = &str> {
+    let mut rest = text;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let mut cut = rest.len().min(1 << 20);
+        while !rest.is_char_boundary(cut) {
+            cut += 1;
+        }
+        if cut < rest.len() {
+            cut = rest[..cut].rfind('\n').map_or(cut, |i| i + 1);
+        }
+        let (piece, tail) = rest.split_at(cut);
+        rest = tail;
+        Some(piece)
+    })
+}
+
+/// Routes the token stream in chunks of `VAL_CHUNK` ids: every `VAL_EVERY`-th chunk to the
+/// held-out split, the rest to training.
+struct Splitter {
+    train: ShardWriter,
+    val: ShardWriter,
+    pending: Vec<u32>,
+    chunk_no: usize,
+}
+
+impl Splitter {
+    fn push(&mut self, ids: &[u32]) -> std::io::Result<()> {
+        for &id in ids {
+            self.pending.push(id);
+            if self.pending.len() == VAL_CHUNK {
+                self.flush()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        let w = if self.chunk_no % VAL_EVERY == VAL_EVERY - 1 { &mut self.val } else { &mut self.train };
+        w.write(&self.pending)?;
+        self.chunk_no += 1;
+        self.pending.clear();
+        Ok(())
+    }
+
+    fn finish(mut self) -> std::io::Result<(TokenDtype, Vec<ShardEntry>, Vec<ShardEntry>)> {
+        if !self.pending.is_empty() {
+            self.flush()?;
+        }
+        let (dtype, train) = self.train.finish()?;
+        let (_, val) = self.val.finish()?;
+        Ok((dtype, train, val))
+    }
 }
 
 /// Hashes `path` and checks its ids against `vocab`; the error names the file and offset.

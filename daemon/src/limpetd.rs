@@ -275,16 +275,7 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
     a.init_from = cfg.model.init_from.clone();
     a.policy = cfg.job.policy;
     a.min_nodes = cfg.cluster.min_nodes;
-    a.sources = cfg
-        .revocation
-        .sources
-        .iter()
-        .map(|s| match s {
-            SourceName::Aws => Source::Aws { endpoint: cfg.revocation.aws_endpoint.clone() },
-            SourceName::Gcp => Source::Gcp { endpoint: cfg.revocation.gcp_endpoint.clone() },
-            SourceName::Azure => Source::Azure { endpoint: cfg.revocation.azure_endpoint.clone() },
-        })
-        .collect();
+    a.sources = revocation_sources(cfg);
     a.poll = Duration::from_secs_f64(cfg.revocation.poll_secs);
     let t = &cfg.timing;
     a.heartbeat = Duration::from_millis(t.heartbeat_ms);
@@ -300,7 +291,39 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
         a.tls = Some(std::sync::Arc::new(sec.load("the configuration")?));
         a.tls_data = sec.data_plane == crate::config::DataPlaneMode::Tls;
     }
-    a.pipeline = cfg.pipeline.as_ref().map(|p| limpet_agent::runtime::PipelineSettings {
+    a.pipeline = pipeline_settings(cfg, a.job.model.num_blocks())?;
+    a.checkpoint = checkpoint_settings(cfg);
+    Ok(a)
+}
+
+/// The notice sources of `[revocation]`, each with its metadata endpoint.
+fn revocation_sources(cfg: &Config) -> Vec<Source> {
+    let r = &cfg.revocation;
+    r.sources
+        .iter()
+        .map(|s| match s {
+            SourceName::Aws => Source::Aws { endpoint: r.aws_endpoint.clone() },
+            SourceName::Gcp => Source::Gcp { endpoint: r.gcp_endpoint.clone() },
+            SourceName::Azure => Source::Azure { endpoint: r.azure_endpoint.clone() },
+        })
+        .collect()
+}
+
+/// `[pipeline]` for a model of `blocks` blocks: explicit cuts must fall inside it.
+fn pipeline_settings(
+    cfg: &Config,
+    blocks: usize,
+) -> anyhow::Result<Option<limpet_agent::runtime::PipelineSettings>> {
+    let Some(p) = cfg.pipeline.as_ref() else { return Ok(None) };
+    if let Some(cuts) = &p.cuts {
+        if cuts.last().is_some_and(|&c| c >= blocks) {
+            return Err(UsageError(format!(
+                "[pipeline].cuts {cuts:?}: the model has {blocks} blocks, so every cut must be below {blocks}"
+            ))
+            .into());
+        }
+    }
+    Ok(Some(limpet_agent::runtime::PipelineSettings {
         depth: match p.stages {
             crate::config::Stages::Fixed(n) => Some(n),
             crate::config::Stages::Named(_) => None,
@@ -309,8 +332,13 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
         link: limpet_agent::planner::Link { bytes_per_s: p.link_gbps * 1e9, latency_ms: p.latency_ms },
         shadow_every: p.shadow_every,
         cuts: p.cuts.clone(),
-    });
-    a.checkpoint = cfg.checkpoint.as_ref().map(|c| limpet_agent::runtime::CheckpointSettings {
+    }))
+}
+
+/// `[checkpoint]`, its directory defaulting to the state directory's `checkpoints`.
+fn checkpoint_settings(cfg: &Config) -> Option<limpet_agent::runtime::CheckpointSettings> {
+    let c = cfg.checkpoint.as_ref()?;
+    Some(limpet_agent::runtime::CheckpointSettings {
         every_steps: c.every_steps,
         every: (c.every_minutes > 0.0).then(|| Duration::from_secs_f64(c.every_minutes * 60.0)),
         dir: c.dir.clone().unwrap_or_else(|| cfg.node.state_dir.join("checkpoints")),
@@ -324,17 +352,7 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
                 region: c.s3_region.clone(),
             },
         ),
-    });
-    if let Some(cuts) = a.pipeline.as_ref().and_then(|p| p.cuts.as_ref()) {
-        let blocks = a.job.model.num_blocks();
-        if cuts.last().is_some_and(|&c| c >= blocks) {
-            return Err(UsageError(format!(
-                "[pipeline].cuts {cuts:?}: the model has {blocks} blocks, so every cut must be below {blocks}"
-            ))
-            .into());
-        }
-    }
-    Ok(a)
+    })
 }
 
 /// The trainer's job from `[job]`, `[model]` and `[data]`: the model's defaults, overridden

@@ -283,6 +283,10 @@ pub async fn gather(cluster: &str, addrs: &[String], tls: Option<&Tls>) -> anyho
     anyhow::bail!("no node answered: {}", errors.join("; "))
 }
 
+/// Agent reports by node: the report's age in ms and the report itself (undecodable ones
+/// are left out: status shows what the log says about such a node, not a guess).
+type Reports = BTreeMap<NodeId, (u64, AgentReport)>;
+
 fn build(
     cluster: &str,
     st: &ClusterState,
@@ -291,75 +295,15 @@ fn build(
     reports: &[limpet_consensus::NodeReport],
     at: &str,
 ) -> StatusDoc {
-    let parsed: BTreeMap<NodeId, (u64, AgentReport)> = reports
+    let parsed: Reports = reports
         .iter()
         .filter_map(|r| {
             Some((r.node, (r.age.as_millis() as u64, AgentReport::decode(&r.report, r.node).ok()?)))
         })
         .collect();
-    let nodes = st
-        .members
-        .values()
-        .map(|m| {
-            let id = m.spec.id;
-            let r = parsed.get(&id);
-            let role = if id == leader {
-                "leader"
-            } else if st.voters.contains(&id) {
-                "voter"
-            } else if st.learners.contains(&id) {
-                "learner"
-            } else {
-                "none"
-            };
-            let live = m.status != MemberStatus::Gone;
-            NodeDoc {
-                id,
-                name: m.spec.name.clone(),
-                status: format!("{:?}", m.status),
-                reason: m.reason.clone(),
-                role: role.into(),
-                phase: r.filter(|_| live).map(|(_, r)| {
-                    serde_json::to_value(r.phase)
-                        .ok()
-                        .and_then(|v| v.as_str().map(String::from))
-                        .unwrap_or_default()
-                }),
-                epoch: r.filter(|_| live).map(|(_, r)| r.epoch),
-                step: r.map(|(_, r)| r.applied_step),
-                loss: r.and_then(|(_, r)| r.loss),
-                samples_per_s: r.filter(|_| live).map(|(_, r)| r.samples_per_s),
-                heartbeat_age_ms: r.map(|(age, _)| *age),
-                deadline_ms: m.deadline_ms,
-                host: host_line(&m.spec.hardware),
-            }
-        })
-        .collect();
-    let mut transitions: Vec<TransitionDoc> = st
-        .history
-        .iter()
-        .map(|e| {
-            let lived: Vec<_> =
-                parsed.values().flat_map(|(_, r)| r.transitions.iter().filter(|t| t.epoch == e.id)).collect();
-            TransitionDoc {
-                epoch: e.id,
-                step: e.start_step,
-                world: e.ranks.len(),
-                cause: e.cause.clone(),
-                idle_ms: lived.iter().map(|t| t.idle_ms).max(),
-                lost_steps: lived.iter().map(|t| t.lost_steps).max(),
-                redone_steps: lived.iter().map(|t| t.redone_steps).max().unwrap_or(0),
-                layout: format!("{}x{}", e.layout.data, e.layout.pipeline),
-                fetched_bytes: lived.iter().map(|t| t.fetched_bytes).sum(),
-                fetch_ms: lived.iter().map(|t| t.fetch_ms).max().unwrap_or(0),
-                global_batch: e.batch.global_batch,
-                lr_scale: e.lr_scale,
-            }
-        })
-        .collect();
-    if transitions.len() > 16 {
-        transitions.drain(..transitions.len() - 16);
-    }
+    let nodes = st.members.values().map(|m| node_doc(st, m, leader, &parsed)).collect();
+    let skip = st.history.len().saturating_sub(16);
+    let transitions = st.history.iter().skip(skip).map(|e| transition_doc(e, &parsed)).collect();
     let step = st
         .current
         .as_ref()
@@ -394,6 +338,66 @@ fn build(
                 node: name_of(st, c.node),
             })
             .collect(),
+    }
+}
+
+/// One member as the log records it, with what its last report says. A gone member keeps
+/// its last step and loss but shows no phase, epoch or speed: those would be stale.
+fn node_doc(
+    st: &ClusterState,
+    m: &limpet_consensus::state::Member,
+    leader: NodeId,
+    parsed: &Reports,
+) -> NodeDoc {
+    let id = m.spec.id;
+    let r = parsed.get(&id);
+    let role = if id == leader {
+        "leader"
+    } else if st.voters.contains(&id) {
+        "voter"
+    } else if st.learners.contains(&id) {
+        "learner"
+    } else {
+        "none"
+    };
+    let live = r.filter(|_| m.status != MemberStatus::Gone).map(|(_, r)| r);
+    NodeDoc {
+        id,
+        name: m.spec.name.clone(),
+        status: format!("{:?}", m.status),
+        reason: m.reason.clone(),
+        role: role.into(),
+        phase: live.map(|r| {
+            serde_json::to_value(r.phase).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()
+        }),
+        epoch: live.map(|r| r.epoch),
+        step: r.map(|(_, r)| r.applied_step),
+        loss: r.and_then(|(_, r)| r.loss),
+        samples_per_s: live.map(|r| r.samples_per_s),
+        heartbeat_age_ms: r.map(|(age, _)| *age),
+        deadline_ms: m.deadline_ms,
+        host: host_line(&m.spec.hardware),
+    }
+}
+
+/// One epoch change, with what the agents that lived through it report: the worst idle time
+/// and loss among them, and the bytes they fetched in all.
+fn transition_doc(e: &limpet_consensus::state::Epoch, parsed: &Reports) -> TransitionDoc {
+    let lived: Vec<_> =
+        parsed.values().flat_map(|(_, r)| r.transitions.iter().filter(|t| t.epoch == e.id)).collect();
+    TransitionDoc {
+        epoch: e.id,
+        step: e.start_step,
+        world: e.ranks.len(),
+        cause: e.cause.clone(),
+        idle_ms: lived.iter().map(|t| t.idle_ms).max(),
+        lost_steps: lived.iter().map(|t| t.lost_steps).max(),
+        redone_steps: lived.iter().map(|t| t.redone_steps).max().unwrap_or(0),
+        layout: format!("{}x{}", e.layout.data, e.layout.pipeline),
+        fetched_bytes: lived.iter().map(|t| t.fetched_bytes).sum(),
+        fetch_ms: lived.iter().map(|t| t.fetch_ms).max().unwrap_or(0),
+        global_batch: e.batch.global_batch,
+        lr_scale: e.lr_scale,
     }
 }
 

@@ -63,13 +63,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&out).with_context(|| format!("creating --out {}", out.display()))?;
     let mut log = keep_log_before(&out.join(STEP_LOG), trainer.step())?;
     let end = args.stop_at.unwrap_or(trainer.job().steps);
-    let bar = ProgressBar::new(end.saturating_sub(trainer.step()));
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} steps ({per_sec}) {msg}",
-        )
-        .expect("valid template"),
-    );
+    let bar = step_bar(end.saturating_sub(trainer.step()));
     let opts = RunOptions {
         out: out.clone(),
         stop_at: args.stop_at,
@@ -119,6 +113,23 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         return Err(e);
     }
     drop(log);
+    let plot = plot_losses(&out, &report)?;
+    print_report(&report, &plot, args.json)
+}
+
+fn step_bar(steps: u64) -> ProgressBar {
+    let bar = ProgressBar::new(steps);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} steps ({per_sec}) {msg}",
+        )
+        .expect("valid template"),
+    );
+    bar
+}
+
+/// Plots the whole step log of `out` (earlier runs of a resumed job included).
+fn plot_losses(out: &Path, report: &RunReport) -> anyhow::Result<std::path::PathBuf> {
     let plot = out.join(LOSS_PLOT);
     let records = read_log(&out.join(STEP_LOG))?;
     let points: Vec<crate::plot::LossPoint> = records
@@ -130,7 +141,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         &points,
         &format!("{} on {}", kind_name(&report.model), kind_name(&report.data)),
     )?;
-    print_report(&report, &plot, args.json)
+    Ok(plot)
 }
 
 fn kind_name(v: &serde_json::Value) -> String {
@@ -314,6 +325,15 @@ fn apply_flags(job: &mut JobSpec, a: &JobArgs) -> anyhow::Result<()> {
         positive("--micro-batch", m as u64)?;
         job.micro_batch = m;
     }
+    apply_optimizer_flags(job, a)?;
+    if let Some(s) = a.seed {
+        job.seed = s;
+    }
+    apply_model_flags(job, a)
+}
+
+/// The optimizer, its settings, the warmup and clipping.
+fn apply_optimizer_flags(job: &mut JobSpec, a: &JobArgs) -> anyhow::Result<()> {
     if let Some(o) = a.optimizer {
         let wd = match &job.optimizer {
             OptimizerSpec::Sgd { weight_decay, .. } | OptimizerSpec::Adamw { weight_decay, .. } => {
@@ -351,9 +371,11 @@ fn apply_flags(job: &mut JobSpec, a: &JobArgs) -> anyhow::Result<()> {
         }
         job.clip_norm = (c > 0.0).then_some(c);
     }
-    if let Some(s) = a.seed {
-        job.seed = s;
-    }
+    Ok(())
+}
+
+/// The model's depth and precision.
+fn apply_model_flags(job: &mut JobSpec, a: &JobArgs) -> anyhow::Result<()> {
     if let Some(l) = a.layers {
         match &mut job.model {
             limpet_trainer::model::ModelSpec::Gpt { layers, .. } if l > 0 => *layers = l,

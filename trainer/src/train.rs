@@ -382,6 +382,35 @@ impl Trainer {
         link: &mut dyn StageLink,
         reduce: StageReducers<'_>,
     ) -> Result<StepStats, TrainerError> {
+        let ends = self.stage_ends(pos)?;
+        self.grads.zero(self.model.params())?;
+        let share = self.plan.share(pos.replica, pos.replicas);
+        let positions = self.cursor + share.start as u64..self.cursor + share.end as u64;
+        let micros: Vec<Range<u64>> = self.plan.micro_batches(positions.clone()).collect();
+        let step_seed = self.peek_step_seed();
+        // Per micro-batch between its forward and backward: the stage's input (whose
+        // gradient goes back) and its output (or, on the last stage, the loss).
+        let mut held: Vec<Option<(Tensor, Tensor)>> = (0..micros.len()).map(|_| None).collect();
+        let mut loss_sum = 0.0;
+        for (forward, k) in pos.schedule(micros.len()) {
+            if forward {
+                let (input, out) = self.micro_forward(link, ends, step_seed, k, micros[k].clone())?;
+                if ends.1 {
+                    loss_sum += out.double_value(&[]);
+                }
+                held[k] = Some((input, out));
+            } else {
+                let (input, out) = held[k].take().expect("the schedule runs a forward before its backward");
+                self.micro_backward(link, ends, k, &input, &out)?;
+            }
+        }
+        self.finish_grads(loss_sum, (positions.end - positions.start) as f64)?;
+        self.reduce_stage(reduce)
+    }
+
+    /// Whether this trainer's blocks are the first and the last of the model, checked
+    /// against the stage position it is asked to run.
+    fn stage_ends(&self, pos: StagePosition) -> Result<(bool, bool), TrainerError> {
         let blocks = self.model.blocks();
         let (first, last) = (blocks.start == 0, blocks.end == self.job.model.num_blocks());
         if pos.stage >= pos.stages
@@ -396,63 +425,74 @@ impl Trainer {
                 pos.stages
             )));
         }
+        Ok((first, last))
+    }
+
+    /// Micro-batch `k`'s forward through this stage: its input (the batch on the first
+    /// stage, else the previous stage's activation) and its output, sent on, or on the last
+    /// stage its summed loss.
+    fn micro_forward(
+        &mut self,
+        link: &mut dyn StageLink,
+        (first, last): (bool, bool),
+        step_seed: u64,
+        k: usize,
+        mb: Range<u64>,
+    ) -> Result<(Tensor, Tensor), TrainerError> {
         let step = self.step;
-        self.grads.zero(self.model.params())?;
-        let share = self.plan.share(pos.replica, pos.replicas);
-        let positions = self.cursor + share.start as u64..self.cursor + share.end as u64;
-        let micros: Vec<Range<u64>> = self.plan.micro_batches(positions.clone()).collect();
-        let step_seed = self.peek_step_seed();
-        // Per micro-batch between its forward and backward: the stage's input (whose
-        // gradient goes back) and its output (or, on the last stage, the loss).
-        let mut held: Vec<Option<(Tensor, Tensor)>> = (0..micros.len()).map(|_| None).collect();
-        let mut loss_sum = 0.0;
-        for (forward, k) in pos.schedule(micros.len()) {
-            if forward {
-                let mb = micros[k].clone();
-                if self.model.is_stochastic() {
-                    self.model
-                        .seed_dropout(step_seed ^ mb.start.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ k as u64);
-                }
-                let idx = if first || last { self.sampler.indices(mb) } else { Vec::new() };
-                let input = if first {
-                    self.batch_on_device(&idx)?.0
-                } else {
-                    link.recv_activation(step, k)?
-                        .to_tensor()?
-                        .to_device(self.model.device())
-                        .set_requires_grad(true)
-                };
-                let out = self.model.forward_t(&input, true);
-                if last {
-                    let (_, y) = self.batch_on_device(&idx)?;
-                    let loss = self.model.loss_sum(&out, &y);
-                    loss_sum += loss.double_value(&[]);
-                    held[k] = Some((input, loss));
-                } else {
-                    link.send_activation(step, k, &Activation::from_tensor(&out)?)?;
-                    held[k] = Some((input, out));
-                }
-            } else {
-                let (input, out) = held[k].take().expect("the schedule runs a forward before its backward");
-                if last {
-                    out.f_backward()?;
-                } else {
-                    let g = link.recv_gradient(step, k)?.to_tensor()?.to_device(self.model.device());
-                    if g.size() != out.size() {
-                        return Err(TrainerError::reduce(format!(
-                            "step {step} micro-batch {k}: gradient of shape {:?} for an output of shape {:?}",
-                            g.size(),
-                            out.size()
-                        )));
-                    }
-                    (&out * &g).sum(Kind::Float).f_backward()?;
-                }
-                if !first {
-                    link.send_gradient(step, k, &Activation::from_tensor(&input.grad())?)?;
-                }
-            }
+        if self.model.is_stochastic() {
+            self.model.seed_dropout(step_seed ^ mb.start.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ k as u64);
         }
-        self.finish_grads(loss_sum, (positions.end - positions.start) as f64)?;
+        let idx = if first || last { self.sampler.indices(mb) } else { Vec::new() };
+        let input = if first {
+            self.batch_on_device(&idx)?.0
+        } else {
+            link.recv_activation(step, k)?.to_tensor()?.to_device(self.model.device()).set_requires_grad(true)
+        };
+        let out = self.model.forward_t(&input, true);
+        if last {
+            let (_, y) = self.batch_on_device(&idx)?;
+            Ok((input, self.model.loss_sum(&out, &y)))
+        } else {
+            link.send_activation(step, k, &Activation::from_tensor(&out)?)?;
+            Ok((input, out))
+        }
+    }
+
+    /// Micro-batch `k`'s backward: from its loss on the last stage, else from the next
+    /// stage's gradient of `out`; the gradient of `input` goes back unless this is the first.
+    fn micro_backward(
+        &mut self,
+        link: &mut dyn StageLink,
+        (first, last): (bool, bool),
+        k: usize,
+        input: &Tensor,
+        out: &Tensor,
+    ) -> Result<(), TrainerError> {
+        let step = self.step;
+        if last {
+            out.f_backward()?;
+        } else {
+            let g = link.recv_gradient(step, k)?.to_tensor()?.to_device(self.model.device());
+            if g.size() != out.size() {
+                return Err(TrainerError::reduce(format!(
+                    "step {step} micro-batch {k}: gradient of shape {:?} for an output of shape {:?}",
+                    g.size(),
+                    out.size()
+                )));
+            }
+            (out * &g).sum(Kind::Float).f_backward()?;
+        }
+        if !first {
+            link.send_gradient(step, k, &Activation::from_tensor(&input.grad())?)?;
+        }
+        Ok(())
+    }
+
+    /// Sums the stage's gradients over its replicas, then the norm, loss and AdaScale
+    /// statistic over the replica's stages, and applies the clipped update.
+    fn reduce_stage(&mut self, reduce: StageReducers<'_>) -> Result<StepStats, TrainerError> {
+        let step = self.step;
         let n = self.grads.grads_len();
         let buf = self.grads.as_mut_slice();
         reduce.replicas.allreduce_sum(buf, step)?;

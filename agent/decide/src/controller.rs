@@ -108,25 +108,7 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
     let failed = failures(view, cfg, &current_ranks, &mut commands, &mut causes);
 
     // 2-3. Who trains next: survivors in order, then healthy newcomers by id.
-    let candidate = |id: NodeId| {
-        view.status(id).is_some_and(MemberStatus::is_staying)
-            && view.healthy(id, cfg)
-            && !failed.contains(&id)
-    };
-    let mut ranks: Vec<NodeId> = current_ranks.iter().copied().filter(|&r| candidate(r)).collect();
-    for &r in &current_ranks {
-        if !failed.contains(&r) && !candidate(r) {
-            let m = &st.members[&r];
-            causes.push(match m.status {
-                MemberStatus::Leaving => Cause::Notice { node: r, reason: m.reason.clone() },
-                MemberStatus::Draining => Cause::Drain { node: r },
-                status => Cause::Unavailable { node: r, status },
-            });
-        }
-    }
-    let newcomers: Vec<NodeId> =
-        st.members.keys().copied().filter(|id| !current_ranks.contains(id) && candidate(*id)).collect();
-    ranks.extend(&newcomers);
+    let (ranks, newcomers) = candidates(view, cfg, &current_ranks, &failed, &mut causes);
     // 6. With a pipelined job the planner lays the candidates out; some may stay spares.
     let (ranks, layout, micro) = match lay_out(view, cfg, ranks) {
         Ok(l) => l,
@@ -189,6 +171,39 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
     let reason = format!("epoch {} at step {}: {}", epoch.id, epoch.start_step, epoch.cause);
     commands.push(Command::ScheduleEpoch { epoch });
     Decision { commands, reason }
+}
+
+/// The nodes that may train next: the current ranks still healthy and staying, in order,
+/// then healthy newcomers by id (returned apart too). A current rank left out for its status
+/// (a notice, a drain) adds that cause; failed ranks already have theirs.
+fn candidates(
+    view: &View<'_>,
+    cfg: &ControllerConfig,
+    current_ranks: &[NodeId],
+    failed: &[NodeId],
+    causes: &mut Vec<Cause>,
+) -> (Vec<NodeId>, Vec<NodeId>) {
+    let st = view.state;
+    let candidate = |id: NodeId| {
+        view.status(id).is_some_and(MemberStatus::is_staying)
+            && view.healthy(id, cfg)
+            && !failed.contains(&id)
+    };
+    let mut ranks: Vec<NodeId> = current_ranks.iter().copied().filter(|&r| candidate(r)).collect();
+    for &r in current_ranks {
+        if !failed.contains(&r) && !candidate(r) {
+            let m = &st.members[&r];
+            causes.push(match m.status {
+                MemberStatus::Leaving => Cause::Notice { node: r, reason: m.reason.clone() },
+                MemberStatus::Draining => Cause::Drain { node: r },
+                status => Cause::Unavailable { node: r, status },
+            });
+        }
+    }
+    let newcomers: Vec<NodeId> =
+        st.members.keys().copied().filter(|id| !current_ranks.contains(id) && candidate(*id)).collect();
+    ranks.extend(&newcomers);
+    (ranks, newcomers)
 }
 
 /// Fills the `slots` rank slots of `layout` (data-major) from `candidates`, slot by slot

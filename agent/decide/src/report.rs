@@ -4,6 +4,7 @@
 //! it, and `limpet status` shows it. Decoding is strict and bounded: a report comes from the
 //! network.
 
+use crate::DecideError;
 use limpet_consensus::state::NodeId;
 use serde::{Deserialize, Serialize};
 
@@ -129,20 +130,17 @@ impl AgentReport {
 
     /// Decodes a report received from `from`, refusing other versions and reports that
     /// claim to be someone else's.
-    pub fn decode(bytes: &[u8], from: NodeId) -> Result<AgentReport, String> {
-        let r: AgentReport =
-            serde_json::from_slice(bytes).map_err(|e| format!("report of node {from}: {e}"))?;
+    pub fn decode(bytes: &[u8], from: NodeId) -> Result<AgentReport, DecideError> {
+        let bad = |detail: String| DecideError::Report { from, detail };
+        let r: AgentReport = serde_json::from_slice(bytes).map_err(|e| bad(e.to_string()))?;
         if r.v != REPORT_VERSION {
-            return Err(format!(
-                "report of node {from}: version {} (this build reads {REPORT_VERSION})",
-                r.v
-            ));
+            return Err(bad(format!("version {} (this build reads {REPORT_VERSION})", r.v)));
         }
         if r.node != from {
-            return Err(format!("report of node {from} claims to be node {}", r.node));
+            return Err(bad(format!("claims to be node {}", r.node)));
         }
         if r.transitions.len() > MAX_TRANSITIONS {
-            return Err(format!("report of node {from}: {} transitions", r.transitions.len()));
+            return Err(bad(format!("{} transitions", r.transitions.len())));
         }
         Ok(r)
     }
@@ -184,12 +182,12 @@ mod tests {
     fn reports_round_trip_and_bad_ones_are_named() {
         let r = report(7);
         assert_eq!(AgentReport::decode(&r.encode(), 7).unwrap(), r);
-        let e = AgentReport::decode(&r.encode(), 8).unwrap_err();
-        assert!(e.contains("claims to be node 7"), "{e}");
+        let e = AgentReport::decode(&r.encode(), 8).unwrap_err().to_string();
+        assert!(e.contains("report of node 8: claims to be node 7"), "{e}");
         let old = String::from_utf8(r.encode()).unwrap().replace("\"v\":1", "\"v\":9");
-        assert!(AgentReport::decode(old.as_bytes(), 7).unwrap_err().contains("version 9"));
+        assert!(AgentReport::decode(old.as_bytes(), 7).unwrap_err().to_string().contains("version 9"));
         let extra = String::from_utf8(r.encode()).unwrap().replacen('{', "{\"evil\":1,", 1);
-        assert!(AgentReport::decode(extra.as_bytes(), 7).unwrap_err().contains("unknown field"));
+        assert!(AgentReport::decode(extra.as_bytes(), 7).unwrap_err().to_string().contains("unknown field"));
     }
 
     proptest! {

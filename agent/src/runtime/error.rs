@@ -26,6 +26,9 @@ pub enum AgentError {
     /// is not what it announced.
     #[error("{0}")]
     Entry(String),
+    /// What the ranks published cannot be used: a malformed record, or no copy of a block.
+    #[error(transparent)]
+    Decide(#[from] limpet_decide::DecideError),
     /// The trainer failed on this rank.
     #[error(transparent)]
     Trainer(#[from] TrainerError),

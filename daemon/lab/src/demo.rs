@@ -355,10 +355,7 @@ pub fn run_scenario(
             .expect("template")
             .progress_chars("=> "),
     );
-    let mut fired = Vec::new();
-    let mut killed = Vec::new();
-    let mut next = 0;
-    let mut settling: Option<(String, bool, Instant)> = None;
+    let mut player = Player { script, steps, next: 0, settling: None, fired: Vec::new(), killed: Vec::new() };
     let deadline = Instant::now() + timeout;
     let mut last: Option<StatusDoc> = None;
     loop {
@@ -377,65 +374,15 @@ pub fn run_scenario(
                 continue;
             }
         };
-        bar.set_position(doc.step.min(steps));
-        let world = doc.epoch.as_ref().map_or(0, |e| e.ranks.len());
-        let loss = doc.nodes.iter().filter_map(|n| n.loss).next().map_or("-".into(), |l| format!("{l:.3}"));
-        bar.set_message(format!(
-            "epoch {} world {world} loss {loss} leader {}",
-            doc.epoch.as_ref().map_or(0, |e| e.id),
-            doc.leader.as_deref().unwrap_or("-")
-        ));
-        if let Some(prev) = &last {
-            for t in doc.transitions.iter().filter(|t| !prev.transitions.iter().any(|p| p.epoch == t.epoch)) {
-                say(
-                    &bar,
-                    show,
-                    format!("  epoch {} at step {}: world {} ({})", t.epoch, t.step, t.world, t.cause),
-                );
-            }
-        }
+        show_progress(&bar, show, steps, &doc, last.as_ref());
         let current = doc.epoch.as_ref().map(|e| e.ranks.clone()).unwrap_or_default();
         let done = !current.is_empty()
             && current
                 .iter()
                 .all(|r| doc.nodes.iter().any(|n| &n.name == r && n.phase.as_deref() == Some("finished")));
-        // The next action waits until the previous one shows in the epoch: a fast job must not
-        // stack a kill onto a membership change still under way (two voters left mid-change
-        // cannot lose one), and each transition is measured on its own. Not forever: a
-        // cluster held below its minimum size forms no epoch until a later action (a join).
-        let settled = settling.as_ref().is_none_or(|(node, joins, since)| {
-            done || current.contains(node) == *joins || since.elapsed() > SETTLE_MAX
-        });
-        if settled {
-            settling = None;
-        }
-        while settled && next < script.len() && doc.step as f64 >= script[next].0 * steps as f64 {
-            let action = resolve(&script[next].1, &doc);
-            say(&bar, show, format!("step {}: {}", doc.step, action.describe()));
-            if let Action::Kill { node } = &action {
-                killed.push(cluster.file.node(node)?.id);
-            }
-            let at = now_ms();
-            let joined = fire(&mut cluster, &rt, tls, &action)?;
-            fired.push((doc.step, at, action.describe()));
-            next += 1;
-            settling = match (&action, joined) {
-                (Action::Join, Some(name)) => Some((name, true, Instant::now())),
-                (
-                    Action::Notice { node, .. }
-                    | Action::Kill { node }
-                    | Action::Drain { node }
-                    | Action::Term { node },
-                    _,
-                ) => Some((node.clone(), false, Instant::now())),
-                (Action::Join, None) => None,
-            };
-            if settling.is_some() {
-                break;
-            }
-        }
+        player.play(&mut cluster, &rt, tls, &doc, done, (&bar, show))?;
         last = Some(doc);
-        if done && next == script.len() {
+        if done && player.next == script.len() {
             break;
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -446,6 +393,113 @@ pub fn run_scenario(
     // Give the heartbeats a moment so every rank's transition record is in.
     std::thread::sleep(Duration::from_millis(300));
     let doc = rt.block_on(gather(&cluster.file.cluster, &cluster.file.control_addrs(), tls)).unwrap_or(doc);
+    summarize(dir, cluster, &doc, player, wall_s)
+}
+
+/// The step, epoch, world, loss and leader on the progress bar, and each new transition
+/// above it.
+fn show_progress(
+    bar: &indicatif::ProgressBar,
+    show: bool,
+    steps: u64,
+    doc: &StatusDoc,
+    last: Option<&StatusDoc>,
+) {
+    bar.set_position(doc.step.min(steps));
+    let world = doc.epoch.as_ref().map_or(0, |e| e.ranks.len());
+    let loss = doc.nodes.iter().filter_map(|n| n.loss).next().map_or("-".into(), |l| format!("{l:.3}"));
+    bar.set_message(format!(
+        "epoch {} world {world} loss {loss} leader {}",
+        doc.epoch.as_ref().map_or(0, |e| e.id),
+        doc.leader.as_deref().unwrap_or("-")
+    ));
+    if let Some(prev) = last {
+        for t in doc.transitions.iter().filter(|t| !prev.transitions.iter().any(|p| p.epoch == t.epoch)) {
+            say(
+                bar,
+                show,
+                format!("  epoch {} at step {}: world {} ({})", t.epoch, t.step, t.world, t.cause),
+            );
+        }
+    }
+}
+
+/// Plays a scenario's script against the cluster as the job advances.
+struct Player<'a> {
+    script: &'a [(f64, Action)],
+    steps: u64,
+    /// The next action to fire.
+    next: usize,
+    /// The last action's node, whether it should join (or leave) the epoch, and since when.
+    settling: Option<(String, bool, Instant)>,
+    /// What was fired: the step, the wall clock in ms and a description.
+    fired: Vec<(u64, u64, String)>,
+    /// Ids of the nodes killed.
+    killed: Vec<u64>,
+}
+
+impl Player<'_> {
+    /// Fires every action whose step has come. The next action waits until the previous one
+    /// shows in the epoch: a fast job must not stack a kill onto a membership change still
+    /// under way (two voters left mid-change cannot lose one), and each transition is
+    /// measured on its own. Not forever: a cluster held below its minimum size forms no
+    /// epoch until a later action (a join).
+    fn play(
+        &mut self,
+        cluster: &mut LocalCluster,
+        rt: &tokio::runtime::Runtime,
+        tls: Option<&limpet_consensus::tls::Tls>,
+        doc: &StatusDoc,
+        done: bool,
+        (bar, show): (&indicatif::ProgressBar, bool),
+    ) -> anyhow::Result<()> {
+        let current = doc.epoch.as_ref().map(|e| e.ranks.clone()).unwrap_or_default();
+        let settled = self.settling.as_ref().is_none_or(|(node, joins, since)| {
+            done || current.contains(node) == *joins || since.elapsed() > SETTLE_MAX
+        });
+        if !settled {
+            return Ok(());
+        }
+        self.settling = None;
+        while self.next < self.script.len() && doc.step as f64 >= self.script[self.next].0 * self.steps as f64
+        {
+            let action = resolve(&self.script[self.next].1, doc);
+            say(bar, show, format!("step {}: {}", doc.step, action.describe()));
+            if let Action::Kill { node } = &action {
+                self.killed.push(cluster.file.node(node)?.id);
+            }
+            let at = now_ms();
+            let joined = fire(cluster, rt, tls, &action)?;
+            self.fired.push((doc.step, at, action.describe()));
+            self.next += 1;
+            self.settling = match (&action, joined) {
+                (Action::Join, Some(name)) => Some((name, true, Instant::now())),
+                (
+                    Action::Notice { node, .. }
+                    | Action::Kill { node }
+                    | Action::Drain { node }
+                    | Action::Term { node },
+                    _,
+                ) => Some((node.clone(), false, Instant::now())),
+                (Action::Join, None) => None,
+            };
+            if self.settling.is_some() {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Evaluates the final checkpoints, merges the step logs into one loss curve (plotted to
+/// `demo.svg`), stops the cluster and writes `summary.json`.
+fn summarize(
+    dir: &Path,
+    mut cluster: LocalCluster,
+    doc: &StatusDoc,
+    player: Player<'_>,
+    wall_s: f64,
+) -> anyhow::Result<Summary> {
     let ranks = doc.epoch.as_ref().map(|e| e.ranks.clone()).context("no current epoch at the end")?;
     let checkpoints: Vec<PathBuf> =
         ranks.iter().map(|r| dir.join(r).join(limpet_trainer::CHECKPOINT_FILE)).collect();
@@ -459,18 +513,18 @@ pub fn run_scenario(
             .filter(|t| t.redone_steps > 0)
             .map(|t| (t.step.saturating_sub(t.redone_steps), t.redone_steps))
             .collect();
-    let (points, twice) = merge(&lines, &killed, &redone);
+    let (points, twice) = merge(&lines, &player.killed, &redone);
     let marks: Vec<(u64, String)> =
         doc.transitions.iter().skip(1).map(|t| (t.step, short_cause(&t.cause))).collect();
     elastic_svg(&dir.join("demo.svg"), &points, &marks, "limpet: loss and world size through revocations")?;
     cluster.down();
     let summary = Summary {
-        steps,
+        steps: player.steps,
         wall_s,
         test_loss,
         test_accuracy,
         checkpoint,
-        events: fired,
+        events: player.fired,
         transitions: doc.transitions.clone(),
         steps_applied_twice: twice,
         steps_logged: points.len() as u64,

@@ -425,15 +425,7 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
     let mut host_rounds = Vec::new();
     let certs = tempfile::tempdir()?;
     if args.tls {
-        limpet_daemon::certs::init(certs.path(), "bench", 1)?;
-        for n in &order {
-            limpet_daemon::certs::issue_for_days(
-                certs.path(),
-                &format!("n{n}"),
-                limpet_daemon::certs::Kind::Node,
-                1,
-            )?;
-        }
+        bench_certs(certs.path(), &order)?;
     }
     for round in 1..=args.rounds {
         spinner.set_message(format!(
@@ -474,15 +466,46 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
     let tls = args.tls.then(|| median_times(&tls_rounds));
     let host = also_host.then(|| median_times(&host_rounds));
     spinner.finish_and_clear();
-    let rows: Vec<SizeReport> = ours
-        .iter()
+    let rows = size_rows(args.world, &ours, theirs.as_deref(), tls.as_deref(), host.as_deref());
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "world": args.world, "sizes": rows,
+                "congestion": {"limpet": ours_cc, "host_default": host_cc},
+            }))?
+        );
+        return Ok(());
+    }
+    print_allreduce(&args, &rows, (&ours_cc, &host_cc))
+}
+
+/// A one-day CA and a certificate for each worker `n<id>`.
+fn bench_certs(dir: &std::path::Path, order: &[u64]) -> anyhow::Result<()> {
+    limpet_daemon::certs::init(dir, "bench", 1)?;
+    for n in order {
+        limpet_daemon::certs::issue_for_days(dir, &format!("n{n}"), limpet_daemon::certs::Kind::Node, 1)?;
+    }
+    Ok(())
+}
+
+/// One row per size: limpet's median time against gloo's, over TLS and with the host's
+/// congestion control where those were measured.
+fn size_rows(
+    world: u64,
+    ours: &[(usize, f64)],
+    theirs: Option<&[(usize, f64)]>,
+    tls: Option<&[(usize, f64)]>,
+    host: Option<&[(usize, f64)]>,
+) -> Vec<SizeReport> {
+    ours.iter()
         .enumerate()
         .map(|(i, &(bytes, secs))| {
-            let limpet = measurement(bytes, secs, args.world);
-            let gloo = theirs.as_ref().map(|t| measurement(bytes, t[i].1, args.world));
+            let limpet = measurement(bytes, secs, world);
+            let gloo = theirs.map(|t| measurement(bytes, t[i].1, world));
             let ratio = gloo.as_ref().map(|g| g.seconds / limpet.seconds);
-            let limpet_tls = tls.as_ref().map(|t| measurement(bytes, t[i].1, args.world));
-            let limpet_host_congestion = host.as_ref().map(|t| measurement(bytes, t[i].1, args.world));
+            let limpet_tls = tls.map(|t| measurement(bytes, t[i].1, world));
+            let limpet_host_congestion = host.map(|t| measurement(bytes, t[i].1, world));
             let ratio_host_congestion =
                 gloo.as_ref().zip(limpet_host_congestion.as_ref()).map(|(g, h)| g.seconds / h.seconds);
             SizeReport {
@@ -495,17 +518,17 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
                 ratio_host_congestion,
             }
         })
-        .collect();
-    if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&serde_json::json!({
-                "world": args.world, "sizes": rows,
-                "congestion": {"limpet": ours_cc, "host_default": host_cc},
-            }))?
-        );
-        return Ok(());
-    }
+        .collect()
+}
+
+/// The allreduce table, then limpet with the host's congestion control and over TLS where
+/// those were measured.
+fn print_allreduce(
+    args: &BenchAllreduceArgs,
+    rows: &[SizeReport],
+    (ours_cc, host_cc): (&str, &str),
+) -> anyhow::Result<()> {
+    let also_host = ours_cc != host_cc;
     println!(
         "allreduce (sum, f32), world {}, loopback; busbw = algbw x 2(N-1)/N; median of {} round(s)",
         args.world, args.rounds
@@ -518,7 +541,7 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
         "{:>8} | {:>10} {:>8} {:>8} | {:>10} {:>8} {:>8} | {:>6}",
         "size", "limpet", "algbw", "busbw", "gloo", "algbw", "busbw", "ratio"
     );
-    for r in &rows {
+    for r in rows {
         let g = r.gloo.as_ref();
         println!(
             "{:>8} | {:>10} {:>8.3} {:>8.3} | {:>10} {:>8} {:>8} | {:>6}",
@@ -539,7 +562,7 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
             "{:>8} | {:>10} {:>8} | {:>10} {:>8} | {:>6}",
             "size", "limpet", "busbw", "gloo", "busbw", "ratio"
         );
-        for r in &rows {
+        for r in rows {
             let Some(h) = &r.limpet_host_congestion else { continue };
             let g = r.gloo.as_ref();
             println!(
@@ -559,7 +582,7 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
             "{:>8} | {:>10} {:>8} | {:>10} {:>8} | {:>9}",
             "size", "plain", "busbw", "TLS", "busbw", "TLS/plain"
         );
-        for r in &rows {
+        for r in rows {
             let Some(t) = &r.limpet_tls else { continue };
             println!(
                 "{:>8} | {:>10} {:>8.3} | {:>10} {:>8.3} | {:>8.0}%",
@@ -627,6 +650,25 @@ fn synthetic_image(bytes: usize) -> anyhow::Result<limpet_snapshot::StateImage> 
 
 use crate::stats::median;
 
+/// Serves `server`'s offers on a loopback port for the rest of the process, one thread
+/// per connection as the agent's handoff server does.
+fn serve_loopback(server: &limpet_snapshot::handoff::Server) -> anyhow::Result<String> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?.to_string();
+    let serving = server.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let server = serving.clone();
+            std::thread::spawn(move || {
+                let _ = conn.set_nodelay(true);
+                let _ = server.serve(&mut conn, None);
+            });
+        }
+    });
+    Ok(addr)
+}
+
 /// Runs the handoff benchmark: a verified state transfer over loopback next to a plain TCP
 /// copy of the same bytes.
 pub fn bench_handoff(args: BenchHandoffArgs) -> anyhow::Result<()> {
@@ -645,19 +687,7 @@ pub fn bench_handoff(args: BenchHandoffArgs) -> anyhow::Result<()> {
     let prepare_s = prepared.elapsed().as_secs_f64();
     let server = Server::new();
     server.offer(offer);
-    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-    let addr = listener.local_addr()?.to_string();
-    let serving = server.clone();
-    std::thread::spawn(move || {
-        for conn in listener.incoming() {
-            let Ok(mut conn) = conn else { continue };
-            let server = serving.clone();
-            std::thread::spawn(move || {
-                let _ = conn.set_nodelay(true);
-                let _ = server.serve(&mut conn, None);
-            });
-        }
-    });
+    let addr = serve_loopback(&server)?;
     let dialer = TcpDialer { timeout: Duration::from_secs(10) };
     let opts = FetchOptions { streams: args.streams, batch: 2, reconnects: 3, expect: Some(label) };
     let bar = indicatif::ProgressBar::new(2 * args.runs as u64);

@@ -112,6 +112,32 @@ pub fn bench(a: BenchElasticArgs) -> anyhow::Result<()> {
     let mut gaps: Vec<u64> = first.windows(2).map(|w| w[1] - w[0]).collect();
     gaps.sort_unstable();
     let step_ms = if gaps.is_empty() { 0.0 } else { gaps[gaps.len() / 2].max(1) as f64 };
+    let limpet = measured(&s, &lines, step_ms);
+    let torchrun = if model == "mlp" {
+        eprintln!(
+            "torchrun: {} workers, the same MLP and data, checkpoint every 100 steps, one worker killed at 60%",
+            a.nodes
+        );
+        Some(torchrun(&tmp.path().join("torchrun"), a.nodes, a.steps, Duration::from_secs(a.torchrun_wait))?)
+    } else {
+        None
+    };
+    let r = ElasticBench { step_ms, limpet, torchrun };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        print_table(&r);
+    }
+    Ok(())
+}
+
+/// limpet's transitions in a finished scenario against their goals: the notice, the join
+/// and the kill of the leader (`step_ms`: the median step before them).
+fn measured(
+    s: &crate::demo::Summary,
+    lines: &[limpet_agent::runtime::StepLine],
+    step_ms: f64,
+) -> Vec<Measured> {
     let find = |cause: &str| s.transitions.iter().find(|t| t.cause.contains(cause));
     let mut limpet = Vec::new();
     if let Some(t) = find("notice for") {
@@ -153,22 +179,7 @@ pub fn bench(a: BenchElasticArgs) -> anyhow::Result<()> {
             met: recovery.is_some_and(|r| r < 3000),
         });
     }
-    let torchrun = if model == "mlp" {
-        eprintln!(
-            "torchrun: {} workers, the same MLP and data, checkpoint every 100 steps, one worker killed at 60%",
-            a.nodes
-        );
-        Some(torchrun(&tmp.path().join("torchrun"), a.nodes, a.steps, Duration::from_secs(a.torchrun_wait))?)
-    } else {
-        None
-    };
-    let r = ElasticBench { step_ms, limpet, torchrun };
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&r)?);
-    } else {
-        print_table(&r);
-    }
-    Ok(())
+    limpet
 }
 
 fn print_table(r: &ElasticBench) {
@@ -207,17 +218,20 @@ fn torch_lines(path: &Path) -> Vec<TorchLine> {
         .collect()
 }
 
-/// Runs torchrun, kills one worker at 60% of the job, and measures its recovery.
-fn torchrun(dir: &Path, workers: usize, steps: u64, wait: Duration) -> anyhow::Result<Measured> {
-    std::fs::create_dir_all(dir)?;
-    let script = dir.join("torchrun_elastic.py");
-    std::fs::write(&script, include_str!("../../../bench/torchrun_elastic.py"))?;
+/// torchrun with `workers` processes of `script` in its own process group (so a stop kills
+/// them all), logging to `torchrun.log` in `dir`.
+fn spawn_torchrun(
+    dir: &Path,
+    script: &Path,
+    workers: usize,
+    steps: u64,
+) -> anyhow::Result<std::process::Child> {
     let log = std::fs::File::create(dir.join("torchrun.log"))?;
     let digits = limpet_trainer::data::default_digits_path();
-    let mut child = Command::new(crate::dp_cmd::python())
+    Command::new(crate::dp_cmd::python())
         .args(["-m", "torch.distributed.run", "--standalone", "--max-restarts=3", "--monitor-interval=0.5"])
         .arg(format!("--nproc-per-node={workers}"))
-        .arg(&script)
+        .arg(script)
         .env("OUT", dir)
         .env("STEPS", steps.to_string())
         .env("CKPT_EVERY", "100")
@@ -227,7 +241,15 @@ fn torchrun(dir: &Path, workers: usize, steps: u64, wait: Duration) -> anyhow::R
         .stderr(log)
         .process_group(0)
         .spawn()
-        .context("starting torchrun (python -m torch.distributed.run)")?;
+        .context("starting torchrun (python -m torch.distributed.run)")
+}
+
+/// Runs torchrun, kills one worker at 60% of the job, and measures its recovery.
+fn torchrun(dir: &Path, workers: usize, steps: u64, wait: Duration) -> anyhow::Result<Measured> {
+    std::fs::create_dir_all(dir)?;
+    let script = dir.join("torchrun_elastic.py");
+    std::fs::write(&script, include_str!("../../../bench/torchrun_elastic.py"))?;
+    let mut child = spawn_torchrun(dir, &script, workers, steps)?;
     let pgid = nix::unistd::Pid::from_raw(child.id() as i32);
     let stop = |why: &str| {
         let _ = nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGKILL);

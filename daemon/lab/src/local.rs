@@ -268,6 +268,38 @@ impl LocalCluster {
         } else {
             text += &format!("seeds = [{}]\n", seeds.join(", "));
         }
+        text += &self.job_sections()?;
+        if j.tls {
+            text += &self.security_section(name)?;
+        }
+        text += &format!(
+            "\n[revocation]\nsources = [\"aws\"]\npoll_secs = 0.2\naws_endpoint = \"http://{md_addr}\"\n"
+        );
+        std::fs::write(&config, text).with_context(|| format!("writing {}", config.display()))?;
+        let out = std::fs::File::create(&log)?;
+        let child = spawn_logged(self.limpetd_command(&config), out)?;
+        self.file.nodes.push(LocalNode {
+            name: name.to_string(),
+            id,
+            control: control.to_string(),
+            data,
+            metadata: format!("http://{md_addr}"),
+            metrics: format!("http://{metrics}/metrics"),
+            config,
+            log,
+            step_log,
+            pid: child.id(),
+            metadata_pid: md_child.id(),
+        });
+        self.children.insert(name.to_string(), child);
+        self.metadata.insert(name.to_string(), md_child);
+        self.save()
+    }
+
+    /// `[job]`, `[model]`, `[data]`, `[pipeline]` and `[checkpoint]` of a node's file.
+    fn job_sections(&self) -> anyhow::Result<String> {
+        let j = &self.job;
+        let mut text = String::new();
         text += &format!(
             "\n[job]\nmodel = {:?}\ndata = {:?}\nsteps = {}\nglobal_batch = {}\npolicy = {:?}\nseed = {}\nbase_world = {}\n",
             j.model,
@@ -317,26 +349,28 @@ impl LocalCluster {
                 text += &format!("s3 = {url:?}\ns3_endpoint = {endpoint:?}\ns3_region = \"us-east-1\"\n");
             }
         }
-        if j.tls {
-            let certs = self.certs_dir();
-            let (cert, key) = (certs.join(format!("{name}.pem")), certs.join(format!("{name}.key")));
-            // A restarted node keeps its certificate.
-            if !cert.exists() {
-                limpet_daemon::certs::issue_for_days(&certs, name, limpet_daemon::certs::Kind::Node, 30)?;
-            }
-            text += &format!(
-                "\n[security]\nca = {:?}\ncert = {:?}\nkey = {:?}\nanonymous_status = {}\n",
-                certs.join("ca.pem").display().to_string(),
-                cert.display().to_string(),
-                key.display().to_string(),
-                j.anonymous_status
-            );
+        Ok(text)
+    }
+
+    /// `[security]` of node `name`'s file, issuing its certificate on its first start.
+    fn security_section(&self, name: &str) -> anyhow::Result<String> {
+        let certs = self.certs_dir();
+        let (cert, key) = (certs.join(format!("{name}.pem")), certs.join(format!("{name}.key")));
+        // A restarted node keeps its certificate.
+        if !cert.exists() {
+            limpet_daemon::certs::issue_for_days(&certs, name, limpet_daemon::certs::Kind::Node, 30)?;
         }
-        text += &format!(
-            "\n[revocation]\nsources = [\"aws\"]\npoll_secs = 0.2\naws_endpoint = \"http://{md_addr}\"\n"
-        );
-        std::fs::write(&config, text).with_context(|| format!("writing {}", config.display()))?;
-        let out = std::fs::File::create(&log)?;
+        Ok(format!(
+            "\n[security]\nca = {:?}\ncert = {:?}\nkey = {:?}\nanonymous_status = {}\n",
+            certs.join("ca.pem").display().to_string(),
+            cert.display().to_string(),
+            key.display().to_string(),
+            self.job.anonymous_status
+        ))
+    }
+
+    /// The command that starts `limpetd` on `config`, under the fake systemd if there is one.
+    fn limpetd_command(&self, config: &Path) -> Command {
         let cmd = match &self.systemd {
             // systemd sets WATCHDOG_PID to the service's own pid: the shell's, which exec
             // hands to limpetd.
@@ -358,23 +392,7 @@ impl LocalCluster {
         };
         let mut cmd = cmd;
         cmd.envs(self.job.env.iter().map(|(k, v)| (k, v)));
-        let child = spawn_logged(cmd, out)?;
-        self.file.nodes.push(LocalNode {
-            name: name.to_string(),
-            id,
-            control: control.to_string(),
-            data,
-            metadata: format!("http://{md_addr}"),
-            metrics: format!("http://{metrics}/metrics"),
-            config,
-            log,
-            step_log,
-            pid: child.id(),
-            metadata_pid: md_child.id(),
-        });
-        self.children.insert(name.to_string(), child);
-        self.metadata.insert(name.to_string(), md_child);
-        self.save()
+        cmd
     }
 
     fn save(&self) -> anyhow::Result<()> {

@@ -201,19 +201,7 @@ pub fn bench(args: BenchPipelineArgs) -> anyhow::Result<()> {
         (0..args.hosts).map(|k| HostSpec { name: format!("h{k}"), speed, mem_bytes: 16 << 30 }).collect();
     let input = PlanInput { profile, hosts, link, global_batch: job.global_batch, max_depth: None };
     let report = planner::plan(&input)?;
-    let mut todo: Vec<(&'static str, Plan)> = vec![("chosen", report.best.clone())];
-    for p in report.runners_up.iter().take(args.others) {
-        todo.push(("runner-up", p.clone()));
-    }
-    let dp = |p: &Plan| p.layout.pipeline() == 1 && p.layout.data as u64 == args.hosts;
-    if !todo.iter().any(|(_, p)| dp(p)) {
-        if let Some(p) = report.runners_up.iter().find(|p| dp(p)) {
-            todo.push(("data parallel", p.clone()));
-        }
-    }
-    if let Some(t) = todo.iter_mut().skip(1).find(|(_, p)| dp(p)) {
-        t.0 = "data parallel";
-    }
+    let todo = to_measure(&report, args.others, args.hosts);
     let bar = indicatif::ProgressBar::new(todo.len() as u64);
     let mut rows = Vec::new();
     for (role, plan) in &todo {
@@ -267,39 +255,58 @@ pub fn bench(args: BenchPipelineArgs) -> anyhow::Result<()> {
         );
     }
     if let Some(c) = &chaos {
-        println!(
-            "\nreassignment: {} agents, {} steps, a spot notice at 20% and kill -9 at 55% of a stage host (shadow every {}):",
-            args.hosts, c.steps, args.shadow_every
-        );
-        println!(
-            "{:>5} {:>6} {:>6} {:>10} {:>5} {:>6} {:>9}  cause",
-            "epoch", "step", "layout", "stall ms", "lost", "redone", "copied"
-        );
-        for t in c.transitions.iter().skip(1) {
-            let stall =
-                c.stalls.iter().find(|(e, _)| *e == t.epoch).map_or("-".into(), |(_, ms)| ms.to_string());
-            println!(
-                "{:>5} {:>6} {:>6} {:>10} {:>5} {:>6} {:>9}  {}",
-                t.epoch,
-                t.step,
-                t.layout,
-                stall,
-                t.lost_steps.map_or("-".into(), |v| v.to_string()),
-                t.redone_steps,
-                if t.fetched_bytes > 0 {
-                    format!("{:.1} MB", t.fetched_bytes as f64 / 1e6)
-                } else {
-                    "-".into()
-                },
-                t.cause
-            );
-        }
-        println!(
-            "test loss {:.4} after {} steps; steps applied twice: {}",
-            c.test_loss, c.steps, c.steps_applied_twice
-        );
+        print_chaos(&args, c);
     }
     Ok(())
+}
+
+/// The layouts to run: the chosen one, `others` runners-up, and plain data parallelism over
+/// all `hosts` for comparison (labelled so, even where it is a runner-up).
+fn to_measure(report: &planner::PlanReport, others: usize, hosts: u64) -> Vec<(&'static str, Plan)> {
+    let mut todo: Vec<(&'static str, Plan)> = vec![("chosen", report.best.clone())];
+    for p in report.runners_up.iter().take(others) {
+        todo.push(("runner-up", p.clone()));
+    }
+    let dp = |p: &Plan| p.layout.pipeline() == 1 && p.layout.data as u64 == hosts;
+    if !todo.iter().any(|(_, p)| dp(p)) {
+        if let Some(p) = report.runners_up.iter().find(|p| dp(p)) {
+            todo.push(("data parallel", p.clone()));
+        }
+    }
+    if let Some(t) = todo.iter_mut().skip(1).find(|(_, p)| dp(p)) {
+        t.0 = "data parallel";
+    }
+    todo
+}
+
+/// The chaos run's transitions: stall, lost and redone steps, and what was copied.
+fn print_chaos(args: &BenchPipelineArgs, c: &crate::demo::Summary) {
+    println!(
+        "\nreassignment: {} agents, {} steps, a spot notice at 20% and kill -9 at 55% of a stage host (shadow every {}):",
+        args.hosts, c.steps, args.shadow_every
+    );
+    println!(
+        "{:>5} {:>6} {:>6} {:>10} {:>5} {:>6} {:>9}  cause",
+        "epoch", "step", "layout", "stall ms", "lost", "redone", "copied"
+    );
+    for t in c.transitions.iter().skip(1) {
+        let stall = c.stalls.iter().find(|(e, _)| *e == t.epoch).map_or("-".into(), |(_, ms)| ms.to_string());
+        println!(
+            "{:>5} {:>6} {:>6} {:>10} {:>5} {:>6} {:>9}  {}",
+            t.epoch,
+            t.step,
+            t.layout,
+            stall,
+            t.lost_steps.map_or("-".into(), |v| v.to_string()),
+            t.redone_steps,
+            if t.fetched_bytes > 0 { format!("{:.1} MB", t.fetched_bytes as f64 / 1e6) } else { "-".into() },
+            t.cause
+        );
+    }
+    println!(
+        "test loss {:.4} after {} steps; steps applied twice: {}",
+        c.test_loss, c.steps, c.steps_applied_twice
+    );
 }
 
 /// A pipelined local cluster through a notice and a kill of stage hosts (at the chosen

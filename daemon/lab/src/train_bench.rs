@@ -185,8 +185,12 @@ pub fn bench(a: BenchTrainArgs) -> anyhow::Result<()> {
         ratio: median(rounds.iter().map(|p| p.0 / p.1).collect()),
         rounds,
     };
+    print_train(&a, &r)
+}
+
+fn print_train(a: &BenchTrainArgs, r: &TrainBenchReport) -> anyhow::Result<()> {
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&r)?);
+        println!("{}", serde_json::to_string_pretty(r)?);
     } else {
         println!(
             "bench train: LLaMA {} ({:.1}M parameters), batch {} x {} tokens, {} thread(s)",
@@ -309,32 +313,7 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
     let span_s = (t[t.len() - 1].1 - t[0].1) as f64 / 1e3;
     let ours = (t.len() - 1) as f64 * a.batch as f64 / span_s.max(1e-9);
 
-    let (cfg, script) =
-        peer_files(tmp.path(), &spec, "ddp_llama.py", include_str!("../../../bench/ddp_llama.py"))?;
-    eprintln!("torchrun: {} ranks, DDP (gloo), the same LLaMA in transformers", a.world);
-    let py = python();
-    let port = crate::raft_cmd::free_port()?;
-    let out = Command::new(&py)
-        .args(["-m", "torch.distributed.run", "--standalone", "--nnodes", "1"])
-        .arg(format!("--nproc_per_node={}", a.world))
-        .arg(format!("--master_port={port}"))
-        .arg(&script)
-        .arg(&cfg)
-        .args([a.batch, a.context, a.steps as usize, a.warmup as usize].map(|v| v.to_string()))
-        .env("OMP_NUM_THREADS", "1")
-        .env("HF_HUB_OFFLINE", "1")
-        .stderr(Stdio::inherit())
-        .output()
-        .with_context(|| {
-            format!("running torchrun with {} (set LIMPET_PYTHON, or run `make setup`)", py.display())
-        })?;
-    if !out.status.success() {
-        bail!("torchrun failed ({})", out.status);
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
-    let line = text.lines().rev().find(|l| l.starts_with('{')).context("no result line from torchrun")?;
-    let theirs: serde_json::Value = serde_json::from_str(line)?;
-    let theirs = theirs["samples_per_s"].as_f64().context("no samples_per_s from torchrun")?;
+    let theirs = torchrun_dp(&a, tmp.path(), &spec)?;
     let r = DpBenchReport {
         params: spec.num_params(),
         model: spec,
@@ -361,6 +340,37 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
         println!("  ratio            {:>8.2}x (goal: at least 1.0)", r.ratio);
     }
     Ok(())
+}
+
+/// The same job under torchrun with DDP (gloo) on the same LLaMA in transformers: its
+/// steady-state samples per second.
+fn torchrun_dp(a: &BenchDpArgs, tmp: &std::path::Path, spec: &LlamaSpec) -> anyhow::Result<f64> {
+    let (cfg, script) = peer_files(tmp, spec, "ddp_llama.py", include_str!("../../../bench/ddp_llama.py"))?;
+    eprintln!("torchrun: {} ranks, DDP (gloo), the same LLaMA in transformers", a.world);
+    let py = python();
+    let port = crate::raft_cmd::free_port()?;
+    let out = Command::new(&py)
+        .args(["-m", "torch.distributed.run", "--standalone", "--nnodes", "1"])
+        .arg(format!("--nproc_per_node={}", a.world))
+        .arg(format!("--master_port={port}"))
+        .arg(&script)
+        .arg(&cfg)
+        .args([a.batch, a.context, a.steps as usize, a.warmup as usize].map(|v| v.to_string()))
+        .env("OMP_NUM_THREADS", "1")
+        .env("HF_HUB_OFFLINE", "1")
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| {
+            format!("running torchrun with {} (set LIMPET_PYTHON, or run `make setup`)", py.display())
+        })?;
+    if !out.status.success() {
+        bail!("torchrun failed ({})", out.status);
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().rev().find(|l| l.starts_with('{')).context("no result line from torchrun")?;
+    let theirs: serde_json::Value = serde_json::from_str(line)?;
+    let theirs = theirs["samples_per_s"].as_f64().context("no samples_per_s from torchrun")?;
+    Ok(theirs)
 }
 
 /// `limpet-lab bench memory`.

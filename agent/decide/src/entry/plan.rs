@@ -4,6 +4,7 @@
 //! published states.
 
 pub use super::Desc;
+use crate::DecideError;
 use std::ops::Range;
 
 /// What a rank does with its state when it enters an epoch.
@@ -94,7 +95,7 @@ pub fn entry_plan(
     me: usize,
     target: Range<usize>,
     blocks: usize,
-) -> Result<EntryPlan, String> {
+) -> Result<EntryPlan, DecideError> {
     let top = ranks.iter().map(|r| r.live.step).max().unwrap_or(0);
     let live_holder = |k: usize| ranks.iter().position(|r| r.live.step == top && r.live.holds(k));
     if let Some(missing) = (0..blocks).find(|&k| live_holder(k).is_none()) {
@@ -118,7 +119,7 @@ pub fn entry_plan(
         steps.sort_unstable_by(|a, b| b.cmp(a));
         steps.dedup();
         let step = steps.into_iter().find(|&s| (0..blocks).all(|k| !held_at(s, k).is_empty())).ok_or_else(|| {
-            format!("no rank holds block {missing} at step {top}, and no kept snapshot covers the model: no live replica to copy it from")
+            DecideError::NoSource(format!("no rank holds block {missing} at step {top}, and no kept snapshot covers the model: no live replica to copy it from"))
         })?;
         let mut sources = Vec::new();
         for k in target {
@@ -212,7 +213,7 @@ mod tests {
         assert_eq!(p.sources, live(vec![(2, vec![3])]));
         // A block whose only holder did not apply the last step, and no snapshot: no way on.
         let stale = [at(9, a, (0, 2)), at(8, b, (2, 4))];
-        let e = entry_plan(&stale, 0, 0..4, 4).unwrap_err();
+        let e = entry_plan(&stale, 0, 0..4, 4).unwrap_err().to_string();
         assert!(e.contains("no rank holds block 2 at step 9"), "{e}");
     }
 
@@ -254,7 +255,10 @@ mod tests {
         assert_eq!((p.step, p.sources), (0, vec![(1, Src::Live, vec![0, 1])]));
         // With nobody at step 0 either, there is no way on.
         let none = [RankState { shadows: [None; 2], ..ranks[0] }];
-        assert!(entry_plan(&none, 0, 0..2, 4).unwrap_err().contains("no kept snapshot covers the model"));
+        assert!(entry_plan(&none, 0, 0..2, 4)
+            .unwrap_err()
+            .to_string()
+            .contains("no kept snapshot covers the model"));
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! controls, so a buggy or hostile rank cannot make the planner index out of range.
 
 use super::plan::{Desc, RankState, KINDS};
+use crate::DecideError;
 use bytemuck::{Pod, Zeroable};
 
 /// One published state: step (`u64::MAX`: none), content hash, blocks `[start, end)`; all
@@ -49,9 +50,9 @@ pub fn encode(r: &RankState) -> Vec<f32> {
 
 /// One rank's words back into its states, for a model of `blocks` blocks. A live state is
 /// required; block ranges must lie within the model and not be reversed.
-pub fn decode(words: &[f32], blocks: usize) -> Result<RankState, String> {
+pub fn decode(words: &[f32], blocks: usize) -> Result<RankState, DecideError> {
     if words.len() != WORDS {
-        return Err(format!("an entry record has {} words, expected {WORDS}", words.len()));
+        return Err(DecideError::EntryRecord(format!("has {} words, expected {WORDS}", words.len())));
     }
     let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
     let w: WireRank = bytemuck::pod_read_unaligned(&bytes);
@@ -63,13 +64,13 @@ pub fn decode(words: &[f32], blocks: usize) -> Result<RankState, String> {
         }
         let (lo, hi) = (u32::from_le(d.blocks[0]) as usize, u32::from_le(d.blocks[1]) as usize);
         if lo > hi || hi > blocks {
-            return Err(format!(
-                "an entry record's state {i} holds blocks {lo}..{hi}, outside the model's 0..{blocks}"
-            ));
+            return Err(DecideError::EntryRecord(format!(
+                "holds blocks {lo}..{hi} in state {i}, outside the model's 0..{blocks}"
+            )));
         }
         out[i] = Some(Desc { step, hash: d.hash, blocks: (lo, hi) });
     }
-    let live = out[0].ok_or("an entry record has no live state")?;
+    let live = out[0].ok_or_else(|| DecideError::EntryRecord("has no live state".into()))?;
     Ok(RankState { live, snaps: [out[1], out[2]], shadows: [out[3], out[4]] })
 }
 
@@ -92,14 +93,14 @@ mod tests {
     fn bad_records_are_refused_with_the_reason() {
         let live = Desc { step: 3, hash: [1; 32], blocks: (0, 4) };
         let r = RankState { live, snaps: [None; 2], shadows: [None; 2] };
-        assert!(decode(&encode(&r), 3).unwrap_err().contains("outside the model's 0..3"));
-        assert!(decode(&encode(&r)[1..], 4).unwrap_err().contains("words"));
+        assert!(decode(&encode(&r), 3).unwrap_err().to_string().contains("outside the model's 0..3"));
+        assert!(decode(&encode(&r)[1..], 4).unwrap_err().to_string().contains("words"));
         let reversed = RankState { live: Desc { blocks: (3, 1), ..live }, ..r };
         assert!(decode(&encode(&reversed), 4).is_err());
         let mut none = encode(&r);
         none[0] = f32::from_bits(u32::MAX);
         none[1] = f32::from_bits(u32::MAX);
-        assert!(decode(&none, 4).unwrap_err().contains("no live state"));
+        assert!(decode(&none, 4).unwrap_err().to_string().contains("no live state"));
     }
 
     proptest! {

@@ -130,6 +130,23 @@ pub(super) fn preform(pending: &mut Option<Pending>, endpoint: &Endpoint, n: &Ep
     }
 }
 
+/// Every rank's state in rank order, through one allgather of their wire records; a
+/// record a peer got wrong fails the entry naming that peer.
+fn exchange_states(
+    group: &mut Group,
+    mine: &RankState,
+    n: &Epoch,
+    nb: usize,
+) -> Result<Vec<RankState>, AgentError> {
+    let words = wire::encode(mine);
+    let mut all = vec![0f32; words.len() * n.ranks.len()];
+    group.allgather(&words, &mut all, ENTRY_STEP)?;
+    all.chunks(words.len())
+        .enumerate()
+        .map(|(i, w)| wire::decode(w, nb).map_err(|e| AgentError::Entry(format!("node {}: {e}", n.ranks[i]))))
+        .collect()
+}
+
 /// Enters epoch `n`: forms its group, agrees on one state and switches to it.
 pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentError> {
     x.endpoint.set_min_epoch(n.id);
@@ -145,14 +162,7 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     // Publish this rank's states, then agree on (step, blocks held, hash).
     let mine = publish(&mut x)?;
     let nb = x.cfg.job.model.num_blocks();
-    let words = wire::encode(&mine.state);
-    let mut all = vec![0f32; words.len() * n.ranks.len()];
-    group.allgather(&words, &mut all, ENTRY_STEP)?;
-    let ranks = all
-        .chunks(words.len())
-        .enumerate()
-        .map(|(i, w)| wire::decode(w, nb).map_err(|e| AgentError::Entry(format!("node {}: {e}", n.ranks[i]))))
-        .collect::<Result<Vec<RankState>, AgentError>>()?;
+    let ranks = exchange_states(&mut group, &mine.state, n, nb)?;
     let me = group.rank();
     let stages = n.layout.stage_blocks(nb)?;
     let target = stages[me % stages.len()].clone();
