@@ -44,6 +44,10 @@ fn the_systemd_unit_passes_systemd_analyze_verify_and_outlasts_the_drain() {
     assert_eq!(unit_value("Type"), "notify");
     assert!(unit_value("ExecStartPre").contains("limpetd validate --config"));
     assert!(!unit_value("StateDirectory").is_empty());
+    // ProtectSystem=strict: the step log's and the documented checkpoint directory must be
+    // writable under the unit.
+    assert_eq!(unit_value("LogsDirectory"), "limpet");
+    assert!(unit_value("ReadWritePaths").split_whitespace().any(|p| p.trim_start_matches('-') == "/mnt/efs"));
     assert_eq!(unit_value("Restart"), "always");
     for hardening in ["NoNewPrivileges", "ProtectSystem", "ProtectHome", "CapabilityBoundingSet"] {
         unit_value(hardening);
@@ -308,7 +312,32 @@ fn a_service_node_tells_systemd_serves_metrics_and_drains_on_sigterm() {
 #[test]
 fn a_new_cluster_resumes_from_the_newest_checkpoint_after_every_host_is_lost() {
     let job = LocalJob { steps: 2000, checkpoint_every: 100, ..LocalJob::default() };
-    resume_after_losing_every_host(job, 250, &["--model", "mlp", "--data", "digits", "--batch", "64"], None);
+    resume_after_losing_every_host(
+        job,
+        250,
+        &["--model", "mlp", "--data", "digits", "--batch", "64"],
+        None,
+        false,
+    );
+}
+
+#[test]
+fn with_resume_required_a_new_cluster_waits_for_a_missing_checkpoint_directory() {
+    // The shared directory is not there when the new cluster starts (a mount not up yet):
+    // "if-present" would start the job over at step 0 for good; "required" waits for it.
+    let job = LocalJob {
+        steps: 1000,
+        checkpoint_every: 100,
+        checkpoint_resume: Some("required".into()),
+        ..LocalJob::default()
+    };
+    resume_after_losing_every_host(
+        job,
+        250,
+        &["--model", "mlp", "--data", "digits", "--batch", "64"],
+        None,
+        true,
+    );
 }
 
 /// An S3 client for moto (which takes any credentials).
@@ -353,6 +382,7 @@ fn a_new_cluster_resumes_from_s3_when_no_host_kept_a_checkpoint() {
         250,
         &["--model", "mlp", "--data", "digits", "--batch", "64"],
         Some((remote, client)),
+        false,
     );
 }
 
@@ -371,24 +401,28 @@ fn a_pipelined_job_resumes_from_its_stage_parts_after_every_host_is_lost() {
         ..LocalJob::default()
     };
     let alone = ["--model", "gpt", "--data", "chars", "--layers", "2", "--batch", "32", "--micro-batch", "8"];
-    resume_after_losing_every_host(job, 90, &alone, None);
+    resume_after_losing_every_host(job, 90, &alone, None, false);
 }
 
 /// Runs `job` on two hosts with checkpoints to a shared directory (or, with `remote`, each
 /// host's own directory copied to S3) until `kill_after` steps, kills both, starts a
 /// brand-new cluster (new name, new raft log, new directories) with the same job, and checks
 /// that it starts at the newest checkpoint and ends with the parameters of one uninterrupted
-/// `limpet train` with `alone`.
+/// `limpet train` with `alone`. With `hide_dir`, the shared directory is away when the new
+/// cluster starts and only comes back once the cluster has waited for it without training.
 fn resume_after_losing_every_host(
     mut job: LocalJob,
     kill_after: u64,
     alone: &[&str],
     remote: Option<(limpet_agent::remote::RemoteSettings, aws_sdk_s3::Client)>,
+    hide_dir: bool,
 ) {
     let tmp = tempfile::tempdir().unwrap();
     let shared = tmp.path().join("checkpoints");
     if remote.is_none() {
         job.checkpoint_dir = Some(shared.clone());
+        // With "required", even a new job's directory must be there (empty: start at 0).
+        std::fs::create_dir_all(&shared).unwrap();
     }
     let (steps, every, pipelined) = (job.steps, job.checkpoint_every, job.pipeline.is_some());
     let first_dir = tmp.path().join("first");
@@ -432,10 +466,25 @@ fn resume_after_losing_every_host(
     assert!(newest >= 2 * every && newest % every == 0, "newest checkpoint {newest}");
     assert!(listed.len() <= 3, "keep = 2 (and one being written): {} kept", listed.len());
 
+    let away = tmp.path().join("checkpoints.away");
+    if hide_dir {
+        std::fs::rename(&shared, &away).unwrap();
+    }
     let second_dir = tmp.path().join("second");
     let mut second = up(&second_dir, 2, job).unwrap();
     let logs_of = |n: &str| second.file.node(n).unwrap().step_log.clone();
     let (log1, log2) = (logs_of("node-1"), logs_of("node-2"));
+    if hide_dir {
+        wait_or_show(
+            "the new cluster says it waits for the directory",
+            Duration::from_secs(60),
+            || logs(&second_dir).contains("cannot resume yet"),
+            Some(&second_dir),
+        );
+        std::thread::sleep(Duration::from_secs(3));
+        assert!(steps_of(&log1).is_empty() && steps_of(&log2).is_empty(), "trained without its checkpoint");
+        std::fs::rename(&away, &shared).unwrap();
+    }
     let finished = || [&log1, &log2].iter().all(|l| steps_of(l).last().is_some_and(|l| l.0 == steps - 1));
     wait_or_show("the new cluster finishes the job", Duration::from_secs(300), finished, Some(&second_dir));
     let logged = steps_of(&log1);
@@ -492,4 +541,49 @@ fn a_task_that_panics_takes_limpetd_down_with_a_non_zero_exit() {
     assert!(!status.success(), "exit status {status:?}\n{text}");
     assert!(text.contains("task lead failed: panicked: LIMPET_CHAOS_PANIC=lead"), "{text}");
     c.down();
+}
+
+#[test]
+fn s3_pruning_counts_only_verified_uploads_not_names() {
+    use limpet_snapshot::{RawTensor, RngState, StateImage};
+    let moto = common::Moto::start();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let client = s3_client(&moto.url);
+    rt.block_on(client.create_bucket().bucket("ckpt").send()).unwrap();
+    let settings = limpet_agent::remote::RemoteSettings {
+        bucket: "ckpt".into(),
+        prefix: "run".into(),
+        endpoint: Some(moto.url.clone()),
+        region: Some("us-east-1".into()),
+    };
+    let remote = limpet_agent::remote::Remote::with_client(client.clone(), &settings);
+    let tmp = tempfile::tempdir().unwrap();
+    // Steps 10 and 20: parts written, verified and uploaded as the agent does.
+    for step in [10u64, 20] {
+        let tensors = (0..4)
+            .map(|b| {
+                let name = format!("param/blocks.{b}.w");
+                (name.clone(), RawTensor::from_f32(&name, vec![2], &[b as f32, step as f32]).unwrap())
+            })
+            .collect();
+        let image = StateImage::new(step, step, RngState::new(1), serde_json::json!({"job": 1}), tensors);
+        let path = limpet_agent::checkpoint::write_part(tmp.path(), &image, &(0..4)).unwrap();
+        limpet_agent::checkpoint::verify_part(&path, &image).unwrap();
+        rt.block_on(remote.upload(step, &(0..4), &path, image.content_hash())).unwrap();
+    }
+    // Steps 30 and 40: objects with a checkpoint's names but not verified uploads (a stray
+    // copy, a half-finished tool): going by names, they would be the two kept.
+    for step in [30u64, 40] {
+        let key = format!("run/step-{step:012}/blocks-0-4.limpet");
+        rt.block_on(
+            client.put_object().bucket("ckpt").key(key).body(b"not a checkpoint".to_vec().into()).send(),
+        )
+        .unwrap();
+    }
+    let steps = || rt.block_on(remote.list()).unwrap().into_keys().collect::<Vec<u64>>();
+    assert_eq!(steps(), vec![10, 20, 30, 40]);
+    assert_eq!(rt.block_on(remote.prune(2, 4)).unwrap(), Vec::<u64>::new());
+    assert_eq!(steps(), vec![10, 20, 30, 40]);
+    assert_eq!(rt.block_on(remote.prune(1, 4)).unwrap(), vec![10]);
+    assert_eq!(steps(), vec![20, 30, 40]);
 }

@@ -224,7 +224,7 @@ const SECRET: &[u8] = b"0123456789abcdef-test-secret";
 fn node_certs(dir: &Path, nodes: &[u64]) {
     certs::init(dir, "dp", 10).unwrap();
     for n in nodes {
-        certs::issue_for_days(dir, &format!("n{n}"), Kind::Node, 10).unwrap();
+        certs::issue_for_days(dir, &format!("n{n}"), Kind::Node(*n), 10).unwrap();
     }
 }
 
@@ -300,7 +300,7 @@ fn connections_with_a_foreign_expired_or_operator_certificate_are_refused() {
     node_certs(&good, &[1]);
     node_certs(&other, &[2]);
     certs::issue_for_days(&good, "op", Kind::Client, 10).unwrap();
-    issue_expired(&good, "old", Kind::Node);
+    issue_expired(&good, "old", Kind::Node(1));
     let server = endpoint(1, Some(data_tls(&good, "n1")), 1 << 20);
     let addr = server.addr().to_string();
 
@@ -343,7 +343,7 @@ fn connections_with_a_foreign_expired_or_operator_certificate_are_refused() {
         assert!(server.accept_until(peer, 1, Channel::Ring, Instant::now(), &|| false).is_err());
     }
     let good2 = {
-        certs::issue_for_days(&good, "n6", Kind::Node, 10).unwrap();
+        certs::issue_for_days(&good, "n6", Kind::Node(6), 10).unwrap();
         endpoint(6, Some(data_tls(&good, "n6")), 1 << 20)
     };
     good2.connect(&addr, 1, 1, Channel::Ring).unwrap();
@@ -501,7 +501,10 @@ fn limpet_certs_and_limpetd_validate_from_the_command_line() {
     assert!(!ok && out.contains("limpet certs init"), "{out}");
     for args in [
         vec!["certs", "init", "--dir", &ds, "--cluster", "t"],
-        vec!["certs", "issue", "n1", "--dir", &ds],
+        // Bound to the id a node named "a" gets (its configuration below sets no id)...
+        vec!["certs", "issue", "a", "--dir", &ds],
+        // ...and to node 5.
+        vec!["certs", "issue", "n1", "--dir", &ds, "--id", "5"],
         vec!["certs", "issue", "alice", "--dir", &ds, "--client"],
     ] {
         let (ok, out) = limpet(&args);
@@ -512,7 +515,7 @@ fn limpet_certs_and_limpetd_validate_from_the_command_line() {
     assert_eq!(again.status.code(), Some(64), "{}", String::from_utf8_lossy(&again.stderr));
     let bad = Process::new(exe()).args(["certs", "issue", "../x", "--dir", &ds]).output().unwrap();
     assert_eq!(bad.status.code(), Some(64));
-    issue_expired(&d, "old", Kind::Node);
+    issue_expired(&d, "old", Kind::Node(1));
 
     let secret = tmp.path().join("secret");
     std::fs::write(&secret, "0123456789abcdef0123").unwrap();
@@ -534,9 +537,14 @@ fn limpet_certs_and_limpetd_validate_from_the_command_line() {
         std::fs::write(&f, config(name)).unwrap();
         Process::new(env!("CARGO_BIN_EXE_limpetd")).args(["validate", "--config"]).arg(&f).output().unwrap()
     };
-    let ok = validate("n1");
+    let ok = validate("a");
     assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
-    for (name, want) in [("old", "expired"), ("alice", "operator certificate"), ("nobody", "nobody.pem")] {
+    for (name, want) in [
+        ("old", "expired"),
+        ("alice", "operator certificate"),
+        ("nobody", "nobody.pem"),
+        ("n1", "node 5's certificate, but this node is node"),
+    ] {
         let out = validate(name);
         let msg = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(64), "{name}: {msg}");

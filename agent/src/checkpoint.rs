@@ -141,12 +141,23 @@ pub fn listed_at(dir: &Path, step: u64) -> Result<Listed, CheckpointError> {
     Ok(Listed { step, parts })
 }
 
-/// Deletes all but the newest `keep` complete checkpoints, and incomplete ones older than
-/// the oldest kept (a newer incomplete one may be a stage's part still being written).
+/// Deletes old checkpoints, judged by content, not by name: it keeps the newest `keep` that
+/// load intact (every part read and checked) and everything newer than the oldest of them
+/// (a newer incomplete one may be a stage's part still being written). Corrupt newest
+/// checkpoints therefore never cost the older intact ones, and with no intact checkpoint
+/// nothing is deleted. The steps deleted.
 pub fn prune(dir: &Path, keep: usize, blocks: usize) -> Result<Vec<u64>, CheckpointError> {
     let all = list(dir)?;
-    let complete: Vec<u64> = all.iter().filter(|l| l.complete(blocks)).map(|l| l.step).collect();
-    let oldest_kept = complete.len().checked_sub(keep).and_then(|i| complete.get(i)).copied().unwrap_or(0);
+    let mut intact = Vec::new();
+    for l in all.iter().rev() {
+        if intact.len() >= keep.max(1) {
+            break;
+        }
+        if l.complete(blocks) && load(l, blocks).is_ok() {
+            intact.push(l.step);
+        }
+    }
+    let Some(&oldest_kept) = intact.last() else { return Ok(Vec::new()) };
     let mut removed = Vec::new();
     for l in all.iter().filter(|l| l.step < oldest_kept) {
         let d = step_dir(dir, l.step);
@@ -158,6 +169,26 @@ pub fn prune(dir: &Path, keep: usize, blocks: usize) -> Result<Vec<u64>, Checkpo
         removed.push(l.step);
     }
     Ok(removed)
+}
+
+/// Reads back a part just written and checks it holds `image` (its content hash): a part
+/// that does not is no checkpoint, and nothing is pruned or recorded for it.
+pub fn verify_part(path: &Path, image: &StateImage) -> Result<(), CheckpointError> {
+    let back = limpet_snapshot::read_file(path).map_err(|e| CheckpointError::Bad {
+        path: path.to_path_buf(),
+        detail: format!("does not read back: {e}"),
+    })?;
+    if back.content_hash() != image.content_hash() {
+        return Err(CheckpointError::Bad {
+            path: path.to_path_buf(),
+            detail: format!(
+                "reads back as {}, not the {} written",
+                back.content_hash(),
+                image.content_hash()
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Reads a checkpoint's parts and joins them into one image of the whole model, checking
@@ -298,5 +329,49 @@ mod tests {
         assert_eq!(prune(d, 2, 4).unwrap(), vec![10, 20]);
         let left: Vec<u64> = list(d).unwrap().iter().map(|l| l.step).collect();
         assert_eq!(left, vec![30, 40, 50]);
+    }
+
+    fn corrupt(p: &Path) {
+        let mut bytes = std::fs::read(p).unwrap();
+        let n = bytes.len();
+        bytes[n - 3] ^= 0x40;
+        std::fs::write(p, bytes).unwrap();
+    }
+
+    #[test]
+    fn corrupt_newest_checkpoints_never_cost_the_older_intact_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        for step in [10, 20] {
+            write_part(d, &image(step, 0..4, 1), &(0..4)).unwrap();
+        }
+        // The two newest complete by name, but corrupt: going by names, prune would keep
+        // them and delete 10 and 20, the only checkpoints that load.
+        for step in [30, 40] {
+            corrupt(&write_part(d, &image(step, 0..4, 1), &(0..4)).unwrap());
+        }
+        assert_eq!(prune(d, 2, 4).unwrap(), Vec::<u64>::new());
+        assert_eq!(list(d).unwrap().len(), 4);
+        // One intact newer checkpoint: it and 20 are the two kept; only 10 goes.
+        write_part(d, &image(50, 0..4, 1), &(0..4)).unwrap();
+        assert_eq!(prune(d, 2, 4).unwrap(), vec![10]);
+        assert_eq!(newest(d, 4, &serde_json::json!({ "job": 1 })).unwrap().0.unwrap().0.step, 50);
+        // Nothing intact at all: nothing is deleted.
+        let empty = tempfile::tempdir().unwrap();
+        corrupt(&write_part(empty.path(), &image(10, 0..4, 1), &(0..4)).unwrap());
+        assert_eq!(prune(empty.path(), 1, 4).unwrap(), Vec::<u64>::new());
+    }
+
+    #[test]
+    fn a_part_that_does_not_read_back_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let img = image(10, 0..4, 1);
+        let p = write_part(dir.path(), &img, &(0..4)).unwrap();
+        verify_part(&p, &img).unwrap();
+        corrupt(&p);
+        let e = verify_part(&p, &img).unwrap_err().to_string();
+        assert!(e.contains("does not read back"), "{e}");
+        let other = write_part(dir.path(), &image(10, 0..4, 2), &(0..4)).unwrap();
+        assert!(verify_part(&other, &img).unwrap_err().to_string().contains("not the"));
     }
 }

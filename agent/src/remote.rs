@@ -107,14 +107,21 @@ impl Remote {
         format!("s3://{}/{}", self.bucket, self.key(&rel_of(step, blocks)))
     }
 
-    /// Uploads the part at `path` (written by `checkpoint::write_part`); its URL.
+    /// Uploads the part at `path` (written and verified by `checkpoint`), tagged with its
+    /// content hash, and checks the stored object's size and tag; its URL. Only tagged parts
+    /// count as a checkpoint here (see `prune`).
     pub async fn upload(
         &self,
         step: u64,
         blocks: &Range<usize>,
         path: &Path,
+        content_hash: &str,
     ) -> Result<String, CheckpointError> {
         let key = self.key(&rel_of(step, blocks));
+        let url = format!("s3://{}/{key}", self.bucket);
+        let size = std::fs::metadata(path)
+            .map_err(|source| CheckpointError::Io { op: "reading", path: path.to_path_buf(), source })?
+            .len();
         let body = aws_sdk_s3::primitives::ByteStream::from_path(path).await.map_err(|e| {
             CheckpointError::Io { op: "reading", path: path.to_path_buf(), source: std::io::Error::other(e) }
         })?;
@@ -122,11 +129,48 @@ impl Remote {
             .put_object()
             .bucket(&self.bucket)
             .key(&key)
+            .metadata(CONTENT_TAG, content_hash)
             .body(body)
             .send()
             .await
-            .map_err(|e| err("uploading to", &format!("s3://{}/{key}", self.bucket), e))?;
-        Ok(format!("s3://{}/{key}", self.bucket))
+            .map_err(|e| err("uploading to", &url, e))?;
+        match self.verified(&key).await? {
+            Some((len, tag)) if len == size && tag == content_hash => Ok(url),
+            got => Err(CheckpointError::Bad {
+                path: PathBuf::from(&url),
+                detail: format!("stored as {got:?}, not the {size} bytes of {content_hash} uploaded"),
+            }),
+        }
+    }
+
+    /// A part's stored size and content tag (`None`: no tag, so not a verified upload).
+    async fn verified(&self, key: &str) -> Result<Option<(u64, String)>, CheckpointError> {
+        let head = self
+            .client
+            .head_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .send()
+            .await
+            .map_err(|e| err("checking", &format!("s3://{}/{key}", self.bucket), e))?;
+        let tag = head.metadata().and_then(|m| m.get(CONTENT_TAG)).cloned();
+        Ok(tag.map(|t| (head.content_length().unwrap_or(0).max(0) as u64, t)))
+    }
+
+    /// Whether every part of `parts` that covers the model was a verified upload.
+    async fn step_verified(
+        &self,
+        step: u64,
+        parts: &[Range<usize>],
+        blocks: usize,
+    ) -> Result<bool, CheckpointError> {
+        let Some(chosen) = crate::checkpoint::cover(parts, blocks) else { return Ok(false) };
+        for i in chosen {
+            if self.verified(&self.key(&rel_of(step, &parts[i]))).await?.is_none() {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// Every part under the prefix, by step (pages followed to the end); keys that are not
@@ -193,16 +237,21 @@ impl Remote {
         Ok(fetched)
     }
 
-    /// Deletes every step but the newest `keep` complete ones (and incomplete steps newer
-    /// than those, which may still be being written); the steps deleted.
+    /// Deletes every step older than the newest `keep` that are verified uploads covering the
+    /// model (names alone prove nothing: a part may be a stray copy), keeping newer steps,
+    /// which may still be being written; with none verified, nothing. The steps deleted.
     pub async fn prune(&self, keep: usize, blocks: usize) -> Result<Vec<u64>, CheckpointError> {
         let listed = self.list().await?;
-        let complete: Vec<u64> = listed.iter().filter(|(_, p)| covers(p, blocks)).map(|(s, _)| *s).collect();
-        let Some(&oldest_kept) =
-            complete.len().checked_sub(keep.max(1)).map_or(complete.first(), |i| complete.get(i))
-        else {
-            return Ok(Vec::new());
-        };
+        let mut kept = Vec::new();
+        for (&step, parts) in listed.iter().rev() {
+            if kept.len() >= keep.max(1) {
+                break;
+            }
+            if self.step_verified(step, parts, blocks).await? {
+                kept.push(step);
+            }
+        }
+        let Some(&oldest_kept) = kept.last() else { return Ok(Vec::new()) };
         let mut deleted = Vec::new();
         for (&step, parts) in listed.range(..oldest_kept) {
             for b in parts {
@@ -220,6 +269,9 @@ impl Remote {
         Ok(deleted)
     }
 }
+
+/// The S3 user metadata that marks a verified upload: the part's content hash.
+const CONTENT_TAG: &str = "limpet-content";
 
 fn rel_of(step: u64, blocks: &Range<usize>) -> String {
     let p = part_path(Path::new(""), step, blocks);

@@ -127,6 +127,58 @@ fn a_peer_without_the_secret_is_refused() {
 }
 
 #[test]
+fn a_member_cannot_answer_for_another() {
+    // Node 2 knows the secret, but the caller dialled node 3 at its address: node 2's proof
+    // binds its own id, so the caller refuses it (and node 2 refuses the caller's proof,
+    // which was made for node 3).
+    let eps = endpoints(&[1, 2], 4096);
+    let err = eps[0].connect(&eps[1].addr().to_string(), 3, 1, Channel::Ring).unwrap_err();
+    assert!(matches!(err, DataPlaneError::Refused(_)), "{err}");
+    assert!(err.to_string().contains("not node 3"), "{err}");
+    assert!(eps[1].accept_from(1, 1, Channel::Ring).is_err());
+    // Dialled as itself, it answers.
+    assert!(eps[0].connect(&eps[1].addr().to_string(), 2, 1, Channel::Ring).is_ok());
+}
+
+#[test]
+fn slow_handshakes_are_capped_and_end_at_one_deadline() {
+    use limpet_agent::dataplane::endpoint::MAX_HANDSHAKES;
+    use std::io::{Read, Write};
+    let eps = endpoints(&[1, 2], 4096);
+    // More dribbling connections than the cap: the excess is closed unanswered at once.
+    let mut slow: Vec<std::net::TcpStream> =
+        (0..MAX_HANDSHAKES + 8).map(|_| std::net::TcpStream::connect(eps[0].addr()).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut closed = 0;
+    for s in &mut slow {
+        s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        if matches!(s.read(&mut [0u8; 1]), Ok(0)) {
+            closed += 1;
+        }
+    }
+    assert!(closed >= 8, "{closed} of {} connections closed at the cap", slow.len());
+    // The rest dribble a byte at a time, well inside any per-read timeout, and are still cut
+    // off at the handshake's deadline (the endpoints' timeout here).
+    let started = std::time::Instant::now();
+    let mut open = slow.len();
+    while open > 0 && started.elapsed() < Duration::from_secs(20) {
+        open = 0;
+        for s in &mut slow {
+            let waiting = |e: &std::io::Error| {
+                matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
+            };
+            if s.write_all(b"L").is_ok() && matches!(s.read(&mut [0u8; 1]), Err(e) if waiting(&e)) {
+                open += 1;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(open, 0, "dribbling handshakes still open after {:?}", started.elapsed());
+    // A real peer still gets through.
+    assert!(eps[1].connect(&eps[0].addr().to_string(), 1, 1, Channel::Ring).is_ok());
+}
+
+#[test]
 fn a_peer_of_another_cluster_or_a_stale_epoch_is_refused() {
     let eps = endpoints(&[1, 2], 4096);
     eps[0].set_min_epoch(5);

@@ -234,3 +234,53 @@ fn a_vanished_stage_fails_its_neighbours_fast() {
         }
     }
 }
+
+#[test]
+fn a_wrong_or_huge_activation_from_the_previous_stage_is_an_error_not_a_panic() {
+    threads();
+    let stages = [0..2, 2..5];
+    // Shapes a buggy or hostile first stage sends instead of its activation: more values
+    // than memory, dimensions that do not fit the next block, the wrong number of rows.
+    let bad: [(&str, Vec<i64>); 3] = [
+        ("values", vec![1 << 14, 1 << 15]),
+        ("cannot take", vec![4, 16, 3]),
+        ("for 4 samples", vec![5, 16, 32]),
+    ];
+    for (want, shape) in bad {
+        let eps: Vec<Endpoint> = (0..2)
+            .map(|i| {
+                let mut cfg = DataPlaneConfig::new(7, i as u64 + 1, b"sixteen-byte-secret!".to_vec());
+                cfg.timeout = Duration::from_secs(10);
+                Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg).unwrap()
+            })
+            .collect();
+        let addrs: Vec<String> = eps.iter().map(|e| e.addr().to_string()).collect();
+        let err = std::thread::scope(|sc| {
+            let (addrs, eps, stages, shape) = (&addrs, &eps, &stages, &shape);
+            let rogue = sc.spawn(move || {
+                let deadline = Instant::now() + Duration::from_secs(10);
+                let mut conn =
+                    StageConnections::connect(&eps[0], 1, (1, 2), &[1, 2], addrs, deadline, &|| false)
+                        .unwrap();
+                let n =
+                    if shape.iter().product::<i64>() < 1 << 20 { shape.iter().product::<i64>() } else { 0 };
+                let _ = conn.link.send_activation(0, 0, shape, &vec![0.5; n as usize]);
+                // Stay connected until the other side has given up.
+                std::thread::sleep(Duration::from_secs(2));
+            });
+            let victim = sc.spawn(move || {
+                let deadline = Instant::now() + Duration::from_secs(10);
+                let mut conn =
+                    StageConnections::connect(&eps[1], 1, (1, 2), &[1, 2], addrs, deadline, &|| false)
+                        .unwrap();
+                let (mut job, data) = job();
+                job.micro_batch = 4;
+                let mut t = Trainer::for_stage(job, data, stages[1].clone()).unwrap();
+                conn.step(&mut t).map(|_| ()).unwrap_err().to_string()
+            });
+            rogue.join().unwrap();
+            victim.join().expect("the stage's trainer must not panic")
+        });
+        assert!(err.contains(want), "{shape:?}: {err}");
+    }
+}

@@ -10,7 +10,8 @@
 use crate::error::{ConsensusError, Result};
 use crate::membership::{self, VoterDecision, VoterPolicy, VoterView};
 use crate::state::{
-    cluster_id, ClusterState, Command, NodeId, Proposal, ProposalId, SnapshotData, FORMAT_VERSION,
+    cluster_id, ClusterState, Command, MemberStatus, NodeId, Proposal, ProposalId, SnapshotData,
+    FORMAT_VERSION,
 };
 use crate::storage::{AppliedState, LogStore};
 use protobuf::Message as _;
@@ -20,6 +21,18 @@ use raft::prelude::{
 };
 use raft::{RawNode, StateRole};
 use std::collections::BTreeMap;
+
+/// Why a peer's message was not taken.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StepError {
+    /// The message could panic raft-rs, speaks for someone else, or would change the cluster
+    /// behind the state machine: the sender is buggy or hostile.
+    #[error("refused: {0}")]
+    Refused(String),
+    /// raft-rs declined it in the normal course (a proposal with no leader to take it).
+    #[error("{0}")]
+    Raft(String),
+}
 
 /// How a core is set up.
 #[derive(Clone, Debug)]
@@ -285,17 +298,21 @@ impl<S: LogStore> Core<S> {
 
     /// Takes a message from a peer. Refuses (with the reason) messages that are not for this
     /// node or carry a snapshot of another cluster or that does not decode.
-    pub fn step(&mut self, msg: Message) -> std::result::Result<(), String> {
+    pub fn step(&mut self, msg: Message) -> std::result::Result<(), StepError> {
         if msg.to != self.cfg.id {
-            return Err(format!("message for node {} delivered to node {}", msg.to, self.cfg.id));
+            return Err(StepError::Refused(format!(
+                "message for node {} delivered to node {}",
+                msg.to, self.cfg.id
+            )));
         }
         if msg.from == 0 || raft::raw_node::is_local_msg(msg.get_msg_type()) {
-            return Err(format!("{:?} from {} is not a peer message", msg.get_msg_type(), msg.from));
+            return Err(StepError::Refused(format!(
+                "{:?} from {} is not a peer message",
+                msg.get_msg_type(),
+                msg.from
+            )));
         }
-        if msg.get_msg_type() == MessageType::MsgSnapshot {
-            SnapshotData::decode(&msg.get_snapshot().data, self.cluster_id)
-                .map_err(|e| format!("snapshot from node {}: {e}", msg.from))?;
-        }
+        self.check_peer(&msg).map_err(StepError::Refused)?;
         if msg.term != 0 && msg.term < self.term() {
             tracing::debug!(
                 from = msg.from,
@@ -305,10 +322,104 @@ impl<S: LogStore> Core<S> {
             );
         }
         self.heard.insert(msg.from, self.ticks);
-        match self.raw.step(msg) {
-            Ok(()) => Ok(()),
-            Err(e) => Err(e.to_string()),
+        self.raw.step(msg).map_err(|e| StepError::Raft(e.to_string()))
+    }
+
+    /// Refuses what raft-rs would panic on, or what would change the cluster behind the state
+    /// machine, from a peer that may be buggy or hostile (its certificate already proved who
+    /// it is): raft-rs trusts its peers and treats such messages as fatal bugs.
+    fn check_peer(&self, msg: &Message) -> std::result::Result<(), String> {
+        let log = &self.raw.raft.raft_log;
+        let (last, committed, from) = (log.last_index(), log.committed, msg.from);
+        // raft-rs treats a term of 0 as its own local message (and may panic answering it);
+        // only forwarded proposals and read requests travel without one.
+        let forwarded = matches!(msg.get_msg_type(), MessageType::MsgPropose | MessageType::MsgReadIndex);
+        if forwarded != (msg.term == 0) {
+            return Err(format!("{:?} from node {from} with term {}", msg.get_msg_type(), msg.term));
         }
+        match msg.get_msg_type() {
+            // `commit_to` panics past the last index.
+            MessageType::MsgHeartbeat if msg.commit > last.max(committed) => Err(format!(
+                "a heartbeat from node {from} commits index {} past its last index {last}",
+                msg.commit
+            )),
+            // Entries must follow the message's index one by one: raft-rs slices the log by
+            // their positions and panics on a conflict at or below the commit index, which
+            // only entries out of sequence can reach (it answers appends below the commit).
+            // raft-rs reads the term past its last index as 0, so an index or entry with term
+            // 0 "matches" entries it does not hold and it commits past its log. Real entries
+            // have terms from 1.
+            MessageType::MsgAppend if msg.log_term == 0 && msg.index != 0 => {
+                Err(format!("an append from node {from} after index {} of term 0", msg.index))
+            }
+            MessageType::MsgAppend => {
+                for (i, e) in msg.get_entries().iter().enumerate() {
+                    if e.term == 0 {
+                        return Err(format!("an append from node {from} holds entry {} of term 0", e.index));
+                    }
+                    if Some(e.index) != msg.index.checked_add(i as u64 + 1) {
+                        return Err(format!(
+                            "an append from node {from} after index {} holds entry {} at position {i}",
+                            msg.index, e.index
+                        ));
+                    }
+                }
+                Ok(())
+            }
+            // A leader's progress for a peer must not pass its own log.
+            MessageType::MsgAppendResponse if !msg.reject && msg.index > last => {
+                Err(format!("node {from} acknowledges index {} past the last index {last}", msg.index))
+            }
+            MessageType::MsgPropose => self.check_forwarded(msg),
+            // raft-rs takes the request's context from its first entry.
+            MessageType::MsgReadIndex if msg.get_entries().len() != 1 => {
+                Err(format!("a read request from node {from} with {} entries", msg.get_entries().len()))
+            }
+            // Leadership is handed over only by the leader itself (before it leaves).
+            MessageType::MsgTransferLeader => Err(format!("node {from} asks for leadership")),
+            MessageType::MsgSnapshot => {
+                let meta = msg.get_snapshot().get_metadata();
+                if meta.term == 0 || meta.index == 0 {
+                    // Term 0 "matches" any index past the log (see appends above).
+                    return Err(format!(
+                        "a snapshot from node {from} at index {} of term {}",
+                        meta.index, meta.term
+                    ));
+                }
+                SnapshotData::decode(&msg.get_snapshot().data, self.cluster_id)
+                    .map_err(|e| format!("snapshot from node {from}: {e}"))?;
+                canonical_conf(msg.get_snapshot().get_metadata().get_conf_state())
+                    .map_err(|e| format!("snapshot from node {from}: its configuration {e}"))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// A follower's proposal forwarded to this (leading) node: normal entries only (the
+    /// membership controller alone changes the voters), each a proposal of the node that
+    /// forwarded it, and no `Join` speaking for another live member.
+    fn check_forwarded(&self, msg: &Message) -> std::result::Result<(), String> {
+        let from = msg.from;
+        if msg.get_entries().is_empty() {
+            // raft-rs treats an empty proposal as a fatal bug.
+            return Err(format!("an empty proposal from node {from}"));
+        }
+        for e in msg.get_entries() {
+            if e.get_entry_type() != EntryType::EntryNormal {
+                return Err(format!("node {from} proposes a configuration change"));
+            }
+            let p = Proposal::decode(&e.data).map_err(|err| format!("a proposal from node {from}: {err}"))?;
+            if p.origin.node != from {
+                return Err(format!("a proposal from node {from} speaks for node {}", p.origin.node));
+            }
+            if let Command::Join { member } = &p.command {
+                let live = self.state.members.get(&member.id).is_some_and(|m| m.status != MemberStatus::Gone);
+                if member.id != from && live {
+                    return Err(format!("node {from} proposes a Join for member {}", member.id));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Proposes a command; it is forwarded to the leader if this node does not lead.
@@ -518,6 +629,39 @@ impl<S: LogStore> Core<S> {
             }
         }
     }
+}
+
+/// Whether a configuration is one raft-rs can restore as it is: raft-rs rebuilds it from
+/// the lists and treats any difference from what it was sent (a duplicate, an id in two
+/// roles, a joint state without its outgoing half) as a fatal bug.
+fn canonical_conf(cs: &ConfState) -> std::result::Result<(), String> {
+    let lists = [
+        ("voters", cs.get_voters()),
+        ("learners", cs.get_learners()),
+        ("outgoing voters", cs.get_voters_outgoing()),
+        ("next learners", cs.get_learners_next()),
+    ];
+    for (name, ids) in lists {
+        let mut seen = std::collections::BTreeSet::new();
+        if let Some(id) = ids.iter().find(|&&id| id == 0 || !seen.insert(id)) {
+            return Err(format!("lists {name} with id {id} zero or twice"));
+        }
+    }
+    let (voters, learners, outgoing, next) =
+        (cs.get_voters(), cs.get_learners(), cs.get_voters_outgoing(), cs.get_learners_next());
+    if voters.is_empty() {
+        return Err("has no voters".into());
+    }
+    if let Some(id) = learners.iter().find(|id| voters.contains(id) || outgoing.contains(id)) {
+        return Err(format!("has node {id} as a learner and a voter"));
+    }
+    if let Some(id) = next.iter().find(|id| voters.contains(id) || !outgoing.contains(id)) {
+        return Err(format!("has node {id} as a next learner that is not only an outgoing voter"));
+    }
+    if cs.auto_leave && outgoing.is_empty() {
+        return Err("leaves a joint state it is not in".into());
+    }
+    Ok(())
 }
 
 fn single(id: NodeId, ty: ConfChangeType) -> ConfChangeSingle {

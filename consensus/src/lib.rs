@@ -7,8 +7,9 @@
 //! - `storage`: raft-rs `Storage` over sled (`SledLog`) and memory (`MemLog`);
 //! - `core`: one node's `RawNode` + storage + state machine, driven by ticks and messages;
 //! - `harness`: many cores on an in-memory network that drops, cuts, isolates and crashes;
-//! - `node` and `transport`: a core on a tokio task with gRPC between processes, and the
-//!   client the CLI and benchmarks use.
+//! - `inbox`, `node`, `service` and `transport`: what flows into a node's task, a core on
+//!   a tokio task, the gRPC service it serves (who may call what) and the client the CLI,
+//!   the benchmarks and peers use.
 
 //!
 //! Without the default `node` feature the crate is `state` and `membership` only.
@@ -19,9 +20,13 @@ pub mod core;
 pub mod error;
 #[cfg(feature = "node")]
 pub mod harness;
+#[cfg(feature = "node")]
+pub mod inbox;
 pub mod membership;
 #[cfg(feature = "node")]
 pub mod node;
+#[cfg(feature = "node")]
+mod service;
 pub mod state;
 #[cfg(feature = "node")]
 pub mod storage;
@@ -31,7 +36,7 @@ pub mod tls;
 pub mod transport;
 
 #[cfg(feature = "node")]
-pub use crate::core::{Applied, Core, CoreConfig, NodeStatus, Output};
+pub use crate::core::{Applied, Core, CoreConfig, NodeStatus, Output, StepError};
 #[cfg(feature = "node")]
 pub use error::{ConsensusError, Result};
 pub use membership::{VoterDecision, VoterPolicy};

@@ -9,14 +9,18 @@
 
 use crate::core::{Core, CoreConfig, NodeStatus};
 use crate::error::{ConsensusError, Result};
+pub use crate::inbox::{LocalState, Reports, MAX_REPORT_BYTES};
+use crate::inbox::{ProposeReply, Request};
+use crate::service::{serve, Service};
 use crate::state::{cluster_id, ClusterState, Command, Hardware, MemberSpec, NodeId, ProposalId};
 use crate::storage::{Identity, SledLog, SLED_FORMAT};
-use crate::tls::{Role, Tls};
-use crate::transport::{decode_batch, pb, Client, PeerReport, PeerSender, ReadResult};
+use crate::tls::Tls;
+pub use crate::transport::NodeReport;
+use crate::transport::{Client, PeerReport, PeerSender, ReadResult};
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
@@ -71,60 +75,6 @@ impl NodeConfig {
     }
 }
 
-enum Request {
-    Raft { from: NodeId, from_addr: String, msgs: Vec<raft::prelude::Message> },
-    Propose { command: Command, deadline: Instant, reply: ProposeReply },
-    Read { linearizable: bool, deadline: Instant, reply: oneshot::Sender<Result<ReadResult>> },
-    Status { reply: oneshot::Sender<NodeStatus> },
-}
-
-/// The largest heartbeat report a node keeps.
-pub const MAX_REPORT_BYTES: usize = 64 << 10;
-
-pub use crate::transport::NodeReport;
-
-/// Agents' latest heartbeat reports, keyed by sender, stamped with their arrival time here.
-#[derive(Clone, Default)]
-pub struct Reports(Arc<Mutex<ReportTable>>);
-
-/// Latest report per node, with its arrival time.
-type ReportTable = HashMap<NodeId, (std::time::Instant, Arc<Vec<u8>>)>;
-
-impl Reports {
-    /// Keeps `report` as `node`'s latest.
-    pub fn put(&self, node: NodeId, report: Vec<u8>) {
-        let mut t = self.0.lock().expect("reports lock");
-        t.insert(node, (std::time::Instant::now(), Arc::new(report)));
-    }
-
-    /// Every report held, by node id.
-    pub fn all(&self) -> Vec<NodeReport> {
-        let t = self.0.lock().expect("reports lock");
-        let mut v: Vec<NodeReport> = t
-            .iter()
-            .map(|(&node, (at, r))| NodeReport { node, age: at.elapsed(), report: r.to_vec() })
-            .collect();
-        v.sort_by_key(|r| r.node);
-        v
-    }
-}
-
-/// What this node has applied, published after every change so agents can follow the log
-/// without asking.
-#[derive(Clone, Debug)]
-pub struct LocalState {
-    /// The state machine at `applied_index`.
-    pub state: Arc<ClusterState>,
-    /// Applied index.
-    pub applied_index: u64,
-    /// The leader this node knows (0: none).
-    pub leader: NodeId,
-    /// Whether this node is the leader.
-    pub is_leader: bool,
-    /// Current term.
-    pub term: u64,
-}
-
 /// A handle to talk to a running node from the same process.
 #[derive(Clone)]
 pub struct NodeHandle {
@@ -167,33 +117,6 @@ impl NodeHandle {
     pub fn watch(&self) -> watch::Receiver<LocalState> {
         self.watch.clone()
     }
-}
-
-/// Serves the consensus gRPC service on `listener` until `shutdown`.
-fn serve(
-    listener: tokio::net::TcpListener,
-    service: Service,
-    tls: Option<&Arc<Tls>>,
-    shutdown: CancellationToken,
-) -> Result<()> {
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-    let mut builder = tonic::transport::Server::builder();
-    if let Some(tls) = tls {
-        builder = builder
-            .tls_config(tls.grpc_server())
-            .map_err(|e| ConsensusError::Config(format!("TLS for the control plane: {e}")))?;
-    }
-    tokio::spawn(async move {
-        let result = builder
-            .tcp_nodelay(true)
-            .add_service(pb::consensus_server::ConsensusServer::new(service))
-            .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
-            .await;
-        if let Err(e) = result {
-            tracing::error!(%e, "consensus server stopped");
-        }
-    });
-    Ok(())
 }
 
 /// Whether this node must ask the cluster to admit it: it is not in the log and not a
@@ -244,6 +167,7 @@ impl Node {
             timeout: cfg.request_timeout,
             reports,
             tls: cfg.tls.as_ref().map(|t| t.anonymous_reads),
+            members: handle.watch.clone(),
         };
         serve(listener, service, cfg.tls.as_ref(), shutdown.clone())?;
         let me = MemberSpec {
@@ -343,9 +267,6 @@ async fn join_through_seeds(
     }
 }
 
-/// Where a proposal's outcome goes: (log index, what the state machine said).
-type ProposeReply = oneshot::Sender<Result<(u64, String)>>;
-
 struct Loop {
     core: Core<SledLog>,
     cfg: NodeConfig,
@@ -443,8 +364,14 @@ impl Loop {
                 }
                 for m in msgs {
                     let (from, kind) = (m.from, m.get_msg_type());
-                    if let Err(why) = self.core.step(m) {
-                        tracing::debug!(node = self.cfg.core.id, from, ?kind, why, "message refused");
+                    match self.core.step(m) {
+                        Ok(()) => {}
+                        Err(why @ crate::core::StepError::Refused(_)) => {
+                            tracing::warn!(node = self.cfg.core.id, from, ?kind, %why, "raft message refused")
+                        }
+                        Err(why) => {
+                            tracing::debug!(node = self.cfg.core.id, from, ?kind, %why, "raft message dropped")
+                        }
                     }
                 }
             }
@@ -578,200 +505,5 @@ impl Loop {
         if !self.peers[&to].send(msg) {
             self.core.report_unreachable(to);
         }
-    }
-}
-
-/// The gRPC service: checks and decodes requests, then hands them to the node's task.
-struct Service {
-    tx: mpsc::Sender<Request>,
-    cluster_id: u64,
-    me: NodeId,
-    timeout: Duration,
-    reports: Reports,
-    /// With mutual TLS: whether reads need no certificate.
-    tls: Option<bool>,
-}
-
-/// What a call needs of the caller's certificate.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Need {
-    /// Raft traffic and heartbeats: a node.
-    Node,
-    /// A proposal: a node, or an operator for the operator's commands.
-    Propose,
-    /// A read: any certificate, or none when anonymous reads are allowed.
-    Read,
-}
-
-/// The role of the caller's certificate, if it presented one.
-fn caller<T>(req: &tonic::Request<T>) -> Option<Role> {
-    req.peer_certs().and_then(|c| c.first().and_then(|c| crate::tls::role_of(c)))
-}
-
-/// The commands an operator's certificate may propose (drain, revoke, remove).
-fn operator_may_propose(c: &Command) -> bool {
-    matches!(c, Command::Drain { .. } | Command::Notice { .. } | Command::Remove { .. })
-}
-
-impl Service {
-    /// Checks the caller's certificate (when the node runs with TLS) against what the call
-    /// needs; the rustls handshake already verified it against the cluster CA.
-    fn authorize<T>(&self, req: &tonic::Request<T>, need: Need) -> std::result::Result<(), tonic::Status> {
-        self.authorize_role(caller(req), need, None)
-    }
-
-    fn authorize_role(
-        &self,
-        role: Option<Role>,
-        need: Need,
-        command: Option<&Command>,
-    ) -> std::result::Result<(), tonic::Status> {
-        let Some(anonymous_reads) = self.tls else { return Ok(()) };
-        let verdict = match (need, role) {
-            (_, Some(Role::Node)) => Ok(()),
-            (Need::Read, None) if anonymous_reads => Ok(()),
-            (Need::Read, Some(Role::Operator)) => Ok(()),
-            (Need::Propose, Some(Role::Operator)) if command.is_some_and(operator_may_propose) => Ok(()),
-            (Need::Propose, Some(Role::Operator)) => {
-                Err("an operator certificate may only drain, revoke or remove nodes".to_string())
-            }
-            (Need::Node, Some(Role::Operator)) => {
-                Err("only a node certificate may speak for a node".to_string())
-            }
-            (_, None) => Err(format!(
-                "this call needs a client certificate of the cluster CA ({})",
-                match need {
-                    Need::Read => "status needs one unless the node allows anonymous reads",
-                    Need::Propose => "drain and revoke need one: limpet certs issue NAME --client",
-                    Need::Node => "raft traffic needs a node certificate",
-                }
-            )),
-        };
-        verdict.map_err(|why| {
-            tracing::warn!(node = self.me, ?need, %why, "call refused");
-            tonic::Status::permission_denied(why)
-        })
-    }
-
-    fn check_cluster(&self, got: u64, what: &str) -> std::result::Result<(), tonic::Status> {
-        if got != self.cluster_id {
-            let e = ConsensusError::WrongCluster { expected: self.cluster_id, got };
-            tracing::warn!(node = self.me, %e, "{what} refused");
-            return Err(e.into());
-        }
-        Ok(())
-    }
-
-    async fn ask<T>(
-        &self,
-        make: impl FnOnce(oneshot::Sender<T>) -> Request,
-    ) -> std::result::Result<T, tonic::Status> {
-        let (reply, rx) = oneshot::channel();
-        self.tx.send(make(reply)).await.map_err(|_| tonic::Status::from(ConsensusError::Shutdown))?;
-        rx.await.map_err(|_| ConsensusError::Shutdown.into())
-    }
-
-    fn deadline(&self, timeout_ms: u64) -> Instant {
-        let wait = if timeout_ms == 0 { self.timeout } else { Duration::from_millis(timeout_ms.min(60_000)) };
-        Instant::now() + wait
-    }
-}
-
-#[tonic::async_trait]
-impl pb::consensus_server::Consensus for Service {
-    async fn send(
-        &self,
-        req: tonic::Request<pb::RaftBatch>,
-    ) -> std::result::Result<tonic::Response<pb::SendAck>, tonic::Status> {
-        self.authorize(&req, Need::Node)?;
-        let batch = req.into_inner();
-        let msgs = decode_batch(&batch, self.cluster_id, self.me).map_err(|e| {
-            tracing::warn!(node = self.me, from = batch.from, %e, "raft batch refused");
-            tonic::Status::from(e)
-        })?;
-        // A full queue means the node is behind; dropping is safe, raft retransmits.
-        let _ = self.tx.try_send(Request::Raft { from: batch.from, from_addr: batch.from_addr, msgs });
-        Ok(tonic::Response::new(pb::SendAck {}))
-    }
-
-    async fn propose(
-        &self,
-        req: tonic::Request<pb::ProposeRequest>,
-    ) -> std::result::Result<tonic::Response<pb::ProposeReply>, tonic::Status> {
-        let (role, req) = (caller(&req), req.into_inner());
-        self.check_cluster(req.cluster_id, "proposal")?;
-        let command = Command::decode(&req.command)
-            .map_err(|e| tonic::Status::from(ConsensusError::Decode { what: "command", detail: e.detail }))?;
-        self.authorize_role(role, Need::Propose, Some(&command))?;
-        let deadline = self.deadline(req.timeout_ms);
-        let reply = match self.ask(|reply| Request::Propose { command, deadline, reply }).await? {
-            Ok((index, detail)) => pb::ProposeReply { index, accepted: true, detail },
-            Err(ConsensusError::Rejected(detail)) => pb::ProposeReply { index: 0, accepted: false, detail },
-            Err(e) => return Err(e.into()),
-        };
-        Ok(tonic::Response::new(reply))
-    }
-
-    async fn read(
-        &self,
-        req: tonic::Request<pb::ReadRequest>,
-    ) -> std::result::Result<tonic::Response<pb::ReadReply>, tonic::Status> {
-        self.authorize(&req, Need::Read)?;
-        let req = req.into_inner();
-        self.check_cluster(req.cluster_id, "read")?;
-        let deadline = self.deadline(0);
-        let r = self.ask(|reply| Request::Read { linearizable: req.linearizable, deadline, reply }).await??;
-        Ok(tonic::Response::new(pb::ReadReply {
-            state: serde_json::to_vec(&r.state).expect("states serialize"),
-            applied_index: r.applied_index,
-            linearizable: r.linearizable,
-            leader: r.leader,
-            term: r.term,
-        }))
-    }
-
-    async fn status(
-        &self,
-        req: tonic::Request<pb::StatusRequest>,
-    ) -> std::result::Result<tonic::Response<pb::StatusReply>, tonic::Status> {
-        self.authorize(&req, Need::Read)?;
-        self.check_cluster(req.into_inner().cluster_id, "status")?;
-        let status = self.ask(|reply| Request::Status { reply }).await?;
-        Ok(tonic::Response::new(pb::StatusReply {
-            status: serde_json::to_vec(&status).expect("status serializes"),
-        }))
-    }
-
-    async fn heartbeat(
-        &self,
-        req: tonic::Request<pb::HeartbeatRequest>,
-    ) -> std::result::Result<tonic::Response<pb::HeartbeatReply>, tonic::Status> {
-        self.authorize(&req, Need::Node)?;
-        let req = req.into_inner();
-        self.check_cluster(req.cluster_id, "heartbeat")?;
-        if req.from == 0 || req.report.len() > MAX_REPORT_BYTES {
-            return Err(ConsensusError::Decode {
-                what: "heartbeat",
-                detail: format!("from node {} with {} report bytes", req.from, req.report.len()),
-            }
-            .into());
-        }
-        self.reports.put(req.from, req.report);
-        Ok(tonic::Response::new(pb::HeartbeatReply {}))
-    }
-
-    async fn reports(
-        &self,
-        req: tonic::Request<pb::ReportsRequest>,
-    ) -> std::result::Result<tonic::Response<pb::ReportsReply>, tonic::Status> {
-        self.authorize(&req, Need::Read)?;
-        self.check_cluster(req.into_inner().cluster_id, "reports")?;
-        let reports = self
-            .reports
-            .all()
-            .into_iter()
-            .map(|r| pb::NodeReport { node: r.node, age_ms: r.age.as_millis() as u64, report: r.report })
-            .collect();
-        Ok(tonic::Response::new(pb::ReportsReply { reports }))
     }
 }

@@ -2,8 +2,9 @@
 //! certificate allows.
 //!
 //! Every certificate is issued by the cluster's CA (`limpet certs`). A *node* certificate
-//! carries the DNS name `limpet-node` (and the node's own name): it may speak raft, send
-//! heartbeats, join, and carry data-plane traffic. An *operator* certificate carries
+//! carries the DNS name `limpet-node` (and the node's own name) and the URI
+//! `urn:limpet:node:<id>` binding it to one node id: it may speak raft, send heartbeats, join
+//! and carry data-plane traffic, each only as that node. An *operator* certificate carries
 //! `limpet-client`: it may read and propose the operator's commands (drain, revoke, remove)
 //! but never speak as a node. Clients check that the server they reach holds a node
 //! certificate of the same CA, so every connection is authenticated both ways.
@@ -20,6 +21,23 @@ use std::sync::Arc;
 pub const NODE_NAME: &str = "limpet-node";
 /// The DNS name every operator (client) certificate holds.
 pub const CLIENT_NAME: &str = "limpet-client";
+
+/// The prefix of the URI that binds a node certificate to its node id.
+pub const NODE_URI_PREFIX: &str = "urn:limpet:node:";
+
+/// The URI naming node `id` in its certificate.
+pub fn node_uri(id: u64) -> String {
+    format!("{NODE_URI_PREFIX}{id}")
+}
+
+/// Who a verified certificate says its holder is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Peer {
+    /// What it may do.
+    pub role: Role,
+    /// The node a node certificate is bound to; `None` for an operator.
+    pub node: Option<u64>,
+}
 
 /// What a certificate allows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -81,6 +99,7 @@ struct Identity {
     chain: Vec<CertificateDer<'static>>,
     key: PrivateKeyDer<'static>,
     role: Role,
+    node: Option<u64>,
 }
 
 impl std::fmt::Debug for Tls {
@@ -142,6 +161,21 @@ pub fn role_of(cert: &CertificateDer<'_>) -> Option<Role> {
     }
 }
 
+/// Who a (verified) certificate names: its role and, for a node, its node id. A node
+/// certificate without exactly one valid id URI is not a node's (it could speak as anyone).
+pub fn peer_of(cert: &CertificateDer<'_>) -> Option<Peer> {
+    let role = role_of(cert)?;
+    if role == Role::Operator {
+        return Some(Peer { role, node: None });
+    }
+    let ee = webpki::EndEntityCert::try_from(cert).ok()?;
+    let mut ids = ee.valid_uri_names().filter_map(|u| u.strip_prefix(NODE_URI_PREFIX));
+    match (ids.next().map(str::parse::<u64>), ids.next()) {
+        (Some(Ok(id)), None) if id != 0 => Some(Peer { role, node: Some(id) }),
+        _ => None,
+    }
+}
+
 impl Tls {
     /// Reads and checks the three files: the certificate must be issued by the CA, be valid
     /// now, and be a node or operator certificate.
@@ -199,6 +233,17 @@ impl Tls {
         let role = role_of(&chain[0]).ok_or_else(|| {
             bad("certificate", cert_path, format!("is neither for {NODE_NAME:?} nor for {CLIENT_NAME:?}"))
         })?;
+        let node = peer_of(&chain[0]).and_then(|p| p.node);
+        if role == Role::Node && node.is_none() {
+            return Err(bad(
+                "certificate",
+                cert_path,
+                format!(
+                    "is a node certificate without its node id (one {NODE_URI_PREFIX}<id> URI); \
+                     issue it again with `limpet certs issue NAME --id ID`"
+                ),
+            ));
+        }
         // The key must be the certificate's: a mismatch would only show as failed handshakes.
         let signing = provider()
             .key_provider
@@ -211,7 +256,7 @@ impl Tls {
         Ok(Tls {
             ca_pem,
             roots,
-            identity: Some(Identity { cert_pem, key_pem, chain, key, role }),
+            identity: Some(Identity { cert_pem, key_pem, chain, key, role, node }),
             anonymous_reads: false,
         })
     }
@@ -219,6 +264,11 @@ impl Tls {
     /// What this identity's certificate allows (`None`: no certificate).
     pub fn role(&self) -> Option<Role> {
         self.identity.as_ref().map(|i| i.role)
+    }
+
+    /// The node id this identity's certificate is bound to (a node certificate's).
+    pub fn node_id(&self) -> Option<u64> {
+        self.identity.as_ref().and_then(|i| i.node)
     }
 
     /// tonic's server configuration: a node certificate, clients verified against the CA

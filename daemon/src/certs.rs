@@ -1,14 +1,15 @@
 //! `limpet certs`: a cluster's CA and the certificates it issues (rcgen), as PEM files.
 //!
 //! `init` writes `ca.pem` and `ca.key` into a directory; `issue NAME` writes `NAME.pem` and
-//! `NAME.key` signed by that CA: a node certificate (names `limpet-node` and NAME, for
-//! limpetd) or, with `--client`, an operator certificate (names `limpet-client` and NAME,
-//! for the command line). Keys are ECDSA P-256, written with mode 0600, and nothing existing
+//! `NAME.key` signed by that CA: a node certificate (names `limpet-node` and NAME, and the
+//! URI `urn:limpet:node:ID` binding it to its node id, for limpetd) or, with `--client`, an
+//! operator certificate (names `limpet-client` and NAME, for the command line). Keys are ECDSA P-256, written with mode 0600, and nothing existing
 //! is overwritten.
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use limpet_consensus::tls::{CLIENT_NAME, NODE_NAME};
+use limpet_consensus::state::{node_id_of_name, NodeId};
+use limpet_consensus::tls::{node_uri, CLIENT_NAME, NODE_NAME};
 use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
     KeyPair, KeyUsagePurpose,
@@ -51,6 +52,10 @@ pub struct IssueArgs {
     /// An operator's certificate for the command line instead of a node's.
     #[arg(long)]
     pub client: bool,
+    /// The node id the certificate is bound to: the node's `[node].id` (default: the id a
+    /// node of this name gets when its configuration sets none).
+    #[arg(long, conflicts_with = "client", value_parser = clap::value_parser!(u64).range(1..))]
+    pub id: Option<u64>,
     /// How long the certificate is valid.
     #[arg(long, default_value_t = 365)]
     pub days: u32,
@@ -59,8 +64,8 @@ pub struct IssueArgs {
 /// Which kind of certificate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
-    /// limpetd's.
-    Node,
+    /// limpetd's, bound to its node id.
+    Node(NodeId),
     /// An operator's.
     Client,
 }
@@ -73,15 +78,16 @@ pub fn run(cmd: CertsCommand) -> anyhow::Result<()> {
             println!("CA created: {} (key {})", cert.display(), key.display());
         }
         CertsCommand::Issue(a) => {
-            let kind = if a.client { Kind::Client } else { Kind::Node };
+            let kind = match (a.client, a.id) {
+                (true, _) => Kind::Client,
+                (false, id) => Kind::Node(id.unwrap_or_else(|| node_id_of_name(&a.name))),
+            };
             let (cert, key) = issue_for_days(&a.dir, &a.name, kind, a.days)?;
-            println!(
-                "{} certificate for {:?}: {} (key {})",
-                if a.client { "operator" } else { "node" },
-                a.name,
-                cert.display(),
-                key.display()
-            );
+            let what = match kind {
+                Kind::Node(id) => format!("node certificate for {:?} (node id {id})", a.name),
+                Kind::Client => format!("operator certificate for {:?}", a.name),
+            };
+            println!("{what}: {} (key {})", cert.display(), key.display());
         }
     }
     Ok(())
@@ -194,19 +200,26 @@ pub fn issue(
         }
     }
     let role_name = match kind {
-        Kind::Node => NODE_NAME,
+        Kind::Node(_) => NODE_NAME,
         Kind::Client => CLIENT_NAME,
     };
     let mut params =
         CertificateParams::new(vec![role_name.to_string(), name.to_string()]).context("certificate names")?;
+    if let Kind::Node(id) = kind {
+        if id == 0 {
+            return Err(usage("node id 0 is not a node's (--id must be at least 1)".into()));
+        }
+        let uri = rcgen::string::Ia5String::try_from(node_uri(id)).context("the node id URI")?;
+        params.subject_alt_names.push(rcgen::SanType::URI(uri));
+    }
     let mut dn = DistinguishedName::new();
     dn.push(DnType::CommonName, name);
-    dn.push(DnType::OrganizationalUnitName, if kind == Kind::Node { "node" } else { "operator" });
+    dn.push(DnType::OrganizationalUnitName, if kind == Kind::Client { "operator" } else { "node" });
     params.distinguished_name = dn;
     params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     params.extended_key_usages = match kind {
         // A node is a server to its peers and a client of them.
-        Kind::Node => vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth],
+        Kind::Node(_) => vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth],
         Kind::Client => vec![ExtendedKeyUsagePurpose::ClientAuth],
     };
     params.use_authority_key_identifier_extension = true;
@@ -237,9 +250,12 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         init(d.path(), "t", 10).unwrap();
         let now = OffsetDateTime::now_utc();
-        issue(d.path(), "node-1", Kind::Node, now - Duration::minutes(1), now + Duration::days(1)).unwrap();
+        issue(d.path(), "node-1", Kind::Node(1), now - Duration::minutes(1), now + Duration::days(1))
+            .unwrap();
         issue(d.path(), "alice", Kind::Client, now - Duration::minutes(1), now + Duration::days(1)).unwrap();
         assert_eq!(Tls::load(&files(d.path(), "node-1")).unwrap().role(), Some(Role::Node));
+        assert_eq!(Tls::load(&files(d.path(), "node-1")).unwrap().node_id(), Some(1));
+        assert_eq!(Tls::load(&files(d.path(), "alice")).unwrap().node_id(), None);
         assert_eq!(Tls::load(&files(d.path(), "alice")).unwrap().role(), Some(Role::Operator));
         let mode = std::fs::metadata(d.path().join("alice.key")).unwrap().permissions();
         assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777, 0o600);
@@ -251,9 +267,9 @@ mod tests {
         init(a.path(), "a", 10).unwrap();
         init(b.path(), "b", 10).unwrap();
         let now = OffsetDateTime::now_utc();
-        issue(a.path(), "n1", Kind::Node, now - Duration::minutes(1), now + Duration::days(1)).unwrap();
-        issue(a.path(), "old", Kind::Node, now - Duration::days(3), now - Duration::days(1)).unwrap();
-        issue(a.path(), "n2", Kind::Node, now - Duration::minutes(1), now + Duration::days(1)).unwrap();
+        issue(a.path(), "n1", Kind::Node(1), now - Duration::minutes(1), now + Duration::days(1)).unwrap();
+        issue(a.path(), "old", Kind::Node(9), now - Duration::days(3), now - Duration::days(1)).unwrap();
+        issue(a.path(), "n2", Kind::Node(2), now - Duration::minutes(1), now + Duration::days(1)).unwrap();
         // Another cluster's CA.
         let e = Tls::load(&TlsFiles { ca: b.path().join("ca.pem"), ..files(a.path(), "n1") }).unwrap_err();
         assert!(e.to_string().contains("UnknownIssuer"), "{e}");
@@ -272,21 +288,41 @@ mod tests {
     }
 
     #[test]
+    fn a_node_certificate_without_its_node_id_is_refused_at_load() {
+        // What `issue` made before certificates were bound to ids: the node name only.
+        let d = tempfile::tempdir().unwrap();
+        init(d.path(), "t", 10).unwrap();
+        let ca_key = KeyPair::from_pem(&std::fs::read_to_string(d.path().join("ca.key")).unwrap()).unwrap();
+        let issuer =
+            Issuer::from_ca_cert_pem(&std::fs::read_to_string(d.path().join("ca.pem")).unwrap(), ca_key)
+                .unwrap();
+        let mut params = CertificateParams::new(vec![NODE_NAME.to_string(), "n1".to_string()]).unwrap();
+        params.extended_key_usages =
+            vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+        let key = KeyPair::generate().unwrap();
+        let cert = params.signed_by(&key, &issuer).unwrap();
+        std::fs::write(d.path().join("n1.pem"), cert.pem()).unwrap();
+        std::fs::write(d.path().join("n1.key"), key.serialize_pem()).unwrap();
+        let e = Tls::load(&files(d.path(), "n1")).unwrap_err().to_string();
+        assert!(e.contains("without its node id") && e.contains("--id"), "{e}");
+    }
+
+    #[test]
     fn nothing_is_overwritten_and_bad_names_are_refused() {
         let d = tempfile::tempdir().unwrap();
         init(d.path(), "t", 10).unwrap();
         let e = init(d.path(), "t", 10).unwrap_err();
         assert!(e.to_string().contains("already has a CA"), "{e}");
         let now = OffsetDateTime::now_utc();
-        issue(d.path(), "n1", Kind::Node, now, now + Duration::days(1)).unwrap();
+        issue(d.path(), "n1", Kind::Node(1), now, now + Duration::days(1)).unwrap();
         let before = std::fs::read(d.path().join("n1.key")).unwrap();
-        let e = issue(d.path(), "n1", Kind::Node, now, now + Duration::days(1)).unwrap_err();
+        let e = issue(d.path(), "n1", Kind::Node(1), now, now + Duration::days(1)).unwrap_err();
         assert!(e.to_string().contains("exists"), "{e}");
         assert_eq!(std::fs::read(d.path().join("n1.key")).unwrap(), before);
         for bad in ["", "a b", "../x", "-x", "limpet-node", "ca"] {
-            assert!(issue(d.path(), bad, Kind::Node, now, now + Duration::days(1)).is_err(), "{bad:?}");
+            assert!(issue(d.path(), bad, Kind::Node(1), now, now + Duration::days(1)).is_err(), "{bad:?}");
         }
-        let e = issue(tempfile::tempdir().unwrap().path(), "n2", Kind::Node, now, now + Duration::days(1))
+        let e = issue(tempfile::tempdir().unwrap().path(), "n2", Kind::Node(2), now, now + Duration::days(1))
             .unwrap_err();
         assert!(format!("{e:#}").contains("limpet certs init"), "{e:#}");
     }

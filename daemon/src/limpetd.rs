@@ -69,6 +69,9 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
             cfg.node_id(),
             cfg.cluster.name
         );
+        for warning in write_path_warnings(&cfg) {
+            eprintln!("warning: {warning}");
+        }
         if cfg.job.model == crate::config::ModelName::Torchscript {
             let path = cfg.model.path.as_deref().expect("validated: torchscript has [model].path");
             let hash =
@@ -248,6 +251,43 @@ async fn tell_systemd(
     }
 }
 
+/// The directories limpetd writes to that it cannot write here, each naming its key. Run as
+/// the unit's `ExecStartPre`, this sees the unit's sandbox: with `ProtectSystem=strict`,
+/// every path outside the state, log and temporary directories must be in
+/// `ReadWritePaths=`, else checkpoints and step logs fail only once training runs. A path
+/// that does not exist yet (a mount not up) is named too, but may be fine later.
+pub fn write_path_warnings(cfg: &Config) -> Vec<String> {
+    let mut dirs: Vec<(&str, PathBuf)> = vec![("[node].state_dir", cfg.node.state_dir.clone())];
+    if let Some(c) = &cfg.checkpoint {
+        dirs.push((
+            "[checkpoint].dir",
+            c.dir.clone().unwrap_or_else(|| cfg.node.state_dir.join("checkpoints")),
+        ));
+    }
+    if let Some(parent) = cfg.node.step_log.as_deref().and_then(std::path::Path::parent) {
+        dirs.push(("[node].step_log", parent.to_path_buf()));
+    }
+    let mut out = Vec::new();
+    for (key, dir) in dirs {
+        // The nearest existing ancestor is where a write (or the directory's creation) lands.
+        let Some(existing) = dir.ancestors().find(|a| a.exists()) else { continue };
+        if existing != dir {
+            out.push(format!("{key} {}: does not exist yet (a mount not up?)", dir.display()));
+        }
+        let probe = existing.join(format!(".limpetd-validate-{}", std::process::id()));
+        match std::fs::File::create(&probe) {
+            Ok(_) => {
+                let _ = std::fs::remove_file(&probe);
+            }
+            Err(e) => out.push(format!(
+                "{key} {}: not writable here ({e}); under the systemd unit, add it to ReadWritePaths=",
+                existing.display()
+            )),
+        }
+    }
+    out
+}
+
 /// Builds the agent's configuration from the file's.
 pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<AgentConfig> {
     let secret = std::fs::read(&cfg.node.secret_file)?;
@@ -288,7 +328,7 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
     a.notice_margin = Duration::from_millis(t.notice_margin_ms);
     a.step_log = step_log.or_else(|| cfg.node.step_log.clone());
     if let Some(sec) = &cfg.security {
-        a.tls = Some(std::sync::Arc::new(sec.load("the configuration")?));
+        a.tls = Some(std::sync::Arc::new(sec.load("the configuration", cfg.node_id())?));
         a.tls_data = sec.data_plane == crate::config::DataPlaneMode::Tls;
     }
     a.pipeline = pipeline_settings(cfg, a.job.model.num_blocks())?;

@@ -401,11 +401,14 @@ pub struct FetchOptions {
     pub reconnects: usize,
     /// The label (state content hash) the receiver insists on, if known (from the epoch).
     pub expect: Option<[u8; 32]>,
+    /// The most bytes the receiver will take: what its job's state can be. A manifest
+    /// announcing more is refused before anything is allocated for it.
+    pub max_bytes: u64,
 }
 
 impl Default for FetchOptions {
     fn default() -> FetchOptions {
-        FetchOptions { streams: 4, batch: 4, reconnects: 3, expect: None }
+        FetchOptions { streams: 4, batch: 4, reconnects: 3, expect: None, max_bytes: MAX_TOTAL }
     }
 }
 
@@ -440,6 +443,14 @@ pub fn fetch<D: Dialer>(
 ) -> Result<(Vec<u8>, FetchStats), HandoffError> {
     let want = opts.expect.unwrap_or([0; 32]);
     let (manifest, first) = first_manifest(dialer, sources, want)?;
+    if manifest.total > opts.max_bytes {
+        return Err(HandoffError::Protocol(format!(
+            "{} offers {} bytes, more than the {} this state can be",
+            sources.get(first).map_or("the source", String::as_str),
+            manifest.total,
+            opts.max_bytes
+        )));
+    }
     let n = manifest.chunk_hashes.len();
     let mut bytes = vec![0u8; manifest.total as usize];
     // One lock per chunk: streams read straight into their chunk's place in the result.

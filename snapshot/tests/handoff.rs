@@ -41,7 +41,7 @@ fn dialer() -> TcpDialer {
 }
 
 fn opts() -> FetchOptions {
-    FetchOptions { streams: 3, batch: 2, reconnects: 3, expect: None }
+    FetchOptions { streams: 3, batch: 2, reconnects: 3, ..FetchOptions::default() }
 }
 
 #[test]
@@ -57,6 +57,21 @@ fn a_transferred_state_hashes_equal_to_the_source() {
     assert_eq!(StateImage::decode(&got).unwrap().content_hash(), img.content_hash());
     assert_eq!((stats.repaired_chunks, stats.reconnects, stats.sources_failed), (0, 0, 0));
     assert_eq!(stats.bytes, bytes.len() as u64);
+}
+
+#[test]
+fn a_state_larger_than_the_receiver_can_need_is_refused_before_it_is_allocated() {
+    let img = image(50_000);
+    let bytes = img.encode().unwrap();
+    let server = Server::new();
+    server.offer(Offer::new(bytes.clone(), 16 << 10, label_of(img.content_hash())));
+    let addr = listen(server, None);
+    let label = Some(label_of(img.content_hash()));
+    let small = FetchOptions { expect: label, max_bytes: bytes.len() as u64 - 1, ..opts() };
+    let e = fetch(&dialer(), std::slice::from_ref(&addr), &small).unwrap_err().to_string();
+    assert!(e.contains(&format!("offers {} bytes", bytes.len())), "{e}");
+    let enough = FetchOptions { expect: label, max_bytes: bytes.len() as u64, ..opts() };
+    assert_eq!(fetch(&dialer(), &[addr], &enough).unwrap().0, bytes);
 }
 
 #[test]

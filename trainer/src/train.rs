@@ -443,13 +443,34 @@ impl Trainer {
         if self.model.is_stochastic() {
             self.model.seed_dropout(step_seed ^ mb.start.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ k as u64);
         }
+        let rows = (mb.end - mb.start) as i64;
         let idx = if first || last { self.sampler.indices(mb) } else { Vec::new() };
         let input = if first {
             self.batch_on_device(&idx)?.0
         } else {
-            link.recv_activation(step, k)?.to_tensor()?.to_device(self.model.device()).set_requires_grad(true)
+            let a = link.recv_activation(step, k)?;
+            // The previous stage is a peer: an activation that is not a micro-batch of this
+            // size is its fault, and must not panic this trainer inside libtorch.
+            if a.shape.first() != Some(&rows) || a.shape.iter().any(|&d| d <= 0) {
+                return Err(TrainerError::reduce(format!(
+                    "step {step} micro-batch {k}: an activation of shape {:?} for {rows} samples",
+                    a.shape
+                )));
+            }
+            a.to_tensor()?.to_device(self.model.device()).set_requires_grad(true)
         };
-        let out = self.model.forward_t(&input, true);
+        let out = if first {
+            self.model.forward_t(&input, true)
+        } else {
+            // Its trailing dimensions are only checked by the blocks themselves.
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.model.forward_t(&input, true)))
+                .map_err(|_| {
+                    TrainerError::reduce(format!(
+                        "step {step} micro-batch {k}: this stage cannot take an activation of shape {:?}",
+                        input.size()
+                    ))
+                })?
+        };
         if last {
             let (_, y) = self.batch_on_device(&idx)?;
             Ok((input, self.model.loss_sum(&out, &y)))

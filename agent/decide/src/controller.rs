@@ -372,7 +372,8 @@ fn plan_epoch(
         // Abandon the step in flight: start at the furthest survivor's applied step.
         max_applied
     } else {
-        let planned = max_applied + cfg.lead_steps.max(1);
+        // Steps come from peers' reports: a buggy or hostile one may claim any number.
+        let planned = max_applied.saturating_add(cfg.lead_steps.max(1));
         let soonest_deadline = current
             .iter()
             .filter(|r| !ranks.contains(r))
@@ -381,9 +382,9 @@ fn plan_epoch(
         match soonest_deadline {
             Some(deadline) if view.step_time_ms > 0.0 => {
                 // The leaving node trains until `start`; it must finish before its deadline.
-                let budget = deadline.saturating_sub(view.now_ms + cfg.notice_margin_ms) as f64;
+                let budget = deadline.saturating_sub(view.now_ms.saturating_add(cfg.notice_margin_ms)) as f64;
                 let steps_left = (budget / view.step_time_ms).floor() as u64;
-                planned.min(max_applied + steps_left.max(1))
+                planned.min(max_applied.saturating_add(steps_left.max(1)))
             }
             _ => planned,
         }

@@ -94,17 +94,20 @@ impl Conn {
     ) -> std::io::Result<Conn> {
         let conn = rustls::ServerConnection::new(cfg).map_err(tls_error)?;
         let c = Conn::handshake(sock, conn.into(), timeout)?;
-        let role = {
-            let st = c.tls.as_ref().expect("a TLS connection").state.lock().expect("TLS lock");
-            st.peer_certificates().and_then(|certs| certs.first().and_then(limpet_consensus::tls::role_of))
-        };
-        if role != Some(limpet_consensus::tls::Role::Node) {
+        if c.peer_node().is_none() {
             return Err(std::io::Error::new(
                 ErrorKind::PermissionDenied,
-                "the peer's certificate is not a node certificate",
+                "the peer's certificate is not a node certificate bound to a node id",
             ));
         }
         Ok(c)
+    }
+
+    /// The node id the peer's certificate is bound to (`None`: plain TCP, or not a node's).
+    pub fn peer_node(&self) -> Option<u64> {
+        let st = self.tls.as_ref()?.state.lock().expect("TLS lock");
+        let peer = st.peer_certificates()?.first().and_then(limpet_consensus::tls::peer_of)?;
+        (peer.role == limpet_consensus::tls::Role::Node).then_some(peer.node).flatten()
     }
 
     fn handshake(
@@ -112,9 +115,16 @@ impl Conn {
         mut conn: rustls::Connection,
         timeout: Duration,
     ) -> std::io::Result<Conn> {
-        sock.set_read_timeout(Some(timeout))?;
-        sock.set_write_timeout(Some(timeout))?;
+        // One deadline for the whole handshake, not per read: a peer sending a byte now and
+        // then must not hold this thread for longer.
+        let deadline = std::time::Instant::now() + timeout;
         while conn.is_handshaking() {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(std::io::Error::new(ErrorKind::TimedOut, "the TLS handshake took too long"));
+            }
+            sock.set_read_timeout(Some(left))?;
+            sock.set_write_timeout(Some(left))?;
             conn.complete_io(&mut sock)?;
         }
         // The writer drains everything itself; no limit on what one write may queue.

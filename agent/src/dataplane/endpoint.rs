@@ -5,12 +5,19 @@
 //! 2. the acceptor checks cluster and epoch and answers `[0, nonce_s]`, or `[code]` and
 //!    closes (1: other cluster, 2: stale epoch);
 //! 3. the connector sends `HMAC(secret, "client" || hello || nonce_s)`;
-//! 4. the acceptor verifies it and answers `[0, HMAC(secret, "server" || hello || nonce_s)]`,
-//!    or `[3]` and closes; the connector verifies the acceptor's proof in turn.
+//! 4. the acceptor verifies it and answers `[0, HMAC(secret, "server" || hello || nonce_s ||
+//!    acceptor id)]`, or `[3]` and closes; the connector verifies the acceptor's proof in turn
+//!    against the id of the node it meant to reach, so a member that knows the secret cannot
+//!    answer for another.
 //!
 //! When the cluster runs with certificates, a TLS 1.3 handshake (both sides presenting node
 //! certificates of the cluster CA) comes first and everything above runs inside it, so every
-//! frame is encrypted and authenticated as well.
+//! frame is encrypted and authenticated as well; each side's certificate must be bound to the
+//! node id it speaks as (the hello's id, and the id the connector dialled), else `[4]`.
+//!
+//! Handshakes are bounded: at most `MAX_HANDSHAKES` run at once (more are closed at once),
+//! each within one deadline for all its reads and writes, and at most `MAX_INBOX` accepted
+//! connections wait to be taken.
 //!
 //! Only then does the connection carry frames. Accepted connections wait in an inbox keyed by
 //! (epoch, peer, channel) until a `Group` (or the handoff) takes them.
@@ -120,8 +127,21 @@ impl DataPlaneConfig {
 
 type InboxKey = (u64, u64, Channel);
 
+/// Handshakes running at once; a connection past this is closed unanswered. Each holds a
+/// thread for at most the handshake deadline, so a flood costs bounded threads and time.
+pub const MAX_HANDSHAKES: usize = 64;
+/// Accepted connections waiting for a group or the handoff to take them.
+pub const MAX_INBOX: usize = 256;
+/// The longest a handshake may take, whatever the collective timeout.
+const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
+
 struct Shared {
     cfg: DataPlaneConfig,
+    /// Handshakes in progress.
+    handshakes: std::sync::atomic::AtomicUsize,
+    /// When (ms since the endpoint started) a refusal at the cap was last logged.
+    cap_warned: AtomicU64,
+    started: Instant,
     min_epoch: AtomicU64,
     inbox: Mutex<HashMap<InboxKey, Conn>>,
     arrived: Condvar,
@@ -173,13 +193,15 @@ pub struct Endpoint {
 const REFUSED_CLUSTER: u8 = 1;
 const REFUSED_EPOCH: u8 = 2;
 const REFUSED_PROOF: u8 = 3;
+const REFUSED_IDENTITY: u8 = 4;
 
-fn proof(secret: &[u8], role: &[u8], hello: &[u8], nonce: &[u8]) -> HmacSha256 {
+fn proof(secret: &[u8], role: &[u8], hello: &[u8], nonce: &[u8], server: u64) -> HmacSha256 {
     let mut mac = <HmacSha256 as KeyInit>::new_from_slice(secret).expect("HMAC takes any key length");
-    mac.update(b"limpet data plane v1 ");
+    mac.update(b"limpet data plane v2 ");
     mac.update(role);
     mac.update(hello);
     mac.update(nonce);
+    mac.update(&server.to_le_bytes());
     mac
 }
 
@@ -191,6 +213,9 @@ impl Endpoint {
         let addr = listener.local_addr().map_err(DataPlaneError::io("reading the bound address"))?;
         let shared = Arc::new(Shared {
             cfg,
+            handshakes: std::sync::atomic::AtomicUsize::new(0),
+            cap_warned: AtomicU64::new(0),
+            started: Instant::now(),
             min_epoch: AtomicU64::new(0),
             inbox: Mutex::new(HashMap::new()),
             arrived: Condvar::new(),
@@ -247,7 +272,17 @@ impl Endpoint {
     ) -> Result<Conn, DataPlaneError> {
         let cfg = &self.shared.cfg;
         let stream = loop {
-            match TcpStream::connect(addr) {
+            // A vanished spot host's address drops SYNs: without a limit, connect blocks for
+            // the kernel's ~2 minutes of retries.
+            let limit = deadline
+                .saturating_duration_since(Instant::now())
+                .clamp(Duration::from_millis(50), cfg.timeout);
+            let attempt = std::net::ToSocketAddrs::to_socket_addrs(addr)
+                .and_then(|mut a| {
+                    a.next().ok_or_else(|| std::io::Error::from(std::io::ErrorKind::InvalidInput))
+                })
+                .and_then(|a| TcpStream::connect_timeout(&a, limit));
+            match attempt {
                 Ok(s) => break s,
                 Err(e) if Instant::now() < deadline && !abort() => {
                     tracing::trace!(peer, addr, %e, "connect retry");
@@ -263,9 +298,21 @@ impl Endpoint {
         };
         self.shared.tune(&stream)?;
         let conn = match &cfg.tls {
-            Some(tls) => Conn::tls_client(stream, tls.client.clone(), cfg.timeout).map_err(|e| {
-                DataPlaneError::Refused(format!("TLS handshake with node {peer} at {addr}: {e}"))
-            })?,
+            Some(tls) => {
+                let c = Conn::tls_client(stream, tls.client.clone(), cfg.timeout.min(HANDSHAKE_LIMIT))
+                    .map_err(|e| {
+                        DataPlaneError::Refused(format!("TLS handshake with node {peer} at {addr}: {e}"))
+                    })?;
+                match c.peer_node() {
+                    Some(id) if id == peer => c,
+                    other => {
+                        return Err(DataPlaneError::Refused(format!(
+                            "{addr} was to be node {peer}, but its certificate is {}",
+                            other.map_or("no node's".into(), |id| format!("node {id}'s"))
+                        )))
+                    }
+                }
+            }
             None => Conn::plain(stream),
         };
         client_handshake(&conn, cfg, epoch, channel, peer)?;
@@ -345,16 +392,28 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             return;
         }
         let Ok(stream) = conn else { continue };
+        if shared.handshakes.fetch_add(1, Ordering::SeqCst) >= MAX_HANDSHAKES {
+            shared.handshakes.fetch_sub(1, Ordering::SeqCst);
+            shared.warn_at_cap(&stream);
+            continue;
+        }
         let shared = Arc::clone(&shared);
+        let counted = Arc::clone(&shared);
         // Each handshake on its own thread: a slow or hostile peer cannot stall the others.
-        let _ = std::thread::Builder::new().name("limpet-dp-hs".into()).spawn(move || {
+        let spawned = std::thread::Builder::new().name("limpet-dp-hs".into()).spawn(move || {
+            let _done = Finished(&shared.handshakes);
             let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
             if let Err(e) = shared.tune(&stream) {
                 tracing::warn!(node = shared.cfg.node, peer, %e, "data-plane connection dropped");
                 return;
             }
+            let deadline = Instant::now() + shared.cfg.timeout.min(HANDSHAKE_LIMIT);
             let conn = match &shared.cfg.tls {
-                Some(tls) => match Conn::tls_server(stream, tls.server.clone(), shared.cfg.timeout) {
+                Some(tls) => match Conn::tls_server(
+                    stream,
+                    tls.server.clone(),
+                    shared.cfg.timeout.min(HANDSHAKE_LIMIT),
+                ) {
                     Ok(c) => c,
                     Err(e) => {
                         tracing::warn!(node = shared.cfg.node, peer, %e, "data-plane TLS handshake refused");
@@ -363,15 +422,58 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                 },
                 None => Conn::plain(stream),
             };
-            match server_handshake(&conn, &shared) {
+            match server_handshake(&conn, &shared, deadline) {
                 Ok(hello) => {
                     let mut inbox = shared.inbox.lock().expect("inbox lock");
-                    inbox.insert((hello.epoch, hello.node, hello.channel), conn);
+                    let key = (hello.epoch, hello.node, hello.channel);
+                    if inbox.len() >= MAX_INBOX && !inbox.contains_key(&key) {
+                        tracing::warn!(
+                            node = shared.cfg.node,
+                            peer,
+                            "data-plane inbox full; connection dropped"
+                        );
+                        return;
+                    }
+                    inbox.insert(key, conn);
                     shared.arrived.notify_all();
                 }
                 Err(e) => tracing::warn!(node = shared.cfg.node, peer, %e, "data-plane connection refused"),
             }
         });
+        if spawned.is_err() {
+            counted.handshakes.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Counts a handshake thread out however it ends.
+struct Finished<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Drop for Finished<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Shared {
+    /// Logs a connection closed at the handshake cap, at most once every 5 s.
+    fn warn_at_cap(&self, stream: &TcpStream) {
+        let now = self.started.elapsed().as_millis() as u64;
+        let last = self.cap_warned.load(Ordering::Relaxed);
+        if (last == 0 || now.saturating_sub(last) >= 5000)
+            && self
+                .cap_warned
+                .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+            tracing::warn!(
+                node = self.cfg.node,
+                peer,
+                limit = MAX_HANDSHAKES,
+                "data-plane handshakes at their limit; connections closed unanswered"
+            );
+        }
     }
 }
 
@@ -379,17 +481,45 @@ fn read_exact(s: &Conn, buf: &mut [u8], what: &str) -> Result<(), DataPlaneError
     (&*s).read_exact(buf).map_err(DataPlaneError::io(what))
 }
 
+/// `read_exact` that gives up at `deadline` however the bytes trickle in.
+fn read_by(s: &Conn, buf: &mut [u8], deadline: Instant, what: &str) -> Result<(), DataPlaneError> {
+    let mut got = 0;
+    while got < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(DataPlaneError::Refused(format!("{what}: the handshake took too long")));
+        }
+        s.set_read_timeout(Some(left)).map_err(DataPlaneError::io("setting a read timeout"))?;
+        match (&*s).read(&mut buf[got..]) {
+            Ok(0) => {
+                return Err(DataPlaneError::io(what)(std::io::Error::from(std::io::ErrorKind::UnexpectedEof)))
+            }
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(DataPlaneError::io(what)(e)),
+        }
+    }
+    Ok(())
+}
+
 fn write_all(s: &Conn, buf: &[u8], what: &str) -> Result<(), DataPlaneError> {
     (&*s).write_all(buf).map_err(DataPlaneError::io(what))
 }
 
-fn server_handshake(s: &Conn, shared: &Shared) -> Result<Hello, DataPlaneError> {
+fn server_handshake(s: &Conn, shared: &Shared, deadline: Instant) -> Result<Hello, DataPlaneError> {
     let cfg = &shared.cfg;
-    s.set_read_timeout(Some(cfg.timeout)).map_err(DataPlaneError::io("setting a read timeout"))?;
     s.set_write_timeout(Some(cfg.timeout)).map_err(DataPlaneError::io("setting a write timeout"))?;
     let mut raw = [0u8; HELLO_LEN];
-    read_exact(s, &mut raw, "reading the hello")?;
+    read_by(s, &mut raw, deadline, "reading the hello")?;
     let hello = Hello::decode(&raw)?;
+    if s.is_tls() && s.peer_node() != Some(hello.node) {
+        let _ = write_all(s, &[REFUSED_IDENTITY], "refusing");
+        return Err(DataPlaneError::Refused(format!(
+            "a hello as node {} over node {}'s certificate",
+            hello.node,
+            s.peer_node().unwrap_or(0)
+        )));
+    }
     if hello.cluster_id != cfg.cluster_id {
         let _ = write_all(s, &[REFUSED_CLUSTER], "refusing");
         return Err(DataPlaneError::Refused(format!(
@@ -411,13 +541,14 @@ fn server_handshake(s: &Conn, shared: &Shared) -> Result<Hello, DataPlaneError> 
     challenge[1..].copy_from_slice(&nonce);
     write_all(s, &challenge, "sending the challenge")?;
     let mut client_mac = [0u8; 32];
-    read_exact(s, &mut client_mac, "reading the client's proof")?;
-    if proof(&cfg.secret, b"client", &raw, &nonce).verify_slice(&client_mac).is_err() {
+    read_by(s, &mut client_mac, deadline, "reading the client's proof")?;
+    if proof(&cfg.secret, b"client", &raw, &nonce, cfg.node).verify_slice(&client_mac).is_err() {
         let _ = write_all(s, &[REFUSED_PROOF], "refusing");
         return Err(DataPlaneError::Refused(format!("node {} does not know the cluster secret", hello.node)));
     }
     let mut reply = [0u8; 33];
-    reply[1..].copy_from_slice(&proof(&cfg.secret, b"server", &raw, &nonce).finalize().into_bytes());
+    reply[1..]
+        .copy_from_slice(&proof(&cfg.secret, b"server", &raw, &nonce, cfg.node).finalize().into_bytes());
     write_all(s, &reply, "sending the server's proof")?;
     s.set_read_timeout(None).map_err(DataPlaneError::io("clearing the read timeout"))?;
     s.set_write_timeout(None).map_err(DataPlaneError::io("clearing the write timeout"))?;
@@ -428,7 +559,10 @@ fn refusal(code: u8, peer: u64) -> DataPlaneError {
     DataPlaneError::Refused(match code {
         REFUSED_CLUSTER => format!("node {peer} serves another cluster"),
         REFUSED_EPOCH => format!("node {peer} is past this epoch"),
-        REFUSED_PROOF => format!("node {peer} rejected our proof (different cluster secret?)"),
+        REFUSED_PROOF => {
+            format!("node {peer} rejected our proof (different cluster secret, or not node {peer}?)")
+        }
+        REFUSED_IDENTITY => format!("node {peer} refused us: our certificate is not the node we speak as"),
         c => format!("node {peer} answered with unknown code {c}"),
     })
 }
@@ -459,7 +593,7 @@ fn client_handshake(
     }
     let mut server_nonce = [0u8; 16];
     read_exact(s, &mut server_nonce, "reading the challenge")?;
-    let mac = proof(&cfg.secret, b"client", &hello, &server_nonce).finalize().into_bytes();
+    let mac = proof(&cfg.secret, b"client", &hello, &server_nonce, peer).finalize().into_bytes();
     write_all(s, &mac, "sending our proof")?;
     read_exact(s, &mut code, "reading the verdict").map_err(|_| refusal(REFUSED_PROOF, peer))?;
     if code[0] != 0 {
@@ -467,8 +601,10 @@ fn client_handshake(
     }
     let mut server_mac = [0u8; 32];
     read_exact(s, &mut server_mac, "reading the server's proof")?;
-    if proof(&cfg.secret, b"server", &hello, &server_nonce).verify_slice(&server_mac).is_err() {
-        return Err(DataPlaneError::Refused(format!("node {peer} does not know the cluster secret")));
+    if proof(&cfg.secret, b"server", &hello, &server_nonce, peer).verify_slice(&server_mac).is_err() {
+        return Err(DataPlaneError::Refused(format!(
+            "the node at node {peer}'s address does not know the cluster secret, or is not node {peer}"
+        )));
     }
     s.set_read_timeout(None).map_err(DataPlaneError::io("clearing the read timeout"))?;
     Ok(())

@@ -15,6 +15,10 @@
 
 use crate::dataplane::conn::Conn;
 use crate::dataplane::frame::{decode_shape, encode_shape, Channel, Header, Kind, HEADER_LEN, MAX_PAYLOAD};
+
+/// The most values one activation or gradient may hold (1 GiB of f32): far above any
+/// micro-batch's, far below what a bad shape could ask for.
+pub const MAX_VALUES: usize = 1 << 28;
 use crate::dataplane::{DataPlaneError, Endpoint};
 use std::io::{ErrorKind, Read, Write};
 use std::net::Shutdown;
@@ -195,8 +199,18 @@ impl PipeLink {
             let during = format!("receiving {what} of step {step} micro-batch {}", seq / 2);
             let shape_bytes = read_frame(peer, epoch, step, seq, timeout, &during)?;
             let shape = decode_shape(&shape_bytes)?;
-            let n: i64 = shape.iter().product();
-            let mut bytes = Vec::with_capacity(n as usize * 4);
+            // The shape is the peer's word: its size is checked, and memory grows only as
+            // bytes actually arrive, never reserved from the shape up front.
+            let n = shape
+                .iter()
+                .try_fold(1usize, |acc, &d| usize::try_from(d).ok().and_then(|d| acc.checked_mul(d)))
+                .filter(|&n| n <= MAX_VALUES)
+                .ok_or_else(|| {
+                    DataPlaneError::Protocol(format!(
+                        "{during}: a tensor of shape {shape:?} (at most {MAX_VALUES} values)"
+                    ))
+                })?;
+            let mut bytes = Vec::with_capacity((n * 4).min(MAX_PAYLOAD as usize));
             while bytes.len() < n as usize * 4 {
                 let part = read_frame(peer, epoch, step, seq, timeout, &during)?;
                 if part.is_empty() || bytes.len() + part.len() > n as usize * 4 {

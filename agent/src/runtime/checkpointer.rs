@@ -115,7 +115,9 @@ impl Part {
     /// the log; failures are counted and logged (the local copy stands if S3 fails).
     fn write(&self) {
         let started = Instant::now();
-        match crate::checkpoint::write_part(&self.settings.dir, &self.image, &self.blocks) {
+        let written = crate::checkpoint::write_part(&self.settings.dir, &self.image, &self.blocks)
+            .and_then(|path| crate::checkpoint::verify_part(&path, &self.image).map(|()| path));
+        match written {
             Ok(path) => {
                 let secs = started.elapsed().as_secs_f64();
                 metrics::counter!("limpet_checkpoints_total").increment(1);
@@ -131,7 +133,8 @@ impl Part {
                 if let Some(r) = &self.settings.remote {
                     let copied = self.rt.block_on(async {
                         let remote = self.remote.get_or_init(|| crate::remote::Remote::connect(r)).await;
-                        let url = remote.upload(self.step, &self.blocks, &path).await?;
+                        let hash = self.image.content_hash().to_string();
+                        let url = remote.upload(self.step, &self.blocks, &path, &hash).await?;
                         if let Err(e) = remote.prune(self.settings.keep, self.model_blocks).await {
                             tracing::warn!(%e, "could not delete old checkpoints in S3");
                         }
@@ -213,7 +216,14 @@ mod tests {
     use super::*;
 
     fn settings(every_steps: u64, every: Option<Duration>) -> CheckpointSettings {
-        CheckpointSettings { every_steps, every, dir: PathBuf::new(), keep: 2, resume: false, remote: None }
+        CheckpointSettings {
+            every_steps,
+            every,
+            dir: PathBuf::new(),
+            keep: 2,
+            resume: crate::runtime::Resume::Never,
+            remote: None,
+        }
     }
 
     #[test]

@@ -174,8 +174,24 @@ pub struct CheckpointSettings {
     pub dir: PathBuf,
     /// How many checkpoints to keep.
     pub keep: usize,
-    /// Whether a new cluster resumes from the newest one found in `dir`.
-    pub resume: bool,
+    /// Whether (and how firmly) a new cluster resumes from the newest one found.
+    pub resume: Resume,
     /// Also copy every part to S3-compatible storage (and resume from there).
     pub remote: Option<crate::remote::RemoteSettings>,
+}
+
+/// How a new cluster treats its checkpoints (`[checkpoint].resume`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Resume {
+    /// Resume from the newest checkpoint of the job; a missing checkpoint directory (a shared
+    /// mount not there yet) or a failed search is waited out and retried, never taken for
+    /// "no checkpoint": starting at step 0 would throw the job's progress away for good.
+    Required,
+    /// Resume from the newest checkpoint if the directory holds one; a missing directory
+    /// means a new job (step 0). A search that fails is still retried.
+    #[default]
+    IfPresent,
+    /// Always start at step 0.
+    Never,
 }

@@ -3,21 +3,25 @@
 //! members' reports and proposes what [`crate::leader::plan_round`] decides. The decisions
 //! themselves are pure and live in `leader`/`controller`; this room only does the I/O.
 
-use super::config::AgentConfig;
+use super::config::{AgentConfig, Resume};
 use crate::report::AgentReport;
 use limpet_consensus::state::{Command, NodeId};
 use limpet_consensus::NodeHandle;
 use limpet_trainer::data::Dataset;
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
+
+/// How long a new cluster waits before searching for its checkpoint again.
+const RESUME_RETRY: Duration = Duration::from_secs(5);
 
 /// While this node leads: sets the job, runs the controller on the reports, activates
 /// epochs that ranks entered and members that trained.
 pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: CancellationToken) {
     let mut job = None;
     let mut resume_checked = false;
+    let mut retry_at = Instant::now();
     let mut last_reason = String::new();
     let settings = cfg.leader_settings();
     loop {
@@ -43,6 +47,9 @@ pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: Cancel
             if !resume_checked && st.checkpoints.is_empty() {
                 // A new cluster: start from the newest durable checkpoint of this job, if
                 // there is one. Recorded before the job, so the first epoch starts there.
+                if Instant::now() < retry_at {
+                    continue;
+                }
                 match find_resume_point(&cfg).await {
                     Ok(Some(record)) => {
                         if let Err(e) = handle.propose(Command::RecordCheckpoint { record }, None).await {
@@ -51,7 +58,13 @@ pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: Cancel
                         }
                     }
                     Ok(None) => {}
-                    Err(e) => tracing::warn!(%e, "could not look for a checkpoint to resume from"),
+                    Err(e) => {
+                        // No job is set meanwhile, so nothing trains from step 0.
+                        tracing::warn!(%e, "cannot resume yet; looking again in 5 s");
+                        metrics::counter!("limpet_resume_retries_total").increment(1);
+                        retry_at = Instant::now() + RESUME_RETRY;
+                        continue;
+                    }
                 }
                 resume_checked = true;
                 continue;
@@ -90,10 +103,18 @@ pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: Cancel
 async fn find_resume_point(
     cfg: &AgentConfig,
 ) -> anyhow::Result<Option<limpet_consensus::state::CheckpointRecord>> {
-    let Some(settings) = cfg.checkpoint.as_ref().filter(|c| c.resume) else {
+    let Some(settings) = cfg.checkpoint.as_ref().filter(|c| c.resume != Resume::Never) else {
         return Ok(None);
     };
     let dir = settings.dir.clone();
+    let required = settings.resume == Resume::Required;
+    if required && !dir.is_dir() {
+        // A shared mount that is not there yet must not read as "no checkpoint".
+        anyhow::bail!(
+            "the checkpoint directory {} is missing ([checkpoint].resume = \"required\" waits for it)",
+            dir.display()
+        );
+    }
     let job = serde_json::to_value(&cfg.job)?;
     let blocks = cfg.job.model.num_blocks();
     if let Some(r) = &settings.remote {
@@ -102,6 +123,7 @@ async fn find_resume_point(
         match remote.fetch_newest(&dir, blocks, settings.keep.max(1)).await {
             Ok(steps) if !steps.is_empty() => tracing::info!(?steps, "checkpoints fetched from S3"),
             Ok(_) => {}
+            Err(e) if required => anyhow::bail!("could not fetch checkpoints from S3: {e}"),
             Err(e) => {
                 tracing::warn!(%e, "could not fetch checkpoints from S3; searching the local directory only")
             }

@@ -23,7 +23,7 @@ mod shadows;
 pub mod tasks;
 pub mod train_loop;
 
-pub use config::{AgentConfig, CheckpointSettings, PipelineSettings};
+pub use config::{AgentConfig, CheckpointSettings, PipelineSettings, Resume};
 pub use error::AgentError;
 pub use tasks::Tasks;
 

@@ -422,6 +422,12 @@ fn decode_versioned<T: serde::de::DeserializeOwned>(
     Ok(doc)
 }
 
+/// The id of a node named `name` whose configuration sets no `[node].id` (never 0).
+pub fn node_id_of_name(name: &str) -> NodeId {
+    let h = blake3::hash(name.as_bytes());
+    u64::from_le_bytes(h.as_bytes()[..8].try_into().expect("8 bytes")).max(1)
+}
+
 /// The wire id of a cluster name.
 pub fn cluster_id(name: &str) -> u64 {
     let h = blake3::hash(name.as_bytes());

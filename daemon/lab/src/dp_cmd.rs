@@ -484,7 +484,7 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
 fn bench_certs(dir: &std::path::Path, order: &[u64]) -> anyhow::Result<()> {
     limpet_daemon::certs::init(dir, "bench", 1)?;
     for n in order {
-        limpet_daemon::certs::issue_for_days(dir, &format!("n{n}"), limpet_daemon::certs::Kind::Node, 1)?;
+        limpet_daemon::certs::issue_for_days(dir, &format!("n{n}"), limpet_daemon::certs::Kind::Node(*n), 1)?;
     }
     Ok(())
 }
@@ -689,7 +689,13 @@ pub fn bench_handoff(args: BenchHandoffArgs) -> anyhow::Result<()> {
     server.offer(offer);
     let addr = serve_loopback(&server)?;
     let dialer = TcpDialer { timeout: Duration::from_secs(10) };
-    let opts = FetchOptions { streams: args.streams, batch: 2, reconnects: 3, expect: Some(label) };
+    let opts = FetchOptions {
+        streams: args.streams,
+        batch: 2,
+        reconnects: 3,
+        expect: Some(label),
+        ..FetchOptions::default()
+    };
     let bar = indicatif::ProgressBar::new(2 * args.runs as u64);
     if args.json {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());

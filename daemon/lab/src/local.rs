@@ -59,6 +59,9 @@ pub struct LocalJob {
     /// Copy checkpoints to S3: (`s3://BUCKET/PREFIX`, an S3-compatible endpoint URL).
     #[serde(default)]
     pub checkpoint_s3: Option<(String, String)>,
+    /// `[checkpoint].resume` ("required", "if-present", "never"); unset: the default.
+    #[serde(default)]
+    pub checkpoint_resume: Option<String>,
     /// Extra environment for every `limpetd` (credentials for an S3-compatible store).
     #[serde(default)]
     pub env: Vec<(String, String)>,
@@ -95,6 +98,7 @@ impl Default for LocalJob {
             tls: false,
             anonymous_status: false,
             checkpoint_s3: None,
+            checkpoint_resume: None,
             env: Vec::new(),
             data_path: None,
             data_section: Default::default(),
@@ -270,7 +274,7 @@ impl LocalCluster {
         }
         text += &self.job_sections()?;
         if j.tls {
-            text += &self.security_section(name)?;
+            text += &self.security_section(name, id)?;
         }
         text += &format!(
             "\n[revocation]\nsources = [\"aws\"]\npoll_secs = 0.2\naws_endpoint = \"http://{md_addr}\"\n"
@@ -348,17 +352,20 @@ impl LocalCluster {
             if let Some((url, endpoint)) = &j.checkpoint_s3 {
                 text += &format!("s3 = {url:?}\ns3_endpoint = {endpoint:?}\ns3_region = \"us-east-1\"\n");
             }
+            if let Some(r) = &j.checkpoint_resume {
+                text += &format!("resume = {r:?}\n");
+            }
         }
         Ok(text)
     }
 
     /// `[security]` of node `name`'s file, issuing its certificate on its first start.
-    fn security_section(&self, name: &str) -> anyhow::Result<String> {
+    fn security_section(&self, name: &str, id: u64) -> anyhow::Result<String> {
         let certs = self.certs_dir();
         let (cert, key) = (certs.join(format!("{name}.pem")), certs.join(format!("{name}.key")));
         // A restarted node keeps its certificate.
         if !cert.exists() {
-            limpet_daemon::certs::issue_for_days(&certs, name, limpet_daemon::certs::Kind::Node, 30)?;
+            limpet_daemon::certs::issue_for_days(&certs, name, limpet_daemon::certs::Kind::Node(id), 30)?;
         }
         Ok(format!(
             "\n[security]\nca = {:?}\ncert = {:?}\nkey = {:?}\nanonymous_status = {}\n",

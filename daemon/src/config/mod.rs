@@ -73,8 +73,8 @@ pub struct SecuritySection {
 }
 
 impl SecuritySection {
-    /// Loads and checks the certificates; errors name the key and the file.
-    pub fn load(&self, file: &str) -> Result<limpet_consensus::tls::Tls, ConfigError> {
+    /// Loads and checks the certificates for node `node`; errors name the key and the file.
+    pub fn load(&self, file: &str, node: u64) -> Result<limpet_consensus::tls::Tls, ConfigError> {
         use limpet_consensus::tls::{Role, Tls, TlsError, TlsFiles};
         let files = TlsFiles { ca: self.ca.clone(), cert: self.cert.clone(), key: self.key.clone() };
         let key_of = |what: &str| match what {
@@ -94,6 +94,18 @@ impl SecuritySection {
                 key: "[security].cert".into(),
                 detail: format!(
                     "{} is an operator certificate; limpetd needs a node certificate (limpet certs issue NAME)",
+                    self.cert.display()
+                ),
+            });
+        }
+        // A certificate speaks for one node: another node's would be refused by every peer.
+        if let Some(bound) = tls.node_id().filter(|&id| id != node) {
+            return Err(ConfigError {
+                file: file.into(),
+                key: "[security].cert".into(),
+                detail: format!(
+                    "{} is node {bound}'s certificate, but this node is node {node} ([node].id, or its \
+                     name's id): issue its own with `limpet certs issue NAME --id {node}`",
                     self.cert.display()
                 ),
             });
@@ -118,9 +130,10 @@ pub struct CheckpointSection {
     /// How many checkpoints to keep (older ones are deleted).
     #[serde(default = "default_keep")]
     pub keep: usize,
-    /// A new cluster starts from the newest checkpoint of the same job found in `dir`.
-    #[serde(default = "default_true")]
-    pub resume: bool,
+    /// Whether a new cluster starts from the newest checkpoint of the same job: "required"
+    /// (waits for a missing directory), "if-present" (the default) or "never".
+    #[serde(default)]
+    pub resume: limpet_agent::runtime::Resume,
     /// Also copy every checkpoint to S3-compatible storage, `s3://BUCKET/PREFIX`; a new
     /// cluster resumes from there when `dir` has nothing newer.
     pub s3: Option<String>,
@@ -132,10 +145,6 @@ pub struct CheckpointSection {
 
 fn default_keep() -> usize {
     3
-}
-
-fn default_true() -> bool {
-    true
 }
 
 /// How many stages: a number, or `"auto"` for the planner's choice.
@@ -668,17 +677,14 @@ impl Config {
             return err("[revocation].poll_secs", format!("{} is below 0.1 s", self.revocation.poll_secs));
         }
         if let Some(sec) = &self.security {
-            sec.load(file)?;
+            sec.load(file, self.node_id())?;
         }
         Ok(())
     }
 
     /// The node's Raft id: as configured, or derived from the name.
     pub fn node_id(&self) -> u64 {
-        self.node.id.unwrap_or_else(|| {
-            let h = blake3::hash(self.node.name.as_bytes());
-            u64::from_le_bytes(h.as_bytes()[..8].try_into().expect("8 bytes")).max(1)
-        })
+        self.node.id.unwrap_or_else(|| limpet_consensus::state::node_id_of_name(&self.node.name))
     }
 }
 

@@ -148,7 +148,9 @@ fn security_takes_a_node_certificate_of_the_ca_only() {
     let s = secret();
     let d = tempfile::tempdir().unwrap();
     crate::certs::init(d.path(), "t", 5).unwrap();
-    crate::certs::issue_for_days(d.path(), "n1", crate::certs::Kind::Node, 5).unwrap();
+    let gpu1 = limpet_consensus::state::node_id_of_name("gpu-1");
+    crate::certs::issue_for_days(d.path(), "n1", crate::certs::Kind::Node(gpu1), 5).unwrap();
+    crate::certs::issue_for_days(d.path(), "n2", crate::certs::Kind::Node(gpu1 + 1), 5).unwrap();
     crate::certs::issue_for_days(d.path(), "op", crate::certs::Kind::Client, 5).unwrap();
     let with = |name: &str| {
         let p = |f: String| d.path().join(f).display().to_string();
@@ -163,6 +165,9 @@ fn security_takes_a_node_certificate_of_the_ca_only() {
     Config::parse(&with("n1"), "c.toml").unwrap();
     let e = Config::parse(&with("op"), "c.toml").unwrap_err().to_string();
     assert!(e.contains("[security].cert") && e.contains("operator certificate"), "{e}");
+    // Another node's certificate: this node would speak as that one.
+    let e = Config::parse(&with("n2"), "c.toml").unwrap_err().to_string();
+    assert!(e.contains("[security].cert") && e.contains(&format!("node {}'s certificate", gpu1 + 1)), "{e}");
 }
 
 #[test]
@@ -173,4 +178,27 @@ fn a_short_or_missing_secret_is_refused() {
     assert!(e.contains("[node].secret_file") && e.contains("5 bytes"), "{e}");
     let e = Config::parse(&example(Path::new("/nonexistent/secret")), "c.toml").unwrap_err().to_string();
     assert!(e.contains("/nonexistent/secret"), "{e}");
+}
+
+#[test]
+fn validate_names_configured_directories_it_cannot_write() {
+    let s = secret();
+    let state = tempfile::tempdir().unwrap();
+    let text = example(s.path()).replace("/tmp/limpet", &state.path().display().to_string())
+        + "\n[checkpoint]\nevery_steps = 10\ndir = \"/sys/limpet-checkpoints\"\n";
+    let cfg = Config::parse(&text, "c.toml").unwrap();
+    let warnings = crate::limpetd::write_path_warnings(&cfg);
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    assert!(
+        warnings[0].starts_with("[checkpoint].dir /sys/limpet-checkpoints: does not exist yet"),
+        "{warnings:?}"
+    );
+    assert!(warnings[1].starts_with("[checkpoint].dir /sys: not writable here"), "{warnings:?}");
+    assert!(warnings[1].contains("ReadWritePaths="), "{warnings:?}");
+    // A writable configuration has nothing to say.
+    let ok = example(s.path()).replace("/tmp/limpet", &state.path().display().to_string());
+    assert_eq!(
+        crate::limpetd::write_path_warnings(&Config::parse(&ok, "c.toml").unwrap()),
+        Vec::<String>::new()
+    );
 }

@@ -227,6 +227,8 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
 /// hash) and the kept snapshots and shadows, as they are now.
 struct Published {
     image: StateImage,
+    /// Its encoded size: what bounds the states this rank will take from peers.
+    bytes: u64,
     snapshots: Vec<Snap>,
     shadows: Vec<Snap>,
     state: RankState,
@@ -236,6 +238,7 @@ fn publish(x: &mut Entering<'_>) -> Result<Published, AgentError> {
     let image = x.trainer.image()?;
     let hash = image.content_hash().to_string();
     let encoded = image.encode()?;
+    let bytes = encoded.len() as u64;
     x.server.offer(Offer::new(encoded, 1 << 20, label_of(&hash)));
     let held = x.trainer.model().blocks();
     let snapshots = x.shadows.snapshots.clone();
@@ -246,7 +249,7 @@ fn publish(x: &mut Entering<'_>) -> Result<Published, AgentError> {
         snaps: [slot(&snapshots, 0), slot(&snapshots, 1)],
         shadows: [slot(&shadows, 0), slot(&shadows, 1)],
     };
-    Ok(Published { image, snapshots, shadows, state })
+    Ok(Published { image, bytes, snapshots, shadows, state })
 }
 
 /// The state the plan names, assembled block by block from this rank's own states and the
@@ -288,7 +291,9 @@ fn assemble(
                 Src::Snapshot(_) => snap_label(src_node, desc.step, false),
                 Src::Shadow(_) => snap_label(src_node, desc.step, true),
             };
-            let (img, bytes) = fetch_state(x.endpoint, n.id, &format!("{src_node}@{}", addrs[*src]), label)?;
+            let most = state_bound(mine.bytes, mine.state.live.blocks, x.cfg.job.model.num_blocks());
+            let (img, bytes) =
+                fetch_state(x.endpoint, n.id, &format!("{src_node}@{}", addrs[*src]), label, most)?;
             if img.content_hash() != hex {
                 return Err(format!("state from node {src_node} does not hash to what it announced").into());
             }
@@ -344,6 +349,14 @@ fn form_group(
     }
 }
 
+/// The most bytes a peer's state of this job can take: this rank's own state of `held`
+/// blocks scaled to the whole model of `blocks`, twice over (blocks differ in size) and
+/// 64 MiB besides (metadata, small models).
+pub(super) fn state_bound(own_bytes: u64, held: (usize, usize), blocks: usize) -> u64 {
+    let held = held.1.saturating_sub(held.0).max(1) as u64;
+    own_bytes.saturating_mul(blocks.max(1) as u64).div_ceil(held).saturating_mul(2).saturating_add(64 << 20)
+}
+
 /// Fetches the state offered under `label` by `source` (`node@addr`): the image and the
 /// bytes moved.
 fn fetch_state(
@@ -351,8 +364,9 @@ fn fetch_state(
     epoch: u64,
     source: &str,
     label: [u8; 32],
+    max_bytes: u64,
 ) -> Result<(StateImage, u64), AgentError> {
-    let opts = FetchOptions { expect: Some(label), ..FetchOptions::default() };
+    let opts = FetchOptions { expect: Some(label), max_bytes, ..FetchOptions::default() };
     let dialer = HandoffDialer { endpoint, epoch };
     let (bytes, stats) = fetch(&dialer, &[source.to_string()], &opts)?;
     crate::dataplane::count_bytes(false, "handoff", stats.bytes);

@@ -1,0 +1,66 @@
+//! What flows into a node's task: requests from the gRPC service and the in-process handle,
+//! the agents' heartbeat reports, and the applied state the task publishes back.
+
+use crate::core::NodeStatus;
+use crate::error::Result;
+use crate::state::{ClusterState, Command, NodeId};
+use crate::transport::{NodeReport, ReadResult};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+/// Where a proposal's outcome goes: (log index, what the state machine said).
+pub(crate) type ProposeReply = oneshot::Sender<Result<(u64, String)>>;
+
+pub(crate) enum Request {
+    Raft { from: NodeId, from_addr: String, msgs: Vec<raft::prelude::Message> },
+    Propose { command: Command, deadline: Instant, reply: ProposeReply },
+    Read { linearizable: bool, deadline: Instant, reply: oneshot::Sender<Result<ReadResult>> },
+    Status { reply: oneshot::Sender<NodeStatus> },
+}
+
+/// The largest heartbeat report a node keeps.
+pub const MAX_REPORT_BYTES: usize = 64 << 10;
+
+/// Agents' latest heartbeat reports, keyed by sender, stamped with their arrival time here.
+#[derive(Clone, Default)]
+pub struct Reports(Arc<Mutex<ReportTable>>);
+
+/// Latest report per node, with its arrival time.
+type ReportTable = HashMap<NodeId, (std::time::Instant, Arc<Vec<u8>>)>;
+
+impl Reports {
+    /// Keeps `report` as `node`'s latest.
+    pub fn put(&self, node: NodeId, report: Vec<u8>) {
+        let mut t = self.0.lock().expect("reports lock");
+        t.insert(node, (std::time::Instant::now(), Arc::new(report)));
+    }
+
+    /// Every report held, by node id.
+    pub fn all(&self) -> Vec<NodeReport> {
+        let t = self.0.lock().expect("reports lock");
+        let mut v: Vec<NodeReport> = t
+            .iter()
+            .map(|(&node, (at, r))| NodeReport { node, age: at.elapsed(), report: r.to_vec() })
+            .collect();
+        v.sort_by_key(|r| r.node);
+        v
+    }
+}
+
+/// What this node has applied, published after every change so agents can follow the log
+/// without asking.
+#[derive(Clone, Debug)]
+pub struct LocalState {
+    /// The state machine at `applied_index`.
+    pub state: Arc<ClusterState>,
+    /// Applied index.
+    pub applied_index: u64,
+    /// The leader this node knows (0: none).
+    pub leader: NodeId,
+    /// Whether this node is the leader.
+    pub is_leader: bool,
+    /// Current term.
+    pub term: u64,
+}

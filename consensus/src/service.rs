@@ -1,0 +1,285 @@
+//! The consensus gRPC service a node serves: who may call what (certificates checked per
+//! call, each node speaking only as itself), requests checked and decoded, then handed to
+//! the node's task (`node.rs`) through its channel.
+
+use crate::error::{ConsensusError, Result};
+use crate::inbox::{LocalState, Reports, Request, MAX_REPORT_BYTES};
+use crate::state::{Command, NodeId};
+use crate::tls::{Peer, Role, Tls};
+use crate::transport::{decode_batch, pb};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// Serves the consensus gRPC service on `listener` until `shutdown`.
+pub(crate) fn serve(
+    listener: tokio::net::TcpListener,
+    service: Service,
+    tls: Option<&Arc<Tls>>,
+    shutdown: CancellationToken,
+) -> Result<()> {
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder
+            .tls_config(tls.grpc_server())
+            .map_err(|e| ConsensusError::Config(format!("TLS for the control plane: {e}")))?;
+    }
+    tokio::spawn(async move {
+        let result = builder
+            .tcp_nodelay(true)
+            .add_service(pb::consensus_server::ConsensusServer::new(service))
+            .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
+            .await;
+        if let Err(e) = result {
+            tracing::error!(%e, "consensus server stopped");
+        }
+    });
+    Ok(())
+}
+
+/// The gRPC service: checks and decodes requests, then hands them to the node's task.
+pub(crate) struct Service {
+    pub(crate) tx: mpsc::Sender<Request>,
+    pub(crate) cluster_id: u64,
+    pub(crate) me: NodeId,
+    pub(crate) timeout: Duration,
+    pub(crate) reports: Reports,
+    /// With mutual TLS: whether reads need no certificate.
+    pub(crate) tls: Option<bool>,
+    /// This node's applied state, for who is a member.
+    pub(crate) members: watch::Receiver<LocalState>,
+}
+
+/// What a call needs of the caller's certificate.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Need {
+    /// Raft traffic and heartbeats: a node.
+    Node,
+    /// A proposal: a node, or an operator for the operator's commands.
+    Propose,
+    /// A read: any certificate, or none when anonymous reads are allowed.
+    Read,
+}
+
+/// Who the caller's certificate says it is, if it presented one.
+fn caller<T>(req: &tonic::Request<T>) -> Option<Peer> {
+    req.peer_certs().and_then(|c| c.first().and_then(|c| crate::tls::peer_of(c)))
+}
+
+/// The commands an operator's certificate may propose (drain, revoke, remove).
+fn operator_may_propose(c: &Command) -> bool {
+    matches!(c, Command::Drain { .. } | Command::Notice { .. } | Command::Remove { .. })
+}
+
+impl Service {
+    /// Checks the caller's certificate (when the node runs with TLS) against what the call
+    /// needs; the rustls handshake already verified it against the cluster CA.
+    fn authorize<T>(&self, req: &tonic::Request<T>, need: Need) -> std::result::Result<(), tonic::Status> {
+        self.authorize_role(caller(req), need, None)
+    }
+
+    /// Checks that a node speaking as `claimed` holds that node's certificate (only when the
+    /// node runs with TLS: without it, nothing binds a caller to an id).
+    fn authorize_node(
+        &self,
+        peer: Option<Peer>,
+        claimed: NodeId,
+        what: &str,
+    ) -> std::result::Result<(), tonic::Status> {
+        if self.tls.is_none() {
+            return Ok(());
+        }
+        match peer.and_then(|p| p.node) {
+            Some(id) if id == claimed => Ok(()),
+            bound => {
+                let why = format!(
+                    "{what} speaks for node {claimed}, but the caller's certificate is {}",
+                    bound.map_or("no node's".into(), |id| format!("node {id}'s"))
+                );
+                tracing::warn!(node = self.me, %why, "call refused");
+                Err(tonic::Status::permission_denied(why))
+            }
+        }
+    }
+
+    fn authorize_role(
+        &self,
+        peer: Option<Peer>,
+        need: Need,
+        command: Option<&Command>,
+    ) -> std::result::Result<(), tonic::Status> {
+        let Some(anonymous_reads) = self.tls else { return Ok(()) };
+        let role = peer.map(|p| p.role);
+        let verdict = match (need, role) {
+            (_, Some(Role::Node)) => Ok(()),
+            (Need::Read, None) if anonymous_reads => Ok(()),
+            (Need::Read, Some(Role::Operator)) => Ok(()),
+            (Need::Propose, Some(Role::Operator)) if command.is_some_and(operator_may_propose) => Ok(()),
+            (Need::Propose, Some(Role::Operator)) => {
+                Err("an operator certificate may only drain, revoke or remove nodes".to_string())
+            }
+            (Need::Node, Some(Role::Operator)) => {
+                Err("only a node certificate may speak for a node".to_string())
+            }
+            (_, None) => Err(format!(
+                "this call needs a client certificate of the cluster CA ({})",
+                match need {
+                    Need::Read => "status needs one unless the node allows anonymous reads",
+                    Need::Propose => "drain and revoke need one: limpet certs issue NAME --client",
+                    Need::Node => "raft traffic needs a node certificate",
+                }
+            )),
+        };
+        verdict.map_err(|why| {
+            tracing::warn!(node = self.me, ?need, %why, "call refused");
+            tonic::Status::permission_denied(why)
+        })
+    }
+
+    fn check_cluster(&self, got: u64, what: &str) -> std::result::Result<(), tonic::Status> {
+        if got != self.cluster_id {
+            let e = ConsensusError::WrongCluster { expected: self.cluster_id, got };
+            tracing::warn!(node = self.me, %e, "{what} refused");
+            return Err(e.into());
+        }
+        Ok(())
+    }
+
+    async fn ask<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> Request,
+    ) -> std::result::Result<T, tonic::Status> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(make(reply)).await.map_err(|_| tonic::Status::from(ConsensusError::Shutdown))?;
+        rx.await.map_err(|_| ConsensusError::Shutdown.into())
+    }
+
+    fn deadline(&self, timeout_ms: u64) -> Instant {
+        let wait = if timeout_ms == 0 { self.timeout } else { Duration::from_millis(timeout_ms.min(60_000)) };
+        Instant::now() + wait
+    }
+}
+
+#[tonic::async_trait]
+impl pb::consensus_server::Consensus for Service {
+    async fn send(
+        &self,
+        req: tonic::Request<pb::RaftBatch>,
+    ) -> std::result::Result<tonic::Response<pb::SendAck>, tonic::Status> {
+        let peer = caller(&req);
+        self.authorize_role(peer, Need::Node, None)?;
+        let batch = req.into_inner();
+        self.authorize_node(peer, batch.from, "a raft batch")?;
+        let msgs = decode_batch(&batch, self.cluster_id, self.me).map_err(|e| {
+            tracing::warn!(node = self.me, from = batch.from, %e, "raft batch refused");
+            tonic::Status::from(e)
+        })?;
+        // A full queue means the node is behind; dropping is safe, raft retransmits.
+        let _ = self.tx.try_send(Request::Raft { from: batch.from, from_addr: batch.from_addr, msgs });
+        Ok(tonic::Response::new(pb::SendAck {}))
+    }
+
+    async fn propose(
+        &self,
+        req: tonic::Request<pb::ProposeRequest>,
+    ) -> std::result::Result<tonic::Response<pb::ProposeReply>, tonic::Status> {
+        let (role, req) = (caller(&req), req.into_inner());
+        self.check_cluster(req.cluster_id, "proposal")?;
+        let command = Command::decode(&req.command)
+            .map_err(|e| tonic::Status::from(ConsensusError::Decode { what: "command", detail: e.detail }))?;
+        self.authorize_role(role, Need::Propose, Some(&command))?;
+        // A node may join, or refresh its addresses, only as itself: another's Join would take
+        // over its rank and its traffic.
+        if let (Command::Join { member }, Some(Peer { role: Role::Node, .. })) = (&command, role) {
+            if self.tls.is_some() && role.and_then(|p| p.node) != Some(member.id) {
+                let why = format!(
+                    "a node may join only as itself: this Join is for node {}, the certificate is node {}'s",
+                    member.id,
+                    role.and_then(|p| p.node).unwrap_or(0)
+                );
+                tracing::warn!(node = self.me, %why, "proposal refused");
+                return Err(tonic::Status::permission_denied(why));
+            }
+        }
+        let deadline = self.deadline(req.timeout_ms);
+        let reply = match self.ask(|reply| Request::Propose { command, deadline, reply }).await? {
+            Ok((index, detail)) => pb::ProposeReply { index, accepted: true, detail },
+            Err(ConsensusError::Rejected(detail)) => pb::ProposeReply { index: 0, accepted: false, detail },
+            Err(e) => return Err(e.into()),
+        };
+        Ok(tonic::Response::new(reply))
+    }
+
+    async fn read(
+        &self,
+        req: tonic::Request<pb::ReadRequest>,
+    ) -> std::result::Result<tonic::Response<pb::ReadReply>, tonic::Status> {
+        self.authorize(&req, Need::Read)?;
+        let req = req.into_inner();
+        self.check_cluster(req.cluster_id, "read")?;
+        let deadline = self.deadline(0);
+        let r = self.ask(|reply| Request::Read { linearizable: req.linearizable, deadline, reply }).await??;
+        Ok(tonic::Response::new(pb::ReadReply {
+            state: serde_json::to_vec(&r.state).expect("states serialize"),
+            applied_index: r.applied_index,
+            linearizable: r.linearizable,
+            leader: r.leader,
+            term: r.term,
+        }))
+    }
+
+    async fn status(
+        &self,
+        req: tonic::Request<pb::StatusRequest>,
+    ) -> std::result::Result<tonic::Response<pb::StatusReply>, tonic::Status> {
+        self.authorize(&req, Need::Read)?;
+        self.check_cluster(req.into_inner().cluster_id, "status")?;
+        let status = self.ask(|reply| Request::Status { reply }).await?;
+        Ok(tonic::Response::new(pb::StatusReply {
+            status: serde_json::to_vec(&status).expect("status serializes"),
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        req: tonic::Request<pb::HeartbeatRequest>,
+    ) -> std::result::Result<tonic::Response<pb::HeartbeatReply>, tonic::Status> {
+        let peer = caller(&req);
+        self.authorize_role(peer, Need::Node, None)?;
+        let req = req.into_inner();
+        self.check_cluster(req.cluster_id, "heartbeat")?;
+        self.authorize_node(peer, req.from, "a heartbeat")?;
+        // Only members report: a stranger's reports would only be noise, and a report for a
+        // removed node must not keep it looking alive.
+        if !self.members.borrow().state.members.contains_key(&req.from) {
+            return Err(tonic::Status::permission_denied(format!("node {} is not a member", req.from)));
+        }
+        if req.from == 0 || req.report.len() > MAX_REPORT_BYTES {
+            return Err(ConsensusError::Decode {
+                what: "heartbeat",
+                detail: format!("from node {} with {} report bytes", req.from, req.report.len()),
+            }
+            .into());
+        }
+        self.reports.put(req.from, req.report);
+        Ok(tonic::Response::new(pb::HeartbeatReply {}))
+    }
+
+    async fn reports(
+        &self,
+        req: tonic::Request<pb::ReportsRequest>,
+    ) -> std::result::Result<tonic::Response<pb::ReportsReply>, tonic::Status> {
+        self.authorize(&req, Need::Read)?;
+        self.check_cluster(req.into_inner().cluster_id, "reports")?;
+        let reports = self
+            .reports
+            .all()
+            .into_iter()
+            .map(|r| pb::NodeReport { node: r.node, age_ms: r.age.as_millis() as u64, report: r.report })
+            .collect();
+        Ok(tonic::Response::new(pb::ReportsReply { reports }))
+    }
+}

@@ -1,0 +1,223 @@
+//! What a buggy or hostile peer can send a node's core, on the in-memory network of real
+//! raft-rs nodes. raft-rs trusts its peers: each crafted message below would panic it or
+//! change the voters behind the membership controller. `Core::step` refuses them, the
+//! cluster goes on committing, and its committed logs agree. Arbitrary messages (a proptest)
+//! never panic a node.
+
+use limpet_consensus::harness::{spec, Network, HARNESS_CLUSTER};
+use limpet_consensus::state::{
+    cluster_id, Command, Hardware, Proposal, ProposalId, SnapshotData, FORMAT_VERSION,
+};
+use limpet_consensus::{ClusterState, CoreConfig, NodeId, StepError};
+use proptest::prelude::*;
+use protobuf::Message as _;
+use raft::prelude::{ConfChangeSingle, ConfChangeType, ConfChangeV2, Entry, EntryType, Message, MessageType};
+
+fn settled() -> Network {
+    let mut net = Network::new(3, CoreConfig::new(1, "harness"), 11);
+    assert!(net.run_until(100, |n| n.leader().is_some()), "no leader elected");
+    for i in 1..=3 {
+        assert!(commit(&mut net, bump(i, i)), "proposal {i} not applied");
+    }
+    net
+}
+
+fn bump(id: NodeId, n: u64) -> Command {
+    Command::UpdateHardware { id, hardware: Hardware { samples_per_sec_milli: n, ..Hardware::default() } }
+}
+
+fn commit(net: &mut Network, cmd: Command) -> bool {
+    for _ in 0..5 {
+        let via = net.leader().unwrap_or(1);
+        match net.propose(via, cmd.clone()) {
+            Some(id) if net.run_until(50, |n| n.outcome(id).is_some()) => return true,
+            _ => net.run(10),
+        }
+    }
+    false
+}
+
+fn message(kind: MessageType, from: NodeId, to: NodeId, term: u64) -> Message {
+    let mut m = Message::default();
+    m.set_msg_type(kind);
+    (m.from, m.to, m.term) = (from, to, term);
+    m
+}
+
+fn entry(kind: EntryType, index: u64, term: u64, data: Vec<u8>) -> Entry {
+    let mut e = Entry::default();
+    e.set_entry_type(kind);
+    (e.index, e.term, e.data) = (index, term, data.into());
+    e
+}
+
+fn refused(net: &mut Network, to: NodeId, m: Message, want: &str) {
+    match net.node_mut(to).step(m) {
+        Err(StepError::Refused(why)) => assert!(why.contains(want), "{why:?} lacks {want:?}"),
+        other => panic!("expected a refusal containing {want:?}, got {other:?}"),
+    }
+}
+
+/// After the attempts: still one cluster, committing, with agreeing logs and states.
+fn still_healthy(mut net: Network) {
+    assert!(commit(&mut net, bump(2, 77)), "no commit after the attempts");
+    assert!(net.run_until(400, Network::converged), "cluster did not converge");
+    net.check_states_match().unwrap();
+    net.check_committed_prefixes().unwrap();
+    assert_eq!(net.violations(), &[] as &[String]);
+    assert_eq!(net.node(1).state().members[&2].spec.hardware.samples_per_sec_milli, 77);
+}
+
+#[test]
+fn messages_that_would_panic_raft_or_bypass_the_state_machine_are_refused() {
+    let mut net = settled();
+    let leader = net.leader().unwrap();
+    let (follower, rogue) = {
+        let others: Vec<NodeId> = (1..=3).filter(|&n| n != leader).collect();
+        (others[0], others[1])
+    };
+    let st = net.node(follower).status();
+    let (t, last) = (st.term, st.last_index);
+
+    // A heartbeat committing past the log: raft-rs's commit_to panics.
+    let mut m = message(MessageType::MsgHeartbeat, rogue, follower, t);
+    m.commit = last + 1000;
+    refused(&mut net, follower, m, "past its last index");
+
+    // An append matching the log's end but carrying index 1 with another term: raft-rs finds
+    // a conflict below the commit index and panics.
+    let mut m = message(MessageType::MsgAppend, rogue, follower, t);
+    (m.index, m.log_term, m.commit) = (last, t, last);
+    m.entries = vec![entry(EntryType::EntryNormal, 1, t + 3, vec![])].into();
+    refused(&mut net, follower, m, "holds entry 1");
+
+    // An acknowledgement past the leader's log.
+    let mut m = message(MessageType::MsgAppendResponse, rogue, leader, t);
+    m.index = net.node(leader).status().last_index + 50;
+    refused(&mut net, leader, m, "past the last index");
+
+    // A peer's proposal carrying a configuration change: voters changed behind the controller.
+    let mut cc = ConfChangeV2::default();
+    let mut one = ConfChangeSingle::default();
+    one.set_change_type(ConfChangeType::RemoveNode);
+    one.node_id = follower;
+    cc.changes = vec![one].into();
+    let mut m = message(MessageType::MsgPropose, rogue, leader, 0);
+    m.entries = vec![entry(EntryType::EntryConfChangeV2, 0, 0, cc.write_to_bytes().unwrap())].into();
+    refused(&mut net, leader, m, "configuration change");
+
+    // A proposal claiming another node proposed it, joining as that node at a new address.
+    let mut takeover = spec(follower);
+    takeover.data_addr = "mem:rogue".into();
+    let p = Proposal {
+        v: FORMAT_VERSION,
+        origin: ProposalId { node: follower, seq: 9 },
+        command: Command::Join { member: takeover.clone() },
+    };
+    let mut m = message(MessageType::MsgPropose, rogue, leader, 0);
+    m.entries = vec![entry(EntryType::EntryNormal, 0, 0, p.encode())].into();
+    refused(&mut net, leader, m, &format!("speaks for node {follower}"));
+    // The same Join as the rogue's own proposal: still another live member's.
+    let p = Proposal { origin: ProposalId { node: rogue, seq: 9 }, ..p };
+    let mut m = message(MessageType::MsgPropose, rogue, leader, 0);
+    m.entries = vec![entry(EntryType::EntryNormal, 0, 0, p.encode())].into();
+    refused(&mut net, leader, m, &format!("Join for member {follower}"));
+    // Bytes that are no proposal at all.
+    let mut m = message(MessageType::MsgPropose, rogue, leader, 0);
+    m.entries = vec![entry(EntryType::EntryNormal, 0, 0, b"{\"v\":1}".to_vec())].into();
+    refused(&mut net, leader, m, "a proposal from node");
+
+    // Asking the leader to hand leadership over.
+    refused(
+        &mut net,
+        leader,
+        message(MessageType::MsgTransferLeader, rogue, leader, t),
+        "asks for leadership",
+    );
+
+    // Another cluster's state as a snapshot.
+    let data =
+        SnapshotData { v: FORMAT_VERSION, cluster_id: 1, state: ClusterState::bootstrap("other", &[]) };
+    let mut m = message(MessageType::MsgSnapshot, rogue, follower, t);
+    m.mut_snapshot().data = data.encode().into();
+    m.mut_snapshot().mut_metadata().index = last + 10;
+    m.mut_snapshot().mut_metadata().term = t;
+    refused(&mut net, follower, m, "snapshot from node");
+
+    assert_eq!(net.node(leader).state().members[&follower].spec.data_addr, format!("mem:{follower}"));
+    still_healthy(net);
+}
+
+const KINDS: [MessageType; 14] = [
+    MessageType::MsgAppend,
+    MessageType::MsgAppendResponse,
+    MessageType::MsgRequestVote,
+    MessageType::MsgRequestVoteResponse,
+    MessageType::MsgSnapshot,
+    MessageType::MsgHeartbeat,
+    MessageType::MsgHeartbeatResponse,
+    MessageType::MsgTransferLeader,
+    MessageType::MsgTimeoutNow,
+    MessageType::MsgReadIndex,
+    MessageType::MsgReadIndexResp,
+    MessageType::MsgRequestPreVote,
+    MessageType::MsgRequestPreVoteResponse,
+    MessageType::MsgPropose,
+];
+
+const ENTRY_KINDS: [EntryType; 3] =
+    [EntryType::EntryNormal, EntryType::EntryConfChange, EntryType::EntryConfChangeV2];
+
+prop_compose! {
+    /// A message a peer could send: any kind, indexes and terms near the log's, entries with
+    /// any index, term, kind and bytes, `reject` either way.
+    fn any_message()(
+        kind in 0..KINDS.len(),
+        from in 1u64..=3,
+        term in 0u64..12,
+        index in 0u64..40,
+        log_term in 0u64..12,
+        commit in 0u64..60,
+        reject in any::<bool>(),
+        reject_hint in 0u64..40,
+        entries in proptest::collection::vec((0u64..45, 0u64..12, 0..ENTRY_KINDS.len(), proptest::collection::vec(any::<u8>(), 0..24)), 0..4),
+        snap_index in 0u64..60,
+        snap_voters in proptest::collection::vec(0u64..6, 0..4),
+        snap_valid in any::<bool>(),
+    ) -> Message {
+        let mut m = message(KINDS[kind], from, 0, term);
+        (m.index, m.log_term, m.commit, m.reject, m.reject_hint) = (index, log_term, commit, reject, reject_hint);
+        m.entries = entries.into_iter().map(|(i, t, k, d)| entry(ENTRY_KINDS[k], i, t, d)).collect::<Vec<_>>().into();
+        if m.get_msg_type() == MessageType::MsgSnapshot {
+            // Half of them hold this cluster's state (they pass the cluster check and reach
+            // raft-rs's restore), with any voters.
+            if snap_valid {
+                let members: Vec<_> = (1..=3).map(spec).collect();
+                let state = ClusterState::bootstrap(HARNESS_CLUSTER, &members);
+                let data = SnapshotData { v: FORMAT_VERSION, cluster_id: cluster_id(HARNESS_CLUSTER), state };
+                m.mut_snapshot().data = data.encode().into();
+            }
+            let meta = m.mut_snapshot().mut_metadata();
+            (meta.index, meta.term) = (snap_index, log_term);
+            meta.mut_conf_state().voters = snap_voters;
+        }
+        m
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    /// No message from a peer panics a node, whatever it holds: each goes to a node other than
+    /// its sender, and the network then runs on.
+    #[test]
+    fn no_peer_message_panics_a_node(msgs in proptest::collection::vec(any_message(), 1..8)) {
+        let mut net = settled();
+        for mut m in msgs {
+            m.to = if m.from == 3 { 1 } else { m.from + 1 };
+            let _ = net.node_mut(m.to).step(m);
+            net.run(2);
+        }
+        net.run(50);
+    }
+}

@@ -1,0 +1,318 @@
+//! A member that misbehaves, with real `limpetd` processes over real TLS and TCP. The caller
+//! holds a valid node certificate of the cluster's CA (node-2's), so every refusal here is
+//! the nodes' own checks, not the TLS handshake's:
+//! - speaking as another node is refused everywhere a node speaks: a raft batch, a join, a
+//!   heartbeat, the data plane's handshake;
+//! - crafted but decodable raft messages (a commit past the log, an append that rewrites
+//!   committed entries, a peer's proposal carrying a configuration change or speaking for
+//!   another node, another cluster's snapshot) are refused before raft-rs sees them;
+//! - afterwards every node is up, all agree on the log, no member's address changed, and
+//!   training goes on at full world size.
+//! - a flood of slow data-port handshakes neither stops training nor grows the agent's
+//!   threads without bound.
+
+mod common;
+
+use limpet_agent::dataplane::frame::Channel;
+use limpet_agent::{DataPlaneConfig, DataPlaneError, DataTls, Endpoint};
+use limpet_consensus::state::{
+    cluster_id, ClusterState, Command, MemberSpec, Proposal, ProposalId, SnapshotData, FORMAT_VERSION,
+};
+use limpet_consensus::tls::{Tls, TlsFiles};
+use limpet_consensus::transport::{encode_batch, pb};
+use limpet_consensus::NodeStatus;
+use limpet_lab::local::{LocalCluster, LocalJob};
+use protobuf::Message as _;
+use raft::prelude::{ConfChangeSingle, ConfChangeType, ConfChangeV2, Entry, EntryType, Message, MessageType};
+use std::io::Write;
+use std::net::TcpStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+fn files(dir: &Path, name: &str) -> TlsFiles {
+    TlsFiles {
+        ca: dir.join("ca.pem"),
+        cert: dir.join(format!("{name}.pem")),
+        key: dir.join(format!("{name}.key")),
+    }
+}
+
+fn logs_of(dir: &Path) -> String {
+    let mut logs = String::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if e.path().extension().is_some_and(|x| x == "log") {
+            logs += &format!("--- {}\n{}", e.path().display(), std::fs::read_to_string(e.path()).unwrap());
+        }
+    }
+    logs
+}
+
+fn wait_until(what: &str, within: Duration, dir: &Path, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < within, "{what}: not within {within:?}\n{}", logs_of(dir));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// (step, world) of each line a node logged.
+fn steps_of(path: &Path) -> Vec<(u64, u64)> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .map(|v| (v["step"].as_u64().unwrap(), v["world"].as_u64().unwrap()))
+        .collect()
+}
+
+fn last_step(path: &Path) -> u64 {
+    steps_of(path).iter().map(|s| s.0).max().unwrap_or(0)
+}
+
+fn alive(pid: u32) -> bool {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), None).is_ok()
+}
+
+async fn client(
+    addr: &str,
+    id: &TlsFiles,
+) -> pb::consensus_client::ConsensusClient<tonic::transport::Channel> {
+    let tls = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(std::fs::read(&id.ca).unwrap()))
+        .domain_name(limpet_consensus::tls::NODE_NAME)
+        .identity(tonic::transport::Identity::from_pem(
+            std::fs::read(&id.cert).unwrap(),
+            std::fs::read(&id.key).unwrap(),
+        ));
+    let channel = tonic::transport::Endpoint::from_shared(format!("https://{addr}"))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    pb::consensus_client::ConsensusClient::new(channel)
+}
+
+fn message(kind: MessageType, from: u64, to: u64, term: u64) -> Message {
+    let mut m = Message::default();
+    m.set_msg_type(kind);
+    (m.from, m.to, m.term) = (from, to, term);
+    m
+}
+
+fn entry(kind: EntryType, index: u64, term: u64, data: Vec<u8>) -> Entry {
+    let mut e = Entry::default();
+    e.set_entry_type(kind);
+    (e.index, e.term, e.data) = (index, term, data.into());
+    e
+}
+
+/// What a hostile member could send node `to` given its status: each message alone would
+/// panic raft-rs or change the cluster behind the state machine's back.
+fn crafted(to: u64, st: &NodeStatus, cid: u64) -> Vec<(&'static str, Message)> {
+    let (me, t) = (2, st.term);
+    let mut out = Vec::new();
+
+    // raft-rs commits whatever index a heartbeat names and panics past its last index.
+    let mut m = message(MessageType::MsgHeartbeat, me, to, t);
+    m.commit = st.last_index + 1_000_000;
+    out.push(("a heartbeat committing past the log", m));
+
+    // An append that matches the log's end but carries an entry for index 1 with another
+    // term: raft-rs finds a conflict at or below the commit index and panics.
+    let mut m = message(MessageType::MsgAppend, me, to, t);
+    (m.index, m.log_term, m.commit) = (st.last_index, t, st.last_index);
+    m.entries = vec![entry(EntryType::EntryNormal, 1, t + 7, vec![])].into();
+    out.push(("an append rewriting committed entries", m));
+
+    // A peer's proposal carrying a configuration change (removing node 1) would change the
+    // voters without the membership controller.
+    let mut cc = ConfChangeV2::default();
+    let mut single = ConfChangeSingle::default();
+    single.set_change_type(ConfChangeType::RemoveNode);
+    single.node_id = 1;
+    cc.changes = vec![single].into();
+    let mut m = message(MessageType::MsgPropose, me, to, 0);
+    m.entries = vec![entry(EntryType::EntryConfChangeV2, 0, 0, cc.write_to_bytes().unwrap())].into();
+    out.push(("a proposal carrying a configuration change", m));
+
+    // A proposal that claims node 1 proposed it: node 1 "rejoining" at the rogue's address.
+    let join = Command::Join {
+        member: MemberSpec {
+            id: 1,
+            name: "node-1".into(),
+            control_addr: "127.0.0.1:9".into(),
+            data_addr: "127.0.0.1:9".into(),
+            hardware: Default::default(),
+        },
+    };
+    let p = Proposal { v: FORMAT_VERSION, origin: ProposalId { node: 1, seq: 1 }, command: join };
+    let mut m = message(MessageType::MsgPropose, me, to, 0);
+    m.entries = vec![entry(EntryType::EntryNormal, 0, 0, p.encode())].into();
+    out.push(("a proposal speaking for node 1", m));
+
+    // Another cluster's state as a snapshot.
+    let foreign = ClusterState::bootstrap("elsewhere", &[]);
+    let data = SnapshotData { v: FORMAT_VERSION, cluster_id: cid ^ 1, state: foreign }.encode();
+    let mut m = message(MessageType::MsgSnapshot, me, to, t);
+    let snap = m.mut_snapshot();
+    snap.data = data.into();
+    snap.mut_metadata().index = st.last_index + 10;
+    snap.mut_metadata().term = t;
+    out.push(("another cluster's snapshot", m));
+    out
+}
+
+#[test]
+fn a_member_cannot_speak_as_another_or_crash_the_others_and_training_goes_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("c");
+    let job = LocalJob { steps: 1_000_000, tls: true, ..LocalJob::default() };
+    let mut c =
+        LocalCluster::up_with(&dir, 3, job, &common::lab_exe(), Path::new(env!("CARGO_BIN_EXE_limpetd")))
+            .unwrap();
+    let logs: Vec<_> = c.file.nodes.iter().map(|n| n.step_log.clone()).collect();
+    wait_until("three nodes training over TLS", Duration::from_secs(120), &dir, || {
+        logs.iter().all(|l| steps_of(l).iter().any(|&(_, w)| w == 3))
+    });
+    let cid = cluster_id(&c.file.cluster);
+    let rogue = files(&c.certs_dir(), "node-2");
+    let addrs: Vec<(u64, String)> = c.file.nodes.iter().map(|n| (n.id, n.control.clone())).collect();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        for (id, addr) in &addrs {
+            let mut rc = client(addr, &rogue).await;
+            // Speaking raft as node 3 (or 1) with node 2's certificate.
+            let other = if *id == 3 { 1 } else { 3 };
+            let batch = encode_batch(cid, other, &[message(MessageType::MsgHeartbeat, other, *id, 1)]);
+            let e = rc.send(batch).await.unwrap_err();
+            assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+            assert!(e.message().contains("certificate is node 2's"), "{e:?}");
+            // A heartbeat for node 3 (or 1): would keep a dead node alive.
+            let e = rc
+                .heartbeat(pb::HeartbeatRequest { cluster_id: cid, from: other, report: vec![] })
+                .await
+                .unwrap_err();
+            assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+            // Joining as node 1: would take over its rank and its traffic.
+            let join = Command::Join {
+                member: MemberSpec {
+                    id: 1,
+                    name: "node-1".into(),
+                    control_addr: "127.0.0.1:9".into(),
+                    data_addr: "127.0.0.1:9".into(),
+                    hardware: Default::default(),
+                },
+            };
+            let e = rc
+                .propose(pb::ProposeRequest {
+                    cluster_id: cid,
+                    command: serde_json::to_vec(&join).unwrap(),
+                    timeout_ms: 2000,
+                })
+                .await
+                .unwrap_err();
+            assert!(e.message().contains("may join only as itself"), "{e:?}");
+            if *id == 2 {
+                continue;
+            }
+            // Crafted raft messages in batches that are node 2's own.
+            let st: NodeStatus = serde_json::from_slice(
+                &rc.status(pb::StatusRequest { cluster_id: cid }).await.unwrap().into_inner().status,
+            )
+            .unwrap();
+            for (what, m) in crafted(*id, &st, cid) {
+                rc.send(encode_batch(cid, 2, &[m])).await.unwrap_or_else(|e| panic!("{what}: {e:?}"));
+            }
+        }
+    });
+
+    // The data plane: node 2's certificate claiming to be node 1 in the handshake.
+    let secret = std::fs::read(dir.join("secret")).unwrap();
+    let mut cfg = DataPlaneConfig::new(cid, 1, secret);
+    cfg.timeout = Duration::from_secs(3);
+    cfg.tls = Some(DataTls::from_tls(&Tls::load(&rogue).unwrap()).unwrap());
+    let ep = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg).unwrap();
+    let target = &c.file.nodes[2];
+    match ep.connect(&target.data, target.id, u64::MAX / 2, Channel::Ring) {
+        Err(DataPlaneError::Refused(why)) => assert!(why.contains("refused"), "{why}"),
+        other => panic!("a handshake speaking as node 1 with node 2's certificate: {other:?}"),
+    }
+
+    // Everyone is up, training goes on at world 3, and the nodes say why they refused.
+    let before: Vec<u64> = logs.iter().map(|l| last_step(l)).collect();
+    wait_until("training on after the attempts", Duration::from_secs(60), &dir, || {
+        logs.iter().zip(&before).all(|(l, b)| steps_of(l).iter().any(|&(s, w)| s > b + 20 && w == 3))
+    });
+    for n in &c.file.nodes {
+        assert!(alive(n.pid), "{} died\n{}", n.name, logs_of(&dir));
+    }
+    let all = logs_of(&dir);
+    for needle in
+        ["certificate is node 2's", "configuration change", "past its last index", "speaks for node 1"]
+    {
+        assert!(all.contains(needle), "no node logged {needle:?}\n{all}");
+    }
+    // One log: every node reports the same members at the same addresses, node 1 at its own.
+    let states: Vec<ClusterState> = rt.block_on(async {
+        let mut out = Vec::new();
+        for (_, addr) in &addrs {
+            let mut rc = client(addr, &rogue).await;
+            let r =
+                rc.read(pb::ReadRequest { cluster_id: cid, linearizable: true }).await.unwrap().into_inner();
+            out.push(serde_json::from_slice(&r.state).unwrap());
+        }
+        out
+    });
+    for s in &states {
+        assert_eq!(s.members, states[0].members);
+        assert_eq!(s.members[&1].spec.control_addr, c.file.nodes[0].control);
+    }
+    c.down();
+}
+
+#[test]
+fn a_flood_of_slow_handshakes_neither_stops_training_nor_grows_threads_without_bound() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("c");
+    let job = LocalJob { steps: 1_000_000, ..LocalJob::default() };
+    let mut c =
+        LocalCluster::up_with(&dir, 2, job, &common::lab_exe(), Path::new(env!("CARGO_BIN_EXE_limpetd")))
+            .unwrap();
+    let logs: Vec<_> = c.file.nodes.iter().map(|n| n.step_log.clone()).collect();
+    wait_until("two nodes training", Duration::from_secs(120), &dir, || {
+        logs.iter().all(|l| steps_of(l).iter().any(|&(_, w)| w == 2))
+    });
+    let victim = &c.file.nodes[0];
+    let threads = || -> usize {
+        let s = std::fs::read_to_string(format!("/proc/{}/status", victim.pid)).unwrap();
+        s.lines().find_map(|l| l.strip_prefix("Threads:")).unwrap().trim().parse().unwrap()
+    };
+    let quiet = threads();
+    // 600 connections, each dribbling a byte of its hello every second: with one thread per
+    // connection and only per-read timeouts, each would hold a thread for minutes.
+    let mut flood: Vec<TcpStream> = Vec::new();
+    for _ in 0..600 {
+        if let Ok(s) = TcpStream::connect(&victim.data) {
+            flood.push(s);
+        }
+    }
+    let before = last_step(&logs[0]);
+    let mut most = 0;
+    let until = Instant::now() + Duration::from_secs(12);
+    while Instant::now() < until {
+        for s in &mut flood {
+            let _ = s.write(b"L");
+        }
+        most = most.max(threads());
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    assert!(alive(victim.pid), "the flooded node died\n{}", logs_of(&dir));
+    assert!(most < quiet + 200, "{most} threads under the flood, {quiet} before it");
+    wait_until("training on through the flood", Duration::from_secs(60), &dir, || {
+        steps_of(&logs[0]).iter().any(|&(s, w)| s > before + 20 && w == 2)
+    });
+    drop(flood);
+    c.down();
+}
