@@ -210,7 +210,7 @@ fn limpetd_finds_its_seeds_by_the_cluster_tag() {
     let write = |cluster: &str| {
         let path = tmp.path().join(format!("{cluster}.toml"));
         let text = format!(
-            "[node]\nname = \"joiner\"\ncontrol = \"127.0.0.1:7400\"\ndata = \"127.0.0.1:0\"\nstate_dir = {:?}\nsecret_file = {:?}\n\n[cluster]\nname = {cluster:?}\nec2_seeds = true\nec2_region = \"us-east-1\"\nec2_endpoint = {:?}\n\n[job]\nmodel = \"mlp\"\ndata = \"digits\"\nsteps = 10\nglobal_batch = 8\n",
+            "[node]\nname = \"joiner\"\ncontrol = \"127.0.0.1:7400\"\ndata = \"127.0.0.1:0\"\nstate_dir = {:?}\nsecret_file = {:?}\n\n[cluster]\nname = {cluster:?}\nec2_seeds = true\nec2_region = \"us-east-1\"\nec2_endpoint = {:?}\n\n[job]\nmodel = \"mlp\"\ndata = \"digits\"\nsteps = 10\nglobal_batch = 8\n\n[security]\ninsecure = true\n",
             tmp.path().join(cluster).display().to_string(),
             secret.display().to_string(),
             moto.url

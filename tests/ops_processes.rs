@@ -587,3 +587,74 @@ fn s3_pruning_counts_only_verified_uploads_not_names() {
     assert_eq!(rt.block_on(remote.prune(1, 4)).unwrap(), vec![10]);
     assert_eq!(steps(), vec![20, 30, 40]);
 }
+
+/// A tmpfs of `size` mounted at `dir` for the test's lifetime.
+struct SmallDisk(PathBuf);
+
+impl SmallDisk {
+    fn mount(dir: &Path, size: &str) -> SmallDisk {
+        std::fs::create_dir_all(dir).unwrap();
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "mounting a tmpfs: {}", String::from_utf8_lossy(&out.stderr));
+        SmallDisk(dir.to_path_buf())
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn a_full_checkpoint_disk_is_a_warning_and_a_metric_and_training_goes_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    // 48 KiB: a checkpoint of the MLP (about 75 KB per part) cannot fit.
+    let disk = SmallDisk::mount(&tmp.path().join("small"), "48k");
+    let job = LocalJob {
+        steps: 100_000,
+        checkpoint_every: 50,
+        checkpoint_dir: Some(disk.0.clone()),
+        ..LocalJob::default()
+    };
+    let dir = tmp.path().join("c");
+    let mut c = up(&dir, 2, job).unwrap();
+    let failures = || -> f64 {
+        c.file
+            .nodes
+            .iter()
+            .filter_map(|n| get_text(&n.metrics).ok())
+            .flat_map(|page| {
+                page.lines()
+                    .filter_map(|l| l.strip_prefix("limpet_checkpoint_failures_total "))
+                    .filter_map(|v| v.trim().parse::<f64>().ok())
+                    .collect::<Vec<_>>()
+            })
+            .sum()
+    };
+    wait_or_show("a checkpoint failure counted", Duration::from_secs(120), || failures() >= 1.0, Some(&dir));
+    let log = c.file.nodes[0].step_log.clone();
+    let at = steps_of(&log).last().map_or(0, |s| s.0);
+    wait_or_show(
+        "training on past the full disk, through more checkpoint attempts",
+        Duration::from_secs(120),
+        || steps_of(&log).last().is_some_and(|s| s.0 > at + 120 && s.2 == 2),
+        Some(&dir),
+    );
+    assert!(failures() >= 2.0, "every attempt fails and is counted");
+    let all = logs(&dir);
+    assert!(all.contains("writing a checkpoint failed") && all.contains("No space left on device"), "{all}");
+    for n in &c.file.nodes {
+        assert!(
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(n.pid as i32), None).is_ok(),
+            "{} exited",
+            n.name
+        );
+    }
+    c.down();
+    drop(disk);
+}

@@ -92,6 +92,12 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
         .as_deref()
         .map_or(cfg.node.log_format == crate::config::LogFormat::Json, |f| f == "json");
     crate::init_tracing_as(json);
+    if cfg.tls().is_none() {
+        tracing::warn!(
+            "running without certificates ([security] insecure = true): anyone who reaches these ports \
+             and knows the cluster secret is a member, and traffic is plain text"
+        );
+    }
     limpet_trainer::set_threads(1);
     let mut agent_cfg = agent_config(&cfg, cli.run.step_log)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
@@ -327,7 +333,7 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
     a.lead = Duration::from_millis(t.lead_ms);
     a.notice_margin = Duration::from_millis(t.notice_margin_ms);
     a.step_log = step_log.or_else(|| cfg.node.step_log.clone());
-    if let Some(sec) = &cfg.security {
+    if let Some(sec) = cfg.tls() {
         a.tls = Some(std::sync::Arc::new(sec.load("the configuration", cfg.node_id())?));
         a.tls_data = sec.data_plane == crate::config::DataPlaneMode::Tls;
     }

@@ -275,6 +275,8 @@ impl LocalCluster {
         text += &self.job_sections()?;
         if j.tls {
             text += &self.security_section(name, id)?;
+        } else {
+            text += "\n[security]\ninsecure = true\n";
         }
         text += &format!(
             "\n[revocation]\nsources = [\"aws\"]\npoll_secs = 0.2\naws_endpoint = \"http://{md_addr}\"\n"

@@ -48,20 +48,26 @@ pub struct Config {
     pub pipeline: Option<PipelineSection>,
     /// Durable checkpoints (absent: only the final one).
     pub checkpoint: Option<CheckpointSection>,
-    /// Certificates (absent: plain text, the cluster secret only).
+    /// Certificates, or `insecure = true` (required: limpetd does not run without one or
+    /// the other).
     pub security: Option<SecuritySection>,
 }
 
-/// `[security]`: mutual TLS with certificates of the cluster CA (`limpet certs`).
+/// `[security]`: mutual TLS with certificates of the cluster CA (`limpet certs`), or, said
+/// in so many words, none.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct SecuritySection {
+    /// Run without certificates: anyone who reaches the ports and knows the cluster secret
+    /// is a member, and traffic is plain text. For a network you trust only.
+    #[serde(default)]
+    pub insecure: bool,
     /// The cluster CA's certificate.
-    pub ca: PathBuf,
-    /// This node's certificate (`limpet certs issue NAME`).
-    pub cert: PathBuf,
+    pub ca: Option<PathBuf>,
+    /// This node's certificate (`limpet certs issue NAME --id ID`).
+    pub cert: Option<PathBuf>,
     /// Its private key.
-    pub key: PathBuf,
+    pub key: Option<PathBuf>,
     /// Let clients without a certificate read status (drain and revoke always need one).
     #[serde(default)]
     pub anonymous_status: bool,
@@ -76,7 +82,19 @@ impl SecuritySection {
     /// Loads and checks the certificates for node `node`; errors name the key and the file.
     pub fn load(&self, file: &str, node: u64) -> Result<limpet_consensus::tls::Tls, ConfigError> {
         use limpet_consensus::tls::{Role, Tls, TlsError, TlsFiles};
-        let files = TlsFiles { ca: self.ca.clone(), cert: self.cert.clone(), key: self.key.clone() };
+        let need = |key: &str, v: &Option<PathBuf>| {
+            v.clone().ok_or_else(|| ConfigError {
+                file: file.into(),
+                key: format!("[security].{key}"),
+                detail: "missing: set ca, cert and key (limpet certs init / issue), or insecure = true"
+                    .into(),
+            })
+        };
+        let files = TlsFiles {
+            ca: need("ca", &self.ca)?,
+            cert: need("cert", &self.cert)?,
+            key: need("key", &self.key)?,
+        };
         let key_of = |what: &str| match what {
             "CA certificate" => "[security].ca",
             "private key" => "[security].key",
@@ -94,7 +112,7 @@ impl SecuritySection {
                 key: "[security].cert".into(),
                 detail: format!(
                     "{} is an operator certificate; limpetd needs a node certificate (limpet certs issue NAME)",
-                    self.cert.display()
+                    files.cert.display()
                 ),
             });
         }
@@ -106,7 +124,7 @@ impl SecuritySection {
                 detail: format!(
                     "{} is node {bound}'s certificate, but this node is node {node} ([node].id, or its \
                      name's id): issue its own with `limpet certs issue NAME --id {node}`",
-                    self.cert.display()
+                    files.cert.display()
                 ),
             });
         }
@@ -676,10 +694,33 @@ impl Config {
         if !(self.revocation.poll_secs.is_finite() && self.revocation.poll_secs >= 0.1) {
             return err("[revocation].poll_secs", format!("{} is below 0.1 s", self.revocation.poll_secs));
         }
-        if let Some(sec) = &self.security {
-            sec.load(file, self.node_id())?;
+        match &self.security {
+            None => {
+                return err(
+                    "[security]",
+                    "missing: limpetd runs with certificates (ca, cert and key: limpet certs init / issue); \
+                     on a network you trust, insecure = true runs without them"
+                        .into(),
+                )
+            }
+            Some(sec) if sec.insecure => {
+                if sec.ca.is_some() || sec.cert.is_some() || sec.key.is_some() {
+                    return err(
+                        "[security].insecure",
+                        "is true, but ca, cert or key is set too: choose one".into(),
+                    );
+                }
+            }
+            Some(sec) => {
+                sec.load(file, self.node_id())?;
+            }
         }
         Ok(())
+    }
+
+    /// The certificates, unless the configuration runs without them.
+    pub fn tls(&self) -> Option<&SecuritySection> {
+        self.security.as_ref().filter(|s| !s.insecure)
     }
 
     /// The node's Raft id: as configured, or derived from the name.

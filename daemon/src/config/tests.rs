@@ -23,6 +23,9 @@ global_batch = 64
 [revocation]
 sources = ["aws"]
 aws_endpoint = "http://127.0.0.1:9000"
+
+[security]
+insecure = true
 "#,
         secret.display()
     )
@@ -127,12 +130,16 @@ fn errors_name_the_file_and_the_key() {
         (format!("{good}\n[checkpoint]\nevery_steps = 5\ns3_endpoint = \"http://m\"\n"), "set s3 too"),
         (
             format!(
-                "{good}\n[security]\nca = \"/nonexistent/ca.pem\"\ncert = \"/x.pem\"\nkey = \"/x.key\"\n"
+                "{}\nca = \"/nonexistent/ca.pem\"\ncert = \"/x.pem\"\nkey = \"/x.key\"\n",
+                good.replace("insecure = true\n", "")
             ),
             "[security].ca",
         ),
         (
-            format!("{good}\n[security]\nca = \"/a\"\ncert = \"/b\"\nkey = \"/c\"\ndata_plane = \"none\"\n"),
+            format!(
+                "{}\nca = \"/a\"\ncert = \"/b\"\nkey = \"/c\"\ndata_plane = \"none\"\n",
+                good.replace("insecure = true\n", "")
+            ),
             "[security].data_plane",
         ),
     ];
@@ -155,8 +162,8 @@ fn security_takes_a_node_certificate_of_the_ca_only() {
     let with = |name: &str| {
         let p = |f: String| d.path().join(f).display().to_string();
         format!(
-            "{}\n[security]\nca = {:?}\ncert = {:?}\nkey = {:?}\n",
-            example(s.path()),
+            "{}\nca = {:?}\ncert = {:?}\nkey = {:?}\n",
+            example(s.path()).replace("insecure = true\n", ""),
             p("ca.pem".into()),
             p(format!("{name}.pem")),
             p(format!("{name}.key"))
@@ -201,4 +208,20 @@ fn validate_names_configured_directories_it_cannot_write() {
         crate::limpetd::write_path_warnings(&Config::parse(&ok, "c.toml").unwrap()),
         Vec::<String>::new()
     );
+}
+
+#[test]
+fn no_security_section_is_refused_unless_insecure_is_said_in_so_many_words() {
+    let s = secret();
+    let without = example(s.path()).replace("[security]\ninsecure = true\n", "");
+    let e = Config::parse(&without, "c.toml").unwrap_err().to_string();
+    assert!(e.contains("[security]") && e.contains("insecure = true"), "{e}");
+    let cfg = Config::parse(&example(s.path()), "c.toml").unwrap();
+    assert!(cfg.tls().is_none());
+    let both = example(s.path()).replace("insecure = true\n", "insecure = true\nca = \"/x/ca.pem\"\n");
+    let e = Config::parse(&both, "c.toml").unwrap_err().to_string();
+    assert!(e.contains("[security].insecure") && e.contains("choose one"), "{e}");
+    let half = example(s.path()).replace("insecure = true\n", "ca = \"/x/ca.pem\"\n");
+    let e = Config::parse(&half, "c.toml").unwrap_err().to_string();
+    assert!(e.contains("[security].cert") && e.contains("missing"), "{e}");
 }
