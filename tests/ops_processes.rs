@@ -648,6 +648,13 @@ fn a_full_checkpoint_disk_is_a_warning_and_a_metric_and_training_goes_on() {
     assert!(failures() >= 2.0, "every attempt fails and is counted");
     let all = logs(&dir);
     assert!(all.contains("writing a checkpoint failed") && all.contains("No space left on device"), "{all}");
+    // And the operator sees it without reading logs.
+    let out = Command::new(exe()).args(["status", "--dir"]).arg(&dir).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("checkpoints failing on node-1") && text.contains("No space left on device"),
+        "{text}"
+    );
     for n in &c.file.nodes {
         assert!(
             nix::sys::signal::kill(nix::unistd::Pid::from_raw(n.pid as i32), None).is_ok(),

@@ -231,7 +231,14 @@ impl Client {
             command: serde_json::to_vec(command).expect("commands serialize"),
             timeout_ms: timeout.as_millis() as u64,
         };
-        let reply = self.inner.propose(req).await.map_err(status_error)?.into_inner();
+        // The node answers within `timeout`; a node that never answers (wedged, or a peer
+        // that drops packets) must not hold the caller longer than that and a margin.
+        let waited = timeout + Duration::from_secs(2);
+        let reply = tokio::time::timeout(waited, self.inner.propose(req))
+            .await
+            .map_err(|_| ConsensusError::Timeout { waited, what: "the node to answer a proposal" })?
+            .map_err(status_error)?
+            .into_inner();
         if reply.accepted {
             Ok((reply.index, reply.detail))
         } else {

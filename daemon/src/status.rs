@@ -135,6 +135,9 @@ pub struct NodeDoc {
     /// What the host has, as its agent reported when it joined: CPUs, memory, GPUs.
     #[serde(default)]
     pub host: String,
+    /// Why its last checkpoint failed, until one succeeds (a full disk, an S3 outage).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_error: Option<String>,
 }
 
 /// A transition as shown: an epoch and how its ranks lived the change.
@@ -377,6 +380,7 @@ fn node_doc(
         heartbeat_age_ms: r.map(|(age, _)| *age),
         deadline_ms: m.deadline_ms,
         host: host_line(&m.spec.hardware),
+        checkpoint_error: live.and_then(|r| r.checkpoint_error.clone()),
     }
 }
 
@@ -481,6 +485,13 @@ pub fn render(d: &StatusDoc) -> String {
     }
     if let Some(c) = d.checkpoints.last() {
         s += &format!("\nlast checkpoint: step {} by {} at {}\n", c.step, c.node, c.location);
+    }
+    for n in d.nodes.iter().filter(|n| n.checkpoint_error.is_some()) {
+        s += &format!(
+            "checkpoints failing on {}: {}\n",
+            n.name,
+            n.checkpoint_error.as_deref().unwrap_or_default()
+        );
     }
     s
 }

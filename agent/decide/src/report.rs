@@ -89,6 +89,9 @@ pub struct AgentReport {
     /// the mean μ²), for AdaScale; absent with one rank.
     #[serde(default)]
     pub grad_stats: Option<(f64, f64)>,
+    /// Why its last checkpoint failed (a full disk, an S3 outage), until one succeeds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_error: Option<String>,
 }
 
 /// A collective failure the agent is waiting to be resolved.
@@ -120,6 +123,7 @@ impl AgentReport {
             broken: None,
             transitions: Vec::new(),
             grad_stats: None,
+            checkpoint_error: None,
         }
     }
 
@@ -164,6 +168,7 @@ mod tests {
             samples_per_s: 1000.0,
             broken: Some(Broken { epoch: 3, since_ms: 10, suspect: Some(2), error: "closed".into() }),
             grad_stats: Some((2.0, 0.5)),
+            checkpoint_error: Some("No space left on device".into()),
             transitions: vec![Transition {
                 epoch: 3,
                 step: 100,

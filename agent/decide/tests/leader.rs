@@ -44,6 +44,7 @@ fn report(node: NodeId, epoch: u64, step: u64) -> AgentReport {
         broken: None,
         transitions: Vec::new(),
         grad_stats: None,
+        checkpoint_error: None,
     }
 }
 

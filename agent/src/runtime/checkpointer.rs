@@ -23,6 +23,8 @@ pub(crate) fn due(c: &CheckpointSettings, step: u64, stages: usize, since: Durat
 /// One rank's checkpoint writer.
 pub(super) struct Checkpointer {
     settings: Option<CheckpointSettings>,
+    /// Why the last checkpoint failed, until one succeeds (shown in `limpet status`).
+    failure: Arc<std::sync::Mutex<Option<String>>>,
     /// When this rank last started writing a checkpoint (the time trigger's origin).
     last: Option<Instant>,
     /// A checkpoint is being written in the background: the next trigger waits for it.
@@ -43,7 +45,18 @@ pub(super) struct Sink<'a> {
 
 impl Checkpointer {
     pub fn new(settings: Option<CheckpointSettings>) -> Checkpointer {
-        Checkpointer { settings, last: None, writing: Arc::default(), remote: Arc::default() }
+        Checkpointer {
+            settings,
+            failure: Arc::default(),
+            last: None,
+            writing: Arc::default(),
+            remote: Arc::default(),
+        }
+    }
+
+    /// Why the last checkpoint failed, if it did.
+    pub fn failure(&self) -> Option<String> {
+        self.failure.lock().expect("failure lock").clone()
     }
 
     /// Writes this rank's part of a durable checkpoint when one is due: the ranks of the
@@ -83,6 +96,7 @@ impl Checkpointer {
             handle: sink.handle.clone(),
             rt: sink.rt.clone(),
             remote: Arc::clone(&self.remote),
+            failure: Arc::clone(&self.failure),
         };
         let busy = Arc::clone(&self.writing);
         let write = move || {
@@ -108,6 +122,7 @@ struct Part {
     handle: NodeHandle,
     rt: tokio::runtime::Handle,
     remote: Arc<tokio::sync::OnceCell<crate::remote::Remote>>,
+    failure: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 impl Part {
@@ -149,25 +164,39 @@ impl Part {
                             // The local copy stands; the failure counter is what alerts.
                             metrics::counter!("limpet_checkpoint_failures_total").increment(1);
                             tracing::error!(step = self.step, %e, "copying a checkpoint to S3 failed");
+                            self.failed(format!("step {}: copying to S3: {e}", self.step));
+                            return self.record(location);
                         }
                     }
                 }
-                let record = limpet_consensus::state::CheckpointRecord {
-                    step: self.step,
-                    epoch: self.epoch,
-                    content_hash: self.image.content_hash().to_string(),
-                    location,
-                    node: self.me,
-                };
-                let cmd = Command::RecordCheckpoint { record };
-                if let Err(e) = self.rt.block_on(self.handle.propose(cmd, Some(Duration::from_secs(5)))) {
-                    tracing::warn!(step = self.step, %e, "checkpoint written but not recorded in the log");
-                }
+                *self.failure.lock().expect("failure lock") = None;
+                self.record(location);
             }
             Err(e) => {
                 metrics::counter!("limpet_checkpoint_failures_total").increment(1);
                 tracing::error!(step = self.step, %e, "writing a checkpoint failed");
+                self.failed(format!("step {}: {e}", self.step));
             }
+        }
+    }
+
+    /// Keeps why this checkpoint failed for the agent's reports (and so `limpet status`).
+    fn failed(&self, why: String) {
+        *self.failure.lock().expect("failure lock") = Some(why);
+    }
+
+    /// Records the checkpoint (at `location`) in the log.
+    fn record(&self, location: String) {
+        let record = limpet_consensus::state::CheckpointRecord {
+            step: self.step,
+            epoch: self.epoch,
+            content_hash: self.image.content_hash().to_string(),
+            location,
+            node: self.me,
+        };
+        let cmd = Command::RecordCheckpoint { record };
+        if let Err(e) = self.rt.block_on(self.handle.propose(cmd, Some(Duration::from_secs(5)))) {
+            tracing::warn!(step = self.step, %e, "checkpoint written but not recorded in the log");
         }
     }
 }

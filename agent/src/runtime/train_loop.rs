@@ -348,6 +348,7 @@ impl TrainLoop {
             p.grad_stats = self.grad_stats;
             p.loss = Some(stats.loss);
             p.samples_per_s = stats.samples as f64 / (self.step_time_ms / 1e3).max(1e-9);
+            p.checkpoint_error = self.checkpointer.failure();
         }
         self.set_phase(Phase::Training);
         Ok(())
