@@ -179,6 +179,25 @@ fn slow_handshakes_are_capped_and_end_at_one_deadline() {
 }
 
 #[test]
+fn one_peer_cannot_crowd_the_inbox() {
+    use limpet_agent::dataplane::endpoint::MAX_INBOX_PER_PEER;
+    let eps = endpoints(&[1, 2, 3], 4096);
+    let target = eps[0].addr().to_string();
+    // Node 2 connects for twenty epochs ahead and never lets a group take them.
+    for epoch in 1..=20 {
+        eps[1].connect(&target, 1, epoch, Channel::Ring).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    // Node 3 still gets in.
+    eps[2].connect(&target, 1, 5, Channel::Ring).unwrap();
+    assert!(eps[0].accept_from(3, 5, Channel::Ring).is_ok());
+    let soon = || std::time::Instant::now() + Duration::from_millis(20);
+    let held =
+        (1..=20).filter(|&e| eps[0].accept_until(2, e, Channel::Ring, soon(), &|| false).is_ok()).count();
+    assert_eq!(held, MAX_INBOX_PER_PEER);
+}
+
+#[test]
 fn a_peer_of_another_cluster_or_a_stale_epoch_is_refused() {
     let eps = endpoints(&[1, 2], 4096);
     eps[0].set_min_epoch(5);

@@ -17,7 +17,7 @@
 //!
 //! Handshakes are bounded: at most `MAX_HANDSHAKES` run at once (more are closed at once),
 //! each within one deadline for all its reads and writes, and at most `MAX_INBOX` accepted
-//! connections wait to be taken.
+//! connections wait to be taken (`MAX_INBOX_PER_PEER` from any one peer).
 //!
 //! Only then does the connection carry frames. Accepted connections wait in an inbox keyed by
 //! (epoch, peer, channel) until a `Group` (or the handoff) takes them.
@@ -132,6 +132,9 @@ type InboxKey = (u64, u64, Channel);
 pub const MAX_HANDSHAKES: usize = 64;
 /// Accepted connections waiting for a group or the handoff to take them.
 pub const MAX_INBOX: usize = 256;
+/// Of those, from any one peer (a ring, a pipeline and a few handoff streams per epoch, for
+/// an epoch or two ahead).
+pub const MAX_INBOX_PER_PEER: usize = 16;
 /// The longest a handshake may take, whatever the collective timeout.
 const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
 
@@ -426,10 +429,15 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                 Ok(hello) => {
                     let mut inbox = shared.inbox.lock().expect("inbox lock");
                     let key = (hello.epoch, hello.node, hello.channel);
-                    if inbox.len() >= MAX_INBOX && !inbox.contains_key(&key) {
+                    // Each peer has its own share, so one member (its id bound to its
+                    // certificate) cannot crowd out the others' connections.
+                    let theirs = inbox.keys().filter(|k| k.1 == hello.node).count();
+                    if !inbox.contains_key(&key) && (inbox.len() >= MAX_INBOX || theirs >= MAX_INBOX_PER_PEER)
+                    {
                         tracing::warn!(
                             node = shared.cfg.node,
                             peer,
+                            from = hello.node,
                             "data-plane inbox full; connection dropped"
                         );
                         return;

@@ -95,6 +95,9 @@ impl Shadows {
         let bytes = image.encode()?;
         let step = trainer.step();
         let b = trainer.model().blocks();
+        // A peer's shadow can be no larger than this job's state can be.
+        let most =
+            super::entry::state_bound(bytes.len() as u64, (b.start, b.end), trainer.job().model.num_blocks());
         l.server.offer(Offer::new(bytes.clone(), 1 << 20, snap_label(l.me, step, false)));
         keep_newest(
             &mut self.snapshots,
@@ -115,6 +118,7 @@ impl Shadows {
             let opts = FetchOptions {
                 expect: Some(snap_label(node, step, false)),
                 reconnects: 0,
+                max_bytes: most,
                 ..Default::default()
             };
             while rounds.load(Ordering::SeqCst) == round && Instant::now() < give_up && !stop.is_cancelled() {
