@@ -15,55 +15,22 @@ mod common;
 
 use limpet_agent::dataplane::frame::Channel;
 use limpet_agent::{DataPlaneConfig, DataPlaneError, DataTls, Endpoint};
-use limpet_consensus::state::{
-    cluster_id, ClusterState, Command, MemberSpec, Proposal, ProposalId, SnapshotData, FORMAT_VERSION,
-};
+use limpet_consensus::harness::{entry, message};
+use limpet_consensus::state::{cluster_id, ClusterState, Proposal, ProposalId, SnapshotData, FORMAT_VERSION};
 use limpet_consensus::tls::{Tls, TlsFiles};
 use limpet_consensus::transport::{encode_batch, pb};
 use limpet_consensus::NodeStatus;
 use limpet_lab::local::{LocalCluster, LocalJob};
 use protobuf::Message as _;
-use raft::prelude::{ConfChangeSingle, ConfChangeType, ConfChangeV2, Entry, EntryType, Message, MessageType};
+use raft::prelude::{ConfChangeSingle, ConfChangeType, ConfChangeV2, EntryType, Message, MessageType};
 use std::io::Write;
 use std::net::TcpStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-fn files(dir: &Path, name: &str) -> TlsFiles {
-    TlsFiles {
-        ca: dir.join("ca.pem"),
-        cert: dir.join(format!("{name}.pem")),
-        key: dir.join(format!("{name}.key")),
-    }
-}
-
-fn logs_of(dir: &Path) -> String {
-    let mut logs = String::new();
-    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        if e.path().extension().is_some_and(|x| x == "log") {
-            logs += &format!("--- {}\n{}", e.path().display(), std::fs::read_to_string(e.path()).unwrap());
-        }
-    }
-    logs
-}
-
-fn wait_until(what: &str, within: Duration, dir: &Path, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < within, "{what}: not within {within:?}\n{}", logs_of(dir));
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-/// (step, world) of each line a node logged.
-fn steps_of(path: &Path) -> Vec<(u64, u64)> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .map(|v| (v["step"].as_u64().unwrap(), v["world"].as_u64().unwrap()))
-        .collect()
-}
+use common::{
+    node_logs as logs_of, step_worlds as steps_of, tls_files as files, wait_showing_logs as wait_until,
+};
 
 fn last_step(path: &Path) -> u64 {
     steps_of(path).iter().map(|s| s.0).max().unwrap_or(0)
@@ -92,20 +59,6 @@ async fn client(
         .await
         .unwrap();
     pb::consensus_client::ConsensusClient::new(channel)
-}
-
-fn message(kind: MessageType, from: u64, to: u64, term: u64) -> Message {
-    let mut m = Message::default();
-    m.set_msg_type(kind);
-    (m.from, m.to, m.term) = (from, to, term);
-    m
-}
-
-fn entry(kind: EntryType, index: u64, term: u64, data: Vec<u8>) -> Entry {
-    let mut e = Entry::default();
-    e.set_entry_type(kind);
-    (e.index, e.term, e.data) = (index, term, data.into());
-    e
 }
 
 /// What a hostile member could send node `to` given its status: each message alone would
@@ -138,15 +91,7 @@ fn crafted(to: u64, st: &NodeStatus, cid: u64) -> Vec<(&'static str, Message)> {
     out.push(("a proposal carrying a configuration change", m));
 
     // A proposal that claims node 1 proposed it: node 1 "rejoining" at the rogue's address.
-    let join = Command::Join {
-        member: MemberSpec {
-            id: 1,
-            name: "node-1".into(),
-            control_addr: "127.0.0.1:9".into(),
-            data_addr: "127.0.0.1:9".into(),
-            hardware: Default::default(),
-        },
-    };
+    let join = common::rogue_join(1, "node-1");
     let p = Proposal { v: FORMAT_VERSION, origin: ProposalId { node: 1, seq: 1 }, command: join };
     let mut m = message(MessageType::MsgPropose, me, to, 0);
     m.entries = vec![entry(EntryType::EntryNormal, 0, 0, p.encode())].into();
@@ -196,15 +141,7 @@ fn a_member_cannot_speak_as_another_or_crash_the_others_and_training_goes_on() {
                 .unwrap_err();
             assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
             // Joining as node 1: would take over its rank and its traffic.
-            let join = Command::Join {
-                member: MemberSpec {
-                    id: 1,
-                    name: "node-1".into(),
-                    control_addr: "127.0.0.1:9".into(),
-                    data_addr: "127.0.0.1:9".into(),
-                    hardware: Default::default(),
-                },
-            };
+            let join = common::rogue_join(1, "node-1");
             let e = rc
                 .propose(pb::ProposeRequest {
                     cluster_id: cid,

@@ -143,3 +143,56 @@ impl Drop for Moto {
         let _ = self.child.wait();
     }
 }
+
+/// The CA, certificate and key files of `name` in a certificate directory.
+pub fn tls_files(dir: &Path, name: &str) -> limpet_consensus::tls::TlsFiles {
+    limpet_consensus::tls::TlsFiles {
+        ca: dir.join("ca.pem"),
+        cert: dir.join(format!("{name}.pem")),
+        key: dir.join(format!("{name}.key")),
+    }
+}
+
+/// Every node's log in a local cluster's directory, each under its path.
+pub fn node_logs(dir: &Path) -> String {
+    let mut logs = String::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if e.path().extension().is_some_and(|x| x == "log") {
+            logs += &format!("--- {}\n{}", e.path().display(), std::fs::read_to_string(e.path()).unwrap());
+        }
+    }
+    logs
+}
+
+/// Waits until `done`, failing with every node's log in `dir` after `within`.
+pub fn wait_showing_logs(what: &str, within: Duration, dir: &Path, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < within, "{what}: not within {within:?}\n{}", node_logs(dir));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// (step, world) of each line of a node's step log.
+pub fn step_worlds(path: &Path) -> Vec<(u64, u64)> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .map(|v| (v["step"].as_u64().unwrap(), v["world"].as_u64().unwrap()))
+        .collect()
+}
+
+/// A `Join` for node `id` at an address nobody serves: what a rogue proposes to take over
+/// a rank.
+pub fn rogue_join(id: u64, name: &str) -> limpet_consensus::state::Command {
+    limpet_consensus::state::Command::Join {
+        member: limpet_consensus::state::MemberSpec {
+            id,
+            name: name.into(),
+            control_addr: "127.0.0.1:1".into(),
+            data_addr: "127.0.0.1:2".into(),
+            hardware: Default::default(),
+        },
+    }
+}

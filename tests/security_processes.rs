@@ -11,8 +11,7 @@ mod common;
 use common::exe;
 use limpet_agent::dataplane::frame::Channel;
 use limpet_agent::{DataPlaneConfig, DataPlaneError, DataTls, Endpoint};
-use limpet_consensus::state::Command;
-use limpet_consensus::tls::{Tls, TlsFiles};
+use limpet_consensus::tls::Tls;
 use limpet_consensus::transport::pb;
 use limpet_daemon::certs::{self, Kind};
 use limpet_lab::local::{LocalCluster, LocalJob};
@@ -25,13 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use time::OffsetDateTime;
 
-fn files(dir: &Path, name: &str) -> TlsFiles {
-    TlsFiles {
-        ca: dir.join("ca.pem"),
-        cert: dir.join(format!("{name}.pem")),
-        key: dir.join(format!("{name}.key")),
-    }
-}
+use common::tls_files as files;
 
 /// A certificate valid from two days ago until yesterday.
 fn issue_expired(dir: &Path, name: &str, kind: Kind) {
@@ -39,35 +32,9 @@ fn issue_expired(dir: &Path, name: &str, kind: Kind) {
     certs::issue(dir, name, kind, now - time::Duration::days(2), now - time::Duration::days(1)).unwrap();
 }
 
-fn wait_until(what: &str, within: Duration, dir: &Path, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        if start.elapsed() > within {
-            let mut logs = String::new();
-            for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-                if e.path().extension().is_some_and(|x| x == "log") {
-                    logs += &format!(
-                        "--- {}\n{}",
-                        e.path().display(),
-                        std::fs::read_to_string(e.path()).unwrap()
-                    );
-                }
-            }
-            panic!("{what}: not within {within:?}\n{logs}");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
+use common::wait_showing_logs as wait_until;
 
-/// (step, world) of each line a node logged.
-fn steps_of(path: &Path) -> Vec<(u64, u64)> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .map(|v| (v["step"].as_u64().unwrap(), v["world"].as_u64().unwrap()))
-        .collect()
-}
+use common::step_worlds as steps_of;
 
 fn limpet(args: &[&str]) -> (bool, String) {
     let out = Process::new(exe()).args(args).env_remove("LIMPET_CA").output().unwrap();
@@ -184,15 +151,7 @@ fn a_cluster_with_certificates_trains_and_refuses_callers_without_the_right_one(
             .await
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
-        let join = Command::Join {
-            member: limpet_consensus::state::MemberSpec {
-                id: 99,
-                name: "intruder".into(),
-                control_addr: "127.0.0.1:1".into(),
-                data_addr: "127.0.0.1:2".into(),
-                hardware: Default::default(),
-            },
-        };
+        let join = common::rogue_join(99, "intruder");
         let e = op
             .propose(pb::ProposeRequest {
                 cluster_id: cid,

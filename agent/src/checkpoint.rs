@@ -308,11 +308,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         write_part(d, &image(10, 0..4, 1), &(0..4)).unwrap();
-        let p = write_part(d, &image(20, 0..4, 1), &(0..4)).unwrap();
-        let mut bytes = std::fs::read(&p).unwrap();
-        let n = bytes.len();
-        bytes[n - 3] ^= 0x40;
-        std::fs::write(&p, bytes).unwrap();
+        corrupt(&write_part(d, &image(20, 0..4, 1), &(0..4)).unwrap());
         let (found, skipped) = newest(d, 4, &serde_json::json!({ "job": 1 })).unwrap();
         assert_eq!(found.unwrap().0.step, 10);
         assert!(skipped[0].contains("blocks-0-4.limpet"), "the skip names the bad file: {skipped:?}");

@@ -10,7 +10,7 @@
 use crate::core::{Applied, Core, CoreConfig};
 use crate::state::{ClusterState, Command, Hardware, MemberSpec, NodeId, ProposalId};
 use crate::storage::MemLog;
-use raft::prelude::{Message, MessageType};
+use raft::prelude::{Entry, EntryType, Message, MessageType};
 use raft::{GetEntriesContext, Storage};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -28,6 +28,23 @@ pub fn spec(id: NodeId) -> MemberSpec {
         data_addr: format!("mem:{id}"),
         hardware: Hardware::default(),
     }
+}
+
+/// A raft message of `kind` from `from` to `to` at `term`, as a peer would put it on the
+/// wire (for tests that play a buggy or hostile peer).
+pub fn message(kind: MessageType, from: NodeId, to: NodeId, term: u64) -> Message {
+    let mut m = Message::default();
+    m.set_msg_type(kind);
+    (m.from, m.to, m.term) = (from, to, term);
+    m
+}
+
+/// A log entry of `kind` at `index` and `term` holding `data`.
+pub fn entry(kind: EntryType, index: u64, term: u64, data: Vec<u8>) -> Entry {
+    let mut e = Entry::default();
+    e.set_entry_type(kind);
+    (e.index, e.term, e.data) = (index, term, data.into());
+    e
 }
 
 /// The in-memory cluster.

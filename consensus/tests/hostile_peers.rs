@@ -4,14 +4,14 @@
 //! cluster goes on committing, and its committed logs agree. Arbitrary messages (a proptest)
 //! never panic a node.
 
-use limpet_consensus::harness::{spec, Network, HARNESS_CLUSTER};
+use limpet_consensus::harness::{entry, message, spec, Network, HARNESS_CLUSTER};
 use limpet_consensus::state::{
     cluster_id, Command, Hardware, Proposal, ProposalId, SnapshotData, FORMAT_VERSION,
 };
 use limpet_consensus::{ClusterState, CoreConfig, NodeId, StepError};
 use proptest::prelude::*;
 use protobuf::Message as _;
-use raft::prelude::{ConfChangeSingle, ConfChangeType, ConfChangeV2, Entry, EntryType, Message, MessageType};
+use raft::prelude::{ConfChangeSingle, ConfChangeType, ConfChangeV2, EntryType, Message, MessageType};
 
 fn settled() -> Network {
     let mut net = Network::new(3, CoreConfig::new(1, "harness"), 11);
@@ -35,20 +35,6 @@ fn commit(net: &mut Network, cmd: Command) -> bool {
         }
     }
     false
-}
-
-fn message(kind: MessageType, from: NodeId, to: NodeId, term: u64) -> Message {
-    let mut m = Message::default();
-    m.set_msg_type(kind);
-    (m.from, m.to, m.term) = (from, to, term);
-    m
-}
-
-fn entry(kind: EntryType, index: u64, term: u64, data: Vec<u8>) -> Entry {
-    let mut e = Entry::default();
-    e.set_entry_type(kind);
-    (e.index, e.term, e.data) = (index, term, data.into());
-    e
 }
 
 fn refused(net: &mut Network, to: NodeId, m: Message, want: &str) {
