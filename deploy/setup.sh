@@ -50,10 +50,10 @@ if [ ! -f "$VENV/.complete" ]; then
     touch "$VENV/.complete"
 fi
 
-if ! "$VENV/bin/python" -c "import moto.server, moto.s3.responses, py_partiql_parser, yaml" 2>/dev/null; then
-    say "installing moto==$MOTO_VERSION into $VENV (local EC2 and S3 APIs for the fleet and checkpoint tests)"
+if ! "$VENV/bin/python" -c "import moto.server, moto.s3.responses, moto.ssm.responses, py_partiql_parser, yaml" 2>/dev/null; then
+    say "installing moto==$MOTO_VERSION into $VENV (local EC2, S3 and SSM APIs for the fleet and checkpoint tests)"
     "$VENV/bin/pip" install -q --no-input --disable-pip-version-check --progress-bar off \
-        "moto[server,ec2,s3]==$MOTO_VERSION" >&2
+        "moto[server,ec2,s3,ssm]==$MOTO_VERSION" >&2
 fi
 
 if ! "$VENV/bin/python" -c "import transformers; assert transformers.__version__ == '$TRANSFORMERS_VERSION'" 2>/dev/null; then

@@ -569,7 +569,7 @@ fn s3_pruning_counts_only_verified_uploads_not_names() {
             })
             .collect();
         let image = StateImage::new(step, step, RngState::new(1), serde_json::json!({"job": 1}), tensors);
-        let path = limpet_agent::checkpoint::write_part(tmp.path(), &image, &(0..4)).unwrap();
+        let path = limpet_agent::checkpoint::write_part(tmp.path(), &image, &(0..4), 0).unwrap();
         limpet_agent::checkpoint::verify_part(&path, &image).unwrap();
         rt.block_on(remote.upload(step, &(0..4), &path, image.content_hash())).unwrap();
     }
@@ -621,6 +621,8 @@ fn a_full_checkpoint_disk_is_a_warning_and_a_metric_and_training_goes_on() {
         steps: 100_000,
         checkpoint_every: 50,
         checkpoint_dir: Some(disk.0.clone()),
+        // No reserve: the disk really fills (the next test keeps a reserve).
+        checkpoint_min_free: Some("0".into()),
         ..LocalJob::default()
     };
     let dir = tmp.path().join("c");
@@ -660,6 +662,63 @@ fn a_full_checkpoint_disk_is_a_warning_and_a_metric_and_training_goes_on() {
             n.name
         );
     }
+    c.down();
+    drop(disk);
+}
+
+/// The raft log (sled), the step logs and the checkpoints on one small disk: with a reserve
+/// (`[checkpoint].min_free`), checkpoints stop before they take the room the log needs; the
+/// refusal is a warning, a metric and a status line, and the cluster keeps committing.
+#[test]
+fn checkpoints_leave_the_reserve_to_the_raft_log_on_a_shared_disk() {
+    let tmp = tempfile::tempdir().unwrap();
+    let disk = SmallDisk::mount(&tmp.path().join("shared"), "64m");
+    let dir = disk.0.join("c");
+    let job = LocalJob {
+        steps: 100_000,
+        checkpoint_every: 50,
+        checkpoint_dir: Some(disk.0.join("ck")),
+        // Room for the nodes' state and a few checkpoints (about 0.3 MB each), no more.
+        checkpoint_min_free: Some("63M".into()),
+        ..LocalJob::default()
+    };
+    let mut c = up(&dir, 2, job).unwrap();
+    let failures = || -> f64 {
+        c.file
+            .nodes
+            .iter()
+            .filter_map(|n| get_text(&n.metrics).ok())
+            .filter_map(|page| samples(&page).get("limpet_checkpoint_failures_total").copied())
+            .sum()
+    };
+    wait_or_show("a checkpoint refused", Duration::from_secs(120), || failures() >= 1.0, Some(&dir));
+    let all = logs(&dir);
+    assert!(all.contains("[checkpoint].min_free") && !all.contains("No space left"), "{all}");
+    let out = Command::new(exe()).args(["status", "--dir"]).arg(&dir).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("checkpoints failing on") && text.contains("min_free"), "{text}");
+    // What was written left the reserve; what was refused left nothing behind.
+    let st = nix::sys::statvfs::statvfs(&disk.0).unwrap();
+    let free = st.blocks_available() as u64 * st.fragment_size() as u64;
+    assert!(free >= 63 << 20, "{free} bytes free: the reserve was eaten");
+    for d in std::fs::read_dir(disk.0.join("ck")).unwrap().flatten() {
+        assert!(
+            d.path().read_dir().unwrap().next().is_some(),
+            "{} is an empty checkpoint",
+            d.path().display()
+        );
+    }
+    // The log still takes entries: a node drained now leaves through a committed epoch, and
+    // training goes on at world 1.
+    let out = Command::new(exe()).args(["drain", "node-2", "--dir"]).arg(&dir).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let log = c.file.nodes[0].step_log.clone();
+    wait_or_show(
+        "training on at world 1 after the drain",
+        Duration::from_secs(120),
+        || steps_of(&log).last().is_some_and(|s| s.2 == 1),
+        Some(&dir),
+    );
     c.down();
     drop(disk);
 }

@@ -34,6 +34,22 @@ pub enum CheckpointError {
         /// What is wrong.
         detail: String,
     },
+    /// Writing would leave the disk with less than the reserve (`[checkpoint].min_free`):
+    /// the raft log on the same disk needs the room more than one more checkpoint does.
+    #[error(
+        "{path}: a checkpoint of {size} bytes would leave {left} bytes free, below the reserve of \
+         {min_free} ([checkpoint].min_free): not written"
+    )]
+    NoRoom {
+        /// The directory.
+        path: PathBuf,
+        /// The checkpoint part's size.
+        size: u64,
+        /// What would be left.
+        left: u64,
+        /// The reserve.
+        min_free: u64,
+    },
     /// The snapshot layer refused.
     #[error(transparent)]
     Snapshot(#[from] SnapshotError),
@@ -70,18 +86,52 @@ pub fn parse_part(name: &str) -> Option<Range<usize>> {
 }
 
 /// Writes one part (a stage's state, or the whole model's) of the checkpoint at the image's
-/// step; its path.
-pub fn write_part(dir: &Path, image: &StateImage, blocks: &Range<usize>) -> Result<PathBuf, CheckpointError> {
+/// step, unless that would leave less than `min_free` bytes on the disk; its path.
+pub fn write_part(
+    dir: &Path,
+    image: &StateImage,
+    blocks: &Range<usize>,
+    min_free: u64,
+) -> Result<PathBuf, CheckpointError> {
     let step = image.meta().step;
     let sd = step_dir(dir, step);
     std::fs::create_dir_all(&sd).map_err(|source| CheckpointError::Io {
         op: "creating",
-        path: sd,
+        path: sd.clone(),
         source,
     })?;
+    let bytes = image.encode()?;
+    if min_free > 0 {
+        if let Err(e) = check_room(&sd, bytes.len() as u64, min_free) {
+            // The directory just made would otherwise stay behind as an empty checkpoint.
+            let _ = std::fs::remove_dir(&sd);
+            return Err(e);
+        }
+    }
     let path = part_path(dir, step, blocks);
-    limpet_snapshot::write_atomic(&path, &image.encode()?)?;
+    limpet_snapshot::write_atomic(&path, &bytes)?;
     Ok(path)
+}
+
+/// Whether `size` more bytes in `dir` leave at least `min_free` available to unprivileged
+/// writers (what limpetd, not root, can still use).
+fn check_room(dir: &Path, size: u64, min_free: u64) -> Result<(), CheckpointError> {
+    let st = nix::sys::statvfs::statvfs(dir).map_err(|e| CheckpointError::Io {
+        op: "measuring free space on",
+        path: dir.to_path_buf(),
+        source: e.into(),
+    })?;
+    #[allow(clippy::useless_conversion)] // the field types differ between platforms
+    let free = u64::from(st.blocks_available()).saturating_mul(u64::from(st.fragment_size()));
+    if free.saturating_sub(size) < min_free {
+        return Err(CheckpointError::NoRoom {
+            path: dir.to_path_buf(),
+            size,
+            left: free.saturating_sub(size),
+            min_free,
+        });
+    }
+    Ok(())
 }
 
 /// A checkpoint on disk: its step and its parts (file, blocks), in block order.
@@ -291,9 +341,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         // Step 10: complete in two parts. Step 20: one part only (a stage died writing).
-        write_part(d, &image(10, 0..2, 1), &(0..2)).unwrap();
-        write_part(d, &image(10, 2..4, 1), &(2..4)).unwrap();
-        write_part(d, &image(20, 0..2, 1), &(0..2)).unwrap();
+        write_part(d, &image(10, 0..2, 1), &(0..2), 0).unwrap();
+        write_part(d, &image(10, 2..4, 1), &(2..4), 0).unwrap();
+        write_part(d, &image(20, 0..2, 1), &(0..2), 0).unwrap();
         let (found, skipped) = newest(d, 4, &serde_json::json!({ "job": 1 })).unwrap();
         let (l, whole) = found.unwrap();
         assert_eq!((l.step, whole.tensors().len()), (10, 4));
@@ -307,8 +357,8 @@ mod tests {
     fn a_corrupt_newest_part_falls_back_to_the_one_before() {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
-        write_part(d, &image(10, 0..4, 1), &(0..4)).unwrap();
-        corrupt(&write_part(d, &image(20, 0..4, 1), &(0..4)).unwrap());
+        write_part(d, &image(10, 0..4, 1), &(0..4), 0).unwrap();
+        corrupt(&write_part(d, &image(20, 0..4, 1), &(0..4), 0).unwrap());
         let (found, skipped) = newest(d, 4, &serde_json::json!({ "job": 1 })).unwrap();
         assert_eq!(found.unwrap().0.step, 10);
         assert!(skipped[0].contains("blocks-0-4.limpet"), "the skip names the bad file: {skipped:?}");
@@ -319,9 +369,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         for step in [10, 20, 30, 40] {
-            write_part(d, &image(step, 0..4, 1), &(0..4)).unwrap();
+            write_part(d, &image(step, 0..4, 1), &(0..4), 0).unwrap();
         }
-        write_part(d, &image(50, 0..2, 1), &(0..2)).unwrap();
+        write_part(d, &image(50, 0..2, 1), &(0..2), 0).unwrap();
         assert_eq!(prune(d, 2, 4).unwrap(), vec![10, 20]);
         let left: Vec<u64> = list(d).unwrap().iter().map(|l| l.step).collect();
         assert_eq!(left, vec![30, 40, 50]);
@@ -339,22 +389,22 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         for step in [10, 20] {
-            write_part(d, &image(step, 0..4, 1), &(0..4)).unwrap();
+            write_part(d, &image(step, 0..4, 1), &(0..4), 0).unwrap();
         }
         // The two newest complete by name, but corrupt: going by names, prune would keep
         // them and delete 10 and 20, the only checkpoints that load.
         for step in [30, 40] {
-            corrupt(&write_part(d, &image(step, 0..4, 1), &(0..4)).unwrap());
+            corrupt(&write_part(d, &image(step, 0..4, 1), &(0..4), 0).unwrap());
         }
         assert_eq!(prune(d, 2, 4).unwrap(), Vec::<u64>::new());
         assert_eq!(list(d).unwrap().len(), 4);
         // One intact newer checkpoint: it and 20 are the two kept; only 10 goes.
-        write_part(d, &image(50, 0..4, 1), &(0..4)).unwrap();
+        write_part(d, &image(50, 0..4, 1), &(0..4), 0).unwrap();
         assert_eq!(prune(d, 2, 4).unwrap(), vec![10]);
         assert_eq!(newest(d, 4, &serde_json::json!({ "job": 1 })).unwrap().0.unwrap().0.step, 50);
         // Nothing intact at all: nothing is deleted.
         let empty = tempfile::tempdir().unwrap();
-        corrupt(&write_part(empty.path(), &image(10, 0..4, 1), &(0..4)).unwrap());
+        corrupt(&write_part(empty.path(), &image(10, 0..4, 1), &(0..4), 0).unwrap());
         assert_eq!(prune(empty.path(), 1, 4).unwrap(), Vec::<u64>::new());
     }
 
@@ -362,12 +412,26 @@ mod tests {
     fn a_part_that_does_not_read_back_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let img = image(10, 0..4, 1);
-        let p = write_part(dir.path(), &img, &(0..4)).unwrap();
+        let p = write_part(dir.path(), &img, &(0..4), 0).unwrap();
         verify_part(&p, &img).unwrap();
         corrupt(&p);
         let e = verify_part(&p, &img).unwrap_err().to_string();
         assert!(e.contains("does not read back"), "{e}");
-        let other = write_part(dir.path(), &image(10, 0..4, 2), &(0..4)).unwrap();
+        let other = write_part(dir.path(), &image(10, 0..4, 2), &(0..4), 0).unwrap();
         assert!(verify_part(&other, &img).unwrap_err().to_string().contains("not the"));
+    }
+
+    #[test]
+    fn a_checkpoint_that_would_eat_the_reserve_is_not_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let img = image(10, 0..4, 1);
+        // More than any disk has: refused, named, and nothing left behind.
+        let e = write_part(dir.path(), &img, &(0..4), u64::MAX / 2).unwrap_err();
+        assert!(matches!(e, CheckpointError::NoRoom { .. }) && e.to_string().contains("min_free"), "{e}");
+        assert!(list(dir.path()).unwrap().is_empty());
+        assert!(!step_dir(dir.path(), 10).exists(), "no empty checkpoint directory");
+        // A reserve the disk has room for.
+        write_part(dir.path(), &img, &(0..4), 1).unwrap();
+        assert_eq!(list(dir.path()).unwrap().len(), 1);
     }
 }

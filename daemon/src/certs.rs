@@ -180,6 +180,34 @@ pub fn issue(
     not_before: OffsetDateTime,
     not_after: OffsetDateTime,
 ) -> anyhow::Result<(PathBuf, PathBuf)> {
+    // The name becomes a file name: checked before it is joined to a path.
+    check_name(name)?;
+    let (cert_path, key_path) = (dir.join(format!("{name}.pem")), dir.join(format!("{name}.key")));
+    for p in [&cert_path, &key_path] {
+        if p.exists() {
+            return Err(usage(format!("{} exists; remove it first to issue {name:?} again", p.display())));
+        }
+    }
+    let (cert, key) = issue_pem(dir, name, kind, not_before, not_after)?;
+    write_new(&key_path, &key, true)?;
+    write_new(&cert_path, &cert, false)?;
+    Ok((cert_path, key_path))
+}
+
+/// Issues a certificate for `name` valid for `days` from now (less five minutes of clock
+/// skew), signed by the CA in `dir`, without writing it anywhere: (certificate, key) as PEM.
+pub fn issue_pem_for_days(dir: &Path, name: &str, kind: Kind, days: u32) -> anyhow::Result<(String, String)> {
+    let now = OffsetDateTime::now_utc();
+    issue_pem(dir, name, kind, now - Duration::minutes(5), now + Duration::days(days.into()))
+}
+
+fn issue_pem(
+    dir: &Path,
+    name: &str,
+    kind: Kind,
+    not_before: OffsetDateTime,
+    not_after: OffsetDateTime,
+) -> anyhow::Result<(String, String)> {
     check_name(name)?;
     if not_after <= not_before {
         return Err(usage("the certificate would never be valid (--days must be at least 1)".into()));
@@ -193,12 +221,6 @@ pub fn issue(
         .with_context(|| format!("{}: not a PEM private key", ca_key.display()))?;
     let issuer = Issuer::from_ca_cert_pem(&read(&ca_cert)?, ca_key)
         .with_context(|| format!("{}: not a PEM CA certificate", ca_cert.display()))?;
-    let (cert_path, key_path) = (dir.join(format!("{name}.pem")), dir.join(format!("{name}.key")));
-    for p in [&cert_path, &key_path] {
-        if p.exists() {
-            return Err(usage(format!("{} exists; remove it first to issue {name:?} again", p.display())));
-        }
-    }
     let role_name = match kind {
         Kind::Node(_) => NODE_NAME,
         Kind::Client => CLIENT_NAME,
@@ -227,9 +249,7 @@ pub fn issue(
     params.not_after = not_after;
     let key = KeyPair::generate().context("generating the key")?;
     let cert = params.signed_by(&key, &issuer).context("signing the certificate")?;
-    write_new(&key_path, &key.serialize_pem(), true)?;
-    write_new(&cert_path, &cert.pem(), false)?;
-    Ok((cert_path, key_path))
+    Ok((cert.pem(), key.serialize_pem()))
 }
 
 #[cfg(test)]

@@ -1,10 +1,15 @@
-//! `limpet fleet up|list|down`: a cluster's spot capacity on EC2, through `limpet-deploy`.
+//! `limpet fleet up|list|down`: a cluster's spot capacity on EC2, through `limpet-deploy`, and
+//! the launched hosts' credentials in SSM Parameter Store.
 
+use crate::certs::Kind;
 use crate::UsageError;
+use anyhow::Context;
 use clap::{Args, Subcommand};
+use limpet_consensus::state::node_id_of_name;
+use limpet_deploy::ssm::Vault;
 use limpet_deploy::{Fleet, FleetConfig, FleetError, LaunchSpec, Member};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// `limpet fleet ...`.
 #[derive(Debug, Subcommand)]
@@ -60,9 +65,31 @@ pub struct UpArgs {
     /// On-demand instead of spot.
     #[arg(long)]
     on_demand: bool,
+    #[command(flatten)]
+    credentials: CredentialArgs,
     /// Print the launched instances as JSON.
     #[arg(long)]
     json: bool,
+}
+
+/// Credentials for the launched hosts, through SSM Parameter Store.
+#[derive(Debug, Args)]
+pub struct CredentialArgs {
+    /// The cluster CA's directory (`limpet certs init`): issue each launched instance a node
+    /// certificate named after its instance id and store it, its key, the CA's certificate
+    /// and the cluster secret under --ssm-prefix, where the host's first boot reads them
+    /// (`limpetd fetch-credentials`). Keys never travel in user data.
+    #[arg(long, requires = "secret_file")]
+    certs: Option<PathBuf>,
+    /// The cluster secret (at least 16 bytes) stored with the certificates.
+    #[arg(long, requires = "certs")]
+    secret_file: Option<PathBuf>,
+    /// The parameters' prefix (default: /limpet/CLUSTER).
+    #[arg(long)]
+    ssm_prefix: Option<String>,
+    /// How long the issued node certificates are valid.
+    #[arg(long, default_value_t = 365)]
+    cert_days: u32,
 }
 
 fn parse_set(s: &str) -> Result<(String, String), String> {
@@ -89,6 +116,10 @@ pub struct DownArgs {
     /// Required to terminate every instance of the cluster.
     #[arg(long)]
     all: bool,
+    /// Where `fleet up --certs` stored the hosts' credentials (default: /limpet/CLUSTER);
+    /// the terminated instances' certificates and keys are deleted there.
+    #[arg(long)]
+    ssm_prefix: Option<String>,
 }
 
 fn usage_if_bad(e: FleetError) -> anyhow::Error {
@@ -153,8 +184,17 @@ pub fn run(cmd: FleetCommand) -> anyhow::Result<()> {
                     user_data,
                     on_demand: a.on_demand,
                 };
+                let credentials = prepare_credentials(&a, spec.user_data.as_deref()).await?;
                 let fleet = connect(&a.ec2).await?;
                 let launched = fleet.up(&spec).await.map_err(usage_if_bad)?;
+                if let Some((vault, dir)) = &credentials {
+                    store_credentials(vault, dir, &launched, a.credentials.cert_days).await?;
+                    eprintln!(
+                        "stored the credentials of {} instance(s) under {}",
+                        launched.len(),
+                        vault.name("").trim_end_matches('/')
+                    );
+                }
                 if a.json {
                     println!("{}", serde_json::to_string_pretty(&launched)?);
                 } else {
@@ -183,6 +223,7 @@ pub fn run(cmd: FleetCommand) -> anyhow::Result<()> {
                 for (id, before, now) in &done {
                     println!("{id}: {before} -> {now}");
                 }
+                forget_credentials(&a, &done).await;
                 if done.is_empty() {
                     println!("cluster {} has no live instances", a.ec2.cluster);
                 }
@@ -190,6 +231,89 @@ pub fn run(cmd: FleetCommand) -> anyhow::Result<()> {
         }
         anyhow::Ok(())
     })
+}
+
+/// Checks the credential flags before anything is launched (an instance that boots without
+/// its credentials waits, then fails) and stores what every host shares: the CA's certificate
+/// and the secret.
+async fn prepare_credentials(
+    a: &UpArgs,
+    user_data: Option<&str>,
+) -> anyhow::Result<Option<(Vault, PathBuf)>> {
+    let c = &a.credentials;
+    let (Some(dir), Some(secret_file)) = (&c.certs, &c.secret_file) else {
+        if user_data.is_some_and(|u| u.contains("[security.ssm]")) {
+            return Err(UsageError(
+                "the user data reads its credentials from SSM ([security.ssm]): pass --certs DIR and \
+                 --secret-file FILE so that fleet up stores them"
+                    .into(),
+            )
+            .into());
+        }
+        return Ok(None);
+    };
+    let secret = std::fs::read(secret_file)
+        .map_err(|e| UsageError(format!("--secret-file {}: {e}", secret_file.display())))?;
+    if secret.len() < 16 {
+        return Err(UsageError(format!(
+            "--secret-file {}: {} bytes; the cluster secret needs at least 16",
+            secret_file.display(),
+            secret.len()
+        ))
+        .into());
+    }
+    // The CA must be able to sign before hosts are launched that need its signature.
+    crate::certs::issue_pem_for_days(dir, "preflight", Kind::Node(1), 1)
+        .map_err(|e| UsageError(format!("--certs {}: {e:#}", dir.display())))?;
+    let ca_pem = std::fs::read_to_string(dir.join("ca.pem"))
+        .map_err(|e| UsageError(format!("--certs {}: ca.pem: {e}", dir.display())))?;
+    let vault = vault(&a.ec2, c.ssm_prefix.as_deref()).await?;
+    vault.put_cluster(&ca_pem, &secret).await?;
+    Ok(Some((vault, dir.clone())))
+}
+
+async fn vault(a: &Ec2Args, prefix: Option<&str>) -> anyhow::Result<Vault> {
+    let cfg = FleetConfig { region: a.region.clone(), endpoint: a.endpoint_url.clone(), credentials: None };
+    let prefix = prefix.map_or_else(|| limpet_deploy::ssm::default_prefix(&a.cluster), String::from);
+    Vault::connect(&prefix, &cfg).await.map_err(usage_if_bad)
+}
+
+/// Issues and stores each launched instance's certificate (named and bound after its
+/// instance id, the name its `limpetd` takes).
+async fn store_credentials(vault: &Vault, dir: &Path, launched: &[Member], days: u32) -> anyhow::Result<()> {
+    for m in launched {
+        let stored = async {
+            let (cert, key) =
+                crate::certs::issue_pem_for_days(dir, &m.id, Kind::Node(node_id_of_name(&m.id)), days)?;
+            vault.put_node(&m.id, &cert, &key).await?;
+            anyhow::Ok(())
+        };
+        stored.await.with_context(|| {
+            let ids: Vec<&str> = launched.iter().map(|m| m.id.as_str()).collect();
+            format!(
+                "instances {} are launched, but {}'s credentials could not be stored: they will wait \
+                 for them and fail; terminate them with `limpet fleet down`",
+                ids.join(" "),
+                m.id
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// Deletes the terminated instances' credentials (a warning, not an error: the instances are
+/// terminated either way).
+async fn forget_credentials(a: &DownArgs, done: &[(String, String, String)]) {
+    if done.is_empty() {
+        return;
+    }
+    let ids: Vec<String> = done.iter().map(|(id, ..)| id.clone()).collect();
+    let result = async {
+        vault(&a.ec2, a.ssm_prefix.as_deref()).await?.remove_nodes(&ids).await.map_err(anyhow::Error::from)
+    };
+    if let Err(e) = result.await {
+        eprintln!("warning: the terminated instances' credentials in SSM were not deleted: {e:#}");
+    }
 }
 
 /// Seeds for `[cluster].ec2_seeds`: the control addresses of the cluster's running

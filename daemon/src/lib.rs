@@ -10,6 +10,7 @@ pub mod certs;
 pub mod cli;
 pub mod cluster_file;
 pub mod config;
+pub mod credentials_cmd;
 pub mod data_cmd;
 pub mod fleet_cmd;
 pub mod limpetd;

@@ -42,6 +42,17 @@ pub enum LimpetdCommand {
         #[arg(long)]
         config: PathBuf,
     },
+    /// An EC2 host's first boot: fetch this node's certificate, key and the cluster secret
+    /// from SSM Parameter Store ([security.ssm]), write them, check them, then delete the
+    /// key's parameter. Does nothing when the files are already there.
+    FetchCredentials {
+        /// The configuration file.
+        #[arg(long)]
+        config: PathBuf,
+        /// How long to wait for the parameters (default: [security.ssm].wait_secs).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        wait: Option<Duration>,
+    },
 }
 
 /// Running the agent.
@@ -60,6 +71,9 @@ pub struct RunArgs {
 
 /// Runs `limpetd` with parsed arguments.
 pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
+    if let Some(LimpetdCommand::FetchCredentials { config, wait }) = &cli.command {
+        return crate::credentials_cmd::run(config, *wait);
+    }
     if let Some(LimpetdCommand::Validate { config }) = cli.command {
         let cfg = Config::load(&config).map_err(|e| UsageError(e.to_string()))?;
         println!(
@@ -390,6 +404,7 @@ fn checkpoint_settings(cfg: &Config) -> Option<limpet_agent::runtime::Checkpoint
         dir: c.dir.clone().unwrap_or_else(|| cfg.node.state_dir.join("checkpoints")),
         keep: c.keep,
         resume: c.resume,
+        min_free: c.min_free_bytes().expect("validated: [checkpoint].min_free"),
         remote: c.s3.as_ref().and_then(|url| limpet_agent::remote::parse_url(url).ok()).map(
             |(bucket, prefix)| limpet_agent::remote::RemoteSettings {
                 bucket,

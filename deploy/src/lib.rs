@@ -16,6 +16,8 @@ use aws_sdk_ec2::types::{
 use base64::Engine;
 use std::collections::BTreeMap;
 
+pub mod ssm;
+
 /// The tag naming the cluster an instance belongs to.
 pub const CLUSTER_TAG: &str = "limpet:cluster";
 
@@ -80,6 +82,29 @@ pub struct FleetConfig {
     pub credentials: Option<(String, String)>,
 }
 
+/// The SDK's shared configuration for `cfg` (region, endpoint and credentials; the rest from
+/// the SDK's default chain: environment, profile, instance role).
+async fn sdk_config(cfg: &FleetConfig) -> Result<aws_config::SdkConfig, FleetError> {
+    let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest());
+    if let Some(r) = &cfg.region {
+        loader = loader.region(aws_config::Region::new(r.clone()));
+    }
+    if let Some(url) = &cfg.endpoint {
+        loader = loader.endpoint_url(url);
+    }
+    if let Some((key, secret)) = &cfg.credentials {
+        loader = loader
+            .credentials_provider(aws_sdk_ec2::config::Credentials::new(key, secret, None, None, "limpet"));
+    }
+    let shared = loader.load().await;
+    if shared.region().is_none() {
+        return Err(FleetError::Usage(
+            "no AWS region: pass --region or set AWS_REGION (or a profile's region)".into(),
+        ));
+    }
+    Ok(shared)
+}
+
 /// What `fleet up` launches.
 #[derive(Clone, Debug)]
 pub struct LaunchSpec {
@@ -132,24 +157,7 @@ impl Fleet {
         if cluster.is_empty() {
             return Err(FleetError::Usage("the cluster name is empty".into()));
         }
-        let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest());
-        if let Some(r) = &cfg.region {
-            loader = loader.region(aws_sdk_ec2::config::Region::new(r.clone()));
-        }
-        if let Some(url) = &cfg.endpoint {
-            loader = loader.endpoint_url(url);
-        }
-        if let Some((key, secret)) = &cfg.credentials {
-            loader = loader.credentials_provider(aws_sdk_ec2::config::Credentials::new(
-                key, secret, None, None, "limpet",
-            ));
-        }
-        let shared = loader.load().await;
-        if shared.region().is_none() {
-            return Err(FleetError::Usage(
-                "no AWS region: pass --region or set AWS_REGION (or a profile's region)".into(),
-            ));
-        }
+        let shared = sdk_config(cfg).await?;
         Ok(Fleet { client: aws_sdk_ec2::Client::new(&shared), cluster: cluster.to_string(), page_size: 100 })
     }
 

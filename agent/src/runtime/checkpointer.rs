@@ -130,8 +130,13 @@ impl Part {
     /// the log; failures are counted and logged (the local copy stands if S3 fails).
     fn write(&self) {
         let started = Instant::now();
-        let written = crate::checkpoint::write_part(&self.settings.dir, &self.image, &self.blocks)
-            .and_then(|path| crate::checkpoint::verify_part(&path, &self.image).map(|()| path));
+        let written = crate::checkpoint::write_part(
+            &self.settings.dir,
+            &self.image,
+            &self.blocks,
+            self.settings.min_free,
+        )
+        .and_then(|path| crate::checkpoint::verify_part(&path, &self.image).map(|()| path));
         match written {
             Ok(path) => {
                 let secs = started.elapsed().as_secs_f64();
@@ -252,6 +257,7 @@ mod tests {
             keep: 2,
             resume: crate::runtime::Resume::Never,
             remote: None,
+            min_free: 0,
         }
     }
 

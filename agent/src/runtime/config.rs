@@ -178,6 +178,8 @@ pub struct CheckpointSettings {
     pub resume: Resume,
     /// Also copy every part to S3-compatible storage (and resume from there).
     pub remote: Option<crate::remote::RemoteSettings>,
+    /// Bytes a checkpoint must leave free on its disk (the raft log may share it).
+    pub min_free: u64,
 }
 
 /// How a new cluster treats its checkpoints (`[checkpoint].resume`).

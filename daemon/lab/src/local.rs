@@ -62,6 +62,9 @@ pub struct LocalJob {
     /// `[checkpoint].resume` ("required", "if-present", "never"); unset: the default.
     #[serde(default)]
     pub checkpoint_resume: Option<String>,
+    /// `[checkpoint].min_free` (`256M`, `0`); unset: the default.
+    #[serde(default)]
+    pub checkpoint_min_free: Option<String>,
     /// Extra environment for every `limpetd` (credentials for an S3-compatible store).
     #[serde(default)]
     pub env: Vec<(String, String)>,
@@ -99,6 +102,7 @@ impl Default for LocalJob {
             anonymous_status: false,
             checkpoint_s3: None,
             checkpoint_resume: None,
+            checkpoint_min_free: None,
             env: Vec::new(),
             data_path: None,
             data_section: Default::default(),
@@ -356,6 +360,9 @@ impl LocalCluster {
             }
             if let Some(r) = &j.checkpoint_resume {
                 text += &format!("resume = {r:?}\n");
+            }
+            if let Some(m) = &j.checkpoint_min_free {
+                text += &format!("min_free = {m:?}\n");
             }
         }
         Ok(text)

@@ -4,8 +4,10 @@
 //! before it starts. The keys are documented in `docs/limpetd.md`.
 
 mod names;
+mod security;
 use limpet_agent::policy::BatchPolicy;
 pub use names::{DataPlaneMode, LogFormat, ModelName, OptimizerName, SourceName};
+pub use security::{SecuritySection, SsmSection};
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -53,86 +55,6 @@ pub struct Config {
     pub security: Option<SecuritySection>,
 }
 
-/// `[security]`: mutual TLS with certificates of the cluster CA (`limpet certs`), or, said
-/// in so many words, none.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct SecuritySection {
-    /// Run without certificates: anyone who reaches the ports and knows the cluster secret
-    /// is a member, and traffic is plain text. For a network you trust only.
-    #[serde(default)]
-    pub insecure: bool,
-    /// The cluster CA's certificate.
-    pub ca: Option<PathBuf>,
-    /// This node's certificate (`limpet certs issue NAME --id ID`).
-    pub cert: Option<PathBuf>,
-    /// Its private key.
-    pub key: Option<PathBuf>,
-    /// Let clients without a certificate read status (drain and revoke always need one).
-    #[serde(default)]
-    pub anonymous_status: bool,
-    /// Data-plane connections: `tls` (encrypted and authenticated, the default) or `secret`
-    /// (authenticated by the cluster secret only, for a trusted network where encryption
-    /// would cost gradient bandwidth).
-    #[serde(default)]
-    pub data_plane: DataPlaneMode,
-}
-
-impl SecuritySection {
-    /// Loads and checks the certificates for node `node`; errors name the key and the file.
-    pub fn load(&self, file: &str, node: u64) -> Result<limpet_consensus::tls::Tls, ConfigError> {
-        use limpet_consensus::tls::{Role, Tls, TlsError, TlsFiles};
-        let need = |key: &str, v: &Option<PathBuf>| {
-            v.clone().ok_or_else(|| ConfigError {
-                file: file.into(),
-                key: format!("[security].{key}"),
-                detail: "missing: set ca, cert and key (limpet certs init / issue), or insecure = true"
-                    .into(),
-            })
-        };
-        let files = TlsFiles {
-            ca: need("ca", &self.ca)?,
-            cert: need("cert", &self.cert)?,
-            key: need("key", &self.key)?,
-        };
-        let key_of = |what: &str| match what {
-            "CA certificate" => "[security].ca",
-            "private key" => "[security].key",
-            _ => "[security].cert",
-        };
-        let mut tls = Tls::load(&files).map_err(|e| {
-            let what = match &e {
-                TlsError::Read { what, .. } | TlsError::Bad { what, .. } => *what,
-            };
-            ConfigError { file: file.into(), key: key_of(what).into(), detail: e.to_string() }
-        })?;
-        if tls.role() != Some(Role::Node) {
-            return Err(ConfigError {
-                file: file.into(),
-                key: "[security].cert".into(),
-                detail: format!(
-                    "{} is an operator certificate; limpetd needs a node certificate (limpet certs issue NAME)",
-                    files.cert.display()
-                ),
-            });
-        }
-        // A certificate speaks for one node: another node's would be refused by every peer.
-        if let Some(bound) = tls.node_id().filter(|&id| id != node) {
-            return Err(ConfigError {
-                file: file.into(),
-                key: "[security].cert".into(),
-                detail: format!(
-                    "{} is node {bound}'s certificate, but this node is node {node} ([node].id, or its \
-                     name's id): issue its own with `limpet certs issue NAME --id {node}`",
-                    files.cert.display()
-                ),
-            });
-        }
-        tls.anonymous_reads = self.anonymous_status;
-        Ok(tls)
-    }
-}
-
 /// `[checkpoint]`: periodic checkpoints that outlive every host, and resuming from them.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -159,10 +81,29 @@ pub struct CheckpointSection {
     pub s3_endpoint: Option<String>,
     /// The region (default: the SDK's: environment, profile, instance metadata).
     pub s3_region: Option<String>,
+    /// What a checkpoint must leave free on its disk (`256M`, `2G`; `0` for no reserve): a
+    /// checkpoint that would leave less is not written (a warning, a metric and a status
+    /// line), so checkpoints never take the room the raft log needs when they share a disk.
+    #[serde(default = "default_min_free")]
+    pub min_free: String,
 }
 
 fn default_keep() -> usize {
     3
+}
+
+impl CheckpointSection {
+    /// `min_free` in bytes (`0` turns the reserve off).
+    pub fn min_free_bytes(&self) -> Result<u64, String> {
+        match self.min_free.trim() {
+            "0" => Ok(0),
+            s => crate::args::parse_bytes(s),
+        }
+    }
+}
+
+fn default_min_free() -> String {
+    "256M".into()
 }
 
 /// How many stages: a number, or `"auto"` for the planner's choice.
@@ -431,13 +372,19 @@ impl Config {
 
     /// Parses and checks `text` (named `file` in errors).
     pub fn parse(text: &str, file: &str) -> Result<Config, ConfigError> {
-        let cfg: Config = toml::from_str(text).map_err(|e| ConfigError {
+        let cfg = Config::parse_unchecked(text, file)?;
+        cfg.validate(file)?;
+        Ok(cfg)
+    }
+
+    /// Parses `text` without the checks that read files (for `limpetd fetch-credentials`,
+    /// which writes the files those checks read).
+    pub fn parse_unchecked(text: &str, file: &str) -> Result<Config, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError {
             file: file.to_string(),
             key: e.span().map_or("(file)".into(), |s| key_at(text, s.start)),
             detail: e.message().to_string(),
-        })?;
-        cfg.validate(file)?;
-        Ok(cfg)
+        })
     }
 
     /// Checks what the parser cannot: addresses, ranges, files, combinations.
@@ -666,6 +613,9 @@ impl Config {
             if c.keep == 0 {
                 return err("[checkpoint].keep", "must be at least 1".into());
             }
+            if let Err(e) = c.min_free_bytes() {
+                return err("[checkpoint].min_free", e);
+            }
             if let Some(url) = &c.s3 {
                 if let Err(e) = limpet_agent::remote::parse_url(url) {
                     return err("[checkpoint].s3", e);
@@ -704,14 +654,21 @@ impl Config {
                 )
             }
             Some(sec) if sec.insecure => {
-                if sec.ca.is_some() || sec.cert.is_some() || sec.key.is_some() {
+                if sec.ca.is_some() || sec.cert.is_some() || sec.key.is_some() || sec.ssm.is_some() {
                     return err(
                         "[security].insecure",
-                        "is true, but ca, cert or key is set too: choose one".into(),
+                        "is true, but ca, cert, key or [security.ssm] is set too: choose one".into(),
                     );
                 }
             }
             Some(sec) => {
+                if let Some(ssm) = &sec.ssm {
+                    limpet_deploy::ssm::check_prefix(&ssm.prefix).map_err(|e| ConfigError {
+                        file: file.into(),
+                        key: "[security.ssm].prefix".into(),
+                        detail: e.to_string(),
+                    })?;
+                }
                 sec.load(file, self.node_id())?;
             }
         }

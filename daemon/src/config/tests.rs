@@ -128,6 +128,15 @@ fn errors_name_the_file_and_the_key() {
             "[checkpoint].s3_endpoint",
         ),
         (format!("{good}\n[checkpoint]\nevery_steps = 5\ns3_endpoint = \"http://m\"\n"), "set s3 too"),
+        (format!("{good}\n[checkpoint]\nevery_steps = 5\nmin_free = \"lots\"\n"), "[checkpoint].min_free"),
+        (format!("{good}\n[security.ssm]\nprefix = \"/limpet/demo\"\n"), "[security].insecure"),
+        (
+            format!(
+                "{}\nca = \"/a\"\ncert = \"/b\"\nkey = \"/c\"\n[security.ssm]\nprefix = \"limpet/demo/\"\n",
+                good.replace("insecure = true\n", "")
+            ),
+            "[security.ssm].prefix",
+        ),
         (
             format!(
                 "{}\nca = \"/nonexistent/ca.pem\"\ncert = \"/x.pem\"\nkey = \"/x.key\"\n",
