@@ -35,6 +35,17 @@ if ! command -v systemd-analyze >/dev/null; then
         die "no systemd-analyze: install systemd (Debian: apt-get install systemd)"
     fi
 fi
+# raft-rs's messages are generated with prost at build time, which runs protoc (Debian
+# package protobuf-compiler).
+if ! command -v protoc >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        say "installing protobuf-compiler (protoc, for raft-rs's prost codec)"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q protobuf-compiler >&2 \
+            || die "apt-get install protobuf-compiler failed"
+    else
+        die "no protoc: install it (Debian: apt-get install protobuf-compiler)"
+    fi
+fi
 mkdir -p "$CACHE" "$DATA"
 
 # One setup at a time: a second clone waits instead of racing on the same venv.

@@ -21,7 +21,6 @@ use limpet_consensus::tls::{Tls, TlsFiles};
 use limpet_consensus::transport::{encode_batch, pb};
 use limpet_consensus::NodeStatus;
 use limpet_lab::local::{LocalCluster, LocalJob};
-use protobuf::Message as _;
 use raft::prelude::{ConfChangeSingle, ConfChangeType, ConfChangeV2, EntryType, Message, MessageType};
 use std::io::Write;
 use std::net::TcpStream;
@@ -76,7 +75,7 @@ fn crafted(to: u64, st: &NodeStatus, cid: u64) -> Vec<(&'static str, Message)> {
     // term: raft-rs finds a conflict at or below the commit index and panics.
     let mut m = message(MessageType::MsgAppend, me, to, t);
     (m.index, m.log_term, m.commit) = (st.last_index, t, st.last_index);
-    m.entries = vec![entry(EntryType::EntryNormal, 1, t + 7, vec![])].into();
+    m.entries = vec![entry(EntryType::EntryNormal, 1, t + 7, vec![])];
     out.push(("an append rewriting committed entries", m));
 
     // A peer's proposal carrying a configuration change (removing node 1) would change the
@@ -85,16 +84,16 @@ fn crafted(to: u64, st: &NodeStatus, cid: u64) -> Vec<(&'static str, Message)> {
     let mut single = ConfChangeSingle::default();
     single.set_change_type(ConfChangeType::RemoveNode);
     single.node_id = 1;
-    cc.changes = vec![single].into();
+    cc.changes = vec![single];
     let mut m = message(MessageType::MsgPropose, me, to, 0);
-    m.entries = vec![entry(EntryType::EntryConfChangeV2, 0, 0, cc.write_to_bytes().unwrap())].into();
+    m.entries = vec![entry(EntryType::EntryConfChangeV2, 0, 0, limpet_consensus::codec::encode(&cc))];
     out.push(("a proposal carrying a configuration change", m));
 
     // A proposal that claims node 1 proposed it: node 1 "rejoining" at the rogue's address.
     let join = common::rogue_join(1, "node-1");
     let p = Proposal { v: FORMAT_VERSION, origin: ProposalId { node: 1, seq: 1 }, command: join };
     let mut m = message(MessageType::MsgPropose, me, to, 0);
-    m.entries = vec![entry(EntryType::EntryNormal, 0, 0, p.encode())].into();
+    m.entries = vec![entry(EntryType::EntryNormal, 0, 0, p.encode())];
     out.push(("a proposal speaking for node 1", m));
 
     // Another cluster's state as a snapshot.
@@ -102,7 +101,7 @@ fn crafted(to: u64, st: &NodeStatus, cid: u64) -> Vec<(&'static str, Message)> {
     let data = SnapshotData { v: FORMAT_VERSION, cluster_id: cid ^ 1, state: foreign }.encode();
     let mut m = message(MessageType::MsgSnapshot, me, to, t);
     let snap = m.mut_snapshot();
-    snap.data = data.into();
+    snap.data = data;
     snap.mut_metadata().index = st.last_index + 10;
     snap.mut_metadata().term = t;
     out.push(("another cluster's snapshot", m));

@@ -14,7 +14,6 @@ use crate::state::{
     FORMAT_VERSION,
 };
 use crate::storage::{AppliedState, LogStore};
-use protobuf::Message as _;
 use raft::prelude::{
     ConfChange, ConfChangeSingle, ConfChangeTransition, ConfChangeType, ConfChangeV2, ConfState, Entry,
     EntryType, Message, MessageType, Snapshot, SnapshotMetadata,
@@ -305,6 +304,9 @@ impl<S: LogStore> Core<S> {
                 msg.to, self.cfg.id
             )));
         }
+        // raft-rs's accessors panic on an enum number that names no variant: checked first.
+        crate::codec::check_message(&msg)
+            .map_err(|e| StepError::Refused(format!("from node {}: {e}", msg.from)))?;
         if msg.from == 0 || raft::raw_node::is_local_msg(msg.get_msg_type()) {
             return Err(StepError::Refused(format!(
                 "{:?} from {} is not a peer message",
@@ -515,15 +517,15 @@ impl<S: LogStore> Core<S> {
             match e.get_entry_type() {
                 EntryType::EntryNormal if e.data.is_empty() => {}
                 EntryType::EntryNormal => self.apply_normal(&e),
-                EntryType::EntryConfChange => match ConfChange::parse_from_bytes(&e.data) {
+                EntryType::EntryConfChange => match crate::codec::decode::<ConfChange>(&e.data) {
                     Ok(cc) => {
                         let mut v2 = ConfChangeV2::default();
-                        v2.set_changes(vec![single(cc.node_id, cc.get_change_type())].into());
+                        v2.set_changes(vec![single(cc.node_id, cc.get_change_type())]);
                         self.apply_conf_change(e.index, &v2)
                     }
                     Err(err) => tracing::warn!(index = e.index, %err, "configuration entry does not decode"),
                 },
-                EntryType::EntryConfChangeV2 => match ConfChangeV2::parse_from_bytes(&e.data) {
+                EntryType::EntryConfChangeV2 => match crate::codec::decode::<ConfChangeV2>(&e.data) {
                     Ok(cc) => self.apply_conf_change(e.index, &cc),
                     Err(err) => tracing::warn!(index = e.index, %err, "configuration entry does not decode"),
                 },
@@ -622,7 +624,7 @@ impl<S: LogStore> Core<S> {
                     .collect();
                 let mut cc = ConfChangeV2::default();
                 cc.set_transition(ConfChangeTransition::Auto);
-                cc.set_changes(changes.into());
+                cc.set_changes(changes);
                 if let Err(err) = self.raw.propose_conf_change(vec![], cc) {
                     tracing::warn!(node = self.cfg.id, %err, "configuration change not proposed");
                 }
@@ -681,6 +683,6 @@ fn bootstrap_snapshot(cluster_id: u64, initial: &ClusterState) -> Snapshot {
     meta.set_conf_state(conf);
     let mut snap = Snapshot::default();
     snap.set_metadata(meta);
-    snap.data = SnapshotData { v: FORMAT_VERSION, cluster_id, state: initial.clone() }.encode().into();
+    snap.data = SnapshotData { v: FORMAT_VERSION, cluster_id, state: initial.clone() }.encode();
     snap
 }

@@ -43,7 +43,7 @@ pub fn message(kind: MessageType, from: NodeId, to: NodeId, term: u64) -> Messag
 pub fn entry(kind: EntryType, index: u64, term: u64, data: Vec<u8>) -> Entry {
     let mut e = Entry::default();
     e.set_entry_type(kind);
-    (e.index, e.term, e.data) = (index, term, data.into());
+    (e.index, e.term, e.data) = (index, term, data);
     e
 }
 

@@ -15,6 +15,8 @@
 //! Without the default `node` feature the crate is `state` and `membership` only.
 
 #[cfg(feature = "node")]
+pub mod codec;
+#[cfg(feature = "node")]
 pub mod core;
 #[cfg(feature = "node")]
 pub mod error;

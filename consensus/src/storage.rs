@@ -8,7 +8,6 @@
 //! are never applied twice.
 
 use crate::error::{ConsensusError, Result};
-use protobuf::Message as _;
 use raft::prelude::{ConfState, Entry, HardState, Snapshot, SnapshotMetadata};
 use raft::{GetEntriesContext, RaftState, Storage, StorageError};
 use std::path::{Path, PathBuf};
@@ -47,7 +46,7 @@ fn snapshot_of(state: &AppliedState, term: u64) -> Snapshot {
     meta.set_conf_state(state.conf.clone());
     let mut snap = Snapshot::default();
     snap.set_metadata(meta);
-    snap.data = state.data.clone().into();
+    snap.data = state.data.clone();
     snap
 }
 
@@ -300,8 +299,8 @@ pub enum StoredRecord {
 /// Decodes one stored record by its key. Every record the store reads passes through here,
 /// so a damaged record is reported by name instead of misread.
 pub fn decode_record(key: &[u8], value: &[u8]) -> std::result::Result<StoredRecord, String> {
-    fn pb<M: protobuf::Message>(v: &[u8]) -> std::result::Result<M, String> {
-        M::parse_from_bytes(v).map_err(|e| e.to_string())
+    fn pb<M: raft_prost::Message + Default>(v: &[u8]) -> std::result::Result<M, String> {
+        crate::codec::decode(v).map_err(|e| e.to_string())
     }
     match key {
         KEY_IDENTITY => serde_json::from_slice(value).map(StoredRecord::Identity).map_err(|e| e.to_string()),
@@ -315,7 +314,7 @@ pub fn decode_record(key: &[u8], value: &[u8]) -> std::result::Result<StoredReco
         KEY_APPLIED_DATA => Ok(StoredRecord::AppliedData(value.to_vec())),
         k if k.len() == 12 && k.starts_with(ENTRY_PREFIX) => {
             let index = u64::from_be_bytes(k[4..].try_into().expect("8 bytes"));
-            let entry: Entry = pb(value)?;
+            let entry = crate::codec::decode_entry(value)?;
             if entry.index != index {
                 return Err(format!("key says index {index}, record holds {}", entry.index));
             }
@@ -611,7 +610,7 @@ impl SledLog {
             .get(entry_key(index))
             .map_err(|e| other(e.to_string()))?
             .ok_or_else(|| other(format!("log entry {index} missing in {}", self.path.display())))?;
-        Entry::parse_from_bytes(&raw).map_err(|e| other(format!("log entry {index}: {e}")))
+        crate::codec::decode_entry(&raw).map_err(|e| other(format!("log entry {index}: {e}")))
     }
 
     /// The directory holding the database.
@@ -620,8 +619,8 @@ impl SledLog {
     }
 }
 
-fn pb_bytes<M: protobuf::Message>(m: &M) -> Vec<u8> {
-    m.write_to_bytes().expect("raft records always encode")
+fn pb_bytes<M: raft_prost::Message>(m: &M) -> Vec<u8> {
+    crate::codec::encode(m)
 }
 
 impl Storage for SledLog {
@@ -642,7 +641,7 @@ impl Storage for SledLog {
         let mut size = 0u64;
         for index in low..high {
             let e = self.read_entry(index)?;
-            size += u64::from(protobuf::Message::compute_size(&e));
+            size += crate::codec::size(&e);
             out.push(e);
             if max_size.is_some_and(|m| size > m) {
                 break;

@@ -7,7 +7,6 @@ use crate::error::{ConsensusError, Result};
 use crate::state::{ClusterState, Command, NodeId};
 use crate::tls::Tls;
 use prost::Message as _;
-use protobuf::Message as _;
 use raft::prelude::{Message, MessageType};
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,7 +35,7 @@ pub fn decode_batch(batch: &pb::RaftBatch, cluster_id: u64, me: NodeId) -> Resul
     }
     let mut out = Vec::with_capacity(batch.messages.len());
     for (i, raw) in batch.messages.iter().enumerate() {
-        let msg = Message::parse_from_bytes(raw).map_err(|e| ConsensusError::Decode {
+        let msg = crate::codec::decode_message(raw).map_err(|e| ConsensusError::Decode {
             what: "raft message",
             detail: format!("message {i}: {e}"),
         })?;
@@ -67,7 +66,7 @@ pub fn encode_batch(cluster_id: u64, from: NodeId, msgs: &[Message]) -> pb::Raft
         cluster_id,
         from,
         from_addr: String::new(),
-        messages: msgs.iter().map(|m| m.write_to_bytes().expect("raft messages encode")).collect(),
+        messages: msgs.iter().map(crate::codec::encode).collect(),
     }
 }
 

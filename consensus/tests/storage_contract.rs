@@ -7,7 +7,7 @@ use raft::prelude::{ConfState, Entry, HardState, Snapshot, SnapshotMetadata};
 use raft::{GetEntriesContext, Storage, StorageError};
 
 fn entry(index: u64, term: u64) -> Entry {
-    Entry { index, term, data: format!("entry {index}@{term}").into_bytes().into(), ..Default::default() }
+    Entry { index, term, data: format!("entry {index}@{term}").into_bytes(), ..Default::default() }
 }
 
 fn entries(range: std::ops::Range<u64>, term: u64) -> Vec<Entry> {
@@ -31,7 +31,7 @@ fn snapshot(index: u64, term: u64, voters: &[u64]) -> Snapshot {
     meta.set_conf_state(conf(voters));
     let mut s = Snapshot::default();
     s.set_metadata(meta);
-    s.data = b"snapshot state".to_vec().into();
+    s.data = b"snapshot state".to_vec();
     s
 }
 
@@ -57,7 +57,7 @@ fn contract<S: LogStore>(mut new: impl FnMut() -> S) {
     assert_eq!(s.term(3).unwrap(), 1);
     assert_eq!(s.term(0).unwrap(), 0);
     assert!(matches!(s.term(6), Err(raft::Error::Store(StorageError::Unavailable))));
-    let one = protobuf::Message::compute_size(&entry(1, 1)) as u64;
+    let one = limpet_consensus::codec::size(&entry(1, 1));
     assert_eq!(s.entries(1, 6, Some(one * 2), GetEntriesContext::empty(false)).unwrap().len(), 2);
     assert_eq!(s.entries(1, 6, Some(0), GetEntriesContext::empty(false)).unwrap().len(), 1, "at least one");
 
@@ -75,7 +75,7 @@ fn contract<S: LogStore>(mut new: impl FnMut() -> S) {
     assert_eq!(s.last_index().unwrap(), 3);
 
     // Hard state.
-    let hs = HardState { term: 3, vote: 2, commit: 2, ..Default::default() };
+    let hs = HardState { term: 3, vote: 2, commit: 2 };
     s.set_hard_state(&hs).unwrap();
     assert_eq!(s.initial_state().unwrap().hard_state, hs);
 
@@ -85,7 +85,7 @@ fn contract<S: LogStore>(mut new: impl FnMut() -> S) {
     assert_eq!(s.initial_state().unwrap().conf_state, conf(&[1, 2, 3]));
     let snap = s.snapshot(0, 9).unwrap();
     assert_eq!((snap.get_metadata().index, snap.get_metadata().term), (3, 3));
-    assert_eq!(snap.data.as_ref(), b"state@3");
+    assert_eq!(&snap.data[..], b"state@3");
     assert!(s.snapshot(4, 9).is_err(), "a snapshot older than requested is refused");
 
     // Compaction keeps the term of the snapshot index and drops what it covers.
@@ -139,7 +139,7 @@ fn sled_log_restarts_with_everything_it_flushed() {
     {
         let mut s = SledLog::open(&path, identity(1)).unwrap();
         s.append(&entries(1..10, 2)).unwrap();
-        let hs = HardState { term: 2, vote: 1, commit: 6, ..Default::default() };
+        let hs = HardState { term: 2, vote: 1, commit: 6 };
         s.set_hard_state(&hs).unwrap();
         s.save_applied(&applied(5, &[1, 2, 3])).unwrap();
         s.compact_to_applied().unwrap();
