@@ -26,13 +26,14 @@ $(ENV_MK) $(VENV_STAMP) $(DIGITS) &: deploy/setup.sh
 	bash deploy/setup.sh
 	touch $(ENV_MK) $(VENV_STAMP) $(DIGITS)
 
-.PHONY: help setup build test gpu-test lint unit fuzz-check fuzz bench demo clean
+.PHONY: help setup build dist test gpu-test lint unit fuzz-check fuzz bench demo clean
 
 help:
 	@echo "make test    set up, then lint and run every test"
 	@echo "make demo    set up, then run 4 agents through a spot notice, a join, a kill -9 and a drain"
 	@echo "make setup   install libtorch (torch==$(TORCH_VERSION) from PyPI) and data into $(LIMPET_CACHE)"
 	@echo "make fuzz    run each fuzz target for FUZZ_SECONDS (default 60)"
+	@echo "make dist    build the release tarball deploy/cloud-init.yaml installs (dist/limpet-VERSION-linux-ARCH.tar.gz)"
 	@echo "make gpu-test  run the CUDA tests where libtorch sees a GPU (says so and skips them where not)"
 	@echo "make bench   measure: raft commits, allreduce against gloo, state handoff against plain TCP, transitions against torchrun, planner predictions and pipelines, LLaMA training against transformers and torchrun + DDP, memory on a 4 GiB dataset"
 
@@ -40,6 +41,9 @@ setup: $(ENV_MK)
 
 build: setup
 	cargo build --workspace --release --bins
+
+dist: build
+	bash deploy/dist.sh --bin-dir target/release --out dist
 
 lint: setup
 	cargo fmt --all -- --check

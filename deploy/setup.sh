@@ -25,27 +25,21 @@ die() { printf 'setup: %s\n' "$*" >&2; exit 1; }
 
 command -v "$PYTHON_BIN" >/dev/null || die "no $PYTHON_BIN: install Python 3.10 or newer"
 command -v cargo >/dev/null || die "no cargo: install the Rust toolchain (rustup)"
-# The tests check the shipped systemd unit with systemd-analyze (Debian package systemd).
-if ! command -v systemd-analyze >/dev/null; then
+# Debian packages the build and the tests need: systemd-analyze checks the shipped unit,
+# protoc generates raft-rs's messages for prost at build time, patchelf sets the release
+# tarball's rpath (`make dist`, and its test).
+need_package() { # COMMAND PACKAGE WHY
+    command -v "$1" >/dev/null && return
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        say "installing systemd (for systemd-analyze)"
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q systemd >&2 \
-            || die "apt-get install systemd failed"
+        say "installing $2 ($3)"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$2" >&2 || die "apt-get install $2 failed"
     else
-        die "no systemd-analyze: install systemd (Debian: apt-get install systemd)"
+        die "no $1: install it (Debian: apt-get install $2)"
     fi
-fi
-# raft-rs's messages are generated with prost at build time, which runs protoc (Debian
-# package protobuf-compiler).
-if ! command -v protoc >/dev/null; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        say "installing protobuf-compiler (protoc, for raft-rs's prost codec)"
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q protobuf-compiler >&2 \
-            || die "apt-get install protobuf-compiler failed"
-    else
-        die "no protoc: install it (Debian: apt-get install protobuf-compiler)"
-    fi
-fi
+}
+need_package systemd-analyze systemd "for checking the systemd unit"
+need_package protoc protobuf-compiler "protoc, for raft-rs's prost codec"
+need_package patchelf patchelf "the release tarball's rpath"
 mkdir -p "$CACHE" "$DATA"
 
 # One setup at a time: a second clone waits instead of racing on the same venv.

@@ -577,3 +577,91 @@ fn a_scripted_scenario_runs_end_to_end_with_certificates() {
         assert_eq!(tls.role(), Some(limpet_consensus::tls::Role::Node));
     }
 }
+
+/// GET /metrics over TLS with `client`, as Prometheus would with `server_name: limpet-node`:
+/// the response, or why there is none.
+fn https_metrics(addr: &str, client: Arc<rustls::ClientConfig>) -> Result<String, String> {
+    let tcp = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+    tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let name = rustls::pki_types::ServerName::try_from(limpet_consensus::tls::NODE_NAME).unwrap();
+    let conn = rustls::ClientConnection::new(client, name).map_err(|e| e.to_string())?;
+    let mut s = rustls::StreamOwned::new(conn, tcp);
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: limpet-node\r\nConnection: close\r\n\r\n")
+        .map_err(|e| e.to_string())?;
+    let mut body = Vec::new();
+    match s.read_to_end(&mut body) {
+        Ok(_) => {}
+        // The answer is whole once the server closes; a close without close_notify is not a
+        // refusal.
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !body.is_empty() => {}
+        Err(e) => return Err(e.to_string()),
+    }
+    let text = String::from_utf8_lossy(&body).to_string();
+    if text.is_empty() {
+        return Err("closed without an answer".into());
+    }
+    Ok(text)
+}
+
+/// A client trusting `ca`, presenting `identity` (certificate and key files) if given: built
+/// by hand, so that a certificate of another CA can be presented at all.
+fn metrics_client(ca: &Path, identity: Option<(&Path, &Path)>) -> Arc<rustls::ClientConfig> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_file_iter(ca).unwrap() {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots);
+    Arc::new(match identity {
+        None => builder.with_no_client_auth(),
+        Some((cert, key)) => {
+            let chain = CertificateDer::pem_file_iter(cert).unwrap().map(Result::unwrap).collect();
+            builder.with_client_auth_cert(chain, PrivateKeyDer::from_pem_file(key).unwrap()).unwrap()
+        }
+    })
+}
+
+/// `[node].metrics_tls`: the metrics answer a client with a certificate of the cluster CA
+/// over TLS, and nobody else: not plain HTTP, not a client without a certificate, not one
+/// of another CA.
+#[test]
+fn metrics_over_tls_answer_only_clients_with_a_certificate_of_the_ca() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("c");
+    let job = LocalJob { steps: 100_000, tls: true, metrics_tls: true, ..LocalJob::default() };
+    let mut c =
+        LocalCluster::up_with(&dir, 1, job, &common::lab_exe(), Path::new(env!("CARGO_BIN_EXE_limpetd")))
+            .unwrap();
+    let log = c.file.nodes[0].step_log.clone();
+    wait_until("the node trains", Duration::from_secs(120), &dir, || !steps_of(&log).is_empty());
+    let url = c.file.nodes[0].metrics.clone();
+    let addr = url.strip_prefix("https://").and_then(|u| u.strip_suffix("/metrics")).expect(&url).to_string();
+    let certs_dir = c.certs_dir();
+
+    let operator = Tls::load(&files(&certs_dir, "operator")).unwrap();
+    let page = https_metrics(&addr, operator.data_client().unwrap()).unwrap();
+    assert!(page.starts_with("HTTP/1.1 200") && page.contains("limpet_steps_total"), "{page}");
+
+    let plain = limpet_lab::local::get_text(&format!("http://{addr}/metrics"));
+    assert!(plain.is_err(), "plain HTTP was answered: {plain:?}");
+    let ca = certs_dir.join("ca.pem");
+    let anonymous = https_metrics(&addr, metrics_client(&ca, None));
+    assert!(anonymous.is_err(), "a client without a certificate was answered: {anonymous:?}");
+    // The same client code with the operator's certificate is answered: the refusals above
+    // and below are the server's.
+    let op = (certs_dir.join("operator.pem"), certs_dir.join("operator.key"));
+    assert!(https_metrics(&addr, metrics_client(&ca, Some((&op.0, &op.1)))).is_ok());
+    let other = tmp.path().join("other");
+    certs::init(&other, "other", 10).unwrap();
+    let (cert, key) = certs::issue_for_days(&other, "mallory", Kind::Client, 1).unwrap();
+    let refused = https_metrics(&addr, metrics_client(&ca, Some((&cert, &key))));
+    assert!(refused.is_err(), "another CA's certificate was answered: {refused:?}");
+    // Still serving after the refusals.
+    assert!(https_metrics(&addr, operator.data_client().unwrap()).unwrap().contains("limpet_steps_total"));
+    c.down();
+}

@@ -129,6 +129,10 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
     }
     let opts = ServeOptions {
         metrics: cfg.node.metrics.as_deref().map(str::parse).transpose()?,
+        metrics_tls: match (&agent_cfg.tls, cfg.node.metrics_tls) {
+            (Some(tls), true) => Some(tls.data_server()?),
+            _ => None,
+        },
         grace: Duration::from_secs(cfg.timing.drain_grace_secs),
     };
     let result = rt.block_on(serve(agent_cfg, opts));
@@ -142,6 +146,8 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
 struct ServeOptions {
     /// Where to serve Prometheus metrics.
     metrics: Option<SocketAddr>,
+    /// Serve them over mutual TLS with this configuration.
+    metrics_tls: Option<std::sync::Arc<rustls::ServerConfig>>,
     /// How long a SIGTERM drain may take.
     grace: Duration,
 }
@@ -159,7 +165,7 @@ async fn serve(cfg: AgentConfig, opts: ServeOptions) -> anyhow::Result<()> {
     let tasks = Tasks::new(tokio_util::sync::CancellationToken::new());
     // Bound before the agent starts, so a taken port stops limpetd before it joins.
     let metrics = match opts.metrics {
-        Some(addr) => Some(crate::metrics::serve(addr, &tasks).await?),
+        Some(addr) => Some(crate::metrics::serve(addr, opts.metrics_tls, &tasks).await?),
         None => None,
     };
     let name = cfg.name.clone();

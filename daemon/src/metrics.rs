@@ -1,12 +1,16 @@
 //! `limpetd`'s Prometheus endpoint: installs the exporter's recorder behind the `metrics`
 //! facade (the agent records steps, transitions, checkpoints and data-plane bytes where
 //! they happen), serves its text format at `GET /metrics`, and follows the consensus node
-//! for the raft gauges. `deploy/grafana/limpet.json` is a dashboard over these names.
+//! for the raft gauges, over plain HTTP or mutual TLS (`[node].metrics_tls`).
+//! `deploy/grafana/limpet.json` is a dashboard over these names.
 
 use limpet_consensus::NodeHandle;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::server::TlsStream;
 use tokio_util::sync::CancellationToken;
 
 /// Seconds: from a 1 ms MLP step to a multi-second stall.
@@ -39,9 +43,20 @@ pub const METRICS: &[(&str, &str)] = &[
     ("limpet_members", "Cluster members by status, as this node's log has them."),
 ];
 
+/// Handshakes the TLS endpoint runs at once; more connections are closed unanswered.
+const MAX_HANDSHAKES: usize = 16;
+
+/// The time a client has for its whole TLS handshake.
+const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
+
 /// Installs the recorder and serves `/metrics` on `addr` as tasks of `tasks` (they end with
-/// its root token); the bound address.
-pub async fn serve(addr: SocketAddr, tasks: &limpet_agent::runtime::Tasks) -> anyhow::Result<SocketAddr> {
+/// its root token), over mutual TLS when `tls` is given (clients need a certificate of the
+/// cluster CA); the bound address.
+pub async fn serve(
+    addr: SocketAddr,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    tasks: &limpet_agent::runtime::Tasks,
+) -> anyhow::Result<SocketAddr> {
     let handle = install()?;
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -56,12 +71,25 @@ pub async fn serve(addr: SocketAddr, tasks: &limpet_agent::runtime::Tasks) -> an
         }),
     );
     let stop = tasks.token();
-    tasks.spawn("metrics", async move {
-        let serve = axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await });
-        if let Err(e) = serve.await {
-            tracing::error!(%e, "the metrics endpoint stopped");
+    match tls {
+        None => tasks.spawn("metrics", async move {
+            let serve =
+                axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await });
+            if let Err(e) = serve.await {
+                tracing::error!(%e, "the metrics endpoint stopped");
+            }
+        }),
+        Some(cfg) => {
+            let listener = TlsListener::start(listener, cfg, tasks);
+            tasks.spawn("metrics", async move {
+                let serve =
+                    axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await });
+                if let Err(e) = serve.await {
+                    tracing::error!(%e, "the metrics endpoint stopped");
+                }
+            });
         }
-    });
+    }
     // Histograms keep their samples until upkeep folds them into the buckets.
     let stop = tasks.token();
     tasks.spawn("metrics-upkeep", async move {
@@ -73,6 +101,78 @@ pub async fn serve(addr: SocketAddr, tasks: &limpet_agent::runtime::Tasks) -> an
         }
     });
     Ok(bound)
+}
+
+/// The metrics endpoint's connections after their TLS handshake. Handshakes run as tasks of
+/// their own (at most [`MAX_HANDSHAKES`], each within [`HANDSHAKE_DEADLINE`]), so a client that
+/// stalls its handshake holds one slot for a while, never the endpoint.
+struct TlsListener {
+    ready: tokio::sync::mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
+    local: SocketAddr,
+}
+
+impl TlsListener {
+    fn start(
+        listener: TcpListener,
+        cfg: Arc<rustls::ServerConfig>,
+        tasks: &limpet_agent::runtime::Tasks,
+    ) -> TlsListener {
+        let local = listener.local_addr().expect("a bound listener has an address");
+        let (tx, ready) = tokio::sync::mpsc::channel(MAX_HANDSHAKES);
+        let acceptor = tokio_rustls::TlsAcceptor::from(cfg);
+        let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+        let stop = tasks.token();
+        tasks.spawn("metrics-tls", async move {
+            loop {
+                let accepted = tokio::select! {
+                    _ = stop.cancelled() => return,
+                    a = listener.accept() => a,
+                };
+                let (tcp, peer) = match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        // Out of descriptors, most likely: let some close.
+                        tracing::warn!(%e, "metrics endpoint: accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
+                let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+                    tracing::debug!(%peer, "metrics endpoint: too many handshakes at once; closed");
+                    continue;
+                };
+                let (acceptor, tx) = (acceptor.clone(), tx.clone());
+                tokio::spawn(async move {
+                    let _slot = slot;
+                    match tokio::time::timeout(HANDSHAKE_DEADLINE, acceptor.accept(tcp)).await {
+                        Ok(Ok(tls)) => {
+                            let _ = tx.send((tls, peer)).await;
+                        }
+                        Ok(Err(e)) => tracing::debug!(%peer, %e, "metrics endpoint: client refused"),
+                        Err(_) => tracing::debug!(%peer, "metrics endpoint: handshake timed out"),
+                    }
+                });
+            }
+        });
+        TlsListener { ready, local }
+    }
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = TlsStream<TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        match self.ready.recv().await {
+            Some(c) => c,
+            // The handshake task ended (shutdown): nothing more comes.
+            None => std::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        Ok(self.local)
+    }
 }
 
 fn install() -> anyhow::Result<PrometheusHandle> {

@@ -56,6 +56,9 @@ pub struct LocalJob {
     /// With `tls`: clients without a certificate may read status.
     #[serde(default)]
     pub anonymous_status: bool,
+    /// With `tls`: serve metrics over mutual TLS (`[node].metrics_tls`).
+    #[serde(default)]
+    pub metrics_tls: bool,
     /// Copy checkpoints to S3: (`s3://BUCKET/PREFIX`, an S3-compatible endpoint URL).
     #[serde(default)]
     pub checkpoint_s3: Option<(String, String)>,
@@ -100,6 +103,7 @@ impl Default for LocalJob {
             checkpoint_dir: None,
             tls: false,
             anonymous_status: false,
+            metrics_tls: false,
             checkpoint_s3: None,
             checkpoint_resume: None,
             checkpoint_min_free: None,
@@ -267,6 +271,9 @@ impl LocalCluster {
             self.dir.join("secret").display().to_string(),
             step_log.display().to_string(),
         );
+        if j.metrics_tls {
+            text += "metrics_tls = true\n\n";
+        }
         text += &format!("[cluster]\nname = {:?}\nmin_nodes = {}\n", self.file.cluster, self.job.min_nodes);
         if founder {
             text += &format!(
@@ -294,7 +301,7 @@ impl LocalCluster {
             control: control.to_string(),
             data,
             metadata: format!("http://{md_addr}"),
-            metrics: format!("http://{metrics}/metrics"),
+            metrics: format!("{}://{metrics}/metrics", if j.metrics_tls { "https" } else { "http" }),
             config,
             log,
             step_log,

@@ -210,6 +210,10 @@ pub struct NodeSection {
     pub secret_file: PathBuf,
     /// Serve Prometheus metrics at `http://ADDR/metrics` (absent: no metrics endpoint).
     pub metrics: Option<String>,
+    /// Serve them over mutual TLS instead (`https://`): the node's certificate, and clients
+    /// must present one of the cluster CA (`limpet certs issue prometheus --client`).
+    #[serde(default)]
+    pub metrics_tls: bool,
     /// Log lines as `text` (default) or `json` (one object per line, for journald/Loki).
     #[serde(default)]
     pub log_format: LogFormat,
@@ -590,6 +594,12 @@ impl Config {
         }
         if let Some(a) = &self.node.metrics {
             addr("[node].metrics", a)?;
+        }
+        if self.node.metrics_tls && (self.node.metrics.is_none() || self.tls().is_none()) {
+            return err(
+                "[node].metrics_tls",
+                "needs [node].metrics and [security] with certificates (ca, cert, key)".into(),
+            );
         }
         if let Err(e) = limpet_agent::dataplane::endpoint::parse_congestion(&self.node.data_congestion) {
             return err("[node].data_congestion", e);

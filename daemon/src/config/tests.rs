@@ -109,6 +109,7 @@ fn errors_name_the_file_and_the_key() {
         (format!("{good}\n[data]\ncontext = 8\n"), "[data].context"),
         (good.replace("secret_file", "metrics = \"localhost\"\nsecret_file"), "[node].metrics"),
         (good.replace("secret_file", "log_format = \"xml\"\nsecret_file"), "[node].log_format"),
+        (good.replace("secret_file", "metrics_tls = true\nsecret_file"), "[node].metrics_tls"),
         (good.replace("secret_file", "data_congestion = \"BBR\"\nsecret_file"), "[node].data_congestion"),
         (
             good.replace("secret_file", "data_congestion = \"a_name_too_long_x\"\nsecret_file"),
