@@ -722,3 +722,108 @@ fn checkpoints_leave_the_reserve_to_the_raft_log_on_a_shared_disk() {
     c.down();
     drop(disk);
 }
+
+/// The build cache (libtorch's venv, the data): `$LIMPET_CACHE` as the Makefile exports it,
+/// else the default.
+fn build_cache() -> PathBuf {
+    std::env::var_os("LIMPET_CACHE").map(PathBuf::from).unwrap_or_else(|| {
+        let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
+        std::env::var_os("XDG_CACHE_HOME").map(PathBuf::from).unwrap_or(home.join(".cache")).join("limpet")
+    })
+}
+
+/// `make dist`'s tarball (packed here from this build's binaries) holds everything a host
+/// needs: unpacked into an empty directory, with the build cache hidden under a tmpfs in a
+/// private mount namespace and `LD_LIBRARY_PATH` pointing nowhere, its `limpetd` validates a
+/// configuration and its `limpet` trains.
+#[test]
+fn the_release_tarball_runs_with_the_build_cache_hidden() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bins = Path::new(env!("CARGO_BIN_EXE_limpetd")).parent().unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/dist.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .arg("--bin-dir")
+        .arg(bins)
+        .arg("--out")
+        .arg(tmp.path().join("dist"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let tarball = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim().to_string());
+    let name = tarball.file_name().unwrap().to_str().unwrap().to_string();
+    assert!(name.starts_with("limpet-") && name.ends_with("-linux-x86_64.tar.gz"), "{name}");
+    // The .sha256 beside it is what cloud-init checks.
+    let check = Command::new("sha256sum")
+        .arg("-c")
+        .arg(format!("{name}.sha256"))
+        .current_dir(tmp.path().join("dist"))
+        .output()
+        .unwrap();
+    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stdout));
+    // Extracted at / on a host: no entry may stand for / itself.
+    let list = Command::new("tar").arg("-tzf").arg(&tarball).output().unwrap();
+    let entries = String::from_utf8_lossy(&list.stdout).to_string();
+    assert!(entries.lines().all(|e| e.starts_with("usr/") || e.starts_with("etc/")), "{entries}");
+    for want in [
+        "usr/local/bin/limpetd",
+        "usr/local/bin/limpet",
+        "etc/systemd/system/limpetd.service",
+        "usr/local/lib/limpet/libtorch_cpu.so",
+    ] {
+        assert!(entries.lines().any(|e| e == want), "{want} missing: {entries}");
+    }
+    let root = tmp.path().join("root");
+    std::fs::create_dir_all(&root).unwrap();
+    let untar = Command::new("tar").arg("-C").arg(&root).arg("-xzf").arg(&tarball).status().unwrap();
+    assert!(untar.success());
+
+    // What the host brings: a configuration, a secret, the data.
+    let digits = tmp.path().join("digits.csv.gz");
+    std::fs::copy(limpet_trainer::data::default_digits_path(), &digits).unwrap();
+    std::fs::write(tmp.path().join("secret"), "0123456789abcdef").unwrap();
+    let config = tmp.path().join("limpetd.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[node]\nname = \"host-1\"\ncontrol = \"127.0.0.1:0\"\ndata = \"127.0.0.1:0\"\nstate_dir = {:?}\nsecret_file = {:?}\n\n[cluster]\nname = \"c\"\nbootstrap = [\"1=127.0.0.1:7400\"]\n\n[job]\nmodel = \"mlp\"\ndata = \"digits\"\ndata_path = {:?}\nsteps = 10\nglobal_batch = 8\n\n[security]\ninsecure = true\n",
+            tmp.path().join("state").display().to_string(),
+            tmp.path().join("secret").display().to_string(),
+            digits.display().to_string(),
+        ),
+    )
+    .unwrap();
+    let bin = root.join("usr/local/bin");
+    let script = r#"set -e
+mount -t tmpfs tmpfs "$CACHE"
+test -z "$(ls -A "$CACHE")"
+ldd "$BIN/limpetd" | grep -E 'libtorch_cpu|libc10'
+"$BIN/limpetd" validate --config "$CONFIG"
+"$BIN/limpet" train --model mlp --data digits --data-path "$DIGITS" --steps 20 --out "$OUT"
+"#;
+    let cache = build_cache();
+    let run = Command::new("unshare")
+        .args(["-m", "sh", "-c", script])
+        .env("CACHE", &cache)
+        .env("BIN", &bin)
+        .env("CONFIG", &config)
+        .env("DIGITS", &digits)
+        .env("OUT", tmp.path().join("run"))
+        .env("LD_LIBRARY_PATH", "/nonexistent")
+        .env("LIMPET_CACHE", "/nonexistent")
+        .env_remove("LIMPET_DIGITS")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
+    assert!(run.status.success(), "{text}");
+    // The libraries came from the tarball, not from the (hidden) build cache.
+    let lib_dir = root.join("usr/local/lib/limpet").display().to_string();
+    assert!(
+        text.lines()
+            .filter(|l| l.contains("libtorch_cpu"))
+            .all(|l| l.contains(&lib_dir) || l.contains("bin/../lib/limpet")),
+        "{text}"
+    );
+    assert!(text.contains("valid (node host-1") && text.contains("test accuracy"), "{text}");
+    assert!(tmp.path().join("run/checkpoint.safetensors").exists());
+}
