@@ -460,3 +460,55 @@ fn no_spot_capacity_is_reported_as_such() {
         }
     });
 }
+
+/// `limpet simulate` over the shipped AWS p3 trace, through the binary: a table and JSON
+/// with the three policies, a plot, and what the model must show: limpet loses less and pays
+/// less per sample than checkpoint-restart, and spot costs less per sample than on-demand.
+/// A bad trace is refused naming its line.
+#[test]
+fn limpet_simulate_compares_the_policies_over_a_real_trace() {
+    let tmp = tempfile::tempdir().unwrap();
+    let trace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces/aws-p3-preemptions.csv");
+    let plot = tmp.path().join("sim.svg");
+    let out = Command::new(exe())
+        .args(["simulate", "--json", "--trace"])
+        .arg(&trace)
+        .arg("--plot")
+        .arg(&plot)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(doc["trace"]["events"], 344);
+    let by_name =
+        |n: &str| doc["policies"].as_array().unwrap().iter().find(|p| p["policy"] == n).unwrap().clone();
+    let (limpet, restart, on_demand) =
+        (by_name("limpet"), by_name("checkpoint-restart"), by_name("on-demand"));
+    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap();
+    assert!(f(&limpet, "goodput") > f(&restart, "goodput"), "{doc}");
+    assert!(f(&limpet, "lost_s") < f(&restart, "lost_s"), "{doc}");
+    assert!(f(&limpet, "usd_per_million") < f(&restart, "usd_per_million"), "{doc}");
+    assert!(
+        f(&limpet, "cost_vs_on_demand") < 1.0 && (f(&on_demand, "cost_vs_on_demand") - 1.0).abs() < 1e-9,
+        "{doc}"
+    );
+    assert!((f(&on_demand, "goodput") - 1.0).abs() < 1e-9);
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("checkpoint-restart"), "not the plot");
+    // The table names the three.
+    let out = Command::new(exe()).args(["simulate", "--trace"]).arg(&trace).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        ["limpet", "checkpoint-restart", "on-demand", "VS ON-DEMAND"].iter().all(|w| text.contains(w)),
+        "{text}"
+    );
+    // A trace that removes a host it never added.
+    let bad = tmp.path().join("bad.csv");
+    std::fs::write(&bad, "0,add,a\n10,remove,b\n").unwrap();
+    let out = Command::new(exe()).args(["simulate", "--trace"]).arg(&bad).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.code() == Some(64) && err.contains("bad.csv:2: b is removed while it is not live"),
+        "{err}"
+    );
+}

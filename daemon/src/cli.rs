@@ -39,6 +39,8 @@ pub enum Command {
     /// A cluster's spot capacity on EC2: launch, list, terminate.
     #[command(subcommand)]
     Fleet(crate::fleet_cmd::FleetCommand),
+    /// What a job costs over a preemption trace: limpet, checkpoint-restart and on-demand.
+    Simulate(crate::simulate::SimulateArgs),
 }
 
 /// Runs a parsed command line.
@@ -53,5 +55,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Revoke(args) => crate::status::revoke(args),
         Command::Fleet(cmd) => crate::fleet_cmd::run(cmd),
         Command::Certs(cmd) => crate::certs::run(cmd),
+        Command::Simulate(args) => crate::simulate::run(args),
     }
 }

@@ -17,6 +17,7 @@ pub mod limpetd;
 pub mod metrics;
 pub mod plan_cmd;
 pub mod plot;
+pub mod simulate;
 pub mod status;
 pub mod train_cmd;
 

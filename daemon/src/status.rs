@@ -521,7 +521,7 @@ pub fn transitions_table(transitions: &[TransitionDoc]) -> String {
 }
 
 /// A borderless table with `header`, its columns `right` aligned right (the numbers).
-fn table(header: &[&str], right: std::ops::Range<usize>) -> comfy_table::Table {
+pub(crate) fn table(header: &[&str], right: std::ops::Range<usize>) -> comfy_table::Table {
     use comfy_table::{Cell, CellAlignment, ContentArrangement, Table};
     let align = |i: usize| if right.contains(&i) { CellAlignment::Right } else { CellAlignment::Left };
     let mut t = Table::new();
@@ -535,7 +535,7 @@ fn table(header: &[&str], right: std::ops::Range<usize>) -> comfy_table::Table {
 }
 
 /// A table's text without the padding after the last column.
-fn lines(t: &comfy_table::Table) -> String {
+pub(crate) fn lines(t: &comfy_table::Table) -> String {
     t.to_string().lines().map(str::trim_end).collect::<Vec<_>>().join("\n")
 }
 
