@@ -144,6 +144,10 @@ fn user_data_vars(checkpoint_dir: &Path) -> BTreeMap<String, String> {
         ("checkpoint_dir", &checkpoint_dir.display().to_string()),
         ("release_url", "https://example.invalid/limpet.tar.gz"),
         ("release_sha256", "0000"),
+        ("capacity_target", "4"),
+        ("launch_template", "limpet-gpu"),
+        ("instance_types", "g5.xlarge,g6.xlarge"),
+        ("subnets", "subnet-0a1,subnet-0b2"),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -186,6 +190,31 @@ fn the_cloud_init_template_renders_to_yaml_and_names_a_forgotten_value() {
     missing.remove("region");
     let e = limpet_deploy::render_user_data(&template, &missing).unwrap_err().to_string();
     assert!(e.contains("\"region\""), "{e}");
+    // The hosts keep their fleet: [capacity] from the template's values.
+    assert!(
+        config.contains("[capacity]") && config.contains("instance_types = \"g5.xlarge,g6.xlarge\""),
+        "{config}"
+    );
+
+    // `limpet fleet render` prints the same (a launch template's user data), and names a
+    // forgotten value with the usage exit code.
+    let path = tmp.path().join("cloud-init.yaml");
+    std::fs::write(&path, &template).unwrap();
+    let sets: Vec<String> =
+        vars.iter().flat_map(|(k, v)| ["--set".to_string(), format!("{k}={v}")]).collect();
+    let out =
+        Command::new(exe()).args(["fleet", "render", "--user-data"]).arg(&path).args(&sets).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), rendered);
+    let out = Command::new(exe())
+        .args(["fleet", "render", "--user-data"])
+        .arg(&path)
+        .args(&sets[2..])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    let first = vars.keys().next().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("{first:?}")), "{out:?}");
 }
 
 /// `limpet fleet up --certs` with the shipped template: user data carries no key or secret;
@@ -303,7 +332,7 @@ fn fleet_up_delivers_credentials_through_ssm_never_in_user_data() {
     let host_config = |id: &str| {
         let path = host.join(format!("{id}.toml"));
         let text = config_in_user_data(&rendered, tmp.path())
-            .replace("@INSTANCE_ID@", id)
+            .replace("@NODE_NAME@", id)
             .replace("@PRIVATE_IP@", "10.0.0.7")
             .replace("/etc/limpet/", &format!("{}/{id}/", host.display()))
             .replace("/var/lib/limpet", &host.join(id).join("state").display().to_string());
@@ -454,7 +483,7 @@ fn no_spot_capacity_is_reported_as_such() {
         match fleet.up(&spec(4)).await {
             Err(e @ FleetError::Capacity { .. }) => {
                 let text = e.to_string();
-                assert!(text.contains("no spot capacity") && text.contains("limpet-gpu"), "{text}");
+                assert!(text.contains("no capacity") && text.contains("limpet-gpu"), "{text}");
             }
             other => panic!("expected a capacity error, got {other:?}"),
         }
@@ -511,4 +540,89 @@ fn limpet_simulate_compares_the_policies_over_a_real_trace() {
         out.status.code() == Some(64) && err.contains("bad.csv:2: b is removed while it is not live"),
         "{err}"
     );
+}
+
+/// With `ec2_seeds`, a new cluster founds itself: the oldest live instance (launch time,
+/// then id), if it has no state, founds the cluster alone; every other host joins through
+/// the running ones; the founder restarted with its state does not found again.
+#[test]
+fn the_oldest_instance_founds_the_cluster_and_the_others_join_it() {
+    let moto = Moto::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let mut ips: Vec<(String, String)> = rt.block_on(async {
+        let a = Fleet::connect("fresh", &config(&moto)).await.unwrap();
+        make_template(&a, "limpet-gpu").await;
+        a.up(&spec(2)).await.unwrap();
+        a.list().await.unwrap().0.into_iter().map(|m| (m.id, m.private_ip.unwrap())).collect()
+    });
+    // One launch: the same launch time, so the id decides.
+    ips.sort();
+    let secret = tmp.path().join("secret");
+    std::fs::write(&secret, "0123456789abcdef").unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let write = |name: &str, ip: &str| {
+        let path = tmp.path().join(format!("{name}.toml"));
+        let text = format!(
+            "[node]\nname = {name:?}\ncontrol = \"127.0.0.1:{port}\"\nadvertise_control = \"{ip}:{port}\"\ndata = \"127.0.0.1:0\"\nstate_dir = {:?}\nsecret_file = {:?}\n\n[cluster]\nname = \"fresh\"\nec2_seeds = true\nec2_region = \"us-east-1\"\nec2_endpoint = {:?}\n\n[job]\nmodel = \"mlp\"\ndata = \"digits\"\nsteps = 100000\nglobal_batch = 8\n\n[security]\ninsecure = true\n",
+            tmp.path().join(name).display().to_string(),
+            secret.display().to_string(),
+            moto.url
+        );
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let start = |path: &Path, log: &Path| {
+        Command::new(env!("CARGO_BIN_EXE_limpetd"))
+            .arg("--config")
+            .arg(path)
+            .env("AWS_ACCESS_KEY_ID", "testing")
+            .env("AWS_SECRET_ACCESS_KEY", "testing")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(log).unwrap())
+            .spawn()
+            .unwrap()
+    };
+    let status = || {
+        let out = Command::new(exe())
+            .args(["status", "--json", "--addr", &format!("127.0.0.1:{port}"), "--cluster", "fresh"])
+            .output()
+            .unwrap();
+        out.status.success().then(|| serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap())
+    };
+    let founder_config = write("founder", &ips[0].1);
+    let log = tmp.path().join("founder.log");
+    let mut child = start(&founder_config, &log);
+    let started = std::time::Instant::now();
+    while status().is_none_or(|s| s["leader"] != "founder") {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the oldest instance did not found the cluster: {}",
+            std::fs::read_to_string(&log).unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(std::fs::read_to_string(&log).unwrap().contains("founding it"));
+    let _ = child.kill();
+    let _ = child.wait();
+    // Restarted with its state: a member of its cluster again, not a second founding.
+    let log2 = tmp.path().join("founder-again.log");
+    let mut child = start(&founder_config, &log2);
+    let started = std::time::Instant::now();
+    while status().is_none_or(|s| s["leader"] != "founder") {
+        assert!(started.elapsed() < Duration::from_secs(60), "{}", std::fs::read_to_string(&log2).unwrap());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let text = std::fs::read_to_string(&log2).unwrap();
+    assert!(!text.contains("founding it"), "{text}");
+    let _ = child.kill();
+    let _ = child.wait();
+    // The younger instance, without state, joins through the running ones instead.
+    let log3 = tmp.path().join("younger.log");
+    let mut child = start(&write("younger", &ips[1].1), &log3);
+    std::thread::sleep(Duration::from_secs(3));
+    let _ = child.kill();
+    let _ = child.wait();
+    let text = std::fs::read_to_string(&log3).unwrap();
+    assert!(!text.contains("founding it") && text.contains(&format!("{}:{port}", ips[0].1)), "{text}");
 }

@@ -20,6 +20,48 @@ pub enum FleetCommand {
     List(ListArgs),
     /// Terminate the cluster's instances (all of them, or those named).
     Down(DownArgs),
+    /// Print a user data template filled with --set values (what `fleet up --user-data`
+    /// sends), for a launch template's user data.
+    Render(RenderArgs),
+    /// Issue spare credentials for the hosts the leader's reconciler launches ([capacity]),
+    /// or list those not yet taken.
+    Spares(SparesArgs),
+}
+
+/// `limpet fleet render`.
+#[derive(Debug, Args)]
+pub struct RenderArgs {
+    /// cloud-init user data template (deploy/cloud-init.yaml).
+    #[arg(long)]
+    user_data: PathBuf,
+    /// A value for the template (repeatable); every placeholder needs one.
+    #[arg(long = "set", value_parser = parse_set)]
+    set: Vec<(String, String)>,
+}
+
+/// `limpet fleet spares`.
+#[derive(Debug, Args)]
+pub struct SparesArgs {
+    #[command(flatten)]
+    ec2: Ec2Args,
+    /// Issue this many (0: only list the spares not yet taken).
+    #[arg(long, default_value_t = 0)]
+    count: u32,
+    /// The cluster CA's directory (`limpet certs init`); needed to issue.
+    #[arg(long)]
+    certs: Option<PathBuf>,
+    /// The cluster secret, stored with them; needed to issue.
+    #[arg(long)]
+    secret_file: Option<PathBuf>,
+    /// The parameters' prefix (default: /limpet/CLUSTER).
+    #[arg(long)]
+    ssm_prefix: Option<String>,
+    /// How long the issued certificates are valid.
+    #[arg(long, default_value_t = 365)]
+    cert_days: u32,
+    /// Print the spares as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Where the EC2 API is.
@@ -161,15 +203,7 @@ pub fn run(cmd: FleetCommand) -> anyhow::Result<()> {
         match cmd {
             FleetCommand::Up(a) => {
                 let user_data = match &a.user_data {
-                    Some(path) => {
-                        let t = std::fs::read_to_string(path)
-                            .map_err(|e| UsageError(format!("--user-data {}: {e}", path.display())))?;
-                        let vars: BTreeMap<String, String> = a.set.iter().cloned().collect();
-                        Some(
-                            limpet_deploy::render_user_data(&t, &vars)
-                                .map_err(|e| UsageError(format!("--user-data {}: {e}", path.display())))?,
-                        )
-                    }
+                    Some(path) => Some(render(path, &a.set)?),
                     None if !a.set.is_empty() => {
                         return Err(UsageError("--set fills a --user-data template; none given".into()).into())
                     }
@@ -228,9 +262,20 @@ pub fn run(cmd: FleetCommand) -> anyhow::Result<()> {
                     println!("cluster {} has no live instances", a.ec2.cluster);
                 }
             }
+            FleetCommand::Spares(a) => spares(a).await?,
+            FleetCommand::Render(a) => print!("{}", render(&a.user_data, &a.set)?),
         }
         anyhow::Ok(())
     })
+}
+
+/// The template at `path` filled with `set`.
+fn render(path: &Path, set: &[(String, String)]) -> anyhow::Result<String> {
+    let t = std::fs::read_to_string(path)
+        .map_err(|e| UsageError(format!("--user-data {}: {e}", path.display())))?;
+    let vars: BTreeMap<String, String> = set.iter().cloned().collect();
+    Ok(limpet_deploy::render_user_data(&t, &vars)
+        .map_err(|e| UsageError(format!("--user-data {}: {e}", path.display())))?)
 }
 
 /// Checks the credential flags before anything is launched (an instance that boots without
@@ -301,6 +346,52 @@ async fn store_credentials(vault: &Vault, dir: &Path, launched: &[Member], days:
     Ok(())
 }
 
+/// `limpet fleet spares`: issues `--count` credentials named `node-XXXXXXXX` (random), each
+/// bound to its name's node id, and stores them as spares; then lists the spares.
+async fn spares(a: SparesArgs) -> anyhow::Result<()> {
+    if a.count > 100 {
+        return Err(UsageError(format!("--count {}: at most 100 at a time", a.count)).into());
+    }
+    let vault = vault(&a.ec2, a.ssm_prefix.as_deref()).await?;
+    if a.count > 0 {
+        let (Some(dir), Some(secret_file)) = (&a.certs, &a.secret_file) else {
+            return Err(UsageError("--count needs --certs DIR and --secret-file FILE to issue".into()).into());
+        };
+        let secret = std::fs::read(secret_file)
+            .map_err(|e| UsageError(format!("--secret-file {}: {e}", secret_file.display())))?;
+        if secret.len() < 16 {
+            return Err(UsageError(format!(
+                "--secret-file {}: {} bytes; the cluster secret needs at least 16",
+                secret_file.display(),
+                secret.len()
+            ))
+            .into());
+        }
+        let ca_pem = std::fs::read_to_string(dir.join("ca.pem"))
+            .map_err(|e| UsageError(format!("--certs {}: ca.pem: {e}", dir.display())))?;
+        vault.put_cluster(&ca_pem, &secret).await?;
+        for _ in 0..a.count {
+            let name = format!("node-{:08x}", rand::random::<u32>());
+            let (cert, key) =
+                crate::certs::issue_pem_for_days(dir, &name, Kind::Node(node_id_of_name(&name)), a.cert_days)
+                    .map_err(|e| UsageError(format!("--certs {}: {e:#}", dir.display())))?;
+            vault.put_spare(&name, &cert, &key).await?;
+        }
+        eprintln!("issued {} spare credential(s) under {}", a.count, vault.name("spares"));
+    }
+    let names = vault.spares().await?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&names)?);
+    } else if names.is_empty() {
+        println!("no spare credentials under {}", vault.name("spares"));
+    } else {
+        for n in &names {
+            println!("{n}");
+        }
+    }
+    Ok(())
+}
+
 /// Deletes the terminated instances' credentials (a warning, not an error: the instances are
 /// terminated either way).
 async fn forget_credentials(a: &DownArgs, done: &[(String, String, String)]) {
@@ -316,23 +407,53 @@ async fn forget_credentials(a: &DownArgs, done: &[(String, String, String)]) {
     }
 }
 
+/// What `[cluster].ec2_seeds` finds for a starting node.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Discovery {
+    /// Join through these control addresses (the cluster's other running instances).
+    Seeds(Vec<String>),
+    /// Found the cluster alone: this host is the oldest live instance of the cluster and has
+    /// no state, so no cluster can exist that it should join (every other instance, older
+    /// hosts' replacements included, waits for it).
+    Found,
+}
+
 /// Seeds for `[cluster].ec2_seeds`: the control addresses of the cluster's running
-/// instances, without this node's own.
+/// instances, without this node's own (`me`, `PRIVATE_IP:port`); or, for a node without
+/// state (`fresh`) on the cluster's oldest live instance (launch time, then id, pending
+/// ones included so two hosts booting together agree), founding it.
 pub async fn ec2_seeds(
     cluster: &str,
     region: Option<String>,
     endpoint: Option<String>,
     port: u16,
     me: &str,
-) -> anyhow::Result<Vec<String>> {
+    fresh: bool,
+) -> anyhow::Result<Discovery> {
     let cfg = FleetConfig { region, endpoint, credentials: None };
     let fleet = Fleet::connect(cluster, &cfg).await?;
-    let seeds: Vec<String> = fleet.seeds(port).await?.into_iter().filter(|s| s != me).collect();
+    let (mut members, _) = fleet.list().await?;
+    members.retain(|m| m.state == "pending" || m.state == "running");
+    let addr = |m: &Member| m.private_ip.as_ref().map(|ip| format!("{ip}:{port}"));
+    let oldest = members.iter().min_by(|a, b| (&a.launched_ms, &a.id).cmp(&(&b.launched_ms, &b.id)));
+    if fresh && oldest.is_some_and(|m| addr(m).as_deref() == Some(me)) {
+        return Ok(Discovery::Found);
+    }
+    let seeds: Vec<String> =
+        members.iter().filter(|m| m.state == "running").filter_map(addr).filter(|s| s != me).collect();
     if seeds.is_empty() {
+        let why = match oldest {
+            Some(m) if addr(m).as_deref() != Some(me) => {
+                format!("the oldest instance, {}, founds the cluster and is not running yet", m.id)
+            }
+            Some(_) => "this host is the oldest instance but has state: it is not a new cluster's founder"
+                .to_string(),
+            None => "none is running or pending".to_string(),
+        };
         anyhow::bail!(
-            "[cluster].ec2_seeds: no running instance tagged {}={cluster} to join through",
+            "[cluster].ec2_seeds: no running instance tagged {}={cluster} to join through ({why})",
             limpet_deploy::CLUSTER_TAG
         );
     }
-    Ok(seeds)
+    Ok(Discovery::Seeds(seeds))
 }

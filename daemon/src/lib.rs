@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 
 pub mod args;
+pub mod capacity;
 pub mod certs;
 pub mod cli;
 pub mod cluster_file;
@@ -19,6 +20,7 @@ pub mod plan_cmd;
 pub mod plot;
 pub mod simulate;
 pub mod status;
+pub mod text;
 pub mod train_cmd;
 
 /// Exit status for bad usage (sysexits' EX_USAGE): a flag, argument or combination is wrong.

@@ -117,15 +117,36 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     if cfg.cluster.ec2_seeds && agent_cfg.bootstrap.is_none() {
         let me = cfg.node.advertise_control.clone().unwrap_or_else(|| cfg.node.control.clone());
-        let seeds = rt.block_on(crate::fleet_cmd::ec2_seeds(
+        // A state directory with a consensus log belongs to a node that was admitted before.
+        let fresh = !cfg.node.state_dir.join("consensus").exists();
+        let found = rt.block_on(crate::fleet_cmd::ec2_seeds(
             &cfg.cluster.name,
             cfg.cluster.ec2_region.clone(),
             cfg.cluster.ec2_endpoint.clone(),
             agent_cfg.control.port(),
             &me,
+            fresh,
         ))?;
-        tracing::info!(?seeds, "seeds from EC2 tags");
-        agent_cfg.seeds.extend(seeds);
+        match found {
+            crate::fleet_cmd::Discovery::Seeds(seeds) => {
+                tracing::info!(?seeds, "seeds from EC2 tags");
+                agent_cfg.seeds.extend(seeds);
+            }
+            crate::fleet_cmd::Discovery::Found => {
+                tracing::info!(
+                    cluster = %cfg.cluster.name,
+                    "the oldest instance of the cluster, without state: founding it"
+                );
+                let data = cfg.node.advertise_data.clone().unwrap_or_else(|| cfg.node.data.clone());
+                agent_cfg.bootstrap = Some(vec![MemberSpec {
+                    id: cfg.node_id(),
+                    name: cfg.node.name.clone(),
+                    control_addr: me,
+                    data_addr: data,
+                    hardware: Default::default(),
+                }]);
+            }
+        }
     }
     let opts = ServeOptions {
         metrics: cfg.node.metrics.as_deref().map(str::parse).transpose()?,
@@ -134,6 +155,7 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
             _ => None,
         },
         grace: Duration::from_secs(cfg.timing.drain_grace_secs),
+        capacity: reconciler(&cfg),
     };
     let result = rt.block_on(serve(agent_cfg, opts));
     // Whatever did not stop within the agent's shutdown limit (a trainer thread stuck in a
@@ -150,6 +172,40 @@ struct ServeOptions {
     metrics_tls: Option<std::sync::Arc<rustls::ServerConfig>>,
     /// How long a SIGTERM drain may take.
     grace: Duration,
+    /// The fleet reconciler (`[capacity]`), run while this node leads.
+    capacity: Option<crate::capacity::Reconciler>,
+}
+
+/// The reconciler `[capacity]` asks for: EC2 where `[cluster]` finds it unless the section
+/// says otherwise; spare credentials from `[security.ssm]` unless `spares = false`.
+fn reconciler(cfg: &Config) -> Option<crate::capacity::Reconciler> {
+    let section = cfg.capacity.clone()?;
+    let ec2 = limpet_deploy::FleetConfig {
+        region: section.region.clone().or_else(|| cfg.cluster.ec2_region.clone()),
+        endpoint: section.endpoint.clone().or_else(|| cfg.cluster.ec2_endpoint.clone()),
+        credentials: None,
+    };
+    let ssm = cfg.tls().and_then(|s| s.ssm.as_ref());
+    let spares = match (section.spares, ssm) {
+        (Some(false), _) | (None, None) => None,
+        (_, Some(ssm)) => Some((
+            ssm.prefix.clone(),
+            limpet_deploy::FleetConfig {
+                region: ssm.region.clone().or_else(|| ec2.region.clone()),
+                endpoint: ec2.endpoint.clone(),
+                credentials: None,
+            },
+        )),
+        // validate() refuses spares = true without [security.ssm].
+        (Some(true), None) => None,
+    };
+    Some(crate::capacity::Reconciler {
+        section,
+        cluster: cfg.cluster.name.clone(),
+        me: cfg.node_id(),
+        ec2,
+        spares,
+    })
 }
 
 /// Tells systemd (when it started us with `Type=notify`; otherwise a no-op).
@@ -176,6 +232,9 @@ async fn serve(cfg: AgentConfig, opts: ServeOptions) -> anyhow::Result<()> {
     let handle = agent.handle();
     tasks.spawn("metrics-raft", crate::metrics::follow_consensus(handle.clone(), stop.clone()));
     tasks.spawn("systemd", tell_systemd(handle.clone(), me_id, stop.clone()));
+    if let Some(r) = opts.capacity {
+        tasks.spawn("capacity", crate::capacity::run(r, handle.clone(), stop.clone()));
+    }
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let mut waiter = tokio::spawn(agent.wait());

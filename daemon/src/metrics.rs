@@ -18,6 +18,14 @@ const BUCKETS: &[f64] = &[0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 
 
 /// Every metric limpetd exports, with its help text (the `# HELP` lines).
 pub const METRICS: &[(&str, &str)] = &[
+    ("limpet_capacity_decisions_total", "Capacity records this node's reconciler committed, by action."),
+    ("limpet_capacity_launches_total", "Hosts the reconciler launched, by market (spot, on-demand)."),
+    ("limpet_capacity_errors_total", "Refused launches by EC2 error code (reconcile: a round that failed)."),
+    ("limpet_capacity_target", "Hosts the reconciler keeps."),
+    (
+        "limpet_capacity_hosts",
+        "Hosts the reconciler counts: members joining or training, plus launches on their way.",
+    ),
     ("limpet_steps_total", "Optimizer steps this node completed."),
     ("limpet_step_seconds", "Wall time of one training step on this node."),
     ("limpet_applied_step", "Steps applied to this node's state (the next step to run)."),

@@ -3,6 +3,7 @@
 //! `docs/status.md`; fields are only ever added.
 
 use crate::cluster_file::{post_notice, ClusterFile};
+use crate::text::{lines, table};
 use crate::UsageError;
 use anyhow::Context;
 use clap::Args;
@@ -204,6 +205,9 @@ pub struct StatusDoc {
     /// part per stage; epoch 0 marks the checkpoint a new cluster resumed from).
     #[serde(default)]
     pub checkpoints: Vec<CheckpointDoc>,
+    /// The fleet reconciler's newest records, oldest first (`[capacity]`).
+    #[serde(default)]
+    pub capacity: Vec<crate::capacity::CapacityDoc>,
 }
 
 /// A checkpoint as the log records it.
@@ -341,6 +345,7 @@ fn build(
                 node: name_of(st, c.node),
             })
             .collect(),
+        capacity: crate::capacity::docs(st, usize::MAX, |id| name_of(st, id)),
     }
 }
 
@@ -486,6 +491,10 @@ pub fn render(d: &StatusDoc) -> String {
     if let Some(c) = d.checkpoints.last() {
         s += &format!("\nlast checkpoint: step {} by {} at {}\n", c.step, c.node, c.location);
     }
+    if !d.capacity.is_empty() {
+        s += "\n";
+        s += &crate::capacity::render(&d.capacity);
+    }
     for n in d.nodes.iter().filter(|n| n.checkpoint_error.is_some()) {
         s += &format!(
             "checkpoints failing on {}: {}\n",
@@ -518,25 +527,6 @@ pub fn transitions_table(transitions: &[TransitionDoc]) -> String {
         ]);
     }
     format!("{}\n", lines(&t))
-}
-
-/// A borderless table with `header`, its columns `right` aligned right (the numbers).
-pub(crate) fn table(header: &[&str], right: std::ops::Range<usize>) -> comfy_table::Table {
-    use comfy_table::{Cell, CellAlignment, ContentArrangement, Table};
-    let align = |i: usize| if right.contains(&i) { CellAlignment::Right } else { CellAlignment::Left };
-    let mut t = Table::new();
-    t.load_preset(comfy_table::presets::NOTHING).set_content_arrangement(ContentArrangement::Disabled);
-    t.set_header(header.iter().enumerate().map(|(i, h)| Cell::new(h).set_alignment(align(i))));
-    for (i, c) in t.column_iter_mut().enumerate() {
-        c.set_cell_alignment(align(i));
-        c.set_padding((0, 2));
-    }
-    t
-}
-
-/// A table's text without the padding after the last column.
-pub(crate) fn lines(t: &comfy_table::Table) -> String {
-    t.to_string().lines().map(str::trim_end).collect::<Vec<_>>().join("\n")
 }
 
 /// `limpet status`.

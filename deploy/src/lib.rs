@@ -21,11 +21,29 @@ pub mod ssm;
 /// The tag naming the cluster an instance belongs to.
 pub const CLUSTER_TAG: &str = "limpet:cluster";
 
+/// The tag naming the reconciler's launch that made an instance (its idempotency token).
+pub const LAUNCH_TAG: &str = "limpet:launch";
+
+/// The tag naming the node an instance becomes (a spare credential's name); cloud-init reads
+/// it through the instance metadata service.
+pub const NODE_TAG: &str = "limpet:node";
+
+/// EC2's answers that mean "no capacity of this kind here right now": the next pool is tried.
+pub const CAPACITY_CODES: &[&str] = &[
+    "InsufficientInstanceCapacity",
+    "InsufficientCapacity",
+    "InsufficientHostCapacity",
+    "SpotMaxPriceTooLow",
+    "MaxSpotInstanceCountExceeded",
+    "InsufficientFreeAddressesInSubnet",
+    "Unsupported",
+];
+
 /// What went wrong talking to EC2, named so an operator knows what to change.
 #[derive(Debug, thiserror::Error)]
 pub enum FleetError {
     /// The region has no spare capacity of the requested kind right now.
-    #[error("EC2 has no spot capacity for {what} right now ({code}: {message}); try another instance type, zone or later")]
+    #[error("EC2 has no capacity for {what} right now ({code}: {message}); try another instance type, zone or later")]
     Capacity {
         /// What was asked for.
         what: String,
@@ -141,6 +159,36 @@ pub struct Member {
     pub zone: Option<String>,
     /// Launch time (RFC 3339).
     pub launched: Option<String>,
+    /// Launch time (unix milliseconds).
+    #[serde(skip)]
+    pub launched_ms: Option<u64>,
+    /// Subnet.
+    pub subnet: Option<String>,
+    /// The reconciler's launch that made it ([`LAUNCH_TAG`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub launch: Option<String>,
+    /// The node name it takes ([`NODE_TAG`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+}
+
+/// One host the reconciler launches.
+#[derive(Clone, Debug)]
+pub struct LaunchOne {
+    /// Launch template name or id.
+    pub launch_template: String,
+    /// Its version (default: the template's default).
+    pub version: Option<String>,
+    /// Instance type.
+    pub instance_type: String,
+    /// Subnet (empty: the template's).
+    pub subnet: String,
+    /// On-demand instead of spot.
+    pub on_demand: bool,
+    /// EC2's idempotency token, also the instance's [`LAUNCH_TAG`].
+    pub token: String,
+    /// The node name the host takes ([`NODE_TAG`]), readable through instance metadata.
+    pub node_name: Option<String>,
 }
 
 /// A cluster's fleet.
@@ -174,40 +222,16 @@ impl Fleet {
                 spec.count, spec.min_count
             )));
         }
-        let lt = if spec.launch_template.starts_with("lt-") {
-            LaunchTemplateSpecification::builder().launch_template_id(&spec.launch_template)
-        } else {
-            LaunchTemplateSpecification::builder().launch_template_name(&spec.launch_template)
-        };
-        let lt = lt.set_version(spec.version.clone()).build();
-        let tags = |kind| {
-            TagSpecification::builder()
-                .resource_type(kind)
-                .tags(Tag::builder().key(CLUSTER_TAG).value(&self.cluster).build())
-                .tags(Tag::builder().key("Name").value(format!("limpet-{}", self.cluster)).build())
-                .build()
-        };
         let mut req = self
             .client
             .run_instances()
-            .launch_template(lt)
+            .launch_template(template(&spec.launch_template, spec.version.clone()))
             .min_count(spec.min_count as i32)
             .max_count(spec.count as i32)
-            .tag_specifications(tags(ResourceType::Instance))
-            .tag_specifications(tags(ResourceType::Volume));
+            .tag_specifications(self.tags(ResourceType::Instance, &[]))
+            .tag_specifications(self.tags(ResourceType::Volume, &[]));
         if !spec.on_demand {
-            // One-time requests: a revoked host is gone, and limpet replaces capacity itself.
-            req = req.instance_market_options(
-                InstanceMarketOptionsRequest::builder()
-                    .market_type(MarketType::Spot)
-                    .spot_options(
-                        SpotMarketOptions::builder()
-                            .spot_instance_type(SpotInstanceType::OneTime)
-                            .instance_interruption_behavior(InstanceInterruptionBehavior::Terminate)
-                            .build(),
-                    )
-                    .build(),
-            );
+            req = req.instance_market_options(spot_options());
         }
         if let Some(t) = &spec.instance_type {
             req = req.instance_type(t.as_str().into());
@@ -228,18 +252,66 @@ impl Fleet {
                 spec.instance_type.as_deref().unwrap_or("(template's type)"),
                 spec.launch_template
             );
-            match e.code() {
-                Some(
-                    code @ ("InsufficientInstanceCapacity" | "SpotMaxPriceTooLow" | "InsufficientCapacity"),
-                ) => FleetError::Capacity {
-                    what,
-                    code: code.to_string(),
-                    message: e.message().unwrap_or_default().to_string(),
-                },
-                _ => api_error("RunInstances", e),
-            }
+            launch_error(what, e)
         })?;
         Ok(out.instances().iter().map(member_of).collect())
+    }
+
+    /// The cluster's tags, and `extra`, for a new instance or volume.
+    fn tags(&self, kind: ResourceType, extra: &[(&str, &str)]) -> TagSpecification {
+        let mut t = TagSpecification::builder()
+            .resource_type(kind)
+            .tags(Tag::builder().key(CLUSTER_TAG).value(&self.cluster).build())
+            .tags(Tag::builder().key("Name").value(format!("limpet-{}", self.cluster)).build());
+        for (k, v) in extra {
+            t = t.tags(Tag::builder().key(*k).value(*v).build());
+        }
+        t.build()
+    }
+
+    /// Launches one host for the reconciler: in the given pool, tagged with its launch
+    /// token (and node name), with the token as EC2's idempotency token, so repeating a
+    /// launch whose answer was lost launches nothing new.
+    pub async fn launch_one(&self, l: &LaunchOne) -> Result<Vec<Member>, FleetError> {
+        let mut extra = vec![(LAUNCH_TAG, l.token.as_str())];
+        if let Some(n) = &l.node_name {
+            extra.push((NODE_TAG, n.as_str()));
+        }
+        let mut req = self
+            .client
+            .run_instances()
+            .launch_template(template(&l.launch_template, l.version.clone()))
+            .instance_type(l.instance_type.as_str().into())
+            .min_count(1)
+            .max_count(1)
+            .client_token(&l.token)
+            .tag_specifications(self.tags(ResourceType::Instance, &extra))
+            .tag_specifications(self.tags(ResourceType::Volume, &[]));
+        if !l.subnet.is_empty() {
+            req = req.subnet_id(&l.subnet);
+        }
+        if l.node_name.is_some() {
+            // The host learns its node name from its tag, through instance metadata.
+            req = req.metadata_options(
+                aws_sdk_ec2::types::InstanceMetadataOptionsRequest::builder()
+                    .instance_metadata_tags(aws_sdk_ec2::types::InstanceMetadataTagsState::Enabled)
+                    .build(),
+            );
+        }
+        if !l.on_demand {
+            req = req.instance_market_options(spot_options());
+        }
+        let out = req.send().await.map_err(|e| {
+            let market = if l.on_demand { "on-demand" } else { "spot" };
+            launch_error(format!("1 {market} {} in {:?}", l.instance_type, l.subnet), e)
+        })?;
+        Ok(out.instances().iter().map(member_of).collect())
+    }
+
+    /// The cluster's live instances that launch `token` made.
+    pub async fn launched_by(&self, token: &str) -> Result<Vec<Member>, FleetError> {
+        let (members, _) = self.list().await?;
+        Ok(members.into_iter().filter(|m| m.launch.as_deref() == Some(token)).collect())
     }
 
     /// The cluster's instances that are not terminated, oldest launch first, read page by
@@ -329,7 +401,45 @@ impl Fleet {
     }
 }
 
+fn template(name: &str, version: Option<String>) -> LaunchTemplateSpecification {
+    let lt = if name.starts_with("lt-") {
+        LaunchTemplateSpecification::builder().launch_template_id(name)
+    } else {
+        LaunchTemplateSpecification::builder().launch_template_name(name)
+    };
+    lt.set_version(version).build()
+}
+
+/// One-time spot requests: a revoked host is gone, and limpet's reconciler replaces it.
+fn spot_options() -> InstanceMarketOptionsRequest {
+    InstanceMarketOptionsRequest::builder()
+        .market_type(MarketType::Spot)
+        .spot_options(
+            SpotMarketOptions::builder()
+                .spot_instance_type(SpotInstanceType::OneTime)
+                .instance_interruption_behavior(InstanceInterruptionBehavior::Terminate)
+                .build(),
+        )
+        .build()
+}
+
+fn launch_error(
+    what: String,
+    e: aws_sdk_ec2::error::SdkError<aws_sdk_ec2::operation::run_instances::RunInstancesError>,
+) -> FleetError {
+    match e.code() {
+        Some(code) if CAPACITY_CODES.contains(&code) => FleetError::Capacity {
+            what,
+            code: code.to_string(),
+            message: e.message().unwrap_or_default().to_string(),
+        },
+        _ => api_error("RunInstances", e),
+    }
+}
+
 fn member_of(i: &aws_sdk_ec2::types::Instance) -> Member {
+    let tag =
+        |key: &str| i.tags().iter().find(|t| t.key() == Some(key)).and_then(|t| t.value()).map(String::from);
     Member {
         id: i.instance_id().unwrap_or_default().to_string(),
         state: i
@@ -341,6 +451,10 @@ fn member_of(i: &aws_sdk_ec2::types::Instance) -> Member {
         private_ip: i.private_ip_address().map(String::from),
         zone: i.placement().and_then(|p| p.availability_zone()).map(String::from),
         launched: i.launch_time().map(|t| t.to_string()),
+        launched_ms: i.launch_time().and_then(|t| u64::try_from(t.to_millis().ok()?).ok()),
+        subnet: i.subnet_id().map(String::from),
+        launch: tag(LAUNCH_TAG),
+        node: tag(NODE_TAG),
     }
 }
 

@@ -12,6 +12,11 @@
 //! | `PREFIX/secret`          | SecureString | the cluster secret, base64             |
 //! | `PREFIX/nodes/NAME/cert` | String       | node NAME's certificate                |
 //! | `PREFIX/nodes/NAME/key`  | SecureString | its private key (deleted once fetched) |
+//! | `PREFIX/spares/NAME`     | String       | NAME is a spare: issued, not yet taken  |
+//!
+//! Spares are credentials issued ahead (`limpet fleet spares`) for the hosts the leader's
+//! reconciler launches: the CA's key stays with the operator, and each new host takes one
+//! spare's name (the instance's `limpet:node` tag).
 
 use crate::{api_error, sdk_config, FleetConfig, FleetError};
 use aws_sdk_ssm::error::ProvideErrorMetadata;
@@ -152,12 +157,48 @@ impl Vault {
         }
     }
 
+    /// Stores a spare credential: node `node`'s certificate and key, and its marker.
+    pub async fn put_spare(&self, node: &str, cert_pem: &str, key_pem: &str) -> Result<(), FleetError> {
+        self.put_node(node, cert_pem, key_pem).await?;
+        self.put(&Self::spare_leaf(node)?, "spare", false).await
+    }
+
+    fn spare_leaf(node: &str) -> Result<String, FleetError> {
+        Self::node_leaf(node, "x").map(|_| format!("spares/{node}"))
+    }
+
+    /// The spares not yet taken, sorted.
+    pub async fn spares(&self) -> Result<Vec<String>, FleetError> {
+        let mut pages =
+            self.client.get_parameters_by_path().path(self.name("spares")).into_paginator().send();
+        let mut names = Vec::new();
+        let dir = self.name("spares/");
+        while let Some(page) = pages.next().await {
+            let page = page.map_err(|e| api_error("GetParametersByPath", e))?;
+            names.extend(
+                page.parameters().iter().filter_map(|p| p.name()?.strip_prefix(&dir).map(String::from)),
+            );
+        }
+        names.sort();
+        Ok(names)
+    }
+
+    /// Marks spare `node` taken (its host was launched); true when it was a spare.
+    pub async fn take_spare(&self, node: &str) -> Result<bool, FleetError> {
+        match self.client.delete_parameter().name(self.name(&Self::spare_leaf(node)?)).send().await {
+            Ok(_) => Ok(true),
+            Err(e) if e.code() == Some("ParameterNotFound") => Ok(false),
+            Err(e) => Err(api_error("DeleteParameter", e)),
+        }
+    }
+
     /// Deletes the parameters of nodes that are gone (terminated instances).
     pub async fn remove_nodes(&self, nodes: &[String]) -> Result<(), FleetError> {
         let mut names = Vec::new();
         for n in nodes {
             names.push(self.name(&Self::node_leaf(n, "cert")?));
             names.push(self.name(&Self::node_leaf(n, "key")?));
+            names.push(self.name(&Self::spare_leaf(n)?));
         }
         // DeleteParameters takes at most 10 names; missing ones are reported, not errors.
         for chunk in names.chunks(10) {

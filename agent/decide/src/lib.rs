@@ -6,11 +6,13 @@
 //! - `policy`: the batch and learning-rate policies an epoch applies;
 //! - `planner`: the data x pipeline layout and stage cuts for a set of hosts;
 //! - `report`: what an agent tells the leader in its heartbeats;
+//! - `capacity`: the fleet reconciler's next step (launch, terminate, drain or hold);
 //! - `entry`: how the ranks of a new epoch agree on one state (who copies what from whom);
 //! - `error`: what they refuse.
 //!
 //! The agent (`limpet-agent`) runs these; `limpet plan` and tests call them directly.
 
+pub mod capacity;
 pub mod controller;
 pub mod entry;
 pub mod error;

@@ -6,7 +6,9 @@
 //! reach the log as versioned JSON (`Proposal`), which keeps the log readable and lets a newer
 //! agent refuse a record it does not understand instead of misreading it.
 
+mod capacity;
 mod cause;
+pub use capacity::{CapacityAction, CapacityLog, CapacityRecord, Market, Pool, MAX_CAPACITY_RECORDS};
 pub use cause::Cause;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -167,25 +169,7 @@ pub struct Epoch {
     pub causes: Vec<Cause>,
 }
 
-mod node_pairs {
-    use super::NodeId;
-    use serde::{Deserialize, Deserializer, Serialize, Serializer};
-    use std::collections::BTreeMap;
-
-    pub fn serialize<S: Serializer>(m: &BTreeMap<NodeId, NodeId>, s: S) -> Result<S::Ok, S::Error> {
-        m.iter().map(|(k, v)| [*k, *v]).collect::<Vec<_>>().serialize(s)
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<NodeId, NodeId>, D::Error> {
-        let pairs = Vec::<[NodeId; 2]>::deserialize(d)?;
-        let n = pairs.len();
-        let m: BTreeMap<NodeId, NodeId> = pairs.into_iter().map(|[k, v]| (k, v)).collect();
-        if m.len() != n {
-            return Err(serde::de::Error::custom("a node has two state sources"));
-        }
-        Ok(m)
-    }
-}
+mod node_pairs;
 
 /// A durable checkpoint someone wrote.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -227,6 +211,9 @@ pub struct ClusterState {
     /// The newest started epochs, oldest first (the current one last).
     #[serde(default)]
     pub history: Vec<Epoch>,
+    /// The fleet reconciler's newest decisions.
+    #[serde(default)]
+    pub capacity: CapacityLog,
 }
 
 /// A change to the cluster state.
@@ -306,6 +293,11 @@ pub enum Command {
     RecordCheckpoint {
         /// What and where.
         record: CheckpointRecord,
+    },
+    /// The fleet reconciler decided or learned something.
+    RecordCapacity {
+        /// What and why.
+        record: CapacityRecord,
     },
 }
 
@@ -450,6 +442,7 @@ impl ClusterState {
             checkpoints: Vec::new(),
             last_epoch_id: 0,
             history: Vec::new(),
+            capacity: CapacityLog::default(),
         };
         state.voters.sort_unstable();
         for m in members {
@@ -510,6 +503,7 @@ impl ClusterState {
                 }
             },
             Command::RecordCheckpoint { record } => self.apply_checkpoint(record),
+            Command::RecordCapacity { record } => self.capacity.apply(record),
             Command::CancelEpoch { id, reason } => match &self.scheduled {
                 Some(e) if e.id == *id => {
                     self.scheduled = None;
@@ -742,6 +736,7 @@ impl ClusterState {
         if self.checkpoints.len() > MAX_CHECKPOINT_RECORDS {
             return Err(format!("{} checkpoint records kept", self.checkpoints.len()));
         }
+        self.capacity.validate()?;
         if let Some(e) = &self.current {
             if e.ranks.iter().any(|r| !self.members.contains_key(r)) {
                 return Err(format!("current epoch {} names a node that is not a member", e.id));

@@ -80,6 +80,9 @@ pub struct LocalJob {
     /// `[model]` of every node's configuration.
     #[serde(default)]
     pub model_section: limpet_trainer::workload::ModelSection,
+    /// More sections for every node's configuration, as TOML (`[capacity]`, ...).
+    #[serde(default)]
+    pub extra_config: Option<String>,
 }
 
 impl Default for LocalJob {
@@ -111,6 +114,7 @@ impl Default for LocalJob {
             data_path: None,
             data_section: Default::default(),
             model_section: Default::default(),
+            extra_config: None,
         }
     }
 }
@@ -238,10 +242,15 @@ impl LocalCluster {
     /// Adds a node that joins through the founders.
     pub fn add(&mut self) -> anyhow::Result<String> {
         let id = self.file.nodes.iter().map(|n| n.id).max().unwrap_or(0) + 1;
-        let name = format!("node-{id}");
+        self.add_named(&format!("node-{id}"))
+    }
+
+    /// Adds a node named `name` (an instance id, say) that joins through the founders.
+    pub fn add_named(&mut self, name: &str) -> anyhow::Result<String> {
+        let id = self.file.nodes.iter().map(|n| n.id).max().unwrap_or(0) + 1;
         let control = format!("127.0.0.1:{}", free_port()?);
-        self.start_node(&name, id, &control, false)?;
-        Ok(name)
+        self.start_node(name, id, &control, false)?;
+        Ok(name.to_string())
     }
 
     /// Where a cluster with certificates keeps them.
@@ -292,6 +301,9 @@ impl LocalCluster {
         text += &format!(
             "\n[revocation]\nsources = [\"aws\"]\npoll_secs = 0.2\naws_endpoint = \"http://{md_addr}\"\n"
         );
+        if let Some(extra) = &j.extra_config {
+            text += &format!("\n{extra}\n");
+        }
         std::fs::write(&config, text).with_context(|| format!("writing {}", config.display()))?;
         let out = std::fs::File::create(&log)?;
         let child = spawn_logged(self.limpetd_command(&config), out)?;

@@ -3,8 +3,10 @@
 //! so `limpetd validate --config FILE` (systemd's `ExecStartPre`) stops a bad deployment
 //! before it starts. The keys are documented in `docs/limpetd.md`.
 
+mod capacity;
 mod names;
 mod security;
+pub use capacity::CapacitySection;
 use limpet_agent::policy::BatchPolicy;
 pub use names::{DataPlaneMode, LogFormat, ModelName, OptimizerName, SourceName};
 pub use security::{SecuritySection, SsmSection};
@@ -53,6 +55,8 @@ pub struct Config {
     /// Certificates, or `insecure = true` (required: limpetd does not run without one or
     /// the other).
     pub security: Option<SecuritySection>,
+    /// The fleet the leader keeps on EC2 (absent: nobody launches hosts).
+    pub capacity: Option<CapacitySection>,
 }
 
 /// `[checkpoint]`: periodic checkpoints that outlive every host, and resuming from them.
@@ -680,6 +684,15 @@ impl Config {
                     })?;
                 }
                 sec.load(file, self.node_id())?;
+            }
+        }
+        if let Some(c) = &self.capacity {
+            c.validate(file)?;
+            if c.spares == Some(true) && self.tls().and_then(|s| s.ssm.as_ref()).is_none() {
+                return err(
+                    "[capacity].spares",
+                    "is true, but [security.ssm] says nowhere to find them".into(),
+                );
             }
         }
         Ok(())

@@ -235,3 +235,33 @@ fn no_security_section_is_refused_unless_insecure_is_said_in_so_many_words() {
     let e = Config::parse(&half, "c.toml").unwrap_err().to_string();
     assert!(e.contains("[security].cert") && e.contains("missing"), "{e}");
 }
+
+#[test]
+fn a_capacity_section_parses_and_bad_values_name_their_key() {
+    let s = secret();
+    let base = "[capacity]\ntarget = 4\nlaunch_template = \"limpet-gpu\"\n";
+    let parse = |extra: &str| Config::parse(&format!("{}\n{base}{extra}", example(s.path())), "limpet.toml");
+    let cfg =
+        parse("instance_types = \"g5.xlarge, g6.xlarge\"\nsubnets = [\"subnet-a\", \"subnet-b\"]\n").unwrap();
+    let c = cfg.capacity.unwrap();
+    assert_eq!((c.min(), c.max()), (4, 5));
+    let pools: Vec<String> = c.pools().iter().map(|p| p.to_string()).collect();
+    assert_eq!(
+        pools,
+        ["g5.xlarge in subnet-a", "g5.xlarge in subnet-b", "g6.xlarge in subnet-a", "g6.xlarge in subnet-b"]
+    );
+    assert!(!c.policy(false).spares_required && c.policy(true).spares_required);
+    for (extra, key, words) in [
+        ("instance_types = []\n", "[capacity].instance_types", "no instance type"),
+        ("instance_types = \"g5\"\nmin = 5\n", "[capacity].min", "min <= target"),
+        ("instance_types = \"g5\"\nsubnets = \"vpc-1\"\n", "[capacity].subnets", "not a subnet id"),
+        ("instance_types = \"g5 x\"\n", "[capacity].instance_types", "not an instance type"),
+        ("instance_types = \"g5\"\ninterval_secs = 0.0\n", "[capacity].interval_secs", "0.2"),
+        ("instance_types = \"g5\"\nspares = true\n", "[capacity].spares", "[security.ssm]"),
+    ] {
+        let e = parse(extra).unwrap_err();
+        assert!(e.key == key && e.detail.contains(words), "{extra}: {e}");
+    }
+    let e = parse("instance_types = \"g5\"\ntarrget = 3\n").unwrap_err().to_string();
+    assert!(e.contains("tarrget"), "{e}");
+}

@@ -216,7 +216,7 @@ fn render(r: &Report) -> String {
         "trace {}: {} events over {:.1} h, up to {} hosts, {} revocations\njob: {:.0} samples (what {} on-demand hosts train in {:.1} h)\n\n",
         t.file, t.events, t.hours, t.max_hosts, t.revocations, r.params.samples, r.params.on_demand_hosts, t.hours
     );
-    let mut table = crate::status::table(
+    let mut table = crate::text::table(
         &[
             "POLICY",
             "HOURS",
@@ -244,7 +244,7 @@ fn render(r: &Report) -> String {
             format!("{:.2}x", p.cost_vs_on_demand),
         ]);
     }
-    s += &crate::status::lines(&table);
+    s += &crate::text::lines(&table);
     s.push('\n');
     s
 }
