@@ -251,3 +251,39 @@ fn a_pipelined_job_survives_losing_stage_hosts_by_re_planning() {
     // Same samples and the same updates up to float summation order (see PARAM_TOLERANCE).
     assert!((a - b).abs() <= 0.01 * b, "test loss {a} (pipelined) vs {b} (one process)");
 }
+
+/// `limpet-lab chaos`: a segment of the AWS p3 trace (../shared/traces/) replayed 40x faster
+/// against `limpetd` processes (a join, a spot notice and a `kill -9` at the same instant),
+/// checked as it goes (no step applied twice), and its goodput agrees with `limpet simulate`'s
+/// model of the same segment within 10%.
+#[test]
+fn a_replayed_trace_segment_agrees_with_its_simulation() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces/aws-p3-preemptions.csv");
+    let out = Command::new(common::lab_exe())
+        .args(["chaos", "--json", "--trace"])
+        .arg(&trace)
+        .args(["--from-s", "300", "--until-s", "2400", "--hosts", "node1,node2,node3,node11,node25"])
+        .args(["--speedup", "40", "--kill-every", "2", "--dir"])
+        .arg(dir.path().join("run"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        common::node_logs(&dir.path().join("run"))
+    );
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["steps_applied_twice"], 0, "{r:#}");
+    let events: Vec<&str> = r["events"].as_array().unwrap().iter().map(|e| e[1].as_str().unwrap()).collect();
+    for what in ["node25 joins", "spot notice for node11", "kill -9 node3"] {
+        assert!(events.iter().any(|e| e.starts_with(what)), "{what}: {events:?}");
+    }
+    assert!(r["transitions"].as_array().unwrap().len() >= 3, "{r:#}");
+    let (replay, simulated) =
+        (r["replay_goodput"].as_f64().unwrap(), r["simulated_goodput"].as_f64().unwrap());
+    assert!(replay > 0.5 && simulated > 0.5, "{r:#}");
+    assert!(r["difference"].as_f64().unwrap() <= 0.10, "replay {replay:.3}, simulation {simulated:.3}");
+    assert!(dir.path().join("run/chaos.svg").exists());
+}

@@ -22,6 +22,9 @@ pub enum Command {
     Demo(crate::demo::DemoArgs),
     /// Run a local cluster through a scripted scenario (the multi-process tests use it).
     Scenario(crate::demo::ScenarioArgs),
+    /// Replay a preemption trace against a local cluster, compressed in time, and compare
+    /// what it trained with the simulation of the same segment.
+    Chaos(crate::chaos::ChaosArgs),
     /// Measure a part of limpet on this machine.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -113,6 +116,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Demo(args) => crate::demo::run(args),
         Command::Scenario(args) => crate::demo::scenario(args),
+        Command::Chaos(args) => crate::chaos::run(args),
         Command::Local(LocalCommand::Up(args)) => local_up(args),
         Command::RaftNode(args) => crate::raft_cmd::run_node(args),
         Command::DpWorker(args) => crate::dp_cmd::run_worker(args),

@@ -1,4 +1,5 @@
-//! limpet's lab as a library: the demo (`demo`, which also drives scripted scenarios), local
+//! limpet's lab as a library: the demo (`demo`, which also drives scripted scenarios), trace
+//! replays checked against the simulation (`chaos`), local
 //! clusters on loopback (`local`), the benchmarks (`raft_cmd`, `dp_cmd`, `elastic_bench`,
 //! `pipe_bench`, `train_bench`) with the worker processes they start, and the `limpet-lab`
 //! command line (`cli`). Everything an operator runs is `limpet-daemon`; this crate only
@@ -6,6 +7,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod chaos;
 pub mod cli;
 pub mod demo;
 pub mod dp_cmd;

@@ -14,6 +14,13 @@ use model::{Outcome, Params, Policy};
 use std::path::PathBuf;
 use trace::Trace;
 
+/// limpet's idle on a notice, measured (`make demo`), in ms.
+pub const NOTICE_IDLE_MS: f64 = 10.0;
+/// limpet's failure timeout plus recovery after a kill -9, measured, in ms.
+pub const KILL_RECOVERY_MS: f64 = 1343.0;
+/// limpet's fixed idle of a join besides the state copy, measured, in ms.
+pub const JOIN_IDLE_MS: f64 = 21.0;
+
 /// `limpet simulate`.
 #[derive(Debug, Args)]
 pub struct SimulateArgs {
@@ -37,13 +44,13 @@ pub struct SimulateArgs {
     #[arg(long, default_value_t = 0.05)]
     no_notice: f64,
     /// limpet: idle of a transition on a notice (make demo: 10 ms).
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, default_value_t = NOTICE_IDLE_MS)]
     notice_idle_ms: f64,
     /// limpet: failure timeout plus recovery after a kill -9 (1000 ms + make demo's 343 ms).
-    #[arg(long, default_value_t = 1343.0)]
+    #[arg(long, default_value_t = KILL_RECOVERY_MS)]
     kill_recovery_ms: f64,
     /// limpet: fixed idle of a join, besides copying the state (make demo: 21 ms).
-    #[arg(long, default_value_t = 21.0)]
+    #[arg(long, default_value_t = JOIN_IDLE_MS)]
     join_idle_ms: f64,
     /// Training state in GB (a newcomer copies it from a peer).
     #[arg(long, default_value_t = 1.0)]
@@ -133,6 +140,8 @@ impl SimulateArgs {
             on_demand_hosts: hosts,
             samples: 0.0,
             tick_s: positive("tick-ms", self.tick_ms)? / 1e3,
+            rates: Vec::new(),
+            until_s: None,
         };
         p.samples = match self.samples {
             Some(s) => positive("samples", s)?,

@@ -54,6 +54,13 @@ pub struct Params {
     pub samples: f64,
     /// Simulation tick in seconds.
     pub tick_s: f64,
+    /// Measured samples per second by number of hosts (index 0 unused); where it has a
+    /// positive entry it replaces the power law of `host_rate` and `scaling`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rates: Vec<f64>,
+    /// Stop at this many seconds instead of at `samples` (a replay's window).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub until_s: Option<f64>,
 }
 
 impl Params {
@@ -61,6 +68,9 @@ impl Params {
     pub fn rate(&self, n: usize) -> f64 {
         if n == 0 {
             return 0.0;
+        }
+        if let Some(&r) = self.rates.get(n).filter(|r| **r > 0.0) {
+            return r;
         }
         let n = n as f64;
         self.host_rate * n * self.scaling.powf(n.log2())
@@ -110,6 +120,11 @@ pub struct Outcome {
     pub lost_s: f64,
     /// Seconds the fleet stood idle (transitions, restarts, checkpoint writes).
     pub paused_s: f64,
+    /// Samples trained.
+    pub trained: f64,
+    /// Samples the same hosts would have trained without any transition, restart or
+    /// checkpoint in the same time (goodput's denominator).
+    pub possible: f64,
     /// (hours, live hosts, fraction of the job done) once a minute of simulated time.
     #[serde(skip)]
     pub timeline: Vec<(f64, usize, f64)>,
@@ -230,7 +245,7 @@ pub fn simulate(trace: &Trace, p: &Params, policy: Policy) -> Option<Outcome> {
     let (mut t, mut possible, mut cost, mut paused_s) = (0.0f64, 0.0, 0.0, 0.0);
     let mut timeline: Vec<(f64, usize, f64)> = Vec::new();
     let limit = trace.duration_s() + 1000.0 * 3600.0;
-    while run.done < p.samples {
+    while run.done < p.samples && p.until_s.is_none_or(|u| t < u) {
         if t > limit {
             return None;
         }
@@ -273,7 +288,9 @@ pub fn simulate(trace: &Trace, p: &Params, policy: Policy) -> Option<Outcome> {
         let price = if policy == Policy::OnDemand { p.on_demand_price } else { p.spot_price };
         cost += billed as f64 * price * p.tick_s / 3600.0;
         t += p.tick_s;
-        if timeline.last().is_none_or(|&(h, _, _)| t / 3600.0 - h >= 1.0 / 60.0) {
+        // A point a minute; half a second in a short window (a replay's).
+        let every_h = if p.until_s.is_some() { 0.5 / 3600.0 } else { 1.0 / 60.0 };
+        if timeline.last().is_none_or(|&(h, _, _)| t / 3600.0 - h >= every_h) {
             timeline.push((t / 3600.0, hosts, (run.done / p.samples).min(1.0)));
         }
     }
@@ -286,6 +303,8 @@ pub fn simulate(trace: &Trace, p: &Params, policy: Policy) -> Option<Outcome> {
         transitions: run.transitions,
         lost_s: run.lost_s,
         paused_s,
+        trained: run.done,
+        possible,
         timeline,
     })
 }
@@ -315,6 +334,8 @@ mod tests {
             on_demand_hosts: 2,
             samples,
             tick_s: 0.1,
+            rates: Vec::new(),
+            until_s: None,
         }
     }
 

@@ -1,0 +1,576 @@
+//! `limpet-lab chaos`: a preemption trace (`../shared/traces/` format) replayed against a
+//! local cluster, compressed in time: a removal is a spot notice through the node's metadata
+//! service and, at its deadline, `kill -9` (or, for every k-th removal, `kill -9` at once, no
+//! notice); an addition is a new node joining. As it goes it shows progress; at the end it
+//! checks the step logs (no step applied twice), measures what the replay trained (goodput
+//! against what the same hosts would have trained without any transition, at the speeds
+//! measured in the same run), and runs `limpet simulate`'s model over the same compressed
+//! segment with limpet's measured transition costs, so the simulation is checked against
+//! what happened. A table, a plot and `--json`.
+
+use crate::demo::{merge, now_ms, read_step_logs};
+use crate::local::{post_notice, LocalCluster, LocalJob};
+use anyhow::Context;
+use clap::Args;
+use limpet_agent::runtime::StepLine;
+use limpet_daemon::simulate::model::{simulate, Params, Policy};
+use limpet_daemon::simulate::trace::{Event, Trace};
+use limpet_daemon::status::{gather, TransitionDoc};
+use limpet_daemon::UsageError;
+use serde::Serialize;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// The simulation's job size: more than any window trains, so it stops at the window's end.
+const SAMPLES: f64 = 1e15;
+
+/// `limpet-lab chaos`.
+#[derive(Debug, Args)]
+pub struct ChaosArgs {
+    /// The preemption trace: `ms_since_start,add|remove,NODE` per line.
+    #[arg(long)]
+    pub trace: PathBuf,
+    /// Compress the trace's time by this factor.
+    #[arg(long, default_value_t = 60.0)]
+    pub speedup: f64,
+    /// Start of the segment replayed, in the trace's seconds.
+    #[arg(long, default_value_t = 0.0)]
+    pub from_s: f64,
+    /// End of the segment, in the trace's seconds (default: the trace's end).
+    #[arg(long)]
+    pub until_s: Option<f64>,
+    /// Replay only these hosts of the trace (comma-separated; default: all of them).
+    #[arg(long, value_delimiter = ',')]
+    pub hosts: Vec<String>,
+    /// The notice a revoked host gets, in the trace's seconds (AWS: 120), compressed too.
+    #[arg(long, default_value_t = 120.0)]
+    pub notice_s: f64,
+    /// Every k-th removal is a `kill -9` without notice (0: none).
+    #[arg(long, default_value_t = 0)]
+    pub kill_every: u32,
+    /// The job's model (`mlp`, `convnet`, `gpt`).
+    #[arg(long, default_value = "mlp")]
+    pub model: String,
+    /// Its data (`digits`, `chars`, `synthetic`).
+    #[arg(long, default_value = "digits")]
+    pub data: String,
+    /// Global batch.
+    #[arg(long, default_value_t = 64)]
+    pub batch: u64,
+    /// Directory for the cluster, its logs, `chaos.json` and `chaos.svg`.
+    #[arg(long)]
+    pub dir: PathBuf,
+    /// Run with certificates.
+    #[arg(long)]
+    pub tls: bool,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What a replay did and how the simulation compares.
+#[derive(Debug, Serialize)]
+pub struct ChaosReport {
+    /// Seconds replayed (compressed).
+    pub window_s: f64,
+    /// The compression.
+    pub speedup: f64,
+    /// What was fired: seconds into the replay, and what.
+    pub events: Vec<(f64, String)>,
+    /// Distinct steps trained in the window.
+    pub steps: u64,
+    /// Steps applied twice in the surviving lineage (must be 0).
+    pub steps_applied_twice: u64,
+    /// Every epoch change, with idle, lost and redone steps.
+    pub transitions: Vec<TransitionDoc>,
+    /// Measured samples per second by world size.
+    pub rates: BTreeMap<usize, f64>,
+    /// Measured seconds from starting a node to its first step.
+    pub join_s: f64,
+    /// Samples the replay trained.
+    pub replay_trained: f64,
+    /// Its goodput: trained over what the same hosts would have trained.
+    pub replay_goodput: f64,
+    /// Samples the simulation of the same segment trained.
+    pub simulated_trained: f64,
+    /// Its goodput.
+    pub simulated_goodput: f64,
+    /// |replay - simulated| / simulated goodput.
+    pub difference: f64,
+}
+
+/// A scheduled action of the replay.
+#[derive(Clone, Debug)]
+enum Act {
+    Notice(String),
+    Kill(String),
+    Join(String),
+}
+
+/// The selected hosts' segment of `trace`, in compressed seconds: the hosts live at its start
+/// (added at 0), and the events within it.
+fn segment(trace: &Trace, a: &ChaosArgs) -> anyhow::Result<(Vec<String>, Trace, f64)> {
+    let bad = |m: String| anyhow::Error::from(UsageError(m));
+    if !(a.speedup.is_finite() && a.speedup >= 1.0) {
+        return Err(bad(format!("--speedup {}: at least 1", a.speedup)));
+    }
+    let until = a.until_s.unwrap_or_else(|| trace.duration_s());
+    if !(a.from_s >= 0.0 && until > a.from_s) {
+        return Err(bad(format!("--from-s {} --until-s {until}: an empty segment", a.from_s)));
+    }
+    let wanted: BTreeSet<&str> = a.hosts.iter().map(String::as_str).collect();
+    let picked = |e: &Event| wanted.is_empty() || wanted.contains(e.node.as_str());
+    let (from_ms, until_ms) = ((a.from_s * 1e3) as u64, (until * 1e3) as u64);
+    let mut live = BTreeSet::new();
+    for e in trace.events.iter().filter(|e| e.at_ms <= from_ms && picked(e)) {
+        if e.add {
+            live.insert(e.node.clone());
+        } else {
+            live.remove(&e.node);
+        }
+    }
+    if live.is_empty() {
+        return Err(bad(format!("no host of the selection is live at {} s of the trace", a.from_s)));
+    }
+    let founders: Vec<String> = live.iter().cloned().collect();
+    let mut events: Vec<Event> =
+        founders.iter().map(|n| Event { at_ms: 0, add: true, node: n.clone() }).collect();
+    events.extend(trace.events.iter().filter(|e| e.at_ms > from_ms && e.at_ms < until_ms && picked(e)).map(
+        |e| Event {
+            at_ms: ((e.at_ms - from_ms) as f64 / a.speedup) as u64,
+            add: e.add,
+            node: e.node.clone(),
+        },
+    ));
+    let window = (until - a.from_s) / a.speedup;
+    if founders.len() + events.iter().filter(|e| e.add && e.at_ms > 0).count() > 12 {
+        return Err(bad("more than 12 hosts in the segment: select fewer with --hosts".into()));
+    }
+    Ok((founders, Trace { events }, window))
+}
+
+/// Runs `limpet-lab chaos`.
+pub fn run(a: ChaosArgs) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(&a.trace)
+        .map_err(|e| UsageError(format!("--trace {}: {e}", a.trace.display())))?;
+    let trace = Trace::parse(&text, &a.trace.display().to_string()).map_err(UsageError)?;
+    let (founders, seg, window) = segment(&trace, &a)?;
+    if a.dir.exists() && std::fs::read_dir(&a.dir)?.next().is_some() {
+        return Err(UsageError(format!("--dir {}: not empty", a.dir.display())).into());
+    }
+    let report = replay(&a, &founders, &seg, window)?;
+    std::fs::write(a.dir.join("chaos.json"), serde_json::to_vec_pretty(&report)?)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", table(&report));
+        println!("plot: {}", a.dir.join("chaos.svg").display());
+    }
+    if report.steps_applied_twice > 0 {
+        anyhow::bail!("{} step(s) were applied twice", report.steps_applied_twice);
+    }
+    Ok(())
+}
+
+fn replay(a: &ChaosArgs, founders: &[String], seg: &Trace, window: f64) -> anyhow::Result<ChaosReport> {
+    let job = LocalJob {
+        model: a.model.clone(),
+        data: a.data.clone(),
+        steps: 100_000_000,
+        global_batch: a.batch,
+        tls: a.tls,
+        ..LocalJob::default()
+    };
+    let mut cluster = LocalCluster::up(&a.dir, founders.len(), job)?;
+    let mut names: BTreeMap<String, String> =
+        founders.iter().enumerate().map(|(i, f)| (f.clone(), format!("node-{}", i + 1))).collect();
+    let logs = |c: &LocalCluster| c.file.nodes.iter().map(|n| n.step_log.clone()).collect::<Vec<_>>();
+    // The trace's clock starts at the first step.
+    let waited = Instant::now();
+    let t0 = loop {
+        if let Some(first) = read_step_logs(&logs(&cluster))?.iter().map(|l| l.wall_ms).min() {
+            break first;
+        }
+        if waited.elapsed() > Duration::from_secs(120) {
+            anyhow::bail!("no step within 120 s; logs in {}", a.dir.display());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let start = Instant::now() - Duration::from_millis(now_ms().saturating_sub(t0));
+    // The schedule, in replay seconds.
+    let mut plan: Vec<(f64, Act)> = Vec::new();
+    let notice = (a.notice_s / a.speedup).max(1.0);
+    let mut removals = 0u32;
+    for e in seg.events.iter().filter(|e| e.at_ms > 0) {
+        let t = e.at_ms as f64 / 1e3;
+        if e.add {
+            plan.push((t, Act::Join(e.node.clone())));
+        } else {
+            removals += 1;
+            if a.kill_every > 0 && removals % a.kill_every == 0 {
+                plan.push((t, Act::Kill(e.node.clone())));
+            } else {
+                plan.push((t, Act::Notice(e.node.clone())));
+                plan.push((t + notice, Act::Kill(e.node.clone())));
+            }
+        }
+    }
+    plan.sort_by(|x, y| x.0.total_cmp(&y.0));
+    let bar = if a.json {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::new(window.ceil() as u64)
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} s {msg}")
+            .expect("template")
+            .progress_chars("=> "),
+    );
+    let (mut fired, mut killed, mut started_at) = (Vec::new(), Vec::new(), BTreeMap::new());
+    let mut next = 0;
+    while start.elapsed().as_secs_f64() < window {
+        let now = start.elapsed().as_secs_f64();
+        while next < plan.len() && plan[next].0 <= now {
+            let (t, act) = plan[next].clone();
+            next += 1;
+            let what = match &act {
+                Act::Notice(h) => {
+                    let name = names.get(h).context("a notice for a host never started")?;
+                    post_notice(&cluster.file.node(name)?.metadata, notice.ceil() as u64)?;
+                    format!("spot notice for {h} ({name}), revoked in {notice:.0} s")
+                }
+                Act::Kill(h) => {
+                    let name = names.get(h).context("a kill for a host never started")?.clone();
+                    if !cluster.running(&name) {
+                        continue;
+                    }
+                    killed.push(cluster.file.node(&name)?.id);
+                    cluster.kill(&name)?;
+                    format!("kill -9 {h} ({name})")
+                }
+                Act::Join(h) => {
+                    let name = cluster.add()?;
+                    started_at.insert(cluster.file.node(&name)?.id, now_ms());
+                    names.insert(h.clone(), name.clone());
+                    format!("{h} joins as {name}")
+                }
+            };
+            bar.println(format!("{t:7.1} s  {what}"));
+            fired.push((t, what));
+        }
+        bar.set_position(now as u64);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    bar.finish_and_clear();
+    let end_ms = t0 + (window * 1e3) as u64;
+    let tls = match &cluster.file.operator_tls {
+        Some(files) => Some(limpet_consensus::tls::Tls::load(files)?),
+        None => None,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let doc = rt.block_on(gather(&cluster.file.cluster, &cluster.file.control_addrs(), tls.as_ref())).ok();
+    let lines: Vec<StepLine> =
+        read_step_logs(&logs(&cluster))?.into_iter().filter(|l| l.wall_ms <= end_ms).collect();
+    cluster.down();
+    let transitions = doc.map(|d| d.transitions).unwrap_or_default();
+    let redone: Vec<(u64, u64)> = transitions
+        .iter()
+        .filter(|t| t.redone_steps > 0)
+        .map(|t| (t.step.saturating_sub(t.redone_steps), t.redone_steps))
+        .collect();
+    let (points, twice) = merge(&lines, &killed, &redone);
+    let rates = measured_rates(&lines, a.batch);
+    let joins: Vec<f64> = started_at
+        .iter()
+        .filter_map(|(node, at)| {
+            let first = lines.iter().filter(|l| l.node == *node).map(|l| l.wall_ms).min()?;
+            Some(first.saturating_sub(*at) as f64 / 1e3)
+        })
+        .collect();
+    let join_s = if joins.is_empty() { 0.0 } else { joins.iter().sum::<f64>() / joins.len() as f64 };
+    let steps = points.len().saturating_sub(1) as u64;
+    let replay_trained = steps as f64 * a.batch as f64;
+
+    let sim = simulate(seg, &params(a, &rates, &lines, join_s, window), Policy::Limpet)
+        .context("the simulation found no host")?;
+    let replay_goodput = replay_trained / sim.possible.max(f64::MIN_POSITIVE);
+    let report = ChaosReport {
+        window_s: window,
+        speedup: a.speedup,
+        events: fired,
+        steps,
+        steps_applied_twice: twice,
+        transitions,
+        rates,
+        join_s,
+        replay_trained,
+        replay_goodput,
+        simulated_trained: sim.trained,
+        simulated_goodput: sim.goodput,
+        difference: (replay_goodput - sim.goodput).abs() / sim.goodput.max(f64::MIN_POSITIVE),
+    };
+    plot(&a.dir.join("chaos.svg"), &lines, t0, &sim, a.batch, seg, join_s)?;
+    Ok(report)
+}
+
+/// Samples per second by world size: over every epoch, the steps after its first (which
+/// carries the transition) over the time from its first step's completion to its last's.
+fn measured_rates(lines: &[StepLine], batch: u64) -> BTreeMap<usize, f64> {
+    let mut epochs: BTreeMap<u64, (usize, BTreeMap<u64, u64>)> = BTreeMap::new();
+    for l in lines {
+        let e = epochs.entry(l.epoch).or_insert((l.world, BTreeMap::new()));
+        let at = e.1.entry(l.step).or_insert(l.wall_ms);
+        *at = (*at).min(l.wall_ms);
+    }
+    let mut by_world: BTreeMap<usize, (f64, f64)> = BTreeMap::new();
+    for (world, steps) in epochs.values() {
+        let (Some(first), Some(last)) = (steps.values().min(), steps.values().max()) else { continue };
+        if steps.len() >= 3 && last > first {
+            let w = by_world.entry(*world).or_default();
+            w.0 += (steps.len() - 1) as f64;
+            w.1 += (last - first) as f64 / 1e3;
+        }
+    }
+    by_world.into_iter().map(|(world, (n, secs))| (world, batch as f64 * n / secs)).collect()
+}
+
+/// The simulation's parameters: the speeds measured in the replay (a world never measured
+/// scales the nearest measured one linearly), the join time measured in it, and limpet's
+/// transition costs as `limpet simulate` takes them.
+fn params(
+    a: &ChaosArgs,
+    rates: &BTreeMap<usize, f64>,
+    lines: &[StepLine],
+    join_s: f64,
+    window: f64,
+) -> Params {
+    use limpet_daemon::simulate::{JOIN_IDLE_MS, KILL_RECOVERY_MS, NOTICE_IDLE_MS};
+    let most = 16;
+    let table: Vec<f64> = (0..=most)
+        .map(|n| match rates.iter().min_by_key(|(w, _)| w.abs_diff(n)) {
+            Some((w, r)) if n > 0 => r * n as f64 / *w as f64,
+            _ => 0.0,
+        })
+        .collect();
+    let mut gaps: Vec<f64> = Vec::new();
+    let mut last: BTreeMap<(u64, u64), u64> = BTreeMap::new();
+    for l in lines {
+        if let Some(prev) = last.insert((l.node, l.epoch), l.wall_ms) {
+            gaps.push(l.wall_ms.saturating_sub(prev) as f64 / 1e3);
+        }
+    }
+    gaps.sort_by(f64::total_cmp);
+    Params {
+        host_rate: table.get(1).copied().unwrap_or(1.0).max(1e-9),
+        scaling: 1.0,
+        step_s: gaps.get(gaps.len() / 2).copied().unwrap_or(0.0),
+        notice_idle_s: NOTICE_IDLE_MS / 1e3,
+        kill_recovery_s: KILL_RECOVERY_MS / 1e3,
+        no_notice: if a.kill_every > 0 { 1.0 / a.kill_every as f64 } else { 0.0 },
+        join_idle_s: JOIN_IDLE_MS / 1e3,
+        state_bytes: 0.0,
+        link_bytes_per_s: 1.0,
+        boot_s: join_s,
+        restart_s: 0.0,
+        checkpoint_every_s: f64::MAX,
+        checkpoint_write_s: 0.0,
+        restart_on_add: false,
+        spot_price: 0.0,
+        on_demand_price: 0.0,
+        on_demand_hosts: 1,
+        samples: SAMPLES,
+        tick_s: 0.01,
+        rates: table,
+        until_s: Some(window),
+    }
+}
+
+fn table(r: &ChaosReport) -> String {
+    let mut s = format!(
+        "replayed {:.0} s ({}x): {} steps, {} applied twice, {} transitions\n",
+        r.window_s,
+        r.speedup,
+        r.steps,
+        r.steps_applied_twice,
+        r.transitions.len()
+    );
+    s += &limpet_daemon::status::transitions_table(&r.transitions);
+    let rates: Vec<String> = r.rates.iter().map(|(w, v)| format!("{w}: {v:.0}/s")).collect();
+    s += &format!(
+        "\nmeasured speed by world: {}; a join took {:.1} s to its first step\n",
+        rates.join(", "),
+        r.join_s
+    );
+    s += &format!(
+        "\n{:<12} {:>14} {:>9}\n{:<12} {:>14.0} {:>8.1}%\n{:<12} {:>14.0} {:>8.1}%\ndifference in goodput: {:.1}%\n",
+        "",
+        "samples",
+        "goodput",
+        "replay",
+        r.replay_trained,
+        r.replay_goodput * 100.0,
+        "simulation",
+        r.simulated_trained,
+        r.simulated_goodput * 100.0,
+        r.difference * 100.0
+    );
+    s
+}
+
+/// Hosts the trace has ready, the epoch's world, and samples trained (replay and simulation)
+/// against seconds.
+fn plot(
+    path: &Path,
+    lines: &[StepLine],
+    t0: u64,
+    sim: &limpet_daemon::simulate::model::Outcome,
+    batch: u64,
+    seg: &Trace,
+    join_s: f64,
+) -> anyhow::Result<()> {
+    use plotters::prelude::*;
+    let mut steps: BTreeMap<u64, (u64, usize)> = BTreeMap::new();
+    for l in lines {
+        steps.entry(l.step).or_insert((l.wall_ms, l.world));
+    }
+    // At most about 2000 points: a fast job logs tens of thousands of steps.
+    let every = (steps.len() / 2000).max(1);
+    let replay: Vec<(f64, f64, usize)> = steps
+        .values()
+        .enumerate()
+        .filter(|(i, _)| i % every == 0 || *i + 1 == steps.len())
+        .map(|(i, (ms, world))| (ms.saturating_sub(t0) as f64 / 1e3, (i as f64) * batch as f64, *world))
+        .collect();
+    let simulated: Vec<(f64, f64)> =
+        sim.timeline.iter().map(|(h, _, frac)| (h * 3600.0, frac * SAMPLES)).collect();
+    let mut ready: Vec<(f64, usize)> = Vec::new();
+    let mut live: BTreeSet<&str> = BTreeSet::new();
+    for e in &seg.events {
+        let t = e.at_ms as f64 / 1e3 + if e.add && e.at_ms > 0 { join_s } else { 0.0 };
+        if e.add {
+            live.insert(&e.node);
+        } else {
+            live.remove(e.node.as_str());
+        }
+        ready.push((t, live.len()));
+    }
+    ready.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let draw = || -> Result<(), Box<dyn std::error::Error>> {
+        let end = sim.hours * 3600.0;
+        let most = replay.last().map_or(1.0, |p| p.1).max(sim.trained).max(1.0);
+        let hosts = ready.iter().map(|r| r.1).max().unwrap_or(1) + 1;
+        let root = SVGBackend::new(path, (1000, 640)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let (top, bottom) = root.split_vertically(280);
+        let mut h = ChartBuilder::on(&top)
+            .caption("limpet-lab chaos: a trace replayed, and its simulation", ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(30)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0f64..end, 0usize..hosts)?;
+        h.configure_mesh().y_desc("hosts").y_labels(hosts).draw()?;
+        let mut stair = Vec::new();
+        for w in ready.windows(2) {
+            stair.push((w[0].0, w[0].1));
+            stair.push((w[1].0, w[0].1));
+        }
+        if let Some(l) = ready.last() {
+            stair.push((l.0, l.1));
+            stair.push((end, l.1));
+        }
+        h.draw_series(LineSeries::new(stair, BLUE.mix(0.6)))?
+            .label("hosts the trace has ready")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLUE));
+        h.draw_series(LineSeries::new(replay.iter().map(|p| (p.0, p.2)), RED.stroke_width(2)))?
+            .label("world of the replay's epochs")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], RED));
+        h.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw()?;
+        let mut d = ChartBuilder::on(&bottom)
+            .margin(12)
+            .x_label_area_size(36)
+            .y_label_area_size(80)
+            .build_cartesian_2d(0f64..end, 0f64..most * 1.05)?;
+        d.configure_mesh().x_desc("seconds").y_desc("samples trained").draw()?;
+        d.draw_series(LineSeries::new(replay.iter().map(|p| (p.0, p.1)), RED.stroke_width(2)))?
+            .label("replay")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], RED));
+        d.draw_series(LineSeries::new(simulated, GREEN.stroke_width(2)))?
+            .label("simulation")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], GREEN));
+        d.configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .border_style(BLACK)
+            .background_style(WHITE.mix(0.8))
+            .draw()?;
+        root.present()?;
+        Ok(())
+    };
+    draw().map_err(|e| anyhow::anyhow!("{e}")).with_context(|| format!("drawing {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(from_s: f64, until_s: Option<f64>, hosts: &[&str], speedup: f64) -> ChaosArgs {
+        ChaosArgs {
+            trace: PathBuf::new(),
+            speedup,
+            from_s,
+            until_s,
+            hosts: hosts.iter().map(|h| h.to_string()).collect(),
+            notice_s: 120.0,
+            kill_every: 0,
+            model: "mlp".into(),
+            data: "digits".into(),
+            batch: 64,
+            dir: PathBuf::new(),
+            tls: false,
+            json: false,
+        }
+    }
+
+    #[test]
+    fn a_segment_starts_with_the_hosts_live_then_and_compresses_what_follows() {
+        let t = Trace::parse(
+            "0,add,a\n0,add,b\n0,add,c\n10000,remove,c\n20000,add,d\n30000,remove,a\n50000,add,e\n",
+            "t",
+        )
+        .unwrap();
+        let (founders, seg, window) = segment(&t, &args(15.0, Some(40.0), &[], 10.0)).unwrap();
+        assert_eq!(founders, ["a", "b"]);
+        assert_eq!(window, 2.5);
+        let compressed: Vec<(u64, bool, &str)> =
+            seg.events.iter().map(|e| (e.at_ms, e.add, e.node.as_str())).collect();
+        assert_eq!(compressed, [(0, true, "a"), (0, true, "b"), (500, true, "d"), (1500, false, "a")]);
+        // A selection of hosts keeps only their events.
+        let (founders, seg, _) = segment(&t, &args(15.0, Some(40.0), &["b", "d"], 10.0)).unwrap();
+        assert_eq!((founders.len(), seg.events.len()), (1, 2));
+        for bad in
+            [args(15.0, Some(10.0), &[], 10.0), args(0.0, None, &[], 0.5), args(35.0, None, &["c"], 10.0)]
+        {
+            assert!(segment(&t, &bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn speeds_are_steps_over_time_within_epochs() {
+        let line = |epoch, step, wall_ms, world| StepLine {
+            wall_ms,
+            step,
+            epoch,
+            world,
+            rank: 0,
+            node: 1,
+            loss: 1.0,
+        };
+        // World 2: steps every 10 ms; world 3: every 20 ms (its first step late: a transition).
+        let mut lines: Vec<StepLine> = (0..11).map(|s| line(1, s, 10 * s, 2)).collect();
+        lines.push(line(2, 11, 500, 3));
+        lines.extend((12..22).map(|s| line(2, s, 500 + 20 * (s - 11), 3)));
+        let r = measured_rates(&lines, 64);
+        assert!((r[&2] - 6400.0).abs() < 1e-6, "{r:?}");
+        assert!((r[&3] - 3200.0).abs() < 1e-6, "{r:?}");
+    }
+}
