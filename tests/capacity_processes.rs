@@ -408,3 +408,99 @@ fn a_leader_killed_in_the_middle_of_a_launch_does_not_make_its_successor_launch_
     });
     c.down();
 }
+
+/// Scaling by value: the leader records the throughput of each world size it trains at and
+/// prices a host through EC2's spot price history. At $100,000/h a third host is not worth its
+/// price (the knee is at two); at $0.01/h it is (predicted from one point: a line), so one is
+/// launched and joins. That host computes slowly on purpose, so the measured third host makes
+/// the job slower: the leader goes back to two hosts and drains and terminates the newest.
+#[test]
+fn scaling_by_value_tries_a_third_host_measures_it_and_gives_it_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let moto = Moto::start();
+    let faults = Faults::start(&moto, tmp.path());
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let dir = tmp.path().join("cluster");
+    let setup = rt.block_on(Fleet::connect("setup", &aws(&moto.url))).unwrap();
+    let (sa, _) = rt.block_on(ec2_setup(&setup));
+    faults.set(serde_json::json!({ "spot_prices": { "t3.micro": "100000" } }));
+    // 100,000 samples per dollar at the margin; the configured price is only the fallback.
+    let capacity = format!(
+        "[capacity]\ntarget = 2\nmin = 2\nmax = 4\nlaunch_template = \"limpet-node\"\ninstance_types = [\"t3.micro\"]\n\
+         subnets = [\"{sa}\"]\nmin_marginal_value = 100000\nspot_price_history = true\nprices = {{ \"t3.micro\" = 5.0 }}\n\
+         join_timeout_secs = 600\ninterval_secs = 0.5\nregion = \"us-east-1\"\nendpoint = \"{}\"\n",
+        faults.url
+    );
+    let mut c = cluster(&dir, 2, capacity, false);
+    let fleet = rt.block_on(Fleet::connect(&c.file.cluster, &aws(&moto.url))).unwrap();
+    let is_scale = |r: &Value, n: u64| kind(r) == "scale" && r["data"]["target"] == n;
+    let (knee, _) =
+        wait_record(&dir, Duration::from_secs(120), "a first scaling decision", 0, |r| kind(r) == "scale");
+    let reason = knee["reason"].as_str().unwrap();
+    assert!(is_scale(&knee, 2), "{knee:#}");
+    assert!(
+        reason.contains("$100000/h") && reason.contains("the knee"),
+        "EC2's price, not the fallback: {reason}"
+    );
+    let s = status(&dir).unwrap();
+    assert_eq!(s["throughput"][0]["world"], 2, "{:#}", s["throughput"]);
+
+    // Spot gets cheap: a line through the one point says a third host pays; it is launched.
+    faults.set(serde_json::json!({ "spot_prices": { "t3.micro": "0.01" } }));
+    let (grow, _) =
+        wait_record(&dir, Duration::from_secs(60), "scale to 3", knee["seq"].as_u64().unwrap(), |r| {
+            kind(r) == "scale"
+        });
+    assert!(is_scale(&grow, 3), "{grow:#}");
+    assert!(grow["reason"].as_str().unwrap().contains("predicted"), "{grow:#}");
+    let (done, _) =
+        wait_record(&dir, Duration::from_secs(60), "the launch", grow["seq"].as_u64().unwrap(), |r| {
+            kind(r) == "launched"
+        });
+    let x = done["data"]["instances"][0].as_str().unwrap().to_string();
+    // It boots as a slow host: 3 ms per sample it computes, with equal shares.
+    c.job.slow = Some((x.clone(), 3000));
+    c.add_named(&x).unwrap();
+
+    // Measured at three hosts: slower than two. Back to two; the newest host goes.
+    let (back, _) =
+        wait_record(&dir, Duration::from_secs(180), "scale back to 2", done["seq"].as_u64().unwrap(), |r| {
+            kind(r) == "scale"
+        });
+    let s = status(&dir).unwrap();
+    assert!(is_scale(&back, 2), "{back:#}\n{:#}", s["throughput"]);
+    assert!(back["reason"].as_str().unwrap().contains("measured"), "{back:#}");
+    let per_s = |world: u64| {
+        s["throughput"].as_array().unwrap().iter().find(|t| t["world"] == world).unwrap()["useful_milli"]
+            .as_u64()
+            .unwrap()
+    };
+    assert!(per_s(3) < per_s(2), "the slow third host made the job slower: {:#}", s["throughput"]);
+    let (drain, _) = wait_record(
+        &dir,
+        Duration::from_secs(60),
+        "the newest host drained",
+        back["seq"].as_u64().unwrap(),
+        |r| kind(r) == "drain",
+    );
+    assert_eq!(drain["data"]["instance"], x.as_str(), "{drain:#}");
+    wait_record(
+        &dir,
+        Duration::from_secs(120),
+        "the drained host terminated",
+        drain["seq"].as_u64().unwrap(),
+        |r| kind(r) == "terminate" && r["data"]["instances"] == serde_json::json!([x]),
+    );
+    common::wait_showing_logs("EC2 shows no instance", Duration::from_secs(30), &dir, || {
+        live(&rt, &fleet).is_empty()
+    });
+    // It stays at two: the measured curve has its knee there.
+    std::thread::sleep(Duration::from_secs(3));
+    let all = records(&dir);
+    let last_scale = all.iter().rev().find(|r| kind(r) == "scale").unwrap();
+    assert_eq!(last_scale["seq"], back["seq"], "{all:#?}");
+    let text = Command::new(exe()).args(["status", "--dir"]).arg(&dir).output().unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("throughput by world size (scaling by value: 2 hosts)"), "{text}");
+    c.down();
+}

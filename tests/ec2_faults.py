@@ -1,4 +1,5 @@
-"""What EC2 does and moto's server cannot: run out of capacity, and answer a launch late.
+"""What EC2 does and moto's server cannot: run out of capacity, answer a launch late, and
+price spot hosts.
 
 A proxy in front of moto's server for the capacity tests. Every request is forwarded; a
 RunInstances whose pool (instance type, subnet) and market are listed as out of capacity in
@@ -10,11 +11,15 @@ logged as one JSON line: type, subnet, market, client token, what was answered.
 
 usage: ec2_faults.py PORT UPSTREAM_URL CONTROL_JSON LOG_JSONL
 
+A DescribeSpotPriceHistory is answered by moto (which prices every type at $0.00001) with
+the prices of the types listed in `spot_prices` put in, as EC2 would quote them.
+
 The control file is read on every request: {"no_capacity": ["spot/g5.xlarge/subnet-1", ...,
-"spot/*"], "hold_secs": 0}.
+"spot/*"], "hold_secs": 0, "spot_prices": {"t3.micro": "0.0104"}}.
 """
 
 import json
+import re
 import sys
 import time
 import urllib.error
@@ -65,10 +70,28 @@ class Proxy(BaseHTTPRequestHandler):
         except urllib.error.HTTPError as e:
             return e.code, e.headers.items(), e.read()
 
+    def priced(self, answer, prices):
+        status, headers, out = answer
+        if status != 200 or not prices:
+            return answer
+
+        def price(m):
+            item = m.group(0)
+            t = re.search(r"<instanceType>([^<]*)</instanceType>", item)
+            if t and t.group(1) in prices:
+                item = re.sub(r"<spotPrice>[^<]*</spotPrice>",
+                              f"<spotPrice>{prices[t.group(1)]}</spotPrice>", item)
+            return item
+
+        text = re.sub(r"<item>.*?</item>", price, out.decode("utf-8"), flags=re.S)
+        return status, headers, text.encode("utf-8")
+
     def handle_any(self):
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         form = urllib.parse.parse_qs(body.decode("utf-8", "replace")) if body else {}
         one = lambda k: (form.get(k) or [""])[0]
+        if one("Action") == "DescribeSpotPriceHistory":
+            return self.reply(*self.priced(self.forward(body), control().get("spot_prices", {})))
         if one("Action") != "RunInstances":
             return self.reply(*self.forward(body))
         market = "spot" if one("InstanceMarketOptions.MarketType") == "spot" else "on-demand"

@@ -287,3 +287,52 @@ fn a_replayed_trace_segment_agrees_with_its_simulation() {
     assert!(r["difference"].as_f64().unwrap() <= 0.10, "replay {replay:.3}, simulation {simulated:.3}");
     assert!(dir.path().join("run/chaos.svg").exists());
 }
+
+/// Mean milliseconds between node-1's steps in `epoch` of a scenario in `dir`, its first 20
+/// steps left out (the epoch's entry).
+fn step_ms(dir: &Path, epoch: u64) -> f64 {
+    let text = std::fs::read_to_string(dir.join("node-1.steps.jsonl")).unwrap();
+    let mut at: Vec<u64> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["epoch"] == epoch)
+        .map(|v| v["wall_ms"].as_u64().unwrap())
+        .collect();
+    at.sort_unstable();
+    let at = &at[20.min(at.len())..];
+    assert!(at.len() > 20, "epoch {epoch}: too few steps in {}", dir.display());
+    (at[at.len() - 1] - at[0]) as f64 / (at.len() - 1) as f64
+}
+
+/// A straggler: node-3 sleeps 400 µs per sample it computes (7x slower here). With shares by
+/// speed the leader gives it fewer samples after the window, the others stop waiting for it
+/// (the step time falls), and the run still equals one process: the same samples, summed
+/// whoever computed them.
+#[test]
+fn a_slow_host_gets_fewer_samples_and_the_result_still_matches_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let slow = ["--policy", "fixed-global", "--slow", "node-3:400", "--straggler-ratio", "1.3"];
+    let summary = scenario_with(&tmp.path().join("slow"), 3, "convnet", 600, "", &slow);
+    let balance = transition(&summary, "slower: shares by speed");
+    let shares: Vec<u64> =
+        balance["shares"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    assert_eq!(shares.iter().sum::<u64>(), 64, "{balance}");
+    assert!(shares[2] < shares[0] && shares[2] < shares[1], "node-3 computes the fewest: {shares:?}");
+    assert_eq!(balance["lost_steps"], 0, "{balance}");
+    let (before, after) = (step_ms(&tmp.path().join("slow"), 1), step_ms(&tmp.path().join("slow"), 2));
+    eprintln!("step time with equal shares {before:.2} ms, by speed {after:.2} ms");
+    assert!(after < 0.6 * before, "the others still wait: {before:.2} ms -> {after:.2} ms a step");
+
+    // Equivalence, on the MLP (the convnet amplifies float summation order; see
+    // PARAM_TOLERANCE): unequal shares train the same samples with the same updates.
+    let steps = 2000;
+    let mlp = scenario_with(&tmp.path().join("mlp"), 3, "mlp", steps, "", &slow);
+    transition(&mlp, "slower: shares by speed");
+    let single = tmp.path().join("single");
+    train_alone(&single, &["--model", "mlp", "--data", "digits", "--batch", "64"], steps);
+    let (elastic_img, elastic) = params(&PathBuf::from(mlp["checkpoint"].as_str().unwrap()));
+    let (single_img, one) = params(&single.join("checkpoint.safetensors"));
+    assert_eq!(elastic_img.meta().job, single_img.meta().job);
+    let diff = max_rel_diff(&elastic, &one);
+    assert!(diff < PARAM_TOLERANCE, "parameters differ by {diff:.3e} (tolerance {PARAM_TOLERANCE:e})");
+}

@@ -13,7 +13,7 @@ pub mod remote;
 pub mod revocation;
 
 // The decisions the agent runs live in their own crate; their paths stay the agent's.
-pub use limpet_decide::{capacity, controller, leader, planner, policy, report};
+pub use limpet_decide::{balance, capacity, controller, leader, planner, policy, report, scaling};
 #[cfg(feature = "trainer")]
 pub mod runtime;
 #[cfg(feature = "trainer")]

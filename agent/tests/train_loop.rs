@@ -27,6 +27,7 @@ fn epoch(id: u64, start_step: u64, ranks: &[u64]) -> Epoch {
         sources: Default::default(),
         cause: String::new(),
         causes: Vec::new(),
+        shares: Vec::new(),
     }
 }
 

@@ -54,6 +54,7 @@ fn command(what: u8, next_epoch: &mut u64) -> Command {
                     sources: if what % 8 == 0 { BTreeMap::from([(3, 1)]) } else { BTreeMap::new() },
                     cause: "test".into(),
                     causes: Vec::new(),
+                    shares: Vec::new(),
                 },
             }
         }

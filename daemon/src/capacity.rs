@@ -7,7 +7,7 @@
 //! what `limpet status` shows of it.
 
 use crate::config::CapacitySection;
-use limpet_agent::capacity::{decide, record_of, CapacityPolicy, Instance, Next};
+use limpet_agent::capacity::{decide_with, record_of, scale, slow_members, CapacityPolicy, Instance, Next};
 use limpet_consensus::state::{CapacityAction, CapacityRecord, ClusterState, Command, Market, NodeId, Pool};
 use limpet_consensus::NodeHandle;
 use limpet_deploy::ssm::Vault;
@@ -38,6 +38,10 @@ struct Clients {
     vault: Option<Vault>,
 }
 
+/// Since when each slow member has been slow (this leader's view: a new leader starts the
+/// window again).
+type SlowSince = std::collections::BTreeMap<NodeId, u64>;
+
 fn now_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
@@ -47,6 +51,7 @@ pub async fn run(r: Reconciler, handle: NodeHandle, stop: CancellationToken) {
     let interval = Duration::from_secs_f64(r.section.interval_secs);
     let policy = r.section.policy(r.spares.is_some());
     let mut clients = Clients::default();
+    let mut slow_since = SlowSince::new();
     let mut last_error = String::new();
     tracing::info!(target = policy.target, pools = policy.pools.len(), "capacity reconciler on");
     loop {
@@ -57,7 +62,7 @@ pub async fn run(r: Reconciler, handle: NodeHandle, stop: CancellationToken) {
         if !handle.watch().borrow().is_leader {
             continue;
         }
-        match r.round(&policy, &handle, &mut clients).await {
+        match r.round(&policy, &handle, &mut clients, &mut slow_since).await {
             Ok(()) => last_error.clear(),
             Err(e) => {
                 metrics::counter!("limpet_capacity_errors_total", "code" => "reconcile").increment(1);
@@ -87,6 +92,7 @@ impl Reconciler {
         policy: &CapacityPolicy,
         handle: &NodeHandle,
         c: &mut Clients,
+        slow_since: &mut SlowSince,
     ) -> anyhow::Result<()> {
         let (fleet, vault) = self.clients(c).await?;
         let (listed, _) = fleet.list().await?;
@@ -97,8 +103,16 @@ impl Reconciler {
         };
         let state = handle.watch().borrow().state.clone();
         let now = now_ms();
-        let d = decide(policy, &state, &instances, &spares, now);
-        metrics::gauge!("limpet_capacity_target").set(policy.target as f64);
+        if policy.min_marginal_value.is_some() {
+            let price = self.price(fleet).await;
+            if let Some(d) = scale(policy, &state, price) {
+                let record = record_of(&d, &state.capacity, self.me, now).expect("a scale record");
+                return self.record(handle, &record).await;
+            }
+        }
+        let slow = self.slow(&state, slow_since, now);
+        let d = decide_with(policy, &state, &instances, &spares, &slow, now);
+        metrics::gauge!("limpet_capacity_target").set(policy.target_now(&state.capacity) as f64);
         metrics::gauge!("limpet_capacity_hosts").set(d.have as f64);
         if let Next::Resume(seq) = d.next {
             return self.launch(seq, &state, handle, fleet, vault).await;
@@ -115,14 +129,48 @@ impl Reconciler {
                 tracing::info!(?done, "capacity: terminated");
             }
             CapacityAction::Drain { node, instance } => {
-                let why = format!("capacity: spot is back, on-demand {instance} goes");
+                let why = format!("capacity: {instance} goes: {}", record.reason);
                 handle
                     .propose(Command::Drain { id: *node, reason: why }, Some(Duration::from_secs(5)))
                     .await?;
             }
-            CapacityAction::Hold | CapacityAction::Launched { .. } | CapacityAction::Failed { .. } => {}
+            CapacityAction::Hold
+            | CapacityAction::Scale { .. }
+            | CapacityAction::Launched { .. }
+            | CapacityAction::Failed { .. } => {}
         }
         Ok(())
+    }
+
+    /// What one more host costs, dollars per hour: the cheapest current spot price of the
+    /// instance types when `spot_price_history` is on and EC2 answers, else the cheapest
+    /// configured price.
+    async fn price(&self, fleet: &Fleet) -> Option<f64> {
+        if self.section.spot_price_history {
+            match fleet.spot_prices(&self.section.instance_types).await {
+                Ok(prices) => {
+                    let cheapest = prices.iter().map(|p| p.2).reduce(f64::min);
+                    if let Some(p) = cheapest {
+                        metrics::gauge!("limpet_capacity_price_per_hour").set(p);
+                        return Some(p);
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "capacity: no spot prices; using [capacity].prices"),
+            }
+        }
+        self.section.static_price()
+    }
+
+    /// Members that have been slow (their share below the mean by `replace_slower_than`)
+    /// for `replace_slow_after_secs` in this leader's view.
+    fn slow(&self, state: &ClusterState, since: &mut SlowSince, now: u64) -> Vec<NodeId> {
+        let now_slow = slow_members(state, self.section.replace_slower_than);
+        since.retain(|id, _| now_slow.contains(id));
+        for id in &now_slow {
+            since.entry(*id).or_insert(now);
+        }
+        let window = self.section.replace_slow_after_secs * 1000;
+        since.iter().filter(|(_, &t)| now.saturating_sub(t) >= window).map(|(&id, _)| id).collect()
     }
 
     /// Proposes a record; counted and logged once committed.
@@ -251,11 +299,29 @@ pub fn docs(st: &ClusterState, n: usize, name_of: impl Fn(NodeId) -> String) -> 
                 CapacityAction::Failed { launch, code, .. } => format!("#{launch}: {code}"),
                 CapacityAction::Terminate { instances } => instances.join(" "),
                 CapacityAction::Drain { instance, .. } => instance.clone(),
+                CapacityAction::Scale { target } => format!("{target} hosts"),
             },
             reason: r.reason.clone(),
             data: r.action.clone(),
         })
         .collect()
+}
+
+/// Throughput per world size, with one host's marginal gain over the world below, as a
+/// table; and the number of hosts scaling by value chose.
+pub fn render_throughput(points: &[limpet_consensus::state::Throughput], target: Option<u32>) -> String {
+    let mut t = crate::text::table(&["HOSTS", "SAMPLES/S", "THAT COUNT", "PER HOST", "EPOCH"], 0..5);
+    for p in points {
+        t.add_row(vec![
+            p.world.to_string(),
+            format!("{:.0}", p.samples_per_s()),
+            format!("{:.0}", p.useful_per_s()),
+            format!("{:.0}", p.useful_per_s() / p.world as f64),
+            p.epoch.to_string(),
+        ]);
+    }
+    let chosen = target.map_or(String::new(), |n| format!(" (scaling by value: {n} hosts)"));
+    format!("throughput by world size{chosen}:\n{t}\n")
 }
 
 /// The newest eight records as a table.

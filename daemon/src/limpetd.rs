@@ -400,6 +400,9 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
     a.init_from = cfg.model.init_from.clone();
     a.policy = cfg.job.policy;
     a.min_nodes = cfg.cluster.min_nodes;
+    a.straggler_ratio = cfg.cluster.straggler_ratio;
+    a.straggler_steps = cfg.cluster.straggler_steps;
+    a.slowdown_us_per_sample = cfg.node.slowdown_us_per_sample;
     a.sources = revocation_sources(cfg);
     a.poll = Duration::from_secs_f64(cfg.revocation.poll_secs);
     let t = &cfg.timing;

@@ -174,6 +174,9 @@ pub struct TransitionDoc {
     /// The epoch's learning-rate multiplier.
     #[serde(default)]
     pub lr_scale: f64,
+    /// Samples per step each rank computes when a slower host gets fewer (empty: equal).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shares: Vec<u64>,
 }
 
 /// `limpet status --json`.
@@ -208,6 +211,12 @@ pub struct StatusDoc {
     /// The fleet reconciler's newest records, oldest first (`[capacity]`).
     #[serde(default)]
     pub capacity: Vec<crate::capacity::CapacityDoc>,
+    /// Throughput measured at each world size, smallest first (what scaling by value fits).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub throughput: Vec<limpet_consensus::state::Throughput>,
+    /// The number of hosts scaling by value chose last.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scaling_target: Option<u32>,
 }
 
 /// A checkpoint as the log records it.
@@ -346,6 +355,8 @@ fn build(
             })
             .collect(),
         capacity: crate::capacity::docs(st, usize::MAX, |id| name_of(st, id)),
+        throughput: st.throughput.by_world.clone(),
+        scaling_target: st.capacity.target,
     }
 }
 
@@ -407,6 +418,7 @@ fn transition_doc(e: &limpet_consensus::state::Epoch, parsed: &Reports) -> Trans
         fetch_ms: lived.iter().map(|t| t.fetch_ms).max().unwrap_or(0),
         global_batch: e.batch.global_batch,
         lr_scale: e.lr_scale,
+        shares: e.shares.clone(),
     }
 }
 
@@ -490,6 +502,10 @@ pub fn render(d: &StatusDoc) -> String {
     }
     if let Some(c) = d.checkpoints.last() {
         s += &format!("\nlast checkpoint: step {} by {} at {}\n", c.step, c.node, c.location);
+    }
+    if !d.throughput.is_empty() {
+        s += "\n";
+        s += &crate::capacity::render_throughput(&d.throughput, d.scaling_target);
     }
     if !d.capacity.is_empty() {
         s += "\n";
@@ -667,6 +683,7 @@ mod tests {
             fetch_ms: 3,
             global_batch: 32,
             lr_scale: 1.0,
+            shares: Vec::new(),
         };
         let text = transitions_table(&[t]);
         let lines: Vec<&str> = text.lines().collect();

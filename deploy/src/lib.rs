@@ -308,6 +308,40 @@ impl Fleet {
         Ok(out.instances().iter().map(member_of).collect())
     }
 
+    /// The newest spot price (dollars per hour) of each of `types` in each zone that offers
+    /// it, for Linux: `(instance type, zone, price)`. What scaling by value pays for a host.
+    pub async fn spot_prices(&self, types: &[String]) -> Result<Vec<(String, String, f64)>, FleetError> {
+        let mut req = self
+            .client
+            .describe_spot_price_history()
+            .product_descriptions("Linux/UNIX")
+            .product_descriptions("Linux/UNIX (Amazon VPC)")
+            .start_time(aws_sdk_ec2::primitives::DateTime::from(std::time::SystemTime::now()));
+        for t in types {
+            req = req.instance_types(aws_sdk_ec2::types::InstanceType::from(t.as_str()));
+        }
+        let mut pages = req.into_paginator().send();
+        // The newest per (type, zone): the history lists older prices too.
+        let mut newest: BTreeMap<(String, String), (i64, f64)> = BTreeMap::new();
+        while let Some(page) = pages.next().await {
+            let page = page.map_err(|e| api_error("DescribeSpotPriceHistory", e))?;
+            for p in page.spot_price_history() {
+                let (Some(t), Some(price)) = (p.instance_type(), p.spot_price()) else { continue };
+                let Ok(price) = price.parse::<f64>() else { continue };
+                if !(price.is_finite() && price > 0.0) {
+                    continue;
+                }
+                let zone = p.availability_zone().unwrap_or_default().to_string();
+                let at = p.timestamp().map_or(0, |t| t.secs());
+                let e = newest.entry((t.as_str().to_string(), zone)).or_insert((at, price));
+                if at > e.0 {
+                    *e = (at, price);
+                }
+            }
+        }
+        Ok(newest.into_iter().map(|((t, z), (_, p))| (t, z, p)).collect())
+    }
+
     /// The cluster's live instances that launch `token` made.
     pub async fn launched_by(&self, token: &str) -> Result<Vec<Member>, FleetError> {
         let (members, _) = self.list().await?;

@@ -42,6 +42,19 @@ impl BatchPlan {
         lo..lo + len
     }
 
+    /// Offsets `[lo, hi)` of `rank`'s share when the ranks compute `shares` samples each (a
+    /// slower host a smaller share); equal shares when `shares` does not split this batch
+    /// over `world` ranks (empty, say). The shares tile the batch in rank order either way.
+    pub fn share_in(&self, rank: usize, world: usize, shares: &[u64]) -> Range<usize> {
+        let fits = shares.len() == world
+            && shares.iter().try_fold(0u64, |a, &b| a.checked_add(b)) == Some(self.global_batch as u64);
+        if !fits {
+            return self.share(rank, world);
+        }
+        let lo: u64 = shares[..rank].iter().sum();
+        lo as usize..(lo + shares[rank]) as usize
+    }
+
     /// Stream positions of `rank`'s share at `step`.
     pub fn positions(&self, step: u64, rank: usize, world: usize) -> Range<u64> {
         let start = step * self.global_batch as u64;

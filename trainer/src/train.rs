@@ -98,6 +98,9 @@ pub struct Trainer {
     lr_scale: f64,
     rng: RngState,
     grads: GradBuffer,
+    /// Samples each rank computes per step, when they are unequal (see
+    /// [`BatchPlan::share_in`]); empty: equal shares.
+    shares: Vec<u64>,
 }
 
 impl Trainer {
@@ -130,7 +133,20 @@ impl Trainer {
         let sampler = Sampler::new(job.seed, data.train.len());
         let rng = RngState::new(job.seed);
         let grads = GradBuffer::new(model.params(), device)?;
-        Ok(Trainer { job, data, model, optim, sampler, plan, step: 0, cursor: 0, lr_scale: 1.0, rng, grads })
+        Ok(Trainer {
+            job,
+            data,
+            model,
+            optim,
+            sampler,
+            plan,
+            step: 0,
+            cursor: 0,
+            lr_scale: 1.0,
+            rng,
+            grads,
+            shares: Vec::new(),
+        })
     }
 
     /// Restores a trainer from `image`. The image's own job is used; if `expected` is given it
@@ -241,7 +257,15 @@ impl Trainer {
         }
         self.plan = BatchPlan::try_new(global_batch, micro_batch)?;
         self.lr_scale = lr_scale;
+        self.shares.clear();
         Ok(())
+    }
+
+    /// Sets the samples each rank computes per step (an epoch that gives a slower host a
+    /// smaller share); empty for equal shares. Which samples a step trains does not change,
+    /// only who computes them.
+    pub fn set_shares(&mut self, shares: Vec<u64>) {
+        self.shares = shares;
     }
 
     /// The current batch plan.
@@ -281,7 +305,7 @@ impl Trainer {
     /// ranks in place, then calls [`Trainer::apply_reduced`].
     pub fn compute_grads(&mut self, rank: usize, world: usize) -> Result<&mut [f32], TrainerError> {
         self.grads.zero(self.model.params())?;
-        let share = self.plan.share(rank, world);
+        let share = self.plan.share_in(rank, world, &self.shares);
         let positions = self.cursor + share.start as u64..self.cursor + share.end as u64;
         let step_seed = self.peek_step_seed();
         let mut loss_sum = 0.0;

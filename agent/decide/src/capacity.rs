@@ -12,10 +12,16 @@
 //!    cluster's hosts among those without a recent capacity error; on-demand once spot has
 //!    been unobtainable for `on_demand_after`;
 //! 4. above the target with on-demand hosts, the newest on-demand host is drained (spot came
-//!    back);
+//!    back); a host that stays slow is drained once its replacement trains (it does not
+//!    count as live until then, so rule 3 launches the replacement); scaling by value drains
+//!    the newest host when the target fell;
 //! 5. at the target with on-demand hosts, spot is probed every `spot_retry` (one spot host
 //!    more, within `max`), which step 4 then turns into a swap;
 //! 6. otherwise, hold.
+//!
+//! With scaling by value (`min_marginal_value`), the target is the one [`scale`] last
+//! recorded (`CapacityLog::target`), chosen from the measured throughput per world size and
+//! the price of a host (`crate::scaling`).
 
 use limpet_consensus::state::{
     CapacityAction, CapacityLog, CapacityRecord, ClusterState, Market, MemberStatus, NodeId, Pool,
@@ -44,6 +50,18 @@ pub struct CapacityPolicy {
     pub join_timeout_ms: u64,
     /// Each new host takes a spare credential (its node name); without one, no launch.
     pub spares_required: bool,
+    /// Scaling by value: a host is worth adding while it adds this many samples (that
+    /// count) per dollar; `None`: the target is fixed.
+    pub min_marginal_value: Option<f64>,
+}
+
+impl CapacityPolicy {
+    /// The number of hosts wanted now: the one scaling by value recorded last, else the
+    /// configured target.
+    pub fn target_now(&self, log: &CapacityLog) -> u32 {
+        let chosen = self.min_marginal_value.and(log.target);
+        chosen.unwrap_or(self.target).clamp(self.min, self.max.max(self.min))
+    }
 }
 
 /// One of the cluster's instances, as EC2 lists it.
@@ -130,8 +148,32 @@ pub fn decide(
     spares: &[String],
     now_ms: u64,
 ) -> Decision {
+    decide_with(policy, state, instances, spares, &[], now_ms)
+}
+
+/// The reconciler's next step when the members `slow` have stayed slow long enough to be
+/// replaced: they do not count as live hosts (so a replacement is launched), and once the
+/// hosts without them reach the target, the first of them is drained.
+pub fn decide_with(
+    policy: &CapacityPolicy,
+    state: &ClusterState,
+    instances: &[Instance],
+    spares: &[String],
+    slow: &[NodeId],
+    now_ms: u64,
+) -> Decision {
     let log = &state.capacity;
-    let (have, detail) = count(policy, state, instances, now_ms);
+    let slow: Vec<NodeId> = slow
+        .iter()
+        .copied()
+        .filter(|id| state.members.get(id).is_some_and(|m| m.status == MemberStatus::Active))
+        .collect();
+    let (counted, mut detail) = count(policy, state, instances, now_ms);
+    let have = counted.saturating_sub(slow.len() as u32);
+    if !slow.is_empty() {
+        let names: Vec<String> = slow.iter().map(|id| name_of(state, *id)).collect();
+        detail += &format!(" ({} slow, replacing)", names.join(", "));
+    }
     let decision = |next, reason: String| Decision { next, reason, have };
     if let Some(r) = log.unresolved() {
         return decision(Next::Resume(r.seq), format!("launch {} is decided but not confirmed", r.seq));
@@ -157,7 +199,7 @@ pub fn decide(
         return decision(Next::Record(CapacityAction::Terminate { instances }), why.join("; "));
     }
 
-    let target = policy.target.clamp(policy.min, policy.max);
+    let target = policy.target_now(log);
     let on_demand = on_demand_members(state, instances);
     let spot = spot_history(log);
 
@@ -215,11 +257,29 @@ pub fn decide(
     // 4: spot came back and covers the target (its hosts train already): the newest
     // on-demand host goes.
     let active = state.members.values().filter(|m| m.status == MemberStatus::Active).count() as u32;
+    let active_fast = active.saturating_sub(slow.len() as u32);
     if have > target && active > target {
         if let Some((node, instance)) = on_demand.last() {
             return decision(
                 Next::Record(CapacityAction::Drain { node: *node, instance: instance.clone() }),
                 format!("{have} hosts for a target of {target}: spot is back, draining on-demand {instance}"),
+            );
+        }
+    }
+    // A slow host goes once the hosts without it train at the target.
+    if let Some(&node) = slow.first().filter(|_| active_fast >= target) {
+        let instance = instance_of_member(state, instances, node);
+        return decision(
+            Next::Record(CapacityAction::Drain { node, instance }),
+            format!("{} stayed slow and {have} other hosts train: draining it", name_of(state, node)),
+        );
+    }
+    // Scaling by value lowered the target: the newest host goes.
+    if policy.min_marginal_value.is_some() && have > target && active > target {
+        if let Some((node, instance)) = newest_member(state, instances) {
+            return decision(
+                Next::Record(CapacityAction::Drain { node, instance: instance.clone() }),
+                format!("{have} hosts for a target of {target} by value: draining the newest, {instance}"),
             );
         }
     }
@@ -325,10 +385,25 @@ fn count(
         }
     }
     let listed: BTreeSet<&str> = instances.iter().map(|i| i.id.as_str()).collect();
+    // An instance no longer listed because it was terminated (or that joined and left)
+    // is not on its way.
+    let ended: BTreeSet<&str> = state
+        .capacity
+        .records
+        .iter()
+        .filter_map(|r| match &r.action {
+            CapacityAction::Terminate { instances } => Some(instances.iter().map(String::as_str)),
+            _ => None,
+        })
+        .flatten()
+        .chain(state.members.values().map(|m| m.spec.name.as_str()))
+        .collect();
     for r in &state.capacity.records {
         if let CapacityAction::Launched { instances: ids, .. } = &r.action {
             if !past(Some(r.at_ms), policy.join_timeout_ms, now_ms) {
-                for id in ids.iter().filter(|id| !listed.contains(id.as_str())) {
+                for id in
+                    ids.iter().filter(|id| !listed.contains(id.as_str()) && !ended.contains(id.as_str()))
+                {
                     coming.insert(id.clone());
                 }
             }
@@ -352,6 +427,61 @@ fn count(
         detail += &format!(" ({})", gone.join(", "));
     }
     ((live + coming.len()) as u32, detail)
+}
+
+/// A member's name, for reasons.
+fn name_of(state: &ClusterState, id: NodeId) -> String {
+    state.members.get(&id).map_or_else(|| format!("node {id}"), |m| m.spec.name.clone())
+}
+
+/// The live instance a member runs on (its name when EC2 lists none: a host outside the
+/// fleet's instances).
+fn instance_of_member(state: &ClusterState, instances: &[Instance], id: NodeId) -> String {
+    let name = name_of(state, id);
+    instances.iter().find(|i| i.alive() && i.name() == name).map_or(name, |i| i.id.clone())
+}
+
+/// The active member on the most recently launched live instance: (node, instance).
+fn newest_member(state: &ClusterState, instances: &[Instance]) -> Option<(NodeId, String)> {
+    instances
+        .iter()
+        .filter(|i| i.alive())
+        .filter_map(|i| {
+            let m = state.member_named(i.name())?;
+            (m.status == MemberStatus::Active).then(|| (i.launched_ms, m.spec.id, i.id.clone()))
+        })
+        .max()
+        .map(|(_, n, i)| (n, i))
+}
+
+/// Scaling by value's step: a `Scale` record when the measured throughput per world size
+/// and `price` (dollars per host-hour of the next host) call for another number of hosts
+/// than the one in effect; `None` when they do not, nothing is measured, or scaling by
+/// value is off.
+pub fn scale(policy: &CapacityPolicy, state: &ClusterState, price: Option<f64>) -> Option<Decision> {
+    let threshold = policy.min_marginal_value?;
+    let current = policy.target_now(&state.capacity);
+    let vp = crate::scaling::ValuePolicy { min_marginal_value: threshold, min: policy.min, max: policy.max };
+    let choice = crate::scaling::choose(&state.throughput.points(), price?, &vp, current)?;
+    (choice.target != current || state.capacity.target.is_none()).then(|| Decision {
+        next: Next::Record(CapacityAction::Scale { target: choice.target }),
+        reason: format!("by value: {}", choice.reason),
+        have: current,
+    })
+}
+
+/// Members of the current epoch whose share of each step is `ratio` times below the mean
+/// (the controller gave them less for being slower); none with equal shares or `ratio`
+/// off (below 1).
+pub fn slow_members(state: &ClusterState, ratio: f64) -> Vec<NodeId> {
+    let Some(cur) = state.current.as_ref().filter(|c| c.shares.len() == c.ranks.len()) else {
+        return Vec::new();
+    };
+    if !(ratio.is_finite() && ratio >= 1.0) {
+        return Vec::new();
+    }
+    let mean = cur.shares.iter().sum::<u64>() as f64 / cur.shares.len() as f64;
+    cur.ranks.iter().zip(&cur.shares).filter(|(_, &s)| (s as f64) * ratio < mean).map(|(&r, _)| r).collect()
 }
 
 /// The live members on on-demand instances, oldest launch first: (node, instance).

@@ -18,6 +18,12 @@
 //!    best layout does not use stay out as spares, and a change of layout alone (after a
 //!    join that makes another layout faster) is an epoch change too.
 //!
+//! 7. With data parallelism, a rank whose measured time per sample is `straggler_ratio` times
+//!    the fastest's, for `straggler_steps` steps of the current epoch, gets a share of each
+//!    step's samples in proportion to its speed (`balance`); every epoch planned afterwards
+//!    shares by speed too, and equal shares return when the hosts keep up again. Not under
+//!    AdaScale, whose gradient statistics assume equal shares.
+//!
 //! Ranks keep their order across epochs (survivors first, newcomers by id), so a rank's data
 //! share moves as little as possible.
 
@@ -42,6 +48,11 @@ pub struct ControllerConfig {
     pub policy: BatchPolicy,
     /// The job's declared batch.
     pub base: BaseBatch,
+    /// A rank this many times slower per sample than the fastest gets a smaller share (below
+    /// 1: off).
+    pub straggler_ratio: f64,
+    /// Steps of the current epoch before its speeds count.
+    pub straggler_steps: u64,
 }
 
 /// What the leader knows of one node's training.
@@ -69,6 +80,8 @@ pub struct View<'a> {
     /// A rank reports that the current epoch's group broke although every rank is alive:
     /// rebuild it with the same ranks, from the furthest rank's step.
     pub rebuild: bool,
+    /// Milliseconds per sample each rank of the current epoch measured (its own words).
+    pub ms_per_sample: &'a BTreeMap<NodeId, f64>,
 }
 
 /// The controller's answer: commands to propose (maybe none) and why.
@@ -126,9 +139,19 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
     }
     let rebuild = view.rebuild && failed.is_empty() && ranks == current_ranks;
     let same_layout = st.current.as_ref().is_none_or(|c| c.layout == layout);
-    if ranks == current_ranks && same_layout && failed.is_empty() && st.current.is_some() && !rebuild {
-        // A pending change that no longer applies (its newcomer left again) is withdrawn.
-        if let Some(s) = &st.scheduled {
+    // 7. The same ranks, shared out by speed.
+    let unchanged = ranks == current_ranks && same_layout && failed.is_empty() && !rebuild;
+    // (An epoch already scheduled for the same ranks is left to start: ranks may have
+    // entered it.)
+    if let Some(c) = rebalance(view, cfg, &ranks).filter(|_| unchanged && st.scheduled.is_none()) {
+        causes.push(c);
+    }
+    let rebalancing = causes.iter().any(|c| matches!(c, Cause::Balance { .. }));
+    if unchanged && st.current.is_some() && !rebalancing {
+        // A pending change that no longer applies (its newcomer left again) is withdrawn. One
+        // for the same ranks and layout (shares by speed, a rebuild) stands: its ranks may
+        // have entered it already, and it takes no one who cannot come.
+        if let Some(s) = st.scheduled.as_ref().filter(|s| s.ranks != ranks || s.layout != layout) {
             commands.push(Command::CancelEpoch {
                 id: s.id,
                 reason: "the change it made no longer applies".into(),
@@ -345,6 +368,26 @@ fn wait(why: &str) -> Decision {
     Decision { commands: Vec::new(), reason: why.to_string() }
 }
 
+/// Whether the current epoch's ranks should share samples otherwise than they do, and why.
+fn rebalance(view: &View<'_>, cfg: &ControllerConfig, ranks: &[NodeId]) -> Option<Cause> {
+    let cur = view.state.current.as_ref()?;
+    let on = cfg.straggler_ratio.is_finite() && cfg.straggler_ratio >= 1.0;
+    if cur.layout.pipeline != 1 || cfg.policy == BatchPolicy::Adascale || !on {
+        return None;
+    }
+    if max_applied(view, ranks).saturating_sub(cur.start_step) < cfg.straggler_steps {
+        return None;
+    }
+    let (next, worst) =
+        crate::balance::shares(cur.batch.global_batch, ranks, view.ms_per_sample, cfg.straggler_ratio);
+    let (node, slower) = worst?;
+    if !crate::balance::worth_changing(&cur.shares, &next, cur.batch.global_batch) {
+        return None;
+    }
+    let slower_milli = if next.is_empty() { 0 } else { (slower * 1000.0).min(1e9) as u64 };
+    Some(Cause::Balance { node, slower_milli })
+}
+
 /// Builds the next epoch for `ranks`.
 fn plan_epoch(
     view: &View<'_>,
@@ -409,6 +452,13 @@ fn plan_epoch(
     if let Some(m) = micro.filter(|&m| m > 0) {
         batch.micro_batch = m;
     }
+    // Data-parallel ranks share each step's samples by measured speed (equal when they keep
+    // up with each other).
+    let shares = if layout.pipeline == 1 && cfg.policy != BatchPolicy::Adascale {
+        crate::balance::shares(batch.global_batch, ranks, view.ms_per_sample, cfg.straggler_ratio).0
+    } else {
+        Vec::new()
+    };
     Epoch {
         id,
         start_step: start,
@@ -419,5 +469,6 @@ fn plan_epoch(
         sources,
         cause: Cause::text(&causes),
         causes,
+        shares,
     }
 }

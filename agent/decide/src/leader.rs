@@ -3,7 +3,9 @@
 //! the controller's inputs (which nodes are alive, how far each got, how long a step takes,
 //! whether a broken group must be rebuilt), runs [`controller::decide`], and adds the
 //! bookkeeping commands that follow from the reports: a scheduled epoch a rank entered
-//! becomes current, a joining member that trains becomes active.
+//! becomes current, a joining member that trains becomes active, and an epoch that has run
+//! `MEASURE_STEPS` steps on every rank has its throughput recorded (what scaling by value
+//! fits its curve to).
 //!
 //! The runtime's leader loop only gathers the inputs, logs the reason when it changes and
 //! proposes the commands; everything it decides is tested here by what this returns.
@@ -11,7 +13,7 @@
 use crate::controller::{self, ControllerConfig, NodeProgress};
 use crate::policy::{BaseBatch, BatchPolicy, GradientStats};
 use crate::report::AgentReport;
-use limpet_consensus::state::{ClusterState, Command, MemberStatus, NodeId};
+use limpet_consensus::state::{ClusterState, Command, MemberStatus, NodeId, Throughput};
 use std::collections::BTreeMap;
 
 /// The agents' latest reports by node: (milliseconds since it arrived, the report).
@@ -34,6 +36,10 @@ pub struct LeaderSettings {
     pub policy: BatchPolicy,
     /// The batch the job declared, and the world it declared it for.
     pub base: BaseBatch,
+    /// A rank this many times slower per sample gets a smaller share (below 1: off).
+    pub straggler_ratio: f64,
+    /// Steps of an epoch before its measured speeds count.
+    pub straggler_steps: u64,
 }
 
 /// What the leader does this round, and why.
@@ -47,6 +53,10 @@ pub struct Round {
 
 /// Steps of lead a planned change gets when no step time has been measured yet.
 const DEFAULT_LEAD_STEPS: u64 = 5;
+
+/// Steps every rank of an epoch trains before its throughput is recorded: the ranks' step
+/// times are smoothed (a tenth per step), so the entry's slow first steps weigh < 1% by then.
+pub const MEASURE_STEPS: u64 = 50;
 
 /// The leader's decisions for the state `st`, the `reports` and the time `now_ms`.
 pub fn plan_round(s: &LeaderSettings, st: &ClusterState, reports: &Reports, now_ms: u64) -> Round {
@@ -86,7 +96,12 @@ pub fn plan_round(s: &LeaderSettings, st: &ClusterState, reports: &Reports, now_
         notice_margin_ms: s.notice_margin_ms,
         policy: s.policy,
         base: s.base,
+        straggler_ratio: s.straggler_ratio,
+        straggler_steps: s.straggler_steps,
     };
+    // The nodes' own measurements of their speed (a node's property, whatever its epoch).
+    let ms_per_sample: BTreeMap<NodeId, f64> =
+        live().filter(|(_, r)| r.ms_per_sample > 0.0).map(|(_, r)| (r.node, r.ms_per_sample)).collect();
     let view = controller::View {
         state: st,
         now_ms,
@@ -94,6 +109,7 @@ pub fn plan_round(s: &LeaderSettings, st: &ClusterState, reports: &Reports, now_
         step_time_ms,
         grad_stats: current_grad_stats(st, reports, timeout_ms),
         rebuild,
+        ms_per_sample: &ms_per_sample,
     };
     let decision = controller::decide(&view, &ccfg);
     let mut commands = decision.commands;
@@ -115,7 +131,42 @@ pub fn plan_round(s: &LeaderSettings, st: &ClusterState, reports: &Reports, now_
             commands.push(Command::Activate { id: *id });
         }
     }
+    if let Some(record) = measure(s, st, reports, now_ms) {
+        commands.push(Command::RecordThroughput { record });
+    }
     Round { commands, reason: decision.reason }
+}
+
+/// The current epoch's throughput, once every rank has trained `MEASURE_STEPS` steps of it
+/// and reports a step time (the slowest rank's sets the pace), unless already recorded.
+/// Samples that count: a step of a larger batch under `linear`, `sqrt` or `adascale`
+/// counts as `lr_scale` steps of the declared batch.
+fn measure(s: &LeaderSettings, st: &ClusterState, reports: &Reports, now_ms: u64) -> Option<Throughput> {
+    let cur = st.current.as_ref()?;
+    let world = u32::try_from(cur.ranks.len()).ok()?;
+    if st.throughput.at(world).is_some_and(|t| t.epoch >= cur.id) {
+        return None;
+    }
+    let mut step_ms = 0.0f64;
+    for rank in &cur.ranks {
+        let (age, r) = reports.get(rank)?;
+        let trained = r.applied_step.saturating_sub(cur.start_step);
+        let timed = r.step_time_ms.is_finite() && r.step_time_ms > 0.0;
+        if *age > s.heartbeat_timeout_ms || r.epoch != cur.id || trained < MEASURE_STEPS || !timed {
+            return None;
+        }
+        step_ms = step_ms.max(r.step_time_ms);
+    }
+    let samples = cur.batch.global_batch as f64 * 1000.0 / step_ms;
+    let counted = cur.lr_scale * s.base.global_batch as f64 / cur.batch.global_batch as f64;
+    let milli = |v: f64| (v * 1000.0).clamp(1.0, 1e12) as u64;
+    Some(Throughput {
+        world,
+        epoch: cur.id,
+        samples_milli: milli(samples),
+        useful_milli: milli(samples * counted.min(1.0)),
+        at_ms: now_ms,
+    })
 }
 
 /// Gradient statistics reported by a live rank of the current epoch (all ranks compute the

@@ -6,12 +6,15 @@
 //! - `policy`: the batch and learning-rate policies an epoch applies;
 //! - `planner`: the data x pipeline layout and stage cuts for a set of hosts;
 //! - `report`: what an agent tells the leader in its heartbeats;
-//! - `capacity`: the fleet reconciler's next step (launch, terminate, drain or hold);
+//! - `balance`: each step's samples shared out by measured speed (stragglers);
+//! - `capacity`: the fleet reconciler's next step (launch, terminate, drain, scale or hold);
+//! - `scaling`: how many hosts are worth their price (the measured scaling curve);
 //! - `entry`: how the ranks of a new epoch agree on one state (who copies what from whom);
 //! - `error`: what they refuse.
 //!
 //! The agent (`limpet-agent`) runs these; `limpet plan` and tests call them directly.
 
+pub mod balance;
 pub mod capacity;
 pub mod controller;
 pub mod entry;
@@ -20,5 +23,6 @@ pub mod leader;
 pub mod planner;
 pub mod policy;
 pub mod report;
+pub mod scaling;
 
 pub use error::DecideError;

@@ -89,6 +89,10 @@ pub struct AgentReport {
     /// the mean μ²), for AdaScale; absent with one rank.
     #[serde(default)]
     pub grad_stats: Option<(f64, f64)>,
+    /// Smoothed milliseconds this rank takes to compute one sample of its share (forward and
+    /// backward, no collectives): what the leader shares samples out by (0 until measured).
+    #[serde(default)]
+    pub ms_per_sample: f64,
     /// Why its last checkpoint failed (a full disk, an S3 outage), until one succeeds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_error: Option<String>,
@@ -123,6 +127,7 @@ impl AgentReport {
             broken: None,
             transitions: Vec::new(),
             grad_stats: None,
+            ms_per_sample: 0.0,
             checkpoint_error: None,
         }
     }
@@ -146,6 +151,9 @@ impl AgentReport {
         if r.transitions.len() > MAX_TRANSITIONS {
             return Err(bad(format!("{} transitions", r.transitions.len())));
         }
+        if !(r.ms_per_sample.is_finite() && r.ms_per_sample >= 0.0) {
+            return Err(bad(format!("{} ms per sample", r.ms_per_sample)));
+        }
         Ok(r)
     }
 }
@@ -168,6 +176,7 @@ mod tests {
             samples_per_s: 1000.0,
             broken: Some(Broken { epoch: 3, since_ms: 10, suspect: Some(2), error: "closed".into() }),
             grad_stats: Some((2.0, 0.5)),
+            ms_per_sample: 0.25,
             checkpoint_error: Some("No space left on device".into()),
             transitions: vec![Transition {
                 epoch: 3,

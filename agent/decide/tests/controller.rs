@@ -28,6 +28,8 @@ fn config() -> ControllerConfig {
         notice_margin_ms: 1000,
         policy: BatchPolicy::FixedGlobal,
         base: BaseBatch { global_batch: 64, micro_batch: 16, world: 3 },
+        straggler_ratio: 1.5,
+        straggler_steps: 10,
     }
 }
 
@@ -35,6 +37,8 @@ struct Sim {
     state: ClusterState,
     progress: BTreeMap<NodeId, NodeProgress>,
     now: u64,
+    /// What the ranks measure of their speed, ms per sample.
+    speeds: BTreeMap<NodeId, f64>,
 }
 
 impl Sim {
@@ -43,7 +47,7 @@ impl Sim {
         let mut state = ClusterState::bootstrap("c", &members);
         state.apply(&Command::SetJob { job: serde_json::json!({"model": "mlp"}) }).unwrap();
         let progress = (1..=n).map(|i| (i, NodeProgress { applied_step: 0, heartbeat_age_ms: 0 })).collect();
-        Sim { state, progress, now: 1_000_000 }
+        Sim { state, progress, now: 1_000_000, speeds: BTreeMap::new() }
     }
 
     /// `n` nodes in their first epoch, `steps` steps in.
@@ -64,6 +68,7 @@ impl Sim {
             step_time_ms,
             grad_stats: None,
             rebuild: false,
+            ms_per_sample: &self.speeds,
         }
     }
 
@@ -191,6 +196,47 @@ fn the_leader_host_itself_can_be_revoked() {
 
 /// A pipelined job: four equal blocks that each need 8 MB of weights, gradients and optimizer
 /// state, on hosts of 20 MB, so no host holds more than two blocks.
+#[test]
+fn a_straggler_gets_a_smaller_share_after_the_window_and_equal_shares_return() {
+    let mut sim = Sim::training(3, 5);
+    // Node 3 takes four times as long per sample.
+    sim.speeds = [(1, 0.1), (2, 0.1), (3, 0.4)].into_iter().collect();
+    assert_eq!(sim.control(), "steady", "not before straggler_steps of the epoch");
+    sim.train(5);
+    let why = sim.control();
+    assert!(why.contains("node 3 is 4.00x slower"), "{why}");
+    let e = sim.state.scheduled.clone().unwrap();
+    assert_eq!((e.ranks.clone(), e.shares.clone()), (vec![1, 2, 3], vec![28, 28, 8]));
+    assert!(e.sources.is_empty(), "the same ranks keep their state: {:?}", e.sources);
+    // Its ranks reach its start before the leader activates it: it is not withdrawn.
+    sim.train(5);
+    sim.control();
+    assert_eq!(sim.state.scheduled.as_ref().map(|s| s.id), Some(e.id), "the balance epoch stands");
+    sim.start_scheduled();
+    sim.train(20);
+    assert_eq!(sim.control(), "steady", "measured speeds match the shares: nothing to change");
+    // A join keeps sharing by speed (the newcomer counts as the median).
+    sim.state.apply(&Command::Join { member: spec(4) }).unwrap();
+    sim.progress.insert(4, NodeProgress { applied_step: 0, heartbeat_age_ms: 0 });
+    sim.control();
+    let e = sim.state.scheduled.clone().unwrap();
+    assert_eq!(e.shares.len(), 4);
+    assert_eq!(e.shares.iter().sum::<u64>(), 64);
+    sim.start_scheduled();
+    sim.train(20);
+    // Node 3 keeps up again: equal shares.
+    sim.speeds = [(1, 0.1), (2, 0.1), (3, 0.11), (4, 0.1)].into_iter().collect();
+    let why = sim.control();
+    assert!(why.contains("equal shares again"), "{why}");
+    assert!(sim.state.scheduled.clone().unwrap().shares.is_empty());
+    // Under AdaScale, never.
+    let mut sim = Sim::training(3, 20);
+    sim.speeds = [(1, 0.1), (2, 0.1), (3, 0.4)].into_iter().collect();
+    let view = sim.view(100.0);
+    let cfg = ControllerConfig { policy: BatchPolicy::Adascale, ..config() };
+    assert_eq!(decide(&view, &cfg).reason, "steady");
+}
+
 fn pipelined(n: u64, depth: Option<usize>) -> Sim {
     let mut sim = Sim::new(0);
     let members: Vec<MemberSpec> = (1..=n).map(spec).collect();

@@ -27,6 +27,8 @@ fn settings() -> LeaderSettings {
         min_nodes: 2,
         policy: BatchPolicy::FixedGlobal,
         base: BaseBatch { global_batch: 64, micro_batch: 64, world: 3 },
+        straggler_ratio: 1.5,
+        straggler_steps: 100,
     }
 }
 
@@ -44,6 +46,7 @@ fn report(node: NodeId, epoch: u64, step: u64) -> AgentReport {
         broken: None,
         transitions: Vec::new(),
         grad_stats: None,
+        ms_per_sample: 0.0,
         checkpoint_error: None,
     }
 }
@@ -137,4 +140,31 @@ fn a_group_broken_with_everyone_alive_is_rebuilt_after_the_timeout() {
         _ => None,
     });
     assert_eq!(next, Some(vec![1, 2, 3]), "{late:?}");
+}
+
+/// Scaling by value's points: an epoch's throughput is recorded once every rank trained
+/// `MEASURE_STEPS` of it (the slowest rank's step time sets the pace), and only once.
+#[test]
+fn an_epoch_that_ran_long_enough_has_its_throughput_recorded_once() {
+    use limpet_decide::leader::MEASURE_STEPS;
+    let (mut st, id) = founded();
+    st.apply(&Command::ActivateEpoch { id }).unwrap();
+    let start = st.current.as_ref().unwrap().start_step;
+    let recorded = |round: &limpet_decide::leader::Round| {
+        round.commands.iter().find_map(|c| match c {
+            Command::RecordThroughput { record } => Some(*record),
+            _ => None,
+        })
+    };
+    let mut reports: Reports = (1..=3).map(|n| (n, (0, report(n, id, start + MEASURE_STEPS)))).collect();
+    reports.insert(3, (0, report(3, id, start + MEASURE_STEPS - 1)));
+    assert_eq!(recorded(&plan_round(&settings(), &st, &reports, NOW)), None, "node 3 is not there yet");
+    let mut slow = report(3, id, start + MEASURE_STEPS);
+    slow.step_time_ms = 16.0;
+    reports.insert(3, (0, slow));
+    let t = recorded(&plan_round(&settings(), &st, &reports, NOW)).expect("recorded");
+    // 64 samples every 16 ms (the slowest rank), all counting under fixed-global.
+    assert_eq!((t.world, t.epoch, t.samples_milli, t.useful_milli), (3, id, 4_000_000, 4_000_000));
+    st.apply(&Command::RecordThroughput { record: t }).unwrap();
+    assert_eq!(recorded(&plan_round(&settings(), &st, &reports, NOW)), None, "once per epoch");
 }

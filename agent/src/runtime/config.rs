@@ -50,6 +50,12 @@ pub struct AgentConfig {
     pub base_world: u64,
     /// Fewest ranks training continues with.
     pub min_nodes: usize,
+    /// A rank this many times slower per sample gets a smaller share (below 1: off).
+    pub straggler_ratio: f64,
+    /// Steps of an epoch before its measured speeds count.
+    pub straggler_steps: u64,
+    /// Straggler drills: sleep this many microseconds per sample computed.
+    pub slowdown_us_per_sample: u64,
     /// Revocation sources to poll.
     pub sources: Vec<Source>,
     /// Their poll interval.
@@ -114,6 +120,8 @@ impl AgentConfig {
                 micro_batch: self.job.micro_batch as u64,
                 world: self.base_world.max(1),
             },
+            straggler_ratio: self.straggler_ratio,
+            straggler_steps: self.straggler_steps,
         }
     }
 
@@ -145,6 +153,9 @@ impl AgentConfig {
             policy: BatchPolicy::FixedGlobal,
             base_world: 1,
             min_nodes: 1,
+            straggler_ratio: crate::balance::DEFAULT_RATIO,
+            straggler_steps: 100,
+            slowdown_us_per_sample: 0,
             sources: Vec::new(),
             poll: Duration::from_secs(2),
             heartbeat: Duration::from_millis(100),

@@ -138,6 +138,8 @@ pub(super) struct TrainLoop {
     pending: Option<Pending>,
     /// Smoothed (σ², μ²) of the current epoch.
     grad_stats: Option<(f64, f64)>,
+    /// Smoothed milliseconds to compute one sample of this rank's share.
+    ms_per_sample: f64,
 }
 
 impl TrainLoop {
@@ -175,6 +177,7 @@ impl TrainLoop {
             finished: false,
             pending: None,
             grad_stats: None,
+            ms_per_sample: 0.0,
         }
     }
 
@@ -298,7 +301,20 @@ impl TrainLoop {
         // A failed collective or stage link: (the peer it names, the error).
         let outcome: Result<limpet_trainer::StepStats, (Option<NodeId>, String)> = match conn {
             Conn::Ring(g) => {
+                let samples = self.trainer.plan().share_in(g.rank(), g.world(), &epoch.shares).len();
+                let computing = Instant::now();
                 let buf = self.trainer.compute_grads(g.rank(), g.world())?;
+                if self.cfg.slowdown_us_per_sample > 0 {
+                    // A straggler drill: this host computes as if it were slower.
+                    std::thread::sleep(Duration::from_micros(
+                        self.cfg.slowdown_us_per_sample * samples as u64,
+                    ));
+                }
+                if samples > 0 {
+                    let took = computing.elapsed().as_secs_f64() * 1e3 / samples as f64;
+                    self.ms_per_sample =
+                        if self.ms_per_sample == 0.0 { took } else { 0.9 * self.ms_per_sample + 0.1 * took };
+                }
                 match g.allreduce_sum(buf, step) {
                     Ok(()) => Ok(self.trainer.apply_reduced()?),
                     Err(e) => Err((e.suspect(), e.to_string())),
@@ -346,6 +362,7 @@ impl TrainLoop {
         {
             let mut p = self.progress.lock().expect("progress lock");
             p.grad_stats = self.grad_stats;
+            p.ms_per_sample = self.ms_per_sample;
             p.loss = Some(stats.loss);
             p.samples_per_s = stats.samples as f64 / (self.step_time_ms / 1e3).max(1e-9);
             p.checkpoint_error = self.checkpointer.failure();

@@ -90,12 +90,18 @@ pub enum CapacityAction {
         /// The instances.
         instances: Vec<String>,
     },
-    /// Drain a member (an on-demand host, once spot capacity replaced it).
+    /// Drain a member (an on-demand host once spot capacity replaced it, a host scaling by
+    /// value no longer pays for, a host that stays slow once its replacement trains).
     Drain {
         /// The member.
         node: NodeId,
         /// Its instance.
         instance: String,
+    },
+    /// Scaling by value chose another number of hosts (the reason carries the numbers).
+    Scale {
+        /// Hosts wanted from now on.
+        target: u32,
     },
 }
 
@@ -109,6 +115,7 @@ impl CapacityAction {
             CapacityAction::Failed { .. } => "failed",
             CapacityAction::Terminate { .. } => "terminate",
             CapacityAction::Drain { .. } => "drain",
+            CapacityAction::Scale { .. } => "scale",
         }
     }
 }
@@ -136,6 +143,9 @@ pub struct CapacityLog {
     pub records: Vec<CapacityRecord>,
     /// The highest sequence number ever recorded.
     pub last_seq: u64,
+    /// The number of hosts scaling by value chose last (kept when its record is pruned).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<u32>,
 }
 
 impl CapacityLog {
@@ -179,6 +189,10 @@ impl CapacityLog {
             CapacityAction::Launch { token, .. } if token.is_empty() || token.len() > 64 => {
                 return Err(format!("capacity record {}: a launch token is 1 to 64 characters", r.seq));
             }
+            CapacityAction::Scale { target } if *target == 0 || *target > 100_000 => {
+                return Err(format!("capacity record {}: a target of {target} hosts", r.seq));
+            }
+            CapacityAction::Scale { target } => self.target = Some(*target),
             _ => {}
         }
         self.last_seq = r.seq;

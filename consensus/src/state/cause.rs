@@ -44,6 +44,14 @@ pub enum Cause {
     },
     /// A collective failed while every rank stayed alive: the same ranks reconnect.
     Rebuild,
+    /// A rank computes slower than the others: the samples of each step are shared out by
+    /// measured speed.
+    Balance {
+        /// The slowest rank.
+        node: NodeId,
+        /// Its time per sample over the fastest rank's, in thousandths.
+        slower_milli: u64,
+    },
     /// The planner chose another layout for the same ranks.
     Replan {
         /// Data-parallel replicas.
@@ -65,6 +73,7 @@ impl Cause {
             Cause::Join { .. } => "join",
             Cause::Rebuild => "rebuild",
             Cause::Replan { .. } => "replan",
+            Cause::Balance { .. } => "balance",
         }
     }
 
@@ -86,6 +95,12 @@ impl std::fmt::Display for Cause {
             Cause::Join { node } => write!(f, "join of node {node}"),
             Cause::Rebuild => write!(f, "collective failure with every rank alive"),
             Cause::Replan { data, pipeline } => write!(f, "re-plan to a {data}x{pipeline} layout"),
+            Cause::Balance { node, slower_milli: 0 } => {
+                write!(f, "equal shares again (node {node} keeps up)")
+            }
+            Cause::Balance { node, slower_milli } => {
+                write!(f, "node {node} is {:.2}x slower: shares by speed", *slower_milli as f64 / 1000.0)
+            }
         }
     }
 }

@@ -8,10 +8,13 @@
 
 mod capacity;
 mod cause;
+mod epoch_check;
+mod throughput;
 pub use capacity::{CapacityAction, CapacityLog, CapacityRecord, Market, Pool, MAX_CAPACITY_RECORDS};
 pub use cause::Cause;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
+pub use throughput::{Throughput, ThroughputLog, MAX_THROUGHPUT_WORLDS};
 
 /// A node's id in the Raft group; never 0 (raft-rs reserves it).
 pub type NodeId = u64;
@@ -167,6 +170,10 @@ pub struct Epoch {
     /// Empty in epochs logged before causes were recorded as data.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub causes: Vec<Cause>,
+    /// Samples of each step's global batch each rank computes, in rank order, when a slower
+    /// host gets a smaller share (data parallelism only); empty: equal shares.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shares: Vec<u64>,
 }
 
 mod node_pairs;
@@ -214,6 +221,9 @@ pub struct ClusterState {
     /// The fleet reconciler's newest decisions.
     #[serde(default)]
     pub capacity: CapacityLog,
+    /// Training throughput measured at each world size (what scaling by value fits).
+    #[serde(default)]
+    pub throughput: ThroughputLog,
 }
 
 /// A change to the cluster state.
@@ -298,6 +308,11 @@ pub enum Command {
     RecordCapacity {
         /// What and why.
         record: CapacityRecord,
+    },
+    /// The leader measured an epoch's throughput.
+    RecordThroughput {
+        /// At which world size, how fast.
+        record: Throughput,
     },
 }
 
@@ -443,6 +458,7 @@ impl ClusterState {
             last_epoch_id: 0,
             history: Vec::new(),
             capacity: CapacityLog::default(),
+            throughput: ThroughputLog::default(),
         };
         state.voters.sort_unstable();
         for m in members {
@@ -504,6 +520,7 @@ impl ClusterState {
             },
             Command::RecordCheckpoint { record } => self.apply_checkpoint(record),
             Command::RecordCapacity { record } => self.capacity.apply(record),
+            Command::RecordThroughput { record } => self.throughput.apply(record, self.last_epoch_id),
             Command::CancelEpoch { id, reason } => match &self.scheduled {
                 Some(e) if e.id == *id => {
                     self.scheduled = None;
@@ -621,60 +638,6 @@ impl ClusterState {
         })
     }
 
-    /// Checks an epoch against the members (used when scheduling and by `validate`).
-    fn check_epoch(&self, e: &Epoch) -> Result<(), String> {
-        if e.ranks.is_empty() {
-            return Err(format!("epoch {} has no ranks", e.id));
-        }
-        let unique: BTreeSet<_> = e.ranks.iter().collect();
-        if unique.len() != e.ranks.len() {
-            return Err(format!("epoch {} lists a rank twice", e.id));
-        }
-        for r in &e.ranks {
-            match self.members.get(r) {
-                None => return Err(format!("epoch {}: rank node {r} is not a member", e.id)),
-                Some(m) if matches!(m.status, MemberStatus::Gone | MemberStatus::Failed) => {
-                    return Err(format!("epoch {}: rank node {r} is {:?}", e.id, m.status))
-                }
-                Some(_) => {}
-            }
-        }
-        if u64::from(e.layout.data) * u64::from(e.layout.pipeline) != e.ranks.len() as u64 {
-            return Err(format!(
-                "epoch {}: layout {}x{} does not cover {} ranks",
-                e.id,
-                e.layout.data,
-                e.layout.pipeline,
-                e.ranks.len()
-            ));
-        }
-        let want_cuts = e.layout.pipeline.saturating_sub(1) as usize;
-        if e.layout.cuts.len() != want_cuts
-            || e.layout.cuts.windows(2).any(|w| w[0] >= w[1])
-            || e.layout.cuts.first() == Some(&0)
-        {
-            return Err(format!(
-                "epoch {}: {} stages need {want_cuts} increasing block cuts after block 0, not {:?}",
-                e.id, e.layout.pipeline, e.layout.cuts
-            ));
-        }
-        if e.batch.global_batch == 0 || e.batch.micro_batch == 0 {
-            return Err(format!("epoch {}: batch sizes must be positive", e.id));
-        }
-        if !(e.lr_scale.is_finite() && e.lr_scale > 0.0) {
-            return Err(format!("epoch {}: lr scale {} is not a positive number", e.id, e.lr_scale));
-        }
-        for (to, from) in &e.sources {
-            if !unique.contains(to) {
-                return Err(format!("epoch {}: state source for node {to}, which is not a rank", e.id));
-            }
-            if !self.members.contains_key(from) {
-                return Err(format!("epoch {}: state source node {from} is not a member", e.id));
-            }
-        }
-        Ok(())
-    }
-
     fn apply_checkpoint(&mut self, r: &CheckpointRecord) -> Outcome {
         if let Some(last) = self.checkpoints.last() {
             if r.step < last.step {
@@ -737,6 +700,7 @@ impl ClusterState {
             return Err(format!("{} checkpoint records kept", self.checkpoints.len()));
         }
         self.capacity.validate()?;
+        self.throughput.validate()?;
         if let Some(e) = &self.current {
             if e.ranks.iter().any(|r| !self.members.contains_key(r)) {
                 return Err(format!("current epoch {} names a node that is not a member", e.id));

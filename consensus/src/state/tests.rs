@@ -25,6 +25,7 @@ fn epoch(id: u64, start: u64, ranks: &[NodeId]) -> Epoch {
         sources: BTreeMap::new(),
         cause: "test".into(),
         causes: Vec::new(),
+        shares: Vec::new(),
     }
 }
 
@@ -133,4 +134,18 @@ fn proposals_of_another_version_are_refused_by_name() {
     let err = Proposal::decode(&p.encode()).unwrap_err();
     assert!(err.to_string().contains("format version 2"), "{err}");
     assert!(Proposal::decode(b"{\"v\":1}").unwrap_err().to_string().contains("missing field"));
+}
+
+#[test]
+fn unequal_shares_must_split_the_global_batch_over_data_parallel_ranks() {
+    let mut st = three();
+    let mut e = epoch(1, 0, &[1, 2, 3]);
+    e.shares = vec![30, 30, 5];
+    assert!(st.apply(&Command::ScheduleEpoch { epoch: e.clone() }).unwrap_err().contains("shares"));
+    e.shares = vec![30, 34];
+    assert!(st.apply(&Command::ScheduleEpoch { epoch: e.clone() }).is_err());
+    e.shares = vec![u64::MAX, 2, 0];
+    assert!(st.apply(&Command::ScheduleEpoch { epoch: e.clone() }).is_err());
+    e.shares = vec![30, 30, 4];
+    st.apply(&Command::ScheduleEpoch { epoch: e }).unwrap();
 }

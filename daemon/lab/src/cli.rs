@@ -109,6 +109,9 @@ pub enum BenchCommand {
     Dp(crate::train_bench::BenchDpArgs),
     /// Peak RSS of training on a large token dataset against the model's own footprint.
     Memory(crate::train_bench::BenchMemoryArgs),
+    /// Step time with one slow host: equal shares against shares by measured speed, next to
+    /// the same cluster without it.
+    Straggler(crate::straggler_bench::BenchStragglerArgs),
 }
 
 /// Runs a parsed command line.
@@ -130,6 +133,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Train(args)) => crate::train_bench::bench(args),
         Command::Bench(BenchCommand::Dp(args)) => crate::train_bench::bench_dp(args),
         Command::Bench(BenchCommand::Memory(args)) => crate::train_bench::bench_memory(args),
+        Command::Bench(BenchCommand::Straggler(args)) => crate::straggler_bench::run(args),
     }
 }
 

@@ -107,6 +107,19 @@ pub struct ScenarioArgs {
     /// reads status and drains with an operator certificate).
     #[arg(long)]
     pub tls: bool,
+    /// Share samples by measured speed when a host is this many times slower (0: off, the
+    /// local default: processes sharing a few cores are noisy, not stragglers).
+    #[arg(long, default_value_t = 0.0)]
+    pub straggler_ratio: f64,
+    /// A straggler drill: NODE:US makes NODE sleep US microseconds per sample it computes.
+    #[arg(long, value_parser = parse_slow)]
+    pub slow: Option<(String, u64)>,
+}
+
+fn parse_slow(s: &str) -> Result<(String, u64), String> {
+    let (node, us) = s.split_once(':').ok_or_else(|| format!("--slow {s:?} is not NODE:US"))?;
+    let us = us.parse().map_err(|_| format!("--slow {s:?}: {us:?} is not microseconds"))?;
+    Ok((node.to_string(), us))
 }
 
 /// Runs the demo.
@@ -162,6 +175,8 @@ pub fn scenario(a: ScenarioArgs) -> anyhow::Result<()> {
         data_path: a.data_path.clone(),
         data_section: limpet_trainer::workload::DataSection { context: a.context },
         model_section: a.llama.section(a.layers.filter(|_| a.model == "llama")),
+        straggler_ratio: a.straggler_ratio,
+        slow: a.slow.clone(),
         ..LocalJob::default()
     };
     let summary = run_scenario(&a.dir, a.nodes, job, &script, Duration::from_secs(a.timeout), !a.json)?;

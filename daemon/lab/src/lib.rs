@@ -16,4 +16,5 @@ pub mod local;
 pub mod pipe_bench;
 pub mod raft_cmd;
 pub mod stats;
+pub mod straggler_bench;
 pub mod train_bench;

@@ -83,6 +83,13 @@ pub struct LocalJob {
     /// More sections for every node's configuration, as TOML (`[capacity]`, ...).
     #[serde(default)]
     pub extra_config: Option<String>,
+    /// `[cluster].straggler_ratio` (0: off, the default here: processes sharing a few cores
+    /// are noisy, not stragglers).
+    #[serde(default)]
+    pub straggler_ratio: f64,
+    /// A straggler drill: this node sleeps this many microseconds per sample it computes.
+    #[serde(default)]
+    pub slow: Option<(String, u64)>,
 }
 
 impl Default for LocalJob {
@@ -115,6 +122,8 @@ impl Default for LocalJob {
             data_section: Default::default(),
             model_section: Default::default(),
             extra_config: None,
+            straggler_ratio: 0.0,
+            slow: None,
         }
     }
 }
@@ -283,7 +292,13 @@ impl LocalCluster {
         if j.metrics_tls {
             text += "metrics_tls = true\n\n";
         }
-        text += &format!("[cluster]\nname = {:?}\nmin_nodes = {}\n", self.file.cluster, self.job.min_nodes);
+        if let Some((_, us)) = j.slow.as_ref().filter(|(n, _)| n == name) {
+            text += &format!("slowdown_us_per_sample = {us}\n\n");
+        }
+        text += &format!(
+            "[cluster]\nname = {:?}\nmin_nodes = {}\nstraggler_ratio = {:?}\n",
+            self.file.cluster, self.job.min_nodes, self.job.straggler_ratio
+        );
         if founder {
             text += &format!(
                 "bootstrap = [{}]\n",

@@ -5,6 +5,7 @@ use super::ConfigError;
 use limpet_agent::capacity::CapacityPolicy;
 use limpet_consensus::state::Pool;
 use serde::Deserialize;
+use std::collections::BTreeMap;
 
 /// `[capacity]`.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -50,6 +51,27 @@ pub struct CapacitySection {
     /// New hosts take spare credentials (`limpet fleet spares`) from `[security.ssm]`'s
     /// prefix (default: when `[security.ssm]` is set).
     pub spares: Option<bool>,
+    /// Scaling by value: add hosts (within min..=max) while one more adds at least this many
+    /// samples that count per dollar; unset: the target is fixed.
+    pub min_marginal_value: Option<f64>,
+    /// Dollars per hour of a spot host of each instance type (what scaling by value pays,
+    /// unless `spot_price_history` finds a price).
+    #[serde(default)]
+    pub prices: BTreeMap<String, f64>,
+    /// Ask EC2 for the current spot prices of `instance_types` (DescribeSpotPriceHistory).
+    #[serde(default)]
+    pub spot_price_history: bool,
+    /// Replace a host whose share of each step is this many times below the mean (it stayed
+    /// slower than the others; 0: never).
+    #[serde(default)]
+    pub replace_slower_than: f64,
+    /// ... once it has been so this long.
+    #[serde(default = "default_replace_after")]
+    pub replace_slow_after_secs: u64,
+}
+
+fn default_replace_after() -> u64 {
+    600
 }
 
 /// A list of words, or one string of words separated by commas (what a template's single
@@ -122,6 +144,36 @@ impl CapacitySection {
                 format!("{} s is too short for a host to boot", self.join_timeout_secs),
             );
         }
+        if let Some(v) = self.min_marginal_value {
+            if !(v.is_finite() && v > 0.0) {
+                return err(
+                    "min_marginal_value",
+                    format!("{v} is not a positive number of samples per dollar"),
+                );
+            }
+            if self.prices.is_empty() && !self.spot_price_history {
+                return err(
+                    "min_marginal_value",
+                    "needs prices: [capacity].prices (dollars per hour by instance type) or spot_price_history = true"
+                        .into(),
+                );
+            }
+        }
+        for (t, p) in &self.prices {
+            if !self.instance_types.contains(t) {
+                return err(
+                    "prices",
+                    format!("{t:?} is not one of instance_types {:?}", self.instance_types),
+                );
+            }
+            if !(p.is_finite() && *p > 0.0 && *p < 10_000.0) {
+                return err("prices", format!("{t} = {p} is not a price in dollars per hour"));
+            }
+        }
+        let r = self.replace_slower_than;
+        if !(r == 0.0 || (r.is_finite() && (1.1..=100.0).contains(&r))) {
+            return err("replace_slower_than", format!("{r} is neither 0 (never) nor within 1.1..=100"));
+        }
         if let Some(url) = &self.endpoint {
             if !(url.starts_with("http://") || url.starts_with("https://")) {
                 return err("endpoint", format!("{url:?} is not an http(s) URL"));
@@ -149,6 +201,11 @@ impl CapacitySection {
             .collect()
     }
 
+    /// The cheapest configured spot price of the instance types, dollars per hour.
+    pub fn static_price(&self) -> Option<f64> {
+        self.prices.values().copied().reduce(f64::min)
+    }
+
     /// The reconciler's policy.
     pub fn policy(&self, spares: bool) -> CapacityPolicy {
         CapacityPolicy {
@@ -161,6 +218,7 @@ impl CapacitySection {
             pool_cooldown_ms: self.pool_cooldown_secs * 1000,
             join_timeout_ms: self.join_timeout_secs * 1000,
             spares_required: spares,
+            min_marginal_value: self.min_marginal_value,
         }
     }
 }

@@ -226,6 +226,10 @@ pub struct NodeSection {
     /// host's default.
     #[serde(default = "default_data_congestion")]
     pub data_congestion: String,
+    /// Straggler drills: this node sleeps this many microseconds per sample it computes, as
+    /// a slower host would take (0: off).
+    #[serde(default)]
+    pub slowdown_us_per_sample: u64,
 }
 
 fn default_data_congestion() -> String {
@@ -250,6 +254,13 @@ pub struct ClusterSection {
     /// Fewest nodes training may continue with.
     #[serde(default = "default_min_nodes")]
     pub min_nodes: usize,
+    /// A host this many times slower per sample than the fastest computes a smaller share of
+    /// each step (0: off; docs/elastic.md).
+    #[serde(default = "default_straggler_ratio")]
+    pub straggler_ratio: f64,
+    /// Steps of an epoch before its measured speeds count.
+    #[serde(default = "default_straggler_steps")]
+    pub straggler_steps: u64,
     /// Also join through the running EC2 instances tagged `limpet:cluster = NAME` (their
     /// private address, this node's control port).
     #[serde(default)]
@@ -266,6 +277,14 @@ fn default_voters() -> usize {
 
 fn default_min_nodes() -> usize {
     1
+}
+
+fn default_straggler_ratio() -> f64 {
+    limpet_agent::balance::DEFAULT_RATIO
+}
+
+fn default_straggler_steps() -> u64 {
+    100
 }
 
 /// `[job]`.
@@ -463,6 +482,10 @@ impl Config {
         }
         if self.cluster.min_nodes == 0 {
             return err("[cluster].min_nodes", "must be at least 1".into());
+        }
+        let r = self.cluster.straggler_ratio;
+        if !(r == 0.0 || (r.is_finite() && (1.05..=100.0).contains(&r))) {
+            return err("[cluster].straggler_ratio", format!("{r} is neither 0 (off) nor within 1.05..=100"));
         }
         if self.job.model == ModelName::Torchscript && self.pipeline.is_some() {
             return err(

@@ -22,6 +22,7 @@ fn policy() -> CapacityPolicy {
         pool_cooldown_ms: 5 * MIN,
         join_timeout_ms: 15 * MIN,
         spares_required: false,
+        min_marginal_value: None,
     }
 }
 
@@ -248,6 +249,120 @@ fn spare_credentials_name_new_hosts_once_each() {
     outcome(&mut st, CapacityAction::Launched { launch: seq, instances: vec!["i-7".into()] }, 0);
     let d = decide(&p, &st, &inst, &spares, 1);
     assert!(d.reason.contains("no spare credential"), "{}", d.reason);
+}
+
+/// Records `per_s` samples per second (all counting) at `world` hosts.
+fn measured(st: &mut ClusterState, world: u32, per_s: u64) {
+    st.last_epoch_id += 1;
+    let record = limpet_consensus::state::Throughput {
+        world,
+        epoch: st.last_epoch_id,
+        samples_milli: per_s * 1000,
+        useful_milli: per_s * 1000,
+        at_ms: 0,
+    };
+    st.apply(&Command::RecordThroughput { record }).unwrap();
+}
+
+#[test]
+fn scaling_by_value_tries_a_host_more_then_gives_it_back_past_the_knee() {
+    // 1M samples per dollar at the margin; a host costs $1/h.
+    let p = CapacityPolicy { target: 3, min: 2, max: 5, min_marginal_value: Some(1e6), ..policy() };
+    let (mut st, mut inst) = cluster();
+    assert!(scale(&p, &st, Some(1.0)).is_none(), "nothing measured: no opinion");
+    assert!(scale(&CapacityPolicy { min_marginal_value: None, ..p.clone() }, &st, Some(1.0)).is_none());
+    // 600 samples/s at 2 hosts, 900 at 3: a line, so a 4th should add 300/s = 1.08M samples/$.
+    measured(&mut st, 2, 600);
+    measured(&mut st, 3, 900);
+    assert!(scale(&p, &st, None).is_none(), "no price: no opinion");
+    let d = scale(&p, &st, Some(1.0)).unwrap();
+    assert_eq!(d.next, Next::Record(CapacityAction::Scale { target: 4 }), "{}", d.reason);
+    assert!(d.reason.contains("predicted") && d.reason.contains("1.08M samples/$"), "{}", d.reason);
+    record(&mut st, &d, 0);
+    assert_eq!(p.target_now(&st.capacity), 4);
+    assert!(scale(&p, &st, Some(1.0)).is_none(), "recorded once");
+    // The reconciler launches the 4th.
+    let d = decide(&p, &st, &inst, &[], 10);
+    assert!(matches!(d.next, Next::Record(CapacityAction::Launch { .. })), "{}", d.reason);
+    let seq = record(&mut st, &d, 10);
+    outcome(&mut st, CapacityAction::Launched { launch: seq, instances: vec!["i-4".into()] }, 20);
+    inst.push(instance("i-4", Market::Spot, pool("g6.xlarge", "subnet-a"), 20));
+    st.apply(&Command::Join { member: spec("i-4") }).unwrap();
+    st.apply(&Command::Activate { id: spec("i-4").id }).unwrap();
+    // Measured at 4: it added 50/s (180,000 samples/$): back to 3 (the 3rd's 300/s still
+    // pays), the newest host drained.
+    measured(&mut st, 4, 950);
+    let d = scale(&p, &st, Some(1.0)).unwrap();
+    assert_eq!(d.next, Next::Record(CapacityAction::Scale { target: 3 }), "{}", d.reason);
+    assert!(d.reason.contains("measured") && d.reason.contains("the knee"), "{}", d.reason);
+    record(&mut st, &d, 30);
+    let d = decide(&p, &st, &inst, &[], 40);
+    assert_eq!(
+        d.next,
+        Next::Record(CapacityAction::Drain { node: spec("i-4").id, instance: "i-4".into() }),
+        "{}",
+        d.reason
+    );
+    // It leaves and is terminated: EC2 no longer lists it, and it is not counted as a
+    // launch on its way (its Launched record is recent).
+    st.apply(&Command::Drain { id: spec("i-4").id, reason: "value".into() }).unwrap();
+    st.apply(&Command::Remove { id: spec("i-4").id, reason: "left".into() }).unwrap();
+    outcome(&mut st, CapacityAction::Terminate { instances: vec!["i-4".into()] }, 50);
+    inst.pop();
+    let d = decide(&p, &st, &inst, &[], 60);
+    assert_eq!((d.next, d.reason.as_str()), (Next::Record(CapacityAction::Hold), "3 of 3 hosts"));
+    // At $1.10/h the 3rd host gives 981,818 samples/$: below the threshold but above the
+    // shrink band (800,000), so the target stays (no flapping at every price tick); at
+    // $1.50/h, 720,000: two hosts.
+    assert!(scale(&p, &st, Some(1.1)).is_none(), "between the bands: keep 3");
+    let d = scale(&p, &st, Some(1.5)).unwrap();
+    assert_eq!(d.next, Next::Record(CapacityAction::Scale { target: 2 }), "{}", d.reason);
+}
+
+#[test]
+fn a_host_that_stays_slow_is_replaced_then_drained() {
+    let (mut st, mut inst) = cluster();
+    let mut e = limpet_consensus::state::Epoch {
+        id: 1,
+        start_step: 0,
+        ranks: vec![spec("i-1").id, spec("i-2").id, spec("i-3").id],
+        layout: limpet_consensus::state::Layout::data_parallel(3),
+        batch: limpet_consensus::state::EpochBatch { global_batch: 64, micro_batch: 64 },
+        lr_scale: 1.0,
+        sources: Default::default(),
+        cause: String::new(),
+        causes: Vec::new(),
+        shares: vec![30, 30, 4],
+    };
+    st.apply(&Command::ScheduleEpoch { epoch: e.clone() }).unwrap();
+    st.apply(&Command::ActivateEpoch { id: 1 }).unwrap();
+    assert_eq!(slow_members(&st, 2.0), vec![spec("i-3").id]);
+    assert!(slow_members(&st, 0.0).is_empty());
+    let slow = [spec("i-3").id];
+    let d = decide_with(&policy(), &st, &inst, &[], &slow, 0);
+    assert!(matches!(d.next, Next::Record(CapacityAction::Launch { .. })), "{}", d.reason);
+    assert!(d.reason.contains("2 of 3 hosts") && d.reason.contains("i-3 slow, replacing"), "{}", d.reason);
+    let seq = record(&mut st, &d, 0);
+    outcome(&mut st, CapacityAction::Launched { launch: seq, instances: vec!["i-4".into()] }, 0);
+    inst.push(instance("i-4", Market::Spot, pool("g5.xlarge", "subnet-b"), 0));
+    st.apply(&Command::Join { member: spec("i-4") }).unwrap();
+    // Not before the replacement trains.
+    let d = decide_with(&policy(), &st, &inst, &[], &slow, 10);
+    assert_eq!(d.next, Next::Record(CapacityAction::Hold), "{}", d.reason);
+    st.apply(&Command::Activate { id: spec("i-4").id }).unwrap();
+    let d = decide_with(&policy(), &st, &inst, &[], &slow, 20);
+    assert_eq!(
+        d.next,
+        Next::Record(CapacityAction::Drain { node: spec("i-3").id, instance: "i-3".into() }),
+        "{}",
+        d.reason
+    );
+    // Equal shares again: nobody is slow.
+    e.id = 2;
+    e.shares.clear();
+    st.apply(&Command::ScheduleEpoch { epoch: e }).unwrap();
+    st.apply(&Command::ActivateEpoch { id: 2 }).unwrap();
+    assert!(slow_members(&st, 2.0).is_empty());
 }
 
 proptest::proptest! {

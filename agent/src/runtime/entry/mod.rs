@@ -206,6 +206,7 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
         }
     }
     x.trainer.set_epoch_plan(n.batch.global_batch as usize, n.batch.micro_batch as usize, n.lr_scale)?;
+    x.trainer.set_shares(n.shares.clone());
     group.barrier(ENTRY_STEP)?;
     let conn = if n.layout.pipeline > 1 {
         // Every rank passed the barrier, so every ring connection of the entry is taken:

@@ -1,0 +1,144 @@
+//! Stragglers: each step's samples shared out by measured speed, so a slower host computes
+//! fewer of them and the others stop waiting for it. The samples a step trains, and the sum
+//! of their gradients, do not depend on who computes which (the sampler tiles the batch in
+//! rank order either way), so unequal shares keep a run equivalent to one process.
+//!
+//! Speeds are the ranks' own reports of milliseconds per sample (forward and backward, no
+//! collectives). Shares stay equal unless the slowest rank is `ratio` times slower than the
+//! fastest; then each rank's share is proportional to its speed (largest remainders, rank
+//! order on ties), so every rank takes about as long.
+
+use limpet_consensus::state::NodeId;
+use std::collections::BTreeMap;
+
+/// A host this much slower than the fastest gets a smaller share; below it, equal shares.
+pub const DEFAULT_RATIO: f64 = 1.5;
+
+/// Shares of `global_batch` for `ranks` by the speeds in `ms_per_sample` (ranks without a
+/// measurement count as the median), or empty for equal shares: fewer than two ranks, no
+/// measurement, `ratio` off (below 1), or no rank that much slower. The slowest rank and
+/// its slowness come with it.
+pub fn shares(
+    global_batch: u64,
+    ranks: &[NodeId],
+    ms_per_sample: &BTreeMap<NodeId, f64>,
+    ratio: f64,
+) -> (Vec<u64>, Option<(NodeId, f64)>) {
+    let none = (Vec::new(), None);
+    let on = ratio.is_finite() && ratio >= 1.0;
+    if ranks.len() < 2 || !on || global_batch < ranks.len() as u64 {
+        return none;
+    }
+    // Reports are peers' words: only finite, positive times count.
+    let mut known: Vec<f64> = ranks
+        .iter()
+        .filter_map(|r| ms_per_sample.get(r).copied())
+        .filter(|t| t.is_finite() && *t > 0.0)
+        .collect();
+    if known.len() < 2 {
+        return none;
+    }
+    known.sort_by(f64::total_cmp);
+    let median = known[known.len() / 2];
+    let times: Vec<f64> = ranks
+        .iter()
+        .map(|r| ms_per_sample.get(r).copied().filter(|t| t.is_finite() && *t > 0.0).unwrap_or(median))
+        .collect();
+    let (fastest, slowest) = times.iter().fold((f64::MAX, 0.0f64), |(lo, hi), &t| (lo.min(t), hi.max(t)));
+    let slower = slowest / fastest;
+    let worst = ranks[times.iter().position(|&t| t == slowest).unwrap_or(0)];
+    if slower < ratio {
+        return (Vec::new(), Some((worst, slower)));
+    }
+    let speed: Vec<f64> = times.iter().map(|t| 1.0 / t).collect();
+    let total: f64 = speed.iter().sum();
+    // Every rank keeps at least one sample: a rank with none would still wait on the ring.
+    let spare = global_batch - ranks.len() as u64;
+    let exact: Vec<f64> = speed.iter().map(|s| spare as f64 * s / total).collect();
+    let mut out: Vec<u64> = exact.iter().map(|e| 1 + e.floor() as u64).collect();
+    let mut left = global_batch - out.iter().sum::<u64>();
+    let mut order: Vec<usize> = (0..ranks.len()).collect();
+    order.sort_by(|&a, &b| {
+        (exact[b] - exact[b].floor()).total_cmp(&(exact[a] - exact[a].floor())).then(a.cmp(&b))
+    });
+    for &i in order.iter().cycle() {
+        if left == 0 {
+            break;
+        }
+        out[i] += 1;
+        left -= 1;
+    }
+    (out, Some((worst, slower)))
+}
+
+/// Whether `next` differs enough from `current` to be worth an epoch change: some rank's
+/// share moves by at least a twentieth of the batch (one sample at least), or one side is
+/// equal shares and the other not.
+pub fn worth_changing(current: &[u64], next: &[u64], global_batch: u64) -> bool {
+    match (current.is_empty(), next.is_empty()) {
+        (true, true) => false,
+        (false, false) if current.len() == next.len() => {
+            let step = (global_batch / 20).max(1);
+            current.iter().zip(next).any(|(a, b)| a.abs_diff(*b) >= step)
+        }
+        _ => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn speeds(v: &[(NodeId, f64)]) -> BTreeMap<NodeId, f64> {
+        v.iter().copied().collect()
+    }
+
+    #[test]
+    fn a_slow_host_gets_a_share_in_proportion_to_its_speed() {
+        let s = speeds(&[(1, 0.1), (2, 0.1), (3, 0.4)]);
+        let (out, worst) = shares(64, &[1, 2, 3], &s, 1.5);
+        assert_eq!(out, vec![28, 28, 8]);
+        assert_eq!(worst, Some((3, 4.0)));
+        // Within the ratio: equal shares.
+        let s = speeds(&[(1, 0.1), (2, 0.12), (3, 0.14)]);
+        assert!(shares(64, &[1, 2, 3], &s, 1.5).0.is_empty());
+        // Off, one rank, or no measurements: equal shares.
+        let s = speeds(&[(1, 0.1), (2, 0.4)]);
+        assert!(shares(64, &[1, 2], &s, 0.0).0.is_empty());
+        assert!(shares(64, &[1], &s, 1.5).0.is_empty());
+        assert!(shares(64, &[5, 6], &s, 1.5).0.is_empty());
+        // A rank without a measurement counts as the median.
+        let s = speeds(&[(1, 0.1), (2, 0.1), (3, 1.0)]);
+        assert_eq!(shares(40, &[1, 2, 3, 4], &s, 1.5).0.iter().sum::<u64>(), 40);
+    }
+
+    #[test]
+    fn changes_are_worth_an_epoch_only_when_they_move_samples() {
+        assert!(!worth_changing(&[], &[], 64));
+        assert!(worth_changing(&[], &[30, 30, 4], 64));
+        assert!(worth_changing(&[30, 30, 4], &[], 64));
+        assert!(!worth_changing(&[30, 30, 4], &[29, 31, 4], 64));
+        assert!(worth_changing(&[30, 30, 4], &[26, 30, 8], 64));
+    }
+
+    proptest! {
+        /// Whatever the reported times (peers' words), shares tile the batch, give every
+        /// rank at least one sample, and never panic.
+        #[test]
+        fn shares_tile_the_batch(
+            times in proptest::collection::vec(prop_oneof![Just(f64::NAN), Just(0.0), Just(-1.0), Just(f64::INFINITY), 1e-9f64..1e9], 1..9),
+            batch in 1u64..100_000,
+            ratio in 0.0f64..4.0,
+        ) {
+            let ranks: Vec<NodeId> = (1..=times.len() as u64).collect();
+            let s: BTreeMap<NodeId, f64> = ranks.iter().copied().zip(times).collect();
+            let (out, _) = shares(batch, &ranks, &s, ratio);
+            if !out.is_empty() {
+                prop_assert_eq!(out.len(), ranks.len());
+                prop_assert_eq!(out.iter().sum::<u64>(), batch);
+                prop_assert!(out.iter().all(|&x| x >= 1));
+            }
+        }
+    }
+}
