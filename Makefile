@@ -80,6 +80,7 @@ bench: build
 	$(LAB) bench elastic
 	$(LAB) bench elastic --model gpt --steps 3000
 	$(LAB) bench straggler
+	$(LAB) bench straggler --nodes 2 --pipeline 2 --steps 400
 	$(LAB) bench pipeline --model gpt --layers 4 --batch 32 --micro-batch 8 --hosts 2 --train-steps 40
 	$(LAB) bench pipeline --model gpt --layers 4 --batch 32 --micro-batch 8 --hosts 4 --train-steps 40 --chaos
 	$(LAB) bench train --preset small --batch 8 --context 256

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 #[path = "common.rs"]
 mod common;
-use common::{exe, python, Moto};
+use common::{exe, lab_exe, python, Moto};
 
 fn config(moto: &Moto) -> FleetConfig {
     FleetConfig {
@@ -625,4 +625,83 @@ fn the_oldest_instance_founds_the_cluster_and_the_others_join_it() {
     let _ = child.wait();
     let text = std::fs::read_to_string(&log3).unwrap();
     assert!(!text.contains("founding it") && text.contains(&format!("{}:{port}", ips[0].1)), "{text}");
+}
+
+/// `limpet-lab chaos --ec2`: a trace's removals fired at a fleet through the real SDK against
+/// moto's EC2 and FIS servers. The first removal is a FIS experiment whose template names
+/// the spot interruption action, the (uncompressed, at least 2-minute) notice, the role and
+/// the mapped instance's ARN; the second (`--kill-every 2`) terminates its instance; the
+/// addition is left to `[capacity]`. Bad usage is refused naming the flag.
+#[test]
+fn chaos_on_ec2_interrupts_through_fis_and_terminates_without_notice() {
+    let moto = Moto::start();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let fleet = rt.block_on(Fleet::connect("chaos-ec2", &config(&moto))).unwrap();
+    rt.block_on(make_template(&fleet, "limpet-gpu"));
+    let launched = rt.block_on(fleet.up(&spec(3))).unwrap();
+    let mut ids: Vec<String> = launched.iter().map(|m| m.id.clone()).collect();
+    ids.sort();
+    let tmp = tempfile::tempdir().unwrap();
+    let trace = tmp.path().join("trace.csv");
+    std::fs::write(&trace, "0,add,a\n0,add,b\n0,add,c\n10000,remove,a\n20000,remove,b\n30000,add,d\n")
+        .unwrap();
+    let role = "arn:aws:iam::123456789012:role/limpet-fis";
+    let run = |extra: &[&str]| {
+        Command::new(lab_exe())
+            .args(["chaos", "--ec2", "chaos-ec2", "--trace"])
+            .arg(&trace)
+            .args(["--speedup", "100", "--until-s", "35", "--kill-every", "2", "--json", "--dir"])
+            .arg(tmp.path().join("run"))
+            .args(["--region", "us-east-1", "--endpoint-url", &moto.url])
+            .args(extra)
+            .env("AWS_ACCESS_KEY_ID", "testing")
+            .env("AWS_SECRET_ACCESS_KEY", "testing")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let out = run(&[]);
+    assert_eq!(out.status.code(), Some(64), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--fis-role"));
+    let out = run(&["--fis-role", role]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let mapped = &report["mapped"];
+    let fired = report["fired"].as_array().unwrap();
+    let kinds: Vec<&str> = fired.iter().map(|f| f["action"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["interrupt", "terminate", "add"], "{report:#}");
+    assert_eq!(report["notice_s"], 120, "FIS's shortest notice, whatever the speedup");
+    let (a, b) = (mapped["a"].as_str().unwrap().to_string(), mapped["b"].as_str().unwrap().to_string());
+    assert_eq!(fired[0]["instance"], a.as_str());
+    assert_eq!(fired[1]["instance"], b.as_str());
+
+    // What FIS holds: one experiment, from a template that interrupts a's instance.
+    let fis = rt.block_on(limpet_deploy::fis::Fis::connect(&config(&moto))).unwrap();
+    let experiments = rt.block_on(fis.client().list_experiments().send()).unwrap();
+    let all = experiments.experiments();
+    assert_eq!(all.len(), 1, "{all:?}");
+    assert_eq!(all[0].id(), fired[0]["answer"].as_str());
+    let template_id = all[0].experiment_template_id().unwrap().to_string();
+    let t = rt.block_on(fis.client().get_experiment_template().id(&template_id).send()).unwrap();
+    let t = t.experiment_template().unwrap();
+    assert_eq!(t.role_arn(), Some(role));
+    let action = t.actions().unwrap().values().next().unwrap();
+    assert_eq!(action.action_id(), Some(limpet_deploy::fis::SPOT_INTERRUPTION));
+    assert_eq!(
+        action.parameters().unwrap().get("durationBeforeInterruption").map(String::as_str),
+        Some("PT120S")
+    );
+    let target = t.targets().unwrap().values().next().unwrap();
+    assert_eq!(target.resource_type(), Some("aws:ec2:spot-instance"));
+    assert_eq!(target.resource_arns(), [format!("arn:aws:ec2:us-east-1:123456789012:instance/{a}")]);
+    // EC2: b's instance is terminated, a's and c's still run (FIS's action is simulated by moto).
+    let left: Vec<String> = rt
+        .block_on(fleet.list())
+        .unwrap()
+        .0
+        .into_iter()
+        .filter(|m| m.state == "running")
+        .map(|m| m.id)
+        .collect();
+    assert!(!left.contains(&b) && left.contains(&a) && left.len() == 2, "{left:?}");
 }

@@ -403,6 +403,7 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
     a.straggler_ratio = cfg.cluster.straggler_ratio;
     a.straggler_steps = cfg.cluster.straggler_steps;
     a.slowdown_us_per_sample = cfg.node.slowdown_us_per_sample;
+    a.slowdown_factor = cfg.node.slowdown_factor;
     a.sources = revocation_sources(cfg);
     a.poll = Duration::from_secs_f64(cfg.revocation.poll_secs);
     let t = &cfg.timing;

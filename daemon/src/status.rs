@@ -177,6 +177,12 @@ pub struct TransitionDoc {
     /// Samples per step each rank computes when a slower host gets fewer (empty: equal).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub shares: Vec<u64>,
+    /// The ranks, by name, in the epoch's data-major order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ranks: Vec<String>,
+    /// Block cuts between stages (empty: one stage).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cuts: Vec<u32>,
 }
 
 /// `limpet status --json`.
@@ -319,7 +325,7 @@ fn build(
         .collect();
     let nodes = st.members.values().map(|m| node_doc(st, m, leader, &parsed)).collect();
     let skip = st.history.len().saturating_sub(16);
-    let transitions = st.history.iter().skip(skip).map(|e| transition_doc(e, &parsed)).collect();
+    let transitions = st.history.iter().skip(skip).map(|e| transition_doc(st, e, &parsed)).collect();
     let step = st
         .current
         .as_ref()
@@ -402,7 +408,7 @@ fn node_doc(
 
 /// One epoch change, with what the agents that lived through it report: the worst idle time
 /// and loss among them, and the bytes they fetched in all.
-fn transition_doc(e: &limpet_consensus::state::Epoch, parsed: &Reports) -> TransitionDoc {
+fn transition_doc(st: &ClusterState, e: &limpet_consensus::state::Epoch, parsed: &Reports) -> TransitionDoc {
     let lived: Vec<_> =
         parsed.values().flat_map(|(_, r)| r.transitions.iter().filter(|t| t.epoch == e.id)).collect();
     TransitionDoc {
@@ -419,6 +425,8 @@ fn transition_doc(e: &limpet_consensus::state::Epoch, parsed: &Reports) -> Trans
         global_batch: e.batch.global_batch,
         lr_scale: e.lr_scale,
         shares: e.shares.clone(),
+        ranks: e.ranks.iter().map(|&r| name_of(st, r)).collect(),
+        cuts: e.layout.cuts.clone(),
     }
 }
 
@@ -432,6 +440,10 @@ fn host_line(h: &limpet_consensus::state::Hardware) -> String {
     if h.gpus > 0 {
         let model = if h.gpu_model.is_empty() { "GPU" } else { h.gpu_model.as_str() };
         s += &format!(", {}x {model}", h.gpus);
+    }
+    if h.speed_milli != 0 && h.speed_milli != 1000 {
+        // Measured faster or slower than the others (what the pipeline planner places by).
+        s += &format!(", speed x{:.2}", h.speed_milli as f64 / 1000.0);
     }
     s
 }
@@ -684,6 +696,8 @@ mod tests {
             global_batch: 32,
             lr_scale: 1.0,
             shares: Vec::new(),
+            ranks: Vec::new(),
+            cuts: Vec::new(),
         };
         let text = transitions_table(&[t]);
         let lines: Vec<&str> = text.lines().collect();
@@ -703,5 +717,7 @@ mod tests {
         assert_eq!(host_line(&gpu), "8 cpu, 2x NVIDIA A10G");
         let old = Hardware { cpus: 4, gpus: 1, ..Hardware::default() };
         assert_eq!(host_line(&old), "4 cpu, 1x GPU");
+        let slow = Hardware { speed_milli: 350, ..cpu.clone() };
+        assert_eq!(host_line(&slow), "2 cpu 23.5G, speed x0.35");
     }
 }

@@ -5,7 +5,8 @@
 //!
 //! It talks to EC2 through the official SDK (`aws-sdk-ec2`); the tests run it against moto's
 //! EC2 server. [`render_user_data`] fills the cloud-init template `deploy/cloud-init.yaml`
-//! that installs `limpetd` on a new host and joins it to the cluster.
+//! that installs `limpetd` on a new host and joins it to the cluster. [`fis`] revokes spot
+//! instances on purpose, through AWS Fault Injection Service.
 
 use aws_sdk_ec2::error::ProvideErrorMetadata;
 use aws_sdk_ec2::types::{
@@ -16,6 +17,7 @@ use aws_sdk_ec2::types::{
 use base64::Engine;
 use std::collections::BTreeMap;
 
+pub mod fis;
 pub mod ssm;
 
 /// The tag naming the cluster an instance belongs to.
@@ -340,6 +342,36 @@ impl Fleet {
             }
         }
         Ok(newest.into_iter().map(|((t, z), (_, p))| (t, z, p)).collect())
+    }
+
+    /// The ARNs of the cluster's instances `ids` (what FIS targets), in the order given;
+    /// an id that is not the cluster's is an error naming it.
+    pub async fn instance_arns(&self, ids: &[String]) -> Result<Vec<String>, FleetError> {
+        let region = self.client.config().region().map(|r| r.to_string()).unwrap_or_default();
+        let out = self
+            .client
+            .describe_instances()
+            .filters(Filter::builder().name(format!("tag:{CLUSTER_TAG}")).values(&self.cluster).build())
+            .set_instance_ids(Some(ids.to_vec()))
+            .send()
+            .await
+            .map_err(|e| api_error("DescribeInstances", e))?;
+        let mut owners: BTreeMap<String, String> = BTreeMap::new();
+        for r in out.reservations() {
+            for i in r.instances() {
+                if let (Some(id), Some(owner)) = (i.instance_id(), r.owner_id()) {
+                    owners.insert(id.to_string(), owner.to_string());
+                }
+            }
+        }
+        ids.iter()
+            .map(|id| match owners.get(id) {
+                Some(owner) => Ok(format!("arn:aws:ec2:{region}:{owner}:instance/{id}")),
+                None => {
+                    Err(FleetError::Usage(format!("{id} is not an instance of cluster {}", self.cluster)))
+                }
+            })
+            .collect()
     }
 
     /// The cluster's live instances that launch `token` made.

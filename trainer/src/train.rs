@@ -101,6 +101,11 @@ pub struct Trainer {
     /// Samples each rank computes per step, when they are unequal (see
     /// [`BatchPlan::share_in`]); empty: equal shares.
     shares: Vec<u64>,
+    /// Milliseconds the last step's own work took: forward and backward of this rank's
+    /// blocks over its samples, without waiting on peers (see [`Trainer::compute_ms`]).
+    compute_ms: f64,
+    /// Milliseconds the current pipelined step spent in its stage links (not compute).
+    link_ms: f64,
 }
 
 impl Trainer {
@@ -146,6 +151,8 @@ impl Trainer {
             rng,
             grads,
             shares: Vec::new(),
+            compute_ms: 0.0,
+            link_ms: 0.0,
         })
     }
 
@@ -268,6 +275,13 @@ impl Trainer {
         self.shares = shares;
     }
 
+    /// Milliseconds the last step's own work took on this host: forward and backward of its
+    /// blocks over its samples, without the time spent receiving from or sending to peers
+    /// and reducing with them (what a straggler drill stretches).
+    pub fn compute_ms(&self) -> f64 {
+        self.compute_ms
+    }
+
     /// The current batch plan.
     pub fn plan(&self) -> BatchPlan {
         self.plan
@@ -304,6 +318,7 @@ impl Trainer {
     /// and the squared norm of the share's mean gradient. The caller sums the buffer over
     /// ranks in place, then calls [`Trainer::apply_reduced`].
     pub fn compute_grads(&mut self, rank: usize, world: usize) -> Result<&mut [f32], TrainerError> {
+        let started = std::time::Instant::now();
         self.grads.zero(self.model.params())?;
         let share = self.plan.share_in(rank, world, &self.shares);
         let positions = self.cursor + share.start as u64..self.cursor + share.end as u64;
@@ -322,6 +337,7 @@ impl Trainer {
             loss_sum += loss.double_value(&[]);
         }
         self.finish_grads(loss_sum, (positions.end - positions.start) as f64)?;
+        self.compute_ms = started.elapsed().as_secs_f64() * 1e3;
         Ok(self.grads.as_mut_slice())
     }
 
@@ -407,6 +423,8 @@ impl Trainer {
         reduce: StageReducers<'_>,
     ) -> Result<StepStats, TrainerError> {
         let ends = self.stage_ends(pos)?;
+        let started = std::time::Instant::now();
+        self.link_ms = 0.0;
         self.grads.zero(self.model.params())?;
         let share = self.plan.share(pos.replica, pos.replicas);
         let positions = self.cursor + share.start as u64..self.cursor + share.end as u64;
@@ -429,6 +447,7 @@ impl Trainer {
             }
         }
         self.finish_grads(loss_sum, (positions.end - positions.start) as f64)?;
+        self.compute_ms = (started.elapsed().as_secs_f64() * 1e3 - self.link_ms).max(0.0);
         self.reduce_stage(reduce)
     }
 
@@ -472,7 +491,10 @@ impl Trainer {
         let input = if first {
             self.batch_on_device(&idx)?.0
         } else {
-            let a = link.recv_activation(step, k)?;
+            let waiting = std::time::Instant::now();
+            let a = link.recv_activation(step, k);
+            self.link_ms += waiting.elapsed().as_secs_f64() * 1e3;
+            let a = a?;
             // The previous stage is a peer: an activation that is not a micro-batch of this
             // size is its fault, and must not panic this trainer inside libtorch.
             if a.shape.first() != Some(&rows) || a.shape.iter().any(|&d| d <= 0) {
@@ -499,7 +521,11 @@ impl Trainer {
             let (_, y) = self.batch_on_device(&idx)?;
             Ok((input, self.model.loss_sum(&out, &y)))
         } else {
-            link.send_activation(step, k, &Activation::from_tensor(&out)?)?;
+            let a = Activation::from_tensor(&out)?;
+            let sending = std::time::Instant::now();
+            let sent = link.send_activation(step, k, &a);
+            self.link_ms += sending.elapsed().as_secs_f64() * 1e3;
+            sent?;
             Ok((input, out))
         }
     }
@@ -518,7 +544,10 @@ impl Trainer {
         if last {
             out.f_backward()?;
         } else {
-            let g = link.recv_gradient(step, k)?.to_tensor()?.to_device(self.model.device());
+            let waiting = std::time::Instant::now();
+            let g = link.recv_gradient(step, k);
+            self.link_ms += waiting.elapsed().as_secs_f64() * 1e3;
+            let g = g?.to_tensor()?.to_device(self.model.device());
             if g.size() != out.size() {
                 return Err(TrainerError::reduce(format!(
                     "step {step} micro-batch {k}: gradient of shape {:?} for an output of shape {:?}",
@@ -529,7 +558,11 @@ impl Trainer {
             (out * &g).sum(Kind::Float).f_backward()?;
         }
         if !first {
-            link.send_gradient(step, k, &Activation::from_tensor(&input.grad())?)?;
+            let g = Activation::from_tensor(&input.grad())?;
+            let sending = std::time::Instant::now();
+            let sent = link.send_gradient(step, k, &g);
+            self.link_ms += sending.elapsed().as_secs_f64() * 1e3;
+            sent?;
         }
         Ok(())
     }

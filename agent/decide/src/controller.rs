@@ -300,6 +300,12 @@ fn failures(
     failed
 }
 
+/// The job's pipeline settings (the profile the planner uses), if it is pipelined and they
+/// read.
+pub fn pipeline_job(st: &ClusterState) -> Option<PipelineJob> {
+    serde_json::from_value(st.job.as_ref()?.get("pipeline")?.clone()).ok()
+}
+
 /// The candidates' layout: data parallelism, or for a pipelined job the planner's layout
 /// with its micro-batch and the candidates it places (spares left out). The error says why
 /// the cluster pauses instead.
@@ -320,22 +326,40 @@ fn lay_out(
     let mut micro = None;
     if let Some(p) = &pipeline {
         if ranks.len() >= cfg.min_nodes.max(1) {
-            match arrange(p, &ranks, cfg.base.global_batch as usize) {
+            // Hosts measured faster or slower than the others (`Hardware::speed_milli`).
+            let speeds: BTreeMap<NodeId, f64> = ranks
+                .iter()
+                .filter_map(|r| {
+                    let milli = st.members.get(r)?.spec.hardware.speed_milli;
+                    (milli != 0 && milli != 1000).then_some((*r, milli as f64 / 1000.0))
+                })
+                .collect();
+            match arrange(p, &ranks, cfg.base.global_batch as usize, &speeds) {
+                // Measured speeds wobble: the current layout stays unless the new one is
+                // predicted clearly faster on the same hosts.
+                Ok((_, plan)) if keeps_current(p, st.current.as_ref(), &ranks, &plan, cfg, &speeds) => {
+                    let cur = st.current.as_ref().expect("checked by keeps_current");
+                    return Ok((cur.ranks.clone(), cur.layout.clone(), Some(cur.batch.micro_batch)));
+                }
                 Ok((arranged, plan)) => {
                     layout = Layout {
                         data: plan.layout.data as u32,
                         pipeline: plan.layout.pipeline() as u32,
                         cuts: plan.layout.cuts().iter().map(|&c| c as u32).collect(),
                     };
-                    // Every candidate is planned as the same kind of host, so which one
-                    // takes which slot is free: put hosts where their blocks already are.
-                    ranks = place_holders(
-                        &ranks,
-                        arranged.len(),
-                        &layout,
-                        st.current.as_ref(),
-                        p.profile.blocks.len(),
-                    );
+                    // Hosts of one speed are interchangeable: put them where their blocks
+                    // already are. Hosts of different speeds go where the planner put them.
+                    ranks = if speeds.is_empty() {
+                        place_holders(
+                            &ranks,
+                            arranged.len(),
+                            &layout,
+                            st.current.as_ref(),
+                            p.profile.blocks.len(),
+                        )
+                    } else {
+                        arranged
+                    };
                     micro = Some(plan.layout.micro_batch as u64);
                 }
                 Err(e) => return Err(format!("paused: no layout for {} node(s): {e}", ranks.len())),
@@ -343,6 +367,38 @@ fn lay_out(
         }
     }
     Ok((ranks, layout, micro))
+}
+
+/// A re-plan of the same hosts must be predicted this much faster than their current layout.
+const REPLAN_GAIN: f64 = 0.9;
+
+/// Whether `plan` for the current epoch's own hosts (`candidates`, as a set) is not predicted
+/// clearly faster than the current layout, with measured `speeds`: then it is not worth
+/// moving blocks. Only when some host's speed was measured (equal hosts re-plan as before).
+fn keeps_current(
+    job: &PipelineJob,
+    current: Option<&Epoch>,
+    candidates: &[NodeId],
+    plan: &crate::planner::Plan,
+    cfg: &ControllerConfig,
+    speeds: &BTreeMap<NodeId, f64>,
+) -> bool {
+    let Some(cur) = current else { return false };
+    let mut a = cur.ranks.clone();
+    let mut b = candidates.to_vec();
+    a.sort_unstable();
+    b.sort_unstable();
+    if speeds.is_empty() || a != b || cur.layout.pipeline < 2 {
+        return false;
+    }
+    let cuts: Vec<usize> = cur.layout.cuts.iter().map(|&c| c as usize).collect();
+    let shape = (cur.layout.data as usize, cuts.as_slice());
+    let micro = cur.batch.micro_batch as usize;
+    match crate::planner::predict_epoch(job, &cur.ranks, shape, micro, cfg.base.global_batch as usize, speeds)
+    {
+        Ok(now) => plan.step_ms > REPLAN_GAIN * now.step_ms,
+        Err(_) => false,
+    }
 }
 
 /// Members that left (notice, drain) and are in neither the current nor the scheduled epoch

@@ -5,7 +5,8 @@
 //! bookkeeping commands that follow from the reports: a scheduled epoch a rank entered
 //! becomes current, a joining member that trains becomes active, and an epoch that has run
 //! `MEASURE_STEPS` steps on every rank has its throughput recorded (what scaling by value
-//! fits its curve to).
+//! fits its curve to), and a host of a pipelined job measured `straggler_ratio` away from
+//! its peers has its speed recorded (what the pipeline planner places blocks by).
 //!
 //! The runtime's leader loop only gathers the inputs, logs the reason when it changes and
 //! proposes the commands; everything it decides is tested here by what this returns.
@@ -134,7 +135,52 @@ pub fn plan_round(s: &LeaderSettings, st: &ClusterState, reports: &Reports, now_
     if let Some(record) = measure(s, st, reports, now_ms) {
         commands.push(Command::RecordThroughput { record });
     }
+    commands.extend(record_speeds(s, st, reports));
     Round { commands, reason: decision.reason }
+}
+
+/// A recorded speed is changed only past this relative difference (measurements wobble).
+const SPEED_CHANGE: f64 = 0.15;
+
+/// Each live member's speed relative to the others, x 1000, where it changed: the median
+/// of the members' profiles of the job's model (`profile_ms`, taken by each host when it
+/// started) over its own. A pipelined job only; a speed within `straggler_ratio` of the
+/// median is 1000 (noise must not move blocks around). A host's property, measured once: a
+/// newcomer is placed by it from its first epoch.
+fn record_speeds(s: &LeaderSettings, st: &ClusterState, reports: &Reports) -> Vec<Command> {
+    let ratio = s.straggler_ratio;
+    if crate::controller::pipeline_job(st).is_none() || !(ratio.is_finite() && ratio >= 1.0) {
+        return Vec::new();
+    }
+    let raw: Vec<(NodeId, f64)> = reports
+        .values()
+        .filter(|(age, r)| *age <= s.heartbeat_timeout_ms && r.profile_ms > 0.0 && r.profile_ms.is_finite())
+        .filter(|(_, r)| st.members.get(&r.node).is_some_and(|m| m.status.is_staying()))
+        .map(|(_, r)| (r.node, 1.0 / r.profile_ms))
+        .collect();
+    if raw.len() < 2 {
+        return Vec::new();
+    }
+    let mut sorted: Vec<f64> = raw.iter().map(|r| r.1).collect();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted[sorted.len() / 2];
+    let mut out = Vec::new();
+    for (node, v) in raw {
+        let rel = v / median;
+        let milli = if rel > 1.0 / ratio && rel < ratio {
+            1000
+        } else {
+            ((rel * 100.0).round() * 10.0).clamp(10.0, 100_000.0) as u64
+        };
+        let Some(m) = st.members.get(&node) else { continue };
+        let was = if m.spec.hardware.speed_milli == 0 { 1000 } else { m.spec.hardware.speed_milli };
+        if (milli as f64 / was as f64 - 1.0).abs() > SPEED_CHANGE {
+            let mut hardware = m.spec.hardware.clone();
+            hardware.speed_milli = milli;
+            out.push(Command::UpdateHardware { id: node, hardware });
+        }
+    }
+    out
 }
 
 /// The current epoch's throughput, once every rank has trained `MEASURE_STEPS` steps of it

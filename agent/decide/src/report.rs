@@ -93,6 +93,11 @@ pub struct AgentReport {
     /// backward, no collectives): what the leader shares samples out by (0 until measured).
     #[serde(default)]
     pub ms_per_sample: f64,
+    /// Milliseconds one forward and backward of every block of a pipelined job's model took
+    /// on this host at the profile's micro-batch, measured when it started (0: not measured):
+    /// against the job's profile, this host's speed for the pipeline planner.
+    #[serde(default)]
+    pub profile_ms: f64,
     /// Why its last checkpoint failed (a full disk, an S3 outage), until one succeeds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_error: Option<String>,
@@ -128,6 +133,7 @@ impl AgentReport {
             transitions: Vec::new(),
             grad_stats: None,
             ms_per_sample: 0.0,
+            profile_ms: 0.0,
             checkpoint_error: None,
         }
     }
@@ -154,6 +160,9 @@ impl AgentReport {
         if !(r.ms_per_sample.is_finite() && r.ms_per_sample >= 0.0) {
             return Err(bad(format!("{} ms per sample", r.ms_per_sample)));
         }
+        if !(r.profile_ms.is_finite() && r.profile_ms >= 0.0) {
+            return Err(bad(format!("a profile of {} ms", r.profile_ms)));
+        }
         Ok(r)
     }
 }
@@ -177,6 +186,7 @@ mod tests {
             broken: Some(Broken { epoch: 3, since_ms: 10, suspect: Some(2), error: "closed".into() }),
             grad_stats: Some((2.0, 0.5)),
             ms_per_sample: 0.25,
+            profile_ms: 12.5,
             checkpoint_error: Some("No space left on device".into()),
             transitions: vec![Transition {
                 epoch: 3,

@@ -434,3 +434,42 @@ proptest! {
         }
     }
 }
+
+/// A host measured three times slower (`Hardware::speed_milli`) is placed by the planner:
+/// its stage gets fewer blocks, or it is left out, instead of every host being the profiled
+/// one.
+#[test]
+fn a_host_measured_slower_holds_fewer_blocks_of_a_pipeline() {
+    let mut sim = pipelined(4, Some(2));
+    sim.control();
+    sim.start_scheduled();
+    sim.train(20);
+    let before = sim.state.current.clone().unwrap();
+    assert_eq!(before.layout.cuts, vec![2], "equal hosts: equal stages");
+    assert_eq!(sim.control(), "steady");
+    let slow = before.ranks[0];
+    let mut hardware = sim.state.members[&slow].spec.hardware.clone();
+    hardware.speed_milli = 330;
+    sim.state.apply(&Command::UpdateHardware { id: slow, hardware }).unwrap();
+    let why = sim.control();
+    let e = sim.state.scheduled.clone().unwrap_or_else(|| panic!("no re-plan: {why}"));
+    let stages = e.layout.stage_blocks(4).unwrap();
+    let held =
+        |id: NodeId| e.ranks.iter().position(|&r| r == id).map_or(0, |i| stages[i % stages.len()].len());
+    let others: Vec<usize> = e.ranks.iter().filter(|&&r| r != slow).map(|&r| held(r)).collect();
+    assert!(
+        others.iter().all(|&b| held(slow) < b),
+        "node {slow} holds {} blocks, the others {others:?}: {e:?}",
+        held(slow)
+    );
+    // Measured again at the same speed: nothing more to change.
+    sim.start_scheduled();
+    sim.train(20);
+    assert_eq!(sim.control(), "steady");
+    // A measurement that wobbles (0.33 -> 0.40) does not move blocks back and forth: a
+    // re-plan must be predicted clearly faster than the layout it replaces.
+    let mut hardware = sim.state.members[&slow].spec.hardware.clone();
+    hardware.speed_milli = 400;
+    sim.state.apply(&Command::UpdateHardware { id: slow, hardware }).unwrap();
+    assert_eq!(sim.control(), "steady");
+}

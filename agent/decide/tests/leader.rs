@@ -47,6 +47,7 @@ fn report(node: NodeId, epoch: u64, step: u64) -> AgentReport {
         transitions: Vec::new(),
         grad_stats: None,
         ms_per_sample: 0.0,
+        profile_ms: 0.0,
         checkpoint_error: None,
     }
 }
@@ -167,4 +168,66 @@ fn an_epoch_that_ran_long_enough_has_its_throughput_recorded_once() {
     assert_eq!((t.world, t.epoch, t.samples_milli, t.useful_milli), (3, id, 4_000_000, 4_000_000));
     st.apply(&Command::RecordThroughput { record: t }).unwrap();
     assert_eq!(recorded(&plan_round(&settings(), &st, &reports, NOW)), None, "once per epoch");
+}
+
+/// A pipelined job's host whose profile of the model takes three times its peers' has its
+/// speed recorded as 0.35, once; the others, within the straggler ratio of the median, stay
+/// unrecorded.
+#[test]
+fn a_pipeline_host_profiled_slower_has_its_speed_recorded_once() {
+    use limpet_decide::planner::{BlockCost, Link, ModelProfile, PipelineJob};
+    let mut st = ClusterState::bootstrap("c", &(1..=4).map(spec).collect::<Vec<_>>());
+    let block = BlockCost {
+        fwd_ms: 1.0,
+        bwd_ms: 2.0,
+        fixed_fwd_ms: 0.0,
+        fixed_bwd_ms: 0.0,
+        apply_ms: 0.1,
+        out_bytes: 4096,
+        saved_bytes: 4096,
+        param_bytes: 2 << 20,
+        optim_bytes: 4 << 20,
+    };
+    let job = PipelineJob {
+        profile: ModelProfile {
+            model: "t".into(),
+            micro_batch: 16,
+            blocks: vec![block; 4],
+            overhead_ms: 0.0,
+        },
+        link: Link { bytes_per_s: 1e9, latency_ms: 0.05 },
+        depth: Some(2),
+        cuts: None,
+        mem_bytes: 20 << 20,
+    };
+    st.apply(&Command::SetJob { job: serde_json::json!({"model": "mlp", "pipeline": job}) }).unwrap();
+    let s = LeaderSettings { min_nodes: 1, ..settings() };
+    let speeds = |st: &ClusterState, reports: &Reports| -> Vec<(NodeId, u64)> {
+        plan_round(&s, st, reports, NOW)
+            .commands
+            .iter()
+            .filter_map(|c| match c {
+                Command::UpdateHardware { id, hardware } => Some((*id, hardware.speed_milli)),
+                _ => None,
+            })
+            .collect()
+    };
+    // Node 3 takes 36 ms; the others 12 to 14 (noise).
+    let reports: Reports = (1..=4)
+        .map(|id| {
+            let mut r = report(id, 0, 0);
+            r.profile_ms = [12.0, 14.0, 36.0, 12.5][id as usize - 1];
+            (id, (0, r))
+        })
+        .collect();
+    // Against the median host (12.5 ms): 12.5 / 36 = 0.35.
+    assert_eq!(speeds(&st, &reports), vec![(3, 350)]);
+    let mut hardware = st.members[&3].spec.hardware.clone();
+    hardware.speed_milli = 350;
+    st.apply(&Command::UpdateHardware { id: 3, hardware }).unwrap();
+    assert!(speeds(&st, &reports).is_empty(), "recorded once");
+    // Without a pipeline, nothing is recorded.
+    let mut plain = ClusterState::bootstrap("c", &(1..=4).map(spec).collect::<Vec<_>>());
+    plain.apply(&Command::SetJob { job: serde_json::json!({"model": "mlp"}) }).unwrap();
+    assert!(speeds(&plain, &reports).is_empty());
 }

@@ -56,6 +56,9 @@ pub struct AgentConfig {
     pub straggler_steps: u64,
     /// Straggler drills: sleep this many microseconds per sample computed.
     pub slowdown_us_per_sample: u64,
+    /// Straggler drills: compute as a host this many times slower would (sleep the extra
+    /// time after each step's own work; 1: off).
+    pub slowdown_factor: f64,
     /// Revocation sources to poll.
     pub sources: Vec<Source>,
     /// Their poll interval.
@@ -156,6 +159,7 @@ impl AgentConfig {
             straggler_ratio: crate::balance::DEFAULT_RATIO,
             straggler_steps: 100,
             slowdown_us_per_sample: 0,
+            slowdown_factor: 1.0,
             sources: Vec::new(),
             poll: Duration::from_secs(2),
             heartbeat: Duration::from_millis(100),

@@ -135,6 +135,23 @@ impl Agent {
 
         let device = cfg.device.resolve().map_err(|e| anyhow::anyhow!("[job].device: {e}"))?;
         tracing::info!(device = ?device, choice = ?cfg.device, gpus = ?limpet_trainer::device::gpu_models(), "training device");
+        if cfg.pipeline.is_some() {
+            // This host's speed for the pipeline planner: the job's blocks profiled here, as
+            // the founding leader profiled them for the job; beside training's start.
+            let (cfg, progress) = (Arc::clone(&cfg), Arc::clone(&progress));
+            tasks.spawn("profile", async move {
+                let run = tokio::task::spawn_blocking(move || -> anyhow::Result<f64> {
+                    let data = Dataset::load(&cfg.job.data, cfg.data_path.as_deref())?;
+                    profile_here(&cfg, &data)
+                })
+                .await;
+                match run {
+                    Ok(Ok(ms)) => progress.lock().expect("progress lock").profile_ms = ms,
+                    Ok(Err(e)) => tracing::warn!(error = %e, "could not profile the model on this host: the planner takes it for the profiled one"),
+                    Err(e) => tracing::warn!(error = %e, "the profile of the model on this host failed"),
+                }
+            });
+        }
         let blocks = 0..cfg.job.model.num_blocks();
         let mut fresh = Trainer::on_device(cfg.job.clone(), data, blocks, device)?;
         if let Some(dir) = &cfg.init_from {
@@ -294,6 +311,7 @@ fn node_config(cfg: &AgentConfig, data_addr: SocketAddr) -> NodeConfig {
         gpu_model: models.join(", "),
         memory_mib: host_memory_mib(),
         samples_per_sec_milli: 0,
+        speed_milli: 0,
     };
     ncfg
 }
@@ -308,4 +326,17 @@ fn host_memory_mib() -> u64 {
             })
         })
         .map_or(0, |kib| kib / 1024)
+}
+
+/// Milliseconds one forward and backward of every block of the job's model takes on this
+/// host at the job's micro-batch (a straggler drill's factor included).
+fn profile_here(cfg: &AgentConfig, data: &limpet_trainer::data::Dataset) -> anyhow::Result<f64> {
+    let profile = crate::stage::profile_model(&cfg.job, data, 3)?;
+    let ms: f64 = profile.blocks.iter().map(|b| b.fwd_ms + b.bwd_ms).sum();
+    let took = train_loop::slow_down(cfg, std::time::Duration::from_secs_f64(ms / 1e3));
+    tracing::info!(
+        ms = took.as_secs_f64() * 1e3,
+        "this host's profile of the model (its speed for the pipeline planner)"
+    );
+    Ok(took.as_secs_f64() * 1e3)
 }

@@ -142,6 +142,27 @@ pub(super) struct TrainLoop {
     ms_per_sample: f64,
 }
 
+/// A smoothed measurement: a tenth of each new value.
+fn smooth(old: f64, new: f64) -> f64 {
+    if old == 0.0 {
+        new
+    } else {
+        0.9 * old + 0.1 * new
+    }
+}
+
+/// A straggler drill (`slowdown_factor`): after `own` of this step's own work, sleep what a
+/// host that many times slower would have taken more; returns the work's time with it.
+pub(super) fn slow_down(cfg: &AgentConfig, own: Duration) -> Duration {
+    if cfg.slowdown_factor > 1.0 {
+        let extra = own.mul_f64(cfg.slowdown_factor - 1.0);
+        std::thread::sleep(extra);
+        own + extra
+    } else {
+        own
+    }
+}
+
 impl TrainLoop {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -310,10 +331,9 @@ impl TrainLoop {
                         self.cfg.slowdown_us_per_sample * samples as u64,
                     ));
                 }
+                let took = slow_down(&self.cfg, computing.elapsed()).as_secs_f64() * 1e3;
                 if samples > 0 {
-                    let took = computing.elapsed().as_secs_f64() * 1e3 / samples as f64;
-                    self.ms_per_sample =
-                        if self.ms_per_sample == 0.0 { took } else { 0.9 * self.ms_per_sample + 0.1 * took };
+                    self.ms_per_sample = smooth(self.ms_per_sample, took / samples as f64);
                 }
                 match g.allreduce_sum(buf, step) {
                     Ok(()) => Ok(self.trainer.apply_reduced()?),
@@ -321,7 +341,10 @@ impl TrainLoop {
                 }
             }
             Conn::Stages(c) => match c.step(&mut self.trainer) {
-                Ok(stats) => Ok(stats),
+                Ok(stats) => {
+                    slow_down(&self.cfg, Duration::from_secs_f64(self.trainer.compute_ms() / 1e3));
+                    Ok(stats)
+                }
                 Err(e @ limpet_trainer::TrainerError::Reduce { peer, .. }) => Err((peer, e.to_string())),
                 Err(e) => return Err(e.into()),
             },

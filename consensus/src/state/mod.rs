@@ -70,6 +70,14 @@ pub struct Hardware {
     /// Measured training throughput, samples per second x 1000 (0 until measured); an
     /// integer so that every node applies exactly the same value.
     pub samples_per_sec_milli: u64,
+    /// Its compute speed relative to the cluster's typical host, x 1000, as the leader
+    /// measured it (what the pipeline planner places blocks by; 0: not measured, as 1000).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub speed_milli: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 /// What a node says about itself when it joins.

@@ -6,7 +6,8 @@
 //! against what the same hosts would have trained without any transition, at the speeds
 //! measured in the same run), and runs `limpet simulate`'s model over the same compressed
 //! segment with limpet's measured transition costs, so the simulation is checked against
-//! what happened. A table, a plot and `--json`.
+//! what happened. A table, a plot and `--json`. With `--ec2 CLUSTER`, the removals go to a
+//! real fleet instead (`chaos_ec2`).
 
 use crate::demo::{merge, now_ms, read_step_logs};
 use crate::local::{post_notice, LocalCluster, LocalJob};
@@ -67,6 +68,19 @@ pub struct ChaosArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Replay against this cluster's EC2 instances instead of a local cluster: removals
+    /// through AWS Fault Injection Service or TerminateInstances (docs/operations.md).
+    #[arg(long, value_name = "CLUSTER")]
+    pub ec2: Option<String>,
+    /// The IAM role FIS assumes (with --ec2).
+    #[arg(long, value_name = "ARN")]
+    pub fis_role: Option<String>,
+    /// AWS region (with --ec2; default: the SDK's).
+    #[arg(long)]
+    pub region: Option<String>,
+    /// Another EC2 and FIS endpoint (with --ec2).
+    #[arg(long)]
+    pub endpoint_url: Option<String>,
 }
 
 /// What a replay did and how the simulation compares.
@@ -158,6 +172,22 @@ pub fn run(a: ChaosArgs) -> anyhow::Result<()> {
     let (founders, seg, window) = segment(&trace, &a)?;
     if a.dir.exists() && std::fs::read_dir(&a.dir)?.next().is_some() {
         return Err(UsageError(format!("--dir {}: not empty", a.dir.display())).into());
+    }
+    if let Some(cluster) = &a.ec2 {
+        let spec = crate::chaos_ec2::Ec2Chaos {
+            fis_role: a.fis_role.clone(),
+            region: a.region.clone(),
+            endpoint_url: a.endpoint_url.clone(),
+            notice_s: a.notice_s,
+            kill_every: a.kill_every,
+        };
+        let report = crate::chaos_ec2::replay(&spec, cluster, &founders, &seg)?;
+        std::fs::create_dir_all(&a.dir)?;
+        std::fs::write(a.dir.join("chaos.json"), serde_json::to_vec_pretty(&report)?)?;
+        if a.json {
+            println!("{}", serde_json::to_string_pretty(&report)?);
+        }
+        return Ok(());
     }
     let report = replay(&a, &founders, &seg, window)?;
     std::fs::write(a.dir.join("chaos.json"), serde_json::to_vec_pretty(&report)?)?;
@@ -528,6 +558,10 @@ mod tests {
             dir: PathBuf::new(),
             tls: false,
             json: false,
+            ec2: None,
+            fis_role: None,
+            region: None,
+            endpoint_url: None,
         }
     }
 

@@ -114,6 +114,17 @@ pub struct ScenarioArgs {
     /// A straggler drill: NODE:US makes NODE sleep US microseconds per sample it computes.
     #[arg(long, value_parser = parse_slow)]
     pub slow: Option<(String, u64)>,
+    /// A straggler drill: NODE:F makes NODE compute as a host F times slower would.
+    #[arg(long, value_parser = parse_slow_factor)]
+    pub slow_factor: Option<(String, f64)>,
+}
+
+fn parse_slow_factor(s: &str) -> Result<(String, f64), String> {
+    let (node, f) = s.split_once(':').ok_or_else(|| format!("--slow-factor {s:?} is not NODE:F"))?;
+    match f.parse::<f64>() {
+        Ok(v) if v.is_finite() && (1.0..=100.0).contains(&v) => Ok((node.to_string(), v)),
+        _ => Err(format!("--slow-factor {s:?}: {f:?} is not a factor within 1..=100")),
+    }
 }
 
 fn parse_slow(s: &str) -> Result<(String, u64), String> {
@@ -177,6 +188,7 @@ pub fn scenario(a: ScenarioArgs) -> anyhow::Result<()> {
         model_section: a.llama.section(a.layers.filter(|_| a.model == "llama")),
         straggler_ratio: a.straggler_ratio,
         slow: a.slow.clone(),
+        slow_factor: a.slow_factor.clone(),
         ..LocalJob::default()
     };
     let summary = run_scenario(&a.dir, a.nodes, job, &script, Duration::from_secs(a.timeout), !a.json)?;

@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 pub mod chaos;
+pub mod chaos_ec2;
 pub mod cli;
 pub mod demo;
 pub mod dp_cmd;

@@ -90,6 +90,9 @@ pub struct LocalJob {
     /// A straggler drill: this node sleeps this many microseconds per sample it computes.
     #[serde(default)]
     pub slow: Option<(String, u64)>,
+    /// A straggler drill: this node computes as a host this many times slower would.
+    #[serde(default)]
+    pub slow_factor: Option<(String, f64)>,
 }
 
 impl Default for LocalJob {
@@ -124,6 +127,7 @@ impl Default for LocalJob {
             extra_config: None,
             straggler_ratio: 0.0,
             slow: None,
+            slow_factor: None,
         }
     }
 }
@@ -294,6 +298,9 @@ impl LocalCluster {
         }
         if let Some((_, us)) = j.slow.as_ref().filter(|(n, _)| n == name) {
             text += &format!("slowdown_us_per_sample = {us}\n\n");
+        }
+        if let Some((_, f)) = j.slow_factor.as_ref().filter(|(n, _)| n == name) {
+            text += &format!("slowdown_factor = {f:?}\n\n");
         }
         text += &format!(
             "[cluster]\nname = {:?}\nmin_nodes = {}\nstraggler_ratio = {:?}\n",

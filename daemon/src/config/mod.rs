@@ -230,6 +230,13 @@ pub struct NodeSection {
     /// a slower host would take (0: off).
     #[serde(default)]
     pub slowdown_us_per_sample: u64,
+    /// Straggler drills: this node computes as a host this many times slower would (1: off).
+    #[serde(default = "default_slowdown_factor")]
+    pub slowdown_factor: f64,
+}
+
+fn default_slowdown_factor() -> f64 {
+    1.0
 }
 
 fn default_data_congestion() -> String {
@@ -482,6 +489,10 @@ impl Config {
         }
         if self.cluster.min_nodes == 0 {
             return err("[cluster].min_nodes", "must be at least 1".into());
+        }
+        let f = self.node.slowdown_factor;
+        if !(f.is_finite() && (1.0..=100.0).contains(&f)) {
+            return err("[node].slowdown_factor", format!("{f} is not within 1..=100"));
         }
         let r = self.cluster.straggler_ratio;
         if !(r == 0.0 || (r.is_finite() && (1.05..=100.0).contains(&r))) {

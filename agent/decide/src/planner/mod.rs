@@ -188,22 +188,15 @@ pub struct PipelineJob {
 
 /// The planner's layout for an epoch whose candidate ranks are `candidates` (node ids):
 /// the ranks that train, in the epoch's data-major order (candidates the layout does not
-/// use stay out as spares), the stage cuts, the micro-batch, and the prediction.
+/// use stay out as spares), the stage cuts, the micro-batch, and the prediction. `speeds`
+/// are the hosts' measured speeds relative to the profiled host (1 where absent).
 pub fn arrange(
     job: &PipelineJob,
     candidates: &[u64],
     global_batch: usize,
+    speeds: &std::collections::BTreeMap<u64, f64>,
 ) -> Result<(Vec<u64>, Plan), PlanError> {
-    let input = PlanInput {
-        profile: job.profile.clone(),
-        hosts: candidates
-            .iter()
-            .map(|id| HostSpec { name: id.to_string(), speed: 1.0, mem_bytes: job.mem_bytes })
-            .collect(),
-        link: job.link,
-        global_batch,
-        max_depth: job.depth,
-    };
+    let input = job_input(job, candidates, global_batch, speeds);
     if let Some(cuts) = &job.cuts {
         // The user's layout: its stages, as many replicas as there are hosts for.
         let p = cuts.len() + 1;
@@ -247,6 +240,61 @@ pub fn arrange(
         }
     }
     Ok((ranks, chosen))
+}
+
+/// The planner's input for `candidates` (named by node id) of measured `speeds`.
+fn job_input(
+    job: &PipelineJob,
+    candidates: &[u64],
+    global_batch: usize,
+    speeds: &std::collections::BTreeMap<u64, f64>,
+) -> PlanInput {
+    PlanInput {
+        profile: job.profile.clone(),
+        hosts: candidates
+            .iter()
+            .map(|id| HostSpec {
+                name: id.to_string(),
+                speed: speeds.get(id).copied().filter(|v| v.is_finite() && *v > 0.0).unwrap_or(1.0),
+                mem_bytes: job.mem_bytes,
+            })
+            .collect(),
+        link: job.link,
+        global_batch,
+        max_depth: job.depth,
+    }
+}
+
+/// The prediction for an epoch's own layout: `ranks` in data-major order, `data` replicas,
+/// stages starting at `cuts`, micro-batches of `micro_batch`, on hosts of `speeds`. What a
+/// re-plan must beat by a margin to be worth moving blocks.
+pub fn predict_epoch(
+    job: &PipelineJob,
+    ranks: &[u64],
+    (data, cuts): (usize, &[usize]),
+    micro_batch: usize,
+    global_batch: usize,
+    speeds: &std::collections::BTreeMap<u64, f64>,
+) -> Result<Plan, PlanError> {
+    let input = job_input(job, ranks, global_batch, speeds);
+    let p = cuts.len() + 1;
+    if data == 0 || data * p != ranks.len() {
+        return Err(PlanError::Layout(format!("{data}x{p} does not cover {} ranks", ranks.len())));
+    }
+    let bounds: Vec<usize> = std::iter::once(0)
+        .chain(cuts.iter().copied())
+        .chain(std::iter::once(job.profile.blocks.len()))
+        .collect();
+    let stages = bounds
+        .windows(2)
+        .enumerate()
+        .map(|(s, w)| StageLayout {
+            start: w[0],
+            end: w[1],
+            hosts: (0..data).map(|r| ranks[r * p + s].to_string()).collect(),
+        })
+        .collect();
+    predict(&input, &HostLayout { data, micro_batch, stages })
 }
 
 /// Groups larger than this many per shape are not searched (the DP is exponential in groups).
