@@ -108,6 +108,11 @@ fn errors_name_the_file_and_the_key() {
         (format!("{good}\n[model]\nwidth = 3\n"), "unknown field `width`"),
         (format!("{good}\n[data]\ncontext = 8\n"), "[data].context"),
         (good.replace("secret_file", "metrics = \"localhost\"\nsecret_file"), "[node].metrics"),
+        (good.replace("secret_file", "slowdown_factor = 0.5\nsecret_file"), "[node].slowdown_factor"),
+        (
+            good.replace("[\"1=127.0.0.1:7400\"]", "[\"1=127.0.0.1:7400\"]\nstraggler_ratio = 1.01"),
+            "[cluster].straggler_ratio",
+        ),
         (good.replace("secret_file", "log_format = \"xml\"\nsecret_file"), "[node].log_format"),
         (good.replace("secret_file", "metrics_tls = true\nsecret_file"), "[node].metrics_tls"),
         (good.replace("secret_file", "data_congestion = \"BBR\"\nsecret_file"), "[node].data_congestion"),
@@ -251,6 +256,13 @@ fn a_capacity_section_parses_and_bad_values_name_their_key() {
         ["g5.xlarge in subnet-a", "g5.xlarge in subnet-b", "g6.xlarge in subnet-a", "g6.xlarge in subnet-b"]
     );
     assert!(!c.policy(false).spares_required && c.policy(true).spares_required);
+    let c = parse(
+        "instance_types = [\"g5\", \"g6\"]\nmin_marginal_value = 2e6\nprices = { g5 = 0.5, g6 = 0.4 }\n",
+    )
+    .unwrap()
+    .capacity
+    .unwrap();
+    assert_eq!((c.policy(false).min_marginal_value, c.static_price()), (Some(2e6), Some(0.4)));
     for (extra, key, words) in [
         ("instance_types = []\n", "[capacity].instance_types", "no instance type"),
         ("instance_types = \"g5\"\nmin = 5\n", "[capacity].min", "min <= target"),
@@ -258,6 +270,27 @@ fn a_capacity_section_parses_and_bad_values_name_their_key() {
         ("instance_types = \"g5 x\"\n", "[capacity].instance_types", "not an instance type"),
         ("instance_types = \"g5\"\ninterval_secs = 0.0\n", "[capacity].interval_secs", "0.2"),
         ("instance_types = \"g5\"\nspares = true\n", "[capacity].spares", "[security.ssm]"),
+        (
+            "instance_types = \"g5\"\nmin_marginal_value = 1e6\n",
+            "[capacity].min_marginal_value",
+            "needs prices",
+        ),
+        (
+            "instance_types = \"g5\"\nmin_marginal_value = -1.0\nprices = { g5 = 1.0 }\n",
+            "[capacity].min_marginal_value",
+            "positive",
+        ),
+        (
+            "instance_types = \"g5\"\nprices = { g6 = 1.0 }\n",
+            "[capacity].prices",
+            "not one of instance_types",
+        ),
+        ("instance_types = \"g5\"\nprices = { g5 = 0.0 }\n", "[capacity].prices", "dollars per hour"),
+        (
+            "instance_types = \"g5\"\nreplace_slower_than = 0.5\n",
+            "[capacity].replace_slower_than",
+            "1.1..=100",
+        ),
     ] {
         let e = parse(extra).unwrap_err();
         assert!(e.key == key && e.detail.contains(words), "{extra}: {e}");

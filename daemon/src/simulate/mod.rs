@@ -36,6 +36,11 @@ pub struct SimulateArgs {
     /// Fraction of linear speed-up kept per doubling of the fleet.
     #[arg(long, default_value_t = 0.95)]
     scaling: f64,
+    /// A `limpet status --json` document of a cluster that trained the job: the throughput
+    /// its leader measured at each world size replaces --host-rate and --scaling (fitted as
+    /// scaling by value fits it).
+    #[arg(long, value_name = "STATUS_JSON")]
+    throughput_from: Option<PathBuf>,
     /// Seconds of one training step (what a kill without notice loses).
     #[arg(long, default_value_t = 1.0)]
     step_seconds: f64,
@@ -143,12 +148,43 @@ impl SimulateArgs {
             rates: Vec::new(),
             until_s: None,
         };
+        if let Some(path) = &self.throughput_from {
+            p.rates = measured_rates(path, hosts.max(trace.max_live()))?;
+        }
         p.samples = match self.samples {
             Some(s) => positive("samples", s)?,
             None => p.rate(hosts) * trace.duration_s().max(3600.0),
         };
         Ok(p)
     }
+}
+
+/// Samples per second (that count) at 1..=`upto` hosts (index 0 unused), from the throughput
+/// a `limpet status --json` document at `path` records, through the scaling curve fitted to it.
+fn measured_rates(path: &std::path::Path, upto: usize) -> Result<Vec<f64>, UsageError> {
+    let name = path.display();
+    let text =
+        std::fs::read_to_string(path).map_err(|e| UsageError(format!("--throughput-from {name}: {e}")))?;
+    let doc: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+        UsageError(format!("--throughput-from {name}: not a limpet status --json document: {e}"))
+    })?;
+    let points: Vec<(u32, f64)> = doc["throughput"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|t| {
+                    Some((
+                        u32::try_from(t["world"].as_u64()?).ok()?,
+                        t["useful_milli"].as_u64()? as f64 / 1e3,
+                    ))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let curve = limpet_agent::scaling::fit(&points).ok_or_else(|| {
+        UsageError(format!("--throughput-from {name}: no throughput measured (the leader records it once an epoch ran 50 steps)"))
+    })?;
+    Ok((0..=upto).map(|n| if n == 0 { 0.0 } else { curve.at(n as u32) }).collect())
 }
 
 /// The whole result, as `--json` prints it.
@@ -256,4 +292,29 @@ fn render(r: &Report) -> String {
     s += &crate::text::lines(&table);
     s.push('\n');
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::measured_rates;
+
+    #[test]
+    fn a_status_document_gives_the_measured_curve_and_bad_ones_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let status = dir.path().join("status.json");
+        let doc = serde_json::json!({"throughput": [
+            {"world": 2, "epoch": 1, "samples_milli": 600_000, "useful_milli": 600_000, "at_ms": 1},
+            {"world": 4, "epoch": 2, "samples_milli": 1_000_000, "useful_milli": 1_000_000, "at_ms": 2},
+        ]});
+        std::fs::write(&status, doc.to_string()).unwrap();
+        let r = measured_rates(&status, 5).unwrap();
+        assert_eq!((r.len(), r[2], r[4]), (6, 600.0, 1000.0), "measured points as measured");
+        assert_eq!(r[1], 300.0, "below the smallest world: perfect scaling down");
+        assert!(r[3] > 600.0 && r[3] < 1000.0 && r[5] > 1000.0 && r[5] - 1000.0 < 400.0, "{r:?}");
+        std::fs::write(&status, "{}").unwrap();
+        assert!(measured_rates(&status, 5).unwrap_err().0.contains("no throughput measured"));
+        std::fs::write(&status, "nope").unwrap();
+        assert!(measured_rates(&status, 5).unwrap_err().0.contains("not a limpet status"));
+        assert!(measured_rates(&dir.path().join("gone"), 5).unwrap_err().0.contains("--throughput-from"));
+    }
 }

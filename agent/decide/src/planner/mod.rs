@@ -207,19 +207,7 @@ pub fn arrange(
                 candidates.len()
             )));
         }
-        let bounds: Vec<usize> = std::iter::once(0)
-            .chain(cuts.iter().copied())
-            .chain(std::iter::once(job.profile.blocks.len()))
-            .collect();
-        let stages = bounds
-            .windows(2)
-            .enumerate()
-            .map(|(s, w)| StageLayout {
-                start: w[0],
-                end: w[1],
-                hosts: (0..d).map(|r| candidates[r * p + s].to_string()).collect(),
-            })
-            .collect();
+        let stages = stages_at(cuts, job.profile.blocks.len(), d, candidates);
         let forced = predict(&input, &HostLayout { data: d, micro_batch: 0, stages })?;
         return Ok((candidates[..d * p].to_vec(), forced));
     }
@@ -281,11 +269,17 @@ pub fn predict_epoch(
     if data == 0 || data * p != ranks.len() {
         return Err(PlanError::Layout(format!("{data}x{p} does not cover {} ranks", ranks.len())));
     }
-    let bounds: Vec<usize> = std::iter::once(0)
-        .chain(cuts.iter().copied())
-        .chain(std::iter::once(job.profile.blocks.len()))
-        .collect();
-    let stages = bounds
+    let stages = stages_at(cuts, job.profile.blocks.len(), data, ranks);
+    predict(&input, &HostLayout { data, micro_batch, stages })
+}
+
+/// The stages that `cuts` make of `blocks` blocks, replica `r` of stage `s` on `ranks[r * P +
+/// s]` (data-major), for `data` replicas.
+fn stages_at(cuts: &[usize], blocks: usize, data: usize, ranks: &[u64]) -> Vec<StageLayout> {
+    let p = cuts.len() + 1;
+    let bounds: Vec<usize> =
+        std::iter::once(0).chain(cuts.iter().copied()).chain(std::iter::once(blocks)).collect();
+    bounds
         .windows(2)
         .enumerate()
         .map(|(s, w)| StageLayout {
@@ -293,8 +287,7 @@ pub fn predict_epoch(
             end: w[1],
             hosts: (0..data).map(|r| ranks[r * p + s].to_string()).collect(),
         })
-        .collect();
-    predict(&input, &HostLayout { data, micro_batch, stages })
+        .collect()
 }
 
 /// Groups larger than this many per shape are not searched (the DP is exponential in groups).
