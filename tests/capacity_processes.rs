@@ -98,6 +98,32 @@ async fn ec2_setup(fleet: &Fleet) -> (String, String) {
     (ids[0].clone(), ids[1].clone())
 }
 
+/// What every test here starts from: moto's EC2 behind the fault proxy, a launch template and
+/// two subnets, a runtime for the SDK, and where the cluster goes.
+struct Ec2Lab {
+    tmp: tempfile::TempDir,
+    moto: Moto,
+    faults: Faults,
+    rt: tokio::runtime::Runtime,
+    dir: PathBuf,
+    subnets: (String, String),
+}
+
+impl Ec2Lab {
+    fn start() -> Ec2Lab {
+        let tmp = tempfile::tempdir().unwrap();
+        let moto = Moto::start();
+        let faults = Faults::start(&moto, tmp.path());
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let dir = tmp.path().join("cluster");
+        // The cluster's name is made by the local cluster; the EC2 client needs it, so the
+        // template and subnets are made through a client of another name first.
+        let setup = rt.block_on(Fleet::connect("setup", &aws(&moto.url))).unwrap();
+        let subnets = rt.block_on(ec2_setup(&setup));
+        Ec2Lab { tmp, moto, faults, rt, dir, subnets }
+    }
+}
+
 fn cluster(dir: &Path, nodes: usize, capacity: String, tls: bool) -> LocalCluster {
     let job = LocalJob {
         steps: 1_000_000,
@@ -175,15 +201,7 @@ fn member_status(dir: &Path, name: &str) -> Option<String> {
 
 #[test]
 fn a_revoked_host_is_replaced_through_the_pools_then_on_demand_then_spot_again() {
-    let tmp = tempfile::tempdir().unwrap();
-    let moto = Moto::start();
-    let faults = Faults::start(&moto, tmp.path());
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let dir = tmp.path().join("cluster");
-    // The cluster's name is made by the local cluster; the EC2 client needs it, so the
-    // template and subnets are made through a client of another name first.
-    let setup = rt.block_on(Fleet::connect("setup", &aws(&moto.url))).unwrap();
-    let (sa, sb) = rt.block_on(ec2_setup(&setup));
+    let Ec2Lab { tmp: _tmp, moto, faults, rt, dir, subnets: (sa, sb) } = Ec2Lab::start();
     faults.set(serde_json::json!({ "no_capacity": ["spot/*"] }));
     let capacity = format!(
         "[capacity]\ntarget = 3\nmax = 4\nlaunch_template = \"limpet-node\"\ninstance_types = [\"t3.micro\", \"t3.small\"]\n\
@@ -309,13 +327,7 @@ fn a_revoked_host_is_replaced_through_the_pools_then_on_demand_then_spot_again()
 /// named by its `limpet:node` tag; without a spare the leader holds and says so.
 #[test]
 fn a_leader_killed_in_the_middle_of_a_launch_does_not_make_its_successor_launch_again() {
-    let tmp = tempfile::tempdir().unwrap();
-    let moto = Moto::start();
-    let faults = Faults::start(&moto, tmp.path());
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let dir = tmp.path().join("cluster");
-    let setup = rt.block_on(Fleet::connect("setup", &aws(&moto.url))).unwrap();
-    let (sa, _) = rt.block_on(ec2_setup(&setup));
+    let Ec2Lab { tmp, moto, faults, rt, dir, subnets: (sa, _) } = Ec2Lab::start();
     // EC2 launches at once but its answer is 20 s late: the leader dies waiting for it.
     faults.set(serde_json::json!({ "hold_secs": 20 }));
     let capacity = format!(
@@ -416,13 +428,7 @@ fn a_leader_killed_in_the_middle_of_a_launch_does_not_make_its_successor_launch_
 /// the job slower: the leader goes back to two hosts and drains and terminates the newest.
 #[test]
 fn scaling_by_value_tries_a_third_host_measures_it_and_gives_it_back() {
-    let tmp = tempfile::tempdir().unwrap();
-    let moto = Moto::start();
-    let faults = Faults::start(&moto, tmp.path());
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let dir = tmp.path().join("cluster");
-    let setup = rt.block_on(Fleet::connect("setup", &aws(&moto.url))).unwrap();
-    let (sa, _) = rt.block_on(ec2_setup(&setup));
+    let Ec2Lab { tmp: _tmp, moto, faults, rt, dir, subnets: (sa, _) } = Ec2Lab::start();
     faults.set(serde_json::json!({ "spot_prices": { "t3.micro": "100000" } }));
     // 100,000 samples per dollar at the margin; the configured price is only the fallback.
     let capacity = format!(

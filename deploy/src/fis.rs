@@ -8,7 +8,7 @@
 //! `ec2:DescribeInstances` on the targets (docs/operations.md). Its notice is 2 to 15
 //! minutes: a compressed trace cannot shorten it.
 
-use crate::{FleetConfig, FleetError};
+use crate::{api_error, FleetConfig, FleetError};
 use aws_sdk_fis::types::{
     CreateExperimentTemplateActionInput, CreateExperimentTemplateStopConditionInput,
     CreateExperimentTemplateTargetInput,
@@ -34,20 +34,6 @@ pub struct Started {
     pub experiment: String,
     /// The experiment template made for it.
     pub template: String,
-}
-
-fn fis_error<E: aws_sdk_fis::error::ProvideErrorMetadata + std::error::Error + 'static>(
-    op: &'static str,
-    e: aws_sdk_fis::error::SdkError<E>,
-) -> FleetError {
-    match e.as_service_error() {
-        Some(s) => FleetError::Api {
-            op,
-            code: s.code().unwrap_or("unknown").to_string(),
-            message: s.message().unwrap_or_default().to_string(),
-        },
-        None => FleetError::Transport { op, detail: aws_sdk_fis::error::DisplayErrorContext(&e).to_string() },
-    }
 }
 
 impl Fis {
@@ -111,7 +97,7 @@ impl Fis {
             .tags("limpet:cluster", cluster)
             .send()
             .await
-            .map_err(|e| fis_error("CreateExperimentTemplate", e))?;
+            .map_err(|e| api_error("CreateExperimentTemplate", e))?;
         let template_id = template
             .experiment_template()
             .and_then(|t| t.id())
@@ -128,7 +114,7 @@ impl Fis {
             .tags("limpet:cluster", cluster)
             .send()
             .await
-            .map_err(|e| fis_error("StartExperiment", e))?;
+            .map_err(|e| api_error("StartExperiment", e))?;
         let experiment = started.experiment().and_then(|x| x.id()).unwrap_or_default().to_string();
         Ok(Started { experiment, template: template_id })
     }
