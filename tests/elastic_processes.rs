@@ -114,7 +114,7 @@ fn limpetd_validate_accepts_a_good_file_and_names_the_bad_key() {
         "[node]\nname = \"a\"\ncontrol = \"127.0.0.1:7400\"\ndata = \"127.0.0.1:7401\"\nstate_dir = {:?}\nsecret_file = {:?}\n\n\
          [cluster]\nname = \"c\"\nbootstrap = [\"1=127.0.0.1:7400\"]\n\n\
          [job]\nmodel = \"mlp\"\ndata = \"digits\"\nsteps = 10\nglobal_batch = 8\n\n\
-         [security]\ninsecure = true\n",
+         [security]\ninsecure = true\n\n[revocation]\nsources = \"none\"\n",
         tmp.path().join("state").display().to_string(),
         secret.display().to_string()
     );

@@ -417,7 +417,7 @@ fn limpetd_finds_its_seeds_by_the_cluster_tag() {
     let write = |cluster: &str| {
         let path = tmp.path().join(format!("{cluster}.toml"));
         let text = format!(
-            "[node]\nname = \"joiner\"\ncontrol = \"127.0.0.1:7400\"\ndata = \"127.0.0.1:0\"\nstate_dir = {:?}\nsecret_file = {:?}\n\n[cluster]\nname = {cluster:?}\nec2_seeds = true\nec2_region = \"us-east-1\"\nec2_endpoint = {:?}\n\n[job]\nmodel = \"mlp\"\ndata = \"digits\"\nsteps = 10\nglobal_batch = 8\n\n[security]\ninsecure = true\n",
+            "[node]\nname = \"joiner\"\ncontrol = \"127.0.0.1:7400\"\ndata = \"127.0.0.1:0\"\nstate_dir = {:?}\nsecret_file = {:?}\n\n[cluster]\nname = {cluster:?}\nec2_seeds = true\nec2_region = \"us-east-1\"\nec2_endpoint = {:?}\n\n[job]\nmodel = \"mlp\"\ndata = \"digits\"\nsteps = 10\nglobal_batch = 8\n\n[security]\ninsecure = true\n\n[revocation]\nsources = \"none\"\n",
             tmp.path().join(cluster).display().to_string(),
             secret.display().to_string(),
             moto.url
@@ -564,7 +564,7 @@ fn the_oldest_instance_founds_the_cluster_and_the_others_join_it() {
     let write = |name: &str, ip: &str| {
         let path = tmp.path().join(format!("{name}.toml"));
         let text = format!(
-            "[node]\nname = {name:?}\ncontrol = \"127.0.0.1:{port}\"\nadvertise_control = \"{ip}:{port}\"\ndata = \"127.0.0.1:0\"\nstate_dir = {:?}\nsecret_file = {:?}\n\n[cluster]\nname = \"fresh\"\nec2_seeds = true\nec2_region = \"us-east-1\"\nec2_endpoint = {:?}\n\n[job]\nmodel = \"mlp\"\ndata = \"digits\"\nsteps = 100000\nglobal_batch = 8\n\n[security]\ninsecure = true\n",
+            "[node]\nname = {name:?}\ncontrol = \"127.0.0.1:{port}\"\nadvertise_control = \"{ip}:{port}\"\ndata = \"127.0.0.1:0\"\nstate_dir = {:?}\nsecret_file = {:?}\n\n[cluster]\nname = \"fresh\"\nec2_seeds = true\nec2_region = \"us-east-1\"\nec2_endpoint = {:?}\n\n[job]\nmodel = \"mlp\"\ndata = \"digits\"\nsteps = 100000\nglobal_batch = 8\n\n[security]\ninsecure = true\n\n[revocation]\nsources = \"none\"\n",
             tmp.path().join(name).display().to_string(),
             secret.display().to_string(),
             moto.url

@@ -786,7 +786,7 @@ fn the_release_tarball_runs_with_the_build_cache_hidden() {
     std::fs::write(
         &config,
         format!(
-            "[node]\nname = \"host-1\"\ncontrol = \"127.0.0.1:0\"\ndata = \"127.0.0.1:0\"\nstate_dir = {:?}\nsecret_file = {:?}\n\n[cluster]\nname = \"c\"\nbootstrap = [\"1=127.0.0.1:7400\"]\n\n[job]\nmodel = \"mlp\"\ndata = \"digits\"\ndata_path = {:?}\nsteps = 10\nglobal_batch = 8\n\n[security]\ninsecure = true\n",
+            "[node]\nname = \"host-1\"\ncontrol = \"127.0.0.1:0\"\ndata = \"127.0.0.1:0\"\nstate_dir = {:?}\nsecret_file = {:?}\n\n[cluster]\nname = \"c\"\nbootstrap = [\"1=127.0.0.1:7400\"]\n\n[job]\nmodel = \"mlp\"\ndata = \"digits\"\ndata_path = {:?}\nsteps = 10\nglobal_batch = 8\n\n[security]\ninsecure = true\n\n[revocation]\nsources = \"none\"\n",
             tmp.path().join("state").display().to_string(),
             tmp.path().join("secret").display().to_string(),
             digits.display().to_string(),

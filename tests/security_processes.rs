@@ -483,7 +483,7 @@ fn limpet_certs_and_limpetd_validate_from_the_command_line() {
             "[node]\nname = \"a\"\ncontrol = \"127.0.0.1:7400\"\ndata = \"127.0.0.1:7401\"\nstate_dir = {:?}\nsecret_file = {:?}\n\n\
              [cluster]\nname = \"c\"\nbootstrap = [\"1=127.0.0.1:7400\"]\n\n\
              [job]\nmodel = \"mlp\"\ndata = \"digits\"\nsteps = 10\nglobal_batch = 8\n\n\
-             [security]\nca = {:?}\ncert = {:?}\nkey = {:?}\n",
+             [security]\nca = {:?}\ncert = {:?}\nkey = {:?}\n\n[revocation]\nsources = \"none\"\n",
             tmp.path().join("state").display().to_string(),
             secret.display().to_string(),
             d.join("ca.pem").display().to_string(),

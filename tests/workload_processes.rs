@@ -552,7 +552,7 @@ np.save(d + "/data/y.npy", rng.integers(0, 3, size=200).astype(np.int64))
         "[node]\nname = \"a\"\ncontrol = \"127.0.0.1:7400\"\ndata = \"127.0.0.1:7401\"\nstate_dir = \"{d}/state\"\nsecret_file = {:?}\n\n\
          [cluster]\nname = \"c\"\nbootstrap = [\"1=127.0.0.1:7400\"]\n\n\
          [job]\nmodel = \"torchscript\"\ndata = \"tensors\"\ndata_path = \"{data}\"\nsteps = 10\nglobal_batch = 8\n\n\
-         [model]\npath = \"{d}/flat.pt\"\n\n[security]\ninsecure = true\n",
+         [model]\npath = \"{d}/flat.pt\"\n\n[security]\ninsecure = true\n\n[revocation]\nsources = \"none\"\n",
         secret.display().to_string()
     );
     let validate = |text: &str| {

@@ -2,8 +2,8 @@
 //! JSON shapes), and the revocation watchers read it: AWS through aws-config's IMDS client,
 //! GCP and Azure over HTTP.
 
-use limpet_agent::fake_metadata::FakeMetadata;
-use limpet_agent::revocation::{Source, Watcher};
+use limpet_agent::fake_metadata::{Cloud, FakeMetadata};
+use limpet_agent::revocation::{azure_preemption, detect, Endpoints, Source, Watcher};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 fn now_ms() -> u64 {
@@ -82,4 +82,92 @@ async fn an_unreachable_metadata_service_is_an_error_not_a_notice() {
     let w = Watcher::new(Source::Gcp { endpoint: "http://127.0.0.1:1".into() }).unwrap();
     let err = w.poll().await.unwrap_err();
     assert!(err.to_string().contains("gcp metadata at http://127.0.0.1:1"), "{err}");
+}
+
+#[tokio::test]
+async fn an_azure_event_for_another_vm_of_the_set_does_not_drain_this_one() {
+    let fake = FakeMetadata::start_as("127.0.0.1:0".parse().unwrap(), Cloud::Azure).await.unwrap();
+    let w = Watcher::new(Source::Azure { endpoint: fake.url() }).unwrap();
+    fake.notice_for("limpet-vm-2", Duration::from_secs(60));
+    fake.notice_for("other-set-member", Duration::from_secs(30));
+    assert_eq!(w.poll().await.unwrap(), None, "the document names only other VMs");
+    let before = now_ms();
+    fake.notice_in(Duration::from_secs(90));
+    let n = w.poll().await.unwrap().expect("this VM's own event");
+    assert!(
+        n.deadline_ms.abs_diff(before + 90_000) < 2_500,
+        "{n:?}: the own event's NotBefore, not a neighbour's"
+    );
+    fake.stop();
+}
+
+#[test]
+fn a_multi_vm_event_document_is_read_for_this_vm_only() {
+    let doc = serde_json::json!({"DocumentIncarnation": 3, "Events": [
+        {"EventId": "a", "EventType": "Preempt", "ResourceType": "VirtualMachine",
+         "Resources": ["web_IN_0", "web_IN_1"], "EventStatus": "Scheduled",
+         "NotBefore": "Mon, 19 Sep 2016 18:29:47 GMT"},
+        {"EventId": "b", "EventType": "Reboot", "ResourceType": "VirtualMachine",
+         "Resources": ["trainer_IN_2"], "EventStatus": "Scheduled",
+         "NotBefore": "Mon, 19 Sep 2016 18:20:00 GMT"},
+        {"EventId": "c", "EventType": "Preempt", "ResourceType": "VirtualMachine",
+         "Resources": ["Trainer_IN_2", "web_IN_1"], "EventStatus": "Scheduled",
+         "NotBefore": "Mon, 19 Sep 2016 18:31:00 GMT"},
+    ]});
+    let t = |s: &str| httpdate::parse_http_date(s).unwrap();
+    assert_eq!(azure_preemption(&doc, "web_IN_0").unwrap(), Some(t("Mon, 19 Sep 2016 18:29:47 GMT")));
+    assert_eq!(azure_preemption(&doc, "web_IN_1").unwrap(), Some(t("Mon, 19 Sep 2016 18:29:47 GMT")));
+    // Names compare without case; a Reboot is not a preemption.
+    assert_eq!(azure_preemption(&doc, "trainer_in_2").unwrap(), Some(t("Mon, 19 Sep 2016 18:31:00 GMT")));
+    assert_eq!(azure_preemption(&doc, "db_IN_0").unwrap(), None);
+    let started =
+        serde_json::json!({"Events": [{"EventType": "Preempt", "Resources": ["x"], "NotBefore": ""}]});
+    let now = SystemTime::now();
+    assert!(azure_preemption(&started, "x").unwrap().unwrap() >= now, "a started event is now");
+    let broken = serde_json::json!({"Events": [{"EventType": "Preempt", "NotBefore": ""}]});
+    assert!(azure_preemption(&broken, "x").unwrap_err().contains("without Resources"));
+}
+
+#[tokio::test]
+async fn detection_finds_the_one_cloud_that_answers_and_not_a_plain_web_server() {
+    // A web server that answers anything with 200 is none of the clouds.
+    let plain = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let plain_url = format!("http://{}", plain.local_addr().unwrap());
+    let app = axum::Router::new().fallback(|| async { "hello" });
+    tokio::spawn(async move { axum::serve(plain, app).await.unwrap() });
+    for cloud in [Cloud::Aws, Cloud::Gcp, Cloud::Azure] {
+        let fake = FakeMetadata::start_as("127.0.0.1:0".parse().unwrap(), cloud).await.unwrap();
+        let at = |c: Cloud| if c == cloud { fake.url() } else { plain_url.clone() };
+        let ends = Endpoints { aws: at(Cloud::Aws), gcp: at(Cloud::Gcp), azure: at(Cloud::Azure) };
+        let probes = detect(&ends, Duration::from_secs(1)).await;
+        let found: Vec<&str> = probes.iter().filter(|p| p.source.is_some()).map(|p| p.cloud).collect();
+        let want = match cloud {
+            Cloud::Aws => "aws",
+            Cloud::Gcp => "gcp",
+            _ => "azure",
+        };
+        assert_eq!(found, [want], "{probes:?}");
+        // The same fake at every endpoint: the other clouds' paths 404 there.
+        let same = Endpoints { aws: fake.url(), gcp: fake.url(), azure: fake.url() };
+        let found: Vec<&str> = detect(&same, Duration::from_secs(1))
+            .await
+            .into_iter()
+            .filter(|p| p.source.is_some())
+            .map(|p| p.cloud)
+            .collect();
+        assert_eq!(found, [want]);
+        fake.stop();
+    }
+}
+
+#[tokio::test]
+async fn detection_is_bounded_when_nothing_answers() {
+    // A listener that accepts and never answers: each probe gives up at the timeout.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", silent.local_addr().unwrap());
+    let ends = Endpoints { aws: url.clone(), gcp: url.clone(), azure: url };
+    let probes = detect(&ends, Duration::from_millis(300)).await;
+    assert!(probes.iter().all(|p| p.source.is_none()), "{probes:?}");
+    assert_eq!(probes.len(), 3);
+    drop(silent);
 }

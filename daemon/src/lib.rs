@@ -22,6 +22,7 @@ pub mod simulate;
 pub mod status;
 pub mod text;
 pub mod train_cmd;
+pub mod watch_sources;
 
 /// Exit status for bad usage (sysexits' EX_USAGE): a flag, argument or combination is wrong.
 pub const EXIT_USAGE: u8 = 64;

@@ -6,10 +6,9 @@
 //! SIGINT (peers treat that as a failure, which they survive).
 
 use crate::config::Config;
-use crate::config::{OptimizerName, SourceName};
+use crate::config::OptimizerName;
 use crate::UsageError;
 use clap::{Args, Parser, Subcommand};
-use limpet_agent::revocation::Source;
 use limpet_agent::runtime::{Agent, AgentConfig, Exit, Tasks};
 use limpet_consensus::state::{MemberSpec, MemberStatus};
 use limpet_trainer::data::Dataset;
@@ -36,11 +35,15 @@ pub struct LimpetdCli {
 /// `limpetd` subcommands.
 #[derive(Debug, Subcommand)]
 pub enum LimpetdCommand {
-    /// Check the configuration file and exit: 0 when valid, 64 with the bad key named.
+    /// Check the configuration file and exit: 0 when valid, 64 with the bad key named. Also
+    /// says which revocation sources the node would watch (probing the clouds for "auto").
     Validate {
         /// The configuration file.
         #[arg(long)]
         config: PathBuf,
+        /// One JSON object on stdout (the error, too, when the file is bad).
+        #[arg(long)]
+        json: bool,
     },
     /// An EC2 host's first boot: fetch this node's certificate, key and the cluster secret
     /// from SSM Parameter Store ([security.ssm]), write them, check them, then delete the
@@ -74,29 +77,8 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
     if let Some(LimpetdCommand::FetchCredentials { config, wait }) = &cli.command {
         return crate::credentials_cmd::run(config, *wait);
     }
-    if let Some(LimpetdCommand::Validate { config }) = cli.command {
-        let cfg = Config::load(&config).map_err(|e| UsageError(e.to_string()))?;
-        println!(
-            "{}: valid (node {} id {}, cluster {})",
-            config.display(),
-            cfg.node.name,
-            cfg.node_id(),
-            cfg.cluster.name
-        );
-        for warning in write_path_warnings(&cfg) {
-            eprintln!("warning: {warning}");
-        }
-        if cfg.job.model == crate::config::ModelName::Torchscript {
-            let path = cfg.model.path.as_deref().expect("validated: torchscript has [model].path");
-            let hash =
-                limpet_trainer::model::script::register(path).map_err(|e| UsageError(e.to_string()))?;
-            println!(
-                "model: TorchScript module {} (blake3 {}), trained as one stage: its graph cannot be cut into pipeline stages",
-                path.display(),
-                &hash[..16]
-            );
-        }
-        return Ok(());
+    if let Some(LimpetdCommand::Validate { config, json }) = cli.command {
+        return validate(&config, json);
     }
     let path = cli.run.config.ok_or_else(|| UsageError("--config FILE is required".into()))?;
     let cfg = Config::load(&path).map_err(|e| UsageError(e.to_string()))?;
@@ -115,6 +97,13 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
     limpet_trainer::set_threads(1);
     let mut agent_cfg = agent_config(&cfg, cli.run.step_log)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let watched = rt.block_on(crate::watch_sources::resolve(&cfg));
+    if watched.is_blind() {
+        tracing::warn!("revocation sources: {}", watched.summary());
+    } else {
+        tracing::info!("revocation sources: {}", watched.summary());
+    }
+    agent_cfg.sources = watched.sources;
     if cfg.cluster.ec2_seeds && agent_cfg.bootstrap.is_none() {
         let me = cfg.node.advertise_control.clone().unwrap_or_else(|| cfg.node.control.clone());
         // A state directory with a consensus log belongs to a node that was admitted before.
@@ -162,6 +151,67 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
     // device call) is not waited for again: the process ends with the error above.
     rt.shutdown_timeout(Duration::from_millis(500));
     result
+}
+
+/// `limpetd validate`: the file's checks, the paths it writes, the model module, and the
+/// revocation sources this host would watch.
+fn validate(config: &std::path::Path, json: bool) -> anyhow::Result<()> {
+    let cfg = match Config::load(config) {
+        Ok(c) => c,
+        Err(e) => {
+            if json {
+                let v = serde_json::json!({"file": e.file, "valid": false, "key": e.key, "error": e.detail});
+                println!("{v}");
+            }
+            return Err(UsageError(e.to_string()).into());
+        }
+    };
+    let warnings = write_path_warnings(&cfg);
+    let model = if cfg.job.model == crate::config::ModelName::Torchscript {
+        let path = cfg.model.path.as_deref().expect("validated: torchscript has [model].path");
+        let hash = limpet_trainer::model::script::register(path).map_err(|e| UsageError(e.to_string()))?;
+        Some(format!(
+            "TorchScript module {} (blake3 {}), trained as one stage: its graph cannot be cut into pipeline stages",
+            path.display(),
+            &hash[..16]
+        ))
+    } else {
+        None
+    };
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let watched = rt.block_on(crate::watch_sources::resolve(&cfg));
+    if json {
+        let v = serde_json::json!({
+            "file": config.display().to_string(),
+            "valid": true,
+            "node": cfg.node.name,
+            "id": cfg.node_id(),
+            "cluster": cfg.cluster.name,
+            "revocation": watched.to_json(),
+            "model": model,
+            "warnings": warnings,
+        });
+        println!("{v}");
+        return Ok(());
+    }
+    println!(
+        "{}: valid (node {} id {}, cluster {})",
+        config.display(),
+        cfg.node.name,
+        cfg.node_id(),
+        cfg.cluster.name
+    );
+    println!("revocation: {}", watched.summary());
+    if watched.is_blind() {
+        eprintln!("warning: this node would watch no revocation notices");
+    }
+    for warning in warnings {
+        eprintln!("warning: {warning}");
+    }
+    if let Some(m) = model {
+        println!("model: {m}");
+    }
+    Ok(())
 }
 
 /// How `limpetd` serves beyond the agent itself.
@@ -404,7 +454,6 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
     a.straggler_steps = cfg.cluster.straggler_steps;
     a.slowdown_us_per_sample = cfg.node.slowdown_us_per_sample;
     a.slowdown_factor = cfg.node.slowdown_factor;
-    a.sources = revocation_sources(cfg);
     a.poll = Duration::from_secs_f64(cfg.revocation.poll_secs);
     let t = &cfg.timing;
     a.heartbeat = Duration::from_millis(t.heartbeat_ms);
@@ -423,19 +472,6 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
     a.pipeline = pipeline_settings(cfg, a.job.model.num_blocks())?;
     a.checkpoint = checkpoint_settings(cfg);
     Ok(a)
-}
-
-/// The notice sources of `[revocation]`, each with its metadata endpoint.
-fn revocation_sources(cfg: &Config) -> Vec<Source> {
-    let r = &cfg.revocation;
-    r.sources
-        .iter()
-        .map(|s| match s {
-            SourceName::Aws => Source::Aws { endpoint: r.aws_endpoint.clone() },
-            SourceName::Gcp => Source::Gcp { endpoint: r.gcp_endpoint.clone() },
-            SourceName::Azure => Source::Azure { endpoint: r.azure_endpoint.clone() },
-        })
-        .collect()
 }
 
 /// `[pipeline]` for a model of `blocks` blocks: explicit cuts must fall inside it.

@@ -8,7 +8,7 @@ mod names;
 mod security;
 pub use capacity::CapacitySection;
 use limpet_agent::policy::BatchPolicy;
-pub use names::{DataPlaneMode, LogFormat, ModelName, OptimizerName, SourceName};
+pub use names::{DataPlaneMode, LogFormat, ModelName, OptimizerName, SourceName, Sources};
 pub use security::{SecuritySection, SsmSection};
 use serde::Deserialize;
 use std::net::SocketAddr;
@@ -351,9 +351,10 @@ fn default_policy() -> BatchPolicy {
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct RevocationSection {
-    /// Any of `aws`, `gcp`, `azure` (SIGTERM is always a drain).
+    /// `"auto"` (default: the cloud that answers), `"none"`, or a list of `aws`, `gcp`,
+    /// `azure` (SIGTERM is always a drain).
     #[serde(default)]
-    pub sources: Vec<SourceName>,
+    pub sources: Sources,
     /// Seconds between polls.
     #[serde(default = "default_poll")]
     pub poll_secs: f64,
@@ -371,7 +372,7 @@ pub struct RevocationSection {
 impl Default for RevocationSection {
     fn default() -> RevocationSection {
         RevocationSection {
-            sources: Vec::new(),
+            sources: Sources::Auto,
             poll_secs: default_poll(),
             aws_endpoint: default_aws(),
             gcp_endpoint: default_gcp(),

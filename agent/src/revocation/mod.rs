@@ -6,9 +6,16 @@
 //!   `spot/instance-action` (404 means no notice) and the rebalance recommendation, which
 //!   carries no deadline (taken as the standard two minutes from now);
 //! - GCP: `instance/preempted` (`TRUE` means preempted now: GCP gives 30 seconds);
-//! - Azure: Scheduled Events with an `EventType` of `Preempt` and its `NotBefore` time.
+//! - Azure: Scheduled Events with an `EventType` of `Preempt` naming this VM among its
+//!   `Resources` (the document lists every VM of the availability set or scale set, so an
+//!   event for a neighbour must not drain this one), and its `NotBefore` time. The VM's own
+//!   name comes from the instance metadata's `compute/name`, read once.
 //!
+//! `detect` finds which of the three answers here (the default, `sources = "auto"`).
 //! Endpoints are configurable so local clusters and tests point them at `FakeMetadata`.
+
+mod detect;
+pub use detect::{detect, Endpoints, Probe};
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -41,6 +48,24 @@ pub enum Source {
     },
 }
 
+impl Source {
+    /// `aws`, `gcp` or `azure`.
+    pub fn cloud(&self) -> &'static str {
+        match self {
+            Source::Aws { .. } => "aws",
+            Source::Gcp { .. } => "gcp",
+            Source::Azure { .. } => "azure",
+        }
+    }
+
+    /// The metadata base URL.
+    pub fn endpoint(&self) -> &str {
+        match self {
+            Source::Aws { endpoint } | Source::Gcp { endpoint } | Source::Azure { endpoint } => endpoint,
+        }
+    }
+}
+
 /// Why a source could not be read (the agent logs it and tries again next poll).
 #[derive(Debug, thiserror::Error)]
 #[error("{source_name} metadata at {endpoint}: {detail}")]
@@ -67,13 +92,30 @@ pub struct Watcher {
     source: Source,
     http: reqwest::Client,
     imds: Option<aws_config::imds::Client>,
+    /// This VM's name in Azure's metadata (learned on the first Azure poll).
+    azure_name: tokio::sync::OnceCell<String>,
 }
+
+/// An HTTP client for a link-local metadata service: never through a proxy (a proxy from
+/// the environment cannot reach this host's metadata, or worse, reaches another's).
+pub(crate) fn metadata_http(timeout: Duration) -> reqwest::Result<reqwest::Client> {
+    reqwest::Client::builder()
+        .no_proxy()
+        .connect_timeout(timeout.min(Duration::from_secs(1)))
+        .timeout(timeout)
+        .build()
+}
+
+/// Azure's instance metadata API version (the one that has `compute/name`).
+pub(crate) const AZURE_INSTANCE_API: &str = "2021-02-01";
 
 impl Watcher {
     /// Prepares a watcher for `source`.
     pub fn new(source: Source) -> Result<Watcher, WatchError> {
-        let http = reqwest::Client::builder().timeout(Duration::from_secs(2)).build().map_err(|e| {
-            WatchError { source_name: "http", endpoint: String::new(), detail: e.to_string() }
+        let http = metadata_http(Duration::from_secs(2)).map_err(|e| WatchError {
+            source_name: "http",
+            endpoint: String::new(),
+            detail: e.to_string(),
         })?;
         let imds = match &source {
             Source::Aws { endpoint } => Some(
@@ -91,7 +133,7 @@ impl Watcher {
             ),
             _ => None,
         };
-        Ok(Watcher { source, http, imds })
+        Ok(Watcher { source, http, imds, azure_name: tokio::sync::OnceCell::new() })
     }
 
     /// Asks once; `Ok(None)` means no notice.
@@ -162,6 +204,7 @@ impl Watcher {
 
     async fn poll_azure(&self, endpoint: &str) -> Result<Option<Notice>, WatchError> {
         let bad = |d: String| WatchError { source_name: "azure", endpoint: endpoint.to_string(), detail: d };
+        let name = self.azure_name.get_or_try_init(|| self.azure_vm_name(endpoint)).await?;
         let url = format!("{endpoint}/metadata/scheduledevents?api-version=2020-07-01");
         let r =
             self.http.get(&url).header("Metadata", "true").send().await.map_err(|e| bad(e.to_string()))?;
@@ -169,13 +212,47 @@ impl Watcher {
             return Err(bad(format!("status {}", r.status())));
         }
         let v: serde_json::Value = r.json().await.map_err(|e| bad(e.to_string()))?;
-        let events = v["Events"].as_array().ok_or_else(|| bad("no Events array".into()))?;
-        let soonest = events
-            .iter()
-            .filter(|e| e["EventType"] == "Preempt")
-            .filter_map(|e| e["NotBefore"].as_str())
-            .filter_map(|t| httpdate::parse_http_date(t).ok())
-            .min();
+        let soonest = azure_preemption(&v, name).map_err(bad)?;
         Ok(soonest.map(|t| Notice { deadline_ms: ms(t), source: "azure" }))
     }
+
+    async fn azure_vm_name(&self, endpoint: &str) -> Result<String, WatchError> {
+        let bad = |d: String| WatchError { source_name: "azure", endpoint: endpoint.to_string(), detail: d };
+        let url =
+            format!("{endpoint}/metadata/instance/compute/name?api-version={AZURE_INSTANCE_API}&format=text");
+        let r =
+            self.http.get(&url).header("Metadata", "true").send().await.map_err(|e| bad(e.to_string()))?;
+        if !r.status().is_success() {
+            return Err(bad(format!("this VM's name (compute/name): status {}", r.status())));
+        }
+        let name = r.text().await.map_err(|e| bad(e.to_string()))?.trim().to_string();
+        if name.is_empty() {
+            return Err(bad("this VM's name (compute/name) is empty".into()));
+        }
+        Ok(name)
+    }
+}
+
+/// The soonest `NotBefore` of the `Preempt` events in a Scheduled Events document that list
+/// `vm` among their `Resources` (Azure names compare without regard to case). An event for
+/// other VMs only is not this one's.
+pub fn azure_preemption(doc: &serde_json::Value, vm: &str) -> Result<Option<SystemTime>, String> {
+    let events = doc["Events"].as_array().ok_or("no Events array")?;
+    let mut soonest: Option<SystemTime> = None;
+    for e in events.iter().filter(|e| e["EventType"] == "Preempt") {
+        let resources =
+            e["Resources"].as_array().ok_or_else(|| format!("Preempt event without Resources: {e}"))?;
+        if !resources.iter().filter_map(|r| r.as_str()).any(|r| r.eq_ignore_ascii_case(vm)) {
+            continue;
+        }
+        let at = e["NotBefore"].as_str().ok_or_else(|| format!("Preempt event without NotBefore: {e}"))?;
+        // Azure leaves NotBefore empty once the event has started: it is happening now.
+        let t = if at.is_empty() {
+            SystemTime::now()
+        } else {
+            httpdate::parse_http_date(at).map_err(|err| format!("NotBefore {at:?}: {err}"))?
+        };
+        soonest = Some(soonest.map_or(t, |s| s.min(t)));
+    }
+    Ok(soonest)
 }
