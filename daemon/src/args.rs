@@ -80,6 +80,9 @@ pub struct JobArgs {
     /// Clip the gradient's global norm to this value (0 turns clipping off).
     #[arg(long)]
     pub clip: Option<f64>,
+    /// The cosine schedule's floor as a fraction of the peak learning rate [default: 0.1].
+    #[arg(long)]
+    pub min_lr_ratio: Option<f64>,
     /// Seed of initialization, sampling and the training RNG.
     #[arg(long)]
     pub seed: Option<u64>,
@@ -98,6 +101,29 @@ pub struct JobArgs {
     /// fp32 or bf16 (--model llama) [default: fp32].
     #[arg(long)]
     pub precision: Option<String>,
+}
+
+impl JobArgs {
+    /// The training keys these flags share with `[job]` in `limpetd`'s file.
+    pub fn keys(&self) -> limpet_trainer::job_keys::JobKeys {
+        use limpet_trainer::job_keys::OptimizerName;
+        limpet_trainer::job_keys::JobKeys {
+            steps: self.steps,
+            global_batch: self.batch,
+            micro_batch: self.micro_batch,
+            optimizer: self.optimizer.map(|o| match o {
+                OptimizerArg::Adamw => OptimizerName::Adamw,
+                OptimizerArg::Sgd => OptimizerName::Sgd,
+            }),
+            lr: self.lr,
+            weight_decay: self.weight_decay,
+            warmup: self.warmup,
+            clip: self.clip,
+            min_lr_ratio: self.min_lr_ratio,
+            seed: self.seed,
+            precision: self.precision.clone(),
+        }
+    }
 }
 
 /// Sizes of `--model llama`: the `[model]` keys of limpetd's configuration as flags.

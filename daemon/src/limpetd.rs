@@ -6,14 +6,11 @@
 //! SIGINT (peers treat that as a failure, which they survive).
 
 use crate::config::Config;
-use crate::config::OptimizerName;
 use crate::UsageError;
 use clap::{Args, Parser, Subcommand};
 use limpet_agent::runtime::{Agent, AgentConfig, Exit, Tasks};
 use limpet_consensus::state::{MemberSpec, MemberStatus};
 use limpet_trainer::data::Dataset;
-use limpet_trainer::model::Precision;
-use limpet_trainer::optim::OptimizerSpec;
 use limpet_trainer::workload;
 use limpet_trainer::JobSpec;
 use std::net::SocketAddr;
@@ -533,26 +530,7 @@ pub fn job_spec(cfg: &Config) -> anyhow::Result<JobSpec> {
         model.layers = j.layers;
     }
     let mut job = workload::job_for(kind, &data, &model).map_err(|e| UsageError(e.to_string()))?;
-    job.steps = j.steps;
-    job.schedule.warmup_steps = j.steps / 20;
-    job.global_batch = j.global_batch as usize;
-    job.micro_batch = j.micro_batch.unwrap_or(j.global_batch) as usize;
-    job.seed = j.seed;
-    job.precision =
-        Precision::parse(&j.precision).map_err(|e| UsageError(format!("[job].precision: {e}")))?;
-    if let Some(o) = &j.optimizer {
-        let (lr, wd) = (job.optimizer.lr(), job.optimizer.weight_decay());
-        job.optimizer = match o {
-            OptimizerName::Sgd => OptimizerSpec::sgd(lr, wd),
-            OptimizerName::Adamw => OptimizerSpec::adamw(lr, wd),
-        };
-    }
-    if let Some(lr) = j.lr {
-        job.optimizer.set_lr(lr);
-    }
-    if let Some(wd) = j.weight_decay {
-        job.optimizer.set_weight_decay(wd);
-    }
+    j.keys().apply(&mut job).map_err(|e| UsageError(e.to_string()))?;
     job.validate(&data)?;
     Ok(job)
 }

@@ -1,15 +1,13 @@
 //! `limpet train`: one-process training with a progress bar, a step log, a loss plot and a
 //! final report; `--resume` continues a checkpointed job bit-exactly.
 
-use crate::args::{DataArg, JobArgs, ModelArg, OptimizerArg, TrainArgs};
+use crate::args::{DataArg, JobArgs, ModelArg, TrainArgs};
 use crate::UsageError;
 use anyhow::Context;
 use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
 use limpet_trainer::data::Dataset;
 use limpet_trainer::device::DeviceChoice;
-use limpet_trainer::model::Precision;
-use limpet_trainer::optim::OptimizerSpec;
 use limpet_trainer::workload;
 use limpet_trainer::{JobSpec, ModelKind, Progress, RunOptions, RunReport, Trainer, CHECKPOINT_FILE};
 use serde::{Deserialize, Serialize};
@@ -295,10 +293,9 @@ fn resume(args: &TrainArgs, dir: &Path) -> anyhow::Result<(Trainer, PathBuf)> {
     Ok((trainer, args.out.clone().unwrap_or_else(|| dir.to_path_buf())))
 }
 
-/// Overlays the job flags that were given on `job`, checking each against its flag name.
+/// Overlays the job flags that were given on `job`: the model must be the job's; the
+/// training keys go through the same builder as `[job]` in `limpetd`'s file.
 fn apply_flags(job: &mut JobSpec, a: &JobArgs) -> anyhow::Result<()> {
-    let positive =
-        |name: &str, v: u64| if v == 0 { Err(usage(format!("{name} must be at least 1"))) } else { Ok(()) };
     if let Some(m) = a.model {
         let want = m.to_possible_value().expect("every model has a name");
         let have = kind_name(&serde_json::to_value(&job.model)?);
@@ -309,72 +306,11 @@ fn apply_flags(job: &mut JobSpec, a: &JobArgs) -> anyhow::Result<()> {
             )));
         }
     }
-    if let Some(steps) = a.steps {
-        positive("--steps", steps)?;
-        job.steps = steps;
-        if a.warmup.is_none() {
-            job.schedule.warmup_steps = steps / 20;
-        }
-    }
-    if let Some(b) = a.batch {
-        positive("--batch", b as u64)?;
-        job.global_batch = b;
-        job.micro_batch = b;
-    }
-    if let Some(m) = a.micro_batch {
-        positive("--micro-batch", m as u64)?;
-        job.micro_batch = m;
-    }
-    apply_optimizer_flags(job, a)?;
-    if let Some(s) = a.seed {
-        job.seed = s;
-    }
+    a.keys().apply(job).map_err(|e| usage(e.as_flag()))?;
     apply_model_flags(job, a)
 }
 
-/// The optimizer, its settings, the warmup and clipping.
-fn apply_optimizer_flags(job: &mut JobSpec, a: &JobArgs) -> anyhow::Result<()> {
-    if let Some(o) = a.optimizer {
-        let wd = match &job.optimizer {
-            OptimizerSpec::Sgd { weight_decay, .. } | OptimizerSpec::Adamw { weight_decay, .. } => {
-                *weight_decay
-            }
-        };
-        job.optimizer = match (o, &job.optimizer) {
-            (OptimizerArg::Sgd, OptimizerSpec::Sgd { .. })
-            | (OptimizerArg::Adamw, OptimizerSpec::Adamw { .. }) => job.optimizer.clone(),
-            (OptimizerArg::Sgd, _) => OptimizerSpec::sgd(0.05, wd),
-            (OptimizerArg::Adamw, _) => OptimizerSpec::adamw(3e-3, wd),
-        };
-    }
-    if let Some(lr) = a.lr {
-        if !(lr.is_finite() && lr > 0.0) {
-            return Err(usage(format!("--lr {lr} must be a positive number")));
-        }
-        job.optimizer.set_lr(lr);
-    }
-    if let Some(wd) = a.weight_decay {
-        if !(wd.is_finite() && wd >= 0.0) {
-            return Err(usage(format!("--weight-decay {wd} must be zero or positive")));
-        }
-        job.optimizer.set_weight_decay(wd);
-    }
-    if let Some(w) = a.warmup {
-        if w > job.steps {
-            return Err(usage(format!("--warmup {w} exceeds the job's {} steps", job.steps)));
-        }
-        job.schedule.warmup_steps = w;
-    }
-    if let Some(c) = a.clip {
-        if !(c.is_finite() && c >= 0.0) {
-            return Err(usage(format!("--clip {c} must be zero (off) or positive")));
-        }
-        job.clip_norm = (c > 0.0).then_some(c);
-    }
-    Ok(())
-}
-
-/// The model's depth and precision.
+/// The model's depth.
 fn apply_model_flags(job: &mut JobSpec, a: &JobArgs) -> anyhow::Result<()> {
     if let Some(l) = a.layers {
         match &mut job.model {
@@ -384,14 +320,6 @@ fn apply_model_flags(job: &mut JobSpec, a: &JobArgs) -> anyhow::Result<()> {
                 return Err(usage("--layers must be at least 1"))
             }
             _ => return Err(usage("--layers applies only to --model gpt and llama")),
-        }
-    }
-    if let Some(p) = &a.precision {
-        job.precision = Precision::parse(p).map_err(|e| usage(format!("--precision: {e}")))?;
-        if job.precision == Precision::Bf16
-            && !matches!(job.model, limpet_trainer::model::ModelSpec::Llama(_))
-        {
-            return Err(usage("--precision bf16 is available for --model llama only"));
         }
     }
     Ok(())

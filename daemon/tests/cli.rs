@@ -101,8 +101,19 @@ print(json.dumps({"step": meta["step"], "tensors": {k: [list(v.shape), float(v.d
 fn bad_flags_exit_64_naming_the_flag() {
     let dir = tempfile::tempdir().unwrap();
     let out = s(dir.path());
-    fails(&["train", "--batch", "0", "--out", out], 64, "--batch must be at least 1");
-    fails(&["train", "--lr=-1", "--out", out], 64, "--lr -1 must be a positive number");
+    fails(&["train", "--batch", "0", "--out", out], 64, "--batch: must be at least 1");
+    fails(&["train", "--lr=-1", "--out", out], 64, "--lr: -1 is not a positive number");
+    fails(
+        &["train", "--steps", "10", "--warmup", "11", "--out", out],
+        64,
+        "--warmup: 11 exceeds the job's 10 steps",
+    );
+    fails(&["train", "--min-lr-ratio", "2", "--out", out], 64, "--min-lr-ratio: 2 is not within 0..=1");
+    fails(
+        &["train", "--precision", "bf16", "--out", out],
+        64,
+        "--precision: \"bf16\" is available for model",
+    );
     fails(&["train", "--steps", "10", "--stop-at", "11", "--out", out], 64, "--stop-at 11 is beyond");
     fails(&["train", "--model", "gpt", "--data", "digits", "--out", out], 64, "needs token sequences");
     fails(&["train", "--context", "8", "--out", out], 64, "--context applies only to --data chars");

@@ -20,6 +20,7 @@ pub mod device;
 mod error;
 pub mod hf;
 mod job;
+pub mod job_keys;
 pub mod model;
 pub mod optim;
 pub mod pipeline;

@@ -8,7 +8,8 @@ mod names;
 mod security;
 pub use capacity::CapacitySection;
 use limpet_agent::policy::BatchPolicy;
-pub use names::{DataPlaneMode, LogFormat, ModelName, OptimizerName, SourceName, Sources};
+pub use limpet_trainer::job_keys::OptimizerName;
+pub use names::{DataPlaneMode, LogFormat, ModelName, SourceName, Sources};
 pub use security::{SecuritySection, SsmSection};
 use serde::Deserialize;
 use std::net::SocketAddr;
@@ -316,12 +317,18 @@ pub struct JobSection {
     /// Seed.
     #[serde(default)]
     pub seed: u64,
-    /// `adamw` (default) or `sgd` (momentum 0.9).
+    /// `adamw` (default) or `sgd` (momentum 0.9; its own default learning rate, 0.05).
     pub optimizer: Option<OptimizerName>,
     /// Peak learning rate (the model's default when absent).
     pub lr: Option<f64>,
     /// Weight decay (the model's default when absent).
     pub weight_decay: Option<f64>,
+    /// Linear warmup steps (default: a twentieth of `steps`).
+    pub warmup: Option<u64>,
+    /// Gradient global-norm clip (0: off; default: the model's, 1.0).
+    pub clip: Option<f64>,
+    /// The cosine schedule's floor as a fraction of the peak learning rate (default 0.1).
+    pub min_lr_ratio: Option<f64>,
     /// World size the batch and learning rate were tuned for (the policies scale from it;
     /// default: the number of founders).
     pub base_world: Option<u64>,
@@ -333,6 +340,25 @@ pub struct JobSection {
     /// `fp32` (default) or `bf16` (model `llama`).
     #[serde(default = "default_precision")]
     pub precision: String,
+}
+
+impl JobSection {
+    /// The keys this section shares with `limpet train`'s flags.
+    pub fn keys(&self) -> limpet_trainer::job_keys::JobKeys {
+        limpet_trainer::job_keys::JobKeys {
+            steps: Some(self.steps),
+            global_batch: Some(self.global_batch as usize),
+            micro_batch: self.micro_batch.map(|m| m as usize),
+            optimizer: self.optimizer,
+            lr: self.lr,
+            weight_decay: self.weight_decay,
+            warmup: self.warmup,
+            clip: self.clip,
+            min_lr_ratio: self.min_lr_ratio,
+            seed: Some(self.seed),
+            precision: Some(self.precision.clone()),
+        }
+    }
 }
 
 fn default_device() -> String {
@@ -545,26 +571,8 @@ impl Config {
                 "the head shares the embedding, so the model cannot be split into pipeline stages".into(),
             );
         }
-        if self.job.steps == 0 {
-            return err("[job].steps", "must be positive".into());
-        }
-        if self.job.global_batch == 0 {
-            return err("[job].global_batch", "must be positive".into());
-        }
-        if let Some(m) = self.job.micro_batch {
-            if m == 0 || m > self.job.global_batch {
-                return err("[job].micro_batch", format!("{m} is not within 1..={}", self.job.global_batch));
-            }
-        }
-        if let Some(wd) = self.job.weight_decay {
-            if !(wd.is_finite() && wd >= 0.0) {
-                return err("[job].weight_decay", format!("{wd} is not a non-negative number"));
-            }
-        }
-        if let Some(lr) = self.job.lr {
-            if !(lr.is_finite() && lr > 0.0) {
-                return err("[job].lr", format!("{lr} is not a positive number"));
-            }
+        if let Err(e) = self.job.keys().check() {
+            return err(&format!("[job].{}", e.key), e.detail);
         }
         if self.job.base_world == Some(0) {
             return err("[job].base_world", "must be at least 1".into());

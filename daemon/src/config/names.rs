@@ -66,16 +66,6 @@ impl ModelName {
     }
 }
 
-/// `[job].optimizer`.
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum OptimizerName {
-    /// AdamW.
-    Adamw,
-    /// SGD with momentum 0.9.
-    Sgd,
-}
-
 /// A revocation source in `[revocation].sources`.
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]

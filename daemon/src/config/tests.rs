@@ -96,6 +96,12 @@ fn errors_name_the_file_and_the_key() {
         (format!("{good}\n[pipeline]\nstages = 3\ncuts = [2]\n"), "set stages = 2"),
         (format!("{good}\n[pipeline]\nstages = 2\nlink_gbps = 0.0\n"), "[pipeline].link_gbps"),
         (good.replace("global_batch = 64", "global_batch = 64\nlayers = 3"), "[job].layers"),
+        (good.replace("global_batch = 64", "global_batch = 64\nwarmup = 401"), "[job].warmup: 401 exceeds"),
+        (good.replace("global_batch = 64", "global_batch = 64\nclip = -1.0"), "[job].clip"),
+        (good.replace("global_batch = 64", "global_batch = 64\nmin_lr_ratio = 1.5"), "[job].min_lr_ratio"),
+        (good.replace("global_batch = 64", "global_batch = 64\nmicro_batch = 65"), "[job].micro_batch"),
+        (good.replace("sources = [\"aws\"]", "sources = []"), "sources = \"none\""),
+        (good.replace("sources = [\"aws\"]", "sources = \"aws\""), "written as a list"),
         (good.replace("global_batch = 64", "global_batch = 64\ndevice = \"gpu\""), "[job].device"),
         (good.replace("global_batch = 64", "global_batch = 64\nprecision = \"fp16\""), "[job].precision"),
         (
@@ -297,4 +303,56 @@ fn a_capacity_section_parses_and_bad_values_name_their_key() {
     }
     let e = parse("instance_types = \"g5\"\ntarrget = 3\n").unwrap_err().to_string();
     assert!(e.contains("tarrget"), "{e}");
+}
+
+/// The same job written as `[job]` keys and as `limpet train` flags is the same job: the
+/// optimizer's defaults, the warmup, the clip and the schedule's floor come from one builder.
+#[test]
+fn a_job_from_the_file_equals_the_job_from_the_flags() {
+    use clap::Parser;
+    let s = secret();
+    let keys = "optimizer = \"sgd\"\nwarmup = 7\nclip = 0.5\nmin_lr_ratio = 0.25\nseed = 3\nmicro_batch = 16";
+    let text = example(s.path())
+        .replace("data = \"digits\"", "data = \"synthetic\"")
+        .replace("global_batch = 64", &format!("global_batch = 64\n{keys}"));
+    let cfg = Config::parse(&text, "limpet.toml").unwrap();
+    let from_file = crate::limpetd::job_spec(&cfg).unwrap();
+    let flags = crate::cli::Cli::parse_from([
+        "limpet",
+        "train",
+        "--data",
+        "synthetic",
+        "--steps",
+        "400",
+        "--batch",
+        "64",
+        "--optimizer",
+        "sgd",
+        "--warmup",
+        "7",
+        "--clip",
+        "0.5",
+        "--min-lr-ratio",
+        "0.25",
+        "--seed",
+        "3",
+        "--micro-batch",
+        "16",
+        "--out",
+        "/nonexistent",
+    ]);
+    let crate::cli::Command::Train(args) = flags.command else { panic!("parsed as train") };
+    let (from_flags, _) = crate::train_cmd::job_from_flags(&args.job).unwrap();
+    assert_eq!(from_file.diff(&from_flags), None);
+    // SGD got SGD's learning rate, not AdamW's, and every key landed.
+    assert_eq!(from_file.optimizer.lr(), limpet_trainer::job_keys::SGD_LR);
+    assert_eq!(
+        (
+            from_file.schedule.warmup_steps,
+            from_file.clip_norm,
+            from_file.schedule.min_lr_ratio,
+            from_file.micro_batch
+        ),
+        (7, Some(0.5), 0.25, 16)
+    );
 }

@@ -1,0 +1,178 @@
+//! The training keys `limpetd`'s `[job]` and `limpet train`'s flags share, and the one place
+//! they become part of a [`JobSpec`]: a job written in a file and the same job written as
+//! flags train identically (same optimizer defaults, warmup, clipping, schedule floor).
+//!
+//! Every key is optional; an absent key keeps the model's default from
+//! [`JobSpec::defaults_with`]. Errors name the key as `[job].name`; the command line shows
+//! them as its flags (see [`JobKeyError::as_flag`]).
+
+use crate::model::{ModelSpec, Precision};
+use crate::optim::OptimizerSpec;
+use crate::JobSpec;
+use serde::{Deserialize, Serialize};
+
+/// `[job].optimizer` / `--optimizer`.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerName {
+    /// AdamW.
+    Adamw,
+    /// SGD with momentum 0.9.
+    Sgd,
+}
+
+/// The peak learning rate a job gets when it switches to SGD without naming one: SGD's
+/// steps are not normalized like Adam's, so Adam's rate would barely move it.
+pub const SGD_LR: f64 = 0.05;
+/// The peak learning rate a job gets when it switches to AdamW without naming one.
+pub const ADAMW_LR: f64 = 3e-3;
+
+/// The shared keys.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct JobKeys {
+    /// Total optimizer steps.
+    pub steps: Option<u64>,
+    /// Global batch (`--batch`).
+    pub global_batch: Option<usize>,
+    /// Largest micro-batch.
+    pub micro_batch: Option<usize>,
+    /// The optimizer; switching it also switches to its default learning rate.
+    pub optimizer: Option<OptimizerName>,
+    /// Peak learning rate.
+    pub lr: Option<f64>,
+    /// Weight decay.
+    pub weight_decay: Option<f64>,
+    /// Linear warmup steps (default: a twentieth of the steps).
+    pub warmup: Option<u64>,
+    /// Gradient global-norm clip; 0 turns clipping off.
+    pub clip: Option<f64>,
+    /// The cosine schedule's floor, as a fraction of the peak learning rate.
+    pub min_lr_ratio: Option<f64>,
+    /// Seed of initialization, sampling and the training RNG.
+    pub seed: Option<u64>,
+    /// `fp32` or `bf16`.
+    pub precision: Option<String>,
+}
+
+/// A key with a bad value.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("[job].{key}: {detail}")]
+pub struct JobKeyError {
+    /// The key's name in `[job]`.
+    pub key: &'static str,
+    /// What is wrong.
+    pub detail: String,
+}
+
+impl JobKeyError {
+    /// The same error speaking of the command line's flag (`--batch` for `global_batch`).
+    pub fn as_flag(&self) -> String {
+        let flag = match self.key {
+            "global_batch" => "batch".to_string(),
+            k => k.replace('_', "-"),
+        };
+        format!("--{flag}: {}", self.detail)
+    }
+}
+
+impl JobKeys {
+    /// Checks each value on its own and against the others given (no model needed, so
+    /// `limpetd validate` runs it).
+    pub fn check(&self) -> Result<(), JobKeyError> {
+        let bad = |key, detail: String| Err(JobKeyError { key, detail });
+        if self.steps == Some(0) {
+            return bad("steps", "must be at least 1".into());
+        }
+        if self.global_batch == Some(0) {
+            return bad("global_batch", "must be at least 1".into());
+        }
+        if let Some(m) = self.micro_batch {
+            let top = self.global_batch.unwrap_or(usize::MAX);
+            if m == 0 || m > top {
+                return bad("micro_batch", format!("{m} is not within 1..={top}"));
+            }
+        }
+        if let Some(lr) = self.lr.filter(|lr| !(lr.is_finite() && *lr > 0.0)) {
+            return bad("lr", format!("{lr} is not a positive number"));
+        }
+        if let Some(wd) = self.weight_decay.filter(|wd| !(wd.is_finite() && *wd >= 0.0)) {
+            return bad("weight_decay", format!("{wd} is not zero or a positive number"));
+        }
+        if let (Some(w), Some(s)) = (self.warmup, self.steps) {
+            if w > s {
+                return bad("warmup", format!("{w} exceeds the job's {s} steps"));
+            }
+        }
+        if let Some(c) = self.clip.filter(|c| !(c.is_finite() && *c >= 0.0)) {
+            return bad("clip", format!("{c} is not zero (off) or a positive number"));
+        }
+        if let Some(r) = self.min_lr_ratio.filter(|r| !(0.0..=1.0).contains(r)) {
+            return bad("min_lr_ratio", format!("{r} is not within 0..=1"));
+        }
+        if let Some(p) = &self.precision {
+            Precision::parse(p).map_err(|detail| JobKeyError { key: "precision", detail })?;
+        }
+        Ok(())
+    }
+
+    /// Overlays the keys given on `job` (made by [`crate::workload::job_for`]).
+    pub fn apply(&self, job: &mut JobSpec) -> Result<(), JobKeyError> {
+        self.check()?;
+        if let Some(steps) = self.steps {
+            job.steps = steps;
+            job.schedule.warmup_steps = steps / 20;
+        }
+        if let Some(b) = self.global_batch {
+            job.global_batch = b;
+            job.micro_batch = b;
+        }
+        if let Some(m) = self.micro_batch {
+            if m > job.global_batch {
+                let detail = format!("{m} is not within 1..={}", job.global_batch);
+                return Err(JobKeyError { key: "micro_batch", detail });
+            }
+            job.micro_batch = m;
+        }
+        if let Some(o) = self.optimizer {
+            let wd = job.optimizer.weight_decay();
+            job.optimizer = match (o, &job.optimizer) {
+                (OptimizerName::Sgd, OptimizerSpec::Sgd { .. })
+                | (OptimizerName::Adamw, OptimizerSpec::Adamw { .. }) => job.optimizer.clone(),
+                (OptimizerName::Sgd, _) => OptimizerSpec::sgd(SGD_LR, wd),
+                (OptimizerName::Adamw, _) => OptimizerSpec::adamw(ADAMW_LR, wd),
+            };
+        }
+        if let Some(lr) = self.lr {
+            job.optimizer.set_lr(lr);
+        }
+        if let Some(wd) = self.weight_decay {
+            job.optimizer.set_weight_decay(wd);
+        }
+        if let Some(w) = self.warmup {
+            if w > job.steps {
+                return Err(JobKeyError {
+                    key: "warmup",
+                    detail: format!("{w} exceeds the job's {} steps", job.steps),
+                });
+            }
+            job.schedule.warmup_steps = w;
+        }
+        if let Some(c) = self.clip {
+            job.clip_norm = (c > 0.0).then_some(c);
+        }
+        if let Some(r) = self.min_lr_ratio {
+            job.schedule.min_lr_ratio = r;
+        }
+        if let Some(s) = self.seed {
+            job.seed = s;
+        }
+        if let Some(p) = &self.precision {
+            job.precision = Precision::parse(p).map_err(|detail| JobKeyError { key: "precision", detail })?;
+            if job.precision == Precision::Bf16 && !matches!(job.model, ModelSpec::Llama(_)) {
+                let detail = "\"bf16\" is available for model \"llama\" only".to_string();
+                return Err(JobKeyError { key: "precision", detail });
+            }
+        }
+        Ok(())
+    }
+}
