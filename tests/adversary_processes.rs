@@ -135,7 +135,12 @@ fn a_member_cannot_speak_as_another_or_crash_the_others_and_training_goes_on() {
             assert!(e.message().contains("certificate is node 2's"), "{e:?}");
             // A heartbeat for node 3 (or 1): would keep a dead node alive.
             let e = rc
-                .heartbeat(pb::HeartbeatRequest { cluster_id: cid, from: other, report: vec![] })
+                .heartbeat(pb::HeartbeatRequest {
+                    cluster_id: cid,
+                    from: other,
+                    report: vec![],
+                    cluster: String::new(),
+                })
                 .await
                 .unwrap_err();
             assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
@@ -146,6 +151,7 @@ fn a_member_cannot_speak_as_another_or_crash_the_others_and_training_goes_on() {
                     cluster_id: cid,
                     command: serde_json::to_vec(&join).unwrap(),
                     timeout_ms: 2000,
+                    cluster: String::new(),
                 })
                 .await
                 .unwrap_err();
@@ -155,7 +161,11 @@ fn a_member_cannot_speak_as_another_or_crash_the_others_and_training_goes_on() {
             }
             // Crafted raft messages in batches that are node 2's own.
             let st: NodeStatus = serde_json::from_slice(
-                &rc.status(pb::StatusRequest { cluster_id: cid }).await.unwrap().into_inner().status,
+                &rc.status(pb::StatusRequest { cluster_id: cid, cluster: String::new() })
+                    .await
+                    .unwrap()
+                    .into_inner()
+                    .status,
             )
             .unwrap();
             for (what, m) in crafted(*id, &st, cid) {
@@ -195,8 +205,11 @@ fn a_member_cannot_speak_as_another_or_crash_the_others_and_training_goes_on() {
         let mut out = Vec::new();
         for (_, addr) in &addrs {
             let mut rc = client(addr, &rogue).await;
-            let r =
-                rc.read(pb::ReadRequest { cluster_id: cid, linearizable: true }).await.unwrap().into_inner();
+            let r = rc
+                .read(pb::ReadRequest { cluster_id: cid, linearizable: true, cluster: String::new() })
+                .await
+                .unwrap()
+                .into_inner();
             out.push(serde_json::from_slice(&r.state).unwrap());
         }
         out

@@ -196,3 +196,39 @@ pub fn rogue_join(id: u64, name: &str) -> limpet_consensus::state::Command {
         },
     }
 }
+
+/// What the step logs in `dir` say about the transition into epoch `epoch` starting at
+/// `start`: 1 when every survivor (a node that logged a step of that epoch) ended the old
+/// epochs at `start - 1` (the step in flight was computed again), 0 when one ended earlier
+/// (a peer had finished the step and it caught up). The definition of docs/status.md.
+pub fn lost_by_step_logs(dir: &Path, epoch: u64, start: u64) -> u64 {
+    let mut last_before = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.ends_with(".steps.jsonl") {
+            continue;
+        }
+        let lines: Vec<Value> = std::fs::read_to_string(e.path())
+            .unwrap()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect();
+        if !lines.iter().any(|l| l["epoch"].as_u64() == Some(epoch)) {
+            continue;
+        }
+        let before = lines
+            .iter()
+            .filter(|l| l["epoch"].as_u64().unwrap() < epoch)
+            .map(|l| l["step"].as_u64().unwrap())
+            .max();
+        if let Some(b) = before {
+            last_before.push(b);
+        }
+    }
+    assert!(
+        !last_before.is_empty(),
+        "no survivor of epoch {epoch} logged an earlier step in {}",
+        dir.display()
+    );
+    u64::from(last_before.iter().all(|&b| b + 1 == start))
+}

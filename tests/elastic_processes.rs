@@ -10,7 +10,7 @@ use std::process::Command;
 
 #[path = "common.rs"]
 mod common;
-use common::{exe, max_rel_diff, params, train_alone, transition};
+use common::{exe, lost_by_step_logs, max_rel_diff, params, train_alone, transition};
 
 fn scenario(dir: &Path, nodes: usize, model: &str, steps: u64, script: &str) -> Value {
     scenario_with(dir, nodes, model, steps, script, &["--policy", "fixed-global"])
@@ -49,9 +49,12 @@ fn an_elastic_run_with_a_notice_a_join_and_a_kill_matches_one_uninterrupted_proc
     // A join copies state from a live peer.
     let join = transition(&summary, "join of node 4");
     assert!(join["fetched_bytes"].as_u64().unwrap() > 0, "{join}");
-    // Without notice: at most the step in flight is redone.
+    // Without notice: at most the step in flight is lost, and status says exactly what the
+    // step logs show (0 when a survivor had finished it and the others copied it).
     let kill = transition(&summary, "failure of node 3");
-    assert!(kill["lost_steps"].as_u64().unwrap() <= 1, "{kill}");
+    let dir = tmp.path().join("elastic");
+    let by_logs = lost_by_step_logs(&dir, kill["epoch"].as_u64().unwrap(), kill["step"].as_u64().unwrap());
+    assert_eq!(kill["lost_steps"].as_u64(), Some(by_logs), "{kill}");
 
     let single = tmp.path().join("single");
     let single_report = train_alone(&single, &["--model", "mlp", "--data", "digits", "--batch", "64"], steps);

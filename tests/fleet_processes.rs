@@ -123,6 +123,17 @@ fn fleet_up_list_down_and_seeds_through_the_sdk() {
     let out = run(&["fleet", "down", "--cluster", "train-b"]);
     assert_eq!(out.status.code(), Some(64), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--all"));
+    let out = run(&["fleet", "down", "--cluster", "train-b", "--all", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let down: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(down["cluster"], "train-b", "{down}");
+    let changes = down["terminated"].as_array().unwrap();
+    assert_eq!(changes.len(), 1, "{down}");
+    assert_eq!(changes[0]["instance"], listed[0]["id"], "{down}");
+    assert!(
+        changes[0]["now"].as_str().unwrap().contains("shutting") || changes[0]["now"] == "terminated",
+        "{down}"
+    );
     let out =
         run(&["fleet", "up", "--cluster", "train-b", "--launch-template", "limpet-gpu", "--set", "x=1"]);
     assert_eq!(out.status.code(), Some(64), "--set without a template is a usage error");

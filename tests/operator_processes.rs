@@ -4,12 +4,15 @@
 //! script calls.
 
 use limpet_agent::fake_metadata::{Cloud, FakeMetadata};
+use limpet_lab::local::{LocalCluster, LocalJob};
 use serde_json::Value;
 use std::path::Path;
 use std::process::{Command, Output};
+use std::time::Duration;
 
 #[path = "common.rs"]
 mod common;
+use common::{exe, node_logs, step_worlds, wait_showing_logs};
 
 fn base_config(dir: &Path) -> String {
     let secret = dir.join("secret");
@@ -96,4 +99,95 @@ fn limpetd_validate_says_which_revocation_sources_it_would_watch() {
         stdout.contains("revocation: gcp at http://127.0.0.1:9 (listed in [revocation].sources)"),
         "{stdout}"
     );
+}
+
+fn limpet(args: &[&str]) -> Output {
+    Command::new(exe()).args(args).output().unwrap()
+}
+
+fn json_of(o: &Output) -> Value {
+    let (stdout, stderr) = text(o);
+    assert!(o.status.success(), "{stderr}");
+    serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+}
+
+/// A local cluster as a first operator meets it: status by address alone learns the cluster
+/// (and a wrong `--cluster` is refused naming both clusters), step logs name their node, and
+/// draining the leader hands over without a refused proposal; drain and revoke speak JSON.
+#[test]
+fn status_by_address_named_step_logs_and_a_quiet_drain_of_the_leader() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cluster");
+    let job = LocalJob { steps: 1_000_000, ..LocalJob::default() };
+    let c = LocalCluster::up_with(&dir, 3, job, &common::lab_exe(), Path::new(env!("CARGO_BIN_EXE_limpetd")))
+        .unwrap();
+    let ds = dir.to_str().unwrap();
+    let n1 = c.file.node("node-1").unwrap().clone();
+    wait_showing_logs("the founders train", Duration::from_secs(120), &dir, || {
+        step_worlds(&n1.step_log).len() > 20
+    });
+
+    // Status from an address alone: the cluster is the node's.
+    let doc = json_of(&limpet(&["status", "--json", "--addr", &n1.control]));
+    assert_eq!(doc["cluster"], c.file.cluster.as_str(), "{doc:#}");
+    let wrong = limpet(&["status", "--addr", &n1.control, "--cluster", "elsewhere"]);
+    assert!(!wrong.status.success());
+    let (_, stderr) = text(&wrong);
+    let want = format!("request for cluster \"elsewhere\"; this node serves cluster {:?}", c.file.cluster);
+    assert!(stderr.contains(&want), "{stderr}");
+
+    // Step logs name the node as well as its Raft id.
+    let first: Value =
+        serde_json::from_str(std::fs::read_to_string(&n1.step_log).unwrap().lines().next().unwrap()).unwrap();
+    assert_eq!((first["name"].as_str(), first["node"].as_u64()), (Some("node-1"), Some(n1.id)), "{first}");
+
+    // Drain the leader: the cluster goes on with two, and no controller proposed twice.
+    let leader = doc["leader"].as_str().unwrap_or_else(|| panic!("no leader in {doc:#}")).to_string();
+    let drained = json_of(&limpet(&["drain", &leader, "--dir", ds, "--json"]));
+    assert_eq!(
+        (drained["action"].as_str(), drained["node"].as_str()),
+        (Some("drain"), Some(leader.as_str())),
+        "{drained}"
+    );
+    assert!(drained["log_index"].as_u64().unwrap() > 0, "{drained}");
+    let survivor = c.file.nodes.iter().find(|n| n.name != leader).unwrap().clone();
+    let at_drain = step_worlds(&survivor.step_log).len();
+    wait_showing_logs("two nodes train on after the leader's drain", Duration::from_secs(120), &dir, || {
+        let s = step_worlds(&survivor.step_log);
+        s.len() > at_drain + 30 && s.last().is_some_and(|l| l.1 == 2)
+    });
+    let logs = node_logs(&dir);
+    for refused in ["proposal failed", "is not above"] {
+        assert!(
+            !logs.contains(refused),
+            "a refused proposal around the leader's drain ({refused:?}):\n{logs}"
+        );
+    }
+
+    // A notice through the node's metadata service, reported as JSON.
+    let other = c.file.nodes.iter().find(|n| n.name != leader && n.name != survivor.name).unwrap();
+    let notice = json_of(&limpet(&["revoke", &other.name, "--in", "30", "--dir", ds, "--json"]));
+    assert_eq!(
+        (notice["action"].as_str(), notice["in_secs"].as_u64()),
+        (Some("notice"), Some(30)),
+        "{notice}"
+    );
+    assert_eq!(notice["via"], other.metadata.as_str(), "{notice}");
+}
+
+#[test]
+fn certs_print_what_they_wrote_as_json() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("certs");
+    let ds = d.to_str().unwrap();
+    let ca = json_of(&limpet(&["certs", "init", "--dir", ds, "--cluster", "prod", "--json"]));
+    assert_eq!((ca["kind"].as_str(), ca["cluster"].as_str()), (Some("ca"), Some("prod")), "{ca}");
+    assert!(
+        Path::new(ca["cert"].as_str().unwrap()).exists() && Path::new(ca["key"].as_str().unwrap()).exists()
+    );
+    let node = json_of(&limpet(&["certs", "issue", "gpu-1", "--id", "7", "--dir", ds, "--json"]));
+    assert_eq!((node["kind"].as_str(), node["node_id"].as_u64()), (Some("node"), Some(7)), "{node}");
+    assert_eq!(node["cert"].as_str().unwrap(), d.join("gpu-1.pem").to_str().unwrap());
+    let op = json_of(&limpet(&["certs", "issue", "alice", "--client", "--dir", ds, "--json"]));
+    assert_eq!((op["kind"].as_str(), op["node_id"].is_null()), (Some("client"), true), "{op}");
 }

@@ -78,7 +78,10 @@ async fn status_served(
     identity: Option<(&Path, &Path)>,
 ) -> Result<(), String> {
     let mut c = raw_client(addr, ca, identity).await?;
-    c.status(pb::StatusRequest { cluster_id }).await.map(|_| ()).map_err(|e| format!("{e:?}"))
+    c.status(pb::StatusRequest { cluster_id, cluster: String::new() })
+        .await
+        .map(|_| ())
+        .map_err(|e| format!("{e:?}"))
 }
 
 #[test]
@@ -157,6 +160,7 @@ fn a_cluster_with_certificates_trains_and_refuses_callers_without_the_right_one(
                 cluster_id: cid,
                 command: serde_json::to_vec(&join).unwrap(),
                 timeout_ms: 2000,
+                cluster: String::new(),
             })
             .await
             .unwrap_err();

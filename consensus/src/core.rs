@@ -243,6 +243,12 @@ impl<S: LogStore> Core<S> {
         self.raw.raft.state == StateRole::Leader
     }
 
+    /// Whether this node leads and has applied an entry of its own term (raft appends an
+    /// empty one on election), so every entry committed before it is applied here.
+    pub fn leader_caught_up(&self) -> bool {
+        self.is_leader() && self.raw.raft.raft_log.term(self.applied).is_ok_and(|t| t == self.term())
+    }
+
     /// The current term.
     pub fn term(&self) -> u64 {
         self.raw.raft.term

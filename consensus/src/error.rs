@@ -46,12 +46,18 @@ pub enum ConsensusError {
         detail: String,
     },
     /// A request named another cluster.
-    #[error("request for cluster {got:#018x}; this node serves cluster {expected:#018x}")]
+    #[error("request for cluster {got}; this node serves cluster {serves}")]
     WrongCluster {
-        /// This node's cluster id.
-        expected: u64,
-        /// The request's cluster id.
-        got: u64,
+        /// This node's cluster, named (quoted), or its id where the name is not known.
+        serves: String,
+        /// The request's cluster, named as the request names it (quoted), else its id.
+        got: String,
+    },
+    /// A leader's decision reached raft after this node stopped leading its term.
+    #[error("no longer the leader of term {term}: the new leader decides")]
+    Deposed {
+        /// The term the decision was made in.
+        term: u64,
     },
     /// No leader is known, so the request cannot be served now.
     #[error("no leader is known yet; retry")]

@@ -14,10 +14,27 @@ use tokio::time::Instant;
 pub(crate) type ProposeReply = oneshot::Sender<Result<(u64, String)>>;
 
 pub(crate) enum Request {
-    Raft { from: NodeId, from_addr: String, msgs: Vec<raft::prelude::Message> },
-    Propose { command: Command, deadline: Instant, reply: ProposeReply },
-    Read { linearizable: bool, deadline: Instant, reply: oneshot::Sender<Result<ReadResult>> },
-    Status { reply: oneshot::Sender<NodeStatus> },
+    Raft {
+        from: NodeId,
+        from_addr: String,
+        msgs: Vec<raft::prelude::Message>,
+    },
+    /// A command to propose; with `term`, only while this node still leads in that term (a
+    /// leader's own decisions must not outlive its leadership, see `NodeHandle::propose_leading`).
+    Propose {
+        command: Command,
+        deadline: Instant,
+        reply: ProposeReply,
+        term: Option<u64>,
+    },
+    Read {
+        linearizable: bool,
+        deadline: Instant,
+        reply: oneshot::Sender<Result<ReadResult>>,
+    },
+    Status {
+        reply: oneshot::Sender<NodeStatus>,
+    },
 }
 
 /// The largest heartbeat report a node keeps.
@@ -61,6 +78,9 @@ pub struct LocalState {
     pub leader: NodeId,
     /// Whether this node is the leader.
     pub is_leader: bool,
+    /// Whether this leader has applied an entry of its own term, and so everything an
+    /// earlier leader committed: only then do its decisions see the whole log.
+    pub leader_caught_up: bool,
     /// Current term.
     pub term: u64,
 }

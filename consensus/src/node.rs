@@ -94,7 +94,21 @@ impl NodeHandle {
     /// Proposes a command and waits until this node applied it.
     pub async fn propose(&self, command: Command, timeout: Option<Duration>) -> Result<(u64, String)> {
         let deadline = Instant::now() + timeout.unwrap_or(self.timeout);
-        self.ask(|reply| Request::Propose { command, deadline, reply }).await?
+        self.ask(|reply| Request::Propose { command, deadline, reply, term: None }).await?
+    }
+
+    /// Proposes a leader's decision made in `term`: refused with [`ConsensusError::Deposed`]
+    /// unless this node still leads in that term when the proposal reaches raft (never
+    /// forwarded, never retried under another leader). Two leaders' controllers, the old one
+    /// finishing a round and the new one starting, cannot then both propose the same epoch.
+    pub async fn propose_leading(
+        &self,
+        command: Command,
+        term: u64,
+        timeout: Option<Duration>,
+    ) -> Result<(u64, String)> {
+        let deadline = Instant::now() + timeout.unwrap_or(self.timeout);
+        self.ask(|reply| Request::Propose { command, deadline, reply, term: Some(term) }).await?
     }
 
     /// Reads the state: linearizable through raft's read index, or this node's copy.
@@ -163,6 +177,7 @@ impl Node {
         let service = Service {
             tx,
             cluster_id: cid,
+            cluster: cfg.core.cluster.clone(),
             me: cfg.core.id,
             timeout: cfg.request_timeout,
             reports,
@@ -286,6 +301,7 @@ fn local_state(core: &Core<SledLog>) -> LocalState {
         applied_index: core.applied(),
         leader: core.leader(),
         is_leader: core.is_leader(),
+        leader_caught_up: core.leader_caught_up(),
         term: core.term(),
     }
 }
@@ -347,6 +363,7 @@ impl Loop {
                 || seen.leader != self.core.leader()
                 || seen.term != self.core.term()
                 || seen.is_leader != self.core.is_leader()
+                || seen.leader_caught_up != self.core.leader_caught_up()
             {
                 self.watch.send_replace(local_state(&self.core));
             }
@@ -375,7 +392,11 @@ impl Loop {
                     }
                 }
             }
-            Request::Propose { command, deadline, reply } => {
+            Request::Propose { command, deadline, reply, term } => {
+                if let Some(t) = term.filter(|&t| !(self.core.is_leader() && self.core.term() == t)) {
+                    let _ = reply.send(Err(ConsensusError::Deposed { term: t }));
+                    return;
+                }
                 let origin = ProposalId { node: self.cfg.core.id, seq: self.next_seq };
                 match self.core.propose(origin, command.clone()) {
                     Ok(()) => {
@@ -383,7 +404,7 @@ impl Loop {
                         self.proposals.insert(origin, (deadline, reply));
                     }
                     Err(e) if e.is_retryable() => {
-                        self.retry.push(Request::Propose { command, deadline, reply })
+                        self.retry.push(Request::Propose { command, deadline, reply, term })
                     }
                     Err(e) => {
                         let _ = reply.send(Err(e));

@@ -44,6 +44,8 @@ pub(crate) fn serve(
 pub(crate) struct Service {
     pub(crate) tx: mpsc::Sender<Request>,
     pub(crate) cluster_id: u64,
+    /// The cluster's name, for refusals that name it.
+    pub(crate) cluster: String,
     pub(crate) me: NodeId,
     pub(crate) timeout: Duration,
     pub(crate) reports: Reports,
@@ -51,6 +53,16 @@ pub(crate) struct Service {
     pub(crate) tls: Option<bool>,
     /// This node's applied state, for who is a member.
     pub(crate) members: watch::Receiver<LocalState>,
+}
+
+/// The cluster a request asked for, in words: the name it gives when that name is really
+/// the one its id was made from (a caller cannot put words in the refusal), else the id.
+fn requested(id: u64, named: &str) -> String {
+    if !named.is_empty() && named.len() <= 128 && crate::state::cluster_id(named) == id {
+        format!("{named:?}")
+    } else {
+        format!("{id:#018x}")
+    }
 }
 
 /// What a call needs of the caller's certificate.
@@ -139,9 +151,12 @@ impl Service {
         })
     }
 
-    fn check_cluster(&self, got: u64, what: &str) -> std::result::Result<(), tonic::Status> {
+    fn check_cluster(&self, got: u64, named: &str, what: &str) -> std::result::Result<(), tonic::Status> {
         if got != self.cluster_id {
-            let e = ConsensusError::WrongCluster { expected: self.cluster_id, got };
+            let e = ConsensusError::WrongCluster {
+                serves: format!("{:?}", self.cluster),
+                got: requested(got, named),
+            };
             tracing::warn!(node = self.me, %e, "{what} refused");
             return Err(e.into());
         }
@@ -174,6 +189,12 @@ impl pb::consensus_server::Consensus for Service {
         let batch = req.into_inner();
         self.authorize_node(peer, batch.from, "a raft batch")?;
         let msgs = decode_batch(&batch, self.cluster_id, self.me).map_err(|e| {
+            let e = match e {
+                ConsensusError::WrongCluster { got, .. } => {
+                    ConsensusError::WrongCluster { serves: format!("{:?}", self.cluster), got }
+                }
+                e => e,
+            };
             tracing::warn!(node = self.me, from = batch.from, %e, "raft batch refused");
             tonic::Status::from(e)
         })?;
@@ -187,7 +208,7 @@ impl pb::consensus_server::Consensus for Service {
         req: tonic::Request<pb::ProposeRequest>,
     ) -> std::result::Result<tonic::Response<pb::ProposeReply>, tonic::Status> {
         let (role, req) = (caller(&req), req.into_inner());
-        self.check_cluster(req.cluster_id, "proposal")?;
+        self.check_cluster(req.cluster_id, &req.cluster, "proposal")?;
         let command = Command::decode(&req.command)
             .map_err(|e| tonic::Status::from(ConsensusError::Decode { what: "command", detail: e.detail }))?;
         self.authorize_role(role, Need::Propose, Some(&command))?;
@@ -205,7 +226,7 @@ impl pb::consensus_server::Consensus for Service {
             }
         }
         let deadline = self.deadline(req.timeout_ms);
-        let reply = match self.ask(|reply| Request::Propose { command, deadline, reply }).await? {
+        let reply = match self.ask(|reply| Request::Propose { command, deadline, reply, term: None }).await? {
             Ok((index, detail)) => pb::ProposeReply { index, accepted: true, detail },
             Err(ConsensusError::Rejected(detail)) => pb::ProposeReply { index: 0, accepted: false, detail },
             Err(e) => return Err(e.into()),
@@ -219,7 +240,7 @@ impl pb::consensus_server::Consensus for Service {
     ) -> std::result::Result<tonic::Response<pb::ReadReply>, tonic::Status> {
         self.authorize(&req, Need::Read)?;
         let req = req.into_inner();
-        self.check_cluster(req.cluster_id, "read")?;
+        self.check_cluster(req.cluster_id, &req.cluster, "read")?;
         let deadline = self.deadline(0);
         let r = self.ask(|reply| Request::Read { linearizable: req.linearizable, deadline, reply }).await??;
         Ok(tonic::Response::new(pb::ReadReply {
@@ -236,10 +257,15 @@ impl pb::consensus_server::Consensus for Service {
         req: tonic::Request<pb::StatusRequest>,
     ) -> std::result::Result<tonic::Response<pb::StatusReply>, tonic::Status> {
         self.authorize(&req, Need::Read)?;
-        self.check_cluster(req.into_inner().cluster_id, "status")?;
+        let req = req.into_inner();
+        // Id 0 asks whichever cluster this node serves: the reply names it.
+        if req.cluster_id != 0 {
+            self.check_cluster(req.cluster_id, &req.cluster, "status")?;
+        }
         let status = self.ask(|reply| Request::Status { reply }).await?;
         Ok(tonic::Response::new(pb::StatusReply {
             status: serde_json::to_vec(&status).expect("status serializes"),
+            cluster: self.cluster.clone(),
         }))
     }
 
@@ -250,7 +276,7 @@ impl pb::consensus_server::Consensus for Service {
         let peer = caller(&req);
         self.authorize_role(peer, Need::Node, None)?;
         let req = req.into_inner();
-        self.check_cluster(req.cluster_id, "heartbeat")?;
+        self.check_cluster(req.cluster_id, &req.cluster, "heartbeat")?;
         self.authorize_node(peer, req.from, "a heartbeat")?;
         // Only members report: a stranger's reports would only be noise, and a report for a
         // removed node must not keep it looking alive.
@@ -273,7 +299,8 @@ impl pb::consensus_server::Consensus for Service {
         req: tonic::Request<pb::ReportsRequest>,
     ) -> std::result::Result<tonic::Response<pb::ReportsReply>, tonic::Status> {
         self.authorize(&req, Need::Read)?;
-        self.check_cluster(req.into_inner().cluster_id, "reports")?;
+        let req = req.into_inner();
+        self.check_cluster(req.cluster_id, &req.cluster, "reports")?;
         let reports = self
             .reports
             .all()

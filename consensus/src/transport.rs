@@ -25,7 +25,10 @@ pub const MAX_BATCH: usize = 256;
 /// cluster, messages that do not decode, and messages whose sender is not the batch's sender.
 pub fn decode_batch(batch: &pb::RaftBatch, cluster_id: u64, me: NodeId) -> Result<Vec<Message>> {
     if batch.cluster_id != cluster_id {
-        return Err(ConsensusError::WrongCluster { expected: cluster_id, got: batch.cluster_id });
+        return Err(ConsensusError::WrongCluster {
+            serves: format!("{cluster_id:#018x}"),
+            got: format!("{:#018x}", batch.cluster_id),
+        });
     }
     if batch.messages.len() > MAX_BATCH {
         return Err(ConsensusError::Decode {
@@ -179,6 +182,8 @@ pub struct ReadResult {
 #[derive(Clone)]
 pub struct Client {
     cluster_id: u64,
+    /// The cluster's name (empty for a client that asks whichever cluster the node serves).
+    cluster: String,
     inner: pb::consensus_client::ConsensusClient<tonic::transport::Channel>,
 }
 
@@ -218,8 +223,31 @@ impl Client {
         })?;
         Ok(Client {
             cluster_id: crate::state::cluster_id(cluster),
+            cluster: cluster.to_string(),
             inner: pb::consensus_client::ConsensusClient::new(channel),
         })
+    }
+
+    /// Asks the node at `addr` which cluster it serves (a status read that names no
+    /// cluster), and returns a client for that cluster with its name.
+    pub async fn learn_cluster(addr: &str, tls: Option<&Tls>) -> Result<(Client, String)> {
+        let mut c = Client::connect_with(addr, "", tls).await?;
+        c.cluster_id = 0;
+        let r = c
+            .inner
+            .status(pb::StatusRequest { cluster_id: 0, cluster: String::new() })
+            .await
+            .map_err(status_error)?;
+        let name = r.into_inner().cluster;
+        if name.is_empty() {
+            return Err(ConsensusError::Decode {
+                what: "status reply",
+                detail: "it names no cluster".into(),
+            });
+        }
+        c.cluster_id = crate::state::cluster_id(&name);
+        c.cluster = name.clone();
+        Ok((c, name))
     }
 
     /// Proposes a command and waits until the node applied it; returns its log index and
@@ -227,6 +255,7 @@ impl Client {
     pub async fn propose(&mut self, command: &Command, timeout: Duration) -> Result<(u64, String)> {
         let req = pb::ProposeRequest {
             cluster_id: self.cluster_id,
+            cluster: self.cluster.clone(),
             command: serde_json::to_vec(command).expect("commands serialize"),
             timeout_ms: timeout.as_millis() as u64,
         };
@@ -247,7 +276,8 @@ impl Client {
 
     /// Reads the cluster state, linearizable or from the node's own copy.
     pub async fn read(&mut self, linearizable: bool) -> Result<ReadResult> {
-        let req = pb::ReadRequest { cluster_id: self.cluster_id, linearizable };
+        let req =
+            pb::ReadRequest { cluster_id: self.cluster_id, linearizable, cluster: self.cluster.clone() };
         let r = self.inner.read(req).await.map_err(status_error)?.into_inner();
         let state = serde_json::from_slice(&r.state)
             .map_err(|e| ConsensusError::Decode { what: "cluster state", detail: e.to_string() })?;
@@ -264,7 +294,7 @@ impl Client {
     pub async fn status(&mut self) -> Result<NodeStatus> {
         let r = self
             .inner
-            .status(pb::StatusRequest { cluster_id: self.cluster_id })
+            .status(pb::StatusRequest { cluster_id: self.cluster_id, cluster: self.cluster.clone() })
             .await
             .map_err(status_error)?;
         serde_json::from_slice(&r.into_inner().status)
@@ -273,7 +303,8 @@ impl Client {
 
     /// Sends this agent's heartbeat report.
     pub async fn heartbeat(&mut self, from: NodeId, report: Vec<u8>) -> Result<()> {
-        let req = pb::HeartbeatRequest { cluster_id: self.cluster_id, from, report };
+        let req =
+            pb::HeartbeatRequest { cluster_id: self.cluster_id, from, report, cluster: self.cluster.clone() };
         self.inner.heartbeat(req).await.map_err(status_error)?;
         Ok(())
     }
@@ -282,7 +313,7 @@ impl Client {
     pub async fn reports(&mut self) -> Result<Vec<NodeReport>> {
         let r = self
             .inner
-            .reports(pb::ReportsRequest { cluster_id: self.cluster_id })
+            .reports(pb::ReportsRequest { cluster_id: self.cluster_id, cluster: self.cluster.clone() })
             .await
             .map_err(status_error)?
             .into_inner();

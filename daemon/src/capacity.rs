@@ -59,7 +59,8 @@ pub async fn run(r: Reconciler, handle: NodeHandle, stop: CancellationToken) {
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(interval) => {}
         }
-        if !handle.watch().borrow().is_leader {
+        // Like the controller: a new leader acts once it has applied its term's first entry.
+        if !handle.watch().borrow().leader_caught_up {
             continue;
         }
         match r.round(&policy, &handle, &mut clients, &mut slow_since).await {

@@ -39,6 +39,9 @@ pub struct InitArgs {
     /// How long the CA is valid.
     #[arg(long, default_value_t = 3650)]
     pub days: u32,
+    /// Print the files written as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `limpet certs issue`.
@@ -59,6 +62,9 @@ pub struct IssueArgs {
     /// How long the certificate is valid.
     #[arg(long, default_value_t = 365)]
     pub days: u32,
+    /// Print the files written as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Which kind of certificate.
@@ -75,7 +81,14 @@ pub fn run(cmd: CertsCommand) -> anyhow::Result<()> {
     match cmd {
         CertsCommand::Init(a) => {
             let (cert, key) = init(&a.dir, &a.cluster, a.days)?;
-            println!("CA created: {} (key {})", cert.display(), key.display());
+            if a.json {
+                let doc = serde_json::json!({
+                    "kind": "ca", "cluster": a.cluster, "cert": cert, "key": key, "days": a.days,
+                });
+                println!("{doc}");
+            } else {
+                println!("CA created: {} (key {})", cert.display(), key.display());
+            }
         }
         CertsCommand::Issue(a) => {
             let kind = match (a.client, a.id) {
@@ -83,11 +96,22 @@ pub fn run(cmd: CertsCommand) -> anyhow::Result<()> {
                 (false, id) => Kind::Node(id.unwrap_or_else(|| node_id_of_name(&a.name))),
             };
             let (cert, key) = issue_for_days(&a.dir, &a.name, kind, a.days)?;
-            let what = match kind {
-                Kind::Node(id) => format!("node certificate for {:?} (node id {id})", a.name),
-                Kind::Client => format!("operator certificate for {:?}", a.name),
-            };
-            println!("{what}: {} (key {})", cert.display(), key.display());
+            if a.json {
+                let (kind, id) = match kind {
+                    Kind::Node(id) => ("node", Some(id)),
+                    Kind::Client => ("client", None),
+                };
+                let doc = serde_json::json!({
+                    "kind": kind, "name": a.name, "node_id": id, "cert": cert, "key": key, "days": a.days,
+                });
+                println!("{doc}");
+            } else {
+                let what = match kind {
+                    Kind::Node(id) => format!("node certificate for {:?} (node id {id})", a.name),
+                    Kind::Client => format!("operator certificate for {:?}", a.name),
+                };
+                println!("{what}: {} (key {})", cert.display(), key.display());
+            }
         }
     }
     Ok(())

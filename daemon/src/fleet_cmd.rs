@@ -162,6 +162,9 @@ pub struct DownArgs {
     /// the terminated instances' certificates and keys are deleted there.
     #[arg(long)]
     ssm_prefix: Option<String>,
+    /// Print the instances' state changes as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 fn usage_if_bad(e: FleetError) -> anyhow::Error {
@@ -254,13 +257,24 @@ pub fn run(cmd: FleetCommand) -> anyhow::Result<()> {
                 }
                 let fleet = connect(&a.ec2).await?;
                 let done = fleet.down(&a.ids).await.map_err(usage_if_bad)?;
-                for (id, before, now) in &done {
-                    println!("{id}: {before} -> {now}");
+                if a.json {
+                    let changes: Vec<_> = done
+                        .iter()
+                        .map(|(id, before, now)| {
+                            serde_json::json!({"instance": id, "before": before.to_string(), "now": now.to_string()})
+                        })
+                        .collect();
+                    let doc = serde_json::json!({"cluster": a.ec2.cluster, "terminated": changes});
+                    println!("{}", serde_json::to_string_pretty(&doc)?);
+                } else {
+                    for (id, before, now) in &done {
+                        println!("{id}: {before} -> {now}");
+                    }
+                    if done.is_empty() {
+                        println!("cluster {} has no live instances", a.ec2.cluster);
+                    }
                 }
                 forget_credentials(&a, &done).await;
-                if done.is_empty() {
-                    println!("cluster {} has no live instances", a.ec2.cluster);
-                }
             }
             FleetCommand::Spares(a) => spares(a).await?,
             FleetCommand::Render(a) => print!("{}", render(&a.user_data, &a.set)?),

@@ -35,7 +35,10 @@ pub const METRICS: &[(&str, &str)] = &[
     ("limpet_epoch", "The epoch this node trains in."),
     ("limpet_transitions_total", "Epoch changes this node entered, by cause."),
     ("limpet_transition_idle_seconds", "Time from this node's last step to its first step in the new epoch."),
-    ("limpet_lost_steps_total", "Steps abandoned in flight by a failed collective."),
+    (
+        "limpet_lost_steps_total",
+        "Steps in flight when a collective broke that no peer finished, computed again.",
+    ),
     ("limpet_redone_steps_total", "Steps trained again after rolling back to a pipeline stage's shadow."),
     ("limpet_data_bytes_sent_total", "Data-plane bytes sent, by kind (ring, pipe, handoff)."),
     ("limpet_data_bytes_received_total", "Data-plane bytes received, by kind (ring, pipe, handoff)."),

@@ -4,6 +4,11 @@ use anyhow::Context;
 use plotters::prelude::*;
 use std::path::Path;
 
+/// A tick label for a count drawn on an `f64` axis (steps, samples): `500`, not `500.0`.
+pub fn count_label(v: &f64) -> String {
+    format!("{v:.0}")
+}
+
 /// One point of a loss curve.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LossPoint {
@@ -32,7 +37,7 @@ pub fn loss_svg(path: &Path, records: &[LossPoint], title: &str) -> anyhow::Resu
             .x_label_area_size(36)
             .y_label_area_size(60)
             .build_cartesian_2d(0f64..last, (lo..hi).log_scale())?;
-        chart.configure_mesh().x_desc("step").y_desc("loss").draw()?;
+        chart.configure_mesh().x_desc("step").x_label_formatter(&count_label).y_desc("loss").draw()?;
         chart
             .draw_series(LineSeries::new(
                 records.iter().filter(|r| finite(r.loss)).map(|r| (r.step as f64, r.loss)),
@@ -79,7 +84,8 @@ pub fn elastic_svg(
             points.iter().filter(|p| p.loss.is_finite() && p.loss > 0.0).collect();
         let (lo, hi) = finite.iter().fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.loss), b.max(p.loss)));
         let (lo, hi) = if lo <= hi { (lo * 0.8, hi * 1.25) } else { (0.01, 10.0) };
-        let max_world = points.iter().map(|p| p.world).max().unwrap_or(1) as f64 + 1.0;
+        // World sizes are whole hosts: an integer axis, one tick per size.
+        let max_world = points.iter().map(|p| p.world).max().unwrap_or(1) + 1;
         let root = SVGBackend::new(path, (1000, 640)).into_drawing_area();
         root.fill(&WHITE)?;
         let (top, bottom) = root.split_vertically(420);
@@ -89,7 +95,7 @@ pub fn elastic_svg(
             .x_label_area_size(30)
             .y_label_area_size(60)
             .build_cartesian_2d(0f64..last, (lo..hi).log_scale())?;
-        chart.configure_mesh().y_desc("loss").draw()?;
+        chart.configure_mesh().x_label_formatter(&count_label).y_desc("loss").draw()?;
         // A light per-step line and a 25-step moving average on top.
         chart.draw_series(LineSeries::new(finite.iter().map(|p| (p.step as f64, p.loss)), BLUE.mix(0.25)))?;
         let k = 25usize;
@@ -115,22 +121,65 @@ pub fn elastic_svg(
             .margin(12)
             .x_label_area_size(36)
             .y_label_area_size(60)
-            .build_cartesian_2d(0f64..last, 0f64..max_world)?;
-        world.configure_mesh().x_desc("step").y_desc("world size").draw()?;
+            .build_cartesian_2d(0f64..last, 0usize..max_world)?;
+        world
+            .configure_mesh()
+            .x_desc("step")
+            .x_label_formatter(&count_label)
+            .y_desc("world size")
+            .y_labels(max_world + 1)
+            .draw()?;
         let mut steps = Vec::new();
         for p in points {
             if let Some(&(_, w)) = steps.last() {
                 steps.push((p.step as f64, w));
             }
-            steps.push((p.step as f64, p.world as f64));
+            steps.push((p.step as f64, p.world));
         }
         world.draw_series(LineSeries::new(steps, GREEN.stroke_width(2)))?;
         for (step, _) in transitions {
             let x = *step as f64;
-            world.draw_series(LineSeries::new(vec![(x, 0.0), (x, max_world)], RED.mix(0.6)))?;
+            world.draw_series(LineSeries::new(vec![(x, 0), (x, max_world)], RED.mix(0.6)))?;
         }
         root.present()?;
         Ok(())
     };
     draw().map_err(|e| anyhow::anyhow!("{e}")).with_context(|| format!("drawing {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The text of every `<text>` element of an SVG.
+    fn labels(svg: &str) -> Vec<String> {
+        svg.split("<text")
+            .skip(1)
+            .filter_map(|t| Some(t.split_once('>')?.1.split_once("</text>")?.0.trim().to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn counts_and_world_sizes_are_labelled_as_whole_numbers() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("elastic.svg");
+        let points: Vec<ElasticPoint> = (1..=1000)
+            .map(|s| ElasticPoint { step: s, loss: 1.0 / s as f64, world: if s < 500 { 3 } else { 2 } })
+            .collect();
+        elastic_svg(&path, &points, &[(500, "notice".into())], "t").unwrap();
+        let l = labels(&std::fs::read_to_string(&path).unwrap());
+        assert!(l.iter().any(|t| t == "500"), "{l:?}");
+        assert!(l.iter().any(|t| t == "3"), "{l:?}");
+        // Losses (below 2 here) may have decimals; steps and world sizes may not.
+        for t in l.iter().filter(|t| t.parse::<f64>().is_ok_and(|v| v >= 2.0)) {
+            assert!(!t.contains('.'), "a fractional count or world size {t:?} in {l:?}");
+        }
+        assert!(!l.iter().any(|t| t == "3.5" || t == "2.5"), "{l:?}");
+        let loss = dir.path().join("loss.svg");
+        let records: Vec<LossPoint> =
+            (1..=1000).map(|s| LossPoint { step: s, loss: 1.0, test_loss: None }).collect();
+        loss_svg(&loss, &records, "t").unwrap();
+        let l = labels(&std::fs::read_to_string(&loss).unwrap());
+        assert!(l.iter().any(|t| t == "500") && !l.iter().any(|t| t == "500.0"), "{l:?}");
+    }
 }

@@ -28,9 +28,9 @@ pub struct Target {
     /// Control address of a node (repeatable; the first that answers is used).
     #[arg(long)]
     pub addr: Vec<String>,
-    /// Cluster name (with --addr).
-    #[arg(long, default_value = "local")]
-    pub cluster: String,
+    /// Cluster name (with --addr; default: the one the first node that answers serves).
+    #[arg(long)]
+    pub cluster: Option<String>,
     /// The cluster CA's certificate, for a cluster that runs with certificates (with
     /// --cert and --key; a local cluster's directory names its own).
     /// Alone, it reads status without a certificate where the nodes allow that.
@@ -63,13 +63,22 @@ impl Target {
                 let f = ClusterFile::load(dir)?;
                 (f.cluster.clone(), f.control_addrs(), Some(f))
             }
-            (None, false) => (self.cluster.clone(), self.addr.clone(), None),
+            (None, false) => (self.cluster.clone().unwrap_or_default(), self.addr.clone(), None),
             (None, true) => {
                 return Err(
                     UsageError("say where the cluster is: --dir DIR or --addr HOST:PORT".into()).into()
                 )
             }
         };
+        if let (Some(dir), Some(named)) = (&self.dir, &self.cluster) {
+            if *named != cluster {
+                return Err(UsageError(format!(
+                    "--cluster {named:?}: the local cluster in {} is {cluster:?}",
+                    dir.display()
+                ))
+                .into());
+            }
+        }
         let usage = |e: limpet_consensus::tls::TlsError| UsageError(e.to_string());
         let tls = match (&self.ca, &self.cert, &self.key) {
             (Some(ca), Some(cert), Some(key)) => Some(
@@ -83,6 +92,11 @@ impl Target {
             },
         };
         let tls = tls.map(std::sync::Arc::new);
+        let cluster = if cluster.is_empty() {
+            runtime()?.block_on(learn_cluster(&addrs, tls.as_deref()))?
+        } else {
+            cluster
+        };
         Ok(Resolved { cluster, addrs, local, tls })
     }
 }
@@ -154,10 +168,12 @@ pub struct TransitionDoc {
     pub cause: String,
     /// Largest idle time any reporting rank saw, ms.
     pub idle_ms: Option<u64>,
-    /// Step computations thrown away (largest over ranks).
+    /// Lost steps (docs/status.md): steps in flight at the transition that nobody finished,
+    /// so the new epoch computes them again (largest over ranks).
     pub lost_steps: Option<u64>,
-    /// Applied steps trained again after going back to a shadowed snapshot (largest over
-    /// ranks; 0 unless a pipeline stage had no live replica).
+    /// Redone steps (docs/status.md): steps already applied that are trained again after a
+    /// stage went back to a shadowed snapshot (largest over ranks; 0 unless a pipeline stage
+    /// had no live replica).
     #[serde(default)]
     pub redone_steps: u64,
     /// `DATAxPIPELINE`.
@@ -266,6 +282,19 @@ async fn connect_any(cluster: &str, addrs: &[String], tls: Option<&Tls>) -> anyh
         }
     }
     anyhow::bail!("no node answered ({last})")
+}
+
+/// The cluster the first node that answers serves (`--addr` without `--cluster`).
+async fn learn_cluster(addrs: &[String], tls: Option<&Tls>) -> anyhow::Result<String> {
+    let mut errors = Vec::new();
+    for a in addrs {
+        match tokio::time::timeout(Duration::from_secs(3), Client::learn_cluster(a, tls)).await {
+            Ok(Ok((_, name))) => return Ok(name),
+            Ok(Err(e)) => errors.push(format!("{a}: {}", explain(e.to_string(), tls))),
+            Err(_) => errors.push(format!("{a}: no answer in 3 s")),
+        }
+    }
+    anyhow::bail!("no node answered: {}", errors.join("; "))
 }
 
 fn name_of(st: &ClusterState, id: NodeId) -> String {
@@ -576,6 +605,9 @@ pub struct DrainArgs {
     /// The cluster.
     #[command(flatten)]
     pub target: Target,
+    /// Print what was done as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `limpet revoke NODE`.
@@ -589,6 +621,9 @@ pub struct RevokeArgs {
     /// No notice: kill the node's limpetd with SIGKILL (local clusters only).
     #[arg(long)]
     pub hard: bool,
+    /// Print what was done as JSON.
+    #[arg(long)]
+    pub json: bool,
     /// The cluster.
     #[command(flatten)]
     pub target: Target,
@@ -610,19 +645,27 @@ pub fn status(a: StatusArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Proposes `cmd` through the first node that answers; what the state machine said.
+/// What a proposal did: the log index it was applied at and what the state machine said.
+pub struct Proposed {
+    /// The raft log index.
+    pub index: u64,
+    /// The state machine's words.
+    pub detail: String,
+}
+
+/// Proposes `cmd` through the first node that answers.
 pub async fn propose(
     cluster: &str,
     addrs: &[String],
     tls: Option<&Tls>,
     cmd: Command,
-) -> anyhow::Result<String> {
+) -> anyhow::Result<Proposed> {
     let (mut c, _) = connect_any(cluster, addrs, tls).await?;
     let (index, detail) = c
         .propose(&cmd, Duration::from_secs(5))
         .await
         .map_err(|e| anyhow::anyhow!(explain(e.to_string(), tls)))?;
-    Ok(format!("{detail} (log index {index})"))
+    Ok(Proposed { index, detail })
 }
 
 async fn member_id(cluster: &str, addrs: &[String], tls: Option<&Tls>, name: &str) -> anyhow::Result<NodeId> {
@@ -634,15 +677,29 @@ async fn member_id(cluster: &str, addrs: &[String], tls: Option<&Tls>, name: &st
     })
 }
 
+/// Prints one action's outcome: `NODE: WORDS` or, with `json`, the document.
+fn report(json: bool, node: &str, doc: serde_json::Value, words: &str) {
+    if json {
+        let mut doc = doc;
+        doc["node"] = node.into();
+        println!("{doc}");
+    } else {
+        println!("{node}: {words}");
+    }
+}
+
 /// Runs `limpet drain`.
 pub fn drain(a: DrainArgs) -> anyhow::Result<()> {
     let r = a.target.resolve()?;
     let tls = r.tls.as_deref();
-    let out = runtime()?.block_on(async {
+    let (id, p) = runtime()?.block_on(async {
         let id = member_id(&r.cluster, &r.addrs, tls, &a.node).await?;
-        propose(&r.cluster, &r.addrs, tls, Command::Drain { id, reason: "limpet drain".into() }).await
+        let p =
+            propose(&r.cluster, &r.addrs, tls, Command::Drain { id, reason: "limpet drain".into() }).await?;
+        anyhow::Ok((id, p))
     })?;
-    println!("{}: {out}", a.node);
+    let doc = serde_json::json!({"action": "drain", "cluster": r.cluster, "id": id, "log_index": p.index, "detail": p.detail});
+    report(a.json, &a.node, doc, &format!("{} (log index {})", p.detail, p.index));
     Ok(())
 }
 
@@ -655,7 +712,8 @@ pub fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
         let n = f.node(&a.node)?;
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(n.pid as i32), nix::sys::signal::Signal::SIGKILL)
             .with_context(|| format!("killing {} (pid {})", n.name, n.pid))?;
-        println!("{}: killed (pid {}, no notice)", n.name, n.pid);
+        let doc = serde_json::json!({"action": "kill", "cluster": cluster, "id": n.id, "pid": n.pid});
+        report(a.json, &n.name, doc, &format!("killed (pid {}, no notice)", n.pid));
         return Ok(());
     }
     let secs = a.in_secs.ok_or_else(|| UsageError("say --in SECS (a spot notice) or --hard".into()))?;
@@ -663,15 +721,27 @@ pub fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
         // Through the node's own metadata service, as the cloud would.
         let n = f.node(&a.node)?;
         post_notice(&n.metadata, secs)?;
-        println!("{}: spot notice posted to {} (revocation in {secs} s)", n.name, n.metadata);
+        let doc = serde_json::json!({"action": "notice", "cluster": cluster, "id": n.id, "in_secs": secs, "via": n.metadata});
+        report(
+            a.json,
+            &n.name,
+            doc,
+            &format!("spot notice posted to {} (revocation in {secs} s)", n.metadata),
+        );
         return Ok(());
     }
-    let out = runtime()?.block_on(async {
+    let (id, deadline_ms, p) = runtime()?.block_on(async {
         let id = member_id(&cluster, &addrs, tls, &a.node).await?;
         let deadline_ms = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis() as u64 + secs * 1000;
-        propose(&cluster, &addrs, tls, Command::Notice { id, deadline_ms, source: "cli".into() }).await
+        let p =
+            propose(&cluster, &addrs, tls, Command::Notice { id, deadline_ms, source: "cli".into() }).await?;
+        anyhow::Ok((id, deadline_ms, p))
     })?;
-    println!("{}: {out}", a.node);
+    let doc = serde_json::json!({
+        "action": "notice", "cluster": cluster, "id": id, "in_secs": secs, "deadline_ms": deadline_ms,
+        "via": "log", "log_index": p.index, "detail": p.detail,
+    });
+    report(a.json, &a.node, doc, &format!("{} (log index {})", p.detail, p.index));
     Ok(())
 }
 

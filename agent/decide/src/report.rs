@@ -44,7 +44,8 @@ pub struct Transition {
     /// Milliseconds from this agent's last completed step to the epoch's entry (0 for the
     /// first epoch).
     pub idle_ms: u64,
-    /// Step computations thrown away because a collective failed mid-step.
+    /// Lost steps (docs/status.md): 1 when a collective broke mid-step and the new epoch
+    /// computes that step again because no peer finished it, else 0.
     pub lost_steps: u64,
     /// Whether this agent copied its state from a peer on entry, and how many bytes.
     pub fetched_bytes: u64,

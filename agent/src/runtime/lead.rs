@@ -30,9 +30,12 @@ pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: Cancel
             _ = tokio::time::sleep(Duration::from_millis(50)) => {}
         }
         let local = handle.watch().borrow().clone();
-        if !local.is_leader {
+        // A new leader decides only once it has applied its own term's first entry: before,
+        // its state may lack what the previous leader committed (the epoch it just started).
+        if !(local.is_leader && local.leader_caught_up) {
             continue;
         }
+        let term = local.term;
         let st = &local.state;
         if st.job.is_none() {
             if job.is_none() {
@@ -52,7 +55,9 @@ pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: Cancel
                 }
                 match find_resume_point(&cfg).await {
                     Ok(Some(record)) => {
-                        if let Err(e) = handle.propose(Command::RecordCheckpoint { record }, None).await {
+                        if let Err(e) =
+                            handle.propose_leading(Command::RecordCheckpoint { record }, term, None).await
+                        {
                             tracing::warn!(%e, "could not record the checkpoint to resume from");
                             continue;
                         }
@@ -70,8 +75,9 @@ pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: Cancel
                 continue;
             }
             let doc = job.clone().expect("set above");
-            if let Err(e) = handle.propose(Command::SetJob { job: doc }, None).await {
-                tracing::warn!(%e, "could not set the job");
+            match handle.propose_leading(Command::SetJob { job: doc }, term, None).await {
+                Ok(_) | Err(limpet_consensus::ConsensusError::Deposed { .. }) => {}
+                Err(e) => tracing::warn!(%e, "could not set the job"),
             }
             continue;
         }
@@ -90,9 +96,17 @@ pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: Cancel
             last_reason = round.reason;
         }
         for cmd in round.commands {
-            if let Err(e) = handle.propose(cmd.clone(), Some(Duration::from_secs(2))).await {
-                tracing::warn!(%e, ?cmd, "proposal failed");
-                break;
+            match handle.propose_leading(cmd.clone(), term, Some(Duration::from_secs(2))).await {
+                Ok(_) => {}
+                // Leadership moved on mid-round: the new leader decides from the whole log.
+                Err(limpet_consensus::ConsensusError::Deposed { .. }) => {
+                    tracing::info!(term, "leadership passed on; this round's remaining proposals dropped");
+                    break;
+                }
+                Err(e) => {
+                    tracing::warn!(%e, ?cmd, "proposal failed");
+                    break;
+                }
             }
         }
     }

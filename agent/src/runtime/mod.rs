@@ -64,8 +64,11 @@ pub struct StepLine {
     pub world: usize,
     /// This rank in it.
     pub rank: usize,
-    /// The node.
+    /// The node's Raft id.
     pub node: NodeId,
+    /// The node's name (what the CLI, status and configurations call it).
+    #[serde(default)]
+    pub name: String,
     /// Global mean loss of the step.
     pub loss: f64,
 }

@@ -129,8 +129,9 @@ pub(super) struct TrainLoop {
     broken: Option<BrokenAt>,
     was_member: bool,
     last_step_done: Option<Instant>,
-    /// Steps abandoned in flight since the last entry.
-    lost: u64,
+    /// The step in flight when a collective broke (since the last entry): lost unless a peer
+    /// finished it and the next epoch starts after it.
+    in_flight: Option<u64>,
     step_time_ms: f64,
     log: Option<std::fs::File>,
     finished: bool,
@@ -192,7 +193,7 @@ impl TrainLoop {
             broken: None,
             was_member: false,
             last_step_done: None,
-            lost: 0,
+            in_flight: None,
             step_time_ms: 0.0,
             log: None,
             finished: false,
@@ -353,7 +354,7 @@ impl TrainLoop {
             Ok(stats) => stats,
             Err((suspect, error)) => {
                 tracing::warn!(epoch = epoch.id, step, %error, "collective failed; waiting for the next epoch");
-                self.lost += 1;
+                self.in_flight = Some(step);
                 self.broken = Some(BrokenAt { at: Instant::now(), suspect, error });
                 self.set_phase(Phase::Waiting);
                 self.beat_now.notify_one();
@@ -410,6 +411,7 @@ impl TrainLoop {
             world,
             rank: group_rank,
             node: self.cfg.id,
+            name: self.cfg.name.clone(),
             loss: stats.loss,
         };
         if let Some(f) = self.log.as_mut() {
@@ -448,13 +450,15 @@ impl TrainLoop {
             step: self.trainer.step(),
             cause: n.cause.clone(),
             idle_ms,
-            lost_steps: std::mem::take(&mut self.lost),
+            // The step in flight is lost only if the new epoch computes it again: when a peer
+            // finished it, this rank copied the result at entry and nothing was lost.
+            lost_steps: self.in_flight.take().map_or(0, |s| u64::from(self.trainer.step() <= s)),
             fetched_bytes: done.fetched_bytes,
             fetch_ms: done.fetch_ms,
             repaired: done.repaired,
             redone_steps: done.redone_steps,
         };
-        tracing::info!(node = self.cfg.id, epoch = n.id, step = t.step, world = n.ranks.len(), idle_ms, cause = %n.cause, "entered epoch");
+        tracing::info!(node = self.cfg.id, name = %self.cfg.name, epoch = n.id, step = t.step, world = n.ranks.len(), idle_ms, cause = %n.cause, "entered epoch");
         for kind in cause_kinds(n) {
             metrics::counter!("limpet_transitions_total", "cause" => kind).increment(1);
         }

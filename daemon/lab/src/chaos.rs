@@ -521,7 +521,11 @@ fn plot(
             .x_label_area_size(36)
             .y_label_area_size(80)
             .build_cartesian_2d(0f64..end, 0f64..most * 1.05)?;
-        d.configure_mesh().x_desc("seconds").y_desc("samples trained").draw()?;
+        d.configure_mesh()
+            .x_desc("seconds")
+            .y_desc("samples trained")
+            .y_label_formatter(&limpet_daemon::plot::count_label)
+            .draw()?;
         d.draw_series(LineSeries::new(replay.iter().map(|p| (p.0, p.1)), RED.stroke_width(2)))?
             .label("replay")
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], RED));
@@ -597,6 +601,7 @@ mod tests {
             world,
             rank: 0,
             node: 1,
+            name: "node-1".into(),
             loss: 1.0,
         };
         // World 2: steps every 10 ms; world 3: every 20 ms (its first step late: a transition).
