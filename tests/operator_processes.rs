@@ -127,6 +127,11 @@ fn status_by_address_named_step_logs_and_a_quiet_drain_of_the_leader() {
         step_worlds(&n1.step_log).len() > 20
     });
 
+    // The startup log says which revocation sources the node watches, and why.
+    let log = std::fs::read_to_string(&n1.log).unwrap();
+    let want = format!("revocation sources: aws at {} (listed in [revocation].sources)", n1.metadata);
+    assert!(log.contains(&want), "{want:?} not in\n{log}");
+
     // Status from an address alone: the cluster is the node's.
     let doc = json_of(&limpet(&["status", "--json", "--addr", &n1.control]));
     assert_eq!(doc["cluster"], c.file.cluster.as_str(), "{doc:#}");

@@ -30,9 +30,9 @@ pub enum Command {
     /// and recent transitions with cause, idle time and lost steps.
     Status(crate::status::StatusArgs),
     /// Ask a node to leave at the next epoch boundary.
-    Drain(crate::status::DrainArgs),
+    Drain(crate::actions::DrainArgs),
     /// Inject a revocation: a spot notice (--in SECS) or a kill without notice (--hard).
-    Revoke(crate::status::RevokeArgs),
+    Revoke(crate::actions::RevokeArgs),
     /// The cluster's certificates: a CA, node and operator certificates (mutual TLS).
     #[command(subcommand)]
     Certs(crate::certs::CertsCommand),
@@ -51,8 +51,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Export(args) => crate::data_cmd::export(args),
         Command::Plan(args) => crate::plan_cmd::run(args),
         Command::Status(args) => crate::status::status(args),
-        Command::Drain(args) => crate::status::drain(args),
-        Command::Revoke(args) => crate::status::revoke(args),
+        Command::Drain(args) => crate::actions::drain(args),
+        Command::Revoke(args) => crate::actions::revoke(args),
         Command::Fleet(cmd) => crate::fleet_cmd::run(cmd),
         Command::Certs(cmd) => crate::certs::run(cmd),
         Command::Simulate(args) => crate::simulate::run(args),

@@ -5,6 +5,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod actions;
 pub mod args;
 pub mod capacity;
 pub mod certs;

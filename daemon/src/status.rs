@@ -1,20 +1,19 @@
-//! `limpet status`, `drain` and `revoke`: cluster operations through any node's consensus
+//! `limpet status`: the cluster seen through any node's consensus
 //! endpoint. The status document (`--json`) is versioned and documented in
 //! `docs/status.md`; fields are only ever added.
 
-use crate::cluster_file::{post_notice, ClusterFile};
+use crate::cluster_file::ClusterFile;
 use crate::text::{lines, table};
 use crate::UsageError;
-use anyhow::Context;
 use clap::Args;
 use limpet_agent::report::AgentReport;
-use limpet_consensus::state::{ClusterState, Command, Epoch, MemberStatus, NodeId};
+use limpet_consensus::state::{ClusterState, Epoch, MemberStatus, NodeId};
 use limpet_consensus::tls::{Tls, TlsFiles};
 use limpet_consensus::Client;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 /// Version of the status document.
 pub const STATUS_VERSION: u32 = 1;
@@ -57,7 +56,7 @@ pub struct Resolved {
 }
 
 impl Target {
-    fn resolve(&self) -> anyhow::Result<Resolved> {
+    pub(crate) fn resolve(&self) -> anyhow::Result<Resolved> {
         let (cluster, addrs, local) = match (&self.dir, self.addr.is_empty()) {
             (Some(dir), _) => {
                 let f = ClusterFile::load(dir)?;
@@ -92,11 +91,6 @@ impl Target {
             },
         };
         let tls = tls.map(std::sync::Arc::new);
-        let cluster = if cluster.is_empty() {
-            runtime()?.block_on(learn_cluster(&addrs, tls.as_deref()))?
-        } else {
-            cluster
-        };
         Ok(Resolved { cluster, addrs, local, tls })
     }
 }
@@ -255,7 +249,7 @@ pub struct CheckpointDoc {
 }
 
 /// Adds what a bare transport error usually means here.
-fn explain(e: String, tls: Option<&Tls>) -> String {
+pub(crate) fn explain(e: String, tls: Option<&Tls>) -> String {
     let closed = e.contains("connection closed") || e.contains("broken pipe") || e.contains("canceled");
     match tls.map(|t| t.role()) {
         None if e.contains("h2 protocol error") || e.contains("transport error") => {
@@ -272,7 +266,11 @@ fn explain(e: String, tls: Option<&Tls>) -> String {
     }
 }
 
-async fn connect_any(cluster: &str, addrs: &[String], tls: Option<&Tls>) -> anyhow::Result<(Client, String)> {
+pub(crate) async fn connect_any(
+    cluster: &str,
+    addrs: &[String],
+    tls: Option<&Tls>,
+) -> anyhow::Result<(Client, String)> {
     let mut last = String::from("no addresses");
     for a in addrs {
         match tokio::time::timeout(Duration::from_secs(2), Client::connect_with(a, cluster, tls)).await {
@@ -284,7 +282,18 @@ async fn connect_any(cluster: &str, addrs: &[String], tls: Option<&Tls>) -> anyh
     anyhow::bail!("no node answered ({last})")
 }
 
-/// The cluster the first node that answers serves (`--addr` without `--cluster`).
+impl Resolved {
+    /// The cluster's name: given, or (`--addr` without `--cluster`) the one the first node
+    /// that answers serves, asked only now that the command line has been checked.
+    pub(crate) async fn cluster(&mut self) -> anyhow::Result<String> {
+        if self.cluster.is_empty() {
+            self.cluster = learn_cluster(&self.addrs, self.tls.as_deref()).await?;
+        }
+        Ok(self.cluster.clone())
+    }
+}
+
+/// The cluster the first node that answers serves.
 async fn learn_cluster(addrs: &[String], tls: Option<&Tls>) -> anyhow::Result<String> {
     let mut errors = Vec::new();
     for a in addrs {
@@ -597,151 +606,22 @@ pub struct StatusArgs {
     pub json: bool,
 }
 
-/// `limpet drain NODE`.
-#[derive(Debug, Args)]
-pub struct DrainArgs {
-    /// The node's name.
-    pub node: String,
-    /// The cluster.
-    #[command(flatten)]
-    pub target: Target,
-    /// Print what was done as JSON.
-    #[arg(long)]
-    pub json: bool,
-}
-
-/// `limpet revoke NODE`.
-#[derive(Debug, Args)]
-pub struct RevokeArgs {
-    /// The node's name.
-    pub node: String,
-    /// A spot notice: the host goes away in SECS seconds.
-    #[arg(long = "in", value_name = "SECS", conflicts_with = "hard")]
-    pub in_secs: Option<u64>,
-    /// No notice: kill the node's limpetd with SIGKILL (local clusters only).
-    #[arg(long)]
-    pub hard: bool,
-    /// Print what was done as JSON.
-    #[arg(long)]
-    pub json: bool,
-    /// The cluster.
-    #[command(flatten)]
-    pub target: Target,
-}
-
-fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+pub(crate) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_current_thread().enable_all().build()?)
 }
 
 /// Runs `limpet status`.
 pub fn status(a: StatusArgs) -> anyhow::Result<()> {
-    let r = a.target.resolve()?;
-    let doc = runtime()?.block_on(gather(&r.cluster, &r.addrs, r.tls.as_deref()))?;
+    let mut r = a.target.resolve()?;
+    let doc = runtime()?.block_on(async {
+        let cluster = r.cluster().await?;
+        gather(&cluster, &r.addrs, r.tls.as_deref()).await
+    })?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         print!("{}", render(&doc));
     }
-    Ok(())
-}
-
-/// What a proposal did: the log index it was applied at and what the state machine said.
-pub struct Proposed {
-    /// The raft log index.
-    pub index: u64,
-    /// The state machine's words.
-    pub detail: String,
-}
-
-/// Proposes `cmd` through the first node that answers.
-pub async fn propose(
-    cluster: &str,
-    addrs: &[String],
-    tls: Option<&Tls>,
-    cmd: Command,
-) -> anyhow::Result<Proposed> {
-    let (mut c, _) = connect_any(cluster, addrs, tls).await?;
-    let (index, detail) = c
-        .propose(&cmd, Duration::from_secs(5))
-        .await
-        .map_err(|e| anyhow::anyhow!(explain(e.to_string(), tls)))?;
-    Ok(Proposed { index, detail })
-}
-
-async fn member_id(cluster: &str, addrs: &[String], tls: Option<&Tls>, name: &str) -> anyhow::Result<NodeId> {
-    let (mut c, _) = connect_any(cluster, addrs, tls).await?;
-    let st = c.read(false).await.map_err(|e| anyhow::anyhow!(explain(e.to_string(), tls)))?.state;
-    st.member_named(name).map(|m| m.spec.id).ok_or_else(|| {
-        let names: Vec<&str> = st.members.values().map(|m| m.spec.name.as_str()).collect();
-        UsageError(format!("no member {name:?} (members: {})", names.join(", "))).into()
-    })
-}
-
-/// Prints one action's outcome: `NODE: WORDS` or, with `json`, the document.
-fn report(json: bool, node: &str, doc: serde_json::Value, words: &str) {
-    if json {
-        let mut doc = doc;
-        doc["node"] = node.into();
-        println!("{doc}");
-    } else {
-        println!("{node}: {words}");
-    }
-}
-
-/// Runs `limpet drain`.
-pub fn drain(a: DrainArgs) -> anyhow::Result<()> {
-    let r = a.target.resolve()?;
-    let tls = r.tls.as_deref();
-    let (id, p) = runtime()?.block_on(async {
-        let id = member_id(&r.cluster, &r.addrs, tls, &a.node).await?;
-        let p =
-            propose(&r.cluster, &r.addrs, tls, Command::Drain { id, reason: "limpet drain".into() }).await?;
-        anyhow::Ok((id, p))
-    })?;
-    let doc = serde_json::json!({"action": "drain", "cluster": r.cluster, "id": id, "log_index": p.index, "detail": p.detail});
-    report(a.json, &a.node, doc, &format!("{} (log index {})", p.detail, p.index));
-    Ok(())
-}
-
-/// Runs `limpet revoke`.
-pub fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
-    let Resolved { cluster, addrs, local, tls } = a.target.resolve()?;
-    let tls = tls.as_deref();
-    if a.hard {
-        let f = local.ok_or_else(|| UsageError("--hard needs --dir (it kills a local process)".into()))?;
-        let n = f.node(&a.node)?;
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(n.pid as i32), nix::sys::signal::Signal::SIGKILL)
-            .with_context(|| format!("killing {} (pid {})", n.name, n.pid))?;
-        let doc = serde_json::json!({"action": "kill", "cluster": cluster, "id": n.id, "pid": n.pid});
-        report(a.json, &n.name, doc, &format!("killed (pid {}, no notice)", n.pid));
-        return Ok(());
-    }
-    let secs = a.in_secs.ok_or_else(|| UsageError("say --in SECS (a spot notice) or --hard".into()))?;
-    if let Some(f) = &local {
-        // Through the node's own metadata service, as the cloud would.
-        let n = f.node(&a.node)?;
-        post_notice(&n.metadata, secs)?;
-        let doc = serde_json::json!({"action": "notice", "cluster": cluster, "id": n.id, "in_secs": secs, "via": n.metadata});
-        report(
-            a.json,
-            &n.name,
-            doc,
-            &format!("spot notice posted to {} (revocation in {secs} s)", n.metadata),
-        );
-        return Ok(());
-    }
-    let (id, deadline_ms, p) = runtime()?.block_on(async {
-        let id = member_id(&cluster, &addrs, tls, &a.node).await?;
-        let deadline_ms = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis() as u64 + secs * 1000;
-        let p =
-            propose(&cluster, &addrs, tls, Command::Notice { id, deadline_ms, source: "cli".into() }).await?;
-        anyhow::Ok((id, deadline_ms, p))
-    })?;
-    let doc = serde_json::json!({
-        "action": "notice", "cluster": cluster, "id": id, "in_secs": secs, "deadline_ms": deadline_ms,
-        "via": "log", "log_index": p.index, "detail": p.detail,
-    });
-    report(a.json, &a.node, doc, &format!("{} (log index {})", p.detail, p.index));
     Ok(())
 }
 

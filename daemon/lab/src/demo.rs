@@ -604,7 +604,7 @@ fn fire(
         Action::Drain { node } => {
             let id = cluster.file.node(node)?.id;
             let cmd = Command::Drain { id, reason: "limpet drain".into() };
-            rt.block_on(limpet_daemon::status::propose(
+            rt.block_on(limpet_daemon::actions::propose(
                 &cluster.file.cluster,
                 &cluster.file.control_addrs(),
                 tls,

@@ -1,0 +1,146 @@
+//! `limpet drain` and `limpet revoke`: cluster actions proposed through any node's consensus
+//! service (or, for a local cluster, through its fake metadata service and its processes),
+//! each reported in words or, with `--json`, as one object.
+
+use crate::cluster_file::post_notice;
+use crate::status::{connect_any, explain, runtime, Target};
+use crate::UsageError;
+use anyhow::Context;
+use clap::Args;
+use limpet_consensus::state::{Command, NodeId};
+use limpet_consensus::tls::Tls;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// `limpet drain NODE`.
+#[derive(Debug, Args)]
+pub struct DrainArgs {
+    /// The node's name.
+    pub node: String,
+    /// The cluster.
+    #[command(flatten)]
+    pub target: Target,
+    /// Print what was done as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `limpet revoke NODE`.
+#[derive(Debug, Args)]
+pub struct RevokeArgs {
+    /// The node's name.
+    pub node: String,
+    /// A spot notice: the host goes away in SECS seconds.
+    #[arg(long = "in", value_name = "SECS", conflicts_with = "hard")]
+    pub in_secs: Option<u64>,
+    /// No notice: kill the node's limpetd with SIGKILL (local clusters only).
+    #[arg(long)]
+    pub hard: bool,
+    /// Print what was done as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// The cluster.
+    #[command(flatten)]
+    pub target: Target,
+}
+
+/// What a proposal did: the log index it was applied at and what the state machine said.
+pub struct Proposed {
+    /// The raft log index.
+    pub index: u64,
+    /// The state machine's words.
+    pub detail: String,
+}
+
+/// Proposes `cmd` through the first node that answers.
+pub async fn propose(
+    cluster: &str,
+    addrs: &[String],
+    tls: Option<&Tls>,
+    cmd: Command,
+) -> anyhow::Result<Proposed> {
+    let (mut c, _) = connect_any(cluster, addrs, tls).await?;
+    let (index, detail) = c
+        .propose(&cmd, Duration::from_secs(5))
+        .await
+        .map_err(|e| anyhow::anyhow!(explain(e.to_string(), tls)))?;
+    Ok(Proposed { index, detail })
+}
+
+async fn member_id(cluster: &str, addrs: &[String], tls: Option<&Tls>, name: &str) -> anyhow::Result<NodeId> {
+    let (mut c, _) = connect_any(cluster, addrs, tls).await?;
+    let st = c.read(false).await.map_err(|e| anyhow::anyhow!(explain(e.to_string(), tls)))?.state;
+    st.member_named(name).map(|m| m.spec.id).ok_or_else(|| {
+        let names: Vec<&str> = st.members.values().map(|m| m.spec.name.as_str()).collect();
+        UsageError(format!("no member {name:?} (members: {})", names.join(", "))).into()
+    })
+}
+
+/// Prints one action's outcome: `NODE: WORDS` or, with `json`, the document.
+fn report(json: bool, node: &str, doc: serde_json::Value, words: &str) {
+    if json {
+        let mut doc = doc;
+        doc["node"] = node.into();
+        println!("{doc}");
+    } else {
+        println!("{node}: {words}");
+    }
+}
+
+/// Runs `limpet drain`.
+pub fn drain(a: DrainArgs) -> anyhow::Result<()> {
+    let r = a.target.resolve()?;
+    let tls = r.tls.as_deref();
+    let (id, p) = runtime()?.block_on(async {
+        let id = member_id(&r.cluster, &r.addrs, tls, &a.node).await?;
+        let p =
+            propose(&r.cluster, &r.addrs, tls, Command::Drain { id, reason: "limpet drain".into() }).await?;
+        anyhow::Ok((id, p))
+    })?;
+    let doc = serde_json::json!({"action": "drain", "cluster": r.cluster, "id": id, "log_index": p.index, "detail": p.detail});
+    report(a.json, &a.node, doc, &format!("{} (log index {})", p.detail, p.index));
+    Ok(())
+}
+
+/// Runs `limpet revoke`.
+pub fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
+    let mut r = a.target.resolve()?;
+    let local = r.local.take();
+    if a.hard {
+        let f = local.ok_or_else(|| UsageError("--hard needs --dir (it kills a local process)".into()))?;
+        let n = f.node(&a.node)?;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(n.pid as i32), nix::sys::signal::Signal::SIGKILL)
+            .with_context(|| format!("killing {} (pid {})", n.name, n.pid))?;
+        let doc = serde_json::json!({"action": "kill", "cluster": f.cluster, "id": n.id, "pid": n.pid});
+        report(a.json, &n.name, doc, &format!("killed (pid {}, no notice)", n.pid));
+        return Ok(());
+    }
+    let secs = a.in_secs.ok_or_else(|| UsageError("say --in SECS (a spot notice) or --hard".into()))?;
+    if let Some(f) = &local {
+        // Through the node's own metadata service, as the cloud would.
+        let n = f.node(&a.node)?;
+        post_notice(&n.metadata, secs)?;
+        let doc = serde_json::json!({"action": "notice", "cluster": f.cluster, "id": n.id, "in_secs": secs, "via": n.metadata});
+        report(
+            a.json,
+            &n.name,
+            doc,
+            &format!("spot notice posted to {} (revocation in {secs} s)", n.metadata),
+        );
+        return Ok(());
+    }
+    let (cluster, id, deadline_ms, p) = runtime()?.block_on(async {
+        let cluster = r.cluster().await?;
+        let (addrs, tls) = (&r.addrs, r.tls.as_deref());
+        let id = member_id(&cluster, addrs, tls, &a.node).await?;
+        let deadline_ms = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis() as u64 + secs * 1000;
+        let p =
+            propose(&cluster, addrs, tls, Command::Notice { id, deadline_ms, source: "cli".into() }).await?;
+        anyhow::Ok((cluster, id, deadline_ms, p))
+    })?;
+    let doc = serde_json::json!({
+        "action": "notice", "cluster": cluster, "id": id, "in_secs": secs, "deadline_ms": deadline_ms,
+        "via": "log", "log_index": p.index, "detail": p.detail,
+    });
+    report(a.json, &a.node, doc, &format!("{} (log index {})", p.detail, p.index));
+    Ok(())
+}
