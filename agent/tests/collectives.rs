@@ -91,6 +91,42 @@ proptest! {
     }
 
     #[test]
+    fn integer_allreduce_is_exact_and_the_max_is_the_max(
+        world in 1usize..=5,
+        len in 0usize..6000,
+        shuffle in any::<u64>(),
+        small_chunks in any::<bool>(),
+    ) {
+        let mut order: Vec<u64> = (1..=world as u64).map(|n| n * 10).collect();
+        order.rotate_left((shuffle as usize) % world);
+        // Values across the whole range a shard sum uses, with carries between the halves
+        // of each i64 (the ring moves them as two f32 words).
+        let ints = |node: u64| -> Vec<i64> {
+            (0..len as i64)
+                .map(|i| {
+                    let v = (i * 0x1_0000_0001 + node as i64 * 0x7fff_ffff) << 8;
+                    if i % 2 == 0 { -v } else { v }
+                })
+                .collect()
+        };
+        let chunk = if small_chunks { 4096 } else { 512 << 10 };
+        let results = on_every_rank(&order, chunk, |g, node| {
+            let mut buf = ints(node);
+            g.allreduce_sum_i64(&mut buf, 9).unwrap();
+            let mut m = vec![node as i32, -(node as i32), 7];
+            g.allreduce_max_i32(&mut m, 9).unwrap();
+            (buf, m)
+        });
+        let want: Vec<i64> = (0..len).map(|i| order.iter().map(|&n| ints(n)[i]).fold(0i64, i64::wrapping_add)).collect();
+        let top = *order.iter().max().unwrap() as i32;
+        let least = *order.iter().min().unwrap() as i32;
+        for (buf, m) in &results {
+            prop_assert_eq!(buf, &want);
+            prop_assert_eq!(m, &vec![top, -least, 7]);
+        }
+    }
+
+    #[test]
     fn broadcast_and_allgather_deliver_every_byte(world in 1usize..=5, len in 0usize..5000, root in 0usize..5) {
         let order: Vec<u64> = (1..=world as u64).rev().collect();
         let root = root % world;

@@ -83,6 +83,9 @@ pub struct JobArgs {
     /// The cosine schedule's floor as a fraction of the peak learning rate [default: 0.1].
     #[arg(long)]
     pub min_lr_ratio: Option<f64>,
+    /// The same bits whatever the number of ranks: canonical shards summed in fixed point.
+    #[arg(long)]
+    pub reproducible: bool,
     /// Seed of initialization, sampling and the training RNG.
     #[arg(long)]
     pub seed: Option<u64>,
@@ -122,6 +125,7 @@ impl JobArgs {
             min_lr_ratio: self.min_lr_ratio,
             seed: self.seed,
             precision: self.precision.clone(),
+            reproducible: self.reproducible.then_some(true),
         }
     }
 }

@@ -54,6 +54,15 @@ pub struct JobSpec {
     /// rather than drawn from the seed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init: Option<String>,
+    /// Bit-identical results whatever the world size, the transitions and the restarts:
+    /// gradients of canonical shards summed in fixed point (`train/exact.rs`). Absent in
+    /// older images: off.
+    #[serde(default, skip_serializing_if = "is_off")]
+    pub reproducible: bool,
+}
+
+fn is_off(b: &bool) -> bool {
+    !*b
 }
 
 fn is_fp32(p: &Precision) -> bool {
@@ -89,6 +98,7 @@ impl JobSpec {
             clip_norm: Some(1.0),
             precision: Precision::Fp32,
             init: None,
+            reproducible: false,
         }
     }
 

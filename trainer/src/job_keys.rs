@@ -52,6 +52,8 @@ pub struct JobKeys {
     pub seed: Option<u64>,
     /// `fp32` or `bf16`.
     pub precision: Option<String>,
+    /// Bit-identical results whatever the world size (`train/exact.rs`).
+    pub reproducible: Option<bool>,
 }
 
 /// A key with a bad value.
@@ -165,6 +167,14 @@ impl JobKeys {
         }
         if let Some(s) = self.seed {
             job.seed = s;
+        }
+        if let Some(r) = self.reproducible {
+            job.reproducible = r;
+        }
+        if job.reproducible {
+            // Canonical shards are the unit of computation: a micro-batch setting would only
+            // make two equal jobs look different.
+            job.micro_batch = job.global_batch;
         }
         if let Some(p) = &self.precision {
             job.precision = Precision::parse(p).map_err(|detail| JobKeyError { key: "precision", detail })?;

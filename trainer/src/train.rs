@@ -9,6 +9,7 @@
 //! reduces the same buffers applies the same update. The buffer is the trainer's own (see
 //! [`grads`]): on the CPU it is where backward writes the gradients.
 
+mod exact;
 mod grads;
 
 use crate::data::Dataset;
@@ -31,6 +32,16 @@ use tch::{Device, Kind, Tensor};
 pub trait Reduce {
     /// Replaces `buf` with the elementwise sum of every rank's `buf` for `step`.
     fn allreduce_sum(&mut self, buf: &mut [f32], step: u64) -> Result<(), TrainerError>;
+
+    /// The same as exact integers (a reproducible job's fixed-point gradients).
+    fn allreduce_sum_i64(&mut self, _buf: &mut [i64], _step: u64) -> Result<(), TrainerError> {
+        Err(TrainerError::reduce("this reduce cannot sum integers: a reproducible job needs one that can"))
+    }
+
+    /// Replaces `vals` with the elementwise maximum over ranks.
+    fn allreduce_max_i32(&mut self, _vals: &mut [i32], _step: u64) -> Result<(), TrainerError> {
+        Err(TrainerError::reduce("this reduce cannot take maxima: a reproducible job needs one that can"))
+    }
 }
 
 /// The reduce of a single-process run: the local buffer already is the sum.
@@ -39,6 +50,14 @@ pub struct NoReduce;
 
 impl Reduce for NoReduce {
     fn allreduce_sum(&mut self, _buf: &mut [f32], _step: u64) -> Result<(), TrainerError> {
+        Ok(())
+    }
+
+    fn allreduce_sum_i64(&mut self, _buf: &mut [i64], _step: u64) -> Result<(), TrainerError> {
+        Ok(())
+    }
+
+    fn allreduce_max_i32(&mut self, _vals: &mut [i32], _step: u64) -> Result<(), TrainerError> {
         Ok(())
     }
 }
@@ -629,13 +648,17 @@ impl Trainer {
         Ok(())
     }
 
-    /// One whole step: compute this rank's share, reduce, apply.
+    /// One whole step: compute this rank's share, reduce, apply (a reproducible job's way
+    /// when it is one).
     pub fn train_step(
         &mut self,
         rank: usize,
         world: usize,
         reduce: &mut dyn Reduce,
     ) -> Result<StepStats, TrainerError> {
+        if self.job.reproducible {
+            return self.exact_step(rank, world, reduce);
+        }
         let step = self.step;
         let buf = self.compute_grads(rank, world)?;
         reduce.allreduce_sum(buf, step)?;

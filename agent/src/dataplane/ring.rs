@@ -11,7 +11,9 @@
 //!
 //! Ring allreduce is reduce-scatter then allgather (each rank sends 2(W-1)/W of the buffer).
 //! Each segment is summed in one order around the ring and then copied, so every rank ends
-//! with bit-identical results. Payloads are the host's little-endian f32 bytes.
+//! with bit-identical results. Payloads are the host's little-endian f32 bytes, or i64 for
+//! [`Group::allreduce_sum_i64`], whose integer sum is exact and the same in any order (what
+//! a reproducible job's fixed-point gradients need).
 
 use crate::dataplane::conn::Conn;
 use crate::dataplane::endpoint::Endpoint;
@@ -27,6 +29,8 @@ use std::time::{Duration, Instant};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Op {
     Add,
+    /// Add as little-endian i64 pairs of f32 words (wrapping; callers keep sums in range).
+    AddI64,
     Copy,
 }
 
@@ -145,7 +149,8 @@ impl Group {
             rank,
             ranks: ranks.to_vec(),
             timeout: ep.config().timeout,
-            chunk_elems: ep.config().chunk_bytes / 4,
+            // Even, so an i64 never straddles two chunks.
+            chunk_elems: (ep.config().chunk_bytes / 8).max(1) * 2,
             right,
             left,
             seq: 0,
@@ -237,6 +242,46 @@ impl Group {
             |g| if g < rs { Op::Add } else { Op::Copy },
         );
         self.run(&plan, buf, step, "allreduce")
+    }
+
+    /// Replaces `buf` with the elementwise sum of every rank's `buf`, as exact integers: the
+    /// result does not depend on the ring order or the world size.
+    pub fn allreduce_sum_i64(&mut self, buf: &mut [i64], step: u64) -> Result<(), DataPlaneError> {
+        self.check()?;
+        let w = self.world();
+        if w == 1 {
+            return Ok(());
+        }
+        let (r, n) = (self.rank, buf.len());
+        // Segments of whole i64s, counted in the f32 words the ring moves.
+        let blocks: Vec<Range<usize>> = (0..w).map(|i| 2 * (i * n / w)..2 * ((i + 1) * n / w)).collect();
+        let rs = w - 1;
+        let plan = self.ring_plan(
+            &blocks,
+            2 * (w - 1),
+            |g| if g < rs { (r + w - g) % w } else { (r + 1 + w - (g - rs)) % w },
+            |g| if g < rs { (r + 2 * w - g - 1) % w } else { (r + w - (g - rs)) % w },
+            |g| if g < rs { Op::AddI64 } else { Op::Copy },
+        );
+        let words: &mut [f32] = bytemuck::cast_slice_mut(buf);
+        self.run(&plan, words, step, "allreduce (i64)")
+    }
+
+    /// Replaces `vals` with the elementwise maximum over ranks (through an allgather: small
+    /// integers are exact as f32).
+    pub fn allreduce_max_i32(&mut self, vals: &mut [i32], step: u64) -> Result<(), DataPlaneError> {
+        if vals.iter().any(|v| v.unsigned_abs() > 1 << 24) {
+            return Err(DataPlaneError::Config("allreduce_max_i32 takes values within ±2^24".into()));
+        }
+        let mine: Vec<f32> = vals.iter().map(|&v| v as f32).collect();
+        let mut all = vec![0.0f32; mine.len() * self.world()];
+        self.allgather(&mine, &mut all, step)?;
+        for row in all.chunks(mine.len().max(1)) {
+            for (v, &x) in vals.iter_mut().zip(row) {
+                *v = (*v).max(x as i32);
+            }
+        }
+        Ok(())
     }
 
     /// Copies `root`'s `buf` (rank index) to every rank, pipelined along the ring.
@@ -541,7 +586,20 @@ impl Transfer<'_> {
                 }
             } else {
                 self.got += n;
-                if item.op == Op::Add {
+                if item.op == Op::AddI64 {
+                    // Whole i64s only: two f32 words each, joined as their bits.
+                    let upto = self.got / 8 * 2;
+                    let dst = &mut buf[item.range.start + self.added..item.range.start + upto];
+                    for (d, s) in dst.chunks_exact_mut(2).zip(scratch[self.added..upto].chunks_exact(2)) {
+                        let join = |w: &[f32]| {
+                            (u64::from(w[0].to_bits()) | (u64::from(w[1].to_bits()) << 32)) as i64
+                        };
+                        let sum = join(d).wrapping_add(join(s)) as u64;
+                        d[0] = f32::from_bits(sum as u32);
+                        d[1] = f32::from_bits((sum >> 32) as u32);
+                    }
+                    self.added = upto;
+                } else if item.op == Op::Add {
                     // Sum what just arrived while it is still in cache, rather than the whole
                     // chunk once it is complete.
                     let upto = self.got / 4;
@@ -625,6 +683,14 @@ impl Endpoint {
 impl limpet_trainer::Reduce for Group {
     fn allreduce_sum(&mut self, buf: &mut [f32], step: u64) -> Result<(), limpet_trainer::TrainerError> {
         Group::allreduce_sum(self, buf, step).map_err(|e| e.into_trainer())
+    }
+
+    fn allreduce_sum_i64(&mut self, buf: &mut [i64], step: u64) -> Result<(), limpet_trainer::TrainerError> {
+        Group::allreduce_sum_i64(self, buf, step).map_err(|e| e.into_trainer())
+    }
+
+    fn allreduce_max_i32(&mut self, vals: &mut [i32], step: u64) -> Result<(), limpet_trainer::TrainerError> {
+        Group::allreduce_max_i32(self, vals, step).map_err(|e| e.into_trainer())
     }
 }
 

@@ -322,6 +322,15 @@ impl TrainLoop {
         let (_, conn) = self.group.as_mut().expect("in a group");
         // A failed collective or stage link: (the peer it names, the error).
         let outcome: Result<limpet_trainer::StepStats, (Option<NodeId>, String)> = match conn {
+            // A reproducible job: whole canonical shards per rank, summed in fixed point (the
+            // speed-weighted shares do not apply: shards are the unit).
+            Conn::Ring(g) if self.trainer.job().reproducible => {
+                match self.trainer.exact_step(g.rank(), g.world(), g) {
+                    Ok(stats) => Ok(stats),
+                    Err(e @ limpet_trainer::TrainerError::Reduce { peer, .. }) => Err((peer, e.to_string())),
+                    Err(e) => return Err(e.into()),
+                }
+            }
             Conn::Ring(g) => {
                 let samples = self.trainer.plan().share_in(g.rank(), g.world(), &epoch.shares).len();
                 let computing = Instant::now();

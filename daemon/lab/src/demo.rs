@@ -74,6 +74,9 @@ pub struct ScenarioArgs {
     /// Batch / learning-rate policy: fixed-global, linear, sqrt, adascale.
     #[arg(long, default_value = "fixed-global")]
     pub policy: String,
+    /// The same bits whatever the number of ranks ([job].reproducible).
+    #[arg(long)]
+    pub reproducible: bool,
     /// Fewest nodes training continues with.
     #[arg(long, default_value_t = 1)]
     pub min_nodes: usize,
@@ -189,6 +192,7 @@ pub fn scenario(a: ScenarioArgs) -> anyhow::Result<()> {
         straggler_ratio: a.straggler_ratio,
         slow: a.slow.clone(),
         slow_factor: a.slow_factor.clone(),
+        reproducible: a.reproducible,
         ..LocalJob::default()
     };
     let summary = run_scenario(&a.dir, a.nodes, job, &script, Duration::from_secs(a.timeout), !a.json)?;

@@ -35,9 +35,104 @@ pub struct BenchElasticArgs {
     /// How long to wait for torchrun's next step after the kill, seconds.
     #[arg(long, default_value_t = 60)]
     pub torchrun_wait: u64,
+    /// Instead of transitions: the step time of a reproducible job against the ordinary one,
+    /// the same job on the same agents, one run after the other.
+    #[arg(long)]
+    pub reproducible: bool,
+    /// With --model llama: its size preset (small: 19 M parameters, 76 MB of gradients).
+    #[arg(long, default_value = "small")]
+    pub preset: String,
     /// Print the results as JSON.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `--reproducible`: median step times of both paths.
+#[derive(Debug, Serialize)]
+pub struct ReproBench {
+    /// The model.
+    pub model: String,
+    /// Its gradient, bytes (f32).
+    pub gradient_bytes: u64,
+    /// Agents.
+    pub nodes: usize,
+    /// Median step time of the ordinary job, ms.
+    pub ordinary_ms: f64,
+    /// Median step time of the reproducible job, ms.
+    pub reproducible_ms: f64,
+    /// reproducible / ordinary.
+    pub ratio: f64,
+    /// Whether the goal (at most 1.3x) was met.
+    pub met: bool,
+}
+
+/// The median gap between node-1's completed steps in `dir`'s step logs.
+fn median_step_ms(dir: &Path) -> anyhow::Result<f64> {
+    let lines = read_step_logs(
+        &std::fs::read_dir(dir)?
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.to_string_lossy().ends_with(".steps.jsonl"))
+            .collect::<Vec<_>>(),
+    )?;
+    let mut mine: Vec<u64> = lines.iter().filter(|l| l.node == 1).map(|l| l.wall_ms).collect();
+    mine.sort_unstable();
+    // The first steps warm up (connections, allocations): leave out the first tenth.
+    let skip = mine.len() / 10;
+    let mut gaps: Vec<u64> = mine[skip..].windows(2).map(|w| w[1] - w[0]).collect();
+    gaps.sort_unstable();
+    Ok(if gaps.is_empty() { 0.0 } else { gaps[gaps.len() / 2] as f64 })
+}
+
+/// `--reproducible`: the same job both ways on `a.nodes` agents, no transitions.
+fn bench_reproducible(a: &BenchElasticArgs, job: LocalJob) -> anyhow::Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let mut times = Vec::new();
+    for reproducible in [false, true] {
+        let dir = tmp.path().join(if reproducible { "reproducible" } else { "ordinary" });
+        eprintln!(
+            "{} job: {} agents, {} {} steps",
+            if reproducible { "reproducible" } else { "ordinary" },
+            a.nodes,
+            job.model,
+            a.steps
+        );
+        let job = LocalJob { reproducible, ..job.clone() };
+        run_scenario(&dir, a.nodes, job, &[], Duration::from_secs(1800), !a.json)?;
+        times.push(median_step_ms(&dir)?);
+    }
+    let image = limpet_snapshot::read_file(&tmp.path().join("ordinary/node-1/checkpoint.safetensors"))?;
+    let gradient_bytes = image
+        .tensors()
+        .iter()
+        .filter(|(k, _)| k.starts_with("param/"))
+        .map(|(_, t)| t.data().len() as u64)
+        .sum();
+    let ratio = times[1] / times[0].max(1e-9);
+    let r = ReproBench {
+        model: job.model.clone(),
+        gradient_bytes,
+        nodes: a.nodes,
+        ordinary_ms: times[0],
+        reproducible_ms: times[1],
+        ratio,
+        met: ratio <= 1.3,
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        println!(
+            "{} on {} agents ({:.1} MB of gradients): ordinary {:.1} ms/step, reproducible {:.1} ms/step, {:.2}x (goal <= 1.3x: {})",
+            r.model,
+            r.nodes,
+            r.gradient_bytes as f64 / 1e6,
+            r.ordinary_ms,
+            r.reproducible_ms,
+            r.ratio,
+            if r.met { "met" } else { "not met" }
+        );
+    }
+    Ok(())
 }
 
 /// One measured transition.
@@ -72,22 +167,34 @@ pub struct ElasticBench {
 
 /// Runs the benchmark.
 pub fn bench(a: BenchElasticArgs) -> anyhow::Result<()> {
-    if a.nodes < 3 {
+    if a.nodes < 3 && !a.reproducible {
         return Err(limpet_daemon::UsageError("--nodes must be at least 3".into()).into());
     }
     let tmp = tempfile::tempdir()?;
     let (model, data, global_batch) = match a.model.as_str() {
         "mlp" => ("mlp", "digits", 64),
         "gpt" => ("gpt", "chars", 32),
-        m => return Err(limpet_daemon::UsageError(format!("--model {m:?} is not mlp or gpt")).into()),
+        "llama" if a.reproducible => ("llama", "chars", 16),
+        m => {
+            return Err(limpet_daemon::UsageError(format!(
+                "--model {m:?} is not mlp or gpt (or llama with --reproducible)"
+            ))
+            .into())
+        }
     };
-    let job = LocalJob {
+    let mut job = LocalJob {
         model: model.into(),
         data: data.into(),
         steps: a.steps,
         global_batch,
         ..LocalJob::default()
     };
+    if model == "llama" {
+        job.model_section.preset = Some(a.preset.clone());
+    }
+    if a.reproducible {
+        return bench_reproducible(&a, job);
+    }
     let script = vec![
         (0.2, Action::Notice { node: "node-2".into(), in_secs: 30 }),
         (0.4, Action::Join),

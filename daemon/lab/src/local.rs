@@ -93,6 +93,9 @@ pub struct LocalJob {
     /// A straggler drill: this node computes as a host this many times slower would.
     #[serde(default)]
     pub slow_factor: Option<(String, f64)>,
+    /// `[job].reproducible`.
+    #[serde(default)]
+    pub reproducible: bool,
 }
 
 impl Default for LocalJob {
@@ -128,6 +131,7 @@ impl Default for LocalJob {
             straggler_ratio: 0.0,
             slow: None,
             slow_factor: None,
+            reproducible: false,
         }
     }
 }
@@ -363,6 +367,9 @@ impl LocalCluster {
         );
         if let Some(m) = j.micro_batch {
             text += &format!("micro_batch = {m}\n");
+        }
+        if j.reproducible {
+            text += "reproducible = true\n";
         }
         if let Some(lr) = j.lr {
             text += &format!("lr = {lr:?}\n");

@@ -4,9 +4,11 @@
 //! before it starts. The keys are documented in `docs/limpetd.md`.
 
 mod capacity;
+mod job;
 mod names;
 mod security;
 pub use capacity::CapacitySection;
+pub use job::JobSection;
 use limpet_agent::policy::BatchPolicy;
 pub use limpet_trainer::job_keys::OptimizerName;
 pub use names::{DataPlaneMode, LogFormat, ModelName, SourceName, Sources};
@@ -295,84 +297,6 @@ fn default_straggler_steps() -> u64 {
     100
 }
 
-/// `[job]`.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct JobSection {
-    /// The model family.
-    pub model: ModelName,
-    /// `digits`, `chars` or `synthetic`.
-    pub data: String,
-    /// Data file or directory.
-    pub data_path: Option<PathBuf>,
-    /// Total optimizer steps.
-    pub steps: u64,
-    /// Global batch.
-    pub global_batch: u64,
-    /// Largest micro-batch.
-    pub micro_batch: Option<u64>,
-    /// `fixed-global` (default), `linear`, `sqrt` or `adascale`.
-    #[serde(default = "default_policy")]
-    pub policy: BatchPolicy,
-    /// Seed.
-    #[serde(default)]
-    pub seed: u64,
-    /// `adamw` (default) or `sgd` (momentum 0.9; its own default learning rate, 0.05).
-    pub optimizer: Option<OptimizerName>,
-    /// Peak learning rate (the model's default when absent).
-    pub lr: Option<f64>,
-    /// Weight decay (the model's default when absent).
-    pub weight_decay: Option<f64>,
-    /// Linear warmup steps (default: a twentieth of `steps`).
-    pub warmup: Option<u64>,
-    /// Gradient global-norm clip (0: off; default: the model's, 1.0).
-    pub clip: Option<f64>,
-    /// The cosine schedule's floor as a fraction of the peak learning rate (default 0.1).
-    pub min_lr_ratio: Option<f64>,
-    /// World size the batch and learning rate were tuned for (the policies scale from it;
-    /// default: the number of founders).
-    pub base_world: Option<u64>,
-    /// Transformer blocks of the `gpt` model (default 2).
-    pub layers: Option<usize>,
-    /// `cpu`, `cuda`, `cuda:N` or `auto` (default `cpu`).
-    #[serde(default = "default_device")]
-    pub device: String,
-    /// `fp32` (default) or `bf16` (model `llama`).
-    #[serde(default = "default_precision")]
-    pub precision: String,
-}
-
-impl JobSection {
-    /// The keys this section shares with `limpet train`'s flags.
-    pub fn keys(&self) -> limpet_trainer::job_keys::JobKeys {
-        limpet_trainer::job_keys::JobKeys {
-            steps: Some(self.steps),
-            global_batch: Some(self.global_batch as usize),
-            micro_batch: self.micro_batch.map(|m| m as usize),
-            optimizer: self.optimizer,
-            lr: self.lr,
-            weight_decay: self.weight_decay,
-            warmup: self.warmup,
-            clip: self.clip,
-            min_lr_ratio: self.min_lr_ratio,
-            seed: Some(self.seed),
-            precision: Some(self.precision.clone()),
-        }
-    }
-}
-
-fn default_device() -> String {
-    "cpu".into()
-}
-
-fn default_precision() -> String {
-    "fp32".into()
-}
-
-fn default_policy() -> BatchPolicy {
-    BatchPolicy::FixedGlobal
-}
-
 /// `[revocation]`.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -573,6 +497,21 @@ impl Config {
         }
         if let Err(e) = self.job.keys().check() {
             return err(&format!("[job].{}", e.key), e.detail);
+        }
+        if self.job.reproducible == Some(true) {
+            if self.job.policy != BatchPolicy::FixedGlobal {
+                return err(
+                    "[job].reproducible",
+                    "needs policy \"fixed-global\": the other policies change the batch or the learning rate with the world size".into(),
+                );
+            }
+            if self.pipeline.is_some() {
+                return err(
+                    "[job].reproducible",
+                    "is for data parallelism only: a pipelined step sums over its replicas' stages in f32"
+                        .into(),
+                );
+            }
         }
         if self.job.base_world == Some(0) {
             return err("[job].base_world", "must be at least 1".into());

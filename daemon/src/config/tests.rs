@@ -100,6 +100,17 @@ fn errors_name_the_file_and_the_key() {
         (good.replace("global_batch = 64", "global_batch = 64\nclip = -1.0"), "[job].clip"),
         (good.replace("global_batch = 64", "global_batch = 64\nmin_lr_ratio = 1.5"), "[job].min_lr_ratio"),
         (good.replace("global_batch = 64", "global_batch = 64\nmicro_batch = 65"), "[job].micro_batch"),
+        (
+            good.replace("global_batch = 64", "global_batch = 64\nreproducible = true\npolicy = \"linear\""),
+            "[job].reproducible: needs policy \"fixed-global\"",
+        ),
+        (
+            format!(
+                "{}\n[pipeline]\nstages = 2\n",
+                good.replace("global_batch = 64", "global_batch = 64\nreproducible = true")
+            ),
+            "[job].reproducible: is for data parallelism only",
+        ),
         (good.replace("sources = [\"aws\"]", "sources = []"), "sources = \"none\""),
         (good.replace("sources = [\"aws\"]", "sources = \"aws\""), "written as a list"),
         (good.replace("global_batch = 64", "global_batch = 64\ndevice = \"gpu\""), "[job].device"),
