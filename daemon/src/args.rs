@@ -86,6 +86,9 @@ pub struct JobArgs {
     /// The same bits whatever the number of ranks: canonical shards summed in fixed point.
     #[arg(long)]
     pub reproducible: bool,
+    /// Canonical shards per step of a --reproducible job [default: 8].
+    #[arg(long)]
+    pub shards: Option<usize>,
     /// Seed of initialization, sampling and the training RNG.
     #[arg(long)]
     pub seed: Option<u64>,
@@ -126,6 +129,7 @@ impl JobArgs {
             seed: self.seed,
             precision: self.precision.clone(),
             reproducible: self.reproducible.then_some(true),
+            shards: self.shards,
         }
     }
 }

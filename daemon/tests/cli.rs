@@ -109,6 +109,7 @@ fn bad_flags_exit_64_naming_the_flag() {
         "--warmup: 11 exceeds the job's 10 steps",
     );
     fails(&["train", "--min-lr-ratio", "2", "--out", out], 64, "--min-lr-ratio: 2 is not within 0..=1");
+    fails(&["train", "--shards", "4", "--out", out], 64, "--shards: applies to a reproducible job only");
     fails(
         &["train", "--precision", "bf16", "--out", out],
         64,

@@ -59,6 +59,11 @@ pub struct JobSpec {
     /// older images: off.
     #[serde(default, skip_serializing_if = "is_off")]
     pub reproducible: bool,
+    /// A reproducible job's canonical shards per step (default 8): each rank of a world of
+    /// W runs ceil(shards / W) backward passes, so shards equal to the usual world size is
+    /// the fastest, and more ranks than shards leaves some idle.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shards: Option<usize>,
 }
 
 fn is_off(b: &bool) -> bool {
@@ -99,6 +104,7 @@ impl JobSpec {
             precision: Precision::Fp32,
             init: None,
             reproducible: false,
+            shards: None,
         }
     }
 

@@ -54,6 +54,8 @@ pub struct JobKeys {
     pub precision: Option<String>,
     /// Bit-identical results whatever the world size (`train/exact.rs`).
     pub reproducible: Option<bool>,
+    /// A reproducible job's canonical shards per step.
+    pub shards: Option<usize>,
 }
 
 /// A key with a bad value.
@@ -114,6 +116,18 @@ impl JobKeys {
         if let Some(p) = &self.precision {
             Precision::parse(p).map_err(|detail| JobKeyError { key: "precision", detail })?;
         }
+        if let Some(k) = self.shards {
+            if k == 0 || self.global_batch.is_some_and(|b| k > b) {
+                let top = self.global_batch.map_or("the global batch".to_string(), |b| b.to_string());
+                return Err(JobKeyError { key: "shards", detail: format!("{k} is not within 1..={top}") });
+            }
+            if self.reproducible != Some(true) {
+                return Err(JobKeyError {
+                    key: "shards",
+                    detail: "applies to a reproducible job only".into(),
+                });
+            }
+        }
         Ok(())
     }
 
@@ -170,6 +184,9 @@ impl JobKeys {
         }
         if let Some(r) = self.reproducible {
             job.reproducible = r;
+        }
+        if let Some(k) = self.shards {
+            job.shards = Some(k);
         }
         if job.reproducible {
             // Canonical shards are the unit of computation: a micro-batch setting would only

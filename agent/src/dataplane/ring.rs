@@ -64,7 +64,9 @@ pub struct Group {
     left: Option<Conn>,
     seq: u32,
     broken: Option<String>,
-    scratch: Vec<f32>,
+    /// Received bytes before they are added; held as u64s so that, seen as f32 words, any
+    /// even offset is 8-aligned and i64 sums can read it in place.
+    scratch: Vec<u64>,
 }
 
 impl Group {
@@ -155,7 +157,7 @@ impl Group {
             left,
             seq: 0,
             broken: None,
-            scratch: vec![0.0; ep.config().chunk_bytes / 4],
+            scratch: vec![0; ep.config().chunk_bytes / 8 + 1],
         })
     }
 
@@ -415,7 +417,7 @@ impl Group {
         while !t.done(right) {
             let mut progressed = t.send(right, buf)?;
             progressed |= t.flush(right)?;
-            progressed |= t.receive(left, buf, &mut self.scratch)?;
+            progressed |= t.receive(left, buf, bytemuck::cast_slice_mut(&mut self.scratch))?;
             if t.done(right) {
                 break;
             }
@@ -587,16 +589,16 @@ impl Transfer<'_> {
             } else {
                 self.got += n;
                 if item.op == Op::AddI64 {
-                    // Whole i64s only: two f32 words each, joined as their bits.
+                    // Whole i64s only (two f32 words each). Both sides are 8-aligned: `buf` is
+                    // an i64 buffer seen as words and chunks start at even words; the scratch
+                    // is u64s.
                     let upto = self.got / 8 * 2;
-                    let dst = &mut buf[item.range.start + self.added..item.range.start + upto];
-                    for (d, s) in dst.chunks_exact_mut(2).zip(scratch[self.added..upto].chunks_exact(2)) {
-                        let join = |w: &[f32]| {
-                            (u64::from(w[0].to_bits()) | (u64::from(w[1].to_bits()) << 32)) as i64
-                        };
-                        let sum = join(d).wrapping_add(join(s)) as u64;
-                        d[0] = f32::from_bits(sum as u32);
-                        d[1] = f32::from_bits((sum >> 32) as u32);
+                    let dst: &mut [i64] = bytemuck::cast_slice_mut(
+                        &mut buf[item.range.start + self.added..item.range.start + upto],
+                    );
+                    let src: &[i64] = bytemuck::cast_slice(&scratch[self.added..upto]);
+                    for (d, s) in dst.iter_mut().zip(src) {
+                        *d = d.wrapping_add(*s);
                     }
                     self.added = upto;
                 } else if item.op == Op::Add {

@@ -39,9 +39,12 @@ pub struct BenchElasticArgs {
     /// the same job on the same agents, one run after the other.
     #[arg(long)]
     pub reproducible: bool,
-    /// With --model llama: its size preset (small: 19 M parameters, 76 MB of gradients).
+    /// With --model llama: its size preset.
     #[arg(long, default_value = "small")]
     pub preset: String,
+    /// With --reproducible: canonical shards per step [default: the job's, 8].
+    #[arg(long)]
+    pub shards: Option<usize>,
     /// Print the results as JSON.
     #[arg(long)]
     pub json: bool,
@@ -56,9 +59,9 @@ pub struct ReproBench {
     pub gradient_bytes: u64,
     /// Agents.
     pub nodes: usize,
-    /// Median step time of the ordinary job, ms.
+    /// Mean step time of the ordinary job, ms.
     pub ordinary_ms: f64,
-    /// Median step time of the reproducible job, ms.
+    /// Mean step time of the reproducible job, ms.
     pub reproducible_ms: f64,
     /// reproducible / ordinary.
     pub ratio: f64,
@@ -66,8 +69,10 @@ pub struct ReproBench {
     pub met: bool,
 }
 
-/// The median gap between node-1's completed steps in `dir`'s step logs.
-fn median_step_ms(dir: &Path) -> anyhow::Result<f64> {
+/// node-1's mean step time in `dir`'s step logs, after the first tenth of the steps (they
+/// warm up: connections, allocations). Wall times are whole milliseconds, so a mean over
+/// many steps rather than a median of gaps.
+fn mean_step_ms(dir: &Path) -> anyhow::Result<f64> {
     let lines = read_step_logs(
         &std::fs::read_dir(dir)?
             .flatten()
@@ -77,11 +82,11 @@ fn median_step_ms(dir: &Path) -> anyhow::Result<f64> {
     )?;
     let mut mine: Vec<u64> = lines.iter().filter(|l| l.node == 1).map(|l| l.wall_ms).collect();
     mine.sort_unstable();
-    // The first steps warm up (connections, allocations): leave out the first tenth.
-    let skip = mine.len() / 10;
-    let mut gaps: Vec<u64> = mine[skip..].windows(2).map(|w| w[1] - w[0]).collect();
-    gaps.sort_unstable();
-    Ok(if gaps.is_empty() { 0.0 } else { gaps[gaps.len() / 2] as f64 })
+    let kept = &mine[mine.len() / 10..];
+    Ok(match kept {
+        [first, .., last] => (last - first) as f64 / (kept.len() - 1) as f64,
+        _ => 0.0,
+    })
 }
 
 /// `--reproducible`: the same job both ways on `a.nodes` agents, no transitions.
@@ -97,9 +102,9 @@ fn bench_reproducible(a: &BenchElasticArgs, job: LocalJob) -> anyhow::Result<()>
             job.model,
             a.steps
         );
-        let job = LocalJob { reproducible, ..job.clone() };
+        let job = LocalJob { reproducible, shards: a.shards.filter(|_| reproducible), ..job.clone() };
         run_scenario(&dir, a.nodes, job, &[], Duration::from_secs(1800), !a.json)?;
-        times.push(median_step_ms(&dir)?);
+        times.push(mean_step_ms(&dir)?);
     }
     let image = limpet_snapshot::read_file(&tmp.path().join("ordinary/node-1/checkpoint.safetensors"))?;
     let gradient_bytes = image
@@ -122,7 +127,7 @@ fn bench_reproducible(a: &BenchElasticArgs, job: LocalJob) -> anyhow::Result<()>
         println!("{}", serde_json::to_string_pretty(&r)?);
     } else {
         println!(
-            "{} on {} agents ({:.1} MB of gradients): ordinary {:.1} ms/step, reproducible {:.1} ms/step, {:.2}x (goal <= 1.3x: {})",
+            "{} on {} agents ({:.1} MB of gradients): ordinary {:.2} ms/step, reproducible {:.2} ms/step, {:.2}x (goal <= 1.3x: {})",
             r.model,
             r.nodes,
             r.gradient_bytes as f64 / 1e6,

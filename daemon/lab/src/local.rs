@@ -96,6 +96,9 @@ pub struct LocalJob {
     /// `[job].reproducible`.
     #[serde(default)]
     pub reproducible: bool,
+    /// `[job].shards`.
+    #[serde(default)]
+    pub shards: Option<usize>,
 }
 
 impl Default for LocalJob {
@@ -132,6 +135,7 @@ impl Default for LocalJob {
             slow: None,
             slow_factor: None,
             reproducible: false,
+            shards: None,
         }
     }
 }
@@ -370,6 +374,9 @@ impl LocalCluster {
         }
         if j.reproducible {
             text += "reproducible = true\n";
+        }
+        if let Some(k) = j.shards {
+            text += &format!("shards = {k}\n");
         }
         if let Some(lr) = j.lr {
             text += &format!("lr = {lr:?}\n");

@@ -41,6 +41,8 @@ pub struct JobSection {
     pub min_lr_ratio: Option<f64>,
     /// Bit-identical results whatever the world size (policy `fixed-global`, no pipeline).
     pub reproducible: Option<bool>,
+    /// A reproducible job's canonical shards per step (default 8).
+    pub shards: Option<usize>,
     /// World size the batch and learning rate were tuned for (the policies scale from it;
     /// default: the number of founders).
     pub base_world: Option<u64>,
@@ -70,6 +72,7 @@ impl JobSection {
             seed: Some(self.seed),
             precision: Some(self.precision.clone()),
             reproducible: self.reproducible,
+            shards: self.shards,
         }
     }
 }

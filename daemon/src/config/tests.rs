@@ -101,6 +101,14 @@ fn errors_name_the_file_and_the_key() {
         (good.replace("global_batch = 64", "global_batch = 64\nmin_lr_ratio = 1.5"), "[job].min_lr_ratio"),
         (good.replace("global_batch = 64", "global_batch = 64\nmicro_batch = 65"), "[job].micro_batch"),
         (
+            good.replace("global_batch = 64", "global_batch = 64\nshards = 4"),
+            "[job].shards: applies to a reproducible job",
+        ),
+        (
+            good.replace("global_batch = 64", "global_batch = 64\nreproducible = true\nshards = 65"),
+            "[job].shards: 65 is not within 1..=64",
+        ),
+        (
             good.replace("global_batch = 64", "global_batch = 64\nreproducible = true\npolicy = \"linear\""),
             "[job].reproducible: needs policy \"fixed-global\"",
         ),

@@ -23,7 +23,7 @@ use super::Trainer;
 use crate::{Reduce, StepStats, TrainerError};
 use std::ops::Range;
 
-/// Most canonical shards per step (fewer when the global batch is smaller).
+/// Canonical shards per step unless the job says (fewer when the global batch is smaller).
 pub const SHARDS: usize = 8;
 /// Fixed-point bits below each tensor's exponent: 2^40 per shard leaves 2^23 of headroom
 /// in an i64 for summing shards.
@@ -74,8 +74,16 @@ fn scale(exp: i32) -> f64 {
     2f64.powi(FRACTION_BITS - exp)
 }
 
+/// `x` rounded to the nearest integer, ties to even, for `|x| < 2^51`: adding and taking
+/// back 1.5 * 2^52 leaves no fraction bits (IEEE round-to-nearest-even does the rest). The
+/// same as `round_ties_even`, without a libm call per gradient element.
+fn round_even(x: f64) -> f64 {
+    const MAGIC: f64 = 6_755_399_441_055_744.0;
+    (x + MAGIC) - MAGIC
+}
+
 fn quantize(v: f64, exp: i32) -> i64 {
-    (v * scale(exp)).round_ties_even() as i64
+    round_even(v * scale(exp)) as i64
 }
 
 fn dequantize(q: i64, exp: i32) -> f64 {
@@ -94,13 +102,16 @@ impl Trainer {
         let started = std::time::Instant::now();
         let step = self.step;
         let b = self.plan.global_batch;
-        let k = b.clamp(1, SHARDS);
+        let k = self.job.shards.unwrap_or(SHARDS).clamp(1, b);
         let n = self.grads.grads_len();
         let sizes: Vec<usize> = self.model.params().iter().map(|(_, p)| p.numel()).collect();
         let step_seed = self.peek_step_seed();
-        // Each shard: its gradient, its loss sum and its sample count.
-        let mut shards: Vec<(Vec<f32>, f64, usize)> = Vec::new();
-        for j in shards_of(k, rank, world) {
+        // Each shard: its gradient (the last stays in the trainer's buffer, the others are
+        // copied out), its loss sum and its sample count; the exponents as they come.
+        let mine = shards_of(k, rank, world);
+        let mut shards: Vec<(Option<Vec<f32>>, f64, usize)> = Vec::new();
+        let mut exps = vec![ZERO_EXP; sizes.len() + 1];
+        for j in mine.clone() {
             let s = shard(b, k, j);
             let positions = self.cursor + s.start as u64..self.cursor + s.end as u64;
             self.grads.zero(self.model.params())?;
@@ -113,34 +124,41 @@ impl Trainer {
             loss.f_backward()?;
             let loss = loss.double_value(&[]);
             self.grads.collect(self.model.params())?;
-            let g = self.grads.as_mut_slice()[..n].to_vec();
-            if !loss.is_finite() || g.iter().any(|v| !v.is_finite()) {
+            let g = &self.grads.as_mut_slice()[..n];
+            let mut at = 0;
+            let mut finite = loss.is_finite();
+            for (t, &len) in sizes.iter().enumerate() {
+                let mut m = 0f32;
+                for v in &g[at..at + len] {
+                    let a = v.abs();
+                    finite &= a.is_finite();
+                    m = m.max(a);
+                }
+                exps[t] = exps[t].max(exp_f32(m));
+                at += len;
+            }
+            if !finite {
                 return Err(TrainerError::Config(format!(
                     "step {step}: shard {j} has a non-finite loss or gradient"
                 )));
             }
-            shards.push((g, loss, s.len()));
-        }
-        // Exponents: one per tensor, then the loss's.
-        let mut exps = vec![ZERO_EXP; sizes.len() + 1];
-        for (g, loss, _) in &shards {
-            let mut at = 0;
-            for (t, &len) in sizes.iter().enumerate() {
-                let m = g[at..at + len].iter().fold(0f32, |m, v| m.max(v.abs()));
-                exps[t] = exps[t].max(exp_f32(m));
-                at += len;
-            }
             exps[sizes.len()] = exps[sizes.len()].max(exp_f64(loss.abs()));
+            let kept = (j + 1 < mine.end).then(|| g.to_vec());
+            shards.push((kept, loss, s.len()));
         }
         reduce.allreduce_max_i32(&mut exps, step)?;
         // This rank's shards in fixed point, summed exactly; then the loss and the count.
         let mut acc = vec![0i64; n + 2];
-        for (g, loss, count) in &shards {
+        for (kept, loss, count) in &shards {
+            let g = match kept {
+                Some(g) => g.as_slice(),
+                None => &self.grads.as_mut_slice()[..n],
+            };
             let mut at = 0;
             for (t, &len) in sizes.iter().enumerate() {
                 let k = scale(exps[t]);
                 for (a, &v) in acc[at..at + len].iter_mut().zip(&g[at..at + len]) {
-                    *a += (f64::from(v) * k).round_ties_even() as i64;
+                    *a += round_even(f64::from(v) * k) as i64;
                 }
                 at += len;
             }
@@ -152,9 +170,10 @@ impl Trainer {
         let buf = self.grads.as_mut_slice();
         let mut at = 0;
         for (t, &len) in sizes.iter().enumerate() {
-            let k = scale(exps[t]);
+            // The inverse of a power of two is exact.
+            let inv = 1.0 / scale(exps[t]);
             for (d, &q) in buf[at..at + len].iter_mut().zip(&acc[at..at + len]) {
-                *d = (q as f64 / k) as f32;
+                *d = (q as f64 * inv) as f32;
             }
             at += len;
         }
@@ -198,5 +217,8 @@ mod tests {
         assert_eq!(exp_f32(0.0), ZERO_EXP);
         assert!(f64::from(f32::MIN_POSITIVE / 4.0) < 2f64.powi(exp_f32(f32::MIN_POSITIVE / 4.0)));
         assert!(2.5 < 2f64.powi(exp_f64(2.5)));
+        for x in [0.5, 1.5, 2.5, -0.5, -2.5, 3.7, -3.2, 1e12 + 0.5, -(2f64.powi(50)) - 0.5] {
+            assert_eq!(round_even(x), x.round_ties_even(), "{x}");
+        }
     }
 }
