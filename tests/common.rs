@@ -198,9 +198,10 @@ pub fn rogue_join(id: u64, name: &str) -> limpet_consensus::state::Command {
 }
 
 /// What the step logs in `dir` say about the transition into epoch `epoch` starting at
-/// `start`: 1 when every survivor (a node that logged a step of that epoch) ended the old
-/// epochs at `start - 1` (the step in flight was computed again), 0 when one ended earlier
-/// (a peer had finished the step and it caught up). The definition of docs/status.md.
+/// `start`: 1 when a survivor (a node that logged a step of that epoch) ended the old epochs
+/// at `start - 1`, so that, training on, it was computing `start` when the collective broke
+/// and that computation was thrown away (a lost step, which no step log ever shows); 0 when
+/// every survivor stopped earlier. The definition of docs/status.md.
 pub fn lost_by_step_logs(dir: &Path, epoch: u64, start: u64) -> u64 {
     let mut last_before = Vec::new();
     for e in std::fs::read_dir(dir).unwrap().flatten() {
@@ -230,5 +231,5 @@ pub fn lost_by_step_logs(dir: &Path, epoch: u64, start: u64) -> u64 {
         "no survivor of epoch {epoch} logged an earlier step in {}",
         dir.display()
     );
-    u64::from(last_before.iter().all(|&b| b + 1 == start))
+    u64::from(last_before.iter().any(|&b| b + 1 == start))
 }

@@ -233,17 +233,22 @@ impl Group {
         if w == 1 {
             return Ok(());
         }
-        let r = self.rank;
         let blocks: Vec<Range<usize>> = (0..w).map(|i| self.segment(buf.len(), i)).collect();
+        let plan = self.allreduce_plan(&blocks, Op::Add);
+        self.run(&plan, buf, step, "allreduce")
+    }
+
+    /// Reduce-scatter with `add` over `blocks` (one per rank), then allgather.
+    fn allreduce_plan(&self, blocks: &[Range<usize>], add: Op) -> Plan {
+        let (w, r) = (self.world(), self.rank);
         let rs = w - 1;
-        let plan = self.ring_plan(
-            &blocks,
+        self.ring_plan(
+            blocks,
             2 * (w - 1),
             |g| if g < rs { (r + w - g) % w } else { (r + 1 + w - (g - rs)) % w },
             |g| if g < rs { (r + 2 * w - g - 1) % w } else { (r + w - (g - rs)) % w },
-            |g| if g < rs { Op::Add } else { Op::Copy },
-        );
-        self.run(&plan, buf, step, "allreduce")
+            |g| if g < rs { add } else { Op::Copy },
+        )
     }
 
     /// Replaces `buf` with the elementwise sum of every rank's `buf`, as exact integers: the
@@ -254,17 +259,10 @@ impl Group {
         if w == 1 {
             return Ok(());
         }
-        let (r, n) = (self.rank, buf.len());
+        let n = buf.len();
         // Segments of whole i64s, counted in the f32 words the ring moves.
         let blocks: Vec<Range<usize>> = (0..w).map(|i| 2 * (i * n / w)..2 * ((i + 1) * n / w)).collect();
-        let rs = w - 1;
-        let plan = self.ring_plan(
-            &blocks,
-            2 * (w - 1),
-            |g| if g < rs { (r + w - g) % w } else { (r + 1 + w - (g - rs)) % w },
-            |g| if g < rs { (r + 2 * w - g - 1) % w } else { (r + w - (g - rs)) % w },
-            |g| if g < rs { Op::AddI64 } else { Op::Copy },
-        );
+        let plan = self.allreduce_plan(&blocks, Op::AddI64);
         let words: &mut [f32] = bytemuck::cast_slice_mut(buf);
         self.run(&plan, words, step, "allreduce (i64)")
     }

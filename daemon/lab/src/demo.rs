@@ -654,6 +654,17 @@ pub fn evaluate(paths: &[PathBuf], data_path: Option<&Path>) -> anyhow::Result<(
     anyhow::bail!("the final checkpoints {paths:?} do not hold the whole model")
 }
 
+/// Every step line of the step logs (`*.steps.jsonl`) in a local cluster's directory.
+pub fn step_logs_in(dir: &Path) -> anyhow::Result<Vec<StepLine>> {
+    let paths: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading {}", dir.display()))?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.to_string_lossy().ends_with(".steps.jsonl"))
+        .collect();
+    read_step_logs(&paths)
+}
+
 /// Every node's step log, parsed.
 pub fn read_step_logs(paths: &[PathBuf]) -> anyhow::Result<Vec<StepLine>> {
     let mut out = Vec::new();

@@ -9,7 +9,7 @@
 //! worker killed at the same point of the job; reported: the time from the kill to the next
 //! completed step, and the steps redone from the checkpoint.
 
-use crate::demo::{now_ms, read_step_logs, run_scenario, Action};
+use crate::demo::{now_ms, run_scenario, step_logs_in, Action};
 use crate::local::LocalJob;
 use anyhow::Context;
 use clap::Args;
@@ -73,13 +73,7 @@ pub struct ReproBench {
 /// warm up: connections, allocations). Wall times are whole milliseconds, so a mean over
 /// many steps rather than a median of gaps.
 fn mean_step_ms(dir: &Path) -> anyhow::Result<f64> {
-    let lines = read_step_logs(
-        &std::fs::read_dir(dir)?
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| p.to_string_lossy().ends_with(".steps.jsonl"))
-            .collect::<Vec<_>>(),
-    )?;
+    let lines = step_logs_in(dir)?;
     let mut mine: Vec<u64> = lines.iter().filter(|l| l.node == 1).map(|l| l.wall_ms).collect();
     mine.sort_unstable();
     let kept = &mine[mine.len() / 10..];
@@ -211,13 +205,7 @@ pub fn bench(a: BenchElasticArgs) -> anyhow::Result<()> {
     );
     let dir = tmp.path().join("limpet");
     let s = run_scenario(&dir, a.nodes, job, &script, Duration::from_secs(600), !a.json)?;
-    let lines = read_step_logs(
-        &std::fs::read_dir(&dir)?
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| p.to_string_lossy().ends_with(".steps.jsonl"))
-            .collect::<Vec<_>>(),
-    )?;
+    let lines = step_logs_in(&dir)?;
     let mut first: Vec<u64> =
         lines.iter().filter(|l| l.epoch == 1 && l.node == 1).map(|l| l.wall_ms).collect();
     first.sort_unstable();
