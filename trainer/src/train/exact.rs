@@ -82,12 +82,14 @@ fn round_even(x: f64) -> f64 {
     (x + MAGIC) - MAGIC
 }
 
-fn quantize(v: f64, exp: i32) -> i64 {
-    round_even(v * scale(exp)) as i64
+/// `v` in fixed point, given the factor `scale(exp)` of its tensor.
+fn quantize(v: f64, k: f64) -> i64 {
+    round_even(v * k) as i64
 }
 
-fn dequantize(q: i64, exp: i32) -> f64 {
-    q as f64 / scale(exp)
+/// Back from fixed point, given `1 / scale(exp)` (exact: a power of two).
+fn dequantize(q: i64, inv: f64) -> f64 {
+    q as f64 * inv
 }
 
 impl Trainer {
@@ -158,11 +160,11 @@ impl Trainer {
             for (t, &len) in sizes.iter().enumerate() {
                 let k = scale(exps[t]);
                 for (a, &v) in acc[at..at + len].iter_mut().zip(&g[at..at + len]) {
-                    *a += round_even(f64::from(v) * k) as i64;
+                    *a += quantize(f64::from(v), k);
                 }
                 at += len;
             }
-            acc[n] += quantize(*loss, exps[sizes.len()]);
+            acc[n] += quantize(*loss, scale(exps[sizes.len()]));
             acc[n + 1] += *count as i64;
         }
         drop(shards);
@@ -173,11 +175,11 @@ impl Trainer {
             // The inverse of a power of two is exact.
             let inv = 1.0 / scale(exps[t]);
             for (d, &q) in buf[at..at + len].iter_mut().zip(&acc[at..at + len]) {
-                *d = (q as f64 * inv) as f32;
+                *d = dequantize(q, inv) as f32;
             }
             at += len;
         }
-        buf[n] = dequantize(acc[n], exps[sizes.len()]) as f32;
+        buf[n] = dequantize(acc[n], 1.0 / scale(exps[sizes.len()])) as f32;
         buf[n + 1] = acc[n + 1] as f32;
         // AdaScale's statistic is per-rank: not part of a reproducible job.
         buf[n + 2] = 0.0;
@@ -211,7 +213,7 @@ mod tests {
         for v in [1e-30f32, 0.3, 1.0, 1.5, 2.0, 1e30] {
             let e = exp_f32(v);
             assert!(f64::from(v) < 2f64.powi(e) && f64::from(v) >= 2f64.powi(e - 1), "{v} {e}");
-            let back = dequantize(quantize(f64::from(v), e), e);
+            let back = dequantize(quantize(f64::from(v), scale(e)), 1.0 / scale(e));
             assert!((back - f64::from(v)).abs() <= 2f64.powi(e - FRACTION_BITS), "{v}");
         }
         assert_eq!(exp_f32(0.0), ZERO_EXP);
