@@ -94,20 +94,21 @@ pub fn write_part(
     min_free: u64,
 ) -> Result<PathBuf, CheckpointError> {
     let step = image.meta().step;
-    let sd = step_dir(dir, step);
-    std::fs::create_dir_all(&sd).map_err(|source| CheckpointError::Io {
-        op: "creating",
-        path: sd.clone(),
-        source,
-    })?;
+    let create = |d: &Path| {
+        std::fs::create_dir_all(d).map_err(|source| CheckpointError::Io {
+            op: "creating",
+            path: d.to_path_buf(),
+            source,
+        })
+    };
+    // The bytes and the room first: the step's directory appears only to be filled at
+    // once, so nobody lists an empty checkpoint (or one left by a refusal).
+    create(dir)?;
     let bytes = image.encode()?;
     if min_free > 0 {
-        if let Err(e) = check_room(&sd, bytes.len() as u64, min_free) {
-            // The directory just made would otherwise stay behind as an empty checkpoint.
-            let _ = std::fs::remove_dir(&sd);
-            return Err(e);
-        }
+        check_room(dir, bytes.len() as u64, min_free)?;
     }
+    create(&step_dir(dir, step))?;
     let path = part_path(dir, step, blocks);
     limpet_snapshot::write_atomic(&path, &bytes)?;
     Ok(path)

@@ -117,8 +117,12 @@ impl JobKeys {
             Precision::parse(p).map_err(|detail| JobKeyError { key: "precision", detail })?;
         }
         if let Some(k) = self.shards {
-            if k == 0 || self.global_batch.is_some_and(|b| k > b) {
-                let top = self.global_batch.map_or("the global batch".to_string(), |b| b.to_string());
+            let most = crate::train::MAX_SHARDS;
+            if k == 0 || k > most || self.global_batch.is_some_and(|b| k > b) {
+                let top = match self.global_batch {
+                    Some(b) => b.min(most).to_string(),
+                    None => format!("the global batch (at most {most})"),
+                };
                 return Err(JobKeyError { key: "shards", detail: format!("{k} is not within 1..={top}") });
             }
             if self.reproducible != Some(true) {

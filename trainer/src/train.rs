@@ -12,6 +12,8 @@
 mod exact;
 mod grads;
 
+pub use exact::MAX_SHARDS;
+
 use crate::data::Dataset;
 use crate::job::JobSpec;
 use crate::model::Model;
@@ -78,6 +80,10 @@ pub struct StepStats {
     /// Sum over ranks of the squared norm of each rank's own mean gradient: with the global
     /// mean's norm it estimates the per-sample gradient variance (AdaScale).
     pub rank_mean_sq_sum: f64,
+    /// A reproducible step computed at exponents the ranks agreed on, because the
+    /// prediction missed or there was none (see `train/exact.rs`): one collective and one
+    /// set of passes more.
+    pub agreed: bool,
 }
 
 /// Held-out metrics.
@@ -125,6 +131,11 @@ pub struct Trainer {
     compute_ms: f64,
     /// Milliseconds the current pipelined step spent in its stage links (not compute).
     link_ms: f64,
+    /// A reproducible job's exponents for the next step, per tensor and the loss (see
+    /// [`exact`]): state, carried in images.
+    exact_exponents: Option<Vec<i32>>,
+    /// A reproducible step's fixed-point sum, kept between steps to spare the allocation.
+    exact_acc: Vec<i64>,
 }
 
 impl Trainer {
@@ -172,6 +183,8 @@ impl Trainer {
             shares: Vec::new(),
             compute_ms: 0.0,
             link_ms: 0.0,
+            exact_exponents: None,
+            exact_acc: Vec::new(),
         })
     }
 
@@ -226,6 +239,8 @@ impl Trainer {
             check_fits(name, src, dst)?;
             expected_names.push(name.clone());
         }
+        let exponents = self.exponents_in(image)?;
+        expected_names.push(exact::EXPONENTS.to_string());
         if let Some(extra) = image.tensors().keys().find(|k| !expected_names.contains(k)) {
             return Err(TrainerError::Mismatch(format!("tensor '{extra}' does not belong to this model")));
         }
@@ -235,6 +250,7 @@ impl Trainer {
         self.step = meta.step;
         self.cursor = meta.cursor;
         self.rng = meta.rng;
+        self.exact_exponents = exponents;
         Ok(())
     }
 
@@ -409,7 +425,8 @@ impl Trainer {
             self.job.optimizer.lr() * self.job.schedule.factor(self.step, self.job.steps) * self.lr_scale;
         let g = self.grads.grads_on(self.model.device());
         self.optim.apply(self.model.params(), &g, lr, self.step + 1);
-        let stats = StepStats { step: self.step, loss, lr, grad_norm, samples, rank_mean_sq_sum };
+        let stats =
+            StepStats { step: self.step, loss, lr, grad_norm, samples, rank_mean_sq_sum, agreed: false };
         self.next_step_seed();
         self.step += 1;
         self.cursor += self.plan.global_batch as u64;
@@ -704,6 +721,9 @@ impl Trainer {
         for (name, s) in self.optim.named_state(params) {
             let t = raw(&name, s)?;
             tensors.insert(name, t);
+        }
+        if let Some(t) = self.exponents_tensor()? {
+            tensors.insert(exact::EXPONENTS.to_string(), t);
         }
         let job = serde_json::to_value(&self.job).expect("JobSpec serializes");
         Ok(StateImage::new(self.step, self.cursor, self.rng, job, tensors))

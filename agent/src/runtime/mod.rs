@@ -71,6 +71,9 @@ pub struct StepLine {
     pub name: String,
     /// Global mean loss of the step.
     pub loss: f64,
+    /// A reproducible step that agreed its exponents (`StepStats::agreed`); absent when not.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub agreed: bool,
 }
 
 /// A running agent.

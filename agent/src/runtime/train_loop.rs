@@ -422,6 +422,7 @@ impl TrainLoop {
             node: self.cfg.id,
             name: self.cfg.name.clone(),
             loss: stats.loss,
+            agreed: stats.agreed,
         };
         if let Some(f) = self.log.as_mut() {
             let mut s = serde_json::to_string(&line).expect("step lines serialize");
@@ -433,6 +434,9 @@ impl TrainLoop {
         metrics::histogram!("limpet_step_seconds").record(took / 1e3);
         metrics::gauge!("limpet_applied_step").set(self.trainer.step() as f64);
         metrics::gauge!("limpet_loss").set(stats.loss);
+        if stats.agreed {
+            metrics::counter!("limpet_reproducible_agreed_steps_total").increment(1);
+        }
         metrics::gauge!("limpet_samples_per_second").set(stats.samples as f64 / (took / 1e3).max(1e-9));
         Ok(())
     }

@@ -603,6 +603,7 @@ mod tests {
             node: 1,
             name: "node-1".into(),
             loss: 1.0,
+            agreed: false,
         };
         // World 2: steps every 10 ms; world 3: every 20 ms (its first step late: a transition).
         let mut lines: Vec<StepLine> = (0..11).map(|s| line(1, s, 10 * s, 2)).collect();

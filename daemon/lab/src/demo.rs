@@ -744,7 +744,17 @@ mod tests {
     use super::*;
 
     fn line(node: u64, epoch: u64, step: u64, wall_ms: u64) -> StepLine {
-        StepLine { wall_ms, step, epoch, world: 2, rank: 0, node, name: format!("node-{node}"), loss: 1.0 }
+        StepLine {
+            wall_ms,
+            step,
+            epoch,
+            world: 2,
+            rank: 0,
+            node,
+            name: format!("node-{node}"),
+            loss: 1.0,
+            agreed: false,
+        }
     }
 
     #[test]

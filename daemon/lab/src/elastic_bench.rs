@@ -42,6 +42,10 @@ pub struct BenchElasticArgs {
     /// With --model llama: its size preset.
     #[arg(long, default_value = "small")]
     pub preset: String,
+    /// With --model llama: the residual stream's width instead of the preset's (and the
+    /// SwiGLU width at 8/3 of it, a multiple of 16), for a larger gradient.
+    #[arg(long)]
+    pub d_model: Option<usize>,
     /// With --reproducible: canonical shards per step [default: the job's, 8].
     #[arg(long)]
     pub shards: Option<usize>,
@@ -65,6 +69,11 @@ pub struct ReproBench {
     pub reproducible_ms: f64,
     /// reproducible / ordinary.
     pub ratio: f64,
+    /// Steps of the reproducible job that agreed their exponents (the first, and each one
+    /// whose prediction missed), of `steps`.
+    pub agreed_steps: usize,
+    /// Steps of each job.
+    pub steps: u64,
     /// Whether the goal (at most 1.3x) was met.
     pub met: bool,
 }
@@ -100,6 +109,8 @@ fn bench_reproducible(a: &BenchElasticArgs, job: LocalJob) -> anyhow::Result<()>
         run_scenario(&dir, a.nodes, job, &[], Duration::from_secs(1800), !a.json)?;
         times.push(mean_step_ms(&dir)?);
     }
+    let agreed_steps =
+        step_logs_in(&tmp.path().join("reproducible"))?.iter().filter(|l| l.node == 1 && l.agreed).count();
     let image = limpet_snapshot::read_file(&tmp.path().join("ordinary/node-1/checkpoint.safetensors"))?;
     let gradient_bytes = image
         .tensors()
@@ -115,20 +126,24 @@ fn bench_reproducible(a: &BenchElasticArgs, job: LocalJob) -> anyhow::Result<()>
         ordinary_ms: times[0],
         reproducible_ms: times[1],
         ratio,
+        agreed_steps,
+        steps: a.steps,
         met: ratio <= 1.3,
     };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
     } else {
         println!(
-            "{} on {} agents ({:.1} MB of gradients): ordinary {:.2} ms/step, reproducible {:.2} ms/step, {:.2}x (goal <= 1.3x: {})",
+            "{} on {} agents ({:.1} MB of gradients): ordinary {:.2} ms/step, reproducible {:.2} ms/step, {:.2}x (goal <= 1.3x: {}); exponents agreed on {} of {} steps",
             r.model,
             r.nodes,
             r.gradient_bytes as f64 / 1e6,
             r.ordinary_ms,
             r.reproducible_ms,
             r.ratio,
-            if r.met { "met" } else { "not met" }
+            if r.met { "met" } else { "not met" },
+            r.agreed_steps,
+            r.steps
         );
     }
     Ok(())
@@ -190,6 +205,12 @@ pub fn bench(a: BenchElasticArgs) -> anyhow::Result<()> {
     };
     if model == "llama" {
         job.model_section.preset = Some(a.preset.clone());
+        if let Some(d) = a.d_model {
+            job.model_section.d_model = Some(d);
+            job.model_section.ffn = Some((d * 8 / 3).div_ceil(16) * 16);
+        }
+    } else if a.d_model.is_some() {
+        return Err(limpet_daemon::UsageError("--d-model applies to --model llama".into()).into());
     }
     if a.reproducible {
         return bench_reproducible(&a, job);

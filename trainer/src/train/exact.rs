@@ -8,28 +8,50 @@
 //!    depend only on the job; a shard's gradient is one forward and backward over exactly
 //!    its samples, so it is the same bits on whichever rank computes it (same binary, same
 //!    intra-op threads). Ranks take whole shards.
-//! 2. Every tensor gets a shared exponent for the step: the largest over all shards (an
-//!    exact max across ranks).
+//! 2. Every tensor has an exponent for the step, predicted from the previous step's shards
+//!    (part of the state, so every rank and every resume predicts the same).
 //! 3. Each shard's gradient is rounded to fixed point, [`FRACTION_BITS`] bits below that
-//!    exponent, and the shards are summed as i64: integer addition does not care about order,
-//!    so the ring's sum is the same as one process's.
+//!    exponent, as soon as its backward ends, and the shards are summed as i64: integer
+//!    addition does not care about order, so the ring's sum is the same as one process's.
+//!    The same sum counts the shards that did not fit the prediction (a value too large, or
+//!    every value too small for full precision); if any did, every rank knows it from the
+//!    sum, and the step is computed again at the exact maximum over all shards, agreed by
+//!    one more collective. So is a step without a prediction (the first).
 //! 4. The sum goes back to f32 once, and clipping and the optimizer run on identical inputs.
 //!
 //! The loss is summed the same way, so per-step losses are identical too. Costs: a backward
-//! per shard instead of per micro-batch, the shards' gradients held until the exponent is
-//! known, and an i64 (twice the f32) allreduce.
+//! per shard instead of per micro-batch, one pass over each shard's gradient, and an i64
+//! (twice the f32) allreduce.
 
 use super::Trainer;
 use crate::{Reduce, StepStats, TrainerError};
+use limpet_snapshot::{Dtype, RawTensor, StateImage};
 use std::ops::Range;
 
 /// Canonical shards per step unless the job says (fewer when the global batch is smaller).
 pub const SHARDS: usize = 8;
-/// Fixed-point bits below each tensor's exponent: 2^40 per shard leaves 2^23 of headroom
-/// in an i64 for summing shards.
+/// The most canonical shards a step may have: 2^12 shards of values below 2^50 sum below
+/// 2^62.
+pub const MAX_SHARDS: usize = 4096;
+/// Fixed-point bits below each tensor's exponent.
 pub const FRACTION_BITS: i32 = 40;
+/// A shard fits its prediction `e` when its values are below `2^(e + CEIL)`: in fixed point
+/// below 2^50, inside the rounding trick's 2^51.
+const CEIL: i32 = 10;
+/// ... and a prediction holds when some shard reaches `2^(e - FLOOR)`: the largest value then
+/// keeps at least `FRACTION_BITS - FLOOR` bits (more than f32's 24).
+const FLOOR: i32 = 12;
 /// The exponent of an all-zero tensor (its scale is irrelevant).
 const ZERO_EXP: i32 = -1000;
+/// Scale factors are taken at no lower exponent, so that they stay finite in f64 (an
+/// all-zero tensor's values are zero at any scale).
+const MIN_SCALE_EXP: i32 = -900;
+/// The image tensor holding a reproducible job's predicted exponents.
+pub const EXPONENTS: &str = "exact/exponents";
+/// `x + MAGIC` for `|x| < 2^51` lands where f64's spacing is 1: the addition rounds `x` to
+/// an integer (ties to even, IEEE's default), and the sum's bits minus `MAGIC`'s are that
+/// integer. Plain arithmetic on both sides, so the loop over a gradient vectorizes.
+const MAGIC: f64 = 6_755_399_441_055_744.0;
 
 /// Shard `j` of `k` over a global batch of `b` samples: `[j*b/k, (j+1)*b/k)`.
 pub fn shard(b: usize, k: usize, j: usize) -> Range<usize> {
@@ -43,12 +65,13 @@ pub fn shards_of(k: usize, rank: usize, world: usize) -> Range<usize> {
     start..start + q + usize::from(rank < r)
 }
 
-/// The smallest `e` with `|v| < 2^e` for an f32 (`ZERO_EXP` for zero).
-fn exp_f32(v: f32) -> i32 {
-    if v == 0.0 {
+/// The smallest `e` with `|v| < 2^e` for the f32 whose magnitude's bits (sign cleared) are
+/// `bits` (`ZERO_EXP` for zero).
+fn exp_bits_f32(bits: u32) -> i32 {
+    if bits == 0 {
         return ZERO_EXP;
     }
-    let biased = ((v.to_bits() >> 23) & 0xff) as i32;
+    let biased = (bits >> 23) as i32;
     if biased == 0 {
         -126
     } else {
@@ -69,22 +92,38 @@ fn exp_f64(v: f64) -> i32 {
     }
 }
 
+/// The exponents an image may hold: those of finite f32 gradients and f64 losses, at
+/// which [`scale`] and its inverse stay finite.
+const EXP_RANGE: std::ops::RangeInclusive<i32> = ZERO_EXP..=1030;
+
 /// The factor that takes values of exponent `exp` to fixed point (a power of two: exact).
 fn scale(exp: i32) -> f64 {
-    2f64.powi(FRACTION_BITS - exp)
+    2f64.powi(FRACTION_BITS - exp.max(MIN_SCALE_EXP))
 }
 
-/// `x` rounded to the nearest integer, ties to even, for `|x| < 2^51`: adding and taking
-/// back 1.5 * 2^52 leaves no fraction bits (IEEE round-to-nearest-even does the rest). The
-/// same as `round_ties_even`, without a libm call per gradient element.
-fn round_even(x: f64) -> f64 {
-    const MAGIC: f64 = 6_755_399_441_055_744.0;
-    (x + MAGIC) - MAGIC
-}
-
-/// `v` in fixed point, given the factor `scale(exp)` of its tensor.
+/// `v * k` rounded to the nearest integer, ties to even, for `|v * k| < 2^51` (else any
+/// value: see [`MAGIC`]).
 fn quantize(v: f64, k: f64) -> i64 {
-    round_even(v * k) as i64
+    ((v * k + MAGIC).to_bits() as i64).wrapping_sub(MAGIC.to_bits() as i64)
+}
+
+/// Adds `g` in fixed point at factor `k` to `acc` (or, `FIRST`, writes it there: a rank's
+/// first shard spares reading what it would add to), and returns the bits of the largest
+/// magnitude in `g` (at least `0x7f80_0000` when a value is not finite). A value too large
+/// for `k` adds garbage, wrapping: the caller learns it from the returned bits.
+fn quantize_into<const FIRST: bool>(acc: &mut [i64], g: &[f32], k: f64) -> u32 {
+    let mut top = 0u32;
+    for (a, &v) in acc.iter_mut().zip(g) {
+        top = top.max(v.to_bits() & 0x7fff_ffff);
+        let q = quantize(f64::from(v), k);
+        *a = if FIRST { q } else { a.wrapping_add(q) };
+    }
+    top
+}
+
+/// The bits of the largest magnitude in `g`.
+fn top_bits(g: &[f32]) -> u32 {
+    g.iter().fold(0, |m, v| m.max(v.to_bits() & 0x7fff_ffff))
 }
 
 /// Back from fixed point, given `1 / scale(exp)` (exact: a power of two).
@@ -92,9 +131,55 @@ fn dequantize(q: i64, inv: f64) -> f64 {
     q as f64 * inv
 }
 
+/// What one pass over a rank's shards saw, per tensor (the parameters', then the loss).
+struct Seen {
+    /// The largest exponent over the shards.
+    top: Vec<i32>,
+    /// Over the shards with a nonzero value: the sum of their exponents, how many they are,
+    /// and how many reached the prediction's floor.
+    tally: Vec<[i64; 3]>,
+    /// Shards with a value above the prediction's ceiling.
+    over: i64,
+}
+
+impl Seen {
+    /// Writes the misfit count and the tallies where the sum carries them.
+    fn write(&self, tail: &mut [i64]) {
+        tail[0] = self.over;
+        for (t, c) in self.tally.iter().enumerate() {
+            tail[1 + 3 * t..4 + 3 * t].copy_from_slice(c);
+        }
+    }
+}
+
+/// Whether every shard fit the prediction, from the summed misfit count and tallies: none
+/// above a ceiling, and in every tensor with a nonzero value some shard at its floor.
+fn fitted(tail: &[i64]) -> bool {
+    tail[0] == 0 && tail[1..].chunks_exact(3).all(|c| c[1] == 0 || c[2] > 0)
+}
+
+/// The next step's prediction from the summed tallies: one above the mean exponent of the
+/// shards with a nonzero value (so the typical shard keeps a bit of headroom); a tensor
+/// with none keeps `used`.
+fn predict(tail: &[i64], used: &[i32]) -> Vec<i32> {
+    tail[1..]
+        .chunks_exact(3)
+        .zip(used)
+        .map(|(c, &u)| {
+            if c[1] > 0 {
+                (c[0].div_euclid(c[1]) + 1).clamp(i64::from(*EXP_RANGE.start()), i64::from(*EXP_RANGE.end()))
+                    as i32
+            } else {
+                u
+            }
+        })
+        .collect()
+}
+
 impl Trainer {
-    /// One reproducible step: this rank's shards, the exponents' max and the fixed-point
-    /// sum through `reduce`, then the update. Every rank of any world applies the same bits.
+    /// One reproducible step: this rank's shards at the predicted exponents, their
+    /// fixed-point sum through `reduce` (and, when a shard did not fit, the exact maxima and
+    /// the shards again), then the update. Every rank of any world applies the same bits.
     pub fn exact_step(
         &mut self,
         rank: usize,
@@ -104,71 +189,42 @@ impl Trainer {
         let started = std::time::Instant::now();
         let step = self.step;
         let b = self.plan.global_batch;
-        let k = self.job.shards.unwrap_or(SHARDS).clamp(1, b);
-        let n = self.grads.grads_len();
-        let sizes: Vec<usize> = self.model.params().iter().map(|(_, p)| p.numel()).collect();
-        let step_seed = self.peek_step_seed();
-        // Each shard: its gradient (the last stays in the trainer's buffer, the others are
-        // copied out), its loss sum and its sample count; the exponents as they come.
+        let k = self.job.shards.unwrap_or(SHARDS).clamp(1, b.min(MAX_SHARDS));
         let mine = shards_of(k, rank, world);
-        let mut shards: Vec<(Option<Vec<f32>>, f64, usize)> = Vec::new();
-        let mut exps = vec![ZERO_EXP; sizes.len() + 1];
-        for j in mine.clone() {
-            let s = shard(b, k, j);
-            let positions = self.cursor + s.start as u64..self.cursor + s.end as u64;
-            self.grads.zero(self.model.params())?;
-            if self.model.is_stochastic() {
-                self.model.seed_dropout(step_seed ^ positions.start.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-            }
-            let idx = self.sampler.indices(positions.clone());
-            let (x, y) = self.batch_on_device(&idx)?;
-            let (_, loss) = self.model.forward_loss(&x, &y, true)?;
-            loss.f_backward()?;
-            let loss = loss.double_value(&[]);
-            self.grads.collect(self.model.params())?;
-            let g = &self.grads.as_mut_slice()[..n];
-            let mut at = 0;
-            let mut finite = loss.is_finite();
-            for (t, &len) in sizes.iter().enumerate() {
-                let mut m = 0f32;
-                for v in &g[at..at + len] {
-                    let a = v.abs();
-                    finite &= a.is_finite();
-                    m = m.max(a);
-                }
-                exps[t] = exps[t].max(exp_f32(m));
-                at += len;
-            }
-            if !finite {
-                return Err(TrainerError::Config(format!(
-                    "step {step}: shard {j} has a non-finite loss or gradient"
-                )));
-            }
-            exps[sizes.len()] = exps[sizes.len()].max(exp_f64(loss.abs()));
-            let kept = (j + 1 < mine.end).then(|| g.to_vec());
-            shards.push((kept, loss, s.len()));
+        let n = self.grads.grads_len();
+        let tensors = self.model.params().len() + 1;
+        // The sum: the gradients, the loss, the sample count, then the misfits and tallies
+        // (each pass writes all of it).
+        let mut acc = std::mem::take(&mut self.exact_acc);
+        acc.resize(n + 3 + 3 * tensors, 0);
+        // The state changes only once the step is done: a step broken off by a transition
+        // is computed again from the same prediction.
+        let predicted = self.exact_exponents.clone().filter(|p| p.len() == tensors);
+        let mut first = None;
+        if let Some(p) = &predicted {
+            let seen = self.shard_pass(mine.clone(), k, Some(p), &mut acc)?;
+            seen.write(&mut acc[n + 2..]);
+            reduce.allreduce_sum_i64(&mut acc, step)?;
+            first = Some(seen);
         }
-        reduce.allreduce_max_i32(&mut exps, step)?;
-        // This rank's shards in fixed point, summed exactly; then the loss and the count.
-        let mut acc = vec![0i64; n + 2];
-        for (kept, loss, count) in &shards {
-            let g = match kept {
-                Some(g) => g.as_slice(),
-                None => &self.grads.as_mut_slice()[..n],
-            };
-            let mut at = 0;
-            for (t, &len) in sizes.iter().enumerate() {
-                let k = scale(exps[t]);
-                for (a, &v) in acc[at..at + len].iter_mut().zip(&g[at..at + len]) {
-                    *a += quantize(f64::from(v), k);
-                }
-                at += len;
+        let agreed = !(predicted.is_some() && fitted(&acc[n + 2..]));
+        let exps = match predicted {
+            Some(p) if !agreed => p,
+            _ => {
+                // The exact maximum over all shards, then the shards again at it: they fit.
+                let mut top = match first {
+                    Some(seen) => seen.top,
+                    None => self.shard_pass(mine.clone(), k, None, &mut acc)?.top,
+                };
+                reduce.allreduce_max_i32(&mut top, step)?;
+                let seen = self.shard_pass(mine, k, Some(&top), &mut acc)?;
+                seen.write(&mut acc[n + 2..]);
+                reduce.allreduce_sum_i64(&mut acc, step)?;
+                top
             }
-            acc[n] += quantize(*loss, scale(exps[sizes.len()]));
-            acc[n + 1] += *count as i64;
-        }
-        drop(shards);
-        reduce.allreduce_sum_i64(&mut acc, step)?;
+        };
+        let next = predict(&acc[n + 2..], &exps);
+        let sizes: Vec<usize> = self.model.params().iter().map(|(_, p)| p.numel()).collect();
         let buf = self.grads.as_mut_slice();
         let mut at = 0;
         for (t, &len) in sizes.iter().enumerate() {
@@ -184,13 +240,128 @@ impl Trainer {
         // AdaScale's statistic is per-rank: not part of a reproducible job.
         buf[n + 2] = 0.0;
         self.compute_ms = started.elapsed().as_secs_f64() * 1e3;
-        self.apply_reduced()
+        let stats = self.apply_reduced()?;
+        self.exact_exponents = Some(next);
+        self.exact_acc = acc;
+        Ok(StepStats { agreed, ..stats })
+    }
+
+    /// This rank's shards `mine` of `k`: each one's forward and backward, then (given
+    /// exponents) `acc` made their sum in fixed point, with the loss at `acc[n]` and the
+    /// samples at `acc[n + 1]`.
+    fn shard_pass(
+        &mut self,
+        mine: Range<usize>,
+        k: usize,
+        exps: Option<&[i32]>,
+        acc: &mut [i64],
+    ) -> Result<Seen, TrainerError> {
+        let (step, b, n) = (self.step, self.plan.global_batch, self.grads.grads_len());
+        let sizes: Vec<usize> = self.model.params().iter().map(|(_, p)| p.numel()).collect();
+        let tensors = sizes.len() + 1;
+        let step_seed = self.peek_step_seed();
+        let mut seen = Seen { top: vec![ZERO_EXP; tensors], tally: vec![[0; 3]; tensors], over: 0 };
+        let mut shard_exps = vec![ZERO_EXP; tensors];
+        if exps.is_some() {
+            acc[n..].fill(0);
+            if mine.is_empty() {
+                acc[..n].fill(0);
+            }
+        }
+        let first = mine.start;
+        for j in mine {
+            let s = shard(b, k, j);
+            let positions = self.cursor + s.start as u64..self.cursor + s.end as u64;
+            self.grads.zero(self.model.params())?;
+            if self.model.is_stochastic() {
+                self.model.seed_dropout(step_seed ^ positions.start.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            }
+            let idx = self.sampler.indices(positions);
+            let (x, y) = self.batch_on_device(&idx)?;
+            let (_, loss) = self.model.forward_loss(&x, &y, true)?;
+            loss.f_backward()?;
+            let loss = loss.double_value(&[]);
+            self.grads.collect(self.model.params())?;
+            let g = &self.grads.as_mut_slice()[..n];
+            let mut at = 0;
+            for (t, &len) in sizes.iter().enumerate() {
+                let part = &g[at..at + len];
+                let bits = match exps {
+                    Some(e) if j == first => quantize_into::<true>(&mut acc[at..at + len], part, scale(e[t])),
+                    Some(e) => quantize_into::<false>(&mut acc[at..at + len], part, scale(e[t])),
+                    None => top_bits(part),
+                };
+                if bits >= 0x7f80_0000 || !loss.is_finite() {
+                    return Err(TrainerError::Config(format!(
+                        "step {step}: shard {j} has a non-finite loss or gradient"
+                    )));
+                }
+                shard_exps[t] = exp_bits_f32(bits);
+                at += len;
+            }
+            shard_exps[sizes.len()] = exp_f64(loss.abs());
+            if let Some(e) = exps {
+                acc[n] = acc[n].wrapping_add(quantize(loss, scale(e[sizes.len()])));
+            }
+            acc[n + 1] += s.len() as i64;
+            let mut over = false;
+            for (t, &e) in shard_exps.iter().enumerate() {
+                seen.top[t] = seen.top[t].max(e);
+                if e == ZERO_EXP {
+                    continue;
+                }
+                let c = &mut seen.tally[t];
+                c[0] += i64::from(e);
+                c[1] += 1;
+                if let Some(p) = exps {
+                    c[2] += i64::from(e >= p[t] - FLOOR);
+                    over |= e > p[t] + CEIL;
+                }
+            }
+            seen.over += i64::from(over);
+        }
+        Ok(seen)
+    }
+
+    /// The predicted exponents as an image tensor (a reproducible job's state).
+    pub(super) fn exponents_tensor(&self) -> Result<Option<RawTensor>, TrainerError> {
+        let Some(e) = &self.exact_exponents else { return Ok(None) };
+        let bytes = e.iter().flat_map(|v| v.to_le_bytes()).collect();
+        Ok(Some(RawTensor::try_new(EXPONENTS, Dtype::I32, vec![e.len()], bytes)?))
+    }
+
+    /// The predicted exponents `image` holds for this trainer, checked: none when it has
+    /// none (a reproducible job's first step, or an ordinary job).
+    pub(super) fn exponents_in(&self, image: &StateImage) -> Result<Option<Vec<i32>>, TrainerError> {
+        let Some(t) = image.tensors().get(EXPONENTS) else { return Ok(None) };
+        let want = self.model.params().len() + 1;
+        if !self.job.reproducible || t.dtype() != Dtype::I32 || t.shape() != [want] {
+            return Err(TrainerError::Mismatch(format!(
+                "tensor '{EXPONENTS}' is {} {:?}, this job needs {}",
+                t.dtype().name(),
+                t.shape(),
+                if self.job.reproducible {
+                    format!("I32 [{want}]")
+                } else {
+                    "none (not reproducible)".into()
+                }
+            )));
+        }
+        let e: Vec<i32> =
+            t.data().chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
+        if let Some(bad) = e.iter().find(|v| !EXP_RANGE.contains(v)) {
+            return Err(TrainerError::Mismatch(format!(
+                "tensor '{EXPONENTS}' holds exponent {bad}, outside {EXP_RANGE:?}"
+            )));
+        }
+        Ok(Some(e))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{JobSpec, NoReduce};
 
     #[test]
     fn shards_tile_the_batch_and_ranks_tile_the_shards() {
@@ -209,18 +380,180 @@ mod tests {
     }
 
     #[test]
-    fn exponents_bound_their_values_and_quantization_round_trips_closely() {
-        for v in [1e-30f32, 0.3, 1.0, 1.5, 2.0, 1e30] {
+    fn exponents_bound_their_values_and_quantization_rounds_to_even() {
+        let exp_f32 = |v: f32| exp_bits_f32(v.to_bits() & 0x7fff_ffff);
+        for v in [1e-30f32, 0.3, 1.0, 1.5, 2.0, 1e30, -0.7] {
             let e = exp_f32(v);
-            assert!(f64::from(v) < 2f64.powi(e) && f64::from(v) >= 2f64.powi(e - 1), "{v} {e}");
+            let m = f64::from(v).abs();
+            assert!(m < 2f64.powi(e) && m >= 2f64.powi(e - 1), "{v} {e}");
             let back = dequantize(quantize(f64::from(v), scale(e)), 1.0 / scale(e));
             assert!((back - f64::from(v)).abs() <= 2f64.powi(e - FRACTION_BITS), "{v}");
         }
         assert_eq!(exp_f32(0.0), ZERO_EXP);
+        assert_eq!(exp_f32(-0.0), ZERO_EXP);
         assert!(f64::from(f32::MIN_POSITIVE / 4.0) < 2f64.powi(exp_f32(f32::MIN_POSITIVE / 4.0)));
         assert!(2.5 < 2f64.powi(exp_f64(2.5)));
-        for x in [0.5, 1.5, 2.5, -0.5, -2.5, 3.7, -3.2, 1e12 + 0.5, -(2f64.powi(50)) - 0.5] {
-            assert_eq!(round_even(x), x.round_ties_even(), "{x}");
+        for x in [0.5, 1.5, 2.5, -0.5, -2.5, 3.7, -3.2, 1e12 + 0.5, -(2f64.powi(50)) - 0.5, 0.0, -0.0] {
+            assert_eq!(quantize(x, 1.0), x.round_ties_even() as i64, "{x}");
         }
+        // The fused loop: the same integers and the largest magnitude, whatever the sign.
+        let g = [0.25f32, -3.5, 1e-9, -0.0, 7.0];
+        let mut acc = vec![1i64; g.len()];
+        let bits = quantize_into::<false>(&mut acc, &g, scale(3));
+        assert_eq!(f32::from_bits(bits), 7.0);
+        for (a, v) in acc.iter().zip(g) {
+            assert_eq!(*a, 1 + (f64::from(v) * 2f64.powi(37)).round_ties_even() as i64);
+        }
+        let mut fresh = vec![5i64; g.len()];
+        quantize_into::<true>(&mut fresh, &g, scale(3));
+        assert_eq!(
+            fresh.iter().zip(&acc).map(|(f, a)| a - f).collect::<Vec<_>>(),
+            [1; 5],
+            "written, not added"
+        );
+        assert!(top_bits(&[1.0, f32::NAN]) >= 0x7f80_0000 && top_bits(&[f32::NEG_INFINITY]) >= 0x7f80_0000);
+        // Exponents at either end of what an image may hold keep factors finite.
+        for e in [*EXP_RANGE.start(), *EXP_RANGE.end()] {
+            assert!(scale(e).is_finite() && (1.0 / scale(e)).is_finite() && scale(e) > 0.0, "{e}");
+        }
+    }
+
+    #[test]
+    fn a_prediction_holds_only_when_every_shard_fits_and_some_reach_the_floor() {
+        // Tail: misfits, then (sum, count, reached) per tensor.
+        assert!(fitted(&[0, 10, 2, 1, 0, 0, 0]));
+        assert!(!fitted(&[1, 10, 2, 1, 0, 0, 0]), "a shard above its ceiling");
+        assert!(!fitted(&[0, 10, 2, 0, 0, 0, 0]), "no shard at the floor");
+        // One above the mean (rounded down, also below zero); an all-zero tensor keeps its own.
+        assert_eq!(predict(&[0, 10, 2, 1, -7, 2, 2, 0, 0, 0], &[0, 0, 5]), [6, -3, 5]);
+    }
+
+    /// Counts the exponent agreements (the misfit path's extra collective) of one process.
+    #[derive(Default)]
+    struct Counting {
+        agreements: usize,
+    }
+
+    impl Reduce for Counting {
+        fn allreduce_sum(&mut self, _buf: &mut [f32], _step: u64) -> Result<(), TrainerError> {
+            Ok(())
+        }
+        fn allreduce_sum_i64(&mut self, _buf: &mut [i64], _step: u64) -> Result<(), TrainerError> {
+            Ok(())
+        }
+        fn allreduce_max_i32(&mut self, _vals: &mut [i32], _step: u64) -> Result<(), TrainerError> {
+            self.agreements += 1;
+            Ok(())
+        }
+    }
+
+    /// A state at step 3 of a reproducible MLP job, as an image.
+    fn reproducible_state() -> (StateImage, Vec<i32>) {
+        use crate::train::tests::{job, synthetic};
+        let data = synthetic();
+        let mut j = job(crate::ModelKind::Mlp, &data, 32, 32);
+        j.reproducible = true;
+        j.shards = Some(4);
+        let mut t = Trainer::try_new(j, data).unwrap();
+        let mut count = Counting::default();
+        assert!(t.exact_step(0, 1, &mut count).unwrap().agreed);
+        assert_eq!(count.agreements, 1, "the first step has no prediction");
+        for _ in 0..2 {
+            assert!(!t.exact_step(0, 1, &mut count).unwrap().agreed);
+        }
+        assert_eq!(count.agreements, 1, "later steps fit their prediction");
+        (t.image().unwrap(), t.exact_exponents.clone().unwrap())
+    }
+
+    #[test]
+    fn a_misfit_prediction_is_caught_either_way_and_the_step_taken_at_the_exact_maxima() {
+        let (img, predicted) = reproducible_state();
+        let step = |exps: Option<Vec<i32>>| {
+            let mut t = Trainer::from_image(&img, crate::train::tests::synthetic(), None).unwrap();
+            t.exact_exponents = exps;
+            let mut count = Counting::default();
+            let agreed = t.exact_step(0, 1, &mut count).unwrap().agreed;
+            assert_eq!(agreed, count.agreements == 1);
+            (t.content_hash().unwrap(), count.agreements)
+        };
+        let (none, agreed) = step(None);
+        assert_eq!(agreed, 1);
+        // One tensor's prediction too high (no shard keeps full precision) or too low (a
+        // shard past the ceiling); every tensor off: each is caught, and the step is the
+        // one computed at the exact maxima, bit for bit.
+        for (t, by) in [(0, FLOOR + 8), (0, -CEIL - 8), (usize::MAX, 30), (usize::MAX, -30)] {
+            let off: Vec<i32> = predicted
+                .iter()
+                .enumerate()
+                .map(|(i, &e)| if t == usize::MAX || i == t { e + by } else { e })
+                .collect();
+            assert_eq!(step(Some(off)), (none.clone(), 1), "tensor {t} off by {by}");
+        }
+        // Within the window the prediction stands: no agreement.
+        let (_, agreed) = step(Some(predicted.iter().map(|e| e + 2).collect()));
+        assert_eq!(agreed, 0);
+        let (_, agreed) = step(Some(predicted));
+        assert_eq!(agreed, 0);
+    }
+
+    /// The fixed-point path computes the ordinary path's update (up to f32 rounding): a
+    /// wrong scale, a lost shard or a misplaced loss would show here, where two reproducible
+    /// runs would still agree with each other.
+    #[test]
+    fn a_reproducible_job_trains_as_the_ordinary_one_does() {
+        use crate::train::tests::{job, synthetic};
+        let data = synthetic();
+        let mut plain = job(crate::ModelKind::Mlp, &data, 32, 32);
+        plain.optimizer = crate::optim::OptimizerSpec::sgd(0.05, 0.0);
+        let exact = JobSpec { reproducible: true, shards: Some(5), ..plain.clone() };
+        let run = |j: JobSpec| {
+            let mut t = Trainer::try_new(j, synthetic()).unwrap();
+            let losses: Vec<f64> = (0..20).map(|_| t.train_step(0, 1, &mut NoReduce).unwrap().loss).collect();
+            let params: Vec<Vec<f32>> = t
+                .model()
+                .params()
+                .iter()
+                .map(|(_, p)| Vec::<f32>::try_from(p.detach().flatten(0, -1)).unwrap())
+                .collect();
+            (losses, params)
+        };
+        let (la, pa) = run(plain);
+        let (lb, pb) = run(exact);
+        for (s, (a, b)) in la.iter().zip(&lb).enumerate() {
+            assert!((a - b).abs() <= 1e-5 * a.abs(), "step {s}: loss {a} (ordinary) vs {b}");
+        }
+        for (a, b) in pa.iter().zip(&pb) {
+            let d: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum::<f32>().sqrt();
+            let n: f32 = a.iter().map(|x| x * x).sum::<f32>().sqrt();
+            assert!(d <= 1e-5 * n.max(1e-6), "parameters differ by {d} (norm {n})");
+        }
+        assert_ne!(la, lb, "bit-equal to the ordinary path: the fixed-point path did not run");
+    }
+
+    #[test]
+    fn an_image_with_bad_exponents_is_refused_naming_them() {
+        let (img, predicted) = reproducible_state();
+        let meta = img.meta();
+        let with = |t: RawTensor| {
+            let mut tensors = img.tensors().clone();
+            tensors.insert(EXPONENTS.into(), t);
+            let bad = StateImage::new(meta.step, meta.cursor, meta.rng, meta.job.clone(), tensors);
+            Trainer::from_image(&bad, crate::train::tests::synthetic(), None).unwrap_err().to_string()
+        };
+        let i32s = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let short = &predicted[1..];
+        let err = with(RawTensor::try_new(EXPONENTS, Dtype::I32, vec![short.len()], i32s(short)).unwrap());
+        assert!(
+            err.contains("tensor 'exact/exponents' is I32")
+                && err.contains(&format!("[{}]", predicted.len())),
+            "{err}"
+        );
+        let mut huge = predicted.clone();
+        huge[0] = i32::MAX;
+        let err = with(RawTensor::try_new(EXPONENTS, Dtype::I32, vec![huge.len()], i32s(&huge)).unwrap());
+        assert!(err.contains(&format!("exponent {}", i32::MAX)), "{err}");
+        let err =
+            with(RawTensor::from_f32(EXPONENTS, vec![predicted.len()], &vec![0.0; predicted.len()]).unwrap());
+        assert!(err.contains("is F32"), "{err}");
     }
 }

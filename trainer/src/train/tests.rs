@@ -7,11 +7,11 @@ use crate::optim::OptimizerSpec;
 use crate::{ModelKind, RunOptions};
 use proptest::prelude::*;
 
-fn synthetic() -> Dataset {
+pub(super) fn synthetic() -> Dataset {
     Dataset::load(&DataSpec::Synthetic { samples: 600, features: 12, classes: 4, seed: 5 }, None).unwrap()
 }
 
-fn job(kind: ModelKind, data: &Dataset, batch: usize, micro: usize) -> JobSpec {
+pub(super) fn job(kind: ModelKind, data: &Dataset, batch: usize, micro: usize) -> JobSpec {
     let mut j = JobSpec::defaults_for(kind, data).unwrap();
     j.global_batch = batch;
     j.micro_batch = micro;
