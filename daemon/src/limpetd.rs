@@ -163,7 +163,8 @@ fn validate(config: &std::path::Path, json: bool) -> anyhow::Result<()> {
             return Err(UsageError(e.to_string()).into());
         }
     };
-    let warnings = write_path_warnings(&cfg);
+    let mut warnings = write_path_warnings(&cfg);
+    warnings.extend(shard_warning(&cfg));
     let model = if cfg.job.model == crate::config::ModelName::Torchscript {
         let path = cfg.model.path.as_deref().expect("validated: torchscript has [model].path");
         let hash = limpet_trainer::model::script::register(path).map_err(|e| UsageError(e.to_string()))?;
@@ -381,6 +382,32 @@ async fn tell_systemd(
             notify(&[NotifyState::Watchdog]);
         }
     }
+}
+
+/// A reproducible job whose canonical shards do not divide evenly among the founders: every
+/// step, some hosts then run one shard's passes more than others, or sit idle (see
+/// docs/design.md, reproducible jobs). A later world may differ; the founders are the world
+/// the job is set up for.
+pub fn shard_warning(cfg: &Config) -> Option<String> {
+    let founders = cfg.cluster.bootstrap.len();
+    if cfg.job.reproducible != Some(true) || founders == 0 {
+        return None;
+    }
+    let k = cfg.job.shards.unwrap_or(limpet_trainer::SHARDS).min(cfg.job.global_batch as usize);
+    let said = if cfg.job.shards.is_some() { "" } else { " (the default)" };
+    if k < founders {
+        return Some(format!(
+            "[job].shards {k}{said} with {founders} founders: {} of them idle every step; shards = {founders} keeps each busy",
+            founders - k
+        ));
+    }
+    (k % founders != 0).then(|| {
+        let most = k.div_ceil(founders);
+        format!(
+            "[job].shards {k}{said} with {founders} founders: some run {most} shards' passes a step, others {}; shards = {founders} (one pass each, the fastest) or a multiple of it evens them",
+            most - 1
+        )
+    })
 }
 
 /// The directories limpetd writes to that it cannot write here, each naming its key. Run as

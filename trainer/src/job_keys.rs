@@ -117,7 +117,7 @@ impl JobKeys {
             Precision::parse(p).map_err(|detail| JobKeyError { key: "precision", detail })?;
         }
         if let Some(k) = self.shards {
-            let most = crate::train::MAX_SHARDS;
+            let most = crate::MAX_SHARDS;
             if k == 0 || k > most || self.global_batch.is_some_and(|b| k > b) {
                 let top = match self.global_batch {
                     Some(b) => b.min(most).to_string(),

@@ -12,7 +12,7 @@
 mod exact;
 mod grads;
 
-pub use exact::MAX_SHARDS;
+pub use exact::{MAX_SHARDS, SHARDS};
 
 use crate::data::Dataset;
 use crate::job::JobSpec;

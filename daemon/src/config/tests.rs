@@ -251,6 +251,26 @@ fn validate_names_configured_directories_it_cannot_write() {
 }
 
 #[test]
+fn validate_says_when_a_reproducible_job_s_shards_do_not_divide_among_the_founders() {
+    let s = secret();
+    let three = example(s.path()).replace(
+        r#"bootstrap = ["1=127.0.0.1:7400"]"#,
+        r#"bootstrap = ["1=127.0.0.1:7400", "2=127.0.0.1:7410", "3=127.0.0.1:7420"]"#,
+    );
+    let warn = |extra: &str| {
+        let text = three.replace("global_batch = 64", &format!("global_batch = 64\n{extra}"));
+        crate::limpetd::shard_warning(&Config::parse(&text, "c.toml").unwrap())
+    };
+    let w = warn("reproducible = true").unwrap();
+    assert!(w.contains("[job].shards 8 (the default) with 3 founders") && w.contains("others 2"), "{w}");
+    let w = warn("reproducible = true\nshards = 2").unwrap();
+    assert!(w.contains("1 of them idle"), "{w}");
+    for quiet in ["reproducible = true\nshards = 3", "reproducible = true\nshards = 6", ""] {
+        assert_eq!(warn(quiet), None, "{quiet}");
+    }
+}
+
+#[test]
 fn no_security_section_is_refused_unless_insecure_is_said_in_so_many_words() {
     let s = secret();
     let without = example(s.path()).replace("[security]\ninsecure = true\n", "");

@@ -167,8 +167,9 @@ fn predict(tail: &[i64], used: &[i32]) -> Vec<i32> {
         .zip(used)
         .map(|(c, &u)| {
             if c[1] > 0 {
-                (c[0].div_euclid(c[1]) + 1).clamp(i64::from(*EXP_RANGE.start()), i64::from(*EXP_RANGE.end()))
-                    as i32
+                c[0].div_euclid(c[1])
+                    .saturating_add(1)
+                    .clamp(i64::from(*EXP_RANGE.start()), i64::from(*EXP_RANGE.end())) as i32
             } else {
                 u
             }
