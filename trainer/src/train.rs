@@ -136,6 +136,8 @@ pub struct Trainer {
     exact_exponents: Option<Vec<i32>>,
     /// A reproducible step's fixed-point sum, kept between steps to spare the allocation.
     exact_acc: Vec<i64>,
+    /// A reproducible step's second gradient buffer (see `exact.rs`), made when first needed.
+    exact_spare: Option<GradBuffer>,
 }
 
 impl Trainer {
@@ -185,6 +187,7 @@ impl Trainer {
             link_ms: 0.0,
             exact_exponents: None,
             exact_acc: Vec::new(),
+            exact_spare: None,
         })
     }
 

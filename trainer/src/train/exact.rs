@@ -121,6 +121,23 @@ fn quantize_into<const FIRST: bool>(acc: &mut [i64], g: &[f32], k: f64) -> u32 {
     top
 }
 
+/// [`quantize_into`] for two shards at once: their integers' sum goes into `acc` in one
+/// pass over it (integer addition: the same sum as one shard after the other).
+fn quantize_pair_into<const FIRST: bool>(acc: &mut [i64], ga: &[f32], gb: &[f32], k: f64) -> (u32, u32) {
+    let (mut ta, mut tb) = (0u32, 0u32);
+    for ((a, &x), &y) in acc.iter_mut().zip(ga).zip(gb) {
+        ta = ta.max(x.to_bits() & 0x7fff_ffff);
+        tb = tb.max(y.to_bits() & 0x7fff_ffff);
+        let q = quantize(f64::from(x), k).wrapping_add(quantize(f64::from(y), k));
+        *a = if FIRST { q } else { a.wrapping_add(q) };
+    }
+    (ta, tb)
+}
+
+fn non_finite(step: u64, j: usize) -> TrainerError {
+    TrainerError::Config(format!("step {step}: shard {j} has a non-finite loss or gradient"))
+}
+
 /// The bits of the largest magnitude in `g`.
 fn top_bits(g: &[f32]) -> u32 {
     g.iter().fold(0, |m, v| m.max(v.to_bits() & 0x7fff_ffff))
@@ -143,6 +160,26 @@ struct Seen {
 }
 
 impl Seen {
+    /// Counts one shard whose per-tensor exponents are `shard_exps`, against the prediction
+    /// `exps` when there is one.
+    fn note(&mut self, shard_exps: &[i32], exps: Option<&[i32]>) {
+        let mut over = false;
+        for (t, &e) in shard_exps.iter().enumerate() {
+            self.top[t] = self.top[t].max(e);
+            if e == ZERO_EXP {
+                continue;
+            }
+            let c = &mut self.tally[t];
+            c[0] += i64::from(e);
+            c[1] += 1;
+            if let Some(p) = exps {
+                c[2] += i64::from(e >= p[t] - FLOOR);
+                over |= e > p[t] + CEIL;
+            }
+        }
+        self.over += i64::from(over);
+    }
+
     /// Writes the misfit count and the tallies where the sum carries them.
     fn write(&self, tail: &mut [i64]) {
         tail[0] = self.over;
@@ -249,7 +286,9 @@ impl Trainer {
 
     /// This rank's shards `mine` of `k`: each one's forward and backward, then (given
     /// exponents) `acc` made their sum in fixed point, with the loss at `acc[n]` and the
-    /// samples at `acc[n + 1]`.
+    /// samples at `acc[n + 1]`. On the CPU, two shards' gradients stand in two buffers in
+    /// turn and are rounded into the sum in one pass over it (the pass is memory-bound: one
+    /// read and write of the i64 sum for two shards instead of one).
     fn shard_pass(
         &mut self,
         mine: Range<usize>,
@@ -257,71 +296,103 @@ impl Trainer {
         exps: Option<&[i32]>,
         acc: &mut [i64],
     ) -> Result<Seen, TrainerError> {
-        let (step, b, n) = (self.step, self.plan.global_batch, self.grads.grads_len());
+        let n = self.grads.grads_len();
         let sizes: Vec<usize> = self.model.params().iter().map(|(_, p)| p.numel()).collect();
         let tensors = sizes.len() + 1;
         let step_seed = self.peek_step_seed();
         let mut seen = Seen { top: vec![ZERO_EXP; tensors], tally: vec![[0; 3]; tensors], over: 0 };
-        let mut shard_exps = vec![ZERO_EXP; tensors];
         if exps.is_some() {
             acc[n..].fill(0);
             if mine.is_empty() {
                 acc[..n].fill(0);
             }
         }
-        let first = mine.start;
-        for j in mine {
-            let s = shard(b, k, j);
-            let positions = self.cursor + s.start as u64..self.cursor + s.end as u64;
-            self.grads.zero(self.model.params())?;
-            if self.model.is_stochastic() {
-                self.model.seed_dropout(step_seed ^ positions.start.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-            }
-            let idx = self.sampler.indices(positions);
-            let (x, y) = self.batch_on_device(&idx)?;
-            let (_, loss) = self.model.forward_loss(&x, &y, true)?;
-            loss.f_backward()?;
-            let loss = loss.double_value(&[]);
-            self.grads.collect(self.model.params())?;
-            let g = &self.grads.as_mut_slice()[..n];
+        let paired = exps.is_some() && self.grads.is_bound();
+        let shards: Vec<usize> = mine.collect();
+        let (mut exps_a, mut exps_b) = (vec![ZERO_EXP; tensors], vec![ZERO_EXP; tensors]);
+        let mut i = 0;
+        while i < shards.len() {
+            let (a, loss_a) = (shards[i], self.shard_grad(shards[i], k, step_seed)?);
+            let second = shards.get(i + 1).copied().filter(|_| paired);
+            let loss_b = match second {
+                Some(b) => {
+                    // Shard `a`'s gradient stays in the spare; `b`'s goes to the buffer the
+                    // parameters now point at.
+                    let mut spare = match self.exact_spare.take() {
+                        Some(s) => s,
+                        None => self.grads.spare()?,
+                    };
+                    std::mem::swap(&mut self.grads, &mut spare);
+                    self.exact_spare = Some(spare);
+                    self.grads.attach(self.model.params())?;
+                    Some(self.shard_grad(b, k, step_seed)?)
+                }
+                None => None,
+            };
+            let first = i == 0;
+            let gb: &[f32] = self.grads.as_mut_slice();
+            let ga: &[f32] = match (second, self.exact_spare.as_mut()) {
+                (Some(_), Some(s)) => s.as_mut_slice(),
+                _ => gb,
+            };
             let mut at = 0;
             for (t, &len) in sizes.iter().enumerate() {
-                let part = &g[at..at + len];
-                let bits = match exps {
-                    Some(e) if j == first => quantize_into::<true>(&mut acc[at..at + len], part, scale(e[t])),
-                    Some(e) => quantize_into::<false>(&mut acc[at..at + len], part, scale(e[t])),
-                    None => top_bits(part),
+                let (pa, slot) = (&ga[at..at + len], &mut acc[at..at + len]);
+                let (bits_a, bits_b) = match (exps, second) {
+                    (Some(e), Some(_)) => {
+                        let pb = &gb[at..at + len];
+                        if first {
+                            quantize_pair_into::<true>(slot, pa, pb, scale(e[t]))
+                        } else {
+                            quantize_pair_into::<false>(slot, pa, pb, scale(e[t]))
+                        }
+                    }
+                    (Some(e), None) if first => (quantize_into::<true>(slot, pa, scale(e[t])), 0),
+                    (Some(e), None) => (quantize_into::<false>(slot, pa, scale(e[t])), 0),
+                    (None, _) => (top_bits(pa), 0),
                 };
-                if bits >= 0x7f80_0000 || !loss.is_finite() {
-                    return Err(TrainerError::Config(format!(
-                        "step {step}: shard {j} has a non-finite loss or gradient"
-                    )));
+                if bits_a.max(bits_b) >= 0x7f80_0000 {
+                    let j = if bits_a >= 0x7f80_0000 { a } else { a + 1 };
+                    return Err(non_finite(self.step, j));
                 }
-                shard_exps[t] = exp_bits_f32(bits);
+                exps_a[t] = exp_bits_f32(bits_a);
+                exps_b[t] = exp_bits_f32(bits_b);
                 at += len;
             }
-            shard_exps[sizes.len()] = exp_f64(loss.abs());
-            if let Some(e) = exps {
-                acc[n] = acc[n].wrapping_add(quantize(loss, scale(e[sizes.len()])));
-            }
-            acc[n + 1] += s.len() as i64;
-            let mut over = false;
-            for (t, &e) in shard_exps.iter().enumerate() {
-                seen.top[t] = seen.top[t].max(e);
-                if e == ZERO_EXP {
-                    continue;
+            for (j, loss, shard_exps) in
+                [(a, Some(loss_a), &mut exps_a), (a + 1, loss_b, &mut exps_b)].into_iter()
+            {
+                let Some(loss) = loss else { continue };
+                if !loss.is_finite() {
+                    return Err(non_finite(self.step, j));
                 }
-                let c = &mut seen.tally[t];
-                c[0] += i64::from(e);
-                c[1] += 1;
-                if let Some(p) = exps {
-                    c[2] += i64::from(e >= p[t] - FLOOR);
-                    over |= e > p[t] + CEIL;
+                shard_exps[sizes.len()] = exp_f64(loss.abs());
+                if let Some(e) = exps {
+                    acc[n] = acc[n].wrapping_add(quantize(loss, scale(e[sizes.len()])));
                 }
+                acc[n + 1] += shard(self.plan.global_batch, k, j).len() as i64;
+                seen.note(shard_exps, exps);
             }
-            seen.over += i64::from(over);
+            i += if second.is_some() { 2 } else { 1 };
         }
         Ok(seen)
+    }
+
+    /// Shard `j` of `k`'s forward and backward into the buffer the parameters' gradients
+    /// point at (zeroed first); its loss.
+    fn shard_grad(&mut self, j: usize, k: usize, step_seed: u64) -> Result<f64, TrainerError> {
+        let s = shard(self.plan.global_batch, k, j);
+        let positions = self.cursor + s.start as u64..self.cursor + s.end as u64;
+        self.grads.zero(self.model.params())?;
+        if self.model.is_stochastic() {
+            self.model.seed_dropout(step_seed ^ positions.start.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        }
+        let idx = self.sampler.indices(positions);
+        let (x, y) = self.batch_on_device(&idx)?;
+        let (_, loss) = self.model.forward_loss(&x, &y, true)?;
+        loss.f_backward()?;
+        self.grads.collect(self.model.params())?;
+        Ok(loss.double_value(&[]))
     }
 
     /// The predicted exponents as an image tensor (a reproducible job's state).
@@ -412,6 +483,14 @@ mod tests {
             [1; 5],
             "written, not added"
         );
+        // Two shards in one pass: the same integers as one after the other.
+        let h = [1.5f32, 2.25, -1e-7, 3.0, -8.0];
+        let mut pair = vec![1i64; g.len()];
+        let (ta, tb) = quantize_pair_into::<false>(&mut pair, &g, &h, scale(4));
+        let mut one_by_one = vec![1i64; g.len()];
+        quantize_into::<false>(&mut one_by_one, &g, scale(4));
+        quantize_into::<false>(&mut one_by_one, &h, scale(4));
+        assert_eq!((pair, f32::from_bits(ta), f32::from_bits(tb)), (one_by_one, 7.0, 8.0));
         assert!(top_bits(&[1.0, f32::NAN]) >= 0x7f80_0000 && top_bits(&[f32::NEG_INFINITY]) >= 0x7f80_0000);
         // Exponents at either end of what an image may hold keep factors finite.
         for e in [*EXP_RANGE.start(), *EXP_RANGE.end()] {

@@ -70,6 +70,34 @@ impl GradBuffer {
         Ok(())
     }
 
+    /// Whether the parameters' gradients are views of this buffer.
+    pub(crate) fn is_bound(&self) -> bool {
+        self.bound
+    }
+
+    /// A zeroed buffer of the same size, not bound: [`GradBuffer::attach`] makes it the
+    /// gradients' (a reproducible step keeps two shards' gradients in two buffers in turn).
+    pub(crate) fn spare(&self) -> Result<GradBuffer, TrainerError> {
+        let flat = Tensor::f_zeros([self.n as i64 + 3], (Kind::Float, Device::Cpu))?;
+        Ok(GradBuffer { flat, n: self.n, bound: false })
+    }
+
+    /// Makes the parameters' gradients, which are bound to another buffer of this size,
+    /// views of this one instead. The other keeps its values, and must no longer be zeroed
+    /// or collected into as the gradients' (it believes itself bound).
+    pub(crate) fn attach(&mut self, params: &[(String, Tensor)]) -> Result<(), TrainerError> {
+        let mut offset = 0i64;
+        for (_, p) in params {
+            let n = p.numel() as i64;
+            if p.requires_grad() {
+                p.grad().f_set_data(&self.flat.narrow(0, offset, n).view_as(p))?;
+            }
+            offset += n;
+        }
+        self.bound = true;
+        Ok(())
+    }
+
     /// Number of gradient values (the buffer holds three more).
     pub(crate) fn grads_len(&self) -> usize {
         self.n
