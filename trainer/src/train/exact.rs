@@ -255,6 +255,11 @@ impl Trainer {
                     None => self.shard_pass(mine.clone(), k, None, &mut acc)?.top,
                 };
                 reduce.allreduce_max_i32(&mut top, step)?;
+                // Honest ranks send exponents inside the range; a buggy or hostile one must
+                // not make a scale overflow (every rank clamps the same maxima alike).
+                for e in &mut top {
+                    *e = (*e).clamp(*EXP_RANGE.start(), *EXP_RANGE.end());
+                }
                 let seen = self.shard_pass(mine, k, Some(&top), &mut acc)?;
                 seen.write(&mut acc[n + 2..]);
                 reduce.allreduce_sum_i64(&mut acc, step)?;
@@ -525,6 +530,32 @@ mod tests {
             self.agreements += 1;
             Ok(())
         }
+    }
+
+    /// Answers every exponent agreement with `i32::MAX`, as a hostile peer could.
+    struct HostileMax;
+
+    impl Reduce for HostileMax {
+        fn allreduce_sum(&mut self, _buf: &mut [f32], _step: u64) -> Result<(), TrainerError> {
+            Ok(())
+        }
+        fn allreduce_sum_i64(&mut self, _buf: &mut [i64], _step: u64) -> Result<(), TrainerError> {
+            Ok(())
+        }
+        fn allreduce_max_i32(&mut self, vals: &mut [i32], _step: u64) -> Result<(), TrainerError> {
+            vals.fill(i32::MAX);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn absurd_agreed_exponents_cannot_overflow_a_scale() {
+        let (img, _) = reproducible_state();
+        let mut t = Trainer::from_image(&img, crate::train::tests::synthetic(), None).unwrap();
+        t.exact_exponents = None;
+        // Clamped into the range every rank alike: a useless step, not a panic.
+        t.exact_step(0, 1, &mut HostileMax).unwrap();
+        assert!(t.exact_exponents.unwrap().iter().all(|e| EXP_RANGE.contains(e)));
     }
 
     /// A state at step 3 of a reproducible MLP job, as an image.
