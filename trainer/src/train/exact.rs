@@ -513,10 +513,13 @@ mod tests {
         assert_eq!(predict(&[0, 10, 2, 1, -7, 2, 2, 0, 0, 0], &[0, 0, 5]), [6, -3, 5]);
     }
 
-    /// Counts the exponent agreements (the misfit path's extra collective) of one process.
+    /// One process's collectives, counting the exponent agreements (the misfit path's extra
+    /// collective); with `answer`, every agreement comes back as it, as from a buggy or
+    /// hostile peer.
     #[derive(Default)]
     struct Counting {
         agreements: usize,
+        answer: Option<i32>,
     }
 
     impl Reduce for Counting {
@@ -526,24 +529,11 @@ mod tests {
         fn allreduce_sum_i64(&mut self, _buf: &mut [i64], _step: u64) -> Result<(), TrainerError> {
             Ok(())
         }
-        fn allreduce_max_i32(&mut self, _vals: &mut [i32], _step: u64) -> Result<(), TrainerError> {
-            self.agreements += 1;
-            Ok(())
-        }
-    }
-
-    /// Answers every exponent agreement with `i32::MAX`, as a hostile peer could.
-    struct HostileMax;
-
-    impl Reduce for HostileMax {
-        fn allreduce_sum(&mut self, _buf: &mut [f32], _step: u64) -> Result<(), TrainerError> {
-            Ok(())
-        }
-        fn allreduce_sum_i64(&mut self, _buf: &mut [i64], _step: u64) -> Result<(), TrainerError> {
-            Ok(())
-        }
         fn allreduce_max_i32(&mut self, vals: &mut [i32], _step: u64) -> Result<(), TrainerError> {
-            vals.fill(i32::MAX);
+            self.agreements += 1;
+            if let Some(a) = self.answer {
+                vals.fill(a);
+            }
             Ok(())
         }
     }
@@ -554,7 +544,7 @@ mod tests {
         let mut t = Trainer::from_image(&img, crate::train::tests::synthetic(), None).unwrap();
         t.exact_exponents = None;
         // Clamped into the range every rank alike: a useless step, not a panic.
-        t.exact_step(0, 1, &mut HostileMax).unwrap();
+        t.exact_step(0, 1, &mut Counting { agreements: 0, answer: Some(i32::MAX) }).unwrap();
         assert!(t.exact_exponents.unwrap().iter().all(|e| EXP_RANGE.contains(e)));
     }
 

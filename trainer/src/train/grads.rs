@@ -49,24 +49,15 @@ impl GradBuffer {
         // creates them all.
         let total = trainable.iter().map(|p| p.sum(Kind::Float)).reduce(|a, b| a + b).expect("non-empty");
         total.f_backward()?;
-        let mut offset = 0i64;
-        for (_, p) in params {
-            let n = p.numel() as i64;
-            if p.requires_grad() {
-                let mut g = p.grad();
-                if p.kind() != Kind::Float || g.size() != p.size() {
-                    return Err(TrainerError::Config(format!(
-                        "parameter of kind {:?} and shape {:?}: gradients are f32 and shaped like their parameter",
-                        p.kind(),
-                        p.size()
-                    )));
-                }
-                g.f_set_data(&self.flat.narrow(0, offset, n).view_as(p))?;
-            }
-            offset += n;
+        if let Some(p) = trainable.iter().find(|p| p.kind() != Kind::Float || p.grad().size() != p.size()) {
+            return Err(TrainerError::Config(format!(
+                "parameter of kind {:?} and shape {:?}: gradients are f32 and shaped like their parameter",
+                p.kind(),
+                p.size()
+            )));
         }
+        self.attach(params)?;
         let _ = self.flat.f_zero_()?;
-        self.bound = true;
         Ok(())
     }
 
@@ -82,9 +73,9 @@ impl GradBuffer {
         Ok(GradBuffer { flat, n: self.n, bound: false })
     }
 
-    /// Makes the parameters' gradients, which are bound to another buffer of this size,
-    /// views of this one instead. The other keeps its values, and must no longer be zeroed
-    /// or collected into as the gradients' (it believes itself bound).
+    /// Makes the parameters' gradients (which exist, f32 and shaped like their parameters)
+    /// views of this buffer. When they were another's, that one keeps its values, and must no
+    /// longer be zeroed or collected into as the gradients' (it believes itself bound).
     pub(crate) fn attach(&mut self, params: &[(String, Tensor)]) -> Result<(), TrainerError> {
         let mut offset = 0i64;
         for (_, p) in params {
