@@ -33,7 +33,7 @@ help:
 	@echo "make demo    set up, then run 4 agents through a spot notice, a join, a kill -9 and a drain"
 	@echo "make setup   install libtorch (torch==$(TORCH_VERSION) from PyPI) and data into $(LIMPET_CACHE)"
 	@echo "make fuzz    run each fuzz target for FUZZ_SECONDS (default 60)"
-	@echo "make dist    build the release tarball deploy/cloud-init.yaml installs (dist/limpet-VERSION-linux-ARCH.tar.gz)"
+	@echo "make dist    build the release tarballs deploy/cloud-init.yaml installs (dist/limpet-VERSION-linux-ARCH-{cuda,cpu}.tar.gz)"
 	@echo "make gpu-test  run the CUDA tests where libtorch sees a GPU (says so and skips them where not)"
 	@echo "make bench   measure: raft commits, allreduce against gloo, state handoff against plain TCP, transitions against torchrun, planner predictions and pipelines, LLaMA training against transformers and torchrun + DDP, memory on a 4 GiB dataset"
 

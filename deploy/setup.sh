@@ -40,6 +40,7 @@ need_package() { # COMMAND PACKAGE WHY
 need_package systemd-analyze systemd "for checking the systemd unit"
 need_package protoc protobuf-compiler "protoc, for raft-rs's prost codec"
 need_package patchelf patchelf "the release tarball's rpath"
+need_package readelf binutils "readelf, for the test that reads the binaries' NEEDED libraries"
 mkdir -p "$CACHE" "$DATA"
 
 # One setup at a time: a second clone waits instead of racing on the same venv.

@@ -53,6 +53,22 @@ pub fn scenario_json(dir: &Path, args: &[&str], steps: u64, script: &str) -> Val
     summary
 }
 
+/// Runs `limpet-lab chaos --json` with `args` in `dir`; its report, after checking what
+/// holds for every replay: it succeeded (else every node's log is shown), no step applied
+/// twice, and each of `events` fired (a prefix of an event's description).
+pub fn chaos_json(dir: &Path, args: &[&str], events: &[&str]) -> Value {
+    let out =
+        Command::new(lab_exe()).args(["chaos", "--json"]).args(args).arg("--dir").arg(dir).output().unwrap();
+    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stderr), node_logs(dir));
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["steps_applied_twice"], 0, "{r:#}");
+    let fired: Vec<&str> = r["events"].as_array().unwrap().iter().map(|e| e[1].as_str().unwrap()).collect();
+    for what in events {
+        assert!(fired.iter().any(|e| e.starts_with(what)), "{what}: {fired:?}");
+    }
+    r
+}
+
 /// The first transition whose cause mentions `cause`.
 pub fn transition<'a>(summary: &'a Value, cause: &str) -> &'a Value {
     summary["transitions"]

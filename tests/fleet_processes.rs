@@ -508,18 +508,13 @@ fn no_spot_capacity_is_reported_as_such() {
 #[test]
 fn limpet_simulate_compares_the_policies_over_a_real_trace() {
     let tmp = tempfile::tempdir().unwrap();
-    let trace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces/aws-p3-preemptions.csv");
     let plot = tmp.path().join("sim.svg");
-    let out = Command::new(exe())
-        .args(["simulate", "--json", "--trace"])
-        .arg(&trace)
-        .arg("--plot")
-        .arg(&plot)
-        .output()
-        .unwrap();
+    // Without --trace: the trace shipped inside limpet.
+    let out = Command::new(exe()).args(["simulate", "--json"]).arg("--plot").arg(&plot).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(doc["trace"]["events"], 344);
+    assert!(doc["trace"]["file"].as_str().unwrap().contains("shipped with limpet"), "{doc}");
     let by_name =
         |n: &str| doc["policies"].as_array().unwrap().iter().find(|p| p["policy"] == n).unwrap().clone();
     let (limpet, restart, on_demand) =
@@ -535,11 +530,15 @@ fn limpet_simulate_compares_the_policies_over_a_real_trace() {
     assert!((f(&on_demand, "goodput") - 1.0).abs() < 1e-9);
     let svg = std::fs::read_to_string(&plot).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("checkpoint-restart"), "not the plot");
-    // The table names the three.
-    let out = Command::new(exe()).args(["simulate", "--trace"]).arg(&trace).output().unwrap();
+    // The table names the three, and the trace (a copy of the shipped one, named).
+    let copy = tmp.path().join("p3.csv");
+    std::fs::write(&copy, limpet_daemon::simulate::trace::AWS_P3).unwrap();
+    let out = Command::new(exe()).args(["simulate", "--trace"]).arg(&copy).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
-        ["limpet", "checkpoint-restart", "on-demand", "VS ON-DEMAND"].iter().all(|w| text.contains(w)),
+        ["limpet", "checkpoint-restart", "on-demand", "VS ON-DEMAND", "p3.csv"]
+            .iter()
+            .all(|w| text.contains(w)),
         "{text}"
     );
     // A trace that removes a host it never added.

@@ -214,3 +214,25 @@ fn no_source_file_is_over_the_limit() {
     }
     assert!(long.is_empty(), "files over {MAX_LINES} lines:\n{}", long.join("\n"));
 }
+
+/// A user's clone has nothing beside it: no tracked file names a folder outside the
+/// repository (the traces limpet uses ship in `daemon/traces/`).
+#[test]
+fn no_tracked_file_reaches_outside_the_clone() {
+    let outside = ["..", "/shared"].concat();
+    let out = std::process::Command::new("git")
+        .args(["ls-files", "-z"])
+        .current_dir(root())
+        .output()
+        .expect("git, to list the tracked files");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let offenders: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .split('\0')
+        .filter(|f| !f.is_empty())
+        .filter(|f| {
+            std::fs::read(root().join(f)).is_ok_and(|b| String::from_utf8_lossy(&b).contains(&outside))
+        })
+        .map(String::from)
+        .collect();
+    assert!(offenders.is_empty(), "tracked files name {outside}: {offenders:?}");
+}

@@ -101,6 +101,51 @@ fn limpetd_validate_says_which_revocation_sources_it_would_watch() {
     );
 }
 
+/// The libtorch the binaries were built against (deploy/link_libtorch.rs says).
+fn libtorch_lib() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("LIMPET_LIBTORCH_LIB"))
+}
+
+/// The built binaries keep libtorch's CUDA backend among their NEEDED libraries wherever
+/// that libtorch has one (the linker's --as-needed would drop it: nothing references its
+/// symbols, yet libtorch registers CUDA only when it is loaded), and `limpetd validate` says
+/// which backend libtorch offers, and why no GPU when there is none.
+#[test]
+fn the_binaries_link_libtorchs_cuda_backend_and_validate_reports_it() {
+    let has_cuda = libtorch_lib().join("libtorch_cuda.so").exists();
+    for bin in [env!("CARGO_BIN_EXE_limpetd"), env!("CARGO_BIN_EXE_limpet")] {
+        let out = Command::new("readelf").args(["-d", bin]).output().expect("readelf (binutils)");
+        let dynamic = String::from_utf8_lossy(&out.stdout);
+        let needed: Vec<&str> = dynamic.lines().filter(|l| l.contains("(NEEDED)")).collect();
+        assert!(needed.iter().any(|l| l.contains("libtorch_cpu.so")), "{bin}: {needed:?}");
+        assert_eq!(
+            needed.iter().any(|l| l.contains("libtorch_cuda.so")),
+            has_cuda,
+            "{bin}: libtorch_cuda.so among NEEDED {needed:?}, libtorch has one: {has_cuda}"
+        );
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let base = base_config(tmp.path())
+        + "
+[revocation]
+sources = \"none\"
+";
+    let (stdout, stderr) = text(&validate(tmp.path(), &base, false));
+    let line =
+        stdout.lines().find(|l| l.starts_with("libtorch: ")).unwrap_or_else(|| panic!("{stdout}{stderr}"));
+    let v: Value = serde_json::from_slice(&validate(tmp.path(), &base, true).stdout).unwrap();
+    assert_eq!(v["libtorch"]["cuda_backend"], has_cuda, "{v}");
+    let devices = v["libtorch"]["devices"].as_u64().unwrap();
+    if devices == 0 {
+        // No GPU here: said, with the reason.
+        assert!(line.starts_with("libtorch: CPU only: "), "{line}");
+        let why = if has_cuda { "no NVIDIA driver" } else { "no CUDA backend" };
+        assert!(line.contains(why) || line.contains("sees no device"), "{line}");
+    } else {
+        assert!(line.starts_with("libtorch: CUDA ("), "{line}");
+    }
+}
+
 fn limpet(args: &[&str]) -> Output {
     Command::new(exe()).args(args).output().unwrap()
 }

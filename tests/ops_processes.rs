@@ -327,8 +327,10 @@ fn a_new_cluster_resumes_from_the_newest_checkpoint_after_every_host_is_lost() {
 fn with_resume_required_a_new_cluster_waits_for_a_missing_checkpoint_directory() {
     // The shared directory is not there when the new cluster starts (a mount not up yet):
     // "if-present" would start the job over at step 0 for good; "required" waits for it.
+    // Long enough that the first cluster is still training when its hosts are killed (an MLP
+    // step takes a few milliseconds; every check of the log starts a `limpet` process).
     let job = LocalJob {
-        steps: 1000,
+        steps: 4000,
         checkpoint_every: 100,
         checkpoint_resume: Some("required".into()),
         ..LocalJob::default()
@@ -765,12 +767,13 @@ fn the_release_tarball_runs_with_the_build_cache_hidden() {
         .arg(bins)
         .arg("--out")
         .arg(tmp.path().join("dist"))
+        .args(["--variant", "cpu"])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let tarball = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim().to_string());
     let name = tarball.file_name().unwrap().to_str().unwrap().to_string();
-    assert!(name.starts_with("limpet-") && name.ends_with("-linux-x86_64.tar.gz"), "{name}");
+    assert!(name.starts_with("limpet-") && name.ends_with("-linux-x86_64-cpu.tar.gz"), "{name}");
     // The .sha256 beside it is what cloud-init checks.
     let check = Command::new("sha256sum")
         .arg("-c")
@@ -788,9 +791,11 @@ fn the_release_tarball_runs_with_the_build_cache_hidden() {
         "usr/local/bin/limpet",
         "etc/systemd/system/limpetd.service",
         "usr/local/lib/limpet/libtorch_cpu.so",
+        "usr/local/share/limpet/traces/aws-p3-preemptions.csv",
     ] {
         assert!(entries.lines().any(|e| e == want), "{want} missing: {entries}");
     }
+    assert!(!entries.contains("libtorch_cuda"), "the CPU variant carries CUDA: {entries}");
     let root = tmp.path().join("root");
     std::fs::create_dir_all(&root).unwrap();
     let untar = Command::new("tar").arg("-C").arg(&root).arg("-xzf").arg(&tarball).status().unwrap();
@@ -843,5 +848,58 @@ ldd "$BIN/limpetd" | grep -E 'libtorch_cpu|libc10'
         "{text}"
     );
     assert!(text.contains("valid (node host-1") && text.contains("test accuracy"), "{text}");
+    assert!(text.contains("libtorch: CPU only: this binary's libtorch has no CUDA backend"), "{text}");
     assert!(tmp.path().join("run/checkpoint.safetensors").exists());
+    if Path::new(env!("LIMPET_LIBTORCH_LIB")).join("libtorch_cuda.so").exists() {
+        let dist = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/dist.sh");
+        cuda_variant_loads_its_backend(&dist, bins, tmp.path(), &config);
+    }
+}
+
+/// The CUDA variant, staged rather than packed (gigabytes of CUDA libraries): with the build
+/// cache hidden, its `limpetd` loads libtorch's CUDA backend and the CUDA runtime from the
+/// variant's own directory. (Without a GPU here, libtorch then says there is no driver.)
+fn cuda_variant_loads_its_backend(script: &Path, bins: &Path, tmp: &Path, config: &Path) {
+    let out = Command::new("bash")
+        .arg(script)
+        .arg("--bin-dir")
+        .arg(bins)
+        .arg("--out")
+        .arg(tmp.join("staged"))
+        .args(["--variant", "cuda", "--stage-only"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let root = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim().to_string());
+    assert!(root.display().to_string().ends_with("-cuda"), "{}", root.display());
+    let lib_dir = root.join("usr/local/lib/limpet");
+    let script = r#"set -e
+mount -t tmpfs tmpfs "$CACHE"
+ldd "$BIN/limpetd" | grep -E 'libtorch_cuda|libcudart'
+"$BIN/limpetd" validate --config "$CONFIG" --json
+"#;
+    let run = Command::new("unshare")
+        .args(["-m", "sh", "-c", script])
+        .env("CACHE", build_cache())
+        .env("BIN", root.join("usr/local/bin"))
+        .env("CONFIG", config)
+        .env("LD_LIBRARY_PATH", "/nonexistent")
+        .env("LIMPET_CACHE", "/nonexistent")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
+    assert!(run.status.success(), "{text}");
+    let lib = lib_dir.display().to_string();
+    for want in ["libtorch_cuda.so", "libcudart.so"] {
+        let line = text.lines().find(|l| l.contains(want)).unwrap_or_else(|| panic!("{want}: {text}"));
+        assert!(
+            line.contains(&lib) || line.contains("bin/../lib/limpet"),
+            "{want} not from the variant: {line}"
+        );
+    }
+    let v: serde_json::Value =
+        serde_json::from_str(text.lines().find(|l| l.starts_with('{')).unwrap_or_else(|| panic!("{text}")))
+            .unwrap();
+    assert_eq!(v["libtorch"]["cuda_backend"], true, "{v}");
+    assert!(v["libtorch"]["cuda_runtime"].as_str().is_some_and(|r| r.starts_with("libcudart.so")), "{v}");
 }

@@ -1,8 +1,9 @@
 //! Reproducible jobs (`[job].reproducible`, `limpet train --reproducible`) with real
 //! processes: the final state's content hash, and every step's loss, are the same bits for
-//! one process and for 2, 3 or 4 agents, through a notice, a join and a `kill -9`, across a
-//! resume from a checkpoint and whatever the micro-batch, at a learning rate where the
-//! ordinary path drifts.
+//! one process and for 2, 3 or 4 agents, through a notice, a join and a `kill -9`, joins
+//! after training began (alone, two at once, right after a kill), a trace replayed by
+//! `limpet-lab chaos --reproducible`, across a resume from a checkpoint and whatever the
+//! micro-batch, at a learning rate where the ordinary path drifts.
 
 use serde_json::Value;
 use std::path::Path;
@@ -23,8 +24,12 @@ const SCRIPT: &str = "0.2:notice:node-2:20,0.4:join,0.7:kill:node-3";
 
 /// `limpet train` of the job into `out`; its report.
 fn train(out: &Path, extra: &[&str]) -> Value {
+    train_for(out, extra, STEPS)
+}
+
+fn train_for(out: &Path, extra: &[&str], steps: u64) -> Value {
     let run = Command::new(exe())
-        .args(["train", "--json", "--batch", "64", "--steps", &STEPS.to_string()])
+        .args(["train", "--json", "--batch", "64", "--steps", &steps.to_string()])
         .args(JOB)
         .args(extra)
         .arg("--out")
@@ -87,11 +92,15 @@ fn scenario(dir: &Path, nodes: usize, script: &str) -> Value {
 }
 
 fn scenario_with(dir: &Path, nodes: usize, script: &str, extra: &[&str]) -> Value {
+    scenario_for(dir, nodes, script, extra, STEPS)
+}
+
+fn scenario_for(dir: &Path, nodes: usize, script: &str, extra: &[&str], steps: u64) -> Value {
     let n = nodes.to_string();
     let mut args = vec!["--nodes", n.as_str(), "--batch", "64"];
     args.extend_from_slice(&JOB);
     args.extend_from_slice(extra);
-    common::scenario_json(dir, &args, STEPS, script)
+    common::scenario_json(dir, &args, steps, script)
 }
 
 #[test]
@@ -151,4 +160,82 @@ fn a_notice_a_join_and_a_kill_change_no_bit() {
     let drift = drift_of(&ordinary, &plain);
     eprintln!("ordinary path, 3 agents through the events against one process: {drift:e}");
     assert!(drift > DRIFT, "the ordinary path drifted only {drift:e} through the same events");
+}
+
+/// A cluster that grows after training began: the newcomer copies the survivors' whole
+/// state (the predicted exponents too, or it sums its first step another way than they do
+/// and the job livelocks at that step), whether it joins alone, with a second newcomer in
+/// the same epoch, or right after a `kill -9`. Long enough (5000 steps) that a newcomer,
+/// which takes a second or more to start on a loaded machine, trains; after the kill the
+/// cluster is below `--min-nodes 3`, so it waits for the newcomer.
+#[test]
+fn joins_after_the_first_steps_change_no_bit() {
+    const LONG: u64 = 5000;
+    let tmp = tempfile::tempdir().unwrap();
+    let one = train_for(&tmp.path().join("one"), &["--reproducible"], LONG);
+    let want = one["content_hash"].as_str().unwrap();
+    let losses = train_losses(&tmp.path().join("one"));
+    for (name, script, newcomers, min_nodes) in [
+        ("join", "0.05:join", &[4][..], "1"),
+        ("two-joins", "0.05:join,0.05:join", &[4, 5][..], "1"),
+        ("kill-join", "0.05:kill:node-2,0.05:join", &[4][..], "3"),
+    ] {
+        let dir = tmp.path().join(name);
+        let summary = scenario_for(&dir, 3, script, &["--reproducible", "--min-nodes", min_nodes], LONG);
+        assert_eq!(hash(Path::new(summary["checkpoint"].as_str().unwrap())), want, "{name}: {summary:#}");
+        same_losses(&agent_losses(&dir), &losses, name);
+        let t = summary["transitions"].as_array().unwrap();
+        assert!(
+            t.iter().all(|t| !t["cause"].as_str().unwrap_or("").contains("every rank alive")),
+            "{name}: a collective broke with every rank alive: {summary:#}"
+        );
+        for n in newcomers {
+            let trained =
+                std::fs::read_to_string(dir.join(format!("node-{n}.steps.jsonl"))).unwrap_or_default();
+            assert!(
+                trained.lines().count() > 10,
+                "{name}: node-{n} trained {} steps: {summary:#}",
+                trained.lines().count()
+            );
+        }
+        // A rank that cannot enter yet (a newcomer's data address not in the log) waits for
+        // the log to change and says so once per epoch and cause (it once spun, logging the
+        // same line thousands of times in a few milliseconds).
+        let logs = common::node_logs(&dir);
+        let retries = logs.lines().filter(|l| l.contains("could not enter the epoch")).count();
+        assert!(retries <= 12, "{name}: {retries} lines of 'could not enter the epoch'");
+    }
+}
+
+/// `limpet-lab chaos --reproducible` over a segment of the shipped AWS p3 trace where, at
+/// 120x, a spot notice and a `kill -9` land at one instant and a join half a second later
+/// (five founders: the two removals leave the log a majority of its voters): the job then
+/// runs to its last step and must end with one uninterrupted process's content hash and
+/// losses (the replay itself fails otherwise).
+#[test]
+fn a_reproducible_trace_replay_ends_with_one_process_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = common::chaos_json(
+        &dir.path().join("run"),
+        &[
+            "--reproducible",
+            "--steps",
+            "3000",
+            "--from-s",
+            "4600",
+            "--until-s",
+            "5000",
+            "--hosts",
+            "node10,node49,node14,node25,node36,node54",
+            "--speedup",
+            "120",
+            "--kill-every",
+            "2",
+        ],
+        &["spot notice for node10", "kill -9 node49", "node54 joins"],
+    );
+    let same = &r["reproducible"];
+    assert_eq!(same["content_hash"], same["one_process_hash"], "{r:#}");
+    assert_eq!(same["steps_with_other_loss"], 0, "{r:#}");
+    assert_eq!(same["steps"], 3000, "{r:#}");
 }

@@ -92,6 +92,8 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
         );
     }
     limpet_trainer::set_threads(1);
+    let backend = limpet_trainer::device::backend();
+    tracing::info!(devices = backend.devices, device = %cfg.job.device, "libtorch: {backend}");
     let mut agent_cfg = agent_config(&cfg, cli.run.step_log)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let watched = rt.block_on(crate::watch_sources::resolve(&cfg));
@@ -150,8 +152,8 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
     result
 }
 
-/// `limpetd validate`: the file's checks, the paths it writes, the model module, and the
-/// revocation sources this host would watch.
+/// `limpetd validate`: the file's checks, the paths it writes, the model module, the
+/// revocation sources this host would watch, and the backend libtorch offers here.
 fn validate(config: &std::path::Path, json: bool) -> anyhow::Result<()> {
     let cfg = match Config::load(config) {
         Ok(c) => c,
@@ -178,6 +180,7 @@ fn validate(config: &std::path::Path, json: bool) -> anyhow::Result<()> {
     };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let watched = rt.block_on(crate::watch_sources::resolve(&cfg));
+    let backend = limpet_trainer::device::backend();
     if json {
         let v = serde_json::json!({
             "file": config.display().to_string(),
@@ -187,6 +190,8 @@ fn validate(config: &std::path::Path, json: bool) -> anyhow::Result<()> {
             "cluster": cfg.cluster.name,
             "revocation": watched.to_json(),
             "model": model,
+            "libtorch": backend,
+            "device": cfg.job.device,
             "warnings": warnings,
         });
         println!("{v}");
@@ -200,6 +205,7 @@ fn validate(config: &std::path::Path, json: bool) -> anyhow::Result<()> {
         cfg.cluster.name
     );
     println!("revocation: {}", watched.summary());
+    println!("libtorch: {backend}; [job].device = {:?}", cfg.job.device);
     if watched.is_blind() {
         eprintln!("warning: this node would watch no revocation notices");
     }

@@ -233,6 +233,9 @@ pub struct StatusDoc {
     /// The number of hosts scaling by value chose last.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scaling_target: Option<u32>,
+    /// The job cannot get past a step: rebuilt again and again with every rank alive.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stuck: Option<limpet_agent::stuck::Stuck>,
 }
 
 /// A checkpoint as the log records it.
@@ -347,6 +350,10 @@ pub async fn gather(cluster: &str, addrs: &[String], tls: Option<&Tls>) -> anyho
 /// are left out: status shows what the log says about such a node, not a guess).
 type Reports = BTreeMap<NodeId, (u64, AgentReport)>;
 
+/// Reports older than this do not say why a job is stuck (the node may be gone): status
+/// does not know the cluster's heartbeat timeout, and this is above any sensible one.
+const REPORT_FRESH_MS: u64 = 15_000;
+
 fn build(
     cluster: &str,
     st: &ClusterState,
@@ -401,6 +408,7 @@ fn build(
         capacity: crate::capacity::docs(st, usize::MAX, |id| name_of(st, id)),
         throughput: st.throughput.by_world.clone(),
         scaling_target: st.capacity.target,
+        stuck: limpet_agent::stuck::assess(st, &parsed, REPORT_FRESH_MS),
     }
 }
 
@@ -508,6 +516,9 @@ pub fn render(d: &StatusDoc) -> String {
             e.global_batch,
             e.lr_scale
         );
+    }
+    if let Some(x) = &d.stuck {
+        s += &format!("JOB STUCK: {x}\n");
     }
     if let Some(e) = &d.scheduled {
         s +=
@@ -627,8 +638,74 @@ pub fn status(a: StatusArgs) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{host_line, transitions_table, TransitionDoc};
-    use limpet_consensus::state::Hardware;
+    use super::{build, host_line, render, transitions_table, TransitionDoc};
+    use limpet_agent::report::{AgentReport, Broken, Phase};
+    use limpet_consensus::state::{ClusterState, Command, Hardware, MemberSpec};
+
+    /// A job whose rebuild broke again on a protocol violation: `limpet status` says it is
+    /// stuck, where, and what the rank reported; without the violation's report, it does not.
+    #[test]
+    fn status_says_when_the_job_is_stuck_at_a_step() {
+        let spec = |id| MemberSpec {
+            id,
+            name: format!("n{id}"),
+            control_addr: String::new(),
+            data_addr: String::new(),
+            hardware: Hardware::default(),
+        };
+        let mut st = ClusterState::bootstrap("c", &[spec(1), spec(2)]);
+        st.apply(&Command::SetJob { job: serde_json::json!({"model": "mlp"}) }).unwrap();
+        // The first epoch as the leader plans it, then a rebuild of it at step 79.
+        let settings = limpet_agent::leader::LeaderSettings {
+            heartbeat_ms: 100,
+            heartbeat_timeout_ms: 1000,
+            lead_ms: 400,
+            notice_margin_ms: 1000,
+            min_nodes: 2,
+            policy: limpet_agent::policy::BatchPolicy::FixedGlobal,
+            base: limpet_agent::policy::BaseBatch { global_batch: 64, micro_batch: 64, world: 2 },
+            straggler_ratio: 0.0,
+            straggler_steps: 100,
+        };
+        let fresh = (1..=2).map(|id| (id, (0, AgentReport::new(id, 0, Phase::Waiting)))).collect();
+        for c in limpet_agent::leader::plan_round(&settings, &st, &fresh, 1_000_000).commands {
+            st.apply(&c).unwrap();
+        }
+        let first = st.scheduled.clone().expect("a first epoch");
+        st.apply(&Command::ActivateEpoch { id: first.id }).unwrap();
+        let rebuild = limpet_consensus::state::Epoch {
+            id: first.id + 1,
+            start_step: 79,
+            cause: "collective failure with every rank alive".into(),
+            causes: vec![limpet_consensus::state::Cause::Rebuild],
+            ..first
+        };
+        st.apply(&Command::ScheduleEpoch { epoch: rebuild.clone() }).unwrap();
+        st.apply(&Command::ActivateEpoch { id: rebuild.id }).unwrap();
+        let id = st.current.as_ref().unwrap().id;
+        let mut r = AgentReport::new(2, 0, Phase::Waiting);
+        r.epoch = id;
+        r.broken = Some(Broken {
+            epoch: id,
+            since_ms: 10,
+            suspect: Some(1),
+            error: "protocol violation: node 1 sent 28 bytes where 52296 were due".into(),
+            violation: true,
+        });
+        let report = |r: &AgentReport| limpet_consensus::NodeReport {
+            node: r.node,
+            age: std::time::Duration::from_millis(5),
+            report: r.encode(),
+        };
+        let doc = build("c", &st, 1, 1, &[report(&r)], "n1");
+        let text = render(&doc);
+        assert!(text.contains("JOB STUCK: stuck at step 79") && text.contains("52296"), "{text}");
+        r.broken.as_mut().unwrap().violation = false;
+        assert!(
+            build("c", &st, 1, 1, &[report(&r)], "n1").stuck.is_none(),
+            "one rebuild of a transient fault"
+        );
+    }
 
     #[test]
     fn tables_align_numbers_right_and_end_lines_without_padding() {

@@ -58,6 +58,58 @@ pub fn gpu_count() -> usize {
     }
 }
 
+/// What libtorch in this process offers: whether its CUDA backend is loaded, with which CUDA
+/// runtime, how many devices it sees, and why there is none when it sees none.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Backend {
+    /// `libtorch_cuda.so` is loaded (the binary was linked with it).
+    pub cuda_backend: bool,
+    /// The CUDA runtime libtorch loaded (`libcudart.so.12`, ...), if any.
+    pub cuda_runtime: Option<String>,
+    /// CUDA devices libtorch sees.
+    pub devices: usize,
+    /// Why there are none, in words, when there are none.
+    pub why_none: Option<String>,
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (&self.why_none, &self.cuda_runtime) {
+            (None, rt) => {
+                write!(f, "CUDA ({}), {} device(s)", rt.as_deref().unwrap_or("runtime unknown"), self.devices)
+            }
+            (Some(why), _) => write!(f, "CPU only: {why}"),
+        }
+    }
+}
+
+/// This process's libtorch backend, read from what it loaded (`/proc/self/maps`) and what it
+/// reports.
+pub fn backend() -> Backend {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    backend_from(&maps, gpu_count(), std::path::Path::new("/proc/driver/nvidia/version").exists())
+}
+
+/// [`backend`] from a process's memory map, the devices libtorch counts and whether an
+/// NVIDIA driver is loaded.
+pub fn backend_from(maps: &str, devices: usize, driver: bool) -> Backend {
+    let loaded = |name: &str| {
+        maps.lines().filter_map(|l| l.rsplit('/').next()).find(|f| f.starts_with(name)).map(str::to_string)
+    };
+    let cuda_backend = loaded("libtorch_cuda.so").is_some();
+    let cuda_runtime = loaded("libcudart.so");
+    let why_none = (devices == 0).then(|| {
+        if !cuda_backend {
+            "this binary's libtorch has no CUDA backend loaded (a CPU-only libtorch, or a binary linked without libtorch_cuda.so)".to_string()
+        } else if !driver {
+            "libtorch's CUDA backend is loaded, but no NVIDIA driver is (no GPU on this host, or its driver is not installed)".to_string()
+        } else {
+            "libtorch's CUDA backend and the NVIDIA driver are loaded, but libtorch sees no device (CUDA_VISIBLE_DEVICES, or a driver older than the CUDA runtime)".to_string()
+        }
+    });
+    Backend { cuda_backend, cuda_runtime, devices, why_none }
+}
+
 /// The GPUs' model names as the NVIDIA driver lists them (`/proc/driver/nvidia/gpus/*/information`),
 /// empty where there is no such driver.
 pub fn gpu_models() -> Vec<String> {
@@ -74,6 +126,32 @@ pub fn gpu_models() -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_backend_says_what_is_loaded_and_why_there_is_no_gpu() {
+        let cpu = "7f00-7f01 r-xp 0 08:01 1 /x/torch/lib/libtorch_cpu.so\n";
+        let b = backend_from(cpu, 0, false);
+        assert!(!b.cuda_backend && b.why_none.as_deref().unwrap().contains("no CUDA backend"), "{b:?}");
+        let cuda = format!("{cpu}7f02-7f03 r-xp 0 08:01 2 /x/torch/lib/libtorch_cuda.so\n7f04-7f05 r-xp 0 08:01 3 /x/nvidia/cuda_runtime/lib/libcudart.so.12\n");
+        let b = backend_from(&cuda, 0, false);
+        assert!(b.cuda_backend && b.why_none.as_deref().unwrap().contains("no NVIDIA driver"), "{b:?}");
+        assert_eq!(b.cuda_runtime.as_deref(), Some("libcudart.so.12"));
+        assert!(backend_from(&cuda, 0, true).why_none.unwrap().contains("sees no device"));
+        let b = backend_from(&cuda, 8, true);
+        assert_eq!(
+            (b.why_none.clone(), b.to_string()),
+            (None, "CUDA (libcudart.so.12), 8 device(s)".to_string())
+        );
+    }
+
+    /// This test binary is linked like limpetd (deploy/link_libtorch.rs): where the libtorch
+    /// it was built against has a CUDA backend, the backend is loaded.
+    #[test]
+    fn the_cuda_backend_is_loaded_where_libtorch_has_one() {
+        let lib = std::path::Path::new(env!("LIMPET_LIBTORCH_LIB"));
+        let b = backend();
+        assert_eq!(b.cuda_backend, lib.join("libtorch_cuda.so").exists(), "{b:?}");
+    }
 
     #[test]
     fn devices_parse_and_resolve_against_the_host() {

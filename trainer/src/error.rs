@@ -33,12 +33,15 @@ pub enum TrainerError {
         peer: Option<u64>,
         /// What happened.
         detail: String,
+        /// A peer's bytes broke the protocol (a bug or a hostile peer), as opposed to a
+        /// transient failure (a closed connection, a silent peer).
+        violation: bool,
     },
 }
 
 impl TrainerError {
     /// A reduce failure that names no peer (a malformed buffer).
     pub fn reduce(detail: impl Into<String>) -> TrainerError {
-        TrainerError::Reduce { peer: None, detail: detail.into() }
+        TrainerError::Reduce { peer: None, detail: detail.into(), violation: false }
     }
 }

@@ -29,21 +29,7 @@ pub fn shares(
     if ranks.len() < 2 || !on || global_batch < ranks.len() as u64 {
         return none;
     }
-    // Reports are peers' words: only finite, positive times count.
-    let mut known: Vec<f64> = ranks
-        .iter()
-        .filter_map(|r| ms_per_sample.get(r).copied())
-        .filter(|t| t.is_finite() && *t > 0.0)
-        .collect();
-    if known.len() < 2 {
-        return none;
-    }
-    known.sort_by(f64::total_cmp);
-    let median = known[known.len() / 2];
-    let times: Vec<f64> = ranks
-        .iter()
-        .map(|r| ms_per_sample.get(r).copied().filter(|t| t.is_finite() && *t > 0.0).unwrap_or(median))
-        .collect();
+    let Some(times) = times(ranks, ms_per_sample) else { return none };
     let (fastest, slowest) = times.iter().fold((f64::MAX, 0.0f64), |(lo, hi), &t| (lo.min(t), hi.max(t)));
     let slower = slowest / fastest;
     let worst = ranks[times.iter().position(|&t| t == slowest).unwrap_or(0)];
@@ -69,6 +55,56 @@ pub fn shares(
         left -= 1;
     }
     (out, Some((worst, slower)))
+}
+
+/// Each rank's milliseconds per sample, the ones without a measurement counted as the
+/// median; none unless two ranks measured.
+fn times(ranks: &[NodeId], ms_per_sample: &BTreeMap<NodeId, f64>) -> Option<Vec<f64>> {
+    // Reports are peers' words: only finite, positive times count.
+    let valid = |r: &NodeId| ms_per_sample.get(r).copied().filter(|t| t.is_finite() && *t > 0.0);
+    let mut known: Vec<f64> = ranks.iter().filter_map(valid).collect();
+    if known.len() < 2 {
+        return None;
+    }
+    known.sort_by(f64::total_cmp);
+    let median = known[known.len() / 2];
+    Some(ranks.iter().map(|r| valid(r).unwrap_or(median)).collect())
+}
+
+/// A change of shares must be predicted to make a step at least this much faster: measured
+/// speeds wobble on a busy host, and an epoch change for a few percent costs more than it
+/// saves (and, near the ratio, would flip back and forth).
+pub const MIN_GAIN: f64 = 0.10;
+
+/// The compute time of a step under `shares` (empty: equal shares of `global_batch`): its
+/// slowest rank's share times that rank's milliseconds per sample. None without speeds.
+pub fn predicted_ms(
+    shares: &[u64],
+    global_batch: u64,
+    ranks: &[NodeId],
+    ms_per_sample: &BTreeMap<NodeId, f64>,
+) -> Option<f64> {
+    let times = times(ranks, ms_per_sample)?;
+    let n = ranks.len() as u64;
+    let share = |i: usize| match shares.get(i) {
+        Some(&s) => s as f64,
+        None => (global_batch / n + u64::from((i as u64) < global_batch % n)) as f64,
+    };
+    Some(times.iter().enumerate().map(|(i, t)| share(i) * t).fold(0.0, f64::max))
+}
+
+/// Whether moving from `current` to `next` shares is predicted to make a step [`MIN_GAIN`]
+/// faster at the measured speeds.
+pub fn gains_enough(
+    current: &[u64],
+    next: &[u64],
+    global_batch: u64,
+    ranks: &[NodeId],
+    ms_per_sample: &BTreeMap<NodeId, f64>,
+) -> bool {
+    let now = predicted_ms(current, global_batch, ranks, ms_per_sample);
+    let then = predicted_ms(next, global_batch, ranks, ms_per_sample);
+    matches!((now, then), (Some(a), Some(b)) if a > 0.0 && b <= a * (1.0 - MIN_GAIN))
 }
 
 /// Whether `next` differs enough from `current` to be worth an epoch change: some rank's

@@ -8,7 +8,9 @@
 //!    in flight is abandoned), and survivors behind it copy state from the one ahead.
 //! 2. A member that is leaving (notice) or draining is left out of the next epoch, which starts
 //!    `lead_steps` after the furthest rank, or at the next step when the deadline is nearer
-//!    than that at the measured step time.
+//!    than that at the measured step time. A notice a node reports before the log has it
+//!    counts the same: it goes into the very next epoch (with a failure it coincides with),
+//!    never behind a join or a change of shares.
 //! 3. A healthy joining member is added; it copies state from a live rank.
 //! 4. With fewer candidates than `min_nodes`, nothing is scheduled (a scheduled epoch naming a
 //!    node that can no longer train is withdrawn): training pauses and waits.
@@ -21,8 +23,10 @@
 //! 7. With data parallelism, a rank whose measured time per sample is `straggler_ratio` times
 //!    the fastest's, for `straggler_steps` steps of the current epoch, gets a share of each
 //!    step's samples in proportion to its speed (`balance`); every epoch planned afterwards
-//!    shares by speed too, and equal shares return when the hosts keep up again. Not under
-//!    AdaScale, whose gradient statistics assume equal shares.
+//!    shares by speed too, and equal shares return when the hosts keep up again. A change of
+//!    shares alone (the return to equal ones too) must be predicted to make steps
+//!    `balance::MIN_GAIN` faster, so a speed wobbling around the ratio moves nothing. Not under AdaScale, whose gradient statistics
+//!    assume equal shares.
 //!
 //! Ranks keep their order across epochs (survivors first, newcomers by id), so a rank's data
 //! share moves as little as possible.
@@ -82,6 +86,11 @@ pub struct View<'a> {
     pub rebuild: bool,
     /// Milliseconds per sample each rank of the current epoch measured (its own words).
     pub ms_per_sample: &'a BTreeMap<NodeId, f64>,
+    /// Revocation notices nodes report having seen (their own words, about themselves) that
+    /// the log may not have yet: (deadline, unix ms; source). A notice proposed to a leader
+    /// that just died is lost until the node proposes it again; planned from the report,
+    /// the node's leave goes into the very next epoch all the same.
+    pub notices: &'a BTreeMap<NodeId, (u64, String)>,
 }
 
 /// The controller's answer: commands to propose (maybe none) and why.
@@ -211,12 +220,21 @@ fn candidates(
         view.status(id).is_some_and(MemberStatus::is_staying)
             && view.healthy(id, cfg)
             && !failed.contains(&id)
+            && !view.notices.contains_key(&id)
     };
     let mut ranks: Vec<NodeId> = current_ranks.iter().copied().filter(|&r| candidate(r)).collect();
     for &r in current_ranks {
         if !failed.contains(&r) && !candidate(r) {
             let m = &st.members[&r];
+            let reported = view.notices.get(&r).filter(|_| m.status.is_staying() && view.healthy(r, cfg));
             causes.push(match m.status {
+                _ if reported.is_some() => {
+                    let (deadline, source) = reported.expect("checked");
+                    Cause::Notice {
+                        node: r,
+                        reason: format!("reported: {source} notice, deadline {deadline}"),
+                    }
+                }
                 MemberStatus::Leaving => Cause::Notice { node: r, reason: m.reason.clone() },
                 MemberStatus::Draining => Cause::Drain { node: r },
                 status => Cause::Unavailable { node: r, status },
@@ -437,7 +455,10 @@ fn rebalance(view: &View<'_>, cfg: &ControllerConfig, ranks: &[NodeId]) -> Optio
     let (next, worst) =
         crate::balance::shares(cur.batch.global_batch, ranks, view.ms_per_sample, cfg.straggler_ratio);
     let (node, slower) = worst?;
-    if !crate::balance::worth_changing(&cur.shares, &next, cur.batch.global_batch) {
+    let b = cur.batch.global_batch;
+    if !crate::balance::worth_changing(&cur.shares, &next, b)
+        || !crate::balance::gains_enough(&cur.shares, &next, b, ranks, view.ms_per_sample)
+    {
         return None;
     }
     let slower_milli = if next.is_empty() { 0 } else { (slower * 1000.0).min(1e9) as u64 };
@@ -476,7 +497,10 @@ fn plan_epoch(
         let soonest_deadline = current
             .iter()
             .filter(|r| !ranks.contains(r))
-            .filter_map(|r| st.members.get(r).and_then(|m| m.deadline_ms))
+            .filter_map(|r| {
+                let logged = st.members.get(r).and_then(|m| m.deadline_ms);
+                logged.or_else(|| view.notices.get(r).map(|n| n.0))
+            })
             .min();
         match soonest_deadline {
             Some(deadline) if view.step_time_ms > 0.0 => {

@@ -13,12 +13,11 @@
 
 use crate::controller::{self, ControllerConfig, NodeProgress};
 use crate::policy::{BaseBatch, BatchPolicy, GradientStats};
-use crate::report::AgentReport;
+use crate::stuck::{self, Stuck};
 use limpet_consensus::state::{ClusterState, Command, MemberStatus, NodeId, Throughput};
 use std::collections::BTreeMap;
 
-/// The agents' latest reports by node: (milliseconds since it arrived, the report).
-pub type Reports = BTreeMap<NodeId, (u64, AgentReport)>;
+pub use crate::report::Reports;
 
 /// The settings the leader's decisions depend on (from the agent's configuration).
 #[derive(Clone, Debug, PartialEq)]
@@ -50,6 +49,8 @@ pub struct Round {
     pub commands: Vec<Command>,
     /// The controller's reason (logged when it changes).
     pub reason: String,
+    /// The job is stuck at a step (logged as an error, a metric, shown by `limpet status`).
+    pub stuck: Option<Stuck>,
 }
 
 /// Steps of lead a planned change gets when no step time has been measured yet.
@@ -87,9 +88,18 @@ pub fn plan_round(s: &LeaderSettings, st: &ClusterState, reports: &Reports, now_
         DEFAULT_LEAD_STEPS
     };
     // A group can also break with every node alive (a transient network fault): once a
-    // rank has waited on a broken group longer than the failure timeout, rebuild it.
-    let rebuild =
-        live().any(|(_, r)| r.broken.as_ref().is_some_and(|b| b.epoch == cur_id && b.since_ms > timeout_ms));
+    // rank has waited on a broken group longer than the failure timeout, rebuild it. Not
+    // forever at one step: a job stuck there is rebuilt after growing pauses, and after a
+    // protocol violation not at all (`stuck`).
+    let stuck = stuck::assess(st, reports, timeout_ms);
+    // Only a rank of the epoch can say its group broke (a spare's word is no reason).
+    let ranks = st.current.as_ref().map(|e| e.ranks.as_slice()).unwrap_or_default();
+    let rebuild = stuck::rebuild_after_ms(stuck.as_ref(), timeout_ms).is_some_and(|after| {
+        live().any(|(_, r)| {
+            ranks.contains(&r.node)
+                && r.broken.as_ref().is_some_and(|b| b.epoch == cur_id && b.since_ms > after)
+        })
+    });
     let ccfg = ControllerConfig {
         min_nodes: s.min_nodes,
         heartbeat_timeout_ms: timeout_ms,
@@ -103,6 +113,14 @@ pub fn plan_round(s: &LeaderSettings, st: &ClusterState, reports: &Reports, now_
     // The nodes' own measurements of their speed (a node's property, whatever its epoch).
     let ms_per_sample: BTreeMap<NodeId, f64> =
         live().filter(|(_, r)| r.ms_per_sample > 0.0).map(|(_, r)| (r.node, r.ms_per_sample)).collect();
+    // Notices nodes report about themselves, not yet in the log (a live, staying member's,
+    // with a deadline still ahead: an honest node's notice stays in its reports until it has
+    // gone, so a deadline in the past is no notice).
+    let notices: BTreeMap<NodeId, (u64, String)> = live()
+        .filter(|(_, r)| st.members.get(&r.node).is_some_and(|m| m.status.is_staying()))
+        .filter(|(_, r)| r.notice.as_ref().is_some_and(|n| n.deadline_ms > now_ms))
+        .filter_map(|(_, r)| r.notice.as_ref().map(|n| (r.node, (n.deadline_ms, n.source.clone()))))
+        .collect();
     let view = controller::View {
         state: st,
         now_ms,
@@ -111,6 +129,7 @@ pub fn plan_round(s: &LeaderSettings, st: &ClusterState, reports: &Reports, now_
         grad_stats: current_grad_stats(st, reports, timeout_ms),
         rebuild,
         ms_per_sample: &ms_per_sample,
+        notices: &notices,
     };
     let decision = controller::decide(&view, &ccfg);
     let mut commands = decision.commands;
@@ -136,7 +155,12 @@ pub fn plan_round(s: &LeaderSettings, st: &ClusterState, reports: &Reports, now_
         commands.push(Command::RecordThroughput { record });
     }
     commands.extend(record_speeds(s, st, reports));
-    Round { commands, reason: decision.reason }
+    let scheduling = commands.iter().any(|c| matches!(c, Command::ScheduleEpoch { .. }));
+    let reason = match &stuck {
+        Some(s) if !scheduling => s.to_string(),
+        _ => decision.reason,
+    };
+    Round { commands, reason, stuck }
 }
 
 /// A recorded speed is changed only past this relative difference (measurements wobble).

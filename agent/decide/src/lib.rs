@@ -24,5 +24,6 @@ pub mod planner;
 pub mod policy;
 pub mod report;
 pub mod scaling;
+pub mod stuck;
 
 pub use error::DecideError;

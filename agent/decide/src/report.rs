@@ -60,6 +60,9 @@ pub struct Transition {
     pub redone_steps: u64,
 }
 
+/// The agents' latest reports by node: (milliseconds since it arrived, the report).
+pub type Reports = std::collections::BTreeMap<NodeId, (u64, AgentReport)>;
+
 /// An agent's heartbeat document.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -102,7 +105,23 @@ pub struct AgentReport {
     /// Why its last checkpoint failed (a full disk, an S3 outage), until one succeeds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_error: Option<String>,
+    /// A revocation notice this node saw, from the moment it saw it (its `Notice` command may
+    /// still be on its way to a leader): the leader plans the node's leave at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub notice: Option<PendingNotice>,
 }
+
+/// A revocation notice as the node that got it reports it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PendingNotice {
+    /// When the node will be taken, unix ms.
+    pub deadline_ms: u64,
+    /// Which source said so (`aws`, `gcp`, `azure`, `aws-rebalance`, ...).
+    pub source: String,
+}
+
+/// Longest notice source a report may name (a report is a peer's words).
+const MAX_SOURCE: usize = 64;
 
 /// A collective failure the agent is waiting to be resolved.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -115,6 +134,10 @@ pub struct Broken {
     pub suspect: Option<NodeId>,
     /// The error.
     pub error: String,
+    /// Whether the error is a protocol violation (a peer's bytes broke the protocol: a bug
+    /// or a hostile peer), not a transient failure.
+    #[serde(default)]
+    pub violation: bool,
 }
 
 impl AgentReport {
@@ -136,6 +159,7 @@ impl AgentReport {
             ms_per_sample: 0.0,
             profile_ms: 0.0,
             checkpoint_error: None,
+            notice: None,
         }
     }
 
@@ -164,6 +188,9 @@ impl AgentReport {
         if !(r.profile_ms.is_finite() && r.profile_ms >= 0.0) {
             return Err(bad(format!("a profile of {} ms", r.profile_ms)));
         }
+        if let Some(n) = r.notice.as_ref().filter(|n| n.source.len() > MAX_SOURCE) {
+            return Err(bad(format!("a notice source of {} bytes", n.source.len())));
+        }
         Ok(r)
     }
 }
@@ -184,11 +211,18 @@ mod tests {
             loss: Some(0.5),
             step_time_ms: 4.5,
             samples_per_s: 1000.0,
-            broken: Some(Broken { epoch: 3, since_ms: 10, suspect: Some(2), error: "closed".into() }),
+            broken: Some(Broken {
+                epoch: 3,
+                since_ms: 10,
+                suspect: Some(2),
+                error: "closed".into(),
+                violation: false,
+            }),
             grad_stats: Some((2.0, 0.5)),
             ms_per_sample: 0.25,
             profile_ms: 12.5,
             checkpoint_error: Some("No space left on device".into()),
+            notice: Some(PendingNotice { deadline_ms: 1_700_000_120_000, source: "aws".into() }),
             transitions: vec![Transition {
                 epoch: 3,
                 step: 100,
@@ -207,6 +241,10 @@ mod tests {
     fn reports_round_trip_and_bad_ones_are_named() {
         let r = report(7);
         assert_eq!(AgentReport::decode(&r.encode(), 7).unwrap(), r);
+        let mut long = report(7);
+        long.notice = Some(PendingNotice { deadline_ms: 1, source: "x".repeat(MAX_SOURCE + 1) });
+        let e = AgentReport::decode(&long.encode(), 7).unwrap_err().to_string();
+        assert!(e.contains("a notice source of 65 bytes"), "{e}");
         let e = AgentReport::decode(&r.encode(), 8).unwrap_err().to_string();
         assert!(e.contains("report of node 8: claims to be node 7"), "{e}");
         let old = String::from_utf8(r.encode()).unwrap().replace("\"v\":1", "\"v\":9");

@@ -39,6 +39,8 @@ struct Sim {
     now: u64,
     /// What the ranks measure of their speed, ms per sample.
     speeds: BTreeMap<NodeId, f64>,
+    /// Notices the nodes report, not yet in the log.
+    notices: BTreeMap<NodeId, (u64, String)>,
 }
 
 impl Sim {
@@ -47,7 +49,7 @@ impl Sim {
         let mut state = ClusterState::bootstrap("c", &members);
         state.apply(&Command::SetJob { job: serde_json::json!({"model": "mlp"}) }).unwrap();
         let progress = (1..=n).map(|i| (i, NodeProgress { applied_step: 0, heartbeat_age_ms: 0 })).collect();
-        Sim { state, progress, now: 1_000_000, speeds: BTreeMap::new() }
+        Sim { state, progress, now: 1_000_000, speeds: BTreeMap::new(), notices: BTreeMap::new() }
     }
 
     /// `n` nodes in their first epoch, `steps` steps in.
@@ -69,6 +71,7 @@ impl Sim {
             grad_stats: None,
             rebuild: false,
             ms_per_sample: &self.speeds,
+            notices: &self.notices,
         }
     }
 
@@ -472,4 +475,55 @@ fn a_host_measured_slower_holds_fewer_blocks_of_a_pipeline() {
     hardware.speed_milli = 400;
     sim.state.apply(&Command::UpdateHardware { id: slow, hardware }).unwrap();
     assert_eq!(sim.control(), "steady");
+}
+
+/// A busy host's speed wobbling around the straggler ratio (1.53x, then 1.47x, over and
+/// over): it gets a smaller share once, and then nothing moves, neither back to equal
+/// shares at 1.47x (predicted slower than the shares it has) nor to new shares at 1.53x.
+#[test]
+fn a_speed_wobbling_around_the_ratio_moves_nothing() {
+    let mut sim = Sim::training(5, 20);
+    let mut changes = Vec::new();
+    for i in 0..40 {
+        let slow = if i % 2 == 0 { 0.153 } else { 0.147 };
+        sim.speeds = [(1, 0.1), (2, 0.1), (3, 0.1), (4, 0.1), (5, slow)].into_iter().collect();
+        let why = sim.control();
+        if sim.state.scheduled.is_some() {
+            changes.push(why);
+            sim.start_scheduled();
+        }
+        sim.train(20);
+    }
+    assert_eq!(changes.len(), 1, "{changes:?}");
+    assert!(changes[0].contains("node 5 is 1.53x slower"), "{changes:?}");
+}
+
+/// A kill and a spot notice at the same instant, with a join and a slow host pending: the
+/// notice its node reports (its `Notice` command still on its way to a leader) goes into
+/// the very next epoch together with the failure, at once; the join rides along, and no
+/// change of shares goes first.
+#[test]
+fn a_reported_notice_goes_into_the_very_next_epoch_with_the_failure() {
+    let mut sim = Sim::training(4, 20);
+    // Node 4 is twice as slow: a change of shares is due.
+    sim.speeds = [(1, 0.1), (2, 0.1), (3, 0.1), (4, 0.2)].into_iter().collect();
+    // A newcomer waits to join.
+    sim.state.apply(&Command::Join { member: spec(5) }).unwrap();
+    sim.progress.insert(5, NodeProgress { applied_step: 0, heartbeat_age_ms: 0 });
+    // Node 1 is killed; node 2 reports a notice the log does not have yet (4.4 s away).
+    sim.progress.get_mut(&1).unwrap().heartbeat_age_ms = u64::MAX;
+    sim.notices.insert(2, (sim.now + 4_400, "gcp".into()));
+    let why = sim.control();
+    let e = sim.state.scheduled.clone().unwrap_or_else(|| panic!("nothing scheduled: {why}"));
+    assert_eq!(e.ranks, vec![3, 4, 5], "{why}");
+    assert!(e.cause.contains("failure of node 1") && e.cause.contains("notice for node 2"), "{}", e.cause);
+    assert!(!e.cause.contains("slower"), "{}", e.cause);
+    // Alone, a reported notice is planned like a logged one: before its deadline.
+    let mut sim = Sim::training(3, 20);
+    sim.speeds = [(1, 0.1), (2, 0.1), (3, 0.3)].into_iter().collect();
+    sim.notices.insert(2, (sim.now + 120_000, "aws".into()));
+    let why = sim.control();
+    let e = sim.state.scheduled.clone().unwrap_or_else(|| panic!("nothing scheduled: {why}"));
+    assert_eq!(e.ranks, vec![1, 3], "{why}");
+    assert!(e.cause.starts_with("notice for node 2 (reported: aws notice"), "{}", e.cause);
 }

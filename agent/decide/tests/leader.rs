@@ -7,6 +7,7 @@ use limpet_consensus::state::{ClusterState, Command, Hardware, MemberSpec, Membe
 use limpet_decide::leader::{plan_round, LeaderSettings, Reports};
 use limpet_decide::policy::{BaseBatch, BatchPolicy};
 use limpet_decide::report::{AgentReport, Broken, Phase, REPORT_VERSION};
+use limpet_decide::stuck::{rebuild_after_ms, Stuck};
 
 fn spec(id: NodeId) -> MemberSpec {
     MemberSpec {
@@ -49,6 +50,7 @@ fn report(node: NodeId, epoch: u64, step: u64) -> AgentReport {
         ms_per_sample: 0.0,
         profile_ms: 0.0,
         checkpoint_error: None,
+        notice: None,
     }
 }
 
@@ -112,8 +114,13 @@ fn a_quiet_peer_named_by_a_broken_collective_fails_before_the_timeout() {
     assert!(!calm.commands.iter().any(|c| matches!(c, Command::ScheduleEpoch { .. })), "{calm:?}");
     let mut broken = report(1, id, 50);
     broken.phase = Phase::Waiting;
-    broken.broken =
-        Some(Broken { epoch: id, since_ms: 200, suspect: Some(3), error: "peer 3 closed".into() });
+    broken.broken = Some(Broken {
+        epoch: id,
+        since_ms: 200,
+        suspect: Some(3),
+        error: "peer 3 closed".into(),
+        violation: false,
+    });
     reports.insert(1, (0, broken));
     let round = plan_round(&settings(), &st, &reports, NOW);
     let next = round.commands.iter().find_map(|c| match c {
@@ -129,7 +136,8 @@ fn a_group_broken_with_everyone_alive_is_rebuilt_after_the_timeout() {
     st.apply(&Command::ActivateEpoch { id }).unwrap();
     let mut reports: Reports = (1..=3).map(|n| (n, (0, report(n, id, 50)))).collect();
     let mut broken = report(2, id, 50);
-    broken.broken = Some(Broken { epoch: id, since_ms: 400, suspect: None, error: "reset".into() });
+    broken.broken =
+        Some(Broken { epoch: id, since_ms: 400, suspect: None, error: "reset".into(), violation: false });
     reports.insert(2, (0, broken.clone()));
     let early = plan_round(&settings(), &st, &reports, NOW);
     assert!(!early.commands.iter().any(|c| matches!(c, Command::ScheduleEpoch { .. })), "{early:?}");
@@ -230,4 +238,74 @@ fn a_pipeline_host_profiled_slower_has_its_speed_recorded_once() {
     let mut plain = ClusterState::bootstrap("c", &(1..=4).map(spec).collect::<Vec<_>>());
     plain.apply(&Command::SetJob { job: serde_json::json!({"model": "mlp"}) }).unwrap();
     assert!(speeds(&plain, &reports).is_empty());
+}
+
+/// Plays rebuild after rebuild at step 50: each round's rebuild epoch is applied and
+/// activated, then node 2 reports its group broken again (`violation`, after `since_ms`).
+/// Returns the rounds' stuck verdicts and whether each scheduled a rebuild.
+fn rebuild_rounds(violation: bool, rounds: usize, since_ms: u64) -> Vec<(Option<Stuck>, bool)> {
+    let (mut st, mut id) = founded();
+    st.apply(&Command::ActivateEpoch { id }).unwrap();
+    let mut out = Vec::new();
+    for _ in 0..rounds {
+        let mut reports: Reports = (1..=3).map(|n| (n, (0, report(n, id, 50)))).collect();
+        let mut broken = report(2, id, 50);
+        broken.broken = Some(Broken {
+            epoch: id,
+            since_ms,
+            suspect: Some(3),
+            error: "protocol violation: node 3 sent 28 bytes where 52296 were due".into(),
+            violation,
+        });
+        reports.insert(2, (0, broken));
+        let round = plan_round(&settings(), &st, &reports, NOW);
+        let next = round.commands.iter().find_map(|c| match c {
+            Command::ScheduleEpoch { epoch } => Some(epoch.clone()),
+            _ => None,
+        });
+        out.push((round.stuck.clone(), next.is_some()));
+        if let Some(e) = next {
+            assert_eq!((e.start_step, e.cause.as_str()), (50, "collective failure with every rank alive"));
+            for c in &round.commands {
+                st.apply(c).unwrap();
+            }
+            st.apply(&Command::ActivateEpoch { id: e.id }).unwrap();
+            id = e.id;
+        }
+    }
+    out
+}
+
+#[test]
+fn a_protocol_violation_is_rebuilt_once_then_the_job_is_stuck_loudly() {
+    let rounds = rebuild_rounds(true, 5, 1500);
+    // The first epoch broke: one rebuild, not yet stuck.
+    assert_eq!(rounds[0], (None, true), "{rounds:?}");
+    // The rebuild broke the same way: stuck at step 50, and no more rebuilds, ever.
+    for (stuck, rebuilt) in &rounds[1..] {
+        let s = stuck.as_ref().unwrap_or_else(|| panic!("not stuck: {rounds:?}"));
+        assert!(!rebuilt, "{rounds:?}");
+        assert_eq!((s.step, s.rebuilds, s.node, s.violation), (50, 1, 2, true));
+        assert!(s.to_string().contains("step 50") && s.to_string().contains("28 bytes"), "{s}");
+    }
+}
+
+#[test]
+fn transient_breakage_at_one_step_is_rebuilt_with_growing_pauses_and_reported_stuck() {
+    // Past the failure timeout (1 s) but within the first pause (2 s): three rebuilds, then
+    // the job is stuck and waits longer.
+    let rounds = rebuild_rounds(false, 5, 1500);
+    assert!(rounds[..3].iter().all(|r| *r == (None, true)), "{rounds:?}");
+    for (stuck, rebuilt) in &rounds[3..] {
+        assert!(!rebuilt, "{rounds:?}");
+        assert_eq!(stuck.as_ref().map(|s| (s.rebuilds, s.violation)), Some((3, false)), "{rounds:?}");
+    }
+    // Waited out the pause: rebuilt again, still reported stuck.
+    let rounds = rebuild_rounds(false, 5, 2500);
+    assert!(rounds[..4].iter().all(|r| r.1), "{rounds:?}");
+    assert_eq!(rounds[3].0.as_ref().map(|s| s.rebuilds), Some(3), "{rounds:?}");
+    // One more in a row doubles the pause again (4 s).
+    assert!(!rounds[4].1, "{rounds:?}");
+    assert_eq!(rebuild_after_ms(rounds[4].0.as_ref(), 1000), Some(4000));
+    assert_eq!(rebuild_after_ms(None, 1000), Some(1000));
 }

@@ -103,10 +103,17 @@ impl DataPlaneError {
         }
     }
 
+    /// Whether a peer's bytes broke the protocol: a bug or a hostile peer, never a
+    /// transient fault of a healthy one.
+    pub fn is_violation(&self) -> bool {
+        matches!(self, DataPlaneError::Protocol(_))
+    }
+
     /// The same failure as the trainer's error, its suspect kept as data.
     #[cfg(feature = "trainer")]
     pub fn into_trainer(self) -> limpet_trainer::TrainerError {
-        limpet_trainer::TrainerError::Reduce { peer: self.suspect(), detail: self.to_string() }
+        let violation = self.is_violation();
+        limpet_trainer::TrainerError::Reduce { peer: self.suspect(), detail: self.to_string(), violation }
     }
 
     pub(crate) fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DataPlaneError {

@@ -23,6 +23,7 @@ pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: Cancel
     let mut resume_checked = false;
     let mut retry_at = Instant::now();
     let mut last_reason = String::new();
+    let mut last_stuck = None;
     let settings = cfg.leader_settings();
     loop {
         tokio::select! {
@@ -30,6 +31,10 @@ pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: Cancel
             _ = tokio::time::sleep(Duration::from_millis(50)) => {}
         }
         let local = handle.watch().borrow().clone();
+        if !local.is_leader && last_stuck.take().is_some() {
+            // Said by whoever leads now.
+            metrics::gauge!("limpet_job_stuck").set(0.0);
+        }
         // A new leader decides only once it has applied its own term's first entry: before,
         // its state may lack what the previous leader committed (the epoch it just started).
         if !(local.is_leader && local.leader_caught_up) {
@@ -91,6 +96,21 @@ pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: Cancel
             })
             .collect();
         let round = crate::leader::plan_round(&settings, &local.state, &reports, super::now_ms());
+        if round.stuck != last_stuck {
+            match &round.stuck {
+                Some(s) => tracing::error!(
+                    step = s.step,
+                    rebuilds = s.rebuilds,
+                    node = s.node,
+                    violation = s.violation,
+                    error = %s.error,
+                    "job {s}"
+                ),
+                None => tracing::info!("the job is no longer stuck"),
+            }
+            metrics::gauge!("limpet_job_stuck").set(if round.stuck.is_some() { 1.0 } else { 0.0 });
+            last_stuck = round.stuck.clone();
+        }
         if round.reason != last_reason {
             tracing::info!(reason = %round.reason, "controller");
             last_reason = round.reason;

@@ -269,8 +269,15 @@ fn spawn_tasks(
     tasks.spawn("heartbeats", beats);
     tasks.spawn("lead", lead::lead(Arc::clone(cfg), handle.clone(), stop.clone()));
     for source in &cfg.sources {
-        let watch =
-            revocations::watch_revocations(cfg.id, source.clone(), cfg.poll, handle.clone(), stop.clone());
+        let report = (Arc::clone(progress), Arc::clone(beat_now));
+        let watch = revocations::watch_revocations(
+            cfg.id,
+            source.clone(),
+            cfg.poll,
+            handle.clone(),
+            report,
+            stop.clone(),
+        );
         tasks.spawn("revocations", watch);
     }
 }

@@ -1,12 +1,22 @@
 //! The revocation watcher: polls one source (a cloud's metadata service) and turns a notice
 //! into a committed `Notice` command, which the leader answers with an epoch without this
-//! node, timed to end before the deadline.
+//! node, timed to end before the deadline. The notice also goes into this node's heartbeat
+//! report the moment it is seen, so the leader plans the leave even while the command is
+//! still on its way (a leader that just died drops what was forwarded to it).
 
+use crate::report::{AgentReport, PendingNotice};
 use crate::revocation::{Source, Watcher};
 use limpet_consensus::state::{Command, NodeId};
 use limpet_consensus::NodeHandle;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
+
+/// How long one try to record a notice waits for it to commit.
+const PROPOSE_TRY: Duration = Duration::from_millis(400);
+/// The first pause before another try (a try can also fail at once: no leader known yet).
+const RETRY_PAUSE: Duration = Duration::from_millis(20);
 
 /// Polls one revocation source and turns a notice into a `Notice` command.
 pub(super) async fn watch_revocations(
@@ -14,6 +24,7 @@ pub(super) async fn watch_revocations(
     source: Source,
     poll: Duration,
     handle: NodeHandle,
+    (progress, beat_now): (Arc<Mutex<AgentReport>>, Arc<Notify>),
     stop: CancellationToken,
 ) {
     let watcher = match Watcher::new(source.clone()) {
@@ -28,10 +39,14 @@ pub(super) async fn watch_revocations(
         match watcher.poll().await {
             Ok(Some(n)) if news(told, n.source, n.deadline_ms) => {
                 tracing::warn!(deadline_ms = n.deadline_ms, source = n.source, "revocation notice");
+                // Said in this node's heartbeat at once: every member, the next leader too,
+                // knows of it before the log does.
+                let pending = PendingNotice { deadline_ms: n.deadline_ms, source: n.source.to_string() };
+                progress.lock().expect("progress lock").notice = Some(pending);
+                beat_now.notify_one();
                 let cmd = Command::Notice { id, deadline_ms: n.deadline_ms, source: n.source.to_string() };
-                match handle.propose(cmd, Some(Duration::from_secs(3))).await {
-                    Ok(_) => told = Some((n.source, n.deadline_ms)),
-                    Err(e) => tracing::warn!(%e, "could not record the notice; retrying"),
+                if record(&handle, cmd, &stop).await {
+                    told = Some((n.source, n.deadline_ms));
                 }
             }
             Ok(_) => {}
@@ -42,6 +57,35 @@ pub(super) async fn watch_revocations(
             _ = tokio::time::sleep(poll) => {}
         }
     }
+}
+
+/// Proposes `cmd` until it commits, the log refuses it or the agent stops; whether it
+/// committed. A proposal forwarded to a leader that just died is lost without an answer:
+/// waiting out a long timeout (and then the next poll) let lesser changes take the next
+/// epochs while the deadline ran. A notice is idempotent in the log, so it is proposed again
+/// soon (each try bounded; pauses growing to a second), and the new leader takes the next.
+async fn record(handle: &NodeHandle, cmd: Command, stop: &CancellationToken) -> bool {
+    let mut pause = RETRY_PAUSE;
+    for tries in 1u32.. {
+        match handle.propose(cmd.clone(), Some(PROPOSE_TRY)).await {
+            Ok(_) => return true,
+            Err(e) if e.is_retryable() => {
+                if tries == 1 || tries % 10 == 0 {
+                    tracing::warn!(%e, tries, "could not record the notice yet; proposing again");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(%e, "the log refused the notice");
+                return false;
+            }
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return false,
+            _ = tokio::time::sleep(pause) => {}
+        }
+        pause = (pause * 2).min(Duration::from_secs(1));
+    }
+    false
 }
 
 /// Whether a notice is news after `told` (the source and deadline last recorded): another

@@ -103,11 +103,12 @@ pub fn next_action(st: &ClusterState, me: NodeId, at: Position) -> Action {
     Action::Train { preform }
 }
 
-/// A failed collective: when, the peer it names, the error.
+/// A failed collective: when, the peer it names, the error, whether it broke the protocol.
 struct BrokenAt {
     at: Instant,
     suspect: Option<NodeId>,
     error: String,
+    violation: bool,
 }
 
 /// The trainer thread's state.
@@ -137,6 +138,8 @@ pub(super) struct TrainLoop {
     finished: bool,
     /// The next epoch's ring connections, made ahead of its boundary.
     pending: Option<Pending>,
+    /// The last entry failure logged: (epoch, error).
+    entry_failed: Option<(u64, String)>,
     /// Smoothed (σ², μ²) of the current epoch.
     grad_stats: Option<(f64, f64)>,
     /// Smoothed milliseconds to compute one sample of this rank's share.
@@ -198,6 +201,7 @@ impl TrainLoop {
             log: None,
             finished: false,
             pending: None,
+            entry_failed: None,
             grad_stats: None,
             ms_per_sample: 0.0,
         }
@@ -214,12 +218,14 @@ impl TrainLoop {
             since_ms: b.at.elapsed().as_millis() as u64,
             suspect: b.suspect,
             error: b.error.clone(),
+            violation: b.violation,
         });
     }
 
-    /// Waits up to `d` for the log to change.
+    /// Waits up to `d` for the log to change since this loop last waited. (A clone of the
+    /// receiver would count every change since the loop began as new, and return at once.)
     fn wait_change(&mut self, d: Duration) {
-        let mut w = self.watch.clone();
+        let w = &mut self.watch;
         let _ = self.rt.block_on(async { tokio::time::timeout(d, w.changed()).await });
     }
 
@@ -260,7 +266,13 @@ impl TrainLoop {
                     // Every entry error is transient here, even the trainer's: its input is what
                     // peers published, and the next epoch (without a faulty peer) may succeed.
                     if let Err(e) = self.enter(&n) {
-                        tracing::warn!(epoch = n.id, %e, fatal_elsewhere = e.is_fatal(), "could not enter the epoch");
+                        // Said once per epoch and cause: a rank that waits for a peer's data
+                        // address retries at every change of the log.
+                        let said = (n.id, e.to_string());
+                        if self.entry_failed.as_ref() != Some(&said) {
+                            tracing::warn!(epoch = n.id, %e, fatal_elsewhere = e.is_fatal(), "could not enter the epoch");
+                            self.entry_failed = Some(said);
+                        }
                         self.group = None;
                         self.set_phase(Phase::Waiting);
                         self.wait_change(Duration::from_millis(100));
@@ -320,14 +332,16 @@ impl TrainLoop {
         let step = self.trainer.step();
         let group_rank = epoch.ranks.iter().position(|&r| r == self.cfg.id).unwrap_or(0);
         let (_, conn) = self.group.as_mut().expect("in a group");
-        // A failed collective or stage link: (the peer it names, the error).
-        let outcome: Result<limpet_trainer::StepStats, (Option<NodeId>, String)> = match conn {
+        // A failed collective or stage link: (the peer it names, the error, a violation?).
+        let outcome: Result<limpet_trainer::StepStats, (Option<NodeId>, String, bool)> = match conn {
             // A reproducible job: whole canonical shards per rank, summed in fixed point (the
             // speed-weighted shares do not apply: shards are the unit).
             Conn::Ring(g) if self.trainer.job().reproducible => {
                 match self.trainer.exact_step(g.rank(), g.world(), g) {
                     Ok(stats) => Ok(stats),
-                    Err(e @ limpet_trainer::TrainerError::Reduce { peer, .. }) => Err((peer, e.to_string())),
+                    Err(e @ limpet_trainer::TrainerError::Reduce { peer, violation, .. }) => {
+                        Err((peer, e.to_string(), violation))
+                    }
                     Err(e) => return Err(e.into()),
                 }
             }
@@ -347,7 +361,7 @@ impl TrainLoop {
                 }
                 match g.allreduce_sum(buf, step) {
                     Ok(()) => Ok(self.trainer.apply_reduced()?),
-                    Err(e) => Err((e.suspect(), e.to_string())),
+                    Err(e) => Err((e.suspect(), e.to_string(), e.is_violation())),
                 }
             }
             Conn::Stages(c) => match c.step(&mut self.trainer) {
@@ -355,16 +369,24 @@ impl TrainLoop {
                     slow_down(&self.cfg, Duration::from_secs_f64(self.trainer.compute_ms() / 1e3));
                     Ok(stats)
                 }
-                Err(e @ limpet_trainer::TrainerError::Reduce { peer, .. }) => Err((peer, e.to_string())),
+                Err(e @ limpet_trainer::TrainerError::Reduce { peer, violation, .. }) => {
+                    Err((peer, e.to_string(), violation))
+                }
                 Err(e) => return Err(e.into()),
             },
         };
         let stats = match outcome {
             Ok(stats) => stats,
-            Err((suspect, error)) => {
-                tracing::warn!(epoch = epoch.id, step, %error, "collective failed; waiting for the next epoch");
+            Err((suspect, error, violation)) => {
+                if violation {
+                    // Not a fault of the network: a peer (or this rank) does not follow the
+                    // protocol. The leader rebuilds once, then stops at this step.
+                    tracing::error!(epoch = epoch.id, step, %error, "protocol violation between ranks; waiting for the next epoch");
+                } else {
+                    tracing::warn!(epoch = epoch.id, step, %error, "collective failed; waiting for the next epoch");
+                }
                 self.in_flight = Some(step);
-                self.broken = Some(BrokenAt { at: Instant::now(), suspect, error });
+                self.broken = Some(BrokenAt { at: Instant::now(), suspect, error, violation });
                 self.set_phase(Phase::Waiting);
                 self.beat_now.notify_one();
                 return Ok(());

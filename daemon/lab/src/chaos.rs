@@ -1,13 +1,14 @@
-//! `limpet-lab chaos`: a preemption trace (`../shared/traces/` format) replayed against a
-//! local cluster, compressed in time: a removal is a spot notice through the node's metadata
-//! service and, at its deadline, `kill -9` (or, for every k-th removal, `kill -9` at once, no
-//! notice); an addition is a new node joining. As it goes it shows progress; at the end it
-//! checks the step logs (no step applied twice), measures what the replay trained (goodput
-//! against what the same hosts would have trained without any transition, at the speeds
-//! measured in the same run), and runs `limpet simulate`'s model over the same compressed
+//! `limpet-lab chaos`: a preemption trace (limpet's shipped AWS p3 trace unless another is
+//! named) replayed against a local cluster, compressed in time: a removal is a spot notice
+//! through the node's metadata service and, at its deadline, `kill -9` (or, for every k-th
+//! removal, `kill -9` at once, no notice); an addition is a new node joining. As it goes it
+//! shows progress; at the end it checks the step logs (no step applied twice), measures what
+//! the replay trained (goodput against what the same hosts would have trained without any
+//! transition, at the speeds measured in the same run), and runs `limpet simulate`'s model over the same compressed
 //! segment with limpet's measured transition costs, so the simulation is checked against
-//! what happened. A table, a plot and `--json`. With `--ec2 CLUSTER`, the removals go to a
-//! real fleet instead (`chaos_ec2`).
+//! what happened. A table, a plot and `--json`. With `--reproducible`, the job then runs to
+//! `--steps` and must end with one uninterrupted process's content hash and losses. With
+//! `--ec2 CLUSTER`, the removals go to a real fleet instead (`chaos_ec2`).
 
 use crate::demo::{merge, now_ms, read_step_logs};
 use crate::local::{post_notice, LocalCluster, LocalJob};
@@ -29,9 +30,10 @@ const SAMPLES: f64 = 1e15;
 /// `limpet-lab chaos`.
 #[derive(Debug, Args)]
 pub struct ChaosArgs {
-    /// The preemption trace: `ms_since_start,add|remove,NODE` per line.
+    /// The preemption trace: `ms_since_start,add|remove,NODE` per line [default: the AWS p3
+    /// trace shipped with limpet].
     #[arg(long)]
-    pub trace: PathBuf,
+    pub trace: Option<PathBuf>,
     /// Compress the trace's time by this factor.
     #[arg(long, default_value_t = 60.0)]
     pub speedup: f64,
@@ -59,6 +61,14 @@ pub struct ChaosArgs {
     /// Global batch.
     #[arg(long, default_value_t = 64)]
     pub batch: u64,
+    /// A reproducible job ([job].reproducible): after the segment the job runs to --steps,
+    /// and its final content hash and every step's loss must be one uninterrupted process's.
+    #[arg(long, requires = "steps")]
+    pub reproducible: bool,
+    /// With --reproducible: the job's steps (without: more than the segment trains; the job
+    /// is stopped at the segment's end).
+    #[arg(long, requires = "reproducible")]
+    pub steps: Option<u64>,
     /// Directory for the cluster, its logs, `chaos.json` and `chaos.svg`.
     #[arg(long)]
     pub dir: PathBuf,
@@ -112,6 +122,22 @@ pub struct ChaosReport {
     pub simulated_goodput: f64,
     /// |replay - simulated| / simulated goodput.
     pub difference: f64,
+    /// With `--reproducible`: the final state against one uninterrupted process's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reproducible: Option<SameBits>,
+}
+
+/// A reproducible replay's final state against one uninterrupted process of the same job.
+#[derive(Debug, Serialize)]
+pub struct SameBits {
+    /// Steps of the job.
+    pub steps: u64,
+    /// The content hash every rank of the final epoch ended with.
+    pub content_hash: String,
+    /// One process's, trained by `limpet train --reproducible`.
+    pub one_process_hash: String,
+    /// Steps whose loss differs from one process's (by a bit).
+    pub steps_with_other_loss: u64,
 }
 
 /// A scheduled action of the replay.
@@ -166,9 +192,7 @@ fn segment(trace: &Trace, a: &ChaosArgs) -> anyhow::Result<(Vec<String>, Trace, 
 
 /// Runs `limpet-lab chaos`.
 pub fn run(a: ChaosArgs) -> anyhow::Result<()> {
-    let text = std::fs::read_to_string(&a.trace)
-        .map_err(|e| UsageError(format!("--trace {}: {e}", a.trace.display())))?;
-    let trace = Trace::parse(&text, &a.trace.display().to_string()).map_err(UsageError)?;
+    let (trace, _) = limpet_daemon::simulate::trace::load(a.trace.as_deref()).map_err(UsageError)?;
     let (founders, seg, window) = segment(&trace, &a)?;
     if a.dir.exists() && std::fs::read_dir(&a.dir)?.next().is_some() {
         return Err(UsageError(format!("--dir {}: not empty", a.dir.display())).into());
@@ -200,16 +224,130 @@ pub fn run(a: ChaosArgs) -> anyhow::Result<()> {
     if report.steps_applied_twice > 0 {
         anyhow::bail!("{} step(s) were applied twice", report.steps_applied_twice);
     }
+    if let Some(r) = &report.reproducible {
+        if r.content_hash != r.one_process_hash || r.steps_with_other_loss > 0 {
+            anyhow::bail!(
+                "a reproducible job ended with content hash {} where one process ends with {}; {} step(s) had another loss",
+                r.content_hash,
+                r.one_process_hash,
+                r.steps_with_other_loss
+            );
+        }
+    }
     Ok(())
+}
+
+/// Longest a reproducible replay's job may go without a step before the replay gives up.
+const FINISH_WITHIN: Duration = Duration::from_secs(120);
+
+/// With `--reproducible`: waits for the job's last step, then compares the final epoch's
+/// checkpoints and every step's loss with one uninterrupted process of the same job.
+fn same_bits(
+    a: &ChaosArgs,
+    cluster: &LocalCluster,
+    bar: &indicatif::ProgressBar,
+    rt: &tokio::runtime::Runtime,
+    tls: Option<&limpet_consensus::tls::Tls>,
+) -> anyhow::Result<SameBits> {
+    let steps = a.steps.context("--reproducible needs --steps")?;
+    let logs: Vec<PathBuf> = cluster.file.nodes.iter().map(|n| n.step_log.clone()).collect();
+    let (mut waited, mut reached) = (Instant::now(), 0);
+    // Step logs name the step computed, from 0. Given up when no step comes for a while.
+    loop {
+        let now_at = read_step_logs(&logs)?.iter().map(|l| l.step + 1).max().unwrap_or(0);
+        if now_at >= steps {
+            break;
+        }
+        if now_at > reached {
+            (waited, reached) = (Instant::now(), now_at);
+        }
+        if waited.elapsed() > FINISH_WITHIN {
+            let stuck = rt
+                .block_on(gather(&cluster.file.cluster, &cluster.file.control_addrs(), tls))
+                .ok()
+                .and_then(|d| d.stuck)
+                .map_or(String::new(), |s| format!(": {s}"));
+            anyhow::bail!(
+                "the job stopped at step {reached} of {steps}: no step for {FINISH_WITHIN:?}{stuck}"
+            );
+        }
+        bar.set_message("the job's last steps");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The ranks that trained the last step write the final checkpoint once it is logged.
+    let hash_of = |p: &Path| -> anyhow::Result<String> {
+        Ok(limpet_snapshot::read_file(p)
+            .with_context(|| format!("final checkpoint {}", p.display()))?
+            .content_hash()
+            .to_string())
+    };
+    let last: BTreeSet<String> =
+        read_step_logs(&logs)?.into_iter().filter(|l| l.step + 1 == steps).map(|l| l.name).collect();
+    let written = |r: &String| a.dir.join(r).join(limpet_trainer::CHECKPOINT_FILE).exists();
+    let since = Instant::now();
+    while !last.iter().all(written) {
+        if since.elapsed() > Duration::from_secs(60) {
+            anyhow::bail!(
+                "the ranks that trained step {steps} ({last:?}) wrote no final checkpoint within 60 s"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let hashes = last
+        .iter()
+        .map(|r| hash_of(&a.dir.join(r).join(limpet_trainer::CHECKPOINT_FILE)))
+        .collect::<anyhow::Result<BTreeSet<String>>>()?;
+    if hashes.len() != 1 {
+        anyhow::bail!(
+            "the ranks that trained the last step ended with {} different states: {hashes:?}",
+            hashes.len()
+        );
+    }
+    bar.set_message("one uninterrupted process");
+    let one = a.dir.join("one-process");
+    let exe = std::env::current_exe()?.with_file_name("limpet");
+    let out = std::process::Command::new(&exe)
+        .args(["train", "--json", "--reproducible", "--model", &a.model, "--data", &a.data])
+        .args(["--batch", &a.batch.to_string(), "--steps", &steps.to_string(), "--out"])
+        .arg(&one)
+        .output()
+        .with_context(|| format!("running {}", exe.display()))?;
+    if !out.status.success() {
+        anyhow::bail!("one process: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let one_process_hash =
+        report["content_hash"].as_str().context("limpet train reported no content hash")?.to_string();
+    // Its steps.jsonl counts steps from 1.
+    let mut want = BTreeMap::new();
+    for l in std::fs::read_to_string(one.join("steps.jsonl"))?.lines() {
+        let v: serde_json::Value = serde_json::from_str(l)?;
+        if let (Some(step), Some(loss)) = (v["step"].as_u64(), v["loss"].as_f64()) {
+            want.insert(step.saturating_sub(1), loss.to_bits());
+        }
+    }
+    let steps_with_other_loss = read_step_logs(&logs)?
+        .iter()
+        .filter(|l| want.get(&l.step) != Some(&l.loss.to_bits()))
+        .map(|l| l.step)
+        .collect::<BTreeSet<u64>>()
+        .len() as u64;
+    Ok(SameBits {
+        steps,
+        content_hash: hashes.into_iter().next().expect("one hash"),
+        one_process_hash,
+        steps_with_other_loss,
+    })
 }
 
 fn replay(a: &ChaosArgs, founders: &[String], seg: &Trace, window: f64) -> anyhow::Result<ChaosReport> {
     let job = LocalJob {
         model: a.model.clone(),
         data: a.data.clone(),
-        steps: 100_000_000,
+        steps: a.steps.unwrap_or(100_000_000),
         global_batch: a.batch,
         tls: a.tls,
+        reproducible: a.reproducible,
         ..LocalJob::default()
     };
     let mut cluster = LocalCluster::up(&a.dir, founders.len(), job)?;
@@ -292,7 +430,6 @@ fn replay(a: &ChaosArgs, founders: &[String], seg: &Trace, window: f64) -> anyho
         bar.set_position(now as u64);
         std::thread::sleep(Duration::from_millis(20));
     }
-    bar.finish_and_clear();
     let end_ms = t0 + (window * 1e3) as u64;
     let tls = match &cluster.file.operator_tls {
         Some(files) => Some(limpet_consensus::tls::Tls::load(files)?),
@@ -300,6 +437,11 @@ fn replay(a: &ChaosArgs, founders: &[String], seg: &Trace, window: f64) -> anyho
     };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let doc = rt.block_on(gather(&cluster.file.cluster, &cluster.file.control_addrs(), tls.as_ref())).ok();
+    let reproducible = match a.reproducible {
+        true => Some(same_bits(a, &cluster, &bar, &rt, tls.as_ref())?),
+        false => None,
+    };
+    bar.finish_and_clear();
     let lines: Vec<StepLine> =
         read_step_logs(&logs(&cluster))?.into_iter().filter(|l| l.wall_ms <= end_ms).collect();
     cluster.down();
@@ -339,6 +481,7 @@ fn replay(a: &ChaosArgs, founders: &[String], seg: &Trace, window: f64) -> anyho
         simulated_trained: sim.trained,
         simulated_goodput: sim.goodput,
         difference: (replay_goodput - sim.goodput).abs() / sim.goodput.max(f64::MIN_POSITIVE),
+        reproducible,
     };
     plot(&a.dir.join("chaos.svg"), &lines, t0, &sim, a.batch, seg, join_s)?;
     Ok(report)
@@ -549,7 +692,7 @@ mod tests {
 
     fn args(from_s: f64, until_s: Option<f64>, hosts: &[&str], speedup: f64) -> ChaosArgs {
         ChaosArgs {
-            trace: PathBuf::new(),
+            trace: None,
             speedup,
             from_s,
             until_s,
@@ -559,6 +702,8 @@ mod tests {
             model: "mlp".into(),
             data: "digits".into(),
             batch: 64,
+            reproducible: false,
+            steps: None,
             dir: PathBuf::new(),
             tls: false,
             json: false,

@@ -97,7 +97,8 @@ pub struct ScenarioArgs {
     pub micro_batch: Option<u64>,
     /// Events as FRACTION:ACTION[:NODE[:SECS]], comma-separated; actions: notice, join,
     /// kill, drain, term (SIGTERM); NODE may be `leader` or `follower` (a rank of the
-    /// current epoch that does not lead). Example: 0.2:notice:node-2:20,0.5:join,0.7:kill:leader
+    /// current epoch that does not lead); events at the same fraction fire together.
+    /// Example: 0.2:notice:node-2:20,0.5:join,0.7:kill:leader,0.7:join
     #[arg(long, default_value = "")]
     pub script: String,
     /// Give up after this many seconds.
@@ -470,8 +471,8 @@ struct Player<'a> {
 }
 
 impl Player<'_> {
-    /// Fires every action whose step has come. The next action waits until the previous one
-    /// shows in the epoch: a fast job must not stack a kill onto a membership change still
+    /// Fires every action whose step has come. Actions at the same fraction fire back to
+    /// back; otherwise the next action waits until the previous one shows in the epoch: a fast job must not stack a kill onto a membership change still
     /// under way (two voters left mid-change cannot lose one), and each transition is
     /// measured on its own. Not forever: a cluster held below its minimum size forms no
     /// epoch until a later action (a join).
@@ -514,7 +515,10 @@ impl Player<'_> {
                 ) => Some((node.clone(), false, Instant::now())),
                 (Action::Join, None) => None,
             };
-            if self.settling.is_some() {
+            // Actions at the same point fire together (a kill and a join at one instant, two
+            // joins in one epoch); otherwise the next waits for this one to settle.
+            let together = self.script.get(self.next).is_some_and(|n| n.0 == self.script[self.next - 1].0);
+            if self.settling.is_some() && !together {
                 break;
             }
         }

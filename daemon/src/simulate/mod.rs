@@ -24,9 +24,10 @@ pub const JOIN_IDLE_MS: f64 = 21.0;
 /// `limpet simulate`.
 #[derive(Debug, Args)]
 pub struct SimulateArgs {
-    /// The preemption trace: `ms_since_start,add|remove,NODE` per line (../shared/traces/).
+    /// The preemption trace: `ms_since_start,add|remove,NODE` per line [default: the AWS p3
+    /// trace shipped with limpet].
     #[arg(long)]
-    trace: PathBuf,
+    trace: Option<PathBuf>,
     /// Samples the job needs (default: what the on-demand fleet trains in the trace's span).
     #[arg(long)]
     samples: Option<f64>,
@@ -215,9 +216,10 @@ struct PolicyDoc {
 
 /// Runs `limpet simulate`.
 pub fn run(a: SimulateArgs) -> anyhow::Result<()> {
-    let file = a.trace.display().to_string();
-    let text = std::fs::read_to_string(&a.trace).map_err(|e| UsageError(format!("--trace {file}: {e}")))?;
-    let trace = Trace::parse(&text, &file).map_err(UsageError)?;
+    let (trace, file) = trace::load(a.trace.as_deref()).map_err(UsageError)?;
+    if a.trace.is_none() && !a.json {
+        println!("trace: {file} (--trace for another)");
+    }
     let p = a.params(&trace)?;
     let mut outcomes = Vec::new();
     for policy in [Policy::Limpet, Policy::CheckpointRestart, Policy::OnDemand] {

@@ -1,6 +1,8 @@
-//! Spot preemption traces: `ms_since_start,add|remove,NODE` per line (the format of
-//! `../shared/traces/`), read strictly: every error names the line and what is wrong, and a
-//! trace that adds a live node or removes one that is not live is refused, not guessed at.
+//! Spot preemption traces: `ms_since_start,add|remove,NODE` per line, read strictly: every
+//! error names the line and what is wrong, and a trace that adds a live node or removes one
+//! that is not live is refused, not guessed at. The AWS p3 trace limpet measures itself on
+//! ships inside the binaries (`daemon/traces/`, with its source and licence): `--trace` is
+//! needed only for another one.
 
 use std::collections::BTreeSet;
 
@@ -20,6 +22,24 @@ pub struct Event {
 pub struct Trace {
     /// The events.
     pub events: Vec<Event>,
+}
+
+/// The shipped trace: real AWS p3 spot additions and removals over 11.4 hours, recorded by
+/// the Bamboo project (NSDI'23; MIT licence; `daemon/traces/README.md`).
+pub const AWS_P3: &str = include_str!("../../traces/aws-p3-preemptions.csv");
+/// How the shipped trace is named in output and errors.
+pub const AWS_P3_NAME: &str = "aws-p3-preemptions.csv (shipped with limpet)";
+
+/// The trace at `path`, or the shipped AWS p3 trace without one; with the name it goes by.
+pub fn load(path: Option<&std::path::Path>) -> Result<(Trace, String), String> {
+    match path {
+        Some(p) => {
+            let name = p.display().to_string();
+            let text = std::fs::read_to_string(p).map_err(|e| format!("--trace {name}: {e}"))?;
+            Ok((Trace::parse(&text, &name)?, name))
+        }
+        None => Ok((Trace::parse(AWS_P3, AWS_P3_NAME)?, AWS_P3_NAME.to_string())),
+    }
 }
 
 /// Longest node name accepted (a trace is input, not a place to store data).
@@ -122,9 +142,8 @@ mod tests {
 
     #[test]
     fn the_shipped_p3_trace_parses() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/traces/aws-p3-preemptions.csv");
-        let text = std::fs::read_to_string(path).expect("../shared/traces beside the clone");
-        let t = Trace::parse(&text, path).unwrap();
+        let (t, name) = load(None).unwrap();
+        assert_eq!(name, AWS_P3_NAME);
         assert_eq!(t.events.len(), 344);
         assert!(t.duration_s() > 10.0 * 3600.0 && t.max_live() >= 18, "{} {}", t.duration_s(), t.max_live());
     }

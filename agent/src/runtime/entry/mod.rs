@@ -191,6 +191,9 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
                 x.trainer.model().device(),
             )?;
         }
+        if plan.action != Entry::Rollback {
+            check_copied(&merged, &ranks, n, plan.step, &target)?;
+        }
         x.trainer.load_image(&merged)?;
         fetch_ms = started.elapsed().as_millis() as u64;
         if plan.action == Entry::Rollback {
@@ -222,6 +225,33 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     };
     let redone_steps = if plan.action == Entry::Rollback { redone } else { 0 };
     Ok(Entered { conn, fetched_bytes, fetch_ms, repaired, redone_steps })
+}
+
+/// What this rank assembled is the reference's state (the first rank at the epoch's step
+/// that holds the same blocks) bit for bit: what the plan assumes, checked before it is
+/// loaded, so a part of the state left behind fails the entry here instead of a collective
+/// later.
+fn check_copied(
+    merged: &StateImage,
+    ranks: &[RankState],
+    n: &Epoch,
+    step: u64,
+    target: &std::ops::Range<usize>,
+) -> Result<(), AgentError> {
+    let want = (target.start, target.end);
+    let Some(r) = ranks.iter().position(|r| r.live.step == step && r.live.blocks == want) else {
+        return Ok(());
+    };
+    let got = merged.content_hash().to_string();
+    if hash_bytes(&got) != ranks[r].live.hash {
+        return Err(AgentError::Entry(format!(
+            "epoch {}: the state assembled for step {step} hashes to {got}, node {} trains with {}",
+            n.id,
+            n.ranks[r],
+            hex_of(&ranks[r].live.hash)
+        )));
+    }
+    Ok(())
 }
 
 /// What this rank publishes at an entry: its live state (offered to peers under its content
@@ -264,6 +294,7 @@ fn assemble(
 ) -> Result<(StateImage, u64), AgentError> {
     let mut fetched_bytes = 0;
     let mut tensors = BTreeMap::new();
+    let mut unblocked = BTreeMap::new();
     let mut meta = None;
     for (src, kind, blocks) in &plan.sources {
         let desc = ranks[*src].desc(*kind).expect("the plan names descriptors that exist");
@@ -310,16 +341,29 @@ fn assemble(
             fetched = img;
             &fetched
         };
-        for (name, t) in img.tensors() {
-            if limpet_decide::entry::block_of(name).is_some_and(|b| blocks.contains(&b)) {
-                tensors.insert(name.clone(), t.clone());
-            }
-        }
-        if meta.is_none() || *src != me {
+        // The state of the step as a whole (a reproducible job's predicted exponents: no
+        // block's) comes with the step's metadata, from one source: left out, a newcomer would
+        // disagree with every survivor on how the next step is summed.
+        let whole_step = meta.is_none() || *src != me;
+        if whole_step {
             let m = img.meta();
             meta = Some((m.step, m.cursor, m.rng, m.job.clone()));
+            unblocked.clear();
+        }
+        for (name, t) in img.tensors() {
+            match limpet_decide::entry::block_of(name) {
+                Some(b) if blocks.contains(&b) => {
+                    tensors.insert(name.clone(), t.clone());
+                }
+                Some(_) => {}
+                None if whole_step => {
+                    unblocked.insert(name.clone(), t.clone());
+                }
+                None => {}
+            }
         }
     }
+    tensors.append(&mut unblocked);
     let (step, cursor, rng, job) = meta.expect("an entry that copies names a source");
     Ok((StateImage::new(step, cursor, rng, job, tensors), fetched_bytes))
 }
