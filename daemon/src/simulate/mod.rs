@@ -216,10 +216,8 @@ struct PolicyDoc {
 
 /// Runs `limpet simulate`.
 pub fn run(a: SimulateArgs) -> anyhow::Result<()> {
+    // Without --trace, the table's first line names the shipped trace as such.
     let (trace, file) = trace::load(a.trace.as_deref()).map_err(UsageError)?;
-    if a.trace.is_none() && !a.json {
-        println!("trace: {file} (--trace for another)");
-    }
     let p = a.params(&trace)?;
     let mut outcomes = Vec::new();
     for policy in [Policy::Limpet, Policy::CheckpointRestart, Policy::OnDemand] {
