@@ -87,10 +87,10 @@ pub struct View<'a> {
     /// Milliseconds per sample each rank of the current epoch measured (its own words).
     pub ms_per_sample: &'a BTreeMap<NodeId, f64>,
     /// Revocation notices nodes report having seen (their own words, about themselves) that
-    /// the log may not have yet: (deadline, unix ms; source). A notice proposed to a leader
+    /// the log may not have yet. A notice proposed to a leader
     /// that just died is lost until the node proposes it again; planned from the report,
     /// the node's leave goes into the very next epoch all the same.
-    pub notices: &'a BTreeMap<NodeId, (u64, String)>,
+    pub notices: &'a BTreeMap<NodeId, crate::report::PendingNotice>,
 }
 
 /// The controller's answer: commands to propose (maybe none) and why.
@@ -227,17 +227,14 @@ fn candidates(
         if !failed.contains(&r) && !candidate(r) {
             let m = &st.members[&r];
             let reported = view.notices.get(&r).filter(|_| m.status.is_staying() && view.healthy(r, cfg));
-            causes.push(match m.status {
-                _ if reported.is_some() => {
-                    let (deadline, source) = reported.expect("checked");
-                    Cause::Notice {
-                        node: r,
-                        reason: format!("reported: {source} notice, deadline {deadline}"),
-                    }
-                }
-                MemberStatus::Leaving => Cause::Notice { node: r, reason: m.reason.clone() },
-                MemberStatus::Draining => Cause::Drain { node: r },
-                status => Cause::Unavailable { node: r, status },
+            causes.push(match (reported, m.status) {
+                (Some(n), _) => Cause::Notice {
+                    node: r,
+                    reason: format!("reported: {} notice, deadline {}", n.source, n.deadline_ms),
+                },
+                (None, MemberStatus::Leaving) => Cause::Notice { node: r, reason: m.reason.clone() },
+                (None, MemberStatus::Draining) => Cause::Drain { node: r },
+                (None, status) => Cause::Unavailable { node: r, status },
             });
         }
     }
@@ -499,7 +496,7 @@ fn plan_epoch(
             .filter(|r| !ranks.contains(r))
             .filter_map(|r| {
                 let logged = st.members.get(r).and_then(|m| m.deadline_ms);
-                logged.or_else(|| view.notices.get(r).map(|n| n.0))
+                logged.or_else(|| view.notices.get(r).map(|n| n.deadline_ms))
             })
             .min();
         match soonest_deadline {

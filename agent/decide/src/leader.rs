@@ -116,10 +116,9 @@ pub fn plan_round(s: &LeaderSettings, st: &ClusterState, reports: &Reports, now_
     // Notices nodes report about themselves, not yet in the log (a live, staying member's,
     // with a deadline still ahead: an honest node's notice stays in its reports until it has
     // gone, so a deadline in the past is no notice).
-    let notices: BTreeMap<NodeId, (u64, String)> = live()
+    let notices: BTreeMap<NodeId, crate::report::PendingNotice> = live()
         .filter(|(_, r)| st.members.get(&r.node).is_some_and(|m| m.status.is_staying()))
-        .filter(|(_, r)| r.notice.as_ref().is_some_and(|n| n.deadline_ms > now_ms))
-        .filter_map(|(_, r)| r.notice.as_ref().map(|n| (r.node, (n.deadline_ms, n.source.clone()))))
+        .filter_map(|(_, r)| r.notice.clone().filter(|n| n.deadline_ms > now_ms).map(|n| (r.node, n)))
         .collect();
     let view = controller::View {
         state: st,

@@ -7,6 +7,7 @@ use limpet_consensus::state::{ClusterState, Command, Hardware, MemberSpec, Membe
 use limpet_decide::controller::{decide, ControllerConfig, NodeProgress, View};
 use limpet_decide::planner::{BlockCost, Link, ModelProfile, PipelineJob};
 use limpet_decide::policy::{BaseBatch, BatchPolicy};
+use limpet_decide::report::PendingNotice;
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 
@@ -40,7 +41,7 @@ struct Sim {
     /// What the ranks measure of their speed, ms per sample.
     speeds: BTreeMap<NodeId, f64>,
     /// Notices the nodes report, not yet in the log.
-    notices: BTreeMap<NodeId, (u64, String)>,
+    notices: BTreeMap<NodeId, PendingNotice>,
 }
 
 impl Sim {
@@ -512,7 +513,7 @@ fn a_reported_notice_goes_into_the_very_next_epoch_with_the_failure() {
     sim.progress.insert(5, NodeProgress { applied_step: 0, heartbeat_age_ms: 0 });
     // Node 1 is killed; node 2 reports a notice the log does not have yet (4.4 s away).
     sim.progress.get_mut(&1).unwrap().heartbeat_age_ms = u64::MAX;
-    sim.notices.insert(2, (sim.now + 4_400, "gcp".into()));
+    sim.notices.insert(2, PendingNotice { deadline_ms: sim.now + 4_400, source: "gcp".into() });
     let why = sim.control();
     let e = sim.state.scheduled.clone().unwrap_or_else(|| panic!("nothing scheduled: {why}"));
     assert_eq!(e.ranks, vec![3, 4, 5], "{why}");
@@ -521,7 +522,7 @@ fn a_reported_notice_goes_into_the_very_next_epoch_with_the_failure() {
     // Alone, a reported notice is planned like a logged one: before its deadline.
     let mut sim = Sim::training(3, 20);
     sim.speeds = [(1, 0.1), (2, 0.1), (3, 0.3)].into_iter().collect();
-    sim.notices.insert(2, (sim.now + 120_000, "aws".into()));
+    sim.notices.insert(2, PendingNotice { deadline_ms: sim.now + 120_000, source: "aws".into() });
     let why = sim.control();
     let e = sim.state.scheduled.clone().unwrap_or_else(|| panic!("nothing scheduled: {why}"));
     assert_eq!(e.ranks, vec![1, 3], "{why}");
