@@ -84,6 +84,8 @@ bench: build
 	$(LAB) bench pipeline --model gpt --layers 4 --batch 32 --micro-batch 8 --hosts 2 --train-steps 40
 	$(LAB) bench pipeline --model gpt --layers 4 --batch 32 --micro-batch 8 --hosts 4 --train-steps 40 --chaos
 	$(LAB) bench train --preset small --batch 8 --context 256
+	$(LAB) bench train --preset 125m --batch 4 --context 256 --steps 4
+	$(LAB) bench activations --preset small --vocab 128256 --batch 4 --context 512
 	$(LAB) bench dp --preset small --world 2 --batch 16 --context 128
 	$(LAB) bench memory --preset 125m --dataset-gib 4 --batch 2 --context 128 --steps 5
 

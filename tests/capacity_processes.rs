@@ -372,7 +372,9 @@ fn a_leader_killed_in_the_middle_of_a_launch_does_not_make_its_successor_launch_
     });
     let token = launch["data"]["token"].as_str().unwrap().to_string();
     let name = launch["data"]["node_name"].as_str().unwrap().to_string();
-    assert_eq!(name, spares[0], "the first spare is taken");
+    // A spare is taken (which one depends on whether the leader's round saw one spare
+    // or both: `limpet fleet spares` stores them one after the other).
+    assert!(spares.contains(&name), "the launch took {name}, not a spare of {spares:?}");
     common::wait_showing_logs("EC2 got the launch", Duration::from_secs(30), &dir, || {
         faults.launches().iter().any(|l| l["token"] == token.as_str())
     });

@@ -46,7 +46,7 @@ fn an_elastic_llama_on_token_shards_matches_one_uninterrupted_process() {
     let data = shards(tmp.path());
     let data_arg = data.to_str().unwrap();
     let steps = 400;
-    let mut args = vec!["--nodes", "3", "--batch", "16", "--data-path", data_arg];
+    let mut args = vec!["--nodes", "3", "--batch", "16", "--data-path", data_arg, "--eval-every", "100"];
     args.extend_from_slice(LLAMA);
     let summary = scenario_json(
         &tmp.path().join("elastic"),
@@ -55,9 +55,27 @@ fn an_elastic_llama_on_token_shards_matches_one_uninterrupted_process() {
         "0.15:notice:node-2:20,0.4:join,0.7:kill:node-3",
     );
     notice_join_and_kill_were_survived(&summary);
+    // Held-out evaluations every 100 steps, one value per step whatever rank logged it
+    // (the ranks' shares summed by one allreduce), falling as the model learns.
+    let mut evals: std::collections::BTreeMap<u64, Vec<f64>> = Default::default();
+    for e in std::fs::read_dir(tmp.path().join("elastic")).unwrap().flatten() {
+        if e.file_name().to_string_lossy().ends_with(".steps.jsonl") {
+            for line in std::fs::read_to_string(e.path()).unwrap().lines() {
+                let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+                if let Some(l) = v["eval_loss"].as_f64() {
+                    evals.entry(v["step"].as_u64().unwrap() + 1).or_default().push(l);
+                }
+            }
+        }
+    }
+    assert_eq!(evals.keys().copied().collect::<Vec<_>>(), [100, 200, 300, 400], "{evals:?}");
+    for (step, ls) in &evals {
+        assert!(ls.iter().all(|l| *l == ls[0]), "step {step}: ranks logged different held-out losses {ls:?}");
+    }
+    assert!(evals[&400][0] < evals[&100][0], "held-out loss did not fall: {evals:?}");
 
     let single = tmp.path().join("single");
-    let mut alone = vec!["--batch", "16", "--data-path", data_arg];
+    let mut alone = vec!["--batch", "16", "--data-path", data_arg, "--eval-every", "100"];
     alone.extend_from_slice(LLAMA);
     let report = train_alone(&single, &alone, steps);
     let (elastic_img, elastic) = params(&PathBuf::from(summary["checkpoint"].as_str().unwrap()));
@@ -171,6 +189,32 @@ fn bad_token_data_is_refused_naming_the_file() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("train.bin: token 999 at byte offset 6 is not below --vocab 500"), "{err}");
+    // Files that hold more than flat tokens are named, not misread: an llm.c shard (a 256-int
+    // header first) and a Megatron indexed dataset (a .idx beside the .bin).
+    let index = |dir: &Path| {
+        let out = Command::new(exe())
+            .args(["data", "index", "--dtype", "uint16", "--vocab", "50000"])
+            .arg(dir)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    let llmc = tmp.path().join("llmc");
+    std::fs::create_dir_all(&llmc).unwrap();
+    let mut header = vec![0i32; 256];
+    (header[0], header[1], header[2]) = (20240520, 1, 3);
+    let mut bytes: Vec<u8> = header.iter().flat_map(|v| v.to_le_bytes()).collect();
+    bytes.extend([7u16, 8, 9].iter().flat_map(|t| t.to_le_bytes()));
+    std::fs::write(llmc.join("fineweb_train_000001.bin"), bytes).unwrap();
+    let err = index(&llmc);
+    assert!(err.contains("an llm.c shard (magic 20240520, version 1)"), "{err}");
+    let megatron = tmp.path().join("megatron");
+    std::fs::create_dir_all(&megatron).unwrap();
+    std::fs::write(megatron.join("corpus_text_document.bin"), [1u8, 0, 2, 0]).unwrap();
+    std::fs::write(megatron.join("corpus_text_document.idx"), b"MMIDIDX\x00\x00\x01\x00").unwrap();
+    let err = index(&megatron);
+    assert!(err.contains("a Megatron indexed dataset"), "{err}");
     // A model whose vocabulary is smaller than the data's.
     let out = Command::new(exe())
         .args(["train", "--model", "llama", "--data", "tokens", "--vocab", "100", "--steps", "2", "--out"])
@@ -585,4 +629,189 @@ np.save(d + "/data/y.npy", rng.integers(0, 3, size=200).astype(np.int64))
         "{}",
         String::from_utf8_lossy(&junk_path.stderr)
     );
+}
+
+/// `limpet data tokenize` frames documents the way the tokenizer says: with a Llama-3-style
+/// tokenizer saved by transformers (made locally), every JSONL record becomes exactly what
+/// transformers' tokenizer gives it (`<|begin_of_text|>` from the post-processor) followed by
+/// the configured `<|end_of_text|>`, held-out chunks included; blank-line documents of a text
+/// file are counted one by one; overrides apply, and an unknown token is refused by its flag.
+#[test]
+fn tokenize_frames_documents_as_the_tokenizer_says() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tok = tmp.path().join("tok");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/llama3_tokenizer.py");
+    let py = |args: &[&std::ffi::OsStr]| {
+        let out = Command::new(common::python())
+            .arg(&script)
+            .args(args)
+            .env("HF_HUB_OFFLINE", "1")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "llama3_tokenizer.py: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let licence = Path::new("/usr/share/common-licenses/GPL-3");
+    py(&["make".as_ref(), tok.as_os_str(), licence.as_os_str()]);
+    // Paragraphs of every licence as JSONL records: enough tokens for held-out chunks.
+    let mut paragraphs = Vec::new();
+    let mut names: Vec<_> =
+        std::fs::read_dir("/usr/share/common-licenses").unwrap().map(|e| e.unwrap().path()).collect();
+    names.sort();
+    for f in names.iter().filter(|p| p.is_file() && !p.is_symlink()) {
+        let text = String::from_utf8_lossy(&std::fs::read(f).unwrap()).to_string();
+        paragraphs.extend(text.split("\n\n").filter(|p| !p.trim().is_empty()).map(str::to_string));
+    }
+    let docs = tmp.path().join("docs.jsonl");
+    let lines: Vec<String> =
+        paragraphs.iter().map(|p| serde_json::json!({ "text": p }).to_string()).collect();
+    std::fs::write(&docs, lines.join("\n") + "\n").unwrap();
+    let tokenize = |input: &Path, out: &Path, extra: &[&str]| {
+        Command::new(exe())
+            .args(["data", "tokenize"])
+            .arg(input)
+            .arg("--tokenizer")
+            .arg(tok.join("tokenizer.json"))
+            .arg("--out")
+            .arg(out)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let shards = tmp.path().join("shards");
+    let run = tokenize(&docs, &shards, &[]);
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let said = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        said.contains(&format!(
+            "{} documents (begin <|begin_of_text|>, end <|end_of_text|>)",
+            paragraphs.len()
+        )),
+        "{said}"
+    );
+    assert!(!said.contains(" 0 held out"), "{said}");
+    let checked = py(&["check".as_ref(), tok.as_os_str(), shards.as_os_str(), docs.as_os_str()]);
+    assert!(checked.contains(&format!("{} documents", paragraphs.len())), "{checked}");
+    // The same shards whatever the number of threads encoding them.
+    let one = tmp.path().join("one-thread");
+    let run = Command::new(exe())
+        .args(["data", "tokenize"])
+        .arg(&docs)
+        .arg("--tokenizer")
+        .arg(tok.join("tokenizer.json"))
+        .arg("--out")
+        .arg(&one)
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let manifest = |d: &Path| std::fs::read(d.join("limpet-tokens.json")).unwrap();
+    assert_eq!(manifest(&one), manifest(&shards), "one thread wrote other shards");
+
+    // Blank-line blocks of a text file, with the framing overridden.
+    let blocks = String::from_utf8_lossy(&std::fs::read(licence).unwrap())
+        .split("\n\n")
+        .filter(|p| !p.trim().is_empty())
+        .count();
+    let run = tokenize(licence, &tmp.path().join("blocks"), &["--documents", "blank-lines", "--bos", "none"]);
+    let said = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success()
+            && said.contains(&format!("{blocks} documents (begin none, end <|end_of_text|>)")),
+        "{said}"
+    );
+    let run = tokenize(licence, &tmp.path().join("bad"), &["--eos", "<|nope|>"]);
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        !run.status.success() && err.contains("--eos: \"<|nope|>\" is not a token of the tokenizer"),
+        "{err}"
+    );
+    let bad = tmp.path().join("bad.jsonl");
+    std::fs::write(&bad, "{\"text\": \"fine\"}\n{\"body\": \"no text\"}\n").unwrap();
+    let run = tokenize(&bad, &tmp.path().join("bad2"), &[]);
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success() && err.contains("bad.jsonl:2: no string field \"text\""), "{err}");
+}
+
+/// The worked example of docs/workloads.md as a test: a Llama-3-shaped checkpoint (llama3
+/// rotary scaling trained past its original context, GQA 4:1, tied, bf16, made by
+/// transformers) fine-tuned by three agents on text tokenized with a Llama-3-style tokenizer,
+/// through a spot notice, a join and a `kill -9`; exported in the source's dtype with the
+/// tokenizer beside it; transformers generates from the export and knows its end token.
+#[test]
+fn a_llama3_shaped_checkpoint_fine_tunes_through_a_notice_a_join_and_a_kill() {
+    let tmp = tempfile::tempdir().unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/llama3_tokenizer.py");
+    let py = |args: &[&std::ffi::OsStr]| {
+        let out = Command::new(common::python())
+            .arg(&script)
+            .args(args)
+            .env("HF_HUB_OFFLINE", "1")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "llama3_tokenizer.py: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let (tok, base) = (tmp.path().join("tok"), tmp.path().join("base"));
+    let licences = Path::new("/usr/share/common-licenses");
+    py(&["make".as_ref(), tok.as_os_str(), licences.join("GPL-3").as_os_str()]);
+    py(&["model".as_ref(), base.as_os_str(), tok.as_os_str()]);
+    let shards = tmp.path().join("shards");
+    let run = Command::new(exe())
+        .args(["data", "tokenize"])
+        .arg(licences)
+        .args(["--documents", "blank-lines", "--tokenizer"])
+        .arg(tok.join("tokenizer.json"))
+        .arg("--out")
+        .arg(&shards)
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let base_arg = base.to_str().unwrap();
+    let data_arg = shards.to_str().unwrap();
+    let args = [
+        "--nodes",
+        "3",
+        "--batch",
+        "16",
+        "--model",
+        "llama",
+        "--data",
+        "tokens",
+        "--context",
+        "64",
+        "--data-path",
+        data_arg,
+        "--init-from",
+        base_arg,
+        "--eval-every",
+        "100",
+    ];
+    let summary =
+        scenario_json(&tmp.path().join("run"), &args, 300, "0.15:notice:node-2:20,0.4:join,0.7:kill:node-3");
+    notice_join_and_kill_were_survived(&summary);
+    let checkpoint = PathBuf::from(summary["checkpoint"].as_str().unwrap());
+    let (image, _) = params(&checkpoint);
+    assert_eq!(image.meta().job["model"]["rope_scaling"]["rope_type"], "llama3", "{:#}", image.meta().job);
+    let hf = tmp.path().join("hf");
+    let run = Command::new(exe())
+        .args(["export", "--hf"])
+        .arg(&hf)
+        .arg("--checkpoint")
+        .arg(&checkpoint)
+        .arg("--tokenizer")
+        .arg(shards.join("tokenizer.json"))
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(hf.join("config.json")).unwrap()).unwrap();
+    assert_eq!(
+        (cfg["torch_dtype"].as_str(), cfg["eos_token_id"].as_u64()),
+        (Some("bfloat16"), Some(1)),
+        "{cfg:#}"
+    );
+    let said = py(&["generate".as_ref(), hf.as_os_str(), "This program is free software".as_ref()]);
+    let g: serde_json::Value = serde_json::from_str(said.trim()).unwrap();
+    assert!(g["tokens"].as_u64().unwrap() > 0 && g["eos"] == 1, "{g}");
 }

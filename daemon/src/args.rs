@@ -74,6 +74,15 @@ pub struct JobArgs {
     /// Weight decay.
     #[arg(long)]
     pub weight_decay: Option<f64>,
+    /// AdamW's betas as BETA1,BETA2 [default: 0.9,0.999].
+    #[arg(long, value_parser = parse_betas)]
+    pub betas: Option<(f64, f64)>,
+    /// AdamW's epsilon [default: 1e-8].
+    #[arg(long)]
+    pub eps: Option<f64>,
+    /// Decay embeddings too [default: matrices only].
+    #[arg(long)]
+    pub decay_embeddings: bool,
     /// Linear warmup steps.
     #[arg(long)]
     pub warmup: Option<u64>,
@@ -89,6 +98,15 @@ pub struct JobArgs {
     /// Canonical shards per step of a --reproducible job [default: 8].
     #[arg(long)]
     pub shards: Option<usize>,
+    /// Recompute each block's activations in backward (--model llama).
+    #[arg(long)]
+    pub activation_checkpointing: bool,
+    /// Run the vocabulary head and loss this many positions at a time (--model llama).
+    #[arg(long)]
+    pub loss_chunk: Option<usize>,
+    /// Evaluate on the held-out split every N steps.
+    #[arg(long, value_name = "N")]
+    pub eval_every: Option<u64>,
     /// Seed of initialization, sampling and the training RNG.
     #[arg(long)]
     pub seed: Option<u64>,
@@ -109,6 +127,14 @@ pub struct JobArgs {
     pub precision: Option<String>,
 }
 
+fn parse_betas(s: &str) -> Result<(f64, f64), String> {
+    let parse = |v: &str| v.trim().parse::<f64>().map_err(|e| format!("{v:?}: {e}"));
+    match s.split_once(',') {
+        Some((a, b)) => Ok((parse(a)?, parse(b)?)),
+        None => Err(format!("{s:?} is not BETA1,BETA2 (for example 0.9,0.95)")),
+    }
+}
+
 impl JobArgs {
     /// The training keys these flags share with `[job]` in `limpetd`'s file.
     pub fn keys(&self) -> limpet_trainer::job_keys::JobKeys {
@@ -123,6 +149,9 @@ impl JobArgs {
             }),
             lr: self.lr,
             weight_decay: self.weight_decay,
+            betas: self.betas,
+            eps: self.eps,
+            decay_embeddings: self.decay_embeddings.then_some(true),
             warmup: self.warmup,
             clip: self.clip,
             min_lr_ratio: self.min_lr_ratio,
@@ -130,6 +159,9 @@ impl JobArgs {
             precision: self.precision.clone(),
             reproducible: self.reproducible.then_some(true),
             shards: self.shards,
+            activation_checkpointing: self.activation_checkpointing.then_some(true),
+            loss_chunk: self.loss_chunk,
+            eval_every: self.eval_every,
         }
     }
 }
@@ -210,9 +242,6 @@ pub struct TrainArgs {
     /// Also checkpoint every N steps.
     #[arg(long, value_name = "N")]
     pub checkpoint_every: Option<u64>,
-    /// Evaluate on the test split every N steps.
-    #[arg(long, value_name = "N")]
-    pub eval_every: Option<u64>,
     /// libtorch threads.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=256))]
     pub threads: u16,

@@ -1,10 +1,7 @@
 //! `limpet data tokenize / index / verify` (token shards for `data = "tokens"`) and
 //! `limpet export --hf` (a LLaMA checkpoint as a Hugging Face directory).
 //!
-//! `tokenize` reads text files through a Hugging Face `tokenizer.json` (the `tokenizers`
-//! crate), or a byte-level BPE it first trains on the same files, and writes shards with
-//! their manifest; every 20th chunk of 1,024 tokens goes to the held-out split, so a single
-//! file still gets one. `index` describes `.bin` files made elsewhere (nanoGPT's
+//! `tokenize` lives in [`crate::tokenize_cmd`]. `index` describes `.bin` files made elsewhere (nanoGPT's
 //! `prepare.py`, Megatron tools) by hashing them once and checking every id against the
 //! vocabulary; `verify` hashes them again against the manifest.
 
@@ -13,23 +10,15 @@ use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use limpet_trainer::data::tokens::{
-    self, hash_file, read_manifest, Manifest, ShardEntry, ShardWriter, TokenDtype, MANIFEST_FORMAT,
+    self, hash_file, read_manifest, Manifest, ShardEntry, TokenDtype, MANIFEST_FORMAT,
 };
 use std::path::{Path, PathBuf};
-use tokenizers::Tokenizer;
-
-/// Tokens per chunk when splitting the stream into train and held-out parts.
-const VAL_CHUNK: usize = 1024;
-/// One chunk in this many goes to the held-out split.
-const VAL_EVERY: usize = 20;
-/// The document separator a trained BPE reserves.
-const EOS: &str = "<|endoftext|>";
 
 /// `limpet data ...`.
 #[derive(Debug, Subcommand)]
 pub enum DataCommand {
-    /// Text files in, token shards and their manifest out.
-    Tokenize(TokenizeArgs),
+    /// Documents in (text files, JSONL), token shards and their manifest out.
+    Tokenize(crate::tokenize_cmd::TokenizeArgs),
     /// Write the manifest for existing .bin token files (files named val* are held out).
     Index(IndexArgs),
     /// Hash every shard again and compare with the manifest.
@@ -37,27 +26,6 @@ pub enum DataCommand {
         /// The shard directory.
         dir: PathBuf,
     },
-}
-
-/// `limpet data tokenize`.
-#[derive(Debug, Args)]
-pub struct TokenizeArgs {
-    /// Text files or directories (read recursively, in name order).
-    #[arg(required = true)]
-    pub inputs: Vec<PathBuf>,
-    /// The shard directory to write.
-    #[arg(long)]
-    pub out: PathBuf,
-    /// A Hugging Face tokenizer.json.
-    #[arg(long, conflicts_with = "train_bpe", required_unless_present = "train_bpe")]
-    pub tokenizer: Option<PathBuf>,
-    /// Train a byte-level BPE of this vocabulary size on the inputs first (saved as
-    /// OUT/tokenizer.json).
-    #[arg(long, value_name = "VOCAB")]
-    pub train_bpe: Option<usize>,
-    /// Tokens per shard file.
-    #[arg(long, default_value_t = 1 << 27)]
-    pub shard_tokens: u64,
 }
 
 /// `limpet data index`.
@@ -90,9 +58,18 @@ pub struct ExportArgs {
     /// The checkpoint: a checkpoint.safetensors file, or the directory holding one.
     #[arg(long)]
     pub checkpoint: PathBuf,
-    /// A tokenizer.json to copy beside the weights (with --hf).
+    /// A tokenizer.json to copy beside the weights (with --hf), with the
+    /// tokenizer_config.json and special_tokens_map.json found beside it.
     #[arg(long, requires = "hf")]
     pub tokenizer: Option<PathBuf>,
+    /// The weights' dtype with --hf: f32, bf16 or f16 (default: the dtype of the checkpoint
+    /// the job started from, f32 for a model trained from scratch).
+    #[arg(long, requires = "hf", value_parser = parse_dtype)]
+    pub dtype: Option<limpet_trainer::hf::ExportDtype>,
+}
+
+fn parse_dtype(s: &str) -> Result<limpet_trainer::hf::ExportDtype, String> {
+    limpet_trainer::hf::ExportDtype::parse(s)
 }
 
 fn bar(len: u64, what: &str) -> ProgressBar {
@@ -109,184 +86,9 @@ fn bar(len: u64, what: &str) -> ProgressBar {
 /// Runs `limpet data ...`.
 pub fn run(cmd: DataCommand) -> anyhow::Result<()> {
     match cmd {
-        DataCommand::Tokenize(a) => tokenize(a),
+        DataCommand::Tokenize(a) => crate::tokenize_cmd::tokenize(a),
         DataCommand::Index(a) => index(a),
         DataCommand::Verify { dir } => verify(&dir),
-    }
-}
-
-/// The text files under `inputs`, in name order.
-fn text_files(inputs: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
-    let mut out = Vec::new();
-    for p in inputs {
-        let meta = std::fs::metadata(p).with_context(|| format!("input {}", p.display()))?;
-        if meta.is_file() {
-            out.push(p.clone());
-        } else {
-            let mut entries: Vec<PathBuf> =
-                std::fs::read_dir(p)?.filter_map(|e| e.ok()).map(|e| e.path()).collect();
-            entries.sort();
-            out.extend(text_files(&entries.into_iter().filter(|e| !e.is_symlink()).collect::<Vec<_>>())?);
-        }
-    }
-    Ok(out)
-}
-
-fn train_bpe(files: &[PathBuf], vocab: usize, out: &Path) -> anyhow::Result<Tokenizer> {
-    use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
-    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-    use tokenizers::{AddedToken, TokenizerBuilder};
-    if vocab < 257 {
-        return Err(
-            UsageError(format!("--train-bpe {vocab}: a byte-level BPE needs at least 257 tokens")).into()
-        );
-    }
-    let mut trainer = BpeTrainerBuilder::new()
-        .vocab_size(vocab)
-        .show_progress(true)
-        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
-        .special_tokens(vec![AddedToken::from(EOS, true)])
-        .build();
-    use tokenizers::{NormalizerWrapper, PostProcessorWrapper};
-    let mut tk =
-        TokenizerBuilder::<BPE, NormalizerWrapper, ByteLevel, PostProcessorWrapper, ByteLevel>::new()
-            .with_model(BPE::default())
-            .with_pre_tokenizer(Some(ByteLevel::default()))
-            .with_decoder(Some(ByteLevel::default()))
-            .build()
-            .map_err(|e| anyhow::anyhow!("building a BPE tokenizer: {e}"))?;
-    let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
-    tk.train_from_files(&mut trainer, names).map_err(|e| anyhow::anyhow!("training the BPE: {e}"))?;
-    let path = out.join("tokenizer.json");
-    tk.save(&path, false).map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
-    let t: Tokenizer = tk.into();
-    Ok(t)
-}
-
-fn tokenize(a: TokenizeArgs) -> anyhow::Result<()> {
-    if a.shard_tokens == 0 {
-        return Err(UsageError("--shard-tokens must be at least 1".into()).into());
-    }
-    let files = text_files(&a.inputs)?;
-    if files.is_empty() {
-        return Err(UsageError("no input files".into()).into());
-    }
-    std::fs::create_dir_all(&a.out).with_context(|| format!("creating --out {}", a.out.display()))?;
-    let tk = match (&a.tokenizer, a.train_bpe) {
-        (Some(path), _) => {
-            let tk = Tokenizer::from_file(path)
-                .map_err(|e| anyhow::anyhow!("--tokenizer {}: {e}", path.display()))?;
-            std::fs::copy(path, a.out.join("tokenizer.json"))
-                .context("copying the tokenizer beside the shards")?;
-            tk
-        }
-        (None, Some(v)) => train_bpe(&files, v, &a.out)?,
-        (None, None) => unreachable!("clap requires one"),
-    };
-    let vocab = tk.get_vocab_size(true) as u64;
-    let eos = tk.token_to_id(EOS);
-    let total: u64 = files.iter().map(|f| std::fs::metadata(f).map_or(0, |m| m.len())).sum();
-    let progress = bar(total, "tokenizing");
-    let mut split = Splitter {
-        train: ShardWriter::new(&a.out, "train", vocab, a.shard_tokens),
-        val: ShardWriter::new(&a.out, "val", vocab, a.shard_tokens),
-        pending: Vec::with_capacity(VAL_CHUNK),
-        chunk_no: 0,
-    };
-    let mut written = 0u64;
-    for f in &files {
-        let text = std::fs::read(f).with_context(|| format!("reading {}", f.display()))?;
-        for piece in pieces(&String::from_utf8_lossy(&text)) {
-            let enc = tk.encode(piece, false).map_err(|e| anyhow::anyhow!("{}: {e}", f.display()))?;
-            split.push(enc.get_ids())?;
-            written += enc.get_ids().len() as u64;
-            progress.inc(piece.len() as u64);
-        }
-        split.push(eos.as_slice())?;
-    }
-    progress.finish_and_clear();
-    let (dtype, train, val) = split.finish()?;
-    if train.is_empty() {
-        bail!("the inputs produced {written} tokens: too few for a training split");
-    }
-    let manifest = Manifest {
-        format: MANIFEST_FORMAT.into(),
-        version: 1,
-        dtype,
-        vocab,
-        tokenizer: Some("tokenizer.json".into()),
-        train,
-        val,
-    };
-    let path = tokens::write_manifest(&a.out, &manifest)?;
-    let count = |v: &[ShardEntry]| v.iter().map(|e| e.tokens).sum::<u64>();
-    println!(
-        "limpet data tokenize: {} files, {} tokens ({} train, {} held out), vocab {vocab}, {:?} shards; manifest {}",
-        files.len(),
-        written + files.len() as u64 * u64::from(eos.is_some()),
-        count(&manifest.train),
-        count(&manifest.val),
-        dtype,
-        path.display()
-    );
-    Ok(())
-}
-
-/// `text` in pieces of about 1 MiB cut at line ends, so big files tokenize in flat memory.
-fn pieces(text: &str) -> impl Iterator<Item = &str> {
-    let mut rest = text;
-    std::iter::from_fn(move || {
-        if rest.is_empty() {
-            return None;
-        }
-        let mut cut = rest.len().min(1 << 20);
-        while !rest.is_char_boundary(cut) {
-            cut += 1;
-        }
-        if cut < rest.len() {
-            cut = rest[..cut].rfind('\n').map_or(cut, |i| i + 1);
-        }
-        let (piece, tail) = rest.split_at(cut);
-        rest = tail;
-        Some(piece)
-    })
-}
-
-/// Routes the token stream in chunks of `VAL_CHUNK` ids: every `VAL_EVERY`-th chunk to the
-/// held-out split, the rest to training.
-struct Splitter {
-    train: ShardWriter,
-    val: ShardWriter,
-    pending: Vec<u32>,
-    chunk_no: usize,
-}
-
-impl Splitter {
-    fn push(&mut self, ids: &[u32]) -> std::io::Result<()> {
-        for &id in ids {
-            self.pending.push(id);
-            if self.pending.len() == VAL_CHUNK {
-                self.flush()?;
-            }
-        }
-        Ok(())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        let w = if self.chunk_no % VAL_EVERY == VAL_EVERY - 1 { &mut self.val } else { &mut self.train };
-        w.write(&self.pending)?;
-        self.chunk_no += 1;
-        self.pending.clear();
-        Ok(())
-    }
-
-    fn finish(mut self) -> std::io::Result<(TokenDtype, Vec<ShardEntry>, Vec<ShardEntry>)> {
-        if !self.pending.is_empty() {
-            self.flush()?;
-        }
-        let (dtype, train) = self.train.finish()?;
-        let (_, val) = self.val.finish()?;
-        Ok((dtype, train, val))
     }
 }
 
@@ -303,6 +105,7 @@ fn index_file(
     if len % w != 0 {
         bail!("{}: {len} bytes is not a whole number of {w}-byte tokens", path.display());
     }
+    foreign_format(path)?;
     let mut f = std::fs::File::open(path)?;
     let mut h = blake3::Hasher::new();
     let mut buf = vec![0u8; 1 << 20];
@@ -335,6 +138,40 @@ fn index_file(
     let file =
         path.file_name().and_then(|n| n.to_str()).context("a file name that is not UTF-8")?.to_string();
     Ok(ShardEntry { file, tokens: len / w, blake3: h.finalize().to_hex().to_string() })
+}
+
+/// llm.c's shards start with a 256-int header whose first int is this.
+const LLMC_MAGIC: i32 = 20240520;
+/// A Megatron indexed dataset's `.idx` starts with these bytes.
+const MEGATRON_MAGIC: &[u8] = b"MMIDIDX\x00\x00";
+
+/// Refuses `.bin` files that hold more than flat tokens, naming the format and what to do:
+/// read as tokens they would train on their headers or on documents in the wrong order.
+fn foreign_format(path: &Path) -> anyhow::Result<()> {
+    use std::io::Read;
+    let mut head = [0u8; 8];
+    let n = std::fs::File::open(path)?.read(&mut head)?;
+    if n >= 8 && i32::from_le_bytes(head[..4].try_into().expect("4 bytes")) == LLMC_MAGIC {
+        let version = i32::from_le_bytes(head[4..8].try_into().expect("4 bytes"));
+        bail!(
+            "{}: an llm.c shard (magic {LLMC_MAGIC}, version {version}): its first 1024 bytes are a header, not tokens; \
+             write the tokens alone (tail -c +1025 {} > tokens.bin) and index that",
+            path.display(),
+            path.display()
+        );
+    }
+    let idx = path.with_extension("idx");
+    let mut magic = [0u8; 9];
+    if std::fs::File::open(&idx).and_then(|mut f| f.read_exact(&mut magic)).is_ok() && magic == MEGATRON_MAGIC
+    {
+        bail!(
+            "{}: a Megatron indexed dataset ({} beside it holds its document index): limpet data index reads flat token files, \
+             not Megatron's; export the documents' tokens in order to one flat file and index that",
+            path.display(),
+            idx.display()
+        );
+    }
+    Ok(())
 }
 
 fn index(a: IndexArgs) -> anyhow::Result<()> {
@@ -440,12 +277,18 @@ pub fn export(a: ExportArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let hf = a.hf.as_ref().expect("clap requires --hf or --torchscript");
-    limpet_trainer::hf::export(&image, hf)?;
+    limpet_trainer::hf::export_with(&image, hf, a.dtype, limpet_trainer::hf::MAX_SHARD_BYTES)?;
     if let Some(t) = &a.tokenizer {
         std::fs::copy(t, hf.join("tokenizer.json")).with_context(|| format!("copying {}", t.display()))?;
+        // The files transformers' AutoTokenizer reads beside it (special tokens, BOS/EOS).
+        for f in ["tokenizer_config.json", "special_tokens_map.json"] {
+            if let Some(src) = t.parent().map(|d| d.join(f)).filter(|p| p.exists()) {
+                std::fs::copy(&src, hf.join(f)).with_context(|| format!("copying {}", src.display()))?;
+            }
+        }
     }
     println!(
-        "limpet export: step {} of {} written to {} (config.json, model.safetensors)",
+        "limpet export: step {} of {} written to {} (config.json, generation_config.json, safetensors weights)",
         image.meta().step,
         file.display(),
         hf.display()

@@ -22,6 +22,7 @@ pub mod plot;
 pub mod simulate;
 pub mod status;
 pub mod text;
+pub mod tokenize_cmd;
 pub mod train_cmd;
 pub mod watch_sources;
 

@@ -68,6 +68,8 @@ pub struct ElasticPoint {
     pub loss: f64,
     /// World size of its epoch.
     pub world: usize,
+    /// The held-out loss after it, when the job evaluated (`eval_every`).
+    pub eval_loss: Option<f64>,
 }
 
 /// Draws loss (top, log scale) and world size (bottom) against step, with every transition
@@ -107,6 +109,18 @@ pub fn elastic_svg(
             .draw_series(LineSeries::new(smooth, &BLUE))?
             .label("train loss (25-step mean)")
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLUE));
+        let held_out: Vec<(f64, f64)> = points
+            .iter()
+            .filter_map(|p| p.eval_loss.filter(|l| l.is_finite() && *l > 0.0).map(|l| (p.step as f64, l)))
+            .collect();
+        if !held_out.is_empty() {
+            let green = RGBColor(0, 140, 60);
+            chart
+                .draw_series(LineSeries::new(held_out.clone(), green.stroke_width(2)))?
+                .label("held-out loss")
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], green));
+            chart.draw_series(held_out.iter().map(|&p| Circle::new(p, 3, green.filled())))?;
+        }
         for (step, label) in transitions {
             let x = *step as f64;
             chart.draw_series(LineSeries::new(vec![(x, lo), (x, hi)], RED.mix(0.6)))?;
@@ -164,7 +178,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("elastic.svg");
         let points: Vec<ElasticPoint> = (1..=1000)
-            .map(|s| ElasticPoint { step: s, loss: 1.0 / s as f64, world: if s < 500 { 3 } else { 2 } })
+            .map(|s| ElasticPoint {
+                step: s,
+                loss: 1.0 / s as f64,
+                world: if s < 500 { 3 } else { 2 },
+                eval_loss: (s % 100 == 0).then(|| 1.5 / s as f64),
+            })
             .collect();
         elastic_svg(&path, &points, &[(500, "notice".into())], "t").unwrap();
         let l = labels(&std::fs::read_to_string(&path).unwrap());

@@ -236,6 +236,9 @@ pub struct StatusDoc {
     /// The job cannot get past a step: rebuilt again and again with every rank alive.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stuck: Option<limpet_agent::stuck::Stuck>,
+    /// The newest held-out evaluation any rank reported (`[job].eval_every`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval: Option<limpet_agent::report::EvalPoint>,
 }
 
 /// A checkpoint as the log records it.
@@ -409,6 +412,7 @@ fn build(
         throughput: st.throughput.by_world.clone(),
         scaling_target: st.capacity.target,
         stuck: limpet_agent::stuck::assess(st, &parsed, REPORT_FRESH_MS),
+        eval: parsed.values().filter_map(|(_, r)| r.eval).max_by_key(|e| e.step),
     }
 }
 
@@ -519,6 +523,14 @@ pub fn render(d: &StatusDoc) -> String {
     }
     if let Some(x) = &d.stuck {
         s += &format!("JOB STUCK: {x}\n");
+    }
+    if let Some(e) = &d.eval {
+        s += &format!(
+            "held-out loss {:.4} (perplexity {:.2}) after step {}\n",
+            e.loss,
+            e.perplexity(),
+            e.step
+        );
     }
     if let Some(e) = &d.scheduled {
         s +=

@@ -66,7 +66,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         out: out.clone(),
         stop_at: args.stop_at,
         checkpoint_every: args.checkpoint_every,
-        eval_every: args.eval_every,
+        eval_every: args.job.eval_every,
     };
     let started = Instant::now();
     let mut pending: Option<StepRecord> = None;

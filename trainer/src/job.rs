@@ -64,7 +64,23 @@ pub struct JobSpec {
     /// the fastest, and more ranks than shards leaves some idle.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shards: Option<usize>,
+    /// Recompute each block's activations in backward instead of keeping them (model
+    /// `llama`; the gradients are the same bits).
+    #[serde(default, skip_serializing_if = "is_off")]
+    pub activation_checkpointing: bool,
+    /// Run the vocabulary head and the loss this many positions at a time, so no
+    /// `[batch, context, vocab]` tensor is held (model `llama`; the loss rounds differently).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_chunk: Option<usize>,
+    /// Evaluate the held-out loss every this many steps in `limpetd` (none: at the end only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_every: Option<u64>,
 }
+
+/// Job fields that do not change a bit of what is trained: how often the held-out loss is
+/// evaluated, and whether activations are recomputed in backward. Every rank of a cluster
+/// holds the same values (the job is one log entry), but a checkpoint may resume under others.
+pub const RUN_SETTINGS: [&str; 2] = ["eval_every", "activation_checkpointing"];
 
 fn is_off(b: &bool) -> bool {
     !*b
@@ -105,7 +121,15 @@ impl JobSpec {
             init: None,
             reproducible: false,
             shards: None,
+            activation_checkpointing: false,
+            loss_chunk: None,
+            eval_every: None,
         }
+    }
+
+    /// How each micro-batch trades compute for memory.
+    pub fn memory_plan(&self) -> crate::model::MemoryPlan {
+        crate::model::MemoryPlan { checkpoint: self.activation_checkpointing, loss_chunk: self.loss_chunk }
     }
 
     /// Checks the job on its own and against the data it will read.
@@ -138,6 +162,18 @@ impl JobSpec {
             }
         }
         self.optimizer.validate().map_err(TrainerError::Config)?;
+        let llama = matches!(self.model, ModelSpec::Llama(_));
+        if self.activation_checkpointing && !llama {
+            return bad("activation_checkpointing applies to model llama".into());
+        }
+        match self.loss_chunk {
+            Some(_) if !llama => return bad("loss_chunk applies to model llama".into()),
+            Some(0) => return bad("loss_chunk must be at least 1".into()),
+            _ => {}
+        }
+        if self.eval_every == Some(0) {
+            return bad("eval_every must be at least 1".into());
+        }
         if data.fingerprint != self.data_fingerprint {
             return Err(TrainerError::Mismatch(format!(
                 "job was made for data with fingerprint {}, but {} has fingerprint {}",
@@ -147,11 +183,25 @@ impl JobSpec {
         self.model.check_data(&data.info)
     }
 
-    /// The first field where two jobs differ, as `path: ours vs theirs`, or `None` if equal.
+    /// The first field where two jobs differ in what they train, as `path: ours vs theirs`,
+    /// or `None` if they train the same ([`RUN_SETTINGS`] aside).
     pub fn diff(&self, other: &JobSpec) -> Option<String> {
-        let a = serde_json::to_value(self).expect("JobSpec serializes");
-        let b = serde_json::to_value(other).expect("JobSpec serializes");
-        first_difference("", &a, &b)
+        let value = |j: &JobSpec| {
+            let mut v = serde_json::to_value(j).expect("JobSpec serializes");
+            if let Some(o) = v.as_object_mut() {
+                RUN_SETTINGS.iter().for_each(|k| drop(o.remove(*k)));
+            }
+            v
+        };
+        first_difference("", &value(self), &value(other))
+    }
+
+    /// This job with `other`'s [`RUN_SETTINGS`]: a checkpoint resumed under a configuration
+    /// that evaluates at another rate, or checkpoints activations, trains on that way.
+    pub fn with_run_settings_of(mut self, other: &JobSpec) -> JobSpec {
+        self.eval_every = other.eval_every;
+        self.activation_checkpointing = other.activation_checkpointing;
+        self
     }
 }
 

@@ -42,6 +42,12 @@ pub struct JobKeys {
     pub lr: Option<f64>,
     /// Weight decay.
     pub weight_decay: Option<f64>,
+    /// AdamW's (beta1, beta2) (LLM recipes use (0.9, 0.95)).
+    pub betas: Option<(f64, f64)>,
+    /// AdamW's epsilon.
+    pub eps: Option<f64>,
+    /// Decay embeddings too (default: no, as nanoGPT, torchtitan and HF Trainer).
+    pub decay_embeddings: Option<bool>,
     /// Linear warmup steps (default: a twentieth of the steps).
     pub warmup: Option<u64>,
     /// Gradient global-norm clip; 0 turns clipping off.
@@ -56,6 +62,12 @@ pub struct JobKeys {
     pub reproducible: Option<bool>,
     /// A reproducible job's canonical shards per step.
     pub shards: Option<usize>,
+    /// Recompute activations in backward (model llama).
+    pub activation_checkpointing: Option<bool>,
+    /// Positions per chunk of the head and loss (model llama).
+    pub loss_chunk: Option<usize>,
+    /// Held-out evaluation every this many steps (limpetd).
+    pub eval_every: Option<u64>,
 }
 
 /// A key with a bad value.
@@ -102,6 +114,24 @@ impl JobKeys {
         if let Some(wd) = self.weight_decay.filter(|wd| !(wd.is_finite() && *wd >= 0.0)) {
             return bad("weight_decay", format!("{wd} is not zero or a positive number"));
         }
+        if let Some((b1, b2)) = self.betas {
+            for b in [b1, b2] {
+                if !(0.0..1.0).contains(&b) {
+                    return bad("betas", format!("[{b1}, {b2}]: each must be within [0, 1)"));
+                }
+            }
+            if self.optimizer == Some(OptimizerName::Sgd) {
+                return bad("betas", "applies to optimizer adamw".into());
+            }
+        }
+        if let Some(e) = self.eps {
+            if !(e.is_finite() && e > 0.0) {
+                return bad("eps", format!("{e} is not a positive number"));
+            }
+            if self.optimizer == Some(OptimizerName::Sgd) {
+                return bad("eps", "applies to optimizer adamw".into());
+            }
+        }
         if let (Some(w), Some(s)) = (self.warmup, self.steps) {
             if w > s {
                 return bad("warmup", format!("{w} exceeds the job's {s} steps"));
@@ -115,6 +145,12 @@ impl JobKeys {
         }
         if let Some(p) = &self.precision {
             Precision::parse(p).map_err(|detail| JobKeyError { key: "precision", detail })?;
+        }
+        if self.loss_chunk == Some(0) {
+            return bad("loss_chunk", "must be at least 1".into());
+        }
+        if self.eval_every == Some(0) {
+            return bad("eval_every", "must be at least 1".into());
         }
         if let Some(k) = self.shards {
             let most = crate::MAX_SHARDS;
@@ -168,6 +204,21 @@ impl JobKeys {
         if let Some(wd) = self.weight_decay {
             job.optimizer.set_weight_decay(wd);
         }
+        if let Some(d) = self.decay_embeddings {
+            job.optimizer.set_decay_embeddings(d);
+        }
+        if self.betas.is_some() || self.eps.is_some() {
+            let OptimizerSpec::Adamw { beta1, beta2, eps, .. } = &mut job.optimizer else {
+                let key = if self.betas.is_some() { "betas" } else { "eps" };
+                return Err(JobKeyError { key, detail: "applies to optimizer adamw".into() });
+            };
+            if let Some((b1, b2)) = self.betas {
+                (*beta1, *beta2) = (b1, b2);
+            }
+            if let Some(e) = self.eps {
+                *eps = e;
+            }
+        }
         if let Some(w) = self.warmup {
             if w > job.steps {
                 return Err(JobKeyError {
@@ -191,6 +242,25 @@ impl JobKeys {
         }
         if let Some(k) = self.shards {
             job.shards = Some(k);
+        }
+        if let Some(e) = self.eval_every {
+            job.eval_every = Some(e);
+        }
+        let llama = matches!(job.model, ModelSpec::Llama(_));
+        if let Some(a) = self.activation_checkpointing {
+            if a && !llama {
+                return Err(JobKeyError {
+                    key: "activation_checkpointing",
+                    detail: "applies to model llama".into(),
+                });
+            }
+            job.activation_checkpointing = a;
+        }
+        if let Some(c) = self.loss_chunk {
+            if !llama {
+                return Err(JobKeyError { key: "loss_chunk", detail: "applies to model llama".into() });
+            }
+            job.loss_chunk = Some(c);
         }
         if job.reproducible {
             // Canonical shards are the unit of computation: a micro-batch setting would only

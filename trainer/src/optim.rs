@@ -17,6 +17,9 @@ pub enum OptimizerSpec {
         momentum: f64,
         /// L2 penalty added to the gradient.
         weight_decay: f64,
+        /// Decay embeddings too (absent in older jobs, which did).
+        #[serde(default = "yes", skip_serializing_if = "is_true")]
+        decay_embeddings: bool,
     },
     /// Adam with decoupled weight decay, as `torch.optim.AdamW`.
     Adamw {
@@ -30,18 +33,61 @@ pub enum OptimizerSpec {
         eps: f64,
         /// Decoupled weight decay.
         weight_decay: f64,
+        /// Decay embeddings too (absent in older jobs, which did).
+        #[serde(default = "yes", skip_serializing_if = "is_true")]
+        decay_embeddings: bool,
     },
 }
 
+fn yes() -> bool {
+    true
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
+}
+
+/// True when weight decay applies to parameter `name` of shape rank `dim`: matrices and
+/// filters only, never biases and norm scales, and embeddings only when asked (as nanoGPT,
+/// torchtitan and Hugging Face's Trainer leave them out).
+pub fn decays(name: &str, dim: usize, decay_embeddings: bool) -> bool {
+    dim >= 2 && (decay_embeddings || !name.contains("emb."))
+}
+
 impl OptimizerSpec {
-    /// AdamW with the usual betas.
+    /// AdamW with PyTorch's default betas and eps, no decay of embeddings.
     pub fn adamw(lr: f64, weight_decay: f64) -> Self {
-        OptimizerSpec::Adamw { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay }
+        OptimizerSpec::Adamw {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay,
+            decay_embeddings: false,
+        }
     }
 
-    /// SGD with momentum 0.9.
+    /// SGD with momentum 0.9, no decay of embeddings.
     pub fn sgd(lr: f64, weight_decay: f64) -> Self {
-        OptimizerSpec::Sgd { lr, momentum: 0.9, weight_decay }
+        OptimizerSpec::Sgd { lr, momentum: 0.9, weight_decay, decay_embeddings: false }
+    }
+
+    /// Whether embeddings are decayed.
+    pub fn decay_embeddings(&self) -> bool {
+        match self {
+            OptimizerSpec::Sgd { decay_embeddings, .. } | OptimizerSpec::Adamw { decay_embeddings, .. } => {
+                *decay_embeddings
+            }
+        }
+    }
+
+    /// Sets whether embeddings are decayed.
+    pub fn set_decay_embeddings(&mut self, value: bool) {
+        match self {
+            OptimizerSpec::Sgd { decay_embeddings, .. } | OptimizerSpec::Adamw { decay_embeddings, .. } => {
+                *decay_embeddings = value
+            }
+        }
     }
 
     /// Peak learning rate.
@@ -94,12 +140,12 @@ impl OptimizerSpec {
             }
         };
         match *self {
-            OptimizerSpec::Sgd { lr, momentum, weight_decay } => {
+            OptimizerSpec::Sgd { lr, momentum, weight_decay, .. } => {
                 check("lr", lr, lr > 0.0)?;
                 check("momentum", momentum, (0.0..1.0).contains(&momentum))?;
                 check("weight_decay", weight_decay, weight_decay >= 0.0)
             }
-            OptimizerSpec::Adamw { lr, beta1, beta2, eps, weight_decay } => {
+            OptimizerSpec::Adamw { lr, beta1, beta2, eps, weight_decay, .. } => {
                 check("lr", lr, lr > 0.0)?;
                 check("beta1", beta1, (0.0..1.0).contains(&beta1))?;
                 check("beta2", beta2, (0.0..1.0).contains(&beta2))?;
@@ -195,12 +241,12 @@ impl Optimizer {
     pub fn apply(&mut self, params: &[(String, Tensor)], grad: &Tensor, lr: f64, t: u64) {
         tch::no_grad(|| {
             let mut offset = 0i64;
-            for (i, (_, p)) in params.iter().enumerate() {
+            let decay_embeddings = self.spec.decay_embeddings();
+            for (i, (name, p)) in params.iter().enumerate() {
                 let n = p.numel() as i64;
                 let g = grad.narrow(0, offset, n).view_as(p);
                 offset += n;
-                // Decay only matrices and filters, not biases and norm scales.
-                let decays = p.dim() >= 2;
+                let decays = decays(name, p.dim(), decay_embeddings);
                 let mut p = p.shallow_clone();
                 match self.spec {
                     OptimizerSpec::Sgd { momentum, weight_decay, .. } => {
@@ -259,8 +305,7 @@ mod tests {
         let w = Tensor::from_slice(&[1.0f32, -2.0, 0.5, 4.0]).view([2, 2]).set_requires_grad(true);
         let params = vec![("w".to_string(), w)];
         let g = Tensor::from_slice(&[0.1f32, 0.2, -0.3, 0.4]);
-        let mut sgd =
-            Optimizer::new(&OptimizerSpec::Sgd { lr: 0.1, momentum: 0.9, weight_decay: 0.0 }, &params);
+        let mut sgd = Optimizer::new(&OptimizerSpec::sgd(0.1, 0.0), &params);
         let before = params[0].1.detach().copy();
         sgd.apply(&params, &g, 0.1, 1);
         sgd.apply(&params, &g, 0.1, 2);
@@ -277,5 +322,27 @@ mod tests {
         assert!(params[0].1.allclose(&want, 1e-5, 1e-6, false), "{:?}", params[0].1);
         let names: Vec<_> = adam.named_state(&params).map(|(n, _)| n).collect();
         assert_eq!(names, ["optim/exp_avg/w", "optim/exp_avg_sq/w"]);
+    }
+
+    /// Decay reaches matrices only: not norms, biases or (unless asked) embeddings; a job
+    /// written before the setting existed keeps decaying embeddings.
+    #[test]
+    fn weight_decay_skips_norms_biases_and_embeddings() {
+        assert!(decays("b01.wq.weight", 2, false));
+        assert!(!decays("b01.attn_norm.weight", 1, false) && !decays("b01.wq.bias", 1, true));
+        assert!(!decays("b00.tok_emb.weight", 2, false) && decays("b00.tok_emb.weight", 2, true));
+        let params = vec![
+            ("b00.tok_emb.weight".to_string(), Tensor::ones([2, 2], (tch::Kind::Float, tch::Device::Cpu))),
+            ("b01.fc.weight".to_string(), Tensor::ones([2, 2], (tch::Kind::Float, tch::Device::Cpu))),
+        ];
+        let mut adam = Optimizer::new(&OptimizerSpec::adamw(0.1, 0.5), &params);
+        adam.apply(&params, &Tensor::zeros([8], (tch::Kind::Float, tch::Device::Cpu)), 0.1, 1);
+        assert_eq!(params[0].1.double_value(&[0, 0]), 1.0, "the embedding decayed");
+        assert!((params[1].1.double_value(&[0, 0]) - 0.95).abs() < 1e-6, "the matrix did not decay");
+        let old: OptimizerSpec = serde_json::from_str(
+            r#"{"kind":"adamw","lr":0.1,"beta1":0.9,"beta2":0.999,"eps":1e-8,"weight_decay":0.1}"#,
+        )
+        .unwrap();
+        assert!(old.decay_embeddings(), "an older job decayed embeddings and must keep doing so");
     }
 }

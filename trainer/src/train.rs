@@ -9,8 +9,11 @@
 //! reduces the same buffers applies the same update. The buffer is the trainer's own (see
 //! [`grads`]): on the CPU it is where backward writes the gradients.
 
+mod eval;
 mod exact;
 mod grads;
+
+pub use eval::EvalSums;
 
 pub use exact::{MAX_SHARDS, SHARDS};
 
@@ -199,10 +202,13 @@ impl Trainer {
         expected: Option<&JobSpec>,
     ) -> Result<Self, TrainerError> {
         let meta = image.meta();
-        let job: JobSpec = serde_json::from_value(meta.job.clone())
+        let mut job: JobSpec = serde_json::from_value(meta.job.clone())
             .map_err(|e| TrainerError::Mismatch(format!("checkpoint's job spec is unreadable: {e}")))?;
-        if let Some(d) = expected.and_then(|e| e.diff(&job)) {
-            return Err(TrainerError::Mismatch(format!("job field {d} (expected vs checkpoint)")));
+        if let Some(e) = expected {
+            if let Some(d) = e.diff(&job) {
+                return Err(TrainerError::Mismatch(format!("job field {d} (expected vs checkpoint)")));
+            }
+            job = job.with_run_settings_of(e);
         }
         let mut t = Trainer::try_new(job, data)?;
         t.load_image(image)?;
@@ -370,9 +376,7 @@ impl Trainer {
             }
             let idx = self.sampler.indices(mb);
             let (x, y) = self.batch_on_device(&idx)?;
-            let (_, loss) = self.model.forward_loss(&x, &y, true)?;
-            loss.f_backward()?;
-            loss_sum += loss.double_value(&[]);
+            loss_sum += self.model.loss_backward(&x, &y, self.job.memory_plan())?;
         }
         self.finish_grads(loss_sum, (positions.end - positions.start) as f64)?;
         self.compute_ms = started.elapsed().as_secs_f64() * 1e3;
@@ -683,35 +687,6 @@ impl Trainer {
         let buf = self.compute_grads(rank, world)?;
         reduce.allreduce_sum(buf, step)?;
         self.apply_reduced()
-    }
-
-    /// Loss and accuracy on the held-out split.
-    pub fn evaluate(&self) -> Result<Eval, TrainerError> {
-        let test = &self.data.test;
-        let (mut loss, mut correct) = (0.0, 0.0);
-        // Windows of token shards can be long: evaluate them a micro-batch at a time.
-        let chunk = match test {
-            crate::data::Split::Memory { .. } => 256,
-            crate::data::Split::Windows(_) | crate::data::Split::Rows(_) => {
-                self.job.micro_batch.clamp(1, 256)
-            }
-        };
-        let d = self.model.device();
-        tch::no_grad(|| -> Result<(), TrainerError> {
-            for start in (0..test.len()).step_by(chunk) {
-                let len = chunk.min(test.len() - start);
-                let (x, y) = test.range(start, len)?;
-                let (x, y) = (self.shaped(x).to_device(d), y.to_device(d));
-                let (out, l) = self.model.forward_loss(&x, &y, false)?;
-                loss += l.double_value(&[]);
-                if let Some(out) = out {
-                    correct += self.model.correct(&out, &y);
-                }
-            }
-            Ok(())
-        })?;
-        let n = test.len() as f64;
-        Ok(Eval { loss: loss / n, accuracy: correct / n })
     }
 
     /// The whole state as a portable image (parameters, optimizer slots, step, cursor, RNG).

@@ -178,7 +178,7 @@ impl ModelSection {
                     }
                     let imported = crate::hf::read_config(dir, Some(self.context.unwrap_or(window)))?;
                     *l = imported;
-                    let fp = crate::hf::read_weights(dir, Some(l.context))?.fingerprint;
+                    let fp = crate::hf::fingerprint(dir)?;
                     return Ok((spec, Some(fp)));
                 }
                 if let Some(p) = &self.preset {
@@ -205,6 +205,10 @@ impl ModelSection {
                 }
                 if let Some(t) = self.tie_embeddings {
                     l.tie_embeddings = t;
+                }
+                if let DataSpec::Tokens { .. } = data.spec {
+                    l.special_tokens =
+                        crate::hf::tokenizer_special_tokens(std::path::Path::new(&data.source));
                 }
             }
             ModelSpec::Gpt { layers, .. } => {

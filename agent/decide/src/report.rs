@@ -109,6 +109,26 @@ pub struct AgentReport {
     /// still be on its way to a leader): the leader plans the node's leave at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub notice: Option<PendingNotice>,
+    /// The newest held-out evaluation of its epoch (`[job].eval_every`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval: Option<EvalPoint>,
+}
+
+/// A held-out evaluation: summed over the ranks of an epoch, once per evaluated step.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EvalPoint {
+    /// The steps applied when it was made.
+    pub step: u64,
+    /// Mean held-out loss per sample (finite).
+    pub loss: f64,
+}
+
+impl EvalPoint {
+    /// `exp(loss)`: the perplexity of a language model's mean token loss.
+    pub fn perplexity(&self) -> f64 {
+        self.loss.exp()
+    }
 }
 
 /// A revocation notice as the node that got it reports it.
@@ -160,6 +180,7 @@ impl AgentReport {
             profile_ms: 0.0,
             checkpoint_error: None,
             notice: None,
+            eval: None,
         }
     }
 
@@ -187,6 +208,9 @@ impl AgentReport {
         }
         if !(r.profile_ms.is_finite() && r.profile_ms >= 0.0) {
             return Err(bad(format!("a profile of {} ms", r.profile_ms)));
+        }
+        if let Some(e) = r.eval.filter(|e| !e.loss.is_finite()) {
+            return Err(bad(format!("a held-out loss of {}", e.loss)));
         }
         if let Some(n) = r.notice.as_ref().filter(|n| n.source.len() > MAX_SOURCE) {
             return Err(bad(format!("a notice source of {} bytes", n.source.len())));
@@ -223,6 +247,7 @@ mod tests {
             profile_ms: 12.5,
             checkpoint_error: Some("No space left on device".into()),
             notice: Some(PendingNotice { deadline_ms: 1_700_000_120_000, source: "aws".into() }),
+            eval: Some(EvalPoint { step: 100, loss: 2.25 }),
             transitions: vec![Transition {
                 epoch: 3,
                 step: 100,

@@ -51,6 +51,7 @@ fn report(node: NodeId, epoch: u64, step: u64) -> AgentReport {
         profile_ms: 0.0,
         checkpoint_error: None,
         notice: None,
+        eval: None,
     }
 }
 

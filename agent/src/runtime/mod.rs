@@ -74,6 +74,9 @@ pub struct StepLine {
     /// A reproducible step that agreed its exponents (`StepStats::agreed`); absent when not.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub agreed: bool,
+    /// The held-out loss after this step, when the job evaluated (`eval_every`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_loss: Option<f64>,
 }
 
 /// A running agent.

@@ -375,8 +375,11 @@ impl TrainLoop {
                 Err(e) => return Err(e.into()),
             },
         };
-        let stats = match outcome {
-            Ok(stats) => stats,
+        // The held-out loss, when the job evaluates after this step: each rank its share, one
+        // allreduce sums them (so it is evaluated once per step, not once per rank).
+        let outcome = outcome.and_then(|stats| Ok((self.evaluate_if_due()?, stats)));
+        let (eval, stats) = match outcome {
+            Ok(done) => done,
             Err((suspect, error, violation)) => {
                 if violation {
                     // Not a fault of the network: a peer (or this rank) does not follow the
@@ -396,7 +399,7 @@ impl TrainLoop {
         self.step_time_ms =
             if self.step_time_ms == 0.0 { took } else { 0.9 * self.step_time_ms + 0.1 * took };
         self.last_step_done = Some(Instant::now());
-        self.record_step(&stats, epoch, group_rank, took)?;
+        self.record_step(&stats, epoch, group_rank, took, eval)?;
         // AdaScale's statistics are over data-parallel replicas, not pipeline stages.
         self.grad_stats = observe_gradients(self.grad_stats, &stats, epoch.layout.data as usize);
         let sink = Sink { me: self.cfg.id, handle: &self.handle, rt: &self.rt, tasks: &self.tasks };
@@ -421,9 +424,29 @@ impl TrainLoop {
             p.loss = Some(stats.loss);
             p.samples_per_s = stats.samples as f64 / (self.step_time_ms / 1e3).max(1e-9);
             p.checkpoint_error = self.checkpointer.failure();
+            if let Some(loss) = eval {
+                p.eval = Some(crate::report::EvalPoint { step: self.trainer.step(), loss });
+            }
         }
         self.set_phase(Phase::Training);
         Ok(())
+    }
+
+    /// The epoch's held-out loss if the job evaluates after the step just applied
+    /// (`eval_every`; data-parallel epochs): this rank's share of the held-out split, summed
+    /// over the ranks by one allreduce. A failed collective breaks the group as a step's does.
+    fn evaluate_if_due(&mut self) -> Result<Option<f64>, (Option<NodeId>, String, bool)> {
+        let step = self.trainer.step();
+        let due = self.trainer.job().eval_every.is_some_and(|e| step % e == 0);
+        let Some((_, Conn::Ring(g))) = self.group.as_mut().filter(|_| due) else { return Ok(None) };
+        let sums =
+            self.trainer.evaluate_share(g.rank(), g.world()).map_err(|e| (None, e.to_string(), false))?;
+        let mut buf = sums.to_buf();
+        g.allreduce_sum(&mut buf, step).map_err(|e| (e.suspect(), e.to_string(), e.is_violation()))?;
+        let all = limpet_trainer::EvalSums::from_buf(buf);
+        // A peer's sums are its word: only a mean over the whole split is taken.
+        let whole = all.count.round() as usize == self.trainer.data().test.len();
+        Ok(all.mean().filter(|m| whole && m.loss.is_finite()).map(|m| m.loss))
     }
 
     /// Writes the step's line to the step log and its metrics.
@@ -433,6 +456,7 @@ impl TrainLoop {
         epoch: &Epoch,
         group_rank: usize,
         took: f64,
+        eval: Option<f64>,
     ) -> Result<(), AgentError> {
         let world = epoch.ranks.len();
         let line = StepLine {
@@ -445,6 +469,7 @@ impl TrainLoop {
             name: self.cfg.name.clone(),
             loss: stats.loss,
             agreed: stats.agreed,
+            eval_loss: eval,
         };
         if let Some(f) = self.log.as_mut() {
             let mut s = serde_json::to_string(&line).expect("step lines serialize");
@@ -456,6 +481,11 @@ impl TrainLoop {
         metrics::histogram!("limpet_step_seconds").record(took / 1e3);
         metrics::gauge!("limpet_applied_step").set(self.trainer.step() as f64);
         metrics::gauge!("limpet_loss").set(stats.loss);
+        if let Some(l) = eval {
+            metrics::gauge!("limpet_eval_loss").set(l);
+            metrics::gauge!("limpet_eval_perplexity").set(l.exp());
+            tracing::info!(step = self.trainer.step(), loss = l, perplexity = l.exp(), "held-out evaluation");
+        }
         if stats.agreed {
             metrics::counter!("limpet_reproducible_agreed_steps_total").increment(1);
         }

@@ -749,6 +749,7 @@ mod tests {
             name: "node-1".into(),
             loss: 1.0,
             agreed: false,
+            eval_loss: None,
         };
         // World 2: steps every 10 ms; world 3: every 20 ms (its first step late: a transition).
         let mut lines: Vec<StepLine> = (0..11).map(|s| line(1, s, 10 * s, 2)).collect();

@@ -109,6 +109,9 @@ pub enum BenchCommand {
     Dp(crate::train_bench::BenchDpArgs),
     /// Peak RSS of training on a large token dataset against the model's own footprint.
     Memory(crate::train_bench::BenchMemoryArgs),
+    /// Peak RSS and speed of a LLaMA step with and without activation checkpointing and a
+    /// chunked loss, at a large vocabulary.
+    Activations(crate::act_bench::BenchActivationsArgs),
     /// Step time with one slow host: equal shares against shares by measured speed, next to
     /// the same cluster without it.
     Straggler(crate::straggler_bench::BenchStragglerArgs),
@@ -133,6 +136,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Train(args)) => crate::train_bench::bench(args),
         Command::Bench(BenchCommand::Dp(args)) => crate::train_bench::bench_dp(args),
         Command::Bench(BenchCommand::Memory(args)) => crate::train_bench::bench_memory(args),
+        Command::Bench(BenchCommand::Activations(args)) => crate::act_bench::run(args),
         Command::Bench(BenchCommand::Straggler(args)) => crate::straggler_bench::run(args),
     }
 }

@@ -77,6 +77,9 @@ pub struct ScenarioArgs {
     /// The same bits whatever the number of ranks ([job].reproducible).
     #[arg(long)]
     pub reproducible: bool,
+    /// Evaluate the held-out loss every N steps ([job].eval_every; in the plot).
+    #[arg(long, value_name = "N")]
+    pub eval_every: Option<u64>,
     /// Fewest nodes training continues with.
     #[arg(long, default_value_t = 1)]
     pub min_nodes: usize,
@@ -145,6 +148,8 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
         steps: a.steps,
         global_batch: 32,
         tls: !a.no_tls,
+        // The held-out loss ten times over the run, in the plot beside the training loss.
+        eval_every: Some((a.steps / 10).max(1)),
         ..LocalJob::default()
     };
     println!(
@@ -194,6 +199,7 @@ pub fn scenario(a: ScenarioArgs) -> anyhow::Result<()> {
         slow: a.slow.clone(),
         slow_factor: a.slow_factor.clone(),
         reproducible: a.reproducible,
+        eval_every: a.eval_every,
         ..LocalJob::default()
     };
     let summary = run_scenario(&a.dir, a.nodes, job, &script, Duration::from_secs(a.timeout), !a.json)?;
@@ -710,7 +716,8 @@ pub fn merge(lines: &[StepLine], killed: &[u64], redone: &[(u64, u64)]) -> (Vec<
             let again = redone.iter().filter(|&&(s, n)| (s..s + n).contains(step)).count() as u64;
             twice += survivors.saturating_sub(1 + again);
             let l = epochs.values().next_back().expect("non-empty");
-            ElasticPoint { step: *step, loss: l.loss, world: l.world }
+            let eval_loss = epochs.values().find_map(|l| l.eval_loss);
+            ElasticPoint { step: *step, loss: l.loss, world: l.world, eval_loss }
         })
         .collect();
     (points, twice)
@@ -758,6 +765,7 @@ mod tests {
             name: format!("node-{node}"),
             loss: 1.0,
             agreed: false,
+            eval_loss: None,
         }
     }
 

@@ -1,12 +1,13 @@
 //! limpet's lab as a library: the demo (`demo`, which also drives scripted scenarios), trace
 //! replays checked against the simulation (`chaos`), local
 //! clusters on loopback (`local`), the benchmarks (`raft_cmd`, `dp_cmd`, `elastic_bench`,
-//! `pipe_bench`, `train_bench`) with the worker processes they start, and the `limpet-lab`
+//! `pipe_bench`, `train_bench`, `act_bench`) with the worker processes they start, and the `limpet-lab`
 //! command line (`cli`). Everything an operator runs is `limpet-daemon`; this crate only
 //! drives it, so the product binaries do not carry it.
 
 #![forbid(unsafe_code)]
 
+pub mod act_bench;
 pub mod chaos;
 pub mod chaos_ec2;
 pub mod cli;

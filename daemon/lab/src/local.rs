@@ -99,6 +99,9 @@ pub struct LocalJob {
     /// `[job].shards`.
     #[serde(default)]
     pub shards: Option<usize>,
+    /// `[job].eval_every`.
+    #[serde(default)]
+    pub eval_every: Option<u64>,
 }
 
 impl Default for LocalJob {
@@ -136,6 +139,7 @@ impl Default for LocalJob {
             slow_factor: None,
             reproducible: false,
             shards: None,
+            eval_every: None,
         }
     }
 }
@@ -377,6 +381,9 @@ impl LocalCluster {
         }
         if let Some(k) = j.shards {
             text += &format!("shards = {k}\n");
+        }
+        if let Some(e) = j.eval_every {
+            text += &format!("eval_every = {e}\n");
         }
         if let Some(lr) = j.lr {
             text += &format!("lr = {lr:?}\n");

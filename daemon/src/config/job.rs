@@ -33,6 +33,12 @@ pub struct JobSection {
     pub lr: Option<f64>,
     /// Weight decay (the model's default when absent).
     pub weight_decay: Option<f64>,
+    /// AdamW's `[beta1, beta2]` (default `[0.9, 0.999]`; LLM recipes use `[0.9, 0.95]`).
+    pub betas: Option<[f64; 2]>,
+    /// AdamW's epsilon (default 1e-8).
+    pub eps: Option<f64>,
+    /// Decay embeddings too (default false: matrices only, never norms or biases).
+    pub decay_embeddings: Option<bool>,
     /// Linear warmup steps (default: a twentieth of `steps`).
     pub warmup: Option<u64>,
     /// Gradient global-norm clip (0: off; default: the model's, 1.0).
@@ -43,6 +49,12 @@ pub struct JobSection {
     pub reproducible: Option<bool>,
     /// A reproducible job's canonical shards per step (default 8).
     pub shards: Option<usize>,
+    /// Recompute each block's activations in backward (model `llama`).
+    pub activation_checkpointing: Option<bool>,
+    /// Run the vocabulary head and loss this many positions at a time (model `llama`).
+    pub loss_chunk: Option<usize>,
+    /// Evaluate the held-out loss every this many steps.
+    pub eval_every: Option<u64>,
     /// World size the batch and learning rate were tuned for (the policies scale from it;
     /// default: the number of founders).
     pub base_world: Option<u64>,
@@ -66,6 +78,9 @@ impl JobSection {
             optimizer: self.optimizer,
             lr: self.lr,
             weight_decay: self.weight_decay,
+            betas: self.betas.map(|[a, b]| (a, b)),
+            eps: self.eps,
+            decay_embeddings: self.decay_embeddings,
             warmup: self.warmup,
             clip: self.clip,
             min_lr_ratio: self.min_lr_ratio,
@@ -73,6 +88,9 @@ impl JobSection {
             precision: Some(self.precision.clone()),
             reproducible: self.reproducible,
             shards: self.shards,
+            activation_checkpointing: self.activation_checkpointing,
+            loss_chunk: self.loss_chunk,
+            eval_every: self.eval_every,
         }
     }
 }

@@ -395,3 +395,52 @@ fn a_job_from_the_file_equals_the_job_from_the_flags() {
         (7, Some(0.5), 0.25, 16)
     );
 }
+
+/// AdamW's recipe keys (`betas`, `eps`, `decay_embeddings`) land the same from the file and
+/// from the flags; SGD refuses them by name.
+#[test]
+fn adamw_recipe_keys_from_the_file_equal_the_flags() {
+    use clap::Parser;
+    let s = secret();
+    let keys = "betas = [0.9, 0.95]\neps = 1e-6\ndecay_embeddings = true";
+    let text = example(s.path())
+        .replace("data = \"digits\"", "data = \"synthetic\"")
+        .replace("global_batch = 64", &format!("global_batch = 64\n{keys}"));
+    let cfg = Config::parse(&text, "limpet.toml").unwrap();
+    let from_file = crate::limpetd::job_spec(&cfg).unwrap();
+    let flags = crate::cli::Cli::parse_from([
+        "limpet",
+        "train",
+        "--data",
+        "synthetic",
+        "--steps",
+        "400",
+        "--batch",
+        "64",
+        "--seed",
+        "0",
+        "--betas",
+        "0.9,0.95",
+        "--eps",
+        "1e-6",
+        "--decay-embeddings",
+        "--out",
+        "/nonexistent",
+    ]);
+    let crate::cli::Command::Train(args) = flags.command else { panic!("parsed as train") };
+    let (from_flags, _) = crate::train_cmd::job_from_flags(&args.job).unwrap();
+    assert_eq!(from_file.diff(&from_flags), None);
+    let limpet_trainer::optim::OptimizerSpec::Adamw { beta1, beta2, eps, decay_embeddings, .. } =
+        from_file.optimizer
+    else {
+        panic!("adamw")
+    };
+    assert_eq!((beta1, beta2, eps, decay_embeddings), (0.9, 0.95, 1e-6, true));
+    let text = example(s.path())
+        .replace("global_batch = 64", "global_batch = 64\noptimizer = \"sgd\"\nbetas = [0.9, 0.95]");
+    let e = match Config::parse(&text, "limpet.toml") {
+        Err(e) => e.to_string(),
+        Ok(c) => crate::limpetd::job_spec(&c).unwrap_err().to_string(),
+    };
+    assert!(e.contains("[job].betas: applies to optimizer adamw"), "{e}");
+}

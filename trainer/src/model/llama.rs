@@ -3,12 +3,14 @@
 //! `scaled_dot_product_attention`, a SwiGLU MLP), and a final RMSNorm with the vocabulary head.
 //!
 //! The arithmetic follows Hugging Face's `LlamaForCausalLM` (rotate-half rotary layout, RMSNorm
-//! in f32, no biases), so weights move between the two by renaming alone ([`crate::hf`]).
+//! in f32) and the variants of the same decoder its relatives use ([`LlamaSpec`]: rotary
+//! scaling, biases on q/k/v, q/k norms, a head width of its own), so weights move between the
+//! two by renaming alone ([`crate::hf`]).
 //! Under [`Precision::Bf16`] the matrix products and attention run in bfloat16 while the
 //! parameters, the residual stream, the norms and the loss stay in f32: what autocast does,
 //! written out so that it runs the same on every device.
 
-use super::{LlamaSpec, Precision};
+use super::{LlamaSpec, Precision, RopeScaling};
 use tch::nn::{self, ModuleT};
 use tch::{Kind, Tensor};
 
@@ -29,12 +31,22 @@ pub(super) fn block(spec: &LlamaSpec, precision: Precision, i: usize, root: &nn:
     let lin = |name: &str, out: i64, inp: i64| (p / name).var("weight", &[out, inp], nn::Init::Const(0.0));
     if i <= spec.layers {
         let (h, kv, f) = (spec.heads as i64, spec.kv_heads as i64, spec.ffn as i64);
+        let bias =
+            |name: &str, n: i64, on: bool| on.then(|| (p / name).var("bias", &[n], nn::Init::Const(0.0)));
+        let head_norm =
+            |name: &str| spec.qk_norm.then(|| (p / name).var("weight", &[hd], nn::Init::Const(1.0)));
         Box::new(Layer {
             attn_norm: norm("attn_norm"),
             wq: lin("wq", h * hd, d),
             wk: lin("wk", kv * hd, d),
             wv: lin("wv", kv * hd, d),
             wo: lin("wo", d, h * hd),
+            bq: bias("wq", h * hd, spec.qkv_bias),
+            bk: bias("wk", kv * hd, spec.qkv_bias),
+            bv: bias("wv", kv * hd, spec.qkv_bias),
+            bo: bias("wo", d, spec.o_bias),
+            q_norm: head_norm("q_norm"),
+            k_norm: head_norm("k_norm"),
             mlp_norm: norm("mlp_norm"),
             w_gate: lin("w_gate", f, d),
             w_up: lin("w_up", f, d),
@@ -42,7 +54,7 @@ pub(super) fn block(spec: &LlamaSpec, precision: Precision, i: usize, root: &nn:
             heads: h,
             kv_heads: kv,
             head_dim: hd,
-            rope_theta: spec.rope_theta,
+            rope: Rope { theta: spec.rope_theta, scaling: spec.rope_scaling.clone() },
             eps: spec.norm_eps,
             cast,
         })
@@ -60,9 +72,14 @@ pub(super) fn block(spec: &LlamaSpec, precision: Precision, i: usize, root: &nn:
 /// `linear`, whose backward produces the weight's gradient in the weight's own layout (a
 /// `matmul` with `w.t()` produces its transpose, which then costs a strided copy into `.grad`).
 fn linear(x: &Tensor, w: &Tensor, cast: Option<Kind>) -> Tensor {
+    linear_b(x, w, None, cast)
+}
+
+/// [`linear`] with an optional bias (cast with the weight).
+fn linear_b(x: &Tensor, w: &Tensor, b: Option<&Tensor>, cast: Option<Kind>) -> Tensor {
     match cast {
-        Some(k) => x.to_kind(k).linear(&w.to_kind(k), None::<Tensor>),
-        None => x.linear(w, None::<Tensor>),
+        Some(k) => x.to_kind(k).linear(&w.to_kind(k), b.map(|b| b.to_kind(k))),
+        None => x.linear(w, b),
     }
 }
 
@@ -91,6 +108,12 @@ struct Layer {
     wk: Tensor,
     wv: Tensor,
     wo: Tensor,
+    bq: Option<Tensor>,
+    bk: Option<Tensor>,
+    bv: Option<Tensor>,
+    bo: Option<Tensor>,
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
     mlp_norm: Tensor,
     w_gate: Tensor,
     w_up: Tensor,
@@ -98,20 +121,39 @@ struct Layer {
     heads: i64,
     kv_heads: i64,
     head_dim: i64,
-    rope_theta: f64,
+    rope: Rope,
     eps: f64,
     cast: Option<Kind>,
 }
 
-/// The rotary tables for `t` positions: cos and sin of shape `[t, head_dim]`, in f32,
-/// with the frequencies repeated over both halves (Hugging Face's layout).
-pub(crate) fn rope_tables(t: i64, head_dim: i64, theta: f64, device: tch::Device) -> (Tensor, Tensor) {
-    let opts = (Kind::Float, device);
-    let exponents = Tensor::arange_start_step(0, head_dim, 2, opts) / head_dim as f64;
-    let inv_freq = Tensor::from(theta as f32).to_device(device).pow(&exponents).reciprocal();
-    let freqs = Tensor::arange(t, opts).unsqueeze(1) * inv_freq.unsqueeze(0);
-    let emb = Tensor::cat(&[&freqs, &freqs], -1);
-    (emb.cos(), emb.sin())
+/// The rotary embedding's base and scaling.
+#[derive(Debug)]
+struct Rope {
+    theta: f64,
+    scaling: Option<RopeScaling>,
+}
+
+impl Rope {
+    /// The tables for `t` positions: cos and sin of shape `[t, head_dim]`, in f32, with the
+    /// frequencies repeated over both halves (Hugging Face's layout) and scaled as the
+    /// checkpoint's `rope_parameters` say.
+    fn tables(&self, t: i64, head_dim: i64, device: tch::Device) -> (Tensor, Tensor) {
+        let opts = (Kind::Float, device);
+        let exponents = Tensor::arange_start_step(0, head_dim, 2, opts) / head_dim as f64;
+        let mut inv_freq = Tensor::from(self.theta as f32).to_device(device).pow(&exponents).reciprocal();
+        let mut scale = 1.0;
+        if let Some(s) = &self.scaling {
+            inv_freq = s.rescale(&inv_freq, self.theta, head_dim);
+            scale = s.attention_factor();
+        }
+        let freqs = Tensor::arange(t, opts).unsqueeze(1) * inv_freq.unsqueeze(0);
+        let emb = Tensor::cat(&[&freqs, &freqs], -1);
+        if scale == 1.0 {
+            (emb.cos(), emb.sin())
+        } else {
+            (emb.cos() * scale, emb.sin() * scale)
+        }
+    }
 }
 
 /// `x * cos + rotate_half(x) * sin` over the last dimension of `[b, h, t, hd]`.
@@ -126,15 +168,26 @@ impl Layer {
     fn attention(&self, x: &Tensor) -> Tensor {
         let (b, t, _) = x.size3().expect("[batch, time, width]");
         let (h, kv, hd) = (self.heads, self.kv_heads, self.head_dim);
-        let split = |w: &Tensor, n: i64| linear(x, w, self.cast).view([b, t, n, hd]).transpose(1, 2);
-        let (q, k, v) = (split(&self.wq, h), split(&self.wk, kv), split(&self.wv, kv));
-        let (cos, sin) = rope_tables(t, hd, self.rope_theta, x.device());
+        let eps = self.eps;
+        let split = |w: &Tensor, bias: &Option<Tensor>, norm: &Option<Tensor>, n: i64| {
+            let y = linear_b(x, w, bias.as_ref(), self.cast).view([b, t, n, hd]);
+            // Qwen3 normalizes each head (in f32, as its RMSNorm does) before the rotation.
+            let y = match norm {
+                Some(w) => rms_norm(&y, w, eps).to_kind(y.kind()),
+                None => y,
+            };
+            y.transpose(1, 2)
+        };
+        let q = split(&self.wq, &self.bq, &self.q_norm, h);
+        let k = split(&self.wk, &self.bk, &self.k_norm, kv);
+        let v = split(&self.wv, &self.bv, &None, kv);
+        let (cos, sin) = self.rope.tables(t, hd, x.device());
         let kind = q.kind();
         let (cos, sin) = (cos.to_kind(kind), sin.to_kind(kind));
         let (q, k) = (rotate(&q, &cos, &sin), rotate(&k, &cos, &sin));
         let y = Tensor::scaled_dot_product_attention::<Tensor>(&q, &k, &v, None, 0.0, true, None, h != kv);
         let y = y.transpose(1, 2).contiguous().view([b, t, h * hd]);
-        linear(&y, &self.wo, self.cast).to_kind(Kind::Float)
+        linear_b(&y, &self.wo, self.bo.as_ref(), self.cast).to_kind(Kind::Float)
     }
 
     fn mlp(&self, x: &Tensor) -> Tensor {

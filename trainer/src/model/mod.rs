@@ -7,7 +7,12 @@
 
 mod gpt;
 mod llama;
+mod llama_spec;
+mod memory;
 pub mod script;
+
+pub use llama_spec::{Family, LlamaSpec, RopeScaling, SlidingWindow, SpecialTokens, LLAMA_PRESETS};
+pub use memory::MemoryPlan;
 
 use crate::data::DataInfo;
 use crate::{ModelKind, TrainerError};
@@ -65,128 +70,6 @@ pub enum Loss {
 impl Loss {
     fn is_cross_entropy(&self) -> bool {
         *self == Loss::CrossEntropy
-    }
-}
-
-/// Sizes of a LLaMA-family decoder (the names are Hugging Face's `LlamaConfig` fields where
-/// one exists: `d_model` is `hidden_size`, `ffn` is `intermediate_size`, `kv_heads` is
-/// `num_key_value_heads`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LlamaSpec {
-    /// Vocabulary size.
-    pub vocab: usize,
-    /// Longest sequence.
-    pub context: usize,
-    /// Width of the residual stream.
-    pub d_model: usize,
-    /// Decoder layers.
-    pub layers: usize,
-    /// Query heads (must divide `d_model`).
-    pub heads: usize,
-    /// Key/value heads (must divide `heads`; fewer than `heads` is grouped-query attention).
-    pub kv_heads: usize,
-    /// Hidden width of the SwiGLU MLP.
-    pub ffn: usize,
-    /// Base of the rotary embedding's frequencies.
-    #[serde(default = "default_rope_theta")]
-    pub rope_theta: f64,
-    /// RMSNorm's epsilon.
-    #[serde(default = "default_norm_eps")]
-    pub norm_eps: f64,
-    /// The vocabulary head reuses the token embedding (the whole model must be one stage).
-    #[serde(default)]
-    pub tie_embeddings: bool,
-}
-
-fn default_rope_theta() -> f64 {
-    10_000.0
-}
-
-fn default_norm_eps() -> f64 {
-    1e-5
-}
-
-/// Named LLaMA sizes, smallest first: `(name, layers, d_model, heads, kv_heads, ffn)`.
-/// `1b` has the shape of Llama 3.2 1B (with the vocabulary the data brings).
-pub const LLAMA_PRESETS: &[(&str, usize, usize, usize, usize, usize)] = &[
-    ("tiny", 2, 64, 4, 2, 176),
-    ("small", 4, 256, 8, 4, 688),
-    ("125m", 12, 768, 12, 4, 2048),
-    ("350m", 24, 1024, 16, 8, 2816),
-    ("1b", 16, 2048, 32, 8, 8192),
-];
-
-impl LlamaSpec {
-    /// The preset `name` for a vocabulary of `vocab` tokens and sequences of `context`.
-    pub fn preset(name: &str, vocab: usize, context: usize) -> Result<Self, TrainerError> {
-        let &(_, layers, d_model, heads, kv_heads, ffn) =
-            LLAMA_PRESETS.iter().find(|p| p.0 == name).ok_or_else(|| {
-                let names: Vec<&str> = LLAMA_PRESETS.iter().map(|p| p.0).collect();
-                TrainerError::Config(format!("model.preset {name:?} is not one of {}", names.join(", ")))
-            })?;
-        Ok(LlamaSpec {
-            vocab,
-            context,
-            d_model,
-            layers,
-            heads,
-            kv_heads,
-            ffn,
-            rope_theta: default_rope_theta(),
-            norm_eps: default_norm_eps(),
-            tie_embeddings: false,
-        })
-    }
-
-    /// Width of one attention head.
-    pub fn head_dim(&self) -> usize {
-        self.d_model / self.heads.max(1)
-    }
-
-    /// Number of parameter elements.
-    pub fn num_params(&self) -> u64 {
-        let (v, d, f) = (self.vocab as u64, self.d_model as u64, self.ffn as u64);
-        let kvd = (self.kv_heads * self.head_dim()) as u64;
-        let layer = 2 * d + 2 * d * d + 2 * d * kvd + 3 * d * f;
-        let head = if self.tie_embeddings { 0 } else { v * d };
-        v * d + self.layers as u64 * layer + d + head
-    }
-
-    fn validate(&self) -> Result<(), TrainerError> {
-        let bad = |m: String| Err(TrainerError::Config(format!("model: {m}")));
-        for (name, v) in [
-            ("vocab", self.vocab),
-            ("context", self.context),
-            ("d_model", self.d_model),
-            ("layers", self.layers),
-            ("heads", self.heads),
-            ("kv_heads", self.kv_heads),
-            ("ffn", self.ffn),
-        ] {
-            if v == 0 {
-                return bad(format!("llama {name} must be at least 1"));
-            }
-        }
-        if self.d_model % self.heads != 0 {
-            return bad(format!("llama heads ({}) must divide d_model ({})", self.heads, self.d_model));
-        }
-        if self.heads % self.kv_heads != 0 {
-            return bad(format!("llama kv_heads ({}) must divide heads ({})", self.kv_heads, self.heads));
-        }
-        if self.head_dim() % 2 != 0 {
-            return bad(format!(
-                "llama head width d_model/heads ({}) must be even for rotary embeddings",
-                self.head_dim()
-            ));
-        }
-        if !(self.rope_theta.is_finite() && self.rope_theta > 1.0) {
-            return bad(format!("llama rope_theta ({}) must be a number above 1", self.rope_theta));
-        }
-        if !(self.norm_eps.is_finite() && self.norm_eps > 0.0) {
-            return bad(format!("llama norm_eps ({}) must be a positive number", self.norm_eps));
-        }
-        Ok(())
     }
 }
 
@@ -416,8 +299,8 @@ impl ModelSpec {
                 } else if i <= l.layers {
                     // Norm input and output, q, k, v, rotated q and k, attention output and its
                     // log-sum-exp, projection; norm, gate, up, silu, product, down.
-                    let kvd = l.kv_heads * l.head_dim();
-                    t * (8 * d + 4 * kvd + l.heads + 4 * f)
+                    let (kvd, qd) = (l.kv_heads * l.head_dim(), l.q_dim());
+                    t * (6 * d + 2 * qd + 4 * kvd + l.heads + 4 * f)
                 } else {
                     t * (2 * d + 2 * l.vocab)
                 }
@@ -425,7 +308,7 @@ impl ModelSpec {
             // A script's graph is opaque: the planner cannot estimate it (and never splits it).
             ModelSpec::Torchscript(_) => 0,
         };
-        floats as u64 * 4
+        (floats as u64).saturating_mul(4)
     }
 
     /// True when the model predicts every position of a sequence (per-sample loss is a mean
@@ -595,8 +478,9 @@ impl Model {
         params.sort_by(|a, b| a.0.cmp(&b.0));
         // A script starts from the weights its file holds.
         if script.is_none() {
+            let hf_init = matches!(spec, ModelSpec::Llama(_));
             for (name, t) in &params {
-                init_param(name, t, seed);
+                init_param(name, t, seed, hf_init);
             }
         }
         Ok(Model { spec: spec.clone(), blocks, layers, params, device, dropout_rng, script, _vs: vs })
@@ -769,25 +653,28 @@ impl Model {
 }
 
 /// Fills one parameter: weights of rank >= 2 from U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (PyTorch's
-/// default for linear and conv layers), embeddings from N(0, 0.02) (GPT-2), norm scales with 1,
-/// biases with 0.
-fn init_param(name: &str, t: &Tensor, seed: u64) {
+/// default for linear and conv layers), or from N(0, 0.02) with `hf_init` (what Hugging Face's
+/// `LlamaPreTrainedModel` draws from its `initializer_range`, which LLaMA recipes train from);
+/// embeddings from N(0, 0.02) (GPT-2); norm scales with 1; biases with 0.
+fn init_param(name: &str, t: &Tensor, seed: u64, hf_init: bool) {
     let shape = t.size();
     let n = t.numel();
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     rng.set_stream(u64::from_le_bytes(
         blake3::hash(name.as_bytes()).as_bytes()[..8].try_into().expect("8 bytes"),
     ));
-    let values: Vec<f32> = if name.contains("emb") {
-        (0..n).map(|_| 0.02 * rng.sample::<f32, _>(rand_distr::StandardNormal)).collect()
-    } else if name.ends_with("weight") && shape.len() >= 2 {
-        let bound = 1.0 / (shape[1..].iter().product::<i64>() as f32).sqrt();
-        (0..n).map(|_| rng.random_range(-bound..bound)).collect()
-    } else if name.ends_with("weight") {
-        vec![1.0; n]
-    } else {
-        vec![0.0; n]
-    };
+    let normal = |rng: &mut ChaCha8Rng| 0.02 * rng.sample::<f32, _>(rand_distr::StandardNormal);
+    let values: Vec<f32> =
+        if name.contains("emb") || (hf_init && name.ends_with("weight") && shape.len() >= 2) {
+            (0..n).map(|_| normal(&mut rng)).collect()
+        } else if name.ends_with("weight") && shape.len() >= 2 {
+            let bound = 1.0 / (shape[1..].iter().product::<i64>() as f32).sqrt();
+            (0..n).map(|_| rng.random_range(-bound..bound)).collect()
+        } else if name.ends_with("weight") {
+            vec![1.0; n]
+        } else {
+            vec![0.0; n]
+        };
     tch::no_grad(|| {
         let mut t = t.shallow_clone();
         t.copy_(&Tensor::from_slice(&values).view(shape.as_slice()));

@@ -394,10 +394,9 @@ impl Trainer {
         }
         let idx = self.sampler.indices(positions);
         let (x, y) = self.batch_on_device(&idx)?;
-        let (_, loss) = self.model.forward_loss(&x, &y, true)?;
-        loss.f_backward()?;
+        let loss = self.model.loss_backward(&x, &y, self.job.memory_plan())?;
         self.grads.collect(self.model.params())?;
-        Ok(loss.double_value(&[]))
+        Ok(loss)
     }
 
     /// The predicted exponents as an image tensor (a reproducible job's state).

@@ -177,6 +177,12 @@ fn mismatched_images_name_what_differs() {
     let t = Trainer::try_new(j.clone(), data).unwrap();
     let img = t.image().unwrap();
 
+    // How often to evaluate is not what is trained: a checkpoint resumes under another rate.
+    let mut other_rate = j.clone();
+    other_rate.eval_every = Some(7);
+    let resumed = Trainer::from_image(&img, synthetic(), Some(&other_rate)).unwrap();
+    assert_eq!(resumed.job().eval_every, Some(7));
+
     j.optimizer.set_lr(0.5);
     let err = Trainer::from_image(&img, synthetic(), Some(&j)).unwrap_err().to_string();
     assert!(err.contains("optimizer.lr"), "{err}");
@@ -238,4 +244,60 @@ fn bound_and_collected_gradient_buffers_agree() {
     let g = bound.grads_on(Device::Cpu);
     bound.as_mut_slice()[0] = 42.0;
     assert_eq!(g.double_value(&[0]), 42.0);
+}
+
+/// Activation checkpointing changes no bit of the update (also in a reproducible job, whose
+/// content hash stays the same); a chunked loss rounds differently and nothing more.
+#[test]
+fn memory_plans_compute_the_same_update() {
+    let data = char_data();
+    let run = |edit: &dyn Fn(&mut JobSpec)| {
+        let mut j = job(ModelKind::Llama, &data, 8, 4);
+        edit(&mut j);
+        let mut t = Trainer::try_new(j, clone_data(&data)).unwrap();
+        let mut losses: Vec<f64> = (0..3).map(|_| t.train_step(0, 1, &mut NoReduce).unwrap().loss).collect();
+        // The held-out loss last: a chunked loss evaluates a chunk at a time too.
+        losses.push(t.evaluate().unwrap().loss);
+        (losses, params_of(&t), t.content_hash().unwrap())
+    };
+    let (losses, params, _) = run(&|_| {});
+    let (l, p, _) = run(&|j| j.activation_checkpointing = true);
+    assert_eq!(l, losses, "checkpointing changed the loss");
+    assert!(p.iter().zip(&params).all(|(a, b)| a.equal(b)), "checkpointing changed the parameters");
+    for (edit, what) in [
+        (&(|j: &mut JobSpec| j.loss_chunk = Some(5)) as &dyn Fn(&mut JobSpec), "a chunked loss"),
+        (
+            &|j: &mut JobSpec| {
+                j.loss_chunk = Some(7);
+                j.activation_checkpointing = true;
+            },
+            "both",
+        ),
+    ] {
+        let (l, p, _) = run(edit);
+        for (a, b) in l.iter().zip(&losses) {
+            assert!((a - b).abs() <= 1e-5 * b.abs(), "{what}: loss {a} vs {b}");
+        }
+        for (a, b) in p.iter().zip(&params) {
+            assert!(a.allclose(b, 1e-4, 1e-6, false), "{what}: parameters moved apart");
+        }
+        assert!(p.iter().zip(&params).any(|(a, b)| !a.equal(b)) || what == "both", "{what}: not exercised");
+    }
+    // A reproducible job: the same bits with checkpointing as without (the content hash
+    // covers the job too, which names the setting, so the parameters are compared).
+    let (l, plain, _) = run(&|j| j.reproducible = true);
+    let (lc, checkpointed, _) = run(&|j| {
+        j.reproducible = true;
+        j.activation_checkpointing = true;
+    });
+    assert_eq!(l, lc, "checkpointing changed a reproducible job's losses");
+    assert!(
+        plain.iter().zip(&checkpointed).all(|(a, b)| a.equal(b)),
+        "checkpointing changed a reproducible job's parameters"
+    );
+    // Only for the LLaMA.
+    let mut j = job(ModelKind::Gpt, &data, 8, 4);
+    j.activation_checkpointing = true;
+    let e = Trainer::try_new(j, clone_data(&data)).unwrap_err().to_string();
+    assert!(e.contains("activation_checkpointing applies to model llama"), "{e}");
 }
