@@ -35,7 +35,7 @@ help:
 	@echo "make fuzz    run each fuzz target for FUZZ_SECONDS (default 60)"
 	@echo "make dist    build the release tarballs deploy/cloud-init.yaml installs (dist/limpet-VERSION-linux-ARCH-{cuda,cpu}.tar.gz)"
 	@echo "make gpu-test  run the CUDA tests where libtorch sees a GPU (says so and skips them where not)"
-	@echo "make bench   measure: raft commits, allreduce against gloo, state handoff against plain TCP, transitions against torchrun, planner predictions and pipelines, LLaMA training against transformers and torchrun + DDP, memory on a 4 GiB dataset"
+	@echo "make bench   measure: raft commits, allreduce against gloo, state handoff against plain TCP, transitions against torchrun, planner predictions and pipelines, LLaMA training against transformers (small and 125m) and torchrun + DDP, memory on a 4 GiB dataset, activation checkpointing and a chunked loss at vocabulary 128k"
 
 setup: $(ENV_MK)
 

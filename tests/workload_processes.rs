@@ -101,9 +101,13 @@ fn an_elastic_llama_on_token_shards_matches_one_uninterrupted_process() {
         .output()
         .unwrap();
     assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
-    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+    for f in ["config.json", "model.safetensors", "tokenizer.json", "generation_config.json"] {
         assert!(hf.join(f).exists(), "export wrote no {f}");
     }
+    // Trained from scratch, the model names no end token: the tokenizer's goes out with it.
+    let gen: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(hf.join("generation_config.json")).unwrap()).unwrap();
+    assert!(gen["eos_token_id"].is_u64(), "{gen}");
 }
 
 #[test]

@@ -277,7 +277,16 @@ pub fn export(a: ExportArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let hf = a.hf.as_ref().expect("clap requires --hf or --torchscript");
-    limpet_trainer::hf::export_with(&image, hf, a.dtype, limpet_trainer::hf::MAX_SHARD_BYTES)?;
+    // A model trained from scratch names no special tokens: its tokenizer's go out with it.
+    let special =
+        a.tokenizer.as_deref().and_then(|t| t.parent()).map(limpet_trainer::hf::tokenizer_special_tokens);
+    limpet_trainer::hf::export_with(
+        &image,
+        hf,
+        a.dtype,
+        limpet_trainer::hf::MAX_SHARD_BYTES,
+        special.as_ref(),
+    )?;
     if let Some(t) = &a.tokenizer {
         std::fs::copy(t, hf.join("tokenizer.json")).with_context(|| format!("copying {}", t.display()))?;
         // The files transformers' AutoTokenizer reads beside it (special tokens, BOS/EOS).

@@ -77,11 +77,6 @@ pub struct JobSpec {
     pub eval_every: Option<u64>,
 }
 
-/// Job fields that do not change a bit of what is trained: how often the held-out loss is
-/// evaluated, and whether activations are recomputed in backward. Every rank of a cluster
-/// holds the same values (the job is one log entry), but a checkpoint may resume under others.
-pub const RUN_SETTINGS: [&str; 2] = ["eval_every", "activation_checkpointing"];
-
 fn is_off(b: &bool) -> bool {
     !*b
 }
@@ -183,25 +178,11 @@ impl JobSpec {
         self.model.check_data(&data.info)
     }
 
-    /// The first field where two jobs differ in what they train, as `path: ours vs theirs`,
-    /// or `None` if they train the same ([`RUN_SETTINGS`] aside).
+    /// The first field where two jobs differ, as `path: ours vs theirs`, or `None` if equal.
     pub fn diff(&self, other: &JobSpec) -> Option<String> {
-        let value = |j: &JobSpec| {
-            let mut v = serde_json::to_value(j).expect("JobSpec serializes");
-            if let Some(o) = v.as_object_mut() {
-                RUN_SETTINGS.iter().for_each(|k| drop(o.remove(*k)));
-            }
-            v
-        };
-        first_difference("", &value(self), &value(other))
-    }
-
-    /// This job with `other`'s [`RUN_SETTINGS`]: a checkpoint resumed under a configuration
-    /// that evaluates at another rate, or checkpoints activations, trains on that way.
-    pub fn with_run_settings_of(mut self, other: &JobSpec) -> JobSpec {
-        self.eval_every = other.eval_every;
-        self.activation_checkpointing = other.activation_checkpointing;
-        self
+        let a = serde_json::to_value(self).expect("JobSpec serializes");
+        let b = serde_json::to_value(other).expect("JobSpec serializes");
+        first_difference("", &a, &b)
     }
 }
 

@@ -48,8 +48,9 @@ fn is_true(b: &bool) -> bool {
 }
 
 /// True when weight decay applies to parameter `name` of shape rank `dim`: matrices and
-/// filters only, never biases and norm scales, and embeddings only when asked (as nanoGPT,
-/// torchtitan and Hugging Face's Trainer leave them out).
+/// filters only, never biases and norm scales (as nanoGPT and Hugging Face's Trainer group
+/// them), and embeddings only when asked (nanoGPT and the Trainer decay them; OLMo-style
+/// recipes do not, and a decayed embedding of rare tokens shrinks toward zero).
 pub fn decays(name: &str, dim: usize, decay_embeddings: bool) -> bool {
     dim >= 2 && (decay_embeddings || !name.contains("emb."))
 }

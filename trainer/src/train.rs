@@ -202,13 +202,10 @@ impl Trainer {
         expected: Option<&JobSpec>,
     ) -> Result<Self, TrainerError> {
         let meta = image.meta();
-        let mut job: JobSpec = serde_json::from_value(meta.job.clone())
+        let job: JobSpec = serde_json::from_value(meta.job.clone())
             .map_err(|e| TrainerError::Mismatch(format!("checkpoint's job spec is unreadable: {e}")))?;
-        if let Some(e) = expected {
-            if let Some(d) = e.diff(&job) {
-                return Err(TrainerError::Mismatch(format!("job field {d} (expected vs checkpoint)")));
-            }
-            job = job.with_run_settings_of(e);
+        if let Some(d) = expected.and_then(|e| e.diff(&job)) {
+            return Err(TrainerError::Mismatch(format!("job field {d} (expected vs checkpoint)")));
         }
         let mut t = Trainer::try_new(job, data)?;
         t.load_image(image)?;

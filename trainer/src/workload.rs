@@ -206,10 +206,6 @@ impl ModelSection {
                 if let Some(t) = self.tie_embeddings {
                     l.tie_embeddings = t;
                 }
-                if let DataSpec::Tokens { .. } = data.spec {
-                    l.special_tokens =
-                        crate::hf::tokenizer_special_tokens(std::path::Path::new(&data.source));
-                }
             }
             ModelSpec::Gpt { layers, .. } => {
                 self.check_keys("gpt")?;

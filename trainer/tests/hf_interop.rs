@@ -194,7 +194,8 @@ fn every_family_round_trips_through_training_and_export() {
     for v in variants {
         let t = trained_from(&root.path().join(v));
         let dst = out.path().join(v);
-        hf::export_with(&t.image().unwrap(), &dst, Some(hf::ExportDtype::F32), hf::MAX_SHARD_BYTES).unwrap();
+        hf::export_with(&t.image().unwrap(), &dst, Some(hf::ExportDtype::F32), hf::MAX_SHARD_BYTES, None)
+            .unwrap();
         let logits = tch::no_grad(|| t.model().forward_t(&tokens().1, false));
         let back = imported(&dst);
         let again = tch::no_grad(|| back.forward_t(&tokens().1, false));
@@ -250,7 +251,7 @@ fn exports_keep_the_source_dtype_and_shard_at_the_limit() {
         q.1.to_kind(Kind::Float).equal(&trained.to_kind(Kind::BFloat16).to_kind(Kind::Float)),
         "not rounded from the trained f32"
     );
-    hf::export_with(&image, &sharded, Some(hf::ExportDtype::F32), 40_000).unwrap();
+    hf::export_with(&image, &sharded, Some(hf::ExportDtype::F32), 40_000, None).unwrap();
     let index: serde_json::Value =
         serde_json::from_slice(&std::fs::read(sharded.join(hf::INDEX_FILE)).unwrap()).unwrap();
     let files: std::collections::BTreeSet<&str> =

@@ -375,11 +375,8 @@ impl TrainLoop {
                 Err(e) => return Err(e.into()),
             },
         };
-        // The held-out loss, when the job evaluates after this step: each rank its share, one
-        // allreduce sums them (so it is evaluated once per step, not once per rank).
-        let outcome = outcome.and_then(|stats| Ok((self.evaluate_if_due()?, stats)));
-        let (eval, stats) = match outcome {
-            Ok(done) => done,
+        let stats = match outcome {
+            Ok(stats) => stats,
             Err((suspect, error, violation)) => {
                 if violation {
                     // Not a fault of the network: a peer (or this rank) does not follow the
@@ -399,6 +396,13 @@ impl TrainLoop {
         self.step_time_ms =
             if self.step_time_ms == 0.0 { took } else { 0.9 * self.step_time_ms + 0.1 * took };
         self.last_step_done = Some(Instant::now());
+        // The held-out loss, when the job evaluates after this step: each rank its share, one
+        // allreduce sums them (so it is evaluated once per step, not once per rank). Not part
+        // of the step's time, which the leader plans with; the step is applied either way.
+        let (eval, eval_failed) = match self.evaluate_if_due(epoch) {
+            Ok(e) => (e, None),
+            Err(f) => (None, Some(f)),
+        };
         self.record_step(&stats, epoch, group_rank, took, eval)?;
         // AdaScale's statistics are over data-parallel replicas, not pipeline stages.
         self.grad_stats = observe_gradients(self.grad_stats, &stats, epoch.layout.data as usize);
@@ -428,6 +432,15 @@ impl TrainLoop {
                 p.eval = Some(crate::report::EvalPoint { step: self.trainer.step(), loss });
             }
         }
+        if let Some((suspect, error, _)) = eval_failed {
+            // The step is applied and recorded; the group is broken all the same.
+            tracing::warn!(epoch = epoch.id, step, %error, "held-out evaluation's collective failed; waiting for the next epoch");
+            self.in_flight = Some(self.trainer.step());
+            self.broken = Some(BrokenAt { at: Instant::now(), suspect, error, violation: false });
+            self.set_phase(Phase::Waiting);
+            self.beat_now.notify_one();
+            return Ok(());
+        }
         self.set_phase(Phase::Training);
         Ok(())
     }
@@ -435,12 +448,18 @@ impl TrainLoop {
     /// The epoch's held-out loss if the job evaluates after the step just applied
     /// (`eval_every`; data-parallel epochs): this rank's share of the held-out split, summed
     /// over the ranks by one allreduce. A failed collective breaks the group as a step's does.
-    fn evaluate_if_due(&mut self) -> Result<Option<f64>, (Option<NodeId>, String, bool)> {
+    fn evaluate_if_due(&mut self, epoch: &Epoch) -> Result<Option<f64>, (Option<NodeId>, String, bool)> {
         let step = self.trainer.step();
         let due = self.trainer.job().eval_every.is_some_and(|e| step % e == 0);
         let Some((_, Conn::Ring(g))) = self.group.as_mut().filter(|_| due) else { return Ok(None) };
-        let sums =
-            self.trainer.evaluate_share(g.rank(), g.world()).map_err(|e| (None, e.to_string(), false))?;
+        // Parts in proportion to the step's shares (a slower rank, a smaller part), so no rank
+        // waits on another's evaluation past the collective's timeout.
+        let share = self.trainer.plan().share_in(g.rank(), g.world(), &epoch.shares);
+        let sums = self.trainer.evaluate_part(share, self.trainer.plan().global_batch).unwrap_or_else(|e| {
+            // Joined all the same (with nothing counted), so the others do not wait for it.
+            tracing::warn!(step, error = %e, "held-out evaluation failed on this rank");
+            limpet_trainer::EvalSums { loss: f64::NAN, correct: f64::NAN, count: 0.0 }
+        });
         let mut buf = sums.to_buf();
         g.allreduce_sum(&mut buf, step).map_err(|e| (e.suspect(), e.to_string(), e.is_violation()))?;
         let all = limpet_trainer::EvalSums::from_buf(buf);

@@ -389,10 +389,11 @@ pub fn generation_config(spec: &LlamaSpec) -> Value {
     g
 }
 
-/// The special tokens of the tokenizer beside token shards (`tokenizer.json`, and
-/// `tokenizer_config.json` when `limpet data tokenize` copied one): its `bos_token` and
-/// `eos_token` (or a trained BPE's `<|endoftext|>`) as ids of its added tokens. What a model
-/// trained from scratch on those shards exports, so `generate` stops where the text does.
+/// The special tokens of the tokenizer in `dir` (`tokenizer.json`, and the
+/// `tokenizer_config.json` beside it, which `limpet data tokenize` copies beside the shards):
+/// its `bos_token` and `eos_token` (or a trained BPE's `<|endoftext|>`) as ids of its added
+/// tokens. What `limpet export --tokenizer` writes for a model trained from scratch, so
+/// `generate` stops where the text does.
 /// Unreadable or absent files give no tokens: these ids are metadata, not the data.
 pub fn tokenizer_special_tokens(dir: &std::path::Path) -> SpecialTokens {
     let read = |name: &str| -> Option<Value> {

@@ -312,7 +312,7 @@ impl ExportDtype {
 /// as a Hugging Face directory in the dtype the source checkpoint had (f32 for a model
 /// trained from scratch), in shards of at most 5 GB.
 pub fn export(image: &StateImage, dir: &Path) -> Result<(), TrainerError> {
-    export_with(image, dir, None, MAX_SHARD_BYTES)
+    export_with(image, dir, None, MAX_SHARD_BYTES, None)
 }
 
 fn spec_of(image: &StateImage) -> Result<LlamaSpec, TrainerError> {
@@ -325,14 +325,20 @@ fn spec_of(image: &StateImage) -> Result<LlamaSpec, TrainerError> {
 }
 
 /// [`export`] in `dtype` (default: the source's) with shards of at most `max_shard` bytes
-/// (a tensor larger than that gets a shard of its own, as `save_pretrained` does).
+/// (a tensor larger than that gets a shard of its own, as `save_pretrained` does), and
+/// `special` tokens when the model names none (a model trained from scratch: its
+/// tokenizer's, see [`tokenizer_special_tokens`]).
 pub fn export_with(
     image: &StateImage,
     dir: &Path,
     dtype: Option<ExportDtype>,
     max_shard: u64,
+    special: Option<&crate::model::SpecialTokens>,
 ) -> Result<(), TrainerError> {
-    let spec = spec_of(image)?;
+    let mut spec = spec_of(image)?;
+    if let Some(t) = special.filter(|_| spec.special_tokens == Default::default()) {
+        spec.special_tokens = t.clone();
+    }
     let dtype = dtype
         .or_else(|| spec.source_dtype.as_deref().and_then(|d| ExportDtype::parse(d).ok()))
         .unwrap_or(ExportDtype::F32);

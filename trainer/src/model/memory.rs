@@ -80,7 +80,13 @@ impl Model {
     /// backward pass would leave them.
     pub fn loss_backward(&self, x: &Tensor, y: &Tensor, plan: MemoryPlan) -> Result<f64, TrainerError> {
         let whole = self.blocks.start == 0 && self.blocks.end == self.spec.num_blocks();
-        if !plan.is_active() || self.script.is_some() || !whole || !self.spec.is_sequence() {
+        // A recomputed block must draw what its forward drew: stochastic layers would not.
+        if !plan.is_active()
+            || self.script.is_some()
+            || !whole
+            || !self.spec.is_sequence()
+            || self.is_stochastic()
+        {
             let (_, loss) = self.forward_loss(x, y, true)?;
             loss.f_backward()?;
             return Ok(loss.double_value(&[]));

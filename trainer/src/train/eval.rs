@@ -44,9 +44,16 @@ impl Trainer {
 
     /// Rank `rank` of `world`'s contiguous share of the held-out split, summed.
     pub fn evaluate_share(&self, rank: usize, world: usize) -> Result<EvalSums, TrainerError> {
+        self.evaluate_part(rank..rank + 1, world.max(1))
+    }
+
+    /// The part of the held-out split that `part` is of `0..whole` (a rank's share of the
+    /// global batch: parts that tile `0..whole` tile the split), summed.
+    pub fn evaluate_part(&self, part: Range<usize>, whole: usize) -> Result<EvalSums, TrainerError> {
         let n = self.data.test.len();
-        let world = world.max(1);
-        self.evaluate_range(n * rank / world..n * (rank + 1) / world)
+        let whole = whole.max(1);
+        let at = |i: usize| ((n as u128 * i.min(whole) as u128) / whole as u128) as usize;
+        self.evaluate_range(at(part.start)..at(part.end))
     }
 
     fn evaluate_range(&self, range: Range<usize>) -> Result<EvalSums, TrainerError> {
