@@ -60,6 +60,7 @@ pub fn run(a: BenchActivationsArgs) -> anyhow::Result<()> {
     }
     let tmp = tempfile::tempdir()?;
     let data = tmp.path().join("data");
+    std::fs::create_dir_all(&data)?;
     let windows = (a.steps + 2) * a.batch as u64 * 2;
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     let ids: Vec<u32> =
