@@ -40,6 +40,30 @@ fn notice_join_and_kill_were_survived(summary: &serde_json::Value) {
     assert!(transition(summary, "failure of node 3")["lost_steps"].as_u64().unwrap() <= 1, "{summary:#}");
 }
 
+/// Runs tests/llama3_tokenizer.py with `args` (a Llama-3-style tokenizer and model made with
+/// transformers); its standard output.
+fn llama3_py(args: &[&std::ffi::OsStr]) -> String {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/llama3_tokenizer.py");
+    let out =
+        Command::new(common::python()).arg(&script).args(args).env("HF_HUB_OFFLINE", "1").output().unwrap();
+    assert!(out.status.success(), "llama3_tokenizer.py: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+/// `limpet export --hf hf --checkpoint checkpoint --tokenizer tokenizer`, which must succeed.
+fn export_hf(hf: &Path, checkpoint: &Path, tokenizer: &Path) {
+    let run = Command::new(exe())
+        .args(["export", "--hf"])
+        .arg(hf)
+        .arg("--checkpoint")
+        .arg(checkpoint)
+        .arg("--tokenizer")
+        .arg(tokenizer)
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+}
+
 #[test]
 fn an_elastic_llama_on_token_shards_matches_one_uninterrupted_process() {
     let tmp = tempfile::tempdir().unwrap();
@@ -91,16 +115,7 @@ fn an_elastic_llama_on_token_shards_matches_one_uninterrupted_process() {
 
     // The result leaves as a Hugging Face directory.
     let hf = tmp.path().join("hf");
-    let run = Command::new(exe())
-        .args(["export", "--hf"])
-        .arg(&hf)
-        .arg("--checkpoint")
-        .arg(&single)
-        .arg("--tokenizer")
-        .arg(data.join("tokenizer.json"))
-        .output()
-        .unwrap();
-    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    export_hf(&hf, &single, &data.join("tokenizer.json"));
     for f in ["config.json", "model.safetensors", "tokenizer.json", "generation_config.json"] {
         assert!(hf.join(f).exists(), "export wrote no {f}");
     }
@@ -644,17 +659,7 @@ np.save(d + "/data/y.npy", rng.integers(0, 3, size=200).astype(np.int64))
 fn tokenize_frames_documents_as_the_tokenizer_says() {
     let tmp = tempfile::tempdir().unwrap();
     let tok = tmp.path().join("tok");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/llama3_tokenizer.py");
-    let py = |args: &[&std::ffi::OsStr]| {
-        let out = Command::new(common::python())
-            .arg(&script)
-            .args(args)
-            .env("HF_HUB_OFFLINE", "1")
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "llama3_tokenizer.py: {}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout).to_string()
-    };
+    let py = llama3_py;
     let licence = Path::new("/usr/share/common-licenses/GPL-3");
     py(&["make".as_ref(), tok.as_os_str(), licence.as_os_str()]);
     // Paragraphs of every licence as JSONL records: enough tokens for held-out chunks.
@@ -745,17 +750,7 @@ fn tokenize_frames_documents_as_the_tokenizer_says() {
 #[test]
 fn a_llama3_shaped_checkpoint_fine_tunes_through_a_notice_a_join_and_a_kill() {
     let tmp = tempfile::tempdir().unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/llama3_tokenizer.py");
-    let py = |args: &[&std::ffi::OsStr]| {
-        let out = Command::new(common::python())
-            .arg(&script)
-            .args(args)
-            .env("HF_HUB_OFFLINE", "1")
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "llama3_tokenizer.py: {}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout).to_string()
-    };
+    let py = llama3_py;
     let (tok, base) = (tmp.path().join("tok"), tmp.path().join("base"));
     let licences = Path::new("/usr/share/common-licenses");
     py(&["make".as_ref(), tok.as_os_str(), licences.join("GPL-3").as_os_str()]);
@@ -798,16 +793,7 @@ fn a_llama3_shaped_checkpoint_fine_tunes_through_a_notice_a_join_and_a_kill() {
     let (image, _) = params(&checkpoint);
     assert_eq!(image.meta().job["model"]["rope_scaling"]["rope_type"], "llama3", "{:#}", image.meta().job);
     let hf = tmp.path().join("hf");
-    let run = Command::new(exe())
-        .args(["export", "--hf"])
-        .arg(&hf)
-        .arg("--checkpoint")
-        .arg(&checkpoint)
-        .arg("--tokenizer")
-        .arg(shards.join("tokenizer.json"))
-        .output()
-        .unwrap();
-    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    export_hf(&hf, &checkpoint, &shards.join("tokenizer.json"));
     let cfg: serde_json::Value =
         serde_json::from_slice(&std::fs::read(hf.join("config.json")).unwrap()).unwrap();
     assert_eq!(

@@ -8,7 +8,7 @@
 use crate::UsageError;
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use limpet_trainer::data::tokens::{
     self, hash_file, read_manifest, Manifest, ShardEntry, TokenDtype, MANIFEST_FORMAT,
 };
@@ -70,17 +70,6 @@ pub struct ExportArgs {
 
 fn parse_dtype(s: &str) -> Result<limpet_trainer::hf::ExportDtype, String> {
     limpet_trainer::hf::ExportDtype::parse(s)
-}
-
-fn bar(len: u64, what: &str) -> ProgressBar {
-    let b = ProgressBar::new(len);
-    b.set_style(
-        ProgressStyle::with_template(&format!(
-            "{{spinner}} {what} {{bar:30}} {{bytes}}/{{total_bytes}} ({{bytes_per_sec}}, {{eta}})"
-        ))
-        .expect("valid template"),
-    );
-    b
 }
 
 /// Runs `limpet data ...`.
@@ -191,7 +180,7 @@ fn index(a: IndexArgs) -> anyhow::Result<()> {
         return Err(UsageError(format!("{} holds no .bin files", a.dir.display())).into());
     }
     let total = bins.iter().map(|p| std::fs::metadata(p).map_or(0, |m| m.len())).sum();
-    let progress = bar(total, "hashing");
+    let progress = crate::tokenize_cmd::bar(total, "hashing");
     let (mut train, mut val) = (Vec::new(), Vec::new());
     for p in &bins {
         let e = index_file(p, dtype, a.vocab, &progress)?;
@@ -222,7 +211,7 @@ fn verify(dir: &Path) -> anyhow::Result<()> {
     let m = read_manifest(dir)?;
     let entries: Vec<&ShardEntry> = m.train.iter().chain(&m.val).collect();
     let total = entries.iter().map(|e| e.tokens * m.dtype.width()).sum();
-    let progress = bar(total, "verifying");
+    let progress = crate::tokenize_cmd::bar(total, "verifying");
     let mut bad = Vec::new();
     for e in &entries {
         let path = dir.join(&e.file);

@@ -76,7 +76,8 @@ pub struct TokenizeArgs {
     pub separator: Option<String>,
 }
 
-fn bar(len: u64, what: &str) -> ProgressBar {
+/// A progress bar over `len` bytes.
+pub(crate) fn bar(len: u64, what: &str) -> ProgressBar {
     let b = ProgressBar::new(len);
     b.set_style(
         ProgressStyle::with_template(&format!(
@@ -144,15 +145,6 @@ pub struct Framing {
     pub separator: Vec<u32>,
 }
 
-/// A special token's text in `tokenizer_config.json` (a string, or `{"content": ...}`).
-fn token_text(v: Option<&Value>) -> Option<String> {
-    match v? {
-        Value::String(s) => Some(s.clone()),
-        Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_string),
-        _ => None,
-    }
-}
-
 /// The framing `tk` (with `config`, its `tokenizer_config.json` if any) gives a document, with
 /// the overrides (`none` for no token). Errors name the flag or key whose token is unknown.
 pub fn framing(
@@ -183,7 +175,7 @@ pub fn framing(
         _ => (Vec::new(), Vec::new()),
     };
     let flag = |key: &str| config.and_then(|c| c.get(key)).and_then(Value::as_bool);
-    let text = |key: &str| token_text(config.and_then(|c| c.get(key)));
+    let text = |key: &str| limpet_trainer::hf::special_token_text(config.and_then(|c| c.get(key)));
     if begin.is_empty() && flag("add_bos_token") == Some(true) {
         if let Some(t) = text("bos_token") {
             begin = vec![id("tokenizer_config.json bos_token", &t)?];

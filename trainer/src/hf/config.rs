@@ -389,6 +389,16 @@ pub fn generation_config(spec: &LlamaSpec) -> Value {
     g
 }
 
+/// A special token's text as `tokenizer_config.json` gives it: a string, or an object with
+/// its `content`.
+pub fn special_token_text(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_string),
+        _ => None,
+    }
+}
+
 /// The special tokens of the tokenizer in `dir` (`tokenizer.json`, and the
 /// `tokenizer_config.json` beside it, which `limpet data tokenize` copies beside the shards):
 /// its `bos_token` and `eos_token` (or a trained BPE's `<|endoftext|>`) as ids of its added
@@ -413,11 +423,7 @@ pub fn tokenizer_special_tokens(dir: &std::path::Path) -> SpecialTokens {
             .and_then(|t| t.get("id").and_then(Value::as_u64).and_then(|i| u32::try_from(i).ok()))
     };
     let cfg = read("tokenizer_config.json");
-    let text = |key: &str| match cfg.as_ref().and_then(|c| c.get(key)) {
-        Some(Value::String(s)) => Some(s.clone()),
-        Some(Value::Object(o)) => o.get("content").and_then(Value::as_str).map(str::to_string),
-        _ => None,
-    };
+    let text = |key: &str| special_token_text(cfg.as_ref().and_then(|c| c.get(key)));
     let eos = text("eos_token").and_then(|t| id_of(&t)).or_else(|| id_of("<|endoftext|>"));
     SpecialTokens {
         bos: text("bos_token").and_then(|t| id_of(&t)),

@@ -12,7 +12,9 @@
 mod config;
 pub mod pickle;
 
-pub use config::{generation_config, hf_config, hf_config_as, parse_config, tokenizer_special_tokens};
+pub use config::{
+    generation_config, hf_config, hf_config_as, parse_config, special_token_text, tokenizer_special_tokens,
+};
 
 #[cfg(test)]
 use crate::model::{Family, RopeScaling};

@@ -42,11 +42,6 @@ impl Trainer {
         Ok(sums.mean().unwrap_or(Eval { loss: f64::NAN, accuracy: f64::NAN }))
     }
 
-    /// Rank `rank` of `world`'s contiguous share of the held-out split, summed.
-    pub fn evaluate_share(&self, rank: usize, world: usize) -> Result<EvalSums, TrainerError> {
-        self.evaluate_part(rank..rank + 1, world.max(1))
-    }
-
     /// The part of the held-out split that `part` is of `0..whole` (a rank's share of the
     /// global batch: parts that tile `0..whole` tile the split), summed.
     pub fn evaluate_part(&self, part: Range<usize>, whole: usize) -> Result<EvalSums, TrainerError> {
