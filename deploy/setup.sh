@@ -12,6 +12,7 @@ TORCH_VERSION=2.13.0            # tch 0.26 is built against this libtorch
 SKLEARN_VERSION=1.7.2
 MOTO_VERSION=5.2.5              # a local EC2 API server for the fleet tests
 TRANSFORMERS_VERSION=5.23.0     # the other side of the Hugging Face interop tests
+PYARROW_VERSION=26.0.1          # writes the Parquet files the tokenize tests read
 DIGITS_SHA256=09f66e6debdee2cd2b5ae59e0d6abbb73fc2b0e0185d2e1957e9ebb51e23aa22
 
 CACHE="${LIMPET_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/limpet}"
@@ -66,6 +67,12 @@ if ! "$VENV/bin/python" -c "import transformers; assert transformers.__version__
     say "installing transformers==$TRANSFORMERS_VERSION into $VENV (the Hugging Face interop tests)"
     "$VENV/bin/pip" install -q --no-input --disable-pip-version-check --progress-bar off \
         "transformers==$TRANSFORMERS_VERSION" >&2
+fi
+
+if ! "$VENV/bin/python" -c "import pyarrow; assert pyarrow.__version__ == '$PYARROW_VERSION'" 2>/dev/null; then
+    say "installing pyarrow==$PYARROW_VERSION into $VENV (Parquet files for the tokenize tests)"
+    "$VENV/bin/pip" install -q --no-input --disable-pip-version-check --progress-bar off \
+        "pyarrow==$PYARROW_VERSION" >&2
 fi
 
 TORCH_DIR=$("$VENV/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')

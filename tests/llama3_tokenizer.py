@@ -17,6 +17,10 @@ against it (run by workload_processes.rs; docs/workloads.md uses it too).
                                              chunks put back in order) must be, document by
                                              document, what transformers' tokenizer gives each
                                              record followed by <|end_of_text|>
+    llama3_tokenizer.py parquet DOCS.jsonl OUT.parquet CODEC
+                                             the records' text as column "text" of a Parquet
+                                             file written by pyarrow (beside an int column "n"),
+                                             in row groups of 64 rows, compressed with CODEC
 """
 import json
 import os
@@ -75,6 +79,16 @@ def check(tok_dir, shards, docs):
     print(f"{len(want)} tokens match, {want.count(eos)} documents")
 
 
+def parquet(docs, out, codec):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with open(docs) as f:
+        texts = [json.loads(line)["text"] for line in f if line.strip()]
+    table = pa.table({"n": list(range(len(texts))), "text": texts})
+    pq.write_table(table, out, row_group_size=64, compression=codec)
+
+
 def model(out, tok_dir):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -107,6 +121,8 @@ if __name__ == "__main__":
         make(sys.argv[2], sys.argv[3:])
     elif sys.argv[1] == "model":
         model(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "parquet":
+        parquet(sys.argv[2], sys.argv[3], sys.argv[4])
     elif sys.argv[1] == "generate":
         generate(sys.argv[2], sys.argv[3])
     else:

@@ -92,7 +92,16 @@ fn an_elastic_llama_on_token_shards_matches_one_uninterrupted_process() {
             }
         }
     }
-    assert_eq!(evals.keys().copied().collect::<Vec<_>>(), [100, 200, 300, 400], "{evals:?}");
+    // The one at step 300 is lost when the kill (at step 280, found a few steps later) breaks
+    // its collective: an evaluation a failure interrupts is skipped, not retried.
+    let at: Vec<u64> = evals.keys().copied().collect();
+    assert!(
+        at.iter().all(|s| [100, 200, 300, 400].contains(s))
+            && at.contains(&100)
+            && at.contains(&200)
+            && at.contains(&400),
+        "{evals:?}"
+    );
     for (step, ls) in &evals {
         assert!(ls.iter().all(|l| *l == ls[0]), "step {step}: ranks logged different held-out losses {ls:?}");
     }
@@ -655,6 +664,7 @@ np.save(d + "/data/y.npy", rng.integers(0, 3, size=200).astype(np.int64))
 /// transformers' tokenizer gives it (`<|begin_of_text|>` from the post-processor) followed by
 /// the configured `<|end_of_text|>`, held-out chunks included; blank-line documents of a text
 /// file are counted one by one; overrides apply, and an unknown token is refused by its flag.
+/// The same records as a Parquet column give the same shards, and train the same BPE.
 #[test]
 fn tokenize_frames_documents_as_the_tokenizer_says() {
     let tmp = tempfile::tempdir().unwrap();
@@ -735,6 +745,49 @@ fn tokenize_frames_documents_as_the_tokenizer_says() {
         !run.status.success() && err.contains("--eos: \"<|nope|>\" is not a token of the tokenizer"),
         "{err}"
     );
+    // The same records as a Parquet column (pyarrow's files, snappy and zstd, several row
+    // groups) give the same shards; a missing or non-text column is named.
+    for codec in ["snappy", "zstd"] {
+        let pq = tmp.path().join(format!("docs-{codec}.parquet"));
+        py(&["parquet".as_ref(), docs.as_os_str(), pq.as_os_str(), codec.as_ref()]);
+        let out = tmp.path().join(format!("from-{codec}"));
+        let run = tokenize(&pq, &out, &[]);
+        assert!(run.status.success(), "{codec}: {}", String::from_utf8_lossy(&run.stderr));
+        assert_eq!(manifest(&out), manifest(&shards), "{codec} Parquet gave other shards than JSONL");
+        for shard in std::fs::read_dir(&shards).unwrap().map(|e| e.unwrap().file_name()) {
+            assert_eq!(
+                std::fs::read(out.join(&shard)).ok(),
+                std::fs::read(shards.join(&shard)).ok(),
+                "{shard:?}"
+            );
+        }
+    }
+    let pq = tmp.path().join("docs-snappy.parquet");
+    for (field, want) in [
+        ("body", "no column \"body\" (--field); its columns are [\"n\", \"text\"]"),
+        ("n", "column \"n\" does not hold strings"),
+    ] {
+        let run = tokenize(&pq, &tmp.path().join(format!("bad-{field}")), &["--field", field]);
+        let err = String::from_utf8_lossy(&run.stderr);
+        assert!(!run.status.success() && err.contains(want), "{err}");
+    }
+    // A BPE trained on the Parquet column is the one trained on the JSONL records: trained
+    // on the documents, not on the files' bytes (JSON syntax, compressed pages).
+    let bpe = |input: &Path, out: &Path| {
+        let run = Command::new(exe())
+            .args(["data", "tokenize"])
+            .arg(input)
+            .args(["--train-bpe", "400", "--out"])
+            .arg(out)
+            .output()
+            .unwrap();
+        assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+        std::fs::read_to_string(out.join("tokenizer.json")).unwrap()
+    };
+    let from_jsonl = bpe(&docs, &tmp.path().join("bpe-jsonl"));
+    assert_eq!(from_jsonl, bpe(&pq, &tmp.path().join("bpe-parquet")));
+    assert!(!from_jsonl.contains(r#""{\"""#), "the BPE learned the records' JSON syntax");
+
     let bad = tmp.path().join("bad.jsonl");
     std::fs::write(&bad, "{\"text\": \"fine\"}\n{\"body\": \"no text\"}\n").unwrap();
     let run = tokenize(&bad, &tmp.path().join("bad2"), &[]);

@@ -1,7 +1,8 @@
 //! `limpet data tokenize`: documents in, token shards and their manifest out.
 //!
 //! Documents are the unit: one per text file (or per blank-line block with `--documents
-//! blank-lines`), one per JSONL record (`--field`, default `text`). Each document gets the
+//! blank-lines`), one per JSONL record or Parquet row (`--field`, default `text`: the record's
+//! field or the Parquet column; Parquet is read a row group at a time). Each document gets the
 //! beginning and end tokens its tokenizer says a sequence gets: the post-processor's own
 //! template (Llama 3's `<|begin_of_text|>`), else `tokenizer_config.json`'s `add_bos_token` /
 //! `bos_token` and `eos_token`, else a trained BPE's `<|endoftext|>`; `--bos`, `--eos` and
@@ -43,7 +44,8 @@ pub enum Documents {
 /// `limpet data tokenize`.
 #[derive(Debug, Args)]
 pub struct TokenizeArgs {
-    /// Text files, .jsonl files or directories of them (read recursively, in name order).
+    /// Text files, .jsonl or .parquet files, or directories of them (read recursively, in
+    /// name order).
     #[arg(required = true)]
     pub inputs: Vec<PathBuf>,
     /// The shard directory to write.
@@ -62,7 +64,7 @@ pub struct TokenizeArgs {
     /// What a document is in a text file.
     #[arg(long, value_enum, default_value_t = Documents::File)]
     pub documents: Documents,
-    /// The field holding a JSONL record's text.
+    /// The field holding a JSONL record's text, or the Parquet column.
     #[arg(long, default_value = "text")]
     pub field: String,
     /// The token that begins each document, or `none` [default: the tokenizer's].
@@ -105,7 +107,10 @@ fn input_files(inputs: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
     Ok(out)
 }
 
-fn train_bpe(files: &[PathBuf], vocab: usize, out: &Path) -> anyhow::Result<Tokenizer> {
+/// Trains a byte-level BPE of `vocab` tokens on the documents of `files` (read as tokenizing
+/// reads them: a JSONL record's field, a Parquet column, not the file's raw bytes), streaming
+/// them to the trainer through a bounded channel; saves it as `out/tokenizer.json`.
+fn train_bpe(files: &[PathBuf], a: &TokenizeArgs, vocab: usize, out: &Path) -> anyhow::Result<Tokenizer> {
     use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
     use tokenizers::pre_tokenizers::byte_level::ByteLevel;
     use tokenizers::{AddedToken, NormalizerWrapper, PostProcessorWrapper, TokenizerBuilder};
@@ -116,7 +121,7 @@ fn train_bpe(files: &[PathBuf], vocab: usize, out: &Path) -> anyhow::Result<Toke
     }
     let mut trainer = BpeTrainerBuilder::new()
         .vocab_size(vocab)
-        .show_progress(true)
+        .show_progress(false)
         .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
         .special_tokens(vec![AddedToken::from(ENDOFTEXT, true)])
         .build();
@@ -127,8 +132,29 @@ fn train_bpe(files: &[PathBuf], vocab: usize, out: &Path) -> anyhow::Result<Toke
             .with_decoder(Some(ByteLevel::default()))
             .build()
             .map_err(|e| anyhow::anyhow!("building a BPE tokenizer: {e}"))?;
-    let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
-    tk.train_from_files(&mut trainer, names).map_err(|e| anyhow::anyhow!("training the BPE: {e}"))?;
+    let total = files.iter().map(|f| std::fs::metadata(f).map(|m| m.len()).unwrap_or(0)).sum();
+    let progress = bar(total, "training BPE");
+    let (tx, rx) = std::sync::mpsc::sync_channel::<String>(16);
+    let trained = std::thread::scope(|scope| {
+        let reader = scope.spawn(|| {
+            let tx = tx;
+            for f in files {
+                read_pieces(f, a, &progress, &mut |p| {
+                    // The trainer hung up: it failed, and says why below.
+                    tx.send(p.text).map_err(|_| anyhow::anyhow!("the BPE trainer stopped"))
+                })?;
+            }
+            anyhow::Ok(())
+        });
+        let trained = tk
+            .train(&mut trainer, rx.into_iter())
+            .map(|_| ())
+            .map_err(|e| anyhow::anyhow!("training the BPE: {e}"));
+        let read = reader.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the BPE's reader panicked")));
+        read.and(trained)
+    });
+    progress.finish_and_clear();
+    trained?;
     let path = out.join("tokenizer.json");
     tk.save(&path, false).map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
     Ok(tk.into())
@@ -209,6 +235,9 @@ fn read_pieces(
     sink: &mut dyn FnMut(Piece) -> anyhow::Result<()>,
 ) -> anyhow::Result<()> {
     let file = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
+    if path.extension().is_some_and(|e| e == "parquet") {
+        return read_parquet(file, path, &a.field, progress, sink);
+    }
     let mut reader = std::io::BufReader::with_capacity(1 << 20, file);
     let jsonl = path.extension().is_some_and(|e| e == "jsonl");
     let mut line = Vec::new();
@@ -248,6 +277,60 @@ fn read_pieces(
     }
     if !jsonl && !current.is_empty() {
         sink(Piece { text: current, ends_document: true })?;
+    }
+    Ok(())
+}
+
+/// Reads column `field` of a Parquet file, one document per row, a row group at a time (so a
+/// file is never wholly in memory); `progress` gets each group's compressed bytes.
+fn read_parquet(
+    file: std::fs::File,
+    path: &Path,
+    field: &str,
+    progress: &ProgressBar,
+    sink: &mut dyn FnMut(Piece) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    use parquet::basic::{ConvertedType, LogicalType, Type as Physical};
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    use parquet::record::Field;
+    use parquet::schema::types::Type;
+    let bad = |what: String| UsageError(format!("{}: {what}", path.display()));
+    let reader = SerializedFileReader::new(file).map_err(|e| bad(format!("not a Parquet file: {e}")))?;
+    let meta = reader.metadata();
+    let columns = meta.file_metadata().schema_descr().root_schema().get_fields();
+    let Some(column) = columns.iter().find(|c| c.name() == field) else {
+        let names: Vec<&str> = columns.iter().map(|c| c.name()).collect();
+        return Err(bad(format!("no column {field:?} (--field); its columns are {names:?}")).into());
+    };
+    let info = column.get_basic_info();
+    let is_string = column.is_primitive()
+        && column.get_physical_type() == Physical::BYTE_ARRAY
+        && (matches!(info.logical_type_ref(), Some(LogicalType::String))
+            || info.converted_type() == ConvertedType::UTF8);
+    if !is_string {
+        return Err(bad(format!("column {field:?} does not hold strings ({column:?})")).into());
+    }
+    let projection = Type::group_type_builder("schema")
+        .with_fields(vec![column.clone()])
+        .build()
+        .map_err(|e| bad(format!("projecting column {field:?}: {e}")))?;
+    let mut row_no = 0u64;
+    for g in 0..meta.num_row_groups() {
+        let group = reader.get_row_group(g).map_err(|e| bad(format!("row group {g}: {e}")))?;
+        let rows =
+            group.get_row_iter(Some(projection.clone())).map_err(|e| bad(format!("row group {g}: {e}")))?;
+        for row in rows {
+            row_no += 1;
+            let row = row.map_err(|e| bad(format!("row {row_no}: {e}")))?;
+            match row.get_column_iter().next().map(|(_, f)| f) {
+                Some(Field::Str(text)) => sink(Piece { text: text.clone(), ends_document: true })?,
+                Some(Field::Null) => {
+                    return Err(bad(format!("row {row_no}: column {field:?} is null")).into());
+                }
+                other => return Err(bad(format!("row {row_no}: column {field:?} holds {other:?}")).into()),
+            }
+        }
+        progress.inc(meta.row_group(g).compressed_size().max(0) as u64);
     }
     Ok(())
 }
@@ -323,7 +406,7 @@ pub fn tokenize(a: TokenizeArgs) -> anyhow::Result<()> {
             };
             (tk, config)
         }
-        (None, Some(v)) => (train_bpe(&files, v, &a.out)?, None),
+        (None, Some(v)) => (train_bpe(&files, &a, v, &a.out)?, None),
         (None, None) => unreachable!("clap requires one"),
     };
     let framing = framing(&tk, config.as_ref(), a.bos.as_deref(), a.eos.as_deref(), a.separator.as_deref())?;

@@ -513,6 +513,17 @@ impl Config {
                 );
             }
         }
+        if self.pipeline.is_some() {
+            // Stages run their own forward and backward: refused rather than silently ignored.
+            let unsupported = [
+                ("[job].activation_checkpointing", self.job.activation_checkpointing == Some(true)),
+                ("[job].loss_chunk", self.job.loss_chunk.is_some()),
+                ("[job].eval_every", self.job.eval_every.is_some()),
+            ];
+            if let Some((key, _)) = unsupported.iter().find(|(_, set)| *set) {
+                return err(key, "is not supported by a pipelined job yet ([pipeline] is set)".into());
+            }
+        }
         if self.job.base_world == Some(0) {
             return err("[job].base_world", "must be at least 1".into());
         }

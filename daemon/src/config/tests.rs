@@ -150,6 +150,14 @@ fn errors_name_the_file_and_the_key() {
         (format!("{good}\n[checkpoint]\nevery_steps = 5\nkeep = 0\n"), "[checkpoint].keep"),
         (format!("{good}\n[checkpoint]\nevery_minutes = -1.0\n"), "[checkpoint].every_minutes"),
         (format!("{good}\n[checkpoint]\nevery_minutes = 5.0\n[pipeline]\nstages = 2\n"), "every_steps only"),
+        (
+            format!(
+                "{}\n[pipeline]\nstages = 2\n",
+                good.replace("global_batch = 64", "global_batch = 64\nloss_chunk = 1024")
+                    .replace("model = \"mlp\"", "model = \"llama\"")
+            ),
+            "[job].loss_chunk: is not supported by a pipelined job yet",
+        ),
         (format!("{good}\n[checkpoint]\nevery_steps = 5\ns3 = \"gs://x/y\"\n"), "[checkpoint].s3"),
         (format!("{good}\n[checkpoint]\nevery_steps = 5\ns3 = \"s3://A_B/y\"\n"), "not a bucket name"),
         (
