@@ -164,10 +164,65 @@ fn a_cluster_with_certificates_trains_and_refuses_callers_without_the_right_one(
             })
             .await
             .unwrap_err();
-        assert!(e.message().contains("may only drain, revoke or remove"), "{e:?}");
+        assert!(e.message().contains("an operator may not propose join"), "{e:?}");
     });
 
-    // The operator's certificate drains a node, and the others train on without it.
+    // The control port under a flood of connections from one address, each dribbling a
+    // ClientHello: past the address's share of the slots they are closed at once, the rest
+    // are cut at the TLS handshake's timeout, and the operator's established channel is
+    // served throughout.
+    {
+        use limpet_consensus::tls::GRPC_HANDSHAKE_TIMEOUT;
+        use limpet_consensus::{MAX_CONNECTIONS_PER_ADDRESS, MAX_CONTROL_CONNECTIONS};
+        let mut op = rt.block_on(raw_client(&addr, &ca, Some((&operator.cert, &operator.key)))).unwrap();
+        let hello = slow_hello();
+        let mut conns: Vec<_> = (0..MAX_CONTROL_CONNECTIONS + 40)
+            .map(|_| (std::net::TcpStream::connect(&addr).unwrap(), 0))
+            .collect();
+        std::thread::sleep(Duration::from_millis(500));
+        let open = dribble(&mut conns, &hello, Duration::from_millis(500), Duration::ZERO);
+        assert!(
+            open <= MAX_CONNECTIONS_PER_ADDRESS,
+            "{open} connections from one address open past its cap of {MAX_CONNECTIONS_PER_ADDRESS}"
+        );
+        rt.block_on(op.status(pb::StatusRequest { cluster_id: cid, cluster: String::new() })).unwrap();
+        let started = Instant::now();
+        let open = dribble(&mut conns, &hello, Duration::from_millis(500), GRPC_HANDSHAKE_TIMEOUT * 2);
+        assert_eq!(open, 0, "dribbled control-plane handshakes open after {:?}", started.elapsed());
+        rt.block_on(op.status(pb::StatusRequest { cluster_id: cid, cluster: String::new() })).unwrap();
+        rt.block_on(status_served(&addr, cid, &ca, Some((&operator.cert, &operator.key)))).unwrap();
+    }
+
+    // A second operator's certificate, revoked: refused by every node from then on (the
+    // cluster's other certificates are not).
+    certs::issue_for_days(&certs_dir, "op2", Kind::Client, 10).unwrap();
+    let op2 = files(&certs_dir, "op2");
+    rt.block_on(async {
+        for n in &c.file.nodes {
+            status_served(&n.control, cid, &ca, Some((&op2.cert, &op2.key))).await.unwrap();
+        }
+    });
+    let (ok, out) = limpet(&["certs", "revoke", &op2.cert.display().to_string(), "--dir", &d]);
+    assert!(ok && out.contains("revoked"), "{out}");
+    rt.block_on(async {
+        for n in &c.file.nodes {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let e = loop {
+                match status_served(&n.control, cid, &ca, Some((&op2.cert, &op2.key))).await {
+                    Err(e) => break e,
+                    Ok(()) if Instant::now() < deadline => {
+                        tokio::time::sleep(Duration::from_millis(100)).await
+                    }
+                    Ok(()) => panic!("{} still serves a revoked certificate", n.name),
+                }
+            };
+            assert!(e.contains("is revoked"), "{e}");
+            status_served(&n.control, cid, &ca, Some((&operator.cert, &operator.key))).await.unwrap();
+        }
+    });
+
+    // The operator's certificate drains a node (through whichever node answers first: one
+    // that does not lead sends the command line to the leader), and the others train on.
     let (ok, out) = limpet(&["drain", "node-3", "--dir", &d]);
     assert!(ok, "{out}");
     wait_until("world 2 after the drain", Duration::from_secs(60), &dir, || {
@@ -311,6 +366,95 @@ fn connections_with_a_foreign_expired_or_operator_certificate_are_refused() {
     };
     good2.connect(&addr, 1, 1, Channel::Ring).unwrap();
     server.accept_from(6, 1, Channel::Ring).unwrap();
+}
+
+/// A ClientHello's first bytes (a handshake record announcing 512 bytes), then filler:
+/// dribbled a byte at a time, each read of it returns within any per-read timeout, but the
+/// record never completes.
+fn slow_hello() -> Vec<u8> {
+    [0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc, 0x03, 0x03]
+        .into_iter()
+        .chain(std::iter::repeat(7))
+        .take(517)
+        .collect()
+}
+
+/// Dribbles `hello` over `conns` a byte per `every` until each is closed or `within`
+/// passes; how many were still open at the end.
+fn dribble(
+    conns: &mut [(std::net::TcpStream, usize)],
+    hello: &[u8],
+    every: Duration,
+    within: Duration,
+) -> usize {
+    let started = Instant::now();
+    loop {
+        let mut open = 0;
+        for (s, sent) in conns.iter_mut() {
+            s.set_read_timeout(Some(Duration::from_millis(5))).unwrap();
+            let closed = matches!(s.read(&mut [0u8; 64]), Ok(0))
+                || (*sent < hello.len() && s.write(&hello[*sent..*sent + 1]).is_err());
+            if !closed {
+                *sent += 1;
+                open += 1;
+            }
+        }
+        if open == 0 || started.elapsed() >= within {
+            return open;
+        }
+        std::thread::sleep(every);
+    }
+}
+
+/// More TLS connections than a data-plane endpoint has handshake slots, each dribbling a
+/// ClientHello a byte every 300 ms (inside any per-read timeout): past the cap they are closed
+/// at once, and every one is cut at the handshake's one deadline (3 s here), after which a
+/// node with a certificate connects.
+#[test]
+fn dribbled_tls_handshakes_end_at_one_deadline_and_free_their_slots() {
+    use limpet_agent::dataplane::endpoint::MAX_HANDSHAKES;
+    let tmp = tempfile::tempdir().unwrap();
+    let good = tmp.path().join("good");
+    node_certs(&good, &[1, 2]);
+    let server = endpoint(1, Some(data_tls(&good, "n1")), 1 << 20);
+    let addr = server.addr().to_string();
+    let hello = slow_hello();
+    let mut conns: Vec<_> =
+        (0..MAX_HANDSHAKES + 8).map(|_| (std::net::TcpStream::connect(&addr).unwrap(), 0)).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let open = dribble(&mut conns, &hello, Duration::from_millis(300), Duration::ZERO);
+    assert!(open <= MAX_HANDSHAKES, "{open} connections open past the cap of {MAX_HANDSHAKES}");
+    let started = Instant::now();
+    let open = dribble(&mut conns, &hello, Duration::from_millis(300), Duration::from_secs(15));
+    assert_eq!(open, 0, "dribbled TLS handshakes still open after {:?}", started.elapsed());
+    assert!(started.elapsed() < Duration::from_secs(6), "cut only after {:?}", started.elapsed());
+    let peer = endpoint(2, Some(data_tls(&good, "n2")), 1 << 20);
+    peer.connect(&addr, 1, 1, Channel::Ring).unwrap();
+    server.accept_from(2, 1, Channel::Ring).unwrap();
+}
+
+/// A node certificate the cluster revoked is refused at the data plane's TLS handshake, by
+/// the side it dials and by the side that dials it; lifting the revocation lets it in again.
+#[test]
+fn a_revoked_certificate_is_refused_at_the_data_plane_handshake() {
+    use rustls::pki_types::pem::PemObject;
+    let tmp = tempfile::tempdir().unwrap();
+    let good = tmp.path().join("good");
+    node_certs(&good, &[1, 2]);
+    let (one, two) = (
+        endpoint(1, Some(data_tls(&good, "n1")), 1 << 20),
+        endpoint(2, Some(data_tls(&good, "n2")), 1 << 20),
+    );
+    let der = rustls::pki_types::CertificateDer::from_pem_file(files(&good, "n2").cert).unwrap();
+    let revoked: std::collections::HashSet<String> =
+        [limpet_consensus::tls::fingerprint(der.as_ref())].into();
+    one.set_revoked(revoked.clone());
+    assert!(two.connect(&one.addr().to_string(), 1, 1, Channel::Ring).is_err());
+    let e = one.connect(&two.addr().to_string(), 2, 1, Channel::Ring).unwrap_err();
+    assert!(e.to_string().contains("revoked certificate"), "{e}");
+    one.set_revoked(Default::default());
+    two.connect(&one.addr().to_string(), 1, 1, Channel::Ring).unwrap();
+    one.accept_from(2, 1, Channel::Ring).unwrap();
 }
 
 /// What a relay does to the records it forwards from the dialling rank.

@@ -108,10 +108,59 @@ pub fn write_part(
     if min_free > 0 {
         check_room(dir, bytes.len() as u64, min_free)?;
     }
-    create(&step_dir(dir, step))?;
+    // Created once, by whichever writer comes first (stages on several hosts may share the
+    // directory): the others find it there.
+    match std::fs::OpenOptions::new().write(true).create_new(true).open(dir.join(MARKER)) {
+        Ok(f) => f.sync_all().map_err(|source| CheckpointError::Io {
+            op: "syncing",
+            path: dir.join(MARKER),
+            source,
+        })?,
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(source) => return Err(CheckpointError::Io { op: "creating", path: dir.join(MARKER), source }),
+    }
+    let sd = step_dir(dir, step);
+    create(&sd)?;
+    // The step's directory entry itself must survive a power loss, or the part fsynced
+    // inside it could vanish with it (write_atomic syncs the step directory, not its parent).
+    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|source| CheckpointError::Io {
+        op: "syncing",
+        path: dir.to_path_buf(),
+        source,
+    })?;
     let path = part_path(dir, step, blocks);
     limpet_snapshot::write_atomic(&path, &bytes)?;
     Ok(path)
+}
+
+/// The file that marks a directory limpet has written checkpoints to.
+pub const MARKER: &str = ".limpet-checkpoints";
+
+/// Whether `dir` is a checkpoint directory a new cluster may trust to be the real one (what
+/// `[checkpoint].resume = "required"` asks): one holding checkpoints or limpet's [`MARKER`]
+/// (it wrote there), or on a filesystem other than the root's or mounted on its own (a fresh
+/// EFS volume, `/mnt/efs/limpet` on it). An empty directory on the root filesystem is
+/// neither: it is what an unmounted mount point looks like, and starting there would start
+/// the job over. The reason when not.
+pub fn trusted_dir(dir: &Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(dir).map_err(|e| format!("{} is missing ({e})", dir.display()))?;
+    if !meta.is_dir() {
+        return Err(format!("{} is not a directory", dir.display()));
+    }
+    if dir.join(MARKER).exists() || list(dir).is_ok_and(|l| !l.is_empty()) {
+        return Ok(());
+    }
+    let dev = |p: &Path| std::fs::metadata(p).map(|m| m.dev()).ok();
+    let parent = dir.join("..");
+    if dev(Path::new("/")) != Some(meta.dev()) || dev(&parent) != Some(meta.dev()) {
+        return Ok(());
+    }
+    Err(format!(
+        "{} is empty, on the root filesystem, and holds no {MARKER}: an unmounted mount point looks \
+         like this; to start a new job there, create {MARKER} in it",
+        dir.display()
+    ))
 }
 
 /// Whether `size` more bytes in `dir` leave at least `min_free` available to unprivileged
@@ -192,25 +241,37 @@ pub fn listed_at(dir: &Path, step: u64) -> Result<Listed, CheckpointError> {
     Ok(Listed { step, parts })
 }
 
-/// Deletes old checkpoints, judged by content, not by name: it keeps the newest `keep` that
-/// load intact (every part read and checked) and everything newer than the oldest of them
-/// (a newer incomplete one may be a stage's part still being written). Corrupt newest
-/// checkpoints therefore never cost the older intact ones, and with no intact checkpoint
-/// nothing is deleted. The steps deleted.
-pub fn prune(dir: &Path, keep: usize, blocks: usize) -> Result<Vec<u64>, CheckpointError> {
+/// Deletes old checkpoints of the running job (`job`, the job its images carry), judged by
+/// content, not by name: it keeps the newest `keep` of that job that load intact (every part
+/// read and checked) and everything newer than the oldest of them (a newer incomplete one may
+/// be a stage's part still being written). Corrupt newest checkpoints therefore never cost the
+/// older intact ones, and with no intact checkpoint nothing is deleted. Another job's
+/// checkpoints (a directory reused by a new run) are neither counted nor deleted, nor is one
+/// whose parts do not say whose they are. The steps deleted.
+pub fn prune(
+    dir: &Path,
+    keep: usize,
+    blocks: usize,
+    job: &serde_json::Value,
+) -> Result<Vec<u64>, CheckpointError> {
     let all = list(dir)?;
+    // Every part's header names this job (an empty step directory, a write that never got
+    // its first part in, is nobody's checkpoint and goes with the old ones).
+    let ours =
+        |l: &Listed| l.parts.iter().all(|(p, _)| limpet_snapshot::read_meta(p).is_ok_and(|m| &m.job == job));
     let mut intact = Vec::new();
     for l in all.iter().rev() {
         if intact.len() >= keep.max(1) {
             break;
         }
-        if l.complete(blocks) && load(l, blocks).is_ok() {
+        // The header first (cheap): another job's checkpoint is not read whole.
+        if l.complete(blocks) && ours(l) && load(l, blocks).is_ok_and(|image| &image.meta().job == job) {
             intact.push(l.step);
         }
     }
     let Some(&oldest_kept) = intact.last() else { return Ok(Vec::new()) };
     let mut removed = Vec::new();
-    for l in all.iter().filter(|l| l.step < oldest_kept) {
+    for l in all.iter().filter(|l| l.step < oldest_kept && ours(l)) {
         let d = step_dir(dir, l.step);
         match std::fs::remove_dir_all(&d) {
             // Another stage's writer pruned it first.
@@ -365,6 +426,54 @@ mod tests {
         assert!(skipped[0].contains("blocks-0-4.limpet"), "the skip names the bad file: {skipped:?}");
     }
 
+    fn job(n: u64) -> serde_json::Value {
+        serde_json::json!({ "job": n })
+    }
+
+    /// A directory reused by a new run holds the previous run's newer checkpoints: the new
+    /// run's pruning neither counts nor deletes them, and keeps its own newest.
+    #[test]
+    fn prune_counts_and_deletes_only_the_running_jobs_checkpoints() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        for step in [100, 200, 300] {
+            write_part(d, &image(step, 0..4, 1), &(0..4), 0).unwrap();
+        }
+        for step in [10, 20, 30] {
+            write_part(d, &image(step, 0..4, 2), &(0..4), 0).unwrap();
+        }
+        assert_eq!(prune(d, 2, 4, &job(2)).unwrap(), vec![10]);
+        let left: Vec<u64> = list(d).unwrap().iter().map(|l| l.step).collect();
+        assert_eq!(left, vec![20, 30, 100, 200, 300]);
+        // The old run's own pruning is as careful with the new run's.
+        assert_eq!(prune(d, 1, 4, &job(1)).unwrap(), vec![100, 200]);
+        let left: Vec<u64> = list(d).unwrap().iter().map(|l| l.step).collect();
+        assert_eq!(left, vec![20, 30, 300]);
+    }
+
+    /// "required" trusts a directory limpet wrote to or a mounted filesystem, not an empty
+    /// directory on its parent's filesystem (an unmounted mount point).
+    #[test]
+    fn only_a_written_or_mounted_directory_is_trusted() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().join("ckpt");
+        assert!(trusted_dir(&d).unwrap_err().contains("missing"));
+        std::fs::create_dir(&d).unwrap();
+        // (The test's directory may sit on another filesystem than the root's: then it is
+        // trusted as a mount, and only the other cases can be checked here.)
+        let root = std::fs::metadata("/").map(|m| std::os::unix::fs::MetadataExt::dev(&m)).unwrap();
+        let here = std::fs::metadata(&d).map(|m| std::os::unix::fs::MetadataExt::dev(&m)).unwrap();
+        if root == here {
+            assert!(trusted_dir(&d).unwrap_err().contains("unmounted mount point"));
+        }
+        write_part(&d, &image(10, 0..4, 1), &(0..4), 0).unwrap();
+        trusted_dir(&d).unwrap();
+        // A mount point of its own (procfs here), marker or not.
+        trusted_dir(Path::new("/proc")).unwrap();
+        // The marker is no checkpoint.
+        assert_eq!(list(&d).unwrap().len(), 1);
+    }
+
     #[test]
     fn prune_keeps_the_newest_complete_ones() {
         let dir = tempfile::tempdir().unwrap();
@@ -373,7 +482,7 @@ mod tests {
             write_part(d, &image(step, 0..4, 1), &(0..4), 0).unwrap();
         }
         write_part(d, &image(50, 0..2, 1), &(0..2), 0).unwrap();
-        assert_eq!(prune(d, 2, 4).unwrap(), vec![10, 20]);
+        assert_eq!(prune(d, 2, 4, &job(1)).unwrap(), vec![10, 20]);
         let left: Vec<u64> = list(d).unwrap().iter().map(|l| l.step).collect();
         assert_eq!(left, vec![30, 40, 50]);
     }
@@ -397,16 +506,16 @@ mod tests {
         for step in [30, 40] {
             corrupt(&write_part(d, &image(step, 0..4, 1), &(0..4), 0).unwrap());
         }
-        assert_eq!(prune(d, 2, 4).unwrap(), Vec::<u64>::new());
+        assert_eq!(prune(d, 2, 4, &job(1)).unwrap(), Vec::<u64>::new());
         assert_eq!(list(d).unwrap().len(), 4);
         // One intact newer checkpoint: it and 20 are the two kept; only 10 goes.
         write_part(d, &image(50, 0..4, 1), &(0..4), 0).unwrap();
-        assert_eq!(prune(d, 2, 4).unwrap(), vec![10]);
+        assert_eq!(prune(d, 2, 4, &job(1)).unwrap(), vec![10]);
         assert_eq!(newest(d, 4, &serde_json::json!({ "job": 1 })).unwrap().0.unwrap().0.step, 50);
         // Nothing intact at all: nothing is deleted.
         let empty = tempfile::tempdir().unwrap();
         corrupt(&write_part(empty.path(), &image(10, 0..4, 1), &(0..4), 0).unwrap());
-        assert_eq!(prune(empty.path(), 1, 4).unwrap(), Vec::<u64>::new());
+        assert_eq!(prune(empty.path(), 1, 4, &job(1)).unwrap(), Vec::<u64>::new());
     }
 
     #[test]

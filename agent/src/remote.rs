@@ -108,14 +108,16 @@ impl Remote {
     }
 
     /// Uploads the part at `path` (written and verified by `checkpoint`), tagged with its
-    /// content hash, and checks the stored object's size and tag; its URL. Only tagged parts
-    /// count as a checkpoint here (see `prune`).
+    /// content hash and its job's fingerprint (`limpet_snapshot::job_fingerprint`), and checks
+    /// the stored object's size and tags; its URL. Only tagged parts count as a checkpoint
+    /// here, and only of the job they name (see `prune`).
     pub async fn upload(
         &self,
         step: u64,
         blocks: &Range<usize>,
         path: &Path,
         content_hash: &str,
+        job: &str,
     ) -> Result<String, CheckpointError> {
         let key = self.key(&rel_of(step, blocks));
         let url = format!("s3://{}/{key}", self.bucket);
@@ -130,12 +132,13 @@ impl Remote {
             .bucket(&self.bucket)
             .key(&key)
             .metadata(CONTENT_TAG, content_hash)
+            .metadata(JOB_TAG, job)
             .body(body)
             .send()
             .await
             .map_err(|e| err("uploading to", &url, e))?;
         match self.verified(&key).await? {
-            Some((len, tag)) if len == size && tag == content_hash => Ok(url),
+            Some((len, tag, of)) if len == size && tag == content_hash && of == job => Ok(url),
             got => Err(CheckpointError::Bad {
                 path: PathBuf::from(&url),
                 detail: format!("stored as {got:?}, not the {size} bytes of {content_hash} uploaded"),
@@ -143,8 +146,9 @@ impl Remote {
         }
     }
 
-    /// A part's stored size and content tag (`None`: no tag, so not a verified upload).
-    async fn verified(&self, key: &str) -> Result<Option<(u64, String)>, CheckpointError> {
+    /// A part's stored size, content tag and job tag (`None`: no content tag, so not a
+    /// verified upload; an empty job tag: uploaded before parts named their job).
+    async fn verified(&self, key: &str) -> Result<Option<(u64, String, String)>, CheckpointError> {
         let head = self
             .client
             .head_object()
@@ -153,24 +157,43 @@ impl Remote {
             .send()
             .await
             .map_err(|e| err("checking", &format!("s3://{}/{key}", self.bucket), e))?;
-        let tag = head.metadata().and_then(|m| m.get(CONTENT_TAG)).cloned();
-        Ok(tag.map(|t| (head.content_length().unwrap_or(0).max(0) as u64, t)))
+        let tag = |k: &str| head.metadata().and_then(|m| m.get(k)).cloned();
+        let job = tag(JOB_TAG).unwrap_or_default();
+        Ok(tag(CONTENT_TAG).map(|t| (head.content_length().unwrap_or(0).max(0) as u64, t, job)))
     }
 
-    /// Whether every part of `parts` that covers the model was a verified upload.
+    /// Whether every part of `parts` that covers the model was a verified upload of `job`.
     async fn step_verified(
         &self,
         step: u64,
         parts: &[Range<usize>],
         blocks: usize,
+        job: &str,
     ) -> Result<bool, CheckpointError> {
         let Some(chosen) = crate::checkpoint::cover(parts, blocks) else { return Ok(false) };
         for i in chosen {
-            if self.verified(&self.key(&rel_of(step, &parts[i]))).await?.is_none() {
-                return Ok(false);
+            match self.verified(&self.key(&rel_of(step, &parts[i]))).await? {
+                Some((_, _, of)) if of == job => {}
+                _ => return Ok(false),
             }
         }
         Ok(true)
+    }
+
+    /// Whether every part of a step is tagged as `job`'s: only such steps are pruned.
+    async fn step_of_job(
+        &self,
+        step: u64,
+        parts: &[Range<usize>],
+        job: &str,
+    ) -> Result<bool, CheckpointError> {
+        for b in parts {
+            match self.verified(&self.key(&rel_of(step, b))).await? {
+                Some((_, _, of)) if of == job => {}
+                _ => return Ok(false),
+            }
+        }
+        Ok(!parts.is_empty())
     }
 
     /// Every part under the prefix, by step (pages followed to the end); keys that are not
@@ -237,23 +260,28 @@ impl Remote {
         Ok(fetched)
     }
 
-    /// Deletes every step older than the newest `keep` that are verified uploads covering the
-    /// model (names alone prove nothing: a part may be a stray copy), keeping newer steps,
-    /// which may still be being written; with none verified, nothing. The steps deleted.
-    pub async fn prune(&self, keep: usize, blocks: usize) -> Result<Vec<u64>, CheckpointError> {
+    /// Deletes every step of `job` (its fingerprint) older than the newest `keep` of that job
+    /// that are verified uploads covering the model (names alone prove nothing: a part may be
+    /// a stray copy), keeping newer steps, which may still be being written; with none
+    /// verified, nothing. Another job's steps (a prefix reused by a new run), and parts that
+    /// name no job, are neither counted nor deleted. The steps deleted.
+    pub async fn prune(&self, keep: usize, blocks: usize, job: &str) -> Result<Vec<u64>, CheckpointError> {
         let listed = self.list().await?;
         let mut kept = Vec::new();
         for (&step, parts) in listed.iter().rev() {
             if kept.len() >= keep.max(1) {
                 break;
             }
-            if self.step_verified(step, parts, blocks).await? {
+            if self.step_verified(step, parts, blocks, job).await? {
                 kept.push(step);
             }
         }
         let Some(&oldest_kept) = kept.last() else { return Ok(Vec::new()) };
         let mut deleted = Vec::new();
         for (&step, parts) in listed.range(..oldest_kept) {
+            if !self.step_of_job(step, parts, job).await? {
+                continue;
+            }
             for b in parts {
                 let key = self.key(&rel_of(step, b));
                 self.client
@@ -272,6 +300,8 @@ impl Remote {
 
 /// The S3 user metadata that marks a verified upload: the part's content hash.
 const CONTENT_TAG: &str = "limpet-content";
+/// The S3 user metadata naming the job a part belongs to (`limpet_snapshot::job_fingerprint`).
+const JOB_TAG: &str = "limpet-job";
 
 fn rel_of(step: u64, blocks: &Range<usize>) -> String {
     let p = part_path(Path::new(""), step, blocks);

@@ -1,5 +1,6 @@
-//! State handoff through the data plane's handshake: a member fetches a peer's state; a
-//! stranger without the cluster secret gets nothing.
+//! State handoff through the data plane's handshake: a member fetches a peer's state; a node
+//! that passes the handshake but is not a member, and a stranger without the cluster secret,
+//! get nothing.
 
 use limpet_agent::dataplane::handoff::{serve_handoff, HandoffDialer};
 use limpet_agent::{DataPlaneConfig, Endpoint};
@@ -20,7 +21,8 @@ fn members_fetch_state_and_strangers_are_refused() {
     let server = Server::new();
     server.offer(Offer::new(bytes.clone(), 256 << 10, [3; 32]));
     let stop = Arc::new(AtomicBool::new(false));
-    let serving = serve_handoff(Arc::clone(&sender), server, Arc::clone(&stop));
+    // Node 2 is a member; node 4 knows the secret but is not (removed, or never admitted).
+    let serving = serve_handoff(Arc::clone(&sender), server, Arc::clone(&stop), Arc::new(|peer| peer == 2));
     let source = format!("1@{}", sender.addr());
 
     let newcomer = endpoint(2, SECRET);
@@ -30,6 +32,10 @@ fn members_fetch_state_and_strangers_are_refused() {
             .unwrap();
     assert_eq!(got, bytes);
     assert_eq!(stats.source, source);
+
+    let removed = endpoint(4, SECRET);
+    let err = fetch(&HandoffDialer { endpoint: &removed, epoch: 4 }, std::slice::from_ref(&source), &opts);
+    assert!(err.is_err(), "a node outside the membership fetched the state");
 
     let stranger = endpoint(3, b"not-the-cluster-secret!!");
     let err = fetch(&HandoffDialer { endpoint: &stranger, epoch: 4 }, &[source], &opts).unwrap_err();

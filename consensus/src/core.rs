@@ -10,8 +10,8 @@
 use crate::error::{ConsensusError, Result};
 use crate::membership::{self, VoterDecision, VoterPolicy, VoterView};
 use crate::state::{
-    cluster_id, ClusterState, Command, MemberStatus, NodeId, Proposal, ProposalId, SnapshotData,
-    FORMAT_VERSION,
+    cluster_id, CheckpointRecord, ClusterState, Command, MemberStatus, NodeId, Proposal, ProposalId,
+    Proposer, SnapshotData, FORMAT_VERSION,
 };
 use crate::storage::{AppliedState, LogStore};
 use raft::prelude::{
@@ -345,6 +345,62 @@ impl<S: LogStore> Core<S> {
         if forwarded != (msg.term == 0) {
             return Err(format!("{:?} from node {from} with term {}", msg.get_msg_type(), msg.term));
         }
+        // Only the configuration's nodes (voters and learners, both sides of a joint
+        // configuration) speak raft here. A node that knows no configuration yet (a newcomer
+        // before its first snapshot) cannot tell and takes the leader's word; so does a node
+        // whose configuration lags (down while others joined and one of them was elected): a
+        // leader it does not know yet, at a term past its own, is let in unless the log says
+        // that node left. (Within the configuration raft trusts its members: a learner this
+        // node's configuration still lists may have been promoted and elected since, so
+        // whoever speaks as a leader is heard; docs/security.md says what that leaves open.)
+        let conf = self.raw.raft.prs().conf().to_conf_state();
+        let known = !conf.voters.is_empty();
+        let member = [&conf.voters, &conf.voters_outgoing, &conf.learners, &conf.learners_next]
+            .iter()
+            .any(|ids| ids.contains(&from));
+        let kind = msg.get_msg_type();
+        let as_leader = matches!(
+            kind,
+            MessageType::MsgAppend
+                | MessageType::MsgHeartbeat
+                | MessageType::MsgSnapshot
+                | MessageType::MsgTimeoutNow
+        );
+        let gone = self.state.members.get(&from).is_some_and(|m| m.status == MemberStatus::Gone);
+        let newer_leader = as_leader && msg.term > self.term() && !gone;
+        if known && !member && !newer_leader {
+            return Err(format!("{kind:?} from node {from}, which is not in the configuration"));
+        }
+        // A term may run ahead of ours (elections we missed) but not without bound: a term
+        // near u64::MAX, once adopted and persisted, overflows raft-rs's `term + 1` at the next
+        // election and disables the node for good. With pre-vote, terms grow only by real
+        // elections. The terms a message carries for log entries are never past its own.
+        let ceiling = self.term().saturating_add(MAX_TERM_LEAD);
+        if msg.term > ceiling {
+            return Err(format!(
+                "term {} from node {from}, past this node's {} by more than {MAX_TERM_LEAD}",
+                msg.term,
+                self.term()
+            ));
+        }
+        // Indexes near u64::MAX overflow raft-rs's `index + 1` (a snapshot's, a rejection's
+        // hint): no log gets anywhere near MAX_INDEX.
+        let snap = msg.get_snapshot().get_metadata().index;
+        let indexes = [msg.index, msg.commit, msg.reject_hint, snap];
+        if indexes.iter().chain(msg.get_entries().iter().map(|e| &e.index)).any(|&i| i > MAX_INDEX) {
+            return Err(format!("{kind:?} from node {from} names an index past {MAX_INDEX}"));
+        }
+        let past = |t: u64| !forwarded && t > msg.term;
+        if past(msg.log_term)
+            || msg.get_entries().iter().any(|e| past(e.term))
+            || past(msg.get_snapshot().get_metadata().term)
+        {
+            return Err(format!(
+                "{:?} from node {from} names a log term past its term {}",
+                msg.get_msg_type(),
+                msg.term
+            ));
+        }
         match msg.get_msg_type() {
             // `commit_to` panics past the last index.
             MessageType::MsgHeartbeat if msg.commit > last.max(committed) => Err(format!(
@@ -385,6 +441,15 @@ impl<S: LogStore> Core<S> {
             }
             // Leadership is handed over only by the leader itself (before it leaves).
             MessageType::MsgTransferLeader => Err(format!("node {from} asks for leadership")),
+            // ... and so only the current leader, in its term, may tell this node to campaign
+            // now (it does so when it leaves).
+            MessageType::MsgTimeoutNow if from != self.raw.raft.leader_id || msg.term != self.term() => {
+                Err(format!(
+                    "node {from} tells this node to campaign (the leader is node {} of term {})",
+                    self.raw.raft.leader_id,
+                    self.term()
+                ))
+            }
             MessageType::MsgSnapshot => {
                 let meta = msg.get_snapshot().get_metadata();
                 if meta.term == 0 || meta.index == 0 {
@@ -405,7 +470,7 @@ impl<S: LogStore> Core<S> {
 
     /// A follower's proposal forwarded to this (leading) node: normal entries only (the
     /// membership controller alone changes the voters), each a proposal of the node that
-    /// forwarded it, and no `Join` speaking for another live member.
+    /// forwarded it that this node may make about itself (`Command::authorize`).
     fn check_forwarded(&self, msg: &Message) -> std::result::Result<(), String> {
         let from = msg.from;
         if msg.get_entries().is_empty() {
@@ -420,12 +485,35 @@ impl<S: LogStore> Core<S> {
             if p.origin.node != from {
                 return Err(format!("a proposal from node {from} speaks for node {}", p.origin.node));
             }
-            if let Command::Join { member } = &p.command {
-                let live = self.state.members.get(&member.id).is_some_and(|m| m.status != MemberStatus::Gone);
-                if member.id != from && live {
-                    return Err(format!("node {from} proposes a Join for member {}", member.id));
-                }
+            // Raft carries a node's own proposals only: whatever needs more authority (an
+            // operator's, the leader's controllers') is proposed at the leader itself.
+            p.command
+                .authorize(Proposer::Node(from))
+                .map_err(|why| format!("a forwarded proposal: {why}"))?;
+            if let Command::RecordCheckpoint { record } = &p.command {
+                self.check_checkpoint_report(from, record)?;
             }
+        }
+        Ok(())
+    }
+
+    /// A member's report of a checkpoint it wrote: of an epoch it trains in (a new cluster's
+    /// resume point, epoch 0, is the leader's to record), at a step inside that epoch and the
+    /// job. A record past them would make the log refuse every real one after it.
+    fn check_checkpoint_report(&self, from: NodeId, r: &CheckpointRecord) -> std::result::Result<(), String> {
+        let epoch = self.state.history.iter().find(|e| e.id == r.epoch && r.epoch != 0);
+        let Some(epoch) = epoch.filter(|e| e.ranks.contains(&from)) else {
+            return Err(format!(
+                "node {from} reports a checkpoint of epoch {}, which it does not train in",
+                r.epoch
+            ));
+        };
+        let total = self.state.job.as_ref().and_then(|j| j.get("steps")).and_then(serde_json::Value::as_u64);
+        if r.step < epoch.start_step || total.is_some_and(|t| r.step > t) {
+            return Err(format!(
+                "node {from} reports a checkpoint at step {}, outside epoch {} (from step {}) and the job ({total:?} steps)",
+                r.step, epoch.id, epoch.start_step
+            ));
         }
         Ok(())
     }
@@ -447,11 +535,6 @@ impl<S: LogStore> Core<S> {
         self.next_read += 1;
         self.raw.read_index(id.to_be_bytes().to_vec());
         id
-    }
-
-    /// Asks the leader to hand leadership to `to` (used before a leader leaves).
-    pub fn transfer_leader(&mut self, to: NodeId) {
-        self.raw.transfer_leader(to);
     }
 
     /// Tells raft a peer could not be reached (it slows down replication to it).
@@ -677,6 +760,14 @@ fn single(id: NodeId, ty: ConfChangeType) -> ConfChangeSingle {
     s.set_change_type(ty);
     s
 }
+
+/// The largest log index a peer may name: far past any real log, far below where raft-rs's
+/// `index + 1` overflows.
+pub const MAX_INDEX: u64 = u64::MAX / 4;
+
+/// How far past this node's term a peer's term may be: about 12 days of one election a
+/// second, and far below where `term + 1` overflows.
+pub const MAX_TERM_LEAD: u64 = 1 << 20;
 
 /// The snapshot every founding voter starts from: index 1, term 1, the founding voters.
 fn bootstrap_snapshot(cluster_id: u64, initial: &ClusterState) -> Snapshot {

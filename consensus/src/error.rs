@@ -59,6 +59,17 @@ pub enum ConsensusError {
         /// The term the decision was made in.
         term: u64,
     },
+    /// The request must be made at the leader, and this node does not lead: `addr` is the
+    /// leader's control address where known (the client asks there).
+    #[error("node {me} does not lead; ask the leader, node {leader} at {addr:?}")]
+    NotLeader {
+        /// The node that answered.
+        me: u64,
+        /// The leader it knows.
+        leader: u64,
+        /// The leader's control address ("" when not known).
+        addr: String,
+    },
     /// No leader is known, so the request cannot be served now.
     #[error("no leader is known yet; retry")]
     NoLeader,
@@ -122,10 +133,23 @@ impl From<ConsensusError> for tonic::Status {
             ConsensusError::Transport(_) | ConsensusError::Shutdown => tonic::Status::unavailable(msg),
             ConsensusError::Timeout { .. } => tonic::Status::deadline_exceeded(msg),
             ConsensusError::Rejected(_) => tonic::Status::failed_precondition(msg),
+            ConsensusError::NotLeader { leader, addr, .. } => {
+                let mut status = tonic::Status::aborted(msg);
+                if let (Ok(id), Ok(addr)) = (leader.to_string().parse(), addr.parse()) {
+                    status.metadata_mut().insert(LEADER_ID, id);
+                    status.metadata_mut().insert(LEADER_ADDR, addr);
+                }
+                status
+            }
             _ => tonic::Status::internal(msg),
         }
     }
 }
+
+/// The gRPC metadata key naming the leader in a [`ConsensusError::NotLeader`] answer.
+pub(crate) const LEADER_ID: &str = "limpet-leader-id";
+/// The gRPC metadata key holding the leader's control address in that answer.
+pub(crate) const LEADER_ADDR: &str = "limpet-leader-addr";
 
 /// Results in this crate.
 pub type Result<T, E = ConsensusError> = std::result::Result<T, E>;

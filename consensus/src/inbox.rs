@@ -20,12 +20,16 @@ pub(crate) enum Request {
         msgs: Vec<raft::prelude::Message>,
     },
     /// A command to propose; with `term`, only while this node still leads in that term (a
-    /// leader's own decisions must not outlive its leadership, see `NodeHandle::propose_leading`).
+    /// leader's own decisions must not outlive its leadership, see `NodeHandle::propose_leading`);
+    /// with `at_leader`, only here and only if this node leads (a caller's request, checked
+    /// against the caller's certificate here: raft forwards only a node's own proposals), else
+    /// answered with where the leader is.
     Propose {
         command: Command,
         deadline: Instant,
         reply: ProposeReply,
         term: Option<u64>,
+        at_leader: bool,
     },
     Read {
         linearizable: bool,

@@ -38,12 +38,14 @@ pub mod tls;
 pub mod transport;
 
 #[cfg(feature = "node")]
-pub use crate::core::{Applied, Core, CoreConfig, NodeStatus, Output, StepError};
+pub use crate::core::{Applied, Core, CoreConfig, NodeStatus, Output, StepError, MAX_TERM_LEAD};
 #[cfg(feature = "node")]
 pub use error::{ConsensusError, Result};
 pub use membership::{VoterDecision, VoterPolicy};
 #[cfg(feature = "node")]
 pub use node::{LocalState, Node, NodeConfig, NodeHandle, NodeReport, Reports};
+#[cfg(feature = "node")]
+pub use service::{MAX_CONNECTIONS as MAX_CONTROL_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS};
 pub use state::{ClusterState, Command, Epoch, Member, MemberSpec, MemberStatus, NodeId, ProposalId};
 #[cfg(feature = "node")]
 pub use storage::{AppliedState, Identity, LogStore, MemLog, SledLog};

@@ -94,7 +94,7 @@ impl NodeHandle {
     /// Proposes a command and waits until this node applied it.
     pub async fn propose(&self, command: Command, timeout: Option<Duration>) -> Result<(u64, String)> {
         let deadline = Instant::now() + timeout.unwrap_or(self.timeout);
-        self.ask(|reply| Request::Propose { command, deadline, reply, term: None }).await?
+        self.ask(|reply| Request::Propose { command, deadline, reply, term: None, at_leader: false }).await?
     }
 
     /// Proposes a leader's decision made in `term`: refused with [`ConsensusError::Deposed`]
@@ -108,7 +108,8 @@ impl NodeHandle {
         timeout: Option<Duration>,
     ) -> Result<(u64, String)> {
         let deadline = Instant::now() + timeout.unwrap_or(self.timeout);
-        self.ask(|reply| Request::Propose { command, deadline, reply, term: Some(term) }).await?
+        self.ask(|reply| Request::Propose { command, deadline, reply, term: Some(term), at_leader: false })
+            .await?
     }
 
     /// Reads the state: linearizable through raft's read index, or this node's copy.
@@ -392,9 +393,20 @@ impl Loop {
                     }
                 }
             }
-            Request::Propose { command, deadline, reply, term } => {
+            Request::Propose { command, deadline, reply, term, at_leader } => {
                 if let Some(t) = term.filter(|&t| !(self.core.is_leader() && self.core.term() == t)) {
                     let _ = reply.send(Err(ConsensusError::Deposed { term: t }));
+                    return;
+                }
+                if at_leader && !self.core.is_leader() {
+                    let leader = self.core.leader();
+                    if leader == 0 {
+                        self.retry.push(Request::Propose { command, deadline, reply, term, at_leader });
+                    } else {
+                        let addr = self.address_of(leader).unwrap_or_default();
+                        let me = self.cfg.core.id;
+                        let _ = reply.send(Err(ConsensusError::NotLeader { me, leader, addr }));
+                    }
                     return;
                 }
                 let origin = ProposalId { node: self.cfg.core.id, seq: self.next_seq };
@@ -404,7 +416,7 @@ impl Loop {
                         self.proposals.insert(origin, (deadline, reply));
                     }
                     Err(e) if e.is_retryable() => {
-                        self.retry.push(Request::Propose { command, deadline, reply, term })
+                        self.retry.push(Request::Propose { command, deadline, reply, term, at_leader })
                     }
                     Err(e) => {
                         let _ = reply.send(Err(e));

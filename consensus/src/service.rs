@@ -4,7 +4,7 @@
 
 use crate::error::{ConsensusError, Result};
 use crate::inbox::{LocalState, Reports, Request, MAX_REPORT_BYTES};
-use crate::state::{Command, NodeId};
+use crate::state::{Command, NodeId, Proposer};
 use crate::tls::{Peer, Role, Tls};
 use crate::transport::{decode_batch, pb};
 use std::sync::Arc;
@@ -20,16 +20,55 @@ pub(crate) fn serve(
     tls: Option<&Arc<Tls>>,
     shutdown: CancellationToken,
 ) -> Result<()> {
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    use tokio_stream::StreamExt as _;
+    // At most MAX_CONNECTIONS at once, and MAX_CONNECTIONS_PER_ADDRESS from any one address
+    // (the rest are closed as they arrive, with a warning at most once a minute): a stranger
+    // opening connections, TLS or not, cannot exhaust the node's file descriptors or memory,
+    // nor take every slot from one host; a slot is held at most the TLS handshake's timeout
+    // by a client that never finishes it, and keepalive pings close connections whose peer
+    // has gone.
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let per_address: PerAddress = Arc::default();
+    let mut warned: Option<std::time::Instant> = None;
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).filter_map(move |conn| {
+        let io = match conn {
+            Ok(io) => io,
+            Err(e) => return Some(Err(e)),
+        };
+        let ip = io.peer_addr().map(|a| a.ip()).ok();
+        let held = ip.and_then(|ip| Held::take(&per_address, ip));
+        let slot = Arc::clone(&slots).try_acquire_owned().ok();
+        match (ip.is_none() || held.is_some(), slot) {
+            (true, Some(slot)) => {
+                let _ = io.set_nodelay(true);
+                Some(Ok(Capped { io, _slot: slot, _held: held }))
+            }
+            _ => {
+                if warned.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
+                    warned = Some(std::time::Instant::now());
+                    let peer = io.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+                    tracing::warn!(
+                        peer,
+                        limit = MAX_CONNECTIONS,
+                        per_address = MAX_CONNECTIONS_PER_ADDRESS,
+                        "control-plane connections at the cap; closing new ones"
+                    );
+                }
+                None
+            }
+        }
+    });
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = tls {
         builder = builder
             .tls_config(tls.grpc_server())
             .map_err(|e| ConsensusError::Config(format!("TLS for the control plane: {e}")))?;
     }
+    let mut builder = builder
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)));
     tokio::spawn(async move {
         let result = builder
-            .tcp_nodelay(true)
             .add_service(pb::consensus_server::ConsensusServer::new(service))
             .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
             .await;
@@ -38,6 +77,106 @@ pub(crate) fn serve(
         }
     });
     Ok(())
+}
+
+/// The most control-plane connections a node holds at once: every member's channel to it, the
+/// operators' and the agents', with room to spare.
+pub const MAX_CONNECTIONS: usize = 512;
+
+/// The most control-plane connections from one address.
+pub const MAX_CONNECTIONS_PER_ADDRESS: usize = 64;
+
+/// Open connections by peer address.
+type PerAddress = Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>;
+
+/// One connection counted against its address, until dropped.
+struct Held(PerAddress, std::net::IpAddr);
+
+impl Held {
+    /// Counts a connection from `ip`, unless that address is at its cap.
+    fn take(map: &PerAddress, ip: std::net::IpAddr) -> Option<Held> {
+        let mut m = map.lock().expect("per-address lock");
+        let n = m.entry(ip).or_insert(0);
+        if *n >= MAX_CONNECTIONS_PER_ADDRESS {
+            return None;
+        }
+        *n += 1;
+        Some(Held(Arc::clone(map), ip))
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let mut m = self.0.lock().expect("per-address lock");
+        if let Some(n) = m.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.1);
+            }
+        }
+    }
+}
+
+/// An accepted connection holding one of the server's connection slots (and one of its
+/// address's) until it closes.
+struct Capped {
+    io: tokio::net::TcpStream,
+    _slot: tokio::sync::OwnedSemaphorePermit,
+    _held: Option<Held>,
+}
+
+impl tonic::transport::server::Connected for Capped {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        tonic::transport::server::Connected::connect_info(&self.io)
+    }
+}
+
+impl tokio::io::AsyncRead for Capped {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Capped {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_shutdown(cx)
+    }
 }
 
 /// The gRPC service: checks and decodes requests, then hands them to the node's task.
@@ -81,16 +220,25 @@ fn caller<T>(req: &tonic::Request<T>) -> Option<Peer> {
     req.peer_certs().and_then(|c| c.first().and_then(|c| crate::tls::peer_of(c)))
 }
 
-/// The commands an operator's certificate may propose (drain, revoke, remove).
-fn operator_may_propose(c: &Command) -> bool {
-    matches!(c, Command::Drain { .. } | Command::Notice { .. } | Command::Remove { .. })
-}
-
 impl Service {
     /// Checks the caller's certificate (when the node runs with TLS) against what the call
     /// needs; the rustls handshake already verified it against the cluster CA.
     fn authorize<T>(&self, req: &tonic::Request<T>, need: Need) -> std::result::Result<(), tonic::Status> {
-        self.authorize_role(caller(req), need, None)
+        let peer = self.caller(req)?;
+        self.authorize_role(peer, need)
+    }
+
+    /// Who the caller's certificate says it is, refusing one the cluster revoked.
+    fn caller<T>(&self, req: &tonic::Request<T>) -> std::result::Result<Option<Peer>, tonic::Status> {
+        if let Some(cert) = req.peer_certs().and_then(|c| c.first().cloned()) {
+            let fp = crate::tls::fingerprint(cert.as_ref());
+            if let Some(name) = self.members.borrow().state.revoked.0.get(&fp) {
+                let why = format!("certificate {fp} ({name}) is revoked");
+                tracing::warn!(node = self.me, %why, "call refused");
+                return Err(tonic::Status::permission_denied(why));
+            }
+        }
+        Ok(caller(req))
     }
 
     /// Checks that a node speaking as `claimed` holds that node's certificate (only when the
@@ -117,22 +265,15 @@ impl Service {
         }
     }
 
-    fn authorize_role(
-        &self,
-        peer: Option<Peer>,
-        need: Need,
-        command: Option<&Command>,
-    ) -> std::result::Result<(), tonic::Status> {
+    fn authorize_role(&self, peer: Option<Peer>, need: Need) -> std::result::Result<(), tonic::Status> {
         let Some(anonymous_reads) = self.tls else { return Ok(()) };
         let role = peer.map(|p| p.role);
         let verdict = match (need, role) {
             (_, Some(Role::Node)) => Ok(()),
             (Need::Read, None) if anonymous_reads => Ok(()),
             (Need::Read, Some(Role::Operator)) => Ok(()),
-            (Need::Propose, Some(Role::Operator)) if command.is_some_and(operator_may_propose) => Ok(()),
-            (Need::Propose, Some(Role::Operator)) => {
-                Err("an operator certificate may only drain, revoke or remove nodes".to_string())
-            }
+            // Which commands: `Command::authorize`.
+            (Need::Propose, Some(Role::Operator)) => Ok(()),
             (Need::Node, Some(Role::Operator)) => {
                 Err("only a node certificate may speak for a node".to_string())
             }
@@ -184,8 +325,8 @@ impl pb::consensus_server::Consensus for Service {
         &self,
         req: tonic::Request<pb::RaftBatch>,
     ) -> std::result::Result<tonic::Response<pb::SendAck>, tonic::Status> {
-        let peer = caller(&req);
-        self.authorize_role(peer, Need::Node, None)?;
+        let peer = self.caller(&req)?;
+        self.authorize_role(peer, Need::Node)?;
         let batch = req.into_inner();
         self.authorize_node(peer, batch.from, "a raft batch")?;
         let msgs = decode_batch(&batch, self.cluster_id, self.me).map_err(|e| {
@@ -207,26 +348,35 @@ impl pb::consensus_server::Consensus for Service {
         &self,
         req: tonic::Request<pb::ProposeRequest>,
     ) -> std::result::Result<tonic::Response<pb::ProposeReply>, tonic::Status> {
-        let (role, req) = (caller(&req), req.into_inner());
+        let (role, req) = (self.caller(&req)?, req.into_inner());
         self.check_cluster(req.cluster_id, &req.cluster, "proposal")?;
         let command = Command::decode(&req.command)
             .map_err(|e| tonic::Status::from(ConsensusError::Decode { what: "command", detail: e.detail }))?;
-        self.authorize_role(role, Need::Propose, Some(&command))?;
-        // A node may join, or refresh its addresses, only as itself: another's Join would take
-        // over its rank and its traffic.
-        if let (Command::Join { member }, Some(Peer { role: Role::Node, .. })) = (&command, role) {
-            if self.tls.is_some() && role.and_then(|p| p.node) != Some(member.id) {
-                let why = format!(
-                    "a node may join only as itself: this Join is for node {}, the certificate is node {}'s",
-                    member.id,
-                    role.and_then(|p| p.node).unwrap_or(0)
-                );
-                tracing::warn!(node = self.me, %why, "proposal refused");
+        self.authorize_role(role, Need::Propose)?;
+        // What the caller may ask for (a node only about itself: another's Join would take
+        // over its rank and its traffic; an operator drains, revokes and removes; the rest is
+        // the leader's controllers'). Without TLS nothing proves who calls, and the cluster
+        // trusts its network.
+        let who = match role {
+            Some(Peer { role: Role::Node, node: Some(id) }) => Some(Proposer::Node(id)),
+            Some(Peer { role: Role::Operator, .. }) => Some(Proposer::Operator),
+            _ => None,
+        };
+        if self.tls.is_some() {
+            // authorize_role let no caller without a certificate this far: fail closed anyway.
+            let Some(who) = who else {
+                return Err(tonic::Status::permission_denied("a proposal needs a client certificate"));
+            };
+            if let Err(why) = command.authorize(who) {
+                tracing::warn!(node = self.me, ?who, %why, "proposal refused");
                 return Err(tonic::Status::permission_denied(why));
             }
         }
         let deadline = self.deadline(req.timeout_ms);
-        let reply = match self.ask(|reply| Request::Propose { command, deadline, reply, term: None }).await? {
+        let reply = match self
+            .ask(|reply| Request::Propose { command, deadline, reply, term: None, at_leader: true })
+            .await?
+        {
             Ok((index, detail)) => pb::ProposeReply { index, accepted: true, detail },
             Err(ConsensusError::Rejected(detail)) => pb::ProposeReply { index: 0, accepted: false, detail },
             Err(e) => return Err(e.into()),
@@ -273,15 +423,25 @@ impl pb::consensus_server::Consensus for Service {
         &self,
         req: tonic::Request<pb::HeartbeatRequest>,
     ) -> std::result::Result<tonic::Response<pb::HeartbeatReply>, tonic::Status> {
-        let peer = caller(&req);
-        self.authorize_role(peer, Need::Node, None)?;
+        let peer = self.caller(&req)?;
+        self.authorize_role(peer, Need::Node)?;
         let req = req.into_inner();
         self.check_cluster(req.cluster_id, &req.cluster, "heartbeat")?;
         self.authorize_node(peer, req.from, "a heartbeat")?;
         // Only members report: a stranger's reports would only be noise, and a report for a
-        // removed node must not keep it looking alive.
-        if !self.members.borrow().state.members.contains_key(&req.from) {
-            return Err(tonic::Status::permission_denied(format!("node {} is not a member", req.from)));
+        // removed node (gone from the cluster, its record kept) must not keep it looking alive.
+        let status = self.members.borrow().state.members.get(&req.from).map(|m| m.status);
+        match status {
+            None => {
+                return Err(tonic::Status::permission_denied(format!("node {} is not a member", req.from)))
+            }
+            Some(crate::state::MemberStatus::Gone) => {
+                return Err(tonic::Status::permission_denied(format!(
+                    "node {} has left the cluster",
+                    req.from
+                )))
+            }
+            Some(_) => {}
         }
         if req.from == 0 || req.report.len() > MAX_REPORT_BYTES {
             return Err(ConsensusError::Decode {

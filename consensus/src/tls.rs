@@ -19,6 +19,9 @@ use std::sync::Arc;
 
 /// The DNS name every node certificate holds (and clients expect of a server).
 pub const NODE_NAME: &str = "limpet-node";
+/// How long a control-plane client has to finish its TLS handshake.
+pub const GRPC_HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The DNS name every operator (client) certificate holds.
 pub const CLIENT_NAME: &str = "limpet-client";
 
@@ -143,6 +146,13 @@ fn roots_of(pem: &[u8], path: &Path) -> Result<Arc<RootCertStore>, TlsError> {
         })?;
     }
     Ok(Arc::new(roots))
+}
+
+/// A certificate's fingerprint as revocations name it: SHA-256 of its DER bytes, 64
+/// lowercase hex digits (`openssl x509 -fingerprint -sha256`, without the colons).
+pub fn fingerprint(cert: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(cert).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The role a (verified) certificate grants, from the names it is valid for.
@@ -280,6 +290,9 @@ impl Tls {
         }
         cfg.client_ca_root(tonic::transport::Certificate::from_pem(&self.ca_pem))
             .client_auth_optional(self.anonymous_reads)
+            // A client that trickles its hello must not hold the connection (and a slot of
+            // the server's connection cap) longer than this.
+            .timeout(GRPC_HANDSHAKE_TIMEOUT)
     }
 
     /// tonic's client configuration: this identity, and servers must hold a node certificate

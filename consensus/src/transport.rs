@@ -138,14 +138,19 @@ impl PeerSender {
 }
 
 fn endpoint(addr: &str, tls: Option<&Tls>) -> Result<tonic::transport::Endpoint> {
+    endpoint_tls(addr, tls.map(Tls::grpc_client))
+}
+
+fn endpoint_tls(
+    addr: &str,
+    tls: Option<tonic::transport::ClientTlsConfig>,
+) -> Result<tonic::transport::Endpoint> {
     let scheme = if tls.is_some() { "https" } else { "http" };
     let e = tonic::transport::Endpoint::from_shared(format!("{scheme}://{addr}"))
         .map(|e| e.connect_timeout(Duration::from_secs(1)).tcp_nodelay(true))
         .map_err(|e| ConsensusError::Config(format!("address {addr:?}: {e}")))?;
     match tls {
-        Some(t) => {
-            e.tls_config(t.grpc_client()).map_err(|e| ConsensusError::Config(format!("TLS for {addr}: {e}")))
-        }
+        Some(t) => e.tls_config(t).map_err(|e| ConsensusError::Config(format!("TLS for {addr}: {e}"))),
         None => Ok(e),
     }
 }
@@ -185,7 +190,16 @@ pub struct Client {
     /// The cluster's name (empty for a client that asks whichever cluster the node serves).
     cluster: String,
     inner: pb::consensus_client::ConsensusClient<tonic::transport::Channel>,
+    /// The TLS settings it connected with, to follow a node's answer that the leader is
+    /// elsewhere.
+    tls: Option<tonic::transport::ClientTlsConfig>,
 }
+
+/// How many times a proposal follows "ask the leader there" before giving up (a leader
+/// changing while the client moves, or a node that points in circles).
+const MAX_REDIRECTS: usize = 3;
+/// The longest leader address a node's answer may name.
+const MAX_ADDR_LEN: usize = 256;
 
 /// `first`, then each of `e`'s sources: tonic's own words end at "transport error", and a
 /// server that refuses our certificate (or speaks TLS to our plain text) shows only there.
@@ -201,13 +215,32 @@ fn with_sources(first: String, e: &dyn std::error::Error) -> String {
 
 fn status_error(e: tonic::Status) -> ConsensusError {
     let detail = with_sources(e.message().to_string(), &e);
+    let meta = |key: &str| e.metadata().get(key).and_then(|v| v.to_str().ok()).map(str::to_string);
     match e.code() {
+        tonic::Code::Aborted => {
+            let leader = meta(crate::error::LEADER_ID).and_then(|v| v.parse().ok());
+            let addr = meta(crate::error::LEADER_ADDR).filter(|a| !a.is_empty() && a.len() <= MAX_ADDR_LEN);
+            match (leader, addr) {
+                (Some(leader), Some(addr)) => ConsensusError::NotLeader { me: 0, leader, addr },
+                // The node's own words, when it names no leader to go to.
+                _ => ConsensusError::Transport(format!("Aborted: {detail}")),
+            }
+        }
         tonic::Code::FailedPrecondition => ConsensusError::Rejected(detail),
         tonic::Code::PermissionDenied | tonic::Code::Unauthenticated => ConsensusError::Denied(detail),
         // The node's own words say what timed out and for how long.
         tonic::Code::DeadlineExceeded | tonic::Code::Unavailable => ConsensusError::Transport(detail),
         code => ConsensusError::Transport(format!("{code:?}: {detail}")),
     }
+}
+
+async fn connect_channel(
+    addr: &str,
+    tls: Option<tonic::transport::ClientTlsConfig>,
+) -> Result<tonic::transport::Channel> {
+    endpoint_tls(addr, tls)?.connect().await.map_err(|e| {
+        ConsensusError::Transport(format!("cannot reach {addr}: {}", with_sources(e.to_string(), &e)))
+    })
 }
 
 impl Client {
@@ -218,13 +251,13 @@ impl Client {
 
     /// Connects with mutual TLS when `tls` is given (the cluster runs with certificates).
     pub async fn connect_with(addr: &str, cluster: &str, tls: Option<&Tls>) -> Result<Client> {
-        let channel = endpoint(addr, tls)?.connect().await.map_err(|e| {
-            ConsensusError::Transport(format!("cannot reach {addr}: {}", with_sources(e.to_string(), &e)))
-        })?;
+        let tls = tls.map(Tls::grpc_client);
+        let channel = connect_channel(addr, tls.clone()).await?;
         Ok(Client {
             cluster_id: crate::state::cluster_id(cluster),
             cluster: cluster.to_string(),
             inner: pb::consensus_client::ConsensusClient::new(channel),
+            tls,
         })
     }
 
@@ -262,11 +295,28 @@ impl Client {
         // The node answers within `timeout`; a node that never answers (wedged, or a peer
         // that drops packets) must not hold the caller longer than that and a margin.
         let waited = timeout + Duration::from_secs(2);
-        let reply = tokio::time::timeout(waited, self.inner.propose(req))
-            .await
-            .map_err(|_| ConsensusError::Timeout { waited, what: "the node to answer a proposal" })?
-            .map_err(status_error)?
-            .into_inner();
+        // Proposals are made at the leader (where the caller's certificate is checked): a
+        // node that does not lead says where the leader is, and the client goes there.
+        // The redirect's channel serves this proposal only: the client stays with the node it
+        // was made for (a leader it was sent to may be gone by the next call).
+        let mut redirects = 0;
+        let mut at = self.inner.clone();
+        let reply = loop {
+            let answer = tokio::time::timeout(waited, at.propose(req.clone()))
+                .await
+                .map_err(|_| ConsensusError::Timeout { waited, what: "the node to answer a proposal" })?
+                .map_err(status_error);
+            match answer {
+                Err(ConsensusError::NotLeader { addr, .. })
+                    if !addr.is_empty() && redirects < MAX_REDIRECTS =>
+                {
+                    redirects += 1;
+                    let channel = connect_channel(&addr, self.tls.clone()).await?;
+                    at = pb::consensus_client::ConsensusClient::new(channel);
+                }
+                answer => break answer?.into_inner(),
+            }
+        };
         if reply.accepted {
             Ok((reply.index, reply.detail))
         } else {

@@ -6,7 +6,8 @@
 
 use limpet_consensus::harness::{entry, message, spec, Network, HARNESS_CLUSTER};
 use limpet_consensus::state::{
-    cluster_id, Command, Hardware, Proposal, ProposalId, SnapshotData, FORMAT_VERSION,
+    cluster_id, CapacityAction, CapacityRecord, CheckpointRecord, Command, Epoch, EpochBatch, Hardware,
+    Layout, Market, Pool, Proposal, ProposalId, SnapshotData, FORMAT_VERSION,
 };
 use limpet_consensus::{ClusterState, CoreConfig, NodeId, StepError};
 use proptest::prelude::*;
@@ -71,7 +72,7 @@ fn messages_that_would_panic_raft_or_bypass_the_state_machine_are_refused() {
 
     // An append matching the log's end but carrying index 1 with another term: raft-rs finds
     // a conflict below the commit index and panics.
-    let mut m = message(MessageType::MsgAppend, rogue, follower, t);
+    let mut m = message(MessageType::MsgAppend, rogue, follower, t + 3);
     (m.index, m.log_term, m.commit) = (last, t, last);
     m.entries = vec![entry(EntryType::EntryNormal, 1, t + 3, vec![])];
     refused(&mut net, follower, m, "holds entry 1");
@@ -106,7 +107,106 @@ fn messages_that_would_panic_raft_or_bypass_the_state_machine_are_refused() {
     let p = Proposal { origin: ProposalId { node: rogue, seq: 9 }, ..p };
     let mut m = message(MessageType::MsgPropose, rogue, leader, 0);
     m.entries = vec![entry(EntryType::EntryNormal, 0, 0, p.encode())];
-    refused(&mut net, leader, m, &format!("Join for member {follower}"));
+    refused(&mut net, leader, m, &format!("may propose join only about itself, not node {follower}"));
+    // What only the leader's controllers or an operator decide, forwarded by a member: an
+    // on-demand launch, removing another node, an epoch, another's failure or notice.
+    let forwarded = |command: Command| {
+        let p = Proposal { v: FORMAT_VERSION, origin: ProposalId { node: rogue, seq: 10 }, command };
+        let mut m = message(MessageType::MsgPropose, rogue, leader, 0);
+        m.entries = vec![entry(EntryType::EntryNormal, 0, 0, p.encode())];
+        m
+    };
+    let launch = CapacityRecord {
+        seq: 1,
+        at_ms: 1,
+        by: rogue,
+        action: CapacityAction::Launch {
+            pool: Pool { instance_type: "p4d.24xlarge".into(), subnet: "subnet-1".into() },
+            market: Market::OnDemand,
+            token: "rogue".into(),
+            node_name: None,
+        },
+        reason: "rogue".into(),
+    };
+    let epoch = Epoch {
+        id: 99,
+        start_step: 0,
+        ranks: vec![rogue],
+        layout: Layout::data_parallel(1),
+        batch: EpochBatch { global_batch: 8, micro_batch: 8 },
+        lr_scale: 1.0,
+        sources: Default::default(),
+        cause: "rogue".into(),
+        causes: Vec::new(),
+        shares: Vec::new(),
+    };
+    for (command, want) in [
+        (Command::RecordCapacity { record: launch }, "may not propose record_capacity"),
+        (Command::Remove { id: follower, reason: "rogue".into() }, "may not propose remove"),
+        (Command::ScheduleEpoch { epoch }, "may not propose schedule_epoch"),
+        (Command::MarkFailed { id: follower, reason: "rogue".into() }, "may not propose mark_failed"),
+        (
+            Command::Notice { id: follower, deadline_ms: 1, source: "rogue".into() },
+            "may propose notice only about itself",
+        ),
+        (bump(follower, 5), "may propose update_hardware only about itself"),
+    ] {
+        refused(&mut net, leader, forwarded(command), &format!("node {rogue} {want}"));
+    }
+    // A checkpoint it claims to have written in no epoch it trains in (here: none; a new
+    // cluster's resume record, epoch 0, is the leader's): such a record at a huge step would
+    // make the log refuse every real one after it.
+    let record = CheckpointRecord {
+        step: u64::MAX,
+        epoch: 0,
+        content_hash: "x".into(),
+        location: "x".into(),
+        node: rogue,
+    };
+    refused(&mut net, leader, forwarded(Command::RecordCheckpoint { record }), "which it does not train in");
+    // Its own hardware is its to report.
+    assert!(net.node_mut(leader).step(forwarded(bump(rogue, 5))).is_ok());
+
+    // A node outside the configuration speaks raft, or speaks as a leader.
+    refused(
+        &mut net,
+        follower,
+        message(MessageType::MsgRequestVote, 9, follower, t),
+        "not in the configuration",
+    );
+    refused(
+        &mut net,
+        follower,
+        message(MessageType::MsgHeartbeat, 9, follower, t),
+        "not in the configuration",
+    );
+    // A term far past the node's: adopted, it would overflow at the next election.
+    for term in [u64::MAX, t + limpet_consensus::MAX_TERM_LEAD + 1] {
+        refused(
+            &mut net,
+            follower,
+            message(MessageType::MsgRequestVote, rogue, follower, term),
+            "past this node's",
+        );
+    }
+    // Entries of a term past the message's own.
+    let mut m = message(MessageType::MsgAppend, rogue, follower, t);
+    (m.index, m.log_term) = (last, t);
+    m.entries = vec![entry(EntryType::EntryNormal, last + 1, t + 1, vec![])];
+    refused(&mut net, follower, m, "log term past its term");
+    // "Campaign now" from a member that does not lead, and from the leader at another term.
+    refused(
+        &mut net,
+        follower,
+        message(MessageType::MsgTimeoutNow, rogue, follower, t),
+        "tells this node to campaign",
+    );
+    refused(
+        &mut net,
+        follower,
+        message(MessageType::MsgTimeoutNow, leader, follower, t + 1),
+        "tells this node to campaign",
+    );
     // Bytes that are no proposal at all.
     let mut m = message(MessageType::MsgPropose, rogue, leader, 0);
     m.entries = vec![entry(EntryType::EntryNormal, 0, 0, b"{\"v\":1}".to_vec())];
@@ -153,20 +253,26 @@ const KINDS: [MessageType; 14] = [
 const ENTRY_KINDS: [EntryType; 3] =
     [EntryType::EntryNormal, EntryType::EntryConfChange, EntryType::EntryConfChangeV2];
 
+/// Mostly a value near the log's (below `near`), where the checks are subtle; else any u64
+/// (huge terms and indexes, where sums overflow).
+fn near_or_any(near: u64) -> impl Strategy<Value = u64> {
+    prop_oneof![4 => 0..near, 1 => any::<u64>(), 1 => (u64::MAX - 4)..=u64::MAX]
+}
+
 prop_compose! {
     /// A message a peer could send: any kind, indexes and terms near the log's, entries with
     /// any index, term, kind and bytes, `reject` either way.
     fn any_message()(
         kind in 0..KINDS.len(),
-        from in 1u64..=3,
-        term in 0u64..12,
-        index in 0u64..40,
-        log_term in 0u64..12,
-        commit in 0u64..60,
+        from in prop_oneof![8 => 1u64..=3, 1 => any::<u64>()],
+        term in near_or_any(12),
+        index in near_or_any(40),
+        log_term in near_or_any(12),
+        commit in near_or_any(60),
         reject in any::<bool>(),
-        reject_hint in 0u64..40,
-        entries in proptest::collection::vec((0u64..45, 0u64..12, 0..ENTRY_KINDS.len(), proptest::collection::vec(any::<u8>(), 0..24)), 0..4),
-        snap_index in 0u64..60,
+        reject_hint in near_or_any(40),
+        entries in proptest::collection::vec((near_or_any(45), near_or_any(12), 0..ENTRY_KINDS.len(), proptest::collection::vec(any::<u8>(), 0..24)), 0..4),
+        snap_index in near_or_any(60),
         snap_voters in proptest::collection::vec(0u64..6, 0..4),
         snap_valid in any::<bool>(),
         // Now and then an enum number that names nothing (prost keeps it as sent).
@@ -208,7 +314,7 @@ proptest! {
     fn no_peer_message_panics_a_node(msgs in proptest::collection::vec(any_message(), 1..8)) {
         let mut net = settled();
         for mut m in msgs {
-            m.to = if m.from == 3 { 1 } else { m.from + 1 };
+            m.to = match m.from { 1 => 2, 2 => 3, _ => 1 };
             let _ = net.node_mut(m.to).step(m);
             net.run(2);
         }

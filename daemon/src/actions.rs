@@ -86,6 +86,43 @@ fn report(json: bool, node: &str, doc: serde_json::Value, words: &str) {
     }
 }
 
+/// `limpet certs revoke CERT`.
+#[derive(Debug, Args)]
+pub struct RevokeCertArgs {
+    /// The certificate to revoke (a PEM file: DIR/NAME.pem as `limpet certs issue` wrote it).
+    #[arg(value_name = "CERT")]
+    pub certificate: std::path::PathBuf,
+    /// The cluster.
+    #[command(flatten)]
+    pub target: Target,
+    /// Print what was done as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs `limpet certs revoke`: the certificate's fingerprint goes into the log, and every
+/// node refuses the certificate from then on.
+pub fn revoke_certificate(a: RevokeCertArgs) -> anyhow::Result<()> {
+    use rustls::pki_types::pem::PemObject;
+    let cert = rustls::pki_types::CertificateDer::from_pem_file(&a.certificate)
+        .map_err(|e| UsageError(format!("{}: not a certificate ({e})", a.certificate.display())))?;
+    let fingerprint = limpet_consensus::tls::fingerprint(cert.as_ref());
+    let name = a.certificate.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let mut r = a.target.resolve()?;
+    let (cluster, p) = runtime()?.block_on(async {
+        let cluster = r.cluster().await?;
+        let cmd = Command::RevokeCertificate { fingerprint: fingerprint.clone(), name: name.clone() };
+        let p = propose(&cluster, &r.addrs, r.tls.as_deref(), cmd).await?;
+        anyhow::Ok((cluster, p))
+    })?;
+    let doc = serde_json::json!({
+        "action": "revoke_certificate", "cluster": cluster, "fingerprint": fingerprint,
+        "log_index": p.index, "detail": p.detail,
+    });
+    report(a.json, &name, doc, &format!("{} (log index {})", p.detail, p.index));
+    Ok(())
+}
+
 /// Runs `limpet drain`.
 pub fn drain(a: DrainArgs) -> anyhow::Result<()> {
     let r = a.target.resolve()?;

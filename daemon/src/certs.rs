@@ -25,7 +25,32 @@ pub enum CertsCommand {
     Init(InitArgs),
     /// Issue a node certificate (or, with --client, an operator's) signed by the CA in DIR.
     Issue(IssueArgs),
+    /// Issue NAME's certificate again, for the same node or operator, valid from now.
+    Renew(RenewArgs),
+    /// Revoke a certificate: every node of the cluster refuses it from now on (an operator's
+    /// certificate proposes it).
+    Revoke(crate::actions::RevokeCertArgs),
 }
+
+/// `limpet certs renew`.
+#[derive(Debug, Args)]
+pub struct RenewArgs {
+    /// The name the certificate was issued to (DIR/NAME.pem).
+    pub name: String,
+    /// The directory with the CA and the certificate.
+    #[arg(long, default_value = "certs")]
+    pub dir: PathBuf,
+    /// How long the new certificate is valid.
+    #[arg(long, default_value_t = DEFAULT_DAYS)]
+    pub days: u32,
+    /// Print the files written as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// How long a node's or an operator's certificate is valid unless `--days` says: short, so a
+/// lost one stops working soon (`limpet certs renew` issues the next).
+pub const DEFAULT_DAYS: u32 = 90;
 
 /// `limpet certs init`.
 #[derive(Debug, Args)]
@@ -60,7 +85,7 @@ pub struct IssueArgs {
     #[arg(long, conflicts_with = "client", value_parser = clap::value_parser!(u64).range(1..))]
     pub id: Option<u64>,
     /// How long the certificate is valid.
-    #[arg(long, default_value_t = 365)]
+    #[arg(long, default_value_t = DEFAULT_DAYS)]
     pub days: u32,
     /// Print the files written as JSON.
     #[arg(long)]
@@ -90,31 +115,67 @@ pub fn run(cmd: CertsCommand) -> anyhow::Result<()> {
                 println!("CA created: {} (key {})", cert.display(), key.display());
             }
         }
+        CertsCommand::Revoke(a) => crate::actions::revoke_certificate(a)?,
+        CertsCommand::Renew(a) => {
+            check_name(&a.name)?;
+            let (cert, key) = (a.dir.join(format!("{}.pem", a.name)), a.dir.join(format!("{}.key", a.name)));
+            let kind = kind_of(&cert)?;
+            let (cert_pem, key_pem) = issue_pem_for_days(&a.dir, &a.name, kind, a.days)?;
+            // Written beside the old pair, then renamed over it: a failure leaves the old.
+            for (path, pem, private) in [(&key, &key_pem, true), (&cert, &cert_pem, false)] {
+                let new = path.with_extension(format!(
+                    "{}.new",
+                    path.extension().and_then(|e| e.to_str()).unwrap_or("")
+                ));
+                let _ = std::fs::remove_file(&new);
+                write_new(&new, pem, private)?;
+                std::fs::rename(&new, path).with_context(|| format!("replacing {}", path.display()))?;
+            }
+            announce(a.json, kind, &a.name, &cert, &key, a.days, "renewed");
+        }
         CertsCommand::Issue(a) => {
             let kind = match (a.client, a.id) {
                 (true, _) => Kind::Client,
                 (false, id) => Kind::Node(id.unwrap_or_else(|| node_id_of_name(&a.name))),
             };
             let (cert, key) = issue_for_days(&a.dir, &a.name, kind, a.days)?;
-            if a.json {
-                let (kind, id) = match kind {
-                    Kind::Node(id) => ("node", Some(id)),
-                    Kind::Client => ("client", None),
-                };
-                let doc = serde_json::json!({
-                    "kind": kind, "name": a.name, "node_id": id, "cert": cert, "key": key, "days": a.days,
-                });
-                println!("{doc}");
-            } else {
-                let what = match kind {
-                    Kind::Node(id) => format!("node certificate for {:?} (node id {id})", a.name),
-                    Kind::Client => format!("operator certificate for {:?}", a.name),
-                };
-                println!("{what}: {} (key {})", cert.display(), key.display());
-            }
+            announce(a.json, kind, &a.name, &cert, &key, a.days, "issued");
         }
     }
     Ok(())
+}
+
+/// Which kind of certificate the PEM file at `path` is (a node's, with its id, or an
+/// operator's), as the nodes read it.
+fn kind_of(path: &Path) -> anyhow::Result<Kind> {
+    use rustls::pki_types::pem::PemObject;
+    let cert = rustls::pki_types::CertificateDer::from_pem_file(path)
+        .map_err(|e| usage(format!("{}: not a certificate ({e})", path.display())))?;
+    match limpet_consensus::tls::peer_of(&cert) {
+        Some(p) if p.role == limpet_consensus::tls::Role::Operator => Ok(Kind::Client),
+        Some(limpet_consensus::tls::Peer { node: Some(id), .. }) => Ok(Kind::Node(id)),
+        _ => Err(usage(format!("{}: neither a node's nor an operator's certificate", path.display()))),
+    }
+}
+
+/// Says what was written: `what` is "issued" or "renewed".
+fn announce(json: bool, kind: Kind, name: &str, cert: &Path, key: &Path, days: u32, what: &str) {
+    if json {
+        let (kind, id) = match kind {
+            Kind::Node(id) => ("node", Some(id)),
+            Kind::Client => ("client", None),
+        };
+        let doc = serde_json::json!({
+            "kind": kind, "name": name, "node_id": id, "cert": cert, "key": key, "days": days, "action": what,
+        });
+        println!("{doc}");
+    } else {
+        let who = match kind {
+            Kind::Node(id) => format!("node certificate for {name:?} (node id {id})"),
+            Kind::Client => format!("operator certificate for {name:?}"),
+        };
+        println!("{who} {what}, valid {days} days: {} (key {})", cert.display(), key.display());
+    }
 }
 
 fn usage(msg: String) -> anyhow::Error {
@@ -369,5 +430,25 @@ mod tests {
         let e = issue(tempfile::tempdir().unwrap().path(), "n2", Kind::Node(2), now, now + Duration::days(1))
             .unwrap_err();
         assert!(format!("{e:#}").contains("limpet certs init"), "{e:#}");
+    }
+
+    /// Renewing keeps what the certificate is (the node and its id, or an operator) and
+    /// writes a new one.
+    #[test]
+    fn renewing_issues_the_same_kind_again() {
+        let d = tempfile::tempdir().unwrap();
+        init(d.path(), "c", 10).unwrap();
+        issue_for_days(d.path(), "node-7", Kind::Node(7), 1).unwrap();
+        issue_for_days(d.path(), "alice", Kind::Client, 1).unwrap();
+        let before = std::fs::read(d.path().join("node-7.pem")).unwrap();
+        for name in ["node-7", "alice"] {
+            let a = RenewArgs { name: name.into(), dir: d.path().to_path_buf(), days: 30, json: true };
+            run(CertsCommand::Renew(a)).unwrap();
+        }
+        assert_ne!(std::fs::read(d.path().join("node-7.pem")).unwrap(), before);
+        assert_eq!(kind_of(&d.path().join("node-7.pem")).unwrap(), Kind::Node(7));
+        assert_eq!(kind_of(&d.path().join("alice.pem")).unwrap(), Kind::Client);
+        let missing = RenewArgs { name: "bob".into(), dir: d.path().to_path_buf(), days: 30, json: true };
+        assert!(run(CertsCommand::Renew(missing)).is_err());
     }
 }

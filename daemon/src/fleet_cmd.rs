@@ -57,7 +57,7 @@ pub struct SparesArgs {
     #[arg(long)]
     ssm_prefix: Option<String>,
     /// How long the issued certificates are valid.
-    #[arg(long, default_value_t = 365)]
+    #[arg(long, default_value_t = crate::certs::DEFAULT_DAYS)]
     cert_days: u32,
     /// Print the spares as JSON.
     #[arg(long)]
@@ -130,7 +130,7 @@ pub struct CredentialArgs {
     #[arg(long)]
     ssm_prefix: Option<String>,
     /// How long the issued node certificates are valid.
-    #[arg(long, default_value_t = 365)]
+    #[arg(long, default_value_t = crate::certs::DEFAULT_DAYS)]
     cert_days: u32,
 }
 

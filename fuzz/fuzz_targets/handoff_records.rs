@@ -13,4 +13,11 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(m) = Manifest::read_from(&mut &data[..]) {
         assert_eq!(Manifest::read_from(&mut m.encode().as_slice()).expect("re-decodes"), m);
     }
+    // The bounded reader, with a bound from the input: what it accepts is within it.
+    if let (Some(b), Some(rest)) = (data.first(), data.get(1..)) {
+        let max = 1u64 << (*b % 48);
+        if let Ok(m) = Manifest::read_at_most(&mut &rest[..], max) {
+            assert!(m.total <= max);
+        }
+    }
 });

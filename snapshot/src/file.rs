@@ -1,6 +1,6 @@
 //! Checkpoint files on disk: atomic replacement and verified reads.
 
-use crate::{SnapshotError, StateImage};
+use crate::{SnapshotError, StateImage, StateMeta, META_KEY};
 use std::fs::{self, File};
 use std::io::Write;
 use std::path::Path;
@@ -39,6 +39,42 @@ pub fn read_file(path: &Path) -> Result<StateImage, SnapshotError> {
     StateImage::decode(&bytes)
 }
 
+/// The largest safetensors header [`read_meta`] reads (safetensors' own limit).
+const MAX_HEADER: u64 = 100_000_000;
+
+/// Reads only a checkpoint file's metadata (its header), not its tensors, and does not verify
+/// them: enough to tell whose a file is (its job) without reading a model's worth of bytes.
+pub fn read_meta(path: &Path) -> Result<StateMeta, SnapshotError> {
+    use std::io::Read;
+    let mut f = File::open(path).map_err(io_err("open", path))?;
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len).map_err(io_err("read", path))?;
+    let n = u64::from_le_bytes(len);
+    if n > MAX_HEADER {
+        return Err(SnapshotError::Format(format!("a header of {n} bytes (at most {MAX_HEADER})")));
+    }
+    let mut header = Vec::with_capacity(n as usize);
+    f.take(n).read_to_end(&mut header).map_err(io_err("read", path))?;
+    if header.len() as u64 != n {
+        return Err(SnapshotError::Format(format!("the file ends inside its {n}-byte header")));
+    }
+    let header: serde_json::Value =
+        serde_json::from_slice(&header).map_err(|e| SnapshotError::Format(format!("header: {e}")))?;
+    let meta = header
+        .get("__metadata__")
+        .and_then(|m| m.get(META_KEY))
+        .and_then(serde_json::Value::as_str)
+        .ok_or(SnapshotError::MissingMeta { key: META_KEY })?;
+    crate::image::parse_meta(meta)
+}
+
+/// A short fingerprint of a job (blake3 of its JSON, whose keys serde_json keeps sorted):
+/// what tells one run's checkpoints from another's where only a tag fits (S3 metadata).
+pub fn job_fingerprint(job: &serde_json::Value) -> String {
+    let bytes = serde_json::to_vec(job).expect("JSON values serialize");
+    blake3::hash(&bytes).to_hex()[..32].to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -55,6 +91,29 @@ mod tests {
         assert_eq!(read_file(&path).unwrap(), b);
         let names: Vec<_> = fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names.len(), 1, "temporary left behind: {names:?}");
+    }
+
+    /// The header alone gives the metadata; a truncated header or a header length past the
+    /// bound is an error, not an allocation.
+    #[test]
+    fn the_metadata_reads_without_the_tensors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.safetensors");
+        let tensors = std::collections::BTreeMap::from([(
+            "w".to_string(),
+            crate::RawTensor::try_new("w", crate::Dtype::F32, vec![2], vec![0u8; 8]).unwrap(),
+        )]);
+        let a = StateImage::new(7, 8, RngState::new(3), serde_json::json!({"j": 1}), tensors);
+        let bytes = a.encode().unwrap();
+        write_atomic(&path, &bytes).unwrap();
+        assert_eq!(&read_meta(&path).unwrap(), a.meta());
+        assert_ne!(job_fingerprint(&a.meta().job), job_fingerprint(&serde_json::json!({"j": 2})));
+        write_atomic(&path, &bytes[..20]).unwrap();
+        assert!(read_meta(&path).unwrap_err().to_string().contains("header"));
+        let mut huge = bytes.clone();
+        huge[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+        write_atomic(&path, &huge).unwrap();
+        assert!(read_meta(&path).unwrap_err().to_string().contains("at most"));
     }
 
     #[test]

@@ -142,6 +142,13 @@ impl Manifest {
 
     /// Reads a manifest record from a stream, checking that its numbers and root agree.
     pub fn read_from(r: &mut impl Read) -> Result<Manifest, HandoffError> {
+        Manifest::read_at_most(r, MAX_TOTAL)
+    }
+
+    /// [`Manifest::read_from`] refusing, before any chunk hash is read, a state of more than
+    /// `max_total` bytes (what the receiving state can be): a source offering a terabyte
+    /// would otherwise have its 2^28 hashes read first.
+    pub fn read_at_most(r: &mut impl Read, max_total: u64) -> Result<Manifest, HandoffError> {
         let mut head = [0u8; MANIFEST_HEAD];
         r.read_exact(&mut head[..8]).map_err(io("reading the manifest"))?;
         check_magic(&head[..8], 1, r)?;
@@ -150,8 +157,11 @@ impl Manifest {
         let chunk_size = u32::from_le_bytes(head[16..20].try_into().expect("4 bytes"));
         let n = u32::from_le_bytes(head[20..24].try_into().expect("4 bytes"));
         let bad = |d: String| HandoffError::Protocol(format!("manifest: {d}"));
-        if total > MAX_TOTAL {
-            return Err(bad(format!("{total} bytes is more than allowed")));
+        if total > MAX_TOTAL.min(max_total) {
+            return Err(bad(format!(
+                "{total} bytes is more than the {} this state can be",
+                MAX_TOTAL.min(max_total)
+            )));
         }
         if !(4096..=MAX_CHUNK).contains(&chunk_size) {
             return Err(bad(format!("chunk size {chunk_size}")));
@@ -442,7 +452,7 @@ pub fn fetch<D: Dialer>(
     opts: &FetchOptions,
 ) -> Result<(Vec<u8>, FetchStats), HandoffError> {
     let want = opts.expect.unwrap_or([0; 32]);
-    let (manifest, first) = first_manifest(dialer, sources, want)?;
+    let (manifest, first) = first_manifest(dialer, sources, want, opts.max_bytes)?;
     if manifest.total > opts.max_bytes {
         return Err(HandoffError::Protocol(format!(
             "{} offers {} bytes, more than the {} this state can be",
@@ -488,13 +498,14 @@ fn first_manifest<D: Dialer>(
     dialer: &D,
     sources: &[String],
     want: [u8; 32],
+    max_bytes: u64,
 ) -> Result<(Manifest, usize), HandoffError> {
     let mut errors = Vec::new();
     for (i, src) in sources.iter().enumerate() {
         let attempt = || -> Result<Manifest, HandoffError> {
             let mut s = dialer.dial(src).map_err(io(format!("connecting to {src}")))?;
             s.write_all(&Request::Manifest(want).encode()).map_err(io("asking for the manifest"))?;
-            Manifest::read_from(&mut s)
+            Manifest::read_at_most(&mut s, max_bytes)
         };
         match attempt() {
             Ok(m) if want == [0; 32] || m.label == want => return Ok((m, i)),

@@ -324,7 +324,7 @@ impl StateImage {
 
 /// Parses the metadata JSON, checking the version before the fields so that a file from a newer
 /// build says so instead of complaining about a field it does not know.
-fn parse_meta(json: &str) -> Result<StateMeta, SnapshotError> {
+pub(crate) fn parse_meta(json: &str) -> Result<StateMeta, SnapshotError> {
     let value: serde_json::Value =
         serde_json::from_str(json).map_err(|e| SnapshotError::Meta(e.to_string()))?;
     let format = value

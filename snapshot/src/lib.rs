@@ -20,5 +20,5 @@ pub mod handoff;
 mod image;
 
 pub use error::SnapshotError;
-pub use file::{read_file, write_atomic};
+pub use file::{job_fingerprint, read_file, read_meta, write_atomic};
 pub use image::{Dtype, RawTensor, RngState, StateImage, StateMeta, FORMAT_VERSION, META_KEY};

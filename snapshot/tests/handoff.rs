@@ -69,7 +69,11 @@ fn a_state_larger_than_the_receiver_can_need_is_refused_before_it_is_allocated()
     let label = Some(label_of(img.content_hash()));
     let small = FetchOptions { expect: label, max_bytes: bytes.len() as u64 - 1, ..opts() };
     let e = fetch(&dialer(), std::slice::from_ref(&addr), &small).unwrap_err().to_string();
-    assert!(e.contains(&format!("offers {} bytes", bytes.len())), "{e}");
+    // Refused by the manifest's reader, before its chunk hashes.
+    assert!(
+        e.contains(&format!("{} bytes is more than the {} this state can be", bytes.len(), bytes.len() - 1)),
+        "{e}"
+    );
     let enough = FetchOptions { expect: label, max_bytes: bytes.len() as u64, ..opts() };
     assert_eq!(fetch(&dialer(), &[addr], &enough).unwrap().0, bytes);
 }
@@ -144,11 +148,31 @@ fn a_source_offering_another_state_is_refused() {
     assert!(err.to_string().contains("no such state"), "{err}");
 }
 
+/// A manifest announcing more than the receiver's state can be is refused from its head,
+/// before its chunk hashes (2^27 of them here) are read.
+#[test]
+fn an_oversized_manifest_is_refused_before_its_hashes_are_read() {
+    let m = Offer::new(vec![1; 8192], 4096, [2; 32]).manifest().clone();
+    let mut head = m.encode();
+    head.truncate(head.len() - 64);
+    let total: u64 = 1 << 39;
+    head[8..16].copy_from_slice(&total.to_le_bytes());
+    head[20..24].copy_from_slice(&((total / 4096) as u32).to_le_bytes());
+    let err = Manifest::read_at_most(&mut head.as_slice(), 1 << 30).unwrap_err().to_string();
+    assert!(err.contains("more than the 1073741824 this state can be"), "{err}");
+    // Unbounded, the same head would go on to read its hashes (and run out of bytes).
+    let err = Manifest::read_from(&mut head.as_slice()).unwrap_err().to_string();
+    assert!(err.contains("chunk hashes"), "{err}");
+}
+
 proptest! {
     #[test]
     fn handoff_records_of_garbage_are_refused_without_panicking(bytes in proptest::collection::vec(any::<u8>(), 0..400)) {
         let _ = Request::decode(&bytes);
         let _ = Manifest::read_from(&mut bytes.as_slice());
+        if let Ok(m) = Manifest::read_at_most(&mut bytes.as_slice(), 1 << 20) {
+            prop_assert!(m.total <= 1 << 20);
+        }
     }
 
     #[test]

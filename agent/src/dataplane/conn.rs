@@ -103,6 +103,12 @@ impl Conn {
         Ok(c)
     }
 
+    /// The fingerprint of the peer's certificate (`None`: plain TCP).
+    pub fn peer_fingerprint(&self) -> Option<String> {
+        let st = self.tls.as_ref()?.state.lock().expect("TLS lock");
+        st.peer_certificates()?.first().map(|c| limpet_consensus::tls::fingerprint(c.as_ref()))
+    }
+
     /// The node id the peer's certificate is bound to (`None`: plain TCP, or not a node's).
     pub fn peer_node(&self) -> Option<u64> {
         let st = self.tls.as_ref()?.state.lock().expect("TLS lock");
@@ -116,16 +122,50 @@ impl Conn {
         timeout: Duration,
     ) -> std::io::Result<Conn> {
         // One deadline for the whole handshake, not per read: a peer sending a byte now and
-        // then must not hold this thread for longer.
+        // then must not hold this thread (and a handshake slot) for longer. So the handshake
+        // is driven one socket call at a time, each bounded by what is left; rustls's
+        // `complete_io` would loop over reads inside one call, each given the whole timeout.
         let deadline = std::time::Instant::now() + timeout;
-        while conn.is_handshaking() {
+        let too_long = || std::io::Error::new(ErrorKind::TimedOut, "the TLS handshake took too long");
+        loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             if left.is_zero() {
-                return Err(std::io::Error::new(ErrorKind::TimedOut, "the TLS handshake took too long"));
+                return Err(too_long());
             }
             sock.set_read_timeout(Some(left))?;
             sock.set_write_timeout(Some(left))?;
-            conn.complete_io(&mut sock)?;
+            if conn.wants_write() {
+                conn.write_tls(&mut sock).map_err(|e| {
+                    if matches!(e.kind(), ErrorKind::WouldBlock) {
+                        too_long()
+                    } else {
+                        e
+                    }
+                })?;
+                continue;
+            }
+            if !conn.is_handshaking() {
+                break;
+            }
+            match conn.read_tls(&mut sock) {
+                Ok(0) => {
+                    return Err(std::io::Error::new(
+                        ErrorKind::UnexpectedEof,
+                        "the peer closed the connection during the TLS handshake",
+                    ))
+                }
+                Ok(_) => {}
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    return Err(too_long())
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+            if let Err(e) = conn.process_new_packets() {
+                // Tell the peer why (its alert is queued), as far as the socket takes it.
+                let _ = conn.write_tls(&mut sock);
+                return Err(tls_error(e));
+            }
         }
         // The writer drains everything itself; no limit on what one write may queue.
         conn.set_buffer_limit(None);

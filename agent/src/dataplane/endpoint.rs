@@ -151,6 +151,15 @@ struct Shared {
     stop: AtomicBool,
     /// Whether setting the congestion control has failed (warned about once).
     congestion_failed: AtomicBool,
+    /// Fingerprints of the certificates the cluster revoked (refused at every TLS handshake).
+    revoked: std::sync::RwLock<std::collections::HashSet<String>>,
+}
+
+impl Shared {
+    /// Whether the TLS peer's certificate is one the cluster revoked.
+    fn is_revoked(&self, conn: &Conn) -> bool {
+        conn.peer_fingerprint().is_some_and(|f| self.revoked.read().expect("revoked lock").contains(&f))
+    }
 }
 
 impl Shared {
@@ -224,6 +233,7 @@ impl Endpoint {
             arrived: Condvar::new(),
             stop: AtomicBool::new(false),
             congestion_failed: AtomicBool::new(false),
+            revoked: Default::default(),
         });
         let accept = Arc::clone(&shared);
         let acceptor = std::thread::Builder::new()
@@ -241,6 +251,12 @@ impl Endpoint {
     /// This endpoint's configuration.
     pub fn config(&self) -> &DataPlaneConfig {
         &self.shared.cfg
+    }
+
+    /// The fingerprints of the certificates the cluster revoked: refused at every TLS
+    /// handshake from now on, in both directions.
+    pub fn set_revoked(&self, fingerprints: std::collections::HashSet<String>) {
+        *self.shared.revoked.write().expect("revoked lock") = fingerprints;
     }
 
     /// Refuses connections for epochs before `epoch` from now on and drops queued ones.
@@ -306,6 +322,11 @@ impl Endpoint {
                     .map_err(|e| {
                         DataPlaneError::Refused(format!("TLS handshake with node {peer} at {addr}: {e}"))
                     })?;
+                if self.shared.is_revoked(&c) {
+                    return Err(DataPlaneError::Refused(format!(
+                        "{addr} (node {peer}) holds a revoked certificate"
+                    )));
+                }
                 match c.peer_node() {
                     Some(id) if id == peer => c,
                     other => {
@@ -417,6 +438,14 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                     tls.server.clone(),
                     shared.cfg.timeout.min(HANDSHAKE_LIMIT),
                 ) {
+                    Ok(c) if shared.is_revoked(&c) => {
+                        tracing::warn!(
+                            node = shared.cfg.node,
+                            peer,
+                            "data-plane connection refused: a revoked certificate"
+                        );
+                        return;
+                    }
                     Ok(c) => c,
                     Err(e) => {
                         tracing::warn!(node = shared.cfg.node, peer, %e, "data-plane TLS handshake refused");

@@ -35,30 +35,103 @@ impl Dialer for HandoffDialer<'_> {
     }
 }
 
-/// Serves `server`'s offers on every authenticated handoff connection the endpoint accepts,
-/// one thread per connection, until `stop` is set.
+/// Who may fetch state: a node id's verdict (the agent answers from the replicated state).
+pub type MayFetch = Arc<dyn Fn(u64) -> bool + Send + Sync>;
+
+/// The most handoff requests served at once; more are closed unanswered (the fetching side
+/// tries its next source). Several newcomers at an epoch change, each fetching in a few
+/// streams, and shadows.
+pub const MAX_HANDOFF_SERVES: usize = 32;
+/// Of those, from any one peer (its fetch's streams and a shadow's).
+pub const MAX_HANDOFF_SERVES_PER_PEER: usize = 8;
+
+/// Serves `server`'s offers on every authenticated handoff connection the endpoint accepts
+/// from a peer `may_fetch` admits, one thread per connection (at most
+/// [`MAX_HANDOFF_SERVES`]), until `stop` is set.
 pub fn serve_handoff(
     endpoint: Arc<Endpoint>,
     server: Server,
     stop: Arc<AtomicBool>,
+    may_fetch: MayFetch,
 ) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || handoff_loop(&endpoint, &server, &|| stop.load(Ordering::SeqCst)))
+    std::thread::spawn(move || handoff_loop(&endpoint, &server, &|| stop.load(Ordering::SeqCst), &may_fetch))
 }
 
 /// Serves handoff requests on the calling thread until `stop` says so (each request on a
-/// thread of its own).
-pub fn handoff_loop(endpoint: &Endpoint, server: &Server, stop: &dyn Fn() -> bool) {
+/// thread of its own, at most [`MAX_HANDOFF_SERVES`] at once, each read and write bounded by
+/// the endpoint's timeout), to peers `may_fetch` admits (current members: a removed node's
+/// certificate, or the secret alone, must not read the weights).
+pub fn handoff_loop(endpoint: &Endpoint, server: &Server, stop: &dyn Fn() -> bool, may_fetch: &MayFetch) {
+    let serving: Serving = Arc::default();
+    let timeout = endpoint.config().timeout;
     while !stop() {
         let Some((peer, conn)) = endpoint.accept_channel(Channel::Handoff, Duration::from_millis(200)) else {
             continue;
         };
+        if !may_fetch(peer) {
+            tracing::warn!(peer, "state handoff refused: not a current member");
+            continue;
+        }
+        // Taken before the thread, so it comes back even if no thread can be made.
+        let Some(slot) = Slot::take(&serving, peer) else {
+            tracing::warn!(
+                peer,
+                limit = MAX_HANDOFF_SERVES,
+                per_peer = MAX_HANDOFF_SERVES_PER_PEER,
+                "state handoff refused: serving at the cap"
+            );
+            continue;
+        };
+        if let Err(e) =
+            conn.set_read_timeout(Some(timeout)).and_then(|()| conn.set_write_timeout(Some(timeout)))
+        {
+            tracing::warn!(peer, %e, "state handoff dropped");
+            continue;
+        }
         let server = server.clone();
-        std::thread::spawn(move || {
+        let spawned = std::thread::Builder::new().name("limpet-handoff".into()).spawn(move || {
+            let _slot = slot;
             let mut conn = SentCounter(conn);
             if let Err(e) = server.serve(&mut conn, None) {
                 tracing::warn!(peer, %e, "state handoff to a peer failed");
             }
         });
+        if let Err(e) = spawned {
+            // The closure, and the slot it held, went with the error.
+            tracing::warn!(peer, %e, "state handoff dropped: no thread");
+        }
+    }
+}
+
+/// Requests being served, by peer.
+type Serving = Arc<std::sync::Mutex<std::collections::HashMap<u64, usize>>>;
+
+/// One request being served; given back when its thread ends, however it ends.
+struct Slot(Serving, u64);
+
+impl Slot {
+    /// A slot for `peer`, unless the endpoint or that peer is at its cap.
+    fn take(serving: &Serving, peer: u64) -> Option<Slot> {
+        let mut m = serving.lock().expect("serving lock");
+        let total: usize = m.values().sum();
+        let n = m.entry(peer).or_insert(0);
+        if total >= MAX_HANDOFF_SERVES || *n >= MAX_HANDOFF_SERVES_PER_PEER {
+            return None;
+        }
+        *n += 1;
+        Some(Slot(Arc::clone(serving), peer))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut m = self.0.lock().expect("serving lock");
+        if let Some(n) = m.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.1);
+            }
+        }
     }
 }
 

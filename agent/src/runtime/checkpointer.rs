@@ -144,8 +144,9 @@ impl Part {
                 metrics::gauge!("limpet_checkpoint_step").set(self.step as f64);
                 metrics::histogram!("limpet_checkpoint_seconds").record(secs);
                 tracing::info!(step = self.step, blocks = ?self.blocks, path = %path.display(), ms = (secs * 1e3) as u64, "checkpoint written");
+                let job = &self.image.meta().job;
                 if let Err(e) =
-                    crate::checkpoint::prune(&self.settings.dir, self.settings.keep, self.model_blocks)
+                    crate::checkpoint::prune(&self.settings.dir, self.settings.keep, self.model_blocks, job)
                 {
                     tracing::warn!(%e, "could not delete old checkpoints");
                 }
@@ -154,8 +155,9 @@ impl Part {
                     let copied = self.rt.block_on(async {
                         let remote = self.remote.get_or_init(|| crate::remote::Remote::connect(r)).await;
                         let hash = self.image.content_hash().to_string();
-                        let url = remote.upload(self.step, &self.blocks, &path, &hash).await?;
-                        if let Err(e) = remote.prune(self.settings.keep, self.model_blocks).await {
+                        let job = limpet_snapshot::job_fingerprint(job);
+                        let url = remote.upload(self.step, &self.blocks, &path, &hash, &job).await?;
+                        if let Err(e) = remote.prune(self.settings.keep, self.model_blocks, &job).await {
                             tracing::warn!(%e, "could not delete old checkpoints in S3");
                         }
                         Ok::<_, crate::checkpoint::CheckpointError>(url)

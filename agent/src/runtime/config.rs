@@ -11,6 +11,25 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// The cluster secret: its bytes never appear in `{:?}` output (an agent's configuration is
+/// logged and shown in errors).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(pub Vec<u8>);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Secret(<{} bytes, redacted>)", self.0.len())
+    }
+}
+
+impl std::ops::Deref for Secret {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
 /// Everything an agent needs to run.
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
@@ -31,7 +50,7 @@ pub struct AgentConfig {
     /// State directory.
     pub state_dir: PathBuf,
     /// Cluster secret.
-    pub secret: Vec<u8>,
+    pub secret: Secret,
     /// Founding members (identical on every founder), or `None` to join through `seeds`.
     pub bootstrap: Option<Vec<MemberSpec>>,
     /// Control addresses to join through.
@@ -146,7 +165,7 @@ impl AgentConfig {
             data: "127.0.0.1:0".parse().expect("address"),
             advertise_data: String::new(),
             state_dir,
-            secret,
+            secret: Secret(secret),
             bootstrap: None,
             seeds: Vec::new(),
             job,
@@ -211,4 +230,20 @@ pub enum Resume {
     IfPresent,
     /// Always start at step 0.
     Never,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The configuration's `{:?}` (logged at start, shown in errors) names the secret's
+    /// length, never its bytes.
+    #[test]
+    fn the_secret_stays_out_of_debug_output() {
+        let secret = Secret(b"do-not-print-me-0123456789".to_vec());
+        let shown = format!("{secret:?}");
+        assert!(!shown.contains("do-not-print-me") && !shown.contains("100, 111"), "{shown}");
+        assert!(shown.contains("26 bytes, redacted"), "{shown}");
+        assert_eq!(&*secret, b"do-not-print-me-0123456789");
+    }
 }

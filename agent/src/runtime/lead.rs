@@ -142,12 +142,12 @@ async fn find_resume_point(
     };
     let dir = settings.dir.clone();
     let required = settings.resume == Resume::Required;
-    if required && !dir.is_dir() {
-        // A shared mount that is not there yet must not read as "no checkpoint".
-        anyhow::bail!(
-            "the checkpoint directory {} is missing ([checkpoint].resume = \"required\" waits for it)",
-            dir.display()
-        );
+    if required {
+        // A shared mount that is not there yet (a missing directory, or the empty mount point
+        // it is mounted on) must not read as "no checkpoint".
+        if let Err(why) = crate::checkpoint::trusted_dir(&dir) {
+            anyhow::bail!("the checkpoint directory: {why} ([checkpoint].resume = \"required\" waits)");
+        }
     }
     let job = serde_json::to_value(&cfg.job)?;
     let blocks = cfg.job.model.num_blocks();

@@ -30,7 +30,7 @@ pub use tasks::Tasks;
 use crate::dataplane::handoff::handoff_loop;
 use crate::dataplane::{DataPlaneConfig, Endpoint};
 use crate::report::{AgentReport, Phase};
-use limpet_consensus::state::{cluster_id, Command, Hardware, MemberSpec, NodeId};
+use limpet_consensus::state::{cluster_id, Command, Hardware, MemberSpec, MemberStatus, NodeId};
 use limpet_consensus::{NodeConfig, NodeHandle};
 use limpet_snapshot::handoff::Server;
 use limpet_trainer::data::Dataset;
@@ -113,7 +113,13 @@ impl Agent {
         let (serving, offers, stopped) = (Arc::clone(&endpoint), server.clone(), Arc::clone(&stop_serving));
         let root = tasks.token();
         let stop = move || stopped.load(std::sync::atomic::Ordering::SeqCst) || root.is_cancelled();
-        tasks.spawn_thread("handoff", move || handoff_loop(&serving, &offers, &stop))?;
+        // Who may fetch state: the log's current members (not failed, not gone), filled in
+        // once the node runs; nobody before.
+        let fetchers: Arc<std::sync::RwLock<std::collections::BTreeSet<u64>>> = Arc::default();
+        let admits = Arc::clone(&fetchers);
+        let may_fetch: crate::dataplane::handoff::MayFetch =
+            Arc::new(move |peer| admits.read().expect("fetchers lock").contains(&peer));
+        tasks.spawn_thread("handoff", move || handoff_loop(&serving, &offers, &stop, &may_fetch))?;
 
         let ncfg = node_config(&cfg, data_addr);
         let node = limpet_consensus::Node::start(ncfg.clone(), tasks.token()).await?;
@@ -123,6 +129,28 @@ impl Agent {
         tasks.spawn("consensus", async move {
             if let Err(e) = node.wait().await {
                 watcher.fail("consensus", &e.to_string());
+            }
+        });
+        let mut applied = handle.watch();
+        let done = tasks.token();
+        // The data plane refuses the certificates the log revokes, as the log says.
+        let revoking = Arc::clone(&endpoint);
+        tasks.spawn("handoff-members", async move {
+            loop {
+                let members: std::collections::BTreeSet<u64> = applied
+                    .borrow_and_update()
+                    .state
+                    .members
+                    .values()
+                    .filter(|m| !matches!(m.status, MemberStatus::Failed | MemberStatus::Gone))
+                    .map(|m| m.spec.id)
+                    .collect();
+                *fetchers.write().expect("fetchers lock") = members;
+                revoking.set_revoked(applied.borrow().state.revoked.0.keys().cloned().collect());
+                tokio::select! {
+                    changed = applied.changed() => if changed.is_err() { return },
+                    () = done.cancelled() => return,
+                }
             }
         });
         let me = MemberSpec {
@@ -241,7 +269,7 @@ impl Agent {
 /// The data-plane endpoint the configuration describes (TLS when the cluster has
 /// certificates and does not opt out).
 fn bind_data_plane(cfg: &AgentConfig) -> anyhow::Result<Endpoint> {
-    let mut dp = DataPlaneConfig::new(cluster_id(&cfg.cluster), cfg.id, cfg.secret.clone());
+    let mut dp = DataPlaneConfig::new(cluster_id(&cfg.cluster), cfg.id, cfg.secret.to_vec());
     dp.timeout = cfg.dp_timeout;
     dp.congestion = cfg.dp_congestion.clone();
     if let (Some(tls), true) = (&cfg.tls, cfg.tls_data) {

@@ -6,12 +6,16 @@
 //! reach the log as versioned JSON (`Proposal`), which keeps the log readable and lets a newer
 //! agent refuse a record it does not understand instead of misreading it.
 
+mod authority;
 mod capacity;
 mod cause;
 mod epoch_check;
+mod revoked;
 mod throughput;
+pub use authority::Proposer;
 pub use capacity::{CapacityAction, CapacityLog, CapacityRecord, Market, Pool, MAX_CAPACITY_RECORDS};
 pub use cause::Cause;
+pub use revoked::{is_fingerprint, Revoked, MAX_REVOKED};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 pub use throughput::{Throughput, ThroughputLog, MAX_THROUGHPUT_WORLDS};
@@ -232,6 +236,9 @@ pub struct ClusterState {
     /// Training throughput measured at each world size (what scaling by value fits).
     #[serde(default)]
     pub throughput: ThroughputLog,
+    /// Certificates the cluster no longer accepts (`limpet certs revoke`).
+    #[serde(default, skip_serializing_if = "Revoked::is_empty")]
+    pub revoked: Revoked,
 }
 
 /// A change to the cluster state.
@@ -321,6 +328,13 @@ pub enum Command {
     RecordThroughput {
         /// At which world size, how fast.
         record: Throughput,
+    },
+    /// An operator revoked a certificate: no node accepts it from now on.
+    RevokeCertificate {
+        /// SHA-256 of the certificate's DER bytes, 64 lowercase hex digits.
+        fingerprint: String,
+        /// Whom it was issued to (for `limpet status` and the logs).
+        name: String,
     },
 }
 
@@ -467,6 +481,7 @@ impl ClusterState {
             history: Vec::new(),
             capacity: CapacityLog::default(),
             throughput: ThroughputLog::default(),
+            revoked: Revoked::default(),
         };
         state.voters.sort_unstable();
         for m in members {
@@ -529,6 +544,7 @@ impl ClusterState {
             Command::RecordCheckpoint { record } => self.apply_checkpoint(record),
             Command::RecordCapacity { record } => self.capacity.apply(record),
             Command::RecordThroughput { record } => self.throughput.apply(record, self.last_epoch_id),
+            Command::RevokeCertificate { fingerprint, name } => self.revoked.apply(fingerprint, name),
             Command::CancelEpoch { id, reason } => match &self.scheduled {
                 Some(e) if e.id == *id => {
                     self.scheduled = None;
@@ -709,6 +725,7 @@ impl ClusterState {
         }
         self.capacity.validate()?;
         self.throughput.validate()?;
+        self.revoked.validate()?;
         if let Some(e) = &self.current {
             if e.ranks.iter().any(|r| !self.members.contains_key(r)) {
                 return Err(format!("current epoch {} names a node that is not a member", e.id));

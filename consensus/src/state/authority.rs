@@ -1,0 +1,149 @@
+//! Who may propose which command: a node about itself, an operator's drains, notices and
+//! removals, and everything else only the leader's own controllers. Checked where a proposal
+//! arrives: at the gRPC boundary against the caller's certificate, and at the leader against
+//! the node that forwarded it through raft.
+
+use super::{Command, NodeId};
+
+/// Who asks for a command, as far as the asker can be proven: see [`Command::authorize`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Proposer {
+    /// The leading node's own controllers (in process, at the leader).
+    Leader,
+    /// A node speaking for itself: its certificate over gRPC, or its raft messages (which
+    /// carry only proposals of the node that forwards them).
+    Node(NodeId),
+    /// An operator's certificate (or any caller of a cluster without TLS, where nothing
+    /// proves who calls), proposing at the leader.
+    Operator,
+}
+
+/// Who may propose which command (docs/security.md shows this table):
+///
+/// | command | the node it is about | operator | leader's controller |
+/// |---|---|---|---|
+/// | `Join` | yes | no | yes |
+/// | `Notice`, `Drain` | yes | yes | yes |
+/// | `Remove` | no | yes | yes |
+/// | `UpdateHardware` | yes | no | yes |
+/// | `RecordCheckpoint` | the node that wrote it | no | yes |
+/// | `Activate`, `MarkFailed`, `SetJob`, `ScheduleEpoch`, `CancelEpoch`, `ActivateEpoch`, `RecordCapacity`, `RecordThroughput` | no | no | yes |
+impl Command {
+    /// Whether `who` may propose this command; the reason when not.
+    pub fn authorize(&self, who: Proposer) -> Result<(), String> {
+        let about = match self {
+            Command::RecordCheckpoint { record } => Some(record.node),
+            _ => self.subject(),
+        };
+        let (node_may, operator_may) = match self {
+            Command::Join { .. } | Command::UpdateHardware { .. } | Command::RecordCheckpoint { .. } => {
+                (true, false)
+            }
+            Command::Notice { .. } | Command::Drain { .. } => (true, true),
+            Command::Remove { .. } | Command::RevokeCertificate { .. } => (false, true),
+            Command::Activate { .. }
+            | Command::MarkFailed { .. }
+            | Command::SetJob { .. }
+            | Command::ScheduleEpoch { .. }
+            | Command::CancelEpoch { .. }
+            | Command::ActivateEpoch { .. }
+            | Command::RecordCapacity { .. }
+            | Command::RecordThroughput { .. } => (false, false),
+        };
+        let kind = self.kind();
+        match who {
+            Proposer::Leader => Ok(()),
+            Proposer::Operator if operator_may => Ok(()),
+            Proposer::Operator => {
+                Err(format!("an operator may not propose {kind}: only drain, notice (revoke) and remove"))
+            }
+            Proposer::Node(id) if node_may && about == Some(id) => Ok(()),
+            Proposer::Node(id) if node_may => Err(format!(
+                "node {id} may propose {kind} only about itself, not node {}",
+                about.unwrap_or(0)
+            )),
+            Proposer::Node(id) => Err(format!(
+                "node {id} may not propose {kind}: {}",
+                if operator_may {
+                    "only an operator or the leader"
+                } else {
+                    "only the leader's controller decides it"
+                }
+            )),
+        }
+    }
+
+    /// The command's kind as written in the log (`schedule_epoch`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Command::Join { .. } => "join",
+            Command::Activate { .. } => "activate",
+            Command::Notice { .. } => "notice",
+            Command::Drain { .. } => "drain",
+            Command::MarkFailed { .. } => "mark_failed",
+            Command::Remove { .. } => "remove",
+            Command::UpdateHardware { .. } => "update_hardware",
+            Command::SetJob { .. } => "set_job",
+            Command::ScheduleEpoch { .. } => "schedule_epoch",
+            Command::CancelEpoch { .. } => "cancel_epoch",
+            Command::ActivateEpoch { .. } => "activate_epoch",
+            Command::RecordCheckpoint { .. } => "record_checkpoint",
+            Command::RecordCapacity { .. } => "record_capacity",
+            Command::RecordThroughput { .. } => "record_throughput",
+            Command::RevokeCertificate { .. } => "revoke_certificate",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::{CheckpointRecord, Hardware, MemberSpec};
+
+    fn all(id: NodeId) -> Vec<Command> {
+        let member = MemberSpec {
+            id,
+            name: "n".into(),
+            control_addr: String::new(),
+            data_addr: String::new(),
+            hardware: Hardware::default(),
+        };
+        let record = CheckpointRecord {
+            step: 1,
+            epoch: 1,
+            content_hash: String::new(),
+            location: String::new(),
+            node: id,
+        };
+        vec![
+            Command::Join { member },
+            Command::Activate { id },
+            Command::Notice { id, deadline_ms: 1, source: "t".into() },
+            Command::Drain { id, reason: "t".into() },
+            Command::MarkFailed { id, reason: "t".into() },
+            Command::Remove { id, reason: "t".into() },
+            Command::UpdateHardware { id, hardware: Hardware::default() },
+            Command::SetJob { job: serde_json::json!({}) },
+            Command::CancelEpoch { id: 1, reason: "t".into() },
+            Command::ActivateEpoch { id: 1 },
+            Command::RecordCheckpoint { record },
+            Command::RevokeCertificate { fingerprint: "ab".repeat(32), name: "n".into() },
+        ]
+    }
+
+    /// The table in the docs, row by row: what a node may say about itself and about
+    /// another, what an operator may, and that the leader may do all.
+    #[test]
+    fn each_command_names_who_may_propose_it() {
+        for (c, o) in all(2).iter().zip(&all(3)) {
+            let kind = c.kind();
+            assert_eq!(serde_json::to_value(c).unwrap()["kind"], kind, "kind() is the log's tag");
+            let own = ["join", "notice", "drain", "update_hardware", "record_checkpoint"].contains(&kind);
+            let operator = ["notice", "drain", "remove", "revoke_certificate"].contains(&kind);
+            assert_eq!(c.authorize(Proposer::Node(2)).is_ok(), own, "node 2: {kind} about itself");
+            assert!(o.authorize(Proposer::Node(2)).is_err(), "node 2: {kind} about node 3");
+            assert_eq!(c.authorize(Proposer::Operator).is_ok(), operator, "operator: {kind}");
+            assert!(c.authorize(Proposer::Leader).is_ok(), "leader: {kind}");
+        }
+    }
+}
