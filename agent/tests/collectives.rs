@@ -333,3 +333,51 @@ fn data_plane_sockets_use_the_configured_congestion_control() {
     let err = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg).err().expect("refused");
     assert!(err.to_string().contains("\"Reno!\""), "{err}");
 }
+
+/// A short-timeout endpoint for the byte-stream properties below.
+fn quick(node: u64) -> Endpoint {
+    let mut cfg = DataPlaneConfig::new(9, node, b"collectives-test-secret".to_vec());
+    cfg.timeout = Duration::from_millis(300);
+    Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg).unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Arbitrary byte streams sent to the data port (what `fuzz/fuzz_targets/dataplane_stream`
+    /// sends without end) are refused without a panic, and a member connects right after.
+    #[test]
+    fn arbitrary_bytes_on_the_data_port_are_refused_and_a_member_still_connects(
+        streams in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..160), 1..4),
+    ) {
+        use std::io::{Read, Write};
+        let (server, member) = (quick(1), quick(2));
+        for bytes in &streams {
+            let mut s = std::net::TcpStream::connect(server.addr()).unwrap();
+            let _ = s.write_all(bytes);
+            let _ = s.shutdown(std::net::Shutdown::Write);
+            s.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+            let _ = s.read(&mut [0u8; 256]);
+        }
+        prop_assert!(member.connect(&server.addr().to_string(), 1, 1, Channel::Ring).is_ok());
+        prop_assert!(server.accept_from(2, 1, Channel::Ring).is_ok());
+    }
+
+    /// An endpoint dialling a "server" that answers with arbitrary bytes gets an error (the
+    /// answer needs the server's proof over the dialler's fresh nonce), never a panic.
+    #[test]
+    fn a_server_answering_garbage_is_refused(bytes in proptest::collection::vec(any::<u8>(), 0..160)) {
+        use std::io::{Read, Write};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let fake = std::thread::spawn(move || {
+            if let Ok((mut s, _)) = l.accept() {
+                s.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+                let _ = s.read(&mut [0u8; 256]);
+                let _ = s.write_all(&bytes);
+            }
+        });
+        prop_assert!(quick(2).connect(&addr, 1, 1, Channel::Ring).is_err());
+        fake.join().unwrap();
+    }
+}
