@@ -193,6 +193,43 @@ fn a_cluster_with_certificates_trains_and_refuses_callers_without_the_right_one(
         rt.block_on(status_served(&addr, cid, &ca, Some((&operator.cert, &operator.key)))).unwrap();
     }
 
+    // A node's raft sender checks that the server it reaches is the node it dials (every node
+    // certificate holds the same name): node 1's address, dialled as node 2, is refused;
+    // dialled as node 1, it takes the batch.
+    {
+        use limpet_consensus::transport::{PeerReport, PeerSender};
+        use raft::prelude::{Message, MessageType};
+        let me = Arc::new(Tls::load(&files(&certs_dir, "node-3")).unwrap());
+        let node1 = c.file.nodes[0].control.clone();
+        let stale = |to: u64| {
+            let mut m = Message::default();
+            m.set_msg_type(MessageType::MsgHeartbeatResponse);
+            (m.from, m.to, m.term) = (3, to, 1);
+            m
+        };
+        rt.block_on(async {
+            let (tx, mut reports) = tokio::sync::mpsc::unbounded_channel();
+            let wrong = PeerSender::spawn(
+                cid,
+                (3, String::new()),
+                2,
+                node1.clone(),
+                Some(Arc::clone(&me)),
+                tx.clone(),
+            );
+            // (Addressed to node 1, which the server is and would accept: only the sender's own
+            // check can refuse it, as it must refuse a hostile server that accepts anything.)
+            assert!(wrong.send(stale(1)));
+            let r = tokio::time::timeout(Duration::from_secs(10), reports.recv()).await.unwrap().unwrap();
+            assert!(matches!(r, PeerReport::Unreachable(2)), "{r:?}");
+            let right =
+                PeerSender::spawn(cid, (3, String::new()), 1, node1.clone(), Some(Arc::clone(&me)), tx);
+            assert!(right.send(stale(1)));
+            let r = tokio::time::timeout(Duration::from_secs(4), reports.recv()).await;
+            assert!(r.is_err(), "the sender to node 1 at node 1's address reported {r:?}");
+        });
+    }
+
     // A second operator's certificate, revoked: refused by every node from then on (the
     // cluster's other certificates are not).
     certs::issue_for_days(&certs_dir, "op2", Kind::Client, 10).unwrap();

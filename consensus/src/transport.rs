@@ -114,7 +114,10 @@ impl PeerSender {
                 let has_snapshot = msgs.iter().any(|m| m.get_msg_type() == MessageType::MsgSnapshot);
                 let mut batch = encode_batch(cluster_id, from, &msgs);
                 batch.from_addr.clone_from(&from_addr);
-                let c = client.get_or_insert_with(|| connect_lazy(&target, tls.as_deref()));
+                let c = client.get_or_insert_with(|| match tls.as_deref() {
+                    Some(t) => connect_pinned(&target, t, to),
+                    None => connect_lazy(&target, None),
+                });
                 let sent = tokio::time::timeout(Duration::from_secs(2), c.send(batch)).await;
                 let ok = matches!(sent, Ok(Ok(_)));
                 if !ok {
@@ -153,6 +156,53 @@ fn endpoint_tls(
         Some(t) => e.tls_config(t).map_err(|e| ConsensusError::Config(format!("TLS for {addr}: {e}"))),
         None => Ok(e),
     }
+}
+
+/// A lazy channel to node `node` at `addr` over TLS that this module runs itself (tonic
+/// speaks HTTP/2 over it), so that the server's certificate must be *that* node's, not any
+/// node's of the CA: every node certificate holds the same DNS name, which is all tonic's own
+/// TLS checks. A stale address in the log, or a member answering for another, is refused.
+fn connect_pinned(
+    addr: &str,
+    tls: &Tls,
+    node: NodeId,
+) -> pb::consensus_client::ConsensusClient<tonic::transport::Channel> {
+    let cfg = match tls.data_client() {
+        Ok(c) => {
+            let mut c = (*c).clone();
+            c.alpn_protocols = vec![b"h2".to_vec()];
+            Arc::new(c)
+        }
+        // No identity: as if unreachable (the node cannot speak raft without one anyway).
+        Err(_) => return connect_lazy("0.0.0.0:1", None),
+    };
+    let target = addr.to_string();
+    let connector = tower::service_fn(move |_: tonic::codegen::http::Uri| {
+        let (cfg, target) = (Arc::clone(&cfg), target.clone());
+        async move {
+            let tcp = tokio::net::TcpStream::connect(&target).await?;
+            tcp.set_nodelay(true)?;
+            let name = rustls::pki_types::ServerName::try_from(crate::tls::NODE_NAME).expect("a DNS name");
+            let stream = tokio_rustls::TlsConnector::from(cfg).connect(name, tcp).await?;
+            let peer =
+                stream.get_ref().1.peer_certificates().and_then(|c| c.first()).and_then(crate::tls::peer_of);
+            match peer.and_then(|p| p.node) {
+                Some(id) if id == node => Ok(hyper_util::rt::TokioIo::new(stream)),
+                other => Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!(
+                        "{target} was to be node {node}, but its certificate is {}",
+                        other.map_or("no node's".into(), |id| format!("node {id}'s"))
+                    ),
+                )),
+            }
+        }
+    });
+    let channel = match tonic::transport::Endpoint::from_shared(format!("http://{addr}")) {
+        Ok(e) => e.connect_timeout(Duration::from_secs(1)).connect_with_connector_lazy(connector),
+        Err(_) => tonic::transport::Endpoint::from_static("http://0.0.0.0:1").connect_lazy(),
+    };
+    pb::consensus_client::ConsensusClient::new(channel)
 }
 
 fn connect_lazy(
