@@ -214,6 +214,30 @@ fn status_by_address_named_step_logs_and_a_quiet_drain_of_the_leader() {
         );
     }
 
+    // Once the drained leader has left the cluster, a heartbeat in its name is refused: a
+    // report from a gone node must not make it look alive.
+    let gone = c.file.node(&leader).unwrap().id;
+    let cid = limpet_consensus::state::cluster_id(&c.file.cluster);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let refusal = rt.block_on(async {
+        use limpet_consensus::transport::pb;
+        let url = format!("http://{}", survivor.control);
+        let mut client = pb::consensus_client::ConsensusClient::connect(url).await.unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let beat =
+                pb::HeartbeatRequest { cluster_id: cid, from: gone, report: vec![], cluster: String::new() };
+            match client.heartbeat(beat).await {
+                Err(e) if e.message().contains("has left the cluster") => break e,
+                _ if std::time::Instant::now() > deadline => {
+                    panic!("node {gone}'s heartbeats still accepted")
+                }
+                _ => tokio::time::sleep(Duration::from_millis(250)).await,
+            }
+        }
+    });
+    assert_eq!(refusal.code(), tonic::Code::PermissionDenied, "{refusal:?}");
+
     // A notice through the node's metadata service, reported as JSON.
     let other = c.file.nodes.iter().find(|n| n.name != leader && n.name != survivor.name).unwrap();
     let notice = json_of(&limpet(&["revoke", &other.name, "--in", "30", "--dir", ds, "--json"]));
