@@ -70,6 +70,56 @@ async fn raw_client(
     Ok(pb::consensus_client::ConsensusClient::new(channel))
 }
 
+/// A control-plane server that answers every proposal "not the leader: node `leader` leads,
+/// at `addr`", as a node does, and serves nothing else.
+struct Redirector {
+    leader: u64,
+    addr: String,
+}
+
+#[tonic::async_trait]
+impl pb::consensus_server::Consensus for Redirector {
+    async fn send(
+        &self,
+        _: tonic::Request<pb::RaftBatch>,
+    ) -> Result<tonic::Response<pb::SendAck>, tonic::Status> {
+        Err(tonic::Status::unimplemented("redirects only"))
+    }
+    async fn propose(
+        &self,
+        _: tonic::Request<pb::ProposeRequest>,
+    ) -> Result<tonic::Response<pb::ProposeReply>, tonic::Status> {
+        let mut s = tonic::Status::aborted("not the leader");
+        s.metadata_mut().insert("limpet-leader-id", self.leader.to_string().parse().unwrap());
+        s.metadata_mut().insert("limpet-leader-addr", self.addr.parse().unwrap());
+        Err(s)
+    }
+    async fn read(
+        &self,
+        _: tonic::Request<pb::ReadRequest>,
+    ) -> Result<tonic::Response<pb::ReadReply>, tonic::Status> {
+        Err(tonic::Status::unimplemented("redirects only"))
+    }
+    async fn status(
+        &self,
+        _: tonic::Request<pb::StatusRequest>,
+    ) -> Result<tonic::Response<pb::StatusReply>, tonic::Status> {
+        Err(tonic::Status::unimplemented("redirects only"))
+    }
+    async fn heartbeat(
+        &self,
+        _: tonic::Request<pb::HeartbeatRequest>,
+    ) -> Result<tonic::Response<pb::HeartbeatReply>, tonic::Status> {
+        Err(tonic::Status::unimplemented("redirects only"))
+    }
+    async fn reports(
+        &self,
+        _: tonic::Request<pb::ReportsRequest>,
+    ) -> Result<tonic::Response<pb::ReportsReply>, tonic::Status> {
+        Err(tonic::Status::unimplemented("redirects only"))
+    }
+}
+
 /// Whether a status call with this CA and identity is served.
 async fn status_served(
     addr: &str,
@@ -227,6 +277,33 @@ fn a_cluster_with_certificates_trains_and_refuses_callers_without_the_right_one(
             assert!(right.send(stale(1)));
             let r = tokio::time::timeout(Duration::from_secs(4), reports.recv()).await;
             assert!(r.is_err(), "the sender to node 1 at node 1's address reported {r:?}");
+        });
+    }
+
+    // A node answering a proposal with "the leader is node 3, at this address" while the
+    // address is node 1's (a member answering for another, or a stale address): the client
+    // follows it only to node 3's certificate. Unpinned, node 1 would take the proposal (or
+    // pass it on to the leader).
+    {
+        let node2 = Tls::load(&files(&certs_dir, "node-2")).unwrap();
+        let redirect = Redirector { leader: 3, addr: c.file.nodes[0].control.clone() };
+        let op_tls = Tls::load(&operator).unwrap();
+        rt.block_on(async {
+            let incoming =
+                tonic::transport::server::TcpIncoming::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+            let fake = incoming.local_addr().unwrap().to_string();
+            let server = tonic::transport::Server::builder()
+                .tls_config(node2.grpc_server())
+                .unwrap()
+                .add_service(pb::consensus_server::ConsensusServer::new(redirect))
+                .serve_with_incoming(incoming);
+            let served = tokio::spawn(server);
+            let mut client =
+                limpet_consensus::Client::connect_with(&fake, &cluster, Some(&op_tls)).await.unwrap();
+            let drain = limpet_consensus::state::Command::Drain { id: 99, reason: "redirect test".into() };
+            let e = client.propose(&drain, Duration::from_secs(2)).await.unwrap_err().to_string();
+            assert!(e.contains("was to be node 3, but its certificate is node 1's"), "{e}");
+            served.abort();
         });
     }
 

@@ -381,3 +381,48 @@ proptest! {
         fake.join().unwrap();
     }
 }
+
+#[path = "support/hostile_peer.rs"]
+mod hostile_peer;
+use hostile_peer::hostile_peer_case;
+use limpet_agent::dataplane::frame::{Header, Kind};
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    /// A member past a valid handshake sending arbitrary bytes, raw or behind a well-formed
+    /// header for the very collective or pipeline receive the honest node waits on (what
+    /// `fuzz/fuzz_targets/dataplane_peer` sends without end), gets an error and a broken
+    /// group or link within the timeout, never a panic or a hang.
+    #[test]
+    fn a_member_sending_garbage_frames_breaks_only_its_collective(
+        op in 0u8..8,
+        mode in any::<u8>(),
+        bytes in proptest::collection::vec(any::<u8>(), 0..200),
+    ) {
+        let mut input = vec![op, mode];
+        input.extend_from_slice(&bytes);
+        let _ = hostile_peer_case(&input);
+    }
+}
+
+/// The harness itself can fail: it reaches the payload checks. In a world of two, a
+/// one-value barrier's only frame from the peer is the reduce-scatter's; a truthful one
+/// carrying 1.0 completes the barrier, 2.0 makes it count three ranks, and the right value
+/// behind a header for another step is refused as stale.
+#[test]
+fn the_hostile_peer_harness_reaches_the_payload() {
+    let frame = |step: u64, v: f32| {
+        let mut input = vec![5u8, 0];
+        input.extend_from_slice(&Header { kind: Kind::Data, epoch: 1, step, seq: 0, len: 4 }.encode());
+        input.extend_from_slice(&v.to_le_bytes());
+        input
+    };
+    assert!(hostile_peer_case(&frame(5, 1.0)).is_ok());
+    let counted = hostile_peer_case(&frame(5, 2.0));
+    assert!(matches!(&counted, Err(DataPlaneError::Protocol(m)) if m.contains("3 of 2")), "{counted:?}");
+    assert!(
+        matches!(hostile_peer_case(&frame(4, 1.0)), Err(DataPlaneError::Stale(_))),
+        "a stale frame passed"
+    );
+}

@@ -167,15 +167,25 @@ fn connect_pinned(
     tls: &Tls,
     node: NodeId,
 ) -> pb::consensus_client::ConsensusClient<tonic::transport::Channel> {
-    let cfg = match tls.data_client() {
-        Ok(c) => {
-            let mut c = (*c).clone();
-            c.alpn_protocols = vec![b"h2".to_vec()];
-            Arc::new(c)
-        }
+    match pinned_config(tls) {
+        Some(cfg) => connect_pinned_with(addr, cfg, node),
         // No identity: as if unreachable (the node cannot speak raft without one anyway).
-        Err(_) => return connect_lazy("0.0.0.0:1", None),
-    };
+        None => connect_lazy("0.0.0.0:1", None),
+    }
+}
+
+/// The client side of [`connect_pinned`]'s TLS (HTTP/2 by ALPN), for a holder of an identity.
+fn pinned_config(tls: &Tls) -> Option<Arc<rustls::ClientConfig>> {
+    let mut c = (*tls.data_client().ok()?).clone();
+    c.alpn_protocols = vec![b"h2".to_vec()];
+    Some(Arc::new(c))
+}
+
+fn connect_pinned_with(
+    addr: &str,
+    cfg: Arc<rustls::ClientConfig>,
+    node: NodeId,
+) -> pb::consensus_client::ConsensusClient<tonic::transport::Channel> {
     let target = addr.to_string();
     let connector = tower::service_fn(move |_: tonic::codegen::http::Uri| {
         let (cfg, target) = (Arc::clone(&cfg), target.clone());
@@ -243,6 +253,8 @@ pub struct Client {
     /// The TLS settings it connected with, to follow a node's answer that the leader is
     /// elsewhere.
     tls: Option<tonic::transport::ClientTlsConfig>,
+    /// With an identity, the TLS that pins a redirect to the leader the answer names.
+    pinned: Option<Arc<rustls::ClientConfig>>,
 }
 
 /// How many times a proposal follows "ask the leader there" before giving up (a leader
@@ -301,6 +313,7 @@ impl Client {
 
     /// Connects with mutual TLS when `tls` is given (the cluster runs with certificates).
     pub async fn connect_with(addr: &str, cluster: &str, tls: Option<&Tls>) -> Result<Client> {
+        let pinned = tls.and_then(pinned_config);
         let tls = tls.map(Tls::grpc_client);
         let channel = connect_channel(addr, tls.clone()).await?;
         Ok(Client {
@@ -308,6 +321,7 @@ impl Client {
             cluster: cluster.to_string(),
             inner: pb::consensus_client::ConsensusClient::new(channel),
             tls,
+            pinned,
         })
     }
 
@@ -348,7 +362,9 @@ impl Client {
         // Proposals are made at the leader (where the caller's certificate is checked): a
         // node that does not lead says where the leader is, and the client goes there.
         // The redirect's channel serves this proposal only: the client stays with the node it
-        // was made for (a leader it was sent to may be gone by the next call).
+        // was made for (a leader it was sent to may be gone by the next call). The answer
+        // names the leader, so the redirect must reach that node's certificate: a node (or a
+        // member answering for it) cannot send the proposal to another of its choosing.
         let mut redirects = 0;
         let mut at = self.inner.clone();
         let reply = loop {
@@ -357,12 +373,16 @@ impl Client {
                 .map_err(|_| ConsensusError::Timeout { waited, what: "the node to answer a proposal" })?
                 .map_err(status_error);
             match answer {
-                Err(ConsensusError::NotLeader { addr, .. })
+                Err(ConsensusError::NotLeader { addr, leader, .. })
                     if !addr.is_empty() && redirects < MAX_REDIRECTS =>
                 {
                     redirects += 1;
-                    let channel = connect_channel(&addr, self.tls.clone()).await?;
-                    at = pb::consensus_client::ConsensusClient::new(channel);
+                    at = match &self.pinned {
+                        Some(cfg) => connect_pinned_with(&addr, Arc::clone(cfg), leader),
+                        None => pb::consensus_client::ConsensusClient::new(
+                            connect_channel(&addr, self.tls.clone()).await?,
+                        ),
+                    };
                 }
                 answer => break answer?.into_inner(),
             }

@@ -22,7 +22,8 @@ static SERVER: OnceLock<Endpoint> = OnceLock::new();
 fuzz_target!(|data: &[u8]| {
     let Some((&role, bytes)) = data.split_first() else { return };
     if role % 2 == 0 {
-        let server = SERVER.get_or_init(|| Endpoint::bind("127.0.0.1:0".parse().unwrap(), config(1)).unwrap());
+        let server =
+            SERVER.get_or_init(|| Endpoint::bind("127.0.0.1:0".parse().unwrap(), config(1)).unwrap());
         let mut s = std::net::TcpStream::connect(server.addr()).unwrap();
         let _ = s.write_all(bytes);
         let _ = s.shutdown(std::net::Shutdown::Write);
@@ -47,4 +48,3 @@ fuzz_target!(|data: &[u8]| {
         let _ = fake.join();
     }
 });
-

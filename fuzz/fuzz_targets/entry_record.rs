@@ -9,8 +9,12 @@ use limpet_decide::entry::wire::{decode, encode};
 
 fuzz_target!(|data: &[u8]| {
     let blocks = data.first().map_or(4, |b| usize::from(*b));
-    let words: Vec<f32> =
-        data.get(1..).unwrap_or(&[]).chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    let words: Vec<f32> = data
+        .get(1..)
+        .unwrap_or(&[])
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
     if let Ok(r) = decode(&words, blocks) {
         for k in KINDS {
             if let Some(d) = r.desc(k) {
