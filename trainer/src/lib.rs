@@ -33,7 +33,9 @@ pub mod workload;
 pub use error::TrainerError;
 pub use job::{JobSpec, ModelKind};
 pub use run::{peak_rss_bytes, run_local, save_checkpoint, Progress, RunOptions, RunReport, CHECKPOINT_FILE};
-pub use train::{Eval, EvalSums, NoReduce, Reduce, StepOrder, StepStats, Trainer, MAX_SHARDS, SHARDS};
+pub use train::{
+    Eval, EvalSums, NoReduce, Reduce, ShardLayout, StepOrder, StepStats, Trainer, MAX_SHARDS, SHARDS,
+};
 
 /// Makes libtorch use `n` intra-op threads. limpet runs one thread per rank by default, so
 /// several ranks on one machine do not oversubscribe it and results do not depend on how a

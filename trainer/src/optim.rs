@@ -266,54 +266,93 @@ impl Optimizer {
     /// scale, so the scale goes into the denominator).
     pub fn apply(&mut self, params: &[(String, Tensor)], grad: &Tensor, lr: f64, t: u64) {
         tch::no_grad(|| {
-            let largest = params.iter().map(|(_, p)| p.numel()).max().unwrap_or(0) as i64;
-            let fits = self.scratch.as_ref().is_some_and(|s| {
-                s.numel() as i64 >= largest && params.first().is_none_or(|(_, p)| p.device() == s.device())
-            });
-            if !fits {
-                let device = params.first().map_or(tch::Device::Cpu, |(_, p)| p.device());
-                self.scratch = Some(Tensor::zeros([largest.max(1)], (tch::Kind::Float, device)));
-            }
-            let scratch = self.scratch.as_ref().expect("made above");
+            let largest = params.iter().map(|(_, p)| p.numel()).max().unwrap_or(0);
+            let device = params.first().map_or(tch::Device::Cpu, |(_, p)| p.device());
+            let scratch = scratch_for(&mut self.scratch, largest, device);
             let mut offset = 0i64;
             let decay_embeddings = self.spec.decay_embeddings();
             for (i, (name, p)) in params.iter().enumerate() {
                 let n = p.numel() as i64;
                 let g = grad.narrow(0, offset, n).view_as(p);
                 offset += n;
+                let mut slots: Vec<Tensor> = self.slots.iter().map(|s| s[i].shallow_clone()).collect();
+                let s = scratch.narrow(0, 0, n).view_as(p);
                 let decays = decays(name, p.dim(), decay_embeddings);
-                let mut p = p.shallow_clone();
-                match self.spec {
-                    OptimizerSpec::Sgd { momentum, weight_decay, .. } => {
-                        let g = if decays && weight_decay > 0.0 { g + &p * weight_decay } else { g };
-                        let buf = &mut self.slots[0][i];
-                        let _ = buf.g_mul_scalar_(momentum).g_add_(&g);
-                        let _ = p.g_sub_(&(&*buf * lr));
-                    }
-                    OptimizerSpec::Adamw { beta1, beta2, eps, weight_decay, .. } => {
-                        if decays && weight_decay > 0.0 {
-                            let _ = p.g_mul_scalar_(1.0 - lr * weight_decay);
-                        }
-                        let (m, rest) = self.slots.split_at_mut(1);
-                        let (m, v) = (&mut m[0][i], &mut rest[0][i]);
-                        let mut s = scratch.narrow(0, 0, n).view_as(&p);
-                        let _ = m.lerp_(&g, 1.0 - beta1);
-                        let _ = g.square_out(&s);
-                        let _ = v.lerp_(&s, 1.0 - beta2);
-                        let step_size = lr / (1.0 - beta1.powi(t as i32));
-                        if step_size == 0.0 {
-                            // A zero learning rate moves nothing (and would divide by zero).
-                            continue;
-                        }
-                        let bc2_sqrt = (1.0 - beta2.powi(t as i32)).sqrt();
-                        let _ = v.sqrt_out(&s);
-                        let _ = s.g_mul_scalar_(-1.0 / (bc2_sqrt * step_size));
-                        let _ = s.g_add_scalar_(-eps / step_size);
-                        let _ = p.addcdiv_(m, &s);
-                    }
-                }
+                update(&self.spec, decays, &p.shallow_clone(), &g, &mut slots, &s, lr, t);
             }
         });
+    }
+
+    /// Drops the state (a sharded trainer keeps only its blocks', elsewhere).
+    pub fn release(&mut self) {
+        self.slots.iter_mut().for_each(Vec::clear);
+        self.scratch = None;
+    }
+
+    /// Whether the state was released.
+    pub fn is_released(&self) -> bool {
+        self.slots.first().is_some_and(Vec::is_empty)
+    }
+
+    /// Replaces the state with `slots` (per slot, one tensor per parameter).
+    pub fn restore(&mut self, slots: Vec<Vec<Tensor>>) {
+        self.slots = slots;
+    }
+}
+
+/// The work space, made or grown to `numel` values on `device`.
+pub(crate) fn scratch_for(scratch: &mut Option<Tensor>, numel: usize, device: tch::Device) -> Tensor {
+    let fits = scratch.as_ref().is_some_and(|s| s.numel() >= numel && s.device() == device);
+    if !fits {
+        *scratch = Some(Tensor::zeros([numel.max(1) as i64], (tch::Kind::Float, device)));
+    }
+    scratch.as_ref().expect("made above").shallow_clone()
+}
+
+/// One tensor's update, in place: `p` (a parameter or a slice of one) from its gradient `g`
+/// and its state `slots` (SGD's momentum; AdamW's moments), all of one shape, with `s` a
+/// work space of that shape. Elementwise, so a slice updates exactly as it would within its
+/// whole tensor: what sharded state relies on.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn update(
+    spec: &OptimizerSpec,
+    decays: bool,
+    p: &Tensor,
+    g: &Tensor,
+    slots: &mut [Tensor],
+    s: &Tensor,
+    lr: f64,
+    t: u64,
+) {
+    let mut p = p.shallow_clone();
+    match *spec {
+        OptimizerSpec::Sgd { momentum, weight_decay, .. } => {
+            let g = if decays && weight_decay > 0.0 { g + &p * weight_decay } else { g.shallow_clone() };
+            let buf = &mut slots[0];
+            let _ = buf.g_mul_scalar_(momentum).g_add_(&g);
+            let _ = p.g_sub_(&(&*buf * lr));
+        }
+        OptimizerSpec::Adamw { beta1, beta2, eps, weight_decay, .. } => {
+            if decays && weight_decay > 0.0 {
+                let _ = p.g_mul_scalar_(1.0 - lr * weight_decay);
+            }
+            let (m, rest) = slots.split_at_mut(1);
+            let (m, v) = (&mut m[0], &mut rest[0]);
+            let mut s = s.shallow_clone();
+            let _ = m.lerp_(g, 1.0 - beta1);
+            let _ = g.square_out(&s);
+            let _ = v.lerp_(&s, 1.0 - beta2);
+            let step_size = lr / (1.0 - beta1.powi(t as i32));
+            if step_size == 0.0 {
+                // A zero learning rate moves nothing (and would divide by zero).
+                return;
+            }
+            let bc2_sqrt = (1.0 - beta2.powi(t as i32)).sqrt();
+            let _ = v.sqrt_out(&s);
+            let _ = s.g_mul_scalar_(-1.0 / (bc2_sqrt * step_size));
+            let _ = s.g_add_scalar_(-eps / step_size);
+            let _ = p.addcdiv_(m, &s);
+        }
     }
 }
 

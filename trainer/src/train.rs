@@ -12,10 +12,12 @@
 mod eval;
 mod exact;
 mod grads;
+mod shard;
 
 pub use eval::EvalSums;
 
 pub use exact::{MAX_SHARDS, SHARDS};
+pub use shard::ShardLayout;
 
 use crate::data::Dataset;
 use crate::job::JobSpec;
@@ -47,6 +49,23 @@ pub trait Reduce {
     fn allreduce_max_i32(&mut self, _vals: &mut [i32], _step: u64) -> Result<(), TrainerError> {
         Err(TrainerError::reduce("this reduce cannot take maxima: a reproducible job needs one that can"))
     }
+
+    /// Leaves rank `i` with `buf[blocks[i]]` summed over ranks, and the `replicas` blocks
+    /// before it too (see [`shard`]); the rest of `buf` is undefined.
+    fn reduce_scatter_sum(
+        &mut self,
+        _: &mut [f32],
+        _: &[Range<usize>],
+        _: usize,
+        _: u64,
+    ) -> Result<(), TrainerError> {
+        Err(TrainerError::reduce("this reduce cannot reduce-scatter: sharded state needs one that can"))
+    }
+
+    /// Fills every rank's `buf` with each rank `i`'s `buf[blocks[i]]`.
+    fn allgather_blocks(&mut self, _: &mut [f32], _: &[Range<usize>], _: u64) -> Result<(), TrainerError> {
+        Err(TrainerError::reduce("this reduce cannot allgather: sharded state needs one that can"))
+    }
 }
 
 /// The reduce of a single-process run: the local buffer already is the sum.
@@ -63,6 +82,20 @@ impl Reduce for NoReduce {
     }
 
     fn allreduce_max_i32(&mut self, _vals: &mut [i32], _step: u64) -> Result<(), TrainerError> {
+        Ok(())
+    }
+
+    fn reduce_scatter_sum(
+        &mut self,
+        _: &mut [f32],
+        _: &[Range<usize>],
+        _: usize,
+        _: u64,
+    ) -> Result<(), TrainerError> {
+        Ok(())
+    }
+
+    fn allgather_blocks(&mut self, _: &mut [f32], _: &[Range<usize>], _: u64) -> Result<(), TrainerError> {
         Ok(())
     }
 }
@@ -141,6 +174,9 @@ pub struct Trainer {
     exact_acc: Vec<i64>,
     /// A reproducible step's second gradient buffer (see `exact.rs`), made when first needed.
     exact_spare: Option<GradBuffer>,
+    /// The optimizer state of the blocks this rank holds, when it is sharded (`optim` is
+    /// then empty).
+    shard: Option<shard::ShardState>,
 }
 
 impl Trainer {
@@ -191,6 +227,7 @@ impl Trainer {
             exact_exponents: None,
             exact_acc: Vec::new(),
             exact_spare: None,
+            shard: None,
         })
     }
 
@@ -398,6 +435,7 @@ impl Trainer {
     /// Applies the update from the trainer's buffer, which the caller summed over ranks in
     /// place after [`Trainer::compute_grads`], and advances to the next step.
     pub fn apply_reduced(&mut self) -> Result<StepStats, TrainerError> {
+        self.refuse_sharded("an unsharded step")?;
         let n = self.grads.grads_len();
         let reduced = self.grads.as_mut_slice();
         let rank_mean_sq_sum = f64::from(reduced[n + 2]);
@@ -431,10 +469,24 @@ impl Trainer {
         self.optim.apply(self.model.params(), &g, lr, self.step + 1);
         let stats =
             StepStats { step: self.step, loss, lr, grad_norm, samples, rank_mean_sq_sum, agreed: false };
+        self.advance();
+        stats
+    }
+
+    /// Moves on to the next step once one is applied.
+    fn advance(&mut self) {
         self.next_step_seed();
         self.step += 1;
         self.cursor += self.plan.global_batch as u64;
-        stats
+    }
+
+    fn refuse_sharded(&self, what: &str) -> Result<(), TrainerError> {
+        match &self.shard {
+            Some(_) => Err(TrainerError::Config(format!(
+                "{what} needs the whole optimizer state, which is sharded over the ranks: unshard it first"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// The samples and learning rate of step `step` of this job while its global batch is
@@ -677,7 +729,11 @@ impl Trainer {
         world: usize,
         reduce: &mut dyn Reduce,
     ) -> Result<StepStats, TrainerError> {
+        if self.shard.is_some() && !self.job.reproducible {
+            return self.sharded_step(reduce);
+        }
         if self.job.reproducible {
+            self.refuse_sharded("a reproducible step")?;
             return self.exact_step(rank, world, reduce);
         }
         let step = self.step;
@@ -688,6 +744,7 @@ impl Trainer {
 
     /// The whole state as a portable image (parameters, optimizer slots, step, cursor, RNG).
     pub fn image(&self) -> Result<StateImage, TrainerError> {
+        self.refuse_sharded("a state image")?;
         let params = self.model.params();
         let mut tensors = BTreeMap::new();
         for (name, p) in params {

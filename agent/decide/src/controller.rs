@@ -297,7 +297,13 @@ fn failures(
             matches!(status, None | Some(MemberStatus::Failed | MemberStatus::Gone)) || !view.healthy(r, cfg);
         if dead {
             failed.push(r);
-            if !matches!(status, None | Some(MemberStatus::Failed | MemberStatus::Gone)) {
+            // A draining member that goes silent before its last epoch ends is not marked
+            // failed: it asked to leave, and once out of the epochs it is removed (a failed
+            // record would stay a member, whose heartbeats are still taken, for good).
+            if !matches!(
+                status,
+                None | Some(MemberStatus::Failed | MemberStatus::Gone | MemberStatus::Draining)
+            ) {
                 let why = match view.progress.get(&r) {
                     Some(p) if p.heartbeat_age_ms == u64::MAX => {
                         "a peer's collective failed on it and it went silent".to_string()

