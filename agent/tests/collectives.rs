@@ -90,6 +90,61 @@ proptest! {
         }
     }
 
+    /// Reduce-scatter over uneven (even empty) blocks: each rank's own block, and the
+    /// `replicas` blocks before it, hold the exact sum (integer-valued floats: any order is
+    /// exact), a replica bit-identical to its owner's block; allgather then delivers every
+    /// rank's block to all.
+    #[test]
+    fn reduce_scatter_with_replicas_and_allgather_over_uneven_blocks(
+        world in 1usize..=5,
+        len in 0usize..6000,
+        cuts in proptest::collection::vec(any::<u16>(), 4),
+        replicas in 0usize..4,
+        small_chunks in any::<bool>(),
+    ) {
+        let replicas = replicas.min(world - 1);
+        let mut points: Vec<usize> = cuts.iter().take(world - 1).map(|&c| c as usize % (len + 1)).collect();
+        points.sort_unstable();
+        let bounds: Vec<usize> = std::iter::once(0).chain(points).chain(std::iter::once(len)).collect();
+        let blocks: Vec<std::ops::Range<usize>> = bounds.windows(2).map(|w| w[0]..w[1]).collect();
+        let order: Vec<u64> = (1..=world as u64).collect();
+        let value = |node: u64, i: usize| ((node as usize * 31 + i * 7) % 1000) as f32 - 500.0;
+        let chunk = if small_chunks { 4096 } else { 512 << 10 };
+        let results = on_every_rank(&order, chunk, |g, node| {
+            let mut buf: Vec<f32> = (0..len).map(|i| value(node, i)).collect();
+            g.reduce_scatter_sum(&mut buf, &blocks, replicas, 3).unwrap();
+            let reduced = buf.clone();
+            // Then each rank contributes its block (marked by its node) to an allgather.
+            let mut mine = vec![0.0f32; len];
+            let r = g.rank();
+            for i in blocks[r].clone() { mine[i] = (node * 100_000) as f32 + i as f32; }
+            g.allgather_blocks(&mut mine, &blocks, 4).unwrap();
+            (reduced, mine)
+        });
+        for (r, (reduced, gathered)) in results.iter().enumerate() {
+            for k in 0..=replicas {
+                let b = (r + world - k) % world;
+                for i in blocks[b].clone() {
+                    let exact: f32 = order.iter().map(|&n| value(n, i)).sum();
+                    prop_assert_eq!(reduced[i], exact, "rank {} block {} element {}", r, b, i);
+                }
+            }
+            for (b, block) in blocks.iter().enumerate() {
+                for i in block.clone() {
+                    prop_assert_eq!(gathered[i], (order[b] * 100_000) as f32 + i as f32);
+                }
+            }
+        }
+        // A block that tiles nothing is refused before any byte moves.
+        if world > 1 {
+            let bad = on_every_rank(&order, chunk, |g, _| {
+                let mut buf = vec![0.0f32; len + 1];
+                g.allgather_blocks(&mut buf, &blocks, 5).unwrap_err().to_string()
+            });
+            prop_assert!(bad[0].contains("do not tile"), "{}", bad[0]);
+        }
+    }
+
     #[test]
     fn integer_allreduce_is_exact_and_the_max_is_the_max(
         world in 1usize..=5,
@@ -396,7 +451,7 @@ proptest! {
     /// group or link within the timeout, never a panic or a hang.
     #[test]
     fn a_member_sending_garbage_frames_breaks_only_its_collective(
-        op in 0u8..8,
+        op in 0u8..10,
         mode in any::<u8>(),
         bytes in proptest::collection::vec(any::<u8>(), 0..200),
     ) {

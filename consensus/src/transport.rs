@@ -363,8 +363,10 @@ impl Client {
         // node that does not lead says where the leader is, and the client goes there.
         // The redirect's channel serves this proposal only: the client stays with the node it
         // was made for (a leader it was sent to may be gone by the next call). The answer
-        // names the leader, so the redirect must reach that node's certificate: a node (or a
-        // member answering for it) cannot send the proposal to another of its choosing.
+        // names the leader, so the redirect must reach that node's certificate: an address
+        // that is another node's (stale, or planted) is refused. A hostile first hop can
+        // still name itself or an accomplice as the leader; a client without a certificate
+        // of its own follows redirects unpinned.
         let mut redirects = 0;
         let mut at = self.inner.clone();
         let reply = loop {

@@ -223,6 +223,8 @@ pub struct Optimizer {
     /// AdamW's update then runs in place, with no model-sized allocation per step (a fresh
     /// allocation of that size costs a page fault per 4 KiB on the host).
     scratch: Option<Tensor>,
+    /// The state was dropped (it is sharded elsewhere): `slots` are empty.
+    released: bool,
 }
 
 impl Optimizer {
@@ -233,7 +235,7 @@ impl Optimizer {
             .iter()
             .map(|_| params.iter().map(|(_, p)| p.zeros_like().detach()).collect())
             .collect();
-        Optimizer { spec: spec.clone(), slots, scratch: None }
+        Optimizer { spec: spec.clone(), slots, scratch: None, released: false }
     }
 
     /// The hyper-parameters.
@@ -287,16 +289,18 @@ impl Optimizer {
     pub fn release(&mut self) {
         self.slots.iter_mut().for_each(Vec::clear);
         self.scratch = None;
+        self.released = true;
     }
 
     /// Whether the state was released.
     pub fn is_released(&self) -> bool {
-        self.slots.first().is_some_and(Vec::is_empty)
+        self.released
     }
 
     /// Replaces the state with `slots` (per slot, one tensor per parameter).
     pub fn restore(&mut self, slots: Vec<Vec<Tensor>>) {
         self.slots = slots;
+        self.released = false;
     }
 }
 

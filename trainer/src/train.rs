@@ -12,11 +12,13 @@
 mod eval;
 mod exact;
 mod grads;
+mod reduce;
 mod shard;
 
 pub use eval::EvalSums;
 
 pub use exact::{MAX_SHARDS, SHARDS};
+pub use reduce::{NoReduce, Reduce};
 pub use shard::ShardLayout;
 
 use crate::data::Dataset;
@@ -33,72 +35,6 @@ use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
 use std::ops::Range;
 use tch::{Device, Kind, Tensor};
-
-/// Sums gradient buffers across ranks, in place. Implementations must leave every rank with
-/// the same bytes.
-pub trait Reduce {
-    /// Replaces `buf` with the elementwise sum of every rank's `buf` for `step`.
-    fn allreduce_sum(&mut self, buf: &mut [f32], step: u64) -> Result<(), TrainerError>;
-
-    /// The same as exact integers (a reproducible job's fixed-point gradients).
-    fn allreduce_sum_i64(&mut self, _buf: &mut [i64], _step: u64) -> Result<(), TrainerError> {
-        Err(TrainerError::reduce("this reduce cannot sum integers: a reproducible job needs one that can"))
-    }
-
-    /// Replaces `vals` with the elementwise maximum over ranks.
-    fn allreduce_max_i32(&mut self, _vals: &mut [i32], _step: u64) -> Result<(), TrainerError> {
-        Err(TrainerError::reduce("this reduce cannot take maxima: a reproducible job needs one that can"))
-    }
-
-    /// Leaves rank `i` with `buf[blocks[i]]` summed over ranks, and the `replicas` blocks
-    /// before it too (see [`shard`]); the rest of `buf` is undefined.
-    fn reduce_scatter_sum(
-        &mut self,
-        _: &mut [f32],
-        _: &[Range<usize>],
-        _: usize,
-        _: u64,
-    ) -> Result<(), TrainerError> {
-        Err(TrainerError::reduce("this reduce cannot reduce-scatter: sharded state needs one that can"))
-    }
-
-    /// Fills every rank's `buf` with each rank `i`'s `buf[blocks[i]]`.
-    fn allgather_blocks(&mut self, _: &mut [f32], _: &[Range<usize>], _: u64) -> Result<(), TrainerError> {
-        Err(TrainerError::reduce("this reduce cannot allgather: sharded state needs one that can"))
-    }
-}
-
-/// The reduce of a single-process run: the local buffer already is the sum.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct NoReduce;
-
-impl Reduce for NoReduce {
-    fn allreduce_sum(&mut self, _buf: &mut [f32], _step: u64) -> Result<(), TrainerError> {
-        Ok(())
-    }
-
-    fn allreduce_sum_i64(&mut self, _buf: &mut [i64], _step: u64) -> Result<(), TrainerError> {
-        Ok(())
-    }
-
-    fn allreduce_max_i32(&mut self, _vals: &mut [i32], _step: u64) -> Result<(), TrainerError> {
-        Ok(())
-    }
-
-    fn reduce_scatter_sum(
-        &mut self,
-        _: &mut [f32],
-        _: &[Range<usize>],
-        _: usize,
-        _: u64,
-    ) -> Result<(), TrainerError> {
-        Ok(())
-    }
-
-    fn allgather_blocks(&mut self, _: &mut [f32], _: &[Range<usize>], _: u64) -> Result<(), TrainerError> {
-        Ok(())
-    }
-}
 
 /// What one applied step did.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -253,6 +189,8 @@ impl Trainer {
     /// `image`'s, which must be of the same job: how a newcomer or a lagging rank takes a
     /// live peer's state. Nothing changes when the image does not fit.
     pub fn load_image(&mut self, image: &StateImage) -> Result<(), TrainerError> {
+        // A whole image replaces sharded state too (the way back after a failed re-cut).
+        self.drop_shard();
         let meta = image.meta();
         let job: JobSpec = serde_json::from_value(meta.job.clone())
             .map_err(|e| TrainerError::Mismatch(format!("the image's job spec is unreadable: {e}")))?;
@@ -480,7 +418,7 @@ impl Trainer {
         self.cursor += self.plan.global_batch as u64;
     }
 
-    fn refuse_sharded(&self, what: &str) -> Result<(), TrainerError> {
+    pub(crate) fn refuse_sharded(&self, what: &str) -> Result<(), TrainerError> {
         match &self.shard {
             Some(_) => Err(TrainerError::Config(format!(
                 "{what} needs the whole optimizer state, which is sharded over the ranks: unshard it first"
@@ -514,6 +452,7 @@ impl Trainer {
         link: &mut dyn StageLink,
         reduce: StageReducers<'_>,
     ) -> Result<StepStats, TrainerError> {
+        self.refuse_sharded("a pipelined step")?;
         let ends = self.stage_ends(pos)?;
         let started = std::time::Instant::now();
         self.link_ms = 0.0;
@@ -730,10 +669,9 @@ impl Trainer {
         reduce: &mut dyn Reduce,
     ) -> Result<StepStats, TrainerError> {
         if self.shard.is_some() && !self.job.reproducible {
-            return self.sharded_step(reduce);
+            return self.sharded_step(rank, world, reduce);
         }
         if self.job.reproducible {
-            self.refuse_sharded("a reproducible step")?;
             return self.exact_step(rank, world, reduce);
         }
         let step = self.step;

@@ -297,13 +297,8 @@ fn failures(
             matches!(status, None | Some(MemberStatus::Failed | MemberStatus::Gone)) || !view.healthy(r, cfg);
         if dead {
             failed.push(r);
-            // A draining member that goes silent before its last epoch ends is not marked
-            // failed: it asked to leave, and once out of the epochs it is removed (a failed
-            // record would stay a member, whose heartbeats are still taken, for good).
-            if !matches!(
-                status,
-                None | Some(MemberStatus::Failed | MemberStatus::Gone | MemberStatus::Draining)
-            ) {
+            let leaving = matches!(status, Some(MemberStatus::Draining | MemberStatus::Leaving));
+            if !matches!(status, None | Some(MemberStatus::Failed | MemberStatus::Gone)) {
                 let why = match view.progress.get(&r) {
                     Some(p) if p.heartbeat_age_ms == u64::MAX => {
                         "a peer's collective failed on it and it went silent".to_string()
@@ -311,7 +306,13 @@ fn failures(
                     Some(p) => format!("no heartbeat for {:.1} s", p.heartbeat_age_ms as f64 / 1e3),
                     None => "never heard from".to_string(),
                 };
-                commands.push(Command::MarkFailed { id: r, reason: why.clone() });
+                // A member on its way out (drained, or under a notice) that goes silent
+                // before its last epoch ends is not marked failed: once out of the epochs it
+                // is removed, where a failed record would stay a member (whose heartbeats
+                // are still taken) for good.
+                if !leaving {
+                    commands.push(Command::MarkFailed { id: r, reason: why.clone() });
+                }
                 causes.push(Cause::Failure { node: r, why: Some(why) });
             } else {
                 causes.push(Cause::Failure { node: r, why: None });

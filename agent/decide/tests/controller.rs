@@ -162,8 +162,9 @@ fn a_failure_restarts_from_the_furthest_survivor_and_laggards_copy_from_it() {
     assert!(why.contains("failure of node 3 (no heartbeat for 5.0 s)"), "{why}");
 }
 
-/// A drained node that goes silent before its last epoch ends (its host shut down a little
-/// early) is left out like a failure, but removed, not kept as failed.
+/// A drained node, or one under a notice, that goes silent before its last epoch ends (its
+/// host shut down a little early) is left out like a failure, but removed, not kept as
+/// failed.
 #[test]
 fn a_drained_node_that_goes_silent_early_is_removed_not_failed() {
     let mut sim = Sim::training(3, 7);
@@ -175,6 +176,19 @@ fn a_drained_node_that_goes_silent_early_is_removed_not_failed() {
     sim.start_scheduled();
     sim.control();
     assert_eq!(sim.state.members[&3].status, MemberStatus::Gone);
+
+    // The same for a node under a notice that dies before its deadline, and the cause says
+    // why it was left out.
+    let mut sim = Sim::training(3, 7);
+    let deadline = sim.now + 120_000;
+    sim.state.apply(&Command::Notice { id: 2, deadline_ms: deadline, source: "aws".into() }).unwrap();
+    sim.progress.get_mut(&2).unwrap().heartbeat_age_ms = 5000;
+    let why = sim.control();
+    assert_eq!(sim.state.members[&2].status, MemberStatus::Leaving);
+    assert!(why.contains("no heartbeat for 5.0 s"), "{why}");
+    sim.start_scheduled();
+    sim.control();
+    assert_eq!(sim.state.members[&2].status, MemberStatus::Gone);
 }
 
 #[test]

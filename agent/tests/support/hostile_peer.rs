@@ -28,8 +28,9 @@ fn hostile_endpoint(node: u64) -> Endpoint {
     Endpoint::bind("127.0.0.1:0".parse().expect("address"), cfg).expect("bind")
 }
 
-/// The honest node's operations, one per `op % OPS`.
-const OPS: u8 = 8;
+/// The honest node's operations, one per `op % OPS`: 0-5 and 8-9 ring collectives, 6-7
+/// pipeline receives.
+const OPS: u8 = 10;
 
 /// Runs one case and returns what the honest node's operation returned, after checking
 /// what holds whatever the peer sent: no panic (the caller sees one), an answer within a few
@@ -60,8 +61,11 @@ pub fn hostile_peer_case(input: &[u8]) -> Result<(), DataPlaneError> {
     wire.extend_from_slice(bytes);
 
     let started = Instant::now();
+    let ring = op <= 5 || op >= 8;
+    let (done, finished) = std::sync::mpsc::channel::<()>();
     let result = std::thread::scope(|s| {
-        let hostile = s.spawn(|| {
+        let (peer, honest_addr_ref, wire) = (&peer, &honest_addr, &wire);
+        let hostile = s.spawn(move || {
             // The hostile side: a member with the secret, so its handshakes pass; it sends
             // `wire` on the connection the honest node reads from, and keeps the others open
             // and unread until the honest side is done.
@@ -69,23 +73,24 @@ pub fn hostile_peer_case(input: &[u8]) -> Result<(), DataPlaneError> {
             let never = || false;
             let mut held = Vec::new();
             let mut talk = match op {
-                0..=5 => {
-                    let c = peer.connect_until(&honest_addr, 1, EPOCH, Channel::Ring, deadline, &never);
+                _ if ring => {
+                    let c = peer.connect_until(honest_addr_ref, 1, EPOCH, Channel::Ring, deadline, &never);
                     held.push(peer.accept_until(1, EPOCH, Channel::Ring, deadline, &never));
                     c
                 }
-                6 => peer.connect_until(&honest_addr, 1, EPOCH, Channel::Pipe, deadline, &never),
+                6 => peer.connect_until(honest_addr_ref, 1, EPOCH, Channel::Pipe, deadline, &never),
                 _ => peer.accept_until(1, EPOCH, Channel::Pipe, deadline, &never),
             }
             .expect("the hostile member's handshake");
-            let _ = talk.write_all(&wire);
+            let _ = talk.write_all(wire);
             let _ = talk.flush();
-            std::thread::sleep(PEER_TIMEOUT * 2);
+            // Open until the honest side is done, so it meets the bytes, not a closed socket.
+            let _ = finished.recv_timeout(Duration::from_secs(5));
             drop(held);
         });
         let deadline = Instant::now() + Duration::from_secs(5);
         let never = || false;
-        let out = if op <= 5 {
+        let out = if ring {
             let mut g =
                 honest.group(EPOCH, &[1, 2], &[honest_addr.clone(), peer_addr.clone()]).expect("ring");
             let mut buf: Vec<f32> = (0..len).map(|i| i as f32).collect();
@@ -104,7 +109,10 @@ pub fn hostile_peer_case(input: &[u8]) -> Result<(), DataPlaneError> {
                     let mut out = vec![0.0; 2 * len];
                     g.allgather(&buf, &mut out, STEP)
                 }
-                _ => g.barrier(STEP),
+                5 => g.barrier(STEP),
+                // Sharded state's collectives, over two uneven blocks, one replica.
+                8 => g.reduce_scatter_sum(&mut buf, &[0..len / 3, len / 3..len], 1, STEP),
+                _ => g.allgather_blocks(&mut buf, &[0..len / 3, len / 3..len], STEP),
             };
             if r.is_err() {
                 assert!(g.barrier(STEP + 1).is_err(), "a group that failed served another collective");
@@ -126,6 +134,7 @@ pub fn hostile_peer_case(input: &[u8]) -> Result<(), DataPlaneError> {
             }
             r
         };
+        let _ = done.send(());
         hostile.join().expect("hostile side");
         out
     });

@@ -224,6 +224,7 @@ impl Trainer {
         world: usize,
         reduce: &mut dyn Reduce,
     ) -> Result<StepStats, TrainerError> {
+        self.refuse_sharded("a reproducible step")?;
         let started = std::time::Instant::now();
         let step = self.step;
         let b = self.plan.global_batch;

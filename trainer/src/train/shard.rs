@@ -9,9 +9,19 @@
 //! the replicated blocks once. Holders of one block update it from the same bits in the same
 //! way, so the owner and its replicas agree bit for bit; the update is elementwise, so a
 //! block updates exactly as it would within the whole tensor.
+//!
+//! A step that fails before the update changes nothing. One that fails after it (in the
+//! parameters' allgather) leaves this rank's held blocks a step ahead of its other
+//! parameters: the state is then marked broken, and every later step refuses until
+//! [`Trainer::reshard`] rebuilds it from other holders or an image is loaded.
+//!
+//! At an epoch change [`Trainer::reshard`] re-cuts the state for the new group: each block of
+//! the old layout comes from one live holder (its owner, else a replica), and each rank keeps
+//! the blocks of the new layout it holds. A block whose every holder is gone cannot be
+//! rebuilt: the caller resumes from a checkpoint.
 
 use super::{Reduce, StepStats, Trainer};
-use crate::optim::{clip_to_norm, decays, scratch_for, sum_of_squares, update, OptimizerSpec};
+use crate::optim::{clip_to_norm, decays, scratch_for, sum_of_squares, update, Optimizer, OptimizerSpec};
 use crate::TrainerError;
 use std::ops::Range;
 use tch::{Device, Kind, Tensor};
@@ -23,16 +33,14 @@ const ALIGN: usize = 16;
 /// blocks before its own a rank also holds.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ShardLayout {
-    /// One block per rank, in rank order, tiling the gradient.
-    pub blocks: Vec<Range<usize>>,
-    /// This rank.
-    pub rank: usize,
-    /// Blocks of the ranks before this one (around the ring) it holds as well.
-    pub replicas: usize,
+    blocks: Vec<Range<usize>>,
+    rank: usize,
+    replicas: usize,
 }
 
 impl ShardLayout {
-    /// Near-equal blocks of a gradient of `len` values over `world` ranks.
+    /// Near-equal blocks of a gradient of `len` values over `world` ranks; this rank is
+    /// `rank` and holds the `replicas` blocks before its own too (none in a world of one).
     pub fn new(len: usize, world: usize, rank: usize, replicas: usize) -> Result<Self, TrainerError> {
         if world == 0 || rank >= world {
             return Err(TrainerError::Config(format!("rank {rank} of a world of {world}")));
@@ -47,10 +55,36 @@ impl ShardLayout {
         Ok(ShardLayout { blocks, rank, replicas: if world == 1 { 0 } else { replicas } })
     }
 
+    /// One block per rank, in rank order, tiling the gradient.
+    pub fn blocks(&self) -> &[Range<usize>] {
+        &self.blocks
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks.
+    pub fn world(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Blocks before its own (around the ring) each rank holds as well.
+    pub fn replicas(&self) -> usize {
+        self.replicas
+    }
+
     /// The blocks this rank holds: its own first, then the `replicas` before it.
     pub fn held(&self) -> Vec<usize> {
-        let w = self.blocks.len();
+        let w = self.world();
         (0..=self.replicas).map(|k| (self.rank + w - k) % w).collect()
+    }
+
+    /// The ranks holding block `b`: its owner first, then its replicas in order.
+    pub fn holders(&self, b: usize) -> Vec<usize> {
+        let w = self.world();
+        (0..=self.replicas).map(|k| (b + k) % w).collect()
     }
 }
 
@@ -60,6 +94,8 @@ pub(crate) struct ShardState {
     layout: ShardLayout,
     held: Vec<(usize, Vec<Tensor>)>,
     scratch: Option<Tensor>,
+    /// Why the state is inconsistent (a step failed after updating it), if it is.
+    broken: Option<String>,
 }
 
 impl ShardState {
@@ -71,12 +107,13 @@ impl ShardState {
         tch::no_grad(|| {
             for (b, slots) in &self.held {
                 let block = self.layout.blocks[*b].clone();
-                for (name, p, part) in pieces(params, block.clone()) {
-                    let (at, len) = (part.start as i64, part.len() as i64);
-                    let pv = p.view([-1]).narrow(0, at - offset_of(params, name), len);
-                    let gv = grad.narrow(0, at, len);
-                    let mut sv: Vec<Tensor> =
-                        slots.iter().map(|s| s.narrow(0, at - block.start as i64, len)).collect();
+                for piece in pieces(params, block.clone()) {
+                    let (name, p) = (&params[piece.index].0, &params[piece.index].1);
+                    let len = piece.range.len() as i64;
+                    let pv = p.view([-1]).narrow(0, (piece.range.start - piece.offset) as i64, len);
+                    let gv = grad.narrow(0, piece.range.start as i64, len);
+                    let at = (piece.range.start - block.start) as i64;
+                    let mut sv: Vec<Tensor> = slots.iter().map(|s| s.narrow(0, at, len)).collect();
                     let decays = decays(name, p.dim(), spec.decay_embeddings());
                     update(spec, decays, &pv, &gv, &mut sv, &scratch.narrow(0, 0, len), lr, t);
                 }
@@ -85,24 +122,46 @@ impl ShardState {
     }
 }
 
-/// The parts of `params` that fall in `range` of the flat order: (name, parameter, range in
-/// the flat order).
-fn pieces<'a>(
-    params: &'a [(String, Tensor)],
+/// A part of a parameter inside a range of the flat order.
+struct Piece {
+    /// The parameter's index.
+    index: usize,
+    /// Where the parameter starts in the flat order.
+    offset: usize,
+    /// The part, in the flat order.
     range: Range<usize>,
-) -> impl Iterator<Item = (&'a str, &'a Tensor, Range<usize>)> + 'a {
+}
+
+/// The parts of `params` that fall in `range` of the flat order.
+fn pieces(params: &[(String, Tensor)], range: Range<usize>) -> impl Iterator<Item = Piece> + '_ {
     let mut offset = 0usize;
-    params.iter().filter_map(move |(name, p)| {
+    params.iter().enumerate().filter_map(move |(index, (_, p))| {
         let (start, end) = (offset, offset + p.numel());
         offset = end;
         let (lo, hi) = (start.max(range.start), end.min(range.end));
-        (lo < hi).then_some((name.as_str(), p, lo..hi))
+        (lo < hi).then_some(Piece { index, offset: start, range: lo..hi })
     })
 }
 
-/// Where parameter `name` starts in the flat order.
-fn offset_of(params: &[(String, Tensor)], name: &str) -> i64 {
-    params.iter().take_while(|(n, _)| n != name).map(|(_, p)| p.numel() as i64).sum()
+/// Copies `src`'s values in `range` of the flat order (parameter-shaped tensors, in order)
+/// into `out` (which holds that range).
+fn flat_values(
+    src: &[Tensor],
+    params: &[(String, Tensor)],
+    range: Range<usize>,
+    out: &mut [f32],
+) -> Result<(), TrainerError> {
+    for piece in pieces(params, range.clone()) {
+        let len = piece.range.len();
+        let part = src[piece.index].detach().view([-1]).narrow(
+            0,
+            (piece.range.start - piece.offset) as i64,
+            len as i64,
+        );
+        let at = piece.range.start - range.start;
+        part.to_device(Device::Cpu).f_copy_data(&mut out[at..at + len], len)?;
+    }
+    Ok(())
 }
 
 impl Trainer {
@@ -120,27 +179,33 @@ impl Trainer {
         if self.optim.is_released() {
             return Err(TrainerError::Config("the optimizer state is sharded already".into()));
         }
+        if self.job.reproducible {
+            return Err(TrainerError::Config(
+                "a reproducible job cannot shard its optimizer state (yet)".into(),
+            ));
+        }
         let params = self.model.params();
+        if let Some((name, _)) = params.iter().find(|(_, p)| !p.is_contiguous()) {
+            return Err(TrainerError::Config(format!(
+                "parameter {name} is not contiguous: it cannot be sharded"
+            )));
+        }
         let device = self.model.device();
         let mut held = Vec::new();
         for b in layout.held() {
             let block = layout.blocks[b].clone();
             let mut slots = Vec::new();
             for k in 0..self.optim.spec().slots().len() {
-                let flat = Tensor::f_zeros([block.len() as i64], (Kind::Float, device))?;
-                for (name, _, part) in pieces(params, block.clone()) {
-                    let i = params.iter().position(|(n, _)| n == name).expect("a parameter");
-                    let from = self.optim.slot_mut(k, i).view([-1]);
-                    let len = part.len() as i64;
-                    let src = from.narrow(0, part.start as i64 - offset_of(params, name), len);
-                    tch::no_grad(|| flat.narrow(0, (part.start - block.start) as i64, len).f_copy_(&src))?;
-                }
-                slots.push(flat);
+                let src: Vec<Tensor> =
+                    (0..params.len()).map(|i| self.optim.slot_mut(k, i).shallow_clone()).collect();
+                let mut values = vec![0f32; block.len()];
+                flat_values(&src, params, block.clone(), &mut values)?;
+                slots.push(Tensor::from_slice(&values).to_device(device));
             }
             held.push((b, slots));
         }
         self.optim.release();
-        self.shard = Some(ShardState { layout, held, scratch: None });
+        self.shard = Some(ShardState { layout, held, scratch: None, broken: None });
         Ok(())
     }
 
@@ -165,49 +230,163 @@ impl Trainer {
         Ok(Some(out))
     }
 
-    /// Gathers the whole optimizer state from every rank's block (a collective, under
-    /// `reduce`) and drops the sharding: what a checkpoint, a state image or a new layout
-    /// starts from.
-    pub fn unshard(&mut self, reduce: &mut dyn Reduce) -> Result<(), TrainerError> {
-        let Some(shard) = self.shard.take() else { return Ok(()) };
-        let n = self.grads.grads_len();
-        let own = shard.layout.blocks[shard.layout.rank].clone();
-        let slots_held = &shard.held.first().expect("its own block").1;
-        let params = self.model.params();
-        let mut slots = Vec::new();
-        for own_slot in slots_held {
-            let mut all = vec![0f32; n];
-            own_slot.to_device(Device::Cpu).f_copy_data(&mut all[own.clone()], own.len())?;
-            if let Err(e) = reduce.allgather_blocks(&mut all, &shard.layout.blocks, self.step) {
-                self.shard = Some(shard);
-                return Err(e);
-            }
-            let flat = Tensor::from_slice(&all).to_device(self.model.device());
-            let mut at = 0i64;
-            slots.push(
-                params
-                    .iter()
-                    .map(|(_, p)| {
-                        let t = flat.narrow(0, at, p.numel() as i64).view_as(p).copy();
-                        at += p.numel() as i64;
-                        t
-                    })
-                    .collect(),
-            );
+    /// Drops the sharding of a trainer whose state is to be loaded whole (an image): fresh
+    /// zero slots, which the image overwrites.
+    pub(crate) fn drop_shard(&mut self) {
+        if self.shard.take().is_some() {
+            self.optim = Optimizer::new(self.optim.spec(), self.model.params());
         }
+    }
+
+    fn usable_shard(&self) -> Result<&ShardState, TrainerError> {
+        let s =
+            self.shard.as_ref().ok_or_else(|| TrainerError::Config("the trainer is not sharded".into()))?;
+        match &s.broken {
+            Some(why) => Err(TrainerError::Config(format!(
+                "the sharded state is inconsistent since a step failed after updating it ({why}): reshard or load an image"
+            ))),
+            None => Ok(s),
+        }
+    }
+
+    /// Gathers the whole optimizer state from every rank's block (a collective, under
+    /// `reduce`) and drops the sharding: what a checkpoint or a state image starts from.
+    /// If it fails, peers may have finished: every rank must then reload its state.
+    pub fn unshard(&mut self, reduce: &mut dyn Reduce) -> Result<(), TrainerError> {
+        if self.shard.is_none() {
+            return Ok(());
+        }
+        let layout = self.usable_shard()?.layout.clone();
+        let n = self.grads.grads_len();
+        let own = layout.blocks[layout.rank].clone();
+        let device = self.model.device();
+        let mut slots = Vec::new();
+        for k in 0..self.optim.spec().slots().len() {
+            let mut all = vec![0f32; n];
+            let mine = &self.shard.as_ref().expect("sharded").held[0].1[k];
+            mine.to_device(Device::Cpu).f_copy_data(&mut all[own.clone()], own.len())?;
+            reduce.allgather_blocks(&mut all, &layout.blocks, self.step)?;
+            slots.push(unflatten(&all, self.model.params(), device));
+        }
+        self.shard = None;
         self.optim.restore(slots);
         Ok(())
     }
 
-    /// One step with sharded state (see the module's notes); the trainer must be sharded.
-    pub fn sharded_step(&mut self, reduce: &mut dyn Reduce) -> Result<StepStats, TrainerError> {
-        let layout = match &self.shard {
-            Some(s) => s.layout.clone(),
-            None => {
-                return Err(TrainerError::Config("a sharded step of a trainer that is not sharded".into()))
+    /// Re-cuts sharded state for a new group (every member calls it, with the same
+    /// arguments but its own `layout`): each block of the old layout (`old_world` ranks,
+    /// `old_replicas`) comes from one live holder, the owner first, and each rank keeps the
+    /// new layout's blocks. `old_ranks[j]` is the new rank `j`'s rank in the old layout, or
+    /// `None` for a rank that held nothing (a newcomer, with the parameters' meta from an
+    /// image). The parameters are rebuilt from the holders too, so a rank whose state broke
+    /// mid-step is whole again. Moves the parameters and the state once over the ring, and
+    /// needs room for one model-sized vector on the host while it runs.
+    pub fn reshard(
+        &mut self,
+        old_world: usize,
+        old_replicas: usize,
+        old_ranks: &[Option<usize>],
+        layout: ShardLayout,
+        reduce: &mut dyn Reduce,
+    ) -> Result<(), TrainerError> {
+        let n = self.grads.grads_len();
+        let (w, me) = (layout.world(), layout.rank);
+        if old_ranks.len() != w || layout.blocks.last().map(|b| b.end) != Some(n) {
+            return Err(TrainerError::Config(format!(
+                "a re-cut for {} ranks (old ranks {old_ranks:?}) with a layout of {:?} for {n} values",
+                w, layout.blocks
+            )));
+        }
+        let old = ShardLayout::new(n, old_world, old_ranks[me].unwrap_or(0), old_replicas)?;
+        // Whether this rank can give its old blocks: sharded as the old layout says, whole.
+        let usable = old_ranks[me].is_some()
+            && self.shard.as_ref().is_some_and(|s| s.broken.is_none() && s.layout == old);
+        // Every rank's step and whether it can give its blocks, so all decide alike.
+        let mut facts = vec![0i64; 2 * w];
+        facts[me] = self.step as i64;
+        facts[w + me] = i64::from(usable);
+        reduce.allreduce_sum_i64(&mut facts, self.step)?;
+        if facts[..w].iter().any(|&s| s != self.step as i64) {
+            return Err(TrainerError::Config(format!("a re-cut between ranks at steps {:?}", &facts[..w])));
+        }
+        // For each old block, the new rank that gives it.
+        let mut givers = Vec::with_capacity(old_world);
+        for b in 0..old_world {
+            let giver = old
+                .holders(b)
+                .into_iter()
+                .find_map(|c| (0..w).find(|&j| old_ranks[j] == Some(c) && facts[w + j] == 1));
+            givers.push(giver.ok_or_else(|| {
+                TrainerError::Config(format!(
+                    "no live rank holds block {b} (values {:?}) of the sharded optimizer state: every holder is gone; resume from the checkpoint",
+                    old.blocks[b]
+                ))
+            })?);
+        }
+        let device = self.model.device();
+        let params = self.model.params();
+        let slots = self.optim.spec().slots().len();
+        let mut all = vec![0f32; n];
+        let mut kept: Vec<(usize, Vec<Tensor>)> =
+            layout.held().into_iter().map(|b| (b, Vec::new())).collect();
+        // The parameters (slot index `slots`), then each slot: every element is given by one
+        // rank and zero elsewhere, so the sum is exact.
+        for k in 0..=slots {
+            all.iter_mut().for_each(|v| *v = 0.0);
+            for (b, &giver) in givers.iter().enumerate() {
+                if giver != me {
+                    continue;
+                }
+                let block = old.blocks[b].clone();
+                let out = &mut all[block.clone()];
+                if k == slots {
+                    let src: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
+                    flat_values(&src, params, block, out)?;
+                } else {
+                    let s = self.shard.as_ref().expect("a giver is sharded");
+                    let (_, held) = s.held.iter().find(|(h, _)| *h == b).expect("a giver holds the block");
+                    held[k].to_device(Device::Cpu).f_copy_data(out, block.len())?;
+                }
             }
-        };
-        let (rank, world, step) = (layout.rank, layout.blocks.len(), self.step);
+            reduce.allreduce_sum(&mut all, self.step)?;
+            if k == slots {
+                let whole = unflatten(&all, params, device);
+                tch::no_grad(|| -> Result<(), TrainerError> {
+                    for ((_, p), v) in params.iter().zip(&whole) {
+                        p.shallow_clone().f_copy_(v)?;
+                    }
+                    Ok(())
+                })?;
+            } else {
+                for (b, held) in &mut kept {
+                    held.push(Tensor::from_slice(&all[layout.blocks[*b].clone()]).to_device(device));
+                }
+            }
+        }
+        if !self.optim.is_released() {
+            self.optim.release();
+        }
+        self.shard = Some(ShardState { layout, held: kept, scratch: None, broken: None });
+        Ok(())
+    }
+
+    /// One step with sharded state (see the module's notes); the trainer must be sharded
+    /// for this rank of a group of `world`.
+    pub fn sharded_step(
+        &mut self,
+        rank: usize,
+        world: usize,
+        reduce: &mut dyn Reduce,
+    ) -> Result<StepStats, TrainerError> {
+        let layout = self.usable_shard()?.layout.clone();
+        if (layout.rank, layout.world()) != (rank, world) {
+            return Err(TrainerError::Config(format!(
+                "a step as rank {rank} of {world} with state sharded for rank {} of {}",
+                layout.rank,
+                layout.world()
+            )));
+        }
+        let step = self.step;
         self.compute_grads(rank, world)?;
         let n = self.grads.grads_len();
         let held = layout.held();
@@ -225,15 +404,20 @@ impl Trainer {
         for &b in &held {
             buf[layout.blocks[b].clone()].iter_mut().for_each(|g| *g *= inv);
         }
-        // The global norm from each owner's block, gathered as an f64 split in two f32s and
-        // summed in rank order: every rank gets the same bits.
-        let partial = sum_of_squares(&buf[layout.blocks[rank].clone()]);
+        // The global norm from each owner's block: each f64 sent as its bits in two f32
+        // words (the ring copies them untouched) and summed in rank order, so every rank
+        // gets the same bits.
+        let bits = sum_of_squares(&buf[layout.blocks[rank].clone()]).to_bits();
         let mut parts = vec![0f32; 2 * world];
-        parts[2 * rank] = partial as f32;
-        parts[2 * rank + 1] = (partial - f64::from(partial as f32)) as f32;
+        parts[2 * rank] = f32::from_bits((bits >> 32) as u32);
+        parts[2 * rank + 1] = f32::from_bits(bits as u32);
         let halves: Vec<Range<usize>> = (0..world).map(|i| 2 * i..2 * i + 2).collect();
         reduce.allgather_blocks(&mut parts, &halves, step)?;
-        let norm = parts.chunks(2).map(|c| f64::from(c[0]) + f64::from(c[1])).sum::<f64>().sqrt();
+        let norm = parts
+            .chunks(2)
+            .map(|c| f64::from_bits((u64::from(c[0].to_bits()) << 32) | u64::from(c[1].to_bits())))
+            .sum::<f64>()
+            .sqrt();
         for &b in &held {
             clip_to_norm(&mut buf[layout.blocks[b].clone()], norm, self.job.clip_norm);
         }
@@ -243,25 +427,11 @@ impl Trainer {
         let grad = self.grads.grads_on(device);
         let spec = self.optim.spec().clone();
         self.shard.as_mut().expect("sharded").apply(&spec, self.model.params(), &grad, lr, step + 1);
-        // The parameters from their owners: this rank's block into the buffer, gathered.
-        let own = layout.blocks[rank].clone();
-        let buf = self.grads.as_mut_slice();
-        for (name, p, part) in pieces(self.model.params(), own) {
-            let at = part.start as i64 - offset_of(self.model.params(), name);
-            let src = p.detach().view([-1]).narrow(0, at, part.len() as i64).to_device(Device::Cpu);
-            src.f_copy_data(&mut buf[part.clone()], part.len())?;
+        // From here on the held blocks are a step ahead: a failure breaks the state.
+        if let Err(e) = self.gather_params(&layout, step, reduce) {
+            self.shard.as_mut().expect("sharded").broken = Some(e.to_string());
+            return Err(e);
         }
-        reduce.allgather_blocks(&mut buf[..n], &layout.blocks, step)?;
-        let flat = self.grads.grads_on(device);
-        tch::no_grad(|| -> Result<(), TrainerError> {
-            let mut at = 0i64;
-            for (_, p) in self.model.params() {
-                let len = p.numel() as i64;
-                p.shallow_clone().f_copy_(&flat.narrow(0, at, len).view_as(p))?;
-                at += len;
-            }
-            Ok(())
-        })?;
         let stats = StepStats {
             step,
             loss: f64::from(loss_sum) / f64::from(samples),
@@ -274,6 +444,48 @@ impl Trainer {
         self.advance();
         Ok(stats)
     }
+
+    /// The parameters from their owners: this rank's block into the gradient buffer (whose
+    /// gradients are spent), gathered, and copied into every parameter. On the CPU the
+    /// parameters' `.grad` views then hold parameters until the next step zeroes them.
+    fn gather_params(
+        &mut self,
+        layout: &ShardLayout,
+        step: u64,
+        reduce: &mut dyn Reduce,
+    ) -> Result<(), TrainerError> {
+        let n = self.grads.grads_len();
+        let own = layout.blocks[layout.rank].clone();
+        let params = self.model.params();
+        let src: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
+        let buf = self.grads.as_mut_slice();
+        flat_values(&src, params, own.clone(), &mut buf[own])?;
+        reduce.allgather_blocks(&mut buf[..n], &layout.blocks, step)?;
+        let flat = self.grads.grads_on(self.model.device());
+        tch::no_grad(|| -> Result<(), TrainerError> {
+            let mut at = 0i64;
+            for (_, p) in self.model.params() {
+                let len = p.numel() as i64;
+                p.shallow_clone().f_copy_(&flat.narrow(0, at, len).view_as(p))?;
+                at += len;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Parameter-shaped tensors on `device` from a flat vector in parameter order.
+fn unflatten(all: &[f32], params: &[(String, Tensor)], device: Device) -> Vec<Tensor> {
+    let flat = Tensor::from_slice(all).to_kind(Kind::Float).to_device(device);
+    let mut at = 0i64;
+    params
+        .iter()
+        .map(|(_, p)| {
+            let t = flat.narrow(0, at, p.numel() as i64).view_as(p).copy();
+            at += p.numel() as i64;
+            t
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -283,14 +495,15 @@ mod tests {
     #[test]
     fn blocks_tile_the_gradient_aligned_and_replicas_come_before() {
         let l = ShardLayout::new(1000, 3, 0, 1).unwrap();
-        assert_eq!(l.blocks, vec![0..320, 320..656, 656..1000]);
+        assert_eq!(l.blocks(), &[0..320, 320..656, 656..1000]);
         assert_eq!(l.held(), vec![0, 2]);
+        assert_eq!(l.holders(2), vec![2, 0]);
         assert_eq!(ShardLayout::new(1000, 3, 2, 2).unwrap().held(), vec![2, 1, 0]);
         // Fewer values than ranks: empty blocks, still a tiling.
         let small = ShardLayout::new(5, 4, 1, 0).unwrap();
-        assert_eq!(small.blocks, vec![0..0, 0..0, 0..0, 0..5]);
+        assert_eq!(small.blocks(), &[0..0, 0..0, 0..0, 0..5]);
         assert!(ShardLayout::new(10, 2, 0, 2).is_err());
         assert!(ShardLayout::new(10, 2, 2, 0).is_err());
-        assert_eq!(ShardLayout::new(10, 1, 0, 3).unwrap().replicas, 0);
+        assert_eq!(ShardLayout::new(10, 1, 0, 3).unwrap().replicas(), 0);
     }
 }
