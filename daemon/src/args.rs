@@ -162,6 +162,9 @@ impl JobArgs {
             activation_checkpointing: self.activation_checkpointing.then_some(true),
             loss_chunk: self.loss_chunk,
             eval_every: self.eval_every,
+            // `limpet train` runs one rank: nothing to shard.
+            shard_state: None,
+            shard_replicas: None,
         }
     }
 }

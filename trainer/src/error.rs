@@ -25,6 +25,10 @@ pub enum TrainerError {
     /// A checkpoint does not belong to this job.
     #[error("checkpoint does not match the job: {0}")]
     Mismatch(String),
+    /// Sharded state cannot be rebuilt: every rank that held a block of it is gone. The
+    /// state must come from a checkpoint.
+    #[error("sharded state lost: {0}")]
+    ShardLost(String),
     /// A reduce (or a pipeline link) across ranks failed.
     #[error("gradient reduce failed: {detail}")]
     Reduce {

@@ -75,6 +75,19 @@ pub struct JobSpec {
     /// Evaluate the held-out loss every this many steps in `limpetd` (none: at the end only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_every: Option<u64>,
+    /// Spread the optimizer state over the data-parallel ranks (`train/shard.rs`); absent in
+    /// older images: whole on every rank.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard_state: Option<Sharding>,
+}
+
+/// How a job spreads its state over the ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Sharding {
+    /// Other ranks holding each rank's shard (in host memory, updated each step), so that a
+    /// killed rank's shard survives.
+    pub replicas: usize,
 }
 
 fn is_off(b: &bool) -> bool {
@@ -119,6 +132,7 @@ impl JobSpec {
             activation_checkpointing: false,
             loss_chunk: None,
             eval_every: None,
+            shard_state: None,
         }
     }
 

@@ -68,6 +68,10 @@ pub struct JobKeys {
     pub loss_chunk: Option<usize>,
     /// Held-out evaluation every this many steps (limpetd).
     pub eval_every: Option<u64>,
+    /// `none` or `optimizer`: spread the optimizer state over the ranks (limpetd).
+    pub shard_state: Option<String>,
+    /// Other ranks holding each rank's shard (default 1).
+    pub shard_replicas: Option<usize>,
 }
 
 /// A key with a bad value.
@@ -151,6 +155,22 @@ impl JobKeys {
         }
         if self.eval_every == Some(0) {
             return bad("eval_every", "must be at least 1".into());
+        }
+        let sharded = match self.shard_state.as_deref() {
+            None | Some("none") => false,
+            Some("optimizer") => true,
+            Some("optimizer+gradients") => return bad(
+                "shard_state",
+                "\"optimizer+gradients\" (ZeRO-2) is not built yet; \"optimizer\" shards the optimizer state"
+                    .into(),
+            ),
+            Some(other) => return bad("shard_state", format!("{other:?} is not \"none\" or \"optimizer\"")),
+        };
+        if sharded && self.reproducible == Some(true) {
+            return bad("shard_state", "a reproducible job keeps its state whole (not built yet)".into());
+        }
+        if self.shard_replicas.is_some() && !sharded {
+            return bad("shard_replicas", "applies with shard_state = \"optimizer\" only".into());
         }
         if let Some(k) = self.shards {
             let most = crate::MAX_SHARDS;
@@ -245,6 +265,9 @@ impl JobKeys {
         }
         if let Some(e) = self.eval_every {
             job.eval_every = Some(e);
+        }
+        if self.shard_state.as_deref() == Some("optimizer") {
+            job.shard_state = Some(crate::Sharding { replicas: self.shard_replicas.unwrap_or(1) });
         }
         let llama = matches!(job.model, ModelSpec::Llama(_));
         if let Some(a) = self.activation_checkpointing {

@@ -113,6 +113,8 @@ pub struct Trainer {
     /// The optimizer state of the blocks this rank holds, when it is sharded (`optim` is
     /// then empty).
     shard: Option<shard::ShardState>,
+    /// A sharded step applied after its collectives broke (see [`Trainer::take_unlogged`]).
+    unlogged: Option<StepStats>,
 }
 
 impl Trainer {
@@ -164,6 +166,7 @@ impl Trainer {
             exact_acc: Vec::new(),
             exact_spare: None,
             shard: None,
+            unlogged: None,
         })
     }
 

@@ -54,6 +54,13 @@ impl Checkpointer {
         }
     }
 
+    /// Whether a checkpoint is due at `step` by the step count alone: what every rank of a
+    /// sharded job decides alike, to gather the state for it together (a clock would give
+    /// the ranks different steps).
+    pub fn due_by_steps(&self, step: u64) -> bool {
+        self.settings.as_ref().is_some_and(|c| due(c, step, 2, Duration::ZERO))
+    }
+
     /// Why the last checkpoint failed, if it did.
     pub fn failure(&self) -> Option<String> {
         self.failure.lock().expect("failure lock").clone()
@@ -63,6 +70,11 @@ impl Checkpointer {
     /// first replica write, one part per stage (the whole model in a data-parallel epoch).
     pub fn maybe_write(&mut self, trainer: &Trainer, epoch: &Epoch, rank: usize, nb: usize, sink: &Sink<'_>) {
         let Some(c) = self.settings.clone() else { return };
+        if trainer.shard_layout().is_some() {
+            // Sharded state is gathered for the steps `due_by_steps` names; at any other
+            // step this rank holds no whole state to write.
+            return;
+        }
         let stages = epoch.layout.pipeline.max(1) as usize;
         if rank >= stages {
             return;
@@ -216,9 +228,29 @@ pub(super) fn resume(trainer: &Trainer, job: &JobSpec, st: &ClusterState, n: &Ep
         return None;
     }
     let rec = st.checkpoints.iter().rev().find(|c| c.step == n.start_step && c.epoch == 0)?;
+    load_record(trainer, job, rec)
+}
+
+/// The newest checkpoint the log records, loaded into a new trainer (what a job whose
+/// sharded state lost a block goes back to). `None`: none recorded, or none readable here.
+pub(super) fn newest(trainer: &Trainer, job: &JobSpec, st: &ClusterState) -> Option<Trainer> {
+    let rec = st.checkpoints.iter().max_by_key(|c| c.step)?;
+    load_record(trainer, job, rec)
+}
+
+fn load_record(
+    trainer: &Trainer,
+    job: &JobSpec,
+    rec: &limpet_consensus::state::CheckpointRecord,
+) -> Option<Trainer> {
     let dir = PathBuf::from(&rec.location);
     let loaded = (|| -> anyhow::Result<Trainer> {
-        let root = dir.parent().ok_or_else(|| anyhow::anyhow!("no parent directory"))?;
+        // A record names a step's directory, or a part's file inside one.
+        let step_dir =
+            if dir.extension().is_some_and(|e| e == "limpet") { dir.parent() } else { Some(&*dir) };
+        let root = step_dir
+            .and_then(std::path::Path::parent)
+            .ok_or_else(|| anyhow::anyhow!("no parent directory"))?;
         let listed = crate::checkpoint::listed_at(root, rec.step)?;
         let image = crate::checkpoint::load(&listed, job.model.num_blocks())?;
         if image.content_hash() != rec.content_hash {

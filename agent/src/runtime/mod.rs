@@ -20,6 +20,7 @@ mod heartbeats;
 mod lead;
 mod revocations;
 mod shadows;
+mod sharding;
 pub mod tasks;
 pub mod train_loop;
 

@@ -296,6 +296,10 @@ impl TrainLoop {
                 }
                 Action::Finish { preform } => {
                     self.preform(&st, preform.as_ref());
+                    if !self.finished && self.trainer.shard_layout().is_some() {
+                        tracing::error!(step = self.trainer.step(), "the job finished, but its optimizer state could not be gathered from its shards: no final checkpoint");
+                        self.finished = true;
+                    }
                     if !self.finished {
                         // The job's result, where `limpet-lab demo` and operators find it.
                         let path = limpet_trainer::save_checkpoint(&self.trainer, &self.cfg.state_dir)
@@ -336,6 +340,24 @@ impl TrainLoop {
         let outcome: Result<limpet_trainer::StepStats, (Option<NodeId>, String, bool)> = match conn {
             // A reproducible job: whole canonical shards per rank, summed in fixed point (the
             // speed-weighted shares do not apply: shards are the unit).
+            // Sharded state: reduce-scatter, update the blocks held, allgather the parameters.
+            Conn::Ring(g) if self.trainer.shard_layout().is_some() => {
+                let samples = self.trainer.plan().share_in(g.rank(), g.world(), &epoch.shares).len();
+                match self.trainer.sharded_step(g.rank(), g.world(), g) {
+                    Ok(stats) => {
+                        let own = Duration::from_secs_f64(self.trainer.compute_ms() / 1e3);
+                        let took = slow_down(&self.cfg, own).as_secs_f64() * 1e3;
+                        if samples > 0 {
+                            self.ms_per_sample = smooth(self.ms_per_sample, took / samples as f64);
+                        }
+                        Ok(stats)
+                    }
+                    Err(e @ limpet_trainer::TrainerError::Reduce { peer, violation, .. }) => {
+                        Err((peer, e.to_string(), violation))
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
             Conn::Ring(g) if self.trainer.job().reproducible => {
                 match self.trainer.exact_step(g.rank(), g.world(), g) {
                     Ok(stats) => Ok(stats),
@@ -378,6 +400,12 @@ impl TrainLoop {
         let stats = match outcome {
             Ok(stats) => stats,
             Err((suspect, error, violation)) => {
+                // A sharded step applied before its parameters' allgather broke: logged, as
+                // the state moved on.
+                if let Some(done) = self.trainer.take_unlogged() {
+                    let took = started.elapsed().as_secs_f64() * 1e3;
+                    self.record_step(&done, epoch, group_rank, took, None)?;
+                }
                 if violation {
                     // Not a fault of the network: a peer (or this rank) does not follow the
                     // protocol. The leader rebuilds once, then stops at this step.
@@ -407,6 +435,17 @@ impl TrainLoop {
         // AdaScale's statistics are over data-parallel replicas, not pipeline stages.
         self.grad_stats = observe_gradients(self.grad_stats, &stats, epoch.layout.data as usize);
         let sink = Sink { me: self.cfg.id, handle: &self.handle, rt: &self.rt, tasks: &self.tasks };
+        let sharded = self.trainer.shard_layout().cloned();
+        if let (Some(_), Some((_, Conn::Ring(g)))) = (&sharded, self.group.as_mut()) {
+            // Every rank gathers the state for a checkpoint due by the step count, and for
+            // the job's end (its final checkpoint is whole).
+            let step = self.trainer.step();
+            if self.checkpointer.due_by_steps(step) || step >= self.trainer.job().steps {
+                if let Err(e) = self.trainer.unshard(g) {
+                    tracing::warn!(step = self.trainer.step(), %e, "could not gather the sharded state for a checkpoint");
+                }
+            }
+        }
         self.checkpointer.maybe_write(
             &self.trainer,
             epoch,
@@ -414,6 +453,10 @@ impl TrainLoop {
             self.cfg.job.model.num_blocks(),
             &sink,
         );
+        let finished = self.trainer.step() >= self.trainer.job().steps;
+        if let Some(layout) = sharded.filter(|_| self.trainer.shard_layout().is_none() && !finished) {
+            self.trainer.shard_state(layout)?;
+        }
         let every = self.cfg.pipeline.as_ref().map_or(0, |p| p.shadow_every);
         if epoch.layout.pipeline > 1 && every > 0 && self.trainer.step() % every == 0 {
             let addrs = entry::addrs_of(st, epoch)?;
@@ -515,6 +558,7 @@ impl TrainLoop {
     /// Enters epoch `n` (see `entry`) and records the transition.
     fn enter(&mut self, n: &Epoch) -> Result<(), AgentError> {
         self.set_phase(Phase::Entering);
+        let previous = self.group.as_ref().map(|(e, _)| e.clone());
         // The old group is done; peers of older epochs are refused from now on.
         self.group = None;
         let x = Entering {
@@ -528,6 +572,16 @@ impl TrainLoop {
             pending: self.pending.take(),
         };
         let done = entry::enter(x, n)?;
+        // A sharded step finished at the entry with a peer's norm belongs to the last epoch.
+        if let (Some(step), Some(p)) = (self.trainer.take_unlogged(), previous) {
+            let rank = p.ranks.iter().position(|&r| r == self.cfg.id).unwrap_or(0);
+            tracing::info!(
+                epoch = p.id,
+                step = step.step,
+                "a sharded step whose collectives broke was finished at the entry"
+            );
+            self.record_step(&step, &p, rank, 0.0, None)?;
+        }
         let idle_ms = self.last_step_done.map_or(0, |t| t.elapsed().as_millis() as u64);
         let t = Transition {
             epoch: n.id,

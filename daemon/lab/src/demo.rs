@@ -80,6 +80,9 @@ pub struct ScenarioArgs {
     /// Evaluate the held-out loss every N steps ([job].eval_every; in the plot).
     #[arg(long, value_name = "N")]
     pub eval_every: Option<u64>,
+    /// Shard the optimizer state, each shard on N more ranks ([job].shard_state).
+    #[arg(long, value_name = "N")]
+    pub shard_replicas: Option<usize>,
     /// Fewest nodes training continues with.
     #[arg(long, default_value_t = 1)]
     pub min_nodes: usize,
@@ -200,6 +203,7 @@ pub fn scenario(a: ScenarioArgs) -> anyhow::Result<()> {
         slow_factor: a.slow_factor.clone(),
         reproducible: a.reproducible,
         eval_every: a.eval_every,
+        shard_state: a.shard_replicas.map(|r| ("optimizer".to_string(), r)),
         ..LocalJob::default()
     };
     let summary = run_scenario(&a.dir, a.nodes, job, &script, Duration::from_secs(a.timeout), !a.json)?;

@@ -102,6 +102,9 @@ pub struct LocalJob {
     /// `[job].eval_every`.
     #[serde(default)]
     pub eval_every: Option<u64>,
+    /// `[job].shard_state` (and `shard_replicas`, the number).
+    #[serde(default)]
+    pub shard_state: Option<(String, usize)>,
 }
 
 impl Default for LocalJob {
@@ -140,6 +143,7 @@ impl Default for LocalJob {
             reproducible: false,
             shards: None,
             eval_every: None,
+            shard_state: None,
         }
     }
 }
@@ -384,6 +388,9 @@ impl LocalCluster {
         }
         if let Some(e) = j.eval_every {
             text += &format!("eval_every = {e}\n");
+        }
+        if let Some((mode, replicas)) = &j.shard_state {
+            text += &format!("shard_state = {mode:?}\nshard_replicas = {replicas}\n");
         }
         if let Some(lr) = j.lr {
             text += &format!("lr = {lr:?}\n");

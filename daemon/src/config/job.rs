@@ -55,6 +55,10 @@ pub struct JobSection {
     pub loss_chunk: Option<usize>,
     /// Evaluate the held-out loss every this many steps.
     pub eval_every: Option<u64>,
+    /// `none` (default) or `optimizer`: each rank keeps a shard of the optimizer state.
+    pub shard_state: Option<String>,
+    /// Other ranks holding a copy of each shard (default 1), so a `kill -9` loses none.
+    pub shard_replicas: Option<usize>,
     /// World size the batch and learning rate were tuned for (the policies scale from it;
     /// default: the number of founders).
     pub base_world: Option<u64>,
@@ -91,6 +95,8 @@ impl JobSection {
             activation_checkpointing: self.activation_checkpointing,
             loss_chunk: self.loss_chunk,
             eval_every: self.eval_every,
+            shard_state: self.shard_state.clone(),
+            shard_replicas: self.shard_replicas,
         }
     }
 }

@@ -519,6 +519,7 @@ impl Config {
                 ("[job].activation_checkpointing", self.job.activation_checkpointing == Some(true)),
                 ("[job].loss_chunk", self.job.loss_chunk.is_some()),
                 ("[job].eval_every", self.job.eval_every.is_some()),
+                ("[job].shard_state", self.job.shard_state.as_deref().is_some_and(|s| s != "none")),
             ];
             if let Some((key, _)) = unsupported.iter().find(|(_, set)| *set) {
                 return err(key, "is not supported by a pipelined job yet ([pipeline] is set)".into());

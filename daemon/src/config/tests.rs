@@ -119,6 +119,29 @@ fn errors_name_the_file_and_the_key() {
             ),
             "[job].reproducible: is for data parallelism only",
         ),
+        (
+            good.replace("global_batch = 64", "global_batch = 64\nshard_state = \"everything\""),
+            "[job].shard_state: \"everything\" is not",
+        ),
+        (
+            good.replace("global_batch = 64", "global_batch = 64\nshard_state = \"optimizer+gradients\""),
+            "[job].shard_state: \"optimizer+gradients\" (ZeRO-2) is not built yet",
+        ),
+        (good.replace("global_batch = 64", "global_batch = 64\nshard_replicas = 2"), "[job].shard_replicas"),
+        (
+            good.replace(
+                "global_batch = 64",
+                "global_batch = 64\nreproducible = true\nshard_state = \"optimizer\"",
+            ),
+            "[job].shard_state: a reproducible job",
+        ),
+        (
+            format!(
+                "{}\n[pipeline]\nstages = 2\n",
+                good.replace("global_batch = 64", "global_batch = 64\nshard_state = \"optimizer\"")
+            ),
+            "[job].shard_state: is not supported by a pipelined job",
+        ),
         (good.replace("sources = [\"aws\"]", "sources = []"), "sources = \"none\""),
         (good.replace("sources = [\"aws\"]", "sources = \"aws\""), "written as a list"),
         (good.replace("global_batch = 64", "global_batch = 64\ndevice = \"gpu\""), "[job].device"),

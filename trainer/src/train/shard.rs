@@ -11,14 +11,16 @@
 //! block updates exactly as it would within the whole tensor.
 //!
 //! A step that fails before the update changes nothing. One that fails after it (in the
-//! parameters' allgather) leaves this rank's held blocks a step ahead of its other
-//! parameters: the state is then marked broken, and every later step refuses until
-//! [`Trainer::reshard`] rebuilds it from other holders or an image is loaded.
+//! parameters' allgather) has applied the step to this rank's held blocks but not to its
+//! other parameters: the trainer counts the step as applied and marks its parameters stale,
+//! and every later step refuses until [`Trainer::regroup`] rebuilds them.
 //!
-//! At an epoch change [`Trainer::reshard`] re-cuts the state for the new group: each block of
-//! the old layout comes from one live holder (its owner, else a replica), and each rank keeps
-//! the blocks of the new layout it holds. A block whose every holder is gone cannot be
-//! rebuilt: the caller resumes from a checkpoint.
+//! At an epoch change [`Trainer::regroup`] rebuilds the state in the new group: the ranks
+//! agree on the newest layout some of them hold blocks of, at the furthest step; each block of
+//! it comes from one holder at that step (its owner, else a replica), parameters included;
+//! and each rank keeps the blocks of the new layout it holds, or all of it. A block whose every
+//! holder is gone cannot be rebuilt ([`TrainerError::ShardLost`]): the state must come from a
+//! checkpoint.
 
 use super::{Reduce, StepStats, Trainer};
 use crate::optim::{clip_to_norm, decays, scratch_for, sum_of_squares, update, Optimizer, OptimizerSpec};
@@ -36,6 +38,8 @@ pub struct ShardLayout {
     blocks: Vec<Range<usize>>,
     rank: usize,
     replicas: usize,
+    /// Which group the layout is of (the agent's epoch), so ranks tell layouts apart.
+    tag: u64,
 }
 
 impl ShardLayout {
@@ -52,7 +56,18 @@ impl ShardLayout {
         }
         let cut = |i: usize| if i == world { len } else { (i * len / world) / ALIGN * ALIGN };
         let blocks = (0..world).map(|i| cut(i)..cut(i + 1)).collect();
-        Ok(ShardLayout { blocks, rank, replicas: if world == 1 { 0 } else { replicas } })
+        Ok(ShardLayout { blocks, rank, replicas: if world == 1 { 0 } else { replicas }, tag: 0 })
+    }
+
+    /// The same layout, marked as the group `tag`'s.
+    pub fn tagged(mut self, tag: u64) -> Self {
+        self.tag = tag;
+        self
+    }
+
+    /// The group the layout is of.
+    pub fn tag(&self) -> u64 {
+        self.tag
     }
 
     /// One block per rank, in rank order, tiling the gradient.
@@ -94,8 +109,15 @@ pub(crate) struct ShardState {
     layout: ShardLayout,
     held: Vec<(usize, Vec<Tensor>)>,
     scratch: Option<Tensor>,
-    /// Why the state is inconsistent (a step failed after updating it), if it is.
-    broken: Option<String>,
+    /// Why the parameters outside the held blocks are a step behind (a step failed after
+    /// its update, in the parameters' allgather), if they are.
+    stale: Option<String>,
+    /// The step whose reduced, averaged gradient of the held blocks is in the gradient
+    /// buffer, waiting for the global norm (its allgather failed): a regroup can finish it
+    /// with the norm a peer got.
+    pending: Option<u64>,
+    /// The global norm of the last step whose norm this rank gathered.
+    last_norm: Option<(u64, f64)>,
 }
 
 impl ShardState {
@@ -205,8 +227,15 @@ impl Trainer {
             held.push((b, slots));
         }
         self.optim.release();
-        self.shard = Some(ShardState { layout, held, scratch: None, broken: None });
+        self.shard =
+            Some(ShardState { layout, held, scratch: None, stale: None, pending: None, last_norm: None });
         Ok(())
+    }
+
+    /// A step this rank applied although its collectives broke (its parameters' allgather,
+    /// or its norm's, finished by [`Trainer::regroup`]): what it did, for the step log, once.
+    pub fn take_unlogged(&mut self) -> Option<StepStats> {
+        self.unlogged.take()
     }
 
     /// The layout of a sharded trainer's state.
@@ -241,9 +270,9 @@ impl Trainer {
     fn usable_shard(&self) -> Result<&ShardState, TrainerError> {
         let s =
             self.shard.as_ref().ok_or_else(|| TrainerError::Config("the trainer is not sharded".into()))?;
-        match &s.broken {
+        match &s.stale {
             Some(why) => Err(TrainerError::Config(format!(
-                "the sharded state is inconsistent since a step failed after updating it ({why}): reshard or load an image"
+                "parameters are stale since a step failed after its update ({why}): regroup or load an image"
             ))),
             None => Ok(s),
         }
@@ -273,68 +302,115 @@ impl Trainer {
         Ok(())
     }
 
-    /// Re-cuts sharded state for a new group (every member calls it, with the same
-    /// arguments but its own `layout`): each block of the old layout (`old_world` ranks,
-    /// `old_replicas`) comes from one live holder, the owner first, and each rank keeps the
-    /// new layout's blocks. `old_ranks[j]` is the new rank `j`'s rank in the old layout, or
-    /// `None` for a rank that held nothing (a newcomer, with the parameters' meta from an
-    /// image). The parameters are rebuilt from the holders too, so a rank whose state broke
-    /// mid-step is whole again. Moves the parameters and the state once over the ring, and
-    /// needs room for one model-sized vector on the host while it runs.
-    pub fn reshard(
+    /// Rebuilds sharded state in a new group (every rank of it calls this, with its rank
+    /// and the same `world` and `step_tag`, the collectives' step marker): the ranks agree
+    /// on the newest layout held (the highest tag, at the furthest step), each of its blocks
+    /// and those blocks' parameters come from one rank that holds the block at that step
+    /// (its owner, else the first replica), and each rank keeps `target`'s blocks, or the
+    /// whole state when `target` is `None`. A rank at another step, or holding nothing (a
+    /// newcomer), gives nothing; it receives parameters of that step, so it must then load
+    /// the whole state at that step (it is left unsharded, with zero moments). Returns the
+    /// step rebuilt, or `None` when no rank held sharded state (nothing moved). Moves the
+    /// parameters and the state once and needs one model-sized host vector while it runs.
+    pub fn regroup(
         &mut self,
-        old_world: usize,
-        old_replicas: usize,
-        old_ranks: &[Option<usize>],
-        layout: ShardLayout,
+        rank: usize,
+        world: usize,
+        target: Option<ShardLayout>,
+        step_tag: u64,
         reduce: &mut dyn Reduce,
-    ) -> Result<(), TrainerError> {
+    ) -> Result<Option<u64>, TrainerError> {
         let n = self.grads.grads_len();
-        let (w, me) = (layout.world(), layout.rank);
-        if old_ranks.len() != w || layout.blocks.last().map(|b| b.end) != Some(n) {
-            return Err(TrainerError::Config(format!(
-                "a re-cut for {} ranks (old ranks {old_ranks:?}) with a layout of {:?} for {n} values",
-                w, layout.blocks
-            )));
+        if rank >= world || target.as_ref().is_some_and(|t| (t.rank, t.world()) != (rank, world)) {
+            return Err(TrainerError::Config(format!("a regroup as rank {rank} of {world} into {target:?}")));
         }
-        let old = ShardLayout::new(n, old_world, old_ranks[me].unwrap_or(0), old_replicas)?;
-        // Whether this rank can give its old blocks: sharded as the old layout says, whole.
-        let usable = old_ranks[me].is_some()
-            && self.shard.as_ref().is_some_and(|s| s.broken.is_none() && s.layout == old);
-        // Every rank's step and whether it can give its blocks, so all decide alike.
-        let mut facts = vec![0i64; 2 * w];
-        facts[me] = self.step as i64;
-        facts[w + me] = i64::from(usable);
-        reduce.allreduce_sum_i64(&mut facts, self.step)?;
-        if facts[..w].iter().any(|&s| s != self.step as i64) {
-            return Err(TrainerError::Config(format!("a re-cut between ranks at steps {:?}", &facts[..w])));
+        if let Some(t) = &target {
+            if t.blocks.last().map(|b| b.end) != Some(n) {
+                return Err(TrainerError::Config(format!("a layout of {:?} for {n} values", t.blocks)));
+            }
         }
-        // For each old block, the new rank that gives it.
+        // Every rank's layout (tag, world, replicas, rank), step, whether a step's gradient
+        // waits for its norm, and the last norm it gathered: all decide alike from these.
+        const F: usize = 8;
+        let mut facts = vec![0i64; F * world];
+        facts[F * rank + 4] = self.step as i64;
+        if let Some(s) = &self.shard {
+            let l = &s.layout;
+            let mine = [l.tag as i64, l.world() as i64, l.replicas as i64, l.rank as i64];
+            facts[F * rank..F * rank + 4].copy_from_slice(&mine);
+            facts[F * rank + 5] = i64::from(s.pending == Some(self.step));
+            if let Some((at, norm)) = s.last_norm {
+                facts[F * rank + 6] = at as i64 + 1;
+                facts[F * rank + 7] = norm.to_bits() as i64;
+            }
+        }
+        reduce.allreduce_sum_i64(&mut facts, step_tag)?;
+        let fact = |j: usize, k: usize| facts[F * j + k];
+        let holders: Vec<usize> = (0..world).filter(|&j| fact(j, 1) > 0).collect();
+        let Some(&newest) = holders.iter().max_by_key(|&&j| (fact(j, 0), fact(j, 4))) else {
+            return Ok(None);
+        };
+        let (tag, old_world, replicas, step) =
+            (fact(newest, 0), fact(newest, 1) as usize, fact(newest, 2) as usize, fact(newest, 4));
+        let old = ShardLayout::new(n, old_world, 0, replicas)?;
+        // A step some ranks applied and others did not, because the norm's allgather failed
+        // on them: those have the step's gradient and finish it with the norm a peer got.
+        let norm_of_last =
+            (0..world).find(|&j| fact(j, 6) == step).map(|j| f64::from_bits(fact(j, 7) as u64));
+        let finishes = |j: usize| fact(j, 4) + 1 == step && fact(j, 5) == 1 && norm_of_last.is_some();
+        let effective = |j: usize| if finishes(j) { step } else { fact(j, 4) };
+        // The ranks that can give a block: holders of that layout at that step.
+        let givers_of = |c: usize| {
+            (0..world).find(|&j| {
+                fact(j, 1) as usize == old_world
+                    && (fact(j, 0), fact(j, 2), fact(j, 3), effective(j))
+                        == (tag, replicas as i64, c as i64, step)
+            })
+        };
         let mut givers = Vec::with_capacity(old_world);
         for b in 0..old_world {
-            let giver = old
-                .holders(b)
-                .into_iter()
-                .find_map(|c| (0..w).find(|&j| old_ranks[j] == Some(c) && facts[w + j] == 1));
+            let giver = old.holders(b).into_iter().find_map(givers_of);
             givers.push(giver.ok_or_else(|| {
-                TrainerError::Config(format!(
-                    "no live rank holds block {b} (values {:?}) of the sharded optimizer state: every holder is gone; resume from the checkpoint",
+                TrainerError::ShardLost(format!(
+                    "no live rank holds block {b} (values {:?}) of the optimizer state at step {step}: every holder is gone",
                     old.blocks[b]
                 ))
             })?);
         }
+        if finishes(rank) {
+            let layout = self.shard.as_ref().expect("a holder").layout.clone();
+            let norm = norm_of_last.expect("checked");
+            let lr = self.apply_held(&layout, norm);
+            let sums = &self.grads.as_mut_slice()[n..];
+            self.unlogged = Some(StepStats {
+                step: self.step,
+                loss: f64::from(sums[0]) / f64::from(sums[1]),
+                lr,
+                grad_norm: norm,
+                samples: sums[1] as usize,
+                rank_mean_sq_sum: f64::from(sums[2]),
+                agreed: false,
+            });
+            self.advance();
+            let s = self.shard.as_mut().expect("a holder");
+            (s.pending, s.last_norm) = (None, Some((step as u64 - 1, norm)));
+        }
         let device = self.model.device();
         let params = self.model.params();
         let slots = self.optim.spec().slots().len();
+        let keep = match &target {
+            Some(t) => t.held(),
+            None => Vec::new(),
+        };
+        let mut kept: Vec<(usize, Vec<Tensor>)> = keep.iter().map(|&b| (b, Vec::new())).collect();
+        let mut whole: Vec<Vec<Tensor>> = Vec::new();
         let mut all = vec![0f32; n];
-        let mut kept: Vec<(usize, Vec<Tensor>)> =
-            layout.held().into_iter().map(|b| (b, Vec::new())).collect();
         // The parameters (slot index `slots`), then each slot: every element is given by one
         // rank and zero elsewhere, so the sum is exact.
-        for k in 0..=slots {
+        for k in (0..=slots).rev() {
             all.iter_mut().for_each(|v| *v = 0.0);
             for (b, &giver) in givers.iter().enumerate() {
-                if giver != me {
+                if giver != rank {
                     continue;
                 }
                 let block = old.blocks[b].clone();
@@ -348,26 +424,49 @@ impl Trainer {
                     held[k].to_device(Device::Cpu).f_copy_data(out, block.len())?;
                 }
             }
-            reduce.allreduce_sum(&mut all, self.step)?;
+            reduce.allreduce_sum(&mut all, step_tag)?;
             if k == slots {
-                let whole = unflatten(&all, params, device);
+                let values = unflatten(&all, params, device);
                 tch::no_grad(|| -> Result<(), TrainerError> {
-                    for ((_, p), v) in params.iter().zip(&whole) {
+                    for ((_, p), v) in params.iter().zip(&values) {
                         p.shallow_clone().f_copy_(v)?;
                     }
                     Ok(())
                 })?;
-            } else {
+            } else if let Some(t) = &target {
                 for (b, held) in &mut kept {
-                    held.push(Tensor::from_slice(&all[layout.blocks[*b].clone()]).to_device(device));
+                    held.insert(0, Tensor::from_slice(&all[t.blocks[*b].clone()]).to_device(device));
                 }
+            } else {
+                whole.insert(0, unflatten(&all, params, device));
             }
         }
-        if !self.optim.is_released() {
-            self.optim.release();
+        if self.step as i64 != step {
+            // Parameters of another step: this rank must load the whole state of `step`.
+            self.shard = None;
+            self.optim = Optimizer::new(self.optim.spec(), params);
+            return Ok(Some(step as u64));
         }
-        self.shard = Some(ShardState { layout, held: kept, scratch: None, broken: None });
-        Ok(())
+        match target {
+            Some(layout) => {
+                if !self.optim.is_released() {
+                    self.optim.release();
+                }
+                self.shard = Some(ShardState {
+                    layout,
+                    held: kept,
+                    scratch: None,
+                    stale: None,
+                    pending: None,
+                    last_norm: None,
+                });
+            }
+            None => {
+                self.shard = None;
+                self.optim.restore(whole);
+            }
+        }
+        Ok(Some(step as u64))
     }
 
     /// One step with sharded state (see the module's notes); the trainer must be sharded
@@ -387,6 +486,7 @@ impl Trainer {
             )));
         }
         let step = self.step;
+        self.shard.as_mut().expect("sharded").pending = None;
         self.compute_grads(rank, world)?;
         let n = self.grads.grads_len();
         let held = layout.held();
@@ -404,6 +504,7 @@ impl Trainer {
         for &b in &held {
             buf[layout.blocks[b].clone()].iter_mut().for_each(|g| *g *= inv);
         }
+        self.shard.as_mut().expect("sharded").pending = Some(step);
         // The global norm from each owner's block: each f64 sent as its bits in two f32
         // words (the ring copies them untouched) and summed in rank order, so every rank
         // gets the same bits.
@@ -418,20 +519,13 @@ impl Trainer {
             .map(|c| f64::from_bits((u64::from(c[0].to_bits()) << 32) | u64::from(c[1].to_bits())))
             .sum::<f64>()
             .sqrt();
-        for &b in &held {
-            clip_to_norm(&mut buf[layout.blocks[b].clone()], norm, self.job.clip_norm);
+        {
+            let s = self.shard.as_mut().expect("sharded");
+            (s.pending, s.last_norm) = (None, Some((step, norm)));
         }
-        let lr =
-            self.job.optimizer.lr() * self.job.schedule.factor(self.step, self.job.steps) * self.lr_scale;
-        let device = self.model.device();
-        let grad = self.grads.grads_on(device);
-        let spec = self.optim.spec().clone();
-        self.shard.as_mut().expect("sharded").apply(&spec, self.model.params(), &grad, lr, step + 1);
-        // From here on the held blocks are a step ahead: a failure breaks the state.
-        if let Err(e) = self.gather_params(&layout, step, reduce) {
-            self.shard.as_mut().expect("sharded").broken = Some(e.to_string());
-            return Err(e);
-        }
+        let lr = self.apply_held(&layout, norm);
+        // From here on the step is applied to the held blocks: a failure leaves the other
+        // parameters a step behind, which a regroup rebuilds.
         let stats = StepStats {
             step,
             loss: f64::from(loss_sum) / f64::from(samples),
@@ -441,8 +535,30 @@ impl Trainer {
             rank_mean_sq_sum,
             agreed: false,
         };
+        if let Err(e) = self.gather_params(&layout, step, reduce) {
+            self.shard.as_mut().expect("sharded").stale = Some(e.to_string());
+            self.unlogged = Some(stats);
+            self.advance();
+            return Err(e);
+        }
         self.advance();
         Ok(stats)
+    }
+
+    /// Clips the held blocks of the averaged gradient in the buffer to the global `norm` and
+    /// updates the held blocks with them, as the current step; returns the learning rate.
+    fn apply_held(&mut self, layout: &ShardLayout, norm: f64) -> f64 {
+        let buf = self.grads.as_mut_slice();
+        for b in layout.held() {
+            clip_to_norm(&mut buf[layout.blocks[b].clone()], norm, self.job.clip_norm);
+        }
+        let lr =
+            self.job.optimizer.lr() * self.job.schedule.factor(self.step, self.job.steps) * self.lr_scale;
+        let grad = self.grads.grads_on(self.model.device());
+        let spec = self.optim.spec().clone();
+        let t = self.step + 1;
+        self.shard.as_mut().expect("sharded").apply(&spec, self.model.params(), &grad, lr, t);
+        lr
     }
 
     /// The parameters from their owners: this rank's block into the gradient buffer (whose

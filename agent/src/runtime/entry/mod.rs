@@ -11,6 +11,7 @@ use super::checkpointer;
 use super::config::AgentConfig;
 use super::error::AgentError;
 use super::shadows::{snap_label, Shadows, Snap};
+use super::sharding;
 use crate::dataplane::frame::Channel;
 use crate::dataplane::handoff::HandoffDialer;
 use crate::stage::StageConnections;
@@ -155,6 +156,7 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     let by = Instant::now() + ENTRY_WAIT;
     let give_up = give_up(x.watch, x.stop, n.id);
     let mut group = form_group(x.endpoint, x.pending.take(), n, &addrs, by, &give_up)?;
+    sharding::gather_at_entry(x.trainer, &mut group, &x.cfg.job, &st, n, ENTRY_STEP)?;
 
     if let Some(t) = checkpointer::resume(x.trainer, &x.cfg.job, &st, n) {
         *x.trainer = t;
@@ -210,6 +212,7 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     }
     x.trainer.set_epoch_plan(n.batch.global_batch as usize, n.batch.micro_batch as usize, n.lr_scale)?;
     x.trainer.set_shares(n.shares.clone());
+    sharding::shard_after_entry(x.trainer, &x.cfg.job, n, me)?;
     group.barrier(ENTRY_STEP)?;
     let conn = if n.layout.pipeline > 1 {
         // Every rank passed the barrier, so every ring connection of the entry is taken:

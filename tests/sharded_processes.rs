@@ -1,0 +1,85 @@
+//! Sharded optimizer state (`[job].shard_state = "optimizer"`) with real `limpetd` processes:
+//! through a notice, a join and a `kill -9` of a shard holder the job trains like one
+//! uninterrupted process; with both holders of a shard killed at once it goes back to the
+//! newest checkpoint, says so, and still finishes like one process.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+#[path = "common.rs"]
+mod common;
+use common::{max_rel_diff, node_logs, params, train_alone, transition, wait_showing_logs};
+use limpet_lab::local::{LocalCluster, LocalJob};
+
+/// As in `elastic_processes.rs`: the ring sums the same gradients in another order.
+const PARAM_TOLERANCE: f64 = 1e-2;
+
+#[test]
+fn a_sharded_run_through_a_notice_a_join_and_a_kill_matches_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let steps = 3000;
+    let dir = tmp.path().join("sharded");
+    let args =
+        ["--nodes", "3", "--model", "mlp", "--data", "digits", "--batch", "64", "--shard-replicas", "1"];
+    let summary = common::scenario_json(&dir, &args, steps, "0.1:notice:node-2:20,0.3:join,0.7:kill:node-3");
+    let logs = node_logs(&dir);
+    // The state was sharded in every epoch, and made whole at each entry from its holders.
+    assert!(logs.contains("optimizer state sharded over the epoch's ranks"), "{logs}");
+    assert!(logs.contains("optimizer state gathered from its shards for the entry"), "{logs}");
+    assert!(!logs.contains("back to the newest checkpoint"), "a single kill lost a shard:\n{logs}");
+    // The killed holder's shard came from its replica: no step went back.
+    let kill = transition(&summary, "failure of node 3");
+    assert_eq!(kill["redone_steps"].as_u64(), Some(0), "{kill}");
+    let join = transition(&summary, "join of node 4");
+    assert!(join["fetched_bytes"].as_u64().unwrap() > 0, "{join}");
+
+    let single = tmp.path().join("single");
+    train_alone(&single, &["--model", "mlp", "--data", "digits", "--batch", "64"], steps);
+    let (sharded_img, sharded) = params(&PathBuf::from(summary["checkpoint"].as_str().unwrap()));
+    let (single_img, one) = params(&single.join("checkpoint.safetensors"));
+    assert_eq!(sharded_img.meta().step, steps);
+    let mut job = sharded_img.meta().job.clone();
+    // The runs train the same job but for the sharding key.
+    job.as_object_mut().unwrap().remove("shard_state");
+    assert_eq!(job, single_img.meta().job);
+    let diff = max_rel_diff(&sharded, &one);
+    eprintln!("largest relative parameter difference: {diff:.2e}");
+    assert!(diff < PARAM_TOLERANCE, "parameters differ by {diff:.3e} (tolerance {PARAM_TOLERANCE:e})");
+}
+
+#[test]
+fn both_holders_of_a_shard_killed_at_once_go_back_to_the_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("c");
+    let steps = 400;
+    let job = LocalJob {
+        steps,
+        checkpoint_every: 20,
+        shard_state: Some(("optimizer".into(), 1)),
+        ..LocalJob::default()
+    };
+    let mut c =
+        LocalCluster::up_with(&dir, 5, job, &common::lab_exe(), Path::new(env!("CARGO_BIN_EXE_limpetd")))
+            .unwrap();
+    let logs: Vec<PathBuf> = c.file.nodes.iter().map(|n| n.step_log.clone()).collect();
+    wait_showing_logs("five ranks past a checkpoint", Duration::from_secs(180), &dir, || {
+        logs.iter().all(|l| common::step_worlds(l).iter().any(|&(s, w)| w == 5 && s > 45))
+    });
+    // Ranks 1 and 2 hold block 1 (its owner and its replica): both go at once.
+    c.kill("node-2").unwrap();
+    c.kill("node-3").unwrap();
+    wait_showing_logs("the survivors go back to the checkpoint", Duration::from_secs(120), &dir, || {
+        node_logs(&dir).contains("back to the newest checkpoint")
+    });
+    let survivor = &logs[0];
+    wait_showing_logs("the job finishes with three", Duration::from_secs(300), &dir, || {
+        common::step_worlds(survivor).iter().any(|&(s, w)| w == 3 && s + 1 >= steps)
+    });
+    let all = node_logs(&dir);
+    assert!(all.contains("no live rank holds block 1"), "{all}");
+    // Steps after the checkpoint were trained again at world 3, from the checkpoint's step.
+    let worlds = common::step_worlds(survivor);
+    let lost_at = worlds.iter().filter(|&&(_, w)| w == 5).map(|&(s, _)| s).max().unwrap();
+    let resumed = worlds.iter().filter(|&&(_, w)| w == 3).map(|&(s, _)| s).min().unwrap();
+    assert!(resumed <= lost_at && resumed % 20 <= 1, "resumed at {resumed} after training to {lost_at}");
+}
