@@ -4,7 +4,7 @@
 
 use limpet_agent::{DataPlaneConfig, Endpoint};
 use limpet_trainer::data::{DataSpec, Dataset};
-use limpet_trainer::{JobSpec, ModelKind, NoReduce, ShardLayout, Trainer};
+use limpet_trainer::{JobSpec, ModelKind, NoReduce, ShardLayout, Trainer, TrainerError};
 
 /// One libtorch thread, set once per process (libtorch refuses a second setting).
 fn one_thread() {
@@ -247,4 +247,110 @@ fn a_killed_ranks_shard_is_rebuilt_from_its_replica() {
         e.to_string()
     });
     assert!(lone[0].contains("no live rank holds block 1"), "{}", lone[0]);
+}
+
+/// The ring, but on one rank the norm's allgather of step `at` fails after this rank took
+/// part in it (its peers finish it): what a kill in the middle of a step leaves behind.
+struct FailNorm<'a> {
+    g: &'a mut limpet_agent::Group,
+    at: u64,
+}
+
+impl limpet_trainer::Reduce for FailNorm<'_> {
+    fn allreduce_sum(&mut self, buf: &mut [f32], step: u64) -> Result<(), TrainerError> {
+        limpet_trainer::Reduce::allreduce_sum(&mut *self.g, buf, step)
+    }
+    fn allreduce_sum_i64(&mut self, buf: &mut [i64], step: u64) -> Result<(), TrainerError> {
+        limpet_trainer::Reduce::allreduce_sum_i64(&mut *self.g, buf, step)
+    }
+    fn reduce_scatter_sum(
+        &mut self,
+        buf: &mut [f32],
+        blocks: &[std::ops::Range<usize>],
+        replicas: usize,
+        step: u64,
+    ) -> Result<(), TrainerError> {
+        limpet_trainer::Reduce::reduce_scatter_sum(&mut *self.g, buf, blocks, replicas, step)
+    }
+    fn allgather_blocks(
+        &mut self,
+        buf: &mut [f32],
+        blocks: &[std::ops::Range<usize>],
+        step: u64,
+    ) -> Result<(), TrainerError> {
+        limpet_trainer::Reduce::allgather_blocks(&mut *self.g, buf, blocks, step)?;
+        if step == self.at && buf.len() == 2 * blocks.len() {
+            return Err(TrainerError::reduce("injected: the norm's allgather broke here"));
+        }
+        Ok(())
+    }
+}
+
+/// A step torn by a failure: rank 0 gathered the norm and updated its blocks, then its
+/// parameters' allgather broke; rank 1's norm allgather broke, so it has the step's
+/// gradient but never applied it. Both count the step (rank 1 finishing it with rank 0's
+/// norm as the group regroups), log it, and the run then equals one without the failure,
+/// value for value.
+#[test]
+fn a_step_torn_between_the_norm_and_the_parameters_is_finished_at_the_regroup() {
+    one_thread();
+    const STEPS: u64 = 6;
+    const TORN: u64 = 3;
+    let eps: Vec<Endpoint> = [3u64, 8]
+        .iter()
+        .map(|&n| {
+            let mut cfg = DataPlaneConfig::new(1, n, b"sixteen-byte-secret!".to_vec());
+            cfg.timeout = std::time::Duration::from_secs(2);
+            Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg).unwrap()
+        })
+        .collect();
+    let two: Vec<&Endpoint> = eps.iter().collect();
+    let sharded = |rank: usize| {
+        let mut t = adamw_trainer();
+        let n = t.buffer_len() - 3;
+        t.shard_state(ShardLayout::new(n, 2, rank, 1).unwrap()).unwrap();
+        t
+    };
+    let reference = on_ranks(&two, 1, vec![(); 2], |rank, (), g| {
+        let mut t = sharded(rank);
+        for _ in 0..STEPS {
+            t.train_step(rank, 2, g).unwrap();
+        }
+        t.unshard(g).unwrap();
+        t.image().unwrap()
+    });
+    let torn = on_ranks(&two, 2, vec![(); 2], |rank, (), g| {
+        let mut t = sharded(rank);
+        for _ in 0..TORN {
+            t.train_step(rank, 2, g).unwrap();
+        }
+        let r = if rank == 1 {
+            t.train_step(rank, 2, &mut FailNorm { g, at: TORN })
+        } else {
+            t.train_step(rank, 2, g)
+        };
+        assert!(r.is_err(), "rank {rank}: the torn step succeeded");
+        t
+    });
+    // Rank 0 applied the step to its blocks (and logs it); rank 1 did not, yet.
+    assert_eq!((torn[0].step(), torn[1].step()), (TORN + 1, TORN));
+    let finished = on_ranks(&two, 3, torn, |rank, mut t, g| {
+        let n = t.buffer_len() - 3;
+        let rebuilt =
+            t.regroup(rank, 2, Some(ShardLayout::new(n, 2, rank, 1).unwrap()), u64::MAX, g).unwrap();
+        assert_eq!(rebuilt, Some(TORN + 1));
+        let logged = t.take_unlogged().map(|s| s.step);
+        while t.step() < STEPS {
+            t.train_step(rank, 2, g).unwrap();
+        }
+        t.unshard(g).unwrap();
+        (logged, t.image().unwrap())
+    });
+    for (rank, (logged, image)) in finished.iter().enumerate() {
+        assert_eq!(*logged, Some(TORN), "rank {rank} does not log the torn step");
+        for (name, t) in reference[0].tensors() {
+            let (x, y) = (t.to_f32().unwrap(), image.tensors()[name].to_f32().unwrap());
+            assert!(x == y, "rank {rank}: {name} differs from the run without the failure");
+        }
+    }
 }

@@ -172,6 +172,12 @@ impl JobKeys {
         if self.shard_replicas.is_some() && !sharded {
             return bad("shard_replicas", "applies with shard_state = \"optimizer\" only".into());
         }
+        if self.shard_replicas == Some(0) {
+            return bad(
+                "shard_replicas",
+                "must be at least 1: a shard with no copy is lost with its rank, even one that leaves with notice".into(),
+            );
+        }
         if let Some(k) = self.shards {
             let most = crate::MAX_SHARDS;
             if k == 0 || k > most || self.global_batch.is_some_and(|b| k > b) {

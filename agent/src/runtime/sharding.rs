@@ -12,7 +12,9 @@ use limpet_consensus::state::{ClusterState, Epoch};
 use limpet_trainer::{JobSpec, ShardLayout, Trainer, TrainerError};
 
 /// Makes the state whole at the start of an entry into `n` (every rank of its group calls
-/// it, sharded or not, when the job shards its state). `step_tag` marks the collectives.
+/// it, sharded or not, when the job shards its state). `step_tag` marks the collectives. A
+/// rank left with state of another step than the rebuilt one (or none) starts afresh, so
+/// the entry copies the whole state to it as to a newcomer.
 pub(super) fn gather_at_entry(
     trainer: &mut Trainer,
     group: &mut Group,
@@ -26,39 +28,69 @@ pub(super) fn gather_at_entry(
     }
     let (rank, world) = (group.rank(), group.world());
     match trainer.regroup(rank, world, None, step_tag, group) {
-        Ok(Some(step)) => {
-            tracing::info!(epoch = n.id, step, "optimizer state gathered from its shards for the entry");
+        Ok(rebuilt) => {
+            if let Some(step) = rebuilt {
+                tracing::info!(epoch = n.id, step, "optimizer state gathered from its shards for the entry");
+            }
+            if trainer.shard_layout().is_some() || rebuilt.is_some_and(|s| s != trainer.step()) {
+                *trainer = fresh(trainer, job)?;
+            }
             Ok(())
         }
-        Ok(None) => Ok(()),
-        Err(TrainerError::ShardLost(why)) => {
-            // Every rank saw the same facts, so every rank comes here: all go back together.
-            let Some(t) = checkpointer::newest(trainer, job, st) else {
-                return Err(AgentError::Entry(format!(
-                    "epoch {}: {why}, and no checkpoint the log records can be read here",
-                    n.id
-                )));
-            };
-            tracing::error!(
-                epoch = n.id,
-                from = trainer.step(),
-                to = t.step(),
-                %why,
-                "a shard of the optimizer state is lost with every holder: back to the newest checkpoint"
-            );
-            metrics::counter!("limpet_shard_losses_total").increment(1);
-            *trainer = t;
-            Ok(())
-        }
+        Err(TrainerError::ShardLost(why)) => back_to_checkpoint(trainer, group, job, st, n, &why, step_tag),
         Err(e) => Err(e.into()),
     }
 }
 
-/// The layout of epoch `n`'s state for this rank (`None`: the job keeps it whole, or the
-/// epoch is pipelined).
+/// Every rank saw the same facts, so every rank comes here: each loads the newest
+/// checkpoint it can read; one that cannot starts afresh and is copied the state in the
+/// entry; if none can, every rank fails the entry alike.
+fn back_to_checkpoint(
+    trainer: &mut Trainer,
+    group: &mut Group,
+    job: &JobSpec,
+    st: &ClusterState,
+    n: &Epoch,
+    why: &str,
+    step_tag: u64,
+) -> Result<(), AgentError> {
+    let loaded = checkpointer::newest(trainer, job, st);
+    let mut read = vec![0i64; group.world()];
+    read[group.rank()] = loaded.as_ref().map_or(0, |t| t.step() as i64 + 1);
+    group.allreduce_sum_i64(&mut read, step_tag)?;
+    if read.iter().all(|&r| r == 0) {
+        return Err(AgentError::Entry(format!(
+            "epoch {}: {why}, and no rank can read a checkpoint the log records",
+            n.id
+        )));
+    }
+    let to = read.iter().max().map_or(0, |&r| r - 1);
+    tracing::error!(
+        epoch = n.id,
+        from = trainer.step(),
+        to,
+        %why,
+        "a shard of the optimizer state is lost with every holder: back to the newest checkpoint"
+    );
+    metrics::counter!("limpet_shard_losses_total").increment(1);
+    *trainer = match loaded {
+        Some(t) => t,
+        None => fresh(trainer, job)?,
+    };
+    Ok(())
+}
+
+/// A trainer at step 0 of the job, on the same data and device: what a newcomer enters with.
+fn fresh(trainer: &Trainer, job: &JobSpec) -> Result<Trainer, AgentError> {
+    let blocks = 0..job.model.num_blocks();
+    Ok(Trainer::on_device(job.clone(), trainer.data().shallow_clone(), blocks, trainer.model().device())?)
+}
+
+/// The layout of epoch `n`'s state for this rank (`None`: the job keeps it whole, the epoch
+/// is pipelined, or the job's steps are done: its final checkpoint is whole).
 pub(super) fn layout_for(trainer: &Trainer, job: &JobSpec, n: &Epoch, rank: usize) -> Option<ShardLayout> {
     let sharding = job.shard_state?;
-    if n.layout.pipeline > 1 {
+    if n.layout.pipeline > 1 || trainer.step() >= job.steps {
         return None;
     }
     let world = n.ranks.len();

@@ -140,6 +140,9 @@ pub(super) struct TrainLoop {
     pending: Option<Pending>,
     /// The last entry failure logged: (epoch, error).
     entry_failed: Option<(u64, String)>,
+    /// The last epoch this rank trained in (kept through failed entries), for a sharded step
+    /// finished at an entry.
+    last_epoch: Option<Epoch>,
     /// Smoothed (σ², μ²) of the current epoch.
     grad_stats: Option<(f64, f64)>,
     /// Smoothed milliseconds to compute one sample of this rank's share.
@@ -202,6 +205,7 @@ impl TrainLoop {
             finished: false,
             pending: None,
             entry_failed: None,
+            last_epoch: None,
             grad_stats: None,
             ms_per_sample: 0.0,
         }
@@ -297,8 +301,9 @@ impl TrainLoop {
                 Action::Finish { preform } => {
                     self.preform(&st, preform.as_ref());
                     if !self.finished && self.trainer.shard_layout().is_some() {
-                        tracing::error!(step = self.trainer.step(), "the job finished, but its optimizer state could not be gathered from its shards: no final checkpoint");
-                        self.finished = true;
+                        // The final gather broke: the next entry makes the state whole.
+                        self.wait_change(Duration::from_millis(200));
+                        continue;
                     }
                     if !self.finished {
                         // The job's result, where `limpet-lab demo` and operators find it.
@@ -343,6 +348,12 @@ impl TrainLoop {
             // Sharded state: reduce-scatter, update the blocks held, allgather the parameters.
             Conn::Ring(g) if self.trainer.shard_layout().is_some() => {
                 let samples = self.trainer.plan().share_in(g.rank(), g.world(), &epoch.shares).len();
+                if self.cfg.slowdown_us_per_sample > 0 {
+                    // A straggler drill: this host computes as if it were slower.
+                    std::thread::sleep(Duration::from_micros(
+                        self.cfg.slowdown_us_per_sample * samples as u64,
+                    ));
+                }
                 match self.trainer.sharded_step(g.rank(), g.world(), g) {
                     Ok(stats) => {
                         let own = Duration::from_secs_f64(self.trainer.compute_ms() / 1e3);
@@ -442,7 +453,18 @@ impl TrainLoop {
             let step = self.trainer.step();
             if self.checkpointer.due_by_steps(step) || step >= self.trainer.job().steps {
                 if let Err(e) = self.trainer.unshard(g) {
-                    tracing::warn!(step = self.trainer.step(), %e, "could not gather the sharded state for a checkpoint");
+                    // Peers may be past it or still in it: the group is done, as after any
+                    // failed collective (the step itself is applied and logged).
+                    tracing::warn!(epoch = epoch.id, step, %e, "could not gather the sharded state; waiting for the next epoch");
+                    let (suspect, violation) = match &e {
+                        limpet_trainer::TrainerError::Reduce { peer, violation, .. } => (*peer, *violation),
+                        _ => (None, false),
+                    };
+                    self.broken =
+                        Some(BrokenAt { at: Instant::now(), suspect, error: e.to_string(), violation });
+                    self.set_phase(Phase::Waiting);
+                    self.beat_now.notify_one();
+                    return Ok(());
                 }
             }
         }
@@ -558,7 +580,9 @@ impl TrainLoop {
     /// Enters epoch `n` (see `entry`) and records the transition.
     fn enter(&mut self, n: &Epoch) -> Result<(), AgentError> {
         self.set_phase(Phase::Entering);
-        let previous = self.group.as_ref().map(|(e, _)| e.clone());
+        if let Some((e, _)) = &self.group {
+            self.last_epoch = Some(e.clone());
+        }
         // The old group is done; peers of older epochs are refused from now on.
         self.group = None;
         let x = Entering {
@@ -573,7 +597,8 @@ impl TrainLoop {
         };
         let done = entry::enter(x, n)?;
         // A sharded step finished at the entry with a peer's norm belongs to the last epoch.
-        if let (Some(step), Some(p)) = (self.trainer.take_unlogged(), previous) {
+        if let Some(p) = self.last_epoch.clone().filter(|_| self.trainer.has_unlogged()) {
+            let step = self.trainer.take_unlogged().expect("checked");
             let rank = p.ranks.iter().position(|&r| r == self.cfg.id).unwrap_or(0);
             tracing::info!(
                 epoch = p.id,

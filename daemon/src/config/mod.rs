@@ -637,13 +637,12 @@ impl Config {
                     return err("[checkpoint].s3_endpoint", format!("{url:?} is not an http(s) URL"));
                 }
             }
-            if self.pipeline.is_some() && c.every_minutes > 0.0 {
+            let sharded = self.job.shard_state.as_deref() == Some("optimizer");
+            if (self.pipeline.is_some() || sharded) && c.every_minutes > 0.0 {
                 // Each stage writes its own part; only a step count tells every stage the same
                 // moment without another round of agreement.
-                return err(
-                    "[checkpoint].every_minutes",
-                    "a pipelined job checkpoints by every_steps only".into(),
-                );
+                let which = if sharded { "a job with sharded state" } else { "a pipelined job" };
+                return err("[checkpoint].every_minutes", format!("{which} checkpoints by every_steps only"));
             }
         }
         if self.job.layers == Some(0) || (self.job.layers.is_some() && self.job.model != ModelName::Gpt) {

@@ -175,6 +175,20 @@ fn errors_name_the_file_and_the_key() {
         (format!("{good}\n[checkpoint]\nevery_minutes = 5.0\n[pipeline]\nstages = 2\n"), "every_steps only"),
         (
             format!(
+                "{}\n[checkpoint]\nevery_minutes = 5.0\n",
+                good.replace("global_batch = 64", "global_batch = 64\nshard_state = \"optimizer\"")
+            ),
+            "[checkpoint].every_minutes: a job with sharded state checkpoints by every_steps only",
+        ),
+        (
+            good.replace(
+                "global_batch = 64",
+                "global_batch = 64\nshard_state = \"optimizer\"\nshard_replicas = 0",
+            ),
+            "[job].shard_replicas: must be at least 1",
+        ),
+        (
+            format!(
                 "{}\n[pipeline]\nstages = 2\n",
                 good.replace("global_batch = 64", "global_batch = 64\nloss_chunk = 1024")
                     .replace("model = \"mlp\"", "model = \"llama\"")

@@ -238,6 +238,11 @@ impl Trainer {
         self.unlogged.take()
     }
 
+    /// Whether a step waits for [`Trainer::take_unlogged`].
+    pub fn has_unlogged(&self) -> bool {
+        self.unlogged.is_some()
+    }
+
     /// The layout of a sharded trainer's state.
     pub fn shard_layout(&self) -> Option<&ShardLayout> {
         self.shard.as_ref().map(|s| &s.layout)
@@ -330,8 +335,9 @@ impl Trainer {
             }
         }
         // Every rank's layout (tag, world, replicas, rank), step, whether a step's gradient
-        // waits for its norm, and the last norm it gathered: all decide alike from these.
-        const F: usize = 8;
+        // waits for its norm, the last norm it gathered, and whether it holds the whole
+        // state: all decide alike from these.
+        const F: usize = 9;
         let mut facts = vec![0i64; F * world];
         facts[F * rank + 4] = self.step as i64;
         if let Some(s) = &self.shard {
@@ -343,6 +349,8 @@ impl Trainer {
                 facts[F * rank + 6] = at as i64 + 1;
                 facts[F * rank + 7] = norm.to_bits() as i64;
             }
+        } else {
+            facts[F * rank + 8] = i64::from(!self.optim.is_released());
         }
         reduce.allreduce_sum_i64(&mut facts, step_tag)?;
         let fact = |j: usize, k: usize| facts[F * j + k];
@@ -352,24 +360,31 @@ impl Trainer {
         };
         let (tag, old_world, replicas, step) =
             (fact(newest, 0), fact(newest, 1) as usize, fact(newest, 2) as usize, fact(newest, 4));
+        let whole_at = |j: usize| (fact(j, 8) == 1).then(|| fact(j, 4));
+        if (0..world).filter_map(whole_at).any(|w| w > step) {
+            // Whole state further on than any shard: the entry copies it; nothing to rebuild.
+            return Ok(None);
+        }
         let old = ShardLayout::new(n, old_world, 0, replicas)?;
+        let of_newest =
+            |j: usize| (fact(j, 0), fact(j, 1), fact(j, 2)) == (tag, old_world as i64, replicas as i64);
         // A step some ranks applied and others did not, because the norm's allgather failed
-        // on them: those have the step's gradient and finish it with the norm a peer got.
-        let norm_of_last =
-            (0..world).find(|&j| fact(j, 6) == step).map(|j| f64::from_bits(fact(j, 7) as u64));
-        let finishes = |j: usize| fact(j, 4) + 1 == step && fact(j, 5) == 1 && norm_of_last.is_some();
+        // on them: those have the step's gradient and finish it with the norm a peer of the
+        // same layout got for that step.
+        let norm_of_last = (0..world)
+            .find(|&j| of_newest(j) && fact(j, 6) > 0 && fact(j, 6) == step)
+            .map(|j| f64::from_bits(fact(j, 7) as u64));
+        let finishes =
+            |j: usize| of_newest(j) && fact(j, 4) + 1 == step && fact(j, 5) == 1 && norm_of_last.is_some();
         let effective = |j: usize| if finishes(j) { step } else { fact(j, 4) };
-        // The ranks that can give a block: holders of that layout at that step.
-        let givers_of = |c: usize| {
-            (0..world).find(|&j| {
-                fact(j, 1) as usize == old_world
-                    && (fact(j, 0), fact(j, 2), fact(j, 3), effective(j))
-                        == (tag, replicas as i64, c as i64, step)
-            })
-        };
+        // The ranks that can give a block: holders of that layout at that step, else a rank
+        // with the whole state at that step (one a broken regroup or gather made whole).
+        let givers_of =
+            |c: usize| (0..world).find(|&j| of_newest(j) && fact(j, 3) == c as i64 && effective(j) == step);
+        let whole_giver = (0..world).find(|&j| whole_at(j) == Some(step));
         let mut givers = Vec::with_capacity(old_world);
         for b in 0..old_world {
-            let giver = old.holders(b).into_iter().find_map(givers_of);
+            let giver = old.holders(b).into_iter().find_map(givers_of).or(whole_giver);
             givers.push(giver.ok_or_else(|| {
                 TrainerError::ShardLost(format!(
                     "no live rank holds block {b} (values {:?}) of the optimizer state at step {step}: every holder is gone",
@@ -407,7 +422,9 @@ impl Trainer {
         let mut all = vec![0f32; n];
         // The parameters (slot index `slots`), then each slot: every element is given by one
         // rank and zero elsewhere, so the sum is exact.
-        for k in (0..=slots).rev() {
+        // Each slot, then the parameters (last, so a failure leaves them as they were): every
+        // element is given by one rank and zero elsewhere, so the sum is exact.
+        for k in 0..=slots {
             all.iter_mut().for_each(|v| *v = 0.0);
             for (b, &giver) in givers.iter().enumerate() {
                 if giver != rank {
@@ -418,10 +435,13 @@ impl Trainer {
                 if k == slots {
                     let src: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
                     flat_values(&src, params, block, out)?;
-                } else {
-                    let s = self.shard.as_ref().expect("a giver is sharded");
+                } else if let Some(s) = &self.shard {
                     let (_, held) = s.held.iter().find(|(h, _)| *h == b).expect("a giver holds the block");
                     held[k].to_device(Device::Cpu).f_copy_data(out, block.len())?;
+                } else {
+                    let src: Vec<Tensor> =
+                        (0..params.len()).map(|i| self.optim.slot_mut(k, i).shallow_clone()).collect();
+                    flat_values(&src, params, block, out)?;
                 }
             }
             reduce.allreduce_sum(&mut all, step_tag)?;
@@ -435,10 +455,10 @@ impl Trainer {
                 })?;
             } else if let Some(t) = &target {
                 for (b, held) in &mut kept {
-                    held.insert(0, Tensor::from_slice(&all[t.blocks[*b].clone()]).to_device(device));
+                    held.push(Tensor::from_slice(&all[t.blocks[*b].clone()]).to_device(device));
                 }
             } else {
-                whole.insert(0, unflatten(&all, params, device));
+                whole.push(unflatten(&all, params, device));
             }
         }
         if self.step as i64 != step {
