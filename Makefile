@@ -90,6 +90,8 @@ bench: build
 	$(LAB) bench train --preset 125m --batch 4 --context 256 --steps 4
 	$(LAB) bench activations --preset small --vocab 128256 --batch 4 --context 512
 	$(LAB) bench dp --preset small --world 2 --batch 16 --context 128
+	$(LAB) bench dp --preset small --world 4 --batch 16 --context 128
+	$(LAB) bench dp --preset small --world 4 --batch 16 --context 128 --shard-replicas 1
 	$(LAB) bench memory --preset 125m --dataset-gib 4 --batch 2 --context 128 --steps 5
 
 demo: build

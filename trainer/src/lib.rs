@@ -32,7 +32,9 @@ pub mod workload;
 
 pub use error::TrainerError;
 pub use job::{JobSpec, ModelKind, Sharding};
-pub use run::{peak_rss_bytes, run_local, save_checkpoint, Progress, RunOptions, RunReport, CHECKPOINT_FILE};
+pub use run::{
+    peak_rss_bytes, rss_bytes, run_local, save_checkpoint, Progress, RunOptions, RunReport, CHECKPOINT_FILE,
+};
 pub use train::{
     Eval, EvalSums, NoReduce, Reduce, ShardLayout, StepOrder, StepStats, Trainer, MAX_SHARDS, SHARDS,
 };

@@ -80,11 +80,20 @@ pub struct RunReport {
 
 /// The process's peak resident set size so far, from `/proc/self/status`.
 pub fn peak_rss_bytes() -> u64 {
+    status_bytes("VmHWM:")
+}
+
+/// This process's resident memory now, in bytes (0 where `/proc` does not say).
+pub fn rss_bytes() -> u64 {
+    status_bytes("VmRSS:")
+}
+
+fn status_bytes(key: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
             s.lines()
-                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .find_map(|l| l.strip_prefix(key))
                 .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         })
         .map_or(0, |kb| kb * 1024)

@@ -312,7 +312,9 @@ impl TrainLoop {
                                 what: "writing the final checkpoint".into(),
                                 source: std::io::Error::other(e.to_string()),
                             })?;
-                        tracing::info!(step = self.trainer.step(), path = %path.display(), "job finished; final checkpoint written");
+                        // The process's peak resident memory, for `bench dp` and operators.
+                        let peak_rss_bytes = limpet_trainer::peak_rss_bytes();
+                        tracing::info!(step = self.trainer.step(), path = %path.display(), peak_rss_bytes, "job finished; final checkpoint written");
                         self.finished = true;
                     }
                     self.set_phase(Phase::Finished);
@@ -560,6 +562,15 @@ impl TrainLoop {
             s.push('\n');
             f.write_all(s.as_bytes())
                 .map_err(|source| AgentError::Io { what: "writing the step log".into(), source })?;
+        }
+        if stats.step + 1 == self.trainer.job().steps {
+            // Memory in the steady state (before a sharded job gathers its state for the
+            // end), for `bench dp` and operators.
+            tracing::info!(
+                step = stats.step,
+                rss_bytes = limpet_trainer::rss_bytes(),
+                "resident memory at the last step"
+            );
         }
         metrics::counter!("limpet_steps_total").increment(1);
         metrics::histogram!("limpet_step_seconds").record(took / 1e3);

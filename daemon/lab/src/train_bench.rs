@@ -235,6 +235,10 @@ pub struct BenchDpArgs {
     /// Untimed steps first.
     #[arg(long, default_value_t = 5)]
     pub warmup: u64,
+    /// Shard the optimizer state, each shard on N more ranks (`[job].shard_state`); the
+    /// peer then runs PyTorch's `ZeroRedundancyOptimizer`.
+    #[arg(long, value_name = "N")]
+    pub shard_replicas: Option<usize>,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
@@ -259,6 +263,17 @@ pub struct DpBenchReport {
     pub torchrun_samples_per_s: f64,
     /// limpet / torchrun.
     pub ratio: f64,
+    /// Optimizer state sharded (limpet: replicas of each shard; the peer:
+    /// `ZeroRedundancyOptimizer`), or `None`: whole on every rank.
+    pub shard_replicas: Option<usize>,
+    /// The largest peak resident memory of a limpet agent process.
+    pub limpet_peak_rss_bytes: u64,
+    /// The largest resident memory of a limpet agent at the last step (the steady state).
+    pub limpet_rss_bytes: u64,
+    /// The largest peak resident memory of a torchrun rank.
+    pub torchrun_peak_rss_bytes: u64,
+    /// The largest resident memory of a torchrun rank after its last step.
+    pub torchrun_rss_bytes: u64,
 }
 
 /// Runs `limpet-lab bench dp`.
@@ -288,11 +303,15 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
             vocab: Some(a.vocab),
             ..Default::default()
         },
+        shard_state: a.shard_replicas.map(|r| ("optimizer".to_string(), r)),
         ..crate::local::LocalJob::default()
     };
     eprintln!(
-        "limpet: {} agents, LLaMA {} on token shards, global batch {}, {steps} steps",
-        a.world, a.preset, a.batch
+        "limpet: {} agents, LLaMA {} on token shards, global batch {}, {steps} steps{}",
+        a.world,
+        a.preset,
+        a.batch,
+        a.shard_replicas.map_or(String::new(), |r| format!(", optimizer state sharded ({r} replica)"))
     );
     let dir = tmp.path().join("limpet");
     crate::demo::run_scenario(&dir, a.world, job, &[], std::time::Duration::from_secs(1800), !a.json)?;
@@ -307,8 +326,10 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
     }
     let span_s = (t[t.len() - 1].1 - t[0].1) as f64 / 1e3;
     let ours = (t.len() - 1) as f64 * a.batch as f64 / span_s.max(1e-9);
+    let limpet_peak_rss_bytes = most_in_logs(&dir, "peak_rss_bytes=")?;
+    let limpet_rss_bytes = most_in_logs(&dir, " rss_bytes=")?;
 
-    let theirs = torchrun_dp(&a, tmp.path(), &spec)?;
+    let (theirs, torchrun_peak_rss_bytes, torchrun_rss_bytes) = torchrun_dp(&a, tmp.path(), &spec)?;
     let r = DpBenchReport {
         params: spec.num_params(),
         model: spec,
@@ -318,6 +339,11 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
         limpet_samples_per_s: ours,
         torchrun_samples_per_s: theirs,
         ratio: ours / theirs,
+        shard_replicas: a.shard_replicas,
+        limpet_peak_rss_bytes,
+        limpet_rss_bytes,
+        torchrun_peak_rss_bytes,
+        torchrun_rss_bytes,
     };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
@@ -330,8 +356,21 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
             r.batch,
             r.context
         );
-        println!("  limpet agents    {:>8.2} samples/s", r.limpet_samples_per_s);
-        println!("  torchrun + DDP   {:>8.2} samples/s", r.torchrun_samples_per_s);
+        let mib = |b: u64| b as f64 / f64::from(1 << 20);
+        let peer = if r.shard_replicas.is_some() { "torchrun + ZeRO-1" } else { "torchrun + DDP  " };
+        println!(
+            "  limpet agents    {:>8.2} samples/s, RSS at the last step {:>5.0} MiB, peak {:>5.0} MiB (largest rank){}",
+            r.limpet_samples_per_s,
+            mib(r.limpet_rss_bytes),
+            mib(r.limpet_peak_rss_bytes),
+            r.shard_replicas.map_or(String::new(), |n| format!(", state sharded, {n} replica"))
+        );
+        println!(
+            "  {peer} {:>8.2} samples/s, RSS at the last step {:>5.0} MiB, peak {:>5.0} MiB (largest rank)",
+            r.torchrun_samples_per_s,
+            mib(r.torchrun_rss_bytes),
+            mib(r.torchrun_peak_rss_bytes)
+        );
         println!("  ratio            {:>8.2}x (goal: at least 1.0)", r.ratio);
     }
     Ok(())
@@ -339,9 +378,13 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
 
 /// The same job under torchrun with DDP (gloo) on the same LLaMA in transformers: its
 /// steady-state samples per second.
-fn torchrun_dp(a: &BenchDpArgs, tmp: &std::path::Path, spec: &LlamaSpec) -> anyhow::Result<f64> {
+fn torchrun_dp(a: &BenchDpArgs, tmp: &std::path::Path, spec: &LlamaSpec) -> anyhow::Result<(f64, u64, u64)> {
     let (cfg, script) = peer_files(tmp, spec, "ddp_llama.py", include_str!("../../../bench/ddp_llama.py"))?;
-    eprintln!("torchrun: {} ranks, DDP (gloo), the same LLaMA in transformers", a.world);
+    let optimizer = if a.shard_replicas.is_some() { "zero" } else { "adamw" };
+    eprintln!(
+        "torchrun: {} ranks, DDP (gloo), the same LLaMA in transformers, optimizer {optimizer}",
+        a.world
+    );
     let py = python();
     let port = crate::raft_cmd::free_port()?;
     let out = Command::new(&py)
@@ -351,6 +394,7 @@ fn torchrun_dp(a: &BenchDpArgs, tmp: &std::path::Path, spec: &LlamaSpec) -> anyh
         .arg(&script)
         .arg(&cfg)
         .args([a.batch, a.context, a.steps as usize, a.warmup as usize].map(|v| v.to_string()))
+        .arg(optimizer)
         .env("OMP_NUM_THREADS", "1")
         .env("HF_HUB_OFFLINE", "1")
         .stderr(Stdio::inherit())
@@ -364,8 +408,29 @@ fn torchrun_dp(a: &BenchDpArgs, tmp: &std::path::Path, spec: &LlamaSpec) -> anyh
     let text = String::from_utf8_lossy(&out.stdout);
     let line = text.lines().rev().find(|l| l.starts_with('{')).context("no result line from torchrun")?;
     let theirs: serde_json::Value = serde_json::from_str(line)?;
+    let peak = theirs["peak_rss_bytes"].as_u64().context("no peak_rss_bytes from torchrun")?;
+    let rss = theirs["rss_bytes"].as_u64().context("no rss_bytes from torchrun")?;
     let theirs = theirs["samples_per_s"].as_f64().context("no samples_per_s from torchrun")?;
-    Ok(theirs)
+    Ok((theirs, peak, rss))
+}
+
+/// The largest value of `key` (`peak_rss_bytes=`, ` rss_bytes=`) the agents' logs in `dir`
+/// report.
+fn most_in_logs(dir: &std::path::Path, key: &str) -> anyhow::Result<u64> {
+    let mut most = 0;
+    for e in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))?.flatten() {
+        if e.path().extension().is_some_and(|x| x == "log") {
+            let text = std::fs::read_to_string(e.path())?;
+            for v in text.split(key).skip(1) {
+                let digits: String = v.chars().take_while(char::is_ascii_digit).collect();
+                most = most.max(digits.parse::<u64>().unwrap_or(0));
+            }
+        }
+    }
+    if most == 0 {
+        bail!("no agent log in {} reports {key:?}", dir.display());
+    }
+    Ok(most)
 }
 
 /// `limpet-lab bench memory`.
