@@ -345,8 +345,6 @@ impl TrainLoop {
         let (_, conn) = self.group.as_mut().expect("in a group");
         // A failed collective or stage link: (the peer it names, the error, a violation?).
         let outcome: Result<limpet_trainer::StepStats, (Option<NodeId>, String, bool)> = match conn {
-            // A reproducible job: whole canonical shards per rank, summed in fixed point (the
-            // speed-weighted shares do not apply: shards are the unit).
             // Sharded state: reduce-scatter, update the blocks held, allgather the parameters.
             Conn::Ring(g) if self.trainer.shard_layout().is_some() => {
                 let samples = self.trainer.plan().share_in(g.rank(), g.world(), &epoch.shares).len();
@@ -371,6 +369,8 @@ impl TrainLoop {
                     Err(e) => return Err(e.into()),
                 }
             }
+            // A reproducible job: whole canonical shards per rank, summed in fixed point (the
+            // speed-weighted shares do not apply: shards are the unit).
             Conn::Ring(g) if self.trainer.job().reproducible => {
                 match self.trainer.exact_step(g.rank(), g.world(), g) {
                     Ok(stats) => Ok(stats),
