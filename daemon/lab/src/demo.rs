@@ -409,6 +409,9 @@ pub fn run_scenario(
                 dir.display()
             );
         }
+        if let Some((name, why)) = cluster.failed_to_start() {
+            anyhow::bail!("{name}'s limpetd exited before it started: {why}; logs are in {}", dir.display());
+        }
         let doc = match rt.block_on(gather(&cluster.file.cluster, &cluster.file.control_addrs(), tls)) {
             Ok(d) => d,
             Err(_) => {

@@ -519,6 +519,23 @@ impl LocalCluster {
         self.children.get_mut(name).is_some_and(|c| matches!(c.try_wait(), Ok(None)))
     }
 
+    /// A node whose limpetd exited in failure before it started (a port taken, a bad file):
+    /// its name and the last line of its log, so that a driver stops at once and says why
+    /// instead of waiting out its timeout for a node that will never come.
+    pub fn failed_to_start(&mut self) -> Option<(String, String)> {
+        for (name, child) in self.children.iter_mut() {
+            if !matches!(child.try_wait(), Ok(Some(s)) if !s.success()) {
+                continue;
+            }
+            let log = std::fs::read_to_string(self.dir.join(format!("{name}.log"))).unwrap_or_default();
+            if !log.contains("limpetd started") {
+                let last = log.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("(empty log)");
+                return Some((name.clone(), last.to_string()));
+            }
+        }
+        None
+    }
+
     /// Waits up to `wait` for a node's limpetd to exit; its exit status.
     pub fn wait_exit(&mut self, name: &str, wait: Duration) -> Option<std::process::ExitStatus> {
         let deadline = Instant::now() + wait;

@@ -104,18 +104,24 @@ pub struct RaftCluster {
 
 /// A loopback port nobody listens on right now (for child processes told their address).
 pub fn free_port() -> anyhow::Result<u16> {
+    use nix::fcntl::{Flock, FlockArg};
     // A port is free once its probe closes, so it may be handed out again before the process
-    // it was meant for binds it. Two guards: never return the same port twice in one process
-    // (a local cluster allocates every node's ports here), and take ports below the kernel's
-    // ephemeral range, which port-0 binds and outgoing connections of every other process
-    // draw from; below it only another caller of this function could pick the same port, at
-    // random among thousands.
-    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    // it was meant for binds it. Three guards: take ports below the kernel's ephemeral range,
+    // which port-0 binds and outgoing connections of every other process draw from; never
+    // return the same port twice in one process; and hold an advisory lock on a file named
+    // for the port until this process exits, so that the other local clusters of a parallel
+    // test run (each its own process, each drawing from the same range) skip it. The kernel
+    // drops the lock when the process dies, `kill -9` included.
+    static GIVEN: std::sync::Mutex<Vec<(u16, Option<Flock<std::fs::File>>)>> =
+        std::sync::Mutex::new(Vec::new());
     let mut given = GIVEN.lock().expect("port list lock");
     let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
         .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse::<u16>().ok()))
         .unwrap_or(32768);
+    let locks = std::env::temp_dir().join("limpet-ports");
+    // Without the directory the lock guard is lost, not the port: the other two still hold.
+    let _ = std::fs::create_dir_all(&locks);
     let mut rng = rand::rng();
     for _ in 0..256 {
         let port = if low > 12_000 {
@@ -123,8 +129,25 @@ pub fn free_port() -> anyhow::Result<u16> {
         } else {
             std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port()
         };
-        if !given.contains(&port) && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            given.push(port);
+        if given.iter().any(|(p, _)| *p == port) {
+            continue;
+        }
+        let lock = match std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(locks.join(format!("{port}.lock")))
+        {
+            Ok(file) => match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+                Ok(held) => Some(held),
+                // Another process holds this port for its cluster.
+                Err((_, nix::errno::Errno::EWOULDBLOCK)) => continue,
+                Err(_) => None,
+            },
+            Err(_) => None,
+        };
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            given.push((port, lock));
             return Ok(port);
         }
     }
