@@ -1,6 +1,6 @@
 //! Sharded optimizer state (`[job].shard_state = "optimizer"`) with real `limpetd` processes:
-//! through a notice, a join and a `kill -9` of a shard holder the job trains like one
-//! uninterrupted process; with both holders of a shard killed at once it goes back to the
+//! through a notice, a join and a `kill -9` of a shard holder the state is re-cut at each
+//! entry without ever being made whole, and the job trains like one uninterrupted process; with both holders of a shard killed at once it goes back to the
 //! newest checkpoint, says so, and still finishes like one process.
 
 use std::path::{Path, PathBuf};
@@ -23,9 +23,14 @@ fn a_sharded_run_through_a_notice_a_join_and_a_kill_matches_one_process() {
         ["--nodes", "3", "--model", "mlp", "--data", "digits", "--batch", "64", "--shard-replicas", "1"];
     let summary = common::scenario_json(&dir, &args, steps, "0.1:notice:node-2:20,0.3:join,0.7:kill:node-3");
     let logs = node_logs(&dir);
-    // The state was sharded in every epoch, and made whole at each entry from its holders.
+    // The state was cut after the first entry and re-cut at every later one, the newcomer's
+    // included, without ever being made whole.
     assert!(logs.contains("optimizer state sharded over the epoch's ranks"), "{logs}");
-    assert!(logs.contains("optimizer state gathered from its shards for the entry"), "{logs}");
+    for epoch in 2..=4 {
+        let recut = format!("optimizer state re-cut for the new group epoch={epoch}");
+        assert!(logs.contains(&recut), "no re-cut entering epoch {epoch}:\n{logs}");
+    }
+    assert!(!logs.contains("gathered from its shards for the entry"), "{logs}");
     assert!(!logs.contains("back to the newest checkpoint"), "a single kill lost a shard:\n{logs}");
     // The killed holder's shard came from its replica (no rank went back to a checkpoint,
     // and there is none to go back to).

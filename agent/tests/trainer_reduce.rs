@@ -129,6 +129,19 @@ fn images_close(a: &limpet_snapshot::StateImage, b: &limpet_snapshot::StateImage
     }
 }
 
+/// Every tensor of two images, close to the tensor's scale: after steps at two worlds a
+/// value near zero is the difference of summands the float order rounds apart.
+fn images_close_to_scale(a: &limpet_snapshot::StateImage, b: &limpet_snapshot::StateImage) {
+    assert_eq!(a.tensors().keys().collect::<Vec<_>>(), b.tensors().keys().collect::<Vec<_>>());
+    for (name, t) in a.tensors() {
+        let (x, y) = (t.to_f32().unwrap(), b.tensors()[name].to_f32().unwrap());
+        let scale = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (i, (p, q)) in x.iter().zip(&y).enumerate() {
+            assert!((p - q).abs() <= 1e-4 * scale + 1e-9, "{name}[{i}]: {p} against {q} (scale {scale})");
+        }
+    }
+}
+
 /// Sharded optimizer state (each rank one third of AdamW's moments, plus its left
 /// neighbour's as a replica) trains like whole state over the same ring: the same losses,
 /// norms, parameters and moments up to the order floats are summed in, every rank's gathered
@@ -284,6 +297,61 @@ impl limpet_trainer::Reduce for FailNorm<'_> {
         }
         Ok(())
     }
+}
+
+/// A newcomer joins sharded survivors: the re-cut gives it its blocks, the parameters and
+/// the step's position in the data, no rank holds the whole optimizer state, and the three go
+/// on as whole-state training with the newcomer copied the state would.
+#[test]
+fn a_newcomer_takes_its_blocks_the_parameters_and_the_position_at_the_recut() {
+    one_thread();
+    const STEPS: usize = 3;
+    let eps = endpoints(&[4, 6, 7]);
+    let (two, three): (Vec<&Endpoint>, Vec<&Endpoint>) = (vec![&eps[0], &eps[1]], eps.iter().collect());
+    let first = |sharded: bool| {
+        move |rank: usize, (): (), g: &mut limpet_agent::Group| {
+            let mut t = adamw_trainer();
+            if sharded {
+                let n = t.buffer_len() - 3;
+                t.shard_state(ShardLayout::new(n, 2, rank, 1).unwrap()).unwrap();
+            }
+            for _ in 0..STEPS {
+                t.train_step(rank, 2, g).unwrap();
+            }
+            t
+        }
+    };
+    // Whole state: the newcomer loads a survivor's image, as the entry copies it.
+    let whole = on_ranks(&two, 1, vec![(); 2], first(false));
+    let mut newcomer = adamw_trainer();
+    newcomer.load_image(&whole[0].image().unwrap()).unwrap();
+    let starts: Vec<Trainer> = whole.into_iter().chain([newcomer]).collect();
+    let whole = on_ranks(&three, 2, starts, |rank, mut t, g| {
+        for _ in 0..STEPS {
+            t.train_step(rank, 3, g).unwrap();
+        }
+        t.image().unwrap()
+    });
+    // Sharded: the newcomer is a trainer at step 0.
+    let starts: Vec<Trainer> =
+        on_ranks(&two, 3, vec![(); 2], first(true)).into_iter().chain([adamw_trainer()]).collect();
+    let sharded = on_ranks(&three, 4, starts, |rank, mut t, g| {
+        let n = t.buffer_len() - 3;
+        let rebuilt =
+            t.regroup(rank, 3, Some(ShardLayout::new(n, 3, rank, 1).unwrap()), u64::MAX, g).unwrap();
+        assert_eq!((rebuilt, t.step()), (Some(STEPS as u64), STEPS as u64), "rank {rank}");
+        assert_eq!(t.shard_layout().map(|l| l.held()), Some(vec![rank, (rank + 2) % 3]), "rank {rank}");
+        for _ in 0..STEPS {
+            t.train_step(rank, 3, g).unwrap();
+        }
+        t.unshard(g).unwrap();
+        t.image().unwrap()
+    });
+    for img in &sharded[1..] {
+        assert_eq!(img.content_hash(), sharded[0].content_hash());
+    }
+    assert_eq!(sharded[2].meta().cursor, whole[2].meta().cursor);
+    images_close_to_scale(&whole[2], &sharded[2]);
 }
 
 /// A step torn by a failure: rank 0 gathered the norm and updated its blocks, then its

@@ -305,6 +305,13 @@ impl Server {
         offers.truncate(self.keep);
     }
 
+    /// Stops serving the offers labelled `label` once nobody needs them (a transfer under
+    /// way keeps its own reference and finishes): a model-sized offer kept for nothing is
+    /// resident memory the training could use.
+    pub fn withdraw(&self, label: &[u8; 32]) {
+        self.offers.lock().expect("offers lock").retain(|o| o.manifest.label != *label);
+    }
+
     fn find(&self, label: Option<&[u8; 32]>, root: Option<&[u8; 32]>) -> Option<Arc<Offer>> {
         let offers = self.offers.lock().expect("offers lock");
         match (label, root) {

@@ -236,3 +236,21 @@ fn a_transfer_finishes_on_its_copy_while_the_sender_moves_on() {
     let (got, _) = fetch(&dialer(), &[addr], &want).unwrap();
     assert_eq!(got, old_bytes, "the receiver got the consistent copy it started on");
 }
+
+#[test]
+fn a_withdrawn_offer_is_refused_and_the_others_stay() {
+    let (img, other) = (image(20_000), image(3_000));
+    let (bytes, other_bytes) = (img.encode().unwrap(), other.encode().unwrap());
+    let (label, other_label) = (label_of(img.content_hash()), label_of(other.content_hash()));
+    let server = Server::new();
+    server.offer(Offer::new(other_bytes.clone(), 8 << 10, other_label));
+    server.offer(Offer::new(bytes.clone(), 8 << 10, label));
+    let addr = listen(server.clone(), None);
+    let want = FetchOptions { expect: Some(label), ..opts() };
+    assert_eq!(fetch(&dialer(), std::slice::from_ref(&addr), &want).unwrap().0, bytes);
+    server.withdraw(&label);
+    let err = fetch(&dialer(), std::slice::from_ref(&addr), &want).unwrap_err();
+    assert!(err.to_string().contains("no such state offered here"), "{err}");
+    let kept = FetchOptions { expect: Some(other_label), ..opts() };
+    assert_eq!(fetch(&dialer(), &[addr], &kept).unwrap().0, other_bytes);
+}

@@ -123,6 +123,20 @@ pub fn gpu_models() -> Vec<String> {
     models
 }
 
+/// Hands the heap's free pages back to the system. glibc keeps what a model-sized host
+/// transient freed (an entry's state image, a whole optimizer state just cut into shards)
+/// for reuse, which would leave the resident size of the whole state behind for the rest of
+/// the job.
+#[allow(unsafe_code)]
+pub fn return_freed_host_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim takes no pointers; it only walks the allocator's own free lists,
+    // under the allocator's locks.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,33 +1,68 @@
-//! A job's sharded optimizer state (`[job].shard_state = "optimizer"`) across epochs: made
-//! whole in the new group as an entry begins (each block from a live holder, so a `kill -9`
-//! of one holder loses nothing), so that the entry copies and checks whole states as for any
-//! job; cut again for the new group once the entry agreed; gathered for the checkpoints
-//! every rank knows are due. A block with no live holder sends every rank back to the newest
-//! checkpoint.
+//! A job's sharded optimizer state (`[job].shard_state = "optimizer"`) across epochs. At an
+//! entry the new group re-cuts it directly: each rank takes the blocks the new layout gives
+//! it from a live holder (so a `kill -9` of one holder loses nothing), the parameters and the
+//! step's position come along, and no rank ever holds the whole state. Where no rank holds
+//! a shard (the first epoch, a rank with whole state further on) the entry copies whole
+//! states as for any job and the state is cut once the entry agreed. Checkpoints the ranks
+//! know are due are gathered whole. A block with no live holder sends every rank back to
+//! the newest checkpoint.
 
 use super::checkpointer;
 use super::error::AgentError;
 use crate::Group;
 use limpet_consensus::state::{ClusterState, Epoch};
 use limpet_trainer::{JobSpec, ShardLayout, Trainer, TrainerError};
+use std::time::Instant;
 
-/// Makes the state whole at the start of an entry into `n` (every rank of its group calls
-/// it, sharded or not, when the job shards its state). `step_tag` marks the collectives. A
-/// rank left with state of another step than the rebuilt one (or none) starts afresh, so
-/// the entry copies the whole state to it as to a newcomer.
-pub(super) fn gather_at_entry(
+/// What a sharded entry moved: this rank's bytes through the ring and the time it took.
+pub(super) struct Recut {
+    pub bytes: u64,
+    pub ms: u64,
+}
+
+/// The first part of an entry into `n` for a job that shards its state (every rank of the
+/// group calls it; `step_tag` marks the collectives). `Some`: the state is re-cut for the
+/// new group, every rank at the same step with the same parameters: the entry is done but
+/// for its barrier. `None`: the entry copies whole states: no rank held a shard, a rank held
+/// whole state further on, the shards were gathered whole for the job's end, or a lost
+/// block sent every rank back to a checkpoint. A rank left with state of another step than
+/// the one rebuilt (or a shard) then starts afresh, so the entry copies the state to it as
+/// to a newcomer.
+pub(super) fn enter(
     trainer: &mut Trainer,
     group: &mut Group,
     job: &JobSpec,
     st: &ClusterState,
     n: &Epoch,
     step_tag: u64,
-) -> Result<(), AgentError> {
+) -> Result<Option<Recut>, AgentError> {
     if job.shard_state.is_none() {
-        return Ok(());
+        return Ok(None);
     }
     let (rank, world) = (group.rank(), group.world());
-    match trainer.regroup(rank, world, None, step_tag, group) {
+    let target = layout_of(trainer, job, n, rank);
+    let recut = target.is_some();
+    let started = Instant::now();
+    match trainer.regroup(rank, world, target, step_tag, group) {
+        Ok(Some(step)) if recut => {
+            if step >= job.steps {
+                // The job's final checkpoint is whole.
+                trainer.unshard(group)?;
+                tracing::info!(
+                    epoch = n.id,
+                    step,
+                    "optimizer state gathered from its shards for the job's end"
+                );
+                return Ok(None);
+            }
+            let slots = job.optimizer.slots().len() as u64 + 1;
+            let values = (trainer.buffer_len() - 3) as u64;
+            // An allreduce per slot and the parameters: each rank receives 2 (w - 1) / w of it.
+            let bytes = slots * values * 4 * 2 * (world as u64 - 1) / world as u64;
+            let held = trainer.shard_layout().map(ShardLayout::held).unwrap_or_default();
+            tracing::info!(epoch = n.id, step, ?held, bytes, "optimizer state re-cut for the new group");
+            Ok(Some(Recut { bytes, ms: started.elapsed().as_millis() as u64 }))
+        }
         Ok(rebuilt) => {
             if let Some(step) = rebuilt {
                 tracing::info!(epoch = n.id, step, "optimizer state gathered from its shards for the entry");
@@ -35,9 +70,12 @@ pub(super) fn gather_at_entry(
             if trainer.shard_layout().is_some() || rebuilt.is_some_and(|s| s != trainer.step()) {
                 *trainer = fresh(trainer, job)?;
             }
-            Ok(())
+            Ok(None)
         }
-        Err(TrainerError::ShardLost(why)) => back_to_checkpoint(trainer, group, job, st, n, &why, step_tag),
+        Err(TrainerError::ShardLost(why)) => {
+            back_to_checkpoint(trainer, group, job, st, n, &why, step_tag)?;
+            Ok(None)
+        }
         Err(e) => Err(e.into()),
     }
 }
@@ -89,8 +127,16 @@ fn fresh(trainer: &Trainer, job: &JobSpec) -> Result<Trainer, AgentError> {
 /// The layout of epoch `n`'s state for this rank (`None`: the job keeps it whole, the epoch
 /// is pipelined, or the job's steps are done: its final checkpoint is whole).
 pub(super) fn layout_for(trainer: &Trainer, job: &JobSpec, n: &Epoch, rank: usize) -> Option<ShardLayout> {
+    if trainer.step() >= job.steps {
+        return None;
+    }
+    layout_of(trainer, job, n, rank)
+}
+
+/// The layout of epoch `n`'s state for this rank whatever the step (`None`: whole state).
+fn layout_of(trainer: &Trainer, job: &JobSpec, n: &Epoch, rank: usize) -> Option<ShardLayout> {
     let sharding = job.shard_state?;
-    if n.layout.pipeline > 1 || trainer.step() >= job.steps {
+    if n.layout.pipeline > 1 {
         return None;
     }
     let world = n.ranks.len();

@@ -480,6 +480,7 @@ impl TrainLoop {
         let finished = self.trainer.step() >= self.trainer.job().steps;
         if let Some(layout) = sharded.filter(|_| self.trainer.shard_layout().is_none() && !finished) {
             self.trainer.shard_state(layout)?;
+            limpet_trainer::device::return_freed_host_memory();
         }
         let every = self.cfg.pipeline.as_ref().map_or(0, |p| p.shadow_every);
         if epoch.layout.pipeline > 1 && every > 0 && self.trainer.step() % every == 0 {

@@ -49,6 +49,10 @@ pub struct BenchElasticArgs {
     /// With --reproducible: canonical shards per step [default: the job's, 8].
     #[arg(long)]
     pub shards: Option<usize>,
+    /// Also run the same transitions with the optimizer state sharded, with this many
+    /// replicas of each shard (`[job].shard_state = "optimizer"`), after the whole-state run.
+    #[arg(long)]
+    pub shard_replicas: Option<usize>,
     /// Print the results as JSON.
     #[arg(long)]
     pub json: bool,
@@ -160,8 +164,10 @@ pub struct Measured {
     pub recovery_ms: Option<u64>,
     /// Step computations lost or steps redone.
     pub lost_steps: Option<u64>,
-    /// State copy time, ms (joins).
+    /// State copy time, ms (joins; with sharded state, the longest re-cut of any entry).
     pub fetch_ms: Option<u64>,
+    /// Bytes of state the ranks received (sum over ranks).
+    pub bytes: Option<u64>,
     /// The goal, in words.
     pub goal: String,
     /// Whether the goal was met.
@@ -175,6 +181,8 @@ pub struct ElasticBench {
     pub step_ms: f64,
     /// limpet's transitions.
     pub limpet: Vec<Measured>,
+    /// The same with the optimizer state sharded (`--shard-replicas`).
+    pub sharded: Option<Vec<Measured>>,
     /// torchrun after a killed worker (MLP only: its script trains the MLP).
     pub torchrun: Option<Measured>,
 }
@@ -225,15 +233,15 @@ pub fn bench(a: BenchElasticArgs) -> anyhow::Result<()> {
         a.nodes, a.steps
     );
     let dir = tmp.path().join("limpet");
-    let s = run_scenario(&dir, a.nodes, job, &script, Duration::from_secs(600), !a.json)?;
-    let lines = step_logs_in(&dir)?;
-    let mut first: Vec<u64> =
-        lines.iter().filter(|l| l.epoch == 1 && l.node == 1).map(|l| l.wall_ms).collect();
-    first.sort_unstable();
-    let mut gaps: Vec<u64> = first.windows(2).map(|w| w[1] - w[0]).collect();
-    gaps.sort_unstable();
-    let step_ms = if gaps.is_empty() { 0.0 } else { gaps[gaps.len() / 2].max(1) as f64 };
-    let limpet = measured(&s, &lines, step_ms);
+    let (step_ms, limpet) = transitions(&dir, a.nodes, job.clone(), &script, !a.json)?;
+    let sharded = match a.shard_replicas {
+        Some(replicas) => {
+            eprintln!("limpet, optimizer state sharded with {replicas} replica(s): the same transitions");
+            let job = LocalJob { shard_state: Some(("optimizer".into(), replicas)), ..job };
+            Some(transitions(&tmp.path().join("sharded"), a.nodes, job, &script, !a.json)?.1)
+        }
+        None => None,
+    };
     let torchrun = if model == "mlp" {
         eprintln!(
             "torchrun: {} workers, the same MLP and data, checkpoint every 100 steps, one worker killed at 60%",
@@ -243,13 +251,32 @@ pub fn bench(a: BenchElasticArgs) -> anyhow::Result<()> {
     } else {
         None
     };
-    let r = ElasticBench { step_ms, limpet, torchrun };
+    let r = ElasticBench { step_ms, limpet, sharded, torchrun };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
     } else {
         print_table(&r);
     }
     Ok(())
+}
+
+/// Runs the scenario in `dir`: the median step of the first epoch, ms, and the transitions.
+fn transitions(
+    dir: &Path,
+    nodes: usize,
+    job: LocalJob,
+    script: &[(f64, Action)],
+    show: bool,
+) -> anyhow::Result<(f64, Vec<Measured>)> {
+    let s = run_scenario(dir, nodes, job, script, Duration::from_secs(600), show)?;
+    let lines = step_logs_in(dir)?;
+    let mut first: Vec<u64> =
+        lines.iter().filter(|l| l.epoch == 1 && l.node == 1).map(|l| l.wall_ms).collect();
+    first.sort_unstable();
+    let mut gaps: Vec<u64> = first.windows(2).map(|w| w[1] - w[0]).collect();
+    gaps.sort_unstable();
+    let step_ms = if gaps.is_empty() { 0.0 } else { gaps[gaps.len() / 2].max(1) as f64 };
+    Ok((step_ms, measured(&s, &lines, step_ms)))
 }
 
 /// limpet's transitions in a finished scenario against their goals: the notice, the join
@@ -268,7 +295,8 @@ fn measured(
             idle_ms: t.idle_ms,
             recovery_ms: None,
             lost_steps: t.lost_steps,
-            fetch_ms: None,
+            fetch_ms: Some(t.fetch_ms),
+            bytes: Some(t.fetched_bytes),
             goal: format!("idle <= 1 step ({step_ms:.1} ms), 0 lost"),
             met: idle as f64 <= step_ms.max(1.0) && t.lost_steps == Some(0),
         });
@@ -281,6 +309,7 @@ fn measured(
             recovery_ms: None,
             lost_steps: t.lost_steps,
             fetch_ms: Some(t.fetch_ms),
+            bytes: Some(t.fetched_bytes),
             goal: "idle <= state copy + 500 ms".into(),
             met: idle <= t.fetch_ms + 500,
         });
@@ -295,7 +324,8 @@ fn measured(
             idle_ms: t.idle_ms,
             recovery_ms: recovery,
             lost_steps: t.lost_steps,
-            fetch_ms: None,
+            fetch_ms: Some(t.fetch_ms),
+            bytes: Some(t.fetched_bytes),
             goal: "kill to next step < 3 s".into(),
             met: recovery.is_some_and(|r| r < 3000),
         });
@@ -305,19 +335,23 @@ fn measured(
 
 fn print_table(r: &ElasticBench) {
     let ms = |v: Option<u64>| v.map_or("-".into(), |v| format!("{v} ms"));
+    let mb = |v: Option<u64>| v.map_or("-".into(), |v| format!("{:.2} MB", v as f64 / 1e6));
     println!("\nlimpet bench elastic (median step {:.1} ms)", r.step_ms);
     println!(
-        "{:<32} {:>10} {:>14} {:>6} {:>10}  {:<34} met",
-        "transition", "idle", "kill->step", "lost", "copy", "goal"
+        "{:<42} {:>10} {:>14} {:>6} {:>10} {:>11}  {:<34} met",
+        "transition", "idle", "kill->step", "lost", "copy", "bytes", "goal"
     );
-    for m in r.limpet.iter().chain(r.torchrun.as_ref()) {
+    let sharded = r.sharded.iter().flatten().map(|m| (m, "sharded: "));
+    let rows = r.limpet.iter().map(|m| (m, "")).chain(sharded).chain(r.torchrun.iter().map(|m| (m, "")));
+    for (m, state) in rows {
         println!(
-            "{:<32} {:>10} {:>14} {:>6} {:>10}  {:<34} {}",
-            m.event,
+            "{:<42} {:>10} {:>14} {:>6} {:>10} {:>11}  {:<34} {}",
+            format!("{state}{}", m.event),
             ms(m.idle_ms),
             ms(m.recovery_ms),
             m.lost_steps.map_or("-".into(), |v| v.to_string()),
             ms(m.fetch_ms),
+            mb(m.bytes),
             m.goal,
             if m.met { "yes" } else { "NO" }
         );
@@ -407,6 +441,7 @@ fn torchrun(dir: &Path, workers: usize, steps: u64, wait: Duration) -> anyhow::R
                 recovery_ms: Some(l.wall_ms.saturating_sub(kill_at)),
                 lost_steps: Some((last_before + 1).saturating_sub(l.step)),
                 fetch_ms: None,
+                bytes: None,
                 goal,
                 met: true,
             };
@@ -434,6 +469,7 @@ fn torchrun(dir: &Path, workers: usize, steps: u64, wait: Duration) -> anyhow::R
                 recovery_ms: None,
                 lost_steps: None,
                 fetch_ms: None,
+                bytes: None,
                 goal,
                 met: false,
             });

@@ -25,6 +25,7 @@
 use super::{Reduce, StepStats, Trainer};
 use crate::optim::{clip_to_norm, decays, scratch_for, sum_of_squares, update, Optimizer, OptimizerSpec};
 use crate::TrainerError;
+use limpet_snapshot::RngState;
 use std::ops::Range;
 use tch::{Device, Kind, Tensor};
 
@@ -313,10 +314,14 @@ impl Trainer {
     /// and those blocks' parameters come from one rank that holds the block at that step
     /// (its owner, else the first replica), and each rank keeps `target`'s blocks, or the
     /// whole state when `target` is `None`. A rank at another step, or holding nothing (a
-    /// newcomer), gives nothing; it receives parameters of that step, so it must then load
-    /// the whole state at that step (it is left unsharded, with zero moments). Returns the
-    /// step rebuilt, or `None` when no rank held sharded state (nothing moved). Moves the
-    /// parameters and the state once and needs one model-sized host vector while it runs.
+    /// newcomer), gives nothing; it receives parameters of that step. With a `target` it also
+    /// takes that step's position in the data (step, cursor, RNG) from a holder, so every
+    /// rank leaves at the same step with the same parameters and its own blocks: no rank ever
+    /// holds the whole optimizer state. Without one it must then load the whole state at
+    /// that step (it is left unsharded, with zero moments). Returns the step rebuilt, or
+    /// `None` when no rank held sharded state, or a rank holds whole state further on
+    /// (nothing moved). Moves the parameters and the state once and needs one model-sized
+    /// host vector while it runs.
     pub fn regroup(
         &mut self,
         rank: usize,
@@ -335,11 +340,18 @@ impl Trainer {
             }
         }
         // Every rank's layout (tag, world, replicas, rank), step, whether a step's gradient
-        // waits for its norm, the last norm it gathered, and whether it holds the whole
-        // state: all decide alike from these.
-        const F: usize = 9;
+        // waits for its norm, the last norm it gathered, whether it holds the whole state,
+        // and its position in the data (cursor, RNG seed and draws): all decide alike from
+        // these.
+        const F: usize = 12;
         let mut facts = vec![0i64; F * world];
         facts[F * rank + 4] = self.step as i64;
+        // Bit casts: a u64 goes through the sum unchanged, every other rank adds zero.
+        facts[F * rank + 9..F * rank + 12].copy_from_slice(&[
+            self.cursor as i64,
+            self.rng.seed as i64,
+            self.rng.draws as i64,
+        ]);
         if let Some(s) = &self.shard {
             let l = &s.layout;
             let mine = [l.tag as i64, l.world() as i64, l.replicas as i64, l.rank as i64];
@@ -462,10 +474,24 @@ impl Trainer {
             }
         }
         if self.step as i64 != step {
-            // Parameters of another step: this rank must load the whole state of `step`.
-            self.shard = None;
-            self.optim = Optimizer::new(self.optim.spec(), params);
-            return Ok(Some(step as u64));
+            if target.is_none() {
+                // Parameters of another step: this rank must load the whole state of `step`.
+                self.shard = None;
+                self.optim = Optimizer::new(self.optim.spec(), params);
+                return Ok(Some(step as u64));
+            }
+            // The position of the step rebuilt, from the rank whose layout was chosen; a
+            // peer's word, so checked as an image's would be.
+            let (cursor, seed, draws) =
+                (fact(newest, 9) as u64, fact(newest, 10) as u64, fact(newest, 11) as u64);
+            if step < 0 || cursor < step as u64 {
+                return Err(TrainerError::Mismatch(format!(
+                    "rank {newest} is at step {step} with cursor {cursor}: {step} steps consume at least {step} samples"
+                )));
+            }
+            (self.step, self.cursor) = (step as u64, cursor);
+            self.rng = RngState { seed, draws };
+            self.unlogged = None;
         }
         match target {
             Some(layout) => {

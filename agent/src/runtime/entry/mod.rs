@@ -156,7 +156,20 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     let by = Instant::now() + ENTRY_WAIT;
     let give_up = give_up(x.watch, x.stop, n.id);
     let mut group = form_group(x.endpoint, x.pending.take(), n, &addrs, by, &give_up)?;
-    sharding::gather_at_entry(x.trainer, &mut group, &x.cfg.job, &st, n, ENTRY_STEP)?;
+    if let Some(recut) = sharding::enter(x.trainer, &mut group, &x.cfg.job, &st, n, ENTRY_STEP)? {
+        x.trainer.set_epoch_plan(n.batch.global_batch as usize, n.batch.micro_batch as usize, n.lr_scale)?;
+        x.trainer.set_shares(n.shares.clone());
+        group.barrier(ENTRY_STEP)?;
+        limpet_trainer::device::return_freed_host_memory();
+        let conn = Conn::Ring(group);
+        return Ok(Entered {
+            conn,
+            fetched_bytes: recut.bytes,
+            fetch_ms: recut.ms,
+            repaired: false,
+            redone_steps: 0,
+        });
+    }
 
     if let Some(t) = checkpointer::resume(x.trainer, &x.cfg.job, &st, n) {
         *x.trainer = t;
@@ -212,8 +225,14 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     }
     x.trainer.set_epoch_plan(n.batch.global_batch as usize, n.batch.micro_batch as usize, n.lr_scale)?;
     x.trainer.set_shares(n.shares.clone());
+    let live = mine.live_label;
+    drop(mine);
     sharding::shard_after_entry(x.trainer, &x.cfg.job, n, me)?;
     group.barrier(ENTRY_STEP)?;
+    // Every rank passed the barrier, so every copy of this rank's live state is done; the
+    // next entry offers the state of its own step.
+    x.server.withdraw(&live);
+    limpet_trainer::device::return_freed_host_memory();
     let conn = if n.layout.pipeline > 1 {
         // Every rank passed the barrier, so every ring connection of the entry is taken:
         // the stage groups' connections (same epoch, same channel) cannot be mistaken for
@@ -263,6 +282,8 @@ struct Published {
     image: StateImage,
     /// Its encoded size: what bounds the states this rank will take from peers.
     bytes: u64,
+    /// The label its live state is offered under, withdrawn once the entry is done.
+    live_label: [u8; 32],
     snapshots: Vec<Snap>,
     shadows: Vec<Snap>,
     state: RankState,
@@ -273,7 +294,8 @@ fn publish(x: &mut Entering<'_>) -> Result<Published, AgentError> {
     let hash = image.content_hash().to_string();
     let encoded = image.encode()?;
     let bytes = encoded.len() as u64;
-    x.server.offer(Offer::new(encoded, 1 << 20, label_of(&hash)));
+    let live_label = label_of(&hash);
+    x.server.offer(Offer::new(encoded, 1 << 20, live_label));
     let held = x.trainer.model().blocks();
     let snapshots = x.shadows.snapshots.clone();
     let shadows = x.shadows.shadows_now();
@@ -283,7 +305,7 @@ fn publish(x: &mut Entering<'_>) -> Result<Published, AgentError> {
         snaps: [slot(&snapshots, 0), slot(&snapshots, 1)],
         shadows: [slot(&shadows, 0), slot(&shadows, 1)],
     };
-    Ok(Published { image, bytes, snapshots, shadows, state })
+    Ok(Published { image, bytes, live_label, snapshots, shadows, state })
 }
 
 /// The state the plan names, assembled block by block from this rank's own states and the
