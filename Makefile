@@ -81,7 +81,7 @@ bench: build
 	$(LAB) bench allreduce --world 4 --sizes 4K,256K,4M,16M,64M --rounds 3
 	$(LAB) bench handoff --bytes 256M
 	$(LAB) bench elastic
-	$(LAB) bench elastic --model gpt --steps 3000
+	$(LAB) bench elastic --model gpt --steps 3000 --shard-replicas 1
 	$(LAB) bench straggler
 	$(LAB) bench straggler --nodes 2 --pipeline 2 --steps 400
 	$(LAB) bench pipeline --model gpt --layers 4 --batch 32 --micro-batch 8 --hosts 2 --train-steps 40
@@ -92,6 +92,8 @@ bench: build
 	$(LAB) bench dp --preset small --world 2 --batch 16 --context 128
 	$(LAB) bench dp --preset small --world 4 --batch 16 --context 128
 	$(LAB) bench dp --preset small --world 4 --batch 16 --context 128 --shard-replicas 1
+	$(LAB) bench dp --preset 125m --world 4 --batch 8 --context 64 --steps 3 --warmup 1
+	$(LAB) bench dp --preset 125m --world 4 --batch 8 --context 64 --steps 3 --warmup 1 --shard-replicas 1
 	$(LAB) bench memory --preset 125m --dataset-gib 4 --batch 2 --context 128 --steps 5
 
 demo: build

@@ -241,6 +241,8 @@ fn a_killed_ranks_shard_is_rebuilt_from_its_replica() {
         let rebuilt =
             t.regroup(rank, 2, Some(ShardLayout::new(n, 2, rank, 1).unwrap()), u64::MAX, g).unwrap();
         assert_eq!(rebuilt, Some(STEPS as u64));
+        // Both survivors hold the step's parameters: only AdamW's two moments move.
+        assert_eq!(t.regroup_values(), 2 * n as u64);
         for _ in 0..STEPS {
             t.train_step(rank, 2, g).unwrap();
         }
@@ -257,9 +259,10 @@ fn a_killed_ranks_shard_is_rebuilt_from_its_replica() {
         t.shard_state(ShardLayout::new(n, 3, 0, 1).unwrap()).unwrap();
         let e = t.regroup(0, 1, Some(ShardLayout::new(n, 1, 0, 0).unwrap()), u64::MAX, g).unwrap_err();
         assert!(matches!(e, limpet_trainer::TrainerError::ShardLost(_)), "{e}");
-        e.to_string()
+        (e.to_string(), ShardLayout::new(n, 3, 0, 1).unwrap().blocks()[1].clone())
     });
-    assert!(lone[0].contains("no live rank holds block 1"), "{}", lone[0]);
+    let (e, block) = &lone[0];
+    assert!(e.contains(&format!("no live rank holds values {block:?}")), "{e}");
 }
 
 /// The ring, but on one rank the norm's allgather of step `at` fails after this rank took
@@ -297,6 +300,53 @@ impl limpet_trainer::Reduce for FailNorm<'_> {
         }
         Ok(())
     }
+}
+
+/// A re-cut that broke on some ranks leaves the survivors with two layouts: a rank that
+/// finished it holds the new one, a rank whose last allreduce broke the one before. The
+/// next regroup takes each value from the newest layout's holders where one is alive, else
+/// from the older layout's, and ends bit for bit where survivors of one layout would.
+#[test]
+fn after_a_broken_recut_the_older_layout_gives_what_the_newer_lost() {
+    one_thread();
+    const STEPS: usize = 3;
+    let eps = endpoints(&[11, 12, 13]);
+    let (three, two): (Vec<&Endpoint>, Vec<&Endpoint>) = (eps.iter().collect(), vec![&eps[0], &eps[1]]);
+    let trained = |epoch: u64, recut: bool| {
+        on_ranks(&three, epoch, vec![(); 3], move |rank, (), g| {
+            let mut t = adamw_trainer();
+            let n = t.buffer_len() - 3;
+            t.shard_state(ShardLayout::new(n, 3, rank, 1).unwrap().tagged(1)).unwrap();
+            for _ in 0..STEPS {
+                t.train_step(rank, 3, g).unwrap();
+            }
+            if recut {
+                let next = ShardLayout::new(n, 3, rank, 1).unwrap().tagged(2);
+                assert_eq!(t.regroup(rank, 3, Some(next), u64::MAX, g).unwrap(), Some(STEPS as u64));
+            }
+            t
+        })
+    };
+    // The same training twice (the ring sums in one order, so bit for bit): rank 0 from the
+    // run whose re-cut finished (layout 2), rank 1 from the one without it (layout 1);
+    // rank 2, the only other holder of layout 2's block 1, is gone.
+    let mut done = trained(1, true);
+    let mut broken = trained(2, false);
+    let mixed = vec![done.swap_remove(0), broken.swap_remove(1)];
+    let plain: Vec<Trainer> = trained(3, false).into_iter().take(2).collect();
+    let survive = |epoch: u64, starts: Vec<Trainer>| {
+        on_ranks(&two, epoch, starts, |rank, mut t, g| {
+            let n = t.buffer_len() - 3;
+            let next = ShardLayout::new(n, 2, rank, 1).unwrap().tagged(9);
+            assert_eq!(t.regroup(rank, 2, Some(next), u64::MAX, g).unwrap(), Some(STEPS as u64));
+            t.train_step(rank, 2, g).unwrap();
+            t.unshard(g).unwrap();
+            t.image().unwrap()
+        })
+    };
+    let (mixed, plain) = (survive(4, mixed), survive(5, plain));
+    assert_eq!(mixed[0].content_hash(), plain[0].content_hash());
+    assert_eq!(mixed[1].content_hash(), plain[0].content_hash());
 }
 
 /// A newcomer joins sharded survivors: the re-cut gives it its blocks, the parameters and
@@ -341,6 +391,8 @@ fn a_newcomer_takes_its_blocks_the_parameters_and_the_position_at_the_recut() {
             t.regroup(rank, 3, Some(ShardLayout::new(n, 3, rank, 1).unwrap()), u64::MAX, g).unwrap();
         assert_eq!((rebuilt, t.step()), (Some(STEPS as u64), STEPS as u64), "rank {rank}");
         assert_eq!(t.shard_layout().map(|l| l.held()), Some(vec![rank, (rank + 2) % 3]), "rank {rank}");
+        // The newcomer needs the parameters: they move with the moments.
+        assert_eq!(t.regroup_values(), 3 * n as u64);
         for _ in 0..STEPS {
             t.train_step(rank, 3, g).unwrap();
         }
@@ -407,6 +459,8 @@ fn a_step_torn_between_the_norm_and_the_parameters_is_finished_at_the_regroup() 
         let rebuilt =
             t.regroup(rank, 2, Some(ShardLayout::new(n, 2, rank, 1).unwrap()), u64::MAX, g).unwrap();
         assert_eq!(rebuilt, Some(TORN + 1));
+        // The rank finishing the step lacks the others' parameters: they move.
+        assert_eq!(t.regroup_values(), 3 * n as u64);
         let logged = t.take_unlogged().map(|s| s.step);
         while t.step() < STEPS {
             t.train_step(rank, 2, g).unwrap();

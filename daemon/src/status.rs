@@ -166,8 +166,8 @@ pub struct TransitionDoc {
     /// so the new epoch computes them again (largest over ranks).
     pub lost_steps: Option<u64>,
     /// Redone steps (docs/status.md): steps already applied that are trained again after a
-    /// stage went back to a shadowed snapshot (largest over ranks; 0 unless a pipeline stage
-    /// had no live replica).
+    /// stage went back to a shadowed snapshot, or sharded state to a checkpoint (largest over
+    /// ranks; 0 unless a pipeline stage had no live replica or a shard no live holder).
     #[serde(default)]
     pub redone_steps: u64,
     /// `DATAxPIPELINE`.

@@ -228,14 +228,23 @@ pub struct Optimizer {
 }
 
 impl Optimizer {
-    /// Zero state for `params`.
+    /// Zero state for `params`, each tensor a view of one zero (stride 0): it takes no memory
+    /// until the first update or load writes it, so a trainer that shards its state before
+    /// its first step never holds the whole of it.
     pub fn new(spec: &OptimizerSpec, params: &[(String, Tensor)]) -> Self {
-        let slots = spec
-            .slots()
-            .iter()
-            .map(|_| params.iter().map(|(_, p)| p.zeros_like().detach()).collect())
-            .collect();
+        let zero = |p: &Tensor| Tensor::zeros([0i64; 0], (p.kind(), p.device())).expand(p.size(), false);
+        let slots = spec.slots().iter().map(|_| params.iter().map(|(_, p)| zero(p)).collect()).collect();
         Optimizer { spec: spec.clone(), slots, scratch: None, released: false }
+    }
+
+    /// Gives every state tensor memory of its own (see [`Optimizer::new`]) before it is
+    /// written in place.
+    pub(crate) fn materialize(&mut self) {
+        for t in self.slots.iter_mut().flatten() {
+            if !t.is_contiguous() {
+                *t = t.zeros_like().contiguous();
+            }
+        }
     }
 
     /// The hyper-parameters.
@@ -253,9 +262,9 @@ impl Optimizer {
         })
     }
 
-    /// Mutable access to the state tensor of `slot` for parameter index `i` (for loading).
-    pub fn slot_mut(&mut self, slot: usize, i: usize) -> &mut Tensor {
-        &mut self.slots[slot][i]
+    /// The state tensor of `slot` for parameter index `i`, to read.
+    pub fn slot(&self, slot: usize, i: usize) -> &Tensor {
+        &self.slots[slot][i]
     }
 
     /// Applies one update with the averaged gradient `grad` (flat, in parameter order), at
@@ -267,6 +276,7 @@ impl Optimizer {
     /// `sqrt(v) / sqrt(bc2) + eps` already divided by `-lr / bc1` (tch's `addcdiv_` takes no
     /// scale, so the scale goes into the denominator).
     pub fn apply(&mut self, params: &[(String, Tensor)], grad: &Tensor, lr: f64, t: u64) {
+        self.materialize();
         tch::no_grad(|| {
             let largest = params.iter().map(|(_, p)| p.numel()).max().unwrap_or(0);
             let device = params.first().map_or(tch::Device::Cpu, |(_, p)| p.device());
@@ -383,6 +393,25 @@ mod tests {
         let mut g = vec![0.3, 0.4];
         clip_global_norm(&mut g, Some(1.0));
         assert_eq!(g, vec![0.3, 0.4]);
+    }
+
+    /// A new optimizer's state is zero without memory of its own (each tensor one zero seen
+    /// with stride 0), reads as zeros of the parameter's shape, and gets memory of its own
+    /// at the first update.
+    #[test]
+    fn new_state_takes_no_memory_until_written() {
+        let w = Tensor::zeros([64, 32], (tch::Kind::Float, tch::Device::Cpu));
+        let params = vec![("w".to_string(), w)];
+        let mut adam = Optimizer::new(&OptimizerSpec::adamw(0.01, 0.0), &params);
+        for (_, s) in adam.named_state(&params) {
+            assert_eq!((s.size(), s.stride()), (vec![64, 32], vec![0, 0]));
+            assert_eq!(s.abs().sum(tch::Kind::Float).double_value(&[]), 0.0);
+        }
+        adam.apply(&params, &Tensor::ones([64 * 32], (tch::Kind::Float, tch::Device::Cpu)), 0.01, 1);
+        for (name, s) in adam.named_state(&params) {
+            assert_eq!(s.stride(), vec![32, 1], "{name}");
+            assert!(s.abs().min().double_value(&[]) > 0.0, "{name} was written");
+        }
     }
 
     /// Two steps of each optimizer match the closed-form updates torch.optim computes.

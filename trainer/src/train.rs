@@ -115,6 +115,8 @@ pub struct Trainer {
     shard: Option<shard::ShardState>,
     /// A sharded step applied after its collectives broke (see [`Trainer::take_unlogged`]).
     unlogged: Option<StepStats>,
+    /// Values the last regroup summed over its group (see [`Trainer::regroup_values`]).
+    regroup_values: u64,
 }
 
 impl Trainer {
@@ -167,6 +169,7 @@ impl Trainer {
             exact_spare: None,
             shard: None,
             unlogged: None,
+            regroup_values: 0,
         })
     }
 
@@ -207,6 +210,7 @@ impl Trainer {
             )));
         }
         let mut expected_names = Vec::new();
+        self.optim.materialize();
         let targets: Vec<(String, Tensor)> = {
             let params = self.model.params();
             let mut v: Vec<(String, Tensor)> =

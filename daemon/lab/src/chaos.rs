@@ -10,8 +10,9 @@
 //! `--steps` and must end with one uninterrupted process's content hash and losses. With
 //! `--ec2 CLUSTER`, the removals go to a real fleet instead (`chaos_ec2`).
 
-use crate::demo::{merge, now_ms, read_step_logs};
+use crate::demo::now_ms;
 use crate::local::{post_notice, LocalCluster, LocalJob};
+use crate::steplog::{merge, read_step_logs};
 use anyhow::Context;
 use clap::Args;
 use limpet_agent::runtime::StepLine;

@@ -9,8 +9,9 @@
 //! worker killed at the same point of the job; reported: the time from the kill to the next
 //! completed step, and the steps redone from the checkpoint.
 
-use crate::demo::{now_ms, run_scenario, step_logs_in, Action};
+use crate::demo::{now_ms, run_scenario, Action};
 use crate::local::LocalJob;
+use crate::steplog::step_logs_in;
 use anyhow::Context;
 use clap::Args;
 use serde::Serialize;

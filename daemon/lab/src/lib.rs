@@ -18,5 +18,6 @@ pub mod local;
 pub mod pipe_bench;
 pub mod raft_cmd;
 pub mod stats;
+pub mod steplog;
 pub mod straggler_bench;
 pub mod train_bench;

@@ -3,8 +3,9 @@
 //! all in the same run on the same job. With `--pipeline N`, a pipelined job instead: the
 //! slow host placed as if it were the profiled one, and placed by its measured speed.
 
-use crate::demo::{read_step_logs, run_scenario};
+use crate::demo::run_scenario;
 use crate::local::LocalJob;
+use crate::steplog::read_step_logs;
 use clap::Args;
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -315,7 +315,7 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
     );
     let dir = tmp.path().join("limpet");
     crate::demo::run_scenario(&dir, a.world, job, &[], std::time::Duration::from_secs(1800), !a.json)?;
-    let lines = crate::demo::step_logs_in(&dir)?;
+    let lines = crate::steplog::step_logs_in(&dir)?;
     // Rank 0's completions after the warm-up: (steps - 1) intervals of the steady state.
     let mut t: Vec<(u64, u64)> =
         lines.iter().filter(|l| l.rank == 0 && l.step >= a.warmup).map(|l| (l.step, l.wall_ms)).collect();

@@ -22,10 +22,11 @@
 //! holder is gone cannot be rebuilt ([`TrainerError::ShardLost`]): the state must come from a
 //! checkpoint.
 
+mod regroup;
+
 use super::{Reduce, StepStats, Trainer};
 use crate::optim::{clip_to_norm, decays, scratch_for, sum_of_squares, update, Optimizer, OptimizerSpec};
 use crate::TrainerError;
-use limpet_snapshot::RngState;
 use std::ops::Range;
 use tch::{Device, Kind, Tensor};
 
@@ -176,7 +177,8 @@ fn flat_values(
 ) -> Result<(), TrainerError> {
     for piece in pieces(params, range.clone()) {
         let len = piece.range.len();
-        let part = src[piece.index].detach().view([-1]).narrow(
+        // `reshape`, not `view`: an optimizer state not yet written is a zero-stride view.
+        let part = src[piece.index].detach().reshape([-1]).narrow(
             0,
             (piece.range.start - piece.offset) as i64,
             len as i64,
@@ -220,7 +222,7 @@ impl Trainer {
             let mut slots = Vec::new();
             for k in 0..self.optim.spec().slots().len() {
                 let src: Vec<Tensor> =
-                    (0..params.len()).map(|i| self.optim.slot_mut(k, i).shallow_clone()).collect();
+                    (0..params.len()).map(|i| self.optim.slot(k, i).shallow_clone()).collect();
                 let mut values = vec![0f32; block.len()];
                 flat_values(&src, params, block.clone(), &mut values)?;
                 slots.push(Tensor::from_slice(&values).to_device(device));
@@ -306,213 +308,6 @@ impl Trainer {
         self.shard = None;
         self.optim.restore(slots);
         Ok(())
-    }
-
-    /// Rebuilds sharded state in a new group (every rank of it calls this, with its rank
-    /// and the same `world` and `step_tag`, the collectives' step marker): the ranks agree
-    /// on the newest layout held (the highest tag, at the furthest step), each of its blocks
-    /// and those blocks' parameters come from one rank that holds the block at that step
-    /// (its owner, else the first replica), and each rank keeps `target`'s blocks, or the
-    /// whole state when `target` is `None`. A rank at another step, or holding nothing (a
-    /// newcomer), gives nothing; it receives parameters of that step. With a `target` it also
-    /// takes that step's position in the data (step, cursor, RNG) from a holder, so every
-    /// rank leaves at the same step with the same parameters and its own blocks: no rank ever
-    /// holds the whole optimizer state. Without one it must then load the whole state at
-    /// that step (it is left unsharded, with zero moments). Returns the step rebuilt, or
-    /// `None` when no rank held sharded state, or a rank holds whole state further on
-    /// (nothing moved). Moves the parameters and the state once and needs one model-sized
-    /// host vector while it runs.
-    pub fn regroup(
-        &mut self,
-        rank: usize,
-        world: usize,
-        target: Option<ShardLayout>,
-        step_tag: u64,
-        reduce: &mut dyn Reduce,
-    ) -> Result<Option<u64>, TrainerError> {
-        let n = self.grads.grads_len();
-        if rank >= world || target.as_ref().is_some_and(|t| (t.rank, t.world()) != (rank, world)) {
-            return Err(TrainerError::Config(format!("a regroup as rank {rank} of {world} into {target:?}")));
-        }
-        if let Some(t) = &target {
-            if t.blocks.last().map(|b| b.end) != Some(n) {
-                return Err(TrainerError::Config(format!("a layout of {:?} for {n} values", t.blocks)));
-            }
-        }
-        // Every rank's layout (tag, world, replicas, rank), step, whether a step's gradient
-        // waits for its norm, the last norm it gathered, whether it holds the whole state,
-        // and its position in the data (cursor, RNG seed and draws): all decide alike from
-        // these.
-        const F: usize = 12;
-        let mut facts = vec![0i64; F * world];
-        facts[F * rank + 4] = self.step as i64;
-        // Bit casts: a u64 goes through the sum unchanged, every other rank adds zero.
-        facts[F * rank + 9..F * rank + 12].copy_from_slice(&[
-            self.cursor as i64,
-            self.rng.seed as i64,
-            self.rng.draws as i64,
-        ]);
-        if let Some(s) = &self.shard {
-            let l = &s.layout;
-            let mine = [l.tag as i64, l.world() as i64, l.replicas as i64, l.rank as i64];
-            facts[F * rank..F * rank + 4].copy_from_slice(&mine);
-            facts[F * rank + 5] = i64::from(s.pending == Some(self.step));
-            if let Some((at, norm)) = s.last_norm {
-                facts[F * rank + 6] = at as i64 + 1;
-                facts[F * rank + 7] = norm.to_bits() as i64;
-            }
-        } else {
-            facts[F * rank + 8] = i64::from(!self.optim.is_released());
-        }
-        reduce.allreduce_sum_i64(&mut facts, step_tag)?;
-        let fact = |j: usize, k: usize| facts[F * j + k];
-        let holders: Vec<usize> = (0..world).filter(|&j| fact(j, 1) > 0).collect();
-        let Some(&newest) = holders.iter().max_by_key(|&&j| (fact(j, 0), fact(j, 4))) else {
-            return Ok(None);
-        };
-        let (tag, old_world, replicas, step) =
-            (fact(newest, 0), fact(newest, 1) as usize, fact(newest, 2) as usize, fact(newest, 4));
-        let whole_at = |j: usize| (fact(j, 8) == 1).then(|| fact(j, 4));
-        if (0..world).filter_map(whole_at).any(|w| w > step) {
-            // Whole state further on than any shard: the entry copies it; nothing to rebuild.
-            return Ok(None);
-        }
-        let old = ShardLayout::new(n, old_world, 0, replicas)?;
-        let of_newest =
-            |j: usize| (fact(j, 0), fact(j, 1), fact(j, 2)) == (tag, old_world as i64, replicas as i64);
-        // A step some ranks applied and others did not, because the norm's allgather failed
-        // on them: those have the step's gradient and finish it with the norm a peer of the
-        // same layout got for that step.
-        let norm_of_last = (0..world)
-            .find(|&j| of_newest(j) && fact(j, 6) > 0 && fact(j, 6) == step)
-            .map(|j| f64::from_bits(fact(j, 7) as u64));
-        let finishes =
-            |j: usize| of_newest(j) && fact(j, 4) + 1 == step && fact(j, 5) == 1 && norm_of_last.is_some();
-        let effective = |j: usize| if finishes(j) { step } else { fact(j, 4) };
-        // The ranks that can give a block: holders of that layout at that step, else a rank
-        // with the whole state at that step (one a broken regroup or gather made whole).
-        let givers_of =
-            |c: usize| (0..world).find(|&j| of_newest(j) && fact(j, 3) == c as i64 && effective(j) == step);
-        let whole_giver = (0..world).find(|&j| whole_at(j) == Some(step));
-        let mut givers = Vec::with_capacity(old_world);
-        for b in 0..old_world {
-            let giver = old.holders(b).into_iter().find_map(givers_of).or(whole_giver);
-            givers.push(giver.ok_or_else(|| {
-                TrainerError::ShardLost(format!(
-                    "no live rank holds block {b} (values {:?}) of the optimizer state at step {step}: every holder is gone",
-                    old.blocks[b]
-                ))
-            })?);
-        }
-        if finishes(rank) {
-            let layout = self.shard.as_ref().expect("a holder").layout.clone();
-            let norm = norm_of_last.expect("checked");
-            let lr = self.apply_held(&layout, norm);
-            let sums = &self.grads.as_mut_slice()[n..];
-            self.unlogged = Some(StepStats {
-                step: self.step,
-                loss: f64::from(sums[0]) / f64::from(sums[1]),
-                lr,
-                grad_norm: norm,
-                samples: sums[1] as usize,
-                rank_mean_sq_sum: f64::from(sums[2]),
-                agreed: false,
-            });
-            self.advance();
-            let s = self.shard.as_mut().expect("a holder");
-            (s.pending, s.last_norm) = (None, Some((step as u64 - 1, norm)));
-        }
-        let device = self.model.device();
-        let params = self.model.params();
-        let slots = self.optim.spec().slots().len();
-        let keep = match &target {
-            Some(t) => t.held(),
-            None => Vec::new(),
-        };
-        let mut kept: Vec<(usize, Vec<Tensor>)> = keep.iter().map(|&b| (b, Vec::new())).collect();
-        let mut whole: Vec<Vec<Tensor>> = Vec::new();
-        let mut all = vec![0f32; n];
-        // The parameters (slot index `slots`), then each slot: every element is given by one
-        // rank and zero elsewhere, so the sum is exact.
-        // Each slot, then the parameters (last, so a failure leaves them as they were): every
-        // element is given by one rank and zero elsewhere, so the sum is exact.
-        for k in 0..=slots {
-            all.iter_mut().for_each(|v| *v = 0.0);
-            for (b, &giver) in givers.iter().enumerate() {
-                if giver != rank {
-                    continue;
-                }
-                let block = old.blocks[b].clone();
-                let out = &mut all[block.clone()];
-                if k == slots {
-                    let src: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
-                    flat_values(&src, params, block, out)?;
-                } else if let Some(s) = &self.shard {
-                    let (_, held) = s.held.iter().find(|(h, _)| *h == b).expect("a giver holds the block");
-                    held[k].to_device(Device::Cpu).f_copy_data(out, block.len())?;
-                } else {
-                    let src: Vec<Tensor> =
-                        (0..params.len()).map(|i| self.optim.slot_mut(k, i).shallow_clone()).collect();
-                    flat_values(&src, params, block, out)?;
-                }
-            }
-            reduce.allreduce_sum(&mut all, step_tag)?;
-            if k == slots {
-                let values = unflatten(&all, params, device);
-                tch::no_grad(|| -> Result<(), TrainerError> {
-                    for ((_, p), v) in params.iter().zip(&values) {
-                        p.shallow_clone().f_copy_(v)?;
-                    }
-                    Ok(())
-                })?;
-            } else if let Some(t) = &target {
-                for (b, held) in &mut kept {
-                    held.push(Tensor::from_slice(&all[t.blocks[*b].clone()]).to_device(device));
-                }
-            } else {
-                whole.push(unflatten(&all, params, device));
-            }
-        }
-        if self.step as i64 != step {
-            if target.is_none() {
-                // Parameters of another step: this rank must load the whole state of `step`.
-                self.shard = None;
-                self.optim = Optimizer::new(self.optim.spec(), params);
-                return Ok(Some(step as u64));
-            }
-            // The position of the step rebuilt, from the rank whose layout was chosen; a
-            // peer's word, so checked as an image's would be.
-            let (cursor, seed, draws) =
-                (fact(newest, 9) as u64, fact(newest, 10) as u64, fact(newest, 11) as u64);
-            if step < 0 || cursor < step as u64 {
-                return Err(TrainerError::Mismatch(format!(
-                    "rank {newest} is at step {step} with cursor {cursor}: {step} steps consume at least {step} samples"
-                )));
-            }
-            (self.step, self.cursor) = (step as u64, cursor);
-            self.rng = RngState { seed, draws };
-            self.unlogged = None;
-        }
-        match target {
-            Some(layout) => {
-                if !self.optim.is_released() {
-                    self.optim.release();
-                }
-                self.shard = Some(ShardState {
-                    layout,
-                    held: kept,
-                    scratch: None,
-                    stale: None,
-                    pending: None,
-                    last_norm: None,
-                });
-            }
-            None => {
-                self.shard = None;
-                self.optim.restore(whole);
-            }
-        }
-        Ok(Some(step as u64))
     }
 
     /// One step with sharded state (see the module's notes); the trainer must be sharded

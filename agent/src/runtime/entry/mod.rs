@@ -156,20 +156,27 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     let by = Instant::now() + ENTRY_WAIT;
     let give_up = give_up(x.watch, x.stop, n.id);
     let mut group = form_group(x.endpoint, x.pending.take(), n, &addrs, by, &give_up)?;
-    if let Some(recut) = sharding::enter(x.trainer, &mut group, &x.cfg.job, &st, n, ENTRY_STEP)? {
-        x.trainer.set_epoch_plan(n.batch.global_batch as usize, n.batch.micro_batch as usize, n.lr_scale)?;
-        x.trainer.set_shares(n.shares.clone());
-        group.barrier(ENTRY_STEP)?;
-        limpet_trainer::device::return_freed_host_memory();
-        let conn = Conn::Ring(group);
-        return Ok(Entered {
-            conn,
-            fetched_bytes: recut.bytes,
-            fetch_ms: recut.ms,
-            repaired: false,
-            redone_steps: 0,
-        });
-    }
+    let given_up = match sharding::enter(x.trainer, &mut group, &x.cfg.job, &st, n, ENTRY_STEP)? {
+        sharding::Sharded::Recut { bytes, ms } => {
+            x.trainer.set_epoch_plan(
+                n.batch.global_batch as usize,
+                n.batch.micro_batch as usize,
+                n.lr_scale,
+            )?;
+            x.trainer.set_shares(n.shares.clone());
+            group.barrier(ENTRY_STEP)?;
+            limpet_trainer::device::return_freed_host_memory();
+            let conn = Conn::Ring(group);
+            return Ok(Entered {
+                conn,
+                fetched_bytes: bytes,
+                fetch_ms: ms,
+                repaired: false,
+                redone_steps: 0,
+            });
+        }
+        sharding::Sharded::Whole { redone } => redone,
+    };
 
     if let Some(t) = checkpointer::resume(x.trainer, &x.cfg.job, &st, n) {
         *x.trainer = t;
@@ -245,7 +252,7 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     } else {
         Conn::Ring(group)
     };
-    let redone_steps = if plan.action == Entry::Rollback { redone } else { 0 };
+    let redone_steps = (if plan.action == Entry::Rollback { redone } else { 0 }).max(given_up);
     Ok(Entered { conn, fetched_bytes, fetch_ms, repaired, redone_steps })
 }
 

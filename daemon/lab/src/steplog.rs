@@ -1,0 +1,154 @@
+//! The agents' step logs (`*.steps.jsonl`, one line per step a rank completed): read, merged
+//! into one loss curve with the steps applied twice counted, and the stall each epoch
+//! change caused.
+
+use anyhow::Context;
+use limpet_agent::runtime::StepLine;
+use limpet_daemon::plot::ElasticPoint;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// Every step line of the step logs (`*.steps.jsonl`) in a local cluster's directory.
+pub fn step_logs_in(dir: &Path) -> anyhow::Result<Vec<StepLine>> {
+    let paths: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading {}", dir.display()))?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.to_string_lossy().ends_with(".steps.jsonl"))
+        .collect();
+    read_step_logs(&paths)
+}
+
+/// Every node's step log, parsed.
+pub fn read_step_logs(paths: &[PathBuf]) -> anyhow::Result<Vec<StepLine>> {
+    let mut out = Vec::new();
+    for p in paths {
+        let Ok(text) = std::fs::read_to_string(p) else { continue };
+        for (i, line) in text.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            // A node killed mid-write leaves a torn last line; anything else is an error.
+            match serde_json::from_str::<StepLine>(line) {
+                Ok(l) => out.push(l),
+                Err(e) if i + 1 == text.lines().count() => tracing::debug!(%e, "torn last line"),
+                Err(e) => anyhow::bail!("{}: line {}: {e}", p.display(), i + 1),
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Merges step logs into one point per step and counts steps completed in two different
+/// epochs by nodes that were not killed (a step applied, then redone, would show up here; a
+/// killed node's last step may legitimately be redone by the survivors, who never got it, and
+/// so may a node's that left: no state of a rank outside an epoch enters it). Steps
+/// `[start, start + n)` for each `(start, n)` of `redone` were trained again after a
+/// rollback: their earlier application left the lineage, so it does not count as twice.
+pub fn merge(lines: &[StepLine], killed: &[u64], redone: &[(u64, u64)]) -> (Vec<ElasticPoint>, u64) {
+    let mut last: BTreeMap<u64, u64> = BTreeMap::new();
+    lines.iter().for_each(|l| {
+        *last.entry(l.node).or_default() = last.get(&l.node).map_or(l.epoch, |&e| e.max(l.epoch))
+    });
+    let newest = lines.iter().map(|l| l.epoch).max().unwrap_or(0);
+    let gone = |l: &StepLine| killed.contains(&l.node) || (last[&l.node] == l.epoch && l.epoch < newest);
+    let mut by_step: BTreeMap<u64, BTreeMap<u64, &StepLine>> = BTreeMap::new();
+    for l in lines.iter().filter(|l| !gone(l)) {
+        by_step.entry(l.step).or_default().insert(l.epoch, l);
+    }
+    for l in lines.iter().filter(|l| gone(l)) {
+        by_step.entry(l.step).or_default().entry(l.epoch).or_insert(l);
+    }
+    let mut twice = 0;
+    let points = by_step
+        .iter()
+        .map(|(step, epochs)| {
+            let survivors = epochs.values().filter(|l| !gone(l)).count() as u64;
+            let again = redone.iter().filter(|&&(s, n)| (s..s + n).contains(step)).count() as u64;
+            twice += survivors.saturating_sub(1 + again);
+            let l = epochs.values().next_back().expect("non-empty");
+            let eval_loss = epochs.values().find_map(|l| l.eval_loss);
+            ElasticPoint { step: *step, loss: l.loss, world: l.world, eval_loss }
+        })
+        .collect();
+    (points, twice)
+}
+
+/// For every epoch after the first, the time from the last step completed in an earlier
+/// epoch to the first step completed in it, less one median step: how long the change
+/// stopped training, measured from the ranks' own step logs rather than from reports.
+pub fn stalls(lines: &[StepLine]) -> Vec<(u64, u64)> {
+    let mut epochs: Vec<u64> = lines.iter().map(|l| l.epoch).collect();
+    epochs.sort_unstable();
+    epochs.dedup();
+    // The median gap between consecutive completions of one rank in one epoch.
+    let mut gaps = Vec::new();
+    let mut by_rank: BTreeMap<(u64, u64), Vec<u64>> = BTreeMap::new();
+    for l in lines {
+        by_rank.entry((l.node, l.epoch)).or_default().push(l.wall_ms);
+    }
+    for times in by_rank.values_mut() {
+        times.sort_unstable();
+        gaps.extend(times.windows(2).map(|w| w[1] - w[0]));
+    }
+    gaps.sort_unstable();
+    let step_ms = gaps.get(gaps.len() / 2).copied().unwrap_or(0);
+    epochs
+        .iter()
+        .skip(1)
+        .filter_map(|&e| {
+            let first = lines.iter().filter(|l| l.epoch == e).map(|l| l.wall_ms).min()?;
+            let before =
+                lines.iter().filter(|l| l.epoch < e && l.wall_ms <= first).map(|l| l.wall_ms).max()?;
+            Some((e, (first - before).saturating_sub(step_ms)))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(node: u64, epoch: u64, step: u64, wall_ms: u64) -> StepLine {
+        StepLine {
+            wall_ms,
+            step,
+            epoch,
+            world: 2,
+            rank: 0,
+            node,
+            name: format!("node-{node}"),
+            loss: 1.0,
+            agreed: false,
+            eval_loss: None,
+        }
+    }
+
+    #[test]
+    fn merge_counts_steps_trained_twice_unless_a_rollback_redid_them() {
+        // Epoch 1 trains steps 0..5; epoch 2 goes back to step 3 (two steps redone).
+        let mut lines: Vec<StepLine> = (0..5).map(|s| line(1, 1, s, 100 * s)).collect();
+        lines.extend((3..8).map(|s| line(1, 2, s, 1000 + 100 * s)));
+        let (points, twice) = merge(&lines, &[], &[]);
+        assert_eq!((points.len(), twice), (8, 2));
+        let (_, twice) = merge(&lines, &[], &[(3, 2)]);
+        assert_eq!(twice, 0);
+        // A redone range that does not cover the repeats does not excuse them.
+        let (_, twice) = merge(&lines, &[], &[(4, 1)]);
+        assert_eq!(twice, 1);
+        // Node 2 left after its step 5 of epoch 1, which epoch 2 trained without it.
+        lines.extend((0..6).map(|s| line(2, 1, s, 100 * s)));
+        assert_eq!(merge(&lines, &[], &[(3, 2)]).1, 0);
+        // Node 2 trained on in epoch 2: its step 5 was applied in both epochs.
+        lines.push(line(2, 2, 6, 2000));
+        assert_eq!(merge(&lines, &[], &[(3, 2)]).1, 1);
+    }
+
+    #[test]
+    fn stalls_are_measured_from_the_step_logs() {
+        // 10 ms steps; epoch 2's first step completes 250 ms after epoch 1's last.
+        let mut lines: Vec<StepLine> = (0..5).map(|s| line(1, 1, s, 10 * s)).collect();
+        lines.extend((5..9).map(|s| line(1, 2, s, 40 + 250 + 10 * (s - 5))));
+        assert_eq!(stalls(&lines), vec![(2, 240)]);
+    }
+}

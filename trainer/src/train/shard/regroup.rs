@@ -1,0 +1,503 @@
+//! Rebuilding sharded optimizer state in a new group ([`Trainer::regroup`]): the ranks sum
+//! a row of facts each (layout, step, position, parameters' digest), check every row, agree
+//! on the step and on who gives each value, and move each slot (and the parameters, when a
+//! rank lacks them) through exact allreduces in which every value comes from one rank.
+
+use super::{flat_values, unflatten, ShardLayout, ShardState};
+use crate::optim::Optimizer;
+use crate::train::{Reduce, StepStats, Trainer};
+use crate::TrainerError;
+use limpet_snapshot::RngState;
+use std::ops::Range;
+use tch::{Device, Kind, Tensor};
+
+/// Feeds each tensor's values (as f32, one tensor's copy at a time) to `h`.
+fn hash_tensors<'a>(
+    h: &mut blake3::Hasher,
+    tensors: impl Iterator<Item = &'a Tensor>,
+) -> Result<(), TrainerError> {
+    for t in tensors {
+        let t = t.detach().to_kind(Kind::Float).to_device(Device::Cpu).contiguous();
+        let mut bytes = vec![0u8; t.numel() * 4];
+        t.f_copy_data_u8(&mut bytes, t.numel())?;
+        h.update(&(bytes.len() as u64).to_le_bytes());
+        h.update(&bytes);
+    }
+    Ok(())
+}
+
+/// The most ranks a layout in a regroup's facts may have, and the most replicas: bounds on
+/// what a peer's row can make this rank allocate and compute.
+const MOST_RANKS: i64 = 1 << 16;
+const MOST_REPLICAS: i64 = 64;
+
+/// Rank `j`'s layout from its row of a regroup's facts, checked (a peer's word): `None` when
+/// it holds no shard.
+fn checked_layout(n: usize, j: usize, row: &[i64]) -> Result<Option<ShardLayout>, TrainerError> {
+    let bad = |what: String| Err(TrainerError::Mismatch(format!("rank {j}'s facts in the regroup: {what}")));
+    let [tag, world, replicas, rank, step, pending, norm_at, _, whole, ..] = row else {
+        return bad(format!("{} values", row.len()));
+    };
+    if !(0..=i64::MAX / 2).contains(step) || *norm_at < 0 || *tag < 0 {
+        return bad(format!("step {step}, tag {tag}, norm step {norm_at}"));
+    }
+    if [*pending, *whole, row[12]].iter().any(|f| !(0..=1).contains(f)) {
+        return bad("a flag that is neither 0 nor 1".into());
+    }
+    if *world == 0 {
+        return Ok(None);
+    }
+    if !(1..=MOST_RANKS).contains(world)
+        || !(0..*world).contains(rank)
+        || !(0..=MOST_REPLICAS).contains(replicas)
+    {
+        return bad(format!("rank {rank} of {world} with {replicas} replicas"));
+    }
+    let layout = ShardLayout::new(n, *world as usize, *rank as usize, *replicas as usize)?;
+    Ok(Some(layout.tagged(*tag as u64)))
+}
+
+/// Who gives each value of `0..n`: `sources` are (rank, values it holds, preference: lower
+/// first); each value goes to the most preferred source holding it (then the lowest rank).
+/// The pieces in order, or the first range nobody holds.
+fn givers(
+    n: usize,
+    mut sources: Vec<(usize, Range<usize>, (u8, i64))>,
+) -> Result<Vec<(usize, Range<usize>)>, Range<usize>> {
+    sources.retain(|(_, r, _)| !r.is_empty() && r.end <= n);
+    sources.sort_by_key(|(j, _, pref)| (*pref, *j));
+    let mut cuts: Vec<usize> = sources.iter().flat_map(|(_, r, _)| [r.start, r.end]).chain([0, n]).collect();
+    cuts.sort_unstable();
+    cuts.dedup();
+    let mut by: Vec<Option<usize>> = vec![None; cuts.len().saturating_sub(1)];
+    for (j, r, _) in &sources {
+        // Ranges of one layout tile the values, so each layout walks each piece once.
+        let first = cuts.partition_point(|&c| c < r.start);
+        for (i, who) in by.iter_mut().enumerate().skip(first) {
+            if cuts[i + 1] > r.end {
+                break;
+            }
+            who.get_or_insert(*j);
+        }
+    }
+    let mut pieces: Vec<(usize, Range<usize>)> = Vec::new();
+    for (i, who) in by.iter().enumerate() {
+        let range = cuts[i]..cuts[i + 1];
+        match (who, pieces.last_mut()) {
+            (None, _) => {
+                let end = by[i..].iter().position(Option::is_some).map_or(n, |k| cuts[i + k]);
+                return Err(range.start..end);
+            }
+            (Some(j), Some((last, r))) if last == j && r.end == range.start => r.end = range.end,
+            (Some(j), _) => pieces.push((*j, range)),
+        }
+    }
+    Ok(pieces)
+}
+
+impl Trainer {
+    /// A digest of the whole state (parameters, optimizer state, step and position in the
+    /// data), read one tensor at a time: ranks compare digests to learn that they hold the
+    /// same state without an image, which would copy all of it at once.
+    pub fn state_digest(&self) -> Result<[u8; 32], TrainerError> {
+        self.refuse_sharded("a state digest")?;
+        if self.optim.is_released() {
+            return Err(TrainerError::Config("the optimizer state was released".into()));
+        }
+        let mut h = blake3::Hasher::new();
+        for v in [self.step, self.cursor, self.rng.seed, self.rng.draws] {
+            h.update(&v.to_le_bytes());
+        }
+        let params = self.model.params();
+        let states = self.optim.named_state(params).map(|(_, s)| s);
+        hash_tensors(&mut h, params.iter().map(|(_, p)| p).chain(states))?;
+        Ok(*h.finalize().as_bytes())
+    }
+
+    /// This rank's row of the regroup's facts (see [`Trainer::regroup`]), `f` values.
+    fn regroup_facts(&self, f: usize) -> Result<Vec<i64>, TrainerError> {
+        let mut row = vec![0i64; f];
+        row[4] = self.step as i64;
+        // Bit casts: a u64 goes through the sum unchanged, every other rank adds zero.
+        row[9..12].copy_from_slice(&[self.cursor as i64, self.rng.seed as i64, self.rng.draws as i64]);
+        if let Some(s) = &self.shard {
+            let l = &s.layout;
+            row[..4].copy_from_slice(&[l.tag as i64, l.world() as i64, l.replicas as i64, l.rank as i64]);
+            row[5] = i64::from(s.pending == Some(self.step));
+            row[12] = i64::from(s.stale.is_some());
+            if let Some((at, norm)) = s.last_norm {
+                row[6] = at as i64 + 1;
+                row[7] = norm.to_bits() as i64;
+            }
+        } else {
+            row[8] = i64::from(!self.optim.is_released());
+        }
+        let mut h = blake3::Hasher::new();
+        hash_tensors(&mut h, self.model.params().iter().map(|(_, p)| p))?;
+        for (k, w) in h.finalize().as_bytes().chunks(8).enumerate() {
+            row[13 + k] = i64::from_le_bytes(w.try_into().expect("8 bytes"));
+        }
+        Ok(row)
+    }
+
+    /// The values (f32) the last [`Trainer::regroup`] summed over its group, each slot's and
+    /// the parameters' when they moved: what its allreduces carried.
+    pub fn regroup_values(&self) -> u64 {
+        self.regroup_values
+    }
+
+    /// Rebuilds sharded state in a new group (every rank of it calls this, with its rank
+    /// and the same `world` and `step_tag`, the collectives' step marker): the ranks agree
+    /// on the newest layout held (the highest tag, at the furthest step), each of its blocks
+    /// and those blocks' parameters come from one rank that holds the block at that step
+    /// (its owner, else the first replica), and each rank keeps `target`'s blocks, or the
+    /// whole state when `target` is `None`. A rank at another step, or holding nothing (a
+    /// newcomer), gives nothing; it receives parameters of that step. With a `target` it also
+    /// takes that step's position in the data (step, cursor, RNG) from a holder, so every
+    /// rank leaves at the same step with the same parameters and its own blocks: no rank ever
+    /// holds the whole optimizer state. Without one it must then load the whole state at
+    /// that step (it is left unsharded, with zero moments). Returns the step rebuilt, or
+    /// `None` when no rank held sharded state, or a rank holds whole state further on
+    /// (nothing moved). Moves the parameters and the state once and needs one model-sized
+    /// host vector while it runs.
+    pub fn regroup(
+        &mut self,
+        rank: usize,
+        world: usize,
+        target: Option<ShardLayout>,
+        step_tag: u64,
+        reduce: &mut dyn Reduce,
+    ) -> Result<Option<u64>, TrainerError> {
+        let n = self.grads.grads_len();
+        if rank >= world || target.as_ref().is_some_and(|t| (t.rank, t.world()) != (rank, world)) {
+            return Err(TrainerError::Config(format!("a regroup as rank {rank} of {world} into {target:?}")));
+        }
+        if let Some(t) = &target {
+            if t.blocks.last().map(|b| b.end) != Some(n) {
+                return Err(TrainerError::Config(format!("a layout of {:?} for {n} values", t.blocks)));
+            }
+        }
+        // Every rank's layout (tag, world, replicas, rank), step, whether a step's gradient
+        // waits for its norm, the last norm it gathered, whether it holds the whole state,
+        // its position in the data (cursor, RNG seed and draws), whether its parameters are
+        // stale, and their digest: all decide alike from these.
+        const F: usize = 17;
+        let mut facts = vec![0i64; F * world];
+        let row = self.regroup_facts(F)?;
+        facts[F * rank..F * (rank + 1)].copy_from_slice(&row);
+        reduce.allreduce_sum_i64(&mut facts, step_tag)?;
+        if facts[F * rank..F * (rank + 1)] != row[..] {
+            return Err(TrainerError::Mismatch(
+                "a peer altered this rank's facts in the regroup's sum".into(),
+            ));
+        }
+        let fact = |j: usize, k: usize| facts[F * j + k];
+        let layouts = (0..world)
+            .map(|j| checked_layout(n, j, &facts[F * j..F * (j + 1)]))
+            .collect::<Result<Vec<_>, _>>()?;
+        let holders: Vec<usize> = (0..world).filter(|&j| layouts[j].is_some()).collect();
+        let Some(&newest) = holders.iter().max_by_key(|&&j| (fact(j, 0), fact(j, 4))) else {
+            return Ok(None);
+        };
+        let (tag, step) = (fact(newest, 0), fact(newest, 4));
+        let whole_at = |j: usize| (fact(j, 8) == 1).then(|| fact(j, 4));
+        if (0..world).filter_map(whole_at).any(|w| w > step) {
+            // Whole state further on than any shard: the entry copies it; nothing to rebuild.
+            return Ok(None);
+        }
+        // The position every rank leaves with, checked before anything moves (every rank
+        // checks the same facts, so all refuse alike).
+        let (cursor, seed, draws) =
+            (fact(newest, 9) as u64, fact(newest, 10) as u64, fact(newest, 11) as u64);
+        if cursor < step as u64 {
+            return Err(TrainerError::Mismatch(format!(
+                "rank {newest} is at step {step} with cursor {cursor}: {step} steps consume at least {step} samples"
+            )));
+        }
+        let same_layout = |a: usize, b: usize| {
+            (fact(a, 0), fact(a, 1), fact(a, 2)) == (fact(b, 0), fact(b, 1), fact(b, 2))
+                && layouts[a].is_some()
+        };
+        let of_newest = |j: usize| same_layout(j, newest);
+        // A step some ranks applied and others did not, because the norm's allgather failed
+        // on them: those have the step's gradient and finish it with the norm a peer of the
+        // same layout got for that step.
+        let norm_of_last = (0..world)
+            .find(|&j| of_newest(j) && fact(j, 6) > 0 && fact(j, 6) == step)
+            .map(|j| f64::from_bits(fact(j, 7) as u64));
+        let finishes =
+            |j: usize| of_newest(j) && fact(j, 4) == step - 1 && fact(j, 5) == 1 && norm_of_last.is_some();
+        let effective = |j: usize| if finishes(j) { step } else { fact(j, 4) };
+        // Who gives each value: a holder of the newest layout at the step, else a holder of
+        // another layout at that step (a rank whose last re-cut broke keeps the layout before
+        // it, whole, until one succeeds), else a rank with the whole state at that step.
+        let mut sources: Vec<(usize, Range<usize>, (u8, i64))> = Vec::new();
+        for j in (0..world).filter(|&j| effective(j) == step) {
+            match &layouts[j] {
+                Some(l) => {
+                    let class = u8::from(!of_newest(j));
+                    sources
+                        .extend(l.held().into_iter().map(|c| (j, l.blocks[c].clone(), (class, -fact(j, 0)))));
+                }
+                None if whole_at(j) == Some(step) => sources.push((j, 0..n, (2, 0))),
+                None => {}
+            }
+        }
+        let pieces = givers(n, sources).map_err(|gap| {
+            TrainerError::ShardLost(format!(
+                "no live rank holds values {gap:?} of the optimizer state at step {step} (layout {tag}): every holder is gone"
+            ))
+        })?;
+        if finishes(rank) {
+            let layout = self.shard.as_ref().expect("a holder").layout.clone();
+            let norm = norm_of_last.expect("checked");
+            let lr = self.apply_held(&layout, norm);
+            let sums = &self.grads.as_mut_slice()[n..];
+            self.unlogged = Some(StepStats {
+                step: self.step,
+                loss: f64::from(sums[0]) / f64::from(sums[1]),
+                lr,
+                grad_norm: norm,
+                samples: sums[1] as usize,
+                rank_mean_sq_sum: f64::from(sums[2]),
+                agreed: false,
+            });
+            self.advance();
+            let s = self.shard.as_mut().expect("a holder");
+            (s.pending, s.last_norm) = (None, Some((step as u64 - 1, norm)));
+        }
+        let device = self.model.device();
+        let params = self.model.params();
+        let slots = self.optim.spec().slots().len();
+        let keep = match &target {
+            Some(t) => t.held(),
+            None => Vec::new(),
+        };
+        let mut kept: Vec<(usize, Vec<Tensor>)> = keep.iter().map(|&b| (b, Vec::new())).collect();
+        let mut whole: Vec<Vec<Tensor>> = Vec::new();
+        let mut all = vec![0f32; n];
+        // The parameters move only to a rank without those of the step rebuilt: one at
+        // another step, one finishing the step (its other blocks' parameters never came),
+        // one whose parameters' allgather broke.
+        let digest = |j: usize| &facts[F * j + 13..F * j + 17];
+        let params_move = (0..world)
+            .any(|j| fact(j, 4) != step || finishes(j) || fact(j, 12) == 1 || digest(j) != digest(newest));
+        let rounds = if params_move { slots + 1 } else { slots };
+        self.regroup_values = (rounds * n) as u64;
+        // Each slot, then the parameters (last, so a failure leaves them as they were): every
+        // element is given by one rank and zero elsewhere, so the sum is exact.
+        for k in 0..rounds {
+            all.iter_mut().for_each(|v| *v = 0.0);
+            for (giver, range) in &pieces {
+                if *giver != rank {
+                    continue;
+                }
+                if k == slots {
+                    let src: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
+                    flat_values(&src, params, range.clone(), &mut all[range.clone()])?;
+                } else if let Some(s) = &self.shard {
+                    // A piece may span several blocks this rank holds (a replica beside its
+                    // own): each gives its part.
+                    let mut given = 0;
+                    for (c, held) in &s.held {
+                        let b = &s.layout.blocks[*c];
+                        let (lo, hi) = (range.start.max(b.start), range.end.min(b.end));
+                        if lo < hi {
+                            let part = held[k].narrow(0, (lo - b.start) as i64, (hi - lo) as i64);
+                            part.to_device(Device::Cpu).f_copy_data(&mut all[lo..hi], hi - lo)?;
+                            given += hi - lo;
+                        }
+                    }
+                    if given != range.len() {
+                        return Err(TrainerError::Mismatch(format!(
+                            "this rank gives values {range:?} it does not hold"
+                        )));
+                    }
+                } else {
+                    let src: Vec<Tensor> =
+                        (0..params.len()).map(|i| self.optim.slot(k, i).shallow_clone()).collect();
+                    flat_values(&src, params, range.clone(), &mut all[range.clone()])?;
+                }
+            }
+            reduce.allreduce_sum(&mut all, step_tag)?;
+            if k == slots {
+                let values = unflatten(&all, params, device);
+                tch::no_grad(|| -> Result<(), TrainerError> {
+                    for ((_, p), v) in params.iter().zip(&values) {
+                        p.shallow_clone().f_copy_(v)?;
+                    }
+                    Ok(())
+                })?;
+            } else if let Some(t) = &target {
+                for (b, held) in &mut kept {
+                    held.push(Tensor::from_slice(&all[t.blocks[*b].clone()]).to_device(device));
+                }
+            } else {
+                whole.push(unflatten(&all, params, device));
+            }
+        }
+        if target.is_none() && self.step as i64 != step {
+            // Parameters of another step: this rank must load the whole state of `step`.
+            self.shard = None;
+            self.optim = Optimizer::new(self.optim.spec(), params);
+            return Ok(Some(step as u64));
+        }
+        if target.is_some() {
+            // Every rank leaves at the step rebuilt, where the chosen layout's holder is.
+            if self.step as i64 != step {
+                self.unlogged = None;
+            }
+            (self.step, self.cursor) = (step as u64, cursor);
+            self.rng = RngState { seed, draws };
+        }
+        match target {
+            Some(layout) => {
+                if !self.optim.is_released() {
+                    self.optim.release();
+                }
+                self.shard = Some(ShardState {
+                    layout,
+                    held: kept,
+                    scratch: None,
+                    stale: None,
+                    pending: None,
+                    last_norm: None,
+                });
+            }
+            None => {
+                self.shard = None;
+                self.optim.restore(whole);
+            }
+        }
+        Ok(Some(step as u64))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::train::tests::{job, synthetic};
+    use crate::ModelKind;
+    use proptest::prelude::*;
+
+    /// A group of two where the other rank's row of the facts is whatever a hostile member
+    /// sends, and every value the state's allreduces carry from it is garbage too.
+    struct Hostile {
+        row: Vec<i64>,
+        noise: f32,
+    }
+
+    impl Reduce for Hostile {
+        fn allreduce_sum(&mut self, buf: &mut [f32], _: u64) -> Result<(), TrainerError> {
+            buf.iter_mut().for_each(|v| *v += self.noise);
+            Ok(())
+        }
+
+        fn allreduce_sum_i64(&mut self, buf: &mut [i64], _: u64) -> Result<(), TrainerError> {
+            // The sum wraps, as the ring's does: the peer's row lands on rank 1's.
+            let half = buf.len() / 2;
+            for (v, r) in buf[half..].iter_mut().zip(&self.row) {
+                *v = v.wrapping_add(*r);
+            }
+            Ok(())
+        }
+    }
+
+    fn sharded_trainer() -> Trainer {
+        let data = synthetic();
+        let mut j = job(ModelKind::Mlp, &data, 16, 16);
+        j.optimizer = crate::optim::OptimizerSpec::adamw(1e-2, 0.01);
+        let mut t = Trainer::try_new(j, data).unwrap();
+        let n = t.buffer_len() - 3;
+        t.shard_state(ShardLayout::new(n, 2, 0, 1).unwrap().tagged(3)).unwrap();
+        t
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+        /// Whatever a peer puts in its facts, a regroup ends with a result, never a panic,
+        /// and allocates nothing a forged world or replica count asks for.
+        #[test]
+        fn a_hostile_peers_facts_never_panic(
+            row in proptest::collection::vec(prop_oneof![
+                Just(0i64), Just(1), Just(2), Just(-1), Just(i64::MAX), Just(i64::MIN), any::<i64>(), 0i64..1 << 20,
+            ], 17),
+            noise in any::<f32>(),
+            recut in any::<bool>(),
+        ) {
+            let mut t = sharded_trainer();
+            let n = t.buffer_len() - 3;
+            let target = recut.then(|| ShardLayout::new(n, 2, 0, 1).unwrap().tagged(4));
+            let _ = t.regroup(0, 2, target, u64::MAX, &mut Hostile { row, noise });
+        }
+
+        /// The same from a row that is rank 0's own with a few values changed: past the
+        /// checks, into the choice of givers, the finishing of a step and the moves.
+        #[test]
+        fn a_peers_facts_near_an_honest_row_never_panic(
+            edits in proptest::collection::vec((0usize..17, prop_oneof![
+                Just(0i64), Just(1), Just(2), Just(3), Just(4), Just(-1), Just(i64::MAX), any::<i64>(),
+            ]), 1..4),
+            noise in any::<f32>(),
+            recut in any::<bool>(),
+        ) {
+            let mut t = sharded_trainer();
+            let n = t.buffer_len() - 3;
+            let mut row = t.regroup_facts(17).unwrap();
+            row[3] = 1;
+            for (i, v) in edits {
+                row[i] = v;
+            }
+            let target = recut.then(|| ShardLayout::new(n, 2, 0, 1).unwrap().tagged(4));
+            let _ = t.regroup(0, 2, target, u64::MAX, &mut Hostile { row, noise });
+        }
+
+        /// The pieces tile the values, each given by a source holding it, the most
+        /// preferred one; a value nobody holds is named.
+        #[test]
+        fn givers_tile_the_values_from_the_preferred_holder(
+            n in 0usize..300,
+            raw in proptest::collection::vec((0usize..4, 0usize..320, 0usize..320, 0u8..3), 0..12),
+        ) {
+            let sources: Vec<(usize, Range<usize>, (u8, i64))> =
+                raw.iter().map(|&(j, a, b, p)| (j, a.min(b)..a.max(b), (p, 0))).collect();
+            let best = |v: usize| {
+                sources.iter().filter(|(_, r, _)| r.contains(&v) && r.end <= n).min_by_key(|(j, _, p)| (*p, *j)).map(|s| s.0)
+            };
+            match givers(n, sources.clone()) {
+                Ok(pieces) => {
+                    let mut at = 0;
+                    for (j, r) in &pieces {
+                        prop_assert_eq!(r.start, at);
+                        at = r.end;
+                        for v in r.clone() {
+                            prop_assert_eq!(best(v), Some(*j));
+                        }
+                    }
+                    prop_assert_eq!(at, n);
+                }
+                Err(gap) => {
+                    prop_assert!(!gap.is_empty());
+                    prop_assert!((0..gap.start).all(|v| best(v).is_some()));
+                    prop_assert!(gap.clone().all(|v| best(v).is_none()));
+                }
+            }
+        }
+    }
+
+    /// A forged row is refused naming the rank and what was wrong.
+    #[test]
+    fn a_forged_world_is_refused_naming_the_rank() {
+        let mut row = vec![0i64; 17];
+        row[1] = 1 << 40;
+        let e = checked_layout(1000, 1, &row).unwrap_err().to_string();
+        assert!(e.contains("rank 1's facts in the regroup"), "{e}");
+        row[1] = 4;
+        row[2] = 65;
+        assert!(checked_layout(1000, 1, &row).is_err());
+        row[2] = 3;
+        row[3] = 2;
+        assert_eq!(checked_layout(1000, 1, &row).unwrap().map(|l| l.held()), Some(vec![2, 1, 0, 3]));
+    }
+}
