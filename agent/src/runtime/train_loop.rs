@@ -570,6 +570,7 @@ impl TrainLoop {
             tracing::info!(
                 step = stats.step,
                 rss_bytes = limpet_trainer::rss_bytes(),
+                training_peak_rss_bytes = limpet_trainer::peak_rss_bytes(),
                 "resident memory at the last step"
             );
         }

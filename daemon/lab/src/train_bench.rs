@@ -266,8 +266,12 @@ pub struct DpBenchReport {
     /// Optimizer state sharded (limpet: replicas of each shard; the peer:
     /// `ZeroRedundancyOptimizer`), or `None`: whole on every rank.
     pub shard_replicas: Option<usize>,
-    /// The largest peak resident memory of a limpet agent process.
+    /// The largest peak resident memory of a limpet agent process through its last step
+    /// (what the peer's figure covers: training, no checkpoint).
     pub limpet_peak_rss_bytes: u64,
+    /// The same through the job's final checkpoint (a sharded job gathers its state whole
+    /// for it, and the checkpoint's image and file are written from memory).
+    pub limpet_final_peak_rss_bytes: u64,
     /// The largest resident memory of a limpet agent at the last step (the steady state).
     pub limpet_rss_bytes: u64,
     /// The largest peak resident memory of a torchrun rank.
@@ -326,7 +330,8 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
     }
     let span_s = (t[t.len() - 1].1 - t[0].1) as f64 / 1e3;
     let ours = (t.len() - 1) as f64 * a.batch as f64 / span_s.max(1e-9);
-    let limpet_peak_rss_bytes = most_in_logs(&dir, "peak_rss_bytes=")?;
+    let limpet_peak_rss_bytes = most_in_logs(&dir, "training_peak_rss_bytes=")?;
+    let limpet_final_peak_rss_bytes = most_in_logs(&dir, " peak_rss_bytes=")?;
     let limpet_rss_bytes = most_in_logs(&dir, " rss_bytes=")?;
 
     let (theirs, torchrun_peak_rss_bytes, torchrun_rss_bytes) = torchrun_dp(&a, tmp.path(), &spec)?;
@@ -341,6 +346,7 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
         ratio: ours / theirs,
         shard_replicas: a.shard_replicas,
         limpet_peak_rss_bytes,
+        limpet_final_peak_rss_bytes,
         limpet_rss_bytes,
         torchrun_peak_rss_bytes,
         torchrun_rss_bytes,
@@ -359,10 +365,11 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
         let mib = |b: u64| b as f64 / f64::from(1 << 20);
         let peer = if r.shard_replicas.is_some() { "torchrun + ZeRO-1" } else { "torchrun + DDP  " };
         println!(
-            "  limpet agents    {:>8.2} samples/s, RSS at the last step {:>5.0} MiB, peak {:>5.0} MiB (largest rank){}",
+            "  limpet agents    {:>8.2} samples/s, RSS at the last step {:>5.0} MiB, peak {:>5.0} MiB (largest rank; {:.0} MiB with the final checkpoint){}",
             r.limpet_samples_per_s,
             mib(r.limpet_rss_bytes),
             mib(r.limpet_peak_rss_bytes),
+            mib(r.limpet_final_peak_rss_bytes),
             r.shard_replicas.map_or(String::new(), |n| format!(", state sharded, {n} replica"))
         );
         println!(
