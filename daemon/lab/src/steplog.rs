@@ -42,16 +42,21 @@ pub fn read_step_logs(paths: &[PathBuf]) -> anyhow::Result<Vec<StepLine>> {
 /// Merges step logs into one point per step and counts steps completed in two different
 /// epochs by nodes that were not killed (a step applied, then redone, would show up here; a
 /// killed node's last step may legitimately be redone by the survivors, who never got it, and
-/// so may a node's that left: no state of a rank outside an epoch enters it). Steps
+/// so may the last step of a node that left: no state of a rank outside an epoch enters it).
+/// Steps
 /// `[start, start + n)` for each `(start, n)` of `redone` were trained again after a
 /// rollback: their earlier application left the lineage, so it does not count as twice.
 pub fn merge(lines: &[StepLine], killed: &[u64], redone: &[(u64, u64)]) -> (Vec<ElasticPoint>, u64) {
-    let mut last: BTreeMap<u64, u64> = BTreeMap::new();
-    lines.iter().for_each(|l| {
-        *last.entry(l.node).or_default() = last.get(&l.node).map_or(l.epoch, |&e| e.max(l.epoch))
-    });
+    // Each node's last step, with its epoch: only that step of a node that left can be one
+    // the survivors never got (every earlier one the whole group completed).
+    let mut last: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
+    for l in lines {
+        let e = last.entry(l.node).or_insert((l.epoch, l.step));
+        *e = (*e).max((l.epoch, l.step));
+    }
     let newest = lines.iter().map(|l| l.epoch).max().unwrap_or(0);
-    let gone = |l: &StepLine| killed.contains(&l.node) || (last[&l.node] == l.epoch && l.epoch < newest);
+    let gone =
+        |l: &StepLine| killed.contains(&l.node) || (last[&l.node] == (l.epoch, l.step) && l.epoch < newest);
     let mut by_step: BTreeMap<u64, BTreeMap<u64, &StepLine>> = BTreeMap::new();
     for l in lines.iter().filter(|l| !gone(l)) {
         by_step.entry(l.step).or_default().insert(l.epoch, l);
@@ -142,6 +147,11 @@ mod tests {
         // Node 2 trained on in epoch 2: its step 5 was applied in both epochs.
         lines.push(line(2, 2, 6, 2000));
         assert_eq!(merge(&lines, &[], &[(3, 2)]).1, 1);
+        // Node 3 trained steps 10-12 alone in epoch 3 and left; epoch 4 trained them again:
+        // only its last step is excused.
+        lines.extend((10..13).map(|s| line(3, 3, s, 3000 + s)));
+        lines.extend((10..13).map(|s| line(1, 4, s, 4000 + s)));
+        assert_eq!(merge(&lines, &[], &[(3, 2)]).1, 1 + 2);
     }
 
     #[test]

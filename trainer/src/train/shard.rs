@@ -17,7 +17,7 @@
 //!
 //! At an epoch change [`Trainer::regroup`] rebuilds the state in the new group: the ranks
 //! agree on the newest layout some of them hold blocks of, at the furthest step; each block of
-//! it comes from one holder at that step (its owner, else a replica), parameters included;
+//! it comes from one holder at that step (any: holders are bit-identical), parameters included;
 //! and each rank keeps the blocks of the new layout it holds, or all of it. A block whose every
 //! holder is gone cannot be rebuilt ([`TrainerError::ShardLost`]): the state must come from a
 //! checkpoint.
