@@ -1,0 +1,56 @@
+//! A member of a sharded job's group feeds arbitrary facts (and arbitrary values) into
+//! `Trainer::regroup`, the decoder of every rank's row of facts at an epoch change. The
+//! honest rank must answer with a result, never a panic or an allocation the forged
+//! world, replica count or step asks for.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use limpet_trainer::data::{DataSpec, Dataset};
+use limpet_trainer::optim::OptimizerSpec;
+use limpet_trainer::{JobSpec, ModelKind, Reduce, ShardLayout, Trainer, TrainerError};
+
+/// A group of two: the peer's row of the facts is the input's, and every value the state's
+/// allreduces carry from it is the input's noise.
+struct Hostile {
+    row: Vec<i64>,
+    noise: f32,
+}
+
+impl Reduce for Hostile {
+    fn allreduce_sum(&mut self, buf: &mut [f32], _: u64) -> Result<(), TrainerError> {
+        buf.iter_mut().for_each(|v| *v += self.noise);
+        Ok(())
+    }
+
+    fn allreduce_sum_i64(&mut self, buf: &mut [i64], _: u64) -> Result<(), TrainerError> {
+        // The sum wraps, as the ring's does; the peer may write over any row, this rank's too.
+        for (v, r) in buf.iter_mut().zip(self.row.iter().cycle()) {
+            *v = v.wrapping_add(*r);
+        }
+        Ok(())
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    let (Some(&flags), Some(noise)) = (data.first(), data.get(1..5)) else { return };
+    let noise = f32::from_le_bytes(noise.try_into().expect("4 bytes"));
+    let row: Vec<i64> =
+        data[5..].chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
+    if row.is_empty() {
+        return;
+    }
+    // libtorch takes its thread counts once per process.
+    static ONE_THREAD: std::sync::Once = std::sync::Once::new();
+    ONE_THREAD.call_once(|| limpet_trainer::set_threads(1));
+    let spec = DataSpec::Synthetic { samples: 64, features: 8, classes: 3, seed: 1 };
+    let data_set = Dataset::load(&spec, None).expect("synthetic data");
+    let mut job = JobSpec::defaults_for(ModelKind::Mlp, &data_set).expect("a job");
+    job.optimizer = OptimizerSpec::adamw(1e-2, 0.01);
+    let mut t = Trainer::try_new(job, data_set).expect("a trainer");
+    let n = t.buffer_len() - 3;
+    if flags & 1 == 1 {
+        t.shard_state(ShardLayout::new(n, 2, 0, 1).expect("a layout").tagged(3)).expect("sharded");
+    }
+    let target = (flags & 2 == 2).then(|| ShardLayout::new(n, 2, 0, 1).expect("a layout").tagged(4));
+    let _ = t.regroup(0, 2, target, u64::MAX, &mut Hostile { row, noise });
+});
