@@ -9,27 +9,10 @@ use limpet_trainer::data::{DataSpec, Dataset};
 use limpet_trainer::optim::OptimizerSpec;
 use limpet_trainer::{JobSpec, ModelKind, Reduce, ShardLayout, Trainer, TrainerError};
 
-/// A group of two: the peer's row of the facts is the input's, and every value the state's
-/// allreduces carry from it is the input's noise.
-struct Hostile {
-    row: Vec<i64>,
-    noise: f32,
-}
-
-impl Reduce for Hostile {
-    fn allreduce_sum(&mut self, buf: &mut [f32], _: u64) -> Result<(), TrainerError> {
-        buf.iter_mut().for_each(|v| *v += self.noise);
-        Ok(())
-    }
-
-    fn allreduce_sum_i64(&mut self, buf: &mut [i64], _: u64) -> Result<(), TrainerError> {
-        // The sum wraps, as the ring's does; the peer may write over any row, this rank's too.
-        for (v, r) in buf.iter_mut().zip(self.row.iter().cycle()) {
-            *v = v.wrapping_add(*r);
-        }
-        Ok(())
-    }
-}
+// The hostile member, shared with the regroup's property tests.
+#[path = "../../trainer/src/train/shard/hostile_reduce.rs"]
+mod hostile_reduce;
+use hostile_reduce::Hostile;
 
 fuzz_target!(|data: &[u8]| {
     let (Some(&flags), Some(noise)) = (data.first(), data.get(1..5)) else { return };
@@ -52,5 +35,5 @@ fuzz_target!(|data: &[u8]| {
         t.shard_state(ShardLayout::new(n, 2, 0, 1).expect("a layout").tagged(3)).expect("sharded");
     }
     let target = (flags & 2 == 2).then(|| ShardLayout::new(n, 2, 0, 1).expect("a layout").tagged(4));
-    let _ = t.regroup(0, 2, target, u64::MAX, &mut Hostile { row, noise });
+    let _ = t.regroup(0, 2, target, u64::MAX, &mut Hostile { row, from: 0, noise });
 });

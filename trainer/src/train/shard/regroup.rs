@@ -376,34 +376,16 @@ impl Trainer {
 }
 
 #[cfg(test)]
+#[path = "hostile_reduce.rs"]
+mod hostile_reduce;
+
+#[cfg(test)]
 mod tests {
+    use super::hostile_reduce::Hostile;
     use super::*;
     use crate::train::tests::{job, synthetic};
     use crate::ModelKind;
     use proptest::prelude::*;
-
-    /// A group of two where the other rank's row of the facts is whatever a hostile member
-    /// sends, and every value the state's allreduces carry from it is garbage too.
-    struct Hostile {
-        row: Vec<i64>,
-        noise: f32,
-    }
-
-    impl Reduce for Hostile {
-        fn allreduce_sum(&mut self, buf: &mut [f32], _: u64) -> Result<(), TrainerError> {
-            buf.iter_mut().for_each(|v| *v += self.noise);
-            Ok(())
-        }
-
-        fn allreduce_sum_i64(&mut self, buf: &mut [i64], _: u64) -> Result<(), TrainerError> {
-            // The sum wraps, as the ring's does: the peer's row lands on rank 1's.
-            let half = buf.len() / 2;
-            for (v, r) in buf[half..].iter_mut().zip(&self.row) {
-                *v = v.wrapping_add(*r);
-            }
-            Ok(())
-        }
-    }
 
     fn sharded_trainer() -> Trainer {
         let data = synthetic();
@@ -431,7 +413,7 @@ mod tests {
             let mut t = sharded_trainer();
             let n = t.buffer_len() - 3;
             let target = recut.then(|| ShardLayout::new(n, 2, 0, 1).unwrap().tagged(4));
-            let _ = t.regroup(0, 2, target, u64::MAX, &mut Hostile { row, noise });
+            let _ = t.regroup(0, 2, target, u64::MAX, &mut Hostile { row, from: 17, noise }); // rank 1's row: 17 facts a rank
         }
 
         /// The same from a row that is rank 0's own with a few values changed: past the
@@ -452,7 +434,7 @@ mod tests {
                 row[i] = v;
             }
             let target = recut.then(|| ShardLayout::new(n, 2, 0, 1).unwrap().tagged(4));
-            let _ = t.regroup(0, 2, target, u64::MAX, &mut Hostile { row, noise });
+            let _ = t.regroup(0, 2, target, u64::MAX, &mut Hostile { row, from: 17, noise }); // rank 1's row: 17 facts a rank
         }
 
         /// The pieces tile the values, each given by a source holding it, the most
