@@ -196,6 +196,8 @@ fn the_cloud_init_template_renders_to_yaml_and_names_a_forgotten_value() {
     assert!(rendered.starts_with("#cloud-config\n"));
     let config = config_in_user_data(&rendered, tmp.path());
     assert!(config.contains("[security.ssm]") && !config.contains("insecure"), "{config}");
+    // A host trains with every GPU it has, one rank each.
+    assert!(config.contains("devices = \"auto\""), "{config}");
     // A forgotten value is caught before anything launches.
     let mut missing = vars.clone();
     missing.remove("region");

@@ -162,6 +162,38 @@ fn a_notice_a_join_and_a_kill_change_no_bit() {
     assert!(drift > DRIFT, "the ordinary path drifted only {drift:e} through the same events");
 }
 
+/// Hosts with two devices each (`[node].devices`, CPU ranks here): six ranks on three
+/// `limpetd`s, then through a notice, a join and a `kill -9` of a host with both its ranks,
+/// the bits of one process; every step a host logs counts its devices.
+#[test]
+fn hosts_of_two_devices_through_a_notice_a_join_and_a_kill_change_no_bit() {
+    // Long enough that the events land inside training on a loaded machine.
+    const LONG: u64 = 3000;
+    let tmp = tempfile::tempdir().unwrap();
+    let one = train_for(&tmp.path().join("one"), &["--reproducible"], LONG);
+    let dir = tmp.path().join("devices");
+    let summary = scenario_for(&dir, 3, SCRIPT, &["--reproducible", "--devices", "2"], LONG);
+    assert_eq!(
+        hash(Path::new(summary["checkpoint"].as_str().unwrap())),
+        one["content_hash"].as_str().unwrap(),
+        "{summary:#}"
+    );
+    same_losses(&agent_losses(&dir), &train_losses(&tmp.path().join("one")), "hosts of two devices");
+    // Each host trained as two ranks: every epoch's devices are twice its hosts, through
+    // the three hosts at the start and the two after the kill.
+    let mut worlds = std::collections::BTreeSet::new();
+    for e in std::fs::read_dir(&dir).unwrap().flatten() {
+        if e.file_name().to_string_lossy().ends_with(".steps.jsonl") {
+            for l in std::fs::read_to_string(e.path()).unwrap().lines() {
+                let v: Value = serde_json::from_str(l).unwrap();
+                worlds.insert((v["world"].as_u64().unwrap(), v["devices"].as_u64().unwrap_or(0)));
+            }
+        }
+    }
+    assert!(worlds.iter().all(|&(w, d)| d == 2 * w), "{worlds:?}");
+    assert!(worlds.contains(&(3, 6)) && worlds.contains(&(2, 4)), "{worlds:?}: {summary:#}");
+}
+
 /// A cluster that grows after training began: the newcomer copies the survivors' whole
 /// state (the predicted exponents too, or it sums its first step another way than they do
 /// and the job livelocks at that step), whether it joins alone, with a second newcomer in

@@ -28,6 +28,7 @@ fn epoch(id: u64, start_step: u64, ranks: &[u64]) -> Epoch {
         cause: String::new(),
         causes: Vec::new(),
         shares: Vec::new(),
+        local_ranks: Vec::new(),
     }
 }
 

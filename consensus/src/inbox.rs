@@ -25,7 +25,8 @@ pub(crate) enum Request {
     /// against the caller's certificate here: raft forwards only a node's own proposals), else
     /// answered with where the leader is.
     Propose {
-        command: Command,
+        // Boxed: an epoch's lists make a command far larger than the other requests.
+        command: Box<Command>,
         deadline: Instant,
         reply: ProposeReply,
         term: Option<u64>,

@@ -94,7 +94,14 @@ impl NodeHandle {
     /// Proposes a command and waits until this node applied it.
     pub async fn propose(&self, command: Command, timeout: Option<Duration>) -> Result<(u64, String)> {
         let deadline = Instant::now() + timeout.unwrap_or(self.timeout);
-        self.ask(|reply| Request::Propose { command, deadline, reply, term: None, at_leader: false }).await?
+        self.ask(|reply| Request::Propose {
+            command: Box::new(command),
+            deadline,
+            reply,
+            term: None,
+            at_leader: false,
+        })
+        .await?
     }
 
     /// Proposes a leader's decision made in `term`: refused with [`ConsensusError::Deposed`]
@@ -108,8 +115,14 @@ impl NodeHandle {
         timeout: Option<Duration>,
     ) -> Result<(u64, String)> {
         let deadline = Instant::now() + timeout.unwrap_or(self.timeout);
-        self.ask(|reply| Request::Propose { command, deadline, reply, term: Some(term), at_leader: false })
-            .await?
+        self.ask(|reply| Request::Propose {
+            command: Box::new(command),
+            deadline,
+            reply,
+            term: Some(term),
+            at_leader: false,
+        })
+        .await?
     }
 
     /// Reads the state: linearizable through raft's read index, or this node's copy.
@@ -410,7 +423,7 @@ impl Loop {
                     return;
                 }
                 let origin = ProposalId { node: self.cfg.core.id, seq: self.next_seq };
-                match self.core.propose(origin, command.clone()) {
+                match self.core.propose(origin, command.as_ref().clone()) {
                     Ok(()) => {
                         self.next_seq += 1;
                         self.proposals.insert(origin, (deadline, reply));

@@ -377,7 +377,13 @@ impl pb::consensus_server::Consensus for Service {
         }
         let deadline = self.deadline(req.timeout_ms);
         let reply = match self
-            .ask(|reply| Request::Propose { command, deadline, reply, term: None, at_leader: true })
+            .ask(|reply| Request::Propose {
+                command: Box::new(command),
+                deadline,
+                reply,
+                term: None,
+                at_leader: true,
+            })
             .await?
         {
             Ok((index, detail)) => pb::ProposeReply { index, accepted: true, detail },

@@ -139,6 +139,7 @@ fn messages_that_would_panic_raft_or_bypass_the_state_machine_are_refused() {
         cause: "rogue".into(),
         causes: Vec::new(),
         shares: Vec::new(),
+        local_ranks: Vec::new(),
     };
     for (command, want) in [
         (Command::RecordCapacity { record: launch }, "may not propose record_capacity"),

@@ -57,6 +57,7 @@ fn command(what: u8, via: u64, next_epoch: &mut u64) -> Command {
                     cause: "test".into(),
                     causes: Vec::new(),
                     shares: Vec::new(),
+                    local_ranks: Vec::new(),
                 },
             }
         }

@@ -491,6 +491,10 @@ fn host_line(h: &limpet_consensus::state::Hardware) -> String {
         let model = if h.gpu_model.is_empty() { "GPU" } else { h.gpu_model.as_str() };
         s += &format!(", {}x {model}", h.gpus);
     }
+    if h.local_ranks() > 1 {
+        // `[node].devices`: the host trains as this many ranks.
+        s += &format!(", {} ranks", h.local_ranks());
+    }
     if h.speed_milli != 0 && h.speed_milli != 1000 {
         // Measured faster or slower than the others (what the pipeline planner places by).
         s += &format!(", speed x{:.2}", h.speed_milli as f64 / 1000.0);
@@ -756,6 +760,8 @@ mod tests {
         assert_eq!(host_line(&gpu), "8 cpu, 2x NVIDIA A10G");
         let old = Hardware { cpus: 4, gpus: 1, ..Hardware::default() };
         assert_eq!(host_line(&old), "4 cpu, 1x GPU");
+        let four = Hardware { ranks: 4, gpus: 4, ..gpu.clone() };
+        assert_eq!(host_line(&four), "8 cpu, 4x NVIDIA A10G, 4 ranks");
         let slow = Hardware { speed_milli: 350, ..cpu.clone() };
         assert_eq!(host_line(&slow), "2 cpu 23.5G, speed x0.35");
     }

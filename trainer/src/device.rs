@@ -49,6 +49,47 @@ impl DeviceChoice {
     }
 }
 
+/// The most devices (local ranks) one host may train with.
+pub const MAX_LOCAL_DEVICES: usize = 64;
+
+/// The devices of a host's local ranks, one rank each, on a host with `gpus` GPUs: `["auto"]`
+/// is every GPU (one CPU rank where there is none); otherwise each entry as
+/// [`DeviceChoice::parse`] reads it (`auto` alone), no GPU twice. CPU entries may repeat:
+/// several CPU ranks are how the tests run local ranks.
+pub fn local_devices(spec: &[String], gpus: usize) -> Result<Vec<Device>, String> {
+    if spec.is_empty() {
+        return Err("lists no device (\"auto\" for every GPU of the host)".into());
+    }
+    if spec.len() > MAX_LOCAL_DEVICES {
+        return Err(format!("lists {} devices, more than {MAX_LOCAL_DEVICES}", spec.len()));
+    }
+    if let [only] = spec {
+        if only == "auto" {
+            return Ok(if gpus == 0 { vec![Device::Cpu] } else { (0..gpus).map(Device::Cuda).collect() });
+        }
+    }
+    let mut out = Vec::with_capacity(spec.len());
+    for (i, name) in spec.iter().enumerate() {
+        let choice = DeviceChoice::parse(name).map_err(|e| format!("entry {}: {e}", i + 1))?;
+        if choice == DeviceChoice::Auto {
+            return Err(format!("entry {}: \"auto\" stands alone (devices = \"auto\")", i + 1));
+        }
+        let d = choice.resolve_with(gpus).map_err(|e| format!("entry {}: {e}", i + 1))?;
+        if d != Device::Cpu && out.contains(&d) {
+            return Err(format!("entry {}: {name} is listed twice (one rank per GPU)", i + 1));
+        }
+        if out.first().is_some_and(|&f: &Device| (f == Device::Cpu) != (d == Device::Cpu)) {
+            // Local ranks apply the same bytes and must stay equal: one kind of device.
+            return Err(format!(
+                "entry {}: {name} mixes the CPU with GPUs (one kind of device per host)",
+                i + 1
+            ));
+        }
+        out.push(d);
+    }
+    Ok(out)
+}
+
 /// GPUs libtorch can use on this host.
 pub fn gpu_count() -> usize {
     if Cuda::is_available() {
@@ -183,5 +224,26 @@ mod tests {
         // This host: whatever it has, `auto` resolves and `cpu` is the CPU.
         assert_eq!(DeviceChoice::Cpu.resolve(), Ok(Device::Cpu));
         assert!(DeviceChoice::Auto.resolve().is_ok());
+    }
+
+    #[test]
+    fn a_hosts_devices_are_every_gpu_or_a_checked_list() {
+        let list = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(local_devices(&list(&["auto"]), 0), Ok(vec![Device::Cpu]));
+        assert_eq!(local_devices(&list(&["auto"]), 4).unwrap().len(), 4);
+        assert_eq!(local_devices(&list(&["cpu", "cpu"]), 0), Ok(vec![Device::Cpu, Device::Cpu]));
+        assert_eq!(local_devices(&list(&["cuda:1", "cuda"]), 2), Ok(vec![Device::Cuda(1), Device::Cuda(0)]));
+        for (bad, why) in [
+            (list(&[]), "lists no device"),
+            (list(&["cuda:0", "cuda"]), "entry 2: cuda is listed twice"),
+            (list(&["cuda:1", "cpu"]), "entry 2: cpu mixes the CPU with GPUs"),
+            (list(&["cpu", "auto"]), "entry 2: \"auto\" stands alone"),
+            (list(&["cuda:2"]), "entry 1: cuda:2 asked for"),
+            (list(&["gpu"]), "entry 1: \"gpu\" is not one of"),
+            (vec!["cpu".to_string(); 65], "more than 64"),
+        ] {
+            let e = local_devices(&bad, 2).unwrap_err();
+            assert!(e.contains(why), "{bad:?}: {e}");
+        }
     }
 }

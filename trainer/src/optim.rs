@@ -267,7 +267,8 @@ impl Optimizer {
         &self.slots[slot][i]
     }
 
-    /// Applies one update with the averaged gradient `grad` (flat, in parameter order), at
+    /// Applies one update with the averaged gradient `grad` (flat, in parameter order, on the
+    /// host or the parameters' device), at
     /// learning rate `lr`; `t` is the 1-based update count (for Adam's bias correction).
     ///
     /// AdamW follows torch's single-tensor AdamW (what `torch.optim.AdamW` runs on the host),
@@ -285,7 +286,9 @@ impl Optimizer {
             let decay_embeddings = self.spec.decay_embeddings();
             for (i, (name, p)) in params.iter().enumerate() {
                 let n = p.numel() as i64;
-                let g = grad.narrow(0, offset, n).view_as(p);
+                // The gradient may be the host buffer: each parameter's part goes to the
+                // parameter's device alone (a no-op on the same device).
+                let g = grad.narrow(0, offset, n).view_as(p).to_device(p.device());
                 offset += n;
                 let mut slots: Vec<Tensor> = self.slots.iter().map(|s| s[i].shallow_clone()).collect();
                 let s = scratch.narrow(0, 0, n).view_as(p);

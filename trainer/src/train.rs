@@ -12,12 +12,14 @@
 mod eval;
 mod exact;
 mod grads;
+mod local;
 mod reduce;
 mod shard;
 
 pub use eval::EvalSums;
 
 pub use exact::{MAX_SHARDS, SHARDS};
+pub use local::{LocalGroup, LocalRank};
 pub use reduce::{NoReduce, Reduce};
 pub use shard::ShardLayout;
 
@@ -117,6 +119,10 @@ pub struct Trainer {
     unlogged: Option<StepStats>,
     /// Values the last regroup summed over its group (see [`Trainer::regroup_values`]).
     regroup_values: u64,
+    /// Tells this state from a replaced one (see [`Trainer::stamp`]).
+    stamp: u64,
+    /// The stamp of the leader whose state this local rank copied last.
+    following: Option<u64>,
 }
 
 impl Trainer {
@@ -170,6 +176,8 @@ impl Trainer {
             shard: None,
             unlogged: None,
             regroup_values: 0,
+            stamp: local::next_stamp(),
+            following: None,
         })
     }
 
@@ -197,6 +205,7 @@ impl Trainer {
     pub fn load_image(&mut self, image: &StateImage) -> Result<(), TrainerError> {
         // A whole image replaces sharded state too (the way back after a failed re-cut).
         self.drop_shard();
+        self.stamp = local::next_stamp();
         let meta = image.meta();
         let job: JobSpec = serde_json::from_value(meta.job.clone())
             .map_err(|e| TrainerError::Mismatch(format!("the image's job spec is unreadable: {e}")))?;
@@ -255,6 +264,7 @@ impl Trainer {
         let crate::model::ModelSpec::Llama(ours) = &self.job.model else {
             return Err(TrainerError::Config("init_from needs model 'llama'".into()));
         };
+        self.stamp = local::next_stamp();
         let w = crate::hf::read_weights(dir, Some(ours.context))?;
         if &w.spec != ours {
             return Err(TrainerError::Mismatch(format!(
@@ -410,7 +420,7 @@ impl Trainer {
     ) -> StepStats {
         let lr =
             self.job.optimizer.lr() * self.job.schedule.factor(self.step, self.job.steps) * self.lr_scale;
-        let g = self.grads.grads_on(self.model.device());
+        let g = self.grads.grads();
         self.optim.apply(self.model.params(), &g, lr, self.step + 1);
         let stats =
             StepStats { step: self.step, loss, lr, grad_norm, samples, rank_mean_sq_sum, agreed: false };

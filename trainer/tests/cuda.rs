@@ -67,3 +67,41 @@ fn bf16_on_cuda_trains_close_to_f32() {
     let (a, b) = (bf16.evaluate().unwrap().loss, f32.evaluate().unwrap().loss);
     assert!((a - b).abs() < 0.05 * b, "bf16 test loss {a} vs f32 {b}");
 }
+
+/// A host's GPUs as local ranks (every GPU libtorch sees, at least two): the host's sum
+/// through host memory (`LocalGroup`), each rank on its own thread and device; every rank
+/// holds the same bits after the steps, close to one CPU process of the same job.
+#[test]
+#[ignore = "needs two CUDA devices: make gpu-test"]
+fn local_ranks_on_every_gpu_train_as_one_process() {
+    let gpus = limpet_trainer::device::gpu_count();
+    assert!(gpus >= 2, "this test needs two GPUs, libtorch sees {gpus}");
+    let dir = tempfile::tempdir().unwrap();
+    let d = data(dir.path());
+    let mut job = JobSpec::defaults_for(ModelKind::Llama, &d).unwrap();
+    job.steps = 10;
+    job.schedule.warmup_steps = 1;
+    let blocks = 0..job.model.num_blocks();
+    let mut ranks: Vec<Trainer> = (0..gpus)
+        .map(|g| Trainer::on_device(job.clone(), d.shallow_clone(), blocks.clone(), Device::Cuda(g)).unwrap())
+        .collect();
+    for _ in 0..job.steps {
+        let group = limpet_trainer::LocalGroup::new(gpus);
+        std::thread::scope(|s| {
+            for (i, t) in ranks.iter_mut().enumerate() {
+                let group = &group;
+                s.spawn(move || {
+                    let mut alone = NoReduce;
+                    let inter: Option<&mut (dyn limpet_trainer::Reduce + Send)> =
+                        if i == 0 { Some(&mut alone) } else { None };
+                    t.train_step(i, gpus, &mut group.rank(i, inter)).unwrap();
+                });
+            }
+        });
+    }
+    let first = ranks[0].content_hash().unwrap();
+    assert!(ranks.iter().all(|t| t.content_hash().unwrap() == first), "local ranks differ");
+    let cpu = trained(Device::Cpu, Precision::Fp32, job.steps);
+    let diff = max_rel(&ranks[0], &cpu);
+    assert!(diff < 1e-3, "local ranks on GPUs and one CPU process differ by {diff:e}");
+}

@@ -21,27 +21,33 @@ pub const DEFAULT_RATIO: f64 = 1.5;
 pub fn shares(
     global_batch: u64,
     ranks: &[NodeId],
+    local: &[u32],
     ms_per_sample: &BTreeMap<NodeId, f64>,
     ratio: f64,
 ) -> (Vec<u64>, Option<(NodeId, f64)>) {
     let none = (Vec::new(), None);
     let on = ratio.is_finite() && ratio >= 1.0;
-    if ranks.len() < 2 || !on || global_batch < ranks.len() as u64 {
+    let devices: Vec<u64> = (0..ranks.len()).map(|i| u64::from(local_of(local, i))).collect();
+    let total_ranks: u64 = devices.iter().sum();
+    if ranks.len() < 2 || !on || global_batch < total_ranks {
         return none;
     }
     let Some(times) = times(ranks, ms_per_sample) else { return none };
-    let (fastest, slowest) = times.iter().fold((f64::MAX, 0.0f64), |(lo, hi), &t| (lo.min(t), hi.max(t)));
+    // A host's time per sample is its devices' together; stragglers are judged per device
+    // (a host with two devices is not a fast host, but two ranks).
+    let per_rank: Vec<f64> = times.iter().zip(&devices).map(|(t, &n)| t * n as f64).collect();
+    let (fastest, slowest) = per_rank.iter().fold((f64::MAX, 0.0f64), |(lo, hi), &t| (lo.min(t), hi.max(t)));
     let slower = slowest / fastest;
-    let worst = ranks[times.iter().position(|&t| t == slowest).unwrap_or(0)];
+    let worst = ranks[per_rank.iter().position(|&t| t == slowest).unwrap_or(0)];
     if slower < ratio {
         return (Vec::new(), Some((worst, slower)));
     }
     let speed: Vec<f64> = times.iter().map(|t| 1.0 / t).collect();
     let total: f64 = speed.iter().sum();
     // Every rank keeps at least one sample: a rank with none would still wait on the ring.
-    let spare = global_batch - ranks.len() as u64;
+    let spare = global_batch - total_ranks;
     let exact: Vec<f64> = speed.iter().map(|s| spare as f64 * s / total).collect();
-    let mut out: Vec<u64> = exact.iter().map(|e| 1 + e.floor() as u64).collect();
+    let mut out: Vec<u64> = exact.iter().zip(&devices).map(|(e, &n)| n + e.floor() as u64).collect();
     let mut left = global_batch - out.iter().sum::<u64>();
     let mut order: Vec<usize> = (0..ranks.len()).collect();
     order.sort_by(|&a, &b| {
@@ -55,6 +61,11 @@ pub fn shares(
         left -= 1;
     }
     (out, Some((worst, slower)))
+}
+
+/// Node `i`'s local ranks (`local` empty: one each).
+fn local_of(local: &[u32], i: usize) -> u32 {
+    local.get(i).copied().unwrap_or(1).max(1)
 }
 
 /// Each rank's milliseconds per sample, the ones without a measurement counted as the
@@ -82,13 +93,20 @@ pub fn predicted_ms(
     shares: &[u64],
     global_batch: u64,
     ranks: &[NodeId],
+    local: &[u32],
     ms_per_sample: &BTreeMap<NodeId, f64>,
 ) -> Option<f64> {
     let times = times(ranks, ms_per_sample)?;
-    let n = ranks.len() as u64;
+    // Equal shares are equal per device: a node takes its devices' samples.
+    let n: u64 = (0..ranks.len()).map(|i| u64::from(local_of(local, i))).sum();
     let share = |i: usize| match shares.get(i) {
         Some(&s) => s as f64,
-        None => (global_batch / n + u64::from((i as u64) < global_batch % n)) as f64,
+        None => {
+            let first: u64 = (0..i).map(|j| u64::from(local_of(local, j))).sum();
+            (first..first + u64::from(local_of(local, i)))
+                .map(|r| global_batch / n + u64::from(r < global_batch % n))
+                .sum::<u64>() as f64
+        }
     };
     Some(times.iter().enumerate().map(|(i, t)| share(i) * t).fold(0.0, f64::max))
 }
@@ -100,10 +118,11 @@ pub fn gains_enough(
     next: &[u64],
     global_batch: u64,
     ranks: &[NodeId],
+    local: &[u32],
     ms_per_sample: &BTreeMap<NodeId, f64>,
 ) -> bool {
-    let now = predicted_ms(current, global_batch, ranks, ms_per_sample);
-    let then = predicted_ms(next, global_batch, ranks, ms_per_sample);
+    let now = predicted_ms(current, global_batch, ranks, local, ms_per_sample);
+    let then = predicted_ms(next, global_batch, ranks, local, ms_per_sample);
     matches!((now, then), (Some(a), Some(b)) if a > 0.0 && b <= a * (1.0 - MIN_GAIN))
 }
 
@@ -133,20 +152,41 @@ mod tests {
     #[test]
     fn a_slow_host_gets_a_share_in_proportion_to_its_speed() {
         let s = speeds(&[(1, 0.1), (2, 0.1), (3, 0.4)]);
-        let (out, worst) = shares(64, &[1, 2, 3], &s, 1.5);
+        let (out, worst) = shares(64, &[1, 2, 3], &[], &s, 1.5);
         assert_eq!(out, vec![28, 28, 8]);
         assert_eq!(worst, Some((3, 4.0)));
         // Within the ratio: equal shares.
         let s = speeds(&[(1, 0.1), (2, 0.12), (3, 0.14)]);
-        assert!(shares(64, &[1, 2, 3], &s, 1.5).0.is_empty());
+        assert!(shares(64, &[1, 2, 3], &[], &s, 1.5).0.is_empty());
         // Off, one rank, or no measurements: equal shares.
         let s = speeds(&[(1, 0.1), (2, 0.4)]);
-        assert!(shares(64, &[1, 2], &s, 0.0).0.is_empty());
-        assert!(shares(64, &[1], &s, 1.5).0.is_empty());
-        assert!(shares(64, &[5, 6], &s, 1.5).0.is_empty());
+        assert!(shares(64, &[1, 2], &[], &s, 0.0).0.is_empty());
+        assert!(shares(64, &[1], &[], &s, 1.5).0.is_empty());
+        assert!(shares(64, &[5, 6], &[], &s, 1.5).0.is_empty());
         // A rank without a measurement counts as the median.
         let s = speeds(&[(1, 0.1), (2, 0.1), (3, 1.0)]);
-        assert_eq!(shares(40, &[1, 2, 3, 4], &s, 1.5).0.iter().sum::<u64>(), 40);
+        assert_eq!(shares(40, &[1, 2, 3, 4], &[], &s, 1.5).0.iter().sum::<u64>(), 40);
+    }
+
+    #[test]
+    fn a_host_with_more_devices_is_more_ranks_not_a_faster_one() {
+        // Node 1 has two devices and takes half the time per sample of node 2's one.
+        let s = speeds(&[(1, 0.05), (2, 0.1)]);
+        let (out, worst) = shares(60, &[1, 2], &[2, 1], &s, 1.5);
+        assert!(out.is_empty(), "equal per device: {out:?}");
+        assert_eq!(worst.map(|(_, x)| x), Some(1.0));
+        // Equal per device: node 1 computes two thirds of the batch, as fast as node 2.
+        let equal = predicted_ms(&[], 60, &[1, 2], &[2, 1], &s).unwrap();
+        assert!((equal - 2.0).abs() < 1e-9, "{equal}");
+        // Per node, node 2 would be the straggler: 30 samples at 0.1 ms.
+        assert!((predicted_ms(&[], 60, &[1, 2], &[], &s).unwrap() - 3.0).abs() < 1e-9);
+        // A device that is slow per device still gets a smaller share, and every device of
+        // a node keeps a sample.
+        let s = speeds(&[(1, 0.2), (2, 0.1)]);
+        let (out, _) = shares(60, &[1, 2], &[2, 1], &s, 1.5);
+        assert_eq!(out, vec![21, 39]);
+        let (out, _) = shares(3, &[1, 2], &[2, 1], &speeds(&[(1, 100.0), (2, 0.1)]), 1.5);
+        assert_eq!(out, vec![2, 1]);
     }
 
     #[test]
@@ -166,14 +206,17 @@ mod tests {
             times in proptest::collection::vec(prop_oneof![Just(f64::NAN), Just(0.0), Just(-1.0), Just(f64::INFINITY), 1e-9f64..1e9], 1..9),
             batch in 1u64..100_000,
             ratio in 0.0f64..4.0,
+            devices in proptest::collection::vec(1u32..9, 0..9),
         ) {
             let ranks: Vec<NodeId> = (1..=times.len() as u64).collect();
+            let local: Vec<u32> = if devices.len() >= ranks.len() { devices[..ranks.len()].to_vec() } else { Vec::new() };
             let s: BTreeMap<NodeId, f64> = ranks.iter().copied().zip(times).collect();
-            let (out, _) = shares(batch, &ranks, &s, ratio);
+            let (out, _) = shares(batch, &ranks, &local, &s, ratio);
             if !out.is_empty() {
                 prop_assert_eq!(out.len(), ranks.len());
                 prop_assert_eq!(out.iter().sum::<u64>(), batch);
-                prop_assert!(out.iter().all(|&x| x >= 1));
+                // Every device of a node keeps at least one sample.
+                prop_assert!(out.iter().enumerate().all(|(i, &x)| x >= u64::from(local_of(&local, i))));
             }
         }
     }

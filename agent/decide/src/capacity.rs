@@ -480,8 +480,12 @@ pub fn slow_members(state: &ClusterState, ratio: f64) -> Vec<NodeId> {
     if !(ratio.is_finite() && ratio >= 1.0) {
         return Vec::new();
     }
-    let mean = cur.shares.iter().sum::<u64>() as f64 / cur.shares.len() as f64;
-    cur.ranks.iter().zip(&cur.shares).filter(|(_, &s)| (s as f64) * ratio < mean).map(|(&r, _)| r).collect()
+    // Per device: a host of one GPU among hosts of four takes a quarter of their shares
+    // without being slow.
+    let per_device: Vec<f64> =
+        cur.shares.iter().enumerate().map(|(i, &s)| s as f64 / f64::from(cur.local_ranks_of(i))).collect();
+    let mean = per_device.iter().sum::<f64>() / per_device.len() as f64;
+    cur.ranks.iter().zip(&per_device).filter(|(_, &s)| s * ratio < mean).map(|(&r, _)| r).collect()
 }
 
 /// The live members on on-demand instances, oldest launch first: (node, instance).

@@ -33,7 +33,9 @@
 
 use crate::planner::{arrange, PipelineJob};
 use crate::policy::{BaseBatch, BatchPolicy, GradientStats};
-use limpet_consensus::state::{Cause, ClusterState, Command, Epoch, Layout, MemberStatus, NodeId};
+use limpet_consensus::state::{
+    Cause, ClusterState, Command, Epoch, Layout, MemberStatus, NodeId, MAX_LOCAL_RANKS,
+};
 use std::collections::BTreeMap;
 
 /// Knobs of the controller.
@@ -148,8 +150,18 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
     }
     let rebuild = view.rebuild && failed.is_empty() && ranks == current_ranks;
     let same_layout = st.current.as_ref().is_none_or(|c| c.layout == layout);
+    // A host whose devices are not what the current epoch counts (it came back with fewer
+    // GPUs): the same ranks, counted again.
+    let recount = st.current.as_ref().is_some_and(|c| {
+        c.ranks == ranks
+            && c.layout.pipeline == 1
+            && c.ranks.iter().enumerate().any(|(i, &r)| c.local_ranks_of(i) != usable_ranks(st, r))
+    });
+    if recount && failed.is_empty() && !rebuild {
+        causes.push(Cause::Replan { data: layout.data, pipeline: layout.pipeline });
+    }
     // 7. The same ranks, shared out by speed.
-    let unchanged = ranks == current_ranks && same_layout && failed.is_empty() && !rebuild;
+    let unchanged = ranks == current_ranks && same_layout && failed.is_empty() && !rebuild && !recount;
     // (An epoch already scheduled for the same ranks is left to start: ranks may have
     // entered it.)
     if let Some(c) = rebalance(view, cfg, &ranks).filter(|_| unchanged && st.scheduled.is_none()) {
@@ -456,17 +468,32 @@ fn rebalance(view: &View<'_>, cfg: &ControllerConfig, ranks: &[NodeId]) -> Optio
     if max_applied(view, ranks).saturating_sub(cur.start_step) < cfg.straggler_steps {
         return None;
     }
-    let (next, worst) =
-        crate::balance::shares(cur.batch.global_batch, ranks, view.ms_per_sample, cfg.straggler_ratio);
+    let (next, worst) = crate::balance::shares(
+        cur.batch.global_batch,
+        ranks,
+        &cur.local_ranks,
+        view.ms_per_sample,
+        cfg.straggler_ratio,
+    );
     let (node, slower) = worst?;
     let b = cur.batch.global_batch;
     if !crate::balance::worth_changing(&cur.shares, &next, b)
-        || !crate::balance::gains_enough(&cur.shares, &next, b, ranks, view.ms_per_sample)
+        || !crate::balance::gains_enough(&cur.shares, &next, b, ranks, &cur.local_ranks, view.ms_per_sample)
     {
         return None;
     }
     let slower_milli = if next.is_empty() { 0 } else { (slower * 1000.0).min(1e9) as u64 };
     Some(Cause::Balance { node, slower_milli })
+}
+
+/// The local ranks node `r` trains with, as its hardware record says: at most
+/// [`MAX_LOCAL_RANKS`], and no more than its GPUs or (CPU ranks) its cores, since the record
+/// is the node's own word.
+pub fn usable_ranks(st: &ClusterState, r: NodeId) -> u32 {
+    st.members.get(&r).map_or(1, |m| {
+        let h = &m.spec.hardware;
+        h.local_ranks().min(h.gpus.max(h.cpus).max(1)).min(MAX_LOCAL_RANKS)
+    })
 }
 
 /// Builds the next epoch for `ranks`.
@@ -530,7 +557,14 @@ fn plan_epoch(
         }
     }
     let id = st.last_epoch_id + 1;
-    // The batch policy scales with the data-parallel replicas, not with pipeline stages.
+    // Each node trains with its devices as local ranks (one each in a pipeline: a stage is
+    // one device's).
+    let mut local_ranks: Vec<u32> = ranks.iter().map(|&r| usable_ranks(st, r)).collect();
+    if layout.pipeline != 1 || local_ranks.iter().all(|&n| n == 1) {
+        local_ranks.clear();
+    }
+    // The batch policy scales with the data-parallel hosts, as `base_world` counts them (not
+    // with pipeline stages, nor with a host's devices, which split its share).
     let decision = cfg.policy.decide(cfg.base, u64::from(layout.data), view.grad_stats);
     let mut batch = decision.batch;
     if let Some(m) = micro.filter(|&m| m > 0) {
@@ -539,7 +573,14 @@ fn plan_epoch(
     // Data-parallel ranks share each step's samples by measured speed (equal when they keep
     // up with each other).
     let shares = if layout.pipeline == 1 && cfg.policy != BatchPolicy::Adascale {
-        crate::balance::shares(batch.global_batch, ranks, view.ms_per_sample, cfg.straggler_ratio).0
+        crate::balance::shares(
+            batch.global_batch,
+            ranks,
+            &local_ranks,
+            view.ms_per_sample,
+            cfg.straggler_ratio,
+        )
+        .0
     } else {
         Vec::new()
     };
@@ -554,5 +595,6 @@ fn plan_epoch(
         cause: Cause::text(&causes),
         causes,
         shares,
+        local_ranks,
     }
 }

@@ -192,6 +192,30 @@ fn a_drained_node_that_goes_silent_early_is_removed_not_failed() {
 }
 
 #[test]
+fn a_hosts_devices_are_counted_as_ranks_and_counted_again_when_they_change() {
+    let mut sim = Sim::new(3);
+    let set = |sim: &mut Sim, id: NodeId, ranks: u32, gpus: u32| {
+        let hardware = Hardware { ranks, gpus, cpus: 2, ..Hardware::default() };
+        sim.state.apply(&Command::UpdateHardware { id, hardware }).unwrap();
+    };
+    set(&mut sim, 1, 4, 4);
+    // Node 3 claims 64 ranks with two cores and no GPU: it is counted as two.
+    set(&mut sim, 3, 64, 0);
+    sim.control();
+    let e = sim.state.scheduled.clone().unwrap();
+    assert_eq!((e.local_ranks.clone(), e.total_ranks()), (vec![4, 1, 2], 7));
+    sim.start_scheduled();
+    assert_eq!(sim.control(), "steady");
+    // Node 1 comes back with one GPU: the same ranks, counted again.
+    set(&mut sim, 1, 1, 1);
+    let why = sim.control();
+    let e = sim.state.scheduled.clone().unwrap();
+    assert_eq!((e.ranks.clone(), e.local_ranks.clone()), (vec![1, 2, 3], vec![1, 1, 2]), "{why}");
+    sim.start_scheduled();
+    assert_eq!(sim.control(), "steady");
+}
+
+#[test]
 fn a_joining_node_is_added_with_a_live_source() {
     let mut sim = Sim::training(2, 5);
     sim.state.apply(&Command::Join { member: spec(7) }).unwrap();

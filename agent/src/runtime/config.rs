@@ -61,6 +61,9 @@ pub struct AgentConfig {
     pub data_path: Option<PathBuf>,
     /// Where this rank's parameters and optimizer state live.
     pub device: limpet_trainer::device::DeviceChoice,
+    /// This host's local ranks' devices (`[node].devices`), one trainer thread each; empty:
+    /// one rank on `device`.
+    pub devices: Vec<limpet_trainer::device::Device>,
     /// The Hugging Face directory the job's weights start from (its fingerprint is in the job).
     pub init_from: Option<PathBuf>,
     /// Batch / learning-rate policy.
@@ -171,6 +174,7 @@ impl AgentConfig {
             job,
             data_path: None,
             device: limpet_trainer::device::DeviceChoice::Cpu,
+            devices: Vec::new(),
             init_from: None,
             policy: BatchPolicy::FixedGlobal,
             base_world: 1,

@@ -18,6 +18,7 @@ pub(crate) mod entry;
 pub mod error;
 mod heartbeats;
 mod lead;
+mod local_ranks;
 mod revocations;
 mod shadows;
 mod sharding;
@@ -61,10 +62,14 @@ pub struct StepLine {
     pub step: u64,
     /// Its epoch.
     pub epoch: u64,
-    /// World size of the epoch.
+    /// World size of the epoch, in hosts.
     pub world: usize,
-    /// This rank in it.
+    /// This host's rank in it.
     pub rank: usize,
+    /// The epoch's ranks counted per device, when some node trains with several
+    /// (`[node].devices`); absent otherwise (then `world`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub devices: usize,
     /// The node's Raft id.
     pub node: NodeId,
     /// The node's name (what the CLI, status and configurations call it).
@@ -78,6 +83,10 @@ pub struct StepLine {
     /// The held-out loss after this step, when the job evaluated (`eval_every`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
+}
+
+fn is_zero(v: &usize) -> bool {
+    *v == 0
 }
 
 /// A running agent.
@@ -171,8 +180,11 @@ impl Agent {
         let beat_now = Arc::new(Notify::new());
         spawn_tasks(&tasks, &cfg, &handle, me, &progress, &beat_now);
 
-        let device = cfg.device.resolve().map_err(|e| anyhow::anyhow!("[job].device: {e}"))?;
-        tracing::info!(device = ?device, choice = ?cfg.device, gpus = ?limpet_trainer::device::gpu_models(), "training device");
+        let device = match cfg.devices.first() {
+            Some(&d) => d,
+            None => cfg.device.resolve().map_err(|e| anyhow::anyhow!("[job].device: {e}"))?,
+        };
+        tracing::info!(device = ?device, choice = ?cfg.device, local_ranks = cfg.devices.len().max(1), gpus = ?limpet_trainer::device::gpu_models(), "training device");
         if cfg.pipeline.is_some() {
             // This host's speed for the pipeline planner: the job's blocks profiled here, as
             // the founding leader profiled them for the job; beside training's start.
@@ -191,6 +203,14 @@ impl Agent {
             });
         }
         let blocks = 0..cfg.job.model.num_blocks();
+        // The host's other devices: a trainer each, which copies the first one's state
+        // before it first trains (a pipeline stage trains on the first device alone).
+        let mut followers = Vec::new();
+        if cfg.pipeline.is_none() {
+            for &d in cfg.devices.iter().skip(1) {
+                followers.push(Trainer::on_device(cfg.job.clone(), data.shallow_clone(), blocks.clone(), d)?);
+            }
+        }
         let mut fresh = Trainer::on_device(cfg.job.clone(), data, blocks, device)?;
         if let Some(dir) = &cfg.init_from {
             fresh.init_from_hf(dir)?;
@@ -205,6 +225,7 @@ impl Agent {
             beat_now,
             tasks.clone(),
             fresh,
+            followers,
         );
         let trainer = std::thread::Builder::new().name("limpet-trainer".into()).spawn(move || {
             let r = looper.run();
@@ -357,6 +378,7 @@ fn node_config(cfg: &AgentConfig, data_addr: SocketAddr) -> NodeConfig {
         memory_mib: host_memory_mib(),
         samples_per_sec_milli: 0,
         speed_milli: 0,
+        ranks: if cfg.pipeline.is_some() { 1 } else { cfg.devices.len().max(1) as u32 },
     };
     ncfg
 }

@@ -124,6 +124,8 @@ pub(super) struct TrainLoop {
     pub tasks: Tasks,
     pub rt: tokio::runtime::Handle,
     pub trainer: Trainer,
+    /// The trainers of this host's other devices (`[node].devices`), which follow `trainer`.
+    followers: Vec<Trainer>,
     pub checkpointer: Checkpointer,
     pub shadows: Shadows,
     group: Option<(Epoch, Conn)>,
@@ -181,6 +183,7 @@ impl TrainLoop {
         beat_now: Arc<Notify>,
         tasks: Tasks,
         trainer: Trainer,
+        followers: Vec<Trainer>,
     ) -> TrainLoop {
         TrainLoop {
             checkpointer: Checkpointer::new(cfg.checkpoint.clone()),
@@ -194,6 +197,7 @@ impl TrainLoop {
             beat_now,
             tasks,
             trainer,
+            followers,
             shadows: Shadows::default(),
             group: None,
             broken: None,
@@ -345,6 +349,30 @@ impl TrainLoop {
         let (_, conn) = self.group.as_mut().expect("in a group");
         // A failed collective or stage link: (the peer it names, the error, a violation?).
         let outcome: Result<limpet_trainer::StepStats, (Option<NodeId>, String, bool)> = match conn {
+            // Hosts with several devices: ranks per device, the host's sum through memory.
+            Conn::Ring(g) if !epoch.local_ranks.is_empty() && self.trainer.shard_layout().is_none() => {
+                match super::local_ranks::step(&mut self.trainer, &mut self.followers, epoch, group_rank, g) {
+                    Ok((stats, local)) => {
+                        let mut own = Duration::from_secs_f64(local.compute_ms / 1e3);
+                        if self.cfg.slowdown_us_per_sample > 0 {
+                            // A straggler drill: this host computes as if it were slower.
+                            let drill =
+                                Duration::from_micros(self.cfg.slowdown_us_per_sample * local.samples as u64);
+                            std::thread::sleep(drill);
+                            own += drill;
+                        }
+                        let took = slow_down(&self.cfg, own).as_secs_f64() * 1e3;
+                        if local.samples > 0 {
+                            self.ms_per_sample = smooth(self.ms_per_sample, took / local.samples as f64);
+                        }
+                        Ok(stats)
+                    }
+                    Err(e @ limpet_trainer::TrainerError::Reduce { peer, violation, .. }) => {
+                        Err((peer, e.to_string(), violation))
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
             // Sharded state: reduce-scatter, update the blocks held, allgather the parameters.
             Conn::Ring(g) if self.trainer.shard_layout().is_some() => {
                 let samples = self.trainer.plan().share_in(g.rank(), g.world(), &epoch.shares).len();
@@ -446,7 +474,9 @@ impl TrainLoop {
         };
         self.record_step(&stats, epoch, group_rank, took, eval)?;
         // AdaScale's statistics are over data-parallel replicas, not pipeline stages.
-        self.grad_stats = observe_gradients(self.grad_stats, &stats, epoch.layout.data as usize);
+        let replicas =
+            if epoch.layout.pipeline == 1 { epoch.total_ranks() } else { epoch.layout.data as usize };
+        self.grad_stats = observe_gradients(self.grad_stats, &stats, replicas);
         let sink = Sink { me: self.cfg.id, handle: &self.handle, rt: &self.rt, tasks: &self.tasks };
         let sharded = self.trainer.shard_layout().cloned();
         if let (Some(_), Some((_, Conn::Ring(g)))) = (&sharded, self.group.as_mut()) {
@@ -552,6 +582,7 @@ impl TrainLoop {
             epoch: epoch.id,
             world,
             rank: group_rank,
+            devices: if epoch.local_ranks.is_empty() { 0 } else { epoch.total_ranks() },
             node: self.cfg.id,
             name: self.cfg.name.clone(),
             loss: stats.loss,
@@ -605,6 +636,7 @@ impl TrainLoop {
             watch: &self.watch,
             stop: &self.tasks.token(),
             trainer: &mut self.trainer,
+            followers: &mut self.followers,
             shadows: &mut self.shadows,
             pending: self.pending.take(),
         };

@@ -60,6 +60,30 @@ impl ClusterState {
                 e.ranks.len()
             ));
         }
+        if !e.local_ranks.is_empty()
+            && (e.local_ranks.len() != e.ranks.len()
+                || e.local_ranks.iter().any(|&n| n == 0 || n > super::MAX_LOCAL_RANKS)
+                || (e.layout.pipeline != 1 && e.local_ranks.iter().any(|&n| n != 1)))
+        {
+            return Err(format!(
+                "epoch {}: local ranks {:?} are not 1..={} for each of {} nodes (and one each in a pipeline)",
+                e.id,
+                e.local_ranks,
+                super::MAX_LOCAL_RANKS,
+                e.ranks.len()
+            ));
+        }
+        // No node trains with more ranks than its own record announces.
+        for (i, r) in e.ranks.iter().enumerate() {
+            let has = self.members.get(r).map_or(1, |m| m.spec.hardware.local_ranks());
+            if e.local_ranks_of(i) > has {
+                return Err(format!(
+                    "epoch {}: node {r} is given {} local ranks, but announced {has}",
+                    e.id,
+                    e.local_ranks_of(i)
+                ));
+            }
+        }
         if !(e.lr_scale.is_finite() && e.lr_scale > 0.0) {
             return Err(format!("epoch {}: lr scale {} is not a positive number", e.id, e.lr_scale));
         }

@@ -78,6 +78,21 @@ pub struct Hardware {
     /// measured it (what the pipeline planner places blocks by; 0: not measured, as 1000).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub speed_milli: u64,
+    /// The ranks this host trains with (`[node].devices`: one per device), absent in records
+    /// of agents that train with one (0 reads as 1).
+    #[serde(default, skip_serializing_if = "one_or_none")]
+    pub ranks: u32,
+}
+
+fn one_or_none(v: &u32) -> bool {
+    *v <= 1
+}
+
+impl Hardware {
+    /// The ranks this host trains with (at least one).
+    pub fn local_ranks(&self) -> u32 {
+        self.ranks.max(1)
+    }
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -186,8 +201,14 @@ pub struct Epoch {
     /// host gets a smaller share (data parallelism only); empty: equal shares.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub shares: Vec<u64>,
+    /// Each node's local ranks (its devices), in rank order, when some node has more than
+    /// one; empty: one each. A node's share of the batch is its ranks' shares.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub local_ranks: Vec<u32>,
 }
 
+mod local_ranks;
+pub use local_ranks::MAX_LOCAL_RANKS;
 mod node_pairs;
 
 /// A durable checkpoint someone wrote.

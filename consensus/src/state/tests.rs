@@ -26,6 +26,7 @@ fn epoch(id: u64, start: u64, ranks: &[NodeId]) -> Epoch {
         cause: "test".into(),
         causes: Vec::new(),
         shares: Vec::new(),
+        local_ranks: Vec::new(),
     }
 }
 
@@ -147,5 +148,36 @@ fn unequal_shares_must_split_the_global_batch_over_data_parallel_ranks() {
     e.shares = vec![u64::MAX, 2, 0];
     assert!(st.apply(&Command::ScheduleEpoch { epoch: e.clone() }).is_err());
     e.shares = vec![30, 30, 4];
+    st.apply(&Command::ScheduleEpoch { epoch: e }).unwrap();
+}
+
+#[test]
+fn local_ranks_number_devices_and_split_a_hosts_share() {
+    let mut st = three();
+    for (id, n) in [(1, 2), (3, 4)] {
+        let hardware = Hardware { ranks: n, ..Hardware::default() };
+        st.apply(&Command::UpdateHardware { id, hardware }).unwrap();
+    }
+    let mut e = epoch(1, 0, &[1, 2, 3]);
+    e.local_ranks = vec![2, 1, 4];
+    // More ranks than a node announced: refused.
+    let greedy = Epoch { local_ranks: vec![2, 2, 4], ..e.clone() };
+    assert!(st.apply(&Command::ScheduleEpoch { epoch: greedy }).unwrap_err().contains("announced 1"));
+    assert_eq!((e.total_ranks(), e.first_rank_of(0), e.first_rank_of(1), e.first_rank_of(2)), (7, 0, 2, 3));
+    assert!(e.rank_shares().is_empty(), "equal shares stay equal per device");
+    e.shares = vec![20, 10, 34];
+    assert_eq!(e.rank_shares(), vec![10, 10, 10, 9, 9, 8, 8]);
+    // Refused: a count per node or none, each 1..=MAX_LOCAL_RANKS, one each in a pipeline.
+    for bad in [vec![2, 1], vec![0, 1, 1], vec![1, 1, MAX_LOCAL_RANKS + 1]] {
+        let e = Epoch { local_ranks: bad, ..e.clone() };
+        assert!(st.apply(&Command::ScheduleEpoch { epoch: e }).unwrap_err().contains("local ranks"));
+    }
+    let mut piped = epoch(1, 0, &[1, 2]);
+    piped.layout = Layout { data: 1, pipeline: 2, cuts: vec![1] };
+    piped.local_ranks = vec![2, 1];
+    assert!(st.apply(&Command::ScheduleEpoch { epoch: piped }).unwrap_err().contains("local ranks"));
+    // Older records: no counts, one rank each.
+    let old = epoch(1, 0, &[1, 2]);
+    assert_eq!((old.total_ranks(), old.first_rank_of(1), old.local_ranks_of(5)), (2, 1, 1));
     st.apply(&Command::ScheduleEpoch { epoch: e }).unwrap();
 }

@@ -746,6 +746,7 @@ mod tests {
             epoch,
             world,
             rank: 0,
+            devices: 0,
             node: 1,
             name: "node-1".into(),
             loss: 1.0,

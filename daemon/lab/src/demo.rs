@@ -83,6 +83,9 @@ pub struct ScenarioArgs {
     /// Shard the optimizer state, each shard on N more ranks ([job].shard_state).
     #[arg(long, value_name = "N")]
     pub shard_replicas: Option<usize>,
+    /// CPU local ranks per node ([node].devices = ["cpu", ...]): a host's devices, each a rank.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub devices: u16,
     /// Fewest nodes training continues with.
     #[arg(long, default_value_t = 1)]
     pub min_nodes: usize,
@@ -204,6 +207,7 @@ pub fn scenario(a: ScenarioArgs) -> anyhow::Result<()> {
         reproducible: a.reproducible,
         eval_every: a.eval_every,
         shard_state: a.shard_replicas.map(|r| ("optimizer".to_string(), r)),
+        devices: usize::from(a.devices),
         ..LocalJob::default()
     };
     let summary = run_scenario(&a.dir, a.nodes, job, &script, Duration::from_secs(a.timeout), !a.json)?;

@@ -105,6 +105,9 @@ pub struct LocalJob {
     /// `[job].shard_state` (and `shard_replicas`, the number).
     #[serde(default)]
     pub shard_state: Option<(String, usize)>,
+    /// `[node].devices` of every node: this many CPU local ranks (0 or 1: the key is left out).
+    #[serde(default)]
+    pub devices: usize,
 }
 
 impl Default for LocalJob {
@@ -144,6 +147,7 @@ impl Default for LocalJob {
             shards: None,
             eval_every: None,
             shard_state: None,
+            devices: 0,
         }
     }
 }
@@ -311,6 +315,9 @@ impl LocalCluster {
         );
         if j.metrics_tls {
             text += "metrics_tls = true\n\n";
+        }
+        if j.devices > 1 {
+            text += &format!("devices = [{}]\n\n", vec!["\"cpu\""; j.devices].join(", "));
         }
         if let Some((_, us)) = j.slow.as_ref().filter(|(n, _)| n == name) {
             text += &format!("slowdown_us_per_sample = {us}\n\n");

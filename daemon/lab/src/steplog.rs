@@ -121,6 +121,7 @@ mod tests {
             epoch,
             world: 2,
             rank: 0,
+            devices: 0,
             node,
             name: format!("node-{node}"),
             loss: 1.0,

@@ -239,6 +239,10 @@ pub struct BenchDpArgs {
     /// peer then runs PyTorch's `ZeroRedundancyOptimizer`.
     #[arg(long, value_name = "N")]
     pub shard_replicas: Option<usize>,
+    /// limpet's ranks as world/N agents of N devices each (`[node].devices`, CPU ranks here),
+    /// measured beside world agents of one device in the same run.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub devices: usize,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
@@ -278,6 +282,37 @@ pub struct DpBenchReport {
     pub torchrun_peak_rss_bytes: u64,
     /// The largest resident memory of a torchrun rank after its last step.
     pub torchrun_rss_bytes: u64,
+    /// Devices (local ranks) per limpet agent: the figures above are of world/devices agents.
+    pub devices: usize,
+    /// With several devices per agent: world agents of one device each, in the same run.
+    pub limpet_one_device_samples_per_s: Option<f64>,
+}
+
+/// One limpet side of `bench dp`: its samples per second in the steady state, and the
+/// largest (training peak, final peak, last-step) resident memory of an agent.
+fn limpet_dp(
+    a: &BenchDpArgs,
+    dir: &std::path::Path,
+    job: crate::local::LocalJob,
+    agents: usize,
+) -> anyhow::Result<(f64, u64, u64, u64)> {
+    crate::demo::run_scenario(dir, agents, job, &[], std::time::Duration::from_secs(1800), !a.json)?;
+    let lines = crate::steplog::step_logs_in(dir)?;
+    // Rank 0's completions after the warm-up: (steps - 1) intervals of the steady state.
+    let mut t: Vec<(u64, u64)> =
+        lines.iter().filter(|l| l.rank == 0 && l.step >= a.warmup).map(|l| (l.step, l.wall_ms)).collect();
+    t.sort_unstable();
+    t.dedup_by_key(|x| x.0);
+    if t.len() < 2 {
+        bail!("limpet's step logs hold {} timed steps", t.len());
+    }
+    let span_s = (t[t.len() - 1].1 - t[0].1) as f64 / 1e3;
+    Ok((
+        (t.len() - 1) as f64 * a.batch as f64 / span_s.max(1e-9),
+        most_in_logs(dir, "training_peak_rss_bytes=")?,
+        most_in_logs(dir, " peak_rss_bytes=")?,
+        most_in_logs(dir, " rss_bytes=")?,
+    ))
 }
 
 /// Runs `limpet-lab bench dp`.
@@ -285,6 +320,12 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
     if a.world < 2 || a.batch < a.world || a.steps == 0 || a.context == 0 {
         return Err(limpet_daemon::UsageError(
             "--world must be at least 2, --batch at least --world, --steps and --context at least 1".into(),
+        )
+        .into());
+    }
+    if a.devices == 0 || a.world % a.devices != 0 || (a.devices > 1 && a.shard_replicas.is_some()) {
+        return Err(limpet_daemon::UsageError(
+            "--devices must divide --world (and sharded state trains with one device per agent)".into(),
         )
         .into());
     }
@@ -310,29 +351,23 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
         shard_state: a.shard_replicas.map(|r| ("optimizer".to_string(), r)),
         ..crate::local::LocalJob::default()
     };
+    let agents = a.world / a.devices;
     eprintln!(
-        "limpet: {} agents, LLaMA {} on token shards, global batch {}, {steps} steps{}",
-        a.world,
+        "limpet: {agents} agents of {} device(s), LLaMA {} on token shards, global batch {}, {steps} steps{}",
+        a.devices,
         a.preset,
         a.batch,
         a.shard_replicas.map_or(String::new(), |r| format!(", optimizer state sharded ({r} replica)"))
     );
-    let dir = tmp.path().join("limpet");
-    crate::demo::run_scenario(&dir, a.world, job, &[], std::time::Duration::from_secs(1800), !a.json)?;
-    let lines = crate::steplog::step_logs_in(&dir)?;
-    // Rank 0's completions after the warm-up: (steps - 1) intervals of the steady state.
-    let mut t: Vec<(u64, u64)> =
-        lines.iter().filter(|l| l.rank == 0 && l.step >= a.warmup).map(|l| (l.step, l.wall_ms)).collect();
-    t.sort_unstable();
-    t.dedup_by_key(|x| x.0);
-    if t.len() < 2 {
-        bail!("limpet's step logs hold {} timed steps", t.len());
-    }
-    let span_s = (t[t.len() - 1].1 - t[0].1) as f64 / 1e3;
-    let ours = (t.len() - 1) as f64 * a.batch as f64 / span_s.max(1e-9);
-    let limpet_peak_rss_bytes = most_in_logs(&dir, "training_peak_rss_bytes=")?;
-    let limpet_final_peak_rss_bytes = most_in_logs(&dir, " peak_rss_bytes=")?;
-    let limpet_rss_bytes = most_in_logs(&dir, " rss_bytes=")?;
+    let local = crate::local::LocalJob { devices: a.devices, ..job.clone() };
+    let (ours, limpet_peak_rss_bytes, limpet_final_peak_rss_bytes, limpet_rss_bytes) =
+        limpet_dp(&a, &tmp.path().join("limpet"), local, agents)?;
+    let limpet_one_device_samples_per_s = if a.devices > 1 {
+        eprintln!("limpet: {} agents of one device each, the same job", a.world);
+        Some(limpet_dp(&a, &tmp.path().join("limpet-one"), job, a.world)?.0)
+    } else {
+        None
+    };
 
     let (theirs, torchrun_peak_rss_bytes, torchrun_rss_bytes) = torchrun_dp(&a, tmp.path(), &spec)?;
     let r = DpBenchReport {
@@ -350,6 +385,8 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
         limpet_rss_bytes,
         torchrun_peak_rss_bytes,
         torchrun_rss_bytes,
+        devices: a.devices,
+        limpet_one_device_samples_per_s,
     };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
@@ -371,6 +408,7 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
             mib(r.limpet_peak_rss_bytes),
             mib(r.limpet_final_peak_rss_bytes),
             r.shard_replicas.map_or(String::new(), |n| format!(", state sharded, {n} replica"))
+                + &if r.devices > 1 { format!(", an agent holds {} ranks", r.devices) } else { String::new() }
         );
         println!(
             "  {peer} {:>8.2} samples/s, RSS at the last step {:>5.0} MiB, peak {:>5.0} MiB (largest rank)",
@@ -379,6 +417,16 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
             mib(r.torchrun_peak_rss_bytes)
         );
         println!("  ratio            {:>8.2}x (goal: at least 1.0)", r.ratio);
+        if let Some(one) = r.limpet_one_device_samples_per_s {
+            println!(
+                "  limpet, {} agents of one device {:>8.2} samples/s: {} agents of {} devices are {:.2}x that (goal: at least 1.0)",
+                r.world,
+                one,
+                r.world / r.devices,
+                r.devices,
+                r.limpet_samples_per_s / one
+            );
+        }
     }
     Ok(())
 }

@@ -4,10 +4,12 @@
 //! before it starts. The keys are documented in `docs/limpetd.md`.
 
 mod capacity;
+mod devices;
 mod job;
 mod names;
 mod security;
 pub use capacity::CapacitySection;
+pub use devices::Devices;
 pub use job::JobSection;
 use limpet_agent::policy::BatchPolicy;
 pub use limpet_trainer::job_keys::OptimizerName;
@@ -229,6 +231,11 @@ pub struct NodeSection {
     /// host's default.
     #[serde(default = "default_data_congestion")]
     pub data_congestion: String,
+    /// The devices this host trains with, one local rank each: `"auto"` (every GPU libtorch
+    /// sees, else one CPU rank) or a list (`["cuda:0", "cuda:1"]`; CPU entries may repeat, as
+    /// tests run local ranks). Absent: one rank on `[job].device`.
+    #[serde(default)]
+    pub devices: Option<Devices>,
     /// Straggler drills: this node sleeps this many microseconds per sample it computes, as
     /// a slower host would take (0: off).
     #[serde(default)]
@@ -469,6 +476,29 @@ impl Config {
             limpet_trainer::device::DeviceChoice::parse(&self.job.device).and_then(|d| d.resolve())
         {
             return err("[job].device", e);
+        }
+        // `"auto"` on a host of several GPUs trains a pipelined or sharded job on the first
+        // (the cloud-init default must not refuse such jobs); a list of several is refused.
+        let listed = self.node.devices.as_ref().is_some_and(|d| d.entries() != ["auto"]);
+        match self.node.local_devices() {
+            Err(e) => return err("[node].devices", e),
+            Ok(Some(_)) if !listed => {}
+            Ok(Some(d)) if d.len() > 1 && self.pipeline.is_some() => {
+                return err(
+                    "[node].devices",
+                    format!("{} devices: a pipeline stage trains on one device (list one, or drop [pipeline])", d.len()),
+                )
+            }
+            Ok(Some(d)) if d.len() > 1 && self.job.shard_state.as_deref().is_some_and(|s| s != "none") => {
+                return err(
+                    "[node].devices",
+                    format!(
+                        "{} devices: sharded optimizer state ([job].shard_state) is not yet cut over a host's local ranks (list one device)",
+                        d.len()
+                    ),
+                )
+            }
+            Ok(_) => {}
         }
         let precision = match limpet_trainer::model::Precision::parse(&self.job.precision) {
             Ok(p) => p,

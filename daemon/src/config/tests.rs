@@ -73,6 +73,28 @@ fn a_llama_on_token_shards_is_configured_by_model_and_data() {
 }
 
 #[test]
+fn a_host_trains_with_every_device_it_lists() {
+    let s = secret();
+    let load = |devices: &str| {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(
+            f.path(),
+            example(s.path()).replace("secret_file", &format!("devices = {devices}\nsecret_file")),
+        )
+        .unwrap();
+        Config::load(f.path()).unwrap()
+    };
+    let cpu = limpet_trainer::device::Device::Cpu;
+    assert_eq!(load("[\"cpu\", \"cpu\", \"cpu\"]").node.local_devices().unwrap(), Some(vec![cpu; 3]));
+    // `auto` on this host: every GPU libtorch sees, else one CPU rank.
+    let gpus = limpet_trainer::device::gpu_count();
+    assert_eq!(load("\"auto\"").node.local_devices().unwrap().unwrap().len(), gpus.max(1));
+    let f = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(f.path(), example(s.path())).unwrap();
+    assert_eq!(Config::load(f.path()).unwrap().node.local_devices().unwrap(), None);
+}
+
+#[test]
 fn errors_name_the_file_and_the_key() {
     let s = secret();
     let good = example(s.path());
@@ -162,6 +184,22 @@ fn errors_name_the_file_and_the_key() {
             "[cluster].straggler_ratio",
         ),
         (good.replace("secret_file", "log_format = \"xml\"\nsecret_file"), "[node].log_format"),
+        (good.replace("secret_file", "devices = []\nsecret_file"), "[node].devices: lists no device"),
+        (good.replace("secret_file", "devices = \"cuda:7\"\nsecret_file"), "[node].devices: entry 1: cuda:7"),
+        (good.replace("secret_file", "devices = [\"cpu\", \"auto\"]\nsecret_file"), "stands alone"),
+        (good.replace("secret_file", "devices = 2\nsecret_file"), "devices"),
+        (
+            format!(
+                "{}\n[pipeline]\nstages = 2\n",
+                good.replace("secret_file", "devices = [\"cpu\", \"cpu\"]\nsecret_file")
+            ),
+            "[node].devices: 2 devices: a pipeline stage trains on one device",
+        ),
+        (
+            good.replace("secret_file", "devices = [\"cpu\", \"cpu\"]\nsecret_file")
+                .replace("global_batch = 64", "global_batch = 64\nshard_state = \"optimizer\""),
+            "[node].devices: 2 devices: sharded optimizer state",
+        ),
         (good.replace("secret_file", "metrics_tls = true\nsecret_file"), "[node].metrics_tls"),
         (good.replace("secret_file", "data_congestion = \"BBR\"\nsecret_file"), "[node].data_congestion"),
         (

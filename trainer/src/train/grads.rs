@@ -6,8 +6,9 @@
 //! accumulates straight into the bytes the ring reduces and the optimizer reads: no gradient
 //! copy and no second model-sized allocation per step. (libtorch's gradient accumulation adds
 //! into an existing `.grad` in place when autograd is not recording, which it never is
-//! during backward.) On another device the buffer is the host staging area that the
-//! gradients, gathered on the device, are copied into once per step.
+//! during backward.) On another device the buffer is the host staging area: each
+//! parameter's gradient is copied into its place after backward, and the update takes each
+//! parameter's averaged part back, so no model-sized tensor is made on the device.
 
 use crate::TrainerError;
 use tch::{Device, Kind, Tensor};
@@ -109,36 +110,31 @@ impl GradBuffer {
     }
 
     /// Brings this step's gradients into the buffer: nothing to do when they are views of
-    /// it; else gathered on their device and copied to the host at once.
+    /// it; else each parameter's copied from its device straight into its place, one after
+    /// another, so the device never holds a model-sized temporary.
     pub(crate) fn collect(&mut self, params: &[(String, Tensor)]) -> Result<(), TrainerError> {
         if self.bound {
             return Ok(());
         }
-        let parts: Vec<Tensor> = params
-            .iter()
-            .map(|(_, p)| {
-                let g = p.grad();
-                if g.defined() {
-                    g.detach().reshape([-1])
-                } else {
-                    p.zeros_like().reshape([-1])
-                }
-            })
-            .collect();
-        let gathered = Tensor::f_cat(&parts, 0)?.to_kind(Kind::Float).to_device(Device::Cpu);
-        let n = self.n;
-        gathered.f_copy_data(&mut self.as_mut_slice()[..n], n)?;
+        let mut offset = 0i64;
+        for (_, p) in params {
+            let n = p.numel() as i64;
+            let mut place = self.flat.narrow(0, offset, n);
+            let g = p.grad();
+            if g.defined() {
+                place.f_copy_(&g.detach().reshape([-1]))?;
+            } else {
+                let _ = place.f_zero_()?;
+            }
+            offset += n;
+        }
         Ok(())
     }
 
-    /// The gradient part as a tensor on `device` (the buffer itself on the CPU).
-    pub(crate) fn grads_on(&self, device: Device) -> Tensor {
-        let g = self.flat.narrow(0, 0, self.n as i64);
-        if device == Device::Cpu {
-            g
-        } else {
-            g.to_device(device)
-        }
+    /// The gradient part of the buffer, as a tensor over the host memory itself: the update
+    /// takes each parameter's part to the parameter's device as it reaches it.
+    pub(crate) fn grads(&self) -> Tensor {
+        self.flat.narrow(0, 0, self.n as i64)
     }
 
     /// The whole buffer as host memory, for the collectives and the scalars.

@@ -135,7 +135,7 @@ impl ShardState {
                     let (name, p) = (&params[piece.index].0, &params[piece.index].1);
                     let len = piece.range.len() as i64;
                     let pv = p.view([-1]).narrow(0, (piece.range.start - piece.offset) as i64, len);
-                    let gv = grad.narrow(0, piece.range.start as i64, len);
+                    let gv = grad.narrow(0, piece.range.start as i64, len).to_device(device);
                     let at = (piece.range.start - block.start) as i64;
                     let mut sv: Vec<Tensor> = slots.iter().map(|s| s.narrow(0, at, len)).collect();
                     let decays = decays(name, p.dim(), spec.decay_embeddings());
@@ -395,7 +395,7 @@ impl Trainer {
         }
         let lr =
             self.job.optimizer.lr() * self.job.schedule.factor(self.step, self.job.steps) * self.lr_scale;
-        let grad = self.grads.grads_on(self.model.device());
+        let grad = self.grads.grads();
         let spec = self.optim.spec().clone();
         let t = self.step + 1;
         self.shard.as_mut().expect("sharded").apply(&spec, self.model.params(), &grad, lr, t);
@@ -418,7 +418,8 @@ impl Trainer {
         let buf = self.grads.as_mut_slice();
         flat_values(&src, params, own.clone(), &mut buf[own])?;
         reduce.allgather_blocks(&mut buf[..n], &layout.blocks, step)?;
-        let flat = self.grads.grads_on(self.model.device());
+        // Each parameter copied from the host buffer to its device: no model-sized temporary.
+        let flat = self.grads.grads();
         tch::no_grad(|| -> Result<(), TrainerError> {
             let mut at = 0i64;
             for (_, p) in self.model.params() {

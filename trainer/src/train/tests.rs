@@ -241,7 +241,7 @@ fn bound_and_collected_gradient_buffers_agree() {
     backward(&bp);
     assert_eq!(bound.as_mut_slice()[..7], want);
     // The gradient tensor the optimizer reads is the buffer itself.
-    let g = bound.grads_on(Device::Cpu);
+    let g = bound.grads();
     bound.as_mut_slice()[0] = 42.0;
     assert_eq!(g.double_value(&[0]), 42.0);
 }
@@ -300,4 +300,23 @@ fn memory_plans_compute_the_same_update() {
     j.activation_checkpointing = true;
     let e = Trainer::try_new(j, clone_data(&data)).unwrap_err().to_string();
     assert!(e.contains("activation_checkpointing applies to model llama"), "{e}");
+}
+
+/// The device path (gradients copied into the host buffer parameter by parameter, the update
+/// taking each parameter's part back) trains the bits of the CPU path, where gradients are
+/// views of the buffer: what a GPU host runs, on the CPU.
+#[test]
+fn the_device_path_trains_the_bits_of_the_bound_buffer() {
+    let data = synthetic();
+    let j = job(ModelKind::Mlp, &data, 24, 8);
+    let mut bound = Trainer::try_new(j.clone(), data.shallow_clone()).unwrap();
+    let mut copied = Trainer::try_new(j, data).unwrap();
+    copied.grads = super::grads::GradBuffer::with_binding(copied.model.params(), false).unwrap();
+    assert!(bound.grads.is_bound() && !copied.grads.is_bound());
+    for _ in 0..3 {
+        let a = bound.train_step(0, 1, &mut NoReduce).unwrap();
+        let b = copied.train_step(0, 1, &mut NoReduce).unwrap();
+        assert_eq!(a.loss.to_bits(), b.loss.to_bits());
+    }
+    assert_eq!(bound.content_hash().unwrap(), copied.content_hash().unwrap());
 }

@@ -333,6 +333,7 @@ fn a_host_that_stays_slow_is_replaced_then_drained() {
         cause: String::new(),
         causes: Vec::new(),
         shares: vec![30, 30, 4],
+        local_ranks: Vec::new(),
     };
     st.apply(&Command::ScheduleEpoch { epoch: e.clone() }).unwrap();
     st.apply(&Command::ActivateEpoch { id: 1 }).unwrap();
@@ -360,8 +361,19 @@ fn a_host_that_stays_slow_is_replaced_then_drained() {
     // Equal shares again: nobody is slow.
     e.id = 2;
     e.shares.clear();
-    st.apply(&Command::ScheduleEpoch { epoch: e }).unwrap();
+    st.apply(&Command::ScheduleEpoch { epoch: e.clone() }).unwrap();
     st.apply(&Command::ActivateEpoch { id: 2 }).unwrap();
+    assert!(slow_members(&st, 2.0).is_empty());
+    // A host of one device among hosts of two takes half their shares without being slow.
+    for name in ["i-1", "i-2"] {
+        let hardware = limpet_consensus::state::Hardware { ranks: 2, ..Default::default() };
+        st.apply(&Command::UpdateHardware { id: spec(name).id, hardware }).unwrap();
+    }
+    e.id = 3;
+    e.shares = vec![28, 28, 8];
+    e.local_ranks = vec![2, 2, 1];
+    st.apply(&Command::ScheduleEpoch { epoch: e }).unwrap();
+    st.apply(&Command::ActivateEpoch { id: 3 }).unwrap();
     assert!(slow_members(&st, 2.0).is_empty());
 }
 

@@ -58,6 +58,8 @@ pub(super) struct Entering<'a> {
     pub watch: &'a watch::Receiver<limpet_consensus::LocalState>,
     pub stop: &'a CancellationToken,
     pub trainer: &'a mut Trainer,
+    /// The trainers of the host's other devices (`[node].devices`), given its state here.
+    pub followers: &'a mut [Trainer],
     pub shadows: &'a mut Shadows,
     pub pending: Option<Pending>,
 }
@@ -235,6 +237,10 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     let live = mine.live_label;
     drop(mine);
     sharding::shard_after_entry(x.trainer, &x.cfg.job, n, me)?;
+    if !x.followers.is_empty() && x.trainer.shard_layout().is_none() {
+        // Before the barrier: the other hosts wait here, not in the first step's collective.
+        super::local_ranks::sync(x.trainer, x.followers)?;
+    }
     group.barrier(ENTRY_STEP)?;
     // Every rank passed the barrier, so every copy of this rank's live state is done; the
     // next entry offers the state of its own step.

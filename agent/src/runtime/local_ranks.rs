@@ -1,0 +1,128 @@
+//! One step of a host's local ranks (`[node].devices`): each device's trainer on a thread of
+//! its own, the host's sum through host memory, one ring between hosts
+//! ([`limpet_trainer::LocalGroup`]).
+//!
+//! The first device's trainer is the host's: entries, checkpoints, handoffs and status read
+//! it. The others follow it: before a step each copies its state when it was replaced (an
+//! entry, a checkpoint) or is at another step, and takes its plan; after a step every local
+//! rank applied the same reduced bytes, so their states stay equal without a copy.
+//!
+//! Ranks are numbered over the epoch's devices, not its hosts ([`Epoch::first_rank_of`]), so
+//! shares and a reproducible job's canonical shards are cut per device: two hosts of two
+//! devices compute what four hosts of one do.
+
+use limpet_consensus::state::Epoch;
+use limpet_trainer::{LocalGroup, Reduce, StepStats, Trainer, TrainerError};
+use std::time::Instant;
+
+/// What one step of a host's local ranks did besides the update.
+pub(super) struct LocalStep {
+    /// Samples the host's local ranks computed.
+    pub samples: usize,
+    /// The longest local rank's own work (forward and backward), in milliseconds.
+    pub compute_ms: f64,
+}
+
+/// Makes every local rank hold the host's state (`leader`'s): one image of it, loaded by
+/// each local rank that does not hold it yet. What an entry does before its barrier, so the
+/// other hosts do not wait for the copies inside the next step's collective.
+pub(super) fn sync(leader: &Trainer, followers: &mut [Trainer]) -> Result<(), TrainerError> {
+    if followers.iter().all(|f| f.follows(leader)) {
+        return Ok(());
+    }
+    let started = Instant::now();
+    let image = leader.image()?;
+    let mut copied = 0;
+    for f in followers.iter_mut().filter(|f| !f.follows(leader)) {
+        f.follow_image(leader, &image)?;
+        copied += 1;
+    }
+    tracing::info!(
+        step = leader.step(),
+        copied,
+        ms = started.elapsed().as_millis() as u64,
+        "local ranks copied the host's state"
+    );
+    Ok(())
+}
+
+/// Trains one step on node `me` (its index in `epoch`) with its local ranks: `leader` and as
+/// many of `followers` as the epoch gives it, the host's sum going through `ring`.
+pub(super) fn step(
+    leader: &mut Trainer,
+    followers: &mut [Trainer],
+    epoch: &Epoch,
+    me: usize,
+    ring: &mut (dyn Reduce + Send),
+) -> Result<(StepStats, LocalStep), TrainerError> {
+    let n = epoch.local_ranks_of(me) as usize;
+    if n > 1 + followers.len() {
+        // The log refuses an epoch that gives a node more ranks than its record announced,
+        // but a record can be older than this process (a host back with fewer devices): the
+        // group cannot train, and the leader counts the ranks again.
+        return Err(TrainerError::Reduce {
+            peer: None,
+            detail: format!(
+                "epoch {} gives this host {n} local ranks, but it trains with {} device(s)",
+                epoch.id,
+                1 + followers.len()
+            ),
+            violation: true,
+        });
+    }
+    let followers = &mut followers[..n - 1];
+    let (first, world) = (epoch.first_rank_of(me), epoch.total_ranks());
+    leader.set_shares(epoch.rank_shares());
+    // Normally done at the entry (`sync`); here only after a checkpoint loaded in the loop.
+    sync(leader, followers)?;
+    for f in followers.iter_mut() {
+        f.follow(leader)?;
+    }
+    let plan = leader.plan();
+    let shares = epoch.rank_shares();
+    let samples = (first..first + n).map(|r| plan.share_in(r, world, &shares).len()).sum();
+    let group = LocalGroup::new(n);
+    let (mine, theirs) = std::thread::scope(|s| {
+        let handles: Vec<_> = followers
+            .iter_mut()
+            .enumerate()
+            .map(|(i, f)| {
+                let mut r = group.rank(i + 1, None);
+                let spawned = std::thread::Builder::new()
+                    .name(format!("limpet-rank-{}", i + 1))
+                    .spawn_scoped(s, move || f.train_step(first + i + 1, world, &mut r));
+                (i + 1, spawned)
+            })
+            .collect();
+        let mine = leader.train_step(first, world, &mut group.rank(0, Some(ring)));
+        let theirs: Vec<Result<StepStats, TrainerError>> = handles
+            .into_iter()
+            .map(|(i, h)| match h {
+                Err(e) => Err(TrainerError::Config(format!("could not start local rank {i}'s thread: {e}"))),
+                Ok(h) => h.join().unwrap_or_else(|panic| {
+                    let why = panic
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_default();
+                    Err(TrainerError::Config(format!("local rank {i} panicked: {why}")))
+                }),
+            })
+            .collect();
+        (mine, theirs)
+    });
+    // A local rank's own failure (not the ring's) is the host's: fatal, as the first
+    // device's would be. A failed ring is every local rank's, reported once.
+    for r in theirs {
+        if let Err(e) = r {
+            if !matches!(e, TrainerError::Reduce { .. }) {
+                return Err(e);
+            }
+        }
+    }
+    let stats = mine?;
+    let compute_ms = std::iter::once(leader.compute_ms())
+        .chain(followers.iter().map(|f| f.compute_ms()))
+        .fold(0.0, f64::max);
+    Ok((stats, LocalStep { samples, compute_ms }))
+}

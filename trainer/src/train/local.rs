@@ -1,0 +1,421 @@
+//! Local ranks: one host's devices, each trained by a [`Trainer`] on a thread of its own,
+//! reducing as one member of the hosts' ring.
+//!
+//! Each collective is hierarchical. The local ranks sum their buffers through host memory
+//! (each adds its own into one shared buffer: no socket, no copy but that add); the first
+//! local rank alone then takes the host's sum through `inter`, the reduce between hosts
+//! (the ring, a single process's [`crate::NoReduce`] in tests); every local rank copies the
+//! result back. The ring between hosts therefore carries one buffer per host, whatever its
+//! devices, and a job's ranks are its devices: rank `first + i` of `world` is local rank
+//! `i` of the host whose ranks start at `first`.
+//!
+//! Integer sums (a reproducible job's fixed point) do not depend on the order of the adds,
+//! so two hosts of two devices and four hosts of one train the same bits.
+//!
+//! A local rank that leaves the step early (an error, a panic) marks the group aborted as
+//! it is dropped, and every local rank waiting for it returns an error instead of waiting
+//! for ever.
+
+use super::Trainer;
+use crate::{Reduce, TrainerError};
+use limpet_snapshot::StateImage;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+/// A failure of the collective between hosts, as every local rank reports it.
+#[derive(Clone, Debug)]
+struct Failed {
+    peer: Option<u64>,
+    detail: String,
+    violation: bool,
+}
+
+impl Failed {
+    fn of(e: &TrainerError) -> Failed {
+        match e {
+            TrainerError::Reduce { peer, detail, violation } => {
+                Failed { peer: *peer, detail: detail.clone(), violation: *violation }
+            }
+            other => Failed { peer: None, detail: other.to_string(), violation: false },
+        }
+    }
+
+    fn error(&self) -> TrainerError {
+        TrainerError::Reduce { peer: self.peer, detail: self.detail.clone(), violation: self.violation }
+    }
+}
+
+#[derive(Default)]
+struct State {
+    /// Local ranks at the current barrier, and barriers completed.
+    arrived: usize,
+    generation: u64,
+    /// Why the group can no longer complete a collective (a local rank left).
+    aborted: Option<String>,
+    /// Local ranks whose buffer is in the sum of the current collective.
+    added: usize,
+    f32s: Vec<f32>,
+    i64s: Vec<i64>,
+    i32s: Vec<i32>,
+    /// The collective between hosts failed (every local rank returns it).
+    failed: Option<Failed>,
+}
+
+struct Shared {
+    n: usize,
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A local rank that panicked while holding the lock aborted the group by dropping;
+        // the state is still whole (no update is left half done under the lock).
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits until all `n` local ranks reach this barrier; the last one runs `last` first.
+    fn barrier<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        last: impl FnOnce(&mut State),
+    ) -> Result<MutexGuard<'a, State>, TrainerError> {
+        if let Some(why) = &st.aborted {
+            return Err(TrainerError::reduce(why.clone()));
+        }
+        st.arrived += 1;
+        if st.arrived == self.n {
+            st.arrived = 0;
+            st.generation += 1;
+            last(&mut st);
+            self.changed.notify_all();
+            return Ok(st);
+        }
+        let at = st.generation;
+        while st.generation == at {
+            if let Some(why) = &st.aborted {
+                return Err(TrainerError::reduce(why.clone()));
+            }
+            st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        Ok(st)
+    }
+}
+
+/// The local ranks of one host for one step: [`LocalGroup::rank`] hands each its [`Reduce`].
+/// (A rank dropped at the end of the step marks the group aborted: a step makes a new one.)
+pub struct LocalGroup {
+    shared: Arc<Shared>,
+}
+
+impl LocalGroup {
+    /// A group of `n` local ranks (at least one).
+    pub fn new(n: usize) -> LocalGroup {
+        LocalGroup {
+            shared: Arc::new(Shared {
+                n: n.max(1),
+                state: Mutex::new(State::default()),
+                changed: Condvar::new(),
+            }),
+        }
+    }
+
+    /// Local rank `index`'s reduce; local rank 0's carries `inter`, the reduce between hosts.
+    pub fn rank<'a>(&self, index: usize, inter: Option<&'a mut (dyn Reduce + Send)>) -> LocalRank<'a> {
+        LocalRank { index, shared: Arc::clone(&self.shared), inter }
+    }
+}
+
+/// One local rank's side of a [`LocalGroup`].
+pub struct LocalRank<'a> {
+    index: usize,
+    shared: Arc<Shared>,
+    inter: Option<&'a mut (dyn Reduce + Send)>,
+}
+
+impl Drop for LocalRank<'_> {
+    fn drop(&mut self) {
+        // Whoever still waits for this rank would wait for ever: they fail instead. (After
+        // a complete step nobody waits, and the mark is never read.)
+        let mut st = self.shared.lock();
+        if st.aborted.is_none() {
+            st.aborted = Some(format!("local rank {} left the step", self.index));
+        }
+        self.shared.changed.notify_all();
+    }
+}
+
+impl LocalRank<'_> {
+    /// The hierarchical collective: every local rank's `buf` combined into the shared sum,
+    /// that sum through the reduce between hosts (local rank 0), and the result copied to
+    /// every local rank.
+    fn all<T: Copy + Default>(
+        &mut self,
+        buf: &mut [T],
+        step: u64,
+        slot: fn(&mut State) -> &mut Vec<T>,
+        combine: fn(&mut T, T),
+        between: fn(&mut dyn Reduce, &mut [T], u64) -> Result<(), TrainerError>,
+    ) -> Result<(), TrainerError> {
+        let shared = Arc::clone(&self.shared);
+        let mut st = shared.lock();
+        if let Some(why) = &st.aborted {
+            return Err(TrainerError::reduce(why.clone()));
+        }
+        let first = st.added == 0;
+        st.added += 1;
+        let acc = slot(&mut st);
+        if first {
+            acc.clear();
+            acc.extend_from_slice(buf);
+        } else if acc.len() != buf.len() {
+            // Local ranks run the same code on the same job: a bug, not a peer.
+            let detail =
+                format!("local rank {} reduces {} values, another {}", self.index, buf.len(), acc.len());
+            st.aborted = Some(detail.clone());
+            shared.changed.notify_all();
+            return Err(TrainerError::Reduce { peer: None, detail, violation: true });
+        } else {
+            acc.iter_mut().zip(buf.iter()).for_each(|(a, &b)| combine(a, b));
+        }
+        let mut st = shared.barrier(st, |_| {})?;
+        if let Some(inter) = self.inter.as_mut() {
+            // Out of the lock while the hosts' ring runs: the other local ranks wait on the
+            // condition variable, and one that leaves can still say so.
+            let mut sum = std::mem::take(slot(&mut st));
+            drop(st);
+            let outcome = between(&mut **inter, &mut sum, step);
+            st = shared.lock();
+            *slot(&mut st) = sum;
+            if let Err(e) = outcome {
+                st.failed = Some(Failed::of(&e));
+            }
+        }
+        let mut st = shared.barrier(st, |_| {})?;
+        // Copied under the lock, one local rank after another, as the sum was made.
+        let outcome = match st.failed.clone() {
+            Some(f) => Err(f.error()),
+            None => {
+                buf.copy_from_slice(slot(&mut st));
+                Ok(())
+            }
+        };
+        // Nobody starts the next collective's sum before every rank has copied this one.
+        drop(shared.barrier(st, |s| {
+            s.added = 0;
+            s.failed = None;
+        })?);
+        outcome
+    }
+}
+
+impl Reduce for LocalRank<'_> {
+    fn allreduce_sum(&mut self, buf: &mut [f32], step: u64) -> Result<(), TrainerError> {
+        self.all(buf, step, |s| &mut s.f32s, |a, b| *a += b, |r, b, s| r.allreduce_sum(b, s))
+    }
+
+    fn allreduce_sum_i64(&mut self, buf: &mut [i64], step: u64) -> Result<(), TrainerError> {
+        self.all(
+            buf,
+            step,
+            |s| &mut s.i64s,
+            |a, b| *a = a.wrapping_add(b),
+            |r, b, s| r.allreduce_sum_i64(b, s),
+        )
+    }
+
+    fn allreduce_max_i32(&mut self, vals: &mut [i32], step: u64) -> Result<(), TrainerError> {
+        self.all(vals, step, |s| &mut s.i32s, |a, b| *a = (*a).max(b), |r, b, s| r.allreduce_max_i32(b, s))
+    }
+}
+
+/// Stamps that tell one state of a trainer from another: a fresh trainer and every state
+/// loaded into one take a new stamp, so a follower knows when its leader's state was
+/// replaced rather than stepped.
+static STAMPS: AtomicU64 = AtomicU64::new(1);
+
+pub(super) fn next_stamp() -> u64 {
+    STAMPS.fetch_add(1, Ordering::Relaxed)
+}
+
+impl Trainer {
+    /// This state's stamp: it changes whenever the state is replaced (not when stepped).
+    pub fn stamp(&self) -> u64 {
+        self.stamp
+    }
+
+    /// Whether this trainer (a local rank on another device of the host) holds `leader`'s
+    /// state: it copied the leader's current state, and both applied the same steps since.
+    pub fn follows(&self, leader: &Trainer) -> bool {
+        self.following == Some(leader.stamp) && self.step == leader.step
+    }
+
+    /// Makes this trainer hold `image`, `leader`'s state, and follow its plan.
+    pub fn follow_image(&mut self, leader: &Trainer, image: &StateImage) -> Result<(), TrainerError> {
+        self.load_image(image)?;
+        self.following = Some(leader.stamp);
+        self.take_plan(leader);
+        Ok(())
+    }
+
+    /// Makes this trainer hold `leader`'s state and follow its plan: a copy of its image when
+    /// it does not [`Trainer::follows`] it, else nothing but the plan. Local ranks that apply
+    /// the same reduced buffers stay equal step after step. Whether it copied.
+    pub fn follow(&mut self, leader: &Trainer) -> Result<bool, TrainerError> {
+        if self.follows(leader) {
+            self.take_plan(leader);
+            return Ok(false);
+        }
+        let image = leader.image()?;
+        self.follow_image(leader, &image)?;
+        Ok(true)
+    }
+
+    /// The leader's batch plan, learning-rate scale and shares.
+    fn take_plan(&mut self, leader: &Trainer) {
+        self.plan = leader.plan;
+        self.lr_scale = leader.lr_scale;
+        self.shares = leader.shares.clone();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::train::tests::{job, synthetic};
+    use crate::{JobSpec, ModelKind, NoReduce};
+
+    /// Ranks on `hosts` hosts (each its local ranks on threads) for `steps` steps; the
+    /// content hash of every rank after each step.
+    fn run(job: &JobSpec, hosts: &[usize], steps: usize) -> Vec<Vec<String>> {
+        let world: usize = hosts.iter().sum();
+        let mut ranks: Vec<Trainer> =
+            (0..world).map(|_| Trainer::try_new(job.clone(), synthetic()).unwrap()).collect();
+        let mut hashes = Vec::new();
+        for _ in 0..steps {
+            // Between hosts: the hosts' sums through one more group, standing for the ring.
+            let ring = LocalGroup::new(hosts.len());
+            let groups: Vec<LocalGroup> = hosts.iter().map(|&n| LocalGroup::new(n)).collect();
+            std::thread::scope(|s| {
+                let mut rest = ranks.as_mut_slice();
+                let mut first = 0;
+                for (h, &n) in hosts.iter().enumerate() {
+                    let (mine, tail) = rest.split_at_mut(n);
+                    rest = tail;
+                    let (group, ring) = (&groups[h], &ring);
+                    for (i, t) in mine.iter_mut().enumerate() {
+                        s.spawn(move || {
+                            if i > 0 {
+                                return t.train_step(first + i, world, &mut group.rank(i, None)).unwrap();
+                            }
+                            let (mut between, mut alone) = (ring.rank(h, None), NoReduce);
+                            let inter: &mut (dyn Reduce + Send) =
+                                if hosts.len() > 1 { &mut between } else { &mut alone };
+                            let mut local = group.rank(0, Some(inter));
+                            t.train_step(first, world, &mut local).unwrap()
+                        });
+                    }
+                    first += n;
+                }
+            });
+            hashes.push(ranks.iter().map(|t| t.content_hash().unwrap()).collect());
+        }
+        hashes
+    }
+
+    #[test]
+    fn two_hosts_of_two_devices_train_the_bits_of_four_hosts_of_one() {
+        let data = synthetic();
+        let exact = JobSpec { reproducible: true, ..job(ModelKind::Mlp, &data, 24, 4) };
+        let a = run(&exact, &[2, 2], 3);
+        let b = run(&exact, &[1, 1, 1, 1], 3);
+        let one = run(&exact, &[1], 3);
+        for ((x, y), z) in a.iter().zip(&b).zip(&one) {
+            assert!(x.iter().chain(y).all(|h| h == &z[0]), "ranks differ: {x:?} {y:?} {z:?}");
+        }
+        // An ordinary job: every local rank holds the same bits, and the hosts agree.
+        let plain = job(ModelKind::Mlp, &data, 24, 4);
+        let a = run(&plain, &[2, 1], 2);
+        assert!(a.iter().all(|x| x.iter().all(|h| h == &x[0])), "{a:?}");
+    }
+
+    #[test]
+    fn a_local_rank_that_leaves_fails_the_others_instead_of_hanging() {
+        let group = LocalGroup::new(3);
+        std::thread::scope(|s| {
+            let gone = group.rank(2, None);
+            let waiting: Vec<_> = (0..2)
+                .map(|i| {
+                    let mut r = group.rank(i, None);
+                    s.spawn(move || r.allreduce_sum(&mut [1.0, 2.0], 0))
+                })
+                .collect();
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            drop(gone);
+            for w in waiting {
+                let e = w.join().unwrap().unwrap_err();
+                assert!(e.to_string().contains("local rank 2 left"), "{e}");
+            }
+        });
+    }
+
+    #[test]
+    fn a_failure_between_hosts_reaches_every_local_rank_and_sums_are_hierarchical() {
+        /// Fails its first collective (naming a peer), doubles the sum after.
+        struct Flaky(usize);
+        impl Reduce for Flaky {
+            fn allreduce_sum(&mut self, b: &mut [f32], _: u64) -> Result<(), TrainerError> {
+                self.0 += 1;
+                if self.0 == 1 {
+                    return Err(TrainerError::Reduce {
+                        peer: Some(7),
+                        detail: "peer 7 closed".into(),
+                        violation: false,
+                    });
+                }
+                b.iter_mut().for_each(|v| *v *= 2.0);
+                Ok(())
+            }
+        }
+        let group = LocalGroup::new(2);
+        let mut flaky = Flaky(0);
+        std::thread::scope(|s| {
+            let mut r1 = group.rank(1, None);
+            let other = s.spawn(move || {
+                let mut b = [3.0f32, 4.0];
+                let first = r1.allreduce_sum(&mut b, 0).map(|_| b);
+                let mut b = [3.0f32, 4.0];
+                (first, r1.allreduce_sum(&mut b, 1).map(|_| b))
+            });
+            let mut r0 = group.rank(0, Some(&mut flaky));
+            let e = r0.allreduce_sum(&mut [1.0, 2.0], 0).unwrap_err();
+            assert!(matches!(e, TrainerError::Reduce { peer: Some(7), .. }), "{e}");
+            // The group goes on: the next collective succeeds everywhere.
+            let mut b = [1.0f32, 2.0];
+            r0.allreduce_sum(&mut b, 1).unwrap();
+            assert_eq!(b, [8.0, 12.0]);
+            let (first, second) = other.join().unwrap();
+            assert!(matches!(first, Err(TrainerError::Reduce { peer: Some(7), .. })));
+            assert_eq!(second.unwrap(), [8.0, 12.0]);
+        });
+    }
+
+    #[test]
+    fn a_follower_copies_a_replaced_state_and_keeps_the_plan() {
+        let data = synthetic();
+        let j = job(ModelKind::Mlp, &data, 24, 4);
+        let mut leader = Trainer::try_new(j.clone(), data.shallow_clone()).unwrap();
+        let mut follower = Trainer::try_new(j, data).unwrap();
+        assert!(follower.follow(&leader).unwrap(), "a first follow copies");
+        assert!(!follower.follow(&leader).unwrap(), "equal states copy nothing");
+        leader.train_step(0, 1, &mut NoReduce).unwrap();
+        assert!(follower.follow(&leader).unwrap(), "a step apart copies");
+        assert_eq!(follower.content_hash().unwrap(), leader.content_hash().unwrap());
+        let image = leader.image().unwrap();
+        leader.load_image(&image).unwrap();
+        assert!(follower.follow(&leader).unwrap(), "a replaced state copies");
+        leader.set_epoch_plan(12, 3, 0.5).unwrap();
+        follower.follow(&leader).unwrap();
+        assert_eq!((follower.plan(), follower.lr_scale), (leader.plan(), 0.5));
+    }
+}
