@@ -1,13 +1,15 @@
 //! Local ranks: one host's devices, each trained by a [`Trainer`] on a thread of its own,
 //! reducing as one member of the hosts' ring.
 //!
-//! Each collective is hierarchical. The local ranks sum their buffers through host memory
-//! (each adds its own into one shared buffer: no socket, no copy but that add); the first
-//! local rank alone then takes the host's sum through `inter`, the reduce between hosts
-//! (the ring, a single process's [`crate::NoReduce`] in tests); every local rank copies the
-//! result back. The ring between hosts therefore carries one buffer per host, whatever its
-//! devices, and a job's ranks are its devices: rank `first + i` of `world` is local rank
-//! `i` of the host whose ranks start at `first`.
+//! Each collective is hierarchical. The buffer is cut into chunks of [`CHUNK`] values (the
+//! same cut on every host, whatever its devices), each summed in host memory of its own: every
+//! local rank adds its part of each chunk, starting at a chunk of its own so that the ranks
+//! add in parallel (no socket between them, no copy but those adds). The first local rank
+//! alone then takes each chunk's host sum around the ring between hosts (`inter`: the ring,
+//! or a single process's [`crate::NoReduce`] in tests), chunk after chunk, and every local
+//! rank copies the result back, again in parallel. The ring carries one buffer per host
+//! whatever its devices, and a job's ranks are its devices: rank `first + i` of `world` is
+//! local rank `i` of the host whose ranks start at `first`.
 //!
 //! Integer sums (a reproducible job's fixed point) do not depend on the order of the adds,
 //! so two hosts of two devices and four hosts of one train the same bits.
@@ -45,6 +47,21 @@ impl Failed {
     }
 }
 
+/// Values per chunk of a hierarchical collective: large enough that the ring's cost per
+/// collective is nothing beside a chunk's bytes, small enough that local ranks add in
+/// parallel on a large model. A constant, so every host cuts a buffer alike.
+pub const CHUNK: usize = 1 << 22;
+
+/// One chunk's host sum, in the element type of the collective running.
+#[derive(Default)]
+struct Chunk {
+    /// Local ranks whose part is in the sum.
+    added: usize,
+    f32s: Vec<f32>,
+    i64s: Vec<i64>,
+    i32s: Vec<i32>,
+}
+
 #[derive(Default)]
 struct State {
     /// Local ranks at the current barrier, and barriers completed.
@@ -52,13 +69,17 @@ struct State {
     generation: u64,
     /// Why the group can no longer complete a collective (a local rank left).
     aborted: Option<String>,
-    /// Local ranks whose buffer is in the sum of the current collective.
-    added: usize,
-    f32s: Vec<f32>,
-    i64s: Vec<i64>,
-    i32s: Vec<i32>,
+    /// The host sums of the current collective's chunks (kept for the next: no allocation
+    /// per step once the largest collective ran).
+    chunks: Vec<Arc<Mutex<Chunk>>>,
     /// The collective between hosts failed (every local rank returns it).
     failed: Option<Failed>,
+}
+
+/// Locks a chunk (one whose holder panicked is still whole: every update under it is a
+/// plain add or copy, and the group is aborted anyway).
+fn lock_chunk(c: &Mutex<Chunk>) -> MutexGuard<'_, Chunk> {
+    c.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 struct Shared {
@@ -146,64 +167,83 @@ impl Drop for LocalRank<'_> {
 }
 
 impl LocalRank<'_> {
-    /// The hierarchical collective: every local rank's `buf` combined into the shared sum,
-    /// that sum through the reduce between hosts (local rank 0), and the result copied to
-    /// every local rank.
+    /// The hierarchical collective: every local rank's `buf` combined into the host's sums
+    /// (chunk by chunk, the ranks in parallel), each sum through the reduce between hosts
+    /// (local rank 0), and the result copied to every local rank.
     fn all<T: Copy + Default>(
         &mut self,
         buf: &mut [T],
         step: u64,
-        slot: fn(&mut State) -> &mut Vec<T>,
+        slot: fn(&mut Chunk) -> &mut Vec<T>,
         combine: fn(&mut T, T),
         between: fn(&mut dyn Reduce, &mut [T], u64) -> Result<(), TrainerError>,
     ) -> Result<(), TrainerError> {
         let shared = Arc::clone(&self.shared);
-        let mut st = shared.lock();
-        if let Some(why) = &st.aborted {
-            return Err(TrainerError::reduce(why.clone()));
-        }
-        let first = st.added == 0;
-        st.added += 1;
-        let acc = slot(&mut st);
-        if first {
-            acc.clear();
-            acc.extend_from_slice(buf);
-        } else if acc.len() != buf.len() {
-            // Local ranks run the same code on the same job: a bug, not a peer.
-            let detail =
-                format!("local rank {} reduces {} values, another {}", self.index, buf.len(), acc.len());
-            st.aborted = Some(detail.clone());
-            shared.changed.notify_all();
-            return Err(TrainerError::Reduce { peer: None, detail, violation: true });
-        } else {
-            acc.iter_mut().zip(buf.iter()).for_each(|(a, &b)| combine(a, b));
-        }
-        let mut st = shared.barrier(st, |_| {})?;
-        if let Some(inter) = self.inter.as_mut() {
-            // Out of the lock while the hosts' ring runs: the other local ranks wait on the
-            // condition variable, and one that leaves can still say so.
-            let mut sum = std::mem::take(slot(&mut st));
-            drop(st);
-            let outcome = between(&mut **inter, &mut sum, step);
-            st = shared.lock();
-            *slot(&mut st) = sum;
-            if let Err(e) = outcome {
-                st.failed = Some(Failed::of(&e));
+        let ranges: Vec<std::ops::Range<usize>> =
+            (0..buf.len().div_ceil(CHUNK)).map(|c| c * CHUNK..((c + 1) * CHUNK).min(buf.len())).collect();
+        let chunks = {
+            let mut st = shared.lock();
+            if let Some(why) = &st.aborted {
+                return Err(TrainerError::reduce(why.clone()));
+            }
+            while st.chunks.len() < ranges.len() {
+                st.chunks.push(Arc::default());
+            }
+            st.chunks[..ranges.len()].to_vec()
+        };
+        // Each rank starts at a chunk of its own, so ranks seldom wait for one another.
+        let m = ranges.len();
+        let start = if m == 0 { 0 } else { self.index * m / shared.n };
+        for c in (0..m).map(|j| (start + j) % m) {
+            let mut chunk = lock_chunk(&chunks[c]);
+            let first = chunk.added == 0;
+            chunk.added += 1;
+            let (part, sum) = (&buf[ranges[c].clone()], slot(&mut chunk));
+            if first {
+                sum.clear();
+                sum.extend_from_slice(part);
+            } else if sum.len() != part.len() {
+                // Local ranks run the same code on the same job: a bug, not a peer.
+                drop(chunk);
+                let detail = format!("local rank {} reduces another length than the others", self.index);
+                let mut st = shared.lock();
+                st.aborted = Some(detail.clone());
+                shared.changed.notify_all();
+                return Err(TrainerError::Reduce { peer: None, detail, violation: true });
+            } else {
+                sum.iter_mut().zip(part).for_each(|(a, &b)| combine(a, b));
             }
         }
-        let mut st = shared.barrier(st, |_| {})?;
-        // Copied under the lock, one local rank after another, as the sum was made.
+        let st = shared.barrier(shared.lock(), |_| {})?;
+        drop(st);
+        if let Some(inter) = self.inter.as_mut() {
+            // Chunk after chunk, in order (every host cuts alike); the others wait on the
+            // condition variable meanwhile, and one that leaves can still say so.
+            for c in &chunks {
+                let mut chunk = lock_chunk(c);
+                if let Err(e) = between(&mut **inter, slot(&mut chunk), step) {
+                    shared.lock().failed = Some(Failed::of(&e));
+                    break;
+                }
+            }
+        }
+        let st = shared.barrier(shared.lock(), |_| {})?;
         let outcome = match st.failed.clone() {
             Some(f) => Err(f.error()),
-            None => {
-                buf.copy_from_slice(slot(&mut st));
-                Ok(())
-            }
+            None => Ok(()),
         };
-        // Nobody starts the next collective's sum before every rank has copied this one.
-        drop(shared.barrier(st, |s| {
-            s.added = 0;
+        drop(st);
+        if outcome.is_ok() {
+            for c in (0..m).map(|j| (start + j) % m) {
+                buf[ranges[c].clone()].copy_from_slice(slot(&mut lock_chunk(&chunks[c])));
+            }
+        }
+        // Nobody starts the next collective's sums before every rank has copied this one.
+        drop(shared.barrier(shared.lock(), |s| {
             s.failed = None;
+            for c in &s.chunks {
+                lock_chunk(c).added = 0;
+            }
         })?);
         outcome
     }
@@ -211,7 +251,7 @@ impl LocalRank<'_> {
 
 impl Reduce for LocalRank<'_> {
     fn allreduce_sum(&mut self, buf: &mut [f32], step: u64) -> Result<(), TrainerError> {
-        self.all(buf, step, |s| &mut s.f32s, |a, b| *a += b, |r, b, s| r.allreduce_sum(b, s))
+        self.all(buf, step, |c| &mut c.f32s, |a, b| *a += b, |r, b, s| r.allreduce_sum(b, s))
     }
 
     fn allreduce_sum_i64(&mut self, buf: &mut [i64], step: u64) -> Result<(), TrainerError> {
@@ -225,7 +265,7 @@ impl Reduce for LocalRank<'_> {
     }
 
     fn allreduce_max_i32(&mut self, vals: &mut [i32], step: u64) -> Result<(), TrainerError> {
-        self.all(vals, step, |s| &mut s.i32s, |a, b| *a = (*a).max(b), |r, b, s| r.allreduce_max_i32(b, s))
+        self.all(vals, step, |c| &mut c.i32s, |a, b| *a = (*a).max(b), |r, b, s| r.allreduce_max_i32(b, s))
     }
 }
 
@@ -417,5 +457,41 @@ mod tests {
         leader.set_epoch_plan(12, 3, 0.5).unwrap();
         follower.follow(&leader).unwrap();
         assert_eq!((follower.plan(), follower.lr_scale), (leader.plan(), 0.5));
+    }
+
+    #[test]
+    fn a_buffer_of_several_chunks_is_summed_in_parallel_and_crosses_hosts_chunk_by_chunk() {
+        /// Counts the collectives between hosts and doubles each (a second host's equal sum).
+        struct Counting(usize);
+        impl Reduce for Counting {
+            fn allreduce_sum(&mut self, b: &mut [f32], _: u64) -> Result<(), TrainerError> {
+                self.0 += 1;
+                b.iter_mut().for_each(|v| *v *= 2.0);
+                Ok(())
+            }
+        }
+        let len = 2 * CHUNK + 5;
+        let group = LocalGroup::new(3);
+        let mut counting = Counting(0);
+        let results: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let others: Vec<_> = (1..3)
+                .map(|i| {
+                    let mut r = group.rank(i, None);
+                    s.spawn(move || {
+                        let mut b: Vec<f32> = (0..len).map(|v| (v % 7) as f32 * i as f32).collect();
+                        r.allreduce_sum(&mut b, 0).unwrap();
+                        b
+                    })
+                })
+                .collect();
+            let mut b: Vec<f32> = vec![1.0; len];
+            group.rank(0, Some(&mut counting)).allreduce_sum(&mut b, 0).unwrap();
+            std::iter::once(b).chain(others.into_iter().map(|h| h.join().unwrap())).collect()
+        });
+        assert_eq!(counting.0, 3, "one collective between hosts per chunk");
+        let want: Vec<f32> = (0..len).map(|v| 2.0 * (1.0 + 3.0 * (v % 7) as f32)).collect();
+        for r in &results {
+            assert!(r == &want, "a local rank holds another sum");
+        }
     }
 }
