@@ -414,3 +414,28 @@ fn a_slow_pipeline_host_gets_fewer_blocks() {
     let (slow, fast) = (blocks(last, "node-2"), blocks(last, "node-1"));
     assert!(slow <= fast, "node-2 (speed {speed:.2}) holds {slow} blocks, node-1 {fast}: {summary:#}");
 }
+
+/// The same straggler among hosts of two devices each (`--devices 2`, the ordinary float
+/// path): the leader judges speed per device, node-3's share is split over its two ranks, and
+/// the run still equals one process within the float tolerance.
+#[test]
+fn a_slow_host_of_two_devices_gets_fewer_samples_and_still_matches_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let slow =
+        ["--policy", "fixed-global", "--slow", "node-3:400", "--straggler-ratio", "1.3", "--devices", "2"];
+    let steps = 2000;
+    let mlp = scenario_with(&tmp.path().join("mlp"), 3, "mlp", steps, "", &slow);
+    let balance = transition(&mlp, "slower: shares by speed");
+    let shares: Vec<u64> =
+        balance["shares"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    assert_eq!(shares.iter().sum::<u64>(), 64, "{balance}");
+    assert!(shares[2] < shares[0] && shares[2] < shares[1], "node-3 computes the fewest: {shares:?}");
+    assert!(shares.iter().all(|&s| s >= 2), "every device keeps a sample: {shares:?}");
+    let single = tmp.path().join("single");
+    train_alone(&single, &["--model", "mlp", "--data", "digits", "--batch", "64"], steps);
+    let (elastic_img, elastic) = params(&PathBuf::from(mlp["checkpoint"].as_str().unwrap()));
+    let (single_img, one) = params(&single.join("checkpoint.safetensors"));
+    assert_eq!(elastic_img.meta().job, single_img.meta().job);
+    let diff = max_rel_diff(&elastic, &one);
+    assert!(diff < PARAM_TOLERANCE, "parameters differ by {diff:.3e} (tolerance {PARAM_TOLERANCE:e})");
+}

@@ -19,7 +19,7 @@ mod shard;
 pub use eval::EvalSums;
 
 pub use exact::{MAX_SHARDS, SHARDS};
-pub use local::{LocalGroup, LocalRank};
+pub use local::{LocalGroup, LocalRank, LocalSums};
 pub use reduce::{NoReduce, Reduce};
 pub use shard::ShardLayout;
 

@@ -12,7 +12,7 @@
 //! devices compute what four hosts of one do.
 
 use limpet_consensus::state::Epoch;
-use limpet_trainer::{LocalGroup, Reduce, StepStats, Trainer, TrainerError};
+use limpet_trainer::{LocalGroup, LocalSums, Reduce, StepStats, Trainer, TrainerError};
 use std::time::Instant;
 
 /// What one step of a host's local ranks did besides the update.
@@ -54,6 +54,7 @@ pub(super) fn step(
     epoch: &Epoch,
     me: usize,
     ring: &mut (dyn Reduce + Send),
+    sums: &LocalSums,
 ) -> Result<(StepStats, LocalStep), TrainerError> {
     let n = epoch.local_ranks_of(me) as usize;
     if n > 1 + followers.len() {
@@ -81,7 +82,7 @@ pub(super) fn step(
     let plan = leader.plan();
     let shares = epoch.rank_shares();
     let samples = (first..first + n).map(|r| plan.share_in(r, world, &shares).len()).sum();
-    let group = LocalGroup::new(n);
+    let group = LocalGroup::with_sums(n, sums);
     let (mine, theirs) = std::thread::scope(|s| {
         let handles: Vec<_> = followers
             .iter_mut()

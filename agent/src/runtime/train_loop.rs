@@ -126,6 +126,8 @@ pub(super) struct TrainLoop {
     pub trainer: Trainer,
     /// The trainers of this host's other devices (`[node].devices`), which follow `trainer`.
     followers: Vec<Trainer>,
+    /// The host sums of the local ranks' collectives, kept from step to step.
+    local_sums: limpet_trainer::LocalSums,
     pub checkpointer: Checkpointer,
     pub shadows: Shadows,
     group: Option<(Epoch, Conn)>,
@@ -198,6 +200,7 @@ impl TrainLoop {
             tasks,
             trainer,
             followers,
+            local_sums: Default::default(),
             shadows: Shadows::default(),
             group: None,
             broken: None,
@@ -351,7 +354,14 @@ impl TrainLoop {
         let outcome: Result<limpet_trainer::StepStats, (Option<NodeId>, String, bool)> = match conn {
             // Hosts with several devices: ranks per device, the host's sum through memory.
             Conn::Ring(g) if !epoch.local_ranks.is_empty() && self.trainer.shard_layout().is_none() => {
-                match super::local_ranks::step(&mut self.trainer, &mut self.followers, epoch, group_rank, g) {
+                match super::local_ranks::step(
+                    &mut self.trainer,
+                    &mut self.followers,
+                    epoch,
+                    group_rank,
+                    g,
+                    &self.local_sums,
+                ) {
                     Ok((stats, local)) => {
                         let mut own = Duration::from_secs_f64(local.compute_ms / 1e3);
                         if self.cfg.slowdown_us_per_sample > 0 {

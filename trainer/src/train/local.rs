@@ -12,7 +12,10 @@
 //! local rank `i` of the host whose ranks start at `first`.
 //!
 //! Integer sums (a reproducible job's fixed point) do not depend on the order of the adds,
-//! so two hosts of two devices and four hosts of one train the same bits.
+//! so two hosts of two devices and four hosts of one train the same bits. An f32 sum of three
+//! or more local ranks adds in the order the ranks reach a chunk, so its last bits may differ
+//! from run to run (as the ordinary path's do with the micro-batches); within a run every
+//! local rank copies the one sum, and the ring gives every host the same bytes.
 //!
 //! A local rank that leaves the step early (an error, a panic) marks the group aborted as
 //! it is dropped, and every local rank waiting for it returns an error instead of waiting
@@ -69,11 +72,36 @@ struct State {
     generation: u64,
     /// Why the group can no longer complete a collective (a local rank left).
     aborted: Option<String>,
-    /// The host sums of the current collective's chunks (kept for the next: no allocation
-    /// per step once the largest collective ran).
-    chunks: Vec<Arc<Mutex<Chunk>>>,
+    /// The host sums of the chunks, kept from step to step (see [`LocalSums`]).
+    sums: LocalSums,
+    /// The current collective's length and element type, as its first local rank gave them:
+    /// every other rank must give the same.
+    shape: Option<(usize, &'static str)>,
     /// The collective between hosts failed (every local rank returns it).
     failed: Option<Failed>,
+}
+
+/// The memory of a host's sums (model-sized), kept by the agent from one step's
+/// [`LocalGroup`] to the next so that a step allocates none.
+#[derive(Clone, Default)]
+pub struct LocalSums(Arc<Mutex<Vec<Arc<Mutex<Chunk>>>>>);
+
+impl LocalSums {
+    /// The first `m` chunks, made where missing.
+    fn first(&self, m: usize) -> Vec<Arc<Mutex<Chunk>>> {
+        let mut all = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        while all.len() < m {
+            all.push(Arc::default());
+        }
+        all[..m].to_vec()
+    }
+
+    /// Every chunk counts no rank's part yet (a group left aborted mid-sum leaves counts).
+    fn reset(&self) {
+        for c in self.0.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            lock_chunk(c).added = 0;
+        }
+    }
 }
 
 /// Locks a chunk (one whose holder panicked is still whole: every update under it is a
@@ -130,19 +158,24 @@ pub struct LocalGroup {
 }
 
 impl LocalGroup {
-    /// A group of `n` local ranks (at least one).
+    /// A group of `n` local ranks (at least one), with sums of its own.
     pub fn new(n: usize) -> LocalGroup {
+        LocalGroup::with_sums(n, &LocalSums::default())
+    }
+
+    /// A group of `n` local ranks summing into `sums` (no other group may be using them).
+    pub fn with_sums(n: usize, sums: &LocalSums) -> LocalGroup {
+        sums.reset();
+        let state = State { sums: sums.clone(), ..State::default() };
         LocalGroup {
-            shared: Arc::new(Shared {
-                n: n.max(1),
-                state: Mutex::new(State::default()),
-                changed: Condvar::new(),
-            }),
+            shared: Arc::new(Shared { n: n.max(1), state: Mutex::new(state), changed: Condvar::new() }),
         }
     }
 
-    /// Local rank `index`'s reduce; local rank 0's carries `inter`, the reduce between hosts.
+    /// Local rank `index` (below the group's size, each taken once)'s reduce; local rank 0's
+    /// carries `inter`, the reduce between hosts.
     pub fn rank<'a>(&self, index: usize, inter: Option<&'a mut (dyn Reduce + Send)>) -> LocalRank<'a> {
+        debug_assert!(index < self.shared.n, "local rank {index} of {}", self.shared.n);
         LocalRank { index, shared: Arc::clone(&self.shared), inter }
     }
 }
@@ -179,17 +212,28 @@ impl LocalRank<'_> {
         between: fn(&mut dyn Reduce, &mut [T], u64) -> Result<(), TrainerError>,
     ) -> Result<(), TrainerError> {
         let shared = Arc::clone(&self.shared);
-        let ranges: Vec<std::ops::Range<usize>> =
-            (0..buf.len().div_ceil(CHUNK)).map(|c| c * CHUNK..((c + 1) * CHUNK).min(buf.len())).collect();
+        // At least one chunk, empty for an empty buffer: the ring is still called, as every
+        // host calls it.
+        let ranges: Vec<std::ops::Range<usize>> = (0..buf.len().div_ceil(CHUNK).max(1))
+            .map(|c| (c * CHUNK).min(buf.len())..((c + 1) * CHUNK).min(buf.len()))
+            .collect();
         let chunks = {
             let mut st = shared.lock();
             if let Some(why) = &st.aborted {
                 return Err(TrainerError::reduce(why.clone()));
             }
-            while st.chunks.len() < ranges.len() {
-                st.chunks.push(Arc::default());
+            let shape = (buf.len(), std::any::type_name::<T>());
+            if *st.shape.get_or_insert(shape) != shape {
+                // Local ranks run the same code on the same job: a bug, not a peer.
+                let detail = format!(
+                    "local rank {} reduces {} values of {}, another {:?}",
+                    self.index, shape.0, shape.1, st.shape
+                );
+                st.aborted = Some(detail.clone());
+                shared.changed.notify_all();
+                return Err(TrainerError::Reduce { peer: None, detail, violation: true });
             }
-            st.chunks[..ranges.len()].to_vec()
+            st.sums.first(ranges.len())
         };
         // Each rank starts at a chunk of its own, so ranks seldom wait for one another.
         let m = ranges.len();
@@ -202,14 +246,6 @@ impl LocalRank<'_> {
             if first {
                 sum.clear();
                 sum.extend_from_slice(part);
-            } else if sum.len() != part.len() {
-                // Local ranks run the same code on the same job: a bug, not a peer.
-                drop(chunk);
-                let detail = format!("local rank {} reduces another length than the others", self.index);
-                let mut st = shared.lock();
-                st.aborted = Some(detail.clone());
-                shared.changed.notify_all();
-                return Err(TrainerError::Reduce { peer: None, detail, violation: true });
             } else {
                 sum.iter_mut().zip(part).for_each(|(a, &b)| combine(a, b));
             }
@@ -221,7 +257,10 @@ impl LocalRank<'_> {
             // condition variable meanwhile, and one that leaves can still say so.
             for c in &chunks {
                 let mut chunk = lock_chunk(c);
-                if let Err(e) = between(&mut **inter, slot(&mut chunk), step) {
+                let crossed = between(&mut **inter, slot(&mut chunk), step);
+                // Never the state's lock under a chunk's (barrier 3 takes them the other way).
+                drop(chunk);
+                if let Err(e) = crossed {
                     shared.lock().failed = Some(Failed::of(&e));
                     break;
                 }
@@ -241,7 +280,8 @@ impl LocalRank<'_> {
         // Nobody starts the next collective's sums before every rank has copied this one.
         drop(shared.barrier(shared.lock(), |s| {
             s.failed = None;
-            for c in &s.chunks {
+            s.shape = None;
+            for c in &chunks {
                 lock_chunk(c).added = 0;
             }
         })?);
@@ -493,5 +533,51 @@ mod tests {
         for r in &results {
             assert!(r == &want, "a local rank holds another sum");
         }
+    }
+
+    #[test]
+    fn local_ranks_that_disagree_on_a_collective_fail_it_instead_of_summing_wrong() {
+        // Lengths of one and of two chunks: the chunk only one rank has would be its own.
+        let group = LocalGroup::new(2);
+        let results: Vec<Result<(), TrainerError>> = std::thread::scope(|s| {
+            let lens = [CHUNK, CHUNK + 3];
+            let handles: Vec<_> = (0..2)
+                .map(|i| {
+                    let mut r = group.rank(i, None);
+                    s.spawn(move || r.allreduce_sum(&mut vec![1.0; lens[i]], 0))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(results.iter().all(|r| r.is_err()), "{results:?}");
+        assert!(results.iter().any(|r| matches!(r, Err(TrainerError::Reduce { violation: true, .. }))));
+        // Sums kept from a group left mid-collective count nothing in the next group's.
+        let sums = LocalSums::default();
+        {
+            let group = LocalGroup::with_sums(2, &sums);
+            let mut r0 = group.rank(0, None);
+            let gone = group.rank(1, None);
+            std::thread::scope(|s| {
+                let h = s.spawn(move || r0.allreduce_sum(&mut [5.0, 5.0], 0));
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                drop(gone);
+                assert!(h.join().unwrap().is_err());
+            });
+        }
+        let group = LocalGroup::with_sums(2, &sums);
+        let got: Vec<[f32; 2]> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|i| {
+                    let mut r = group.rank(i, None);
+                    s.spawn(move || {
+                        let mut b = [1.0f32, 2.0];
+                        r.allreduce_sum(&mut b, 1).unwrap();
+                        b
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(got, vec![[2.0, 4.0]; 2]);
     }
 }
