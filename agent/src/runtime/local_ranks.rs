@@ -23,19 +23,18 @@ pub(super) struct LocalStep {
     pub compute_ms: f64,
 }
 
-/// Makes every local rank hold the host's state (`leader`'s): one image of it, loaded by
-/// each local rank that does not hold it yet. What an entry does before its barrier, so the
-/// other hosts do not wait for the copies inside the next step's collective.
+/// Makes every local rank hold the host's state (`leader`'s), copied tensor by tensor from
+/// device to device by each local rank that does not hold it yet. What an entry does before
+/// its barrier, so the other hosts do not wait for the copies inside the next step's
+/// collective.
 pub(super) fn sync(leader: &Trainer, followers: &mut [Trainer]) -> Result<(), TrainerError> {
     if followers.iter().all(|f| f.follows(leader)) {
         return Ok(());
     }
     let started = Instant::now();
-    let image = leader.image()?;
     let mut copied = 0;
-    for f in followers.iter_mut().filter(|f| !f.follows(leader)) {
-        f.follow_image(leader, &image)?;
-        copied += 1;
+    for f in followers.iter_mut() {
+        copied += usize::from(f.follow(leader)?);
     }
     tracing::info!(
         step = leader.step(),

@@ -23,9 +23,9 @@
 
 use super::Trainer;
 use crate::{Reduce, TrainerError};
-use limpet_snapshot::StateImage;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use tch::Tensor;
 
 /// A failure of the collective between hosts, as every local rank reports it.
 #[derive(Clone, Debug)]
@@ -330,25 +330,54 @@ impl Trainer {
         self.following == Some(leader.stamp) && self.step == leader.step
     }
 
-    /// Makes this trainer hold `image`, `leader`'s state, and follow its plan.
-    pub fn follow_image(&mut self, leader: &Trainer, image: &StateImage) -> Result<(), TrainerError> {
-        self.load_image(image)?;
-        self.following = Some(leader.stamp);
-        self.take_plan(leader);
-        Ok(())
-    }
-
-    /// Makes this trainer hold `leader`'s state and follow its plan: a copy of its image when
+    /// Makes this trainer hold `leader`'s state and follow its plan: a copy of its state when
     /// it does not [`Trainer::follows`] it, else nothing but the plan. Local ranks that apply
     /// the same reduced buffers stay equal step after step. Whether it copied.
     pub fn follow(&mut self, leader: &Trainer) -> Result<bool, TrainerError> {
-        if self.follows(leader) {
-            self.take_plan(leader);
-            return Ok(false);
+        let copy = !self.follows(leader);
+        if copy {
+            self.copy_state_from(leader)?;
+            self.following = Some(leader.stamp);
         }
-        let image = leader.image()?;
-        self.follow_image(leader, &image)?;
-        Ok(true)
+        self.take_plan(leader);
+        Ok(copy)
+    }
+
+    /// Makes this trainer's state (parameters, optimizer state, step, data position, random
+    /// state, predicted exponents) a copy of `leader`'s, tensor by tensor from its device to
+    /// this one's: no image and no copy through host memory. Both of one job, unsharded.
+    fn copy_state_from(&mut self, leader: &Trainer) -> Result<(), TrainerError> {
+        leader.refuse_sharded("a local rank's copy of the host's state")?;
+        if let Some(d) = self.job.diff(&leader.job) {
+            return Err(TrainerError::Mismatch(format!("job field {d} (a local rank vs the host's)")));
+        }
+        self.drop_shard();
+        self.stamp = next_stamp();
+        // Lazy zero moments (a view of one zero) cannot be written into: this rank's get
+        // memory; the leader's read as zeros.
+        self.optim.materialize();
+        let pairs: Vec<(Tensor, Tensor)> = {
+            let (mine, theirs) = (self.model.params(), leader.model.params());
+            let params =
+                mine.iter().zip(theirs).map(|((_, d), (_, s))| (d.shallow_clone(), s.shallow_clone()));
+            let slots = self
+                .optim
+                .named_state(mine)
+                .zip(leader.optim.named_state(theirs))
+                .map(|((_, d), (_, s))| (d.shallow_clone(), s.shallow_clone()));
+            params.chain(slots).collect()
+        };
+        tch::no_grad(|| -> Result<(), TrainerError> {
+            for (mut dst, src) in pairs {
+                dst.f_copy_(&src)?;
+            }
+            Ok(())
+        })?;
+        self.step = leader.step;
+        self.cursor = leader.cursor;
+        self.rng = leader.rng;
+        self.exact_exponents = leader.exact_exponents.clone();
+        Ok(())
     }
 
     /// The leader's batch plan, learning-rate scale and shares.
