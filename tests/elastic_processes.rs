@@ -357,13 +357,7 @@ fn a_slow_host_gets_fewer_samples_and_the_result_still_matches_one_process() {
     let steps = 2000;
     let mlp = scenario_with(&tmp.path().join("mlp"), 3, "mlp", steps, "", &slow);
     transition(&mlp, "slower: shares by speed");
-    let single = tmp.path().join("single");
-    train_alone(&single, &["--model", "mlp", "--data", "digits", "--batch", "64"], steps);
-    let (elastic_img, elastic) = params(&PathBuf::from(mlp["checkpoint"].as_str().unwrap()));
-    let (single_img, one) = params(&single.join("checkpoint.safetensors"));
-    assert_eq!(elastic_img.meta().job, single_img.meta().job);
-    let diff = max_rel_diff(&elastic, &one);
-    assert!(diff < PARAM_TOLERANCE, "parameters differ by {diff:.3e} (tolerance {PARAM_TOLERANCE:e})");
+    mlp_matches_one_process(tmp.path(), &mlp, steps);
 }
 
 /// The pipeline planner places blocks by measured host speed: in a 2-stage GPT on two
@@ -431,9 +425,15 @@ fn a_slow_host_of_two_devices_gets_fewer_samples_and_still_matches_one_process()
     assert_eq!(shares.iter().sum::<u64>(), 64, "{balance}");
     assert!(shares[2] < shares[0] && shares[2] < shares[1], "node-3 computes the fewest: {shares:?}");
     assert!(shares.iter().all(|&s| s >= 2), "every device keeps a sample: {shares:?}");
-    let single = tmp.path().join("single");
+    mlp_matches_one_process(tmp.path(), &mlp, steps);
+}
+
+/// The MLP job's final parameters in `summary` (a scenario's) against one process trained
+/// alone for `steps` in `tmp`: the same job, within the float tolerance.
+fn mlp_matches_one_process(tmp: &Path, summary: &Value, steps: u64) {
+    let single = tmp.join("single");
     train_alone(&single, &["--model", "mlp", "--data", "digits", "--batch", "64"], steps);
-    let (elastic_img, elastic) = params(&PathBuf::from(mlp["checkpoint"].as_str().unwrap()));
+    let (elastic_img, elastic) = params(&PathBuf::from(summary["checkpoint"].as_str().unwrap()));
     let (single_img, one) = params(&single.join("checkpoint.safetensors"));
     assert_eq!(elastic_img.meta().job, single_img.meta().job);
     let diff = max_rel_diff(&elastic, &one);

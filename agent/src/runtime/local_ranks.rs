@@ -72,14 +72,14 @@ pub(super) fn step(
     }
     let followers = &mut followers[..n - 1];
     let (first, world) = (epoch.first_rank_of(me), epoch.total_ranks());
-    leader.set_shares(epoch.rank_shares());
-    // Normally done at the entry (`sync`); here only after a checkpoint loaded in the loop.
-    sync(leader, followers)?;
+    let shares = epoch.rank_shares();
+    leader.set_shares(shares.clone());
+    // The plan and shares; a copy of the state only after a checkpoint loaded in the loop
+    // (an entry copies it before its barrier, `sync`).
     for f in followers.iter_mut() {
         f.follow(leader)?;
     }
     let plan = leader.plan();
-    let shares = epoch.rank_shares();
     let samples = (first..first + n).map(|r| plan.share_in(r, world, &shares).len()).sum();
     let group = LocalGroup::with_sums(n, sums);
     let (mine, theirs) = std::thread::scope(|s| {

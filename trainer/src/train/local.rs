@@ -319,11 +319,6 @@ pub(super) fn next_stamp() -> u64 {
 }
 
 impl Trainer {
-    /// This state's stamp: it changes whenever the state is replaced (not when stepped).
-    pub fn stamp(&self) -> u64 {
-        self.stamp
-    }
-
     /// Whether this trainer (a local rank on another device of the host) holds `leader`'s
     /// state: it copied the leader's current state, and both applied the same steps since.
     pub fn follows(&self, leader: &Trainer) -> bool {
