@@ -90,7 +90,7 @@ bench: build
 	$(LAB) bench train --preset 125m --batch 4 --context 256 --steps 4
 	$(LAB) bench activations --preset small --vocab 128256 --batch 4 --context 512
 	$(LAB) bench dp --preset small --world 2 --batch 16 --context 128
-	$(LAB) bench dp --preset small --world 4 --batch 16 --context 128
+	$(LAB) bench dp --preset small --world 4 --batch 16 --context 128 --overlap-both
 	$(LAB) bench dp --preset small --world 4 --batch 16 --context 128 --shard-replicas 1
 	$(LAB) bench dp --preset small --world 4 --batch 16 --context 128 --devices 2
 	$(LAB) bench dp --preset 125m --world 4 --batch 8 --context 64 --steps 3 --warmup 1

@@ -165,6 +165,8 @@ impl JobArgs {
             // `limpet train` runs one rank: nothing to shard.
             shard_state: None,
             shard_replicas: None,
+            // One rank reduces nothing.
+            overlap: None,
         }
     }
 }

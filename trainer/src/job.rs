@@ -79,6 +79,11 @@ pub struct JobSpec {
     /// older images: whole on every rank.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shard_state: Option<Sharding>,
+    /// Reduce the gradients only once backward has ended (`[job].overlap = false`), instead
+    /// of a bucket at a time while it runs (`train/overlap.rs`). Part of the job because the
+    /// buckets change the order the ring sums in, and every rank must cut them alike.
+    #[serde(default, skip_serializing_if = "is_off")]
+    pub reduce_after_backward: bool,
 }
 
 /// How a job spreads its state over the ranks.
@@ -133,6 +138,7 @@ impl JobSpec {
             loss_chunk: None,
             eval_every: None,
             shard_state: None,
+            reduce_after_backward: false,
         }
     }
 

@@ -72,6 +72,8 @@ pub struct JobKeys {
     pub shard_state: Option<String>,
     /// Other ranks holding each rank's shard (default 1).
     pub shard_replicas: Option<usize>,
+    /// Reduce each bucket of gradients while backward goes on (default yes; limpetd).
+    pub overlap: Option<bool>,
 }
 
 /// A key with a bad value.
@@ -274,6 +276,9 @@ impl JobKeys {
         }
         if self.shard_state.as_deref() == Some("optimizer") {
             job.shard_state = Some(crate::Sharding { replicas: self.shard_replicas.unwrap_or(1) });
+        }
+        if let Some(o) = self.overlap {
+            job.reduce_after_backward = !o;
         }
         let llama = matches!(job.model, ModelSpec::Llama(_));
         if let Some(a) = self.activation_checkpointing {

@@ -13,6 +13,7 @@ mod eval;
 mod exact;
 mod grads;
 mod local;
+mod overlap;
 mod reduce;
 mod shard;
 
@@ -683,8 +684,11 @@ impl Trainer {
         &mut self,
         rank: usize,
         world: usize,
-        reduce: &mut dyn Reduce,
+        reduce: &mut (dyn Reduce + Send),
     ) -> Result<StepStats, TrainerError> {
+        if self.overlaps(world) {
+            return self.overlapped_step(rank, world, reduce);
+        }
         if self.shard.is_some() && !self.job.reproducible {
             return self.sharded_step(rank, world, reduce);
         }

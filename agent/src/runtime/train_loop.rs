@@ -384,17 +384,24 @@ impl TrainLoop {
                 }
             }
             // Sharded state: reduce-scatter, update the blocks held, allgather the parameters.
-            Conn::Ring(g) if self.trainer.shard_layout().is_some() => {
+            // Whole state overlapping backward: each bucket summed as backward ends it.
+            Conn::Ring(g) if self.trainer.shard_layout().is_some() || self.trainer.overlaps(g.world()) => {
                 let samples = self.trainer.plan().share_in(g.rank(), g.world(), &epoch.shares).len();
-                if self.cfg.slowdown_us_per_sample > 0 {
-                    // A straggler drill: this host computes as if it were slower.
-                    std::thread::sleep(Duration::from_micros(
-                        self.cfg.slowdown_us_per_sample * samples as u64,
-                    ));
+                // A straggler drill: this host computes as if it were slower. The step times
+                // its own compute, so the drill's time is added to what it reports.
+                let drill = Duration::from_micros(self.cfg.slowdown_us_per_sample * samples as u64);
+                if !drill.is_zero() {
+                    std::thread::sleep(drill);
                 }
-                match self.trainer.sharded_step(g.rank(), g.world(), g) {
+                let (rank, world) = (g.rank(), g.world());
+                let done = if self.trainer.shard_layout().is_some() {
+                    self.trainer.sharded_step(rank, world, g)
+                } else {
+                    self.trainer.overlapped_step(rank, world, g)
+                };
+                match done {
                     Ok(stats) => {
-                        let own = Duration::from_secs_f64(self.trainer.compute_ms() / 1e3);
+                        let own = Duration::from_secs_f64(self.trainer.compute_ms() / 1e3) + drill;
                         let took = slow_down(&self.cfg, own).as_secs_f64() * 1e3;
                         if samples > 0 {
                             self.ms_per_sample = smooth(self.ms_per_sample, took / samples as f64);

@@ -108,6 +108,9 @@ pub struct LocalJob {
     /// `[node].devices` of every node: this many CPU local ranks (0 or 1: the key is left out).
     #[serde(default)]
     pub devices: usize,
+    /// `[job].overlap` (absent: the default, overlapping).
+    #[serde(default)]
+    pub overlap: Option<bool>,
 }
 
 impl Default for LocalJob {
@@ -148,6 +151,7 @@ impl Default for LocalJob {
             eval_every: None,
             shard_state: None,
             devices: 0,
+            overlap: None,
         }
     }
 }
@@ -398,6 +402,9 @@ impl LocalCluster {
         }
         if let Some((mode, replicas)) = &j.shard_state {
             text += &format!("shard_state = {mode:?}\nshard_replicas = {replicas}\n");
+        }
+        if let Some(o) = j.overlap {
+            text += &format!("overlap = {o}\n");
         }
         if let Some(lr) = j.lr {
             text += &format!("lr = {lr:?}\n");

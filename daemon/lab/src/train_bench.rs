@@ -243,6 +243,10 @@ pub struct BenchDpArgs {
     /// measured beside world agents of one device in the same run.
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub devices: usize,
+    /// Also run limpet with `[job].overlap = false` (the gradients reduced once backward has
+    /// ended, not a bucket at a time while it runs), in the same run.
+    #[arg(long)]
+    pub overlap_both: bool,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
@@ -286,6 +290,9 @@ pub struct DpBenchReport {
     pub devices: usize,
     /// With several devices per agent: world agents of one device each, in the same run.
     pub limpet_one_device_samples_per_s: Option<f64>,
+    /// With `--overlap-both`: limpet reducing after backward (`overlap = false`), in the
+    /// same run.
+    pub limpet_no_overlap_samples_per_s: Option<f64>,
 }
 
 /// One limpet side of `bench dp`: its samples per second in the steady state, and the
@@ -364,11 +371,18 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
         limpet_dp(&a, &tmp.path().join("limpet"), local, agents)?;
     let limpet_one_device_samples_per_s = if a.devices > 1 {
         eprintln!("limpet: {} agents of one device each, the same job", a.world);
-        Some(limpet_dp(&a, &tmp.path().join("limpet-one"), job, a.world)?.0)
+        Some(limpet_dp(&a, &tmp.path().join("limpet-one"), job.clone(), a.world)?.0)
     } else {
         None
     };
 
+    let limpet_no_overlap_samples_per_s = if a.overlap_both {
+        eprintln!("limpet: the same job reducing after backward (overlap = false)");
+        let after = crate::local::LocalJob { devices: a.devices, overlap: Some(false), ..job.clone() };
+        Some(limpet_dp(&a, &tmp.path().join("limpet-after"), after, agents)?.0)
+    } else {
+        None
+    };
     let (theirs, torchrun_peak_rss_bytes, torchrun_rss_bytes) = torchrun_dp(&a, tmp.path(), &spec)?;
     let r = DpBenchReport {
         params: spec.num_params(),
@@ -387,6 +401,7 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
         torchrun_rss_bytes,
         devices: a.devices,
         limpet_one_device_samples_per_s,
+        limpet_no_overlap_samples_per_s,
     };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
@@ -417,6 +432,13 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
             mib(r.torchrun_peak_rss_bytes)
         );
         println!("  ratio            {:>8.2}x (goal: at least 1.0)", r.ratio);
+        if let Some(after) = r.limpet_no_overlap_samples_per_s {
+            println!(
+                "  limpet, reducing after backward {:>8.2} samples/s: overlapping is {:.2}x that",
+                after,
+                r.limpet_samples_per_s / after
+            );
+        }
         if let Some(one) = r.limpet_one_device_samples_per_s {
             println!(
                 "  limpet, {} agents of one device {:>8.2} samples/s: {} agents of {} devices are {:.2}x that (goal: at least 1.0)",

@@ -59,6 +59,9 @@ pub struct JobSection {
     pub shard_state: Option<String>,
     /// Other ranks holding a copy of each shard (default 1), so a `kill -9` loses none.
     pub shard_replicas: Option<usize>,
+    /// Reduce each bucket of gradients while backward goes on (default true); `false`
+    /// reduces the whole buffer after backward.
+    pub overlap: Option<bool>,
     /// World size the batch and learning rate were tuned for (the policies scale from it;
     /// default: the number of founders).
     pub base_world: Option<u64>,
@@ -97,6 +100,7 @@ impl JobSection {
             eval_every: self.eval_every,
             shard_state: self.shard_state.clone(),
             shard_replicas: self.shard_replicas,
+            overlap: self.overlap,
         }
     }
 }

@@ -133,6 +133,82 @@ impl Model {
         Ok(loss)
     }
 
+    /// Whether [`Model::loss_backward_by_blocks`] can give each block's gradients as its
+    /// backward ends: a whole model of native blocks (a TorchScript graph is one piece), and
+    /// no recomputed block that would draw other dropout masks than its forward did.
+    pub fn splits_backward(&self, plan: MemoryPlan) -> bool {
+        let whole = self.blocks.start == 0 && self.blocks.end == self.spec.num_blocks();
+        self.script.is_none() && whole && !(plan.checkpoint && self.is_stochastic())
+    }
+
+    /// [`Model::loss_backward`], one block at a time from the last: `done(i)` runs as soon as
+    /// block `i`'s backward has ended, when every parameter of block `i` has its whole
+    /// gradient for this micro-batch (a parameter is used only by its own block and later
+    /// ones: the tied head reads block 0's embedding, whose gradient ends with block 0). This
+    /// is what lets a step reduce a bucket of gradients while backward goes on. Each block's
+    /// arithmetic is libtorch's own, so the gradients are those of one backward pass but for
+    /// a tied embedding, whose two parts are added one after the other (rounding only).
+    /// Needs [`Model::splits_backward`].
+    pub fn loss_backward_by_blocks(
+        &self,
+        x: &Tensor,
+        y: &Tensor,
+        plan: MemoryPlan,
+        done: &mut dyn FnMut(usize) -> Result<(), TrainerError>,
+    ) -> Result<f64, TrainerError> {
+        if !self.splits_backward(plan) {
+            return Err(TrainerError::Config(
+                "this model's backward cannot be split by blocks (a TorchScript module, a pipeline stage, or dropout under activation checkpointing)".into(),
+            ));
+        }
+        let last = self.blocks.end - 1;
+        if last == 0 {
+            let (_, loss) = self.forward_loss(x, y, true)?;
+            loss.f_backward()?;
+            done(0)?;
+            return Ok(loss.double_value(&[]));
+        }
+        // Each block runs on a leaf copy of its input, so that its backward stops there and
+        // the input's gradient is read off the leaf. With checkpointing the forward keeps no
+        // graph, and each block is run again just before its backward.
+        let mut kept: Vec<(Tensor, Option<Tensor>)> = Vec::with_capacity(last);
+        let mut h = x.shallow_clone();
+        for i in 0..last {
+            let leaf = if i == 0 { h } else { h.detach().set_requires_grad(true) };
+            let out = if plan.checkpoint {
+                tch::no_grad(|| self.block_forward(i, &leaf, true))
+            } else {
+                self.block_forward(i, &leaf, true)
+            };
+            h = out.shallow_clone();
+            kept.push((leaf, (!plan.checkpoint).then_some(out)));
+        }
+        let head_in = h.detach().set_requires_grad(true);
+        let (loss, mut g) = match plan.loss_chunk.filter(|_| self.spec.is_sequence()) {
+            Some(chunk) => self.chunked_head(&head_in, y, chunk.max(1))?,
+            None => {
+                let out = self.block_forward(last, &head_in, true);
+                let loss = self.loss_sum(&out, y);
+                loss.f_backward()?;
+                (loss.double_value(&[]), grad_of(&head_in, "the head's input")?)
+            }
+        };
+        done(last)?;
+        for i in (0..last).rev() {
+            let (leaf, out) = &kept[i];
+            let out = match out {
+                Some(o) => o.shallow_clone(),
+                None => self.block_forward(i, leaf, true),
+            };
+            (&out * &g).sum(Kind::Float).f_backward()?;
+            if i > 0 {
+                g = grad_of(leaf, "a block's input")?;
+            }
+            done(i)?;
+        }
+        Ok(loss)
+    }
+
     /// The summed loss and right predictions of `x` against `y`, without gradients: the head
     /// a chunk of positions at a time when `plan` has a loss chunk (a held-out evaluation of
     /// a large vocabulary holds no `[batch, context, vocab]` tensor either).

@@ -131,6 +131,42 @@ impl GradBuffer {
         Ok(())
     }
 
+    /// Brings the gradients of the parameters that lie in `range` of the buffer into it
+    /// (nothing when they are views of it): what a step does for each bucket as backward
+    /// finishes its blocks, before handing the bucket to the reduction. Writes nothing
+    /// outside `range`, which the reduction may be summing meanwhile.
+    pub(crate) fn collect_range(
+        &mut self,
+        params: &[(String, Tensor)],
+        range: &std::ops::Range<usize>,
+    ) -> Result<(), TrainerError> {
+        if self.bound {
+            return Ok(());
+        }
+        let mut offset = 0usize;
+        for (_, p) in params {
+            let n = p.numel();
+            let here = offset..offset + n;
+            offset += n;
+            if here.start < range.start || here.end > range.end {
+                continue;
+            }
+            let mut place = self.flat.narrow(0, here.start as i64, n as i64);
+            let g = p.grad();
+            if g.defined() {
+                place.f_copy_(&g.detach().reshape([-1]))?;
+            } else {
+                let _ = place.f_zero_()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The buffer's memory, to be handed out one region at a time (see [`RawBuffer`]).
+    pub(crate) fn raw(&mut self) -> RawBuffer {
+        RawBuffer { ptr: self.flat.data_ptr() as *mut f32, len: self.n + 3 }
+    }
+
     /// The gradient part of the buffer, as a tensor over the host memory itself: the update
     /// takes each parameter's part to the parameter's device as it reaches it.
     pub(crate) fn grads(&self) -> Tensor {
@@ -147,5 +183,41 @@ impl GradBuffer {
         // backward passes, which run inside the trainer's `&mut self` methods: none can run
         // while this borrow of `self` is alive.
         unsafe { std::slice::from_raw_parts_mut(self.flat.data_ptr() as *mut f32, len) }
+    }
+}
+
+/// The buffer's memory as a pointer that may cross to the thread reducing it while this
+/// rank's backward still writes other regions. It hands out disjoint regions: whoever calls
+/// [`RawBuffer::region`] promises that nothing else reads or writes that region while the
+/// slice lives (the overlapped step hands a bucket over only once backward has finished
+/// writing it, and touches it again only after the reducing thread is joined).
+pub(crate) struct RawBuffer {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: the pointer is to host memory owned by the `GradBuffer` it came from, which outlives
+// every use (the overlapped step's threads are scoped within its `&mut Trainer`), and regions
+// are handed out disjointly (see `region`).
+#[allow(unsafe_code)]
+unsafe impl Send for RawBuffer {}
+
+impl RawBuffer {
+    /// Values in the buffer.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The values in `range`.
+    ///
+    /// # Safety
+    /// No other access to `range` (through another region, the gradient views, or the
+    /// buffer's own methods) may happen while the returned slice lives.
+    #[allow(unsafe_code, clippy::mut_from_ref)]
+    pub(crate) unsafe fn region(&self, range: std::ops::Range<usize>) -> &mut [f32] {
+        assert!(range.start <= range.end && range.end <= self.len, "region {range:?} of {}", self.len);
+        // SAFETY: in bounds (checked above) of a live, aligned f32 allocation; exclusivity is
+        // the caller's promise.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(range.start), range.end - range.start) }
     }
 }

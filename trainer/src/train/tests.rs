@@ -20,7 +20,7 @@ pub(super) fn job(kind: ModelKind, data: &Dataset, batch: usize, micro: usize) -
     j
 }
 
-fn char_data() -> Dataset {
+pub(super) fn char_data() -> Dataset {
     let text = "the quick brown fox jumps over the lazy dog. ".repeat(60);
     let f = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(f.path(), text).unwrap();

@@ -1,0 +1,467 @@
+//! A data-parallel step whose reduction overlaps its backward, as DDP's buckets do: backward
+//! runs one block at a time from the head ([`Model::loss_backward_by_blocks`]), and as soon as
+//! the gradients at the end of the flat buffer are whole they are handed, a bucket at a time,
+//! to a thread that sums them over the ranks while backward goes on with the blocks before.
+//! On a device each bucket's gradients are copied to the host buffer when it is handed over,
+//! not after backward. The buckets are fixed by the model alone (every rank reduces the same
+//! ranges in the same order), and the three scalars at the buffer's end go last.
+
+use super::{StepStats, Trainer};
+use crate::model::Model;
+use crate::{Reduce, TrainerError};
+use std::ops::Range;
+use std::sync::mpsc;
+
+/// Values per bucket: 25 MB of f32, DDP's default `bucket_cap_mb`. Fewer, larger buckets
+/// cost fewer ring rounds; smaller ones start the reduction sooner.
+pub(crate) const BUCKET_VALUES: usize = 25 * (1 << 20) / 4;
+
+#[cfg(test)]
+thread_local! {
+    /// Tests cut small models into several buckets.
+    static CAP: std::cell::Cell<usize> = const { std::cell::Cell::new(BUCKET_VALUES) };
+}
+
+fn bucket_values() -> usize {
+    #[cfg(test)]
+    return CAP.with(|c| c.get());
+    #[cfg(not(test))]
+    BUCKET_VALUES
+}
+
+/// The ranges of the flat gradient buffer to reduce after each block's backward.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Buckets {
+    /// The model's first block.
+    first: usize,
+    /// For each block (from `first`), what becomes reducible once its backward has ended.
+    after: Vec<Vec<Range<usize>>>,
+}
+
+impl Buckets {
+    /// The buckets of `model`'s parameters, at most about `cap` values each (a block larger
+    /// than `cap` is one bucket). Backward ends the blocks from the last; a range is handed
+    /// over only when every parameter from it to the buffer's end is whole, so the buckets
+    /// tile the buffer from its end, whatever order the parameters are stored in.
+    pub(crate) fn new(model: &Model, cap: usize) -> Buckets {
+        let blocks = model.blocks();
+        let block_of = |name: &str| {
+            blocks.clone().find(|i| name.starts_with(&format!("b{i:02}."))).unwrap_or(blocks.start)
+        };
+        let params: Vec<(usize, usize)> =
+            model.params().iter().map(|(name, p)| (block_of(name), p.numel())).collect();
+        let n: usize = params.iter().map(|&(_, len)| len).sum();
+        let mut after = vec![Vec::new(); blocks.len()];
+        let mut whole = vec![false; params.len()];
+        // Parameters [next, len) are whole; values [frontier, sent) are whole but not sent.
+        let (mut next, mut frontier, mut sent) = (params.len(), n, n);
+        for b in blocks.clone().rev() {
+            for (i, &(block, _)) in params.iter().enumerate() {
+                whole[i] |= block == b;
+            }
+            while next > 0 && whole[next - 1] {
+                next -= 1;
+                frontier -= params[next].1;
+            }
+            if sent - frontier >= cap.max(1) || (b == blocks.start && sent > frontier) {
+                after[b - blocks.start].push(frontier..sent);
+                sent = frontier;
+            }
+        }
+        debug_assert_eq!(sent, 0, "every parameter belongs to a block");
+        Buckets { first: blocks.start, after }
+    }
+
+    /// What to hand over once block `b`'s backward has ended.
+    fn after(&self, b: usize) -> &[Range<usize>] {
+        &self.after[b - self.first]
+    }
+
+    /// Every bucket, in the order they are reduced.
+    pub(crate) fn in_order(&self) -> impl Iterator<Item = &Range<usize>> {
+        self.after.iter().rev().flatten()
+    }
+}
+
+impl Trainer {
+    /// Whether a step of this trainer in a group of `world` ranks overlaps its reduction
+    /// with backward: a data-parallel step of whole state in floats, of a model whose
+    /// backward splits by blocks, unless the job turned it off (`overlap = false`). Alone,
+    /// there is nothing to overlap.
+    pub fn overlaps(&self, world: usize) -> bool {
+        world > 1
+            && !self.job.reduce_after_backward
+            && !self.job.reproducible
+            && self.shard.is_none()
+            && self.model.splits_backward(self.job.memory_plan())
+    }
+
+    /// One data-parallel step with the reduction overlapping backward (see the module): this
+    /// rank's share, summed over the ranks by `reduce` a bucket at a time, then applied. What
+    /// [`Trainer::compute_grads`], an allreduce of the buffer and
+    /// [`Trainer::apply_reduced`] do, but for the ring's summation order within buckets
+    /// (rounding only). A failed reduction leaves the state as it was.
+    pub fn overlapped_step(
+        &mut self,
+        rank: usize,
+        world: usize,
+        reduce: &mut (dyn Reduce + Send),
+    ) -> Result<StepStats, TrainerError> {
+        if !self.overlaps(world) {
+            // Every rank decides alike from the job and the model; a rank that would reduce
+            // another way must not start sending buckets its peers do not expect.
+            return Err(TrainerError::Config(
+                "this step cannot overlap its reduction (see Trainer::overlaps)".into(),
+            ));
+        }
+        let started = std::time::Instant::now();
+        let step = self.step;
+        let buckets = Buckets::new(&self.model, bucket_values());
+        self.grads.zero(self.model.params())?;
+        let share = self.plan.share_in(rank, world, &self.shares);
+        let positions = self.cursor + share.start as u64..self.cursor + share.end as u64;
+        let micro: Vec<Range<u64>> = self.plan.micro_batches(positions.clone()).collect();
+        let step_seed = self.peek_step_seed();
+        let count = (positions.end - positions.start) as f64;
+        let raw = self.grads.raw();
+        let end = raw.len();
+        let (tx, rx) = mpsc::channel::<Range<usize>>();
+        let (computed, reduced) = std::thread::scope(|s| {
+            let summing = std::thread::Builder::new().name("limpet-bucket-reduce".into()).spawn_scoped(
+                s,
+                move || -> Result<(), TrainerError> {
+                    // The squared norm of this rank's own gradient, bucket by bucket before
+                    // each is summed; it goes into the scalars, which end the last bucket.
+                    let mut sq = 0.0f64;
+                    for range in rx {
+                        let last = range.end == end;
+                        // SAFETY: a range arrives here once its gradients are final; the
+                        // compute side never touches it again before this thread is joined.
+                        #[allow(unsafe_code)]
+                        let values = unsafe { raw.region(range) };
+                        let grads = if last { values.len() - 3 } else { values.len() };
+                        sq += values[..grads].iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>();
+                        if last {
+                            let count = f64::from(values[grads + 1]);
+                            values[grads + 2] = if count > 0.0 { (sq / (count * count)) as f32 } else { 0.0 };
+                        }
+                        reduce.allreduce_sum(values, step)?;
+                    }
+                    Ok(())
+                },
+            );
+            let summing = match summing {
+                Ok(h) => h,
+                Err(e) => {
+                    let e = TrainerError::Config(format!("could not start the reducing thread: {e}"));
+                    return (Err(e), Ok(()));
+                }
+            };
+            let computed = self.backward_in_buckets(&micro, step_seed, &buckets, &tx, count);
+            if computed.is_ok() {
+                self.compute_ms = started.elapsed().as_secs_f64() * 1e3;
+            }
+            drop(tx);
+            // A panic of the reducing thread is a bug here, not a peer's fault: not a
+            // failed collective.
+            let reduced = summing
+                .join()
+                .unwrap_or_else(|_| Err(TrainerError::Config("the bucket-reducing thread panicked".into())));
+            (computed, reduced)
+        });
+        computed?;
+        reduced?;
+        // The sums are the group's: a count that is not the global batch is a rank that
+        // broke the protocol (a share missing or doubled), not a network fault to retry.
+        self.apply_reduced().map_err(|e| match e {
+            TrainerError::Reduce { peer, detail, .. } => {
+                TrainerError::Reduce { peer, detail, violation: true }
+            }
+            other => other,
+        })
+    }
+
+    /// This rank's forward and backward over its micro-batches, the last one block by block,
+    /// sending each bucket to the reducing thread once its gradients are final (all of them
+    /// in order when this rank has no samples), then the three scalars (the loss sum, the
+    /// sample count, and the squared norm that the reducing thread fills in). A model of one
+    /// bucket sends it with the scalars, as one range: one sum a step.
+    fn backward_in_buckets(
+        &mut self,
+        micro: &[Range<u64>],
+        step_seed: u64,
+        buckets: &Buckets,
+        tx: &mpsc::Sender<Range<usize>>,
+        count: f64,
+    ) -> Result<(), TrainerError> {
+        let n = self.grads.grads_len();
+        // One bucket: it and the scalars after it are summed as one range. Several: the
+        // bucket that starts the buffer is not next to the scalars, and goes on its own.
+        let one = buckets.in_order().count() <= 1;
+        let hand_over = |model: &Model, grads: &mut super::grads::GradBuffer, range: &Range<usize>| {
+            grads.collect_range(model.params(), range)?;
+            if !one || range.end < n {
+                // A send fails only when the reducing thread has stopped on an error, which
+                // its join reports.
+                let _ = tx.send(range.clone());
+            }
+            Ok::<(), TrainerError>(())
+        };
+        let mut loss_sum = 0.0;
+        let plan = self.job.memory_plan();
+        for (k, mb) in micro.iter().enumerate() {
+            if self.model.is_stochastic() {
+                // As in `compute_grads`: masks depend on the step's seed and the position.
+                self.model.seed_dropout(step_seed ^ mb.start.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ k as u64);
+            }
+            let idx = self.sampler.indices(mb.clone());
+            let (x, y) = self.batch_on_device(&idx)?;
+            loss_sum += if k + 1 < micro.len() {
+                self.model.loss_backward(&x, &y, plan)?
+            } else {
+                let (model, grads) = (&self.model, &mut self.grads);
+                model.loss_backward_by_blocks(&x, &y, plan, &mut |b| {
+                    buckets.after(b).iter().try_for_each(|r| hand_over(model, grads, r))
+                })?
+            };
+        }
+        if micro.is_empty() {
+            // A rank with no samples still takes part in every bucket's sum.
+            for r in buckets.in_order() {
+                hand_over(&self.model, &mut self.grads, r)?;
+            }
+        }
+        let mine = self.grads.raw();
+        // SAFETY: the first bucket and the scalars have not been sent: nobody else's yet.
+        #[allow(unsafe_code)]
+        let scalars = unsafe { mine.region(n..n + 3) };
+        scalars[0] = loss_sum as f32;
+        scalars[1] = count as f32;
+        let _ = tx.send(if one { 0..n + 3 } else { n..n + 3 });
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::ModelSpec;
+    use crate::train::tests::{char_data, job, synthetic};
+    use crate::{JobSpec, LocalGroup, ModelKind};
+    use tch::Tensor;
+
+    fn tied(mut j: JobSpec) -> JobSpec {
+        if let ModelSpec::Llama(l) = &mut j.model {
+            l.tie_embeddings = true;
+        }
+        j
+    }
+
+    /// Each block's gradients are final when the block is handed over (later blocks add
+    /// nothing to them), the blocks come from the last, and the gradients are those of one
+    /// backward pass: the same bits, but for a tied embedding (rounding).
+    #[test]
+    fn each_block_hands_over_its_final_gradients() {
+        let chars = char_data();
+        let mut cases = vec![
+            (job(ModelKind::Llama, &chars, 8, 8), true),
+            (tied(job(ModelKind::Llama, &chars, 8, 8)), false),
+            (JobSpec { activation_checkpointing: true, ..job(ModelKind::Llama, &chars, 8, 8) }, true),
+            (JobSpec { loss_chunk: Some(5), ..job(ModelKind::Llama, &chars, 8, 8) }, true),
+            (job(ModelKind::Gpt, &chars, 8, 8), true),
+        ];
+        let digits = synthetic();
+        cases.push((job(ModelKind::Mlp, &digits, 8, 8), true));
+        for (j, exact) in cases {
+            let data = if matches!(j.model, ModelSpec::Mlp { .. }) {
+                digits.shallow_clone()
+            } else {
+                chars.shallow_clone()
+            };
+            let mut t = Trainer::try_new(j.clone(), data).unwrap();
+            let idx = t.sampler.indices(0..8);
+            let (x, y) = t.batch_on_device(&idx).unwrap();
+            let plan = j.memory_plan();
+            assert!(t.model.splits_backward(plan));
+            let blocks = t.model.blocks();
+            let mut seen = Vec::new();
+            let mut snaps: Vec<(String, Tensor)> = Vec::new();
+            t.grads.zero(t.model.params()).unwrap();
+            let loss = t
+                .model
+                .loss_backward_by_blocks(&x, &y, plan, &mut |b| {
+                    seen.push(b);
+                    for (name, p) in t.model.block_params(b) {
+                        snaps.push((name, p.grad().copy()));
+                    }
+                    Ok(())
+                })
+                .unwrap();
+            assert_eq!(seen, blocks.clone().rev().collect::<Vec<_>>(), "{:?}", j.model);
+            let params: std::collections::BTreeMap<&String, &Tensor> =
+                t.model.params().iter().map(|(n, p)| (n, p)).collect();
+            for (name, at_hand_over) in &snaps {
+                assert!(at_hand_over.equal(&params[name].grad()), "{name} changed after it was handed over");
+            }
+            let split = t.grads.as_mut_slice().to_vec();
+            t.grads.zero(t.model.params()).unwrap();
+            let whole_loss = t.model.loss_backward(&x, &y, plan).unwrap();
+            let whole = t.grads.as_mut_slice().to_vec();
+            assert_eq!(loss.to_bits(), whole_loss.to_bits());
+            if exact {
+                assert!(split == whole, "{:?}: the split backward changed a gradient", j.model);
+            } else {
+                let (a, b) = (Tensor::from_slice(&split), Tensor::from_slice(&whole));
+                assert!(a.allclose(&b, 1e-5, 1e-7, false), "a tied embedding's gradient moved");
+            }
+        }
+    }
+
+    /// The buckets tile the buffer from its end, each handed over after a block whose
+    /// backward ends every parameter in it, and a cap cuts them no larger than a block.
+    #[test]
+    fn buckets_tile_the_buffer_from_its_end() {
+        let chars = char_data();
+        for cap in [1, 20_000, BUCKET_VALUES] {
+            let t =
+                Trainer::try_new(tied(job(ModelKind::Llama, &chars, 8, 8)), chars.shallow_clone()).unwrap();
+            let b = Buckets::new(&t.model, cap);
+            let order: Vec<Range<usize>> = b.in_order().cloned().collect();
+            let n = t.model.num_elements();
+            assert_eq!(order.first().map(|r| r.end), Some(n));
+            assert_eq!(order.last().map(|r| r.start), Some(0));
+            assert!(order.windows(2).all(|w| w[1].end == w[0].start && w[0].start < w[0].end));
+            // Each parameter lies in a bucket handed over no earlier than its block's end.
+            let mut offset = 0;
+            for (name, p) in t.model.params() {
+                let block: usize = name[1..3].parse().unwrap();
+                let at = t.model.blocks().find(|&k| b.after(k).iter().any(|r| r.contains(&offset)));
+                assert!(
+                    at.is_some_and(|k| k <= block),
+                    "{name} at {offset} handed over before block {block} ended"
+                );
+                offset += p.numel();
+            }
+            if cap == 1 {
+                assert_eq!(order.len(), t.model.blocks().len(), "a bucket per block");
+            }
+            if cap == BUCKET_VALUES {
+                assert_eq!(order.len(), 1, "a small model is one bucket");
+            }
+        }
+    }
+
+    type Outcome = (Vec<f64>, Vec<String>, Vec<usize>, Vec<Tensor>);
+    /// A sum's input and output on one rank.
+    type Sum = (Vec<f32>, Vec<f32>);
+
+    /// A reduce that records the length of every sum it is asked for.
+    struct Counting<'a> {
+        inner: crate::LocalRank<'a>,
+        lens: Vec<usize>,
+        io: Vec<Sum>,
+    }
+
+    impl Reduce for Counting<'_> {
+        fn allreduce_sum(&mut self, buf: &mut [f32], step: u64) -> Result<(), TrainerError> {
+            self.lens.push(buf.len());
+            let before = buf.to_vec();
+            let r = self.inner.allreduce_sum(buf, step);
+            self.io.push((before, buf.to_vec()));
+            r
+        }
+    }
+
+    /// Two ranks (a host's local ranks: real threads, real sums; two, because a sum of two
+    /// does not depend on which rank adds first) for `steps` steps; the losses, every rank's
+    /// content hash, the lengths rank 0 summed and its parameters.
+    fn three(j: &JobSpec, shares: &[u64], steps: usize, device_path: bool) -> Outcome {
+        three_cap(j, shares, steps, device_path, 20_000)
+    }
+
+    fn three_cap(j: &JobSpec, shares: &[u64], steps: usize, device_path: bool, cap: usize) -> Outcome {
+        let data = char_data();
+        let mut ranks: Vec<Trainer> =
+            (0..2).map(|_| Trainer::try_new(j.clone(), data.shallow_clone()).unwrap()).collect();
+        if device_path {
+            // What a GPU host runs: gradients copied into the host buffer bucket by bucket.
+            for t in &mut ranks {
+                t.grads = crate::train::grads::GradBuffer::with_binding(t.model.params(), false).unwrap();
+            }
+        }
+        let mut losses = Vec::new();
+        let mut lens = Vec::new();
+        for _ in 0..steps {
+            let group = LocalGroup::new(2);
+            let out: Vec<(f64, Vec<usize>, Vec<Sum>)> = std::thread::scope(|s| {
+                let handles: Vec<_> = ranks
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(i, t)| {
+                        let group = &group;
+                        s.spawn(move || {
+                            CAP.with(|c| c.set(cap));
+                            t.set_shares(shares.to_vec());
+                            let mut r =
+                                Counting { inner: group.rank(i, None), lens: Vec::new(), io: Vec::new() };
+                            let loss = t.train_step(i, 2, &mut r).unwrap().loss;
+                            let io = r.io;
+                            (loss, r.lens, io)
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            assert!(out.iter().all(|(l, _, _)| l.to_bits() == out[0].0.to_bits()));
+            // Every sum is the two ranks' inputs added, and both ranks receive it.
+            for ((i0, o0), (i1, o1)) in out[0].2.iter().zip(&out[1].2) {
+                assert!(i0
+                    .iter()
+                    .zip(i1)
+                    .zip(o0.iter().zip(o1))
+                    .all(|((a, b), (s, t))| (a + b).to_bits() == s.to_bits() && s.to_bits() == t.to_bits()));
+            }
+            losses.push(out[0].0);
+            lens.extend(out[0].1.iter().copied());
+        }
+        let hashes = ranks.iter().map(|t| t.content_hash().unwrap()).collect();
+        let params = ranks[0].model.params().iter().map(|(_, p)| p.detach().copy()).collect();
+        (losses, hashes, lens, params)
+    }
+
+    /// Reducing bucket by bucket while backward runs computes the step of reducing after it
+    /// (bit for bit with two ranks; every sum is checked to be the ranks' inputs added),
+    /// every rank ends with the same bits, a rank with no samples takes
+    /// part in every bucket, the buckets really are several, and the device path (each
+    /// bucket copied to the host as it is handed over) computes the same bits.
+    #[test]
+    fn overlapped_steps_match_the_step_after_backward() {
+        let chars = char_data();
+        let j = job(ModelKind::Llama, &chars, 12, 2);
+        let after = JobSpec { reduce_after_backward: true, ..j.clone() };
+        for shares in [vec![5, 7], vec![0, 12]] {
+            let (l, hashes, lens, params) = three(&j, &shares, 4, false);
+            // One bucket: the one sum of the whole buffer, the same bits as after backward.
+            let (lx, _, lensx, px) = three_cap(&j, &shares, 4, false, BUCKET_VALUES);
+            assert_eq!(
+                lensx,
+                vec![Trainer::try_new(j.clone(), chars.shallow_clone()).unwrap().buffer_len(); 4]
+            );
+            let (l2, hashes2, lens2, params2) = three(&after, &shares, 4, false);
+            let (l3, hashes3, lens3, _) = three(&j, &shares, 4, true);
+            assert_eq!((&l3, &hashes3, &lens3), (&l, &hashes, &lens), "the device path reduced other bits");
+            assert!(hashes.iter().all(|h| h == &hashes[0]) && hashes2.iter().all(|h| h == &hashes2[0]));
+            // A sum of two does not depend on the order it is taken in, and the gradients
+            // are one backward pass's: buckets or not, the same bits (with more ranks, the
+            // ring's order within each bucket rounds differently).
+            assert_eq!((&l, &lx), (&l2, &l2), "losses moved apart");
+            assert!(params.iter().zip(&params2).all(|(a, b)| a.equal(b)), "parameters moved apart");
+            assert!(px.iter().zip(&params2).all(|(a, b)| a.equal(b)), "one bucket moved apart");
+            let n = Trainer::try_new(j.clone(), chars.shallow_clone()).unwrap().buffer_len();
+            assert_eq!(lens2, vec![n; 4], "one sum of the whole buffer a step");
+            let per_step = lens.len() / 4;
+            assert!(per_step >= 3, "{per_step} buckets a step");
+            assert_eq!(lens.iter().sum::<usize>(), 4 * n);
+        }
+    }
+}
