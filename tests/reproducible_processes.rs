@@ -141,10 +141,16 @@ fn two_three_and_four_agents_end_with_one_process_hash() {
 
 #[test]
 fn a_notice_a_join_and_a_kill_change_no_bit() {
+    // Long enough that the events land inside training on a loaded machine (300 steps of
+    // this job end before the first event).
+    const LONG: u64 = 3000;
     let tmp = tempfile::tempdir().unwrap();
-    let one = train(&tmp.path().join("one"), &["--reproducible"]);
+    let one = train_for(&tmp.path().join("one"), &["--reproducible"], LONG);
     let dir = tmp.path().join("elastic");
-    let summary = scenario(&dir, 3, SCRIPT);
+    let summary = scenario_for(&dir, 3, SCRIPT, &["--reproducible"], LONG);
+    for cause in ["notice for node 2", "join of node 4", "failure of node 3"] {
+        common::transition(&summary, cause);
+    }
     assert_eq!(
         hash(Path::new(summary["checkpoint"].as_str().unwrap())),
         one["content_hash"].as_str().unwrap()
@@ -270,4 +276,46 @@ fn a_reproducible_trace_replay_ends_with_one_process_bits() {
     assert_eq!(same["content_hash"], same["one_process_hash"], "{r:#}");
     assert_eq!(same["steps_with_other_loss"], 0, "{r:#}");
     assert_eq!(same["steps"], 3000, "{r:#}");
+}
+
+/// Sharded optimizer state (`--shard-replicas 1`: each rank one block of AdamW's moments and
+/// a replica of its neighbour's) through a notice, a join and a `kill -9`: every step's loss
+/// and every tensor of the final state, the parameters and both moments, are those of one
+/// unsharded process, bit for bit. (The content hashes differ only because the job names its
+/// sharding.)
+#[test]
+fn sharded_state_through_a_notice_a_join_and_a_kill_changes_no_bit() {
+    // Long enough that the events land inside training on a loaded machine.
+    const LONG: u64 = 3000;
+    let tmp = tempfile::tempdir().unwrap();
+    let one = train_for(&tmp.path().join("one"), &["--reproducible"], LONG);
+    let dir = tmp.path().join("sharded");
+    let summary = scenario_for(&dir, 3, SCRIPT, &["--reproducible", "--shard-replicas", "1"], LONG);
+    // The state was sharded from the first epoch and re-cut at every later entry (the
+    // newcomer's included), never made whole, never sent back to a checkpoint.
+    let logs = common::node_logs(&dir);
+    assert!(logs.contains("every rank holds the same state: each keeps its own shard"), "{logs}");
+    for epoch in 2..=4 {
+        let recut = format!("optimizer state re-cut for the new group epoch={epoch}");
+        assert!(logs.contains(&recut), "no re-cut entering epoch {epoch}:\n{logs}");
+    }
+    assert!(!logs.contains("gathered from its shards for the entry"), "{logs}");
+    assert!(!logs.contains("back to the newest checkpoint"), "{logs}");
+    let (got, _) = params(Path::new(summary["checkpoint"].as_str().unwrap()));
+    let (want, _) = params(Path::new(one["checkpoint"].as_str().unwrap()));
+    let names = |i: &limpet_snapshot::StateImage| i.tensors().keys().cloned().collect::<Vec<_>>();
+    assert_eq!(names(&got), names(&want));
+    assert!(names(&want).iter().any(|n| !n.starts_with("param/")), "the moments are compared too");
+    for (name, t) in want.tensors() {
+        let g = &got.tensors()[name];
+        assert!(
+            g.dtype() == t.dtype() && g.shape() == t.shape() && g.data() == t.data(),
+            "{name} differs from one process's: {summary:#}"
+        );
+    }
+    assert_eq!(got.meta().step, want.meta().step);
+    same_losses(&agent_losses(&dir), &train_losses(&tmp.path().join("one")), "sharded state");
+    for cause in ["notice for node 2", "join of node 4", "failure of node 3"] {
+        common::transition(&summary, cause);
+    }
 }

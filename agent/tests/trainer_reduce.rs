@@ -476,3 +476,54 @@ fn a_step_torn_between_the_norm_and_the_parameters_is_finished_at_the_regroup() 
         }
     }
 }
+
+/// A reproducible job with sharded state trains the bits of one process training alone,
+/// whatever the world: three ranks shard the state; one is killed after four steps and a
+/// newcomer (holding nothing) joins the two survivors, who re-cut the state for three; the
+/// exponents the next step predicts come with the re-cut. Every step's loss and the final
+/// state (parameters, moments, position, exponents) are the lone process's, bit for bit.
+#[test]
+fn a_reproducible_job_with_sharded_state_trains_the_bits_of_one_process() {
+    one_thread();
+    const STEPS: usize = 4;
+    let repro = || {
+        let (mut job, data) = job_and_data();
+        job.optimizer = limpet_trainer::optim::OptimizerSpec::adamw(0.01, 0.1);
+        job.clip_norm = Some(0.05);
+        job.reproducible = true;
+        Trainer::try_new(job, data).unwrap()
+    };
+    let mut alone = repro();
+    let solo: Vec<u64> =
+        (0..2 * STEPS).map(|_| alone.train_step(0, 1, &mut NoReduce).unwrap().loss.to_bits()).collect();
+    let eps = endpoints(&[5, 2, 9, 7]);
+    let first = on_ranks(&[&eps[0], &eps[1], &eps[2]], 1, vec![(); 3], |rank, (), g| {
+        let mut t = repro();
+        let n = t.buffer_len() - 3;
+        t.shard_state(ShardLayout::new(n, 3, rank, 1).unwrap()).unwrap();
+        let losses: Vec<u64> = (0..STEPS).map(|_| t.train_step(rank, 3, g).unwrap().loss.to_bits()).collect();
+        (t, losses)
+    });
+    for (rank, (_, losses)) in first.iter().enumerate() {
+        assert_eq!(losses[..], solo[..STEPS], "rank {rank}'s losses");
+    }
+    // Node 2 is killed; node 7 joins with nothing.
+    let mut state: Vec<Option<Trainer>> =
+        first.into_iter().enumerate().filter(|(r, _)| *r != 1).map(|(_, (t, _))| Some(t)).collect();
+    state.push(None);
+    let after = on_ranks(&[&eps[0], &eps[2], &eps[3]], 2, state, |rank, t, g| {
+        let mut t = t.unwrap_or_else(repro);
+        let n = t.buffer_len() - 3;
+        let rebuilt =
+            t.regroup(rank, 3, Some(ShardLayout::new(n, 3, rank, 1).unwrap()), u64::MAX, g).unwrap();
+        assert_eq!(rebuilt, Some(STEPS as u64));
+        let losses: Vec<u64> = (0..STEPS).map(|_| t.train_step(rank, 3, g).unwrap().loss.to_bits()).collect();
+        t.unshard(g).unwrap();
+        (losses, t.image().unwrap())
+    });
+    let want = alone.image().unwrap();
+    for (rank, (losses, image)) in after.iter().enumerate() {
+        assert_eq!(losses[..], solo[STEPS..], "rank {rank}'s losses after the re-cut");
+        assert_eq!(image.content_hash(), want.content_hash(), "rank {rank}'s state");
+    }
+}

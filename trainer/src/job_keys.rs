@@ -168,9 +168,6 @@ impl JobKeys {
             ),
             Some(other) => return bad("shard_state", format!("{other:?} is not \"none\" or \"optimizer\"")),
         };
-        if sharded && self.reproducible == Some(true) {
-            return bad("shard_state", "a reproducible job keeps its state whole (not built yet)".into());
-        }
         if self.shard_replicas.is_some() && !sharded {
             return bad("shard_replicas", "applies with shard_state = \"optimizer\" only".into());
         }

@@ -388,6 +388,37 @@ mod tests {
         assert!((1..100).all(|i| s.factor(i + 10, 100) <= s.factor(i + 9, 100)));
     }
 
+    /// AdamW's update gives each element the same bits whatever slice of its tensor it runs
+    /// on (libtorch's vectorised loop and its scalar remainder agree): what lets sharded state,
+    /// whose blocks cut tensors anywhere, train the bits of whole state in a reproducible job.
+    #[test]
+    fn the_update_does_not_depend_on_where_a_block_cuts_a_tensor() {
+        let spec = OptimizerSpec::adamw(0.01, 0.1);
+        let n = 100_003i64;
+        tch::manual_seed(7);
+        let opts = (tch::Kind::Float, tch::Device::Cpu);
+        let (p, m, v) = (Tensor::randn([n], opts), Tensor::randn([n], opts) * 0.1, Tensor::rand([n], opts));
+        let (whole, cut) = ([p.copy(), m.copy(), v.copy()], [p.copy(), m.copy(), v.copy()]);
+        let cuts = [0, 5, 17, 40_001, 77_777, 99_990, n];
+        for t in 1..=3 {
+            let g = Tensor::randn([n], opts);
+            let scratch = Tensor::zeros([n], opts);
+            let mut slots = [whole[1].shallow_clone(), whole[2].shallow_clone()];
+            update(&spec, true, &whole[0], &g, &mut slots, &scratch, 0.003, t);
+            for w in cuts.windows(2) {
+                let (a, len) = (w[0], w[1] - w[0]);
+                let mut slots = [cut[1].narrow(0, a, len), cut[2].narrow(0, a, len)];
+                let (pc, gc, sc) = (cut[0].narrow(0, a, len), g.narrow(0, a, len), scratch.narrow(0, a, len));
+                update(&spec, true, &pc, &gc, &mut slots, &sc, 0.003, t);
+            }
+        }
+        for (what, (a, b)) in
+            ["parameters", "first moment", "second moment"].iter().zip(whole.iter().zip(&cut))
+        {
+            assert!(a.equal(b), "the {what} depend on where the tensor was cut");
+        }
+    }
+
     #[test]
     fn clipping_caps_the_norm() {
         let mut g = vec![3.0, 4.0];

@@ -385,7 +385,12 @@ impl TrainLoop {
             }
             // Sharded state: reduce-scatter, update the blocks held, allgather the parameters.
             // Whole state overlapping backward: each bucket summed as backward ends it.
-            Conn::Ring(g) if self.trainer.shard_layout().is_some() || self.trainer.overlaps(g.world()) => {
+            // (A reproducible job, sharded or not, takes its own arm below: canonical shards,
+            // not the speed-weighted shares timed here.)
+            Conn::Ring(g)
+                if !self.trainer.job().reproducible
+                    && (self.trainer.shard_layout().is_some() || self.trainer.overlaps(g.world())) =>
+            {
                 let samples = self.trainer.plan().share_in(g.rank(), g.world(), &epoch.shares).len();
                 // A straggler drill: this host computes as if it were slower. The step times
                 // its own compute, so the drill's time is added to what it reports.

@@ -94,7 +94,7 @@ fn exp_f64(v: f64) -> i32 {
 
 /// The exponents an image may hold: those of finite f32 gradients and f64 losses, at
 /// which [`scale`] and its inverse stay finite.
-const EXP_RANGE: std::ops::RangeInclusive<i32> = ZERO_EXP..=1030;
+pub(super) const EXP_RANGE: std::ops::RangeInclusive<i32> = ZERO_EXP..=1030;
 
 /// The factor that takes values of exponent `exp` to fixed point (a power of two: exact).
 fn scale(exp: i32) -> f64 {
@@ -224,7 +224,23 @@ impl Trainer {
         world: usize,
         reduce: &mut dyn Reduce,
     ) -> Result<StepStats, TrainerError> {
-        self.refuse_sharded("a reproducible step")?;
+        // Sharded state: the same fixed-point sum of the whole gradient, then each rank
+        // updates the blocks it holds and the parameters are gathered (`apply_exact_sharded`).
+        let sharded = match &self.shard {
+            Some(_) => {
+                // Stale parameters (a step broke after its update) wait for a regroup.
+                self.usable_shard()?;
+                self.shard_layout().cloned()
+            }
+            None => None,
+        };
+        if let Some(l) = sharded.as_ref().filter(|l| (l.rank(), l.world()) != (rank, world)) {
+            return Err(TrainerError::Config(format!(
+                "a step as rank {rank} of {world} with state sharded for rank {} of {}",
+                l.rank(),
+                l.world()
+            )));
+        }
         let started = std::time::Instant::now();
         let step = self.step;
         let b = self.plan.global_batch;
@@ -284,9 +300,15 @@ impl Trainer {
         // AdaScale's statistic is per-rank: not part of a reproducible job.
         buf[n + 2] = 0.0;
         self.compute_ms = started.elapsed().as_secs_f64() * 1e3;
-        let stats = self.apply_reduced()?;
-        self.exact_exponents = Some(next);
         self.exact_acc = acc;
+        let stats = match sharded {
+            None => {
+                let stats = self.apply_reduced()?;
+                self.exact_exponents = Some(next);
+                stats
+            }
+            Some(layout) => self.apply_exact_sharded(&layout, next, step, reduce)?,
+        };
         Ok(StepStats { agreed, ..stats })
     }
 

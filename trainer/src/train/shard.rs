@@ -204,11 +204,6 @@ impl Trainer {
         if self.optim.is_released() {
             return Err(TrainerError::Config("the optimizer state is sharded already".into()));
         }
-        if self.job.reproducible {
-            return Err(TrainerError::Config(
-                "a reproducible job cannot shard its optimizer state (yet)".into(),
-            ));
-        }
         let params = self.model.params();
         if let Some((name, _)) = params.iter().find(|(_, p)| !p.is_contiguous()) {
             return Err(TrainerError::Config(format!(
@@ -275,7 +270,7 @@ impl Trainer {
         }
     }
 
-    fn usable_shard(&self) -> Result<&ShardState, TrainerError> {
+    pub(super) fn usable_shard(&self) -> Result<&ShardState, TrainerError> {
         let s =
             self.shard.as_ref().ok_or_else(|| TrainerError::Config("the trainer is not sharded".into()))?;
         match &s.stale {
@@ -318,6 +313,9 @@ impl Trainer {
         world: usize,
         reduce: &mut dyn Reduce,
     ) -> Result<StepStats, TrainerError> {
+        if self.job.reproducible {
+            return self.exact_step(rank, world, reduce);
+        }
         let layout = self.usable_shard()?.layout.clone();
         if (layout.rank, layout.world()) != (rank, world) {
             return Err(TrainerError::Config(format!(
@@ -377,6 +375,58 @@ impl Trainer {
             agreed: false,
         };
         if let Err(e) = self.gather_params(&layout, step, reduce) {
+            self.shard.as_mut().expect("sharded").stale = Some(e.to_string());
+            self.unlogged = Some(stats);
+            self.advance();
+            return Err(e);
+        }
+        self.advance();
+        Ok(stats)
+    }
+
+    /// The end of a reproducible step with sharded state: the buffer holds the whole summed
+    /// gradient (every rank has it, dequantized from the exact sum), so each rank averages
+    /// and takes the norm of the whole as [`Trainer::apply_reduced`] does, updates the blocks
+    /// it holds with the same elementwise update, and the parameters are gathered from their
+    /// owners: the bits of whole state, whatever the world and the layout. `next` are the
+    /// exponents predicted for the next step; the moment the held blocks are updated they
+    /// are this rank's (a rank that updated and then lost the parameters' allgather gives
+    /// them in the regroup).
+    pub(super) fn apply_exact_sharded(
+        &mut self,
+        layout: &ShardLayout,
+        next: Vec<i32>,
+        step: u64,
+        reduce: &mut dyn Reduce,
+    ) -> Result<StepStats, TrainerError> {
+        let n = self.grads.grads_len();
+        let buf = self.grads.as_mut_slice();
+        let (loss_sum, samples) = (buf[n], buf[n + 1]);
+        if samples.round() as usize != self.plan.global_batch {
+            return Err(TrainerError::reduce(format!(
+                "reduced sample count {samples} is not the global batch {}: a rank's share is missing or doubled",
+                self.plan.global_batch
+            )));
+        }
+        let inv = 1.0 / samples;
+        buf[..n].iter_mut().for_each(|g| *g *= inv);
+        let norm = sum_of_squares(&buf[..n]).sqrt();
+        {
+            let s = self.shard.as_mut().expect("sharded");
+            (s.pending, s.last_norm) = (None, Some((step, norm)));
+        }
+        let lr = self.apply_held(layout, norm);
+        self.exact_exponents = Some(next);
+        let stats = StepStats {
+            step,
+            loss: f64::from(loss_sum) / f64::from(samples),
+            lr,
+            grad_norm: norm,
+            samples: samples as usize,
+            rank_mean_sq_sum: 0.0,
+            agreed: false,
+        };
+        if let Err(e) = self.gather_params(layout, step, reduce) {
             self.shard.as_mut().expect("sharded").stale = Some(e.to_string());
             self.unlogged = Some(stats);
             self.advance();

@@ -108,6 +108,15 @@ impl Trainer {
         for v in [self.step, self.cursor, self.rng.seed, self.rng.draws] {
             h.update(&v.to_le_bytes());
         }
+        if self.job.reproducible {
+            // Ranks that agree on this digest take the same collectives next step: the
+            // exponents decide which, and at what scale the gradients are summed.
+            let e = self.exact_exponents.as_deref().unwrap_or_default();
+            h.update(&(e.len() as u64).to_le_bytes());
+            for x in e {
+                h.update(&x.to_le_bytes());
+            }
+        }
         let params = self.model.params();
         let states = self.optim.named_state(params).map(|(_, s)| s);
         hash_tensors(&mut h, params.iter().map(|(_, p)| p).chain(states))?;
@@ -248,6 +257,20 @@ impl Trainer {
                 "no live rank holds values {gap:?} of the optimizer state at step {step} (layout {tag}): every holder is gone"
             ))
         })?;
+        // A reproducible job's exponents for the next step are state, like its position:
+        // every rank leaves with those of the rank it takes the position from. Taken before
+        // anything here changes (every rank reaches this point), kept until the state is.
+        let exponents = match self.job.reproducible {
+            true => Some(exponents_of(
+                newest,
+                rank,
+                self.exact_exponents.as_deref(),
+                self.model.params().len() + 1,
+                step_tag,
+                reduce,
+            )?),
+            false => None,
+        };
         if finishes(rank) {
             let layout = self.shard.as_ref().expect("a holder").layout.clone();
             let norm = norm_of_last.expect("checked");
@@ -344,6 +367,9 @@ impl Trainer {
             self.optim = Optimizer::new(self.optim.spec(), params);
             return Ok(Some(step as u64));
         }
+        if let Some(e) = exponents {
+            self.exact_exponents = e;
+        }
         if target.is_some() {
             // Every rank leaves at the step rebuilt, where the chosen layout's holder is.
             if self.step as i64 != step {
@@ -372,6 +398,47 @@ impl Trainer {
             }
         }
         Ok(Some(step as u64))
+    }
+}
+
+/// The exponents rank `giver` holds (`mine` when this rank is it), for `tensors` tensors,
+/// given to every rank of the group through one exact sum: `None` when the giver has none.
+/// What comes back is checked (one rank's, within the exponents' range) before it is used.
+fn exponents_of(
+    giver: usize,
+    rank: usize,
+    mine: Option<&[i32]>,
+    tensors: usize,
+    step_tag: u64,
+    reduce: &mut dyn Reduce,
+) -> Result<Option<Vec<i32>>, TrainerError> {
+    let mut v = vec![0i64; tensors + 1];
+    if let Some(e) = mine.filter(|_| rank == giver) {
+        if e.len() != tensors {
+            return Err(TrainerError::Mismatch(format!(
+                "this rank holds {} exponents for {tensors} tensors",
+                e.len()
+            )));
+        }
+        v[0] = 1;
+        v[1..].iter_mut().zip(e).for_each(|(d, &x)| *d = i64::from(x));
+    }
+    let given = v.clone();
+    reduce.allreduce_sum_i64(&mut v, step_tag)?;
+    if rank == giver && v != given {
+        return Err(TrainerError::Mismatch(
+            "a peer altered the exponents this rank gave in the regroup".into(),
+        ));
+    }
+    let range = super::super::exact::EXP_RANGE;
+    match v[0] {
+        0 if v[1..].iter().all(|&x| x == 0) => Ok(None),
+        1 if v[1..].iter().all(|&x| (i64::from(*range.start())..=i64::from(*range.end())).contains(&x)) => {
+            Ok(Some(v[1..].iter().map(|&x| x as i32).collect()))
+        }
+        _ => Err(TrainerError::Mismatch(format!(
+            "the exponents rank {giver} was to give are not one rank's, or out of range"
+        ))),
     }
 }
 
