@@ -464,8 +464,61 @@ mod tests {
         t
     }
 
+    /// A peer whose facts are rank 0's own (so the regroup gets as far as the exponents,
+    /// with the peer as the rank they come from) and who then adds `exps` to them.
+    struct ForgedExponents {
+        facts: Vec<i64>,
+        exps: Vec<i64>,
+        calls: usize,
+    }
+
+    impl Reduce for ForgedExponents {
+        fn allreduce_sum(&mut self, _: &mut [f32], _: u64) -> Result<(), TrainerError> {
+            Ok(())
+        }
+
+        fn allreduce_sum_i64(&mut self, buf: &mut [i64], _: u64) -> Result<(), TrainerError> {
+            self.calls += 1;
+            let add = if self.calls == 1 { &self.facts } else { &self.exps };
+            let from = if self.calls == 1 { 17 } else { 0 };
+            let start = from.min(buf.len());
+            for (v, r) in buf[start..].iter_mut().zip(add.iter().cycle()) {
+                *v = v.wrapping_add(*r);
+            }
+            Ok(())
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+        /// Whatever exponents the rank they come from gives in a reproducible job's
+        /// regroup, this rank ends with an error or with exponents in range, never a panic.
+        #[test]
+        fn forged_exponents_are_refused_or_in_range(
+            exps in proptest::collection::vec(prop_oneof![
+                Just(0i64), Just(1), Just(-1), Just(1030), Just(1031), Just(i64::MAX), Just(i64::MIN), any::<i64>(), -2000i64..2000,
+            ], 0..12),
+        ) {
+            let mut t = sharded_trainer();
+            t.job.reproducible = true;
+            let n = t.buffer_len() - 3;
+            let mut facts = t.regroup_facts(17).unwrap();
+            facts[3] = 1;
+            let mut peer = ForgedExponents { facts, exps: exps.clone(), calls: 0 };
+            let target = ShardLayout::new(n, 2, 0, 1).unwrap().tagged(4);
+            let done = t.regroup(0, 2, Some(target), u64::MAX, &mut peer);
+            prop_assert!(peer.calls >= 2, "the regroup stopped before the exponents");
+            if done.is_ok() {
+                let range = super::super::super::exact::EXP_RANGE;
+                let got = t.exact_exponents.clone().unwrap_or_default();
+                prop_assert!(got.iter().all(|e| range.contains(e)), "{got:?}");
+            }
+            // Nothing given (the peer held none) is the one way to end with none.
+            if exps.iter().all(|&e| e == 0) {
+                prop_assert!(done.is_ok() && t.exact_exponents.is_none());
+            }
+        }
 
         /// Whatever a peer puts in its facts, a regroup ends with a result, never a panic,
         /// whatever world or replica count it forges (both are bounded before any use).
