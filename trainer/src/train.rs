@@ -359,11 +359,7 @@ impl Trainer {
         let step_seed = self.peek_step_seed();
         let mut loss_sum = 0.0;
         for (k, mb) in self.plan.micro_batches(positions.clone()).enumerate() {
-            if self.model.is_stochastic() {
-                // Masks depend on the training RNG and the micro-batch's stream position only,
-                // so a replay from a checkpoint draws the same ones.
-                self.model.seed_dropout(step_seed ^ mb.start.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ k as u64);
-            }
+            self.seed_micro_batch(step_seed, mb.start, k);
             let idx = self.sampler.indices(mb);
             let (x, y) = self.batch_on_device(&idx)?;
             loss_sum += self.model.loss_backward(&x, &y, self.job.memory_plan())?;
@@ -396,12 +392,7 @@ impl Trainer {
         let reduced = self.grads.as_mut_slice();
         let rank_mean_sq_sum = f64::from(reduced[n + 2]);
         let samples = reduced[n + 1];
-        if samples.round() as usize != self.plan.global_batch {
-            return Err(TrainerError::reduce(format!(
-                "reduced sample count {samples} is not the global batch {}: a rank's share is missing or doubled",
-                self.plan.global_batch
-            )));
-        }
+        check_count(samples, self.plan.global_batch, "rank")?;
         let loss = f64::from(reduced[n]) / f64::from(samples);
         let grad = &mut reduced[..n];
         let inv = 1.0 / samples;
@@ -427,6 +418,15 @@ impl Trainer {
             StepStats { step: self.step, loss, lr, grad_norm, samples, rank_mean_sq_sum, agreed: false };
         self.advance();
         stats
+    }
+
+    /// Seeds the stochastic layers for micro-batch `k` of a step, which starts at position
+    /// `start` of the sample order. Masks depend on the training RNG and the micro-batch's
+    /// stream position only, so a replay from a checkpoint draws the same ones.
+    fn seed_micro_batch(&self, step_seed: u64, start: u64, k: usize) {
+        if self.model.is_stochastic() {
+            self.model.seed_dropout(step_seed ^ start.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ k as u64);
+        }
     }
 
     /// Moves on to the next step once one is applied.
@@ -532,9 +532,7 @@ impl Trainer {
         mb: Range<u64>,
     ) -> Result<(Tensor, Tensor), TrainerError> {
         let step = self.step;
-        if self.model.is_stochastic() {
-            self.model.seed_dropout(step_seed ^ mb.start.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ k as u64);
-        }
+        self.seed_micro_batch(step_seed, mb.start, k);
         let rows = (mb.end - mb.start) as i64;
         let idx = if first || last { self.sampler.indices(mb) } else { Vec::new() };
         let input = if first {
@@ -624,12 +622,7 @@ impl Trainer {
         let buf = self.grads.as_mut_slice();
         reduce.replicas.allreduce_sum(buf, step)?;
         let samples = buf[n + 1];
-        if samples.round() as usize != self.plan.global_batch {
-            return Err(TrainerError::reduce(format!(
-                "reduced sample count {samples} is not the global batch {}: a replica's share is missing or doubled",
-                self.plan.global_batch
-            )));
-        }
+        check_count(samples, self.plan.global_batch, "replica")?;
         let grad = &mut buf[..n];
         let inv = 1.0 / samples;
         grad.iter_mut().for_each(|g| *g *= inv);
@@ -774,3 +767,14 @@ fn load_into(src: &RawTensor, mut dst: Tensor) -> Result<(), TrainerError> {
 
 #[cfg(test)]
 mod tests;
+
+/// Refuses a reduced sample count that is not the global batch: some `whose` share is
+/// missing from the sum or counted twice.
+fn check_count(samples: f32, global_batch: usize, whose: &str) -> Result<(), TrainerError> {
+    if samples.round() as usize != global_batch {
+        return Err(TrainerError::reduce(format!(
+            "reduced sample count {samples} is not the global batch {global_batch}: a {whose}'s share is missing or doubled"
+        )));
+    }
+    Ok(())
+}

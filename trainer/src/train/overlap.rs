@@ -210,10 +210,7 @@ impl Trainer {
         let mut loss_sum = 0.0;
         let plan = self.job.memory_plan();
         for (k, mb) in micro.iter().enumerate() {
-            if self.model.is_stochastic() {
-                // As in `compute_grads`: masks depend on the step's seed and the position.
-                self.model.seed_dropout(step_seed ^ mb.start.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ k as u64);
-            }
+            self.seed_micro_batch(step_seed, mb.start, k);
             let idx = self.sampler.indices(mb.clone());
             let (x, y) = self.batch_on_device(&idx)?;
             loss_sum += if k + 1 < micro.len() {

@@ -333,12 +333,7 @@ impl Trainer {
         reduce.reduce_scatter_sum(&mut buf[..n], &layout.blocks, layout.replicas, step)?;
         reduce.allreduce_sum(&mut buf[n..], step)?;
         let (loss_sum, samples, rank_mean_sq_sum) = (buf[n], buf[n + 1], f64::from(buf[n + 2]));
-        if samples.round() as usize != self.plan.global_batch {
-            return Err(TrainerError::reduce(format!(
-                "reduced sample count {samples} is not the global batch {}: a rank's share is missing or doubled",
-                self.plan.global_batch
-            )));
-        }
+        super::check_count(samples, self.plan.global_batch, "rank")?;
         let inv = 1.0 / samples;
         for &b in &held {
             buf[layout.blocks[b].clone()].iter_mut().for_each(|g| *g *= inv);
@@ -374,14 +369,7 @@ impl Trainer {
             rank_mean_sq_sum,
             agreed: false,
         };
-        if let Err(e) = self.gather_params(&layout, step, reduce) {
-            self.shard.as_mut().expect("sharded").stale = Some(e.to_string());
-            self.unlogged = Some(stats);
-            self.advance();
-            return Err(e);
-        }
-        self.advance();
-        Ok(stats)
+        self.gather_and_advance(&layout, stats, reduce)
     }
 
     /// The end of a reproducible step with sharded state: the buffer holds the whole summed
@@ -402,12 +390,7 @@ impl Trainer {
         let n = self.grads.grads_len();
         let buf = self.grads.as_mut_slice();
         let (loss_sum, samples) = (buf[n], buf[n + 1]);
-        if samples.round() as usize != self.plan.global_batch {
-            return Err(TrainerError::reduce(format!(
-                "reduced sample count {samples} is not the global batch {}: a rank's share is missing or doubled",
-                self.plan.global_batch
-            )));
-        }
+        super::check_count(samples, self.plan.global_batch, "rank")?;
         let inv = 1.0 / samples;
         buf[..n].iter_mut().for_each(|g| *g *= inv);
         let norm = sum_of_squares(&buf[..n]).sqrt();
@@ -426,7 +409,19 @@ impl Trainer {
             rank_mean_sq_sum: 0.0,
             agreed: false,
         };
-        if let Err(e) = self.gather_params(layout, step, reduce) {
+        self.gather_and_advance(layout, stats, reduce)
+    }
+
+    /// The end of a sharded step once this rank's blocks are updated: the parameters
+    /// gathered from their owners, and the next step. A failed gather still counts the step
+    /// as applied (logged later) and marks the other parameters stale until a regroup.
+    fn gather_and_advance(
+        &mut self,
+        layout: &ShardLayout,
+        stats: StepStats,
+        reduce: &mut dyn Reduce,
+    ) -> Result<StepStats, TrainerError> {
+        if let Err(e) = self.gather_params(layout, stats.step, reduce) {
             self.shard.as_mut().expect("sharded").stale = Some(e.to_string());
             self.unlogged = Some(stats);
             self.advance();
