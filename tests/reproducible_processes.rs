@@ -198,6 +198,10 @@ fn hosts_of_two_devices_through_a_notice_a_join_and_a_kill_change_no_bit() {
     }
     assert!(worlds.iter().all(|&(w, d)| d == 2 * w), "{worlds:?}");
     assert!(worlds.contains(&(3, 6)) && worlds.contains(&(2, 4)), "{worlds:?}: {summary:#}");
+    // Between the hosts, each local rank drove a ring lane of its own (the model's 26,250
+    // values fill two).
+    let logs = common::node_logs(&dir);
+    assert!(logs.contains("ring lanes connected, one per local rank epoch=1 lanes=2"), "{logs}");
 }
 
 /// A cluster that grows after training began: the newcomer copies the survivors' whole

@@ -274,8 +274,8 @@ fn one_peer_cannot_crowd_the_inbox() {
     use limpet_agent::dataplane::endpoint::MAX_INBOX_PER_PEER;
     let eps = endpoints(&[1, 2, 3], 4096);
     let target = eps[0].addr().to_string();
-    // Node 2 connects for twenty epochs ahead and never lets a group take them.
-    for epoch in 1..=20 {
+    // Node 2 connects for thirty epochs ahead and never lets a group take them.
+    for epoch in 1..=30 {
         eps[1].connect(&target, 1, epoch, Channel::Ring).unwrap();
     }
     std::thread::sleep(Duration::from_millis(300));
@@ -284,7 +284,7 @@ fn one_peer_cannot_crowd_the_inbox() {
     assert!(eps[0].accept_from(3, 5, Channel::Ring).is_ok());
     let soon = || std::time::Instant::now() + Duration::from_millis(20);
     let held =
-        (1..=20).filter(|&e| eps[0].accept_until(2, e, Channel::Ring, soon(), &|| false).is_ok()).count();
+        (1..=30).filter(|&e| eps[0].accept_until(2, e, Channel::Ring, soon(), &|| false).is_ok()).count();
     assert_eq!(held, MAX_INBOX_PER_PEER);
 }
 
@@ -480,4 +480,80 @@ fn the_hostile_peer_harness_reaches_the_payload() {
         matches!(hostile_peer_case(&frame(4, 1.0)), Err(DataPlaneError::Stale(_))),
         "a stale frame passed"
     );
+}
+
+/// A ring's lanes: every rank connects lanes 1 and 2 beside its ring, and each lane sums on
+/// its own sockets while the others run (one thread per lane, the lanes taken in another
+/// order on every rank), exactly; a world of one has lanes with nothing to cross.
+#[test]
+fn lanes_are_rings_of_their_own_that_sum_at_once() {
+    let order = [30u64, 10, 20];
+    let eps = endpoints(&[10, 20, 30], 4096);
+    let at = |n: u64| &eps[(n / 10 - 1) as usize];
+    let addrs: Vec<String> = order.iter().map(|&n| at(n).addr().to_string()).collect();
+    let deadline = || std::time::Instant::now() + Duration::from_secs(5);
+    let never = || false;
+    let len = 10_001;
+    let results: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = order
+            .iter()
+            .enumerate()
+            .map(|(r, &node)| {
+                let (ep, addrs) = (at(node), &addrs);
+                s.spawn(move || {
+                    let mut ring = ep.group(1, &order, addrs).expect("ring");
+                    let mut lanes =
+                        limpet_agent::dataplane::lanes::connect(ep, 1, &order, addrs, 3, deadline(), &never)
+                            .expect("lanes");
+                    assert_eq!(lanes.len(), 2);
+                    let mut groups: Vec<(u64, &mut limpet_agent::Group)> = std::iter::once(&mut ring)
+                        .chain(lanes.iter_mut())
+                        .zip(0..)
+                        .map(|(g, k)| (k, g))
+                        .collect();
+                    // Each rank starts its lanes in another order: they must not wait on
+                    // one another.
+                    groups.rotate_left(r);
+                    std::thread::scope(|s| {
+                        let hs: Vec<_> = groups
+                            .into_iter()
+                            .map(|(k, g)| {
+                                s.spawn(move || {
+                                    // Each lane sums inputs of its own: lanes wired to one
+                                    // another would give another lane's sum.
+                                    let mut b = input(node + 1000 * k, len);
+                                    g.allreduce_sum(&mut b, 3).unwrap();
+                                    b
+                                })
+                            })
+                            .collect();
+                        let mut out: Vec<Vec<f32>> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+                        out.rotate_right(r);
+                        out
+                    })
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // Every rank holds each lane's sum, bit for bit, and it is that lane's sum.
+    for k in 0..3u64 {
+        let want: Vec<f64> =
+            (0..len).map(|i| order.iter().map(|&n| f64::from(input(n + 1000 * k, len)[i])).sum()).collect();
+        let k = k as usize;
+        assert!(results.iter().all(|lanes| lanes[k] == results[0][k]), "ranks differ on lane {k}");
+        for (got, want) in results[0][k].iter().zip(&want) {
+            assert!((f64::from(*got) - want).abs() <= 1e-5 * (1.0 + want.abs()), "lane {k}: {got} vs {want}");
+        }
+    }
+    // Too many lanes are refused; a world of one connects nothing.
+    let alone = &endpoints(&[5], 4096)[0];
+    let addr = [alone.addr().to_string()];
+    let Err(err) = limpet_agent::dataplane::lanes::connect(alone, 1, &[5], &addr, 99, deadline(), &never)
+    else {
+        panic!("99 lanes connected")
+    };
+    assert!(err.to_string().contains("99 ring lanes"), "{err}");
+    let solo = limpet_agent::dataplane::lanes::connect(alone, 1, &[5], &addr, 4, deadline(), &never).unwrap();
+    assert_eq!(solo.len(), 3);
 }

@@ -4,7 +4,7 @@
 //! which come from shared storage.
 
 use limpet_agent::dataplane::frame::{
-    decode_shape, encode_shape, Channel, Header, Hello, Kind, HEADER_LEN, HELLO_LEN, MAX_PAYLOAD,
+    decode_shape, encode_shape, Channel, Header, Hello, Kind, HEADER_LEN, HELLO_LEN, MAX_LANES, MAX_PAYLOAD,
 };
 use proptest::prelude::*;
 
@@ -16,8 +16,8 @@ proptest! {
     }
 
     #[test]
-    fn hellos_round_trip(cluster_id in any::<u64>(), node in any::<u64>(), epoch in any::<u64>(), c in 0usize..3, nonce in any::<[u8; 16]>()) {
-        let channel = [Channel::Ring, Channel::Handoff, Channel::Pipe][c];
+    fn hellos_round_trip(cluster_id in any::<u64>(), node in any::<u64>(), epoch in any::<u64>(), c in 0usize..4, lane in 1..MAX_LANES, nonce in any::<[u8; 16]>()) {
+        let channel = [Channel::Ring, Channel::Handoff, Channel::Pipe, Channel::lane(lane).unwrap()][c];
         let h = Hello { cluster_id, node, epoch, channel, nonce };
         prop_assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
     }
@@ -60,6 +60,24 @@ fn shape_refusals_name_the_problem() {
     let mut short = encode_shape(&[2, 3]);
     short.pop();
     assert!(decode_shape(&short).unwrap_err().to_string().contains("bytes for 2 dimensions"));
+}
+
+#[test]
+fn lane_refusals_name_the_problem() {
+    let hello = |channel| Hello { cluster_id: 1, node: 2, epoch: 3, channel, nonce: [7; 16] }.encode();
+    // A lane past the most, a lane of a handoff or a pipe, are refused by name.
+    let mut far = hello(Channel::Ring);
+    far[7] = MAX_LANES as u8;
+    assert!(Hello::decode(&far).unwrap_err().to_string().contains(&format!("ring lane {MAX_LANES}")));
+    for c in [Channel::Handoff, Channel::Pipe] {
+        let mut b = hello(c);
+        b[7] = 1;
+        assert!(Hello::decode(&b).unwrap_err().to_string().contains("lane 1 of a channel that has none"));
+    }
+    // Lane 0 is the ring itself, and only one spelling of it exists.
+    assert_eq!(Channel::lane(0), Some(Channel::Ring));
+    assert_eq!(Channel::lane(MAX_LANES), None);
+    assert_eq!(Hello::decode(&hello(Channel::lane(3).unwrap())).unwrap().channel, Channel::Lane(3));
 }
 
 // Checkpoint directory and file names come from a shared directory anyone may write to.

@@ -82,12 +82,46 @@ impl Header {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Channel {
     /// The ring of a collective group (from the left neighbour).
-    Ring = 1,
+    Ring,
     /// State handoff.
-    Handoff = 2,
+    Handoff,
     /// Activations and their gradients between neighbouring pipeline stages (from the
     /// previous stage).
-    Pipe = 3,
+    Pipe,
+    /// Another lane of the ring (1 to [`MAX_LANES`] - 1): a host of several local ranks
+    /// drives one ring per local rank between the hosts, each on its part of a buffer.
+    Lane(u8),
+}
+
+/// Most ring lanes between two hosts (the ring itself is lane 0): one per local rank of the
+/// hosts with the fewest, as NCCL runs several channels; eight GPUs a host is the most the
+/// hosts limpet runs on have.
+pub const MAX_LANES: usize = 8;
+
+impl Channel {
+    /// The ring's lane `lane` (the ring itself for 0); `None` past [`MAX_LANES`].
+    pub fn lane(lane: usize) -> Option<Channel> {
+        match lane {
+            0 => Some(Channel::Ring),
+            l if l < MAX_LANES => Some(Channel::Lane(l as u8)),
+            _ => None,
+        }
+    }
+
+    /// The hello's channel byte and lane byte. (A lane is made by [`Channel::lane`]: lane 0
+    /// is the ring and travels as it, a lane past the most would be refused by every peer.)
+    fn code(self) -> (u8, u8) {
+        debug_assert!(
+            !matches!(self, Channel::Lane(l) if l == 0 || usize::from(l) >= MAX_LANES),
+            "{self:?} is not a lane: use Channel::lane"
+        );
+        match self {
+            Channel::Ring => (1, 0),
+            Channel::Handoff => (2, 0),
+            Channel::Pipe => (3, 0),
+            Channel::Lane(l) => (1, l),
+        }
+    }
 }
 
 /// Most dimensions a tensor sent between stages may have.
@@ -163,7 +197,7 @@ impl Hello {
         let mut b = [0u8; HELLO_LEN];
         b[..4].copy_from_slice(&MAGIC);
         b[4..6].copy_from_slice(&VERSION.to_le_bytes());
-        b[6] = self.channel as u8;
+        (b[6], b[7]) = self.channel.code();
         b[8..16].copy_from_slice(&self.cluster_id.to_le_bytes());
         b[16..24].copy_from_slice(&self.node.to_le_bytes());
         b[24..32].copy_from_slice(&self.epoch.to_le_bytes());
@@ -184,13 +218,16 @@ impl Hello {
         if version != VERSION {
             return Err(bad(format!("protocol version {version} (this build speaks {VERSION})")));
         }
-        let channel = match b[6] {
-            1 => Channel::Ring,
-            2 => Channel::Handoff,
-            3 => Channel::Pipe,
-            c => return Err(bad(format!("unknown channel {c}"))),
+        let channel = match (b[6], b[7]) {
+            (1, 0) => Channel::Ring,
+            (1, l) if usize::from(l) < MAX_LANES => Channel::Lane(l),
+            (1, l) => return Err(bad(format!("ring lane {l} (at most {})", MAX_LANES - 1))),
+            (2, 0) => Channel::Handoff,
+            (3, 0) => Channel::Pipe,
+            (2 | 3, l) => return Err(bad(format!("lane {l} of a channel that has none"))),
+            (c, _) => return Err(bad(format!("unknown channel {c}"))),
         };
-        if b[7] != 0 || b[48..] != [0u8; 8] {
+        if b[48..] != [0u8; 8] {
             return Err(bad("nonzero padding".into()));
         }
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));

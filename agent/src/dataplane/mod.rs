@@ -14,12 +14,15 @@
 //! - `ring`: a `Group` of ranks in epoch order and its collectives (ring allreduce as
 //!   reduce-scatter + allgather, broadcast, allgather, barrier), chunked and pipelined over
 //!   non-blocking sockets so sending, receiving and summing overlap, each bounded by a
-//!   timeout: a dead or silent peer is an error on every survivor, never a hang.
+//!   timeout: a dead or silent peer is an error on every survivor, never a hang;
+//! - `lanes`: a ring's other lanes, one more ring each between the same hosts, which hosts
+//!   of several local ranks drive at once.
 
 pub mod conn;
 pub mod endpoint;
 pub mod frame;
 pub mod handoff;
+pub mod lanes;
 pub mod pipe;
 pub mod ring;
 

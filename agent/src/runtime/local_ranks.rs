@@ -1,6 +1,6 @@
 //! One step of a host's local ranks (`[node].devices`): each device's trainer on a thread of
-//! its own, the host's sum through host memory, one ring between hosts
-//! ([`limpet_trainer::LocalGroup`]).
+//! its own, the host's sum through host memory, and between hosts one ring lane per local
+//! rank of the host with the fewest, driven at once ([`limpet_trainer::LocalGroup`]).
 //!
 //! The first device's trainer is the host's: entries, checkpoints, handoffs and status read
 //! it. The others follow it: before a step each copies its state when it was replaced (an
@@ -11,9 +11,22 @@
 //! shares and a reproducible job's canonical shards are cut per device: two hosts of two
 //! devices compute what four hosts of one do.
 
+use crate::dataplane::frame::MAX_LANES;
+use crate::Group;
 use limpet_consensus::state::Epoch;
 use limpet_trainer::{LocalGroup, LocalSums, Reduce, StepStats, Trainer, TrainerError};
 use std::time::Instant;
+
+/// The ring lanes between the hosts of `epoch`: one per local rank of the host with the
+/// fewest (at most [`MAX_LANES`]), one without local ranks or with one host. A function of
+/// the epoch alone, so every host connects and drives the same lanes.
+pub(super) fn lanes_of(epoch: &Epoch) -> usize {
+    if epoch.ranks.len() < 2 || epoch.local_ranks.is_empty() {
+        return 1;
+    }
+    let fewest = (0..epoch.ranks.len()).map(|i| epoch.local_ranks_of(i) as usize).min().unwrap_or(1);
+    fewest.clamp(1, MAX_LANES)
+}
 
 /// What one step of a host's local ranks did besides the update.
 pub(super) struct LocalStep {
@@ -46,16 +59,31 @@ pub(super) fn sync(leader: &Trainer, followers: &mut [Trainer]) -> Result<(), Tr
 }
 
 /// Trains one step on node `me` (its index in `epoch`) with its local ranks: `leader` and as
-/// many of `followers` as the epoch gives it, the host's sum going through `ring`.
+/// many of `followers` as the epoch gives it, the host's sum going between hosts through
+/// `ring` (lane 0, driven by the leader) and `lanes` (lane `k`, by local rank `k`).
 pub(super) fn step(
     leader: &mut Trainer,
     followers: &mut [Trainer],
     epoch: &Epoch,
     me: usize,
-    ring: &mut (dyn Reduce + Send),
+    (ring, lanes): (&mut Group, &mut [Group]),
     sums: &LocalSums,
 ) -> Result<(StepStats, LocalStep), TrainerError> {
     let n = epoch.local_ranks_of(me) as usize;
+    if 1 + lanes.len() != lanes_of(epoch) || lanes_of(epoch) > n {
+        // Connected at the entry for this epoch's count: the group cannot train as it is,
+        // and the next epoch connects again.
+        return Err(TrainerError::Reduce {
+            peer: None,
+            detail: format!(
+                "epoch {}: {} ring lanes connected, {} due, for {n} local ranks",
+                epoch.id,
+                1 + lanes.len(),
+                lanes_of(epoch)
+            ),
+            violation: false,
+        });
+    }
     if n > 1 + followers.len() {
         // The log refuses an epoch that gives a node more ranks than its record announced,
         // but a record can be older than this process (a host back with fewer devices): the
@@ -81,20 +109,23 @@ pub(super) fn step(
     }
     let plan = leader.plan();
     let samples = (first..first + n).map(|r| plan.share_in(r, world, &shares).len()).sum();
-    let group = LocalGroup::with_sums(n, sums);
+    let group = LocalGroup::with_sums(n, 1 + lanes.len(), sums);
+    let mut lanes = lanes.iter_mut();
     let (mine, theirs) = std::thread::scope(|s| {
         let handles: Vec<_> = followers
             .iter_mut()
             .enumerate()
             .map(|(i, f)| {
-                let mut r = group.rank(i + 1, None);
+                let lane = lanes.next().map(|g| g as &mut (dyn Reduce + Send));
+                let mut r = group.rank(i + 1, lane);
                 let spawned = std::thread::Builder::new()
                     .name(format!("limpet-rank-{}", i + 1))
                     .spawn_scoped(s, move || f.train_step(first + i + 1, world, &mut r));
                 (i + 1, spawned)
             })
             .collect();
-        let mine = leader.train_step(first, world, &mut group.rank(0, Some(ring)));
+        let mine =
+            leader.train_step(first, world, &mut group.rank(0, Some(ring as &mut (dyn Reduce + Send))));
         let theirs: Vec<Result<StepStats, TrainerError>> = handles
             .into_iter()
             .map(|(i, h)| match h {
@@ -125,4 +156,35 @@ pub(super) fn step(
         .chain(followers.iter().map(|f| f.compute_ms()))
         .fold(0.0, f64::max);
     Ok((stats, LocalStep { samples, compute_ms }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use limpet_consensus::state::{EpochBatch, Layout};
+
+    fn epoch(local_ranks: Vec<u32>, hosts: u64) -> Epoch {
+        Epoch {
+            id: 1,
+            start_step: 0,
+            ranks: (1..=hosts).collect(),
+            layout: Layout { data: hosts as u32, pipeline: 1, cuts: Vec::new() },
+            batch: EpochBatch { global_batch: 8, micro_batch: 8 },
+            lr_scale: 1.0,
+            sources: Default::default(),
+            cause: String::new(),
+            causes: Vec::new(),
+            shares: Vec::new(),
+            local_ranks,
+        }
+    }
+
+    #[test]
+    fn an_epoch_has_a_lane_per_local_rank_of_its_host_with_the_fewest() {
+        assert_eq!(lanes_of(&epoch(Vec::new(), 3)), 1, "no local ranks");
+        assert_eq!(lanes_of(&epoch(vec![4], 1)), 1, "one host has nothing to cross");
+        assert_eq!(lanes_of(&epoch(vec![4, 2, 3], 3)), 2, "the fewest");
+        assert_eq!(lanes_of(&epoch(vec![1, 8], 2)), 1);
+        assert_eq!(lanes_of(&epoch(vec![16, 16], 2)), MAX_LANES, "at most MAX_LANES");
+    }
 }

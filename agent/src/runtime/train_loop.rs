@@ -131,6 +131,8 @@ pub(super) struct TrainLoop {
     pub checkpointer: Checkpointer,
     pub shadows: Shadows,
     group: Option<(Epoch, Conn)>,
+    /// The ring's other lanes in the current group (hosts of several local ranks).
+    lanes: Vec<crate::Group>,
     broken: Option<BrokenAt>,
     was_member: bool,
     last_step_done: Option<Instant>,
@@ -203,6 +205,7 @@ impl TrainLoop {
             local_sums: Default::default(),
             shadows: Shadows::default(),
             group: None,
+            lanes: Vec::new(),
             broken: None,
             was_member: false,
             last_step_done: None,
@@ -285,6 +288,7 @@ impl TrainLoop {
                             self.entry_failed = Some(said);
                         }
                         self.group = None;
+                        self.lanes.clear();
                         self.set_phase(Phase::Waiting);
                         self.wait_change(Duration::from_millis(100));
                     }
@@ -296,6 +300,7 @@ impl TrainLoop {
                         "left training: not in the next epoch"
                     );
                     self.group = None;
+                    self.lanes.clear();
                     self.broken = None;
                     // A rank that sits out (a spare) is not idle for the ones that train.
                     self.last_step_done = None;
@@ -359,7 +364,7 @@ impl TrainLoop {
                     &mut self.followers,
                     epoch,
                     group_rank,
-                    g,
+                    (g, &mut self.lanes),
                     &self.local_sums,
                 ) {
                     Ok((stats, local)) => {
@@ -651,6 +656,7 @@ impl TrainLoop {
         }
         // The old group is done; peers of older epochs are refused from now on.
         self.group = None;
+        self.lanes.clear();
         let x = Entering {
             cfg: &self.cfg,
             endpoint: &self.endpoint,
@@ -698,6 +704,7 @@ impl TrainLoop {
         metrics::gauge!("limpet_epoch").set(n.id as f64);
         metrics::gauge!("limpet_world_size").set(n.ranks.len() as f64);
         self.group = Some((n.clone(), done.conn));
+        self.lanes = done.lanes;
         self.broken = None;
         {
             let mut p = self.progress.lock().expect("progress lock");

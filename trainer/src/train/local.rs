@@ -1,15 +1,17 @@
 //! Local ranks: one host's devices, each trained by a [`Trainer`] on a thread of its own,
 //! reducing as one member of the hosts' ring.
 //!
-//! Each collective is hierarchical. The buffer is cut into chunks of [`CHUNK`] values (the
-//! same cut on every host, whatever its devices), each summed in host memory of its own: every
-//! local rank adds its part of each chunk, starting at a chunk of its own so that the ranks
-//! add in parallel (no socket between them, no copy but those adds). The first local rank
-//! alone then takes each chunk's host sum around the ring between hosts (`inter`: the ring,
-//! or a single process's [`crate::NoReduce`] in tests), chunk after chunk, and every local
-//! rank copies the result back, again in parallel. The ring carries one buffer per host
-//! whatever its devices, and a job's ranks are its devices: rank `first + i` of `world` is
-//! local rank `i` of the host whose ranks start at `first`.
+//! Each collective is hierarchical. The buffer is cut into chunks (the same cut on every
+//! host: it depends only on the length and the epoch's lane count, see [`cut`]), each summed
+//! in host memory of its own: every local rank adds its part of each chunk, starting at a
+//! chunk of its own so that the ranks add in parallel (no socket between them, no copy but
+//! those adds). The hosts' sums then go around the ring between them on several lanes at
+//! once, as NCCL runs several channels: local rank `i` drives lane `i` (its own ring of TCP
+//! connections, `inter`; a single process's [`crate::NoReduce`] in tests) with the chunks
+//! `c` where `c % lanes == i`, in order, so every host puts each chunk on the same lane in
+//! the same order. Every local rank then copies the result back, again in parallel. The
+//! ring carries one buffer per host whatever its devices, and a job's ranks are its devices:
+//! rank `first + i` of `world` is local rank `i` of the host whose ranks start at `first`.
 //!
 //! Integer sums (a reproducible job's fixed point) do not depend on the order of the adds,
 //! so two hosts of two devices and four hosts of one train the same bits. An f32 sum of three
@@ -50,10 +52,30 @@ impl Failed {
     }
 }
 
-/// Values per chunk of a hierarchical collective: large enough that the ring's cost per
+/// Most values per chunk of a hierarchical collective: large enough that the ring's cost per
 /// collective is nothing beside a chunk's bytes, small enough that local ranks add in
 /// parallel on a large model. A constant, so every host cuts a buffer alike.
 pub const CHUNK: usize = 1 << 22;
+
+/// Fewest values a lane takes of a buffer: a smaller collective (a step's scalars, an
+/// entry's facts) goes on fewer lanes, where one more ring round would cost more than its
+/// bytes.
+pub const MIN_LANE_VALUES: usize = 1 << 13;
+
+/// The chunks a buffer of `len` values is cut into over `lanes` lanes (one chunk, empty, for
+/// an empty buffer: every host still calls the ring). On one lane, pieces of [`CHUNK`]
+/// values and the rest, as agents before lanes cut. Over several, near-equal chunks of at
+/// most [`CHUNK`] values, as many on each lane the buffer fills. Chunk `c` goes on lane
+/// `c % lanes`. A function of the length and the lane count alone, so every host cuts alike.
+pub fn cut(len: usize, lanes: usize) -> Vec<std::ops::Range<usize>> {
+    let filled = lanes.min(len / MIN_LANE_VALUES).max(1);
+    if filled == 1 {
+        let m = len.div_ceil(CHUNK).max(1);
+        return (0..m).map(|c| (c * CHUNK).min(len)..((c + 1) * CHUNK).min(len)).collect();
+    }
+    let m = len.div_ceil(CHUNK).div_ceil(filled).max(1) * filled;
+    (0..m).map(|c| c * len / m..(c + 1) * len / m).collect()
+}
 
 /// One chunk's host sum, in the element type of the collective running.
 #[derive(Default)]
@@ -112,6 +134,8 @@ fn lock_chunk(c: &Mutex<Chunk>) -> MutexGuard<'_, Chunk> {
 
 struct Shared {
     n: usize,
+    /// Lanes between hosts: local ranks `0..lanes` each drive one.
+    lanes: usize,
     state: Mutex<State>,
     changed: Condvar,
 }
@@ -158,22 +182,26 @@ pub struct LocalGroup {
 }
 
 impl LocalGroup {
-    /// A group of `n` local ranks (at least one), with sums of its own.
+    /// A group of `n` local ranks (at least one) on one lane, with sums of its own.
     pub fn new(n: usize) -> LocalGroup {
-        LocalGroup::with_sums(n, &LocalSums::default())
+        LocalGroup::with_sums(n, 1, &LocalSums::default())
     }
 
-    /// A group of `n` local ranks summing into `sums` (no other group may be using them).
-    pub fn with_sums(n: usize, sums: &LocalSums) -> LocalGroup {
+    /// A group of `n` local ranks driving `lanes` lanes between hosts (at least one, at
+    /// most `n`: every host of the epoch must use the same count), summing into `sums` (no
+    /// other group may be using them).
+    pub fn with_sums(n: usize, lanes: usize, sums: &LocalSums) -> LocalGroup {
         sums.reset();
+        let n = n.max(1);
         let state = State { sums: sums.clone(), ..State::default() };
-        LocalGroup {
-            shared: Arc::new(Shared { n: n.max(1), state: Mutex::new(state), changed: Condvar::new() }),
-        }
+        let shared =
+            Shared { n, lanes: lanes.clamp(1, n), state: Mutex::new(state), changed: Condvar::new() };
+        LocalGroup { shared: Arc::new(shared) }
     }
 
-    /// Local rank `index` (below the group's size, each taken once)'s reduce; local rank 0's
-    /// carries `inter`, the reduce between hosts.
+    /// Local rank `index` (below the group's size, each taken once)'s reduce; the first
+    /// `lanes` local ranks each carry `inter`, their lane between hosts (the others `None`,
+    /// as do the lanes' ranks of a host alone: its sums are the job's).
     pub fn rank<'a>(&self, index: usize, inter: Option<&'a mut (dyn Reduce + Send)>) -> LocalRank<'a> {
         debug_assert!(index < self.shared.n, "local rank {index} of {}", self.shared.n);
         LocalRank { index, shared: Arc::clone(&self.shared), inter }
@@ -201,8 +229,8 @@ impl Drop for LocalRank<'_> {
 
 impl LocalRank<'_> {
     /// The hierarchical collective: every local rank's `buf` combined into the host's sums
-    /// (chunk by chunk, the ranks in parallel), each sum through the reduce between hosts
-    /// (local rank 0), and the result copied to every local rank.
+    /// (chunk by chunk, the ranks in parallel), each sum through its lane between hosts
+    /// (driven by the local rank of that lane), and the result copied to every local rank.
     fn all<T: Copy + Default>(
         &mut self,
         buf: &mut [T],
@@ -212,11 +240,8 @@ impl LocalRank<'_> {
         between: fn(&mut dyn Reduce, &mut [T], u64) -> Result<(), TrainerError>,
     ) -> Result<(), TrainerError> {
         let shared = Arc::clone(&self.shared);
-        // At least one chunk, empty for an empty buffer: the ring is still called, as every
-        // host calls it.
-        let ranges: Vec<std::ops::Range<usize>> = (0..buf.len().div_ceil(CHUNK).max(1))
-            .map(|c| (c * CHUNK).min(buf.len())..((c + 1) * CHUNK).min(buf.len()))
-            .collect();
+        let lanes = shared.lanes;
+        let ranges = cut(buf.len(), lanes);
         let chunks = {
             let mut st = shared.lock();
             if let Some(why) = &st.aborted {
@@ -253,9 +278,11 @@ impl LocalRank<'_> {
         let st = shared.barrier(shared.lock(), |_| {})?;
         drop(st);
         if let Some(inter) = self.inter.as_mut() {
-            // Chunk after chunk, in order (every host cuts alike); the others wait on the
-            // condition variable meanwhile, and one that leaves can still say so.
-            for c in &chunks {
+            // This lane's chunks, in order (every host cuts alike); the lanes run at once,
+            // the other local ranks wait on the condition variable meanwhile, and one that
+            // leaves can still say so. A lane that fails stops; the others finish theirs
+            // (their peers are still sending), and every local rank returns the failure.
+            for c in chunks.iter().skip(self.index).step_by(lanes) {
                 let mut chunk = lock_chunk(c);
                 let crossed = between(&mut **inter, slot(&mut chunk), step);
                 // Never the state's lock under a chunk's (barrier 3 takes them the other way).
@@ -396,27 +423,31 @@ mod tests {
         let mut ranks: Vec<Trainer> =
             (0..world).map(|_| Trainer::try_new(job.clone(), synthetic()).unwrap()).collect();
         let mut hashes = Vec::new();
+        // One lane per local rank of the host with the fewest, as an epoch gives them.
+        let lanes = hosts.iter().copied().min().unwrap_or(1);
         for _ in 0..steps {
-            // Between hosts: the hosts' sums through one more group, standing for the ring.
-            let ring = LocalGroup::new(hosts.len());
-            let groups: Vec<LocalGroup> = hosts.iter().map(|&n| LocalGroup::new(n)).collect();
+            // Between hosts: the hosts' sums through one more group per lane, standing for
+            // the ring's lanes.
+            let rings: Vec<LocalGroup> = (0..lanes).map(|_| LocalGroup::new(hosts.len())).collect();
+            let groups: Vec<LocalGroup> =
+                hosts.iter().map(|&n| LocalGroup::with_sums(n, lanes, &LocalSums::default())).collect();
             std::thread::scope(|s| {
                 let mut rest = ranks.as_mut_slice();
                 let mut first = 0;
                 for (h, &n) in hosts.iter().enumerate() {
                     let (mine, tail) = rest.split_at_mut(n);
                     rest = tail;
-                    let (group, ring) = (&groups[h], &ring);
+                    let (group, rings) = (&groups[h], &rings);
                     for (i, t) in mine.iter_mut().enumerate() {
                         s.spawn(move || {
-                            if i > 0 {
+                            if i >= lanes {
                                 return t.train_step(first + i, world, &mut group.rank(i, None)).unwrap();
                             }
-                            let (mut between, mut alone) = (ring.rank(h, None), NoReduce);
+                            let (mut between, mut alone) = (rings[i].rank(h, None), NoReduce);
                             let inter: &mut (dyn Reduce + Send) =
                                 if hosts.len() > 1 { &mut between } else { &mut alone };
-                            let mut local = group.rank(0, Some(inter));
-                            t.train_step(first, world, &mut local).unwrap()
+                            let mut local = group.rank(i, Some(inter));
+                            t.train_step(first + i, world, &mut local).unwrap()
                         });
                     }
                     first += n;
@@ -430,12 +461,23 @@ mod tests {
     #[test]
     fn two_hosts_of_two_devices_train_the_bits_of_four_hosts_of_one() {
         let data = synthetic();
-        let exact = JobSpec { reproducible: true, ..job(ModelKind::Mlp, &data, 24, 4) };
+        let mut exact = JobSpec { reproducible: true, ..job(ModelKind::Mlp, &data, 24, 4) };
+        // Wide enough that the sums fill two lanes between the hosts of two devices.
+        if let crate::model::ModelSpec::Mlp { hidden, .. } = &mut exact.model {
+            *hidden = vec![256, 256];
+        }
+        let values = Trainer::try_new(exact.clone(), synthetic()).unwrap().buffer_len();
+        assert!(cut(values, 2).len() == 2, "{values} values fill one lane");
         let a = run(&exact, &[2, 2], 3);
         let b = run(&exact, &[1, 1, 1, 1], 3);
         let one = run(&exact, &[1], 3);
         for ((x, y), z) in a.iter().zip(&b).zip(&one) {
             assert!(x.iter().chain(y).all(|h| h == &z[0]), "ranks differ: {x:?} {y:?} {z:?}");
+        }
+        // Unequal hosts: two lanes, and a third local rank that drives none.
+        let c = run(&exact, &[3, 2], 3);
+        for (x, z) in c.iter().zip(&one) {
+            assert!(x.iter().all(|h| h == &z[0]), "ranks of hosts of 3 and 2 differ: {x:?} {z:?}");
         }
         // An ordinary job: every local rank holds the same bits, and the hosts agree.
         let plain = job(ModelKind::Mlp, &data, 24, 4);
@@ -560,6 +602,107 @@ mod tests {
     }
 
     #[test]
+    fn each_lane_carries_its_chunks_in_order_and_small_buffers_take_one_lane() {
+        /// Records the lengths it carried and doubles each (a second host's equal sum).
+        struct Lane(Vec<usize>);
+        impl Reduce for Lane {
+            fn allreduce_sum(&mut self, b: &mut [f32], _: u64) -> Result<(), TrainerError> {
+                self.0.push(b.len());
+                b.iter_mut().for_each(|v| *v *= 2.0);
+                Ok(())
+            }
+        }
+        // The cut: near-equal chunks tiling the buffer, at least one per lane the buffer
+        // fills, at most CHUNK values each.
+        for (len, lanes, chunks) in [
+            (0, 4, 1),
+            (3, 4, 1),
+            (2 * MIN_LANE_VALUES - 1, 4, 1),
+            (2 * MIN_LANE_VALUES, 4, 2),
+            (9 * CHUNK + 1, 4, 12),
+            (9 * CHUNK + 1, 1, 10),
+        ] {
+            let c = cut(len, lanes);
+            assert_eq!(c.len(), chunks, "{len} values over {lanes} lanes");
+            assert!(c.first().unwrap().start == 0 && c.last().unwrap().end == len);
+            assert!(c.windows(2).all(|w| w[0].end == w[1].start) && c.iter().all(|r| r.len() <= CHUNK));
+            // Each lane the buffer fills takes as many chunks as the others.
+            assert_eq!(c.len() % lanes.min(len / MIN_LANE_VALUES).max(1), 0, "{len} over {lanes}");
+        }
+        // Three local ranks driving three lanes: chunk c on lane c % 3, in order.
+        let lanes = 3;
+        for len in [7 * MIN_LANE_VALUES + 5, 5] {
+            let group = LocalGroup::with_sums(lanes, lanes, &LocalSums::default());
+            let mut carried: Vec<Lane> = (0..lanes).map(|_| Lane(Vec::new())).collect();
+            let results: Vec<Vec<f32>> = std::thread::scope(|s| {
+                let handles: Vec<_> = carried
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(i, lane)| {
+                        let group = &group;
+                        s.spawn(move || {
+                            let mut r = group.rank(i, Some(lane));
+                            let mut b: Vec<f32> = (0..len).map(|v| (v % 5) as f32 + i as f32).collect();
+                            r.allreduce_sum(&mut b, 0).unwrap();
+                            b
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let want: Vec<f32> = (0..len).map(|v| 2.0 * (3.0 * (v % 5) as f32 + 3.0)).collect();
+            assert!(results.iter().all(|r| r == &want), "a local rank holds another sum");
+            let chunks = cut(len, lanes);
+            for (k, lane) in carried.iter().enumerate() {
+                let mine: Vec<usize> = chunks.iter().skip(k).step_by(lanes).map(|r| r.len()).collect();
+                assert_eq!(lane.0, mine, "lane {k} of {len} values");
+            }
+            if len < MIN_LANE_VALUES {
+                assert!(carried[1].0.is_empty() && carried[2].0.is_empty(), "a small buffer took one lane");
+            } else {
+                assert!(carried.iter().all(|l| !l.0.is_empty()), "every lane carried its part");
+            }
+        }
+    }
+
+    #[test]
+    fn a_failing_lane_fails_every_local_rank_and_copies_no_partial_sum() {
+        /// A lane between hosts: doubles each sum (a second host's equal one), or fails.
+        struct Lane(bool);
+        impl Reduce for Lane {
+            fn allreduce_sum(&mut self, b: &mut [f32], _: u64) -> Result<(), TrainerError> {
+                if self.0 {
+                    let detail = "lane peer 9 closed".into();
+                    return Err(TrainerError::Reduce { peer: Some(9), detail, violation: false });
+                }
+                b.iter_mut().for_each(|v| *v *= 2.0);
+                Ok(())
+            }
+        }
+        let len = 4 * MIN_LANE_VALUES;
+        let group = LocalGroup::with_sums(3, 2, &LocalSums::default());
+        let mut lanes = [Lane(false), Lane(true)];
+        let outcomes: Vec<(Result<(), TrainerError>, Vec<f32>)> = std::thread::scope(|s| {
+            let mut lanes = lanes.iter_mut();
+            let handles: Vec<_> = (0..3)
+                .map(|i| {
+                    let lane = lanes.next().map(|l| l as &mut (dyn Reduce + Send));
+                    let mut r = group.rank(i, lane);
+                    s.spawn(move || {
+                        let mut b = vec![1.0f32; len];
+                        (r.allreduce_sum(&mut b, 0), b)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (i, (r, b)) in outcomes.iter().enumerate() {
+            assert!(matches!(r, Err(TrainerError::Reduce { peer: Some(9), .. })), "local rank {i}: {r:?}");
+            assert!(b.iter().all(|&v| v == 1.0), "local rank {i} copied a partial sum");
+        }
+    }
+
+    #[test]
     fn local_ranks_that_disagree_on_a_collective_fail_it_instead_of_summing_wrong() {
         // Lengths of one and of two chunks: the chunk only one rank has would be its own.
         let group = LocalGroup::new(2);
@@ -578,7 +721,7 @@ mod tests {
         // Sums kept from a group left mid-collective count nothing in the next group's.
         let sums = LocalSums::default();
         {
-            let group = LocalGroup::with_sums(2, &sums);
+            let group = LocalGroup::with_sums(2, 1, &sums);
             let mut r0 = group.rank(0, None);
             let gone = group.rank(1, None);
             std::thread::scope(|s| {
@@ -588,7 +731,7 @@ mod tests {
                 assert!(h.join().unwrap().is_err());
             });
         }
-        let group = LocalGroup::with_sums(2, &sums);
+        let group = LocalGroup::with_sums(2, 1, &sums);
         let got: Vec<[f32; 2]> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..2)
                 .map(|i| {

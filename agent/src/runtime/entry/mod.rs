@@ -67,6 +67,8 @@ pub(super) struct Entering<'a> {
 /// What an entry did, for the transition record.
 pub(super) struct Entered {
     pub conn: Conn,
+    /// The ring's other lanes, for hosts of several local ranks (`local_ranks::lanes_of`).
+    pub lanes: Vec<Group>,
     pub fetched_bytes: u64,
     pub fetch_ms: u64,
     pub repaired: bool,
@@ -169,8 +171,10 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
             group.barrier(ENTRY_STEP)?;
             limpet_trainer::device::return_freed_host_memory();
             let conn = Conn::Ring(group);
+            // Sharded state is not cut over local ranks (refused at start-up): one lane.
             return Ok(Entered {
                 conn,
+                lanes: Vec::new(),
                 fetched_bytes: bytes,
                 fetch_ms: ms,
                 repaired: false,
@@ -246,6 +250,7 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     // next entry offers the state of its own step.
     x.server.withdraw(&live);
     limpet_trainer::device::return_freed_host_memory();
+    let mut lanes = Vec::new();
     let conn = if n.layout.pipeline > 1 {
         // Every rank passed the barrier, so every ring connection of the entry is taken:
         // the stage groups' connections (same epoch, same channel) cannot be mistaken for
@@ -256,10 +261,21 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
             x.endpoint, n.id, layout, &n.ranks, &addrs, by, &give_up,
         )?))
     } else {
+        let count = super::local_ranks::lanes_of(n);
+        if count > 1 {
+            // After the barrier, as the stages' connections are: every rank connects its
+            // lanes here, none is left waiting in the ring's collectives meanwhile.
+            // A deadline of its own: the entry's own may be spent by now (peers waited for,
+            // a state copied), and the left neighbours connect only once past the barrier.
+            let by = Instant::now() + ENTRY_WAIT;
+            lanes =
+                crate::dataplane::lanes::connect(x.endpoint, n.id, &n.ranks, &addrs, count, by, &give_up)?;
+            tracing::info!(epoch = n.id, lanes = count, "ring lanes connected, one per local rank");
+        }
         Conn::Ring(group)
     };
     let redone_steps = (if plan.action == Entry::Rollback { redone } else { 0 }).max(given_up);
-    Ok(Entered { conn, fetched_bytes, fetch_ms, repaired, redone_steps })
+    Ok(Entered { conn, lanes, fetched_bytes, fetch_ms, repaired, redone_steps })
 }
 
 /// What this rank assembled is the reference's state (the first rank at the epoch's step
