@@ -465,6 +465,7 @@ fn resume_after_losing_every_host(
                 .map(|(step, parts)| limpet_agent::checkpoint::Listed {
                     step,
                     parts: parts.into_iter().map(|b| (PathBuf::new(), b)).collect(),
+                    shards: Vec::new(),
                 })
                 .collect()
         }

@@ -54,13 +54,28 @@ fn a_sharded_run_through_a_notice_a_join_and_a_kill_matches_one_process() {
 
 #[test]
 fn both_holders_of_a_shard_killed_at_once_go_back_to_the_checkpoint() {
+    both_holders_killed(false);
+}
+
+/// The same with a checkpoint directory every host shares (`[checkpoint].shared`): each rank
+/// writes its shard of every checkpoint, nobody gathers the state for one, and every survivor
+/// joins the shards to go back.
+#[test]
+fn shards_of_a_shared_checkpoint_bring_back_a_lost_block() {
+    both_holders_killed(true);
+}
+
+fn both_holders_killed(shared: bool) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("c");
     let steps = 400;
+    let checkpoints = tmp.path().join("shared");
     let job = LocalJob {
         steps,
         checkpoint_every: 20,
         shard_state: Some(("optimizer".into(), 1)),
+        checkpoint_dir: shared.then(|| checkpoints.clone()),
+        checkpoint_shared: shared,
         ..LocalJob::default()
     };
     let mut c =
@@ -82,6 +97,19 @@ fn both_holders_of_a_shard_killed_at_once_go_back_to_the_checkpoint() {
     });
     let all = node_logs(&dir);
     assert!(all.contains("no live rank holds values"), "{all}");
+    if shared {
+        // Five ranks wrote their shards of the checkpoints, then three (the older ones are
+        // pruned); each survivor read them back.
+        assert!(all.contains("checkpoint shard written") && all.contains("shard=4 of=5"), "{all}");
+        let three = std::fs::read_dir(&checkpoints)
+            .unwrap()
+            .flatten()
+            .filter(|d| d.path().join("shard-2-of-3.limpet").exists())
+            .count();
+        assert!(three > 0, "no checkpoint of three shards in {}", checkpoints.display());
+        assert!(!all.contains("cannot read the checkpoint to resume from here"), "{all}");
+        assert!(all.matches("resumed from the checkpoint").count() >= 3, "{all}");
+    }
     // World 3 trained from the checkpoint's step on: the steps after it again, none when the
     // kill came right after a checkpoint (the log names the step trained, so a checkpoint
     // after step `s` is at `s + 1`).

@@ -2,9 +2,13 @@
 //! cluster, and finding the newest usable one when a new cluster starts.
 //!
 //! Layout: `DIR/step-000000001200/blocks-0-4.limpet`, one part per pipeline stage (a
-//! data-parallel job writes one part holding every block). Each part is a complete,
-//! checksummed [`StateImage`] written atomically, so a directory holds only whole parts; a
-//! checkpoint is usable when its parts cover every block of the model. A crash while
+//! data-parallel job writes one part holding every block), or
+//! `DIR/step-000000001200/shard-2-of-4.limpet`, one part per rank of a job whose optimizer
+//! state is sharded over a shared directory (each part a set of whole tensors, marked with the
+//! content hash of the state they join into: [`limpet_snapshot::shards`]). Each part is a
+//! complete, checksummed [`StateImage`] written atomically, so a directory holds only whole
+//! parts; a checkpoint is usable when its parts cover every block of the model, or are every
+//! shard of one write. A crash while
 //! writing leaves the previous checkpoints intact and at worst an incomplete newest one,
 //! which the search skips.
 
@@ -65,6 +69,29 @@ pub fn part_path(dir: &Path, step: u64, blocks: &Range<usize>) -> PathBuf {
     step_dir(dir, step).join(format!("blocks-{}-{}.limpet", blocks.start, blocks.end))
 }
 
+/// The file of shard `index` of `parts` of the checkpoint at `step`.
+pub fn shard_path(dir: &Path, step: u64, index: usize, parts: usize) -> PathBuf {
+    step_dir(dir, step).join(format!("shard-{index}-of-{parts}.limpet"))
+}
+
+/// The shard a part's file name stands for (`shard-2-of-4.limpet`: index, parts), if it is
+/// one of ours.
+pub fn parse_shard(name: &str) -> Option<(usize, usize)> {
+    let (a, b) = name.strip_prefix("shard-")?.strip_suffix(".limpet")?.split_once("-of-")?;
+    // One spelling of each shard: no leading zeros.
+    let digits = |s: &str| {
+        !s.is_empty()
+            && s.len() <= 6
+            && s.bytes().all(|c| c.is_ascii_digit())
+            && (s == "0" || !s.starts_with('0'))
+    };
+    if !digits(a) || !digits(b) {
+        return None;
+    }
+    let (i, n) = (a.parse().ok()?, b.parse().ok()?);
+    (i < n).then_some((i, n))
+}
+
 /// The step a directory name stands for (`step-000000001200`), if it is one of ours.
 pub fn parse_step_dir(name: &str) -> Option<u64> {
     let digits = name.strip_prefix("step-")?;
@@ -93,6 +120,21 @@ pub fn write_part(
     blocks: &Range<usize>,
     min_free: u64,
 ) -> Result<PathBuf, CheckpointError> {
+    write_at(dir, image, &part_path(dir, image.meta().step, blocks), min_free)
+}
+
+/// Writes shard `index` of `parts` of the checkpoint at the image's step (as [`write_part`]).
+pub fn write_shard(
+    dir: &Path,
+    image: &StateImage,
+    (index, parts): (usize, usize),
+    min_free: u64,
+) -> Result<PathBuf, CheckpointError> {
+    write_at(dir, image, &shard_path(dir, image.meta().step, index, parts), min_free)
+}
+
+/// Writes `image` at `path`, a part's file in the step's directory of `dir`.
+fn write_at(dir: &Path, image: &StateImage, path: &Path, min_free: u64) -> Result<PathBuf, CheckpointError> {
     let step = image.meta().step;
     let create = |d: &Path| {
         std::fs::create_dir_all(d).map_err(|source| CheckpointError::Io {
@@ -128,9 +170,8 @@ pub fn write_part(
         path: dir.to_path_buf(),
         source,
     })?;
-    let path = part_path(dir, step, blocks);
-    limpet_snapshot::write_atomic(&path, &bytes)?;
-    Ok(path)
+    limpet_snapshot::write_atomic(path, &bytes)?;
+    Ok(path.to_path_buf())
 }
 
 /// The file that marks a directory limpet has written checkpoints to.
@@ -191,12 +232,34 @@ pub struct Listed {
     pub step: u64,
     /// The parts.
     pub parts: Vec<(PathBuf, Range<usize>)>,
+    /// The shards (file, index, of how many), in order.
+    pub shards: Vec<(PathBuf, usize, usize)>,
 }
 
 impl Listed {
-    /// Whether the parts tile `0..blocks` (going by the names; contents are checked on load).
+    /// Whether the parts tile `0..blocks`, or the shards are every one of a write (going by
+    /// the names; contents are checked on load).
     pub fn complete(&self, blocks: usize) -> bool {
-        cover(&self.parts.iter().map(|(_, r)| r.clone()).collect::<Vec<_>>(), blocks).is_some()
+        self.shard_set().is_some()
+            || cover(&self.parts.iter().map(|(_, r)| r.clone()).collect::<Vec<_>>(), blocks).is_some()
+    }
+
+    /// The files of a whole set of shards (`0..n` of one `n`, the largest such), if any.
+    pub fn shard_set(&self) -> Option<Vec<PathBuf>> {
+        let mut counts: Vec<usize> = self.shards.iter().map(|s| s.2).collect();
+        counts.sort_unstable();
+        counts.dedup();
+        counts.into_iter().rev().find_map(|n| {
+            let of_n: Vec<&(PathBuf, usize, usize)> = self.shards.iter().filter(|s| s.2 == n).collect();
+            let set: Option<Vec<PathBuf>> =
+                (0..n).map(|i| of_n.iter().find(|s| s.1 == i).map(|s| s.0.clone())).collect();
+            set
+        })
+    }
+
+    /// Every file of the checkpoint, parts and shards.
+    pub fn files(&self) -> impl Iterator<Item = &PathBuf> {
+        self.parts.iter().map(|(p, _)| p).chain(self.shards.iter().map(|(p, _, _)| p))
     }
 }
 
@@ -232,13 +295,22 @@ pub fn list(dir: &Path) -> Result<Vec<Listed>, CheckpointError> {
 /// The checkpoint at `step` in `dir`: its parts, in block order.
 pub fn listed_at(dir: &Path, step: u64) -> Result<Listed, CheckpointError> {
     let sd = step_dir(dir, step);
-    let mut parts: Vec<(PathBuf, Range<usize>)> = std::fs::read_dir(&sd)
+    let entries: Vec<std::fs::DirEntry> = std::fs::read_dir(&sd)
         .map_err(|source| CheckpointError::Io { op: "listing", path: sd.clone(), source })?
         .flatten()
-        .filter_map(|p| Some((p.path(), parse_part(p.file_name().to_str()?)?)))
         .collect();
+    let mut parts: Vec<(PathBuf, Range<usize>)> =
+        entries.iter().filter_map(|p| Some((p.path(), parse_part(p.file_name().to_str()?)?))).collect();
     parts.sort_by_key(|(_, r)| (r.start, r.end));
-    Ok(Listed { step, parts })
+    let mut shards: Vec<(PathBuf, usize, usize)> = entries
+        .iter()
+        .filter_map(|p| {
+            let (i, n) = parse_shard(p.file_name().to_str()?)?;
+            Some((p.path(), i, n))
+        })
+        .collect();
+    shards.sort_by_key(|s| (s.2, s.1));
+    Ok(Listed { step, parts, shards })
 }
 
 /// Deletes old checkpoints of the running job (`job`, the job its images carry), judged by
@@ -257,15 +329,14 @@ pub fn prune(
     let all = list(dir)?;
     // Every part's header names this job (an empty step directory, a write that never got
     // its first part in, is nobody's checkpoint and goes with the old ones).
-    let ours =
-        |l: &Listed| l.parts.iter().all(|(p, _)| limpet_snapshot::read_meta(p).is_ok_and(|m| &m.job == job));
+    let ours = |l: &Listed| l.files().all(|p| limpet_snapshot::read_meta(p).is_ok_and(|m| &m.job == job));
     let mut intact = Vec::new();
     for l in all.iter().rev() {
         if intact.len() >= keep.max(1) {
             break;
         }
         // The header first (cheap): another job's checkpoint is not read whole.
-        if l.complete(blocks) && ours(l) && load(l, blocks).is_ok_and(|image| &image.meta().job == job) {
+        if l.complete(blocks) && ours(l) && loads_intact(l, blocks, job) {
             intact.push(l.step);
         }
     }
@@ -281,6 +352,75 @@ pub fn prune(
         removed.push(l.step);
     }
     Ok(removed)
+}
+
+/// Whether checkpoint `l` of `job` loads intact: its parts joined; a set of shards by their
+/// headers alone ([`shards_agree`]: reading every shard would mean reading the whole state
+/// at each checkpoint; each writer read its own back when it wrote it).
+fn loads_intact(l: &Listed, blocks: usize, job: &serde_json::Value) -> bool {
+    match l.shard_set() {
+        Some(files) => shards_agree(&files).is_ok_and(|(step, j, _)| step == l.step && &j == job),
+        None => load(l, blocks).is_ok_and(|image| &image.meta().job == job),
+    }
+}
+
+/// Whether the headers of `files` (one write's shards) make one whole state: its step, job
+/// and content hash, or why not.
+pub fn shards_agree(files: &[PathBuf]) -> Result<(u64, serde_json::Value, String), CheckpointError> {
+    let heads = files
+        .iter()
+        .map(|p| {
+            limpet_snapshot::read_header(p)
+                .map_err(|e| CheckpointError::Bad { path: p.clone(), detail: e.to_string() })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let dir = files.first().and_then(|p| p.parent()).map(Path::to_path_buf).unwrap_or_default();
+    let whole = limpet_snapshot::shards::headers_agree(&heads)
+        .map_err(|detail| CheckpointError::Bad { path: dir, detail })?;
+    let m = &heads[0].0;
+    Ok((m.step, m.job.clone(), whole))
+}
+
+/// Waits until every shard of the write of `parts` shards at `step` is in `dir` and their
+/// headers make the state of content hash `whole`, within `wait`; removes shards of other
+/// writes of that step (of another world, before going back), so one set is left. The
+/// step's directory.
+pub fn await_shards(
+    dir: &Path,
+    step: u64,
+    parts: usize,
+    whole: &str,
+    wait: std::time::Duration,
+) -> Result<PathBuf, CheckpointError> {
+    let deadline = std::time::Instant::now() + wait;
+    loop {
+        let l = listed_at(dir, step)?;
+        let files: Vec<PathBuf> = (0..parts)
+            .filter_map(|i| l.shards.iter().find(|s| (s.1, s.2) == (i, parts)).map(|s| s.0.clone()))
+            .collect();
+        if files.len() == parts {
+            let (_, _, hash) = shards_agree(&files)?;
+            if hash != whole {
+                return Err(CheckpointError::Bad {
+                    path: step_dir(dir, step),
+                    detail: format!("the shards make a state of hash {hash}, not the {whole} written"),
+                });
+            }
+            for (p, _, n) in &l.shards {
+                if *n != parts {
+                    let _ = std::fs::remove_file(p);
+                }
+            }
+            return Ok(step_dir(dir, step));
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(CheckpointError::Bad {
+                path: step_dir(dir, step),
+                detail: format!("{} of its {parts} shards after {wait:?}", files.len()),
+            });
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
 }
 
 /// Reads back a part just written and checks it holds `image` (its content hash): a part
@@ -306,6 +446,9 @@ pub fn verify_part(path: &Path, image: &StateImage) -> Result<(), CheckpointErro
 /// Reads a checkpoint's parts and joins them into one image of the whole model, checking
 /// that every part is intact, at the checkpoint's step, and of one job and one data order.
 pub fn load(listed: &Listed, blocks: usize) -> Result<StateImage, CheckpointError> {
+    if let Some(files) = listed.shard_set() {
+        return load_shards(listed.step, &files);
+    }
     let ranges: Vec<Range<usize>> = listed.parts.iter().map(|(_, r)| r.clone()).collect();
     let chosen = cover(&ranges, blocks).ok_or_else(|| CheckpointError::Bad {
         path: listed.parts.first().map_or_else(PathBuf::new, |(p, _)| p.parent().unwrap_or(p).to_path_buf()),
@@ -340,6 +483,29 @@ pub fn load(listed: &Listed, blocks: usize) -> Result<StateImage, CheckpointErro
     }
     let m = meta.expect("a cover of at least one block has a part");
     Ok(StateImage::new(m.step, m.cursor, m.rng, m.job, tensors))
+}
+
+/// Reads a checkpoint's shards and joins them into the whole state (every shard at the
+/// checkpoint's step, and the joined state the one they name).
+fn load_shards(step: u64, files: &[PathBuf]) -> Result<StateImage, CheckpointError> {
+    let mut images = Vec::with_capacity(files.len());
+    for path in files {
+        let image = limpet_snapshot::read_file(path)
+            .map_err(|e| CheckpointError::Bad { path: path.clone(), detail: e.to_string() })?;
+        if image.meta().step != step {
+            return Err(CheckpointError::Bad {
+                path: path.clone(),
+                detail: format!(
+                    "holds step {}, but sits in the checkpoint of step {step}",
+                    image.meta().step
+                ),
+            });
+        }
+        images.push(image);
+    }
+    let dir = files.first().and_then(|p| p.parent()).map(Path::to_path_buf).unwrap_or_default();
+    limpet_snapshot::shards::join(images, |i| files[i].display().to_string())
+        .map_err(|e| CheckpointError::Bad { path: dir, detail: e.to_string() })
 }
 
 /// A usable checkpoint: where its parts are, and the whole model's state they hold.
@@ -381,6 +547,76 @@ mod tests {
             })
             .collect();
         StateImage::new(step, step * 8, RngState::new(1), serde_json::json!({ "job": job }), tensors)
+    }
+
+    /// `whole`'s tensors dealt round-robin over `n` shards, each marked with its hash.
+    fn shards_of(whole: &StateImage, n: usize) -> Vec<StateImage> {
+        let m = whole.meta();
+        (0..n)
+            .map(|i| {
+                let t =
+                    whole.tensors().iter().skip(i).step_by(n).map(|(k, v)| (k.clone(), v.clone())).collect();
+                let meta = (m.step, m.cursor, m.rng, m.job.clone());
+                limpet_snapshot::shards::shard_image(meta, t, whole.content_hash()).unwrap()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_shards_of_a_write_join_and_an_incomplete_set_is_no_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let job = serde_json::json!({ "job": 1 });
+        let whole = image(40, 0..4, 1);
+        for (i, s) in shards_of(&whole, 3).iter().enumerate() {
+            let p = write_shard(dir.path(), s, (i, 3), 0).unwrap();
+            assert_eq!(p, dir.path().join(format!("step-000000000040/shard-{i}-of-3.limpet")));
+        }
+        // A newer write that lost its middle shard (a rank killed while writing).
+        let newer = shards_of(&image(60, 0..4, 1), 3);
+        write_shard(dir.path(), &newer[0], (0, 3), 0).unwrap();
+        write_shard(dir.path(), &newer[2], (2, 3), 0).unwrap();
+        let at40 = listed_at(dir.path(), 40).unwrap();
+        assert!(at40.complete(4) && at40.parts.is_empty());
+        assert_eq!(load(&at40, 4).unwrap(), whole);
+        assert!(!listed_at(dir.path(), 60).unwrap().complete(4));
+        let (found, skipped) = newest(dir.path(), 4, &job).unwrap();
+        assert_eq!(found.unwrap().1, whole);
+        assert!(skipped[0].contains("incomplete"), "{skipped:?}");
+        // A shard of another write in the set: the join refuses it, naming the file.
+        let other = shards_of(&image(40, 0..4, 2), 3);
+        write_shard(dir.path(), &other[1], (1, 3), 0).unwrap();
+        let e = load(&listed_at(dir.path(), 40).unwrap(), 4).unwrap_err().to_string();
+        assert!(e.contains("shard-1-of-3.limpet"), "{e}");
+        // The writer of shard 0 waits for a whole set whose headers make its hash: the set
+        // of another write is refused, a set still missing a shard times out.
+        let short = std::time::Duration::from_millis(200);
+        let e = await_shards(dir.path(), 40, 3, whole.content_hash(), short).unwrap_err().to_string();
+        assert!(e.contains("shard 1 holds another state"), "{e}");
+        let e = await_shards(dir.path(), 60, 3, "h", short).unwrap_err().to_string();
+        assert!(e.contains("2 of its 3 shards"), "{e}");
+        write_shard(dir.path(), &newer[1], (1, 3), 0).unwrap();
+        // A write of another world at the same step (before going back) is removed.
+        write_shard(dir.path(), &shards_of(&image(60, 0..4, 1), 2)[0], (0, 2), 0).unwrap();
+        let at = await_shards(dir.path(), 60, 3, image(60, 0..4, 1).content_hash(), short).unwrap();
+        assert_eq!(at, step_dir(dir.path(), 60));
+        assert!(listed_at(dir.path(), 60).unwrap().shards.iter().all(|s| s.2 == 3));
+        // Pruning keeps the newest that agree (by their headers) and deletes older ones of
+        // the job (step 40, holding another job's shard, is not wholly the job's: kept).
+        for (i, s) in shards_of(&image(20, 0..4, 1), 3).iter().enumerate() {
+            write_shard(dir.path(), s, (i, 3), 0).unwrap();
+        }
+        assert_eq!(prune(dir.path(), 1, 4, &job).unwrap(), vec![20]);
+        assert!(listed_at(dir.path(), 60).unwrap().complete(4));
+        assert_eq!(parse_shard("shard-2-of-4.limpet"), Some((2, 4)));
+        for bad in [
+            "shard-3-of-3.limpet",
+            "shard--of-3.limpet",
+            "shard-1-of-3.tmp",
+            "shard-1-of-1234567.limpet",
+            "shard-01-of-3.limpet",
+        ] {
+            assert_eq!(parse_shard(bad), None, "{bad}");
+        }
     }
 
     #[test]

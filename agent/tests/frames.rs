@@ -86,6 +86,11 @@ proptest! {
     fn checkpoint_names_never_panic_and_round_trip(name in ".{0,40}", step in any::<u64>(), a in 0usize..1000, len in 1usize..1000) {
         let _ = limpet_agent::checkpoint::parse_step_dir(&name);
         let _ = limpet_agent::checkpoint::parse_part(&name);
+        if let Some((i, n)) = limpet_agent::checkpoint::parse_shard(&name) {
+            prop_assert!(i < n);
+        }
+        let sp = limpet_agent::checkpoint::shard_path(std::path::Path::new("/c"), 1, a, a + len);
+        prop_assert_eq!(limpet_agent::checkpoint::parse_shard(sp.file_name().unwrap().to_str().unwrap()), Some((a, a + len)));
         let dir = std::path::Path::new("/c");
         let step = step % 1_000_000_000_000;
         let sd = limpet_agent::checkpoint::step_dir(dir, step);

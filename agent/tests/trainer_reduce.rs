@@ -527,3 +527,54 @@ fn a_reproducible_job_with_sharded_state_trains_the_bits_of_one_process() {
         assert_eq!(image.content_hash(), want.content_hash(), "rank {rank}'s state");
     }
 }
+
+/// A sharded job's checkpoint written as parts, one per rank (`Trainer::checkpoint_part`):
+/// the parts join into the whole state bit for bit (the exponents of a reproducible job too),
+/// each names the content hash that state has without any rank holding it, the bytes are
+/// split near-evenly, and each rank trains on sharded afterwards.
+#[test]
+fn a_sharded_checkpoint_is_written_as_parts_that_join_into_the_whole_state() {
+    one_thread();
+    const STEPS: usize = 3;
+    let repro = || {
+        let (mut job, data) = job_and_data();
+        job.optimizer = limpet_trainer::optim::OptimizerSpec::adamw(0.01, 0.1);
+        job.reproducible = true;
+        Trainer::try_new(job, data).unwrap()
+    };
+    let mut alone = repro();
+    for _ in 0..STEPS {
+        alone.train_step(0, 1, &mut NoReduce).unwrap();
+    }
+    let want = alone.image().unwrap();
+    let eps = endpoints(&[5, 2, 9]);
+    let out = on_ranks(&[&eps[0], &eps[1], &eps[2]], 1, vec![(); 3], |rank, (), g| {
+        let mut t = repro();
+        let n = t.buffer_len() - 3;
+        t.shard_state(ShardLayout::new(n, 3, rank, 1).unwrap()).unwrap();
+        for _ in 0..STEPS {
+            t.train_step(rank, 3, g).unwrap();
+        }
+        let part = t.checkpoint_part(g).unwrap();
+        assert!(t.shard_layout().is_some(), "the state stays sharded");
+        t.train_step(rank, 3, g).unwrap();
+        part
+    });
+    let total: usize = want.tensors().values().map(|t| t.data().len()).sum();
+    let largest = want.tensors().values().map(|t| t.data().len()).max().unwrap();
+    for (rank, part) in out.iter().enumerate() {
+        assert_eq!((part.index, part.parts), (rank, 3));
+        assert_eq!(part.whole_hash, want.content_hash(), "rank {rank}'s part names another state");
+        let bytes: usize = part.image.tensors().values().map(|t| t.data().len()).sum();
+        assert!(bytes <= total / 3 + largest, "rank {rank} writes {bytes} of {total} bytes");
+    }
+    let parts: Vec<_> = out.into_iter().map(|p| p.image).collect();
+    let joined = limpet_snapshot::shards::join(parts.clone(), |i| format!("part {i}")).unwrap();
+    assert_eq!(joined, want, "the parts join into one process's state");
+    assert!(
+        want.tensors().contains_key("exact/exponents")
+            && want.tensors().keys().any(|n| n.starts_with("optim/"))
+    );
+    // Two parts alone are no checkpoint.
+    assert!(limpet_snapshot::shards::join(parts[..2].to_vec(), |i| format!("part {i}")).is_err());
+}

@@ -551,6 +551,7 @@ fn checkpoint_settings(cfg: &Config) -> Option<limpet_agent::runtime::Checkpoint
         keep: c.keep,
         resume: c.resume,
         min_free: c.min_free_bytes().expect("validated: [checkpoint].min_free"),
+        shared: c.shared,
         remote: c.s3.as_ref().and_then(|url| limpet_agent::remote::parse_url(url).ok()).map(
             |(bucket, prefix)| limpet_agent::remote::RemoteSettings {
                 bucket,

@@ -1,6 +1,7 @@
 //! Checkpoint files on disk: atomic replacement and verified reads.
 
 use crate::{SnapshotError, StateImage, StateMeta, META_KEY};
+use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::io::Write;
 use std::path::Path;
@@ -45,6 +46,12 @@ const MAX_HEADER: u64 = 100_000_000;
 /// Reads only a checkpoint file's metadata (its header), not its tensors, and does not verify
 /// them: enough to tell whose a file is (its job) without reading a model's worth of bytes.
 pub fn read_meta(path: &Path) -> Result<StateMeta, SnapshotError> {
+    Ok(read_header(path)?.0)
+}
+
+/// Reads only a state file's header: its metadata and each tensor's dtype and shape, by
+/// name (nothing of the tensors' bytes is read or checked).
+pub fn read_header(path: &Path) -> Result<(StateMeta, crate::shards::Header), SnapshotError> {
     use std::io::Read;
     let mut f = File::open(path).map_err(io_err("open", path))?;
     let mut len = [0u8; 8];
@@ -65,7 +72,23 @@ pub fn read_meta(path: &Path) -> Result<StateMeta, SnapshotError> {
         .and_then(|m| m.get(META_KEY))
         .and_then(serde_json::Value::as_str)
         .ok_or(SnapshotError::MissingMeta { key: META_KEY })?;
-    crate::image::parse_meta(meta)
+    let meta = crate::image::parse_meta(meta)?;
+    let mut tensors = BTreeMap::new();
+    for (name, t) in header.as_object().into_iter().flatten().filter(|(n, _)| *n != "__metadata__") {
+        let bad = |what: &str| SnapshotError::Format(format!("header: tensor {name}: {what}"));
+        let dtype = t.get("dtype").and_then(serde_json::Value::as_str).ok_or_else(|| bad("no dtype"))?;
+        let dtype = crate::image::Dtype::from_name(dtype).ok_or_else(|| bad("an unknown dtype"))?;
+        let shape = t
+            .get("shape")
+            .and_then(serde_json::Value::as_array)
+            .ok_or_else(|| bad("no shape"))?
+            .iter()
+            .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
+            .collect::<Option<Vec<usize>>>()
+            .ok_or_else(|| bad("a shape that is not a list of sizes"))?;
+        tensors.insert(name.clone(), (dtype, shape));
+    }
+    Ok((meta, tensors))
 }
 
 /// A short fingerprint of a job (blake3 of its JSON, whose keys serde_json keeps sorted):

@@ -54,6 +54,13 @@ impl Dtype {
         }
     }
 
+    /// The dtype safetensors spells `name`.
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Dtype::F32, Dtype::F64, Dtype::BF16, Dtype::F16, Dtype::I64, Dtype::I32, Dtype::U8]
+            .into_iter()
+            .find(|d| d.name() == name)
+    }
+
     fn to_safetensors(self) -> StDtype {
         match self {
             Dtype::F32 => StDtype::F32,
@@ -195,6 +202,20 @@ fn content_hash(
     tensors: &BTreeMap<String, RawTensor>,
     checksums: &BTreeMap<String, String>,
 ) -> String {
+    let entries =
+        tensors.iter().map(|(n, t)| (n.as_str(), t.dtype, t.shape.as_slice(), checksums[n].as_str()));
+    content_hash_of(step, cursor, rng, job, entries)
+}
+
+/// The content hash of an image from its metadata and each tensor's name, dtype, shape and
+/// checksum (in name order), without the tensors' bytes.
+pub(crate) fn content_hash_of<'a>(
+    step: u64,
+    cursor: u64,
+    rng: RngState,
+    job: &serde_json::Value,
+    tensors: impl Iterator<Item = (&'a str, Dtype, &'a [usize], &'a str)>,
+) -> String {
     let mut h = blake3::Hasher::new();
     h.update(b"limpet-state\0");
     h.update(&FORMAT_VERSION.to_le_bytes());
@@ -205,15 +226,15 @@ fn content_hash(
     let job = job.to_string();
     h.update(&(job.len() as u64).to_le_bytes());
     h.update(job.as_bytes());
-    for (name, t) in tensors {
+    for (name, dtype, shape, checksum) in tensors {
         h.update(&(name.len() as u64).to_le_bytes());
         h.update(name.as_bytes());
-        h.update(t.dtype.name().as_bytes());
-        h.update(&(t.shape.len() as u64).to_le_bytes());
-        for d in &t.shape {
+        h.update(dtype.name().as_bytes());
+        h.update(&(shape.len() as u64).to_le_bytes());
+        for d in shape {
             h.update(&(*d as u64).to_le_bytes());
         }
-        h.update(checksums[name].as_bytes());
+        h.update(checksum.as_bytes());
     }
     h.finalize().to_hex().to_string()
 }

@@ -18,7 +18,8 @@ mod error;
 mod file;
 pub mod handoff;
 mod image;
+pub mod shards;
 
 pub use error::SnapshotError;
-pub use file::{job_fingerprint, read_file, read_meta, write_atomic};
+pub use file::{job_fingerprint, read_file, read_header, read_meta, write_atomic};
 pub use image::{Dtype, RawTensor, RngState, StateImage, StateMeta, FORMAT_VERSION, META_KEY};

@@ -36,8 +36,8 @@ pub use run::{
     peak_rss_bytes, rss_bytes, run_local, save_checkpoint, Progress, RunOptions, RunReport, CHECKPOINT_FILE,
 };
 pub use train::{
-    Eval, EvalSums, LocalGroup, LocalRank, LocalSums, NoReduce, Reduce, ShardLayout, StepOrder, StepStats,
-    Trainer, MAX_SHARDS, SHARDS,
+    CheckpointPart, Eval, EvalSums, LocalGroup, LocalRank, LocalSums, NoReduce, Reduce, ShardLayout,
+    StepOrder, StepStats, Trainer, MAX_SHARDS, SHARDS,
 };
 
 /// Makes libtorch use `n` intra-op threads. limpet runs one thread per rank by default, so

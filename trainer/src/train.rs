@@ -22,7 +22,7 @@ pub use eval::EvalSums;
 pub use exact::{MAX_SHARDS, SHARDS};
 pub use local::{LocalGroup, LocalRank, LocalSums};
 pub use reduce::{NoReduce, Reduce};
-pub use shard::ShardLayout;
+pub use shard::{CheckpointPart, ShardLayout};
 
 use crate::data::Dataset;
 use crate::job::JobSpec;

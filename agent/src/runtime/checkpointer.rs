@@ -61,6 +61,66 @@ impl Checkpointer {
         self.settings.as_ref().is_some_and(|c| due(c, step, 2, Duration::ZERO))
     }
 
+    /// Whether a sharded job's checkpoints are written as shards, one per rank, into a
+    /// directory every host sees (`[checkpoint].shared`), rather than gathered whole. Not with
+    /// S3, whose copies are of block parts only.
+    pub fn writes_shards(&self) -> bool {
+        self.settings.as_ref().is_some_and(|c| c.shared && c.remote.is_none())
+    }
+
+    /// Whether a checkpoint is being written in the background (a sharded job's ranks skip a
+    /// checkpoint together when any of theirs is).
+    pub fn is_busy(&self) -> bool {
+        self.writing.load(Ordering::SeqCst)
+    }
+
+    /// Writes this rank's shard of a sharded job's checkpoint (every rank writes its own, at
+    /// once, in the background as any part); shard 0's writer records the checkpoint in the
+    /// log, with the whole state's hash, once every shard is in.
+    pub fn write_shard(
+        &mut self,
+        part: limpet_trainer::CheckpointPart,
+        epoch: &Epoch,
+        nb: usize,
+        sink: &Sink<'_>,
+    ) {
+        let Some(c) = self.settings.clone() else { return };
+        let step = part.image.meta().step;
+        if self.writing.swap(true, Ordering::SeqCst) {
+            tracing::warn!(step, "the previous checkpoint is still being written; skipping this shard");
+            return;
+        }
+        self.last = Some(Instant::now());
+        let write = Part {
+            settings: c,
+            hash: part.whole_hash,
+            image: part.image,
+            kind: Kind::Shard { index: part.index, parts: part.parts },
+            model_blocks: nb,
+            step,
+            epoch: epoch.id,
+            me: sink.me,
+            handle: sink.handle.clone(),
+            rt: sink.rt.clone(),
+            remote: Arc::clone(&self.remote),
+            failure: Arc::clone(&self.failure),
+        };
+        self.spawn(write, sink);
+    }
+
+    fn spawn(&mut self, part: Part, sink: &Sink<'_>) {
+        let step = part.step;
+        let busy = Arc::clone(&self.writing);
+        let write = move || {
+            part.write();
+            busy.store(false, Ordering::SeqCst);
+        };
+        if let Err(e) = sink.tasks.spawn_thread("checkpoint", write) {
+            tracing::error!(step, %e, "could not start the checkpoint writer");
+            self.writing.store(false, Ordering::SeqCst);
+        }
+    }
+
     /// Why the last checkpoint failed, if it did.
     pub fn failure(&self) -> Option<String> {
         self.failure.lock().expect("failure lock").clone()
@@ -99,8 +159,9 @@ impl Checkpointer {
         };
         let part = Part {
             settings: c,
+            hash: image.content_hash().to_string(),
             image,
-            blocks: trainer.model().blocks(),
+            kind: Kind::Blocks(trainer.model().blocks()),
             model_blocks: nb,
             step,
             epoch: epoch.id,
@@ -110,23 +171,25 @@ impl Checkpointer {
             remote: Arc::clone(&self.remote),
             failure: Arc::clone(&self.failure),
         };
-        let busy = Arc::clone(&self.writing);
-        let write = move || {
-            part.write();
-            busy.store(false, Ordering::SeqCst);
-        };
-        if let Err(e) = sink.tasks.spawn_thread("checkpoint", write) {
-            tracing::error!(step, %e, "could not start the checkpoint writer");
-            self.writing.store(false, Ordering::SeqCst);
-        }
+        self.spawn(part, sink);
     }
+}
+
+/// What a part of a checkpoint holds.
+enum Kind {
+    /// Whole blocks of the model (a stage's, or every one).
+    Blocks(std::ops::Range<usize>),
+    /// Shard `index` of `parts` of a sharded job's state.
+    Shard { index: usize, parts: usize },
 }
 
 /// One checkpoint part to write, copy and record, owned by the writer thread.
 struct Part {
     settings: CheckpointSettings,
     image: limpet_snapshot::StateImage,
-    blocks: std::ops::Range<usize>,
+    /// The content hash the log records: the image's, or the whole state's for a shard.
+    hash: String,
+    kind: Kind,
     model_blocks: usize,
     step: u64,
     epoch: u64,
@@ -142,12 +205,13 @@ impl Part {
     /// the log; failures are counted and logged (the local copy stands if S3 fails).
     fn write(&self) {
         let started = Instant::now();
-        let written = crate::checkpoint::write_part(
-            &self.settings.dir,
-            &self.image,
-            &self.blocks,
-            self.settings.min_free,
-        )
+        let (dir, min_free) = (&self.settings.dir, self.settings.min_free);
+        let written = match &self.kind {
+            Kind::Blocks(blocks) => crate::checkpoint::write_part(dir, &self.image, blocks, min_free),
+            Kind::Shard { index, parts } => {
+                crate::checkpoint::write_shard(dir, &self.image, (*index, *parts), min_free)
+            }
+        }
         .and_then(|path| crate::checkpoint::verify_part(&path, &self.image).map(|()| path));
         match written {
             Ok(path) => {
@@ -155,20 +219,43 @@ impl Part {
                 metrics::counter!("limpet_checkpoints_total").increment(1);
                 metrics::gauge!("limpet_checkpoint_step").set(self.step as f64);
                 metrics::histogram!("limpet_checkpoint_seconds").record(secs);
-                tracing::info!(step = self.step, blocks = ?self.blocks, path = %path.display(), ms = (secs * 1e3) as u64, "checkpoint written");
                 let job = &self.image.meta().job;
+                let mut location = path.display().to_string();
+                match self.kind {
+                    Kind::Blocks(ref blocks) => {
+                        tracing::info!(step = self.step, ?blocks, path = %path.display(), ms = (secs * 1e3) as u64, "checkpoint written");
+                    }
+                    Kind::Shard { index, parts } => {
+                        tracing::info!(step = self.step, shard = index, of = parts, path = %path.display(), ms = (secs * 1e3) as u64, "checkpoint shard written");
+                        if index != 0 {
+                            // Shard 0's writer records the checkpoint once every shard is in.
+                            *self.failure.lock().expect("failure lock") = None;
+                            return;
+                        }
+                        // Every shard of this write, or no checkpoint: the others write theirs
+                        // at once, each taking about as long as this one did.
+                        let wait = Duration::from_secs(120).max(started.elapsed() * 4);
+                        match crate::checkpoint::await_shards(dir, self.step, parts, &self.hash, wait) {
+                            Ok(d) => location = d.display().to_string(),
+                            Err(e) => {
+                                metrics::counter!("limpet_checkpoint_failures_total").increment(1);
+                                tracing::error!(step = self.step, %e, "a checkpoint's shards did not all arrive; not recorded");
+                                return self.failed(format!("step {}: {e}", self.step));
+                            }
+                        }
+                    }
+                };
                 if let Err(e) =
                     crate::checkpoint::prune(&self.settings.dir, self.settings.keep, self.model_blocks, job)
                 {
                     tracing::warn!(%e, "could not delete old checkpoints");
                 }
-                let mut location = path.display().to_string();
-                if let Some(r) = &self.settings.remote {
+                if let (Some(r), Kind::Blocks(blocks)) = (&self.settings.remote, &self.kind) {
                     let copied = self.rt.block_on(async {
                         let remote = self.remote.get_or_init(|| crate::remote::Remote::connect(r)).await;
                         let hash = self.image.content_hash().to_string();
                         let job = limpet_snapshot::job_fingerprint(job);
-                        let url = remote.upload(self.step, &self.blocks, &path, &hash, &job).await?;
+                        let url = remote.upload(self.step, blocks, &path, &hash, &job).await?;
                         if let Err(e) = remote.prune(self.settings.keep, self.model_blocks, &job).await {
                             tracing::warn!(%e, "could not delete old checkpoints in S3");
                         }
@@ -209,7 +296,7 @@ impl Part {
         let record = limpet_consensus::state::CheckpointRecord {
             step: self.step,
             epoch: self.epoch,
-            content_hash: self.image.content_hash().to_string(),
+            content_hash: self.hash.clone(),
             location,
             node: self.me,
         };
@@ -231,11 +318,17 @@ pub(super) fn resume(trainer: &Trainer, job: &JobSpec, st: &ClusterState, n: &Ep
     load_record(trainer, job, rec)
 }
 
-/// The newest checkpoint the log records, loaded into a new trainer (what a job whose
-/// sharded state lost a block goes back to). `None`: none recorded, or none readable here.
+/// The newest checkpoint the log records that loads here, into a new trainer (what a job
+/// whose sharded state lost a block goes back to): a newer one that does not load (a shard
+/// never written, a part corrupt) is passed over. `None`: none recorded, or none readable
+/// here.
 pub(super) fn newest(trainer: &Trainer, job: &JobSpec, st: &ClusterState) -> Option<Trainer> {
-    let rec = st.checkpoints.iter().max_by_key(|c| c.step)?;
-    load_record(trainer, job, rec)
+    // The newest step first and, within a step (written again after going back), the
+    // latest record first; a record tried once.
+    let mut records: Vec<&limpet_consensus::state::CheckpointRecord> = st.checkpoints.iter().rev().collect();
+    records.sort_by_key(|c| std::cmp::Reverse(c.step));
+    records.dedup_by(|a, b| (a.step, &a.content_hash) == (b.step, &b.content_hash));
+    records.into_iter().find_map(|rec| load_record(trainer, job, rec))
 }
 
 fn load_record(
@@ -292,6 +385,7 @@ mod tests {
             resume: crate::runtime::Resume::Never,
             remote: None,
             min_free: 0,
+            shared: false,
         }
     }
 

@@ -218,6 +218,9 @@ pub struct CheckpointSettings {
     pub remote: Option<crate::remote::RemoteSettings>,
     /// Bytes a checkpoint must leave free on its disk (the raft log may share it).
     pub min_free: u64,
+    /// Every host sees `dir` (a shared mount): a sharded job's ranks write their shards of
+    /// a checkpoint there at once instead of gathering the state whole.
+    pub shared: bool,
 }
 
 /// How a new cluster treats its checkpoints (`[checkpoint].resume`).

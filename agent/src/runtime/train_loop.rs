@@ -507,14 +507,43 @@ impl TrainLoop {
         let sink = Sink { me: self.cfg.id, handle: &self.handle, rt: &self.rt, tasks: &self.tasks };
         let sharded = self.trainer.shard_layout().cloned();
         if let (Some(_), Some((_, Conn::Ring(g)))) = (&sharded, self.group.as_mut()) {
-            // Every rank gathers the state for a checkpoint due by the step count, and for
-            // the job's end (its final checkpoint is whole).
+            // A checkpoint due by the step count: with a shared directory each rank writes its
+            // shard of it; else every rank gathers the state, as for the job's end (its final
+            // checkpoint is whole).
             let step = self.trainer.step();
-            if self.checkpointer.due_by_steps(step) || step >= self.trainer.job().steps {
-                if let Err(e) = self.trainer.unshard(g) {
+            let (due, finished) = (self.checkpointer.due_by_steps(step), step >= self.trainer.job().steps);
+            let nb = self.cfg.job.model.num_blocks();
+            // The ranks agree first: shards only if every host's directory is shared, and
+            // none if a rank's previous checkpoint is still being written (a set missing one
+            // shard is no checkpoint).
+            let mut agreed = [0, 0];
+            let collected = if due && !finished {
+                agreed =
+                    [i32::from(self.checkpointer.is_busy()), i32::from(!self.checkpointer.writes_shards())];
+                g.allreduce_max_i32(&mut agreed, step).map_err(|e| e.into_trainer())
+            } else {
+                Ok(())
+            }
+            .and_then(|()| match agreed {
+                [_, 0] if due && !finished && agreed[0] == 1 => {
+                    tracing::warn!(
+                        step,
+                        "a rank's previous checkpoint is still being written; every rank skips this one"
+                    );
+                    Ok(())
+                }
+                [_, 0] if due && !finished => {
+                    let part = self.trainer.checkpoint_part(g);
+                    part.map(|p| self.checkpointer.write_shard(p, epoch, nb, &sink))
+                }
+                _ if due || finished => self.trainer.unshard(g),
+                _ => Ok(()),
+            });
+            {
+                if let Err(e) = collected {
                     // Peers may be past it or still in it: the group is done, as after any
                     // failed collective (the step itself is applied and logged).
-                    tracing::warn!(epoch = epoch.id, step, %e, "could not gather the sharded state; waiting for the next epoch");
+                    tracing::warn!(epoch = epoch.id, step, %e, "could not gather the sharded state for a checkpoint; waiting for the next epoch");
                     let (suspect, violation) = match &e {
                         limpet_trainer::TrainerError::Reduce { peer, violation, .. } => (*peer, *violation),
                         _ => (None, false),

@@ -68,6 +68,9 @@ pub struct LocalJob {
     /// `[checkpoint].min_free` (`256M`, `0`); unset: the default.
     #[serde(default)]
     pub checkpoint_min_free: Option<String>,
+    /// `[checkpoint].shared`: every node writes into `checkpoint_dir`, one directory.
+    #[serde(default)]
+    pub checkpoint_shared: bool,
     /// Extra environment for every `limpetd` (credentials for an S3-compatible store).
     #[serde(default)]
     pub env: Vec<(String, String)>,
@@ -138,6 +141,7 @@ impl Default for LocalJob {
             checkpoint_s3: None,
             checkpoint_resume: None,
             checkpoint_min_free: None,
+            checkpoint_shared: false,
             env: Vec::new(),
             data_path: None,
             data_section: Default::default(),
@@ -443,6 +447,9 @@ impl LocalCluster {
             }
             if let Some(r) = &j.checkpoint_resume {
                 text += &format!("resume = {r:?}\n");
+            }
+            if j.checkpoint_shared {
+                text += "shared = true\n";
             }
             if let Some(m) = &j.checkpoint_min_free {
                 text += &format!("min_free = {m:?}\n");

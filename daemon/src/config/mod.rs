@@ -95,6 +95,11 @@ pub struct CheckpointSection {
     /// line), so checkpoints never take the room the raft log needs when they share a disk.
     #[serde(default = "default_min_free")]
     pub min_free: String,
+    /// Every host sees `dir` (a shared mount such as EFS): a job whose optimizer state is
+    /// sharded then writes each checkpoint as shards, one per rank, at once, instead of
+    /// gathering the whole state on every rank (not with `s3`, whose copies are whole parts).
+    #[serde(default)]
+    pub shared: bool,
 }
 
 fn default_keep() -> usize {

@@ -22,7 +22,10 @@
 //! holder is gone cannot be rebuilt ([`TrainerError::ShardLost`]): the state must come from a
 //! checkpoint.
 
+mod part;
 mod regroup;
+
+pub use part::CheckpointPart;
 
 use super::{Reduce, StepStats, Trainer};
 use crate::optim::{clip_to_norm, decays, scratch_for, sum_of_squares, update, Optimizer, OptimizerSpec};
