@@ -382,15 +382,16 @@ pub fn shards_agree(files: &[PathBuf]) -> Result<(u64, serde_json::Value, String
 }
 
 /// Waits until every shard of the write of `parts` shards at `step` is in `dir` and their
-/// headers make the state of content hash `whole`, within `wait`; removes shards of other
-/// writes of that step (of another world, before going back), so one set is left. The
-/// step's directory.
+/// headers make the state of content hash `whole`, within `wait` and unless `stop` says to;
+/// removes shards of other writes of that step (of another world, before going back), so
+/// one set is left. The step's directory.
 pub fn await_shards(
     dir: &Path,
     step: u64,
     parts: usize,
     whole: &str,
     wait: std::time::Duration,
+    stop: &dyn Fn() -> bool,
 ) -> Result<PathBuf, CheckpointError> {
     let deadline = std::time::Instant::now() + wait;
     loop {
@@ -413,7 +414,7 @@ pub fn await_shards(
             }
             return Ok(step_dir(dir, step));
         }
-        if std::time::Instant::now() >= deadline {
+        if std::time::Instant::now() >= deadline || stop() {
             return Err(CheckpointError::Bad {
                 path: step_dir(dir, step),
                 detail: format!("{} of its {parts} shards after {wait:?}", files.len()),
@@ -590,14 +591,20 @@ mod tests {
         // The writer of shard 0 waits for a whole set whose headers make its hash: the set
         // of another write is refused, a set still missing a shard times out.
         let short = std::time::Duration::from_millis(200);
-        let e = await_shards(dir.path(), 40, 3, whole.content_hash(), short).unwrap_err().to_string();
+        let never = || false;
+        let e = await_shards(dir.path(), 40, 3, whole.content_hash(), short, &never).unwrap_err().to_string();
         assert!(e.contains("shard 1 holds another state"), "{e}");
-        let e = await_shards(dir.path(), 60, 3, "h", short).unwrap_err().to_string();
+        let e = await_shards(dir.path(), 60, 3, "h", short, &never).unwrap_err().to_string();
         assert!(e.contains("2 of its 3 shards"), "{e}");
+        // A stopping agent does not wait out the time.
+        let started = std::time::Instant::now();
+        let long = std::time::Duration::from_secs(60);
+        assert!(await_shards(dir.path(), 60, 3, "h", long, &|| true).is_err());
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
         write_shard(dir.path(), &newer[1], (1, 3), 0).unwrap();
         // A write of another world at the same step (before going back) is removed.
         write_shard(dir.path(), &shards_of(&image(60, 0..4, 1), 2)[0], (0, 2), 0).unwrap();
-        let at = await_shards(dir.path(), 60, 3, image(60, 0..4, 1).content_hash(), short).unwrap();
+        let at = await_shards(dir.path(), 60, 3, image(60, 0..4, 1).content_hash(), short, &never).unwrap();
         assert_eq!(at, step_dir(dir.path(), 60));
         assert!(listed_at(dir.path(), 60).unwrap().shards.iter().all(|s| s.2 == 3));
         // Pruning keeps the newest that agree (by their headers) and deletes older ones of

@@ -96,6 +96,7 @@ impl Checkpointer {
             hash: part.whole_hash,
             image: part.image,
             kind: Kind::Shard { index: part.index, parts: part.parts },
+            stop: sink.tasks.token(),
             model_blocks: nb,
             step,
             epoch: epoch.id,
@@ -162,6 +163,7 @@ impl Checkpointer {
             hash: image.content_hash().to_string(),
             image,
             kind: Kind::Blocks(trainer.model().blocks()),
+            stop: sink.tasks.token(),
             model_blocks: nb,
             step,
             epoch: epoch.id,
@@ -189,6 +191,8 @@ struct Part {
     image: limpet_snapshot::StateImage,
     /// The content hash the log records: the image's, or the whole state's for a shard.
     hash: String,
+    /// The agent's root token: a writer waiting for other ranks' shards stops with it.
+    stop: tokio_util::sync::CancellationToken,
     kind: Kind,
     model_blocks: usize,
     step: u64,
@@ -235,7 +239,10 @@ impl Part {
                         // Every shard of this write, or no checkpoint: the others write theirs
                         // at once, each taking about as long as this one did.
                         let wait = Duration::from_secs(120).max(started.elapsed() * 4);
-                        match crate::checkpoint::await_shards(dir, self.step, parts, &self.hash, wait) {
+                        // Not past shutdown: a shard that never comes would hold it up.
+                        let stop = || self.stop.is_cancelled();
+                        match crate::checkpoint::await_shards(dir, self.step, parts, &self.hash, wait, &stop)
+                        {
                             Ok(d) => location = d.display().to_string(),
                             Err(e) => {
                                 metrics::counter!("limpet_checkpoint_failures_total").increment(1);

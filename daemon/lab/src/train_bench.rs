@@ -247,6 +247,14 @@ pub struct BenchDpArgs {
     /// ended, not a bucket at a time while it runs), in the same run.
     #[arg(long)]
     pub overlap_both: bool,
+    /// limpet writes a checkpoint every N steps (0: none but the final one).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub checkpoint_every: u64,
+    /// With sharded state and `--checkpoint-every`: also run limpet with one shared
+    /// checkpoint directory (`[checkpoint].shared`), each rank writing its shard, beside every
+    /// rank gathering the state for each checkpoint, in the same run.
+    #[arg(long)]
+    pub shards_both: bool,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
@@ -293,6 +301,9 @@ pub struct DpBenchReport {
     /// With `--overlap-both`: limpet reducing after backward (`overlap = false`), in the
     /// same run.
     pub limpet_no_overlap_samples_per_s: Option<f64>,
+    /// With `--shards-both`: limpet writing its checkpoints as shards into a shared
+    /// directory, in the same run: samples per second and the largest training peak.
+    pub limpet_shards: Option<(f64, u64)>,
 }
 
 /// One limpet side of `bench dp`: its samples per second in the steady state, and the
@@ -356,6 +367,7 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
             ..Default::default()
         },
         shard_state: a.shard_replicas.map(|r| ("optimizer".to_string(), r)),
+        checkpoint_every: a.checkpoint_every,
         ..crate::local::LocalJob::default()
     };
     let agents = a.world / a.devices;
@@ -383,6 +395,19 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
     } else {
         None
     };
+    let limpet_shards = if a.shards_both && a.shard_replicas.is_some() && a.checkpoint_every > 0 {
+        eprintln!("limpet: the same job writing its checkpoints as shards into one shared directory");
+        let shared = crate::local::LocalJob {
+            devices: a.devices,
+            checkpoint_dir: Some(tmp.path().join("shared-checkpoints")),
+            checkpoint_shared: true,
+            ..job.clone()
+        };
+        let (speed, peak, _, _) = limpet_dp(&a, &tmp.path().join("limpet-shards"), shared, agents)?;
+        Some((speed, peak))
+    } else {
+        None
+    };
     let (theirs, torchrun_peak_rss_bytes, torchrun_rss_bytes) = torchrun_dp(&a, tmp.path(), &spec)?;
     let r = DpBenchReport {
         params: spec.num_params(),
@@ -402,6 +427,7 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
         devices: a.devices,
         limpet_one_device_samples_per_s,
         limpet_no_overlap_samples_per_s,
+        limpet_shards,
     };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
@@ -437,6 +463,14 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
                 "  limpet, reducing after backward {:>8.2} samples/s: overlapping is {:.2}x that",
                 after,
                 r.limpet_samples_per_s / after
+            );
+        }
+        if let Some((speed, peak)) = r.limpet_shards {
+            println!(
+                "  limpet, checkpoints as shards in a shared directory {:>8.2} samples/s, peak {:>5.0} MiB (largest rank; {:.0} MiB gathering the state for each)",
+                speed,
+                mib(peak),
+                mib(r.limpet_peak_rss_bytes)
             );
         }
         if let Some(one) = r.limpet_one_device_samples_per_s {
