@@ -91,11 +91,26 @@ impl Checkpointer {
             return;
         }
         self.last = Some(Instant::now());
-        let write = Part {
-            settings: c,
-            hash: part.whole_hash,
-            image: part.image,
-            kind: Kind::Shard { index: part.index, parts: part.parts },
+        let kind = Kind::Shard { index: part.index, parts: part.parts };
+        self.spawn(c, (part.image, part.whole_hash, kind), epoch, nb, sink);
+    }
+
+    /// Writes `image` (recorded with `hash`, as a part of `kind`) on a tracked thread of its
+    /// own; the caller marked the writer busy.
+    fn spawn(
+        &mut self,
+        settings: CheckpointSettings,
+        (image, hash, kind): (limpet_snapshot::StateImage, String, Kind),
+        epoch: &Epoch,
+        nb: usize,
+        sink: &Sink<'_>,
+    ) {
+        let step = image.meta().step;
+        let part = Part {
+            settings,
+            hash,
+            image,
+            kind,
             stop: sink.tasks.token(),
             model_blocks: nb,
             step,
@@ -106,11 +121,6 @@ impl Checkpointer {
             remote: Arc::clone(&self.remote),
             failure: Arc::clone(&self.failure),
         };
-        self.spawn(write, sink);
-    }
-
-    fn spawn(&mut self, part: Part, sink: &Sink<'_>) {
-        let step = part.step;
         let busy = Arc::clone(&self.writing);
         let write = move || {
             part.write();
@@ -158,22 +168,8 @@ impl Checkpointer {
                 return;
             }
         };
-        let part = Part {
-            settings: c,
-            hash: image.content_hash().to_string(),
-            image,
-            kind: Kind::Blocks(trainer.model().blocks()),
-            stop: sink.tasks.token(),
-            model_blocks: nb,
-            step,
-            epoch: epoch.id,
-            me: sink.me,
-            handle: sink.handle.clone(),
-            rt: sink.rt.clone(),
-            remote: Arc::clone(&self.remote),
-            failure: Arc::clone(&self.failure),
-        };
-        self.spawn(part, sink);
+        let hash = image.content_hash().to_string();
+        self.spawn(c, (image, hash, Kind::Blocks(trainer.model().blocks())), epoch, nb, sink);
     }
 }
 

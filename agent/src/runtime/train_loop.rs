@@ -516,29 +516,30 @@ impl TrainLoop {
             // The ranks agree first: shards only if every host's directory is shared, and
             // none if a rank's previous checkpoint is still being written (a set missing one
             // shard is no checkpoint).
-            let mut agreed = [0, 0];
             let collected = if due && !finished {
-                agreed =
+                let mut agreed =
                     [i32::from(self.checkpointer.is_busy()), i32::from(!self.checkpointer.writes_shards())];
-                g.allreduce_max_i32(&mut agreed, step).map_err(|e| e.into_trainer())
+                g.allreduce_max_i32(&mut agreed, step).map_err(|e| e.into_trainer()).and_then(|()| {
+                    match agreed {
+                        [_, 1] => self.trainer.unshard(g),
+                        [1, _] => {
+                            tracing::warn!(
+                            step,
+                            "a rank's previous checkpoint is still being written; every rank skips this one"
+                        );
+                            Ok(())
+                        }
+                        _ => self
+                            .trainer
+                            .checkpoint_part(g)
+                            .map(|p| self.checkpointer.write_shard(p, epoch, nb, &sink)),
+                    }
+                })
+            } else if finished {
+                self.trainer.unshard(g)
             } else {
                 Ok(())
-            }
-            .and_then(|()| match agreed {
-                [_, 0] if due && !finished && agreed[0] == 1 => {
-                    tracing::warn!(
-                        step,
-                        "a rank's previous checkpoint is still being written; every rank skips this one"
-                    );
-                    Ok(())
-                }
-                [_, 0] if due && !finished => {
-                    let part = self.trainer.checkpoint_part(g);
-                    part.map(|p| self.checkpointer.write_shard(p, epoch, nb, &sink))
-                }
-                _ if due || finished => self.trainer.unshard(g),
-                _ => Ok(()),
-            });
+            };
             {
                 if let Err(e) = collected {
                     // Peers may be past it or still in it: the group is done, as after any

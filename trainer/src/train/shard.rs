@@ -356,14 +356,28 @@ impl Trainer {
             .map(|c| f64::from_bits((u64::from(c[0].to_bits()) << 32) | u64::from(c[1].to_bits())))
             .sum::<f64>()
             .sqrt();
+        // From here on the step is applied to the held blocks: a failure leaves the other
+        // parameters a step behind, which a regroup rebuilds.
+        let stats = self.update_held(&layout, step, norm, (loss_sum, samples, rank_mean_sq_sum));
+        self.gather_and_advance(&layout, stats, reduce)
+    }
+
+    /// Updates the held blocks of step `step` with the global `norm` (the norm is gathered,
+    /// so nothing is pending), and what the step did, from the reduced loss sum, sample
+    /// count and ranks' squared norms.
+    fn update_held(
+        &mut self,
+        layout: &ShardLayout,
+        step: u64,
+        norm: f64,
+        (loss_sum, samples, rank_mean_sq_sum): (f32, f32, f64),
+    ) -> StepStats {
         {
             let s = self.shard.as_mut().expect("sharded");
             (s.pending, s.last_norm) = (None, Some((step, norm)));
         }
-        let lr = self.apply_held(&layout, norm);
-        // From here on the step is applied to the held blocks: a failure leaves the other
-        // parameters a step behind, which a regroup rebuilds.
-        let stats = StepStats {
+        let lr = self.apply_held(layout, norm);
+        StepStats {
             step,
             loss: f64::from(loss_sum) / f64::from(samples),
             lr,
@@ -371,8 +385,7 @@ impl Trainer {
             samples: samples as usize,
             rank_mean_sq_sum,
             agreed: false,
-        };
-        self.gather_and_advance(&layout, stats, reduce)
+        }
     }
 
     /// The end of a reproducible step with sharded state: the buffer holds the whole summed
@@ -397,21 +410,8 @@ impl Trainer {
         let inv = 1.0 / samples;
         buf[..n].iter_mut().for_each(|g| *g *= inv);
         let norm = sum_of_squares(&buf[..n]).sqrt();
-        {
-            let s = self.shard.as_mut().expect("sharded");
-            (s.pending, s.last_norm) = (None, Some((step, norm)));
-        }
-        let lr = self.apply_held(layout, norm);
+        let stats = self.update_held(layout, step, norm, (loss_sum, samples, 0.0));
         self.exact_exponents = Some(next);
-        let stats = StepStats {
-            step,
-            loss: f64::from(loss_sum) / f64::from(samples),
-            lr,
-            grad_norm: norm,
-            samples: samples as usize,
-            rank_mean_sq_sum: 0.0,
-            agreed: false,
-        };
         self.gather_and_advance(layout, stats, reduce)
     }
 

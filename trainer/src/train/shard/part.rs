@@ -13,6 +13,7 @@
 //! and checks that hash ([`limpet_snapshot::shards::join`]).
 
 use super::pieces;
+use crate::train::exact::EXPONENTS;
 use crate::train::{raw, Reduce, Trainer};
 use crate::TrainerError;
 use limpet_snapshot::{shards, Dtype, RawTensor, StateImage};
@@ -103,7 +104,7 @@ impl Trainer {
             }
         }
         if let Some(e) = &exponents {
-            all.insert(e_name(), (Dtype::I32, e.shape().to_vec()));
+            all.insert(EXPONENTS.to_string(), (Dtype::I32, e.shape().to_vec()));
         }
         let sizes: Vec<(String, usize)> =
             all.iter().map(|(n, (d, s))| (n.clone(), s.iter().product::<usize>() * d.size())).collect();
@@ -117,8 +118,8 @@ impl Trainer {
                 tensors.insert(name.clone(), raw(&name, p)?);
             }
         }
-        if let Some(e) = exponents.filter(|_| mine(&e_name())) {
-            tensors.insert(e_name(), e);
+        if let Some(e) = exponents.filter(|_| mine(EXPONENTS)) {
+            tensors.insert(EXPONENTS.to_string(), e);
         }
         // The slots, gathered a group of parameters at a time from each block's owner.
         let own = layout.blocks()[rank].clone();
@@ -201,11 +202,6 @@ impl Trainer {
         let image = shards::shard_image((self.step, self.cursor, self.rng, job), tensors, &whole_hash)?;
         Ok(CheckpointPart { image, index: rank, parts, whole_hash })
     }
-}
-
-/// The predicted exponents' name in an image.
-fn e_name() -> String {
-    crate::train::exact::EXPONENTS.to_string()
 }
 
 #[cfg(test)]
