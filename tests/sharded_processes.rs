@@ -106,7 +106,16 @@ fn both_holders_killed(shared: bool) {
             .flatten()
             .filter(|d| d.path().join("shard-2-of-3.limpet").exists())
             .count();
-        assert!(three > 0, "no checkpoint of three shards in {}", checkpoints.display());
+        if three == 0 {
+            let listing: Vec<String> = walk(&checkpoints);
+            let said: Vec<&str> = all.lines().filter(|l| l.contains("checkpoint")).collect();
+            panic!(
+                "no checkpoint of three shards in {}:\n{}\nwhat the logs say of checkpoints:\n{}",
+                checkpoints.display(),
+                listing.join("\n"),
+                said.join("\n")
+            );
+        }
         assert!(!all.contains("cannot read the checkpoint to resume from here"), "{all}");
         assert!(all.matches("resumed from the checkpoint").count() >= 3, "{all}");
     }
@@ -133,4 +142,18 @@ fn both_holders_killed(shared: bool) {
         "{redone:?} redone, {given_up} given up: {}",
         status["transitions"]
     );
+}
+
+/// The files under `dir`, for a failure's message.
+fn walk(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if e.path().is_dir() {
+            out.extend(walk(&e.path()));
+        } else {
+            out.push(e.path().display().to_string());
+        }
+    }
+    out.sort();
+    out
 }

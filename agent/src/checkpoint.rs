@@ -382,16 +382,17 @@ pub fn shards_agree(files: &[PathBuf]) -> Result<(u64, serde_json::Value, String
 }
 
 /// Waits until every shard of the write of `parts` shards at `step` is in `dir` and their
-/// headers make the state of content hash `whole`, within `wait` and unless `stop` says to;
-/// removes shards of other writes of that step (of another world, before going back), so
-/// one set is left. The step's directory.
+/// headers make the state of content hash `whole`, within `wait` and unless `stop` names a
+/// reason to give up (the agent stopping, a writer of the set gone); removes shards of other
+/// writes of that step (of another world, before going back), so one set is left. The
+/// step's directory.
 pub fn await_shards(
     dir: &Path,
     step: u64,
     parts: usize,
     whole: &str,
     wait: std::time::Duration,
-    stop: &dyn Fn() -> bool,
+    stop: &dyn Fn() -> Option<String>,
 ) -> Result<PathBuf, CheckpointError> {
     let deadline = std::time::Instant::now() + wait;
     loop {
@@ -414,13 +415,18 @@ pub fn await_shards(
             }
             return Ok(step_dir(dir, step));
         }
-        if std::time::Instant::now() >= deadline || stop() {
-            return Err(CheckpointError::Bad {
-                path: step_dir(dir, step),
-                detail: format!("{} of its {parts} shards after {wait:?}", files.len()),
-            });
-        }
-        std::thread::sleep(std::time::Duration::from_millis(100));
+        let why = match stop() {
+            Some(why) => why,
+            None if std::time::Instant::now() >= deadline => format!("after {wait:?}"),
+            None => {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                continue;
+            }
+        };
+        return Err(CheckpointError::Bad {
+            path: step_dir(dir, step),
+            detail: format!("{} of its {parts} shards, {why}", files.len()),
+        });
     }
 }
 
@@ -591,15 +597,17 @@ mod tests {
         // The writer of shard 0 waits for a whole set whose headers make its hash: the set
         // of another write is refused, a set still missing a shard times out.
         let short = std::time::Duration::from_millis(200);
-        let never = || false;
+        let never = || None;
         let e = await_shards(dir.path(), 40, 3, whole.content_hash(), short, &never).unwrap_err().to_string();
         assert!(e.contains("shard 1 holds another state"), "{e}");
         let e = await_shards(dir.path(), 60, 3, "h", short, &never).unwrap_err().to_string();
-        assert!(e.contains("2 of its 3 shards"), "{e}");
-        // A stopping agent does not wait out the time.
+        assert!(e.contains("2 of its 3 shards, after 200ms"), "{e}");
+        // A stopping agent, or a writer gone, does not wait out the time, and says why.
         let started = std::time::Instant::now();
         let long = std::time::Duration::from_secs(60);
-        assert!(await_shards(dir.path(), 60, 3, "h", long, &|| true).is_err());
+        let gone = || Some("node 3, a writer, failed".to_string());
+        let e = await_shards(dir.path(), 60, 3, "h", long, &gone).unwrap_err().to_string();
+        assert!(e.contains("2 of its 3 shards, node 3, a writer, failed"), "{e}");
         assert!(started.elapsed() < std::time::Duration::from_secs(5));
         write_shard(dir.path(), &newer[1], (1, 3), 0).unwrap();
         // A write of another world at the same step (before going back) is removed.

@@ -91,7 +91,9 @@ impl Checkpointer {
             return;
         }
         self.last = Some(Instant::now());
-        let kind = Kind::Shard { index: part.index, parts: part.parts };
+        let mut writers = epoch.ranks.clone();
+        writers.dedup();
+        let kind = Kind::Shard { index: part.index, parts: part.parts, writers };
         self.spawn(c, (part.image, part.whole_hash, kind), epoch, nb, sink);
     }
 
@@ -177,8 +179,9 @@ impl Checkpointer {
 enum Kind {
     /// Whole blocks of the model (a stage's, or every one).
     Blocks(std::ops::Range<usize>),
-    /// Shard `index` of `parts` of a sharded job's state.
-    Shard { index: usize, parts: usize },
+    /// Shard `index` of `parts` of a sharded job's state, the others written by the nodes
+    /// `writers` (the epoch's: a gone one's shard never comes).
+    Shard { index: usize, parts: usize, writers: Vec<NodeId> },
 }
 
 /// One checkpoint part to write, copy and record, owned by the writer thread.
@@ -208,7 +211,7 @@ impl Part {
         let (dir, min_free) = (&self.settings.dir, self.settings.min_free);
         let written = match &self.kind {
             Kind::Blocks(blocks) => crate::checkpoint::write_part(dir, &self.image, blocks, min_free),
-            Kind::Shard { index, parts } => {
+            Kind::Shard { index, parts, .. } => {
                 crate::checkpoint::write_shard(dir, &self.image, (*index, *parts), min_free)
             }
         }
@@ -221,11 +224,11 @@ impl Part {
                 metrics::histogram!("limpet_checkpoint_seconds").record(secs);
                 let job = &self.image.meta().job;
                 let mut location = path.display().to_string();
-                match self.kind {
-                    Kind::Blocks(ref blocks) => {
+                match &self.kind {
+                    Kind::Blocks(blocks) => {
                         tracing::info!(step = self.step, ?blocks, path = %path.display(), ms = (secs * 1e3) as u64, "checkpoint written");
                     }
-                    Kind::Shard { index, parts } => {
+                    &Kind::Shard { index, parts, ref writers } => {
                         tracing::info!(step = self.step, shard = index, of = parts, path = %path.display(), ms = (secs * 1e3) as u64, "checkpoint shard written");
                         if index != 0 {
                             // Shard 0's writer records the checkpoint once every shard is in.
@@ -235,8 +238,15 @@ impl Part {
                         // Every shard of this write, or no checkpoint: the others write theirs
                         // at once, each taking about as long as this one did.
                         let wait = Duration::from_secs(120).max(started.elapsed() * 4);
-                        // Not past shutdown: a shard that never comes would hold it up.
-                        let stop = || self.stop.is_cancelled();
+                        // Not past shutdown, nor past a writer's end: a shard that never comes
+                        // would hold up the next checkpoint (the ranks skip one while any
+                        // writer is busy) for the whole wait.
+                        let stop = || {
+                            if self.stop.is_cancelled() {
+                                return Some("the agent is stopping".to_string());
+                            }
+                            gone_writer(&self.handle.watch().borrow().state, writers)
+                        };
                         match crate::checkpoint::await_shards(dir, self.step, parts, &self.hash, wait, &stop)
                         {
                             Ok(d) => location = d.display().to_string(),
@@ -308,6 +318,17 @@ impl Part {
             tracing::warn!(step = self.step, %e, "checkpoint written but not recorded in the log");
         }
     }
+}
+
+/// A node of `writers` that will write nothing more (failed, gone or no member), named: the
+/// shard it was to write may never come.
+fn gone_writer(st: &ClusterState, writers: &[NodeId]) -> Option<String> {
+    use limpet_consensus::state::MemberStatus::{Failed, Gone};
+    writers.iter().find_map(|id| match st.members.get(id).map(|m| m.status) {
+        Some(status @ (Failed | Gone)) => Some(format!("node {id}, a writer of the set, is {status:?}")),
+        None => Some(format!("node {id}, a writer of the set, is no member")),
+        Some(_) => None,
+    })
 }
 
 /// A new cluster's first epoch `n` starts at the step of the checkpoint it resumes from: a
@@ -402,5 +423,36 @@ mod tests {
         assert!(!due(&by_time, 7, 1, Duration::from_secs(59)));
         // Stages decide alone: a clock would give them different steps.
         assert!(!due(&by_time, 7, 2, Duration::from_secs(61)));
+    }
+
+    #[test]
+    fn a_shards_wait_ends_when_a_writer_of_the_set_is_failed_or_gone() {
+        use limpet_consensus::state::{Hardware, Member, MemberSpec, MemberStatus};
+        let member = |id: NodeId, status| Member {
+            spec: MemberSpec {
+                id,
+                name: format!("node-{id}"),
+                control_addr: String::new(),
+                data_addr: String::new(),
+                hardware: Hardware::default(),
+            },
+            status,
+            reason: String::new(),
+            deadline_ms: None,
+        };
+        let mut st = ClusterState::bootstrap("c", &[]);
+        for (id, status) in
+            [(1, MemberStatus::Active), (2, MemberStatus::Leaving), (3, MemberStatus::Draining)]
+        {
+            st.members.insert(id, member(id, status));
+        }
+        // Leaving and draining nodes still write what they took.
+        assert_eq!(gone_writer(&st, &[1, 2, 3]), None);
+        st.members.get_mut(&3).unwrap().status = MemberStatus::Failed;
+        assert_eq!(gone_writer(&st, &[1, 2, 3]).unwrap(), "node 3, a writer of the set, is Failed");
+        assert_eq!(gone_writer(&st, &[1, 2]), None);
+        st.members.get_mut(&2).unwrap().status = MemberStatus::Gone;
+        assert!(gone_writer(&st, &[1, 2]).unwrap().contains("node 2"));
+        assert!(gone_writer(&st, &[1, 9]).unwrap().contains("node 9, a writer of the set, is no member"));
     }
 }

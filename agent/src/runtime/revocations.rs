@@ -6,7 +6,7 @@
 
 use crate::report::{AgentReport, PendingNotice};
 use crate::revocation::{Source, Watcher};
-use limpet_consensus::state::{Command, NodeId};
+use limpet_consensus::state::{Command, MemberStatus, NodeId};
 use limpet_consensus::NodeHandle;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -37,7 +37,7 @@ pub(super) async fn watch_revocations(
     let mut told: Option<(&'static str, u64)> = None;
     loop {
         match watcher.poll().await {
-            Ok(Some(n)) if news(told, n.source, n.deadline_ms) => {
+            Ok(Some(n)) if news(told, n.source, n.deadline_ms) || forgotten(told, status(&handle, id)) => {
                 tracing::warn!(deadline_ms = n.deadline_ms, source = n.source, "revocation notice");
                 // Said in this node's heartbeat at once: every member, the next leader too,
                 // knows of it before the log does.
@@ -88,6 +88,19 @@ async fn record(handle: &NodeHandle, cmd: Command, stop: &CancellationToken) -> 
     false
 }
 
+/// This node's status in the log, if it is a member.
+fn status(handle: &NodeHandle, id: NodeId) -> Option<MemberStatus> {
+    handle.watch().borrow().state.members.get(&id).map(|m| m.status)
+}
+
+/// Whether the log no longer holds a notice recorded before (`told`): the member is staying
+/// again, as a `Join` this node proposed at start-up makes it when the log applies it after
+/// the notice. The host is still going away, so the notice is proposed again.
+fn forgotten(told: Option<(&str, u64)>, status: Option<MemberStatus>) -> bool {
+    told.is_some()
+        && matches!(status, Some(MemberStatus::Joining | MemberStatus::Active | MemberStatus::Draining))
+}
+
 /// Whether a notice is news after `told` (the source and deadline last recorded): another
 /// source (a rebalance recommendation, then the interruption itself) or a sooner deadline.
 /// A rebalance recommendation's deadline is "two minutes from now" at every poll, so going by
@@ -98,7 +111,22 @@ fn news(told: Option<(&str, u64)>, source: &str, deadline_ms: u64) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::news;
+    use super::{forgotten, news};
+    use limpet_consensus::state::MemberStatus;
+
+    #[test]
+    fn a_notice_the_log_lost_is_proposed_again() {
+        let told = Some(("aws", 1200));
+        for staying in [MemberStatus::Joining, MemberStatus::Active, MemberStatus::Draining] {
+            assert!(forgotten(told, Some(staying)), "{staying:?}");
+        }
+        for gone in [MemberStatus::Leaving, MemberStatus::Failed, MemberStatus::Gone] {
+            assert!(!forgotten(told, Some(gone)), "{gone:?}");
+        }
+        // Nothing recorded yet, or not a member (yet): nothing to propose again.
+        assert!(!forgotten(None, Some(MemberStatus::Active)));
+        assert!(!forgotten(told, None));
+    }
 
     #[test]
     fn a_notice_is_proposed_once_unless_it_changes() {

@@ -10,11 +10,13 @@ mod authority;
 mod capacity;
 mod cause;
 mod epoch_check;
+mod hardware;
 mod revoked;
 mod throughput;
 pub use authority::Proposer;
 pub use capacity::{CapacityAction, CapacityLog, CapacityRecord, Market, Pool, MAX_CAPACITY_RECORDS};
 pub use cause::Cause;
+pub use hardware::Hardware;
 pub use revoked::{is_fingerprint, Revoked, MAX_REVOKED};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -54,49 +56,6 @@ impl MemberStatus {
     pub fn is_staying(self) -> bool {
         matches!(self, MemberStatus::Joining | MemberStatus::Active)
     }
-}
-
-/// What a host has, as its agent reports it.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Hardware {
-    /// Cloud instance type or "local".
-    pub instance_type: String,
-    /// CPU cores.
-    pub cpus: u32,
-    /// Accelerators (0 on CPU hosts).
-    pub gpus: u32,
-    /// Their model names as the driver reports them, distinct ones joined by ", " (empty on
-    /// CPU hosts; absent in records of older agents).
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub gpu_model: String,
-    /// Host memory in MiB.
-    pub memory_mib: u64,
-    /// Measured training throughput, samples per second x 1000 (0 until measured); an
-    /// integer so that every node applies exactly the same value.
-    pub samples_per_sec_milli: u64,
-    /// Its compute speed relative to the cluster's typical host, x 1000, as the leader
-    /// measured it (what the pipeline planner places blocks by; 0: not measured, as 1000).
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub speed_milli: u64,
-    /// The ranks this host trains with (`[node].devices`: one per device), absent in records
-    /// of agents that train with one (0 reads as 1).
-    #[serde(default, skip_serializing_if = "one_or_none")]
-    pub ranks: u32,
-}
-
-fn one_or_none(v: &u32) -> bool {
-    *v <= 1
-}
-
-impl Hardware {
-    /// The ranks this host trains with (at least one).
-    pub fn local_ranks(&self) -> u32 {
-        self.ranks.max(1)
-    }
-}
-
-fn is_zero(v: &u64) -> bool {
-    *v == 0
 }
 
 /// What a node says about itself when it joins.

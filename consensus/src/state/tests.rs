@@ -152,6 +152,20 @@ fn unequal_shares_must_split_the_global_batch_over_data_parallel_ranks() {
 }
 
 #[test]
+fn a_hosts_record_comes_back_from_the_log_as_the_same_record() {
+    // One rank is written without the field and read back as 0: the same host.
+    for ranks in [0, 1, 4] {
+        let hw =
+            Hardware { instance_type: "g5.12xlarge".into(), cpus: 48, gpus: 4, ranks, ..Hardware::default() };
+        let back: Hardware = serde_json::from_str(&serde_json::to_string(&hw).unwrap()).unwrap();
+        assert_eq!(back, hw, "ranks {ranks}");
+    }
+    let one = Hardware { ranks: 1, ..Hardware::default() };
+    assert_ne!(one, Hardware { ranks: 2, ..Hardware::default() });
+    assert_ne!(one, Hardware { cpus: 1, ..one.clone() });
+}
+
+#[test]
 fn local_ranks_number_devices_and_split_a_hosts_share() {
     let mut st = three();
     for (id, n) in [(1, 2), (3, 4)] {
