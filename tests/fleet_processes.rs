@@ -504,45 +504,112 @@ fn no_spot_capacity_is_reported_as_such() {
 }
 
 /// `limpet simulate` over the shipped AWS p3 trace, through the binary: a table and JSON
-/// with the three policies, a plot, and what the model must show: limpet loses less and pays
-/// less per sample than checkpoint-restart, and spot costs less per sample than on-demand.
-/// A bad trace is refused naming its line.
+/// with every policy over the same window (the trace's span), checkpoint-restart at its best
+/// (a search of intervals) and at Young's interval, on-demand at the spot fleet's average size
+/// and at its cheapest, a plot, and what the model must show: limpet loses less and pays less
+/// per sample than checkpoint-restart at its best, spot costs less per sample than on-demand,
+/// and limpet's figure is the product of its factors. `--sweep` varies one assumption at a
+/// time. A bad trace is refused naming its line, a bad flag naming the flag.
 #[test]
 fn limpet_simulate_compares_the_policies_over_a_real_trace() {
     let tmp = tempfile::tempdir().unwrap();
     let plot = tmp.path().join("sim.svg");
     // Without --trace: the trace shipped inside limpet.
-    let out = Command::new(exe()).args(["simulate", "--json"]).arg("--plot").arg(&plot).output().unwrap();
+    let out = Command::new(exe())
+        .args(["simulate", "--json", "--checkpoint-minutes", "10"])
+        .arg("--plot")
+        .arg(&plot)
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(doc["trace"]["events"], 344);
     assert!(doc["trace"]["file"].as_str().unwrap().contains("shipped with limpet"), "{doc}");
-    let by_name =
-        |n: &str| doc["policies"].as_array().unwrap().iter().find(|p| p["policy"] == n).unwrap().clone();
-    let (limpet, restart, on_demand) =
-        (by_name("limpet"), by_name("checkpoint-restart"), by_name("on-demand"));
+    let rows = doc["policies"].as_array().unwrap();
+    let by_label = |n: &str| rows.iter().find(|p| p["label"].as_str().unwrap().contains(n)).unwrap().clone();
+    let (limpet, best, young, given, on_demand) =
+        (by_label("limpet"), by_label("best"), by_label("Young"), by_label("every 10m"), by_label("average"));
     let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap();
-    assert!(f(&limpet, "goodput") > f(&restart, "goodput"), "{doc}");
-    assert!(f(&limpet, "lost_s") < f(&restart, "lost_s"), "{doc}");
-    assert!(f(&limpet, "usd_per_million") < f(&restart, "usd_per_million"), "{doc}");
+    // The same window for every policy: the trace's span.
+    for r in rows {
+        assert!((f(r, "hours") - f(&doc["trace"], "hours")).abs() < 1e-3, "{r}");
+    }
+    // The search's best is no worse than Young's interval or the 10 minutes asked for.
+    assert!(f(&best, "usd_per_million") <= f(&young, "usd_per_million"), "{doc}");
+    assert!(f(&best, "usd_per_million") <= f(&given, "usd_per_million"), "{doc}");
+    let young_s = f(&doc, "young_interval_s");
+    let mtbc = f(&doc, "mean_time_between_changes_s");
+    assert!(
+        (young_s - (2.0 * 10.0 * mtbc).sqrt()).abs() < 1e-6 && young_s > 30.0 && young_s < 300.0,
+        "{doc}"
+    );
+    assert_eq!(young["setting"]["every_s"].as_f64().unwrap(), young_s);
+    assert!(f(&limpet, "goodput") > f(&best, "goodput"), "{doc}");
+    assert!(f(&limpet, "lost_s") < f(&best, "lost_s"), "{doc}");
+    assert!(f(&limpet, "usd_per_million") < f(&best, "usd_per_million"), "{doc}");
+    assert!(f(&limpet, "hours_to_train") < f(&best, "hours_to_train"), "{doc}");
     assert!(
         f(&limpet, "cost_vs_on_demand") < 1.0 && (f(&on_demand, "cost_vs_on_demand") - 1.0).abs() < 1e-9,
         "{doc}"
     );
     assert!((f(&on_demand, "goodput") - 1.0).abs() < 1e-9);
+    assert_eq!(on_demand["hosts"], doc["trace"]["average_hosts"]);
+    assert!(by_label("cheapest")["hosts"].as_u64().unwrap() < on_demand["hosts"].as_u64().unwrap());
+    // The factors multiply to limpet's figure.
+    let b = &doc["breakdown"];
+    let product = f(b, "price") * f(b, "boot") * f(b, "scaling") * f(b, "transitions");
+    assert!((product - f(&limpet, "cost_vs_on_demand")).abs() < 1e-6, "{b}");
+    assert!(doc["search"].as_array().unwrap().len() > 20, "{doc}");
     let svg = std::fs::read_to_string(&plot).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("checkpoint-restart"), "not the plot");
-    // The table names the three, and the trace (a copy of the shipped one, named).
+    // The table names the rows, and the trace (a copy of the shipped one, named).
     let copy = tmp.path().join("p3.csv");
     std::fs::write(&copy, limpet_daemon::simulate::trace::AWS_P3).unwrap();
     let out = Command::new(exe()).args(["simulate", "--trace"]).arg(&copy).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
-        ["limpet", "checkpoint-restart", "on-demand", "VS ON-DEMAND", "p3.csv"]
-            .iter()
-            .all(|w| text.contains(w)),
+        [
+            "limpet",
+            "checkpoint-restart, best",
+            "Young",
+            "on-demand",
+            "VS ON-DEMAND",
+            "HOURS TO TRAIN",
+            "x boot",
+            "p3.csv"
+        ]
+        .iter()
+        .all(|w| text.contains(w)),
         "{text}"
     );
+    // The sweep, over a short trace: one assumption at a time.
+    let short = tmp.path().join("short.csv");
+    std::fs::write(&short, "0,add,a\n0,add,b\n600000,remove,b\n1200000,add,b\n3600000,remove,a\n").unwrap();
+    let out = Command::new(exe()).args(["simulate", "--sweep", "--trace"]).arg(&short).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for w in [
+        "spot / on-demand price",
+        "revocations without notice",
+        "checkpoint-restart's restart (s)",
+        "LIMPET VS CKPT-RESTART",
+    ] {
+        assert!(text.contains(w), "{w}: {text}");
+    }
+    // The job due within 10 h of the 11.4 h trace: the spot policies add on-demand hosts to
+    // make it (the job is what the average on-demand fleet trains in 11.4 h).
+    let out = Command::new(exe()).args(["simulate", "--json", "--deadline", "10"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 3, "{rows:?}");
+    let (limpet, od) = (&rows[0], &rows[2]);
+    assert!(limpet["met"] == true && od["met"] == true, "{rows:?}");
+    assert!(f(limpet, "fallback_host_hours") > 0.0 && f(limpet, "hours") <= 10.0, "{limpet}");
+    assert!(f(limpet, "cost_vs_on_demand") < 1.0 && f(od, "fallback_host_hours") == 0.0, "{rows:?}");
+    let out = Command::new(exe()).args(["simulate", "--deadline", "20"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.code() == Some(64) && err.contains("past the trace's end"), "{err}");
     // A trace that removes a host it never added.
     let bad = tmp.path().join("bad.csv");
     std::fs::write(&bad, "0,add,a\n10,remove,b\n").unwrap();
@@ -552,6 +619,9 @@ fn limpet_simulate_compares_the_policies_over_a_real_trace() {
         out.status.code() == Some(64) && err.contains("bad.csv:2: b is removed while it is not live"),
         "{err}"
     );
+    let out = Command::new(exe()).args(["simulate", "--async-pause-seconds=-1"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.code() == Some(64) && err.contains("--async-pause-seconds -1"), "{err}");
 }
 
 /// With `ec2_seeds`, a new cluster founds itself: the oldest live instance (launch time,

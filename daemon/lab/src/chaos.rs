@@ -188,7 +188,8 @@ fn segment(trace: &Trace, a: &ChaosArgs) -> anyhow::Result<(Vec<String>, Trace, 
     if founders.len() + events.iter().filter(|e| e.add && e.at_ms > 0).count() > 12 {
         return Err(bad("more than 12 hosts in the segment: select fewer with --hosts".into()));
     }
-    Ok((founders, Trace { events }, window))
+    let end_ms = (window * 1e3) as u64;
+    Ok((founders, Trace { events, end_ms }, window))
 }
 
 /// Runs `limpet-lab chaos`.
@@ -467,7 +468,10 @@ fn replay(a: &ChaosArgs, founders: &[String], seg: &Trace, window: f64) -> anyho
 
     let sim = simulate(seg, &params(a, &rates, &lines, join_s, window), Policy::Limpet)
         .context("the simulation found no host")?;
-    let replay_goodput = replay_trained / sim.possible.max(f64::MIN_POSITIVE);
+    // Over what the booted hosts could have trained: the replay's boots are its own
+    // processes starting, not the cloud's, so they are not charged to either.
+    let possible = sim.possible_ready.max(f64::MIN_POSITIVE);
+    let (replay_goodput, simulated_goodput) = (replay_trained / possible, sim.trained / possible);
     let report = ChaosReport {
         window_s: window,
         speedup: a.speedup,
@@ -480,8 +484,8 @@ fn replay(a: &ChaosArgs, founders: &[String], seg: &Trace, window: f64) -> anyho
         replay_trained,
         replay_goodput,
         simulated_trained: sim.trained,
-        simulated_goodput: sim.goodput,
-        difference: (replay_goodput - sim.goodput).abs() / sim.goodput.max(f64::MIN_POSITIVE),
+        simulated_goodput,
+        difference: (replay_goodput - simulated_goodput).abs() / simulated_goodput.max(f64::MIN_POSITIVE),
         reproducible,
     };
     plot(&a.dir.join("chaos.svg"), &lines, t0, &sim, a.batch, seg, join_s)?;
@@ -549,13 +553,16 @@ fn params(
         restart_s: 0.0,
         checkpoint_every_s: f64::MAX,
         checkpoint_write_s: 0.0,
+        async_pause_s: None,
         restart_on_add: false,
+        checkpoint_on_notice: false,
         spot_price: 0.0,
         on_demand_price: 0.0,
         on_demand_hosts: 1,
         samples: SAMPLES,
         tick_s: 0.01,
         rates: table,
+        deadline_s: None,
         until_s: Some(window),
     }
 }

@@ -4,8 +4,11 @@
 //! costs of limpet's transitions default to what this repository measures (`make demo`,
 //! `limpet-lab bench elastic`); every one is a flag. `docs/simulate.md` explains the model.
 
+pub mod compare;
+pub mod deadline;
 pub mod model;
 mod plot;
+pub mod sweep;
 pub mod trace;
 
 use crate::UsageError;
@@ -28,6 +31,10 @@ pub struct SimulateArgs {
     /// trace shipped with limpet].
     #[arg(long)]
     trace: Option<PathBuf>,
+    /// How --trace is written: events (`ms,add|remove,NODE`), counts-hours (Bamboo's
+    /// `time_hours,live_instances`), counts-seconds, or skypilot (SkyPilot's spot-traces JSON).
+    #[arg(long, value_enum, default_value_t = trace::Format::Events)]
+    trace_format: trace::Format,
     /// Samples the job needs (default: what the on-demand fleet trains in the trace's span).
     #[arg(long)]
     samples: Option<f64>,
@@ -72,14 +79,25 @@ pub struct SimulateArgs {
     /// no step within 60 s of a worker's loss, so 60 is a lower bound).
     #[arg(long, default_value_t = 60.0)]
     restart_seconds: f64,
-    /// Minutes of training between checkpoints (both spot policies write them).
-    #[arg(long, default_value_t = 10.0)]
-    checkpoint_minutes: f64,
-    /// Checkpoint-restart: seconds one checkpoint pauses training.
+    /// Checkpoint-restart: also report this interval, in minutes of training (the table always
+    /// has the best interval of a search and Young's interval for the trace).
+    #[arg(long)]
+    checkpoint_minutes: Option<f64>,
+    /// Checkpoint-restart: seconds one checkpoint takes to write (a synchronous one pauses
+    /// training as long).
     #[arg(long, default_value_t = 10.0)]
     checkpoint_write_seconds: f64,
+    /// Checkpoint-restart: the pause of an asynchronous checkpoint (as
+    /// torch.distributed.checkpoint's async_save: the copy of the state; it counts once
+    /// written); the search tries synchronous and asynchronous checkpoints.
+    #[arg(long, default_value_t = 1.0)]
+    async_pause_seconds: f64,
+    /// Checkpoint-restart at Young's interval saves before a planned restart (a notice, an
+    /// added host); the search tries both.
+    #[arg(long)]
+    checkpoint_on_notice: bool,
     /// Checkpoint-restart: a new host does not restart the job (it waits for the next
-    /// failure to be taken in).
+    /// failure to be taken in) at Young's interval; the search tries both.
     #[arg(long)]
     no_restart_on_add: bool,
     /// Spot price per host-hour (p3.2xlarge, us-east-1: about 0.30x on-demand).
@@ -88,7 +106,8 @@ pub struct SimulateArgs {
     /// On-demand price per host-hour (p3.2xlarge, us-east-1).
     #[arg(long, default_value_t = 3.06)]
     on_demand_price: f64,
-    /// Hosts of the on-demand fleet (default: the most the trace has live at once).
+    /// Hosts of the on-demand fleet (default: the spot fleet's time-average over the trace);
+    /// the table also has the size of the lowest cost per sample.
     #[arg(long)]
     on_demand_hosts: Option<usize>,
     /// Simulation tick in milliseconds.
@@ -100,6 +119,15 @@ pub struct SimulateArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// Print how the figures move with each assumption (price ratio, scaling, state size,
+    /// link, revocations without notice, limpet's idle, restart time) instead.
+    #[arg(long)]
+    sweep: bool,
+    /// The job must be done within this many hours (within the trace): each spot policy adds
+    /// on-demand hosts when it would miss it; prints what meeting it costs each, against
+    /// on-demand alone.
+    #[arg(long, value_name = "HOURS", conflicts_with_all = ["sweep", "plot"])]
+    deadline: Option<f64>,
 }
 
 impl SimulateArgs {
@@ -122,7 +150,8 @@ impl SimulateArgs {
         if !(0.0..=1.0).contains(&self.no_notice) || !scaling_ok {
             return Err(UsageError("--no-notice must be in [0, 1] and --scaling in (0, 1]".into()));
         }
-        let hosts = self.on_demand_hosts.unwrap_or_else(|| trace.max_live());
+        let window = trace.duration_s();
+        let hosts = self.on_demand_hosts.unwrap_or_else(|| compare::average_fleet(trace, window));
         if hosts == 0 {
             return Err(UsageError("--on-demand-hosts must be at least 1".into()));
         }
@@ -138,23 +167,41 @@ impl SimulateArgs {
             link_bytes_per_s: positive("link-gbps", self.link_gbps)? * 1e9 / 8.0,
             boot_s: non_negative("boot-seconds", self.boot_seconds)?,
             restart_s: non_negative("restart-seconds", self.restart_seconds)?,
-            checkpoint_every_s: positive("checkpoint-minutes", self.checkpoint_minutes)? * 60.0,
+            checkpoint_every_s: positive("checkpoint-minutes", self.checkpoint_minutes.unwrap_or(10.0))?
+                * 60.0,
             checkpoint_write_s: non_negative("checkpoint-write-seconds", self.checkpoint_write_seconds)?,
+            async_pause_s: None,
             restart_on_add: !self.no_restart_on_add,
+            checkpoint_on_notice: self.checkpoint_on_notice,
             spot_price: non_negative("spot-price", self.spot_price)?,
             on_demand_price: non_negative("on-demand-price", self.on_demand_price)?,
             on_demand_hosts: hosts,
             samples: 0.0,
             tick_s: positive("tick-ms", self.tick_ms)? / 1e3,
             rates: Vec::new(),
-            until_s: None,
+            deadline_s: None,
+            until_s: Some(window),
         };
         if let Some(path) = &self.throughput_from {
             p.rates = measured_rates(path, hosts.max(trace.max_live()))?;
         }
+        non_negative("async-pause-seconds", self.async_pause_seconds)?;
+        // A bound on the work asked for: a trace in epoch milliseconds, or a tiny tick, would
+        // otherwise run for hours.
+        if window / p.tick_s > 2e8 {
+            return Err(UsageError(format!(
+                "--tick-ms {}: {:.0} ticks over the trace's {:.1} h; use a longer tick (the pauses are kept whatever the tick)",
+                self.tick_ms,
+                window / p.tick_s,
+                window / 3600.0
+            )));
+        }
+        if window <= 0.0 {
+            return Err(UsageError("the trace spans no time: its events all happen at once".into()));
+        }
         p.samples = match self.samples {
             Some(s) => positive("samples", s)?,
-            None => p.rate(hosts) * trace.duration_s().max(3600.0),
+            None => p.rate(hosts) * window,
         };
         Ok(p)
     }
@@ -193,8 +240,18 @@ fn measured_rates(path: &std::path::Path, upto: usize) -> Result<Vec<f64>, Usage
 struct Report {
     trace: TraceDoc,
     params: Params,
-    /// Each policy's run, limpet first.
+    /// Every policy ran exactly this long: the trace's span.
+    window_hours: f64,
+    /// Mean seconds between the instants checkpoint-restart restarts at, and Young's
+    /// interval from it.
+    mean_time_between_changes_s: f64,
+    young_interval_s: f64,
+    /// Each policy's run, limpet first, then checkpoint-restart at its best.
     policies: Vec<PolicyDoc>,
+    /// limpet's cost per sample against on-demand's (the first on-demand row), factored.
+    breakdown: compare::Breakdown,
+    /// Every checkpoint-restart setting searched, with its dollars per million samples.
+    search: Vec<(compare::Setting, f64)>,
 }
 
 #[derive(serde::Serialize)]
@@ -203,46 +260,144 @@ struct TraceDoc {
     events: usize,
     hours: f64,
     max_hosts: usize,
+    /// The spot fleet's time-average size (hosts paid for).
+    average_hosts: usize,
     revocations: usize,
 }
 
 #[derive(serde::Serialize)]
 struct PolicyDoc {
+    /// How the table names the row (the policy and its setting).
+    label: String,
+    /// Checkpoint-restart's setting.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    setting: Option<compare::Setting>,
+    /// Hosts of an on-demand row.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    hosts: Option<usize>,
     #[serde(flatten)]
     outcome: Outcome,
-    /// Dollars per trained sample relative to on-demand's.
+    /// Dollars per trained sample relative to the first on-demand row's.
     cost_vs_on_demand: f64,
+    /// Samples trained per hour of the window.
+    samples_per_hour: f64,
+    /// Hours the job (`params.samples`) takes at this row's pace over the window.
+    hours_to_train: f64,
 }
 
 /// Runs `limpet simulate`.
 pub fn run(a: SimulateArgs) -> anyhow::Result<()> {
     // Without --trace, the table's first line names the shipped trace as such.
-    let (trace, file) = trace::load(a.trace.as_deref()).map_err(UsageError)?;
+    let (trace, file) = trace::load_as(a.trace.as_deref(), a.trace_format).map_err(UsageError)?;
     let p = a.params(&trace)?;
-    let mut outcomes = Vec::new();
-    for policy in [Policy::Limpet, Policy::CheckpointRestart, Policy::OnDemand] {
-        let o = model::simulate(&trace, &p, policy).ok_or_else(|| {
-            UsageError(format!("{}: the job never finishes: the trace ends with no host live", policy.name()))
-        })?;
-        outcomes.push(o);
+    if a.sweep {
+        let bar = indicatif::ProgressBar::new(sweep::runs(&trace, &p));
+        bar.set_style(progress_style());
+        bar.set_message("sensitivity");
+        let rows = sweep::sweep(&trace, &p, a.async_pause_seconds, &|| bar.inc(1))?;
+        bar.finish_and_clear();
+        if a.json {
+            println!("{}", serde_json::to_string_pretty(&rows)?);
+        } else {
+            print!("{}", sweep::render(&file, &p, &rows));
+        }
+        return Ok(());
     }
-    let od = outcomes.iter().find(|o| o.policy == Policy::OnDemand).map_or(f64::NAN, |o| o.usd_per_million);
+    let never = |who: &str| UsageError(format!("{who}: the fleet never trains: the trace has no host live"));
+    let bar = indicatif::ProgressBar::new(compare::search_runs(&trace, &p) + 4);
+    bar.set_style(progress_style());
+    bar.set_message("checkpoint-restart's best interval");
+    let search = compare::best_checkpoint_restart(&trace, &p, a.async_pause_seconds, &|| bar.inc(1))
+        .ok_or_else(|| never("checkpoint-restart"))?;
+    if let Some(h) = a.deadline {
+        bar.finish_and_clear();
+        let rows = deadline::compare(&trace, &p, search.best.0, h)?;
+        if a.json {
+            println!("{}", serde_json::to_string_pretty(&rows)?);
+        } else {
+            println!("trace {file}");
+            print!("{}", deadline::render(h, p.samples, &rows));
+        }
+        return Ok(());
+    }
+    // limpet checkpoints as often as checkpoint-restart at its best (its writes do not pause
+    // training, but they matter only when every host is lost at once).
+    let every = search.best.0.every_s;
+    let limpet = model::simulate(&trace, &Params { checkpoint_every_s: every, ..p.clone() }, Policy::Limpet)
+        .ok_or_else(|| never("limpet"))?;
+    let label = format!("limpet, checkpoints {}", compare::Setting::every(every, true).describe());
+    let mut rows: Vec<(String, Option<compare::Setting>, Option<usize>, Outcome)> =
+        vec![(label, None, None, limpet)];
+    let (best, young) = (search.best.clone(), search.young.clone());
+    rows.push((format!("checkpoint-restart, best: {}", best.0.describe()), Some(best.0), None, best.1));
+    rows.push((format!("checkpoint-restart, Young: {}", young.0.describe()), Some(young.0), None, young.1));
+    if let Some(m) = a.checkpoint_minutes {
+        let given = compare::Setting {
+            on_notice: p.checkpoint_on_notice,
+            ..compare::Setting::every(m * 60.0, p.restart_on_add)
+        };
+        let o = model::simulate(&trace, &given.apply(&p), Policy::CheckpointRestart)
+            .ok_or_else(|| never("checkpoint-restart"))?;
+        rows.push((format!("checkpoint-restart, {}", given.describe()), Some(given), None, o));
+    }
+    let cheapest = compare::cheapest_size(&p, trace.max_live().max(p.on_demand_hosts));
+    let sizes =
+        if cheapest == p.on_demand_hosts { vec![cheapest] } else { vec![p.on_demand_hosts, cheapest] };
+    for (i, n) in sizes.into_iter().enumerate() {
+        let od = model::simulate(&trace, &Params { on_demand_hosts: n, ..p.clone() }, Policy::OnDemand)
+            .ok_or_else(|| never("on-demand"))?;
+        let why = match (i, a.on_demand_hosts) {
+            (0, None) => "the spot fleet's average",
+            (0, Some(_)) => "as given",
+            _ => "cheapest per sample",
+        };
+        let hosts = if n == 1 { "1 host".to_string() } else { format!("{n} hosts") };
+        rows.push((format!("on-demand, {hosts} ({why})"), None, Some(n), od));
+    }
+    bar.inc(4);
+    bar.finish_and_clear();
+    let od =
+        rows.iter().find(|r| r.3.policy == Policy::OnDemand).map(|r| r.3.clone()).expect("an on-demand row");
     if let Some(path) = &a.plot {
-        plot::simulation_svg(path, &outcomes, &format!("{file}: live hosts and progress"))?;
+        let drawn: Vec<(String, &Outcome)> = rows
+            .iter()
+            .filter(|r| {
+                r.3.policy == Policy::Limpet
+                    || r.0.contains("best")
+                    || r.3.policy == Policy::OnDemand && r.2 == Some(p.on_demand_hosts)
+            })
+            .map(|r| (format!("{}: {:.1} h to train", r.0, p.samples / (r.3.trained / r.3.hours)), &r.3))
+            .collect();
+        plot::simulation_svg(path, &drawn, &format!("{file}: live hosts and progress"))?;
     }
+    let window = trace.duration_s();
     let report = Report {
         trace: TraceDoc {
             file,
             events: trace.events.len(),
-            hours: trace.duration_s() / 3600.0,
+            hours: window / 3600.0,
             max_hosts: trace.max_live(),
+            average_hosts: compare::average_fleet(&trace, window),
             revocations: trace.removals(),
         },
-        params: p,
-        policies: outcomes
+        window_hours: window / 3600.0,
+        mean_time_between_changes_s: compare::mean_time_between_changes(&trace, window, p.restart_on_add),
+        young_interval_s: search.young.0.every_s,
+        breakdown: compare::breakdown(&rows[0].3, &od, &p),
+        search: search.tried,
+        policies: rows
             .into_iter()
-            .map(|o| PolicyDoc { cost_vs_on_demand: o.usd_per_million / od, outcome: o })
+            .map(|(label, setting, hosts, o)| PolicyDoc {
+                label,
+                setting,
+                hosts,
+                cost_vs_on_demand: o.usd_per_million / od.usd_per_million,
+                samples_per_hour: o.trained / o.hours,
+                hours_to_train: p.samples / (o.trained / o.hours).max(f64::MIN_POSITIVE),
+                outcome: o,
+            })
             .collect(),
+        params: p,
     };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -255,42 +410,69 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn progress_style() -> indicatif::ProgressStyle {
+    indicatif::ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} runs").expect("a valid template")
+}
+
 fn render(r: &Report) -> String {
     let t = &r.trace;
+    let p = &r.params;
     let mut s = format!(
-        "trace {}: {} events over {:.1} h, up to {} hosts, {} revocations\njob: {:.0} samples (what {} on-demand hosts train in {:.1} h)\n\n",
-        t.file, t.events, t.hours, t.max_hosts, t.revocations, r.params.samples, r.params.on_demand_hosts, t.hours
+        "trace {}: {} events over {:.1} h, up to {} hosts (on average {}), {} revocations, its fleet changing every {:.0} s on average while live\n\
+         every policy runs the trace's {:.1} h; the job: {:.0} samples (what {} on-demand hosts train in that time)\n\n",
+        t.file,
+        t.events,
+        t.hours,
+        t.max_hosts,
+        t.average_hosts,
+        t.revocations,
+        r.mean_time_between_changes_s,
+        r.window_hours,
+        p.samples,
+        p.on_demand_hosts,
     );
     let mut table = crate::text::table(
         &[
             "POLICY",
-            "HOURS",
             "GOODPUT",
-            "TRANSITIONS",
+            "CHANGES",
             "LOST",
             "PAUSED",
             "COST",
             "$/M SAMPLES",
             "VS ON-DEMAND",
+            "HOURS TO TRAIN",
         ],
         1..9,
     );
-    for p in &r.policies {
-        let o = &p.outcome;
+    for d in &r.policies {
+        let o = &d.outcome;
         table.add_row(vec![
-            o.policy.name().to_string(),
-            format!("{:.2}", o.hours),
+            d.label.clone(),
             format!("{:.1}%", o.goodput * 100.0),
             o.transitions.to_string(),
             format!("{:.0} s", o.lost_s),
             format!("{:.0} s", o.paused_s),
             format!("${:.2}", o.cost),
             format!("{:.2}", o.usd_per_million),
-            format!("{:.2}x", p.cost_vs_on_demand),
+            format!("{:.2}x", d.cost_vs_on_demand),
+            format!("{:.1}", d.hours_to_train),
         ]);
     }
     s += &crate::text::lines(&table);
-    s.push('\n');
+    let (limpet, best) = (&r.policies[0], &r.policies[1]);
+    let b = &r.breakdown;
+    s += &format!(
+        "\nlimpet against checkpoint-restart at its best: {:.2}x the cost per sample, {:.2}x the time to train\n\
+         limpet against on-demand = price {:.2} x boot {:.3} x scaling {:.3} x transitions {:.4} = {:.2}x\n",
+        limpet.outcome.usd_per_million / best.outcome.usd_per_million,
+        limpet.hours_to_train / best.hours_to_train,
+        b.price,
+        b.boot,
+        b.scaling,
+        b.transitions,
+        b.total,
+    );
     s
 }
 

@@ -5,10 +5,16 @@
 //! - **limpet**: trains on every live host; a revocation with notice costs the notice's idle,
 //!   one without a notice the failure timeout, the recovery and the step in flight; a new host
 //!   costs the survivors the join (its state copied at the link's bandwidth).
-//! - **checkpoint-restart** (torchrun's elastic agent): every change of the fleet restarts the
-//!   job from its last checkpoint: the work since is lost and the restart takes its time;
-//!   checkpoints are written every so often, each a pause.
+//! - **checkpoint-restart** (torchrun's elastic agent): a change of the fleet restarts the job
+//!   from its last checkpoint: the work since is lost and the restart takes its time. Changes
+//!   at one instant, or while a restart is under way, make one restart (one rendezvous).
+//!   Checkpoints are written every so often, each a pause; an asynchronous one pauses only to
+//!   copy the state and counts once its write is done.
 //! - **on-demand**: a fixed fleet that is never taken away, at the on-demand price.
+//!
+//! Goodput has one definition for every policy: samples trained over what the hosts paid for
+//! (booting ones included) would have trained in the same time with no transition, restart,
+//! lost work or checkpoint pause.
 
 use super::trace::Trace;
 use serde::Serialize;
@@ -40,10 +46,19 @@ pub struct Params {
     pub restart_s: f64,
     /// Seconds of training between checkpoints.
     pub checkpoint_every_s: f64,
-    /// Seconds one checkpoint pauses training.
+    /// Seconds one checkpoint takes to write (a synchronous one pauses training as long).
     pub checkpoint_write_s: f64,
+    /// Asynchronous checkpoints (as `torch.distributed.checkpoint.async_save`): each pauses
+    /// training this long (the copy of the state) and counts once written, `checkpoint_write_s`
+    /// later; `None`: synchronous.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub async_pause_s: Option<f64>,
     /// Whether a new host restarts the job too (torchrun's agent does: a new rendezvous).
     pub restart_on_add: bool,
+    /// Checkpoint-restart saves before a planned restart (a revocation with notice, a host
+    /// added): only a kill without notice loses work.
+    #[serde(default)]
+    pub checkpoint_on_notice: bool,
     /// Prices per host-hour.
     pub spot_price: f64,
     /// On-demand price per host-hour.
@@ -58,7 +73,12 @@ pub struct Params {
     /// positive entry it replaces the power law of `host_rate` and `scaling`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub rates: Vec<f64>,
-    /// Stop at this many seconds instead of at `samples` (a replay's window).
+    /// The job must be done by then (seconds): the spot policies add on-demand hosts (at the
+    /// on-demand price, never taken away) when their fleet would miss it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_s: Option<f64>,
+    /// Run exactly this many seconds instead of until `samples` are trained (a window every
+    /// policy runs alike, or a replay's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub until_s: Option<f64>,
 }
@@ -105,10 +125,10 @@ impl Policy {
 pub struct Outcome {
     /// The policy.
     pub policy: Policy,
-    /// Hours until the job's samples were trained.
+    /// Hours run: until the job's samples were trained, or the window's end.
     pub hours: f64,
-    /// Trained samples over what the same hosts would have trained without any transition,
-    /// restart or checkpoint in the same time.
+    /// Trained samples over what the hosts paid for would have trained without any
+    /// transition, restart or checkpoint in the same time.
     pub goodput: f64,
     /// Dollars paid for hosts while they were live.
     pub cost: f64,
@@ -122,9 +142,17 @@ pub struct Outcome {
     pub paused_s: f64,
     /// Samples trained.
     pub trained: f64,
-    /// Samples the same hosts would have trained without any transition, restart or
-    /// checkpoint in the same time (goodput's denominator).
+    /// Samples the hosts paid for (booting ones included) would have trained without any
+    /// transition, restart or checkpoint in the same time (goodput's denominator).
     pub possible: f64,
+    /// Samples the hosts that could train (booted) would have trained so.
+    pub possible_ready: f64,
+    /// Host-hours paid for.
+    pub billed_host_hours: f64,
+    /// Host-hours of hosts that could train.
+    pub ready_host_hours: f64,
+    /// Host-hours of on-demand hosts a spot policy added to meet its deadline.
+    pub fallback_host_hours: f64,
     /// (hours, live hosts, fraction of the job done) once a minute of simulated time.
     #[serde(skip)]
     pub timeline: Vec<(f64, usize, f64)>,
@@ -136,6 +164,12 @@ struct Fleet<'a> {
     next: usize,
     /// Live hosts by name: when each can train, and whether it does yet.
     hosts: std::collections::BTreeMap<String, (f64, bool)>,
+    /// On-demand hosts added to meet a deadline: when each can train, and whether it does.
+    fallback: Vec<(f64, bool)>,
+    /// Hosts still booting (most ticks have none: no walk over the hosts).
+    booting: usize,
+    /// Hosts that train, counted when the fleet changes (not at every tick).
+    ready_n: usize,
     removed: u64,
 }
 
@@ -148,17 +182,31 @@ enum Change {
 
 impl<'a> Fleet<'a> {
     fn new(trace: &'a Trace) -> Fleet<'a> {
-        Fleet { trace, next: 0, hosts: Default::default(), removed: 0 }
+        Fleet {
+            trace,
+            next: 0,
+            hosts: Default::default(),
+            fallback: Vec::new(),
+            booting: 0,
+            ready_n: 0,
+            removed: 0,
+        }
     }
 
-    /// Hosts that train.
+    /// Hosts that train, on-demand ones added for a deadline included.
     fn ready(&self) -> usize {
-        self.hosts.values().filter(|h| h.1).count()
+        self.ready_n
     }
 
-    /// Hosts paid for (live in the trace, booting included).
+    /// Spot hosts paid for (live in the trace, booting included).
     fn billed(&self) -> usize {
         self.hosts.len()
+    }
+
+    /// Adds `k` on-demand hosts at `t`; they train once booted.
+    fn add_fallback(&mut self, t: f64, k: usize, p: &Params) {
+        self.fallback.extend(std::iter::repeat_n((t + p.boot_s, false), k));
+        self.booting += k;
     }
 
     /// Applies the trace up to time `t`; the changes, in order. A host removed while still
@@ -166,20 +214,36 @@ impl<'a> Fleet<'a> {
     /// `no_notice`, spread evenly (deterministically) over them.
     fn advance(&mut self, t: f64, p: &Params) -> Vec<Change> {
         let mut changes = Vec::new();
+        let mut moved = false;
         while let Some(e) = self.trace.events.get(self.next).filter(|e| e.at_ms as f64 / 1e3 <= t) {
             self.next += 1;
+            moved = true;
             if e.add {
                 self.hosts.insert(e.node.clone(), (e.at_ms as f64 / 1e3 + p.boot_s, false));
-            } else if let Some((_, true)) = self.hosts.remove(&e.node) {
-                let before = (self.removed as f64 * p.no_notice).floor();
-                self.removed += 1;
-                let notice = (self.removed as f64 * p.no_notice).floor() == before;
-                changes.push(Change::Revoked { notice });
+                self.booting += 1;
+            } else {
+                match self.hosts.remove(&e.node) {
+                    Some((_, true)) => {
+                        let before = (self.removed as f64 * p.no_notice).floor();
+                        self.removed += 1;
+                        let notice = (self.removed as f64 * p.no_notice).floor() == before;
+                        changes.push(Change::Revoked { notice });
+                    }
+                    Some((_, false)) => self.booting -= 1,
+                    None => {}
+                }
             }
         }
-        for h in self.hosts.values_mut().filter(|h| !h.1 && h.0 <= t) {
-            h.1 = true;
-            changes.push(Change::Joined);
+        if self.booting > 0 {
+            for h in self.hosts.values_mut().chain(self.fallback.iter_mut()).filter(|h| !h.1 && h.0 <= t) {
+                h.1 = true;
+                self.booting -= 1;
+                moved = true;
+                changes.push(Change::Joined);
+            }
+        }
+        if moved {
+            self.ready_n = self.hosts.values().chain(self.fallback.iter()).filter(|h| h.1).count();
         }
         changes
     }
@@ -191,6 +255,11 @@ struct Run {
     done: f64,
     /// Samples in the last checkpoint.
     saved: f64,
+    /// An asynchronous checkpoint being written: when it counts, and its samples.
+    pending: Option<(f64, f64)>,
+    /// Hosts the job took in at its last (re)start: without restarts on additions, a host
+    /// added since waits, paid for and idle, for the next restart.
+    members: usize,
     /// Seconds of pause owed.
     debt: f64,
     since_ckpt: f64,
@@ -199,53 +268,104 @@ struct Run {
 }
 
 impl Run {
-    /// Back to the last checkpoint, then a restart: what checkpoint-restart does on every
-    /// change, and what limpet does when its whole fleet was lost.
+    /// Back to the last checkpoint, then a restart: what checkpoint-restart does on a change,
+    /// and what limpet does when its whole fleet was lost. A restart under way starts over
+    /// (a new rendezvous) rather than adding a second one.
     fn restart(&mut self, rate: f64, p: &Params) {
         self.lost_s += (self.done - self.saved) / rate.max(f64::MIN_POSITIVE);
         self.done = self.saved;
         self.since_ckpt = 0.0;
-        self.debt += p.restart_s;
+        self.pending = None;
+        self.debt = self.debt.max(p.restart_s);
     }
 
     /// Reacts to the changes of one tick; `before` hosts trained until now, `rate` is the
-    /// fleet's speed before them.
-    fn react(&mut self, policy: Policy, changes: &[Change], before: usize, rate: f64, p: &Params) {
+    /// fleet's speed before them. Whether the job (re)started, taking in every live host.
+    fn react(&mut self, policy: Policy, changes: &[Change], before: usize, rate: f64, p: &Params) -> bool {
         if before == 0 {
             // The job (re)starts: from its last checkpoint, if it ever ran.
-            if changes.contains(&Change::Joined) && self.done > 0.0 {
+            let starts = changes.contains(&Change::Joined);
+            if starts && self.done > 0.0 {
                 self.restart(rate, p);
                 self.transitions += 1;
             }
-            return;
+            return starts;
         }
+        let mut restart = false;
+        // Planned: no host went without a notice, so the job can save before it restarts.
+        let planned = saves_first(policy, changes, p);
+        let mut joined = false;
         for c in changes {
-            self.transitions += 1;
             match (policy, c) {
                 (Policy::Limpet, Change::Revoked { notice: true }) => self.debt += p.notice_idle_s,
                 (Policy::Limpet, Change::Revoked { notice: false }) => {
                     self.debt += p.kill_recovery_s + p.step_s;
                     self.lost_s += p.step_s;
                 }
+                // Hosts joining at one instant enter one epoch, copying their state at once.
+                (Policy::Limpet, Change::Joined) if joined => continue,
                 (Policy::Limpet, Change::Joined) => {
+                    joined = true;
                     self.debt += p.join_idle_s + p.state_bytes / p.link_bytes_per_s
                 }
-                (_, Change::Joined) if !p.restart_on_add => self.transitions -= 1,
-                _ => self.restart(rate, p),
+                (_, Change::Joined) if !p.restart_on_add => continue,
+                _ => {
+                    restart = true;
+                    continue;
+                }
             }
+            self.transitions += 1;
         }
+        // The changes of one instant are one restart.
+        if restart {
+            if planned {
+                // Saved first (within the notice): nothing is lost, the write is paid.
+                self.saved = self.done;
+                self.pending = None;
+                self.restart(rate, p);
+                self.debt += p.checkpoint_write_s;
+            } else {
+                self.restart(rate, p);
+            }
+            self.transitions += 1;
+        }
+        restart
     }
 }
 
-/// Runs `policy` over `trace` until the job's samples are trained (the trace's last fleet
-/// stays as it is past its end). `None` if that never happens (the fleet is empty for good).
+/// AWS's notice of a spot interruption: what a save before it must fit in.
+pub const NOTICE_S: f64 = 120.0;
+
+/// Whether checkpoint-restart saves before restarting for `changes`: it saves on notice, no
+/// host went without one, and a removal's save fits in the notice (an added host waits).
+fn saves_first(policy: Policy, changes: &[Change], p: &Params) -> bool {
+    let removed = changes.iter().any(|c| matches!(c, Change::Revoked { .. }));
+    policy == Policy::CheckpointRestart
+        && p.checkpoint_on_notice
+        && !changes.contains(&Change::Revoked { notice: false })
+        && (!removed || p.checkpoint_write_s <= NOTICE_S)
+}
+
+/// Runs `policy` over `trace` for the window `until_s`, or else until the job's samples are
+/// trained (the trace's last fleet stays as it is past its end). `None` if that never
+/// happens (the fleet is empty for good).
 pub fn simulate(trace: &Trace, p: &Params, policy: Policy) -> Option<Outcome> {
     let mut fleet = Fleet::new(trace);
     let mut run = Run::default();
     let (mut t, mut possible, mut cost, mut paused_s) = (0.0f64, 0.0, 0.0, 0.0);
+    let (mut possible_ready, mut billed_s, mut ready_s, mut fallback_s) = (0.0, 0.0, 0.0, 0.0);
+    let mut next_check = 0.0;
+    let mut ticks = 0u64;
+    // About 2000 points over the run (at most one each half second: a replay's is short).
+    let every_h = (p.until_s.unwrap_or_else(|| trace.duration_s()) / 3600.0 / 2000.0).max(0.5 / 3600.0);
+    // Checkpoint-restart without restarts on additions: added hosts wait for the next restart.
+    let waits = policy == Policy::CheckpointRestart && !p.restart_on_add;
+    // Most on-demand hosts a deadline may add: a bound, not a plan.
+    let most_fallback = 4 * trace.max_live().max(p.on_demand_hosts).max(1);
     let mut timeline: Vec<(f64, usize, f64)> = Vec::new();
     let limit = trace.duration_s() + 1000.0 * 3600.0;
-    while run.done < p.samples && p.until_s.is_none_or(|u| t < u) {
+    // A window runs its whole length, the job done or not (every policy the same hours).
+    while p.until_s.map_or(run.done < p.samples, |u| t < u) {
         if t > limit {
             return None;
         }
@@ -253,14 +373,63 @@ pub fn simulate(trace: &Trace, p: &Params, policy: Policy) -> Option<Outcome> {
             (p.on_demand_hosts, p.on_demand_hosts)
         } else {
             let before = fleet.ready();
-            let changes = fleet.advance(t, p);
-            if fleet.ready() == 0 && before > 0 {
-                // Every host is gone: what was not checkpointed is lost with them.
-                run.lost_s += (run.done - run.saved) / p.rate(before);
-                run.done = run.saved;
+            let training = if waits { run.members.min(before) } else { before };
+            let mut changes = fleet.advance(t, p);
+            if waits {
+                // The hosts lost are taken to be the idle ones first (the kinder reading for
+                // checkpoint-restart): losing one of those is no restart.
+                let mut idle = before - training;
+                changes.retain(|c| match c {
+                    Change::Revoked { .. } if idle > 0 => {
+                        idle -= 1;
+                        false
+                    }
+                    _ => true,
+                });
             }
-            run.react(policy, &changes, before, p.rate(before.max(1)), p);
-            (fleet.ready(), fleet.billed())
+            if fleet.ready() == 0 && before > 0 {
+                // Every host is gone: what was not checkpointed is lost with them, unless
+                // checkpoint-restart saved within the notice. The restart comes when hosts
+                // do (once).
+                if saves_first(policy, &changes, p) {
+                    run.saved = run.done;
+                    run.debt += p.checkpoint_write_s;
+                }
+                run.lost_s += (run.done - run.saved) / p.rate(training.max(1));
+                run.done = run.saved;
+                // A write in flight dies with its hosts.
+                run.pending = None;
+            } else if run.react(policy, &changes, training, p.rate(training.max(1)), p) {
+                run.members = fleet.ready();
+            }
+            if let Some(deadline) = p.deadline_s.filter(|_| t >= next_check) {
+                // Once a minute: at the pace this policy has kept so far (taken as full for its
+                // first hour, before one restart can weigh for hours), would the fleet (the
+                // on-demand hosts booting included) miss the deadline? Then add on-demand hosts
+                // towards the fewest that make it, a quarter of the fleet at most each minute
+                // (no jump to a fleet sized by one bad minute), while a new one can still boot
+                // in time.
+                next_check = t + 60.0;
+                let left = deadline - t - p.boot_s;
+                let remaining = p.samples - run.done;
+                if left > 0.0 && remaining > 0.0 {
+                    let pace = if t >= 3600.0 && possible_ready > 0.0 {
+                        (run.done / possible_ready).clamp(0.2, 1.0)
+                    } else {
+                        1.0
+                    };
+                    // Booting spot hosts count: `left` leaves them their boot.
+                    let (spot, had) = (fleet.billed(), fleet.fallback.len());
+                    let step = ((spot + had) / 4).max(1);
+                    let mut k = had;
+                    while k < most_fallback && k < had + step && p.rate(spot + k) * pace * left < remaining {
+                        k += 1;
+                    }
+                    fleet.add_fallback(t, k - had, p);
+                }
+            }
+            let ready = fleet.ready();
+            (if waits { run.members.min(ready) } else { ready }, fleet.billed() + fleet.fallback.len())
         };
         let rate = p.rate(hosts);
         let (pay, train) = if hosts > 0 {
@@ -272,24 +441,47 @@ pub fn simulate(trace: &Trace, p: &Params, policy: Policy) -> Option<Outcome> {
         };
         paused_s += pay;
         run.done += rate * train;
-        possible += rate * p.tick_s;
+        possible += p.rate(billed) * p.tick_s;
+        possible_ready += rate * p.tick_s;
+        billed_s += billed as f64 * p.tick_s;
+        ready_s += hosts as f64 * p.tick_s;
         // Both write checkpoints; limpet's are copied at a step boundary and written while
-        // training goes on, checkpoint-restart's pause the job.
+        // training goes on, checkpoint-restart's pause the job (an asynchronous one only to
+        // copy the state, and it counts once written).
+        // A checkpoint counts once written (a restart or the loss of every host before that
+        // drops it); one is not started while the last is still being written.
         if hosts > 0 && policy != Policy::OnDemand {
             run.since_ckpt += train;
-            if run.since_ckpt >= p.checkpoint_every_s {
+            if run.since_ckpt >= p.checkpoint_every_s && run.pending.is_none() {
                 run.since_ckpt = 0.0;
-                run.saved = run.done;
-                if policy == Policy::CheckpointRestart {
-                    run.debt += p.checkpoint_write_s;
-                }
+                let written_in = match (policy, p.async_pause_s) {
+                    (Policy::CheckpointRestart, Some(pause)) => {
+                        run.debt += pause;
+                        run.debt + p.checkpoint_write_s
+                    }
+                    (Policy::CheckpointRestart, None) => {
+                        run.debt += p.checkpoint_write_s;
+                        run.debt
+                    }
+                    _ => p.checkpoint_write_s,
+                };
+                // Its pause starts with the next tick.
+                run.pending = Some((t + p.tick_s + written_in, run.done));
             }
         }
-        let price = if policy == Policy::OnDemand { p.on_demand_price } else { p.spot_price };
-        cost += billed as f64 * price * p.tick_s / 3600.0;
-        t += p.tick_s;
-        // A point a minute; half a second in a short window (a replay's).
-        let every_h = if p.until_s.is_some() { 0.5 / 3600.0 } else { 1.0 / 60.0 };
+        if let Some((_, samples)) = run.pending.filter(|&(at, _)| at <= t + p.tick_s) {
+            run.saved = samples;
+            run.pending = None;
+        }
+        let (price, fallback) = match policy {
+            Policy::OnDemand => (p.on_demand_price, 0),
+            _ => (p.spot_price, fleet.fallback.len()),
+        };
+        fallback_s += fallback as f64 * p.tick_s;
+        cost +=
+            ((billed - fallback) as f64 * price + fallback as f64 * p.on_demand_price) * p.tick_s / 3600.0;
+        ticks += 1;
+        t = ticks as f64 * p.tick_s;
         if timeline.last().is_none_or(|&(h, _, _)| t / 3600.0 - h >= every_h) {
             timeline.push((t / 3600.0, hosts, (run.done / p.samples).min(1.0)));
         }
@@ -299,12 +491,16 @@ pub fn simulate(trace: &Trace, p: &Params, policy: Policy) -> Option<Outcome> {
         hours: t / 3600.0,
         goodput: if possible > 0.0 { run.done / possible } else { 0.0 },
         cost,
-        usd_per_million: cost / p.samples * 1e6,
+        usd_per_million: cost / run.done.max(f64::MIN_POSITIVE) * 1e6,
         transitions: run.transitions,
         lost_s: run.lost_s,
         paused_s,
         trained: run.done,
         possible,
+        possible_ready,
+        billed_host_hours: billed_s / 3600.0,
+        ready_host_hours: ready_s / 3600.0,
+        fallback_host_hours: fallback_s / 3600.0,
         timeline,
     })
 }
@@ -328,13 +524,16 @@ mod tests {
             restart_s: 60.0,
             checkpoint_every_s: 600.0,
             checkpoint_write_s: 10.0,
+            async_pause_s: None,
             restart_on_add: true,
+            checkpoint_on_notice: false,
             spot_price: 1.0,
             on_demand_price: 3.0,
             on_demand_hosts: 2,
             samples,
             tick_s: 0.1,
             rates: Vec::new(),
+            deadline_s: None,
             until_s: None,
         }
     }
@@ -372,10 +571,18 @@ mod tests {
         // Half the job is left at 30 min on one host: 1 h more, plus the idle.
         assert!((limpet.hours - 1.5).abs() < 1e-3, "{}", limpet.hours);
         let ckpt = simulate(&t, &p, Policy::CheckpointRestart).unwrap();
-        assert!(ckpt.lost_s > 100.0 && ckpt.hours > limpet.hours + 0.05, "{ckpt:?}");
+        assert!(
+            ckpt.lost_s > 100.0 && ckpt.hours > limpet.hours + 0.05,
+            "{:?}",
+            (ckpt.hours, ckpt.trained, ckpt.lost_s, ckpt.paused_s, ckpt.transitions)
+        );
         // Without a notice, limpet loses the step in flight and the recovery.
         let kill = simulate(&t, &Params { no_notice: 1.0, ..p }, Policy::Limpet).unwrap();
-        assert!((kill.paused_s - 2.3).abs() < 1e-6 && (kill.lost_s - 1.0).abs() < 1e-9, "{kill:?}");
+        assert!(
+            (kill.paused_s - 2.3).abs() < 1e-6 && (kill.lost_s - 1.0).abs() < 1e-9,
+            "{:?}",
+            (kill.hours, kill.trained, kill.lost_s, kill.paused_s, kill.transitions)
+        );
     }
 
     #[test]
@@ -385,9 +592,182 @@ mod tests {
         let o = simulate(&t, &p, Policy::Limpet).unwrap();
         assert!((o.hours - 1.5).abs() < 1e-3, "{}", o.hours);
         assert!((o.cost - 1.5).abs() < 1e-2, "{}", o.cost);
+        // Goodput counts what the paid hours could have trained: the boot is a third of them.
+        assert!((o.goodput - 1.0 / 1.5).abs() < 1e-3, "{}", o.goodput);
+        assert!(
+            (o.billed_host_hours - 1.5).abs() < 1e-3 && (o.ready_host_hours - 1.0).abs() < 1e-3,
+            "{:?}",
+            (o.hours, o.trained, o.lost_s, o.paused_s, o.transitions)
+        );
         // A host removed while booting was never a transition.
         let t = trace("0,add,a\n0,add,b\n60000,remove,b\n");
         assert_eq!(simulate(&t, &p, Policy::Limpet).unwrap().transitions, 0, "a's join starts the job");
+    }
+
+    #[test]
+    fn changes_at_one_instant_make_one_restart() {
+        // Two of three hosts go at once, and one comes back during the restart.
+        let t = trace("0,add,a\n0,add,b\n0,add,c\n1800000,remove,b\n1800000,remove,c\n1830000,add,b\n");
+        let p = Params { until_s: Some(7200.0), checkpoint_every_s: 1e9, ..params(1e12) };
+        let o = simulate(&t, &p, Policy::CheckpointRestart).unwrap();
+        assert_eq!(o.transitions, 2, "one restart for the two removals, one for the add");
+        // The add came 30 s into the 60 s restart: it starts over, 90 s in all, not 180.
+        assert!(
+            (o.paused_s - 90.0).abs() < 0.2,
+            "{:?}",
+            (o.hours, o.trained, o.lost_s, o.paused_s, o.transitions)
+        );
+        // Without restarts on additions, only the removals restart it.
+        let o =
+            simulate(&t, &Params { restart_on_add: false, ..p.clone() }, Policy::CheckpointRestart).unwrap();
+        assert_eq!(o.transitions, 1);
+        // limpet: three transitions, each its own idle.
+        assert_eq!(simulate(&t, &p, Policy::Limpet).unwrap().transitions, 3);
+    }
+
+    #[test]
+    fn without_restarts_on_additions_a_new_host_waits_idle_for_the_next_restart() {
+        // a trains alone; b comes at 30 min, c comes at 60 min and goes at 70 (an idle host:
+        // no restart), d comes at 90 min. No host that trains is lost, so nothing restarts.
+        let t = trace("0,add,a\n1800000,add,b\n3600000,add,c\n4200000,remove,c\n5400000,add,d\n");
+        let p = Params { until_s: Some(7200.0), checkpoint_every_s: 1e9, ..params(1e12) };
+        let waiting =
+            simulate(&t, &Params { restart_on_add: false, ..p.clone() }, Policy::CheckpointRestart).unwrap();
+        // No restart at all: a trained alone for the two hours, paying for the idle hosts.
+        assert_eq!(
+            waiting.transitions,
+            0,
+            "{:?}",
+            (waiting.hours, waiting.trained, waiting.lost_s, waiting.paused_s, waiting.transitions)
+        );
+        assert!(
+            (waiting.trained - 10.0 * 7200.0).abs() < 1.0,
+            "{:?}",
+            (waiting.hours, waiting.trained, waiting.lost_s, waiting.paused_s, waiting.transitions)
+        );
+        assert!(
+            (waiting.ready_host_hours - 2.0).abs() < 1e-3 && waiting.billed_host_hours > 3.4,
+            "{waiting:?}"
+        );
+        // Restarting on additions takes them in: four restarts (b, c, c's loss, d), each losing
+        // the work since the last checkpoint (here all of it: no checkpoint is ever due).
+        let restarting = simulate(&t, &p, Policy::CheckpointRestart).unwrap();
+        assert_eq!(restarting.transitions, 4);
+        // limpet takes each in at once.
+        let limpet = simulate(&t, &p, Policy::Limpet).unwrap();
+        assert!(
+            limpet.trained > 1.5 * waiting.trained,
+            "{:?}",
+            (limpet.hours, limpet.trained, limpet.lost_s, limpet.paused_s, limpet.transitions)
+        );
+    }
+
+    #[test]
+    fn an_asynchronous_checkpoint_pauses_briefly_and_counts_once_written() {
+        let t = trace("0,add,a\n0,add,b\n");
+        let window = Params { until_s: Some(3600.0), ..params(1e12) };
+        let sync = simulate(&t, &window, Policy::CheckpointRestart).unwrap();
+        let async_p = Params { async_pause_s: Some(0.5), ..window.clone() };
+        let fast = simulate(&t, &async_p, Policy::CheckpointRestart).unwrap();
+        // Five checkpoints in the hour (the sixth is due just past it): 10 s pauses, or
+        // half-second ones.
+        assert!((sync.paused_s - 50.0).abs() < 0.2 && (fast.paused_s - 2.5).abs() < 0.2, "{sync:?} {fast:?}");
+        assert!(fast.trained > sync.trained);
+        // Either counts only once written (at about 610 s): a host lost during the write loses
+        // the ten minutes before it too; lost after, only the seconds since.
+        for (at, lost) in [("605500", 590.0), ("615000", 0.0)] {
+            let t = trace(&format!("0,add,a\n0,add,b\n{at},remove,b\n"));
+            for p in [&window, &async_p] {
+                let o = simulate(&t, p, Policy::CheckpointRestart).unwrap();
+                assert!(
+                    o.lost_s >= lost && o.lost_s <= lost + 20.0,
+                    "{at} {:?}: {}",
+                    p.async_pause_s,
+                    o.lost_s
+                );
+            }
+        }
+        // Saving before a planned restart loses nothing, and pays the write.
+        let t = trace("0,add,a\n0,add,b\n900000,remove,b\n");
+        let saving = Params { checkpoint_on_notice: true, ..window.clone() };
+        let o = simulate(&t, &saving, Policy::CheckpointRestart).unwrap();
+        assert!(o.lost_s < 1e-9, "{:?}", (o.hours, o.trained, o.lost_s, o.paused_s, o.transitions));
+        // A save longer than the notice cannot be made: the minute since the last checkpoint
+        // was written (at about 840 s: a 240 s write) is lost.
+        let slow = Params { checkpoint_write_s: 2.0 * NOTICE_S, ..saving.clone() };
+        let lost = simulate(&t, &slow, Policy::CheckpointRestart).unwrap().lost_s;
+        assert!((lost - 60.0).abs() < 5.0, "{lost}");
+        let kill = simulate(&t, &Params { no_notice: 1.0, ..saving }, Policy::CheckpointRestart).unwrap();
+        assert!(kill.lost_s > 250.0, "a kill without notice cannot save: {kill:?}");
+    }
+
+    #[test]
+    fn a_window_runs_every_policy_its_whole_length() {
+        let t = trace("0,add,a\n");
+        let p = Params { until_s: Some(3600.0), ..params(100.0) };
+        for policy in [Policy::Limpet, Policy::CheckpointRestart, Policy::OnDemand] {
+            let o = simulate(&t, &p, policy).unwrap();
+            assert!((o.hours - 1.0).abs() < 1e-3 && o.trained > 100.0, "{policy:?}: {o:?}");
+            assert!((o.usd_per_million - o.cost / o.trained * 1e6).abs() < 1e-9);
+        }
+    }
+
+    #[test]
+    fn a_deadline_adds_on_demand_hosts_only_when_the_fleet_would_miss_it() {
+        // Two spot hosts, one lost at 30 min: 20 samples/s, then 10. The job needs 1.5 h of
+        // two hosts (108,000 samples).
+        let t = trace("0,add,a\n0,add,b\n1800000,remove,b\n");
+        let p = Params { boot_s: 60.0, ..params(108_000.0) };
+        // No deadline: one host trains the rest, 2.53 h in all (the first minute boots).
+        let free = simulate(&t, &p, Policy::Limpet).unwrap();
+        assert!(
+            (free.hours - 2.533).abs() < 0.01 && free.fallback_host_hours == 0.0,
+            "{:?}",
+            (free.hours, free.trained, free.lost_s, free.paused_s, free.transitions)
+        );
+        // By 2 h: after the loss the fleet would miss it, and one on-demand host makes it.
+        let due = Params { deadline_s: Some(2.0 * 3600.0), ..p.clone() };
+        let o = simulate(&t, &due, Policy::Limpet).unwrap();
+        assert!(
+            o.hours <= 2.0 && o.fallback_host_hours > 0.5,
+            "{:?}",
+            (o.hours, o.trained, o.lost_s, o.paused_s, o.transitions)
+        );
+        let spot_hours = (o.billed_host_hours - o.fallback_host_hours) * p.spot_price;
+        assert!(
+            (o.cost - spot_hours - o.fallback_host_hours * p.on_demand_price).abs() < 1e-6,
+            "{:?}",
+            (o.hours, o.trained, o.lost_s, o.paused_s, o.transitions)
+        );
+        // A deadline the spot fleet meets alone adds nothing.
+        let easy = Params { deadline_s: Some(3.0 * 3600.0), ..p.clone() };
+        assert_eq!(simulate(&t, &easy, Policy::Limpet).unwrap().fallback_host_hours, 0.0);
+        // Checkpoint-restart restarts for the on-demand host it adds, and still makes it.
+        let c = simulate(&t, &due, Policy::CheckpointRestart).unwrap();
+        assert!(
+            c.hours <= 2.0 && c.fallback_host_hours >= o.fallback_host_hours,
+            "{:?}",
+            (c.hours, c.trained, c.lost_s, c.paused_s, c.transitions)
+        );
+    }
+
+    #[test]
+    fn joins_at_one_instant_cost_limpet_one_idle_and_a_total_loss_its_unwritten_work() {
+        let t = trace("0,add,a\n600000,add,b\n600000,add,c\n600000,add,d\n");
+        let p = Params { until_s: Some(1200.0), state_bytes: 1e9, link_bytes_per_s: 1e9, ..params(1e12) };
+        let o = simulate(&t, &p, Policy::Limpet).unwrap();
+        // One epoch for the three: one fixed idle and one copy (1 s), not three.
+        assert!((o.paused_s - 1.02).abs() < 1e-6 && o.transitions == 1, "{} {}", o.paused_s, o.transitions);
+        // Every host lost 5 s after limpet's checkpoint at 10 min began: it was not yet
+        // written (10 s), so the job goes back to the start.
+        let t = trace("0,add,a\n605000,remove,a\n606000,add,b\n");
+        let p = Params { until_s: Some(1200.0), checkpoint_every_s: 600.0, ..params(1e12) };
+        let o = simulate(&t, &p, Policy::Limpet).unwrap();
+        assert!(o.lost_s > 600.0, "{}", o.lost_s);
+        // Lost after it was written, only the seconds since.
+        let t = trace("0,add,a\n620000,remove,a\n621000,add,b\n");
+        let o = simulate(&t, &p, Policy::Limpet).unwrap();
+        assert!(o.lost_s < 25.0, "{}", o.lost_s);
     }
 
     #[test]

@@ -5,12 +5,12 @@ use anyhow::Context;
 use plotters::prelude::*;
 use std::path::Path;
 
-/// Draws, for each simulated policy, live hosts (top) and the fraction of the job done
-/// (bottom) against hours.
-pub fn simulation_svg(path: &Path, outcomes: &[Outcome], title: &str) -> anyhow::Result<()> {
+/// Draws, for each simulated policy (named by its label), live hosts (top) and the fraction
+/// of the job done (bottom) against hours.
+pub fn simulation_svg(path: &Path, outcomes: &[(String, &Outcome)], title: &str) -> anyhow::Result<()> {
     let draw = || -> Result<(), Box<dyn std::error::Error>> {
-        let hours = outcomes.iter().map(|o| o.hours).fold(0.0, f64::max).max(1e-3);
-        let hosts = outcomes.iter().flat_map(|o| o.timeline.iter().map(|p| p.1)).max().unwrap_or(1) + 1;
+        let hours = outcomes.iter().map(|o| o.1.hours).fold(0.0, f64::max).max(1e-3);
+        let hosts = outcomes.iter().flat_map(|o| o.1.timeline.iter().map(|p| p.1)).max().unwrap_or(1) + 1;
         let root = SVGBackend::new(path, (1000, 640)).into_drawing_area();
         root.fill(&WHITE)?;
         let (top, bottom) = root.split_vertically(300);
@@ -28,7 +28,7 @@ pub fn simulation_svg(path: &Path, outcomes: &[Outcome], title: &str) -> anyhow:
             .y_label_area_size(60)
             .build_cartesian_2d(0f64..hours, 0f64..100f64)?;
         done.configure_mesh().x_desc("hours").y_desc("job done (%)").draw()?;
-        for (o, colour) in outcomes.iter().zip(colours) {
+        for ((label, o), colour) in outcomes.iter().zip(colours) {
             let name = o.policy.name();
             live.draw_series(LineSeries::new(o.timeline.iter().map(|p| (p.0, p.1)), colour.mix(0.7)))?
                 .label(name)
@@ -37,7 +37,7 @@ pub fn simulation_svg(path: &Path, outcomes: &[Outcome], title: &str) -> anyhow:
                 o.timeline.iter().map(|p| (p.0, p.2 * 100.0)),
                 colour.stroke_width(2),
             ))?
-            .label(format!("{name}: {:.1} h", o.hours))
+            .label(label.as_str())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], colour));
         }
         live.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw()?;
