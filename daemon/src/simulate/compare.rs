@@ -225,34 +225,10 @@ pub fn breakdown(l: &Outcome, od: &Outcome, p: &Params) -> Breakdown {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::simulate::model::test_params;
 
     fn params() -> Params {
-        Params {
-            host_rate: 10.0,
-            scaling: 0.9,
-            step_s: 1.0,
-            notice_idle_s: 0.01,
-            kill_recovery_s: 1.3,
-            no_notice: 0.0,
-            join_idle_s: 0.02,
-            state_bytes: 0.0,
-            link_bytes_per_s: 1e9,
-            boot_s: 60.0,
-            restart_s: 60.0,
-            checkpoint_every_s: 600.0,
-            checkpoint_write_s: 10.0,
-            async_pause_s: None,
-            restart_on_add: true,
-            checkpoint_on_notice: false,
-            spot_price: 1.0,
-            on_demand_price: 3.0,
-            on_demand_hosts: 2,
-            samples: 1e6,
-            tick_s: 0.5,
-            rates: Vec::new(),
-            deadline_s: None,
-            until_s: Some(4.0 * 3600.0),
-        }
+        Params { scaling: 0.9, boot_s: 60.0, tick_s: 0.5, until_s: Some(4.0 * 3600.0), ..test_params(1e6) }
     }
 
     /// Four hours of a fleet of three whose third host comes and goes every `period_s`.

@@ -99,6 +99,7 @@ pub fn render(deadline_h: f64, samples: f64, rows: &[Row]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::simulate::model::test_params;
 
     #[test]
     fn every_policy_meets_a_reachable_deadline_and_on_demand_is_the_fewest_hosts() {
@@ -109,30 +110,12 @@ mod tests {
         )
         .unwrap();
         let p = Params {
-            host_rate: 10.0,
-            scaling: 1.0,
-            step_s: 1.0,
-            notice_idle_s: 0.01,
-            kill_recovery_s: 1.3,
-            no_notice: 0.0,
-            join_idle_s: 0.02,
-            state_bytes: 0.0,
-            link_bytes_per_s: 1e9,
             boot_s: 60.0,
-            restart_s: 60.0,
             checkpoint_every_s: 300.0,
             checkpoint_write_s: 5.0,
-            async_pause_s: None,
-            restart_on_add: true,
-            checkpoint_on_notice: false,
-            spot_price: 1.0,
-            on_demand_price: 3.0,
             on_demand_hosts: 3,
-            samples: 3.0 * 10.0 * 3.0 * 3600.0,
             tick_s: 1.0,
-            rates: Vec::new(),
-            deadline_s: None,
-            until_s: None,
+            ..test_params(3.0 * 10.0 * 3.0 * 3600.0)
         };
         let best = Setting::every(300.0, false);
         // Three hosts for three hours' work in 3.5 h: the lost hour needs on-demand help.

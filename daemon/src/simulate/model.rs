@@ -505,37 +505,45 @@ pub fn simulate(trace: &Trace, p: &Params, policy: Policy) -> Option<Outcome> {
     })
 }
 
+/// The parameters the simulator's tests start from (each changes what it tests): hosts of 10
+/// samples/s scaling linearly, $1 spot and $3 on-demand, a 60 s restart, 10 s checkpoint
+/// writes every 10 minutes, 100 ms ticks, no boot, no window.
+#[cfg(test)]
+pub(crate) fn test_params(samples: f64) -> Params {
+    Params {
+        host_rate: 10.0,
+        scaling: 1.0,
+        step_s: 1.0,
+        notice_idle_s: 0.01,
+        kill_recovery_s: 1.3,
+        no_notice: 0.0,
+        join_idle_s: 0.02,
+        state_bytes: 0.0,
+        link_bytes_per_s: 1e9,
+        boot_s: 0.0,
+        restart_s: 60.0,
+        checkpoint_every_s: 600.0,
+        checkpoint_write_s: 10.0,
+        async_pause_s: None,
+        restart_on_add: true,
+        checkpoint_on_notice: false,
+        spot_price: 1.0,
+        on_demand_price: 3.0,
+        on_demand_hosts: 2,
+        samples,
+        tick_s: 0.1,
+        rates: Vec::new(),
+        deadline_s: None,
+        until_s: None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn params(samples: f64) -> Params {
-        Params {
-            host_rate: 10.0,
-            scaling: 1.0,
-            step_s: 1.0,
-            notice_idle_s: 0.01,
-            kill_recovery_s: 1.3,
-            no_notice: 0.0,
-            join_idle_s: 0.02,
-            state_bytes: 0.0,
-            link_bytes_per_s: 1e9,
-            boot_s: 0.0,
-            restart_s: 60.0,
-            checkpoint_every_s: 600.0,
-            checkpoint_write_s: 10.0,
-            async_pause_s: None,
-            restart_on_add: true,
-            checkpoint_on_notice: false,
-            spot_price: 1.0,
-            on_demand_price: 3.0,
-            on_demand_hosts: 2,
-            samples,
-            tick_s: 0.1,
-            rates: Vec::new(),
-            deadline_s: None,
-            until_s: None,
-        }
+        test_params(samples)
     }
 
     fn trace(text: &str) -> Trace {

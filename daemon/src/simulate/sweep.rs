@@ -205,6 +205,7 @@ pub fn render(file: &str, base: &Params, rows: &[Row]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::simulate::model::test_params;
 
     #[test]
     fn each_row_changes_one_assumption_and_moves_the_figures_the_right_way() {
@@ -214,30 +215,19 @@ mod tests {
         }
         let trace = Trace::parse(&text, "t").unwrap();
         let base = Params {
-            host_rate: 10.0,
             scaling: 0.95,
-            step_s: 1.0,
-            notice_idle_s: 0.01,
             kill_recovery_s: 1.343,
             no_notice: 0.05,
             join_idle_s: 0.021,
             state_bytes: 1e9,
             link_bytes_per_s: 10e9 / 8.0,
             boot_s: 60.0,
-            restart_s: 60.0,
-            checkpoint_every_s: 600.0,
-            checkpoint_write_s: 10.0,
-            async_pause_s: None,
-            restart_on_add: true,
-            checkpoint_on_notice: false,
             spot_price: 0.918,
             on_demand_price: 3.06,
             on_demand_hosts: 3,
-            samples: 1e6,
             tick_s: 1.0,
-            rates: Vec::new(),
-            deadline_s: None,
             until_s: Some(4.0 * 3600.0),
+            ..test_params(1e6)
         };
         let count = std::cell::Cell::new(0u64);
         let rows = sweep(&trace, &base, 1.0, &|| count.set(count.get() + 1)).unwrap();
