@@ -317,6 +317,70 @@ fn a_replayed_trace_segment_agrees_with_its_simulation() {
     assert!(dir.path().join("run/chaos.svg").exists());
 }
 
+/// `limpet-lab chaos --runs`: the segments are picked from the trace by rule (many
+/// transitions, notices only, kills only, joins only), each replayed against `limpetd`
+/// processes, and the summary reports every run's difference from the simulation and the
+/// worst. A small trace of the test's own keeps it short.
+#[test]
+fn chaos_runs_report_the_simulations_agreement_as_a_distribution() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.csv");
+    std::fs::write(
+        &trace,
+        "0,add,a\n0,add,b\n0,add,c\n0,add,d\n120000,remove,d\n200000,add,e\n320000,add,f\n\
+         420000,remove,e\n500000,remove,f\n1200000,remove,a\n",
+    )
+    .unwrap();
+    let run = dir.path().join("runs");
+    let out = Command::new(common::lab_exe())
+        .args(["chaos", "--json", "--runs", "4", "--transitions", "4", "--max-hosts", "5"])
+        .args(["--max-window-s", "600", "--speedup", "20", "--trace"])
+        .arg(&trace)
+        .arg("--dir")
+        .arg(&run)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stderr), common::node_logs(&run));
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let runs = r["runs"].as_array().unwrap();
+    let kinds: Vec<&str> = runs.iter().map(|x| x["segment"]["kind"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["many", "notices", "kills", "joins"], "{r:#}");
+    assert!(runs[0]["segment"]["instants"].as_u64().unwrap() >= 4, "{r:#}");
+    let mut worst: f64 = 0.0;
+    for x in runs {
+        assert_eq!(x["steps_applied_twice"], 0, "{x:#}");
+        assert!(x["transitions"].as_u64().unwrap() >= 1, "{x:#}");
+        // With the replay's own transition costs the model's mechanics are what is compared;
+        // with the cost figure's, a kill costs the 1.34 s a vanished host's heartbeat takes
+        // (a killed process's sockets close at once), so the simulation may only be lower.
+        let own = x["difference_measured_costs"].as_f64().unwrap();
+        assert!(own <= 0.10, "replay and simulation {:.1}% apart: {x:#}", own * 100.0);
+        let (d, replay, simulated) = (
+            x["difference"].as_f64().unwrap(),
+            x["replay_goodput"].as_f64().unwrap(),
+            x["simulated_goodput"].as_f64().unwrap(),
+        );
+        assert!(d <= 0.10 || simulated < replay, "{x:#}");
+        worst = worst.max(d);
+        // Each run is a whole replay of its own, with what it fired.
+        let one: Value = serde_json::from_slice(
+            &std::fs::read(Path::new(x["dir"].as_str().unwrap()).join("chaos.json")).unwrap(),
+        )
+        .unwrap();
+        let fired: Vec<&str> =
+            one["events"].as_array().unwrap().iter().map(|e| e[1].as_str().unwrap()).collect();
+        let has = |what: &str| fired.iter().any(|e| e.starts_with(what));
+        match x["segment"]["kind"].as_str().unwrap() {
+            "notices" => assert!(has("spot notice") && !has("e joins"), "{fired:?}"),
+            "kills" => assert!(has("kill -9") && !has("spot notice"), "{fired:?}"),
+            "joins" => assert!(has("e joins") && has("f joins") && !has("kill") && !has("spot"), "{fired:?}"),
+            _ => assert!(has("e joins") && has("f joins") && has("spot notice"), "{fired:?}"),
+        }
+    }
+    assert_eq!(r["worst_difference"].as_f64().unwrap(), worst);
+    assert!(run.join("chaos-runs.svg").exists() && run.join("chaos-runs.json").exists());
+}
+
 /// Mean milliseconds between node-1's steps in `epoch` of a scenario in `dir`, its first 20
 /// steps left out (the epoch's entry).
 fn step_ms(dir: &Path, epoch: u64) -> f64 {

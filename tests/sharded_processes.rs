@@ -68,7 +68,9 @@ fn shards_of_a_shared_checkpoint_bring_back_a_lost_block() {
 fn both_holders_killed(shared: bool) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("c");
-    let steps = 400;
+    // Long enough after the loss for checkpoints of three shards: the write in flight at the
+    // kill may hold its rank's writer for a second or two (its record went to a dead leader).
+    let steps = 1200;
     let checkpoints = tmp.path().join("shared");
     let job = LocalJob {
         steps,

@@ -6,7 +6,7 @@
 use super::config::CheckpointSettings;
 use super::tasks::Tasks;
 use limpet_consensus::state::{ClusterState, Command, Epoch, NodeId};
-use limpet_consensus::NodeHandle;
+use limpet_consensus::{ConsensusError, NodeHandle};
 use limpet_trainer::{JobSpec, Trainer};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,6 +33,25 @@ pub(super) struct Checkpointer {
     /// client would load the configuration and fetch credentials (on EC2, from the instance
     /// metadata service) again for every checkpoint.
     remote: Arc<tokio::sync::OnceCell<crate::remote::Remote>>,
+    /// The timeline training is on: a write started on an earlier one (before the ranks went
+    /// back to an older state) past the step gone back to is never recorded.
+    timeline: Arc<std::sync::Mutex<Timeline>>,
+}
+
+/// How often training went back to an older state, and to which step last.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Timeline {
+    generation: u64,
+    back_to: u64,
+}
+
+impl Timeline {
+    /// Whether a write of `step`, started on timeline `started`, belongs to one the ranks
+    /// left: its state was trained past the step they went back to, and the new timeline will
+    /// write another state under the same step.
+    fn abandons(&self, started: Timeline, step: u64) -> bool {
+        self.generation != started.generation && step > self.back_to
+    }
 }
 
 /// What writing a checkpoint needs of the agent.
@@ -51,7 +70,16 @@ impl Checkpointer {
             last: None,
             writing: Arc::default(),
             remote: Arc::default(),
+            timeline: Arc::default(),
         }
+    }
+
+    /// Training went back to the state of `step` (a checkpoint, a stage's shadow): a write in
+    /// flight of a later step is of a state no rank trains on, and is not recorded (recorded,
+    /// it could name the step's directory once the new timeline has written other shards there).
+    pub fn went_back(&self, step: u64) {
+        let mut t = self.timeline.lock().expect("timeline lock");
+        *t = Timeline { generation: t.generation + 1, back_to: step };
     }
 
     /// Whether a checkpoint is due at `step` by the step count alone: what every rank of a
@@ -122,6 +150,8 @@ impl Checkpointer {
             rt: sink.rt.clone(),
             remote: Arc::clone(&self.remote),
             failure: Arc::clone(&self.failure),
+            started: *self.timeline.lock().expect("timeline lock"),
+            timeline: Arc::clone(&self.timeline),
         };
         let busy = Arc::clone(&self.writing);
         let write = move || {
@@ -201,9 +231,19 @@ struct Part {
     rt: tokio::runtime::Handle,
     remote: Arc<tokio::sync::OnceCell<crate::remote::Remote>>,
     failure: Arc<std::sync::Mutex<Option<String>>>,
+    /// The timeline when the write began, and the writer's view of the current one.
+    started: Timeline,
+    timeline: Arc<std::sync::Mutex<Timeline>>,
 }
 
 impl Part {
+    /// Why this write is no checkpoint to record any more: training went back past its step.
+    fn abandoned(&self) -> Option<String> {
+        let now = *self.timeline.lock().expect("timeline lock");
+        now.abandons(self.started, self.step)
+            .then(|| format!("training went back to step {} while it was being written", now.back_to))
+    }
+
     /// Writes the part, prunes old ones, copies it to S3 if configured, and records it in
     /// the log; failures are counted and logged (the local copy stands if S3 fails).
     fn write(&self) {
@@ -244,6 +284,9 @@ impl Part {
                         let stop = || {
                             if self.stop.is_cancelled() {
                                 return Some("the agent is stopping".to_string());
+                            }
+                            if let Some(why) = self.abandoned() {
+                                return Some(why);
                             }
                             gone_writer(&self.handle.watch().borrow().state, writers)
                         };
@@ -304,7 +347,10 @@ impl Part {
         *self.failure.lock().expect("failure lock") = Some(why);
     }
 
-    /// Records the checkpoint (at `location`) in the log.
+    /// Records the checkpoint (at `location`) in the log, unless training left the timeline
+    /// it was written on. A proposal forwarded to a leader that dies is lost without an
+    /// answer, so it is sent again (after a short wait each time, to a new leader once one is
+    /// known) for a while: the log takes the same record twice as once.
     fn record(&self, location: String) {
         let record = limpet_consensus::state::CheckpointRecord {
             step: self.step,
@@ -313,12 +359,38 @@ impl Part {
             location,
             node: self.me,
         };
-        let cmd = Command::RecordCheckpoint { record };
-        if let Err(e) = self.rt.block_on(self.handle.propose(cmd, Some(Duration::from_secs(5)))) {
-            tracing::warn!(step = self.step, %e, "checkpoint written but not recorded in the log");
+        let deadline = Instant::now() + RECORD_FOR;
+        loop {
+            if let Some(why) = self.abandoned() {
+                tracing::warn!(
+                    step = self.step,
+                    why,
+                    "checkpoint written but not recorded: no rank trains on its state"
+                );
+                return;
+            }
+            let cmd = Command::RecordCheckpoint { record: record.clone() };
+            let e = match self.rt.block_on(self.handle.propose(cmd, Some(RECORD_ATTEMPT))) {
+                Ok(_) => return,
+                Err(e) => e,
+            };
+            let retry = matches!(
+                e,
+                ConsensusError::Timeout { .. } | ConsensusError::NoLeader | ConsensusError::Transport(_)
+            );
+            if !retry || self.stop.is_cancelled() || Instant::now() >= deadline {
+                tracing::warn!(step = self.step, %e, "checkpoint written but not recorded in the log");
+                return;
+            }
+            tracing::debug!(step = self.step, %e, "recording the checkpoint again");
         }
     }
 }
+
+/// How long one proposal of a checkpoint's record waits for the log, and how long the writer
+/// keeps trying (its rank skips checkpoints meanwhile).
+const RECORD_ATTEMPT: Duration = Duration::from_secs(1);
+const RECORD_FOR: Duration = Duration::from_secs(10);
 
 /// A node of `writers` that will write nothing more (failed, gone or no member), named: the
 /// shard it was to write may never come.
@@ -423,6 +495,24 @@ mod tests {
         assert!(!due(&by_time, 7, 1, Duration::from_secs(59)));
         // Stages decide alone: a clock would give them different steps.
         assert!(!due(&by_time, 7, 2, Duration::from_secs(61)));
+    }
+
+    #[test]
+    fn a_write_past_the_step_training_went_back_to_is_abandoned() {
+        let c = Checkpointer::new(None);
+        let started = *c.timeline.lock().unwrap();
+        let now = |c: &Checkpointer| *c.timeline.lock().unwrap();
+        assert!(!now(&c).abandons(started, 40));
+        c.went_back(20);
+        // Written on the old timeline: the state of step 40 is no rank's any more; that of
+        // step 20 is the one gone back to.
+        assert!(now(&c).abandons(started, 40));
+        assert!(!now(&c).abandons(started, 20));
+        // Written on the new timeline: its own.
+        let later = now(&c);
+        assert!(!now(&c).abandons(later, 40));
+        c.went_back(30);
+        assert!(now(&c).abandons(later, 40) && !now(&c).abandons(later, 30));
     }
 
     #[test]

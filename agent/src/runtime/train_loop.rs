@@ -699,6 +699,9 @@ impl TrainLoop {
             pending: self.pending.take(),
         };
         let done = entry::enter(x, n)?;
+        if done.redone_steps > 0 {
+            self.checkpointer.went_back(self.trainer.step());
+        }
         // A sharded step finished at the entry with a peer's norm belongs to the last epoch.
         if let Some(p) = self.last_epoch.clone().filter(|_| self.trainer.has_unlogged()) {
             let step = self.trainer.take_unlogged().expect("checked");

@@ -643,6 +643,11 @@ impl ClusterState {
     }
 
     fn apply_checkpoint(&mut self, r: &CheckpointRecord) -> Outcome {
+        // A writer whose proposal went unanswered (its leader died) sends it again; both may
+        // land.
+        if self.checkpoints.iter().rev().take_while(|c| c.step == r.step).any(|c| c == r) {
+            return Ok(format!("checkpoint at step {} already recorded", r.step));
+        }
         if let Some(last) = self.checkpoints.last() {
             if r.step < last.step {
                 return Err(format!(

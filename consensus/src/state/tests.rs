@@ -127,6 +127,17 @@ fn checkpoint_records_are_ordered_and_bounded() {
     assert!(st.apply(&Command::RecordCheckpoint { record: rec(3) }).is_err());
     let future = CheckpointRecord { epoch: 7, ..rec(30) };
     assert!(st.apply(&Command::RecordCheckpoint { record: future }).is_err());
+    // A record sent again (its first proposal went unanswered) is kept once; another writer's
+    // record of the same step is its own.
+    let at_19 = |st: &ClusterState| st.checkpoints.iter().filter(|c| c.step == 19).count();
+    let again = st.apply(&Command::RecordCheckpoint { record: rec(19) }).unwrap();
+    assert!(again.contains("already recorded"), "{again}");
+    assert_eq!(at_19(&st), 1);
+    let stage = CheckpointRecord { node: 2, location: "m".into(), ..rec(19) };
+    st.apply(&Command::RecordCheckpoint { record: stage.clone() }).unwrap();
+    st.apply(&Command::RecordCheckpoint { record: rec(19) }).unwrap();
+    assert_eq!(at_19(&st), 2);
+    assert_eq!(st.checkpoints.last(), Some(&stage));
 }
 
 #[test]

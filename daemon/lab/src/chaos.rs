@@ -4,9 +4,10 @@
 //! removal, `kill -9` at once, no notice); an addition is a new node joining. As it goes it
 //! shows progress; at the end it checks the step logs (no step applied twice), measures what
 //! the replay trained (goodput against what the same hosts would have trained without any
-//! transition, at the speeds measured in the same run), and runs `limpet simulate`'s model over the same compressed
-//! segment with limpet's measured transition costs, so the simulation is checked against
-//! what happened. A table, a plot and `--json`. With `--reproducible`, the job then runs to
+//! transition, at the speeds measured in the same run), and runs `limpet simulate`'s model
+//! over the same compressed segment twice, with the transition costs the cost figure assumes
+//! and with those this replay measured (`chaos_measured`), so the simulation is checked against
+//! what happened. `--runs N` replays several segments (`chaos_runs`). A table, a plot and `--json`. With `--reproducible`, the job then runs to
 //! `--steps` and must end with one uninterrupted process's content hash and losses. With
 //! `--ec2 CLUSTER`, the removals go to a real fleet instead (`chaos_ec2`).
 
@@ -25,11 +26,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-/// The simulation's job size: more than any window trains, so it stops at the window's end.
-const SAMPLES: f64 = 1e15;
-
 /// `limpet-lab chaos`.
-#[derive(Debug, Args)]
+#[derive(Clone, Debug, Args)]
 pub struct ChaosArgs {
     /// The preemption trace: `ms_since_start,add|remove,NODE` per line [default: the AWS p3
     /// trace shipped with limpet].
@@ -92,6 +90,9 @@ pub struct ChaosArgs {
     /// Another EC2 and FIS endpoint (with --ec2).
     #[arg(long)]
     pub endpoint_url: Option<String>,
+    /// Several segments picked from the trace instead of one (`--runs`).
+    #[command(flatten)]
+    pub runs: crate::chaos_pick::RunsArgs,
 }
 
 /// What a replay did and how the simulation compares.
@@ -123,6 +124,12 @@ pub struct ChaosReport {
     pub simulated_goodput: f64,
     /// |replay - simulated| / simulated goodput.
     pub difference: f64,
+    /// What this replay's transitions cost, by kind.
+    pub measured_costs: crate::chaos_measured::MeasuredCosts,
+    /// The simulation's goodput with those costs instead of the cost figure's.
+    pub simulated_goodput_measured_costs: f64,
+    /// |replay - that| / that.
+    pub difference_measured_costs: f64,
     /// With `--reproducible`: the final state against one uninterrupted process's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reproducible: Option<SameBits>,
@@ -151,7 +158,7 @@ enum Act {
 
 /// The selected hosts' segment of `trace`, in compressed seconds: the hosts live at its start
 /// (added at 0), and the events within it.
-fn segment(trace: &Trace, a: &ChaosArgs) -> anyhow::Result<(Vec<String>, Trace, f64)> {
+pub(crate) fn segment(trace: &Trace, a: &ChaosArgs) -> anyhow::Result<(Vec<String>, Trace, f64)> {
     let bad = |m: String| anyhow::Error::from(UsageError(m));
     if !(a.speedup.is_finite() && a.speedup >= 1.0) {
         return Err(bad(format!("--speedup {}: at least 1", a.speedup)));
@@ -192,13 +199,19 @@ fn segment(trace: &Trace, a: &ChaosArgs) -> anyhow::Result<(Vec<String>, Trace, 
     Ok((founders, Trace { events, end_ms }, window))
 }
 
-/// Runs `limpet-lab chaos`.
-pub fn run(a: ChaosArgs) -> anyhow::Result<()> {
+/// The trace `a` names, once its `--dir` is found empty (or absent).
+pub(crate) fn prepare(a: &ChaosArgs) -> anyhow::Result<Trace> {
     let (trace, _) = limpet_daemon::simulate::trace::load(a.trace.as_deref()).map_err(UsageError)?;
-    let (founders, seg, window) = segment(&trace, &a)?;
     if a.dir.exists() && std::fs::read_dir(&a.dir)?.next().is_some() {
         return Err(UsageError(format!("--dir {}: not empty", a.dir.display())).into());
     }
+    Ok(trace)
+}
+
+/// Runs `limpet-lab chaos` (one segment: `chaos_runs` runs several).
+pub fn run(a: ChaosArgs) -> anyhow::Result<()> {
+    let trace = prepare(&a)?;
+    let (founders, seg, window) = segment(&trace, &a)?;
     if let Some(cluster) = &a.ec2 {
         let spec = crate::chaos_ec2::Ec2Chaos {
             fis_role: a.fis_role.clone(),
@@ -342,7 +355,12 @@ fn same_bits(
     })
 }
 
-fn replay(a: &ChaosArgs, founders: &[String], seg: &Trace, window: f64) -> anyhow::Result<ChaosReport> {
+pub(crate) fn replay(
+    a: &ChaosArgs,
+    founders: &[String],
+    seg: &Trace,
+    window: f64,
+) -> anyhow::Result<ChaosReport> {
     let job = LocalJob {
         model: a.model.clone(),
         data: a.data.clone(),
@@ -454,7 +472,7 @@ fn replay(a: &ChaosArgs, founders: &[String], seg: &Trace, window: f64) -> anyho
         .map(|t| (t.step.saturating_sub(t.redone_steps), t.redone_steps))
         .collect();
     let (points, twice) = merge(&lines, &killed, &redone);
-    let rates = measured_rates(&lines, a.batch);
+    let rates = crate::chaos_measured::measured_rates(&lines, a.batch);
     let joins: Vec<f64> = started_at
         .iter()
         .filter_map(|(node, at)| {
@@ -466,8 +484,16 @@ fn replay(a: &ChaosArgs, founders: &[String], seg: &Trace, window: f64) -> anyho
     let steps = points.len().saturating_sub(1) as u64;
     let replay_trained = steps as f64 * a.batch as f64;
 
-    let sim = simulate(seg, &params(a, &rates, &lines, join_s, window), Policy::Limpet)
-        .context("the simulation found no host")?;
+    let assumed = crate::chaos_measured::params(a.kill_every, &rates, &lines, join_s, window);
+    let sim = simulate(seg, &assumed, Policy::Limpet).context("the simulation found no host")?;
+    let measured_costs = crate::chaos_measured::measure(&transitions);
+    let measured = Params {
+        notice_idle_s: measured_costs.notice_idle_ms.map_or(assumed.notice_idle_s, |m| m / 1e3),
+        kill_recovery_s: measured_costs.kill_recovery_ms.map_or(assumed.kill_recovery_s, |m| m / 1e3),
+        join_idle_s: measured_costs.join_idle_ms.map_or(assumed.join_idle_s, |m| m / 1e3),
+        ..assumed.clone()
+    };
+    let with_measured = simulate(seg, &measured, Policy::Limpet).context("the simulation found no host")?;
     // Over what the booted hosts could have trained: the replay's boots are its own
     // processes starting, not the cloud's, so they are not charged to either.
     let possible = sim.possible_ready.max(f64::MIN_POSITIVE);
@@ -486,85 +512,14 @@ fn replay(a: &ChaosArgs, founders: &[String], seg: &Trace, window: f64) -> anyho
         simulated_trained: sim.trained,
         simulated_goodput,
         difference: (replay_goodput - simulated_goodput).abs() / simulated_goodput.max(f64::MIN_POSITIVE),
+        measured_costs,
+        simulated_goodput_measured_costs: with_measured.trained / possible,
+        difference_measured_costs: (replay_goodput - with_measured.trained / possible).abs()
+            / (with_measured.trained / possible).max(f64::MIN_POSITIVE),
         reproducible,
     };
     plot(&a.dir.join("chaos.svg"), &lines, t0, &sim, a.batch, seg, join_s)?;
     Ok(report)
-}
-
-/// Samples per second by world size: over every epoch, the steps after its first (which
-/// carries the transition) over the time from its first step's completion to its last's.
-fn measured_rates(lines: &[StepLine], batch: u64) -> BTreeMap<usize, f64> {
-    let mut epochs: BTreeMap<u64, (usize, BTreeMap<u64, u64>)> = BTreeMap::new();
-    for l in lines {
-        let e = epochs.entry(l.epoch).or_insert((l.world, BTreeMap::new()));
-        let at = e.1.entry(l.step).or_insert(l.wall_ms);
-        *at = (*at).min(l.wall_ms);
-    }
-    let mut by_world: BTreeMap<usize, (f64, f64)> = BTreeMap::new();
-    for (world, steps) in epochs.values() {
-        let (Some(first), Some(last)) = (steps.values().min(), steps.values().max()) else { continue };
-        if steps.len() >= 3 && last > first {
-            let w = by_world.entry(*world).or_default();
-            w.0 += (steps.len() - 1) as f64;
-            w.1 += (last - first) as f64 / 1e3;
-        }
-    }
-    by_world.into_iter().map(|(world, (n, secs))| (world, batch as f64 * n / secs)).collect()
-}
-
-/// The simulation's parameters: the speeds measured in the replay (a world never measured
-/// scales the nearest measured one linearly), the join time measured in it, and limpet's
-/// transition costs as `limpet simulate` takes them.
-fn params(
-    a: &ChaosArgs,
-    rates: &BTreeMap<usize, f64>,
-    lines: &[StepLine],
-    join_s: f64,
-    window: f64,
-) -> Params {
-    use limpet_daemon::simulate::{JOIN_IDLE_MS, KILL_RECOVERY_MS, NOTICE_IDLE_MS};
-    let most = 16;
-    let table: Vec<f64> = (0..=most)
-        .map(|n| match rates.iter().min_by_key(|(w, _)| w.abs_diff(n)) {
-            Some((w, r)) if n > 0 => r * n as f64 / *w as f64,
-            _ => 0.0,
-        })
-        .collect();
-    let mut gaps: Vec<f64> = Vec::new();
-    let mut last: BTreeMap<(u64, u64), u64> = BTreeMap::new();
-    for l in lines {
-        if let Some(prev) = last.insert((l.node, l.epoch), l.wall_ms) {
-            gaps.push(l.wall_ms.saturating_sub(prev) as f64 / 1e3);
-        }
-    }
-    gaps.sort_by(f64::total_cmp);
-    Params {
-        host_rate: table.get(1).copied().unwrap_or(1.0).max(1e-9),
-        scaling: 1.0,
-        step_s: gaps.get(gaps.len() / 2).copied().unwrap_or(0.0),
-        notice_idle_s: NOTICE_IDLE_MS / 1e3,
-        kill_recovery_s: KILL_RECOVERY_MS / 1e3,
-        no_notice: if a.kill_every > 0 { 1.0 / a.kill_every as f64 } else { 0.0 },
-        join_idle_s: JOIN_IDLE_MS / 1e3,
-        state_bytes: 0.0,
-        link_bytes_per_s: 1.0,
-        boot_s: join_s,
-        restart_s: 0.0,
-        checkpoint_every_s: f64::MAX,
-        checkpoint_write_s: 0.0,
-        async_pause_s: None,
-        restart_on_add: false,
-        checkpoint_on_notice: false,
-        spot_price: 0.0,
-        on_demand_price: 0.0,
-        on_demand_hosts: 1,
-        samples: SAMPLES,
-        tick_s: 0.01,
-        rates: table,
-        deadline_s: None,
-        until_s: Some(window),
-    }
 }
 
 fn table(r: &ChaosReport) -> String {
@@ -596,7 +551,20 @@ fn table(r: &ChaosReport) -> String {
         r.simulated_goodput * 100.0,
         r.difference * 100.0
     );
+    s += &format!(
+        "with this replay's own transition costs (notice {}, kill {}, join {}): simulation {:.1}%, {:.1}% apart\n",
+        ms(r.measured_costs.notice_idle_ms),
+        ms(r.measured_costs.kill_recovery_ms),
+        ms(r.measured_costs.join_idle_ms),
+        r.simulated_goodput_measured_costs * 100.0,
+        r.difference_measured_costs * 100.0
+    );
     s
+}
+
+/// A measured cost, or that none was.
+fn ms(v: Option<f64>) -> String {
+    v.map_or("none".into(), |v| format!("{v:.0} ms"))
 }
 
 /// Hosts the trace has ready, the epoch's world, and samples trained (replay and simulation)
@@ -624,7 +592,7 @@ fn plot(
         .map(|(i, (ms, world))| (ms.saturating_sub(t0) as f64 / 1e3, (i as f64) * batch as f64, *world))
         .collect();
     let simulated: Vec<(f64, f64)> =
-        sim.timeline.iter().map(|(h, _, frac)| (h * 3600.0, frac * SAMPLES)).collect();
+        sim.timeline.iter().map(|(h, _, frac)| (h * 3600.0, frac * crate::chaos_measured::SAMPLES)).collect();
     let mut ready: Vec<(f64, usize)> = Vec::new();
     let mut live: BTreeSet<&str> = BTreeSet::new();
     for e in &seg.events {
@@ -719,6 +687,7 @@ mod tests {
             fis_role: None,
             region: None,
             endpoint_url: None,
+            runs: Default::default(),
         }
     }
 
@@ -743,29 +712,5 @@ mod tests {
         {
             assert!(segment(&t, &bad).is_err(), "{bad:?}");
         }
-    }
-
-    #[test]
-    fn speeds_are_steps_over_time_within_epochs() {
-        let line = |epoch, step, wall_ms, world| StepLine {
-            wall_ms,
-            step,
-            epoch,
-            world,
-            rank: 0,
-            devices: 0,
-            node: 1,
-            name: "node-1".into(),
-            loss: 1.0,
-            agreed: false,
-            eval_loss: None,
-        };
-        // World 2: steps every 10 ms; world 3: every 20 ms (its first step late: a transition).
-        let mut lines: Vec<StepLine> = (0..11).map(|s| line(1, s, 10 * s, 2)).collect();
-        lines.push(line(2, 11, 500, 3));
-        lines.extend((12..22).map(|s| line(2, s, 500 + 20 * (s - 11), 3)));
-        let r = measured_rates(&lines, 64);
-        assert!((r[&2] - 6400.0).abs() < 1e-6, "{r:?}");
-        assert!((r[&3] - 3200.0).abs() < 1e-6, "{r:?}");
     }
 }

@@ -122,6 +122,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Demo(args) => crate::demo::run(args),
         Command::Scenario(args) => crate::demo::scenario(args),
+        Command::Chaos(args) if args.runs.runs.is_some() => crate::chaos_runs::run(&args),
         Command::Chaos(args) => crate::chaos::run(args),
         Command::Local(LocalCommand::Up(args)) => local_up(args),
         Command::RaftNode(args) => crate::raft_cmd::run_node(args),

@@ -10,6 +10,9 @@
 pub mod act_bench;
 pub mod chaos;
 pub mod chaos_ec2;
+pub mod chaos_measured;
+pub mod chaos_pick;
+pub mod chaos_runs;
 pub mod cli;
 pub mod demo;
 pub mod dp_cmd;

@@ -181,6 +181,7 @@ impl SimulateArgs {
             rates: Vec::new(),
             deadline_s: None,
             until_s: Some(window),
+            founders_booted: false,
         };
         if let Some(path) = &self.throughput_from {
             p.rates = measured_rates(path, hosts.max(trace.max_live()))?;
