@@ -69,7 +69,8 @@ fn both_holders_killed(shared: bool) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("c");
     // Long enough after the loss for checkpoints of three shards: the write in flight at the
-    // kill may hold its rank's writer for a second or two (its record went to a dead leader).
+    // kill may hold its rank's writer for a few seconds (its record went to a dead leader and
+    // is sent again once another leads).
     let steps = 1200;
     let checkpoints = tmp.path().join("shared");
     let job = LocalJob {

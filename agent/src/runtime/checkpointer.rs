@@ -33,26 +33,14 @@ pub(super) struct Checkpointer {
     /// client would load the configuration and fetch credentials (on EC2, from the instance
     /// metadata service) again for every checkpoint.
     remote: Arc<tokio::sync::OnceCell<crate::remote::Remote>>,
-    /// The timeline training is on: a write started on an earlier one (before the ranks went
-    /// back to an older state) past the step gone back to is never recorded.
-    timeline: Arc<std::sync::Mutex<Timeline>>,
+    /// The write in flight (one at a time: `writing`): its step, and the step training went
+    /// back to past it, once it did (set once and kept: a later rollback to a later step does
+    /// not bring the abandoned state back).
+    in_flight: Option<(u64, Abandoned)>,
 }
 
-/// How often training went back to an older state, and to which step last.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-struct Timeline {
-    generation: u64,
-    back_to: u64,
-}
-
-impl Timeline {
-    /// Whether a write of `step`, started on timeline `started`, belongs to one the ranks
-    /// left: its state was trained past the step they went back to, and the new timeline will
-    /// write another state under the same step.
-    fn abandons(&self, started: Timeline, step: u64) -> bool {
-        self.generation != started.generation && step > self.back_to
-    }
-}
+/// The step training went back to while a write of a later step was in flight, if it did.
+type Abandoned = Arc<std::sync::Mutex<Option<u64>>>;
 
 /// What writing a checkpoint needs of the agent.
 pub(super) struct Sink<'a> {
@@ -70,7 +58,7 @@ impl Checkpointer {
             last: None,
             writing: Arc::default(),
             remote: Arc::default(),
-            timeline: Arc::default(),
+            in_flight: None,
         }
     }
 
@@ -78,8 +66,18 @@ impl Checkpointer {
     /// flight of a later step is of a state no rank trains on, and is not recorded (recorded,
     /// it could name the step's directory once the new timeline has written other shards there).
     pub fn went_back(&self, step: u64) {
-        let mut t = self.timeline.lock().expect("timeline lock");
-        *t = Timeline { generation: t.generation + 1, back_to: step };
+        if let Some((written, mark)) = &self.in_flight {
+            if *written > step {
+                mark.lock().expect("abandoned lock").get_or_insert(step);
+            }
+        }
+    }
+
+    /// Marks a write of `step` as the one in flight; its mark of abandonment.
+    fn begin(&mut self, step: u64) -> Abandoned {
+        let mark = Abandoned::default();
+        self.in_flight = Some((step, Arc::clone(&mark)));
+        mark
     }
 
     /// Whether a checkpoint is due at `step` by the step count alone: what every rank of a
@@ -150,8 +148,7 @@ impl Checkpointer {
             rt: sink.rt.clone(),
             remote: Arc::clone(&self.remote),
             failure: Arc::clone(&self.failure),
-            started: *self.timeline.lock().expect("timeline lock"),
-            timeline: Arc::clone(&self.timeline),
+            abandoned: self.begin(step),
         };
         let busy = Arc::clone(&self.writing);
         let write = move || {
@@ -231,17 +228,15 @@ struct Part {
     rt: tokio::runtime::Handle,
     remote: Arc<tokio::sync::OnceCell<crate::remote::Remote>>,
     failure: Arc<std::sync::Mutex<Option<String>>>,
-    /// The timeline when the write began, and the writer's view of the current one.
-    started: Timeline,
-    timeline: Arc<std::sync::Mutex<Timeline>>,
+    /// Set when training goes back past this write's step.
+    abandoned: Abandoned,
 }
 
 impl Part {
     /// Why this write is no checkpoint to record any more: training went back past its step.
     fn abandoned(&self) -> Option<String> {
-        let now = *self.timeline.lock().expect("timeline lock");
-        now.abandons(self.started, self.step)
-            .then(|| format!("training went back to step {} while it was being written", now.back_to))
+        let to = (*self.abandoned.lock().expect("abandoned lock"))?;
+        Some(format!("training went back to step {to} while it was being written"))
     }
 
     /// Writes the part, prunes old ones, copies it to S3 if configured, and records it in
@@ -347,10 +342,10 @@ impl Part {
         *self.failure.lock().expect("failure lock") = Some(why);
     }
 
-    /// Records the checkpoint (at `location`) in the log, unless training left the timeline
-    /// it was written on. A proposal forwarded to a leader that dies is lost without an
-    /// answer, so it is sent again (after a short wait each time, to a new leader once one is
-    /// known) for a while: the log takes the same record twice as once.
+    /// Records the checkpoint (at `location`) in the log, unless training went back past
+    /// its step. A proposal forwarded to a leader that dies is lost without an answer, so it
+    /// is sent again when an attempt gets none within a second (the node holds a proposal
+    /// until some leader is known) for a while: the log takes the same record twice as once.
     fn record(&self, location: String) {
         let record = limpet_consensus::state::CheckpointRecord {
             step: self.step,
@@ -499,20 +494,23 @@ mod tests {
 
     #[test]
     fn a_write_past_the_step_training_went_back_to_is_abandoned() {
-        let c = Checkpointer::new(None);
-        let started = *c.timeline.lock().unwrap();
-        let now = |c: &Checkpointer| *c.timeline.lock().unwrap();
-        assert!(!now(&c).abandons(started, 40));
+        let mut c = Checkpointer::new(None);
+        let marked = |m: &Abandoned| *m.lock().unwrap();
+        let forty = c.begin(40);
+        c.went_back(40);
+        assert_eq!(marked(&forty), None, "the state gone back to is the one written");
         c.went_back(20);
-        // Written on the old timeline: the state of step 40 is no rank's any more; that of
-        // step 20 is the one gone back to.
-        assert!(now(&c).abandons(started, 40));
-        assert!(!now(&c).abandons(started, 20));
-        // Written on the new timeline: its own.
-        let later = now(&c);
-        assert!(!now(&c).abandons(later, 40));
+        assert_eq!(marked(&forty), Some(20));
+        // Trained on to 60, then back to 50: the state of step 40 written before is still no
+        // rank's.
+        c.went_back(50);
+        assert_eq!(marked(&forty), Some(20));
+        // A write of the new timeline is its own.
+        let sixty = c.begin(60);
+        c.went_back(60);
+        assert_eq!(marked(&sixty), None);
         c.went_back(30);
-        assert!(now(&c).abandons(later, 40) && !now(&c).abandons(later, 30));
+        assert_eq!(marked(&sixty), Some(30));
     }
 
     #[test]

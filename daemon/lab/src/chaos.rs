@@ -169,7 +169,8 @@ pub(crate) fn segment(trace: &Trace, a: &ChaosArgs) -> anyhow::Result<(Vec<Strin
     }
     let wanted: BTreeSet<&str> = a.hosts.iter().map(String::as_str).collect();
     let picked = |e: &Event| wanted.is_empty() || wanted.contains(e.node.as_str());
-    let (from_ms, until_ms) = ((a.from_s * 1e3) as u64, (until * 1e3) as u64);
+    // Rounded: a segment picked in milliseconds comes back through seconds.
+    let (from_ms, until_ms) = ((a.from_s * 1e3).round() as u64, (until * 1e3).round() as u64);
     let mut live = BTreeSet::new();
     for e in trace.events.iter().filter(|e| e.at_ms <= from_ms && picked(e)) {
         if e.add {
@@ -486,7 +487,7 @@ pub(crate) fn replay(
 
     let assumed = crate::chaos_measured::params(a.kill_every, &rates, &lines, join_s, window);
     let sim = simulate(seg, &assumed, Policy::Limpet).context("the simulation found no host")?;
-    let measured_costs = crate::chaos_measured::measure(&transitions);
+    let measured_costs = crate::chaos_measured::measure(&transitions, assumed.step_s);
     let measured = Params {
         notice_idle_s: measured_costs.notice_idle_ms.map_or(assumed.notice_idle_s, |m| m / 1e3),
         kill_recovery_s: measured_costs.kill_recovery_ms.map_or(assumed.kill_recovery_s, |m| m / 1e3),

@@ -27,22 +27,39 @@ pub struct MeasuredCosts {
     pub join_idle_ms: Option<f64>,
 }
 
-/// The costs of `transitions`. Only transitions with one cause count: one with several pays
-/// for them at once.
-pub fn measure(transitions: &[TransitionDoc]) -> MeasuredCosts {
-    let mean = |prefix: &str| {
+/// The costs of `transitions`, a step taking `step_s` seconds. Only transitions with one
+/// cause count: one with several pays for them at once. A failure's idle runs from the last
+/// step finished, so it holds the step it aborted, which the simulation charges apart.
+pub fn measure(transitions: &[TransitionDoc], step_s: f64) -> MeasuredCosts {
+    let mean = |prefix: &str, less: f64| {
         let costs: Vec<f64> = transitions
             .iter()
-            .filter(|t| t.cause.starts_with(prefix) && !t.cause.contains(", "))
-            .filter_map(|t| Some(t.idle_ms? as f64))
+            .filter(|t| t.cause.starts_with(prefix) && one_cause(&t.cause))
+            .filter_map(|t| Some((t.idle_ms? as f64 - less).max(0.0)))
             .collect();
         (!costs.is_empty()).then(|| costs.iter().sum::<f64>() / costs.len() as f64)
     };
     MeasuredCosts {
-        notice_idle_ms: mean("notice for "),
-        kill_recovery_ms: mean("failure of "),
-        join_idle_ms: mean("join of "),
+        notice_idle_ms: mean("notice for ", 0.0),
+        kill_recovery_ms: mean("failure of ", step_s * 1e3),
+        join_idle_ms: mean("join of ", 0.0),
     }
+}
+
+/// Whether a transition's cause text names one cause: causes are joined by ", ", which a
+/// cause's own explanation in parentheses may also hold ("reported: aws notice, deadline T").
+fn one_cause(cause: &str) -> bool {
+    let mut depth = 0usize;
+    let mut bare = String::new();
+    for c in cause.chars() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth = depth.saturating_sub(1),
+            c if depth == 0 => bare.push(c),
+            _ => {}
+        }
+    }
+    !bare.contains(", ")
 }
 
 /// Samples per second by world size: over every epoch, the steps after its first (which
@@ -142,14 +159,16 @@ mod tests {
             t("notice for node 4 (revocation notice from aws)", 10, 0),
             t("failure of node 5 (went silent)", 300, 1),
             t("join of node 6", 12, 0),
+            t("notice for node 8 (reported: aws notice, deadline 1795736337000)", 30, 0),
             // Several causes at once: not one kind's cost.
             t("join of node 7, failure of node 2 (went silent)", 900, 1),
         ];
-        let m = measure(&ts);
-        assert_eq!(m.notice_idle_ms, Some(15.0));
-        assert_eq!(m.kill_recovery_ms, Some(300.0));
+        let m = measure(&ts, 0.05);
+        assert_eq!(m.notice_idle_ms, Some(20.0));
+        // Less the aborted step's 50 ms, which the simulation charges apart.
+        assert_eq!(m.kill_recovery_ms, Some(250.0));
         assert_eq!(m.join_idle_ms, Some(12.0));
-        assert_eq!(measure(&ts[..1]), MeasuredCosts::default());
+        assert_eq!(measure(&ts[..1], 0.05), MeasuredCosts::default());
     }
 
     #[test]

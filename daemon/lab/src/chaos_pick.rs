@@ -102,20 +102,23 @@ struct Life {
     removed: Option<u64>,
 }
 
+/// Every host's lives, in the order of names then time (a name may come back after its
+/// removal); one added and removed at the same instant never lived.
 fn lives(trace: &Trace) -> Vec<Life> {
-    let mut by: BTreeMap<&str, Life> = BTreeMap::new();
+    let mut open: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut out = Vec::new();
     for e in &trace.events {
-        let l = by.entry(&e.node).or_insert(Life { name: e.node.clone(), added: e.at_ms, removed: None });
         if e.add {
-            // Back after a removal: the later life counts (a host's name may be reused).
-            if l.removed.is_some_and(|r| r <= e.at_ms) {
-                *l = Life { name: e.node.clone(), added: e.at_ms, removed: None };
+            open.entry(&e.node).or_insert(e.at_ms);
+        } else if let Some(added) = open.remove(e.node.as_str()) {
+            if added < e.at_ms {
+                out.push(Life { name: e.node.clone(), added, removed: Some(e.at_ms) });
             }
-        } else {
-            l.removed = Some(e.at_ms);
         }
     }
-    by.into_values().collect()
+    out.extend(open.into_iter().map(|(n, added)| Life { name: n.to_string(), added, removed: None }));
+    out.sort_by(|a, b| (&a.name, a.added).cmp(&(&b.name, b.added)));
+    out
 }
 
 /// The best segment of `kind` in the window starting `from` (ms), at most `len` ms long.
@@ -123,8 +126,16 @@ fn candidate(lives: &[Life], kind: Kind, from: u64, len: u64, max_hosts: usize) 
     let until = from + len;
     // Nothing in the lead: the cluster trains before the segment's first event.
     let inside = |t: u64| t >= from + (LEAD_S * 1e3) as u64 && t < until;
+    // A name with two lives in the window is replayed as both: no kind would describe it.
+    let mut overlapping: BTreeMap<&str, usize> = BTreeMap::new();
+    for l in lives.iter().filter(|l| l.added < until && l.removed.is_none_or(|r| r > from)) {
+        *overlapping.entry(&l.name).or_default() += 1;
+    }
+    let lives: Vec<&Life> =
+        lives.iter().filter(|l| overlapping.get(l.name.as_str()).is_none_or(|&n| n == 1)).collect();
     let anchors: Vec<&Life> = lives
         .iter()
+        .copied()
         .filter(|l| l.added <= from && l.removed.is_none_or(|r| r >= until))
         .take(ANCHORS)
         .collect();
@@ -133,6 +144,7 @@ fn candidate(lives: &[Life], kind: Kind, from: u64, len: u64, max_hosts: usize) 
     }
     let mut moving: Vec<(&Life, Vec<u64>)> = lives
         .iter()
+        .copied()
         .filter_map(|l| {
             let add = inside(l.added).then_some(l.added);
             let remove = l.removed.filter(|&r| inside(r));
@@ -208,7 +220,8 @@ pub fn pick(trace: &Trace, a: &RunsArgs) -> Result<(Vec<Picked>, Vec<String>), S
         return Err(format!("--max-window-s {}: at least {}", a.max_window_s, 2.0 * LEAD_S));
     }
     let lives = lives(trace);
-    let max_len = (a.max_window_s * 1e3) as u64;
+    // No window is longer than the trace.
+    let max_len = ((a.max_window_s * 1e3) as u64).min(trace.end_ms);
     // Windows open a lead before an event and grow by half each time, up to the longest.
     let starts: BTreeSet<u64> = trace
         .events
@@ -218,9 +231,9 @@ pub fn pick(trace: &Trace, a: &RunsArgs) -> Result<(Vec<Picked>, Vec<String>), S
         .filter(|e| e.at_ms >= (LEAD_S * 1e3) as u64)
         .map(|e| e.at_ms - (LEAD_S * 1e3) as u64)
         .collect();
-    let mut lens = vec![(4.0 * LEAD_S * 1e3) as u64];
+    let mut lens = vec![((4.0 * LEAD_S * 1e3) as u64).min(max_len)];
     while *lens.last().expect("one") < max_len {
-        lens.push((lens.last().expect("one") * 3 / 2).min(max_len));
+        lens.push((lens.last().expect("one").saturating_mul(3) / 2).min(max_len));
     }
     let windows: Vec<(u64, u64)> = starts
         .iter()
@@ -266,8 +279,9 @@ pub fn pick(trace: &Trace, a: &RunsArgs) -> Result<(Vec<Picked>, Vec<String>), S
                 (s + l <= trace.end_ms).then(|| candidate(&lives, Kind::Mixed, s, l, a.max_hosts)).flatten()
             })
         });
-        if let Some(p) = found.filter(|p| !picked.contains(p)) {
-            picked.push(p);
+        match found.filter(|p| !picked.contains(p)) {
+            Some(p) => picked.push(p),
+            None => missing.push(format!("no mixed segment from {:.0} s of the trace on", at as f64 / 1e3)),
         }
     }
     picked.truncate(runs);
@@ -328,6 +342,21 @@ mod tests {
         .unwrap();
         let kills = candidate(&lives(&t), Kind::Kills, 0, 500_000, 10).unwrap();
         assert_eq!((kills.hosts, kills.instants), (vec!["a".into(), "b".into(), "c".into(), "d".into()], 1));
+        // A name back after its removal within the window would be replayed as both lives:
+        // it is left out of every kind.
+        let t = Trace::parse(
+            "0,add,a\n0,add,b\n0,add,c\n0,add,d\n100000,remove,d\n200000,add,d\n300000,add,e\n900000,remove,a\n",
+            "t",
+        )
+        .unwrap();
+        let joins = candidate(&lives(&t), Kind::Joins, 0, 500_000, 10).unwrap();
+        assert_eq!(joins.hosts, ["a", "b", "c", "e"]);
+        assert!(candidate(&lives(&t), Kind::Notices, 0, 500_000, 10).is_none());
+        // Windows never exceed the longest asked for, however short.
+        let (trace, _) = limpet_daemon::simulate::trace::load(None).unwrap();
+        let short = RunsArgs { max_window_s: 150.0, transitions: 2, ..runs(5, 12) };
+        let (picked, _) = pick(&trace, &short).unwrap();
+        assert!(!picked.is_empty() && picked.iter().all(|p| p.until_s - p.from_s <= 150.0), "{picked:?}");
         // Bad options are named.
         let (trace, _) = limpet_daemon::simulate::trace::load(None).unwrap();
         assert!(pick(&trace, &runs(0, 12)).unwrap_err().contains("--runs 0"));

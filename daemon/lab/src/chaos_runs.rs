@@ -58,13 +58,14 @@ pub fn run(a: &ChaosArgs) -> anyhow::Result<()> {
     let (segments, not_found) = pick(trace, &a.runs).map_err(UsageError)?;
     std::fs::create_dir_all(&a.dir)?;
     let mut runs = Vec::new();
+    let total = segments.len();
     for (k, seg) in segments.into_iter().enumerate() {
         let dir = a.dir.join(format!("run-{}-{}", k + 1, seg.kind.name()));
         if !a.json {
             println!(
                 "run {} of {}: {} ({} instants, {} hosts), trace seconds {:.0} to {:.0}",
                 k + 1,
-                a.runs.runs.unwrap_or(0),
+                total,
                 seg.kind.name(),
                 seg.instants,
                 seg.hosts.len(),
@@ -262,4 +263,60 @@ fn plot(path: &Path, r: &RunsReport) -> anyhow::Result<()> {
         Ok(())
     };
     draw().map_err(|e| anyhow::anyhow!("{e}")).map_err(|e| e.context(format!("drawing {}", path.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chaos_pick::Kind;
+    use clap::Parser;
+    use limpet_daemon::simulate::trace::{load_as, Format, Trace};
+    use std::collections::BTreeSet;
+
+    #[derive(Parser)]
+    struct Line {
+        #[command(flatten)]
+        chaos: ChaosArgs,
+    }
+
+    /// What `chaos` replays of a picked segment (uncompressed).
+    fn replayed(trace: &Trace, p: &Picked) -> (Vec<String>, Trace) {
+        let (from, until) = (p.from_s.to_string(), p.until_s.to_string());
+        let (hosts, every) = (p.hosts.join(","), p.kind.kill_every().to_string());
+        let args = ["x", "--dir", "d", "--speedup", "1", "--from-s", &from, "--until-s", &until];
+        let line = Line::try_parse_from(args.into_iter().chain(["--hosts", &hosts, "--kill-every", &every]))
+            .unwrap();
+        let (founders, seg, _) = crate::chaos::segment(trace, &line.chaos).unwrap();
+        (founders, seg)
+    }
+
+    #[test]
+    fn what_is_replayed_of_a_picked_segment_is_what_it_was_picked_for() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../traces");
+        let bamboo = dir.join("bamboo-g4dn-xlarge-us-east-1d-2020-11-23-1730-to-2020-11-24-1530.csv");
+        let traces = [
+            limpet_daemon::simulate::trace::load(None).unwrap().0,
+            load_as(Some(&bamboo), Format::CountsHours).unwrap().0,
+        ];
+        for trace in &traces {
+            let (picked, _) = pick(trace, &RunsArgs { runs: Some(8), ..RunsArgs::default() }).unwrap();
+            assert!(picked.len() >= 4, "{picked:?}");
+            for p in &picked {
+                let (founders, seg) = replayed(trace, p);
+                // The hosts live throughout found the cluster.
+                assert!(p.hosts[..3].iter().all(|h| founders.contains(h)), "{p:?}: {founders:?}");
+                let events: Vec<_> = seg.events.iter().filter(|e| e.at_ms > 0).collect();
+                let instants: BTreeSet<u64> = events.iter().map(|e| e.at_ms).collect();
+                assert_eq!(instants.len(), p.instants, "{p:?}");
+                let (adds, removes) = (events.iter().any(|e| e.add), events.iter().any(|e| !e.add));
+                match p.kind {
+                    Kind::Notices | Kind::Kills => assert!(removes && !adds, "{p:?}"),
+                    Kind::Joins => assert!(adds && !removes, "{p:?}"),
+                    Kind::Many | Kind::Mixed => assert!(!events.is_empty(), "{p:?}"),
+                }
+                // Nothing in the lead: the cluster trains a minute first.
+                assert!(events.iter().all(|e| e.at_ms >= 60_000), "{p:?}");
+            }
+        }
+    }
 }
