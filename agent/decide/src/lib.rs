@@ -10,6 +10,7 @@
 //! - `capacity`: the fleet reconciler's next step (launch, terminate, drain, scale or hold);
 //! - `scaling`: how many hosts are worth their price (the measured scaling curve);
 //! - `entry`: how the ranks of a new epoch agree on one state (who copies what from whom);
+//! - `next`: what a rank's trainer loop does next (train, enter, sit out, finish, leave);
 //! - `error`: what they refuse.
 //!
 //! The agent (`limpet-agent`) runs these; `limpet plan` and tests call them directly.
@@ -20,6 +21,7 @@ pub mod controller;
 pub mod entry;
 pub mod error;
 pub mod leader;
+pub mod next;
 pub mod planner;
 pub mod policy;
 pub mod report;

@@ -2,9 +2,9 @@
 //! log and where it stands (train, connect the next epoch early, enter it at the boundary or
 //! at once after a failure, sit out, finish, or leave once removed).
 
-use limpet_agent::report::Phase;
-use limpet_agent::runtime::train_loop::{next_action, Action, Position};
 use limpet_consensus::state::{ClusterState, Command, Epoch, EpochBatch, Hardware, Layout, MemberSpec};
+use limpet_decide::next::{next_action, Action, Position};
+use limpet_decide::report::Phase;
 
 fn spec(id: u64) -> MemberSpec {
     MemberSpec {
