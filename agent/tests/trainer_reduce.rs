@@ -265,11 +265,13 @@ fn a_killed_ranks_shard_is_rebuilt_from_its_replica() {
     assert!(e.contains(&format!("no live rank holds values {block:?}")), "{e}");
 }
 
-/// The ring, but on one rank the norm's allgather of step `at` fails after this rank took
-/// part in it (its peers finish it): what a kill in the middle of a step leaves behind.
+/// The ring, but on one rank a collective of step `at` fails after this rank took part in
+/// it (its peers finish it): what a kill in the middle of a step leaves behind. Which one:
+/// the norm's allgather of a float sharded step, or the i64 sum of a reproducible one.
 struct FailNorm<'a> {
     g: &'a mut limpet_agent::Group,
     at: u64,
+    sum: bool,
 }
 
 impl limpet_trainer::Reduce for FailNorm<'_> {
@@ -277,7 +279,11 @@ impl limpet_trainer::Reduce for FailNorm<'_> {
         limpet_trainer::Reduce::allreduce_sum(&mut *self.g, buf, step)
     }
     fn allreduce_sum_i64(&mut self, buf: &mut [i64], step: u64) -> Result<(), TrainerError> {
-        limpet_trainer::Reduce::allreduce_sum_i64(&mut *self.g, buf, step)
+        limpet_trainer::Reduce::allreduce_sum_i64(&mut *self.g, buf, step)?;
+        if self.sum && step == self.at {
+            return Err(TrainerError::reduce("injected: the step's sum broke here"));
+        }
+        Ok(())
     }
     fn reduce_scatter_sum(
         &mut self,
@@ -295,7 +301,7 @@ impl limpet_trainer::Reduce for FailNorm<'_> {
         step: u64,
     ) -> Result<(), TrainerError> {
         limpet_trainer::Reduce::allgather_blocks(&mut *self.g, buf, blocks, step)?;
-        if step == self.at && buf.len() == 2 * blocks.len() {
+        if !self.sum && step == self.at && buf.len() == 2 * blocks.len() {
             return Err(TrainerError::reduce("injected: the norm's allgather broke here"));
         }
         Ok(())
@@ -445,7 +451,7 @@ fn a_step_torn_between_the_norm_and_the_parameters_is_finished_at_the_regroup() 
             t.train_step(rank, 2, g).unwrap();
         }
         let r = if rank == 1 {
-            t.train_step(rank, 2, &mut FailNorm { g, at: TORN })
+            t.train_step(rank, 2, &mut FailNorm { g, at: TORN, sum: false })
         } else {
             t.train_step(rank, 2, g)
         };
@@ -524,6 +530,69 @@ fn a_reproducible_job_with_sharded_state_trains_the_bits_of_one_process() {
     let want = alone.image().unwrap();
     for (rank, (losses, image)) in after.iter().enumerate() {
         assert_eq!(losses[..], solo[STEPS..], "rank {rank}'s losses after the re-cut");
+        assert_eq!(image.content_hash(), want.content_hash(), "rank {rank}'s state");
+    }
+}
+
+/// A kill while a reproducible step's sum is still being gathered: two ranks have the
+/// whole sum and update their blocks, the third does not (its sum broke), and the kill takes
+/// one that updated, the only other holder of one of the third's blocks at the new step.
+/// The regroup finishes the step on the third from a survivor's sum instead of losing the
+/// block, and the run ends with one process's losses and state, bit for bit.
+#[test]
+fn a_reproducible_step_torn_in_its_sum_is_finished_from_a_peers_sum() {
+    one_thread();
+    const STEPS: u64 = 8;
+    const TORN: u64 = 3;
+    let repro = || {
+        let (mut job, data) = job_and_data();
+        job.optimizer = limpet_trainer::optim::OptimizerSpec::adamw(0.01, 0.1);
+        job.clip_norm = Some(0.05);
+        job.reproducible = true;
+        Trainer::try_new(job, data).unwrap()
+    };
+    let mut alone = repro();
+    let solo: Vec<u64> =
+        (0..STEPS).map(|_| alone.train_step(0, 1, &mut NoReduce).unwrap().loss.to_bits()).collect();
+    let eps = endpoints(&[5, 2, 9, 7]);
+    let torn = on_ranks(&[&eps[0], &eps[1], &eps[2]], 1, vec![(); 3], |rank, (), g| {
+        let mut t = repro();
+        let n = t.buffer_len() - 3;
+        t.shard_state(ShardLayout::new(n, 3, rank, 1).unwrap()).unwrap();
+        for _ in 0..TORN {
+            t.train_step(rank, 3, g).unwrap();
+        }
+        let r = t.train_step(rank, 3, &mut FailNorm { g, at: TORN, sum: rank == 2 });
+        assert!(r.is_err(), "rank {rank}: the torn step succeeded");
+        t
+    });
+    let steps: Vec<u64> = torn.iter().map(|t| t.step()).collect();
+    assert_eq!(steps, [TORN + 1, TORN + 1, TORN], "ranks 0 and 1 updated their blocks, rank 2 did not");
+    // Rank 0 (holding blocks 0 and 2) is killed: block 2 of step TORN + 1 is then on no live
+    // rank, but rank 2 holds it at TORN and rank 1 kept the step's sum. Node 7 joins.
+    let mut state: Vec<Option<Trainer>> = torn.into_iter().skip(1).map(Some).collect();
+    state.push(None);
+    let after = on_ranks(&[&eps[1], &eps[2], &eps[3]], 2, state, |rank, t, g| {
+        let mut t = t.unwrap_or_else(repro);
+        let n = t.buffer_len() - 3;
+        let rebuilt =
+            t.regroup(rank, 3, Some(ShardLayout::new(n, 3, rank, 1).unwrap()), u64::MAX, g).unwrap();
+        assert_eq!(rebuilt, Some(TORN + 1), "rank {rank}");
+        let logged = t.take_unlogged().map(|s| (s.step, s.loss.to_bits()));
+        let mut losses = Vec::new();
+        while t.step() < STEPS {
+            losses.push(t.train_step(rank, 3, g).unwrap().loss.to_bits());
+        }
+        t.unshard(g).unwrap();
+        (logged, losses, t.image().unwrap())
+    });
+    let want = alone.image().unwrap();
+    for (rank, (logged, losses, image)) in after.iter().enumerate() {
+        // The ranks that applied the step (rank 0 here was rank 1) and the one that finished
+        // it (rank 1, was 2) log it with its loss; the newcomer never took it.
+        let expect = (rank < 2).then_some((TORN, solo[TORN as usize]));
+        assert_eq!(*logged, expect, "rank {rank}'s log of the torn step");
+        assert_eq!(losses[..], solo[TORN as usize + 1..], "rank {rank}'s losses after the regroup");
         assert_eq!(image.content_hash(), want.content_hash(), "rank {rank}'s state");
     }
 }

@@ -29,6 +29,8 @@ fuzz_target!(|data: &[u8]| {
     let data_set = Dataset::load(&spec, None).expect("synthetic data");
     let mut job = JobSpec::defaults_for(ModelKind::Mlp, &data_set).expect("a job");
     job.optimizer = OptimizerSpec::adamw(1e-2, 0.01);
+    // A reproducible job also takes a step's fixed-point sum from a peer that says it kept one.
+    job.reproducible = flags & 4 == 4;
     let mut t = Trainer::try_new(job, data_set).expect("a trainer");
     let n = t.buffer_len() - 3;
     if flags & 1 == 1 {

@@ -111,6 +111,9 @@ pub struct Trainer {
     exact_exponents: Option<Vec<i32>>,
     /// A reproducible step's fixed-point sum, kept between steps to spare the allocation.
     exact_acc: Vec<i64>,
+    /// The step count a reproducible step's sum in `exact_acc` brought this rank to, and the
+    /// exponents it was made at: set once the sum is whole, cleared when a step begins.
+    exact_sum: Option<(u64, Vec<i32>)>,
     /// A reproducible step's second gradient buffer (see `exact.rs`), made when first needed.
     exact_spare: Option<GradBuffer>,
     /// The optimizer state of the blocks this rank holds, when it is sharded (`optim` is
@@ -173,6 +176,7 @@ impl Trainer {
             link_ms: 0.0,
             exact_exponents: None,
             exact_acc: Vec::new(),
+            exact_sum: None,
             exact_spare: None,
             shard: None,
             unlogged: None,
@@ -249,6 +253,7 @@ impl Trainer {
         self.cursor = meta.cursor;
         self.rng = meta.rng;
         self.exact_exponents = exponents;
+        self.exact_sum = None;
         Ok(())
     }
 

@@ -243,6 +243,7 @@ impl Trainer {
         }
         let started = std::time::Instant::now();
         let step = self.step;
+        self.exact_sum = None;
         let b = self.plan.global_batch;
         let k = self.job.shards.unwrap_or(SHARDS).clamp(1, b.min(MAX_SHARDS));
         let mine = shards_of(k, rank, world);
@@ -283,7 +284,29 @@ impl Trainer {
                 top
             }
         };
-        let next = predict(&acc[n + 2..], &exps);
+        let next = self.dequantize_sum(&acc, &exps);
+        self.compute_ms = started.elapsed().as_secs_f64() * 1e3;
+        self.exact_acc = acc;
+        // Until the next step begins, this rank can give the step's sum to a holder whose
+        // part of it broke (`regroup`): a reproducible step is then finished, not lost.
+        self.exact_sum = Some((step + 1, exps.clone()));
+        let stats = match sharded {
+            None => {
+                let stats = self.apply_reduced()?;
+                self.exact_exponents = Some(next);
+                stats
+            }
+            Some(layout) => self.apply_exact_sharded(&layout, next, step, reduce)?,
+        };
+        Ok(StepStats { agreed, ..stats })
+    }
+
+    /// Writes the gradient, loss and sample count of the fixed-point sum `acc` (made at
+    /// exponents `exps`) into the gradient buffer; returns the exponents it predicts for the
+    /// next step.
+    pub(super) fn dequantize_sum(&mut self, acc: &[i64], exps: &[i32]) -> Vec<i32> {
+        let n = self.grads.grads_len();
+        let next = predict(&acc[n + 2..], exps);
         let sizes: Vec<usize> = self.model.params().iter().map(|(_, p)| p.numel()).collect();
         let buf = self.grads.as_mut_slice();
         let mut at = 0;
@@ -299,17 +322,20 @@ impl Trainer {
         buf[n + 1] = acc[n + 1] as f32;
         // AdaScale's statistic is per-rank: not part of a reproducible job.
         buf[n + 2] = 0.0;
-        self.compute_ms = started.elapsed().as_secs_f64() * 1e3;
-        self.exact_acc = acc;
-        let stats = match sharded {
-            None => {
-                let stats = self.apply_reduced()?;
-                self.exact_exponents = Some(next);
-                stats
+        next
+    }
+
+    /// The step's fixed-point sum this rank applied and the exponents it was made at, when
+    /// no step has begun since (a regroup gives them to a holder whose sum broke).
+    pub(super) fn kept_sum(&self) -> Option<(&[i64], &[i32])> {
+        let tensors = self.model.params().len() + 1;
+        let len = self.grads.grads_len() + 3 + 3 * tensors;
+        match &self.exact_sum {
+            Some((at, exps)) if *at == self.step && self.exact_acc.len() == len && exps.len() == tensors => {
+                Some((&self.exact_acc, exps))
             }
-            Some(layout) => self.apply_exact_sharded(&layout, next, step, reduce)?,
-        };
-        Ok(StepStats { agreed, ..stats })
+            _ => None,
+        }
     }
 
     /// This rank's shards `mine` of `k`: each one's forward and backward, then (given

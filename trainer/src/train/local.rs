@@ -399,6 +399,7 @@ impl Trainer {
         self.cursor = leader.cursor;
         self.rng = leader.rng;
         self.exact_exponents = leader.exact_exponents.clone();
+        self.exact_sum = None;
         Ok(())
     }
 

@@ -403,6 +403,19 @@ impl Trainer {
         step: u64,
         reduce: &mut dyn Reduce,
     ) -> Result<StepStats, TrainerError> {
+        let stats = self.update_exact_held(layout, next, step)?;
+        self.gather_and_advance(layout, stats, reduce)
+    }
+
+    /// [`Trainer::apply_exact_sharded`] up to the parameters' allgather: the held blocks
+    /// updated from the whole summed gradient in the buffer (also how a regroup finishes a
+    /// reproducible step whose sum broke on this rank, from a peer's sum).
+    pub(super) fn update_exact_held(
+        &mut self,
+        layout: &ShardLayout,
+        next: Vec<i32>,
+        step: u64,
+    ) -> Result<StepStats, TrainerError> {
         let n = self.grads.grads_len();
         let buf = self.grads.as_mut_slice();
         let (loss_sum, samples) = (buf[n], buf[n + 1]);
@@ -412,7 +425,7 @@ impl Trainer {
         let norm = sum_of_squares(&buf[..n]).sqrt();
         let stats = self.update_held(layout, step, norm, (loss_sum, samples, 0.0));
         self.exact_exponents = Some(next);
-        self.gather_and_advance(layout, stats, reduce)
+        Ok(stats)
     }
 
     /// The end of a sharded step once this rank's blocks are updated: the parameters

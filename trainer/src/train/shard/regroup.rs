@@ -26,6 +26,9 @@ fn hash_tensors<'a>(
     Ok(())
 }
 
+/// Values in each rank's row of a regroup's facts (see [`Trainer::regroup`]).
+const FACTS: usize = 18;
+
 /// The most ranks a layout in a regroup's facts may have, and the most replicas: bounds on
 /// what a peer's row can make this rank allocate and compute.
 const MOST_RANKS: i64 = 1 << 16;
@@ -41,7 +44,7 @@ fn checked_layout(n: usize, j: usize, row: &[i64]) -> Result<Option<ShardLayout>
     if !(0..=i64::MAX / 2).contains(step) || *norm_at < 0 || *tag < 0 {
         return bad(format!("step {step}, tag {tag}, norm step {norm_at}"));
     }
-    if [*pending, *whole, row[12]].iter().any(|f| !(0..=1).contains(f)) {
+    if [*pending, *whole, row[12], row[17]].iter().any(|f| !(0..=1).contains(f)) {
         return bad("a flag that is neither 0 nor 1".into());
     }
     if *world == 0 {
@@ -134,6 +137,7 @@ impl Trainer {
             row[..4].copy_from_slice(&[l.tag as i64, l.world() as i64, l.replicas as i64, l.rank as i64]);
             row[5] = i64::from(s.pending == Some(self.step));
             row[12] = i64::from(s.stale.is_some());
+            row[17] = i64::from(self.kept_sum().is_some());
             if let Some((at, norm)) = s.last_norm {
                 row[6] = at as i64 + 1;
                 row[7] = norm.to_bits() as i64;
@@ -189,8 +193,9 @@ impl Trainer {
         // Every rank's layout (tag, world, replicas, rank), step, whether a step's gradient
         // waits for its norm, the last norm it gathered, whether it holds the whole state,
         // its position in the data (cursor, RNG seed and draws), whether its parameters are
-        // stale, and their digest: all decide alike from these.
-        const F: usize = 17;
+        // stale, their digest, and whether it keeps the fixed-point sum of the reproducible
+        // step that brought it to its step: all decide alike from these.
+        const F: usize = FACTS;
         let mut facts = vec![0i64; F * world];
         let row = self.regroup_facts(F)?;
         facts[F * rank..F * (rank + 1)].copy_from_slice(&row);
@@ -236,7 +241,20 @@ impl Trainer {
             .map(|j| f64::from_bits(fact(j, 7) as u64));
         let finishes =
             |j: usize| of_newest(j) && fact(j, 4) == step - 1 && fact(j, 5) == 1 && norm_of_last.is_some();
-        let effective = |j: usize| if finishes(j) { step } else { fact(j, 4) };
+        // A reproducible step whose fixed-point sum broke on some ranks after others had
+        // all of it (a kill while the ring was gathering): those updated, these did not. A
+        // holder a step behind finishes it from the sum a peer at the step kept (the sum,
+        // the exponents and so the update are the same bits on every rank), so a block whose
+        // other holders are gone is not lost.
+        let sum_giver = (0..world).find(|&j| of_newest(j) && fact(j, 4) == step && fact(j, 17) == 1);
+        let catches_up = |j: usize| {
+            self.job.reproducible
+                && sum_giver.is_some()
+                && of_newest(j)
+                && fact(j, 4) == step - 1
+                && fact(j, 5) == 0
+        };
+        let effective = |j: usize| if finishes(j) || catches_up(j) { step } else { fact(j, 4) };
         // Who gives each value: a holder of the newest layout at the step, else a holder of
         // another layout at that step (a rank whose last re-cut broke keeps the layout before
         // it, whole, until one succeeds), else a rank with the whole state at that step.
@@ -271,6 +289,27 @@ impl Trainer {
             )?),
             false => None,
         };
+        if let Some(giver) = sum_giver.filter(|_| (0..world).any(catches_up)) {
+            let sum = sum_of_step(
+                giver,
+                rank,
+                self.kept_sum(),
+                n,
+                self.model.params().len() + 1,
+                step_tag,
+                reduce,
+            )?;
+            if catches_up(rank) {
+                let (acc, exps) = sum;
+                let layout = self.shard.as_ref().expect("a holder").layout.clone();
+                let next = self.dequantize_sum(&acc, &exps);
+                let stats = self.update_exact_held(&layout, next, step as u64 - 1)?;
+                self.unlogged = Some(stats);
+                self.advance();
+                self.shard.as_mut().expect("a holder").stale =
+                    Some("a step finished at a regroup that did not complete".into());
+            }
+        }
         if finishes(rank) {
             let layout = self.shard.as_ref().expect("a holder").layout.clone();
             let norm = norm_of_last.expect("checked");
@@ -401,6 +440,41 @@ impl Trainer {
     }
 }
 
+/// The fixed-point sum of a reproducible step and its exponents that rank `giver` kept
+/// (`mine` when this rank is it), for a gradient of `n` values and `tensors` tensors, given
+/// to every rank of the group through one exact sum. What comes back is checked (the
+/// exponents within their range) before it is used.
+fn sum_of_step(
+    giver: usize,
+    rank: usize,
+    mine: Option<(&[i64], &[i32])>,
+    n: usize,
+    tensors: usize,
+    step_tag: u64,
+    reduce: &mut dyn Reduce,
+) -> Result<(Vec<i64>, Vec<i32>), TrainerError> {
+    let len = n + 3 + 3 * tensors;
+    let mut v = vec![0i64; len + tensors];
+    if rank == giver {
+        let Some((acc, exps)) = mine else {
+            return Err(TrainerError::Mismatch("this rank gives a step's sum it does not keep".into()));
+        };
+        v[..len].copy_from_slice(acc);
+        v[len..].iter_mut().zip(exps).for_each(|(d, &e)| *d = i64::from(e));
+    }
+    reduce.allreduce_sum_i64(&mut v, step_tag)?;
+    let exps = v[len..]
+        .iter()
+        .map(|&e| {
+            i32::try_from(e).ok().filter(|e| crate::train::exact::EXP_RANGE.contains(e)).ok_or_else(|| {
+                TrainerError::Mismatch(format!("rank {giver} gave the exponent {e} with a step's sum"))
+            })
+        })
+        .collect::<Result<Vec<i32>, _>>()?;
+    v.truncate(len);
+    Ok((v, exps))
+}
+
 /// The exponents rank `giver` holds (`mine` when this rank is it), for `tensors` tensors,
 /// given to every rank of the group through one exact sum: `None` when the giver has none.
 /// What comes back is checked (one rank's, within the exponents' range) before it is used.
@@ -480,7 +554,7 @@ mod tests {
         fn allreduce_sum_i64(&mut self, buf: &mut [i64], _: u64) -> Result<(), TrainerError> {
             self.calls += 1;
             let add = if self.calls == 1 { &self.facts } else { &self.exps };
-            let from = if self.calls == 1 { 17 } else { 0 };
+            let from = if self.calls == 1 { FACTS } else { 0 };
             let start = from.min(buf.len());
             for (v, r) in buf[start..].iter_mut().zip(add.iter().cycle()) {
                 *v = v.wrapping_add(*r);
@@ -489,8 +563,78 @@ mod tests {
         }
     }
 
+    /// A peer whose facts say it is a step ahead in the same layout and kept that step's
+    /// sum, which it then gives as `sum` (after giving no exponents).
+    struct ForgedSum {
+        facts: Vec<i64>,
+        sum: Vec<i64>,
+        calls: usize,
+    }
+
+    impl Reduce for ForgedSum {
+        fn allreduce_sum(&mut self, _: &mut [f32], _: u64) -> Result<(), TrainerError> {
+            Ok(())
+        }
+
+        fn allreduce_sum_i64(&mut self, buf: &mut [i64], _: u64) -> Result<(), TrainerError> {
+            self.calls += 1;
+            let (add, from) = match self.calls {
+                1 => (&self.facts[..], FACTS),
+                3 => (&self.sum[..], 0),
+                _ => return Ok(()),
+            };
+            let start = from.min(buf.len());
+            for (v, r) in buf[start..].iter_mut().zip(add) {
+                *v = v.wrapping_add(*r);
+            }
+            Ok(())
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+        /// Whatever sum a peer that says it kept one gives a reproducible rank a step
+        /// behind, the rank ends with an error or with the step finished, never a panic; a
+        /// forged exponent or sample count is refused before the state changes.
+        #[test]
+        fn a_forged_sum_is_refused_or_finishes_the_step(
+            values in proptest::collection::vec(prop_oneof![
+                Just(0i64), Just(1), Just(-1), Just(1030), Just(1031), Just(i64::MAX), Just(i64::MIN), any::<i64>(),
+            ], 1..64),
+            exps_fit in any::<bool>(),
+            count_fits in any::<bool>(),
+        ) {
+            let mut t = sharded_trainer();
+            t.job.reproducible = true;
+            let n = t.buffer_len() - 3;
+            let tensors = t.model.params().len() + 1;
+            let len = n + 3 + 3 * tensors;
+            let mut facts = t.regroup_facts(FACTS).unwrap();
+            (facts[3], facts[4], facts[9], facts[17]) = (1, 1, t.plan.global_batch as i64, 1);
+            let mut sum: Vec<i64> = values.iter().cycle().take(len + tensors).copied().collect();
+            match exps_fit {
+                true => sum[len..].iter_mut().for_each(|e| *e = e.rem_euclid(1000)),
+                false => sum[len + tensors - 1] = 1031,
+            }
+            sum[n + 1] = match count_fits {
+                true => t.plan.global_batch as i64,
+                false => sum[n + 1].clamp(-1 << 20, 1 << 20) * 64 + 1,
+            };
+            let before = t.step();
+            let target = ShardLayout::new(n, 2, 0, 1).unwrap().tagged(3);
+            let done = t.regroup(0, 2, Some(target), u64::MAX, &mut ForgedSum { facts, sum, calls: 0 });
+            prop_assert!(t.step() == before || t.step() == before + 1);
+            if exps_fit && count_fits {
+                // Garbage that passes the checks is a sum like any other: the step is done.
+                prop_assert!(done.is_ok(), "{done:?}");
+                prop_assert_eq!(t.step(), before + 1);
+            } else {
+                let e = done.unwrap_err().to_string();
+                prop_assert!(e.contains("exponent") || e.contains("sample count"), "{e}");
+                prop_assert_eq!(t.step(), before, "a refused sum changed the step");
+            }
+        }
 
         /// Whatever exponents the rank they come from gives in a reproducible job's
         /// regroup, this rank ends with an error or with exponents in range, never a panic.
@@ -503,7 +647,7 @@ mod tests {
             let mut t = sharded_trainer();
             t.job.reproducible = true;
             let n = t.buffer_len() - 3;
-            let mut facts = t.regroup_facts(17).unwrap();
+            let mut facts = t.regroup_facts(FACTS).unwrap();
             facts[3] = 1;
             let mut peer = ForgedExponents { facts, exps: exps.clone(), calls: 0 };
             let target = ShardLayout::new(n, 2, 0, 1).unwrap().tagged(4);
@@ -526,35 +670,38 @@ mod tests {
         fn a_hostile_peers_facts_never_panic(
             row in proptest::collection::vec(prop_oneof![
                 Just(0i64), Just(1), Just(2), Just(-1), Just(i64::MAX), Just(i64::MIN), any::<i64>(), 0i64..1 << 20,
-            ], 17),
+            ], FACTS),
             noise in any::<f32>(),
             recut in any::<bool>(),
         ) {
             let mut t = sharded_trainer();
             let n = t.buffer_len() - 3;
             let target = recut.then(|| ShardLayout::new(n, 2, 0, 1).unwrap().tagged(4));
-            let _ = t.regroup(0, 2, target, u64::MAX, &mut Hostile { row, from: 17, noise }); // rank 1's row: 17 facts a rank
+            let _ = t.regroup(0, 2, target, u64::MAX, &mut Hostile { row, from: FACTS, noise }); // rank 1's row
         }
 
         /// The same from a row that is rank 0's own with a few values changed: past the
         /// checks, into the choice of givers and the moves.
         #[test]
         fn a_peers_facts_near_an_honest_row_never_panic(
-            edits in proptest::collection::vec((0usize..17, prop_oneof![
+            edits in proptest::collection::vec((0usize..FACTS, prop_oneof![
                 Just(0i64), Just(1), Just(2), Just(3), Just(4), Just(-1), Just(i64::MAX), any::<i64>(),
             ]), 1..4),
             noise in any::<f32>(),
             recut in any::<bool>(),
+            reproducible in any::<bool>(),
         ) {
             let mut t = sharded_trainer();
+            // A reproducible job also takes a step's sum from a peer that says it kept one.
+            t.job.reproducible = reproducible;
             let n = t.buffer_len() - 3;
-            let mut row = t.regroup_facts(17).unwrap();
+            let mut row = t.regroup_facts(FACTS).unwrap();
             row[3] = 1;
             for (i, v) in edits {
                 row[i] = v;
             }
             let target = recut.then(|| ShardLayout::new(n, 2, 0, 1).unwrap().tagged(4));
-            let _ = t.regroup(0, 2, target, u64::MAX, &mut Hostile { row, from: 17, noise }); // rank 1's row: 17 facts a rank
+            let _ = t.regroup(0, 2, target, u64::MAX, &mut Hostile { row, from: FACTS, noise }); // rank 1's row
         }
 
         /// The pieces tile the values, each given by a source holding it, the most
@@ -594,7 +741,7 @@ mod tests {
     /// A forged row is refused naming the rank and what was wrong.
     #[test]
     fn a_forged_world_is_refused_naming_the_rank() {
-        let mut row = vec![0i64; 17];
+        let mut row = vec![0i64; FACTS];
         row[1] = 1 << 40;
         let e = checked_layout(1000, 1, &row).unwrap_err().to_string();
         assert!(e.contains("rank 1's facts in the regroup"), "{e}");
