@@ -201,6 +201,70 @@ proptest! {
             prop_assert_eq!(&all, &want_all);
         }
     }
+
+    /// A relay copies each piece, bit for bit (negative zero, NaN payloads and all), from its
+    /// giver to every rank that takes it, over random pieces (some empty, some taken by
+    /// nobody, several per giver), worlds 1-5 and chunk sizes that cut pieces into many
+    /// chunks; each giver's own pieces stay as they were, and the group goes on.
+    #[test]
+    fn a_relay_delivers_each_piece_to_its_takers_bit_for_bit(
+        world in 1usize..=5,
+        len in 0usize..6000,
+        raw in proptest::collection::vec((0usize..5, any::<u16>(), 0u8..32), 0..8),
+        chunk_bytes in prop_oneof![Just(4096usize), Just(16384)],
+    ) {
+        let order: Vec<u64> = (1..=world as u64).rev().collect();
+        // Pieces that do not overlap: cut points from the draws, in order.
+        let mut cuts: Vec<usize> = raw.iter().map(|r| r.1 as usize % (len + 1)).chain([0, len]).collect();
+        cuts.sort_unstable();
+        let pieces: Vec<(usize, std::ops::Range<usize>, Vec<usize>)> = raw
+            .iter()
+            .zip(cuts.windows(2))
+            .map(|(&(g, _, mask), w)| (g % world, w[0]..w[1], (0..world).filter(|&j| j != g % world && mask >> j & 1 == 1).collect()))
+            .collect();
+        // Values no arithmetic would keep: -0.0 and a NaN with a payload among them.
+        let value = |node: u64, i: usize| match i % 5 {
+            0 => -0.0f32,
+            1 => f32::from_bits(0x7fc0_1234 ^ node as u32),
+            _ => input(node, i + 1)[i],
+        };
+        let results = on_every_rank(&order, chunk_bytes, |g, node| {
+            let mut b: Vec<f32> = (0..len).map(|i| value(node, i)).collect();
+            let p: Vec<_> = pieces.iter().map(|(g, r, to)| (*g, r.clone(), to.as_slice())).collect();
+            g.relay(&mut b, &p, 3).unwrap();
+            g.barrier(4).unwrap();
+            b
+        });
+        for (giver, range, to) in &pieces {
+            let want: Vec<u32> = range.clone().map(|i| value(order[*giver], i).to_bits()).collect();
+            for j in to.iter().chain([giver]) {
+                let got: Vec<u32> = results[*j][range.clone()].iter().map(|v| v.to_bits()).collect();
+                prop_assert_eq!(&got, &want, "rank {} of piece {:?} from {}", j, range, giver);
+            }
+        }
+    }
+}
+
+/// A relay's pieces are checked before anything moves: a giver or taker outside the world,
+/// or values outside the buffer, are refused naming the piece, and the group still works.
+#[test]
+fn a_relay_piece_outside_the_world_or_the_buffer_is_refused() {
+    let order = [2u64, 1];
+    let out = on_every_rank(&order, 4096, |g, _| {
+        let mut b = vec![1.0f32; 10];
+        let bad = [
+            g.relay(&mut b, &[(2, 0..4, &[0][..])], 1).unwrap_err().to_string(),
+            g.relay(&mut b, &[(0, 0..4, &[5][..])], 1).unwrap_err().to_string(),
+            g.relay(&mut b, &[(0, 8..12, &[1][..])], 1).unwrap_err().to_string(),
+        ];
+        let mut one = [1.0f32];
+        g.allreduce_sum(&mut one, 2).unwrap();
+        (bad, one[0])
+    });
+    for (bad, sum) in out {
+        assert!(bad.iter().all(|e| e.contains("a relay piece from rank")), "{bad:?}");
+        assert_eq!(sum, 2.0, "the group broke");
+    }
 }
 
 #[test]

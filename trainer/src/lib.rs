@@ -36,7 +36,7 @@ pub use run::{
     peak_rss_bytes, rss_bytes, run_local, save_checkpoint, Progress, RunOptions, RunReport, CHECKPOINT_FILE,
 };
 pub use train::{
-    CheckpointPart, Eval, EvalSums, LocalGroup, LocalRank, LocalSums, NoReduce, Reduce, ShardLayout,
+    CheckpointPart, Eval, EvalSums, LocalGroup, LocalRank, LocalSums, NoReduce, Piece, Reduce, ShardLayout,
     StepOrder, StepStats, Trainer, MAX_SHARDS, SHARDS,
 };
 

@@ -21,7 +21,7 @@ pub use eval::EvalSums;
 
 pub use exact::{MAX_SHARDS, SHARDS};
 pub use local::{LocalGroup, LocalRank, LocalSums};
-pub use reduce::{NoReduce, Reduce};
+pub use reduce::{NoReduce, Piece, Reduce};
 pub use shard::{CheckpointPart, ShardLayout};
 
 use crate::data::Dataset;

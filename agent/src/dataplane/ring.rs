@@ -26,6 +26,10 @@ use std::ops::Range;
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
+#[cfg(feature = "trainer")]
+mod as_reduce;
+mod relay;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Op {
     Add,
@@ -749,39 +753,5 @@ impl Endpoint {
         abort: &dyn Fn() -> bool,
     ) -> Result<Group, DataPlaneError> {
         Group::connect(self, epoch, ranks, addrs, deadline, abort)
-    }
-}
-
-#[cfg(feature = "trainer")]
-impl limpet_trainer::Reduce for Group {
-    fn allreduce_sum(&mut self, buf: &mut [f32], step: u64) -> Result<(), limpet_trainer::TrainerError> {
-        Group::allreduce_sum(self, buf, step).map_err(|e| e.into_trainer())
-    }
-
-    fn allreduce_sum_i64(&mut self, buf: &mut [i64], step: u64) -> Result<(), limpet_trainer::TrainerError> {
-        Group::allreduce_sum_i64(self, buf, step).map_err(|e| e.into_trainer())
-    }
-
-    fn allreduce_max_i32(&mut self, vals: &mut [i32], step: u64) -> Result<(), limpet_trainer::TrainerError> {
-        Group::allreduce_max_i32(self, vals, step).map_err(|e| e.into_trainer())
-    }
-
-    fn reduce_scatter_sum(
-        &mut self,
-        buf: &mut [f32],
-        blocks: &[Range<usize>],
-        replicas: usize,
-        step: u64,
-    ) -> Result<(), limpet_trainer::TrainerError> {
-        Group::reduce_scatter_sum(self, buf, blocks, replicas, step).map_err(|e| e.into_trainer())
-    }
-
-    fn allgather_blocks(
-        &mut self,
-        buf: &mut [f32],
-        blocks: &[Range<usize>],
-        step: u64,
-    ) -> Result<(), limpet_trainer::TrainerError> {
-        Group::allgather_blocks(self, buf, blocks, step).map_err(|e| e.into_trainer())
     }
 }

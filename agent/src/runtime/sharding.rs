@@ -61,8 +61,9 @@ pub(super) fn enter(
                 );
                 return Ok(Sharded::Whole { redone: 0 });
             }
-            // Each rank receives 2 (w - 1) / w of what a ring allreduce sums.
-            let bytes = trainer.regroup_values() * 4 * 2 * (world as u64 - 1) / world as u64;
+            // What this rank took from others (a relay passes some values on through ranks
+            // between a giver and a taker, which these do not count).
+            let bytes = trainer.regroup_values() * 4;
             let held = trainer.shard_layout().map(ShardLayout::held).unwrap_or_default();
             tracing::info!(epoch = n.id, step, ?held, bytes, "optimizer state re-cut for the new group");
             Ok(Sharded::Recut { bytes, ms: started.elapsed().as_millis() as u64 })

@@ -312,7 +312,7 @@ impl TrainLoop {
                 }
             }
             // Sharded state: reduce-scatter, update the blocks held, allgather the parameters.
-            // Whole state overlapping backward: each bucket summed as backward ends it.
+            // Overlapping backward: each bucket summed (or reduce-scattered) as backward ends it.
             // (A reproducible job, sharded or not, takes its own arm below: canonical shards,
             // not the speed-weighted shares timed here.)
             Conn::Ring(g)
@@ -327,10 +327,12 @@ impl TrainLoop {
                     std::thread::sleep(drill);
                 }
                 let (rank, world) = (g.rank(), g.world());
-                let done = if self.trainer.shard_layout().is_some() {
-                    self.trainer.sharded_step(rank, world, g)
-                } else {
+                // Sharded state overlaps too (each bucket reduce-scattered), unless the job
+                // turned overlapping off or the model's backward does not split.
+                let done = if self.trainer.overlaps(world) {
                     self.trainer.overlapped_step(rank, world, g)
+                } else {
+                    self.trainer.sharded_step(rank, world, g)
                 };
                 match done {
                     Ok(stats) => {

@@ -4,7 +4,10 @@
 //! to a thread that sums them over the ranks while backward goes on with the blocks before.
 //! On a device each bucket's gradients are copied to the host buffer when it is handed over,
 //! not after backward. The buckets are fixed by the model alone (every rank reduces the same
-//! ranges in the same order), and the three scalars at the buffer's end go last.
+//! ranges in the same order), and the three scalars at the buffer's end go last. With
+//! sharded optimizer state each bucket is reduce-scattered instead (each rank's block of it
+//! to its owner and replicas), which sums every value in the ring order the whole buffer's
+//! reduce-scatter would: the same bits.
 
 use super::{StepStats, Trainer};
 use crate::model::Model;
@@ -83,16 +86,27 @@ impl Buckets {
     }
 }
 
+/// Each of `blocks` (which tile a buffer) cut to `range` and counted from its start: blocks
+/// that tile `range`, some of them empty.
+fn within(blocks: &[Range<usize>], range: Range<usize>) -> Vec<Range<usize>> {
+    blocks
+        .iter()
+        .map(|b| {
+            let (lo, hi) = (b.start.clamp(range.start, range.end), b.end.clamp(range.start, range.end));
+            lo - range.start..hi - range.start
+        })
+        .collect()
+}
+
 impl Trainer {
     /// Whether a step of this trainer in a group of `world` ranks overlaps its reduction
-    /// with backward: a data-parallel step of whole state in floats, of a model whose
-    /// backward splits by blocks, unless the job turned it off (`overlap = false`). Alone,
-    /// there is nothing to overlap.
+    /// with backward: a data-parallel step in floats (whole or sharded state), of a model
+    /// whose backward splits by blocks, unless the job turned it off (`overlap = false`).
+    /// Alone, there is nothing to overlap.
     pub fn overlaps(&self, world: usize) -> bool {
         world > 1
             && !self.job.reduce_after_backward
             && !self.job.reproducible
-            && self.shard.is_none()
             && self.model.splits_backward(self.job.memory_plan())
     }
 
@@ -116,6 +130,13 @@ impl Trainer {
         }
         let started = std::time::Instant::now();
         let step = self.step;
+        let layout = match self.shard.is_some() {
+            true => Some(self.step_layout(rank, world)?),
+            false => None,
+        };
+        if let Some(s) = self.shard.as_mut() {
+            s.pending = None;
+        }
         let buckets = Buckets::new(&self.model, bucket_values());
         self.grads.zero(self.model.params())?;
         let share = self.plan.share_in(rank, world, &self.shares);
@@ -126,6 +147,8 @@ impl Trainer {
         let raw = self.grads.raw();
         let end = raw.len();
         let (tx, rx) = mpsc::channel::<Range<usize>>();
+        let sharded = layout.as_ref();
+        let sums: &mut (dyn Reduce + Send) = &mut *reduce;
         let (computed, reduced) = std::thread::scope(|s| {
             let summing = std::thread::Builder::new().name("limpet-bucket-reduce".into()).spawn_scoped(
                 s,
@@ -138,14 +161,26 @@ impl Trainer {
                         // SAFETY: a range arrives here once its gradients are final; the
                         // compute side never touches it again before this thread is joined.
                         #[allow(unsafe_code)]
-                        let values = unsafe { raw.region(range) };
+                        let values = unsafe { raw.region(range.clone()) };
                         let grads = if last { values.len() - 3 } else { values.len() };
                         sq += values[..grads].iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>();
                         if last {
                             let count = f64::from(values[grads + 1]);
                             values[grads + 2] = if count > 0.0 { (sq / (count * count)) as f32 } else { 0.0 };
                         }
-                        reduce.allreduce_sum(values, step)?;
+                        match sharded {
+                            None => sums.allreduce_sum(values, step)?,
+                            Some(l) => {
+                                let (g, scalars) = values.split_at_mut(grads);
+                                if !g.is_empty() {
+                                    let blocks = within(l.blocks(), range.start..range.start + grads);
+                                    sums.reduce_scatter_sum(g, &blocks, l.replicas(), step)?;
+                                }
+                                if last {
+                                    sums.allreduce_sum(scalars, step)?;
+                                }
+                            }
+                        }
                     }
                     Ok(())
                 },
@@ -171,6 +206,9 @@ impl Trainer {
         });
         computed?;
         reduced?;
+        if let Some(l) = &layout {
+            return self.finish_sharded(l, step, reduce);
+        }
         // The sums are the group's: a count that is not the global batch is a rank that
         // broke the protocol (a share missing or doubled), not a network fault to retry.
         self.apply_reduced().map_err(|e| match e {
@@ -459,6 +497,125 @@ mod tests {
             let per_step = lens.len() / 4;
             assert!(per_step >= 3, "{per_step} buckets a step");
             assert_eq!(lens.iter().sum::<usize>(), 4 * n);
+        }
+    }
+
+    /// Two local ranks' sharded collectives in one process: a reduce-scatter sums the whole
+    /// range (each rank then has its blocks summed, as the contract asks, and the rest too),
+    /// an allgather sums each rank's own block with zeros from the other. Records the length
+    /// of every reduce-scatter.
+    struct TwoShards<'a> {
+        inner: crate::LocalRank<'a>,
+        rank: usize,
+        scattered: Vec<usize>,
+    }
+
+    impl Reduce for TwoShards<'_> {
+        fn allreduce_sum(&mut self, buf: &mut [f32], step: u64) -> Result<(), TrainerError> {
+            self.inner.allreduce_sum(buf, step)
+        }
+
+        fn reduce_scatter_sum(
+            &mut self,
+            buf: &mut [f32],
+            blocks: &[Range<usize>],
+            _: usize,
+            step: u64,
+        ) -> Result<(), TrainerError> {
+            assert_eq!(blocks.len(), 2);
+            assert!(blocks[0].start == 0 && blocks[0].end == blocks[1].start && blocks[1].end == buf.len());
+            self.scattered.push(buf.len());
+            self.inner.allreduce_sum(buf, step)
+        }
+
+        fn allgather_blocks(
+            &mut self,
+            buf: &mut [f32],
+            blocks: &[Range<usize>],
+            step: u64,
+        ) -> Result<(), TrainerError> {
+            let own = blocks[self.rank].clone();
+            for (i, v) in buf.iter_mut().enumerate() {
+                if !own.contains(&i) {
+                    *v = 0.0;
+                }
+            }
+            self.inner.allreduce_sum(buf, step)
+        }
+    }
+
+    /// Sharded state (each rank holding only its own block) overlaps its reduction too: each
+    /// bucket is reduce-scattered as backward ends it, and the steps are those of
+    /// reduce-scattering after backward, bit for bit, with a rank given no samples as well;
+    /// the buckets really are several, and they tile the gradient once a step.
+    #[test]
+    fn sharded_steps_overlap_and_match_the_step_after_backward() {
+        let chars = char_data();
+        let j = job(ModelKind::Llama, &chars, 12, 2);
+        let run = |j: &JobSpec, shares: &[u64]| {
+            let data = char_data();
+            let mut ranks: Vec<Trainer> = (0..2)
+                .map(|rank| {
+                    let mut t = Trainer::try_new(j.clone(), data.shallow_clone()).unwrap();
+                    let n = t.buffer_len() - 3;
+                    t.shard_state(crate::ShardLayout::new(n, 2, rank, 0).unwrap()).unwrap();
+                    t
+                })
+                .collect();
+            let (mut losses, mut scattered) = (Vec::new(), Vec::new());
+            for _ in 0..4 {
+                let group = LocalGroup::new(2);
+                let out: Vec<(u64, Vec<usize>)> = std::thread::scope(|s| {
+                    let handles: Vec<_> = ranks
+                        .iter_mut()
+                        .enumerate()
+                        .map(|(i, t)| {
+                            let group = &group;
+                            s.spawn(move || {
+                                CAP.with(|c| c.set(20_000));
+                                t.set_shares(shares.to_vec());
+                                let mut r =
+                                    TwoShards { inner: group.rank(i, None), rank: i, scattered: Vec::new() };
+                                assert_eq!(t.overlaps(2), !t.job.reduce_after_backward);
+                                let loss = t.train_step(i, 2, &mut r).unwrap().loss;
+                                (loss.to_bits(), r.scattered)
+                            })
+                        })
+                        .collect();
+                    handles.into_iter().map(|h| h.join().unwrap()).collect()
+                });
+                assert_eq!(out[0].0, out[1].0);
+                losses.push(out[0].0);
+                scattered.push(out[0].1.clone());
+            }
+            let params: Vec<Vec<u32>> = ranks
+                .iter()
+                .map(|t| {
+                    t.model
+                        .params()
+                        .iter()
+                        .flat_map(|(_, p)| {
+                            let v = Vec::<f32>::try_from(p.detach().flatten(0, -1)).unwrap();
+                            v.into_iter().map(f32::to_bits)
+                        })
+                        .collect()
+                })
+                .collect();
+            (losses, scattered, params)
+        };
+        let after = JobSpec { reduce_after_backward: true, ..j.clone() };
+        for shares in [vec![5, 7], vec![0, 12]] {
+            let (l, scattered, p) = run(&j, &shares);
+            let (l2, scattered2, p2) = run(&after, &shares);
+            assert_eq!(l, l2, "losses moved apart");
+            assert!(p == p2, "parameters moved apart");
+            assert!(p[0] == p[1], "the ranks' parameters differ");
+            let n = Trainer::try_new(j.clone(), chars.shallow_clone()).unwrap().buffer_len() - 3;
+            assert!(scattered2.iter().all(|s| s == &vec![n]), "{scattered2:?}");
+            for s in &scattered {
+                assert!(s.len() >= 3, "{} buckets a step", s.len());
+                assert_eq!(s.iter().sum::<usize>(), n);
+            }
         }
     }
 }

@@ -3,6 +3,18 @@
 use crate::TrainerError;
 use std::ops::Range;
 
+/// One piece of a [`Reduce::relay`]: the values `range` of rank `giver`'s buffer, which
+/// the ranks `to` take.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// The rank whose values these are.
+    pub giver: usize,
+    /// Which values of the buffer.
+    pub range: Range<usize>,
+    /// The ranks that take them (never the giver).
+    pub to: Vec<usize>,
+}
+
 /// Sums gradient buffers across ranks, in place. Implementations must leave every rank with
 /// the same bytes.
 pub trait Reduce {
@@ -34,6 +46,28 @@ pub trait Reduce {
     /// Fills every rank's `buf` with each rank `i`'s `buf[blocks[i]]`.
     fn allgather_blocks(&mut self, _: &mut [f32], _: &[Range<usize>], _: u64) -> Result<(), TrainerError> {
         Err(TrainerError::reduce("this reduce cannot allgather: sharded state needs one that can"))
+    }
+
+    /// Copies each piece's values from its giver's `buf` into the `buf` of every rank it goes
+    /// to, unchanged (this rank is `rank`; every rank calls it with the same pieces, which do
+    /// not overlap). What a re-cut of sharded state needs: each value moves only to the ranks
+    /// that take it. `buf` outside what this rank gives or takes is left undefined. This
+    /// default sums the buffers with each piece zero on all but its giver (every rank then
+    /// receives every piece); a ring relays each piece only as far as its last taker.
+    fn relay(
+        &mut self,
+        buf: &mut [f32],
+        pieces: &[Piece],
+        rank: usize,
+        step: u64,
+    ) -> Result<(), TrainerError> {
+        for p in pieces.iter().filter(|p| p.giver != rank) {
+            let len = buf.len();
+            buf.get_mut(p.range.clone())
+                .ok_or_else(|| TrainerError::Config(format!("a piece {:?} of a buffer of {len}", p.range)))?
+                .fill(0.0);
+        }
+        self.allreduce_sum(buf, step)
     }
 }
 

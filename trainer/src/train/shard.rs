@@ -120,7 +120,7 @@ pub(crate) struct ShardState {
     /// The step whose reduced, averaged gradient of the held blocks is in the gradient
     /// buffer, waiting for the global norm (its allgather failed): a regroup can finish it
     /// with the norm a peer got.
-    pending: Option<u64>,
+    pub(super) pending: Option<u64>,
     /// The global norm of the last step whose norm this rank gathered.
     last_norm: Option<(u64, f64)>,
 }
@@ -319,6 +319,20 @@ impl Trainer {
         if self.job.reproducible {
             return self.exact_step(rank, world, reduce);
         }
+        let layout = self.step_layout(rank, world)?;
+        let step = self.step;
+        self.shard.as_mut().expect("sharded").pending = None;
+        self.compute_grads(rank, world)?;
+        let n = self.grads.grads_len();
+        let buf = self.grads.as_mut_slice();
+        reduce.reduce_scatter_sum(&mut buf[..n], &layout.blocks, layout.replicas, step)?;
+        reduce.allreduce_sum(&mut buf[n..], step)?;
+        self.finish_sharded(&layout, step, reduce)
+    }
+
+    /// The layout a step as `rank` of `world` uses: this trainer's, checked usable and cut
+    /// for that rank and world.
+    pub(super) fn step_layout(&self, rank: usize, world: usize) -> Result<ShardLayout, TrainerError> {
         let layout = self.usable_shard()?.layout.clone();
         if (layout.rank, layout.world()) != (rank, world) {
             return Err(TrainerError::Config(format!(
@@ -327,14 +341,22 @@ impl Trainer {
                 layout.world()
             )));
         }
-        let step = self.step;
-        self.shard.as_mut().expect("sharded").pending = None;
-        self.compute_grads(rank, world)?;
+        Ok(layout)
+    }
+
+    /// The rest of a sharded step once the buffer holds the held blocks' summed gradients
+    /// and the summed scalars: the average, the global norm, the update of the held blocks
+    /// and the parameters' allgather.
+    pub(super) fn finish_sharded(
+        &mut self,
+        layout: &ShardLayout,
+        step: u64,
+        reduce: &mut dyn Reduce,
+    ) -> Result<StepStats, TrainerError> {
+        let (rank, world) = (layout.rank, layout.world());
         let n = self.grads.grads_len();
         let held = layout.held();
         let buf = self.grads.as_mut_slice();
-        reduce.reduce_scatter_sum(&mut buf[..n], &layout.blocks, layout.replicas, step)?;
-        reduce.allreduce_sum(&mut buf[n..], step)?;
         let (loss_sum, samples, rank_mean_sq_sum) = (buf[n], buf[n + 1], f64::from(buf[n + 2]));
         super::check_count(samples, self.plan.global_batch, "rank")?;
         let inv = 1.0 / samples;
@@ -358,8 +380,8 @@ impl Trainer {
             .sqrt();
         // From here on the step is applied to the held blocks: a failure leaves the other
         // parameters a step behind, which a regroup rebuilds.
-        let stats = self.update_held(&layout, step, norm, (loss_sum, samples, rank_mean_sq_sum));
-        self.gather_and_advance(&layout, stats, reduce)
+        let stats = self.update_held(layout, step, norm, (loss_sum, samples, rank_mean_sq_sum));
+        self.gather_and_advance(layout, stats, reduce)
     }
 
     /// Updates the held blocks of step `step` with the global `norm` (the norm is gathered,

@@ -5,7 +5,7 @@
 
 use super::{flat_values, unflatten, ShardLayout, ShardState};
 use crate::optim::Optimizer;
-use crate::train::{Reduce, StepStats, Trainer};
+use crate::train::{Piece, Reduce, StepStats, Trainer};
 use crate::TrainerError;
 use limpet_snapshot::RngState;
 use std::ops::Range;
@@ -27,7 +27,7 @@ fn hash_tensors<'a>(
 }
 
 /// Values in each rank's row of a regroup's facts (see [`Trainer::regroup`]).
-const FACTS: usize = 18;
+const FACTS: usize = 19;
 
 /// The most ranks a layout in a regroup's facts may have, and the most replicas: bounds on
 /// what a peer's row can make this rank allocate and compute.
@@ -46,6 +46,9 @@ fn checked_layout(n: usize, j: usize, row: &[i64]) -> Result<Option<ShardLayout>
     }
     if [*pending, *whole, row[12], row[17]].iter().any(|f| !(0..=1).contains(f)) {
         return bad("a flag that is neither 0 nor 1".into());
+    }
+    if !(0..=MOST_REPLICAS + 1).contains(&row[18]) {
+        return bad(format!("a target of {} replicas", row[18] - 1));
     }
     if *world == 0 {
         return Ok(None);
@@ -153,8 +156,39 @@ impl Trainer {
         Ok(row)
     }
 
-    /// The values (f32) the last [`Trainer::regroup`] summed over its group, each slot's and
-    /// the parameters' when they moved: what its allreduces carried.
+    /// Writes this rank's values `range` of optimizer slot `k` (of the parameters when `k`
+    /// is the slot count) into `all`, from the blocks it holds or its whole state.
+    fn give_values(&self, k: usize, range: Range<usize>, all: &mut [f32]) -> Result<(), TrainerError> {
+        let params = self.model.params();
+        if k == self.optim.spec().slots().len() {
+            let src: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
+            return flat_values(&src, params, range.clone(), &mut all[range]);
+        }
+        let Some(s) = &self.shard else {
+            let src: Vec<Tensor> = (0..params.len()).map(|i| self.optim.slot(k, i).shallow_clone()).collect();
+            return flat_values(&src, params, range.clone(), &mut all[range]);
+        };
+        // A range may span several blocks this rank holds (a replica beside its own): each
+        // gives its part.
+        let mut given = 0;
+        for (c, held) in &s.held {
+            let b = &s.layout.blocks[*c];
+            let (lo, hi) = (range.start.max(b.start), range.end.min(b.end));
+            if lo < hi {
+                let part = held[k].narrow(0, (lo - b.start) as i64, (hi - lo) as i64);
+                part.to_device(Device::Cpu).f_copy_data(&mut all[lo..hi], hi - lo)?;
+                given += hi - lo;
+            }
+        }
+        if given != range.len() {
+            return Err(TrainerError::Mismatch(format!("this rank gives values {range:?} it does not hold")));
+        }
+        Ok(())
+    }
+
+    /// The values (f32) the last [`Trainer::regroup`] moved to this rank from others, each
+    /// slot's and the parameters' when they moved (a rank takes what it holds itself from
+    /// itself).
     pub fn regroup_values(&self) -> u64 {
         self.regroup_values
     }
@@ -186,18 +220,21 @@ impl Trainer {
             return Err(TrainerError::Config(format!("a regroup as rank {rank} of {world} into {target:?}")));
         }
         if let Some(t) = &target {
-            if t.blocks.last().map(|b| b.end) != Some(n) {
+            // Every rank works out what each other rank keeps from its replica count alone.
+            if ShardLayout::new(n, world, rank, t.replicas)?.blocks != t.blocks {
                 return Err(TrainerError::Config(format!("a layout of {:?} for {n} values", t.blocks)));
             }
         }
         // Every rank's layout (tag, world, replicas, rank), step, whether a step's gradient
         // waits for its norm, the last norm it gathered, whether it holds the whole state,
         // its position in the data (cursor, RNG seed and draws), whether its parameters are
-        // stale, their digest, and whether it keeps the fixed-point sum of the reproducible
-        // step that brought it to its step: all decide alike from these.
+        // stale, their digest, whether it keeps the fixed-point sum of the reproducible
+        // step that brought it to its step, and the layout it keeps (its replica count, one
+        // up; 0: the whole state): all decide alike from these.
         const F: usize = FACTS;
         let mut facts = vec![0i64; F * world];
-        let row = self.regroup_facts(F)?;
+        let mut row = self.regroup_facts(F)?;
+        row[18] = target.as_ref().map_or(0, |t| t.replicas as i64 + 1);
         facts[F * rank..F * (rank + 1)].copy_from_slice(&row);
         reduce.allreduce_sum_i64(&mut facts, step_tag)?;
         if facts[F * rank..F * (rank + 1)] != row[..] {
@@ -247,12 +284,9 @@ impl Trainer {
         // the exponents and so the update are the same bits on every rank), so a block whose
         // other holders are gone is not lost.
         let sum_giver = (0..world).find(|&j| of_newest(j) && fact(j, 4) == step && fact(j, 17) == 1);
+        let reproducible = self.job.reproducible;
         let catches_up = |j: usize| {
-            self.job.reproducible
-                && sum_giver.is_some()
-                && of_newest(j)
-                && fact(j, 4) == step - 1
-                && fact(j, 5) == 0
+            reproducible && sum_giver.is_some() && of_newest(j) && fact(j, 4) == step - 1 && fact(j, 5) == 0
         };
         let effective = |j: usize| if finishes(j) || catches_up(j) { step } else { fact(j, 4) };
         // Who gives each value: a holder of the newest layout at the step, else a holder of
@@ -270,6 +304,31 @@ impl Trainer {
                 None => {}
             }
         }
+        // What each rank holds of the state at the step (it takes those values from itself:
+        // holders are bit-identical) and what it keeps afterwards.
+        let own: Vec<Vec<Range<usize>>> =
+            (0..world).map(|j| sources.iter().filter(|s| s.0 == j).map(|s| s.1.clone()).collect()).collect();
+        let keeps = (0..world)
+            .map(|j| match fact(j, 18) {
+                0 => Ok(std::iter::once(0..n).collect()),
+                r => ShardLayout::new(n, world, j, r as usize - 1)
+                    .map(|l| l.held().into_iter().map(|b| l.blocks[b].clone()).collect())
+                    .map_err(|e| TrainerError::Mismatch(format!("rank {j}'s target in the regroup: {e}"))),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        // The parameters move only to a rank without those of the step rebuilt: one at
+        // another step, one finishing the step (its other blocks' parameters never came),
+        // one whose parameters' allgather broke.
+        let digest = |j: usize| &facts[F * j + 13..F * j + 17];
+        let params_to: Vec<bool> = (0..world)
+            .map(|j| {
+                fact(j, 4) != step
+                    || finishes(j)
+                    || catches_up(j)
+                    || fact(j, 12) == 1
+                    || digest(j) != digest(newest)
+            })
+            .collect();
         let pieces = givers(n, sources).map_err(|gap| {
             TrainerError::ShardLost(format!(
                 "no live rank holds values {gap:?} of the optimizer state at step {step} (layout {tag}): every holder is gone"
@@ -340,59 +399,48 @@ impl Trainer {
         let mut kept: Vec<(usize, Vec<Tensor>)> = keep.iter().map(|&b| (b, Vec::new())).collect();
         let mut whole: Vec<Vec<Tensor>> = Vec::new();
         let mut all = vec![0f32; n];
-        // The parameters move only to a rank without those of the step rebuilt: one at
-        // another step, one finishing the step (its other blocks' parameters never came),
-        // one whose parameters' allgather broke.
-        let digest = |j: usize| &facts[F * j + 13..F * j + 17];
-        let params_move = (0..world)
-            .any(|j| fact(j, 4) != step || finishes(j) || fact(j, 12) == 1 || digest(j) != digest(newest));
-        let rounds = if params_move { slots + 1 } else { slots };
-        self.regroup_values = (rounds * n) as u64;
-        // Each slot, then the parameters (last, so a failure leaves them as they were): every
-        // element is given by one rank and zero elsewhere, so the sum is exact.
+        let rounds = if params_to.iter().any(|&m| m) { slots + 1 } else { slots };
+        // Each slot goes from its givers to the ranks that keep it and do not hold it; the
+        // parameters to the ranks that lack them.
+        let slot_moves = relay_pieces(&pieces, &keeps, &own);
+        let everything = |to: bool| std::iter::once(0..n).filter(|_| to).collect::<Vec<_>>();
+        let param_moves = relay_pieces(
+            &pieces,
+            &params_to.iter().map(|&m| everything(m)).collect::<Vec<_>>(),
+            &vec![Vec::new(); world],
+        );
+        let taken = |moves: &[Piece]| {
+            moves.iter().filter(|p| p.to.contains(&rank)).map(|p| p.range.len()).sum::<usize>()
+        };
+        self.regroup_values = (slots * taken(&slot_moves) + (rounds - slots) * taken(&param_moves)) as u64;
+        // Each slot, then the parameters (last, so a failure leaves them as they were): the
+        // givers' values are copied, bit for bit (a reduce without a relay sums them with
+        // zero from every other rank, which is exact too).
         for k in 0..rounds {
             all.iter_mut().for_each(|v| *v = 0.0);
-            for (giver, range) in &pieces {
-                if *giver != rank {
-                    continue;
-                }
-                if k == slots {
-                    let src: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
-                    flat_values(&src, params, range.clone(), &mut all[range.clone()])?;
-                } else if let Some(s) = &self.shard {
-                    // A piece may span several blocks this rank holds (a replica beside its
-                    // own): each gives its part.
-                    let mut given = 0;
-                    for (c, held) in &s.held {
-                        let b = &s.layout.blocks[*c];
-                        let (lo, hi) = (range.start.max(b.start), range.end.min(b.end));
-                        if lo < hi {
-                            let part = held[k].narrow(0, (lo - b.start) as i64, (hi - lo) as i64);
-                            part.to_device(Device::Cpu).f_copy_data(&mut all[lo..hi], hi - lo)?;
-                            given += hi - lo;
-                        }
-                    }
-                    if given != range.len() {
-                        return Err(TrainerError::Mismatch(format!(
-                            "this rank gives values {range:?} it does not hold"
-                        )));
-                    }
-                } else {
-                    let src: Vec<Tensor> =
-                        (0..params.len()).map(|i| self.optim.slot(k, i).shallow_clone()).collect();
-                    flat_values(&src, params, range.clone(), &mut all[range.clone()])?;
-                }
+            for (_, range) in pieces.iter().filter(|p| p.0 == rank) {
+                self.give_values(k, range.clone(), &mut all)?;
             }
-            reduce.allreduce_sum(&mut all, step_tag)?;
+            let moves = if k == slots { &param_moves } else { &slot_moves };
+            reduce.relay(&mut all, moves, rank, step_tag)?;
             if k == slots {
-                let values = unflatten(&all, params, device);
-                tch::no_grad(|| -> Result<(), TrainerError> {
-                    for ((_, p), v) in params.iter().zip(&values) {
-                        p.shallow_clone().f_copy_(v)?;
-                    }
-                    Ok(())
-                })?;
-            } else if let Some(t) = &target {
+                if params_to[rank] {
+                    let values = unflatten(&all, params, device);
+                    tch::no_grad(|| -> Result<(), TrainerError> {
+                        for ((_, p), v) in params.iter().zip(&values) {
+                            p.shallow_clone().f_copy_(v)?;
+                        }
+                        Ok(())
+                    })?;
+                }
+                continue;
+            }
+            // What this rank holds at the step it takes from itself (a relay may have
+            // passed other values over those places).
+            for range in &own[rank] {
+                self.give_values(k, range.clone(), &mut all)?;
+            }
+            if let Some(t) = &target {
                 for (b, held) in &mut kept {
                     held.push(Tensor::from_slice(&all[t.blocks[*b].clone()]).to_device(device));
                 }
@@ -438,6 +486,44 @@ impl Trainer {
         }
         Ok(Some(step as u64))
     }
+}
+
+/// What a relay moves so that every rank `j` ends with the values `takes[j]` in its buffer:
+/// each of `pieces` (its giver, its values) cut where a rank's takes begin or end, each part
+/// going to the ranks that take it and do not hold it already (`own[j]`; the giver holds its
+/// own). Adjacent parts of one giver going to the same ranks are one piece.
+fn relay_pieces(
+    pieces: &[(usize, Range<usize>)],
+    takes: &[Vec<Range<usize>>],
+    own: &[Vec<Range<usize>>],
+) -> Vec<Piece> {
+    let covers =
+        |set: &[Range<usize>], r: &Range<usize>| set.iter().any(|s| s.start <= r.start && r.end <= s.end);
+    let mut out: Vec<Piece> = Vec::new();
+    for (giver, range) in pieces {
+        let mut cuts = vec![range.start, range.end];
+        for t in takes.iter().chain(own).flatten() {
+            cuts.extend([t.start, t.end].into_iter().filter(|c| range.start < *c && *c < range.end));
+        }
+        cuts.sort_unstable();
+        cuts.dedup();
+        for w in cuts.windows(2) {
+            let part = w[0]..w[1];
+            let to: Vec<usize> = (0..takes.len())
+                .filter(|&j| j != *giver && covers(&takes[j], &part) && !covers(&own[j], &part))
+                .collect();
+            if to.is_empty() {
+                continue;
+            }
+            match out.last_mut() {
+                Some(p) if p.giver == *giver && p.range.end == part.start && p.to == to => {
+                    p.range.end = part.end
+                }
+                _ => out.push(Piece { giver: *giver, range: part, to }),
+            }
+        }
+    }
+    out
 }
 
 /// The fixed-point sum of a reproducible step and its exponents that rank `giver` kept
@@ -521,235 +607,4 @@ fn exponents_of(
 mod hostile_reduce;
 
 #[cfg(test)]
-mod tests {
-    use super::hostile_reduce::Hostile;
-    use super::*;
-    use crate::train::tests::{job, synthetic};
-    use crate::ModelKind;
-    use proptest::prelude::*;
-
-    fn sharded_trainer() -> Trainer {
-        let data = synthetic();
-        let mut j = job(ModelKind::Mlp, &data, 16, 16);
-        j.optimizer = crate::optim::OptimizerSpec::adamw(1e-2, 0.01);
-        let mut t = Trainer::try_new(j, data).unwrap();
-        let n = t.buffer_len() - 3;
-        t.shard_state(ShardLayout::new(n, 2, 0, 1).unwrap().tagged(3)).unwrap();
-        t
-    }
-
-    /// A peer whose facts are rank 0's own (so the regroup gets as far as the exponents,
-    /// with the peer as the rank they come from) and who then adds `exps` to them.
-    struct ForgedExponents {
-        facts: Vec<i64>,
-        exps: Vec<i64>,
-        calls: usize,
-    }
-
-    impl Reduce for ForgedExponents {
-        fn allreduce_sum(&mut self, _: &mut [f32], _: u64) -> Result<(), TrainerError> {
-            Ok(())
-        }
-
-        fn allreduce_sum_i64(&mut self, buf: &mut [i64], _: u64) -> Result<(), TrainerError> {
-            self.calls += 1;
-            let add = if self.calls == 1 { &self.facts } else { &self.exps };
-            let from = if self.calls == 1 { FACTS } else { 0 };
-            let start = from.min(buf.len());
-            for (v, r) in buf[start..].iter_mut().zip(add.iter().cycle()) {
-                *v = v.wrapping_add(*r);
-            }
-            Ok(())
-        }
-    }
-
-    /// A peer whose facts say it is a step ahead in the same layout and kept that step's
-    /// sum, which it then gives as `sum` (after giving no exponents).
-    struct ForgedSum {
-        facts: Vec<i64>,
-        sum: Vec<i64>,
-        calls: usize,
-    }
-
-    impl Reduce for ForgedSum {
-        fn allreduce_sum(&mut self, _: &mut [f32], _: u64) -> Result<(), TrainerError> {
-            Ok(())
-        }
-
-        fn allreduce_sum_i64(&mut self, buf: &mut [i64], _: u64) -> Result<(), TrainerError> {
-            self.calls += 1;
-            let (add, from) = match self.calls {
-                1 => (&self.facts[..], FACTS),
-                3 => (&self.sum[..], 0),
-                _ => return Ok(()),
-            };
-            let start = from.min(buf.len());
-            for (v, r) in buf[start..].iter_mut().zip(add) {
-                *v = v.wrapping_add(*r);
-            }
-            Ok(())
-        }
-    }
-
-    proptest! {
-        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
-
-        /// Whatever sum a peer that says it kept one gives a reproducible rank a step
-        /// behind, the rank ends with an error or with the step finished, never a panic; a
-        /// forged exponent or sample count is refused before the state changes.
-        #[test]
-        fn a_forged_sum_is_refused_or_finishes_the_step(
-            values in proptest::collection::vec(prop_oneof![
-                Just(0i64), Just(1), Just(-1), Just(1030), Just(1031), Just(i64::MAX), Just(i64::MIN), any::<i64>(),
-            ], 1..64),
-            exps_fit in any::<bool>(),
-            count_fits in any::<bool>(),
-        ) {
-            let mut t = sharded_trainer();
-            t.job.reproducible = true;
-            let n = t.buffer_len() - 3;
-            let tensors = t.model.params().len() + 1;
-            let len = n + 3 + 3 * tensors;
-            let mut facts = t.regroup_facts(FACTS).unwrap();
-            (facts[3], facts[4], facts[9], facts[17]) = (1, 1, t.plan.global_batch as i64, 1);
-            let mut sum: Vec<i64> = values.iter().cycle().take(len + tensors).copied().collect();
-            match exps_fit {
-                true => sum[len..].iter_mut().for_each(|e| *e = e.rem_euclid(1000)),
-                false => sum[len + tensors - 1] = 1031,
-            }
-            sum[n + 1] = match count_fits {
-                true => t.plan.global_batch as i64,
-                false => sum[n + 1].clamp(-1 << 20, 1 << 20) * 64 + 1,
-            };
-            let before = t.step();
-            let target = ShardLayout::new(n, 2, 0, 1).unwrap().tagged(3);
-            let done = t.regroup(0, 2, Some(target), u64::MAX, &mut ForgedSum { facts, sum, calls: 0 });
-            prop_assert!(t.step() == before || t.step() == before + 1);
-            if exps_fit && count_fits {
-                // Garbage that passes the checks is a sum like any other: the step is done.
-                prop_assert!(done.is_ok(), "{done:?}");
-                prop_assert_eq!(t.step(), before + 1);
-            } else {
-                let e = done.unwrap_err().to_string();
-                prop_assert!(e.contains("exponent") || e.contains("sample count"), "{e}");
-                prop_assert_eq!(t.step(), before, "a refused sum changed the step");
-            }
-        }
-
-        /// Whatever exponents the rank they come from gives in a reproducible job's
-        /// regroup, this rank ends with an error or with exponents in range, never a panic.
-        #[test]
-        fn forged_exponents_are_refused_or_in_range(
-            exps in proptest::collection::vec(prop_oneof![
-                Just(0i64), Just(1), Just(-1), Just(1030), Just(1031), Just(i64::MAX), Just(i64::MIN), any::<i64>(), -2000i64..2000,
-            ], 0..12),
-        ) {
-            let mut t = sharded_trainer();
-            t.job.reproducible = true;
-            let n = t.buffer_len() - 3;
-            let mut facts = t.regroup_facts(FACTS).unwrap();
-            facts[3] = 1;
-            let mut peer = ForgedExponents { facts, exps: exps.clone(), calls: 0 };
-            let target = ShardLayout::new(n, 2, 0, 1).unwrap().tagged(4);
-            let done = t.regroup(0, 2, Some(target), u64::MAX, &mut peer);
-            prop_assert!(peer.calls >= 2, "the regroup stopped before the exponents");
-            if done.is_ok() {
-                let range = super::super::super::exact::EXP_RANGE;
-                let got = t.exact_exponents.clone().unwrap_or_default();
-                prop_assert!(got.iter().all(|e| range.contains(e)), "{got:?}");
-            }
-            // Nothing given (the peer held none) is the one way to end with none.
-            if exps.iter().all(|&e| e == 0) {
-                prop_assert!(done.is_ok() && t.exact_exponents.is_none());
-            }
-        }
-
-        /// Whatever a peer puts in its facts, a regroup ends with a result, never a panic,
-        /// whatever world or replica count it forges (both are bounded before any use).
-        #[test]
-        fn a_hostile_peers_facts_never_panic(
-            row in proptest::collection::vec(prop_oneof![
-                Just(0i64), Just(1), Just(2), Just(-1), Just(i64::MAX), Just(i64::MIN), any::<i64>(), 0i64..1 << 20,
-            ], FACTS),
-            noise in any::<f32>(),
-            recut in any::<bool>(),
-        ) {
-            let mut t = sharded_trainer();
-            let n = t.buffer_len() - 3;
-            let target = recut.then(|| ShardLayout::new(n, 2, 0, 1).unwrap().tagged(4));
-            let _ = t.regroup(0, 2, target, u64::MAX, &mut Hostile { row, from: FACTS, noise }); // rank 1's row
-        }
-
-        /// The same from a row that is rank 0's own with a few values changed: past the
-        /// checks, into the choice of givers and the moves.
-        #[test]
-        fn a_peers_facts_near_an_honest_row_never_panic(
-            edits in proptest::collection::vec((0usize..FACTS, prop_oneof![
-                Just(0i64), Just(1), Just(2), Just(3), Just(4), Just(-1), Just(i64::MAX), any::<i64>(),
-            ]), 1..4),
-            noise in any::<f32>(),
-            recut in any::<bool>(),
-            reproducible in any::<bool>(),
-        ) {
-            let mut t = sharded_trainer();
-            // A reproducible job also takes a step's sum from a peer that says it kept one.
-            t.job.reproducible = reproducible;
-            let n = t.buffer_len() - 3;
-            let mut row = t.regroup_facts(FACTS).unwrap();
-            row[3] = 1;
-            for (i, v) in edits {
-                row[i] = v;
-            }
-            let target = recut.then(|| ShardLayout::new(n, 2, 0, 1).unwrap().tagged(4));
-            let _ = t.regroup(0, 2, target, u64::MAX, &mut Hostile { row, from: FACTS, noise }); // rank 1's row
-        }
-
-        /// The pieces tile the values, each given by a source holding it, the most
-        /// preferred one; a value nobody holds is named.
-        #[test]
-        fn givers_tile_the_values_from_the_preferred_holder(
-            n in 0usize..300,
-            raw in proptest::collection::vec((0usize..4, 0usize..320, 0usize..320, 0u8..3, -3i64..3), 0..12),
-        ) {
-            let sources: Vec<(usize, Range<usize>, (u8, i64))> =
-                raw.iter().map(|&(j, a, b, p, t)| (j, a.min(b)..a.max(b), (p, t))).collect();
-            let best = |v: usize| {
-                sources.iter().filter(|(_, r, _)| r.contains(&v) && r.end <= n).min_by_key(|(j, _, p)| (*p, *j)).map(|s| s.0)
-            };
-            match givers(n, sources.clone()) {
-                Ok(pieces) => {
-                    let mut at = 0;
-                    for (j, r) in &pieces {
-                        prop_assert_eq!(r.start, at);
-                        at = r.end;
-                        for v in r.clone() {
-                            prop_assert_eq!(best(v), Some(*j));
-                        }
-                    }
-                    prop_assert_eq!(at, n);
-                }
-                Err(gap) => {
-                    prop_assert!(!gap.is_empty());
-                    prop_assert!((0..gap.start).all(|v| best(v).is_some()));
-                    prop_assert!(gap.clone().all(|v| best(v).is_none()));
-                    prop_assert!(gap.end == n || best(gap.end).is_some(), "the gap ends where a holder begins");
-                }
-            }
-        }
-    }
-
-    /// A forged row is refused naming the rank and what was wrong.
-    #[test]
-    fn a_forged_world_is_refused_naming_the_rank() {
-        let mut row = vec![0i64; FACTS];
-        row[1] = 1 << 40;
-        let e = checked_layout(1000, 1, &row).unwrap_err().to_string();
-        assert!(e.contains("rank 1's facts in the regroup"), "{e}");
-        row[1] = 4;
-        row[2] = 65;
-        assert!(checked_layout(1000, 1, &row).is_err());
-        row[2] = 3;
-        row[3] = 2;
-        assert_eq!(checked_layout(1000, 1, &row).unwrap().map(|l| l.held()), Some(vec![2, 1, 0, 3]));
-    }
-}
+mod tests;

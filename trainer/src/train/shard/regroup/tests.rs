@@ -1,0 +1,232 @@
+//! The regroup's tests: hostile peers' facts, forged exponents and sums, and the choice of givers.
+
+use super::hostile_reduce::Hostile;
+use super::*;
+use crate::train::tests::{job, synthetic};
+use crate::ModelKind;
+use proptest::prelude::*;
+
+fn sharded_trainer() -> Trainer {
+    let data = synthetic();
+    let mut j = job(ModelKind::Mlp, &data, 16, 16);
+    j.optimizer = crate::optim::OptimizerSpec::adamw(1e-2, 0.01);
+    let mut t = Trainer::try_new(j, data).unwrap();
+    let n = t.buffer_len() - 3;
+    t.shard_state(ShardLayout::new(n, 2, 0, 1).unwrap().tagged(3)).unwrap();
+    t
+}
+
+/// A peer whose facts are rank 0's own (so the regroup gets as far as the exponents,
+/// with the peer as the rank they come from) and who then adds `exps` to them.
+struct ForgedExponents {
+    facts: Vec<i64>,
+    exps: Vec<i64>,
+    calls: usize,
+}
+
+impl Reduce for ForgedExponents {
+    fn allreduce_sum(&mut self, _: &mut [f32], _: u64) -> Result<(), TrainerError> {
+        Ok(())
+    }
+
+    fn allreduce_sum_i64(&mut self, buf: &mut [i64], _: u64) -> Result<(), TrainerError> {
+        self.calls += 1;
+        let add = if self.calls == 1 { &self.facts } else { &self.exps };
+        let from = if self.calls == 1 { FACTS } else { 0 };
+        let start = from.min(buf.len());
+        for (v, r) in buf[start..].iter_mut().zip(add.iter().cycle()) {
+            *v = v.wrapping_add(*r);
+        }
+        Ok(())
+    }
+}
+
+/// A peer whose facts say it is a step ahead in the same layout and kept that step's
+/// sum, which it then gives as `sum` (after giving no exponents).
+struct ForgedSum {
+    facts: Vec<i64>,
+    sum: Vec<i64>,
+    calls: usize,
+}
+
+impl Reduce for ForgedSum {
+    fn allreduce_sum(&mut self, _: &mut [f32], _: u64) -> Result<(), TrainerError> {
+        Ok(())
+    }
+
+    fn allreduce_sum_i64(&mut self, buf: &mut [i64], _: u64) -> Result<(), TrainerError> {
+        self.calls += 1;
+        let (add, from) = match self.calls {
+            1 => (&self.facts[..], FACTS),
+            3 => (&self.sum[..], 0),
+            _ => return Ok(()),
+        };
+        let start = from.min(buf.len());
+        for (v, r) in buf[start..].iter_mut().zip(add) {
+            *v = v.wrapping_add(*r);
+        }
+        Ok(())
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Whatever sum a peer that says it kept one gives a reproducible rank a step
+    /// behind, the rank ends with an error or with the step finished, never a panic; a
+    /// forged exponent or sample count is refused before the state changes.
+    #[test]
+    fn a_forged_sum_is_refused_or_finishes_the_step(
+        values in proptest::collection::vec(prop_oneof![
+            Just(0i64), Just(1), Just(-1), Just(1030), Just(1031), Just(i64::MAX), Just(i64::MIN), any::<i64>(),
+        ], 1..64),
+        exps_fit in any::<bool>(),
+        count_fits in any::<bool>(),
+    ) {
+        let mut t = sharded_trainer();
+        t.job.reproducible = true;
+        let n = t.buffer_len() - 3;
+        let tensors = t.model.params().len() + 1;
+        let len = n + 3 + 3 * tensors;
+        let mut facts = t.regroup_facts(FACTS).unwrap();
+        (facts[3], facts[4], facts[9], facts[17]) = (1, 1, t.plan.global_batch as i64, 1);
+        let mut sum: Vec<i64> = values.iter().cycle().take(len + tensors).copied().collect();
+        match exps_fit {
+            true => sum[len..].iter_mut().for_each(|e| *e = e.rem_euclid(1000)),
+            false => sum[len + tensors - 1] = 1031,
+        }
+        sum[n + 1] = match count_fits {
+            true => t.plan.global_batch as i64,
+            false => sum[n + 1].clamp(-1 << 20, 1 << 20) * 64 + 1,
+        };
+        let before = t.step();
+        let target = ShardLayout::new(n, 2, 0, 1).unwrap().tagged(3);
+        let done = t.regroup(0, 2, Some(target), u64::MAX, &mut ForgedSum { facts, sum, calls: 0 });
+        prop_assert!(t.step() == before || t.step() == before + 1);
+        if exps_fit && count_fits {
+            // Garbage that passes the checks is a sum like any other: the step is done.
+            prop_assert!(done.is_ok(), "{done:?}");
+            prop_assert_eq!(t.step(), before + 1);
+        } else {
+            let e = done.unwrap_err().to_string();
+            prop_assert!(e.contains("exponent") || e.contains("sample count"), "{e}");
+            prop_assert_eq!(t.step(), before, "a refused sum changed the step");
+        }
+    }
+
+    /// Whatever exponents the rank they come from gives in a reproducible job's
+    /// regroup, this rank ends with an error or with exponents in range, never a panic.
+    #[test]
+    fn forged_exponents_are_refused_or_in_range(
+        exps in proptest::collection::vec(prop_oneof![
+            Just(0i64), Just(1), Just(-1), Just(1030), Just(1031), Just(i64::MAX), Just(i64::MIN), any::<i64>(), -2000i64..2000,
+        ], 0..12),
+    ) {
+        let mut t = sharded_trainer();
+        t.job.reproducible = true;
+        let n = t.buffer_len() - 3;
+        let mut facts = t.regroup_facts(FACTS).unwrap();
+        facts[3] = 1;
+        let mut peer = ForgedExponents { facts, exps: exps.clone(), calls: 0 };
+        let target = ShardLayout::new(n, 2, 0, 1).unwrap().tagged(4);
+        let done = t.regroup(0, 2, Some(target), u64::MAX, &mut peer);
+        prop_assert!(peer.calls >= 2, "the regroup stopped before the exponents");
+        if done.is_ok() {
+            let range = super::super::super::exact::EXP_RANGE;
+            let got = t.exact_exponents.clone().unwrap_or_default();
+            prop_assert!(got.iter().all(|e| range.contains(e)), "{got:?}");
+        }
+        // Nothing given (the peer held none) is the one way to end with none.
+        if exps.iter().all(|&e| e == 0) {
+            prop_assert!(done.is_ok() && t.exact_exponents.is_none());
+        }
+    }
+
+    /// Whatever a peer puts in its facts, a regroup ends with a result, never a panic,
+    /// whatever world or replica count it forges (both are bounded before any use).
+    #[test]
+    fn a_hostile_peers_facts_never_panic(
+        row in proptest::collection::vec(prop_oneof![
+            Just(0i64), Just(1), Just(2), Just(-1), Just(i64::MAX), Just(i64::MIN), any::<i64>(), 0i64..1 << 20,
+        ], FACTS),
+        noise in any::<f32>(),
+        recut in any::<bool>(),
+    ) {
+        let mut t = sharded_trainer();
+        let n = t.buffer_len() - 3;
+        let target = recut.then(|| ShardLayout::new(n, 2, 0, 1).unwrap().tagged(4));
+        let _ = t.regroup(0, 2, target, u64::MAX, &mut Hostile { row, from: FACTS, noise }); // rank 1's row
+    }
+
+    /// The same from a row that is rank 0's own with a few values changed: past the
+    /// checks, into the choice of givers and the moves.
+    #[test]
+    fn a_peers_facts_near_an_honest_row_never_panic(
+        edits in proptest::collection::vec((0usize..FACTS, prop_oneof![
+            Just(0i64), Just(1), Just(2), Just(3), Just(4), Just(-1), Just(i64::MAX), any::<i64>(),
+        ]), 1..4),
+        noise in any::<f32>(),
+        recut in any::<bool>(),
+        reproducible in any::<bool>(),
+    ) {
+        let mut t = sharded_trainer();
+        // A reproducible job also takes a step's sum from a peer that says it kept one.
+        t.job.reproducible = reproducible;
+        let n = t.buffer_len() - 3;
+        let mut row = t.regroup_facts(FACTS).unwrap();
+        row[3] = 1;
+        for (i, v) in edits {
+            row[i] = v;
+        }
+        let target = recut.then(|| ShardLayout::new(n, 2, 0, 1).unwrap().tagged(4));
+        let _ = t.regroup(0, 2, target, u64::MAX, &mut Hostile { row, from: FACTS, noise }); // rank 1's row
+    }
+
+    /// The pieces tile the values, each given by a source holding it, the most
+    /// preferred one; a value nobody holds is named.
+    #[test]
+    fn givers_tile_the_values_from_the_preferred_holder(
+        n in 0usize..300,
+        raw in proptest::collection::vec((0usize..4, 0usize..320, 0usize..320, 0u8..3, -3i64..3), 0..12),
+    ) {
+        let sources: Vec<(usize, Range<usize>, (u8, i64))> =
+            raw.iter().map(|&(j, a, b, p, t)| (j, a.min(b)..a.max(b), (p, t))).collect();
+        let best = |v: usize| {
+            sources.iter().filter(|(_, r, _)| r.contains(&v) && r.end <= n).min_by_key(|(j, _, p)| (*p, *j)).map(|s| s.0)
+        };
+        match givers(n, sources.clone()) {
+            Ok(pieces) => {
+                let mut at = 0;
+                for (j, r) in &pieces {
+                    prop_assert_eq!(r.start, at);
+                    at = r.end;
+                    for v in r.clone() {
+                        prop_assert_eq!(best(v), Some(*j));
+                    }
+                }
+                prop_assert_eq!(at, n);
+            }
+            Err(gap) => {
+                prop_assert!(!gap.is_empty());
+                prop_assert!((0..gap.start).all(|v| best(v).is_some()));
+                prop_assert!(gap.clone().all(|v| best(v).is_none()));
+                prop_assert!(gap.end == n || best(gap.end).is_some(), "the gap ends where a holder begins");
+            }
+        }
+    }
+}
+
+/// A forged row is refused naming the rank and what was wrong.
+#[test]
+fn a_forged_world_is_refused_naming_the_rank() {
+    let mut row = vec![0i64; FACTS];
+    row[1] = 1 << 40;
+    let e = checked_layout(1000, 1, &row).unwrap_err().to_string();
+    assert!(e.contains("rank 1's facts in the regroup"), "{e}");
+    row[1] = 4;
+    row[2] = 65;
+    assert!(checked_layout(1000, 1, &row).is_err());
+    row[2] = 3;
+    row[3] = 2;
+    assert_eq!(checked_layout(1000, 1, &row).unwrap().map(|l| l.held()), Some(vec![2, 1, 0, 3]));
+}
