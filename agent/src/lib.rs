@@ -13,7 +13,7 @@ pub mod remote;
 pub mod revocation;
 
 // The decisions the agent runs live in their own crate; their paths stay the agent's.
-pub use limpet_decide::{balance, capacity, controller, leader, planner, policy, report, scaling, stuck};
+pub use limpet_decide::{balance, controller, leader, planner, policy, reconcile, report, scaling, stuck};
 #[cfg(feature = "trainer")]
 pub mod runtime;
 #[cfg(feature = "trainer")]

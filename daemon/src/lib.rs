@@ -7,7 +7,7 @@
 
 pub mod actions;
 pub mod args;
-pub mod capacity;
+pub mod reconciler;
 pub mod certs;
 pub mod cli;
 pub mod cluster_file;

@@ -227,12 +227,12 @@ struct ServeOptions {
     /// How long a SIGTERM drain may take.
     grace: Duration,
     /// The fleet reconciler (`[capacity]`), run while this node leads.
-    capacity: Option<crate::capacity::Reconciler>,
+    capacity: Option<crate::reconciler::Reconciler>,
 }
 
 /// The reconciler `[capacity]` asks for: EC2 where `[cluster]` finds it unless the section
 /// says otherwise; spare credentials from `[security.ssm]` unless `spares = false`.
-fn reconciler(cfg: &Config) -> Option<crate::capacity::Reconciler> {
+fn reconciler(cfg: &Config) -> Option<crate::reconciler::Reconciler> {
     let section = cfg.capacity.clone()?;
     let ec2 = limpet_deploy::FleetConfig {
         region: section.region.clone().or_else(|| cfg.cluster.ec2_region.clone()),
@@ -253,7 +253,7 @@ fn reconciler(cfg: &Config) -> Option<crate::capacity::Reconciler> {
         // validate() refuses spares = true without [security.ssm].
         (Some(true), None) => None,
     };
-    Some(crate::capacity::Reconciler {
+    Some(crate::reconciler::Reconciler {
         section,
         cluster: cfg.cluster.name.clone(),
         me: cfg.node_id(),
@@ -287,7 +287,7 @@ async fn serve(cfg: AgentConfig, opts: ServeOptions) -> anyhow::Result<()> {
     tasks.spawn("metrics-raft", crate::metrics::follow_consensus(handle.clone(), stop.clone()));
     tasks.spawn("systemd", tell_systemd(handle.clone(), me_id, stop.clone()));
     if let Some(r) = opts.capacity {
-        tasks.spawn("capacity", crate::capacity::run(r, handle.clone(), stop.clone()));
+        tasks.spawn("capacity", crate::reconciler::run(r, handle.clone(), stop.clone()));
     }
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;

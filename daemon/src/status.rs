@@ -226,7 +226,7 @@ pub struct StatusDoc {
     pub checkpoints: Vec<CheckpointDoc>,
     /// The fleet reconciler's newest records, oldest first (`[capacity]`).
     #[serde(default)]
-    pub capacity: Vec<crate::capacity::CapacityDoc>,
+    pub capacity: Vec<crate::reconciler::CapacityDoc>,
     /// Throughput measured at each world size, smallest first (what scaling by value fits).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub throughput: Vec<limpet_consensus::state::Throughput>,
@@ -408,7 +408,7 @@ fn build(
                 node: name_of(st, c.node),
             })
             .collect(),
-        capacity: crate::capacity::docs(st, usize::MAX, |id| name_of(st, id)),
+        capacity: crate::reconciler::docs(st, usize::MAX, |id| name_of(st, id)),
         throughput: st.throughput.by_world.clone(),
         scaling_target: st.capacity.target,
         stuck: limpet_agent::stuck::assess(st, &parsed, REPORT_FRESH_MS),
@@ -582,11 +582,11 @@ pub fn render(d: &StatusDoc) -> String {
     }
     if !d.throughput.is_empty() {
         s += "\n";
-        s += &crate::capacity::render_throughput(&d.throughput, d.scaling_target);
+        s += &crate::reconciler::render_throughput(&d.throughput, d.scaling_target);
     }
     if !d.capacity.is_empty() {
         s += "\n";
-        s += &crate::capacity::render(&d.capacity);
+        s += &crate::reconciler::render(&d.capacity);
     }
     for n in d.nodes.iter().filter(|n| n.checkpoint_error.is_some()) {
         s += &format!(

@@ -121,7 +121,7 @@ pub struct Trainer {
     shard: Option<shard::ShardState>,
     /// A sharded step applied after its collectives broke (see [`Trainer::take_unlogged`]).
     unlogged: Option<StepStats>,
-    /// Values the last regroup summed over its group (see [`Trainer::regroup_values`]).
+    /// Values the last regroup moved to this rank from others (see [`Trainer::regroup_values`]).
     regroup_values: u64,
     /// Tells this state from a replaced one (see [`Trainer::stamp`]).
     stamp: u64,

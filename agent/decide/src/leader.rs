@@ -57,7 +57,8 @@ pub struct Round {
 const DEFAULT_LEAD_STEPS: u64 = 5;
 
 /// Steps every rank of an epoch trains before its throughput is recorded: the ranks' step
-/// times are smoothed (a tenth per step), so the entry's slow first steps weigh < 1% by then.
+/// times are smoothed ([`crate::speed::smooth`], a tenth per step), so the entry's slow first
+/// steps weigh < 1% by then.
 pub const MEASURE_STEPS: u64 = 50;
 
 /// The leader's decisions for the state `st`, the `reports` and the time `now_ms`.

@@ -7,16 +7,19 @@
 //! - `planner`: the data x pipeline layout and stage cuts for a set of hosts;
 //! - `report`: what an agent tells the leader in its heartbeats;
 //! - `balance`: each step's samples shared out by measured speed (stragglers);
-//! - `capacity`: the fleet reconciler's next step (launch, terminate, drain, scale or hold);
+//! - `reconcile`: the fleet reconciler's next step (launch, terminate, drain, scale or hold);
 //! - `scaling`: how many hosts are worth their price (the measured scaling curve);
 //! - `entry`: how the ranks of a new epoch agree on one state (who copies what from whom);
 //! - `next`: what a rank's trainer loop does next (train, enter, sit out, finish, leave);
+//! - `bootstrap`: what a new leader does before the job is set (profile, resume, set);
+//! - `speed`: how measured speeds are smoothed;
 //! - `error`: what they refuse.
 //!
 //! The agent (`limpet-agent`) runs these; `limpet plan` and tests call them directly.
 
 pub mod balance;
-pub mod capacity;
+pub mod bootstrap;
+pub mod reconcile;
 pub mod controller;
 pub mod entry;
 pub mod error;
@@ -26,6 +29,7 @@ pub mod planner;
 pub mod policy;
 pub mod report;
 pub mod scaling;
+pub mod speed;
 pub mod stuck;
 
 pub use error::DecideError;

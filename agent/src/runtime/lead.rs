@@ -1,27 +1,26 @@
 //! The leader loop: while this node leads, it sets the job (profiled for the pipeline
-//! planner, resumed from the newest durable checkpoint of a new cluster), gathers the
-//! members' reports and proposes what [`crate::leader::plan_round`] decides. The decisions
-//! themselves are pure and live in `leader`/`controller`; this room only does the I/O.
+//! planner, resumed from the newest durable checkpoint of a new cluster, as
+//! [`limpet_decide::bootstrap`] decides), gathers the members' reports and proposes what
+//! [`crate::leader::plan_round`] decides. The decisions themselves are pure and live in
+//! limpet-decide; this room only does the I/O.
 
 use super::config::{AgentConfig, Resume};
 use crate::report::AgentReport;
 use limpet_consensus::state::{Command, NodeId};
 use limpet_consensus::NodeHandle;
+use limpet_decide::bootstrap::{BootStep, Bootstrap};
 use limpet_trainer::data::Dataset;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
-/// How long a new cluster waits before searching for its checkpoint again.
-const RESUME_RETRY: Duration = Duration::from_secs(5);
-
 /// While this node leads: sets the job, runs the controller on the reports, activates
 /// epochs that ranks entered and members that trained.
 pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: CancellationToken) {
     let mut job = None;
-    let mut resume_checked = false;
-    let mut retry_at = Instant::now();
+    let mut boot = Bootstrap::default();
+    let booted = Instant::now();
     let mut last_reason = String::new();
     let mut last_stuck = None;
     let settings = cfg.leader_settings();
@@ -43,46 +42,37 @@ pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: Cancel
         let term = local.term;
         let st = &local.state;
         if st.job.is_none() {
-            if job.is_none() {
-                match job_document(&cfg).await {
+            let now = booted.elapsed().as_millis() as u64;
+            match boot.next(now, job.is_some(), !st.checkpoints.is_empty()) {
+                BootStep::Profile => match job_document(&cfg).await {
                     Ok(doc) => job = Some(doc),
-                    Err(e) => {
-                        tracing::error!(%e, "could not profile the model for the pipeline planner");
-                        continue;
-                    }
-                }
-            }
-            if !resume_checked && st.checkpoints.is_empty() {
-                // A new cluster: start from the newest durable checkpoint of this job, if
-                // there is one. Recorded before the job, so the first epoch starts there.
-                if Instant::now() < retry_at {
-                    continue;
-                }
-                match find_resume_point(&cfg).await {
+                    Err(e) => tracing::error!(%e, "could not profile the model for the pipeline planner"),
+                },
+                BootStep::Wait => {}
+                // A new cluster: start from the newest durable checkpoint of this job, if there
+                // is one. Recorded before the job, so the first epoch starts there.
+                BootStep::FindResume => match find_resume_point(&cfg).await {
                     Ok(Some(record)) => {
-                        if let Err(e) =
-                            handle.propose_leading(Command::RecordCheckpoint { record }, term, None).await
-                        {
-                            tracing::warn!(%e, "could not record the checkpoint to resume from");
-                            continue;
+                        match handle.propose_leading(Command::RecordCheckpoint { record }, term, None).await {
+                            Ok(_) => boot.resume_settled(),
+                            Err(e) => tracing::warn!(%e, "could not record the checkpoint to resume from"),
                         }
                     }
-                    Ok(None) => {}
+                    Ok(None) => boot.resume_settled(),
                     Err(e) => {
                         // No job is set meanwhile, so nothing trains from step 0.
                         tracing::warn!(%e, "cannot resume yet; looking again in 5 s");
                         metrics::counter!("limpet_resume_retries_total").increment(1);
-                        retry_at = Instant::now() + RESUME_RETRY;
-                        continue;
+                        boot.resume_failed(now);
+                    }
+                },
+                BootStep::SetJob => {
+                    let doc = job.clone().expect("the bootstrap sets the job only once profiled");
+                    match handle.propose_leading(Command::SetJob { job: doc }, term, None).await {
+                        Ok(_) | Err(limpet_consensus::ConsensusError::Deposed { .. }) => {}
+                        Err(e) => tracing::warn!(%e, "could not set the job"),
                     }
                 }
-                resume_checked = true;
-                continue;
-            }
-            let doc = job.clone().expect("set above");
-            match handle.propose_leading(Command::SetJob { job: doc }, term, None).await {
-                Ok(_) | Err(limpet_consensus::ConsensusError::Deposed { .. }) => {}
-                Err(e) => tracing::warn!(%e, "could not set the job"),
             }
             continue;
         }

@@ -18,8 +18,8 @@ use std::time::Instant;
 
 /// How the state of a job that shards it entered an epoch.
 pub(super) enum Sharded {
-    /// Re-cut for the new group: the entry is done but for its barrier. This rank's bytes
-    /// through the ring, and the time it took.
+    /// Re-cut for the new group: the entry is done but for its barrier. The bytes this rank
+    /// took from others (not those it passed on for them), and the time it took.
     Recut { bytes: u64, ms: u64 },
     /// The entry copies whole states as for any job, after `redone` steps were given up
     /// (a block lost with every holder sent the ranks back to a checkpoint).

@@ -17,6 +17,7 @@ use crate::report::{AgentReport, Broken, Phase, Transition, MAX_TRANSITIONS};
 use crate::Endpoint;
 use limpet_consensus::state::{ClusterState, Epoch, NodeId};
 use limpet_consensus::{LocalState, NodeHandle};
+use limpet_decide::speed::{blend, smooth};
 use limpet_snapshot::handoff::Server;
 use limpet_trainer::Trainer;
 use std::io::Write;
@@ -76,15 +77,6 @@ pub(super) struct TrainLoop {
     grad_stats: Option<(f64, f64)>,
     /// Smoothed milliseconds to compute one sample of this rank's share.
     ms_per_sample: f64,
-}
-
-/// A smoothed measurement: a tenth of each new value.
-fn smooth(old: f64, new: f64) -> f64 {
-    if old == 0.0 {
-        new
-    } else {
-        0.9 * old + 0.1 * new
-    }
 }
 
 /// A straggler drill (`slowdown_factor`): after `own` of this step's own work, sleep what a
@@ -414,8 +406,7 @@ impl TrainLoop {
             }
         };
         let took = started.elapsed().as_secs_f64() * 1e3;
-        self.step_time_ms =
-            if self.step_time_ms == 0.0 { took } else { 0.9 * self.step_time_ms + 0.1 * took };
+        self.step_time_ms = smooth(self.step_time_ms, took);
         self.last_step_done = Some(Instant::now());
         // The held-out loss, when the job evaluates after this step: each rank its share, one
         // allreduce sums them (so it is evaluated once per step, not once per rank). Not part
@@ -709,7 +700,7 @@ fn observe_gradients(
         return prev;
     }
     Some(match prev {
-        Some((v, m)) => (0.9 * v + 0.1 * variance, 0.9 * m + 0.1 * mean_sq),
+        Some((v, m)) => (blend(v, variance), blend(m, mean_sq)),
         None => (variance, mean_sq),
     })
 }

@@ -3,12 +3,12 @@
 //! so `limpetd validate --config FILE` (systemd's `ExecStartPre`) stops a bad deployment
 //! before it starts. The keys are documented in `docs/limpetd.md`.
 
-mod capacity;
+mod fleet_target;
 mod devices;
 mod job;
 mod names;
 mod security;
-pub use capacity::CapacitySection;
+pub use fleet_target::CapacitySection;
 pub use devices::Devices;
 pub use job::JobSection;
 use limpet_agent::policy::BatchPolicy;

@@ -52,8 +52,9 @@ pub trait Reduce {
     /// to, unchanged (this rank is `rank`; every rank calls it with the same pieces, which do
     /// not overlap). What a re-cut of sharded state needs: each value moves only to the ranks
     /// that take it. `buf` outside what this rank gives or takes is left undefined. This
-    /// default sums the buffers with each piece zero on all but its giver (every rank then
-    /// receives every piece); a ring relays each piece only as far as its last taker.
+    /// default sums the pieces' bits as integers, each zero on all but its giver (exact, so
+    /// every bit arrives, a negative zero too; every rank receives every piece); a ring
+    /// relays each piece only as far as its last taker.
     fn relay(
         &mut self,
         buf: &mut [f32],
@@ -61,13 +62,31 @@ pub trait Reduce {
         rank: usize,
         step: u64,
     ) -> Result<(), TrainerError> {
-        for p in pieces.iter().filter(|p| p.giver != rank) {
-            let len = buf.len();
-            buf.get_mut(p.range.clone())
-                .ok_or_else(|| TrainerError::Config(format!("a piece {:?} of a buffer of {len}", p.range)))?
-                .fill(0.0);
+        if let Some(p) = pieces.iter().find(|p| p.range.start > p.range.end || p.range.end > buf.len()) {
+            return Err(TrainerError::Config(format!("a piece {:?} of a buffer of {}", p.range, buf.len())));
         }
-        self.allreduce_sum(buf, step)
+        let mut bits = vec![0i64; pieces.iter().map(|p| p.range.len()).sum()];
+        let mut at = 0;
+        for p in pieces {
+            if p.giver == rank {
+                for (d, v) in bits[at..at + p.range.len()].iter_mut().zip(&buf[p.range.clone()]) {
+                    *d = i64::from(v.to_bits());
+                }
+            }
+            at += p.range.len();
+        }
+        self.allreduce_sum_i64(&mut bits, step)?;
+        let mut at = 0;
+        for p in pieces {
+            if p.to.contains(&rank) {
+                for (d, &b) in buf[p.range.clone()].iter_mut().zip(&bits[at..at + p.range.len()]) {
+                    // A peer's sum that is not one rank's bits is garbage either way.
+                    *d = f32::from_bits(b as u32);
+                }
+            }
+            at += p.range.len();
+        }
+        Ok(())
     }
 }
 

@@ -48,7 +48,7 @@ fn checked_layout(n: usize, j: usize, row: &[i64]) -> Result<Option<ShardLayout>
         return bad("a flag that is neither 0 nor 1".into());
     }
     if !(0..=MOST_REPLICAS + 1).contains(&row[18]) {
-        return bad(format!("a target of {} replicas", row[18] - 1));
+        return bad(format!("a target fact of {}", row[18]));
     }
     if *world == 0 {
         return Ok(None);
@@ -310,6 +310,8 @@ impl Trainer {
             (0..world).map(|j| sources.iter().filter(|s| s.0 == j).map(|s| s.1.clone()).collect()).collect();
         let keeps = (0..world)
             .map(|j| match fact(j, 18) {
+                // Without a target at another step, a rank loads the whole state afterwards.
+                0 if effective(j) != step => Ok(Vec::new()),
                 0 => Ok(std::iter::once(0..n).collect()),
                 r => ShardLayout::new(n, world, j, r as usize - 1)
                     .map(|l| l.held().into_iter().map(|b| l.blocks[b].clone()).collect())
@@ -353,8 +355,7 @@ impl Trainer {
                 giver,
                 rank,
                 self.kept_sum(),
-                n,
-                self.model.params().len() + 1,
+                (n, self.model.params().len() + 1, self.plan.global_batch),
                 step_tag,
                 reduce,
             )?;
@@ -414,8 +415,7 @@ impl Trainer {
         };
         self.regroup_values = (slots * taken(&slot_moves) + (rounds - slots) * taken(&param_moves)) as u64;
         // Each slot, then the parameters (last, so a failure leaves them as they were): the
-        // givers' values are copied, bit for bit (a reduce without a relay sums them with
-        // zero from every other rank, which is exact too).
+        // givers' values are copied, bit for bit.
         for k in 0..rounds {
             all.iter_mut().for_each(|v| *v = 0.0);
             for (_, range) in pieces.iter().filter(|p| p.0 == rank) {
@@ -534,8 +534,7 @@ fn sum_of_step(
     giver: usize,
     rank: usize,
     mine: Option<(&[i64], &[i32])>,
-    n: usize,
-    tensors: usize,
+    (n, tensors, global_batch): (usize, usize, usize),
     step_tag: u64,
     reduce: &mut dyn Reduce,
 ) -> Result<(Vec<i64>, Vec<i32>), TrainerError> {
@@ -549,6 +548,14 @@ fn sum_of_step(
         v[len..].iter_mut().zip(exps).for_each(|(d, &e)| *d = i64::from(e));
     }
     reduce.allreduce_sum_i64(&mut v, step_tag)?;
+    // Checked on every rank alike (not only on those that use it), so that all refuse
+    // together and none goes on into collectives the others left.
+    if usize::try_from(v[n + 1]).ok() != Some(global_batch) {
+        return Err(TrainerError::Mismatch(format!(
+            "rank {giver} gave a step's sum of {} samples, not the global batch {global_batch}",
+            v[n + 1]
+        )));
+    }
     let exps = v[len..]
         .iter()
         .map(|&e| {

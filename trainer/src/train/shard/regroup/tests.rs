@@ -72,6 +72,51 @@ impl Reduce for ForgedSum {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
+/// What a relay moves covers every value a rank keeps and does not hold, exactly once,
+/// from the piece's giver; nothing goes to its giver or to a rank holding it already; the
+/// moves are disjoint and lie within their givers' pieces.
+#[test]
+fn relay_pieces_deliver_what_each_rank_lacks_once(
+    n in 0usize..200,
+    world in 1usize..6,
+    cuts in proptest::collection::vec(0usize..200, 0..6),
+    givers_of in proptest::collection::vec(0usize..6, 7),
+    takes_raw in proptest::collection::vec(proptest::collection::vec((0usize..200, 0usize..200), 0..3), 6),
+    own_raw in proptest::collection::vec(proptest::collection::vec((0usize..200, 0usize..200), 0..3), 6),
+) {
+    let mut at: Vec<usize> = cuts.iter().map(|c| c % (n + 1)).chain([0, n]).collect();
+    at.sort_unstable();
+    at.dedup();
+    let pieces: Vec<(usize, Range<usize>)> =
+        at.windows(2).enumerate().map(|(k, w)| (givers_of[k % 7] % world, w[0]..w[1])).collect();
+    let ranges = |raw: &Vec<(usize, usize)>| -> Vec<Range<usize>> {
+        raw.iter().map(|&(a, b)| (a % (n + 1)).min(b % (n + 1))..(a % (n + 1)).max(b % (n + 1))).collect()
+    };
+    let takes: Vec<Vec<Range<usize>>> = takes_raw[..world].iter().map(ranges).collect();
+    // A giver holds its own pieces.
+    let own: Vec<Vec<Range<usize>>> = (0..world)
+        .map(|j| ranges(&own_raw[j]).into_iter().chain(pieces.iter().filter(|p| p.0 == j).map(|p| p.1.clone())).collect())
+        .collect();
+    let moves = relay_pieces(&pieces, &takes, &own);
+    let inside = |set: &[Range<usize>], v: usize| set.iter().any(|r| r.contains(&v));
+    for m in &moves {
+        prop_assert!(!m.range.is_empty() && !m.to.is_empty() && !m.to.contains(&m.giver));
+        // Within the giver's pieces (adjacent ones of one giver may make one move).
+        prop_assert!(m.range.clone().all(|v| pieces.iter().any(|p| p.0 == m.giver && p.1.contains(&v))));
+    }
+    for v in 0..n {
+        let giver = pieces.iter().find(|p| p.1.contains(&v)).map(|p| p.0).unwrap();
+        for j in 0..world {
+            let got: Vec<&Piece> = moves.iter().filter(|m| m.range.contains(&v) && m.to.contains(&j)).collect();
+            let lacks = inside(&takes[j], v) && !inside(&own[j], v) && j != giver;
+            prop_assert_eq!(got.len(), usize::from(lacks), "rank {} value {}", j, v);
+            prop_assert!(got.iter().all(|m| m.giver == giver));
+        }
+        prop_assert!(moves.iter().filter(|m| m.range.contains(&v)).count() <= 1, "overlapping moves at {}", v);
+    }
+}
+
+
     /// Whatever sum a peer that says it kept one gives a reproducible rank a step
     /// behind, the rank ends with an error or with the step finished, never a panic; a
     /// forged exponent or sample count is refused before the state changes.
@@ -100,6 +145,7 @@ proptest! {
             false => sum[n + 1].clamp(-1 << 20, 1 << 20) * 64 + 1,
         };
         let before = t.step();
+        let params: Vec<Vec<f32>> = t.model.params().iter().map(|(_, p)| Vec::<f32>::try_from(p.flatten(0, -1)).unwrap()).collect();
         let target = ShardLayout::new(n, 2, 0, 1).unwrap().tagged(3);
         let done = t.regroup(0, 2, Some(target), u64::MAX, &mut ForgedSum { facts, sum, calls: 0 });
         prop_assert!(t.step() == before || t.step() == before + 1);
@@ -109,8 +155,10 @@ proptest! {
             prop_assert_eq!(t.step(), before + 1);
         } else {
             let e = done.unwrap_err().to_string();
-            prop_assert!(e.contains("exponent") || e.contains("sample count"), "{e}");
+            prop_assert!(e.contains("exponent") || e.contains("not the global batch"), "{e}");
             prop_assert_eq!(t.step(), before, "a refused sum changed the step");
+            let after: Vec<Vec<f32>> = t.model.params().iter().map(|(_, p)| Vec::<f32>::try_from(p.flatten(0, -1)).unwrap()).collect();
+            prop_assert!(after == params, "a refused sum changed the parameters");
         }
     }
 

@@ -1,5 +1,5 @@
 //! The leader's fleet reconciler (`[capacity]`): on a timer, while this node leads, it
-//! lists the cluster's EC2 instances, asks `limpet_decide::capacity::decide` for the next
+//! lists the cluster's EC2 instances, asks `limpet_decide::reconcile::decide` for the next
 //! step, records that step in the log, and only then acts on it (launch one host, terminate,
 //! drain). A launch is recorded with its idempotency token before EC2 is asked, and its
 //! outcome after: a leader that takes over finds the launch unconfirmed, looks for instances
@@ -7,7 +7,7 @@
 //! what `limpet status` shows of it.
 
 use crate::config::CapacitySection;
-use limpet_agent::capacity::{decide_with, record_of, scale, slow_members, CapacityPolicy, Instance, Next};
+use limpet_agent::reconcile::{decide_with, record_of, scale, slow_members, CapacityPolicy, Instance, Next};
 use limpet_consensus::state::{CapacityAction, CapacityRecord, ClusterState, Command, Market, NodeId, Pool};
 use limpet_consensus::NodeHandle;
 use limpet_deploy::ssm::Vault;

@@ -2,7 +2,7 @@
 //! launch them (see docs/capacity.md).
 
 use super::ConfigError;
-use limpet_agent::capacity::CapacityPolicy;
+use limpet_agent::reconcile::CapacityPolicy;
 use limpet_consensus::state::Pool;
 use serde::Deserialize;
 use std::collections::BTreeMap;
