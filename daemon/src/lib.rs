@@ -7,7 +7,6 @@
 
 pub mod actions;
 pub mod args;
-pub mod reconciler;
 pub mod certs;
 pub mod cli;
 pub mod cluster_file;
@@ -19,6 +18,7 @@ pub mod limpetd;
 pub mod metrics;
 pub mod plan_cmd;
 pub mod plot;
+pub mod reconciler;
 pub mod simulate;
 pub mod status;
 pub mod text;

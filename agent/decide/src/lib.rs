@@ -19,7 +19,6 @@
 
 pub mod balance;
 pub mod bootstrap;
-pub mod reconcile;
 pub mod controller;
 pub mod entry;
 pub mod error;
@@ -27,6 +26,7 @@ pub mod leader;
 pub mod next;
 pub mod planner;
 pub mod policy;
+pub mod reconcile;
 pub mod report;
 pub mod scaling;
 pub mod speed;

@@ -7,15 +7,15 @@
 //! agent refuse a record it does not understand instead of misreading it.
 
 mod authority;
-mod fleet_log;
 mod cause;
 mod epoch_check;
+mod fleet_log;
 mod hardware;
 mod revoked;
 mod throughput;
 pub use authority::Proposer;
-pub use fleet_log::{CapacityAction, CapacityLog, CapacityRecord, Market, Pool, MAX_CAPACITY_RECORDS};
 pub use cause::Cause;
+pub use fleet_log::{CapacityAction, CapacityLog, CapacityRecord, Market, Pool, MAX_CAPACITY_RECORDS};
 pub use hardware::Hardware;
 pub use revoked::{is_fingerprint, Revoked, MAX_REVOKED};
 use serde::{Deserialize, Serialize};

@@ -3,13 +3,13 @@
 //! so `limpetd validate --config FILE` (systemd's `ExecStartPre`) stops a bad deployment
 //! before it starts. The keys are documented in `docs/limpetd.md`.
 
-mod fleet_target;
 mod devices;
+mod fleet_target;
 mod job;
 mod names;
 mod security;
-pub use fleet_target::CapacitySection;
 pub use devices::Devices;
+pub use fleet_target::CapacitySection;
 pub use job::JobSection;
 use limpet_agent::policy::BatchPolicy;
 pub use limpet_trainer::job_keys::OptimizerName;
