@@ -311,16 +311,8 @@ async fn prepare_credentials(
         }
         return Ok(None);
     };
-    let secret = std::fs::read(secret_file)
-        .map_err(|e| UsageError(format!("--secret-file {}: {e}", secret_file.display())))?;
-    if secret.len() < 16 {
-        return Err(UsageError(format!(
-            "--secret-file {}: {} bytes; the cluster secret needs at least 16",
-            secret_file.display(),
-            secret.len()
-        ))
-        .into());
-    }
+    let secret =
+        crate::config::read_secret(secret_file).map_err(|why| UsageError(format!("--secret-file {why}")))?;
     // The CA must be able to sign before hosts are launched that need its signature.
     crate::certs::issue_pem_for_days(dir, "preflight", Kind::Node(1), 1)
         .map_err(|e| UsageError(format!("--certs {}: {e:#}", dir.display())))?;
@@ -371,16 +363,8 @@ async fn spares(a: SparesArgs) -> anyhow::Result<()> {
         let (Some(dir), Some(secret_file)) = (&a.certs, &a.secret_file) else {
             return Err(UsageError("--count needs --certs DIR and --secret-file FILE to issue".into()).into());
         };
-        let secret = std::fs::read(secret_file)
-            .map_err(|e| UsageError(format!("--secret-file {}: {e}", secret_file.display())))?;
-        if secret.len() < 16 {
-            return Err(UsageError(format!(
-                "--secret-file {}: {} bytes; the cluster secret needs at least 16",
-                secret_file.display(),
-                secret.len()
-            ))
-            .into());
-        }
+        let secret = crate::config::read_secret(secret_file)
+            .map_err(|why| UsageError(format!("--secret-file {why}")))?;
         let ca_pem = std::fs::read_to_string(dir.join("ca.pem"))
             .map_err(|e| UsageError(format!("--certs {}: ca.pem: {e}", dir.display())))?;
         vault.put_cluster(&ca_pem, &secret).await?;

@@ -455,7 +455,8 @@ pub fn write_path_warnings(cfg: &Config) -> Vec<String> {
 
 /// Builds the agent's configuration from the file's.
 pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<AgentConfig> {
-    let secret = std::fs::read(&cfg.node.secret_file)?;
+    let secret = crate::config::read_secret(&cfg.node.secret_file)
+        .map_err(|why| anyhow::anyhow!("[node].secret_file: {why}"))?;
     let job = job_spec(cfg)?;
     let mut a = AgentConfig::new(
         cfg.node_id(),

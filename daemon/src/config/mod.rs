@@ -7,6 +7,7 @@ mod devices;
 mod fleet_target;
 mod job;
 mod names;
+mod secret;
 mod security;
 pub use devices::Devices;
 pub use fleet_target::CapacitySection;
@@ -14,6 +15,7 @@ pub use job::JobSection;
 use limpet_agent::policy::BatchPolicy;
 pub use limpet_trainer::job_keys::OptimizerName;
 pub use names::{DataPlaneMode, LogFormat, ModelName, SourceName, Sources};
+pub use secret::{read_secret, MIN_SECRET_BYTES};
 pub use security::{SecuritySection, SsmSection};
 use serde::Deserialize;
 use std::net::SocketAddr;
@@ -408,19 +410,8 @@ impl Config {
         if let Some(a) = &self.node.advertise_data {
             addr("[node].advertise_data", a)?;
         }
-        match std::fs::read(&self.node.secret_file) {
-            Ok(s) if s.len() >= 16 => {}
-            Ok(s) => {
-                return err(
-                    "[node].secret_file",
-                    format!(
-                        "{} holds {} bytes; at least 16 are needed",
-                        self.node.secret_file.display(),
-                        s.len()
-                    ),
-                )
-            }
-            Err(e) => return err("[node].secret_file", format!("{}: {e}", self.node.secret_file.display())),
+        if let Err(why) = read_secret(&self.node.secret_file) {
+            return err("[node].secret_file", why);
         }
         if self.cluster.name.is_empty() {
             return err("[cluster].name", "is empty".into());
