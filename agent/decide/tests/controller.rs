@@ -11,15 +11,8 @@ use limpet_decide::report::PendingNotice;
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 
-fn spec(id: NodeId) -> MemberSpec {
-    MemberSpec {
-        id,
-        name: format!("n{id}"),
-        control_addr: String::new(),
-        data_addr: String::new(),
-        hardware: Hardware::default(),
-    }
-}
+mod common;
+use common::spec;
 
 fn config() -> ControllerConfig {
     ControllerConfig {

@@ -3,21 +3,14 @@
 //! becomes active, a quiet peer named by a broken collective is treated as failed at once, and
 //! a group broken with everyone alive is rebuilt after the failure timeout).
 
-use limpet_consensus::state::{ClusterState, Command, Hardware, MemberSpec, MemberStatus, NodeId};
+use limpet_consensus::state::{ClusterState, Command, MemberStatus, NodeId};
 use limpet_decide::leader::{plan_round, LeaderSettings, Reports};
 use limpet_decide::policy::{BaseBatch, BatchPolicy};
 use limpet_decide::report::{AgentReport, Broken, Phase, REPORT_VERSION};
 use limpet_decide::stuck::{rebuild_after_ms, Stuck};
 
-fn spec(id: NodeId) -> MemberSpec {
-    MemberSpec {
-        id,
-        name: format!("n{id}"),
-        control_addr: String::new(),
-        data_addr: String::new(),
-        hardware: Hardware::default(),
-    }
-}
+mod common;
+use common::spec;
 
 fn settings() -> LeaderSettings {
     LeaderSettings {

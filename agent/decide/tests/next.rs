@@ -2,19 +2,12 @@
 //! log and where it stands (train, connect the next epoch early, enter it at the boundary or
 //! at once after a failure, sit out, finish, or leave once removed).
 
-use limpet_consensus::state::{ClusterState, Command, Epoch, EpochBatch, Hardware, Layout, MemberSpec};
+use limpet_consensus::state::{ClusterState, Command, Epoch, EpochBatch, Layout};
 use limpet_decide::next::{next_action, Action, Position};
 use limpet_decide::report::Phase;
 
-fn spec(id: u64) -> MemberSpec {
-    MemberSpec {
-        id,
-        name: format!("n{id}"),
-        control_addr: String::new(),
-        data_addr: String::new(),
-        hardware: Hardware::default(),
-    }
-}
+mod common;
+use common::spec;
 
 fn epoch(id: u64, start_step: u64, ranks: &[u64]) -> Epoch {
     Epoch {
