@@ -78,6 +78,15 @@ fn adamw_trainer() -> Trainer {
     Trainer::try_new(job, data).unwrap()
 }
 
+/// [`adamw_trainer`]'s job, reproducible: every rank of any world applies the same bits.
+fn reproducible_adamw_trainer() -> Trainer {
+    let (mut job, data) = job_and_data();
+    job.optimizer = limpet_trainer::optim::OptimizerSpec::adamw(0.01, 0.1);
+    job.clip_norm = Some(0.05);
+    job.reproducible = true;
+    Trainer::try_new(job, data).unwrap()
+}
+
 /// Endpoints for nodes `nodes`, in that order.
 fn endpoints(nodes: &[u64]) -> Vec<Endpoint> {
     nodes
@@ -500,13 +509,7 @@ fn a_step_torn_between_the_norm_and_the_parameters_is_finished_at_the_regroup() 
 fn a_reproducible_job_with_sharded_state_trains_the_bits_of_one_process() {
     one_thread();
     const STEPS: usize = 4;
-    let repro = || {
-        let (mut job, data) = job_and_data();
-        job.optimizer = limpet_trainer::optim::OptimizerSpec::adamw(0.01, 0.1);
-        job.clip_norm = Some(0.05);
-        job.reproducible = true;
-        Trainer::try_new(job, data).unwrap()
-    };
+    let repro = reproducible_adamw_trainer;
     let mut alone = repro();
     let solo: Vec<u64> =
         (0..2 * STEPS).map(|_| alone.train_step(0, 1, &mut NoReduce).unwrap().loss.to_bits()).collect();
@@ -552,13 +555,7 @@ fn a_reproducible_step_torn_in_its_sum_is_finished_from_a_peers_sum() {
     one_thread();
     const STEPS: u64 = 8;
     const TORN: u64 = 3;
-    let repro = || {
-        let (mut job, data) = job_and_data();
-        job.optimizer = limpet_trainer::optim::OptimizerSpec::adamw(0.01, 0.1);
-        job.clip_norm = Some(0.05);
-        job.reproducible = true;
-        Trainer::try_new(job, data).unwrap()
-    };
+    let repro = reproducible_adamw_trainer;
     let mut alone = repro();
     let solo: Vec<u64> =
         (0..STEPS).map(|_| alone.train_step(0, 1, &mut NoReduce).unwrap().loss.to_bits()).collect();
