@@ -323,3 +323,44 @@ fn sharded_state_through_a_notice_a_join_and_a_kill_changes_no_bit() {
         common::transition(&summary, cause);
     }
 }
+
+/// Sharded state over hosts of two devices (`--devices 2 --shard-replicas 1`): six ranks on
+/// three `limpetd`s, each device holding its block and, as the replica, the block of the same
+/// device of the host before. Through a notice, a join and a `kill -9` of a host with both
+/// its ranks the state is re-cut at every entry, never made whole nor sent back to a
+/// checkpoint, and every step's loss and every tensor of the final state are one
+/// unsharded process's, bit for bit.
+#[test]
+fn sharded_state_over_hosts_of_two_devices_changes_no_bit() {
+    const LONG: u64 = 3000;
+    let tmp = tempfile::tempdir().unwrap();
+    let one = train_for(&tmp.path().join("one"), &["--reproducible"], LONG);
+    let dir = tmp.path().join("sharded-devices");
+    let extra = ["--reproducible", "--devices", "2", "--shard-replicas", "1"];
+    let summary = scenario_for(&dir, 3, SCRIPT, &extra, LONG);
+    let logs = common::node_logs(&dir);
+    assert!(logs.contains("every rank holds the same state: each keeps its own shard"), "{logs}");
+    for epoch in 2..=4 {
+        let recut = format!("optimizer state re-cut for the new group epoch={epoch}");
+        assert!(logs.contains(&recut), "no re-cut entering epoch {epoch}:\n{logs}");
+    }
+    assert!(!logs.contains("gathered from its shards for the entry"), "{logs}");
+    assert!(!logs.contains("back to the newest checkpoint"), "a host's kill lost a block:\n{logs}");
+    // Each device held its own block and that of the same device on the host before: host
+    // 1's devices (ranks 2 and 3) held blocks 0 and 1, in the first epoch's six ranks.
+    assert!(logs.contains("held=[[2, 0], [3, 1]]"), "{logs}");
+    let (got, _) = params(Path::new(summary["checkpoint"].as_str().unwrap()));
+    let (want, _) = params(Path::new(one["checkpoint"].as_str().unwrap()));
+    for (name, t) in want.tensors() {
+        let g = &got.tensors()[name];
+        assert!(
+            g.data() == t.data() && g.shape() == t.shape(),
+            "{name} differs from one process's: {summary:#}"
+        );
+    }
+    assert_eq!(got.tensors().len(), want.tensors().len());
+    same_losses(&agent_losses(&dir), &train_losses(&tmp.path().join("one")), "sharded over devices");
+    for cause in ["notice for node 2", "join of node 4", "failure of node 3"] {
+        common::transition(&summary, cause);
+    }
+}

@@ -54,7 +54,7 @@ fn a_sharded_run_through_a_notice_a_join_and_a_kill_matches_one_process() {
 
 #[test]
 fn both_holders_of_a_shard_killed_at_once_go_back_to_the_checkpoint() {
-    both_holders_killed(false);
+    both_holders_killed(false, 1);
 }
 
 /// The same with a checkpoint directory every host shares (`[checkpoint].shared`): each rank
@@ -62,10 +62,18 @@ fn both_holders_of_a_shard_killed_at_once_go_back_to_the_checkpoint() {
 /// joins the shards to go back.
 #[test]
 fn shards_of_a_shared_checkpoint_bring_back_a_lost_block() {
-    both_holders_killed(true);
+    both_holders_killed(true, 1);
 }
 
-fn both_holders_killed(shared: bool) {
+/// The same over hosts of two devices (`[node].devices`): every device holds its block and
+/// that of the same device on the host before, writes its part of each checkpoint (a host
+/// writes two), and the survivors' devices go back to the checkpoint joined from them.
+#[test]
+fn shards_of_local_ranks_in_a_shared_checkpoint_bring_back_a_lost_block() {
+    both_holders_killed(true, 2);
+}
+
+fn both_holders_killed(shared: bool, devices: usize) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("c");
     // Long enough after the loss for checkpoints of three shards: the write in flight at the
@@ -79,6 +87,7 @@ fn both_holders_killed(shared: bool) {
         shard_state: Some(("optimizer".into(), 1)),
         checkpoint_dir: shared.then(|| checkpoints.clone()),
         checkpoint_shared: shared,
+        devices,
         ..LocalJob::default()
     };
     let mut c =
@@ -88,7 +97,7 @@ fn both_holders_killed(shared: bool) {
     wait_showing_logs("five ranks past a checkpoint", Duration::from_secs(180), &dir, || {
         logs.iter().all(|l| common::step_worlds(l).iter().any(|&(s, w)| w == 5 && s > 45))
     });
-    // Ranks 1 and 2 hold block 1 (its owner and its replica): both go at once.
+    // Hosts 1 and 2 hold host 1's blocks (their owners and their replicas): both go at once.
     c.kill("node-2").unwrap();
     c.kill("node-3").unwrap();
     wait_showing_logs("the survivors go back to the checkpoint", Duration::from_secs(120), &dir, || {
@@ -103,11 +112,17 @@ fn both_holders_killed(shared: bool) {
     if shared {
         // Five ranks wrote their shards of the checkpoints, then three (the older ones are
         // pruned); each survivor read them back.
-        assert!(all.contains("checkpoint shard written") && all.contains("shard=4 of=5"), "{all}");
+        let (five, three) = (5 * devices, 3 * devices);
+        assert!(
+            all.contains("checkpoint shard written")
+                && all.contains(&format!("shard={} of={five}", five - 1)),
+            "{all}"
+        );
+        let last = format!("shard-{}-of-{three}.limpet", three - 1);
         let three = std::fs::read_dir(&checkpoints)
             .unwrap()
             .flatten()
-            .filter(|d| d.path().join("shard-2-of-3.limpet").exists())
+            .filter(|d| d.path().join(&last).exists())
             .count();
         if three == 0 {
             let listing: Vec<String> = walk(&checkpoints);

@@ -480,12 +480,11 @@ pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<A
         .map_err(|e| UsageError(format!("[job].device: {e}")))?;
     a.devices =
         cfg.node.local_devices().map_err(|e| UsageError(format!("[node].devices: {e}")))?.unwrap_or_default();
-    let sharded = cfg.job.shard_state.as_deref().is_some_and(|s| s != "none");
-    if a.devices.len() > 1 && (cfg.pipeline.is_some() || sharded) {
+    if a.devices.len() > 1 && cfg.pipeline.is_some() {
         // Only `"auto"` gets here (validation refuses such a list): the first device.
         tracing::warn!(
             devices = a.devices.len(),
-            "[node].devices = \"auto\": a pipelined or sharded-state job trains on one device; using the first"
+            "[node].devices = \"auto\": a pipelined job trains on one device; using the first"
         );
         a.devices.truncate(1);
     }

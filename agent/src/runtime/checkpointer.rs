@@ -100,59 +100,82 @@ impl Checkpointer {
         self.writing.load(Ordering::SeqCst)
     }
 
-    /// Writes this rank's shard of a sharded job's checkpoint (every rank writes its own, at
-    /// once, in the background as any part); shard 0's writer records the checkpoint in the
-    /// log, with the whole state's hash, once every shard is in.
-    pub fn write_shard(
+    /// Writes this host's shards of a sharded job's checkpoint, one per local rank (every
+    /// host writes its own at once, in the background as any part; a host's one after the
+    /// other, shard 0 last, and none after one that failed); shard 0's writer records the
+    /// checkpoint in the log, with the whole state's hash, once every shard is in.
+    pub fn write_shards(
         &mut self,
-        part: limpet_trainer::CheckpointPart,
+        parts: Vec<limpet_trainer::CheckpointPart>,
         epoch: &Epoch,
         nb: usize,
         sink: &Sink<'_>,
     ) {
         let Some(c) = self.settings.clone() else { return };
-        let step = part.image.meta().step;
         if self.writing.swap(true, Ordering::SeqCst) {
-            tracing::warn!(step, "the previous checkpoint is still being written; skipping this shard");
+            let step = parts.first().map(|p| p.image.meta().step);
+            tracing::warn!(?step, "the previous checkpoint is still being written; skipping these shards");
             return;
         }
         self.last = Some(Instant::now());
         let mut writers = epoch.ranks.clone();
         writers.dedup();
-        let kind = Kind::Shard { index: part.index, parts: part.parts, writers };
-        self.spawn(c, (part.image, part.whole_hash, kind), epoch, nb, sink);
+        let mut parts: Vec<_> = parts
+            .into_iter()
+            .map(|p| {
+                let kind = Kind::Shard { index: p.index, parts: p.parts, writers: writers.clone() };
+                (p.image, p.whole_hash, kind)
+            })
+            .collect();
+        // Shard 0 last: its writer waits for every other shard, this host's too.
+        parts.sort_by_key(|(_, _, k)| matches!(k, Kind::Shard { index: 0, .. }));
+        self.spawn(c, parts, epoch, nb, sink);
     }
 
-    /// Writes `image` (recorded with `hash`, as a part of `kind`) on a tracked thread of its
-    /// own; the caller marked the writer busy.
+    /// Writes each image (recorded with its hash, as a part of its kind), in order, on one
+    /// tracked thread of its own; the caller marked the writer busy.
     fn spawn(
         &mut self,
         settings: CheckpointSettings,
-        (image, hash, kind): (limpet_snapshot::StateImage, String, Kind),
+        images: Vec<(limpet_snapshot::StateImage, String, Kind)>,
         epoch: &Epoch,
         nb: usize,
         sink: &Sink<'_>,
     ) {
-        let step = image.meta().step;
-        let part = Part {
-            settings,
-            hash,
-            image,
-            kind,
-            stop: sink.tasks.token(),
-            model_blocks: nb,
-            step,
-            epoch: epoch.id,
-            me: sink.me,
-            handle: sink.handle.clone(),
-            rt: sink.rt.clone(),
-            remote: Arc::clone(&self.remote),
-            failure: Arc::clone(&self.failure),
-            abandoned: self.begin(step),
+        let Some(step) = images.first().map(|(image, _, _)| image.meta().step) else {
+            self.writing.store(false, Ordering::SeqCst);
+            return;
         };
-        let busy = Arc::clone(&self.writing);
+        let abandoned = self.begin(step);
+        let parts: Vec<Part> = images
+            .into_iter()
+            .map(|(image, hash, kind)| Part {
+                settings: settings.clone(),
+                hash,
+                image,
+                kind,
+                stop: sink.tasks.token(),
+                model_blocks: nb,
+                step,
+                epoch: epoch.id,
+                me: sink.me,
+                handle: sink.handle.clone(),
+                rt: sink.rt.clone(),
+                remote: Arc::clone(&self.remote),
+                failure: Arc::clone(&self.failure),
+                abandoned: Arc::clone(&abandoned),
+            })
+            .collect();
+        let (busy, failure) = (Arc::clone(&self.writing), Arc::clone(&self.failure));
         let write = move || {
-            part.write();
+            for part in parts {
+                part.write();
+                // Each part sets or clears the failure: after a failed one the checkpoint is
+                // incomplete, and a later part's success must not hide it.
+                if failure.lock().expect("failure lock").is_some() {
+                    break;
+                }
+            }
             busy.store(false, Ordering::SeqCst);
         };
         if let Err(e) = sink.tasks.spawn_thread("checkpoint", write) {
@@ -198,7 +221,7 @@ impl Checkpointer {
             }
         };
         let hash = image.content_hash().to_string();
-        self.spawn(c, (image, hash, Kind::Blocks(trainer.model().blocks())), epoch, nb, sink);
+        self.spawn(c, vec![(image, hash, Kind::Blocks(trainer.model().blocks()))], epoch, nb, sink);
     }
 }
 

@@ -5,7 +5,10 @@
 //! The first device's trainer is the host's: entries, checkpoints, handoffs and status read
 //! it. The others follow it: before a step each copies its state when it was replaced (an
 //! entry, a checkpoint) or is at another step, and takes its plan; after a step every local
-//! rank applied the same reduced bytes, so their states stay equal without a copy.
+//! rank applied the same reduced bytes, so their states stay equal without a copy. With
+//! sharded state each device holds its own blocks instead, and takes only the plan; an
+//! entry's and a checkpoint's collectives of sharded state run on every device at once
+//! ([`each`]).
 //!
 //! Ranks are numbered over the epoch's devices, not its hosts ([`Epoch::first_rank_of`]), so
 //! shares and a reproducible job's canonical shards are cut per device: two hosts of two
@@ -56,6 +59,73 @@ pub(super) fn sync(leader: &Trainer, followers: &mut [Trainer]) -> Result<(), Tr
         "local ranks copied the host's state"
     );
     Ok(())
+}
+
+/// Runs `f` on every local rank epoch `epoch` gives node `me` at once: `leader` (local rank
+/// 0, on this thread) and its followers (each on a thread of its own), each with its rank in
+/// the epoch's world and its reduce, local rank 0 driving `ring` between the hosts on one
+/// lane (what an entry's and a checkpoint's collectives of sharded state need: they are
+/// seldom, or carry little). An epoch of one device per host runs `f` on `ring` itself.
+/// What each returned, in local rank order.
+pub(super) fn each<R: Send>(
+    leader: &mut Trainer,
+    followers: &mut [Trainer],
+    epoch: &Epoch,
+    me: usize,
+    ring: &mut Group,
+    f: impl Fn(usize, &mut Trainer, &mut (dyn Reduce + Send)) -> R + Sync,
+) -> Result<Vec<R>, TrainerError> {
+    let (n, first) = (epoch.local_ranks_of(me) as usize, epoch.first_rank_of(me));
+    if epoch.total_ranks() == epoch.ranks.len() {
+        return Ok(vec![f(first, leader, ring)]);
+    }
+    // A host of one device among hosts of several still reduces as a local group: every
+    // host must run each collective the same way (a relay, say: the ring's own plan on
+    // one, a sum of bits through the local group on another, would not meet).
+    if n > 1 + followers.len() {
+        return Err(TrainerError::Reduce {
+            peer: None,
+            detail: format!(
+                "epoch {} gives this host {n} local ranks, but it trains with {} device(s)",
+                epoch.id,
+                1 + followers.len()
+            ),
+            violation: true,
+        });
+    }
+    let group = LocalGroup::with_sums(n, first, 1, &LocalSums::default());
+    let f = &f;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = followers[..n - 1]
+            .iter_mut()
+            .enumerate()
+            .map(|(i, t)| {
+                let mut r = group.rank(i + 1, None);
+                let spawned = std::thread::Builder::new()
+                    .name(format!("limpet-rank-{}", i + 1))
+                    .spawn_scoped(s, move || f(first + i + 1, t, &mut r));
+                (i + 1, spawned)
+            })
+            .collect();
+        let mine = f(first, leader, &mut group.rank(0, Some(ring as &mut (dyn Reduce + Send))));
+        let mut out = vec![mine];
+        for (i, h) in handles {
+            let joined = h
+                .map_err(|e| format!("could not start local rank {i}'s thread: {e}"))
+                .and_then(|h| h.join().map_err(|p| format!("local rank {i} panicked: {}", panic_text(&p))));
+            out.push(joined.map_err(TrainerError::Config)?);
+        }
+        Ok(out)
+    })
+}
+
+/// What a panic said, if it said it in words.
+fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
 }
 
 /// Trains one step on node `me` (its index in `epoch`) with its local ranks: `leader` and as
@@ -109,7 +179,7 @@ pub(super) fn step(
     }
     let plan = leader.plan();
     let samples = (first..first + n).map(|r| plan.share_in(r, world, &shares).len()).sum();
-    let group = LocalGroup::with_sums(n, 1 + lanes.len(), sums);
+    let group = LocalGroup::with_sums(n, first, 1 + lanes.len(), sums);
     let mut lanes = lanes.iter_mut();
     let (mine, theirs) = std::thread::scope(|s| {
         let handles: Vec<_> = followers
@@ -131,12 +201,7 @@ pub(super) fn step(
             .map(|(i, h)| match h {
                 Err(e) => Err(TrainerError::Config(format!("could not start local rank {i}'s thread: {e}"))),
                 Ok(h) => h.join().unwrap_or_else(|panic| {
-                    let why = panic
-                        .downcast_ref::<String>()
-                        .cloned()
-                        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                        .unwrap_or_default();
-                    Err(TrainerError::Config(format!("local rank {i} panicked: {why}")))
+                    Err(TrainerError::Config(format!("local rank {i} panicked: {}", panic_text(&panic))))
                 }),
             })
             .collect();

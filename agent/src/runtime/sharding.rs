@@ -8,6 +8,13 @@
 //! once the entry agreed. Checkpoints the ranks
 //! know are due are gathered whole. A block with no live holder sends every rank back to
 //! the newest checkpoint.
+//!
+//! A host of several local ranks (`[node].devices`) shards over its devices: each local
+//! rank is a rank of the layout, which places every block's replicas on other hosts
+//! ([`ShardLayout::over_hosts`]), and every local rank takes part in the re-cut, the
+//! gathers and the checkpoint's parts ([`super::local_ranks::each`]). Hosts of unequal
+//! device counts keep whole state: a layout over them could not keep a block's holders on
+//! different hosts and reduce-scatter by host.
 
 use super::checkpointer;
 use super::error::AgentError;
@@ -27,15 +34,16 @@ pub(super) enum Sharded {
 }
 
 /// The first part of an entry into `n` for a job that shards its state (every rank of the
-/// group calls it; `step_tag` marks the collectives). `Some`: the state is re-cut for the
+/// group calls it, with its host's trainers: `trainer` and the `followers` of its other
+/// devices; `step_tag` marks the collectives). `Some`: the state is re-cut for the
 /// new group, every rank at the same step with the same parameters: the entry is done but
 /// for its barrier. `None`: the entry copies whole states: no rank held a shard, a rank held
 /// whole state further on, the shards were gathered whole for the job's end, or a lost
 /// block sent every rank back to a checkpoint. A rank left with state of another step than
 /// the one rebuilt (or a shard) then starts afresh, so the entry copies the state to it as
-/// to a newcomer.
+/// to a newcomer; a host's followers then copy the host's state after the entry.
 pub(super) fn enter(
-    trainer: &mut Trainer,
+    (trainer, followers): (&mut Trainer, &mut [Trainer]),
     group: &mut Group,
     job: &JobSpec,
     st: &ClusterState,
@@ -45,15 +53,41 @@ pub(super) fn enter(
     if job.shard_state.is_none() {
         return Ok(Sharded::Whole { redone: 0 });
     }
-    let (rank, world) = (group.rank(), group.world());
-    let target = layout_of(trainer, job, n, rank);
+    let (me, world) = (group.rank(), n.total_ranks());
+    let first = n.first_rank_of(me);
+    let target = layout_of(trainer, job, n, first);
     let recut = target.is_some();
+    if !recut && per_host(n).is_none() && n.layout.pipeline == 1 {
+        tracing::warn!(
+            epoch = n.id,
+            "hosts with unequal device counts: the optimizer state is kept whole this epoch"
+        );
+    }
     let started = Instant::now();
-    match trainer.regroup(rank, world, target.clone(), step_tag, group) {
+    let regrouped = super::local_ranks::each(trainer, followers, n, me, group, |r, t, reduce| {
+        let target = layout_of(t, job, n, r);
+        t.regroup(r, world, target, step_tag, reduce)
+    })?;
+    // Every local rank decided from the same facts; a rank's own failure is the host's.
+    let mut outcome = None;
+    for r in regrouped {
+        match (r, &outcome) {
+            (Err(TrainerError::ShardLost(why)), _) => outcome = Some(Err(why)),
+            (Err(e), _) => return Err(e.into()),
+            (Ok(s), None) => outcome = Some(Ok(s)),
+            (Ok(s), Some(Ok(t))) if s == *t => {}
+            (Ok(_), Some(_)) => {
+                return Err(AgentError::Entry(format!("epoch {}: local ranks rebuilt different steps", n.id)))
+            }
+        }
+    }
+    let count = (n.local_ranks_of(me) as usize).saturating_sub(1).min(followers.len());
+    let local = &mut followers[..count];
+    match outcome.unwrap_or(Ok(None)) {
         Ok(Some(step)) if recut => {
             if step >= job.steps {
                 // The job's final checkpoint is whole.
-                trainer.unshard(group)?;
+                unshard_host((&mut *trainer, &mut *local), group, n)?;
                 tracing::info!(
                     epoch = n.id,
                     step,
@@ -61,26 +95,31 @@ pub(super) fn enter(
                 );
                 return Ok(Sharded::Whole { redone: 0 });
             }
-            // What this rank took from others (a relay passes some values on through ranks
-            // between a giver and a taker, which these do not count).
-            let bytes = trainer.regroup_values() * 4;
-            let held = trainer.shard_layout().map(ShardLayout::held).unwrap_or_default();
-            tracing::info!(epoch = n.id, step, ?held, bytes, "optimizer state re-cut for the new group");
+            // What this host's ranks took from others (a relay passes some values on through
+            // ranks between a giver and a taker, which these do not count).
+            let bytes =
+                (trainer.regroup_values() + local.iter().map(Trainer::regroup_values).sum::<u64>()) * 4;
+            let held = held_by((trainer, local));
+            tracing::info!(epoch = n.id, step, %held, bytes, "optimizer state re-cut for the new group");
             Ok(Sharded::Recut { bytes, ms: started.elapsed().as_millis() as u64 })
         }
         // Every rank takes this guard's collective (the facts, hence `None`, are the
         // group's); the step is checked after it, when it is known to be every rank's.
         Ok(None)
-            if recut && all_hold_one_state(trainer, group, n, step_tag)? && trainer.step() < job.steps =>
+            if recut
+                && all_hold_one_state((&*trainer, &*local), group, n, step_tag)?
+                && trainer.step() < job.steps =>
         {
-            let layout = target.expect("a re-cut has a layout");
-            let held = layout.held();
-            trainer.shard_state(layout)?;
+            for (i, t) in std::iter::once(&mut *trainer).chain(local.iter_mut()).enumerate() {
+                let layout = layout_of(t, job, n, first + i).expect("a re-cut has a layout");
+                t.shard_state(layout)?;
+            }
             limpet_trainer::device::return_freed_host_memory();
+            let held = held_by((trainer, local));
             tracing::info!(
                 epoch = n.id,
-                rank,
-                ?held,
+                rank = first,
+                %held,
                 "every rank holds the same state: each keeps its own shard"
             );
             Ok(Sharded::Recut { bytes: 0, ms: started.elapsed().as_millis() as u64 })
@@ -92,14 +131,99 @@ pub(super) fn enter(
             if trainer.shard_layout().is_some() || rebuilt.is_some_and(|s| s != trainer.step()) {
                 *trainer = fresh(trainer, job)?;
             }
+            unshard_followers(followers, job)?;
             Ok(Sharded::Whole { redone: 0 })
         }
-        Err(TrainerError::ShardLost(why)) => {
+        Err(why) => {
             let redone = back_to_checkpoint(trainer, group, job, st, n, &why, step_tag)?;
+            unshard_followers(followers, job)?;
             Ok(Sharded::Whole { redone })
         }
-        Err(e) => Err(e.into()),
     }
+}
+
+/// The blocks each local rank holds (one list for a host of one device), for the log.
+fn held_by((trainer, followers): (&Trainer, &[Trainer])) -> String {
+    let held = |t: &Trainer| t.shard_layout().map(ShardLayout::held).unwrap_or_default();
+    match followers {
+        [] => format!("{:?}", held(trainer)),
+        _ => format!("{:?}", std::iter::once(trainer).chain(followers).map(held).collect::<Vec<_>>()),
+    }
+}
+
+/// Starts afresh each follower holding a shard: after a whole-state entry it copies the
+/// host's state, which a shard would refuse.
+fn unshard_followers(followers: &mut [Trainer], job: &JobSpec) -> Result<(), AgentError> {
+    for f in followers.iter_mut().filter(|f| f.shard_layout().is_some()) {
+        *f = fresh(f, job)?;
+    }
+    Ok(())
+}
+
+/// Gathers the whole optimizer state on every local rank of node `me` of `n` from the
+/// shards (a collective of the group, whose ring is `group`).
+pub(super) fn unshard_host(
+    (trainer, followers): (&mut Trainer, &mut [Trainer]),
+    group: &mut Group,
+    n: &Epoch,
+) -> Result<(), TrainerError> {
+    let me = group.rank();
+    super::local_ranks::each(trainer, followers, n, me, group, |_, t, reduce| t.unshard(reduce))?
+        .into_iter()
+        .collect()
+}
+
+/// After a step with sharded state (every rank of the group calls it, after the same
+/// step): at the job's end every local rank gathers the whole state (the final checkpoint
+/// is whole). A checkpoint due by the step count is written as parts, each local rank its
+/// own, when every host's directory is shared; otherwise the state is gathered whole for
+/// it. The ranks agree first: parts only if every host's directory is shared, and none if a
+/// rank's previous checkpoint is still being written (a set missing one part is no
+/// checkpoint).
+pub(super) fn after_step(
+    (trainer, followers): (&mut Trainer, &mut [Trainer]),
+    group: &mut Group,
+    n: &Epoch,
+    checkpointer: &mut checkpointer::Checkpointer,
+    sink: &checkpointer::Sink<'_>,
+    nb: usize,
+) -> Result<(), TrainerError> {
+    let step = trainer.step();
+    if step >= trainer.job().steps {
+        return unshard_host((trainer, followers), group, n);
+    }
+    if !checkpointer.due_by_steps(step) {
+        return Ok(());
+    }
+    let mut agreed = [i32::from(checkpointer.is_busy()), i32::from(!checkpointer.writes_shards())];
+    group.allreduce_max_i32(&mut agreed, step).map_err(|e| e.into_trainer())?;
+    match agreed {
+        [_, 1] => unshard_host((trainer, followers), group, n),
+        [1, _] => {
+            tracing::warn!(
+                step,
+                "a rank's previous checkpoint is still being written; every rank skips this one"
+            );
+            Ok(())
+        }
+        _ => {
+            let parts = parts_of_host((trainer, followers), group, n)?;
+            checkpointer.write_shards(parts, n, nb, sink);
+            Ok(())
+        }
+    }
+}
+
+/// Every local rank's part of a sharded checkpoint (a collective of the group).
+fn parts_of_host(
+    (trainer, followers): (&mut Trainer, &mut [Trainer]),
+    group: &mut Group,
+    n: &Epoch,
+) -> Result<Vec<limpet_trainer::CheckpointPart>, TrainerError> {
+    let me = group.rank();
+    super::local_ranks::each(trainer, followers, n, me, group, |_, t, reduce| t.checkpoint_part(reduce))?
+        .into_iter()
+        .collect()
 }
 
 /// Whether every rank of the group holds the same whole state, at a step the epoch may
@@ -108,7 +232,7 @@ pub(super) fn enter(
 /// rank keeps its state) after copying each state into an image, which would hold the whole
 /// optimizer state twice more.
 fn all_hold_one_state(
-    trainer: &Trainer,
+    (trainer, followers): (&Trainer, &[Trainer]),
     group: &mut Group,
     n: &Epoch,
     step_tag: u64,
@@ -116,7 +240,11 @@ fn all_hold_one_state(
     const F: usize = 6;
     let (rank, world) = (group.rank(), group.world());
     let mut facts = vec![0i64; F * world];
-    if let Ok(digest) = trainer.state_digest() {
+    // A host's devices count only if each holds the host's state (a host that does not
+    // says it holds none, so every rank copies states).
+    let digest =
+        trainer.state_digest().ok().filter(|d| followers.iter().all(|f| f.state_digest().ok() == Some(*d)));
+    if let Some(digest) = digest {
         facts[F * rank] = 1;
         facts[F * rank + 1] = trainer.step() as i64;
         for (k, w) in digest.chunks(8).enumerate() {
@@ -182,29 +310,46 @@ pub(super) fn layout_for(trainer: &Trainer, job: &JobSpec, n: &Epoch, rank: usiz
     layout_of(trainer, job, n, rank)
 }
 
-/// The layout of epoch `n`'s state for this rank whatever the step (`None`: whole state).
+/// Ranks on each host of `n` when every host has as many (`None`: hosts differ).
+fn per_host(n: &Epoch) -> Option<usize> {
+    let first = n.local_ranks_of(0);
+    (0..n.ranks.len()).all(|i| n.local_ranks_of(i) == first).then_some(first as usize)
+}
+
+/// The layout of epoch `n`'s state for rank `rank` of its devices whatever the step
+/// (`None`: whole state).
 fn layout_of(trainer: &Trainer, job: &JobSpec, n: &Epoch, rank: usize) -> Option<ShardLayout> {
     let sharding = job.shard_state?;
     if n.layout.pipeline > 1 {
         return None;
     }
-    let world = n.ranks.len();
-    let replicas = sharding.replicas.min(world.saturating_sub(1));
+    let (hosts, per_host) = (n.ranks.len(), per_host(n)?);
+    let replicas = sharding.replicas.min(hosts.saturating_sub(1));
     let len = trainer.buffer_len() - 3;
-    ShardLayout::new(len, world, rank, replicas).ok().map(|l| l.tagged(n.id))
+    ShardLayout::over_hosts(len, hosts * per_host, per_host, rank, replicas).ok().map(|l| l.tagged(n.id))
 }
 
-/// Cuts the whole state of an entered epoch into this rank's shard.
+/// Cuts the whole state of an entered epoch into each local rank's shard (node `me`'s,
+/// whose followers hold the host's state by now).
 pub(super) fn shard_after_entry(
-    trainer: &mut Trainer,
+    (trainer, followers): (&mut Trainer, &mut [Trainer]),
     job: &JobSpec,
     n: &Epoch,
-    rank: usize,
+    me: usize,
 ) -> Result<(), AgentError> {
-    if let Some(layout) = layout_for(trainer, job, n, rank) {
-        let held = layout.held();
-        trainer.shard_state(layout)?;
-        tracing::info!(epoch = n.id, rank, ?held, "optimizer state sharded over the epoch's ranks");
+    let (first, count) = (n.first_rank_of(me), n.local_ranks_of(me) as usize);
+    let local = followers.iter_mut().take(count.saturating_sub(1));
+    for (i, t) in std::iter::once(trainer).chain(local).enumerate() {
+        if let Some(layout) = layout_for(t, job, n, first + i) {
+            let held = layout.held();
+            t.shard_state(layout)?;
+            tracing::info!(
+                epoch = n.id,
+                rank = first + i,
+                ?held,
+                "optimizer state sharded over the epoch's ranks"
+            );
+        }
     }
     Ok(())
 }

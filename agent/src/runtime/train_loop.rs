@@ -11,6 +11,7 @@ use super::config::AgentConfig;
 use super::entry::{self, Conn, Entering, Pending};
 use super::error::AgentError;
 use super::shadows::{Links, Shadows};
+use super::sharding;
 use super::tasks::Tasks;
 use super::{Exit, StepLine};
 use crate::report::{AgentReport, Broken, Phase, Transition, MAX_TRANSITIONS};
@@ -273,7 +274,7 @@ impl TrainLoop {
         // A failed collective or stage link: (the peer it names, the error, a violation?).
         let outcome: Result<limpet_trainer::StepStats, (Option<NodeId>, String, bool)> = match conn {
             // Hosts with several devices: ranks per device, the host's sum through memory.
-            Conn::Ring(g) if !epoch.local_ranks.is_empty() && self.trainer.shard_layout().is_none() => {
+            Conn::Ring(g) if !epoch.local_ranks.is_empty() => {
                 match super::local_ranks::step(
                     &mut self.trainer,
                     &mut self.followers,
@@ -422,55 +423,22 @@ impl TrainLoop {
         self.grad_stats = observe_gradients(self.grad_stats, &stats, replicas);
         let sink = Sink { me: self.cfg.id, handle: &self.handle, rt: &self.rt, tasks: &self.tasks };
         let sharded = self.trainer.shard_layout().cloned();
+        let followers_sharded: Vec<_> = self.followers.iter().map(|f| f.shard_layout().cloned()).collect();
         if let (Some(_), Some((_, Conn::Ring(g)))) = (&sharded, self.group.as_mut()) {
-            // A checkpoint due by the step count: with a shared directory each rank writes its
-            // shard of it; else every rank gathers the state, as for the job's end (its final
-            // checkpoint is whole).
-            let step = self.trainer.step();
-            let (due, finished) = (self.checkpointer.due_by_steps(step), step >= self.trainer.job().steps);
             let nb = self.cfg.job.model.num_blocks();
-            // The ranks agree first: shards only if every host's directory is shared, and
-            // none if a rank's previous checkpoint is still being written (a set missing one
-            // shard is no checkpoint).
-            let collected = if due && !finished {
-                let mut agreed =
-                    [i32::from(self.checkpointer.is_busy()), i32::from(!self.checkpointer.writes_shards())];
-                g.allreduce_max_i32(&mut agreed, step).map_err(|e| e.into_trainer()).and_then(|()| {
-                    match agreed {
-                        [_, 1] => self.trainer.unshard(g),
-                        [1, _] => {
-                            tracing::warn!(
-                            step,
-                            "a rank's previous checkpoint is still being written; every rank skips this one"
-                        );
-                            Ok(())
-                        }
-                        _ => self
-                            .trainer
-                            .checkpoint_part(g)
-                            .map(|p| self.checkpointer.write_shard(p, epoch, nb, &sink)),
-                    }
-                })
-            } else if finished {
-                self.trainer.unshard(g)
-            } else {
-                Ok(())
-            };
-            {
-                if let Err(e) = collected {
-                    // Peers may be past it or still in it: the group is done, as after any
-                    // failed collective (the step itself is applied and logged).
-                    tracing::warn!(epoch = epoch.id, step, %e, "could not gather the sharded state for a checkpoint; waiting for the next epoch");
-                    let (suspect, violation) = match &e {
-                        limpet_trainer::TrainerError::Reduce { peer, violation, .. } => (*peer, *violation),
-                        _ => (None, false),
-                    };
-                    self.broken =
-                        Some(BrokenAt { at: Instant::now(), suspect, error: e.to_string(), violation });
-                    self.set_phase(Phase::Waiting);
-                    self.beat_now.notify_one();
-                    return Ok(());
-                }
+            let host = (&mut self.trainer, self.followers.as_mut_slice());
+            if let Err(e) = sharding::after_step(host, g, epoch, &mut self.checkpointer, &sink, nb) {
+                // Peers may be past it or still in it: the group is done, as after any
+                // failed collective (the step itself is applied and logged).
+                tracing::warn!(epoch = epoch.id, step = self.trainer.step(), %e, "could not gather the sharded state for a checkpoint; waiting for the next epoch");
+                let (suspect, violation) = match &e {
+                    limpet_trainer::TrainerError::Reduce { peer, violation, .. } => (*peer, *violation),
+                    _ => (None, false),
+                };
+                self.broken = Some(BrokenAt { at: Instant::now(), suspect, error: e.to_string(), violation });
+                self.set_phase(Phase::Waiting);
+                self.beat_now.notify_one();
+                return Ok(());
             }
         }
         self.checkpointer.maybe_write(
@@ -482,7 +450,13 @@ impl TrainLoop {
         );
         let finished = self.trainer.step() >= self.trainer.job().steps;
         if let Some(layout) = sharded.filter(|_| self.trainer.shard_layout().is_none() && !finished) {
+            // Gathered for a checkpoint: every local rank keeps its shard again.
             self.trainer.shard_state(layout)?;
+            for (f, layout) in self.followers.iter_mut().zip(followers_sharded) {
+                if let Some(layout) = layout.filter(|_| f.shard_layout().is_none()) {
+                    f.shard_state(layout)?;
+                }
+            }
             limpet_trainer::device::return_freed_host_memory();
         }
         let every = self.cfg.pipeline.as_ref().map_or(0, |p| p.shadow_every);

@@ -341,11 +341,8 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
         )
         .into());
     }
-    if a.devices == 0 || a.world % a.devices != 0 || (a.devices > 1 && a.shard_replicas.is_some()) {
-        return Err(limpet_daemon::UsageError(
-            "--devices must divide --world (and sharded state trains with one device per agent)".into(),
-        )
-        .into());
+    if a.devices == 0 || a.world % a.devices != 0 {
+        return Err(limpet_daemon::UsageError("--devices must divide --world".into()).into());
     }
     let spec = LlamaSpec::preset(&a.preset, a.vocab, a.context)
         .map_err(|e| limpet_daemon::UsageError(e.to_string()))?;

@@ -473,8 +473,8 @@ impl Config {
         {
             return err("[job].device", e);
         }
-        // `"auto"` on a host of several GPUs trains a pipelined or sharded job on the first
-        // (the cloud-init default must not refuse such jobs); a list of several is refused.
+        // `"auto"` on a host of several GPUs trains a pipelined job on the first (the
+        // cloud-init default must not refuse such jobs); a list of several is refused.
         let listed = self.node.devices.as_ref().is_some_and(|d| d.entries() != ["auto"]);
         match self.node.local_devices() {
             Err(e) => return err("[node].devices", e),
@@ -482,14 +482,8 @@ impl Config {
             Ok(Some(d)) if d.len() > 1 && self.pipeline.is_some() => {
                 return err(
                     "[node].devices",
-                    format!("{} devices: a pipeline stage trains on one device (list one, or drop [pipeline])", d.len()),
-                )
-            }
-            Ok(Some(d)) if d.len() > 1 && self.job.shard_state.as_deref().is_some_and(|s| s != "none") => {
-                return err(
-                    "[node].devices",
                     format!(
-                        "{} devices: sharded optimizer state ([job].shard_state) is not yet cut over a host's local ranks (list one device)",
+                        "{} devices: a pipeline stage trains on one device (list one, or drop [pipeline])",
                         d.len()
                     ),
                 )

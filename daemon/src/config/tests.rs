@@ -102,6 +102,9 @@ fn errors_name_the_file_and_the_key() {
     let both = good
         .replace("global_batch = 64", "global_batch = 64\nreproducible = true\nshard_state = \"optimizer\"");
     Config::parse(&both, "limpet.toml").unwrap();
+    // Sharded state is cut over a host's devices too.
+    let devices = both.replace("secret_file", "devices = [\"cpu\", \"cpu\"]\nsecret_file");
+    Config::parse(&devices, "limpet.toml").unwrap();
     let cases = [
         (good.replace("control = ", "contorl = "), "unknown field `contorl`"),
         (good.replace("127.0.0.1:7401", "127.0.0.1:99999"), "[node].data"),
@@ -191,11 +194,6 @@ fn errors_name_the_file_and_the_key() {
                 good.replace("secret_file", "devices = [\"cpu\", \"cpu\"]\nsecret_file")
             ),
             "[node].devices: 2 devices: a pipeline stage trains on one device",
-        ),
-        (
-            good.replace("secret_file", "devices = [\"cpu\", \"cpu\"]\nsecret_file")
-                .replace("global_batch = 64", "global_batch = 64\nshard_state = \"optimizer\""),
-            "[node].devices: 2 devices: sharded optimizer state",
         ),
         (good.replace("secret_file", "metrics_tls = true\nsecret_file"), "[node].metrics_tls"),
         (good.replace("secret_file", "data_congestion = \"BBR\"\nsecret_file"), "[node].data_congestion"),

@@ -19,12 +19,22 @@
 //! from run to run (as the ordinary path's do with the micro-batches); within a run every
 //! local rank copies the one sum, and the ring gives every host the same bytes.
 //!
+//! Sharded state goes the same way. A reduce-scatter sums the host's buffers as above, and
+//! the hosts reduce-scatter between them by host: host `h`'s block is the blocks of its
+//! ranks, and the `replicas` hosts before it send it theirs, which hold the blocks of the
+//! same local ranks there ([`crate::ShardLayout::over_hosts`]); every local rank then copies
+//! the host's sums back. An allgather puts each local rank's own block into the host's
+//! buffer and the hosts allgather their blocks. Either moves between hosts what one rank per
+//! host would move with the same blocks.
+//!
 //! A local rank that leaves the step early (an error, a panic) marks the group aborted as
 //! it is dropped, and every local rank waiting for it returns an error instead of waiting
 //! for ever.
 
+use super::overlap::within;
 use super::Trainer;
 use crate::{Reduce, TrainerError};
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use tch::Tensor;
@@ -134,6 +144,8 @@ fn lock_chunk(c: &Mutex<Chunk>) -> MutexGuard<'_, Chunk> {
 
 struct Shared {
     n: usize,
+    /// The job's rank of local rank 0 (local rank `i` is rank `first + i`).
+    first: usize,
     /// Lanes between hosts: local ranks `0..lanes` each drive one.
     lanes: usize,
     state: Mutex<State>,
@@ -182,20 +194,21 @@ pub struct LocalGroup {
 }
 
 impl LocalGroup {
-    /// A group of `n` local ranks (at least one) on one lane, with sums of its own.
+    /// A group of `n` local ranks (at least one) on one lane, with sums of its own, its
+    /// local rank 0 the job's rank 0.
     pub fn new(n: usize) -> LocalGroup {
-        LocalGroup::with_sums(n, 1, &LocalSums::default())
+        LocalGroup::with_sums(n, 0, 1, &LocalSums::default())
     }
 
-    /// A group of `n` local ranks driving `lanes` lanes between hosts (at least one, at
-    /// most `n`: every host of the epoch must use the same count), summing into `sums` (no
-    /// other group may be using them).
-    pub fn with_sums(n: usize, lanes: usize, sums: &LocalSums) -> LocalGroup {
+    /// A group of `n` local ranks, the job's ranks `first..first + n`, driving `lanes`
+    /// lanes between hosts (at least one, at most `n`: every host of the epoch must use the
+    /// same count), summing into `sums` (no other group may be using them).
+    pub fn with_sums(n: usize, first: usize, lanes: usize, sums: &LocalSums) -> LocalGroup {
         sums.reset();
         let n = n.max(1);
         let state = State { sums: sums.clone(), ..State::default() };
-        let shared =
-            Shared { n, lanes: lanes.clamp(1, n), state: Mutex::new(state), changed: Condvar::new() };
+        let lanes = lanes.clamp(1, n);
+        let shared = Shared { n, first, lanes, state: Mutex::new(state), changed: Condvar::new() };
         LocalGroup { shared: Arc::new(shared) }
     }
 
@@ -227,7 +240,36 @@ impl Drop for LocalRank<'_> {
     }
 }
 
+/// How a local rank's buffer goes into the host's.
+enum Local<T> {
+    /// Combined with every other local rank's, elementwise.
+    Combine(fn(&mut T, T)),
+    /// Only these values of it, which no other local rank gives (an allgather's block).
+    Place(Range<usize>),
+}
+
+/// What a lane does with one chunk of the host's buffer between hosts: the chunk, which
+/// values of the whole buffer it holds, the step.
+type Between<'b, T> = &'b dyn Fn(&mut dyn Reduce, &mut [T], Range<usize>, u64) -> Result<(), TrainerError>;
+
 impl LocalRank<'_> {
+    /// Each host's block of `blocks` (one per rank of the job, in rank order: host `h`'s
+    /// ranks are `h * n..(h + 1) * n` for a group of `n`), and this local rank's own.
+    fn host_blocks(
+        &self,
+        blocks: &[Range<usize>],
+    ) -> Result<(Vec<Range<usize>>, Range<usize>), TrainerError> {
+        let (n, me) = (self.shared.n, self.shared.first + self.index);
+        if blocks.len() % n != 0 || me >= blocks.len() || self.shared.first % n != 0 {
+            return Err(TrainerError::Config(format!(
+                "{} blocks for hosts of {n} local ranks, this one rank {me}",
+                blocks.len()
+            )));
+        }
+        let hosts = blocks.chunks(n).map(|h| h[0].start..h[n - 1].end).collect();
+        Ok((hosts, blocks[me].clone()))
+    }
+
     /// The hierarchical collective: every local rank's `buf` combined into the host's sums
     /// (chunk by chunk, the ranks in parallel), each sum through its lane between hosts
     /// (driven by the local rank of that lane), and the result copied to every local rank.
@@ -236,8 +278,8 @@ impl LocalRank<'_> {
         buf: &mut [T],
         step: u64,
         slot: fn(&mut Chunk) -> &mut Vec<T>,
-        combine: fn(&mut T, T),
-        between: fn(&mut dyn Reduce, &mut [T], u64) -> Result<(), TrainerError>,
+        local: Local<T>,
+        between: Between<'_, T>,
     ) -> Result<(), TrainerError> {
         let shared = Arc::clone(&self.shared);
         let lanes = shared.lanes;
@@ -267,12 +309,23 @@ impl LocalRank<'_> {
             let mut chunk = lock_chunk(&chunks[c]);
             let first = chunk.added == 0;
             chunk.added += 1;
-            let (part, sum) = (&buf[ranges[c].clone()], slot(&mut chunk));
-            if first {
-                sum.clear();
-                sum.extend_from_slice(part);
-            } else {
-                sum.iter_mut().zip(part).for_each(|(a, &b)| combine(a, b));
+            let range = ranges[c].clone();
+            let (part, sum) = (&buf[range.clone()], slot(&mut chunk));
+            match &local {
+                Local::Combine(_) if first => {
+                    sum.clear();
+                    sum.extend_from_slice(part);
+                }
+                Local::Combine(combine) => sum.iter_mut().zip(part).for_each(|(a, &b)| combine(a, b)),
+                Local::Place(own) => {
+                    if first {
+                        sum.clear();
+                        sum.resize(range.len(), T::default());
+                    }
+                    let (lo, hi) =
+                        (own.start.clamp(range.start, range.end), own.end.clamp(range.start, range.end));
+                    sum[lo - range.start..hi - range.start].copy_from_slice(&buf[lo..hi]);
+                }
             }
         }
         let st = shared.barrier(shared.lock(), |_| {})?;
@@ -282,9 +335,9 @@ impl LocalRank<'_> {
             // the other local ranks wait on the condition variable meanwhile, and one that
             // leaves can still say so. A lane that fails stops; the others finish theirs
             // (their peers are still sending), and every local rank returns the failure.
-            for c in chunks.iter().skip(self.index).step_by(lanes) {
+            for (c, range) in chunks.iter().zip(&ranges).skip(self.index).step_by(lanes) {
                 let mut chunk = lock_chunk(c);
-                let crossed = between(&mut **inter, slot(&mut chunk), step);
+                let crossed = between(&mut **inter, slot(&mut chunk), range.clone(), step);
                 // Never the state's lock under a chunk's (barrier 3 takes them the other way).
                 drop(chunk);
                 if let Err(e) = crossed {
@@ -318,21 +371,53 @@ impl LocalRank<'_> {
 
 impl Reduce for LocalRank<'_> {
     fn allreduce_sum(&mut self, buf: &mut [f32], step: u64) -> Result<(), TrainerError> {
-        self.all(buf, step, |c| &mut c.f32s, |a, b| *a += b, |r, b, s| r.allreduce_sum(b, s))
+        let add = Local::Combine(|a: &mut f32, b| *a += b);
+        self.all(buf, step, |c| &mut c.f32s, add, &|r, b, _, s| r.allreduce_sum(b, s))
     }
 
     fn allreduce_sum_i64(&mut self, buf: &mut [i64], step: u64) -> Result<(), TrainerError> {
-        self.all(
-            buf,
-            step,
-            |s| &mut s.i64s,
-            |a, b| *a = a.wrapping_add(b),
-            |r, b, s| r.allreduce_sum_i64(b, s),
-        )
+        let add = Local::Combine(|a: &mut i64, b| *a = a.wrapping_add(b));
+        self.all(buf, step, |s| &mut s.i64s, add, &|r, b, _, s| r.allreduce_sum_i64(b, s))
     }
 
     fn allreduce_max_i32(&mut self, vals: &mut [i32], step: u64) -> Result<(), TrainerError> {
-        self.all(vals, step, |c| &mut c.i32s, |a, b| *a = (*a).max(b), |r, b, s| r.allreduce_max_i32(b, s))
+        let max = Local::Combine(|a: &mut i32, b| *a = (*a).max(b));
+        self.all(vals, step, |c| &mut c.i32s, max, &|r, b, _, s| r.allreduce_max_i32(b, s))
+    }
+
+    fn ranks_per_host(&self) -> usize {
+        self.shared.n
+    }
+
+    fn reduce_scatter_sum(
+        &mut self,
+        buf: &mut [f32],
+        blocks: &[Range<usize>],
+        replicas: usize,
+        step: u64,
+    ) -> Result<(), TrainerError> {
+        // The host's sum of every value, then the hosts' reduce-scatter by host: this host
+        // ends with its block and its replicas' hosts' blocks, which hold every block its
+        // local ranks hold.
+        let (hosts, _) = self.host_blocks(blocks)?;
+        let add = Local::Combine(|a: &mut f32, b| *a += b);
+        let between = |r: &mut dyn Reduce, b: &mut [f32], range: Range<usize>, s: u64| {
+            r.reduce_scatter_sum(b, &within(&hosts, range), replicas, s)
+        };
+        self.all(buf, step, |c| &mut c.f32s, add, &between)
+    }
+
+    fn allgather_blocks(
+        &mut self,
+        buf: &mut [f32],
+        blocks: &[Range<usize>],
+        step: u64,
+    ) -> Result<(), TrainerError> {
+        let (hosts, own) = self.host_blocks(blocks)?;
+        let between = |r: &mut dyn Reduce, b: &mut [f32], range: Range<usize>, s: u64| {
+            r.allgather_blocks(b, &within(&hosts, range), s)
+        };
+        self.all(buf, step, |c| &mut c.f32s, Local::Place(own), &between)
     }
 }
 
@@ -355,7 +440,29 @@ impl Trainer {
     /// Makes this trainer hold `leader`'s state and follow its plan: a copy of its state when
     /// it does not [`Trainer::follows`] it, else nothing but the plan. Local ranks that apply
     /// the same reduced buffers stay equal step after step. Whether it copied.
+    /// Local ranks with sharded state each hold their own blocks: nothing is copied, but
+    /// they must be at the leader's step, sharded alike (else the group cannot train, and the
+    /// next entry regroups every local rank).
     pub fn follow(&mut self, leader: &Trainer) -> Result<bool, TrainerError> {
+        if self.shard.is_some() || leader.shard.is_some() {
+            let group =
+                |t: &Trainer| t.shard_layout().map(|l| (l.tag(), l.world(), l.per_host(), l.replicas()));
+            if self.shard.is_none() || group(self) != group(leader) || self.step != leader.step {
+                return Err(TrainerError::Reduce {
+                    peer: None,
+                    detail: format!(
+                        "a local rank at step {} (sharded: {}), the host's at step {} (sharded: {})",
+                        self.step,
+                        self.shard.is_some(),
+                        leader.step,
+                        leader.shard.is_some()
+                    ),
+                    violation: false,
+                });
+            }
+            self.take_plan(leader);
+            return Ok(false);
+        }
         let copy = !self.follows(leader);
         if copy {
             self.copy_state_from(leader)?;
@@ -412,340 +519,4 @@ impl Trainer {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::train::tests::{job, synthetic};
-    use crate::{JobSpec, ModelKind, NoReduce};
-
-    /// Ranks on `hosts` hosts (each its local ranks on threads) for `steps` steps; the
-    /// content hash of every rank after each step.
-    fn run(job: &JobSpec, hosts: &[usize], steps: usize) -> Vec<Vec<String>> {
-        let world: usize = hosts.iter().sum();
-        let mut ranks: Vec<Trainer> =
-            (0..world).map(|_| Trainer::try_new(job.clone(), synthetic()).unwrap()).collect();
-        let mut hashes = Vec::new();
-        // One lane per local rank of the host with the fewest, as an epoch gives them.
-        let lanes = hosts.iter().copied().min().unwrap_or(1);
-        for _ in 0..steps {
-            // Between hosts: the hosts' sums through one more group per lane, standing for
-            // the ring's lanes.
-            let rings: Vec<LocalGroup> = (0..lanes).map(|_| LocalGroup::new(hosts.len())).collect();
-            let groups: Vec<LocalGroup> =
-                hosts.iter().map(|&n| LocalGroup::with_sums(n, lanes, &LocalSums::default())).collect();
-            std::thread::scope(|s| {
-                let mut rest = ranks.as_mut_slice();
-                let mut first = 0;
-                for (h, &n) in hosts.iter().enumerate() {
-                    let (mine, tail) = rest.split_at_mut(n);
-                    rest = tail;
-                    let (group, rings) = (&groups[h], &rings);
-                    for (i, t) in mine.iter_mut().enumerate() {
-                        s.spawn(move || {
-                            if i >= lanes {
-                                return t.train_step(first + i, world, &mut group.rank(i, None)).unwrap();
-                            }
-                            let (mut between, mut alone) = (rings[i].rank(h, None), NoReduce);
-                            let inter: &mut (dyn Reduce + Send) =
-                                if hosts.len() > 1 { &mut between } else { &mut alone };
-                            let mut local = group.rank(i, Some(inter));
-                            t.train_step(first + i, world, &mut local).unwrap()
-                        });
-                    }
-                    first += n;
-                }
-            });
-            hashes.push(ranks.iter().map(|t| t.content_hash().unwrap()).collect());
-        }
-        hashes
-    }
-
-    #[test]
-    fn two_hosts_of_two_devices_train_the_bits_of_four_hosts_of_one() {
-        let data = synthetic();
-        let mut exact = JobSpec { reproducible: true, ..job(ModelKind::Mlp, &data, 24, 4) };
-        // Wide enough that the sums fill two lanes between the hosts of two devices.
-        if let crate::model::ModelSpec::Mlp { hidden, .. } = &mut exact.model {
-            *hidden = vec![256, 256];
-        }
-        let values = Trainer::try_new(exact.clone(), synthetic()).unwrap().buffer_len();
-        assert!(cut(values, 2).len() == 2, "{values} values fill one lane");
-        let a = run(&exact, &[2, 2], 3);
-        let b = run(&exact, &[1, 1, 1, 1], 3);
-        let one = run(&exact, &[1], 3);
-        for ((x, y), z) in a.iter().zip(&b).zip(&one) {
-            assert!(x.iter().chain(y).all(|h| h == &z[0]), "ranks differ: {x:?} {y:?} {z:?}");
-        }
-        // Unequal hosts: two lanes, and a third local rank that drives none.
-        let c = run(&exact, &[3, 2], 3);
-        for (x, z) in c.iter().zip(&one) {
-            assert!(x.iter().all(|h| h == &z[0]), "ranks of hosts of 3 and 2 differ: {x:?} {z:?}");
-        }
-        // An ordinary job: every local rank holds the same bits, and the hosts agree.
-        let plain = job(ModelKind::Mlp, &data, 24, 4);
-        let a = run(&plain, &[2, 1], 2);
-        assert!(a.iter().all(|x| x.iter().all(|h| h == &x[0])), "{a:?}");
-    }
-
-    #[test]
-    fn a_local_rank_that_leaves_fails_the_others_instead_of_hanging() {
-        let group = LocalGroup::new(3);
-        std::thread::scope(|s| {
-            let gone = group.rank(2, None);
-            let waiting: Vec<_> = (0..2)
-                .map(|i| {
-                    let mut r = group.rank(i, None);
-                    s.spawn(move || r.allreduce_sum(&mut [1.0, 2.0], 0))
-                })
-                .collect();
-            std::thread::sleep(std::time::Duration::from_millis(50));
-            drop(gone);
-            for w in waiting {
-                let e = w.join().unwrap().unwrap_err();
-                assert!(e.to_string().contains("local rank 2 left"), "{e}");
-            }
-        });
-    }
-
-    #[test]
-    fn a_failure_between_hosts_reaches_every_local_rank_and_sums_are_hierarchical() {
-        /// Fails its first collective (naming a peer), doubles the sum after.
-        struct Flaky(usize);
-        impl Reduce for Flaky {
-            fn allreduce_sum(&mut self, b: &mut [f32], _: u64) -> Result<(), TrainerError> {
-                self.0 += 1;
-                if self.0 == 1 {
-                    return Err(TrainerError::Reduce {
-                        peer: Some(7),
-                        detail: "peer 7 closed".into(),
-                        violation: false,
-                    });
-                }
-                b.iter_mut().for_each(|v| *v *= 2.0);
-                Ok(())
-            }
-        }
-        let group = LocalGroup::new(2);
-        let mut flaky = Flaky(0);
-        std::thread::scope(|s| {
-            let mut r1 = group.rank(1, None);
-            let other = s.spawn(move || {
-                let mut b = [3.0f32, 4.0];
-                let first = r1.allreduce_sum(&mut b, 0).map(|_| b);
-                let mut b = [3.0f32, 4.0];
-                (first, r1.allreduce_sum(&mut b, 1).map(|_| b))
-            });
-            let mut r0 = group.rank(0, Some(&mut flaky));
-            let e = r0.allreduce_sum(&mut [1.0, 2.0], 0).unwrap_err();
-            assert!(matches!(e, TrainerError::Reduce { peer: Some(7), .. }), "{e}");
-            // The group goes on: the next collective succeeds everywhere.
-            let mut b = [1.0f32, 2.0];
-            r0.allreduce_sum(&mut b, 1).unwrap();
-            assert_eq!(b, [8.0, 12.0]);
-            let (first, second) = other.join().unwrap();
-            assert!(matches!(first, Err(TrainerError::Reduce { peer: Some(7), .. })));
-            assert_eq!(second.unwrap(), [8.0, 12.0]);
-        });
-    }
-
-    #[test]
-    fn a_follower_copies_a_replaced_state_and_keeps_the_plan() {
-        let data = synthetic();
-        let j = job(ModelKind::Mlp, &data, 24, 4);
-        let mut leader = Trainer::try_new(j.clone(), data.shallow_clone()).unwrap();
-        let mut follower = Trainer::try_new(j, data).unwrap();
-        assert!(follower.follow(&leader).unwrap(), "a first follow copies");
-        assert!(!follower.follow(&leader).unwrap(), "equal states copy nothing");
-        leader.train_step(0, 1, &mut NoReduce).unwrap();
-        assert!(follower.follow(&leader).unwrap(), "a step apart copies");
-        assert_eq!(follower.content_hash().unwrap(), leader.content_hash().unwrap());
-        let image = leader.image().unwrap();
-        leader.load_image(&image).unwrap();
-        assert!(follower.follow(&leader).unwrap(), "a replaced state copies");
-        leader.set_epoch_plan(12, 3, 0.5).unwrap();
-        follower.follow(&leader).unwrap();
-        assert_eq!((follower.plan(), follower.lr_scale), (leader.plan(), 0.5));
-    }
-
-    #[test]
-    fn a_buffer_of_several_chunks_is_summed_in_parallel_and_crosses_hosts_chunk_by_chunk() {
-        /// Counts the collectives between hosts and doubles each (a second host's equal sum).
-        struct Counting(usize);
-        impl Reduce for Counting {
-            fn allreduce_sum(&mut self, b: &mut [f32], _: u64) -> Result<(), TrainerError> {
-                self.0 += 1;
-                b.iter_mut().for_each(|v| *v *= 2.0);
-                Ok(())
-            }
-        }
-        let len = 2 * CHUNK + 5;
-        let group = LocalGroup::new(3);
-        let mut counting = Counting(0);
-        let results: Vec<Vec<f32>> = std::thread::scope(|s| {
-            let others: Vec<_> = (1..3)
-                .map(|i| {
-                    let mut r = group.rank(i, None);
-                    s.spawn(move || {
-                        let mut b: Vec<f32> = (0..len).map(|v| (v % 7) as f32 * i as f32).collect();
-                        r.allreduce_sum(&mut b, 0).unwrap();
-                        b
-                    })
-                })
-                .collect();
-            let mut b: Vec<f32> = vec![1.0; len];
-            group.rank(0, Some(&mut counting)).allreduce_sum(&mut b, 0).unwrap();
-            std::iter::once(b).chain(others.into_iter().map(|h| h.join().unwrap())).collect()
-        });
-        assert_eq!(counting.0, 3, "one collective between hosts per chunk");
-        let want: Vec<f32> = (0..len).map(|v| 2.0 * (1.0 + 3.0 * (v % 7) as f32)).collect();
-        for r in &results {
-            assert!(r == &want, "a local rank holds another sum");
-        }
-    }
-
-    #[test]
-    fn each_lane_carries_its_chunks_in_order_and_small_buffers_take_one_lane() {
-        /// Records the lengths it carried and doubles each (a second host's equal sum).
-        struct Lane(Vec<usize>);
-        impl Reduce for Lane {
-            fn allreduce_sum(&mut self, b: &mut [f32], _: u64) -> Result<(), TrainerError> {
-                self.0.push(b.len());
-                b.iter_mut().for_each(|v| *v *= 2.0);
-                Ok(())
-            }
-        }
-        // The cut: near-equal chunks tiling the buffer, at least one per lane the buffer
-        // fills, at most CHUNK values each.
-        for (len, lanes, chunks) in [
-            (0, 4, 1),
-            (3, 4, 1),
-            (2 * MIN_LANE_VALUES - 1, 4, 1),
-            (2 * MIN_LANE_VALUES, 4, 2),
-            (9 * CHUNK + 1, 4, 12),
-            (9 * CHUNK + 1, 1, 10),
-        ] {
-            let c = cut(len, lanes);
-            assert_eq!(c.len(), chunks, "{len} values over {lanes} lanes");
-            assert!(c.first().unwrap().start == 0 && c.last().unwrap().end == len);
-            assert!(c.windows(2).all(|w| w[0].end == w[1].start) && c.iter().all(|r| r.len() <= CHUNK));
-            // Each lane the buffer fills takes as many chunks as the others.
-            assert_eq!(c.len() % lanes.min(len / MIN_LANE_VALUES).max(1), 0, "{len} over {lanes}");
-        }
-        // Three local ranks driving three lanes: chunk c on lane c % 3, in order.
-        let lanes = 3;
-        for len in [7 * MIN_LANE_VALUES + 5, 5] {
-            let group = LocalGroup::with_sums(lanes, lanes, &LocalSums::default());
-            let mut carried: Vec<Lane> = (0..lanes).map(|_| Lane(Vec::new())).collect();
-            let results: Vec<Vec<f32>> = std::thread::scope(|s| {
-                let handles: Vec<_> = carried
-                    .iter_mut()
-                    .enumerate()
-                    .map(|(i, lane)| {
-                        let group = &group;
-                        s.spawn(move || {
-                            let mut r = group.rank(i, Some(lane));
-                            let mut b: Vec<f32> = (0..len).map(|v| (v % 5) as f32 + i as f32).collect();
-                            r.allreduce_sum(&mut b, 0).unwrap();
-                            b
-                        })
-                    })
-                    .collect();
-                handles.into_iter().map(|h| h.join().unwrap()).collect()
-            });
-            let want: Vec<f32> = (0..len).map(|v| 2.0 * (3.0 * (v % 5) as f32 + 3.0)).collect();
-            assert!(results.iter().all(|r| r == &want), "a local rank holds another sum");
-            let chunks = cut(len, lanes);
-            for (k, lane) in carried.iter().enumerate() {
-                let mine: Vec<usize> = chunks.iter().skip(k).step_by(lanes).map(|r| r.len()).collect();
-                assert_eq!(lane.0, mine, "lane {k} of {len} values");
-            }
-            if len < MIN_LANE_VALUES {
-                assert!(carried[1].0.is_empty() && carried[2].0.is_empty(), "a small buffer took one lane");
-            } else {
-                assert!(carried.iter().all(|l| !l.0.is_empty()), "every lane carried its part");
-            }
-        }
-    }
-
-    #[test]
-    fn a_failing_lane_fails_every_local_rank_and_copies_no_partial_sum() {
-        /// A lane between hosts: doubles each sum (a second host's equal one), or fails.
-        struct Lane(bool);
-        impl Reduce for Lane {
-            fn allreduce_sum(&mut self, b: &mut [f32], _: u64) -> Result<(), TrainerError> {
-                if self.0 {
-                    let detail = "lane peer 9 closed".into();
-                    return Err(TrainerError::Reduce { peer: Some(9), detail, violation: false });
-                }
-                b.iter_mut().for_each(|v| *v *= 2.0);
-                Ok(())
-            }
-        }
-        let len = 4 * MIN_LANE_VALUES;
-        let group = LocalGroup::with_sums(3, 2, &LocalSums::default());
-        let mut lanes = [Lane(false), Lane(true)];
-        let outcomes: Vec<(Result<(), TrainerError>, Vec<f32>)> = std::thread::scope(|s| {
-            let mut lanes = lanes.iter_mut();
-            let handles: Vec<_> = (0..3)
-                .map(|i| {
-                    let lane = lanes.next().map(|l| l as &mut (dyn Reduce + Send));
-                    let mut r = group.rank(i, lane);
-                    s.spawn(move || {
-                        let mut b = vec![1.0f32; len];
-                        (r.allreduce_sum(&mut b, 0), b)
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        for (i, (r, b)) in outcomes.iter().enumerate() {
-            assert!(matches!(r, Err(TrainerError::Reduce { peer: Some(9), .. })), "local rank {i}: {r:?}");
-            assert!(b.iter().all(|&v| v == 1.0), "local rank {i} copied a partial sum");
-        }
-    }
-
-    #[test]
-    fn local_ranks_that_disagree_on_a_collective_fail_it_instead_of_summing_wrong() {
-        // Lengths of one and of two chunks: the chunk only one rank has would be its own.
-        let group = LocalGroup::new(2);
-        let results: Vec<Result<(), TrainerError>> = std::thread::scope(|s| {
-            let lens = [CHUNK, CHUNK + 3];
-            let handles: Vec<_> = (0..2)
-                .map(|i| {
-                    let mut r = group.rank(i, None);
-                    s.spawn(move || r.allreduce_sum(&mut vec![1.0; lens[i]], 0))
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        assert!(results.iter().all(|r| r.is_err()), "{results:?}");
-        assert!(results.iter().any(|r| matches!(r, Err(TrainerError::Reduce { violation: true, .. }))));
-        // Sums kept from a group left mid-collective count nothing in the next group's.
-        let sums = LocalSums::default();
-        {
-            let group = LocalGroup::with_sums(2, 1, &sums);
-            let mut r0 = group.rank(0, None);
-            let gone = group.rank(1, None);
-            std::thread::scope(|s| {
-                let h = s.spawn(move || r0.allreduce_sum(&mut [5.0, 5.0], 0));
-                std::thread::sleep(std::time::Duration::from_millis(20));
-                drop(gone);
-                assert!(h.join().unwrap().is_err());
-            });
-        }
-        let group = LocalGroup::with_sums(2, 1, &sums);
-        let got: Vec<[f32; 2]> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..2)
-                .map(|i| {
-                    let mut r = group.rank(i, None);
-                    s.spawn(move || {
-                        let mut b = [1.0f32, 2.0];
-                        r.allreduce_sum(&mut b, 1).unwrap();
-                        b
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        assert_eq!(got, vec![[2.0, 4.0]; 2]);
-    }
-}
+mod tests;

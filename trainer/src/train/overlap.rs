@@ -88,7 +88,7 @@ impl Buckets {
 
 /// Each of `blocks` (which tile a buffer) cut to `range` and counted from its start: blocks
 /// that tile `range`, some of them empty.
-fn within(blocks: &[Range<usize>], range: Range<usize>) -> Vec<Range<usize>> {
+pub(super) fn within(blocks: &[Range<usize>], range: Range<usize>) -> Vec<Range<usize>> {
     blocks
         .iter()
         .map(|b| {
@@ -131,7 +131,7 @@ impl Trainer {
         let started = std::time::Instant::now();
         let step = self.step;
         let layout = match self.shard.is_some() {
-            true => Some(self.step_layout(rank, world)?),
+            true => Some(self.step_layout(rank, world, reduce.ranks_per_host())?),
             false => None,
         };
         if let Some(s) = self.shard.as_mut() {

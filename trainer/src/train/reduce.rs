@@ -31,8 +31,15 @@ pub trait Reduce {
         Err(TrainerError::reduce("this reduce cannot take maxima: a reproducible job needs one that can"))
     }
 
-    /// Leaves rank `i` with `buf[blocks[i]]` summed over ranks, and the `replicas` blocks
-    /// before it too (what sharded optimizer state needs); the rest of `buf` is undefined.
+    /// Ranks on each host of this reduce's group (see [`Reduce::reduce_scatter_sum`]): one
+    /// unless a host's local ranks reduce together.
+    fn ranks_per_host(&self) -> usize {
+        1
+    }
+
+    /// Leaves rank `i` with `buf[blocks[i]]` summed over ranks, and the blocks of the
+    /// `replicas` hosts before its own too, rank `i - k * ranks_per_host()` for `k` up to
+    /// `replicas` (what sharded optimizer state needs); the rest of `buf` is undefined.
     fn reduce_scatter_sum(
         &mut self,
         _: &mut [f32],

@@ -1,6 +1,9 @@
 //! Sharded optimizer state (ZeRO-1 over the ring): each rank keeps the optimizer state of one
-//! block of the flat gradient, plus `replicas` neighbours' blocks so that a killed rank's
-//! state survives on another.
+//! block of the flat gradient, plus `replicas` other hosts' blocks so that a killed rank's
+//! (or host's) state survives on another host. With one rank per host the replicas are the
+//! blocks of the ranks before it around the ring; with a host's local ranks
+//! ([`ShardLayout::over_hosts`]) they are the blocks of the same local rank on the hosts
+//! before it, never another device of the same host, which a `kill -9` takes along.
 //!
 //! A sharded step reduce-scatters the gradient (each rank gets its block summed, and the
 //! blocks it replicates forwarded whole from their owners), computes the global norm from
@@ -36,32 +39,58 @@ use tch::{Device, Kind, Tensor};
 /// Blocks are cut at multiples of this many values (64 bytes), so none splits a cache line.
 const ALIGN: usize = 16;
 
-/// Which block of the flat gradient (and optimizer state) each rank owns, and how many
-/// blocks before its own a rank also holds.
+/// Which block of the flat gradient (and optimizer state) each rank owns, and which other
+/// hosts' blocks a rank also holds.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ShardLayout {
     blocks: Vec<Range<usize>>,
     rank: usize,
     replicas: usize,
+    /// Ranks on each host (every host the same count): ranks `h * per_host ..` are host
+    /// `h`'s local ranks, and a block's replicas are `per_host` ranks apart.
+    per_host: usize,
     /// Which group the layout is of (the agent's epoch), so ranks tell layouts apart.
     tag: u64,
 }
 
 impl ShardLayout {
-    /// Near-equal blocks of a gradient of `len` values over `world` ranks; this rank is
-    /// `rank` and holds the `replicas` blocks before its own too (none in a world of one).
+    /// Near-equal blocks of a gradient of `len` values over `world` ranks, one rank per
+    /// host; this rank is `rank` and holds the `replicas` blocks before its own too (none in
+    /// a world of one).
     pub fn new(len: usize, world: usize, rank: usize, replicas: usize) -> Result<Self, TrainerError> {
+        ShardLayout::over_hosts(len, world, 1, rank, replicas)
+    }
+
+    /// The same over hosts of `per_host` local ranks each (`world` a multiple of it): rank
+    /// `rank` holds its own block and, for each of `replicas` hosts before its own around
+    /// the ring, the block of the same local rank there, so no two holders of a block share
+    /// a host. A single host holds no replicas: a kill takes all its ranks at once.
+    pub fn over_hosts(
+        len: usize,
+        world: usize,
+        per_host: usize,
+        rank: usize,
+        replicas: usize,
+    ) -> Result<Self, TrainerError> {
         if world == 0 || rank >= world {
             return Err(TrainerError::Config(format!("rank {rank} of a world of {world}")));
         }
-        if world > 1 && replicas >= world {
+        if per_host == 0 || world % per_host != 0 {
             return Err(TrainerError::Config(format!(
-                "{replicas} replicas of each shard need more than {world} ranks"
+                "{world} ranks are not hosts of {per_host} local ranks each"
+            )));
+        }
+        let hosts = world / per_host;
+        if hosts > 1 && replicas >= hosts {
+            let (what, count) = if per_host == 1 { ("ranks", world) } else { ("hosts", hosts) };
+            return Err(TrainerError::Config(format!(
+                "{replicas} replicas of each shard need more than {count} {what}"
             )));
         }
         let cut = |i: usize| if i == world { len } else { (i * len / world) / ALIGN * ALIGN };
         let blocks = (0..world).map(|i| cut(i)..cut(i + 1)).collect();
-        Ok(ShardLayout { blocks, rank, replicas: if world == 1 { 0 } else { replicas }, tag: 0 })
+        let replicas = if hosts == 1 { 0 } else { replicas };
+        Ok(ShardLayout { blocks, rank, replicas, per_host, tag: 0 })
     }
 
     /// The same layout, marked as the group `tag`'s.
@@ -90,21 +119,26 @@ impl ShardLayout {
         self.blocks.len()
     }
 
-    /// Blocks before its own (around the ring) each rank holds as well.
+    /// Other hosts' blocks (before its own, around the ring) each rank holds as well.
     pub fn replicas(&self) -> usize {
         self.replicas
     }
 
-    /// The blocks this rank holds: its own first, then the `replicas` before it.
+    /// Ranks on each host.
+    pub fn per_host(&self) -> usize {
+        self.per_host
+    }
+
+    /// The blocks this rank holds: its own first, then the `replicas` hosts' before it.
     pub fn held(&self) -> Vec<usize> {
-        let w = self.world();
-        (0..=self.replicas).map(|k| (self.rank + w - k) % w).collect()
+        let (w, s) = (self.world(), self.per_host);
+        (0..=self.replicas).map(|k| (self.rank + w - k * s) % w).collect()
     }
 
     /// The ranks holding block `b`: its owner first, then its replicas in order.
     pub fn holders(&self, b: usize) -> Vec<usize> {
-        let w = self.world();
-        (0..=self.replicas).map(|k| (b + k) % w).collect()
+        let (w, s) = (self.world(), self.per_host);
+        (0..=self.replicas).map(|k| (b + k * s) % w).collect()
     }
 }
 
@@ -319,7 +353,7 @@ impl Trainer {
         if self.job.reproducible {
             return self.exact_step(rank, world, reduce);
         }
-        let layout = self.step_layout(rank, world)?;
+        let layout = self.step_layout(rank, world, reduce.ranks_per_host())?;
         let step = self.step;
         self.shard.as_mut().expect("sharded").pending = None;
         self.compute_grads(rank, world)?;
@@ -331,14 +365,26 @@ impl Trainer {
     }
 
     /// The layout a step as `rank` of `world` uses: this trainer's, checked usable and cut
-    /// for that rank and world.
-    pub(super) fn step_layout(&self, rank: usize, world: usize) -> Result<ShardLayout, TrainerError> {
+    /// for that rank and world, and for hosts of `per_host` ranks (the reduce's
+    /// [`Reduce::ranks_per_host`], which places the replicas' blocks it scatters).
+    pub(super) fn step_layout(
+        &self,
+        rank: usize,
+        world: usize,
+        per_host: usize,
+    ) -> Result<ShardLayout, TrainerError> {
         let layout = self.usable_shard()?.layout.clone();
         if (layout.rank, layout.world()) != (rank, world) {
             return Err(TrainerError::Config(format!(
                 "a step as rank {rank} of {world} with state sharded for rank {} of {}",
                 layout.rank,
                 layout.world()
+            )));
+        }
+        if layout.per_host != per_host && layout.replicas > 0 {
+            return Err(TrainerError::Config(format!(
+                "state sharded over hosts of {} ranks, reduced over hosts of {per_host}",
+                layout.per_host
             )));
         }
         Ok(layout)
@@ -546,5 +592,32 @@ mod tests {
         assert!(ShardLayout::new(10, 2, 0, 2).is_err());
         assert!(ShardLayout::new(10, 2, 2, 0).is_err());
         assert_eq!(ShardLayout::new(10, 1, 0, 3).unwrap().replicas(), 0);
+    }
+
+    #[test]
+    fn over_hosts_every_holder_of_a_block_is_on_another_host() {
+        // Three hosts of two local ranks, two replicas: the same local rank on each host.
+        for rank in 0..6 {
+            let l = ShardLayout::over_hosts(6000, 6, 2, rank, 2).unwrap();
+            assert_eq!(l.held()[0], rank);
+            for b in 0..6 {
+                let hosts: Vec<usize> = l.holders(b).iter().map(|r| r / 2).collect();
+                assert_eq!(hosts.len(), 3);
+                assert!(hosts.iter().all(|h| hosts.iter().filter(|x| *x == h).count() == 1), "{hosts:?}");
+                assert!(l.holders(b).iter().all(|r| r % 2 == b % 2), "a replica at another local rank");
+                assert_eq!(l.holders(b).contains(&rank), l.held().contains(&b));
+            }
+        }
+        assert_eq!(ShardLayout::over_hosts(6000, 6, 2, 3, 1).unwrap().held(), vec![3, 1]);
+        // Replicas need other hosts; one host holds none; ranks come in whole hosts.
+        assert!(ShardLayout::over_hosts(100, 6, 2, 0, 3).is_err());
+        assert_eq!(ShardLayout::over_hosts(100, 4, 4, 1, 1).unwrap().held(), vec![1]);
+        assert!(ShardLayout::over_hosts(100, 5, 2, 0, 0).is_err());
+        assert!(ShardLayout::over_hosts(100, 4, 0, 0, 0).is_err());
+        // One rank per host is the plain layout.
+        assert_eq!(
+            ShardLayout::over_hosts(1000, 3, 1, 0, 1).unwrap(),
+            ShardLayout::new(1000, 3, 0, 1).unwrap()
+        );
     }
 }

@@ -160,8 +160,10 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     let by = Instant::now() + ENTRY_WAIT;
     let give_up = give_up(x.watch, x.stop, n.id);
     let mut group = form_group(x.endpoint, x.pending.take(), n, &addrs, by, &give_up)?;
-    let given_up = match sharding::enter(x.trainer, &mut group, &x.cfg.job, &st, n, ENTRY_STEP)? {
+    let host = (&mut *x.trainer, &mut *x.followers);
+    let given_up = match sharding::enter(host, &mut group, &x.cfg.job, &st, n, ENTRY_STEP)? {
         sharding::Sharded::Recut { bytes, ms } => {
+            // The followers take the plan from the host's trainer before each step.
             x.trainer.set_epoch_plan(
                 n.batch.global_batch as usize,
                 n.batch.micro_batch as usize,
@@ -170,11 +172,10 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
             x.trainer.set_shares(n.shares.clone());
             group.barrier(ENTRY_STEP)?;
             limpet_trainer::device::return_freed_host_memory();
-            let conn = Conn::Ring(group);
-            // Sharded state is not cut over local ranks (refused at start-up): one lane.
+            let (conn, lanes) = connect(&x, n, group, &addrs, &give_up)?;
             return Ok(Entered {
                 conn,
-                lanes: Vec::new(),
+                lanes,
                 fetched_bytes: bytes,
                 fetch_ms: ms,
                 repaired: false,
@@ -240,42 +241,49 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     x.trainer.set_shares(n.shares.clone());
     let live = mine.live_label;
     drop(mine);
-    sharding::shard_after_entry(x.trainer, &x.cfg.job, n, me)?;
-    if !x.followers.is_empty() && x.trainer.shard_layout().is_none() {
+    if !x.followers.is_empty() {
         // Before the barrier: the other hosts wait here, not in the first step's collective.
+        // Before the state is cut: each device then keeps its own shard of the host's state.
         super::local_ranks::sync(x.trainer, x.followers)?;
     }
+    sharding::shard_after_entry((&mut *x.trainer, &mut *x.followers), &x.cfg.job, n, me)?;
     group.barrier(ENTRY_STEP)?;
     // Every rank passed the barrier, so every copy of this rank's live state is done; the
     // next entry offers the state of its own step.
     x.server.withdraw(&live);
     limpet_trainer::device::return_freed_host_memory();
-    let mut lanes = Vec::new();
-    let conn = if n.layout.pipeline > 1 {
-        // Every rank passed the barrier, so every ring connection of the entry is taken:
-        // the stage groups' connections (same epoch, same channel) cannot be mistaken for
-        // them.
-        drop(group);
-        let layout = (n.layout.data as usize, n.layout.pipeline as usize);
-        Conn::Stages(Box::new(StageConnections::connect(
-            x.endpoint, n.id, layout, &n.ranks, &addrs, by, &give_up,
-        )?))
-    } else {
-        let count = super::local_ranks::lanes_of(n);
-        if count > 1 {
-            // After the barrier, as the stages' connections are: every rank connects its
-            // lanes here, none is left waiting in the ring's collectives meanwhile.
-            // A deadline of its own: the entry's own may be spent by now (peers waited for,
-            // a state copied), and the left neighbours connect only once past the barrier.
-            let by = Instant::now() + ENTRY_WAIT;
-            lanes =
-                crate::dataplane::lanes::connect(x.endpoint, n.id, &n.ranks, &addrs, count, by, &give_up)?;
-            tracing::info!(epoch = n.id, lanes = count, "ring lanes connected, one per local rank");
-        }
-        Conn::Ring(group)
-    };
+    let (conn, lanes) = connect(&x, n, group, &addrs, &give_up)?;
     let redone_steps = (if plan.action == Entry::Rollback { redone } else { 0 }).max(given_up);
     Ok(Entered { conn, lanes, fetched_bytes, fetch_ms, repaired, redone_steps })
+}
+
+/// What the entered epoch trains over, connected once every rank passed the entry's
+/// barrier (so every ring connection of the entry is taken: the stage groups' and the
+/// lanes' connections, of the same epoch, cannot be mistaken for them): the stages of a
+/// pipelined epoch, else `group` and, for hosts of several local ranks, its other lanes.
+fn connect(
+    x: &Entering<'_>,
+    n: &Epoch,
+    group: Group,
+    addrs: &[String],
+    give_up: &dyn Fn() -> bool,
+) -> Result<(Conn, Vec<Group>), AgentError> {
+    // A deadline of its own: the entry's may be spent by now (peers waited for, a state
+    // copied), and the left neighbours connect only once past the barrier.
+    let by = Instant::now() + ENTRY_WAIT;
+    if n.layout.pipeline > 1 {
+        drop(group);
+        let layout = (n.layout.data as usize, n.layout.pipeline as usize);
+        let stages = StageConnections::connect(x.endpoint, n.id, layout, &n.ranks, addrs, by, give_up)?;
+        return Ok((Conn::Stages(Box::new(stages)), Vec::new()));
+    }
+    let count = super::local_ranks::lanes_of(n);
+    let mut lanes = Vec::new();
+    if count > 1 {
+        lanes = crate::dataplane::lanes::connect(x.endpoint, n.id, &n.ranks, addrs, count, by, give_up)?;
+        tracing::info!(epoch = n.id, lanes = count, "ring lanes connected, one per local rank");
+    }
+    Ok((Conn::Ring(group), lanes))
 }
 
 /// What this rank assembled is the reference's state (the first rank at the epoch's step

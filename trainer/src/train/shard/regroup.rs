@@ -27,7 +27,7 @@ fn hash_tensors<'a>(
 }
 
 /// Values in each rank's row of a regroup's facts (see [`Trainer::regroup`]).
-const FACTS: usize = 19;
+const FACTS: usize = 21;
 
 /// The most ranks a layout in a regroup's facts may have, and the most replicas: bounds on
 /// what a peer's row can make this rank allocate and compute.
@@ -47,8 +47,8 @@ fn checked_layout(n: usize, j: usize, row: &[i64]) -> Result<Option<ShardLayout>
     if [*pending, *whole, row[12], row[17]].iter().any(|f| !(0..=1).contains(f)) {
         return bad("a flag that is neither 0 nor 1".into());
     }
-    if !(0..=MOST_REPLICAS + 1).contains(&row[18]) {
-        return bad(format!("a target fact of {}", row[18]));
+    if !(0..=MOST_REPLICAS + 1).contains(&row[18]) || !(0..=MOST_RANKS).contains(&row[20]) {
+        return bad(format!("a target fact of {} (hosts of {})", row[18], row[20]));
     }
     if *world == 0 {
         return Ok(None);
@@ -59,8 +59,14 @@ fn checked_layout(n: usize, j: usize, row: &[i64]) -> Result<Option<ShardLayout>
     {
         return bad(format!("rank {rank} of {world} with {replicas} replicas"));
     }
-    let layout = ShardLayout::new(n, *world as usize, *rank as usize, *replicas as usize)?;
-    Ok(Some(layout.tagged(*tag as u64)))
+    let per_host = row[19];
+    if !(1..=*world).contains(&per_host) || *world % per_host != 0 {
+        return bad(format!("{world} ranks on hosts of {per_host}"));
+    }
+    match ShardLayout::over_hosts(n, *world as usize, per_host as usize, *rank as usize, *replicas as usize) {
+        Ok(layout) => Ok(Some(layout.tagged(*tag as u64))),
+        Err(e) => bad(e.to_string()),
+    }
 }
 
 /// Who gives each value of `0..n`: `sources` are (rank, values it holds, preference: lower
@@ -138,6 +144,7 @@ impl Trainer {
         if let Some(s) = &self.shard {
             let l = &s.layout;
             row[..4].copy_from_slice(&[l.tag as i64, l.world() as i64, l.replicas as i64, l.rank as i64]);
+            row[19] = l.per_host as i64;
             row[5] = i64::from(s.pending == Some(self.step));
             row[12] = i64::from(s.stale.is_some());
             row[17] = i64::from(self.kept_sum().is_some());
@@ -206,7 +213,9 @@ impl Trainer {
     /// that step (it is left unsharded, with zero moments). Returns the step rebuilt, or
     /// `None` when no rank held sharded state, or a rank holds whole state further on
     /// (nothing moved). Moves the parameters and the state once and needs one model-sized
-    /// host vector while it runs.
+    /// host vector while it runs, over a reduce whose relay moves values only to their takers
+    /// (the ring's); the default relay sums every piece's bits as integers across the group
+    /// (a host's local ranks: two more model-sized vectors per rank and one per host).
     pub fn regroup(
         &mut self,
         rank: usize,
@@ -220,8 +229,9 @@ impl Trainer {
             return Err(TrainerError::Config(format!("a regroup as rank {rank} of {world} into {target:?}")));
         }
         if let Some(t) = &target {
-            // Every rank works out what each other rank keeps from its replica count alone.
-            if ShardLayout::new(n, world, rank, t.replicas)?.blocks != t.blocks {
+            // Every rank works out what each other rank keeps from its replica count and
+            // ranks per host alone.
+            if ShardLayout::over_hosts(n, world, t.per_host, rank, t.replicas)? != t.clone().tagged(0) {
                 return Err(TrainerError::Config(format!("a layout of {:?} for {n} values", t.blocks)));
             }
         }
@@ -229,12 +239,14 @@ impl Trainer {
         // waits for its norm, the last norm it gathered, whether it holds the whole state,
         // its position in the data (cursor, RNG seed and draws), whether its parameters are
         // stale, their digest, whether it keeps the fixed-point sum of the reproducible
-        // step that brought it to its step, and the layout it keeps (its replica count, one
-        // up; 0: the whole state): all decide alike from these.
+        // step that brought it to its step, the layout it keeps (its replica count, one
+        // up; 0: the whole state), the ranks per host of its layout and of the one it
+        // keeps: all decide alike from these.
         const F: usize = FACTS;
         let mut facts = vec![0i64; F * world];
         let mut row = self.regroup_facts(F)?;
         row[18] = target.as_ref().map_or(0, |t| t.replicas as i64 + 1);
+        row[20] = target.as_ref().map_or(0, |t| t.per_host as i64);
         facts[F * rank..F * (rank + 1)].copy_from_slice(&row);
         reduce.allreduce_sum_i64(&mut facts, step_tag)?;
         if facts[F * rank..F * (rank + 1)] != row[..] {
@@ -266,7 +278,8 @@ impl Trainer {
             )));
         }
         let same_layout = |a: usize, b: usize| {
-            (fact(a, 0), fact(a, 1), fact(a, 2)) == (fact(b, 0), fact(b, 1), fact(b, 2))
+            (fact(a, 0), fact(a, 1), fact(a, 2), fact(a, 19))
+                == (fact(b, 0), fact(b, 1), fact(b, 2), fact(b, 19))
                 && layouts[a].is_some()
         };
         let of_newest = |j: usize| same_layout(j, newest);
@@ -313,7 +326,7 @@ impl Trainer {
                 // Without a target at another step, a rank loads the whole state afterwards.
                 0 if effective(j) != step => Ok(Vec::new()),
                 0 => Ok(std::iter::once(0..n).collect()),
-                r => ShardLayout::new(n, world, j, r as usize - 1)
+                r => ShardLayout::over_hosts(n, world, fact(j, 20) as usize, j, r as usize - 1)
                     .map(|l| l.held().into_iter().map(|b| l.blocks[b].clone()).collect())
                     .map_err(|e| TrainerError::Mismatch(format!("rank {j}'s target in the regroup: {e}"))),
             })

@@ -276,5 +276,30 @@ fn a_forged_world_is_refused_naming_the_rank() {
     assert!(checked_layout(1000, 1, &row).is_err());
     row[2] = 3;
     row[3] = 2;
+    // Ranks per host: none, or not dividing the world, is refused.
+    for forged in [0, 3, 5, i64::MIN] {
+        row[19] = forged;
+        let e = checked_layout(1000, 1, &row).unwrap_err().to_string();
+        assert!(e.contains("rank 1's facts"), "{e}");
+    }
+    row[19] = 1;
     assert_eq!(checked_layout(1000, 1, &row).unwrap().map(|l| l.held()), Some(vec![2, 1, 0, 3]));
+    // Hosts of two: the replica is the same local rank on the host before.
+    row[2] = 1;
+    row[19] = 2;
+    assert_eq!(checked_layout(1000, 1, &row).unwrap().map(|l| l.held()), Some(vec![2, 0]));
+    // As many replicas as hosts: refused naming the rank, as every forged fact is.
+    row[2] = 2;
+    let e = checked_layout(1000, 1, &row).unwrap_err().to_string();
+    assert!(
+        e.contains("rank 1's facts") && e.contains("2 replicas of each shard need more than 2 hosts"),
+        "{e}"
+    );
+    row[2] = 1;
+    // The target's ranks per host, bounded like a layout's.
+    for forged in [-1, MOST_RANKS + 1, i64::MAX] {
+        row[20] = forged;
+        let e = checked_layout(1000, 1, &row).unwrap_err().to_string();
+        assert!(e.contains("rank 1's facts") && e.contains("a target fact"), "{e}");
+    }
 }
