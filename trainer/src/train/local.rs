@@ -33,7 +33,8 @@
 
 use super::overlap::within;
 use super::Trainer;
-use crate::{Reduce, TrainerError};
+use crate::train::reduce::relay_by_sums;
+use crate::{Piece, Reduce, TrainerError};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -146,6 +147,9 @@ struct Shared {
     n: usize,
     /// The job's rank of local rank 0 (local rank `i` is rank `first + i`).
     first: usize,
+    /// The hosts of the job when every host has `n` local ranks (rank `r` on host `r / n`):
+    /// then a relay goes between hosts only where a piece's takers are.
+    hosts: Option<usize>,
     /// Lanes between hosts: local ranks `0..lanes` each drive one.
     lanes: usize,
     state: Mutex<State>,
@@ -208,8 +212,19 @@ impl LocalGroup {
         let n = n.max(1);
         let state = State { sums: sums.clone(), ..State::default() };
         let lanes = lanes.clamp(1, n);
-        let shared = Shared { n, first, lanes, state: Mutex::new(state), changed: Condvar::new() };
+        let shared =
+            Shared { n, first, hosts: None, lanes, state: Mutex::new(state), changed: Condvar::new() };
         LocalGroup { shared: Arc::new(shared) }
+    }
+
+    /// The same group, told that the job's ranks are `hosts` hosts of as many local ranks as
+    /// this one has (every host of the epoch must be told alike: a relay then goes between
+    /// hosts by host, where otherwise each sums every piece's bits).
+    pub fn of_equal_hosts(mut self, hosts: usize) -> LocalGroup {
+        if let Some(s) = Arc::get_mut(&mut self.shared) {
+            s.hosts = Some(hosts);
+        }
+        self
     }
 
     /// Local rank `index` (below the group's size, each taken once)'s reduce; the first
@@ -244,8 +259,9 @@ impl Drop for LocalRank<'_> {
 enum Local<T> {
     /// Combined with every other local rank's, elementwise.
     Combine(fn(&mut T, T)),
-    /// Only these values of it, which no other local rank gives (an allgather's block).
-    Place(Range<usize>),
+    /// Only these values of it, which no other local rank gives (an allgather's block, a
+    /// relay's pieces).
+    Place(Vec<Range<usize>>),
 }
 
 /// What a lane does with one chunk of the host's buffer between hosts: the chunk, which
@@ -322,9 +338,11 @@ impl LocalRank<'_> {
                         sum.clear();
                         sum.resize(range.len(), T::default());
                     }
-                    let (lo, hi) =
-                        (own.start.clamp(range.start, range.end), own.end.clamp(range.start, range.end));
-                    sum[lo - range.start..hi - range.start].copy_from_slice(&buf[lo..hi]);
+                    for own in own {
+                        let (lo, hi) =
+                            (own.start.clamp(range.start, range.end), own.end.clamp(range.start, range.end));
+                        sum[lo - range.start..hi - range.start].copy_from_slice(&buf[lo..hi]);
+                    }
                 }
             }
         }
@@ -407,6 +425,65 @@ impl Reduce for LocalRank<'_> {
         self.all(buf, step, |c| &mut c.f32s, add, &between)
     }
 
+    fn relay(
+        &mut self,
+        buf: &mut [f32],
+        pieces: &[Piece],
+        rank: usize,
+        step: u64,
+    ) -> Result<(), TrainerError> {
+        let (n, first) = (self.shared.n, self.shared.first);
+        let Some(hosts) = self.shared.hosts else {
+            // Hosts of unequal device counts: every host sums the pieces' bits alike.
+            return relay_by_sums(self, buf, pieces, rank, step);
+        };
+        let world = hosts * n;
+        let bad = |p: &Piece| {
+            p.range.start > p.range.end
+                || p.range.end > buf.len()
+                || p.giver >= world
+                || p.to.iter().any(|&t| t >= world)
+        };
+        if rank != first + self.index || first % n != 0 || pieces.iter().any(bad) {
+            return Err(TrainerError::Config(format!(
+                "a relay as rank {rank} (local rank {} of the host from rank {first}) for {hosts} hosts of {n}, over {} values: {pieces:?}",
+                self.index,
+                buf.len()
+            )));
+        }
+        // What this device gives goes into the host's buffer; between hosts each piece goes
+        // from its giver's host to its takers' hosts (nowhere when they are all on the
+        // giver's); every device then copies the host's buffer, which holds what it takes.
+        let gives: Vec<Range<usize>> =
+            pieces.iter().filter(|p| p.giver == rank).map(|p| p.range.clone()).collect();
+        let by_host: Vec<Piece> = pieces
+            .iter()
+            .filter_map(|p| {
+                let giver = p.giver / n;
+                let mut to: Vec<usize> = p.to.iter().map(|t| t / n).filter(|&h| h != giver).collect();
+                to.sort_unstable();
+                to.dedup();
+                (!to.is_empty() && !p.range.is_empty()).then(|| Piece { giver, range: p.range.clone(), to })
+            })
+            .collect();
+        let host = first / n;
+        let between = |r: &mut dyn Reduce, b: &mut [f32], range: Range<usize>, s: u64| {
+            let within: Vec<Piece> = by_host
+                .iter()
+                .filter_map(|p| {
+                    let (lo, hi) = (p.range.start.max(range.start), p.range.end.min(range.end));
+                    (lo < hi).then(|| Piece {
+                        giver: p.giver,
+                        range: lo - range.start..hi - range.start,
+                        to: p.to.clone(),
+                    })
+                })
+                .collect();
+            r.relay(b, &within, host, s)
+        };
+        self.all(buf, step, |c| &mut c.f32s, Local::Place(gives), &between)
+    }
+
     fn allgather_blocks(
         &mut self,
         buf: &mut [f32],
@@ -417,7 +494,7 @@ impl Reduce for LocalRank<'_> {
         let between = |r: &mut dyn Reduce, b: &mut [f32], range: Range<usize>, s: u64| {
             r.allgather_blocks(b, &within(&hosts, range), s)
         };
-        self.all(buf, step, |c| &mut c.f32s, Local::Place(own), &between)
+        self.all(buf, step, |c| &mut c.f32s, Local::Place(vec![own]), &between)
     }
 }
 

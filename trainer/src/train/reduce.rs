@@ -69,32 +69,44 @@ pub trait Reduce {
         rank: usize,
         step: u64,
     ) -> Result<(), TrainerError> {
-        if let Some(p) = pieces.iter().find(|p| p.range.start > p.range.end || p.range.end > buf.len()) {
-            return Err(TrainerError::Config(format!("a piece {:?} of a buffer of {}", p.range, buf.len())));
-        }
-        let mut bits = vec![0i64; pieces.iter().map(|p| p.range.len()).sum()];
-        let mut at = 0;
-        for p in pieces {
-            if p.giver == rank {
-                for (d, v) in bits[at..at + p.range.len()].iter_mut().zip(&buf[p.range.clone()]) {
-                    *d = i64::from(v.to_bits());
-                }
-            }
-            at += p.range.len();
-        }
-        self.allreduce_sum_i64(&mut bits, step)?;
-        let mut at = 0;
-        for p in pieces {
-            if p.to.contains(&rank) {
-                for (d, &b) in buf[p.range.clone()].iter_mut().zip(&bits[at..at + p.range.len()]) {
-                    // A peer's sum that is not one rank's bits is garbage either way.
-                    *d = f32::from_bits(b as u32);
-                }
-            }
-            at += p.range.len();
-        }
-        Ok(())
+        relay_by_sums(self, buf, pieces, rank, step)
     }
+}
+
+/// [`Reduce::relay`] through an integer sum of the pieces' bits, each zero on all but its
+/// giver: exact (a negative zero arrives too), every rank receiving every piece.
+pub(crate) fn relay_by_sums<R: Reduce + ?Sized>(
+    reduce: &mut R,
+    buf: &mut [f32],
+    pieces: &[Piece],
+    rank: usize,
+    step: u64,
+) -> Result<(), TrainerError> {
+    if let Some(p) = pieces.iter().find(|p| p.range.start > p.range.end || p.range.end > buf.len()) {
+        return Err(TrainerError::Config(format!("a piece {:?} of a buffer of {}", p.range, buf.len())));
+    }
+    let mut bits = vec![0i64; pieces.iter().map(|p| p.range.len()).sum()];
+    let mut at = 0;
+    for p in pieces {
+        if p.giver == rank {
+            for (d, v) in bits[at..at + p.range.len()].iter_mut().zip(&buf[p.range.clone()]) {
+                *d = i64::from(v.to_bits());
+            }
+        }
+        at += p.range.len();
+    }
+    reduce.allreduce_sum_i64(&mut bits, step)?;
+    let mut at = 0;
+    for p in pieces {
+        if p.to.contains(&rank) {
+            for (d, &b) in buf[p.range.clone()].iter_mut().zip(&bits[at..at + p.range.len()]) {
+                // A peer's sum that is not one rank's bits is garbage either way.
+                *d = f32::from_bits(b as u32);
+            }
+        }
+        at += p.range.len();
+    }
+    Ok(())
 }
 
 /// The reduce of a single-process run: the local buffer already is the sum.

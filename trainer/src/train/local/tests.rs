@@ -21,7 +21,15 @@ fn on_hosts<R: Send>(
     let groups: Vec<LocalGroup> = hosts
         .iter()
         .zip(&firsts)
-        .map(|(&n, &first)| LocalGroup::with_sums(n, first, lanes, &LocalSums::default()))
+        .map(|(&n, &first)| {
+            let group = LocalGroup::with_sums(n, first, lanes, &LocalSums::default());
+            // Hosts alike relay by host, as an epoch of them does.
+            if hosts.iter().all(|&m| m == n) {
+                group.of_equal_hosts(hosts.len())
+            } else {
+                group
+            }
+        })
         .collect();
     let f = &f;
     std::thread::scope(|s| {
@@ -448,4 +456,100 @@ fn local_ranks_that_disagree_on_a_collective_fail_it_instead_of_summing_wrong() 
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
     assert_eq!(got, vec![[2.0, 4.0]; 2]);
+}
+
+/// Records the collectives a host's lane runs between hosts (and the relay's pieces), and
+/// runs them on the stand-in for the ring.
+struct Spy<'a> {
+    inner: LocalRank<'a>,
+    ran: &'a std::sync::Mutex<Vec<String>>,
+}
+
+impl Reduce for Spy<'_> {
+    fn allreduce_sum(&mut self, buf: &mut [f32], step: u64) -> Result<(), TrainerError> {
+        self.ran.lock().unwrap().push("sum".into());
+        self.inner.allreduce_sum(buf, step)
+    }
+
+    fn allreduce_sum_i64(&mut self, buf: &mut [i64], step: u64) -> Result<(), TrainerError> {
+        self.ran.lock().unwrap().push("sum of bits".into());
+        self.inner.allreduce_sum_i64(buf, step)
+    }
+
+    fn relay(
+        &mut self,
+        buf: &mut [f32],
+        pieces: &[Piece],
+        rank: usize,
+        step: u64,
+    ) -> Result<(), TrainerError> {
+        let said: Vec<String> =
+            pieces.iter().map(|p| format!("{}:{:?}->{:?}", p.giver, p.range, p.to)).collect();
+        self.ran.lock().unwrap().push(format!("relay {}", said.join(" ")));
+        self.inner.relay(buf, pieces, rank, step)
+    }
+}
+
+#[test]
+fn a_relay_over_hosts_of_equal_devices_goes_between_hosts_only_to_its_takers_hosts() {
+    // Three hosts of two devices: a piece kept on its host, one to the two other hosts, one
+    // to the host before; values with a negative zero and a NaN's payload, whose bits count.
+    let pieces = vec![
+        Piece { giver: 0, range: 0..10, to: vec![1] },
+        Piece { giver: 3, range: 10..20, to: vec![0, 5] },
+        Piece { giver: 5, range: 20..40, to: vec![2, 3] },
+    ];
+    let value = |r: usize, i: usize| match i {
+        12 => -0.0,
+        25 => f32::from_bits(0x7fc0_1234),
+        _ => (r * 1000 + i) as f32,
+    };
+    for equal in [true, false] {
+        let ran = std::sync::Mutex::new(Vec::new());
+        let ring = LocalGroup::new(3);
+        let groups: Vec<LocalGroup> = (0..3)
+            .map(|h| {
+                let g = LocalGroup::with_sums(2, 2 * h, 1, &LocalSums::default());
+                if equal {
+                    g.of_equal_hosts(3)
+                } else {
+                    g
+                }
+            })
+            .collect();
+        let bufs: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..6)
+                .map(|r| {
+                    let (group, ring, ran, pieces) = (&groups[r / 2], &ring, &ran, &pieces);
+                    s.spawn(move || {
+                        let mut buf: Vec<f32> = (0..40).map(|i| value(r, i)).collect();
+                        if r % 2 == 1 {
+                            group.rank(1, None).relay(&mut buf, pieces, r, 0).unwrap();
+                            return buf;
+                        }
+                        let mut spy = Spy { inner: ring.rank(r / 2, None), ran };
+                        let mut local = group.rank(0, Some(&mut spy));
+                        local.relay(&mut buf, pieces, r, 0).unwrap();
+                        buf
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for p in &pieces {
+            for &t in &p.to {
+                for i in p.range.clone() {
+                    assert_eq!(bufs[t][i].to_bits(), value(p.giver, i).to_bits(), "rank {t}, value {i}");
+                }
+            }
+        }
+        let ran = ran.into_inner().unwrap();
+        if equal {
+            // Each host's lane ran one relay, of the pieces whose takers are on other hosts.
+            assert_eq!(ran.len(), 3, "{ran:?}");
+            assert!(ran.iter().all(|r| r == "relay 1:10..20->[0, 2] 2:20..40->[1]"), "{ran:?}");
+        } else {
+            assert!(ran.iter().all(|r| r == "sum of bits") && ran.len() == 3, "{ran:?}");
+        }
+    }
 }

@@ -214,8 +214,8 @@ impl Trainer {
     /// `None` when no rank held sharded state, or a rank holds whole state further on
     /// (nothing moved). Moves the parameters and the state once and needs one model-sized
     /// host vector while it runs, over a reduce whose relay moves values only to their takers
-    /// (the ring's); the default relay sums every piece's bits as integers across the group
-    /// (a host's local ranks: two more model-sized vectors per rank and one per host).
+    /// (the ring's, and hosts' local ranks, with one more for the host); the default relay
+    /// sums every piece's bits as integers across the group (two more such vectors per rank).
     pub fn regroup(
         &mut self,
         rank: usize,
