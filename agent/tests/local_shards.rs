@@ -55,9 +55,7 @@ fn on_hosts<R: Send>(
     let order: Vec<u64> = eps.iter().map(|e| e.config().node).collect();
     let addrs: Vec<String> = eps.iter().map(|e| e.addr().to_string()).collect();
     let groups: Vec<LocalGroup> = (0..eps.len())
-        .map(|h| {
-            LocalGroup::with_sums(per_host, h * per_host, 1, &LocalSums::default()).of_equal_hosts(eps.len())
-        })
+        .map(|h| LocalGroup::of_hosts(per_host, h * per_host, 1, &LocalSums::default(), Some(eps.len())))
         .collect();
     let (f, order, addrs) = (&f, &order, &addrs);
     std::thread::scope(|s| {

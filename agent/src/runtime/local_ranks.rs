@@ -93,7 +93,7 @@ pub(super) fn each<R: Send>(
             violation: true,
         });
     }
-    let group = equal_hosts(LocalGroup::with_sums(n, first, 1, &LocalSums::default()), epoch);
+    let group = LocalGroup::of_hosts(n, first, 1, &LocalSums::default(), equal_hosts(epoch));
     let f = &f;
     std::thread::scope(|s| {
         let handles: Vec<_> = followers[..n - 1]
@@ -119,14 +119,11 @@ pub(super) fn each<R: Send>(
     })
 }
 
-/// `group`, told the epoch's hosts when every one has as many ranks (every host of the
-/// epoch decides alike), so that its relay goes between hosts by host.
-fn equal_hosts(group: LocalGroup, epoch: &Epoch) -> LocalGroup {
+/// The epoch's hosts when every one has as many ranks (every host of the epoch decides
+/// alike), so that a local group's relay goes between hosts by host.
+fn equal_hosts(epoch: &Epoch) -> Option<usize> {
     let first = epoch.local_ranks_of(0);
-    match (0..epoch.ranks.len()).all(|i| epoch.local_ranks_of(i) == first) {
-        true => group.of_equal_hosts(epoch.ranks.len()),
-        false => group,
-    }
+    (0..epoch.ranks.len()).all(|i| epoch.local_ranks_of(i) == first).then_some(epoch.ranks.len())
 }
 
 /// What a panic said, if it said it in words.
@@ -189,7 +186,7 @@ pub(super) fn step(
     }
     let plan = leader.plan();
     let samples = (first..first + n).map(|r| plan.share_in(r, world, &shares).len()).sum();
-    let group = equal_hosts(LocalGroup::with_sums(n, first, 1 + lanes.len(), sums), epoch);
+    let group = LocalGroup::of_hosts(n, first, 1 + lanes.len(), sums, equal_hosts(epoch));
     let mut lanes = lanes.iter_mut();
     let (mine, theirs) = std::thread::scope(|s| {
         let handles: Vec<_> = followers

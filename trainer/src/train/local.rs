@@ -208,23 +208,25 @@ impl LocalGroup {
     /// lanes between hosts (at least one, at most `n`: every host of the epoch must use the
     /// same count), summing into `sums` (no other group may be using them).
     pub fn with_sums(n: usize, first: usize, lanes: usize, sums: &LocalSums) -> LocalGroup {
+        LocalGroup::of_hosts(n, first, lanes, sums, None)
+    }
+
+    /// The same, told (with `Some(hosts)`) that the job's ranks are `hosts` hosts of `n`
+    /// local ranks each: a relay then goes between hosts by host, where otherwise each host
+    /// sums every piece's bits. Every host of the epoch must be told alike.
+    pub fn of_hosts(
+        n: usize,
+        first: usize,
+        lanes: usize,
+        sums: &LocalSums,
+        hosts: Option<usize>,
+    ) -> LocalGroup {
         sums.reset();
         let n = n.max(1);
         let state = State { sums: sums.clone(), ..State::default() };
         let lanes = lanes.clamp(1, n);
-        let shared =
-            Shared { n, first, hosts: None, lanes, state: Mutex::new(state), changed: Condvar::new() };
+        let shared = Shared { n, first, hosts, lanes, state: Mutex::new(state), changed: Condvar::new() };
         LocalGroup { shared: Arc::new(shared) }
-    }
-
-    /// The same group, told that the job's ranks are `hosts` hosts of as many local ranks as
-    /// this one has (every host of the epoch must be told alike: a relay then goes between
-    /// hosts by host, where otherwise each sums every piece's bits).
-    pub fn of_equal_hosts(mut self, hosts: usize) -> LocalGroup {
-        if let Some(s) = Arc::get_mut(&mut self.shared) {
-            s.hosts = Some(hosts);
-        }
-        self
     }
 
     /// Local rank `index` (below the group's size, each taken once)'s reduce; the first
@@ -296,6 +298,7 @@ impl LocalRank<'_> {
         slot: fn(&mut Chunk) -> &mut Vec<T>,
         local: Local<T>,
         between: Between<'_, T>,
+        back: Option<&[Range<usize>]>,
     ) -> Result<(), TrainerError> {
         let shared = Arc::clone(&self.shared);
         let lanes = shared.lanes;
@@ -372,7 +375,18 @@ impl LocalRank<'_> {
         drop(st);
         if outcome.is_ok() {
             for c in (0..m).map(|j| (start + j) % m) {
-                buf[ranges[c].clone()].copy_from_slice(slot(&mut lock_chunk(&chunks[c])));
+                let mut chunk = lock_chunk(&chunks[c]);
+                let (range, sum) = (ranges[c].clone(), slot(&mut chunk));
+                match back {
+                    None => buf[range].copy_from_slice(sum),
+                    Some(back) => {
+                        for b in back {
+                            let (lo, hi) =
+                                (b.start.clamp(range.start, range.end), b.end.clamp(range.start, range.end));
+                            buf[lo..hi].copy_from_slice(&sum[lo - range.start..hi - range.start]);
+                        }
+                    }
+                }
             }
         }
         // Nobody starts the next collective's sums before every rank has copied this one.
@@ -390,17 +404,17 @@ impl LocalRank<'_> {
 impl Reduce for LocalRank<'_> {
     fn allreduce_sum(&mut self, buf: &mut [f32], step: u64) -> Result<(), TrainerError> {
         let add = Local::Combine(|a: &mut f32, b| *a += b);
-        self.all(buf, step, |c| &mut c.f32s, add, &|r, b, _, s| r.allreduce_sum(b, s))
+        self.all(buf, step, |c| &mut c.f32s, add, &|r, b, _, s| r.allreduce_sum(b, s), None)
     }
 
     fn allreduce_sum_i64(&mut self, buf: &mut [i64], step: u64) -> Result<(), TrainerError> {
         let add = Local::Combine(|a: &mut i64, b| *a = a.wrapping_add(b));
-        self.all(buf, step, |s| &mut s.i64s, add, &|r, b, _, s| r.allreduce_sum_i64(b, s))
+        self.all(buf, step, |s| &mut s.i64s, add, &|r, b, _, s| r.allreduce_sum_i64(b, s), None)
     }
 
     fn allreduce_max_i32(&mut self, vals: &mut [i32], step: u64) -> Result<(), TrainerError> {
         let max = Local::Combine(|a: &mut i32, b| *a = (*a).max(b));
-        self.all(vals, step, |c| &mut c.i32s, max, &|r, b, _, s| r.allreduce_max_i32(b, s))
+        self.all(vals, step, |c| &mut c.i32s, max, &|r, b, _, s| r.allreduce_max_i32(b, s), None)
     }
 
     fn ranks_per_host(&self) -> usize {
@@ -422,7 +436,11 @@ impl Reduce for LocalRank<'_> {
         let between = |r: &mut dyn Reduce, b: &mut [f32], range: Range<usize>, s: u64| {
             r.reduce_scatter_sum(b, &within(&hosts, range), replicas, s)
         };
-        self.all(buf, step, |c| &mut c.f32s, add, &between)
+        // Each device copies back only the blocks it holds: the rest is undefined anyway.
+        let (w, n, me) = (blocks.len(), self.shared.n, self.shared.first + self.index);
+        let held: Vec<Range<usize>> =
+            (0..=replicas.min(w / n)).map(|k| blocks[(me + w - (k * n) % w) % w].clone()).collect();
+        self.all(buf, step, |c| &mut c.f32s, add, &between, Some(&held))
     }
 
     fn relay(
@@ -446,9 +464,10 @@ impl Reduce for LocalRank<'_> {
         };
         if rank != first + self.index || first % n != 0 || pieces.iter().any(bad) {
             return Err(TrainerError::Config(format!(
-                "a relay as rank {rank} (local rank {} of the host from rank {first}) for {hosts} hosts of {n}, over {} values: {pieces:?}",
+                "a relay as rank {rank} (local rank {} of the host from rank {first}) for {hosts} hosts of {n}, over {} values, of {} pieces: one out of range",
                 self.index,
-                buf.len()
+                buf.len(),
+                pieces.len()
             )));
         }
         // What this device gives goes into the host's buffer; between hosts each piece goes
@@ -481,7 +500,10 @@ impl Reduce for LocalRank<'_> {
                 .collect();
             r.relay(b, &within, host, s)
         };
-        self.all(buf, step, |c| &mut c.f32s, Local::Place(gives), &between)
+        // Each device copies back only what it takes: the rest is undefined anyway.
+        let takes: Vec<Range<usize>> =
+            pieces.iter().filter(|p| p.to.contains(&rank)).map(|p| p.range.clone()).collect();
+        self.all(buf, step, |c| &mut c.f32s, Local::Place(gives), &between, Some(&takes))
     }
 
     fn allgather_blocks(
@@ -494,7 +516,7 @@ impl Reduce for LocalRank<'_> {
         let between = |r: &mut dyn Reduce, b: &mut [f32], range: Range<usize>, s: u64| {
             r.allgather_blocks(b, &within(&hosts, range), s)
         };
-        self.all(buf, step, |c| &mut c.f32s, Local::Place(vec![own]), &between)
+        self.all(buf, step, |c| &mut c.f32s, Local::Place(vec![own]), &between, None)
     }
 }
 

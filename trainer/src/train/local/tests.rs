@@ -22,13 +22,9 @@ fn on_hosts<R: Send>(
         .iter()
         .zip(&firsts)
         .map(|(&n, &first)| {
-            let group = LocalGroup::with_sums(n, first, lanes, &LocalSums::default());
             // Hosts alike relay by host, as an epoch of them does.
-            if hosts.iter().all(|&m| m == n) {
-                group.of_equal_hosts(hosts.len())
-            } else {
-                group
-            }
+            let equal = hosts.iter().all(|&m| m == n).then_some(hosts.len());
+            LocalGroup::of_hosts(n, first, lanes, &LocalSums::default(), equal)
         })
         .collect();
     let f = &f;
@@ -508,14 +504,7 @@ fn a_relay_over_hosts_of_equal_devices_goes_between_hosts_only_to_its_takers_hos
         let ran = std::sync::Mutex::new(Vec::new());
         let ring = LocalGroup::new(3);
         let groups: Vec<LocalGroup> = (0..3)
-            .map(|h| {
-                let g = LocalGroup::with_sums(2, 2 * h, 1, &LocalSums::default());
-                if equal {
-                    g.of_equal_hosts(3)
-                } else {
-                    g
-                }
-            })
+            .map(|h| LocalGroup::of_hosts(2, 2 * h, 1, &LocalSums::default(), equal.then_some(3)))
             .collect();
         let bufs: Vec<Vec<f32>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..6)
