@@ -79,20 +79,10 @@ pub(super) fn each<R: Send>(
     if epoch.total_ranks() == epoch.ranks.len() {
         return Ok(vec![f(first, leader, ring)]);
     }
+    enough_devices(epoch, n, 1 + followers.len())?;
     // A host of one device among hosts of several still reduces as a local group: every
     // host must run each collective the same way (a relay, say: the ring's own plan on
     // one, a sum of bits through the local group on another, would not meet).
-    if n > 1 + followers.len() {
-        return Err(TrainerError::Reduce {
-            peer: None,
-            detail: format!(
-                "epoch {} gives this host {n} local ranks, but it trains with {} device(s)",
-                epoch.id,
-                1 + followers.len()
-            ),
-            violation: true,
-        });
-    }
     let group = LocalGroup::of_hosts(n, first, 1, &LocalSums::default(), equal_hosts(epoch));
     let f = &f;
     std::thread::scope(|s| {
@@ -124,6 +114,24 @@ pub(super) fn each<R: Send>(
 fn equal_hosts(epoch: &Epoch) -> Option<usize> {
     let first = epoch.local_ranks_of(0);
     (0..epoch.ranks.len()).all(|i| epoch.local_ranks_of(i) == first).then_some(epoch.ranks.len())
+}
+
+/// Whether this host trains with at least the `n` local ranks `epoch` gives it. The log
+/// refuses an epoch that gives a node more ranks than its record announced, but a record can
+/// be older than this process (a host back with fewer devices): the group cannot train, and
+/// the leader counts the ranks again.
+fn enough_devices(epoch: &Epoch, n: usize, devices: usize) -> Result<(), TrainerError> {
+    if n <= devices {
+        return Ok(());
+    }
+    Err(TrainerError::Reduce {
+        peer: None,
+        detail: format!(
+            "epoch {} gives this host {n} local ranks, but it trains with {devices} device(s)",
+            epoch.id
+        ),
+        violation: true,
+    })
 }
 
 /// What a panic said, if it said it in words.
@@ -161,20 +169,7 @@ pub(super) fn step(
             violation: false,
         });
     }
-    if n > 1 + followers.len() {
-        // The log refuses an epoch that gives a node more ranks than its record announced,
-        // but a record can be older than this process (a host back with fewer devices): the
-        // group cannot train, and the leader counts the ranks again.
-        return Err(TrainerError::Reduce {
-            peer: None,
-            detail: format!(
-                "epoch {} gives this host {n} local ranks, but it trains with {} device(s)",
-                epoch.id,
-                1 + followers.len()
-            ),
-            violation: true,
-        });
-    }
+    enough_devices(epoch, n, 1 + followers.len())?;
     let followers = &mut followers[..n - 1];
     let (first, world) = (epoch.first_rank_of(me), epoch.total_ranks());
     let shares = epoch.rank_shares();
