@@ -94,7 +94,7 @@ bench: build
 	$(LAB) bench dp --preset small --world 4 --batch 16 --context 128 --shard-replicas 1
 	$(LAB) bench dp --preset small --world 4 --batch 16 --context 128 --devices 2
 	$(LAB) bench dp --preset 125m --world 4 --batch 8 --context 64 --steps 3 --warmup 1
-	$(LAB) bench dp --preset 125m --world 4 --batch 8 --context 64 --steps 3 --warmup 1 --shard-replicas 1
+	$(LAB) bench dp --preset 125m --world 4 --batch 8 --context 64 --steps 3 --warmup 1 --shard-replicas 1 --gradients-both
 	$(LAB) bench dp --preset 125m --world 4 --batch 8 --context 64 --steps 5 --warmup 1 --shard-replicas 1 --checkpoint-every 2 --shards-both
 	$(LAB) bench memory --preset 125m --dataset-gib 4 --batch 2 --context 128 --steps 5
 

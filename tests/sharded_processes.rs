@@ -1,5 +1,6 @@
-//! Sharded optimizer state (`[job].shard_state = "optimizer"`) with real `limpetd` processes:
-//! through a notice, a join and a `kill -9` of a shard holder the state is re-cut at each
+//! Sharded optimizer state (`[job].shard_state = "optimizer"`, and `"optimizer+gradients"`)
+//! with real `limpetd` processes: through a notice, a join and a `kill -9` of a shard holder
+//! the state is re-cut at each
 //! entry without ever being made whole, and the job trains like one uninterrupted process; with both holders of a shard killed at once it goes back to the
 //! newest checkpoint, says so, and still finishes like one process.
 
@@ -14,13 +15,26 @@ use limpet_lab::local::{LocalCluster, LocalJob};
 /// As in `elastic_processes.rs`: the ring sums the same gradients in another order.
 const PARAM_TOLERANCE: f64 = 1e-2;
 
+/// With the gradients sharded too (ZeRO-2), which is sharded optimizer state with each rank
+/// keeping only its blocks' reduced gradients: the same collectives, entries and re-cuts.
 #[test]
 fn a_sharded_run_through_a_notice_a_join_and_a_kill_matches_one_process() {
     let tmp = tempfile::tempdir().unwrap();
     let steps = 3000;
     let dir = tmp.path().join("sharded");
-    let args =
-        ["--nodes", "3", "--model", "mlp", "--data", "digits", "--batch", "64", "--shard-replicas", "1"];
+    let args = [
+        "--nodes",
+        "3",
+        "--model",
+        "mlp",
+        "--data",
+        "digits",
+        "--batch",
+        "64",
+        "--shard-replicas",
+        "1",
+        "--shard-gradients",
+    ];
     let summary = common::scenario_json(&dir, &args, steps, "0.1:notice:node-2:20,0.3:join,0.7:kill:node-3");
     let logs = node_logs(&dir);
     // Each rank cut its own shard in the first epoch (all built the same state), and the
@@ -44,6 +58,7 @@ fn a_sharded_run_through_a_notice_a_join_and_a_kill_matches_one_process() {
     let (single_img, one) = params(&single.join("checkpoint.safetensors"));
     assert_eq!(sharded_img.meta().step, steps);
     let mut job = sharded_img.meta().job.clone();
+    assert_eq!(job["shard_state"], serde_json::json!({ "replicas": 1, "gradients": true }));
     // The runs train the same job but for the sharding key.
     job.as_object_mut().unwrap().remove("shard_state");
     assert_eq!(job, single_img.meta().job);

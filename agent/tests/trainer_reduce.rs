@@ -78,6 +78,15 @@ fn adamw_trainer() -> Trainer {
     Trainer::try_new(job, data).unwrap()
 }
 
+/// [`adamw_trainer`]'s job with sharded gradients (ZeRO-2) too, held like the moments.
+fn sharded_gradients_trainer() -> Trainer {
+    let (mut job, data) = job_and_data();
+    job.optimizer = limpet_trainer::optim::OptimizerSpec::adamw(0.01, 0.1);
+    job.clip_norm = Some(0.05);
+    job.shard_state = Some(limpet_trainer::Sharding { replicas: 1, gradients: true });
+    Trainer::try_new(job, data).unwrap()
+}
+
 /// [`adamw_trainer`]'s job, reproducible: every rank of any world applies the same bits.
 fn reproducible_adamw_trainer() -> Trainer {
     let (mut job, data) = job_and_data();
@@ -205,6 +214,24 @@ fn sharded_optimizer_state_trains_like_whole_state() {
         }
     }
     images_close(&whole[0].1, &sharded[0].4);
+
+    // Sharded gradients too (ZeRO-2): the same sums and updates, so the bits of sharded
+    // optimizer state alone, every step and every tensor.
+    let zero2 = on_ranks(&group, 3, vec![(); 3], |rank, (), g| {
+        let mut t = sharded_gradients_trainer();
+        let n = t.buffer_len() - 3;
+        t.shard_state(ShardLayout::new(n, 3, rank, 1).unwrap()).unwrap();
+        let stats: Vec<_> = (0..STEPS).map(|_| t.train_step(rank, 3, g).unwrap()).collect();
+        t.unshard(g).unwrap();
+        (stats, t.image().unwrap())
+    });
+    for (rank, (stats, image)) in zero2.iter().enumerate() {
+        let bits = |s: &[limpet_trainer::StepStats]| -> Vec<[u64; 3]> {
+            s.iter().map(|s| [s.loss.to_bits(), s.grad_norm.to_bits(), s.lr.to_bits()]).collect()
+        };
+        assert_eq!(bits(stats), bits(&sharded[rank].0), "rank {rank}'s steps");
+        assert!(image.tensors() == sharded[rank].4.tensors(), "rank {rank}'s tensors");
+    }
 }
 
 /// A rank killed with sharded state loses nothing: its block is rebuilt from its replica on

@@ -93,6 +93,12 @@ pub struct Sharding {
     /// Other ranks holding each rank's shard (in host memory, updated each step), so that a
     /// killed rank's shard survives.
     pub replicas: usize,
+    /// Each rank also keeps only the reduced gradients of the blocks it holds (ZeRO-2): the
+    /// rest of its gradient buffer is given back to the system as soon as it is reduced.
+    /// The same sums and updates as without, so the same bits; the parameters' allgather
+    /// goes a window at a time. Absent in older images: off.
+    #[serde(default, skip_serializing_if = "is_off")]
+    pub gradients: bool,
 }
 
 fn is_off(b: &bool) -> bool {

@@ -68,7 +68,8 @@ pub struct JobKeys {
     pub loss_chunk: Option<usize>,
     /// Held-out evaluation every this many steps (limpetd).
     pub eval_every: Option<u64>,
-    /// `none` or `optimizer`: spread the optimizer state over the ranks (limpetd).
+    /// `none`, `optimizer` (ZeRO-1) or `optimizer+gradients` (ZeRO-2): spread the optimizer
+    /// state, and the reduced gradients, over the ranks (limpetd).
     pub shard_state: Option<String>,
     /// Other ranks holding each rank's shard (default 1).
     pub shard_replicas: Option<usize>,
@@ -160,16 +161,20 @@ impl JobKeys {
         }
         let sharded = match self.shard_state.as_deref() {
             None | Some("none") => false,
-            Some("optimizer") => true,
-            Some("optimizer+gradients") => return bad(
-                "shard_state",
-                "\"optimizer+gradients\" (ZeRO-2) is not built yet; \"optimizer\" shards the optimizer state"
-                    .into(),
-            ),
-            Some(other) => return bad("shard_state", format!("{other:?} is not \"none\" or \"optimizer\"")),
+            Some("optimizer" | "optimizer+gradients") => true,
+            Some(other) => {
+                return bad(
+                    "shard_state",
+                    format!("{other:?} is not \"none\", \"optimizer\" or \"optimizer+gradients\""),
+                )
+            }
         };
         if self.shard_replicas.is_some() && !sharded {
-            return bad("shard_replicas", "applies with shard_state = \"optimizer\" only".into());
+            return bad(
+                "shard_replicas",
+                "applies with sharded state only (shard_state = \"optimizer\" or \"optimizer+gradients\")"
+                    .into(),
+            );
         }
         if self.shard_replicas == Some(0) {
             return bad(
@@ -271,8 +276,11 @@ impl JobKeys {
         if let Some(e) = self.eval_every {
             job.eval_every = Some(e);
         }
-        if self.shard_state.as_deref() == Some("optimizer") {
-            job.shard_state = Some(crate::Sharding { replicas: self.shard_replicas.unwrap_or(1) });
+        if let Some(mode @ ("optimizer" | "optimizer+gradients")) = self.shard_state.as_deref() {
+            job.shard_state = Some(crate::Sharding {
+                replicas: self.shard_replicas.unwrap_or(1),
+                gradients: mode == "optimizer+gradients",
+            });
         }
         if let Some(o) = self.overlap {
             job.reduce_after_backward = !o;

@@ -358,7 +358,7 @@ impl Trainer {
     /// ranks in place, then calls [`Trainer::apply_reduced`].
     pub fn compute_grads(&mut self, rank: usize, world: usize) -> Result<&mut [f32], TrainerError> {
         let started = std::time::Instant::now();
-        self.grads.zero(self.model.params())?;
+        self.grads.zero(self.model.params(), self.shards_gradients())?;
         let share = self.plan.share_in(rank, world, &self.shares);
         let positions = self.cursor + share.start as u64..self.cursor + share.end as u64;
         let step_seed = self.peek_step_seed();
@@ -479,7 +479,7 @@ impl Trainer {
         let ends = self.stage_ends(pos)?;
         let started = std::time::Instant::now();
         self.link_ms = 0.0;
-        self.grads.zero(self.model.params())?;
+        self.grads.zero(self.model.params(), self.shards_gradients())?;
         let share = self.plan.share(pos.replica, pos.replicas);
         let positions = self.cursor + share.start as u64..self.cursor + share.end as u64;
         let micros: Vec<Range<u64>> = self.plan.micro_batches(positions.clone()).collect();

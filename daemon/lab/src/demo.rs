@@ -83,6 +83,10 @@ pub struct ScenarioArgs {
     /// Shard the optimizer state, each shard on N more ranks ([job].shard_state).
     #[arg(long, value_name = "N")]
     pub shard_replicas: Option<usize>,
+    /// With --shard-replicas: shard the gradients too ([job].shard_state =
+    /// "optimizer+gradients", ZeRO-2).
+    #[arg(long, requires = "shard_replicas")]
+    pub shard_gradients: bool,
     /// CPU local ranks per node ([node].devices = ["cpu", ...]): a host's devices, each a rank.
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub devices: u16,
@@ -206,7 +210,10 @@ pub fn scenario(a: ScenarioArgs) -> anyhow::Result<()> {
         slow_factor: a.slow_factor.clone(),
         reproducible: a.reproducible,
         eval_every: a.eval_every,
-        shard_state: a.shard_replicas.map(|r| ("optimizer".to_string(), r)),
+        shard_state: a.shard_replicas.map(|r| {
+            let mode = if a.shard_gradients { "optimizer+gradients" } else { "optimizer" };
+            (mode.to_string(), r)
+        }),
         devices: usize::from(a.devices),
         ..LocalJob::default()
     };

@@ -255,6 +255,10 @@ pub struct BenchDpArgs {
     /// rank gathering the state for each checkpoint, in the same run.
     #[arg(long)]
     pub shards_both: bool,
+    /// With sharded state: also run limpet with the gradients sharded too
+    /// (`shard_state = "optimizer+gradients"`, ZeRO-2), in the same run.
+    #[arg(long)]
+    pub gradients_both: bool,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
@@ -304,6 +308,9 @@ pub struct DpBenchReport {
     /// With `--shards-both`: limpet writing its checkpoints as shards into a shared
     /// directory, in the same run: samples per second and the largest training peak.
     pub limpet_shards: Option<(f64, u64)>,
+    /// With `--gradients-both`: limpet's samples per second, peak and last-step resident
+    /// memory (largest rank) with the gradients sharded too (ZeRO-2).
+    pub limpet_sharded_gradients: Option<(f64, u64, u64)>,
 }
 
 /// One limpet side of `bench dp`: its samples per second in the steady state, and the
@@ -405,6 +412,19 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
     } else {
         None
     };
+    let limpet_sharded_gradients = match a.shard_replicas {
+        Some(r) if a.gradients_both => {
+            eprintln!("limpet: the same job with the gradients sharded too (optimizer+gradients)");
+            let zero2 = crate::local::LocalJob {
+                devices: a.devices,
+                shard_state: Some(("optimizer+gradients".to_string(), r)),
+                ..job.clone()
+            };
+            let (speed, peak, _, last) = limpet_dp(&a, &tmp.path().join("limpet-zero2"), zero2, agents)?;
+            Some((speed, peak, last))
+        }
+        _ => None,
+    };
     let (theirs, torchrun_peak_rss_bytes, torchrun_rss_bytes) = torchrun_dp(&a, tmp.path(), &spec)?;
     let r = DpBenchReport {
         params: spec.num_params(),
@@ -425,6 +445,7 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
         limpet_one_device_samples_per_s,
         limpet_no_overlap_samples_per_s,
         limpet_shards,
+        limpet_sharded_gradients,
     };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
@@ -468,6 +489,14 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
                 speed,
                 mib(peak),
                 mib(r.limpet_peak_rss_bytes)
+            );
+        }
+        if let Some((speed, peak, last)) = r.limpet_sharded_gradients {
+            println!(
+                "  limpet, gradients sharded too (ZeRO-2) {:>8.2} samples/s, RSS at the last step {:>5.0} MiB, peak {:>5.0} MiB (largest rank)",
+                speed,
+                mib(last),
+                mib(peak)
             );
         }
         if let Some(one) = r.limpet_one_device_samples_per_s {

@@ -657,7 +657,7 @@ impl Config {
                     return err("[checkpoint].s3_endpoint", format!("{url:?} is not an http(s) URL"));
                 }
             }
-            let sharded = self.job.shard_state.as_deref() == Some("optimizer");
+            let sharded = self.job.shard_state.as_deref().is_some_and(|s| s != "none");
             if (self.pipeline.is_some() || sharded) && c.every_minutes > 0.0 {
                 // Each stage writes its own part; only a step count tells every stage the same
                 // moment without another round of agreement.

@@ -105,6 +105,17 @@ fn errors_name_the_file_and_the_key() {
     // Sharded state is cut over a host's devices too.
     let devices = both.replace("secret_file", "devices = [\"cpu\", \"cpu\"]\nsecret_file");
     Config::parse(&devices, "limpet.toml").unwrap();
+    // Sharded gradients (ZeRO-2) are the same job with its gradients given back too.
+    let zero2 = good.replace("global_batch = 64", "global_batch = 64\nshard_state = \"optimizer+gradients\"");
+    use limpet_trainer::data::{DataSpec, Dataset};
+    let synthetic = DataSpec::Synthetic { samples: 60, features: 4, classes: 2, seed: 1 };
+    let mut spec = limpet_trainer::JobSpec::defaults_for(
+        limpet_trainer::ModelKind::Mlp,
+        &Dataset::load(&synthetic, None).unwrap(),
+    )
+    .unwrap();
+    Config::parse(&zero2, "limpet.toml").unwrap().job.keys().apply(&mut spec).unwrap();
+    assert_eq!(spec.shard_state, Some(limpet_trainer::Sharding { replicas: 1, gradients: true }));
     let cases = [
         (good.replace("control = ", "contorl = "), "unknown field `contorl`"),
         (good.replace("127.0.0.1:7401", "127.0.0.1:99999"), "[node].data"),
@@ -153,8 +164,8 @@ fn errors_name_the_file_and_the_key() {
             "[job].shard_state: \"everything\" is not",
         ),
         (
-            good.replace("global_batch = 64", "global_batch = 64\nshard_state = \"optimizer+gradients\""),
-            "[job].shard_state: \"optimizer+gradients\" (ZeRO-2) is not built yet",
+            good.replace("global_batch = 64", "global_batch = 64\nshard_state = \"optimizer+gradient\""),
+            "[job].shard_state: \"optimizer+gradient\" is not \"none\", \"optimizer\" or \"optimizer+gradients\"",
         ),
         (good.replace("global_batch = 64", "global_batch = 64\nshard_replicas = 2"), "[job].shard_replicas"),
         (

@@ -437,7 +437,7 @@ impl Trainer {
     fn shard_grad(&mut self, j: usize, k: usize, step_seed: u64) -> Result<f64, TrainerError> {
         let s = shard(self.plan.global_batch, k, j);
         let positions = self.cursor + s.start as u64..self.cursor + s.end as u64;
-        self.grads.zero(self.model.params())?;
+        self.grads.zero(self.model.params(), self.shards_gradients())?;
         if self.model.is_stochastic() {
             self.model.seed_dropout(step_seed ^ positions.start.wrapping_mul(0x9E37_79B9_7F4A_7C15));
         }

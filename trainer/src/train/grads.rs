@@ -46,18 +46,28 @@ impl GradBuffer {
         if trainable.is_empty() {
             return Ok(());
         }
-        // A `.grad` must exist to be rebound: one backward through the parameters' sum
-        // creates them all.
-        let total = trainable.iter().map(|p| p.sum(Kind::Float)).reduce(|a, b| a + b).expect("non-empty");
-        total.f_backward()?;
-        if let Some(p) = trainable.iter().find(|p| p.kind() != Kind::Float || p.grad().size() != p.size()) {
-            return Err(TrainerError::Config(format!(
-                "parameter of kind {:?} and shape {:?}: gradients are f32 and shaped like their parameter",
-                p.kind(),
-                p.size()
-            )));
+        // A `.grad` must exist to be rebound: a backward through each parameter's sum makes
+        // its gradient, rebound at once, so no more than one parameter's gradient exists
+        // beside the buffer (one backward through all of them made a model-sized second
+        // copy, a start-up peak above the whole job's).
+        let mut offset = 0i64;
+        for (_, p) in params {
+            let n = p.numel() as i64;
+            if p.requires_grad() {
+                p.sum(Kind::Float).f_backward()?;
+                let g = p.grad();
+                if p.kind() != Kind::Float || g.size() != p.size() {
+                    return Err(TrainerError::Config(format!(
+                        "parameter of kind {:?} and shape {:?}: gradients are f32 and shaped like their parameter",
+                        p.kind(),
+                        p.size()
+                    )));
+                }
+                g.shallow_clone().f_set_data(&self.flat.narrow(0, offset, n).view_as(p))?;
+            }
+            offset += n;
         }
-        self.attach(params)?;
+        self.bound = true;
         let _ = self.flat.f_zero_()?;
         Ok(())
     }
@@ -95,9 +105,15 @@ impl GradBuffer {
         self.n
     }
 
-    /// Zeroes gradients and scalars, before a step's backward passes accumulate.
-    pub(crate) fn zero(&mut self, params: &[(String, Tensor)]) -> Result<(), TrainerError> {
-        let _ = self.flat.f_zero_()?;
+    /// Zeroes gradients and scalars, before a step's backward passes accumulate; when
+    /// `give_back`, by giving the buffer's pages back to the system (see [`release`]), so
+    /// that only what backward writes is resident.
+    pub(crate) fn zero(&mut self, params: &[(String, Tensor)], give_back: bool) -> Result<(), TrainerError> {
+        if give_back {
+            release(self.as_mut_slice());
+        } else {
+            let _ = self.flat.f_zero_()?;
+        }
         if !self.bound {
             for (_, p) in params {
                 let mut g = p.grad();
@@ -219,5 +235,64 @@ impl RawBuffer {
         // SAFETY: in bounds (checked above) of a live, aligned f32 allocation; exclusivity is
         // the caller's promise.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(range.start), range.end - range.start) }
+    }
+}
+
+/// Sets `values` to zero and gives the whole pages among them back to the system, which
+/// maps them anew (zeroed) when next written: what sharded gradients do with the parts of
+/// the buffer this rank no longer needs, so its resident size is what it holds and what
+/// backward is writing rather than the whole model's gradient.
+#[allow(unsafe_code)]
+pub(crate) fn release(values: &mut [f32]) {
+    let page = page_size();
+    let start = values.as_mut_ptr() as usize;
+    let end = start + std::mem::size_of_val(values);
+    let (lo, hi) = (start.next_multiple_of(page), end / page * page);
+    if hi <= lo {
+        values.fill(0.0);
+        return;
+    }
+    // `start` is f32-aligned and a page a multiple of 4 bytes, so both cuts fall on values.
+    let (a, b) = ((lo - start) / 4, (hi - start) / 4);
+    values[..a].fill(0.0);
+    values[b..].fill(0.0);
+    // SAFETY: [lo, hi) is whole pages inside `values`, which this call borrows exclusively:
+    // no other reference sees those bytes change. The buffer is private anonymous memory
+    // (libtorch's CPU allocator takes it from malloc), whose pages MADV_DONTNEED drops and
+    // maps again as zeros on the next access: as if zeros were written.
+    let dropped = unsafe { libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_DONTNEED) };
+    if dropped != 0 {
+        // Refused (a mapping that cannot drop pages): the values are still zeroed.
+        values[a..b].fill(0.0);
+    }
+}
+
+/// The system's page size (4 KiB where it cannot be asked).
+#[allow(unsafe_code)]
+fn page_size() -> usize {
+    // SAFETY: sysconf takes no pointers.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(size).ok().filter(|s| s.is_power_of_two()).unwrap_or(4096)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn release_zeroes_its_values_and_nothing_beside_them() {
+        // Several pages, cut off-page on both sides; a range within one page; an empty one.
+        let mut v: Vec<f32> = (0..40_000).map(|i| i as f32 + 1.0).collect();
+        for range in [3..30_001, 35_000..35_010, 36_000..36_000] {
+            release(&mut v[range.clone()]);
+            assert!(v[range.clone()].iter().all(|&x| x == 0.0), "{range:?} not zero");
+        }
+        let kept = |i: usize| !(3..30_001).contains(&i) && !(35_000..35_010).contains(&i);
+        for (i, &x) in v.iter().enumerate().filter(|(i, _)| kept(*i)) {
+            assert_eq!(x, i as f32 + 1.0, "value {i} changed");
+        }
+        // Released pages are written again like any others.
+        v[10_000] = 7.0;
+        assert_eq!(v[10_000], 7.0);
     }
 }

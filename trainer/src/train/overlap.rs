@@ -25,7 +25,14 @@ thread_local! {
     static CAP: std::cell::Cell<usize> = const { std::cell::Cell::new(BUCKET_VALUES) };
 }
 
-fn bucket_values() -> usize {
+/// Cuts this thread's steps into buckets (and sharded gradients' gathers into windows) of
+/// `values` values, so that tests of small models see several.
+#[cfg(test)]
+pub(crate) fn set_bucket_values(values: usize) {
+    CAP.with(|c| c.set(values));
+}
+
+pub(super) fn bucket_values() -> usize {
     #[cfg(test)]
     return CAP.with(|c| c.get());
     #[cfg(not(test))]
@@ -138,7 +145,7 @@ impl Trainer {
             s.pending = None;
         }
         let buckets = Buckets::new(&self.model, bucket_values());
-        self.grads.zero(self.model.params())?;
+        self.grads.zero(self.model.params(), self.shards_gradients())?;
         let share = self.plan.share_in(rank, world, &self.shares);
         let positions = self.cursor + share.start as u64..self.cursor + share.end as u64;
         let micro: Vec<Range<u64>> = self.plan.micro_batches(positions.clone()).collect();
@@ -148,6 +155,7 @@ impl Trainer {
         let end = raw.len();
         let (tx, rx) = mpsc::channel::<Range<usize>>();
         let sharded = layout.as_ref();
+        let give_back = self.shards_gradients();
         let sums: &mut (dyn Reduce + Send) = &mut *reduce;
         let (computed, reduced) = std::thread::scope(|s| {
             let summing = std::thread::Builder::new().name("limpet-bucket-reduce".into()).spawn_scoped(
@@ -175,6 +183,9 @@ impl Trainer {
                                 if !g.is_empty() {
                                     let blocks = within(l.blocks(), range.start..range.start + grads);
                                     sums.reduce_scatter_sum(g, &blocks, l.replicas(), step)?;
+                                    if give_back {
+                                        super::shard::release_unheld(l, g, range.start);
+                                    }
                                 }
                                 if last {
                                     sums.allreduce_sum(scalars, step)?;
@@ -321,7 +332,7 @@ mod tests {
             let blocks = t.model.blocks();
             let mut seen = Vec::new();
             let mut snaps: Vec<(String, Tensor)> = Vec::new();
-            t.grads.zero(t.model.params()).unwrap();
+            t.grads.zero(t.model.params(), false).unwrap();
             let loss = t
                 .model
                 .loss_backward_by_blocks(&x, &y, plan, &mut |b| {
@@ -339,7 +350,7 @@ mod tests {
                 assert!(at_hand_over.equal(&params[name].grad()), "{name} changed after it was handed over");
             }
             let split = t.grads.as_mut_slice().to_vec();
-            t.grads.zero(t.model.params()).unwrap();
+            t.grads.zero(t.model.params(), false).unwrap();
             let whole_loss = t.model.loss_backward(&x, &y, plan).unwrap();
             let whole = t.grads.as_mut_slice().to_vec();
             assert_eq!(loss.to_bits(), whole_loss.to_bits());

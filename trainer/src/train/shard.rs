@@ -30,7 +30,7 @@ mod regroup;
 
 pub use part::CheckpointPart;
 
-use super::{Reduce, StepStats, Trainer};
+use super::{grads, Reduce, StepStats, Trainer};
 use crate::optim::{clip_to_norm, decays, scratch_for, sum_of_squares, update, Optimizer, OptimizerSpec};
 use crate::TrainerError;
 use std::ops::Range;
@@ -360,8 +360,19 @@ impl Trainer {
         let n = self.grads.grads_len();
         let buf = self.grads.as_mut_slice();
         reduce.reduce_scatter_sum(&mut buf[..n], &layout.blocks, layout.replicas, step)?;
-        reduce.allreduce_sum(&mut buf[n..], step)?;
+        if self.shards_gradients() {
+            release_unheld(&layout, &mut self.grads.as_mut_slice()[..n], 0);
+        }
+        reduce.allreduce_sum(&mut self.grads.as_mut_slice()[n..], step)?;
         self.finish_sharded(&layout, step, reduce)
+    }
+
+    /// Whether this trainer keeps only the reduced gradients of the blocks it holds
+    /// (`shard_state = "optimizer+gradients"`, ZeRO-2): its gradient buffer's pages are given
+    /// back before each backward and, once reduced, outside the held blocks; the parameters
+    /// are gathered a window at a time. Every rank of a job decides alike.
+    pub(super) fn shards_gradients(&self) -> bool {
+        self.shard.is_some() && self.job.shard_state.is_some_and(|s| s.gradients)
     }
 
     /// The layout a step as `rank` of `world` uses: this trainer's, checked usable and cut
@@ -541,23 +552,70 @@ impl Trainer {
         reduce: &mut dyn Reduce,
     ) -> Result<(), TrainerError> {
         let n = self.grads.grads_len();
+        // With sharded gradients the buffer is filled and given back a window at a time, so
+        // it never holds the whole model; otherwise one window is the whole buffer.
+        let (window, release) = match self.shards_gradients() {
+            true => (super::overlap::bucket_values().max(1), true),
+            false => (n.max(1), false),
+        };
         let own = layout.blocks[layout.rank].clone();
         let params = self.model.params();
         let src: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
-        let buf = self.grads.as_mut_slice();
-        flat_values(&src, params, own.clone(), &mut buf[own])?;
-        reduce.allgather_blocks(&mut buf[..n], &layout.blocks, step)?;
-        // Each parameter copied from the host buffer to its device: no model-sized temporary.
         let flat = self.grads.grads();
-        tch::no_grad(|| -> Result<(), TrainerError> {
-            let mut at = 0i64;
-            for (_, p) in self.model.params() {
-                let len = p.numel() as i64;
-                p.shallow_clone().f_copy_(&flat.narrow(0, at, len).view_as(p))?;
-                at += len;
+        for start in (0..n).step_by(window) {
+            let range = start..(start + window).min(n);
+            let mine = own.start.clamp(range.start, range.end)..own.end.clamp(range.start, range.end);
+            let buf = self.grads.as_mut_slice();
+            flat_values(&src, params, mine.clone(), &mut buf[mine])?;
+            let blocks = super::overlap::within(&layout.blocks, range.clone());
+            reduce.allgather_blocks(&mut buf[range.clone()], &blocks, step)?;
+            // Each parameter's part copied from the host buffer to its device: no
+            // model-sized temporary there.
+            tch::no_grad(|| -> Result<(), TrainerError> {
+                for piece in pieces(params, range.clone()) {
+                    let len = piece.range.len() as i64;
+                    let p = &params[piece.index].1;
+                    let at = (piece.range.start - piece.offset) as i64;
+                    p.view([-1]).narrow(0, at, len).f_copy_(&flat.narrow(
+                        0,
+                        piece.range.start as i64,
+                        len,
+                    ))?;
+                }
+                Ok(())
+            })?;
+            if release {
+                grads::release(&mut self.grads.as_mut_slice()[range]);
             }
-            Ok(())
-        })
+        }
+        Ok(())
+    }
+}
+
+/// Gives back the parts of `values` (the gradients at `at..` of the flat order) outside the
+/// blocks `layout` gives this rank: reduced, they are other ranks' to use.
+pub(super) fn release_unheld(layout: &ShardLayout, values: &mut [f32], at: usize) {
+    let held = layout.held();
+    let span = at..at + values.len();
+    // Adjacent blocks this rank does not hold are given back as one run, so that pages
+    // across their boundary go too.
+    let mut run: Option<Range<usize>> = None;
+    for (b, block) in layout.blocks.iter().enumerate() {
+        let lo = block.start.clamp(span.start, span.end);
+        let hi = block.end.clamp(span.start, span.end);
+        if lo == hi {
+            continue;
+        }
+        if held.contains(&b) {
+            if let Some(r) = run.take() {
+                grads::release(&mut values[r.start - at..r.end - at]);
+            }
+        } else {
+            run = Some(run.map_or(lo..hi, |r| r.start..hi));
+        }
+    }
+    if let Some(r) = run {
+        grads::release(&mut values[r.start - at..r.end - at]);
     }
 }
 

@@ -237,7 +237,7 @@ fn bound_and_collected_gradient_buffers_agree() {
     backward(&bp);
     let twice: Vec<f32> = want.iter().map(|v| v * 2.0).collect();
     assert_eq!(bound.as_mut_slice()[..7], twice[..]);
-    bound.zero(&bp).unwrap();
+    bound.zero(&bp, false).unwrap();
     backward(&bp);
     assert_eq!(bound.as_mut_slice()[..7], want);
     // The gradient tensor the optimizer reads is the buffer itself.

@@ -542,3 +542,118 @@ fn a_relay_over_hosts_of_equal_devices_goes_between_hosts_only_to_its_takers_hos
         }
     }
 }
+
+/// A reduce that looks at every parameters' gather a rank starts: whether the buffer holds
+/// anything but zeros outside the blocks the rank holds and the values it gives.
+struct GatherSpy<'a, 'b> {
+    inner: &'a mut LocalRank<'b>,
+    held: Vec<usize>,
+    /// Per gather of the parameters: values outside the held blocks that are not zero.
+    stray: Vec<usize>,
+}
+
+impl Reduce for GatherSpy<'_, '_> {
+    fn allreduce_sum(&mut self, buf: &mut [f32], step: u64) -> Result<(), TrainerError> {
+        self.inner.allreduce_sum(buf, step)
+    }
+
+    fn allreduce_sum_i64(&mut self, buf: &mut [i64], step: u64) -> Result<(), TrainerError> {
+        self.inner.allreduce_sum_i64(buf, step)
+    }
+
+    fn ranks_per_host(&self) -> usize {
+        self.inner.ranks_per_host()
+    }
+
+    fn reduce_scatter_sum(
+        &mut self,
+        buf: &mut [f32],
+        blocks: &[Range<usize>],
+        replicas: usize,
+        step: u64,
+    ) -> Result<(), TrainerError> {
+        self.inner.reduce_scatter_sum(buf, blocks, replicas, step)
+    }
+
+    fn allgather_blocks(
+        &mut self,
+        buf: &mut [f32],
+        blocks: &[Range<usize>],
+        step: u64,
+    ) -> Result<(), TrainerError> {
+        // The global norm's gather is two values a rank; the parameters' is of the gradient.
+        if blocks.iter().any(|b| b.len() > 2) {
+            let stray = blocks
+                .iter()
+                .enumerate()
+                .filter(|(b, _)| !self.held.contains(b))
+                .map(|(_, r)| buf[r.clone()].iter().filter(|v| **v != 0.0).count())
+                .sum();
+            self.stray.push(stray);
+        }
+        self.inner.allgather_blocks(buf, blocks, step)
+    }
+}
+
+/// Sharded gradients (ZeRO-2) train the bits of sharded optimizer state alone, with the
+/// reduction overlapped with backward or after it, over hosts of two devices and of one:
+/// the same losses and, gathered, the same state. What a rank keeps differs: when it starts
+/// gathering the parameters, its buffer outside the blocks it holds is zeros (given back),
+/// where sharded optimizer state alone keeps what the ring left there; after the step, the
+/// buffer's gradients are all given back.
+#[test]
+fn sharded_gradients_train_the_bits_of_sharded_state_and_keep_only_held_blocks() {
+    use crate::train::tests::char_data;
+    let chars = char_data();
+    let base = job(ModelKind::Llama, &chars, 12, 2);
+    // Two hosts: the threads standing for the ring between hosts sum in the order they
+    // arrive, which only two operands make deterministic.
+    // (Two hosts of one rank hold no replica: one would be every block.)
+    for (hosts, per_host, replicas) in [(vec![2, 2], 2, 1), (vec![1, 1], 1, 0)] {
+        let world: usize = hosts.iter().sum();
+        let run = |j: &JobSpec| {
+            let mut ranks: Vec<Trainer> =
+                (0..world).map(|_| Trainer::try_new(j.clone(), char_data()).unwrap()).collect();
+            shard(&mut ranks, per_host, replicas, 1);
+            let (mut losses, mut stray) = (Vec::new(), Vec::new());
+            for _ in 0..3 {
+                let out = on_hosts(&mut ranks, &hosts, |r, t, local| {
+                    crate::train::overlap::set_bucket_values(20_000);
+                    let held = t.shard_layout().unwrap().held();
+                    let mut spy = GatherSpy { inner: local, held, stray: Vec::new() };
+                    (t.train_step(r, world, &mut spy).unwrap().loss.to_bits(), spy.stray)
+                });
+                losses.push(out.iter().map(|o| o.0).collect::<Vec<_>>());
+                stray.push(out.into_iter().map(|o| o.1).collect::<Vec<_>>());
+            }
+            let left: Vec<bool> = ranks
+                .iter()
+                .map(|t| t.grads.grads().abs().sum(tch::Kind::Float).double_value(&[]) > 0.0)
+                .collect();
+            on_hosts(&mut ranks, &hosts, |_, t, local| t.unshard(local).unwrap());
+            // The tensors, not the content hash: that covers the job, which differs.
+            let hashes: Vec<_> = ranks.iter().map(|t| t.image().unwrap().tensors().clone()).collect();
+            (losses, stray, left, hashes)
+        };
+        for after in [false, true] {
+            let sharding = |gradients| Some(crate::Sharding { replicas, gradients });
+            let one = JobSpec { reduce_after_backward: after, shard_state: sharding(false), ..base.clone() };
+            let two = JobSpec { shard_state: sharding(true), ..one.clone() };
+            let (l1, s1, left1, h1) = run(&one);
+            let (l2, s2, left2, h2) = run(&two);
+            let case = format!("hosts {hosts:?}, reduced after backward: {after}");
+            assert_eq!(l1, l2, "{case}: losses");
+            assert!(h1 == h2, "{case}: gathered state");
+            assert!(h2.iter().all(|h| h == &h2[0]), "{case}: ranks differ");
+            // Several windows a gather with sharded gradients, one without.
+            assert!(s2.iter().flatten().all(|g| g.len() >= 3), "{case}: {s2:?}");
+            assert!(s1.iter().flatten().all(|g| g.len() == 1), "{case}: {s1:?}");
+            assert!(s2.iter().flatten().flatten().all(|&n| n == 0), "{case}: kept {s2:?}");
+            assert!(
+                s1.iter().flatten().flatten().any(|&n| n > 0),
+                "{case}: nothing kept outside held blocks"
+            );
+            assert!(left1.iter().all(|l| *l) && left2.iter().all(|l| !*l), "{case}: {left1:?} {left2:?}");
+        }
+    }
+}
