@@ -15,26 +15,28 @@ use limpet_lab::local::{LocalCluster, LocalJob};
 /// As in `elastic_processes.rs`: the ring sums the same gradients in another order.
 const PARAM_TOLERANCE: f64 = 1e-2;
 
-/// With the gradients sharded too (ZeRO-2), which is sharded optimizer state with each rank
-/// keeping only its blocks' reduced gradients: the same collectives, entries and re-cuts.
 #[test]
 fn a_sharded_run_through_a_notice_a_join_and_a_kill_matches_one_process() {
+    notice_join_kill(false);
+}
+
+/// The same with the gradients sharded too (ZeRO-2), which is sharded optimizer state with
+/// each rank keeping only its blocks' reduced gradients: the same collectives, entries and
+/// re-cuts.
+#[test]
+fn sharded_gradients_through_a_notice_a_join_and_a_kill_match_one_process() {
+    notice_join_kill(true);
+}
+
+fn notice_join_kill(gradients: bool) {
     let tmp = tempfile::tempdir().unwrap();
     let steps = 3000;
     let dir = tmp.path().join("sharded");
-    let args = [
-        "--nodes",
-        "3",
-        "--model",
-        "mlp",
-        "--data",
-        "digits",
-        "--batch",
-        "64",
-        "--shard-replicas",
-        "1",
-        "--shard-gradients",
-    ];
+    let mut args =
+        vec!["--nodes", "3", "--model", "mlp", "--data", "digits", "--batch", "64", "--shard-replicas", "1"];
+    if gradients {
+        args.push("--shard-gradients");
+    }
     let summary = common::scenario_json(&dir, &args, steps, "0.1:notice:node-2:20,0.3:join,0.7:kill:node-3");
     let logs = node_logs(&dir);
     // Each rank cut its own shard in the first epoch (all built the same state), and the
@@ -58,7 +60,11 @@ fn a_sharded_run_through_a_notice_a_join_and_a_kill_matches_one_process() {
     let (single_img, one) = params(&single.join("checkpoint.safetensors"));
     assert_eq!(sharded_img.meta().step, steps);
     let mut job = sharded_img.meta().job.clone();
-    assert_eq!(job["shard_state"], serde_json::json!({ "replicas": 1, "gradients": true }));
+    let sharding = match gradients {
+        true => serde_json::json!({ "replicas": 1, "gradients": true }),
+        false => serde_json::json!({ "replicas": 1 }),
+    };
+    assert_eq!(job["shard_state"], sharding);
     // The runs train the same job but for the sharding key.
     job.as_object_mut().unwrap().remove("shard_state");
     assert_eq!(job, single_img.meta().job);

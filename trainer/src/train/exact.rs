@@ -429,6 +429,12 @@ impl Trainer {
             }
             i += if second.is_some() { 2 } else { 1 };
         }
+        if self.shards_gradients() {
+            // Sharded gradients keep no gradient between steps: the spare's shard is summed.
+            if let Some(spare) = self.exact_spare.as_mut() {
+                super::grads::release(spare.as_mut_slice());
+            }
+        }
         Ok(seen)
     }
 

@@ -261,18 +261,23 @@ pub(crate) fn release(values: &mut [f32]) {
     // (libtorch's CPU allocator takes it from malloc), whose pages MADV_DONTNEED drops and
     // maps again as zeros on the next access: as if zeros were written.
     let dropped = unsafe { libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_DONTNEED) };
-    if dropped != 0 {
-        // Refused (a mapping that cannot drop pages): the values are still zeroed.
+    // Shared memory would keep its values through the advice: a buffer from another
+    // allocator than malloc's would then add the next step into this one's. Checked at the
+    // first dropped value (reading it maps the system's zero page, no memory of its own).
+    if dropped != 0 || values[a] != 0.0 {
         values[a..b].fill(0.0);
     }
 }
 
-/// The system's page size (4 KiB where it cannot be asked).
+/// The system's page size (4 KiB where it cannot be asked), asked once.
 #[allow(unsafe_code)]
 fn page_size() -> usize {
-    // SAFETY: sysconf takes no pointers.
-    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    usize::try_from(size).ok().filter(|s| s.is_power_of_two()).unwrap_or(4096)
+    static PAGE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PAGE.get_or_init(|| {
+        // SAFETY: sysconf takes no pointers.
+        let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        usize::try_from(size).ok().filter(|s| s.is_power_of_two()).unwrap_or(4096)
+    })
 }
 
 #[cfg(test)]
@@ -294,5 +299,33 @@ mod tests {
         // Released pages are written again like any others.
         v[10_000] = 7.0;
         assert_eq!(v[10_000], 7.0);
+    }
+
+    /// The pages of this many bytes from `at` that are resident.
+    #[allow(unsafe_code)]
+    fn resident(at: *const f32, bytes: usize) -> usize {
+        let page = page_size();
+        let (lo, hi) = ((at as usize).next_multiple_of(page), (at as usize + bytes) / page * page);
+        let mut map = vec![0u8; (hi - lo) / page];
+        // SAFETY: [lo, hi) is whole pages of a live allocation; `map` has a byte per page.
+        let ok = unsafe { libc::mincore(lo as *mut libc::c_void, hi - lo, map.as_mut_ptr()) };
+        assert_eq!(ok, 0, "mincore");
+        map.iter().filter(|b| **b & 1 == 1).count()
+    }
+
+    #[test]
+    fn released_pages_leave_memory_until_written_again() {
+        // 8 MB: its own mapping, so its pages are this vector's alone.
+        let mut v = vec![1.0f32; 2 << 20];
+        let bytes = std::mem::size_of_val(&v[..]);
+        let pages = bytes / page_size();
+        assert!(resident(v.as_ptr(), bytes) >= pages - 1, "written, yet not resident");
+        release(&mut v);
+        // One page: the first released value, read back to check it is zero, maps the
+        // system's zero page (shared, no memory of its own, but mapped).
+        assert_eq!(resident(v.as_ptr(), bytes), 1, "released, yet resident");
+        v[1 << 20] = 2.0;
+        assert_eq!(resident(v.as_ptr(), bytes), 2, "one value written: one page back");
+        assert!(v.iter().enumerate().all(|(i, &x)| x == if i == 1 << 20 { 2.0 } else { 0.0 }));
     }
 }

@@ -503,6 +503,10 @@ impl Trainer {
         buf[..n].iter_mut().for_each(|g| *g *= inv);
         let norm = sum_of_squares(&buf[..n]).sqrt();
         let stats = self.update_held(layout, step, norm, (loss_sum, samples, 0.0));
+        if self.shards_gradients() {
+            // Every rank summed the whole gradient; only the held blocks' was used.
+            release_unheld(layout, &mut self.grads.as_mut_slice()[..n], 0);
+        }
         self.exact_exponents = Some(next);
         Ok(stats)
     }

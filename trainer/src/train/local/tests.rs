@@ -3,6 +3,8 @@
 use super::*;
 use crate::train::tests::{job, synthetic};
 use crate::{JobSpec, ModelKind, NoReduce, ShardLayout};
+use limpet_snapshot::RawTensor;
+use std::collections::BTreeMap;
 
 /// Runs `f` once on every rank of hosts of `hosts` local ranks at once, each on a thread of
 /// its own with its local rank's reduce (the hosts' sums go through one more group per
@@ -40,7 +42,7 @@ fn on_hosts<R: Send>(
                     if i >= lanes {
                         return f(first + i, t, &mut group.rank(i, None));
                     }
-                    let (mut between, mut alone) = (rings[i].rank(h, None), NoReduce);
+                    let (mut between, mut alone) = (RingOfHosts(rings[i].rank(h, None)), NoReduce);
                     let inter: &mut (dyn Reduce + Send) =
                         if hosts.len() > 1 { &mut between } else { &mut alone };
                     let mut local = group.rank(i, Some(inter));
@@ -50,6 +52,55 @@ fn on_hosts<R: Send>(
         }
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
+}
+
+/// A group standing for the ring between hosts, one member per host. Its reduce-scatter
+/// sums every block for every member: a ring's gives each host its block and its replicas'
+/// (the hosts before it), where a group's own would give a member the blocks at its local
+/// rank count apart, which for a group of hosts is its own block again.
+struct RingOfHosts<'a>(LocalRank<'a>);
+
+impl Reduce for RingOfHosts<'_> {
+    fn allreduce_sum(&mut self, buf: &mut [f32], step: u64) -> Result<(), TrainerError> {
+        self.0.allreduce_sum(buf, step)
+    }
+
+    fn allreduce_sum_i64(&mut self, buf: &mut [i64], step: u64) -> Result<(), TrainerError> {
+        self.0.allreduce_sum_i64(buf, step)
+    }
+
+    fn allreduce_max_i32(&mut self, vals: &mut [i32], step: u64) -> Result<(), TrainerError> {
+        self.0.allreduce_max_i32(vals, step)
+    }
+
+    fn reduce_scatter_sum(
+        &mut self,
+        buf: &mut [f32],
+        _: &[Range<usize>],
+        _: usize,
+        step: u64,
+    ) -> Result<(), TrainerError> {
+        self.0.allreduce_sum(buf, step)
+    }
+
+    fn allgather_blocks(
+        &mut self,
+        buf: &mut [f32],
+        blocks: &[Range<usize>],
+        step: u64,
+    ) -> Result<(), TrainerError> {
+        self.0.allgather_blocks(buf, blocks, step)
+    }
+
+    fn relay(
+        &mut self,
+        buf: &mut [f32],
+        pieces: &[Piece],
+        rank: usize,
+        step: u64,
+    ) -> Result<(), TrainerError> {
+        self.0.relay(buf, pieces, rank, step)
+    }
 }
 
 /// Trainers of `job`, one per rank of `hosts`.
@@ -561,6 +612,10 @@ impl Reduce for GatherSpy<'_, '_> {
         self.inner.allreduce_sum_i64(buf, step)
     }
 
+    fn allreduce_max_i32(&mut self, vals: &mut [i32], step: u64) -> Result<(), TrainerError> {
+        self.inner.allreduce_max_i32(vals, step)
+    }
+
     fn ranks_per_host(&self) -> usize {
         self.inner.ranks_per_host()
     }
@@ -595,7 +650,57 @@ impl Reduce for GatherSpy<'_, '_> {
     }
 }
 
-/// Sharded gradients (ZeRO-2) train the bits of sharded optimizer state alone, with the
+/// What [`sharded_run`] saw: losses per step and rank, what the spy found outside the held
+/// blocks per step, rank and gather, whether gradients are left per rank, each rank's
+/// gathered tensors.
+type ShardedRun = (Vec<Vec<u64>>, Vec<Vec<Vec<usize>>>, Vec<bool>, Vec<BTreeMap<String, RawTensor>>);
+
+/// Ranks of `job` (each with `data`'s dataset) on `hosts`, sharded over hosts of
+/// `per_host` with `replicas`, for three steps, each rank's gradients cut into buckets and
+/// windows of 20 000 values: every step's losses and, per step and rank, what the spy saw
+/// outside the held blocks at each parameters' gather; whether any gradient is left after
+/// the last step; each rank's replicas checked bit for bit against their owners' blocks;
+/// then each rank's state, gathered.
+fn sharded_run(
+    job: &JobSpec,
+    data: fn() -> crate::data::Dataset,
+    hosts: &[usize],
+    (per_host, replicas): (usize, usize),
+) -> ShardedRun {
+    let world: usize = hosts.iter().sum();
+    let mut ranks: Vec<Trainer> =
+        (0..world).map(|_| Trainer::try_new(job.clone(), data()).unwrap()).collect();
+    shard(&mut ranks, per_host, replicas, 1);
+    let (mut losses, mut stray) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        let out = on_hosts(&mut ranks, hosts, |r, t, local| {
+            crate::train::overlap::set_bucket_values(20_000);
+            let held = t.shard_layout().unwrap().held();
+            let mut spy = GatherSpy { inner: local, held, stray: Vec::new() };
+            (t.train_step(r, world, &mut spy).unwrap().loss.to_bits(), spy.stray)
+        });
+        losses.push(out.iter().map(|o| o.0).collect::<Vec<_>>());
+        stray.push(out.into_iter().map(|o| o.1).collect::<Vec<_>>());
+    }
+    // A replica updates from its block's gradient as its owner does: the same moments.
+    for (r, t) in ranks.iter().enumerate() {
+        for &b in &t.shard_layout().unwrap().held()[1..] {
+            let (mine, owners) = (t.held_shard(b).unwrap(), ranks[b].held_shard(b).unwrap());
+            assert!(mine.is_some() && mine == owners, "rank {r}'s replica of block {b}");
+        }
+    }
+    let left: Vec<bool> =
+        ranks.iter().map(|t| t.grads.grads().abs().sum(tch::Kind::Float).double_value(&[]) > 0.0).collect();
+    on_hosts(&mut ranks, hosts, |_, t, local| {
+        crate::train::overlap::set_bucket_values(20_000);
+        t.unshard(local).unwrap()
+    });
+    // The tensors, not the content hash: that covers the job, which differs.
+    let states = ranks.iter().map(|t| t.image().unwrap().tensors().clone()).collect();
+    (losses, stray, left, states)
+}
+
+/// Sharded gradients (ZeRO-2) train the bits of sharded optimizer state alone/// Sharded gradients (ZeRO-2) train the bits of sharded optimizer state alone, with the
 /// reduction overlapped with backward or after it, over hosts of two devices and of one:
 /// the same losses and, gathered, the same state. What a rank keeps differs: when it starts
 /// gathering the parameters, its buffer outside the blocks it holds is zeros (given back),
@@ -610,31 +715,7 @@ fn sharded_gradients_train_the_bits_of_sharded_state_and_keep_only_held_blocks()
     // arrive, which only two operands make deterministic.
     // (Two hosts of one rank hold no replica: one would be every block.)
     for (hosts, per_host, replicas) in [(vec![2, 2], 2, 1), (vec![1, 1], 1, 0)] {
-        let world: usize = hosts.iter().sum();
-        let run = |j: &JobSpec| {
-            let mut ranks: Vec<Trainer> =
-                (0..world).map(|_| Trainer::try_new(j.clone(), char_data()).unwrap()).collect();
-            shard(&mut ranks, per_host, replicas, 1);
-            let (mut losses, mut stray) = (Vec::new(), Vec::new());
-            for _ in 0..3 {
-                let out = on_hosts(&mut ranks, &hosts, |r, t, local| {
-                    crate::train::overlap::set_bucket_values(20_000);
-                    let held = t.shard_layout().unwrap().held();
-                    let mut spy = GatherSpy { inner: local, held, stray: Vec::new() };
-                    (t.train_step(r, world, &mut spy).unwrap().loss.to_bits(), spy.stray)
-                });
-                losses.push(out.iter().map(|o| o.0).collect::<Vec<_>>());
-                stray.push(out.into_iter().map(|o| o.1).collect::<Vec<_>>());
-            }
-            let left: Vec<bool> = ranks
-                .iter()
-                .map(|t| t.grads.grads().abs().sum(tch::Kind::Float).double_value(&[]) > 0.0)
-                .collect();
-            on_hosts(&mut ranks, &hosts, |_, t, local| t.unshard(local).unwrap());
-            // The tensors, not the content hash: that covers the job, which differs.
-            let hashes: Vec<_> = ranks.iter().map(|t| t.image().unwrap().tensors().clone()).collect();
-            (losses, stray, left, hashes)
-        };
+        let run = |j: &JobSpec| sharded_run(j, char_data, &hosts, (per_host, replicas));
         for after in [false, true] {
             let sharding = |gradients| Some(crate::Sharding { replicas, gradients });
             let one = JobSpec { reduce_after_backward: after, shard_state: sharding(false), ..base.clone() };
@@ -656,4 +737,14 @@ fn sharded_gradients_train_the_bits_of_sharded_state_and_keep_only_held_blocks()
             assert!(left1.iter().all(|l| *l) && left2.iter().all(|l| !*l), "{case}: {left1:?} {left2:?}");
         }
     }
+    // Reproducible: the whole fixed-point sum on every rank, the same bits again.
+    let exact = wide_exact_job();
+    let sharding = |gradients| Some(crate::Sharding { replicas: 1, gradients });
+    let run =
+        |g| sharded_run(&JobSpec { shard_state: sharding(g), ..exact.clone() }, synthetic, &[2, 2], (2, 1));
+    let (one, two) = (run(false), run(true));
+    assert_eq!(one.0, two.0, "reproducible: losses");
+    assert!(one.3 == two.3, "reproducible: gathered state");
+    assert!(two.1.iter().flatten().flatten().all(|&n| n == 0), "reproducible: kept {:?}", two.1);
+    assert!(two.2.iter().all(|l| !*l), "reproducible: gradients left");
 }
