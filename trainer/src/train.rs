@@ -116,6 +116,9 @@ pub struct Trainer {
     exact_sum: Option<(u64, Vec<i32>)>,
     /// A reproducible step's second gradient buffer (see `exact.rs`), made when first needed.
     exact_spare: Option<GradBuffer>,
+    /// The thread an overlapped step sums its buckets on (see `overlap.rs`), kept from step
+    /// to step; made when first needed.
+    bucket_thread: Option<std::sync::Arc<rayon::ThreadPool>>,
     /// The optimizer state of the blocks this rank holds, when it is sharded (`optim` is
     /// then empty).
     shard: Option<shard::ShardState>,
@@ -178,6 +181,7 @@ impl Trainer {
             exact_acc: Vec::new(),
             exact_sum: None,
             exact_spare: None,
+            bucket_thread: None,
             shard: None,
             unlogged: None,
             regroup_values: 0,

@@ -143,6 +143,32 @@ fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
         .unwrap_or_default()
 }
 
+/// The threads a host's other local ranks step on, kept from step to step. A thread made
+/// for each step paid each step what a thread's first use costs (the allocator's and the
+/// BLAS library's per-thread buffers faulted in again): hosts of two devices trained at 0.91x
+/// of hosts of one. A thread takes whichever local rank comes next; libtorch's per-thread
+/// state stays warm either way.
+#[derive(Default)]
+pub(super) struct RankThreads(Option<rayon::ThreadPool>);
+
+impl RankThreads {
+    /// The pool, of `n` threads (one per local rank after the first), made if it is not.
+    fn fit(&mut self, n: usize) -> Result<&rayon::ThreadPool, TrainerError> {
+        let n = n.max(1);
+        if self.0.as_ref().is_none_or(|p| p.current_num_threads() != n) {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .thread_name(|i| format!("limpet-rank-{}", i + 1))
+                .build()
+                .map_err(|e| {
+                    TrainerError::Config(format!("could not start the local ranks' threads: {e}"))
+                })?;
+            self.0 = Some(pool);
+        }
+        Ok(self.0.as_ref().expect("made above"))
+    }
+}
+
 /// Trains one step on node `me` (its index in `epoch`) with its local ranks: `leader` and as
 /// many of `followers` as the epoch gives it, the host's sum going between hosts through
 /// `ring` (lane 0, driven by the leader) and `lanes` (lane `k`, by local rank `k`).
@@ -153,6 +179,7 @@ pub(super) fn step(
     me: usize,
     (ring, lanes): (&mut Group, &mut [Group]),
     sums: &LocalSums,
+    ranks: &mut RankThreads,
 ) -> Result<(StepStats, LocalStep), TrainerError> {
     let n = epoch.local_ranks_of(me) as usize;
     if 1 + lanes.len() != lanes_of(epoch) || lanes_of(epoch) > n {
@@ -171,6 +198,7 @@ pub(super) fn step(
     }
     enough_devices(epoch, n, 1 + followers.len())?;
     let followers = &mut followers[..n - 1];
+    let pool = ranks.fit(followers.len())?;
     let (first, world) = (epoch.first_rank_of(me), epoch.total_ranks());
     let shares = epoch.rank_shares();
     leader.set_shares(shares.clone());
@@ -183,32 +211,28 @@ pub(super) fn step(
     let samples = (first..first + n).map(|r| plan.share_in(r, world, &shares).len()).sum();
     let group = LocalGroup::of_hosts(n, first, 1 + lanes.len(), sums, equal_hosts(epoch));
     let mut lanes = lanes.iter_mut();
-    let (mine, theirs) = std::thread::scope(|s| {
-        let handles: Vec<_> = followers
-            .iter_mut()
-            .enumerate()
-            .map(|(i, f)| {
-                let lane = lanes.next().map(|g| g as &mut (dyn Reduce + Send));
+    let mut theirs: Vec<Option<Result<StepStats, TrainerError>>> = followers.iter().map(|_| None).collect();
+    let mine = pool.in_place_scope(|s| {
+        for ((i, f), slot) in followers.iter_mut().enumerate().zip(theirs.iter_mut()) {
+            let lane = lanes.next().map(|g| g as &mut (dyn Reduce + Send));
+            let group = &group;
+            s.spawn(move |_| {
                 let mut r = group.rank(i + 1, lane);
-                let spawned = std::thread::Builder::new()
-                    .name(format!("limpet-rank-{}", i + 1))
-                    .spawn_scoped(s, move || f.train_step(first + i + 1, world, &mut r));
-                (i + 1, spawned)
-            })
-            .collect();
-        let mine =
-            leader.train_step(first, world, &mut group.rank(0, Some(ring as &mut (dyn Reduce + Send))));
-        let theirs: Vec<Result<StepStats, TrainerError>> = handles
-            .into_iter()
-            .map(|(i, h)| match h {
-                Err(e) => Err(TrainerError::Config(format!("could not start local rank {i}'s thread: {e}"))),
-                Ok(h) => h.join().unwrap_or_else(|panic| {
-                    Err(TrainerError::Config(format!("local rank {i} panicked: {}", panic_text(&panic))))
-                }),
-            })
-            .collect();
-        (mine, theirs)
+                let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    f.train_step(first + i + 1, world, &mut r)
+                }));
+                *slot = Some(stepped.unwrap_or_else(|panic| {
+                    Err(TrainerError::Config(format!(
+                        "local rank {} panicked: {}",
+                        i + 1,
+                        panic_text(&panic)
+                    )))
+                }));
+            });
+        }
+        leader.train_step(first, world, &mut group.rank(0, Some(ring as &mut (dyn Reduce + Send))))
     });
+    let theirs = theirs.into_iter().map(|r| r.expect("the scope ran every local rank"));
     // A local rank's own failure (not the ring's) is the host's: fatal, as the first
     // device's would be. A failed ring is every local rank's, reported once.
     for r in theirs {

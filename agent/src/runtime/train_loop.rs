@@ -53,6 +53,8 @@ pub(super) struct TrainLoop {
     followers: Vec<Trainer>,
     /// The host sums of the local ranks' collectives, kept from step to step.
     local_sums: limpet_trainer::LocalSums,
+    /// The threads the followers step on, kept from step to step.
+    rank_threads: super::local_ranks::RankThreads,
     pub checkpointer: Checkpointer,
     pub shadows: Shadows,
     group: Option<(Epoch, Conn)>,
@@ -119,6 +121,7 @@ impl TrainLoop {
             trainer,
             followers,
             local_sums: Default::default(),
+            rank_threads: Default::default(),
             shadows: Shadows::default(),
             group: None,
             lanes: Vec::new(),
@@ -282,6 +285,7 @@ impl TrainLoop {
                     group_rank,
                     (g, &mut self.lanes),
                     &self.local_sums,
+                    &mut self.rank_threads,
                 ) {
                     Ok((stats, local)) => {
                         let mut own = Duration::from_secs_f64(local.compute_ms / 1e3);

@@ -206,7 +206,7 @@ impl GradBuffer {
 /// rank's backward still writes other regions. It hands out disjoint regions: whoever calls
 /// [`RawBuffer::region`] promises that nothing else reads or writes that region while the
 /// slice lives (the overlapped step hands a bucket over only once backward has finished
-/// writing it, and touches it again only after the reducing thread is joined).
+/// writing it, and touches it again only after the summing task has ended).
 pub(crate) struct RawBuffer {
     ptr: *mut f32,
     len: usize,

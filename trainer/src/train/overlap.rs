@@ -157,64 +157,65 @@ impl Trainer {
         let sharded = layout.as_ref();
         let give_back = self.shards_gradients();
         let sums: &mut (dyn Reduce + Send) = &mut *reduce;
-        let (computed, reduced) = std::thread::scope(|s| {
-            let summing = std::thread::Builder::new().name("limpet-bucket-reduce".into()).spawn_scoped(
-                s,
-                move || -> Result<(), TrainerError> {
-                    // The squared norm of this rank's own gradient, bucket by bucket before
-                    // each is summed; it goes into the scalars, which end the last bucket.
-                    let mut sq = 0.0f64;
-                    for range in rx {
-                        let last = range.end == end;
-                        // SAFETY: a range arrives here once its gradients are final; the
-                        // compute side never touches it again before this thread is joined.
-                        #[allow(unsafe_code)]
-                        let values = unsafe { raw.region(range.clone()) };
-                        let grads = if last { values.len() - 3 } else { values.len() };
-                        sq += values[..grads].iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>();
-                        if last {
-                            let count = f64::from(values[grads + 1]);
-                            values[grads + 2] = if count > 0.0 { (sq / (count * count)) as f32 } else { 0.0 };
-                        }
-                        match sharded {
-                            None => sums.allreduce_sum(values, step)?,
-                            Some(l) => {
-                                let (g, scalars) = values.split_at_mut(grads);
-                                if !g.is_empty() {
-                                    let blocks = within(l.blocks(), range.start..range.start + grads);
-                                    sums.reduce_scatter_sum(g, &blocks, l.replicas(), step)?;
-                                    if give_back {
-                                        super::shard::release_unheld(l, g, range.start);
+        let pool = self.bucket_thread()?;
+        let mut reduced = None;
+        let slot = &mut reduced;
+        let computed = pool.in_place_scope(|s| {
+            // Moved in, so that a panic of backward drops it and the summing task ends.
+            let tx = tx;
+            s.spawn(move |_| {
+                let summed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(
+                    move || -> Result<(), TrainerError> {
+                        // The squared norm of this rank's own gradient, bucket by bucket before
+                        // each is summed; it goes into the scalars, which end the last bucket.
+                        let mut sq = 0.0f64;
+                        for range in rx {
+                            let last = range.end == end;
+                            // SAFETY: a range arrives here once its gradients are final; the
+                            // compute side never touches it again before the scope ends.
+                            #[allow(unsafe_code)]
+                            let values = unsafe { raw.region(range.clone()) };
+                            let grads = if last { values.len() - 3 } else { values.len() };
+                            sq += values[..grads].iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>();
+                            if last {
+                                let count = f64::from(values[grads + 1]);
+                                values[grads + 2] =
+                                    if count > 0.0 { (sq / (count * count)) as f32 } else { 0.0 };
+                            }
+                            match sharded {
+                                None => sums.allreduce_sum(values, step)?,
+                                Some(l) => {
+                                    let (g, scalars) = values.split_at_mut(grads);
+                                    if !g.is_empty() {
+                                        let blocks = within(l.blocks(), range.start..range.start + grads);
+                                        sums.reduce_scatter_sum(g, &blocks, l.replicas(), step)?;
+                                        if give_back {
+                                            super::shard::release_unheld(l, g, range.start);
+                                        }
                                     }
-                                }
-                                if last {
-                                    sums.allreduce_sum(scalars, step)?;
+                                    if last {
+                                        sums.allreduce_sum(scalars, step)?;
+                                    }
                                 }
                             }
                         }
-                    }
-                    Ok(())
-                },
-            );
-            let summing = match summing {
-                Ok(h) => h,
-                Err(e) => {
-                    let e = TrainerError::Config(format!("could not start the reducing thread: {e}"));
-                    return (Err(e), Ok(()));
-                }
-            };
+                        Ok(())
+                    },
+                ));
+                // A panic of the summing task is a bug here, not a peer's fault: not a
+                // failed collective.
+                *slot = Some(summed.unwrap_or_else(|_| {
+                    Err(TrainerError::Config("the bucket-reducing thread panicked".into()))
+                }));
+            });
             let computed = self.backward_in_buckets(&micro, step_seed, &buckets, &tx, count);
             if computed.is_ok() {
                 self.compute_ms = started.elapsed().as_secs_f64() * 1e3;
             }
             drop(tx);
-            // A panic of the reducing thread is a bug here, not a peer's fault: not a
-            // failed collective.
-            let reduced = summing
-                .join()
-                .unwrap_or_else(|_| Err(TrainerError::Config("the bucket-reducing thread panicked".into())));
-            (computed, reduced)
+            computed
         });
+        let reduced = reduced.expect("the scope ran the summing task");
         computed?;
         reduced?;
         if let Some(l) = &layout {
@@ -228,6 +229,20 @@ impl Trainer {
             }
             other => other,
         })
+    }
+
+    /// The thread buckets are summed on, made at the first overlapped step and kept: a
+    /// thread made each step paid its first use's costs each step.
+    fn bucket_thread(&mut self) -> Result<std::sync::Arc<rayon::ThreadPool>, TrainerError> {
+        if let Some(pool) = &self.bucket_thread {
+            return Ok(std::sync::Arc::clone(pool));
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .thread_name(|_| "limpet-bucket-reduce".into())
+            .build()
+            .map_err(|e| TrainerError::Config(format!("could not start the reducing thread: {e}")))?;
+        Ok(std::sync::Arc::clone(self.bucket_thread.insert(std::sync::Arc::new(pool))))
     }
 
     /// This rank's forward and backward over its micro-batches, the last one block by block,
