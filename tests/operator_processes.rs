@@ -158,14 +158,16 @@ fn json_of(o: &Output) -> Value {
 
 /// A local cluster as a first operator meets it: status by address alone learns the cluster
 /// (and a wrong `--cluster` is refused naming both clusters), step logs name their node, and
-/// draining the leader hands over without a refused proposal; drain and revoke speak JSON.
+/// draining the leader hands over without a refused proposal; drain and revoke speak JSON;
+/// a node configured with another job stops, naming the difference.
 #[test]
 fn status_by_address_named_step_logs_and_a_quiet_drain_of_the_leader() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("cluster");
     let job = LocalJob { steps: 1_000_000, ..LocalJob::default() };
-    let c = LocalCluster::up_with(&dir, 3, job, &common::lab_exe(), Path::new(env!("CARGO_BIN_EXE_limpetd")))
-        .unwrap();
+    let mut c =
+        LocalCluster::up_with(&dir, 3, job, &common::lab_exe(), Path::new(env!("CARGO_BIN_EXE_limpetd")))
+            .unwrap();
     let ds = dir.to_str().unwrap();
     let n1 = c.file.node("node-1").unwrap().clone();
     wait_showing_logs("the founders train", Duration::from_secs(120), &dir, || {
@@ -247,6 +249,22 @@ fn status_by_address_named_step_logs_and_a_quiet_drain_of_the_leader() {
         "{notice}"
     );
     assert_eq!(notice["via"], other.metadata.as_str(), "{notice}");
+
+    // A node whose [job] is not the one the cluster's log holds stops once it reads the
+    // log, naming what differs, with the usage exit status; the others train on.
+    c.job.steps += 1;
+    let odd = c.add().unwrap();
+    let exit = c
+        .wait_exit(&odd, Duration::from_secs(90))
+        .unwrap_or_else(|| panic!("{odd} still runs\n{}", node_logs(&dir)));
+    assert_eq!(exit.code(), Some(64), "{exit:?}");
+    let log = std::fs::read_to_string(&c.file.node(&odd).unwrap().log).unwrap();
+    let want = "this node's [job] is not the cluster's: steps: 1000001 vs 1000000";
+    assert!(log.contains(want), "{want:?} not in\n{log}");
+    let at = step_worlds(&survivor.step_log).len();
+    wait_showing_logs("the others train on", Duration::from_secs(60), &dir, || {
+        step_worlds(&survivor.step_log).len() > at + 10
+    });
 }
 
 #[test]

@@ -49,6 +49,10 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
             _ => 1,
         };
     }
+    if let Some(limpet_agent::runtime::AgentError::Job(_)) = e.downcast_ref() {
+        // The node's config names another job than the cluster's: the operator's to fix.
+        return EXIT_USAGE;
+    }
     match e.downcast_ref::<TrainerError>() {
         Some(TrainerError::Snapshot(_) | TrainerError::Mismatch(_) | TrainerError::Data { .. }) => EXIT_DATA,
         Some(TrainerError::Config(_)) => EXIT_USAGE,

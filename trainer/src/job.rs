@@ -212,6 +212,20 @@ impl JobSpec {
     }
 }
 
+impl JobSpec {
+    /// The first difference between this job and a job document as the cluster's log
+    /// records it (this spec as JSON, with a pipelined job's `pipeline` settings beside it,
+    /// which are not compared), as `path: ours vs theirs`, or `None` if they are the same job.
+    pub fn diff_document(&self, doc: &serde_json::Value) -> Option<String> {
+        let ours = serde_json::to_value(self).expect("JobSpec serializes");
+        let mut theirs = doc.clone();
+        if let Some(o) = theirs.as_object_mut() {
+            o.remove("pipeline");
+        }
+        first_difference("", &ours, &theirs)
+    }
+}
+
 fn first_difference(path: &str, a: &serde_json::Value, b: &serde_json::Value) -> Option<String> {
     use serde_json::Value;
     match (a, b) {
@@ -224,5 +238,30 @@ fn first_difference(path: &str, a: &serde_json::Value, b: &serde_json::Value) ->
         }
         _ if a == b => None,
         _ => Some(format!("{path}: {a} vs {b}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_job_document_differs_by_its_first_field_and_not_by_its_pipeline() {
+        let data = crate::data::Dataset::load(
+            &crate::data::DataSpec::Synthetic { samples: 60, features: 4, classes: 2, seed: 1 },
+            None,
+        )
+        .unwrap();
+        let job = JobSpec::defaults_for(ModelKind::Mlp, &data).unwrap();
+        let mut doc = serde_json::to_value(&job).unwrap();
+        doc["pipeline"] = serde_json::json!({ "depth": 2 });
+        assert_eq!(job.diff_document(&doc), None);
+        doc["steps"] = serde_json::json!(job.steps + 1);
+        let want = format!("steps: {} vs {}", job.steps, job.steps + 1);
+        assert_eq!(job.diff_document(&doc), Some(want));
+        // A key one side lacks is a difference too (an older or newer writer's field).
+        let mut doc = serde_json::to_value(&job).unwrap();
+        doc["shard_state"] = serde_json::json!({ "replicas": 1 });
+        assert_eq!(job.diff_document(&doc), Some("shard_state: null vs {\"replicas\":1}".into()));
     }
 }

@@ -32,6 +32,9 @@ pub enum AgentError {
     /// The trainer failed on this rank.
     #[error(transparent)]
     Trainer(#[from] TrainerError),
+    /// This node's `[job]` is not the job the cluster's log holds: it cannot train with it.
+    #[error("this node's [job] is not the cluster's: {0} (ours vs the log's; every node of a cluster trains the job its first leader set)")]
+    Job(String),
     /// A local file could not be written.
     #[error("{what}: {source}")]
     Io {
@@ -45,7 +48,7 @@ pub enum AgentError {
 impl AgentError {
     /// Whether this error stops the agent (as opposed to ending one attempt).
     pub fn is_fatal(&self) -> bool {
-        matches!(self, AgentError::Trainer(_) | AgentError::Io { .. })
+        matches!(self, AgentError::Trainer(_) | AgentError::Io { .. } | AgentError::Job(_))
     }
 }
 
@@ -70,6 +73,7 @@ mod tests {
         assert!(AgentError::from(TrainerError::Config("x".into())).is_fatal());
         let io = AgentError::Io { what: "the step log".into(), source: std::io::Error::other("disk full") };
         assert!(io.is_fatal());
+        assert!(AgentError::Job("steps: 2 vs 1".into()).is_fatal());
         assert!(!AgentError::from(DataPlaneError::Protocol("bad frame".into())).is_fatal());
         assert!(!AgentError::from("node 3 does not hash to what it announced").is_fatal());
     }

@@ -62,6 +62,8 @@ pub(super) struct TrainLoop {
     lanes: Vec<crate::Group>,
     broken: Option<BrokenAt>,
     was_member: bool,
+    /// Whether this node's `[job]` was found to be the one the log holds.
+    job_checked: bool,
     last_step_done: Option<Instant>,
     /// The step in flight when a collective broke (since the last entry): lost unless a peer
     /// finished it and the next epoch starts after it.
@@ -127,6 +129,7 @@ impl TrainLoop {
             lanes: Vec::new(),
             broken: None,
             was_member: false,
+            job_checked: false,
             last_step_done: None,
             in_flight: None,
             step_time_ms: 0.0,
@@ -187,6 +190,17 @@ impl TrainLoop {
                 return Ok(Exit::Stopped);
             }
             let st = Arc::clone(&self.watch.borrow().state);
+            if !self.job_checked {
+                // Set once, by the first leader from its own config: a node whose config
+                // says otherwise would train another job beside the others (or stall their
+                // collectives) if it entered.
+                if let Some(logged) = &st.job {
+                    if let Some(diff) = self.cfg.job.diff_document(logged) {
+                        return Err(AgentError::Job(diff));
+                    }
+                    self.job_checked = true;
+                }
+            }
             if let Some(m) = st.members.get(&me) {
                 self.was_member |= m.status.is_staying();
             }
