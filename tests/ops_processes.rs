@@ -49,6 +49,8 @@ fn the_systemd_unit_passes_systemd_analyze_verify_and_outlasts_the_drain() {
     assert_eq!(unit_value("LogsDirectory"), "limpet");
     assert!(unit_value("ReadWritePaths").split_whitespace().any(|p| p.trim_start_matches('-') == "/mnt/efs"));
     assert_eq!(unit_value("Restart"), "always");
+    // A config that is wrong (exit 64: a bad key, or a [job] not the cluster's) is not retried.
+    assert_eq!(unit_value("RestartPreventExitStatus"), "64");
     for hardening in ["NoNewPrivileges", "ProtectSystem", "ProtectHome", "CapabilityBoundingSet"] {
         unit_value(hardening);
     }

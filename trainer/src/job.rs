@@ -216,13 +216,18 @@ impl JobSpec {
     /// The first difference between this job and a job document as the cluster's log
     /// records it (this spec as JSON, with a pipelined job's `pipeline` settings beside it,
     /// which are not compared), as `path: ours vs theirs`, or `None` if they are the same job.
+    /// The document is read as this version reads a job (a field an older writer left out
+    /// takes its default), so only what the two jobs train differently counts; one this
+    /// version cannot read is a difference, named.
     pub fn diff_document(&self, doc: &serde_json::Value) -> Option<String> {
-        let ours = serde_json::to_value(self).expect("JobSpec serializes");
         let mut theirs = doc.clone();
         if let Some(o) = theirs.as_object_mut() {
             o.remove("pipeline");
         }
-        first_difference("", &ours, &theirs)
+        match serde_json::from_value::<JobSpec>(theirs) {
+            Ok(theirs) => self.diff(&theirs),
+            Err(e) => Some(format!("the log's job does not read as one: {e}")),
+        }
     }
 }
 
@@ -259,9 +264,15 @@ mod tests {
         doc["steps"] = serde_json::json!(job.steps + 1);
         let want = format!("steps: {} vs {}", job.steps, job.steps + 1);
         assert_eq!(job.diff_document(&doc), Some(want));
-        // A key one side lacks is a difference too (an older or newer writer's field).
+        // A field the log's writer wrote at its default (where this version leaves it out)
+        // is the same job; one it gave otherwise differs.
         let mut doc = serde_json::to_value(&job).unwrap();
+        doc["reduce_after_backward"] = serde_json::json!(false);
+        assert_eq!(job.diff_document(&doc), None);
         doc["shard_state"] = serde_json::json!({ "replicas": 1 });
         assert_eq!(job.diff_document(&doc), Some("shard_state: null vs {\"replicas\":1}".into()));
+        // A document this version cannot read is refused, saying why.
+        doc["steps"] = serde_json::json!("many");
+        assert!(job.diff_document(&doc).unwrap().starts_with("the log's job does not read as one"));
     }
 }
