@@ -210,9 +210,7 @@ impl JobSpec {
         let b = serde_json::to_value(other).expect("JobSpec serializes");
         first_difference("", &a, &b)
     }
-}
 
-impl JobSpec {
     /// The first difference between this job and a job document as the cluster's log
     /// records it (this spec as JSON, with a pipelined job's `pipeline` settings beside it,
     /// which are not compared), as `path: ours vs theirs`, or `None` if they are the same job.

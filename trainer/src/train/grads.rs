@@ -42,8 +42,7 @@ impl GradBuffer {
 
     /// Makes every trainable parameter's `.grad` a view of its place in the buffer.
     fn bind(&mut self, params: &[(String, Tensor)]) -> Result<(), TrainerError> {
-        let trainable: Vec<&Tensor> = params.iter().map(|(_, p)| p).filter(|p| p.requires_grad()).collect();
-        if trainable.is_empty() {
+        if !params.iter().any(|(_, p)| p.requires_grad()) {
             return Ok(());
         }
         // A `.grad` must exist to be rebound: a backward through each parameter's sum makes
@@ -63,7 +62,7 @@ impl GradBuffer {
                         p.size()
                     )));
                 }
-                g.shallow_clone().f_set_data(&self.flat.narrow(0, offset, n).view_as(p))?;
+                self.place(&g, p, offset)?;
             }
             offset += n;
         }
@@ -92,11 +91,17 @@ impl GradBuffer {
         for (_, p) in params {
             let n = p.numel() as i64;
             if p.requires_grad() {
-                p.grad().f_set_data(&self.flat.narrow(0, offset, n).view_as(p))?;
+                self.place(&p.grad(), p, offset)?;
             }
             offset += n;
         }
         self.bound = true;
+        Ok(())
+    }
+
+    /// Makes `grad` (parameter `p`'s) a view of the buffer's values from `offset`.
+    fn place(&self, grad: &Tensor, p: &Tensor, offset: i64) -> Result<(), TrainerError> {
+        grad.shallow_clone().f_set_data(&self.flat.narrow(0, offset, p.numel() as i64).view_as(p))?;
         Ok(())
     }
 
@@ -244,10 +249,8 @@ impl RawBuffer {
 /// backward is writing rather than the whole model's gradient.
 #[allow(unsafe_code)]
 pub(crate) fn release(values: &mut [f32]) {
-    let page = page_size();
     let start = values.as_mut_ptr() as usize;
-    let end = start + std::mem::size_of_val(values);
-    let (lo, hi) = (start.next_multiple_of(page), end / page * page);
+    let (lo, hi) = whole_pages(start, std::mem::size_of_val(values));
     if hi <= lo {
         values.fill(0.0);
         return;
@@ -267,6 +270,12 @@ pub(crate) fn release(values: &mut [f32]) {
     if dropped != 0 || values[a] != 0.0 {
         values[a..b].fill(0.0);
     }
+}
+
+/// The whole pages within the `bytes` bytes from address `at`: `lo..hi`, empty when none.
+fn whole_pages(at: usize, bytes: usize) -> (usize, usize) {
+    let page = page_size();
+    (at.next_multiple_of(page), (at + bytes) / page * page)
 }
 
 /// The system's page size (4 KiB where it cannot be asked), asked once.
@@ -304,9 +313,8 @@ mod tests {
     /// The pages of this many bytes from `at` that are resident.
     #[allow(unsafe_code)]
     fn resident(at: *const f32, bytes: usize) -> usize {
-        let page = page_size();
-        let (lo, hi) = ((at as usize).next_multiple_of(page), (at as usize + bytes) / page * page);
-        let mut map = vec![0u8; (hi - lo) / page];
+        let (lo, hi) = whole_pages(at as usize, bytes);
+        let mut map = vec![0u8; (hi - lo) / page_size()];
         // SAFETY: [lo, hi) is whole pages of a live allocation; `map` has a byte per page.
         let ok = unsafe { libc::mincore(lo as *mut libc::c_void, hi - lo, map.as_mut_ptr()) };
         assert_eq!(ok, 0, "mincore");

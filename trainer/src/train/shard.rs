@@ -358,12 +358,13 @@ impl Trainer {
         self.shard.as_mut().expect("sharded").pending = None;
         self.compute_grads(rank, world)?;
         let n = self.grads.grads_len();
+        let give_back = self.shards_gradients();
         let buf = self.grads.as_mut_slice();
         reduce.reduce_scatter_sum(&mut buf[..n], &layout.blocks, layout.replicas, step)?;
-        if self.shards_gradients() {
-            release_unheld(&layout, &mut self.grads.as_mut_slice()[..n], 0);
+        if give_back {
+            release_unheld(&layout, &mut buf[..n], 0);
         }
-        reduce.allreduce_sum(&mut self.grads.as_mut_slice()[n..], step)?;
+        reduce.allreduce_sum(&mut buf[n..], step)?;
         self.finish_sharded(&layout, step, reduce)
     }
 
@@ -558,10 +559,8 @@ impl Trainer {
         let n = self.grads.grads_len();
         // With sharded gradients the buffer is filled and given back a window at a time, so
         // it never holds the whole model; otherwise one window is the whole buffer.
-        let (window, release) = match self.shards_gradients() {
-            true => (super::overlap::bucket_values().max(1), true),
-            false => (n.max(1), false),
-        };
+        let give_back = self.shards_gradients();
+        let window = if give_back { super::overlap::bucket_values() } else { n }.max(1);
         let own = layout.blocks[layout.rank].clone();
         let params = self.model.params();
         let src: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
@@ -588,7 +587,7 @@ impl Trainer {
                 }
                 Ok(())
             })?;
-            if release {
+            if give_back {
                 grads::release(&mut self.grads.as_mut_slice()[range]);
             }
         }
