@@ -160,10 +160,28 @@ fn limpetd_validate_accepts_a_good_file_and_names_the_bad_key() {
     };
     let ok = run(&good);
     assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
-    let bad = run(&(good.clone() + "\n[timing]\nheartbeat_ms = 500\nfailure_timeout_ms = 600\n"));
+    // Every problem at once, each at its line.
+    let text = good.clone() + "\n[timing]\nheartbeat_ms = 500\nfailure_timeout_ms = 600\nraft_tick_ms = 1\n";
+    let line = |key: &str| text.lines().position(|l| l.starts_with(key)).unwrap() + 1;
+    let bad = run(&text);
     assert_eq!(bad.status.code(), Some(64));
     let msg = String::from_utf8_lossy(&bad.stderr);
-    assert!(msg.contains("node.toml: [timing].failure_timeout_ms"), "{msg}");
+    assert!(
+        msg.contains(&format!("node.toml:{}: [timing].failure_timeout_ms: 600", line("failure_timeout_ms"))),
+        "{msg}"
+    );
+    assert!(
+        msg.contains(&format!("node.toml:{}: [timing].raft_tick_ms: 1 is below 5", line("raft_tick_ms"))),
+        "{msg}"
+    );
+    let f = tmp.path().join("node.toml");
+    let json = Command::new(limpetd).args(["validate", "--json", "--config"]).arg(&f).output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(v["valid"], false);
+    let keys: Vec<&str> =
+        v["errors"].as_array().unwrap().iter().map(|e| e["key"].as_str().unwrap()).collect();
+    assert_eq!(keys, ["[timing].raft_tick_ms", "[timing].failure_timeout_ms"], "{v}");
+    assert_eq!(v["line"], line("raft_tick_ms"));
     let typo = run(&good.replace("global_batch", "global_bach"));
     assert_eq!(typo.status.code(), Some(64));
     assert!(String::from_utf8_lossy(&typo.stderr).contains("global_bach"));

@@ -10,9 +10,6 @@ use crate::UsageError;
 use clap::{Args, Parser, Subcommand};
 use limpet_agent::runtime::{Agent, AgentConfig, Exit, Tasks};
 use limpet_consensus::state::{MemberSpec, MemberStatus};
-use limpet_trainer::data::Dataset;
-use limpet_trainer::workload;
-use limpet_trainer::JobSpec;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -78,23 +75,32 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
         return validate(&config, json);
     }
     let path = cli.run.config.ok_or_else(|| UsageError("--config FILE is required".into()))?;
-    let cfg = Config::load(&path).map_err(|e| UsageError(e.to_string()))?;
+    let file = path.display().to_string();
+    let text = Config::read(&path).map_err(|e| UsageError(e.to_string()))?;
+    let cfg = Config::parse_unchecked(&text, &file).map_err(|e| UsageError(e.to_string()))?;
     let json = cli
         .run
         .log_format
         .as_deref()
         .map_or(cfg.node.log_format == crate::config::LogFormat::Json, |f| f == "json");
     crate::init_tracing_as(json);
+    limpet_trainer::set_threads(1);
+    let backend = limpet_trainer::device::backend();
+    tracing::info!(devices = backend.devices, device = %cfg.job.device, "libtorch: {backend}");
+    let settings = cfg.settle().map_err(|e| UsageError(e.to_string()))?;
+    for warning in &settings.warnings {
+        tracing::warn!("{warning}");
+    }
     if cfg.tls().is_none() {
         tracing::warn!(
             "running without certificates ([security] insecure = true): anyone who reaches these ports \
              and knows the cluster secret is a member, and traffic is plain text"
         );
     }
-    limpet_trainer::set_threads(1);
-    let backend = limpet_trainer::device::backend();
-    tracing::info!(devices = backend.devices, device = %cfg.job.device, "libtorch: {backend}");
-    let mut agent_cfg = agent_config(&cfg, cli.run.step_log)?;
+    let mut agent_cfg = settings.agent;
+    if let Some(step_log) = cli.run.step_log {
+        agent_cfg.step_log = Some(step_log);
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let watched = rt.block_on(crate::watch_sources::resolve(&cfg));
     if watched.is_blind() {
@@ -137,13 +143,13 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
         }
     }
     let opts = ServeOptions {
-        metrics: cfg.node.metrics.as_deref().map(str::parse).transpose()?,
-        metrics_tls: match (&agent_cfg.tls, cfg.node.metrics_tls) {
+        metrics: settings.metrics,
+        metrics_tls: match (&agent_cfg.tls, settings.metrics_tls) {
             (Some(tls), true) => Some(tls.data_server()?),
             _ => None,
         },
-        grace: Duration::from_secs(cfg.timing.drain_grace_secs),
-        capacity: reconciler(&cfg),
+        grace: settings.grace,
+        capacity: settings.capacity,
     };
     let result = rt.block_on(serve(agent_cfg, opts));
     // Whatever did not stop within the agent's shutdown limit (a trainer thread stuck in a
@@ -152,32 +158,44 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
     result
 }
 
-/// `limpetd validate`: the file's checks, the paths it writes, the model module, the
-/// revocation sources this host would watch, and the backend libtorch offers here.
+/// `limpetd validate`: everything start-up checks and builds (every key, the certificates,
+/// the job from its data and model), short of binding and joining; then the paths it
+/// writes, the revocation sources this host would watch, and the backend libtorch offers
+/// here. Every problem of the file is reported, not just the first.
 fn validate(config: &std::path::Path, json: bool) -> anyhow::Result<()> {
-    let cfg = match Config::load(config) {
+    let settled = Config::read(config).map_err(crate::config::ConfigErrors::from).and_then(|text| {
+        let cfg = Config::parse_unchecked(&text, &config.display().to_string())?;
+        let settings = cfg.settle()?;
+        Ok((cfg, settings))
+    });
+    let (cfg, settings) = match settled {
         Ok(c) => c,
-        Err(e) => {
+        Err(errors) => {
             if json {
-                let v = serde_json::json!({"file": e.file, "valid": false, "key": e.key, "error": e.detail});
+                let first = errors.first();
+                let all: Vec<_> = errors
+                    .0
+                    .iter()
+                    .map(|e| serde_json::json!({"key": e.key, "line": e.line, "error": e.detail}))
+                    .collect();
+                let v = serde_json::json!({
+                    "file": first.file, "valid": false, "key": first.key, "line": first.line,
+                    "error": first.detail, "errors": all,
+                });
                 println!("{v}");
             }
-            return Err(UsageError(e.to_string()).into());
+            return Err(UsageError(errors.to_string()).into());
         }
     };
-    let mut warnings = write_path_warnings(&cfg);
-    warnings.extend(shard_warning(&cfg));
-    let model = if cfg.job.model == crate::config::ModelName::Torchscript {
-        let path = cfg.model.path.as_deref().expect("validated: torchscript has [model].path");
-        let hash = limpet_trainer::model::script::register(path).map_err(|e| UsageError(e.to_string()))?;
-        Some(format!(
+    let model = match &settings.agent.job.model {
+        limpet_trainer::model::ModelSpec::Torchscript(script) => Some(format!(
             "TorchScript module {} (blake3 {}), trained as one stage: its graph cannot be cut into pipeline stages",
-            path.display(),
-            &hash[..16]
-        ))
-    } else {
-        None
+            cfg.model.path.as_deref().unwrap_or(std::path::Path::new("?")).display(),
+            &script.blake3[..16]
+        )),
+        _ => None,
     };
+    let warnings = settings.warnings;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let watched = rt.block_on(crate::watch_sources::resolve(&cfg));
     let backend = limpet_trainer::device::backend();
@@ -228,38 +246,6 @@ struct ServeOptions {
     grace: Duration,
     /// The fleet reconciler (`[capacity]`), run while this node leads.
     capacity: Option<crate::reconciler::Reconciler>,
-}
-
-/// The reconciler `[capacity]` asks for: EC2 where `[cluster]` finds it unless the section
-/// says otherwise; spare credentials from `[security.ssm]` unless `spares = false`.
-fn reconciler(cfg: &Config) -> Option<crate::reconciler::Reconciler> {
-    let section = cfg.capacity.clone()?;
-    let ec2 = limpet_deploy::FleetConfig {
-        region: section.region.clone().or_else(|| cfg.cluster.ec2_region.clone()),
-        endpoint: section.endpoint.clone().or_else(|| cfg.cluster.ec2_endpoint.clone()),
-        credentials: None,
-    };
-    let ssm = cfg.tls().and_then(|s| s.ssm.as_ref());
-    let spares = match (section.spares, ssm) {
-        (Some(false), _) | (None, None) => None,
-        (_, Some(ssm)) => Some((
-            ssm.prefix.clone(),
-            limpet_deploy::FleetConfig {
-                region: ssm.region.clone().or_else(|| ec2.region.clone()),
-                endpoint: ec2.endpoint.clone(),
-                credentials: None,
-            },
-        )),
-        // validate() refuses spares = true without [security.ssm].
-        (Some(true), None) => None,
-    };
-    Some(crate::reconciler::Reconciler {
-        section,
-        cluster: cfg.cluster.name.clone(),
-        me: cfg.node_id(),
-        ec2,
-        spares,
-    })
 }
 
 /// Tells systemd (when it started us with `Type=notify`; otherwise a no-op).
@@ -388,194 +374,4 @@ async fn tell_systemd(
             notify(&[NotifyState::Watchdog]);
         }
     }
-}
-
-/// A reproducible job whose canonical shards do not divide evenly among the founders: every
-/// step, some hosts then run one shard's passes more than others, or sit idle (see
-/// docs/design.md, reproducible jobs). A later world may differ; the founders are the world
-/// the job is set up for.
-pub fn shard_warning(cfg: &Config) -> Option<String> {
-    let founders = cfg.cluster.bootstrap.len();
-    if cfg.job.reproducible != Some(true) || founders == 0 {
-        return None;
-    }
-    let k = cfg.job.shards.unwrap_or(limpet_trainer::SHARDS).min(cfg.job.global_batch as usize);
-    let said = if cfg.job.shards.is_some() { "" } else { " (the default)" };
-    if k < founders {
-        return Some(format!(
-            "[job].shards {k}{said} with {founders} founders: {} of them idle every step; shards = {founders} keeps each busy",
-            founders - k
-        ));
-    }
-    (k % founders != 0).then(|| {
-        let most = k.div_ceil(founders);
-        format!(
-            "[job].shards {k}{said} with {founders} founders: some run {most} shards' passes a step, others {}; shards = {founders} (one pass each, the fastest) or a multiple of it evens them",
-            most - 1
-        )
-    })
-}
-
-/// The directories limpetd writes to that it cannot write here, each naming its key. Run as
-/// the unit's `ExecStartPre`, this sees the unit's sandbox: with `ProtectSystem=strict`,
-/// every path outside the state, log and temporary directories must be in
-/// `ReadWritePaths=`, else checkpoints and step logs fail only once training runs. A path
-/// that does not exist yet (a mount not up) is named too, but may be fine later.
-pub fn write_path_warnings(cfg: &Config) -> Vec<String> {
-    let mut dirs: Vec<(&str, PathBuf)> = vec![("[node].state_dir", cfg.node.state_dir.clone())];
-    if let Some(c) = &cfg.checkpoint {
-        dirs.push((
-            "[checkpoint].dir",
-            c.dir.clone().unwrap_or_else(|| cfg.node.state_dir.join("checkpoints")),
-        ));
-    }
-    if let Some(parent) = cfg.node.step_log.as_deref().and_then(std::path::Path::parent) {
-        dirs.push(("[node].step_log", parent.to_path_buf()));
-    }
-    let mut out = Vec::new();
-    for (key, dir) in dirs {
-        // The nearest existing ancestor is where a write (or the directory's creation) lands.
-        let Some(existing) = dir.ancestors().find(|a| a.exists()) else { continue };
-        if existing != dir {
-            out.push(format!("{key} {}: does not exist yet (a mount not up?)", dir.display()));
-        }
-        let probe = existing.join(format!(".limpetd-validate-{}", std::process::id()));
-        match std::fs::File::create(&probe) {
-            Ok(_) => {
-                let _ = std::fs::remove_file(&probe);
-            }
-            Err(e) => out.push(format!(
-                "{key} {}: not writable here ({e}); under the systemd unit, add it to ReadWritePaths=",
-                existing.display()
-            )),
-        }
-    }
-    out
-}
-
-/// Builds the agent's configuration from the file's.
-pub fn agent_config(cfg: &Config, step_log: Option<PathBuf>) -> anyhow::Result<AgentConfig> {
-    let secret = crate::config::read_secret(&cfg.node.secret_file)
-        .map_err(|why| anyhow::anyhow!("[node].secret_file: {why}"))?;
-    let job = job_spec(cfg)?;
-    let mut a = AgentConfig::new(
-        cfg.node_id(),
-        &cfg.node.name,
-        &cfg.cluster.name,
-        cfg.node.state_dir.clone(),
-        secret,
-        job,
-    );
-    a.control = cfg.node.control.parse()?;
-    a.data = cfg.node.data.parse()?;
-    a.advertise_control = cfg.node.advertise_control.clone().unwrap_or_default();
-    a.advertise_data = cfg.node.advertise_data.clone().unwrap_or_default();
-    let founders: Vec<MemberSpec> =
-        crate::config::parse_founders(&cfg.cluster.bootstrap).map_err(|e| UsageError(e.0))?;
-    a.base_world = cfg.job.base_world.unwrap_or(founders.len().max(1) as u64);
-    a.bootstrap = if founders.is_empty() { None } else { Some(founders) };
-    a.seeds = cfg.cluster.seeds.clone();
-    a.data_path = cfg.job.data_path.clone();
-    a.device = limpet_trainer::device::DeviceChoice::parse(&cfg.job.device)
-        .map_err(|e| UsageError(format!("[job].device: {e}")))?;
-    a.devices =
-        cfg.node.local_devices().map_err(|e| UsageError(format!("[node].devices: {e}")))?.unwrap_or_default();
-    if a.devices.len() > 1 && cfg.pipeline.is_some() {
-        // Only `"auto"` gets here (validation refuses such a list): the first device.
-        tracing::warn!(
-            devices = a.devices.len(),
-            "[node].devices = \"auto\": a pipelined job trains on one device; using the first"
-        );
-        a.devices.truncate(1);
-    }
-    a.init_from = cfg.model.init_from.clone();
-    a.policy = cfg.job.policy;
-    a.min_nodes = cfg.cluster.min_nodes;
-    a.straggler_ratio = cfg.cluster.straggler_ratio;
-    a.straggler_steps = cfg.cluster.straggler_steps;
-    a.slowdown_us_per_sample = cfg.node.slowdown_us_per_sample;
-    a.slowdown_factor = cfg.node.slowdown_factor;
-    a.poll = Duration::from_secs_f64(cfg.revocation.poll_secs);
-    let t = &cfg.timing;
-    a.heartbeat = Duration::from_millis(t.heartbeat_ms);
-    a.heartbeat_timeout = Duration::from_millis(t.failure_timeout_ms);
-    a.dp_timeout = Duration::from_millis(t.data_timeout_ms);
-    a.dp_congestion =
-        limpet_agent::dataplane::endpoint::parse_congestion(&cfg.node.data_congestion).map_err(UsageError)?;
-    a.tick = Duration::from_millis(t.raft_tick_ms);
-    a.lead = Duration::from_millis(t.lead_ms);
-    a.notice_margin = Duration::from_millis(t.notice_margin_ms);
-    a.step_log = step_log.or_else(|| cfg.node.step_log.clone());
-    if let Some(sec) = cfg.tls() {
-        a.tls = Some(std::sync::Arc::new(sec.load("the configuration", cfg.node_id())?));
-        a.tls_data = sec.data_plane == crate::config::DataPlaneMode::Tls;
-    }
-    a.pipeline = pipeline_settings(cfg, a.job.model.num_blocks())?;
-    a.checkpoint = checkpoint_settings(cfg);
-    Ok(a)
-}
-
-/// `[pipeline]` for a model of `blocks` blocks: explicit cuts must fall inside it.
-fn pipeline_settings(
-    cfg: &Config,
-    blocks: usize,
-) -> anyhow::Result<Option<limpet_agent::runtime::PipelineSettings>> {
-    let Some(p) = cfg.pipeline.as_ref() else { return Ok(None) };
-    if let Some(cuts) = &p.cuts {
-        if cuts.last().is_some_and(|&c| c >= blocks) {
-            return Err(UsageError(format!(
-                "[pipeline].cuts {cuts:?}: the model has {blocks} blocks, so every cut must be below {blocks}"
-            ))
-            .into());
-        }
-    }
-    Ok(Some(limpet_agent::runtime::PipelineSettings {
-        depth: match p.stages {
-            crate::config::Stages::Fixed(n) => Some(n),
-            crate::config::Stages::Named(_) => None,
-        },
-        mem_bytes: crate::args::parse_bytes(&p.memory).unwrap_or(16 << 30),
-        link: limpet_agent::planner::Link { bytes_per_s: p.link_gbps * 1e9, latency_ms: p.latency_ms },
-        shadow_every: p.shadow_every,
-        cuts: p.cuts.clone(),
-    }))
-}
-
-/// `[checkpoint]`, its directory defaulting to the state directory's `checkpoints`.
-fn checkpoint_settings(cfg: &Config) -> Option<limpet_agent::runtime::CheckpointSettings> {
-    let c = cfg.checkpoint.as_ref()?;
-    Some(limpet_agent::runtime::CheckpointSettings {
-        every_steps: c.every_steps,
-        every: (c.every_minutes > 0.0).then(|| Duration::from_secs_f64(c.every_minutes * 60.0)),
-        dir: c.dir.clone().unwrap_or_else(|| cfg.node.state_dir.join("checkpoints")),
-        keep: c.keep,
-        resume: c.resume,
-        min_free: c.min_free_bytes().expect("validated: [checkpoint].min_free"),
-        shared: c.shared,
-        remote: c.s3.as_ref().and_then(|url| limpet_agent::remote::parse_url(url).ok()).map(
-            |(bucket, prefix)| limpet_agent::remote::RemoteSettings {
-                bucket,
-                prefix,
-                endpoint: c.s3_endpoint.clone(),
-                region: c.s3_region.clone(),
-            },
-        ),
-    })
-}
-
-/// The trainer's job from `[job]`, `[model]` and `[data]`: the model's defaults, overridden
-/// by what the file sets.
-pub fn job_spec(cfg: &Config) -> anyhow::Result<JobSpec> {
-    let j = &cfg.job;
-    let kind = j.model.kind();
-    let spec = workload::data_spec(&j.data, &cfg.data, j.seed)?;
-    let data = Dataset::load(&spec, j.data_path.as_deref())?;
-    let mut model = cfg.model.clone();
-    if j.layers.is_some() {
-        model.layers = j.layers;
-    }
-    let mut job = workload::job_for(kind, &data, &model).map_err(|e| UsageError(e.to_string()))?;
-    j.keys().apply(&mut job).map_err(|e| UsageError(e.to_string()))?;
-    job.validate(&data)?;
-    Ok(job)
 }

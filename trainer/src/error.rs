@@ -22,6 +22,15 @@ pub enum TrainerError {
     /// The job does not make sense (bad batch sizes, a model that cannot read the data, ...).
     #[error("invalid job: {0}")]
     Config(String),
+    /// One configuration key's value does not make sense: the key is `[section].name`, so a
+    /// configuration file's checks can name it (and its line) without reading the message.
+    #[error("invalid job: {key}: {detail}")]
+    Key {
+        /// The key, as `[section].name`.
+        key: String,
+        /// What is wrong.
+        detail: String,
+    },
     /// A checkpoint does not belong to this job.
     #[error("checkpoint does not match the job: {0}")]
     Mismatch(String),

@@ -71,7 +71,7 @@ pub struct DataSection {
 /// The data a kind names, with the section's window length.
 pub fn data_spec(kind: &str, data: &DataSection, seed: u64) -> Result<DataSpec, TrainerError> {
     if data.context == Some(0) {
-        return Err(TrainerError::Config("[data].context must be at least 1".into()));
+        return Err(TrainerError::Key { key: "[data].context".into(), detail: "must be at least 1".into() });
     }
     Ok(match kind {
         "digits" => DataSpec::Digits,
@@ -80,9 +80,10 @@ pub fn data_spec(kind: &str, data: &DataSection, seed: u64) -> Result<DataSpec, 
         "tensors" => DataSpec::Tensors,
         "synthetic" => DataSpec::Synthetic { samples: 4096, features: 32, classes: 8, seed },
         other => {
-            return Err(TrainerError::Config(format!(
-                "data {other:?} is not one of digits, chars, tokens, tensors, synthetic"
-            )))
+            return Err(TrainerError::Key {
+                key: "[job].data".into(),
+                detail: format!("{other:?} is not one of digits, chars, tokens, tensors, synthetic"),
+            })
         }
     })
 }
@@ -113,13 +114,16 @@ impl ModelSection {
     /// Checks that every key set applies to `model` (`llama`, `gpt`, or another name); the
     /// error names the key. Needs no data, so `limpetd validate` runs it.
     pub fn check_keys(&self, model: &str) -> Result<(), TrainerError> {
-        let bad = |key: &str, why: &str| Err(TrainerError::Config(format!("[model].{key}: {why}")));
+        let bad = |key: &str, why: &str| {
+            Err(TrainerError::Key { key: format!("[model].{key}"), detail: why.into() })
+        };
         if model == "torchscript" {
             if self.path.is_none() {
                 return bad("path", "model torchscript needs its module file");
             }
             if let Some(l) = &self.loss {
-                ScriptLoss::parse(l).map_err(|e| TrainerError::Config(format!("[model].loss: {e}")))?;
+                ScriptLoss::parse(l)
+                    .map_err(|detail| TrainerError::Key { key: "[model].loss".into(), detail })?;
             }
             if let Some(key) = self.llama_only_key().or(self.layers.map(|_| "layers")) {
                 return bad(key, "a TorchScript module's sizes are its own");
@@ -163,7 +167,7 @@ impl ModelSection {
             return Ok((spec, None));
         }
         let mut spec = ModelSpec::for_data(kind, &data.info)?;
-        let bad = |key: &str, why: String| TrainerError::Config(format!("[model].{key}: {why}"));
+        let bad = |key: &str, detail: String| TrainerError::Key { key: format!("[model].{key}"), detail };
         match &mut spec {
             ModelSpec::Llama(l) => {
                 let DataInfo::Tokens { context: window, .. } = data.info else {

@@ -1,7 +1,6 @@
 //! `[capacity]`: how many hosts the cluster keeps and where the leader's reconciler may
 //! launch them (see docs/capacity.md).
 
-use super::ConfigError;
 use limpet_agent::reconcile::CapacityPolicy;
 use limpet_consensus::state::Pool;
 use serde::Deserialize;
@@ -106,53 +105,42 @@ fn default_interval() -> f64 {
 }
 
 impl CapacitySection {
-    /// Checks the section; errors name the key.
-    pub fn validate(&self, file: &str) -> Result<(), ConfigError> {
-        let err = |key: &str, detail: String| {
-            Err(ConfigError { file: file.into(), key: format!("[capacity].{key}"), detail })
-        };
+    /// Checks the section, reporting each problem under its key.
+    pub fn check(&self, c: &mut super::check::Checks) {
+        let mut err = |key: &str, detail: String| c.fail(&format!("[capacity].{key}"), detail);
         let (min, max) = (self.min(), self.max());
         if self.target == 0 || self.target > 1000 {
-            return err("target", format!("{} is not within 1..=1000", self.target));
+            err("target", format!("{} is not within 1..=1000", self.target));
         }
         if min > self.target || self.target > max || max > 1000 {
-            return err(
-                "min",
-                format!("need min <= target <= max <= 1000; have {min} <= {} <= {max}", self.target),
-            );
+            err("min", format!("need min <= target <= max <= 1000; have {min} <= {} <= {max}", self.target));
         }
         if self.launch_template.trim().is_empty() {
-            return err("launch_template", "is empty".into());
+            err("launch_template", "is empty".into());
         }
         if self.instance_types.is_empty() {
-            return err("instance_types", "lists no instance type".into());
+            err("instance_types", "lists no instance type".into());
         }
         let word =
             |s: &String| !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "-._".contains(c));
         if let Some(t) = self.instance_types.iter().find(|t| !word(t)) {
-            return err("instance_types", format!("{t:?} is not an instance type"));
+            err("instance_types", format!("{t:?} is not an instance type"));
         }
         if let Some(s) = self.subnets.iter().find(|s| !word(s) || !s.starts_with("subnet-")) {
-            return err("subnets", format!("{s:?} is not a subnet id (subnet-...)"));
+            err("subnets", format!("{s:?} is not a subnet id (subnet-...)"));
         }
         if !(self.interval_secs.is_finite() && (0.2..=3600.0).contains(&self.interval_secs)) {
-            return err("interval_secs", format!("{} is not within 0.2..=3600", self.interval_secs));
+            err("interval_secs", format!("{} is not within 0.2..=3600", self.interval_secs));
         }
         if self.join_timeout_secs < 10 {
-            return err(
-                "join_timeout_secs",
-                format!("{} s is too short for a host to boot", self.join_timeout_secs),
-            );
+            err("join_timeout_secs", format!("{} s is too short for a host to boot", self.join_timeout_secs));
         }
         if let Some(v) = self.min_marginal_value {
             if !(v.is_finite() && v > 0.0) {
-                return err(
-                    "min_marginal_value",
-                    format!("{v} is not a positive number of samples per dollar"),
-                );
+                err("min_marginal_value", format!("{v} is not a positive number of samples per dollar"));
             }
             if self.prices.is_empty() && !self.spot_price_history {
-                return err(
+                err(
                     "min_marginal_value",
                     "needs prices: [capacity].prices (dollars per hour by instance type) or spot_price_history = true"
                         .into(),
@@ -161,25 +149,21 @@ impl CapacitySection {
         }
         for (t, p) in &self.prices {
             if !self.instance_types.contains(t) {
-                return err(
-                    "prices",
-                    format!("{t:?} is not one of instance_types {:?}", self.instance_types),
-                );
+                err("prices", format!("{t:?} is not one of instance_types {:?}", self.instance_types));
             }
             if !(p.is_finite() && *p > 0.0 && *p < 10_000.0) {
-                return err("prices", format!("{t} = {p} is not a price in dollars per hour"));
+                err("prices", format!("{t} = {p} is not a price in dollars per hour"));
             }
         }
         let r = self.replace_slower_than;
         if !(r == 0.0 || (r.is_finite() && (1.1..=100.0).contains(&r))) {
-            return err("replace_slower_than", format!("{r} is neither 0 (never) nor within 1.1..=100"));
+            err("replace_slower_than", format!("{r} is neither 0 (never) nor within 1.1..=100"));
         }
         if let Some(url) = &self.endpoint {
             if !(url.starts_with("http://") || url.starts_with("https://")) {
-                return err("endpoint", format!("{url:?} is not an http(s) URL"));
+                err("endpoint", format!("{url:?} is not an http(s) URL"));
             }
         }
-        Ok(())
     }
 
     /// The floor.

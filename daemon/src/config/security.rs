@@ -58,11 +58,12 @@ impl SecuritySection {
     pub fn load(&self, file: &str, node: u64) -> Result<limpet_consensus::tls::Tls, ConfigError> {
         use limpet_consensus::tls::{Role, Tls, TlsError, TlsFiles};
         let need = |key: &str, v: &Option<PathBuf>| {
-            v.clone().ok_or_else(|| ConfigError {
-                file: file.into(),
-                key: format!("[security].{key}"),
-                detail: "missing: set ca, cert and key (limpet certs init / issue), or insecure = true"
-                    .into(),
+            v.clone().ok_or_else(|| {
+                ConfigError::new(
+                    file,
+                    &format!("[security].{key}"),
+                    "missing: set ca, cert and key (limpet certs init / issue), or insecure = true",
+                )
             })
         };
         let files = TlsFiles {
@@ -79,29 +80,29 @@ impl SecuritySection {
             let what = match &e {
                 TlsError::Read { what, .. } | TlsError::Bad { what, .. } => *what,
             };
-            ConfigError { file: file.into(), key: key_of(what).into(), detail: e.to_string() }
+            ConfigError::new(file, key_of(what), e.to_string())
         })?;
         if tls.role() != Some(Role::Node) {
-            return Err(ConfigError {
-                file: file.into(),
-                key: "[security].cert".into(),
-                detail: format!(
+            return Err(ConfigError::new(
+                file,
+                "[security].cert",
+                format!(
                     "{} is an operator certificate; limpetd needs a node certificate (limpet certs issue NAME)",
                     files.cert.display()
                 ),
-            });
+            ));
         }
         // A certificate speaks for one node: another node's would be refused by every peer.
         if let Some(bound) = tls.node_id().filter(|&id| id != node) {
-            return Err(ConfigError {
-                file: file.into(),
-                key: "[security].cert".into(),
-                detail: format!(
+            return Err(ConfigError::new(
+                file,
+                "[security].cert",
+                format!(
                     "{} is node {bound}'s certificate, but this node is node {node} ([node].id, or its \
                      name's id): issue its own with `limpet certs issue NAME --id {node}`",
                     files.cert.display()
                 ),
-            });
+            ));
         }
         tls.anonymous_reads = self.anonymous_status;
         Ok(tls)

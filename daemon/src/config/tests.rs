@@ -1,4 +1,5 @@
 use super::*;
+use limpet_agent::policy::BatchPolicy;
 
 fn example(secret: &Path) -> String {
     format!(
@@ -123,7 +124,7 @@ fn errors_name_the_file_and_the_key() {
         (good.replace("global_batch = 64", "global_batch = 64\noptimizer = \"lion\""), "[job].optimizer"),
         (good.replace("global_batch = 64", "global_batch = 64\nweight_decay = -1.0"), "[job].weight_decay"),
         (good.replace("sources = [\"aws\"]", "sources = [\"oracle\"]"), "[revocation].sources"),
-        (good.replace("steps = 400", "steps = \"many\""), "line"),
+        (good.replace("steps = 400", "steps = \"many\""), "limpet.toml:16: [job].steps: invalid type"),
         (good.replace("[\"1=127.0.0.1:7400\"]", "[\"one=127.0.0.1:7400\"]"), "[cluster].bootstrap"),
         (
             good.replace("global_batch = 64", "global_batch = 64\npolicy = \"cubic\""),
@@ -274,7 +275,7 @@ fn errors_name_the_file_and_the_key() {
     ];
     for (text, want) in cases {
         let e = Config::parse(&text, "limpet.toml").unwrap_err().to_string();
-        assert!(e.starts_with("limpet.toml: "), "{e}");
+        assert!(e.starts_with("limpet.toml:"), "{e}");
         assert!(e.contains(want), "expected {want:?} in {e}");
     }
 }
@@ -323,7 +324,7 @@ fn validate_names_configured_directories_it_cannot_write() {
     let text = example(s.path()).replace("/tmp/limpet", &state.path().display().to_string())
         + "\n[checkpoint]\nevery_steps = 10\ndir = \"/sys/limpet-checkpoints\"\n";
     let cfg = Config::parse(&text, "c.toml").unwrap();
-    let warnings = crate::limpetd::write_path_warnings(&cfg);
+    let warnings = cfg.write_path_warnings();
     assert_eq!(warnings.len(), 2, "{warnings:?}");
     assert!(
         warnings[0].starts_with("[checkpoint].dir /sys/limpet-checkpoints: does not exist yet"),
@@ -333,10 +334,7 @@ fn validate_names_configured_directories_it_cannot_write() {
     assert!(warnings[1].contains("ReadWritePaths="), "{warnings:?}");
     // A writable configuration has nothing to say.
     let ok = example(s.path()).replace("/tmp/limpet", &state.path().display().to_string());
-    assert_eq!(
-        crate::limpetd::write_path_warnings(&Config::parse(&ok, "c.toml").unwrap()),
-        Vec::<String>::new()
-    );
+    assert_eq!(Config::parse(&ok, "c.toml").unwrap().write_path_warnings(), Vec::<String>::new());
 }
 
 #[test]
@@ -348,7 +346,7 @@ fn validate_says_when_a_reproducible_job_s_shards_do_not_divide_among_the_founde
     );
     let warn = |extra: &str| {
         let text = three.replace("global_batch = 64", &format!("global_batch = 64\n{extra}"));
-        crate::limpetd::shard_warning(&Config::parse(&text, "c.toml").unwrap())
+        Config::parse(&text, "c.toml").unwrap().shard_warning()
     };
     let w = warn("reproducible = true").unwrap();
     assert!(w.contains("[job].shards 8 (the default) with 3 founders") && w.contains("others 2"), "{w}");
@@ -427,6 +425,7 @@ fn a_capacity_section_parses_and_bad_values_name_their_key() {
         ),
     ] {
         let e = parse(extra).unwrap_err();
+        let e = e.first();
         assert!(e.key == key && e.detail.contains(words), "{extra}: {e}");
     }
     let e = parse("instance_types = \"g5\"\ntarrget = 3\n").unwrap_err().to_string();
@@ -444,7 +443,7 @@ fn a_job_from_the_file_equals_the_job_from_the_flags() {
         .replace("data = \"digits\"", "data = \"synthetic\"")
         .replace("global_batch = 64", &format!("global_batch = 64\n{keys}"));
     let cfg = Config::parse(&text, "limpet.toml").unwrap();
-    let from_file = crate::limpetd::job_spec(&cfg).unwrap();
+    let from_file = cfg.job_spec().unwrap();
     let flags = crate::cli::Cli::parse_from([
         "limpet",
         "train",
@@ -496,7 +495,7 @@ fn adamw_recipe_keys_from_the_file_equal_the_flags() {
         .replace("data = \"digits\"", "data = \"synthetic\"")
         .replace("global_batch = 64", &format!("global_batch = 64\n{keys}"));
     let cfg = Config::parse(&text, "limpet.toml").unwrap();
-    let from_file = crate::limpetd::job_spec(&cfg).unwrap();
+    let from_file = cfg.job_spec().unwrap();
     let flags = crate::cli::Cli::parse_from([
         "limpet",
         "train",
@@ -529,7 +528,67 @@ fn adamw_recipe_keys_from_the_file_equal_the_flags() {
         .replace("global_batch = 64", "global_batch = 64\noptimizer = \"sgd\"\nbetas = [0.9, 0.95]");
     let e = match Config::parse(&text, "limpet.toml") {
         Err(e) => e.to_string(),
-        Ok(c) => crate::limpetd::job_spec(&c).unwrap_err().to_string(),
+        Ok(c) => c.job_spec().unwrap_err().to_string(),
     };
     assert!(e.contains("[job].betas: applies to optimizer adamw"), "{e}");
+}
+
+/// One reading reports every problem of a file, each with its key and the line it is on,
+/// and problems of keys the file leaves at their defaults without a line.
+#[test]
+fn every_problem_is_reported_at_once_with_its_line() {
+    let s = secret();
+    let text = example(s.path())
+        .replace("control = \"127.0.0.1:7400\"", "control = \"nowhere\"")
+        .replace("global_batch = 64", "global_batch = 0")
+        + "\n[timing]\nheartbeat_ms = 1\n";
+    let e = Config::parse(&text, "c.toml").unwrap_err();
+    let found: Vec<(&str, Option<usize>)> = e.0.iter().map(|e| (e.key.as_str(), e.line)).collect();
+    let line = |needle: &str| text.lines().position(|l| l.starts_with(needle)).map(|i| i + 1);
+    assert_eq!(
+        found,
+        [
+            ("[node].control", line("control = ")),
+            ("[job].global_batch", line("global_batch = ")),
+            ("[timing].heartbeat_ms", line("heartbeat_ms = ")),
+        ],
+        "{e}"
+    );
+    assert!(found.iter().all(|(_, l)| l.is_some()));
+    let shown = e.to_string();
+    assert_eq!(shown.lines().count(), 3, "{shown}");
+    for (shown, (key, line)) in shown.lines().zip(&found) {
+        assert!(shown.starts_with(&format!("c.toml:{}: {key}: ", line.unwrap())), "{shown}");
+    }
+    // A key at its default has no line to show: the failure-timeout check names the key alone.
+    let e = Config::parse(&(example(s.path()) + "\n[timing]\nheartbeat_ms = 900\n"), "c.toml").unwrap_err();
+    assert_eq!((e.first().key.as_str(), e.first().line), ("[timing].failure_timeout_ms", None));
+}
+
+/// What only the built job can tell is refused by the same call start-up makes: pipeline
+/// cuts past the model's blocks (the file's checks alone cannot know the block count), and a
+/// data file that is not there.
+#[test]
+fn settling_refuses_what_only_the_built_job_can_tell() {
+    let s = secret();
+    let state = tempfile::tempdir().unwrap();
+    let base = example(s.path())
+        .replace("/tmp/limpet", &state.path().display().to_string())
+        .replace("model = \"mlp\"", "model = \"gpt\"\nlayers = 4")
+        .replace("data = \"digits\"", "data = \"chars\"");
+    let with_cuts =
+        |cuts: &str, stages: usize| format!("{base}\n[pipeline]\nstages = {stages}\ncuts = {cuts}\n");
+    let ok = Config::parse(&with_cuts("[2]", 2), "c.toml").unwrap().settle().unwrap();
+    assert_eq!(ok.agent.pipeline.as_ref().unwrap().cuts, Some(vec![2]));
+    // The embedding, 4 layers and the head.
+    assert_eq!(ok.agent.job.model.num_blocks(), 6);
+    // The file's checks pass: only the model says 6 blocks.
+    let past = Config::parse(&with_cuts("[2, 6]", 3), "c.toml").unwrap();
+    let e = past.settle().err().expect("a cut past the last block is refused");
+    assert_eq!(e.first().key, "[pipeline].cuts", "{e}");
+    assert!(e.first().line.is_some() && e.to_string().contains("the model has 6 blocks"), "{e}");
+    let missing = base.replace("data = \"chars\"", "data = \"tokens\"\ndata_path = \"/nonexistent/shards\"");
+    let e = Config::parse(&missing, "c.toml").unwrap().settle().err().expect("missing data is refused");
+    assert_eq!(e.first().key, "[job].data_path", "{e}");
+    assert!(e.to_string().contains("/nonexistent/shards"), "{e}");
 }

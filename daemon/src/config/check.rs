@@ -1,0 +1,202 @@
+//! The collector a configuration's checks report into: every problem at once, each with its
+//! `[section].key` and the line that key is on, so one run of `limpetd validate` names all a
+//! file's mistakes instead of one per attempt.
+
+use std::fmt;
+use std::net::SocketAddr;
+
+/// A configuration problem: which file, key and line, and what is wrong. Shown as
+/// `FILE:LINE: [section].key: what` (as compilers show a line, so editors jump to it), or
+/// `FILE: [section].key: what` for a key the file does not set.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub struct ConfigError {
+    /// The file.
+    pub file: String,
+    /// The key, as `[section].name` (or `[section]`, or `(file)`).
+    pub key: String,
+    /// The line the key is on, when the file says it.
+    pub line: Option<usize>,
+    /// What is wrong.
+    pub detail: String,
+}
+
+impl ConfigError {
+    /// A problem with `key` of `file` (its line not looked up).
+    pub fn new(file: &str, key: &str, detail: impl Into<String>) -> ConfigError {
+        ConfigError { file: file.into(), key: key.into(), line: None, detail: detail.into() }
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.line {
+            Some(n) => write!(f, "{}:{n}: {}: {}", self.file, self.key, self.detail),
+            None => write!(f, "{}: {}: {}", self.file, self.key, self.detail),
+        }
+    }
+}
+
+/// Every problem found in one file, in the order the checks met them (never empty).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+impl ConfigErrors {
+    /// The first problem.
+    pub fn first(&self) -> &ConfigError {
+        &self.0[0]
+    }
+}
+
+impl From<ConfigError> for ConfigErrors {
+    fn from(e: ConfigError) -> ConfigErrors {
+        ConfigErrors(vec![e])
+    }
+}
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.0.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "{e}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigErrors {}
+
+/// Collects a file's problems as its checks run.
+pub struct Checks<'a> {
+    file: &'a str,
+    text: &'a str,
+    errors: Vec<ConfigError>,
+}
+
+impl<'a> Checks<'a> {
+    /// Checks of `text`, read from `file`.
+    pub fn new(file: &'a str, text: &'a str) -> Checks<'a> {
+        Checks { file, text, errors: Vec::new() }
+    }
+
+    /// The file's name.
+    pub fn file(&self) -> &str {
+        self.file
+    }
+
+    /// Records that `key` is wrong.
+    pub fn fail(&mut self, key: &str, detail: impl Into<String>) {
+        self.push(ConfigError::new(self.file, key, detail));
+    }
+
+    /// Records a problem a section's own check found, finding its line.
+    pub fn push(&mut self, mut e: ConfigError) {
+        if e.line.is_none() {
+            e.line = line_of(self.text, &e.key);
+        }
+        self.errors.push(e);
+    }
+
+    /// The value, or records why `key` has none.
+    pub fn take<T>(&mut self, key: &str, r: Result<T, String>) -> Option<T> {
+        r.map_err(|why| self.fail(key, why)).ok()
+    }
+
+    /// `v` as `HOST:PORT`.
+    pub fn addr(&mut self, key: &str, v: &str) -> Option<SocketAddr> {
+        self.take(key, v.parse::<SocketAddr>().map_err(|e| format!("{v:?} is not HOST:PORT ({e})")))
+    }
+
+    /// Every problem found so far, or none (then checks that need good values may go on).
+    pub fn so_far(&mut self) -> Result<(), ConfigErrors> {
+        if self.errors.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigErrors(std::mem::take(&mut self.errors)))
+        }
+    }
+
+    /// Every problem found, or none.
+    pub fn finish(mut self) -> Result<(), ConfigErrors> {
+        self.so_far()
+    }
+}
+
+/// The line `key` (`[section].name`, `[section]`) is set on in a TOML text: the section's
+/// header, then the first `name =` line under it. `None` when the file does not set it (a
+/// default, or a missing section), or sets it some way this does not follow (a dotted key, an
+/// inline table).
+pub fn line_of(text: &str, key: &str) -> Option<usize> {
+    let rest = key.strip_prefix('[')?;
+    let (section, name) = rest.split_once(']')?;
+    let name = name.strip_prefix('.').unwrap_or("");
+    let mut lines = text.lines().enumerate();
+    let header = lines.find(|(_, l)| {
+        l.trim().strip_prefix('[').and_then(|l| l.split_once(']')).is_some_and(|(s, _)| s.trim() == section)
+    })?;
+    if name.is_empty() {
+        return Some(header.0 + 1);
+    }
+    for (i, l) in lines {
+        let l = l.trim();
+        if l.starts_with('[') {
+            return None;
+        }
+        if l.split_once('=').is_some_and(|(k, _)| k.trim().trim_matches('"') == name) {
+            return Some(i + 1);
+        }
+    }
+    None
+}
+
+/// Where byte `offset` of a TOML file is, for a parse error: `[section].key` and its line, or
+/// `line N` outside a `key = value` line.
+pub fn key_at(text: &str, offset: usize) -> (String, Option<usize>) {
+    let before = &text[..offset.min(text.len())];
+    let line_no = before.lines().count().max(1);
+    let line = text.lines().nth(line_no - 1).unwrap_or("");
+    let section =
+        before.lines().rev().map(str::trim).find(|l| l.starts_with('[') && l.ends_with(']')).unwrap_or("");
+    match line.split_once('=') {
+        Some((key, _)) if !key.trim().is_empty() && !line.trim_start().starts_with('[') => {
+            (format!("{section}.{}", key.trim()), Some(line_no))
+        }
+        _ => (format!("line {line_no}"), None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_is_found_on_its_line_in_its_own_section_only() {
+        let text = "[node]\nname = \"a\"\ncontrol = \"x\"\n\n[cluster]\nname = \"c\"\n[security.ssm]\nprefix = \"p\"\n";
+        assert_eq!(line_of(text, "[node].control"), Some(3));
+        assert_eq!(line_of(text, "[cluster].name"), Some(6));
+        assert_eq!(line_of(text, "[cluster]"), Some(5));
+        assert_eq!(line_of(text, "[security.ssm].prefix"), Some(8));
+        // Set in another section, or not at all: no line rather than a wrong one.
+        assert_eq!(line_of(text, "[cluster].control"), None);
+        assert_eq!(line_of(text, "[timing].lead_ms"), None);
+        assert_eq!(line_of(text, "(file)"), None);
+    }
+
+    #[test]
+    fn every_problem_is_kept_and_shown_on_its_own_line() {
+        let text = "[node]\nname = \"\"\ncontrol = \"nowhere\"\n";
+        let mut c = Checks::new("f.toml", text);
+        assert_eq!(c.addr("[node].control", "nowhere"), None);
+        c.fail("[node].name", "is empty");
+        c.fail("[timing].lead_ms", "too small");
+        let e = c.finish().unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "f.toml:3: [node].control: \"nowhere\" is not HOST:PORT (invalid socket address syntax)\n\
+             f.toml:2: [node].name: is empty\n\
+             f.toml: [timing].lead_ms: too small"
+        );
+        assert_eq!(e.first().key, "[node].control");
+    }
+}

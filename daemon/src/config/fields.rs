@@ -1,0 +1,365 @@
+//! What the parser cannot check: every key's value read into the type limpetd uses
+//! (addresses, devices, byte counts, certificates), ranges and combinations. This is the one
+//! place a configuration's strings are read; start-up and `limpetd validate` both take their
+//! values from here, and every problem is reported, not just the first.
+
+use super::check::Checks;
+use super::{parse_founders, read_secret, Config, ModelName, Stages};
+use limpet_agent::policy::BatchPolicy;
+use limpet_consensus::state::MemberSpec;
+use limpet_trainer::device::{Device, DeviceChoice};
+use std::net::SocketAddr;
+
+/// The values of a configuration's keys, read once. Where a key was wrong, its value here is
+/// a stand-in: the checks' errors say so, and nothing is built from a file with errors.
+pub(super) struct Fields {
+    pub control: SocketAddr,
+    pub data: SocketAddr,
+    pub secret: Vec<u8>,
+    pub founders: Vec<MemberSpec>,
+    pub device: DeviceChoice,
+    /// `[node].devices`, resolved on this host (empty: absent).
+    pub devices: Vec<Device>,
+    pub congestion: Option<String>,
+    pub metrics: Option<SocketAddr>,
+    pub tls: Option<limpet_consensus::tls::Tls>,
+    /// `[pipeline].memory`, bytes.
+    pub pipeline_memory: u64,
+    /// `[checkpoint].min_free`, bytes.
+    pub min_free: u64,
+    /// `[checkpoint].s3` as bucket and prefix.
+    pub s3: Option<(String, String)>,
+}
+
+fn http_url(url: &str) -> Result<(), String> {
+    if url.starts_with("http://") || url.starts_with("https://") {
+        Ok(())
+    } else {
+        Err(format!("{url:?} is not an http(s) URL"))
+    }
+}
+
+impl Config {
+    /// Reads and checks every key, reporting each problem into `c`.
+    pub(super) fn fields(&self, c: &mut Checks) -> Fields {
+        let unspecified = SocketAddr::from(([0, 0, 0, 0], 0));
+        let node = &self.node;
+        if node.name.is_empty() {
+            c.fail("[node].name", "is empty");
+        }
+        if node.id == Some(0) {
+            c.fail("[node].id", "0 is reserved by raft");
+        }
+        let control = c.addr("[node].control", &node.control).unwrap_or(unspecified);
+        let data = c.addr("[node].data", &node.data).unwrap_or(unspecified);
+        if let Some(a) = &node.advertise_control {
+            c.addr("[node].advertise_control", a);
+        }
+        if let Some(a) = &node.advertise_data {
+            c.addr("[node].advertise_data", a);
+        }
+        let secret = c.take("[node].secret_file", read_secret(&node.secret_file)).unwrap_or_default();
+        let f = node.slowdown_factor;
+        if !(f.is_finite() && (1.0..=100.0).contains(&f)) {
+            c.fail("[node].slowdown_factor", format!("{f} is not within 1..=100"));
+        }
+        let metrics = node.metrics.as_deref().and_then(|a| c.addr("[node].metrics", a));
+        if node.metrics_tls && (node.metrics.is_none() || self.tls().is_none()) {
+            c.fail(
+                "[node].metrics_tls",
+                "needs [node].metrics and [security] with certificates (ca, cert, key)",
+            );
+        }
+        let congestion = c
+            .take(
+                "[node].data_congestion",
+                limpet_agent::dataplane::endpoint::parse_congestion(&node.data_congestion),
+            )
+            .flatten();
+        let founders = self.check_cluster(c);
+        let (device, devices) = self.check_devices(c);
+        self.check_job(c);
+        self.check_timing(c);
+        let pipeline_memory = self.check_pipeline(c);
+        let (min_free, s3) = self.check_checkpoint(c);
+        let r = self.revocation.poll_secs;
+        if !(r.is_finite() && r >= 0.1) {
+            c.fail("[revocation].poll_secs", format!("{r} is below 0.1 s"));
+        }
+        let tls = self.check_security(c);
+        if let Some(cap) = &self.capacity {
+            cap.check(c);
+            if cap.spares == Some(true) && self.tls().and_then(|s| s.ssm.as_ref()).is_none() {
+                c.fail("[capacity].spares", "is true, but [security.ssm] says nowhere to find them");
+            }
+        }
+        Fields {
+            control,
+            data,
+            secret,
+            founders,
+            device,
+            devices,
+            congestion,
+            metrics,
+            tls,
+            pipeline_memory,
+            min_free,
+            s3,
+        }
+    }
+
+    fn check_cluster(&self, c: &mut Checks) -> Vec<MemberSpec> {
+        let cl = &self.cluster;
+        if cl.name.is_empty() {
+            c.fail("[cluster].name", "is empty");
+        }
+        for s in &cl.seeds {
+            c.addr("[cluster].seeds", s);
+        }
+        let founders =
+            c.take("[cluster].bootstrap", parse_founders(&cl.bootstrap).map_err(|e| e.0)).unwrap_or_default();
+        if cl.bootstrap.is_empty() && cl.seeds.is_empty() && !cl.ec2_seeds {
+            c.fail("[cluster]", "needs seeds to join through (or ec2_seeds = true), or bootstrap founders");
+        }
+        if let Some(url) = &cl.ec2_endpoint {
+            c.take("[cluster].ec2_endpoint", http_url(url));
+        }
+        if cl.max_voters == 0 || cl.max_voters % 2 == 0 {
+            c.fail("[cluster].max_voters", format!("{} is not an odd positive number", cl.max_voters));
+        }
+        if cl.min_nodes == 0 {
+            c.fail("[cluster].min_nodes", "must be at least 1");
+        }
+        let r = cl.straggler_ratio;
+        if !(r == 0.0 || (r.is_finite() && (1.05..=100.0).contains(&r))) {
+            c.fail("[cluster].straggler_ratio", format!("{r} is neither 0 (off) nor within 1.05..=100"));
+        }
+        founders
+    }
+
+    /// `[job].device`, and `[node].devices` on this host.
+    fn check_devices(&self, c: &mut Checks) -> (DeviceChoice, Vec<Device>) {
+        let device = c.take("[job].device", DeviceChoice::parse(&self.job.device));
+        if let Some(d) = device {
+            c.take("[job].device", d.resolve());
+        }
+        // `"auto"` on a host of several GPUs trains a pipelined job on the first (the
+        // cloud-init default must not refuse such jobs); a list of several is refused.
+        let listed = self.node.devices.as_ref().is_some_and(|d| d.entries() != ["auto"]);
+        let mut devices = c.take("[node].devices", self.node.local_devices()).flatten().unwrap_or_default();
+        if devices.len() > 1 && self.pipeline.is_some() {
+            if listed {
+                c.fail(
+                    "[node].devices",
+                    format!(
+                        "{} devices: a pipeline stage trains on one device (list one, or drop [pipeline])",
+                        devices.len()
+                    ),
+                );
+            } else {
+                tracing::warn!(
+                    devices = devices.len(),
+                    "[node].devices = \"auto\": a pipelined job trains on one device; using the first"
+                );
+                devices.truncate(1);
+            }
+        }
+        (device.unwrap_or(DeviceChoice::Cpu), devices)
+    }
+
+    /// `[job]`, `[model]` and `[data]` as far as they can be checked without the data.
+    fn check_job(&self, c: &mut Checks) {
+        let job = &self.job;
+        let pipelined = self.pipeline.is_some();
+        if job.model == ModelName::Torchscript && pipelined {
+            c.fail(
+                "[pipeline]",
+                "model torchscript is one stage: a TorchScript graph cannot be cut into pipeline stages",
+            );
+        }
+        let data = job.data.as_str();
+        if !["digits", "chars", "tokens", "tensors", "synthetic"].contains(&data) {
+            c.fail("[job].data", format!("{data:?} is not one of digits, chars, tokens, tensors, synthetic"));
+        }
+        if ["tokens", "tensors"].contains(&data) && job.data_path.is_none() {
+            c.fail("[job].data_path", format!("data {data:?} needs its files (data_path)"));
+        }
+        let precision = c.take("[job].precision", limpet_trainer::model::Precision::parse(&job.precision));
+        if precision == Some(limpet_trainer::model::Precision::Bf16) && job.model != ModelName::Llama {
+            c.fail("[job].precision", "\"bf16\" is available for model \"llama\" only");
+        }
+        if self.data.context == Some(0) {
+            c.fail("[data].context", "must be at least 1");
+        }
+        if self.data.context.is_some() && !["chars", "tokens"].contains(&data) {
+            c.fail("[data].context", "applies to data \"chars\" and \"tokens\" only");
+        }
+        match self.model.check_keys(job.model.as_str()) {
+            Err(limpet_trainer::TrainerError::Key { key, detail }) => c.fail(&key, detail),
+            Err(e) => c.fail("[model]", e.to_string()),
+            Ok(()) => {}
+        }
+        if self.model.tie_embeddings == Some(true) && pipelined {
+            c.fail(
+                "[model].tie_embeddings",
+                "the head shares the embedding, so the model cannot be split into pipeline stages",
+            );
+        }
+        if let Err(e) = job.keys().check() {
+            c.fail(&format!("[job].{}", e.key), e.detail);
+        }
+        if job.reproducible == Some(true) {
+            if job.policy != BatchPolicy::FixedGlobal {
+                c.fail(
+                    "[job].reproducible",
+                    "needs policy \"fixed-global\": the other policies change the batch or the learning rate with the world size",
+                );
+            }
+            if pipelined {
+                c.fail(
+                    "[job].reproducible",
+                    "is for data parallelism only: a pipelined step sums over its replicas' stages in f32",
+                );
+            }
+        }
+        if pipelined {
+            // Stages run their own forward and backward: refused rather than silently ignored.
+            let unsupported = [
+                ("[job].activation_checkpointing", job.activation_checkpointing == Some(true)),
+                ("[job].loss_chunk", job.loss_chunk.is_some()),
+                ("[job].eval_every", job.eval_every.is_some()),
+                ("[job].shard_state", self.sharded()),
+            ];
+            for (key, _) in unsupported.iter().filter(|(_, set)| *set) {
+                c.fail(key, "is not supported by a pipelined job yet ([pipeline] is set)");
+            }
+        }
+        if job.base_world == Some(0) {
+            c.fail("[job].base_world", "must be at least 1");
+        }
+        if job.layers == Some(0) || (job.layers.is_some() && job.model != ModelName::Gpt) {
+            c.fail("[job].layers", "applies to model \"gpt\" only, and must be at least 1");
+        }
+    }
+
+    /// Whether `[job].shard_state` shards anything.
+    pub(super) fn sharded(&self) -> bool {
+        self.job.shard_state.as_deref().is_some_and(|s| s != "none")
+    }
+
+    fn check_timing(&self, c: &mut Checks) {
+        let t = &self.timing;
+        for (key, v, lo) in [
+            ("[timing].heartbeat_ms", t.heartbeat_ms, 10),
+            ("[timing].failure_timeout_ms", t.failure_timeout_ms, 50),
+            ("[timing].data_timeout_ms", t.data_timeout_ms, 50),
+            ("[timing].raft_tick_ms", t.raft_tick_ms, 5),
+        ] {
+            if v < lo {
+                c.fail(key, format!("{v} is below {lo}"));
+            }
+        }
+        if t.failure_timeout_ms < 2 * t.heartbeat_ms {
+            c.fail(
+                "[timing].failure_timeout_ms",
+                format!(
+                    "{} must be at least two heartbeats ({} ms)",
+                    t.failure_timeout_ms,
+                    2 * t.heartbeat_ms
+                ),
+            );
+        }
+        if !(1..=3600).contains(&t.drain_grace_secs) {
+            c.fail("[timing].drain_grace_secs", format!("{} is not within 1..=3600", t.drain_grace_secs));
+        }
+    }
+
+    /// `[pipeline]`; its memory in bytes (0 without the section).
+    fn check_pipeline(&self, c: &mut Checks) -> u64 {
+        let Some(p) = &self.pipeline else { return 0 };
+        match &p.stages {
+            Stages::Fixed(0) => c.fail("[pipeline].stages", "must be at least 1 (or \"auto\")"),
+            Stages::Named(s) if s != "auto" => {
+                c.fail("[pipeline].stages", format!("{s:?} is neither a number nor \"auto\""))
+            }
+            _ => {}
+        }
+        if let Some(cuts) = &p.cuts {
+            if cuts.windows(2).any(|w| w[0] >= w[1]) || cuts.first() == Some(&0) {
+                c.fail("[pipeline].cuts", format!("{cuts:?} must increase and start after block 0"));
+            } else if p.stages != Stages::Fixed(cuts.len() + 1) {
+                let n = cuts.len() + 1;
+                c.fail("[pipeline].cuts", format!("{} cut(s) make {n} stages; set stages = {n}", cuts.len()));
+            }
+        }
+        if !(p.link_gbps.is_finite() && p.link_gbps > 0.0) {
+            c.fail("[pipeline].link_gbps", format!("{} is not a positive number", p.link_gbps));
+        }
+        if !(p.latency_ms.is_finite() && p.latency_ms >= 0.0) {
+            c.fail("[pipeline].latency_ms", format!("{} is not a non-negative number", p.latency_ms));
+        }
+        c.take("[pipeline].memory", crate::args::parse_bytes(&p.memory)).unwrap_or(0)
+    }
+
+    /// `[checkpoint]`: its disk reserve in bytes, and the S3 bucket and prefix.
+    fn check_checkpoint(&self, c: &mut Checks) -> (u64, Option<(String, String)>) {
+        let Some(ck) = &self.checkpoint else { return (0, None) };
+        if !(ck.every_minutes.is_finite() && ck.every_minutes >= 0.0) {
+            c.fail(
+                "[checkpoint].every_minutes",
+                format!("{} is not a non-negative number", ck.every_minutes),
+            );
+        }
+        if ck.every_steps == 0 && ck.every_minutes == 0.0 {
+            c.fail("[checkpoint]", "set every_steps or every_minutes (or drop the section)");
+        }
+        if ck.keep == 0 {
+            c.fail("[checkpoint].keep", "must be at least 1");
+        }
+        let min_free = c.take("[checkpoint].min_free", ck.min_free_bytes()).unwrap_or(0);
+        let s3 =
+            ck.s3.as_deref().and_then(|url| c.take("[checkpoint].s3", limpet_agent::remote::parse_url(url)));
+        if let Some(url) = &ck.s3_endpoint {
+            if ck.s3.is_none() {
+                c.fail("[checkpoint].s3_endpoint", "set s3 too (the bucket and prefix)");
+            }
+            c.take("[checkpoint].s3_endpoint", http_url(url));
+        }
+        if (self.pipeline.is_some() || self.sharded()) && ck.every_minutes > 0.0 {
+            // Each stage writes its own part; only a step count tells every stage the same
+            // moment without another round of agreement.
+            let which = if self.sharded() { "a job with sharded state" } else { "a pipelined job" };
+            c.fail("[checkpoint].every_minutes", format!("{which} checkpoints by every_steps only"));
+        }
+        (min_free, s3)
+    }
+
+    /// `[security]`: the node's certificates, loaded and checked (`None`: insecure, or wrong).
+    fn check_security(&self, c: &mut Checks) -> Option<limpet_consensus::tls::Tls> {
+        let Some(sec) = &self.security else {
+            c.fail(
+                "[security]",
+                "missing: limpetd runs with certificates (ca, cert and key: limpet certs init / issue); \
+                 on a network you trust, insecure = true runs without them",
+            );
+            return None;
+        };
+        if sec.insecure {
+            if sec.ca.is_some() || sec.cert.is_some() || sec.key.is_some() || sec.ssm.is_some() {
+                c.fail(
+                    "[security].insecure",
+                    "is true, but ca, cert, key or [security.ssm] is set too: choose one",
+                );
+            }
+            return None;
+        }
+        if let Some(ssm) = &sec.ssm {
+            c.take(
+                "[security.ssm].prefix",
+                limpet_deploy::ssm::check_prefix(&ssm.prefix).map_err(|e| e.to_string()),
+            );
+        }
+        sec.load(c.file(), self.node_id()).map_err(|e| c.push(e)).ok()
+    }
+}

@@ -1,0 +1,255 @@
+//! From a configuration file to what `limpetd` runs: the agent's configuration, the job it
+//! trains (its data read, its model built), and the service's own settings. Start-up and
+//! `limpetd validate` both call [`Config::settle`], so validate refuses exactly what start-up
+//! would, short of binding ports and joining.
+
+use super::check::Checks;
+use super::{Config, ConfigErrors, Stages};
+use limpet_agent::runtime::{AgentConfig, CheckpointSettings, PipelineSettings};
+use limpet_trainer::data::Dataset;
+use limpet_trainer::{workload, JobSpec, TrainerError};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Everything a configuration file asks `limpetd` to run.
+pub struct Settings {
+    /// The agent.
+    pub agent: AgentConfig,
+    /// Where to serve Prometheus metrics.
+    pub metrics: Option<SocketAddr>,
+    /// Serve them over mutual TLS (with the node's certificate).
+    pub metrics_tls: bool,
+    /// How long a SIGTERM drain may take.
+    pub grace: Duration,
+    /// The fleet reconciler (`[capacity]`), run while this node leads.
+    pub capacity: Option<crate::reconciler::Reconciler>,
+    /// What the file allows but probably does not mean (unwritable paths, uneven shards).
+    pub warnings: Vec<String>,
+}
+
+impl Config {
+    /// Reads every key into its value, builds the job from its data and model, and checks
+    /// what only the built job can tell (pipeline cuts within the model's blocks): every
+    /// problem of the file, or what it runs.
+    pub fn settle(&self) -> Result<Settings, ConfigErrors> {
+        let mut c = Checks::new(&self.source.file, &self.source.text);
+        let f = self.fields(&mut c);
+        // The job is built from the keys above: with any of them wrong, its errors would be
+        // echoes of the same problems.
+        c.so_far()?;
+        let job = match self.job_spec() {
+            Ok(job) => job,
+            Err(e) => return Err(job_error(c, e)),
+        };
+        let blocks = job.model.num_blocks();
+        if let Some(cuts) = self.pipeline.as_ref().and_then(|p| p.cuts.as_ref()) {
+            if cuts.last().is_some_and(|&cut| cut >= blocks) {
+                c.fail(
+                    "[pipeline].cuts",
+                    format!("{cuts:?}: the model has {blocks} blocks, so every cut must be below {blocks}"),
+                );
+            }
+        }
+        c.finish()?;
+        let mut a = AgentConfig::new(
+            self.node_id(),
+            &self.node.name,
+            &self.cluster.name,
+            self.node.state_dir.clone(),
+            f.secret,
+            job,
+        );
+        a.control = f.control;
+        a.data = f.data;
+        a.advertise_control = self.node.advertise_control.clone().unwrap_or_default();
+        a.advertise_data = self.node.advertise_data.clone().unwrap_or_default();
+        a.base_world = self.job.base_world.unwrap_or(f.founders.len().max(1) as u64);
+        a.bootstrap = (!f.founders.is_empty()).then_some(f.founders);
+        a.seeds = self.cluster.seeds.clone();
+        a.data_path = self.job.data_path.clone();
+        a.device = f.device;
+        a.devices = f.devices;
+        a.init_from = self.model.init_from.clone();
+        a.policy = self.job.policy;
+        a.min_nodes = self.cluster.min_nodes;
+        a.straggler_ratio = self.cluster.straggler_ratio;
+        a.straggler_steps = self.cluster.straggler_steps;
+        a.slowdown_us_per_sample = self.node.slowdown_us_per_sample;
+        a.slowdown_factor = self.node.slowdown_factor;
+        a.poll = Duration::from_secs_f64(self.revocation.poll_secs);
+        let t = &self.timing;
+        a.heartbeat = Duration::from_millis(t.heartbeat_ms);
+        a.heartbeat_timeout = Duration::from_millis(t.failure_timeout_ms);
+        a.dp_timeout = Duration::from_millis(t.data_timeout_ms);
+        a.dp_congestion = f.congestion;
+        a.tick = Duration::from_millis(t.raft_tick_ms);
+        a.lead = Duration::from_millis(t.lead_ms);
+        a.notice_margin = Duration::from_millis(t.notice_margin_ms);
+        a.step_log = self.node.step_log.clone();
+        if let Some(tls) = f.tls {
+            a.tls = Some(std::sync::Arc::new(tls));
+            a.tls_data = self.tls().is_some_and(|s| s.data_plane == super::DataPlaneMode::Tls);
+        }
+        a.pipeline = self.pipeline.as_ref().map(|p| PipelineSettings {
+            depth: match p.stages {
+                Stages::Fixed(n) => Some(n),
+                Stages::Named(_) => None,
+            },
+            mem_bytes: f.pipeline_memory,
+            link: limpet_agent::planner::Link { bytes_per_s: p.link_gbps * 1e9, latency_ms: p.latency_ms },
+            shadow_every: p.shadow_every,
+            cuts: p.cuts.clone(),
+        });
+        a.checkpoint = self.checkpoint.as_ref().map(|ck| CheckpointSettings {
+            every_steps: ck.every_steps,
+            every: (ck.every_minutes > 0.0).then(|| Duration::from_secs_f64(ck.every_minutes * 60.0)),
+            dir: self.checkpoint_dir().unwrap_or_default(),
+            keep: ck.keep,
+            resume: ck.resume,
+            min_free: f.min_free,
+            shared: ck.shared,
+            remote: f.s3.map(|(bucket, prefix)| limpet_agent::remote::RemoteSettings {
+                bucket,
+                prefix,
+                endpoint: ck.s3_endpoint.clone(),
+                region: ck.s3_region.clone(),
+            }),
+        });
+        let mut warnings = self.write_path_warnings();
+        warnings.extend(self.shard_warning());
+        Ok(Settings {
+            agent: a,
+            metrics: f.metrics,
+            metrics_tls: self.node.metrics_tls,
+            grace: Duration::from_secs(t.drain_grace_secs),
+            capacity: self.reconciler(),
+            warnings,
+        })
+    }
+
+    /// The trainer's job from `[job]`, `[model]` and `[data]`: the model's defaults,
+    /// overridden by what the file sets. Reads the data.
+    pub fn job_spec(&self) -> Result<JobSpec, TrainerError> {
+        let j = &self.job;
+        let spec = workload::data_spec(&j.data, &self.data, j.seed)?;
+        let data = Dataset::load(&spec, j.data_path.as_deref())?;
+        let mut model = self.model.clone();
+        if j.layers.is_some() {
+            model.layers = j.layers;
+        }
+        let mut job = workload::job_for(j.model.kind(), &data, &model)?;
+        j.keys()
+            .apply(&mut job)
+            .map_err(|e| TrainerError::Key { key: format!("[job].{}", e.key), detail: e.detail })?;
+        job.validate(&data)?;
+        Ok(job)
+    }
+
+    /// `[checkpoint].dir`, defaulting to the state directory's `checkpoints`.
+    fn checkpoint_dir(&self) -> Option<PathBuf> {
+        let ck = self.checkpoint.as_ref()?;
+        Some(ck.dir.clone().unwrap_or_else(|| self.node.state_dir.join("checkpoints")))
+    }
+
+    /// The reconciler `[capacity]` asks for: EC2 where `[cluster]` finds it unless the section
+    /// says otherwise; spare credentials from `[security.ssm]` unless `spares = false`.
+    fn reconciler(&self) -> Option<crate::reconciler::Reconciler> {
+        let section = self.capacity.clone()?;
+        let ec2 = limpet_deploy::FleetConfig {
+            region: section.region.clone().or_else(|| self.cluster.ec2_region.clone()),
+            endpoint: section.endpoint.clone().or_else(|| self.cluster.ec2_endpoint.clone()),
+            credentials: None,
+        };
+        let ssm = self.tls().and_then(|s| s.ssm.as_ref());
+        // `spares = true` without [security.ssm] is refused by the checks.
+        let spares = ssm.filter(|_| section.spares != Some(false)).map(|ssm| {
+            let at = limpet_deploy::FleetConfig {
+                region: ssm.region.clone().or_else(|| ec2.region.clone()),
+                endpoint: ec2.endpoint.clone(),
+                credentials: None,
+            };
+            (ssm.prefix.clone(), at)
+        });
+        Some(crate::reconciler::Reconciler {
+            section,
+            cluster: self.cluster.name.clone(),
+            me: self.node_id(),
+            ec2,
+            spares,
+        })
+    }
+
+    /// A reproducible job whose canonical shards do not divide evenly among the founders:
+    /// every step, some hosts then run one shard's passes more than others, or sit idle (see
+    /// docs/design.md, reproducible jobs). A later world may differ; the founders are the
+    /// world the job is set up for.
+    pub fn shard_warning(&self) -> Option<String> {
+        let founders = self.cluster.bootstrap.len();
+        if self.job.reproducible != Some(true) || founders == 0 {
+            return None;
+        }
+        let k = self.job.shards.unwrap_or(limpet_trainer::SHARDS).min(self.job.global_batch as usize);
+        let said = if self.job.shards.is_some() { "" } else { " (the default)" };
+        if k < founders {
+            return Some(format!(
+                "[job].shards {k}{said} with {founders} founders: {} of them idle every step; shards = {founders} keeps each busy",
+                founders - k
+            ));
+        }
+        (k % founders != 0).then(|| {
+            let most = k.div_ceil(founders);
+            format!(
+                "[job].shards {k}{said} with {founders} founders: some run {most} shards' passes a step, others {}; shards = {founders} (one pass each, the fastest) or a multiple of it evens them",
+                most - 1
+            )
+        })
+    }
+
+    /// The directories limpetd writes to that it cannot write here, each naming its key. Run
+    /// as the unit's `ExecStartPre`, this sees the unit's sandbox: with
+    /// `ProtectSystem=strict`, every path outside the state, log and temporary directories
+    /// must be in `ReadWritePaths=`, else checkpoints and step logs fail only once training
+    /// runs. A path that does not exist yet (a mount not up) is named too, but may be fine
+    /// later.
+    pub fn write_path_warnings(&self) -> Vec<String> {
+        let mut dirs: Vec<(&str, PathBuf)> = vec![("[node].state_dir", self.node.state_dir.clone())];
+        if let Some(dir) = self.checkpoint_dir() {
+            dirs.push(("[checkpoint].dir", dir));
+        }
+        if let Some(parent) = self.node.step_log.as_deref().and_then(std::path::Path::parent) {
+            dirs.push(("[node].step_log", parent.to_path_buf()));
+        }
+        let mut out = Vec::new();
+        for (key, dir) in dirs {
+            // The nearest existing ancestor is where a write (or the directory's creation) lands.
+            let Some(existing) = dir.ancestors().find(|a| a.exists()) else { continue };
+            if existing != dir {
+                out.push(format!("{key} {}: does not exist yet (a mount not up?)", dir.display()));
+            }
+            let probe = existing.join(format!(".limpetd-validate-{}", std::process::id()));
+            match std::fs::File::create(&probe) {
+                Ok(_) => {
+                    let _ = std::fs::remove_file(&probe);
+                }
+                Err(e) => out.push(format!(
+                    "{key} {}: not writable here ({e}); under the systemd unit, add it to ReadWritePaths=",
+                    existing.display()
+                )),
+            }
+        }
+        out
+    }
+}
+
+/// Why the job could not be built, under the key that caused it, with what was found before.
+fn job_error(mut c: Checks, e: TrainerError) -> ConfigErrors {
+    match e {
+        TrainerError::Key { key, detail } => c.fail(&key, detail),
+        TrainerError::Data { path, detail } => {
+            c.fail("[job].data_path", format!("{}: {detail}", path.display()))
+        }
+        other => c.fail("[job]", other.to_string()),
+    }
+    c.finish().expect_err("a problem was just recorded")
+}
