@@ -42,15 +42,22 @@ setup: $(ENV_MK)
 build: setup
 	cargo build --workspace --release --bins
 
-dist: build
+# The product alone: limpet and limpetd without the `lab` feature (no local-cluster flags,
+# drills or chaos hooks), which a workspace build would turn on for limpet-lab's sake.
+dist: setup
+	cargo build --release --locked -p limpet-daemon --bins
 	bash deploy/dist.sh --bin-dir target/release --out dist
 
 lint: setup
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets --locked -- -D warnings
 
+# The product binaries are built first, as `make dist` builds them, for the test that looks
+# for the lab in them (the tests' own binaries have it).
 unit: setup
-	cargo test --workspace --locked
+	cargo build --locked -p limpet-daemon --bins
+	mkdir -p target/product && cp target/debug/limpet target/debug/limpetd target/product/
+	LIMPET_PRODUCT_BINS=$(CURDIR)/target/product cargo test --workspace --locked
 
 # The fuzz crate builds outside the workspace; checking it keeps the targets from rotting.
 fuzz-check: setup

@@ -3,7 +3,7 @@
 //! `limpet train` flags, reads that learn the cluster from the node, and `--json` where a
 //! script calls.
 
-use limpet_agent::fake_metadata::{Cloud, FakeMetadata};
+use limpet_lab::fake_metadata::{Cloud, FakeMetadata};
 use limpet_lab::local::{LocalCluster, LocalJob};
 use serde_json::Value;
 use std::path::Path;

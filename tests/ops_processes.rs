@@ -968,3 +968,75 @@ ldd "$BIN/limpetd" | grep -E 'libtorch_cuda|libcudart'
     assert_eq!(v["libtorch"]["cuda_backend"], true, "{v}");
     assert!(v["libtorch"]["cuda_runtime"].as_str().is_some_and(|r| r.starts_with("libcudart.so")), "{v}");
 }
+
+/// The product binaries hold none of the lab: `make unit` builds `limpet` and `limpetd`
+/// without the `lab` feature (as `make dist` does) into `LIMPET_PRODUCT_BINS`, and they have
+/// no local-cluster flags, no drill keys and none of the lab's code, where the binaries the
+/// tests run (built with it) have each. Plain `cargo test` builds no such binaries: there it
+/// says so and checks nothing.
+#[test]
+fn the_product_binaries_hold_none_of_the_lab() {
+    let Some(product) = std::env::var_os("LIMPET_PRODUCT_BINS").map(PathBuf::from) else {
+        eprintln!(
+            "skipped: LIMPET_PRODUCT_BINS is unset (make unit builds the product binaries and sets it)"
+        );
+        return;
+    };
+    let (limpet, limpetd) = (product.join("limpet"), product.join("limpetd"));
+    // What the lab adds, as it appears in a binary: a string literal, a serde key, a module's
+    // mangled path. The first three are in the tests' binaries too, which shows the search
+    // would find them.
+    let markers: [(&str, bool); 6] = [
+        ("LIMPET_CHAOS_PANIC", true),
+        ("slowdown_factor", true),
+        ("cluster.json", true),
+        ("fake_metadata", false),
+        ("limpet_consensus7harness", false),
+        ("elastic_svg", false),
+    ];
+    let read = |bin: &Path| std::fs::read(bin).unwrap_or_else(|e| panic!("{}: {e}", bin.display()));
+    let product = [(&limpet, read(&limpet)), (&limpetd, read(&limpetd))];
+    let lab = [read(Path::new(env!("CARGO_BIN_EXE_limpet"))), read(Path::new(env!("CARGO_BIN_EXE_limpetd")))];
+    for (marker, in_lab) in markers {
+        let finder = memchr::memmem::Finder::new(marker);
+        for (bin, bytes) in &product {
+            assert!(
+                finder.find(bytes).is_none(),
+                "{} holds {marker:?}: lab code in the product",
+                bin.display()
+            );
+        }
+        if in_lab {
+            assert!(lab.iter().any(|b| finder.find(b).is_some()), "the lab build holds no {marker:?}");
+        }
+    }
+    // And as a user meets them: no --dir, no --hard, no drill key.
+    let out = Command::new(&limpet).args(["status", "--dir", "/tmp"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unexpected argument '--dir'"));
+    let out =
+        Command::new(&limpet).args(["revoke", "n1", "--hard", "--addr", "127.0.0.1:1"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unexpected argument '--hard'"));
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("secret"), "0123456789abcdef0123").unwrap();
+    let config = dir.path().join("node.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[node]\nname = \"a\"\ncontrol = \"127.0.0.1:7400\"\ndata = \"127.0.0.1:7401\"\nstate_dir = {:?}\n\
+             secret_file = {:?}\nslowdown_factor = 2.0\n\n[cluster]\nname = \"c\"\nbootstrap = [\"1=127.0.0.1:7400\"]\n\n\
+             [job]\nmodel = \"mlp\"\ndata = \"synthetic\"\nsteps = 10\nglobal_batch = 8\n\n[security]\ninsecure = true\n\n\
+             [revocation]\nsources = \"none\"\n",
+            dir.path().join("state"),
+            dir.path().join("secret")
+        ),
+    )
+    .unwrap();
+    let validate =
+        |bin: &Path| Command::new(bin).args(["validate", "--config"]).arg(&config).output().unwrap();
+    let out = validate(&limpetd);
+    assert_eq!(out.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown field `slowdown_factor`"));
+    let lab = validate(Path::new(env!("CARGO_BIN_EXE_limpetd")));
+    assert!(lab.status.success(), "{}", String::from_utf8_lossy(&lab.stderr));
+}

@@ -2,13 +2,11 @@
 //! loop, epoch entry, checkpoints and shadows), the data plane (`dataplane`: authenticated
 //! TCP between agents and the collectives training runs over them), pipeline stages over it
 //! (`stage`), durable checkpoints (`checkpoint`, `remote` for S3), revocation sources
-//! (`revocation`: AWS, GCP, Azure) and a fake metadata service that answers like those
-//! clouds (`fake_metadata`). The decisions it runs (controller, leader round, policies,
+//! (`revocation`: AWS, GCP, Azure). The decisions it runs (controller, leader round, policies,
 //! planner, reports, entry planning) are the `limpet-decide` crate, re-exported here.
 
 pub mod checkpoint;
 pub mod dataplane;
-pub mod fake_metadata;
 pub mod remote;
 pub mod revocation;
 

@@ -6,7 +6,8 @@
 //! - `membership`: the leader's voter controller, a pure function of what the leader sees;
 //! - `storage`: raft-rs `Storage` over sled (`SledLog`) and memory (`MemLog`);
 //! - `core`: one node's `RawNode` + storage + state machine, driven by ticks and messages;
-//! - `harness`: many cores on an in-memory network that drops, cuts, isolates and crashes;
+//! - `harness` (feature `lab`: tests, fuzz targets and the lab, not the product): many
+//!   cores on an in-memory network that drops, cuts, isolates and crashes;
 //! - `inbox`, `node`, `service` and `transport`: what flows into a node's task, a core on
 //!   a tokio task, the gRPC service it serves (who may call what) and the client the CLI,
 //!   the benchmarks and peers use.
@@ -20,7 +21,7 @@ pub mod codec;
 pub mod core;
 #[cfg(feature = "node")]
 pub mod error;
-#[cfg(feature = "node")]
+#[cfg(feature = "lab")]
 pub mod harness;
 #[cfg(feature = "node")]
 pub mod inbox;

@@ -2,10 +2,8 @@
 //! service (or, for a local cluster, through its fake metadata service and its processes),
 //! each reported in words or, with `--json`, as one object.
 
-use crate::cluster_file::post_notice;
 use crate::status::{connect_any, explain, runtime, Target};
 use crate::UsageError;
-use anyhow::Context;
 use clap::Args;
 use limpet_consensus::state::{Command, NodeId};
 use limpet_consensus::tls::Tls;
@@ -30,10 +28,11 @@ pub struct RevokeArgs {
     /// The node's name.
     pub node: String,
     /// A spot notice: the host goes away in SECS seconds.
-    #[arg(long = "in", value_name = "SECS", conflicts_with = "hard")]
+    #[arg(long = "in", value_name = "SECS")]
     pub in_secs: Option<u64>,
-    /// No notice: kill the node's limpetd with SIGKILL (local clusters only).
-    #[arg(long)]
+    /// No notice: kill the node's limpetd with SIGKILL (local clusters of a lab build only).
+    #[cfg(feature = "lab")]
+    #[arg(long, conflicts_with = "in_secs")]
     pub hard: bool,
     /// Print what was done as JSON.
     #[arg(long)]
@@ -140,31 +139,17 @@ pub fn drain(a: DrainArgs) -> anyhow::Result<()> {
 
 /// Runs `limpet revoke`.
 pub fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
+    #[allow(unused_mut)]
     let mut r = a.target.resolve()?;
-    let local = r.local.take();
-    if a.hard {
-        let f = local.ok_or_else(|| UsageError("--hard needs --dir (it kills a local process)".into()))?;
-        let n = f.node(&a.node)?;
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(n.pid as i32), nix::sys::signal::Signal::SIGKILL)
-            .with_context(|| format!("killing {} (pid {})", n.name, n.pid))?;
-        let doc = serde_json::json!({"action": "kill", "cluster": f.cluster, "id": n.id, "pid": n.pid});
-        report(a.json, &n.name, doc, &format!("killed (pid {}, no notice)", n.pid));
-        return Ok(());
+    #[cfg(feature = "lab")]
+    match r.local.take() {
+        Some(f) => return revoke_local(&a, &f),
+        None if a.hard => {
+            return Err(UsageError("--hard needs --dir (it kills a local process)".into()).into())
+        }
+        None => {}
     }
-    let secs = a.in_secs.ok_or_else(|| UsageError("say --in SECS (a spot notice) or --hard".into()))?;
-    if let Some(f) = &local {
-        // Through the node's own metadata service, as the cloud would.
-        let n = f.node(&a.node)?;
-        post_notice(&n.metadata, secs)?;
-        let doc = serde_json::json!({"action": "notice", "cluster": f.cluster, "id": n.id, "in_secs": secs, "via": n.metadata});
-        report(
-            a.json,
-            &n.name,
-            doc,
-            &format!("spot notice posted to {} (revocation in {secs} s)", n.metadata),
-        );
-        return Ok(());
-    }
+    let secs = a.in_secs.ok_or_else(|| UsageError("say --in SECS (a spot notice)".into()))?;
     let (cluster, id, deadline_ms, p) = runtime()?.block_on(async {
         let cluster = r.cluster().await?;
         let (addrs, tls) = (&r.addrs, r.tls.as_deref());
@@ -179,5 +164,25 @@ pub fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
         "via": "log", "log_index": p.index, "detail": p.detail,
     });
     report(a.json, &a.node, doc, &format!("{} (log index {})", p.detail, p.index));
+    Ok(())
+}
+
+/// `limpet revoke` on a local cluster (a lab build's `--dir`): a kill without notice, or a
+/// spot notice through the node's own fake metadata service, as the cloud would post it.
+#[cfg(feature = "lab")]
+fn revoke_local(a: &RevokeArgs, f: &crate::cluster_file::ClusterFile) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let n = f.node(&a.node)?;
+    if a.hard {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(n.pid as i32), nix::sys::signal::Signal::SIGKILL)
+            .with_context(|| format!("killing {} (pid {})", n.name, n.pid))?;
+        let doc = serde_json::json!({"action": "kill", "cluster": f.cluster, "id": n.id, "pid": n.pid});
+        report(a.json, &n.name, doc, &format!("killed (pid {}, no notice)", n.pid));
+        return Ok(());
+    }
+    let secs = a.in_secs.ok_or_else(|| UsageError("say --in SECS (a spot notice) or --hard".into()))?;
+    crate::cluster_file::post_notice(&n.metadata, secs)?;
+    let doc = serde_json::json!({"action": "notice", "cluster": f.cluster, "id": n.id, "in_secs": secs, "via": n.metadata});
+    report(a.json, &n.name, doc, &format!("spot notice posted to {} (revocation in {secs} s)", n.metadata));
     Ok(())
 }

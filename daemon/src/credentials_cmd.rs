@@ -1,8 +1,9 @@
 //! `limpetd fetch-credentials`: an EC2 host's first boot reads its node certificate, key, the
 //! CA's certificate and the cluster secret from SSM Parameter Store (`[security.ssm]`, written
 //! by `limpet fleet up --certs`) with the instance role, writes them where `[security]` and
-//! `[node].secret_file` say, checks them as `limpetd validate` does, and only then deletes its
-//! key's parameter. Run again (a reboot) with the files in place, it changes nothing.
+//! `[node].secret_file` say, checks every key and these files (`Config::parse`: the
+//! certificate bound to this node, the secret's length; the unit's `limpetd validate` then
+//! builds the job), and only then deletes its key's parameter. Run again (a reboot) with the files in place, it changes nothing.
 
 use crate::config::Config;
 use crate::UsageError;

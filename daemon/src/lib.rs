@@ -9,6 +9,7 @@ pub mod actions;
 pub mod args;
 pub mod certs;
 pub mod cli;
+#[cfg(feature = "lab")]
 pub mod cluster_file;
 pub mod config;
 pub mod credentials_cmd;

@@ -144,10 +144,7 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
     }
     let opts = ServeOptions {
         metrics: settings.metrics,
-        metrics_tls: match (&agent_cfg.tls, settings.metrics_tls) {
-            (Some(tls), true) => Some(tls.data_server()?),
-            _ => None,
-        },
+        metrics_tls: settings.metrics_tls,
         grace: settings.grace,
         capacity: settings.capacity,
     };
@@ -174,7 +171,7 @@ fn validate(config: &std::path::Path, json: bool) -> anyhow::Result<()> {
             if json {
                 let first = errors.first();
                 let all: Vec<_> = errors
-                    .0
+                    .all()
                     .iter()
                     .map(|e| serde_json::json!({"key": e.key, "line": e.line, "error": e.detail}))
                     .collect();

@@ -61,6 +61,7 @@ pub fn loss_svg(path: &Path, records: &[LossPoint], title: &str) -> anyhow::Resu
 }
 
 /// One completed step of an elastic run, for `elastic_svg`.
+#[cfg(feature = "lab")]
 pub struct ElasticPoint {
     /// Step.
     pub step: u64,
@@ -73,7 +74,8 @@ pub struct ElasticPoint {
 }
 
 /// Draws loss (top, log scale) and world size (bottom) against step, with every transition
-/// marked by a vertical line and its label.
+/// marked by a vertical line and its label (the demo's plot: lab builds only).
+#[cfg(feature = "lab")]
 pub fn elastic_svg(
     path: &Path,
     points: &[ElasticPoint],

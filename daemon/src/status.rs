@@ -2,6 +2,7 @@
 //! endpoint. The status document (`--json`) is versioned and documented in
 //! `docs/status.md`; fields are only ever added.
 
+#[cfg(feature = "lab")]
 use crate::cluster_file::ClusterFile;
 use crate::text::{lines, table};
 use crate::UsageError;
@@ -21,7 +22,8 @@ pub const STATUS_VERSION: u32 = 1;
 /// Where the cluster is.
 #[derive(Debug, Clone, Args)]
 pub struct Target {
-    /// A local cluster's directory (from `limpet-lab local up`).
+    /// A local cluster's directory (from `limpet-lab local up`; lab builds only).
+    #[cfg(feature = "lab")]
     #[arg(long, conflicts_with = "addr")]
     pub dir: Option<PathBuf>,
     /// Control address of a node (repeatable; the first that answers is used).
@@ -50,6 +52,7 @@ pub struct Resolved {
     /// Its nodes' control addresses.
     pub addrs: Vec<String>,
     /// A local cluster's file.
+    #[cfg(feature = "lab")]
     pub local: Option<ClusterFile>,
     /// The operator's certificates, when the cluster runs with TLS.
     pub tls: Option<std::sync::Arc<Tls>>,
@@ -57,26 +60,26 @@ pub struct Resolved {
 
 impl Target {
     pub(crate) fn resolve(&self) -> anyhow::Result<Resolved> {
-        let (cluster, addrs, local) = match (&self.dir, self.addr.is_empty()) {
-            (Some(dir), _) => {
-                let f = ClusterFile::load(dir)?;
-                (f.cluster.clone(), f.control_addrs(), Some(f))
-            }
-            (None, false) => (self.cluster.clone().unwrap_or_default(), self.addr.clone(), None),
-            (None, true) => {
+        #[cfg(feature = "lab")]
+        let local = self.dir.as_deref().map(ClusterFile::load).transpose()?;
+        #[cfg(feature = "lab")]
+        if let (Some(f), Some(named)) = (&local, &self.cluster) {
+            if *named != f.cluster {
                 return Err(
-                    UsageError("say where the cluster is: --dir DIR or --addr HOST:PORT".into()).into()
-                )
+                    UsageError(format!("--cluster {named:?}: the local cluster is {:?}", f.cluster)).into()
+                );
             }
+        }
+        #[cfg(feature = "lab")]
+        let (cluster, addrs) = match &local {
+            Some(f) => (f.cluster.clone(), f.control_addrs()),
+            None => (self.cluster.clone().unwrap_or_default(), self.addr.clone()),
         };
-        if let (Some(dir), Some(named)) = (&self.dir, &self.cluster) {
-            if *named != cluster {
-                return Err(UsageError(format!(
-                    "--cluster {named:?}: the local cluster in {} is {cluster:?}",
-                    dir.display()
-                ))
-                .into());
-            }
+        #[cfg(not(feature = "lab"))]
+        let (cluster, addrs) = (self.cluster.clone().unwrap_or_default(), self.addr.clone());
+        if addrs.is_empty() {
+            let lab = if cfg!(feature = "lab") { "--dir DIR or " } else { "" };
+            return Err(UsageError(format!("say where the cluster is: {lab}--addr HOST:PORT")).into());
         }
         let usage = |e: limpet_consensus::tls::TlsError| UsageError(e.to_string());
         let tls = match (&self.ca, &self.cert, &self.key) {
@@ -85,13 +88,22 @@ impl Target {
                     .map_err(usage)?,
             ),
             (Some(ca), None, None) => Some(Tls::ca_only(ca).map_err(usage)?),
+            #[cfg(feature = "lab")]
             _ => match local.as_ref().and_then(|f| f.operator_tls.as_ref()) {
                 Some(f) => Some(Tls::load(f).map_err(usage)?),
                 None => None,
             },
+            #[cfg(not(feature = "lab"))]
+            _ => None,
         };
         let tls = tls.map(std::sync::Arc::new);
-        Ok(Resolved { cluster, addrs, local, tls })
+        Ok(Resolved {
+            cluster,
+            addrs,
+            #[cfg(feature = "lab")]
+            local,
+            tls,
+        })
     }
 }
 

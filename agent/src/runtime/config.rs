@@ -76,11 +76,8 @@ pub struct AgentConfig {
     pub straggler_ratio: f64,
     /// Steps of an epoch before its measured speeds count.
     pub straggler_steps: u64,
-    /// Straggler drills: sleep this many microseconds per sample computed.
-    pub slowdown_us_per_sample: u64,
-    /// Straggler drills: compute as a host this many times slower would (sleep the extra
-    /// time after each step's own work; 1: off).
-    pub slowdown_factor: f64,
+    /// Straggler drills (they sleep in `lab` builds only).
+    pub slowdown: super::drill::Slowdown,
     /// Revocation sources to poll.
     pub sources: Vec<Source>,
     /// Their poll interval.
@@ -181,8 +178,7 @@ impl AgentConfig {
             min_nodes: 1,
             straggler_ratio: crate::balance::DEFAULT_RATIO,
             straggler_steps: 100,
-            slowdown_us_per_sample: 0,
-            slowdown_factor: 1.0,
+            slowdown: Default::default(),
             sources: Vec::new(),
             poll: Duration::from_secs(2),
             heartbeat: Duration::from_millis(100),

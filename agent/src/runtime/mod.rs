@@ -14,6 +14,7 @@
 mod announce;
 mod checkpointer;
 mod config;
+mod drill;
 pub(crate) mod entry;
 pub mod error;
 mod heartbeats;
@@ -26,6 +27,7 @@ pub mod tasks;
 pub mod train_loop;
 
 pub use config::{AgentConfig, CheckpointSettings, PipelineSettings, Resume};
+pub use drill::Slowdown;
 pub use error::AgentError;
 pub use tasks::Tasks;
 
@@ -400,7 +402,7 @@ fn host_memory_mib() -> u64 {
 fn profile_here(cfg: &AgentConfig, data: &limpet_trainer::data::Dataset) -> anyhow::Result<f64> {
     let profile = crate::stage::profile_model(&cfg.job, data, 3)?;
     let ms: f64 = profile.blocks.iter().map(|b| b.fwd_ms + b.bwd_ms).sum();
-    let took = train_loop::slow_down(cfg, std::time::Duration::from_secs_f64(ms / 1e3));
+    let took = cfg.slowdown.stretch(std::time::Duration::from_secs_f64(ms / 1e3));
     tracing::info!(
         ms = took.as_secs_f64() * 1e3,
         "this host's profile of the model (its speed for the pipeline planner)"

@@ -11,7 +11,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 /// The environment variable that makes a named task panic half a second after it starts:
-/// the chaos test of this path (`limpet` injects revocations; this injects bugs).
+/// the chaos test of this path (`limpet` injects revocations; this injects bugs). Only in
+/// builds with the `lab` feature (the lab's and the tests'), never in a release.
+#[cfg(feature = "lab")]
 pub const CHAOS_PANIC_ENV: &str = "LIMPET_CHAOS_PANIC";
 
 /// How long shutdown waits, after the root token is cancelled, for everything to end. Below
@@ -44,8 +46,10 @@ impl Tasks {
     where
         F: Future<Output = ()> + Send + 'static,
     {
+        #[cfg(feature = "lab")]
         let chaos = std::env::var(CHAOS_PANIC_ENV).is_ok_and(|v| v == name);
         let inner = tokio::spawn(async move {
+            #[cfg(feature = "lab")]
             if chaos {
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 panic!("{CHAOS_PANIC_ENV}={name}");

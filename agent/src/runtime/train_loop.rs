@@ -84,18 +84,6 @@ pub(super) struct TrainLoop {
     ms_per_sample: f64,
 }
 
-/// A straggler drill (`slowdown_factor`): after `own` of this step's own work, sleep what a
-/// host that many times slower would have taken more; returns the work's time with it.
-pub(super) fn slow_down(cfg: &AgentConfig, own: Duration) -> Duration {
-    if cfg.slowdown_factor > 1.0 {
-        let extra = own.mul_f64(cfg.slowdown_factor - 1.0);
-        std::thread::sleep(extra);
-        own + extra
-    } else {
-        own
-    }
-}
-
 impl TrainLoop {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -302,15 +290,9 @@ impl TrainLoop {
                     &mut self.rank_threads,
                 ) {
                     Ok((stats, local)) => {
-                        let mut own = Duration::from_secs_f64(local.compute_ms / 1e3);
-                        if self.cfg.slowdown_us_per_sample > 0 {
-                            // A straggler drill: this host computes as if it were slower.
-                            let drill =
-                                Duration::from_micros(self.cfg.slowdown_us_per_sample * local.samples as u64);
-                            std::thread::sleep(drill);
-                            own += drill;
-                        }
-                        let took = slow_down(&self.cfg, own).as_secs_f64() * 1e3;
+                        let own = Duration::from_secs_f64(local.compute_ms / 1e3)
+                            + self.cfg.slowdown.per_samples(local.samples);
+                        let took = self.cfg.slowdown.stretch(own).as_secs_f64() * 1e3;
                         if local.samples > 0 {
                             self.ms_per_sample = smooth(self.ms_per_sample, took / local.samples as f64);
                         }
@@ -331,12 +313,9 @@ impl TrainLoop {
                     && (self.trainer.shard_layout().is_some() || self.trainer.overlaps(g.world())) =>
             {
                 let samples = self.trainer.plan().share_in(g.rank(), g.world(), &epoch.shares).len();
-                // A straggler drill: this host computes as if it were slower. The step times
-                // its own compute, so the drill's time is added to what it reports.
-                let drill = Duration::from_micros(self.cfg.slowdown_us_per_sample * samples as u64);
-                if !drill.is_zero() {
-                    std::thread::sleep(drill);
-                }
+                // A straggler drill: the step times its own compute, so the drill's time is
+                // added to what it reports.
+                let drill = self.cfg.slowdown.per_samples(samples);
                 let (rank, world) = (g.rank(), g.world());
                 // Sharded state overlaps too (each bucket reduce-scattered), unless the job
                 // turned overlapping off or the model's backward does not split.
@@ -348,7 +327,7 @@ impl TrainLoop {
                 match done {
                     Ok(stats) => {
                         let own = Duration::from_secs_f64(self.trainer.compute_ms() / 1e3) + drill;
-                        let took = slow_down(&self.cfg, own).as_secs_f64() * 1e3;
+                        let took = self.cfg.slowdown.stretch(own).as_secs_f64() * 1e3;
                         if samples > 0 {
                             self.ms_per_sample = smooth(self.ms_per_sample, took / samples as f64);
                         }
@@ -375,13 +354,8 @@ impl TrainLoop {
                 let samples = self.trainer.plan().share_in(g.rank(), g.world(), &epoch.shares).len();
                 let computing = Instant::now();
                 let buf = self.trainer.compute_grads(g.rank(), g.world())?;
-                if self.cfg.slowdown_us_per_sample > 0 {
-                    // A straggler drill: this host computes as if it were slower.
-                    std::thread::sleep(Duration::from_micros(
-                        self.cfg.slowdown_us_per_sample * samples as u64,
-                    ));
-                }
-                let took = slow_down(&self.cfg, computing.elapsed()).as_secs_f64() * 1e3;
+                self.cfg.slowdown.per_samples(samples);
+                let took = self.cfg.slowdown.stretch(computing.elapsed()).as_secs_f64() * 1e3;
                 if samples > 0 {
                     self.ms_per_sample = smooth(self.ms_per_sample, took / samples as f64);
                 }
@@ -392,7 +366,7 @@ impl TrainLoop {
             }
             Conn::Stages(c) => match c.step(&mut self.trainer) {
                 Ok(stats) => {
-                    slow_down(&self.cfg, Duration::from_secs_f64(self.trainer.compute_ms() / 1e3));
+                    self.cfg.slowdown.stretch(Duration::from_secs_f64(self.trainer.compute_ms() / 1e3));
                     Ok(stats)
                 }
                 Err(e @ limpet_trainer::TrainerError::Reduce { peer, violation, .. }) => {

@@ -183,7 +183,7 @@ fn local_up(a: LocalUpArgs) -> anyhow::Result<()> {
 fn fake_metadata(listen: std::net::SocketAddr) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
-        let md = limpet_agent::fake_metadata::FakeMetadata::start(listen).await?;
+        let md = crate::fake_metadata::FakeMetadata::start(listen).await?;
         eprintln!("fake metadata at {}", md.url());
         std::future::pending::<()>().await;
         anyhow::Ok(())

@@ -17,6 +17,7 @@ pub mod cli;
 pub mod demo;
 pub mod dp_cmd;
 pub mod elastic_bench;
+pub mod fake_metadata;
 pub mod local;
 pub mod pipe_bench;
 pub mod raft_cmd;

@@ -38,12 +38,17 @@ impl fmt::Display for ConfigError {
 
 /// Every problem found in one file, in the order the checks met them (never empty).
 #[derive(Clone, Debug, PartialEq)]
-pub struct ConfigErrors(pub Vec<ConfigError>);
+pub struct ConfigErrors(Vec<ConfigError>);
 
 impl ConfigErrors {
     /// The first problem.
     pub fn first(&self) -> &ConfigError {
         &self.0[0]
+    }
+
+    /// Every problem.
+    pub fn all(&self) -> &[ConfigError] {
+        &self.0
     }
 }
 
@@ -132,38 +137,49 @@ pub fn line_of(text: &str, key: &str) -> Option<usize> {
     let (section, name) = rest.split_once(']')?;
     let name = name.strip_prefix('.').unwrap_or("");
     let mut lines = text.lines().enumerate();
-    let header = lines.find(|(_, l)| {
-        l.trim().strip_prefix('[').and_then(|l| l.split_once(']')).is_some_and(|(s, _)| s.trim() == section)
-    })?;
+    let (at, _) = lines.find(|(_, l)| header(l).is_some_and(|s| s == section))?;
     if name.is_empty() {
-        return Some(header.0 + 1);
+        return Some(at + 1);
     }
     for (i, l) in lines {
-        let l = l.trim();
-        if l.starts_with('[') {
+        if header(l).is_some() {
             return None;
         }
-        if l.split_once('=').is_some_and(|(k, _)| k.trim().trim_matches('"') == name) {
+        if l.split_once('=').is_some_and(|(k, _)| k.trim().trim_matches(['"', '\'']) == name) {
             return Some(i + 1);
         }
     }
     None
 }
 
-/// Where byte `offset` of a TOML file is, for a parse error: `[section].key` and its line, or
-/// `line N` outside a `key = value` line.
+/// Where byte `offset` of a TOML file is, for a parse error: `[section].key` when the line
+/// is a `key = value` line (`line N` otherwise), and the line.
 pub fn key_at(text: &str, offset: usize) -> (String, Option<usize>) {
-    let before = &text[..offset.min(text.len())];
-    let line_no = before.lines().count().max(1);
-    let line = text.lines().nth(line_no - 1).unwrap_or("");
-    let section =
-        before.lines().rev().map(str::trim).find(|l| l.starts_with('[') && l.ends_with(']')).unwrap_or("");
-    match line.split_once('=') {
-        Some((key, _)) if !key.trim().is_empty() && !line.trim_start().starts_with('[') => {
-            (format!("{section}.{}", key.trim()), Some(line_no))
-        }
-        _ => (format!("line {line_no}"), None),
+    let mut offset = offset.min(text.len());
+    while !text.is_char_boundary(offset) {
+        offset -= 1;
     }
+    let before = &text[..offset];
+    let line_no = before.matches('\n').count() + 1;
+    let line = text.lines().nth(line_no - 1).unwrap_or("");
+    let section = before.lines().rev().find_map(header).unwrap_or_default();
+    match line.split_once('=') {
+        Some((key, _)) if !key.trim().is_empty() && header(line).is_none() => {
+            (format!("[{section}].{}", key.trim()), Some(line_no))
+        }
+        _ => (format!("line {line_no}"), Some(line_no)),
+    }
+}
+
+/// The section a `[header]` line opens (`[[array]]` headers too), comments and spaces aside.
+fn header(line: &str) -> Option<String> {
+    let l = line.trim();
+    let inner = l
+        .strip_prefix("[[")
+        .and_then(|r| r.split_once("]]"))
+        .map(|(s, _)| s)
+        .or_else(|| l.strip_prefix('[').and_then(|r| r.split_once(']')).map(|(s, _)| s))?;
+    Some(inner.trim().to_string())
 }
 
 #[cfg(test)]
@@ -198,5 +214,19 @@ mod tests {
              f.toml: [timing].lead_ms: too small"
         );
         assert_eq!(e.first().key, "[node].control");
+    }
+
+    #[test]
+    fn a_parse_error_is_placed_on_its_own_line_in_its_section() {
+        let text = "[node]\nname = \"a\"\n[capacity] # the fleet\ninstance_types = \"g5\"\ntarrget = 3\n";
+        let at = text.find("tarrget").unwrap();
+        assert_eq!(key_at(text, at), ("[capacity].tarrget".into(), Some(5)));
+        // A line without `=` still has its line; an offset past the end or inside a
+        // character does not panic.
+        let at = text.find("[capacity]").unwrap();
+        assert_eq!(key_at(text, at), ("line 3".into(), Some(3)));
+        assert_eq!(key_at("é = 1", 1).1, Some(1));
+        assert_eq!(key_at("", 10), ("line 1".into(), Some(1)));
+        assert_eq!(line_of("[ node ]\n'name' = 1\r\n", "[node].name"), Some(2));
     }
 }

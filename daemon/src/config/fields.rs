@@ -29,6 +29,8 @@ pub(super) struct Fields {
     pub min_free: u64,
     /// `[checkpoint].s3` as bucket and prefix.
     pub s3: Option<(String, String)>,
+    /// What the keys allow but may not mean.
+    pub warnings: Vec<String>,
 }
 
 fn http_url(url: &str) -> Result<(), String> {
@@ -59,9 +61,9 @@ impl Config {
             c.addr("[node].advertise_data", a);
         }
         let secret = c.take("[node].secret_file", read_secret(&node.secret_file)).unwrap_or_default();
-        let f = node.slowdown_factor;
-        if !(f.is_finite() && (1.0..=100.0).contains(&f)) {
-            c.fail("[node].slowdown_factor", format!("{f} is not within 1..=100"));
+        #[cfg(feature = "lab")]
+        if !(node.slowdown_factor.is_finite() && (1.0..=100.0).contains(&node.slowdown_factor)) {
+            c.fail("[node].slowdown_factor", format!("{} is not within 1..=100", node.slowdown_factor));
         }
         let metrics = node.metrics.as_deref().and_then(|a| c.addr("[node].metrics", a));
         if node.metrics_tls && (node.metrics.is_none() || self.tls().is_none()) {
@@ -77,14 +79,15 @@ impl Config {
             )
             .flatten();
         let founders = self.check_cluster(c);
-        let (device, devices) = self.check_devices(c);
+        let mut warnings = Vec::new();
+        let (device, devices) = self.check_devices(c, &mut warnings);
         self.check_job(c);
         self.check_timing(c);
         let pipeline_memory = self.check_pipeline(c);
         let (min_free, s3) = self.check_checkpoint(c);
         let r = self.revocation.poll_secs;
-        if !(r.is_finite() && r >= 0.1) {
-            c.fail("[revocation].poll_secs", format!("{r} is below 0.1 s"));
+        if !(r.is_finite() && (0.1..=3600.0).contains(&r)) {
+            c.fail("[revocation].poll_secs", format!("{r} is not within 0.1..=3600 s"));
         }
         let tls = self.check_security(c);
         if let Some(cap) = &self.capacity {
@@ -106,6 +109,7 @@ impl Config {
             pipeline_memory,
             min_free,
             s3,
+            warnings,
         }
     }
 
@@ -139,7 +143,7 @@ impl Config {
     }
 
     /// `[job].device`, and `[node].devices` on this host.
-    fn check_devices(&self, c: &mut Checks) -> (DeviceChoice, Vec<Device>) {
+    fn check_devices(&self, c: &mut Checks, warnings: &mut Vec<String>) -> (DeviceChoice, Vec<Device>) {
         let device = c.take("[job].device", DeviceChoice::parse(&self.job.device));
         if let Some(d) = device {
             c.take("[job].device", d.resolve());
@@ -158,10 +162,10 @@ impl Config {
                     ),
                 );
             } else {
-                tracing::warn!(
-                    devices = devices.len(),
-                    "[node].devices = \"auto\": a pipelined job trains on one device; using the first"
-                );
+                warnings.push(format!(
+                    "[node].devices = \"auto\" finds {} devices: a pipelined job trains on one; using the first",
+                    devices.len()
+                ));
                 devices.truncate(1);
             }
         }
@@ -305,10 +309,11 @@ impl Config {
     /// `[checkpoint]`: its disk reserve in bytes, and the S3 bucket and prefix.
     fn check_checkpoint(&self, c: &mut Checks) -> (u64, Option<(String, String)>) {
         let Some(ck) = &self.checkpoint else { return (0, None) };
-        if !(ck.every_minutes.is_finite() && ck.every_minutes >= 0.0) {
+        // A year at most: beyond, it is no schedule (and no Duration).
+        if !(ck.every_minutes.is_finite() && (0.0..=525_600.0).contains(&ck.every_minutes)) {
             c.fail(
                 "[checkpoint].every_minutes",
-                format!("{} is not a non-negative number", ck.every_minutes),
+                format!("{} is not within 0..=525600 (a year)", ck.every_minutes),
             );
         }
         if ck.every_steps == 0 && ck.every_minutes == 0.0 {

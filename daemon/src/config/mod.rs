@@ -247,14 +247,18 @@ pub struct NodeSection {
     #[serde(default)]
     pub devices: Option<Devices>,
     /// Straggler drills: this node sleeps this many microseconds per sample it computes, as
-    /// a slower host would take (0: off).
+    /// a slower host would take (0: off). Lab builds only.
+    #[cfg(feature = "lab")]
     #[serde(default)]
     pub slowdown_us_per_sample: u64,
     /// Straggler drills: this node computes as a host this many times slower would (1: off).
+    /// Lab builds only.
+    #[cfg(feature = "lab")]
     #[serde(default = "default_slowdown_factor")]
     pub slowdown_factor: f64,
 }
 
+#[cfg(feature = "lab")]
 fn default_slowdown_factor() -> f64 {
     1.0
 }

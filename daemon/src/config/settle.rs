@@ -18,8 +18,8 @@ pub struct Settings {
     pub agent: AgentConfig,
     /// Where to serve Prometheus metrics.
     pub metrics: Option<SocketAddr>,
-    /// Serve them over mutual TLS (with the node's certificate).
-    pub metrics_tls: bool,
+    /// Serve them over mutual TLS with this configuration (the node's certificate).
+    pub metrics_tls: Option<std::sync::Arc<rustls::ServerConfig>>,
     /// How long a SIGTERM drain may take.
     pub grace: Duration,
     /// The fleet reconciler (`[capacity]`), run while this node leads.
@@ -40,7 +40,7 @@ impl Config {
         c.so_far()?;
         let job = match self.job_spec() {
             Ok(job) => job,
-            Err(e) => return Err(job_error(c, e)),
+            Err(e) => return Err(job_error(c, self, e)),
         };
         let blocks = job.model.num_blocks();
         if let Some(cuts) = self.pipeline.as_ref().and_then(|p| p.cuts.as_ref()) {
@@ -51,7 +51,7 @@ impl Config {
                 );
             }
         }
-        c.finish()?;
+        c.so_far()?;
         let mut a = AgentConfig::new(
             self.node_id(),
             &self.node.name,
@@ -75,8 +75,13 @@ impl Config {
         a.min_nodes = self.cluster.min_nodes;
         a.straggler_ratio = self.cluster.straggler_ratio;
         a.straggler_steps = self.cluster.straggler_steps;
-        a.slowdown_us_per_sample = self.node.slowdown_us_per_sample;
-        a.slowdown_factor = self.node.slowdown_factor;
+        #[cfg(feature = "lab")]
+        {
+            a.slowdown = limpet_agent::runtime::Slowdown {
+                us_per_sample: self.node.slowdown_us_per_sample,
+                factor: self.node.slowdown_factor,
+            };
+        }
         a.poll = Duration::from_secs_f64(self.revocation.poll_secs);
         let t = &self.timing;
         a.heartbeat = Duration::from_millis(t.heartbeat_ms);
@@ -87,7 +92,17 @@ impl Config {
         a.lead = Duration::from_millis(t.lead_ms);
         a.notice_margin = Duration::from_millis(t.notice_margin_ms);
         a.step_log = self.node.step_log.clone();
+        let mut metrics_tls = None;
         if let Some(tls) = f.tls {
+            if self.node.metrics_tls {
+                match tls.data_server() {
+                    Ok(server) => metrics_tls = Some(server),
+                    Err(e) => {
+                        c.fail("[node].metrics_tls", format!("the node's certificate cannot serve: {e}"));
+                        c.so_far()?;
+                    }
+                }
+            }
             a.tls = Some(std::sync::Arc::new(tls));
             a.tls_data = self.tls().is_some_and(|s| s.data_plane == super::DataPlaneMode::Tls);
         }
@@ -116,12 +131,13 @@ impl Config {
                 region: ck.s3_region.clone(),
             }),
         });
-        let mut warnings = self.write_path_warnings();
+        let mut warnings = f.warnings;
+        warnings.extend(self.write_path_warnings());
         warnings.extend(self.shard_warning());
         Ok(Settings {
             agent: a,
             metrics: f.metrics,
-            metrics_tls: self.node.metrics_tls,
+            metrics_tls,
             grace: Duration::from_secs(t.drain_grace_secs),
             capacity: self.reconciler(),
             warnings,
@@ -242,12 +258,21 @@ impl Config {
     }
 }
 
-/// Why the job could not be built, under the key that caused it, with what was found before.
-fn job_error(mut c: Checks, e: TrainerError) -> ConfigErrors {
+/// Why the job could not be built, under the key that caused it (a file's error under the
+/// key that names the file), with what was found before.
+fn job_error(mut c: Checks, cfg: &Config, e: TrainerError) -> ConfigErrors {
     match e {
         TrainerError::Key { key, detail } => c.fail(&key, detail),
         TrainerError::Data { path, detail } => {
-            c.fail("[job].data_path", format!("{}: {detail}", path.display()))
+            let under = |p: Option<&std::path::Path>| p.is_some_and(|p| path.starts_with(p));
+            let key = if under(cfg.model.init_from.as_deref()) {
+                "[model].init_from"
+            } else if under(cfg.job.data_path.as_deref()) {
+                "[job].data_path"
+            } else {
+                "[job].data"
+            };
+            c.fail(key, format!("{}: {detail}", path.display()))
         }
         other => c.fail("[job]", other.to_string()),
     }

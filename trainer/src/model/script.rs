@@ -58,8 +58,10 @@ static REGISTRY: Mutex<BTreeMap<String, PathBuf>> = Mutex::new(BTreeMap::new());
 
 /// Reads a module file, checking that TorchScript's loader accepts it. Errors name the file.
 fn read(path: &Path) -> Result<(Vec<u8>, String), TrainerError> {
-    let bytes = std::fs::read(path)
-        .map_err(|e| TrainerError::Config(format!("[model].path {}: {e}", path.display())))?;
+    let bytes = std::fs::read(path).map_err(|e| TrainerError::Key {
+        key: "[model].path".into(),
+        detail: format!("{}: {e}", path.display()),
+    })?;
     let hash = blake3::hash(&bytes).to_hex().to_string();
     Ok((bytes, hash))
 }
@@ -68,12 +70,13 @@ fn read(path: &Path) -> Result<(Vec<u8>, String), TrainerError> {
 /// can load it; returns its content hash (what the job names).
 pub fn register(path: &Path) -> Result<String, TrainerError> {
     let (bytes, hash) = read(path)?;
-    tch::CModule::load_data(&mut bytes.as_slice()).map_err(|e| {
-        TrainerError::Config(format!(
-            "[model].path {}: not a TorchScript module this libtorch can load: {}",
+    tch::CModule::load_data(&mut bytes.as_slice()).map_err(|e| TrainerError::Key {
+        key: "[model].path".into(),
+        detail: format!(
+            "{}: not a TorchScript module this libtorch can load: {}",
             path.display(),
             first_line(&e.to_string())
-        ))
+        ),
     })?;
     REGISTRY.lock().expect("module registry lock").insert(hash.clone(), path.to_path_buf());
     Ok(hash)

@@ -2,8 +2,8 @@
 //! JSON shapes), and the revocation watchers read it: AWS through aws-config's IMDS client,
 //! GCP and Azure over HTTP.
 
-use limpet_agent::fake_metadata::{Cloud, FakeMetadata};
 use limpet_agent::revocation::{azure_preemption, detect, Endpoints, Source, Watcher};
+use limpet_lab::fake_metadata::{Cloud, FakeMetadata};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 fn now_ms() -> u64 {
