@@ -51,13 +51,17 @@ dist: setup
 lint: setup
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets --locked -- -D warnings
+	# The product as make dist builds it: without the lab feature a workspace build turns on.
+	cargo clippy -p limpet-daemon --bins --locked -- -D warnings
 
 # The product binaries are built first, as `make dist` builds them, for the test that looks
 # for the lab in them (the tests' own binaries have it).
+TARGET_DIR := $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)
 unit: setup
 	cargo build --locked -p limpet-daemon --bins
-	mkdir -p target/product && cp target/debug/limpet target/debug/limpetd target/product/
-	LIMPET_PRODUCT_BINS=$(CURDIR)/target/product cargo test --workspace --locked
+	rm -rf $(TARGET_DIR)/product && mkdir -p $(TARGET_DIR)/product
+	cp $(TARGET_DIR)/debug/limpet $(TARGET_DIR)/debug/limpetd $(TARGET_DIR)/product/
+	LIMPET_PRODUCT_BINS=$(TARGET_DIR)/product cargo test --workspace --locked
 
 # The fuzz crate builds outside the workspace; checking it keeps the targets from rotting.
 fuzz-check: setup

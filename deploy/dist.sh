@@ -55,6 +55,12 @@ die() { printf 'dist: %s\n' "$*" >&2; exit 1; }
 command -v patchelf >/dev/null || die "no patchelf: run deploy/setup.sh (Debian: apt-get install patchelf)"
 for b in limpetd limpet; do
     [ -x "$BIN_DIR/$b" ] || die "$BIN_DIR/$b is not built (make dist builds it)"
+    # A workspace build turns on limpet-lab's `lab` feature (local clusters, drills, chaos
+    # hooks) in the product crates too; a release carries none of it. (The tests pack their
+    # own lab build where no product build is at hand, and say so.)
+    if "$BIN_DIR/$b" --version 2>/dev/null | grep -q 'lab build' && [ "${LIMPET_DIST_ALLOW_LAB:-}" != 1 ]; then
+        die "$BIN_DIR/$b is a lab build ($("$BIN_DIR/$b" --version)): make dist builds the product alone (cargo build --release -p limpet-daemon --bins)"
+    fi
 done
 VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' "$ROOT/Cargo.toml" | head -1)
 [ -n "$VERSION" ] || die "no version in $ROOT/Cargo.toml"

@@ -174,7 +174,8 @@ pub fn node_logs(dir: &Path) -> String {
     let mut logs = String::new();
     for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
         if e.path().extension().is_some_and(|x| x == "log") {
-            logs += &format!("--- {}\n{}", e.path().display(), std::fs::read_to_string(e.path()).unwrap());
+            let text = std::fs::read_to_string(e.path()).unwrap_or_default();
+            logs += &format!("--- {}\n{}", e.path().display(), text);
         }
     }
     logs
@@ -248,4 +249,122 @@ pub fn lost_by_step_logs(dir: &Path, epoch: u64, start: u64) -> u64 {
         dir.display()
     );
     u64::from(last_before.iter().any(|&b| b + 1 == start))
+}
+
+/// The samples of a Prometheus text page: `name{labels}` to value.
+pub fn samples(page: &str) -> std::collections::BTreeMap<String, f64> {
+    page.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k.to_string(), v.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The samples `url` serves.
+pub fn scrape(url: &str) -> std::collections::BTreeMap<String, f64> {
+    samples(&limpet_lab::local::get_text(url).unwrap())
+}
+
+/// Waits for `done`, failing after `within`.
+pub fn wait_until(what: &str, within: Duration, done: impl FnMut() -> bool) {
+    wait_or_show(what, within, done, None);
+}
+
+/// Waits for `done`; on timeout the failure shows the logs of the cluster in `dir`.
+pub fn wait_or_show(what: &str, within: Duration, mut done: impl FnMut() -> bool, dir: Option<&Path>) {
+    let start = Instant::now();
+    while !done() {
+        assert!(
+            start.elapsed() < within,
+            "{what}: not within {within:?}\n{}",
+            dir.map(node_logs).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Steps a node logged: (step, epoch, world) per line.
+pub fn step_records(path: &Path) -> Vec<(u64, u64, u64)> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .map(|v| (v["step"].as_u64().unwrap(), v["epoch"].as_u64().unwrap(), v["world"].as_u64().unwrap()))
+        .collect()
+}
+
+/// A local cluster of `n` founders training `job` in `dir`, with the `limpetd` under test.
+pub fn up(
+    dir: &Path,
+    n: usize,
+    job: limpet_lab::local::LocalJob,
+) -> anyhow::Result<limpet_lab::local::LocalCluster> {
+    limpet_lab::local::LocalCluster::up_with(
+        dir,
+        n,
+        job,
+        &lab_exe(),
+        Path::new(env!("CARGO_BIN_EXE_limpetd")),
+    )
+}
+
+/// A certificate valid from two days ago until yesterday.
+pub fn issue_expired(dir: &Path, name: &str, kind: limpet_daemon::certs::Kind) {
+    let now = time::OffsetDateTime::now_utc();
+    limpet_daemon::certs::issue(
+        dir,
+        name,
+        kind,
+        now - time::Duration::days(2),
+        now - time::Duration::days(1),
+    )
+    .unwrap();
+}
+
+/// What the scripts "notice node-2, join, kill node-3" must show: no step lost to the notice,
+/// state copied to the newcomer, at most the step in flight redone after the kill.
+pub fn notice_join_and_kill_were_survived(summary: &Value) {
+    assert_eq!(transition(summary, "notice for node 2")["lost_steps"], 0, "{summary:#}");
+    assert!(transition(summary, "join of node 4")["fetched_bytes"].as_u64().unwrap() > 0, "{summary:#}");
+    assert!(transition(summary, "failure of node 3")["lost_steps"].as_u64().unwrap() <= 1, "{summary:#}");
+}
+
+/// A ClientHello's first bytes (a handshake record announcing 512 bytes), then filler:
+/// dribbled a byte at a time, each read of it returns within any per-read timeout, but the
+/// record never completes.
+pub fn slow_hello() -> Vec<u8> {
+    [0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc, 0x03, 0x03]
+        .into_iter()
+        .chain(std::iter::repeat(7))
+        .take(517)
+        .collect()
+}
+
+/// Dribbles `hello` over `conns` a byte per `every` until each is closed or `within`
+/// passes; how many were still open at the end.
+pub fn dribble(
+    conns: &mut [(std::net::TcpStream, usize)],
+    hello: &[u8],
+    every: Duration,
+    within: Duration,
+) -> usize {
+    let started = Instant::now();
+    loop {
+        let mut open = 0;
+        for (s, sent) in conns.iter_mut() {
+            s.set_read_timeout(Some(Duration::from_millis(5))).unwrap();
+            let closed = matches!(std::io::Read::read(s, &mut [0u8; 64]), Ok(0))
+                || (*sent < hello.len() && std::io::Write::write(s, &hello[*sent..*sent + 1]).is_err());
+            if !closed {
+                *sent += 1;
+                open += 1;
+            }
+        }
+        if open == 0 || started.elapsed() >= within {
+            return open;
+        }
+        std::thread::sleep(every);
+    }
 }

@@ -8,6 +8,8 @@
 //! - `core`: one node's `RawNode` + storage + state machine, driven by ticks and messages;
 //! - `harness` (feature `lab`: tests, fuzz targets and the lab, not the product): many
 //!   cores on an in-memory network that drops, cuts, isolates and crashes;
+//! - `tasks`: the shutdown path a node's tasks (and the agent's around it) are spawned
+//!   through: one root token, tracked, a panic fatal and named;
 //! - `inbox`, `node`, `service` and `transport`: what flows into a node's task, a core on
 //!   a tokio task, the gRPC service it serves (who may call what) and the client the CLI,
 //!   the benchmarks and peers use.
@@ -33,6 +35,8 @@ mod service;
 pub mod state;
 #[cfg(feature = "node")]
 pub mod storage;
+#[cfg(feature = "node")]
+pub mod tasks;
 #[cfg(feature = "node")]
 pub mod tls;
 #[cfg(feature = "node")]

@@ -167,7 +167,10 @@ impl Node {
     /// Opens the state directory, binds the server and starts the node. A founder with an
     /// empty directory bootstraps; a non-founder asks its seeds to admit it. Needs a
     /// multi-threaded tokio runtime (the sled flush runs in `block_in_place`).
-    pub async fn start(cfg: NodeConfig, shutdown: CancellationToken) -> Result<Node> {
+    /// Its tasks run under `tasks` (the server, the join, a sender per peer), whose root token
+    /// stops the node; the event loop is [`Node::wait`]'s.
+    pub async fn start(cfg: NodeConfig, tasks: &crate::tasks::Tasks) -> Result<Node> {
+        let shutdown = tasks.token();
         let cid = cluster_id(&cfg.core.cluster);
         let identity = Identity { format: SLED_FORMAT, cluster_id: cid, node_id: cfg.core.id };
         let store = SledLog::open(&cfg.state_dir.join("consensus"), identity)?;
@@ -198,7 +201,7 @@ impl Node {
             tls: cfg.tls.as_ref().map(|t| t.anonymous_reads),
             members: handle.watch.clone(),
         };
-        serve(listener, service, cfg.tls.as_ref(), shutdown.clone())?;
+        serve(listener, service, cfg.tls.as_ref(), tasks)?;
         let me = MemberSpec {
             id: cfg.core.id,
             name: cfg.name.clone(),
@@ -212,7 +215,7 @@ impl Node {
                 through.push(f.control_addr.clone());
             }
             let (cluster, tls) = (cfg.core.cluster.clone(), cfg.tls.clone());
-            tokio::spawn(join_through_seeds(through, cluster, me.clone(), tls, shutdown.clone()));
+            tasks.spawn("join", join_through_seeds(through, cluster, me.clone(), tls, shutdown.clone()));
         }
         let looper = Loop {
             core,
@@ -225,7 +228,9 @@ impl Node {
             me,
             learned: HashMap::new(),
             watch: watch_tx,
+            tasks: tasks.clone(),
         };
+        // The event loop's result (and panic) is `wait`'s: whoever waits names it.
         let task = tokio::spawn(looper.run(rx, shutdown.clone()));
         Ok(Node { handle, addr, task, shutdown })
     }
@@ -240,7 +245,9 @@ impl Node {
         self.handle.clone()
     }
 
-    /// Stops the node and waits for its task.
+    /// Stops the node and waits for its event loop. It cancels the root token of the `Tasks`
+    /// it was started with, so everything else under it stops too; `Tasks::shutdown` waits
+    /// for the server, the join and the senders.
     pub async fn stop(self) -> Result<()> {
         self.shutdown.cancel();
         self.wait().await
@@ -300,6 +307,8 @@ struct Loop {
     core: Core<SledLog>,
     cfg: NodeConfig,
     peers: HashMap<NodeId, PeerSender>,
+    /// Where the peers' senders run.
+    tasks: crate::tasks::Tasks,
     proposals: BTreeMap<ProposalId, (Instant, ProposeReply)>,
     reads: BTreeMap<u64, (Instant, oneshot::Sender<Result<ReadResult>>)>,
     retry: Vec<Request>,
@@ -545,6 +554,7 @@ impl Loop {
                 addr,
                 self.cfg.tls.clone(),
                 reports.clone(),
+                &self.tasks,
             );
             self.peers.insert(to, sender);
         }

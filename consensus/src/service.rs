@@ -11,14 +11,13 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 /// Serves the consensus gRPC service on `listener` until `shutdown`.
 pub(crate) fn serve(
     listener: tokio::net::TcpListener,
     service: Service,
     tls: Option<&Arc<Tls>>,
-    shutdown: CancellationToken,
+    tasks: &crate::tasks::Tasks,
 ) -> Result<()> {
     use tokio_stream::StreamExt as _;
     // At most MAX_CONNECTIONS at once, and MAX_CONNECTIONS_PER_ADDRESS from any one address
@@ -67,17 +66,31 @@ pub(crate) fn serve(
     let mut builder = builder
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)));
-    tokio::spawn(async move {
-        let result = builder
+    let shutdown = tasks.token();
+    tasks.spawn("control-server", async move {
+        let served = builder
             .add_service(pb::consensus_server::ConsensusServer::new(service))
-            .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
-            .await;
+            .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
+        tokio::pin!(served);
+        // A graceful shutdown waits for every connection to close, and a client may hold one
+        // open for good: after a second's grace the rest are dropped.
+        let grace = async {
+            shutdown.cancelled().await;
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        };
+        let result = tokio::select! {
+            r = &mut served => r,
+            () = grace => Ok(()),
+        };
         if let Err(e) = result {
             tracing::error!(%e, "consensus server stopped");
         }
     });
     Ok(())
 }
+
+/// How long connections may finish their calls once the node stops.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
 
 /// The most control-plane connections a node holds at once: every member's channel to it, the
 /// operators' and the agents', with room to spare.

@@ -98,10 +98,13 @@ impl PeerSender {
         addr: String,
         tls: Option<Arc<Tls>>,
         reports: mpsc::UnboundedSender<PeerReport>,
+        tasks: &crate::tasks::Tasks,
     ) -> PeerSender {
         let (tx, mut rx) = mpsc::channel::<Message>(4096);
         let target = addr.clone();
-        tokio::spawn(async move {
+        // Ends when the node's loop drops this sender (at shutdown too), after what is queued:
+        // a departing leader's last messages still go out.
+        tasks.spawn("peer-sender", async move {
             let mut client: Option<pb::consensus_client::ConsensusClient<tonic::transport::Channel>> = None;
             while let Some(first) = rx.recv().await {
                 let mut msgs = vec![first];

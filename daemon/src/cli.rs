@@ -6,7 +6,7 @@ use clap::{Parser, Subcommand};
 
 /// limpet: elastic training that survives spot revocations.
 #[derive(Debug, Parser)]
-#[command(name = "limpet", version, about)]
+#[command(name = "limpet", version = crate::VERSION, about)]
 pub struct Cli {
     /// What to do.
     #[command(subcommand)]

@@ -11,6 +11,15 @@ pub mod certs;
 pub mod cli;
 #[cfg(feature = "lab")]
 pub mod cluster_file;
+
+/// `--version` of `limpet` and `limpetd`: a build with the `lab` feature says so, and
+/// `deploy/dist.sh` refuses to pack it (a workspace build turns the feature on for
+/// limpet-lab's sake; `make dist` builds the product alone).
+pub const VERSION: &str = if cfg!(feature = "lab") {
+    concat!(env!("CARGO_PKG_VERSION"), " (lab build: local clusters, drills, chaos hooks; not for release)")
+} else {
+    env!("CARGO_PKG_VERSION")
+};
 pub mod config;
 pub mod credentials_cmd;
 pub mod data_cmd;

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 /// limpetd: one host's agent in a limpet cluster.
 #[derive(Debug, Parser)]
-#[command(name = "limpetd", version, about, args_conflicts_with_subcommands = true)]
+#[command(name = "limpetd", version = crate::VERSION, about, args_conflicts_with_subcommands = true)]
 pub struct LimpetdCli {
     /// Check a configuration and exit (for systemd's ExecStartPre).
     #[command(subcommand)]
@@ -274,7 +274,9 @@ async fn serve(cfg: AgentConfig, opts: ServeOptions) -> anyhow::Result<()> {
     }
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
-    let mut waiter = tokio::spawn(agent.wait());
+    // Polled here rather than spawned: the agent's end is this loop's end.
+    let waiter = agent.wait();
+    tokio::pin!(waiter);
     let mut draining: Option<tokio::time::Instant> = None;
     loop {
         let deadline = async {
@@ -285,7 +287,7 @@ async fn serve(cfg: AgentConfig, opts: ServeOptions) -> anyhow::Result<()> {
         };
         tokio::select! {
             r = &mut waiter => {
-                let exit = r??;
+                let exit = r?;
                 match exit {
                     Exit::Removed(why) => tracing::info!(node = %name, why, "left the cluster"),
                     Exit::Stopped => tracing::info!(node = %name, "stopped"),
@@ -305,11 +307,15 @@ async fn serve(cfg: AgentConfig, opts: ServeOptions) -> anyhow::Result<()> {
                 draining = Some(tokio::time::Instant::now() + opts.grace);
                 // Leave at the next boundary; the leader (which may be this node: raft hands
                 // leadership over when a voter is removed) schedules the epoch without it.
+                // Proposed beside this loop, which goes on watching the agent meanwhile.
                 let cmd = limpet_consensus::state::Command::Drain { id: me_id, reason: "SIGTERM".into() };
-                if let Err(e) = handle.propose(cmd, Some(Duration::from_secs(5))).await {
-                    tracing::warn!(%e, "could not record the drain; stopping");
-                    stop.cancel();
-                }
+                let (handle, stop) = (handle.clone(), stop.clone());
+                tasks.spawn("drain", async move {
+                    if let Err(e) = handle.propose(cmd, Some(Duration::from_secs(5))).await {
+                        tracing::warn!(%e, "could not record the drain; stopping");
+                        stop.cancel();
+                    }
+                });
             }
             _ = int.recv() => {
                 tracing::warn!(node = %name, "SIGINT: stopping now");

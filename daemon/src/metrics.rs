@@ -133,6 +133,7 @@ impl TlsListener {
         let acceptor = tokio_rustls::TlsAcceptor::from(cfg);
         let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
         let stop = tasks.token();
+        let handshakes = tasks.clone();
         tasks.spawn("metrics-tls", async move {
             loop {
                 let accepted = tokio::select! {
@@ -152,10 +153,16 @@ impl TlsListener {
                     tracing::debug!(%peer, "metrics endpoint: too many handshakes at once; closed");
                     continue;
                 };
-                let (acceptor, tx) = (acceptor.clone(), tx.clone());
-                tokio::spawn(async move {
+                let (acceptor, tx, stop) = (acceptor.clone(), tx.clone(), stop.clone());
+                handshakes.spawn("metrics-handshake", async move {
                     let _slot = slot;
-                    match tokio::time::timeout(HANDSHAKE_DEADLINE, acceptor.accept(tcp)).await {
+                    let handshake = tokio::time::timeout(HANDSHAKE_DEADLINE, acceptor.accept(tcp));
+                    // A handshake left unfinished does not hold up the process's stop.
+                    let done = tokio::select! {
+                        () = stop.cancelled() => return,
+                        done = handshake => done,
+                    };
+                    match done {
                         Ok(Ok(tls)) => {
                             let _ = tx.send((tls, peer)).await;
                         }

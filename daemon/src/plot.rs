@@ -175,6 +175,7 @@ mod tests {
             .collect()
     }
 
+    #[cfg(feature = "lab")]
     #[test]
     fn counts_and_world_sizes_are_labelled_as_whole_numbers() {
         let dir = tempfile::tempdir().unwrap();

@@ -33,7 +33,7 @@ pub struct Target {
     #[arg(long)]
     pub cluster: Option<String>,
     /// The cluster CA's certificate, for a cluster that runs with certificates (with
-    /// --cert and --key; a local cluster's directory names its own).
+    /// --cert and --key).
     /// Alone, it reads status without a certificate where the nodes allow that.
     #[arg(long, env = "LIMPET_CA")]
     pub ca: Option<PathBuf>,
@@ -63,11 +63,14 @@ impl Target {
         #[cfg(feature = "lab")]
         let local = self.dir.as_deref().map(ClusterFile::load).transpose()?;
         #[cfg(feature = "lab")]
-        if let (Some(f), Some(named)) = (&local, &self.cluster) {
+        if let (Some(f), Some(named), Some(dir)) = (&local, &self.cluster, &self.dir) {
             if *named != f.cluster {
-                return Err(
-                    UsageError(format!("--cluster {named:?}: the local cluster is {:?}", f.cluster)).into()
-                );
+                return Err(UsageError(format!(
+                    "--cluster {named:?}: the local cluster in {} is {:?}",
+                    dir.display(),
+                    f.cluster
+                ))
+                .into());
             }
         }
         #[cfg(feature = "lab")]

@@ -6,7 +6,6 @@ use crate::dataplane::conn::Conn;
 use crate::dataplane::endpoint::Endpoint;
 use crate::dataplane::frame::Channel;
 use limpet_snapshot::handoff::{Dialer, Server};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -47,21 +46,44 @@ pub const MAX_HANDOFF_SERVES_PER_PEER: usize = 8;
 
 /// Serves `server`'s offers on every authenticated handoff connection the endpoint accepts
 /// from a peer `may_fetch` admits, one thread per connection (at most
-/// [`MAX_HANDOFF_SERVES`]), until `stop` is set.
+/// [`MAX_HANDOFF_SERVES`]), until `stop` is set, on threads of its own (tests and the lab; the
+/// agent runs [`handoff_loop`] under its `Tasks`).
+#[cfg(feature = "lab")]
 pub fn serve_handoff(
     endpoint: Arc<Endpoint>,
     server: Server,
-    stop: Arc<AtomicBool>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
     may_fetch: MayFetch,
 ) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || handoff_loop(&endpoint, &server, &|| stop.load(Ordering::SeqCst), &may_fetch))
+    let spawn = |name: &'static str, f: Box<dyn FnOnce() + Send>| {
+        std::thread::Builder::new().name(format!("limpet-{name}")).spawn(f).map(drop)
+    };
+    std::thread::spawn(move || {
+        handoff_loop(
+            &endpoint,
+            &server,
+            &|| stop.load(std::sync::atomic::Ordering::SeqCst),
+            &may_fetch,
+            &spawn,
+        )
+    })
 }
+
+/// Starts a named thread (the agent's `Tasks::spawn_detached_thread`: a panic fatal).
+pub type Spawn<'a> = dyn Fn(&'static str, Box<dyn FnOnce() + Send>) -> std::io::Result<()> + 'a;
 
 /// Serves handoff requests on the calling thread until `stop` says so (each request on a
 /// thread of its own, at most [`MAX_HANDOFF_SERVES`] at once, each read and write bounded by
 /// the endpoint's timeout), to peers `may_fetch` admits (current members: a removed node's
-/// certificate, or the secret alone, must not read the weights).
-pub fn handoff_loop(endpoint: &Endpoint, server: &Server, stop: &dyn Fn() -> bool, may_fetch: &MayFetch) {
+/// certificate, or the secret alone, must not read the weights). `spawn` starts each
+/// request's thread.
+pub fn handoff_loop(
+    endpoint: &Endpoint,
+    server: &Server,
+    stop: &dyn Fn() -> bool,
+    may_fetch: &MayFetch,
+    spawn: &Spawn,
+) {
     let serving: Serving = Arc::default();
     let timeout = endpoint.config().timeout;
     while !stop() {
@@ -89,13 +111,16 @@ pub fn handoff_loop(endpoint: &Endpoint, server: &Server, stop: &dyn Fn() -> boo
             continue;
         }
         let server = server.clone();
-        let spawned = std::thread::Builder::new().name("limpet-handoff".into()).spawn(move || {
-            let _slot = slot;
-            let mut conn = SentCounter(conn);
-            if let Err(e) = server.serve(&mut conn, None) {
-                tracing::warn!(peer, %e, "state handoff to a peer failed");
-            }
-        });
+        let spawned = spawn(
+            "handoff-serve",
+            Box::new(move || {
+                let _slot = slot;
+                let mut conn = SentCounter(conn);
+                if let Err(e) = server.serve(&mut conn, None) {
+                    tracing::warn!(peer, %e, "state handoff to a peer failed");
+                }
+            }),
+        );
         if let Err(e) = spawned {
             // The closure, and the slot it held, went with the error.
             tracing::warn!(peer, %e, "state handoff dropped: no thread");

@@ -40,7 +40,6 @@ use limpet_snapshot::handoff::Server;
 use limpet_trainer::data::Dataset;
 use limpet_trainer::Trainer;
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::Notify;
@@ -121,20 +120,25 @@ impl Agent {
         // Offers: the entry state, this rank's snapshot and the neighbour's it keeps, and
         // their predecessors while receivers finish.
         let server = Server::with_capacity(6);
-        let stop_serving = Arc::new(AtomicBool::new(false));
-        let (serving, offers, stopped) = (Arc::clone(&endpoint), server.clone(), Arc::clone(&stop_serving));
-        let root = tasks.token();
-        let stop = move || stopped.load(std::sync::atomic::Ordering::SeqCst) || root.is_cancelled();
+        // Serving ends with the trainer (which cancels this) or with everything (the root).
+        let stop_serving = tasks.token().child_token();
+        let (serving, offers, stopped) = (Arc::clone(&endpoint), server.clone(), stop_serving.clone());
+        let stop = move || stopped.is_cancelled();
+        let spawner = tasks.clone();
+        // Each request's transfer may outlast a stop (a slow reader): not waited for, but a
+        // panic in one is fatal like anywhere else.
+        let spawn =
+            move |name: &'static str, f: Box<dyn FnOnce() + Send>| spawner.spawn_detached_thread(name, f);
         // Who may fetch state: the log's current members (not failed, not gone), filled in
         // once the node runs; nobody before.
         let fetchers: Arc<std::sync::RwLock<std::collections::BTreeSet<u64>>> = Arc::default();
         let admits = Arc::clone(&fetchers);
         let may_fetch: crate::dataplane::handoff::MayFetch =
             Arc::new(move |peer| admits.read().expect("fetchers lock").contains(&peer));
-        tasks.spawn_thread("handoff", move || handoff_loop(&serving, &offers, &stop, &may_fetch))?;
+        tasks.spawn_thread("handoff", move || handoff_loop(&serving, &offers, &stop, &may_fetch, &spawn))?;
 
         let ncfg = node_config(&cfg, data_addr);
-        let node = limpet_consensus::Node::start(ncfg.clone(), tasks.token()).await?;
+        let node = limpet_consensus::Node::start(ncfg.clone(), &tasks).await?;
         let handle = node.handle();
         let control_addr = node.addr();
         let watcher = tasks.clone();
@@ -231,7 +235,7 @@ impl Agent {
         );
         let trainer = std::thread::Builder::new().name("limpet-trainer".into()).spawn(move || {
             let r = looper.run();
-            stop_serving.store(true, std::sync::atomic::Ordering::SeqCst);
+            stop_serving.cancel();
             r
         })?;
         Ok(Agent { handle, tasks, trainer, control_addr, data_addr, id })

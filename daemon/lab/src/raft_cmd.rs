@@ -68,7 +68,8 @@ pub fn run_node(args: RaftNodeArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
         let shutdown = CancellationToken::new();
-        let node = Node::start(cfg, shutdown.clone()).await?;
+        let tasks = limpet_consensus::tasks::Tasks::new(shutdown.clone());
+        let node = Node::start(cfg, &tasks).await?;
         println!("listening on {}", node.addr());
         let stop = shutdown.clone();
         tokio::spawn(async move {
@@ -81,7 +82,13 @@ pub fn run_node(args: RaftNodeArgs) -> anyhow::Result<()> {
             }
             stop.cancel();
         });
-        node.wait().await.map_err(anyhow::Error::from)
+        node.wait().await?;
+        // A panic in one of the node's tasks stopped it: the process says so.
+        let _ = tasks.shutdown(tokio::time::Instant::now() + limpet_consensus::tasks::SHUTDOWN_LIMIT).await;
+        match tasks.fatal() {
+            Some(f) => anyhow::bail!(f),
+            None => Ok(()),
+        }
     })
 }
 
