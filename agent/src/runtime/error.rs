@@ -52,18 +52,6 @@ impl AgentError {
     }
 }
 
-impl From<String> for AgentError {
-    fn from(detail: String) -> AgentError {
-        AgentError::Entry(detail)
-    }
-}
-
-impl From<&str> for AgentError {
-    fn from(detail: &str) -> AgentError {
-        AgentError::Entry(detail.to_string())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -75,6 +63,6 @@ mod tests {
         assert!(io.is_fatal());
         assert!(AgentError::Job("steps: 2 vs 1".into()).is_fatal());
         assert!(!AgentError::from(DataPlaneError::Protocol("bad frame".into())).is_fatal());
-        assert!(!AgentError::from("node 3 does not hash to what it announced").is_fatal());
+        assert!(!AgentError::Entry("node 3 does not hash to what it announced".into()).is_fatal());
     }
 }

@@ -84,7 +84,7 @@ pub(super) fn addrs_of(st: &ClusterState, n: &Epoch) -> Result<Vec<String>, Agen
         .map(|r| st.members.get(r).map(|m| m.spec.data_addr.clone()).unwrap_or_default())
         .collect();
     if addrs.iter().any(String::is_empty) {
-        return Err(format!("epoch {}: a rank has no data address yet", n.id).into());
+        return Err(AgentError::Entry(format!("epoch {}: a rank has no data address yet", n.id)));
     }
     Ok(addrs)
 }
@@ -193,7 +193,7 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     let nb = x.cfg.job.model.num_blocks();
     let ranks = exchange_states(&mut group, &mine.state, n, nb)?;
     let me = group.rank();
-    let stages = n.layout.stage_blocks(nb)?;
+    let stages = n.layout.stage_blocks(nb).map_err(AgentError::Entry)?;
     let target = stages[me % stages.len()].clone();
     let plan = entry_plan(&ranks, me, target.clone(), nb)?;
     let redone = x.trainer.step().saturating_sub(plan.step);
@@ -373,7 +373,9 @@ fn assemble(
                 Some(k) => {
                     fetched = StateImage::decode(&k.bytes)?;
                     if fetched.content_hash() != hex {
-                        return Err("a kept snapshot no longer hashes to its descriptor".into());
+                        return Err(AgentError::Entry(
+                            "a kept snapshot no longer hashes to its descriptor".into(),
+                        ));
                     }
                     &fetched
                 }
@@ -389,7 +391,9 @@ fn assemble(
             let (img, bytes) =
                 fetch_state(x.endpoint, n.id, &format!("{src_node}@{}", addrs[*src]), label, most)?;
             if img.content_hash() != hex {
-                return Err(format!("state from node {src_node} does not hash to what it announced").into());
+                return Err(AgentError::Entry(format!(
+                    "state from node {src_node} does not hash to what it announced"
+                )));
             }
             fetched_bytes += bytes;
             tracing::info!(
