@@ -385,15 +385,7 @@ fn a_full_checkpoint_disk_is_a_warning_and_a_metric_and_training_goes_on() {
     };
     let dir = tmp.path().join("c");
     let mut c = up(&dir, 2, job).unwrap();
-    let failures = || -> f64 {
-        c.file
-            .nodes
-            .iter()
-            // A node not serving its metrics yet counts no failures.
-            .filter_map(|n| get_text(&n.metrics).ok())
-            .filter_map(|page| samples(&page).get("limpet_checkpoint_failures_total").copied())
-            .sum()
-    };
+    let failures = || checkpoint_failures(&c);
     wait_or_show("a checkpoint failure counted", Duration::from_secs(120), || failures() >= 1.0, Some(&dir));
     let log = c.file.nodes[0].step_log.clone();
     let at = steps_of(&log).last().map_or(0, |s| s.0);
@@ -424,6 +416,17 @@ fn a_full_checkpoint_disk_is_a_warning_and_a_metric_and_training_goes_on() {
     drop(disk);
 }
 
+/// The checkpoint failures every node of `c` has counted in its metrics (a node not serving
+/// them yet counts none).
+fn checkpoint_failures(c: &limpet_lab::local::LocalCluster) -> f64 {
+    c.file
+        .nodes
+        .iter()
+        .filter_map(|n| get_text(&n.metrics).ok())
+        .filter_map(|page| samples(&page).get("limpet_checkpoint_failures_total").copied())
+        .sum()
+}
+
 /// The raft log (sled), the step logs and the checkpoints on one small disk: with a reserve
 /// (`[checkpoint].min_free`), checkpoints stop before they take the room the log needs; the
 /// refusal is a warning, a metric and a status line, and the cluster keeps committing.
@@ -441,14 +444,7 @@ fn checkpoints_leave_the_reserve_to_the_raft_log_on_a_shared_disk() {
         ..LocalJob::default()
     };
     let mut c = up(&dir, 2, job).unwrap();
-    let failures = || -> f64 {
-        c.file
-            .nodes
-            .iter()
-            .filter_map(|n| get_text(&n.metrics).ok())
-            .filter_map(|page| samples(&page).get("limpet_checkpoint_failures_total").copied())
-            .sum()
-    };
+    let failures = || checkpoint_failures(&c);
     wait_or_show("a checkpoint refused", Duration::from_secs(120), || failures() >= 1.0, Some(&dir));
     let all = logs(&dir);
     assert!(all.contains("[checkpoint].min_free") && !all.contains("No space left"), "{all}");
