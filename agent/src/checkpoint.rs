@@ -54,6 +54,15 @@ pub enum CheckpointError {
         /// The reserve.
         min_free: u64,
     },
+    /// The directory may be an unmounted mount point, not the real one
+    /// (`[checkpoint].resume = "required"` waits for it).
+    #[error("the checkpoint directory {path}: {detail}")]
+    Untrusted {
+        /// The directory.
+        path: PathBuf,
+        /// Why it is not trusted.
+        detail: String,
+    },
     /// The snapshot layer refused.
     #[error(transparent)]
     Snapshot(#[from] SnapshotError),
@@ -183,11 +192,12 @@ pub const MARKER: &str = ".limpet-checkpoints";
 /// EFS volume, `/mnt/efs/limpet` on it). An empty directory on the root filesystem is
 /// neither: it is what an unmounted mount point looks like, and starting there would start
 /// the job over. The reason when not.
-pub fn trusted_dir(dir: &Path) -> Result<(), String> {
+pub fn trusted_dir(dir: &Path) -> Result<(), CheckpointError> {
     use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::metadata(dir).map_err(|e| format!("{} is missing ({e})", dir.display()))?;
+    let untrusted = |detail: String| CheckpointError::Untrusted { path: dir.to_path_buf(), detail };
+    let meta = std::fs::metadata(dir).map_err(|e| untrusted(format!("is missing ({e})")))?;
     if !meta.is_dir() {
-        return Err(format!("{} is not a directory", dir.display()));
+        return Err(untrusted("is not a directory".into()));
     }
     if dir.join(MARKER).exists() || list(dir).is_ok_and(|l| !l.is_empty()) {
         return Ok(());
@@ -197,11 +207,10 @@ pub fn trusted_dir(dir: &Path) -> Result<(), String> {
     if dev(Path::new("/")) != Some(meta.dev()) || dev(&parent) != Some(meta.dev()) {
         return Ok(());
     }
-    Err(format!(
-        "{} is empty, on the root filesystem, and holds no {MARKER}: an unmounted mount point looks \
-         like this; to start a new job there, create {MARKER} in it",
-        dir.display()
-    ))
+    Err(untrusted(format!(
+        "is empty, on the root filesystem, and holds no {MARKER}: an unmounted mount point looks like \
+         this; to start a new job there, create {MARKER} in it"
+    )))
 }
 
 /// Whether `size` more bytes in `dir` leave at least `min_free` available to unprivileged
@@ -708,14 +717,14 @@ mod tests {
     fn only_a_written_or_mounted_directory_is_trusted() {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path().join("ckpt");
-        assert!(trusted_dir(&d).unwrap_err().contains("missing"));
+        assert!(trusted_dir(&d).unwrap_err().to_string().contains("missing"));
         std::fs::create_dir(&d).unwrap();
         // (The test's directory may sit on another filesystem than the root's: then it is
         // trusted as a mount, and only the other cases can be checked here.)
         let root = std::fs::metadata("/").map(|m| std::os::unix::fs::MetadataExt::dev(&m)).unwrap();
         let here = std::fs::metadata(&d).map(|m| std::os::unix::fs::MetadataExt::dev(&m)).unwrap();
         if root == here {
-            assert!(trusted_dir(&d).unwrap_err().contains("unmounted mount point"));
+            assert!(trusted_dir(&d).unwrap_err().to_string().contains("unmounted mount point"));
         }
         write_part(&d, &image(10, 0..4, 1), &(0..4), 0).unwrap();
         trusted_dir(&d).unwrap();

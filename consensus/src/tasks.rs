@@ -28,7 +28,7 @@ pub const SHUTDOWN_LIMIT: Duration = Duration::from_secs(8);
 pub struct Tasks {
     root: CancellationToken,
     tracker: TaskTracker,
-    fatal: Arc<Mutex<Option<String>>>,
+    fatal: Arc<Mutex<Option<TaskFailed>>>,
 }
 
 impl Tasks {
@@ -120,26 +120,45 @@ impl Tasks {
     /// Records that `name` failed beyond repair and stops everything.
     pub fn fail(&self, name: &str, what: &str) {
         tracing::error!(task = name, what, "a task failed; stopping");
-        self.fatal.lock().expect("fatal lock").get_or_insert_with(|| format!("task {name} failed: {what}"));
+        self.fatal
+            .lock()
+            .expect("fatal lock")
+            .get_or_insert_with(|| TaskFailed { task: name.to_string(), what: what.to_string() });
         self.root.cancel();
     }
 
     /// The first fatal failure, if any.
-    pub fn fatal(&self) -> Option<String> {
+    pub fn fatal(&self) -> Option<TaskFailed> {
         self.fatal.lock().expect("fatal lock").clone()
     }
 
     /// Cancels the root token and waits until `deadline` for every task and thread to end;
     /// the error names how many did not.
-    pub async fn shutdown(&self, deadline: tokio::time::Instant) -> Result<(), String> {
+    pub async fn shutdown(&self, deadline: tokio::time::Instant) -> Result<(), Lingering> {
         self.root.cancel();
         self.tracker.close();
         match tokio::time::timeout_at(deadline, self.tracker.wait()).await {
             Ok(()) => Ok(()),
-            Err(_) => Err(format!("{} task(s) still running at the shutdown limit", self.tracker.len())),
+            Err(_) => Err(Lingering(self.tracker.len())),
         }
     }
 }
+
+/// A task or thread that failed beyond repair (it panicked, or reported a fatal error): the
+/// first one stops everything, and is the process's error.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("task {task} failed: {what}")]
+pub struct TaskFailed {
+    /// The task's name.
+    pub task: String,
+    /// What happened to it.
+    pub what: String,
+}
+
+/// Tasks and threads still running when the shutdown's time was up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0} task(s) still running at the shutdown limit")]
+pub struct Lingering(pub usize);
 
 fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
     match p.downcast::<String>() {

@@ -56,7 +56,7 @@ pub async fn propose(
     addrs: &[String],
     tls: Option<&Tls>,
     cmd: Command,
-) -> anyhow::Result<Proposed> {
+) -> crate::Result<Proposed> {
     let (mut c, _) = connect_any(cluster, addrs, tls).await?;
     let (index, detail) = c
         .propose(&cmd, Duration::from_secs(5))
@@ -65,7 +65,7 @@ pub async fn propose(
     Ok(Proposed { index, detail })
 }
 
-async fn member_id(cluster: &str, addrs: &[String], tls: Option<&Tls>, name: &str) -> anyhow::Result<NodeId> {
+async fn member_id(cluster: &str, addrs: &[String], tls: Option<&Tls>, name: &str) -> crate::Result<NodeId> {
     let (mut c, _) = connect_any(cluster, addrs, tls).await?;
     let st = c.read(false).await.map_err(|e| anyhow::anyhow!(explain(e.to_string(), tls)))?.state;
     st.member_named(name).map(|m| m.spec.id).ok_or_else(|| {
@@ -101,7 +101,7 @@ pub struct RevokeCertArgs {
 
 /// Runs `limpet certs revoke`: the certificate's fingerprint goes into the log, and every
 /// node refuses the certificate from then on.
-pub fn revoke_certificate(a: RevokeCertArgs) -> anyhow::Result<()> {
+pub fn revoke_certificate(a: RevokeCertArgs) -> crate::Result<()> {
     use rustls::pki_types::pem::PemObject;
     let cert = rustls::pki_types::CertificateDer::from_pem_file(&a.certificate)
         .map_err(|e| UsageError(format!("{}: not a certificate ({e})", a.certificate.display())))?;
@@ -112,7 +112,7 @@ pub fn revoke_certificate(a: RevokeCertArgs) -> anyhow::Result<()> {
         let cluster = r.cluster().await?;
         let cmd = Command::RevokeCertificate { fingerprint: fingerprint.clone(), name: name.clone() };
         let p = propose(&cluster, &r.addrs, r.tls.as_deref(), cmd).await?;
-        anyhow::Ok((cluster, p))
+        Ok::<_, crate::Failure>((cluster, p))
     })?;
     let doc = serde_json::json!({
         "action": "revoke_certificate", "cluster": cluster, "fingerprint": fingerprint,
@@ -123,14 +123,14 @@ pub fn revoke_certificate(a: RevokeCertArgs) -> anyhow::Result<()> {
 }
 
 /// Runs `limpet drain`.
-pub fn drain(a: DrainArgs) -> anyhow::Result<()> {
+pub fn drain(a: DrainArgs) -> crate::Result<()> {
     let r = a.target.resolve()?;
     let tls = r.tls.as_deref();
     let (id, p) = runtime()?.block_on(async {
         let id = member_id(&r.cluster, &r.addrs, tls, &a.node).await?;
         let p =
             propose(&r.cluster, &r.addrs, tls, Command::Drain { id, reason: "limpet drain".into() }).await?;
-        anyhow::Ok((id, p))
+        Ok::<_, crate::Failure>((id, p))
     })?;
     let doc = serde_json::json!({"action": "drain", "cluster": r.cluster, "id": id, "log_index": p.index, "detail": p.detail});
     report(a.json, &a.node, doc, &format!("{} (log index {})", p.detail, p.index));
@@ -138,7 +138,7 @@ pub fn drain(a: DrainArgs) -> anyhow::Result<()> {
 }
 
 /// Runs `limpet revoke`.
-pub fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
+pub fn revoke(a: RevokeArgs) -> crate::Result<()> {
     #[allow(unused_mut)]
     let mut r = a.target.resolve()?;
     #[cfg(feature = "lab")]
@@ -157,7 +157,7 @@ pub fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
         let deadline_ms = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis() as u64 + secs * 1000;
         let p =
             propose(&cluster, addrs, tls, Command::Notice { id, deadline_ms, source: "cli".into() }).await?;
-        anyhow::Ok((cluster, id, deadline_ms, p))
+        Ok::<_, crate::Failure>((cluster, id, deadline_ms, p))
     })?;
     let doc = serde_json::json!({
         "action": "notice", "cluster": cluster, "id": id, "in_secs": secs, "deadline_ms": deadline_ms,
@@ -170,7 +170,7 @@ pub fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
 /// `limpet revoke` on a local cluster (a lab build's `--dir`): a kill without notice, or a
 /// spot notice through the node's own fake metadata service, as the cloud would post it.
 #[cfg(feature = "lab")]
-fn revoke_local(a: &RevokeArgs, f: &crate::cluster_file::ClusterFile) -> anyhow::Result<()> {
+fn revoke_local(a: &RevokeArgs, f: &crate::cluster_file::ClusterFile) -> crate::Result<()> {
     use anyhow::Context;
     let n = f.node(&a.node)?;
     if a.hard {

@@ -102,7 +102,7 @@ pub enum Kind {
 }
 
 /// Runs `limpet certs`.
-pub fn run(cmd: CertsCommand) -> anyhow::Result<()> {
+pub fn run(cmd: CertsCommand) -> crate::Result<()> {
     match cmd {
         CertsCommand::Init(a) => {
             let (cert, key) = init(&a.dir, &a.cluster, a.days)?;
@@ -147,7 +147,7 @@ pub fn run(cmd: CertsCommand) -> anyhow::Result<()> {
 
 /// Which kind of certificate the PEM file at `path` is (a node's, with its id, or an
 /// operator's), as the nodes read it.
-fn kind_of(path: &Path) -> anyhow::Result<Kind> {
+fn kind_of(path: &Path) -> crate::Result<Kind> {
     use rustls::pki_types::pem::PemObject;
     let cert = rustls::pki_types::CertificateDer::from_pem_file(path)
         .map_err(|e| usage(format!("{}: not a certificate ({e})", path.display())))?;
@@ -178,11 +178,11 @@ fn announce(json: bool, kind: Kind, name: &str, cert: &Path, key: &Path, days: u
     }
 }
 
-fn usage(msg: String) -> anyhow::Error {
+fn usage(msg: String) -> crate::Failure {
     crate::UsageError(msg).into()
 }
 
-fn check_name(name: &str) -> anyhow::Result<()> {
+fn check_name(name: &str) -> crate::Result<()> {
     let ok = !name.is_empty()
         && name.len() <= 63
         && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
@@ -201,7 +201,7 @@ fn check_name(name: &str) -> anyhow::Result<()> {
 
 /// Writes `contents` to a new file (never over an existing one), private to its owner when
 /// `private`.
-fn write_new(path: &Path, contents: &str, private: bool) -> anyhow::Result<()> {
+fn write_new(path: &Path, contents: &str, private: bool) -> crate::Result<()> {
     let mut opts = std::fs::OpenOptions::new();
     opts.write(true).create_new(true);
     if private {
@@ -212,7 +212,7 @@ fn write_new(path: &Path, contents: &str, private: bool) -> anyhow::Result<()> {
         std::io::ErrorKind::AlreadyExists => {
             usage(format!("{} exists; remove it first to replace it", path.display()))
         }
-        _ => anyhow::Error::new(e).context(format!("creating {}", path.display())),
+        _ => anyhow::Error::new(e).context(format!("creating {}", path.display())).into(),
     })?;
     f.write_all(contents.as_bytes()).with_context(|| format!("writing {}", path.display()))?;
     f.sync_all().with_context(|| format!("writing {}", path.display()))?;
@@ -220,7 +220,7 @@ fn write_new(path: &Path, contents: &str, private: bool) -> anyhow::Result<()> {
 }
 
 /// Creates the CA in `dir`; returns its certificate's and key's paths.
-pub fn init(dir: &Path, cluster: &str, days: u32) -> anyhow::Result<(PathBuf, PathBuf)> {
+pub fn init(dir: &Path, cluster: &str, days: u32) -> crate::Result<(PathBuf, PathBuf)> {
     if days == 0 {
         return Err(usage("--days must be at least 1".into()));
     }
@@ -251,7 +251,7 @@ pub fn init(dir: &Path, cluster: &str, days: u32) -> anyhow::Result<(PathBuf, Pa
 
 /// Issues a certificate for `name` valid from now (less five minutes of clock skew) for
 /// `days`.
-pub fn issue_for_days(dir: &Path, name: &str, kind: Kind, days: u32) -> anyhow::Result<(PathBuf, PathBuf)> {
+pub fn issue_for_days(dir: &Path, name: &str, kind: Kind, days: u32) -> crate::Result<(PathBuf, PathBuf)> {
     let now = OffsetDateTime::now_utc();
     issue(dir, name, kind, now - Duration::minutes(5), now + Duration::days(days.into()))
 }
@@ -264,7 +264,7 @@ pub fn issue(
     kind: Kind,
     not_before: OffsetDateTime,
     not_after: OffsetDateTime,
-) -> anyhow::Result<(PathBuf, PathBuf)> {
+) -> crate::Result<(PathBuf, PathBuf)> {
     // The name becomes a file name: checked before it is joined to a path.
     check_name(name)?;
     let (cert_path, key_path) = (dir.join(format!("{name}.pem")), dir.join(format!("{name}.key")));
@@ -281,7 +281,7 @@ pub fn issue(
 
 /// Issues a certificate for `name` valid for `days` from now (less five minutes of clock
 /// skew), signed by the CA in `dir`, without writing it anywhere: (certificate, key) as PEM.
-pub fn issue_pem_for_days(dir: &Path, name: &str, kind: Kind, days: u32) -> anyhow::Result<(String, String)> {
+pub fn issue_pem_for_days(dir: &Path, name: &str, kind: Kind, days: u32) -> crate::Result<(String, String)> {
     let now = OffsetDateTime::now_utc();
     issue_pem(dir, name, kind, now - Duration::minutes(5), now + Duration::days(days.into()))
 }
@@ -292,7 +292,7 @@ fn issue_pem(
     kind: Kind,
     not_before: OffsetDateTime,
     not_after: OffsetDateTime,
-) -> anyhow::Result<(String, String)> {
+) -> crate::Result<(String, String)> {
     check_name(name)?;
     if not_after <= not_before {
         return Err(usage("the certificate would never be valid (--days must be at least 1)".into()));

@@ -44,7 +44,7 @@ pub enum Command {
 }
 
 /// Runs a parsed command line.
-pub fn run(cli: Cli) -> anyhow::Result<()> {
+pub fn run(cli: Cli) -> crate::Result<()> {
     match cli.command {
         Command::Train(args) => crate::train_cmd::run(args),
         Command::Data(cmd) => crate::data_cmd::run(cmd),

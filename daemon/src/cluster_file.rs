@@ -2,7 +2,7 @@
 //! up`, the demo, the multi-process tests) through which `limpet status/drain/revoke --dir
 //! DIR` reach it, and the spot notice `limpet revoke` posts to a node's metadata service.
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -49,7 +49,7 @@ pub struct ClusterFile {
 
 impl ClusterFile {
     /// Reads `dir/cluster.json`.
-    pub fn load(dir: &Path) -> anyhow::Result<ClusterFile> {
+    pub fn load(dir: &Path) -> crate::Result<ClusterFile> {
         let path = dir.join("cluster.json");
         let text = std::fs::read(&path).map_err(|e| {
             crate::UsageError(format!("{}: {e} (is a local cluster up there?)", path.display()))
@@ -65,17 +65,17 @@ impl ClusterFile {
     }
 
     /// The node called `name`.
-    pub fn node(&self, name: &str) -> anyhow::Result<&LocalNode> {
+    pub fn node(&self, name: &str) -> crate::Result<&LocalNode> {
         self.nodes.iter().find(|n| n.name == name).ok_or_else(|| {
             let names: Vec<&str> = self.nodes.iter().map(|n| n.name.as_str()).collect();
-            anyhow::anyhow!("no node {name:?} in this cluster (nodes: {})", names.join(", "))
+            crate::Failure::msg(format!("no node {name:?} in this cluster (nodes: {})", names.join(", ")))
         })
     }
 }
 
 /// Posts a spot notice to a fake metadata service: the node's own watcher sees it through
 /// the real IMDSv2 flow.
-pub fn post_notice(metadata_url: &str, in_secs: u64) -> anyhow::Result<()> {
+pub fn post_notice(metadata_url: &str, in_secs: u64) -> crate::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         let r = reqwest::Client::new()
@@ -85,7 +85,7 @@ pub fn post_notice(metadata_url: &str, in_secs: u64) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("posting a notice to {metadata_url}"))?;
         if !r.status().is_success() {
-            bail!("{metadata_url} answered {}", r.status());
+            crate::fail!("{metadata_url} answered {}", r.status());
         }
         Ok(())
     })

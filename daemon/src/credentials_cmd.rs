@@ -14,7 +14,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 /// Fetches what `config` names (see the module's documentation).
-pub fn run(config: &Path, wait: Option<Duration>) -> anyhow::Result<()> {
+pub fn run(config: &Path, wait: Option<Duration>) -> crate::Result<()> {
     let file = config.display().to_string();
     let text = std::fs::read_to_string(config).map_err(|e| UsageError(format!("{file}: {e}")))?;
     let cfg = Config::parse_unchecked(&text, &file).map_err(|e| UsageError(e.to_string()))?;
@@ -48,7 +48,7 @@ pub fn run(config: &Path, wait: Option<Duration>) -> anyhow::Result<()> {
     let creds = rt.block_on(async {
         let vault = Vault::connect(&ssm.prefix, &fleet).await?;
         let creds = fetch_waiting(&vault, &name, wait).await?;
-        anyhow::Ok((vault, creds))
+        Ok::<_, crate::Failure>((vault, creds))
     })?;
     let (vault, creds) = creds;
     write_private(&secret, &creds.secret)?;
@@ -85,7 +85,7 @@ pub fn run(config: &Path, wait: Option<Duration>) -> anyhow::Result<()> {
 }
 
 /// Waits for node `name`'s parameters (written just after its instance was launched).
-async fn fetch_waiting(vault: &Vault, name: &str, wait: Duration) -> anyhow::Result<NodeCredentials> {
+async fn fetch_waiting(vault: &Vault, name: &str, wait: Duration) -> crate::Result<NodeCredentials> {
     let start = Instant::now();
     let mut said = None::<Instant>;
     loop {
@@ -112,7 +112,7 @@ async fn fetch_waiting(vault: &Vault, name: &str, wait: Duration) -> anyhow::Res
 
 /// Writes `bytes` to `path` readable by its owner only, through a temporary file renamed into
 /// place (a crash leaves the old file or none, never half of one).
-fn write_private(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+fn write_private(path: &Path, bytes: &[u8]) -> crate::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));

@@ -5,8 +5,9 @@
 //! `prepare.py`, Megatron tools) by hashing them once and checking every id against the
 //! vocabulary; `verify` hashes them again against the manifest.
 
+use crate::Within;
 use crate::UsageError;
-use anyhow::{bail, Context};
+use anyhow::Context;
 use clap::{Args, Subcommand};
 use indicatif::ProgressBar;
 use limpet_trainer::data::tokens::{
@@ -73,7 +74,7 @@ fn parse_dtype(s: &str) -> Result<limpet_trainer::hf::ExportDtype, String> {
 }
 
 /// Runs `limpet data ...`.
-pub fn run(cmd: DataCommand) -> anyhow::Result<()> {
+pub fn run(cmd: DataCommand) -> crate::Result<()> {
     match cmd {
         DataCommand::Tokenize(a) => crate::tokenize_cmd::tokenize(a),
         DataCommand::Index(a) => index(a),
@@ -87,12 +88,12 @@ fn index_file(
     dtype: TokenDtype,
     vocab: u64,
     progress: &ProgressBar,
-) -> anyhow::Result<ShardEntry> {
+) -> crate::Result<ShardEntry> {
     use std::io::Read;
     let len = std::fs::metadata(path)?.len();
     let w = dtype.width();
     if len % w != 0 {
-        bail!("{}: {len} bytes is not a whole number of {w}-byte tokens", path.display());
+        crate::fail!("{}: {len} bytes is not a whole number of {w}-byte tokens", path.display());
     }
     foreign_format(path)?;
     let mut f = std::fs::File::open(path)?;
@@ -114,7 +115,7 @@ fn index_file(
                 u64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             };
             if id >= vocab {
-                bail!(
+                crate::fail!(
                     "{}: token {id} at byte offset {} is not below --vocab {vocab}",
                     path.display(),
                     offset + k as u64 * w
@@ -136,13 +137,13 @@ const MEGATRON_MAGIC: &[u8] = b"MMIDIDX\x00\x00";
 
 /// Refuses `.bin` files that hold more than flat tokens, naming the format and what to do:
 /// read as tokens they would train on their headers or on documents in the wrong order.
-fn foreign_format(path: &Path) -> anyhow::Result<()> {
+fn foreign_format(path: &Path) -> crate::Result<()> {
     use std::io::Read;
     let mut head = [0u8; 8];
     let n = std::fs::File::open(path)?.read(&mut head)?;
     if n >= 8 && i32::from_le_bytes(head[..4].try_into().expect("4 bytes")) == LLMC_MAGIC {
         let version = i32::from_le_bytes(head[4..8].try_into().expect("4 bytes"));
-        bail!(
+        crate::fail!(
             "{}: an llm.c shard (magic {LLMC_MAGIC}, version {version}): its first 1024 bytes are a header, not tokens; \
              write the tokens alone (tail -c +1025 {} > tokens.bin) and index that",
             path.display(),
@@ -153,7 +154,7 @@ fn foreign_format(path: &Path) -> anyhow::Result<()> {
     let mut magic = [0u8; 9];
     if std::fs::File::open(&idx).and_then(|mut f| f.read_exact(&mut magic)).is_ok() && magic == MEGATRON_MAGIC
     {
-        bail!(
+        crate::fail!(
             "{}: a Megatron indexed dataset ({} beside it holds its document index): limpet data index reads flat token files, \
              not Megatron's; export the documents' tokens in order to one flat file and index that",
             path.display(),
@@ -163,7 +164,7 @@ fn foreign_format(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn index(a: IndexArgs) -> anyhow::Result<()> {
+fn index(a: IndexArgs) -> crate::Result<()> {
     let dtype = if a.dtype == "uint16" { TokenDtype::Uint16 } else { TokenDtype::Uint32 };
     let max = 1u64 << (8 * dtype.width());
     if a.vocab == 0 || a.vocab > max {
@@ -192,7 +193,7 @@ fn index(a: IndexArgs) -> anyhow::Result<()> {
     }
     progress.finish_and_clear();
     if train.is_empty() {
-        bail!("every .bin file in {} is named val*: nothing to train on", a.dir.display());
+        crate::fail!("every .bin file in {} is named val*: nothing to train on", a.dir.display());
     }
     let tokenizer = a.dir.join("tokenizer.json").exists().then(|| "tokenizer.json".to_string());
     let m =
@@ -207,7 +208,7 @@ fn index(a: IndexArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn verify(dir: &Path) -> anyhow::Result<()> {
+fn verify(dir: &Path) -> crate::Result<()> {
     let m = read_manifest(dir)?;
     let entries: Vec<&ShardEntry> = m.train.iter().chain(&m.val).collect();
     let total = entries.iter().map(|e| e.tokens * m.dtype.width()).sum();
@@ -223,7 +224,7 @@ fn verify(dir: &Path) -> anyhow::Result<()> {
     }
     progress.finish_and_clear();
     if !bad.is_empty() {
-        bail!("{} of {} shards differ from the manifest:\n  {}", bad.len(), entries.len(), bad.join("\n  "));
+        crate::fail!("{} of {} shards differ from the manifest:\n  {}", bad.len(), entries.len(), bad.join("\n  "));
     }
     println!(
         "limpet data verify: {} shards match {}",
@@ -234,15 +235,14 @@ fn verify(dir: &Path) -> anyhow::Result<()> {
 }
 
 /// Runs `limpet export`.
-pub fn export(a: ExportArgs) -> anyhow::Result<()> {
+pub fn export(a: ExportArgs) -> crate::Result<()> {
     let file = if a.checkpoint.is_dir() {
         a.checkpoint.join(limpet_trainer::CHECKPOINT_FILE)
     } else {
         a.checkpoint.clone()
     };
     let image = limpet_snapshot::read_file(&file)
-        .map_err(limpet_trainer::TrainerError::from)
-        .with_context(|| format!("checkpoint {}", file.display()))?;
+.within(|| format!("checkpoint {}", file.display()))?;
     if let (Some(out), Some(module)) = (&a.torchscript, &a.module) {
         let job: limpet_trainer::JobSpec = serde_json::from_value(image.meta().job.clone())
             .with_context(|| format!("the job in {}", file.display()))?;

@@ -1,13 +1,13 @@
 //! `limpet fleet up|list|down`: a cluster's spot capacity on EC2, through `limpet-deploy`, and
 //! the launched hosts' credentials in SSM Parameter Store.
 
+use crate::Within;
 use crate::certs::Kind;
 use crate::UsageError;
-use anyhow::Context;
 use clap::{Args, Subcommand};
 use limpet_consensus::state::node_id_of_name;
 use limpet_deploy::ssm::Vault;
-use limpet_deploy::{Fleet, FleetConfig, FleetError, LaunchSpec, Member};
+use limpet_deploy::{Fleet, FleetConfig, LaunchSpec, Member};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -167,16 +167,9 @@ pub struct DownArgs {
     json: bool,
 }
 
-fn usage_if_bad(e: FleetError) -> anyhow::Error {
-    match e {
-        FleetError::Usage(m) => UsageError(m).into(),
-        e => e.into(),
-    }
-}
-
-async fn connect(a: &Ec2Args) -> anyhow::Result<Fleet> {
+async fn connect(a: &Ec2Args) -> crate::Result<Fleet> {
     let cfg = FleetConfig { region: a.region.clone(), endpoint: a.endpoint_url.clone(), credentials: None };
-    Fleet::connect(&a.cluster, &cfg).await.map_err(usage_if_bad)
+    Fleet::connect(&a.cluster, &cfg).await.map_err(crate::Failure::from)
 }
 
 fn table(members: &[Member]) -> String {
@@ -200,7 +193,7 @@ fn table(members: &[Member]) -> String {
 }
 
 /// Runs `limpet fleet ...`.
-pub fn run(cmd: FleetCommand) -> anyhow::Result<()> {
+pub fn run(cmd: FleetCommand) -> crate::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         match cmd {
@@ -223,7 +216,7 @@ pub fn run(cmd: FleetCommand) -> anyhow::Result<()> {
                 };
                 let credentials = prepare_credentials(&a, spec.user_data.as_deref()).await?;
                 let fleet = connect(&a.ec2).await?;
-                let launched = fleet.up(&spec).await.map_err(usage_if_bad)?;
+                let launched = fleet.up(&spec).await.map_err(crate::Failure::from)?;
                 if let Some((vault, dir)) = &credentials {
                     store_credentials(vault, dir, &launched, a.credentials.cert_days).await?;
                     eprintln!(
@@ -256,7 +249,7 @@ pub fn run(cmd: FleetCommand) -> anyhow::Result<()> {
                     .into());
                 }
                 let fleet = connect(&a.ec2).await?;
-                let done = fleet.down(&a.ids).await.map_err(usage_if_bad)?;
+                let done = fleet.down(&a.ids).await.map_err(crate::Failure::from)?;
                 if a.json {
                     let changes: Vec<_> = done
                         .iter()
@@ -279,12 +272,12 @@ pub fn run(cmd: FleetCommand) -> anyhow::Result<()> {
             FleetCommand::Spares(a) => spares(a).await?,
             FleetCommand::Render(a) => print!("{}", render(&a.user_data, &a.set)?),
         }
-        anyhow::Ok(())
+        Ok::<(), crate::Failure>(())
     })
 }
 
 /// The template at `path` filled with `set`.
-fn render(path: &Path, set: &[(String, String)]) -> anyhow::Result<String> {
+fn render(path: &Path, set: &[(String, String)]) -> crate::Result<String> {
     let t = std::fs::read_to_string(path)
         .map_err(|e| UsageError(format!("--user-data {}: {e}", path.display())))?;
     let vars: BTreeMap<String, String> = set.iter().cloned().collect();
@@ -298,7 +291,7 @@ fn render(path: &Path, set: &[(String, String)]) -> anyhow::Result<String> {
 async fn prepare_credentials(
     a: &UpArgs,
     user_data: Option<&str>,
-) -> anyhow::Result<Option<(Vault, PathBuf)>> {
+) -> crate::Result<Option<(Vault, PathBuf)>> {
     let c = &a.credentials;
     let (Some(dir), Some(secret_file)) = (&c.certs, &c.secret_file) else {
         if user_data.is_some_and(|u| u.contains("[security.ssm]")) {
@@ -323,23 +316,23 @@ async fn prepare_credentials(
     Ok(Some((vault, dir.clone())))
 }
 
-async fn vault(a: &Ec2Args, prefix: Option<&str>) -> anyhow::Result<Vault> {
+async fn vault(a: &Ec2Args, prefix: Option<&str>) -> crate::Result<Vault> {
     let cfg = FleetConfig { region: a.region.clone(), endpoint: a.endpoint_url.clone(), credentials: None };
     let prefix = prefix.map_or_else(|| limpet_deploy::ssm::default_prefix(&a.cluster), String::from);
-    Vault::connect(&prefix, &cfg).await.map_err(usage_if_bad)
+    Vault::connect(&prefix, &cfg).await.map_err(crate::Failure::from)
 }
 
 /// Issues and stores each launched instance's certificate (named and bound after its
 /// instance id, the name its `limpetd` takes).
-async fn store_credentials(vault: &Vault, dir: &Path, launched: &[Member], days: u32) -> anyhow::Result<()> {
+async fn store_credentials(vault: &Vault, dir: &Path, launched: &[Member], days: u32) -> crate::Result<()> {
     for m in launched {
         let stored = async {
             let (cert, key) =
                 crate::certs::issue_pem_for_days(dir, &m.id, Kind::Node(node_id_of_name(&m.id)), days)?;
             vault.put_node(&m.id, &cert, &key).await?;
-            anyhow::Ok(())
+            Ok::<(), crate::Failure>(())
         };
-        stored.await.with_context(|| {
+        stored.await.within(|| {
             let ids: Vec<&str> = launched.iter().map(|m| m.id.as_str()).collect();
             format!(
                 "instances {} are launched, but {}'s credentials could not be stored: they will wait \
@@ -354,7 +347,7 @@ async fn store_credentials(vault: &Vault, dir: &Path, launched: &[Member], days:
 
 /// `limpet fleet spares`: issues `--count` credentials named `node-XXXXXXXX` (random), each
 /// bound to its name's node id, and stores them as spares; then lists the spares.
-async fn spares(a: SparesArgs) -> anyhow::Result<()> {
+async fn spares(a: SparesArgs) -> crate::Result<()> {
     if a.count > 100 {
         return Err(UsageError(format!("--count {}: at most 100 at a time", a.count)).into());
     }
@@ -427,7 +420,7 @@ pub async fn ec2_seeds(
     port: u16,
     me: &str,
     fresh: bool,
-) -> anyhow::Result<Discovery> {
+) -> crate::Result<Discovery> {
     let cfg = FleetConfig { region, endpoint, credentials: None };
     let fleet = Fleet::connect(cluster, &cfg).await?;
     let (mut members, _) = fleet.list().await?;
@@ -448,7 +441,7 @@ pub async fn ec2_seeds(
                 .to_string(),
             None => "none is running or pending".to_string(),
         };
-        anyhow::bail!(
+        crate::fail!(
             "[cluster].ec2_seeds: no running instance tagged {}={cluster} to join through ({why})",
             limpet_deploy::CLUSTER_TAG
         );

@@ -22,6 +22,7 @@ pub const VERSION: &str = if cfg!(feature = "lab") {
 };
 pub mod config;
 pub mod credentials_cmd;
+pub mod failure;
 pub mod data_cmd;
 pub mod fleet_cmd;
 pub mod limpetd;
@@ -36,39 +37,7 @@ pub mod tokenize_cmd;
 pub mod train_cmd;
 pub mod watch_sources;
 
-/// Exit status for bad usage (sysexits' EX_USAGE): a flag, argument or combination is wrong.
-pub const EXIT_USAGE: u8 = 64;
-/// Exit status for bad input data (sysexits' EX_DATAERR): a corrupted or mismatched file.
-pub const EXIT_DATA: u8 = 65;
-
-/// A command-line mistake, reported with exit status [`EXIT_USAGE`].
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct UsageError(pub String);
-
-/// The exit status for an error: usage, bad data, or anything else (1).
-pub fn exit_code(e: &anyhow::Error) -> u8 {
-    use limpet_trainer::TrainerError;
-    if e.downcast_ref::<UsageError>().is_some() {
-        return EXIT_USAGE;
-    }
-    if let Some(c) = e.downcast_ref::<limpet_consensus::ConsensusError>() {
-        return match c {
-            limpet_consensus::ConsensusError::Config(_) => EXIT_USAGE,
-            c if c.is_fatal() => EXIT_DATA,
-            _ => 1,
-        };
-    }
-    if let Some(limpet_agent::runtime::AgentError::Job(_)) = e.downcast_ref() {
-        // The node's config names another job than the cluster's: the operator's to fix.
-        return EXIT_USAGE;
-    }
-    match e.downcast_ref::<TrainerError>() {
-        Some(TrainerError::Snapshot(_) | TrainerError::Mismatch(_) | TrainerError::Data { .. }) => EXIT_DATA,
-        Some(TrainerError::Config(_)) => EXIT_USAGE,
-        _ => 1,
-    }
-}
+pub use failure::{Failure, Result, UsageError, Within, EXIT_DATA, EXIT_FAILURE, EXIT_USAGE};
 
 /// Logs to stderr, filtered by `LIMPET_LOG` (default: info, raft-rs at warn).
 pub fn init_tracing() {
@@ -94,7 +63,7 @@ pub fn init_tracing_as(json: bool) {
 /// `NAME: error: cause`.
 pub fn main_with<C: clap::Parser>(
     name: &str,
-    run: impl FnOnce(C) -> anyhow::Result<()>,
+    run: impl FnOnce(C) -> Result<()>,
 ) -> std::process::ExitCode {
     let cli = match C::try_parse() {
         Ok(cli) => cli,
@@ -107,8 +76,8 @@ pub fn main_with<C: clap::Parser>(
     match run(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("{name}: {e:#}");
-            std::process::ExitCode::from(exit_code(&e))
+            eprintln!("{name}: {}", e.report());
+            std::process::ExitCode::from(e.exit_code())
         }
     }
 }

@@ -67,7 +67,7 @@ pub struct RunArgs {
 }
 
 /// Runs `limpetd` with parsed arguments.
-pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
+pub fn main(cli: LimpetdCli) -> crate::Result<()> {
     if let Some(LimpetdCommand::FetchCredentials { config, wait }) = &cli.command {
         return crate::credentials_cmd::run(config, *wait);
     }
@@ -76,8 +76,8 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
     }
     let path = cli.run.config.ok_or_else(|| UsageError("--config FILE is required".into()))?;
     let file = path.display().to_string();
-    let text = Config::read(&path).map_err(|e| UsageError(e.to_string()))?;
-    let cfg = Config::parse_unchecked(&text, &file).map_err(|e| UsageError(e.to_string()))?;
+    let text = Config::read(&path).map_err(crate::config::ConfigErrors::from)?;
+    let cfg = Config::parse_unchecked(&text, &file).map_err(crate::config::ConfigErrors::from)?;
     let json = cli
         .run
         .log_format
@@ -87,7 +87,7 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
     limpet_trainer::set_threads(1);
     let backend = limpet_trainer::device::backend();
     tracing::info!(devices = backend.devices, device = %cfg.job.device, "libtorch: {backend}");
-    let settings = cfg.settle().map_err(|e| UsageError(e.to_string()))?;
+    let settings = cfg.settle()?;
     for warning in &settings.warnings {
         tracing::warn!("{warning}");
     }
@@ -159,7 +159,7 @@ pub fn main(cli: LimpetdCli) -> anyhow::Result<()> {
 /// the job from its data and model), short of binding and joining; then the paths it
 /// writes, the revocation sources this host would watch, and the backend libtorch offers
 /// here. Every problem of the file is reported, not just the first.
-fn validate(config: &std::path::Path, json: bool) -> anyhow::Result<()> {
+fn validate(config: &std::path::Path, json: bool) -> crate::Result<()> {
     let settled = Config::read(config).map_err(crate::config::ConfigErrors::from).and_then(|text| {
         let cfg = Config::parse_unchecked(&text, &config.display().to_string())?;
         let settings = cfg.settle()?;
@@ -181,7 +181,7 @@ fn validate(config: &std::path::Path, json: bool) -> anyhow::Result<()> {
                 });
                 println!("{v}");
             }
-            return Err(UsageError(errors.to_string()).into());
+            return Err(errors.into());
         }
     };
     let model = match &settings.agent.job.model {
@@ -250,7 +250,7 @@ fn notify(states: &[sd_notify::NotifyState]) {
     let _ = sd_notify::notify(false, states);
 }
 
-async fn serve(cfg: AgentConfig, opts: ServeOptions) -> anyhow::Result<()> {
+async fn serve(cfg: AgentConfig, opts: ServeOptions) -> crate::Result<()> {
     use sd_notify::NotifyState;
     use tokio::signal::unix::{signal, SignalKind};
     // limpetd owns the root token: every task below, the agent's included, is tracked under

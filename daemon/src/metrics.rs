@@ -67,7 +67,7 @@ pub async fn serve(
     addr: SocketAddr,
     tls: Option<Arc<rustls::ServerConfig>>,
     tasks: &limpet_agent::runtime::Tasks,
-) -> anyhow::Result<SocketAddr> {
+) -> crate::Result<SocketAddr> {
     let handle = install()?;
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -193,7 +193,7 @@ impl axum::serve::Listener for TlsListener {
     }
 }
 
-fn install() -> anyhow::Result<PrometheusHandle> {
+fn install() -> crate::Result<PrometheusHandle> {
     let handle = PrometheusBuilder::new().set_buckets(BUCKETS)?.install_recorder()?;
     for (name, help) in METRICS {
         // Counters end in `_total`, histograms in `_seconds`; the rest are gauges.

@@ -53,7 +53,7 @@ pub struct PlanArgs {
     pub json: bool,
 }
 
-fn usage(msg: impl Into<String>) -> anyhow::Error {
+fn usage(msg: impl Into<String>) -> crate::Failure {
     UsageError(msg.into()).into()
 }
 
@@ -144,7 +144,7 @@ pub fn profile(
     job: &JobSpec,
     data: &limpet_trainer::data::Dataset,
     reps: usize,
-) -> anyhow::Result<ModelProfile> {
+) -> crate::Result<ModelProfile> {
     Ok(limpet_agent::stage::profile_model(job, data, reps)?)
 }
 
@@ -158,7 +158,7 @@ struct PlanOutput<'a> {
 }
 
 /// Runs `limpet plan`.
-pub fn run(args: PlanArgs) -> anyhow::Result<()> {
+pub fn run(args: PlanArgs) -> crate::Result<()> {
     limpet_trainer::set_threads(1);
     let hosts = parse_hosts(&args.hosts).map_err(usage)?;
     let layout: Option<HostLayout> = args

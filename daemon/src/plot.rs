@@ -21,7 +21,7 @@ pub struct LossPoint {
 }
 
 /// Draws training loss per step, and test loss where it was measured, on a log scale.
-pub fn loss_svg(path: &Path, records: &[LossPoint], title: &str) -> anyhow::Result<()> {
+pub fn loss_svg(path: &Path, records: &[LossPoint], title: &str) -> crate::Result<()> {
     let draw = || -> Result<(), Box<dyn std::error::Error>> {
         let finite = |v: f64| v.is_finite() && v > 0.0;
         let losses =
@@ -57,7 +57,7 @@ pub fn loss_svg(path: &Path, records: &[LossPoint], title: &str) -> anyhow::Resu
         root.present()?;
         Ok(())
     };
-    draw().map_err(|e| anyhow::anyhow!("{e}")).with_context(|| format!("drawing {}", path.display()))
+    Ok(draw().map_err(|e| anyhow::anyhow!("{e}")).with_context(|| format!("drawing {}", path.display()))?)
 }
 
 /// One completed step of an elastic run, for `elastic_svg`.
@@ -81,7 +81,7 @@ pub fn elastic_svg(
     points: &[ElasticPoint],
     transitions: &[(u64, String)],
     title: &str,
-) -> anyhow::Result<()> {
+) -> crate::Result<()> {
     let draw = || -> Result<(), Box<dyn std::error::Error>> {
         let last = points.last().map_or(1, |p| p.step).max(1) as f64;
         let finite: Vec<&ElasticPoint> =
@@ -160,7 +160,7 @@ pub fn elastic_svg(
         root.present()?;
         Ok(())
     };
-    draw().map_err(|e| anyhow::anyhow!("{e}")).with_context(|| format!("drawing {}", path.display()))
+    Ok(draw().map_err(|e| anyhow::anyhow!("{e}")).with_context(|| format!("drawing {}", path.display()))?)
 }
 
 #[cfg(test)]

@@ -78,7 +78,7 @@ pub async fn run(r: Reconciler, handle: NodeHandle, stop: CancellationToken) {
 }
 
 impl Reconciler {
-    async fn clients<'a>(&self, c: &'a mut Clients) -> anyhow::Result<(&'a Fleet, Option<&'a Vault>)> {
+    async fn clients<'a>(&self, c: &'a mut Clients) -> crate::Result<(&'a Fleet, Option<&'a Vault>)> {
         if c.fleet.is_none() {
             c.fleet = Some(Fleet::connect(&self.cluster, &self.ec2).await?);
         }
@@ -94,7 +94,7 @@ impl Reconciler {
         handle: &NodeHandle,
         c: &mut Clients,
         slow_since: &mut SlowSince,
-    ) -> anyhow::Result<()> {
+    ) -> crate::Result<()> {
         let (fleet, vault) = self.clients(c).await?;
         let (listed, _) = fleet.list().await?;
         let instances: Vec<Instance> = listed.iter().map(instance_of).collect();
@@ -175,7 +175,7 @@ impl Reconciler {
     }
 
     /// Proposes a record; counted and logged once committed.
-    async fn record(&self, handle: &NodeHandle, r: &CapacityRecord) -> anyhow::Result<()> {
+    async fn record(&self, handle: &NodeHandle, r: &CapacityRecord) -> crate::Result<()> {
         handle.propose(Command::RecordCapacity { record: r.clone() }, Some(Duration::from_secs(5))).await?;
         metrics::counter!("limpet_capacity_decisions_total", "action" => r.action.label()).increment(1);
         tracing::info!(seq = r.seq, action = r.action.label(), reason = %r.reason, "capacity");
@@ -190,12 +190,12 @@ impl Reconciler {
         handle: &NodeHandle,
         fleet: &Fleet,
         vault: Option<&Vault>,
-    ) -> anyhow::Result<()> {
+    ) -> crate::Result<()> {
         let Some(CapacityRecord {
             action: CapacityAction::Launch { pool, market, token, node_name }, ..
         }) = state.capacity.launch(seq).cloned()
         else {
-            anyhow::bail!("launch record {seq} is no longer kept");
+            crate::fail!("launch record {seq} is no longer kept");
         };
         let found = fleet.launched_by(&token).await?;
         let (action, reason) = if !found.is_empty() {

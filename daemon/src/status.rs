@@ -59,7 +59,7 @@ pub struct Resolved {
 }
 
 impl Target {
-    pub(crate) fn resolve(&self) -> anyhow::Result<Resolved> {
+    pub(crate) fn resolve(&self) -> crate::Result<Resolved> {
         #[cfg(feature = "lab")]
         let local = self.dir.as_deref().map(ClusterFile::load).transpose()?;
         #[cfg(feature = "lab")]
@@ -291,7 +291,7 @@ pub(crate) async fn connect_any(
     cluster: &str,
     addrs: &[String],
     tls: Option<&Tls>,
-) -> anyhow::Result<(Client, String)> {
+) -> crate::Result<(Client, String)> {
     let mut last = String::from("no addresses");
     for a in addrs {
         match tokio::time::timeout(Duration::from_secs(2), Client::connect_with(a, cluster, tls)).await {
@@ -300,13 +300,13 @@ pub(crate) async fn connect_any(
             Err(_) => last = format!("{a}: no answer in 2 s"),
         }
     }
-    anyhow::bail!("no node answered ({last})")
+    crate::fail!("no node answered ({last})")
 }
 
 impl Resolved {
     /// The cluster's name: given, or (`--addr` without `--cluster`) the one the first node
     /// that answers serves, asked only now that the command line has been checked.
-    pub(crate) async fn cluster(&mut self) -> anyhow::Result<String> {
+    pub(crate) async fn cluster(&mut self) -> crate::Result<String> {
         if self.cluster.is_empty() {
             self.cluster = learn_cluster(&self.addrs, self.tls.as_deref()).await?;
         }
@@ -315,7 +315,7 @@ impl Resolved {
 }
 
 /// The cluster the first node that answers serves.
-async fn learn_cluster(addrs: &[String], tls: Option<&Tls>) -> anyhow::Result<String> {
+async fn learn_cluster(addrs: &[String], tls: Option<&Tls>) -> crate::Result<String> {
     let mut errors = Vec::new();
     for a in addrs {
         match tokio::time::timeout(Duration::from_secs(3), Client::learn_cluster(a, tls)).await {
@@ -324,7 +324,7 @@ async fn learn_cluster(addrs: &[String], tls: Option<&Tls>) -> anyhow::Result<St
             Err(_) => errors.push(format!("{a}: no answer in 3 s")),
         }
     }
-    anyhow::bail!("no node answered: {}", errors.join("; "))
+    crate::fail!("no node answered: {}", errors.join("; "))
 }
 
 fn name_of(st: &ClusterState, id: NodeId) -> String {
@@ -344,14 +344,14 @@ fn epoch_doc(st: &ClusterState, e: &Epoch) -> EpochDoc {
 }
 
 /// Gathers the status document from the first node that answers.
-pub async fn gather(cluster: &str, addrs: &[String], tls: Option<&Tls>) -> anyhow::Result<StatusDoc> {
+pub async fn gather(cluster: &str, addrs: &[String], tls: Option<&Tls>) -> crate::Result<StatusDoc> {
     let mut errors = Vec::new();
     for a in addrs {
         let attempt = async {
             let (mut c, at) = connect_any(cluster, std::slice::from_ref(a), tls).await?;
             let read = c.read(false).await?;
             let reports = c.reports().await?;
-            anyhow::Ok((read, reports, at))
+            Ok::<_, crate::Failure>((read, reports, at))
         };
         match tokio::time::timeout(Duration::from_secs(3), attempt).await {
             Ok(Ok((read, reports, at))) => {
@@ -361,7 +361,7 @@ pub async fn gather(cluster: &str, addrs: &[String], tls: Option<&Tls>) -> anyho
             Err(_) => errors.push(format!("{a}: no answer in 3 s")),
         }
     }
-    anyhow::bail!("no node answered: {}", errors.join("; "))
+    crate::fail!("no node answered: {}", errors.join("; "))
 }
 
 /// Agent reports by node: the report's age in ms and the report itself (undecodable ones
@@ -648,12 +648,12 @@ pub struct StatusArgs {
     pub json: bool,
 }
 
-pub(crate) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+pub(crate) fn runtime() -> crate::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_current_thread().enable_all().build()?)
 }
 
 /// Runs `limpet status`.
-pub fn status(a: StatusArgs) -> anyhow::Result<()> {
+pub fn status(a: StatusArgs) -> crate::Result<()> {
     let mut r = a.target.resolve()?;
     let doc = runtime()?.block_on(async {
         let cluster = r.cluster().await?;

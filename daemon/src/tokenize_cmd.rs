@@ -12,7 +12,7 @@
 //! split, so a single file still gets one.
 
 use crate::UsageError;
-use anyhow::{bail, Context};
+use anyhow::Context;
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use limpet_trainer::data::tokens::{self, Manifest, ShardEntry, ShardWriter, TokenDtype, MANIFEST_FORMAT};
@@ -91,7 +91,7 @@ pub(crate) fn bar(len: u64, what: &str) -> ProgressBar {
 }
 
 /// The input files under `inputs`, in name order.
-fn input_files(inputs: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
+fn input_files(inputs: &[PathBuf]) -> crate::Result<Vec<PathBuf>> {
     let mut out = Vec::new();
     for p in inputs {
         let meta = std::fs::metadata(p).with_context(|| format!("input {}", p.display()))?;
@@ -110,7 +110,7 @@ fn input_files(inputs: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
 /// Trains a byte-level BPE of `vocab` tokens on the documents of `files` (read as tokenizing
 /// reads them: a JSONL record's field, a Parquet column, not the file's raw bytes), streaming
 /// them to the trainer through a bounded channel; saves it as `out/tokenizer.json`.
-fn train_bpe(files: &[PathBuf], a: &TokenizeArgs, vocab: usize, out: &Path) -> anyhow::Result<Tokenizer> {
+fn train_bpe(files: &[PathBuf], a: &TokenizeArgs, vocab: usize, out: &Path) -> crate::Result<Tokenizer> {
     use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
     use tokenizers::pre_tokenizers::byte_level::ByteLevel;
     use tokenizers::{AddedToken, NormalizerWrapper, PostProcessorWrapper, TokenizerBuilder};
@@ -141,16 +141,16 @@ fn train_bpe(files: &[PathBuf], a: &TokenizeArgs, vocab: usize, out: &Path) -> a
             for f in files {
                 read_pieces(f, a, &progress, &mut |p| {
                     // The trainer hung up: it failed, and says why below.
-                    tx.send(p.text).map_err(|_| anyhow::anyhow!("the BPE trainer stopped"))
+                    tx.send(p.text).map_err(|_| crate::Failure::msg("the BPE trainer stopped"))
                 })?;
             }
-            anyhow::Ok(())
+            Ok::<_, crate::Failure>(())
         });
         let trained = tk
             .train(&mut trainer, rx.into_iter())
             .map(|_| ())
-            .map_err(|e| anyhow::anyhow!("training the BPE: {e}"));
-        let read = reader.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the BPE's reader panicked")));
+            .map_err(|e| crate::Failure::msg(format!("training the BPE: {e}")));
+        let read = reader.join().unwrap_or_else(|_| Err(crate::Failure::msg("the BPE's reader panicked")));
         read.and(trained)
     });
     progress.finish_and_clear();
@@ -179,12 +179,12 @@ pub fn framing(
     bos: Option<&str>,
     eos: Option<&str>,
     separator: Option<&str>,
-) -> anyhow::Result<Framing> {
-    let id = |what: &str, text: &str| -> anyhow::Result<u32> {
+) -> crate::Result<Framing> {
+    let id = |what: &str, text: &str| -> crate::Result<u32> {
         tk.token_to_id(text)
             .ok_or_else(|| UsageError(format!("{what}: {text:?} is not a token of the tokenizer")).into())
     };
-    let pick = |flag: &str, over: Option<&str>, default: Vec<u32>| -> anyhow::Result<Vec<u32>> {
+    let pick = |flag: &str, over: Option<&str>, default: Vec<u32>| -> crate::Result<Vec<u32>> {
         match over {
             Some("none") => Ok(Vec::new()),
             Some(t) => Ok(vec![id(flag, t)?]),
@@ -232,8 +232,8 @@ fn read_pieces(
     path: &Path,
     a: &TokenizeArgs,
     progress: &ProgressBar,
-    sink: &mut dyn FnMut(Piece) -> anyhow::Result<()>,
-) -> anyhow::Result<()> {
+    sink: &mut dyn FnMut(Piece) -> crate::Result<()>,
+) -> crate::Result<()> {
     let file = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
     if path.extension().is_some_and(|e| e == "parquet") {
         return read_parquet(file, path, &a.field, progress, sink);
@@ -288,8 +288,8 @@ fn read_parquet(
     path: &Path,
     field: &str,
     progress: &ProgressBar,
-    sink: &mut dyn FnMut(Piece) -> anyhow::Result<()>,
-) -> anyhow::Result<()> {
+    sink: &mut dyn FnMut(Piece) -> crate::Result<()>,
+) -> crate::Result<()> {
     use parquet::basic::{ConvertedType, LogicalType, Type as Physical};
     use parquet::file::reader::{FileReader, SerializedFileReader};
     use parquet::record::Field;
@@ -347,7 +347,7 @@ struct Encoder<'a> {
 }
 
 impl Encoder<'_> {
-    fn push(&mut self, p: Piece) -> anyhow::Result<()> {
+    fn push(&mut self, p: Piece) -> crate::Result<()> {
         self.batch_bytes += p.text.len();
         self.batch.push(p);
         if self.batch_bytes >= BATCH_BYTES {
@@ -356,7 +356,7 @@ impl Encoder<'_> {
         Ok(())
     }
 
-    fn flush(&mut self) -> anyhow::Result<()> {
+    fn flush(&mut self) -> crate::Result<()> {
         let pieces = std::mem::take(&mut self.batch);
         self.batch_bytes = 0;
         let texts: Vec<&str> = pieces.iter().map(|p| p.text.as_str()).collect();
@@ -378,7 +378,7 @@ impl Encoder<'_> {
 }
 
 /// Runs `limpet data tokenize`.
-pub fn tokenize(a: TokenizeArgs) -> anyhow::Result<()> {
+pub fn tokenize(a: TokenizeArgs) -> crate::Result<()> {
     if a.shard_tokens == 0 {
         return Err(UsageError("--shard-tokens must be at least 1".into()).into());
     }
@@ -436,7 +436,7 @@ pub fn tokenize(a: TokenizeArgs) -> anyhow::Result<()> {
     let (documents, written) = (enc.documents, enc.split.written);
     let (dtype, train, val) = enc.split.finish()?;
     if train.is_empty() {
-        bail!("the inputs produced {written} tokens: too few for a training split");
+        crate::fail!("the inputs produced {written} tokens: too few for a training split");
     }
     let manifest = Manifest {
         format: MANIFEST_FORMAT.into(),

@@ -1,6 +1,7 @@
 //! `limpet train`: one-process training with a progress bar, a step log, a loss plot and a
 //! final report; `--resume` continues a checkpointed job bit-exactly.
 
+use crate::Within;
 use crate::args::{DataArg, JobArgs, ModelArg, TrainArgs};
 use crate::UsageError;
 use anyhow::Context;
@@ -39,12 +40,12 @@ pub struct StepRecord {
     pub test_accuracy: Option<f64>,
 }
 
-fn usage(msg: impl Into<String>) -> anyhow::Error {
+fn usage(msg: impl Into<String>) -> crate::Failure {
     UsageError(msg.into()).into()
 }
 
 /// Runs `limpet train`.
-pub fn run(args: TrainArgs) -> anyhow::Result<()> {
+pub fn run(args: TrainArgs) -> crate::Result<()> {
     limpet_trainer::set_threads(usize::from(args.threads));
     if let Some(to) = &args.print_order {
         return print_order(&args, to);
@@ -127,7 +128,7 @@ fn step_bar(steps: u64) -> ProgressBar {
 }
 
 /// Plots the whole step log of `out` (earlier runs of a resumed job included).
-fn plot_losses(out: &Path, report: &RunReport) -> anyhow::Result<std::path::PathBuf> {
+fn plot_losses(out: &Path, report: &RunReport) -> crate::Result<std::path::PathBuf> {
     let plot = out.join(LOSS_PLOT);
     let records = read_log(&out.join(STEP_LOG))?;
     let points: Vec<crate::plot::LossPoint> = records
@@ -146,23 +147,24 @@ fn kind_name(v: &serde_json::Value) -> String {
     v.get("kind").and_then(|k| k.as_str()).unwrap_or("?").to_string()
 }
 
-fn write_record(log: &mut std::fs::File, r: &StepRecord) -> anyhow::Result<()> {
-    writeln!(log, "{}", serde_json::to_string(r)?).context("writing the step log")
+fn write_record(log: &mut std::fs::File, r: &StepRecord) -> crate::Result<()> {
+    Ok(writeln!(log, "{}", serde_json::to_string(r)?).context("writing the step log")?)
 }
 
 /// Reads a step log, naming the line that does not parse.
-pub fn read_log(path: &Path) -> anyhow::Result<Vec<StepRecord>> {
+pub fn read_log(path: &Path) -> crate::Result<Vec<StepRecord>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
         .map(|(i, l)| serde_json::from_str(l).with_context(|| format!("{} line {}", path.display(), i + 1)))
-        .collect()
+        .collect::<anyhow::Result<_>>()
+        .map_err(Into::into)
 }
 
 /// Opens the step log for appending after dropping records of steps past `step`: those were
 /// logged after the checkpoint being resumed and will be run again.
-fn keep_log_before(path: &Path, step: u64) -> anyhow::Result<std::fs::File> {
+fn keep_log_before(path: &Path, step: u64) -> crate::Result<std::fs::File> {
     let kept: Vec<StepRecord> = if step > 0 && path.exists() {
         read_log(path)?.into_iter().filter(|r| r.step <= step).collect()
     } else {
@@ -176,7 +178,7 @@ fn keep_log_before(path: &Path, step: u64) -> anyhow::Result<std::fs::File> {
 }
 
 /// Writes the job's sample order, step by step, without training.
-fn print_order(args: &TrainArgs, to: &Path) -> anyhow::Result<()> {
+fn print_order(args: &TrainArgs, to: &Path) -> crate::Result<()> {
     if args.resume.is_some() || args.out.is_some() {
         return Err(usage("--print-order trains nothing: it takes the job's flags, not --out or --resume"));
     }
@@ -199,7 +201,7 @@ fn print_order(args: &TrainArgs, to: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn fresh(args: &TrainArgs) -> anyhow::Result<(Trainer, PathBuf)> {
+fn fresh(args: &TrainArgs) -> crate::Result<(Trainer, PathBuf)> {
     let out = args.out.clone().ok_or_else(|| usage("--out DIR is required (or --resume DIR)"))?;
     let (job, data) = job_from_flags(&args.job)?;
     let blocks = 0..job.model.num_blocks();
@@ -211,7 +213,7 @@ fn fresh(args: &TrainArgs) -> anyhow::Result<(Trainer, PathBuf)> {
 }
 
 /// The device `--device` names, checked against this host.
-pub(crate) fn device_from_flags(args: &JobArgs) -> anyhow::Result<limpet_trainer::device::Device> {
+pub(crate) fn device_from_flags(args: &JobArgs) -> crate::Result<limpet_trainer::device::Device> {
     let choice = DeviceChoice::parse(args.device.as_deref().unwrap_or("cpu"))
         .map_err(|e| usage(format!("--device: {e}")))?;
     let device = choice.resolve().map_err(|e| usage(format!("--device: {e}")))?;
@@ -222,7 +224,7 @@ pub(crate) fn device_from_flags(args: &JobArgs) -> anyhow::Result<limpet_trainer
 }
 
 /// The job the flags describe, on its loaded data.
-pub fn job_from_flags(args: &JobArgs) -> anyhow::Result<(JobSpec, Dataset)> {
+pub fn job_from_flags(args: &JobArgs) -> crate::Result<(JobSpec, Dataset)> {
     let model = args.model.unwrap_or(ModelArg::Mlp);
     let kind = match model {
         ModelArg::Mlp => ModelKind::Mlp,
@@ -265,11 +267,10 @@ fn flag_names(msg: &str) -> String {
     out
 }
 
-fn resume(args: &TrainArgs, dir: &Path) -> anyhow::Result<(Trainer, PathBuf)> {
+fn resume(args: &TrainArgs, dir: &Path) -> crate::Result<(Trainer, PathBuf)> {
     let path = dir.join(CHECKPOINT_FILE);
     let image = limpet_snapshot::read_file(&path)
-        .map_err(limpet_trainer::TrainerError::from)
-        .with_context(|| format!("checkpoint {}", path.display()))?;
+.within(|| format!("checkpoint {}", path.display()))?;
     let job: JobSpec = serde_json::from_value(image.meta().job.clone()).map_err(|e| {
         limpet_trainer::TrainerError::Mismatch(format!("job spec in {} is unreadable: {e}", path.display()))
     })?;
@@ -289,13 +290,13 @@ fn resume(args: &TrainArgs, dir: &Path) -> anyhow::Result<(Trainer, PathBuf)> {
     let data = Dataset::load(&job.data, args.job.data_path.as_deref())?;
     let blocks = 0..job.model.num_blocks();
     let mut trainer = Trainer::on_device(job, data, blocks, device_from_flags(&args.job)?)?;
-    trainer.load_image(&image).with_context(|| format!("checkpoint {}", path.display()))?;
+    trainer.load_image(&image).within(|| format!("checkpoint {}", path.display()))?;
     Ok((trainer, args.out.clone().unwrap_or_else(|| dir.to_path_buf())))
 }
 
 /// Overlays the job flags that were given on `job`: the model must be the job's; the
 /// training keys go through the same builder as `[job]` in `limpetd`'s file.
-fn apply_flags(job: &mut JobSpec, a: &JobArgs) -> anyhow::Result<()> {
+fn apply_flags(job: &mut JobSpec, a: &JobArgs) -> crate::Result<()> {
     if let Some(m) = a.model {
         let want = m.to_possible_value().expect("every model has a name");
         let have = kind_name(&serde_json::to_value(&job.model)?);
@@ -311,7 +312,7 @@ fn apply_flags(job: &mut JobSpec, a: &JobArgs) -> anyhow::Result<()> {
 }
 
 /// The model's depth.
-fn apply_model_flags(job: &mut JobSpec, a: &JobArgs) -> anyhow::Result<()> {
+fn apply_model_flags(job: &mut JobSpec, a: &JobArgs) -> crate::Result<()> {
     if let Some(l) = a.layers {
         match &mut job.model {
             limpet_trainer::model::ModelSpec::Gpt { layers, .. } if l > 0 => *layers = l,
@@ -325,7 +326,7 @@ fn apply_model_flags(job: &mut JobSpec, a: &JobArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn print_report(r: &RunReport, plot: &Path, json: bool) -> anyhow::Result<()> {
+fn print_report(r: &RunReport, plot: &Path, json: bool) -> crate::Result<()> {
     if json {
         let mut v = serde_json::to_value(r)?;
         v["plot"] = serde_json::Value::String(plot.display().to_string());

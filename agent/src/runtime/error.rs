@@ -35,6 +35,23 @@ pub enum AgentError {
     /// This node's `[job]` is not the job the cluster's log holds: it cannot train with it.
     #[error("this node's [job] is not the cluster's: {0} (ours vs the log's; every node of a cluster trains the job its first leader set)")]
     Job(String),
+    /// The consensus node could not start or be asked (at start-up, or a drain).
+    #[error(transparent)]
+    Consensus(#[from] limpet_consensus::ConsensusError),
+    /// A task or thread of the agent failed beyond repair (the first one's failure).
+    #[error(transparent)]
+    Task(#[from] limpet_consensus::tasks::TaskFailed),
+    /// The trainer thread did not end within the shutdown limit after a stop.
+    #[error("the trainer did not stop within {limit:?}{}", after.as_ref().map_or(String::new(), |f| format!(" (after {f})")))]
+    Stuck {
+        /// The shutdown limit.
+        limit: std::time::Duration,
+        /// The failure that stopped the agent, if one did.
+        after: Option<limpet_consensus::tasks::TaskFailed>,
+    },
+    /// Checkpoints could not be listed, read or fetched, or their directory is not trusted.
+    #[error(transparent)]
+    Checkpoint(#[from] crate::checkpoint::CheckpointError),
     /// A local file could not be written.
     #[error("{what}: {source}")]
     Io {
@@ -48,7 +65,16 @@ pub enum AgentError {
 impl AgentError {
     /// Whether this error stops the agent (as opposed to ending one attempt).
     pub fn is_fatal(&self) -> bool {
-        matches!(self, AgentError::Trainer(_) | AgentError::Io { .. } | AgentError::Job(_))
+        matches!(
+            self,
+            AgentError::Trainer(_)
+                | AgentError::Io { .. }
+                | AgentError::Job(_)
+                | AgentError::Consensus(_)
+                | AgentError::Task(_)
+                | AgentError::Stuck { .. }
+                | AgentError::Checkpoint(_)
+        )
     }
 }
 

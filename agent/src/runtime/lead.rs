@@ -6,10 +6,13 @@
 
 use super::config::{AgentConfig, Resume};
 use crate::report::AgentReport;
+use super::AgentError;
 use limpet_consensus::state::{Command, NodeId};
+use limpet_consensus::tasks::TaskFailed;
 use limpet_consensus::NodeHandle;
 use limpet_decide::bootstrap::{BootStep, Bootstrap};
 use limpet_trainer::data::Dataset;
+use limpet_trainer::TrainerError;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -126,7 +129,7 @@ pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: Cancel
 /// record a new cluster starts from (epoch 0: it predates every epoch of this cluster).
 async fn find_resume_point(
     cfg: &AgentConfig,
-) -> anyhow::Result<Option<limpet_consensus::state::CheckpointRecord>> {
+) -> Result<Option<limpet_consensus::state::CheckpointRecord>, AgentError> {
     let Some(settings) = cfg.checkpoint.as_ref().filter(|c| c.resume != Resume::Never) else {
         return Ok(None);
     };
@@ -135,11 +138,10 @@ async fn find_resume_point(
     if required {
         // A shared mount that is not there yet (a missing directory, or the empty mount point
         // it is mounted on) must not read as "no checkpoint".
-        if let Err(why) = crate::checkpoint::trusted_dir(&dir) {
-            anyhow::bail!("the checkpoint directory: {why} ([checkpoint].resume = \"required\" waits)");
-        }
+        // [checkpoint].resume = "required" waits for it.
+        crate::checkpoint::trusted_dir(&dir)?;
     }
-    let job = serde_json::to_value(&cfg.job)?;
+    let job = job_value(cfg)?;
     let blocks = cfg.job.model.num_blocks();
     if let Some(r) = &settings.remote {
         // Bring the newest copies home; the search below checks them like local files.
@@ -147,15 +149,16 @@ async fn find_resume_point(
         match remote.fetch_newest(&dir, blocks, settings.keep.max(1)).await {
             Ok(steps) if !steps.is_empty() => tracing::info!(?steps, "checkpoints fetched from S3"),
             Ok(_) => {}
-            Err(e) if required => anyhow::bail!("could not fetch checkpoints from S3: {e}"),
+            Err(e) if required => return Err(e.into()),
             Err(e) => {
                 tracing::warn!(%e, "could not fetch checkpoints from S3; searching the local directory only")
             }
         }
     }
     let search = dir.clone();
-    let (found, skipped) =
-        tokio::task::spawn_blocking(move || crate::checkpoint::newest(&search, blocks, &job)).await??;
+    let (found, skipped) = tokio::task::spawn_blocking(move || crate::checkpoint::newest(&search, blocks, &job))
+        .await
+        .map_err(|e| AgentError::Task(TaskFailed { task: "resume-search".into(), what: e.to_string() }))??;
     for why in &skipped {
         tracing::warn!(why, "not resuming from this checkpoint");
     }
@@ -174,15 +177,16 @@ async fn find_resume_point(
 
 /// The job as the log records it: the trainer's job spec and, for a pipelined job, the
 /// pipeline settings with this node's profile of the model's blocks.
-async fn job_document(cfg: &AgentConfig) -> anyhow::Result<serde_json::Value> {
-    let mut doc = serde_json::to_value(&cfg.job)?;
+async fn job_document(cfg: &AgentConfig) -> Result<serde_json::Value, AgentError> {
+    let mut doc = job_value(cfg)?;
     if let Some(p) = &cfg.pipeline {
         let (job, path) = (cfg.job.clone(), cfg.data_path.clone());
-        let profile = tokio::task::spawn_blocking(move || -> anyhow::Result<crate::planner::ModelProfile> {
+        let profile = tokio::task::spawn_blocking(move || {
             let data = Dataset::load(&job.data, path.as_deref())?;
-            Ok(crate::stage::profile_model(&job, &data, 5)?)
+            crate::stage::profile_model(&job, &data, 5)
         })
-        .await??;
+        .await
+        .map_err(|e| AgentError::Task(TaskFailed { task: "profile".into(), what: e.to_string() }))??;
         let pj = crate::planner::PipelineJob {
             profile,
             link: p.link,
@@ -190,7 +194,13 @@ async fn job_document(cfg: &AgentConfig) -> anyhow::Result<serde_json::Value> {
             cuts: p.cuts.clone(),
             mem_bytes: p.mem_bytes,
         };
-        doc["pipeline"] = serde_json::to_value(pj)?;
+        doc["pipeline"] = serde_json::to_value(pj)
+            .map_err(|e| TrainerError::Config(format!("the pipeline settings as JSON: {e}")))?;
     }
     Ok(doc)
+}
+
+/// The job spec as the log records it.
+fn job_value(cfg: &AgentConfig) -> Result<serde_json::Value, AgentError> {
+    serde_json::to_value(&cfg.job).map_err(|e| TrainerError::Config(format!("the job spec as JSON: {e}")).into())
 }

@@ -38,7 +38,7 @@ use limpet_consensus::state::{cluster_id, Command, Hardware, MemberSpec, MemberS
 use limpet_consensus::{NodeConfig, NodeHandle};
 use limpet_snapshot::handoff::Server;
 use limpet_trainer::data::Dataset;
-use limpet_trainer::Trainer;
+use limpet_trainer::{Trainer, TrainerError};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -107,12 +107,12 @@ pub(crate) fn now_ms() -> u64 {
 impl Agent {
     /// Starts every part of the agent under a root token of its own. Needs a multi-threaded
     /// tokio runtime.
-    pub async fn start(cfg: AgentConfig) -> anyhow::Result<Agent> {
+    pub async fn start(cfg: AgentConfig) -> Result<Agent, AgentError> {
         Agent::start_with(cfg, Tasks::new(CancellationToken::new())).await
     }
 
     /// Starts every part of the agent as tasks of `tasks` (whose root token stops it).
-    pub async fn start_with(cfg: AgentConfig, tasks: Tasks) -> anyhow::Result<Agent> {
+    pub async fn start_with(cfg: AgentConfig, tasks: Tasks) -> Result<Agent, AgentError> {
         let data = Dataset::load(&cfg.job.data, cfg.data_path.as_deref())?;
         cfg.job.validate(&data)?;
         let endpoint = Arc::new(bind_data_plane(&cfg)?);
@@ -135,7 +135,9 @@ impl Agent {
         let admits = Arc::clone(&fetchers);
         let may_fetch: crate::dataplane::handoff::MayFetch =
             Arc::new(move |peer| admits.read().expect("fetchers lock").contains(&peer));
-        tasks.spawn_thread("handoff", move || handoff_loop(&serving, &offers, &stop, &may_fetch, &spawn))?;
+        tasks
+            .spawn_thread("handoff", move || handoff_loop(&serving, &offers, &stop, &may_fetch, &spawn))
+            .map_err(|source| AgentError::Io { what: "starting the handoff thread".into(), source })?;
 
         let ncfg = node_config(&cfg, data_addr);
         let node = limpet_consensus::Node::start(ncfg.clone(), &tasks).await?;
@@ -188,7 +190,10 @@ impl Agent {
 
         let device = match cfg.devices.first() {
             Some(&d) => d,
-            None => cfg.device.resolve().map_err(|e| anyhow::anyhow!("[job].device: {e}"))?,
+            None => cfg
+                .device
+                .resolve()
+                .map_err(|detail| TrainerError::Key { key: "[job].device".into(), detail })?,
         };
         tracing::info!(device = ?device, choice = ?cfg.device, local_ranks = cfg.devices.len().max(1), gpus = ?limpet_trainer::device::gpu_models(), "training device");
         if cfg.pipeline.is_some() {
@@ -196,7 +201,7 @@ impl Agent {
             // the founding leader profiled them for the job; beside training's start.
             let (cfg, progress) = (Arc::clone(&cfg), Arc::clone(&progress));
             tasks.spawn("profile", async move {
-                let run = tokio::task::spawn_blocking(move || -> anyhow::Result<f64> {
+                let run = tokio::task::spawn_blocking(move || -> Result<f64, TrainerError> {
                     let data = Dataset::load(&cfg.job.data, cfg.data_path.as_deref())?;
                     profile_here(&cfg, &data)
                 })
@@ -233,11 +238,14 @@ impl Agent {
             fresh,
             followers,
         );
-        let trainer = std::thread::Builder::new().name("limpet-trainer".into()).spawn(move || {
-            let r = looper.run();
-            stop_serving.cancel();
-            r
-        })?;
+        let trainer = std::thread::Builder::new()
+            .name("limpet-trainer".into())
+            .spawn(move || {
+                let r = looper.run();
+                stop_serving.cancel();
+                r
+            })
+            .map_err(|source| AgentError::Io { what: "starting the trainer thread".into(), source })?;
         Ok(Agent { handle, tasks, trainer, control_addr, data_addr, id })
     }
 
@@ -263,7 +271,7 @@ impl Agent {
 
     /// Asks the cluster to let this node go (SIGTERM from systemd): it leaves at the next
     /// epoch boundary and is removed; `wait` then returns `Exit::Removed`.
-    pub async fn drain_self(&self, reason: &str) -> anyhow::Result<()> {
+    pub async fn drain_self(&self, reason: &str) -> Result<(), AgentError> {
         let cmd = Command::Drain { id: self.id, reason: reason.to_string() };
         self.handle.propose(cmd, Some(Duration::from_secs(5))).await?;
         Ok(())
@@ -272,23 +280,22 @@ impl Agent {
     /// Waits until the trainer thread ends (removed, stopped, or stopped by a fatal failure
     /// elsewhere), then stops every task. Once the root token is cancelled, everything has
     /// [`tasks::SHUTDOWN_LIMIT`] to end; a fatal failure is this call's error.
-    pub async fn wait(self) -> anyhow::Result<Exit> {
+    pub async fn wait(self) -> Result<Exit, AgentError> {
         let Agent { trainer, tasks, .. } = self;
         let root = tasks.token();
         let mut joined = tokio::task::spawn_blocking(move || trainer.join());
         let deadline = tokio::select! {
             r = &mut joined => {
                 let deadline = tokio::time::Instant::now() + tasks::SHUTDOWN_LIMIT;
-                return finish(&tasks, deadline, r?).await;
+                return finish(&tasks, deadline, r.unwrap_or_else(|e| Err(Box::new(e)))).await;
             }
             _ = root.cancelled() => tokio::time::Instant::now() + tasks::SHUTDOWN_LIMIT,
         };
         match tokio::time::timeout_at(deadline, joined).await {
-            Ok(r) => finish(&tasks, deadline, r?).await,
+            Ok(r) => finish(&tasks, deadline, r.unwrap_or_else(|e| Err(Box::new(e)))).await,
             Err(_) => {
                 let _ = tasks.shutdown(deadline).await;
-                let why = tasks.fatal().map_or(String::new(), |f| format!(" (after {f})"));
-                anyhow::bail!("the trainer did not stop within {:?}{why}", tasks::SHUTDOWN_LIMIT)
+                Err(AgentError::Stuck { limit: tasks::SHUTDOWN_LIMIT, after: tasks.fatal() })
             }
         }
     }
@@ -296,7 +303,7 @@ impl Agent {
 
 /// The data-plane endpoint the configuration describes (TLS when the cluster has
 /// certificates and does not opt out).
-fn bind_data_plane(cfg: &AgentConfig) -> anyhow::Result<Endpoint> {
+fn bind_data_plane(cfg: &AgentConfig) -> Result<Endpoint, AgentError> {
     let mut dp = DataPlaneConfig::new(cluster_id(&cfg.cluster), cfg.id, cfg.secret.to_vec());
     dp.timeout = cfg.dp_timeout;
     dp.congestion = cfg.dp_congestion.clone();
@@ -346,21 +353,21 @@ async fn finish(
     tasks: &Tasks,
     deadline: tokio::time::Instant,
     r: std::thread::Result<Result<Exit, AgentError>>,
-) -> anyhow::Result<Exit> {
+) -> Result<Exit, AgentError> {
     let exit = match r {
         Ok(r) => r,
         Err(_) => {
             tasks.fail("trainer", "panicked");
-            return Err(anyhow::anyhow!("the trainer thread panicked"));
+            return Err(tasks.fatal().expect("just recorded").into());
         }
     };
     if let Err(e) = tasks.shutdown(deadline).await {
         tracing::warn!(%e, "stopping the agent's tasks");
     }
     if let Some(f) = tasks.fatal() {
-        anyhow::bail!(f);
+        return Err(f.into());
     }
-    Ok(exit?)
+    exit
 }
 
 /// The consensus node's configuration for this agent.
@@ -403,7 +410,7 @@ fn host_memory_mib() -> u64 {
 
 /// Milliseconds one forward and backward of every block of the job's model takes on this
 /// host at the job's micro-batch (a straggler drill's factor included).
-fn profile_here(cfg: &AgentConfig, data: &limpet_trainer::data::Dataset) -> anyhow::Result<f64> {
+fn profile_here(cfg: &AgentConfig, data: &limpet_trainer::data::Dataset) -> Result<f64, TrainerError> {
     let profile = crate::stage::profile_model(&cfg.job, data, 3)?;
     let ms: f64 = profile.blocks.iter().map(|b| b.fwd_ms + b.bwd_ms).sum();
     let took = cfg.slowdown.stretch(std::time::Duration::from_secs_f64(ms / 1e3));

@@ -4,7 +4,7 @@
 //! its first-step loss, so the memory saved, the compute it costs and the loss it keeps are
 //! read side by side.
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use clap::Args;
 use limpet_trainer::data::tokens::write_dataset;
 use rand::{Rng, SeedableRng};
@@ -51,7 +51,7 @@ pub struct ActivationRun {
 }
 
 /// Runs `limpet-lab bench activations`.
-pub fn run(a: BenchActivationsArgs) -> anyhow::Result<()> {
+pub fn run(a: BenchActivationsArgs) -> limpet_daemon::Result<()> {
     if a.batch == 0 || a.context == 0 || a.steps == 0 || a.loss_chunk == 0 || a.vocab < 2 {
         return Err(limpet_daemon::UsageError(
             "--batch, --context, --steps and --loss-chunk must be at least 1, --vocab at least 2".into(),
@@ -89,7 +89,7 @@ pub fn run(a: BenchActivationsArgs) -> anyhow::Result<()> {
             .stderr(Stdio::inherit())
             .output()?;
         if !out.status.success() {
-            bail!("limpet train ({setting}) failed ({})", out.status);
+            limpet_daemon::fail!("limpet train ({setting}) failed ({})", out.status);
         }
         let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
         runs.push(ActivationRun {

@@ -158,8 +158,8 @@ enum Act {
 
 /// The selected hosts' segment of `trace`, in compressed seconds: the hosts live at its start
 /// (added at 0), and the events within it.
-pub(crate) fn segment(trace: &Trace, a: &ChaosArgs) -> anyhow::Result<(Vec<String>, Trace, f64)> {
-    let bad = |m: String| anyhow::Error::from(UsageError(m));
+pub(crate) fn segment(trace: &Trace, a: &ChaosArgs) -> limpet_daemon::Result<(Vec<String>, Trace, f64)> {
+    let bad = |m: String| limpet_daemon::Failure::from(UsageError(m));
     if !(a.speedup.is_finite() && a.speedup >= 1.0) {
         return Err(bad(format!("--speedup {}: at least 1", a.speedup)));
     }
@@ -201,7 +201,7 @@ pub(crate) fn segment(trace: &Trace, a: &ChaosArgs) -> anyhow::Result<(Vec<Strin
 }
 
 /// The trace `a` names, once its `--dir` is found empty (or absent).
-pub(crate) fn prepare(a: &ChaosArgs) -> anyhow::Result<Trace> {
+pub(crate) fn prepare(a: &ChaosArgs) -> limpet_daemon::Result<Trace> {
     let (trace, _) = limpet_daemon::simulate::trace::load(a.trace.as_deref()).map_err(UsageError)?;
     if a.dir.exists() && std::fs::read_dir(&a.dir)?.next().is_some() {
         return Err(UsageError(format!("--dir {}: not empty", a.dir.display())).into());
@@ -210,7 +210,7 @@ pub(crate) fn prepare(a: &ChaosArgs) -> anyhow::Result<Trace> {
 }
 
 /// Runs `limpet-lab chaos` (one segment: `chaos_runs` runs several).
-pub fn run(a: ChaosArgs) -> anyhow::Result<()> {
+pub fn run(a: ChaosArgs) -> limpet_daemon::Result<()> {
     let trace = prepare(&a)?;
     let (founders, seg, window) = segment(&trace, &a)?;
     if let Some(cluster) = &a.ec2 {
@@ -238,11 +238,11 @@ pub fn run(a: ChaosArgs) -> anyhow::Result<()> {
         println!("plot: {}", a.dir.join("chaos.svg").display());
     }
     if report.steps_applied_twice > 0 {
-        anyhow::bail!("{} step(s) were applied twice", report.steps_applied_twice);
+        limpet_daemon::fail!("{} step(s) were applied twice", report.steps_applied_twice);
     }
     if let Some(r) = &report.reproducible {
         if r.content_hash != r.one_process_hash || r.steps_with_other_loss > 0 {
-            anyhow::bail!(
+            limpet_daemon::fail!(
                 "a reproducible job ended with content hash {} where one process ends with {}; {} step(s) had another loss",
                 r.content_hash,
                 r.one_process_hash,
@@ -264,7 +264,7 @@ fn same_bits(
     bar: &indicatif::ProgressBar,
     rt: &tokio::runtime::Runtime,
     tls: Option<&limpet_consensus::tls::Tls>,
-) -> anyhow::Result<SameBits> {
+) -> limpet_daemon::Result<SameBits> {
     let steps = a.steps.context("--reproducible needs --steps")?;
     let logs: Vec<PathBuf> = cluster.file.nodes.iter().map(|n| n.step_log.clone()).collect();
     let (mut waited, mut reached) = (Instant::now(), 0);
@@ -283,7 +283,7 @@ fn same_bits(
                 .ok()
                 .and_then(|d| d.stuck)
                 .map_or(String::new(), |s| format!(": {s}"));
-            anyhow::bail!(
+            limpet_daemon::fail!(
                 "the job stopped at step {reached} of {steps}: no step for {FINISH_WITHIN:?}{stuck}"
             );
         }
@@ -291,7 +291,7 @@ fn same_bits(
         std::thread::sleep(Duration::from_millis(100));
     }
     // The ranks that trained the last step write the final checkpoint once it is logged.
-    let hash_of = |p: &Path| -> anyhow::Result<String> {
+    let hash_of = |p: &Path| -> limpet_daemon::Result<String> {
         Ok(limpet_snapshot::read_file(p)
             .with_context(|| format!("final checkpoint {}", p.display()))?
             .content_hash()
@@ -303,7 +303,7 @@ fn same_bits(
     let since = Instant::now();
     while !last.iter().all(written) {
         if since.elapsed() > Duration::from_secs(60) {
-            anyhow::bail!(
+            limpet_daemon::fail!(
                 "the ranks that trained step {steps} ({last:?}) wrote no final checkpoint within 60 s"
             );
         }
@@ -312,9 +312,9 @@ fn same_bits(
     let hashes = last
         .iter()
         .map(|r| hash_of(&a.dir.join(r).join(limpet_trainer::CHECKPOINT_FILE)))
-        .collect::<anyhow::Result<BTreeSet<String>>>()?;
+        .collect::<limpet_daemon::Result<BTreeSet<String>>>()?;
     if hashes.len() != 1 {
-        anyhow::bail!(
+        limpet_daemon::fail!(
             "the ranks that trained the last step ended with {} different states: {hashes:?}",
             hashes.len()
         );
@@ -329,7 +329,7 @@ fn same_bits(
         .output()
         .with_context(|| format!("running {}", exe.display()))?;
     if !out.status.success() {
-        anyhow::bail!("one process: {}", String::from_utf8_lossy(&out.stderr));
+        limpet_daemon::fail!("one process: {}", String::from_utf8_lossy(&out.stderr));
     }
     let report: serde_json::Value = serde_json::from_slice(&out.stdout)?;
     let one_process_hash =
@@ -361,7 +361,7 @@ pub(crate) fn replay(
     founders: &[String],
     seg: &Trace,
     window: f64,
-) -> anyhow::Result<ChaosReport> {
+) -> limpet_daemon::Result<ChaosReport> {
     let job = LocalJob {
         model: a.model.clone(),
         data: a.data.clone(),
@@ -382,7 +382,7 @@ pub(crate) fn replay(
             break first;
         }
         if waited.elapsed() > Duration::from_secs(120) {
-            anyhow::bail!("no step within 120 s; logs in {}", a.dir.display());
+            limpet_daemon::fail!("no step within 120 s; logs in {}", a.dir.display());
         }
         std::thread::sleep(Duration::from_millis(50));
     };
@@ -578,7 +578,7 @@ fn plot(
     batch: u64,
     seg: &Trace,
     join_s: f64,
-) -> anyhow::Result<()> {
+) -> limpet_daemon::Result<()> {
     use plotters::prelude::*;
     let mut steps: BTreeMap<u64, (u64, usize)> = BTreeMap::new();
     for l in lines {
@@ -660,7 +660,7 @@ fn plot(
         root.present()?;
         Ok(())
     };
-    draw().map_err(|e| anyhow::anyhow!("{e}")).with_context(|| format!("drawing {}", path.display()))
+    Ok(draw().map_err(|e| anyhow::anyhow!("{e}")).with_context(|| format!("drawing {}", path.display()))?)
 }
 
 #[cfg(test)]

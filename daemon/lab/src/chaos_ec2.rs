@@ -66,7 +66,7 @@ pub fn replay(
     cluster: &str,
     founders: &[String],
     seg: &Trace,
-) -> anyhow::Result<Ec2ChaosReport> {
+) -> limpet_daemon::Result<Ec2ChaosReport> {
     let role = a
         .fis_role
         .clone()

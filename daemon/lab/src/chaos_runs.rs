@@ -53,7 +53,7 @@ pub struct RunsReport {
 }
 
 /// Runs `limpet-lab chaos --runs N`.
-pub fn run(a: &ChaosArgs) -> anyhow::Result<()> {
+pub fn run(a: &ChaosArgs) -> limpet_daemon::Result<()> {
     let trace = &crate::chaos::prepare(a)?;
     let (segments, not_found) = pick(trace, &a.runs).map_err(UsageError)?;
     std::fs::create_dir_all(&a.dir)?;
@@ -130,7 +130,7 @@ pub fn run(a: &ChaosArgs) -> anyhow::Result<()> {
     }
     let twice: u64 = report.runs.iter().map(|r| r.steps_applied_twice).sum();
     if twice > 0 {
-        anyhow::bail!("{twice} step(s) were applied twice");
+        limpet_daemon::fail!("{twice} step(s) were applied twice");
     }
     Ok(())
 }
@@ -189,7 +189,7 @@ fn table(r: &RunsReport) -> String {
 }
 
 /// Each run's goodput, replayed and simulated, side by side.
-fn plot(path: &Path, r: &RunsReport) -> anyhow::Result<()> {
+fn plot(path: &Path, r: &RunsReport) -> limpet_daemon::Result<()> {
     use plotters::prelude::*;
     let draw = || -> Result<(), Box<dyn std::error::Error>> {
         let root = SVGBackend::new(path, (900, 420)).into_drawing_area();
@@ -262,7 +262,7 @@ fn plot(path: &Path, r: &RunsReport) -> anyhow::Result<()> {
         root.present()?;
         Ok(())
     };
-    draw().map_err(|e| anyhow::anyhow!("{e}")).map_err(|e| e.context(format!("drawing {}", path.display())))
+    Ok(draw().map_err(|e| anyhow::anyhow!("{e}")).map_err(|e| e.context(format!("drawing {}", path.display())))?)
 }
 
 #[cfg(test)]

@@ -118,7 +118,7 @@ pub enum BenchCommand {
 }
 
 /// Runs a parsed command line.
-pub fn run(cli: Cli) -> anyhow::Result<()> {
+pub fn run(cli: Cli) -> limpet_daemon::Result<()> {
     match cli.command {
         Command::Demo(args) => crate::demo::run(args),
         Command::Scenario(args) => crate::demo::scenario(args),
@@ -142,7 +142,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-fn local_up(a: LocalUpArgs) -> anyhow::Result<()> {
+fn local_up(a: LocalUpArgs) -> limpet_daemon::Result<()> {
     if !["fixed-global", "linear", "sqrt", "adascale"].contains(&a.policy.as_str()) {
         return Err(limpet_daemon::UsageError(format!(
             "--policy {:?} is not one of fixed-global, linear, sqrt, adascale",
@@ -174,18 +174,18 @@ fn local_up(a: LocalUpArgs) -> anyhow::Result<()> {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}
         }
-        anyhow::Ok(())
+        Ok::<_, limpet_daemon::Failure>(())
     })?;
     cluster.down();
     Ok(())
 }
 
-fn fake_metadata(listen: std::net::SocketAddr) -> anyhow::Result<()> {
+fn fake_metadata(listen: std::net::SocketAddr) -> limpet_daemon::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         let md = crate::fake_metadata::FakeMetadata::start(listen).await?;
         eprintln!("fake metadata at {}", md.url());
         std::future::pending::<()>().await;
-        anyhow::Ok(())
+        Ok::<_, limpet_daemon::Failure>(())
     })
 }

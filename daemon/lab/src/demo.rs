@@ -151,7 +151,7 @@ fn parse_slow(s: &str) -> Result<(String, u64), String> {
 }
 
 /// Runs the demo.
-pub fn run(a: DemoArgs) -> anyhow::Result<()> {
+pub fn run(a: DemoArgs) -> limpet_daemon::Result<()> {
     let job = LocalJob {
         model: "gpt".into(),
         data: "chars".into(),
@@ -180,7 +180,7 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
 }
 
 /// Runs `limpet-lab scenario`.
-pub fn scenario(a: ScenarioArgs) -> anyhow::Result<()> {
+pub fn scenario(a: ScenarioArgs) -> limpet_daemon::Result<()> {
     let script = parse_script(&a.script)?;
     if let Some(module) = &a.llama.module {
         // This process evaluates the final checkpoint: it needs the module too.
@@ -226,16 +226,16 @@ pub fn scenario(a: ScenarioArgs) -> anyhow::Result<()> {
     check(&summary)
 }
 
-fn check(s: &Summary) -> anyhow::Result<()> {
+fn check(s: &Summary) -> limpet_daemon::Result<()> {
     if s.steps_applied_twice > 0 {
-        anyhow::bail!("{} step(s) were applied twice in the surviving lineage", s.steps_applied_twice);
+        limpet_daemon::fail!("{} step(s) were applied twice in the surviving lineage", s.steps_applied_twice);
     }
     Ok(())
 }
 
 /// Parses `--script`.
-pub fn parse_script(text: &str) -> anyhow::Result<Vec<(f64, Action)>> {
-    let bad = |m: String| anyhow::Error::from(limpet_daemon::UsageError(format!("--script: {m}")));
+pub fn parse_script(text: &str) -> limpet_daemon::Result<Vec<(f64, Action)>> {
+    let bad = |m: String| limpet_daemon::Failure::Usage(format!("--script: {m}"));
     let mut out = Vec::new();
     for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let parts: Vec<&str> = item.split(':').collect();
@@ -351,7 +351,7 @@ pub fn run_scenario(
     script: &[(f64, Action)],
     timeout: Duration,
     show: bool,
-) -> anyhow::Result<Summary> {
+) -> limpet_daemon::Result<Summary> {
     if dir.join("cluster.json").exists() {
         std::fs::remove_dir_all(dir)
             .with_context(|| format!("clearing the previous run in {}", dir.display()))?;
@@ -383,14 +383,14 @@ pub fn run_scenario(
     loop {
         if Instant::now() > deadline {
             bar.abandon();
-            anyhow::bail!(
+            limpet_daemon::fail!(
                 "the job did not finish within {} s; logs are in {}",
                 timeout.as_secs(),
                 dir.display()
             );
         }
         if let Some((name, why)) = cluster.failed_to_start() {
-            anyhow::bail!("{name}'s limpetd exited before it started: {why}; logs are in {}", dir.display());
+            limpet_daemon::fail!("{name}'s limpetd exited before it started: {why}; logs are in {}", dir.display());
         }
         let doc = match rt.block_on(gather(&cluster.file.cluster, &cluster.file.control_addrs(), tls)) {
             Ok(d) => d,
@@ -477,7 +477,7 @@ impl Player<'_> {
         doc: &StatusDoc,
         done: bool,
         (bar, show): (&indicatif::ProgressBar, bool),
-    ) -> anyhow::Result<()> {
+    ) -> limpet_daemon::Result<()> {
         let current = doc.epoch.as_ref().map(|e| e.ranks.clone()).unwrap_or_default();
         let settled = self.settling.as_ref().is_none_or(|(node, joins, since)| {
             done || current.contains(node) == *joins || since.elapsed() > SETTLE_MAX
@@ -527,7 +527,7 @@ fn summarize(
     doc: &StatusDoc,
     player: Player<'_>,
     wall_s: f64,
-) -> anyhow::Result<Summary> {
+) -> limpet_daemon::Result<Summary> {
     let ranks = doc.epoch.as_ref().map(|e| e.ranks.clone()).context("no current epoch at the end")?;
     let checkpoints: Vec<PathBuf> =
         ranks.iter().map(|r| dir.join(r).join(limpet_trainer::CHECKPOINT_FILE)).collect();
@@ -589,7 +589,7 @@ fn fire(
     rt: &tokio::runtime::Runtime,
     tls: Option<&limpet_consensus::tls::Tls>,
     action: &Action,
-) -> anyhow::Result<Option<String>> {
+) -> limpet_daemon::Result<Option<String>> {
     if let Action::Join = action {
         return cluster.add().map(Some);
     }
@@ -601,6 +601,7 @@ fn fire(
             let pid = cluster.file.node(node)?.pid;
             nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGTERM)
                 .with_context(|| format!("SIGTERM to {node}"))
+                .map_err(Into::into)
         }
         Action::Drain { node } => {
             let id = cluster.file.node(node)?.id;
@@ -629,7 +630,7 @@ fn short_cause(cause: &str) -> String {
 /// epoch's ranks in order: the first holds the whole model under data parallelism; under a
 /// pipeline each holds its stage's blocks, and the stages of the first replica together
 /// hold the model. `data_path` is the job's data (`None`: the dataset's own place).
-pub fn evaluate(paths: &[PathBuf], data_path: Option<&Path>) -> anyhow::Result<(f64, f64)> {
+pub fn evaluate(paths: &[PathBuf], data_path: Option<&Path>) -> limpet_daemon::Result<(f64, f64)> {
     let mut tensors = BTreeMap::new();
     let mut first: Option<limpet_snapshot::StateImage> = None;
     for path in paths {
@@ -648,7 +649,7 @@ pub fn evaluate(paths: &[PathBuf], data_path: Option<&Path>) -> anyhow::Result<(
             return Ok((e.loss, e.accuracy));
         }
     }
-    anyhow::bail!("the final checkpoints {paths:?} do not hold the whole model")
+    limpet_daemon::fail!("the final checkpoints {paths:?} do not hold the whole model")
 }
 
 fn print_summary(s: &Summary, plot: &Path) {

@@ -3,7 +3,7 @@
 //! the same sizes through torch.distributed's gloo backend in the same run).
 
 use crate::raft_cmd::free_port;
-use anyhow::{bail, Context};
+use anyhow::Context;
 use clap::{Args, ValueEnum};
 use limpet_agent::{DataPlaneConfig, Endpoint};
 use limpet_daemon::UsageError;
@@ -104,7 +104,7 @@ pub fn check_input(seed: u64, node: u64, len: usize) -> Vec<f32> {
 
 /// A worker's endpoint: its node of the group's ranks, bound to its own address, with the
 /// secret its parent passed in the environment.
-pub fn bind_worker(peers: &WorkerPeers, timeout_ms: u64) -> anyhow::Result<Endpoint> {
+pub fn bind_worker(peers: &WorkerPeers, timeout_ms: u64) -> limpet_daemon::Result<Endpoint> {
     let WorkerPeers { node, ranks, addrs, tls_dir, congestion } = peers;
     let node = *node;
     let secret = std::env::var(SECRET_ENV).map_err(|_| UsageError(format!("{SECRET_ENV} is not set")))?;
@@ -128,7 +128,7 @@ pub fn bind_worker(peers: &WorkerPeers, timeout_ms: u64) -> anyhow::Result<Endpo
 }
 
 /// Runs one worker.
-pub fn run_worker(args: DpWorkerArgs) -> anyhow::Result<()> {
+pub fn run_worker(args: DpWorkerArgs) -> limpet_daemon::Result<()> {
     let plan = parse_plan(&args.plan)?;
     let ep = bind_worker(&args.peers, args.timeout_ms)?;
     let WorkerPeers { node, ranks, addrs, .. } = &args.peers;
@@ -218,7 +218,7 @@ impl Drop for Workers {
 }
 
 /// Starts `world` workers (node ids `order`) of `exe dp-worker` with `extra` arguments.
-pub fn spawn_workers(exe: &std::path::Path, order: &[u64], extra: &[String]) -> anyhow::Result<Workers> {
+pub fn spawn_workers(exe: &std::path::Path, order: &[u64], extra: &[String]) -> limpet_daemon::Result<Workers> {
     spawn_group(exe, "dp-worker", order, extra)
 }
 
@@ -229,9 +229,9 @@ pub fn spawn_group(
     subcommand: &str,
     order: &[u64],
     extra: &[String],
-) -> anyhow::Result<Workers> {
+) -> limpet_daemon::Result<Workers> {
     let addrs: Vec<String> =
-        order.iter().map(|_| free_port().map(|p| format!("127.0.0.1:{p}"))).collect::<anyhow::Result<_>>()?;
+        order.iter().map(|_| free_port().map(|p| format!("127.0.0.1:{p}"))).collect::<limpet_daemon::Result<_>>()?;
     let ranks: Vec<String> = order.iter().map(u64::to_string).collect();
     let secret: String = (0..32).map(|_| format!("{:02x}", rand::random::<u8>())).collect();
     let mut children = Vec::new();
@@ -334,7 +334,7 @@ fn measurement(bytes: usize, seconds: f64, world: u64) -> Measurement {
     Measurement { seconds, algbw_gbps: algbw, busbw_gbps: busbw }
 }
 
-fn rank0_times(workers: Workers) -> anyhow::Result<Vec<(usize, f64)>> {
+fn rank0_times(workers: Workers) -> limpet_daemon::Result<Vec<(usize, f64)>> {
     let mut workers = workers;
     let mut out = None;
     for (i, c) in workers.children.iter_mut().enumerate() {
@@ -342,7 +342,7 @@ fn rank0_times(workers: Workers) -> anyhow::Result<Vec<(usize, f64)>> {
         std::io::Read::read_to_string(c.stdout.as_mut().expect("piped"), &mut stdout)?;
         let status = c.wait()?;
         if !status.success() {
-            bail!("worker {i} failed ({status})");
+            limpet_daemon::fail!("worker {i} failed ({status})");
         }
         if i == 0 {
             out = Some(stdout);
@@ -351,7 +351,7 @@ fn rank0_times(workers: Workers) -> anyhow::Result<Vec<(usize, f64)>> {
     parse_times(&out.unwrap_or_default())
 }
 
-fn parse_times(json: &str) -> anyhow::Result<Vec<(usize, f64)>> {
+fn parse_times(json: &str) -> limpet_daemon::Result<Vec<(usize, f64)>> {
     let v: serde_json::Value =
         serde_json::from_str(json.trim()).with_context(|| format!("timing output {json:?}"))?;
     let sizes = v["sizes"].as_array().context("timing output without sizes")?;
@@ -381,7 +381,7 @@ pub fn python() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("python3"))
 }
 
-fn gloo_times(world: u64, plan: &[(usize, u64)]) -> anyhow::Result<Vec<(usize, f64)>> {
+fn gloo_times(world: u64, plan: &[(usize, u64)]) -> limpet_daemon::Result<Vec<(usize, f64)>> {
     let dir = tempfile::tempdir()?;
     let script = dir.path().join("gloo_allreduce.py");
     std::fs::write(&script, include_str!("../../../bench/gloo_allreduce.py"))?;
@@ -396,13 +396,13 @@ fn gloo_times(world: u64, plan: &[(usize, u64)]) -> anyhow::Result<Vec<(usize, f
         .output()
         .with_context(|| format!("running {} (set LIMPET_PYTHON, or run `make setup`)", py.display()))?;
     if !out.status.success() {
-        bail!("the gloo benchmark failed ({})", out.status);
+        limpet_daemon::fail!("the gloo benchmark failed ({})", out.status);
     }
     parse_times(&String::from_utf8_lossy(&out.stdout))
 }
 
 /// Runs the benchmark.
-pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
+pub fn bench_allreduce(args: BenchAllreduceArgs) -> limpet_daemon::Result<()> {
     let sizes: Vec<usize> = args.sizes.iter().map(|s| parse_size(s)).collect::<Result<_, _>>()?;
     let host_cc = limpet_agent::dataplane::endpoint::host_congestion();
     let ours_cc = congestion_arg(&args.congestion)?.unwrap_or_else(|| host_cc.clone());
@@ -481,7 +481,7 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> anyhow::Result<()> {
 }
 
 /// A one-day CA and a certificate for each worker `n<id>`.
-fn bench_certs(dir: &std::path::Path, order: &[u64]) -> anyhow::Result<()> {
+fn bench_certs(dir: &std::path::Path, order: &[u64]) -> limpet_daemon::Result<()> {
     limpet_daemon::certs::init(dir, "bench", 1)?;
     for n in order {
         limpet_daemon::certs::issue_for_days(dir, &format!("n{n}"), limpet_daemon::certs::Kind::Node(*n), 1)?;
@@ -527,7 +527,7 @@ fn print_allreduce(
     args: &BenchAllreduceArgs,
     rows: &[SizeReport],
     (ours_cc, host_cc): (&str, &str),
-) -> anyhow::Result<()> {
+) -> limpet_daemon::Result<()> {
     let also_host = ours_cc != host_cc;
     println!(
         "allreduce (sum, f32), world {}, loopback; busbw = algbw x 2(N-1)/N; median of {} round(s)",
@@ -635,7 +635,7 @@ pub struct BenchHandoffArgs {
     pub json: bool,
 }
 
-fn synthetic_image(bytes: usize) -> anyhow::Result<limpet_snapshot::StateImage> {
+fn synthetic_image(bytes: usize) -> limpet_daemon::Result<limpet_snapshot::StateImage> {
     use limpet_snapshot::{RawTensor, RngState, StateImage};
     let tensors_n = 16usize;
     let per = (bytes / 4 / tensors_n).max(1);
@@ -652,7 +652,7 @@ use crate::stats::median;
 
 /// Serves `server`'s offers on a loopback port for the rest of the process, one thread
 /// per connection as the agent's handoff server does.
-fn serve_loopback(server: &limpet_snapshot::handoff::Server) -> anyhow::Result<String> {
+fn serve_loopback(server: &limpet_snapshot::handoff::Server) -> limpet_daemon::Result<String> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?.to_string();
     let serving = server.clone();
@@ -671,13 +671,13 @@ fn serve_loopback(server: &limpet_snapshot::handoff::Server) -> anyhow::Result<S
 
 /// Runs the handoff benchmark: a verified state transfer over loopback next to a plain TCP
 /// copy of the same bytes.
-pub fn bench_handoff(args: BenchHandoffArgs) -> anyhow::Result<()> {
+pub fn bench_handoff(args: BenchHandoffArgs) -> limpet_daemon::Result<()> {
     use limpet_snapshot::handoff::{
         fetch, label_of, plain_copy_seconds, FetchOptions, Offer, Server, TcpDialer,
     };
     let size = parse_size(&args.bytes)?;
     if args.runs == 0 || args.streams == 0 {
-        bail!(UsageError("--runs and --streams must be positive".into()));
+        return Err(UsageError("--runs and --streams must be positive".into()).into());
     }
     let image = synthetic_image(size)?;
     let bytes = image.encode()?;
@@ -707,7 +707,7 @@ pub fn bench_handoff(args: BenchHandoffArgs) -> anyhow::Result<()> {
         let (got, _) = fetch(&dialer, std::slice::from_ref(&addr), &opts)?;
         verified.push(t.elapsed().as_secs_f64());
         if got != bytes {
-            bail!("the transferred state differs from the source's");
+            limpet_daemon::fail!("the transferred state differs from the source's");
         }
         bar.inc(1);
         bar.set_message("plain TCP copy");

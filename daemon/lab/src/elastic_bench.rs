@@ -86,7 +86,7 @@ pub struct ReproBench {
 /// node-1's mean step time in `dir`'s step logs, after the first tenth of the steps (they
 /// warm up: connections, allocations). Wall times are whole milliseconds, so a mean over
 /// many steps rather than a median of gaps.
-fn mean_step_ms(dir: &Path) -> anyhow::Result<f64> {
+fn mean_step_ms(dir: &Path) -> limpet_daemon::Result<f64> {
     let lines = step_logs_in(dir)?;
     let mut mine: Vec<u64> = lines.iter().filter(|l| l.node == 1).map(|l| l.wall_ms).collect();
     mine.sort_unstable();
@@ -98,7 +98,7 @@ fn mean_step_ms(dir: &Path) -> anyhow::Result<f64> {
 }
 
 /// `--reproducible`: the same job both ways on `a.nodes` agents, no transitions.
-fn bench_reproducible(a: &BenchElasticArgs, job: LocalJob) -> anyhow::Result<()> {
+fn bench_reproducible(a: &BenchElasticArgs, job: LocalJob) -> limpet_daemon::Result<()> {
     let tmp = tempfile::tempdir()?;
     let mut times = Vec::new();
     for reproducible in [false, true] {
@@ -189,7 +189,7 @@ pub struct ElasticBench {
 }
 
 /// Runs the benchmark.
-pub fn bench(a: BenchElasticArgs) -> anyhow::Result<()> {
+pub fn bench(a: BenchElasticArgs) -> limpet_daemon::Result<()> {
     if a.nodes < 3 && !a.reproducible {
         return Err(limpet_daemon::UsageError("--nodes must be at least 3".into()).into());
     }
@@ -268,7 +268,7 @@ fn transitions(
     job: LocalJob,
     script: &[(f64, Action)],
     show: bool,
-) -> anyhow::Result<(f64, Vec<Measured>)> {
+) -> limpet_daemon::Result<(f64, Vec<Measured>)> {
     let s = run_scenario(dir, nodes, job, script, Duration::from_secs(600), show)?;
     let lines = step_logs_in(dir)?;
     let mut first: Vec<u64> =
@@ -381,7 +381,7 @@ fn spawn_torchrun(
     script: &Path,
     workers: usize,
     steps: u64,
-) -> anyhow::Result<std::process::Child> {
+) -> limpet_daemon::Result<std::process::Child> {
     let log = std::fs::File::create(dir.join("torchrun.log"))?;
     let digits = limpet_trainer::data::default_digits_path();
     Command::new(crate::dp_cmd::python())
@@ -398,10 +398,11 @@ fn spawn_torchrun(
         .process_group(0)
         .spawn()
         .context("starting torchrun (python -m torch.distributed.run)")
+        .map_err(Into::into)
 }
 
 /// Runs torchrun, kills one worker at 60% of the job, and measures its recovery.
-fn torchrun(dir: &Path, workers: usize, steps: u64, wait: Duration) -> anyhow::Result<Measured> {
+fn torchrun(dir: &Path, workers: usize, steps: u64, wait: Duration) -> limpet_daemon::Result<Measured> {
     std::fs::create_dir_all(dir)?;
     let script = dir.join("torchrun_elastic.py");
     std::fs::write(&script, include_str!("../../../bench/torchrun_elastic.py"))?;
@@ -417,7 +418,7 @@ fn torchrun(dir: &Path, workers: usize, steps: u64, wait: Duration) -> anyhow::R
     loop {
         if Instant::now() > deadline || matches!(child.try_wait(), Ok(Some(_))) {
             stop("did not reach the kill point");
-            anyhow::bail!(
+            limpet_daemon::fail!(
                 "torchrun did not reach step {kill_step}; see {}",
                 dir.join("torchrun.log").display()
             );

@@ -5,7 +5,7 @@
 //! the multi-process tests drive clusters through this module.
 
 use crate::raft_cmd::free_port;
-use anyhow::{bail, Context};
+use anyhow::Context;
 pub use limpet_daemon::cluster_file::{post_notice, ClusterFile, LocalNode};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -189,19 +189,19 @@ pub struct SystemdEnv {
 }
 
 /// `limpetd`'s path: beside the running `limpet`.
-pub fn limpetd_path() -> anyhow::Result<PathBuf> {
+pub fn limpetd_path() -> limpet_daemon::Result<PathBuf> {
     product_path("limpetd")
 }
 
 /// The operator's `limpet` beside this executable (the lab drives it as an operator would).
-pub fn limpet_path() -> anyhow::Result<PathBuf> {
+pub fn limpet_path() -> limpet_daemon::Result<PathBuf> {
     product_path("limpet")
 }
 
-fn product_path(name: &str) -> anyhow::Result<PathBuf> {
+fn product_path(name: &str) -> limpet_daemon::Result<PathBuf> {
     let p = std::env::current_exe()?.with_file_name(name);
     if !p.exists() {
-        bail!("{} not found (build it with `cargo build --bin {name}`)", p.display());
+        limpet_daemon::fail!("{} not found (build it with `cargo build --bin {name}`)", p.display());
     }
     Ok(p)
 }
@@ -209,7 +209,7 @@ fn product_path(name: &str) -> anyhow::Result<PathBuf> {
 impl LocalCluster {
     /// Starts `n` founding nodes under `dir` training `job`, with this `limpet-lab` (for the
     /// fake metadata services) and the `limpetd` beside it.
-    pub fn up(dir: &Path, n: usize, job: LocalJob) -> anyhow::Result<LocalCluster> {
+    pub fn up(dir: &Path, n: usize, job: LocalJob) -> limpet_daemon::Result<LocalCluster> {
         LocalCluster::up_with(dir, n, job, &std::env::current_exe()?, &limpetd_path()?)
     }
 
@@ -220,16 +220,16 @@ impl LocalCluster {
         job: LocalJob,
         limpet: &Path,
         limpetd: &Path,
-    ) -> anyhow::Result<LocalCluster> {
+    ) -> limpet_daemon::Result<LocalCluster> {
         if n == 0 {
-            bail!(limpet_daemon::UsageError("--nodes must be at least 1".into()));
+            return Err(limpet_daemon::UsageError("--nodes must be at least 1".into()).into());
         }
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         if dir.join("cluster.json").exists() {
-            bail!(limpet_daemon::UsageError(format!(
+            return Err(limpet_daemon::UsageError(format!(
                 "{} already holds a cluster; use an empty directory",
                 dir.display()
-            )));
+            )).into());
         }
         let secret: String = (0..32).map(|_| format!("{:x}", rand::random::<u8>() & 15)).collect();
         std::fs::write(dir.join("secret"), secret).context("writing the cluster secret")?;
@@ -263,7 +263,7 @@ impl LocalCluster {
                 Some(limpet_consensus::tls::TlsFiles { ca: certs.join("ca.pem"), cert, key });
         }
         let controls: Vec<String> =
-            (0..n).map(|_| free_port().map(|p| format!("127.0.0.1:{p}"))).collect::<anyhow::Result<_>>()?;
+            (0..n).map(|_| free_port().map(|p| format!("127.0.0.1:{p}"))).collect::<limpet_daemon::Result<_>>()?;
         c.founders = controls.iter().enumerate().map(|(i, a)| format!("{}={a}", i + 1)).collect();
         for (i, control) in controls.iter().enumerate() {
             c.start_node(&format!("node-{}", i + 1), (i + 1) as u64, control, true)?;
@@ -273,7 +273,7 @@ impl LocalCluster {
 
     /// Adds a node that joins through the founders, started the way systemd starts a
     /// `Type=notify` service (`NOTIFY_SOCKET`, `WATCHDOG_USEC`, `WATCHDOG_PID`).
-    pub fn add_as_service(&mut self, env: SystemdEnv) -> anyhow::Result<String> {
+    pub fn add_as_service(&mut self, env: SystemdEnv) -> limpet_daemon::Result<String> {
         self.systemd = Some(env);
         let r = self.add();
         self.systemd = None;
@@ -281,13 +281,13 @@ impl LocalCluster {
     }
 
     /// Adds a node that joins through the founders.
-    pub fn add(&mut self) -> anyhow::Result<String> {
+    pub fn add(&mut self) -> limpet_daemon::Result<String> {
         let id = self.file.nodes.iter().map(|n| n.id).max().unwrap_or(0) + 1;
         self.add_named(&format!("node-{id}"))
     }
 
     /// Adds a node named `name` (an instance id, say) that joins through the founders.
-    pub fn add_named(&mut self, name: &str) -> anyhow::Result<String> {
+    pub fn add_named(&mut self, name: &str) -> limpet_daemon::Result<String> {
         let id = self.file.nodes.iter().map(|n| n.id).max().unwrap_or(0) + 1;
         let control = format!("127.0.0.1:{}", free_port()?);
         self.start_node(name, id, &control, false)?;
@@ -299,7 +299,7 @@ impl LocalCluster {
         self.dir.join("certs")
     }
 
-    fn start_node(&mut self, name: &str, id: u64, control: &str, founder: bool) -> anyhow::Result<()> {
+    fn start_node(&mut self, name: &str, id: u64, control: &str, founder: bool) -> limpet_daemon::Result<()> {
         let data = format!("127.0.0.1:{}", free_port()?);
         let md_addr = format!("127.0.0.1:{}", free_port()?);
         let metrics = format!("127.0.0.1:{}", free_port()?);
@@ -379,7 +379,7 @@ impl LocalCluster {
     }
 
     /// `[job]`, `[model]`, `[data]`, `[pipeline]` and `[checkpoint]` of a node's file.
-    fn job_sections(&self) -> anyhow::Result<String> {
+    fn job_sections(&self) -> limpet_daemon::Result<String> {
         let j = &self.job;
         let mut text = String::new();
         text += &format!(
@@ -459,7 +459,7 @@ impl LocalCluster {
     }
 
     /// `[security]` of node `name`'s file, issuing its certificate on its first start.
-    fn security_section(&self, name: &str, id: u64) -> anyhow::Result<String> {
+    fn security_section(&self, name: &str, id: u64) -> limpet_daemon::Result<String> {
         let certs = self.certs_dir();
         let (cert, key) = (certs.join(format!("{name}.pem")), certs.join(format!("{name}.key")));
         // A restarted node keeps its certificate.
@@ -501,7 +501,7 @@ impl LocalCluster {
         cmd
     }
 
-    fn save(&self) -> anyhow::Result<()> {
+    fn save(&self) -> limpet_daemon::Result<()> {
         let tmp = self.dir.join("cluster.json.tmp");
         std::fs::write(&tmp, serde_json::to_vec_pretty(&self.file)?)?;
         std::fs::rename(&tmp, self.dir.join("cluster.json"))?;
@@ -510,9 +510,9 @@ impl LocalCluster {
 
     /// Starts a stopped node's limpetd again with its configuration and state directory
     /// (an upgrade: stop, replace the binary, start).
-    pub fn restart(&mut self, name: &str) -> anyhow::Result<()> {
+    pub fn restart(&mut self, name: &str) -> limpet_daemon::Result<()> {
         if self.running(name) {
-            bail!("{name} is still running");
+            limpet_daemon::fail!("{name} is still running");
         }
         let node = self.file.node(name)?.clone();
         let out = std::fs::OpenOptions::new().append(true).create(true).open(&node.log)?;
@@ -528,7 +528,7 @@ impl LocalCluster {
     }
 
     /// `kill -9` of a node's limpetd.
-    pub fn kill(&mut self, name: &str) -> anyhow::Result<()> {
+    pub fn kill(&mut self, name: &str) -> limpet_daemon::Result<()> {
         let child = self.children.get_mut(name).ok_or_else(|| anyhow::anyhow!("no running node {name:?}"))?;
         child.kill().with_context(|| format!("killing {name}"))?;
         let _ = child.wait();
@@ -598,13 +598,14 @@ impl LocalCluster {
 }
 
 /// Starts a limpetd command with its output in `log` and the cluster's log filter.
-fn spawn_logged(mut cmd: Command, log: std::fs::File) -> anyhow::Result<Child> {
+fn spawn_logged(mut cmd: Command, log: std::fs::File) -> limpet_daemon::Result<Child> {
     cmd.env("LIMPET_LOG", std::env::var("LIMPET_LOG").unwrap_or_else(|_| "info,raft=warn".into()))
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
         .spawn()
         .context("starting limpetd")
+        .map_err(Into::into)
 }
 
 impl Drop for LocalCluster {
@@ -614,7 +615,7 @@ impl Drop for LocalCluster {
 }
 
 /// The body of a GET (a node's `/metrics`, for tests and the demo).
-pub fn get_text(url: &str) -> anyhow::Result<String> {
+pub fn get_text(url: &str) -> limpet_daemon::Result<String> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         let r = reqwest::Client::new()
@@ -624,7 +625,7 @@ pub fn get_text(url: &str) -> anyhow::Result<String> {
             .await
             .with_context(|| format!("GET {url}"))?;
         if !r.status().is_success() {
-            bail!("{url} answered {}", r.status());
+            limpet_daemon::fail!("{url} answered {}", r.status());
         }
         Ok(r.text().await?)
     })

@@ -46,7 +46,7 @@ struct WorkerReport {
 }
 
 /// Runs `limpet-lab pipe-worker`.
-pub fn run_worker(args: PipeWorkerArgs) -> anyhow::Result<()> {
+pub fn run_worker(args: PipeWorkerArgs) -> limpet_daemon::Result<()> {
     limpet_trainer::set_threads(1);
     let layout: HostLayout = args.layout.parse().map_err(|e| UsageError(format!("--layout: {e}")))?;
     let ep = crate::dp_cmd::bind_worker(&args.peers, args.timeout_ms)?;
@@ -144,10 +144,10 @@ fn job_flags(j: &JobArgs) -> Vec<String> {
 
 /// Trains `layout` in worker processes and returns the measured step time (ms): per rank
 /// the median after warm-up, then the slowest rank.
-fn measure(layout: &HostLayout, job: &JobArgs, steps: u64) -> anyhow::Result<f64> {
+fn measure(layout: &HostLayout, job: &JobArgs, steps: u64) -> limpet_daemon::Result<f64> {
     let exe = std::env::current_exe()?;
     let p = layout.pipeline();
-    let host_node = |h: &str| -> anyhow::Result<u64> {
+    let host_node = |h: &str| -> limpet_daemon::Result<u64> {
         Ok(h.strip_prefix('h').and_then(|k| k.parse::<u64>().ok()).context("planner host names are hK")? + 1)
     };
     let mut ranks = Vec::new();
@@ -172,14 +172,14 @@ fn measure(layout: &HostLayout, job: &JobArgs, steps: u64) -> anyhow::Result<f64
     for c in &mut workers.children {
         let status = c.wait()?;
         if !status.success() {
-            anyhow::bail!("a pipe worker of {} exited with {status}", layout.spec());
+            limpet_daemon::fail!("a pipe worker of {} exited with {status}", layout.spec());
         }
     }
     Ok(slowest)
 }
 
 /// Runs `limpet-lab bench pipeline`.
-pub fn bench(args: BenchPipelineArgs) -> anyhow::Result<()> {
+pub fn bench(args: BenchPipelineArgs) -> limpet_daemon::Result<()> {
     limpet_trainer::set_threads(1);
     if args.chaos && args.hosts < 4 {
         return Err(UsageError(
@@ -315,7 +315,7 @@ fn chaos_run(
     args: &BenchPipelineArgs,
     job: &limpet_trainer::JobSpec,
     chosen: &Plan,
-) -> anyhow::Result<crate::demo::Summary> {
+) -> limpet_daemon::Result<crate::demo::Summary> {
     let dir = tempfile::tempdir()?;
     let kind = |v: serde_json::Value| v["kind"].as_str().unwrap_or_default().to_string();
     let layers = match &job.model {

@@ -3,7 +3,7 @@
 //! proposals commit). `RaftCluster` starts and stops the processes for both the benchmark
 //! and the multi-process tests.
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use clap::Args;
 use limpet_consensus::state::{Command, Hardware};
 use limpet_consensus::{Client, Node, NodeConfig, NodeStatus};
@@ -45,16 +45,16 @@ pub struct RaftNodeArgs {
 }
 
 /// Runs one node until SIGTERM, SIGINT or a fatal storage error.
-pub fn run_node(args: RaftNodeArgs) -> anyhow::Result<()> {
+pub fn run_node(args: RaftNodeArgs) -> limpet_daemon::Result<()> {
     if args.id == 0 {
-        bail!(UsageError("--id must be non-zero (raft reserves 0)".into()));
+        return Err(UsageError("--id must be non-zero (raft reserves 0)".into()).into());
     }
     if args.tick_ms == 0 {
-        bail!(UsageError("--tick-ms must be positive".into()));
+        return Err(UsageError("--tick-ms must be positive".into()).into());
     }
     let founders = parse_founders(&args.bootstrap)?;
     if !founders.is_empty() && !founders.iter().any(|f| f.id == args.id) {
-        bail!(UsageError(format!("--bootstrap does not list this node's id {}", args.id)));
+        return Err(UsageError(format!("--bootstrap does not list this node's id {}", args.id)).into());
     }
     let name = args.name.clone().unwrap_or_else(|| format!("node-{}", args.id));
     let mut cfg = NodeConfig::new(args.id, &args.cluster, &name, args.listen, args.dir.clone());
@@ -86,7 +86,7 @@ pub fn run_node(args: RaftNodeArgs) -> anyhow::Result<()> {
         // A panic in one of the node's tasks stopped it: the process says so.
         let _ = tasks.shutdown(tokio::time::Instant::now() + limpet_consensus::tasks::SHUTDOWN_LIMIT).await;
         match tasks.fatal() {
-            Some(f) => anyhow::bail!(f),
+            Some(f) => Err(f.into()),
             None => Ok(()),
         }
     })
@@ -110,7 +110,7 @@ pub struct RaftCluster {
 }
 
 /// A loopback port nobody listens on right now (for child processes told their address).
-pub fn free_port() -> anyhow::Result<u16> {
+pub fn free_port() -> limpet_daemon::Result<u16> {
     use nix::fcntl::{Flock, FlockArg};
     // A port is free once its probe closes, so it may be handed out again before the process
     // it was meant for binds it. Three guards: take ports below the kernel's ephemeral range,
@@ -158,17 +158,17 @@ pub fn free_port() -> anyhow::Result<u16> {
             return Ok(port);
         }
     }
-    anyhow::bail!("no unused loopback port after 256 tries")
+    limpet_daemon::fail!("no unused loopback port after 256 tries")
 }
 
 impl RaftCluster {
     /// Starts `n` nodes of `exe raft-node` under `dir`: up to five founders (the voters), and
     /// the rest join through node 1 as learners.
-    pub fn start(exe: &Path, n: usize, dir: &Path, tick_ms: u64) -> anyhow::Result<RaftCluster> {
+    pub fn start(exe: &Path, n: usize, dir: &Path, tick_ms: u64) -> limpet_daemon::Result<RaftCluster> {
         let n_founders = n.min(5);
         let addrs: Vec<String> = (0..n_founders)
             .map(|_| free_port().map(|p| format!("127.0.0.1:{p}")))
-            .collect::<anyhow::Result<_>>()?;
+            .collect::<limpet_daemon::Result<_>>()?;
         let founders = addrs.iter().enumerate().map(|(i, a)| format!("{}={a}", i + 1)).collect();
         let mut c = RaftCluster {
             exe: exe.to_path_buf(),
@@ -194,7 +194,7 @@ impl RaftCluster {
     }
 
     /// Starts one more node that is not a founder: it asks node 1 to admit it. Returns its id.
-    pub fn add_joiner(&mut self) -> anyhow::Result<u64> {
+    pub fn add_joiner(&mut self) -> limpet_daemon::Result<u64> {
         self.addrs.push(format!("127.0.0.1:{}", free_port()?));
         self.children.push(None);
         let id = self.addrs.len() as u64;
@@ -203,7 +203,7 @@ impl RaftCluster {
     }
 
     /// (Re)starts node `id` from its state directory.
-    pub fn spawn(&mut self, id: u64) -> anyhow::Result<()> {
+    pub fn spawn(&mut self, id: u64) -> limpet_daemon::Result<()> {
         let i = (id - 1) as usize;
         let founders = self.founders.join(",");
         let membership = if i < self.founders.len() {
@@ -239,7 +239,7 @@ impl RaftCluster {
     }
 
     /// A client of node `id`.
-    pub async fn client(&self, id: u64) -> anyhow::Result<Client> {
+    pub async fn client(&self, id: u64) -> limpet_daemon::Result<Client> {
         Ok(Client::connect(&self.addrs[(id - 1) as usize], &self.cluster).await?)
     }
 
@@ -260,7 +260,7 @@ impl RaftCluster {
     }
 
     /// Waits until a leader is known by every live node, and returns it.
-    pub async fn wait_for_leader(&self, within: Duration) -> anyhow::Result<u64> {
+    pub async fn wait_for_leader(&self, within: Duration) -> limpet_daemon::Result<u64> {
         let start = Instant::now();
         loop {
             let statuses = self.statuses().await;
@@ -274,7 +274,7 @@ impl RaftCluster {
                 }
             }
             if start.elapsed() > within {
-                bail!("no leader after {within:?}; node logs are in {}", self.dir.display());
+                limpet_daemon::fail!("no leader after {within:?}; node logs are in {}", self.dir.display());
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -332,9 +332,9 @@ fn bump(id: u64, n: u64) -> Command {
 }
 
 /// Runs the benchmark.
-pub fn bench(args: BenchRaftArgs) -> anyhow::Result<()> {
+pub fn bench(args: BenchRaftArgs) -> limpet_daemon::Result<()> {
     if args.proposals == 0 || args.concurrency == 0 {
-        bail!(UsageError("--proposals and --concurrency must be positive".into()));
+        return Err(UsageError("--proposals and --concurrency must be positive".into()).into());
     }
     let tmp = tempfile::tempdir()?;
     let dir = args.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
@@ -360,7 +360,7 @@ pub fn bench(args: BenchRaftArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn bench_async(exe: &Path, dir: &Path, args: &BenchRaftArgs) -> anyhow::Result<RaftBenchReport> {
+async fn bench_async(exe: &Path, dir: &Path, args: &BenchRaftArgs) -> limpet_daemon::Result<RaftBenchReport> {
     let cluster = RaftCluster::start(exe, args.nodes as usize, dir, 100)?;
     let leader = cluster.wait_for_leader(Duration::from_secs(30)).await?;
     let mut client = cluster.client(leader).await?;
@@ -399,7 +399,7 @@ async fn bench_async(exe: &Path, dir: &Path, args: &BenchRaftArgs) -> anyhow::Re
                 c.propose(&bump(1 + (t + n) % nodes, n), Duration::from_secs(10)).await?;
                 bar.inc(1);
             }
-            anyhow::Ok(())
+            Ok::<_, limpet_daemon::Failure>(())
         });
     }
     while let Some(r) = tasks.join_next().await {

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// Every step line of the step logs (`*.steps.jsonl`) in a local cluster's directory.
-pub fn step_logs_in(dir: &Path) -> anyhow::Result<Vec<StepLine>> {
+pub fn step_logs_in(dir: &Path) -> limpet_daemon::Result<Vec<StepLine>> {
     let paths: Vec<PathBuf> = std::fs::read_dir(dir)
         .with_context(|| format!("reading {}", dir.display()))?
         .flatten()
@@ -20,7 +20,7 @@ pub fn step_logs_in(dir: &Path) -> anyhow::Result<Vec<StepLine>> {
 }
 
 /// Every node's step log, parsed.
-pub fn read_step_logs(paths: &[PathBuf]) -> anyhow::Result<Vec<StepLine>> {
+pub fn read_step_logs(paths: &[PathBuf]) -> limpet_daemon::Result<Vec<StepLine>> {
     let mut out = Vec::new();
     for p in paths {
         let Ok(text) = std::fs::read_to_string(p) else { continue };
@@ -32,7 +32,7 @@ pub fn read_step_logs(paths: &[PathBuf]) -> anyhow::Result<Vec<StepLine>> {
             match serde_json::from_str::<StepLine>(line) {
                 Ok(l) => out.push(l),
                 Err(e) if i + 1 == text.lines().count() => tracing::debug!(%e, "torn last line"),
-                Err(e) => anyhow::bail!("{}: line {}: {e}", p.display(), i + 1),
+                Err(e) => limpet_daemon::fail!("{}: line {}: {e}", p.display(), i + 1),
             }
         }
     }

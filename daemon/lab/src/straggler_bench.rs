@@ -44,13 +44,15 @@ pub struct BenchStragglerArgs {
 }
 
 /// Mean milliseconds per step of node-1 over the last epoch, its first 20 steps left out.
-fn steady_step_ms(dir: &Path) -> anyhow::Result<f64> {
+fn steady_step_ms(dir: &Path) -> limpet_daemon::Result<f64> {
     let lines = read_step_logs(&[dir.join("node-1.steps.jsonl")])?;
     let last = lines.iter().map(|l| l.epoch).max().unwrap_or(0);
     let mut at: Vec<u64> = lines.iter().filter(|l| l.epoch == last).map(|l| l.wall_ms).collect();
     at.sort_unstable();
     let at = &at[20.min(at.len())..];
-    anyhow::ensure!(at.len() > 20, "too few steps in the last epoch of {}", dir.display());
+    if at.len() <= 20 {
+        limpet_daemon::fail!("too few steps in the last epoch of {}", dir.display());
+    }
     Ok((at[at.len() - 1] - at[0]) as f64 / (at.len() - 1) as f64)
 }
 
@@ -58,7 +60,7 @@ fn steady_step_ms(dir: &Path) -> anyhow::Result<f64> {
 type Run = (&'static str, Option<(String, u64)>, Option<(String, f64)>, f64);
 
 /// Runs the benchmark.
-pub fn run(a: BenchStragglerArgs) -> anyhow::Result<()> {
+pub fn run(a: BenchStragglerArgs) -> limpet_daemon::Result<()> {
     let tmp = tempfile::tempdir()?;
     let root = a.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
     let slow_node = format!("node-{}", a.nodes);

@@ -13,7 +13,7 @@
 //! ring would reduce, and stepping its own AdamW. The peer draws random ids in memory.
 
 use crate::dp_cmd::python;
-use anyhow::{bail, Context};
+use anyhow::Context;
 use clap::Args;
 use limpet_trainer::data::tokens::{write_dataset, write_manifest, Manifest, MANIFEST_FORMAT};
 use limpet_trainer::data::{DataSpec, Dataset};
@@ -83,7 +83,7 @@ pub struct TrainBenchReport {
 use crate::stats::median;
 
 /// Random token shards (ids below `vocab`) for `windows` windows of `context` + 1 in `dir`.
-fn random_shards(dir: &std::path::Path, vocab: usize, context: usize, windows: u64) -> anyhow::Result<()> {
+fn random_shards(dir: &std::path::Path, vocab: usize, context: usize, windows: u64) -> limpet_daemon::Result<()> {
     let tokens = windows * (context as u64 + 1) + 1;
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     let ids: Vec<u32> = (0..tokens).map(|_| rng.random_range(0..vocab as u32)).collect();
@@ -97,7 +97,7 @@ fn peer_files(
     spec: &LlamaSpec,
     name: &str,
     script: &str,
-) -> anyhow::Result<(std::path::PathBuf, std::path::PathBuf)> {
+) -> limpet_daemon::Result<(std::path::PathBuf, std::path::PathBuf)> {
     let cfg = dir.join("config.json");
     std::fs::write(&cfg, serde_json::to_vec(&limpet_trainer::hf::hf_config(spec))?)?;
     let path = dir.join(name);
@@ -106,7 +106,7 @@ fn peer_files(
 }
 
 /// Runs the benchmark.
-pub fn bench(a: BenchTrainArgs) -> anyhow::Result<()> {
+pub fn bench(a: BenchTrainArgs) -> limpet_daemon::Result<()> {
     if a.batch == 0 || a.context == 0 || a.steps == 0 || a.threads == 0 || a.rounds == 0 {
         return Err(limpet_daemon::UsageError(
             "--batch, --context, --steps, --threads and --rounds must be at least 1".into(),
@@ -128,7 +128,7 @@ pub fn bench(a: BenchTrainArgs) -> anyhow::Result<()> {
     job.optimizer = limpet_trainer::optim::OptimizerSpec::adamw(1e-3, 0.1);
 
     limpet_trainer::set_threads(a.threads);
-    let ours = || -> anyhow::Result<f64> {
+    let ours = || -> limpet_daemon::Result<f64> {
         let mut t = Trainer::try_new(job.clone(), data.shallow_clone())?;
         let mut secs = 0.0;
         for s in 0..a.steps + a.warmup {
@@ -143,7 +143,7 @@ pub fn bench(a: BenchTrainArgs) -> anyhow::Result<()> {
     let (cfg, script) =
         peer_files(tmp.path(), &spec, "hf_train.py", include_str!("../../../bench/hf_train.py"))?;
     let py = python();
-    let theirs = || -> anyhow::Result<f64> {
+    let theirs = || -> limpet_daemon::Result<f64> {
         let out = Command::new(&py)
             .arg(&script)
             .arg(&cfg)
@@ -154,11 +154,11 @@ pub fn bench(a: BenchTrainArgs) -> anyhow::Result<()> {
             .output()
             .with_context(|| format!("running {} (set LIMPET_PYTHON, or run `make setup`)", py.display()))?;
         if !out.status.success() {
-            bail!("the transformers side failed ({})", out.status);
+            limpet_daemon::fail!("the transformers side failed ({})", out.status);
         }
         let v: serde_json::Value =
             serde_json::from_slice(&out.stdout).context("the transformers side's output")?;
-        v["tokens_per_s"].as_f64().context("no tokens_per_s from the transformers side")
+        Ok(v["tokens_per_s"].as_f64().context("no tokens_per_s from the transformers side")?)
     };
     let mut rounds = Vec::with_capacity(a.rounds);
     for r in 0..a.rounds {
@@ -188,7 +188,7 @@ pub fn bench(a: BenchTrainArgs) -> anyhow::Result<()> {
     print_train(&a, &r)
 }
 
-fn print_train(a: &BenchTrainArgs, r: &TrainBenchReport) -> anyhow::Result<()> {
+fn print_train(a: &BenchTrainArgs, r: &TrainBenchReport) -> limpet_daemon::Result<()> {
     if a.json {
         println!("{}", serde_json::to_string_pretty(r)?);
     } else {
@@ -320,7 +320,7 @@ fn limpet_dp(
     dir: &std::path::Path,
     job: crate::local::LocalJob,
     agents: usize,
-) -> anyhow::Result<(f64, u64, u64, u64)> {
+) -> limpet_daemon::Result<(f64, u64, u64, u64)> {
     crate::demo::run_scenario(dir, agents, job, &[], std::time::Duration::from_secs(1800), !a.json)?;
     let lines = crate::steplog::step_logs_in(dir)?;
     // Rank 0's completions after the warm-up: (steps - 1) intervals of the steady state.
@@ -329,7 +329,7 @@ fn limpet_dp(
     t.sort_unstable();
     t.dedup_by_key(|x| x.0);
     if t.len() < 2 {
-        bail!("limpet's step logs hold {} timed steps", t.len());
+        limpet_daemon::fail!("limpet's step logs hold {} timed steps", t.len());
     }
     let span_s = (t[t.len() - 1].1 - t[0].1) as f64 / 1e3;
     Ok((
@@ -341,7 +341,7 @@ fn limpet_dp(
 }
 
 /// Runs `limpet-lab bench dp`.
-pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
+pub fn bench_dp(a: BenchDpArgs) -> limpet_daemon::Result<()> {
     if a.world < 2 || a.batch < a.world || a.steps == 0 || a.context == 0 {
         return Err(limpet_daemon::UsageError(
             "--world must be at least 2, --batch at least --world, --steps and --context at least 1".into(),
@@ -515,7 +515,7 @@ pub fn bench_dp(a: BenchDpArgs) -> anyhow::Result<()> {
 
 /// The same job under torchrun with DDP (gloo) on the same LLaMA in transformers: its
 /// steady-state samples per second.
-fn torchrun_dp(a: &BenchDpArgs, tmp: &std::path::Path, spec: &LlamaSpec) -> anyhow::Result<(f64, u64, u64)> {
+fn torchrun_dp(a: &BenchDpArgs, tmp: &std::path::Path, spec: &LlamaSpec) -> limpet_daemon::Result<(f64, u64, u64)> {
     let (cfg, script) = peer_files(tmp, spec, "ddp_llama.py", include_str!("../../../bench/ddp_llama.py"))?;
     let optimizer = if a.shard_replicas.is_some() { "zero" } else { "adamw" };
     eprintln!(
@@ -540,7 +540,7 @@ fn torchrun_dp(a: &BenchDpArgs, tmp: &std::path::Path, spec: &LlamaSpec) -> anyh
             format!("running torchrun with {} (set LIMPET_PYTHON, or run `make setup`)", py.display())
         })?;
     if !out.status.success() {
-        bail!("torchrun failed ({})", out.status);
+        limpet_daemon::fail!("torchrun failed ({})", out.status);
     }
     let text = String::from_utf8_lossy(&out.stdout);
     let line = text.lines().rev().find(|l| l.starts_with('{')).context("no result line from torchrun")?;
@@ -553,7 +553,7 @@ fn torchrun_dp(a: &BenchDpArgs, tmp: &std::path::Path, spec: &LlamaSpec) -> anyh
 
 /// The largest value of `key` (`peak_rss_bytes=`, ` rss_bytes=`) the agents' logs in `dir`
 /// report.
-fn most_in_logs(dir: &std::path::Path, key: &str) -> anyhow::Result<u64> {
+fn most_in_logs(dir: &std::path::Path, key: &str) -> limpet_daemon::Result<u64> {
     let mut most = 0;
     for e in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))?.flatten() {
         if e.path().extension().is_some_and(|x| x == "log") {
@@ -565,7 +565,7 @@ fn most_in_logs(dir: &std::path::Path, key: &str) -> anyhow::Result<u64> {
         }
     }
     if most == 0 {
-        bail!("no agent log in {} reports {key:?}", dir.display());
+        limpet_daemon::fail!("no agent log in {} reports {key:?}", dir.display());
     }
     Ok(most)
 }
@@ -613,7 +613,7 @@ pub struct MemoryBenchReport {
 }
 
 /// A token-shard directory of `bytes` bytes of id 0 (a sparse file) with its manifest.
-fn sparse_shards(dir: &std::path::Path, bytes: u64, vocab: u64) -> anyhow::Result<()> {
+fn sparse_shards(dir: &std::path::Path, bytes: u64, vocab: u64) -> limpet_daemon::Result<()> {
     std::fs::create_dir_all(dir)?;
     let bin = dir.join("train.bin");
     std::fs::File::create(&bin)?.set_len(bytes)?;
@@ -637,7 +637,7 @@ fn sparse_shards(dir: &std::path::Path, bytes: u64, vocab: u64) -> anyhow::Resul
 
 /// Runs `limpet-lab bench memory`: peak RSS of training on a large token dataset against the
 /// model's own footprint and against the same training on a small dataset.
-pub fn bench_memory(a: BenchMemoryArgs) -> anyhow::Result<()> {
+pub fn bench_memory(a: BenchMemoryArgs) -> limpet_daemon::Result<()> {
     let vocab = 8192usize;
     let spec = LlamaSpec::preset(&a.preset, vocab, a.context)
         .map_err(|e| limpet_daemon::UsageError(e.to_string()))?;
@@ -647,7 +647,7 @@ pub fn bench_memory(a: BenchMemoryArgs) -> anyhow::Result<()> {
     sparse_shards(&large, a.dataset_gib << 30, vocab as u64)?;
     sparse_shards(&small, 1 << 20, vocab as u64)?;
     let exe = crate::local::limpet_path()?;
-    let peak = |data: &std::path::Path, out: &str| -> anyhow::Result<(u64, u64)> {
+    let peak = |data: &std::path::Path, out: &str| -> limpet_daemon::Result<(u64, u64)> {
         let run = Command::new(&exe)
             .args(["train", "--model", "llama", "--data", "tokens", "--json", "--preset", &a.preset])
             .args(["--vocab", &vocab.to_string(), "--context", &a.context.to_string()])
@@ -658,7 +658,7 @@ pub fn bench_memory(a: BenchMemoryArgs) -> anyhow::Result<()> {
             .stderr(Stdio::inherit())
             .output()?;
         if !run.status.success() {
-            bail!("limpet train on {} failed ({})", data.display(), run.status);
+            limpet_daemon::fail!("limpet train on {} failed ({})", data.display(), run.status);
         }
         let v: serde_json::Value = serde_json::from_slice(&run.stdout)?;
         let get = |k: &str| v[k].as_u64().with_context(|| format!("no {k} in the report"));

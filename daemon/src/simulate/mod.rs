@@ -287,7 +287,7 @@ struct PolicyDoc {
 }
 
 /// Runs `limpet simulate`.
-pub fn run(a: SimulateArgs) -> anyhow::Result<()> {
+pub fn run(a: SimulateArgs) -> crate::Result<()> {
     // Without --trace, the table's first line names the shipped trace as such.
     let (trace, file) = trace::load_as(a.trace.as_deref(), a.trace_format).map_err(UsageError)?;
     let p = a.params(&trace)?;

@@ -7,7 +7,7 @@ use std::path::Path;
 
 /// Draws, for each simulated policy (named by its label), live hosts (top) and the fraction
 /// of the job done (bottom) against hours.
-pub fn simulation_svg(path: &Path, outcomes: &[(String, &Outcome)], title: &str) -> anyhow::Result<()> {
+pub fn simulation_svg(path: &Path, outcomes: &[(String, &Outcome)], title: &str) -> crate::Result<()> {
     let draw = || -> Result<(), Box<dyn std::error::Error>> {
         let hours = outcomes.iter().map(|o| o.1.hours).fold(0.0, f64::max).max(1e-3);
         let hosts = outcomes.iter().flat_map(|o| o.1.timeline.iter().map(|p| p.1)).max().unwrap_or(1) + 1;
@@ -49,5 +49,5 @@ pub fn simulation_svg(path: &Path, outcomes: &[(String, &Outcome)], title: &str)
         root.present()?;
         Ok(())
     };
-    draw().map_err(|e| anyhow::anyhow!("{e}")).with_context(|| format!("drawing {}", path.display()))
+    Ok(draw().map_err(|e| anyhow::anyhow!("{e}")).with_context(|| format!("drawing {}", path.display()))?)
 }
