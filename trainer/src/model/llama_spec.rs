@@ -331,16 +331,6 @@ fn default_norm_eps() -> f64 {
     1e-5
 }
 
-/// Named LLaMA sizes, smallest first: `(name, layers, d_model, heads, kv_heads, ffn)`.
-/// `1b` has the shape of Llama 3.2 1B (with the vocabulary the data brings).
-pub const LLAMA_PRESETS: &[(&str, usize, usize, usize, usize, usize)] = &[
-    ("tiny", 2, 64, 4, 2, 176),
-    ("small", 4, 256, 8, 4, 688),
-    ("125m", 12, 768, 12, 4, 2048),
-    ("350m", 24, 1024, 16, 8, 2816),
-    ("1b", 16, 2048, 32, 8, 8192),
-];
-
 impl LlamaSpec {
     /// A plain LLaMA of these sizes (default rotary base and norm epsilon, no variants).
     pub fn plain(
@@ -370,16 +360,6 @@ impl LlamaSpec {
             special_tokens: SpecialTokens::default(),
             source_dtype: None,
         }
-    }
-
-    /// The preset `name` for a vocabulary of `vocab` tokens and sequences of `context`.
-    pub fn preset(name: &str, vocab: usize, context: usize) -> Result<Self, TrainerError> {
-        let &(_, layers, d_model, heads, kv_heads, ffn) =
-            LLAMA_PRESETS.iter().find(|p| p.0 == name).ok_or_else(|| {
-                let names: Vec<&str> = LLAMA_PRESETS.iter().map(|p| p.0).collect();
-                TrainerError::Config(format!("model.preset {name:?} is not one of {}", names.join(", ")))
-            })?;
-        Ok(Self::plain(vocab, context, (layers, d_model, heads, kv_heads, ffn)))
     }
 
     /// Width of one attention head.

@@ -9,13 +9,15 @@ mod gpt;
 mod llama;
 mod llama_spec;
 mod memory;
+mod presets;
 pub mod script;
 
-pub use llama_spec::{Family, LlamaSpec, RopeScaling, SlidingWindow, SpecialTokens, LLAMA_PRESETS};
+pub use llama_spec::{Family, LlamaSpec, RopeScaling, SlidingWindow, SpecialTokens};
 pub use memory::MemoryPlan;
+pub use presets::LLAMA_PRESETS;
 
 use crate::data::DataInfo;
-use crate::{ModelKind, TrainerError};
+use crate::TrainerError;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -125,73 +127,6 @@ pub enum ModelSpec {
 }
 
 impl ModelSpec {
-    /// limpet's default model of `kind` for data shaped like `info`.
-    pub fn for_data(kind: ModelKind, info: &DataInfo) -> Result<Self, TrainerError> {
-        let spec = match (kind, info) {
-            (ModelKind::Torchscript, _) => {
-                return Err(TrainerError::Config(
-                    "model 'torchscript' needs its module file ([model].path, or --script)".into(),
-                ))
-            }
-            (ModelKind::Mlp, DataInfo::Classify { features, classes, .. }) => ModelSpec::Mlp {
-                inputs: *features,
-                hidden: vec![128, 128],
-                classes: *classes,
-                loss: Loss::CrossEntropy,
-            },
-            (ModelKind::Mlp, DataInfo::Regress { features, outputs }) => ModelSpec::Mlp {
-                inputs: *features,
-                hidden: vec![128, 128],
-                classes: *outputs,
-                loss: Loss::Mse,
-            },
-            (_, DataInfo::Regress { .. }) => {
-                return Err(TrainerError::Config(
-                    format!(
-                        "model '{kind:?}' classifies or predicts tokens; regression targets need model 'mlp'"
-                    )
-                    .to_lowercase(),
-                ))
-            }
-            (ModelKind::Convnet, DataInfo::Classify { classes, image: Some((h, w)), .. }) => {
-                ModelSpec::Convnet {
-                    height: *h,
-                    width: *w,
-                    channels: vec![16, 32],
-                    hidden: 64,
-                    classes: *classes,
-                }
-            }
-            (ModelKind::Convnet, DataInfo::Classify { image: None, .. }) => {
-                return Err(TrainerError::Config("model 'convnet' needs image data (digits)".into()))
-            }
-            (ModelKind::Llama, DataInfo::Tokens { vocab, context }) => {
-                ModelSpec::Llama(LlamaSpec::preset("tiny", *vocab, *context)?)
-            }
-            (ModelKind::Gpt, DataInfo::Tokens { vocab, context }) => ModelSpec::Gpt {
-                vocab: *vocab,
-                context: *context,
-                width: 64,
-                layers: 2,
-                heads: 4,
-                dropout: 0.0,
-            },
-            (ModelKind::Gpt | ModelKind::Llama, DataInfo::Classify { .. }) => {
-                return Err(TrainerError::Config(
-                    format!("model '{kind:?}' needs token sequences (data 'chars' or 'tokens')")
-                        .to_lowercase(),
-                ))
-            }
-            (_, DataInfo::Tokens { .. }) => {
-                return Err(TrainerError::Config(
-                    format!("model '{kind:?}' classifies; token data needs model 'gpt' or 'llama'")
-                        .to_lowercase(),
-                ))
-            }
-        };
-        Ok(spec)
-    }
-
     /// Checks that this model reads the data shaped like `info`.
     pub fn check_data(&self, info: &DataInfo) -> Result<(), TrainerError> {
         let fits = match (self, info) {

@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::data::DataInfo;
+use crate::ModelKind;
 
 fn specs() -> Vec<(ModelSpec, Tensor)> {
     let img = DataInfo::Classify { features: 64, classes: 10, image: Some((8, 8)) };
