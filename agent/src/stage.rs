@@ -82,22 +82,8 @@ pub fn profile_model(
     data: &limpet_trainer::data::Dataset,
     reps: usize,
 ) -> Result<crate::planner::ModelProfile, limpet_trainer::TrainerError> {
-    let measured = limpet_trainer::profile::profile_blocks(job, data, reps)?;
-    let overhead_ms = limpet_trainer::profile::profile_step_overhead(job, data, &measured, reps)?;
-    let blocks = measured
-        .into_iter()
-        .map(|b| crate::planner::BlockCost {
-            fwd_ms: b.fwd_ms,
-            bwd_ms: b.bwd_ms,
-            fixed_fwd_ms: b.fixed_fwd_ms,
-            fixed_bwd_ms: b.fixed_bwd_ms,
-            apply_ms: b.apply_ms,
-            out_bytes: b.out_bytes,
-            saved_bytes: b.saved_bytes,
-            param_bytes: b.param_bytes,
-            optim_bytes: b.optim_bytes,
-        })
-        .collect();
+    let blocks = limpet_trainer::profile::profile_blocks(job, data, reps)?;
+    let overhead_ms = limpet_trainer::profile::profile_step_overhead(job, data, &blocks, reps)?;
     let model = serde_json::to_value(&job.model)
         .ok()
         .and_then(|v| v["kind"].as_str().map(str::to_string))

@@ -1,38 +1,17 @@
 //! Measures what each block of a model costs on this host, for the pipeline planner: forward
 //! and backward time of one micro-batch, the optimizer step over its parameters, the bytes of
 //! its output (what a stage boundary sends), of its parameters and optimizer state, and the
-//! bytes it keeps for backward (counted from the architecture).
+//! bytes it keeps for backward (counted from the architecture). Each block's costs are the
+//! planner's own [`BlockCost`], times the medians over the repetitions.
 
 use crate::data::Dataset;
 use crate::job::JobSpec;
 use crate::model::Model;
 use crate::optim::Optimizer;
 use crate::TrainerError;
+use limpet_decide::planner::BlockCost;
 use std::time::Instant;
 use tch::{Kind, Tensor};
-
-/// One block's measured costs (times are medians over the repetitions).
-#[derive(Clone, Debug, PartialEq)]
-pub struct BlockMeasure {
-    /// Forward time of one micro-batch, ms.
-    pub fwd_ms: f64,
-    /// Backward time of one micro-batch, ms.
-    pub bwd_ms: f64,
-    /// The part of `fwd_ms` that does not shrink with the micro-batch, ms.
-    pub fixed_fwd_ms: f64,
-    /// The part of `bwd_ms` that does not shrink with the micro-batch, ms.
-    pub fixed_bwd_ms: f64,
-    /// One optimizer step over the block's parameters, ms.
-    pub apply_ms: f64,
-    /// Bytes of the block's output for one micro-batch.
-    pub out_bytes: u64,
-    /// Bytes its backward keeps for one micro-batch.
-    pub saved_bytes: u64,
-    /// Bytes of its parameters.
-    pub param_bytes: u64,
-    /// Bytes of its optimizer state.
-    pub optim_bytes: u64,
-}
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -72,7 +51,7 @@ fn time_block(model: &Model, i: usize, x: &Tensor, reps: usize) -> Result<(f64, 
 /// Profiles every block of `job`'s model at its micro-batch and at a quarter of it (to split
 /// each time into a per-call and a per-sample part), on real samples of `data`, repeating
 /// each measurement `reps` times (after one warm-up) and keeping the median.
-pub fn profile_blocks(job: &JobSpec, data: &Dataset, reps: usize) -> Result<Vec<BlockMeasure>, TrainerError> {
+pub fn profile_blocks(job: &JobSpec, data: &Dataset, reps: usize) -> Result<Vec<BlockCost>, TrainerError> {
     job.validate(data)?;
     if matches!(job.model, crate::model::ModelSpec::Torchscript(_)) {
         return Err(TrainerError::Config(
@@ -109,7 +88,7 @@ pub fn profile_blocks(job: &JobSpec, data: &Dataset, reps: usize) -> Result<Vec<
             }
         }
         let param_bytes = numel as u64 * 4;
-        out.push(BlockMeasure {
+        out.push(BlockCost {
             fwd_ms: fwd,
             bwd_ms: bwd,
             fixed_fwd_ms: intercept(fwd, fwd_small, mb, small_n as usize),
@@ -131,7 +110,7 @@ pub fn profile_blocks(job: &JobSpec, data: &Dataset, reps: usize) -> Result<Vec<
 pub fn profile_step_overhead(
     job: &JobSpec,
     data: &Dataset,
-    blocks: &[BlockMeasure],
+    blocks: &[BlockCost],
     reps: usize,
 ) -> Result<f64, TrainerError> {
     let mut one = job.clone();

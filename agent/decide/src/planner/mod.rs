@@ -38,7 +38,8 @@ mod layout;
 pub use layout::{HostLayout, StageLayout};
 use serde::{Deserialize, Serialize};
 
-/// What one block of the model costs, measured on a host of speed 1 for one micro-batch.
+/// What one block of the model costs, measured on a host of speed 1 for one micro-batch (by
+/// the trainer's profiler, `limpet_trainer::profile`, whose times are medians of repetitions).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BlockCost {
