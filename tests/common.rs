@@ -300,7 +300,7 @@ pub fn up(
     dir: &Path,
     n: usize,
     job: limpet_lab::local::LocalJob,
-) -> anyhow::Result<limpet_lab::local::LocalCluster> {
+) -> limpet_daemon::Result<limpet_lab::local::LocalCluster> {
     limpet_lab::local::LocalCluster::up_with(
         dir,
         n,

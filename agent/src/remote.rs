@@ -28,19 +28,22 @@ pub struct RemoteSettings {
 }
 
 /// Parses `s3://BUCKET[/PREFIX]`.
-pub fn parse_url(url: &str) -> Result<(String, String), String> {
-    let rest = url.strip_prefix("s3://").ok_or_else(|| format!("{url:?} does not start with s3://"))?;
+pub fn parse_url(url: &str) -> Result<(String, String), CheckpointError> {
+    let bad = |detail: String| CheckpointError::Url { url: url.to_string(), detail };
+    let rest = url.strip_prefix("s3://").ok_or_else(|| bad("does not start with s3://".into()))?;
     let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
     let ok_bucket = (3..=63).contains(&bucket.len())
         && bucket.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
         && !bucket.starts_with(['-', '.'])
         && !bucket.ends_with(['-', '.']);
     if !ok_bucket {
-        return Err(format!("{bucket:?} is not a bucket name (3-63 lowercase letters, digits, '-', '.')"));
+        return Err(bad(format!(
+            "{bucket:?} is not a bucket name (3-63 lowercase letters, digits, '-', '.')"
+        )));
     }
     let prefix = prefix.trim_matches('/');
     if prefix.split('/').any(|s| s == "." || s == "..") || prefix.contains("//") {
-        return Err(format!("prefix {prefix:?} has empty, '.' or '..' segments"));
+        return Err(bad(format!("prefix {prefix:?} has empty, '.' or '..' segments")));
     }
     Ok((bucket.to_string(), prefix.to_string()))
 }

@@ -135,7 +135,10 @@ async fn tracked_threads_count_in_the_shutdown_and_their_panics_are_fatal() {
     tasks.spawn_thread("bad", || panic!("thread bug")).unwrap();
     until("the panic cancels the root", Duration::from_secs(5), || tasks.token().is_cancelled()).await;
     tasks.shutdown(tokio::time::Instant::now() + Duration::from_secs(5)).await.unwrap();
-    assert_eq!(tasks.fatal().map(|f| f.to_string()).as_deref(), Some("task bad failed: panicked: thread bug"));
+    assert_eq!(
+        tasks.fatal().map(|f| f.to_string()).as_deref(),
+        Some("task bad failed: panicked: thread bug")
+    );
     // A thread that ignores the token is reported at the limit, not waited for forever.
     let stuck = Tasks::new(CancellationToken::new());
     stuck.spawn_thread("stuck", || std::thread::sleep(Duration::from_secs(3))).unwrap();

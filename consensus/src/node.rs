@@ -373,7 +373,8 @@ impl Loop {
             }
             for a in out.applied {
                 if let Some((_, reply)) = a.origin.and_then(|o| self.proposals.remove(&o)) {
-                    let _ = reply.send(a.outcome.map(|d| (a.index, d)).map_err(ConsensusError::Rejected));
+                    let _ = reply
+                        .send(a.outcome.map(|d| (a.index, d)).map_err(|r| ConsensusError::Rejected(r.0)));
                 }
             }
             for id in out.reads {

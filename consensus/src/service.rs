@@ -385,7 +385,7 @@ impl pb::consensus_server::Consensus for Service {
             };
             if let Err(why) = command.authorize(who) {
                 tracing::warn!(node = self.me, ?who, %why, "proposal refused");
-                return Err(tonic::Status::permission_denied(why));
+                return Err(tonic::Status::permission_denied(why.to_string()));
             }
         }
         let deadline = self.deadline(req.timeout_ms);

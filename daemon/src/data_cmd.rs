@@ -5,8 +5,8 @@
 //! `prepare.py`, Megatron tools) by hashing them once and checking every id against the
 //! vocabulary; `verify` hashes them again against the manifest.
 
-use crate::Within;
 use crate::UsageError;
+use crate::Within;
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use indicatif::ProgressBar;
@@ -69,7 +69,7 @@ pub struct ExportArgs {
     pub dtype: Option<limpet_trainer::hf::ExportDtype>,
 }
 
-fn parse_dtype(s: &str) -> Result<limpet_trainer::hf::ExportDtype, String> {
+fn parse_dtype(s: &str) -> Result<limpet_trainer::hf::ExportDtype, limpet_trainer::NotOneOf> {
     limpet_trainer::hf::ExportDtype::parse(s)
 }
 
@@ -224,7 +224,12 @@ fn verify(dir: &Path) -> crate::Result<()> {
     }
     progress.finish_and_clear();
     if !bad.is_empty() {
-        crate::fail!("{} of {} shards differ from the manifest:\n  {}", bad.len(), entries.len(), bad.join("\n  "));
+        crate::fail!(
+            "{} of {} shards differ from the manifest:\n  {}",
+            bad.len(),
+            entries.len(),
+            bad.join("\n  ")
+        );
     }
     println!(
         "limpet data verify: {} shards match {}",
@@ -241,8 +246,7 @@ pub fn export(a: ExportArgs) -> crate::Result<()> {
     } else {
         a.checkpoint.clone()
     };
-    let image = limpet_snapshot::read_file(&file)
-.within(|| format!("checkpoint {}", file.display()))?;
+    let image = limpet_snapshot::read_file(&file).within(|| format!("checkpoint {}", file.display()))?;
     if let (Some(out), Some(module)) = (&a.torchscript, &a.module) {
         let job: limpet_trainer::JobSpec = serde_json::from_value(image.meta().job.clone())
             .with_context(|| format!("the job in {}", file.display()))?;

@@ -1,9 +1,9 @@
 //! `limpet fleet up|list|down`: a cluster's spot capacity on EC2, through `limpet-deploy`, and
 //! the launched hosts' credentials in SSM Parameter Store.
 
-use crate::Within;
 use crate::certs::Kind;
 use crate::UsageError;
+use crate::Within;
 use clap::{Args, Subcommand};
 use limpet_consensus::state::node_id_of_name;
 use limpet_deploy::ssm::Vault;
@@ -288,10 +288,7 @@ fn render(path: &Path, set: &[(String, String)]) -> crate::Result<String> {
 /// Checks the credential flags before anything is launched (an instance that boots without
 /// its credentials waits, then fails) and stores what every host shares: the CA's certificate
 /// and the secret.
-async fn prepare_credentials(
-    a: &UpArgs,
-    user_data: Option<&str>,
-) -> crate::Result<Option<(Vault, PathBuf)>> {
+async fn prepare_credentials(a: &UpArgs, user_data: Option<&str>) -> crate::Result<Option<(Vault, PathBuf)>> {
     let c = &a.credentials;
     let (Some(dir), Some(secret_file)) = (&c.certs, &c.secret_file) else {
         if user_data.is_some_and(|u| u.contains("[security.ssm]")) {

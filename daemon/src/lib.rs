@@ -22,8 +22,8 @@ pub const VERSION: &str = if cfg!(feature = "lab") {
 };
 pub mod config;
 pub mod credentials_cmd;
-pub mod failure;
 pub mod data_cmd;
+pub mod failure;
 pub mod fleet_cmd;
 pub mod limpetd;
 pub mod metrics;
@@ -61,10 +61,7 @@ pub fn init_tracing_as(json: bool) {
 /// A binary's `main`: parses its arguments (clap's errors exit with [`EXIT_USAGE`], help and
 /// version with 0), runs it, and maps an error to its exit status after printing it as
 /// `NAME: error: cause`.
-pub fn main_with<C: clap::Parser>(
-    name: &str,
-    run: impl FnOnce(C) -> Result<()>,
-) -> std::process::ExitCode {
+pub fn main_with<C: clap::Parser>(name: &str, run: impl FnOnce(C) -> Result<()>) -> std::process::ExitCode {
     let cli = match C::try_parse() {
         Ok(cli) => cli,
         Err(e) => {

@@ -1,9 +1,9 @@
 //! `limpet train`: one-process training with a progress bar, a step log, a loss plot and a
 //! final report; `--resume` continues a checkpointed job bit-exactly.
 
-use crate::Within;
 use crate::args::{DataArg, JobArgs, ModelArg, TrainArgs};
 use crate::UsageError;
+use crate::Within;
 use anyhow::Context;
 use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -269,8 +269,7 @@ fn flag_names(msg: &str) -> String {
 
 fn resume(args: &TrainArgs, dir: &Path) -> crate::Result<(Trainer, PathBuf)> {
     let path = dir.join(CHECKPOINT_FILE);
-    let image = limpet_snapshot::read_file(&path)
-.within(|| format!("checkpoint {}", path.display()))?;
+    let image = limpet_snapshot::read_file(&path).within(|| format!("checkpoint {}", path.display()))?;
     let job: JobSpec = serde_json::from_value(image.meta().job.clone()).map_err(|e| {
         limpet_trainer::TrainerError::Mismatch(format!("job spec in {} is unreadable: {e}", path.display()))
     })?;

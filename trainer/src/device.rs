@@ -17,7 +17,7 @@ pub enum DeviceChoice {
 
 impl DeviceChoice {
     /// Parses `cpu`, `cuda`, `cuda:N` or `auto`.
-    pub fn parse(s: &str) -> Result<Self, String> {
+    pub fn parse(s: &str) -> Result<Self, DeviceError> {
         match s {
             "cpu" => Ok(DeviceChoice::Cpu),
             "cuda" => Ok(DeviceChoice::Cuda(0)),
@@ -26,27 +26,69 @@ impl DeviceChoice {
                 .strip_prefix("cuda:")
                 .and_then(|n| n.parse().ok())
                 .map(DeviceChoice::Cuda)
-                .ok_or_else(|| format!("{s:?} is not one of cpu, cuda, cuda:N, auto")),
+                .ok_or_else(|| DeviceError::Unknown(s.to_string())),
         }
     }
 
     /// The device on this host: an error when it names a GPU the host does not have.
-    pub fn resolve(self) -> Result<Device, String> {
+    pub fn resolve(self) -> Result<Device, DeviceError> {
         self.resolve_with(gpu_count())
     }
 
     /// [`DeviceChoice::resolve`] on a host with `gpus` GPUs.
-    pub fn resolve_with(self, gpus: usize) -> Result<Device, String> {
+    pub fn resolve_with(self, gpus: usize) -> Result<Device, DeviceError> {
         match self {
             DeviceChoice::Cpu => Ok(Device::Cpu),
             DeviceChoice::Auto => Ok(if gpus > 0 { Device::Cuda(0) } else { Device::Cpu }),
             DeviceChoice::Cuda(n) if n < gpus => Ok(Device::Cuda(n)),
-            DeviceChoice::Cuda(n) if gpus == 0 => Err(format!(
-                "cuda:{n} asked for, but libtorch sees no CUDA device on this host (no GPU, no driver, or a CPU-only libtorch)"
-            )),
-            DeviceChoice::Cuda(n) => Err(format!("cuda:{n} asked for, but this host has {gpus} GPU(s)")),
+            DeviceChoice::Cuda(n) if gpus == 0 => Err(DeviceError::NoCuda(n)),
+            DeviceChoice::Cuda(index) => Err(DeviceError::Missing { index, gpus }),
         }
     }
+}
+
+/// Why a device setting cannot be used on this host.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DeviceError {
+    /// A word that names no device.
+    #[error("{0:?} is not one of cpu, cuda, cuda:N, auto")]
+    Unknown(String),
+    /// A GPU asked for where libtorch sees none.
+    #[error(
+        "cuda:{0} asked for, but libtorch sees no CUDA device on this host (no GPU, no driver, or a CPU-only libtorch)"
+    )]
+    NoCuda(usize),
+    /// A GPU past the host's last.
+    #[error("cuda:{index} asked for, but this host has {gpus} GPU(s)")]
+    Missing {
+        /// The GPU asked for.
+        index: usize,
+        /// The host's GPUs.
+        gpus: usize,
+    },
+    /// An empty list.
+    #[error("lists no device (\"auto\" for every GPU of the host)")]
+    NoneListed,
+    /// More devices than one host trains with.
+    #[error("lists {0} devices, more than {MAX_LOCAL_DEVICES}")]
+    TooMany(usize),
+    /// `auto` beside other entries.
+    #[error("\"auto\" stands alone (devices = \"auto\")")]
+    AutoNotAlone,
+    /// One GPU listed twice.
+    #[error("{0} is listed twice (one rank per GPU)")]
+    Twice(String),
+    /// The CPU listed with GPUs.
+    #[error("{0} mixes the CPU with GPUs (one kind of device per host)")]
+    Mixed(String),
+    /// What is wrong with one entry of a list (counted from 1).
+    #[error("entry {entry}: {source}")]
+    Entry {
+        /// The entry, counted from 1.
+        entry: usize,
+        /// What is wrong with it.
+        source: Box<DeviceError>,
+    },
 }
 
 /// The most devices (local ranks) one host may train with.
@@ -56,12 +98,12 @@ pub const MAX_LOCAL_DEVICES: usize = 64;
 /// is every GPU (one CPU rank where there is none); otherwise each entry as
 /// [`DeviceChoice::parse`] reads it (`auto` alone), no GPU twice. CPU entries may repeat:
 /// several CPU ranks are how the tests run local ranks.
-pub fn local_devices(spec: &[String], gpus: usize) -> Result<Vec<Device>, String> {
+pub fn local_devices(spec: &[String], gpus: usize) -> Result<Vec<Device>, DeviceError> {
     if spec.is_empty() {
-        return Err("lists no device (\"auto\" for every GPU of the host)".into());
+        return Err(DeviceError::NoneListed);
     }
     if spec.len() > MAX_LOCAL_DEVICES {
-        return Err(format!("lists {} devices, more than {MAX_LOCAL_DEVICES}", spec.len()));
+        return Err(DeviceError::TooMany(spec.len()));
     }
     if let [only] = spec {
         if only == "auto" {
@@ -70,20 +112,18 @@ pub fn local_devices(spec: &[String], gpus: usize) -> Result<Vec<Device>, String
     }
     let mut out = Vec::with_capacity(spec.len());
     for (i, name) in spec.iter().enumerate() {
-        let choice = DeviceChoice::parse(name).map_err(|e| format!("entry {}: {e}", i + 1))?;
+        let at = |e: DeviceError| DeviceError::Entry { entry: i + 1, source: Box::new(e) };
+        let choice = DeviceChoice::parse(name).map_err(at)?;
         if choice == DeviceChoice::Auto {
-            return Err(format!("entry {}: \"auto\" stands alone (devices = \"auto\")", i + 1));
+            return Err(at(DeviceError::AutoNotAlone));
         }
-        let d = choice.resolve_with(gpus).map_err(|e| format!("entry {}: {e}", i + 1))?;
+        let d = choice.resolve_with(gpus).map_err(at)?;
         if d != Device::Cpu && out.contains(&d) {
-            return Err(format!("entry {}: {name} is listed twice (one rank per GPU)", i + 1));
+            return Err(at(DeviceError::Twice(name.clone())));
         }
         if out.first().is_some_and(|&f: &Device| (f == Device::Cpu) != (d == Device::Cpu)) {
             // Local ranks apply the same bytes and must stay equal: one kind of device.
-            return Err(format!(
-                "entry {}: {name} mixes the CPU with GPUs (one kind of device per host)",
-                i + 1
-            ));
+            return Err(at(DeviceError::Mixed(name.clone())));
         }
         out.push(d);
     }
@@ -213,14 +253,14 @@ mod tests {
         assert_eq!(DeviceChoice::parse("cuda:3"), Ok(DeviceChoice::Cuda(3)));
         assert_eq!(DeviceChoice::parse("cuda"), Ok(DeviceChoice::Cuda(0)));
         for bad in ["gpu", "cuda:", "cuda:x", "CPU", ""] {
-            let err = DeviceChoice::parse(bad).unwrap_err();
+            let err = DeviceChoice::parse(bad).unwrap_err().to_string();
             assert!(err.contains("is not one of cpu, cuda, cuda:N, auto"), "{err}");
         }
         assert_eq!(DeviceChoice::Auto.resolve_with(0), Ok(Device::Cpu));
         assert_eq!(DeviceChoice::Auto.resolve_with(2), Ok(Device::Cuda(0)));
         assert_eq!(DeviceChoice::Cuda(1).resolve_with(2), Ok(Device::Cuda(1)));
-        assert!(DeviceChoice::Cuda(2).resolve_with(2).unwrap_err().contains("has 2 GPU(s)"));
-        assert!(DeviceChoice::Cuda(0).resolve_with(0).unwrap_err().contains("no CUDA device"));
+        assert!(DeviceChoice::Cuda(2).resolve_with(2).unwrap_err().to_string().contains("has 2 GPU(s)"));
+        assert!(DeviceChoice::Cuda(0).resolve_with(0).unwrap_err().to_string().contains("no CUDA device"));
         // This host: whatever it has, `auto` resolves and `cpu` is the CPU.
         assert_eq!(DeviceChoice::Cpu.resolve(), Ok(Device::Cpu));
         assert!(DeviceChoice::Auto.resolve().is_ok());
@@ -242,7 +282,7 @@ mod tests {
             (list(&["gpu"]), "entry 1: \"gpu\" is not one of"),
             (vec!["cpu".to_string(); 65], "more than 64"),
         ] {
-            let e = local_devices(&bad, 2).unwrap_err();
+            let e = local_devices(&bad, 2).unwrap_err().to_string();
             assert!(e.contains(why), "{bad:?}: {e}");
         }
     }

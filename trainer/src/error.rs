@@ -2,6 +2,42 @@
 
 use std::path::PathBuf;
 
+/// Bytes that are not the format they claim to be: what a decoder of untrusted input (a
+/// pickle, a `.npy` header, a token manifest, a `config.json`) finds, before its caller names
+/// the file ([`TrainerError::Data`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Malformed(pub String);
+
+/// Inside a decoder every message is about the bytes: `?` turns it into [`Malformed`].
+impl From<String> for Malformed {
+    fn from(m: String) -> Malformed {
+        Malformed(m)
+    }
+}
+
+impl From<&str> for Malformed {
+    fn from(m: &str) -> Malformed {
+        Malformed(m.to_string())
+    }
+}
+
+impl From<Malformed> for String {
+    fn from(m: Malformed) -> String {
+        m.0
+    }
+}
+
+/// A setting's word that is none of its choices.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{got:?} is not one of {choices}")]
+pub struct NotOneOf {
+    /// What was given.
+    pub got: String,
+    /// The choices, as a reader would list them.
+    pub choices: &'static str,
+}
+
 /// Why training could not start or go on.
 #[derive(Debug, thiserror::Error)]
 pub enum TrainerError {

@@ -182,7 +182,7 @@ impl JobSpec {
                 return bad(format!("clip_norm ({c}) must be a positive number"));
             }
         }
-        self.optimizer.validate().map_err(TrainerError::Config)?;
+        self.optimizer.validate().map_err(|e| TrainerError::Config(e.to_string()))?;
         let llama = matches!(self.model, ModelSpec::Llama(_));
         if self.activation_checkpointing && !llama {
             return bad("activation_checkpointing applies to model llama".into());

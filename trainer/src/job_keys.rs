@@ -151,7 +151,7 @@ impl JobKeys {
             return bad("min_lr_ratio", format!("{r} is not within 0..=1"));
         }
         if let Some(p) = &self.precision {
-            Precision::parse(p).map_err(|detail| JobKeyError { key: "precision", detail })?;
+            Precision::parse(p).map_err(|e| JobKeyError { key: "precision", detail: e.to_string() })?;
         }
         if self.loss_chunk == Some(0) {
             return bad("loss_chunk", "must be at least 1".into());
@@ -307,7 +307,8 @@ impl JobKeys {
             job.micro_batch = job.global_batch;
         }
         if let Some(p) = &self.precision {
-            job.precision = Precision::parse(p).map_err(|detail| JobKeyError { key: "precision", detail })?;
+            job.precision =
+                Precision::parse(p).map_err(|e| JobKeyError { key: "precision", detail: e.to_string() })?;
             if job.precision == Precision::Bf16 && !matches!(job.model, ModelSpec::Llama(_)) {
                 let detail = "\"bf16\" is available for model \"llama\" only".to_string();
                 return Err(JobKeyError { key: "precision", detail });

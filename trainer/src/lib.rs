@@ -30,7 +30,7 @@ pub mod sampler;
 mod train;
 pub mod workload;
 
-pub use error::TrainerError;
+pub use error::{Malformed, NotOneOf, TrainerError};
 pub use job::{JobSpec, ModelKind, Sharding};
 pub use run::{
     peak_rss_bytes, rss_bytes, run_local, save_checkpoint, Progress, RunOptions, RunReport, CHECKPOINT_FILE,

@@ -132,12 +132,12 @@ impl OptimizerSpec {
     }
 
     /// Checks that the hyper-parameters are usable; the message names the bad one.
-    pub fn validate(&self) -> Result<(), String> {
-        let check = |name: &str, v: f64, ok: bool| {
-            if ok && v.is_finite() {
+    pub fn validate(&self) -> Result<(), OutOfRange> {
+        let check = |name: &'static str, value: f64, ok: bool| {
+            if ok && value.is_finite() {
                 Ok(())
             } else {
-                Err(format!("optimizer.{name} = {v} is out of range"))
+                Err(OutOfRange { name, value })
             }
         };
         match *self {
@@ -155,6 +155,16 @@ impl OptimizerSpec {
             }
         }
     }
+}
+
+/// A hyper-parameter outside the range it makes sense in.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("optimizer.{name} = {value} is out of range")]
+pub struct OutOfRange {
+    /// The hyper-parameter.
+    pub name: &'static str,
+    /// Its value.
+    pub value: f64,
 }
 
 /// Linear warmup to the peak learning rate, then cosine decay to `min_lr_ratio` of it.

@@ -123,7 +123,7 @@ impl ModelSection {
             }
             if let Some(l) = &self.loss {
                 ScriptLoss::parse(l)
-                    .map_err(|detail| TrainerError::Key { key: "[model].loss".into(), detail })?;
+                    .map_err(|e| TrainerError::Key { key: "[model].loss".into(), detail: e.to_string() })?;
             }
             if let Some(key) = self.llama_only_key().or(self.layers.map(|_| "layers")) {
                 return bad(key, "a TorchScript module's sizes are its own");

@@ -67,6 +67,14 @@ pub enum CheckpointError {
         /// Why it is not trusted.
         detail: String,
     },
+    /// A checkpoint copy's address that is not `s3://BUCKET[/PREFIX]`.
+    #[error("{url:?}: {detail}")]
+    Url {
+        /// The address given.
+        url: String,
+        /// What is wrong with it.
+        detail: String,
+    },
     /// The snapshot layer refused.
     #[error(transparent)]
     Snapshot(#[from] SnapshotError),

@@ -65,23 +65,37 @@ pub const DEFAULT_CONGESTION: &str = "reno";
 
 /// Checks a congestion-control name the way the kernel will take it (`TCP_CA_NAME_MAX` is 16
 /// bytes with the NUL).
-pub fn check_congestion(name: &str) -> Result<(), String> {
+pub fn check_congestion(name: &str) -> Result<(), BadCongestion> {
+    let bad = |why: &str| Err(BadCongestion { name: name.to_string(), why: why.to_string() });
     if name.is_empty() || name.len() > 15 {
-        return Err(format!("congestion control {name:?} must have 1 to 15 characters"));
+        return bad("must have 1 to 15 characters");
     }
     if !name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_') {
-        return Err(format!("congestion control {name:?} may hold only a-z, 0-9 and _"));
+        return bad("may hold only a-z, 0-9 and _");
     }
     Ok(())
 }
 
+/// A congestion-control name the kernel would not take.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("congestion control {name:?} {why}")]
+pub struct BadCongestion {
+    /// The name given.
+    pub name: String,
+    /// What is wrong with it.
+    pub why: String,
+}
+
 /// A configured congestion control as the data plane takes it: `system` keeps the host's
 /// default (`None`), anything else must be a valid name.
-pub fn parse_congestion(name: &str) -> Result<Option<String>, String> {
+pub fn parse_congestion(name: &str) -> Result<Option<String>, BadCongestion> {
     if name == "system" {
         return Ok(None);
     }
-    check_congestion(name).map_err(|e| format!("{e} (or \"system\" for the host's default)"))?;
+    check_congestion(name).map_err(|e| BadCongestion {
+        why: format!("{} (or \"system\" for the host's default)", e.why),
+        ..e
+    })?;
     Ok(Some(name.to_string()))
 }
 
@@ -119,7 +133,7 @@ impl DataPlaneConfig {
             return Err(DataPlaneError::Config("timeout must be positive".into()));
         }
         if let Some(cc) = &self.congestion {
-            check_congestion(cc).map_err(DataPlaneError::Config)?;
+            check_congestion(cc).map_err(|e| DataPlaneError::Config(e.to_string()))?;
         }
         Ok(())
     }

@@ -5,8 +5,8 @@
 //! limpet-decide; this room only does the I/O.
 
 use super::config::{AgentConfig, Resume};
-use crate::report::AgentReport;
 use super::AgentError;
+use crate::report::AgentReport;
 use limpet_consensus::state::{Command, NodeId};
 use limpet_consensus::tasks::TaskFailed;
 use limpet_consensus::NodeHandle;
@@ -156,9 +156,12 @@ async fn find_resume_point(
         }
     }
     let search = dir.clone();
-    let (found, skipped) = tokio::task::spawn_blocking(move || crate::checkpoint::newest(&search, blocks, &job))
-        .await
-        .map_err(|e| AgentError::Task(TaskFailed { task: "resume-search".into(), what: e.to_string() }))??;
+    let (found, skipped) =
+        tokio::task::spawn_blocking(move || crate::checkpoint::newest(&search, blocks, &job))
+            .await
+            .map_err(|e| {
+                AgentError::Task(TaskFailed { task: "resume-search".into(), what: e.to_string() })
+            })??;
     for why in &skipped {
         tracing::warn!(why, "not resuming from this checkpoint");
     }
@@ -202,5 +205,6 @@ async fn job_document(cfg: &AgentConfig) -> Result<serde_json::Value, AgentError
 
 /// The job spec as the log records it.
 fn job_value(cfg: &AgentConfig) -> Result<serde_json::Value, AgentError> {
-    serde_json::to_value(&cfg.job).map_err(|e| TrainerError::Config(format!("the job spec as JSON: {e}")).into())
+    serde_json::to_value(&cfg.job)
+        .map_err(|e| TrainerError::Config(format!("the job spec as JSON: {e}")).into())
 }

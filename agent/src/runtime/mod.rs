@@ -193,7 +193,7 @@ impl Agent {
             None => cfg
                 .device
                 .resolve()
-                .map_err(|detail| TrainerError::Key { key: "[job].device".into(), detail })?,
+                .map_err(|e| TrainerError::Key { key: "[job].device".into(), detail: e.to_string() })?,
         };
         tracing::info!(device = ?device, choice = ?cfg.device, local_ranks = cfg.devices.len().max(1), gpus = ?limpet_trainer::device::gpu_models(), "training device");
         if cfg.pipeline.is_some() {

@@ -1,7 +1,7 @@
 //! The checks a peer's message passes before raft-rs sees it: raft-rs trusts its peers and
 //! panics on (or quietly obeys) what a buggy or hostile one may send.
 
-use super::Core;
+use super::{Core, StepError};
 use crate::state::{CheckpointRecord, Command, MemberStatus, NodeId, Proposal, Proposer, SnapshotData};
 use crate::storage::LogStore;
 use raft::prelude::{ConfState, EntryType, Message, MessageType};
@@ -10,14 +10,18 @@ impl<S: LogStore> Core<S> {
     /// Refuses what raft-rs would panic on, or what would change the cluster behind the state
     /// machine, from a peer that may be buggy or hostile (its certificate already proved who
     /// it is): raft-rs trusts its peers and treats such messages as fatal bugs.
-    pub(super) fn check_peer(&self, msg: &Message) -> std::result::Result<(), String> {
+    pub(super) fn check_peer(&self, msg: &Message) -> std::result::Result<(), StepError> {
         let log = &self.raw.raft.raft_log;
         let (last, committed, from) = (log.last_index(), log.committed, msg.from);
         // raft-rs treats a term of 0 as its own local message (and may panic answering it);
         // only forwarded proposals and read requests travel without one.
         let forwarded = matches!(msg.get_msg_type(), MessageType::MsgPropose | MessageType::MsgReadIndex);
         if forwarded != (msg.term == 0) {
-            return Err(format!("{:?} from node {from} with term {}", msg.get_msg_type(), msg.term));
+            return Err(StepError::Refused(format!(
+                "{:?} from node {from} with term {}",
+                msg.get_msg_type(),
+                msg.term
+            )));
         }
         // Only the configuration's nodes (voters and learners, both sides of a joint
         // configuration) speak raft here. A node that knows no configuration yet (a newcomer
@@ -43,7 +47,9 @@ impl<S: LogStore> Core<S> {
         let gone = self.state.members.get(&from).is_some_and(|m| m.status == MemberStatus::Gone);
         let newer_leader = as_leader && msg.term > self.term() && !gone;
         if known && !member && !newer_leader {
-            return Err(format!("{kind:?} from node {from}, which is not in the configuration"));
+            return Err(StepError::Refused(format!(
+                "{kind:?} from node {from}, which is not in the configuration"
+            )));
         }
         // A term may run ahead of ours (elections we missed) but not without bound: a term
         // near u64::MAX, once adopted and persisted, overflows raft-rs's `term + 1` at the next
@@ -51,92 +57,103 @@ impl<S: LogStore> Core<S> {
         // elections. The terms a message carries for log entries are never past its own.
         let ceiling = self.term().saturating_add(MAX_TERM_LEAD);
         if msg.term > ceiling {
-            return Err(format!(
+            return Err(StepError::Refused(format!(
                 "term {} from node {from}, past this node's {} by more than {MAX_TERM_LEAD}",
                 msg.term,
                 self.term()
-            ));
+            )));
         }
         // Indexes near u64::MAX overflow raft-rs's `index + 1` (a snapshot's, a rejection's
         // hint): no log gets anywhere near MAX_INDEX.
         let snap = msg.get_snapshot().get_metadata().index;
         let indexes = [msg.index, msg.commit, msg.reject_hint, snap];
         if indexes.iter().chain(msg.get_entries().iter().map(|e| &e.index)).any(|&i| i > MAX_INDEX) {
-            return Err(format!("{kind:?} from node {from} names an index past {MAX_INDEX}"));
+            return Err(StepError::Refused(format!(
+                "{kind:?} from node {from} names an index past {MAX_INDEX}"
+            )));
         }
         let past = |t: u64| !forwarded && t > msg.term;
         if past(msg.log_term)
             || msg.get_entries().iter().any(|e| past(e.term))
             || past(msg.get_snapshot().get_metadata().term)
         {
-            return Err(format!(
+            return Err(StepError::Refused(format!(
                 "{:?} from node {from} names a log term past its term {}",
                 msg.get_msg_type(),
                 msg.term
-            ));
+            )));
         }
         match msg.get_msg_type() {
             // `commit_to` panics past the last index.
-            MessageType::MsgHeartbeat if msg.commit > last.max(committed) => Err(format!(
-                "a heartbeat from node {from} commits index {} past its last index {last}",
-                msg.commit
-            )),
+            MessageType::MsgHeartbeat if msg.commit > last.max(committed) => {
+                Err(StepError::Refused(format!(
+                    "a heartbeat from node {from} commits index {} past its last index {last}",
+                    msg.commit
+                )))
+            }
             // Entries must follow the message's index one by one: raft-rs slices the log by
             // their positions and panics on a conflict at or below the commit index, which
             // only entries out of sequence can reach (it answers appends below the commit).
             // raft-rs reads the term past its last index as 0, so an index or entry with term
             // 0 "matches" entries it does not hold and it commits past its log. Real entries
             // have terms from 1.
-            MessageType::MsgAppend if msg.log_term == 0 && msg.index != 0 => {
-                Err(format!("an append from node {from} after index {} of term 0", msg.index))
-            }
+            MessageType::MsgAppend if msg.log_term == 0 && msg.index != 0 => Err(StepError::Refused(
+                format!("an append from node {from} after index {} of term 0", msg.index),
+            )),
             MessageType::MsgAppend => {
                 for (i, e) in msg.get_entries().iter().enumerate() {
                     if e.term == 0 {
-                        return Err(format!("an append from node {from} holds entry {} of term 0", e.index));
+                        return Err(StepError::Refused(format!(
+                            "an append from node {from} holds entry {} of term 0",
+                            e.index
+                        )));
                     }
                     if Some(e.index) != msg.index.checked_add(i as u64 + 1) {
-                        return Err(format!(
+                        return Err(StepError::Refused(format!(
                             "an append from node {from} after index {} holds entry {} at position {i}",
                             msg.index, e.index
-                        ));
+                        )));
                     }
                 }
                 Ok(())
             }
             // A leader's progress for a peer must not pass its own log.
-            MessageType::MsgAppendResponse if !msg.reject && msg.index > last => {
-                Err(format!("node {from} acknowledges index {} past the last index {last}", msg.index))
-            }
+            MessageType::MsgAppendResponse if !msg.reject && msg.index > last => Err(StepError::Refused(
+                format!("node {from} acknowledges index {} past the last index {last}", msg.index),
+            )),
             MessageType::MsgPropose => self.check_forwarded(msg),
             // raft-rs takes the request's context from its first entry.
-            MessageType::MsgReadIndex if msg.get_entries().len() != 1 => {
-                Err(format!("a read request from node {from} with {} entries", msg.get_entries().len()))
-            }
+            MessageType::MsgReadIndex if msg.get_entries().len() != 1 => Err(StepError::Refused(format!(
+                "a read request from node {from} with {} entries",
+                msg.get_entries().len()
+            ))),
             // Leadership is handed over only by the leader itself (before it leaves).
-            MessageType::MsgTransferLeader => Err(format!("node {from} asks for leadership")),
+            MessageType::MsgTransferLeader => {
+                Err(StepError::Refused(format!("node {from} asks for leadership")))
+            }
             // ... and so only the current leader, in its term, may tell this node to campaign
             // now (it does so when it leaves).
             MessageType::MsgTimeoutNow if from != self.raw.raft.leader_id || msg.term != self.term() => {
-                Err(format!(
+                Err(StepError::Refused(format!(
                     "node {from} tells this node to campaign (the leader is node {} of term {})",
                     self.raw.raft.leader_id,
                     self.term()
-                ))
+                )))
             }
             MessageType::MsgSnapshot => {
                 let meta = msg.get_snapshot().get_metadata();
                 if meta.term == 0 || meta.index == 0 {
                     // Term 0 "matches" any index past the log (see appends above).
-                    return Err(format!(
+                    return Err(StepError::Refused(format!(
                         "a snapshot from node {from} at index {} of term {}",
                         meta.index, meta.term
-                    ));
+                    )));
                 }
                 SnapshotData::decode(&msg.get_snapshot().data, self.cluster_id)
-                    .map_err(|e| format!("snapshot from node {from}: {e}"))?;
-                canonical_conf(msg.get_snapshot().get_metadata().get_conf_state())
-                    .map_err(|e| format!("snapshot from node {from}: its configuration {e}"))
+                    .map_err(|e| StepError::Refused(format!("snapshot from node {from}: {e}")))?;
+                canonical_conf(msg.get_snapshot().get_metadata().get_conf_state()).map_err(|e| {
+                    StepError::Refused(format!("snapshot from node {from}: its configuration {e}"))
+                })
             }
             _ => Ok(()),
         }
@@ -145,25 +162,29 @@ impl<S: LogStore> Core<S> {
     /// A follower's proposal forwarded to this (leading) node: normal entries only (the
     /// membership controller alone changes the voters), each a proposal of the node that
     /// forwarded it that this node may make about itself (`Command::authorize`).
-    fn check_forwarded(&self, msg: &Message) -> std::result::Result<(), String> {
+    fn check_forwarded(&self, msg: &Message) -> std::result::Result<(), StepError> {
         let from = msg.from;
         if msg.get_entries().is_empty() {
             // raft-rs treats an empty proposal as a fatal bug.
-            return Err(format!("an empty proposal from node {from}"));
+            return Err(StepError::Refused(format!("an empty proposal from node {from}")));
         }
         for e in msg.get_entries() {
             if e.get_entry_type() != EntryType::EntryNormal {
-                return Err(format!("node {from} proposes a configuration change"));
+                return Err(StepError::Refused(format!("node {from} proposes a configuration change")));
             }
-            let p = Proposal::decode(&e.data).map_err(|err| format!("a proposal from node {from}: {err}"))?;
+            let p = Proposal::decode(&e.data)
+                .map_err(|err| StepError::Refused(format!("a proposal from node {from}: {err}")))?;
             if p.origin.node != from {
-                return Err(format!("a proposal from node {from} speaks for node {}", p.origin.node));
+                return Err(StepError::Refused(format!(
+                    "a proposal from node {from} speaks for node {}",
+                    p.origin.node
+                )));
             }
             // Raft carries a node's own proposals only: whatever needs more authority (an
             // operator's, the leader's controllers') is proposed at the leader itself.
             p.command
                 .authorize(Proposer::Node(from))
-                .map_err(|why| format!("a forwarded proposal: {why}"))?;
+                .map_err(|why| StepError::Refused(format!("a forwarded proposal: {why}")))?;
             if let Command::RecordCheckpoint { record } = &p.command {
                 self.check_checkpoint_report(from, record)?;
             }
@@ -174,20 +195,24 @@ impl<S: LogStore> Core<S> {
     /// A member's report of a checkpoint it wrote: of an epoch it trains in (a new cluster's
     /// resume point, epoch 0, is the leader's to record), at a step inside that epoch and the
     /// job. A record past them would make the log refuse every real one after it.
-    fn check_checkpoint_report(&self, from: NodeId, r: &CheckpointRecord) -> std::result::Result<(), String> {
+    fn check_checkpoint_report(
+        &self,
+        from: NodeId,
+        r: &CheckpointRecord,
+    ) -> std::result::Result<(), StepError> {
         let epoch = self.state.history.iter().find(|e| e.id == r.epoch && r.epoch != 0);
         let Some(epoch) = epoch.filter(|e| e.ranks.contains(&from)) else {
-            return Err(format!(
+            return Err(StepError::Refused(format!(
                 "node {from} reports a checkpoint of epoch {}, which it does not train in",
                 r.epoch
-            ));
+            )));
         };
         let total = self.state.job.as_ref().and_then(|j| j.get("steps")).and_then(serde_json::Value::as_u64);
         if r.step < epoch.start_step || total.is_some_and(|t| r.step > t) {
-            return Err(format!(
+            return Err(StepError::Refused(format!(
                 "node {from} reports a checkpoint at step {}, outside epoch {} (from step {}) and the job ({total:?} steps)",
                 r.step, epoch.id, epoch.start_step
-            ));
+            )));
         }
         Ok(())
     }

@@ -10,7 +10,7 @@
 use crate::error::{ConsensusError, Result};
 use crate::membership::{self, VoterDecision, VoterPolicy, VoterView};
 use crate::state::{
-    cluster_id, ClusterState, Command, NodeId, Proposal, ProposalId, SnapshotData, FORMAT_VERSION,
+    cluster_id, ClusterState, Command, NodeId, Proposal, ProposalId, Refused, SnapshotData, FORMAT_VERSION,
 };
 use crate::storage::{AppliedState, LogStore};
 use raft::prelude::{
@@ -97,7 +97,7 @@ pub struct Applied {
     /// Who proposed it (None for entries that did not decode).
     pub origin: Option<ProposalId>,
     /// What the state machine said.
-    pub outcome: std::result::Result<String, String>,
+    pub outcome: crate::state::Outcome,
 }
 
 /// What one `process` call produced.
@@ -323,7 +323,7 @@ impl<S: LogStore> Core<S> {
                 msg.from
             )));
         }
-        self.check_peer(&msg).map_err(StepError::Refused)?;
+        self.check_peer(&msg)?;
         if msg.term != 0 && msg.term < self.term() {
             tracing::debug!(
                 from = msg.from,
@@ -449,14 +449,18 @@ impl<S: LogStore> Core<S> {
             Ok(p) => {
                 let outcome = self.state.apply(&p.command);
                 if let Err(why) = &outcome {
-                    tracing::debug!(index = e.index, why, "command rejected");
+                    tracing::debug!(index = e.index, %why, "command rejected");
                 }
                 Applied { index: e.index, origin: Some(p.origin), outcome }
             }
             Err(err) => {
                 // Every node holds the same bytes, so every node refuses them alike.
                 tracing::warn!(index = e.index, %err, "log entry does not decode; skipped");
-                Applied { index: e.index, origin: None, outcome: Err(format!("undecodable entry: {err}")) }
+                Applied {
+                    index: e.index,
+                    origin: None,
+                    outcome: Err(Refused(format!("undecodable entry: {err}"))),
+                }
             }
         };
         self.out.applied.push(applied);

@@ -28,9 +28,14 @@ pub enum Proposer {
 /// | `UpdateHardware` | yes | no | yes |
 /// | `RecordCheckpoint` | the node that wrote it | no | yes |
 /// | `Activate`, `MarkFailed`, `SetJob`, `ScheduleEpoch`, `CancelEpoch`, `ActivateEpoch`, `RecordCapacity`, `RecordThroughput` | no | no | yes |
+/// Why a proposer may not propose a command.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct NotAllowed(pub String);
+
 impl Command {
     /// Whether `who` may propose this command; the reason when not.
-    pub fn authorize(&self, who: Proposer) -> Result<(), String> {
+    pub fn authorize(&self, who: Proposer) -> Result<(), NotAllowed> {
         let about = match self {
             Command::RecordCheckpoint { record } => Some(record.node),
             _ => self.subject(),
@@ -54,22 +59,22 @@ impl Command {
         match who {
             Proposer::Leader => Ok(()),
             Proposer::Operator if operator_may => Ok(()),
-            Proposer::Operator => {
-                Err(format!("an operator may not propose {kind}: only drain, notice (revoke) and remove"))
-            }
+            Proposer::Operator => Err(NotAllowed(format!(
+                "an operator may not propose {kind}: only drain, notice (revoke) and remove"
+            ))),
             Proposer::Node(id) if node_may && about == Some(id) => Ok(()),
-            Proposer::Node(id) if node_may => Err(format!(
+            Proposer::Node(id) if node_may => Err(NotAllowed(format!(
                 "node {id} may propose {kind} only about itself, not node {}",
                 about.unwrap_or(0)
-            )),
-            Proposer::Node(id) => Err(format!(
+            ))),
+            Proposer::Node(id) => Err(NotAllowed(format!(
                 "node {id} may not propose {kind}: {}",
                 if operator_may {
                     "only an operator or the leader"
                 } else {
                     "only the leader's controller decides it"
                 }
-            )),
+            ))),
         }
     }
 

@@ -5,6 +5,7 @@
 //! confirmed (it looks for that launch's instances before it launches again).
 
 use super::NodeId;
+use super::{Invalid, Refused};
 use serde::{Deserialize, Serialize};
 
 /// How many capacity records the state keeps (the newest ones).
@@ -170,27 +171,36 @@ impl CapacityLog {
     }
 
     /// Records `r` if it follows the last record and names launches that exist.
-    pub(super) fn apply(&mut self, r: &CapacityRecord) -> Result<String, String> {
+    pub(super) fn apply(&mut self, r: &CapacityRecord) -> super::Outcome {
         if r.seq != self.last_seq + 1 {
-            return Err(format!(
+            return Err(Refused(format!(
                 "capacity record {} does not follow record {} (another leader decided first)",
                 r.seq, self.last_seq
-            ));
+            )));
         }
         match &r.action {
             CapacityAction::Launched { launch, .. } | CapacityAction::Failed { launch, .. } => {
                 if self.launch(*launch).is_none() {
-                    return Err(format!("capacity record {}: launch {launch} is not recorded", r.seq));
+                    return Err(Refused(format!(
+                        "capacity record {}: launch {launch} is not recorded",
+                        r.seq
+                    )));
                 }
                 if self.resolved(*launch) {
-                    return Err(format!("capacity record {}: launch {launch} already has an outcome", r.seq));
+                    return Err(Refused(format!(
+                        "capacity record {}: launch {launch} already has an outcome",
+                        r.seq
+                    )));
                 }
             }
             CapacityAction::Launch { token, .. } if token.is_empty() || token.len() > 64 => {
-                return Err(format!("capacity record {}: a launch token is 1 to 64 characters", r.seq));
+                return Err(Refused(format!(
+                    "capacity record {}: a launch token is 1 to 64 characters",
+                    r.seq
+                )));
             }
             CapacityAction::Scale { target } if *target == 0 || *target > 100_000 => {
-                return Err(format!("capacity record {}: a target of {target} hosts", r.seq));
+                return Err(Refused(format!("capacity record {}: a target of {target} hosts", r.seq)));
             }
             CapacityAction::Scale { target } => self.target = Some(*target),
             _ => {}
@@ -204,18 +214,18 @@ impl CapacityLog {
     }
 
     /// The log's invariants.
-    pub(super) fn validate(&self) -> Result<(), String> {
+    pub(super) fn validate(&self) -> Result<(), super::Invalid> {
         if self.records.len() > MAX_CAPACITY_RECORDS {
-            return Err(format!("{} capacity records kept", self.records.len()));
+            return Err(Invalid(format!("{} capacity records kept", self.records.len())));
         }
         for w in self.records.windows(2) {
             if w[1].seq != w[0].seq + 1 {
-                return Err(format!("capacity records out of sequence at {}", w[1].seq));
+                return Err(Invalid(format!("capacity records out of sequence at {}", w[1].seq)));
             }
         }
         match self.records.last() {
             Some(r) if r.seq != self.last_seq => {
-                Err(format!("the last capacity record is {}, the log says {}", r.seq, self.last_seq))
+                Err(Invalid(format!("the last capacity record is {}, the log says {}", r.seq, self.last_seq)))
             }
             _ => Ok(()),
         }
@@ -245,14 +255,14 @@ mod tests {
         log.apply(&rec(1, launch())).unwrap();
         assert_eq!(log.unresolved().map(|r| r.seq), Some(1));
         // A second leader that decided from the same view is refused.
-        assert!(log.apply(&rec(1, CapacityAction::Hold)).unwrap_err().contains("another leader"));
+        assert!(log.apply(&rec(1, CapacityAction::Hold)).unwrap_err().0.contains("another leader"));
         assert!(log
             .apply(&rec(2, CapacityAction::Failed { launch: 7, code: "x".into(), capacity: true }))
             .is_err());
         log.apply(&rec(2, CapacityAction::Launched { launch: 1, instances: vec!["i-1".into()] })).unwrap();
         assert!(log.unresolved().is_none());
         let again = rec(3, CapacityAction::Failed { launch: 1, code: "x".into(), capacity: false });
-        assert!(log.apply(&again).unwrap_err().contains("already"));
+        assert!(log.apply(&again).unwrap_err().0.contains("already"));
         for seq in 3..200 {
             log.apply(&rec(seq, CapacityAction::Hold)).unwrap();
         }

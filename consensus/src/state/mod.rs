@@ -13,7 +13,7 @@ mod fleet_log;
 mod hardware;
 mod revoked;
 mod throughput;
-pub use authority::Proposer;
+pub use authority::{NotAllowed, Proposer};
 pub use cause::Cause;
 pub use fleet_log::{CapacityAction, CapacityLog, CapacityRecord, Market, Pool, MAX_CAPACITY_RECORDS};
 pub use hardware::Hardware;
@@ -409,7 +409,7 @@ impl SnapshotData {
                 detail: format!("belongs to cluster {:#018x}, not {cluster_id:#018x}", d.cluster_id),
             });
         }
-        d.state.validate().map_err(|e| DecodeError { what: "snapshot", detail: e })?;
+        d.state.validate().map_err(|e| DecodeError { what: "snapshot", detail: e.0 })?;
         Ok(d)
     }
 }
@@ -443,7 +443,26 @@ pub fn cluster_id(name: &str) -> u64 {
     u64::from_le_bytes(h.as_bytes()[..8].try_into().expect("8 bytes"))
 }
 
-type Outcome = Result<String, String>;
+/// Why the state machine refused a command: the same on every node, and told to its proposer.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Refused(pub String);
+
+/// A replicated state that breaks one of its invariants (what a corrupt or crafted snapshot
+/// shows).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Invalid(pub String);
+
+impl From<Refused> for Invalid {
+    /// What the log would refuse to add cannot be in a state it holds.
+    fn from(r: Refused) -> Invalid {
+        Invalid(r.0)
+    }
+}
+
+/// What the state machine made of a command: what it did, or why it refused it.
+pub type Outcome = Result<String, Refused>;
 
 impl ClusterState {
     /// An empty cluster with the given bootstrap members (all Active) and voters.
@@ -492,7 +511,7 @@ impl ClusterState {
                     m.spec.hardware = hardware.clone();
                     Ok(format!("node {id} hardware updated"))
                 }
-                None => Err(format!("node {id} is not a member")),
+                None => Err(Refused(format!("node {id} is not a member"))),
             },
             Command::SetJob { job } => match &self.job {
                 None => {
@@ -500,7 +519,7 @@ impl ClusterState {
                     Ok("job set".into())
                 }
                 Some(existing) if existing == job => Ok("job unchanged".into()),
-                Some(_) => Err("a different job is already set; a running job cannot change".into()),
+                Some(_) => Err(Refused("a different job is already set; a running job cannot change".into())),
             },
             Command::ScheduleEpoch { epoch } => self.apply_schedule(epoch),
             Command::ActivateEpoch { id } => match self.scheduled.take() {
@@ -518,7 +537,7 @@ impl ClusterState {
                         None => format!("epoch {id} is not scheduled (nothing is)"),
                     };
                     self.scheduled = other;
-                    Err(why)
+                    Err(Refused(why))
                 }
             },
             Command::RecordCheckpoint { record } => self.apply_checkpoint(record),
@@ -530,7 +549,7 @@ impl ClusterState {
                     self.scheduled = None;
                     Ok(format!("epoch {id} withdrawn: {reason}"))
                 }
-                _ => Err(format!("epoch {id} is not scheduled")),
+                _ => Err(Refused(format!("epoch {id} is not scheduled"))),
             },
         };
         debug_assert_eq!(self.validate(), Ok(()), "after {command:?}");
@@ -539,17 +558,17 @@ impl ClusterState {
 
     fn apply_join(&mut self, spec: &MemberSpec) -> Outcome {
         if spec.id == 0 {
-            return Err("node id 0 is reserved".into());
+            return Err(Refused("node id 0 is reserved".into()));
         }
         if spec.name.is_empty() {
-            return Err(format!("node {} has an empty name", spec.id));
+            return Err(Refused(format!("node {} has an empty name", spec.id)));
         }
         if let Some(other) = self
             .members
             .values()
             .find(|m| m.spec.id != spec.id && m.spec.name == spec.name && m.status != MemberStatus::Gone)
         {
-            return Err(format!("name {:?} is taken by node {}", spec.name, other.spec.id));
+            return Err(Refused(format!("name {:?} is taken by node {}", spec.name, other.spec.id)));
         }
         match self.members.get_mut(&spec.id) {
             Some(m) if m.status.is_staying() || m.status == MemberStatus::Draining => {
@@ -581,9 +600,11 @@ impl ClusterState {
     }
 
     fn apply_notice(&mut self, id: NodeId, deadline_ms: u64, source: &str) -> Outcome {
-        let m = self.members.get_mut(&id).ok_or_else(|| format!("node {id} is not a member"))?;
+        let m = self.members.get_mut(&id).ok_or_else(|| Refused(format!("node {id} is not a member")))?;
         match m.status {
-            MemberStatus::Failed | MemberStatus::Gone => Err(format!("node {id} is already {:?}", m.status)),
+            MemberStatus::Failed | MemberStatus::Gone => {
+                Err(Refused(format!("node {id} is already {:?}", m.status)))
+            }
             MemberStatus::Leaving if m.deadline_ms.is_some_and(|d| d <= deadline_ms) => {
                 Ok(format!("node {id} already leaving by {}", m.deadline_ms.unwrap_or(0)))
             }
@@ -597,7 +618,7 @@ impl ClusterState {
     }
 
     fn set_status(&mut self, id: NodeId, t: Transition, reason: &str) -> Outcome {
-        let m = self.members.get_mut(&id).ok_or_else(|| format!("node {id} is not a member"))?;
+        let m = self.members.get_mut(&id).ok_or_else(|| Refused(format!("node {id} is not a member")))?;
         let from = m.status;
         let to = match (t, from) {
             (Transition::Activate, MemberStatus::Joining | MemberStatus::Active) => MemberStatus::Active,
@@ -606,7 +627,7 @@ impl ClusterState {
             }
             (Transition::Fail, s) if s != MemberStatus::Gone => MemberStatus::Failed,
             (Transition::Remove, _) => MemberStatus::Gone,
-            _ => return Err(format!("node {id} is {from:?}; cannot {}", t.verb())),
+            _ => return Err(Refused(format!("node {id} is {from:?}; cannot {}", t.verb()))),
         };
         if from == to {
             return Ok(format!("node {id} already {to:?}"));
@@ -621,14 +642,14 @@ impl ClusterState {
 
     fn apply_schedule(&mut self, epoch: &Epoch) -> Outcome {
         if epoch.id <= self.last_epoch_id {
-            return Err(format!("epoch id {} is not above {}", epoch.id, self.last_epoch_id));
+            return Err(Refused(format!("epoch id {} is not above {}", epoch.id, self.last_epoch_id)));
         }
         if let Some(cur) = &self.current {
             if epoch.start_step < cur.start_step {
-                return Err(format!(
+                return Err(Refused(format!(
                     "epoch {} starts at step {} before the current epoch's start {}",
                     epoch.id, epoch.start_step, cur.start_step
-                ));
+                )));
             }
         }
         self.check_epoch(epoch)?;
@@ -650,18 +671,18 @@ impl ClusterState {
         }
         if let Some(last) = self.checkpoints.last() {
             if r.step < last.step {
-                return Err(format!(
+                return Err(Refused(format!(
                     "checkpoint at step {} is older than the last one ({})",
                     r.step, last.step
-                ));
+                )));
             }
         }
         let newest_epoch = self.last_epoch_id;
         if r.epoch > newest_epoch {
-            return Err(format!(
+            return Err(Refused(format!(
                 "checkpoint names epoch {}, newer than any scheduled ({newest_epoch})",
                 r.epoch
-            ));
+            )));
         }
         self.checkpoints.push(r.clone());
         if self.checkpoints.len() > MAX_CHECKPOINT_RECORDS {
@@ -678,42 +699,42 @@ impl ClusterState {
 
     /// Checks the state's invariants; run after every change in debug builds and on every
     /// snapshot received.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), Invalid> {
         for (id, m) in &self.members {
             if *id != m.spec.id || *id == 0 {
-                return Err(format!("member entry {id} holds node {}", m.spec.id));
+                return Err(Invalid(format!("member entry {id} holds node {}", m.spec.id)));
             }
         }
         if let Some(v) = self.voters.iter().find(|v| self.learners.contains(v)) {
-            return Err(format!("node {v} is both voter and learner"));
+            return Err(Invalid(format!("node {v} is both voter and learner")));
         }
         if let (Some(c), Some(s)) = (&self.current, &self.scheduled) {
             if s.id <= c.id {
-                return Err(format!("scheduled epoch {} is not after current epoch {}", s.id, c.id));
+                return Err(Invalid(format!("scheduled epoch {} is not after current epoch {}", s.id, c.id)));
             }
         }
         if let Some(e) = self.scheduled.as_ref().or(self.current.as_ref()) {
             if e.id > self.last_epoch_id {
-                return Err(format!(
+                return Err(Invalid(format!(
                     "epoch {} is above the highest id ever scheduled ({})",
                     e.id, self.last_epoch_id
-                ));
+                )));
             }
         }
         for w in self.checkpoints.windows(2) {
             if w[1].step < w[0].step {
-                return Err(format!("checkpoint records out of order at step {}", w[1].step));
+                return Err(Invalid(format!("checkpoint records out of order at step {}", w[1].step)));
             }
         }
         if self.checkpoints.len() > MAX_CHECKPOINT_RECORDS {
-            return Err(format!("{} checkpoint records kept", self.checkpoints.len()));
+            return Err(Invalid(format!("{} checkpoint records kept", self.checkpoints.len())));
         }
         self.capacity.validate()?;
         self.throughput.validate()?;
         self.revoked.validate()?;
         if let Some(e) = &self.current {
             if e.ranks.iter().any(|r| !self.members.contains_key(r)) {
-                return Err(format!("current epoch {} names a node that is not a member", e.id));
+                return Err(Invalid(format!("current epoch {} names a node that is not a member", e.id)));
             }
         }
         Ok(())

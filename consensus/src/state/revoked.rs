@@ -3,6 +3,7 @@
 //! no longer accepts. An operator revokes one (`limpet certs revoke`); every node then refuses
 //! it on the control plane (each call) and the data plane (each handshake).
 
+use super::{Invalid, Refused};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -34,30 +35,32 @@ impl Revoked {
     }
 
     /// Revokes a certificate; refused (unchanged) for a malformed entry or a full list.
-    pub fn apply(&mut self, fingerprint: &str, name: &str) -> Result<String, String> {
+    pub fn apply(&mut self, fingerprint: &str, name: &str) -> super::Outcome {
         if !is_fingerprint(fingerprint) {
-            return Err(format!("{fingerprint:?} is not a SHA-256 fingerprint (64 lowercase hex digits)"));
+            return Err(Refused(format!(
+                "{fingerprint:?} is not a SHA-256 fingerprint (64 lowercase hex digits)"
+            )));
         }
         if name.len() > MAX_NAME {
-            return Err(format!("a name of {} bytes (at most {MAX_NAME})", name.len()));
+            return Err(Refused(format!("a name of {} bytes (at most {MAX_NAME})", name.len())));
         }
         if self.0.contains_key(fingerprint) {
             return Ok(format!("certificate {fingerprint} was already revoked"));
         }
         if self.0.len() >= MAX_REVOKED {
-            return Err(format!("{MAX_REVOKED} certificates are revoked already: rotate the CA"));
+            return Err(Refused(format!("{MAX_REVOKED} certificates are revoked already: rotate the CA")));
         }
         self.0.insert(fingerprint.to_string(), name.to_string());
         Ok(format!("certificate {fingerprint} ({name}) revoked"))
     }
 
     /// Checks a decoded list (a snapshot's).
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), super::Invalid> {
         if self.0.len() > MAX_REVOKED {
-            return Err(format!("{} revoked certificates (at most {MAX_REVOKED})", self.0.len()));
+            return Err(Invalid(format!("{} revoked certificates (at most {MAX_REVOKED})", self.0.len())));
         }
         match self.0.iter().find(|(f, n)| !is_fingerprint(f) || n.len() > MAX_NAME) {
-            Some((f, _)) => Err(format!("a revoked certificate's entry {f:?} is malformed")),
+            Some((f, _)) => Err(Invalid(format!("a revoked certificate's entry {f:?} is malformed"))),
             None => Ok(()),
         }
     }
@@ -80,7 +83,7 @@ mod tests {
         for i in 1..MAX_REVOKED {
             r.apply(&format!("{i:064x}"), "n").unwrap();
         }
-        assert!(r.apply(&"cd".repeat(32), "one too many").unwrap_err().contains("rotate the CA"));
+        assert!(r.apply(&"cd".repeat(32), "one too many").unwrap_err().0.contains("rotate the CA"));
         r.0.insert("zz".into(), "bad".into());
         assert!(r.validate().is_err());
     }

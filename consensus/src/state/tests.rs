@@ -50,7 +50,7 @@ fn an_epoch_with_sources_survives_the_log() {
 fn a_refused_command_changes_nothing() {
     let mut st = three();
     let before = st.clone();
-    assert!(st.apply(&Command::Join { member: spec(4, "a") }).unwrap_err().contains("taken by node 1"));
+    assert!(st.apply(&Command::Join { member: spec(4, "a") }).unwrap_err().0.contains("taken by node 1"));
     assert!(st.apply(&Command::Activate { id: 9 }).is_err());
     assert!(st.apply(&Command::ScheduleEpoch { epoch: epoch(1, 0, &[1, 9]) }).is_err());
     assert_eq!(st, before);
@@ -65,7 +65,7 @@ fn members_follow_their_life_cycle() {
     st.apply(&Command::Notice { id: 4, deadline_ms: 500, source: "aws".into() }).unwrap();
     assert_eq!(st.members[&4].status, MemberStatus::Leaving);
     assert_eq!(st.members[&4].deadline_ms, Some(500));
-    assert!(st.apply(&Command::Activate { id: 4 }).unwrap_err().contains("cannot activate"));
+    assert!(st.apply(&Command::Activate { id: 4 }).unwrap_err().0.contains("cannot activate"));
     st.apply(&Command::Remove { id: 4, reason: "left".into() }).unwrap();
     assert!(st.apply(&Command::Notice { id: 4, deadline_ms: 9, source: "aws".into() }).is_err());
     // A gone node may come back under its name, and its name is free for others.
@@ -81,15 +81,16 @@ fn epochs_only_move_forward() {
     assert!(st.apply(&Command::ScheduleEpoch { epoch: epoch(1, 5, &[1, 2]) }).is_err(), "same id");
     st.apply(&Command::ScheduleEpoch { epoch: epoch(2, 10, &[1, 2]) }).unwrap();
     assert!(st.apply(&Command::ScheduleEpoch { epoch: epoch(3, 2, &[1, 2]) }).is_ok());
-    assert!(st.apply(&Command::ActivateEpoch { id: 2 }).unwrap_err().contains("epoch 3 is"));
+    assert!(st.apply(&Command::ActivateEpoch { id: 2 }).unwrap_err().0.contains("epoch 3 is"));
     let mut bad = epoch(4, 20, &[1, 2]);
     bad.layout = Layout::data_parallel(1);
-    assert!(st.apply(&Command::ScheduleEpoch { epoch: bad }).unwrap_err().contains("does not cover"));
+    assert!(st.apply(&Command::ScheduleEpoch { epoch: bad }).unwrap_err().0.contains("does not cover"));
     let mut bad = epoch(4, 20, &[1, 2]);
     bad.layout = Layout { data: 1, pipeline: 2, cuts: vec![] };
     assert!(st
         .apply(&Command::ScheduleEpoch { epoch: bad })
         .unwrap_err()
+        .0
         .contains("need 1 increasing block cuts"));
     let mut bad = epoch(4, 20, &[1, 2]);
     bad.layout = Layout { data: 1, pipeline: 2, cuts: vec![0] };
@@ -102,7 +103,7 @@ fn epochs_only_move_forward() {
     assert!(st.apply(&Command::ScheduleEpoch { epoch: bad }).is_err());
     let early = epoch(4, 0, &[1]);
     st.apply(&Command::ActivateEpoch { id: 3 }).unwrap();
-    assert!(st.apply(&Command::ScheduleEpoch { epoch: early }).unwrap_err().contains("before the current"));
+    assert!(st.apply(&Command::ScheduleEpoch { epoch: early }).unwrap_err().0.contains("before the current"));
 }
 
 #[test]
@@ -153,7 +154,7 @@ fn unequal_shares_must_split_the_global_batch_over_data_parallel_ranks() {
     let mut st = three();
     let mut e = epoch(1, 0, &[1, 2, 3]);
     e.shares = vec![30, 30, 5];
-    assert!(st.apply(&Command::ScheduleEpoch { epoch: e.clone() }).unwrap_err().contains("shares"));
+    assert!(st.apply(&Command::ScheduleEpoch { epoch: e.clone() }).unwrap_err().0.contains("shares"));
     e.shares = vec![30, 34];
     assert!(st.apply(&Command::ScheduleEpoch { epoch: e.clone() }).is_err());
     e.shares = vec![u64::MAX, 2, 0];
@@ -187,7 +188,7 @@ fn local_ranks_number_devices_and_split_a_hosts_share() {
     e.local_ranks = vec![2, 1, 4];
     // More ranks than a node announced: refused.
     let greedy = Epoch { local_ranks: vec![2, 2, 4], ..e.clone() };
-    assert!(st.apply(&Command::ScheduleEpoch { epoch: greedy }).unwrap_err().contains("announced 1"));
+    assert!(st.apply(&Command::ScheduleEpoch { epoch: greedy }).unwrap_err().0.contains("announced 1"));
     assert_eq!((e.total_ranks(), e.first_rank_of(0), e.first_rank_of(1), e.first_rank_of(2)), (7, 0, 2, 3));
     assert!(e.rank_shares().is_empty(), "equal shares stay equal per device");
     e.shares = vec![20, 10, 34];
@@ -195,12 +196,12 @@ fn local_ranks_number_devices_and_split_a_hosts_share() {
     // Refused: a count per node or none, each 1..=MAX_LOCAL_RANKS, one each in a pipeline.
     for bad in [vec![2, 1], vec![0, 1, 1], vec![1, 1, MAX_LOCAL_RANKS + 1]] {
         let e = Epoch { local_ranks: bad, ..e.clone() };
-        assert!(st.apply(&Command::ScheduleEpoch { epoch: e }).unwrap_err().contains("local ranks"));
+        assert!(st.apply(&Command::ScheduleEpoch { epoch: e }).unwrap_err().0.contains("local ranks"));
     }
     let mut piped = epoch(1, 0, &[1, 2]);
     piped.layout = Layout { data: 1, pipeline: 2, cuts: vec![1] };
     piped.local_ranks = vec![2, 1];
-    assert!(st.apply(&Command::ScheduleEpoch { epoch: piped }).unwrap_err().contains("local ranks"));
+    assert!(st.apply(&Command::ScheduleEpoch { epoch: piped }).unwrap_err().0.contains("local ranks"));
     // Older records: no counts, one rank each.
     let old = epoch(1, 0, &[1, 2]);
     assert_eq!((old.total_ranks(), old.first_rank_of(1), old.local_ranks_of(5)), (2, 1, 1));

@@ -6,6 +6,7 @@
 //! Values are integers (thousandths of a sample per second) so that every node applies
 //! exactly the same record.
 
+use super::{Invalid, Refused};
 use serde::{Deserialize, Serialize};
 
 /// The most world sizes the log keeps a measurement for.
@@ -62,34 +63,34 @@ impl ThroughputLog {
 
     /// Records `t` (replacing the older measurement of its world) if it is plausible and
     /// names an epoch the log has scheduled.
-    pub(super) fn apply(&mut self, t: &Throughput, last_epoch_id: u64) -> Result<String, String> {
+    pub(super) fn apply(&mut self, t: &Throughput, last_epoch_id: u64) -> super::Outcome {
         if t.world == 0 || t.epoch == 0 || t.epoch > last_epoch_id {
-            return Err(format!(
+            return Err(Refused(format!(
                 "throughput record: world {} of epoch {} (epochs so far: {last_epoch_id})",
                 t.world, t.epoch
-            ));
+            )));
         }
         if t.samples_milli == 0 || t.samples_milli > MAX_MILLI || t.useful_milli > MAX_MILLI {
-            return Err(format!(
+            return Err(Refused(format!(
                 "throughput record for world {}: {} samples/s ({} that count) is not plausible",
                 t.world,
                 t.samples_per_s(),
                 t.useful_per_s()
-            ));
+            )));
         }
         match self.by_world.binary_search_by_key(&t.world, |x| x.world) {
             Ok(i) if self.by_world[i].epoch > t.epoch => {
-                return Err(format!(
+                return Err(Refused(format!(
                     "throughput record for world {}: epoch {} is older than the one recorded ({})",
                     t.world, t.epoch, self.by_world[i].epoch
-                ));
+                )));
             }
             Ok(i) => self.by_world[i] = *t,
             Err(_) if self.by_world.len() >= MAX_THROUGHPUT_WORLDS => {
-                return Err(format!(
+                return Err(Refused(format!(
                     "throughput record for world {}: {MAX_THROUGHPUT_WORLDS} worlds kept",
                     t.world
-                ))
+                )))
             }
             Err(i) => self.by_world.insert(i, *t),
         }
@@ -103,12 +104,12 @@ impl ThroughputLog {
     }
 
     /// The log's invariants: one record per world, in order, within bounds.
-    pub(super) fn validate(&self) -> Result<(), String> {
+    pub(super) fn validate(&self) -> Result<(), super::Invalid> {
         if self.by_world.len() > MAX_THROUGHPUT_WORLDS {
-            return Err(format!("{} throughput records kept", self.by_world.len()));
+            return Err(Invalid(format!("{} throughput records kept", self.by_world.len())));
         }
         if self.by_world.windows(2).any(|w| w[0].world >= w[1].world) {
-            return Err("throughput records out of world order".into());
+            return Err(Invalid("throughput records out of world order".into()));
         }
         Ok(())
     }
@@ -129,11 +130,11 @@ mod tests {
         log.apply(&t(2, 1, 250), 5).unwrap();
         log.apply(&t(3, 4, 310), 5).unwrap();
         assert_eq!(log.points(), vec![(2, 250.0), (3, 310.0)]);
-        assert!(log.apply(&t(3, 3, 1), 5).unwrap_err().contains("older"));
-        assert!(log.apply(&t(4, 6, 1), 5).unwrap_err().contains("epochs so far"));
+        assert!(log.apply(&t(3, 3, 1), 5).unwrap_err().0.contains("older"));
+        assert!(log.apply(&t(4, 6, 1), 5).unwrap_err().0.contains("epochs so far"));
         assert!(log.apply(&t(0, 1, 1), 5).is_err());
-        assert!(log.apply(&t(4, 1, 0), 5).unwrap_err().contains("plausible"));
-        assert!(log.apply(&t(4, 1, u64::MAX / 1000), 5).unwrap_err().contains("plausible"));
+        assert!(log.apply(&t(4, 1, 0), 5).unwrap_err().0.contains("plausible"));
+        assert!(log.apply(&t(4, 1, u64::MAX / 1000), 5).unwrap_err().0.contains("plausible"));
         log.validate().unwrap();
     }
 }

@@ -16,7 +16,7 @@ mod memory;
 mod sled_log;
 
 pub use memory::MemLog;
-pub use sled_log::{decode_record, Identity, SledLog, StoredRecord, IDENTITY_FILE, SLED_FORMAT};
+pub use sled_log::{decode_record, Identity, RecordError, SledLog, StoredRecord, IDENTITY_FILE, SLED_FORMAT};
 
 /// The state machine as of an index, with the configuration in force at that index.
 #[derive(Clone, Debug, PartialEq)]

@@ -6,6 +6,7 @@ use super::{
     applied_from_snapshot, check_append, check_range, entries_size_limited, fresh_snapshot, initial_state,
     snapshot_of, snapshot_term, AppliedState, LogStore,
 };
+use crate::codec::CodecError;
 use crate::error::{ConsensusError, Result};
 use raft::prelude::{ConfState, Entry, HardState, Snapshot};
 use raft::{GetEntriesContext, RaftState, Storage, StorageError};
@@ -70,30 +71,62 @@ pub enum StoredRecord {
 
 /// Decodes one stored record by its key. Every record the store reads passes through here,
 /// so a damaged record is reported by name instead of misread.
-pub fn decode_record(key: &[u8], value: &[u8]) -> std::result::Result<StoredRecord, String> {
-    fn pb<M: raft_prost::Message + Default>(v: &[u8]) -> std::result::Result<M, String> {
-        crate::codec::decode(v).map_err(|e| e.to_string())
+pub fn decode_record(key: &[u8], value: &[u8]) -> std::result::Result<StoredRecord, RecordError> {
+    fn pb<M: raft_prost::Message + Default>(v: &[u8]) -> std::result::Result<M, RecordError> {
+        Ok(crate::codec::decode(v).map_err(CodecError::from)?)
     }
     match key {
-        KEY_IDENTITY => serde_json::from_slice(value).map(StoredRecord::Identity).map_err(|e| e.to_string()),
+        KEY_IDENTITY => serde_json::from_slice(value)
+            .map(StoredRecord::Identity)
+            .map_err(|e| RecordError::Identity(e.to_string())),
         KEY_HARD_STATE => pb(value).map(StoredRecord::HardState),
         KEY_SNAPSHOT => pb(value).map(StoredRecord::Snapshot),
         KEY_APPLIED_INDEX => value
             .try_into()
             .map(|b| StoredRecord::AppliedIndex(u64::from_be_bytes(b)))
-            .map_err(|_| format!("{} bytes, not 8", value.len())),
+            .map_err(|_| RecordError::Length { len: value.len(), want: 8 }),
         KEY_APPLIED_CONF => pb(value).map(StoredRecord::AppliedConf),
         KEY_APPLIED_DATA => Ok(StoredRecord::AppliedData(value.to_vec())),
         k if k.len() == 12 && k.starts_with(ENTRY_PREFIX) => {
             let index = u64::from_be_bytes(k[4..].try_into().expect("8 bytes"));
             let entry = crate::codec::decode_entry(value)?;
             if entry.index != index {
-                return Err(format!("key says index {index}, record holds {}", entry.index));
+                return Err(RecordError::Index { key: index, record: entry.index });
             }
             Ok(StoredRecord::Entry(index, entry))
         }
-        k => Err(format!("unknown key {:?}", String::from_utf8_lossy(k))),
+        k => Err(RecordError::UnknownKey(String::from_utf8_lossy(k).into_owned())),
     }
+}
+
+/// Why a stored record does not decode.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum RecordError {
+    /// A raft record (hard state, snapshot, configuration, entry) does not decode or check.
+    #[error(transparent)]
+    Raft(#[from] CodecError),
+    /// The identity record is not the JSON limpet writes.
+    #[error("{0}")]
+    Identity(String),
+    /// A fixed-size record of another size.
+    #[error("{len} bytes, not {want}")]
+    Length {
+        /// Its size.
+        len: usize,
+        /// The size it has to be.
+        want: usize,
+    },
+    /// An entry stored under another index than its own.
+    #[error("key says index {key}, record holds {record}")]
+    Index {
+        /// The index its key says.
+        key: u64,
+        /// The index it holds.
+        record: u64,
+    },
+    /// A key limpet never writes.
+    #[error("unknown key {0:?}")]
+    UnknownKey(String),
 }
 
 /// The Raft log in a sled database: one tree, entries keyed by big-endian index, metadata

@@ -262,7 +262,9 @@ fn plot(path: &Path, r: &RunsReport) -> limpet_daemon::Result<()> {
         root.present()?;
         Ok(())
     };
-    Ok(draw().map_err(|e| anyhow::anyhow!("{e}")).map_err(|e| e.context(format!("drawing {}", path.display())))?)
+    Ok(draw()
+        .map_err(|e| anyhow::anyhow!("{e}"))
+        .map_err(|e| e.context(format!("drawing {}", path.display())))?)
 }
 
 #[cfg(test)]

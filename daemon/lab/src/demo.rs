@@ -390,7 +390,10 @@ pub fn run_scenario(
             );
         }
         if let Some((name, why)) = cluster.failed_to_start() {
-            limpet_daemon::fail!("{name}'s limpetd exited before it started: {why}; logs are in {}", dir.display());
+            limpet_daemon::fail!(
+                "{name}'s limpetd exited before it started: {why}; logs are in {}",
+                dir.display()
+            );
         }
         let doc = match rt.block_on(gather(&cluster.file.cluster, &cluster.file.control_addrs(), tls)) {
             Ok(d) => d,

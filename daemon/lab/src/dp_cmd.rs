@@ -218,7 +218,11 @@ impl Drop for Workers {
 }
 
 /// Starts `world` workers (node ids `order`) of `exe dp-worker` with `extra` arguments.
-pub fn spawn_workers(exe: &std::path::Path, order: &[u64], extra: &[String]) -> limpet_daemon::Result<Workers> {
+pub fn spawn_workers(
+    exe: &std::path::Path,
+    order: &[u64],
+    extra: &[String],
+) -> limpet_daemon::Result<Workers> {
     spawn_group(exe, "dp-worker", order, extra)
 }
 
@@ -230,8 +234,10 @@ pub fn spawn_group(
     order: &[u64],
     extra: &[String],
 ) -> limpet_daemon::Result<Workers> {
-    let addrs: Vec<String> =
-        order.iter().map(|_| free_port().map(|p| format!("127.0.0.1:{p}"))).collect::<limpet_daemon::Result<_>>()?;
+    let addrs: Vec<String> = order
+        .iter()
+        .map(|_| free_port().map(|p| format!("127.0.0.1:{p}")))
+        .collect::<limpet_daemon::Result<_>>()?;
     let ranks: Vec<String> = order.iter().map(u64::to_string).collect();
     let secret: String = (0..32).map(|_| format!("{:02x}", rand::random::<u8>())).collect();
     let mut children = Vec::new();

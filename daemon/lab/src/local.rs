@@ -229,7 +229,8 @@ impl LocalCluster {
             return Err(limpet_daemon::UsageError(format!(
                 "{} already holds a cluster; use an empty directory",
                 dir.display()
-            )).into());
+            ))
+            .into());
         }
         let secret: String = (0..32).map(|_| format!("{:x}", rand::random::<u8>() & 15)).collect();
         std::fs::write(dir.join("secret"), secret).context("writing the cluster secret")?;
@@ -262,8 +263,9 @@ impl LocalCluster {
             c.file.operator_tls =
                 Some(limpet_consensus::tls::TlsFiles { ca: certs.join("ca.pem"), cert, key });
         }
-        let controls: Vec<String> =
-            (0..n).map(|_| free_port().map(|p| format!("127.0.0.1:{p}"))).collect::<limpet_daemon::Result<_>>()?;
+        let controls: Vec<String> = (0..n)
+            .map(|_| free_port().map(|p| format!("127.0.0.1:{p}")))
+            .collect::<limpet_daemon::Result<_>>()?;
         c.founders = controls.iter().enumerate().map(|(i, a)| format!("{}={a}", i + 1)).collect();
         for (i, control) in controls.iter().enumerate() {
             c.start_node(&format!("node-{}", i + 1), (i + 1) as u64, control, true)?;

@@ -83,7 +83,12 @@ pub struct TrainBenchReport {
 use crate::stats::median;
 
 /// Random token shards (ids below `vocab`) for `windows` windows of `context` + 1 in `dir`.
-fn random_shards(dir: &std::path::Path, vocab: usize, context: usize, windows: u64) -> limpet_daemon::Result<()> {
+fn random_shards(
+    dir: &std::path::Path,
+    vocab: usize,
+    context: usize,
+    windows: u64,
+) -> limpet_daemon::Result<()> {
     let tokens = windows * (context as u64 + 1) + 1;
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     let ids: Vec<u32> = (0..tokens).map(|_| rng.random_range(0..vocab as u32)).collect();
@@ -515,7 +520,11 @@ pub fn bench_dp(a: BenchDpArgs) -> limpet_daemon::Result<()> {
 
 /// The same job under torchrun with DDP (gloo) on the same LLaMA in transformers: its
 /// steady-state samples per second.
-fn torchrun_dp(a: &BenchDpArgs, tmp: &std::path::Path, spec: &LlamaSpec) -> limpet_daemon::Result<(f64, u64, u64)> {
+fn torchrun_dp(
+    a: &BenchDpArgs,
+    tmp: &std::path::Path,
+    spec: &LlamaSpec,
+) -> limpet_daemon::Result<(f64, u64, u64)> {
     let (cfg, script) = peer_files(tmp, spec, "ddp_llama.py", include_str!("../../../bench/ddp_llama.py"))?;
     let optimizer = if a.shard_replicas.is_some() { "zero" } else { "adamw" };
     eprintln!(

@@ -104,8 +104,8 @@ impl<'a> Checks<'a> {
     }
 
     /// The value, or records why `key` has none.
-    pub fn take<T>(&mut self, key: &str, r: Result<T, String>) -> Option<T> {
-        r.map_err(|why| self.fail(key, why)).ok()
+    pub fn take<T, E: std::fmt::Display>(&mut self, key: &str, r: Result<T, E>) -> Option<T> {
+        r.map_err(|why| self.fail(key, why.to_string())).ok()
     }
 
     /// `v` as `HOST:PORT`.

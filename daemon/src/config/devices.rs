@@ -26,7 +26,9 @@ impl Devices {
 impl NodeSection {
     /// This host's local ranks' devices (absent `[node].devices`: none, the job's one device
     /// is used).
-    pub fn local_devices(&self) -> Result<Option<Vec<limpet_trainer::device::Device>>, String> {
+    pub fn local_devices(
+        &self,
+    ) -> Result<Option<Vec<limpet_trainer::device::Device>>, limpet_trainer::device::DeviceError> {
         let Some(d) = &self.devices else { return Ok(None) };
         limpet_trainer::device::local_devices(&d.entries(), limpet_trainer::device::gpu_count()).map(Some)
     }

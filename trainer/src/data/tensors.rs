@@ -11,6 +11,7 @@
 //! constant memory.
 
 use crate::sampler::feistel;
+use crate::Malformed;
 use crate::TrainerError;
 use safetensors::tensor::{Dtype as StDtype, Metadata};
 use std::fs::File;
@@ -82,24 +83,24 @@ pub struct NpyHeader {
 
 /// Parses the start of a `.npy` file (untrusted: a fuzz target and property tests cover it).
 /// Accepts little-endian (or byte) f32, f64, u8, i32 and i64 in C order.
-pub fn parse_npy_header(bytes: &[u8]) -> Result<NpyHeader, String> {
+pub fn parse_npy_header(bytes: &[u8]) -> Result<NpyHeader, Malformed> {
     if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
-        return Err("not a .npy file (no \\x93NUMPY magic)".into());
+        return Err(Malformed("not a .npy file (no \\x93NUMPY magic)".into()));
     }
     let (len, start) = match bytes[6] {
         1 => (u64::from(u16::from_le_bytes([bytes[8], bytes[9]])), 10u64),
         2 | 3 if bytes.len() >= 12 => {
             (u64::from(u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]])), 12)
         }
-        v => return Err(format!("format version {v} is not 1, 2 or 3")),
+        v => return Err(Malformed(format!("format version {v} is not 1, 2 or 3"))),
     };
     let end = start + len;
     if len > HEADER_MAX || end > bytes.len() as u64 {
-        return Err(format!("header of {len} bytes runs past the {} bytes read", bytes.len()));
+        return Err(Malformed(format!("header of {len} bytes runs past the {} bytes read", bytes.len())));
     }
     let text = std::str::from_utf8(&bytes[start as usize..end as usize])
         .map_err(|_| "header is not text".to_string())?;
-    let field = |key: &str| -> Result<&str, String> {
+    let field = |key: &str| -> Result<&str, Malformed> {
         let k = format!("'{key}':");
         let at = text.find(&k).ok_or_else(|| format!("header has no '{key}'"))?;
         Ok(text[at + k.len()..].trim_start())
@@ -113,11 +114,15 @@ pub fn parse_npy_header(bytes: &[u8]) -> Result<NpyHeader, String> {
         "<i4" => Elem::I32,
         "<i8" => Elem::I64,
         other => {
-            return Err(format!("dtype {other:?} is not one of <f4, <f8, |u1, <i4, <i8 (little-endian)"))
+            return Err(Malformed(format!(
+                "dtype {other:?} is not one of <f4, <f8, |u1, <i4, <i8 (little-endian)"
+            )))
         }
     };
     if field("fortran_order")?.starts_with("True") {
-        return Err("fortran_order is True: save the array in C order (np.ascontiguousarray)".into());
+        return Err(Malformed(
+            "fortran_order is True: save the array in C order (np.ascontiguousarray)".into(),
+        ));
     }
     let shape = field("shape")?;
     let inner = shape.strip_prefix('(').and_then(|s| s.split(')').next()).ok_or("shape is not a tuple")?;
@@ -130,7 +135,7 @@ pub fn parse_npy_header(bytes: &[u8]) -> Result<NpyHeader, String> {
         })
         .collect::<Result<_, _>>()?;
     if shape.is_empty() {
-        return Err("a scalar array has no rows".into());
+        return Err(Malformed("a scalar array has no rows".into()));
     }
     Ok(NpyHeader { elem, shape, data_offset: end })
 }
@@ -185,7 +190,7 @@ impl Column {
         head.truncate(n);
         // A longer header (many dimensions) is read in full once its length is known.
         if let Err(first) = parse_npy_header(&head) {
-            if n == 4096 && first.starts_with("header of") {
+            if n == 4096 && first.0.starts_with("header of") {
                 head = vec![0u8; HEADER_MAX as usize + 12];
                 let n = file.read_at(&mut head, 0).map_err(|e| data_err(path, e.to_string()))?;
                 head.truncate(n);

@@ -15,6 +15,7 @@
 //! map because a shard truncated or replaced under a running job then yields an error that
 //! names the file and offset, where a mapping would kill the process with SIGBUS.
 
+use crate::Malformed;
 use crate::TrainerError;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
@@ -97,39 +98,42 @@ pub struct Manifest {
 impl Manifest {
     /// Parses and checks a manifest's bytes (untrusted: a fuzz target and property tests
     /// cover this). The error says which field is wrong.
-    pub fn parse(bytes: &[u8]) -> Result<Self, String> {
+    pub fn parse(bytes: &[u8]) -> Result<Self, Malformed> {
         let m: Manifest = serde_json::from_slice(bytes).map_err(|e| format!("not a token manifest: {e}"))?;
         m.check()?;
         Ok(m)
     }
 
     /// Checks the fields against each other (not against the files).
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), Malformed> {
         if self.format != MANIFEST_FORMAT {
-            return Err(format!("format is {:?}, expected {MANIFEST_FORMAT:?}", self.format));
+            return Err(Malformed(format!("format is {:?}, expected {MANIFEST_FORMAT:?}", self.format)));
         }
         if self.version != 1 {
-            return Err(format!("version {} is not supported (this limpet reads version 1)", self.version));
+            return Err(Malformed(format!(
+                "version {} is not supported (this limpet reads version 1)",
+                self.version
+            )));
         }
         let max_vocab = 1u64 << (8 * self.dtype.width());
         if self.vocab == 0 || self.vocab > max_vocab {
-            return Err(format!(
+            return Err(Malformed(format!(
                 "vocab {} is not within 1..={max_vocab} for dtype {:?}",
                 self.vocab, self.dtype
-            ));
+            )));
         }
         if self.train.is_empty() {
-            return Err("train lists no files".into());
+            return Err(Malformed("train lists no files".into()));
         }
         for (split, entries) in [("train", &self.train), ("val", &self.val)] {
             for (i, e) in entries.iter().enumerate() {
                 let at = format!("{split}[{i}] ({:?})", e.file);
                 check_relative(&e.file).map_err(|m| format!("{at}: {m}"))?;
                 if e.tokens.checked_mul(self.dtype.width()).is_none() {
-                    return Err(format!("{at}: {} tokens is too many", e.tokens));
+                    return Err(Malformed(format!("{at}: {} tokens is too many", e.tokens)));
                 }
                 if e.blake3.len() != 64 || !e.blake3.bytes().all(|b| b.is_ascii_hexdigit()) {
-                    return Err(format!("{at}: blake3 {:?} is not 64 hex digits", e.blake3));
+                    return Err(Malformed(format!("{at}: blake3 {:?} is not 64 hex digits", e.blake3)));
                 }
             }
         }
@@ -153,13 +157,15 @@ impl Manifest {
 }
 
 /// A manifest path must stay inside the shard directory.
-fn check_relative(file: &str) -> Result<(), String> {
+fn check_relative(file: &str) -> Result<(), Malformed> {
     let p = Path::new(file);
     if file.is_empty() || file.contains('\0') {
-        return Err("is empty or holds a NUL".into());
+        return Err(Malformed("is empty or holds a NUL".into()));
     }
     if !p.components().all(|c| matches!(c, Component::Normal(_))) {
-        return Err("must be a relative path inside the directory (no '/', '..' or '.' at the start)".into());
+        return Err(Malformed(
+            "must be a relative path inside the directory (no '/', '..' or '.' at the start)".into(),
+        ));
     }
     Ok(())
 }

@@ -3,22 +3,23 @@
 //! the key), and a spec becomes the config its family's `from_pretrained` reads.
 
 use crate::model::{Family, LlamaSpec, ModelSpec, RopeScaling, SlidingWindow, SpecialTokens};
+use crate::Malformed;
 use serde_json::{json, Map, Value};
 
 /// Largest size a `config.json` may give (a vocabulary, a width): far above any real model,
 /// low enough that products of two sizes cannot overflow.
 const MAX_SIZE: usize = 1 << 24;
 
-fn bad(key: &str, why: impl std::fmt::Display) -> String {
-    format!("{key}: {why}")
+fn bad(key: &str, why: impl std::fmt::Display) -> Malformed {
+    Malformed(format!("{key}: {why}"))
 }
 
 /// A LLaMA-family model from the JSON of a `config.json` (untrusted: a fuzz target and
 /// property tests cover it) for sequences of `context` tokens (default: the checkpoint's
 /// `max_position_embeddings`, which bounds it); the error names the key.
-pub fn parse_config(cfg: &Value, context: Option<usize>) -> Result<LlamaSpec, String> {
+pub fn parse_config(cfg: &Value, context: Option<usize>) -> Result<LlamaSpec, Malformed> {
     let get = |key: &str| cfg.get(key).filter(|v| !v.is_null());
-    let int = |key: &str| -> Result<usize, String> {
+    let int = |key: &str| -> Result<usize, Malformed> {
         get(key)
             .and_then(Value::as_u64)
             .and_then(|v| usize::try_from(v).ok())
@@ -26,7 +27,7 @@ pub fn parse_config(cfg: &Value, context: Option<usize>) -> Result<LlamaSpec, St
             .ok_or_else(|| bad(key, format!("missing, or not an integer within 0..={MAX_SIZE}")))
     };
     let opt_int = |key: &str| get(key).map(|_| int(key)).transpose();
-    let flag = |key: &str| -> Result<bool, String> {
+    let flag = |key: &str| -> Result<bool, Malformed> {
         match get(key) {
             None => Ok(false),
             Some(v) => v.as_bool().ok_or_else(|| bad(key, "not true or false")),
@@ -113,7 +114,7 @@ pub fn parse_config(cfg: &Value, context: Option<usize>) -> Result<LlamaSpec, St
 
 /// The rotary base and scaling, from `rope_parameters` (transformers 5) or `rope_scaling`
 /// and `rope_theta` (earlier), whichever the file has.
-fn rope(cfg: &Value, max_pos: usize) -> Result<(f64, Option<RopeScaling>), String> {
+fn rope(cfg: &Value, max_pos: usize) -> Result<(f64, Option<RopeScaling>), Malformed> {
     let (r, key) = match cfg.get("rope_parameters").filter(|v| !v.is_null()) {
         Some(r) => (Some(r), "rope_parameters"),
         None => (cfg.get("rope_scaling").filter(|v| !v.is_null()), "rope_scaling"),
@@ -141,7 +142,7 @@ fn rope(cfg: &Value, max_pos: usize) -> Result<(f64, Option<RopeScaling>), Strin
             v.as_str().ok_or_else(|| bad(&format!("{key}.rope_type"), format!("{v} is not a name")))?
         }
     };
-    let num = |name: &str| -> Result<Option<f64>, String> {
+    let num = |name: &str| -> Result<Option<f64>, Malformed> {
         match r.get(name).filter(|v| !v.is_null()) {
             None => Ok(None),
             Some(v) => v.as_f64().map(Some).ok_or_else(|| bad(&format!("{key}.{name}"), "not a number")),
@@ -151,7 +152,7 @@ fn rope(cfg: &Value, max_pos: usize) -> Result<(f64, Option<RopeScaling>), Strin
         num(name)?
             .ok_or_else(|| bad(&format!("{key}.{name}"), format!("missing (rope_type {kind:?} needs it)")))
     };
-    let original = || -> Result<usize, String> {
+    let original = || -> Result<usize, Malformed> {
         let v =
             r.get("original_max_position_embeddings").or_else(|| cfg.get("original_max_position_embeddings"));
         match v.filter(|v| !v.is_null()) {
@@ -214,7 +215,7 @@ fn rope(cfg: &Value, max_pos: usize) -> Result<(f64, Option<RopeScaling>), Strin
 }
 
 /// The sliding window in force, if any layer slides.
-fn sliding(cfg: &Value, family: Family, layers: usize) -> Result<Option<SlidingWindow>, String> {
+fn sliding(cfg: &Value, family: Family, layers: usize) -> Result<Option<SlidingWindow>, Malformed> {
     let window = match cfg.get("sliding_window").filter(|v| !v.is_null()) {
         None => return Ok(None),
         Some(v) => v
@@ -264,7 +265,7 @@ fn sliding(cfg: &Value, family: Family, layers: usize) -> Result<Option<SlidingW
     Ok(Some(SlidingWindow { window, first_layer }))
 }
 
-fn special_tokens(cfg: &Value) -> Result<SpecialTokens, String> {
+fn special_tokens(cfg: &Value) -> Result<SpecialTokens, Malformed> {
     let id = |key: &str, v: &Value| {
         v.as_u64()
             .and_then(|v| u32::try_from(v).ok())
@@ -279,7 +280,7 @@ fn special_tokens(cfg: &Value) -> Result<SpecialTokens, String> {
     Ok(SpecialTokens { bos: one("bos_token_id")?, eos, pad: one("pad_token_id")? })
 }
 
-fn source_dtype(cfg: &Value) -> Result<Option<String>, String> {
+fn source_dtype(cfg: &Value) -> Result<Option<String>, Malformed> {
     let named = |k: &'static str| cfg.get(k).filter(|v| !v.is_null()).map(|v| (k, v));
     let Some((key, v)) = named("dtype").or_else(|| named("torch_dtype")) else { return Ok(None) };
     match v.as_str() {

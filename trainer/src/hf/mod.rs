@@ -283,12 +283,12 @@ pub enum ExportDtype {
 
 impl ExportDtype {
     /// Parses `f32`/`float32`, `bf16`/`bfloat16` or `f16`/`float16`.
-    pub fn parse(s: &str) -> Result<Self, String> {
+    pub fn parse(s: &str) -> Result<Self, crate::NotOneOf> {
         match s {
             "f32" | "float32" => Ok(ExportDtype::F32),
             "bf16" | "bfloat16" => Ok(ExportDtype::Bf16),
             "f16" | "float16" => Ok(ExportDtype::F16),
-            other => Err(format!("{other:?} is not one of f32, bf16, f16")),
+            other => Err(crate::NotOneOf { got: other.into(), choices: "f32, bf16, f16" }),
         }
     }
 
@@ -480,7 +480,7 @@ mod tests {
             prop_assert_eq!(parse_config(&cfg, Some(context)).unwrap(), spec);
             let key = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"][drop];
             cfg.as_object_mut().unwrap().remove(key);
-            let err = parse_config(&cfg, None).unwrap_err();
+            let err = parse_config(&cfg, None).unwrap_err().to_string();
             prop_assert!(err.starts_with(key), "{}", err);
         }
     }
@@ -497,7 +497,7 @@ mod tests {
         let err = |edit: &dyn Fn(&mut Value)| {
             let mut c = base();
             edit(&mut c);
-            parse_config(&c, None).unwrap_err()
+            parse_config(&c, None).unwrap_err().to_string()
         };
         let e = err(&|c| {
             c["model_type"] = "qwen2".into();

@@ -6,6 +6,7 @@
 //! index is checked against the bytes present, so it cannot panic or allocate beyond them.
 //! Untrusted input: a fuzz target and property tests cover [`parse_state_dict`].
 
+use crate::Malformed;
 use std::collections::BTreeMap;
 use std::io::{Cursor, Read};
 use tch::{Kind, Tensor};
@@ -111,7 +112,7 @@ struct Machine<'a> {
 }
 
 impl<'a> Machine<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], Malformed> {
         let end = self.pos.checked_add(n).filter(|&e| e <= self.data.len()).ok_or_else(|| {
             format!("the pickle ends inside an operand at byte {} ({n} bytes wanted)", self.pos)
         })?;
@@ -120,15 +121,15 @@ impl<'a> Machine<'a> {
         Ok(s)
     }
 
-    fn u8(&mut self) -> Result<u8, String> {
+    fn u8(&mut self) -> Result<u8, Malformed> {
         Ok(self.take(1)?[0])
     }
 
-    fn u32(&mut self) -> Result<u32, String> {
+    fn u32(&mut self) -> Result<u32, Malformed> {
         Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
     }
 
-    fn line(&mut self) -> Result<String, String> {
+    fn line(&mut self) -> Result<String, Malformed> {
         let rest = &self.data[self.pos..];
         let n = rest.iter().position(|&b| b == b'\n').ok_or("a GLOBAL name without its newline")?;
         let s = String::from_utf8(rest[..n].to_vec()).map_err(|_| "a GLOBAL name that is not UTF-8")?;
@@ -136,68 +137,68 @@ impl<'a> Machine<'a> {
         Ok(s)
     }
 
-    fn text(&mut self, n: usize) -> Result<V, String> {
+    fn text(&mut self, n: usize) -> Result<V, Malformed> {
         let b = self.take(n)?;
         String::from_utf8(b.to_vec())
             .map(V::Str)
-            .map_err(|_| format!("a string at byte {} is not UTF-8", self.pos))
+            .map_err(|_| Malformed(format!("a string at byte {} is not UTF-8", self.pos)))
     }
 
-    fn push(&mut self, v: V) -> Result<(), String> {
+    fn push(&mut self, v: V) -> Result<(), Malformed> {
         if self.stack.len() >= MAX_ITEMS {
-            return Err("the pickle's stack is deeper than a state dict needs".into());
+            return Err(Malformed("the pickle's stack is deeper than a state dict needs".into()));
         }
         self.spend(1)?;
         self.stack.push(v);
         Ok(())
     }
 
-    fn spend(&mut self, n: usize) -> Result<(), String> {
+    fn spend(&mut self, n: usize) -> Result<(), Malformed> {
         self.spent = self.spent.saturating_add(n);
         if self.spent > self.budget {
-            return Err(format!(
+            return Err(Malformed(format!(
                 "the pickle makes more values than its {} bytes can describe",
                 self.data.len()
-            ));
+            )));
         }
         Ok(())
     }
 
     /// Checks that `items` can go one level down inside a container (on the stack, not yet
     /// inside another: values are copied, never shared) without nesting too deep.
-    fn fits_inside(&self, items: &[V]) -> Result<(), String> {
+    fn fits_inside(&self, items: &[V]) -> Result<(), Malformed> {
         let depth = 1 + items.iter().map(|v| measure(v).1).max().unwrap_or(0);
         if depth > MAX_DEPTH {
-            return Err(format!(
+            return Err(Malformed(format!(
                 "values nested {depth} deep at byte {}; a state dict needs at most {MAX_DEPTH}",
                 self.pos
-            ));
+            )));
         }
         Ok(())
     }
 
-    fn pop(&mut self) -> Result<V, String> {
+    fn pop(&mut self) -> Result<V, Malformed> {
         if self.marks.last().is_some_and(|&m| m >= self.stack.len()) {
-            return Err(format!("an operand taken from below a MARK at byte {}", self.pos));
+            return Err(Malformed(format!("an operand taken from below a MARK at byte {}", self.pos)));
         }
-        self.stack.pop().ok_or_else(|| format!("the stack is empty at byte {}", self.pos))
+        self.stack.pop().ok_or_else(|| Malformed(format!("the stack is empty at byte {}", self.pos)))
     }
 
-    fn pop_mark(&mut self) -> Result<Vec<V>, String> {
+    fn pop_mark(&mut self) -> Result<Vec<V>, Malformed> {
         let m = self.marks.pop().ok_or_else(|| format!("no MARK for the operation at byte {}", self.pos))?;
         Ok(self.stack.split_off(m.min(self.stack.len())))
     }
 
-    fn top(&mut self) -> Result<&mut V, String> {
+    fn top(&mut self) -> Result<&mut V, Malformed> {
         if self.marks.last().is_some_and(|&m| m >= self.stack.len()) {
-            return Err(format!("an operand taken from below a MARK at byte {}", self.pos));
+            return Err(Malformed(format!("an operand taken from below a MARK at byte {}", self.pos)));
         }
-        self.stack.last_mut().ok_or_else(|| format!("the stack is empty at byte {}", self.pos))
+        self.stack.last_mut().ok_or_else(|| Malformed(format!("the stack is empty at byte {}", self.pos)))
     }
 
-    fn memo_put(&mut self, i: u32) -> Result<(), String> {
+    fn memo_put(&mut self, i: u32) -> Result<(), Malformed> {
         if self.memo.len() >= MAX_ITEMS && !self.memo.contains_key(&i) {
-            return Err("the pickle's memo is larger than a state dict needs".into());
+            return Err(Malformed("the pickle's memo is larger than a state dict needs".into()));
         }
         let (nodes, _) = measure(self.stack.last().ok_or("PUT on an empty stack")?);
         self.spend(nodes)?;
@@ -206,7 +207,7 @@ impl<'a> Machine<'a> {
         Ok(())
     }
 
-    fn memo_get(&mut self, i: u32) -> Result<(), String> {
+    fn memo_get(&mut self, i: u32) -> Result<(), Malformed> {
         let (nodes, _) =
             measure(self.memo.get(&i).ok_or_else(|| format!("memo entry {i} was never stored"))?);
         self.spend(nodes)?;
@@ -214,12 +215,14 @@ impl<'a> Machine<'a> {
         self.push(v)
     }
 
-    fn set_items(&mut self, items: Vec<V>) -> Result<(), String> {
+    fn set_items(&mut self, items: Vec<V>) -> Result<(), Malformed> {
         if items.len() % 2 != 0 {
-            return Err("SETITEMS with an odd number of operands".into());
+            return Err(Malformed("SETITEMS with an odd number of operands".into()));
         }
         self.fits_inside(&items)?;
-        let V::Dict(d) = self.top()? else { return Err("SETITEM on something that is not a dict".into()) };
+        let V::Dict(d) = self.top()? else {
+            return Err(Malformed("SETITEM on something that is not a dict".into()));
+        };
         let mut it = items.into_iter();
         while let (Some(k), Some(v)) = (it.next(), it.next()) {
             d.push((k, v));
@@ -227,7 +230,7 @@ impl<'a> Machine<'a> {
         Ok(())
     }
 
-    fn run(mut self) -> Result<V, String> {
+    fn run(mut self) -> Result<V, Malformed> {
         loop {
             let at = self.pos;
             let op = self.u8()?;
@@ -235,7 +238,7 @@ impl<'a> Machine<'a> {
                 0x80 => {
                     let proto = self.u8()?;
                     if proto > 5 {
-                        return Err(format!("pickle protocol {proto} is newer than 5"));
+                        return Err(Malformed(format!("pickle protocol {proto} is newer than 5")));
                     }
                 }
                 0x95 => {
@@ -264,7 +267,7 @@ impl<'a> Machine<'a> {
                 0x8a => {
                     let n = self.u8()? as usize;
                     if n > 8 {
-                        return Err(format!("an integer of {n} bytes at byte {at}"));
+                        return Err(Malformed(format!("an integer of {n} bytes at byte {at}")));
                     }
                     let b = self.take(n)?;
                     let mut buf = [if b.last().is_some_and(|&x| x & 0x80 != 0) { 0xff } else { 0 }; 8];
@@ -337,14 +340,14 @@ impl<'a> Machine<'a> {
                 b'a' => {
                     let v = self.pop()?;
                     let V::List(l) = self.top()? else {
-                        return Err("APPEND to something that is not a list".into());
+                        return Err(Malformed("APPEND to something that is not a list".into()));
                     };
                     l.push(v)
                 }
                 b'e' => {
                     let items = self.pop_mark()?;
                     let V::List(l) = self.top()? else {
-                        return Err("APPENDS to something that is not a list".into());
+                        return Err(Malformed("APPENDS to something that is not a list".into()));
                     };
                     l.extend(items)
                 }
@@ -355,7 +358,7 @@ impl<'a> Machine<'a> {
                 }
                 0x93 => {
                     let (V::Str(name), V::Str(module)) = (self.pop()?, self.pop()?) else {
-                        return Err(format!("STACK_GLOBAL without two names at byte {at}"));
+                        return Err(Malformed(format!("STACK_GLOBAL without two names at byte {at}")));
                     };
                     self.global(module, name)?
                 }
@@ -374,46 +377,46 @@ impl<'a> Machine<'a> {
                     // A state dict's `_metadata` attribute (module versions): not weights.
                     let _state = self.pop()?;
                     if !matches!(self.top()?, V::Dict(_)) {
-                        return Err(format!("BUILD on something that is not a dict at byte {at}"));
+                        return Err(Malformed(format!("BUILD on something that is not a dict at byte {at}")));
                     }
                 }
                 other => {
-                    return Err(format!(
+                    return Err(Malformed(format!(
                         "pickle opcode 0x{other:02x} at byte {at} is not one a state dict uses"
-                    ))
+                    )))
                 }
             }
         }
     }
 
-    fn global(&mut self, module: String, name: String) -> Result<(), String> {
+    fn global(&mut self, module: String, name: String) -> Result<(), Malformed> {
         if !allowed(&module, &name) {
-            return Err(format!(
+            return Err(Malformed(format!(
                 "the archive names the global {}, which a state dict of tensors does not (refused: loading it could run code)",
                 quote(&format!("{module}.{name}"))
-            ));
+            )));
         }
         self.push(V::Global(module, name))
     }
 }
 
-fn int(v: &V, what: &str) -> Result<i64, String> {
+fn int(v: &V, what: &str) -> Result<i64, Malformed> {
     match v {
         V::Int(i) => Ok(*i),
-        _ => Err(format!("{what} is not an integer")),
+        _ => Err(Malformed(format!("{what} is not an integer"))),
     }
 }
 
-fn ints(v: &V, what: &str) -> Result<Vec<i64>, String> {
+fn ints(v: &V, what: &str) -> Result<Vec<i64>, Malformed> {
     match v {
         V::Tuple(items) => items.iter().map(|i| int(i, what)).collect(),
-        _ => Err(format!("{what} is not a tuple")),
+        _ => Err(Malformed(format!("{what} is not a tuple"))),
     }
 }
 
 /// `('storage', torch.XStorage, key, location, numel)`.
-fn persistent(pid: V) -> Result<V, String> {
-    let V::Tuple(items) = pid else { return Err("a persistent id that is not a tuple".into()) };
+fn persistent(pid: V) -> Result<V, Malformed> {
+    let V::Tuple(items) = pid else { return Err(Malformed("a persistent id that is not a tuple".into())) };
     match items.as_slice() {
         [V::Str(tag), V::Global(_, ty), V::Str(key), _location, numel] if tag == "storage" => {
             let kind = storage_kind(ty).ok_or_else(|| format!("storage type {ty} is not a float storage"))?;
@@ -421,18 +424,22 @@ fn persistent(pid: V) -> Result<V, String> {
                 u64::try_from(int(numel, "a storage's size")?).map_err(|_| "a negative storage size")?;
             Ok(V::Storage { key: key.clone(), kind, numel })
         }
-        _ => Err("a persistent id that is not a tensor storage".into()),
+        _ => Err(Malformed("a persistent id that is not a tensor storage".into())),
     }
 }
 
-fn reduce(f: V, args: V) -> Result<V, String> {
-    let V::Global(module, name) = f else { return Err("REDUCE of something that is not a global".into()) };
-    let V::Tuple(args) = args else { return Err(format!("{module}.{name} called without a tuple")) };
+fn reduce(f: V, args: V) -> Result<V, Malformed> {
+    let V::Global(module, name) = f else {
+        return Err(Malformed("REDUCE of something that is not a global".into()));
+    };
+    let V::Tuple(args) = args else {
+        return Err(Malformed(format!("{module}.{name} called without a tuple")));
+    };
     match (module.as_str(), name.as_str()) {
         ("collections", "OrderedDict") if args.is_empty() => Ok(V::Dict(Vec::new())),
         ("torch._utils", "_rebuild_tensor_v2") if args.len() >= 4 => {
             let V::Storage { key, kind, numel } = &args[0] else {
-                return Err("_rebuild_tensor_v2 without a storage".into());
+                return Err(Malformed("_rebuild_tensor_v2 without a storage".into()));
             };
             let offset =
                 u64::try_from(int(&args[1], "a tensor's offset")?).map_err(|_| "a negative tensor offset")?;
@@ -443,29 +450,31 @@ fn reduce(f: V, args: V) -> Result<V, String> {
         }
         ("torch._utils", "_rebuild_parameter") if !args.is_empty() => match &args[0] {
             V::Tensor(_) => Ok(args[0].clone()),
-            _ => Err("_rebuild_parameter without a tensor".into()),
+            _ => Err(Malformed("_rebuild_parameter without a tensor".into())),
         },
-        _ => Err(format!(
+        _ => Err(Malformed(format!(
             "{} called with arguments a state dict does not use",
             quote(&format!("{module}.{name}"))
-        )),
+        ))),
     }
 }
 
 /// The layout stays inside the storage and reads no element twice: its element count is at
 /// most the storage's (a state dict's tensors are views of their own storage), so a few bytes
 /// cannot describe a tensor of gigabytes.
-fn check_layout(t: &TensorRef) -> Result<(), String> {
-    let bad = || format!("a tensor of shape {:?}, stride {:?} and offset {}", t.shape, t.stride, t.offset);
+fn check_layout(t: &TensorRef) -> Result<(), Malformed> {
+    let bad = || {
+        Malformed(format!("a tensor of shape {:?}, stride {:?} and offset {}", t.shape, t.stride, t.offset))
+    };
     if t.shape.len() != t.stride.len() || t.shape.len() > 8 {
         return Err(bad());
     }
     if t.shape.iter().chain(&t.stride).any(|&d| d < 0) {
-        return Err(format!("{} has a negative size", bad()));
+        return Err(Malformed(format!("{} has a negative size", bad())));
     }
     let numel = t.shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d as u64)).ok_or_else(bad)?;
     if numel > t.storage_numel {
-        return Err(format!("{} has more elements than its storage's {}", bad(), t.storage_numel));
+        return Err(Malformed(format!("{} has more elements than its storage's {}", bad(), t.storage_numel)));
     }
     if numel == 0 {
         return Ok(());
@@ -476,13 +485,13 @@ fn check_layout(t: &TensorRef) -> Result<(), String> {
         last = last.checked_add(span).ok_or_else(bad)?;
     }
     if last >= t.storage_numel {
-        return Err(format!("{} reads past its storage of {} elements", bad(), t.storage_numel));
+        return Err(Malformed(format!("{} reads past its storage of {} elements", bad(), t.storage_numel)));
     }
     Ok(())
 }
 
 /// The tensors a state dict's pickle names, in the file's order.
-pub fn parse_state_dict(pickle: &[u8]) -> Result<Vec<(String, TensorRef)>, String> {
+pub fn parse_state_dict(pickle: &[u8]) -> Result<Vec<(String, TensorRef)>, Malformed> {
     let budget = pickle.len().saturating_mul(4).saturating_add(1024);
     let m = Machine {
         data: pickle,
@@ -493,20 +502,24 @@ pub fn parse_state_dict(pickle: &[u8]) -> Result<Vec<(String, TensorRef)>, Strin
         spent: 0,
         budget,
     };
-    let V::Dict(items) = m.run()? else { return Err("the archive holds something other than a dict".into()) };
+    let V::Dict(items) = m.run()? else {
+        return Err(Malformed("the archive holds something other than a dict".into()));
+    };
     items
         .into_iter()
         .map(|(k, v)| match (k, v) {
             (V::Str(k), V::Tensor(t)) => Ok((k, t)),
-            (V::Str(k), _) => Err(format!("entry {} of the state dict is not a tensor", quote(&k))),
-            _ => Err("a state dict key that is not a string".into()),
+            (V::Str(k), _) => {
+                Err(Malformed(format!("entry {} of the state dict is not a tensor", quote(&k))))
+            }
+            _ => Err(Malformed("a state dict key that is not a string".into())),
         })
         .collect()
 }
 
 /// Refuses a zip64 archive whose central directory claims more entries than its size can
 /// hold: the zip reader reserves memory for the claimed count before reading any.
-fn check_entry_count(bytes: &[u8]) -> Result<(), String> {
+fn check_entry_count(bytes: &[u8]) -> Result<(), Malformed> {
     const ZIP64_EOCD: [u8; 4] = [0x50, 0x4b, 0x06, 0x06];
     let tail = bytes.len().saturating_sub(65_557 + 56);
     let Some(at) = bytes[tail..].windows(4).rposition(|w| w == ZIP64_EOCD).map(|i| tail + i) else {
@@ -515,11 +528,11 @@ fn check_entry_count(bytes: &[u8]) -> Result<(), String> {
     let field =
         |o: usize| bytes.get(at + o..at + o + 8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")));
     let (Some(entries), Some(dir_size)) = (field(32), field(40)) else {
-        return Err("a truncated zip64 end record".into());
+        return Err(Malformed("a truncated zip64 end record".into()));
     };
     // A central directory entry is at least 46 bytes.
     if entries > dir_size / 46 + 1 || dir_size > bytes.len() as u64 {
-        return Err(format!("the zip directory claims {entries} entries in {dir_size} bytes"));
+        return Err(Malformed(format!("the zip directory claims {entries} entries in {dir_size} bytes")));
     }
     Ok(())
 }
@@ -527,7 +540,7 @@ fn check_entry_count(bytes: &[u8]) -> Result<(), String> {
 /// Reads a `torch.save` zip archive of a state dict (`bytes`, the whole file) into f32
 /// tensors by name. What it reads is bounded by the file: storages' bytes in all, and the
 /// tensors' elements in all, are at most the file's size.
-pub fn read_archive(bytes: &[u8]) -> Result<Vec<(String, Tensor)>, String> {
+pub fn read_archive(bytes: &[u8]) -> Result<Vec<(String, Tensor)>, Malformed> {
     check_entry_count(bytes)?;
     let mut zip = zip::ZipArchive::new(Cursor::new(bytes))
         .map_err(|e| format!("not a zip archive ({e}); legacy (pre-1.6) torch.save files are not read"))?;
@@ -540,35 +553,43 @@ pub fn read_archive(bytes: &[u8]) -> Result<Vec<(String, Tensor)>, String> {
     pkls.sort();
     let pkl = match pkls.as_slice() {
         [one] => one.clone(),
-        [] => return Err("no data.pkl in the archive".into()),
-        more => return Err(format!("{} data.pkl files in one archive ({})", more.len(), more.join(", "))),
+        [] => return Err(Malformed("no data.pkl in the archive".into())),
+        more => {
+            return Err(Malformed(format!(
+                "{} data.pkl files in one archive ({})",
+                more.len(),
+                more.join(", ")
+            )))
+        }
     };
     let prefix = pkl.trim_end_matches("data.pkl").to_string();
     let mut read_total = 0u64;
-    let mut entry =
-        |zip: &mut zip::ZipArchive<Cursor<&[u8]>>, name: &str, most: u64| -> Result<Vec<u8>, String> {
-            let mut f = zip.by_name(name).map_err(|e| format!("{name}: {e}"))?;
-            if f.compression() != zip::CompressionMethod::Stored {
-                return Err(format!("{name} is compressed; torch.save stores entries"));
-            }
-            let size = f.size();
-            read_total = read_total.saturating_add(size);
-            if size > most || read_total > bytes.len() as u64 {
-                return Err(format!("{name} claims {size} bytes, more than the archive holds for it"));
-            }
-            let mut out = Vec::with_capacity(size as usize);
-            f.read_to_end(&mut out).map_err(|e| format!("{name}: {e}"))?;
-            Ok(out)
-        };
+    let mut entry = |zip: &mut zip::ZipArchive<Cursor<&[u8]>>,
+                     name: &str,
+                     most: u64|
+     -> Result<Vec<u8>, Malformed> {
+        let mut f = zip.by_name(name).map_err(|e| format!("{name}: {e}"))?;
+        if f.compression() != zip::CompressionMethod::Stored {
+            return Err(Malformed(format!("{name} is compressed; torch.save stores entries")));
+        }
+        let size = f.size();
+        read_total = read_total.saturating_add(size);
+        if size > most || read_total > bytes.len() as u64 {
+            return Err(Malformed(format!("{name} claims {size} bytes, more than the archive holds for it")));
+        }
+        let mut out = Vec::with_capacity(size as usize);
+        f.read_to_end(&mut out).map_err(|e| format!("{name}: {e}"))?;
+        Ok(out)
+    };
     let whole = bytes.len() as u64;
     let order_name = format!("{prefix}byteorder");
     if zip.file_names().any(|n| n == order_name) {
         let order = entry(&mut zip, &order_name, 16)?;
         if order != b"little" {
-            return Err(format!(
+            return Err(Malformed(format!(
                 "byte order {:?}: only little-endian archives are read",
                 String::from_utf8_lossy(&order)
-            ));
+            )));
         }
     }
     let refs = parse_state_dict(&entry(&mut zip, &pkl, MAX_PICKLE_BYTES)?)?;
@@ -580,11 +601,11 @@ pub fn read_archive(bytes: &[u8]) -> Result<Vec<(String, Tensor)>, String> {
             let raw = entry(&mut zip, &format!("{prefix}data/{}", r.key), whole)?;
             let want = r.storage_numel.checked_mul(r.kind.elt_size_in_bytes() as u64);
             if want != Some(raw.len() as u64) {
-                return Err(format!(
+                return Err(Malformed(format!(
                     "storage {} holds {} bytes, its tensors say {want:?}",
                     quote(&r.key),
                     raw.len()
-                ));
+                )));
             }
             let t = Tensor::f_from_data_size(&raw, &[r.storage_numel as i64], r.kind)
                 .map_err(|e| e.to_string())?;
@@ -592,11 +613,11 @@ pub fn read_archive(bytes: &[u8]) -> Result<Vec<(String, Tensor)>, String> {
         }
         let (storage, kind, numel) = &storages[&r.key];
         if (*kind, *numel) != (r.kind, r.storage_numel) {
-            return Err(format!("storage {} is described twice, differently", quote(&r.key)));
+            return Err(Malformed(format!("storage {} is described twice, differently", quote(&r.key))));
         }
         elements = elements.saturating_add(r.shape.iter().product::<i64>() as u64);
         if elements > whole {
-            return Err("the tensors hold more elements than the archive has bytes".into());
+            return Err(Malformed("the tensors hold more elements than the archive has bytes".into()));
         }
         let t = storage
             .f_as_strided(r.shape.as_slice(), r.stride.as_slice(), Some(r.offset as i64))

@@ -6,6 +6,7 @@
 //! one implementation ([`super::llama`]) serves them all; every new field defaults to what
 //! the plain LLaMA had, so state images and jobs written before they existed read the same.
 
+use crate::Malformed;
 use crate::TrainerError;
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
@@ -159,13 +160,13 @@ impl RopeScaling {
         }
     }
 
-    fn validate(&self, max_positions: usize, context: usize) -> Result<(), String> {
+    fn validate(&self, max_positions: usize, context: usize) -> Result<(), Malformed> {
         // Factors outside [1e-3, 1e6] are no real model's and make the frequencies infinite.
         let positive = |name: &str, v: f64| {
             if v.is_finite() && (1e-3..=1e6).contains(&v) {
                 Ok(())
             } else {
-                Err(format!("rope_scaling.{name} ({v}) must be a number within [0.001, 1e6]"))
+                Err(Malformed(format!("rope_scaling.{name} ({v}) must be a number within [0.001, 1e6]")))
             }
         };
         match self {
@@ -173,9 +174,9 @@ impl RopeScaling {
             RopeScaling::Dynamic { factor } => {
                 positive("factor", *factor)?;
                 if context > max_positions {
-                    return Err(format!(
+                    return Err(Malformed(format!(
                         "rope_scaling.rope_type \"dynamic\": the context {context} exceeds max_position_embeddings {max_positions}, where dynamic scaling changes with the length (only shorter contexts are computed exactly)"
-                    ));
+                    )));
                 }
                 Ok(())
             }
@@ -189,12 +190,14 @@ impl RopeScaling {
                 positive("low_freq_factor", *low_freq_factor)?;
                 positive("high_freq_factor", *high_freq_factor)?;
                 if high_freq_factor <= low_freq_factor {
-                    return Err(format!(
+                    return Err(Malformed(format!(
                         "rope_scaling.high_freq_factor ({high_freq_factor}) must exceed low_freq_factor ({low_freq_factor})"
-                    ));
+                    )));
                 }
                 if *original_max_position_embeddings == 0 {
-                    return Err("rope_scaling.original_max_position_embeddings must be at least 1".into());
+                    return Err(Malformed(
+                        "rope_scaling.original_max_position_embeddings must be at least 1".into(),
+                    ));
                 }
                 Ok(())
             }
@@ -211,7 +214,9 @@ impl RopeScaling {
                 positive("beta_slow", *beta_slow)?;
                 positive("attention_factor", *attention_factor)?;
                 if *original_max_position_embeddings == 0 {
-                    return Err("rope_scaling.original_max_position_embeddings must be at least 1".into());
+                    return Err(Malformed(
+                        "rope_scaling.original_max_position_embeddings must be at least 1".into(),
+                    ));
                 }
                 Ok(())
             }

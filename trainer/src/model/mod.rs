@@ -41,11 +41,11 @@ pub enum Precision {
 
 impl Precision {
     /// Parses `fp32` or `bf16`.
-    pub fn parse(s: &str) -> Result<Self, String> {
+    pub fn parse(s: &str) -> Result<Self, crate::NotOneOf> {
         match s {
             "fp32" => Ok(Precision::Fp32),
             "bf16" => Ok(Precision::Bf16),
-            other => Err(format!("{other:?} is not one of fp32, bf16")),
+            other => Err(crate::NotOneOf { got: other.into(), choices: "fp32, bf16" }),
         }
     }
 

@@ -32,12 +32,12 @@ pub enum ScriptLoss {
 
 impl ScriptLoss {
     /// Parses `cross_entropy`, `mse` or `module`.
-    pub fn parse(s: &str) -> Result<Self, String> {
+    pub fn parse(s: &str) -> Result<Self, crate::NotOneOf> {
         match s {
             "cross_entropy" => Ok(ScriptLoss::CrossEntropy),
             "mse" => Ok(ScriptLoss::Mse),
             "module" => Ok(ScriptLoss::Module),
-            other => Err(format!("{other:?} is not one of cross_entropy, mse, module")),
+            other => Err(crate::NotOneOf { got: other.into(), choices: "cross_entropy, mse, module" }),
         }
     }
 }
