@@ -209,7 +209,7 @@ mod tests {
             .within(|| "loading ckpt".into())
             .unwrap_err();
         assert_eq!(within.exit_code(), EXIT_DATA);
-        assert_eq!(within.report(), "loading ckpt: shapes differ");
+        assert_eq!(within.report(), "loading ckpt: checkpoint does not match the job: shapes differ");
         let other: Failure = std::io::Error::other("disk full").into();
         assert_eq!(other.exit_code(), EXIT_FAILURE);
         let job: Failure = AgentError::Job("a vs b".into()).into();
