@@ -94,15 +94,14 @@ fn graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
     for (m, file) in &mods {
         let text = code(file);
         let me: Vec<&str> = m.split("::").filter(|s| !s.is_empty()).collect();
-        let is_dir_module = file.file_name().is_some_and(|n| n == "mod.rs" || n == "lib.rs");
-        let parent: Vec<&str> =
-            if is_dir_module { me.clone() } else { me[..me.len().saturating_sub(1)].to_vec() };
         let mut deps = BTreeSet::new();
         for path in paths_after(&text, "crate::") {
             deps.extend(resolve(&names, &[], &path));
         }
+        // `super` is the parent module whichever file holds the module (`a/b.rs` or
+        // `a/b/mod.rs` are both `a::b`, whose `super` is `a`).
+        let up = &me[..me.len().saturating_sub(1)];
         for path in paths_after(&text, "super::") {
-            let up = &parent[..parent.len().saturating_sub(1)];
             deps.extend(resolve(&names, up, &path));
         }
         deps.retain(|d| {

@@ -258,13 +258,14 @@ fn a_service_node_tells_systemd_serves_metrics_and_drains_on_sigterm() {
 
 /// A panic anywhere ends limpetd with a non-zero exit naming what panicked: an agent task (the
 /// leader loop: before, the node stayed up as a leader that never scheduled an epoch again),
-/// a consensus node's task (its gRPC server), and an agent thread (the handoff server): one
-/// of each way `Tasks` runs work. (The node's join and peer senders, a transfer's thread and
-/// a metrics handshake go the same ways, and need a second node, a fetch or a client.)
+/// a consensus node's task (its gRPC server), an agent thread (the handoff server) and a
+/// data-plane thread (its accept loop): one of each way `Tasks` runs work. (The node's join
+/// and peer senders, a transfer's thread, a data-plane handshake and a metrics handshake go
+/// the same ways, and need a second node, a fetch or a client.)
 #[test]
 fn a_task_that_panics_takes_limpetd_down_with_a_non_zero_exit() {
     let tmp = tempfile::tempdir().unwrap();
-    for name in ["lead", "control-server", "handoff"] {
+    for name in ["lead", "control-server", "handoff", "dp-accept"] {
         let dir = tmp.path().join(name);
         // The chaos hook makes the named task or thread panic half a second after it starts.
         let job = LocalJob {

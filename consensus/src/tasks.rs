@@ -75,6 +75,15 @@ impl Tasks {
     where
         F: FnOnce() + Send + 'static,
     {
+        self.thread(name, Some(self.tracker.token()), f).map(drop)
+    }
+
+    /// [`Tasks::spawn_thread`], with the thread's handle for an owner that joins it (a
+    /// listener's accept loop, joined so its port is free once the owner is gone).
+    pub fn spawn_joinable_thread<F>(&self, name: &'static str, f: F) -> std::io::Result<std::thread::JoinHandle<()>>
+    where
+        F: FnOnce() + Send + 'static,
+    {
         self.thread(name, Some(self.tracker.token()), f)
     }
 
@@ -85,7 +94,7 @@ impl Tasks {
     where
         F: FnOnce() + Send + 'static,
     {
-        self.thread(name, None, f)
+        self.thread(name, None, f).map(drop)
     }
 
     fn thread<F>(
@@ -93,7 +102,7 @@ impl Tasks {
         name: &'static str,
         token: Option<tokio_util::task::task_tracker::TaskTrackerToken>,
         f: F,
-    ) -> std::io::Result<()>
+    ) -> std::io::Result<std::thread::JoinHandle<()>>
     where
         F: FnOnce() + Send + 'static,
     {
@@ -113,8 +122,7 @@ impl Tasks {
             if let Err(p) = std::panic::catch_unwind(AssertUnwindSafe(f)) {
                 me.fail(name, &format!("panicked: {}", panic_text(p)));
             }
-        })?;
-        Ok(())
+        })
     }
 
     /// Records that `name` failed beyond repair and stops everything.

@@ -2,6 +2,13 @@
 //! they become part of a [`JobSpec`]: a job written in a file and the same job written as
 //! flags train identically (same optimizer defaults, warmup, clipping, schedule floor).
 //!
+//! What is here is everything after the spelling: defaults, checks, how each key changes the
+//! job. The spellings are the front ends' (`[job]` in limpet-daemon's `config/job.rs`, the
+//! flags in its `args.rs`): a file writes `betas = [0.9, 0.95]` and `reproducible = true`
+//! where a command line writes `--betas 0.9,0.95` and `--reproducible`. A test there
+//! (`every_training_key_is_spelled_in_the_file_and_as_a_flag`) names every field of
+//! [`JobKeys`], so a key cannot be added to one spelling alone.
+//!
 //! Every key is optional; an absent key keeps the model's default from
 //! [`JobSpec::defaults_with`]. Errors name the key as `[job].name`; the command line shows
 //! them as its flags (see [`JobKeyError::as_flag`]).

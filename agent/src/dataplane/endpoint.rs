@@ -32,6 +32,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 type HmacSha256 = hmac::Hmac<sha2::Sha256>;
@@ -167,6 +168,41 @@ struct Shared {
     congestion_failed: AtomicBool,
     /// Fingerprints of the certificates the cluster revoked (refused at every TLS handshake).
     revoked: std::sync::RwLock<std::collections::HashSet<String>>,
+    /// Where handshake threads run.
+    threads: Arc<dyn Threads>,
+}
+
+/// Where an endpoint's threads run: plain threads when it is used alone (benchmarks,
+/// tests), the agent's shutdown path in limpetd (`Tasks`), where a panic in one is fatal
+/// and named like anywhere else.
+pub trait Threads: Send + Sync {
+    /// A thread its owner joins: the accept loop, which ends when the endpoint drops.
+    fn joinable(&self, name: &'static str, f: Box<dyn FnOnce() + Send>) -> std::io::Result<JoinHandle<()>>;
+    /// A thread nobody waits for: one handshake, bounded by its own time limit.
+    fn detached(&self, name: &'static str, f: Box<dyn FnOnce() + Send>) -> std::io::Result<()>;
+}
+
+/// Plain named threads.
+pub struct PlainThreads;
+
+impl Threads for PlainThreads {
+    fn joinable(&self, name: &'static str, f: Box<dyn FnOnce() + Send>) -> std::io::Result<JoinHandle<()>> {
+        std::thread::Builder::new().name(format!("limpet-{name}")).spawn(f)
+    }
+
+    fn detached(&self, name: &'static str, f: Box<dyn FnOnce() + Send>) -> std::io::Result<()> {
+        self.joinable(name, f).map(drop)
+    }
+}
+
+impl Threads for limpet_consensus::tasks::Tasks {
+    fn joinable(&self, name: &'static str, f: Box<dyn FnOnce() + Send>) -> std::io::Result<JoinHandle<()>> {
+        self.spawn_joinable_thread(name, f)
+    }
+
+    fn detached(&self, name: &'static str, f: Box<dyn FnOnce() + Send>) -> std::io::Result<()> {
+        self.spawn_detached_thread(name, f)
+    }
 }
 
 impl Shared {
@@ -233,8 +269,17 @@ fn proof(secret: &[u8], role: &[u8], hello: &[u8], nonce: &[u8], server: u64) ->
 }
 
 impl Endpoint {
-    /// Binds `addr` (port 0 picks one) and starts accepting.
+    /// Binds `addr` (port 0 picks one) and starts accepting, on plain threads.
     pub fn bind(addr: SocketAddr, cfg: DataPlaneConfig) -> Result<Endpoint, DataPlaneError> {
+        Endpoint::bind_with(addr, cfg, Arc::new(PlainThreads))
+    }
+
+    /// Binds `addr` and starts accepting, its threads started by `threads`.
+    pub fn bind_with(
+        addr: SocketAddr,
+        cfg: DataPlaneConfig,
+        threads: Arc<dyn Threads>,
+    ) -> Result<Endpoint, DataPlaneError> {
         cfg.validate()?;
         let listener = TcpListener::bind(addr).map_err(DataPlaneError::io(format!("binding {addr}")))?;
         let addr = listener.local_addr().map_err(DataPlaneError::io("reading the bound address"))?;
@@ -249,11 +294,11 @@ impl Endpoint {
             stop: AtomicBool::new(false),
             congestion_failed: AtomicBool::new(false),
             revoked: Default::default(),
+            threads: Arc::clone(&threads),
         });
         let accept = Arc::clone(&shared);
-        let acceptor = std::thread::Builder::new()
-            .name("limpet-dp-accept".into())
-            .spawn(move || accept_loop(listener, accept))
+        let acceptor = threads
+            .joinable("dp-accept", Box::new(move || accept_loop(listener, accept)))
             .map_err(DataPlaneError::io("starting the accept thread"))?;
         Ok(Endpoint { shared, addr, acceptor: Mutex::new(Some(acceptor)) })
     }
@@ -439,7 +484,8 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         let shared = Arc::clone(&shared);
         let counted = Arc::clone(&shared);
         // Each handshake on its own thread: a slow or hostile peer cannot stall the others.
-        let spawned = std::thread::Builder::new().name("limpet-dp-hs".into()).spawn(move || {
+        let threads = Arc::clone(&shared.threads);
+        let spawned = threads.detached("dp-hs", Box::new(move || {
             let _done = Finished(&shared.handshakes);
             let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
             if let Err(e) = shared.tune(&stream) {
@@ -491,7 +537,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                 }
                 Err(e) => tracing::warn!(node = shared.cfg.node, peer, %e, "data-plane connection refused"),
             }
-        });
+        }));
         if spawned.is_err() {
             counted.handshakes.fetch_sub(1, Ordering::SeqCst);
         }

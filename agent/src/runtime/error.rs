@@ -52,6 +52,9 @@ pub enum AgentError {
     /// Checkpoints could not be listed, read or fetched, or their directory is not trusted.
     #[error(transparent)]
     Checkpoint(#[from] crate::checkpoint::CheckpointError),
+    /// The job's result could not be written (where `limpet-lab demo` and operators find it).
+    #[error("writing the final checkpoint: {0}")]
+    FinalCheckpoint(#[source] TrainerError),
     /// A local file could not be written.
     #[error("{what}: {source}")]
     Io {
@@ -74,6 +77,7 @@ impl AgentError {
                 | AgentError::Task(_)
                 | AgentError::Stuck { .. }
                 | AgentError::Checkpoint(_)
+                | AgentError::FinalCheckpoint(_)
         )
     }
 }

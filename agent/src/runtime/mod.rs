@@ -115,7 +115,7 @@ impl Agent {
     pub async fn start_with(cfg: AgentConfig, tasks: Tasks) -> Result<Agent, AgentError> {
         let data = Dataset::load(&cfg.job.data, cfg.data_path.as_deref())?;
         cfg.job.validate(&data)?;
-        let endpoint = Arc::new(bind_data_plane(&cfg)?);
+        let endpoint = Arc::new(bind_data_plane(&cfg, &tasks)?);
         let data_addr = endpoint.addr();
         // Offers: the entry state, this rank's snapshot and the neighbour's it keeps, and
         // their predecessors while receivers finish.
@@ -303,14 +303,14 @@ impl Agent {
 
 /// The data-plane endpoint the configuration describes (TLS when the cluster has
 /// certificates and does not opt out).
-fn bind_data_plane(cfg: &AgentConfig) -> Result<Endpoint, AgentError> {
+fn bind_data_plane(cfg: &AgentConfig, tasks: &Tasks) -> Result<Endpoint, AgentError> {
     let mut dp = DataPlaneConfig::new(cluster_id(&cfg.cluster), cfg.id, cfg.secret.to_vec());
     dp.timeout = cfg.dp_timeout;
     dp.congestion = cfg.dp_congestion.clone();
     if let (Some(tls), true) = (&cfg.tls, cfg.tls_data) {
         dp.tls = Some(crate::dataplane::DataTls::from_tls(tls)?);
     }
-    Ok(Endpoint::bind(cfg.data, dp)?)
+    Ok(Endpoint::bind_with(cfg.data, dp, Arc::new(tasks.clone()))?)
 }
 
 /// Starts the agent's background tasks: announce, heartbeats, the leader loop and one

@@ -241,10 +241,7 @@ impl TrainLoop {
                     if !self.finished {
                         // The job's result, where `limpet-lab demo` and operators find it.
                         let path = limpet_trainer::save_checkpoint(&self.trainer, &self.cfg.state_dir)
-                            .map_err(|e| AgentError::Io {
-                                what: "writing the final checkpoint".into(),
-                                source: std::io::Error::other(e.to_string()),
-                            })?;
+                            .map_err(AgentError::FinalCheckpoint)?;
                         // The process's peak resident memory, for `bench dp` and operators.
                         let peak_rss_bytes = limpet_trainer::peak_rss_bytes();
                         tracing::info!(step = self.trainer.step(), path = %path.display(), peak_rss_bytes, "job finished; final checkpoint written");

@@ -1,4 +1,8 @@
-//! `[job]`: what is trained, and the training keys it shares with `limpet train`.
+//! `[job]`: what is trained, and the training keys it shares with `limpet train` (their
+//! defaults, checks and effect are `limpet_trainer::job_keys`; this is their spelling in a
+//! file). `[job]` cannot embed `JobKeys` with serde's `flatten`: flatten does not combine with
+//! `deny_unknown_fields`, and a flattened field's type error loses the key and line the
+//! file's checks report. `config/job_tests.rs` holds the two spellings together.
 
 use super::{ModelName, OptimizerName};
 use limpet_agent::policy::BatchPolicy;

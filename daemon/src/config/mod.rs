@@ -436,3 +436,5 @@ pub fn parse_founders(
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod job_tests;

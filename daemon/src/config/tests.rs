@@ -1,7 +1,7 @@
 use super::*;
 use limpet_agent::policy::BatchPolicy;
 
-fn example(secret: &Path) -> String {
+pub(super) fn example(secret: &Path) -> String {
     format!(
         r#"
 [node]
@@ -32,7 +32,7 @@ insecure = true
     )
 }
 
-fn secret() -> tempfile::NamedTempFile {
+pub(super) fn secret() -> tempfile::NamedTempFile {
     let f = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(f.path(), b"0123456789abcdef0123").unwrap();
     f
@@ -436,107 +436,6 @@ fn a_capacity_section_parses_and_bad_values_name_their_key() {
     assert!(e.contains("tarrget"), "{e}");
 }
 
-/// The same job written as `[job]` keys and as `limpet train` flags is the same job: the
-/// optimizer's defaults, the warmup, the clip and the schedule's floor come from one builder.
-#[test]
-fn a_job_from_the_file_equals_the_job_from_the_flags() {
-    use clap::Parser;
-    let s = secret();
-    let keys = "optimizer = \"sgd\"\nwarmup = 7\nclip = 0.5\nmin_lr_ratio = 0.25\nseed = 3\nmicro_batch = 16";
-    let text = example(s.path())
-        .replace("data = \"digits\"", "data = \"synthetic\"")
-        .replace("global_batch = 64", &format!("global_batch = 64\n{keys}"));
-    let cfg = Config::parse(&text, "limpet.toml").unwrap();
-    let from_file = cfg.job_spec().unwrap();
-    let flags = crate::cli::Cli::parse_from([
-        "limpet",
-        "train",
-        "--data",
-        "synthetic",
-        "--steps",
-        "400",
-        "--batch",
-        "64",
-        "--optimizer",
-        "sgd",
-        "--warmup",
-        "7",
-        "--clip",
-        "0.5",
-        "--min-lr-ratio",
-        "0.25",
-        "--seed",
-        "3",
-        "--micro-batch",
-        "16",
-        "--out",
-        "/nonexistent",
-    ]);
-    let crate::cli::Command::Train(args) = flags.command else { panic!("parsed as train") };
-    let (from_flags, _) = crate::train_cmd::job_from_flags(&args.job).unwrap();
-    assert_eq!(from_file.diff(&from_flags), None);
-    // SGD got SGD's learning rate, not AdamW's, and every key landed.
-    assert_eq!(from_file.optimizer.lr(), limpet_trainer::job_keys::SGD_LR);
-    assert_eq!(
-        (
-            from_file.schedule.warmup_steps,
-            from_file.clip_norm,
-            from_file.schedule.min_lr_ratio,
-            from_file.micro_batch
-        ),
-        (7, Some(0.5), 0.25, 16)
-    );
-}
-
-/// AdamW's recipe keys (`betas`, `eps`, `decay_embeddings`) land the same from the file and
-/// from the flags; SGD refuses them by name.
-#[test]
-fn adamw_recipe_keys_from_the_file_equal_the_flags() {
-    use clap::Parser;
-    let s = secret();
-    let keys = "betas = [0.9, 0.95]\neps = 1e-6\ndecay_embeddings = true";
-    let text = example(s.path())
-        .replace("data = \"digits\"", "data = \"synthetic\"")
-        .replace("global_batch = 64", &format!("global_batch = 64\n{keys}"));
-    let cfg = Config::parse(&text, "limpet.toml").unwrap();
-    let from_file = cfg.job_spec().unwrap();
-    let flags = crate::cli::Cli::parse_from([
-        "limpet",
-        "train",
-        "--data",
-        "synthetic",
-        "--steps",
-        "400",
-        "--batch",
-        "64",
-        "--seed",
-        "0",
-        "--betas",
-        "0.9,0.95",
-        "--eps",
-        "1e-6",
-        "--decay-embeddings",
-        "--out",
-        "/nonexistent",
-    ]);
-    let crate::cli::Command::Train(args) = flags.command else { panic!("parsed as train") };
-    let (from_flags, _) = crate::train_cmd::job_from_flags(&args.job).unwrap();
-    assert_eq!(from_file.diff(&from_flags), None);
-    let limpet_trainer::optim::OptimizerSpec::Adamw { beta1, beta2, eps, decay_embeddings, .. } =
-        from_file.optimizer
-    else {
-        panic!("adamw")
-    };
-    assert_eq!((beta1, beta2, eps, decay_embeddings), (0.9, 0.95, 1e-6, true));
-    let text = example(s.path())
-        .replace("global_batch = 64", "global_batch = 64\noptimizer = \"sgd\"\nbetas = [0.9, 0.95]");
-    let e = match Config::parse(&text, "limpet.toml") {
-        Err(e) => e.to_string(),
-        Ok(c) => c.job_spec().unwrap_err().to_string(),
-    };
-    assert!(e.contains("[job].betas: applies to optimizer adamw"), "{e}");
-}
-
 /// One reading reports every problem of a file, each with its key and the line it is on,
 /// and problems of keys the file leaves at their defaults without a line.
 #[test]
@@ -724,3 +623,4 @@ insecure = true
     assert_eq!((p.depth, p.mem_bytes, p.shadow_every, p.cuts), (Some(2), 8 << 30, 5, None));
     assert_eq!((p.link.bytes_per_s, p.link.latency_ms), (2e9, 0.5));
 }
+

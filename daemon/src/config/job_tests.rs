@@ -1,0 +1,217 @@
+//! `[job]` in a file and `limpet train`'s flags: two spellings of the same training keys,
+//! which give the same job.
+
+use super::tests::{example, secret};
+use super::*;
+
+/// The same job written as `[job]` keys and as `limpet train` flags is the same job: the
+/// optimizer's defaults, the warmup, the clip and the schedule's floor come from one builder.
+#[test]
+fn a_job_from_the_file_equals_the_job_from_the_flags() {
+    use clap::Parser;
+    let s = secret();
+    let keys = "optimizer = \"sgd\"\nwarmup = 7\nclip = 0.5\nmin_lr_ratio = 0.25\nseed = 3\nmicro_batch = 16";
+    let text = example(s.path())
+        .replace("data = \"digits\"", "data = \"synthetic\"")
+        .replace("global_batch = 64", &format!("global_batch = 64\n{keys}"));
+    let cfg = Config::parse(&text, "limpet.toml").unwrap();
+    let from_file = cfg.job_spec().unwrap();
+    let flags = crate::cli::Cli::parse_from([
+        "limpet",
+        "train",
+        "--data",
+        "synthetic",
+        "--steps",
+        "400",
+        "--batch",
+        "64",
+        "--optimizer",
+        "sgd",
+        "--warmup",
+        "7",
+        "--clip",
+        "0.5",
+        "--min-lr-ratio",
+        "0.25",
+        "--seed",
+        "3",
+        "--micro-batch",
+        "16",
+        "--out",
+        "/nonexistent",
+    ]);
+    let crate::cli::Command::Train(args) = flags.command else { panic!("parsed as train") };
+    let (from_flags, _) = crate::train_cmd::job_from_flags(&args.job).unwrap();
+    assert_eq!(from_file.diff(&from_flags), None);
+    // SGD got SGD's learning rate, not AdamW's, and every key landed.
+    assert_eq!(from_file.optimizer.lr(), limpet_trainer::job_keys::SGD_LR);
+    assert_eq!(
+        (
+            from_file.schedule.warmup_steps,
+            from_file.clip_norm,
+            from_file.schedule.min_lr_ratio,
+            from_file.micro_batch
+        ),
+        (7, Some(0.5), 0.25, 16)
+    );
+}
+
+/// AdamW's recipe keys (`betas`, `eps`, `decay_embeddings`) land the same from the file and
+/// from the flags; SGD refuses them by name.
+#[test]
+fn adamw_recipe_keys_from_the_file_equal_the_flags() {
+    use clap::Parser;
+    let s = secret();
+    let keys = "betas = [0.9, 0.95]\neps = 1e-6\ndecay_embeddings = true";
+    let text = example(s.path())
+        .replace("data = \"digits\"", "data = \"synthetic\"")
+        .replace("global_batch = 64", &format!("global_batch = 64\n{keys}"));
+    let cfg = Config::parse(&text, "limpet.toml").unwrap();
+    let from_file = cfg.job_spec().unwrap();
+    let flags = crate::cli::Cli::parse_from([
+        "limpet",
+        "train",
+        "--data",
+        "synthetic",
+        "--steps",
+        "400",
+        "--batch",
+        "64",
+        "--seed",
+        "0",
+        "--betas",
+        "0.9,0.95",
+        "--eps",
+        "1e-6",
+        "--decay-embeddings",
+        "--out",
+        "/nonexistent",
+    ]);
+    let crate::cli::Command::Train(args) = flags.command else { panic!("parsed as train") };
+    let (from_flags, _) = crate::train_cmd::job_from_flags(&args.job).unwrap();
+    assert_eq!(from_file.diff(&from_flags), None);
+    let limpet_trainer::optim::OptimizerSpec::Adamw { beta1, beta2, eps, decay_embeddings, .. } =
+        from_file.optimizer
+    else {
+        panic!("adamw")
+    };
+    assert_eq!((beta1, beta2, eps, decay_embeddings), (0.9, 0.95, 1e-6, true));
+    let text = example(s.path())
+        .replace("global_batch = 64", "global_batch = 64\noptimizer = \"sgd\"\nbetas = [0.9, 0.95]");
+    let e = match Config::parse(&text, "limpet.toml") {
+        Err(e) => e.to_string(),
+        Ok(c) => c.job_spec().unwrap_err().to_string(),
+    };
+    assert!(e.contains("[job].betas: applies to optimizer adamw"), "{e}");
+}
+
+/// `[job]` in a file and `limpet train`'s flags spell the same training keys: one set of
+/// values written both ways gives the same `JobKeys`, every key set. The destructuring names
+/// every field, so a key added to `JobKeys` does not build here until both spellings
+/// (`config/job.rs`, `args.rs`) carry it.
+#[test]
+fn every_training_key_is_spelled_in_the_file_and_as_a_flag() {
+    use clap::Parser;
+    use limpet_trainer::job_keys::JobKeys;
+    let s = secret();
+    let keys = "micro_batch = 16\noptimizer = \"adamw\"\nlr = 0.002\nweight_decay = 0.05\nbetas = [0.9, 0.95]\n\
+                eps = 1e-6\ndecay_embeddings = true\nwarmup = 7\nclip = 0.5\nmin_lr_ratio = 0.25\nseed = 3\n\
+                precision = \"bf16\"\nreproducible = true\nshards = 4\nactivation_checkpointing = true\n\
+                loss_chunk = 32\neval_every = 50\nshard_state = \"optimizer\"\nshard_replicas = 2\noverlap = false";
+    let text = example(s.path()).replace("global_batch = 64", &format!("global_batch = 64\n{keys}"));
+    let from_file = Config::parse_unchecked(&text, "c.toml").unwrap().job.keys();
+    let flags = crate::cli::Cli::parse_from([
+        "limpet",
+        "train",
+        "--steps",
+        "400",
+        "--batch",
+        "64",
+        "--micro-batch",
+        "16",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.002",
+        "--weight-decay",
+        "0.05",
+        "--betas",
+        "0.9,0.95",
+        "--eps",
+        "1e-6",
+        "--decay-embeddings",
+        "--warmup",
+        "7",
+        "--clip",
+        "0.5",
+        "--min-lr-ratio",
+        "0.25",
+        "--seed",
+        "3",
+        "--precision",
+        "bf16",
+        "--reproducible",
+        "--shards",
+        "4",
+        "--activation-checkpointing",
+        "--loss-chunk",
+        "32",
+        "--eval-every",
+        "50",
+        "--out",
+        "/nonexistent",
+    ]);
+    let crate::cli::Command::Train(args) = flags.command else { panic!("parsed as train") };
+    let JobKeys {
+        steps,
+        global_batch,
+        micro_batch,
+        optimizer,
+        lr,
+        weight_decay,
+        betas,
+        eps,
+        decay_embeddings,
+        warmup,
+        clip,
+        min_lr_ratio,
+        seed,
+        precision,
+        reproducible,
+        shards,
+        activation_checkpointing,
+        loss_chunk,
+        eval_every,
+        shard_state,
+        shard_replicas,
+        overlap,
+    } = from_file.clone();
+    let set = [
+        steps.is_some(),
+        global_batch.is_some(),
+        micro_batch.is_some(),
+        optimizer.is_some(),
+        lr.is_some(),
+        weight_decay.is_some(),
+        betas.is_some(),
+        eps.is_some(),
+        decay_embeddings.is_some(),
+        warmup.is_some(),
+        clip.is_some(),
+        min_lr_ratio.is_some(),
+        seed.is_some(),
+        precision.is_some(),
+        reproducible.is_some(),
+        shards.is_some(),
+        activation_checkpointing.is_some(),
+        loss_chunk.is_some(),
+        eval_every.is_some(),
+        shard_state.is_some(),
+        shard_replicas.is_some(),
+        overlap.is_some(),
+    ];
+    assert!(set.iter().all(|&s| s), "a key the file did not carry: {from_file:?}");
+    // `limpet train` runs one rank: sharding and overlap are limpetd's keys alone.
+    let one_rank = JobKeys { shard_state: None, shard_replicas: None, overlap: None, ..from_file };
+    assert_eq!(args.job.keys(), one_rank);
+}
