@@ -1,0 +1,235 @@
+//! How a command changes the state: `ClusterState::apply`, which checks a command against
+//! the state and makes its change (a member's life, the job, the epochs, the records) or
+//! refuses it, and the Raft configuration mirrored after a configuration change.
+
+use super::{
+    CheckpointRecord, ClusterState, Command, Epoch, Member, MemberSpec, MemberStatus, NodeId, Outcome,
+    Refused, MAX_CHECKPOINT_RECORDS, MAX_EPOCH_HISTORY,
+};
+
+impl ClusterState {
+    /// Applies a command; `Ok` says what changed, `Err` why it was refused (state unchanged).
+    pub fn apply(&mut self, command: &Command) -> Outcome {
+        let outcome = match command {
+            Command::Join { member } => self.apply_join(member),
+            Command::Activate { id } => self.set_status(*id, Transition::Activate, "activated"),
+            Command::Notice { id, deadline_ms, source } => self.apply_notice(*id, *deadline_ms, source),
+            Command::Drain { id, reason } => self.set_status(*id, Transition::Drain, reason),
+            Command::MarkFailed { id, reason } => self.set_status(*id, Transition::Fail, reason),
+            Command::Remove { id, reason } => self.set_status(*id, Transition::Remove, reason),
+            Command::UpdateHardware { id, hardware } => match self.members.get_mut(id) {
+                Some(m) => {
+                    m.spec.hardware = hardware.clone();
+                    Ok(format!("node {id} hardware updated"))
+                }
+                None => Err(Refused(format!("node {id} is not a member"))),
+            },
+            Command::SetJob { job } => match &self.job {
+                None => {
+                    self.job = Some(job.clone());
+                    Ok("job set".into())
+                }
+                Some(existing) if existing == job => Ok("job unchanged".into()),
+                Some(_) => Err(Refused("a different job is already set; a running job cannot change".into())),
+            },
+            Command::ScheduleEpoch { epoch } => self.apply_schedule(epoch),
+            Command::ActivateEpoch { id } => match self.scheduled.take() {
+                Some(e) if e.id == *id => {
+                    self.history.push(e.clone());
+                    if self.history.len() > MAX_EPOCH_HISTORY {
+                        self.history.remove(0);
+                    }
+                    self.current = Some(e);
+                    Ok(format!("epoch {id} started"))
+                }
+                other => {
+                    let why = match &other {
+                        Some(e) => format!("epoch {id} is not scheduled (epoch {} is)", e.id),
+                        None => format!("epoch {id} is not scheduled (nothing is)"),
+                    };
+                    self.scheduled = other;
+                    Err(Refused(why))
+                }
+            },
+            Command::RecordCheckpoint { record } => self.apply_checkpoint(record),
+            Command::RecordCapacity { record } => self.capacity.apply(record),
+            Command::RecordThroughput { record } => self.throughput.apply(record, self.last_epoch_id),
+            Command::RevokeCertificate { fingerprint, name } => self.revoked.apply(fingerprint, name),
+            Command::CancelEpoch { id, reason } => match &self.scheduled {
+                Some(e) if e.id == *id => {
+                    self.scheduled = None;
+                    Ok(format!("epoch {id} withdrawn: {reason}"))
+                }
+                _ => Err(Refused(format!("epoch {id} is not scheduled"))),
+            },
+        };
+        debug_assert_eq!(self.validate(), Ok(()), "after {command:?}");
+        outcome
+    }
+
+    fn apply_join(&mut self, spec: &MemberSpec) -> Outcome {
+        if spec.id == 0 {
+            return Err(Refused("node id 0 is reserved".into()));
+        }
+        if spec.name.is_empty() {
+            return Err(Refused(format!("node {} has an empty name", spec.id)));
+        }
+        if let Some(other) = self
+            .members
+            .values()
+            .find(|m| m.spec.id != spec.id && m.spec.name == spec.name && m.status != MemberStatus::Gone)
+        {
+            return Err(Refused(format!("name {:?} is taken by node {}", spec.name, other.spec.id)));
+        }
+        match self.members.get_mut(&spec.id) {
+            Some(m) if m.status.is_staying() || m.status == MemberStatus::Draining => {
+                m.spec = spec.clone();
+                Ok(format!("node {} refreshed", spec.id))
+            }
+            Some(m) => {
+                *m = Member {
+                    spec: spec.clone(),
+                    status: MemberStatus::Joining,
+                    reason: format!("rejoined after {:?}", m.status),
+                    deadline_ms: None,
+                };
+                Ok(format!("node {} rejoined", spec.id))
+            }
+            None => {
+                self.members.insert(
+                    spec.id,
+                    Member {
+                        spec: spec.clone(),
+                        status: MemberStatus::Joining,
+                        reason: "joined".into(),
+                        deadline_ms: None,
+                    },
+                );
+                Ok(format!("node {} ({}) joined", spec.id, spec.name))
+            }
+        }
+    }
+
+    fn apply_notice(&mut self, id: NodeId, deadline_ms: u64, source: &str) -> Outcome {
+        let m = self.members.get_mut(&id).ok_or_else(|| Refused(format!("node {id} is not a member")))?;
+        match m.status {
+            MemberStatus::Failed | MemberStatus::Gone => {
+                Err(Refused(format!("node {id} is already {:?}", m.status)))
+            }
+            MemberStatus::Leaving if m.deadline_ms.is_some_and(|d| d <= deadline_ms) => {
+                Ok(format!("node {id} already leaving by {}", m.deadline_ms.unwrap_or(0)))
+            }
+            _ => {
+                m.status = MemberStatus::Leaving;
+                m.deadline_ms = Some(deadline_ms);
+                m.reason = format!("revocation notice from {source}");
+                Ok(format!("node {id} leaving by {deadline_ms} ({source})"))
+            }
+        }
+    }
+
+    fn set_status(&mut self, id: NodeId, t: Transition, reason: &str) -> Outcome {
+        let m = self.members.get_mut(&id).ok_or_else(|| Refused(format!("node {id} is not a member")))?;
+        let from = m.status;
+        let to = match (t, from) {
+            (Transition::Activate, MemberStatus::Joining | MemberStatus::Active) => MemberStatus::Active,
+            (Transition::Drain, MemberStatus::Joining | MemberStatus::Active | MemberStatus::Draining) => {
+                MemberStatus::Draining
+            }
+            (Transition::Fail, s) if s != MemberStatus::Gone => MemberStatus::Failed,
+            (Transition::Remove, _) => MemberStatus::Gone,
+            _ => return Err(Refused(format!("node {id} is {from:?}; cannot {}", t.verb()))),
+        };
+        if from == to {
+            return Ok(format!("node {id} already {to:?}"));
+        }
+        m.status = to;
+        m.reason = reason.to_string();
+        if to != MemberStatus::Leaving {
+            m.deadline_ms = None;
+        }
+        Ok(format!("node {id}: {from:?} -> {to:?}"))
+    }
+
+    fn apply_schedule(&mut self, epoch: &Epoch) -> Outcome {
+        if epoch.id <= self.last_epoch_id {
+            return Err(Refused(format!("epoch id {} is not above {}", epoch.id, self.last_epoch_id)));
+        }
+        if let Some(cur) = &self.current {
+            if epoch.start_step < cur.start_step {
+                return Err(Refused(format!(
+                    "epoch {} starts at step {} before the current epoch's start {}",
+                    epoch.id, epoch.start_step, cur.start_step
+                )));
+            }
+        }
+        self.check_epoch(epoch)?;
+        self.last_epoch_id = epoch.id;
+        let replaced = self.scheduled.replace(epoch.clone());
+        Ok(match replaced {
+            Some(old) => {
+                format!("epoch {} scheduled at step {} (replaces {})", epoch.id, epoch.start_step, old.id)
+            }
+            None => format!("epoch {} scheduled at step {}", epoch.id, epoch.start_step),
+        })
+    }
+
+    fn apply_checkpoint(&mut self, r: &CheckpointRecord) -> Outcome {
+        // A writer whose proposal went unanswered (its leader died) sends it again; both may
+        // land.
+        if self.checkpoints.iter().rev().take_while(|c| c.step == r.step).any(|c| c == r) {
+            return Ok(format!("checkpoint at step {} already recorded", r.step));
+        }
+        if let Some(last) = self.checkpoints.last() {
+            if r.step < last.step {
+                return Err(Refused(format!(
+                    "checkpoint at step {} is older than the last one ({})",
+                    r.step, last.step
+                )));
+            }
+        }
+        let newest_epoch = self.last_epoch_id;
+        if r.epoch > newest_epoch {
+            return Err(Refused(format!(
+                "checkpoint names epoch {}, newer than any scheduled ({newest_epoch})",
+                r.epoch
+            )));
+        }
+        self.checkpoints.push(r.clone());
+        if self.checkpoints.len() > MAX_CHECKPOINT_RECORDS {
+            self.checkpoints.remove(0);
+        }
+        Ok(format!("checkpoint at step {} recorded", r.step))
+    }
+
+    /// Mirrors the Raft configuration after a configuration change is applied.
+    pub fn set_configuration(&mut self, voters: &[NodeId], learners: &[NodeId]) {
+        self.voters = sorted(voters);
+        self.learners = sorted(learners);
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Transition {
+    Activate,
+    Drain,
+    Fail,
+    Remove,
+}
+
+impl Transition {
+    fn verb(self) -> &'static str {
+        match self {
+            Transition::Activate => "activate",
+            Transition::Drain => "drain",
+            Transition::Fail => "mark failed",
+            Transition::Remove => "remove",
+        }
+    }
+}
+
+fn sorted(ids: &[NodeId]) -> Vec<NodeId> {
+    let mut v = ids.to_vec();
+    v.sort_unstable();
+    v
+}
