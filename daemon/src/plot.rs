@@ -1,8 +1,63 @@
-//! SVG plots of training curves.
+//! SVG charts: what every chart of the project shares (the page, a chart's frame, its legend,
+//! count labels), and the training curves drawn with it.
 
 use anyhow::Context;
+use plotters::coord::Shift;
 use plotters::prelude::*;
 use std::path::Path;
+
+/// Draws a chart of `size` pixels into an SVG file at `path`: a white page, `draw` on it, the
+/// file written; a failure says which file it was drawing.
+pub fn draw_svg<'p>(
+    path: &'p Path,
+    size: (u32, u32),
+    draw: impl FnOnce(&DrawingArea<SVGBackend<'p>, Shift>) -> Result<(), Box<dyn std::error::Error>>,
+) -> crate::Result<()> {
+    let page = || -> Result<(), Box<dyn std::error::Error>> {
+        let root = SVGBackend::new(path, size).into_drawing_area();
+        root.fill(&WHITE)?;
+        draw(&root)?;
+        root.present()?;
+        Ok(())
+    };
+    Ok(page().map_err(|e| anyhow::anyhow!("{e}")).with_context(|| format!("drawing {}", path.display()))?)
+}
+
+/// A chart on `area` framed as every chart is: a 12-pixel margin, `x_label_area` pixels for
+/// the x axis's labels, 60 for the y axis's, and `title`, if any, as its caption. A chart
+/// framed otherwise overrides what differs before building.
+pub fn chart_on<'a, 'b, DB: DrawingBackend>(
+    area: &'a DrawingArea<DB, Shift>,
+    title: Option<&str>,
+    x_label_area: u32,
+) -> ChartBuilder<'a, 'b, DB> {
+    let mut builder = ChartBuilder::on(area);
+    if let Some(title) = title {
+        builder.caption(title, ("sans-serif", 20));
+    }
+    builder.margin(12).x_label_area_size(x_label_area).y_label_area_size(60);
+    builder
+}
+
+/// A line series' mark in a legend: a short line in its colour.
+pub fn legend_line(colour: RGBColor) -> impl Fn((i32, i32)) -> PathElement<(i32, i32)> {
+    move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], colour)
+}
+
+/// Draws `chart`'s legend at `position`: its series' marks and labels in a black-bordered
+/// box, the chart showing faintly through.
+pub fn draw_legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    position: SeriesLabelPosition,
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+    chart
+        .configure_series_labels()
+        .position(position)
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.8))
+        .draw()?;
+    Ok(())
+}
 
 /// A tick label for a count drawn on an `f64` axis (steps, samples): `500`, not `500.0`.
 pub fn count_label(v: &f64) -> String {
@@ -22,21 +77,15 @@ pub struct LossPoint {
 
 /// Draws training loss per step, and test loss where it was measured, on a log scale.
 pub fn loss_svg(path: &Path, records: &[LossPoint], title: &str) -> crate::Result<()> {
-    let draw = || -> Result<(), Box<dyn std::error::Error>> {
+    draw_svg(path, (900, 420), |root| {
         let finite = |v: f64| v.is_finite() && v > 0.0;
         let losses =
             records.iter().flat_map(|r| [Some(r.loss), r.test_loss]).flatten().filter(|v| finite(*v));
         let (lo, hi) = losses.fold((f64::MAX, f64::MIN), |(a, b), v| (a.min(v), b.max(v)));
         let (lo, hi) = if lo <= hi { (lo * 0.8, hi * 1.25) } else { (0.01, 10.0) };
         let last = records.last().map_or(1, |r| r.step).max(1) as f64;
-        let root = SVGBackend::new(path, (900, 420)).into_drawing_area();
-        root.fill(&WHITE)?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(title, ("sans-serif", 20))
-            .margin(12)
-            .x_label_area_size(36)
-            .y_label_area_size(60)
-            .build_cartesian_2d(0f64..last, (lo..hi).log_scale())?;
+        let mut chart =
+            chart_on(root, Some(title), 36).build_cartesian_2d(0f64..last, (lo..hi).log_scale())?;
         chart.configure_mesh().x_desc("step").x_label_formatter(&count_label).y_desc("loss").draw()?;
         chart
             .draw_series(LineSeries::new(
@@ -44,7 +93,7 @@ pub fn loss_svg(path: &Path, records: &[LossPoint], title: &str) -> crate::Resul
                 &BLUE,
             ))?
             .label("train loss")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLUE));
+            .legend(legend_line(BLUE));
         let test: Vec<_> = records
             .iter()
             .filter_map(|r| r.test_loss.filter(|v| finite(*v)).map(|l| (r.step as f64, l)))
@@ -53,11 +102,9 @@ pub fn loss_svg(path: &Path, records: &[LossPoint], title: &str) -> crate::Resul
             .draw_series(test.iter().map(|p| Circle::new(*p, 4, RED.filled())))?
             .label("test loss")
             .legend(|(x, y)| Circle::new((x + 9, y), 4, RED.filled()));
-        chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw()?;
-        root.present()?;
+        draw_legend(&mut chart, SeriesLabelPosition::MiddleRight)?;
         Ok(())
-    };
-    Ok(draw().map_err(|e| anyhow::anyhow!("{e}")).with_context(|| format!("drawing {}", path.display()))?)
+    })
 }
 
 /// One completed step of an elastic run, for `elastic_svg`.
@@ -82,7 +129,7 @@ pub fn elastic_svg(
     transitions: &[(u64, String)],
     title: &str,
 ) -> crate::Result<()> {
-    let draw = || -> Result<(), Box<dyn std::error::Error>> {
+    draw_svg(path, (1000, 640), |root| {
         let last = points.last().map_or(1, |p| p.step).max(1) as f64;
         let finite: Vec<&ElasticPoint> =
             points.iter().filter(|p| p.loss.is_finite() && p.loss > 0.0).collect();
@@ -90,15 +137,9 @@ pub fn elastic_svg(
         let (lo, hi) = if lo <= hi { (lo * 0.8, hi * 1.25) } else { (0.01, 10.0) };
         // World sizes are whole hosts: an integer axis, one tick per size.
         let max_world = points.iter().map(|p| p.world).max().unwrap_or(1) + 1;
-        let root = SVGBackend::new(path, (1000, 640)).into_drawing_area();
-        root.fill(&WHITE)?;
         let (top, bottom) = root.split_vertically(420);
-        let mut chart = ChartBuilder::on(&top)
-            .caption(title, ("sans-serif", 20))
-            .margin(12)
-            .x_label_area_size(30)
-            .y_label_area_size(60)
-            .build_cartesian_2d(0f64..last, (lo..hi).log_scale())?;
+        let mut chart =
+            chart_on(&top, Some(title), 30).build_cartesian_2d(0f64..last, (lo..hi).log_scale())?;
         chart.configure_mesh().x_label_formatter(&count_label).y_desc("loss").draw()?;
         // A light per-step line and a 25-step moving average on top.
         chart.draw_series(LineSeries::new(finite.iter().map(|p| (p.step as f64, p.loss)), BLUE.mix(0.25)))?;
@@ -110,7 +151,7 @@ pub fn elastic_svg(
         chart
             .draw_series(LineSeries::new(smooth, &BLUE))?
             .label("train loss (25-step mean)")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLUE));
+            .legend(legend_line(BLUE));
         let held_out: Vec<(f64, f64)> = points
             .iter()
             .filter_map(|p| p.eval_loss.filter(|l| l.is_finite() && *l > 0.0).map(|l| (p.step as f64, l)))
@@ -120,7 +161,7 @@ pub fn elastic_svg(
             chart
                 .draw_series(LineSeries::new(held_out.clone(), green.stroke_width(2)))?
                 .label("held-out loss")
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], green));
+                .legend(legend_line(green));
             chart.draw_series(held_out.iter().map(|&p| Circle::new(p, 3, green.filled())))?;
         }
         for (step, label) in transitions {
@@ -132,12 +173,8 @@ pub fn elastic_svg(
                 ("sans-serif", 13).into_font().color(&RED),
             )))?;
         }
-        chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw()?;
-        let mut world = ChartBuilder::on(&bottom)
-            .margin(12)
-            .x_label_area_size(36)
-            .y_label_area_size(60)
-            .build_cartesian_2d(0f64..last, 0usize..max_world)?;
+        draw_legend(&mut chart, SeriesLabelPosition::MiddleRight)?;
+        let mut world = chart_on(&bottom, None, 36).build_cartesian_2d(0f64..last, 0usize..max_world)?;
         world
             .configure_mesh()
             .x_desc("step")
@@ -157,10 +194,8 @@ pub fn elastic_svg(
             let x = *step as f64;
             world.draw_series(LineSeries::new(vec![(x, 0), (x, max_world)], RED.mix(0.6)))?;
         }
-        root.present()?;
         Ok(())
-    };
-    Ok(draw().map_err(|e| anyhow::anyhow!("{e}")).with_context(|| format!("drawing {}", path.display()))?)
+    })
 }
 
 #[cfg(test)]

@@ -579,6 +579,7 @@ fn plot(
     seg: &Trace,
     join_s: f64,
 ) -> limpet_daemon::Result<()> {
+    use limpet_daemon::plot::{chart_on, count_label, draw_legend, draw_svg, legend_line};
     use plotters::prelude::*;
     let mut steps: BTreeMap<u64, (u64, usize)> = BTreeMap::new();
     for l in lines {
@@ -606,18 +607,12 @@ fn plot(
         ready.push((t, live.len()));
     }
     ready.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let draw = || -> Result<(), Box<dyn std::error::Error>> {
+    draw_svg(path, (1000, 640), |root| {
         let end = sim.hours * 3600.0;
         let most = replay.last().map_or(1.0, |p| p.1).max(sim.trained).max(1.0);
         let hosts = ready.iter().map(|r| r.1).max().unwrap_or(1) + 1;
-        let root = SVGBackend::new(path, (1000, 640)).into_drawing_area();
-        root.fill(&WHITE)?;
         let (top, bottom) = root.split_vertically(280);
-        let mut h = ChartBuilder::on(&top)
-            .caption("limpet-lab chaos: a trace replayed, and its simulation", ("sans-serif", 20))
-            .margin(12)
-            .x_label_area_size(30)
-            .y_label_area_size(60)
+        let mut h = chart_on(&top, Some("limpet-lab chaos: a trace replayed, and its simulation"), 30)
             .build_cartesian_2d(0f64..end, 0usize..hosts)?;
         h.configure_mesh().y_desc("hosts").y_labels(hosts).draw()?;
         let mut stair = Vec::new();
@@ -631,36 +626,28 @@ fn plot(
         }
         h.draw_series(LineSeries::new(stair, BLUE.mix(0.6)))?
             .label("hosts the trace has ready")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLUE));
+            .legend(legend_line(BLUE));
         h.draw_series(LineSeries::new(replay.iter().map(|p| (p.0, p.2)), RED.stroke_width(2)))?
             .label("world of the replay's epochs")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], RED));
-        h.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw()?;
-        let mut d = ChartBuilder::on(&bottom)
-            .margin(12)
-            .x_label_area_size(36)
+            .legend(legend_line(RED));
+        draw_legend(&mut h, SeriesLabelPosition::MiddleRight)?;
+        let mut d = chart_on(&bottom, None, 36)
             .y_label_area_size(80)
             .build_cartesian_2d(0f64..end, 0f64..most * 1.05)?;
         d.configure_mesh()
             .x_desc("seconds")
             .y_desc("samples trained")
-            .y_label_formatter(&limpet_daemon::plot::count_label)
+            .y_label_formatter(&count_label)
             .draw()?;
         d.draw_series(LineSeries::new(replay.iter().map(|p| (p.0, p.1)), RED.stroke_width(2)))?
             .label("replay")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], RED));
+            .legend(legend_line(RED));
         d.draw_series(LineSeries::new(simulated, GREEN.stroke_width(2)))?
             .label("simulation")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], GREEN));
-        d.configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .border_style(BLACK)
-            .background_style(WHITE.mix(0.8))
-            .draw()?;
-        root.present()?;
+            .legend(legend_line(GREEN));
+        draw_legend(&mut d, SeriesLabelPosition::LowerRight)?;
         Ok(())
-    };
-    Ok(draw().map_err(|e| anyhow::anyhow!("{e}")).with_context(|| format!("drawing {}", path.display()))?)
+    })
 }
 
 #[cfg(test)]

@@ -190,10 +190,9 @@ fn table(r: &RunsReport) -> String {
 
 /// Each run's goodput, replayed and simulated, side by side.
 fn plot(path: &Path, r: &RunsReport) -> limpet_daemon::Result<()> {
+    use limpet_daemon::plot::{chart_on, draw_legend, draw_svg};
     use plotters::prelude::*;
-    let draw = || -> Result<(), Box<dyn std::error::Error>> {
-        let root = SVGBackend::new(path, (900, 420)).into_drawing_area();
-        root.fill(&WHITE)?;
+    draw_svg(path, (900, 420), |root| {
         let n = r.runs.len();
         let low = r
             .runs
@@ -206,18 +205,13 @@ fn plot(path: &Path, r: &RunsReport) -> limpet_daemon::Result<()> {
             .flat_map(|x| [x.replay_goodput, x.simulated_goodput, x.simulated_goodput_measured_costs])
             .fold(1.0, f64::max);
         let floor = ((low * 10.0).floor() / 10.0).clamp(0.0, 0.9);
-        let mut c = ChartBuilder::on(&root)
-            .caption(
-                format!(
-                    "limpet-lab chaos --runs {n}: goodput at most {:.1}% apart ({:.1}% with the replays' own costs)",
-                    r.worst_difference * 100.0,
-                    r.worst_difference_measured_costs * 100.0
-                ),
-                ("sans-serif", 20),
-            )
+        let title = format!(
+            "limpet-lab chaos --runs {n}: goodput at most {:.1}% apart ({:.1}% with the replays' own costs)",
+            r.worst_difference * 100.0,
+            r.worst_difference_measured_costs * 100.0
+        );
+        let mut c = chart_on(root, Some(title.as_str()), 40)
             .margin(14)
-            .x_label_area_size(40)
-            .y_label_area_size(60)
             .build_cartesian_2d(0f64..n as f64, floor..high * 1.02)?;
         let names: Vec<String> =
             r.runs.iter().enumerate().map(|(k, x)| format!("{} {}", k + 1, x.segment.kind.name())).collect();
@@ -254,17 +248,9 @@ fn plot(path: &Path, r: &RunsReport) -> limpet_daemon::Result<()> {
         c.draw_series(bars(0.65, BLUE, |x| x.simulated_goodput_measured_costs))?
             .label("simulation, the replay's own transition costs")
             .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], BLUE.filled()));
-        c.configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .border_style(BLACK)
-            .background_style(WHITE.mix(0.8))
-            .draw()?;
-        root.present()?;
+        draw_legend(&mut c, SeriesLabelPosition::LowerRight)?;
         Ok(())
-    };
-    Ok(draw()
-        .map_err(|e| anyhow::anyhow!("{e}"))
-        .map_err(|e| e.context(format!("drawing {}", path.display())))?)
+    })
 }
 
 #[cfg(test)]
