@@ -2,6 +2,7 @@
 
 #![allow(dead_code)]
 
+use limpet_deploy::{Fleet, FleetConfig};
 use limpet_snapshot::StateImage;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -158,6 +159,33 @@ impl Drop for Moto {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// A fleet configuration that reaches `moto`'s EC2 API.
+pub fn config(moto: &Moto) -> FleetConfig {
+    FleetConfig {
+        region: Some("us-east-1".into()),
+        endpoint: Some(moto.url.clone()),
+        credentials: Some(("testing".into(), "testing".into())),
+    }
+}
+
+/// A launch template as an operator would have made one.
+pub async fn make_template(fleet: &Fleet, name: &str) {
+    let c = fleet.client();
+    let images = c.describe_images().send().await.unwrap();
+    let ami = images.images()[0].image_id().unwrap().to_string();
+    c.create_launch_template()
+        .launch_template_name(name)
+        .launch_template_data(
+            aws_sdk_ec2::types::RequestLaunchTemplateData::builder()
+                .image_id(ami)
+                .instance_type(aws_sdk_ec2::types::InstanceType::G5Xlarge)
+                .build(),
+        )
+        .send()
+        .await
+        .unwrap();
 }
 
 /// The CA, certificate and key files of `name` in a certificate directory.

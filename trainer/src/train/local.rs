@@ -619,3 +619,6 @@ impl Trainer {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod collective_tests;
