@@ -35,8 +35,10 @@ impl Default for VoterPolicy {
 }
 
 impl VoterPolicy {
-    /// Checks the knobs.
-    pub fn validate(&self) -> Result<(), String> {
+    /// Checks the knobs (the core's configuration check turns the reason into
+    /// `ConsensusError::Config`).
+    #[cfg_attr(not(feature = "node"), allow(dead_code))]
+    pub(crate) fn validate(&self) -> Result<(), String> {
         if self.max_voters == 0 || self.max_voters % 2 == 0 {
             return Err(format!("max_voters must be odd and positive, not {}", self.max_voters));
         }

@@ -80,7 +80,11 @@ impl Tasks {
 
     /// [`Tasks::spawn_thread`], with the thread's handle for an owner that joins it (a
     /// listener's accept loop, joined so its port is free once the owner is gone).
-    pub fn spawn_joinable_thread<F>(&self, name: &'static str, f: F) -> std::io::Result<std::thread::JoinHandle<()>>
+    pub fn spawn_joinable_thread<F>(
+        &self,
+        name: &'static str,
+        f: F,
+    ) -> std::io::Result<std::thread::JoinHandle<()>>
     where
         F: FnOnce() + Send + 'static,
     {

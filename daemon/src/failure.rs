@@ -83,12 +83,10 @@ impl Failure {
             Failure::Within { source, .. } => source.exit_code(),
             Failure::Consensus(c) | Failure::Agent(A::Consensus(c)) => consensus(c),
             Failure::Trainer(t) => trainer(t),
-            // Start-up checked the job's configuration (Config::settle) before the agent ran:
-            // a running rank that fails on it anyway is restarted, not left down.
-            Failure::Agent(A::Trainer(t)) => match trainer(t) {
-                EXIT_USAGE => EXIT_FAILURE,
-                code => code,
-            },
+            // Start-up built the job from its configuration and data (Config::settle) before
+            // the agent ran: a running rank's trainer failing (on a peer's state, a full
+            // disk, a bug) is one systemd restarts.
+            Failure::Agent(A::Trainer(_)) => EXIT_FAILURE,
             // The node's [job] is not the cluster's: the operator's to fix, a restart repeats it.
             Failure::Agent(A::Job(_)) => EXIT_USAGE,
             Failure::Agent(_) => EXIT_FAILURE,
@@ -174,11 +172,14 @@ other_from!(
     metrics_exporter_prometheus::BuildError,
 );
 
+#[doc(hidden)]
+pub use anyhow as __anyhow;
+
 /// Returns a [`Failure::Other`] made from a message, as anyhow's `bail!` does.
 #[macro_export]
 macro_rules! fail {
     ($($t:tt)*) => {
-        return Err($crate::Failure::Other(anyhow::anyhow!($($t)*)))
+        return Err($crate::Failure::Other($crate::failure::__anyhow::anyhow!($($t)*)))
     };
 }
 

@@ -388,7 +388,7 @@ async fn forget_credentials(a: &DownArgs, done: &[(String, String, String)]) {
     }
     let ids: Vec<String> = done.iter().map(|(id, ..)| id.clone()).collect();
     let result = async {
-        vault(&a.ec2, a.ssm_prefix.as_deref()).await?.remove_nodes(&ids).await.map_err(anyhow::Error::from)
+        vault(&a.ec2, a.ssm_prefix.as_deref()).await?.remove_nodes(&ids).await.map_err(crate::Failure::from)
     };
     if let Err(e) = result.await {
         eprintln!("warning: the terminated instances' credentials in SSM were not deleted: {e:#}");
@@ -419,8 +419,11 @@ pub async fn ec2_seeds(
     fresh: bool,
 ) -> crate::Result<Discovery> {
     let cfg = FleetConfig { region, endpoint, credentials: None };
-    let fleet = Fleet::connect(cluster, &cfg).await?;
-    let (mut members, _) = fleet.list().await?;
+    // At boot EC2 is the environment's (a metadata service not answering yet, no region
+    // found), not the file's: the failure is one systemd retries, never a usage error.
+    let retried = |e: limpet_deploy::FleetError| crate::Failure::Other(anyhow::Error::from(e));
+    let fleet = Fleet::connect(cluster, &cfg).await.map_err(retried)?;
+    let (mut members, _) = fleet.list().await.map_err(retried)?;
     members.retain(|m| m.state == "pending" || m.state == "running");
     let addr = |m: &Member| m.private_ip.as_ref().map(|ip| format!("{ip}:{port}"));
     let oldest = members.iter().min_by(|a, b| (&a.launched_ms, &a.id).cmp(&(&b.launched_ms, &b.id)));

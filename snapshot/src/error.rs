@@ -5,6 +5,9 @@ use std::path::PathBuf;
 /// Why a state image could not be encoded, decoded, read or written.
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
+    /// A set of shards does not make one whole state.
+    #[error("{0}")]
+    Shards(String),
     /// The bytes are not a well-formed safetensors file.
     #[error("not a valid safetensors file: {0}")]
     Format(String),

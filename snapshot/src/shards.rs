@@ -19,24 +19,28 @@ pub type Header = BTreeMap<String, (Dtype, Vec<usize>)>;
 /// in two, and the content hash that their tensors' checksums, dtypes and shapes give is the
 /// one every shard names (checked through the marker's checksum: no tensor bytes are read).
 /// The reason when not. What pruning checks, where joining would hold the whole state.
-pub fn headers_agree(shards: &[(crate::StateMeta, Header)]) -> Result<String, String> {
-    let Some((m, _)) = shards.first() else { return Err("no shards".into()) };
+pub fn headers_agree(shards: &[(crate::StateMeta, Header)]) -> Result<String, crate::SnapshotError> {
+    let shards_err = crate::SnapshotError::Shards;
+    let Some((m, _)) = shards.first() else { return Err(shards_err("no shards".into())) };
     let mut all = BTreeMap::new();
     for (i, (sm, header)) in shards.iter().enumerate() {
         if (sm.step, sm.cursor, sm.rng, &sm.job) != (m.step, m.cursor, m.rng, &m.job) {
-            return Err(format!("shard {i} holds another state than shard 0"));
+            return Err(shards_err(format!("shard {i} holds another state than shard 0")));
         }
         for (name, (dtype, shape)) in header.iter().filter(|(n, _)| *n != WHOLE_HASH) {
-            let sum = sm.checksums.get(name).ok_or_else(|| format!("shard {i}: {name} has no checksum"))?;
+            let sum = sm
+                .checksums
+                .get(name)
+                .ok_or_else(|| shards_err(format!("shard {i}: {name} has no checksum")))?;
             if all.insert(name.clone(), (*dtype, shape.clone(), sum.clone())).is_some() {
-                return Err(format!("shard {i} holds {name}, which another shard holds too"));
+                return Err(shards_err(format!("shard {i} holds {name}, which another shard holds too")));
             }
         }
     }
     let whole = whole_hash((m.step, m.cursor, m.rng, &m.job), &all);
     let mark = blake3::hash(whole.as_bytes()).to_hex().to_string();
     match shards.iter().position(|(sm, _)| sm.checksums.get(WHOLE_HASH) != Some(&mark)) {
-        Some(i) => Err(format!("shard {i} names another whole state than its tensors make")),
+        Some(i) => Err(shards_err(format!("shard {i} names another whole state than its tensors make"))),
         None => Ok(whole),
     }
 }
@@ -185,10 +189,10 @@ mod tests {
         };
         let set = shards_of(&whole, &[&["a", "c"], &["b"]]);
         assert_eq!(headers_agree(&heads(&set)).unwrap(), whole.content_hash());
-        assert!(headers_agree(&heads(&set[..1])).unwrap_err().contains("another whole state"));
+        assert!(headers_agree(&heads(&set[..1])).unwrap_err().to_string().contains("another whole state"));
         let m = whole.meta();
         let forged = shard_image((m.step, m.cursor, m.rng, m.job.clone()), BTreeMap::new(), "0f").unwrap();
-        let e = headers_agree(&heads(&[set[0].clone(), set[1].clone(), forged])).unwrap_err();
+        let e = headers_agree(&heads(&[set[0].clone(), set[1].clone(), forged])).unwrap_err().to_string();
         assert!(e.contains("shard 2 names another whole state"), "{e}");
         // A header read from a file is the image's.
         let dir = tempfile::tempdir().unwrap();

@@ -9,19 +9,6 @@ use std::path::PathBuf;
 #[error("{0}")]
 pub struct Malformed(pub String);
 
-/// Inside a decoder every message is about the bytes: `?` turns it into [`Malformed`].
-impl From<String> for Malformed {
-    fn from(m: String) -> Malformed {
-        Malformed(m)
-    }
-}
-
-impl From<&str> for Malformed {
-    fn from(m: &str) -> Malformed {
-        Malformed(m.to_string())
-    }
-}
-
 impl From<Malformed> for String {
     fn from(m: Malformed) -> String {
         m.0

@@ -346,7 +346,7 @@ pub fn shards_agree(files: &[PathBuf]) -> Result<(u64, serde_json::Value, String
         .collect::<Result<Vec<_>, _>>()?;
     let dir = files.first().and_then(|p| p.parent()).map(Path::to_path_buf).unwrap_or_default();
     let whole = limpet_snapshot::shards::headers_agree(&heads)
-        .map_err(|detail| CheckpointError::Bad { path: dir, detail })?;
+        .map_err(|e| CheckpointError::Bad { path: dir, detail: e.to_string() })?;
     let m = &heads[0].0;
     Ok((m.step, m.job.clone(), whole))
 }

@@ -485,57 +485,65 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         let counted = Arc::clone(&shared);
         // Each handshake on its own thread: a slow or hostile peer cannot stall the others.
         let threads = Arc::clone(&shared.threads);
+        let node = shared.cfg.node;
         let spawned = threads.detached("dp-hs", Box::new(move || {
-            let _done = Finished(&shared.handshakes);
-            let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-            if let Err(e) = shared.tune(&stream) {
-                tracing::warn!(node = shared.cfg.node, peer, %e, "data-plane connection dropped");
-                return;
-            }
-            let deadline = Instant::now() + shared.cfg.timeout.min(HANDSHAKE_LIMIT);
-            let conn = match &shared.cfg.tls {
-                Some(tls) => match Conn::tls_server(
-                    stream,
-                    tls.server.clone(),
-                    shared.cfg.timeout.min(HANDSHAKE_LIMIT),
-                ) {
-                    Ok(c) if shared.is_revoked(&c) => {
-                        tracing::warn!(
-                            node = shared.cfg.node,
-                            peer,
-                            "data-plane connection refused: a revoked certificate"
-                        );
-                        return;
-                    }
-                    Ok(c) => c,
-                    Err(e) => {
-                        tracing::warn!(node = shared.cfg.node, peer, %e, "data-plane TLS handshake refused");
-                        return;
-                    }
-                },
-                None => Conn::plain(stream),
-            };
-            match server_handshake(&conn, &shared, deadline) {
-                Ok(hello) => {
-                    let mut inbox = shared.inbox.lock().expect("inbox lock");
-                    let key = (hello.epoch, hello.node, hello.channel);
-                    // Each peer has its own share, so one member (its id bound to its
-                    // certificate) cannot crowd out the others' connections.
-                    let theirs = inbox.keys().filter(|k| k.1 == hello.node).count();
-                    if !inbox.contains_key(&key) && (inbox.len() >= MAX_INBOX || theirs >= MAX_INBOX_PER_PEER)
-                    {
-                        tracing::warn!(
-                            node = shared.cfg.node,
-                            peer,
-                            from = hello.node,
-                            "data-plane inbox full; connection dropped"
-                        );
-                        return;
-                    }
-                    inbox.insert(key, conn);
-                    shared.arrived.notify_all();
+            // A handshake reads an unauthenticated peer's bytes: a panic there (a bug) ends
+            // that connection, logged, and never the node a hostile peer could stop with it.
+            let handshake = move || {
+                let _done = Finished(&shared.handshakes);
+                let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+                if let Err(e) = shared.tune(&stream) {
+                    tracing::warn!(node = shared.cfg.node, peer, %e, "data-plane connection dropped");
+                    return;
                 }
-                Err(e) => tracing::warn!(node = shared.cfg.node, peer, %e, "data-plane connection refused"),
+                let deadline = Instant::now() + shared.cfg.timeout.min(HANDSHAKE_LIMIT);
+                let conn = match &shared.cfg.tls {
+                    Some(tls) => match Conn::tls_server(
+                        stream,
+                        tls.server.clone(),
+                        shared.cfg.timeout.min(HANDSHAKE_LIMIT),
+                    ) {
+                        Ok(c) if shared.is_revoked(&c) => {
+                            tracing::warn!(
+                                node = shared.cfg.node,
+                                peer,
+                                "data-plane connection refused: a revoked certificate"
+                            );
+                            return;
+                        }
+                        Ok(c) => c,
+                        Err(e) => {
+                            tracing::warn!(node = shared.cfg.node, peer, %e, "data-plane TLS handshake refused");
+                            return;
+                        }
+                    },
+                    None => Conn::plain(stream),
+                };
+                match server_handshake(&conn, &shared, deadline) {
+                    Ok(hello) => {
+                        let mut inbox = shared.inbox.lock().expect("inbox lock");
+                        let key = (hello.epoch, hello.node, hello.channel);
+                        // Each peer has its own share, so one member (its id bound to its
+                        // certificate) cannot crowd out the others' connections.
+                        let theirs = inbox.keys().filter(|k| k.1 == hello.node).count();
+                        if !inbox.contains_key(&key) && (inbox.len() >= MAX_INBOX || theirs >= MAX_INBOX_PER_PEER)
+                        {
+                            tracing::warn!(
+                                node = shared.cfg.node,
+                                peer,
+                                from = hello.node,
+                                "data-plane inbox full; connection dropped"
+                            );
+                            return;
+                        }
+                        inbox.insert(key, conn);
+                        shared.arrived.notify_all();
+                    }
+                    Err(e) => tracing::warn!(node = shared.cfg.node, peer, %e, "data-plane connection refused"),
+                }
+            };
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(handshake)).is_err() {
+                tracing::error!(node, "a data-plane handshake panicked (a bug); its connection is dropped");
             }
         }));
         if spawned.is_err() {

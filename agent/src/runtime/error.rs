@@ -2,8 +2,9 @@
 //! ones (an entry whose peers did not come, a peer's state that did not arrive or did not
 //! verify, a plan the published states do not allow yet) end the attempt: the trainer loop
 //! waits for the log to change and tries the next epoch. *Fatal* ones (the trainer itself
-//! failed, a local file could not be written) stop this agent with an error, and systemd
-//! restarts it.
+//! failed, a local file could not be written, a task failed) stop this agent with an error,
+//! and systemd restarts it; but for `Job` (this node's `[job]` is not the cluster's), whose
+//! exit status (64, `limpet_daemon::failure`) tells systemd a restart would only repeat it.
 
 use crate::DataPlaneError;
 use limpet_snapshot::handoff::HandoffError;
@@ -52,6 +53,22 @@ pub enum AgentError {
     /// Checkpoints could not be listed, read or fetched, or their directory is not trusted.
     #[error(transparent)]
     Checkpoint(#[from] crate::checkpoint::CheckpointError),
+    /// The checkpoint a new cluster resumes from could not be looked for (yet).
+    #[error("{during}: {source}")]
+    Resume {
+        /// What was being done.
+        during: &'static str,
+        /// What failed.
+        source: crate::checkpoint::CheckpointError,
+    },
+    /// One of limpet's own records did not encode (a bug).
+    #[error("encoding {what}: {source}")]
+    Encode {
+        /// The record.
+        what: &'static str,
+        /// serde's error.
+        source: serde_json::Error,
+    },
     /// The job's result could not be written (where `limpet-lab demo` and operators find it).
     #[error("writing the final checkpoint: {0}")]
     FinalCheckpoint(#[source] TrainerError),
@@ -78,6 +95,8 @@ impl AgentError {
                 | AgentError::Stuck { .. }
                 | AgentError::Checkpoint(_)
                 | AgentError::FinalCheckpoint(_)
+                | AgentError::Resume { .. }
+                | AgentError::Encode { .. }
         )
     }
 }

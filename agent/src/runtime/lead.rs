@@ -12,7 +12,6 @@ use limpet_consensus::tasks::TaskFailed;
 use limpet_consensus::NodeHandle;
 use limpet_decide::bootstrap::{BootStep, Bootstrap};
 use limpet_trainer::data::Dataset;
-use limpet_trainer::TrainerError;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -138,8 +137,10 @@ async fn find_resume_point(
     if required {
         // A shared mount that is not there yet (a missing directory, or the empty mount point
         // it is mounted on) must not read as "no checkpoint".
-        // [checkpoint].resume = "required" waits for it.
-        crate::checkpoint::trusted_dir(&dir)?;
+        crate::checkpoint::trusted_dir(&dir).map_err(|source| AgentError::Resume {
+            during: "the checkpoint directory ([checkpoint].resume = \"required\" waits)",
+            source,
+        })?;
     }
     let job = job_value(cfg)?;
     let blocks = cfg.job.model.num_blocks();
@@ -149,7 +150,9 @@ async fn find_resume_point(
         match remote.fetch_newest(&dir, blocks, settings.keep.max(1)).await {
             Ok(steps) if !steps.is_empty() => tracing::info!(?steps, "checkpoints fetched from S3"),
             Ok(_) => {}
-            Err(e) if required => return Err(e.into()),
+            Err(source) if required => {
+                return Err(AgentError::Resume { during: "could not fetch checkpoints from S3", source })
+            }
             Err(e) => {
                 tracing::warn!(%e, "could not fetch checkpoints from S3; searching the local directory only")
             }
@@ -198,13 +201,12 @@ async fn job_document(cfg: &AgentConfig) -> Result<serde_json::Value, AgentError
             mem_bytes: p.mem_bytes,
         };
         doc["pipeline"] = serde_json::to_value(pj)
-            .map_err(|e| TrainerError::Config(format!("the pipeline settings as JSON: {e}")))?;
+            .map_err(|source| AgentError::Encode { what: "the pipeline settings", source })?;
     }
     Ok(doc)
 }
 
 /// The job spec as the log records it.
 fn job_value(cfg: &AgentConfig) -> Result<serde_json::Value, AgentError> {
-    serde_json::to_value(&cfg.job)
-        .map_err(|e| TrainerError::Config(format!("the job spec as JSON: {e}")).into())
+    serde_json::to_value(&cfg.job).map_err(|source| AgentError::Encode { what: "the job spec", source })
 }

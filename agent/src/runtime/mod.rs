@@ -287,12 +287,12 @@ impl Agent {
         let deadline = tokio::select! {
             r = &mut joined => {
                 let deadline = tokio::time::Instant::now() + tasks::SHUTDOWN_LIMIT;
-                return finish(&tasks, deadline, r.unwrap_or_else(|e| Err(Box::new(e)))).await;
+                return finish(&tasks, deadline, r).await;
             }
             _ = root.cancelled() => tokio::time::Instant::now() + tasks::SHUTDOWN_LIMIT,
         };
         match tokio::time::timeout_at(deadline, joined).await {
-            Ok(r) => finish(&tasks, deadline, r.unwrap_or_else(|e| Err(Box::new(e)))).await,
+            Ok(r) => finish(&tasks, deadline, r).await,
             Err(_) => {
                 let _ = tasks.shutdown(deadline).await;
                 Err(AgentError::Stuck { limit: tasks::SHUTDOWN_LIMIT, after: tasks.fatal() })
@@ -352,12 +352,23 @@ fn spawn_tasks(
 async fn finish(
     tasks: &Tasks,
     deadline: tokio::time::Instant,
-    r: std::thread::Result<Result<Exit, AgentError>>,
+    r: Result<std::thread::Result<Result<Exit, AgentError>>, tokio::task::JoinError>,
 ) -> Result<Exit, AgentError> {
     let exit = match r {
-        Ok(r) => r,
-        Err(_) => {
-            tasks.fail("trainer", "panicked");
+        Ok(Ok(r)) => r,
+        Ok(Err(panic)) => {
+            let text = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("(no message)");
+            tasks.fail("trainer", &format!("panicked: {text}"));
+            return Err(tasks.fatal().expect("just recorded").into());
+        }
+        // The runtime went away under the join (it is shutting down): the thread's end is
+        // unknown.
+        Err(e) => {
+            tasks.fail("trainer", &format!("its join failed: {e}"));
             return Err(tasks.fatal().expect("just recorded").into());
         }
     };

@@ -18,6 +18,11 @@ pub enum Proposer {
     Operator,
 }
 
+/// Why a proposer may not propose a command.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct NotAllowed(pub String);
+
 /// Who may propose which command (docs/security.md shows this table):
 ///
 /// | command | the node it is about | operator | leader's controller |
@@ -28,11 +33,6 @@ pub enum Proposer {
 /// | `UpdateHardware` | yes | no | yes |
 /// | `RecordCheckpoint` | the node that wrote it | no | yes |
 /// | `Activate`, `MarkFailed`, `SetJob`, `ScheduleEpoch`, `CancelEpoch`, `ActivateEpoch`, `RecordCapacity`, `RecordThroughput` | no | no | yes |
-/// Why a proposer may not propose a command.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct NotAllowed(pub String);
-
 impl Command {
     /// Whether `who` may propose this command; the reason when not.
     pub fn authorize(&self, who: Proposer) -> Result<(), NotAllowed> {

@@ -108,15 +108,15 @@ impl Layout {
 
     /// The block range of every stage of a model of `blocks` blocks, or why the cuts do not
     /// fit it.
-    pub fn stage_blocks(&self, blocks: usize) -> Result<Vec<std::ops::Range<usize>>, String> {
+    pub fn stage_blocks(&self, blocks: usize) -> Result<Vec<std::ops::Range<usize>>, Invalid> {
         let mut bounds = vec![0usize];
         bounds.extend(self.cuts.iter().map(|&c| c as usize));
         bounds.push(blocks);
         if bounds.len() != self.pipeline as usize + 1 || bounds.windows(2).any(|w| w[0] >= w[1]) {
-            return Err(format!(
+            return Err(Invalid(format!(
                 "cuts {:?} do not split {blocks} blocks into {} stages",
                 self.cuts, self.pipeline
-            ));
+            )));
         }
         Ok(bounds.windows(2).map(|w| w[0]..w[1]).collect())
     }

@@ -97,7 +97,7 @@ fn epochs_only_move_forward() {
     assert!(st.apply(&Command::ScheduleEpoch { epoch: bad }).is_err(), "a stage without blocks");
     let pipelined = Layout { data: 1, pipeline: 2, cuts: vec![3] };
     assert_eq!(pipelined.stage_blocks(5).unwrap(), vec![0..3, 3..5]);
-    assert!(pipelined.stage_blocks(3).unwrap_err().contains("do not split 3 blocks"));
+    assert!(pipelined.stage_blocks(3).unwrap_err().0.contains("do not split 3 blocks"));
     let mut bad = epoch(4, 20, &[1, 2]);
     bad.lr_scale = f64::NAN;
     assert!(st.apply(&Command::ScheduleEpoch { epoch: bad }).is_err());

@@ -435,6 +435,6 @@ pub fn parse_founders(
 }
 
 #[cfg(test)]
-mod tests;
-#[cfg(test)]
 mod job_tests;
+#[cfg(test)]
+mod tests;

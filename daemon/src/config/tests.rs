@@ -623,4 +623,3 @@ insecure = true
     assert_eq!((p.depth, p.mem_bytes, p.shadow_every, p.cuts), (Some(2), 8 << 30, 5, None));
     assert_eq!((p.link.bytes_per_s, p.link.latency_ms), (2e9, 0.5));
 }
-

@@ -99,14 +99,19 @@ pub fn parse_npy_header(bytes: &[u8]) -> Result<NpyHeader, Malformed> {
         return Err(Malformed(format!("header of {len} bytes runs past the {} bytes read", bytes.len())));
     }
     let text = std::str::from_utf8(&bytes[start as usize..end as usize])
-        .map_err(|_| "header is not text".to_string())?;
+        .map_err(|_| "header is not text".to_string())
+        .map_err(Malformed)?;
     let field = |key: &str| -> Result<&str, Malformed> {
         let k = format!("'{key}':");
-        let at = text.find(&k).ok_or_else(|| format!("header has no '{key}'"))?;
+        let at = text.find(&k).ok_or_else(|| format!("header has no '{key}'")).map_err(Malformed)?;
         Ok(text[at + k.len()..].trim_start())
     };
     let descr = field("descr")?;
-    let descr = descr.strip_prefix('\'').and_then(|d| d.split('\'').next()).ok_or("descr is not a string")?;
+    let descr = descr
+        .strip_prefix('\'')
+        .and_then(|d| d.split('\'').next())
+        .ok_or("descr is not a string")
+        .map_err(|m| Malformed(m.into()))?;
     let elem = match descr {
         "<f4" => Elem::F32,
         "<f8" => Elem::F64,
@@ -125,7 +130,11 @@ pub fn parse_npy_header(bytes: &[u8]) -> Result<NpyHeader, Malformed> {
         ));
     }
     let shape = field("shape")?;
-    let inner = shape.strip_prefix('(').and_then(|s| s.split(')').next()).ok_or("shape is not a tuple")?;
+    let inner = shape
+        .strip_prefix('(')
+        .and_then(|s| s.split(')').next())
+        .ok_or("shape is not a tuple")
+        .map_err(|m| Malformed(m.into()))?;
     let shape: Vec<usize> = inner
         .split(',')
         .map(str::trim)
@@ -133,7 +142,8 @@ pub fn parse_npy_header(bytes: &[u8]) -> Result<NpyHeader, Malformed> {
         .map(|s| {
             s.trim_end_matches('L').parse::<usize>().map_err(|_| format!("shape entry {s:?} is not a size"))
         })
-        .collect::<Result<_, _>>()?;
+        .collect::<Result<_, _>>()
+        .map_err(Malformed)?;
     if shape.is_empty() {
         return Err(Malformed("a scalar array has no rows".into()));
     }

@@ -99,7 +99,9 @@ impl Manifest {
     /// Parses and checks a manifest's bytes (untrusted: a fuzz target and property tests
     /// cover this). The error says which field is wrong.
     pub fn parse(bytes: &[u8]) -> Result<Self, Malformed> {
-        let m: Manifest = serde_json::from_slice(bytes).map_err(|e| format!("not a token manifest: {e}"))?;
+        let m: Manifest = serde_json::from_slice(bytes)
+            .map_err(|e| format!("not a token manifest: {e}"))
+            .map_err(Malformed)?;
         m.check()?;
         Ok(m)
     }
@@ -128,7 +130,7 @@ impl Manifest {
         for (split, entries) in [("train", &self.train), ("val", &self.val)] {
             for (i, e) in entries.iter().enumerate() {
                 let at = format!("{split}[{i}] ({:?})", e.file);
-                check_relative(&e.file).map_err(|m| format!("{at}: {m}"))?;
+                check_relative(&e.file).map_err(|m| format!("{at}: {m}")).map_err(Malformed)?;
                 if e.tokens.checked_mul(self.dtype.width()).is_none() {
                     return Err(Malformed(format!("{at}: {} tokens is too many", e.tokens)));
                 }
@@ -138,7 +140,7 @@ impl Manifest {
             }
         }
         if let Some(t) = &self.tokenizer {
-            check_relative(t).map_err(|m| format!("tokenizer: {m}"))?;
+            check_relative(t).map_err(|m| format!("tokenizer: {m}")).map_err(Malformed)?;
         }
         Ok(())
     }

@@ -108,7 +108,7 @@ pub fn parse_config(cfg: &Value, context: Option<usize>) -> Result<LlamaSpec, Ma
         special_tokens: special_tokens(cfg)?,
         source_dtype: source_dtype(cfg)?,
     };
-    ModelSpec::Llama(spec.clone()).validate().map_err(|e| e.to_string())?;
+    ModelSpec::Llama(spec.clone()).validate().map_err(|e| e.to_string()).map_err(Malformed)?;
     Ok(spec)
 }
 
@@ -198,8 +198,8 @@ fn rope(cfg: &Value, max_pos: usize) -> Result<(f64, Option<RopeScaling>), Malfo
             Some(RopeScaling::Yarn {
                 factor,
                 original_max_position_embeddings: orig,
-                beta_fast: beta("beta_fast", 32.0)?,
-                beta_slow: beta("beta_slow", 1.0)?,
+                beta_fast: beta("beta_fast", 32.0).map_err(Malformed)?,
+                beta_slow: beta("beta_slow", 1.0).map_err(Malformed)?,
                 attention_factor,
                 truncate,
             })

@@ -113,9 +113,14 @@ struct Machine<'a> {
 
 impl<'a> Machine<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], Malformed> {
-        let end = self.pos.checked_add(n).filter(|&e| e <= self.data.len()).ok_or_else(|| {
-            format!("the pickle ends inside an operand at byte {} ({n} bytes wanted)", self.pos)
-        })?;
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.data.len())
+            .ok_or_else(|| {
+                format!("the pickle ends inside an operand at byte {} ({n} bytes wanted)", self.pos)
+            })
+            .map_err(Malformed)?;
         let s = &self.data[self.pos..end];
         self.pos = end;
         Ok(s)
@@ -131,8 +136,14 @@ impl<'a> Machine<'a> {
 
     fn line(&mut self) -> Result<String, Malformed> {
         let rest = &self.data[self.pos..];
-        let n = rest.iter().position(|&b| b == b'\n').ok_or("a GLOBAL name without its newline")?;
-        let s = String::from_utf8(rest[..n].to_vec()).map_err(|_| "a GLOBAL name that is not UTF-8")?;
+        let n = rest
+            .iter()
+            .position(|&b| b == b'\n')
+            .ok_or("a GLOBAL name without its newline")
+            .map_err(|m| Malformed(m.into()))?;
+        let s = String::from_utf8(rest[..n].to_vec())
+            .map_err(|_| "a GLOBAL name that is not UTF-8")
+            .map_err(|m| Malformed(m.into()))?;
         self.pos += n + 1;
         Ok(s)
     }
@@ -185,7 +196,11 @@ impl<'a> Machine<'a> {
     }
 
     fn pop_mark(&mut self) -> Result<Vec<V>, Malformed> {
-        let m = self.marks.pop().ok_or_else(|| format!("no MARK for the operation at byte {}", self.pos))?;
+        let m = self
+            .marks
+            .pop()
+            .ok_or_else(|| format!("no MARK for the operation at byte {}", self.pos))
+            .map_err(Malformed)?;
         Ok(self.stack.split_off(m.min(self.stack.len())))
     }
 
@@ -200,7 +215,8 @@ impl<'a> Machine<'a> {
         if self.memo.len() >= MAX_ITEMS && !self.memo.contains_key(&i) {
             return Err(Malformed("the pickle's memo is larger than a state dict needs".into()));
         }
-        let (nodes, _) = measure(self.stack.last().ok_or("PUT on an empty stack")?);
+        let (nodes, _) =
+            measure(self.stack.last().ok_or("PUT on an empty stack").map_err(|m| Malformed(m.into()))?);
         self.spend(nodes)?;
         let v = self.stack.last().expect("checked above").clone();
         self.memo.insert(i, v);
@@ -208,8 +224,9 @@ impl<'a> Machine<'a> {
     }
 
     fn memo_get(&mut self, i: u32) -> Result<(), Malformed> {
-        let (nodes, _) =
-            measure(self.memo.get(&i).ok_or_else(|| format!("memo entry {i} was never stored"))?);
+        let (nodes, _) = measure(
+            self.memo.get(&i).ok_or_else(|| format!("memo entry {i} was never stored")).map_err(Malformed)?,
+        );
         self.spend(nodes)?;
         let v = self.memo[&i].clone();
         self.push(v)
@@ -302,7 +319,9 @@ impl<'a> Machine<'a> {
                     self.memo_put(i)?
                 }
                 0x94 => {
-                    let i = u32::try_from(self.memo.len()).map_err(|_| "memo overflow")?;
+                    let i = u32::try_from(self.memo.len())
+                        .map_err(|_| "memo overflow")
+                        .map_err(|m| Malformed(m.into()))?;
                     self.memo_put(i)?
                 }
                 b'h' => {
@@ -419,9 +438,12 @@ fn persistent(pid: V) -> Result<V, Malformed> {
     let V::Tuple(items) = pid else { return Err(Malformed("a persistent id that is not a tuple".into())) };
     match items.as_slice() {
         [V::Str(tag), V::Global(_, ty), V::Str(key), _location, numel] if tag == "storage" => {
-            let kind = storage_kind(ty).ok_or_else(|| format!("storage type {ty} is not a float storage"))?;
-            let numel =
-                u64::try_from(int(numel, "a storage's size")?).map_err(|_| "a negative storage size")?;
+            let kind = storage_kind(ty)
+                .ok_or_else(|| format!("storage type {ty} is not a float storage"))
+                .map_err(Malformed)?;
+            let numel = u64::try_from(int(numel, "a storage's size")?)
+                .map_err(|_| "a negative storage size")
+                .map_err(|m| Malformed(m.into()))?;
             Ok(V::Storage { key: key.clone(), kind, numel })
         }
         _ => Err(Malformed("a persistent id that is not a tensor storage".into())),
@@ -441,8 +463,9 @@ fn reduce(f: V, args: V) -> Result<V, Malformed> {
             let V::Storage { key, kind, numel } = &args[0] else {
                 return Err(Malformed("_rebuild_tensor_v2 without a storage".into()));
             };
-            let offset =
-                u64::try_from(int(&args[1], "a tensor's offset")?).map_err(|_| "a negative tensor offset")?;
+            let offset = u64::try_from(int(&args[1], "a tensor's offset")?)
+                .map_err(|_| "a negative tensor offset")
+                .map_err(|m| Malformed(m.into()))?;
             let (shape, stride) = (ints(&args[2], "a tensor's shape")?, ints(&args[3], "a tensor's stride")?);
             let t = TensorRef { key: key.clone(), kind: *kind, storage_numel: *numel, offset, shape, stride };
             check_layout(&t)?;
@@ -543,7 +566,8 @@ fn check_entry_count(bytes: &[u8]) -> Result<(), Malformed> {
 pub fn read_archive(bytes: &[u8]) -> Result<Vec<(String, Tensor)>, Malformed> {
     check_entry_count(bytes)?;
     let mut zip = zip::ZipArchive::new(Cursor::new(bytes))
-        .map_err(|e| format!("not a zip archive ({e}); legacy (pre-1.6) torch.save files are not read"))?;
+        .map_err(|e| format!("not a zip archive ({e}); legacy (pre-1.6) torch.save files are not read"))
+        .map_err(Malformed)?;
     // Exactly one top-level data.pkl: with two, which one a reader takes would be arbitrary.
     let mut pkls: Vec<String> = zip
         .file_names()
@@ -568,7 +592,7 @@ pub fn read_archive(bytes: &[u8]) -> Result<Vec<(String, Tensor)>, Malformed> {
                      name: &str,
                      most: u64|
      -> Result<Vec<u8>, Malformed> {
-        let mut f = zip.by_name(name).map_err(|e| format!("{name}: {e}"))?;
+        let mut f = zip.by_name(name).map_err(|e| format!("{name}: {e}")).map_err(Malformed)?;
         if f.compression() != zip::CompressionMethod::Stored {
             return Err(Malformed(format!("{name} is compressed; torch.save stores entries")));
         }
@@ -578,7 +602,7 @@ pub fn read_archive(bytes: &[u8]) -> Result<Vec<(String, Tensor)>, Malformed> {
             return Err(Malformed(format!("{name} claims {size} bytes, more than the archive holds for it")));
         }
         let mut out = Vec::with_capacity(size as usize);
-        f.read_to_end(&mut out).map_err(|e| format!("{name}: {e}"))?;
+        f.read_to_end(&mut out).map_err(|e| format!("{name}: {e}")).map_err(Malformed)?;
         Ok(out)
     };
     let whole = bytes.len() as u64;
@@ -608,7 +632,8 @@ pub fn read_archive(bytes: &[u8]) -> Result<Vec<(String, Tensor)>, Malformed> {
                 )));
             }
             let t = Tensor::f_from_data_size(&raw, &[r.storage_numel as i64], r.kind)
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| e.to_string())
+                .map_err(Malformed)?;
             storages.insert(r.key.clone(), (t, r.kind, r.storage_numel));
         }
         let (storage, kind, numel) = &storages[&r.key];
@@ -623,7 +648,8 @@ pub fn read_archive(bytes: &[u8]) -> Result<Vec<(String, Tensor)>, Malformed> {
             .f_as_strided(r.shape.as_slice(), r.stride.as_slice(), Some(r.offset as i64))
             .and_then(|t| t.f_to_kind(Kind::Float))
             .and_then(|t| t.f_contiguous())
-            .map_err(|e| format!("tensor {}: {e}", quote(&name)))?;
+            .map_err(|e| format!("tensor {}: {e}", quote(&name)))
+            .map_err(Malformed)?;
         out.push((name, t));
     }
     Ok(out)

@@ -193,7 +193,7 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     let nb = x.cfg.job.model.num_blocks();
     let ranks = exchange_states(&mut group, &mine.state, n, nb)?;
     let me = group.rank();
-    let stages = n.layout.stage_blocks(nb).map_err(AgentError::Entry)?;
+    let stages = n.layout.stage_blocks(nb).map_err(|e| AgentError::Entry(e.to_string()))?;
     let target = stages[me % stages.len()].clone();
     let plan = entry_plan(&ranks, me, target.clone(), nb)?;
     let redone = x.trainer.step().saturating_sub(plan.step);
