@@ -9,6 +9,7 @@
 //! reduces the same buffers applies the same update. The buffer is the trainer's own (see
 //! [`grads`]): on the CPU it is where backward writes the gradients.
 
+mod buckets;
 mod eval;
 mod exact;
 mod grads;

@@ -96,8 +96,7 @@ impl Shadows {
         let step = trainer.step();
         let b = trainer.model().blocks();
         // A peer's shadow can be no larger than this job's state can be.
-        let most =
-            super::entry::state_bound(bytes.len() as u64, (b.start, b.end), trainer.job().model.num_blocks());
+        let most = state_bound(bytes.len() as u64, (b.start, b.end), trainer.job().model.num_blocks());
         l.server.offer(Offer::new(bytes.clone(), 1 << 20, snap_label(l.me, step, false)));
         keep_newest(
             &mut self.snapshots,
@@ -164,6 +163,14 @@ impl Shadows {
             .spawn_thread("shadow", fetch_one)
             .map_err(|source| AgentError::Io { what: "starting the shadow fetch".into(), source })
     }
+}
+
+/// The most bytes a peer's state of this job can take: this rank's own state of `held`
+/// blocks scaled to the whole model of `blocks`, twice over (blocks differ in size) and
+/// 64 MiB besides (metadata, small models).
+pub(super) fn state_bound(own_bytes: u64, held: (usize, usize), blocks: usize) -> u64 {
+    let held = held.1.saturating_sub(held.0).max(1) as u64;
+    own_bytes.saturating_mul(blocks.max(1) as u64).div_ceil(held).saturating_mul(2).saturating_add(64 << 20)
 }
 
 #[cfg(test)]

@@ -31,7 +31,7 @@
 //! it is dropped, and every local rank waiting for it returns an error instead of waiting
 //! for ever.
 
-use super::overlap::within;
+use super::buckets::within;
 use super::Trainer;
 use crate::train::reduce::relay_by_sums;
 use crate::{Piece, Reduce, TrainerError};

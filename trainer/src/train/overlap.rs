@@ -9,35 +9,12 @@
 //! to its owner and replicas), which sums every value in the ring order the whole buffer's
 //! reduce-scatter would: the same bits.
 
+use super::buckets::{bucket_values, within};
 use super::{StepStats, Trainer};
 use crate::model::Model;
 use crate::{Reduce, TrainerError};
 use std::ops::Range;
 use std::sync::mpsc;
-
-/// Values per bucket: 25 MB of f32, DDP's default `bucket_cap_mb`. Fewer, larger buckets
-/// cost fewer ring rounds; smaller ones start the reduction sooner.
-pub(crate) const BUCKET_VALUES: usize = 25 * (1 << 20) / 4;
-
-#[cfg(test)]
-thread_local! {
-    /// Tests cut small models into several buckets.
-    static CAP: std::cell::Cell<usize> = const { std::cell::Cell::new(BUCKET_VALUES) };
-}
-
-/// Cuts this thread's steps into buckets (and sharded gradients' gathers into windows) of
-/// `values` values, so that tests of small models see several.
-#[cfg(test)]
-pub(crate) fn set_bucket_values(values: usize) {
-    CAP.with(|c| c.set(values));
-}
-
-pub(super) fn bucket_values() -> usize {
-    #[cfg(test)]
-    return CAP.with(|c| c.get());
-    #[cfg(not(test))]
-    BUCKET_VALUES
-}
 
 /// The ranges of the flat gradient buffer to reduce after each block's backward.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,18 +68,6 @@ impl Buckets {
     pub(crate) fn in_order(&self) -> impl Iterator<Item = &Range<usize>> {
         self.after.iter().rev().flatten()
     }
-}
-
-/// Each of `blocks` (which tile a buffer) cut to `range` and counted from its start: blocks
-/// that tile `range`, some of them empty.
-pub(super) fn within(blocks: &[Range<usize>], range: Range<usize>) -> Vec<Range<usize>> {
-    blocks
-        .iter()
-        .map(|b| {
-            let (lo, hi) = (b.start.clamp(range.start, range.end), b.end.clamp(range.start, range.end));
-            lo - range.start..hi - range.start
-        })
-        .collect()
 }
 
 impl Trainer {
@@ -307,6 +272,7 @@ impl Trainer {
 mod tests {
     use super::*;
     use crate::model::ModelSpec;
+    use crate::train::buckets::{set_bucket_values, BUCKET_VALUES};
     use crate::train::tests::{char_data, job, synthetic};
     use crate::{JobSpec, LocalGroup, ModelKind};
     use tch::Tensor;
@@ -461,7 +427,7 @@ mod tests {
                     .map(|(i, t)| {
                         let group = &group;
                         s.spawn(move || {
-                            CAP.with(|c| c.set(cap));
+                            set_bucket_values(cap);
                             t.set_shares(shares.to_vec());
                             let mut r =
                                 Counting { inner: group.rank(i, None), lens: Vec::new(), io: Vec::new() };
@@ -598,7 +564,7 @@ mod tests {
                         .map(|(i, t)| {
                             let group = &group;
                             s.spawn(move || {
-                                CAP.with(|c| c.set(20_000));
+                                set_bucket_values(20_000);
                                 t.set_shares(shares.to_vec());
                                 let mut r =
                                     TwoShards { inner: group.rank(i, None), rank: i, scattered: Vec::new() };

@@ -560,7 +560,7 @@ impl Trainer {
         // With sharded gradients the buffer is filled and given back a window at a time, so
         // it never holds the whole model; otherwise one window is the whole buffer.
         let give_back = self.shards_gradients();
-        let window = if give_back { super::overlap::bucket_values() } else { n }.max(1);
+        let window = if give_back { super::buckets::bucket_values() } else { n }.max(1);
         let own = layout.blocks[layout.rank].clone();
         let params = self.model.params();
         let src: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
@@ -570,7 +570,7 @@ impl Trainer {
             let mine = own.start.clamp(range.start, range.end)..own.end.clamp(range.start, range.end);
             let buf = self.grads.as_mut_slice();
             flat_values(&src, params, mine.clone(), &mut buf[mine])?;
-            let blocks = super::overlap::within(&layout.blocks, range.clone());
+            let blocks = super::buckets::within(&layout.blocks, range.clone());
             reduce.allgather_blocks(&mut buf[range.clone()], &blocks, step)?;
             // Each parameter's part copied from the host buffer to its device: no
             // model-sized temporary there.

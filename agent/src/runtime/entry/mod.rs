@@ -10,7 +10,7 @@
 use super::checkpointer;
 use super::config::AgentConfig;
 use super::error::AgentError;
-use super::shadows::{snap_label, Shadows, Snap};
+use super::shadows::{snap_label, state_bound, Shadows, Snap};
 use super::sharding;
 use crate::dataplane::frame::Channel;
 use crate::dataplane::handoff::HandoffDialer;
@@ -458,14 +458,6 @@ fn form_group(
         }
         _ => endpoint.group_until(n.id, &n.ranks, addrs, by, give_up).map_err(AgentError::from),
     }
-}
-
-/// The most bytes a peer's state of this job can take: this rank's own state of `held`
-/// blocks scaled to the whole model of `blocks`, twice over (blocks differ in size) and
-/// 64 MiB besides (metadata, small models).
-pub(super) fn state_bound(own_bytes: u64, held: (usize, usize), blocks: usize) -> u64 {
-    let held = held.1.saturating_sub(held.0).max(1) as u64;
-    own_bytes.saturating_mul(blocks.max(1) as u64).div_ceil(held).saturating_mul(2).saturating_add(64 << 20)
 }
 
 /// Fetches the state offered under `label` by `source` (`node@addr`): the image and the

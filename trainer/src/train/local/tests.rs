@@ -342,7 +342,7 @@ fn sharded_run(
     let (mut losses, mut stray) = (Vec::new(), Vec::new());
     for _ in 0..3 {
         let out = on_hosts(&mut ranks, hosts, |r, t, local| {
-            crate::train::overlap::set_bucket_values(20_000);
+            crate::train::buckets::set_bucket_values(20_000);
             let held = t.shard_layout().unwrap().held();
             let mut spy = GatherSpy { inner: local, held, stray: Vec::new() };
             (t.train_step(r, world, &mut spy).unwrap().loss.to_bits(), spy.stray)
@@ -360,7 +360,7 @@ fn sharded_run(
     let left: Vec<bool> =
         ranks.iter().map(|t| t.grads.grads().abs().sum(tch::Kind::Float).double_value(&[]) > 0.0).collect();
     on_hosts(&mut ranks, hosts, |_, t, local| {
-        crate::train::overlap::set_bucket_values(20_000);
+        crate::train::buckets::set_bucket_values(20_000);
         t.unshard(local).unwrap()
     });
     // The tensors, not the content hash: that covers the job, which differs.
