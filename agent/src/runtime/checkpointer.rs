@@ -8,7 +8,8 @@ use super::tasks::Tasks;
 use limpet_consensus::state::{ClusterState, Command, Epoch, NodeId};
 use limpet_consensus::{ConsensusError, NodeHandle};
 use limpet_trainer::{JobSpec, Trainer};
-use std::path::PathBuf;
+use super::AgentError;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -424,65 +425,88 @@ fn gone_writer(st: &ClusterState, writers: &[NodeId]) -> Option<String> {
 /// A new cluster's first epoch `n` starts at the step of the checkpoint it resumes from: a
 /// rank that can read that checkpoint loads it into a new trainer (the others copy it from
 /// such a rank in the entry protocol, as any newcomer would). `None`: nothing to load here.
-pub(super) fn resume(trainer: &Trainer, job: &JobSpec, st: &ClusterState, n: &Epoch) -> Option<Trainer> {
+pub(super) fn resume(
+    trainer: &Trainer,
+    job: &JobSpec,
+    st: &ClusterState,
+    n: &Epoch,
+    local: Option<&Path>,
+) -> Option<Trainer> {
     if trainer.step() >= n.start_step {
         return None;
     }
     let rec = st.checkpoints.iter().rev().find(|c| c.step == n.start_step && c.epoch == 0)?;
-    load_record(trainer, job, rec)
+    load_record(trainer, job, rec, local)
 }
 
 /// The newest checkpoint the log records that loads here, into a new trainer (what a job
 /// whose sharded state lost a block goes back to): a newer one that does not load (a shard
 /// never written, a part corrupt) is passed over. `None`: none recorded, or none readable
-/// here.
-pub(super) fn newest(trainer: &Trainer, job: &JobSpec, st: &ClusterState) -> Option<Trainer> {
+/// here. `local`: this host's `[checkpoint].dir` (where a record of a copy in S3 is looked
+/// for).
+pub(super) fn newest(trainer: &Trainer, job: &JobSpec, st: &ClusterState, local: Option<&Path>) -> Option<Trainer> {
     // The newest step first and, within a step (written again after going back), the
     // latest record first; a record tried once.
     let mut records: Vec<&limpet_consensus::state::CheckpointRecord> = st.checkpoints.iter().rev().collect();
     records.sort_by_key(|c| std::cmp::Reverse(c.step));
     records.dedup_by(|a, b| (a.step, &a.content_hash) == (b.step, &b.content_hash));
-    records.into_iter().find_map(|rec| load_record(trainer, job, rec))
+    records.into_iter().find_map(|rec| load_record(trainer, job, rec, local))
 }
 
 fn load_record(
     trainer: &Trainer,
     job: &JobSpec,
     rec: &limpet_consensus::state::CheckpointRecord,
+    local: Option<&Path>,
 ) -> Option<Trainer> {
-    let dir = PathBuf::from(&rec.location);
-    let loaded = (|| -> anyhow::Result<Trainer> {
-        // A record names a step's directory, or a part's file inside one.
-        let step_dir =
-            if dir.extension().is_some_and(|e| e == "limpet") { dir.parent() } else { Some(&*dir) };
-        let root = step_dir
-            .and_then(std::path::Path::parent)
-            .ok_or_else(|| anyhow::anyhow!("no parent directory"))?;
-        let listed = crate::checkpoint::listed_at(root, rec.step)?;
-        let image = crate::checkpoint::load(&listed, job.model.num_blocks())?;
-        if image.content_hash() != rec.content_hash {
-            anyhow::bail!("its content hash differs from the one recorded in the log");
-        }
-        let data = trainer.data().shallow_clone();
-        let mut t =
-            Trainer::on_device(job.clone(), data, 0..job.model.num_blocks(), trainer.model().device())?;
-        t.load_image(&image)?;
-        Ok(t)
-    })();
+    let loaded = step_dir_of(rec, local)
+        .ok_or_else(|| AgentError::Entry(format!("{} is not a checkpoint step here", rec.location)))
+        .and_then(|step_dir| {
+            let root = step_dir.parent().unwrap_or(&step_dir);
+            let listed = crate::checkpoint::listed_at(root, rec.step)?;
+            let image = crate::checkpoint::load(&listed, job.model.num_blocks())?;
+            if image.content_hash() != rec.content_hash {
+                return Err(AgentError::Entry(
+                    "its content hash differs from the one recorded in the log".into(),
+                ));
+            }
+            let data = trainer.data().shallow_clone();
+            let blocks = 0..job.model.num_blocks();
+            let mut t = Trainer::on_device(job.clone(), data, blocks, trainer.model().device())?;
+            t.load_image(&image)?;
+            Ok(t)
+        });
     match loaded {
         Ok(t) => {
-            tracing::info!(step = rec.step, location = %dir.display(), "resumed from the checkpoint");
+            tracing::info!(step = rec.step, location = %rec.location, "resumed from the checkpoint");
             Some(t)
         }
         Err(e) => {
             tracing::warn!(
                 step = rec.step,
-                location = %dir.display(),
+                location = %rec.location,
                 %e,
                 "cannot read the checkpoint to resume from here; a peer that can will hand it over"
             );
             None
         }
+    }
+}
+
+/// The directory of a record's step on this host: the one the record names (a step's
+/// directory, or a part's file in one), or for a copy in S3 (`s3://...`, what a part's
+/// writer records once its copy is verified) that step under this host's
+/// `[checkpoint].dir` (`local`), where the writer kept its own copy and where a shared
+/// directory holds every host's.
+fn step_dir_of(rec: &limpet_consensus::state::CheckpointRecord, local: Option<&Path>) -> Option<PathBuf> {
+    if rec.location.starts_with("s3://") {
+        return local.map(|dir| crate::checkpoint::step_dir(dir, rec.step));
+    }
+    let at = Path::new(&rec.location);
+    if at.extension().is_some_and(|e| e == "limpet") {
+        at.parent().map(Path::to_path_buf)
+    } else {
+        Some(at.to_path_buf())
     }
 }
 
@@ -565,5 +589,44 @@ mod tests {
         st.members.get_mut(&2).unwrap().status = MemberStatus::Gone;
         assert!(gone_writer(&st, &[1, 2]).unwrap().contains("node 2"));
         assert!(gone_writer(&st, &[1, 9]).unwrap().contains("node 9, a writer of the set, is no member"));
+    }
+
+    /// A part's writer records the URL of its verified copy in S3: going back to that
+    /// checkpoint reads the copy it kept (or a shared directory's) under this host's
+    /// `[checkpoint].dir`, and a host without the directory cannot read it.
+    #[test]
+    fn a_checkpoint_recorded_by_its_s3_copy_loads_from_the_local_directory() {
+        use limpet_trainer::data::{DataSpec, Dataset};
+        let spec = DataSpec::Synthetic { samples: 200, features: 6, classes: 3, seed: 5 };
+        let data = Dataset::load(&spec, None).unwrap();
+        let job = JobSpec::defaults_for(limpet_trainer::ModelKind::Mlp, &data).unwrap();
+        let mut trained = Trainer::try_new(job.clone(), data.shallow_clone()).unwrap();
+        for _ in 0..3 {
+            trained.train_step(0, 1, &mut limpet_trainer::NoReduce).unwrap();
+        }
+        let image = trained.image().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let blocks = 0..job.model.num_blocks();
+        let part = crate::checkpoint::write_part(dir.path(), &image, &blocks, 0).unwrap();
+        let file = part.file_name().unwrap().to_string_lossy().to_string();
+        let step = crate::checkpoint::step_dir(Path::new(""), 3).display().to_string();
+        let rec = limpet_consensus::state::CheckpointRecord {
+            step: 3,
+            epoch: 1,
+            content_hash: image.content_hash().to_string(),
+            location: format!("s3://bucket/runs/a/{step}/{file}"),
+            node: 1,
+        };
+        let mut st = ClusterState::bootstrap("c", &[]);
+        st.checkpoints.push(rec.clone());
+        let fresh = Trainer::try_new(job.clone(), data).unwrap();
+        let back = newest(&fresh, &job, &st, Some(dir.path())).expect("loads from the local copy");
+        assert_eq!(back.step(), 3);
+        assert_eq!(back.image().unwrap().content_hash(), image.content_hash());
+        assert!(newest(&fresh, &job, &st, None).is_none(), "no directory here: nothing to read");
+        // A record naming the part's local file loads as before.
+        st.checkpoints[0].location = part.display().to_string();
+        assert!(newest(&fresh, &job, &st, None).is_some());
+        assert_eq!(step_dir_of(&rec, Some(dir.path())), Some(dir.path().join(&step)));
     }
 }
