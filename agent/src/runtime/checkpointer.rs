@@ -5,10 +5,11 @@
 
 use super::config::CheckpointSettings;
 use super::tasks::Tasks;
+use super::AgentError;
+use crate::remote::PartName;
 use limpet_consensus::state::{ClusterState, Command, Epoch, NodeId};
 use limpet_consensus::{ConsensusError, NodeHandle};
 use limpet_trainer::{JobSpec, Trainer};
-use super::AgentError;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -89,10 +90,10 @@ impl Checkpointer {
     }
 
     /// Whether a sharded job's checkpoints are written as shards, one per rank, into a
-    /// directory every host sees (`[checkpoint].shared`), rather than gathered whole. Not with
-    /// S3, whose copies are of block parts only.
+    /// directory every host sees (`[checkpoint].shared`), rather than gathered whole (with
+    /// S3, each owner copies its own shard there too).
     pub fn writes_shards(&self) -> bool {
-        self.settings.as_ref().is_some_and(|c| c.shared && c.remote.is_none())
+        self.settings.as_ref().is_some_and(|c| c.shared)
     }
 
     /// Whether a checkpoint is being written in the background (a sharded job's ranks skip a
@@ -169,13 +170,21 @@ impl Checkpointer {
             .collect();
         let (busy, failure) = (Arc::clone(&self.writing), Arc::clone(&self.failure));
         let write = move || {
+            // A part whose copy to S3 failed: it stands here, so the others are written, but
+            // a later part's success must not hide the failure.
+            let mut not_copied = None;
             for part in parts {
-                part.write();
+                let stands = part.write();
+                let why = failure.lock().expect("failure lock").clone();
                 // Each part sets or clears the failure: after a failed one the checkpoint is
-                // incomplete, and a later part's success must not hide it.
-                if failure.lock().expect("failure lock").is_some() {
+                // incomplete.
+                if !stands {
                     break;
                 }
+                not_copied = not_copied.or(why);
+            }
+            if let Some(why) = not_copied {
+                failure.lock().expect("failure lock").get_or_insert(why);
             }
             busy.store(false, Ordering::SeqCst);
         };
@@ -235,6 +244,16 @@ enum Kind {
     Shard { index: usize, parts: usize, writers: Vec<NodeId> },
 }
 
+impl Kind {
+    /// The part's name (its file's, its object's in S3).
+    fn name(&self) -> PartName {
+        match self {
+            Kind::Blocks(blocks) => PartName::Blocks(blocks.clone()),
+            Kind::Shard { index, parts, .. } => PartName::Shard { index: *index, of: *parts },
+        }
+    }
+}
+
 /// One checkpoint part to write, copy and record, owned by the writer thread.
 struct Part {
     settings: CheckpointSettings,
@@ -264,8 +283,10 @@ impl Part {
     }
 
     /// Writes the part, prunes old ones, copies it to S3 if configured, and records it in
-    /// the log; failures are counted and logged (the local copy stands if S3 fails).
-    fn write(&self) {
+    /// the log; failures are counted and logged (the local copy stands if S3 fails). Whether
+    /// the part stands here (written, and for shard 0 its set complete): after one that does
+    /// not, the checkpoint is incomplete.
+    fn write(&self) -> bool {
         let started = Instant::now();
         let (dir, min_free) = (&self.settings.dir, self.settings.min_free);
         let written = match &self.kind {
@@ -290,9 +311,13 @@ impl Part {
                     &Kind::Shard { index, parts, ref writers } => {
                         tracing::info!(step = self.step, shard = index, of = parts, path = %path.display(), ms = (secs * 1e3) as u64, "checkpoint shard written");
                         if index != 0 {
-                            // Shard 0's writer records the checkpoint once every shard is in.
-                            *self.failure.lock().expect("failure lock") = None;
-                            return;
+                            // Each owner copies its own shard; shard 0's writer records the
+                            // checkpoint once every shard is in.
+                            match self.copy(&path, false) {
+                                Some(Err(e)) => self.not_copied(&e),
+                                _ => *self.failure.lock().expect("failure lock") = None,
+                            }
+                            return true;
                         }
                         // Every shard of this write, or no checkpoint: the others write theirs
                         // at once, each taking about as long as this one did.
@@ -315,7 +340,8 @@ impl Part {
                             Err(e) => {
                                 metrics::counter!("limpet_checkpoint_failures_total").increment(1);
                                 tracing::error!(step = self.step, %e, "a checkpoint's shards did not all arrive; not recorded");
-                                return self.failed(format!("step {}: {e}", self.step));
+                                self.failed(format!("step {}: {e}", self.step));
+                                return false;
                             }
                         }
                     }
@@ -325,40 +351,62 @@ impl Part {
                 {
                     tracing::warn!(%e, "could not delete old checkpoints");
                 }
-                if let (Some(r), Kind::Blocks(blocks)) = (&self.settings.remote, &self.kind) {
-                    let copied = self.rt.block_on(async {
-                        let remote = self.remote.get_or_init(|| crate::remote::Remote::connect(r)).await;
-                        let hash = self.image.content_hash().to_string();
-                        let job = limpet_snapshot::job_fingerprint(job);
-                        let url = remote.upload(self.step, blocks, &path, &hash, &job).await?;
-                        if let Err(e) = remote.prune(self.settings.keep, self.model_blocks, &job).await {
-                            tracing::warn!(%e, "could not delete old checkpoints in S3");
-                        }
-                        Ok::<_, crate::checkpoint::CheckpointError>(url)
-                    });
-                    match copied {
-                        Ok(url) => {
-                            tracing::info!(step = self.step, url, "checkpoint copied to S3");
-                            location = url;
-                        }
-                        Err(e) => {
-                            // The local copy stands; the failure counter is what alerts.
-                            metrics::counter!("limpet_checkpoint_failures_total").increment(1);
-                            tracing::error!(step = self.step, %e, "copying a checkpoint to S3 failed");
-                            self.failed(format!("step {}: copying to S3: {e}", self.step));
-                            return self.record(location);
-                        }
+                match self.copy(&path, true) {
+                    // A set of shards stays recorded by its step's directory: no one object
+                    // is the checkpoint.
+                    Some(Ok(url)) if matches!(self.kind, Kind::Blocks(_)) => location = url,
+                    Some(Ok(_)) | None => {}
+                    Some(Err(e)) => {
+                        self.not_copied(&e);
+                        self.record(location);
+                        return true;
                     }
                 }
                 *self.failure.lock().expect("failure lock") = None;
                 self.record(location);
+                true
             }
             Err(e) => {
                 metrics::counter!("limpet_checkpoint_failures_total").increment(1);
                 tracing::error!(step = self.step, %e, "writing a checkpoint failed");
                 self.failed(format!("step {}: {e}", self.step));
+                false
             }
         }
+    }
+
+    /// Copies the part written at `path` to S3, if configured (`None` if not), tagged with
+    /// its job and, for a shard, the whole state's hash; then, with `prune`, deletes old steps
+    /// there. Its URL.
+    fn copy(&self, path: &Path, prune: bool) -> Option<Result<String, crate::checkpoint::CheckpointError>> {
+        let r = self.settings.remote.as_ref()?;
+        let copied = self.rt.block_on(async {
+            let remote = self.remote.get_or_init(|| crate::remote::Remote::connect(r)).await;
+            let hash = self.image.content_hash().to_string();
+            let job = limpet_snapshot::job_fingerprint(&self.image.meta().job);
+            // A shard carries the whole state's hash (`hash` the log records): a set counts in
+            // S3 only when every shard names the same.
+            let whole = matches!(self.kind, Kind::Shard { .. }).then_some(self.hash.as_str());
+            let url = remote.upload(self.step, &self.kind.name(), path, &hash, &job, whole).await?;
+            if prune {
+                if let Err(e) = remote.prune(self.settings.keep, self.model_blocks, &job).await {
+                    tracing::warn!(%e, "could not delete old checkpoints in S3");
+                }
+            }
+            Ok::<_, crate::checkpoint::CheckpointError>(url)
+        });
+        if let Ok(url) = &copied {
+            tracing::info!(step = self.step, url, "checkpoint copied to S3");
+        }
+        Some(copied)
+    }
+
+    /// Counts and keeps a failed copy to S3 (the local copy stands; the failure counter is
+    /// what alerts).
+    fn not_copied(&self, e: &crate::checkpoint::CheckpointError) {
+        metrics::counter!("limpet_checkpoint_failures_total").increment(1);
+        tracing::error!(step = self.step, %e, "copying a checkpoint to S3 failed");
+        self.failed(format!("step {}: copying to S3: {e}", self.step));
     }
 
     /// Keeps why this checkpoint failed for the agent's reports (and so `limpet status`).
@@ -444,7 +492,12 @@ pub(super) fn resume(
 /// never written, a part corrupt) is passed over. `None`: none recorded, or none readable
 /// here. `local`: this host's `[checkpoint].dir` (where a record of a copy in S3 is looked
 /// for).
-pub(super) fn newest(trainer: &Trainer, job: &JobSpec, st: &ClusterState, local: Option<&Path>) -> Option<Trainer> {
+pub(super) fn newest(
+    trainer: &Trainer,
+    job: &JobSpec,
+    st: &ClusterState,
+    local: Option<&Path>,
+) -> Option<Trainer> {
     // The newest step first and, within a step (written again after going back), the
     // latest record first; a record tried once.
     let mut records: Vec<&limpet_consensus::state::CheckpointRecord> = st.checkpoints.iter().rev().collect();
