@@ -173,15 +173,26 @@ impl Checkpointer {
             // A part whose copy to S3 failed: it stands here, so the others are written, but
             // a later part's success must not hide the failure.
             let mut not_copied = None;
-            for part in parts {
+            let mut all_stand = true;
+            for part in &parts {
                 let stands = part.write();
                 let why = failure.lock().expect("failure lock").clone();
                 // Each part sets or clears the failure: after a failed one the checkpoint is
                 // incomplete.
                 if !stands {
+                    all_stand = false;
                     break;
                 }
                 not_copied = not_copied.or(why);
+            }
+            // A host's other shards are copied once its shard files are all in the shared
+            // directory (shard 0's writer waits for every one, within a limit that an upload
+            // between two writes would eat into).
+            for part in parts.iter().filter(|p| all_stand && p.copied_later()) {
+                if let Some(Err(e)) = part.copy(&part.kind.name().path(&part.settings.dir, part.step), false) {
+                    part.not_copied(&e);
+                    not_copied = not_copied.or_else(|| failure.lock().expect("failure lock").clone());
+                }
             }
             if let Some(why) = not_copied {
                 failure.lock().expect("failure lock").get_or_insert(why);
@@ -311,12 +322,10 @@ impl Part {
                     &Kind::Shard { index, parts, ref writers } => {
                         tracing::info!(step = self.step, shard = index, of = parts, path = %path.display(), ms = (secs * 1e3) as u64, "checkpoint shard written");
                         if index != 0 {
-                            // Each owner copies its own shard; shard 0's writer records the
-                            // checkpoint once every shard is in.
-                            match self.copy(&path, false) {
-                                Some(Err(e)) => self.not_copied(&e),
-                                _ => *self.failure.lock().expect("failure lock") = None,
-                            }
+                            // Shard 0's writer records the checkpoint once every shard is in;
+                            // this one's copy to S3 waits for the host's other shards to be
+                            // written (`copied_later`).
+                            *self.failure.lock().expect("failure lock") = None;
                             return true;
                         }
                         // Every shard of this write, or no checkpoint: the others write theirs
@@ -373,6 +382,12 @@ impl Part {
                 false
             }
         }
+    }
+
+    /// Whether this part's copy to S3 is made after the host's other parts are written: a
+    /// shard other than 0 (shard 0's writer copies its own once the set is in).
+    fn copied_later(&self) -> bool {
+        self.settings.remote.is_some() && matches!(self.kind, Kind::Shard { index, .. } if index != 0)
     }
 
     /// Copies the part written at `path` to S3, if configured (`None` if not), tagged with
