@@ -1,8 +1,9 @@
 //! Durable checkpoints with real processes: a brand-new cluster carries on from the newest
 //! checkpoint after every host of the old one was killed (from a shared directory, from S3 on
 //! moto's server, or waiting for a directory that is not mounted yet), a pipelined job from
-//! its stages' parts, S3 pruning that counts only verified uploads of the running job, and a
-//! full disk that costs a checkpoint, not the job or the raft log.
+//! its stages' parts, S3 pruning that counts only verified uploads of the running job (and a
+//! set of shards only when whole and of one write), and a full disk that costs a checkpoint,
+//! not the job or the raft log.
 
 use limpet_lab::local::{get_text, LocalJob};
 use std::path::{Path, PathBuf};
@@ -180,14 +181,7 @@ fn resume_after_losing_every_host(
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
             let by_step =
                 rt.block_on(limpet_agent::remote::Remote::with_client(client.clone(), r).list()).unwrap();
-            by_step
-                .into_iter()
-                .map(|(step, parts)| limpet_agent::checkpoint::Listed {
-                    step,
-                    parts: parts.into_iter().map(|b| (PathBuf::new(), b)).collect(),
-                    shards: Vec::new(),
-                })
-                .collect()
+            by_step.into_values().collect()
         }
     };
     // The model's block count: where the parts end.
@@ -308,7 +302,9 @@ fn s3_pruning_counts_only_verified_uploads_of_the_running_job() {
         let image = StateImage::new(step, step, RngState::new(1), serde_json::json!({ "job": job }), tensors);
         let path = limpet_agent::checkpoint::write_part(tmp.path(), &image, &(0..4), 0).unwrap();
         limpet_agent::checkpoint::verify_part(&path, &image).unwrap();
-        rt.block_on(remote.upload(step, &(0..4), &path, image.content_hash(), &fingerprint(job))).unwrap();
+        let blocks = limpet_agent::remote::PartName::Blocks(0..4);
+        rt.block_on(remote.upload(step, &blocks, &path, image.content_hash(), &fingerprint(job), None))
+            .unwrap();
     }
     // Steps 30 and 40: objects with a checkpoint's names but not verified uploads (a stray
     // copy, a half-finished tool): going by names, they would be the two kept.
@@ -329,6 +325,95 @@ fn s3_pruning_counts_only_verified_uploads_of_the_running_job() {
     // Job 2 prunes its own older step only: not job 1's, not the unverified objects.
     assert_eq!(rt.block_on(remote.prune(1, 4, &fingerprint(2))).unwrap(), vec![50]);
     assert_eq!(steps(), vec![20, 30, 40, 60]);
+}
+
+/// A sharded job's owners each upload their shard, tagged with the whole state's hash: a
+/// step counts in S3 (fetched, kept) only when its whole set is there, of the running job,
+/// naming one whole state; then the local search joins the fetched shards.
+#[test]
+fn s3_counts_a_set_of_shards_only_when_it_is_whole_and_names_one_state() {
+    use limpet_agent::checkpoint::{shard_path, verify_part, write_shard};
+    use limpet_agent::remote::PartName;
+    use limpet_snapshot::{RawTensor, RngState, StateImage};
+    let moto = common::Moto::start();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let client = s3_client(&moto.url);
+    rt.block_on(client.create_bucket().bucket("ckpt").send()).unwrap();
+    let settings = limpet_agent::remote::RemoteSettings {
+        bucket: "ckpt".into(),
+        prefix: "run".into(),
+        endpoint: Some(moto.url.clone()),
+        region: Some("us-east-1".into()),
+    };
+    let remote = limpet_agent::remote::Remote::with_client(client.clone(), &settings);
+    let job = serde_json::json!({ "job": 1 });
+    let fingerprint = limpet_snapshot::job_fingerprint(&job);
+    // The whole state of a step (`seed` tells two writes of one step apart), and its tensors
+    // dealt round-robin over 3 shards, each marked with the whole state's hash.
+    let whole = |step: u64, seed: f32| {
+        let tensors = (0..4)
+            .map(|b| {
+                let name = format!("param/blocks.{b}.w");
+                (name.clone(), RawTensor::from_f32(&name, vec![3], &[b as f32, step as f32, seed]).unwrap())
+            })
+            .collect();
+        StateImage::new(step, step, RngState::new(1), job.clone(), tensors)
+    };
+    let shards = |w: &StateImage| -> Vec<StateImage> {
+        let m = w.meta();
+        (0..3)
+            .map(|i| {
+                let t = w.tensors().iter().skip(i).step_by(3).map(|(k, v)| (k.clone(), v.clone())).collect();
+                let meta = (m.step, m.cursor, m.rng, m.job.clone());
+                limpet_snapshot::shards::shard_image(meta, t, w.content_hash()).unwrap()
+            })
+            .collect()
+    };
+    // Shard `i` of `s` written, verified and uploaded as its owner does.
+    let src = tempfile::tempdir().unwrap();
+    let upload = |s: &StateImage, i: usize, w: &StateImage| {
+        let step = s.meta().step;
+        let path = write_shard(src.path(), s, (i, 3), 0).unwrap();
+        verify_part(&path, s).unwrap();
+        let name = PartName::Shard { index: i, of: 3 };
+        let tag = Some(w.content_hash());
+        rt.block_on(remote.upload(step, &name, &path, s.content_hash(), &fingerprint, tag)).unwrap();
+    };
+    // Steps 5 and 10: whole sets. Step 20: a whole set by its names, but shard 2 is of
+    // another write of the step (another whole hash). Step 40: shard 1 never came.
+    let (w5, w10, w20, other20, w40) =
+        (whole(5, 0.0), whole(10, 0.0), whole(20, 0.0), whole(20, 1.0), whole(40, 0.0));
+    for w in [&w5, &w10] {
+        for (i, s) in shards(w).iter().enumerate() {
+            upload(s, i, w);
+        }
+    }
+    let (a, b) = (shards(&w20), shards(&other20));
+    upload(&a[0], 0, &w20);
+    upload(&a[1], 1, &w20);
+    upload(&b[2], 2, &other20);
+    let s40 = shards(&w40);
+    upload(&s40[0], 0, &w40);
+    upload(&s40[2], 2, &w40);
+    let listed = rt.block_on(remote.list()).unwrap();
+    assert_eq!(listed.keys().copied().collect::<Vec<u64>>(), vec![5, 10, 20, 40]);
+    assert!(listed[&20].shard_set().is_some() && listed[&40].shard_set().is_none());
+    // Only 5 and 10 count: keeping one keeps 10 (not 20 or 40, newer) and deletes every
+    // object of 5.
+    assert_eq!(rt.block_on(remote.prune(1, 4, &fingerprint)).unwrap(), vec![5]);
+    let left = rt.block_on(client.list_objects_v2().bucket("ckpt").prefix("run/step-000000000005/").send());
+    assert!(left.unwrap().contents().is_empty(), "every shard of a pruned step is deleted");
+    // Another job's new cluster fetches nothing; this job's fetches 10 alone, into the
+    // shards' places, and the local search joins them into the whole state.
+    let dest = tempfile::tempdir().unwrap();
+    let other_job = limpet_snapshot::job_fingerprint(&serde_json::json!({ "job": 2 }));
+    assert_eq!(rt.block_on(remote.fetch_newest(dest.path(), 4, &other_job, 3)).unwrap(), Vec::<u64>::new());
+    assert_eq!(rt.block_on(remote.fetch_newest(dest.path(), 4, &fingerprint, 3)).unwrap(), vec![10]);
+    assert!((0..3).all(|i| shard_path(dest.path(), 10, i, 3).exists()));
+    assert_eq!(limpet_agent::checkpoint::list(dest.path()).unwrap().len(), 1, "nothing of 20 or 40");
+    let (found, _) = limpet_agent::checkpoint::newest(dest.path(), 4, &job).unwrap();
+    let (l, image) = found.expect("the fetched set loads");
+    assert_eq!((l.step, image.content_hash()), (10, w10.content_hash()));
 }
 
 /// The bytes of the files under `dir`.

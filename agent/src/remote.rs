@@ -1,14 +1,15 @@
 //! A copy of the checkpoint directory in S3-compatible object storage (AWS S3, MinIO, Ceph,
 //! GCS's S3 API), through the official SDK.
 //!
-//! Objects mirror the directory's layout under a prefix: `s3://BUCKET/PREFIX/step-N/blocks-A-B.limpet`.
-//! Each part is uploaded after it was written and fsynced locally, and only then recorded in
-//! the log; old steps are deleted like local ones. A new cluster whose directory has nothing
-//! newer downloads the newest complete steps into its directory first, so the ordinary search
-//! (which checks every part's checksum and job) decides what to resume from: a corrupt object
-//! is skipped like a corrupt file.
+//! Objects mirror the directory's layout under a prefix: `s3://BUCKET/PREFIX/step-N/blocks-A-B.limpet`,
+//! or `.../step-N/shard-I-of-W.limpet` for a sharded job's parts. Each part is uploaded after
+//! it was written and fsynced locally, and only then recorded in the log (a set of shards by
+//! its local directory, once every shard is in there); old steps are deleted like local ones.
+//! A new cluster whose directory has nothing newer downloads the newest complete steps into
+//! its directory first, so the ordinary search (which checks every part's checksum and job)
+//! decides what to resume from: a corrupt object is skipped like a corrupt file.
 
-use crate::checkpoint::{parse_part, parse_step_dir, part_path, CheckpointError};
+use crate::checkpoint::{cover, parse_step_dir, part_path, shard_path, CheckpointError, Listed};
 use aws_sdk_s3::error::{DisplayErrorContext, ProvideErrorMetadata};
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -46,6 +47,42 @@ pub fn parse_url(url: &str) -> Result<(String, String), CheckpointError> {
         return Err(bad(format!("prefix {prefix:?} has empty, '.' or '..' segments")));
     }
     Ok((bucket.to_string(), prefix.to_string()))
+}
+
+/// What a part of a checkpoint holds, as its name says.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PartName {
+    /// Whole blocks of the model (`blocks-A-B.limpet`).
+    Blocks(Range<usize>),
+    /// Shard `index` of `of` of a sharded job's state (`shard-I-of-W.limpet`).
+    Shard {
+        /// Which shard.
+        index: usize,
+        /// Of how many.
+        of: usize,
+    },
+}
+
+impl PartName {
+    /// The part's file in the checkpoint of `step` under `dir`.
+    pub fn path(&self, dir: &Path, step: u64) -> PathBuf {
+        match self {
+            PartName::Blocks(blocks) => part_path(dir, step, blocks),
+            PartName::Shard { index, of } => shard_path(dir, step, *index, *of),
+        }
+    }
+}
+
+/// What a stored object says of itself (`Remote::verified`).
+#[derive(Debug)]
+struct Stored {
+    size: u64,
+    /// The part's content hash.
+    content: String,
+    /// The job's fingerprint (empty: uploaded before parts named their job).
+    job: String,
+    /// The whole state's content hash a shard names (`None`: a block part).
+    whole: Option<String>,
 }
 
 /// A connected copy.
@@ -105,24 +142,32 @@ impl Remote {
         }
     }
 
+    /// The key of an object `list` named by its path under the prefix.
+    fn key_of(&self, rel: &Path) -> String {
+        self.key(&rel.to_string_lossy())
+    }
+
     /// The URL of a part.
-    pub fn url(&self, step: u64, blocks: &Range<usize>) -> String {
-        format!("s3://{}/{}", self.bucket, self.key(&rel_of(step, blocks)))
+    pub fn url(&self, step: u64, name: &PartName) -> String {
+        format!("s3://{}/{}", self.bucket, self.key(&rel_of(step, name)))
     }
 
     /// Uploads the part at `path` (written and verified by `checkpoint`), tagged with its
-    /// content hash and its job's fingerprint (`limpet_snapshot::job_fingerprint`), and checks
+    /// content hash, its job's fingerprint (`limpet_snapshot::job_fingerprint`) and, for a
+    /// shard, the content hash of the whole state its set joins into (`whole`), and checks
     /// the stored object's size and tags; its URL. Only tagged parts count as a checkpoint
-    /// here, and only of the job they name (see `prune`).
+    /// here, only of the job they name, and shards only as a whole set naming one state (see
+    /// `prune`).
     pub async fn upload(
         &self,
         step: u64,
-        blocks: &Range<usize>,
+        name: &PartName,
         path: &Path,
         content_hash: &str,
         job: &str,
+        whole: Option<&str>,
     ) -> Result<String, CheckpointError> {
-        let key = self.key(&rel_of(step, blocks));
+        let key = self.key(&rel_of(step, name));
         let url = format!("s3://{}/{key}", self.bucket);
         let size = std::fs::metadata(path)
             .map_err(|source| CheckpointError::Io { op: "reading", path: path.to_path_buf(), source })?
@@ -130,18 +175,26 @@ impl Remote {
         let body = aws_sdk_s3::primitives::ByteStream::from_path(path).await.map_err(|e| {
             CheckpointError::Io { op: "reading", path: path.to_path_buf(), source: std::io::Error::other(e) }
         })?;
-        self.client
+        let mut put = self
+            .client
             .put_object()
             .bucket(&self.bucket)
             .key(&key)
             .metadata(CONTENT_TAG, content_hash)
-            .metadata(JOB_TAG, job)
-            .body(body)
-            .send()
-            .await
-            .map_err(|e| err("uploading to", &url, e))?;
+            .metadata(JOB_TAG, job);
+        if let Some(w) = whole {
+            put = put.metadata(WHOLE_TAG, w);
+        }
+        put.body(body).send().await.map_err(|e| err("uploading to", &url, e))?;
         match self.verified(&key).await? {
-            Some((len, tag, of)) if len == size && tag == content_hash && of == job => Ok(url),
+            Some(s)
+                if s.size == size
+                    && s.content == content_hash
+                    && s.job == job
+                    && s.whole.as_deref() == whole =>
+            {
+                Ok(url)
+            }
             got => Err(CheckpointError::Bad {
                 path: PathBuf::from(&url),
                 detail: format!("stored as {got:?}, not the {size} bytes of {content_hash} uploaded"),
@@ -149,9 +202,9 @@ impl Remote {
         }
     }
 
-    /// A part's stored size, content tag and job tag (`None`: no content tag, so not a
-    /// verified upload; an empty job tag: uploaded before parts named their job).
-    async fn verified(&self, key: &str) -> Result<Option<(u64, String, String)>, CheckpointError> {
+    /// What a part's object says of itself: its size and tags (`None`: no content tag, so
+    /// not a verified upload).
+    async fn verified(&self, key: &str) -> Result<Option<Stored>, CheckpointError> {
         let head = self
             .client
             .head_object()
@@ -161,87 +214,127 @@ impl Remote {
             .await
             .map_err(|e| err("checking", &format!("s3://{}/{key}", self.bucket), e))?;
         let tag = |k: &str| head.metadata().and_then(|m| m.get(k)).cloned();
-        let job = tag(JOB_TAG).unwrap_or_default();
-        Ok(tag(CONTENT_TAG).map(|t| (head.content_length().unwrap_or(0).max(0) as u64, t, job)))
+        Ok(tag(CONTENT_TAG).map(|content| Stored {
+            size: head.content_length().unwrap_or(0).max(0) as u64,
+            content,
+            job: tag(JOB_TAG).unwrap_or_default(),
+            whole: tag(WHOLE_TAG),
+        }))
     }
 
-    /// Whether every part of `parts` that covers the model was a verified upload of `job`.
-    async fn step_verified(
+    /// The whole set of shards of `l` (`Listed::shard_set`), each its object under the prefix
+    /// and local path under `dir`, if every one is a verified upload of `job` and all name one
+    /// whole state: a set whose names are complete may still mix shards of two writes of the
+    /// step (one going on as training came back to the step), or hold a stray copy.
+    async fn shard_set(
         &self,
-        step: u64,
-        parts: &[Range<usize>],
-        blocks: usize,
+        l: &Listed,
+        dir: &Path,
         job: &str,
-    ) -> Result<bool, CheckpointError> {
-        let Some(chosen) = crate::checkpoint::cover(parts, blocks) else { return Ok(false) };
-        for i in chosen {
-            match self.verified(&self.key(&rel_of(step, &parts[i]))).await? {
-                Some((_, _, of)) if of == job => {}
+    ) -> Result<Option<Vec<(PathBuf, PathBuf)>>, CheckpointError> {
+        let Some(files) = l.shard_set() else { return Ok(None) };
+        let mut whole: Option<String> = None;
+        let mut set = Vec::with_capacity(files.len());
+        for rel in files {
+            let Some(s) = self.verified(&self.key_of(&rel)).await? else { return Ok(None) };
+            let (Some(w), true) = (s.whole, s.job == job) else { return Ok(None) };
+            if *whole.get_or_insert_with(|| w.clone()) != w {
+                return Ok(None);
+            }
+            let Some(&(_, index, of)) = l.shards.iter().find(|s| s.0 == rel) else { return Ok(None) };
+            set.push((rel, shard_path(dir, l.step, index, of)));
+        }
+        Ok(Some(set))
+    }
+
+    /// Whether the parts of step `l` that cover the model were verified uploads of `job`, or
+    /// it holds a whole set of shards that were (`shard_set`).
+    async fn step_verified(&self, l: &Listed, blocks: usize, job: &str) -> Result<bool, CheckpointError> {
+        if let Some(chosen) = cover(&ranges(l), blocks) {
+            let mut all = true;
+            for i in chosen {
+                match self.verified(&self.key_of(&l.parts[i].0)).await? {
+                    Some(s) if s.job == job => {}
+                    _ => {
+                        all = false;
+                        break;
+                    }
+                }
+            }
+            if all {
+                return Ok(true);
+            }
+        }
+        Ok(self.shard_set(l, Path::new(""), job).await?.is_some())
+    }
+
+    /// Whether every object of a step is tagged as `job`'s: only such steps are pruned.
+    async fn step_of_job(&self, l: &Listed, job: &str) -> Result<bool, CheckpointError> {
+        for rel in l.files() {
+            match self.verified(&self.key_of(rel)).await? {
+                Some(s) if s.job == job => {}
                 _ => return Ok(false),
             }
         }
-        Ok(true)
+        Ok(l.files().next().is_some())
     }
 
-    /// Whether every part of a step is tagged as `job`'s: only such steps are pruned.
-    async fn step_of_job(
-        &self,
-        step: u64,
-        parts: &[Range<usize>],
-        job: &str,
-    ) -> Result<bool, CheckpointError> {
-        for b in parts {
-            match self.verified(&self.key(&rel_of(step, b))).await? {
-                Some((_, _, of)) if of == job => {}
-                _ => return Ok(false),
-            }
-        }
-        Ok(!parts.is_empty())
-    }
-
-    /// Every part under the prefix, by step (pages followed to the end); keys that are not
-    /// ours are ignored.
-    pub async fn list(&self) -> Result<BTreeMap<u64, Vec<Range<usize>>>, CheckpointError> {
+    /// Every step under the prefix with its parts and shards (each named by its path under
+    /// the prefix, `step-N/...`; pages followed to the end); keys that are not ours are
+    /// ignored.
+    pub async fn list(&self) -> Result<BTreeMap<u64, Listed>, CheckpointError> {
         let prefix = if self.prefix.is_empty() { String::new() } else { format!("{}/", self.prefix) };
         let mut pages =
             self.client.list_objects_v2().bucket(&self.bucket).prefix(&prefix).into_paginator().send();
-        let mut out: BTreeMap<u64, Vec<Range<usize>>> = BTreeMap::new();
+        let mut names: BTreeMap<u64, Vec<PathBuf>> = BTreeMap::new();
         while let Some(page) = pages.next().await {
             let page = page.map_err(|e| err("listing", &format!("s3://{}/{prefix}", self.bucket), e))?;
             for o in page.contents() {
                 let Some(rel) = o.key().and_then(|k| k.strip_prefix(&prefix)) else { continue };
                 let Some((d, f)) = rel.split_once('/') else { continue };
-                if let (Some(step), Some(blocks)) = (parse_step_dir(d), parse_part(f)) {
-                    out.entry(step).or_default().push(blocks);
+                // A part sits right in its step's directory, never deeper.
+                if let (Some(step), false) = (parse_step_dir(d), f.contains('/')) {
+                    names.entry(step).or_default().push(PathBuf::from(rel));
                 }
             }
         }
-        Ok(out)
+        Ok(names
+            .into_iter()
+            .map(|(step, files)| (step, Listed::of_files(step, files)))
+            .filter(|(_, l)| l.files().next().is_some())
+            .collect())
     }
 
-    /// Downloads, into `dir`, the newest `want` steps whose parts cover `blocks` blocks and
-    /// that `dir` does not hold yet (each part written atomically); the steps fetched.
+    /// Downloads, into `dir`, the newest `want` steps that `dir` does not hold yet and whose
+    /// parts cover `blocks` blocks (by their names: the local search checks each part's
+    /// content and job), or that hold a whole set of shards uploaded by `job` (its
+    /// fingerprint) naming one whole state (`shard_set`): each file written atomically; the
+    /// steps fetched.
     pub async fn fetch_newest(
         &self,
         dir: &Path,
         blocks: usize,
+        job: &str,
         want: usize,
     ) -> Result<Vec<u64>, CheckpointError> {
         let listed = self.list().await?;
         let mut fetched = Vec::new();
-        for (&step, parts) in listed.iter().rev() {
+        for (&step, l) in listed.iter().rev() {
             if fetched.len() >= want {
                 break;
             }
-            if !covers(parts, blocks) {
+            let files: Vec<(PathBuf, PathBuf)> = if covers(&ranges(l), blocks) {
+                l.parts.iter().map(|(rel, b)| (rel.clone(), part_path(dir, step, b))).collect()
+            } else if let Some(set) = self.shard_set(l, dir, job).await? {
+                set
+            } else {
                 continue;
-            }
-            for b in parts {
-                let local = part_path(dir, step, b);
+            };
+            for (rel, local) in files {
                 if local.exists() {
                     continue;
                 }
-                let key = self.key(&rel_of(step, b));
+                let key = self.key_of(&rel);
                 let url = format!("s3://{}/{key}", self.bucket);
                 let obj = self
                     .client
@@ -264,29 +357,30 @@ impl Remote {
     }
 
     /// Deletes every step of `job` (its fingerprint) older than the newest `keep` of that job
-    /// that are verified uploads covering the model (names alone prove nothing: a part may be
-    /// a stray copy), keeping newer steps, which may still be being written; with none
-    /// verified, nothing. Another job's steps (a prefix reused by a new run), and parts that
-    /// name no job, are neither counted nor deleted. The steps deleted.
+    /// that are verified uploads covering the model or making a whole set of shards (names
+    /// alone prove nothing: a part may be a stray copy, a set may mix two writes), keeping
+    /// newer steps, which may still be being written; with none verified, nothing. Another
+    /// job's steps (a prefix reused by a new run), and parts that name no job, are neither
+    /// counted nor deleted. The steps deleted (each with every object of it).
     pub async fn prune(&self, keep: usize, blocks: usize, job: &str) -> Result<Vec<u64>, CheckpointError> {
         let listed = self.list().await?;
         let mut kept = Vec::new();
-        for (&step, parts) in listed.iter().rev() {
+        for (&step, l) in listed.iter().rev() {
             if kept.len() >= keep.max(1) {
                 break;
             }
-            if self.step_verified(step, parts, blocks, job).await? {
+            if self.step_verified(l, blocks, job).await? {
                 kept.push(step);
             }
         }
         let Some(&oldest_kept) = kept.last() else { return Ok(Vec::new()) };
         let mut deleted = Vec::new();
-        for (&step, parts) in listed.range(..oldest_kept) {
-            if !self.step_of_job(step, parts, job).await? {
+        for (&step, l) in listed.range(..oldest_kept) {
+            if !self.step_of_job(l, job).await? {
                 continue;
             }
-            for b in parts {
-                let key = self.key(&rel_of(step, b));
+            for rel in l.files() {
+                let key = self.key_of(rel);
                 self.client
                     .delete_object()
                     .bucket(&self.bucket)
@@ -305,15 +399,22 @@ impl Remote {
 const CONTENT_TAG: &str = "limpet-content";
 /// The S3 user metadata naming the job a part belongs to (`limpet_snapshot::job_fingerprint`).
 const JOB_TAG: &str = "limpet-job";
+/// The S3 user metadata of a shard naming the content hash of the whole state its set joins
+/// into: a set counts only if every shard names the same.
+const WHOLE_TAG: &str = "limpet-whole";
 
-fn rel_of(step: u64, blocks: &Range<usize>) -> String {
-    let p = part_path(Path::new(""), step, blocks);
-    p.to_string_lossy().into_owned()
+fn rel_of(step: u64, name: &PartName) -> String {
+    name.path(Path::new(""), step).to_string_lossy().into_owned()
+}
+
+/// The block ranges of a step's parts.
+fn ranges(l: &Listed) -> Vec<Range<usize>> {
+    l.parts.iter().map(|(_, r)| r.clone()).collect()
 }
 
 /// Whether the parts tile `0..blocks` (going by the names).
 fn covers(parts: &[Range<usize>], blocks: usize) -> bool {
-    crate::checkpoint::cover(parts, blocks).is_some()
+    cover(parts, blocks).is_some()
 }
 
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
@@ -344,6 +445,15 @@ mod tests {
         {
             assert!(parse_url(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn parts_and_shards_are_named_as_on_disk() {
+        assert_eq!(rel_of(12, &PartName::Blocks(0..4)), "step-000000000012/blocks-0-4.limpet");
+        assert_eq!(rel_of(12, &PartName::Shard { index: 1, of: 3 }), "step-000000000012/shard-1-of-3.limpet");
+        let files = ["step-000000000012/shard-1-of-3.limpet", "step-000000000012/blocks-0-4.limpet", "x"];
+        let l = Listed::of_files(12, files.map(PathBuf::from));
+        assert_eq!((l.parts.len(), l.shards.len()), (1, 1));
     }
 
     #[test]

@@ -258,6 +258,24 @@ pub struct Listed {
 }
 
 impl Listed {
+    /// The checkpoint at `step` made of `files` (a step directory's entries, or the objects of
+    /// a step in S3), going by their names; files whose names are not ours are left out.
+    pub fn of_files(step: u64, files: impl IntoIterator<Item = PathBuf>) -> Listed {
+        let name = |p: &Path| p.file_name().and_then(|n| n.to_str()).map(str::to_string);
+        let (mut parts, mut shards) = (Vec::new(), Vec::new());
+        for p in files {
+            let Some(n) = name(&p) else { continue };
+            if let Some(blocks) = parse_part(&n) {
+                parts.push((p, blocks));
+            } else if let Some((i, of)) = parse_shard(&n) {
+                shards.push((p, i, of));
+            }
+        }
+        parts.sort_by_key(|(_, r)| (r.start, r.end));
+        shards.sort_by_key(|s| (s.2, s.1));
+        Listed { step, parts, shards }
+    }
+
     /// Whether the parts tile `0..blocks`, or the shards are every one of a write (going by
     /// the names; contents are checked on load).
     pub fn complete(&self, blocks: usize) -> bool {
@@ -316,22 +334,12 @@ pub fn list(dir: &Path) -> Result<Vec<Listed>, CheckpointError> {
 /// The checkpoint at `step` in `dir`: its parts, in block order.
 pub fn listed_at(dir: &Path, step: u64) -> Result<Listed, CheckpointError> {
     let sd = step_dir(dir, step);
-    let entries: Vec<std::fs::DirEntry> = std::fs::read_dir(&sd)
-        .map_err(|source| CheckpointError::Io { op: "listing", path: sd.clone(), source })?
-        .flatten()
-        .collect();
-    let mut parts: Vec<(PathBuf, Range<usize>)> =
-        entries.iter().filter_map(|p| Some((p.path(), parse_part(p.file_name().to_str()?)?))).collect();
-    parts.sort_by_key(|(_, r)| (r.start, r.end));
-    let mut shards: Vec<(PathBuf, usize, usize)> = entries
-        .iter()
-        .filter_map(|p| {
-            let (i, n) = parse_shard(p.file_name().to_str()?)?;
-            Some((p.path(), i, n))
-        })
-        .collect();
-    shards.sort_by_key(|s| (s.2, s.1));
-    Ok(Listed { step, parts, shards })
+    let entries = std::fs::read_dir(&sd).map_err(|source| CheckpointError::Io {
+        op: "listing",
+        path: sd.clone(),
+        source,
+    })?;
+    Ok(Listed::of_files(step, entries.flatten().map(|e| e.path())))
 }
 
 /// Whether the headers of `files` (one write's shards) make one whole state: its step, job

@@ -5,10 +5,12 @@
 
 use super::config::CheckpointSettings;
 use super::tasks::Tasks;
+use super::AgentError;
+use crate::remote::PartName;
 use limpet_consensus::state::{ClusterState, Command, Epoch, NodeId};
 use limpet_consensus::{ConsensusError, NodeHandle};
 use limpet_trainer::{JobSpec, Trainer};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -88,10 +90,10 @@ impl Checkpointer {
     }
 
     /// Whether a sharded job's checkpoints are written as shards, one per rank, into a
-    /// directory every host sees (`[checkpoint].shared`), rather than gathered whole. Not with
-    /// S3, whose copies are of block parts only.
+    /// directory every host sees (`[checkpoint].shared`), rather than gathered whole (with
+    /// S3, each owner copies its own shard there too).
     pub fn writes_shards(&self) -> bool {
-        self.settings.as_ref().is_some_and(|c| c.shared && c.remote.is_none())
+        self.settings.as_ref().is_some_and(|c| c.shared)
     }
 
     /// Whether a checkpoint is being written in the background (a sharded job's ranks skip a
@@ -168,13 +170,32 @@ impl Checkpointer {
             .collect();
         let (busy, failure) = (Arc::clone(&self.writing), Arc::clone(&self.failure));
         let write = move || {
-            for part in parts {
-                part.write();
+            // A part whose copy to S3 failed: it stands here, so the others are written, but
+            // a later part's success must not hide the failure.
+            let mut not_copied = None;
+            let mut all_stand = true;
+            for part in &parts {
+                let stands = part.write();
+                let why = failure.lock().expect("failure lock").clone();
                 // Each part sets or clears the failure: after a failed one the checkpoint is
-                // incomplete, and a later part's success must not hide it.
-                if failure.lock().expect("failure lock").is_some() {
+                // incomplete.
+                if !stands {
+                    all_stand = false;
                     break;
                 }
+                not_copied = not_copied.or(why);
+            }
+            // A host's other shards are copied once its shard files are all in the shared
+            // directory (shard 0's writer waits for every one, within a limit that an upload
+            // between two writes would eat into).
+            for part in parts.iter().filter(|p| all_stand && p.copied_later()) {
+                if let Some(Err(e)) = part.copy(&part.kind.name().path(&part.settings.dir, part.step), false) {
+                    part.not_copied(&e);
+                    not_copied = not_copied.or_else(|| failure.lock().expect("failure lock").clone());
+                }
+            }
+            if let Some(why) = not_copied {
+                failure.lock().expect("failure lock").get_or_insert(why);
             }
             busy.store(false, Ordering::SeqCst);
         };
@@ -234,6 +255,16 @@ enum Kind {
     Shard { index: usize, parts: usize, writers: Vec<NodeId> },
 }
 
+impl Kind {
+    /// The part's name (its file's, its object's in S3).
+    fn name(&self) -> PartName {
+        match self {
+            Kind::Blocks(blocks) => PartName::Blocks(blocks.clone()),
+            Kind::Shard { index, parts, .. } => PartName::Shard { index: *index, of: *parts },
+        }
+    }
+}
+
 /// One checkpoint part to write, copy and record, owned by the writer thread.
 struct Part {
     settings: CheckpointSettings,
@@ -263,8 +294,10 @@ impl Part {
     }
 
     /// Writes the part, prunes old ones, copies it to S3 if configured, and records it in
-    /// the log; failures are counted and logged (the local copy stands if S3 fails).
-    fn write(&self) {
+    /// the log; failures are counted and logged (the local copy stands if S3 fails). Whether
+    /// the part stands here (written, and for shard 0 its set complete): after one that does
+    /// not, the checkpoint is incomplete.
+    fn write(&self) -> bool {
         let started = Instant::now();
         let (dir, min_free) = (&self.settings.dir, self.settings.min_free);
         let written = match &self.kind {
@@ -289,9 +322,11 @@ impl Part {
                     &Kind::Shard { index, parts, ref writers } => {
                         tracing::info!(step = self.step, shard = index, of = parts, path = %path.display(), ms = (secs * 1e3) as u64, "checkpoint shard written");
                         if index != 0 {
-                            // Shard 0's writer records the checkpoint once every shard is in.
+                            // Shard 0's writer records the checkpoint once every shard is in;
+                            // this one's copy to S3 waits for the host's other shards to be
+                            // written (`copied_later`).
                             *self.failure.lock().expect("failure lock") = None;
-                            return;
+                            return true;
                         }
                         // Every shard of this write, or no checkpoint: the others write theirs
                         // at once, each taking about as long as this one did.
@@ -314,7 +349,8 @@ impl Part {
                             Err(e) => {
                                 metrics::counter!("limpet_checkpoint_failures_total").increment(1);
                                 tracing::error!(step = self.step, %e, "a checkpoint's shards did not all arrive; not recorded");
-                                return self.failed(format!("step {}: {e}", self.step));
+                                self.failed(format!("step {}: {e}", self.step));
+                                return false;
                             }
                         }
                     }
@@ -324,40 +360,68 @@ impl Part {
                 {
                     tracing::warn!(%e, "could not delete old checkpoints");
                 }
-                if let (Some(r), Kind::Blocks(blocks)) = (&self.settings.remote, &self.kind) {
-                    let copied = self.rt.block_on(async {
-                        let remote = self.remote.get_or_init(|| crate::remote::Remote::connect(r)).await;
-                        let hash = self.image.content_hash().to_string();
-                        let job = limpet_snapshot::job_fingerprint(job);
-                        let url = remote.upload(self.step, blocks, &path, &hash, &job).await?;
-                        if let Err(e) = remote.prune(self.settings.keep, self.model_blocks, &job).await {
-                            tracing::warn!(%e, "could not delete old checkpoints in S3");
-                        }
-                        Ok::<_, crate::checkpoint::CheckpointError>(url)
-                    });
-                    match copied {
-                        Ok(url) => {
-                            tracing::info!(step = self.step, url, "checkpoint copied to S3");
-                            location = url;
-                        }
-                        Err(e) => {
-                            // The local copy stands; the failure counter is what alerts.
-                            metrics::counter!("limpet_checkpoint_failures_total").increment(1);
-                            tracing::error!(step = self.step, %e, "copying a checkpoint to S3 failed");
-                            self.failed(format!("step {}: copying to S3: {e}", self.step));
-                            return self.record(location);
-                        }
+                match self.copy(&path, true) {
+                    // A set of shards stays recorded by its step's directory: no one object
+                    // is the checkpoint.
+                    Some(Ok(url)) if matches!(self.kind, Kind::Blocks(_)) => location = url,
+                    Some(Ok(_)) | None => {}
+                    Some(Err(e)) => {
+                        self.not_copied(&e);
+                        self.record(location);
+                        return true;
                     }
                 }
                 *self.failure.lock().expect("failure lock") = None;
                 self.record(location);
+                true
             }
             Err(e) => {
                 metrics::counter!("limpet_checkpoint_failures_total").increment(1);
                 tracing::error!(step = self.step, %e, "writing a checkpoint failed");
                 self.failed(format!("step {}: {e}", self.step));
+                false
             }
         }
+    }
+
+    /// Whether this part's copy to S3 is made after the host's other parts are written: a
+    /// shard other than 0 (shard 0's writer copies its own once the set is in).
+    fn copied_later(&self) -> bool {
+        self.settings.remote.is_some() && matches!(self.kind, Kind::Shard { index, .. } if index != 0)
+    }
+
+    /// Copies the part written at `path` to S3, if configured (`None` if not), tagged with
+    /// its job and, for a shard, the whole state's hash; then, with `prune`, deletes old steps
+    /// there. Its URL.
+    fn copy(&self, path: &Path, prune: bool) -> Option<Result<String, crate::checkpoint::CheckpointError>> {
+        let r = self.settings.remote.as_ref()?;
+        let copied = self.rt.block_on(async {
+            let remote = self.remote.get_or_init(|| crate::remote::Remote::connect(r)).await;
+            let hash = self.image.content_hash().to_string();
+            let job = limpet_snapshot::job_fingerprint(&self.image.meta().job);
+            // A shard carries the whole state's hash (`hash` the log records): a set counts in
+            // S3 only when every shard names the same.
+            let whole = matches!(self.kind, Kind::Shard { .. }).then_some(self.hash.as_str());
+            let url = remote.upload(self.step, &self.kind.name(), path, &hash, &job, whole).await?;
+            if prune {
+                if let Err(e) = remote.prune(self.settings.keep, self.model_blocks, &job).await {
+                    tracing::warn!(%e, "could not delete old checkpoints in S3");
+                }
+            }
+            Ok::<_, crate::checkpoint::CheckpointError>(url)
+        });
+        if let Ok(url) = &copied {
+            tracing::info!(step = self.step, url, "checkpoint copied to S3");
+        }
+        Some(copied)
+    }
+
+    /// Counts and keeps a failed copy to S3 (the local copy stands; the failure counter is
+    /// what alerts).
+    fn not_copied(&self, e: &crate::checkpoint::CheckpointError) {
+        metrics::counter!("limpet_checkpoint_failures_total").increment(1);
+        tracing::error!(step = self.step, %e, "copying a checkpoint to S3 failed");
+        self.failed(format!("step {}: copying to S3: {e}", self.step));
     }
 
     /// Keeps why this checkpoint failed for the agent's reports (and so `limpet status`).
@@ -424,65 +488,93 @@ fn gone_writer(st: &ClusterState, writers: &[NodeId]) -> Option<String> {
 /// A new cluster's first epoch `n` starts at the step of the checkpoint it resumes from: a
 /// rank that can read that checkpoint loads it into a new trainer (the others copy it from
 /// such a rank in the entry protocol, as any newcomer would). `None`: nothing to load here.
-pub(super) fn resume(trainer: &Trainer, job: &JobSpec, st: &ClusterState, n: &Epoch) -> Option<Trainer> {
+pub(super) fn resume(
+    trainer: &Trainer,
+    job: &JobSpec,
+    st: &ClusterState,
+    n: &Epoch,
+    local: Option<&Path>,
+) -> Option<Trainer> {
     if trainer.step() >= n.start_step {
         return None;
     }
     let rec = st.checkpoints.iter().rev().find(|c| c.step == n.start_step && c.epoch == 0)?;
-    load_record(trainer, job, rec)
+    load_record(trainer, job, rec, local)
 }
 
 /// The newest checkpoint the log records that loads here, into a new trainer (what a job
 /// whose sharded state lost a block goes back to): a newer one that does not load (a shard
 /// never written, a part corrupt) is passed over. `None`: none recorded, or none readable
-/// here.
-pub(super) fn newest(trainer: &Trainer, job: &JobSpec, st: &ClusterState) -> Option<Trainer> {
+/// here. `local`: this host's `[checkpoint].dir` (where a record of a copy in S3 is looked
+/// for).
+pub(super) fn newest(
+    trainer: &Trainer,
+    job: &JobSpec,
+    st: &ClusterState,
+    local: Option<&Path>,
+) -> Option<Trainer> {
     // The newest step first and, within a step (written again after going back), the
     // latest record first; a record tried once.
     let mut records: Vec<&limpet_consensus::state::CheckpointRecord> = st.checkpoints.iter().rev().collect();
     records.sort_by_key(|c| std::cmp::Reverse(c.step));
     records.dedup_by(|a, b| (a.step, &a.content_hash) == (b.step, &b.content_hash));
-    records.into_iter().find_map(|rec| load_record(trainer, job, rec))
+    records.into_iter().find_map(|rec| load_record(trainer, job, rec, local))
 }
 
 fn load_record(
     trainer: &Trainer,
     job: &JobSpec,
     rec: &limpet_consensus::state::CheckpointRecord,
+    local: Option<&Path>,
 ) -> Option<Trainer> {
-    let dir = PathBuf::from(&rec.location);
-    let loaded = (|| -> anyhow::Result<Trainer> {
-        // A record names a step's directory, or a part's file inside one.
-        let step_dir =
-            if dir.extension().is_some_and(|e| e == "limpet") { dir.parent() } else { Some(&*dir) };
-        let root = step_dir
-            .and_then(std::path::Path::parent)
-            .ok_or_else(|| anyhow::anyhow!("no parent directory"))?;
-        let listed = crate::checkpoint::listed_at(root, rec.step)?;
-        let image = crate::checkpoint::load(&listed, job.model.num_blocks())?;
-        if image.content_hash() != rec.content_hash {
-            anyhow::bail!("its content hash differs from the one recorded in the log");
-        }
-        let data = trainer.data().shallow_clone();
-        let mut t =
-            Trainer::on_device(job.clone(), data, 0..job.model.num_blocks(), trainer.model().device())?;
-        t.load_image(&image)?;
-        Ok(t)
-    })();
+    let loaded = step_dir_of(rec, local)
+        .ok_or_else(|| AgentError::Entry(format!("{} is not a checkpoint step here", rec.location)))
+        .and_then(|step_dir| {
+            let root = step_dir.parent().unwrap_or(&step_dir);
+            let listed = crate::checkpoint::listed_at(root, rec.step)?;
+            let image = crate::checkpoint::load(&listed, job.model.num_blocks())?;
+            if image.content_hash() != rec.content_hash {
+                return Err(AgentError::Entry(
+                    "its content hash differs from the one recorded in the log".into(),
+                ));
+            }
+            let data = trainer.data().shallow_clone();
+            let blocks = 0..job.model.num_blocks();
+            let mut t = Trainer::on_device(job.clone(), data, blocks, trainer.model().device())?;
+            t.load_image(&image)?;
+            Ok(t)
+        });
     match loaded {
         Ok(t) => {
-            tracing::info!(step = rec.step, location = %dir.display(), "resumed from the checkpoint");
+            tracing::info!(step = rec.step, location = %rec.location, "resumed from the checkpoint");
             Some(t)
         }
         Err(e) => {
             tracing::warn!(
                 step = rec.step,
-                location = %dir.display(),
+                location = %rec.location,
                 %e,
                 "cannot read the checkpoint to resume from here; a peer that can will hand it over"
             );
             None
         }
+    }
+}
+
+/// The directory of a record's step on this host: the one the record names (a step's
+/// directory, or a part's file in one), or for a copy in S3 (`s3://...`, what a part's
+/// writer records once its copy is verified) that step under this host's
+/// `[checkpoint].dir` (`local`), where the writer kept its own copy and where a shared
+/// directory holds every host's.
+fn step_dir_of(rec: &limpet_consensus::state::CheckpointRecord, local: Option<&Path>) -> Option<PathBuf> {
+    if rec.location.starts_with("s3://") {
+        return local.map(|dir| crate::checkpoint::step_dir(dir, rec.step));
+    }
+    let at = Path::new(&rec.location);
+    if at.extension().is_some_and(|e| e == "limpet") {
+        at.parent().map(Path::to_path_buf)
+    } else {
+        Some(at.to_path_buf())
     }
 }
 
@@ -565,5 +657,44 @@ mod tests {
         st.members.get_mut(&2).unwrap().status = MemberStatus::Gone;
         assert!(gone_writer(&st, &[1, 2]).unwrap().contains("node 2"));
         assert!(gone_writer(&st, &[1, 9]).unwrap().contains("node 9, a writer of the set, is no member"));
+    }
+
+    /// A part's writer records the URL of its verified copy in S3: going back to that
+    /// checkpoint reads the copy it kept (or a shared directory's) under this host's
+    /// `[checkpoint].dir`, and a host without the directory cannot read it.
+    #[test]
+    fn a_checkpoint_recorded_by_its_s3_copy_loads_from_the_local_directory() {
+        use limpet_trainer::data::{DataSpec, Dataset};
+        let spec = DataSpec::Synthetic { samples: 200, features: 6, classes: 3, seed: 5 };
+        let data = Dataset::load(&spec, None).unwrap();
+        let job = JobSpec::defaults_for(limpet_trainer::ModelKind::Mlp, &data).unwrap();
+        let mut trained = Trainer::try_new(job.clone(), data.shallow_clone()).unwrap();
+        for _ in 0..3 {
+            trained.train_step(0, 1, &mut limpet_trainer::NoReduce).unwrap();
+        }
+        let image = trained.image().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let blocks = 0..job.model.num_blocks();
+        let part = crate::checkpoint::write_part(dir.path(), &image, &blocks, 0).unwrap();
+        let file = part.file_name().unwrap().to_string_lossy().to_string();
+        let step = crate::checkpoint::step_dir(Path::new(""), 3).display().to_string();
+        let rec = limpet_consensus::state::CheckpointRecord {
+            step: 3,
+            epoch: 1,
+            content_hash: image.content_hash().to_string(),
+            location: format!("s3://bucket/runs/a/{step}/{file}"),
+            node: 1,
+        };
+        let mut st = ClusterState::bootstrap("c", &[]);
+        st.checkpoints.push(rec.clone());
+        let fresh = Trainer::try_new(job.clone(), data).unwrap();
+        let back = newest(&fresh, &job, &st, Some(dir.path())).expect("loads from the local copy");
+        assert_eq!(back.step(), 3);
+        assert_eq!(back.image().unwrap().content_hash(), image.content_hash());
+        assert!(newest(&fresh, &job, &st, None).is_none(), "no directory here: nothing to read");
+        // A record naming the part's local file loads as before.
+        st.checkpoints[0].location = part.display().to_string();
+        assert!(newest(&fresh, &job, &st, None).is_some());
+        assert_eq!(step_dir_of(&rec, Some(dir.path())), Some(dir.path().join(&step)));
     }
 }

@@ -215,7 +215,8 @@ pub struct CheckpointSettings {
     /// Bytes a checkpoint must leave free on its disk (the raft log may share it).
     pub min_free: u64,
     /// Every host sees `dir` (a shared mount): a sharded job's ranks write their shards of
-    /// a checkpoint there at once instead of gathering the state whole.
+    /// a checkpoint there at once instead of gathering the state whole (and, with `remote`,
+    /// each copies its own shard to S3).
     pub shared: bool,
 }
 

@@ -147,7 +147,8 @@ async fn find_resume_point(
     if let Some(r) = &settings.remote {
         // Bring the newest copies home; the search below checks them like local files.
         let remote = crate::remote::Remote::connect(r).await;
-        match remote.fetch_newest(&dir, blocks, settings.keep.max(1)).await {
+        let fingerprint = limpet_snapshot::job_fingerprint(&job);
+        match remote.fetch_newest(&dir, blocks, &fingerprint, settings.keep.max(1)).await {
             Ok(steps) if !steps.is_empty() => tracing::info!(?steps, "checkpoints fetched from S3"),
             Ok(_) => {}
             Err(source) if required => {

@@ -102,7 +102,7 @@ pub struct CheckpointSection {
     pub min_free: String,
     /// Every host sees `dir` (a shared mount such as EFS): a job whose optimizer state is
     /// sharded then writes each checkpoint as shards, one per rank, at once, instead of
-    /// gathering the whole state on every rank (not with `s3`, whose copies are whole parts).
+    /// gathering the whole state on every rank (with `s3`, each rank copies its own shard).
     #[serde(default)]
     pub shared: bool,
 }

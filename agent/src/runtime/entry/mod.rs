@@ -161,7 +161,8 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     let give_up = give_up(x.watch, x.stop, n.id);
     let mut group = form_group(x.endpoint, x.pending.take(), n, &addrs, by, &give_up)?;
     let host = (&mut *x.trainer, &mut *x.followers);
-    let given_up = match sharding::enter(host, &mut group, &x.cfg.job, &st, n, ENTRY_STEP)? {
+    let local = x.cfg.checkpoint.as_ref().map(|c| c.dir.as_path());
+    let given_up = match sharding::enter(host, &mut group, (&x.cfg.job, local), &st, n, ENTRY_STEP)? {
         sharding::Sharded::Recut { bytes, ms } => {
             // The followers take the plan from the host's trainer before each step.
             x.trainer.set_epoch_plan(
@@ -185,7 +186,7 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
         sharding::Sharded::Whole { redone } => redone,
     };
 
-    if let Some(t) = checkpointer::resume(x.trainer, &x.cfg.job, &st, n) {
+    if let Some(t) = checkpointer::resume(x.trainer, &x.cfg.job, &st, n, local) {
         *x.trainer = t;
     }
     // Publish this rank's states, then agree on (step, blocks held, hash).
