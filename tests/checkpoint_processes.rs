@@ -96,6 +96,44 @@ fn a_new_cluster_resumes_from_s3_when_no_host_kept_a_checkpoint() {
     );
 }
 
+/// A sharded job (ZeRO-1 over two hosts) writes its checkpoints as shards into a shared
+/// directory, and each shard's owner copies its own to S3; the new cluster has a new, empty
+/// directory and the bucket: it resumes from the shards in S3 (a step counts there only as a
+/// whole set naming one state).
+#[test]
+fn a_sharded_job_resumes_from_its_shards_in_s3_when_every_host_and_the_directory_are_lost() {
+    let moto = common::Moto::start();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let remote = limpet_agent::remote::RemoteSettings {
+        bucket: "limpet-shards".into(),
+        prefix: "runs/zero".into(),
+        endpoint: Some(moto.url.clone()),
+        region: Some("us-east-1".into()),
+    };
+    let client = s3_client(&moto.url);
+    rt.block_on(client.create_bucket().bucket("limpet-shards").send()).unwrap();
+    let job = LocalJob {
+        steps: 1200,
+        checkpoint_every: 100,
+        checkpoint_s3: Some(("s3://limpet-shards/runs/zero".into(), moto.url.clone())),
+        checkpoint_shared: true,
+        shard_state: Some(("optimizer".into(), 1)),
+        env: vec![
+            ("AWS_ACCESS_KEY_ID".into(), "test".into()),
+            ("AWS_SECRET_ACCESS_KEY".into(), "test".into()),
+            ("AWS_REGION".into(), "us-east-1".into()),
+        ],
+        ..LocalJob::default()
+    };
+    resume_after_losing_every_host(
+        job,
+        250,
+        &["--model", "mlp", "--data", "digits", "--batch", "64"],
+        Some((remote, client)),
+        false,
+    );
+}
+
 #[test]
 fn a_pipelined_job_resumes_from_its_stage_parts_after_every_host_is_lost() {
     // Two hosts, two stages (1x2): each stage's host writes its own part of a checkpoint.
@@ -120,6 +158,8 @@ fn a_pipelined_job_resumes_from_its_stage_parts_after_every_host_is_lost() {
 /// that it starts at the newest checkpoint and ends with the parameters of one uninterrupted
 /// `limpet train` with `alone`. With `hide_dir`, the shared directory is away when the new
 /// cluster starts and only comes back once the cluster has waited for it without training.
+/// A sharded job with `remote` writes its shards into a shared directory (as sharded
+/// checkpoints are written) and the new cluster gets a new, empty one: S3 is all it has.
 fn resume_after_losing_every_host(
     mut job: LocalJob,
     kill_after: u64,
@@ -129,7 +169,8 @@ fn resume_after_losing_every_host(
 ) {
     let tmp = tempfile::tempdir().unwrap();
     let shared = tmp.path().join("checkpoints");
-    if remote.is_none() {
+    let shards_to_s3 = remote.is_some() && job.checkpoint_shared;
+    if remote.is_none() || shards_to_s3 {
         job.checkpoint_dir = Some(shared.clone());
         // With "required", even a new job's directory must be there, and be one limpet wrote
         // to or a mount (an empty directory on the parent's disk is an unmounted mount
@@ -184,8 +225,15 @@ fn resume_after_losing_every_host(
             by_step.into_values().collect()
         }
     };
-    // The model's block count: where the parts end.
-    let blocks = listed.iter().flat_map(|l| l.parts.iter().map(|(_, r)| r.end)).max().unwrap();
+    // The model's block count: where the parts end (none for a set of shards, which is
+    // complete by itself).
+    let blocks = listed.iter().flat_map(|l| l.parts.iter().map(|(_, r)| r.end)).max().unwrap_or(0);
+    if shards_to_s3 {
+        assert!(listed.iter().all(|l| l.parts.is_empty()), "a sharded job copies shards, not gathered parts");
+        let fresh = tmp.path().join("checkpoints-new");
+        std::fs::create_dir_all(&fresh).unwrap();
+        job.checkpoint_dir = Some(fresh);
+    }
     let newest = listed.iter().rev().find(|l| l.complete(blocks)).unwrap().step;
     assert!(newest >= 2 * every && newest % every == 0, "newest checkpoint {newest}");
     assert!(listed.len() <= 3, "keep = 2 (and one being written): {} kept", listed.len());

@@ -189,7 +189,8 @@ impl Checkpointer {
             // directory (shard 0's writer waits for every one, within a limit that an upload
             // between two writes would eat into).
             for part in parts.iter().filter(|p| all_stand && p.copied_later()) {
-                if let Some(Err(e)) = part.copy(&part.kind.name().path(&part.settings.dir, part.step), false) {
+                if let Some(Err(e)) = part.copy(&part.kind.name().path(&part.settings.dir, part.step), false)
+                {
                     part.not_copied(&e);
                     not_copied = not_copied.or_else(|| failure.lock().expect("failure lock").clone());
                 }

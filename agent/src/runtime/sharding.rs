@@ -45,7 +45,7 @@ pub(super) enum Sharded {
 pub(super) fn enter(
     (trainer, followers): (&mut Trainer, &mut [Trainer]),
     group: &mut Group,
-    (job, local): (&JobSpec, Option<&std::path::Path>),
+    (job, ckpt_dir): (&JobSpec, Option<&std::path::Path>),
     st: &ClusterState,
     n: &Epoch,
     step_tag: u64,
@@ -135,7 +135,7 @@ pub(super) fn enter(
             Ok(Sharded::Whole { redone: 0 })
         }
         Err(why) => {
-            let redone = back_to_checkpoint(trainer, group, (job, local), st, n, &why, step_tag)?;
+            let redone = back_to_checkpoint(trainer, group, (job, ckpt_dir), st, n, &why, step_tag)?;
             unshard_followers(followers, job)?;
             Ok(Sharded::Whole { redone })
         }
@@ -262,13 +262,13 @@ fn all_hold_one_state(
 fn back_to_checkpoint(
     trainer: &mut Trainer,
     group: &mut Group,
-    (job, local): (&JobSpec, Option<&std::path::Path>),
+    (job, ckpt_dir): (&JobSpec, Option<&std::path::Path>),
     st: &ClusterState,
     n: &Epoch,
     why: &str,
     step_tag: u64,
 ) -> Result<u64, AgentError> {
-    let loaded = checkpointer::newest(trainer, job, st, local);
+    let loaded = checkpointer::newest(trainer, job, st, ckpt_dir);
     let mut read = vec![0i64; group.world()];
     read[group.rank()] = loaded.as_ref().map_or(0, |t| t.step() as i64 + 1);
     group.allreduce_sum_i64(&mut read, step_tag)?;
