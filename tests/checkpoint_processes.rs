@@ -234,7 +234,15 @@ fn resume_after_losing_every_host(
         std::fs::create_dir_all(&fresh).unwrap();
         job.checkpoint_dir = Some(fresh);
     }
-    let newest = listed.iter().rev().find(|l| l.complete(blocks)).unwrap().step;
+    // A set of shards is complete by itself; names alone (with no blocks to cover) are not.
+    let complete = |l: &limpet_agent::checkpoint::Listed| {
+        if shards_to_s3 {
+            l.shard_set().is_some()
+        } else {
+            l.complete(blocks)
+        }
+    };
+    let newest = listed.iter().rev().find(|l| complete(l)).unwrap().step;
     assert!(newest >= 2 * every && newest % every == 0, "newest checkpoint {newest}");
     assert!(listed.len() <= 3, "keep = 2 (and one being written): {} kept", listed.len());
 
@@ -365,13 +373,17 @@ fn s3_pruning_counts_only_verified_uploads_of_the_running_job() {
     }
     let steps = || rt.block_on(remote.list()).unwrap().into_keys().collect::<Vec<u64>>();
     assert_eq!(steps(), vec![10, 20, 30, 40, 50, 60]);
-    assert_eq!(rt.block_on(remote.prune(2, 4, &fingerprint(1))).unwrap(), Vec::<u64>::new());
+    assert_eq!(rt.block_on(remote.prune(2, 4, &fingerprint(1), u64::MAX)).unwrap(), Vec::<u64>::new());
     assert_eq!(steps(), vec![10, 20, 30, 40, 50, 60]);
     // Job 1 keeps its newest; the other run's newer steps neither count nor go.
-    assert_eq!(rt.block_on(remote.prune(1, 4, &fingerprint(1))).unwrap(), vec![10]);
+    assert_eq!(rt.block_on(remote.prune(1, 4, &fingerprint(1), u64::MAX)).unwrap(), vec![10]);
+    assert_eq!(steps(), vec![20, 30, 40, 50, 60]);
+    // A writer of step 55 counts nothing past it: step 60 (an abandoned timeline's, another
+    // run's) does not push the steps up to 55 out.
+    assert_eq!(rt.block_on(remote.prune(1, 4, &fingerprint(2), 55)).unwrap(), Vec::<u64>::new());
     assert_eq!(steps(), vec![20, 30, 40, 50, 60]);
     // Job 2 prunes its own older step only: not job 1's, not the unverified objects.
-    assert_eq!(rt.block_on(remote.prune(1, 4, &fingerprint(2))).unwrap(), vec![50]);
+    assert_eq!(rt.block_on(remote.prune(1, 4, &fingerprint(2), u64::MAX)).unwrap(), vec![50]);
     assert_eq!(steps(), vec![20, 30, 40, 60]);
 }
 
@@ -448,11 +460,19 @@ fn s3_counts_a_set_of_shards_only_when_it_is_whole_and_names_one_state() {
     assert!(listed[&20].shard_set().is_some() && listed[&40].shard_set().is_none());
     // Only 5 and 10 count: keeping one keeps 10 (not 20 or 40, newer) and deletes every
     // object of 5.
-    assert_eq!(rt.block_on(remote.prune(1, 4, &fingerprint)).unwrap(), vec![5]);
+    assert_eq!(rt.block_on(remote.prune(1, 4, &fingerprint, u64::MAX)).unwrap(), vec![5]);
     let left = rt.block_on(client.list_objects_v2().bucket("ckpt").prefix("run/step-000000000005/").send());
     assert!(left.unwrap().contents().is_empty(), "every shard of a pruned step is deleted");
-    // Another job's new cluster fetches nothing; this job's fetches 10 alone, into the
-    // shards' places, and the local search joins them into the whole state.
+    // Step 30, uploaded since: every shard tagged with one whole state, but shard 2 is of
+    // another write (its tag a lie): tags make it a whole set, its headers do not.
+    let (w30, other30) = (whole(30, 0.0), whole(30, 1.0));
+    let (a30, b30) = (shards(&w30), shards(&other30));
+    upload(&a30[0], 0, &w30);
+    upload(&a30[1], 1, &w30);
+    upload(&b30[2], 2, &w30);
+    // Another job's new cluster fetches nothing; this job's passes 30 over once its headers
+    // are here and fetches 10, into the shards' places, and the local search joins them into
+    // the whole state.
     let dest = tempfile::tempdir().unwrap();
     let other_job = limpet_snapshot::job_fingerprint(&serde_json::json!({ "job": 2 }));
     assert_eq!(rt.block_on(remote.fetch_newest(dest.path(), 4, &other_job, 3)).unwrap(), Vec::<u64>::new());

@@ -3,8 +3,11 @@
 //!
 //! Objects mirror the directory's layout under a prefix: `s3://BUCKET/PREFIX/step-N/blocks-A-B.limpet`,
 //! or `.../step-N/shard-I-of-W.limpet` for a sharded job's parts. Each part is uploaded after
-//! it was written and fsynced locally, and only then recorded in the log (a set of shards by
-//! its local directory, once every shard is in there); old steps are deleted like local ones.
+//! it was written and fsynced locally, and a block part only then recorded in the log; a set
+//! of shards is recorded by its local directory once every shard is in there, whatever its
+//! copies' fate (a host's other shards are copied after it wrote them all, so the bucket may
+//! lag the log; a failed copy counts as a checkpoint failure). Old steps are deleted like
+//! local ones, counting only steps up to the one just written.
 //! A new cluster whose directory has nothing newer downloads the newest complete steps into
 //! its directory first, so the ordinary search (which checks every part's checksum and job)
 //! decides what to resume from: a corrupt object is skipped like a corrupt file.
@@ -308,8 +311,9 @@ impl Remote {
     /// Downloads, into `dir`, the newest `want` steps that `dir` does not hold yet and whose
     /// parts cover `blocks` blocks (by their names: the local search checks each part's
     /// content and job), or that hold a whole set of shards uploaded by `job` (its
-    /// fingerprint) naming one whole state (`shard_set`): each file written atomically; the
-    /// steps fetched.
+    /// fingerprint) naming one whole state (`shard_set`) whose headers, once here, agree on
+    /// it (a set whose tags lie, or that meets a stale local file, is passed over for an
+    /// older step): each file written atomically; the steps fetched.
     pub async fn fetch_newest(
         &self,
         dir: &Path,
@@ -323,13 +327,15 @@ impl Remote {
             if fetched.len() >= want {
                 break;
             }
-            let files: Vec<(PathBuf, PathBuf)> = if covers(&ranges(l), blocks) {
-                l.parts.iter().map(|(rel, b)| (rel.clone(), part_path(dir, step, b))).collect()
+            let (files, shards): (Vec<(PathBuf, PathBuf)>, bool) = if covers(&ranges(l), blocks) {
+                (l.parts.iter().map(|(rel, b)| (rel.clone(), part_path(dir, step, b))).collect(), false)
             } else if let Some(set) = self.shard_set(l, dir, job).await? {
-                set
+                (set, true)
             } else {
                 continue;
             };
+            let locals: Vec<PathBuf> = files.iter().map(|(_, local)| local.clone()).collect();
+            let mut downloaded = Vec::new();
             for (rel, local) in files {
                 if local.exists() {
                     continue;
@@ -350,6 +356,32 @@ impl Remote {
                     source: std::io::Error::other(e),
                 })?;
                 write_atomically(&local, &bytes.into_bytes())?;
+                downloaded.push(local);
+            }
+            // What was brought here of a set passed over goes again (the local search would
+            // only pass it over too).
+            let discard = |why: &dyn std::fmt::Display| {
+                tracing::warn!(step, %why, "a set of shards in S3 does not make one state here; passed over");
+                for f in &downloaded {
+                    let _ = std::fs::remove_file(f);
+                }
+                if let Some(d) = downloaded.first().and_then(|f| f.parent()) {
+                    let _ = std::fs::remove_dir(d);
+                }
+            };
+            if shards {
+                // Tags are what the uploader said: the headers are what the set holds.
+                match crate::checkpoint::shards_agree(&locals) {
+                    Ok((at, _, _)) if at == step => {}
+                    Ok((at, _, _)) => {
+                        discard(&format!("it holds step {at}"));
+                        continue;
+                    }
+                    Err(e) => {
+                        discard(&e);
+                        continue;
+                    }
+                }
             }
             fetched.push(step);
         }
@@ -361,11 +393,19 @@ impl Remote {
     /// alone prove nothing: a part may be a stray copy, a set may mix two writes), keeping
     /// newer steps, which may still be being written; with none verified, nothing. Another
     /// job's steps (a prefix reused by a new run), and parts that name no job, are neither
-    /// counted nor deleted. The steps deleted (each with every object of it).
-    pub async fn prune(&self, keep: usize, blocks: usize, job: &str) -> Result<Vec<u64>, CheckpointError> {
+    /// counted nor deleted. Only steps up to `upto` (the one just written) count: a later
+    /// one is another run's or an abandoned timeline's, and must not push the step being
+    /// written out. The steps deleted (each with every object of it).
+    pub async fn prune(
+        &self,
+        keep: usize,
+        blocks: usize,
+        job: &str,
+        upto: u64,
+    ) -> Result<Vec<u64>, CheckpointError> {
         let listed = self.list().await?;
         let mut kept = Vec::new();
-        for (&step, l) in listed.iter().rev() {
+        for (&step, l) in listed.range(..=upto).rev() {
             if kept.len() >= keep.max(1) {
                 break;
             }

@@ -188,7 +188,9 @@ impl Checkpointer {
             // A host's other shards are copied once its shard files are all in the shared
             // directory (shard 0's writer waits for every one, within a limit that an upload
             // between two writes would eat into).
-            for part in parts.iter().filter(|p| all_stand && p.copied_later()) {
+            // Not a state training went back from: no rank trains on it, and its objects
+            // would take the names of a set of that step already there.
+            for part in parts.iter().filter(|p| all_stand && p.copied_later() && p.abandoned().is_none()) {
                 if let Some(Err(e)) = part.copy(&part.kind.name().path(&part.settings.dir, part.step), false)
                 {
                     part.not_copied(&e);
@@ -405,7 +407,7 @@ impl Part {
             let whole = matches!(self.kind, Kind::Shard { .. }).then_some(self.hash.as_str());
             let url = remote.upload(self.step, &self.kind.name(), path, &hash, &job, whole).await?;
             if prune {
-                if let Err(e) = remote.prune(self.settings.keep, self.model_blocks, &job).await {
+                if let Err(e) = remote.prune(self.settings.keep, self.model_blocks, &job, self.step).await {
                     tracing::warn!(%e, "could not delete old checkpoints in S3");
                 }
             }
