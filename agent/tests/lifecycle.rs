@@ -1,6 +1,7 @@
 //! An agent's life inside a test process: started, trained, stopped (its ports free again);
 //! stopped while it waits in an epoch entry for a peer that never comes, within the shutdown
-//! limit; and a task that panics stops the whole agent with an error instead of silently.
+//! limit; a task that panics stops the whole agent with an error instead of silently; and a
+//! control port still held elsewhere is a retried failure, an address not here a usage one.
 
 use limpet_agent::report::{AgentReport, Phase};
 use limpet_agent::runtime::tasks::SHUTDOWN_LIMIT;
@@ -144,4 +145,22 @@ async fn tracked_threads_count_in_the_shutdown_and_their_panics_are_fatal() {
     stuck.spawn_thread("stuck", || std::thread::sleep(Duration::from_secs(3))).unwrap();
     let e = stuck.shutdown(tokio::time::Instant::now() + Duration::from_millis(200)).await.unwrap_err();
     assert_eq!(e.0, 1, "{e}");
+}
+
+/// A control port another process still holds (the node's previous run ending) fails as a
+/// retried error, which systemd restarts; an address this host does not have is the
+/// configuration's (exit 64, not restarted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_port_is_retried_and_an_address_not_here_is_the_configuration() {
+    use limpet_consensus::{ConsensusError, Node, NodeConfig};
+    let held = TcpListener::bind("127.0.0.1:0").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = Tasks::new(CancellationToken::new());
+    let cfg = NodeConfig::new(1, "c", "n1", held.local_addr().unwrap(), dir.path().join("a"));
+    let e = Node::start(cfg, &tasks).await.err().expect("the port is held");
+    assert!(matches!(e, ConsensusError::Transport(_)) && e.is_retryable(), "{e}");
+    // TEST-NET-1 (RFC 5737): no host has it.
+    let cfg = NodeConfig::new(1, "c", "n1", "192.0.2.1:7400".parse().unwrap(), dir.path().join("b"));
+    let e = Node::start(cfg, &tasks).await.err().expect("the address is not this host's");
+    assert!(matches!(e, ConsensusError::Config(_)), "{e}");
 }

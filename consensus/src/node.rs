@@ -176,9 +176,16 @@ impl Node {
         let store = SledLog::open(&cfg.state_dir.join("consensus"), identity)?;
         let initial = cfg.bootstrap.as_ref().map(|m| ClusterState::bootstrap(&cfg.core.cluster, m));
         let core = Core::open(cfg.core.clone(), store, initial.as_ref())?;
-        let listener = tokio::net::TcpListener::bind(cfg.listen)
-            .await
-            .map_err(|e| ConsensusError::Config(format!("cannot listen on {}: {e}", cfg.listen)))?;
+        let listener = tokio::net::TcpListener::bind(cfg.listen).await.map_err(|e| {
+            let why = format!("cannot listen on {}: {e}", cfg.listen);
+            // A port another process still holds (the node's previous run ending) is worth a
+            // restart; an address this host does not have is the configuration's.
+            if e.kind() == std::io::ErrorKind::AddrInUse {
+                ConsensusError::Transport(why)
+            } else {
+                ConsensusError::Config(why)
+            }
+        })?;
         let addr = listener.local_addr().map_err(|e| ConsensusError::Config(e.to_string()))?;
         let advertise = if cfg.advertise.is_empty() { addr.to_string() } else { cfg.advertise.clone() };
         let (tx, rx) = mpsc::channel(1024);
