@@ -66,20 +66,35 @@ fn s3_client(url: &str) -> aws_sdk_s3::Client {
 fn a_new_cluster_resumes_from_s3_when_no_host_kept_a_checkpoint() {
     // Each host checkpoints into its own state directory (lost with it) and copies to an S3
     // API (moto's server, spoken to by the real SDK); the new cluster has only the bucket.
+    let (_moto, job, remote) = s3_job("limpet-ckpt", "runs/mlp");
+    resume_after_losing_every_host(
+        LocalJob { steps: 1200, checkpoint_every: 100, ..job },
+        250,
+        &["--model", "mlp", "--data", "digits", "--batch", "64"],
+        Some(remote),
+        false,
+    );
+}
+
+/// A bucket in moto's S3 server, the job that copies its checkpoints there (with the
+/// credentials moto takes) and what reads the bucket back; the server lives as long as the
+/// first value.
+fn s3_job(
+    bucket: &str,
+    prefix: &str,
+) -> (common::Moto, LocalJob, (limpet_agent::remote::RemoteSettings, aws_sdk_s3::Client)) {
     let moto = common::Moto::start();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let remote = limpet_agent::remote::RemoteSettings {
-        bucket: "limpet-ckpt".into(),
-        prefix: "runs/mlp".into(),
+        bucket: bucket.into(),
+        prefix: prefix.into(),
         endpoint: Some(moto.url.clone()),
         region: Some("us-east-1".into()),
     };
     let client = s3_client(&moto.url);
-    rt.block_on(client.create_bucket().bucket("limpet-ckpt").send()).unwrap();
+    rt.block_on(client.create_bucket().bucket(bucket).send()).unwrap();
     let job = LocalJob {
-        steps: 1200,
-        checkpoint_every: 100,
-        checkpoint_s3: Some(("s3://limpet-ckpt/runs/mlp".into(), moto.url.clone())),
+        checkpoint_s3: Some((format!("s3://{bucket}/{prefix}"), moto.url.clone())),
         env: vec![
             ("AWS_ACCESS_KEY_ID".into(), "test".into()),
             ("AWS_SECRET_ACCESS_KEY".into(), "test".into()),
@@ -87,13 +102,7 @@ fn a_new_cluster_resumes_from_s3_when_no_host_kept_a_checkpoint() {
         ],
         ..LocalJob::default()
     };
-    resume_after_losing_every_host(
-        job,
-        250,
-        &["--model", "mlp", "--data", "digits", "--batch", "64"],
-        Some((remote, client)),
-        false,
-    );
+    (moto, job, (remote, client))
 }
 
 /// A sharded job (ZeRO-1 over two hosts) writes its checkpoints as shards into a shared
@@ -102,34 +111,19 @@ fn a_new_cluster_resumes_from_s3_when_no_host_kept_a_checkpoint() {
 /// whole set naming one state).
 #[test]
 fn a_sharded_job_resumes_from_its_shards_in_s3_when_every_host_and_the_directory_are_lost() {
-    let moto = common::Moto::start();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let remote = limpet_agent::remote::RemoteSettings {
-        bucket: "limpet-shards".into(),
-        prefix: "runs/zero".into(),
-        endpoint: Some(moto.url.clone()),
-        region: Some("us-east-1".into()),
-    };
-    let client = s3_client(&moto.url);
-    rt.block_on(client.create_bucket().bucket("limpet-shards").send()).unwrap();
+    let (_moto, job, remote) = s3_job("limpet-shards", "runs/zero");
     let job = LocalJob {
         steps: 1200,
         checkpoint_every: 100,
-        checkpoint_s3: Some(("s3://limpet-shards/runs/zero".into(), moto.url.clone())),
         checkpoint_shared: true,
         shard_state: Some(("optimizer".into(), 1)),
-        env: vec![
-            ("AWS_ACCESS_KEY_ID".into(), "test".into()),
-            ("AWS_SECRET_ACCESS_KEY".into(), "test".into()),
-            ("AWS_REGION".into(), "us-east-1".into()),
-        ],
-        ..LocalJob::default()
+        ..job
     };
     resume_after_losing_every_host(
         job,
         250,
         &["--model", "mlp", "--data", "digits", "--batch", "64"],
-        Some((remote, client)),
+        Some(remote),
         false,
     );
 }
