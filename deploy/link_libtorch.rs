@@ -1,5 +1,5 @@
 //! The build script of every crate that links libtorch (shared: each crate's `build` key
-//! names this file).
+//! names this file; the trainer's own `build.rs` runs it as a module, then compiles its C++).
 //!
 //! 1. libtorch's directory goes into the rpath of the crate's binaries and tests, so they run
 //!    without LD_LIBRARY_PATH. torch-sys reports the directory through its `links = "tch"`
@@ -11,7 +11,7 @@
 //!    the library is loaded: without it `cuda_if_available()` is false on a GPU host (tch-rs
 //!    issue 980). `tests/module_graph.rs` reads the built binaries' NEEDED entries.
 
-fn main() {
+pub fn main() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     let lib = std::env::var("DEP_TCH_LIBTORCH_LIB").unwrap_or_default();
     // The tests ask what libtorch the crate was built against.

@@ -203,6 +203,41 @@ fn a_member_cannot_speak_as_another_or_crash_the_others_and_training_goes_on() {
         }
     });
 
+    // A checkpoint report sent straight to the control service rather than forwarded by
+    // raft: the leader checks it as a forwarded one (here its hash is no hash, and its
+    // location would drive the terminal of whoever runs `limpet status`); the others send
+    // the caller to the leader.
+    rt.block_on(async {
+        use limpet_consensus::state::{CheckpointRecord, Command};
+        let record = CheckpointRecord {
+            step: 1,
+            epoch: 1,
+            content_hash: "x".into(),
+            location: "/x\u{1b}[2J".into(),
+            node: 2,
+        };
+        let cmd = Command::RecordCheckpoint { record };
+        let mut answers = Vec::new();
+        for (_, addr) in &addrs {
+            let mut rc = client(addr, &rogue).await;
+            let request = pb::ProposeRequest {
+                cluster_id: cid,
+                command: serde_json::to_vec(&cmd).unwrap(),
+                timeout_ms: 2000,
+                cluster: String::new(),
+            };
+            if let Ok(r) = rc.propose(request).await {
+                answers.push(r.into_inner());
+            }
+        }
+        assert!(
+            answers.len() == 1
+                && !answers[0].accepted
+                && answers[0].detail.contains("not 64 lowercase hex digits"),
+            "{answers:?}"
+        );
+    });
+
     // The data plane: node 2's certificate claiming to be node 1 in the handshake.
     let secret = std::fs::read(dir.join("secret")).unwrap();
     let mut cfg = DataPlaneConfig::new(cid, 1, secret);

@@ -403,7 +403,7 @@ fn s3_counts_a_set_of_shards_only_when_it_is_whole_and_names_one_state() {
     let job = serde_json::json!({ "job": 1 });
     let fingerprint = limpet_snapshot::job_fingerprint(&job);
     // The whole state of a step (`seed` tells two writes of one step apart), and its tensors
-    // dealt round-robin over 3 shards, each marked with the whole state's hash.
+    // dealt round-robin over `n` shards, each marked with the whole state's hash.
     let whole = |step: u64, seed: f32| {
         let tensors = (0..4)
             .map(|b| {
@@ -413,26 +413,28 @@ fn s3_counts_a_set_of_shards_only_when_it_is_whole_and_names_one_state() {
             .collect();
         StateImage::new(step, step, RngState::new(1), job.clone(), tensors)
     };
-    let shards = |w: &StateImage| -> Vec<StateImage> {
+    let shards_of = |w: &StateImage, n: usize| -> Vec<StateImage> {
         let m = w.meta();
-        (0..3)
+        (0..n)
             .map(|i| {
-                let t = w.tensors().iter().skip(i).step_by(3).map(|(k, v)| (k.clone(), v.clone())).collect();
+                let t = w.tensors().iter().skip(i).step_by(n).map(|(k, v)| (k.clone(), v.clone())).collect();
                 let meta = (m.step, m.cursor, m.rng, m.job.clone());
                 limpet_snapshot::shards::shard_image(meta, t, w.content_hash()).unwrap()
             })
             .collect()
     };
-    // Shard `i` of `s` written, verified and uploaded as its owner does.
+    let shards = |w: &StateImage| shards_of(w, 3);
+    // Shard `i` of `n` (`s`) written, verified and uploaded as its owner does.
     let src = tempfile::tempdir().unwrap();
-    let upload = |s: &StateImage, i: usize, w: &StateImage| {
+    let upload_of = |s: &StateImage, (i, n): (usize, usize), w: &StateImage| {
         let step = s.meta().step;
-        let path = write_shard(src.path(), s, (i, 3), 0).unwrap();
+        let path = write_shard(src.path(), s, (i, n), 0).unwrap();
         verify_part(&path, s).unwrap();
-        let name = PartName::Shard { index: i, of: 3 };
+        let name = PartName::Shard { index: i, of: n };
         let tag = Some(w.content_hash());
         rt.block_on(remote.upload(step, &name, &path, s.content_hash(), &fingerprint, tag)).unwrap();
     };
+    let upload = |s: &StateImage, i: usize, w: &StateImage| upload_of(s, (i, 3), w);
     // Steps 5 and 10: whole sets. Step 20: a whole set by its names, but shard 2 is of
     // another write of the step (another whole hash). Step 40: shard 1 never came.
     let (w5, w10, w20, other20, w40) =
@@ -476,6 +478,18 @@ fn s3_counts_a_set_of_shards_only_when_it_is_whole_and_names_one_state() {
     let (found, _) = limpet_agent::checkpoint::newest(dest.path(), 4, &job).unwrap();
     let (l, image) = found.expect("the fetched set loads");
     assert_eq!((l.step, image.content_hash()), (10, w10.content_hash()));
+    // Step 30 written again by a world of two (training came back to it): its set of three
+    // is tried first (the largest) and passed over, and its set of two is fetched, with
+    // nothing of the three left behind.
+    for (i, s) in shards_of(&w30, 2).iter().enumerate() {
+        upload_of(s, (i, 2), &w30);
+    }
+    let dest = tempfile::tempdir().unwrap();
+    assert_eq!(rt.block_on(remote.fetch_newest(dest.path(), 4, &fingerprint, 1)).unwrap(), vec![30]);
+    assert!((0..3).all(|i| !shard_path(dest.path(), 30, i, 3).exists()), "the set of three is not kept");
+    let (found, _) = limpet_agent::checkpoint::newest(dest.path(), 4, &job).unwrap();
+    let (l, image) = found.expect("the set of two loads");
+    assert_eq!((l.step, image.content_hash()), (30, w30.content_hash()));
 }
 
 /// The bytes of the files under `dir`.

@@ -225,17 +225,36 @@ impl Remote {
         }))
     }
 
-    /// The whole set of shards of `l` (`Listed::shard_set`), each its object under the prefix
-    /// and local path under `dir`, if every one is a verified upload of `job` and all name one
-    /// whole state: a set whose names are complete may still mix shards of two writes of the
-    /// step (one going on as training came back to the step), or hold a stray copy.
-    async fn shard_set(
+    /// The whole sets of shards of `l` (`Listed::shard_sets`, largest first) that pass
+    /// [`Remote::verified_set`]: each shard's object under the prefix and local path under
+    /// `dir`. A step can hold two, each whole by its tags (two worlds wrote the step); one
+    /// may still not make its state once its headers are read.
+    async fn shard_sets(
         &self,
         l: &Listed,
         dir: &Path,
         job: &str,
+    ) -> Result<Vec<Vec<(PathBuf, PathBuf)>>, CheckpointError> {
+        let mut sets = Vec::new();
+        for files in l.shard_sets() {
+            if let Some(set) = self.verified_set(l, files, dir, job).await? {
+                sets.push(set);
+            }
+        }
+        Ok(sets)
+    }
+
+    /// The whole set of shards `files` of `l`, each its object under the prefix and local
+    /// path under `dir`, if every one is a verified upload of `job` and all name one whole
+    /// state: a set whose names are complete may still mix shards of two writes of the step
+    /// (one going on as training came back to the step), or hold a stray copy.
+    async fn verified_set(
+        &self,
+        l: &Listed,
+        files: Vec<PathBuf>,
+        dir: &Path,
+        job: &str,
     ) -> Result<Option<Vec<(PathBuf, PathBuf)>>, CheckpointError> {
-        let Some(files) = l.shard_set() else { return Ok(None) };
         let mut whole: Option<String> = None;
         let mut set = Vec::with_capacity(files.len());
         for rel in files {
@@ -251,7 +270,7 @@ impl Remote {
     }
 
     /// Whether the parts of step `l` that cover the model were verified uploads of `job`, or
-    /// it holds a whole set of shards that were (`shard_set`).
+    /// it holds a whole set of shards that were (`verified_set`).
     async fn step_verified(&self, l: &Listed, blocks: usize, job: &str) -> Result<bool, CheckpointError> {
         if let Some(chosen) = cover(&ranges(l), blocks) {
             let mut all = true;
@@ -268,7 +287,12 @@ impl Remote {
                 return Ok(true);
             }
         }
-        Ok(self.shard_set(l, Path::new(""), job).await?.is_some())
+        for files in l.shard_sets() {
+            if self.verified_set(l, files, Path::new(""), job).await?.is_some() {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// Whether every object of a step is tagged as `job`'s: only such steps are pruned.
@@ -311,9 +335,10 @@ impl Remote {
     /// Downloads, into `dir`, the newest `want` steps that `dir` does not hold yet and whose
     /// parts cover `blocks` blocks (by their names: the local search checks each part's
     /// content and job), or that hold a whole set of shards uploaded by `job` (its
-    /// fingerprint) naming one whole state (`shard_set`) whose headers, once here, agree on
-    /// it (a set whose tags lie, or that meets a stale local file, is passed over for an
-    /// older step): each file written atomically; the steps fetched.
+    /// fingerprint) naming one whole state (`verified_set`) whose headers, once here, agree
+    /// on it (a set whose tags lie, or that meets a stale local file, is passed over for the
+    /// step's next set, of fewer shards, then for an older step): each file written
+    /// atomically; the steps fetched.
     pub async fn fetch_newest(
         &self,
         dir: &Path,
@@ -327,65 +352,68 @@ impl Remote {
             if fetched.len() >= want {
                 break;
             }
-            let (files, shards): (Vec<(PathBuf, PathBuf)>, bool) = if covers(&ranges(l), blocks) {
-                (l.parts.iter().map(|(rel, b)| (rel.clone(), part_path(dir, step, b))).collect(), false)
-            } else if let Some(set) = self.shard_set(l, dir, job).await? {
-                (set, true)
+            let candidates: Vec<(Vec<(PathBuf, PathBuf)>, bool)> = if covers(&ranges(l), blocks) {
+                vec![(l.parts.iter().map(|(rel, b)| (rel.clone(), part_path(dir, step, b))).collect(), false)]
             } else {
-                continue;
+                self.shard_sets(l, dir, job).await?.into_iter().map(|set| (set, true)).collect()
             };
-            let locals: Vec<PathBuf> = files.iter().map(|(_, local)| local.clone()).collect();
-            let mut downloaded = Vec::new();
-            for (rel, local) in files {
-                if local.exists() {
-                    continue;
-                }
-                let key = self.key_of(&rel);
-                let url = format!("s3://{}/{key}", self.bucket);
-                let obj = self
-                    .client
-                    .get_object()
-                    .bucket(&self.bucket)
-                    .key(&key)
-                    .send()
-                    .await
-                    .map_err(|e| err("downloading", &url, e))?;
-                let bytes = obj.body.collect().await.map_err(|e| CheckpointError::Io {
-                    op: "downloading",
-                    path: PathBuf::from(&url),
-                    source: std::io::Error::other(e),
-                })?;
-                write_atomically(&local, &bytes.into_bytes())?;
-                downloaded.push(local);
-            }
-            // What was brought here of a set passed over goes again (the local search would
-            // only pass it over too).
-            let discard = |why: &dyn std::fmt::Display| {
-                tracing::warn!(step, %why, "a set of shards in S3 does not make one state here; passed over");
-                for f in &downloaded {
-                    let _ = std::fs::remove_file(f);
-                }
-                if let Some(d) = downloaded.first().and_then(|f| f.parent()) {
-                    let _ = std::fs::remove_dir(d);
-                }
-            };
-            if shards {
-                // Tags are what the uploader said: the headers are what the set holds.
-                match crate::checkpoint::shards_agree(&locals) {
-                    Ok((at, _, _)) if at == step => {}
-                    Ok((at, _, _)) => {
-                        discard(&format!("it holds step {at}"));
-                        continue;
-                    }
-                    Err(e) => {
-                        discard(&e);
-                        continue;
-                    }
+            for (files, shards) in candidates {
+                if self.bring(step, files, shards).await? {
+                    fetched.push(step);
+                    break;
                 }
             }
-            fetched.push(step);
         }
         Ok(fetched)
+    }
+
+    /// Downloads `files` of `step` (each object under the prefix to its local path, unless
+    /// that exists); for a set of shards, checks their headers make one state of the step,
+    /// and when they do not, removes what it brought and says false.
+    async fn bring(&self, step: u64, files: Vec<(PathBuf, PathBuf)>, shards: bool) -> Result<bool, CheckpointError> {
+        let locals: Vec<PathBuf> = files.iter().map(|(_, local)| local.clone()).collect();
+        let mut downloaded = Vec::new();
+        for (rel, local) in files {
+            if local.exists() {
+                continue;
+            }
+            let key = self.key_of(&rel);
+            let url = format!("s3://{}/{key}", self.bucket);
+            let obj = self
+                .client
+                .get_object()
+                .bucket(&self.bucket)
+                .key(&key)
+                .send()
+                .await
+                .map_err(|e| err("downloading", &url, e))?;
+            let bytes = obj.body.collect().await.map_err(|e| CheckpointError::Io {
+                op: "downloading",
+                path: PathBuf::from(&url),
+                source: std::io::Error::other(e),
+            })?;
+            write_atomically(&local, &bytes.into_bytes())?;
+            downloaded.push(local);
+        }
+        if !shards {
+            return Ok(true);
+        }
+        // Tags are what the uploader said: the headers are what the set holds.
+        let why = match crate::checkpoint::shards_agree(&locals) {
+            Ok((at, _, _)) if at == step => return Ok(true),
+            Ok((at, _, _)) => format!("it holds step {at}"),
+            Err(e) => e.to_string(),
+        };
+        // What was brought here of a set passed over goes again (the local search would
+        // only pass it over too).
+        tracing::warn!(step, shards = locals.len(), %why, "a set of shards in S3 does not make one state here; passed over");
+        for f in &downloaded {
+            let _ = std::fs::remove_file(f);
+        }
+        if let Some(d) = downloaded.first().and_then(|f| f.parent()) {
+            let _ = std::fs::remove_dir(d);
+        }
+        Ok(false)
     }
 
     /// Deletes every step of `job` (its fingerprint) older than the newest `keep` of that job

@@ -31,6 +31,9 @@ pub(crate) enum Request {
         reply: ProposeReply,
         term: Option<u64>,
         at_leader: bool,
+        /// The member that asked through the control service, when one did: its report of
+        /// a checkpoint is checked here as a forwarded one is at a leader.
+        reporter: Option<NodeId>,
     },
     Read {
         linearizable: bool,

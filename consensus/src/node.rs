@@ -100,6 +100,7 @@ impl NodeHandle {
             reply,
             term: None,
             at_leader: false,
+            reporter: None,
         })
         .await?
     }
@@ -121,6 +122,7 @@ impl NodeHandle {
             reply,
             term: Some(term),
             at_leader: false,
+            reporter: None,
         })
         .await?
     }
@@ -423,7 +425,7 @@ impl Loop {
                     }
                 }
             }
-            Request::Propose { command, deadline, reply, term, at_leader } => {
+            Request::Propose { command, deadline, reply, term, at_leader, reporter } => {
                 if let Some(t) = term.filter(|&t| !(self.core.is_leader() && self.core.term() == t)) {
                     let _ = reply.send(Err(ConsensusError::Deposed { term: t }));
                     return;
@@ -431,13 +433,20 @@ impl Loop {
                 if at_leader && !self.core.is_leader() {
                     let leader = self.core.leader();
                     if leader == 0 {
-                        self.retry.push(Request::Propose { command, deadline, reply, term, at_leader });
+                        self.retry.push(Request::Propose { command, deadline, reply, term, at_leader, reporter });
                     } else {
                         let addr = self.address_of(leader).unwrap_or_default();
                         let me = self.cfg.core.id;
                         let _ = reply.send(Err(ConsensusError::NotLeader { me, leader, addr }));
                     }
                     return;
+                }
+                if let (Some(from), Command::RecordCheckpoint { record }) = (reporter, command.as_ref()) {
+                    if let Err(why) = self.core.check_checkpoint_report(from, record) {
+                        tracing::warn!(node = self.cfg.core.id, from, %why, "checkpoint report refused");
+                        let _ = reply.send(Err(ConsensusError::Rejected(why.to_string())));
+                        return;
+                    }
                 }
                 let origin = ProposalId { node: self.cfg.core.id, seq: self.next_seq };
                 match self.core.propose(origin, command.as_ref().clone()) {
@@ -446,7 +455,7 @@ impl Loop {
                         self.proposals.insert(origin, (deadline, reply));
                     }
                     Err(e) if e.is_retryable() => {
-                        self.retry.push(Request::Propose { command, deadline, reply, term, at_leader })
+                        self.retry.push(Request::Propose { command, deadline, reply, term, at_leader, reporter })
                     }
                     Err(e) => {
                         let _ = reply.send(Err(e));

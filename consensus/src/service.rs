@@ -396,6 +396,10 @@ impl pb::consensus_server::Consensus for Service {
                 reply,
                 term: None,
                 at_leader: true,
+                reporter: match who {
+                    Some(Proposer::Node(id)) => Some(id),
+                    _ => None,
+                },
             })
             .await?
         {

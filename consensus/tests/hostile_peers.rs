@@ -157,14 +157,29 @@ fn messages_that_would_panic_raft_or_bypass_the_state_machine_are_refused() {
     // A checkpoint it claims to have written in no epoch it trains in (here: none; a new
     // cluster's resume record, epoch 0, is the leader's): such a record at a huge step would
     // make the log refuse every real one after it.
+    let hash = "0123456789abcdef".repeat(4);
     let record = CheckpointRecord {
         step: u64::MAX,
         epoch: 0,
-        content_hash: "x".into(),
-        location: "x".into(),
+        content_hash: hash.clone(),
+        location: "/x".into(),
         node: rogue,
     };
-    refused(&mut net, leader, forwarded(Command::RecordCheckpoint { record }), "which it does not train in");
+    let report = |record: &CheckpointRecord| forwarded(Command::RecordCheckpoint { record: record.clone() });
+    refused(&mut net, leader, report(&record), "which it does not train in");
+    // A record's shape, checked first: a hash that is not one, and a location that is
+    // empty, huge (kept in every snapshot), or holding an escape sequence for the operator's
+    // terminal (`limpet status` prints it).
+    for (content_hash, location, want) in [
+        ("x".to_string(), "/x".to_string(), "not 64 lowercase hex digits (1 bytes)"),
+        (hash.to_uppercase(), "/x".to_string(), "not 64 lowercase hex digits (64 bytes)"),
+        (hash.clone(), String::new(), "location that is empty"),
+        (hash.clone(), "/".repeat(4097), "longer than 4096 bytes"),
+        (hash.clone(), "/x\u{1b}[2J".to_string(), "holds a control character"),
+    ] {
+        let bad = CheckpointRecord { content_hash, location, ..record.clone() };
+        refused(&mut net, leader, report(&bad), want);
+    }
     // Its own hardware is its to report.
     assert!(net.node_mut(leader).step(forwarded(bump(rogue, 5))).is_ok());
 

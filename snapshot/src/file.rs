@@ -14,6 +14,25 @@ fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -
 /// complete new one: write a temporary file beside it, fsync it, rename it over `path`, then
 /// fsync the directory so the rename itself survives power loss.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SnapshotError> {
+    atomically(path, |tmp| {
+        let mut f = File::create(tmp).map_err(io_err("create", tmp))?;
+        f.write_all(bytes).map_err(io_err("write", tmp))
+    })
+}
+
+/// Writes `image`'s encoding to `path` as [`write_atomic`] writes bytes, but as it is made,
+/// a buffer at a time: a model-sized encoding is never held in memory beside the image.
+pub fn write_image_atomic(path: &Path, image: &StateImage) -> Result<(), SnapshotError> {
+    atomically(path, |tmp| image.write_new_file(tmp))
+}
+
+/// Runs `write` on a temporary file beside `path`, then makes it `path` durably (fsync,
+/// rename, fsync of the directory); on any failure removes the temporary and leaves the old
+/// file, if any, untouched.
+fn atomically(
+    path: &Path,
+    write: impl FnOnce(&Path) -> Result<(), SnapshotError>,
+) -> Result<(), SnapshotError> {
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
@@ -21,9 +40,8 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SnapshotError> {
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     let result = (|| {
-        let mut f = File::create(&tmp).map_err(io_err("create", &tmp))?;
-        f.write_all(bytes).map_err(io_err("write", &tmp))?;
-        f.sync_all().map_err(io_err("fsync", &tmp))?;
+        write(&tmp)?;
+        File::open(&tmp).and_then(|f| f.sync_all()).map_err(io_err("fsync", &tmp))?;
         fs::rename(&tmp, path).map_err(io_err("rename into place", path))?;
         File::open(dir).and_then(|d| d.sync_all()).map_err(io_err("fsync directory", dir))
     })();
@@ -52,6 +70,21 @@ pub fn read_meta(path: &Path) -> Result<StateMeta, SnapshotError> {
 /// Reads only a state file's header: its metadata and each tensor's dtype and shape, by
 /// name (nothing of the tensors' bytes is read or checked).
 pub fn read_header(path: &Path) -> Result<(StateMeta, crate::shards::Header), SnapshotError> {
+    let (_, _, meta, entries) = open_with_header(path)?;
+    Ok((meta, entries.into_iter().map(|(name, e)| (name, (e.dtype, e.shape))).collect()))
+}
+
+/// A tensor's entry in a state file's header.
+struct Entry {
+    dtype: crate::image::Dtype,
+    shape: Vec<usize>,
+    /// Where its bytes are, from the start of the data (after the header).
+    offsets: (u64, u64),
+}
+
+/// Opens a state file and reads its header: the file, positioned at its first tensor byte,
+/// the header's length, the metadata, and each tensor's entry by name.
+fn open_with_header(path: &Path) -> Result<(File, u64, StateMeta, BTreeMap<String, Entry>), SnapshotError> {
     use std::io::Read;
     let mut f = File::open(path).map_err(io_err("open", path))?;
     let mut len = [0u8; 8];
@@ -61,7 +94,7 @@ pub fn read_header(path: &Path) -> Result<(StateMeta, crate::shards::Header), Sn
         return Err(SnapshotError::Format(format!("a header of {n} bytes (at most {MAX_HEADER})")));
     }
     let mut header = Vec::with_capacity(n as usize);
-    f.take(n).read_to_end(&mut header).map_err(io_err("read", path))?;
+    (&mut f).take(n).read_to_end(&mut header).map_err(io_err("read", path))?;
     if header.len() as u64 != n {
         return Err(SnapshotError::Format(format!("the file ends inside its {n}-byte header")));
     }
@@ -86,9 +119,84 @@ pub fn read_header(path: &Path) -> Result<(StateMeta, crate::shards::Header), Sn
             .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
             .collect::<Option<Vec<usize>>>()
             .ok_or_else(|| bad("a shape that is not a list of sizes"))?;
-        tensors.insert(name.clone(), (dtype, shape));
+        let offsets = match t.get("data_offsets").and_then(serde_json::Value::as_array).map(Vec::as_slice) {
+            Some([a, b]) => a.as_u64().zip(b.as_u64()),
+            _ => None,
+        }
+        .ok_or_else(|| bad("no data offsets"))?;
+        tensors.insert(name.clone(), Entry { dtype, shape, offsets });
     }
-    Ok((meta, tensors))
+    Ok((f, n, meta, tensors))
+}
+
+/// Reads a state file back a buffer at a time and checks it as [`read_file`] does (its
+/// tensors those its metadata lists, each tensor's checksum, the content hash), without
+/// holding its bytes or its tensors: how a writer checks the file it wrote. Its metadata.
+pub fn verify_file(path: &Path) -> Result<StateMeta, SnapshotError> {
+    use std::io::Read;
+    let (mut f, n, meta, entries) = open_with_header(path)?;
+    let file_len = f.metadata().map_err(io_err("stat", path))?.len();
+    let mut order: Vec<(&String, &Entry)> = entries.iter().collect();
+    order.sort_by_key(|(_, e)| e.offsets);
+    let mut buf = vec![0u8; (8 << 20).min(file_len as usize).max(1)];
+    let mut at = 0u64;
+    let mut found = BTreeMap::new();
+    for (name, e) in order {
+        let bad = |what: String| SnapshotError::Format(format!("tensor {name}: {what}"));
+        let (begin, end) = e.offsets;
+        if begin != at || end < begin {
+            return Err(bad(format!("its bytes {begin}..{end} do not follow the tensor before, which ends at {at}")));
+        }
+        let want = e
+            .shape
+            .iter()
+            .try_fold(e.dtype.size() as u64, |acc, &d| acc.checked_mul(d as u64))
+            .ok_or_else(|| bad(format!("a shape of {:?} elements overflows", e.shape)))?;
+        if end - begin != want {
+            return Err(bad(format!("{} bytes for its shape {:?}, which needs {want}", end - begin, e.shape)));
+        }
+        let mut h = blake3::Hasher::new();
+        let mut left = end - begin;
+        while left > 0 {
+            let k = (left as usize).min(buf.len());
+            f.read_exact(&mut buf[..k]).map_err(io_err("read", path))?;
+            h.update(&buf[..k]);
+            left -= k as u64;
+        }
+        let sum = h.finalize().to_hex().to_string();
+        let expected = meta.checksums.get(name).ok_or_else(|| SnapshotError::TensorSet {
+            name: name.clone(),
+            problem: "is in the file but not listed in the checkpoint metadata",
+        })?;
+        if &sum != expected {
+            return Err(SnapshotError::Checksum { name: name.clone(), expected: expected.clone(), found: sum });
+        }
+        found.insert(name.as_str(), sum);
+        at = end;
+    }
+    if 8 + n + at != file_len {
+        return Err(SnapshotError::Format(format!(
+            "the file has {file_len} bytes where its header and tensors make {}",
+            8 + n + at
+        )));
+    }
+    if let Some(name) = meta.checksums.keys().find(|n| !found.contains_key(n.as_str())) {
+        return Err(SnapshotError::TensorSet {
+            name: name.clone(),
+            problem: "is listed in the checkpoint metadata but missing from the file",
+        });
+    }
+    let hashed = crate::image::content_hash_of(
+        meta.step,
+        meta.cursor,
+        meta.rng,
+        &meta.job,
+        entries.iter().map(|(name, e)| (name.as_str(), e.dtype, e.shape.as_slice(), found[name.as_str()].as_str())),
+    );
+    if hashed != meta.content_hash {
+        return Err(SnapshotError::ContentHash { expected: meta.content_hash, found: hashed });
+    }
+    Ok(meta)
 }
 
 /// A short fingerprint of a job (blake3 of its JSON, whose keys serde_json keeps sorted):

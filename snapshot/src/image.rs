@@ -190,7 +190,7 @@ pub struct StateImage {
     tensors: BTreeMap<String, RawTensor>,
 }
 
-fn checksum(data: &[u8]) -> String {
+pub(crate) fn checksum(data: &[u8]) -> String {
     blake3::hash(data).to_hex().to_string()
 }
 
@@ -286,6 +286,34 @@ impl StateImage {
 
     /// Encodes as safetensors bytes with the metadata in the header.
     pub fn encode(&self) -> Result<Vec<u8>, SnapshotError> {
+        let (views, header) = self.views()?;
+        safetensors::serialize(views, Some(header)).map_err(|e| SnapshotError::Format(e.to_string()))
+    }
+
+    /// Writes [`StateImage::encode`]'s bytes into a new file at `path` as they are made (a
+    /// buffer at a time), never holding the encoding in memory: the state's bytes are not
+    /// copied a second time. Not atomic: [`crate::write_image_atomic`] is.
+    pub(crate) fn write_new_file(&self, path: &std::path::Path) -> Result<(), SnapshotError> {
+        let (views, header) = self.views()?;
+        safetensors::serialize_to_file(views, Some(header), path).map_err(|e| match e {
+            safetensors::SafeTensorError::IoError(source) => {
+                SnapshotError::Io { op: "write", path: path.to_path_buf(), source }
+            }
+            e => SnapshotError::Format(e.to_string()),
+        })
+    }
+
+    /// About how many bytes [`StateImage::encode`] makes: the tensors' and the metadata's,
+    /// and room for each tensor's entry in the header (a bound for a disk-space check).
+    pub fn encoded_len(&self) -> u64 {
+        let meta = serde_json::to_string(&self.meta).map_or(0, |m| m.len() as u64);
+        let per_tensor = |n: &String, t: &RawTensor| (n.len() + 96 + 24 * t.shape.len()) as u64 + t.data.len() as u64;
+        8 + 64 + meta + self.tensors.iter().map(|(n, t)| per_tensor(n, t)).sum::<u64>()
+    }
+
+    /// The tensors as safetensors views, and the header's metadata.
+    #[allow(clippy::type_complexity)]
+    fn views(&self) -> Result<(Vec<(&str, TensorView<'_>)>, HashMap<String, String>), SnapshotError> {
         let views = self
             .tensors
             .iter()
@@ -296,8 +324,7 @@ impl StateImage {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let meta = serde_json::to_string(&self.meta).map_err(|e| SnapshotError::Meta(e.to_string()))?;
-        let header = HashMap::from([(META_KEY.to_string(), meta)]);
-        safetensors::serialize(views, Some(header)).map_err(|e| SnapshotError::Format(e.to_string()))
+        Ok((views, HashMap::from([(META_KEY.to_string(), meta)])))
     }
 
     /// Decodes and verifies bytes from an untrusted source (a file or a peer).

@@ -11,8 +11,10 @@
 //! whole state to and from the portable [`limpet_snapshot::StateImage`], whose content hash is
 //! how ranks prove they hold the same state.
 
-// One audited exception: the gradient buffer lends libtorch's memory to the collectives
-// (train/grads.rs), which no safe tch call can do without a model-sized copy.
+// Audited exceptions, each marked where it is: the gradient buffer lends libtorch's memory to
+// the collectives (train/grads.rs), which no safe tch call can do without a model-sized
+// copy; it calls forget_grad.cpp with a tensor's handle (what tch does not expose); and
+// device.rs asks glibc to hand freed heap pages back (malloc_trim, which takes no pointers).
 #![deny(unsafe_code)]
 
 pub mod data;

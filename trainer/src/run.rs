@@ -104,7 +104,8 @@ pub fn save_checkpoint(trainer: &Trainer, dir: &Path) -> Result<PathBuf, Trainer
     std::fs::create_dir_all(dir)
         .map_err(|e| TrainerError::Data { path: dir.to_path_buf(), detail: e.to_string() })?;
     let path = dir.join(CHECKPOINT_FILE);
-    limpet_snapshot::write_atomic(&path, &trainer.image()?.encode()?)?;
+    // Streamed into the file: the encoding is never held beside the image.
+    limpet_snapshot::write_image_atomic(&path, &trainer.image()?)?;
     Ok(path)
 }
 

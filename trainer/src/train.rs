@@ -495,7 +495,7 @@ impl Trainer {
     /// from the device when they are not views of it), then the loss sum, the sample count
     /// and the squared norm of the mean gradient.
     fn finish_grads(&mut self, loss_sum: f64, count: f64) -> Result<(), TrainerError> {
-        self.grads.collect(self.model.params())?;
+        self.grads.collect(self.model.params(), self.shards_gradients())?;
         let n = self.grads.grads_len();
         let buf = self.grads.as_mut_slice();
         let sq: f64 = buf[..n].iter().map(|&g| f64::from(g) * f64::from(g)).sum();

@@ -167,9 +167,8 @@ fn write_at(dir: &Path, image: &StateImage, path: &Path, min_free: u64) -> Resul
     // The bytes and the room first: the step's directory appears only to be filled at
     // once, so nobody lists an empty checkpoint (or one left by a refusal).
     create(dir)?;
-    let bytes = image.encode()?;
     if min_free > 0 {
-        check_room(dir, bytes.len() as u64, min_free)?;
+        check_room(dir, image.encoded_len(), min_free)?;
     }
     // Created once, by whichever writer comes first (stages on several hosts may share the
     // directory): the others find it there.
@@ -191,7 +190,8 @@ fn write_at(dir: &Path, image: &StateImage, path: &Path, min_free: u64) -> Resul
         path: dir.to_path_buf(),
         source,
     })?;
-    limpet_snapshot::write_atomic(path, &bytes)?;
+    // Streamed into the file: the encoding is never held beside the image.
+    limpet_snapshot::write_image_atomic(path, image)?;
     Ok(path.to_path_buf())
 }
 
@@ -285,15 +285,24 @@ impl Listed {
 
     /// The files of a whole set of shards (`0..n` of one `n`, the largest such), if any.
     pub fn shard_set(&self) -> Option<Vec<PathBuf>> {
+        self.shard_sets().into_iter().next()
+    }
+
+    /// The files of every whole set of shards, one per shard count, largest first: a step
+    /// written by two worlds (a write at the step, then training back at it in another
+    /// world) holds two.
+    pub fn shard_sets(&self) -> Vec<Vec<PathBuf>> {
         let mut counts: Vec<usize> = self.shards.iter().map(|s| s.2).collect();
         counts.sort_unstable();
         counts.dedup();
-        counts.into_iter().rev().find_map(|n| {
-            let of_n: Vec<&(PathBuf, usize, usize)> = self.shards.iter().filter(|s| s.2 == n).collect();
-            let set: Option<Vec<PathBuf>> =
-                (0..n).map(|i| of_n.iter().find(|s| s.1 == i).map(|s| s.0.clone())).collect();
-            set
-        })
+        counts
+            .into_iter()
+            .rev()
+            .filter_map(|n| {
+                let of_n: Vec<&(PathBuf, usize, usize)> = self.shards.iter().filter(|s| s.2 == n).collect();
+                (0..n).map(|i| of_n.iter().find(|s| s.1 == i).map(|s| s.0.clone())).collect()
+            })
+            .collect()
     }
 
     /// Every file of the checkpoint, parts and shards.
@@ -411,18 +420,16 @@ pub fn await_shards(
 /// Reads back a part just written and checks it holds `image` (its content hash): a part
 /// that does not is no checkpoint, and nothing is pruned or recorded for it.
 pub fn verify_part(path: &Path, image: &StateImage) -> Result<(), CheckpointError> {
-    let back = limpet_snapshot::read_file(path).map_err(|e| CheckpointError::Bad {
+    // Checked as it is read, a buffer at a time: neither the file's bytes nor its tensors are
+    // held (a whole read held both beside the image just written).
+    let back = limpet_snapshot::verify_file(path).map_err(|e| CheckpointError::Bad {
         path: path.to_path_buf(),
         detail: format!("does not read back: {e}"),
     })?;
-    if back.content_hash() != image.content_hash() {
+    if back.content_hash != image.content_hash() {
         return Err(CheckpointError::Bad {
             path: path.to_path_buf(),
-            detail: format!(
-                "reads back as {}, not the {} written",
-                back.content_hash(),
-                image.content_hash()
-            ),
+            detail: format!("reads back as {}, not the {} written", back.content_hash, image.content_hash()),
         });
     }
     Ok(())
@@ -430,9 +437,21 @@ pub fn verify_part(path: &Path, image: &StateImage) -> Result<(), CheckpointErro
 
 /// Reads a checkpoint's parts and joins them into one image of the whole model, checking
 /// that every part is intact, at the checkpoint's step, and of one job and one data order.
+/// A step holding whole sets of shards of two worlds joins the first that loads, the largest
+/// first (a set fetched from S3 beside a stale one, a step two worlds wrote); the error is
+/// the first set's.
 pub fn load(listed: &Listed, blocks: usize) -> Result<StateImage, CheckpointError> {
-    if let Some(files) = listed.shard_set() {
-        return load_shards(listed.step, &files);
+    let mut first_error = None;
+    for files in listed.shard_sets() {
+        match load_shards(listed.step, &files) {
+            Ok(image) => return Ok(image),
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    if let Some(e) = first_error {
+        return Err(e);
     }
     let ranges: Vec<Range<usize>> = listed.parts.iter().map(|(_, r)| r.clone()).collect();
     let chosen = cover(&ranges, blocks).ok_or_else(|| CheckpointError::Bad {
@@ -572,6 +591,13 @@ mod tests {
         write_shard(dir.path(), &other[1], (1, 3), 0).unwrap();
         let e = load(&listed_at(dir.path(), 40).unwrap(), 4).unwrap_err().to_string();
         assert!(e.contains("shard-1-of-3.limpet"), "{e}");
+        // Beside it, a whole set of another world at the step (training came back to it in
+        // another world, or a set fetched from S3): the join takes the set that loads.
+        let two = shards_of(&whole, 2);
+        write_shard(dir.path(), &two[0], (0, 2), 0).unwrap();
+        assert!(load(&listed_at(dir.path(), 40).unwrap(), 4).is_err(), "one set broken, the other incomplete");
+        write_shard(dir.path(), &two[1], (1, 2), 0).unwrap();
+        assert_eq!(load(&listed_at(dir.path(), 40).unwrap(), 4).unwrap(), whole);
         // The writer of shard 0 waits for a whole set whose headers make its hash: the set
         // of another write is refused, a set still missing a shard times out.
         let short = std::time::Duration::from_millis(200);

@@ -49,10 +49,11 @@ pub fn prune(
 /// headers alone ([`shards_agree`]: reading every shard would mean reading the whole state
 /// at each checkpoint; each writer read its own back when it wrote it).
 fn loads_intact(l: &Listed, blocks: usize, job: &serde_json::Value) -> bool {
-    match l.shard_set() {
-        Some(files) => shards_agree(&files).is_ok_and(|(step, j, _)| step == l.step && &j == job),
-        None => load(l, blocks).is_ok_and(|image| &image.meta().job == job),
+    let sets = l.shard_sets();
+    if sets.is_empty() {
+        return load(l, blocks).is_ok_and(|image| &image.meta().job == job);
     }
+    sets.iter().any(|files| shards_agree(files).is_ok_and(|(step, j, _)| step == l.step && &j == job))
 }
 
 #[cfg(test)]

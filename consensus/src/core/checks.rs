@@ -192,14 +192,37 @@ impl<S: LogStore> Core<S> {
         Ok(())
     }
 
-    /// A member's report of a checkpoint it wrote: of an epoch it trains in (a new cluster's
-    /// resume point, epoch 0, is the leader's to record), at a step inside that epoch and the
-    /// job. A record past them would make the log refuse every real one after it.
-    fn check_checkpoint_report(
+    /// A member's report of a checkpoint it wrote: a content hash as the state's is written
+    /// (64 lowercase hex digits) and a location of at most [`MAX_CHECKPOINT_LOCATION`] bytes
+    /// with no control character (the log keeps the newest records in every snapshot, and
+    /// `limpet status` prints them to an operator's terminal, which a control sequence would
+    /// drive); of an epoch it trains in (a new cluster's resume point, epoch 0, is the
+    /// leader's to record), at a step inside that epoch and the job. A record past them
+    /// would make the log refuse every real one after it.
+    pub(crate) fn check_checkpoint_report(
         &self,
         from: NodeId,
         r: &CheckpointRecord,
     ) -> std::result::Result<(), StepError> {
+        let hex = |b: u8| b.is_ascii_digit() || (b'a'..=b'f').contains(&b);
+        if r.content_hash.len() != 64 || !r.content_hash.bytes().all(hex) {
+            return Err(StepError::Refused(format!(
+                "node {from} reports a checkpoint whose content hash is not 64 lowercase hex digits ({} bytes)",
+                r.content_hash.len()
+            )));
+        }
+        let location = match &r.location {
+            l if l.is_empty() => Some("is empty"),
+            l if l.len() > MAX_CHECKPOINT_LOCATION => Some("is longer than 4096 bytes"),
+            l if l.chars().any(char::is_control) => Some("holds a control character"),
+            _ => None,
+        };
+        if let Some(why) = location {
+            return Err(StepError::Refused(format!(
+                "node {from} reports a checkpoint location that {why} ({} bytes)",
+                r.location.len()
+            )));
+        }
         let epoch = self.state.history.iter().find(|e| e.id == r.epoch && r.epoch != 0);
         let Some(epoch) = epoch.filter(|e| e.ranks.contains(&from)) else {
             return Err(StepError::Refused(format!(
@@ -217,6 +240,10 @@ impl<S: LogStore> Core<S> {
         Ok(())
     }
 }
+
+/// The longest checkpoint location a member may record: a path the kernel can open
+/// (`PATH_MAX`), or an S3 URL of one.
+pub const MAX_CHECKPOINT_LOCATION: usize = 4096;
 
 /// Whether a configuration is one raft-rs can restore as it is: raft-rs rebuilds it from
 /// the lists and treats any difference from what it was sent (a duplicate, an id in two

@@ -431,7 +431,23 @@ pub fn render(d: &StatusDoc) -> String {
             n.checkpoint_error.as_deref().unwrap_or_default()
         );
     }
-    s
+    terminal_safe(&s)
+}
+
+/// `text` with every control character but the line breaks shown escaped (`\u{1b}`). What
+/// the status shows is mostly members' words (names, reasons, GPU models, checkpoint
+/// locations and errors); one holding an escape sequence would otherwise act on the
+/// operator's terminal (clear it, retitle it, hide lines).
+pub fn terminal_safe(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_control() && c != '\n' {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// The transitions as a table: epoch, step, world, batch, idle time, lost steps, state
@@ -455,12 +471,12 @@ pub fn transitions_table(transitions: &[TransitionDoc]) -> String {
             x.cause.clone(),
         ]);
     }
-    format!("{}\n", lines(&t))
+    terminal_safe(&format!("{}\n", lines(&t)))
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{build, host_line, render, transitions_table, TransitionDoc};
+    use super::{build, host_line, render, terminal_safe, transitions_table, TransitionDoc};
     use limpet_agent::report::{AgentReport, Broken, Phase};
     use limpet_consensus::state::{ClusterState, Command, Hardware, MemberSpec};
 
@@ -556,6 +572,34 @@ mod tests {
         let end = |l: &str, w: &str| l.find(w).map(|i| i + w.len());
         assert_eq!(end(lines[0], "STEP"), end(lines[1], "3025"), "{text}");
         assert!(lines[1].contains("1.4 MB") && lines[1].ends_with("drain of node 4"), "{text}");
+    }
+
+    /// A member's name, a reason and a checkpoint location holding escape sequences reach
+    /// the operator's terminal escaped: no control character but the line breaks.
+    #[test]
+    fn members_words_cannot_drive_the_operators_terminal() {
+        let spec = |id, name: &str| MemberSpec {
+            id,
+            name: name.into(),
+            control_addr: String::new(),
+            data_addr: String::new(),
+            hardware: Hardware { gpu_model: "A10G\u{1b}[8m".into(), gpus: 1, ..Hardware::default() },
+        };
+        let mut st = ClusterState::bootstrap("c", &[spec(1, "n1"), spec(2, "n2\u{1b}]0;pwned\u{7}")]);
+        st.apply(&Command::Drain { id: 2, reason: "bye\u{1b}[2J\rgone".into() }).unwrap();
+        st.checkpoints.push(limpet_consensus::state::CheckpointRecord {
+            step: 5,
+            epoch: 0,
+            content_hash: String::new(),
+            location: "/ckpt\u{1b}[2J".into(),
+            node: 2,
+        });
+        let text = render(&build("c", &st, 1, 1, &[], "n1"));
+        assert!(!text.chars().any(|c| c.is_control() && c != '\n'), "{text:?}");
+        for shown in ["n2\\u{1b}]0;pwned\\u{7}", "A10G\\u{1b}[8m", "/ckpt\\u{1b}[2J", "bye\\u{1b}[2J\\rgone"] {
+            assert!(text.contains(shown), "{shown} not in {text}");
+        }
+        assert_eq!(terminal_safe("a\tb\nc"), "a\\tb\nc");
     }
 
     #[test]

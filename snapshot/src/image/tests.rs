@@ -183,5 +183,46 @@ proptest! {
     #[test]
     fn prop_arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
         let _ = StateImage::decode(&bytes);
+        let _ = verify_bytes(&bytes);
     }
+
+    /// A streamed write is the encoding, byte for byte, and reads back as the image.
+    #[test]
+    fn prop_streamed_file_is_the_encoding(img in arb_image()) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.limpet");
+        crate::write_image_atomic(&path, &img).unwrap();
+        prop_assert_eq!(std::fs::read(&path).unwrap(), img.encode().unwrap());
+        prop_assert_eq!(&crate::verify_file(&path).unwrap(), img.meta());
+    }
+
+    /// The streamed check agrees with the full decode on damaged and truncated files: it
+    /// accepts exactly what the decode accepts, with the same metadata.
+    #[test]
+    fn prop_streamed_check_agrees_with_decode(
+        img in arb_image(),
+        pos in any::<prop::sample::Index>(),
+        xor in 1u8..=255,
+        cut in any::<prop::sample::Index>(),
+    ) {
+        let mut bytes = img.encode().unwrap();
+        let i = pos.index(bytes.len());
+        bytes[i] ^= xor;
+        for b in [&bytes[..], &bytes[..cut.index(bytes.len())]] {
+            let decoded = StateImage::decode(b).map(|d| d.meta().clone());
+            let checked = verify_bytes(b);
+            prop_assert_eq!(decoded.is_ok(), checked.is_ok(), "decode {:?}, streamed {:?}", decoded, checked);
+            if let (Ok(a), Ok(b)) = (decoded, checked) {
+                prop_assert_eq!(a, b);
+            }
+        }
+    }
+}
+
+/// [`crate::verify_file`] on `bytes`, written to a file of their own.
+fn verify_bytes(bytes: &[u8]) -> Result<crate::StateMeta, crate::SnapshotError> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.limpet");
+    std::fs::write(&path, bytes).unwrap();
+    crate::verify_file(&path)
 }

@@ -277,7 +277,7 @@ impl Trainer {
         let idx = self.sampler.indices(positions);
         let (x, y) = self.batch_on_device(&idx)?;
         let loss = self.model.loss_backward(&x, &y, self.job.memory_plan())?;
-        self.grads.collect(self.model.params())?;
+        self.grads.collect(self.model.params(), self.shards_gradients())?;
         Ok(loss)
     }
 

@@ -8,7 +8,10 @@
 //! into an existing `.grad` in place when autograd is not recording, which it never is
 //! during backward.) On another device the buffer is the host staging area: each
 //! parameter's gradient is copied into its place after backward, and the update takes each
-//! parameter's averaged part back, so no model-sized tensor is made on the device.
+//! parameter's averaged part back, so no model-sized tensor is made on the device. A job
+//! that shards its gradients then makes each device gradient undefined (`p.grad = None`,
+//! through `forget_grad.cpp`), so between its copy and the next backward the device holds
+//! none of them.
 
 use crate::TrainerError;
 use tch::{Device, Kind, Tensor};
@@ -112,7 +115,8 @@ impl GradBuffer {
 
     /// Zeroes gradients and scalars, before a step's backward passes accumulate; when
     /// `give_back`, by giving the buffer's pages back to the system (see [`release`]), so
-    /// that only what backward writes is resident.
+    /// that only what backward writes is resident, and by making the device's gradients
+    /// undefined (backward then creates each as it reaches it).
     pub(crate) fn zero(&mut self, params: &[(String, Tensor)], give_back: bool) -> Result<(), TrainerError> {
         if give_back {
             release(self.as_mut_slice());
@@ -120,7 +124,11 @@ impl GradBuffer {
             let _ = self.flat.f_zero_()?;
         }
         if !self.bound {
-            for (_, p) in params {
+            for (name, p) in params {
+                if give_back {
+                    forget_grad(name, p)?;
+                    continue;
+                }
                 let mut g = p.grad();
                 if g.defined() {
                     let _ = g.f_zero_()?;
@@ -132,22 +140,36 @@ impl GradBuffer {
 
     /// Brings this step's gradients into the buffer: nothing to do when they are views of
     /// it; else each parameter's copied from its device straight into its place, one after
-    /// another, so the device never holds a model-sized temporary.
-    pub(crate) fn collect(&mut self, params: &[(String, Tensor)]) -> Result<(), TrainerError> {
+    /// another, so the device never holds a model-sized temporary. When `forget`, each
+    /// device gradient is made undefined once copied.
+    pub(crate) fn collect(&mut self, params: &[(String, Tensor)], forget: bool) -> Result<(), TrainerError> {
         if self.bound {
             return Ok(());
         }
         let mut offset = 0i64;
-        for (_, p) in params {
+        for (name, p) in params {
             let n = p.numel() as i64;
-            let mut place = self.flat.narrow(0, offset, n);
-            let g = p.grad();
-            if g.defined() {
-                place.f_copy_(&g.detach().reshape([-1]))?;
-            } else {
-                let _ = place.f_zero_()?;
-            }
+            self.take(name, p, offset, forget)?;
             offset += n;
+        }
+        Ok(())
+    }
+
+    /// Copies `p`'s gradient into its place at `offset` (zeros when backward gave it none),
+    /// then, when `forget`, makes it undefined. The copy into host memory is synchronous
+    /// (pageable memory, the current stream), so the device memory is not in use when
+    /// libtorch's allocator takes it back.
+    fn take(&mut self, name: &str, p: &Tensor, offset: i64, forget: bool) -> Result<(), TrainerError> {
+        let mut place = self.flat.narrow(0, offset, p.numel() as i64);
+        let g = p.grad();
+        if g.defined() {
+            place.f_copy_(&g.detach().reshape([-1]))?;
+        } else {
+            let _ = place.f_zero_()?;
+        }
+        drop(g);
+        if forget {
+            forget_grad(name, p)?;
         }
         Ok(())
     }
@@ -160,25 +182,20 @@ impl GradBuffer {
         &mut self,
         params: &[(String, Tensor)],
         range: &std::ops::Range<usize>,
+        forget: bool,
     ) -> Result<(), TrainerError> {
         if self.bound {
             return Ok(());
         }
         let mut offset = 0usize;
-        for (_, p) in params {
+        for (name, p) in params {
             let n = p.numel();
             let here = offset..offset + n;
             offset += n;
             if here.start < range.start || here.end > range.end {
                 continue;
             }
-            let mut place = self.flat.narrow(0, here.start as i64, n as i64);
-            let g = p.grad();
-            if g.defined() {
-                place.f_copy_(&g.detach().reshape([-1]))?;
-            } else {
-                let _ = place.f_zero_()?;
-            }
+            self.take(name, p, here.start as i64, forget)?;
         }
         Ok(())
     }
@@ -243,6 +260,31 @@ impl RawBuffer {
     }
 }
 
+extern "C" {
+    /// `forget_grad.cpp`: resets the gradient of the tensor behind the handle; 0, or 1 when
+    /// libtorch threw.
+    fn limpet_forget_grad(t: *mut torch_sys::C_tensor) -> std::os::raw::c_int;
+}
+
+/// Makes `p`'s gradient undefined, as PyTorch's `p.grad = None`: its memory goes back to
+/// the device's allocator (when no other handle holds it), and the next backward creates a
+/// new one. tch exposes no way to do it.
+pub(crate) fn forget_grad(name: &str, p: &Tensor) -> Result<(), TrainerError> {
+    // A handle of our own to the same tensor: the gradient is the tensor's, not the handle's.
+    let mut handle = p.shallow_clone();
+    // SAFETY: `handle` is a live tch tensor for the whole call, and the function only resets
+    // the gradient in its autograd metadata (the trainer's thread is the only one touching
+    // this parameter's gradient: backward has finished with it, or not begun).
+    #[allow(unsafe_code)]
+    let failed = unsafe { limpet_forget_grad(handle.as_mut_ptr()) };
+    match failed {
+        0 => Ok(()),
+        _ => Err(TrainerError::Torch(tch::TchError::Torch(format!(
+            "libtorch threw while making parameter {name}'s gradient undefined"
+        )))),
+    }
+}
+
 /// Sets `values` to zero and gives the whole pages among them back to the system, which
 /// maps them anew (zeroed) when next written: what sharded gradients do with the parts of
 /// the buffer this rank no longer needs, so its resident size is what it holds and what
@@ -292,6 +334,33 @@ fn page_size() -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `p.grad = None`: the gradient is undefined through every handle of the parameter, the
+    /// next backward makes a new one (not added to the old), and a tensor that never had
+    /// one, or is not a parameter, is left as it is.
+    #[test]
+    fn a_forgotten_gradient_is_undefined_until_the_next_backward() {
+        let p = Tensor::from_slice(&[1.0f32, 2.0]).set_requires_grad(true);
+        let other_handle = p.shallow_clone();
+        forget_grad("p", &p).unwrap();
+        assert!(!p.grad().defined());
+        (&p * 3.0).sum(Kind::Float).backward();
+        let old = p.grad();
+        assert_eq!(Vec::<f32>::try_from(&old).unwrap(), [3.0, 3.0]);
+        forget_grad("p", &other_handle).unwrap();
+        assert!(!p.grad().defined(), "the gradient is the tensor's, not the handle's");
+        // The old gradient's own handle still reads its values: nothing was freed under it.
+        assert_eq!(Vec::<f32>::try_from(&old).unwrap(), [3.0, 3.0]);
+        (&p * 5.0).sum(Kind::Float).backward();
+        assert_eq!(Vec::<f32>::try_from(&p.grad()).unwrap(), [5.0, 5.0]);
+        // A tensor with no gradient, parameter or not, is left as it was.
+        let plain = Tensor::from_slice(&[1.0f32]);
+        forget_grad("plain", &plain).unwrap();
+        assert!(!plain.requires_grad() && !plain.grad().defined());
+        let fresh = Tensor::from_slice(&[1.0f32]).set_requires_grad(true);
+        forget_grad("fresh", &fresh).unwrap();
+        assert!(fresh.requires_grad() && !fresh.grad().defined());
+    }
 
     #[test]
     fn release_zeroes_its_values_and_nothing_beside_them() {

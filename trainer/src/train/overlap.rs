@@ -227,8 +227,10 @@ impl Trainer {
         // One bucket: it and the scalars after it are summed as one range. Several: the
         // bucket that starts the buffer is not next to the scalars, and goes on its own.
         let one = buckets.in_order().count() <= 1;
+        // A job that shards its gradients keeps no device gradient once it is in the buffer.
+        let forget = self.shards_gradients();
         let hand_over = |model: &Model, grads: &mut super::grads::GradBuffer, range: &Range<usize>| {
-            grads.collect_range(model.params(), range)?;
+            grads.collect_range(model.params(), range, forget)?;
             if !one || range.end < n {
                 // A send fails only when the reducing thread has stopped on an error, which
                 // its join reports.

@@ -231,7 +231,7 @@ fn bound_and_collected_gradient_buffers_agree() {
     assert!(bound.as_mut_slice().iter().all(|&v| v == 0.0));
     backward(&bp);
     backward(&cp);
-    collected.collect(&cp).unwrap();
+    collected.collect(&cp, false).unwrap();
     assert_eq!(bound.as_mut_slice()[..7], want);
     assert_eq!(collected.as_mut_slice()[..7], want);
     backward(&bp);

@@ -334,10 +334,17 @@ fn sharded_run(
     data: fn() -> crate::data::Dataset,
     hosts: &[usize],
     (per_host, replicas): (usize, usize),
+    device: bool,
 ) -> ShardedRun {
     let world: usize = hosts.iter().sum();
     let mut ranks: Vec<Trainer> =
         (0..world).map(|_| Trainer::try_new(job.clone(), data()).unwrap()).collect();
+    if device {
+        // The device path, on the CPU: gradients of their own, copied into the buffer.
+        for t in &mut ranks {
+            t.grads = crate::train::grads::GradBuffer::with_binding(t.model.params(), false).unwrap();
+        }
+    }
     shard(&mut ranks, per_host, replicas, 1);
     let (mut losses, mut stray) = (Vec::new(), Vec::new());
     for _ in 0..3 {
@@ -357,8 +364,14 @@ fn sharded_run(
             assert!(mine.is_some() && mine == owners, "rank {r}'s replica of block {b}");
         }
     }
-    let left: Vec<bool> =
-        ranks.iter().map(|t| t.grads.grads().abs().sum(tch::Kind::Float).double_value(&[]) > 0.0).collect();
+    // On the device path a parameter's own gradient counts too.
+    let left: Vec<bool> = ranks
+        .iter()
+        .map(|t| {
+            t.grads.grads().abs().sum(tch::Kind::Float).double_value(&[]) > 0.0
+                || (!t.grads.is_bound() && t.model.params().iter().any(|(_, p)| p.grad().defined()))
+        })
+        .collect();
     on_hosts(&mut ranks, hosts, |_, t, local| {
         crate::train::buckets::set_bucket_values(20_000);
         t.unshard(local).unwrap()
@@ -368,12 +381,14 @@ fn sharded_run(
     (losses, stray, left, states)
 }
 
-/// Sharded gradients (ZeRO-2) train the bits of sharded optimizer state alone/// Sharded gradients (ZeRO-2) train the bits of sharded optimizer state alone, with the
+/// Sharded gradients (ZeRO-2) train the bits of sharded optimizer state alone, with the
 /// reduction overlapped with backward or after it, over hosts of two devices and of one:
 /// the same losses and, gathered, the same state. What a rank keeps differs: when it starts
 /// gathering the parameters, its buffer outside the blocks it holds is zeros (given back),
 /// where sharded optimizer state alone keeps what the ring left there; after the step, the
-/// buffer's gradients are all given back.
+/// buffer's gradients are all given back. On the device path (each parameter's gradient its
+/// own, copied into the buffer) the same bits, and no parameter keeps a gradient after a
+/// step with sharded gradients, where it does with sharded optimizer state alone.
 #[test]
 fn sharded_gradients_train_the_bits_of_sharded_state_and_keep_only_held_blocks() {
     use crate::train::tests::char_data;
@@ -383,14 +398,15 @@ fn sharded_gradients_train_the_bits_of_sharded_state_and_keep_only_held_blocks()
     // arrive, which only two operands make deterministic.
     // (Two hosts of one rank hold no replica: one would be every block.)
     for (hosts, per_host, replicas) in [(vec![2, 2], 2, 1), (vec![1, 1], 1, 0)] {
-        let run = |j: &JobSpec| sharded_run(j, char_data, &hosts, (per_host, replicas));
-        for after in [false, true] {
+        let mut on_host = Vec::new();
+        for (after, device) in [(false, false), (true, false), (false, true), (true, true)] {
+            let run = |j: &JobSpec| sharded_run(j, char_data, &hosts, (per_host, replicas), device);
             let sharding = |gradients| Some(crate::Sharding { replicas, gradients });
             let one = JobSpec { reduce_after_backward: after, shard_state: sharding(false), ..base.clone() };
             let two = JobSpec { shard_state: sharding(true), ..one.clone() };
             let (l1, s1, left1, h1) = run(&one);
             let (l2, s2, left2, h2) = run(&two);
-            let case = format!("hosts {hosts:?}, reduced after backward: {after}");
+            let case = format!("hosts {hosts:?}, reduced after backward: {after}, device path: {device}");
             assert_eq!(l1, l2, "{case}: losses");
             assert!(h1 == h2, "{case}: gathered state");
             assert!(h2.iter().all(|h| h == &h2[0]), "{case}: ranks differ");
@@ -403,16 +419,24 @@ fn sharded_gradients_train_the_bits_of_sharded_state_and_keep_only_held_blocks()
                 "{case}: nothing kept outside held blocks"
             );
             assert!(left1.iter().all(|l| *l) && left2.iter().all(|l| !*l), "{case}: {left1:?} {left2:?}");
+            // The device path trains the bits of the host's (runs without it came first).
+            match device {
+                false => on_host.push((l2, h2)),
+                true => assert!(on_host[after as usize] == (l2, h2), "{case}: not the host path's bits"),
+            }
         }
     }
     // Reproducible: the whole fixed-point sum on every rank, the same bits again.
     let exact = wide_exact_job();
     let sharding = |gradients| Some(crate::Sharding { replicas: 1, gradients });
     let run =
-        |g| sharded_run(&JobSpec { shard_state: sharding(g), ..exact.clone() }, synthetic, &[2, 2], (2, 1));
-    let (one, two) = (run(false), run(true));
+        |g, device| sharded_run(&JobSpec { shard_state: sharding(g), ..exact.clone() }, synthetic, &[2, 2], (2, 1), device);
+    let (one, two, on_device) = (run(false, false), run(true, false), run(true, true));
     assert_eq!(one.0, two.0, "reproducible: losses");
     assert!(one.3 == two.3, "reproducible: gathered state");
     assert!(two.1.iter().flatten().flatten().all(|&n| n == 0), "reproducible: kept {:?}", two.1);
     assert!(two.2.iter().all(|l| !*l), "reproducible: gradients left");
+    assert_eq!(one.0, on_device.0, "reproducible, device path: losses");
+    assert!(one.3 == on_device.3, "reproducible, device path: gathered state");
+    assert!(on_device.2.iter().all(|l| !*l), "reproducible, device path: gradients left");
 }
