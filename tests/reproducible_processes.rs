@@ -364,3 +364,44 @@ fn sharded_state_over_hosts_of_two_devices_changes_no_bit() {
         common::transition(&summary, cause);
     }
 }
+
+/// Hosts of unequal devices shard too: nodes of 2, 2 and 1 CPU devices (then 2 and 1 after
+/// the notice, 2, 1 and 2 after the join, 2 and 2 after the kill of the host of one) re-cut
+/// at every entry, never gathered and never back to a checkpoint, and end with one process's
+/// every tensor and loss. While a host has one device, only the first device of each host
+/// holds a block.
+#[test]
+fn sharded_state_over_hosts_of_unequal_devices_changes_no_bit() {
+    const LONG: u64 = 3000;
+    let tmp = tempfile::tempdir().unwrap();
+    let one = train_for(&tmp.path().join("one"), &["--reproducible"], LONG);
+    let dir = tmp.path().join("sharded-unequal");
+    let extra =
+        ["--reproducible", "--devices", "2", "--node-devices", "node-3:1", "--shard-replicas", "1"];
+    let summary = scenario_for(&dir, 3, SCRIPT, &extra, LONG);
+    let logs = common::node_logs(&dir);
+    for epoch in 2..=4 {
+        let recut = format!("optimizer state re-cut for the new group epoch={epoch}");
+        assert!(logs.contains(&recut), "no re-cut entering epoch {epoch}:\n{logs}");
+    }
+    assert!(!logs.contains("gathered from its shards for the entry"), "{logs}");
+    assert!(!logs.contains("kept whole"), "{logs}");
+    assert!(!logs.contains("back to the newest checkpoint"), "a kill lost a block:\n{logs}");
+    // The first epoch's five ranks (hosts of 2, 2, 1): host 1's second device (rank 3) owns
+    // an empty block and holds nothing else.
+    assert!(logs.contains("held=[[2, 0], [3]]"), "{logs}");
+    let (got, _) = params(Path::new(summary["checkpoint"].as_str().unwrap()));
+    let (want, _) = params(Path::new(one["checkpoint"].as_str().unwrap()));
+    for (name, t) in want.tensors() {
+        let g = &got.tensors()[name];
+        assert!(
+            g.data() == t.data() && g.shape() == t.shape(),
+            "{name} differs from one process's: {summary:#}"
+        );
+    }
+    assert_eq!(got.tensors().len(), want.tensors().len());
+    same_losses(&agent_losses(&dir), &train_losses(&tmp.path().join("one")), "sharded over unequal devices");
+    for cause in ["notice for node 2", "join of node 4", "failure of node 3"] {
+        common::transition(&summary, cause);
+    }
+}

@@ -83,7 +83,9 @@ pub(super) fn each<R: Send>(
     // A host of one device among hosts of several still reduces as a local group: every
     // host must run each collective the same way (a relay, say: the ring's own plan on
     // one, a sum of bits through the local group on another, would not meet).
-    let group = LocalGroup::of_hosts(n, first, 1, &LocalSums::default(), equal_hosts(epoch));
+    // Every host of the epoch is told alike: sharded state's blocks group by host from the
+    // counts, and hosts alike relay by host.
+    let group = LocalGroup::of_host_counts(n, first, 1, &LocalSums::default(), super::sharding::host_counts(epoch));
     let f = &f;
     std::thread::scope(|s| {
         let handles: Vec<_> = followers[..n - 1]
@@ -109,12 +111,6 @@ pub(super) fn each<R: Send>(
     })
 }
 
-/// The epoch's hosts when every one has as many ranks (every host of the epoch decides
-/// alike), so that a local group's relay goes between hosts by host.
-fn equal_hosts(epoch: &Epoch) -> Option<usize> {
-    let first = epoch.local_ranks_of(0);
-    (0..epoch.ranks.len()).all(|i| epoch.local_ranks_of(i) == first).then_some(epoch.ranks.len())
-}
 
 /// Whether this host trains with at least the `n` local ranks `epoch` gives it. The log
 /// refuses an epoch that gives a node more ranks than its record announced, but a record can
@@ -209,7 +205,7 @@ pub(super) fn step(
     }
     let plan = leader.plan();
     let samples = (first..first + n).map(|r| plan.share_in(r, world, &shares).len()).sum();
-    let group = LocalGroup::of_hosts(n, first, 1 + lanes.len(), sums, equal_hosts(epoch));
+    let group = LocalGroup::of_host_counts(n, first, 1 + lanes.len(), sums, super::sharding::host_counts(epoch));
     let mut lanes = lanes.iter_mut();
     let mut theirs: Vec<Option<Result<StepStats, TrainerError>>> = followers.iter().map(|_| None).collect();
     let mine = pool.in_place_scope(|s| {

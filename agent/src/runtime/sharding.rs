@@ -12,9 +12,10 @@
 //! A host of several local ranks (`[node].devices`) shards over its devices: each local
 //! rank is a rank of the layout, which places every block's replicas on other hosts
 //! ([`ShardLayout::over_hosts`]), and every local rank takes part in the re-cut, the
-//! gathers and the checkpoint's parts ([`super::local_ranks::each`]). Hosts of unequal
-//! device counts keep whole state: a layout over them could not keep a block's holders on
-//! different hosts and reduce-scatter by host.
+//! gathers and the checkpoint's parts ([`super::local_ranks::each`]). On hosts of unequal
+//! device counts the first `m` devices of every host (`m` the fewest any host has) hold the
+//! blocks, as on hosts of `m`; a host's other devices own empty blocks, train, and take the
+//! gathered parameters ([`ShardLayout::over_host_counts`]).
 
 use super::checkpointer;
 use super::error::AgentError;
@@ -57,12 +58,6 @@ pub(super) fn enter(
     let first = n.first_rank_of(me);
     let target = layout_of(trainer, job, n, first);
     let recut = target.is_some();
-    if !recut && per_host(n).is_none() && n.layout.pipeline == 1 {
-        tracing::warn!(
-            epoch = n.id,
-            "hosts with unequal device counts: the optimizer state is kept whole this epoch"
-        );
-    }
     let started = Instant::now();
     let regrouped = super::local_ranks::each(trainer, followers, n, me, group, |r, t, reduce| {
         let target = layout_of(t, job, n, r);
@@ -310,10 +305,9 @@ pub(super) fn layout_for(trainer: &Trainer, job: &JobSpec, n: &Epoch, rank: usiz
     layout_of(trainer, job, n, rank)
 }
 
-/// Ranks on each host of `n` when every host has as many (`None`: hosts differ).
-fn per_host(n: &Epoch) -> Option<usize> {
-    let first = n.local_ranks_of(0);
-    (0..n.ranks.len()).all(|i| n.local_ranks_of(i) == first).then_some(first as usize)
+/// Ranks on each host of `n`, in host order.
+pub(super) fn host_counts(n: &Epoch) -> Vec<usize> {
+    (0..n.ranks.len()).map(|i| n.local_ranks_of(i) as usize).collect()
 }
 
 /// The layout of epoch `n`'s state for rank `rank` of its devices whatever the step
@@ -323,10 +317,9 @@ fn layout_of(trainer: &Trainer, job: &JobSpec, n: &Epoch, rank: usize) -> Option
     if n.layout.pipeline > 1 {
         return None;
     }
-    let (hosts, per_host) = (n.ranks.len(), per_host(n)?);
-    let replicas = sharding.replicas.min(hosts.saturating_sub(1));
+    let replicas = sharding.replicas.min(n.ranks.len().saturating_sub(1));
     let len = trainer.buffer_len() - 3;
-    ShardLayout::over_hosts(len, hosts * per_host, per_host, rank, replicas).ok().map(|l| l.tagged(n.id))
+    ShardLayout::over_host_counts(len, &host_counts(n), rank, replicas).ok().map(|l| l.tagged(n.id))
 }
 
 /// Cuts the whole state of an entered epoch into each local rank's shard (node `me`'s,

@@ -90,6 +90,10 @@ pub struct ScenarioArgs {
     /// CPU local ranks per node ([node].devices = ["cpu", ...]): a host's devices, each a rank.
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub devices: u16,
+    /// NODE:N gives NODE N CPU local ranks in place of --devices (hosts of unequal devices);
+    /// repeatable.
+    #[arg(long, value_name = "NODE:N", value_parser = parse_node_devices)]
+    pub node_devices: Vec<(String, usize)>,
     /// Fewest nodes training continues with.
     #[arg(long, default_value_t = 1)]
     pub min_nodes: usize,
@@ -141,6 +145,14 @@ fn parse_slow_factor(s: &str) -> Result<(String, f64), String> {
     match f.parse::<f64>() {
         Ok(v) if v.is_finite() && (1.0..=100.0).contains(&v) => Ok((node.to_string(), v)),
         _ => Err(format!("--slow-factor {s:?}: {f:?} is not a factor within 1..=100")),
+    }
+}
+
+fn parse_node_devices(s: &str) -> Result<(String, usize), String> {
+    let (node, n) = s.split_once(':').ok_or_else(|| format!("--node-devices {s:?} is not NODE:N"))?;
+    match n.parse::<usize>() {
+        Ok(n) if (1..=64).contains(&n) => Ok((node.to_string(), n)),
+        _ => Err(format!("--node-devices {s:?}: {n:?} is not a device count within 1..=64")),
     }
 }
 
@@ -215,6 +227,7 @@ pub fn scenario(a: ScenarioArgs) -> limpet_daemon::Result<()> {
             (mode.to_string(), r)
         }),
         devices: usize::from(a.devices),
+        node_devices: a.node_devices.clone(),
         ..LocalJob::default()
     };
     let summary = run_scenario(&a.dir, a.nodes, job, &script, Duration::from_secs(a.timeout), !a.json)?;

@@ -111,6 +111,9 @@ pub struct LocalJob {
     /// `[node].devices` of every node: this many CPU local ranks (0 or 1: the key is left out).
     #[serde(default)]
     pub devices: usize,
+    /// The same for the nodes named, in place of `devices` (hosts of unequal devices).
+    #[serde(default)]
+    pub node_devices: Vec<(String, usize)>,
     /// `[job].overlap` (absent: the default, overlapping).
     #[serde(default)]
     pub overlap: Option<bool>,
@@ -155,6 +158,7 @@ impl Default for LocalJob {
             eval_every: None,
             shard_state: None,
             devices: 0,
+            node_devices: Vec::new(),
             overlap: None,
         }
     }
@@ -326,8 +330,9 @@ impl LocalCluster {
         if j.metrics_tls {
             text += "metrics_tls = true\n\n";
         }
-        if j.devices > 1 {
-            text += &format!("devices = [{}]\n\n", vec!["\"cpu\""; j.devices].join(", "));
+        let devices = j.node_devices.iter().find(|(n, _)| n == name).map_or(j.devices, |(_, d)| *d);
+        if devices > 1 {
+            text += &format!("devices = [{}]\n\n", vec!["\"cpu\""; devices].join(", "));
         }
         if let Some((_, us)) = j.slow.as_ref().filter(|(n, _)| n == name) {
             text += &format!("slowdown_us_per_sample = {us}\n\n");

@@ -22,8 +22,9 @@
 //! Sharded state goes the same way. A reduce-scatter sums the host's buffers as above, and
 //! the hosts reduce-scatter between them by host: host `h`'s block is the blocks of its
 //! ranks, and the `replicas` hosts before it send it theirs, which hold the blocks of the
-//! same local ranks there ([`crate::ShardLayout::over_hosts`]); every local rank then copies
-//! the host's sums back. An allgather puts each local rank's own block into the host's
+//! same local ranks there ([`crate::ShardLayout::over_host_counts`]; on hosts of unequal
+//! device counts a host's ranks past the fewest any host has own empty blocks); every local
+//! rank then copies the host's sums back. An allgather puts each local rank's own block into the host's
 //! buffer and the hosts allgather their blocks. Either moves between hosts what one rank per
 //! host would move with the same blocks.
 //!
@@ -147,9 +148,11 @@ struct Shared {
     n: usize,
     /// The job's rank of local rank 0 (local rank `i` is rank `first + i`).
     first: usize,
-    /// The hosts of the job when every host has `n` local ranks (rank `r` on host `r / n`):
-    /// then a relay goes between hosts only where a piece's takers are.
-    hosts: Option<usize>,
+    /// Ranks on each host of the job, in host order, when known (this host's count is
+    /// `n`): blocks of sharded state group by host from them, and when every host has as
+    /// many, a relay goes between hosts only where a piece's takers are. Unknown: hosts of
+    /// `n` each.
+    counts: Option<Vec<usize>>,
     /// Lanes between hosts: local ranks `0..lanes` each drive one.
     lanes: usize,
     state: Mutex<State>,
@@ -221,11 +224,23 @@ impl LocalGroup {
         sums: &LocalSums,
         hosts: Option<usize>,
     ) -> LocalGroup {
+        LocalGroup::with_counts(n, first, lanes, sums, hosts.map(|h| vec![n.max(1); h]))
+    }
+
+    /// The same, told the job's ranks on each host, in host order (`counts`, this host's
+    /// `n` among them): sharded state's blocks group by host from them, and when every host
+    /// has as many, a relay goes between hosts by host. Every host of the epoch must be
+    /// told alike.
+    pub fn of_host_counts(n: usize, first: usize, lanes: usize, sums: &LocalSums, counts: Vec<usize>) -> LocalGroup {
+        LocalGroup::with_counts(n, first, lanes, sums, Some(counts))
+    }
+
+    fn with_counts(n: usize, first: usize, lanes: usize, sums: &LocalSums, counts: Option<Vec<usize>>) -> LocalGroup {
         sums.reset();
         let n = n.max(1);
         let state = State { sums: sums.clone(), ..State::default() };
         let lanes = lanes.clamp(1, n);
-        let shared = Shared { n, first, hosts, lanes, state: Mutex::new(state), changed: Condvar::new() };
+        let shared = Shared { n, first, counts, lanes, state: Mutex::new(state), changed: Condvar::new() };
         LocalGroup { shared: Arc::new(shared) }
     }
 
@@ -271,21 +286,34 @@ enum Local<T> {
 type Between<'b, T> = &'b dyn Fn(&mut dyn Reduce, &mut [T], Range<usize>, u64) -> Result<(), TrainerError>;
 
 impl LocalRank<'_> {
-    /// Each host's block of `blocks` (one per rank of the job, in rank order: host `h`'s
-    /// ranks are `h * n..(h + 1) * n` for a group of `n`), and this local rank's own.
+    /// The job's ranks on each host, in host order: the counts told, else hosts of `n`
+    /// each for `world` ranks.
+    fn counts(&self, world: usize) -> Vec<usize> {
+        let n = self.shared.n;
+        self.shared.counts.clone().unwrap_or_else(|| vec![n; world / n])
+    }
+
+    /// Each host's block of `blocks` (one per rank of the job, in rank order, host after
+    /// host as [`LocalRank::counts`] gives them), this local rank's own, and the host
+    /// counts, checked to hold this host's ranks where the group says.
+    #[allow(clippy::type_complexity)]
     fn host_blocks(
         &self,
         blocks: &[Range<usize>],
-    ) -> Result<(Vec<Range<usize>>, Range<usize>), TrainerError> {
-        let (n, me) = (self.shared.n, self.shared.first + self.index);
-        if blocks.len() % n != 0 || me >= blocks.len() || self.shared.first % n != 0 {
+    ) -> Result<(Vec<Range<usize>>, Range<usize>, Vec<usize>), TrainerError> {
+        let (n, first, me) = (self.shared.n, self.shared.first, self.shared.first + self.index);
+        let counts = self.counts(blocks.len());
+        let firsts: Vec<usize> = counts.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect();
+        let here = firsts.iter().position(|&f| f == first).filter(|&h| counts[h] == n);
+        if counts.iter().sum::<usize>() != blocks.len() || counts.contains(&0) || here.is_none() {
             return Err(TrainerError::Config(format!(
-                "{} blocks for hosts of {n} local ranks, this one rank {me}",
+                "{} blocks for hosts of {counts:?} local ranks, this one rank {me} of a host of {n} from rank {first}",
                 blocks.len()
             )));
         }
-        let hosts = blocks.chunks(n).map(|h| h[0].start..h[n - 1].end).collect();
-        Ok((hosts, blocks[me].clone()))
+        let hosts =
+            firsts.iter().zip(&counts).map(|(&f, &c)| blocks[f].start..blocks[f + c - 1].end).collect();
+        Ok((hosts, blocks[me].clone(), counts))
     }
 
     /// The hierarchical collective: every local rank's `buf` combined into the host's sums
@@ -417,8 +445,8 @@ impl Reduce for LocalRank<'_> {
         self.all(vals, step, |c| &mut c.i32s, max, &|r, b, _, s| r.allreduce_max_i32(b, s), None)
     }
 
-    fn ranks_per_host(&self) -> usize {
-        self.shared.n
+    fn host_counts(&self, world: usize) -> Vec<usize> {
+        self.counts(world)
     }
 
     fn reduce_scatter_sum(
@@ -431,15 +459,21 @@ impl Reduce for LocalRank<'_> {
         // The host's sum of every value, then the hosts' reduce-scatter by host: this host
         // ends with its block and its replicas' hosts' blocks, which hold every block its
         // local ranks hold.
-        let (hosts, _) = self.host_blocks(blocks)?;
+        let (hosts, _, counts) = self.host_blocks(blocks)?;
         let add = Local::Combine(|a: &mut f32, b| *a += b);
         let between = |r: &mut dyn Reduce, b: &mut [f32], range: Range<usize>, s: u64| {
             r.reduce_scatter_sum(b, &within(&hosts, range), replicas, s)
         };
-        // Each device copies back only the blocks it holds: the rest is undefined anyway.
-        let (w, n, me) = (blocks.len(), self.shared.n, self.shared.first + self.index);
-        let held: Vec<Range<usize>> =
-            (0..=replicas.min(w / n)).map(|k| blocks[(me + w - (k * n) % w) % w].clone()).collect();
+        // Each device copies back only the blocks it holds (its own, and the same local
+        // rank's on the hosts before: a layout over these hosts says which): the rest is
+        // undefined anyway.
+        let me = self.shared.first + self.index;
+        let replicas = replicas.min(counts.len() - 1);
+        let held: Vec<Range<usize>> = crate::ShardLayout::over_host_counts(buf.len(), &counts, me, replicas)?
+            .held()
+            .into_iter()
+            .map(|b| blocks[b].clone())
+            .collect();
         self.all(buf, step, |c| &mut c.f32s, add, &between, Some(&held))
     }
 
@@ -451,8 +485,10 @@ impl Reduce for LocalRank<'_> {
         step: u64,
     ) -> Result<(), TrainerError> {
         let (n, first) = (self.shared.n, self.shared.first);
-        let Some(hosts) = self.shared.hosts else {
-            // Hosts of unequal device counts: every host sums the pieces' bits alike.
+        let equal = self.shared.counts.as_ref().filter(|c| c.iter().all(|&x| x == n)).map(Vec::len);
+        let Some(hosts) = equal else {
+            // Hosts of unequal device counts (or unknown): every host sums the pieces' bits
+            // alike.
             return relay_by_sums(self, buf, pieces, rank, step);
         };
         let world = hosts * n;
@@ -512,7 +548,7 @@ impl Reduce for LocalRank<'_> {
         blocks: &[Range<usize>],
         step: u64,
     ) -> Result<(), TrainerError> {
-        let (hosts, own) = self.host_blocks(blocks)?;
+        let (hosts, own, _) = self.host_blocks(blocks)?;
         let between = |r: &mut dyn Reduce, b: &mut [f32], range: Range<usize>, s: u64| {
             r.allgather_blocks(b, &within(&hosts, range), s)
         };
@@ -545,7 +581,7 @@ impl Trainer {
     pub fn follow(&mut self, leader: &Trainer) -> Result<bool, TrainerError> {
         if self.shard.is_some() || leader.shard.is_some() {
             let group =
-                |t: &Trainer| t.shard_layout().map(|l| (l.tag(), l.world(), l.per_host(), l.replicas()));
+                |t: &Trainer| t.shard_layout().map(|l| (l.tag(), l.world(), l.counts().to_vec(), l.replicas()));
             if self.shard.is_none() || group(self) != group(leader) || self.step != leader.step {
                 return Err(TrainerError::Reduce {
                     peer: None,

@@ -103,7 +103,7 @@ impl Trainer {
         let started = std::time::Instant::now();
         let step = self.step;
         let layout = match self.shard.is_some() {
-            true => Some(self.step_layout(rank, world, reduce.ranks_per_host())?),
+            true => Some(self.step_layout(rank, world, &reduce.host_counts(world))?),
             false => None,
         };
         if let Some(s) = self.shard.as_mut() {

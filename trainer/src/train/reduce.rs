@@ -31,15 +31,17 @@ pub trait Reduce {
         Err(TrainerError::reduce("this reduce cannot take maxima: a reproducible job needs one that can"))
     }
 
-    /// Ranks on each host of this reduce's group (see [`Reduce::reduce_scatter_sum`]): one
-    /// unless a host's local ranks reduce together.
-    fn ranks_per_host(&self) -> usize {
-        1
+    /// Ranks on each host of this reduce's group of `world` ranks, in host order (see
+    /// [`Reduce::reduce_scatter_sum`]): one each unless a host's local ranks reduce together.
+    fn host_counts(&self, world: usize) -> Vec<usize> {
+        vec![1; world]
     }
 
-    /// Leaves rank `i` with `buf[blocks[i]]` summed over ranks, and the blocks of the
-    /// `replicas` hosts before its own too, rank `i - k * ranks_per_host()` for `k` up to
-    /// `replicas` (what sharded optimizer state needs); the rest of `buf` is undefined.
+    /// Leaves rank `i` with `buf[blocks[i]]` summed over ranks, and the blocks it holds as
+    /// replicas too: those of the same local rank on the `replicas` hosts before its own
+    /// (`ShardLayout::held` over [`Reduce::host_counts`]; with one rank per host, ranks
+    /// `i - k` for `k` up to `replicas`): what sharded optimizer state needs. The rest of
+    /// `buf` is undefined.
     fn reduce_scatter_sum(
         &mut self,
         _: &mut [f32],

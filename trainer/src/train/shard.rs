@@ -46,11 +46,49 @@ pub struct ShardLayout {
     blocks: Vec<Range<usize>>,
     rank: usize,
     replicas: usize,
-    /// Ranks on each host (every host the same count): ranks `h * per_host ..` are host
-    /// `h`'s local ranks, and a block's replicas are `per_host` ranks apart.
-    per_host: usize,
+    /// Ranks on each host, in host order (host `h`'s ranks follow host `h - 1`'s). The
+    /// first `m` of every host (`m` the fewest any host has) hold the blocks, in the order of
+    /// a layout of hosts of `m`; a host's other ranks own an empty block at the end of its
+    /// own. A block's replicas are the same local rank's on the hosts after its owner's.
+    counts: Vec<usize>,
     /// Which group the layout is of (the agent's epoch), so ranks tell layouts apart.
     tag: u64,
+}
+
+/// Where a layout's block `i` of `shards` starts, of a gradient of `len` values: near-equal
+/// cuts at multiples of [`ALIGN`].
+fn cut(len: usize, shards: usize, i: usize) -> usize {
+    if i == shards {
+        len
+    } else {
+        (i * len / shards) / ALIGN * ALIGN
+    }
+}
+
+/// The value ranges a rank holds in a layout over hosts of `m` block-holding ranks each,
+/// `shards` of them in all (hosts x `m`), of a gradient of `len` values: for shard rank `s`
+/// (host `s / m`'s local rank `s % m`), its block and the same local rank's on the
+/// `replicas` hosts before its own; for a rank that holds no block (`None`), nothing. What
+/// a peer's facts in a regroup give, without every host's count.
+pub(crate) fn held_ranges(
+    len: usize,
+    (shards, m): (usize, usize),
+    s: Option<usize>,
+    replicas: usize,
+) -> Vec<Range<usize>> {
+    let Some(s) = s else { return Vec::new() };
+    (0..=replicas)
+        .map(|k| (s + shards - (k * m) % shards) % shards)
+        .map(|b| cut(len, shards, b)..cut(len, shards, b + 1))
+        .collect()
+}
+
+/// Hosts' rank counts as a person reads them: `2` when every host has two, else the list.
+fn describe_counts(counts: &[usize]) -> String {
+    match counts.first() {
+        Some(&c) if counts.iter().all(|&x| x == c) => c.to_string(),
+        _ => format!("{counts:?}"),
+    }
 }
 
 impl ShardLayout {
@@ -72,25 +110,53 @@ impl ShardLayout {
         rank: usize,
         replicas: usize,
     ) -> Result<Self, TrainerError> {
-        if world == 0 || rank >= world {
-            return Err(TrainerError::Config(format!("rank {rank} of a world of {world}")));
-        }
         if per_host == 0 || world % per_host != 0 {
             return Err(TrainerError::Config(format!(
                 "{world} ranks are not hosts of {per_host} local ranks each"
             )));
         }
-        let hosts = world / per_host;
+        ShardLayout::over_host_counts(len, &vec![per_host; world / per_host], rank, replicas)
+    }
+
+    /// The same over hosts of `counts[h]` local ranks (at least one each; ranks numbered
+    /// host after host). With `m` the fewest any host has, the first `m` local ranks of
+    /// every host hold blocks as over hosts of `m` (their replicas on other hosts, as
+    /// there); a host's ranks past `m` own empty blocks and hold nothing else, so hosts of
+    /// unequal device counts still shard (the state over `m` ranks a host; its other
+    /// devices train and take the gathered parameters).
+    pub fn over_host_counts(
+        len: usize,
+        counts: &[usize],
+        rank: usize,
+        replicas: usize,
+    ) -> Result<Self, TrainerError> {
+        let world: usize = counts.iter().sum();
+        if world == 0 || rank >= world || counts.contains(&0) {
+            return Err(TrainerError::Config(format!("rank {rank} of hosts of {counts:?} ranks")));
+        }
+        let hosts = counts.len();
         if hosts > 1 && replicas >= hosts {
-            let (what, count) = if per_host == 1 { ("ranks", world) } else { ("hosts", hosts) };
+            let (what, count) = if world == hosts { ("ranks", world) } else { ("hosts", hosts) };
             return Err(TrainerError::Config(format!(
                 "{replicas} replicas of each shard need more than {count} {what}"
             )));
         }
-        let cut = |i: usize| if i == world { len } else { (i * len / world) / ALIGN * ALIGN };
-        let blocks = (0..world).map(|i| cut(i)..cut(i + 1)).collect();
+        let m = *counts.iter().min().expect("at least one host");
+        let shards = hosts * m;
+        let mut blocks = Vec::with_capacity(world);
+        for (h, &c) in counts.iter().enumerate() {
+            for k in 0..c {
+                blocks.push(match k < m {
+                    true => cut(len, shards, h * m + k)..cut(len, shards, h * m + k + 1),
+                    false => {
+                        let end = cut(len, shards, (h + 1) * m);
+                        end..end
+                    }
+                });
+            }
+        }
         let replicas = if hosts == 1 { 0 } else { replicas };
-        Ok(ShardLayout { blocks, rank, replicas, per_host, tag: 0 })
+        Ok(ShardLayout { blocks, rank, replicas, counts: counts.to_vec(), tag: 0 })
     }
 
     /// The same layout, marked as the group `tag`'s.
@@ -124,21 +190,61 @@ impl ShardLayout {
         self.replicas
     }
 
-    /// Ranks on each host.
-    pub fn per_host(&self) -> usize {
-        self.per_host
+    /// Ranks on each host, in host order.
+    pub fn counts(&self) -> &[usize] {
+        &self.counts
     }
 
-    /// The blocks this rank holds: its own first, then the `replicas` hosts' before it.
+    /// Block-holding ranks on each host (the fewest ranks any host has), and those in all.
+    pub(crate) fn shards(&self) -> (usize, usize) {
+        let m = *self.counts.iter().min().expect("at least one host");
+        (self.counts.len() * m, m)
+    }
+
+    /// Rank `r`'s host and local rank.
+    fn place(&self, r: usize) -> (usize, usize) {
+        let mut first = 0;
+        for (h, &c) in self.counts.iter().enumerate() {
+            if r < first + c {
+                return (h, r - first);
+            }
+            first += c;
+        }
+        unreachable!("rank {r} of {} ranks", self.world())
+    }
+
+    /// The rank of host `h`'s local rank `k`.
+    fn rank_at(&self, h: usize, k: usize) -> usize {
+        self.counts[..h].iter().sum::<usize>() + k
+    }
+
+    /// This rank's place among the block-holding ranks (`None`: it owns an empty block,
+    /// past its host's first `m`).
+    pub(crate) fn shard_rank(&self) -> Option<usize> {
+        let (h, k) = self.place(self.rank);
+        let (_, m) = self.shards();
+        (k < m).then_some(h * m + k)
+    }
+
+    /// The blocks this rank holds: its own first, then the `replicas` hosts' before it (only
+    /// its own, empty, when it is past its host's first `m`).
     pub fn held(&self) -> Vec<usize> {
-        let (w, s) = (self.world(), self.per_host);
-        (0..=self.replicas).map(|k| (self.rank + w - k * s) % w).collect()
+        let (h, k) = self.place(self.rank);
+        let (hosts, (_, m)) = (self.counts.len(), self.shards());
+        if k >= m {
+            return vec![self.rank];
+        }
+        (0..=self.replicas).map(|j| self.rank_at((h + hosts - j % hosts) % hosts, k)).collect()
     }
 
     /// The ranks holding block `b`: its owner first, then its replicas in order.
     pub fn holders(&self, b: usize) -> Vec<usize> {
-        let (w, s) = (self.world(), self.per_host);
-        (0..=self.replicas).map(|k| (b + k * s) % w).collect()
+        let (h, k) = self.place(b);
+        let (hosts, (_, m)) = (self.counts.len(), self.shards());
+        if k >= m {
+            return vec![b];
+        }
+        (0..=self.replicas).map(|j| self.rank_at((h + j) % hosts, k)).collect()
     }
 }
 
@@ -353,7 +459,7 @@ impl Trainer {
         if self.job.reproducible {
             return self.exact_step(rank, world, reduce);
         }
-        let layout = self.step_layout(rank, world, reduce.ranks_per_host())?;
+        let layout = self.step_layout(rank, world, &reduce.host_counts(world))?;
         let step = self.step;
         self.shard.as_mut().expect("sharded").pending = None;
         self.compute_grads(rank, world)?;
@@ -377,13 +483,13 @@ impl Trainer {
     }
 
     /// The layout a step as `rank` of `world` uses: this trainer's, checked usable and cut
-    /// for that rank and world, and for hosts of `per_host` ranks (the reduce's
-    /// [`Reduce::ranks_per_host`], which places the replicas' blocks it scatters).
+    /// for that rank and world, and for hosts of `counts` ranks (the reduce's
+    /// [`Reduce::host_counts`], which places the replicas' blocks it scatters).
     pub(super) fn step_layout(
         &self,
         rank: usize,
         world: usize,
-        per_host: usize,
+        counts: &[usize],
     ) -> Result<ShardLayout, TrainerError> {
         let layout = self.usable_shard()?.layout.clone();
         if (layout.rank, layout.world()) != (rank, world) {
@@ -393,10 +499,14 @@ impl Trainer {
                 layout.world()
             )));
         }
-        if layout.per_host != per_host && layout.replicas > 0 {
+        // Without replicas hosts of equal counts reduce-scatter any layout alike; hosts of
+        // unequal counts place the empty blocks by host.
+        let equal = |c: &[usize]| c.iter().all(|&x| x == c[0]);
+        if layout.counts != counts && (layout.replicas > 0 || !equal(&layout.counts) || !equal(counts)) {
             return Err(TrainerError::Config(format!(
-                "state sharded over hosts of {} ranks, reduced over hosts of {per_host}",
-                layout.per_host
+                "state sharded over hosts of {} ranks, reduced over hosts of {}",
+                describe_counts(&layout.counts),
+                describe_counts(counts)
             )));
         }
         Ok(layout)

@@ -24,11 +24,9 @@ fn on_hosts<R: Send>(
     let groups: Vec<LocalGroup> = hosts
         .iter()
         .zip(&firsts)
-        .map(|(&n, &first)| {
-            // Hosts alike relay by host, as an epoch of them does.
-            let equal = hosts.iter().all(|&m| m == n).then_some(hosts.len());
-            LocalGroup::of_hosts(n, first, lanes, &LocalSums::default(), equal)
-        })
+        // Every host told every host's count, as an epoch tells them (hosts alike then
+        // relay by host).
+        .map(|(&n, &first)| LocalGroup::of_host_counts(n, first, lanes, &LocalSums::default(), hosts.to_vec()))
         .collect();
     let f = &f;
     std::thread::scope(|s| {
@@ -122,13 +120,13 @@ fn run(job: &JobSpec, hosts: &[usize], steps: usize) -> Vec<Vec<String>> {
     hashes
 }
 
-/// Shards every rank's state over hosts of `per_host` local ranks with `replicas`, as
-/// group `tag`.
-fn shard(ranks: &mut [Trainer], per_host: usize, replicas: usize, tag: u64) {
-    let world = ranks.len();
+/// Shards every rank's state over hosts of `hosts` local ranks with `replicas`, as group
+/// `tag`.
+fn shard(ranks: &mut [Trainer], hosts: &[usize], replicas: usize, tag: u64) {
+    assert_eq!(ranks.len(), hosts.iter().sum::<usize>());
     for (r, t) in ranks.iter_mut().enumerate() {
         let n = t.buffer_len() - 3;
-        t.shard_state(ShardLayout::over_hosts(n, world, per_host, r, replicas).unwrap().tagged(tag)).unwrap();
+        t.shard_state(ShardLayout::over_host_counts(n, hosts, r, replicas).unwrap().tagged(tag)).unwrap();
     }
 }
 
@@ -148,7 +146,7 @@ fn sharded_state_over_local_ranks_trains_the_bits_of_whole_state() {
     let whole = run(&exact, &[1], 3);
     let hosts = [2, 2];
     let mut ranks = trainers(&exact, &hosts);
-    shard(&mut ranks, 2, 1, 1);
+    shard(&mut ranks, &hosts, 1, 1);
     for _ in 0..3 {
         on_hosts(&mut ranks, &hosts, |r, t, local| t.train_step(r, 4, local).unwrap());
     }
@@ -165,7 +163,7 @@ fn sharded_state_over_local_ranks_trains_the_bits_of_whole_state() {
     let data = synthetic();
     let plain = job(ModelKind::Mlp, &data, 24, 4);
     let (mut a, mut b) = (trainers(&plain, &hosts), trainers(&plain, &hosts));
-    shard(&mut a, 2, 1, 1);
+    shard(&mut a, &hosts, 1, 1);
     for step in 0..3 {
         let la = on_hosts(&mut a, &hosts, |r, t, local| t.train_step(r, 4, local).unwrap().loss);
         let lb = on_hosts(&mut b, &hosts, |r, t, local| t.train_step(r, 4, local).unwrap().loss);
@@ -196,7 +194,7 @@ fn a_host_killed_loses_no_shard_since_its_replicas_are_on_other_hosts() {
     let e = t.sharded_step(0, 6, &mut LocalGroup::new(2).rank(0, None)).unwrap_err();
     assert!(e.to_string().contains("sharded over hosts of 1 ranks, reduced over hosts of 2"), "{e}");
     let mut ranks = trainers(&exact, &hosts);
-    shard(&mut ranks, 2, 1, 1);
+    shard(&mut ranks, &hosts, 1, 1);
     for _ in 0..2 {
         on_hosts(&mut ranks, &hosts, |r, t, local| t.train_step(r, 6, local).unwrap());
     }
@@ -217,6 +215,56 @@ fn a_host_killed_loses_no_shard_since_its_replicas_are_on_other_hosts() {
     on_hosts(&mut survivors, &hosts, |_, t, local| t.unshard(local).unwrap());
     for (r, t) in survivors.iter().enumerate() {
         assert_eq!(t.content_hash().unwrap(), whole[3][0], "survivor {r}");
+    }
+}
+
+/// Hosts of unequal device counts shard too: the first two devices of each host hold the
+/// blocks (a host's third owns an empty one and holds nothing), and a reproducible job trains
+/// one process's bits through a kill of the host of three (its blocks' replicas are on the
+/// others) and a newcomer host of three joining, re-cut both times without a gather.
+#[test]
+fn hosts_of_unequal_devices_shard_and_train_the_bits_of_one_process() {
+    let exact = wide_exact_job();
+    let whole = run(&exact, &[1], 6);
+    let hosts = [2, 3, 2];
+    let mut ranks = trainers(&exact, &hosts);
+    shard(&mut ranks, &hosts, 1, 1);
+    let held: Vec<Vec<usize>> = ranks.iter().map(|t| t.shard_layout().unwrap().held()).collect();
+    // Block-holding ranks 0, 1 | 2, 3 | 5, 6; rank 4 owns an empty block. Each holds its
+    // own and the same local rank's on the host before.
+    assert_eq!(held, vec![vec![0, 5], vec![1, 6], vec![2, 0], vec![3, 1], vec![4], vec![5, 2], vec![6, 3]]);
+    let layout = ranks[4].shard_layout().unwrap().clone();
+    assert!(layout.blocks()[4].is_empty() && !layout.blocks()[3].is_empty());
+    for _ in 0..2 {
+        on_hosts(&mut ranks, &hosts, |r, t, local| t.train_step(r, 7, local).unwrap());
+    }
+    // A kill -9 of host 1 takes ranks 2, 3 and 4; host 2's first two devices hold its blocks.
+    let mut survivors: Vec<Trainer> =
+        ranks.drain(..).enumerate().filter(|(r, _)| !(2..5).contains(r)).map(|(_, t)| t).collect();
+    let regroup = |ranks: &mut [Trainer], hosts: &[usize], tag: u64| {
+        let world = hosts.iter().sum();
+        on_hosts(ranks, hosts, |r, t, local| {
+            let n = t.buffer_len() - 3;
+            let target = ShardLayout::over_host_counts(n, hosts, r, 1).unwrap().tagged(tag);
+            t.regroup(r, world, Some(target), u64::MAX, local).unwrap()
+        })
+    };
+    assert_eq!(regroup(&mut survivors, &[2, 2], 2), vec![Some(2); 4]);
+    for _ in 0..2 {
+        on_hosts(&mut survivors, &[2, 2], |r, t, local| t.train_step(r, 4, local).unwrap());
+    }
+    // A host of three devices joins, holding nothing: the re-cut gives it the step's
+    // parameters and position and its first two devices their blocks.
+    survivors.extend(trainers(&exact, &[3]));
+    let hosts = [2, 2, 3];
+    assert_eq!(regroup(&mut survivors, &hosts, 3), vec![Some(4); 7]);
+    assert!(survivors[6].shard_layout().unwrap().blocks()[6].is_empty());
+    for _ in 0..2 {
+        on_hosts(&mut survivors, &hosts, |r, t, local| t.train_step(r, 7, local).unwrap());
+    }
+    on_hosts(&mut survivors, &hosts, |_, t, local| t.unshard(local).unwrap());
+    for (r, t) in survivors.iter().enumerate() {
+        assert_eq!(t.content_hash().unwrap(), whole[5][0], "rank {r}");
     }
 }
 
@@ -284,8 +332,8 @@ impl Reduce for GatherSpy<'_, '_> {
         self.inner.allreduce_max_i32(vals, step)
     }
 
-    fn ranks_per_host(&self) -> usize {
-        self.inner.ranks_per_host()
+    fn host_counts(&self, world: usize) -> Vec<usize> {
+        self.inner.host_counts(world)
     }
 
     fn reduce_scatter_sum(
@@ -333,7 +381,7 @@ fn sharded_run(
     job: &JobSpec,
     data: fn() -> crate::data::Dataset,
     hosts: &[usize],
-    (per_host, replicas): (usize, usize),
+    replicas: usize,
     device: bool,
 ) -> ShardedRun {
     let world: usize = hosts.iter().sum();
@@ -345,7 +393,7 @@ fn sharded_run(
             t.grads = crate::train::grads::GradBuffer::with_binding(t.model.params(), false).unwrap();
         }
     }
-    shard(&mut ranks, per_host, replicas, 1);
+    shard(&mut ranks, hosts, replicas, 1);
     let (mut losses, mut stray) = (Vec::new(), Vec::new());
     for _ in 0..3 {
         let out = on_hosts(&mut ranks, hosts, |r, t, local| {
@@ -397,10 +445,11 @@ fn sharded_gradients_train_the_bits_of_sharded_state_and_keep_only_held_blocks()
     // Two hosts: the threads standing for the ring between hosts sum in the order they
     // arrive, which only two operands make deterministic.
     // (Two hosts of one rank hold no replica: one would be every block.)
-    for (hosts, per_host, replicas) in [(vec![2, 2], 2, 1), (vec![1, 1], 1, 0)] {
+    // And hosts of 3 and 2 devices: the third device of host 0 holds no block.
+    for (hosts, replicas) in [(vec![2, 2], 1), (vec![1, 1], 0), (vec![3, 2], 1)] {
         let mut on_host = Vec::new();
         for (after, device) in [(false, false), (true, false), (false, true), (true, true)] {
-            let run = |j: &JobSpec| sharded_run(j, char_data, &hosts, (per_host, replicas), device);
+            let run = |j: &JobSpec| sharded_run(j, char_data, &hosts, replicas, device);
             let sharding = |gradients| Some(crate::Sharding { replicas, gradients });
             let one = JobSpec { reduce_after_backward: after, shard_state: sharding(false), ..base.clone() };
             let two = JobSpec { shard_state: sharding(true), ..one.clone() };
@@ -430,7 +479,7 @@ fn sharded_gradients_train_the_bits_of_sharded_state_and_keep_only_held_blocks()
     let exact = wide_exact_job();
     let sharding = |gradients| Some(crate::Sharding { replicas: 1, gradients });
     let run =
-        |g, device| sharded_run(&JobSpec { shard_state: sharding(g), ..exact.clone() }, synthetic, &[2, 2], (2, 1), device);
+        |g, device| sharded_run(&JobSpec { shard_state: sharding(g), ..exact.clone() }, synthetic, &[2, 2], 1, device);
     let (one, two, on_device) = (run(false, false), run(true, false), run(true, true));
     assert_eq!(one.0, two.0, "reproducible: losses");
     assert!(one.3 == two.3, "reproducible: gathered state");

@@ -27,28 +27,55 @@ fn hash_tensors<'a>(
 }
 
 /// Values in each rank's row of a regroup's facts (see [`Trainer::regroup`]).
-const FACTS: usize = 21;
+const FACTS: usize = 25;
 
 /// The most ranks a layout in a regroup's facts may have, and the most replicas: bounds on
 /// what a peer's row can make this rank allocate and compute.
 const MOST_RANKS: i64 = 1 << 16;
 const MOST_REPLICAS: i64 = 64;
 
-/// Rank `j`'s layout from its row of a regroup's facts, checked (a peer's word): `None` when
-/// it holds no shard.
-fn checked_layout(n: usize, j: usize, row: &[i64]) -> Result<Option<ShardLayout>, TrainerError> {
+/// The value ranges a layout of a rank holds, from its facts (a peer's word, checked): of
+/// `world` ranks, `m` block-holding ranks a host and `shards` in all, this rank's place among
+/// them plus one (`0`: it owns an empty block), `replicas`.
+fn checked_held(n: usize, world: i64, [m, shards, s]: [i64; 3], replicas: i64) -> Result<Vec<Range<usize>>, String> {
+    if !(1..=world).contains(&m) || !(1..=world).contains(&shards) || shards % m != 0 || !(0..=shards).contains(&s) {
+        return Err(format!("{world} ranks on hosts of {m} holding blocks, {shards} in all, this one {s}"));
+    }
+    let hosts = shards / m;
+    if hosts > 1 && replicas >= hosts {
+        let what = if m == 1 && shards == world { "ranks" } else { "hosts" };
+        let count = if what == "ranks" { world } else { hosts };
+        return Err(format!("{replicas} replicas of each shard need more than {count} {what}"));
+    }
+    let replicas = if hosts == 1 { 0 } else { replicas as usize };
+    let s = (s > 0).then(|| s as usize - 1);
+    Ok(super::held_ranges(n, (shards as usize, m as usize), s, replicas))
+}
+
+/// The values rank `j` holds in its layout, from its row of a regroup's facts, checked (a
+/// peer's word): `None` when it holds no shard.
+fn checked_layout(n: usize, j: usize, row: &[i64]) -> Result<Option<Vec<Range<usize>>>, TrainerError> {
     let bad = |what: String| Err(TrainerError::Mismatch(format!("rank {j}'s facts in the regroup: {what}")));
     let [tag, world, replicas, rank, step, pending, norm_at, _, whole, ..] = row else {
         return bad(format!("{} values", row.len()));
     };
+    if row.len() != FACTS {
+        return bad(format!("{} values", row.len()));
+    }
     if !(0..=i64::MAX / 2).contains(step) || *norm_at < 0 || *tag < 0 {
         return bad(format!("step {step}, tag {tag}, norm step {norm_at}"));
     }
     if [*pending, *whole, row[12], row[17]].iter().any(|f| !(0..=1).contains(f)) {
         return bad("a flag that is neither 0 nor 1".into());
     }
-    if !(0..=MOST_REPLICAS + 1).contains(&row[18]) || !(0..=MOST_RANKS).contains(&row[20]) {
-        return bad(format!("a target fact of {} (hosts of {})", row[18], row[20]));
+    if !(0..=MOST_REPLICAS + 1).contains(&row[18])
+        || [row[20], row[24]].iter().any(|f| !(0..=MOST_RANKS).contains(f))
+        || !(0..=MOST_RANKS + 1).contains(&row[23])
+    {
+        return bad(format!(
+            "a target fact of {} (hosts of {} holding blocks, {} in all, this one {})",
+            row[18], row[20], row[24], row[23]
+        ));
     }
     if *world == 0 {
         return Ok(None);
@@ -59,13 +86,9 @@ fn checked_layout(n: usize, j: usize, row: &[i64]) -> Result<Option<ShardLayout>
     {
         return bad(format!("rank {rank} of {world} with {replicas} replicas"));
     }
-    let per_host = row[19];
-    if !(1..=*world).contains(&per_host) || *world % per_host != 0 {
-        return bad(format!("{world} ranks on hosts of {per_host}"));
-    }
-    match ShardLayout::over_hosts(n, *world as usize, per_host as usize, *rank as usize, *replicas as usize) {
-        Ok(layout) => Ok(Some(layout.tagged(*tag as u64))),
-        Err(e) => bad(e.to_string()),
+    match checked_held(n, *world, [row[19], row[22], row[21]], *replicas) {
+        Ok(held) => Ok(Some(held)),
+        Err(e) => bad(e),
     }
 }
 
@@ -144,7 +167,8 @@ impl Trainer {
         if let Some(s) = &self.shard {
             let l = &s.layout;
             row[..4].copy_from_slice(&[l.tag as i64, l.world() as i64, l.replicas as i64, l.rank as i64]);
-            row[19] = l.per_host as i64;
+            let (shards, m) = l.shards();
+            (row[19], row[21], row[22]) = (m as i64, l.shard_rank().map_or(0, |s| s as i64 + 1), shards as i64);
             row[5] = i64::from(s.pending == Some(self.step));
             row[12] = i64::from(s.stale.is_some());
             row[17] = i64::from(self.kept_sum().is_some());
@@ -230,8 +254,8 @@ impl Trainer {
         }
         if let Some(t) = &target {
             // Every rank works out what each other rank keeps from its replica count and
-            // ranks per host alone.
-            if ShardLayout::over_hosts(n, world, t.per_host, rank, t.replicas)? != t.clone().tagged(0) {
+            // its place among the block-holding ranks alone.
+            if ShardLayout::over_host_counts(n, t.counts(), rank, t.replicas)? != t.clone().tagged(0) {
                 return Err(TrainerError::Config(format!("a layout of {:?} for {n} values", t.blocks)));
             }
         }
@@ -240,13 +264,17 @@ impl Trainer {
         // its position in the data (cursor, RNG seed and draws), whether its parameters are
         // stale, their digest, whether it keeps the fixed-point sum of the reproducible
         // step that brought it to its step, the layout it keeps (its replica count, one
-        // up; 0: the whole state), the ranks per host of its layout and of the one it
-        // keeps: all decide alike from these.
+        // up; 0: the whole state), and of its layout and the one it keeps the block-holding
+        // ranks a host, its place among them (one up; 0: none) and their count: all decide
+        // alike from these.
         const F: usize = FACTS;
         let mut facts = vec![0i64; F * world];
         let mut row = self.regroup_facts(F)?;
         row[18] = target.as_ref().map_or(0, |t| t.replicas as i64 + 1);
-        row[20] = target.as_ref().map_or(0, |t| t.per_host as i64);
+        if let Some(t) = &target {
+            let (shards, m) = t.shards();
+            (row[20], row[23], row[24]) = (m as i64, t.shard_rank().map_or(0, |s| s as i64 + 1), shards as i64);
+        }
         facts[F * rank..F * (rank + 1)].copy_from_slice(&row);
         reduce.allreduce_sum_i64(&mut facts, step_tag)?;
         if facts[F * rank..F * (rank + 1)] != row[..] {
@@ -278,8 +306,8 @@ impl Trainer {
             )));
         }
         let same_layout = |a: usize, b: usize| {
-            (fact(a, 0), fact(a, 1), fact(a, 2), fact(a, 19))
-                == (fact(b, 0), fact(b, 1), fact(b, 2), fact(b, 19))
+            (fact(a, 0), fact(a, 1), fact(a, 2), fact(a, 19), fact(a, 22))
+                == (fact(b, 0), fact(b, 1), fact(b, 2), fact(b, 19), fact(b, 22))
                 && layouts[a].is_some()
         };
         let of_newest = |j: usize| same_layout(j, newest);
@@ -308,10 +336,9 @@ impl Trainer {
         let mut sources: Vec<(usize, Range<usize>, (u8, i64))> = Vec::new();
         for j in (0..world).filter(|&j| effective(j) == step) {
             match &layouts[j] {
-                Some(l) => {
+                Some(held) => {
                     let class = u8::from(!of_newest(j));
-                    sources
-                        .extend(l.held().into_iter().map(|c| (j, l.blocks[c].clone(), (class, -fact(j, 0)))));
+                    sources.extend(held.iter().map(|r| (j, r.clone(), (class, -fact(j, 0)))));
                 }
                 None if whole_at(j) == Some(step) => sources.push((j, 0..n, (2, 0))),
                 None => {}
@@ -326,8 +353,7 @@ impl Trainer {
                 // Without a target at another step, a rank loads the whole state afterwards.
                 0 if effective(j) != step => Ok(Vec::new()),
                 0 => Ok(std::iter::once(0..n).collect()),
-                r => ShardLayout::over_hosts(n, world, fact(j, 20) as usize, j, r as usize - 1)
-                    .map(|l| l.held().into_iter().map(|b| l.blocks[b].clone()).collect())
+                r => checked_held(n, world as i64, [fact(j, 20), fact(j, 24), fact(j, 23)], r - 1)
                     .map_err(|e| TrainerError::Mismatch(format!("rank {j}'s target in the regroup: {e}"))),
             })
             .collect::<Result<Vec<_>, _>>()?;

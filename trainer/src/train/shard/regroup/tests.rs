@@ -264,6 +264,11 @@ fn relay_pieces_deliver_what_each_rank_lacks_once(
     }
 }
 
+/// The value ranges a layout holds.
+fn held_values(l: &ShardLayout) -> Vec<Range<usize>> {
+    l.held().into_iter().map(|b| l.blocks()[b].clone()).collect()
+}
+
 /// A forged row is refused naming the rank and what was wrong.
 #[test]
 fn a_forged_world_is_refused_naming_the_rank() {
@@ -276,18 +281,44 @@ fn a_forged_world_is_refused_naming_the_rank() {
     assert!(checked_layout(1000, 1, &row).is_err());
     row[2] = 3;
     row[3] = 2;
-    // Ranks per host: none, or not dividing the world, is refused.
+    (row[21], row[22]) = (3, 4);
+    // Block-holding ranks per host: none, or not dividing their count, is refused.
     for forged in [0, 3, 5, i64::MIN] {
         row[19] = forged;
         let e = checked_layout(1000, 1, &row).unwrap_err().to_string();
         assert!(e.contains("rank 1's facts"), "{e}");
     }
     row[19] = 1;
-    assert_eq!(checked_layout(1000, 1, &row).unwrap().map(|l| l.held()), Some(vec![2, 1, 0, 3]));
+    let one = ShardLayout::over_hosts(1000, 4, 1, 2, 3).unwrap();
+    assert_eq!(checked_layout(1000, 1, &row).unwrap(), Some(held_values(&one)));
     // Hosts of two: the replica is the same local rank on the host before.
     row[2] = 1;
     row[19] = 2;
-    assert_eq!(checked_layout(1000, 1, &row).unwrap().map(|l| l.held()), Some(vec![2, 0]));
+    let two = ShardLayout::over_hosts(1000, 4, 2, 2, 1).unwrap();
+    assert_eq!(checked_layout(1000, 1, &row).unwrap(), Some(held_values(&two)));
+    // Hosts of 3 and 2 (five ranks, two holding blocks on each): the third rank of host 0
+    // owns an empty block and holds nothing; host 1's second rank (rank 4) is the fourth
+    // to hold one, its replica the same local rank's block on host 0.
+    let unequal = |rank| ShardLayout::over_host_counts(1000, &[3, 2], rank, 1).unwrap();
+    (row[1], row[19], row[22]) = (5, 2, 4);
+    for (rank, s) in [(2, 0), (4, 4), (1, 2)] {
+        (row[3], row[21]) = (rank, s);
+        let want: Vec<Range<usize>> = match s {
+            0 => Vec::new(),
+            _ => held_values(&unequal(rank as usize)),
+        };
+        assert_eq!(checked_layout(1000, 1, &row).unwrap(), Some(want.clone()), "rank {rank}");
+        assert!(want.iter().all(|r| !r.is_empty()) && (s == 0) == want.is_empty(), "rank {rank}: {want:?}");
+    }
+    assert_eq!(unequal(2).held(), vec![2]);
+    assert!(unequal(2).blocks()[2].is_empty());
+    // A place past the block-holding ranks, or more of them than ranks: refused.
+    for (s, shards) in [(5, 4), (1, 6)] {
+        (row[21], row[22]) = (s, shards);
+        let e = checked_layout(1000, 1, &row).unwrap_err().to_string();
+        assert!(e.contains("rank 1's facts"), "{e}");
+    }
+    (row[1], row[3], row[21], row[22]) = (4, 2, 3, 4);
     // As many replicas as hosts: refused naming the rank, as every forged fact is.
     row[2] = 2;
     let e = checked_layout(1000, 1, &row).unwrap_err().to_string();
@@ -296,10 +327,12 @@ fn a_forged_world_is_refused_naming_the_rank() {
         "{e}"
     );
     row[2] = 1;
-    // The target's ranks per host, bounded like a layout's.
-    for forged in [-1, MOST_RANKS + 1, i64::MAX] {
-        row[20] = forged;
+    // The target's facts, bounded like a layout's.
+    for (k, forged) in [(20, -1), (20, MOST_RANKS + 1), (24, i64::MAX), (23, -1), (23, MOST_RANKS + 2)] {
+        let kept = row[k];
+        row[k] = forged;
         let e = checked_layout(1000, 1, &row).unwrap_err().to_string();
         assert!(e.contains("rank 1's facts") && e.contains("a target fact"), "{e}");
+        row[k] = kept;
     }
 }
