@@ -11,6 +11,7 @@
 //!    the library is loaded: without it `cuda_if_available()` is false on a GPU host (tch-rs
 //!    issue 980). `tests/module_graph.rs` reads the built binaries' NEEDED entries.
 
+/// Prints the link settings above for cargo (public: the trainer's build script calls it).
 pub fn main() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     let lib = std::env::var("DEP_TCH_LIBTORCH_LIB").unwrap_or_default();

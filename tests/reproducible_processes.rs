@@ -376,8 +376,7 @@ fn sharded_state_over_hosts_of_unequal_devices_changes_no_bit() {
     let tmp = tempfile::tempdir().unwrap();
     let one = train_for(&tmp.path().join("one"), &["--reproducible"], LONG);
     let dir = tmp.path().join("sharded-unequal");
-    let extra =
-        ["--reproducible", "--devices", "2", "--node-devices", "node-3:1", "--shard-replicas", "1"];
+    let extra = ["--reproducible", "--devices", "2", "--node-devices", "node-3:1", "--shard-replicas", "1"];
     let summary = scenario_for(&dir, 3, SCRIPT, &extra, LONG);
     let logs = common::node_logs(&dir);
     for epoch in 2..=4 {

@@ -370,7 +370,12 @@ impl Remote {
     /// Downloads `files` of `step` (each object under the prefix to its local path, unless
     /// that exists); for a set of shards, checks their headers make one state of the step,
     /// and when they do not, removes what it brought and says false.
-    async fn bring(&self, step: u64, files: Vec<(PathBuf, PathBuf)>, shards: bool) -> Result<bool, CheckpointError> {
+    async fn bring(
+        &self,
+        step: u64,
+        files: Vec<(PathBuf, PathBuf)>,
+        shards: bool,
+    ) -> Result<bool, CheckpointError> {
         let locals: Vec<PathBuf> = files.iter().map(|(_, local)| local.clone()).collect();
         let mut downloaded = Vec::new();
         for (rel, local) in files {

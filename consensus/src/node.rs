@@ -433,7 +433,14 @@ impl Loop {
                 if at_leader && !self.core.is_leader() {
                     let leader = self.core.leader();
                     if leader == 0 {
-                        self.retry.push(Request::Propose { command, deadline, reply, term, at_leader, reporter });
+                        self.retry.push(Request::Propose {
+                            command,
+                            deadline,
+                            reply,
+                            term,
+                            at_leader,
+                            reporter,
+                        });
                     } else {
                         let addr = self.address_of(leader).unwrap_or_default();
                         let me = self.cfg.core.id;
@@ -454,9 +461,14 @@ impl Loop {
                         self.next_seq += 1;
                         self.proposals.insert(origin, (deadline, reply));
                     }
-                    Err(e) if e.is_retryable() => {
-                        self.retry.push(Request::Propose { command, deadline, reply, term, at_leader, reporter })
-                    }
+                    Err(e) if e.is_retryable() => self.retry.push(Request::Propose {
+                        command,
+                        deadline,
+                        reply,
+                        term,
+                        at_leader,
+                        reporter,
+                    }),
                     Err(e) => {
                         let _ = reply.send(Err(e));
                     }

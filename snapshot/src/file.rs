@@ -145,7 +145,9 @@ pub fn verify_file(path: &Path) -> Result<StateMeta, SnapshotError> {
         let bad = |what: String| SnapshotError::Format(format!("tensor {name}: {what}"));
         let (begin, end) = e.offsets;
         if begin != at || end < begin {
-            return Err(bad(format!("its bytes {begin}..{end} do not follow the tensor before, which ends at {at}")));
+            return Err(bad(format!(
+                "its bytes {begin}..{end} do not follow the tensor before, which ends at {at}"
+            )));
         }
         let want = e
             .shape
@@ -153,7 +155,11 @@ pub fn verify_file(path: &Path) -> Result<StateMeta, SnapshotError> {
             .try_fold(e.dtype.size() as u64, |acc, &d| acc.checked_mul(d as u64))
             .ok_or_else(|| bad(format!("a shape of {:?} elements overflows", e.shape)))?;
         if end - begin != want {
-            return Err(bad(format!("{} bytes for its shape {:?}, which needs {want}", end - begin, e.shape)));
+            return Err(bad(format!(
+                "{} bytes for its shape {:?}, which needs {want}",
+                end - begin,
+                e.shape
+            )));
         }
         let mut h = blake3::Hasher::new();
         let mut left = end - begin;
@@ -169,7 +175,11 @@ pub fn verify_file(path: &Path) -> Result<StateMeta, SnapshotError> {
             problem: "is in the file but not listed in the checkpoint metadata",
         })?;
         if &sum != expected {
-            return Err(SnapshotError::Checksum { name: name.clone(), expected: expected.clone(), found: sum });
+            return Err(SnapshotError::Checksum {
+                name: name.clone(),
+                expected: expected.clone(),
+                found: sum,
+            });
         }
         found.insert(name.as_str(), sum);
         at = end;
@@ -191,7 +201,9 @@ pub fn verify_file(path: &Path) -> Result<StateMeta, SnapshotError> {
         meta.cursor,
         meta.rng,
         &meta.job,
-        entries.iter().map(|(name, e)| (name.as_str(), e.dtype, e.shape.as_slice(), found[name.as_str()].as_str())),
+        entries
+            .iter()
+            .map(|(name, e)| (name.as_str(), e.dtype, e.shape.as_slice(), found[name.as_str()].as_str())),
     );
     if hashed != meta.content_hash {
         return Err(SnapshotError::ContentHash { expected: meta.content_hash, found: hashed });

@@ -307,7 +307,8 @@ impl StateImage {
     /// and room for each tensor's entry in the header (a bound for a disk-space check).
     pub fn encoded_len(&self) -> u64 {
         let meta = serde_json::to_string(&self.meta).map_or(0, |m| m.len() as u64);
-        let per_tensor = |n: &String, t: &RawTensor| (n.len() + 96 + 24 * t.shape.len()) as u64 + t.data.len() as u64;
+        let per_tensor =
+            |n: &String, t: &RawTensor| (n.len() + 96 + 24 * t.shape.len()) as u64 + t.data.len() as u64;
         8 + 64 + meta + self.tensors.iter().map(|(n, t)| per_tensor(n, t)).sum::<u64>()
     }
 

@@ -21,5 +21,7 @@ mod image;
 pub mod shards;
 
 pub use error::SnapshotError;
-pub use file::{job_fingerprint, read_file, read_header, read_meta, verify_file, write_atomic, write_image_atomic};
+pub use file::{
+    job_fingerprint, read_file, read_header, read_meta, verify_file, write_atomic, write_image_atomic,
+};
 pub use image::{Dtype, RawTensor, RngState, StateImage, StateMeta, FORMAT_VERSION, META_KEY};

@@ -595,7 +595,10 @@ mod tests {
         // another world, or a set fetched from S3): the join takes the set that loads.
         let two = shards_of(&whole, 2);
         write_shard(dir.path(), &two[0], (0, 2), 0).unwrap();
-        assert!(load(&listed_at(dir.path(), 40).unwrap(), 4).is_err(), "one set broken, the other incomplete");
+        assert!(
+            load(&listed_at(dir.path(), 40).unwrap(), 4).is_err(),
+            "one set broken, the other incomplete"
+        );
         write_shard(dir.path(), &two[1], (1, 2), 0).unwrap();
         assert_eq!(load(&listed_at(dir.path(), 40).unwrap(), 4).unwrap(), whole);
         // The writer of shard 0 waits for a whole set whose headers make its hash: the set

@@ -596,7 +596,8 @@ mod tests {
         });
         let text = render(&build("c", &st, 1, 1, &[], "n1"));
         assert!(!text.chars().any(|c| c.is_control() && c != '\n'), "{text:?}");
-        for shown in ["n2\\u{1b}]0;pwned\\u{7}", "A10G\\u{1b}[8m", "/ckpt\\u{1b}[2J", "bye\\u{1b}[2J\\rgone"] {
+        for shown in ["n2\\u{1b}]0;pwned\\u{7}", "A10G\\u{1b}[8m", "/ckpt\\u{1b}[2J", "bye\\u{1b}[2J\\rgone"]
+        {
             assert!(text.contains(shown), "{shown} not in {text}");
         }
         assert_eq!(terminal_safe("a\tb\nc"), "a\\tb\nc");

@@ -231,11 +231,23 @@ impl LocalGroup {
     /// `n` among them): sharded state's blocks group by host from them, and when every host
     /// has as many, a relay goes between hosts by host. Every host of the epoch must be
     /// told alike.
-    pub fn of_host_counts(n: usize, first: usize, lanes: usize, sums: &LocalSums, counts: Vec<usize>) -> LocalGroup {
+    pub fn of_host_counts(
+        n: usize,
+        first: usize,
+        lanes: usize,
+        sums: &LocalSums,
+        counts: Vec<usize>,
+    ) -> LocalGroup {
         LocalGroup::with_counts(n, first, lanes, sums, Some(counts))
     }
 
-    fn with_counts(n: usize, first: usize, lanes: usize, sums: &LocalSums, counts: Option<Vec<usize>>) -> LocalGroup {
+    fn with_counts(
+        n: usize,
+        first: usize,
+        lanes: usize,
+        sums: &LocalSums,
+        counts: Option<Vec<usize>>,
+    ) -> LocalGroup {
         sums.reset();
         let n = n.max(1);
         let state = State { sums: sums.clone(), ..State::default() };
@@ -303,7 +315,8 @@ impl LocalRank<'_> {
     ) -> Result<(Vec<Range<usize>>, Range<usize>, Vec<usize>), TrainerError> {
         let (n, first, me) = (self.shared.n, self.shared.first, self.shared.first + self.index);
         let counts = self.counts(blocks.len());
-        let firsts: Vec<usize> = counts.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect();
+        let firsts: Vec<usize> =
+            counts.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect();
         let here = firsts.iter().position(|&f| f == first).filter(|&h| counts[h] == n);
         if counts.iter().sum::<usize>() != blocks.len() || counts.contains(&0) || here.is_none() {
             return Err(TrainerError::Config(format!(
@@ -580,8 +593,9 @@ impl Trainer {
     /// next entry regroups every local rank).
     pub fn follow(&mut self, leader: &Trainer) -> Result<bool, TrainerError> {
         if self.shard.is_some() || leader.shard.is_some() {
-            let group =
-                |t: &Trainer| t.shard_layout().map(|l| (l.tag(), l.world(), l.counts().to_vec(), l.replicas()));
+            let group = |t: &Trainer| {
+                t.shard_layout().map(|l| (l.tag(), l.world(), l.counts().to_vec(), l.replicas()))
+            };
             if self.shard.is_none() || group(self) != group(leader) || self.step != leader.step {
                 return Err(TrainerError::Reduce {
                     peer: None,

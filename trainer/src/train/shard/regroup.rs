@@ -37,8 +37,17 @@ const MOST_REPLICAS: i64 = 64;
 /// The value ranges a layout of a rank holds, from its facts (a peer's word, checked): of
 /// `world` ranks, `m` block-holding ranks a host and `shards` in all, this rank's place among
 /// them plus one (`0`: it owns an empty block), `replicas`.
-fn checked_held(n: usize, world: i64, [m, shards, s]: [i64; 3], replicas: i64) -> Result<Vec<Range<usize>>, String> {
-    if !(1..=world).contains(&m) || !(1..=world).contains(&shards) || shards % m != 0 || !(0..=shards).contains(&s) {
+fn checked_held(
+    n: usize,
+    world: i64,
+    [m, shards, s]: [i64; 3],
+    replicas: i64,
+) -> Result<Vec<Range<usize>>, String> {
+    if !(1..=world).contains(&m)
+        || !(1..=world).contains(&shards)
+        || shards % m != 0
+        || !(0..=shards).contains(&s)
+    {
         return Err(format!("{world} ranks on hosts of {m} holding blocks, {shards} in all, this one {s}"));
     }
     let hosts = shards / m;
@@ -168,7 +177,8 @@ impl Trainer {
             let l = &s.layout;
             row[..4].copy_from_slice(&[l.tag as i64, l.world() as i64, l.replicas as i64, l.rank as i64]);
             let (shards, m) = l.shards();
-            (row[19], row[21], row[22]) = (m as i64, l.shard_rank().map_or(0, |s| s as i64 + 1), shards as i64);
+            (row[19], row[21], row[22]) =
+                (m as i64, l.shard_rank().map_or(0, |s| s as i64 + 1), shards as i64);
             row[5] = i64::from(s.pending == Some(self.step));
             row[12] = i64::from(s.stale.is_some());
             row[17] = i64::from(self.kept_sum().is_some());
@@ -273,7 +283,8 @@ impl Trainer {
         row[18] = target.as_ref().map_or(0, |t| t.replicas as i64 + 1);
         if let Some(t) = &target {
             let (shards, m) = t.shards();
-            (row[20], row[23], row[24]) = (m as i64, t.shard_rank().map_or(0, |s| s as i64 + 1), shards as i64);
+            (row[20], row[23], row[24]) =
+                (m as i64, t.shard_rank().map_or(0, |s| s as i64 + 1), shards as i64);
         }
         facts[F * rank..F * (rank + 1)].copy_from_slice(&row);
         reduce.allreduce_sum_i64(&mut facts, step_tag)?;
