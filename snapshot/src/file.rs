@@ -41,6 +41,13 @@ fn atomically(
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     let result = (|| {
         write(&tmp)?;
+        // Readable by others as a file `File::create` makes under the usual umask: a writer
+        // that makes its file private (safetensors' does) would lock out a reader running as
+        // another user (an evaluation job, a copy to storage).
+        {
+            use std::os::unix::fs::PermissionsExt;
+            fs::set_permissions(&tmp, fs::Permissions::from_mode(0o644)).map_err(io_err("chmod", &tmp))?;
+        }
         File::open(&tmp).and_then(|f| f.sync_all()).map_err(io_err("fsync", &tmp))?;
         fs::rename(&tmp, path).map_err(io_err("rename into place", path))?;
         File::open(dir).and_then(|d| d.sync_all()).map_err(io_err("fsync directory", dir))
@@ -100,8 +107,13 @@ fn open_with_header(path: &Path) -> Result<(File, u64, StateMeta, BTreeMap<Strin
     }
     let header: serde_json::Value =
         serde_json::from_slice(&header).map_err(|e| SnapshotError::Format(format!("header: {e}")))?;
-    let meta = header
-        .get("__metadata__")
+    // safetensors' metadata is strings only: a file with another value there is refused as
+    // its decoder refuses it.
+    let metadata = header.get("__metadata__");
+    if metadata.and_then(serde_json::Value::as_object).is_some_and(|m| m.values().any(|v| !v.is_string())) {
+        return Err(SnapshotError::Format("header: metadata that is not all strings".into()));
+    }
+    let meta = metadata
         .and_then(|m| m.get(META_KEY))
         .and_then(serde_json::Value::as_str)
         .ok_or(SnapshotError::MissingMeta { key: META_KEY })?;
@@ -160,6 +172,9 @@ pub fn verify_file(path: &Path) -> Result<StateMeta, SnapshotError> {
                 end - begin,
                 e.shape
             )));
+        }
+        if (8 + n).saturating_add(end) > file_len {
+            return Err(bad(format!("its bytes end at {end}, past the file's {file_len} bytes")));
         }
         let mut h = blake3::Hasher::new();
         let mut left = end - begin;

@@ -303,13 +303,14 @@ impl StateImage {
         })
     }
 
-    /// About how many bytes [`StateImage::encode`] makes: the tensors' and the metadata's,
-    /// and room for each tensor's entry in the header (a bound for a disk-space check).
+    /// At least as many bytes as [`StateImage::encode`] makes (for a disk-space check): the
+    /// tensors', and a bound on the header's (the metadata and each name as JSON strings
+    /// inside JSON, so every byte escaped at most twice over, plus each entry's fields).
     pub fn encoded_len(&self) -> u64 {
         let meta = serde_json::to_string(&self.meta).map_or(0, |m| m.len() as u64);
         let per_tensor =
-            |n: &String, t: &RawTensor| (n.len() + 96 + 24 * t.shape.len()) as u64 + t.data.len() as u64;
-        8 + 64 + meta + self.tensors.iter().map(|(n, t)| per_tensor(n, t)).sum::<u64>()
+            |n: &String, t: &RawTensor| (2 * n.len() + 96 + 24 * t.shape.len()) as u64 + t.data.len() as u64;
+        8 + 128 + 4 * meta + self.tensors.iter().map(|(n, t)| per_tensor(n, t)).sum::<u64>()
     }
 
     /// The tensors as safetensors views, and the header's metadata.

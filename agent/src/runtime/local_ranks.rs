@@ -86,7 +86,7 @@ pub(super) fn each<R: Send>(
     // Every host of the epoch is told alike: sharded state's blocks group by host from the
     // counts, and hosts alike relay by host.
     let group =
-        LocalGroup::of_host_counts(n, first, 1, &LocalSums::default(), super::sharding::host_counts(epoch));
+        LocalGroup::of_host_counts(n, first, 1, &LocalSums::default(), host_counts(epoch));
     let f = &f;
     std::thread::scope(|s| {
         let handles: Vec<_> = followers[..n - 1]
@@ -110,6 +110,11 @@ pub(super) fn each<R: Send>(
         }
         Ok(out)
     })
+}
+
+/// Ranks on each host of `epoch`, in host order.
+pub(super) fn host_counts(epoch: &Epoch) -> Vec<usize> {
+    (0..epoch.ranks.len()).map(|i| epoch.local_ranks_of(i) as usize).collect()
 }
 
 /// Whether this host trains with at least the `n` local ranks `epoch` gives it. The log
@@ -206,7 +211,7 @@ pub(super) fn step(
     let plan = leader.plan();
     let samples = (first..first + n).map(|r| plan.share_in(r, world, &shares).len()).sum();
     let group =
-        LocalGroup::of_host_counts(n, first, 1 + lanes.len(), sums, super::sharding::host_counts(epoch));
+        LocalGroup::of_host_counts(n, first, 1 + lanes.len(), sums, host_counts(epoch));
     let mut lanes = lanes.iter_mut();
     let mut theirs: Vec<Option<Result<StepStats, TrainerError>>> = followers.iter().map(|_| None).collect();
     let mine = pool.in_place_scope(|s| {

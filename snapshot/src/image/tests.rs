@@ -192,8 +192,13 @@ proptest! {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("state.limpet");
         crate::write_image_atomic(&path, &img).unwrap();
-        prop_assert_eq!(std::fs::read(&path).unwrap(), img.encode().unwrap());
+        let bytes = std::fs::read(&path).unwrap();
+        prop_assert!(img.encoded_len() >= bytes.len() as u64, "{} < {}", img.encoded_len(), bytes.len());
+        prop_assert_eq!(bytes, img.encode().unwrap());
         prop_assert_eq!(&crate::verify_file(&path).unwrap(), img.meta());
+        // Readable by others, as files written whole are.
+        use std::os::unix::fs::PermissionsExt;
+        prop_assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o644);
     }
 
     /// The streamed check agrees with the full decode on damaged and truncated files: it

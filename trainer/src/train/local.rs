@@ -149,9 +149,9 @@ struct Shared {
     /// The job's rank of local rank 0 (local rank `i` is rank `first + i`).
     first: usize,
     /// Ranks on each host of the job, in host order, when known (this host's count is
-    /// `n`): blocks of sharded state group by host from them, and when every host has as
-    /// many, a relay goes between hosts only where a piece's takers are. Unknown: hosts of
-    /// `n` each.
+    /// `n`): blocks of sharded state group by host from them, and a relay goes between hosts
+    /// only where a piece's takers are. Unknown: hosts of `n` each for blocks, and a relay
+    /// sums every piece's bits on every host.
     counts: Option<Vec<usize>>,
     /// Lanes between hosts: local ranks `0..lanes` each drive one.
     lanes: usize,
@@ -228,9 +228,8 @@ impl LocalGroup {
     }
 
     /// The same, told the job's ranks on each host, in host order (`counts`, this host's
-    /// `n` among them): sharded state's blocks group by host from them, and when every host
-    /// has as many, a relay goes between hosts by host. Every host of the epoch must be
-    /// told alike.
+    /// `n` among them): sharded state's blocks group by host from them, and a relay goes
+    /// between hosts by host. Every host of the epoch must be told alike.
     pub fn of_host_counts(
         n: usize,
         first: usize,
@@ -498,27 +497,29 @@ impl Reduce for LocalRank<'_> {
         step: u64,
     ) -> Result<(), TrainerError> {
         let (n, first) = (self.shared.n, self.shared.first);
-        let equal = self.shared.counts.as_ref().filter(|c| c.iter().all(|&x| x == n)).map(Vec::len);
-        let Some(hosts) = equal else {
-            // Hosts of unequal device counts (or unknown): every host sums the pieces' bits
-            // alike.
+        let Some(counts) = self.shared.counts.as_ref() else {
+            // Hosts of unknown device counts: every host sums the pieces' bits alike.
             return relay_by_sums(self, buf, pieces, rank, step);
         };
-        let world = hosts * n;
+        let firsts: Vec<usize> = counts.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect();
+        let world: usize = counts.iter().sum();
         let bad = |p: &Piece| {
             p.range.start > p.range.end
                 || p.range.end > buf.len()
                 || p.giver >= world
                 || p.to.iter().any(|&t| t >= world)
         };
-        if rank != first + self.index || first % n != 0 || pieces.iter().any(bad) {
+        let here = firsts.iter().position(|&f| f == first).filter(|&h| counts[h] == n);
+        let (Some(host), true, false) = (here, rank == first + self.index, pieces.iter().any(bad)) else {
             return Err(TrainerError::Config(format!(
-                "a relay as rank {rank} (local rank {} of the host from rank {first}) for {hosts} hosts of {n}, over {} values, of {} pieces: one out of range",
+                "a relay as rank {rank} (local rank {} of the host from rank {first}) for hosts of {counts:?}, over {} values, of {} pieces: one out of range",
                 self.index,
                 buf.len(),
                 pieces.len()
             )));
-        }
+        };
+        // The host of a rank below `world` (checked above for every piece).
+        let host_of = |r: usize| firsts.partition_point(|&f| f <= r) - 1;
         // What this device gives goes into the host's buffer; between hosts each piece goes
         // from its giver's host to its takers' hosts (nowhere when they are all on the
         // giver's); every device then copies the host's buffer, which holds what it takes.
@@ -527,14 +528,13 @@ impl Reduce for LocalRank<'_> {
         let by_host: Vec<Piece> = pieces
             .iter()
             .filter_map(|p| {
-                let giver = p.giver / n;
-                let mut to: Vec<usize> = p.to.iter().map(|t| t / n).filter(|&h| h != giver).collect();
+                let giver = host_of(p.giver);
+                let mut to: Vec<usize> = p.to.iter().map(|&t| host_of(t)).filter(|&h| h != giver).collect();
                 to.sort_unstable();
                 to.dedup();
                 (!to.is_empty() && !p.range.is_empty()).then(|| Piece { giver, range: p.range.clone(), to })
             })
             .collect();
-        let host = first / n;
         let between = |r: &mut dyn Reduce, b: &mut [f32], range: Range<usize>, s: u64| {
             let within: Vec<Piece> = by_host
                 .iter()
