@@ -85,8 +85,7 @@ pub(super) fn each<R: Send>(
     // one, a sum of bits through the local group on another, would not meet).
     // Every host of the epoch is told alike: sharded state's blocks group by host from the
     // counts, and hosts alike relay by host.
-    let group =
-        LocalGroup::of_host_counts(n, first, 1, &LocalSums::default(), host_counts(epoch));
+    let group = LocalGroup::of_host_counts(n, first, 1, &LocalSums::default(), host_counts(epoch));
     let f = &f;
     std::thread::scope(|s| {
         let handles: Vec<_> = followers[..n - 1]
@@ -210,8 +209,7 @@ pub(super) fn step(
     }
     let plan = leader.plan();
     let samples = (first..first + n).map(|r| plan.share_in(r, world, &shares).len()).sum();
-    let group =
-        LocalGroup::of_host_counts(n, first, 1 + lanes.len(), sums, host_counts(epoch));
+    let group = LocalGroup::of_host_counts(n, first, 1 + lanes.len(), sums, host_counts(epoch));
     let mut lanes = lanes.iter_mut();
     let mut theirs: Vec<Option<Result<StepStats, TrainerError>>> = followers.iter().map(|_| None).collect();
     let mine = pool.in_place_scope(|s| {

@@ -305,7 +305,6 @@ pub(super) fn layout_for(trainer: &Trainer, job: &JobSpec, n: &Epoch, rank: usiz
     layout_of(trainer, job, n, rank)
 }
 
-
 /// The layout of epoch `n`'s state for rank `rank` of its devices whatever the step
 /// (`None`: whole state).
 fn layout_of(trainer: &Trainer, job: &JobSpec, n: &Epoch, rank: usize) -> Option<ShardLayout> {
@@ -315,7 +314,9 @@ fn layout_of(trainer: &Trainer, job: &JobSpec, n: &Epoch, rank: usize) -> Option
     }
     let replicas = sharding.replicas.min(n.ranks.len().saturating_sub(1));
     let len = trainer.buffer_len() - 3;
-    ShardLayout::over_host_counts(len, &super::local_ranks::host_counts(n), rank, replicas).ok().map(|l| l.tagged(n.id))
+    ShardLayout::over_host_counts(len, &super::local_ranks::host_counts(n), rank, replicas)
+        .ok()
+        .map(|l| l.tagged(n.id))
 }
 
 /// Cuts the whole state of an entered epoch into each local rank's shard (node `me`'s,

@@ -501,7 +501,8 @@ impl Reduce for LocalRank<'_> {
             // Hosts of unknown device counts: every host sums the pieces' bits alike.
             return relay_by_sums(self, buf, pieces, rank, step);
         };
-        let firsts: Vec<usize> = counts.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect();
+        let firsts: Vec<usize> =
+            counts.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect();
         let world: usize = counts.iter().sum();
         let bad = |p: &Piece| {
             p.range.start > p.range.end
