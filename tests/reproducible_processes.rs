@@ -332,23 +332,33 @@ fn sharded_state_through_a_notice_a_join_and_a_kill_changes_no_bit() {
 /// unsharded process's, bit for bit.
 #[test]
 fn sharded_state_over_hosts_of_two_devices_changes_no_bit() {
+    // Each device held its own block and that of the same device on the host before: host
+    // 1's devices (ranks 2 and 3) held blocks 0 and 1, in the first epoch's six ranks.
+    let extra = ["--devices", "2"];
+    let logs = sharded_over_devices_changes_no_bit("sharded-devices", &extra, "held=[[2, 0], [3, 1]]");
+    assert!(logs.contains("every rank holds the same state: each keeps its own shard"), "{logs}");
+}
+
+/// A reproducible job with `--shard-replicas 1` and `extra` (devices) on three `limpetd`s
+/// through [`SCRIPT`]: re-cut at every entry, never gathered, never back to a checkpoint,
+/// the first epoch's host 1 logging `held`, and one process's every tensor and loss. The
+/// nodes' logs.
+fn sharded_over_devices_changes_no_bit(name: &str, extra: &[&str], held: &str) -> String {
     const LONG: u64 = 3000;
     let tmp = tempfile::tempdir().unwrap();
     let one = train_for(&tmp.path().join("one"), &["--reproducible"], LONG);
-    let dir = tmp.path().join("sharded-devices");
-    let extra = ["--reproducible", "--devices", "2", "--shard-replicas", "1"];
-    let summary = scenario_for(&dir, 3, SCRIPT, &extra, LONG);
+    let dir = tmp.path().join(name);
+    let mut args = vec!["--reproducible", "--shard-replicas", "1"];
+    args.extend_from_slice(extra);
+    let summary = scenario_for(&dir, 3, SCRIPT, &args, LONG);
     let logs = common::node_logs(&dir);
-    assert!(logs.contains("every rank holds the same state: each keeps its own shard"), "{logs}");
     for epoch in 2..=4 {
         let recut = format!("optimizer state re-cut for the new group epoch={epoch}");
         assert!(logs.contains(&recut), "no re-cut entering epoch {epoch}:\n{logs}");
     }
     assert!(!logs.contains("gathered from its shards for the entry"), "{logs}");
-    assert!(!logs.contains("back to the newest checkpoint"), "a host's kill lost a block:\n{logs}");
-    // Each device held its own block and that of the same device on the host before: host
-    // 1's devices (ranks 2 and 3) held blocks 0 and 1, in the first epoch's six ranks.
-    assert!(logs.contains("held=[[2, 0], [3, 1]]"), "{logs}");
+    assert!(!logs.contains("back to the newest checkpoint"), "a kill lost a block:\n{logs}");
+    assert!(logs.contains(held), "{logs}");
     let (got, _) = params(Path::new(summary["checkpoint"].as_str().unwrap()));
     let (want, _) = params(Path::new(one["checkpoint"].as_str().unwrap()));
     for (name, t) in want.tensors() {
@@ -359,10 +369,11 @@ fn sharded_state_over_hosts_of_two_devices_changes_no_bit() {
         );
     }
     assert_eq!(got.tensors().len(), want.tensors().len());
-    same_losses(&agent_losses(&dir), &train_losses(&tmp.path().join("one")), "sharded over devices");
+    same_losses(&agent_losses(&dir), &train_losses(&tmp.path().join("one")), name);
     for cause in ["notice for node 2", "join of node 4", "failure of node 3"] {
         common::transition(&summary, cause);
     }
+    logs
 }
 
 /// Hosts of unequal devices shard too: nodes of 2, 2 and 1 CPU devices (then 2 and 1 after
@@ -372,35 +383,9 @@ fn sharded_state_over_hosts_of_two_devices_changes_no_bit() {
 /// holds a block.
 #[test]
 fn sharded_state_over_hosts_of_unequal_devices_changes_no_bit() {
-    const LONG: u64 = 3000;
-    let tmp = tempfile::tempdir().unwrap();
-    let one = train_for(&tmp.path().join("one"), &["--reproducible"], LONG);
-    let dir = tmp.path().join("sharded-unequal");
-    let extra = ["--reproducible", "--devices", "2", "--node-devices", "node-3:1", "--shard-replicas", "1"];
-    let summary = scenario_for(&dir, 3, SCRIPT, &extra, LONG);
-    let logs = common::node_logs(&dir);
-    for epoch in 2..=4 {
-        let recut = format!("optimizer state re-cut for the new group epoch={epoch}");
-        assert!(logs.contains(&recut), "no re-cut entering epoch {epoch}:\n{logs}");
-    }
-    assert!(!logs.contains("gathered from its shards for the entry"), "{logs}");
-    assert!(!logs.contains("kept whole"), "{logs}");
-    assert!(!logs.contains("back to the newest checkpoint"), "a kill lost a block:\n{logs}");
     // The first epoch's five ranks (hosts of 2, 2, 1): host 1's second device (rank 3) owns
     // an empty block and holds nothing else.
-    assert!(logs.contains("held=[[2, 0], [3]]"), "{logs}");
-    let (got, _) = params(Path::new(summary["checkpoint"].as_str().unwrap()));
-    let (want, _) = params(Path::new(one["checkpoint"].as_str().unwrap()));
-    for (name, t) in want.tensors() {
-        let g = &got.tensors()[name];
-        assert!(
-            g.data() == t.data() && g.shape() == t.shape(),
-            "{name} differs from one process's: {summary:#}"
-        );
-    }
-    assert_eq!(got.tensors().len(), want.tensors().len());
-    same_losses(&agent_losses(&dir), &train_losses(&tmp.path().join("one")), "sharded over unequal devices");
-    for cause in ["notice for node 2", "join of node 4", "failure of node 3"] {
-        common::transition(&summary, cause);
-    }
+    let extra = ["--devices", "2", "--node-devices", "node-3:1"];
+    let logs = sharded_over_devices_changes_no_bit("sharded-unequal", &extra, "held=[[2, 0], [3]]");
+    assert!(!logs.contains("kept whole"), "{logs}");
 }

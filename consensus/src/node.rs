@@ -426,6 +426,15 @@ impl Loop {
                 }
             }
             Request::Propose { command, deadline, reply, term, at_leader, reporter } => {
+                // The same request, for another try once a leader is known or raft takes it.
+                let again = move |command: Box<Command>, reply: ProposeReply| Request::Propose {
+                    command,
+                    deadline,
+                    reply,
+                    term,
+                    at_leader,
+                    reporter,
+                };
                 if let Some(t) = term.filter(|&t| !(self.core.is_leader() && self.core.term() == t)) {
                     let _ = reply.send(Err(ConsensusError::Deposed { term: t }));
                     return;
@@ -433,14 +442,7 @@ impl Loop {
                 if at_leader && !self.core.is_leader() {
                     let leader = self.core.leader();
                     if leader == 0 {
-                        self.retry.push(Request::Propose {
-                            command,
-                            deadline,
-                            reply,
-                            term,
-                            at_leader,
-                            reporter,
-                        });
+                        self.retry.push(again(command, reply));
                     } else {
                         let addr = self.address_of(leader).unwrap_or_default();
                         let me = self.cfg.core.id;
@@ -461,14 +463,7 @@ impl Loop {
                         self.next_seq += 1;
                         self.proposals.insert(origin, (deadline, reply));
                     }
-                    Err(e) if e.is_retryable() => self.retry.push(Request::Propose {
-                        command,
-                        deadline,
-                        reply,
-                        term,
-                        at_leader,
-                        reporter,
-                    }),
+                    Err(e) if e.is_retryable() => self.retry.push(again(command, reply)),
                     Err(e) => {
                         let _ = reply.send(Err(e));
                     }

@@ -471,7 +471,7 @@ pub fn transitions_table(transitions: &[TransitionDoc]) -> String {
             x.cause.clone(),
         ]);
     }
-    terminal_safe(&format!("{}\n", lines(&t)))
+    format!("{}\n", lines(&t))
 }
 
 #[cfg(test)]

@@ -314,8 +314,7 @@ impl LocalRank<'_> {
     ) -> Result<(Vec<Range<usize>>, Range<usize>, Vec<usize>), TrainerError> {
         let (n, first, me) = (self.shared.n, self.shared.first, self.shared.first + self.index);
         let counts = self.counts(blocks.len());
-        let firsts: Vec<usize> =
-            counts.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect();
+        let firsts: Vec<usize> = firsts(&counts);
         let here = firsts.iter().position(|&f| f == first).filter(|&h| counts[h] == n);
         if counts.iter().sum::<usize>() != blocks.len() || counts.contains(&0) || here.is_none() {
             return Err(TrainerError::Config(format!(
@@ -501,8 +500,7 @@ impl Reduce for LocalRank<'_> {
             // Hosts of unknown device counts: every host sums the pieces' bits alike.
             return relay_by_sums(self, buf, pieces, rank, step);
         };
-        let firsts: Vec<usize> =
-            counts.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect();
+        let firsts: Vec<usize> = firsts(counts);
         let world: usize = counts.iter().sum();
         let bad = |p: &Piece| {
             p.range.start > p.range.end
@@ -568,6 +566,11 @@ impl Reduce for LocalRank<'_> {
         };
         self.all(buf, step, |c| &mut c.f32s, Local::Place(vec![own]), &between, None)
     }
+}
+
+/// The first rank of each host, for hosts of `counts` ranks in host order.
+fn firsts(counts: &[usize]) -> Vec<usize> {
+    counts.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect()
 }
 
 /// Stamps that tell one state of a trainer from another: a fresh trainer and every state
