@@ -127,27 +127,42 @@ pub fn python() -> PathBuf {
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.limpet/python"))
 }
 
-/// moto's server (its EC2 and S3 APIs) on a free loopback port, stopped on drop.
+/// moto's server (its EC2 and S3 APIs) on a loopback port, stopped on drop.
 pub struct Moto {
     child: Child,
     /// Its base URL.
     pub url: String,
 }
 
+/// Starts moto's threaded server on a port the kernel gives it, prints the port and serves
+/// until its standard input closes (when the test drops it, or dies); it logs errors only.
+const MOTO: &str = "import logging, sys\n\
+logging.getLogger('werkzeug').setLevel(logging.ERROR)\n\
+from moto.server import ThreadedMotoServer\n\
+s = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False)\n\
+s.start()\n\
+print(s.get_host_and_port()[1], flush=True)\n\
+sys.stdin.read()\n";
+
 impl Moto {
-    /// Starts one.
+    /// Starts one. The server binds port 0 itself: a port picked here and handed over could be
+    /// taken by another test's process in between (a CI run once found its bucket refused).
     pub fn start() -> Moto {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let child = Command::new(python())
-            .args(["-m", "moto.server", "-H", "127.0.0.1", "-p", &port.to_string()])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
+        use std::io::BufRead;
+        let mut child = Command::new(python())
+            .args(["-c", MOTO])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
             .spawn()
             .expect("moto is installed by deploy/setup.sh (make setup)");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let port: u16 =
+            line.trim().parse().unwrap_or_else(|_| panic!("moto's server did not start: {line:?}"));
         let start = Instant::now();
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(start.elapsed() < Duration::from_secs(60), "moto's server did not start");
+            assert!(start.elapsed() < Duration::from_secs(60), "moto's server does not answer on {port}");
             std::thread::sleep(Duration::from_millis(100));
         }
         Moto { child, url: format!("http://127.0.0.1:{port}") }
