@@ -47,6 +47,12 @@ fn notice_join_kill(gradients: bool) {
         assert!(logs.contains(&recut), "no re-cut entering epoch {epoch}:\n{logs}");
     }
     assert!(!logs.contains("gathered from its shards for the entry"), "{logs}");
+    // The final checkpoint was written from the whole state gathered into host memory, the
+    // ranks keeping their blocks (the state was never whole on a rank).
+    assert!(
+        logs.contains("the whole state gathered for the job's final checkpoint; every rank keeps its blocks"),
+        "{logs}"
+    );
     assert!(!logs.contains("back to the newest checkpoint"), "a single kill lost a shard:\n{logs}");
     // The killed holder's shard came from its replica (no rank went back to a checkpoint,
     // and there is none to go back to).

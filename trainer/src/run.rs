@@ -101,11 +101,17 @@ fn status_bytes(key: &str) -> u64 {
 
 /// Checkpoints `trainer` to `dir`/[`CHECKPOINT_FILE`] atomically.
 pub fn save_checkpoint(trainer: &Trainer, dir: &Path) -> Result<PathBuf, TrainerError> {
+    save_image(&trainer.image()?, dir)
+}
+
+/// Writes `image` (a trainer's, or one gathered from sharded state) to
+/// `dir`/[`CHECKPOINT_FILE`] atomically.
+pub fn save_image(image: &limpet_snapshot::StateImage, dir: &Path) -> Result<PathBuf, TrainerError> {
     std::fs::create_dir_all(dir)
         .map_err(|e| TrainerError::Data { path: dir.to_path_buf(), detail: e.to_string() })?;
     let path = dir.join(CHECKPOINT_FILE);
     // Streamed into the file: the encoding is never held beside the image.
-    limpet_snapshot::write_image_atomic(&path, &trainer.image()?)?;
+    limpet_snapshot::write_image_atomic(&path, image)?;
     Ok(path)
 }
 

@@ -126,7 +126,7 @@ impl Checkpointer {
             .into_iter()
             .map(|p| {
                 let kind = Kind::Shard { index: p.index, parts: p.parts, writers: writers.clone() };
-                (p.image, p.whole_hash, kind)
+                (Arc::new(p.image), p.whole_hash, kind)
             })
             .collect();
         // Shard 0 last: its writer waits for every other shard, this host's too.
@@ -139,7 +139,7 @@ impl Checkpointer {
     fn spawn(
         &mut self,
         settings: CheckpointSettings,
-        images: Vec<(limpet_snapshot::StateImage, String, Kind)>,
+        images: Vec<(Arc<limpet_snapshot::StateImage>, String, Kind)>,
         epoch: &Epoch,
         nb: usize,
         sink: &Sink<'_>,
@@ -215,9 +215,17 @@ impl Checkpointer {
 
     /// Writes this rank's part of a durable checkpoint when one is due: the ranks of the
     /// first replica write, one part per stage (the whole model in a data-parallel epoch).
-    pub fn maybe_write(&mut self, trainer: &Trainer, epoch: &Epoch, rank: usize, nb: usize, sink: &Sink<'_>) {
+    /// A sharded trainer's is the whole state `gathered` for it (`sharding::after_step`).
+    pub fn maybe_write(
+        &mut self,
+        (trainer, gathered): (&Trainer, Option<Arc<limpet_snapshot::StateImage>>),
+        epoch: &Epoch,
+        rank: usize,
+        nb: usize,
+        sink: &Sink<'_>,
+    ) {
         let Some(c) = self.settings.clone() else { return };
-        if trainer.shard_layout().is_some() {
+        if trainer.shard_layout().is_some() && gathered.is_none() {
             // Sharded state is gathered for the steps `due_by_steps` names; at any other
             // step this rank holds no whole state to write.
             return;
@@ -236,7 +244,7 @@ impl Checkpointer {
             return;
         }
         self.last = Some(Instant::now());
-        let image = match trainer.image() {
+        let image = match gathered.map_or_else(|| trainer.image().map(Arc::new), Ok) {
             Ok(i) => i,
             Err(e) => {
                 tracing::error!(step, %e, "could not copy the state for a checkpoint");
@@ -271,7 +279,8 @@ impl Kind {
 /// One checkpoint part to write, copy and record, owned by the writer thread.
 struct Part {
     settings: CheckpointSettings,
-    image: limpet_snapshot::StateImage,
+    /// Shared with the job's final checkpoint when the job ends at this step.
+    image: Arc<limpet_snapshot::StateImage>,
     /// The content hash the log records: the image's, or the whole state's for a shard.
     hash: String,
     /// The agent's root token: a writer waiting for other ranks' shards stops with it.

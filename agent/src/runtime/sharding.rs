@@ -5,9 +5,10 @@
 //! epoch every rank holds the same state: each cuts its own shard once the ranks agree on
 //! its digest. Otherwise, where no rank holds a shard (a rank with whole state further on, a
 //! checkpoint loaded) the entry copies whole states as for any job and the state is cut
-//! once the entry agreed. Checkpoints the ranks
-//! know are due are gathered whole. A block with no live holder sends every rank back to
-//! the newest checkpoint.
+//! once the entry agreed. A checkpoint the ranks know is due is written as shards by their
+//! holders, or gathered whole into one host rank's memory (the job's final one into each
+//! host's first rank's), the ranks keeping their blocks. A block with no live holder sends
+//! every rank back to the newest checkpoint.
 //!
 //! A host of several local ranks (`[node].devices`) shards over its devices: each local
 //! rank is a rank of the layout, which places every block's replicas on other hosts
@@ -21,14 +22,17 @@ use super::checkpointer;
 use super::error::AgentError;
 use crate::Group;
 use limpet_consensus::state::{ClusterState, Epoch};
+use limpet_snapshot::StateImage;
 use limpet_trainer::{JobSpec, ShardLayout, Trainer, TrainerError};
 use std::time::Instant;
 
 /// How the state of a job that shards it entered an epoch.
 pub(super) enum Sharded {
     /// Re-cut for the new group: the entry is done but for its barrier. The bytes this rank
-    /// took from others (not those it passed on for them), and the time it took.
-    Recut { bytes: u64, ms: u64 },
+    /// took from others (not those it passed on for them), and the time it took; past the
+    /// job's last step, the whole state gathered for the final checkpoint (on the host's
+    /// first rank).
+    Recut { bytes: u64, ms: u64, final_image: Option<StateImage> },
     /// The entry copies whole states as for any job, after `redone` steps were given up
     /// (a block lost with every holder sent the ranks back to a checkpoint).
     Whole { redone: u64 },
@@ -37,10 +41,10 @@ pub(super) enum Sharded {
 /// The first part of an entry into `n` for a job that shards its state (every rank of the
 /// group calls it, with its host's trainers: `trainer` and the `followers` of its other
 /// devices; `step_tag` marks the collectives). `Some`: the state is re-cut for the
-/// new group, every rank at the same step with the same parameters: the entry is done but
-/// for its barrier. `None`: the entry copies whole states: no rank held a shard, a rank held
-/// whole state further on, the shards were gathered whole for the job's end, or a lost
-/// block sent every rank back to a checkpoint. A rank left with state of another step than
+/// new group, every rank at the same step with the same parameters (past the job's end,
+/// with the whole state gathered for its final checkpoint): the entry is done but for its
+/// barrier. `None`: the entry copies whole states: no rank held a shard, a rank held whole
+/// state further on, or a lost block sent every rank back to a checkpoint. A rank left with state of another step than
 /// the one rebuilt (or a shard) then starts afresh, so the entry copies the state to it as
 /// to a newcomer; a host's followers then copy the host's state after the entry.
 pub(super) fn enter(
@@ -80,23 +84,25 @@ pub(super) fn enter(
     let local = &mut followers[..count];
     match outcome.unwrap_or(Ok(None)) {
         Ok(Some(step)) if recut => {
-            if step >= job.steps {
-                // The job's final checkpoint is whole.
-                unshard_host((&mut *trainer, &mut *local), group, n)?;
+            let final_image = if step >= job.steps {
+                // The job's final checkpoint is whole; the ranks keep their blocks.
+                let image = image_of_host((&mut *trainer, &mut *local), group, n, true)?;
                 tracing::info!(
                     epoch = n.id,
                     step,
-                    "optimizer state gathered from its shards for the job's end"
+                    "the whole state gathered for the job's final checkpoint; every rank keeps its blocks"
                 );
-                return Ok(Sharded::Whole { redone: 0 });
-            }
+                image
+            } else {
+                None
+            };
             // What this host's ranks took from others (a relay passes some values on through
             // ranks between a giver and a taker, which these do not count).
             let bytes =
                 (trainer.regroup_values() + local.iter().map(Trainer::regroup_values).sum::<u64>()) * 4;
             let held = held_by((trainer, local));
             tracing::info!(epoch = n.id, step, %held, bytes, "optimizer state re-cut for the new group");
-            Ok(Sharded::Recut { bytes, ms: started.elapsed().as_millis() as u64 })
+            Ok(Sharded::Recut { bytes, ms: started.elapsed().as_millis() as u64, final_image })
         }
         // Every rank takes this guard's collective (the facts, hence `None`, are the
         // group's); the step is checked after it, when it is known to be every rank's.
@@ -117,7 +123,7 @@ pub(super) fn enter(
                 %held,
                 "every rank holds the same state: each keeps its own shard"
             );
-            Ok(Sharded::Recut { bytes: 0, ms: started.elapsed().as_millis() as u64 })
+            Ok(Sharded::Recut { bytes: 0, ms: started.elapsed().as_millis() as u64, final_image: None })
         }
         Ok(rebuilt) => {
             if let Some(step) = rebuilt {
@@ -155,26 +161,36 @@ fn unshard_followers(followers: &mut [Trainer], job: &JobSpec) -> Result<(), Age
     Ok(())
 }
 
-/// Gathers the whole optimizer state on every local rank of node `me` of `n` from the
-/// shards (a collective of the group, whose ring is `group`).
-pub(super) fn unshard_host(
+/// The whole state of node `me` of `n`, gathered from the shards into host memory (a
+/// collective of the group, whose ring is `group`) and kept, if `keep`, by the host's first
+/// rank; every rank keeps its blocks, and no device ever holds the whole optimizer state.
+fn image_of_host(
     (trainer, followers): (&mut Trainer, &mut [Trainer]),
     group: &mut Group,
     n: &Epoch,
-) -> Result<(), TrainerError> {
+    keep: bool,
+) -> Result<Option<StateImage>, TrainerError> {
     let me = group.rank();
-    super::local_ranks::each(trainer, followers, n, me, group, |_, t, reduce| t.unshard(reduce))?
-        .into_iter()
-        .collect()
+    let first = n.first_rank_of(me);
+    let gathered = super::local_ranks::each(trainer, followers, n, me, group, |r, t, reduce| {
+        t.gathered_image(reduce, keep && r == first)
+    })?;
+    let mut image = None;
+    for g in gathered {
+        // Local rank 0's comes first; the others keep none, but each may have failed.
+        image = image.or(g?);
+    }
+    Ok(image)
 }
 
 /// After a step with sharded state (every rank of the group calls it, after the same
-/// step): at the job's end every local rank gathers the whole state (the final checkpoint
-/// is whole). A checkpoint due by the step count is written as parts, each local rank its
-/// own, when every host's directory is shared; otherwise the state is gathered whole for
-/// it. The ranks agree first: parts only if every host's directory is shared, and none if a
-/// rank's previous checkpoint is still being written (a set missing one part is no
-/// checkpoint).
+/// step): at the job's end every host's first rank gathers the whole state into host memory
+/// for its final checkpoint (returned, and written as this step's checkpoint if one is
+/// due). A checkpoint due by the step count is written as parts, each local rank its own,
+/// when every host's directory is shared; otherwise the first host's first rank gathers the
+/// whole state for it (returned). The ranks agree first: parts only if every host's
+/// directory is shared, and none if a rank's previous checkpoint is still being written (a
+/// set missing one part is no checkpoint). Every rank keeps its blocks throughout.
 pub(super) fn after_step(
     (trainer, followers): (&mut Trainer, &mut [Trainer]),
     group: &mut Group,
@@ -182,29 +198,33 @@ pub(super) fn after_step(
     checkpointer: &mut checkpointer::Checkpointer,
     sink: &checkpointer::Sink<'_>,
     nb: usize,
-) -> Result<(), TrainerError> {
+) -> Result<Option<StateImage>, TrainerError> {
     let step = trainer.step();
     if step >= trainer.job().steps {
-        return unshard_host((trainer, followers), group, n);
+        return image_of_host((trainer, followers), group, n, true);
     }
     if !checkpointer.due_by_steps(step) {
-        return Ok(());
+        return Ok(None);
     }
     let mut agreed = [i32::from(checkpointer.is_busy()), i32::from(!checkpointer.writes_shards())];
     group.allreduce_max_i32(&mut agreed, step).map_err(|e| e.into_trainer())?;
     match agreed {
-        [_, 1] => unshard_host((trainer, followers), group, n),
         [1, _] => {
             tracing::warn!(
                 step,
                 "a rank's previous checkpoint is still being written; every rank skips this one"
             );
-            Ok(())
+            Ok(None)
+        }
+        // Only the first host writes a whole checkpoint (`Checkpointer::maybe_write`).
+        [_, 1] => {
+            let first_host = group.rank() == 0;
+            image_of_host((trainer, followers), group, n, first_host)
         }
         _ => {
             let parts = parts_of_host((trainer, followers), group, n)?;
             checkpointer.write_shards(parts, n, nb, sink);
-            Ok(())
+            Ok(None)
         }
     }
 }

@@ -71,6 +71,9 @@ pub(super) struct TrainLoop {
     step_time_ms: f64,
     log: Option<std::fs::File>,
     finished: bool,
+    /// A sharded job past its last step: the whole state gathered for its final checkpoint
+    /// (the trainers keep their blocks); `None` until then, or when the gather broke.
+    final_image: Option<Arc<limpet_snapshot::StateImage>>,
     /// The next epoch's ring connections, made ahead of its boundary.
     pending: Option<Pending>,
     /// The last entry failure logged: (epoch, error).
@@ -123,6 +126,7 @@ impl TrainLoop {
             step_time_ms: 0.0,
             log: None,
             finished: false,
+            final_image: None,
             pending: None,
             entry_failed: None,
             last_epoch: None,
@@ -233,15 +237,21 @@ impl TrainLoop {
                 }
                 Action::Finish { preform } => {
                     self.preform(&st, preform.as_ref());
-                    if !self.finished && self.trainer.shard_layout().is_some() {
-                        // The final gather broke: the next entry makes the state whole.
+                    if !self.finished && self.trainer.shard_layout().is_some() && self.final_image.is_none() {
+                        // The final gather broke: the next entry gathers the state again.
                         self.wait_change(Duration::from_millis(200));
                         continue;
                     }
                     if !self.finished {
                         // The job's result, where `limpet-lab demo` and operators find it.
-                        let path = limpet_trainer::save_checkpoint(&self.trainer, &self.cfg.state_dir)
+                        let image = match self.final_image.take() {
+                            Some(image) => image,
+                            None => Arc::new(self.trainer.image().map_err(AgentError::FinalCheckpoint)?),
+                        };
+                        let path = limpet_trainer::save_image(&image, &self.cfg.state_dir)
                             .map_err(AgentError::FinalCheckpoint)?;
+                        drop(image);
+                        limpet_trainer::device::return_freed_host_memory();
                         // The process's peak resident memory, for `bench dp` and operators.
                         let peak_rss_bytes = limpet_trainer::peak_rss_bytes();
                         tracing::info!(step = self.trainer.step(), path = %path.display(), peak_rss_bytes, "job finished; final checkpoint written");
@@ -411,43 +421,43 @@ impl TrainLoop {
             if epoch.layout.pipeline == 1 { epoch.total_ranks() } else { epoch.layout.data as usize };
         self.grad_stats = observe_gradients(self.grad_stats, &stats, replicas);
         let sink = Sink { me: self.cfg.id, handle: &self.handle, rt: &self.rt, tasks: &self.tasks };
-        let sharded = self.trainer.shard_layout().cloned();
-        let followers_sharded: Vec<_> = self.followers.iter().map(|f| f.shard_layout().cloned()).collect();
-        if let (Some(_), Some((_, Conn::Ring(g)))) = (&sharded, self.group.as_mut()) {
+        let mut gathered = None;
+        if let (Some(_), Some((_, Conn::Ring(g)))) = (self.trainer.shard_layout(), self.group.as_mut()) {
             let nb = self.cfg.job.model.num_blocks();
             let host = (&mut self.trainer, self.followers.as_mut_slice());
-            if let Err(e) = sharding::after_step(host, g, epoch, &mut self.checkpointer, &sink, nb) {
-                // Peers may be past it or still in it: the group is done, as after any
-                // failed collective (the step itself is applied and logged).
-                tracing::warn!(epoch = epoch.id, step = self.trainer.step(), %e, "could not gather the sharded state for a checkpoint; waiting for the next epoch");
-                let (suspect, violation) = match &e {
-                    limpet_trainer::TrainerError::Reduce { peer, violation, .. } => (*peer, *violation),
-                    _ => (None, false),
-                };
-                self.broken = Some(BrokenAt { at: Instant::now(), suspect, error: e.to_string(), violation });
-                self.set_phase(Phase::Waiting);
-                self.beat_now.notify_one();
-                return Ok(());
+            match sharding::after_step(host, g, epoch, &mut self.checkpointer, &sink, nb) {
+                Ok(image) => gathered = image.map(Arc::new),
+                Err(e) => {
+                    // Peers may be past it or still in it: the group is done, as after any
+                    // failed collective (the step itself is applied and logged).
+                    tracing::warn!(epoch = epoch.id, step = self.trainer.step(), %e, "could not gather the sharded state for a checkpoint; waiting for the next epoch");
+                    let (suspect, violation) = match &e {
+                        limpet_trainer::TrainerError::Reduce { peer, violation, .. } => (*peer, *violation),
+                        _ => (None, false),
+                    };
+                    self.broken =
+                        Some(BrokenAt { at: Instant::now(), suspect, error: e.to_string(), violation });
+                    self.set_phase(Phase::Waiting);
+                    self.beat_now.notify_one();
+                    return Ok(());
+                }
             }
         }
+        if self.trainer.step() >= self.trainer.job().steps && gathered.is_some() {
+            // Written when the job finishes, and as this step's checkpoint if one is due.
+            tracing::info!(
+                step = self.trainer.step(),
+                "the whole state gathered for the job's final checkpoint; every rank keeps its blocks"
+            );
+            self.final_image = gathered.clone();
+        }
         self.checkpointer.maybe_write(
-            &self.trainer,
+            (&self.trainer, gathered),
             epoch,
             group_rank,
             self.cfg.job.model.num_blocks(),
             &sink,
         );
-        let finished = self.trainer.step() >= self.trainer.job().steps;
-        if let Some(layout) = sharded.filter(|_| self.trainer.shard_layout().is_none() && !finished) {
-            // Gathered for a checkpoint: every local rank keeps its shard again.
-            self.trainer.shard_state(layout)?;
-            for (f, layout) in self.followers.iter_mut().zip(followers_sharded) {
-                if let Some(layout) = layout.filter(|_| f.shard_layout().is_none()) {
-                    f.shard_state(layout)?;
-                }
-            }
-            limpet_trainer::device::return_freed_host_memory();
-        }
         let every = self.cfg.pipeline.as_ref().map_or(0, |p| p.shadow_every);
         if epoch.layout.pipeline > 1 && every > 0 && self.trainer.step() % every == 0 {
             let addrs = entry::addrs_of(st, epoch)?;
@@ -577,10 +587,16 @@ impl TrainLoop {
             shadows: &mut self.shadows,
             pending: self.pending.take(),
         };
-        let done = entry::enter(x, n)?;
+        // Gathered from the state this entry may change.
+        self.final_image = None;
+        let mut done = entry::enter(x, n)?;
         if done.redone_steps > 0 {
             self.checkpointer.went_back(self.trainer.step());
+            // Steps given up are trained again, and the job's end written again.
+            self.finished = false;
         }
+        // A rank that wrote the job's end already gathered with the others for a newcomer's.
+        self.final_image = done.final_image.take().filter(|_| !self.finished).map(Arc::new);
         // A sharded step finished at the entry with a peer's norm belongs to the last epoch.
         if let Some(p) = self.last_epoch.clone().filter(|_| self.trainer.has_unlogged()) {
             let step = self.trainer.take_unlogged().expect("checked");

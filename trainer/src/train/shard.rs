@@ -237,8 +237,12 @@ impl ShardLayout {
         (0..=self.replicas).map(|j| self.rank_at((h + hosts - j % hosts) % hosts, k)).collect()
     }
 
-    /// The ranks holding block `b`: its owner first, then its replicas in order.
+    /// The ranks holding block `b`: its owner first, then its replicas in order (none for a
+    /// block past the world).
     pub fn holders(&self, b: usize) -> Vec<usize> {
+        if b >= self.world() {
+            return Vec::new();
+        }
         let (h, k) = self.place(b);
         let (hosts, (_, m)) = (self.counts.len(), self.shards());
         if k >= m {
@@ -446,6 +450,61 @@ impl Trainer {
         self.shard = None;
         self.optim.restore(slots);
         Ok(())
+    }
+
+    /// The whole state as an image, its optimizer state gathered from every rank's block
+    /// into host memory a slot at a time (a collective under `reduce`: every rank of the
+    /// group calls it), for a rank that `keep`s it; the trainer stays sharded. The image is
+    /// the one [`Trainer::unshard`] and [`Trainer::image`] would give, bit for bit, without
+    /// the whole optimizer state ever on the device: what a checkpoint of a model whose state
+    /// does not fit one device is written from, by one rank of a host while the others only
+    /// send their blocks. An unsharded trainer's is its [`Trainer::image`].
+    pub fn gathered_image(
+        &self,
+        reduce: &mut dyn Reduce,
+        keep: bool,
+    ) -> Result<Option<limpet_snapshot::StateImage>, TrainerError> {
+        if self.shard.is_none() {
+            return keep.then(|| self.image()).transpose();
+        }
+        let shard = self.usable_shard()?;
+        let layout = &shard.layout;
+        let n = self.grads.grads_len();
+        let own = layout.blocks[layout.rank].clone();
+        let params = self.model.params();
+        let mut tensors = std::collections::BTreeMap::new();
+        for (k, slot) in self.optim.spec().slots().iter().enumerate() {
+            let mut all = vec![0f32; n];
+            shard.held[0].1[k].to_device(Device::Cpu).f_copy_data(&mut all[own.clone()], own.len())?;
+            reduce.allgather_blocks(&mut all, &layout.blocks, self.step)?;
+            if !keep {
+                continue;
+            }
+            // Cut as `unflatten` cuts it for the optimizer: parameter order, each its shape.
+            let mut at = 0;
+            for (name, p) in params {
+                let len = p.numel();
+                let key = format!("optim/{slot}/{name}");
+                let bytes = all[at..at + len].iter().flat_map(|v| v.to_le_bytes()).collect();
+                let shape = p.size().iter().map(|&d| d as usize).collect();
+                let t = limpet_snapshot::RawTensor::try_new(&key, limpet_snapshot::Dtype::F32, shape, bytes)?;
+                tensors.insert(key, t);
+                at += len;
+            }
+        }
+        if !keep {
+            return Ok(None);
+        }
+        for (name, p) in params {
+            let key = format!("param/{name}");
+            let t = super::raw(&key, p)?;
+            tensors.insert(key, t);
+        }
+        if let Some(t) = self.exponents_tensor()? {
+            tensors.insert(super::exact::EXPONENTS.to_string(), t);
+        }
+        let job = serde_json::to_value(&self.job).expect("JobSpec serializes");
+        Ok(Some(limpet_snapshot::StateImage::new(self.step, self.cursor, self.rng, job, tensors)))
     }
 
     /// One step with sharded state (see the module's notes); the trainer must be sharded
@@ -756,6 +815,7 @@ mod tests {
         assert_eq!(l.blocks(), &[0..320, 320..656, 656..1000]);
         assert_eq!(l.held(), vec![0, 2]);
         assert_eq!(l.holders(2), vec![2, 0]);
+        assert!(l.holders(3).is_empty(), "a block past the world has no holder");
         assert_eq!(ShardLayout::new(1000, 3, 2, 2).unwrap().held(), vec![2, 1, 0]);
         // Fewer values than ranks: empty blocks, still a tiling.
         let small = ShardLayout::new(5, 4, 1, 0).unwrap();

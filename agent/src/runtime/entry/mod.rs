@@ -74,6 +74,9 @@ pub(super) struct Entered {
     pub repaired: bool,
     /// Steps trained again after a rollback to shadows (0 otherwise).
     pub redone_steps: u64,
+    /// Sharded state past the job's last step: the whole state, gathered for the final
+    /// checkpoint (the host's first rank's; the trainers keep their blocks).
+    pub final_image: Option<limpet_snapshot::StateImage>,
 }
 
 /// The data addresses of an epoch's ranks, in rank order.
@@ -163,7 +166,7 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     let host = (&mut *x.trainer, &mut *x.followers);
     let local = x.cfg.checkpoint.as_ref().map(|c| c.dir.as_path());
     let given_up = match sharding::enter(host, &mut group, (&x.cfg.job, local), &st, n, ENTRY_STEP)? {
-        sharding::Sharded::Recut { bytes, ms } => {
+        sharding::Sharded::Recut { bytes, ms, final_image } => {
             // The followers take the plan from the host's trainer before each step.
             x.trainer.set_epoch_plan(
                 n.batch.global_batch as usize,
@@ -181,6 +184,7 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
                 fetch_ms: ms,
                 repaired: false,
                 redone_steps: 0,
+                final_image,
             });
         }
         sharding::Sharded::Whole { redone } => redone,
@@ -255,7 +259,7 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     limpet_trainer::device::return_freed_host_memory();
     let (conn, lanes) = connect(&x, n, group, &addrs, &give_up)?;
     let redone_steps = (if plan.action == Entry::Rollback { redone } else { 0 }).max(given_up);
-    Ok(Entered { conn, lanes, fetched_bytes, fetch_ms, repaired, redone_steps })
+    Ok(Entered { conn, lanes, fetched_bytes, fetch_ms, repaired, redone_steps, final_image: None })
 }
 
 /// What the entered epoch trains over, connected once every rank passed the entry's

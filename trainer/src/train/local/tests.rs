@@ -155,6 +155,7 @@ fn sharded_state_over_local_ranks_trains_the_bits_of_whole_state() {
     // Each rank holds its block and the same local rank's block of the other host.
     let held: Vec<Vec<usize>> = ranks.iter().map(|t| t.shard_layout().unwrap().held()).collect();
     assert_eq!(held, vec![vec![0, 2], vec![1, 3], vec![2, 0], vec![3, 1]]);
+    gathered_is_whole(&mut ranks, &hosts, &whole[2][0]);
     on_hosts(&mut ranks, &hosts, |_, t, local| t.unshard(local).unwrap());
     for (r, t) in ranks.iter().enumerate() {
         assert_eq!(t.content_hash().unwrap(), whole[2][0], "rank {r} after unsharding");
@@ -264,10 +265,31 @@ fn hosts_of_unequal_devices_shard_and_train_the_bits_of_one_process() {
     for _ in 0..2 {
         on_hosts(&mut survivors, &hosts, |r, t, local| t.train_step(r, 7, local).unwrap());
     }
+    gathered_is_whole(&mut survivors, &hosts, &whole[5][0]);
     on_hosts(&mut survivors, &hosts, |_, t, local| t.unshard(local).unwrap());
     for (r, t) in survivors.iter().enumerate() {
         assert_eq!(t.content_hash().unwrap(), whole[5][0], "rank {r}");
     }
+}
+
+/// The whole state gathered into host memory for a checkpoint, kept by each host's first
+/// rank (what `limpetd` writes a sharded job's final checkpoint from), is the state of
+/// content hash `want`; every rank keeps its blocks, and a rank that kept no image gathered
+/// the same all the same (asked to keep it, the next time).
+fn gathered_is_whole(ranks: &mut [Trainer], hosts: &[usize], want: &str) {
+    let firsts: Vec<usize> = hosts.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
+    let held: Vec<_> = ranks.iter().map(|t| t.shard_layout().cloned()).collect();
+    for keep_first in [true, false] {
+        let images = on_hosts(ranks, hosts, |r, t, local| {
+            t.gathered_image(local, firsts.contains(&r) == keep_first).unwrap()
+        });
+        for (r, image) in images.iter().enumerate() {
+            let hash = image.as_ref().map(|i| i.content_hash().to_string());
+            let kept = firsts.contains(&r) == keep_first;
+            assert_eq!(hash.as_deref(), kept.then_some(want), "rank {r}'s gathered image");
+        }
+    }
+    assert_eq!(ranks.iter().map(|t| t.shard_layout().cloned()).collect::<Vec<_>>(), held);
 }
 
 #[test]
