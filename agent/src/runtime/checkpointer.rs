@@ -200,6 +200,10 @@ impl Checkpointer {
             if let Some(why) = not_copied {
                 failure.lock().expect("failure lock").get_or_insert(why);
             }
+            // The images (a sharded job's gathered state among them) go back to the system,
+            // not to the allocator's free lists for the rest of the job.
+            drop(parts);
+            limpet_trainer::device::return_freed_host_memory();
             busy.store(false, Ordering::SeqCst);
         };
         if let Err(e) = sink.tasks.spawn_thread("checkpoint", write) {

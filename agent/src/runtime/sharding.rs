@@ -24,6 +24,7 @@ use crate::Group;
 use limpet_consensus::state::{ClusterState, Epoch};
 use limpet_snapshot::StateImage;
 use limpet_trainer::{JobSpec, ShardLayout, Trainer, TrainerError};
+use std::path::Path;
 use std::time::Instant;
 
 /// How the state of a job that shards it entered an epoch.
@@ -50,7 +51,7 @@ pub(super) enum Sharded {
 pub(super) fn enter(
     (trainer, followers): (&mut Trainer, &mut [Trainer]),
     group: &mut Group,
-    (job, ckpt_dir): (&JobSpec, Option<&std::path::Path>),
+    dirs @ (job, _, _): (&JobSpec, Option<&Path>, &Path),
     st: &ClusterState,
     n: &Epoch,
     step_tag: u64,
@@ -136,7 +137,7 @@ pub(super) fn enter(
             Ok(Sharded::Whole { redone: 0 })
         }
         Err(why) => {
-            let redone = back_to_checkpoint(trainer, group, (job, ckpt_dir), st, n, &why, step_tag)?;
+            let redone = back_to_checkpoint(trainer, group, dirs, st, n, &why, step_tag)?;
             unshard_followers(followers, job)?;
             Ok(Sharded::Whole { redone })
         }
@@ -272,18 +273,22 @@ fn all_hold_one_state(
 }
 
 /// Every rank saw the same facts, so every rank comes here: each loads the newest
-/// checkpoint it can read; one that cannot starts afresh and is copied the state in the
-/// entry; if none can, every rank fails the entry alike. The steps this rank gives up.
+/// checkpoint it can read (past the job's end, its own final checkpoint in `state_dir`,
+/// which the log does not record: the ranks keep their blocks after the end, so a block
+/// lost with every holder then is there); one that cannot starts afresh and is copied the
+/// state in the entry; if none can, every rank fails the entry alike. The steps this rank
+/// gives up.
 fn back_to_checkpoint(
     trainer: &mut Trainer,
     group: &mut Group,
-    (job, ckpt_dir): (&JobSpec, Option<&std::path::Path>),
+    (job, ckpt_dir, state_dir): (&JobSpec, Option<&Path>, &Path),
     st: &ClusterState,
     n: &Epoch,
     why: &str,
     step_tag: u64,
 ) -> Result<u64, AgentError> {
-    let loaded = checkpointer::newest(trainer, job, st, ckpt_dir);
+    let loaded =
+        own_final(trainer, job, state_dir).or_else(|| checkpointer::newest(trainer, job, st, ckpt_dir));
     let mut read = vec![0i64; group.world()];
     read[group.rank()] = loaded.as_ref().map_or(0, |t| t.step() as i64 + 1);
     group.allreduce_sum_i64(&mut read, step_tag)?;
@@ -308,6 +313,36 @@ fn back_to_checkpoint(
         None => fresh(trainer, job)?,
     };
     Ok(redone)
+}
+
+/// Past the job's last step, the job's final checkpoint this host wrote, loaded; `None`
+/// before the end, or when there is none of this job's end to read.
+fn own_final(trainer: &Trainer, job: &JobSpec, state_dir: &Path) -> Option<Trainer> {
+    if trainer.step() < job.steps {
+        return None;
+    }
+    let path = state_dir.join(limpet_trainer::CHECKPOINT_FILE);
+    let loaded = limpet_snapshot::read_file(&path).map_err(AgentError::from).and_then(|image| {
+        if image.meta().step != job.steps {
+            return Err(AgentError::Entry(format!(
+                "it is of step {}, not the job's last",
+                image.meta().step
+            )));
+        }
+        let mut t = fresh(trainer, job)?;
+        t.load_image(&image)?;
+        Ok(t)
+    });
+    match loaded {
+        Ok(t) => {
+            tracing::info!(path = %path.display(), "the job's final checkpoint loaded");
+            Some(t)
+        }
+        Err(e) => {
+            tracing::warn!(path = %path.display(), %e, "could not load the job's final checkpoint");
+            None
+        }
+    }
 }
 
 /// A trainer at step 0 of the job, on the same data and device: what a newcomer enters with.
@@ -362,4 +397,39 @@ pub(super) fn shard_after_entry(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Past the job's end a rank reloads the final checkpoint its host wrote (the log never
+    /// records it), and nothing else: not before the end, not another step's file, not
+    /// another job's.
+    #[test]
+    fn past_the_end_a_rank_reloads_its_own_final_checkpoint_only() {
+        use limpet_trainer::data::{DataSpec, Dataset};
+        let spec = DataSpec::Synthetic { samples: 200, features: 6, classes: 3, seed: 5 };
+        let data = Dataset::load(&spec, None).unwrap();
+        let job =
+            JobSpec { steps: 25, ..JobSpec::defaults_for(limpet_trainer::ModelKind::Mlp, &data).unwrap() };
+        let mut trained = Trainer::try_new(job.clone(), data.shallow_clone()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        for _ in 0..24 {
+            trained.train_step(0, 1, &mut limpet_trainer::NoReduce).unwrap();
+        }
+        limpet_trainer::save_checkpoint(&trained, dir.path()).unwrap();
+        // Before the end: none; at the end, a file of step 24 is not the job's end.
+        assert!(own_final(&trained, &job, dir.path()).is_none());
+        trained.train_step(0, 1, &mut limpet_trainer::NoReduce).unwrap();
+        assert!(own_final(&trained, &job, dir.path()).is_none());
+        limpet_trainer::save_checkpoint(&trained, dir.path()).unwrap();
+        let back = own_final(&trained, &job, dir.path()).expect("the job's final checkpoint");
+        assert_eq!(back.step(), 25);
+        assert_eq!(back.content_hash().unwrap(), trained.content_hash().unwrap());
+        // Another job (another seed) of the same length refuses it; so does a missing file.
+        let other = JobSpec { seed: job.seed + 1, ..job.clone() };
+        assert!(own_final(&trained, &other, dir.path()).is_none());
+        assert!(own_final(&trained, &job, &dir.path().join("gone")).is_none());
+    }
 }

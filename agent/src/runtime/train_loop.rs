@@ -227,6 +227,8 @@ impl TrainLoop {
                     self.group = None;
                     self.lanes.clear();
                     self.broken = None;
+                    // Its final checkpoint is written where it trains to the end, if it does.
+                    self.final_image = None;
                     // A rank that sits out (a spare) is not idle for the ones that train.
                     self.last_step_done = None;
                     self.set_phase(Phase::Left);

@@ -485,7 +485,10 @@ impl Trainer {
             for (name, p) in params {
                 let len = p.numel();
                 let key = format!("optim/{slot}/{name}");
-                let bytes = all[at..at + len].iter().flat_map(|v| v.to_le_bytes()).collect();
+                let mut bytes = Vec::with_capacity(len * 4);
+                for v in &all[at..at + len] {
+                    bytes.extend_from_slice(&v.to_le_bytes());
+                }
                 let shape = p.size().iter().map(|&d| d as usize).collect();
                 let t = limpet_snapshot::RawTensor::try_new(&key, limpet_snapshot::Dtype::F32, shape, bytes)?;
                 tensors.insert(key, t);
