@@ -27,6 +27,7 @@
 
 mod part;
 mod regroup;
+mod whole;
 
 pub use part::CheckpointPart;
 
@@ -428,88 +429,6 @@ impl Trainer {
         }
     }
 
-    /// Gathers the whole optimizer state from every rank's block (a collective, under
-    /// `reduce`) and drops the sharding: what a checkpoint or a state image starts from.
-    /// If it fails, peers may have finished: every rank must then reload its state.
-    pub fn unshard(&mut self, reduce: &mut dyn Reduce) -> Result<(), TrainerError> {
-        if self.shard.is_none() {
-            return Ok(());
-        }
-        let layout = self.usable_shard()?.layout.clone();
-        let n = self.grads.grads_len();
-        let own = layout.blocks[layout.rank].clone();
-        let device = self.model.device();
-        let mut slots = Vec::new();
-        for k in 0..self.optim.spec().slots().len() {
-            let mut all = vec![0f32; n];
-            let mine = &self.shard.as_ref().expect("sharded").held[0].1[k];
-            mine.to_device(Device::Cpu).f_copy_data(&mut all[own.clone()], own.len())?;
-            reduce.allgather_blocks(&mut all, &layout.blocks, self.step)?;
-            slots.push(unflatten(&all, self.model.params(), device));
-        }
-        self.shard = None;
-        self.optim.restore(slots);
-        Ok(())
-    }
-
-    /// The whole state as an image, its optimizer state gathered from every rank's block
-    /// into host memory a slot at a time (a collective under `reduce`: every rank of the
-    /// group calls it), for a rank that `keep`s it; the trainer stays sharded. The image is
-    /// the one [`Trainer::unshard`] and [`Trainer::image`] would give, bit for bit, without
-    /// the whole optimizer state ever on the device: what a checkpoint of a model whose state
-    /// does not fit one device is written from, by one rank of a host while the others only
-    /// send their blocks. An unsharded trainer's is its [`Trainer::image`].
-    pub fn gathered_image(
-        &self,
-        reduce: &mut dyn Reduce,
-        keep: bool,
-    ) -> Result<Option<limpet_snapshot::StateImage>, TrainerError> {
-        if self.shard.is_none() {
-            return keep.then(|| self.image()).transpose();
-        }
-        let shard = self.usable_shard()?;
-        let layout = &shard.layout;
-        let n = self.grads.grads_len();
-        let own = layout.blocks[layout.rank].clone();
-        let params = self.model.params();
-        let mut tensors = std::collections::BTreeMap::new();
-        for (k, slot) in self.optim.spec().slots().iter().enumerate() {
-            let mut all = vec![0f32; n];
-            shard.held[0].1[k].to_device(Device::Cpu).f_copy_data(&mut all[own.clone()], own.len())?;
-            reduce.allgather_blocks(&mut all, &layout.blocks, self.step)?;
-            if !keep {
-                continue;
-            }
-            // Cut as `unflatten` cuts it for the optimizer: parameter order, each its shape.
-            let mut at = 0;
-            for (name, p) in params {
-                let len = p.numel();
-                let key = format!("optim/{slot}/{name}");
-                let mut bytes = Vec::with_capacity(len * 4);
-                for v in &all[at..at + len] {
-                    bytes.extend_from_slice(&v.to_le_bytes());
-                }
-                let shape = p.size().iter().map(|&d| d as usize).collect();
-                let t = limpet_snapshot::RawTensor::try_new(&key, limpet_snapshot::Dtype::F32, shape, bytes)?;
-                tensors.insert(key, t);
-                at += len;
-            }
-        }
-        if !keep {
-            return Ok(None);
-        }
-        for (name, p) in params {
-            let key = format!("param/{name}");
-            let t = super::raw(&key, p)?;
-            tensors.insert(key, t);
-        }
-        if let Some(t) = self.exponents_tensor()? {
-            tensors.insert(super::exact::EXPONENTS.to_string(), t);
-        }
-        let job = serde_json::to_value(&self.job).expect("JobSpec serializes");
-        Ok(Some(limpet_snapshot::StateImage::new(self.step, self.cursor, self.rng, job, tensors)))
-    }
-
     /// One step with sharded state (see the module's notes); the trainer must be sharded
     /// for this rank of a group of `world`.
     pub fn sharded_step(
@@ -809,49 +728,4 @@ fn unflatten(all: &[f32], params: &[(String, Tensor)], device: Device) -> Vec<Te
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn blocks_tile_the_gradient_aligned_and_replicas_come_before() {
-        let l = ShardLayout::new(1000, 3, 0, 1).unwrap();
-        assert_eq!(l.blocks(), &[0..320, 320..656, 656..1000]);
-        assert_eq!(l.held(), vec![0, 2]);
-        assert_eq!(l.holders(2), vec![2, 0]);
-        assert!(l.holders(3).is_empty(), "a block past the world has no holder");
-        assert_eq!(ShardLayout::new(1000, 3, 2, 2).unwrap().held(), vec![2, 1, 0]);
-        // Fewer values than ranks: empty blocks, still a tiling.
-        let small = ShardLayout::new(5, 4, 1, 0).unwrap();
-        assert_eq!(small.blocks(), &[0..0, 0..0, 0..0, 0..5]);
-        assert!(ShardLayout::new(10, 2, 0, 2).is_err());
-        assert!(ShardLayout::new(10, 2, 2, 0).is_err());
-        assert_eq!(ShardLayout::new(10, 1, 0, 3).unwrap().replicas(), 0);
-    }
-
-    #[test]
-    fn over_hosts_every_holder_of_a_block_is_on_another_host() {
-        // Three hosts of two local ranks, two replicas: the same local rank on each host.
-        for rank in 0..6 {
-            let l = ShardLayout::over_hosts(6000, 6, 2, rank, 2).unwrap();
-            assert_eq!(l.held()[0], rank);
-            for b in 0..6 {
-                let hosts: Vec<usize> = l.holders(b).iter().map(|r| r / 2).collect();
-                assert_eq!(hosts.len(), 3);
-                assert!(hosts.iter().all(|h| hosts.iter().filter(|x| *x == h).count() == 1), "{hosts:?}");
-                assert!(l.holders(b).iter().all(|r| r % 2 == b % 2), "a replica at another local rank");
-                assert_eq!(l.holders(b).contains(&rank), l.held().contains(&b));
-            }
-        }
-        assert_eq!(ShardLayout::over_hosts(6000, 6, 2, 3, 1).unwrap().held(), vec![3, 1]);
-        // Replicas need other hosts; one host holds none; ranks come in whole hosts.
-        assert!(ShardLayout::over_hosts(100, 6, 2, 0, 3).is_err());
-        assert_eq!(ShardLayout::over_hosts(100, 4, 4, 1, 1).unwrap().held(), vec![1]);
-        assert!(ShardLayout::over_hosts(100, 5, 2, 0, 0).is_err());
-        assert!(ShardLayout::over_hosts(100, 4, 0, 0, 0).is_err());
-        // One rank per host is the plain layout.
-        assert_eq!(
-            ShardLayout::over_hosts(1000, 3, 1, 0, 1).unwrap(),
-            ShardLayout::new(1000, 3, 0, 1).unwrap()
-        );
-    }
-}
+mod tests;

@@ -1,0 +1,92 @@
+//! The whole state from sharded state: gathered back onto each rank ([`Trainer::unshard`]),
+//! or into one rank's host memory as an image, the ranks keeping their blocks
+//! ([`Trainer::gathered_image`]).
+
+use super::unflatten;
+use crate::train::{Reduce, Trainer};
+use crate::TrainerError;
+use tch::Device;
+
+impl Trainer {
+    /// Gathers the whole optimizer state from every rank's block (a collective, under
+    /// `reduce`) and drops the sharding: what a checkpoint or a state image starts from.
+    /// If it fails, peers may have finished: every rank must then reload its state.
+    pub fn unshard(&mut self, reduce: &mut dyn Reduce) -> Result<(), TrainerError> {
+        if self.shard.is_none() {
+            return Ok(());
+        }
+        let layout = self.usable_shard()?.layout.clone();
+        let n = self.grads.grads_len();
+        let own = layout.blocks[layout.rank].clone();
+        let device = self.model.device();
+        let mut slots = Vec::new();
+        for k in 0..self.optim.spec().slots().len() {
+            let mut all = vec![0f32; n];
+            let mine = &self.shard.as_ref().expect("sharded").held[0].1[k];
+            mine.to_device(Device::Cpu).f_copy_data(&mut all[own.clone()], own.len())?;
+            reduce.allgather_blocks(&mut all, &layout.blocks, self.step)?;
+            slots.push(unflatten(&all, self.model.params(), device));
+        }
+        self.shard = None;
+        self.optim.restore(slots);
+        Ok(())
+    }
+
+    /// The whole state as an image, its optimizer state gathered from every rank's block
+    /// into host memory a slot at a time (a collective under `reduce`: every rank of the
+    /// group calls it), for a rank that `keep`s it; the trainer stays sharded. The image is
+    /// the one [`Trainer::unshard`] and [`Trainer::image`] would give, bit for bit, without
+    /// the whole optimizer state ever on the device: what a checkpoint of a model whose state
+    /// does not fit one device is written from, by one rank of a host while the others only
+    /// send their blocks. An unsharded trainer's is its [`Trainer::image`].
+    pub fn gathered_image(
+        &self,
+        reduce: &mut dyn Reduce,
+        keep: bool,
+    ) -> Result<Option<limpet_snapshot::StateImage>, TrainerError> {
+        if self.shard.is_none() {
+            return keep.then(|| self.image()).transpose();
+        }
+        let shard = self.usable_shard()?;
+        let layout = &shard.layout;
+        let n = self.grads.grads_len();
+        let own = layout.blocks[layout.rank].clone();
+        let params = self.model.params();
+        let mut tensors = std::collections::BTreeMap::new();
+        for (k, slot) in self.optim.spec().slots().iter().enumerate() {
+            let mut all = vec![0f32; n];
+            shard.held[0].1[k].to_device(Device::Cpu).f_copy_data(&mut all[own.clone()], own.len())?;
+            reduce.allgather_blocks(&mut all, &layout.blocks, self.step)?;
+            if !keep {
+                continue;
+            }
+            // Cut as `unflatten` cuts it for the optimizer: parameter order, each its shape.
+            let mut at = 0;
+            for (name, p) in params {
+                let len = p.numel();
+                let key = format!("optim/{slot}/{name}");
+                let mut bytes = Vec::with_capacity(len * 4);
+                for v in &all[at..at + len] {
+                    bytes.extend_from_slice(&v.to_le_bytes());
+                }
+                let shape = p.size().iter().map(|&d| d as usize).collect();
+                let t = limpet_snapshot::RawTensor::try_new(&key, limpet_snapshot::Dtype::F32, shape, bytes)?;
+                tensors.insert(key, t);
+                at += len;
+            }
+        }
+        if !keep {
+            return Ok(None);
+        }
+        for (name, p) in params {
+            let key = format!("param/{name}");
+            let t = crate::train::raw(&key, p)?;
+            tensors.insert(key, t);
+        }
+        if let Some(t) = self.exponents_tensor()? {
+            tensors.insert(crate::train::exact::EXPONENTS.to_string(), t);
+        }
+        let job = serde_json::to_value(&self.job).expect("JobSpec serializes");
+        Ok(Some(limpet_snapshot::StateImage::new(self.step, self.cursor, self.rng, job, tensors)))
+    }
+}
