@@ -453,40 +453,70 @@ pub fn load(listed: &Listed, blocks: usize) -> Result<StateImage, CheckpointErro
     if let Some(e) = first_error {
         return Err(e);
     }
-    let ranges: Vec<Range<usize>> = listed.parts.iter().map(|(_, r)| r.clone()).collect();
-    let chosen = cover(&ranges, blocks).ok_or_else(|| CheckpointError::Bad {
-        path: listed.parts.first().map_or_else(PathBuf::new, |(p, _)| p.parent().unwrap_or(p).to_path_buf()),
-        detail: format!("the parts {ranges:?} do not cover blocks 0..{blocks}"),
-    })?;
     let mut tensors = BTreeMap::new();
     let mut meta: Option<limpet_snapshot::StateMeta> = None;
-    for i in chosen {
-        let path = &listed.parts[i].0;
+    for path in covering_parts(listed, blocks)? {
         let image = limpet_snapshot::read_file(path)
             .map_err(|e| CheckpointError::Bad { path: path.clone(), detail: e.to_string() })?;
-        let m = image.meta();
-        if m.step != listed.step {
-            return Err(CheckpointError::Bad {
-                path: path.clone(),
-                detail: format!("holds step {}, but sits in the checkpoint of step {}", m.step, listed.step),
-            });
-        }
-        if let Some(first) = &meta {
-            if (first.cursor, first.rng, &first.job) != (m.cursor, m.rng, &m.job) {
-                return Err(CheckpointError::Bad {
-                    path: path.clone(),
-                    detail: "its job, data cursor or random state differs from the other parts'".into(),
-                });
-            }
-        } else {
-            meta = Some(m.clone());
-        }
+        agree(path, image.meta(), listed.step, &mut meta)?;
         for (name, t) in image.tensors() {
             tensors.insert(name.clone(), t.clone());
         }
     }
     let m = meta.expect("a cover of at least one block has a part");
     Ok(StateImage::new(m.step, m.cursor, m.rng, m.job, tensors))
+}
+
+/// Checks a checkpoint of parts as [`load`] reads it (parts that cover the blocks, each
+/// intact and of the checkpoint's step, with one job, data cursor and random state), each
+/// part read back a buffer at a time ([`limpet_snapshot::verify_file`]): never a part's bytes
+/// or tensors held, where loading holds the joined state and a part's bytes (what pruning
+/// judged by, beside the image the writer still held). The parts' metadata.
+pub fn verify_parts(listed: &Listed, blocks: usize) -> Result<limpet_snapshot::StateMeta, CheckpointError> {
+    let mut meta = None;
+    for path in covering_parts(listed, blocks)? {
+        let m = limpet_snapshot::verify_file(path)
+            .map_err(|e| CheckpointError::Bad { path: path.clone(), detail: e.to_string() })?;
+        agree(path, &m, listed.step, &mut meta)?;
+    }
+    Ok(meta.expect("a cover of at least one block has a part"))
+}
+
+/// The parts of `listed` that cover blocks `0..blocks`, as [`load`] joins them.
+fn covering_parts(listed: &Listed, blocks: usize) -> Result<Vec<&PathBuf>, CheckpointError> {
+    let ranges: Vec<Range<usize>> = listed.parts.iter().map(|(_, r)| r.clone()).collect();
+    let chosen = cover(&ranges, blocks).ok_or_else(|| CheckpointError::Bad {
+        path: listed.parts.first().map_or_else(PathBuf::new, |(p, _)| p.parent().unwrap_or(p).to_path_buf()),
+        detail: format!("the parts {ranges:?} do not cover blocks 0..{blocks}"),
+    })?;
+    Ok(chosen.into_iter().map(|i| &listed.parts[i].0).collect())
+}
+
+/// Checks part `path`'s metadata `m` against its checkpoint's `step` and the first part's
+/// (`first`, set from the first part).
+fn agree(
+    path: &Path,
+    m: &limpet_snapshot::StateMeta,
+    step: u64,
+    first: &mut Option<limpet_snapshot::StateMeta>,
+) -> Result<(), CheckpointError> {
+    if m.step != step {
+        return Err(CheckpointError::Bad {
+            path: path.to_path_buf(),
+            detail: format!("holds step {}, but sits in the checkpoint of step {step}", m.step),
+        });
+    }
+    match first {
+        Some(f) if (f.cursor, f.rng, &f.job) != (m.cursor, m.rng, &m.job) => Err(CheckpointError::Bad {
+            path: path.to_path_buf(),
+            detail: "its job, data cursor or random state differs from the other parts'".into(),
+        }),
+        Some(_) => Ok(()),
+        None => {
+            *first = Some(m.clone());
+            Ok(())
+        }
+    }
 }
 
 /// Reads a checkpoint's shards and joins them into the whole state (every shard at the
@@ -705,6 +735,39 @@ mod tests {
         trusted_dir(Path::new("/proc")).unwrap();
         // The marker is no checkpoint.
         assert_eq!(list(&d).unwrap().len(), 1);
+    }
+
+    /// Pruning's streamed check of a checkpoint of parts accepts exactly what loading it
+    /// accepts: two stages' parts of one state; not a corrupt part, a missing one, or one of
+    /// another job.
+    #[test]
+    fn the_streamed_check_of_parts_agrees_with_loading_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let agree = |step| {
+            let l = listed_at(d, step).unwrap();
+            let (loaded, checked) = (load(&l, 4), verify_parts(&l, 4));
+            assert_eq!(loaded.is_ok(), checked.is_ok(), "step {step}: {loaded:?} {checked:?}");
+            if let (Ok(image), Ok(meta)) = (&loaded, &checked) {
+                assert_eq!(image.meta().job, meta.job);
+                assert_eq!(image.meta().step, meta.step);
+            }
+            checked.is_ok()
+        };
+        let part = |step, blocks: Range<usize>, job| {
+            write_part(d, &image(step, blocks.clone(), job), &blocks, 0).unwrap()
+        };
+        part(10, 0..2, 1);
+        part(10, 2..4, 1);
+        assert!(agree(10));
+        part(20, 0..2, 1);
+        corrupt(&part(20, 2..4, 1));
+        assert!(!agree(20));
+        part(30, 0..2, 1);
+        assert!(!agree(30));
+        part(40, 0..2, 1);
+        part(40, 2..4, 2);
+        assert!(!agree(40));
     }
 
     pub(super) fn corrupt(p: &Path) {

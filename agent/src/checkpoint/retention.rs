@@ -1,7 +1,7 @@
 //! Retention: which of the running job's checkpoints are deleted, judged by what loads and
 //! whose they are, never by their names alone.
 
-use super::{list, load, shards_agree, step_dir, CheckpointError, Listed};
+use super::{list, shards_agree, step_dir, verify_parts, CheckpointError, Listed};
 use std::path::Path;
 
 /// Deletes old checkpoints of the running job (`job`, the job its images carry), judged by
@@ -45,13 +45,15 @@ pub fn prune(
     Ok(removed)
 }
 
-/// Whether checkpoint `l` of `job` loads intact: its parts joined; a set of shards by their
-/// headers alone ([`shards_agree`]: reading every shard would mean reading the whole state
-/// at each checkpoint; each writer read its own back when it wrote it).
+/// Whether checkpoint `l` of `job` loads intact: its parts as [`super::load`] joins them, each read
+/// back a buffer at a time ([`verify_parts`]: pruning runs beside the writer, which still
+/// holds the state it wrote); a set of shards by their headers alone ([`shards_agree`]:
+/// reading every shard would mean reading the whole state at each checkpoint; each writer
+/// read its own back when it wrote it).
 fn loads_intact(l: &Listed, blocks: usize, job: &serde_json::Value) -> bool {
     let sets = l.shard_sets();
     if sets.is_empty() {
-        return load(l, blocks).is_ok_and(|image| &image.meta().job == job);
+        return verify_parts(l, blocks).is_ok_and(|meta| &meta.job == job);
     }
     sets.iter().any(|files| shards_agree(files).is_ok_and(|(step, j, _)| step == l.step && &j == job))
 }
