@@ -51,7 +51,7 @@ pub(super) enum Sharded {
 pub(super) fn enter(
     (trainer, followers): (&mut Trainer, &mut [Trainer]),
     group: &mut Group,
-    dirs @ (job, _, _): (&JobSpec, Option<&Path>, &Path),
+    dirs @ (job, _, _): (&JobSpec, Option<&Path>, Option<(&Path, &str)>),
     st: &ClusterState,
     n: &Epoch,
     step_tag: u64,
@@ -273,22 +273,23 @@ fn all_hold_one_state(
 }
 
 /// Every rank saw the same facts, so every rank comes here: each loads the newest
-/// checkpoint it can read (past the job's end, its own final checkpoint in `state_dir`,
-/// which the log does not record: the ranks keep their blocks after the end, so a block
-/// lost with every holder then is there); one that cannot starts afresh and is copied the
-/// state in the entry; if none can, every rank fails the entry alike. The steps this rank
-/// gives up.
+/// checkpoint it can read (past the job's end, the final checkpoint this process wrote,
+/// `written`: its directory and content hash, which the log does not record: the ranks keep
+/// their blocks after the end, so a block lost with every holder then is there); one that
+/// cannot starts afresh and is copied the state in the entry; if none can, every rank fails
+/// the entry alike. The steps this rank gives up.
 fn back_to_checkpoint(
     trainer: &mut Trainer,
     group: &mut Group,
-    (job, ckpt_dir, state_dir): (&JobSpec, Option<&Path>, &Path),
+    (job, ckpt_dir, written): (&JobSpec, Option<&Path>, Option<(&Path, &str)>),
     st: &ClusterState,
     n: &Epoch,
     why: &str,
     step_tag: u64,
 ) -> Result<u64, AgentError> {
-    let loaded =
-        own_final(trainer, job, state_dir).or_else(|| checkpointer::newest(trainer, job, st, ckpt_dir));
+    let loaded = written
+        .and_then(|w| own_final(trainer, job, w))
+        .or_else(|| checkpointer::newest(trainer, job, st, ckpt_dir));
     let mut read = vec![0i64; group.world()];
     read[group.rank()] = loaded.as_ref().map_or(0, |t| t.step() as i64 + 1);
     group.allreduce_sum_i64(&mut read, step_tag)?;
@@ -315,9 +316,10 @@ fn back_to_checkpoint(
     Ok(redone)
 }
 
-/// Past the job's last step, the job's final checkpoint this host wrote, loaded; `None`
-/// before the end, or when there is none of this job's end to read.
-fn own_final(trainer: &Trainer, job: &JobSpec, state_dir: &Path) -> Option<Trainer> {
+/// Past the job's last step, the job's final checkpoint this process wrote into `state_dir`
+/// with content hash `hash`, loaded; `None` before the end, or when that file is not there
+/// to read (a file of an earlier run of the same job is another state).
+fn own_final(trainer: &Trainer, job: &JobSpec, (state_dir, hash): (&Path, &str)) -> Option<Trainer> {
     if trainer.step() < job.steps {
         return None;
     }
@@ -327,6 +329,12 @@ fn own_final(trainer: &Trainer, job: &JobSpec, state_dir: &Path) -> Option<Train
             return Err(AgentError::Entry(format!(
                 "it is of step {}, not the job's last",
                 image.meta().step
+            )));
+        }
+        if image.content_hash() != hash {
+            return Err(AgentError::Entry(format!(
+                "its content hash is {}, not the {hash} this process wrote",
+                image.content_hash()
             )));
         }
         let mut t = fresh(trainer, job)?;
@@ -403,9 +411,9 @@ pub(super) fn shard_after_entry(
 mod tests {
     use super::*;
 
-    /// Past the job's end a rank reloads the final checkpoint its host wrote (the log never
-    /// records it), and nothing else: not before the end, not another step's file, not
-    /// another job's.
+    /// Past the job's end a rank reloads the final checkpoint this process wrote (the log
+    /// never records it), and nothing else: not before the end, not another step's file, not
+    /// one of another hash, not another job's.
     #[test]
     fn past_the_end_a_rank_reloads_its_own_final_checkpoint_only() {
         use limpet_trainer::data::{DataSpec, Dataset};
@@ -419,17 +427,22 @@ mod tests {
             trained.train_step(0, 1, &mut limpet_trainer::NoReduce).unwrap();
         }
         limpet_trainer::save_checkpoint(&trained, dir.path()).unwrap();
+        let at_24 = trained.content_hash().unwrap();
         // Before the end: none; at the end, a file of step 24 is not the job's end.
-        assert!(own_final(&trained, &job, dir.path()).is_none());
+        assert!(own_final(&trained, &job, (dir.path(), &at_24)).is_none());
         trained.train_step(0, 1, &mut limpet_trainer::NoReduce).unwrap();
-        assert!(own_final(&trained, &job, dir.path()).is_none());
+        assert!(own_final(&trained, &job, (dir.path(), &at_24)).is_none());
         limpet_trainer::save_checkpoint(&trained, dir.path()).unwrap();
-        let back = own_final(&trained, &job, dir.path()).expect("the job's final checkpoint");
+        let written = trained.content_hash().unwrap();
+        let back = own_final(&trained, &job, (dir.path(), &written)).expect("the job's final checkpoint");
         assert_eq!(back.step(), 25);
-        assert_eq!(back.content_hash().unwrap(), trained.content_hash().unwrap());
-        // Another job (another seed) of the same length refuses it; so does a missing file.
+        assert_eq!(back.content_hash().unwrap(), written);
+        // Not a file of this job's end that this process did not write (an earlier run's:
+        // another hash); not another job's (another seed) of the same length; not a missing
+        // file.
+        assert!(own_final(&trained, &job, (dir.path(), &at_24)).is_none());
         let other = JobSpec { seed: job.seed + 1, ..job.clone() };
-        assert!(own_final(&trained, &other, dir.path()).is_none());
-        assert!(own_final(&trained, &job, &dir.path().join("gone")).is_none());
+        assert!(own_final(&trained, &other, (dir.path(), &written)).is_none());
+        assert!(own_final(&trained, &job, (&dir.path().join("gone"), &written)).is_none());
     }
 }

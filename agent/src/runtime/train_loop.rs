@@ -74,6 +74,8 @@ pub(super) struct TrainLoop {
     /// A sharded job past its last step: the whole state gathered for its final checkpoint
     /// (the trainers keep their blocks); `None` until then, or when the gather broke.
     final_image: Option<Arc<limpet_snapshot::StateImage>>,
+    /// The content hash of the final checkpoint this process wrote, once it did.
+    final_written: Option<String>,
     /// The next epoch's ring connections, made ahead of its boundary.
     pending: Option<Pending>,
     /// The last entry failure logged: (epoch, error).
@@ -127,6 +129,7 @@ impl TrainLoop {
             log: None,
             finished: false,
             final_image: None,
+            final_written: None,
             pending: None,
             entry_failed: None,
             last_epoch: None,
@@ -252,6 +255,7 @@ impl TrainLoop {
                         };
                         let path = limpet_trainer::save_image(&image, &self.cfg.state_dir)
                             .map_err(AgentError::FinalCheckpoint)?;
+                        self.final_written = Some(image.content_hash().to_string());
                         drop(image);
                         limpet_trainer::device::return_freed_host_memory();
                         // The process's peak resident memory, for `bench dp` and operators.
@@ -588,6 +592,7 @@ impl TrainLoop {
             followers: &mut self.followers,
             shadows: &mut self.shadows,
             pending: self.pending.take(),
+            final_written: self.final_written.as_deref(),
         };
         // Gathered from the state this entry may change.
         self.final_image = None;

@@ -62,6 +62,9 @@ pub(super) struct Entering<'a> {
     pub followers: &'a mut [Trainer],
     pub shadows: &'a mut Shadows,
     pub pending: Option<Pending>,
+    /// The content hash of the job's final checkpoint this process wrote into its state
+    /// directory, once it did.
+    pub final_written: Option<&'a str>,
 }
 
 /// What an entry did, for the transition record.
@@ -165,31 +168,31 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     let mut group = form_group(x.endpoint, x.pending.take(), n, &addrs, by, &give_up)?;
     let host = (&mut *x.trainer, &mut *x.followers);
     let local = x.cfg.checkpoint.as_ref().map(|c| c.dir.as_path());
-    let given_up =
-        match sharding::enter(host, &mut group, (&x.cfg.job, local, &x.cfg.state_dir), &st, n, ENTRY_STEP)? {
-            sharding::Sharded::Recut { bytes, ms, final_image } => {
-                // The followers take the plan from the host's trainer before each step.
-                x.trainer.set_epoch_plan(
-                    n.batch.global_batch as usize,
-                    n.batch.micro_batch as usize,
-                    n.lr_scale,
-                )?;
-                x.trainer.set_shares(n.shares.clone());
-                group.barrier(ENTRY_STEP)?;
-                limpet_trainer::device::return_freed_host_memory();
-                let (conn, lanes) = connect(&x, n, group, &addrs, &give_up)?;
-                return Ok(Entered {
-                    conn,
-                    lanes,
-                    fetched_bytes: bytes,
-                    fetch_ms: ms,
-                    repaired: false,
-                    redone_steps: 0,
-                    final_image,
-                });
-            }
-            sharding::Sharded::Whole { redone } => redone,
-        };
+    let dirs = (&x.cfg.job, local, x.final_written.map(|h| (x.cfg.state_dir.as_path(), h)));
+    let given_up = match sharding::enter(host, &mut group, dirs, &st, n, ENTRY_STEP)? {
+        sharding::Sharded::Recut { bytes, ms, final_image } => {
+            // The followers take the plan from the host's trainer before each step.
+            x.trainer.set_epoch_plan(
+                n.batch.global_batch as usize,
+                n.batch.micro_batch as usize,
+                n.lr_scale,
+            )?;
+            x.trainer.set_shares(n.shares.clone());
+            group.barrier(ENTRY_STEP)?;
+            limpet_trainer::device::return_freed_host_memory();
+            let (conn, lanes) = connect(&x, n, group, &addrs, &give_up)?;
+            return Ok(Entered {
+                conn,
+                lanes,
+                fetched_bytes: bytes,
+                fetch_ms: ms,
+                repaired: false,
+                redone_steps: 0,
+                final_image,
+            });
+        }
+        sharding::Sharded::Whole { redone } => redone,
+    };
 
     if let Some(t) = checkpointer::resume(x.trainer, &x.cfg.job, &st, n, local) {
         *x.trainer = t;
