@@ -118,7 +118,12 @@ impl RawTensor {
 
     /// Builds an f32 tensor from values (the shape's element count must match).
     pub fn from_f32(name: &str, shape: Vec<usize>, values: &[f32]) -> Result<Self, SnapshotError> {
-        let data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        // Allocated once: collecting a flat map would grow the vector to up to twice a
+        // model-sized tensor's bytes.
+        let mut data = Vec::with_capacity(values.len() * 4);
+        for v in values {
+            data.extend_from_slice(&v.to_le_bytes());
+        }
         Self::try_new(name, Dtype::F32, shape, data)
     }
 

@@ -531,14 +531,22 @@ impl Trainer {
     /// The whole state as a portable image (parameters, optimizer slots, step, cursor, RNG).
     pub fn image(&self) -> Result<StateImage, TrainerError> {
         self.refuse_sharded("a state image")?;
-        let params = self.model.params();
-        let mut tensors = BTreeMap::new();
-        for (name, p) in params {
-            tensors.insert(format!("param/{name}"), raw(&format!("param/{name}"), p)?);
-        }
-        for (name, s) in self.optim.named_state(params) {
+        let mut slots = BTreeMap::new();
+        for (name, s) in self.optim.named_state(self.model.params()) {
             let t = raw(&name, s)?;
-            tensors.insert(name, t);
+            slots.insert(name, t);
+        }
+        self.image_with(slots)
+    }
+
+    /// The image of this trainer's parameters, step, cursor and RNG with the optimizer
+    /// state `slots` (its own, or gathered from shards).
+    pub(super) fn image_with(
+        &self,
+        mut tensors: BTreeMap<String, RawTensor>,
+    ) -> Result<StateImage, TrainerError> {
+        for (name, p) in self.model.params() {
+            tensors.insert(format!("param/{name}"), raw(&format!("param/{name}"), p)?);
         }
         if let Some(t) = self.exponents_tensor()? {
             tensors.insert(exact::EXPONENTS.to_string(), t);

@@ -5,6 +5,7 @@
 use super::unflatten;
 use crate::train::{Reduce, Trainer};
 use crate::TrainerError;
+use limpet_snapshot::RawTensor;
 use tch::Device;
 
 impl Trainer {
@@ -15,16 +16,10 @@ impl Trainer {
         if self.shard.is_none() {
             return Ok(());
         }
-        let layout = self.usable_shard()?.layout.clone();
-        let n = self.grads.grads_len();
-        let own = layout.blocks[layout.rank].clone();
         let device = self.model.device();
         let mut slots = Vec::new();
         for k in 0..self.optim.spec().slots().len() {
-            let mut all = vec![0f32; n];
-            let mine = &self.shard.as_ref().expect("sharded").held[0].1[k];
-            mine.to_device(Device::Cpu).f_copy_data(&mut all[own.clone()], own.len())?;
-            reduce.allgather_blocks(&mut all, &layout.blocks, self.step)?;
+            let all = self.gathered_slot(k, reduce)?;
             slots.push(unflatten(&all, self.model.params(), device));
         }
         self.shard = None;
@@ -47,16 +42,10 @@ impl Trainer {
         if self.shard.is_none() {
             return keep.then(|| self.image()).transpose();
         }
-        let shard = self.usable_shard()?;
-        let layout = &shard.layout;
-        let n = self.grads.grads_len();
-        let own = layout.blocks[layout.rank].clone();
         let params = self.model.params();
-        let mut tensors = std::collections::BTreeMap::new();
+        let mut slots = std::collections::BTreeMap::new();
         for (k, slot) in self.optim.spec().slots().iter().enumerate() {
-            let mut all = vec![0f32; n];
-            shard.held[0].1[k].to_device(Device::Cpu).f_copy_data(&mut all[own.clone()], own.len())?;
-            reduce.allgather_blocks(&mut all, &layout.blocks, self.step)?;
+            let all = self.gathered_slot(k, reduce)?;
             if !keep {
                 continue;
             }
@@ -65,28 +54,23 @@ impl Trainer {
             for (name, p) in params {
                 let len = p.numel();
                 let key = format!("optim/{slot}/{name}");
-                let mut bytes = Vec::with_capacity(len * 4);
-                for v in &all[at..at + len] {
-                    bytes.extend_from_slice(&v.to_le_bytes());
-                }
                 let shape = p.size().iter().map(|&d| d as usize).collect();
-                let t = limpet_snapshot::RawTensor::try_new(&key, limpet_snapshot::Dtype::F32, shape, bytes)?;
-                tensors.insert(key, t);
+                slots.insert(key.clone(), RawTensor::from_f32(&key, shape, &all[at..at + len])?);
                 at += len;
             }
         }
-        if !keep {
-            return Ok(None);
-        }
-        for (name, p) in params {
-            let key = format!("param/{name}");
-            let t = crate::train::raw(&key, p)?;
-            tensors.insert(key, t);
-        }
-        if let Some(t) = self.exponents_tensor()? {
-            tensors.insert(crate::train::exact::EXPONENTS.to_string(), t);
-        }
-        let job = serde_json::to_value(&self.job).expect("JobSpec serializes");
-        Ok(Some(limpet_snapshot::StateImage::new(self.step, self.cursor, self.rng, job, tensors)))
+        keep.then(|| self.image_with(slots)).transpose()
+    }
+
+    /// Optimizer slot `k` of the whole state, gathered from every rank's block into host
+    /// memory (a collective under `reduce`).
+    fn gathered_slot(&self, k: usize, reduce: &mut dyn Reduce) -> Result<Vec<f32>, TrainerError> {
+        let shard = self.usable_shard()?;
+        let layout = &shard.layout;
+        let own = layout.blocks[layout.rank].clone();
+        let mut all = vec![0f32; self.grads.grads_len()];
+        shard.held[0].1[k].to_device(Device::Cpu).f_copy_data(&mut all[own.clone()], own.len())?;
+        reduce.allgather_blocks(&mut all, &layout.blocks, self.step)?;
+        Ok(all)
     }
 }
