@@ -29,7 +29,7 @@ pub fn write_image_atomic(path: &Path, image: &StateImage) -> Result<(), Snapsho
 /// Runs `write` on a temporary file beside `path`, then makes it `path` durably (fsync,
 /// rename, fsync of the directory); on any failure removes the temporary and leaves the old
 /// file, if any, untouched.
-fn atomically(
+pub(crate) fn atomically(
     path: &Path,
     write: impl FnOnce(&Path) -> Result<(), SnapshotError>,
 ) -> Result<(), SnapshotError> {

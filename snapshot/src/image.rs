@@ -61,7 +61,7 @@ impl Dtype {
             .find(|d| d.name() == name)
     }
 
-    fn to_safetensors(self) -> StDtype {
+    pub(crate) fn to_safetensors(self) -> StDtype {
         match self {
             Dtype::F32 => StDtype::F32,
             Dtype::F64 => StDtype::F64,

@@ -99,9 +99,14 @@ fn status_bytes(key: &str) -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
-/// Checkpoints `trainer` to `dir`/[`CHECKPOINT_FILE`] atomically.
-pub fn save_checkpoint(trainer: &Trainer, dir: &Path) -> Result<PathBuf, TrainerError> {
-    save_image(&trainer.image()?, dir)
+/// Checkpoints `trainer` to `dir`/[`CHECKPOINT_FILE`] atomically, straight from its tensors
+/// ([`Trainer::write_state_file`]); returns the file's path and content hash.
+pub fn save_checkpoint(trainer: &Trainer, dir: &Path) -> Result<(PathBuf, String), TrainerError> {
+    std::fs::create_dir_all(dir)
+        .map_err(|e| TrainerError::Data { path: dir.to_path_buf(), detail: e.to_string() })?;
+    let path = dir.join(CHECKPOINT_FILE);
+    let hash = trainer.write_state_file(&path)?;
+    Ok((path, hash))
 }
 
 /// Writes `image` (a trainer's, or one gathered from sharded state) to
@@ -135,14 +140,14 @@ pub fn run_local(
             on_progress(&Progress::Eval { step: done, eval: trainer.evaluate()? });
         }
         if opts.checkpoint_every.is_some_and(|k| k > 0 && done % k == 0 && done < end) {
-            let path = save_checkpoint(trainer, &opts.out)?;
+            let (path, _) = save_checkpoint(trainer, &opts.out)?;
             on_progress(&Progress::Checkpoint { step: done, path });
         }
     }
     let train_peak_rss_bytes = peak_rss_bytes();
     let eval = trainer.evaluate()?;
     on_progress(&Progress::Eval { step: trainer.step(), eval });
-    let checkpoint = save_checkpoint(trainer, &opts.out)?;
+    let (checkpoint, content_hash) = save_checkpoint(trainer, &opts.out)?;
     on_progress(&Progress::Checkpoint { step: trainer.step(), path: checkpoint.clone() });
     let elapsed_s = started.elapsed().as_secs_f64();
     let job = trainer.job();
@@ -158,7 +163,7 @@ pub fn run_local(
         elapsed_s,
         samples_per_s: samples as f64 / elapsed_s.max(1e-9),
         checkpoint,
-        content_hash: trainer.content_hash()?,
+        content_hash,
         peak_rss_bytes: peak_rss_bytes(),
         train_peak_rss_bytes,
     })

@@ -12,6 +12,7 @@
 mod buckets;
 mod eval;
 mod exact;
+mod file;
 mod grads;
 mod local;
 mod overlap;
@@ -555,11 +556,6 @@ impl Trainer {
         Ok(StateImage::new(self.step, self.cursor, self.rng, job, tensors))
     }
 
-    /// Content hash of the current state (equal on ranks that hold the same state).
-    pub fn content_hash(&self) -> Result<String, TrainerError> {
-        Ok(self.image()?.content_hash().to_string())
-    }
-
     fn rng_at(&self) -> ChaCha8Rng {
         let mut r = ChaCha8Rng::seed_from_u64(self.rng.seed);
         // Each draw is one 64-bit value: two 32-bit words of the ChaCha stream.
@@ -580,12 +576,17 @@ impl Trainer {
 
 /// Copies an f32 tensor out as raw bytes.
 fn raw(name: &str, t: &Tensor) -> Result<RawTensor, TrainerError> {
+    let shape = t.size().iter().map(|&d| d as usize).collect();
+    Ok(RawTensor::try_new(name, Dtype::F32, shape, host_bytes(t)?)?)
+}
+
+/// An f32 tensor's bytes in host memory (little-endian, row-major), wherever it lives.
+fn host_bytes(t: &Tensor) -> Result<Vec<u8>, TrainerError> {
     let t = t.detach().to_kind(Kind::Float).to_device(Device::Cpu).contiguous();
     let n = t.numel();
     let mut bytes = vec![0u8; n * 4];
     t.f_copy_data_u8(&mut bytes, n)?;
-    let shape = t.size().iter().map(|&d| d as usize).collect();
-    Ok(RawTensor::try_new(name, Dtype::F32, shape, bytes)?)
+    Ok(bytes)
 }
 
 /// Copies an image tensor into a parameter or slot, checking dtype and shape.

@@ -55,6 +55,7 @@ pub(super) fn enter(
     st: &ClusterState,
     n: &Epoch,
     step_tag: u64,
+    keep_final: bool,
 ) -> Result<Sharded, AgentError> {
     if job.shard_state.is_none() {
         return Ok(Sharded::Whole { redone: 0 });
@@ -86,13 +87,21 @@ pub(super) fn enter(
     match outcome.unwrap_or(Ok(None)) {
         Ok(Some(step)) if recut => {
             let final_image = if step >= job.steps {
-                // The job's final checkpoint is whole; the ranks keep their blocks.
-                let image = image_of_host((&mut *trainer, &mut *local), group, n, true)?;
-                tracing::info!(
-                    epoch = n.id,
-                    step,
-                    "the whole state gathered for the job's final checkpoint; every rank keeps its blocks"
-                );
+                // The job's final checkpoint is whole; the ranks keep their blocks. A host
+                // that wrote its own already only sends its blocks (for a newcomer's).
+                let image = image_of_host((&mut *trainer, &mut *local), group, n, keep_final)?;
+                match keep_final {
+                    true => tracing::info!(
+                        epoch = n.id,
+                        step,
+                        "the whole state gathered for the job's final checkpoint; every rank keeps its blocks"
+                    ),
+                    false => tracing::info!(
+                        epoch = n.id,
+                        step,
+                        "the whole state gathered for other hosts' final checkpoints; this host wrote its own"
+                    ),
+                }
                 image
             } else {
                 None

@@ -249,14 +249,15 @@ impl TrainLoop {
                     }
                     if !self.finished {
                         // The job's result, where `limpet-lab demo` and operators find it.
-                        let image = match self.final_image.take() {
-                            Some(image) => image,
-                            None => Arc::new(self.trainer.image().map_err(AgentError::FinalCheckpoint)?),
-                        };
-                        let path = limpet_trainer::save_image(&image, &self.cfg.state_dir)
-                            .map_err(AgentError::FinalCheckpoint)?;
-                        self.final_written = Some(image.content_hash().to_string());
-                        drop(image);
+                        // A whole-state trainer writes it from its tensors, with no image.
+                        let dir = &self.cfg.state_dir;
+                        let (path, hash) = match self.final_image.take() {
+                            Some(image) => limpet_trainer::save_image(&image, dir)
+                                .map(|path| (path, image.content_hash().to_string())),
+                            None => limpet_trainer::save_checkpoint(&self.trainer, dir),
+                        }
+                        .map_err(AgentError::FinalCheckpoint)?;
+                        self.final_written = Some(hash);
                         limpet_trainer::device::return_freed_host_memory();
                         // The process's peak resident memory, for `bench dp` and operators.
                         let peak_rss_bytes = limpet_trainer::peak_rss_bytes();
@@ -593,6 +594,7 @@ impl TrainLoop {
             shadows: &mut self.shadows,
             pending: self.pending.take(),
             final_written: self.final_written.as_deref(),
+            finished: self.finished,
         };
         // Gathered from the state this entry may change.
         self.final_image = None;
@@ -602,7 +604,7 @@ impl TrainLoop {
             // Steps given up are trained again, and the job's end written again.
             self.finished = false;
         }
-        // A rank that wrote the job's end already gathered with the others for a newcomer's.
+        // A rank that wrote the job's end already kept nothing of a gather for a newcomer's.
         self.final_image = done.final_image.take().filter(|_| !self.finished).map(Arc::new);
         // A sharded step finished at the entry with a peer's norm belongs to the last epoch.
         if let Some(p) = self.last_epoch.clone().filter(|_| self.trainer.has_unlogged()) {

@@ -72,6 +72,41 @@ fn image_round_trips_bit_exactly() {
     }
 }
 
+/// A state file written from the trainer's tensors is the file its image writes, byte for
+/// byte: fresh (the moments unwritten zeros), after steps, and a reproducible job's with its
+/// exponents; a sharded trainer is refused.
+#[test]
+fn the_state_file_from_the_tensors_is_the_image_s_file() {
+    let data = char_data();
+    for reproducible in [false, true] {
+        let mut j = job(ModelKind::Gpt, &data, 8, 8);
+        j.reproducible = reproducible;
+        let mut t = Trainer::try_new(j, data.shallow_clone()).unwrap();
+        for steps in [0, 3] {
+            for _ in 0..steps {
+                t.train_step(0, 1, &mut NoReduce).unwrap();
+            }
+            let dir = tempfile::tempdir().unwrap();
+            let (a, b) = (dir.path().join("image"), dir.path().join("tensors"));
+            let img = t.image().unwrap();
+            limpet_snapshot::write_image_atomic(&a, &img).unwrap();
+            assert_eq!(t.write_state_file(&b).unwrap(), img.content_hash());
+            assert_eq!(t.content_hash().unwrap(), img.content_hash());
+            assert_eq!(
+                std::fs::read(&a).unwrap(),
+                std::fs::read(&b).unwrap(),
+                "reproducible {reproducible}, step {}",
+                t.step()
+            );
+            assert_eq!(reproducible && steps > 0, img.tensors().contains_key(super::exact::EXPONENTS));
+        }
+    }
+    let mut t = Trainer::try_new(job(ModelKind::Mlp, &synthetic(), 8, 8), synthetic()).unwrap();
+    t.shard_state(super::shard::ShardLayout::new(t.grads.grads_len(), 1, 0, 0).unwrap()).unwrap();
+    let e = t.write_state_file(&tempfile::tempdir().unwrap().path().join("x")).unwrap_err();
+    assert!(e.to_string().contains("sharded"), "{e}");
+}
+
 /// Stopping, saving, loading and going on gives the same bits as never stopping, for each
 /// model family and optimizer, with micro-batching and (for the transformer) dropout.
 #[test]

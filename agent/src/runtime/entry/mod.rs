@@ -65,6 +65,9 @@ pub(super) struct Entering<'a> {
     /// The content hash of the job's final checkpoint this process wrote into its state
     /// directory, once it did.
     pub final_written: Option<&'a str>,
+    /// Whether this process wrote the job's end already (and has not given steps up since):
+    /// it then keeps nothing of a gather past the end, which is for a newcomer's final.
+    pub finished: bool,
 }
 
 /// What an entry did, for the transition record.
@@ -169,7 +172,7 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     let host = (&mut *x.trainer, &mut *x.followers);
     let local = x.cfg.checkpoint.as_ref().map(|c| c.dir.as_path());
     let dirs = (&x.cfg.job, local, x.final_written.map(|h| (x.cfg.state_dir.as_path(), h)));
-    let given_up = match sharding::enter(host, &mut group, dirs, &st, n, ENTRY_STEP)? {
+    let given_up = match sharding::enter(host, &mut group, dirs, &st, n, ENTRY_STEP, !x.finished)? {
         sharding::Sharded::Recut { bytes, ms, final_image } => {
             // The followers take the plan from the host's trainer before each step.
             x.trainer.set_epoch_plan(
