@@ -26,9 +26,15 @@ pub fn write_image_atomic(path: &Path, image: &StateImage) -> Result<(), Snapsho
     atomically(path, |tmp| image.write_new_file(tmp))
 }
 
-/// Runs `write` on a temporary file beside `path`, then makes it `path` durably (fsync,
-/// rename, fsync of the directory); on any failure removes the temporary and leaves the old
-/// file, if any, untouched.
+/// Runs `write` on a temporary file in a staging directory of this process's beside `path`,
+/// then makes it `path` durably (fsync, rename, fsync of the directory); on any failure
+/// removes the staging directory and leaves the old file, if any, untouched.
+///
+/// The staging directory (`.NAME.tmp-HOST-PID`) holds whatever the write makes, safetensors'
+/// own temporary included, so a writer killed mid-write (`kill -9`, a revoked host) leaves
+/// one directory named for its host and process. The next write of `path` on the same host
+/// removes those of processes no longer running: a model-sized leftover is not left for
+/// good. Another host's (a shared directory) and a live process's are never touched.
 pub(crate) fn atomically(
     path: &Path,
     write: impl FnOnce(&Path) -> Result<(), SnapshotError>,
@@ -38,8 +44,14 @@ pub(crate) fn atomically(
         _ => Path::new("."),
     };
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let prefix = format!(".{name}.tmp-{}-", host_name());
+    sweep_dead_writers(dir, &prefix);
+    let stage = dir.join(format!("{prefix}{}", std::process::id()));
+    // A leftover of this very process (a write that failed before its clean-up ran).
+    let _ = fs::remove_dir_all(&stage);
+    let tmp = stage.join(&name);
     let result = (|| {
+        fs::create_dir(&stage).map_err(io_err("create", &stage))?;
         write(&tmp)?;
         // Readable by others as a file `File::create` makes under the usual umask: a writer
         // that makes its file private (safetensors' does) would lock out a reader running as
@@ -52,11 +64,33 @@ pub(crate) fn atomically(
         fs::rename(&tmp, path).map_err(io_err("rename into place", path))?;
         File::open(dir).and_then(|d| d.sync_all()).map_err(io_err("fsync directory", dir))
     })();
-    if result.is_err() {
-        // Leave no half-written temporary behind; the old file, if any, is untouched.
-        let _ = fs::remove_file(&tmp);
-    }
+    // Empty once the file is in place; on a failure it holds what the write left.
+    let _ = fs::remove_dir_all(&stage);
     result
+}
+
+/// This host's name, as the kernel gives it (the staging directories' owner).
+fn host_name() -> String {
+    fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().replace(['/', '.'], "_"))
+        .unwrap_or_else(|_| "host".into())
+}
+
+/// Removes the staging directories in `dir` named `prefix` + a process id whose process is
+/// no longer running on this host.
+fn sweep_dead_writers(dir: &Path, prefix: &str) {
+    let Ok(entries) = fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) =
+            name.to_str().and_then(|n| n.strip_prefix(prefix)).and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new("/proc").join(pid.to_string()).exists() {
+            let _ = fs::remove_dir_all(e.path());
+        }
+    }
 }
 
 /// Reads and fully verifies a checkpoint file.
@@ -249,6 +283,35 @@ mod tests {
         assert_eq!(read_file(&path).unwrap(), b);
         let names: Vec<_> = fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names.len(), 1, "temporary left behind: {names:?}");
+    }
+
+    /// What a writer killed mid-write left (its staging directory, with safetensors' own
+    /// temporary in it) goes at the next write of the same file on the same host; a live
+    /// process's, another host's and another file's stay.
+    #[test]
+    fn a_dead_writers_leftovers_go_at_the_next_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("checkpoint.safetensors");
+        let host = host_name();
+        // A process id no process has (above the kernel's pid_max, which is at most 2^22).
+        let dead = dir.path().join(format!(".checkpoint.safetensors.tmp-{host}-{}", 1u32 << 30));
+        let live = dir.path().join(format!(".checkpoint.safetensors.tmp-{host}-1"));
+        let elsewhere = dir.path().join(format!(".checkpoint.safetensors.tmp-{host}x-{}", 1u32 << 30));
+        let other_file = dir.path().join(format!(".other.tmp-{host}-{}", 1u32 << 30));
+        for d in [&dead, &live, &elsewhere, &other_file] {
+            fs::create_dir(d).unwrap();
+            fs::write(d.join(".tmpAbC123"), vec![7u8; 4096]).unwrap();
+        }
+        let a = StateImage::new(1, 8, RngState::new(3), serde_json::json!({"j": 1}), Default::default());
+        write_image_atomic(&path, &a).unwrap();
+        assert_eq!(read_file(&path).unwrap(), a);
+        assert!(!dead.exists(), "a dead writer's staging directory stayed");
+        for d in [&live, &elsewhere, &other_file] {
+            assert!(d.join(".tmpAbC123").exists(), "{} was removed", d.display());
+        }
+        let mut names: Vec<_> = fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        names.sort();
+        assert_eq!(names.len(), 4, "{names:?}");
     }
 
     /// The header alone gives the metadata; a truncated header or a header length past the
