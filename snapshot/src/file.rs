@@ -26,29 +26,36 @@ pub fn write_image_atomic(path: &Path, image: &StateImage) -> Result<(), Snapsho
     atomically(path, |tmp| image.write_new_file(tmp))
 }
 
-/// Runs `write` on a temporary file in a staging directory of this process's beside `path`,
-/// then makes it `path` durably (fsync, rename, fsync of the directory); on any failure
-/// removes the staging directory and leaves the old file, if any, untouched.
+/// Runs `write` on a temporary file in a staging directory of its own beside `path`, then
+/// makes it `path` durably (fsync, rename, fsync of the directory); on any failure removes
+/// the staging directory and leaves the old file, if any, untouched.
 ///
-/// The staging directory (`.NAME.tmp-HOST-PID`) holds whatever the write makes, safetensors'
-/// own temporary included, so a writer killed mid-write (`kill -9`, a revoked host) leaves
-/// one directory named for its host and process. The next write of `path` on the same host
+/// The staging directory (`.NAME.tmp-OWNER-PID-N`: OWNER names this machine and process
+/// namespace, N this process's write) holds whatever the write makes, safetensors' own
+/// temporary included, so a writer killed mid-write (`kill -9`, a revoked host) leaves one
+/// directory named for itself. The next write of `path` by a process of the same OWNER
 /// removes those of processes no longer running: a model-sized leftover is not left for
-/// good. Another host's (a shared directory) and a live process's are never touched.
+/// good. Where the owner cannot be told (no machine id or host name, no process namespace
+/// to read), nothing is swept.
 pub(crate) fn atomically(
     path: &Path,
     write: impl FnOnce(&Path) -> Result<(), SnapshotError>,
 ) -> Result<(), SnapshotError> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static WRITES: AtomicU64 = AtomicU64::new(0);
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let prefix = format!(".{name}.tmp-{}-", host_name());
-    sweep_dead_writers(dir, &prefix);
-    let stage = dir.join(format!("{prefix}{}", std::process::id()));
-    // A leftover of this very process (a write that failed before its clean-up ran).
-    let _ = fs::remove_dir_all(&stage);
+    let owner = owner();
+    let prefix = format!(".{name}.tmp-{}-", owner.as_deref().unwrap_or("unknown"));
+    if owner.is_some() {
+        sweep_dead_writers(dir, &prefix);
+    }
+    // One of this process's writes: two threads writing one path never share a directory.
+    let n = WRITES.fetch_add(1, Ordering::Relaxed);
+    let stage = dir.join(format!("{prefix}{}-{n}", std::process::id()));
     let tmp = stage.join(&name);
     let result = (|| {
         fs::create_dir(&stage).map_err(io_err("create", &stage))?;
@@ -69,21 +76,31 @@ pub(crate) fn atomically(
     result
 }
 
-/// This host's name, as the kernel gives it (the staging directories' owner).
-fn host_name() -> String {
-    fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().replace(['/', '.'], "_"))
-        .unwrap_or_else(|_| "host".into())
+/// A name for this machine and process namespace, for the staging directories' owner: a
+/// process id means one process only within one namespace of one machine. `None` where
+/// either cannot be read.
+fn owner() -> Option<String> {
+    let machine = ["/etc/machine-id", "/proc/sys/kernel/random/boot_id", "/proc/sys/kernel/hostname"]
+        .iter()
+        .find_map(|p| fs::read_to_string(p).ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty()))?;
+    let namespace = fs::read_link("/proc/self/ns/pid").ok()?;
+    let mut h = blake3::Hasher::new();
+    h.update(machine.as_bytes());
+    h.update(namespace.as_os_str().as_encoded_bytes());
+    Some(h.finalize().to_hex()[..16].to_string())
 }
 
-/// Removes the staging directories in `dir` named `prefix` + a process id whose process is
-/// no longer running on this host.
+/// Removes the staging directories in `dir` named `prefix` + a process id (+ `-N`) whose
+/// process is no longer running.
 fn sweep_dead_writers(dir: &Path, prefix: &str) {
     let Ok(entries) = fs::read_dir(dir) else { return };
     for e in entries.flatten() {
         let name = e.file_name();
-        let Some(pid) =
-            name.to_str().and_then(|n| n.strip_prefix(prefix)).and_then(|p| p.parse::<u32>().ok())
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(prefix))
+            .and_then(|p| p.split_once('-'))
+            .and_then(|(pid, n)| n.parse::<u64>().ok().and(pid.parse::<u32>().ok()))
         else {
             continue;
         };
@@ -286,19 +303,26 @@ mod tests {
     }
 
     /// What a writer killed mid-write left (its staging directory, with safetensors' own
-    /// temporary in it) goes at the next write of the same file on the same host; a live
-    /// process's, another host's and another file's stay.
+    /// temporary in it) goes at the next write of the same file by the same owner; a live
+    /// process's, another owner's and another file's stay.
     #[test]
     fn a_dead_writers_leftovers_go_at_the_next_write() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("checkpoint.safetensors");
-        let host = host_name();
+        let me = owner().expect("this machine and namespace have a name");
         // A process id no process has (above the kernel's pid_max, which is at most 2^22).
-        let dead = dir.path().join(format!(".checkpoint.safetensors.tmp-{host}-{}", 1u32 << 30));
-        let live = dir.path().join(format!(".checkpoint.safetensors.tmp-{host}-1"));
-        let elsewhere = dir.path().join(format!(".checkpoint.safetensors.tmp-{host}x-{}", 1u32 << 30));
-        let other_file = dir.path().join(format!(".other.tmp-{host}-{}", 1u32 << 30));
-        for d in [&dead, &live, &elsewhere, &other_file] {
+        let gone = 1u32 << 30;
+        let stage =
+            |owner: &str, file: &str, pid: u32| dir.path().join(format!(".{file}.tmp-{owner}-{pid}-3"));
+        let dead = stage(&me, "checkpoint.safetensors", gone);
+        let kept = [
+            stage(&me, "checkpoint.safetensors", 1),
+            stage(&format!("{me}x"), "checkpoint.safetensors", gone),
+            stage("0123456789abcdef", "checkpoint.safetensors", gone),
+            stage(&me, "other", gone),
+            dir.path().join(format!(".checkpoint.safetensors.tmp-{me}-{gone}")),
+        ];
+        for d in kept.iter().chain([&dead]) {
             fs::create_dir(d).unwrap();
             fs::write(d.join(".tmpAbC123"), vec![7u8; 4096]).unwrap();
         }
@@ -306,12 +330,40 @@ mod tests {
         write_image_atomic(&path, &a).unwrap();
         assert_eq!(read_file(&path).unwrap(), a);
         assert!(!dead.exists(), "a dead writer's staging directory stayed");
-        for d in [&live, &elsewhere, &other_file] {
+        for d in &kept {
             assert!(d.join(".tmpAbC123").exists(), "{} was removed", d.display());
         }
-        let mut names: Vec<_> = fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
-        names.sort();
-        assert_eq!(names.len(), 4, "{names:?}");
+        let names: Vec<_> = fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names.len(), kept.len() + 1, "{names:?}");
+    }
+
+    /// Threads writing one path at once each write through a directory of their own: every
+    /// write succeeds and the file is one of them, whole.
+    #[test]
+    fn concurrent_writes_of_one_path_do_not_share_a_staging_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.safetensors");
+        let images: Vec<StateImage> = (0..4)
+            .map(|i| {
+                let t =
+                    crate::RawTensor::try_new("w", crate::Dtype::U8, vec![1 << 16], vec![i as u8; 1 << 16])
+                        .unwrap();
+                StateImage::new(i, 8, RngState::new(3), serde_json::json!({}), [("w".to_string(), t)].into())
+            })
+            .collect();
+        std::thread::scope(|s| {
+            for img in &images {
+                let path = &path;
+                s.spawn(move || {
+                    for _ in 0..8 {
+                        write_image_atomic(path, img).unwrap();
+                    }
+                });
+            }
+        });
+        assert!(images.contains(&read_file(&path).unwrap()));
+        let names: Vec<_> = fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names.len(), 1, "{names:?}");
     }
 
     /// The header alone gives the metadata; a truncated header or a header length past the

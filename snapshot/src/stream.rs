@@ -165,10 +165,10 @@ impl safetensors::View for Lazy<'_> {
         self.shape
     }
     fn data(&self) -> Cow<'_, [u8]> {
-        // The writer has no way to fail here: a fault is kept, zeros stand in for the bytes,
-        // and the file is refused once written.
+        // The writer has no way to fail here: a fault is kept, nothing is written for this
+        // tensor or any after it (the file is short, and refused once the writer returns).
         if self.fault.borrow().is_some() {
-            return Cow::Owned(vec![0; self.len()]);
+            return Cow::Borrowed(&[]);
         }
         let fault = match read_checked(self.source, self.name, self.dtype, self.shape) {
             Ok(data) if checksum(&data) == self.want => return data,
@@ -179,7 +179,7 @@ impl safetensors::View for Lazy<'_> {
             Err(e) => e,
         };
         *self.fault.borrow_mut() = Some(fault);
-        Cow::Owned(vec![0; self.len()])
+        Cow::Borrowed(&[])
     }
     fn data_len(&self) -> usize {
         self.len()
