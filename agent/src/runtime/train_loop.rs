@@ -604,6 +604,11 @@ impl TrainLoop {
             // Steps given up are trained again, and the job's end written again.
             self.finished = false;
         }
+        if done.repaired {
+            // This rank's state was replaced by a peer's: the final checkpoint it wrote (if it
+            // finished) is not the job's state, so the end is written again.
+            self.finished = false;
+        }
         // A rank that wrote the job's end already kept nothing of a gather for a newcomer's.
         self.final_image = done.final_image.take().filter(|_| !self.finished).map(Arc::new);
         // A sharded step finished at the entry with a peer's norm belongs to the last epoch.
