@@ -2,7 +2,8 @@
 //! with real `limpetd` processes: through a notice, a join and a `kill -9` of a shard holder
 //! the state is re-cut at each
 //! entry without ever being made whole, and the job trains like one uninterrupted process; with both holders of a shard killed at once it goes back to the
-//! newest checkpoint, says so, and still finishes like one process.
+//! newest checkpoint, says so, and still finishes like one process; killed after the job's end,
+//! the survivors load their own final checkpoints and train nothing again.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -187,6 +188,75 @@ fn both_holders_killed(shared: bool, devices: usize) {
         "{redone:?} redone, {given_up} given up: {}",
         status["transitions"]
     );
+}
+
+/// Past the job's end the ranks keep their blocks, so both holders of one can still be lost
+/// at once: the survivors then load the final checkpoints their own processes wrote, train
+/// nothing again, and leave those files as they were.
+#[test]
+fn both_holders_of_a_shard_killed_after_the_end_train_nothing_again() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("c");
+    // The newest logged checkpoint (step 60) is before the end: going back to it would
+    // train ten steps again.
+    let steps = 70;
+    let job = LocalJob {
+        steps,
+        checkpoint_every: 20,
+        shard_state: Some(("optimizer".into(), 1)),
+        ..LocalJob::default()
+    };
+    let mut c =
+        LocalCluster::up_with(&dir, 5, job, &common::lab_exe(), Path::new(env!("CARGO_BIN_EXE_limpetd")))
+            .unwrap();
+    let finished = "job finished; final checkpoint written";
+    wait_showing_logs("five hosts finish", Duration::from_secs(300), &dir, || {
+        node_logs(&dir).matches(finished).count() >= 5
+    });
+    let finals: Vec<PathBuf> =
+        ["node-1", "node-4", "node-5"].iter().map(|n| dir.join(n).join("checkpoint.safetensors")).collect();
+    let hash = |p: &PathBuf| limpet_snapshot::read_meta(p).unwrap().content_hash;
+    let before: Vec<String> = finals.iter().map(hash).collect();
+    assert!(before.iter().all(|h| *h == before[0]), "the hosts' final checkpoints differ: {before:?}");
+    // Hosts 1 and 2 hold host 1's blocks (their owners and their replicas): both go at once.
+    c.kill("node-2").unwrap();
+    c.kill("node-3").unwrap();
+    wait_showing_logs(
+        "the survivors load their own final checkpoints",
+        Duration::from_secs(120),
+        &dir,
+        || node_logs(&dir).matches("the job's final checkpoint loaded").count() >= 3,
+    );
+    let status = || {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_limpet"))
+            .args(["status", "--json", "--dir"])
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let into_three = || {
+        let s = status();
+        s["transitions"].as_array().unwrap().iter().filter(|t| t["world"] == 3).cloned().collect::<Vec<_>>()
+    };
+    wait_showing_logs("the survivors enter a world of three", Duration::from_secs(60), &dir, || {
+        !into_three().is_empty()
+    });
+    let all = node_logs(&dir);
+    assert!(all.contains("back to the newest checkpoint"), "{all}");
+    assert!(!all.contains("could not load the job's final checkpoint"), "{all}");
+    for t in into_three() {
+        assert_eq!(t["redone_steps"].as_u64(), Some(0), "{t}");
+        assert_eq!(t["step"].as_u64(), Some(steps), "{t}");
+    }
+    // Nothing trained at world 3, and every survivor's final checkpoint is the one it wrote.
+    for n in ["node-1", "node-4", "node-5"] {
+        let worlds = common::step_worlds(&dir.join(format!("{n}.steps.jsonl")));
+        assert!(worlds.iter().all(|&(_, w)| w == 5), "{n} trained again: {worlds:?}");
+    }
+    let after: Vec<String> = finals.iter().map(hash).collect();
+    assert_eq!(before, after);
 }
 
 /// The files under `dir`, for a failure's message.
