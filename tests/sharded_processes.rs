@@ -173,13 +173,7 @@ fn both_holders_killed(shared: bool, devices: usize) {
     let resumed = worlds.iter().filter(|&&(_, w)| w == 3).map(|&(s, _)| s).min().unwrap();
     assert!(resumed <= lost_at + 1 && resumed % 20 <= 1, "resumed at {resumed} after training to {lost_at}");
     // Status says so: the transition into world 3 counts the steps given up as redone.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_limpet"))
-        .args(["status", "--json", "--dir"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let status = status_of(&dir);
     let into_three = status["transitions"].as_array().unwrap().iter().filter(|t| t["world"] == 3);
     let redone = into_three.filter_map(|t| t["redone_steps"].as_u64()).max();
     let given_up = lost_at + 1 - resumed;
@@ -227,17 +221,8 @@ fn both_holders_of_a_shard_killed_after_the_end_train_nothing_again() {
         &dir,
         || node_logs(&dir).matches("the job's final checkpoint loaded").count() >= 3,
     );
-    let status = || {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_limpet"))
-            .args(["status", "--json", "--dir"])
-            .arg(&dir)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
-    };
     let into_three = || {
-        let s = status();
+        let s = status_of(&dir);
         s["transitions"].as_array().unwrap().iter().filter(|t| t["world"] == 3).cloned().collect::<Vec<_>>()
     };
     wait_showing_logs("the survivors enter a world of three", Duration::from_secs(60), &dir, || {
@@ -257,6 +242,17 @@ fn both_holders_of_a_shard_killed_after_the_end_train_nothing_again() {
     }
     let after: Vec<String> = finals.iter().map(hash).collect();
     assert_eq!(before, after);
+}
+
+/// `limpet status --json` of the local cluster in `dir`.
+fn status_of(dir: &Path) -> serde_json::Value {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_limpet"))
+        .args(["status", "--json", "--dir"])
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 /// The files under `dir`, for a failure's message.
