@@ -87,6 +87,12 @@ impl Dtype {
     }
 }
 
+/// The bytes `shape` elements of `dtype` take (`usize::MAX` past the address space, which no
+/// buffer has).
+pub(crate) fn needed_bytes(dtype: Dtype, shape: &[usize]) -> usize {
+    shape.iter().try_fold(dtype.size(), |acc, &d| acc.checked_mul(d)).unwrap_or(usize::MAX)
+}
+
 /// One tensor as bytes: little-endian elements in row-major order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RawTensor {
@@ -103,7 +109,7 @@ impl RawTensor {
         shape: Vec<usize>,
         data: Vec<u8>,
     ) -> Result<Self, SnapshotError> {
-        let needed = shape.iter().try_fold(dtype.size(), |acc, &d| acc.checked_mul(d)).unwrap_or(usize::MAX);
+        let needed = needed_bytes(dtype, &shape);
         if needed != data.len() {
             return Err(SnapshotError::Size {
                 name: name.to_string(),

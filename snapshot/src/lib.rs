@@ -26,4 +26,4 @@ pub use file::{
     job_fingerprint, read_file, read_header, read_meta, verify_file, write_atomic, write_image_atomic,
 };
 pub use image::{Dtype, RawTensor, RngState, StateImage, StateMeta, FORMAT_VERSION, META_KEY};
-pub use stream::{image_source, meta_of_source, write_source_atomic, Position, TensorSource};
+pub use stream::{meta_of_source, write_source_atomic, Position, TensorSource};

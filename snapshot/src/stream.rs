@@ -1,5 +1,5 @@
 //! Checkpoint files written from a state's tensors as they are read, one tensor at a time,
-//! with no [`StateImage`] of the state: what a trainer's final checkpoint is written from,
+//! with no [`crate::StateImage`] of the state: what a trainer's final checkpoint is written from,
 //! where an image would be a second copy of the whole state in memory.
 //!
 //! The header comes first in the file and names every tensor's checksum and the content hash,
@@ -8,8 +8,8 @@
 //! leaves the old file in place). The file is byte for byte the one
 //! [`crate::write_image_atomic`] writes from an image of the same state.
 
-use crate::image::{checksum, content_hash_of, Dtype};
-use crate::{RngState, SnapshotError, StateImage, StateMeta, FORMAT_VERSION, META_KEY};
+use crate::image::{checksum, content_hash_of, needed_bytes, Dtype};
+use crate::{RngState, SnapshotError, StateMeta, FORMAT_VERSION, META_KEY};
 use std::borrow::Cow;
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
@@ -100,26 +100,6 @@ fn checked_meta(
     Ok((entries, meta))
 }
 
-/// `image`'s position and tensors as a source: what a source of the same state must write.
-pub fn image_source(image: &StateImage) -> (Position, impl TensorSource + '_) {
-    let m = image.meta();
-    let position = Position { step: m.step, cursor: m.cursor, rng: m.rng, job: m.job.clone() };
-    (position, ImageSource(image))
-}
-
-struct ImageSource<'a>(&'a StateImage);
-
-impl TensorSource for ImageSource<'_> {
-    fn entries(&self) -> Vec<(String, Dtype, Vec<usize>)> {
-        self.0.tensors().iter().map(|(n, t)| (n.clone(), t.dtype(), t.shape().to_vec())).collect()
-    }
-    fn read(&self, name: &str) -> Result<Cow<'_, [u8]>, SnapshotError> {
-        let t =
-            self.0.tensors().get(name).ok_or_else(|| SnapshotError::Format(format!("no tensor '{name}'")))?;
-        Ok(Cow::Borrowed(t.data()))
-    }
-}
-
 /// Reads tensor `name` and checks it holds exactly its shape's bytes.
 fn read_checked<'s>(
     source: &'s dyn TensorSource,
@@ -128,7 +108,7 @@ fn read_checked<'s>(
     shape: &[usize],
 ) -> Result<Cow<'s, [u8]>, SnapshotError> {
     let data = source.read(name)?;
-    let needed = shape.iter().try_fold(dtype.size(), |acc, &d| acc.checked_mul(d)).unwrap_or(usize::MAX);
+    let needed = needed_bytes(dtype, shape);
     if data.len() != needed {
         return Err(SnapshotError::Size {
             name: name.to_string(),
@@ -153,7 +133,7 @@ struct Lazy<'a> {
 
 impl Lazy<'_> {
     fn len(&self) -> usize {
-        self.shape.iter().product::<usize>() * self.dtype.size()
+        needed_bytes(self.dtype, self.shape)
     }
 }
 
@@ -189,6 +169,30 @@ impl safetensors::View for Lazy<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::StateImage;
+
+    /// `image`'s position and tensors as a source: what a source of the same state must write.
+    fn image_source(image: &StateImage) -> (Position, impl TensorSource + '_) {
+        let m = image.meta();
+        let position = Position { step: m.step, cursor: m.cursor, rng: m.rng, job: m.job.clone() };
+        (position, ImageSource(image))
+    }
+
+    struct ImageSource<'a>(&'a StateImage);
+
+    impl TensorSource for ImageSource<'_> {
+        fn entries(&self) -> Vec<(String, Dtype, Vec<usize>)> {
+            self.0.tensors().iter().map(|(n, t)| (n.clone(), t.dtype(), t.shape().to_vec())).collect()
+        }
+        fn read(&self, name: &str) -> Result<Cow<'_, [u8]>, SnapshotError> {
+            let t = self
+                .0
+                .tensors()
+                .get(name)
+                .ok_or_else(|| SnapshotError::Format(format!("no tensor '{name}'")))?;
+            Ok(Cow::Borrowed(t.data()))
+        }
+    }
     use crate::RawTensor;
     use std::cell::Cell;
 

@@ -102,9 +102,7 @@ fn status_bytes(key: &str) -> u64 {
 /// Checkpoints `trainer` to `dir`/[`CHECKPOINT_FILE`] atomically, straight from its tensors
 /// ([`Trainer::write_state_file`]); returns the file's path and content hash.
 pub fn save_checkpoint(trainer: &Trainer, dir: &Path) -> Result<(PathBuf, String), TrainerError> {
-    std::fs::create_dir_all(dir)
-        .map_err(|e| TrainerError::Data { path: dir.to_path_buf(), detail: e.to_string() })?;
-    let path = dir.join(CHECKPOINT_FILE);
+    let path = checkpoint_path(dir)?;
     let hash = trainer.write_state_file(&path)?;
     Ok((path, hash))
 }
@@ -112,12 +110,17 @@ pub fn save_checkpoint(trainer: &Trainer, dir: &Path) -> Result<(PathBuf, String
 /// Writes `image` (a trainer's, or one gathered from sharded state) to
 /// `dir`/[`CHECKPOINT_FILE`] atomically.
 pub fn save_image(image: &limpet_snapshot::StateImage, dir: &Path) -> Result<PathBuf, TrainerError> {
-    std::fs::create_dir_all(dir)
-        .map_err(|e| TrainerError::Data { path: dir.to_path_buf(), detail: e.to_string() })?;
-    let path = dir.join(CHECKPOINT_FILE);
+    let path = checkpoint_path(dir)?;
     // Streamed into the file: the encoding is never held beside the image.
     limpet_snapshot::write_image_atomic(&path, image)?;
     Ok(path)
+}
+
+/// `dir`/[`CHECKPOINT_FILE`], with `dir` made if it is not there.
+fn checkpoint_path(dir: &Path) -> Result<PathBuf, TrainerError> {
+    std::fs::create_dir_all(dir)
+        .map_err(|e| TrainerError::Data { path: dir.to_path_buf(), detail: e.to_string() })?;
+    Ok(dir.join(CHECKPOINT_FILE))
 }
 
 /// Trains in this process until the job's last step or `opts.stop_at`.

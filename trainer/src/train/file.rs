@@ -16,7 +16,6 @@ impl Trainer {
     /// ([`Trainer::image`]) writes, byte for byte; returns its content hash. Each tensor is
     /// copied to the host twice (once for its checksum, once into the file), one at a time.
     pub fn write_state_file(&self, path: &Path) -> Result<String, TrainerError> {
-        self.refuse_sharded("a state file")?;
         let (position, source) = self.source()?;
         Ok(limpet_snapshot::write_source_atomic(path, position, &source)?.content_hash)
     }
@@ -24,13 +23,14 @@ impl Trainer {
     /// Content hash of the current state (equal on ranks that hold the same state): its
     /// image's, read a tensor at a time without the image.
     pub fn content_hash(&self) -> Result<String, TrainerError> {
-        self.refuse_sharded("a state's content hash")?;
         let (position, source) = self.source()?;
         Ok(limpet_snapshot::meta_of_source(position, &source)?.content_hash)
     }
 
-    /// The whole state's position and its tensors by their names in an image.
+    /// The whole state's position and its tensors by their names in an image (refused while
+    /// the optimizer state is sharded).
     fn source(&self) -> Result<(Position, Source<'_>), TrainerError> {
+        self.refuse_sharded("the whole state")?;
         let params = self.model.params();
         let mut tensors: BTreeMap<String, &Tensor> =
             params.iter().map(|(name, p)| (format!("param/{name}"), p)).collect();
