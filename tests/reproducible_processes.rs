@@ -304,10 +304,10 @@ fn sharded_state_through_a_notice_a_join_and_a_kill_changes_no_bit() {
         assert!(logs.contains(&recut), "no re-cut entering epoch {epoch}:\n{logs}");
     }
     assert!(!logs.contains("gathered from its shards for the entry"), "{logs}");
-    // The final checkpoint was written from the whole state gathered into host memory, the
-    // ranks keeping their blocks (the state was never whole on a rank).
+    // The final checkpoint was written from the gathers a tensor at a time, the ranks keeping
+    // their blocks (the state was never whole on a rank, nor in one rank's memory).
     assert!(
-        logs.contains("the whole state gathered for the job's final checkpoint; every rank keeps its blocks"),
+        logs.contains("the job's final checkpoint written from the gathered state, a tensor at a time; every rank keeps its blocks"),
         "{logs}"
     );
     assert!(!logs.contains("back to the newest checkpoint"), "{logs}");
@@ -363,10 +363,10 @@ fn sharded_over_devices_changes_no_bit(name: &str, extra: &[&str], held: &str) -
         assert!(logs.contains(&recut), "no re-cut entering epoch {epoch}:\n{logs}");
     }
     assert!(!logs.contains("gathered from its shards for the entry"), "{logs}");
-    // The final checkpoint was written from the whole state gathered into host memory, the
-    // ranks keeping their blocks (the state was never whole on a rank).
+    // The final checkpoint was written from the gathers a tensor at a time, the ranks keeping
+    // their blocks (the state was never whole on a rank, nor in one rank's memory).
     assert!(
-        logs.contains("the whole state gathered for the job's final checkpoint; every rank keeps its blocks"),
+        logs.contains("the job's final checkpoint written from the gathered state, a tensor at a time; every rank keeps its blocks"),
         "{logs}"
     );
     assert!(!logs.contains("back to the newest checkpoint"), "a kill lost a block:\n{logs}");

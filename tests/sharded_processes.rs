@@ -3,7 +3,8 @@
 //! the state is re-cut at each
 //! entry without ever being made whole, and the job trains like one uninterrupted process; with both holders of a shard killed at once it goes back to the
 //! newest checkpoint, says so, and still finishes like one process; killed after the job's end,
-//! the survivors load their own final checkpoints and train nothing again.
+//! the survivors load their own final checkpoints and train nothing again; a host joining
+//! after the end writes the same final checkpoint from the gathers.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -48,10 +49,10 @@ fn notice_join_kill(gradients: bool) {
         assert!(logs.contains(&recut), "no re-cut entering epoch {epoch}:\n{logs}");
     }
     assert!(!logs.contains("gathered from its shards for the entry"), "{logs}");
-    // The final checkpoint was written from the whole state gathered into host memory, the
-    // ranks keeping their blocks (the state was never whole on a rank).
+    // The final checkpoint was written from the gathers a tensor at a time, the ranks keeping
+    // their blocks (the state was never whole on a rank, nor in one rank's memory).
     assert!(
-        logs.contains("the whole state gathered for the job's final checkpoint; every rank keeps its blocks"),
+        logs.contains("the job's final checkpoint written from the gathered state, a tensor at a time; every rank keeps its blocks"),
         "{logs}"
     );
     assert!(!logs.contains("back to the newest checkpoint"), "a single kill lost a shard:\n{logs}");
@@ -63,7 +64,14 @@ fn notice_join_kill(gradients: bool) {
 
     let single = tmp.path().join("single");
     train_alone(&single, &["--model", "mlp", "--data", "digits", "--batch", "64"], steps);
-    let (sharded_img, sharded) = params(&PathBuf::from(summary["checkpoint"].as_str().unwrap()));
+    let final_file = PathBuf::from(summary["checkpoint"].as_str().unwrap());
+    // Written pending at the last step, moved into place when the job finished.
+    assert!(
+        !final_file.with_file_name("checkpoint.pending.safetensors").exists(),
+        "{}",
+        final_file.display()
+    );
+    let (sharded_img, sharded) = params(&final_file);
     let (single_img, one) = params(&single.join("checkpoint.safetensors"));
     assert_eq!(sharded_img.meta().step, steps);
     let mut job = sharded_img.meta().job.clone();
@@ -242,6 +250,44 @@ fn both_holders_of_a_shard_killed_after_the_end_train_nothing_again() {
     }
     let after: Vec<String> = finals.iter().map(hash).collect();
     assert_eq!(before, after);
+}
+
+/// A host that joins after a sharded job's end is given the state by the re-cut and writes
+/// the job's final checkpoint from the gathers, a tensor at a time, under the pending name
+/// until it finishes: the same file the hosts that finished wrote, which only send their
+/// blocks. It trains nothing.
+#[test]
+fn a_host_joining_after_the_end_writes_the_same_final_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("c");
+    let job = LocalJob { steps: 40, shard_state: Some(("optimizer".into(), 1)), ..LocalJob::default() };
+    let mut c =
+        LocalCluster::up_with(&dir, 3, job, &common::lab_exe(), Path::new(env!("CARGO_BIN_EXE_limpetd")))
+            .unwrap();
+    let finished = "job finished; final checkpoint written";
+    wait_showing_logs("three hosts finish", Duration::from_secs(300), &dir, || {
+        node_logs(&dir).matches(finished).count() >= 3
+    });
+    let newcomer = c.add().unwrap();
+    wait_showing_logs("the newcomer finishes", Duration::from_secs(180), &dir, || {
+        node_logs(&dir).matches(finished).count() >= 4
+    });
+    let hash = |n: &str| {
+        let file = dir.join(n).join("checkpoint.safetensors");
+        limpet_snapshot::verify_file(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display())).content_hash
+    };
+    let want = hash("node-1");
+    for n in ["node-2", "node-3", newcomer.as_str()] {
+        assert_eq!(hash(n), want, "{n}'s final checkpoint");
+        assert!(!dir.join(n).join("checkpoint.pending.safetensors").exists(), "{n}");
+    }
+    let all = node_logs(&dir);
+    let wrote = "the job's final checkpoint written from the gathered state, a tensor at a time; every rank keeps its blocks epoch=";
+    assert!(all.contains(wrote), "the newcomer's entry wrote no final checkpoint:\n{all}");
+    let sent = "the whole state gathered for other hosts' final checkpoints; this host wrote its own";
+    assert!(all.matches(sent).count() >= 3, "{all}");
+    let worlds = common::step_worlds(&dir.join(format!("{newcomer}.steps.jsonl")));
+    assert!(worlds.is_empty(), "the newcomer trained: {worlds:?}");
 }
 
 /// `limpet status --json` of the local cluster in `dir`.

@@ -76,6 +76,18 @@ pub(crate) fn atomically(
     result
 }
 
+/// Moves `from`, a file one of the atomic writers put in place, to `to` in the same
+/// directory durably (rename, fsync of the directory): `to` is the old file or the whole new
+/// one, never part of either.
+pub fn rename_durable(from: &Path, to: &Path) -> Result<(), SnapshotError> {
+    fs::rename(from, to).map_err(io_err("rename into place", to))?;
+    let dir = match to.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    File::open(dir).and_then(|d| d.sync_all()).map_err(io_err("fsync directory", dir))
+}
+
 /// A name for this machine and process namespace, for the staging directories' owner: a
 /// process id means one process only within one namespace of one machine. `None` where
 /// either cannot be read.

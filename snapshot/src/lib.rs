@@ -23,7 +23,8 @@ mod stream;
 
 pub use error::SnapshotError;
 pub use file::{
-    job_fingerprint, read_file, read_header, read_meta, verify_file, write_atomic, write_image_atomic,
+    job_fingerprint, read_file, read_header, read_meta, rename_durable, verify_file, write_atomic,
+    write_image_atomic,
 };
 pub use image::{Dtype, RawTensor, RngState, StateImage, StateMeta, FORMAT_VERSION, META_KEY};
 pub use stream::{meta_of_source, write_source_atomic, Position, TensorSource};

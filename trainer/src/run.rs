@@ -10,6 +10,11 @@ use std::time::Instant;
 /// File name of the checkpoint inside a run directory.
 pub const CHECKPOINT_FILE: &str = "checkpoint.safetensors";
 
+/// File name of a checkpoint written before the step it holds is known to be the job's end
+/// (a sharded job's final one, written at its last step by the ranks together), moved to
+/// [`CHECKPOINT_FILE`] by [`place_checkpoint`] once it is.
+pub const PENDING_CHECKPOINT_FILE: &str = "checkpoint.pending.safetensors";
+
 /// How far to run and where to write.
 #[derive(Debug, Clone)]
 pub struct RunOptions {
@@ -113,6 +118,19 @@ pub fn save_image(image: &limpet_snapshot::StateImage, dir: &Path) -> Result<Pat
     let path = checkpoint_path(dir)?;
     // Streamed into the file: the encoding is never held beside the image.
     limpet_snapshot::write_image_atomic(&path, image)?;
+    Ok(path)
+}
+
+/// `dir`/[`PENDING_CHECKPOINT_FILE`], with `dir` made if it is not there.
+pub fn pending_checkpoint_path(dir: &Path) -> Result<PathBuf, TrainerError> {
+    Ok(checkpoint_path(dir)?.with_file_name(PENDING_CHECKPOINT_FILE))
+}
+
+/// Moves the checkpoint written at `pending` (by [`Trainer::write_gathered_file`]) to
+/// `dir`/[`CHECKPOINT_FILE`] durably; returns its path.
+pub fn place_checkpoint(pending: &Path, dir: &Path) -> Result<PathBuf, TrainerError> {
+    let path = checkpoint_path(dir)?;
+    limpet_snapshot::rename_durable(pending, &path)?;
     Ok(path)
 }
 

@@ -544,6 +544,10 @@ fn plan_epoch(
         }
     };
     let start = start.max(floor);
+    // No rank trains past the job's last step, so a boundary after it would never be
+    // reached: a host joining once the job is done would wait for the others for ever.
+    let end = st.job.as_ref().and_then(|j| j.get("steps")).and_then(serde_json::Value::as_u64);
+    let start = end.map_or(start, |end| start.min(end.max(floor)));
     // Anyone behind the start, and every newcomer, copies state from the furthest survivor.
     let mut sources = BTreeMap::new();
     if let Some(src) = furthest {

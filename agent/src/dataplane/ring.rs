@@ -175,6 +175,18 @@ impl Group {
         self.rank
     }
 
+    /// How long a collective may make no progress before it fails (the endpoint's `timeout`
+    /// unless set).
+    pub fn patience(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Sets [`Group::patience`]: longer for collectives between which a rank does slow work
+    /// of its own, which its peers wait out inside the next one.
+    pub fn set_patience(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
     /// The epoch the group serves.
     pub fn epoch(&self) -> u64 {
         self.epoch

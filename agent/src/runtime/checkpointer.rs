@@ -89,6 +89,14 @@ impl Checkpointer {
         self.settings.as_ref().is_some_and(|c| due(c, step, 2, Duration::ZERO))
     }
 
+    /// Whether this rank's checkpoint is due at `step`, by the step count or by its own clock
+    /// (what [`Checkpointer::maybe_write`] decides, for a data-parallel epoch), without
+    /// starting the clock.
+    pub fn due_now(&self, step: u64) -> bool {
+        let since = self.last.map_or(Duration::ZERO, |l| l.elapsed());
+        self.settings.as_ref().is_some_and(|c| due(c, step, 1, since))
+    }
+
     /// Whether a sharded job's checkpoints are written as shards, one per rank, into a
     /// directory every host sees (`[checkpoint].shared`), rather than gathered whole (with
     /// S3, each owner copies its own shard there too).

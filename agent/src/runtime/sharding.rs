@@ -6,9 +6,11 @@
 //! its digest. Otherwise, where no rank holds a shard (a rank with whole state further on, a
 //! checkpoint loaded) the entry copies whole states as for any job and the state is cut
 //! once the entry agreed. A checkpoint the ranks know is due is written as shards by their
-//! holders, or gathered whole into one host rank's memory (the job's final one into each
-//! host's first rank's), the ranks keeping their blocks. A block with no live holder sends
-//! every rank back to the newest checkpoint.
+//! holders, or gathered whole into one host rank's memory, the ranks keeping their blocks.
+//! The job's final checkpoint is written by each host's first rank from the gathers
+//! themselves, one optimizer tensor held at a time ([`Trainer::write_gathered_file`]), under
+//! a pending name until the job is known to have ended there ([`Final`]). A block with no live
+//! holder sends every rank back to the newest checkpoint.
 //!
 //! A host of several local ranks (`[node].devices`) shards over its devices: each local
 //! rank is a rank of the layout, which places every block's replicas on other hosts
@@ -24,16 +26,32 @@ use crate::Group;
 use limpet_consensus::state::{ClusterState, Epoch};
 use limpet_snapshot::StateImage;
 use limpet_trainer::{JobSpec, ShardLayout, Trainer, TrainerError};
-use std::path::Path;
-use std::time::Instant;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A sharded job's final checkpoint on this host, made by its ranks together at the job's
+/// last step or at an entry past it; the host's agent writes it into place when the job
+/// finishes there.
+pub(super) enum Final {
+    /// The whole state gathered into host memory (at a last step a periodic checkpoint was
+    /// due at too, which is written from it).
+    Image(Arc<StateImage>),
+    /// Written from the gathers a tensor at a time under the pending name in the state
+    /// directory ([`limpet_trainer::PENDING_CHECKPOINT_FILE`]), with its content hash.
+    Pending { path: PathBuf, hash: String },
+    /// The gathers went through, but the file could not be written (a full disk, a
+    /// directory that cannot be made): the job's end fails on this host as a failed final
+    /// write always has.
+    Failed(TrainerError),
+}
 
 /// How the state of a job that shards it entered an epoch.
 pub(super) enum Sharded {
     /// Re-cut for the new group: the entry is done but for its barrier. The bytes this rank
     /// took from others (not those it passed on for them), and the time it took; past the
-    /// job's last step, the whole state gathered for the final checkpoint (on the host's
-    /// first rank).
-    Recut { bytes: u64, ms: u64, final_image: Option<StateImage> },
+    /// job's last step, the host's final checkpoint (unless it wrote one already).
+    Recut { bytes: u64, ms: u64, final_state: Option<Final> },
     /// The entry copies whole states as for any job, after `redone` steps were given up
     /// (a block lost with every holder sent the ranks back to a checkpoint).
     Whole { redone: u64 },
@@ -43,8 +61,8 @@ pub(super) enum Sharded {
 /// group calls it, with its host's trainers: `trainer` and the `followers` of its other
 /// devices; `step_tag` marks the collectives). `Some`: the state is re-cut for the
 /// new group, every rank at the same step with the same parameters (past the job's end,
-/// with the whole state gathered for its final checkpoint): the entry is done but for its
-/// barrier. `None`: the entry copies whole states: no rank held a shard, a rank held whole
+/// with the final checkpoint written, pending, into `final_dir` where the host has not
+/// written its own): the entry is done but for its barrier. `None`: the entry copies whole states: no rank held a shard, a rank held whole
 /// state further on, or a lost block sent every rank back to a checkpoint. A rank left with state of another step than
 /// the one rebuilt (or a shard) then starts afresh, so the entry copies the state to it as
 /// to a newcomer; a host's followers then copy the host's state after the entry.
@@ -55,7 +73,7 @@ pub(super) fn enter(
     st: &ClusterState,
     n: &Epoch,
     step_tag: u64,
-    keep_final: bool,
+    final_dir: Option<&Path>,
 ) -> Result<Sharded, AgentError> {
     if job.shard_state.is_none() {
         return Ok(Sharded::Whole { redone: 0 });
@@ -86,23 +104,29 @@ pub(super) fn enter(
     let local = &mut followers[..count];
     match outcome.unwrap_or(Ok(None)) {
         Ok(Some(step)) if recut => {
-            let final_image = if step >= job.steps {
+            let final_state = if step >= job.steps {
                 // The job's final checkpoint is whole; the ranks keep their blocks. A host
                 // that wrote its own already only sends its blocks (for a newcomer's).
-                let image = image_of_host((&mut *trainer, &mut *local), group, n, keep_final)?;
-                match keep_final {
-                    true => tracing::info!(
+                let written = final_of_host((&mut *trainer, &mut *local), group, n, final_dir)?;
+                match &written {
+                    Some(Final::Failed(e)) => tracing::error!(
                         epoch = n.id,
                         step,
-                        "the whole state gathered for the job's final checkpoint; every rank keeps its blocks"
+                        %e,
+                        "the job's final checkpoint could not be written here; every rank keeps its blocks"
                     ),
-                    false => tracing::info!(
+                    Some(_) => tracing::info!(
+                        epoch = n.id,
+                        step,
+                        "the job's final checkpoint written from the gathered state, a tensor at a time; every rank keeps its blocks"
+                    ),
+                    None => tracing::info!(
                         epoch = n.id,
                         step,
                         "the whole state gathered for other hosts' final checkpoints; this host wrote its own"
                     ),
                 }
-                image
+                written
             } else {
                 None
             };
@@ -112,7 +136,7 @@ pub(super) fn enter(
                 (trainer.regroup_values() + local.iter().map(Trainer::regroup_values).sum::<u64>()) * 4;
             let held = held_by((trainer, local));
             tracing::info!(epoch = n.id, step, %held, bytes, "optimizer state re-cut for the new group");
-            Ok(Sharded::Recut { bytes, ms: started.elapsed().as_millis() as u64, final_image })
+            Ok(Sharded::Recut { bytes, ms: started.elapsed().as_millis() as u64, final_state })
         }
         // Every rank takes this guard's collective (the facts, hence `None`, are the
         // group's); the step is checked after it, when it is known to be every rank's.
@@ -133,7 +157,7 @@ pub(super) fn enter(
                 %held,
                 "every rank holds the same state: each keeps its own shard"
             );
-            Ok(Sharded::Recut { bytes: 0, ms: started.elapsed().as_millis() as u64, final_image: None })
+            Ok(Sharded::Recut { bytes: 0, ms: started.elapsed().as_millis() as u64, final_state: None })
         }
         Ok(rebuilt) => {
             if let Some(step) = rebuilt {
@@ -193,11 +217,19 @@ fn image_of_host(
     Ok(image)
 }
 
+/// What [`after_step`] made: the whole state gathered for this step's checkpoint, and past
+/// the job's last step its final checkpoint.
+pub(super) struct AfterStep {
+    pub image: Option<Arc<StateImage>>,
+    pub final_state: Option<Final>,
+}
+
 /// After a step with sharded state (every rank of the group calls it, after the same
-/// step): at the job's end every host's first rank gathers the whole state into host memory
-/// for its final checkpoint (returned, and written as this step's checkpoint if one is
-/// due). A checkpoint due by the step count is written as parts, each local rank its own,
-/// when every host's directory is shared; otherwise the first host's first rank gathers the
+/// step): at the job's end every host's first rank writes its final checkpoint into
+/// `state_dir`, pending, from the gathers a tensor at a time; if any rank has a checkpoint
+/// due at that step, the whole state is gathered into host memory instead, for both. A
+/// checkpoint due by the step count is written as parts, each local rank its own, when
+/// every host's directory is shared; otherwise the first host's first rank gathers the
 /// whole state for it (returned). The ranks agree first: parts only if every host's
 /// directory is shared, and none if a rank's previous checkpoint is still being written (a
 /// set missing one part is no checkpoint). Every rank keeps its blocks throughout.
@@ -205,16 +237,27 @@ pub(super) fn after_step(
     (trainer, followers): (&mut Trainer, &mut [Trainer]),
     group: &mut Group,
     n: &Epoch,
-    checkpointer: &mut checkpointer::Checkpointer,
-    sink: &checkpointer::Sink<'_>,
+    (checkpointer, sink): (&mut checkpointer::Checkpointer, &checkpointer::Sink<'_>),
     nb: usize,
-) -> Result<Option<StateImage>, TrainerError> {
+    state_dir: &Path,
+) -> Result<AfterStep, TrainerError> {
     let step = trainer.step();
+    let image_only = |image: Option<StateImage>| AfterStep { image: image.map(Arc::new), final_state: None };
     if step >= trainer.job().steps {
-        return image_of_host((trainer, followers), group, n, true);
+        // Only the first rank writes a whole checkpoint (`Checkpointer::maybe_write`), and
+        // its due (a time trigger's) is its alone: the ranks take its word.
+        let mut due = [i32::from(group.rank() == 0 && checkpointer.due_now(step))];
+        group.allreduce_max_i32(&mut due, step).map_err(|e| e.into_trainer())?;
+        if due[0] == 1 {
+            let image = image_of_host((trainer, followers), group, n, true)?.map(Arc::new);
+            let final_state = image.clone().map(Final::Image);
+            return Ok(AfterStep { image, final_state });
+        }
+        let final_state = final_of_host((trainer, followers), group, n, Some(state_dir))?;
+        return Ok(AfterStep { image: None, final_state });
     }
     if !checkpointer.due_by_steps(step) {
-        return Ok(None);
+        return Ok(image_only(None));
     }
     let mut agreed = [i32::from(checkpointer.is_busy()), i32::from(!checkpointer.writes_shards())];
     group.allreduce_max_i32(&mut agreed, step).map_err(|e| e.into_trainer())?;
@@ -224,19 +267,60 @@ pub(super) fn after_step(
                 step,
                 "a rank's previous checkpoint is still being written; every rank skips this one"
             );
-            Ok(None)
+            Ok(image_only(None))
         }
         // Only the first host writes a whole checkpoint (`Checkpointer::maybe_write`).
         [_, 1] => {
             let first_host = group.rank() == 0;
-            image_of_host((trainer, followers), group, n, first_host)
+            image_of_host((trainer, followers), group, n, first_host).map(image_only)
         }
         _ => {
             let parts = parts_of_host((trainer, followers), group, n)?;
             checkpointer.write_shards(parts, n, nb, sink);
-            Ok(None)
+            Ok(image_only(None))
         }
     }
+}
+
+/// The final checkpoint of node `me` of `n`, written by the host's first rank into `dir`
+/// (if given), pending, from the whole state gathered a tensor at a time (a collective of the
+/// group, whose ring is `group`; the others only send); every rank keeps its blocks. `Err`:
+/// a gather failed; a file that could not be written is [`Final::Failed`].
+fn final_of_host(
+    (trainer, followers): (&mut Trainer, &mut [Trainer]),
+    group: &mut Group,
+    n: &Epoch,
+    dir: Option<&Path>,
+) -> Result<Option<Final>, TrainerError> {
+    let me = group.rank();
+    let first = n.first_rank_of(me);
+    // A directory that cannot be made fails the file, not the gathers the others wait in.
+    let (path, unwritable) = match dir.map(limpet_trainer::pending_checkpoint_path).transpose() {
+        Ok(path) => (path, None),
+        Err(e) => (None, Some(e)),
+    };
+    // Between its gathers a writer reads and hashes every parameter and writes each
+    // tensor into its file, while its peers wait in the next gather: they wait longer than
+    // for a step's sums, by the state's size (at 100 MB/s; a rank that is gone still breaks
+    // the group at once when its sockets close).
+    let bytes = 4 * trainer.buffer_len() as u64;
+    let patience = group.patience();
+    group.set_patience(patience + Duration::from_millis(bytes / 100_000));
+    let written = super::local_ranks::each(trainer, followers, n, me, group, |r, t, reduce| {
+        t.write_gathered_file(reduce, path.as_deref().filter(|_| r == first))
+    });
+    group.set_patience(patience);
+    let written = written?;
+    let mut file = None;
+    for w in written {
+        // Local rank 0's comes first; the others write none, but each may have failed.
+        file = file.or(w?);
+    }
+    Ok(match (unwritable, path, file) {
+        (Some(e), _, _) | (None, _, Some(Err(e))) => Some(Final::Failed(e)),
+        (None, Some(path), Some(Ok(hash))) => Some(Final::Pending { path, hash }),
+        (None, _, _) => None,
+    })
 }
 
 /// Every local rank's part of a sharded checkpoint (a collective of the group).

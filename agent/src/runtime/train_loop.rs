@@ -11,7 +11,7 @@ use super::config::AgentConfig;
 use super::entry::{self, Conn, Entering, Pending};
 use super::error::AgentError;
 use super::shadows::{Links, Shadows};
-use super::sharding;
+use super::sharding::{self, Final};
 use super::tasks::Tasks;
 use super::{Exit, StepLine};
 use crate::report::{AgentReport, Broken, Phase, Transition, MAX_TRANSITIONS};
@@ -71,9 +71,9 @@ pub(super) struct TrainLoop {
     step_time_ms: f64,
     log: Option<std::fs::File>,
     finished: bool,
-    /// A sharded job past its last step: the whole state gathered for its final checkpoint
+    /// A sharded job past its last step: its final checkpoint, gathered or written pending
     /// (the trainers keep their blocks); `None` until then, or when the gather broke.
-    final_image: Option<Arc<limpet_snapshot::StateImage>>,
+    final_state: Option<sharding::Final>,
     /// The content hash of the final checkpoint this process wrote, once it did.
     final_written: Option<String>,
     /// The next epoch's ring connections, made ahead of its boundary.
@@ -128,7 +128,7 @@ impl TrainLoop {
             step_time_ms: 0.0,
             log: None,
             finished: false,
-            final_image: None,
+            final_state: None,
             final_written: None,
             pending: None,
             entry_failed: None,
@@ -231,7 +231,7 @@ impl TrainLoop {
                     self.lanes.clear();
                     self.broken = None;
                     // Its final checkpoint is written where it trains to the end, if it does.
-                    self.final_image = None;
+                    self.drop_final();
                     // A rank that sits out (a spare) is not idle for the ones that train.
                     self.last_step_done = None;
                     self.set_phase(Phase::Left);
@@ -242,18 +242,23 @@ impl TrainLoop {
                 }
                 Action::Finish { preform } => {
                     self.preform(&st, preform.as_ref());
-                    if !self.finished && self.trainer.shard_layout().is_some() && self.final_image.is_none() {
+                    if !self.finished && self.trainer.shard_layout().is_some() && self.final_state.is_none() {
                         // The final gather broke: the next entry gathers the state again.
                         self.wait_change(Duration::from_millis(200));
                         continue;
                     }
                     if !self.finished {
                         // The job's result, where `limpet-lab demo` and operators find it.
-                        // A whole-state trainer writes it from its tensors, with no image.
+                        // A whole-state trainer writes it from its tensors, with no image; a
+                        // sharded job's was written at its last step, pending until now.
                         let dir = &self.cfg.state_dir;
-                        let (path, hash) = match self.final_image.take() {
-                            Some(image) => limpet_trainer::save_image(&image, dir)
+                        let (path, hash) = match self.final_state.take() {
+                            Some(Final::Image(image)) => limpet_trainer::save_image(&image, dir)
                                 .map(|path| (path, image.content_hash().to_string())),
+                            Some(Final::Pending { path, hash }) => {
+                                limpet_trainer::place_checkpoint(&path, dir).map(|path| (path, hash))
+                            }
+                            Some(Final::Failed(e)) => Err(e),
                             None => limpet_trainer::save_checkpoint(&self.trainer, dir),
                         }
                         .map_err(AgentError::FinalCheckpoint)?;
@@ -272,6 +277,16 @@ impl TrainLoop {
                     let epoch = self.group.as_ref().expect("training is in a group").0.clone();
                     self.step(&epoch, &st)?;
                 }
+            }
+        }
+    }
+
+    /// Drops the final checkpoint made of a state this rank may no longer end the job with;
+    /// a file written pending goes too (it is not the job's end, and it is model-sized).
+    fn drop_final(&mut self) {
+        if let Some(Final::Pending { path, .. }) = self.final_state.take() {
+            if let Err(e) = std::fs::remove_file(&path) {
+                tracing::warn!(path = %path.display(), %e, "could not remove a pending final checkpoint");
             }
         }
     }
@@ -432,8 +447,21 @@ impl TrainLoop {
         if let (Some(_), Some((_, Conn::Ring(g)))) = (self.trainer.shard_layout(), self.group.as_mut()) {
             let nb = self.cfg.job.model.num_blocks();
             let host = (&mut self.trainer, self.followers.as_mut_slice());
-            match sharding::after_step(host, g, epoch, &mut self.checkpointer, &sink, nb) {
-                Ok(image) => gathered = image.map(Arc::new),
+            let writer = (&mut self.checkpointer, &sink);
+            match sharding::after_step(host, g, epoch, writer, nb, &self.cfg.state_dir) {
+                Ok(made) => {
+                    gathered = made.image;
+                    if let Some(f) = made.final_state {
+                        // Written into place when the job finishes (at the next commit).
+                        let step = self.trainer.step();
+                        match &f {
+                            Final::Image(_) => tracing::info!(step, "the whole state gathered for the job's final checkpoint; every rank keeps its blocks"),
+                            Final::Pending { path, .. } => tracing::info!(step, path = %path.display(), "the job's final checkpoint written from the gathered state, a tensor at a time; every rank keeps its blocks"),
+                            Final::Failed(e) => tracing::error!(step, %e, "the job's final checkpoint could not be written here; every rank keeps its blocks"),
+                        }
+                        self.final_state = Some(f);
+                    }
+                }
                 Err(e) => {
                     // Peers may be past it or still in it: the group is done, as after any
                     // failed collective (the step itself is applied and logged).
@@ -449,14 +477,6 @@ impl TrainLoop {
                     return Ok(());
                 }
             }
-        }
-        if self.trainer.step() >= self.trainer.job().steps && gathered.is_some() {
-            // Written when the job finishes, and as this step's checkpoint if one is due.
-            tracing::info!(
-                step = self.trainer.step(),
-                "the whole state gathered for the job's final checkpoint; every rank keeps its blocks"
-            );
-            self.final_image = gathered.clone();
         }
         self.checkpointer.maybe_write(
             (&self.trainer, gathered),
@@ -583,6 +603,8 @@ impl TrainLoop {
         // The old group is done; peers of older epochs are refused from now on.
         self.group = None;
         self.lanes.clear();
+        // Made of the state this entry may change.
+        self.drop_final();
         let x = Entering {
             cfg: &self.cfg,
             endpoint: &self.endpoint,
@@ -596,8 +618,6 @@ impl TrainLoop {
             final_written: self.final_written.as_deref(),
             finished: self.finished,
         };
-        // Gathered from the state this entry may change.
-        self.final_image = None;
         let mut done = entry::enter(x, n)?;
         if done.redone_steps > 0 {
             self.checkpointer.went_back(self.trainer.step());
@@ -610,7 +630,7 @@ impl TrainLoop {
             self.finished = false;
         }
         // A rank that wrote the job's end already kept nothing of a gather for a newcomer's.
-        self.final_image = done.final_image.take().filter(|_| !self.finished).map(Arc::new);
+        self.final_state = done.final_state.take().filter(|_| !self.finished);
         // A sharded step finished at the entry with a peer's norm belongs to the last epoch.
         if let Some(p) = self.last_epoch.clone().filter(|_| self.trainer.has_unlogged()) {
             let step = self.trainer.take_unlogged().expect("checked");

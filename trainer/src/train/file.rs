@@ -2,12 +2,16 @@
 //! time ([`Trainer::write_state_file`]), and its content hash read the same way
 //! ([`Trainer::content_hash`]): no image of the state (a second copy of every parameter and
 //! optimizer slot) is held beside it, as a checkpoint written while training goes on needs.
+//! A sharded trainer's whole state is written the same way, each optimizer tensor gathered
+//! from the ranks' blocks when the file reaches it ([`Trainer::write_gathered_file`]).
 
-use super::{host_bytes, Trainer};
+use super::{host_bytes, Reduce, Trainer};
 use crate::TrainerError;
 use limpet_snapshot::{Dtype, Position, RawTensor, SnapshotError, TensorSource};
 use std::borrow::Cow;
+use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::path::Path;
 use tch::Tensor;
 
@@ -31,13 +35,87 @@ impl Trainer {
     /// the optimizer state is sharded).
     fn source(&self) -> Result<(Position, Source<'_>), TrainerError> {
         self.refuse_sharded("the whole state")?;
-        let params = self.model.params();
-        let mut tensors: BTreeMap<String, &Tensor> =
-            params.iter().map(|(name, p)| (format!("param/{name}"), p)).collect();
-        tensors.extend(self.optim.named_state(params));
-        let source = Source { tensors, exponents: self.exponents_tensor()? };
+        let mut source = self.params_source()?;
+        source.tensors.extend(self.optim.named_state(self.model.params()));
+        Ok((self.position(), source))
+    }
+
+    /// A source of the parameters (and a reproducible job's exponents), without the
+    /// optimizer state.
+    fn params_source(&self) -> Result<Source<'_>, TrainerError> {
+        let tensors = self.model.params().iter().map(|(name, p)| (format!("param/{name}"), p)).collect();
+        Ok(Source { tensors, exponents: self.exponents_tensor()?, gathered: None })
+    }
+
+    fn position(&self) -> Position {
         let job = serde_json::to_value(&self.job).expect("JobSpec serializes");
-        Ok((Position { step: self.step, cursor: self.cursor, rng: self.rng, job }, source))
+        Position { step: self.step, cursor: self.cursor, rng: self.rng, job }
+    }
+
+    /// Writes the whole state of a sharded trainer to `path` atomically (for the rank
+    /// given one; the others of the group give `None`): a collective under `reduce`, every
+    /// rank of the group calling it. The file is the one [`Trainer::gathered_image`] would
+    /// write, byte for byte, while each rank holds one tensor of the optimizer state at a
+    /// time: the file's two reads of the state (the header's checksums, then the tensors)
+    /// each gather every optimizer tensor once, when the read reaches it, in the order of
+    /// the tensors' names, which is the order both reads go in. Every rank gathers the same
+    /// tensors in that order, a writer whose write failed the rest of them, so the group
+    /// stays in step: `Err` is a gather's failure (the group is out of step), `Ok(Some(Err))`
+    /// the file's alone (every gather was taken), and `Ok(Some(Ok(hash)))` the file written,
+    /// with its content hash. The trainer keeps its blocks. An unsharded trainer writes its
+    /// own state (no collective).
+    pub fn write_gathered_file(
+        &self,
+        reduce: &mut dyn Reduce,
+        path: Option<&Path>,
+    ) -> Result<Option<Result<String, TrainerError>>, TrainerError> {
+        if self.shard.is_none() {
+            return Ok(path.map(|p| self.write_state_file(p)));
+        }
+        // Each optimizer tensor's slot and values in the slot's flat buffer (parameter order,
+        // as `unflatten` cuts it), by name; the gathers go in this order, once per read.
+        let mut keys = BTreeMap::new();
+        for (k, slot) in self.optim.spec().slots().iter().enumerate() {
+            let mut at = 0;
+            for (name, p) in self.model.params() {
+                let shape = p.size().iter().map(|&d| d as usize).collect();
+                keys.insert(format!("optim/{slot}/{name}"), (k, at..at + p.numel(), shape));
+                at += p.numel();
+            }
+        }
+        let order: Vec<String> = keys.keys().chain(keys.keys()).cloned().collect();
+        let gather_all = |reduce: &mut dyn Reduce, order: &[String]| {
+            order.iter().try_for_each(|name| {
+                let (k, values, _) = &keys[name];
+                self.gathered_values(*k, values.clone(), reduce).map(drop)
+            })
+        };
+        let Some(path) = path else {
+            gather_all(reduce, &order)?;
+            return Ok(None);
+        };
+        let mut source = match self.params_source() {
+            Ok(s) => s,
+            Err(e) => {
+                gather_all(reduce, &order)?;
+                return Ok(Some(Err(e)));
+            }
+        };
+        source.gathered = Some(Gather {
+            trainer: self,
+            reduce: RefCell::new(reduce),
+            keys: keys.clone(),
+            order,
+            next: Cell::new(0),
+            failed: RefCell::new(None),
+        });
+        let written = limpet_snapshot::write_source_atomic(path, self.position(), &source);
+        let gather = source.gathered.take().expect("set above");
+        if let Some(e) = gather.failed.into_inner() {
+            return Err(e);
+        }
+        gather_all(gather.reduce.into_inner(), &gather.order[gather.next.get()..])?;
+        Ok(Some(written.map(|meta| meta.content_hash).map_err(TrainerError::from)))
     }
 }
 
@@ -45,12 +123,52 @@ impl Trainer {
 struct Source<'a> {
     tensors: BTreeMap<String, &'a Tensor>,
     exponents: Option<RawTensor>,
+    /// A sharded trainer's optimizer state, gathered as it is read.
+    gathered: Option<Gather<'a>>,
+}
+
+/// The optimizer state of a sharded trainer, each tensor gathered from the ranks' blocks (a
+/// collective) when a read reaches it.
+struct Gather<'a> {
+    trainer: &'a Trainer,
+    reduce: RefCell<&'a mut dyn Reduce>,
+    /// Each optimizer tensor's slot, its values in the slot's flat buffer, and its shape.
+    keys: BTreeMap<String, (usize, Range<usize>, Vec<usize>)>,
+    /// The tensors every rank of the group gathers, in this order, and how many were.
+    order: Vec<String>,
+    next: Cell<usize>,
+    /// The gather that failed, after which nothing more is gathered.
+    failed: RefCell<Option<TrainerError>>,
+}
+
+impl Gather<'_> {
+    /// Optimizer tensor `name`'s bytes, gathered now: it must be the next of the order (the
+    /// reads' order is the names', so it always is).
+    fn read(&self, name: &str) -> Result<Vec<u8>, SnapshotError> {
+        let next = self.next.get();
+        if self.failed.borrow().is_some() || self.order.get(next).map(String::as_str) != Some(name) {
+            return Err(SnapshotError::Format(format!("tensor '{name}' was read out of the gathers' order")));
+        }
+        self.next.set(next + 1);
+        let (k, values, _) = &self.keys[name];
+        match self.trainer.gathered_values(*k, values.clone(), &mut **self.reduce.borrow_mut()) {
+            Ok(all) => Ok(all.iter().flat_map(|v| v.to_le_bytes()).collect()),
+            Err(e) => {
+                let why = format!("tensor '{name}': {e}");
+                *self.failed.borrow_mut() = Some(e);
+                Err(SnapshotError::Format(why))
+            }
+        }
+    }
 }
 
 impl TensorSource for Source<'_> {
     fn entries(&self) -> Vec<(String, Dtype, Vec<usize>)> {
         let shape = |t: &Tensor| t.size().iter().map(|&d| d as usize).collect();
         let mut all: Vec<_> = self.tensors.iter().map(|(n, t)| (n.clone(), Dtype::F32, shape(t))).collect();
+        if let Some(g) = &self.gathered {
+            all.extend(g.keys.iter().map(|(n, (_, _, s))| (n.clone(), Dtype::F32, s.clone())));
+        }
         if let Some(e) = &self.exponents {
             all.push((crate::train::exact::EXPONENTS.to_string(), e.dtype(), e.shape().to_vec()));
         }
@@ -58,12 +176,14 @@ impl TensorSource for Source<'_> {
     }
 
     fn read(&self, name: &str) -> Result<Cow<'_, [u8]>, SnapshotError> {
-        match (self.tensors.get(name), &self.exponents) {
-            (Some(t), _) => host_bytes(t)
+        let gathered = self.gathered.as_ref().and_then(|g| Some((g, g.keys.get(name)?)));
+        match (self.tensors.get(name), gathered, &self.exponents) {
+            (Some(t), _, _) => host_bytes(t)
                 .map(Cow::Owned)
                 .map_err(|e| SnapshotError::Format(format!("tensor '{name}': {e}"))),
-            (None, Some(e)) if name == crate::train::exact::EXPONENTS => Ok(Cow::Borrowed(e.data())),
-            (None, _) => Err(SnapshotError::Format(format!("no tensor '{name}'"))),
+            (None, Some((g, _)), _) => g.read(name).map(Cow::Owned),
+            (None, None, Some(e)) if name == crate::train::exact::EXPONENTS => Ok(Cow::Borrowed(e.data())),
+            (None, _, _) => Err(SnapshotError::Format(format!("no tensor '{name}'"))),
         }
     }
 }

@@ -80,9 +80,9 @@ pub(super) struct Entered {
     pub repaired: bool,
     /// Steps trained again after a rollback to shadows (0 otherwise).
     pub redone_steps: u64,
-    /// Sharded state past the job's last step: the whole state, gathered for the final
-    /// checkpoint (the host's first rank's; the trainers keep their blocks).
-    pub final_image: Option<limpet_snapshot::StateImage>,
+    /// Sharded state past the job's last step: the host's final checkpoint, written pending
+    /// (the trainers keep their blocks).
+    pub final_state: Option<sharding::Final>,
 }
 
 /// The data addresses of an epoch's ranks, in rank order.
@@ -172,8 +172,9 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     let host = (&mut *x.trainer, &mut *x.followers);
     let local = x.cfg.checkpoint.as_ref().map(|c| c.dir.as_path());
     let dirs = (&x.cfg.job, local, x.final_written.map(|h| (x.cfg.state_dir.as_path(), h)));
-    let given_up = match sharding::enter(host, &mut group, dirs, &st, n, ENTRY_STEP, !x.finished)? {
-        sharding::Sharded::Recut { bytes, ms, final_image } => {
+    let final_dir = (!x.finished).then_some(x.cfg.state_dir.as_path());
+    let given_up = match sharding::enter(host, &mut group, dirs, &st, n, ENTRY_STEP, final_dir)? {
+        sharding::Sharded::Recut { bytes, ms, final_state } => {
             // The followers take the plan from the host's trainer before each step.
             x.trainer.set_epoch_plan(
                 n.batch.global_batch as usize,
@@ -191,7 +192,7 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
                 fetch_ms: ms,
                 repaired: false,
                 redone_steps: 0,
-                final_image,
+                final_state,
             });
         }
         sharding::Sharded::Whole { redone } => redone,
@@ -266,7 +267,7 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     limpet_trainer::device::return_freed_host_memory();
     let (conn, lanes) = connect(&x, n, group, &addrs, &give_up)?;
     let redone_steps = (if plan.action == Entry::Rollback { redone } else { 0 }).max(given_up);
-    Ok(Entered { conn, lanes, fetched_bytes, fetch_ms, repaired, redone_steps, final_image: None })
+    Ok(Entered { conn, lanes, fetched_bytes, fetch_ms, repaired, redone_steps, final_state: None })
 }
 
 /// What the entered epoch trains over, connected once every rank passed the entry's

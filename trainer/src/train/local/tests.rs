@@ -279,6 +279,8 @@ fn hosts_of_unequal_devices_shard_and_train_the_bits_of_one_process() {
 fn gathered_is_whole(ranks: &mut [Trainer], hosts: &[usize], want: &str) {
     let firsts: Vec<usize> = hosts.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
     let held: Vec<_> = ranks.iter().map(|t| t.shard_layout().cloned()).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let image_file = dir.path().join("image.safetensors");
     for keep_first in [true, false] {
         let images = on_hosts(ranks, hosts, |r, t, local| {
             t.gathered_image(local, firsts.contains(&r) == keep_first).unwrap()
@@ -288,7 +290,37 @@ fn gathered_is_whole(ranks: &mut [Trainer], hosts: &[usize], want: &str) {
             let kept = firsts.contains(&r) == keep_first;
             assert_eq!(hash.as_deref(), kept.then_some(want), "rank {r}'s gathered image");
         }
+        if keep_first {
+            limpet_snapshot::write_image_atomic(&image_file, images[0].as_ref().unwrap()).unwrap();
+        }
     }
+    // Written a tensor at a time from the gathers (`Trainer::write_gathered_file`) by each
+    // host's first rank, the others only gathering: the image's file, byte for byte.
+    let file_of = |r: usize| dir.path().join(format!("rank-{r}.safetensors"));
+    let hashes = on_hosts(ranks, hosts, |r, t, local| {
+        let path = file_of(r);
+        t.write_gathered_file(local, firsts.contains(&r).then_some(path.as_path()))
+            .unwrap()
+            .transpose()
+            .unwrap()
+    });
+    let image_bytes = std::fs::read(&image_file).unwrap();
+    for (r, hash) in hashes.iter().enumerate() {
+        assert_eq!(hash.as_deref(), firsts.contains(&r).then_some(want), "rank {r}'s written file");
+        assert_eq!(file_of(r).exists(), firsts.contains(&r), "rank {r}");
+        if firsts.contains(&r) {
+            assert!(std::fs::read(file_of(r)).unwrap() == image_bytes, "rank {r}'s file is not the image's");
+        }
+    }
+    // A writer whose write fails (no directory to write in) still takes every gather, so
+    // the group stays in step: the others return, and the ranks gather again after it.
+    let nowhere = dir.path().join("no-such-directory").join("final.safetensors");
+    let failed = on_hosts(ranks, hosts, |r, t, local| {
+        let written = t.write_gathered_file(local, (r == 0).then_some(nowhere.as_path())).unwrap();
+        written.map(|w| w.map_err(|e| e.to_string()))
+    });
+    assert!(matches!(&failed[0], Some(Err(e)) if e.contains("no-such-directory")), "{:?}", failed[0]);
+    assert!(failed[1..].iter().all(Option::is_none), "{failed:?}");
     assert_eq!(ranks.iter().map(|t| t.shard_layout().cloned()).collect::<Vec<_>>(), held);
 }
 

@@ -6,6 +6,7 @@ use super::unflatten;
 use crate::train::{Reduce, Trainer};
 use crate::TrainerError;
 use limpet_snapshot::RawTensor;
+use std::ops::Range;
 use tch::Device;
 
 impl Trainer {
@@ -65,12 +66,42 @@ impl Trainer {
     /// Optimizer slot `k` of the whole state, gathered from every rank's block into host
     /// memory (a collective under `reduce`).
     fn gathered_slot(&self, k: usize, reduce: &mut dyn Reduce) -> Result<Vec<f32>, TrainerError> {
+        self.gathered_values(k, 0..self.grads.grads_len(), reduce)
+    }
+
+    /// `values` of optimizer slot `k` (a range of its flat buffer, in parameter order),
+    /// gathered from the blocks that hold them into host memory: a collective under
+    /// `reduce`, to which every rank brings the part of its own block inside the range
+    /// (most bring none when the range is one tensor's).
+    pub(in crate::train) fn gathered_values(
+        &self,
+        k: usize,
+        values: Range<usize>,
+        reduce: &mut dyn Reduce,
+    ) -> Result<Vec<f32>, TrainerError> {
         let shard = self.usable_shard()?;
         let layout = &shard.layout;
-        let own = layout.blocks[layout.rank].clone();
-        let mut all = vec![0f32; self.grads.grads_len()];
-        shard.held[0].1[k].to_device(Device::Cpu).f_copy_data(&mut all[own.clone()], own.len())?;
-        reduce.allgather_blocks(&mut all, &layout.blocks, self.step)?;
+        if values.end > self.grads.grads_len() {
+            return Err(TrainerError::Config(format!(
+                "values {values:?} of an optimizer slot of {}",
+                self.grads.grads_len()
+            )));
+        }
+        // The blocks cut to the range, in its coordinates: they still tile it, in rank order.
+        let inside = |b: &Range<usize>| {
+            let at = |i: usize| i.clamp(values.start, values.end) - values.start;
+            at(b.start)..at(b.end)
+        };
+        let blocks: Vec<Range<usize>> = layout.blocks.iter().map(inside).collect();
+        let (own, mine) = (&layout.blocks[layout.rank], blocks[layout.rank].clone());
+        let mut all = vec![0f32; values.len()];
+        if !mine.is_empty() {
+            // The own block's tensor holds the slot's values `own`.
+            let from = (values.start + mine.start - own.start) as i64;
+            let part = shard.held[0].1[k].narrow(0, from, mine.len() as i64).to_device(Device::Cpu);
+            part.f_copy_data(&mut all[mine.clone()], mine.len())?;
+        }
+        reduce.allgather_blocks(&mut all, &blocks, self.step)?;
         Ok(all)
     }
 }
