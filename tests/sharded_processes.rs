@@ -208,13 +208,7 @@ fn both_holders_of_a_shard_killed_after_the_end_train_nothing_again() {
         shard_state: Some(("optimizer".into(), 1)),
         ..LocalJob::default()
     };
-    let mut c =
-        LocalCluster::up_with(&dir, 5, job, &common::lab_exe(), Path::new(env!("CARGO_BIN_EXE_limpetd")))
-            .unwrap();
-    let finished = "job finished; final checkpoint written";
-    wait_showing_logs("five hosts finish", Duration::from_secs(300), &dir, || {
-        node_logs(&dir).matches(finished).count() >= 5
-    });
+    let mut c = finished_cluster(&dir, 5, job);
     let finals: Vec<PathBuf> =
         ["node-1", "node-4", "node-5"].iter().map(|n| dir.join(n).join("checkpoint.safetensors")).collect();
     let hash = |p: &PathBuf| limpet_snapshot::read_meta(p).unwrap().content_hash;
@@ -261,16 +255,10 @@ fn a_host_joining_after_the_end_writes_the_same_final_checkpoint() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("c");
     let job = LocalJob { steps: 40, shard_state: Some(("optimizer".into(), 1)), ..LocalJob::default() };
-    let mut c =
-        LocalCluster::up_with(&dir, 3, job, &common::lab_exe(), Path::new(env!("CARGO_BIN_EXE_limpetd")))
-            .unwrap();
-    let finished = "job finished; final checkpoint written";
-    wait_showing_logs("three hosts finish", Duration::from_secs(300), &dir, || {
-        node_logs(&dir).matches(finished).count() >= 3
-    });
+    let mut c = finished_cluster(&dir, 3, job);
     let newcomer = c.add().unwrap();
     wait_showing_logs("the newcomer finishes", Duration::from_secs(180), &dir, || {
-        node_logs(&dir).matches(finished).count() >= 4
+        node_logs(&dir).matches(FINISHED).count() >= 4
     });
     let hash = |n: &str| {
         let file = dir.join(n).join("checkpoint.safetensors");
@@ -288,6 +276,19 @@ fn a_host_joining_after_the_end_writes_the_same_final_checkpoint() {
     assert!(all.matches(sent).count() >= 3, "{all}");
     let worlds = common::step_worlds(&dir.join(format!("{newcomer}.steps.jsonl")));
     assert!(worlds.is_empty(), "the newcomer trained: {worlds:?}");
+}
+
+/// What each `limpetd` logs once it has written the job's final checkpoint.
+const FINISHED: &str = "job finished; final checkpoint written";
+
+/// A local cluster of `hosts` in `dir` that has trained `job` to its end on every host.
+fn finished_cluster(dir: &Path, hosts: usize, job: LocalJob) -> LocalCluster {
+    let limpetd = Path::new(env!("CARGO_BIN_EXE_limpetd"));
+    let c = LocalCluster::up_with(dir, hosts, job, &common::lab_exe(), limpetd).unwrap();
+    wait_showing_logs("every host finishes", Duration::from_secs(300), dir, || {
+        node_logs(dir).matches(FINISHED).count() >= hosts
+    });
+    c
 }
 
 /// `limpet status --json` of the local cluster in `dir`.

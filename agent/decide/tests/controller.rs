@@ -222,29 +222,24 @@ fn a_joining_node_is_added_with_a_live_source() {
 
 #[test]
 fn an_epoch_planned_after_the_job_s_end_starts_at_its_end() {
-    let ending = || Some(serde_json::json!({"model": "mlp", "steps": 40}));
-    let mut sim = Sim::new(2);
-    sim.state.job = ending();
-    sim.control();
-    sim.start_scheduled();
-    sim.train(40);
-    // Both ranks are at the end: a joining node's epoch starts there, where they stand, not
-    // `lead_steps` further on, where they would never go.
-    sim.state.apply(&Command::Join { member: spec(7) }).unwrap();
-    sim.progress.insert(7, NodeProgress { applied_step: 0, heartbeat_age_ms: 0 });
-    sim.control();
-    let e = sim.state.scheduled.clone().unwrap();
+    // Two ranks `trained` steps into a 40-step job, then a node joins: the epoch planned.
+    let join_after = |trained: u64| {
+        let mut sim = Sim::new(2);
+        sim.state.job = Some(serde_json::json!({"model": "mlp", "steps": 40}));
+        sim.control();
+        sim.start_scheduled();
+        sim.train(trained);
+        sim.state.apply(&Command::Join { member: spec(7) }).unwrap();
+        sim.progress.insert(7, NodeProgress { applied_step: 0, heartbeat_age_ms: 0 });
+        sim.control();
+        sim.state.scheduled.clone().unwrap()
+    };
+    // Both ranks are at the end: the epoch starts there, where they stand, not `lead_steps`
+    // further on, where they would never go.
+    let e = join_after(40);
     assert_eq!((e.ranks.as_slice(), e.start_step), (&[1, 2, 7][..], 40));
     // Before the end the boundary still leads the ranks.
-    let mut early = Sim::new(2);
-    early.state.job = ending();
-    early.control();
-    early.start_scheduled();
-    early.train(10);
-    early.state.apply(&Command::Join { member: spec(7) }).unwrap();
-    early.progress.insert(7, NodeProgress { applied_step: 0, heartbeat_age_ms: 0 });
-    early.control();
-    assert_eq!(early.state.scheduled.clone().unwrap().start_step, 12);
+    assert_eq!(join_after(10).start_step, 12);
 }
 
 #[test]
