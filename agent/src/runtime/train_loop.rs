@@ -452,7 +452,7 @@ impl TrainLoop {
                 Ok(made) => {
                     gathered = made.image;
                     if let Some(f) = made.final_state {
-                        // Written into place when the job finishes (at the next commit).
+                        // Moved or written into place when the job finishes (the next action).
                         let step = self.trainer.step();
                         match &f {
                             Final::Image(_) => tracing::info!(step, "the whole state gathered for the job's final checkpoint; every rank keeps its blocks"),

@@ -5,13 +5,13 @@
 //! A sharded trainer's whole state is written the same way, each optimizer tensor gathered
 //! from the ranks' blocks when the file reaches it ([`Trainer::write_gathered_file`]).
 
+use super::shard::OptimTensor;
 use super::{host_bytes, Reduce, Trainer};
 use crate::TrainerError;
 use limpet_snapshot::{Dtype, Position, RawTensor, SnapshotError, TensorSource};
 use std::borrow::Cow;
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
-use std::ops::Range;
 use std::path::Path;
 use tch::Tensor;
 
@@ -72,41 +72,30 @@ impl Trainer {
         if self.shard.is_none() {
             return Ok(path.map(|p| self.write_state_file(p)));
         }
-        // Each optimizer tensor's slot and values in the slot's flat buffer (parameter order,
-        // as `unflatten` cuts it), by name; the gathers go in this order, once per read.
-        let mut keys = BTreeMap::new();
-        for (k, slot) in self.optim.spec().slots().iter().enumerate() {
-            let mut at = 0;
-            for (name, p) in self.model.params() {
-                let shape = p.size().iter().map(|&d| d as usize).collect();
-                keys.insert(format!("optim/{slot}/{name}"), (k, at..at + p.numel(), shape));
-                at += p.numel();
-            }
-        }
-        let order: Vec<String> = keys.keys().chain(keys.keys()).cloned().collect();
-        let gather_all = |reduce: &mut dyn Reduce, order: &[String]| {
-            order.iter().try_for_each(|name| {
-                let (k, values, _) = &keys[name];
-                self.gathered_values(*k, values.clone(), reduce).map(drop)
-            })
+        // Every rank gathers each optimizer tensor once for each of the file's two reads, in
+        // the order of their names: the order both reads go in.
+        let tensors = self.optim_tensors();
+        let gather_all = |reduce: &mut dyn Reduce, done: usize| {
+            gathers(&tensors)
+                .skip(done)
+                .try_for_each(|(_, t)| self.gathered_values(t.slot, t.values.clone(), reduce).map(drop))
         };
         let Some(path) = path else {
-            gather_all(reduce, &order)?;
+            gather_all(reduce, 0)?;
             return Ok(None);
         };
         let mut source = match self.params_source() {
             Ok(s) => s,
             Err(e) => {
-                gather_all(reduce, &order)?;
+                gather_all(reduce, 0)?;
                 return Ok(Some(Err(e)));
             }
         };
         source.gathered = Some(Gather {
             trainer: self,
             reduce: RefCell::new(reduce),
-            keys: keys.clone(),
-            order,
-            next: Cell::new(0),
+            tensors: &tensors,
+            done: Cell::new(0),
             failed: RefCell::new(None),
         });
         let written = limpet_snapshot::write_source_atomic(path, self.position(), &source);
@@ -114,9 +103,15 @@ impl Trainer {
         if let Some(e) = gather.failed.into_inner() {
             return Err(e);
         }
-        gather_all(gather.reduce.into_inner(), &gather.order[gather.next.get()..])?;
+        gather_all(gather.reduce.into_inner(), gather.done.get())?;
         Ok(Some(written.map(|meta| meta.content_hash).map_err(TrainerError::from)))
     }
+}
+
+/// The gathers of [`Trainer::write_gathered_file`], in order: each optimizer tensor once for
+/// each of the file's two reads.
+fn gathers(tensors: &BTreeMap<String, OptimTensor>) -> impl Iterator<Item = (&String, &OptimTensor)> {
+    tensors.iter().chain(tensors)
 }
 
 /// The trainer's tensors by their names in an image.
@@ -132,26 +127,24 @@ struct Source<'a> {
 struct Gather<'a> {
     trainer: &'a Trainer,
     reduce: RefCell<&'a mut dyn Reduce>,
-    /// Each optimizer tensor's slot, its values in the slot's flat buffer, and its shape.
-    keys: BTreeMap<String, (usize, Range<usize>, Vec<usize>)>,
-    /// The tensors every rank of the group gathers, in this order, and how many were.
-    order: Vec<String>,
-    next: Cell<usize>,
+    tensors: &'a BTreeMap<String, OptimTensor>,
+    /// How many of the [`gathers`] were taken.
+    done: Cell<usize>,
     /// The gather that failed, after which nothing more is gathered.
     failed: RefCell<Option<TrainerError>>,
 }
 
 impl Gather<'_> {
-    /// Optimizer tensor `name`'s bytes, gathered now: it must be the next of the order (the
-    /// reads' order is the names', so it always is).
+    /// Optimizer tensor `name`'s bytes, gathered now: it must be the next of the
+    /// [`gathers`] (the reads' order is the names', so it always is).
     fn read(&self, name: &str) -> Result<Vec<u8>, SnapshotError> {
-        let next = self.next.get();
-        if self.failed.borrow().is_some() || self.order.get(next).map(String::as_str) != Some(name) {
+        let done = self.done.get();
+        let next = gathers(self.tensors).nth(done).filter(|(n, _)| *n == name);
+        let Some((_, t)) = next.filter(|_| self.failed.borrow().is_none()) else {
             return Err(SnapshotError::Format(format!("tensor '{name}' was read out of the gathers' order")));
-        }
-        self.next.set(next + 1);
-        let (k, values, _) = &self.keys[name];
-        match self.trainer.gathered_values(*k, values.clone(), &mut **self.reduce.borrow_mut()) {
+        };
+        self.done.set(done + 1);
+        match self.trainer.gathered_values(t.slot, t.values.clone(), &mut **self.reduce.borrow_mut()) {
             Ok(all) => Ok(all.iter().flat_map(|v| v.to_le_bytes()).collect()),
             Err(e) => {
                 let why = format!("tensor '{name}': {e}");
@@ -167,7 +160,7 @@ impl TensorSource for Source<'_> {
         let shape = |t: &Tensor| t.size().iter().map(|&d| d as usize).collect();
         let mut all: Vec<_> = self.tensors.iter().map(|(n, t)| (n.clone(), Dtype::F32, shape(t))).collect();
         if let Some(g) = &self.gathered {
-            all.extend(g.keys.iter().map(|(n, (_, _, s))| (n.clone(), Dtype::F32, s.clone())));
+            all.extend(g.tensors.iter().map(|(n, t)| (n.clone(), Dtype::F32, t.shape.clone())));
         }
         if let Some(e) = &self.exponents {
             all.push((crate::train::exact::EXPONENTS.to_string(), e.dtype(), e.shape().to_vec()));
@@ -176,12 +169,12 @@ impl TensorSource for Source<'_> {
     }
 
     fn read(&self, name: &str) -> Result<Cow<'_, [u8]>, SnapshotError> {
-        let gathered = self.gathered.as_ref().and_then(|g| Some((g, g.keys.get(name)?)));
+        let gathered = self.gathered.as_ref().filter(|g| g.tensors.contains_key(name));
         match (self.tensors.get(name), gathered, &self.exponents) {
             (Some(t), _, _) => host_bytes(t)
                 .map(Cow::Owned)
                 .map_err(|e| SnapshotError::Format(format!("tensor '{name}': {e}"))),
-            (None, Some((g, _)), _) => g.read(name).map(Cow::Owned),
+            (None, Some(g), _) => g.read(name).map(Cow::Owned),
             (None, None, Some(e)) if name == crate::train::exact::EXPONENTS => Ok(Cow::Borrowed(e.data())),
             (None, _, _) => Err(SnapshotError::Format(format!("no tensor '{name}'"))),
         }

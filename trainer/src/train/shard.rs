@@ -30,6 +30,7 @@ mod regroup;
 mod whole;
 
 pub use part::CheckpointPart;
+pub(in crate::train) use whole::OptimTensor;
 
 use super::{grads, Reduce, StepStats, Trainer};
 use crate::optim::{clip_to_norm, decays, scratch_for, sum_of_squares, update, Optimizer, OptimizerSpec};

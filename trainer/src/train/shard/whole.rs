@@ -6,8 +6,18 @@ use super::unflatten;
 use crate::train::{Reduce, Trainer};
 use crate::TrainerError;
 use limpet_snapshot::RawTensor;
+use std::collections::BTreeMap;
 use std::ops::Range;
 use tch::Device;
+
+/// Where one optimizer tensor of the whole state is ([`Trainer::optim_tensors`]).
+pub(in crate::train) struct OptimTensor {
+    /// Its optimizer slot.
+    pub slot: usize,
+    /// Its values in the slot's flat buffer.
+    pub values: Range<usize>,
+    pub shape: Vec<usize>,
+}
 
 impl Trainer {
     /// Gathers the whole optimizer state from every rank's block (a collective, under
@@ -43,24 +53,36 @@ impl Trainer {
         if self.shard.is_none() {
             return keep.then(|| self.image()).transpose();
         }
-        let params = self.model.params();
-        let mut slots = std::collections::BTreeMap::new();
-        for (k, slot) in self.optim.spec().slots().iter().enumerate() {
+        let tensors = self.optim_tensors();
+        let mut slots = BTreeMap::new();
+        for k in 0..self.optim.spec().slots().len() {
             let all = self.gathered_slot(k, reduce)?;
             if !keep {
                 continue;
             }
-            // Cut as `unflatten` cuts it for the optimizer: parameter order, each its shape.
-            let mut at = 0;
-            for (name, p) in params {
-                let len = p.numel();
-                let key = format!("optim/{slot}/{name}");
-                let shape = p.size().iter().map(|&d| d as usize).collect();
-                slots.insert(key.clone(), RawTensor::from_f32(&key, shape, &all[at..at + len])?);
-                at += len;
+            for (key, t) in tensors.iter().filter(|(_, t)| t.slot == k) {
+                let values = &all[t.values.clone()];
+                slots.insert(key.clone(), RawTensor::from_f32(key, t.shape.clone(), values)?);
             }
         }
         keep.then(|| self.image_with(slots)).transpose()
+    }
+
+    /// Each optimizer tensor of the whole state by its name in an image
+    /// (`optim/{slot}/{param}`): its slot and its values in the slot's flat buffer, cut as
+    /// `unflatten` cuts it for the optimizer (parameter order, each its shape).
+    pub(in crate::train) fn optim_tensors(&self) -> BTreeMap<String, OptimTensor> {
+        let mut tensors = BTreeMap::new();
+        for (slot, name) in self.optim.spec().slots().iter().enumerate() {
+            let mut at = 0;
+            for (param, p) in self.model.params() {
+                let shape = p.size().iter().map(|&d| d as usize).collect();
+                let values = at..at + p.numel();
+                tensors.insert(format!("optim/{name}/{param}"), OptimTensor { slot, values, shape });
+                at += p.numel();
+            }
+        }
+        tensors
     }
 
     /// Optimizer slot `k` of the whole state, gathered from every rank's block into host
