@@ -35,7 +35,7 @@ help:
 	@echo "make fuzz    run each fuzz target for FUZZ_SECONDS (default 60)"
 	@echo "make dist    build the release tarballs deploy/cloud-init.yaml installs (dist/limpet-VERSION-linux-ARCH-{cuda,cpu}.tar.gz)"
 	@echo "make gpu-test  run the CUDA tests where libtorch sees a GPU (says so and skips them where not)"
-	@echo "make bench   measure: raft commits, allreduce against gloo, hosts of 2 local ranks against 4 of one, state handoff against plain TCP, transitions against torchrun, planner predictions and pipelines, LLaMA training against transformers (small and 125m) and torchrun + DDP, memory on a 4 GiB dataset, activation checkpointing and a chunked loss at vocabulary 128k"
+	@echo "make bench   measure: raft commits, allreduce against gloo, hosts of 2 local ranks against 4 of one, state handoff against plain TCP, transitions against torchrun, planner predictions and pipelines, LLaMA training against transformers (small and 125m) and torchrun + DDP, sharded state's memory per rank against whole state (125m and 350m), memory on a 4 GiB dataset, activation checkpointing and a chunked loss at vocabulary 128k"
 
 setup: $(ENV_MK)
 
@@ -105,7 +105,8 @@ bench: build
 	$(LAB) bench dp --preset small --world 4 --batch 16 --context 128 --shard-replicas 1
 	$(LAB) bench dp --preset small --world 4 --batch 16 --context 128 --devices 2
 	$(LAB) bench dp --preset 125m --world 4 --batch 8 --context 64 --steps 3 --warmup 1
-	$(LAB) bench dp --preset 125m --world 4 --batch 8 --context 64 --steps 3 --warmup 1 --shard-replicas 1 --gradients-both
+	$(LAB) bench dp --preset 125m --world 4 --batch 8 --context 64 --steps 3 --warmup 1 --shard-replicas 1 --gradients-both --whole-world 4
+	$(LAB) bench dp --preset 350m --world 4 --batch 8 --context 64 --steps 2 --warmup 1 --shard-replicas 1 --whole-world 2 --no-peer
 	$(LAB) bench dp --preset 125m --world 4 --batch 8 --context 64 --steps 5 --warmup 1 --shard-replicas 1 --checkpoint-every 2 --shards-both
 	$(LAB) bench memory --preset 125m --dataset-gib 4 --batch 2 --context 128 --steps 5
 

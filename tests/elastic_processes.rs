@@ -54,6 +54,15 @@ fn an_elastic_run_with_a_notice_a_join_and_a_kill_matches_one_uninterrupted_proc
     // status says what the step logs imply.
     let kill = transition(&summary, "failure of node 3");
     let dir = tmp.path().join("elastic");
+    // A rank's live state is made an image and offered only where a plan copies it: at the
+    // join, never at the first epoch or the notice's, where every rank holds one state.
+    let offered: Vec<u64> = common::node_logs(&dir)
+        .lines()
+        .filter_map(|l| l.split("live state offered to the ranks that copy it epoch=").nth(1))
+        .map(|v| v.split(' ').next().unwrap().parse().unwrap())
+        .collect();
+    assert!(offered.contains(&join["epoch"].as_u64().unwrap()), "offered at epochs {offered:?}: {join}");
+    assert!(!offered.contains(&1) && !offered.contains(&notice["epoch"].as_u64().unwrap()), "{offered:?}");
     let by_logs = lost_by_step_logs(&dir, kill["epoch"].as_u64().unwrap(), kill["step"].as_u64().unwrap());
     assert_eq!(kill["lost_steps"].as_u64(), Some(by_logs), "{kill}");
 

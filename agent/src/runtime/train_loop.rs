@@ -570,11 +570,14 @@ impl TrainLoop {
         }
         if stats.step + 1 == self.trainer.job().steps {
             // Memory in the steady state (before a sharded job gathers its state for the
-            // end), for `bench dp` and operators.
+            // end), for `bench dp` and operators; the optimizer state is the first rank's.
+            let (optim_state_bytes, whole_optim_state_bytes) = self.trainer.optim_state_bytes();
             tracing::info!(
                 step = stats.step,
                 rss_bytes = limpet_trainer::rss_bytes(),
                 training_peak_rss_bytes = limpet_trainer::peak_rss_bytes(),
+                optim_state_bytes,
+                whole_optim_state_bytes,
                 "resident memory at the last step"
             );
         }

@@ -106,7 +106,7 @@ pub enum BenchCommand {
     Train(crate::train_bench::BenchTrainArgs),
     /// Samples per second of limpet agents training a LLaMA, next to torchrun + DDP (gloo)
     /// with as many ranks on the same model and global batch, in the same run.
-    Dp(crate::train_bench::BenchDpArgs),
+    Dp(crate::dp_bench::BenchDpArgs),
     /// Peak RSS of training on a large token dataset against the model's own footprint.
     Memory(crate::train_bench::BenchMemoryArgs),
     /// Peak RSS and speed of a LLaMA step with and without activation checkpointing and a
@@ -135,7 +135,7 @@ pub fn run(cli: Cli) -> limpet_daemon::Result<()> {
         Command::Bench(BenchCommand::Elastic(args)) => crate::elastic_bench::bench(args),
         Command::Bench(BenchCommand::Pipeline(args)) => crate::pipe_bench::bench(*args),
         Command::Bench(BenchCommand::Train(args)) => crate::train_bench::bench(args),
-        Command::Bench(BenchCommand::Dp(args)) => crate::train_bench::bench_dp(args),
+        Command::Bench(BenchCommand::Dp(args)) => crate::dp_bench::bench_dp(args),
         Command::Bench(BenchCommand::Memory(args)) => crate::train_bench::bench_memory(args),
         Command::Bench(BenchCommand::Activations(args)) => crate::act_bench::run(args),
         Command::Bench(BenchCommand::Straggler(args)) => crate::straggler_bench::run(args),

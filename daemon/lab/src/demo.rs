@@ -13,7 +13,6 @@ use limpet_consensus::state::Command;
 use limpet_daemon::plot::elastic_svg;
 use limpet_daemon::status::{gather, StatusDoc, TransitionDoc};
 use serde::Serialize;
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -535,8 +534,8 @@ impl Player<'_> {
     }
 }
 
-/// Evaluates the final checkpoints, merges the step logs into one loss curve (plotted to
-/// `demo.svg`), stops the cluster and writes `summary.json`.
+/// Stops the cluster, evaluates the final checkpoints, merges the step logs into one loss
+/// curve (plotted to `demo.svg`) and writes `summary.json`.
 fn summarize(
     dir: &Path,
     mut cluster: LocalCluster,
@@ -548,6 +547,9 @@ fn summarize(
     let checkpoints: Vec<PathBuf> =
         ranks.iter().map(|r| dir.join(r).join(limpet_trainer::CHECKPOINT_FILE)).collect();
     let checkpoint = checkpoints.first().cloned().context("the final epoch has no ranks")?;
+    // The agents are done (each wrote its final checkpoint): their memory is given back
+    // before the evaluation takes a model's worth.
+    cluster.down();
     let (test_loss, test_accuracy) = evaluate(&checkpoints, cluster.job.data_path.as_deref())?;
     let lines = read_step_logs(&cluster.file.nodes.iter().map(|n| n.step_log.clone()).collect::<Vec<_>>())?;
     let redone: Vec<(u64, u64)> =
@@ -561,7 +563,6 @@ fn summarize(
     let marks: Vec<(u64, String)> =
         doc.transitions.iter().skip(1).map(|t| (t.step, short_cause(&t.cause))).collect();
     elastic_svg(&dir.join("demo.svg"), &points, &marks, "limpet: loss and world size through revocations")?;
-    cluster.down();
     let summary = Summary {
         steps: player.steps,
         wall_s,
@@ -647,23 +648,30 @@ fn short_cause(cause: &str) -> String {
 /// pipeline each holds its stage's blocks, and the stages of the first replica together
 /// hold the model. `data_path` is the job's data (`None`: the dataset's own place).
 pub fn evaluate(paths: &[PathBuf], data_path: Option<&Path>) -> limpet_daemon::Result<(f64, f64)> {
-    let mut tensors = BTreeMap::new();
-    let mut first: Option<limpet_snapshot::StateImage> = None;
+    // One whole file is evaluated as read; stages' files are merged (a copy) only when the
+    // first does not hold the whole model: at 350m a copy is 3.6 GB.
+    let mut merged: Option<limpet_snapshot::StateImage> = None;
     for path in paths {
         let image =
             limpet_snapshot::read_file(path).with_context(|| format!("reading {}", path.display()))?;
-        for (name, t) in image.tensors() {
-            tensors.entry(name.clone()).or_insert_with(|| t.clone());
-        }
-        let base = first.get_or_insert(image);
-        let m = base.meta();
-        let whole = limpet_snapshot::StateImage::new(m.step, m.cursor, m.rng, m.job.clone(), tensors.clone());
-        let job: limpet_trainer::JobSpec = serde_json::from_value(m.job.clone())?;
+        let whole = match merged.take() {
+            None => image,
+            Some(base) => {
+                let mut tensors = base.tensors().clone();
+                for (name, t) in image.tensors() {
+                    tensors.entry(name.clone()).or_insert_with(|| t.clone());
+                }
+                let m = base.meta();
+                limpet_snapshot::StateImage::new(m.step, m.cursor, m.rng, m.job.clone(), tensors)
+            }
+        };
+        let job: limpet_trainer::JobSpec = serde_json::from_value(whole.meta().job.clone())?;
         let data = limpet_trainer::data::Dataset::load(&job.data, data_path)?;
         if let Ok(t) = limpet_trainer::Trainer::from_image(&whole, data, None) {
             let e = t.evaluate()?;
             return Ok((e.loss, e.accuracy));
         }
+        merged = Some(whole);
     }
     limpet_daemon::fail!("the final checkpoints {paths:?} do not hold the whole model")
 }

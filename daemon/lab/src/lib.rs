@@ -15,6 +15,7 @@ pub mod chaos_pick;
 pub mod chaos_runs;
 pub mod cli;
 pub mod demo;
+pub mod dp_bench;
 pub mod dp_cmd;
 pub mod elastic_bench;
 pub mod fake_metadata;

@@ -275,7 +275,14 @@ impl ShardState {
     /// Updates every held block of `params` from the averaged, clipped gradient `grad`.
     fn apply(&mut self, spec: &OptimizerSpec, params: &[(String, Tensor)], grad: &Tensor, lr: f64, t: u64) {
         let device = params.first().map_or(Device::Cpu, |(_, p)| p.device());
-        let largest = self.held.iter().map(|(b, _)| self.layout.blocks[*b].len()).max().unwrap_or(0);
+        // The work space of the largest piece (a parameter's part in a block), as whole
+        // state's is of the largest parameter: one of a whole block was 300 MB at 350m,
+        // world 4, on every rank.
+        let largest = (self.held.iter())
+            .flat_map(|(b, _)| pieces(params, self.layout.blocks[*b].clone()))
+            .map(|p| p.range.len())
+            .max()
+            .unwrap_or(0);
         let scratch = scratch_for(&mut self.scratch, largest, device);
         tch::no_grad(|| {
             for (b, slots) in &self.held {
@@ -393,6 +400,31 @@ impl Trainer {
     /// The layout of a sharded trainer's state.
     pub fn shard_layout(&self) -> Option<&ShardLayout> {
         self.shard.as_ref().map(|s| &s.layout)
+    }
+
+    /// The bytes of optimizer state this rank holds, and those of the whole state (every
+    /// slot of every parameter, in f32): what sharding saves, counted rather than inferred
+    /// from resident memory (`bench dp`, the last step's log line).
+    pub fn optim_state_bytes(&self) -> (u64, u64) {
+        let whole = (self.optim.spec().slots().len() * self.grads.grads_len() * 4) as u64;
+        let held = match &self.shard {
+            Some(s) => s
+                .held
+                .iter()
+                .flat_map(|(_, slots)| slots)
+                .map(|t| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
+                .sum(),
+            None => whole,
+        };
+        (held, whole)
+    }
+
+    /// The bytes of the whole state's tensors (the parameters and every optimizer slot):
+    /// what an image of it holds, its header aside.
+    pub fn state_bytes(&self) -> u64 {
+        let params: u64 =
+            self.model.params().iter().map(|(_, p)| (p.numel() * p.kind().elt_size_in_bytes()) as u64).sum();
+        params + self.optim_state_bytes().1
     }
 
     /// The optimizer state this rank holds of block `block` (one vector per slot), if it

@@ -107,6 +107,24 @@ fn the_state_file_from_the_tensors_is_the_image_s_file() {
     assert!(e.to_string().contains("sharded"), "{e}");
 }
 
+/// The optimizer state a rank counts as held: all of AdamW's two slots unsharded; sharded,
+/// its own block's and its replica's (at world 4 with one replica, about half), counted from
+/// the layout, not from the trainer's tensors.
+#[test]
+fn a_sharded_rank_counts_the_optimizer_state_of_its_blocks() {
+    let mut j = job(ModelKind::Mlp, &synthetic(), 8, 8);
+    j.optimizer = OptimizerSpec::adamw(1e-2, 0.01);
+    let mut t = Trainer::try_new(j, synthetic()).unwrap();
+    let n: usize = t.model().params().iter().map(|(_, p)| p.numel()).sum();
+    let whole = (2 * 4 * n) as u64;
+    assert_eq!(t.optim_state_bytes(), (whole, whole));
+    let layout = super::shard::ShardLayout::new(n, 4, 1, 1).unwrap();
+    let values: usize = [0, 1].iter().map(|&b| layout.blocks()[b].len()).sum();
+    t.shard_state(layout).unwrap();
+    assert_eq!(t.optim_state_bytes(), ((2 * 4 * values) as u64, whole));
+    assert!(values.abs_diff(n / 2) <= 32, "{values} of {n} values held");
+}
+
 /// Stopping, saving, loading and going on gives the same bits as never stopping, for each
 /// model family and optimizer, with micro-batching and (for the transformer) dropout.
 #[test]

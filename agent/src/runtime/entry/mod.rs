@@ -209,6 +209,7 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     let stages = n.layout.stage_blocks(nb).map_err(|e| AgentError::Entry(e.to_string()))?;
     let target = stages[me % stages.len()].clone();
     let plan = entry_plan(&ranks, me, target.clone(), nb)?;
+    let mine = offer_live(&mut x, &mut group, n, (&ranks, &stages, nb), &plan, mine)?;
     let redone = x.trainer.step().saturating_sub(plan.step);
     let (mut fetched_bytes, mut fetch_ms) = (0, 0);
     let repaired = plan.action == Entry::Repair;
@@ -326,11 +327,13 @@ fn check_copied(
     Ok(())
 }
 
-/// What this rank publishes at an entry: its live state (offered to peers under its content
-/// hash) and the kept snapshots and shadows, as they are now.
+/// What this rank publishes at an entry: the descriptors of its live state and of the kept
+/// snapshots and shadows, as they are now. The live state is made an image, and offered to
+/// peers under its content hash, only where a plan copies it (`offer_live`).
 struct Published {
-    image: StateImage,
-    /// Its encoded size: what bounds the states this rank will take from peers.
+    /// The live state's image, once a plan copies from it.
+    image: Option<StateImage>,
+    /// Its tensors' bytes: what bounds the states this rank will take from peers.
     bytes: u64,
     /// The label its live state is offered under, withdrawn once the entry is done.
     live_label: [u8; 32],
@@ -340,12 +343,12 @@ struct Published {
 }
 
 fn publish(x: &mut Entering<'_>) -> Result<Published, AgentError> {
-    let image = x.trainer.image()?;
-    let hash = image.content_hash().to_string();
-    let encoded = image.encode()?;
-    let bytes = encoded.len() as u64;
+    // The hash read a tensor at a time: most entries copy nothing (every rank at the same
+    // step with the same state), and an image and its encoding would be two copies of the
+    // state for nothing.
+    let hash = x.trainer.content_hash()?;
+    let bytes = x.trainer.state_bytes();
     let live_label = label_of(&hash);
-    x.server.offer(Offer::new(encoded, 1 << 20, live_label));
     let held = x.trainer.model().blocks();
     let snapshots = x.shadows.snapshots.clone();
     let shadows = x.shadows.shadows_now();
@@ -355,7 +358,50 @@ fn publish(x: &mut Entering<'_>) -> Result<Published, AgentError> {
         snaps: [slot(&snapshots, 0), slot(&snapshots, 1)],
         shadows: [slot(&shadows, 0), slot(&shadows, 1)],
     };
-    Ok(Published { image, bytes, live_label, snapshots, shadows, state })
+    Ok(Published { image: None, bytes, live_label, snapshots, shadows, state })
+}
+
+/// Makes this rank's live state an image where a plan copies from it (a peer's, so it is
+/// also encoded and offered, or its own), and holds every rank at a barrier until the
+/// offers are up where any rank fetches a peer's live state. Every rank computes every
+/// rank's plan (it is pure, from the states all ranks exchanged), so they agree on both.
+fn offer_live(
+    x: &mut Entering<'_>,
+    group: &mut Group,
+    n: &Epoch,
+    (ranks, stages, nb): (&[RankState], &[std::ops::Range<usize>], usize),
+    own: &plan::EntryPlan,
+    mut mine: Published,
+) -> Result<Published, AgentError> {
+    let me = group.rank();
+    // Per rank, the ranks whose live state its plan copies (a plan that fails names none:
+    // that rank's entry fails on its own).
+    let copied: Vec<Vec<usize>> = (0..ranks.len())
+        .map(|j| match entry_plan(ranks, j, stages[j % stages.len()].clone(), nb) {
+            Ok(p) if p.action != Entry::Keep => {
+                p.sources.iter().filter(|(_, kind, _)| *kind == Src::Live).map(|(src, _, _)| *src).collect()
+            }
+            _ => Vec::new(),
+        })
+        .collect();
+    let offered = copied.iter().enumerate().any(|(j, srcs)| j != me && srcs.contains(&me));
+    let own_use =
+        own.action != Entry::Keep && own.sources.iter().any(|(s, k, _)| *s == me && *k == Src::Live);
+    if offered || own_use {
+        let image = x.trainer.image()?;
+        if label_of(image.content_hash()) != mine.live_label {
+            return Err(AgentError::Entry("the live state changed after its hash was published".into()));
+        }
+        if offered {
+            x.server.offer(Offer::new(image.encode()?, 1 << 20, mine.live_label));
+            tracing::info!(epoch = n.id, bytes = mine.bytes, "live state offered to the ranks that copy it");
+        }
+        mine.image = Some(image);
+    }
+    if copied.iter().enumerate().any(|(j, srcs)| srcs.iter().any(|&s| s != j)) {
+        group.barrier(ENTRY_STEP)?;
+    }
+    Ok(mine)
 }
 
 /// The state the plan names, assembled block by block from this rank's own states and the
@@ -382,7 +428,9 @@ fn assemble(
                 Src::Shadow(i) => mine.shadows.get(*i),
             };
             match keep {
-                None => &mine.image,
+                None => mine.image.as_ref().ok_or_else(|| {
+                    AgentError::Entry("the plan copies this rank's live state, which it did not keep".into())
+                })?,
                 Some(k) => {
                     fetched = StateImage::decode(&k.bytes)?;
                     if fetched.content_hash() != hex {
