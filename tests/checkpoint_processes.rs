@@ -210,6 +210,9 @@ fn resume_after_losing_every_host(
     first.kill("node-1").unwrap();
     first.kill("node-2").unwrap();
     first.down();
+    // The ranks compare where they copy to S3 at each checkpoint: one bucket and prefix here.
+    let said = common::node_logs(&first_dir);
+    assert!(!said.contains("[checkpoint].s3 differ"), "{said}");
     let listed: Vec<limpet_agent::checkpoint::Listed> = match &remote {
         None => limpet_agent::checkpoint::list(&shared).unwrap(),
         Some((r, client)) => {

@@ -45,6 +45,11 @@ pub const METRICS: &[(&str, &str)] = &[
     ("limpet_checkpoints_total", "Checkpoint parts this node wrote."),
     ("limpet_checkpoint_failures_total", "Checkpoint parts this node failed to write."),
     ("limpet_checkpoint_step", "Step of the last checkpoint part this node wrote."),
+    (
+        "limpet_config_disagreements_total",
+        "Checkpoints at which the hosts' configuration differed where it must not, by key (checkpoint.s3).",
+    ),
+    ("limpet_shard_losses_total", "Blocks of sharded optimizer state lost with every holder: back to a checkpoint."),
     ("limpet_checkpoint_seconds", "Time to encode and write one checkpoint part."),
     ("limpet_raft_term", "Raft term this node is in."),
     ("limpet_raft_commit_index", "Newest log index this node knows to be committed."),

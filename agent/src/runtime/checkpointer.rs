@@ -104,6 +104,17 @@ impl Checkpointer {
         self.settings.as_ref().is_some_and(|c| c.shared)
     }
 
+    /// Where this rank's checkpoints are copied in S3 (`[checkpoint].s3`'s bucket and
+    /// prefix) as a number from 1 to 2^24 (what the ring's integer maximum carries exactly),
+    /// or 0 without a copy: what the ranks of a sharded job compare, since a set of shards in
+    /// S3 is whole only if every host copies its own to the same place.
+    pub fn s3_digest(&self) -> i32 {
+        let Some(r) = self.settings.as_ref().and_then(|c| c.remote.as_ref()) else { return 0 };
+        let h = blake3::hash(format!("{}/{}", r.bucket, r.prefix).as_bytes());
+        let v = u32::from_le_bytes(h.as_bytes()[..4].try_into().expect("four bytes"));
+        (v % (1 << 24)) as i32 + 1
+    }
+
     /// Whether a checkpoint is being written in the background (a sharded job's ranks skip a
     /// checkpoint together when any of theirs is).
     pub fn is_busy(&self) -> bool {
@@ -617,6 +628,34 @@ mod tests {
             min_free: 0,
             shared: false,
         }
+    }
+
+    /// Hosts copying to one bucket and prefix give one digest; another prefix, another
+    /// bucket or no copy give others (0 for none), and every digest is one the ranks can
+    /// compare through a maximum of it and of its negation.
+    #[test]
+    fn the_s3_digest_names_the_bucket_and_prefix() {
+        let with = |bucket: &str, prefix: &str, endpoint: Option<&str>| {
+            let remote = crate::remote::RemoteSettings {
+                bucket: bucket.into(),
+                prefix: prefix.into(),
+                endpoint: endpoint.map(Into::into),
+                region: None,
+            };
+            Checkpointer::new(Some(CheckpointSettings { remote: Some(remote), ..settings(10, None) }))
+                .s3_digest()
+        };
+        let a = with("ckpt", "runs/a", None);
+        assert_eq!(
+            a,
+            with("ckpt", "runs/a", Some("http://127.0.0.1:9000")),
+            "an endpoint is a host's way there"
+        );
+        let others = [with("ckpt", "runs/b", None), with("ckpt2", "runs/a", None), with("ckpt", "", None)];
+        assert!(others.iter().all(|&o| o != a), "{a} {others:?}");
+        assert_eq!(Checkpointer::new(Some(settings(10, None))).s3_digest(), 0);
+        assert_eq!(Checkpointer::new(None).s3_digest(), 0);
+        assert!([a].iter().chain(&others).all(|d| (1..=1 << 24).contains(d)));
     }
 
     #[test]

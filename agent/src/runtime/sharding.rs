@@ -259,8 +259,18 @@ pub(super) fn after_step(
     if !checkpointer.due_by_steps(step) {
         return Ok(image_only(None));
     }
-    let mut agreed = [i32::from(checkpointer.is_busy()), i32::from(!checkpointer.writes_shards())];
-    group.allreduce_max_i32(&mut agreed, step).map_err(|e| e.into_trainer())?;
+    let mut votes = votes(checkpointer);
+    group.allreduce_max_i32(&mut votes, step).map_err(|e| e.into_trainer())?;
+    let (agreed, same_s3) = decide(votes);
+    if !same_s3 {
+        // A host copying elsewhere, or not at all, leaves every set in the bucket without its
+        // shards: a new cluster could never resume from it. The log says so at each one.
+        tracing::error!(
+            step,
+            "the hosts' [checkpoint].s3 differ (another bucket or prefix, or none): no checkpoint in S3 will be whole; give every host of the job the same s3"
+        );
+        metrics::counter!("limpet_config_disagreements_total", "key" => "checkpoint.s3").increment(1);
+    }
     match agreed {
         [1, _] => {
             tracing::warn!(
@@ -280,6 +290,21 @@ pub(super) fn after_step(
             Ok(image_only(None))
         }
     }
+}
+
+/// This rank's votes on a checkpoint due by the step count, each to be taken as its maximum
+/// over the group: whether its previous checkpoint is still being written, whether its
+/// directory is not shared, and where it copies to S3 (the digest and its negation, whose
+/// maxima are the group's largest and smallest).
+fn votes(checkpointer: &checkpointer::Checkpointer) -> [i32; 4] {
+    let s3 = checkpointer.s3_digest();
+    [i32::from(checkpointer.is_busy()), i32::from(!checkpointer.writes_shards()), s3, -s3]
+}
+
+/// What the group's maxima of [`votes`] decide: the first two (skip, gather whole), and
+/// whether every rank copies to the same place in S3.
+fn decide(maxima: [i32; 4]) -> ([i32; 2], bool) {
+    ([maxima[0], maxima[1]], maxima[2] == -maxima[3])
 }
 
 /// The final checkpoint of node `me` of `n`, written by the host's first rank into `dir`
@@ -503,6 +528,29 @@ pub(super) fn shard_after_entry(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The group's maxima of the ranks' votes: one S3 place everywhere, or none anywhere, is
+    /// agreement; a host without a copy, or with another, is not.
+    #[test]
+    fn ranks_copying_to_different_s3_places_are_found_out() {
+        let group = |ranks: &[[i32; 4]]| {
+            let mut most = [i32::MIN; 4];
+            for r in ranks {
+                for (m, v) in most.iter_mut().zip(r) {
+                    *m = (*m).max(*v);
+                }
+            }
+            decide(most)
+        };
+        let at = |busy: i32, s3: i32| [busy, 0, s3, -s3];
+        assert_eq!(group(&[at(0, 7), at(0, 7), at(0, 7)]), ([0, 0], true));
+        assert_eq!(group(&[at(0, 0), at(1, 0)]), ([1, 0], true));
+        assert!(!group(&[at(0, 7), at(0, 0), at(0, 7)]).1);
+        assert!(!group(&[at(0, 7), at(0, 9)]).1);
+        assert!(!group(&[at(0, 1 << 24), at(0, 1)]).1);
+        // What a checkpointer votes: no S3 copy without settings.
+        assert_eq!(votes(&checkpointer::Checkpointer::new(None)), [0, 1, 0, 0]);
+    }
 
     /// Past the job's end a rank reloads the final checkpoint this process wrote (the log
     /// never records it), and nothing else: not before the end, not another step's file, not

@@ -393,10 +393,13 @@ fn offer_live(
             return Err(AgentError::Entry("the live state changed after its hash was published".into()));
         }
         if offered {
-            x.server.offer(Offer::new(image.encode()?, 1 << 20, mine.live_label));
-            tracing::info!(epoch = n.id, bytes = mine.bytes, "live state offered to the ranks that copy it");
+            let encoded = image.encode()?;
+            let bytes = encoded.len();
+            x.server.offer(Offer::new(encoded, 1 << 20, mine.live_label));
+            tracing::info!(epoch = n.id, bytes, "live state offered to the ranks that copy it");
         }
-        mine.image = Some(image);
+        // A rank that only serves keeps the encoding alone while its peers fetch.
+        mine.image = own_use.then_some(image);
     }
     if copied.iter().enumerate().any(|(j, srcs)| srcs.iter().any(|&s| s != j)) {
         group.barrier(ENTRY_STEP)?;
