@@ -232,7 +232,8 @@ pub(super) struct AfterStep {
 /// every host's directory is shared; otherwise the first host's first rank gathers the
 /// whole state for it (returned). The ranks agree first: parts only if every host's
 /// directory is shared, and none if a rank's previous checkpoint is still being written (a
-/// set missing one part is no checkpoint). Every rank keeps its blocks throughout.
+/// set missing one part is no checkpoint); the same vote finds hosts that copy to different
+/// places in S3 (logged as an error). Every rank keeps its blocks throughout.
 pub(super) fn after_step(
     (trainer, followers): (&mut Trainer, &mut [Trainer]),
     group: &mut Group,
@@ -263,11 +264,13 @@ pub(super) fn after_step(
     group.allreduce_max_i32(&mut votes, step).map_err(|e| e.into_trainer())?;
     let (agreed, same_s3) = decide(votes);
     if !same_s3 {
-        // A host copying elsewhere, or not at all, leaves every set in the bucket without its
-        // shards: a new cluster could never resume from it. The log says so at each one.
+        // Written as shards, a host copying elsewhere, or not at all, leaves every set in
+        // the bucket without its shards: a new cluster could never resume from it. Gathered
+        // whole, the copy is whichever host's first rank writes it. The log says so at each
+        // checkpoint.
         tracing::error!(
             step,
-            "the hosts' [checkpoint].s3 differ (another bucket or prefix, or none): no checkpoint in S3 will be whole; give every host of the job the same s3"
+            "the hosts' [checkpoint].s3 differ (another bucket or prefix, or none): no set of shards in S3 will be whole; give every host of the job the same s3"
         );
         metrics::counter!("limpet_config_disagreements_total", "key" => "checkpoint.s3").increment(1);
     }

@@ -331,7 +331,7 @@ fn check_copied(
 /// snapshots and shadows, as they are now. The live state is made an image, and offered to
 /// peers under its content hash, only where a plan copies it (`offer_live`).
 struct Published {
-    /// The live state's image, once a plan copies from it.
+    /// The live state's image, where this rank's own plan copies from it.
     image: Option<StateImage>,
     /// Its tensors' bytes: what bounds the states this rank will take from peers.
     bytes: u64,
