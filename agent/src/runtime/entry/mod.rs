@@ -209,7 +209,7 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     let stages = n.layout.stage_blocks(nb).map_err(|e| AgentError::Entry(e.to_string()))?;
     let target = stages[me % stages.len()].clone();
     let plan = entry_plan(&ranks, me, target.clone(), nb)?;
-    let mine = offer_live(&mut x, &mut group, n, (&ranks, &stages, nb), &plan, mine)?;
+    let mine = offer_live(&mut x, &mut group, n, (&ranks, &stages, nb), mine)?;
     let redone = x.trainer.step().saturating_sub(plan.step);
     let (mut fetched_bytes, mut fetch_ms) = (0, 0);
     let repaired = plan.action == Entry::Repair;
@@ -370,7 +370,6 @@ fn offer_live(
     group: &mut Group,
     n: &Epoch,
     (ranks, stages, nb): (&[RankState], &[std::ops::Range<usize>], usize),
-    own: &plan::EntryPlan,
     mut mine: Published,
 ) -> Result<Published, AgentError> {
     let me = group.rank();
@@ -385,8 +384,7 @@ fn offer_live(
         })
         .collect();
     let offered = copied.iter().enumerate().any(|(j, srcs)| j != me && srcs.contains(&me));
-    let own_use =
-        own.action != Entry::Keep && own.sources.iter().any(|(s, k, _)| *s == me && *k == Src::Live);
+    let own_use = copied[me].contains(&me);
     if offered || own_use {
         let image = x.trainer.image()?;
         if label_of(image.content_hash()) != mine.live_label {
