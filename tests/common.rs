@@ -51,6 +51,9 @@ pub fn scenario_json(dir: &Path, args: &[&str], steps: u64, script: &str) -> Val
     let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(summary["steps_applied_twice"], 0, "{summary:#}");
     assert_eq!(summary["steps_logged"], steps, "{summary:#}");
+    // Every transition from the first epoch on, however many there were (status shows the
+    // newest only; the driver keeps what it saw).
+    assert_eq!(summary["transitions"][0]["cause"], "first epoch", "{summary:#}");
     summary
 }
 

@@ -14,6 +14,7 @@
 use crate::demo::now_ms;
 use crate::local::{post_notice, LocalCluster, LocalJob};
 use crate::steplog::{merge, read_step_logs};
+use crate::transitions::Watcher;
 use anyhow::Context;
 use clap::Args;
 use limpet_agent::runtime::StepLine;
@@ -417,6 +418,12 @@ pub(crate) fn replay(
             .progress_chars("=> "),
     );
     let (mut fired, mut killed, mut started_at) = (Vec::new(), Vec::new(), BTreeMap::new());
+    // Status shows the newest transitions only: a replay's are read as it goes.
+    let watcher = Watcher::start(
+        cluster.file.cluster.clone(),
+        cluster.file.control_addrs(),
+        cluster.file.operator_tls.clone(),
+    )?;
     let mut next = 0;
     while start.elapsed().as_secs_f64() < window {
         let now = start.elapsed().as_secs_f64();
@@ -440,6 +447,7 @@ pub(crate) fn replay(
                 }
                 Act::Join(h) => {
                     let name = cluster.add()?;
+                    watcher.set_addrs(cluster.file.control_addrs());
                     started_at.insert(cluster.file.node(&name)?.id, now_ms());
                     names.insert(h.clone(), name.clone());
                     format!("{h} joins as {name}")
@@ -452,12 +460,12 @@ pub(crate) fn replay(
         std::thread::sleep(Duration::from_millis(20));
     }
     let end_ms = t0 + (window * 1e3) as u64;
+    let transitions = watcher.finish();
     let tls = match &cluster.file.operator_tls {
         Some(files) => Some(limpet_consensus::tls::Tls::load(files)?),
         None => None,
     };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let doc = rt.block_on(gather(&cluster.file.cluster, &cluster.file.control_addrs(), tls.as_ref())).ok();
     let reproducible = match a.reproducible {
         true => Some(same_bits(a, &cluster, &bar, &rt, tls.as_ref())?),
         false => None,
@@ -466,7 +474,6 @@ pub(crate) fn replay(
     let lines: Vec<StepLine> =
         read_step_logs(&logs(&cluster))?.into_iter().filter(|l| l.wall_ms <= end_ms).collect();
     cluster.down();
-    let transitions = doc.map(|d| d.transitions).unwrap_or_default();
     let redone: Vec<(u64, u64)> = transitions
         .iter()
         .filter(|t| t.redone_steps > 0)

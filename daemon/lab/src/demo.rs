@@ -13,6 +13,7 @@ use limpet_consensus::state::Command;
 use limpet_daemon::plot::elastic_svg;
 use limpet_daemon::status::{gather, StatusDoc, TransitionDoc};
 use serde::Serialize;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -392,6 +393,8 @@ pub fn run_scenario(
     let mut player = Player { script, steps, next: 0, settling: None, fired: Vec::new(), killed: Vec::new() };
     let deadline = Instant::now() + timeout;
     let mut last: Option<StatusDoc> = None;
+    // Every transition seen (`transitions`): status shows the newest only.
+    let mut seen: BTreeMap<u64, TransitionDoc> = BTreeMap::new();
     loop {
         if Instant::now() > deadline {
             bar.abandon();
@@ -415,6 +418,7 @@ pub fn run_scenario(
             }
         };
         show_progress(&bar, show, steps, &doc, last.as_ref());
+        crate::transitions::remember(&mut seen, &doc);
         let current = doc.epoch.as_ref().map(|e| e.ranks.clone()).unwrap_or_default();
         let done = !current.is_empty()
             && current
@@ -433,7 +437,8 @@ pub fn run_scenario(
     // Give the heartbeats a moment so every rank's transition record is in.
     std::thread::sleep(Duration::from_millis(300));
     let doc = rt.block_on(gather(&cluster.file.cluster, &cluster.file.control_addrs(), tls)).unwrap_or(doc);
-    summarize(dir, cluster, &doc, player, wall_s)
+    crate::transitions::remember(&mut seen, &doc);
+    summarize(dir, cluster, &doc, seen.into_values().collect(), player, wall_s)
 }
 
 /// The step, epoch, world, loss and leader on the progress bar, and each new transition
@@ -540,6 +545,7 @@ fn summarize(
     dir: &Path,
     mut cluster: LocalCluster,
     doc: &StatusDoc,
+    transitions: Vec<TransitionDoc>,
     player: Player<'_>,
     wall_s: f64,
 ) -> limpet_daemon::Result<Summary> {
@@ -554,14 +560,14 @@ fn summarize(
     let lines = read_step_logs(&cluster.file.nodes.iter().map(|n| n.step_log.clone()).collect::<Vec<_>>())?;
     let redone: Vec<(u64, u64)> =
         // The epoch starts where the furthest survivor was; a rollback went back from there.
-        doc.transitions
+        transitions
             .iter()
             .filter(|t| t.redone_steps > 0)
             .map(|t| (t.step.saturating_sub(t.redone_steps), t.redone_steps))
             .collect();
     let (points, twice) = merge(&lines, &player.killed, &redone);
     let marks: Vec<(u64, String)> =
-        doc.transitions.iter().skip(1).map(|t| (t.step, short_cause(&t.cause))).collect();
+        transitions.iter().skip(1).map(|t| (t.step, short_cause(&t.cause))).collect();
     elastic_svg(&dir.join("demo.svg"), &points, &marks, "limpet: loss and world size through revocations")?;
     let summary = Summary {
         steps: player.steps,
@@ -570,7 +576,7 @@ fn summarize(
         test_accuracy,
         checkpoint,
         events: player.fired,
-        transitions: doc.transitions.clone(),
+        transitions,
         steps_applied_twice: twice,
         steps_logged: points.len() as u64,
         stalls: stalls(&lines),
