@@ -169,16 +169,18 @@ fn a_notice_a_join_and_a_kill_change_no_bit() {
 }
 
 /// Hosts with two devices each (`[node].devices`, CPU ranks here): six ranks on three
-/// `limpetd`s, then through a notice, a join and a `kill -9` of a host with both its ranks,
-/// the bits of one process; every step a host logs counts its devices.
+/// `limpetd`s, then through a notice, a join, a `kill -9` of a host with both its ranks and
+/// a drain of another, the bits of one process; every step a host logs counts its devices.
 #[test]
-fn hosts_of_two_devices_through_a_notice_a_join_and_a_kill_change_no_bit() {
+fn hosts_of_two_devices_through_a_notice_a_join_a_kill_and_a_drain_change_no_bit() {
     // Long enough that the events land inside training on a loaded machine.
     const LONG: u64 = 3000;
     let tmp = tempfile::tempdir().unwrap();
     let one = train_for(&tmp.path().join("one"), &["--reproducible"], LONG);
     let dir = tmp.path().join("devices");
-    let summary = scenario_for(&dir, 3, SCRIPT, &["--reproducible", "--devices", "2"], LONG);
+    // The newcomer (node 4) is drained after the kill: one host of two ranks ends the job.
+    let script = format!("{SCRIPT},0.85:drain:node-4");
+    let summary = scenario_for(&dir, 3, &script, &["--reproducible", "--devices", "2"], LONG);
     assert_eq!(
         hash(Path::new(summary["checkpoint"].as_str().unwrap())),
         one["content_hash"].as_str().unwrap(),
@@ -186,7 +188,8 @@ fn hosts_of_two_devices_through_a_notice_a_join_and_a_kill_change_no_bit() {
     );
     same_losses(&agent_losses(&dir), &train_losses(&tmp.path().join("one")), "hosts of two devices");
     // Each host trained as two ranks: every epoch's devices are twice its hosts, through
-    // the three hosts at the start and the two after the kill.
+    // the three hosts at the start, the two after the kill and the one after the drain,
+    // which took both of the drained host's ranks at once and lost no step.
     let mut worlds = std::collections::BTreeSet::new();
     for e in std::fs::read_dir(&dir).unwrap().flatten() {
         if e.file_name().to_string_lossy().ends_with(".steps.jsonl") {
@@ -197,7 +200,12 @@ fn hosts_of_two_devices_through_a_notice_a_join_and_a_kill_change_no_bit() {
         }
     }
     assert!(worlds.iter().all(|&(w, d)| d == 2 * w), "{worlds:?}");
-    assert!(worlds.contains(&(3, 6)) && worlds.contains(&(2, 4)), "{worlds:?}: {summary:#}");
+    assert!(
+        worlds.contains(&(3, 6)) && worlds.contains(&(2, 4)) && worlds.contains(&(1, 2)),
+        "{worlds:?}: {summary:#}"
+    );
+    let drain = common::transition(&summary, "drain of node 4");
+    assert_eq!((drain["lost_steps"].as_u64(), drain["world"].as_u64()), (Some(0), Some(1)), "{drain}");
     // Between the hosts, each local rank drove a ring lane of its own (the model's 26,250
     // values fill two).
     let logs = common::node_logs(&dir);
@@ -285,8 +293,8 @@ fn a_reproducible_trace_replay_ends_with_one_process_bits() {
 /// Sharded optimizer state (`--shard-replicas 1`: each rank one block of AdamW's moments and
 /// a replica of its neighbour's) through a notice, a join and a `kill -9`: every step's loss
 /// and every tensor of the final state, the parameters and both moments, are those of one
-/// unsharded process, bit for bit. (The content hashes differ only because the job names its
-/// sharding.)
+/// unsharded process, bit for bit, and so is the content hash (the job's sharding is outside
+/// it).
 #[test]
 fn sharded_state_through_a_notice_a_join_and_a_kill_changes_no_bit() {
     // Long enough that the events land inside training on a loaded machine.
@@ -324,6 +332,8 @@ fn sharded_state_through_a_notice_a_join_and_a_kill_changes_no_bit() {
         );
     }
     assert_eq!(got.meta().step, want.meta().step);
+    assert_ne!(got.meta().job, want.meta().job, "the sharded job names its sharding");
+    assert_eq!(got.content_hash(), want.content_hash(), "{summary:#}");
     same_losses(&agent_losses(&dir), &train_losses(&tmp.path().join("one")), "sharded state");
     for cause in ["notice for node 2", "join of node 4", "failure of node 3"] {
         common::transition(&summary, cause);

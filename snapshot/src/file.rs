@@ -274,16 +274,15 @@ pub fn verify_file(path: &Path) -> Result<StateMeta, SnapshotError> {
             problem: "is listed in the checkpoint metadata but missing from the file",
         });
     }
-    let hashed = crate::image::content_hash_of(
-        meta.step,
-        meta.cursor,
-        meta.rng,
+    let hashed = crate::image::check_hash(
+        &meta.content_hash,
+        (meta.step, meta.cursor, meta.rng),
         &meta.job,
         entries
             .iter()
             .map(|(name, e)| (name.as_str(), e.dtype, e.shape.as_slice(), found[name.as_str()].as_str())),
     );
-    if hashed != meta.content_hash {
+    if let Err(hashed) = hashed {
         return Err(SnapshotError::ContentHash { expected: meta.content_hash, found: hashed });
     }
     Ok(meta)

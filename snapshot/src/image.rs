@@ -10,6 +10,10 @@ use std::collections::{BTreeMap, HashMap};
 pub const FORMAT_VERSION: u32 = 1;
 /// Key of the safetensors header metadata entry that holds [`StateMeta`] as JSON.
 pub const META_KEY: &str = "limpet";
+/// Keys of the job that say how the state is spread over the ranks, not what it is: a run
+/// with sharded optimizer state holds, step for step, the state an unsharded run of the
+/// same job holds, so the content hash leaves them out and the two hashes are equal.
+pub const LAYOUT_KEYS: &[&str] = &["shard_state"];
 
 /// Element types a state image stores.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -190,7 +194,8 @@ pub struct StateMeta {
     pub job: serde_json::Value,
     /// blake3 hex of each tensor's bytes, by tensor name.
     pub checksums: BTreeMap<String, String>,
-    /// blake3 hex over the metadata above and every tensor's name, dtype, shape and checksum.
+    /// blake3 hex over the metadata above (the job without its [`LAYOUT_KEYS`]) and every
+    /// tensor's name, dtype, shape and checksum.
     pub content_hash: String,
 }
 
@@ -221,6 +226,64 @@ fn content_hash(
 /// The content hash of an image from its metadata and each tensor's name, dtype, shape and
 /// checksum (in name order), without the tensors' bytes.
 pub(crate) fn content_hash_of<'a>(
+    step: u64,
+    cursor: u64,
+    rng: RngState,
+    job: &serde_json::Value,
+    tensors: impl Iterator<Item = (&'a str, Dtype, &'a [usize], &'a str)>,
+) -> String {
+    hash_over(step, cursor, rng, &hashed_job(job), tensors)
+}
+
+/// The job as the content hash covers it: without [`LAYOUT_KEYS`] (borrowed when it has none).
+fn hashed_job(job: &serde_json::Value) -> std::borrow::Cow<'_, serde_json::Value> {
+    match job.as_object() {
+        Some(o) if LAYOUT_KEYS.iter().any(|k| o.contains_key(*k)) => {
+            let mut o = o.clone();
+            for k in LAYOUT_KEYS {
+                o.remove(*k);
+            }
+            std::borrow::Cow::Owned(serde_json::Value::Object(o))
+        }
+        _ => std::borrow::Cow::Borrowed(job),
+    }
+}
+
+/// The content hash of this state as this build computes it, and for a job with layout keys
+/// the form builds before [`LAYOUT_KEYS`] computed (over the whole job), whose checkpoints stay
+/// readable.
+pub(crate) fn hash_forms<'a, I>(
+    (step, cursor, rng): (u64, u64, RngState),
+    job: &serde_json::Value,
+    tensors: I,
+) -> (String, Option<String>)
+where
+    I: Iterator<Item = (&'a str, Dtype, &'a [usize], &'a str)> + Clone,
+{
+    let now = content_hash_of(step, cursor, rng, job, tensors.clone());
+    let earlier = matches!(hashed_job(job), std::borrow::Cow::Owned(_))
+        .then(|| hash_over(step, cursor, rng, job, tensors));
+    (now, earlier)
+}
+
+/// Checks that `stored` is the content hash of this state in either of its [`hash_forms`];
+/// the error holds the hash this build computes.
+pub(crate) fn check_hash<'a, I>(
+    stored: &str,
+    position: (u64, u64, RngState),
+    job: &serde_json::Value,
+    tensors: I,
+) -> Result<(), String>
+where
+    I: Iterator<Item = (&'a str, Dtype, &'a [usize], &'a str)> + Clone,
+{
+    match hash_forms(position, job, tensors) {
+        (now, earlier) if now == stored || earlier.as_deref() == Some(stored) => Ok(()),
+        (now, _) => Err(now),
+    }
+}
+
+fn hash_over<'a>(
     step: u64,
     cursor: u64,
     rng: RngState,
@@ -293,6 +356,24 @@ impl StateImage {
     /// Hash of the whole state: equal hashes mean bit-identical states.
     pub fn content_hash(&self) -> &str {
         &self.meta.content_hash
+    }
+
+    /// This image under `hash`, which [`Self::has_hash`] accepted: the form its writer used.
+    pub(crate) fn with_hash(mut self, hash: String) -> Self {
+        debug_assert!(self.has_hash(&hash));
+        self.meta.content_hash = hash;
+        self
+    }
+
+    /// Whether `hash` is this state's content hash, as this build computes it or as an
+    /// earlier build did (see [`LAYOUT_KEYS`]).
+    pub fn has_hash(&self, hash: &str) -> bool {
+        let m = &self.meta;
+        let entries = self
+            .tensors
+            .iter()
+            .map(|(n, t)| (n.as_str(), t.dtype, t.shape.as_slice(), m.checksums[n].as_str()));
+        check_hash(hash, (m.step, m.cursor, m.rng), &m.job, entries).is_ok()
     }
 
     /// Encodes as safetensors bytes with the metadata in the header.
@@ -375,8 +456,12 @@ impl StateImage {
                 problem: "is listed in the checkpoint metadata but missing from the file",
             });
         }
-        let found = content_hash(meta.step, meta.cursor, meta.rng, &meta.job, &tensors, &meta.checksums);
-        if found != meta.content_hash {
+        let entries = tensors
+            .iter()
+            .map(|(n, t)| (n.as_str(), t.dtype, t.shape.as_slice(), meta.checksums[n].as_str()));
+        if let Err(found) =
+            check_hash(&meta.content_hash, (meta.step, meta.cursor, meta.rng), &meta.job, entries)
+        {
             return Err(SnapshotError::ContentHash { expected: meta.content_hash, found });
         }
         Ok(StateImage { meta, tensors })

@@ -26,5 +26,5 @@ pub use file::{
     job_fingerprint, read_file, read_header, read_meta, rename_durable, verify_file, write_atomic,
     write_image_atomic,
 };
-pub use image::{Dtype, RawTensor, RngState, StateImage, StateMeta, FORMAT_VERSION, META_KEY};
+pub use image::{Dtype, RawTensor, RngState, StateImage, StateMeta, FORMAT_VERSION, LAYOUT_KEYS, META_KEY};
 pub use stream::{meta_of_source, write_source_atomic, Position, TensorSource};

@@ -3,7 +3,7 @@
 //! naming the content hash the whole state has, so that the parts join into that image and
 //! nothing else: a part of another state, a missing tensor or a tensor twice is refused.
 
-use crate::image::{content_hash_of, Dtype, RawTensor, StateImage};
+use crate::image::{content_hash_of, hash_forms, Dtype, RawTensor, StateImage};
 use crate::SnapshotError;
 use std::collections::BTreeMap;
 
@@ -37,11 +37,18 @@ pub fn headers_agree(shards: &[(crate::StateMeta, Header)]) -> Result<String, cr
             }
         }
     }
-    let whole = whole_hash((m.step, m.cursor, m.rng, &m.job), &all);
-    let mark = blake3::hash(whole.as_bytes()).to_hex().to_string();
-    match shards.iter().position(|(sm, _)| sm.checksums.get(WHOLE_HASH) != Some(&mark)) {
-        Some(i) => Err(shards_err(format!("shard {i} names another whole state than its tensors make"))),
-        None => Ok(whole),
+    let entries = all.iter().map(|(n, (d, s, c))| (n.as_str(), *d, s.as_slice(), c.as_str()));
+    let (whole, earlier) = hash_forms((m.step, m.cursor, m.rng), &m.job, entries);
+    let mark = |h: &str| blake3::hash(h.as_bytes()).to_hex().to_string();
+    let off = |h: &str| {
+        let mark = mark(h);
+        shards.iter().position(|(sm, _)| sm.checksums.get(WHOLE_HASH) != Some(&mark))
+    };
+    let Some(i) = off(&whole) else { return Ok(whole) };
+    // A set an earlier build wrote names the whole state's hash in that build's form.
+    match earlier.filter(|h| off(h).is_none()) {
+        Some(h) => Ok(h),
+        None => Err(shards_err(format!("shard {i} names another whole state than its tensors make"))),
     }
 }
 
@@ -110,14 +117,15 @@ pub fn join(shards: Vec<StateImage>, what: impl Fn(usize) -> String) -> Result<S
         }
     }
     let joined = StateImage::new(m.step, m.cursor, m.rng, m.job, tensors);
-    if joined.content_hash() != whole {
+    if !joined.has_hash(&whole) {
         return Err(SnapshotError::Format(format!(
             "the shards join into a state of content hash {}, not the {whole} they name (a shard missing \
              or from another write)",
             joined.content_hash()
         )));
     }
-    Ok(joined)
+    // A set an earlier build wrote names its hash in that build's form; the records do too.
+    Ok(joined.with_hash(whole))
 }
 
 #[cfg(test)]
@@ -151,6 +159,53 @@ mod tests {
             .collect()
     }
 
+    fn heads(shards: &[StateImage]) -> Vec<(crate::StateMeta, Header)> {
+        shards
+            .iter()
+            .map(|s| {
+                let h =
+                    s.tensors().iter().map(|(n, t)| (n.clone(), (t.dtype(), t.shape().to_vec()))).collect();
+                (s.meta().clone(), h)
+            })
+            .collect()
+    }
+
+    /// A set an earlier build wrote for a job with layout keys names the whole state's hash in
+    /// that build's form (over the whole job): its headers agree and it joins, both keeping
+    /// that form. A set whose tensors are not the state it names is refused in either form.
+    #[test]
+    fn a_set_an_earlier_build_wrote_still_joins() {
+        let base = image();
+        let m = base.meta().clone();
+        let job = serde_json::json!({"job": 1, "shard_state": {"replicas": 1}});
+        let whole = StateImage::new(m.step, m.cursor, m.rng, job.clone(), base.tensors().clone());
+        let sums = &whole.meta().checksums;
+        let entries =
+            whole.tensors().iter().map(|(n, t)| (n.as_str(), t.dtype(), t.shape(), sums[n].as_str()));
+        let (now, earlier) = hash_forms((m.step, m.cursor, m.rng), &job, entries);
+        assert_eq!((now.as_str(), base.content_hash()), (whole.content_hash(), whole.content_hash()));
+        let earlier = earlier.expect("a job with layout keys has an earlier form");
+        let cut = |state: &BTreeMap<String, RawTensor>, hash: &str| -> Vec<StateImage> {
+            [&["a", "c"][..], &["b"]]
+                .iter()
+                .map(|names| {
+                    let t = names.iter().map(|n| (n.to_string(), state[*n].clone())).collect();
+                    shard_image((m.step, m.cursor, m.rng, job.clone()), t, hash).unwrap()
+                })
+                .collect()
+        };
+        let set = cut(whole.tensors(), &earlier);
+        assert_eq!(headers_agree(&heads(&set)).unwrap(), earlier);
+        assert_eq!(join(set, |i| format!("shard {i}")).unwrap().content_hash(), earlier);
+        let mut changed = whole.tensors().clone();
+        changed.insert("b".into(), RawTensor::from_f32("b", vec![6], &[9.0; 6]).unwrap());
+        for hash in [&earlier, &now] {
+            let set = cut(&changed, hash);
+            assert!(headers_agree(&heads(&set)).is_err());
+            assert!(join(set, |i| format!("shard {i}")).is_err());
+        }
+    }
+
     #[test]
     fn shards_join_into_the_whole_state_and_nothing_else() {
         let whole = image();
@@ -174,19 +229,6 @@ mod tests {
         assert!(e.to_string().contains("shard 1: holds step 8"), "{e}");
         // The headers alone agree on a whole set, and refuse a forged mark or a missing
         // tensor, without the tensors' bytes.
-        let heads = |shards: &[StateImage]| -> Vec<(crate::StateMeta, Header)> {
-            shards
-                .iter()
-                .map(|s| {
-                    let h = s
-                        .tensors()
-                        .iter()
-                        .map(|(n, t)| (n.clone(), (t.dtype(), t.shape().to_vec())))
-                        .collect();
-                    (s.meta().clone(), h)
-                })
-                .collect()
-        };
         let set = shards_of(&whole, &[&["a", "c"], &["b"]]);
         assert_eq!(headers_agree(&heads(&set)).unwrap(), whole.content_hash());
         assert!(headers_agree(&heads(&set[..1])).unwrap_err().to_string().contains("another whole state"));

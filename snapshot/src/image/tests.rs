@@ -63,6 +63,60 @@ fn content_hash_sees_every_part() {
     }
 }
 
+/// A sharded run's state is an unsharded run's: the job's layout keys are outside the hash,
+/// everything else in the job is inside.
+#[test]
+fn the_jobs_layout_keys_are_outside_the_content_hash() {
+    let base = sample();
+    let m = base.meta();
+    let with_job =
+        |job: serde_json::Value| StateImage::new(m.step, m.cursor, m.rng, job, base.tensors().clone());
+    let sharded = with_job(serde_json::json!({"model": "mlp", "shard_state": {"replicas": 1}}));
+    assert_eq!(sharded.content_hash(), base.content_hash());
+    let other_job = with_job(serde_json::json!({"model": "mlp", "steps": 9}));
+    assert_ne!(other_job.content_hash(), base.content_hash());
+    assert_eq!(StateImage::decode(&sharded.encode().unwrap()).unwrap(), sharded);
+}
+
+/// An image written by a build that hashed the whole job, layout keys too, still reads; a
+/// hash that is neither this build's nor that one is still refused.
+#[test]
+fn an_image_hashed_with_its_layout_keys_still_reads() {
+    let base = sample();
+    let m = base.meta();
+    let job = serde_json::json!({"model": "mlp", "shard_state": {"replicas": 1}});
+    let img = StateImage::new(m.step, m.cursor, m.rng, job.clone(), base.tensors().clone());
+    let entries = || {
+        img.tensors()
+            .iter()
+            .map(|(n, t)| (n.as_str(), t.dtype, t.shape.as_slice(), img.meta().checksums[n].as_str()))
+    };
+    let earlier = hash_over(m.step, m.cursor, m.rng, &job, entries());
+    assert_ne!(earlier, img.content_hash());
+    let bytes = with_meta(&img, |v| v["content_hash"] = earlier.clone().into());
+    let back = StateImage::decode(&bytes).unwrap();
+    assert_eq!(back.content_hash(), earlier);
+    assert!(back.has_hash(&earlier) && back.has_hash(img.content_hash()));
+    // The file reader that checks a checkpoint without loading it takes it too.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("earlier.safetensors");
+    std::fs::write(&path, &bytes).unwrap();
+    assert_eq!(crate::verify_file(&path).unwrap().content_hash, earlier);
+    // Content that is not the state the earlier hash names (another shard_state, or another
+    // step) is refused in either form.
+    for edit in [
+        &(|v: &mut serde_json::Value| v["job"]["shard_state"]["replicas"] = 2.into())
+            as &dyn Fn(&mut serde_json::Value),
+        &|v: &mut serde_json::Value| v["step"] = 8.into(),
+    ] {
+        let bytes = with_meta(&img, |v| {
+            v["content_hash"] = earlier.clone().into();
+            edit(v);
+        });
+        assert!(matches!(StateImage::decode(&bytes).unwrap_err(), SnapshotError::ContentHash { .. }));
+    }
+}
+
 #[test]
 fn plain_safetensors_file_is_not_a_checkpoint() {
     let t = RawTensor::from_f32("x", vec![1], &[1.0]).unwrap();
