@@ -2,7 +2,7 @@
 //! with real `limpetd` processes: through a notice, a join and a `kill -9` of a shard holder
 //! the state is re-cut at each
 //! entry without ever being made whole, and the job trains like one uninterrupted process; with both holders of a shard killed at once it goes back to the
-//! newest checkpoint, says so, and still finishes like one process; killed after the job's end,
+//! newest checkpoint, says so, and still finishes with one process's bits; killed after the job's end,
 //! the survivors load their own final checkpoints and train nothing again; a host joining
 //! after the end writes the same final checkpoint from the gathers.
 
@@ -117,8 +117,11 @@ fn both_holders_killed(shared: bool, devices: usize) {
     // is sent again once another leads).
     let steps = 1200;
     let checkpoints = tmp.path().join("shared");
+    // Reproducible, so that the end is compared with one process bit for bit: a step applied
+    // twice, or skipped, around the way back would show.
     let job = LocalJob {
         steps,
+        reproducible: true,
         checkpoint_every: 20,
         shard_state: Some(("optimizer".into(), 1)),
         checkpoint_dir: shared.then(|| checkpoints.clone()),
@@ -143,6 +146,18 @@ fn both_holders_killed(shared: bool, devices: usize) {
     wait_showing_logs("the job finishes with three", Duration::from_secs(300), &dir, || {
         common::step_worlds(survivor).iter().any(|&(s, w)| w == 3 && s + 1 >= steps)
     });
+    // The survivors went back and trained on: the job ends where one uninterrupted process
+    // does, with its content hash (the job's sharding is outside the hash).
+    let last = dir.join("node-1").join("checkpoint.safetensors");
+    wait_showing_logs("the final checkpoint", Duration::from_secs(120), &dir, || last.exists());
+    let one = train_alone(
+        &tmp.path().join("one"),
+        &["--model", "mlp", "--data", "digits", "--batch", "64", "--reproducible"],
+        steps,
+    );
+    let (end, _) = params(&last);
+    assert_eq!(end.meta().step, steps);
+    assert_eq!(end.content_hash(), one["content_hash"].as_str().unwrap(), "{}", node_logs(&dir));
     let all = node_logs(&dir);
     assert!(all.contains("no live rank holds values"), "{all}");
     if shared {
@@ -205,8 +220,11 @@ fn both_holders_of_a_shard_killed_after_the_end_train_nothing_again() {
     // The newest logged checkpoint (step 60) is before the end: going back to it would
     // train ten steps again.
     let steps = 70;
+    // Reproducible, so that the end is compared with one process bit for bit: a step applied
+    // twice, or skipped, around the way back would show.
     let job = LocalJob {
         steps,
+        reproducible: true,
         checkpoint_every: 20,
         shard_state: Some(("optimizer".into(), 1)),
         ..LocalJob::default()
