@@ -200,6 +200,16 @@ fn both_holders_killed(shared: bool, devices: usize) {
     assert!(resumed <= lost_at + 1 && resumed % 20 <= 1, "resumed at {resumed} after training to {lost_at}");
     // Status says so: the transition into world 3 counts the steps given up as redone.
     let status = status_of(&dir);
+    // `limpet status` shows each survivor's host as the ranks it trains as.
+    let active: Vec<&serde_json::Value> =
+        status["nodes"].as_array().unwrap().iter().filter(|n| n["status"] == "Active").collect();
+    assert_eq!(active.len(), 3, "{}", status["nodes"]);
+    let ranks = format!(", {devices} ranks");
+    assert!(
+        active.iter().all(|n| n["host"].as_str().unwrap().contains(&ranks) == (devices > 1)),
+        "{}",
+        status["nodes"]
+    );
     let into_three = status["transitions"].as_array().unwrap().iter().filter(|t| t["world"] == 3);
     let redone = into_three.filter_map(|t| t["redone_steps"].as_u64()).max();
     let given_up = lost_at + 1 - resumed;
