@@ -218,9 +218,16 @@ fn content_hash(
     tensors: &BTreeMap<String, RawTensor>,
     checksums: &BTreeMap<String, String>,
 ) -> String {
-    let entries =
-        tensors.iter().map(|(n, t)| (n.as_str(), t.dtype, t.shape.as_slice(), checksums[n].as_str()));
-    content_hash_of(step, cursor, rng, job, entries)
+    content_hash_of(step, cursor, rng, job, entries(tensors, checksums))
+}
+
+/// Each tensor's name, dtype, shape and checksum, in name order: what the content hash covers
+/// of the tensors.
+pub(crate) fn entries<'a>(
+    tensors: &'a BTreeMap<String, RawTensor>,
+    checksums: &'a BTreeMap<String, String>,
+) -> impl Iterator<Item = (&'a str, Dtype, &'a [usize], &'a str)> + Clone {
+    tensors.iter().map(|(n, t)| (n.as_str(), t.dtype, t.shape.as_slice(), checksums[n].as_str()))
 }
 
 /// The content hash of an image from its metadata and each tensor's name, dtype, shape and
@@ -260,9 +267,10 @@ pub(crate) fn hash_forms<'a, I>(
 where
     I: Iterator<Item = (&'a str, Dtype, &'a [usize], &'a str)> + Clone,
 {
-    let now = content_hash_of(step, cursor, rng, job, tensors.clone());
-    let earlier = matches!(hashed_job(job), std::borrow::Cow::Owned(_))
-        .then(|| hash_over(step, cursor, rng, job, tensors));
+    let hashed = hashed_job(job);
+    let now = hash_over(step, cursor, rng, &hashed, tensors.clone());
+    let earlier =
+        matches!(hashed, std::borrow::Cow::Owned(_)).then(|| hash_over(step, cursor, rng, job, tensors));
     (now, earlier)
 }
 
@@ -360,7 +368,6 @@ impl StateImage {
 
     /// This image under `hash`, which [`Self::has_hash`] accepted: the form its writer used.
     pub(crate) fn with_hash(mut self, hash: String) -> Self {
-        debug_assert!(self.has_hash(&hash));
         self.meta.content_hash = hash;
         self
     }
@@ -369,11 +376,7 @@ impl StateImage {
     /// earlier build did (see [`LAYOUT_KEYS`]).
     pub fn has_hash(&self, hash: &str) -> bool {
         let m = &self.meta;
-        let entries = self
-            .tensors
-            .iter()
-            .map(|(n, t)| (n.as_str(), t.dtype, t.shape.as_slice(), m.checksums[n].as_str()));
-        check_hash(hash, (m.step, m.cursor, m.rng), &m.job, entries).is_ok()
+        check_hash(hash, (m.step, m.cursor, m.rng), &m.job, entries(&self.tensors, &m.checksums)).is_ok()
     }
 
     /// Encodes as safetensors bytes with the metadata in the header.
@@ -456,11 +459,9 @@ impl StateImage {
                 problem: "is listed in the checkpoint metadata but missing from the file",
             });
         }
-        let entries = tensors
-            .iter()
-            .map(|(n, t)| (n.as_str(), t.dtype, t.shape.as_slice(), meta.checksums[n].as_str()));
+        let position = (meta.step, meta.cursor, meta.rng);
         if let Err(found) =
-            check_hash(&meta.content_hash, (meta.step, meta.cursor, meta.rng), &meta.job, entries)
+            check_hash(&meta.content_hash, position, &meta.job, entries(&tensors, &meta.checksums))
         {
             return Err(SnapshotError::ContentHash { expected: meta.content_hash, found });
         }

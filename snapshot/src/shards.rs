@@ -179,9 +179,7 @@ mod tests {
         let m = base.meta().clone();
         let job = serde_json::json!({"job": 1, "shard_state": {"replicas": 1}});
         let whole = StateImage::new(m.step, m.cursor, m.rng, job.clone(), base.tensors().clone());
-        let sums = &whole.meta().checksums;
-        let entries =
-            whole.tensors().iter().map(|(n, t)| (n.as_str(), t.dtype(), t.shape(), sums[n].as_str()));
+        let entries = crate::image::entries(whole.tensors(), &whole.meta().checksums);
         let (now, earlier) = hash_forms((m.step, m.cursor, m.rng), &job, entries);
         assert_eq!((now.as_str(), base.content_hash()), (whole.content_hash(), whole.content_hash()));
         let earlier = earlier.expect("a job with layout keys has an earlier form");
