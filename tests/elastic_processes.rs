@@ -313,6 +313,46 @@ fn a_pipelined_job_survives_losing_stage_hosts_by_re_planning() {
     assert!((a - b).abs() <= 0.01 * b, "test loss {a} (pipelined) vs {b} (one process)");
 }
 
+/// The same pipelined job on hosts of two devices each (`--devices 2`): every device is a
+/// replica of its host's stage, so the 2x2 layout trains four replicas of each stage. A
+/// notice and then a kill re-plan it as before; the surviving hosts keep both their ranks,
+/// their second device takes the new stage's blocks from the first, and the result still
+/// matches one uninterrupted process.
+#[test]
+fn a_pipelined_job_on_hosts_of_two_devices_survives_losing_stage_hosts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let steps = 400;
+    let summary = scenario_with(
+        &tmp.path().join("pipeline"),
+        4,
+        "gpt",
+        steps,
+        "0.2:notice:follower:20,0.5:kill:follower",
+        &["--pipeline", "2", "--layers", "4", "--micro-batch", "8", "--shadow-every", "10", "--devices", "2"],
+    );
+    let t = summary["transitions"].as_array().unwrap();
+    assert_eq!((t[0]["layout"].as_str(), t[0]["devices"].as_u64()), (Some("2x2"), Some(8)), "{summary:#}");
+    let notice = transition(&summary, "notice for node");
+    assert_eq!(
+        (notice["layout"].as_str(), notice["devices"].as_u64(), notice["lost_steps"].as_u64()),
+        (Some("1x2"), Some(4), Some(0)),
+        "{notice}"
+    );
+    let kill = transition(&summary, "failure of node");
+    assert_eq!((kill["layout"].as_str(), kill["devices"].as_u64()), (Some("1x2"), Some(4)), "{kill}");
+    assert!(kill["fetched_bytes"].as_u64().unwrap() > 0, "{kill}");
+    assert!(kill["lost_steps"].as_u64().unwrap() <= 1, "{kill}");
+    assert!(kill["redone_steps"].as_u64().unwrap() <= 10, "{kill}");
+    let single_report = train_alone(
+        &tmp.path().join("single"),
+        &["--model", "gpt", "--layers", "4", "--batch", "64", "--micro-batch", "8"],
+        steps,
+    );
+    let (a, b) = (summary["test_loss"].as_f64().unwrap(), single_report["test_loss"].as_f64().unwrap());
+    eprintln!("test loss: pipelined on hosts of two devices through the losses {a:.4}, one process {b:.4}");
+    assert!((a - b).abs() <= 0.01 * b, "test loss {a} (pipelined) vs {b} (one process)");
+}
+
 /// `limpet-lab chaos`: a segment of the shipped AWS p3 trace replayed 40x faster
 /// against `limpetd` processes (a join, a spot notice and a `kill -9` at the same instant),
 /// checked as it goes (no step applied twice), and its goodput agrees with `limpet simulate`'s

@@ -4,9 +4,17 @@
 //! neighbouring stages (activations and their gradients).
 //!
 //! Ranks are numbered data-major: rank `r * pipeline + s` is replica `r` of stage `s`.
+//!
+//! Hosts of several local ranks (`[node].devices`) hold their stage on each device: local
+//! rank `k` of replica `r`'s host is replica `r * local + k` of `data * local`, linked to local
+//! rank `k` of the neighbouring stages' hosts by pipe lane `k`, and the stage's replicas sum
+//! through host memory and one ring lane per local rank between the hosts
+//! (`runtime::local_ranks`).
 
+use crate::dataplane::frame::MAX_LANES;
 use crate::dataplane::{DataPlaneError, Endpoint, Group, PipeLink};
 use limpet_trainer::pipeline::{StagePosition, StageReducers};
+use limpet_trainer::{LocalGroup, LocalSums, Reduce, StepStats, Trainer, TrainerError};
 use std::time::Instant;
 
 /// Everything a stage rank trains over.
@@ -19,23 +27,35 @@ pub struct StageConnections {
     pub stages: Group,
     /// Links to the previous and next stage of this replica.
     pub link: PipeLink,
+    /// Hosts of several local ranks: the replicas' ring lanes `1..local`, in lane order
+    /// (empty for one).
+    pub lanes: Vec<Group>,
+    /// Hosts of several local ranks: pipe lanes `1..local` to the same neighbours, in lane
+    /// order (empty for one).
+    pub links: Vec<PipeLink>,
 }
 
 impl StageConnections {
     /// Connects this node's rank of `epoch`, whose `ranks` (node ids, data-major) form
-    /// `data` replicas of a `pipeline`-stage pipeline; `addrs` are their data addresses.
+    /// `data` replicas of a `pipeline`-stage pipeline, each host with `local` local ranks;
+    /// `addrs` are their data addresses.
     pub fn connect(
         ep: &Endpoint,
         epoch: u64,
-        (data, pipeline): (usize, usize),
+        (data, pipeline, local): (usize, usize, usize),
         ranks: &[u64],
         addrs: &[String],
         deadline: Instant,
         abort: &dyn Fn() -> bool,
     ) -> Result<StageConnections, DataPlaneError> {
-        if data == 0 || pipeline == 0 || data * pipeline != ranks.len() || addrs.len() != ranks.len() {
+        if data == 0
+            || pipeline == 0
+            || data * pipeline != ranks.len()
+            || addrs.len() != ranks.len()
+            || !(1..=MAX_LANES).contains(&local)
+        {
             return Err(DataPlaneError::Config(format!(
-                "a {data}x{pipeline} layout over {} ranks and {} addresses",
+                "a {data}x{pipeline} layout of hosts of {local} local ranks over {} ranks and {} addresses",
                 ranks.len(),
                 addrs.len()
             )));
@@ -53,13 +73,36 @@ impl StageConnections {
         let (rep_ranks, rep_addrs) = pick((0..data).map(|r| at(r, stage)).collect());
         let (st_ranks, st_addrs) = pick((0..pipeline).map(|s| at(replica, s)).collect());
         let replicas = ep.group_until(epoch, &rep_ranks, &rep_addrs, deadline, abort)?;
+        let lanes = if local > 1 {
+            crate::dataplane::lanes::connect(ep, epoch, &rep_ranks, &rep_addrs, local, deadline, abort)?
+        } else {
+            Vec::new()
+        };
         let stages = ep.group_until(epoch, &st_ranks, &st_addrs, deadline, abort)?;
         let prev = (stage > 0).then(|| ranks[at(replica, stage - 1)]);
         let next = (stage + 1 < pipeline)
             .then(|| (ranks[at(replica, stage + 1)], addrs[at(replica, stage + 1)].as_str()));
         let link = PipeLink::connect(ep, epoch, prev, next, deadline, abort)?;
+        let links = (1..local)
+            .map(|k| PipeLink::connect_lane(ep, epoch, (prev, next), k, deadline, abort))
+            .collect::<Result<Vec<_>, _>>()?;
         let pos = StagePosition { stage, stages: pipeline, replica, replicas: data };
-        Ok(StageConnections { pos, replicas, stages, link })
+        Ok(StageConnections { pos, replicas, stages, link, lanes, links })
+    }
+
+    /// Local ranks per host these connections were made for.
+    pub fn local_ranks(&self) -> usize {
+        1 + self.links.len()
+    }
+
+    /// Local rank `k`'s place: replica `replica * local + k` of `replicas * local`.
+    pub fn position_of(&self, k: usize) -> StagePosition {
+        let local = self.local_ranks();
+        StagePosition {
+            replica: self.pos.replica * local + k,
+            replicas: self.pos.replicas * local,
+            ..self.pos
+        }
     }
 
     /// One pipelined step of `trainer` over these connections.
@@ -73,6 +116,115 @@ impl StageConnections {
             StageReducers { replicas: &mut self.replicas, stages: &mut self.stages },
         )
     }
+}
+
+impl StageConnections {
+    /// One pipelined step of a host's local ranks over these connections: `leader` (local
+    /// rank 0, on this thread, over the host's own links) and the first `local - 1` of
+    /// `followers`, each on `pool` over its pipe lane and ring lane, a replica of its own.
+    /// Each follower first takes the leader's plan (and its state, when it does not hold it:
+    /// after an entry, say, which may also have changed the stage's blocks). The replicas'
+    /// gradients are summed through host memory (`sums`) and the lanes; the stages' three
+    /// scalars, alike on every local rank after that sum, cross the stages once, on the
+    /// leader's ring. The leader's stats.
+    pub fn step_local(
+        &mut self,
+        leader: &mut Trainer,
+        followers: &mut [Trainer],
+        sums: &LocalSums,
+        pool: &rayon::ThreadPool,
+    ) -> Result<StepStats, TrainerError> {
+        let local = self.local_ranks();
+        if followers.len() + 1 < local || self.lanes.len() + 1 != local {
+            // Connected for another count than this host trains with (a host back with fewer
+            // devices than its record says): the group cannot train, and the leader counts
+            // again.
+            return Err(TrainerError::Reduce {
+                peer: None,
+                detail: format!(
+                    "{local} pipe lanes and {} ring lanes connected for a host of {} device(s)",
+                    1 + self.lanes.len(),
+                    1 + followers.len()
+                ),
+                violation: true,
+            });
+        }
+        let followers = &mut followers[..local - 1];
+        for f in followers.iter_mut() {
+            f.follow(leader)?;
+        }
+        let positions: Vec<StagePosition> = (0..local).map(|k| self.position_of(k)).collect();
+        let StageConnections { pos, replicas, stages, link, lanes, links } = self;
+        let replica_sum =
+            LocalGroup::of_host_counts(local, pos.replica * local, local, sums, vec![local; pos.replicas]);
+        // Three scalars: no lanes, and memory of their own.
+        let stage_sum = LocalGroup::of_host_counts(
+            local,
+            pos.stage * local,
+            1,
+            &LocalSums::default(),
+            vec![local; pos.stages],
+        );
+        let mut theirs: Vec<Option<Result<StepStats, TrainerError>>> =
+            followers.iter().map(|_| None).collect();
+        let mine = pool.in_place_scope(|s| {
+            let parts =
+                followers.iter_mut().zip(links.iter_mut()).zip(lanes.iter_mut()).zip(theirs.iter_mut());
+            for (i, (((f, link), lane), slot)) in parts.enumerate() {
+                let (replica_sum, stage_sum, at) = (&replica_sum, &stage_sum, positions[i + 1]);
+                s.spawn(move |_| {
+                    let mut over_replicas = replica_sum.rank(i + 1, Some(lane as &mut (dyn Reduce + Send)));
+                    let mut over_stages = Silent(stage_sum.rank(i + 1, None));
+                    let reduce = StageReducers { replicas: &mut over_replicas, stages: &mut over_stages };
+                    let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        f.pipeline_step(at, link, reduce)
+                    }));
+                    *slot = Some(stepped.unwrap_or_else(|panic| {
+                        Err(TrainerError::Config(format!(
+                            "local rank {} panicked: {}",
+                            i + 1,
+                            panic_text(&panic)
+                        )))
+                    }));
+                });
+            }
+            let mut over_replicas = replica_sum.rank(0, Some(replicas as &mut (dyn Reduce + Send)));
+            let mut over_stages = stage_sum.rank(0, Some(stages as &mut (dyn Reduce + Send)));
+            let reduce = StageReducers { replicas: &mut over_replicas, stages: &mut over_stages };
+            leader.pipeline_step(positions[0], link, reduce)
+        });
+        // A local rank's own failure (not a link's or a ring's) is the host's: fatal, as the
+        // first device's would be. A failed link or ring is every local rank's, reported once.
+        for r in theirs.into_iter().map(|r| r.expect("the scope ran every local rank")) {
+            if let Err(e) = r {
+                if !matches!(e, TrainerError::Reduce { .. }) {
+                    return Err(e);
+                }
+            }
+        }
+        mine
+    }
+}
+
+/// A follower's side of its replica's sum over the stages, when the leader speaks for the
+/// host: every local rank holds the same three scalars after the replicas' sum, so the
+/// others add zeros and the host's sum is the leader's values, as a host of one rank sends.
+struct Silent<R>(R);
+
+impl<R: Reduce> Reduce for Silent<R> {
+    fn allreduce_sum(&mut self, buf: &mut [f32], step: u64) -> Result<(), TrainerError> {
+        buf.fill(0.0);
+        self.0.allreduce_sum(buf, step)
+    }
+}
+
+/// What a panic said, if it said it in words.
+pub(crate) fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
 }
 
 /// Profiles `job`'s model on this host for the planner: every block's costs at the job's

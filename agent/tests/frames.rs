@@ -16,8 +16,8 @@ proptest! {
     }
 
     #[test]
-    fn hellos_round_trip(cluster_id in any::<u64>(), node in any::<u64>(), epoch in any::<u64>(), c in 0usize..4, lane in 1..MAX_LANES, nonce in any::<[u8; 16]>()) {
-        let channel = [Channel::Ring, Channel::Handoff, Channel::Pipe, Channel::lane(lane).unwrap()][c];
+    fn hellos_round_trip(cluster_id in any::<u64>(), node in any::<u64>(), epoch in any::<u64>(), c in 0usize..5, lane in 1..MAX_LANES, nonce in any::<[u8; 16]>()) {
+        let channel = [Channel::Ring, Channel::Handoff, Channel::Pipe, Channel::lane(lane).unwrap(), Channel::pipe(lane).unwrap()][c];
         let h = Hello { cluster_id, node, epoch, channel, nonce };
         prop_assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
     }
@@ -65,19 +65,23 @@ fn shape_refusals_name_the_problem() {
 #[test]
 fn lane_refusals_name_the_problem() {
     let hello = |channel| Hello { cluster_id: 1, node: 2, epoch: 3, channel, nonce: [7; 16] }.encode();
-    // A lane past the most, a lane of a handoff or a pipe, are refused by name.
-    let mut far = hello(Channel::Ring);
-    far[7] = MAX_LANES as u8;
-    assert!(Hello::decode(&far).unwrap_err().to_string().contains(&format!("ring lane {MAX_LANES}")));
-    for c in [Channel::Handoff, Channel::Pipe] {
-        let mut b = hello(c);
-        b[7] = 1;
-        assert!(Hello::decode(&b).unwrap_err().to_string().contains("lane 1 of a channel that has none"));
+    // A lane past the most (of the ring or of a pipe), a lane of a handoff, are refused by
+    // name.
+    for (c, name) in [(Channel::Ring, "ring"), (Channel::Pipe, "pipe")] {
+        let mut far = hello(c);
+        far[7] = MAX_LANES as u8;
+        assert!(Hello::decode(&far).unwrap_err().to_string().contains(&format!("{name} lane {MAX_LANES}")));
     }
-    // Lane 0 is the ring itself, and only one spelling of it exists.
+    let mut b = hello(Channel::Handoff);
+    b[7] = 1;
+    assert!(Hello::decode(&b).unwrap_err().to_string().contains("lane 1 of a channel that has none"));
+    // Lane 0 is the ring (the pipe) itself, and only one spelling of it exists.
     assert_eq!(Channel::lane(0), Some(Channel::Ring));
     assert_eq!(Channel::lane(MAX_LANES), None);
+    assert_eq!(Channel::pipe(0), Some(Channel::Pipe));
+    assert_eq!(Channel::pipe(MAX_LANES), None);
     assert_eq!(Hello::decode(&hello(Channel::lane(3).unwrap())).unwrap().channel, Channel::Lane(3));
+    assert_eq!(Hello::decode(&hello(Channel::pipe(3).unwrap())).unwrap().channel, Channel::PipeLane(3));
 }
 
 // Checkpoint directory and file names come from a shared directory anyone may write to.

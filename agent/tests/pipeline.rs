@@ -2,7 +2,8 @@
 //! each layout below runs its stages as threads with their own endpoints, real TCP links
 //! between stages (activations forward, gradients back) and ring groups among the replicas
 //! of each stage, and is compared, step by step and parameter by parameter, with one trainer
-//! holding the whole model.
+//! holding the whole model. Hosts of several local ranks run each local rank's trainer on a
+//! thread of the host's, as `limpetd` does.
 
 use limpet_agent::stage::StageConnections;
 use limpet_agent::{DataPlaneConfig, Endpoint};
@@ -38,8 +39,10 @@ struct RankResult {
     hash: String,
 }
 
-/// Trains `STEPS` steps in `d` replicas of the pipeline cut at `stages`.
-fn run_layout(d: usize, stages: &[Range<usize>]) -> Vec<RankResult> {
+/// Trains `STEPS` steps in `d` replicas of the pipeline cut at `stages`, on hosts of `local`
+/// local ranks. One result per host (its first local rank's), after checking that its other
+/// local ranks end with the same state.
+fn run_layout(d: usize, stages: &[Range<usize>], local: usize) -> Vec<RankResult> {
     let p = stages.len();
     let eps: Vec<Endpoint> = (0..d * p)
         .map(|i| {
@@ -60,17 +63,40 @@ fn run_layout(d: usize, stages: &[Range<usize>]) -> Vec<RankResult> {
                     let ranks: Vec<u64> = (0..d * p).map(|i| i as u64 + 1).collect();
                     let deadline = Instant::now() + Duration::from_secs(10);
                     let mut conn =
-                        StageConnections::connect(ep, 1, (d, p), &ranks, addrs, deadline, &|| false).unwrap();
+                        StageConnections::connect(ep, 1, (d, p, local), &ranks, addrs, deadline, &|| false)
+                            .unwrap();
                     assert_eq!((conn.pos.replica, conn.pos.stage), (r, s));
                     let (job, data) = job();
+                    // The other local ranks start with the whole model, as an agent's do: the
+                    // first step makes them the stage's.
+                    let all = 0..job.model.num_blocks();
+                    let mut followers: Vec<Trainer> = (1..local)
+                        .map(|_| Trainer::for_stage(job.clone(), data.shallow_clone(), all.clone()).unwrap())
+                        .collect();
                     let mut t = Trainer::for_stage(job, data, blocks).unwrap();
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(local.max(2) - 1).build().unwrap();
+                    let sums = limpet_trainer::LocalSums::default();
                     let (mut losses, mut norms) = (Vec::new(), Vec::new());
                     for _ in 0..STEPS {
-                        let st = conn.step(&mut t).unwrap();
+                        let st = if local == 1 {
+                            conn.step(&mut t)
+                        } else {
+                            conn.step_local(&mut t, &mut followers, &sums, &pool)
+                        };
+                        let st = st.unwrap();
                         losses.push(st.loss);
                         norms.push(st.grad_norm);
                     }
                     let image = t.image().unwrap();
+                    for (k, f) in followers.iter().enumerate() {
+                        let theirs = f.image().unwrap();
+                        assert_eq!(
+                            theirs.content_hash(),
+                            image.content_hash(),
+                            "replica {r} stage {s}: local rank {} holds another state",
+                            k + 1
+                        );
+                    }
                     let params = image
                         .tensors()
                         .iter()
@@ -120,10 +146,10 @@ fn threads() {
     ONCE.call_once(|| limpet_trainer::set_threads(1));
 }
 
-fn check(layout: &str, d: usize, stages: &[Range<usize>]) {
+fn check(layout: &str, d: usize, stages: &[Range<usize>], local: usize) {
     let (losses, norms, params) = reference();
     assert!(norms.iter().any(|&n| n > 0.5), "clipping never engaged: {norms:?}");
-    let ranks = run_layout(d, stages);
+    let ranks = run_layout(d, stages, local);
     let mut covered = BTreeMap::new();
     let mut largest = 0f32;
     for r in &ranks {
@@ -162,19 +188,44 @@ fn check(layout: &str, d: usize, stages: &[Range<usize>]) {
 #[test]
 fn two_stages_train_like_one_model() {
     threads();
-    check("1x2", 1, &[0..2, 2..5]);
+    check("1x2", 1, &[0..2, 2..5], 1);
 }
 
 #[test]
 fn three_stages_train_like_one_model() {
     threads();
-    check("1x3", 1, &[0..1, 1..3, 3..5]);
+    check("1x3", 1, &[0..1, 1..3, 3..5], 1);
 }
 
 #[test]
 fn two_replicas_of_two_stages_train_like_one_model() {
     threads();
-    check("2x2", 2, &[0..3, 3..5]);
+    check("2x2", 2, &[0..3, 3..5], 1);
+}
+
+/// Two replicas of hosts of two local ranks each: four replicas of each stage, whose
+/// gradients are summed through each host's memory and two ring lanes between the hosts.
+#[test]
+fn two_replicas_of_hosts_of_two_local_ranks_train_like_one_model() {
+    threads();
+    check("2x2 of 2 local ranks", 2, &[0..3, 3..5], 2);
+}
+
+/// One host of two local ranks per stage computes what two hosts of one do, bit for bit: the
+/// same replicas take the same samples, and a sum of two is the same either way.
+#[test]
+fn hosts_of_two_local_ranks_train_a_pipeline_bit_for_bit_as_twice_the_hosts_of_one() {
+    threads();
+    let stages = [0..2, 2..5];
+    let local = run_layout(1, &stages, 2);
+    let hosts = run_layout(2, &stages, 1);
+    for s in 0..stages.len() {
+        let a = local.iter().find(|r| r.stage == s).unwrap();
+        let b = hosts.iter().find(|r| r.stage == s).unwrap();
+        assert_eq!(a.losses, b.losses, "stage {s}: losses");
+        assert_eq!(a.norms, b.norms, "stage {s}: norms");
+        assert_eq!(a.hash, b.hash, "stage {s}: state after {STEPS} steps");
+    }
 }
 
 /// A stage that vanishes mid-run (its sockets close, as when its process is killed) makes
@@ -204,7 +255,8 @@ fn a_vanished_stage_fails_its_neighbours_fast() {
                     let ranks: Vec<u64> = (1..=3).collect();
                     let deadline = Instant::now() + Duration::from_secs(10);
                     let mut conn =
-                        StageConnections::connect(ep, 1, (d, p), &ranks, addrs, deadline, &|| false).unwrap();
+                        StageConnections::connect(ep, 1, (d, p, 1), &ranks, addrs, deadline, &|| false)
+                            .unwrap();
                     let (job, data) = job();
                     let mut t = Trainer::for_stage(job, data, blocks).unwrap();
                     for step in 0..STEPS {
@@ -260,7 +312,7 @@ fn a_wrong_or_huge_activation_from_the_previous_stage_is_an_error_not_a_panic() 
             let rogue = sc.spawn(move || {
                 let deadline = Instant::now() + Duration::from_secs(10);
                 let mut conn =
-                    StageConnections::connect(&eps[0], 1, (1, 2), &[1, 2], addrs, deadline, &|| false)
+                    StageConnections::connect(&eps[0], 1, (1, 2, 1), &[1, 2], addrs, deadline, &|| false)
                         .unwrap();
                 let n =
                     if shape.iter().product::<i64>() < 1 << 20 { shape.iter().product::<i64>() } else { 0 };
@@ -271,7 +323,7 @@ fn a_wrong_or_huge_activation_from_the_previous_stage_is_an_error_not_a_panic() 
             let victim = sc.spawn(move || {
                 let deadline = Instant::now() + Duration::from_secs(10);
                 let mut conn =
-                    StageConnections::connect(&eps[1], 1, (1, 2), &[1, 2], addrs, deadline, &|| false)
+                    StageConnections::connect(&eps[1], 1, (1, 2, 1), &[1, 2], addrs, deadline, &|| false)
                         .unwrap();
                 let (mut job, data) = job();
                 job.micro_batch = 4;

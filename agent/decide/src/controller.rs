@@ -35,6 +35,7 @@ use crate::planner::{arrange, PipelineJob};
 use crate::policy::{BaseBatch, BatchPolicy, GradientStats};
 use limpet_consensus::state::{
     Cause, ClusterState, Command, Epoch, Layout, MemberStatus, NodeId, MAX_LOCAL_RANKS,
+    MAX_PIPELINE_LOCAL_RANKS,
 };
 use std::collections::BTreeMap;
 
@@ -561,10 +562,15 @@ fn plan_epoch(
         }
     }
     let id = st.last_epoch_id + 1;
-    // Each node trains with its devices as local ranks (one each in a pipeline: a stage is
-    // one device's).
+    // Each node trains with its devices as local ranks. In a pipeline every node has as
+    // many as the one with the fewest (each device a replica of its node's stage, linked to
+    // the same device of the neighbouring stages' nodes).
     let mut local_ranks: Vec<u32> = ranks.iter().map(|&r| usable_ranks(st, r)).collect();
-    if layout.pipeline != 1 || local_ranks.iter().all(|&n| n == 1) {
+    if layout.pipeline != 1 {
+        let fewest = local_ranks.iter().copied().min().unwrap_or(1).min(MAX_PIPELINE_LOCAL_RANKS);
+        local_ranks.iter_mut().for_each(|n| *n = fewest);
+    }
+    if local_ranks.iter().all(|&n| n == 1) {
         local_ranks.clear();
     }
     // The batch policy scales with the data-parallel hosts, as `base_world` counts them (not

@@ -3,7 +3,9 @@
 //! real `ClusterState`, that epochs only grow, every epoch has the minimum of nodes, and no
 //! epoch includes a node that is leaving or past its deadline.
 
-use limpet_consensus::state::{ClusterState, Command, Hardware, MemberSpec, MemberStatus, NodeId};
+use limpet_consensus::state::{
+    ClusterState, Command, Hardware, MemberSpec, MemberStatus, NodeId, MAX_PIPELINE_LOCAL_RANKS,
+};
 use limpet_decide::controller::{decide, ControllerConfig, NodeProgress, View};
 use limpet_decide::planner::{BlockCost, Link, ModelProfile, PipelineJob};
 use limpet_decide::policy::{BaseBatch, BatchPolicy};
@@ -206,6 +208,34 @@ fn a_hosts_devices_are_counted_as_ranks_and_counted_again_when_they_change() {
     assert_eq!((e.ranks.clone(), e.local_ranks.clone()), (vec![1, 2, 3], vec![1, 1, 2]), "{why}");
     sim.start_scheduled();
     assert_eq!(sim.control(), "steady");
+}
+
+/// In a pipeline every host trains with as many local ranks as the one with the fewest
+/// (each device a replica of its host's stage, linked to the same device of the other
+/// stages' hosts), and with no more than the data plane's pipe lanes.
+#[test]
+fn a_pipelined_epoch_gives_every_host_the_fewest_devices_any_has() {
+    let mut sim = pipelined(4, Some(2));
+    for (id, ranks) in [(1, 4), (2, 2), (3, 4), (4, 8)] {
+        let hardware = Hardware { ranks, gpus: ranks, cpus: 2, ..Hardware::default() };
+        sim.state.apply(&Command::UpdateHardware { id, hardware }).unwrap();
+    }
+    sim.control();
+    let e = sim.state.scheduled.clone().unwrap();
+    assert_eq!((e.layout.data, e.layout.pipeline), (2, 2), "{e:?}");
+    assert_eq!((e.local_ranks.clone(), e.total_ranks()), (vec![2; 4], 8), "{e:?}");
+    sim.start_scheduled();
+    sim.train(3);
+    assert_eq!(sim.control(), "steady");
+    // Hosts of sixteen devices: at most MAX_PIPELINE_LOCAL_RANKS each.
+    let mut wide = pipelined(2, Some(2));
+    for id in [1, 2] {
+        let hardware = Hardware { ranks: 16, gpus: 16, cpus: 2, ..Hardware::default() };
+        wide.state.apply(&Command::UpdateHardware { id, hardware }).unwrap();
+    }
+    wide.control();
+    let e = wide.state.scheduled.clone().unwrap();
+    assert_eq!(e.local_ranks, vec![MAX_PIPELINE_LOCAL_RANKS; 2], "{e:?}");
 }
 
 #[test]

@@ -91,6 +91,10 @@ pub enum Channel {
     /// Another lane of the ring (1 to [`MAX_LANES`] - 1): a host of several local ranks
     /// drives one ring per local rank between the hosts, each on its part of a buffer.
     Lane(u8),
+    /// Another pipe link between the same neighbouring stages (1 to [`MAX_LANES`] - 1): in a
+    /// pipeline of hosts of several local ranks, local rank `k` of a stage's host is a
+    /// replica of its own, linked to local rank `k` of the next stage's host.
+    PipeLane(u8),
 }
 
 /// Most ring lanes between two hosts (the ring itself is lane 0): one per local rank of the
@@ -108,18 +112,30 @@ impl Channel {
         }
     }
 
-    /// The hello's channel byte and lane byte. (A lane is made by [`Channel::lane`]: lane 0
-    /// is the ring and travels as it, a lane past the most would be refused by every peer.)
+    /// Pipe link `lane` between two stages (the pipe itself for 0); `None` past
+    /// [`MAX_LANES`].
+    pub fn pipe(lane: usize) -> Option<Channel> {
+        match lane {
+            0 => Some(Channel::Pipe),
+            l if l < MAX_LANES => Some(Channel::PipeLane(l as u8)),
+            _ => None,
+        }
+    }
+
+    /// The hello's channel byte and lane byte. (A lane is made by [`Channel::lane`] or
+    /// [`Channel::pipe`]: lane 0 is the ring or the pipe and travels as it, a lane past the
+    /// most would be refused by every peer.)
     fn code(self) -> (u8, u8) {
         debug_assert!(
-            !matches!(self, Channel::Lane(l) if l == 0 || usize::from(l) >= MAX_LANES),
-            "{self:?} is not a lane: use Channel::lane"
+            !matches!(self, Channel::Lane(l) | Channel::PipeLane(l) if l == 0 || usize::from(l) >= MAX_LANES),
+            "{self:?} is not a lane: use Channel::lane or Channel::pipe"
         );
         match self {
             Channel::Ring => (1, 0),
             Channel::Handoff => (2, 0),
             Channel::Pipe => (3, 0),
             Channel::Lane(l) => (1, l),
+            Channel::PipeLane(l) => (3, l),
         }
     }
 }
@@ -224,7 +240,9 @@ impl Hello {
             (1, l) => return Err(bad(format!("ring lane {l} (at most {})", MAX_LANES - 1))),
             (2, 0) => Channel::Handoff,
             (3, 0) => Channel::Pipe,
-            (2 | 3, l) => return Err(bad(format!("lane {l} of a channel that has none"))),
+            (3, l) if usize::from(l) < MAX_LANES => Channel::PipeLane(l),
+            (3, l) => return Err(bad(format!("pipe lane {l} (at most {})", MAX_LANES - 1))),
+            (2, l) => return Err(bad(format!("lane {l} of a channel that has none"))),
             (c, _) => return Err(bad(format!("unknown channel {c}"))),
         };
         if b[48..] != [0u8; 8] {

@@ -14,7 +14,9 @@
 //! activation and `2 * micro + 1` for a gradient.
 
 use crate::dataplane::conn::Conn;
-use crate::dataplane::frame::{decode_shape, encode_shape, Channel, Header, Kind, HEADER_LEN, MAX_PAYLOAD};
+use crate::dataplane::frame::{
+    decode_shape, encode_shape, Channel, Header, Kind, HEADER_LEN, MAX_LANES, MAX_PAYLOAD,
+};
 
 /// The most values one activation or gradient may hold (1 GiB of f32): far above any
 /// micro-batch's, far below what a bad shape could ask for.
@@ -102,17 +104,32 @@ impl PipeLink {
         deadline: Instant,
         abort: &dyn Fn() -> bool,
     ) -> Result<PipeLink, DataPlaneError> {
+        Self::connect_lane(ep, epoch, (prev, next), 0, deadline, abort)
+    }
+
+    /// The same for pipe lane `lane` between the same hosts ([`Channel::pipe`]): the link of
+    /// their local ranks `lane`, each a replica of its own.
+    pub fn connect_lane(
+        ep: &Endpoint,
+        epoch: u64,
+        (prev, next): (Option<u64>, Option<(u64, &str)>),
+        lane: usize,
+        deadline: Instant,
+        abort: &dyn Fn() -> bool,
+    ) -> Result<PipeLink, DataPlaneError> {
+        let channel = Channel::pipe(lane)
+            .ok_or_else(|| DataPlaneError::Config(format!("pipe lane {lane} (at most {})", MAX_LANES - 1)))?;
         let timeout = ep.config().timeout;
         let next = match next {
             Some((node, addr)) => {
-                let s = ep.connect_until(addr, node, epoch, Channel::Pipe, deadline, abort)?;
+                let s = ep.connect_until(addr, node, epoch, channel, deadline, abort)?;
                 Some(Peer::new(node, s, timeout)?)
             }
             None => None,
         };
         let prev = match prev {
             Some(node) => {
-                Some(Peer::new(node, ep.accept_until(node, epoch, Channel::Pipe, deadline, abort)?, timeout)?)
+                Some(Peer::new(node, ep.accept_until(node, epoch, channel, deadline, abort)?, timeout)?)
             }
             None => None,
         };

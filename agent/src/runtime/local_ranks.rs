@@ -15,6 +15,7 @@
 //! devices compute what four hosts of one do.
 
 use crate::dataplane::frame::MAX_LANES;
+use crate::stage::panic_text;
 use crate::Group;
 use limpet_consensus::state::Epoch;
 use limpet_trainer::{LocalGroup, LocalSums, Reduce, StepStats, Trainer, TrainerError};
@@ -134,15 +135,6 @@ fn enough_devices(epoch: &Epoch, n: usize, devices: usize) -> Result<(), Trainer
     })
 }
 
-/// What a panic said, if it said it in words.
-fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
-    panic
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_default()
-}
-
 /// The threads a host's other local ranks step on, kept from step to step. A thread made
 /// for each step paid each step what a thread's first use costs (the allocator's and the
 /// BLAS library's per-thread buffers faulted in again): hosts of two devices trained at 0.91x
@@ -153,7 +145,7 @@ pub(super) struct RankThreads(Option<rayon::ThreadPool>);
 
 impl RankThreads {
     /// The pool, of `n` threads (one per local rank after the first), made if it is not.
-    fn fit(&mut self, n: usize) -> Result<&rayon::ThreadPool, TrainerError> {
+    pub(super) fn fit(&mut self, n: usize) -> Result<&rayon::ThreadPool, TrainerError> {
         let n = n.max(1);
         if self.0.as_ref().is_none_or(|p| p.current_num_threads() != n) {
             let pool = rayon::ThreadPoolBuilder::new()

@@ -215,12 +215,10 @@ impl Agent {
         }
         let blocks = 0..cfg.job.model.num_blocks();
         // The host's other devices: a trainer each, which copies the first one's state
-        // before it first trains (a pipeline stage trains on the first device alone).
+        // (and, in a pipeline, takes its stage's blocks) before it first trains.
         let mut followers = Vec::new();
-        if cfg.pipeline.is_none() {
-            for &d in cfg.devices.iter().skip(1) {
-                followers.push(Trainer::on_device(cfg.job.clone(), data.shallow_clone(), blocks.clone(), d)?);
-            }
+        for &d in cfg.devices.iter().skip(1) {
+            followers.push(Trainer::on_device(cfg.job.clone(), data.shallow_clone(), blocks.clone(), d)?);
         }
         let mut fresh = Trainer::on_device(cfg.job.clone(), data, blocks, device)?;
         if let Some(dir) = &cfg.init_from {
@@ -402,7 +400,7 @@ fn node_config(cfg: &AgentConfig, data_addr: SocketAddr) -> NodeConfig {
         memory_mib: host_memory_mib(),
         samples_per_sec_milli: 0,
         speed_milli: 0,
-        ranks: if cfg.pipeline.is_some() { 1 } else { cfg.devices.len().max(1) as u32 },
+        ranks: cfg.devices.len().max(1) as u32,
     };
     ncfg
 }

@@ -393,6 +393,22 @@ impl TrainLoop {
                     Err(e) => Err((e.suspect(), e.to_string(), e.is_violation())),
                 }
             }
+            // A pipeline of hosts of several local ranks: each device a replica of the stage.
+            Conn::Stages(c) if c.local_ranks() > 1 => {
+                let stepped = self.rank_threads.fit(c.local_ranks() - 1).and_then(|pool| {
+                    c.step_local(&mut self.trainer, &mut self.followers, &self.local_sums, pool)
+                });
+                match stepped {
+                    Ok(stats) => {
+                        self.cfg.slowdown.stretch(Duration::from_secs_f64(self.trainer.compute_ms() / 1e3));
+                        Ok(stats)
+                    }
+                    Err(e @ limpet_trainer::TrainerError::Reduce { peer, violation, .. }) => {
+                        Err((peer, e.to_string(), violation))
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
             Conn::Stages(c) => match c.step(&mut self.trainer) {
                 Ok(stats) => {
                     self.cfg.slowdown.stretch(Duration::from_secs_f64(self.trainer.compute_ms() / 1e3));
@@ -438,9 +454,8 @@ impl TrainLoop {
             Err(f) => (None, Some(f)),
         };
         self.record_step(&stats, epoch, group_rank, took, eval)?;
-        // AdaScale's statistics are over data-parallel replicas, not pipeline stages.
-        let replicas =
-            if epoch.layout.pipeline == 1 { epoch.total_ranks() } else { epoch.layout.data as usize };
+        // AdaScale's statistics are over data-parallel replicas (devices), not pipeline stages.
+        let replicas = epoch.total_ranks() / (epoch.layout.pipeline.max(1) as usize);
         self.grad_stats = observe_gradients(self.grad_stats, &stats, replicas);
         let sink = Sink { me: self.cfg.id, handle: &self.handle, rt: &self.rt, tasks: &self.tasks };
         let mut gathered = None;

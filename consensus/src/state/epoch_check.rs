@@ -63,14 +63,17 @@ impl ClusterState {
         if !e.local_ranks.is_empty()
             && (e.local_ranks.len() != e.ranks.len()
                 || e.local_ranks.iter().any(|&n| n == 0 || n > super::MAX_LOCAL_RANKS)
-                || (e.layout.pipeline != 1 && e.local_ranks.iter().any(|&n| n != 1)))
+                || (e.layout.pipeline != 1
+                    && (e.local_ranks.iter().any(|&n| n != e.local_ranks[0])
+                        || e.local_ranks[0] > super::MAX_PIPELINE_LOCAL_RANKS)))
         {
             return Err(Refused(format!(
-                "epoch {}: local ranks {:?} are not 1..={} for each of {} nodes (and one each in a pipeline)",
+                "epoch {}: local ranks {:?} are not 1..={} for each of {} nodes (and in a pipeline as many for each, at most {})",
                 e.id,
                 e.local_ranks,
                 super::MAX_LOCAL_RANKS,
-                e.ranks.len()
+                e.ranks.len(),
+                super::MAX_PIPELINE_LOCAL_RANKS
             )));
         }
         // No node trains with more ranks than its own record announces.

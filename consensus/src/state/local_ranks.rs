@@ -1,10 +1,15 @@
 //! Local ranks: a node that trains with several devices (`[node].devices`) is that many
-//! ranks of an epoch's data-parallel world, numbered node after node in rank order.
+//! ranks of an epoch's data-parallel world, numbered node after node in rank order. In a
+//! pipelined epoch every node has as many, each device a replica of the node's stage.
 
 use super::Epoch;
 
 /// The most local ranks (devices) one node may bring: more than any host has GPUs.
 pub const MAX_LOCAL_RANKS: u32 = 64;
+
+/// The most local ranks a node of a pipelined epoch may have: each is linked to the
+/// neighbouring stages by a pipe lane of its own, and the data plane has this many.
+pub const MAX_PIPELINE_LOCAL_RANKS: u32 = 8;
 
 impl Epoch {
     /// Node `i`'s local ranks (in rank order of the epoch).

@@ -168,7 +168,7 @@ pub struct Epoch {
 }
 
 mod local_ranks;
-pub use local_ranks::MAX_LOCAL_RANKS;
+pub use local_ranks::{MAX_LOCAL_RANKS, MAX_PIPELINE_LOCAL_RANKS};
 mod node_pairs;
 
 /// A durable checkpoint someone wrote.

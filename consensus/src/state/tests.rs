@@ -193,7 +193,8 @@ fn local_ranks_number_devices_and_split_a_hosts_share() {
     assert!(e.rank_shares().is_empty(), "equal shares stay equal per device");
     e.shares = vec![20, 10, 34];
     assert_eq!(e.rank_shares(), vec![10, 10, 10, 9, 9, 8, 8]);
-    // Refused: a count per node or none, each 1..=MAX_LOCAL_RANKS, one each in a pipeline.
+    // Refused: a count per node or none, each 1..=MAX_LOCAL_RANKS, as many each in a
+    // pipeline, at most MAX_PIPELINE_LOCAL_RANKS.
     for bad in [vec![2, 1], vec![0, 1, 1], vec![1, 1, MAX_LOCAL_RANKS + 1]] {
         let e = Epoch { local_ranks: bad, ..e.clone() };
         assert!(st.apply(&Command::ScheduleEpoch { epoch: e }).unwrap_err().0.contains("local ranks"));
@@ -201,7 +202,22 @@ fn local_ranks_number_devices_and_split_a_hosts_share() {
     let mut piped = epoch(1, 0, &[1, 2]);
     piped.layout = Layout { data: 1, pipeline: 2, cuts: vec![1] };
     piped.local_ranks = vec![2, 1];
-    assert!(st.apply(&Command::ScheduleEpoch { epoch: piped }).unwrap_err().0.contains("local ranks"));
+    let uneven = Epoch { local_ranks: vec![2, 1], ..piped.clone() };
+    assert!(st.apply(&Command::ScheduleEpoch { epoch: uneven }).unwrap_err().0.contains("local ranks"));
+    let mut wide = piped.clone();
+    (wide.ranks, wide.local_ranks) = (vec![1, 3], vec![MAX_PIPELINE_LOCAL_RANKS + 1; 2]);
+    let hardware = Hardware { ranks: MAX_PIPELINE_LOCAL_RANKS + 1, ..Hardware::default() };
+    for id in [1, 3] {
+        st.apply(&Command::UpdateHardware { id, hardware: hardware.clone() }).unwrap();
+    }
+    assert!(st.apply(&Command::ScheduleEpoch { epoch: wide }).unwrap_err().0.contains("at most 8"));
+    for (id, n) in [(1, 2), (3, 4)] {
+        st.apply(&Command::UpdateHardware { id, hardware: Hardware { ranks: n, ..Hardware::default() } })
+            .unwrap();
+    }
+    // As many on each node of a pipeline: accepted.
+    let even = Epoch { ranks: vec![1, 3], local_ranks: vec![2, 2], ..piped.clone() };
+    st.clone().apply(&Command::ScheduleEpoch { epoch: even }).unwrap();
     // Older records: no counts, one rank each.
     let old = epoch(1, 0, &[1, 2]);
     assert_eq!((old.total_ranks(), old.first_rank_of(1), old.local_ranks_of(5)), (2, 1, 1));

@@ -54,7 +54,7 @@ pub fn run_worker(args: PipeWorkerArgs) -> limpet_daemon::Result<()> {
     let (d, p) = (layout.data, layout.pipeline());
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut conn =
-        StageConnections::connect(&ep, 1, (d, p), &peers.ranks, &peers.addrs, deadline, &|| false)?;
+        StageConnections::connect(&ep, 1, (d, p, 1), &peers.ranks, &peers.addrs, deadline, &|| false)?;
     let stage = &layout.stages[conn.pos.stage];
     let (mut job, data) = limpet_daemon::train_cmd::job_from_flags(&args.job)?;
     if layout.micro_batch > 0 {

@@ -148,26 +148,15 @@ impl Config {
         if let Some(d) = device {
             c.take("[job].device", d.resolve());
         }
-        // `"auto"` on a host of several GPUs trains a pipelined job on the first (the
-        // cloud-init default must not refuse such jobs); a list of several is refused.
-        let listed = self.node.devices.as_ref().is_some_and(|d| d.entries() != ["auto"]);
-        let mut devices = c.take("[node].devices", self.node.local_devices()).flatten().unwrap_or_default();
-        if devices.len() > 1 && self.pipeline.is_some() {
-            if listed {
-                c.fail(
-                    "[node].devices",
-                    format!(
-                        "{} devices: a pipeline stage trains on one device (list one, or drop [pipeline])",
-                        devices.len()
-                    ),
-                );
-            } else {
-                warnings.push(format!(
-                    "[node].devices = \"auto\" finds {} devices: a pipelined job trains on one; using the first",
-                    devices.len()
-                ));
-                devices.truncate(1);
-            }
+        let devices = c.take("[node].devices", self.node.local_devices()).flatten().unwrap_or_default();
+        // A pipelined epoch gives each host as many local ranks as its host with the fewest
+        // has, and a pipe lane each, of which there are at most MAX_PIPELINE_LOCAL_RANKS.
+        let most = limpet_consensus::state::MAX_PIPELINE_LOCAL_RANKS as usize;
+        if self.pipeline.is_some() && devices.len() > most {
+            warnings.push(format!(
+                "[node].devices: {} devices, but a pipelined job trains on at most {most} a host",
+                devices.len()
+            ));
         }
         (device.unwrap_or(DeviceChoice::Cpu), devices)
     }

@@ -73,6 +73,10 @@ pub struct TransitionDoc {
     pub step: u64,
     /// World size.
     pub world: usize,
+    /// Its ranks counted per device (each host's local ranks; in a pipeline each a replica of
+    /// its host's stage); 0 in documents of builds before it was shown.
+    #[serde(default)]
+    pub devices: usize,
     /// Cause.
     pub cause: String,
     /// Largest idle time any reporting rank saw, ms.
@@ -301,6 +305,7 @@ fn transition_doc(st: &ClusterState, e: &limpet_consensus::state::Epoch, parsed:
         epoch: e.id,
         step: e.start_step,
         world: e.ranks.len(),
+        devices: e.total_ranks(),
         cause: e.cause.clone(),
         idle_ms: lived.iter().map(|t| t.idle_ms).max(),
         lost_steps: lived.iter().map(|t| t.lost_steps).max(),
@@ -460,7 +465,11 @@ pub fn transitions_table(transitions: &[TransitionDoc]) -> String {
             x.epoch.to_string(),
             x.step.to_string(),
             x.world.to_string(),
-            x.layout.clone(),
+            if x.devices > x.world {
+                format!("{} ({} ranks)", x.layout, x.devices)
+            } else {
+                x.layout.clone()
+            },
             x.global_batch.to_string(),
             x.idle_ms.map_or("-".into(), |v| v.to_string()),
             match (x.lost_steps, x.redone_steps) {
@@ -551,6 +560,7 @@ mod tests {
             epoch: 12,
             step: 3025,
             world: 2,
+            devices: 4,
             cause: "drain of node 4".into(),
             idle_ms: Some(4),
             lost_steps: Some(0),
@@ -572,6 +582,8 @@ mod tests {
         let end = |l: &str, w: &str| l.find(w).map(|i| i + w.len());
         assert_eq!(end(lines[0], "STEP"), end(lines[1], "3025"), "{text}");
         assert!(lines[1].contains("1.4 MB") && lines[1].ends_with("drain of node 4"), "{text}");
+        // Hosts of two devices: the layout says how many ranks it trains.
+        assert!(lines[1].contains("2x1 (4 ranks)"), "{text}");
     }
 
     /// A member's name, a reason and a checkpoint location holding escape sequences reach

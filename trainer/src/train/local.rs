@@ -627,11 +627,17 @@ impl Trainer {
 
     /// Makes this trainer's state (parameters, optimizer state, step, data position, random
     /// state, predicted exponents) a copy of `leader`'s, tensor by tensor from its device to
-    /// this one's: no image and no copy through host memory. Both of one job, unsharded.
+    /// this one's: no image and no copy through host memory. Both of one job, unsharded. A
+    /// pipeline stage's leader may hold other blocks than this trainer (its stage changed at
+    /// an entry): this trainer is then made anew on its device for the leader's blocks.
     fn copy_state_from(&mut self, leader: &Trainer) -> Result<(), TrainerError> {
         leader.refuse_sharded("a local rank's copy of the host's state")?;
         if let Some(d) = self.job.diff(&leader.job) {
             return Err(TrainerError::Mismatch(format!("job field {d} (a local rank vs the host's)")));
+        }
+        if self.model.blocks() != leader.model.blocks() {
+            let (blocks, device) = (leader.model.blocks(), self.model.device());
+            *self = Trainer::on_device(self.job.clone(), self.data.shallow_clone(), blocks, device)?;
         }
         self.drop_shard();
         self.stamp = next_stamp();

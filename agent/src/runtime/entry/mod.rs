@@ -287,8 +287,17 @@ fn connect(
     let by = Instant::now() + ENTRY_WAIT;
     if n.layout.pipeline > 1 {
         drop(group);
-        let layout = (n.layout.data as usize, n.layout.pipeline as usize);
+        // Every host of a pipelined epoch has as many local ranks (the controller's rule).
+        let local = n.local_ranks_of(0) as usize;
+        let layout = (n.layout.data as usize, n.layout.pipeline as usize, local);
         let stages = StageConnections::connect(x.endpoint, n.id, layout, &n.ranks, addrs, by, give_up)?;
+        if local > 1 {
+            tracing::info!(
+                epoch = n.id,
+                local_ranks = local,
+                "pipe and ring lanes connected, one per local rank"
+            );
+        }
         return Ok((Conn::Stages(Box::new(stages)), Vec::new()));
     }
     let count = super::local_ranks::lanes_of(n);
