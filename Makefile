@@ -95,7 +95,7 @@ bench: build
 	$(LAB) bench elastic --model gpt --steps 3000 --shard-replicas 1
 	$(LAB) bench straggler
 	$(LAB) bench straggler --nodes 2 --pipeline 2 --steps 400
-	$(LAB) bench pipeline --model gpt --layers 4 --batch 32 --micro-batch 8 --hosts 2 --train-steps 40
+	$(LAB) bench pipeline --model gpt --layers 4 --batch 32 --micro-batch 8 --hosts 2 --train-steps 40 --devices 2
 	$(LAB) bench pipeline --model gpt --layers 4 --batch 32 --micro-batch 8 --hosts 4 --train-steps 40 --chaos
 	$(LAB) bench train --preset small --batch 8 --context 256
 	$(LAB) bench train --preset 125m --batch 4 --context 256 --steps 4

@@ -12,6 +12,9 @@
 //! (`runtime::local_ranks`).
 
 use crate::dataplane::frame::MAX_LANES;
+
+// A pipelined epoch's local ranks (the log's bound) each have a pipe lane.
+const _: () = assert!(MAX_LANES as u32 == limpet_consensus::state::MAX_PIPELINE_LOCAL_RANKS);
 use crate::dataplane::{DataPlaneError, Endpoint, Group, PipeLink};
 use limpet_trainer::pipeline::{StagePosition, StageReducers};
 use limpet_trainer::{LocalGroup, LocalSums, Reduce, StepStats, Trainer, TrainerError};
@@ -194,15 +197,31 @@ impl StageConnections {
             leader.pipeline_step(positions[0], link, reduce)
         });
         // A local rank's own failure (not a link's or a ring's) is the host's: fatal, as the
-        // first device's would be. A failed link or ring is every local rank's, reported once.
+        // first device's would be. A failed link or ring is every local rank's, reported once:
+        // the first device's, unless it names no peer and another's does (a neighbour that
+        // broke pipe lane k is named by local rank k; the first device only saw it leave).
+        let mut named = None;
         for r in theirs.into_iter().map(|r| r.expect("the scope ran every local rank")) {
-            if let Err(e) = r {
-                if !matches!(e, TrainerError::Reduce { .. }) {
-                    return Err(e);
-                }
+            match r {
+                Err(e @ TrainerError::Reduce { peer: Some(_), .. }) => named = named.or(Some(e)),
+                Err(TrainerError::Reduce { .. }) | Ok(_) => {}
+                Err(e) => return Err(e),
             }
         }
-        mine
+        match (mine, named) {
+            (Err(TrainerError::Reduce { peer: None, .. }), Some(e)) => Err(e),
+            (mine, _) => mine,
+        }
+    }
+
+    /// The longest own work (forward and backward, without waiting on links) of the local
+    /// ranks' last step, in milliseconds: what the host's speed is judged by.
+    pub fn compute_ms(leader: &Trainer, followers: &[Trainer], local: usize) -> f64 {
+        followers
+            .iter()
+            .take(local.saturating_sub(1))
+            .map(Trainer::compute_ms)
+            .fold(leader.compute_ms(), f64::max)
     }
 }
 

@@ -152,11 +152,11 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
     let rebuild = view.rebuild && failed.is_empty() && ranks == current_ranks;
     let same_layout = st.current.as_ref().is_none_or(|c| c.layout == layout);
     // A host whose devices are not what the current epoch counts (it came back with fewer
-    // GPUs): the same ranks, counted again.
+    // GPUs; in a pipeline, the host with the fewest changed): the same ranks, counted again.
     let recount = st.current.as_ref().is_some_and(|c| {
+        let due = epoch_local_ranks(st, &c.ranks, &c.layout);
         c.ranks == ranks
-            && c.layout.pipeline == 1
-            && c.ranks.iter().enumerate().any(|(i, &r)| c.local_ranks_of(i) != usable_ranks(st, r))
+            && (0..c.ranks.len()).any(|i| c.local_ranks_of(i) != due.get(i).copied().unwrap_or(1))
     });
     if recount && failed.is_empty() && !rebuild {
         causes.push(Cause::Replan { data: layout.data, pipeline: layout.pipeline });
@@ -497,6 +497,22 @@ pub fn usable_ranks(st: &ClusterState, r: NodeId) -> u32 {
     })
 }
 
+/// The local ranks each of `ranks` trains with in an epoch of `layout`, in rank order (empty
+/// when every node has one): its usable ranks; in a pipeline, as many on every node as the
+/// one with the fewest has (each device a replica of its node's stage, linked to the same
+/// device of the neighbouring stages' nodes), at most [`MAX_PIPELINE_LOCAL_RANKS`].
+fn epoch_local_ranks(st: &ClusterState, ranks: &[NodeId], layout: &Layout) -> Vec<u32> {
+    let mut local_ranks: Vec<u32> = ranks.iter().map(|&r| usable_ranks(st, r)).collect();
+    if layout.pipeline != 1 {
+        let fewest = local_ranks.iter().copied().min().unwrap_or(1).min(MAX_PIPELINE_LOCAL_RANKS);
+        local_ranks.iter_mut().for_each(|n| *n = fewest);
+    }
+    if local_ranks.iter().all(|&n| n == 1) {
+        local_ranks.clear();
+    }
+    local_ranks
+}
+
 /// Builds the next epoch for `ranks`.
 fn plan_epoch(
     view: &View<'_>,
@@ -562,17 +578,7 @@ fn plan_epoch(
         }
     }
     let id = st.last_epoch_id + 1;
-    // Each node trains with its devices as local ranks. In a pipeline every node has as
-    // many as the one with the fewest (each device a replica of its node's stage, linked to
-    // the same device of the neighbouring stages' nodes).
-    let mut local_ranks: Vec<u32> = ranks.iter().map(|&r| usable_ranks(st, r)).collect();
-    if layout.pipeline != 1 {
-        let fewest = local_ranks.iter().copied().min().unwrap_or(1).min(MAX_PIPELINE_LOCAL_RANKS);
-        local_ranks.iter_mut().for_each(|n| *n = fewest);
-    }
-    if local_ranks.iter().all(|&n| n == 1) {
-        local_ranks.clear();
-    }
+    let local_ranks = epoch_local_ranks(st, ranks, &layout);
     // The batch policy scales with the data-parallel hosts, as `base_world` counts them (not
     // with pipeline stages, nor with a host's devices, which split its share).
     let decision = cfg.policy.decide(cfg.base, u64::from(layout.data), view.grad_stats);

@@ -227,6 +227,15 @@ fn a_pipelined_epoch_gives_every_host_the_fewest_devices_any_has() {
     sim.start_scheduled();
     sim.train(3);
     assert_eq!(sim.control(), "steady");
+    // The host with the fewest comes back with one device: every host is counted again.
+    let hardware = Hardware { ranks: 1, gpus: 1, cpus: 2, ..Hardware::default() };
+    sim.state.apply(&Command::UpdateHardware { id: 2, hardware }).unwrap();
+    let why = sim.control();
+    let next = sim.state.scheduled.clone().unwrap();
+    assert_eq!((next.ranks.clone(), next.local_ranks.clone()), (e.ranks.clone(), Vec::new()), "{why}");
+    sim.start_scheduled();
+    sim.train(3);
+    assert_eq!(sim.control(), "steady");
     // Hosts of sixteen devices: at most MAX_PIPELINE_LOCAL_RANKS each.
     let mut wide = pipelined(2, Some(2));
     for id in [1, 2] {

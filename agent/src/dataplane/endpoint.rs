@@ -147,8 +147,9 @@ type InboxKey = (u64, u64, Channel);
 pub const MAX_HANDSHAKES: usize = 64;
 /// Accepted connections waiting for a group or the handoff to take them.
 pub const MAX_INBOX: usize = 256;
-/// Of those, from any one peer (a ring and its lanes, a pipeline and a few handoff streams
-/// per epoch, for an epoch or two ahead).
+/// Of those, from any one peer (a ring and its lanes, or a ring and a pipe with its lanes: a
+/// peer neighbours this host in a stage's replicas or in a replica's stages, not both; and
+/// a few handoff streams per epoch, for an epoch or two ahead).
 pub const MAX_INBOX_PER_PEER: usize = 16 + crate::dataplane::frame::MAX_LANES - 1;
 /// The longest a handshake may take, whatever the collective timeout.
 const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);

@@ -15,6 +15,7 @@ use super::sharding::{self, Final};
 use super::tasks::Tasks;
 use super::{Exit, StepLine};
 use crate::report::{AgentReport, Broken, Phase, Transition, MAX_TRANSITIONS};
+use crate::stage::StageConnections;
 use crate::Endpoint;
 use limpet_consensus::state::{ClusterState, Epoch, NodeId};
 use limpet_consensus::{LocalState, NodeHandle};
@@ -395,12 +396,14 @@ impl TrainLoop {
             }
             // A pipeline of hosts of several local ranks: each device a replica of the stage.
             Conn::Stages(c) if c.local_ranks() > 1 => {
-                let stepped = self.rank_threads.fit(c.local_ranks() - 1).and_then(|pool| {
+                let local = c.local_ranks();
+                let stepped = self.rank_threads.fit(local - 1).and_then(|pool| {
                     c.step_local(&mut self.trainer, &mut self.followers, &self.local_sums, pool)
                 });
                 match stepped {
                     Ok(stats) => {
-                        self.cfg.slowdown.stretch(Duration::from_secs_f64(self.trainer.compute_ms() / 1e3));
+                        let own = StageConnections::compute_ms(&self.trainer, &self.followers, local);
+                        self.cfg.slowdown.stretch(Duration::from_secs_f64(own / 1e3));
                         Ok(stats)
                     }
                     Err(e @ limpet_trainer::TrainerError::Reduce { peer, violation, .. }) => {

@@ -33,6 +33,10 @@ pub struct PipeWorkerArgs {
     /// Data-plane timeout in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     pub timeout_ms: u64,
+    /// Local ranks of this host (CPU devices, a trainer thread each), each a replica of the
+    /// host's stage, as `limpetd` trains with `[node].devices`.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=8))]
+    pub local_ranks: u64,
 }
 
 /// What a worker prints when it is done.
@@ -51,22 +55,36 @@ pub fn run_worker(args: PipeWorkerArgs) -> limpet_daemon::Result<()> {
     let layout: HostLayout = args.layout.parse().map_err(|e| UsageError(format!("--layout: {e}")))?;
     let ep = crate::dp_cmd::bind_worker(&args.peers, args.timeout_ms)?;
     let peers = &args.peers;
-    let (d, p) = (layout.data, layout.pipeline());
+    let (d, p, local) = (layout.data, layout.pipeline(), args.local_ranks as usize);
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut conn =
-        StageConnections::connect(&ep, 1, (d, p, 1), &peers.ranks, &peers.addrs, deadline, &|| false)?;
+        StageConnections::connect(&ep, 1, (d, p, local), &peers.ranks, &peers.addrs, deadline, &|| false)?;
     let stage = &layout.stages[conn.pos.stage];
     let (mut job, data) = limpet_daemon::train_cmd::job_from_flags(&args.job)?;
     if layout.micro_batch > 0 {
         job.micro_batch = layout.micro_batch;
     }
     job.steps = job.steps.max(args.train_steps);
-    let mut trainer = limpet_trainer::Trainer::for_stage(job, data, stage.start..stage.end)?;
+    let blocks = stage.start..stage.end;
+    let mut followers = (1..local)
+        .map(|_| limpet_trainer::Trainer::for_stage(job.clone(), data.shallow_clone(), blocks.clone()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut trainer = limpet_trainer::Trainer::for_stage(job, data, blocks)?;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(local.max(2) - 1)
+        .build()
+        .context("the local ranks' threads")?;
+    let sums = limpet_trainer::LocalSums::default();
     let mut step_ms = Vec::new();
     let mut loss = 0.0;
     for _ in 0..args.train_steps {
         let t = Instant::now();
-        loss = conn.step(&mut trainer)?.loss;
+        let stats = if local > 1 {
+            conn.step_local(&mut trainer, &mut followers, &sums, &pool)?
+        } else {
+            conn.step(&mut trainer)?
+        };
+        loss = stats.loss;
         step_ms.push(t.elapsed().as_secs_f64() * 1e3);
     }
     let report =
@@ -100,6 +118,23 @@ pub struct BenchPipelineArgs {
     /// Shadow every this many steps in the chaos run.
     #[arg(long, default_value_t = 10)]
     pub shadow_every: u64,
+    /// Also train the best pipelined layout on hosts of this many local ranks (CPU devices,
+    /// each a replica of its host's stage), against the same replicas on this many times the
+    /// hosts of one device each, in the same run.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=8))]
+    pub devices: u64,
+}
+
+/// The best pipelined layout on hosts of several local ranks against the same replicas on
+/// hosts of one device each.
+#[derive(Debug, Serialize)]
+struct LocalRanks {
+    layout: String,
+    devices: u64,
+    local_samples_per_s: f64,
+    hosts_of_one: String,
+    one_samples_per_s: f64,
+    ratio: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -144,7 +179,7 @@ fn job_flags(j: &JobArgs) -> Vec<String> {
 
 /// Trains `layout` in worker processes and returns the measured step time (ms): per rank
 /// the median after warm-up, then the slowest rank.
-fn measure(layout: &HostLayout, job: &JobArgs, steps: u64) -> limpet_daemon::Result<f64> {
+fn measure(layout: &HostLayout, job: &JobArgs, steps: u64, local: u64) -> limpet_daemon::Result<f64> {
     let exe = std::env::current_exe()?;
     let p = layout.pipeline();
     let host_node = |h: &str| -> limpet_daemon::Result<u64> {
@@ -156,7 +191,14 @@ fn measure(layout: &HostLayout, job: &JobArgs, steps: u64) -> limpet_daemon::Res
             ranks.push(host_node(&layout.stages[s].hosts[r])?);
         }
     }
-    let mut extra = vec!["--layout".to_string(), layout.spec(), "--train-steps".into(), steps.to_string()];
+    let mut extra = vec![
+        "--layout".to_string(),
+        layout.spec(),
+        "--train-steps".into(),
+        steps.to_string(),
+        "--local-ranks".into(),
+        local.to_string(),
+    ];
     extra.extend(job_flags(job));
     let mut workers: Workers = spawn_group(&exe, "pipe-worker", &ranks, &extra)?;
     let mut slowest: f64 = 0.0;
@@ -206,7 +248,7 @@ pub fn bench(args: BenchPipelineArgs) -> limpet_daemon::Result<()> {
     let mut rows = Vec::new();
     for (role, plan) in &todo {
         bar.set_message(plan.layout.spec());
-        let measured_ms = measure(&plan.layout, &args.job, args.train_steps)?;
+        let measured_ms = measure(&plan.layout, &args.job, args.train_steps, 1)?;
         bar.inc(1);
         rows.push(Measured {
             layout: plan.layout.spec(),
@@ -219,13 +261,14 @@ pub fn bench(args: BenchPipelineArgs) -> limpet_daemon::Result<()> {
         });
     }
     bar.finish_and_clear();
+    let local = if args.devices > 1 { local_ranks(&args, &report, job.global_batch)? } else { None };
     let chaos = if args.chaos { Some(chaos_run(&args, &job, &todo[0].1)?) } else { None };
     if args.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(
-                &serde_json::json!({"hosts": args.hosts, "host_speed": speed, "rows": rows, "chaos": chaos})
-            )?
+            serde_json::to_string_pretty(&serde_json::json!({
+                "hosts": args.hosts, "host_speed": speed, "rows": rows, "local_ranks": local, "chaos": chaos
+            }))?
         );
         return Ok(());
     }
@@ -254,10 +297,48 @@ pub fn bench(args: BenchPipelineArgs) -> limpet_daemon::Result<()> {
             rows[0].samples_per_s / d.samples_per_s
         );
     }
+    match (&local, args.devices) {
+        (_, 1) => {}
+        (Some(l), n) => println!(
+            "hosts of {n} local ranks: {} at {:.0} samples/s, the same replicas on {}x the hosts of one device ({}) at {:.0}: {:.2}x",
+            l.layout, l.local_samples_per_s, n, l.hosts_of_one, l.one_samples_per_s, l.ratio
+        ),
+        (None, n) => println!("hosts of {n} local ranks: no pipelined layout was planned for {} hosts", args.hosts),
+    }
     if let Some(c) = &chaos {
         print_chaos(&args, c);
     }
     Ok(())
+}
+
+/// The best pipelined layout of `report` trained on its hosts with `--devices` local ranks
+/// each, then the same replicas (replica `r * devices + k` on a host of its own) on hosts of
+/// one device: the same samples and the same threads, only the hosts fewer.
+fn local_ranks(
+    args: &BenchPipelineArgs,
+    report: &planner::PlanReport,
+    global_batch: usize,
+) -> limpet_daemon::Result<Option<LocalRanks>> {
+    let piped = std::iter::once(&report.best).chain(&report.runners_up).find(|p| p.layout.pipeline() > 1);
+    let Some(plan) = piped else { return Ok(None) };
+    let (layout, n) = (&plan.layout, args.devices as usize);
+    let p = layout.pipeline();
+    let mut wide = layout.clone();
+    wide.data = layout.data * n;
+    for (s, stage) in wide.stages.iter_mut().enumerate() {
+        stage.hosts = (0..layout.data * n).map(|r| format!("h{}", r * p + s)).collect();
+    }
+    let local_ms = measure(layout, &args.job, args.train_steps, args.devices)?;
+    let one_ms = measure(&wide, &args.job, args.train_steps, 1)?;
+    let per_s = |ms: f64| global_batch as f64 / (ms / 1e3);
+    Ok(Some(LocalRanks {
+        layout: format!("{}x{} on {} hosts", layout.data, p, layout.data * p),
+        devices: args.devices,
+        local_samples_per_s: per_s(local_ms),
+        hosts_of_one: format!("{}x{}", wide.data, p),
+        one_samples_per_s: per_s(one_ms),
+        ratio: one_ms / local_ms,
+    }))
 }
 
 /// The layouts to run: the chosen one, `others` runners-up, and plain data parallelism over

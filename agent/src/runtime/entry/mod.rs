@@ -255,10 +255,12 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     x.trainer.set_shares(n.shares.clone());
     let live = mine.live_label;
     drop(mine);
-    if !x.followers.is_empty() {
+    // The devices this epoch trains (a pipelined epoch may count fewer than the host has).
+    let used = (n.local_ranks_of(me) as usize).saturating_sub(1).min(x.followers.len());
+    if used > 0 {
         // Before the barrier: the other hosts wait here, not in the first step's collective.
         // Before the state is cut: each device then keeps its own shard of the host's state.
-        super::local_ranks::sync(x.trainer, x.followers)?;
+        super::local_ranks::sync(x.trainer, &mut x.followers[..used])?;
     }
     sharding::shard_after_entry((&mut *x.trainer, &mut *x.followers), &x.cfg.job, n, me)?;
     group.barrier(ENTRY_STEP)?;
