@@ -39,8 +39,8 @@ pub use run::{
     save_image, Progress, RunOptions, RunReport, CHECKPOINT_FILE, PENDING_CHECKPOINT_FILE,
 };
 pub use train::{
-    CheckpointPart, Eval, EvalSums, LocalGroup, LocalRank, LocalSums, NoReduce, Piece, Reduce, ShardLayout,
-    StepOrder, StepStats, Trainer, MAX_SHARDS, SHARDS,
+    CheckpointPart, Eval, EvalSums, LocalGroup, LocalRank, LocalSums, NoReduce, OverlapProbe, Piece, Reduce,
+    ShardLayout, StepOrder, StepStats, Trainer, MAX_SHARDS, SHARDS,
 };
 
 /// Makes libtorch use `n` intra-op threads. limpet runs one thread per rank by default, so

@@ -24,6 +24,7 @@ pub use eval::EvalSums;
 
 pub use exact::{MAX_SHARDS, SHARDS};
 pub use local::{LocalGroup, LocalRank, LocalSums};
+pub use overlap::OverlapProbe;
 pub use reduce::{NoReduce, Piece, Reduce};
 pub use shard::{CheckpointPart, ShardLayout};
 
@@ -121,6 +122,8 @@ pub struct Trainer {
     /// The thread an overlapped step sums its buckets on (see `overlap.rs`), kept from step
     /// to step; made when first needed.
     bucket_thread: Option<std::sync::Arc<rayon::ThreadPool>>,
+    /// How the last overlapped step's buckets met its backward (see [`OverlapProbe`]).
+    overlap: std::sync::Arc<overlap::OverlapProbe>,
     /// The optimizer state of the blocks this rank holds, when it is sharded (`optim` is
     /// then empty).
     shard: Option<shard::ShardState>,
@@ -184,6 +187,7 @@ impl Trainer {
             exact_sum: None,
             exact_spare: None,
             bucket_thread: None,
+            overlap: Default::default(),
             shard: None,
             unlogged: None,
             regroup_values: 0,

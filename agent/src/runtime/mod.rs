@@ -84,6 +84,11 @@ pub struct StepLine {
     /// The held-out loss after this step, when the job evaluated (`eval_every`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
+    /// A step whose reduction overlapped backward (`[during, handed]`): of the buckets its
+    /// backward handed over (on this host's first device), how many while the reducing thread
+    /// was summing an earlier one. Absent for steps reduced after backward.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overlap: Option<[usize; 2]>,
 }
 
 fn is_zero(v: &usize) -> bool {

@@ -579,6 +579,14 @@ impl TrainLoop {
             loss: stats.loss,
             agreed: stats.agreed,
             eval_loss: eval,
+            // A model of one bucket sums it with the scalars once backward has ended: nothing
+            // to say.
+            overlap: self
+                .trainer
+                .overlap_probe()
+                .of_step(stats.step)
+                .filter(|&(_, handed)| handed > 0)
+                .map(|(during, handed)| [during, handed]),
         };
         if let Some(f) = self.log.as_mut() {
             let mut s = serde_json::to_string(&line).expect("step lines serialize");

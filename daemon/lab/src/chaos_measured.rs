@@ -185,6 +185,7 @@ mod tests {
             loss: 1.0,
             agreed: false,
             eval_loss: None,
+            overlap: None,
         };
         // World 2: steps every 10 ms; world 3: every 20 ms (its first step late: a transition).
         let mut lines: Vec<StepLine> = (0..11).map(|s| line(1, s, 10 * s, 2)).collect();

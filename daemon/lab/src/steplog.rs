@@ -127,6 +127,7 @@ mod tests {
             loss: 1.0,
             agreed: false,
             eval_loss: None,
+            overlap: None,
         }
     }
 

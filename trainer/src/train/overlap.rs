@@ -14,7 +14,65 @@ use super::{StepStats, Trainer};
 use crate::model::Model;
 use crate::{Reduce, TrainerError};
 use std::ops::Range;
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+
+/// How an overlapped step's buckets met its backward, counted as it runs: the buckets
+/// backward handed over, and of those the ones handed over while the reducing thread was
+/// inside the sum of an earlier one. That is the overlap itself (backward of bucket k + 1
+/// while bucket k is summed, as DDP's buckets); none when every sum came after backward.
+#[derive(Debug)]
+pub struct OverlapProbe {
+    /// The step watched (`u64::MAX`: none yet).
+    step: AtomicU64,
+    summing: AtomicBool,
+    handed: AtomicUsize,
+    during_sum: AtomicUsize,
+}
+
+impl Default for OverlapProbe {
+    fn default() -> Self {
+        OverlapProbe {
+            step: AtomicU64::new(u64::MAX),
+            summing: AtomicBool::new(false),
+            handed: AtomicUsize::new(0),
+            during_sum: AtomicUsize::new(0),
+        }
+    }
+}
+
+impl OverlapProbe {
+    /// Buckets handed over so far in the step watched.
+    pub fn handed(&self) -> usize {
+        self.handed.load(Ordering::SeqCst)
+    }
+
+    /// Of those, the ones handed over while an earlier bucket was being summed.
+    pub fn during_sum(&self) -> usize {
+        self.during_sum.load(Ordering::SeqCst)
+    }
+
+    /// `(during_sum, handed)` if the step watched last is `step`.
+    pub fn of_step(&self, step: u64) -> Option<(usize, usize)> {
+        (self.step.load(Ordering::SeqCst) == step).then(|| (self.during_sum(), self.handed()))
+    }
+
+    fn start(&self, step: u64) {
+        self.summing.store(false, Ordering::SeqCst);
+        self.handed.store(0, Ordering::SeqCst);
+        self.during_sum.store(0, Ordering::SeqCst);
+        self.step.store(step, Ordering::SeqCst);
+    }
+
+    /// A bucket about to be handed over (before it is sent, so a sum already running is an
+    /// earlier bucket's).
+    fn hand_over(&self) {
+        if self.summing.load(Ordering::SeqCst) {
+            self.during_sum.fetch_add(1, Ordering::SeqCst);
+        }
+        self.handed.fetch_add(1, Ordering::SeqCst);
+    }
+}
 
 /// The ranges of the flat gradient buffer to reduce after each block's backward.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -110,6 +168,8 @@ impl Trainer {
             s.pending = None;
         }
         let buckets = Buckets::new(&self.model, bucket_values());
+        let probe = Arc::clone(&self.overlap);
+        probe.start(step);
         self.grads.zero(self.model.params(), self.shards_gradients())?;
         let share = self.plan.share_in(rank, world, &self.shares);
         let positions = self.cursor + share.start as u64..self.cursor + share.end as u64;
@@ -135,6 +195,7 @@ impl Trainer {
                         // each is summed; it goes into the scalars, which end the last bucket.
                         let mut sq = 0.0f64;
                         for range in rx {
+                            probe.summing.store(true, Ordering::SeqCst);
                             let last = range.end == end;
                             // SAFETY: a range arrives here once its gradients are final; the
                             // compute side never touches it again before the scope ends.
@@ -163,6 +224,7 @@ impl Trainer {
                                     }
                                 }
                             }
+                            probe.summing.store(false, Ordering::SeqCst);
                         }
                         Ok(())
                     },
@@ -194,6 +256,12 @@ impl Trainer {
             }
             other => other,
         })
+    }
+
+    /// What watches this trainer's overlapped steps (see [`OverlapProbe`]): the same probe
+    /// from step to step, so it may be read while a step runs.
+    pub fn overlap_probe(&self) -> Arc<OverlapProbe> {
+        Arc::clone(&self.overlap)
     }
 
     /// The thread buckets are summed on, made at the first overlapped step and kept: a
@@ -229,9 +297,11 @@ impl Trainer {
         let one = buckets.in_order().count() <= 1;
         // A job that shards its gradients keeps no device gradient once it is in the buffer.
         let forget = self.shards_gradients();
+        let probe = Arc::clone(&self.overlap);
         let hand_over = |model: &Model, grads: &mut super::grads::GradBuffer, range: &Range<usize>| {
             grads.collect_range(model.params(), range, forget)?;
             if !one || range.end < n {
+                probe.hand_over();
                 // A send fails only when the reducing thread has stopped on an error, which
                 // its join reports.
                 let _ = tx.send(range.clone());
@@ -492,6 +562,60 @@ mod tests {
             assert!(per_step >= 3, "{per_step} buckets a step");
             assert_eq!(lens.iter().sum::<usize>(), 4 * n);
         }
+    }
+
+    /// A reduce whose first sum returns only once backward has handed over another bucket
+    /// (or fails after 30 s): a step through it finishes only if backward goes on while a
+    /// bucket is being summed. Sums nothing (its rank computes the whole batch).
+    struct Stalling {
+        probe: std::sync::Arc<OverlapProbe>,
+        calls: usize,
+    }
+
+    impl Reduce for Stalling {
+        fn allreduce_sum(&mut self, _: &mut [f32], _: u64) -> Result<(), TrainerError> {
+            self.calls += 1;
+            let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+            while self.calls == 1 && self.probe.handed() < 2 {
+                if std::time::Instant::now() > until {
+                    return Err(TrainerError::reduce(
+                        "backward handed over no bucket while the first was summed",
+                    ));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            Ok(())
+        }
+    }
+
+    /// The reduction overlaps backward, checked without timing: the first bucket's sum waits
+    /// for backward to hand over the next one, so the step ends only if backward goes on while
+    /// a bucket is summed (summing after backward would hand every bucket over first, and the
+    /// probe would count none during a sum; summing on backward's thread would never return),
+    /// and the probe counts the buckets handed over during a sum. A job that reduces after
+    /// backward hands over none.
+    #[test]
+    fn backward_goes_on_while_a_bucket_is_summed() {
+        let chars = char_data();
+        let j = job(ModelKind::Llama, &chars, 12, 2);
+        set_bucket_values(20_000);
+        let mut t = Trainer::try_new(j.clone(), chars.shallow_clone()).unwrap();
+        // Rank 0 of 2 computes the whole batch, so a sum that adds nothing is the group's.
+        t.set_shares(vec![12, 0]);
+        let probe = t.overlap_probe();
+        for _ in 0..2 {
+            let mut r = Stalling { probe: std::sync::Arc::clone(&probe), calls: 0 };
+            let step = t.step();
+            t.train_step(0, 2, &mut r).unwrap();
+            let (during, handed) = probe.of_step(step).unwrap();
+            assert!(r.calls >= 3 && handed + 1 == r.calls, "{} sums for {handed} buckets", r.calls);
+            assert!((1..handed).contains(&during), "{during} of {handed} buckets handed over during a sum");
+        }
+        let mut after = Trainer::try_new(JobSpec { reduce_after_backward: true, ..j }, chars).unwrap();
+        after.set_shares(vec![12, 0]);
+        let step = after.step();
+        after.train_step(0, 2, &mut crate::NoReduce).unwrap();
+        assert_eq!(after.overlap_probe().of_step(step), None, "a step after backward is not watched");
     }
 
     /// Two local ranks' sharded collectives in one process: a reduce-scatter sums the whole
