@@ -110,7 +110,7 @@ bench: build
 	$(LAB) bench dp --preset 125m --world 4 --batch 8 --context 64 --steps 3 --warmup 1 --devices 2 --shard-replicas 1
 	$(LAB) bench dp --preset 350m --world 4 --batch 8 --context 64 --steps 2 --warmup 1 --shard-replicas 1 --whole-world 2 --no-peer
 	$(LAB) bench dp --preset 125m --world 4 --batch 8 --context 64 --steps 5 --warmup 1 --shard-replicas 1 --checkpoint-every 2 --shards-both
-	$(LAB) bench memory --preset 125m --dataset-gib 4 --batch 2 --context 128 --steps 5
+	$(LAB) bench memory --preset 125m --dataset-gib 4 --batch 2 --context 128 --steps 5 --sharded-world 4
 
 demo: build
 	rm -rf $(DEMO_DIR)

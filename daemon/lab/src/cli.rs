@@ -136,7 +136,13 @@ pub fn run(cli: Cli) -> limpet_daemon::Result<()> {
         Command::Bench(BenchCommand::Pipeline(args)) => crate::pipe_bench::bench(*args),
         Command::Bench(BenchCommand::Train(args)) => crate::train_bench::bench(args),
         Command::Bench(BenchCommand::Dp(args)) => crate::dp_bench::bench_dp(args),
-        Command::Bench(BenchCommand::Memory(args)) => crate::train_bench::bench_memory(args),
+        Command::Bench(BenchCommand::Memory(args)) => {
+            let sharded = match args.sharded_world {
+                Some(n) => Some(crate::dp_bench::sharded_memory(&args, n as usize)?),
+                None => None,
+            };
+            crate::train_bench::bench_memory(args, sharded)
+        }
         Command::Bench(BenchCommand::Activations(args)) => crate::act_bench::run(args),
         Command::Bench(BenchCommand::Straggler(args)) => crate::straggler_bench::run(args),
     }

@@ -216,6 +216,12 @@ fn walkdir(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
 
 /// Runs `limpet-lab bench dp`.
 pub fn bench_dp(a: BenchDpArgs) -> limpet_daemon::Result<()> {
+    let r = run_dp(&a)?;
+    print_dp(&a, &r)
+}
+
+/// Runs what `limpet-lab bench dp` measures, printing only its progress.
+pub fn run_dp(a: &BenchDpArgs) -> limpet_daemon::Result<DpBenchReport> {
     if a.world < 2 || a.batch < a.world || a.steps == 0 || a.context == 0 {
         return Err(limpet_daemon::UsageError(
             "--world must be at least 2, --batch at least --world, --steps and --context at least 1".into(),
@@ -271,10 +277,10 @@ pub fn bench_dp(a: BenchDpArgs) -> limpet_daemon::Result<()> {
         a.shard_replicas.map_or(String::new(), |r| format!(", optimizer state sharded ({r} replica)"))
     );
     let local = crate::local::LocalJob { devices: a.devices, ..job.clone() };
-    let ours = limpet_dp(&a, &tmp.path().join("limpet"), local, agents)?;
+    let ours = limpet_dp(a, &tmp.path().join("limpet"), local, agents)?;
     let limpet_one_device_samples_per_s = if a.devices > 1 {
         eprintln!("limpet: {} agents of one device each, the same job", a.world);
-        Some(limpet_dp(&a, &tmp.path().join("limpet-one"), job.clone(), a.world)?.samples_per_s)
+        Some(limpet_dp(a, &tmp.path().join("limpet-one"), job.clone(), a.world)?.samples_per_s)
     } else {
         None
     };
@@ -288,7 +294,7 @@ pub fn bench_dp(a: BenchDpArgs) -> limpet_daemon::Result<()> {
             );
             let whole =
                 crate::local::LocalJob { devices: a.devices, shard_state: None, global_batch, ..job.clone() };
-            Some(limpet_dp(&a, &tmp.path().join("limpet-whole"), whole, n / a.devices)?)
+            Some(limpet_dp(a, &tmp.path().join("limpet-whole"), whole, n / a.devices)?)
         }
         None => None,
     };
@@ -296,7 +302,7 @@ pub fn bench_dp(a: BenchDpArgs) -> limpet_daemon::Result<()> {
     let limpet_no_overlap_samples_per_s = if a.overlap_both {
         eprintln!("limpet: the same job reducing after backward (overlap = false)");
         let after = crate::local::LocalJob { devices: a.devices, overlap: Some(false), ..job.clone() };
-        Some(limpet_dp(&a, &tmp.path().join("limpet-after"), after, agents)?.samples_per_s)
+        Some(limpet_dp(a, &tmp.path().join("limpet-after"), after, agents)?.samples_per_s)
     } else {
         None
     };
@@ -308,7 +314,7 @@ pub fn bench_dp(a: BenchDpArgs) -> limpet_daemon::Result<()> {
             checkpoint_shared: true,
             ..job.clone()
         };
-        let side = limpet_dp(&a, &tmp.path().join("limpet-shards"), shared, agents)?;
+        let side = limpet_dp(a, &tmp.path().join("limpet-shards"), shared, agents)?;
         Some((side.samples_per_s, side.peak_rss_bytes))
     } else {
         None
@@ -321,7 +327,7 @@ pub fn bench_dp(a: BenchDpArgs) -> limpet_daemon::Result<()> {
                 shard_state: Some(("optimizer+gradients".to_string(), r)),
                 ..job.clone()
             };
-            let side = limpet_dp(&a, &tmp.path().join("limpet-zero2"), zero2, agents)?;
+            let side = limpet_dp(a, &tmp.path().join("limpet-zero2"), zero2, agents)?;
             Some((side.samples_per_s, side.peak_rss_bytes, side.rss_bytes))
         }
         _ => None,
@@ -329,7 +335,7 @@ pub fn bench_dp(a: BenchDpArgs) -> limpet_daemon::Result<()> {
     let torchrun = if a.no_peer {
         None
     } else {
-        let (theirs, peak_rss_bytes, rss_bytes) = torchrun_dp(&a, tmp.path(), &spec)?;
+        let (theirs, peak_rss_bytes, rss_bytes) = torchrun_dp(a, tmp.path(), &spec)?;
         Some(TorchrunSide {
             samples_per_s: theirs,
             ratio: ours.samples_per_s / theirs,
@@ -359,6 +365,11 @@ pub fn bench_dp(a: BenchDpArgs) -> limpet_daemon::Result<()> {
         expected_optim_share: a.shard_replicas.map_or(1.0, |r| ((1 + r) as f64 / a.world as f64).min(1.0)),
         limpet_whole,
     };
+    Ok(r)
+}
+
+/// Prints what `limpet-lab bench dp` measured (`--json`: as JSON).
+fn print_dp(a: &BenchDpArgs, r: &DpBenchReport) -> limpet_daemon::Result<()> {
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
     } else {
@@ -514,4 +525,40 @@ fn most_in_logs(dir: &std::path::Path, key: &str) -> limpet_daemon::Result<u64> 
         limpet_daemon::fail!("no agent log in {} reports {key:?}", dir.display());
     }
     Ok(most)
+}
+
+/// `bench memory --sharded-world N`: the same model at world `n` (its agents on random
+/// tokens, `--batch` sequences a rank), sharded with one replica, then whole, in one run.
+pub fn sharded_memory(
+    a: &crate::train_bench::BenchMemoryArgs,
+    n: usize,
+) -> limpet_daemon::Result<crate::train_bench::ShardedMemory> {
+    let dp = BenchDpArgs {
+        preset: a.preset.clone(),
+        vocab: crate::train_bench::MEMORY_VOCAB,
+        batch: a.batch * n,
+        context: a.context,
+        world: n,
+        steps: a.steps.max(1),
+        warmup: 1,
+        shard_replicas: Some(1),
+        devices: 1,
+        overlap_both: false,
+        checkpoint_every: 0,
+        shards_both: false,
+        gradients_both: false,
+        whole_world: Some(n),
+        no_peer: true,
+        json: false,
+    };
+    let r = run_dp(&dp)?;
+    let whole = r.limpet_whole.context("bench dp measured no whole-state side")?;
+    Ok(crate::train_bench::ShardedMemory {
+        world: n,
+        sharded_peak_rss_bytes: r.limpet_peak_rss_bytes,
+        whole_peak_rss_bytes: whole.peak_rss_bytes,
+        sharded_optim_state_bytes: r.limpet_optim_state_bytes,
+        whole_optim_state_bytes: r.whole_optim_state_bytes,
+        expected_optim_share: r.expected_optim_share,
+    })
 }

@@ -229,10 +229,36 @@ pub struct BenchMemoryArgs {
     /// Steps of each run.
     #[arg(long, default_value_t = 20)]
     pub steps: u64,
+    /// Also measure each rank's memory at world N with its optimizer state sharded (each
+    /// shard on one more rank) against the whole state on every rank: N agents each, on this
+    /// machine, `--batch` sequences a rank (`bench dp --shard-replicas 1 --whole-world N
+    /// --no-peer`).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(2..=8))]
+    pub sharded_world: Option<u64>,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
 }
+
+/// Per-rank memory with sharded and with whole optimizer state, in one run.
+#[derive(Debug, Serialize)]
+pub struct ShardedMemory {
+    /// Ranks (agents) of each side.
+    pub world: usize,
+    /// The largest peak resident memory of an agent through its last step, sharded.
+    pub sharded_peak_rss_bytes: u64,
+    /// The same with the whole state on every rank.
+    pub whole_peak_rss_bytes: u64,
+    /// The optimizer state the largest sharded rank holds, counted by its trainer.
+    pub sharded_optim_state_bytes: u64,
+    /// The whole optimizer state.
+    pub whole_optim_state_bytes: u64,
+    /// What sharding should leave a rank of it: (1 + replicas) / world.
+    pub expected_optim_share: f64,
+}
+
+/// The vocabulary of `bench memory`'s model.
+pub const MEMORY_VOCAB: usize = 8192;
 
 /// What `limpet-lab bench memory` measured.
 #[derive(Debug, Serialize)]
@@ -251,6 +277,8 @@ pub struct MemoryBenchReport {
     pub peak_rss_small: u64,
     /// `train_peak_rss_large / model_bytes`.
     pub ratio_to_model: f64,
+    /// With `--sharded-world`: each rank's memory, sharded against whole.
+    pub sharded: Option<ShardedMemory>,
 }
 
 /// A token-shard directory of `bytes` bytes of id 0 (a sparse file) with its manifest.
@@ -278,8 +306,9 @@ fn sparse_shards(dir: &std::path::Path, bytes: u64, vocab: u64) -> limpet_daemon
 
 /// Runs `limpet-lab bench memory`: peak RSS of training on a large token dataset against the
 /// model's own footprint and against the same training on a small dataset.
-pub fn bench_memory(a: BenchMemoryArgs) -> limpet_daemon::Result<()> {
-    let vocab = 8192usize;
+/// `sharded`: what `--sharded-world` measured (by the data-parallel bench, which runs agents).
+pub fn bench_memory(a: BenchMemoryArgs, sharded: Option<ShardedMemory>) -> limpet_daemon::Result<()> {
+    let vocab = MEMORY_VOCAB;
     let spec = LlamaSpec::preset(&a.preset, vocab, a.context)
         .map_err(|e| limpet_daemon::UsageError(e.to_string()))?;
     let tmp = tempfile::tempdir()?;
@@ -316,6 +345,7 @@ pub fn bench_memory(a: BenchMemoryArgs) -> limpet_daemon::Result<()> {
         train_peak_rss_large,
         peak_rss_small,
         ratio_to_model: train_peak_rss_large as f64 / (16 * params) as f64,
+        sharded,
     };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
@@ -340,6 +370,20 @@ pub fn bench_memory(a: BenchMemoryArgs) -> limpet_daemon::Result<()> {
             "  peak RSS, 1 MiB dataset             {:>8.0} MiB (with the final checkpoint)",
             mib(peak_rss_small)
         );
+        if let Some(s) = &r.sharded {
+            println!(
+                "  world {}, {} sequences a rank: peak RSS of a rank {:.0} MiB sharded (optimizer state {:.0} of {:.0} MiB, {:.3}; expected {:.3}), {:.0} MiB whole: {:.2}x",
+                s.world,
+                a.batch,
+                mib(s.sharded_peak_rss_bytes),
+                mib(s.sharded_optim_state_bytes),
+                mib(s.whole_optim_state_bytes),
+                s.sharded_optim_state_bytes as f64 / s.whole_optim_state_bytes.max(1) as f64,
+                s.expected_optim_share,
+                mib(s.whole_peak_rss_bytes),
+                s.sharded_peak_rss_bytes as f64 / s.whole_peak_rss_bytes.max(1) as f64
+            );
+        }
     }
     Ok(())
 }
