@@ -222,7 +222,13 @@ impl Agent {
         // The host's other devices: a trainer each, which copies the first one's state
         // (and, in a pipeline, takes its stage's blocks) before it first trains.
         let mut followers = Vec::new();
-        for &d in cfg.devices.iter().skip(1) {
+        // A pipelined epoch never counts more than MAX_PIPELINE_LOCAL_RANKS a host: the
+        // devices past them would only hold memory.
+        let most = match cfg.pipeline {
+            Some(_) => limpet_consensus::state::MAX_PIPELINE_LOCAL_RANKS as usize,
+            None => usize::MAX,
+        };
+        for &d in cfg.devices.iter().skip(1).take(most.saturating_sub(1)) {
             followers.push(Trainer::on_device(cfg.job.clone(), data.shallow_clone(), blocks.clone(), d)?);
         }
         let mut fresh = Trainer::on_device(cfg.job.clone(), data, blocks, device)?;
