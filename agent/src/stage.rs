@@ -138,15 +138,14 @@ impl StageConnections {
         pool: &rayon::ThreadPool,
     ) -> Result<StepStats, TrainerError> {
         let local = self.local_ranks();
-        if followers.len() + 1 < local || self.lanes.len() + 1 != local {
-            // Connected for another count than this host trains with (a host back with fewer
-            // devices than its record says): the group cannot train, and the leader counts
-            // again.
+        if followers.len() + 1 < local {
+            // The epoch counts more devices than this host trains with (its record is older
+            // than this process: a host back with fewer): the group cannot train, as in data
+            // parallelism (`local_ranks::step`), until the record and the count agree again.
             return Err(TrainerError::Reduce {
                 peer: None,
                 detail: format!(
-                    "{local} pipe lanes and {} ring lanes connected for a host of {} device(s)",
-                    1 + self.lanes.len(),
+                    "{local} pipe lanes connected for a host of {} device(s)",
                     1 + followers.len()
                 ),
                 violation: true,

@@ -84,9 +84,10 @@ pub struct StepLine {
     /// The held-out loss after this step, when the job evaluated (`eval_every`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
-    /// A step whose reduction overlapped backward (`[during, handed]`): of the buckets its
-    /// backward handed over (on this host's first device), how many while the reducing thread
-    /// was summing an earlier one. Absent for steps reduced after backward.
+    /// A step of a model of several buckets reduced while backward runs (`[during, handed]`):
+    /// of the buckets its backward handed over (on this host's first device), how many while
+    /// the reducing thread was summing an earlier one (0: none overlapped). Absent for steps
+    /// reduced after backward, and for models of one bucket.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub overlap: Option<[usize; 2]>,
 }

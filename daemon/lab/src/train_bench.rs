@@ -229,11 +229,12 @@ pub struct BenchMemoryArgs {
     /// Steps of each run.
     #[arg(long, default_value_t = 20)]
     pub steps: u64,
-    /// Also measure each rank's memory at world N with its optimizer state sharded (each
-    /// shard on one more rank) against the whole state on every rank: N agents each, on this
-    /// machine, `--batch` sequences a rank (`bench dp --shard-replicas 1 --whole-world N
-    /// --no-peer`).
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(2..=8))]
+    /// Also measure each rank's memory at world N (3 or more: at 2 one replica of each shard
+    /// is the whole state) with its optimizer state sharded (each shard on one more rank)
+    /// against the whole state on every rank: N agents each, on this machine, `--batch`
+    /// sequences a rank, on small random token shards rather than `--dataset-gib`, each agent
+    /// with its own overhead (`bench dp --shard-replicas 1 --whole-world N --no-peer`).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(3..=8))]
     pub sharded_world: Option<u64>,
     /// Print the result as JSON.
     #[arg(long)]
@@ -372,7 +373,7 @@ pub fn bench_memory(a: BenchMemoryArgs, sharded: Option<ShardedMemory>) -> limpe
         );
         if let Some(s) = &r.sharded {
             println!(
-                "  world {}, {} sequences a rank: peak RSS of a rank {:.0} MiB sharded (optimizer state {:.0} of {:.0} MiB, {:.3}; expected {:.3}), {:.0} MiB whole: {:.2}x",
+                "  agents at world {} (random tokens), {} sequences a rank: peak RSS of a rank {:.0} MiB sharded (optimizer state {:.0} of {:.0} MiB, {:.3}; expected {:.3}), {:.0} MiB whole: {:.2}x",
                 s.world,
                 a.batch,
                 mib(s.sharded_peak_rss_bytes),

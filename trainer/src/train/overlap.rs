@@ -25,6 +25,8 @@ use std::sync::{mpsc, Arc};
 pub struct OverlapProbe {
     /// The step watched (`u64::MAX`: none yet).
     step: AtomicU64,
+    /// The last step watched to its end (`u64::MAX`: none): a step that failed is not one.
+    finished: AtomicU64,
     summing: AtomicBool,
     handed: AtomicUsize,
     during_sum: AtomicUsize,
@@ -34,6 +36,7 @@ impl Default for OverlapProbe {
     fn default() -> Self {
         OverlapProbe {
             step: AtomicU64::new(u64::MAX),
+            finished: AtomicU64::new(u64::MAX),
             summing: AtomicBool::new(false),
             handed: AtomicUsize::new(0),
             during_sum: AtomicUsize::new(0),
@@ -52,12 +55,14 @@ impl OverlapProbe {
         self.during_sum.load(Ordering::SeqCst)
     }
 
-    /// `(during_sum, handed)` if the step watched last is `step`.
+    /// `(during_sum, handed)` if the last step watched to its end is `step` (a step that
+    /// failed and was trained again another way is not).
     pub fn of_step(&self, step: u64) -> Option<(usize, usize)> {
-        (self.step.load(Ordering::SeqCst) == step).then(|| (self.during_sum(), self.handed()))
+        (self.finished.load(Ordering::SeqCst) == step).then(|| (self.during_sum(), self.handed()))
     }
 
     fn start(&self, step: u64) {
+        self.finished.store(u64::MAX, Ordering::SeqCst);
         self.summing.store(false, Ordering::SeqCst);
         self.handed.store(0, Ordering::SeqCst);
         self.during_sum.store(0, Ordering::SeqCst);
@@ -245,6 +250,7 @@ impl Trainer {
         let reduced = reduced.expect("the scope ran the summing task");
         computed?;
         reduced?;
+        self.overlap.finished.store(step, Ordering::SeqCst);
         if let Some(l) = &layout {
             return self.finish_sharded(l, step, reduce);
         }
@@ -591,7 +597,8 @@ mod tests {
     /// The reduction overlaps backward, checked without timing: the first bucket's sum waits
     /// for backward to hand over the next one, so the step ends only if backward goes on while
     /// a bucket is summed (summing after backward would hand every bucket over first, and the
-    /// probe would count none during a sum; summing on backward's thread would never return),
+    /// probe would count none during a sum; summing on backward's thread would wait out the
+    /// 30 s and fail),
     /// and the probe counts the buckets handed over during a sum. A job that reduces after
     /// backward hands over none.
     #[test]
