@@ -276,41 +276,7 @@ fn cluster_commands_name_what_is_wrong() {
 /// an uninterrupted single-process run.
 #[test]
 fn a_pipelined_job_survives_losing_stage_hosts_by_re_planning() {
-    let tmp = tempfile::tempdir().unwrap();
-    let steps = 400;
-    let summary = scenario_with(
-        &tmp.path().join("pipeline"),
-        4,
-        "gpt",
-        steps,
-        "0.2:notice:follower:20,0.5:kill:follower",
-        &["--pipeline", "2", "--layers", "4", "--micro-batch", "8", "--shadow-every", "10"],
-    );
-    let t = summary["transitions"].as_array().unwrap();
-    assert_eq!(t[0]["layout"], "2x2", "{summary:#}");
-    let notice = transition(&summary, "notice for node");
-    assert_eq!(
-        (notice["layout"].as_str(), notice["lost_steps"].as_u64()),
-        (Some("1x2"), Some(0)),
-        "{notice}"
-    );
-    let kill = transition(&summary, "failure of node");
-    assert_eq!(kill["layout"], "1x2", "{kill}");
-    // The spare took the lost stage's blocks.
-    assert!(kill["fetched_bytes"].as_u64().unwrap() > 0, "{kill}");
-    // At most the step in flight, plus the steps since the last shadow.
-    assert!(kill["lost_steps"].as_u64().unwrap() <= 1, "{kill}");
-    assert!(kill["redone_steps"].as_u64().unwrap() <= 10, "{kill}");
-
-    let single_report = train_alone(
-        &tmp.path().join("single"),
-        &["--model", "gpt", "--layers", "4", "--batch", "64", "--micro-batch", "8"],
-        steps,
-    );
-    let (a, b) = (summary["test_loss"].as_f64().unwrap(), single_report["test_loss"].as_f64().unwrap());
-    eprintln!("test loss: pipelined through the losses {a:.4}, one process {b:.4}");
-    // Same samples and the same updates up to float summation order (see PARAM_TOLERANCE).
-    assert!((a - b).abs() <= 0.01 * b, "test loss {a} (pipelined) vs {b} (one process)");
+    pipelined_through_a_notice_and_a_kill(1);
 }
 
 /// The same pipelined job on hosts of two devices each (`--devices 2`): every device is a
@@ -320,27 +286,45 @@ fn a_pipelined_job_survives_losing_stage_hosts_by_re_planning() {
 /// matches one uninterrupted process.
 #[test]
 fn a_pipelined_job_on_hosts_of_two_devices_survives_losing_stage_hosts() {
+    pipelined_through_a_notice_and_a_kill(2);
+}
+
+/// The pipelined job of the two tests above on four hosts of `devices` CPU devices each: its
+/// layouts and ranks through the notice and the kill, what they lost and copied, and its test
+/// loss against one uninterrupted process.
+fn pipelined_through_a_notice_and_a_kill(devices: u64) {
     let tmp = tempfile::tempdir().unwrap();
     let steps = 400;
+    let d = devices.to_string();
     let summary = scenario_with(
         &tmp.path().join("pipeline"),
         4,
         "gpt",
         steps,
         "0.2:notice:follower:20,0.5:kill:follower",
-        &["--pipeline", "2", "--layers", "4", "--micro-batch", "8", "--shadow-every", "10", "--devices", "2"],
+        &["--pipeline", "2", "--layers", "4", "--micro-batch", "8", "--shadow-every", "10", "--devices", &d],
     );
     let t = summary["transitions"].as_array().unwrap();
-    assert_eq!((t[0]["layout"].as_str(), t[0]["devices"].as_u64()), (Some("2x2"), Some(8)), "{summary:#}");
+    assert_eq!(
+        (t[0]["layout"].as_str(), t[0]["devices"].as_u64()),
+        (Some("2x2"), Some(4 * devices)),
+        "{summary:#}"
+    );
     let notice = transition(&summary, "notice for node");
     assert_eq!(
         (notice["layout"].as_str(), notice["devices"].as_u64(), notice["lost_steps"].as_u64()),
-        (Some("1x2"), Some(4), Some(0)),
+        (Some("1x2"), Some(2 * devices), Some(0)),
         "{notice}"
     );
     let kill = transition(&summary, "failure of node");
-    assert_eq!((kill["layout"].as_str(), kill["devices"].as_u64()), (Some("1x2"), Some(4)), "{kill}");
+    assert_eq!(
+        (kill["layout"].as_str(), kill["devices"].as_u64()),
+        (Some("1x2"), Some(2 * devices)),
+        "{kill}"
+    );
+    // The spare took the lost stage's blocks.
     assert!(kill["fetched_bytes"].as_u64().unwrap() > 0, "{kill}");
+    // At most the step in flight, plus the steps since the last shadow.
     assert!(kill["lost_steps"].as_u64().unwrap() <= 1, "{kill}");
     assert!(kill["redone_steps"].as_u64().unwrap() <= 10, "{kill}");
     let single_report = train_alone(
@@ -349,7 +333,10 @@ fn a_pipelined_job_on_hosts_of_two_devices_survives_losing_stage_hosts() {
         steps,
     );
     let (a, b) = (summary["test_loss"].as_f64().unwrap(), single_report["test_loss"].as_f64().unwrap());
-    eprintln!("test loss: pipelined on hosts of two devices through the losses {a:.4}, one process {b:.4}");
+    eprintln!(
+        "test loss: pipelined on hosts of {devices} device(s) through the losses {a:.4}, one process {b:.4}"
+    );
+    // Same samples and the same updates up to float summation order (see PARAM_TOLERANCE).
     assert!((a - b).abs() <= 0.01 * b, "test loss {a} (pipelined) vs {b} (one process)");
 }
 

@@ -178,16 +178,7 @@ impl StageConnections {
                     let mut over_replicas = replica_sum.rank(i + 1, Some(lane as &mut (dyn Reduce + Send)));
                     let mut over_stages = Silent(stage_sum.rank(i + 1, None));
                     let reduce = StageReducers { replicas: &mut over_replicas, stages: &mut over_stages };
-                    let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        f.pipeline_step(at, link, reduce)
-                    }));
-                    *slot = Some(stepped.unwrap_or_else(|panic| {
-                        Err(TrainerError::Config(format!(
-                            "local rank {} panicked: {}",
-                            i + 1,
-                            panic_text(&panic)
-                        )))
-                    }));
+                    *slot = Some(caught(i + 1, || f.pipeline_step(at, link, reduce)));
                 });
             }
             let mut over_replicas = replica_sum.rank(0, Some(replicas as &mut (dyn Reduce + Send)));
@@ -212,16 +203,28 @@ impl StageConnections {
             (mine, _) => mine,
         }
     }
+}
 
-    /// The longest own work (forward and backward, without waiting on links) of the local
-    /// ranks' last step, in milliseconds: what the host's speed is judged by.
-    pub fn compute_ms(leader: &Trainer, followers: &[Trainer], local: usize) -> f64 {
-        followers
-            .iter()
-            .take(local.saturating_sub(1))
-            .map(Trainer::compute_ms)
-            .fold(leader.compute_ms(), f64::max)
-    }
+/// The longest own work (forward and backward, without waiting on peers) of the last step of
+/// a host's `local` local ranks (`leader` and the first of `followers`), in milliseconds: what
+/// the host's speed is judged by.
+pub(crate) fn slowest_compute_ms(leader: &Trainer, followers: &[Trainer], local: usize) -> f64 {
+    followers
+        .iter()
+        .take(local.saturating_sub(1))
+        .map(Trainer::compute_ms)
+        .fold(leader.compute_ms(), f64::max)
+}
+
+/// Local rank `rank`'s step `f`, a panic of it made its error (the host's other ranks then
+/// see the group aborted rather than wait).
+pub(crate) fn caught(
+    rank: usize,
+    f: impl FnOnce() -> Result<StepStats, TrainerError>,
+) -> Result<StepStats, TrainerError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        Err(TrainerError::Config(format!("local rank {rank} panicked: {}", panic_text(&panic))))
+    })
 }
 
 /// A follower's side of its replica's sum over the stages, when the leader speaks for the

@@ -15,7 +15,7 @@
 //! devices compute what four hosts of one do.
 
 use crate::dataplane::frame::MAX_LANES;
-use crate::stage::panic_text;
+use crate::stage::{caught, panic_text, slowest_compute_ms};
 use crate::Group;
 use limpet_consensus::state::Epoch;
 use limpet_trainer::{LocalGroup, LocalSums, Reduce, StepStats, Trainer, TrainerError};
@@ -210,16 +210,7 @@ pub(super) fn step(
             let group = &group;
             s.spawn(move |_| {
                 let mut r = group.rank(i + 1, lane);
-                let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    f.train_step(first + i + 1, world, &mut r)
-                }));
-                *slot = Some(stepped.unwrap_or_else(|panic| {
-                    Err(TrainerError::Config(format!(
-                        "local rank {} panicked: {}",
-                        i + 1,
-                        panic_text(&panic)
-                    )))
-                }));
+                *slot = Some(caught(i + 1, || f.train_step(first + i + 1, world, &mut r)));
             });
         }
         leader.train_step(first, world, &mut group.rank(0, Some(ring as &mut (dyn Reduce + Send))))
@@ -235,9 +226,7 @@ pub(super) fn step(
         }
     }
     let stats = mine?;
-    let compute_ms = std::iter::once(leader.compute_ms())
-        .chain(followers.iter().map(|f| f.compute_ms()))
-        .fold(0.0, f64::max);
+    let compute_ms = slowest_compute_ms(leader, followers, n);
     Ok((stats, LocalStep { samples, compute_ms }))
 }
 

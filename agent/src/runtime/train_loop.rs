@@ -15,7 +15,6 @@ use super::sharding::{self, Final};
 use super::tasks::Tasks;
 use super::{Exit, StepLine};
 use crate::report::{AgentReport, Broken, Phase, Transition, MAX_TRANSITIONS};
-use crate::stage::StageConnections;
 use crate::Endpoint;
 use limpet_consensus::state::{ClusterState, Epoch, NodeId};
 use limpet_consensus::{LocalState, NodeHandle};
@@ -402,7 +401,7 @@ impl TrainLoop {
                 });
                 match stepped {
                     Ok(stats) => {
-                        let own = StageConnections::compute_ms(&self.trainer, &self.followers, local);
+                        let own = crate::stage::slowest_compute_ms(&self.trainer, &self.followers, local);
                         self.cfg.slowdown.stretch(Duration::from_secs_f64(own / 1e3));
                         Ok(stats)
                     }
