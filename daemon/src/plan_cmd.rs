@@ -33,6 +33,10 @@ pub struct PlanArgs {
     /// Deepest pipeline to consider.
     #[arg(long)]
     pub max_depth: Option<usize>,
+    /// Devices (local ranks) on every host, each a replica of its host's stage, as `limpetd`
+    /// trains with `[node].devices`: the micro-batch, memory and times are one device's.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub devices: u16,
     /// Predict this layout instead of searching: `START..END@HOST,...|...`.
     #[arg(long)]
     pub layout: Option<String>,
@@ -191,7 +195,14 @@ pub fn run(args: PlanArgs) -> crate::Result<()> {
     if let Some(l) = args.latency_ms {
         link.latency_ms = l;
     }
-    let input = PlanInput { profile, hosts, link, global_batch: job.global_batch, max_depth: args.max_depth };
+    let input = PlanInput {
+        profile,
+        hosts,
+        link,
+        global_batch: job.global_batch,
+        max_depth: args.max_depth,
+        local_ranks: usize::from(args.devices),
+    };
     let (report, forced) = match &layout {
         Some(l) => (None, Some(planner::predict(&input, l).map_err(|e| usage(format!("--layout: {e}")))?)),
         None => (Some(planner::plan(&input)?), None),
@@ -204,11 +215,11 @@ pub fn run(args: PlanArgs) -> crate::Result<()> {
     print_input(&input);
     if let Some(p) = &forced {
         println!("\nforced layout: {}", p.layout);
-        print_plan(p);
+        print_plan(p, input.local_ranks);
     }
     if let Some(r) = &report {
         println!("\nchosen: {}", r.best.layout);
-        print_plan(&r.best);
+        print_plan(&r.best, input.local_ranks);
         println!("  why: {}", r.reason);
         if !r.runners_up.is_empty() {
             println!("\nrunners-up:");
@@ -242,6 +253,12 @@ fn print_input(input: &PlanInput) {
         input.link.bytes_per_s / 1e9,
         input.link.latency_ms
     );
+    if input.local_ranks > 1 {
+        println!(
+            "{} devices a host, each a replica of its host's stage: micro-batches, memory and times are a device's",
+            input.local_ranks
+        );
+    }
     println!("\nprofile (this host, one micro-batch; {:.3} ms outside the blocks):", p.overhead_ms);
     println!(
         "  {:>5} {:>9} {:>9} {:>9} {:>11} {:>11} {:>11}",
@@ -269,8 +286,9 @@ fn print_input(input: &PlanInput) {
     println!("hosts: {}", hosts.join(", "));
 }
 
-fn print_plan(p: &Plan) {
-    println!("  predicted step: {:.2} ms ({} micro-batches per replica)", p.step_ms, p.micro_batches);
+fn print_plan(p: &Plan, local_ranks: usize) {
+    let per = if local_ranks > 1 { "device" } else { "replica" };
+    println!("  predicted step: {:.2} ms ({} micro-batches per {per})", p.step_ms, p.micro_batches);
     println!(
         "  {:>5} {:>8} {:>16} {:>10} {:>10} {:>11}",
         "stage", "blocks", "hosts", "micro ms", "tail ms", "memory"

@@ -196,6 +196,20 @@ fn plan_profiles_the_model_and_respects_memory() {
         &[&common[..], &["--profile", s(&profile), "--hosts", "2", "--layout", "0..1@h0|1..4@h1"]].concat(),
     );
     assert_eq!(forced["forced"]["layout"]["stages"][1]["start"], 1);
+    // Hosts of four devices: the forced pipeline's micro-batches are a device's, a quarter of
+    // the host's share (16 samples on one replica: 4 a device).
+    let per_device = ok_json(
+        &[
+            &common[..],
+            &["--profile", s(&profile), "--hosts", "2", "--layout", "0..1@h0|1..4@h1", "--devices", "4"],
+        ]
+        .concat(),
+    );
+    assert_eq!(per_device["input"]["local_ranks"], 4, "{per_device}");
+    let f = &per_device["forced"];
+    let samples = f["layout"]["micro_batch"].as_u64().unwrap() * f["micro_batches"].as_u64().unwrap();
+    assert_eq!(samples, 4, "{f}");
+    fails(&["plan", "--devices", "0"], 64, "--devices");
     fails(
         &[&common[..], &["--profile", s(&profile), "--hosts", "4x1.0:100K"]].concat(),
         1,

@@ -369,10 +369,10 @@ fn lay_out(
                     (milli != 0 && milli != 1000).then_some((*r, milli as f64 / 1000.0))
                 })
                 .collect();
-            match arrange(p, &ranks, cfg.base.global_batch as usize, &speeds) {
+            match arrange_by_devices(p, st, &ranks, cfg.base.global_batch as usize, &speeds) {
                 // Measured speeds wobble: the current layout stays unless the new one is
                 // predicted clearly faster on the same hosts.
-                Ok((_, plan)) if keeps_current(p, st.current.as_ref(), &ranks, &plan, cfg, &speeds) => {
+                Ok((_, plan)) if keeps_current(p, st, &ranks, &plan, cfg, &speeds) => {
                     let cur = st.current.as_ref().expect("checked by keeps_current");
                     return Ok((cur.ranks.clone(), cur.layout.clone(), Some(cur.batch.micro_batch)));
                 }
@@ -404,6 +404,39 @@ fn lay_out(
     Ok((ranks, layout, micro))
 }
 
+/// The planner's layout of `candidates` for their devices: planned with the fewest local ranks
+/// any candidate has (what every host of a pipeline then trains with); when the hosts it
+/// chose all have more (a spare had fewer), planned again for theirs, and that plan kept if
+/// its own hosts have as many. A device's share of the batch, and so its micro-batch, depend
+/// on the count: planned for one device per host, a host of eight would split a share planned
+/// as eight micro-batches into one each, and its pipeline would not overlap at all.
+fn arrange_by_devices(
+    job: &PipelineJob,
+    st: &ClusterState,
+    candidates: &[NodeId],
+    global_batch: usize,
+    speeds: &BTreeMap<NodeId, f64>,
+) -> Result<(Vec<NodeId>, crate::planner::Plan), crate::planner::PlanError> {
+    let fewest = |ids: &[NodeId]| pipeline_local_ranks(st, ids) as usize;
+    let local = fewest(candidates);
+    let first = arrange(job, candidates, (global_batch, local), speeds)?;
+    let chosen = fewest(&first.0);
+    if chosen > local {
+        if let Ok(again) = arrange(job, candidates, (global_batch, chosen), speeds) {
+            if fewest(&again.0) >= chosen {
+                return Ok(again);
+            }
+        }
+    }
+    Ok(first)
+}
+
+/// The local ranks every host of a pipeline of `ranks` trains with: as many as the one with
+/// the fewest, at most [`MAX_PIPELINE_LOCAL_RANKS`].
+fn pipeline_local_ranks(st: &ClusterState, ranks: &[NodeId]) -> u32 {
+    ranks.iter().map(|&r| usable_ranks(st, r)).min().unwrap_or(1).min(MAX_PIPELINE_LOCAL_RANKS)
+}
+
 /// A re-plan of the same hosts must be predicted this much faster than their current layout.
 const REPLAN_GAIN: f64 = 0.9;
 
@@ -412,25 +445,27 @@ const REPLAN_GAIN: f64 = 0.9;
 /// moving blocks. Only when some host's speed was measured (equal hosts re-plan as before).
 fn keeps_current(
     job: &PipelineJob,
-    current: Option<&Epoch>,
+    st: &ClusterState,
     candidates: &[NodeId],
     plan: &crate::planner::Plan,
     cfg: &ControllerConfig,
     speeds: &BTreeMap<NodeId, f64>,
 ) -> bool {
-    let Some(cur) = current else { return false };
+    let Some(cur) = st.current.as_ref() else { return false };
     let mut a = cur.ranks.clone();
     let mut b = candidates.to_vec();
     a.sort_unstable();
     b.sort_unstable();
-    if speeds.is_empty() || a != b || cur.layout.pipeline < 2 {
+    // A host count of devices that changed changes every device's micro-batch: re-planned.
+    let local = pipeline_local_ranks(st, candidates);
+    if speeds.is_empty() || a != b || cur.layout.pipeline < 2 || cur.local_ranks_of(0) != local {
         return false;
     }
     let cuts: Vec<usize> = cur.layout.cuts.iter().map(|&c| c as usize).collect();
     let shape = (cur.layout.data as usize, cuts.as_slice());
     let micro = cur.batch.micro_batch as usize;
-    match crate::planner::predict_epoch(job, &cur.ranks, shape, micro, cfg.base.global_batch as usize, speeds)
-    {
+    let batch = (cfg.base.global_batch as usize, local as usize);
+    match crate::planner::predict_epoch(job, &cur.ranks, shape, micro, batch, speeds) {
         Ok(now) => plan.step_ms > REPLAN_GAIN * now.step_ms,
         Err(_) => false,
     }
@@ -504,7 +539,7 @@ pub fn usable_ranks(st: &ClusterState, r: NodeId) -> u32 {
 fn epoch_local_ranks(st: &ClusterState, ranks: &[NodeId], layout: &Layout) -> Vec<u32> {
     let mut local_ranks: Vec<u32> = ranks.iter().map(|&r| usable_ranks(st, r)).collect();
     if layout.pipeline != 1 {
-        let fewest = local_ranks.iter().copied().min().unwrap_or(1).min(MAX_PIPELINE_LOCAL_RANKS);
+        let fewest = pipeline_local_ranks(st, ranks);
         local_ranks.iter_mut().for_each(|n| *n = fewest);
     }
     if local_ranks.iter().all(|&n| n == 1) {

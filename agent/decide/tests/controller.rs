@@ -247,6 +247,31 @@ fn a_pipelined_epoch_gives_every_host_the_fewest_devices_any_has() {
     assert_eq!(e.local_ranks, vec![MAX_PIPELINE_LOCAL_RANKS; 2], "{e:?}");
 }
 
+/// A pipeline's micro-batch is planned for a device: a host's devices split its share of the
+/// batch. Two hosts of one device, 1x2, 64 samples of 0.375 ms a stage and 0.05 ms a transfer:
+/// `(64 / n + 1)(0.375 n + 0.05)` is least at micro-batches of 4. Hosts of four devices train
+/// 16 samples on each: `(16 / n + 1)(0.375 n + 0.05)` is least at 2, eight micro-batches a
+/// device (planned for one device per host, they would have run four of 4).
+#[test]
+fn a_pipelines_micro_batch_is_planned_for_a_device() {
+    let micro = |devices: u32| {
+        let mut sim = pipelined(2, Some(2));
+        for id in [1, 2] {
+            let hardware = Hardware { ranks: devices, gpus: devices, cpus: 2, ..Hardware::default() };
+            sim.state.apply(&Command::UpdateHardware { id, hardware }).unwrap();
+        }
+        sim.control();
+        let e = sim.state.scheduled.clone().unwrap();
+        assert_eq!(
+            (e.layout.data, e.layout.pipeline, e.total_ranks()),
+            (1, 2, 2 * devices as usize),
+            "{e:?}"
+        );
+        e.batch.micro_batch
+    };
+    assert_eq!((micro(1), micro(4)), (4, 2));
+}
+
 #[test]
 fn a_joining_node_is_added_with_a_live_source() {
     let mut sim = Sim::training(2, 5);

@@ -37,6 +37,7 @@ fn arb_input() -> impl Strategy<Value = PlanInput> {
             link: Link { bytes_per_s: bw, latency_ms: 0.02 },
             global_batch,
             max_depth: None,
+            local_ranks: 1,
         })
 }
 

@@ -26,6 +26,11 @@
 //! (its replica `r` on the group's `r`-th host). Hosts left over after `floor(H / D)` groups
 //! are spares.
 //!
+//! Hosts of several devices (`local_ranks`, the same on every host of a pipeline) hold their
+//! stage on each device, and the devices split the host's share of the batch: the
+//! micro-batches, the memory and the times above are one device's, and the stage's sum
+//! between hosts runs on one connection per device, each with its part of the gradients.
+//!
 //! # Search
 //!
 //! For every `(D, P)`, a dynamic program over (blocks placed, groups used) extends a partial
@@ -119,7 +124,19 @@ pub struct PlanInput {
     pub global_batch: usize,
     /// Deepest pipeline to consider (None: as many stages as blocks).
     pub max_depth: Option<usize>,
+    /// Devices (local ranks) on every host, each a replica of its host's stage with a pipe
+    /// lane of its own: a host's share of the batch is split over them, so the micro-batch,
+    /// the memory and the step time planned are one device's. 1 when absent.
+    #[serde(default = "one_device")]
+    pub local_ranks: usize,
 }
+
+fn one_device() -> usize {
+    1
+}
+
+/// The most local ranks a plan counts per host (as many as a host's ranks may be).
+pub const MAX_PLAN_LOCAL_RANKS: usize = 64;
 
 /// Predicted cost of one stage.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -137,7 +154,7 @@ pub struct StagePrediction {
 pub struct Plan {
     /// The layout.
     pub layout: HostLayout,
-    /// Micro-batches per replica per step.
+    /// Micro-batches per replica per step (per device, with local ranks).
     pub micro_batches: usize,
     /// Predicted time of one optimizer step, ms.
     pub step_ms: f64,
@@ -192,14 +209,15 @@ pub struct PipelineJob {
 /// The planner's layout for an epoch whose candidate ranks are `candidates` (node ids):
 /// the ranks that train, in the epoch's data-major order (candidates the layout does not
 /// use stay out as spares), the stage cuts, the micro-batch, and the prediction. `speeds`
-/// are the hosts' measured speeds relative to the profiled host (1 where absent).
+/// are the hosts' measured speeds relative to the profiled host (1 where absent); `local`
+/// the devices each host trains with (the micro-batch is a device's).
 pub fn arrange(
     job: &PipelineJob,
     candidates: &[u64],
-    global_batch: usize,
+    (global_batch, local): (usize, usize),
     speeds: &std::collections::BTreeMap<u64, f64>,
 ) -> Result<(Vec<u64>, Plan), PlanError> {
-    let input = job_input(job, candidates, global_batch, speeds);
+    let input = job_input(job, candidates, (global_batch, local), speeds);
     if let Some(cuts) = &job.cuts {
         // The user's layout: its stages, as many replicas as there are hosts for.
         let p = cuts.len() + 1;
@@ -233,11 +251,12 @@ pub fn arrange(
     Ok((ranks, chosen))
 }
 
-/// The planner's input for `candidates` (named by node id) of measured `speeds`.
+/// The planner's input for `candidates` (named by node id) of measured `speeds`, with
+/// `local` devices each.
 fn job_input(
     job: &PipelineJob,
     candidates: &[u64],
-    global_batch: usize,
+    (global_batch, local): (usize, usize),
     speeds: &std::collections::BTreeMap<u64, f64>,
 ) -> PlanInput {
     PlanInput {
@@ -253,21 +272,22 @@ fn job_input(
         link: job.link,
         global_batch,
         max_depth: job.depth,
+        local_ranks: local.clamp(1, MAX_PLAN_LOCAL_RANKS),
     }
 }
 
 /// The prediction for an epoch's own layout: `ranks` in data-major order, `data` replicas,
-/// stages starting at `cuts`, micro-batches of `micro_batch`, on hosts of `speeds`. What a
-/// re-plan must beat by a margin to be worth moving blocks.
+/// stages starting at `cuts`, micro-batches of `micro_batch`, on hosts of `speeds` with
+/// `local` devices each. What a re-plan must beat by a margin to be worth moving blocks.
 pub fn predict_epoch(
     job: &PipelineJob,
     ranks: &[u64],
     (data, cuts): (usize, &[usize]),
     micro_batch: usize,
-    global_batch: usize,
+    (global_batch, local): (usize, usize),
     speeds: &std::collections::BTreeMap<u64, f64>,
 ) -> Result<Plan, PlanError> {
-    let input = job_input(job, ranks, global_batch, speeds);
+    let input = job_input(job, ranks, (global_batch, local), speeds);
     let p = cuts.len() + 1;
     if data == 0 || data * p != ranks.len() {
         return Err(PlanError::Layout(format!("{data}x{p} does not cover {} ranks", ranks.len())));
@@ -311,6 +331,12 @@ impl PlanInput {
         if self.hosts.is_empty() {
             return bad("no hosts".into());
         }
+        if !(1..=MAX_PLAN_LOCAL_RANKS).contains(&self.local_ranks) {
+            return bad(format!(
+                "local_ranks is {}; a host has 1 to {MAX_PLAN_LOCAL_RANKS}",
+                self.local_ranks
+            ));
+        }
         for (i, b) in self.profile.blocks.iter().enumerate() {
             for (what, v) in [("fwd_ms", b.fwd_ms), ("bwd_ms", b.bwd_ms), ("apply_ms", b.apply_ms)] {
                 if !(v.is_finite() && v >= 0.0) {
@@ -336,9 +362,10 @@ impl PlanInput {
         Ok(())
     }
 
-    /// Samples of the busiest replica among `d`.
+    /// Samples of the busiest device among `d` replicas of `local_ranks` devices each (a
+    /// host's devices split its share, as the agents do).
     fn share(&self, d: usize) -> usize {
-        self.global_batch.div_ceil(d)
+        self.global_batch.div_ceil(d * self.local_ranks)
     }
 
     /// The (micro-batch size, micro-batches per step) choices for `d` replicas: the profile's
@@ -398,8 +425,11 @@ impl PlanInput {
         let params: u64 = blocks.iter().map(|c| c.param_bytes).sum();
         let optim: u64 = blocks.iter().map(|c| c.optim_bytes).sum();
         let saved: u64 = blocks.iter().map(|c| bytes(c.saved_bytes)).sum();
+        // Between hosts a stage's sum runs on one ring lane (connection) per local rank, each
+        // with its part of the buffer; the devices of a host add in its memory.
+        let lanes = self.local_ranks as f64;
         let allreduce = if d > 1 {
-            2.0 * (d - 1) as f64 / d as f64 * params as f64 / self.link.bytes_per_s * 1e3
+            2.0 * (d - 1) as f64 / d as f64 * params as f64 / (self.link.bytes_per_s * lanes) * 1e3
                 + 2.0 * (d - 1) as f64 * self.link.latency_ms
         } else {
             0.0

@@ -25,6 +25,7 @@ fn input(blocks: Vec<BlockCost>, hosts: &[(f64, u64)]) -> PlanInput {
         link: Link { bytes_per_s: 1e9, latency_ms: 0.05 },
         global_batch: 64,
         max_depth: None,
+        local_ranks: 1,
     }
 }
 
@@ -113,4 +114,45 @@ fn bad_input_is_named() {
     assert!(plan(&inp).unwrap_err().to_string().contains("block 0: fwd_ms"));
     inp.profile.blocks.clear();
     assert!(plan(&inp).unwrap_err().to_string().contains("no blocks"));
+}
+
+/// A host's devices split its share of the batch: hosts of four devices plan, per device,
+/// what hosts of one plan for a quarter of the batch (with no replicas to sum between hosts,
+/// nothing else differs), so each device still runs several micro-batches.
+#[test]
+fn a_hosts_devices_split_its_share() {
+    let blocks = vec![block(1.0, 1000); 4];
+    let mut four = input(blocks.clone(), &[(1.0, 1 << 30); 2]);
+    four.local_ranks = 4;
+    let mut quarter = input(blocks, &[(1.0, 1 << 30); 2]);
+    quarter.global_batch = 16;
+    let (a, b) = (plan(&four).unwrap(), plan(&quarter).unwrap());
+    let all =
+        |r: &PlanReport| std::iter::once(r.best.clone()).chain(r.runners_up.clone()).collect::<Vec<_>>();
+    let pipelined =
+        |r: &PlanReport| all(r).into_iter().find(|p| p.layout.data == 1 && p.layout.pipeline() == 2).unwrap();
+    let (pa, pb) = (pipelined(&a), pipelined(&b));
+    assert_eq!(pa, pb);
+    assert_eq!(pa.layout.micro_batch * pa.micro_batches, 16, "{}", pa.layout);
+    assert!(pa.micro_batches >= 2, "{}: {} micro-batches a device", pa.layout, pa.micro_batches);
+    // Planned as hosts of one device, the micro-batch is a whole host's: over four devices
+    // that would leave each fewer micro-batches to overlap.
+    let mut blind = four.clone();
+    blind.local_ranks = 1;
+    let pc = pipelined(&plan(&blind).unwrap());
+    assert!(pc.layout.micro_batch > pa.layout.micro_batch, "{} against {}", pc.layout, pa.layout);
+    // Replicas of a stage sum between hosts on one connection per device.
+    let two = |local: usize| {
+        let mut inp = input(vec![block(1.0, 1 << 20); 2], &[(1.0, 1 << 30); 2]);
+        inp.local_ranks = local;
+        let layout = HostLayout {
+            data: 2,
+            micro_batch: 1,
+            stages: vec![StageLayout { start: 0, end: 2, hosts: vec!["h0".into(), "h1".into()] }],
+        };
+        predict(&inp, &layout).unwrap().stages[0].tail_ms
+    };
+    assert!(two(4) < two(1), "{} against {}", two(4), two(1));
+    four.local_ranks = 0;
+    assert!(plan(&four).unwrap_err().to_string().contains("local_ranks is 0"));
 }
