@@ -12,7 +12,8 @@ VENV_STAMP := $(LIMPET_CACHE)/torch-$(TORCH_VERSION)/.complete
 DIGITS := $(LIMPET_CACHE)/data/digits.csv.gz
 FUZZ_SECONDS ?= 60
 DEMO_DIR ?= demo-out
-LAB := target/release/limpet-lab
+TARGET_DIR := $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)
+LAB := $(TARGET_DIR)/release/limpet-lab
 
 # Every target but these needs the setup's paths; make runs setup.sh, then re-reads them.
 ifeq ($(filter help clean,$(MAKECMDGOALS)),)
@@ -37,7 +38,11 @@ help:
 	@echo "make gpu-test  run the CUDA tests where libtorch sees a GPU (says so and skips them where not)"
 	@echo "make bench   measure: raft commits, allreduce against gloo, hosts of 2 local ranks against 4 of one, state handoff against plain TCP, transitions against torchrun, planner predictions and pipelines, LLaMA training against transformers (small and 125m) and torchrun + DDP, sharded state's memory per rank against whole state (125m and 350m), memory on a 4 GiB dataset, activation checkpointing and a chunked loss at vocabulary 128k"
 
+# The clone's links into the cache (.limpet/libtorch, which cargo builds against, and
+# .limpet/python) are made by setup.sh too, and may be missing while the cache is up to date:
+# a clone older than the cache, or one cleaned with `git clean -xdf`.
 setup: $(ENV_MK)
+	@test -e .limpet/libtorch && test -x .limpet/python || bash deploy/setup.sh
 
 build: setup
 	cargo build --workspace --release --bins
@@ -46,7 +51,7 @@ build: setup
 # drills or chaos hooks), which a workspace build would turn on for limpet-lab's sake.
 dist: setup
 	cargo build --release --locked -p limpet-daemon --bins
-	bash deploy/dist.sh --bin-dir target/release --out dist
+	bash deploy/dist.sh --bin-dir $(TARGET_DIR)/release --out dist
 
 lint: setup
 	cargo fmt --all -- --check
@@ -56,7 +61,6 @@ lint: setup
 
 # The product binaries are built first, as `make dist` builds them, for the test that looks
 # for the lab in them (the tests' own binaries have it).
-TARGET_DIR := $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)
 unit: setup
 	cargo build --locked -p limpet-daemon --bins
 	rm -rf $(TARGET_DIR)/product && mkdir -p $(TARGET_DIR)/product
@@ -65,7 +69,7 @@ unit: setup
 
 # The fuzz crate builds outside the workspace; checking it keeps the targets from rotting.
 fuzz-check: setup
-	cargo check --manifest-path fuzz/Cargo.toml --quiet
+	cargo check --manifest-path fuzz/Cargo.toml --locked --quiet
 
 test: lint unit fuzz-check
 

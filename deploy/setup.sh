@@ -29,19 +29,25 @@ command -v cargo >/dev/null || die "no cargo: install the Rust toolchain (rustup
 # Debian packages the build and the tests need: systemd-analyze checks the shipped unit,
 # protoc generates raft-rs's messages for prost at build time, patchelf sets the release
 # tarball's rpath (`make dist`, and its test).
-need_package() { # COMMAND PACKAGE WHY
-    command -v "$1" >/dev/null && return
+install_package() { # PACKAGE WHY WHAT-IS-MISSING
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        say "installing $2 ($3)"
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$2" >&2 || die "apt-get install $2 failed"
+        say "installing $1 ($2)"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$1" >&2 || die "apt-get install $1 failed"
     else
-        die "no $1: install it (Debian: apt-get install $2)"
+        die "no $3: install it (Debian: apt-get install $1)"
     fi
+}
+need_package() { # COMMAND PACKAGE WHY
+    command -v "$1" >/dev/null || install_package "$2" "$3" "$1"
 }
 need_package systemd-analyze systemd "for checking the systemd unit"
 need_package protoc protobuf-compiler "protoc, for raft-rs's prost codec"
 need_package patchelf patchelf "the release tarball's rpath"
 need_package readelf binutils "readelf, for the test that reads the binaries' NEEDED libraries"
+# A C++ compiler builds torch-sys's bindings and the trainer's helper (trainer/build.rs).
+need_package c++ g++ "a C++ compiler, for torch-sys and trainer/build.rs"
+"$PYTHON_BIN" -c 'import ensurepip, venv' 2>/dev/null ||
+    install_package python3-venv "Python's venv, which holds the torch wheel" "Python venv module"
 mkdir -p "$CACHE" "$DATA"
 
 # One setup at a time: a second clone waits instead of racing on the same venv.

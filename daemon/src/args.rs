@@ -50,7 +50,7 @@ pub struct JobArgs {
     /// Model family [default: mlp].
     #[arg(long, value_enum)]
     pub model: Option<ModelArg>,
-    /// Dataset [default: digits, or chars for gpt].
+    /// Dataset [default: digits; chars for gpt, tokens for llama, tensors for torchscript].
     #[arg(long, value_enum)]
     pub data: Option<DataArg>,
     /// Data file or directory (digits: a digits.csv.gz; chars: a text file or a directory).

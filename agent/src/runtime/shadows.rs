@@ -107,6 +107,12 @@ impl Shadows {
         );
         let Some(i) = epoch.ranks.iter().position(|&r| r == l.me) else { return Ok(()) };
         let next = next_stage(i, epoch.layout.pipeline as usize);
+        // The blocks the next stage's snapshot must hold: what it offers is a peer's word.
+        let nb = trainer.job().model.num_blocks();
+        let want = match epoch.layout.stage_blocks(nb) {
+            Ok(stages) => stages[next % stages.len()].clone(),
+            Err(e) => return Err(AgentError::Entry(e.to_string())),
+        };
         let (node, addr) = (epoch.ranks[next], addrs[next].clone());
         let round = self.round.fetch_add(1, Ordering::SeqCst) + 1;
         let (endpoint, server, shadow, rounds) =
@@ -130,11 +136,18 @@ impl Shadows {
                     });
                 match got {
                     Ok((img, bytes)) if img.meta().step == step => {
-                        let blocks = img
-                            .tensors()
-                            .keys()
-                            .filter_map(|n| block_of(n))
-                            .fold((usize::MAX, 0), |(lo, hi), k| (lo.min(k), hi.max(k + 1)));
+                        let blocks = blocks_held(img.tensors().keys().map(String::as_str), nb);
+                        if blocks != Some((want.start, want.end)) {
+                            tracing::warn!(
+                                step,
+                                from = node,
+                                ?blocks,
+                                ?want,
+                                "the next stage's snapshot does not hold its stage's blocks; not kept"
+                            );
+                            return;
+                        }
+                        let blocks = (want.start, want.end);
                         server.offer(Offer::new(bytes.clone(), 1 << 20, snap_label(me, step, true)));
                         tracing::debug!(step, from = node, "shadowed the next stage");
                         keep_newest(
@@ -165,6 +178,19 @@ impl Shadows {
     }
 }
 
+/// The blocks a state's parameters and optimizer slots (named `param/bNN.x`,
+/// `optim/<slot>/bNN.x`) hold, as one range: none when one of them names no block or a block
+/// past the model's `blocks`, or there are none. Other tensors (the exponents of a
+/// reproducible job) hold no block.
+fn blocks_held<'a>(names: impl Iterator<Item = &'a str>, blocks: usize) -> Option<(usize, usize)> {
+    let mut range: Option<(usize, usize)> = None;
+    for name in names.filter(|n| n.starts_with("param/") || n.starts_with("optim/")) {
+        let k = block_of(name).filter(|&k| k < blocks)?;
+        range = Some(range.map_or((k, k + 1), |(lo, hi)| (lo.min(k), hi.max(k + 1))));
+    }
+    range
+}
+
 /// The most bytes a peer's state of this job can take: this rank's own state of `held`
 /// blocks scaled to the whole model of `blocks`, twice over (blocks differ in size) and
 /// 64 MiB besides (metadata, small models).
@@ -188,6 +214,19 @@ mod tests {
             keep_newest(&mut kept, snap(s));
         }
         assert_eq!(kept.iter().map(|k| k.desc.step).collect::<Vec<_>>(), vec![30, 20]);
+    }
+
+    #[test]
+    fn a_snapshots_blocks_are_within_the_model() {
+        let held = |names: &[&str]| blocks_held(names.iter().copied(), 6);
+        assert_eq!(held(&["param/b02.w", "optim/m/b03.w", "param/b02.b"]), Some((2, 4)));
+        assert_eq!(held(&[]), None);
+        // Past the model, past usize, or no block at all: none (before, (usize::MAX, 0)).
+        assert_eq!(held(&["param/b02.w", "param/b06.w"]), None);
+        assert_eq!(held(&["param/b18446744073709551615.w"]), None);
+        assert_eq!(held(&["param/b99999999999999999999.w"]), None);
+        assert_eq!(held(&["param/b02.w", "optim/m/w"]), None);
+        assert_eq!(held(&["param/b02.w", "exact/exponents"]), Some((2, 3)));
     }
 
     #[test]

@@ -18,6 +18,10 @@ pub enum Proposer {
     Operator,
 }
 
+/// The longest name, address, hardware description or reason a node or an operator may
+/// write into the log, in bytes.
+pub const MAX_WORDS: usize = 1024;
+
 /// Why a proposer may not propose a command.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
@@ -56,6 +60,9 @@ impl Command {
             | Command::RecordThroughput { .. } => (false, false),
         };
         let kind = self.kind();
+        if who != Proposer::Leader {
+            self.check_words()?;
+        }
         match who {
             Proposer::Leader => Ok(()),
             Proposer::Operator if operator_may => Ok(()),
@@ -76,6 +83,51 @@ impl Command {
                 }
             ))),
         }
+    }
+
+    /// The text a node or an operator puts in the log (names, addresses, hardware, reasons):
+    /// at most [`MAX_WORDS`] bytes a field and no control character. The log keeps it in
+    /// every snapshot (a gone member's record too), and `limpet status` prints it to an
+    /// operator's terminal.
+    fn check_words(&self) -> Result<(), NotAllowed> {
+        fn hardware(h: &super::Hardware) -> [(&'static str, &str); 2] {
+            [
+                ("hardware.instance_type", h.instance_type.as_str()),
+                ("hardware.gpu_model", h.gpu_model.as_str()),
+            ]
+        }
+        let fields: Vec<(&str, &str)> = match self {
+            Command::Join { member: m } => [
+                ("name", m.name.as_str()),
+                ("control_addr", m.control_addr.as_str()),
+                ("data_addr", m.data_addr.as_str()),
+            ]
+            .into_iter()
+            .chain(hardware(&m.hardware))
+            .collect(),
+            Command::UpdateHardware { hardware: h, .. } => hardware(h).to_vec(),
+            Command::Notice { source, .. } => vec![("source", source.as_str())],
+            Command::Drain { reason, .. } | Command::Remove { reason, .. } => {
+                vec![("reason", reason.as_str())]
+            }
+            Command::RevokeCertificate { fingerprint, name } => {
+                vec![("fingerprint", fingerprint.as_str()), ("name", name.as_str())]
+            }
+            _ => Vec::new(),
+        };
+        for (field, text) in fields {
+            if text.len() > MAX_WORDS {
+                return Err(NotAllowed(format!(
+                    "{}'s {field} is {} bytes; at most {MAX_WORDS}",
+                    self.kind(),
+                    text.len()
+                )));
+            }
+            if text.chars().any(char::is_control) {
+                return Err(NotAllowed(format!("{}'s {field} holds a control character", self.kind())));
+            }
+        }
+        Ok(())
     }
 
     /// The command's kind as written in the log (`schedule_epoch`).
@@ -150,5 +202,26 @@ mod tests {
             assert_eq!(c.authorize(Proposer::Operator).is_ok(), operator, "operator: {kind}");
             assert!(c.authorize(Proposer::Leader).is_ok(), "leader: {kind}");
         }
+    }
+
+    /// What a member says of itself, and an operator's reasons, are bounded in the log.
+    #[test]
+    fn a_nodes_words_are_bounded() {
+        let join = |edit: &dyn Fn(&mut MemberSpec)| {
+            let Command::Join { mut member } = all(2).remove(0) else {
+                unreachable!("all() starts with a join")
+            };
+            edit(&mut member);
+            Command::Join { member }.authorize(Proposer::Node(2)).map_err(|e| e.to_string())
+        };
+        assert!(join(&|m| m.name = "x".repeat(MAX_WORDS)).is_ok());
+        let e = join(&|m| m.data_addr = "x".repeat(MAX_WORDS + 1)).unwrap_err();
+        assert!(e.contains("join's data_addr is 1025 bytes; at most 1024"), "{e}");
+        let e = join(&|m| m.hardware.gpu_model = "A100\u{1b}[2J".into()).unwrap_err();
+        assert!(e.contains("join's hardware.gpu_model holds a control character"), "{e}");
+        let drain = Command::Drain { id: 2, reason: "x".repeat(MAX_WORDS + 1) };
+        assert!(drain.authorize(Proposer::Operator).unwrap_err().to_string().contains("drain's reason"));
+        // The leader's own commands are its code's, not a peer's words.
+        assert!(drain.authorize(Proposer::Leader).is_ok());
     }
 }

@@ -94,11 +94,19 @@ impl Trainer {
             self.link_ms += waiting.elapsed().as_secs_f64() * 1e3;
             let a = a?;
             // The previous stage is a peer: an activation that is not a micro-batch of this
-            // size is its fault, and must not panic this trainer inside libtorch.
-            if a.shape.first() != Some(&rows) || a.shape.iter().any(|&d| d <= 0) {
+            // size is its fault, and must not panic this trainer inside libtorch. A sequence
+            // model's is exactly (samples, window, width): a longer window would make
+            // attention allocate with the square of a peer's number, a shorter one would
+            // reach the loss with other positions than the targets.
+            let expected = self.activation_shape(rows);
+            if a.shape.first() != Some(&rows)
+                || a.shape.iter().any(|&d| d <= 0)
+                || expected.as_ref().is_some_and(|e| e != &a.shape)
+            {
                 return Err(TrainerError::reduce(format!(
-                    "step {step} micro-batch {k}: an activation of shape {:?} for {rows} samples",
-                    a.shape
+                    "step {step} micro-batch {k}: an activation of shape {:?} for {rows} samples{}",
+                    a.shape,
+                    expected.map(|e| format!(" (expected {e:?})")).unwrap_or_default()
                 )));
             }
             a.to_tensor()?.to_device(self.model.device()).set_requires_grad(true)
@@ -117,7 +125,20 @@ impl Trainer {
         };
         if last {
             let (_, y) = self.batch_on_device(&idx)?;
-            Ok((input, self.model.loss_sum(&out, &y)))
+            if first {
+                return Ok((input, self.model.loss_sum(&out, &y)));
+            }
+            // An output made from a peer's activation that does not match the targets fails
+            // the step, not this trainer.
+            let loss = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.model.loss_sum(&out, &y)))
+                .map_err(|_| {
+                    TrainerError::reduce(format!(
+                        "step {step} micro-batch {k}: an output of shape {:?} from the previous stage's activation does not match targets of shape {:?}",
+                        out.size(),
+                        y.size()
+                    ))
+                })?;
+            Ok((input, loss))
         } else {
             let a = Activation::from_tensor(&out)?;
             let sending = std::time::Instant::now();
@@ -186,4 +207,20 @@ impl Trainer {
         let loss = f64::from(scalars[1]) / f64::from(samples);
         Ok(self.apply_clipped(loss, norm, samples as usize, f64::from(scalars[2])))
     }
+
+    /// The shape of the activation a stage after the first receives for `rows` samples, where
+    /// the model fixes it: a sequence model's residual stream (samples, window, width) on
+    /// token data. None for the others, whose blocks check their inputs' sizes themselves.
+    fn activation_shape(&self, rows: i64) -> Option<Vec<i64>> {
+        let crate::data::DataInfo::Tokens { context, .. } = self.data.info else { return None };
+        let width = match &self.job.model {
+            crate::model::ModelSpec::Gpt { width, .. } => *width,
+            crate::model::ModelSpec::Llama(l) => l.d_model,
+            _ => return None,
+        };
+        Some(vec![rows, context as i64, width as i64])
+    }
 }
+
+#[cfg(test)]
+mod tests;
