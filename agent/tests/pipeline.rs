@@ -292,10 +292,11 @@ fn a_wrong_or_huge_activation_from_the_previous_stage_is_an_error_not_a_panic() 
     threads();
     let stages = [0..2, 2..5];
     // Shapes a buggy or hostile first stage sends instead of its activation: more values
-    // than memory, dimensions that do not fit the next block, the wrong number of rows.
+    // than memory, another width than the model's (a GPT's is checked whole), the wrong
+    // number of rows.
     let bad: [(&str, Vec<i64>); 3] = [
         ("values", vec![1 << 14, 1 << 15]),
-        ("cannot take", vec![4, 16, 3]),
+        ("(expected [4, 16, 32])", vec![4, 16, 3]),
         ("for 4 samples", vec![5, 16, 32]),
     ];
     for (want, shape) in bad {

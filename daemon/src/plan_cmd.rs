@@ -34,8 +34,9 @@ pub struct PlanArgs {
     #[arg(long)]
     pub max_depth: Option<usize>,
     /// Devices (local ranks) on every host, each a replica of its host's stage, as `limpetd`
-    /// trains with `[node].devices`: the micro-batch, memory and times are one device's.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    /// trains a pipeline with `[node].devices` (at most 8 a host): the micro-batch, memory and
+    /// times are one device's.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=8))]
     pub devices: u16,
     /// Predict this layout instead of searching: `START..END@HOST,...|...`.
     #[arg(long)]

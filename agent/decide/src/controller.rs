@@ -31,7 +31,7 @@
 //! Ranks keep their order across epochs (survivors first, newcomers by id), so a rank's data
 //! share moves as little as possible.
 
-use crate::planner::{arrange, PipelineJob};
+use crate::planner::{arrange, refit_micro_batch, PipelineJob};
 use crate::policy::{BaseBatch, BatchPolicy, GradientStats};
 use limpet_consensus::state::{
     Cause, ClusterState, Command, Epoch, Layout, MemberStatus, NodeId, MAX_LOCAL_RANKS,
@@ -369,7 +369,12 @@ fn lay_out(
                     (milli != 0 && milli != 1000).then_some((*r, milli as f64 / 1000.0))
                 })
                 .collect();
-            match arrange_by_devices(p, st, &ranks, cfg.base.global_batch as usize, &speeds) {
+            // Planned for the fewest devices any candidate has (what every host of the
+            // pipeline then trains with), and the micro-batch picked again below for the
+            // hosts placed, whose count may be larger (a spare had fewer).
+            let batch = cfg.base.global_batch as usize;
+            let local = pipeline_local_ranks(st, &ranks) as usize;
+            match arrange(p, &ranks, (batch, local), &speeds) {
                 // Measured speeds wobble: the current layout stays unless the new one is
                 // predicted clearly faster on the same hosts.
                 Ok((_, plan)) if keeps_current(p, st, &ranks, &plan, cfg, &speeds) => {
@@ -395,40 +400,22 @@ fn lay_out(
                     } else {
                         arranged
                     };
-                    micro = Some(plan.layout.micro_batch as u64);
+                    let placed = pipeline_local_ranks(st, &ranks) as usize;
+                    let mut n = plan.layout.micro_batch;
+                    if placed != local && layout.pipeline > 1 {
+                        let cuts: Vec<usize> = layout.cuts.iter().map(|&c| c as usize).collect();
+                        let shape = (layout.data as usize, cuts.as_slice());
+                        if let Ok(refit) = refit_micro_batch(p, &ranks, shape, (batch, placed), &speeds) {
+                            n = refit.layout.micro_batch;
+                        }
+                    }
+                    micro = Some(n as u64);
                 }
                 Err(e) => return Err(format!("paused: no layout for {} node(s): {e}", ranks.len())),
             }
         }
     }
     Ok((ranks, layout, micro))
-}
-
-/// The planner's layout of `candidates` for their devices: planned with the fewest local ranks
-/// any candidate has (what every host of a pipeline then trains with); when the hosts it
-/// chose all have more (a spare had fewer), planned again for theirs, and that plan kept if
-/// its own hosts have as many. A device's share of the batch, and so its micro-batch, depend
-/// on the count: planned for one device per host, a host of eight would split a share planned
-/// as eight micro-batches into one each, and its pipeline would not overlap at all.
-fn arrange_by_devices(
-    job: &PipelineJob,
-    st: &ClusterState,
-    candidates: &[NodeId],
-    global_batch: usize,
-    speeds: &BTreeMap<NodeId, f64>,
-) -> Result<(Vec<NodeId>, crate::planner::Plan), crate::planner::PlanError> {
-    let fewest = |ids: &[NodeId]| pipeline_local_ranks(st, ids) as usize;
-    let local = fewest(candidates);
-    let first = arrange(job, candidates, (global_batch, local), speeds)?;
-    let chosen = fewest(&first.0);
-    if chosen > local {
-        if let Ok(again) = arrange(job, candidates, (global_batch, chosen), speeds) {
-            if fewest(&again.0) >= chosen {
-                return Ok(again);
-            }
-        }
-    }
-    Ok(first)
 }
 
 /// The local ranks every host of a pipeline of `ranks` trains with: as many as the one with

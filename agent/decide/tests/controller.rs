@@ -247,11 +247,20 @@ fn a_pipelined_epoch_gives_every_host_the_fewest_devices_any_has() {
     assert_eq!(e.local_ranks, vec![MAX_PIPELINE_LOCAL_RANKS; 2], "{e:?}");
 }
 
+/// The micro-batch the planner picks for `hosts` hosts of one device each, 1x2, training
+/// `batch` samples a step (the job of `pipelined`).
+fn planned_micro(hosts: &[NodeId], batch: usize) -> u64 {
+    let sim = pipelined(hosts.len() as u64, Some(2));
+    let job = limpet_decide::controller::pipeline_job(&sim.state).unwrap();
+    let (_, plan) = limpet_decide::planner::arrange(&job, hosts, (batch, 1), &BTreeMap::new()).unwrap();
+    plan.layout.micro_batch as u64
+}
+
 /// A pipeline's micro-batch is planned for a device: a host's devices split its share of the
-/// batch. Two hosts of one device, 1x2, 64 samples of 0.375 ms a stage and 0.05 ms a transfer:
-/// `(64 / n + 1)(0.375 n + 0.05)` is least at micro-batches of 4. Hosts of four devices train
-/// 16 samples on each: `(16 / n + 1)(0.375 n + 0.05)` is least at 2, eight micro-batches a
-/// device (planned for one device per host, they would have run four of 4).
+/// batch, so hosts of four devices get the micro-batch hosts of one get for a quarter of the
+/// batch (64 samples: 4 a micro-batch for one device, 2 for a device of four; planned as
+/// one device a host, each device of four would have run four micro-batches of 4 where
+/// eight of 2 are predicted faster).
 #[test]
 fn a_pipelines_micro_batch_is_planned_for_a_device() {
     let micro = |devices: u32| {
@@ -269,7 +278,25 @@ fn a_pipelines_micro_batch_is_planned_for_a_device() {
         );
         e.batch.micro_batch
     };
-    assert_eq!((micro(1), micro(4)), (4, 2));
+    let (whole, quarter) = (planned_micro(&[1, 2], 64), planned_micro(&[1, 2], 16));
+    assert_ne!(whole, quarter, "the test's profile must tell the two apart");
+    assert_eq!((micro(1), micro(4)), (whole, quarter));
+}
+
+/// A spare of one device among hosts of four: the plan is made for one device a host (the
+/// fewest any candidate has), but the hosts placed have four each, so the micro-batch is
+/// picked again for theirs.
+#[test]
+fn a_spare_with_fewer_devices_does_not_set_the_placed_hosts_micro_batch() {
+    let mut sim = pipelined(3, Some(2));
+    for (id, devices) in [(1, 4), (2, 4), (3, 1)] {
+        let hardware = Hardware { ranks: devices, gpus: devices, cpus: 2, ..Hardware::default() };
+        sim.state.apply(&Command::UpdateHardware { id, hardware }).unwrap();
+    }
+    sim.control();
+    let e = sim.state.scheduled.clone().unwrap();
+    assert_eq!((e.ranks.clone(), e.local_ranks.clone()), (vec![1, 2], vec![4, 4]), "{e:?}");
+    assert_eq!(e.batch.micro_batch, planned_micro(&[1, 2], 16), "{e:?}");
 }
 
 #[test]

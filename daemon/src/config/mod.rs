@@ -141,7 +141,8 @@ pub enum Stages {
 pub struct PipelineSection {
     /// Stages per data-parallel replica, or `"auto"`.
     pub stages: Stages,
-    /// Memory training may use on each host (`16G`, `512M`, ...).
+    /// Memory training may use on each device of a host (`16G`, `512M`, ...): a device of
+    /// several holds a copy of the host's stage.
     #[serde(default = "default_memory")]
     pub memory: String,
     /// Bandwidth between hosts, GB/s.

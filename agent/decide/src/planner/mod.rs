@@ -28,8 +28,8 @@
 //!
 //! Hosts of several devices (`local_ranks`, the same on every host of a pipeline) hold their
 //! stage on each device, and the devices split the host's share of the batch: the
-//! micro-batches, the memory and the times above are one device's, and the stage's sum
-//! between hosts runs on one connection per device, each with its part of the gradients.
+//! micro-batches, the memory and the times above are one device's; the stage's sum between
+//! hosts carries one buffer a host, as before.
 //!
 //! # Search
 //!
@@ -104,7 +104,7 @@ pub struct HostSpec {
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Link {
-    /// Bytes per second one connection carries.
+    /// Bytes per second between two hosts.
     pub bytes_per_s: f64,
     /// One-way latency, ms.
     pub latency_ms: f64,
@@ -135,8 +135,8 @@ fn one_device() -> usize {
     1
 }
 
-/// The most local ranks a plan counts per host (as many as a host's ranks may be).
-pub const MAX_PLAN_LOCAL_RANKS: usize = 64;
+/// The most local ranks a plan counts per host: as many as a pipelined epoch gives one.
+pub const MAX_PLAN_LOCAL_RANKS: usize = limpet_consensus::state::MAX_PIPELINE_LOCAL_RANKS as usize;
 
 /// Predicted cost of one stage.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -202,7 +202,7 @@ pub struct PipelineJob {
     /// these stages in as many replicas as the hosts allow, not the planner's choice.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cuts: Option<Vec<usize>>,
-    /// Memory training may use on each host, bytes.
+    /// Memory training may use on each device of a host, bytes.
     pub mem_bytes: u64,
 }
 
@@ -294,6 +294,31 @@ pub fn predict_epoch(
     }
     let stages = stages_at(cuts, job.profile.blocks.len(), data, ranks);
     predict(&input, &HostLayout { data, micro_batch, stages })
+}
+
+/// The micro-batch for an epoch's own layout (`ranks` in data-major order, `data` replicas,
+/// stages starting at `cuts`) on hosts of `local` devices and measured `speeds`: the fastest
+/// of the choices the planner weighs that fits memory, with its prediction. For hosts placed
+/// with more devices than the layout was planned for, whose devices split the share further.
+pub fn refit_micro_batch(
+    job: &PipelineJob,
+    ranks: &[u64],
+    (data, cuts): (usize, &[usize]),
+    (global_batch, local): (usize, usize),
+    speeds: &std::collections::BTreeMap<u64, f64>,
+) -> Result<Plan, PlanError> {
+    let input = job_input(job, ranks, (global_batch, local), speeds);
+    input.validate()?;
+    let mut best: Option<Plan> = None;
+    let mut last = None;
+    for (n, _) in input.micro_choices(data.max(1)) {
+        match predict_epoch(job, ranks, (data, cuts), n, (global_batch, local), speeds) {
+            Ok(p) if best.as_ref().is_none_or(|b| p.step_ms < b.step_ms) => best = Some(p),
+            Ok(_) => {}
+            Err(e) => last = Some(e),
+        }
+    }
+    best.ok_or_else(|| last.unwrap_or_else(|| PlanError::NoFit("no micro-batch fits".into())))
 }
 
 /// The stages that `cuts` make of `blocks` blocks, replica `r` of stage `s` on `ranks[r * P +
@@ -425,11 +450,10 @@ impl PlanInput {
         let params: u64 = blocks.iter().map(|c| c.param_bytes).sum();
         let optim: u64 = blocks.iter().map(|c| c.optim_bytes).sum();
         let saved: u64 = blocks.iter().map(|c| bytes(c.saved_bytes)).sum();
-        // Between hosts a stage's sum runs on one ring lane (connection) per local rank, each
-        // with its part of the buffer; the devices of a host add in its memory.
-        let lanes = self.local_ranks as f64;
+        // One buffer a host, whatever its devices (they add in its memory first): its lanes
+        // share the host's link.
         let allreduce = if d > 1 {
-            2.0 * (d - 1) as f64 / d as f64 * params as f64 / (self.link.bytes_per_s * lanes) * 1e3
+            2.0 * (d - 1) as f64 / d as f64 * params as f64 / self.link.bytes_per_s * 1e3
                 + 2.0 * (d - 1) as f64 * self.link.latency_ms
         } else {
             0.0

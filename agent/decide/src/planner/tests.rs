@@ -141,7 +141,7 @@ fn a_hosts_devices_split_its_share() {
     blind.local_ranks = 1;
     let pc = pipelined(&plan(&blind).unwrap());
     assert!(pc.layout.micro_batch > pa.layout.micro_batch, "{} against {}", pc.layout, pa.layout);
-    // Replicas of a stage sum between hosts on one connection per device.
+    // Replicas of a stage sum one buffer a host between hosts, whatever its devices.
     let two = |local: usize| {
         let mut inp = input(vec![block(1.0, 1 << 20); 2], &[(1.0, 1 << 30); 2]);
         inp.local_ranks = local;
@@ -152,7 +152,7 @@ fn a_hosts_devices_split_its_share() {
         };
         predict(&inp, &layout).unwrap().stages[0].tail_ms
     };
-    assert!(two(4) < two(1), "{} against {}", two(4), two(1));
+    assert_eq!(two(4), two(1));
     four.local_ranks = 0;
     assert!(plan(&four).unwrap_err().to_string().contains("local_ranks is 0"));
 }
