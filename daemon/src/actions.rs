@@ -9,6 +9,9 @@ use limpet_consensus::state::{Command, NodeId};
 use limpet_consensus::tls::Tls;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+/// The furthest a notice's deadline may be (a week): a cloud's notice comes minutes ahead.
+const MAX_NOTICE_SECS: u64 = 7 * 24 * 3600;
+
 /// `limpet drain NODE`.
 #[derive(Debug, Args)]
 pub struct DrainArgs {
@@ -28,7 +31,7 @@ pub struct RevokeArgs {
     /// The node's name.
     pub node: String,
     /// A spot notice: the host goes away in SECS seconds.
-    #[arg(long = "in", value_name = "SECS")]
+    #[arg(long = "in", value_name = "SECS", value_parser = clap::value_parser!(u64).range(0..=MAX_NOTICE_SECS))]
     pub in_secs: Option<u64>,
     /// No notice: kill the node's limpetd with SIGKILL (local clusters of a lab build only).
     #[cfg(feature = "lab")]

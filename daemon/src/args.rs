@@ -241,6 +241,10 @@ pub struct TrainArgs {
     /// Continue the job checkpointed in DIR, bit-exactly.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
+    /// Train into an --out directory that holds another run's checkpoint, replacing it and
+    /// its step log (without this, such a directory is refused).
+    #[arg(long)]
+    pub overwrite: bool,
     /// Stop after this many steps (the job's schedule still spans --steps).
     #[arg(long, value_name = "STEP")]
     pub stop_at: Option<u64>,

@@ -41,12 +41,16 @@ pub struct RenewArgs {
     #[arg(long, default_value = "certs")]
     pub dir: PathBuf,
     /// How long the new certificate is valid.
-    #[arg(long, default_value_t = DEFAULT_DAYS)]
+    #[arg(long, default_value_t = DEFAULT_DAYS, value_parser = clap::value_parser!(u32).range(1..=MAX_DAYS))]
     pub days: u32,
     /// Print the files written as JSON.
     #[arg(long)]
     pub json: bool,
 }
+
+/// The longest validity `--days` takes (a hundred years): past it the end date leaves what
+/// a certificate can carry.
+const MAX_DAYS: i64 = 36_500;
 
 /// How long a node's or an operator's certificate is valid unless `--days` says: short, so a
 /// lost one stops working soon (`limpet certs renew` issues the next).
@@ -62,7 +66,7 @@ pub struct InitArgs {
     #[arg(long, default_value = "limpet")]
     pub cluster: String,
     /// How long the CA is valid.
-    #[arg(long, default_value_t = 3650)]
+    #[arg(long, default_value_t = 3650, value_parser = clap::value_parser!(u32).range(1..=MAX_DAYS))]
     pub days: u32,
     /// Print the files written as JSON.
     #[arg(long)]
@@ -85,7 +89,7 @@ pub struct IssueArgs {
     #[arg(long, conflicts_with = "client", value_parser = clap::value_parser!(u64).range(1..))]
     pub id: Option<u64>,
     /// How long the certificate is valid.
-    #[arg(long, default_value_t = DEFAULT_DAYS)]
+    #[arg(long, default_value_t = DEFAULT_DAYS, value_parser = clap::value_parser!(u32).range(1..=MAX_DAYS))]
     pub days: u32,
     /// Print the files written as JSON.
     #[arg(long)]

@@ -67,6 +67,40 @@ pub struct ExportArgs {
     /// the job started from, f32 for a model trained from scratch).
     #[arg(long, requires = "hf", value_parser = parse_dtype)]
     pub dtype: Option<limpet_trainer::hf::ExportDtype>,
+    /// Replace a model already in --hf's directory (its config.json and weights), or the
+    /// --torchscript file (without this, both are refused).
+    #[arg(long)]
+    pub overwrite: bool,
+}
+
+/// An export that would replace a model (a Hugging Face directory's config or weights, a
+/// TorchScript file) is refused without `--overwrite`: it may be the checkpoint a job was
+/// fine-tuned from.
+fn refuse_to_replace(a: &ExportArgs) -> crate::Result<()> {
+    if a.overwrite {
+        return Ok(());
+    }
+    let held = |dir: &std::path::Path| -> Option<String> {
+        let names = std::fs::read_dir(dir).ok()?.filter_map(|e| e.ok()?.file_name().into_string().ok());
+        names.into_iter().find(|n| {
+            n == "config.json"
+                || (n.ends_with(".safetensors") || n.ends_with(".bin"))
+                    && (n.starts_with("model") || n.starts_with("pytorch_model"))
+        })
+    };
+    let (flag, path, what) = match (&a.hf, &a.torchscript) {
+        (Some(dir), _) => match held(dir) {
+            Some(name) => ("--hf", dir, format!("holds a model ({name})")),
+            None => return Ok(()),
+        },
+        (None, Some(file)) if file.exists() => ("--torchscript", file, "exists".to_string()),
+        _ => return Ok(()),
+    };
+    Err(UsageError(format!(
+        "{flag} {}: it {what}; export to another path, or pass --overwrite to replace it",
+        path.display()
+    ))
+    .into())
 }
 
 fn parse_dtype(s: &str) -> Result<limpet_trainer::hf::ExportDtype, limpet_trainer::NotOneOf> {
@@ -241,6 +275,7 @@ fn verify(dir: &Path) -> crate::Result<()> {
 
 /// Runs `limpet export`.
 pub fn export(a: ExportArgs) -> crate::Result<()> {
+    refuse_to_replace(&a)?;
     let file = if a.checkpoint.is_dir() {
         a.checkpoint.join(limpet_trainer::CHECKPOINT_FILE)
     } else {

@@ -26,9 +26,12 @@ pub const LOSS_PLOT: &str = "loss.svg";
 pub struct StepRecord {
     /// Steps applied after this one (1-based count).
     pub step: u64,
-    /// Mean training loss of the step.
+    /// Mean training loss of the step (NaN once training diverged: written as `null`, which
+    /// JSON has for it, and read back as NaN).
+    #[serde(deserialize_with = "nan_for_null")]
     pub loss: f64,
     /// Learning rate used.
+    #[serde(deserialize_with = "nan_for_null")]
     pub lr: f64,
     /// Seconds since this process started training.
     pub t: f64,
@@ -38,6 +41,12 @@ pub struct StepRecord {
     /// Test accuracy, likewise.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub test_accuracy: Option<f64>,
+}
+
+/// A number of the step log, `null` (how serde_json writes NaN and infinities) read as NaN:
+/// a run whose loss diverged must still resume and plot.
+fn nan_for_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 fn usage(msg: impl Into<String>) -> crate::Failure {
@@ -203,6 +212,7 @@ fn print_order(args: &TrainArgs, to: &Path) -> crate::Result<()> {
 
 fn fresh(args: &TrainArgs) -> crate::Result<(Trainer, PathBuf)> {
     let out = args.out.clone().ok_or_else(|| usage("--out DIR is required (or --resume DIR)"))?;
+    refuse_to_overwrite(args, &out, None)?;
     let (job, data) = job_from_flags(&args.job)?;
     let blocks = 0..job.model.num_blocks();
     let mut trainer = Trainer::on_device(job, data, blocks, device_from_flags(&args.job)?)?;
@@ -290,7 +300,27 @@ fn resume(args: &TrainArgs, dir: &Path) -> crate::Result<(Trainer, PathBuf)> {
     let blocks = 0..job.model.num_blocks();
     let mut trainer = Trainer::on_device(job, data, blocks, device_from_flags(&args.job)?)?;
     trainer.load_image(&image).within(|| format!("checkpoint {}", path.display()))?;
-    Ok((trainer, args.out.clone().unwrap_or_else(|| dir.to_path_buf())))
+    let out = args.out.clone().unwrap_or_else(|| dir.to_path_buf());
+    refuse_to_overwrite(args, &out, Some(dir))?;
+    Ok((trainer, out))
+}
+
+/// A run's `out` directory that holds a checkpoint of another run (anything but the one
+/// `resumed`) is refused unless `--overwrite`: training there would replace that run's only
+/// checkpoint and its step log.
+fn refuse_to_overwrite(args: &TrainArgs, out: &Path, resumed: Option<&Path>) -> crate::Result<()> {
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    };
+    if args.overwrite || !out.join(CHECKPOINT_FILE).exists() || resumed.is_some_and(|r| same(r, out)) {
+        return Ok(());
+    }
+    Err(usage(format!(
+        "--out {}: it holds another run's {CHECKPOINT_FILE}; continue that run with --resume {}, train into another directory, or pass --overwrite to replace it",
+        out.display(),
+        out.display()
+    )))
 }
 
 /// Overlays the job flags that were given on `job`: the model must be the job's; the

@@ -219,3 +219,36 @@ fn plan_profiles_the_model_and_respects_memory() {
     fails(&["plan", "--hosts", "2", "--layout", "0..9@h0"], 64, "--layout");
     fails(&["plan", "--model", "mlp", "--layers", "3"], 64, "--layers: applies to models gpt and llama only");
 }
+
+/// A run whose loss diverged (NaN, written `null` in the step log) finishes and resumes; a
+/// new run is not trained over another run's checkpoint without `--overwrite`; an export
+/// does not replace a model (the one a job was fine-tuned from, say) without it either.
+#[test]
+fn a_diverged_run_resumes_and_nothing_is_overwritten_unasked() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let diverge = ["train", "--model", "mlp", "--steps", "4", "--lr", "1e30", "--out", s(&out)];
+    ok_json(&[&diverge[..], &["--stop-at", "2", "--json"]].concat());
+    let log = std::fs::read_to_string(out.join("steps.jsonl")).unwrap();
+    assert!(log.contains("\"loss\":null"), "the run was meant to diverge: {log}");
+    let resumed = ok_json(&["train", "--resume", s(&out), "--json"]);
+    assert_eq!((resumed["start_step"].as_u64(), resumed["final_step"].as_u64()), (Some(2), Some(4)));
+    let before = std::fs::read(out.join("checkpoint.safetensors")).unwrap();
+    fails(
+        &["train", "--model", "mlp", "--steps", "2", "--out", s(&out)],
+        64,
+        "pass --overwrite to replace it",
+    );
+    assert_eq!(std::fs::read(out.join("checkpoint.safetensors")).unwrap(), before, "the refused run wrote");
+    ok_json(&["train", "--model", "mlp", "--steps", "2", "--out", s(&out), "--overwrite", "--json"]);
+    assert_ne!(std::fs::read(out.join("checkpoint.safetensors")).unwrap(), before);
+    // An export into a model's directory: refused before the checkpoint is even read.
+    let model = dir.path().join("base-model");
+    std::fs::create_dir(&model).unwrap();
+    std::fs::write(model.join("config.json"), "{}").unwrap();
+    let missing = dir.path().join("no-checkpoint");
+    fails(&["export", "--hf", s(&model), "--checkpoint", s(&missing)], 64, "holds a model (config.json)");
+    let out = limpet(&["export", "--hf", s(&model), "--checkpoint", s(&missing), "--overwrite"]);
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("--overwrite"), "--overwrite was not taken");
+    assert_eq!(std::fs::read_to_string(model.join("config.json")).unwrap(), "{}");
+}

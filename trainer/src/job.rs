@@ -7,6 +7,9 @@ use crate::optim::{OptimizerSpec, Schedule};
 use crate::TrainerError;
 use serde::{Deserialize, Serialize};
 
+/// The most samples a step (or a micro-batch) may have.
+pub const MAX_BATCH: usize = 1 << 24;
+
 /// Model families; [`ModelSpec::for_data`] sizes one for a dataset.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -161,6 +164,13 @@ impl JobSpec {
         }
         if self.micro_batch == 0 {
             return bad("micro_batch must be at least 1".into());
+        }
+        // A step's sample positions are held at once: a batch past this is a typo, and would
+        // abort the process allocating them instead of being named.
+        for (key, n) in [("global_batch", self.global_batch), ("micro_batch", self.micro_batch)] {
+            if n > MAX_BATCH {
+                return bad(format!("{key} ({n}) is above {MAX_BATCH} samples"));
+            }
         }
         if self.steps == 0 {
             return bad("steps must be at least 1".into());

@@ -66,6 +66,25 @@ impl Config {
             c.fail("[node].slowdown_factor", format!("{} is not within 1..=100", node.slowdown_factor));
         }
         let metrics = node.metrics.as_deref().and_then(|a| c.addr("[node].metrics", a));
+        // Two listeners on one address: the second would fail to bind only at start.
+        let listeners =
+            [("[node].control", Some(control)), ("[node].data", Some(data)), ("[node].metrics", metrics)];
+        for (i, (key, a)) in listeners.iter().enumerate() {
+            let same = listeners[..i].iter().find(|(_, b)| a.is_some_and(|a| a.port() != 0 && Some(a) == *b));
+            if let (Some((other, _)), Some(a)) = (same, a) {
+                c.fail(key, format!("{a} is {other}'s address too"));
+            }
+        }
+        let empty = |p: &std::path::Path| p.as_os_str().is_empty();
+        if empty(&node.state_dir) {
+            c.fail("[node].state_dir", "is empty");
+        }
+        if node.step_log.as_deref().is_some_and(empty) {
+            c.fail("[node].step_log", "is empty");
+        }
+        if self.checkpoint.as_ref().and_then(|k| k.dir.as_deref()).is_some_and(empty) {
+            c.fail("[checkpoint].dir", "is empty");
+        }
         if node.metrics_tls && (node.metrics.is_none() || self.tls().is_none()) {
             c.fail(
                 "[node].metrics_tls",
@@ -243,6 +262,9 @@ impl Config {
 
     fn check_timing(&self, c: &mut Checks) {
         let t = &self.timing;
+        // An hour at most: longer leaves a dead host unnoticed for longer than any job waits,
+        // and the sums below must not overflow.
+        const HOUR_MS: u64 = 3_600_000;
         for (key, v, lo) in [
             ("[timing].heartbeat_ms", t.heartbeat_ms, 10),
             ("[timing].failure_timeout_ms", t.failure_timeout_ms, 50),
@@ -251,15 +273,17 @@ impl Config {
         ] {
             if v < lo {
                 c.fail(key, format!("{v} is below {lo}"));
+            } else if v > HOUR_MS {
+                c.fail(key, format!("{v} is above an hour ({HOUR_MS})"));
             }
         }
-        if t.failure_timeout_ms < 2 * t.heartbeat_ms {
+        if t.failure_timeout_ms < t.heartbeat_ms.saturating_mul(2) {
             c.fail(
                 "[timing].failure_timeout_ms",
                 format!(
                     "{} must be at least two heartbeats ({} ms)",
                     t.failure_timeout_ms,
-                    2 * t.heartbeat_ms
+                    t.heartbeat_ms.saturating_mul(2)
                 ),
             );
         }

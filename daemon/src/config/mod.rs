@@ -412,7 +412,7 @@ impl Config {
 pub fn parse_founders(
     entries: &[String],
 ) -> Result<Vec<limpet_consensus::state::MemberSpec>, crate::UsageError> {
-    entries
+    let founders = entries
         .iter()
         .map(|e| {
             let (id, addr) = e
@@ -432,7 +432,24 @@ pub fn parse_founders(
                 hardware: limpet_consensus::state::Hardware::default(),
             })
         })
-        .collect()
+        .collect::<Result<Vec<_>, crate::UsageError>>()?;
+    // Raft refuses a configuration that names a voter twice; say which entries do.
+    for (i, f) in founders.iter().enumerate() {
+        for (j, g) in founders[..i].iter().enumerate() {
+            let what = if g.id == f.id {
+                format!("id {}", f.id)
+            } else if g.control_addr == f.control_addr {
+                format!("address {}", f.control_addr)
+            } else {
+                continue;
+            };
+            return Err(crate::UsageError(format!(
+                "--bootstrap entries {:?} and {:?} name the same {what}",
+                entries[j], entries[i]
+            )));
+        }
+    }
+    Ok(founders)
 }
 
 #[cfg(test)]

@@ -274,6 +274,10 @@ fn job_error(mut c: Checks, cfg: &Config, e: TrainerError) -> ConfigErrors {
             };
             c.fail(key, format!("{}: {detail}", path.display()))
         }
+        // The model's own sizes (rope_theta, context, vocab) are `[model]`'s keys.
+        TrainerError::Config(m) if m.starts_with("model: ") || m.starts_with("model.") => {
+            c.fail("[model]", m.trim_start_matches("model: "))
+        }
         other => c.fail("[job]", other.to_string()),
     }
     c.finish().expect_err("a problem was just recorded")

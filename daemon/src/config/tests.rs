@@ -465,6 +465,29 @@ fn every_problem_is_reported_at_once_with_its_line() {
     assert_eq!((e.first().key.as_str(), e.first().line), ("[timing].failure_timeout_ms", None));
 }
 
+/// Keys that would fail only once limpetd starts (two listeners on one port, a founder named
+/// twice, an empty directory that would put state in the working directory) or overflow
+/// (an hour-long heartbeat, twice over), each named.
+#[test]
+fn listeners_founders_directories_and_timings_are_checked_before_start() {
+    let s = secret();
+    let errors = |text: String| {
+        let e = Config::parse(&text, "c.toml").unwrap_err();
+        e.all().iter().map(|e| format!("{}: {}", e.key, e.detail)).collect::<Vec<_>>().join("\n")
+    };
+    let e = errors(example(s.path()).replace("data = \"127.0.0.1:7401\"", "data = \"127.0.0.1:7400\""));
+    assert!(e.contains("[node].data: 127.0.0.1:7400 is [node].control's address too"), "{e}");
+    let e = errors(example(s.path()).replace(
+        "bootstrap = [\"1=127.0.0.1:7400\"]",
+        "bootstrap = [\"1=127.0.0.1:7400\", \"1=127.0.0.1:7500\"]",
+    ));
+    assert!(e.contains("\"1=127.0.0.1:7400\" and \"1=127.0.0.1:7500\" name the same id 1"), "{e}");
+    let e = errors(example(s.path()).replace("state_dir = \"/tmp/limpet\"", "state_dir = \"\""));
+    assert!(e.contains("[node].state_dir: is empty"), "{e}");
+    let e = errors(example(s.path()) + "\n[timing]\nheartbeat_ms = 18446744073709551615\n");
+    assert!(e.contains("[timing].heartbeat_ms: 18446744073709551615 is above an hour"), "{e}");
+}
+
 /// What only the built job can tell is refused by the same call start-up makes: pipeline
 /// cuts past the model's blocks (the file's checks alone cannot know the block count), and a
 /// data file that is not there.
