@@ -273,6 +273,9 @@ pub fn value_name<T: ValueEnum>(v: T) -> String {
 /// is counted; the number and unit are bytesize's.
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let t = s.trim();
+    if t.starts_with('-') {
+        return Err(format!("{s:?} is negative: a size is a positive number like 512M or 16G"));
+    }
     let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     let unit = match unit.trim().to_ascii_uppercase().trim_end_matches("IB").trim_end_matches('B') {
@@ -284,6 +287,10 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         format!("{num} {unit}").parse().map_err(|_| format!("{s:?} is not a size like 512M or 16G"))?;
     if size.as_u64() == 0 {
         return Err(format!("{s:?} is not a positive size"));
+    }
+    // Sizes past an exbibyte are typos (and a saturated one would read as "everything").
+    if size.as_u64() > 1 << 60 {
+        return Err(format!("{s:?} is more than 1024 PiB"));
     }
     Ok(size.as_u64())
 }

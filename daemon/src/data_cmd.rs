@@ -77,6 +77,13 @@ pub struct ExportArgs {
 /// TorchScript file) is refused without `--overwrite`: it may be the checkpoint a job was
 /// fine-tuned from.
 fn refuse_to_replace(a: &ExportArgs) -> crate::Result<()> {
+    if let Some(dir) = a.hf.as_ref().filter(|d| d.exists() && !d.is_dir()) {
+        return Err(UsageError(format!(
+            "--hf {}: is a file; name a directory to write the model into",
+            dir.display()
+        ))
+        .into());
+    }
     if a.overwrite {
         return Ok(());
     }

@@ -62,6 +62,9 @@ fn usage(msg: impl Into<String>) -> crate::Failure {
     UsageError(msg.into()).into()
 }
 
+/// The most hosts `--hosts` describes (the planner searches at most a few dozen groups).
+const MAX_HOSTS: usize = 4096;
+
 /// Parses `--hosts`: `N`, or `[COUNTx]SPEED[:MEMORY]` groups joined by commas. Hosts are
 /// named `h0`, `h1`, ... in the order given.
 pub fn parse_hosts(spec: &str) -> Result<Vec<HostSpec>, String> {
@@ -69,6 +72,9 @@ pub fn parse_hosts(spec: &str) -> Result<Vec<HostSpec>, String> {
     if let Ok(n) = spec.trim().parse::<usize>() {
         if n == 0 {
             return Err("--hosts 0: at least one host is needed".into());
+        }
+        if n > MAX_HOSTS {
+            return Err(format!("--hosts {n}: at most {MAX_HOSTS}"));
         }
         return Ok((0..n)
             .map(|i| HostSpec { name: format!("h{i}"), speed: 1.0, mem_bytes: DEFAULT_MEM })
@@ -91,6 +97,9 @@ pub fn parse_hosts(spec: &str) -> Result<Vec<HostSpec>, String> {
             speed.parse().map_err(|_| format!("--hosts item {item:?}: speed {speed:?} is not a number"))?;
         if !(speed.is_finite() && speed > 0.0) || count == 0 {
             return Err(format!("--hosts item {item:?}: count and speed must be positive"));
+        }
+        if hosts.len() + count > MAX_HOSTS {
+            return Err(format!("--hosts {spec:?}: more than {MAX_HOSTS} hosts"));
         }
         for _ in 0..count {
             hosts.push(HostSpec { name: format!("h{}", hosts.len()), speed, mem_bytes: mem });
@@ -324,10 +333,14 @@ mod tests {
             ("2xfast", "speed \"fast\""),
             ("1.0:8Q", "unknown unit"),
             ("2x-1", "must be positive"),
+            ("999999999", "at most 4096"),
+            ("4000x1.0,999999999x1.0", "more than 4096 hosts"),
         ] {
             let e = parse_hosts(spec).unwrap_err();
             assert!(e.contains(says), "{spec}: {e}");
         }
         assert_eq!(parse_bytes("16GiB").unwrap(), 16 << 30);
+        assert!(parse_bytes("-5G").unwrap_err().contains("is negative"));
+        assert!(parse_bytes("99999999999T").unwrap_err().contains("more than 1024 PiB"));
     }
 }

@@ -90,18 +90,25 @@ pub(crate) fn bar(len: u64, what: &str) -> ProgressBar {
     b
 }
 
-/// The input files under `inputs`, in name order.
-fn input_files(inputs: &[PathBuf]) -> crate::Result<Vec<PathBuf>> {
+/// The largest vocabulary `--train-bpe` trains (token ids are stored as uint32 either way).
+const MAX_BPE_VOCAB: usize = 1 << 20;
+
+/// The input files under `inputs`, in name order, leaving out the shard directory `skip`
+/// (`--out`): run again over the same directory, the shards, tokenizer and manifest written
+/// last time are not documents.
+fn input_files(inputs: &[PathBuf], skip: &Path) -> crate::Result<Vec<PathBuf>> {
+    let skip = skip.canonicalize().ok();
     let mut out = Vec::new();
     for p in inputs {
         let meta = std::fs::metadata(p).with_context(|| format!("input {}", p.display()))?;
         if meta.is_file() {
             out.push(p.clone());
-        } else {
+        } else if skip.is_none() || p.canonicalize().ok() != skip {
             let mut entries: Vec<PathBuf> =
                 std::fs::read_dir(p)?.filter_map(|e| e.ok()).map(|e| e.path()).collect();
             entries.sort();
-            out.extend(input_files(&entries.into_iter().filter(|e| !e.is_symlink()).collect::<Vec<_>>())?);
+            let entries: Vec<PathBuf> = entries.into_iter().filter(|e| !e.is_symlink()).collect();
+            out.extend(input_files(&entries, skip.as_deref().unwrap_or(Path::new("")))?);
         }
     }
     Ok(out)
@@ -118,6 +125,10 @@ fn train_bpe(files: &[PathBuf], a: &TokenizeArgs, vocab: usize, out: &Path) -> c
         return Err(
             UsageError(format!("--train-bpe {vocab}: a byte-level BPE needs at least 257 tokens")).into()
         );
+    }
+    // The trainer allocates by the vocabulary; LLM vocabularies are a few hundred thousand.
+    if vocab > MAX_BPE_VOCAB {
+        return Err(UsageError(format!("--train-bpe {vocab}: at most {MAX_BPE_VOCAB} tokens")).into());
     }
     let mut trainer = BpeTrainerBuilder::new()
         .vocab_size(vocab)
@@ -382,7 +393,7 @@ pub fn tokenize(a: TokenizeArgs) -> crate::Result<()> {
     if a.shard_tokens == 0 {
         return Err(UsageError("--shard-tokens must be at least 1".into()).into());
     }
-    let files = input_files(&a.inputs)?;
+    let files = input_files(&a.inputs, &a.out)?;
     if files.is_empty() {
         return Err(UsageError("no input files".into()).into());
     }

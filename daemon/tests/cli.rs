@@ -251,4 +251,31 @@ fn a_diverged_run_resumes_and_nothing_is_overwritten_unasked() {
     let out = limpet(&["export", "--hf", s(&model), "--checkpoint", s(&missing), "--overwrite"]);
     assert!(!String::from_utf8_lossy(&out.stderr).contains("--overwrite"), "--overwrite was not taken");
     assert_eq!(std::fs::read_to_string(model.join("config.json")).unwrap(), "{}");
+    let file = model.join("config.json");
+    fails(&["export", "--hf", s(&file), "--checkpoint", s(&missing), "--overwrite"], 64, "is a file");
+}
+
+/// Tokenizing a directory into a shard directory inside it, twice: the second run reads the
+/// same documents, not the shards, tokenizer and manifest the first one wrote there.
+#[test]
+fn tokenizing_again_does_not_read_its_own_shards() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = dir.path().join("corpus");
+    std::fs::create_dir(&corpus).unwrap();
+    for i in 0..3 {
+        let text = format!("document {i}: the quick brown fox jumps over the lazy dog.\n").repeat(200);
+        std::fs::write(corpus.join(format!("doc{i}.txt")), text).unwrap();
+    }
+    let shards = corpus.join("shards");
+    let args = ["data", "tokenize", s(&corpus), "--out", s(&shards), "--train-bpe", "300"];
+    for run in 0..2 {
+        let out = limpet(&args);
+        let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && text.contains(": 3 files, 3 documents"), "run {run}: {text}");
+    }
+    fails(
+        &["data", "tokenize", s(&corpus), "--out", s(&shards), "--train-bpe", "99999999999"],
+        64,
+        "at most",
+    );
 }

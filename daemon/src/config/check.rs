@@ -110,7 +110,12 @@ impl<'a> Checks<'a> {
 
     /// `v` as `HOST:PORT`.
     pub fn addr(&mut self, key: &str, v: &str) -> Option<SocketAddr> {
-        self.take(key, v.parse::<SocketAddr>().map_err(|e| format!("{v:?} is not HOST:PORT ({e})")))
+        self.take(
+            key,
+            v.parse::<SocketAddr>().map_err(|e| {
+                format!("{v:?} is not IP:PORT ({e}; a host name such as localhost is not looked up)")
+            }),
+        )
     }
 
     /// Every problem found so far, or none (then checks that need good values may go on).
@@ -209,7 +214,7 @@ mod tests {
         let e = c.finish().unwrap_err();
         assert_eq!(
             e.to_string(),
-            "f.toml:3: [node].control: \"nowhere\" is not HOST:PORT (invalid socket address syntax)\n\
+            "f.toml:3: [node].control: \"nowhere\" is not IP:PORT (invalid socket address syntax; a host name such as localhost is not looked up)\n\
              f.toml:2: [node].name: is empty\n\
              f.toml: [timing].lead_ms: too small"
         );

@@ -81,6 +81,11 @@ impl Config {
         }
         if node.step_log.as_deref().is_some_and(empty) {
             c.fail("[node].step_log", "is empty");
+        } else if let Some(log) = node.step_log.as_deref().filter(|p| p.is_dir()) {
+            c.fail(
+                "[node].step_log",
+                format!("{} is a directory; name the file to append to", log.display()),
+            );
         }
         if self.checkpoint.as_ref().and_then(|k| k.dir.as_deref()).is_some_and(empty) {
             c.fail("[checkpoint].dir", "is empty");

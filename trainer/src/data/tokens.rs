@@ -200,7 +200,11 @@ impl ShardSet {
             let path = dir.join(&e.file);
             let file = File::open(&path)
                 .map_err(|err| data_err(&path, format!("cannot open a shard the manifest lists: {err}")))?;
-            let len = file.metadata().map_err(|err| data_err(&path, err.to_string()))?.len();
+            let meta = file.metadata().map_err(|err| data_err(&path, err.to_string()))?;
+            if !meta.is_file() {
+                return Err(data_err(&path, "a shard the manifest lists is not a file (a directory?)"));
+            }
+            let len = meta.len();
             let want = e.tokens * m.dtype.width();
             if len != want {
                 return Err(data_err(

@@ -70,6 +70,16 @@ fn a_truncated_shard_is_refused_at_open_naming_the_file() {
 }
 
 #[test]
+fn a_shard_that_is_a_directory_is_named_so() {
+    let dir = shards(&(0..50).collect::<Vec<_>>(), 64, 100, None);
+    let f = dir.path().join("train-00000.bin");
+    std::fs::remove_file(&f).unwrap();
+    std::fs::create_dir(&f).unwrap();
+    let err = open(dir.path(), 4).unwrap_err().to_string();
+    assert!(err.contains("train-00000.bin") && err.contains("is not a file (a directory?)"), "{err}");
+}
+
+#[test]
 fn a_shard_truncated_while_open_gives_an_error_not_a_crash() {
     let dir = shards(&(0..50).collect::<Vec<_>>(), 64, 100, None);
     let s = open(dir.path(), 4).unwrap();
