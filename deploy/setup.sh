@@ -46,8 +46,6 @@ need_package patchelf patchelf "the release tarball's rpath"
 need_package readelf binutils "readelf, for the test that reads the binaries' NEEDED libraries"
 # A C++ compiler builds torch-sys's bindings and the trainer's helper (trainer/build.rs).
 need_package c++ g++ "a C++ compiler, for torch-sys and trainer/build.rs"
-"$PYTHON_BIN" -c 'import ensurepip, venv' 2>/dev/null ||
-    install_package python3-venv "Python's venv, which holds the torch wheel" "Python venv module"
 mkdir -p "$CACHE" "$DATA"
 
 # One setup at a time: a second clone waits instead of racing on the same venv.
@@ -55,6 +53,9 @@ exec 9>"$CACHE/.setup.lock"
 flock 9
 
 if [ ! -f "$VENV/.complete" ]; then
+    # Only to make the venv: a machine whose cache is complete needs no venv module.
+    "$PYTHON_BIN" -c 'import ensurepip, venv' 2>/dev/null ||
+        install_package python3-venv "Python's venv, which holds the torch wheel" "Python venv module"
     say "installing torch==$TORCH_VERSION from PyPI into $VENV (about 4 GB, once per machine)"
     rm -rf "$VENV"
     "$PYTHON_BIN" -m venv "$VENV" || die "python -m venv failed (Debian: apt-get install python3-venv)"

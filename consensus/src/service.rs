@@ -387,6 +387,11 @@ impl pb::consensus_server::Consensus for Service {
                 tracing::warn!(node = self.me, ?who, %why, "proposal refused");
                 return Err(tonic::Status::permission_denied(why.to_string()));
             }
+        } else if let Err(why) = command.check_words() {
+            // Whoever calls, what they write stays in every snapshot and reaches operators'
+            // terminals.
+            tracing::warn!(node = self.me, %why, "proposal refused");
+            return Err(tonic::Status::invalid_argument(why.to_string()));
         }
         let deadline = self.deadline(req.timeout_ms);
         let reply = match self

@@ -212,6 +212,7 @@ pub fn run(args: PlanArgs) -> crate::Result<()> {
         global_batch: job.global_batch,
         max_depth: args.max_depth,
         local_ranks: usize::from(args.devices),
+        replica_batch: None,
     };
     let (report, forced) = match &layout {
         Some(l) => (None, Some(planner::predict(&input, l).map_err(|e| usage(format!("--layout: {e}")))?)),

@@ -372,9 +372,8 @@ fn lay_out(
             // Planned for the fewest devices any candidate has (what every host of the
             // pipeline then trains with), and the micro-batch picked again below for the
             // hosts placed, whose count may be larger (a spare had fewer).
-            let batch = cfg.base.global_batch as usize;
             let local = pipeline_local_ranks(st, &ranks) as usize;
-            match arrange(p, &ranks, (batch, local), &speeds) {
+            match arrange(p, &ranks, step_batch(cfg, local), &speeds) {
                 // Measured speeds wobble: the current layout stays unless the new one is
                 // predicted clearly faster on the same hosts.
                 Ok((_, plan)) if keeps_current(p, st, &ranks, &plan, cfg, &speeds) => {
@@ -405,7 +404,9 @@ fn lay_out(
                     if placed != local && layout.pipeline > 1 {
                         let cuts: Vec<usize> = layout.cuts.iter().map(|&c| c as usize).collect();
                         let shape = (layout.data as usize, cuts.as_slice());
-                        if let Ok(refit) = refit_micro_batch(p, &ranks, shape, (batch, placed), &speeds) {
+                        if let Ok(refit) =
+                            refit_micro_batch(p, &ranks, shape, step_batch(cfg, placed), &speeds)
+                        {
                             n = refit.layout.micro_batch;
                         }
                     }
@@ -416,6 +417,15 @@ fn lay_out(
         }
     }
     Ok((ranks, layout, micro))
+}
+
+/// What a step of the job trains, for the planner, on hosts of `local` devices: the global
+/// batch, or under a policy whose batch grows with the replicas, each replica's (what
+/// [`BatchPolicy::decide`] gives one replica), whatever the layout's replicas.
+fn step_batch(cfg: &ControllerConfig, local: usize) -> crate::planner::StepBatch {
+    let per_replica = (cfg.policy != BatchPolicy::FixedGlobal)
+        .then(|| cfg.policy.decide(cfg.base, 1, None).batch.global_batch as usize);
+    crate::planner::StepBatch { global: cfg.base.global_batch as usize, per_replica, local }
 }
 
 /// The local ranks every host of a pipeline of `ranks` trains with: as many as the one with
@@ -451,8 +461,14 @@ fn keeps_current(
     let cuts: Vec<usize> = cur.layout.cuts.iter().map(|&c| c as usize).collect();
     let shape = (cur.layout.data as usize, cuts.as_slice());
     let micro = cur.batch.micro_batch as usize;
-    let batch = (cfg.base.global_batch as usize, local as usize);
-    match crate::planner::predict_epoch(job, &cur.ranks, shape, micro, batch, speeds) {
+    match crate::planner::predict_epoch(
+        job,
+        &cur.ranks,
+        shape,
+        micro,
+        step_batch(cfg, local as usize),
+        speeds,
+    ) {
         Ok(now) => plan.step_ms > REPLAN_GAIN * now.step_ms,
         Err(_) => false,
     }

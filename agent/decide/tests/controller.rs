@@ -7,7 +7,7 @@ use limpet_consensus::state::{
     ClusterState, Command, Hardware, MemberSpec, MemberStatus, NodeId, MAX_PIPELINE_LOCAL_RANKS,
 };
 use limpet_decide::controller::{decide, ControllerConfig, NodeProgress, View};
-use limpet_decide::planner::{BlockCost, Link, ModelProfile, PipelineJob};
+use limpet_decide::planner::{BlockCost, Link, ModelProfile, PipelineJob, StepBatch};
 use limpet_decide::policy::{BaseBatch, BatchPolicy};
 use limpet_decide::report::PendingNotice;
 use proptest::prelude::*;
@@ -252,7 +252,13 @@ fn a_pipelined_epoch_gives_every_host_the_fewest_devices_any_has() {
 fn planned_micro(hosts: &[NodeId], batch: usize) -> u64 {
     let sim = pipelined(hosts.len() as u64, Some(2));
     let job = limpet_decide::controller::pipeline_job(&sim.state).unwrap();
-    let (_, plan) = limpet_decide::planner::arrange(&job, hosts, (batch, 1), &BTreeMap::new()).unwrap();
+    let (_, plan) = limpet_decide::planner::arrange(
+        &job,
+        hosts,
+        StepBatch { global: batch, per_replica: None, local: 1 },
+        &BTreeMap::new(),
+    )
+    .unwrap();
     plan.layout.micro_batch as u64
 }
 
@@ -281,6 +287,28 @@ fn a_pipelines_micro_batch_is_planned_for_a_device() {
     let (whole, quarter) = (planned_micro(&[1, 2], 64), planned_micro(&[1, 2], 16));
     assert_ne!(whole, quarter, "the test's profile must tell the two apart");
     assert_eq!((micro(1), micro(4)), (whole, quarter));
+}
+
+/// Under a policy whose batch grows with the replicas, a pipeline's micro-batch is planned for
+/// the replica's share the policy gives (64 over a base world of 3: 22 samples), not for the
+/// base global batch shared over the layout's replicas (64 on one replica).
+#[test]
+fn a_scaling_policys_pipeline_is_planned_for_its_replicas_batch() {
+    let sim = pipelined(2, Some(2));
+    let cfg = ControllerConfig { policy: BatchPolicy::Linear, ..config() };
+    let d = decide(&sim.view(100.0), &cfg);
+    let e = d
+        .commands
+        .iter()
+        .find_map(|c| match c {
+            Command::ScheduleEpoch { epoch } => Some(epoch.clone()),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no epoch: {}", d.reason));
+    assert_eq!((e.layout.data, e.layout.pipeline, e.batch.global_batch), (1, 2, 22), "{e:?}");
+    let (per_replica, base) = (planned_micro(&[1, 2], 22), planned_micro(&[1, 2], 64));
+    assert_ne!(per_replica, base, "the test's profile must tell the two apart");
+    assert_eq!(e.batch.micro_batch, per_replica, "{e:?}");
 }
 
 /// A spare of one device among hosts of four: the plan is made for one device a host (the

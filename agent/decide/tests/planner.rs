@@ -38,6 +38,7 @@ fn arb_input() -> impl Strategy<Value = PlanInput> {
             global_batch,
             max_depth: None,
             local_ranks: 1,
+            replica_batch: None,
         })
 }
 

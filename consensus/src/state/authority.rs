@@ -89,7 +89,7 @@ impl Command {
     /// at most [`MAX_WORDS`] bytes a field and no control character. The log keeps it in
     /// every snapshot (a gone member's record too), and `limpet status` prints it to an
     /// operator's terminal.
-    fn check_words(&self) -> Result<(), NotAllowed> {
+    pub fn check_words(&self) -> Result<(), NotAllowed> {
         fn hardware(h: &super::Hardware) -> [(&'static str, &str); 2] {
             [
                 ("hardware.instance_type", h.instance_type.as_str()),

@@ -243,8 +243,15 @@ pub fn bench(args: BenchPipelineArgs) -> limpet_daemon::Result<()> {
         (0..args.hosts).map(|k| HostSpec { name: format!("h{k}"), speed, mem_bytes: 16 << 30 }).collect();
     // The planner's layout is for hosts of one device; `--devices` trains that same layout on
     // hosts of several (and its micro-batch), beside the same replicas on hosts of one.
-    let input =
-        PlanInput { profile, hosts, link, global_batch: job.global_batch, max_depth: None, local_ranks: 1 };
+    let input = PlanInput {
+        profile,
+        hosts,
+        link,
+        global_batch: job.global_batch,
+        max_depth: None,
+        local_ranks: 1,
+        replica_batch: None,
+    };
     let report = planner::plan(&input)?;
     let todo = to_measure(&report, args.others, args.hosts);
     let bar = indicatif::ProgressBar::new(todo.len() as u64);

@@ -28,7 +28,8 @@
 //!
 //! Hosts of several devices (`local_ranks`, the same on every host of a pipeline) hold their
 //! stage on each device, and the devices split the host's share of the batch: the
-//! micro-batches, the memory and the times above are one device's; the stage's sum between
+//! micro-batches, the memory and the times above are one device's; the devices' activations
+//! share the host's link (each sends at once on its own lane), and the stage's sum between
 //! hosts carries one buffer a host, as before.
 //!
 //! # Search
@@ -129,6 +130,24 @@ pub struct PlanInput {
     /// the memory and the step time planned are one device's. 1 when absent.
     #[serde(default = "one_device")]
     pub local_ranks: usize,
+    /// Samples each data-parallel replica trains a step when the batch grows with the
+    /// replicas (the `linear`, `sqrt` and `adascale` batch policies): its share is then this
+    /// whatever the layout, and `global_batch` is not used for it. None: `global_batch` is
+    /// shared out over the replicas (`fixed-global`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica_batch: Option<usize>,
+}
+
+/// What a step trains, as the leader plans an epoch: the job's global batch, or, under a
+/// policy whose batch grows with the replicas, each replica's; and the devices of every host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepBatch {
+    /// Samples a step over all replicas (a `fixed-global` job's).
+    pub global: usize,
+    /// Samples a replica trains a step, when that is what the policy keeps.
+    pub per_replica: Option<usize>,
+    /// Devices (local ranks) on every host.
+    pub local: usize,
 }
 
 fn one_device() -> usize {
@@ -209,15 +228,15 @@ pub struct PipelineJob {
 /// The planner's layout for an epoch whose candidate ranks are `candidates` (node ids):
 /// the ranks that train, in the epoch's data-major order (candidates the layout does not
 /// use stay out as spares), the stage cuts, the micro-batch, and the prediction. `speeds`
-/// are the hosts' measured speeds relative to the profiled host (1 where absent); `local`
-/// the devices each host trains with (the micro-batch is a device's).
+/// are the hosts' measured speeds relative to the profiled host (1 where absent); `batch`
+/// what a step trains and the devices each host trains with (the micro-batch is a device's).
 pub fn arrange(
     job: &PipelineJob,
     candidates: &[u64],
-    (global_batch, local): (usize, usize),
+    batch: StepBatch,
     speeds: &std::collections::BTreeMap<u64, f64>,
 ) -> Result<(Vec<u64>, Plan), PlanError> {
-    let input = job_input(job, candidates, (global_batch, local), speeds);
+    let input = job_input(job, candidates, batch, speeds);
     if let Some(cuts) = &job.cuts {
         // The user's layout: its stages, as many replicas as there are hosts for.
         let p = cuts.len() + 1;
@@ -251,12 +270,12 @@ pub fn arrange(
     Ok((ranks, chosen))
 }
 
-/// The planner's input for `candidates` (named by node id) of measured `speeds`, with
-/// `local` devices each.
+/// The planner's input for `candidates` (named by node id) of measured `speeds`, training
+/// `batch`.
 fn job_input(
     job: &PipelineJob,
     candidates: &[u64],
-    (global_batch, local): (usize, usize),
+    batch: StepBatch,
     speeds: &std::collections::BTreeMap<u64, f64>,
 ) -> PlanInput {
     PlanInput {
@@ -270,24 +289,25 @@ fn job_input(
             })
             .collect(),
         link: job.link,
-        global_batch,
+        global_batch: batch.global,
         max_depth: job.depth,
-        local_ranks: local.clamp(1, MAX_PLAN_LOCAL_RANKS),
+        local_ranks: batch.local.clamp(1, MAX_PLAN_LOCAL_RANKS),
+        replica_batch: batch.per_replica,
     }
 }
 
 /// The prediction for an epoch's own layout: `ranks` in data-major order, `data` replicas,
-/// stages starting at `cuts`, micro-batches of `micro_batch`, on hosts of `speeds` with
-/// `local` devices each. What a re-plan must beat by a margin to be worth moving blocks.
+/// stages starting at `cuts`, micro-batches of `micro_batch`, on hosts of `speeds`, training
+/// `batch`. What a re-plan must beat by a margin to be worth moving blocks.
 pub fn predict_epoch(
     job: &PipelineJob,
     ranks: &[u64],
     (data, cuts): (usize, &[usize]),
     micro_batch: usize,
-    (global_batch, local): (usize, usize),
+    batch: StepBatch,
     speeds: &std::collections::BTreeMap<u64, f64>,
 ) -> Result<Plan, PlanError> {
-    let input = job_input(job, ranks, (global_batch, local), speeds);
+    let input = job_input(job, ranks, batch, speeds);
     let p = cuts.len() + 1;
     if data == 0 || data * p != ranks.len() {
         return Err(PlanError::Layout(format!("{data}x{p} does not cover {} ranks", ranks.len())));
@@ -297,22 +317,22 @@ pub fn predict_epoch(
 }
 
 /// The micro-batch for an epoch's own layout (`ranks` in data-major order, `data` replicas,
-/// stages starting at `cuts`) on hosts of `local` devices and measured `speeds`: the fastest
+/// stages starting at `cuts`) on hosts of measured `speeds`, training `batch`: the fastest
 /// of the choices the planner weighs that fits memory, with its prediction. For hosts placed
 /// with more devices than the layout was planned for, whose devices split the share further.
 pub fn refit_micro_batch(
     job: &PipelineJob,
     ranks: &[u64],
     (data, cuts): (usize, &[usize]),
-    (global_batch, local): (usize, usize),
+    batch: StepBatch,
     speeds: &std::collections::BTreeMap<u64, f64>,
 ) -> Result<Plan, PlanError> {
-    let input = job_input(job, ranks, (global_batch, local), speeds);
+    let input = job_input(job, ranks, batch, speeds);
     input.validate()?;
     let mut best: Option<Plan> = None;
     let mut last = None;
     for (n, _) in input.micro_choices(data.max(1)) {
-        match predict_epoch(job, ranks, (data, cuts), n, (global_batch, local), speeds) {
+        match predict_epoch(job, ranks, (data, cuts), n, batch, speeds) {
             Ok(p) if best.as_ref().is_none_or(|b| p.step_ms < b.step_ms) => best = Some(p),
             Ok(_) => {}
             Err(e) => last = Some(e),
@@ -356,6 +376,9 @@ impl PlanInput {
         if self.hosts.is_empty() {
             return bad("no hosts".into());
         }
+        if self.replica_batch == Some(0) {
+            return bad("replica_batch is 0".into());
+        }
         if !(1..=MAX_PLAN_LOCAL_RANKS).contains(&self.local_ranks) {
             return bad(format!(
                 "local_ranks is {}; a host has 1 to {MAX_PLAN_LOCAL_RANKS}",
@@ -390,7 +413,10 @@ impl PlanInput {
     /// Samples of the busiest device among `d` replicas of `local_ranks` devices each (a
     /// host's devices split its share, as the agents do).
     fn share(&self, d: usize) -> usize {
-        self.global_batch.div_ceil(d * self.local_ranks)
+        match self.replica_batch {
+            Some(b) => b.div_ceil(self.local_ranks),
+            None => self.global_batch.div_ceil(d * self.local_ranks),
+        }
     }
 
     /// The (micro-batch size, micro-batches per step) choices for `d` replicas: the profile's
@@ -410,8 +436,11 @@ impl PlanInput {
         out
     }
 
+    /// One device's transfer of `bytes` to the next or previous stage's host. A host's devices
+    /// send their micro-batches at once, each on its own pipe lane, over the host's one link:
+    /// each gets its share of the bandwidth.
     fn transfer_ms(&self, bytes: u64) -> f64 {
-        bytes as f64 / self.link.bytes_per_s * 1e3 + self.link.latency_ms
+        bytes as f64 * self.local_ranks as f64 / self.link.bytes_per_s * 1e3 + self.link.latency_ms
     }
 
     /// Cost of blocks `a..b` as stage `s` of `p`, on hosts of speed `speed`, with `d` replicas

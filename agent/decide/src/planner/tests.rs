@@ -26,6 +26,7 @@ fn input(blocks: Vec<BlockCost>, hosts: &[(f64, u64)]) -> PlanInput {
         global_batch: 64,
         max_depth: None,
         local_ranks: 1,
+        replica_batch: None,
     }
 }
 
@@ -116,9 +117,10 @@ fn bad_input_is_named() {
     assert!(plan(&inp).unwrap_err().to_string().contains("no blocks"));
 }
 
-/// A host's devices split its share of the batch: hosts of four devices plan, per device,
-/// what hosts of one plan for a quarter of the batch (with no replicas to sum between hosts,
-/// nothing else differs), so each device still runs several micro-batches.
+/// A host's devices split its share of the batch: on a link fast enough not to count, hosts
+/// of four devices plan, per device, what hosts of one plan for a quarter of the batch (with
+/// no replicas to sum between hosts, nothing else differs), so each device still runs several
+/// micro-batches; on a real link the four devices' activations share it.
 #[test]
 fn a_hosts_devices_split_its_share() {
     let blocks = vec![block(1.0, 1000); 4];
@@ -126,21 +128,46 @@ fn a_hosts_devices_split_its_share() {
     four.local_ranks = 4;
     let mut quarter = input(blocks, &[(1.0, 1 << 30); 2]);
     quarter.global_batch = 16;
+    for inp in [&mut four, &mut quarter] {
+        inp.link = Link { bytes_per_s: 1e18, latency_ms: 0.0 };
+    }
     let (a, b) = (plan(&four).unwrap(), plan(&quarter).unwrap());
     let all =
         |r: &PlanReport| std::iter::once(r.best.clone()).chain(r.runners_up.clone()).collect::<Vec<_>>();
     let pipelined =
         |r: &PlanReport| all(r).into_iter().find(|p| p.layout.data == 1 && p.layout.pipeline() == 2).unwrap();
     let (pa, pb) = (pipelined(&a), pipelined(&b));
-    assert_eq!(pa, pb);
+    assert_eq!((&pa.layout, pa.micro_batches), (&pb.layout, pb.micro_batches));
+    assert!((pa.step_ms - pb.step_ms).abs() < 1e-9, "{} against {}", pa.step_ms, pb.step_ms);
     assert_eq!(pa.layout.micro_batch * pa.micro_batches, 16, "{}", pa.layout);
     assert!(pa.micro_batches >= 2, "{}: {} micro-batches a device", pa.layout, pa.micro_batches);
+    // The devices send at once over their host's link: a micro-batch's transfer takes four
+    // times a lone device's.
+    let forced = |local: usize| {
+        let mut inp = input(vec![block(1.0, 1000); 2], &[(1.0, 1 << 30); 2]);
+        inp.local_ranks = local;
+        inp.link.latency_ms = 0.0;
+        let layout = HostLayout {
+            data: 1,
+            micro_batch: 2,
+            stages: vec![
+                StageLayout { start: 0, end: 1, hosts: vec!["h0".into()] },
+                StageLayout { start: 1, end: 2, hosts: vec!["h1".into()] },
+            ],
+        };
+        let p = predict(&inp, &layout).unwrap();
+        p.stages[0].micro_ms - 3.0 * 2.0 / 8.0
+    };
+    assert!((forced(4) - 4.0 * forced(1)).abs() < 1e-9, "{} against {}", forced(4), forced(1));
     // Planned as hosts of one device, the micro-batch is a whole host's: over four devices
     // that would leave each fewer micro-batches to overlap.
-    let mut blind = four.clone();
-    blind.local_ranks = 1;
-    let pc = pipelined(&plan(&blind).unwrap());
-    assert!(pc.layout.micro_batch > pa.layout.micro_batch, "{} against {}", pc.layout, pa.layout);
+    let linked = |local: usize| {
+        let mut inp = input(vec![block(1.0, 1000); 4], &[(1.0, 1 << 30); 2]);
+        inp.local_ranks = local;
+        pipelined(&plan(&inp).unwrap())
+    };
+    let (blind, real) = (linked(1), linked(4));
+    assert!(blind.layout.micro_batch > real.layout.micro_batch, "{} against {}", blind.layout, real.layout);
     // Replicas of a stage sum one buffer a host between hosts, whatever its devices.
     let two = |local: usize| {
         let mut inp = input(vec![block(1.0, 1 << 20); 2], &[(1.0, 1 << 30); 2]);
