@@ -265,13 +265,17 @@ pub fn job_from_flags(args: &JobArgs) -> crate::Result<(JobSpec, Dataset)> {
     Ok((job, data))
 }
 
-/// Speaks of `[model].d_model` as `--d-model` (the flags and the file share one check).
+/// Speaks of `[model].d_model` as `--d-model`, and of `[model].path` as `--module` (the
+/// flags and the file share one check).
 fn flag_names(msg: &str) -> String {
     let mut out = msg.to_string();
     while let Some(i) = out.find("[model].") {
         let rest = &out[i + 8..];
         let end = rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(rest.len());
-        let flag = format!("--{}", rest[..end].replace('_', "-"));
+        let flag = match &rest[..end] {
+            "path" => "--module".to_string(),
+            key => format!("--{}", key.replace('_', "-")),
+        };
         out = format!("{}{flag}{}", &out[..i], &rest[end..]);
     }
     out
@@ -380,4 +384,14 @@ fn print_report(r: &RunReport, plot: &Path, json: bool) -> crate::Result<()> {
     println!("  checkpoint    {} (state {})", r.checkpoint.display(), &r.content_hash[..16]);
     println!("  loss plot     {}", plot.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    /// The model's keys, as the flags spell them: a TorchScript module's file is `--module`.
+    #[test]
+    fn model_keys_are_named_as_their_flags() {
+        assert_eq!(super::flag_names("[model].path: x.pt: not a module"), "--module: x.pt: not a module");
+        assert_eq!(super::flag_names("[model].d_model (3) and [model].heads"), "--d-model (3) and --heads");
+    }
 }

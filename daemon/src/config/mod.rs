@@ -126,13 +126,38 @@ fn default_min_free() -> String {
 }
 
 /// How many stages: a number, or `"auto"` for the planner's choice.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(untagged)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Stages {
     /// Exactly this many stages per replica.
     Fixed(usize),
     /// `"auto"`.
     Named(String),
+}
+
+impl<'de> Deserialize<'de> for Stages {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Stages, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = Stages;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a positive number of stages or \"auto\"")
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Stages, E> {
+                usize::try_from(v)
+                    .map(Stages::Fixed)
+                    .map_err(|_| E::custom(format!("{v} stages is too many")))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Stages, E> {
+                u64::try_from(v)
+                    .map_err(|_| E::custom(format!("{v} is not a positive number of stages or \"auto\"")))
+                    .and_then(|v| self.visit_u64(v))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Stages, E> {
+                Ok(Stages::Named(v.to_string()))
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// `[pipeline]`: split the model into stages across hosts, laid out by the planner.

@@ -136,6 +136,8 @@ fn errors_name_the_file_and_the_key() {
         ),
         (format!("{good}\n[pipeline]\nstages = 0\n"), "[pipeline].stages"),
         (format!("{good}\n[pipeline]\nstages = \"many\"\n"), "[pipeline].stages"),
+        (format!("{good}\n[pipeline]\nstages = -2\n"), "-2 is not a positive number of stages or \"auto\""),
+        (format!("{good}\n[pipeline]\nstages = 1.5\n"), "a positive number of stages or \"auto\""),
         (format!("{good}\n[pipeline]\nstages = 2\nmemory = \"lots\"\n"), "[pipeline].memory"),
         (format!("{good}\n[pipeline]\nstages = 2\ncuts = [2, 1]\n"), "[pipeline].cuts"),
         (format!("{good}\n[pipeline]\nstages = 3\ncuts = [2]\n"), "set stages = 2"),
