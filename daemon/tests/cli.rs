@@ -210,6 +210,7 @@ fn plan_profiles_the_model_and_respects_memory() {
     let samples = f["layout"]["micro_batch"].as_u64().unwrap() * f["micro_batches"].as_u64().unwrap();
     assert_eq!(samples, 4, "{f}");
     fails(&["plan", "--devices", "0"], 64, "--devices");
+    fails(&["plan", "--devices", "9"], 64, "--devices");
     fails(
         &[&common[..], &["--profile", s(&profile), "--hosts", "4x1.0:100K"]].concat(),
         1,

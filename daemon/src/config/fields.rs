@@ -275,6 +275,8 @@ impl Config {
             ("[timing].failure_timeout_ms", t.failure_timeout_ms, 50),
             ("[timing].data_timeout_ms", t.data_timeout_ms, 50),
             ("[timing].raft_tick_ms", t.raft_tick_ms, 5),
+            ("[timing].lead_ms", t.lead_ms, 0),
+            ("[timing].notice_margin_ms", t.notice_margin_ms, 0),
         ] {
             if v < lo {
                 c.fail(key, format!("{v} is below {lo}"));

@@ -488,6 +488,9 @@ fn listeners_founders_directories_and_timings_are_checked_before_start() {
     assert!(e.contains("[node].state_dir: is empty"), "{e}");
     let e = errors(example(s.path()) + "\n[timing]\nheartbeat_ms = 18446744073709551615\n");
     assert!(e.contains("[timing].heartbeat_ms: 18446744073709551615 is above an hour"), "{e}");
+    let e = errors(example(s.path()) + "\n[timing]\nlead_ms = 3600001\nnotice_margin_ms = 99999999999\n");
+    assert!(e.contains("[timing].lead_ms: 3600001 is above an hour"), "{e}");
+    assert!(e.contains("[timing].notice_margin_ms: 99999999999 is above an hour"), "{e}");
 }
 
 /// What only the built job can tell is refused by the same call start-up makes: pipeline
