@@ -30,6 +30,18 @@ fn input(blocks: Vec<BlockCost>, hosts: &[(f64, u64)]) -> PlanInput {
     }
 }
 
+/// Blocks `0..cut` on h0 and `cut..end` on h1, one replica, micro-batches of `micro`.
+fn two_stages(cut: usize, end: usize, micro: usize) -> HostLayout {
+    HostLayout {
+        data: 1,
+        micro_batch: micro,
+        stages: vec![
+            StageLayout { start: 0, end: cut, hosts: vec!["h0".into()] },
+            StageLayout { start: cut, end, hosts: vec!["h1".into()] },
+        ],
+    }
+}
+
 #[test]
 fn one_host_trains_the_whole_model() {
     let inp = input(vec![block(1.0, 1000); 3], &[(1.0, 1 << 30)]);
@@ -73,14 +85,7 @@ fn faster_hosts_get_heavier_stages() {
 #[test]
 fn forced_layouts_are_checked() {
     let inp = input(vec![block(1.0, 1000); 3], &[(1.0, 1 << 30); 2]);
-    let ok = HostLayout {
-        data: 1,
-        micro_batch: 8,
-        stages: vec![
-            StageLayout { start: 0, end: 1, hosts: vec!["h0".into()] },
-            StageLayout { start: 1, end: 3, hosts: vec!["h1".into()] },
-        ],
-    };
+    let ok = two_stages(1, 3, 8);
     assert_eq!(ok.to_string(), "1x2 micro 8: blocks 0..1 on h0 | blocks 1..3 on h1");
     predict(&inp, &ok).unwrap();
     let mut gap = ok.clone();
@@ -147,15 +152,7 @@ fn a_hosts_devices_split_its_share() {
         let mut inp = input(vec![block(1.0, 1000); 2], &[(1.0, 1 << 30); 2]);
         inp.local_ranks = local;
         inp.link.latency_ms = 0.0;
-        let layout = HostLayout {
-            data: 1,
-            micro_batch: 2,
-            stages: vec![
-                StageLayout { start: 0, end: 1, hosts: vec!["h0".into()] },
-                StageLayout { start: 1, end: 2, hosts: vec!["h1".into()] },
-            ],
-        };
-        let p = predict(&inp, &layout).unwrap();
+        let p = predict(&inp, &two_stages(1, 2, 2)).unwrap();
         p.stages[0].micro_ms - 3.0 * 2.0 / 8.0
     };
     assert!((forced(4) - 4.0 * forced(1)).abs() < 1e-9, "{} against {}", forced(4), forced(1));
