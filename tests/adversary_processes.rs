@@ -64,7 +64,9 @@ async fn client(
 /// What a hostile member could send node `to` given its status: each message alone would
 /// panic raft-rs or change the cluster behind the state machine's back.
 fn crafted(to: u64, st: &NodeStatus, cid: u64) -> Vec<(&'static str, Message)> {
-    let (me, t) = (2, st.term);
+    // At a newer term, as a voter may claim one: at the current term only the leader speaks
+    // as one, and a follower refuses anyone else's heartbeat before these checks.
+    let (me, t) = (2, st.term + 1);
     let mut out = Vec::new();
 
     // raft-rs commits whatever index a heartbeat names and panics past its last index.
@@ -76,7 +78,7 @@ fn crafted(to: u64, st: &NodeStatus, cid: u64) -> Vec<(&'static str, Message)> {
     // term: raft-rs finds a conflict at or below the commit index and panics.
     let mut m = message(MessageType::MsgAppend, me, to, t);
     (m.index, m.log_term, m.commit) = (st.last_index, t, st.last_index);
-    m.entries = vec![entry(EntryType::EntryNormal, 1, t + 7, vec![])];
+    m.entries = vec![entry(EntryType::EntryNormal, 1, t, vec![])];
     out.push(("an append rewriting committed entries", m));
 
     // A peer's proposal carrying a configuration change (removing node 1) would change the

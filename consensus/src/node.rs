@@ -191,6 +191,9 @@ impl Node {
         let addr = listener.local_addr().map_err(|e| ConsensusError::Config(e.to_string()))?;
         let advertise = if cfg.advertise.is_empty() { addr.to_string() } else { cfg.advertise.clone() };
         let (tx, rx) = mpsc::channel(1024);
+        // Peers' raft traffic has a queue of its own: a flood of status reads or proposals
+        // from clients must not crowd out what keeps the log alive.
+        let (raft_tx, raft_rx) = mpsc::channel(1024);
         let reports = Reports::default();
         let (watch_tx, watch_rx) = watch::channel(local_state(&core));
         let handle = NodeHandle {
@@ -202,6 +205,7 @@ impl Node {
 
         let service = Service {
             tx,
+            raft_tx,
             cluster_id: cid,
             cluster: cfg.core.cluster.clone(),
             me: cfg.core.id,
@@ -240,7 +244,7 @@ impl Node {
             tasks: tasks.clone(),
         };
         // The event loop's result (and panic) is `wait`'s: whoever waits names it.
-        let task = tokio::spawn(looper.run(rx, shutdown.clone()));
+        let task = tokio::spawn(looper.run(raft_rx, rx, shutdown.clone()));
         Ok(Node { handle, addr, task, shutdown })
     }
 
@@ -339,7 +343,12 @@ fn local_state(core: &Core<SledLog>) -> LocalState {
 }
 
 impl Loop {
-    async fn run(mut self, mut rx: mpsc::Receiver<Request>, shutdown: CancellationToken) -> Result<()> {
+    async fn run(
+        mut self,
+        mut raft: mpsc::Receiver<Request>,
+        mut rx: mpsc::Receiver<Request>,
+        shutdown: CancellationToken,
+    ) -> Result<()> {
         let (report_tx, mut reports) = mpsc::unbounded_channel();
         let mut ticker = tokio::time::interval(self.cfg.tick);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -352,6 +361,15 @@ impl Loop {
                     self.core.tick();
                     self.retry_waiting();
                     self.expire();
+                }
+                Some(req) = raft.recv() => {
+                    self.handle(req);
+                    for _ in 0..256 {
+                        match raft.try_recv() {
+                            Ok(req) => self.handle(req),
+                            Err(_) => break,
+                        }
+                    }
                 }
                 Some(req) = rx.recv() => {
                     self.handle(req);

@@ -65,7 +65,10 @@ pub(crate) fn serve(
     }
     let mut builder = builder
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .http2_keepalive_timeout(Some(Duration::from_secs(10)));
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        // One connection's calls at once are bounded: a client flooding reads on a channel
+        // holds at most this many of the node's requests.
+        .concurrency_limit_per_connection(MAX_CALLS_PER_CONNECTION);
     let shutdown = tasks.token();
     tasks.spawn("control-server", async move {
         let served = builder
@@ -88,6 +91,9 @@ pub(crate) fn serve(
     });
     Ok(())
 }
+
+/// The most calls one control-plane connection has in flight at once.
+pub const MAX_CALLS_PER_CONNECTION: usize = 32;
 
 /// How long connections may finish their calls once the node stops.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
@@ -195,6 +201,8 @@ impl tokio::io::AsyncWrite for Capped {
 /// The gRPC service: checks and decodes requests, then hands them to the node's task.
 pub(crate) struct Service {
     pub(crate) tx: mpsc::Sender<Request>,
+    /// Peers' raft batches, on a queue clients cannot fill.
+    pub(crate) raft_tx: mpsc::Sender<Request>,
     pub(crate) cluster_id: u64,
     /// The cluster's name, for refusals that name it.
     pub(crate) cluster: String,
@@ -356,7 +364,7 @@ impl pb::consensus_server::Consensus for Service {
             tonic::Status::from(e)
         })?;
         // A full queue means the node is behind; dropping is safe, raft retransmits.
-        let _ = self.tx.try_send(Request::Raft { from: batch.from, from_addr: batch.from_addr, msgs });
+        let _ = self.raft_tx.try_send(Request::Raft { from: batch.from, from_addr: batch.from_addr, msgs });
         Ok(tonic::Response::new(pb::SendAck {}))
     }
 

@@ -66,7 +66,7 @@ fn messages_that_would_panic_raft_or_bypass_the_state_machine_are_refused() {
     let (t, last) = (st.term, st.last_index);
 
     // A heartbeat committing past the log: raft-rs's commit_to panics.
-    let mut m = message(MessageType::MsgHeartbeat, rogue, follower, t);
+    let mut m = message(MessageType::MsgHeartbeat, leader, follower, t);
     m.commit = last + 1000;
     refused(&mut net, follower, m, "past its last index");
 
@@ -206,16 +206,16 @@ fn messages_that_would_panic_raft_or_bypass_the_state_machine_are_refused() {
         );
     }
     // Entries of a term past the message's own.
-    let mut m = message(MessageType::MsgAppend, rogue, follower, t);
+    let mut m = message(MessageType::MsgAppend, rogue, follower, t + 1);
     (m.index, m.log_term) = (last, t);
-    m.entries = vec![entry(EntryType::EntryNormal, last + 1, t + 1, vec![])];
+    m.entries = vec![entry(EntryType::EntryNormal, last + 1, t + 2, vec![])];
     refused(&mut net, follower, m, "log term past its term");
     // "Campaign now" from a member that does not lead, and from the leader at another term.
     refused(
         &mut net,
         follower,
         message(MessageType::MsgTimeoutNow, rogue, follower, t),
-        "tells this node to campaign",
+        &format!("which node {leader} leads"),
     );
     refused(
         &mut net,
@@ -239,7 +239,7 @@ fn messages_that_would_panic_raft_or_bypass_the_state_machine_are_refused() {
     // Another cluster's state as a snapshot.
     let data =
         SnapshotData { v: FORMAT_VERSION, cluster_id: 1, state: ClusterState::bootstrap("other", &[]) };
-    let mut m = message(MessageType::MsgSnapshot, rogue, follower, t);
+    let mut m = message(MessageType::MsgSnapshot, leader, follower, t);
     m.mut_snapshot().data = data.encode();
     m.mut_snapshot().mut_metadata().index = last + 10;
     m.mut_snapshot().mut_metadata().term = t;
@@ -247,6 +247,81 @@ fn messages_that_would_panic_raft_or_bypass_the_state_machine_are_refused() {
 
     assert_eq!(net.node(leader).state().members[&follower].spec.data_addr, format!("mem:{follower}"));
     still_healthy(net);
+}
+
+/// A leader's message of `kind` from `from` at `term`, as a peer taking the log over would
+/// send it: an append that would add an entry, a heartbeat that would commit, a snapshot of a
+/// made-up state (no revocations, one member, the sender, as the only voter).
+fn leader_claim(kind: MessageType, from: NodeId, to: NodeId, term: u64, last: u64) -> Message {
+    let mut m = message(kind, from, to, term);
+    match kind {
+        MessageType::MsgAppend => {
+            (m.index, m.log_term, m.commit) = (last, term - 1, last);
+            m.entries = vec![entry(EntryType::EntryNormal, last + 1, term, vec![])];
+        }
+        MessageType::MsgHeartbeat => m.commit = last,
+        _ => {
+            let state = ClusterState::bootstrap(HARNESS_CLUSTER, &[spec(from)]);
+            let data = SnapshotData { v: FORMAT_VERSION, cluster_id: cluster_id(HARNESS_CLUSTER), state };
+            m.mut_snapshot().data = data.encode();
+            let meta = m.mut_snapshot().mut_metadata();
+            (meta.index, meta.term) = (last + 10, term);
+            meta.mut_conf_state().voters = vec![from];
+        }
+    }
+    m
+}
+
+#[test]
+fn an_outsider_at_a_higher_term_does_not_lead() {
+    let mut net = settled();
+    // Node 4 joins as a learner, then dies and is marked failed (it stays in the
+    // configuration, a learner, until it is removed); its certificate is the attacker's.
+    net.add_empty_node(4);
+    let leader = net.leader().unwrap();
+    assert!(commit(&mut net, Command::Join { member: spec(4) }), "node 4 not admitted");
+    assert!(
+        net.run_until(200, |n| n.node(4).applied() > 0 && n.node(leader).state().learners.contains(&4)),
+        "node 4 did not become a learner"
+    );
+    net.crash(4);
+    assert!(commit(&mut net, Command::MarkFailed { id: 4, reason: "test".into() }));
+    assert!(net.run_until(200, Network::converged), "not converged after the failure");
+    let leader = net.leader().unwrap();
+    let follower = (1..=3).find(|&n| n != leader).unwrap();
+    let before: Vec<ClusterState> = (1..=3).map(|n| net.node(n).state().clone()).collect();
+    let st = net.node(leader).status();
+    let (t, last) = (st.term, st.last_index);
+
+    // Node 9 was never admitted (a spare's credential, say); node 4 is failed. Each claims a
+    // newer term as a leader, to the leader and to a follower alike.
+    for (from, want) in [(9, "node 9 was never admitted"), (4, "node 4 is Failed in the log")] {
+        for to in [leader, follower] {
+            for kind in [MessageType::MsgAppend, MessageType::MsgHeartbeat, MessageType::MsgSnapshot] {
+                refused(&mut net, to, leader_claim(kind, from, to, t + 1, last), want);
+            }
+        }
+    }
+    // At the current term only the leader speaks as one: a voter that does not lead cannot
+    // make a follower follow it, and a failed learner cannot either.
+    let other = (1..=3).find(|&n| n != leader && n != follower).unwrap();
+    refused(&mut net, follower, leader_claim(MessageType::MsgHeartbeat, other, follower, t, last), "leads");
+    refused(&mut net, follower, leader_claim(MessageType::MsgAppend, 4, follower, t, last), "leads");
+    // "Campaign now" from the leader itself, while the log says it stays.
+    refused(&mut net, follower, message(MessageType::MsgTimeoutNow, leader, follower, t), "says it stays");
+
+    assert!(net.node(leader).is_leader(), "node {leader} stopped leading");
+    for n in 1..=3 {
+        assert_eq!(net.node(n).term(), t, "node {n} moved to another term");
+        assert_eq!(net.node(n).state(), &before[n as usize - 1], "node {n}'s state changed");
+    }
+    // The leader stays through what follows, and the cluster commits.
+    net.run(30);
+    assert_eq!(net.leader(), Some(leader));
+    assert!(commit(&mut net, bump(2, 77)), "no commit after the attempts");
+    assert!(net.run_until(400, Network::converged), "cluster did not converge");
+    net.check_states_match().unwrap();
+    assert_eq!(net.violations(), &[] as &[String]);
 }
 
 const KINDS: [MessageType; 14] = [

@@ -493,6 +493,20 @@ fn max_applied(view: &View<'_>, ranks: &[NodeId]) -> u64 {
     ranks.iter().map(|&r| view.applied(r)).max().unwrap_or(0)
 }
 
+/// The furthest step the survivors applied, as no one rank's report decides it: the ranks
+/// of one epoch train in step, so an honest rank is at most the step in flight ahead of
+/// another, and a report further ahead than that of the next furthest is one rank's word
+/// (a hostile one would move every boundary, or a rebuild's start, as far as it likes).
+fn reported_step(view: &View<'_>, ranks: &[NodeId]) -> Option<u64> {
+    let mut steps: Vec<u64> = ranks.iter().map(|&r| view.applied(r)).collect();
+    steps.sort_unstable_by(|a, b| b.cmp(a));
+    match steps.as_slice() {
+        [] => None,
+        [one] => Some(*one),
+        [first, second, ..] => Some((*first).min(second.saturating_add(1))),
+    }
+}
+
 fn wait(why: &str) -> Decision {
     Decision { commands: Vec::new(), reason: why.to_string() }
 }
@@ -570,7 +584,7 @@ fn plan_epoch(
     let floor = cur.map_or(0, |e| e.start_step);
     let survivors: Vec<NodeId> = current.iter().copied().filter(|r| ranks.contains(r)).collect();
     let furthest = survivors.iter().copied().max_by_key(|&r| (view.applied(r), std::cmp::Reverse(r)));
-    let max_applied = survivors.iter().map(|&r| view.applied(r)).max().unwrap_or(floor).max(floor);
+    let max_applied = reported_step(view, &survivors).unwrap_or(floor).max(floor);
     let start = if cur.is_none() {
         // The first epoch starts where the job stands (0, or a checkpoint's step).
         st.checkpoints.last().map_or(0, |c| c.step)

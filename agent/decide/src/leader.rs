@@ -70,10 +70,12 @@ pub fn plan_round(s: &LeaderSettings, st: &ClusterState, reports: &Reports, now_
         .iter()
         .map(|(&id, (age, r))| (id, NodeProgress { applied_step: r.applied_step, heartbeat_age_ms: *age }))
         .collect();
+    // Only a rank of the epoch can say its group broke (a spare's word is no reason).
+    let ranks = st.current.as_ref().map(|e| e.ranks.as_slice()).unwrap_or_default();
     // A live rank whose collective broke names the peer; if that peer has also gone quiet
     // for a few heartbeats, it is dead: no need to wait out the whole timeout.
     let quiet = (s.heartbeat_ms * 3).max(300);
-    for (_, r) in live() {
+    for (_, r) in live().filter(|(_, r)| ranks.contains(&r.node)) {
         if let Some(b) = r.broken.as_ref().filter(|b| b.epoch == cur_id) {
             if let Some(p) = b.suspect.and_then(|id| progress.get_mut(&id)) {
                 if p.heartbeat_age_ms > quiet {
@@ -82,7 +84,7 @@ pub fn plan_round(s: &LeaderSettings, st: &ClusterState, reports: &Reports, now_
             }
         }
     }
-    let step_time_ms = live().map(|(_, r)| r.step_time_ms).fold(0.0f64, f64::max);
+    let step_time_ms = epoch_step_time(ranks, reports, timeout_ms);
     let lead_steps = if step_time_ms > 0.0 {
         ((s.lead_ms as f64 / step_time_ms).ceil() as u64).clamp(2, 100_000)
     } else {
@@ -93,13 +95,16 @@ pub fn plan_round(s: &LeaderSettings, st: &ClusterState, reports: &Reports, now_
     // forever at one step: a job stuck there is rebuilt after growing pauses, and after a
     // protocol violation not at all (`stuck`).
     let stuck = stuck::assess(st, reports, timeout_ms);
-    // Only a rank of the epoch can say its group broke (a spare's word is no reason).
-    let ranks = st.current.as_ref().map(|e| e.ranks.as_slice()).unwrap_or_default();
+    // A broken ring stops every rank of it within the collective timeout, so two ranks (one
+    // in an epoch of one) must say they waited that long: one rank's `since_ms` is its word.
     let rebuild = stuck::rebuild_after_ms(stuck.as_ref(), timeout_ms).is_some_and(|after| {
-        live().any(|(_, r)| {
-            ranks.contains(&r.node)
-                && r.broken.as_ref().is_some_and(|b| b.epoch == cur_id && b.since_ms > after)
-        })
+        let waited = live()
+            .filter(|(_, r)| {
+                ranks.contains(&r.node)
+                    && r.broken.as_ref().is_some_and(|b| b.epoch == cur_id && b.since_ms > after)
+            })
+            .count();
+        waited >= ranks.len().min(2)
     });
     let ccfg = ControllerConfig {
         min_nodes: s.min_nodes,
@@ -243,9 +248,36 @@ fn measure(s: &LeaderSettings, st: &ClusterState, reports: &Reports, now_ms: u64
 /// same values).
 fn current_grad_stats(st: &ClusterState, reports: &Reports, timeout_ms: u64) -> Option<GradientStats> {
     let cur = st.current.as_ref()?;
-    cur.ranks.iter().find_map(|r| {
-        let (age, rep) = reports.get(r)?;
-        let (variance, mean_sq) = rep.grad_stats.filter(|_| *age <= timeout_ms && rep.epoch == cur.id)?;
-        Some(GradientStats { variance, mean_sq })
-    })
+    // Every rank computes the same statistics from the same reduced gradients: the median
+    // of the ranks' reports is no single rank's word.
+    let stats: Vec<(f64, f64)> = cur
+        .ranks
+        .iter()
+        .filter_map(|r| {
+            let (age, rep) = reports.get(r)?;
+            rep.grad_stats.filter(|_| *age <= timeout_ms && rep.epoch == cur.id)
+        })
+        .collect();
+    let variance = median(stats.iter().map(|s| s.0).collect())?;
+    let mean_sq = median(stats.iter().map(|s| s.1).collect())?;
+    Some(GradientStats { variance, mean_sq })
+}
+
+/// The epoch's step time: its ranks step together, so the median of what they report
+/// (a hostile rank's huge or tiny time moves it no further than an honest rank's).
+fn epoch_step_time(ranks: &[NodeId], reports: &Reports, timeout_ms: u64) -> f64 {
+    let times = ranks
+        .iter()
+        .filter_map(|r| reports.get(r).filter(|(age, _)| *age <= timeout_ms))
+        .map(|(_, rep)| rep.step_time_ms)
+        .filter(|t| t.is_finite() && *t > 0.0)
+        .collect();
+    median(times).unwrap_or(0.0)
+}
+
+/// The middle value (the lower of the middle two), or `None` for none.
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    v.retain(|x| x.is_finite());
+    v.sort_by(f64::total_cmp);
+    v.get(v.len().saturating_sub(1) / 2).copied()
 }

@@ -336,7 +336,12 @@ fn launch(
                 _ => None,
             })
             .collect();
-        match spares.iter().find(|s| !used.contains(s.as_str()) && state.member_named(s).is_none()) {
+        // A member holding a spare's name is that spare only if it has the spare's id (a
+        // squatter of the name gives it up when the spare joins).
+        let taken = |s: &str| {
+            state.member_named(s).is_some_and(|m| m.spec.id == limpet_consensus::state::node_id_of_name(s))
+        };
+        match spares.iter().find(|s| !used.contains(s.as_str()) && !taken(s)) {
             Some(s) => Some(s.clone()),
             None => {
                 return Decision {

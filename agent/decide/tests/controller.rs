@@ -157,6 +157,26 @@ fn a_failure_restarts_from_the_furthest_survivor_and_laggards_copy_from_it() {
     assert!(why.contains("failure of node 3 (no heartbeat for 5.0 s)"), "{why}");
 }
 
+/// A survivor reporting a step far past the others' (the job's last, say) moves neither a
+/// rebuild's start nor a boundary further than one step past the next furthest survivor:
+/// one rank's report is one rank's word.
+#[test]
+fn a_rank_reporting_an_unplanned_step_moves_no_boundary() {
+    let mut sim = Sim::training(4, 7);
+    sim.progress.get_mut(&3).unwrap().heartbeat_age_ms = 5000;
+    sim.progress.get_mut(&1).unwrap().applied_step = 1_000_000;
+    sim.control();
+    let e = sim.state.scheduled.clone().unwrap();
+    assert_eq!((e.ranks.clone(), e.start_step), (vec![1, 2, 4], 8));
+    let mut sim = Sim::training(3, 10);
+    sim.progress.get_mut(&1).unwrap().applied_step = 1_000_000;
+    let deadline = sim.now + 120_000;
+    sim.state.apply(&Command::Notice { id: 2, deadline_ms: deadline, source: "aws".into() }).unwrap();
+    sim.control();
+    let e = sim.state.scheduled.clone().unwrap();
+    assert_eq!(e.start_step, 13, "two steps past one step after the next furthest rank");
+}
+
 /// A drained node, or one under a notice, that goes silent before its last epoch ends (its
 /// host shut down a little early) is left out like a failure, but removed, not kept as
 /// failed.

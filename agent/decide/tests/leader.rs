@@ -124,6 +124,38 @@ fn a_quiet_peer_named_by_a_broken_collective_fails_before_the_timeout() {
     assert_eq!(next, Some(vec![1, 2]), "{round:?}");
 }
 
+/// What one rank reports of its ring and its pace steers nothing alone: a spare naming a
+/// quiet rank as its suspect does not fail it early, one rank's huge `since_ms` rebuilds
+/// nothing (above), and one rank's step time does not set the boundary's lead.
+#[test]
+fn one_ranks_reports_do_not_steer_the_leader() {
+    let (mut st, id) = founded();
+    st.apply(&Command::ActivateEpoch { id }).unwrap();
+    st.apply(&Command::Join { member: spec(4) }).unwrap();
+    let mut reports: Reports = (1..=2).map(|n| (n, (0, report(n, id, 50)))).collect();
+    reports.insert(3, (500, report(3, id, 50)));
+    let mut spare = report(4, 0, 0);
+    spare.broken =
+        Some(Broken { epoch: id, since_ms: 1 << 40, suspect: Some(3), error: "x".into(), violation: false });
+    reports.insert(4, (0, spare));
+    let round = plan_round(&settings(), &st, &reports, NOW);
+    assert!(
+        !round.commands.iter().any(|c| matches!(c, Command::MarkFailed { .. })),
+        "a spare's suspect failed a rank: {round:?}"
+    );
+    // A notice for node 2: the boundary leads by the epoch's step time (10 ms: 40 steps of
+    // the 400 ms lead), whatever node 1 claims its steps take.
+    st.apply(&Command::Notice { id: 2, deadline_ms: NOW + 600_000, source: "aws".into() }).unwrap();
+    let mut reports: Reports = (1..=3).map(|n| (n, (0, report(n, id, 50)))).collect();
+    reports.get_mut(&1).unwrap().1.step_time_ms = 1e9;
+    let round = plan_round(&settings(), &st, &reports, NOW);
+    let start = round.commands.iter().find_map(|c| match c {
+        Command::ScheduleEpoch { epoch } => Some(epoch.start_step),
+        _ => None,
+    });
+    assert_eq!(start, Some(90), "{round:?}");
+}
+
 #[test]
 fn a_group_broken_with_everyone_alive_is_rebuilt_after_the_timeout() {
     let (mut st, id) = founded();
@@ -136,7 +168,14 @@ fn a_group_broken_with_everyone_alive_is_rebuilt_after_the_timeout() {
     let early = plan_round(&settings(), &st, &reports, NOW);
     assert!(!early.commands.iter().any(|c| matches!(c, Command::ScheduleEpoch { .. })), "{early:?}");
     broken.broken.as_mut().unwrap().since_ms = 1500;
-    reports.insert(2, (0, broken));
+    reports.insert(2, (0, broken.clone()));
+    // One rank's word that it waited long enough is no rebuild: the ring broke under every
+    // rank, and a second one must say so too.
+    let alone = plan_round(&settings(), &st, &reports, NOW);
+    assert!(!alone.commands.iter().any(|c| matches!(c, Command::ScheduleEpoch { .. })), "{alone:?}");
+    broken.node = 3;
+    broken.broken.as_mut().unwrap().since_ms = 1200;
+    reports.insert(3, (0, broken));
     let late = plan_round(&settings(), &st, &reports, NOW);
     let next = late.commands.iter().find_map(|c| match c {
         Command::ScheduleEpoch { epoch } => Some(epoch.ranks.clone()),
@@ -251,7 +290,12 @@ fn rebuild_rounds(violation: bool, rounds: usize, since_ms: u64) -> Vec<(Option<
             error: "protocol violation: node 3 sent 28 bytes where 52296 were due".into(),
             violation,
         });
-        reports.insert(2, (0, broken));
+        reports.insert(2, (0, broken.clone()));
+        // Its neighbour saw the ring break too, as a reset connection.
+        broken.node = 1;
+        broken.broken =
+            broken.broken.map(|b| Broken { error: "reset by node 2".into(), violation: false, ..b });
+        reports.insert(1, (0, broken));
         let round = plan_round(&settings(), &st, &reports, NOW);
         let next = round.commands.iter().find_map(|c| match c {
             Command::ScheduleEpoch { epoch } => Some(epoch.clone()),

@@ -760,5 +760,16 @@ mod tests {
         st.checkpoints[0].location = part.display().to_string();
         assert!(newest(&fresh, &job, &st, None).is_some());
         assert_eq!(step_dir_of(&rec, Some(dir.path())), Some(dir.path().join(&step)));
+        // A member's forged record, newer than every other, naming the same part with a
+        // made-up hash: passed over for the newest that loads.
+        let forged = limpet_consensus::state::CheckpointRecord {
+            step: 1_000_000,
+            content_hash: "ab".repeat(32),
+            node: 2,
+            ..st.checkpoints[0].clone()
+        };
+        st.checkpoints.push(forged);
+        let back = newest(&fresh, &job, &st, Some(dir.path())).expect("the honest record loads");
+        assert_eq!(back.step(), 3);
     }
 }

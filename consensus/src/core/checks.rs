@@ -25,12 +25,7 @@ impl<S: LogStore> Core<S> {
         }
         // Only the configuration's nodes (voters and learners, both sides of a joint
         // configuration) speak raft here. A node that knows no configuration yet (a newcomer
-        // before its first snapshot) cannot tell and takes the leader's word; so does a node
-        // whose configuration lags (down while others joined and one of them was elected): a
-        // leader it does not know yet, at a term past its own, is let in unless the log says
-        // that node left. (Within the configuration raft trusts its members: a learner this
-        // node's configuration still lists may have been promoted and elected since, so
-        // whoever speaks as a leader is heard; docs/security.md says what that leaves open.)
+        // before its first snapshot) cannot tell and takes the leader's word.
         let conf = self.raw.raft.prs().conf().to_conf_state();
         let known = !conf.voters.is_empty();
         let member = [&conf.voters, &conf.voters_outgoing, &conf.learners, &conf.learners_next]
@@ -44,9 +39,9 @@ impl<S: LogStore> Core<S> {
                 | MessageType::MsgSnapshot
                 | MessageType::MsgTimeoutNow
         );
-        let gone = self.state.members.get(&from).is_some_and(|m| m.status == MemberStatus::Gone);
-        let newer_leader = as_leader && msg.term > self.term() && !gone;
-        if known && !member && !newer_leader {
+        if known && as_leader {
+            self.check_leader_claim(msg, &conf, member)?;
+        } else if known && !member {
             return Err(StepError::Refused(format!(
                 "{kind:?} from node {from}, which is not in the configuration"
             )));
@@ -132,12 +127,20 @@ impl<S: LogStore> Core<S> {
                 Err(StepError::Refused(format!("node {from} asks for leadership")))
             }
             // ... and so only the current leader, in its term, may tell this node to campaign
-            // now (it does so when it leaves).
+            // now, and only while the log says it leaves (the voter controller hands
+            // leadership over then and only then).
             MessageType::MsgTimeoutNow if from != self.raw.raft.leader_id || msg.term != self.term() => {
                 Err(StepError::Refused(format!(
                     "node {from} tells this node to campaign (the leader is node {} of term {})",
                     self.raw.raft.leader_id,
                     self.term()
+                )))
+            }
+            MessageType::MsgTimeoutNow
+                if self.state.members.get(&from).is_some_and(|m| m.status.is_staying()) =>
+            {
+                Err(StepError::Refused(format!(
+                    "node {from} tells this node to campaign, but the log says it stays"
                 )))
             }
             MessageType::MsgSnapshot => {
@@ -157,6 +160,69 @@ impl<S: LogStore> Core<S> {
             }
             _ => Ok(()),
         }
+    }
+
+    /// Whether `msg` may come from a leader: what raft-rs obeys from whoever sends it at a
+    /// term not below its own (it follows the sender, takes its entries, installs its
+    /// snapshot). Raft has one leader a term, so at this node's term only the leader it knows
+    /// speaks as one. A leader this node has not heard yet (a newer term, or none known) must
+    /// be a node that may lead: a voter of this node's configuration whose member record has
+    /// not failed or left, or a staying (joining, active) member whose promotion this node's
+    /// configuration may not show yet. An id never admitted, a failed member (a learner kept
+    /// in the configuration) or a gone one is refused at any term, so a spare credential or a
+    /// member marked dead cannot take the log over.
+    fn check_leader_claim(
+        &self,
+        msg: &Message,
+        conf: &ConfState,
+        member: bool,
+    ) -> std::result::Result<(), StepError> {
+        let (from, kind) = (msg.from, msg.get_msg_type());
+        let leader = self.raw.raft.leader_id;
+        if msg.term < self.term() {
+            // raft-rs answers a stale leader of its configuration with its own term, which is
+            // all it needs to step down; nothing of the message is taken.
+            return if member {
+                Ok(())
+            } else {
+                Err(StepError::Refused(format!(
+                    "{kind:?} from node {from}, which is not in the configuration"
+                )))
+            };
+        }
+        if msg.term == self.term() && leader != 0 {
+            return match (from == leader, member) {
+                (true, _) => Ok(()),
+                (false, false) => Err(StepError::Refused(format!(
+                    "{kind:?} from node {from}, which is not in the configuration"
+                ))),
+                (false, true) => Err(StepError::Refused(format!(
+                    "{kind:?} from node {from} at term {}, which node {leader} leads",
+                    msg.term
+                ))),
+            };
+        }
+        let status = self.state.members.get(&from).map(|m| m.status);
+        let voter = conf.voters.contains(&from) || conf.voters_outgoing.contains(&from);
+        let may_lead = match status {
+            Some(s) if s.is_staying() => true,
+            Some(MemberStatus::Draining | MemberStatus::Leaving) => voter,
+            // A state without members is a bootstrap's before its first entry.
+            None => voter && self.state.members.is_empty(),
+            Some(_) => false,
+        };
+        if may_lead {
+            return Ok(());
+        }
+        let what = match status {
+            None => "was never admitted".to_string(),
+            Some(s) => format!("is {s:?} in the log"),
+        };
+        Err(StepError::Refused(format!(
+            "{kind:?} from node {from} at term {} (this node's is {}): node {from} {what} and may not lead",
+            msg.term,
+            self.term()
+        )))
     }
 
     /// A follower's proposal forwarded to this (leading) node: normal entries only (the
@@ -231,10 +297,15 @@ impl<S: LogStore> Core<S> {
             )));
         };
         let total = self.state.job.as_ref().and_then(|j| j.get("steps")).and_then(serde_json::Value::as_u64);
-        if r.step < epoch.start_step || total.is_some_and(|t| r.step > t) {
+        // An epoch that ended trained up to the next one's start.
+        let end = self.state.history.iter().find(|e| e.id > epoch.id).map(|e| e.start_step);
+        if r.step < epoch.start_step || total.is_some_and(|t| r.step > t) || end.is_some_and(|s| r.step > s) {
             return Err(StepError::Refused(format!(
-                "node {from} reports a checkpoint at step {}, outside epoch {} (from step {}) and the job ({total:?} steps)",
-                r.step, epoch.id, epoch.start_step
+                "node {from} reports a checkpoint at step {}, outside epoch {} (steps {}..={}) and the job ({total:?} steps)",
+                r.step,
+                epoch.id,
+                epoch.start_step,
+                end.map_or("".to_string(), |s| s.to_string())
             )));
         }
         Ok(())

@@ -6,6 +6,7 @@ use super::{
     CheckpointRecord, ClusterState, Command, Epoch, Member, MemberSpec, MemberStatus, NodeId, Outcome,
     Refused, MAX_CHECKPOINT_RECORDS, MAX_EPOCH_HISTORY,
 };
+use std::collections::BTreeMap;
 
 impl ClusterState {
     /// Applies a command; `Ok` says what changed, `Err` why it was refused (state unchanged).
@@ -74,12 +75,31 @@ impl ClusterState {
         if spec.name.is_empty() {
             return Err(Refused(format!("node {} has an empty name", spec.id)));
         }
+        // Names are a member's word, but a spare credential's name is its node id's (its
+        // certificate is issued for the id of its name): another node may not take the name
+        // of a spare the reconciler launched, and a node that squatted a spare's name before
+        // its launch gives the name up when the spare itself joins.
+        let owner = super::node_id_of_name(&spec.name);
+        let launched = self.capacity.records.iter().any(|r| {
+            matches!(&r.action, super::CapacityAction::Launch { node_name: Some(n), .. } if *n == spec.name)
+        });
+        if launched && owner != spec.id {
+            return Err(Refused(format!(
+                "name {:?} is a launched spare's (node {owner}), not node {}'s",
+                spec.name, spec.id
+            )));
+        }
         if let Some(other) = self
             .members
             .values()
             .find(|m| m.spec.id != spec.id && m.spec.name == spec.name && m.status != MemberStatus::Gone)
+            .map(|m| m.spec.id)
         {
-            return Err(Refused(format!("name {:?} is taken by node {}", spec.name, other.spec.id)));
+            if owner != spec.id || other == owner {
+                return Err(Refused(format!("name {:?} is taken by node {other}", spec.name)));
+            }
+            let squatter = self.members.get_mut(&other).expect("found above");
+            squatter.spec.name = format!("{}#{other}", spec.name);
         }
         match self.members.get_mut(&spec.id) {
             Some(m) if m.status.is_staying() || m.status == MemberStatus::Draining => {
@@ -174,17 +194,22 @@ impl ClusterState {
         })
     }
 
+    /// Records a checkpoint. Records are kept in step order, but each writer orders only its
+    /// own: a record older than another node's newest is still taken (a member's record at
+    /// the job's last step must not make the log refuse every honest record after it), and
+    /// when the log keeps too many it drops the oldest record of the writer that holds the
+    /// most, so no writer's records flush out another's.
     fn apply_checkpoint(&mut self, r: &CheckpointRecord) -> Outcome {
         // A writer whose proposal went unanswered (its leader died) sends it again; both may
         // land.
-        if self.checkpoints.iter().rev().take_while(|c| c.step == r.step).any(|c| c == r) {
+        if self.checkpoints.iter().any(|c| c == r) {
             return Ok(format!("checkpoint at step {} already recorded", r.step));
         }
-        if let Some(last) = self.checkpoints.last() {
+        if let Some(last) = self.checkpoints.iter().rev().find(|c| c.node == r.node) {
             if r.step < last.step {
                 return Err(Refused(format!(
-                    "checkpoint at step {} is older than the last one ({})",
-                    r.step, last.step
+                    "checkpoint at step {} is older than node {}'s last one ({})",
+                    r.step, r.node, last.step
                 )));
             }
         }
@@ -195,9 +220,18 @@ impl ClusterState {
                 r.epoch
             )));
         }
-        self.checkpoints.push(r.clone());
+        // After every record of its step or below: a step written again (after going back)
+        // reads as the latest of its step.
+        let at = self.checkpoints.partition_point(|c| c.step <= r.step);
+        self.checkpoints.insert(at, r.clone());
         if self.checkpoints.len() > MAX_CHECKPOINT_RECORDS {
-            self.checkpoints.remove(0);
+            let mut held: BTreeMap<NodeId, usize> = BTreeMap::new();
+            for c in &self.checkpoints {
+                *held.entry(c.node).or_default() += 1;
+            }
+            let most = held.values().copied().max().unwrap_or(0);
+            let drop = self.checkpoints.iter().position(|c| held[&c.node] == most).unwrap_or(0);
+            self.checkpoints.remove(drop);
         }
         Ok(format!("checkpoint at step {} recorded", r.step))
     }

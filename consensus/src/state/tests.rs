@@ -141,6 +141,70 @@ fn checkpoint_records_are_ordered_and_bounded() {
     assert_eq!(st.checkpoints.last(), Some(&stage));
 }
 
+/// A member's record at the job's last step, with a made-up hash: the log still takes every
+/// honest writer's later records, and the forger's flood of records does not flush them out.
+#[test]
+fn a_forged_checkpoint_record_hides_nothing() {
+    let mut st = three();
+    st.apply(&Command::ScheduleEpoch { epoch: epoch(1, 0, &[1, 2]) }).unwrap();
+    let rec = |node, step| CheckpointRecord {
+        step,
+        epoch: 1,
+        content_hash: format!("{node}"),
+        location: format!("/ckpt/{node}/{step}"),
+        node,
+    };
+    st.apply(&Command::RecordCheckpoint { record: rec(1, 10) }).unwrap();
+    st.apply(&Command::RecordCheckpoint { record: rec(2, 1_000_000) }).unwrap();
+    for step in [20, 30] {
+        let done = st.apply(&Command::RecordCheckpoint { record: rec(1, step) });
+        assert!(done.is_ok(), "an honest record after the forged one: {done:?}");
+    }
+    // The records stay in step order; the forger orders only its own.
+    let steps: Vec<u64> = st.checkpoints.iter().map(|c| c.step).collect();
+    assert_eq!(steps, [10, 20, 30, 1_000_000]);
+    assert!(st.apply(&Command::RecordCheckpoint { record: rec(2, 5) }).unwrap_err().0.contains("node 2's"));
+    // Twenty more forged records, then one honest: the honest writer's newest are kept.
+    for step in 0..20 {
+        st.apply(&Command::RecordCheckpoint { record: rec(2, 1_000_001 + step) }).unwrap();
+    }
+    st.apply(&Command::RecordCheckpoint { record: rec(1, 40) }).unwrap();
+    assert_eq!(st.checkpoints.len(), MAX_CHECKPOINT_RECORDS);
+    let honest: Vec<u64> = st.checkpoints.iter().filter(|c| c.node == 1).map(|c| c.step).collect();
+    assert_eq!(honest, [10, 20, 30, 40]);
+    st.validate().unwrap();
+}
+
+/// A member joining under a spare credential's name: before the spare's launch it holds the
+/// name only until the spare itself joins; after the launch it cannot take it.
+#[test]
+fn a_member_cannot_take_a_spares_name() {
+    let mut st = three();
+    let spare = |name: &str| MemberSpec { id: node_id_of_name(name), ..spec(9, name) };
+    st.apply(&Command::Join { member: spec(9, "spare-1") }).unwrap();
+    st.apply(&Command::Join { member: spare("spare-1") }).unwrap();
+    assert_eq!(st.members[&node_id_of_name("spare-1")].spec.name, "spare-1");
+    assert_eq!(st.members[&9].spec.name, "spare-1#9");
+    // Nor can the squatter take it back.
+    assert!(st.apply(&Command::Join { member: spec(9, "spare-1") }).unwrap_err().0.contains("taken"));
+    let launch = CapacityRecord {
+        seq: 1,
+        at_ms: 1,
+        by: 1,
+        action: CapacityAction::Launch {
+            pool: Pool { instance_type: "p4d.24xlarge".into(), subnet: "subnet-1".into() },
+            market: Market::Spot,
+            token: "t".into(),
+            node_name: Some("spare-2".into()),
+        },
+        reason: "refill".into(),
+    };
+    st.apply(&Command::RecordCapacity { record: launch }).unwrap();
+    let e = st.apply(&Command::Join { member: spec(8, "spare-2") }).unwrap_err();
+    assert!(e.0.contains("launched spare's"), "{e}");
+    st.apply(&Command::Join { member: spare("spare-2") }).unwrap();
+}
+
 #[test]
 fn proposals_of_another_version_are_refused_by_name() {
     let p = Proposal { v: 2, origin: ProposalId { node: 1, seq: 1 }, command: Command::Activate { id: 1 } };

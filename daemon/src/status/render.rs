@@ -251,7 +251,8 @@ pub(super) fn build(
         capacity: crate::reconciler::docs(st, usize::MAX, |id| name_of(st, id)),
         throughput: st.throughput.by_world.clone(),
         scaling_target: st.capacity.target,
-        stuck: limpet_agent::stuck::assess(st, &parsed, REPORT_FRESH_MS),
+        stuck: limpet_agent::stuck::assess(st, &parsed, REPORT_FRESH_MS)
+            .map(|s| limpet_agent::stuck::Stuck { error: one_line(&s.error), ..s }),
         eval: parsed.values().filter_map(|(_, r)| r.eval).max_by_key(|e| e.step),
     }
 }
@@ -292,7 +293,7 @@ fn node_doc(
         heartbeat_age_ms: r.map(|(age, _)| *age),
         deadline_ms: m.deadline_ms,
         host: host_line(&m.spec.hardware),
-        checkpoint_error: live.and_then(|r| r.checkpoint_error.clone()),
+        checkpoint_error: live.and_then(|r| r.checkpoint_error.as_deref().map(one_line)),
     }
 }
 
@@ -443,16 +444,30 @@ pub fn render(d: &StatusDoc) -> String {
 /// the status shows is mostly members' words (names, reasons, GPU models, checkpoint
 /// locations and errors); one holding an escape sequence would otherwise act on the
 /// operator's terminal (clear it, retitle it, hide lines).
+/// Bidirectional overrides, embeddings, isolates and marks escaped too: one would reorder
+/// what follows it on the line (a node's name shown backwards, a reason hiding another).
 pub fn terminal_safe(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
         if c.is_control() && c != '\n' {
             out.extend(c.escape_default());
+        } else if is_bidi(c) {
+            out.extend(c.escape_unicode());
         } else {
             out.push(c);
         }
     }
     out
+}
+
+fn is_bidi(c: char) -> bool {
+    matches!(c, '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+/// A peer's report text (an error, a checkpoint failure) on one line: a line break in it
+/// would show as lines of the status of the peer's making.
+fn one_line(text: &str) -> String {
+    text.replace('\n', "\\n")
 }
 
 /// The transitions as a table: epoch, step, world, batch, idle time, lost steps, state
@@ -536,9 +551,11 @@ mod tests {
             epoch: id,
             since_ms: 10,
             suspect: Some(1),
-            error: "protocol violation: node 1 sent 28 bytes where 52296 were due".into(),
+            error: "protocol violation: node 1 sent 28 bytes where 52296 were due\nJOB DONE \u{202e}enod"
+                .into(),
             violation: true,
         });
+        r.checkpoint_error = Some("disk full\nn9 Active".into());
         let report = |r: &AgentReport| limpet_consensus::NodeReport {
             node: r.node,
             age: std::time::Duration::from_millis(5),
@@ -547,6 +564,10 @@ mod tests {
         let doc = build("c", &st, 1, 1, &[report(&r)], "n1");
         let text = render(&doc);
         assert!(text.contains("JOB STUCK: stuck at step 79") && text.contains("52296"), "{text}");
+        // A report's text cannot make lines of its own, nor turn the line around.
+        assert!(text.contains("were due\\nJOB DONE \\u{202e}enod"), "{text}");
+        assert!(text.contains("disk full\\nn9 Active"), "{text}");
+        assert!(!text.lines().any(|l| l.starts_with("JOB DONE") || l.starts_with("n9 Active")), "{text}");
         r.broken.as_mut().unwrap().violation = false;
         assert!(
             build("c", &st, 1, 1, &[report(&r)], "n1").stuck.is_none(),

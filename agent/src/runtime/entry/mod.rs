@@ -208,8 +208,9 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     let me = group.rank();
     let stages = n.layout.stage_blocks(nb).map_err(|e| AgentError::Entry(e.to_string()))?;
     let target = stages[me % stages.len()].clone();
-    let plan = entry_plan(&ranks, me, target.clone(), nb)?;
-    let mine = offer_live(&mut x, &mut group, n, (&ranks, &stages, nb), mine)?;
+    let survivors = survivors_of(&st, n);
+    let plan = entry_plan(&ranks, me, target.clone(), nb, &survivors)?;
+    let mine = offer_live(&mut x, &mut group, n, (&ranks, &stages, nb, &survivors), mine)?;
     let redone = x.trainer.step().saturating_sub(plan.step);
     let (mut fetched_bytes, mut fetch_ms) = (0, 0);
     let repaired = plan.action == Entry::Repair;
@@ -234,8 +235,8 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
                 x.trainer.model().device(),
             )?;
         }
-        if plan.action != Entry::Rollback {
-            check_copied(&merged, &ranks, n, plan.step, &target)?;
+        if let Some(r) = plan.reference {
+            check_copied(&merged, &ranks, n, plan.step, r)?;
         }
         x.trainer.load_image(&merged)?;
         fetch_ms = started.elapsed().as_millis() as u64;
@@ -311,7 +312,14 @@ fn connect(
     Ok((Conn::Ring(group), lanes))
 }
 
-/// What this rank assembled is the reference's state (the first rank at the epoch's step
+/// Which of `n`'s ranks trained in the epoch before it (the newest started one): what the
+/// entry plan weighs one survivor's published state against.
+fn survivors_of(st: &ClusterState, n: &Epoch) -> Vec<bool> {
+    let before = st.history.iter().filter(|e| e.id < n.id).max_by_key(|e| e.id);
+    n.ranks.iter().map(|r| before.is_some_and(|e| e.ranks.contains(r))).collect()
+}
+
+/// What this rank assembled is the reference's state (the agreed rank at the epoch's step
 /// that holds the same blocks) bit for bit: what the plan assumes, checked before it is
 /// loaded, so a part of the state left behind fails the entry here instead of a collective
 /// later.
@@ -320,12 +328,8 @@ fn check_copied(
     ranks: &[RankState],
     n: &Epoch,
     step: u64,
-    target: &std::ops::Range<usize>,
+    r: usize,
 ) -> Result<(), AgentError> {
-    let want = (target.start, target.end);
-    let Some(r) = ranks.iter().position(|r| r.live.step == step && r.live.blocks == want) else {
-        return Ok(());
-    };
     let got = merged.content_hash().to_string();
     if hash_bytes(&got) != ranks[r].live.hash {
         return Err(AgentError::Entry(format!(
@@ -380,14 +384,14 @@ fn offer_live(
     x: &mut Entering<'_>,
     group: &mut Group,
     n: &Epoch,
-    (ranks, stages, nb): (&[RankState], &[std::ops::Range<usize>], usize),
+    (ranks, stages, nb, survivors): (&[RankState], &[std::ops::Range<usize>], usize, &[bool]),
     mut mine: Published,
 ) -> Result<Published, AgentError> {
     let me = group.rank();
     // Per rank, the ranks whose live state its plan copies (a plan that fails names none:
     // that rank's entry fails on its own).
     let copied: Vec<Vec<usize>> = (0..ranks.len())
-        .map(|j| match entry_plan(ranks, j, stages[j % stages.len()].clone(), nb) {
+        .map(|j| match entry_plan(ranks, j, stages[j % stages.len()].clone(), nb, survivors) {
             Ok(p) if p.action != Entry::Keep => {
                 p.sources.iter().filter(|(_, kind, _)| *kind == Src::Live).map(|(src, _, _)| *src).collect()
             }
