@@ -343,6 +343,18 @@ fn local_state(core: &Core<SledLog>) -> LocalState {
 }
 
 impl Loop {
+    /// Handles `first` and whatever else `queue` holds (up to 256), so one Ready covers
+    /// many requests.
+    fn handle_queued(&mut self, first: Request, queue: &mut mpsc::Receiver<Request>) {
+        self.handle(first);
+        for _ in 0..256 {
+            match queue.try_recv() {
+                Ok(req) => self.handle(req),
+                Err(_) => break,
+            }
+        }
+    }
+
     async fn run(
         mut self,
         mut raft: mpsc::Receiver<Request>,
@@ -362,25 +374,8 @@ impl Loop {
                     self.retry_waiting();
                     self.expire();
                 }
-                Some(req) = raft.recv() => {
-                    self.handle(req);
-                    for _ in 0..256 {
-                        match raft.try_recv() {
-                            Ok(req) => self.handle(req),
-                            Err(_) => break,
-                        }
-                    }
-                }
-                Some(req) = rx.recv() => {
-                    self.handle(req);
-                    // Take whatever else is queued so one Ready covers many requests.
-                    for _ in 0..256 {
-                        match rx.try_recv() {
-                            Ok(req) => self.handle(req),
-                            Err(_) => break,
-                        }
-                    }
-                }
+                Some(req) = raft.recv() => self.handle_queued(req, &mut raft),
+                Some(req) = rx.recv() => self.handle_queued(req, &mut rx),
                 Some(report) = reports.recv() => match report {
                     PeerReport::Unreachable(id) => self.core.report_unreachable(id),
                     PeerReport::Snapshot(id, ok) => self.core.report_snapshot(id, ok),
