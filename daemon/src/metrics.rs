@@ -39,7 +39,7 @@ pub const METRICS: &[(&str, &str)] = &[
         "limpet_lost_steps_total",
         "Steps in flight when a collective broke that no peer finished, computed again.",
     ),
-    ("limpet_redone_steps_total", "Steps trained again after rolling back to a pipeline stage's shadow, or to a checkpoint when a shard of the optimizer state was lost."),
+    ("limpet_redone_steps_total", "Steps trained again after rolling back to a pipeline stage's shadow, to a checkpoint when a shard of the optimizer state was lost, or to the survivors' agreed step when this rank alone applied the step in flight."),
     ("limpet_data_bytes_sent_total", "Data-plane bytes sent, by kind (ring, pipe, handoff)."),
     ("limpet_data_bytes_received_total", "Data-plane bytes received, by kind (ring, pipe, handoff)."),
     ("limpet_checkpoints_total", "Checkpoint parts this node wrote."),

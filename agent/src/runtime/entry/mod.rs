@@ -78,7 +78,8 @@ pub(super) struct Entered {
     pub fetched_bytes: u64,
     pub fetch_ms: u64,
     pub repaired: bool,
-    /// Steps trained again after a rollback to shadows (0 otherwise).
+    /// Steps this rank trained again: after a rollback to shadows, or after it alone applied
+    /// the step in flight (0 otherwise).
     pub redone_steps: u64,
     /// Sharded state past the job's last step: the host's final checkpoint, written pending
     /// (the trainers keep their blocks).
@@ -240,14 +241,25 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
         }
         x.trainer.load_image(&merged)?;
         fetch_ms = started.elapsed().as_millis() as u64;
-        if plan.action == Entry::Rollback {
+        if redone > 0 {
             let (from, to) = (plan.step + redone, plan.step);
-            tracing::warn!(
-                epoch = n.id,
-                from,
-                to,
-                "a stage had no live replica: back to the shadowed snapshot"
-            );
+            if plan.action == Entry::Rollback {
+                tracing::warn!(
+                    epoch = n.id,
+                    from,
+                    to,
+                    "a stage had no live replica: back to the shadowed snapshot"
+                );
+            } else {
+                // This rank applied the step in flight, and no other survivor confirms it:
+                // the step is trained again from the state the others agree on.
+                tracing::warn!(
+                    epoch = n.id,
+                    from,
+                    to,
+                    "back to the survivors' agreed step: no other rank confirms this one's"
+                );
+            }
             // Kept states newer than the lineage's new head belong to the abandoned one.
             x.shadows.forget_after(plan.step);
         }
@@ -270,7 +282,9 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     x.server.withdraw(&live);
     limpet_trainer::device::return_freed_host_memory();
     let (conn, lanes) = connect(&x, n, group, &addrs, &give_up)?;
-    let redone_steps = (if plan.action == Entry::Rollback { redone } else { 0 }).max(given_up);
+    // Whatever took this rank back (a rollback, or a step it alone applied), the steps it
+    // leaves are trained again: they are out of the lineage, not applied twice.
+    let redone_steps = redone.max(given_up);
     Ok(Entered { conn, lanes, fetched_bytes, fetch_ms, repaired, redone_steps, final_state: None })
 }
 
