@@ -336,9 +336,41 @@ fn a_cluster_with_certificates_trains_and_refuses_callers_without_the_right_one(
         }
     });
 
-    // The operator's certificate drains a node (through whichever node answers first: one
-    // that does not lead sends the command line to the leader), and the others train on.
-    let (ok, out) = limpet(&["drain", "node-3", "--dir", &d]);
+    // An on-call certificate reads and drains, and may neither revoke nor remove: it drains
+    // a node (through whichever node answers first: one that does not lead sends the
+    // command line to the leader), and the others train on.
+    certs::issue_for_days(&certs_dir, "pager", Kind::OnCall, 10).unwrap();
+    let pager = files(&certs_dir, "pager");
+    let (ca_s, cert_s, key_s) =
+        (ca.display().to_string(), pager.cert.display().to_string(), pager.key.display().to_string());
+    let as_pager = |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend([
+            "--addr",
+            &addr,
+            "--cluster",
+            &cluster,
+            "--ca",
+            &ca_s,
+            "--cert",
+            &cert_s,
+            "--key",
+            &key_s,
+        ]);
+        limpet(&all)
+    };
+    let (ok, out) = as_pager(&["status"]);
+    assert!(ok && out.contains("node-3"), "{out}");
+    let (ok, out) = as_pager(&["revoke", "node-2", "--in", "60"]);
+    assert!(!ok && out.contains("on-call certificate may not propose notice"), "{out}");
+    rt.block_on(async {
+        let tls = Tls::load(&pager).unwrap();
+        let mut client = limpet_consensus::Client::connect_with(&addr, &cluster, Some(&tls)).await.unwrap();
+        let remove = limpet_consensus::state::Command::Remove { id: 2, reason: "pager".into() };
+        let e = client.propose(&remove, Duration::from_secs(5)).await.unwrap_err().to_string();
+        assert!(e.contains("on-call certificate may not propose remove"), "{e}");
+    });
+    let (ok, out) = as_pager(&["drain", "node-3"]);
     assert!(ok, "{out}");
     wait_until("world 2 after the drain", Duration::from_secs(60), &dir, || {
         steps_of(&logs[0]).iter().any(|&(_, w)| w == 2)

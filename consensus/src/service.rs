@@ -295,10 +295,10 @@ impl Service {
         let verdict = match (need, role) {
             (_, Some(Role::Node)) => Ok(()),
             (Need::Read, None) if anonymous_reads => Ok(()),
-            (Need::Read, Some(Role::Operator)) => Ok(()),
+            (Need::Read, Some(Role::Operator | Role::OnCall)) => Ok(()),
             // Which commands: `Command::authorize`.
-            (Need::Propose, Some(Role::Operator)) => Ok(()),
-            (Need::Node, Some(Role::Operator)) => {
+            (Need::Propose, Some(Role::Operator | Role::OnCall)) => Ok(()),
+            (Need::Node, Some(Role::Operator | Role::OnCall)) => {
                 Err("only a node certificate may speak for a node".to_string())
             }
             (_, None) => Err(format!(
@@ -384,6 +384,7 @@ impl pb::consensus_server::Consensus for Service {
         let who = match role {
             Some(Peer { role: Role::Node, node: Some(id) }) => Some(Proposer::Node(id)),
             Some(Peer { role: Role::Operator, .. }) => Some(Proposer::Operator),
+            Some(Peer { role: Role::OnCall, .. }) => Some(Proposer::OnCall),
             _ => None,
         };
         if self.tls.is_some() {

@@ -6,7 +6,8 @@
 //! `urn:limpet:node:<id>` binding it to one node id: it may speak raft, send heartbeats, join
 //! and carry data-plane traffic, each only as that node. An *operator* certificate carries
 //! `limpet-client`: it may read and propose the operator's commands (drain, revoke, remove)
-//! but never speak as a node. Clients check that the server they reach holds a node
+//! but never speak as a node. An *on-call* certificate carries `limpet-oncall`: for
+//! day-to-day use, it may read and drain, and nothing else. Clients check that the server they reach holds a node
 //! certificate of the same CA, so every connection is authenticated both ways.
 //!
 //! The same material configures tonic's rustls (control plane) and plain rustls connections
@@ -24,6 +25,9 @@ pub const GRPC_HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::fro
 
 /// The DNS name every operator (client) certificate holds.
 pub const CLIENT_NAME: &str = "limpet-client";
+
+/// The DNS name every on-call certificate (read and drain only) holds.
+pub const ONCALL_NAME: &str = "limpet-oncall";
 
 /// The prefix of the URI that binds a node certificate to its node id.
 pub const NODE_URI_PREFIX: &str = "urn:limpet:node:";
@@ -49,6 +53,8 @@ pub enum Role {
     Node,
     /// An operator's command line.
     Operator,
+    /// An on-call operator's command line: reads and drains only.
+    OnCall,
 }
 
 /// Why TLS material could not be used.
@@ -166,6 +172,8 @@ pub fn role_of(cert: &CertificateDer<'_>) -> Option<Role> {
         Some(Role::Node)
     } else if valid_for(CLIENT_NAME) {
         Some(Role::Operator)
+    } else if valid_for(ONCALL_NAME) {
+        Some(Role::OnCall)
     } else {
         None
     }
@@ -175,7 +183,7 @@ pub fn role_of(cert: &CertificateDer<'_>) -> Option<Role> {
 /// certificate without exactly one valid id URI is not a node's (it could speak as anyone).
 pub fn peer_of(cert: &CertificateDer<'_>) -> Option<Peer> {
     let role = role_of(cert)?;
-    if role == Role::Operator {
+    if role != Role::Node {
         return Some(Peer { role, node: None });
     }
     let ee = webpki::EndEntityCert::try_from(cert).ok()?;
@@ -241,7 +249,11 @@ impl Tls {
             .verify_client_cert(&chain[0], &chain[1..], UnixTime::now())
             .map_err(|e| bad("certificate", cert_path, format!("{e} (against CA {})", ca_path.display())))?;
         let role = role_of(&chain[0]).ok_or_else(|| {
-            bad("certificate", cert_path, format!("is neither for {NODE_NAME:?} nor for {CLIENT_NAME:?}"))
+            bad(
+                "certificate",
+                cert_path,
+                format!("is for none of {NODE_NAME:?}, {CLIENT_NAME:?} and {ONCALL_NAME:?}"),
+            )
         })?;
         let node = peer_of(&chain[0]).and_then(|p| p.node);
         if role == Role::Node && node.is_none() {

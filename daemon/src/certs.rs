@@ -3,13 +3,14 @@
 //! `init` writes `ca.pem` and `ca.key` into a directory; `issue NAME` writes `NAME.pem` and
 //! `NAME.key` signed by that CA: a node certificate (names `limpet-node` and NAME, and the
 //! URI `urn:limpet:node:ID` binding it to its node id, for limpetd) or, with `--client`, an
-//! operator certificate (names `limpet-client` and NAME, for the command line). Keys are ECDSA P-256, written with mode 0600, and nothing existing
-//! is overwritten.
+//! operator certificate (names `limpet-client` and NAME, for the command line), or with
+//! `--on-call` an on-call operator's (names `limpet-oncall` and NAME: status and drain only).
+//! Keys are ECDSA P-256, written with mode 0600, and nothing existing is overwritten.
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use limpet_consensus::state::{node_id_of_name, NodeId};
-use limpet_consensus::tls::{node_uri, CLIENT_NAME, NODE_NAME};
+use limpet_consensus::tls::{node_uri, Role, CLIENT_NAME, NODE_NAME, ONCALL_NAME};
 use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
     KeyPair, KeyUsagePurpose,
@@ -84,9 +85,13 @@ pub struct IssueArgs {
     /// An operator's certificate for the command line instead of a node's.
     #[arg(long)]
     pub client: bool,
+    /// An on-call operator's certificate: it may read status and drain hosts, but not
+    /// revoke or remove them (for day-to-day use; keep a --client one for the rest).
+    #[arg(long, conflicts_with = "client")]
+    pub on_call: bool,
     /// The node id the certificate is bound to: the node's `[node].id` (default: the id a
     /// node of this name gets when its configuration sets none).
-    #[arg(long, conflicts_with = "client", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, conflicts_with_all = ["client", "on_call"], value_parser = clap::value_parser!(u64).range(1..))]
     pub id: Option<u64>,
     /// How long the certificate is valid.
     #[arg(long, default_value_t = DEFAULT_DAYS, value_parser = clap::value_parser!(u32).range(1..=MAX_DAYS))]
@@ -103,6 +108,8 @@ pub enum Kind {
     Node(NodeId),
     /// An operator's.
     Client,
+    /// An on-call operator's (status and drain only).
+    OnCall,
 }
 
 /// Runs `limpet certs`.
@@ -138,9 +145,10 @@ pub fn run(cmd: CertsCommand) -> crate::Result<()> {
             announce(a.json, kind, &a.name, &cert, &key, a.days, "renewed");
         }
         CertsCommand::Issue(a) => {
-            let kind = match (a.client, a.id) {
-                (true, _) => Kind::Client,
-                (false, id) => Kind::Node(id.unwrap_or_else(|| node_id_of_name(&a.name))),
+            let kind = match (a.client, a.on_call, a.id) {
+                (true, _, _) => Kind::Client,
+                (_, true, _) => Kind::OnCall,
+                (false, false, id) => Kind::Node(id.unwrap_or_else(|| node_id_of_name(&a.name))),
             };
             let (cert, key) = issue_for_days(&a.dir, &a.name, kind, a.days)?;
             announce(a.json, kind, &a.name, &cert, &key, a.days, "issued");
@@ -156,7 +164,8 @@ fn kind_of(path: &Path) -> crate::Result<Kind> {
     let cert = rustls::pki_types::CertificateDer::from_pem_file(path)
         .map_err(|e| usage(format!("{}: not a certificate ({e})", path.display())))?;
     match limpet_consensus::tls::peer_of(&cert) {
-        Some(p) if p.role == limpet_consensus::tls::Role::Operator => Ok(Kind::Client),
+        Some(p) if p.role == Role::Operator => Ok(Kind::Client),
+        Some(p) if p.role == Role::OnCall => Ok(Kind::OnCall),
         Some(limpet_consensus::tls::Peer { node: Some(id), .. }) => Ok(Kind::Node(id)),
         _ => Err(usage(format!("{}: neither a node's nor an operator's certificate", path.display()))),
     }
@@ -168,6 +177,7 @@ fn announce(json: bool, kind: Kind, name: &str, cert: &Path, key: &Path, days: u
         let (kind, id) = match kind {
             Kind::Node(id) => ("node", Some(id)),
             Kind::Client => ("client", None),
+            Kind::OnCall => ("on-call", None),
         };
         let doc = serde_json::json!({
             "kind": kind, "name": name, "node_id": id, "cert": cert, "key": key, "days": days, "action": what,
@@ -177,6 +187,7 @@ fn announce(json: bool, kind: Kind, name: &str, cert: &Path, key: &Path, days: u
         let who = match kind {
             Kind::Node(id) => format!("node certificate for {name:?} (node id {id})"),
             Kind::Client => format!("operator certificate for {name:?}"),
+            Kind::OnCall => format!("on-call certificate for {name:?} (status and drain only)"),
         };
         println!("{who} {what}, valid {days} days: {} (key {})", cert.display(), key.display());
     }
@@ -197,7 +208,7 @@ fn check_name(name: &str) -> crate::Result<()> {
             "name {name:?}: use letters, digits and inner hyphens (at most 63), as in a host name"
         )));
     }
-    if name == NODE_NAME || name == CLIENT_NAME || name == "ca" {
+    if name == NODE_NAME || name == CLIENT_NAME || name == ONCALL_NAME || name == "ca" {
         return Err(usage(format!("name {name:?} is reserved")));
     }
     Ok(())
@@ -313,6 +324,7 @@ fn issue_pem(
     let role_name = match kind {
         Kind::Node(_) => NODE_NAME,
         Kind::Client => CLIENT_NAME,
+        Kind::OnCall => ONCALL_NAME,
     };
     let mut params =
         CertificateParams::new(vec![role_name.to_string(), name.to_string()]).context("certificate names")?;
@@ -325,13 +337,18 @@ fn issue_pem(
     }
     let mut dn = DistinguishedName::new();
     dn.push(DnType::CommonName, name);
-    dn.push(DnType::OrganizationalUnitName, if kind == Kind::Client { "operator" } else { "node" });
+    let unit = match kind {
+        Kind::Node(_) => "node",
+        Kind::Client => "operator",
+        Kind::OnCall => "on-call",
+    };
+    dn.push(DnType::OrganizationalUnitName, unit);
     params.distinguished_name = dn;
     params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     params.extended_key_usages = match kind {
         // A node is a server to its peers and a client of them.
         Kind::Node(_) => vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth],
-        Kind::Client => vec![ExtendedKeyUsagePurpose::ClientAuth],
+        Kind::Client | Kind::OnCall => vec![ExtendedKeyUsagePurpose::ClientAuth],
     };
     params.use_authority_key_identifier_extension = true;
     params.not_before = not_before;
@@ -366,6 +383,9 @@ mod tests {
         assert_eq!(Tls::load(&files(d.path(), "node-1")).unwrap().node_id(), Some(1));
         assert_eq!(Tls::load(&files(d.path(), "alice")).unwrap().node_id(), None);
         assert_eq!(Tls::load(&files(d.path(), "alice")).unwrap().role(), Some(Role::Operator));
+        issue(d.path(), "pager", Kind::OnCall, now - Duration::minutes(1), now + Duration::days(1)).unwrap();
+        let pager = Tls::load(&files(d.path(), "pager")).unwrap();
+        assert_eq!((pager.role(), pager.node_id()), (Some(Role::OnCall), None));
         let mode = std::fs::metadata(d.path().join("alice.key")).unwrap().permissions();
         assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777, 0o600);
     }
@@ -444,14 +464,16 @@ mod tests {
         init(d.path(), "c", 10).unwrap();
         issue_for_days(d.path(), "node-7", Kind::Node(7), 1).unwrap();
         issue_for_days(d.path(), "alice", Kind::Client, 1).unwrap();
+        issue_for_days(d.path(), "pager", Kind::OnCall, 1).unwrap();
         let before = std::fs::read(d.path().join("node-7.pem")).unwrap();
-        for name in ["node-7", "alice"] {
+        for name in ["node-7", "alice", "pager"] {
             let a = RenewArgs { name: name.into(), dir: d.path().to_path_buf(), days: 30, json: true };
             run(CertsCommand::Renew(a)).unwrap();
         }
         assert_ne!(std::fs::read(d.path().join("node-7.pem")).unwrap(), before);
         assert_eq!(kind_of(&d.path().join("node-7.pem")).unwrap(), Kind::Node(7));
         assert_eq!(kind_of(&d.path().join("alice.pem")).unwrap(), Kind::Client);
+        assert_eq!(kind_of(&d.path().join("pager.pem")).unwrap(), Kind::OnCall);
         let missing = RenewArgs { name: "bob".into(), dir: d.path().to_path_buf(), days: 30, json: true };
         assert!(run(CertsCommand::Renew(missing)).is_err());
     }

@@ -204,9 +204,7 @@ fn record_speeds(s: &LeaderSettings, st: &ClusterState, reports: &Reports) -> Ve
         let Some(m) = st.members.get(&node) else { continue };
         let was = if m.spec.hardware.speed_milli == 0 { 1000 } else { m.spec.hardware.speed_milli };
         if (milli as f64 / was as f64 - 1.0).abs() > SPEED_CHANGE {
-            let mut hardware = m.spec.hardware.clone();
-            hardware.speed_milli = milli;
-            out.push(Command::UpdateHardware { id: node, hardware });
+            out.push(Command::RecordSpeed { id: node, speed_milli: milli });
         }
     }
     out

@@ -659,9 +659,7 @@ fn a_host_measured_slower_holds_fewer_blocks_of_a_pipeline() {
     assert_eq!(before.layout.cuts, vec![2], "equal hosts: equal stages");
     assert_eq!(sim.control(), "steady");
     let slow = before.ranks[0];
-    let mut hardware = sim.state.members[&slow].spec.hardware.clone();
-    hardware.speed_milli = 330;
-    sim.state.apply(&Command::UpdateHardware { id: slow, hardware }).unwrap();
+    sim.state.apply(&Command::RecordSpeed { id: slow, speed_milli: 330 }).unwrap();
     let why = sim.control();
     let e = sim.state.scheduled.clone().unwrap_or_else(|| panic!("no re-plan: {why}"));
     let stages = e.layout.stage_blocks(4).unwrap();
@@ -679,9 +677,7 @@ fn a_host_measured_slower_holds_fewer_blocks_of_a_pipeline() {
     assert_eq!(sim.control(), "steady");
     // A measurement that wobbles (0.33 -> 0.40) does not move blocks back and forth: a
     // re-plan must be predicted clearly faster than the layout it replaces.
-    let mut hardware = sim.state.members[&slow].spec.hardware.clone();
-    hardware.speed_milli = 400;
-    sim.state.apply(&Command::UpdateHardware { id: slow, hardware }).unwrap();
+    sim.state.apply(&Command::RecordSpeed { id: slow, speed_milli: 400 }).unwrap();
     assert_eq!(sim.control(), "steady");
 }
 

@@ -248,7 +248,7 @@ fn a_pipeline_host_profiled_slower_has_its_speed_recorded_once() {
             .commands
             .iter()
             .filter_map(|c| match c {
-                Command::UpdateHardware { id, hardware } => Some((*id, hardware.speed_milli)),
+                Command::RecordSpeed { id, speed_milli } => Some((*id, *speed_milli)),
                 _ => None,
             })
             .collect()
@@ -263,9 +263,7 @@ fn a_pipeline_host_profiled_slower_has_its_speed_recorded_once() {
         .collect();
     // Against the median host (12.5 ms): 12.5 / 36 = 0.35.
     assert_eq!(speeds(&st, &reports), vec![(3, 350)]);
-    let mut hardware = st.members[&3].spec.hardware.clone();
-    hardware.speed_milli = 350;
-    st.apply(&Command::UpdateHardware { id: 3, hardware }).unwrap();
+    st.apply(&Command::RecordSpeed { id: 3, speed_milli: 350 }).unwrap();
     assert!(speeds(&st, &reports).is_empty(), "recorded once");
     // Without a pipeline, nothing is recorded.
     let mut plain = ClusterState::bootstrap("c", &(1..=4).map(spec).collect::<Vec<_>>());

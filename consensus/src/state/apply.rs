@@ -3,8 +3,8 @@
 //! refuses it, and the Raft configuration mirrored after a configuration change.
 
 use super::{
-    CheckpointRecord, ClusterState, Command, Epoch, Member, MemberSpec, MemberStatus, NodeId, Outcome,
-    Refused, MAX_CHECKPOINT_RECORDS, MAX_EPOCH_HISTORY,
+    CheckpointRecord, ClusterState, Command, Epoch, Hardware, Member, MemberSpec, MemberStatus, NodeId,
+    Outcome, Refused, MAX_CHECKPOINT_RECORDS, MAX_EPOCH_HISTORY,
 };
 use std::collections::BTreeMap;
 
@@ -20,8 +20,16 @@ impl ClusterState {
             Command::Remove { id, reason } => self.set_status(*id, Transition::Remove, reason),
             Command::UpdateHardware { id, hardware } => match self.members.get_mut(id) {
                 Some(m) => {
-                    m.spec.hardware = hardware.clone();
+                    let speed_milli = m.spec.hardware.speed_milli;
+                    m.spec.hardware = Hardware { speed_milli, ..hardware.clone() };
                     Ok(format!("node {id} hardware updated"))
+                }
+                None => Err(Refused(format!("node {id} is not a member"))),
+            },
+            Command::RecordSpeed { id, speed_milli } => match self.members.get_mut(id) {
+                Some(m) => {
+                    m.spec.hardware.speed_milli = *speed_milli;
+                    Ok(format!("node {id} measured at speed x{:.2}", *speed_milli as f64 / 1000.0))
                 }
                 None => Err(Refused(format!("node {id} is not a member"))),
             },
@@ -103,12 +111,14 @@ impl ClusterState {
         }
         match self.members.get_mut(&spec.id) {
             Some(m) if m.status.is_staying() || m.status == MemberStatus::Draining => {
+                let speed_milli = m.spec.hardware.speed_milli;
                 m.spec = spec.clone();
+                m.spec.hardware.speed_milli = speed_milli;
                 Ok(format!("node {} refreshed", spec.id))
             }
             Some(m) => {
                 *m = Member {
-                    spec: spec.clone(),
+                    spec: unmeasured(spec),
                     status: MemberStatus::Joining,
                     reason: format!("rejoined after {:?}", m.status),
                     deadline_ms: None,
@@ -119,7 +129,7 @@ impl ClusterState {
                 self.members.insert(
                     spec.id,
                     Member {
-                        spec: spec.clone(),
+                        spec: unmeasured(spec),
                         status: MemberStatus::Joining,
                         reason: "joined".into(),
                         deadline_ms: None,
@@ -266,4 +276,12 @@ fn sorted(ids: &[NodeId]) -> Vec<NodeId> {
     let mut v = ids.to_vec();
     v.sort_unstable();
     v
+}
+
+/// A joining node's record without a speed: only the leader measures it
+/// ([`Command::RecordSpeed`]), and a member's word may not claim one.
+fn unmeasured(spec: &MemberSpec) -> MemberSpec {
+    let mut spec = spec.clone();
+    spec.hardware.speed_milli = 0;
+    spec
 }

@@ -16,6 +16,8 @@ pub enum Proposer {
     /// An operator's certificate (or any caller of a cluster without TLS, where nothing
     /// proves who calls), proposing at the leader.
     Operator,
+    /// An on-call operator's certificate: drains only (no revocation, no removal).
+    OnCall,
 }
 
 /// The longest name, address, hardware description or reason a node or an operator may
@@ -29,14 +31,15 @@ pub struct NotAllowed(pub String);
 
 /// Who may propose which command (docs/security.md shows this table):
 ///
-/// | command | the node it is about | operator | leader's controller |
-/// |---|---|---|---|
-/// | `Join` | yes | no | yes |
-/// | `Notice`, `Drain` | yes | yes | yes |
-/// | `Remove` | no | yes | yes |
-/// | `UpdateHardware` | yes | no | yes |
-/// | `RecordCheckpoint` | the node that wrote it | no | yes |
-/// | `Activate`, `MarkFailed`, `SetJob`, `ScheduleEpoch`, `CancelEpoch`, `ActivateEpoch`, `RecordCapacity`, `RecordThroughput` | no | no | yes |
+/// | command | the node it is about | operator | on-call | leader's controller |
+/// |---|---|---|---|---|
+/// | `Join` | yes | no | no | yes |
+/// | `Drain` | yes | yes | yes | yes |
+/// | `Notice` | yes | yes | no | yes |
+/// | `Remove`, `RevokeCertificate` | no | yes | no | yes |
+/// | `UpdateHardware` | yes | no | no | yes |
+/// | `RecordCheckpoint` | the node that wrote it | no | no | yes |
+/// | `Activate`, `MarkFailed`, `RecordSpeed`, `SetJob`, `ScheduleEpoch`, `CancelEpoch`, `ActivateEpoch`, `RecordCapacity`, `RecordThroughput` | no | no | no | yes |
 impl Command {
     /// Whether `who` may propose this command; the reason when not.
     pub fn authorize(&self, who: Proposer) -> Result<(), NotAllowed> {
@@ -52,6 +55,7 @@ impl Command {
             Command::Remove { .. } | Command::RevokeCertificate { .. } => (false, true),
             Command::Activate { .. }
             | Command::MarkFailed { .. }
+            | Command::RecordSpeed { .. }
             | Command::SetJob { .. }
             | Command::ScheduleEpoch { .. }
             | Command::CancelEpoch { .. }
@@ -68,6 +72,10 @@ impl Command {
             Proposer::Operator if operator_may => Ok(()),
             Proposer::Operator => Err(NotAllowed(format!(
                 "an operator may not propose {kind}: only drain, notice (revoke) and remove"
+            ))),
+            Proposer::OnCall if matches!(self, Command::Drain { .. }) => Ok(()),
+            Proposer::OnCall => Err(NotAllowed(format!(
+                "an on-call certificate may not propose {kind}: only drain (an operator's revokes and removes)"
             ))),
             Proposer::Node(id) if node_may && about == Some(id) => Ok(()),
             Proposer::Node(id) if node_may => Err(NotAllowed(format!(
@@ -140,6 +148,7 @@ impl Command {
             Command::MarkFailed { .. } => "mark_failed",
             Command::Remove { .. } => "remove",
             Command::UpdateHardware { .. } => "update_hardware",
+            Command::RecordSpeed { .. } => "record_speed",
             Command::SetJob { .. } => "set_job",
             Command::ScheduleEpoch { .. } => "schedule_epoch",
             Command::CancelEpoch { .. } => "cancel_epoch",
@@ -180,6 +189,7 @@ mod tests {
             Command::MarkFailed { id, reason: "t".into() },
             Command::Remove { id, reason: "t".into() },
             Command::UpdateHardware { id, hardware: Hardware::default() },
+            Command::RecordSpeed { id, speed_milli: 2000 },
             Command::SetJob { job: serde_json::json!({}) },
             Command::CancelEpoch { id: 1, reason: "t".into() },
             Command::ActivateEpoch { id: 1 },
@@ -200,6 +210,7 @@ mod tests {
             assert_eq!(c.authorize(Proposer::Node(2)).is_ok(), own, "node 2: {kind} about itself");
             assert!(o.authorize(Proposer::Node(2)).is_err(), "node 2: {kind} about node 3");
             assert_eq!(c.authorize(Proposer::Operator).is_ok(), operator, "operator: {kind}");
+            assert_eq!(c.authorize(Proposer::OnCall).is_ok(), kind == "drain", "on-call: {kind}");
             assert!(c.authorize(Proposer::Leader).is_ok(), "leader: {kind}");
         }
     }

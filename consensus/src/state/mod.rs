@@ -266,12 +266,22 @@ pub enum Command {
         /// Why.
         reason: String,
     },
-    /// New hardware facts (e.g. measured throughput).
+    /// New hardware facts, as the node reports them (e.g. measured throughput). The
+    /// leader-measured `speed_milli` in them is ignored: see [`Command::RecordSpeed`].
     UpdateHardware {
         /// Who.
         id: NodeId,
         /// What it has now.
         hardware: Hardware,
+    },
+    /// The leader measured a host's compute speed against the cluster's typical host
+    /// (`Hardware::speed_milli`, which the pipeline planner places blocks by). Only the
+    /// leader's word sets it: a member's own record may not say it is faster than it is.
+    RecordSpeed {
+        /// Who.
+        id: NodeId,
+        /// Its speed relative to the typical host, x 1000.
+        speed_milli: u64,
     },
     /// Set the job; refused once a different job is set.
     SetJob {
@@ -377,7 +387,8 @@ impl Command {
             | Command::Drain { id, .. }
             | Command::MarkFailed { id, .. }
             | Command::Remove { id, .. }
-            | Command::UpdateHardware { id, .. } => Some(*id),
+            | Command::UpdateHardware { id, .. }
+            | Command::RecordSpeed { id, .. } => Some(*id),
             _ => None,
         }
     }

@@ -287,3 +287,34 @@ fn local_ranks_number_devices_and_split_a_hosts_share() {
     assert_eq!((old.total_ranks(), old.first_rank_of(1), old.local_ranks_of(5)), (2, 1, 1));
     st.apply(&Command::ScheduleEpoch { epoch: e }).unwrap();
 }
+
+/// The leader-measured speed steers the pipeline planner's placement: only the leader's
+/// `RecordSpeed` sets it, never a member's own record (its hardware update, its join or a
+/// rejoin), which keeps the speed the log holds.
+#[test]
+fn a_members_word_does_not_set_its_measured_speed() {
+    let mut st = three();
+    st.apply(&Command::RecordSpeed { id: 2, speed_milli: 350 }).unwrap();
+    assert_eq!(st.members[&2].spec.hardware.speed_milli, 350);
+    // A member claiming to be ten times faster, in its hardware update and in its join.
+    let fast = Hardware { speed_milli: 10_000, cpus: 64, ..st.members[&2].spec.hardware.clone() };
+    st.apply(&Command::UpdateHardware { id: 2, hardware: fast.clone() }).unwrap();
+    assert_eq!((st.members[&2].spec.hardware.speed_milli, st.members[&2].spec.hardware.cpus), (350, 64));
+    let mut again = st.members[&2].spec.clone();
+    again.hardware = fast.clone();
+    st.apply(&Command::Join { member: again.clone() }).unwrap();
+    assert_eq!(st.members[&2].spec.hardware.speed_milli, 350);
+    // A newcomer's or a failed member's claim is no measurement either.
+    let mut newcomer = again.clone();
+    (newcomer.id, newcomer.name) = (9, "node-9".into());
+    st.apply(&Command::Join { member: newcomer }).unwrap();
+    assert_eq!(st.members[&9].spec.hardware.speed_milli, 0);
+    st.apply(&Command::MarkFailed { id: 2, reason: "gone quiet".into() }).unwrap();
+    st.apply(&Command::Join { member: again }).unwrap();
+    assert_eq!(st.members[&2].spec.hardware.speed_milli, 0);
+    assert!(st
+        .apply(&Command::RecordSpeed { id: 77, speed_milli: 1 })
+        .unwrap_err()
+        .0
+        .contains("not a member"));
+}

@@ -39,7 +39,8 @@ pub struct Target {
     /// Alone, it reads status without a certificate where the nodes allow that.
     #[arg(long, env = "LIMPET_CA")]
     pub ca: Option<PathBuf>,
-    /// Your operator certificate (`limpet certs issue NAME --client`).
+    /// Your operator certificate (`limpet certs issue NAME --client`, or `--on-call` for one
+    /// that reads and drains only).
     #[arg(long, env = "LIMPET_CERT", requires_all = ["ca", "key"])]
     pub cert: Option<PathBuf>,
     /// Its private key.
