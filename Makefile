@@ -27,7 +27,7 @@ $(ENV_MK) $(VENV_STAMP) $(DIGITS) &: deploy/setup.sh
 	bash deploy/setup.sh
 	touch $(ENV_MK) $(VENV_STAMP) $(DIGITS)
 
-.PHONY: help setup build dist test gpu-test lint unit fuzz-check fuzz bench demo clean
+.PHONY: help setup build dist test long-test gpu-test lint unit fuzz-check fuzz bench demo clean
 
 help:
 	@echo "make test    set up, then lint and run every test"
@@ -36,6 +36,7 @@ help:
 	@echo "make fuzz    run each fuzz target for FUZZ_SECONDS (default 60)"
 	@echo "make dist    build the release tarballs deploy/cloud-init.yaml installs (dist/limpet-VERSION-linux-ARCH-{cuda,cpu}.tar.gz)"
 	@echo "make gpu-test  run the CUDA tests where libtorch sees a GPU (says so and skips them where not)"
+	@echo "make long-test  run the long multi-process scenarios make test leaves out (a few minutes)"
 	@echo "make bench   measure: raft commits, allreduce against gloo, hosts of 2 local ranks against 4 of one, state handoff against plain TCP, transitions against torchrun, planner predictions and pipelines, LLaMA training against transformers (small and 125m) and torchrun + DDP, sharded state's memory per rank against whole state (125m and 350m), memory on a 4 GiB dataset, activation checkpointing and a chunked loss at vocabulary 128k"
 
 # The clone's links into the cache (.limpet/libtorch, which cargo builds against, and
@@ -72,6 +73,11 @@ fuzz-check: setup
 	cargo check --manifest-path fuzz/Cargo.toml --locked --quiet
 
 test: lint unit fuzz-check
+
+# Scenarios of minutes that repeat what `make test` covers, or measure the lab's replays
+# against its simulation: #[ignore]d there, to keep `make test` under half an hour on two cores.
+long-test: setup
+	cargo test -p limpet-daemon --test elastic_processes --locked -- --ignored
 
 # The CUDA tests are #[ignore]d in `make test` (no GPU here); this runs them where there is one.
 gpu-test: setup
