@@ -26,7 +26,7 @@ pub use exact::{MAX_SHARDS, SHARDS};
 pub use local::{LocalGroup, LocalRank, LocalSums};
 pub use overlap::OverlapProbe;
 pub use reduce::{NoReduce, Piece, Reduce};
-pub use shard::{CheckpointPart, ShardLayout};
+pub use shard::{CheckpointPart, RegroupBounds, ShardLayout};
 
 use crate::data::Dataset;
 use crate::job::JobSpec;

@@ -25,7 +25,7 @@ use super::error::AgentError;
 use crate::Group;
 use limpet_consensus::state::{ClusterState, Epoch};
 use limpet_snapshot::StateImage;
-use limpet_trainer::{JobSpec, ShardLayout, Trainer, TrainerError};
+use limpet_trainer::{JobSpec, RegroupBounds, ShardLayout, Trainer, TrainerError};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -83,9 +83,10 @@ pub(super) fn enter(
     let target = layout_of(trainer, job, n, first);
     let recut = target.is_some();
     let started = Instant::now();
+    let bounds = regroup_bounds(trainer, job, st, n);
     let regrouped = super::local_ranks::each(trainer, followers, n, me, group, |r, t, reduce| {
         let target = layout_of(t, job, n, r);
-        t.regroup(r, world, target, step_tag, reduce)
+        t.regroup_within(r, world, target, step_tag, reduce, &bounds)
     })?;
     // Every local rank decided from the same facts; a rank's own failure is the host's.
     let mut outcome = None;
@@ -487,6 +488,34 @@ pub(super) fn layout_for(trainer: &Trainer, job: &JobSpec, n: &Epoch, rank: usiz
         return None;
     }
     layout_of(trainer, job, n, rank)
+}
+
+/// Epochs of the log the re-cut checks layouts against: the newest ones before `n`, few
+/// enough that every rank of `n` still holds them all, however much further its log is (the
+/// log keeps `MAX_EPOCH_HISTORY`), so that every rank decides alike.
+const KNOWN_EPOCHS: usize = 16;
+
+/// What the log lets each device rank of epoch `n` claim in the re-cut: its host, and the
+/// layouts its device held in the log's recent epochs (the same device of the same node).
+fn regroup_bounds(trainer: &Trainer, job: &JobSpec, st: &ClusterState, n: &Epoch) -> RegroupBounds {
+    let mut earlier: Vec<&Epoch> = st.history.iter().chain(&st.current).filter(|e| e.id < n.id).collect();
+    earlier.sort_by_key(|e| std::cmp::Reverse(e.id));
+    earlier.dedup_by_key(|e| e.id);
+    earlier.truncate(KNOWN_EPOCHS);
+    let mut bounds =
+        RegroupBounds { known: earlier.iter().map(|e| e.id).collect(), ..RegroupBounds::default() };
+    for (p, &node) in n.ranks.iter().enumerate() {
+        for device in 0..n.local_ranks_of(p) {
+            bounds.hosts.push(node);
+            let held = earlier.iter().filter_map(|e| {
+                let q = e.ranks.iter().position(|&r| r == node)?;
+                (device < e.local_ranks_of(q)).then_some(())?;
+                layout_of(trainer, job, e, e.first_rank_of(q) + device as usize)
+            });
+            bounds.layouts.push(held.collect());
+        }
+    }
+    bounds
 }
 
 /// The layout of epoch `n`'s state for rank `rank` of its devices whatever the step

@@ -30,6 +30,7 @@ mod regroup;
 mod whole;
 
 pub use part::CheckpointPart;
+pub use regroup::RegroupBounds;
 pub(in crate::train) use whole::OptimTensor;
 
 use super::{grads, Reduce, StepStats, Trainer};

@@ -11,6 +11,9 @@ use limpet_snapshot::RngState;
 use std::ops::Range;
 use tch::{Device, Kind, Tensor};
 
+mod bounds;
+pub use bounds::RegroupBounds;
+
 /// Feeds each tensor's values (as f32, one tensor's copy at a time) to `h`.
 fn hash_tensors<'a>(
     h: &mut blake3::Hasher,
@@ -250,6 +253,10 @@ impl Trainer {
     /// host vector while it runs, over a reduce whose relay moves values only to their takers
     /// (the ring's, and hosts' local ranks, with one more for the host); the default relay
     /// sums every piece's bits as integers across the group (two more such vectors per rank).
+    ///
+    /// This form believes what every rank says it holds (for one process's own ranks, as
+    /// tests and tools build them); a group of hosts regroups with
+    /// [`Trainer::regroup_within`].
     pub fn regroup(
         &mut self,
         rank: usize,
@@ -257,6 +264,37 @@ impl Trainer {
         target: Option<ShardLayout>,
         step_tag: u64,
         reduce: &mut dyn Reduce,
+    ) -> Result<Option<u64>, TrainerError> {
+        self.regroup_over(rank, world, target, step_tag, reduce, None)
+    }
+
+    /// [`Trainer::regroup`] in a group whose ranks may lie: a rank's layout counts only if
+    /// the log gave it that layout (or, for an epoch the log does not know, another host
+    /// holds it too), its step only if it is at most one past another host's, and a whole
+    /// state only if another host confirms it ([`RegroupBounds`]). So one rank publishing a
+    /// newer layout, a step past everyone's or a whole state further on moves no honest
+    /// rank's state; claims that all contradict each other fail the regroup instead of
+    /// sending the holders to start afresh.
+    pub fn regroup_within(
+        &mut self,
+        rank: usize,
+        world: usize,
+        target: Option<ShardLayout>,
+        step_tag: u64,
+        reduce: &mut dyn Reduce,
+        bounds: &RegroupBounds,
+    ) -> Result<Option<u64>, TrainerError> {
+        self.regroup_over(rank, world, target, step_tag, reduce, Some(bounds))
+    }
+
+    fn regroup_over(
+        &mut self,
+        rank: usize,
+        world: usize,
+        target: Option<ShardLayout>,
+        step_tag: u64,
+        reduce: &mut dyn Reduce,
+        bounds: Option<&RegroupBounds>,
     ) -> Result<Option<u64>, TrainerError> {
         let n = self.grads.grads_len();
         if rank >= world || target.as_ref().is_some_and(|t| (t.rank, t.world()) != (rank, world)) {
@@ -294,15 +332,20 @@ impl Trainer {
             ));
         }
         let fact = |j: usize, k: usize| facts[F * j + k];
-        let layouts = (0..world)
+        let mut layouts = (0..world)
             .map(|j| checked_layout(n, j, &facts[F * j..F * (j + 1)]))
             .collect::<Result<Vec<_>, _>>()?;
+        // Whose whole state counts (with bounds, only one another host confirms).
+        let whole_ok = match bounds {
+            Some(b) => b.admit(&facts, &mut layouts)?,
+            None => vec![true; world],
+        };
         let holders: Vec<usize> = (0..world).filter(|&j| layouts[j].is_some()).collect();
         let Some(&newest) = holders.iter().max_by_key(|&&j| (fact(j, 0), fact(j, 4))) else {
             return Ok(None);
         };
         let (tag, step) = (fact(newest, 0), fact(newest, 4));
-        let whole_at = |j: usize| (fact(j, 8) == 1).then(|| fact(j, 4));
+        let whole_at = |j: usize| (fact(j, 8) == 1 && whole_ok[j]).then(|| fact(j, 4));
         if (0..world).filter_map(whole_at).any(|w| w > step) {
             // Whole state further on than any shard: the entry copies it; nothing to rebuild.
             return Ok(None);

@@ -216,6 +216,7 @@ fn relay_pieces_deliver_what_each_rank_lacks_once(
         noise in any::<f32>(),
         recut in any::<bool>(),
         reproducible in any::<bool>(),
+        bounded in any::<bool>(),
     ) {
         let mut t = sharded_trainer();
         // A reproducible job also takes a step's sum from a peer that says it kept one.
@@ -227,7 +228,17 @@ fn relay_pieces_deliver_what_each_rank_lacks_once(
             row[i] = v;
         }
         let target = recut.then(|| ShardLayout::new(n, 2, 0, 1).unwrap().tagged(4));
-        let _ = t.regroup(0, 2, target, u64::MAX, &mut Hostile { row, from: FACTS, noise }); // rank 1's row
+        let mut peer = Hostile { row, from: FACTS, noise }; // rank 1's row
+        if bounded {
+            let bounds = RegroupBounds {
+                hosts: vec![0, 1],
+                known: vec![3],
+                layouts: (0..2).map(|r| vec![ShardLayout::new(n, 2, r, 1).unwrap().tagged(3)]).collect(),
+            };
+            let _ = t.regroup_within(0, 2, target, u64::MAX, &mut peer, &bounds);
+        } else {
+            let _ = t.regroup(0, 2, target, u64::MAX, &mut peer);
+        }
     }
 
     /// The pieces tile the values, each given by a source holding it, the most
@@ -335,4 +346,91 @@ fn a_forged_world_is_refused_naming_the_rank() {
         assert!(e.contains("rank 1's facts") && e.contains("a target fact"), "{e}");
         row[k] = kept;
     }
+}
+
+/// The sharded re-cut's version of an entry's rule: a rank publishing a layout the log never
+/// gave it (a newer tag, one rank holding every value), the same layout a step too far, or a
+/// whole state a step further on, is nobody's giver, and an honest rank keeps its own state
+/// at its own step; believed, the same rows replace the honest rank's state and step, or
+/// send it to start afresh. Honest claims still count: a host that holds every shard beside
+/// a newcomer, and a layout of an epoch the log does not know that two hosts hold.
+#[test]
+fn a_rank_publishing_an_unplanned_layout_or_step_changes_no_state_in_a_recut() {
+    let values = |t: &Trainer| -> Vec<Vec<f32>> {
+        let s = t.shard.as_ref().unwrap();
+        let params = t.model.params().iter().map(|(_, p)| p.shallow_clone());
+        let held = s.held.iter().flat_map(|(_, h)| h.iter().map(Tensor::shallow_clone));
+        params.chain(held).map(|p| Vec::<f32>::try_from(p.flatten(0, -1)).unwrap()).collect()
+    };
+    let honest = sharded_trainer();
+    let n = honest.buffer_len() - 3;
+    let mine = honest.regroup_facts(FACTS).unwrap();
+    // Every value in one rank's hands, at the job's last step, under a tag past every epoch's.
+    let mut forged = mine.clone();
+    forged[..4].copy_from_slice(&[9, 1, 0, 0]);
+    (forged[4], forged[9]) = (1_000_000, 1_000_000);
+    (forged[19], forged[21], forged[22]) = (1, 1, 1);
+    // The peer's own layout (the log's, tag 3), a step past this rank's and then at it.
+    let mut ahead = mine.clone();
+    (ahead[3], ahead[21], ahead[4], ahead[9]) = (1, 2, 7, 7);
+    // No shard and a whole state one step further on: within a step, and alone.
+    let mut whole = vec![0i64; FACTS];
+    (whole[4], whole[8], whole[9]) = (1, 1, 64);
+    let bounds = RegroupBounds {
+        hosts: vec![0, 1],
+        known: vec![3],
+        layouts: (0..2).map(|r| vec![ShardLayout::new(n, 2, r, 1).unwrap().tagged(3)]).collect(),
+    };
+    let target = || Some(ShardLayout::new(n, 2, 0, 1).unwrap().tagged(4));
+    for row in [&forged, &ahead, &whole] {
+        let mut t = sharded_trainer();
+        let before = values(&t);
+        let mut peer = Hostile { row: row.clone(), from: FACTS, noise: 3.0 };
+        let done = t.regroup_within(0, 2, target(), u64::MAX, &mut peer, &bounds).unwrap();
+        assert_eq!((done, t.step()), (Some(0), 0));
+        assert!(values(&t) == before, "the re-cut took a value from the peer");
+    }
+    // Believed (every claim taken at its word): the forged row decides this rank's state,
+    // and the whole state "further on" makes it start afresh (nothing rebuilt).
+    let mut t = sharded_trainer();
+    let before = values(&t);
+    let done = t.regroup(0, 2, target(), u64::MAX, &mut Hostile { row: forged, from: FACTS, noise: 3.0 });
+    assert_eq!((done.unwrap(), t.step()), (Some(1_000_000), 1_000_000));
+    assert!(values(&t) != before);
+    let mut t = sharded_trainer();
+    assert_eq!(
+        t.regroup(0, 2, target(), u64::MAX, &mut Hostile { row: whole, from: FACTS, noise: 0.0 }).unwrap(),
+        None
+    );
+    // An honest peer in the same layout at this rank's step: both count.
+    let mut next = mine.clone();
+    (next[3], next[21]) = (1, 2);
+    let mut t = sharded_trainer();
+    let mut peer = Hostile { row: next.clone(), from: FACTS, noise: 0.0 };
+    assert_eq!(t.regroup_within(0, 2, target(), u64::MAX, &mut peer, &bounds).unwrap(), Some(0));
+    // The same layout of an epoch the log does not know (scheduled, entered, replaced): two
+    // hosts hold it, so it counts; one rank alone beside another host's does not.
+    let unknown = RegroupBounds { known: Vec::new(), ..bounds.clone() };
+    let mut t = sharded_trainer();
+    let mut peer = Hostile { row: next, from: FACTS, noise: 0.0 };
+    assert_eq!(t.regroup_within(0, 2, target(), u64::MAX, &mut peer, &unknown).unwrap(), Some(0));
+    let mut t = sharded_trainer();
+    let mut peer = Hostile { row: forged_again(&mine), from: FACTS, noise: 0.0 };
+    let e = t.regroup_within(0, 2, target(), u64::MAX, &mut peer, &unknown).unwrap_err().to_string();
+    assert!(e.contains("bear none of them out"), "{e}");
+    // One host holding every shard, a newcomer's fresh state beside it: this rank's step
+    // (5) stands, though the newcomer is at step 0.
+    let mut t = sharded_trainer();
+    (t.step, t.cursor) = (5, 5 * 64);
+    let fresh = Trainer::try_new(t.job.clone(), synthetic()).unwrap().regroup_facts(FACTS).unwrap();
+    let mut peer = Hostile { row: fresh, from: FACTS, noise: 0.0 };
+    assert_eq!(t.regroup_within(0, 2, target(), u64::MAX, &mut peer, &bounds).unwrap(), Some(5));
+}
+
+/// `mine` made another layout of the same unknown tag: one rank holding every value.
+fn forged_again(mine: &[i64]) -> Vec<i64> {
+    let mut row = mine.to_vec();
+    row[1..4].copy_from_slice(&[1, 0, 0]);
+    (row[19], row[21], row[22]) = (1, 1, 1);
+    row
 }
