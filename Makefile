@@ -77,7 +77,7 @@ test: lint unit fuzz-check
 # Scenarios of minutes that repeat what `make test` covers, or measure the lab's replays
 # against its simulation: #[ignore]d there, to keep `make test` under half an hour on two cores.
 long-test: setup
-	cargo test -p limpet-daemon --test elastic_processes --locked -- --ignored
+	cargo test -p limpet-daemon --test processes --locked -- --ignored
 
 # The CUDA tests are #[ignore]d in `make test` (no GPU here); this runs them where there is one.
 gpu-test: setup
