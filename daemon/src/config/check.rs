@@ -176,6 +176,28 @@ pub fn key_at(text: &str, offset: usize) -> (String, Option<usize>) {
     }
 }
 
+/// The sections a configuration file must have (`Config`'s fields without a default).
+const REQUIRED_SECTIONS: [&str; 3] = ["node", "cluster", "job"];
+
+/// The key a "missing field `field`" error is about, from the span the parser gave (within
+/// the table it was missing from) and its line: a required section the file lacks, or
+/// `[section].field` with the section's header line.
+pub fn missing_key(text: &str, span: Option<std::ops::Range<usize>>, field: &str) -> (String, Option<usize>) {
+    if REQUIRED_SECTIONS.contains(&field) && !text.lines().any(|l| header(l).as_deref() == Some(field)) {
+        return (format!("[{field}]"), None);
+    }
+    let start = span.map_or(0, |s| s.start).min(text.len());
+    // The table the span starts in: its header is on the span's line, or the last before it.
+    let upto = text[..start].rfind('\n').map_or(0, |i| i + 1);
+    let line_end = text[upto..].find('\n').map_or(text.len(), |i| upto + i);
+    let found =
+        text[..line_end].lines().enumerate().filter_map(|(i, l)| header(l).map(|h| (h, i + 1))).last();
+    match found {
+        Some((section, line)) => (format!("[{section}].{field}"), Some(line)),
+        None => (field.to_string(), None),
+    }
+}
+
 /// The section a `[header]` line opens (`[[array]]` headers too), comments and spaces aside.
 fn header(line: &str) -> Option<String> {
     let l = line.trim();

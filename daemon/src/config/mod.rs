@@ -415,8 +415,21 @@ impl Config {
     /// which writes the files those checks read).
     pub fn parse_unchecked(text: &str, file: &str) -> Result<Config, ConfigError> {
         let mut cfg: Config = toml::from_str(text).map_err(|e| {
-            let (key, line) = e.span().map_or(("(file)".into(), None), |s| check::key_at(text, s.start));
-            ConfigError { file: file.to_string(), key, line, detail: e.message().to_string() }
+            let missing = e.message().strip_prefix("missing field `").and_then(|m| m.strip_suffix('`'));
+            let (key, line, detail) = match missing {
+                // The parser names the table the key is missing from, not the key.
+                Some(field) => {
+                    let (key, line) = check::missing_key(text, e.span(), field);
+                    let what = if key.ends_with(']') { "section" } else { "key" };
+                    (key, line, format!("missing: this {what} is required"))
+                }
+                None => {
+                    let (key, line) =
+                        e.span().map_or(("(file)".into(), None), |s| check::key_at(text, s.start));
+                    (key, line, e.message().to_string())
+                }
+            };
+            ConfigError { file: file.to_string(), key, line, detail }
         })?;
         cfg.source = Source { file: file.into(), text: text.into() };
         Ok(cfg)

@@ -283,6 +283,29 @@ fn errors_name_the_file_and_the_key() {
     }
 }
 
+/// A required key or section left out is named as `[section].key` (the parser itself names
+/// only the table it was missing from, at its first line).
+#[test]
+fn a_missing_key_or_section_is_named() {
+    let s = secret();
+    let good = example(s.path());
+    let secret_line = good.lines().find(|l| l.starts_with("secret_file")).unwrap().to_string();
+    for (text, key) in [
+        (good.replace(&secret_line, ""), "[node].secret_file"),
+        (good.replace("name = \"demo\"\n", ""), "[cluster].name"),
+        (good.replace("[cluster]\nname = \"demo\"\nbootstrap = [\"1=127.0.0.1:7400\"]\n", ""), "[cluster]"),
+        // The file's first line a table's header: still the section it lacks.
+        (
+            good.trim_start().replace("[cluster]\nname = \"demo\"\nbootstrap = [\"1=127.0.0.1:7400\"]\n", ""),
+            "[cluster]",
+        ),
+        (good.trim_start().replace(&secret_line, ""), "[node].secret_file"),
+    ] {
+        let e = Config::parse(&text, "c.toml").unwrap_err().to_string();
+        assert!(e.contains(&format!("{key}: missing: this")), "{key}: {e}");
+    }
+}
+
 #[test]
 fn security_takes_a_node_certificate_of_the_ca_only() {
     let s = secret();

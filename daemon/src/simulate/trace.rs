@@ -64,7 +64,10 @@ pub fn load_as(path: Option<&std::path::Path>, format: Format) -> Result<(Trace,
             let name = p.display().to_string();
             let text = std::fs::read_to_string(p).map_err(|e| format!("--trace {name}: {e}"))?;
             let trace = match format {
-                Format::Events => Trace::parse(&text, &name)?,
+                Format::Events => Trace::parse(&text, &name).map_err(|e| match written_as(&text) {
+                    Some(other) => format!("{e} (the file reads as {other}: add --trace-format {other})"),
+                    None => e,
+                })?,
                 Format::CountsHours => Trace::from_counts(&counts_csv(&text, &name, 3600.0)?, &name)?,
                 Format::CountsSeconds => Trace::from_counts(&counts_csv(&text, &name, 1.0)?, &name)?,
                 Format::Skypilot => Trace::from_counts(&skypilot_json(&text, &name)?, &name)?,
@@ -73,6 +76,28 @@ pub fn load_as(path: Option<&std::path::Path>, format: Format) -> Result<(Trace,
         }
         None => Ok((Trace::parse(AWS_P3, AWS_P3_NAME)?, AWS_P3_NAME.to_string())),
     }
+}
+
+/// The `--trace-format` a file that is not a trace of events seems to be written in: a JSON
+/// document is SkyPilot's, and lines of two numbers are counts (in hours when the times have
+/// fractions, as Bamboo's do).
+fn written_as(text: &str) -> Option<&'static str> {
+    if text.trim_start().starts_with('{') {
+        return Some("skypilot");
+    }
+    let rows: Vec<Vec<&str>> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .take(8)
+        .map(|l| l.split(',').map(str::trim).collect())
+        .collect();
+    let numbers = |r: &Vec<&str>| r.len() == 2 && r.iter().all(|f| f.parse::<f64>().is_ok());
+    let data: Vec<&Vec<&str>> = rows.iter().skip_while(|r| !numbers(r)).collect();
+    if data.is_empty() || !data.iter().all(|r| numbers(r)) {
+        return None;
+    }
+    Some(if data.iter().any(|r| r[0].contains('.')) { "counts-hours" } else { "counts-seconds" })
 }
 
 /// Most hosts a count may name (a trace is input, not a place to ask for memory).
@@ -251,6 +276,32 @@ impl Trace {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A trace in another format than the events `--trace` expects by default is named, with
+    /// the flag that reads it, instead of only "is not ms_since_start,add|remove,NODE".
+    #[test]
+    fn a_trace_in_another_format_names_the_flag_that_reads_it() {
+        let dir = tempfile::tempdir().unwrap();
+        for (text, want) in [
+            (r#"{"metadata": {"gap_seconds": 600}, "data": [3, 2]}"#, "--trace-format skypilot"),
+            ("0.0,4\n0.5,3\n", "--trace-format counts-hours"),
+            ("0,4\n600,3\n", "--trace-format counts-seconds"),
+        ] {
+            let p = dir.path().join("t");
+            std::fs::write(&p, text).unwrap();
+            let e = load(Some(&p)).unwrap_err();
+            assert!(e.contains("t:1:") && e.contains(want), "{e}");
+            let format = match want.rsplit(' ').next().unwrap() {
+                "skypilot" => Format::Skypilot,
+                "counts-hours" => Format::CountsHours,
+                _ => Format::CountsSeconds,
+            };
+            assert!(load_as(Some(&p), format).is_ok(), "{want}");
+        }
+        // A broken trace of events gets no such hint.
+        std::fs::write(dir.path().join("e"), "0,add,a\n5,oops\n").unwrap();
+        assert!(!load(Some(&dir.path().join("e"))).unwrap_err().contains("--trace-format"));
+    }
 
     #[test]
     fn traces_parse_and_errors_name_the_line() {
