@@ -50,18 +50,18 @@ impl RegroupBounds {
     ///
     /// - A holder's layout of an epoch the log knows must be the one the log gave its
     ///   device; one of an epoch the log does not know (scheduled, entered, then replaced
-    ///   before it started) counts when ranks on two hosts hold that layout, or when one
-    ///   host holds every shard there is.
-    /// - A holder's step counts when it is at most one past the furthest step of a holder
-    ///   on another host (a ring breaks mid-step, so honest hosts are at most a step apart;
-    ///   a host alone is all there is).
+    ///   before it started) counts only where a rank on another host holds it too.
+    /// - Holders of one layout on two hosts may be a step apart (a ring breaks mid-step),
+    ///   never more: further apart, one of them is lying, nobody can tell which, and the
+    ///   regroup fails (the entry waits) rather than believe either. Holders of an older
+    ///   layout (a host that sat an epoch out) may be any way behind.
     /// - A whole state (a rank without a shard that kept its optimizer state: a newcomer's
     ///   fresh one, or one trained whole further on) counts, where holders count, only when
-    ///   a rank on another host holds the same parameters at the same step: one rank's word
-    ///   that it is further on would make every holder start afresh.
+    ///   a rank on another host holds a whole state at the same step: one rank's word that
+    ///   it is further on would make every holder start afresh.
     ///
-    /// Returns whose whole state counts, or an error when ranks hold shards and none counts
-    /// (their claims contradict each other: the entry waits rather than start afresh).
+    /// Returns whose whole state counts, or an error when holders contradict each other or
+    /// ranks hold shards and none counts (the entry waits rather than start afresh).
     pub(super) fn admit(
         &self,
         facts: &[i64],
@@ -80,51 +80,48 @@ impl RegroupBounds {
             let r = row(j);
             [r[0], r[1], r[2], r[19], r[22]]
         };
+        let other_host = |j: usize, k: usize| self.hosts[j] != self.hosts[k];
         let claimed: Vec<usize> = (0..world).filter(|&j| layouts[j].is_some()).collect();
-        let one_host = claimed.windows(2).all(|w| self.hosts[w[0]] == self.hosts[w[1]]);
-        let admitted: Vec<bool> = (0..world)
-            .map(|j| {
-                if layouts[j].is_none() {
-                    return false;
-                }
+        let admitted: Vec<usize> = claimed
+            .iter()
+            .copied()
+            .filter(|&j| {
                 let tag = row(j)[0];
                 if self.known.iter().any(|&k| k as i64 == tag) {
                     return self.layouts[j].iter().any(|l| l.facts() == layout_facts(row(j)));
                 }
-                one_host
-                    || claimed.iter().any(|&k| self.hosts[k] != self.hosts[j] && identity(k) == identity(j))
+                claimed.iter().any(|&k| other_host(j, k) && identity(k) == identity(j))
             })
             .collect();
-        let steps: Vec<Option<i64>> = (0..world).map(|j| admitted[j].then(|| row(j)[4])).collect();
-        let behind = |j: usize, step: i64| {
-            (0..world)
-                .filter(|&k| self.hosts[k] != self.hosts[j])
-                .filter_map(|k| steps[k])
-                .max()
-                .is_some_and(|o| step > o.saturating_add(1))
-        };
-        for j in 0..world {
-            if steps[j].is_none_or(|s| behind(j, s)) {
-                layouts[j] = None;
+        for &j in &admitted {
+            let apart = admitted
+                .iter()
+                .find(|&&k| other_host(j, k) && row(k)[0] == row(j)[0] && row(k)[4].abs_diff(row(j)[4]) > 1);
+            if let Some(&k) = apart {
+                return Err(TrainerError::Mismatch(format!(
+                    "ranks {j} and {k} hold layout {} at steps {} and {}: one of them is not what it says",
+                    row(j)[0],
+                    row(j)[4],
+                    row(k)[4]
+                )));
             }
         }
-        if !claimed.is_empty() && layouts.iter().all(Option::is_none) {
+        for (j, held) in layouts.iter_mut().enumerate() {
+            if !admitted.contains(&j) {
+                *held = None;
+            }
+        }
+        if !claimed.is_empty() && admitted.is_empty() {
             return Err(TrainerError::Mismatch(format!(
                 "ranks {claimed:?} say they hold shards, and the log and the other hosts bear none of them out"
             )));
         }
-        let holders = layouts.iter().any(Option::is_some);
         let whole = |j: usize| row(j)[8] == 1 && row(j)[1] == 0;
         Ok((0..world)
             .map(|j| {
                 whole(j)
-                    && (!holders
-                        || (0..world).any(|k| {
-                            self.hosts[k] != self.hosts[j]
-                                && whole(k)
-                                && row(k)[4] == row(j)[4]
-                                && row(k)[13..17] == row(j)[13..17]
-                        }))
+                    && (admitted.is_empty()
+                        || (0..world).any(|k| other_host(j, k) && whole(k) && row(k)[4] == row(j)[4]))
             })
             .collect())
     }

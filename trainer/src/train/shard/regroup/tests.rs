@@ -382,7 +382,7 @@ fn a_rank_publishing_an_unplanned_layout_or_step_changes_no_state_in_a_recut() {
         layouts: (0..2).map(|r| vec![ShardLayout::new(n, 2, r, 1).unwrap().tagged(3)]).collect(),
     };
     let target = || Some(ShardLayout::new(n, 2, 0, 1).unwrap().tagged(4));
-    for row in [&forged, &ahead, &whole] {
+    for row in [&forged, &whole] {
         let mut t = sharded_trainer();
         let before = values(&t);
         let mut peer = Hostile { row: row.clone(), from: FACTS, noise: 3.0 };
@@ -390,6 +390,19 @@ fn a_rank_publishing_an_unplanned_layout_or_step_changes_no_state_in_a_recut() {
         assert_eq!((done, t.step()), (Some(0), 0));
         assert!(values(&t) == before, "the re-cut took a value from the peer");
     }
+    // The same layout seven steps on: one of the two is lying, and nobody can tell which.
+    let mut t = sharded_trainer();
+    let mut peer = Hostile { row: ahead, from: FACTS, noise: 3.0 };
+    let e = t.regroup_within(0, 2, target(), u64::MAX, &mut peer, &bounds).unwrap_err().to_string();
+    assert!(e.contains("at steps 0 and 7"), "{e}");
+    assert_eq!(t.step(), 0);
+    // The forged row beside a rank that holds no shard (a newcomer, or the job's first
+    // re-cut): alone, it is nobody's source either.
+    let mut fresh = Trainer::try_new(honest.job.clone(), synthetic()).unwrap();
+    let mut peer = Hostile { row: forged.clone(), from: FACTS, noise: 3.0 };
+    let e = fresh.regroup_within(0, 2, target(), u64::MAX, &mut peer, &bounds).unwrap_err().to_string();
+    assert!(e.contains("bear none of them out"), "{e}");
+    assert_eq!(fresh.step(), 0);
     // Believed (every claim taken at its word): the forged row decides this rank's state,
     // and the whole state "further on" makes it start afresh (nothing rebuilt).
     let mut t = sharded_trainer();
@@ -425,6 +438,32 @@ fn a_rank_publishing_an_unplanned_layout_or_step_changes_no_state_in_a_recut() {
     let fresh = Trainer::try_new(t.job.clone(), synthetic()).unwrap().regroup_facts(FACTS).unwrap();
     let mut peer = Hostile { row: fresh, from: FACTS, noise: 0.0 };
     assert_eq!(t.regroup_within(0, 2, target(), u64::MAX, &mut peer, &bounds).unwrap(), Some(5));
+    // A host that sat an epoch out (its layout one epoch older, at step 0) holds nobody back:
+    // this rank's newer layout at step 5 is the one rebuilt.
+    let mut t = sharded_trainer();
+    (t.step, t.cursor) = (5, 5 * 64);
+    let newer = t.shard.as_ref().unwrap().layout.clone().tagged(4);
+    t.shard.as_mut().unwrap().layout = newer.clone();
+    let mut stale = mine.clone();
+    (stale[3], stale[21]) = (1, 2);
+    let both = RegroupBounds {
+        known: vec![3, 4],
+        layouts: vec![vec![newer], vec![ShardLayout::new(n, 2, 1, 1).unwrap().tagged(3)]],
+        ..bounds.clone()
+    };
+    let mut peer = Hostile { row: stale, from: FACTS, noise: 0.0 };
+    assert_eq!(
+        t.regroup_within(
+            0,
+            2,
+            Some(ShardLayout::new(n, 2, 0, 1).unwrap().tagged(5)),
+            u64::MAX,
+            &mut peer,
+            &both
+        )
+        .unwrap(),
+        Some(5)
+    );
 }
 
 /// `mine` made another layout of the same unknown tag: one rank holding every value.
