@@ -162,7 +162,7 @@ fn a_host_killed_with_its_local_ranks_loses_no_block_of_sharded_state() {
     let rebuilt = on_hosts(&eps, &mut survivors, 2, |r, t, red| {
         let n = t.buffer_len() - 3;
         let target = ShardLayout::over_hosts(n, 4, 2, r, 1).unwrap().tagged(2);
-        t.regroup(r, 4, Some(target), 2, red).unwrap()
+        t.regroup(r, 4, Some(target), 2, red, None).unwrap()
     });
     assert_eq!(rebuilt, vec![Some(2); 4]);
     for _ in 0..2 {
@@ -206,7 +206,7 @@ fn floats_over_three_hosts_of_two_devices_keep_every_replica_its_owners_block() 
     let rebuilt = on_hosts(&eps, &mut survivors, 2, |r, t, red| {
         let n = t.buffer_len() - 3;
         let target = ShardLayout::over_hosts(n, 4, 2, r, 1).unwrap().tagged(2);
-        t.regroup(r, 4, Some(target), 2, red).unwrap()
+        t.regroup(r, 4, Some(target), 2, red, None).unwrap()
     });
     assert_eq!(rebuilt, vec![Some(3); 4]);
     for _ in 0..2 {

@@ -277,7 +277,7 @@ fn a_killed_ranks_shard_is_rebuilt_from_its_replica() {
     let sharded = on_ranks(&two, 4, survivors, |rank, mut t, g| {
         let n = t.buffer_len() - 3;
         let rebuilt =
-            t.regroup(rank, 2, Some(ShardLayout::new(n, 2, rank, 1).unwrap()), u64::MAX, g).unwrap();
+            t.regroup(rank, 2, Some(ShardLayout::new(n, 2, rank, 1).unwrap()), u64::MAX, g, None).unwrap();
         assert_eq!(rebuilt, Some(STEPS as u64));
         // Both survivors hold the step's parameters and keep everything in a world of two:
         // only AdamW's two moments of the block each lacked move, to it alone.
@@ -297,7 +297,7 @@ fn a_killed_ranks_shard_is_rebuilt_from_its_replica() {
         let mut t = adamw_trainer();
         let n = t.buffer_len() - 3;
         t.shard_state(ShardLayout::new(n, 3, 0, 1).unwrap()).unwrap();
-        let e = t.regroup(0, 1, Some(ShardLayout::new(n, 1, 0, 0).unwrap()), u64::MAX, g).unwrap_err();
+        let e = t.regroup(0, 1, Some(ShardLayout::new(n, 1, 0, 0).unwrap()), u64::MAX, g, None).unwrap_err();
         assert!(matches!(e, limpet_trainer::TrainerError::ShardLost(_)), "{e}");
         (e.to_string(), ShardLayout::new(n, 3, 0, 1).unwrap().blocks()[1].clone())
     });
@@ -368,7 +368,7 @@ fn after_a_broken_recut_the_older_layout_gives_what_the_newer_lost() {
             }
             if recut {
                 let next = ShardLayout::new(n, 3, rank, 1).unwrap().tagged(2);
-                assert_eq!(t.regroup(rank, 3, Some(next), u64::MAX, g).unwrap(), Some(STEPS as u64));
+                assert_eq!(t.regroup(rank, 3, Some(next), u64::MAX, g, None).unwrap(), Some(STEPS as u64));
             }
             t
         })
@@ -384,7 +384,7 @@ fn after_a_broken_recut_the_older_layout_gives_what_the_newer_lost() {
         on_ranks(&two, epoch, starts, |rank, mut t, g| {
             let n = t.buffer_len() - 3;
             let next = ShardLayout::new(n, 2, rank, 1).unwrap().tagged(9);
-            assert_eq!(t.regroup(rank, 2, Some(next), u64::MAX, g).unwrap(), Some(STEPS as u64));
+            assert_eq!(t.regroup(rank, 2, Some(next), u64::MAX, g, None).unwrap(), Some(STEPS as u64));
             t.train_step(rank, 2, g).unwrap();
             t.unshard(g).unwrap();
             t.image().unwrap()
@@ -434,7 +434,7 @@ fn a_newcomer_takes_its_blocks_the_parameters_and_the_position_at_the_recut() {
     let sharded = on_ranks(&three, 4, starts, |rank, mut t, g| {
         let n = t.buffer_len() - 3;
         let rebuilt =
-            t.regroup(rank, 3, Some(ShardLayout::new(n, 3, rank, 1).unwrap()), u64::MAX, g).unwrap();
+            t.regroup(rank, 3, Some(ShardLayout::new(n, 3, rank, 1).unwrap()), u64::MAX, g, None).unwrap();
         assert_eq!((rebuilt, t.step()), (Some(STEPS as u64), STEPS as u64), "rank {rank}");
         assert_eq!(t.shard_layout().map(|l| l.held()), Some(vec![rank, (rank + 2) % 3]), "rank {rank}");
         // The survivors held everything and take nothing; the newcomer takes the moments of
@@ -507,7 +507,7 @@ fn a_step_torn_between_the_norm_and_the_parameters_is_finished_at_the_regroup() 
     let finished = on_ranks(&two, 3, torn, |rank, mut t, g| {
         let n = t.buffer_len() - 3;
         let rebuilt =
-            t.regroup(rank, 2, Some(ShardLayout::new(n, 2, rank, 1).unwrap()), u64::MAX, g).unwrap();
+            t.regroup(rank, 2, Some(ShardLayout::new(n, 2, rank, 1).unwrap()), u64::MAX, g, None).unwrap();
         assert_eq!(rebuilt, Some(TORN + 1));
         // Both hold every block (a world of two) and take no moments. Rank 1, finishing
         // the step, lacks the other blocks' parameters: rank 0 gives them all (ranks that
@@ -561,7 +561,7 @@ fn a_reproducible_job_with_sharded_state_trains_the_bits_of_one_process() {
         let mut t = t.unwrap_or_else(repro);
         let n = t.buffer_len() - 3;
         let rebuilt =
-            t.regroup(rank, 3, Some(ShardLayout::new(n, 3, rank, 1).unwrap()), u64::MAX, g).unwrap();
+            t.regroup(rank, 3, Some(ShardLayout::new(n, 3, rank, 1).unwrap()), u64::MAX, g, None).unwrap();
         assert_eq!(rebuilt, Some(STEPS as u64));
         let losses: Vec<u64> = (0..STEPS).map(|_| t.train_step(rank, 3, g).unwrap().loss.to_bits()).collect();
         t.unshard(g).unwrap();
@@ -610,7 +610,7 @@ fn a_reproducible_step_torn_in_its_sum_is_finished_from_a_peers_sum() {
         let mut t = t.unwrap_or_else(repro);
         let n = t.buffer_len() - 3;
         let rebuilt =
-            t.regroup(rank, 3, Some(ShardLayout::new(n, 3, rank, 1).unwrap()), u64::MAX, g).unwrap();
+            t.regroup(rank, 3, Some(ShardLayout::new(n, 3, rank, 1).unwrap()), u64::MAX, g, None).unwrap();
         assert_eq!(rebuilt, Some(TORN + 1), "rank {rank}");
         let logged = t.take_unlogged().map(|s| (s.step, s.loss.to_bits()));
         let mut losses = Vec::new();

@@ -37,16 +37,11 @@ fuzz_target!(|data: &[u8]| {
         t.shard_state(ShardLayout::new(n, 2, 0, 1).expect("a layout").tagged(3)).expect("sharded");
     }
     let target = (flags & 2 == 2).then(|| ShardLayout::new(n, 2, 0, 1).expect("a layout").tagged(4));
-    let mut peer = Hostile { row, from: 0, noise };
-    if flags & 8 == 8 {
-        // As a group of hosts regroups: the peer's claims bounded by what the log gave it.
-        let bounds = limpet_trainer::RegroupBounds {
-            hosts: vec![0, 1],
-            known: if flags & 16 == 16 { vec![3] } else { Vec::new() },
-            layouts: (0..2).map(|r| vec![ShardLayout::new(n, 2, r, 1).expect("a layout").tagged(3)]).collect(),
-        };
-        let _ = t.regroup_within(0, 2, target, u64::MAX, &mut peer, &bounds);
-    } else {
-        let _ = t.regroup(0, 2, target, u64::MAX, &mut peer);
-    }
+    // As a group of hosts regroups (flag 8): the peer's claims bounded by what the log gave it.
+    let bounds = (flags & 8 == 8).then(|| limpet_trainer::RegroupBounds {
+        hosts: vec![0, 1],
+        known: if flags & 16 == 16 { vec![3] } else { Vec::new() },
+        layouts: (0..2).map(|r| vec![ShardLayout::new(n, 2, r, 1).expect("a layout").tagged(3)]).collect(),
+    });
+    let _ = t.regroup(0, 2, target, u64::MAX, &mut Hostile { row, from: 0, noise }, bounds.as_ref());
 });

@@ -86,7 +86,7 @@ pub(super) fn enter(
     let bounds = regroup_bounds(trainer, job, st, n);
     let regrouped = super::local_ranks::each(trainer, followers, n, me, group, |r, t, reduce| {
         let target = layout_of(t, job, n, r);
-        t.regroup_within(r, world, target, step_tag, reduce, &bounds)
+        t.regroup(r, world, target, step_tag, reduce, Some(&bounds))
     })?;
     // Every local rank decided from the same facts; a rank's own failure is the host's.
     let mut outcome = None;

@@ -209,7 +209,7 @@ fn a_host_killed_loses_no_shard_since_its_replicas_are_on_other_hosts() {
     let rebuilt = on_hosts(&mut survivors, &hosts, |r, t, local| {
         let n = t.buffer_len() - 3;
         let target = ShardLayout::over_hosts(n, 4, 2, r, 1).unwrap().tagged(2);
-        t.regroup(r, 4, Some(target), u64::MAX, local).unwrap()
+        t.regroup(r, 4, Some(target), u64::MAX, local, None).unwrap()
     });
     assert_eq!(rebuilt, vec![Some(2); 4]);
     for _ in 0..2 {
@@ -249,7 +249,7 @@ fn hosts_of_unequal_devices_shard_and_train_the_bits_of_one_process() {
         on_hosts(ranks, hosts, |r, t, local| {
             let n = t.buffer_len() - 3;
             let target = ShardLayout::over_host_counts(n, hosts, r, 1).unwrap().tagged(tag);
-            t.regroup(r, world, Some(target), u64::MAX, local).unwrap()
+            t.regroup(r, world, Some(target), u64::MAX, local, None).unwrap()
         })
     };
     assert_eq!(regroup(&mut survivors, &[2, 2], 2), vec![Some(2); 4]);

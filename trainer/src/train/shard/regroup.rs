@@ -254,40 +254,15 @@ impl Trainer {
     /// (the ring's, and hosts' local ranks, with one more for the host); the default relay
     /// sums every piece's bits as integers across the group (two more such vectors per rank).
     ///
-    /// This form believes what every rank says it holds (for one process's own ranks, as
-    /// tests and tools build them); a group of hosts regroups with
-    /// [`Trainer::regroup_within`].
+    /// `bounds` says what each rank may claim, in a group whose ranks may lie: a rank's
+    /// layout counts only if the log gave it that layout (or, for an epoch the log does not
+    /// know, another host holds it too), its step only within one of another host's in the
+    /// same layout, and a whole state only if another host confirms it
+    /// ([`RegroupBounds`]). So one rank publishing a newer layout, a step past everyone's or
+    /// a whole state further on moves no honest rank's state, and claims that contradict
+    /// each other fail the regroup instead of sending the holders to start afresh. `None`
+    /// believes every rank (one process's own ranks, as tests and tools build them).
     pub fn regroup(
-        &mut self,
-        rank: usize,
-        world: usize,
-        target: Option<ShardLayout>,
-        step_tag: u64,
-        reduce: &mut dyn Reduce,
-    ) -> Result<Option<u64>, TrainerError> {
-        self.regroup_over(rank, world, target, step_tag, reduce, None)
-    }
-
-    /// [`Trainer::regroup`] in a group whose ranks may lie: a rank's layout counts only if
-    /// the log gave it that layout (or, for an epoch the log does not know, another host
-    /// holds it too), its step only if it is at most one past another host's, and a whole
-    /// state only if another host confirms it ([`RegroupBounds`]). So one rank publishing a
-    /// newer layout, a step past everyone's or a whole state further on moves no honest
-    /// rank's state; claims that all contradict each other fail the regroup instead of
-    /// sending the holders to start afresh.
-    pub fn regroup_within(
-        &mut self,
-        rank: usize,
-        world: usize,
-        target: Option<ShardLayout>,
-        step_tag: u64,
-        reduce: &mut dyn Reduce,
-        bounds: &RegroupBounds,
-    ) -> Result<Option<u64>, TrainerError> {
-        self.regroup_over(rank, world, target, step_tag, reduce, Some(bounds))
-    }
-
-    fn regroup_over(
         &mut self,
         rank: usize,
         world: usize,

@@ -8,7 +8,7 @@ use crate::TrainerError;
 use std::ops::Range;
 
 /// What the log lets each rank of a regroup claim: a bound on one rank's word, so that no
-/// rank's facts alone decide every rank's state (see [`Trainer::regroup_within`]).
+/// rank's facts alone decide every rank's state (see `Trainer::regroup`).
 #[derive(Clone, Debug, Default)]
 pub struct RegroupBounds {
     /// Each rank's host, any id (ranks of one host share it, and vouch for nothing).

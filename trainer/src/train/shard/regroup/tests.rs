@@ -147,7 +147,7 @@ fn relay_pieces_deliver_what_each_rank_lacks_once(
         let before = t.step();
         let params: Vec<Vec<f32>> = t.model.params().iter().map(|(_, p)| Vec::<f32>::try_from(p.flatten(0, -1)).unwrap()).collect();
         let target = ShardLayout::new(n, 2, 0, 1).unwrap().tagged(3);
-        let done = t.regroup(0, 2, Some(target), u64::MAX, &mut ForgedSum { facts, sum, calls: 0 });
+        let done = t.regroup(0, 2, Some(target), u64::MAX, &mut ForgedSum { facts, sum, calls: 0 }, None);
         prop_assert!(t.step() == before || t.step() == before + 1);
         if exps_fit && count_fits {
             // Garbage that passes the checks is a sum like any other: the step is done.
@@ -177,7 +177,7 @@ fn relay_pieces_deliver_what_each_rank_lacks_once(
         facts[3] = 1;
         let mut peer = ForgedExponents { facts, exps: exps.clone(), calls: 0 };
         let target = ShardLayout::new(n, 2, 0, 1).unwrap().tagged(4);
-        let done = t.regroup(0, 2, Some(target), u64::MAX, &mut peer);
+        let done = t.regroup(0, 2, Some(target), u64::MAX, &mut peer, None);
         prop_assert!(peer.calls >= 2, "the regroup stopped before the exponents");
         if done.is_ok() {
             let range = super::super::super::exact::EXP_RANGE;
@@ -203,7 +203,7 @@ fn relay_pieces_deliver_what_each_rank_lacks_once(
         let mut t = sharded_trainer();
         let n = t.buffer_len() - 3;
         let target = recut.then(|| ShardLayout::new(n, 2, 0, 1).unwrap().tagged(4));
-        let _ = t.regroup(0, 2, target, u64::MAX, &mut Hostile { row, from: FACTS, noise }); // rank 1's row
+        let _ = t.regroup(0, 2, target, u64::MAX, &mut Hostile { row, from: FACTS, noise }, None); // rank 1's row
     }
 
     /// The same from a row that is rank 0's own with a few values changed: past the
@@ -235,9 +235,9 @@ fn relay_pieces_deliver_what_each_rank_lacks_once(
                 known: vec![3],
                 layouts: (0..2).map(|r| vec![ShardLayout::new(n, 2, r, 1).unwrap().tagged(3)]).collect(),
             };
-            let _ = t.regroup_within(0, 2, target, u64::MAX, &mut peer, &bounds);
+            let _ = t.regroup(0, 2, target, u64::MAX, &mut peer, Some(&bounds));
         } else {
-            let _ = t.regroup(0, 2, target, u64::MAX, &mut peer);
+            let _ = t.regroup(0, 2, target, u64::MAX, &mut peer, None);
         }
     }
 
@@ -386,33 +386,35 @@ fn a_rank_publishing_an_unplanned_layout_or_step_changes_no_state_in_a_recut() {
         let mut t = sharded_trainer();
         let before = values(&t);
         let mut peer = Hostile { row: row.clone(), from: FACTS, noise: 3.0 };
-        let done = t.regroup_within(0, 2, target(), u64::MAX, &mut peer, &bounds).unwrap();
+        let done = t.regroup(0, 2, target(), u64::MAX, &mut peer, Some(&bounds)).unwrap();
         assert_eq!((done, t.step()), (Some(0), 0));
         assert!(values(&t) == before, "the re-cut took a value from the peer");
     }
     // The same layout seven steps on: one of the two is lying, and nobody can tell which.
     let mut t = sharded_trainer();
     let mut peer = Hostile { row: ahead, from: FACTS, noise: 3.0 };
-    let e = t.regroup_within(0, 2, target(), u64::MAX, &mut peer, &bounds).unwrap_err().to_string();
+    let e = t.regroup(0, 2, target(), u64::MAX, &mut peer, Some(&bounds)).unwrap_err().to_string();
     assert!(e.contains("at steps 0 and 7"), "{e}");
     assert_eq!(t.step(), 0);
     // The forged row beside a rank that holds no shard (a newcomer, or the job's first
     // re-cut): alone, it is nobody's source either.
     let mut fresh = Trainer::try_new(honest.job.clone(), synthetic()).unwrap();
     let mut peer = Hostile { row: forged.clone(), from: FACTS, noise: 3.0 };
-    let e = fresh.regroup_within(0, 2, target(), u64::MAX, &mut peer, &bounds).unwrap_err().to_string();
+    let e = fresh.regroup(0, 2, target(), u64::MAX, &mut peer, Some(&bounds)).unwrap_err().to_string();
     assert!(e.contains("bear none of them out"), "{e}");
     assert_eq!(fresh.step(), 0);
     // Believed (every claim taken at its word): the forged row decides this rank's state,
     // and the whole state "further on" makes it start afresh (nothing rebuilt).
     let mut t = sharded_trainer();
     let before = values(&t);
-    let done = t.regroup(0, 2, target(), u64::MAX, &mut Hostile { row: forged, from: FACTS, noise: 3.0 });
+    let done =
+        t.regroup(0, 2, target(), u64::MAX, &mut Hostile { row: forged, from: FACTS, noise: 3.0 }, None);
     assert_eq!((done.unwrap(), t.step()), (Some(1_000_000), 1_000_000));
     assert!(values(&t) != before);
     let mut t = sharded_trainer();
     assert_eq!(
-        t.regroup(0, 2, target(), u64::MAX, &mut Hostile { row: whole, from: FACTS, noise: 0.0 }).unwrap(),
+        t.regroup(0, 2, target(), u64::MAX, &mut Hostile { row: whole, from: FACTS, noise: 0.0 }, None)
+            .unwrap(),
         None
     );
     // An honest peer in the same layout at this rank's step: both count.
@@ -420,16 +422,16 @@ fn a_rank_publishing_an_unplanned_layout_or_step_changes_no_state_in_a_recut() {
     (next[3], next[21]) = (1, 2);
     let mut t = sharded_trainer();
     let mut peer = Hostile { row: next.clone(), from: FACTS, noise: 0.0 };
-    assert_eq!(t.regroup_within(0, 2, target(), u64::MAX, &mut peer, &bounds).unwrap(), Some(0));
+    assert_eq!(t.regroup(0, 2, target(), u64::MAX, &mut peer, Some(&bounds)).unwrap(), Some(0));
     // The same layout of an epoch the log does not know (scheduled, entered, replaced): two
     // hosts hold it, so it counts; one rank alone beside another host's does not.
     let unknown = RegroupBounds { known: Vec::new(), ..bounds.clone() };
     let mut t = sharded_trainer();
     let mut peer = Hostile { row: next, from: FACTS, noise: 0.0 };
-    assert_eq!(t.regroup_within(0, 2, target(), u64::MAX, &mut peer, &unknown).unwrap(), Some(0));
+    assert_eq!(t.regroup(0, 2, target(), u64::MAX, &mut peer, Some(&unknown)).unwrap(), Some(0));
     let mut t = sharded_trainer();
     let mut peer = Hostile { row: forged_again(&mine), from: FACTS, noise: 0.0 };
-    let e = t.regroup_within(0, 2, target(), u64::MAX, &mut peer, &unknown).unwrap_err().to_string();
+    let e = t.regroup(0, 2, target(), u64::MAX, &mut peer, Some(&unknown)).unwrap_err().to_string();
     assert!(e.contains("bear none of them out"), "{e}");
     // One host holding every shard, a newcomer's fresh state beside it: this rank's step
     // (5) stands, though the newcomer is at step 0.
@@ -437,7 +439,7 @@ fn a_rank_publishing_an_unplanned_layout_or_step_changes_no_state_in_a_recut() {
     (t.step, t.cursor) = (5, 5 * 64);
     let fresh = Trainer::try_new(t.job.clone(), synthetic()).unwrap().regroup_facts(FACTS).unwrap();
     let mut peer = Hostile { row: fresh, from: FACTS, noise: 0.0 };
-    assert_eq!(t.regroup_within(0, 2, target(), u64::MAX, &mut peer, &bounds).unwrap(), Some(5));
+    assert_eq!(t.regroup(0, 2, target(), u64::MAX, &mut peer, Some(&bounds)).unwrap(), Some(5));
     // A host that sat an epoch out (its layout one epoch older, at step 0) holds nobody back:
     // this rank's newer layout at step 5 is the one rebuilt.
     let mut t = sharded_trainer();
@@ -453,13 +455,13 @@ fn a_rank_publishing_an_unplanned_layout_or_step_changes_no_state_in_a_recut() {
     };
     let mut peer = Hostile { row: stale, from: FACTS, noise: 0.0 };
     assert_eq!(
-        t.regroup_within(
+        t.regroup(
             0,
             2,
             Some(ShardLayout::new(n, 2, 0, 1).unwrap().tagged(5)),
             u64::MAX,
             &mut peer,
-            &both
+            Some(&both)
         )
         .unwrap(),
         Some(5)
