@@ -1,7 +1,9 @@
 //! The shape of the source tree, checked: no module of a crate depends on a module that
 //! depends back on it (directly or through others), and no source file (tests' too) grows past the size
-//! a reader can hold. A cycle means two rooms that cannot be understood, tested or moved
-//! apart; the fix is to move what both need into a third.
+//! a reader can hold, and every file is named in `docs/architecture.md`'s map. A cycle means
+//! two rooms that cannot be understood, tested or moved apart; the fix is to move what both
+//! need into a third. The size limit is a signal, not a rule for where to split: a file
+//! splits where a concern ends.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -248,4 +250,36 @@ fn no_tracked_file_reaches_outside_the_clone() {
         .map(String::from)
         .collect();
     assert!(offenders.is_empty(), "tracked files name {outside}: {offenders:?}");
+}
+
+/// The map of the source tree stays true: every source file (tests' and fuzz targets' too)
+/// is named, by its path from the repository's root, in `docs/architecture.md`, which says
+/// what each room owns. A new file without a line there fails here.
+#[test]
+fn every_source_file_is_named_in_the_architecture_map() {
+    let map = std::fs::read_to_string(root().join("docs/architecture.md")).unwrap();
+    let mut unnamed = Vec::new();
+    let tests = TEST_DIRS.iter().filter(|d| root().join(d).is_dir());
+    for c in CRATES.iter().chain(tests) {
+        let mut stack = vec![root().join(c)];
+        while let Some(dir) = stack.pop() {
+            for e in std::fs::read_dir(&dir).unwrap().flatten() {
+                let p = e.path();
+                if p.is_dir() {
+                    stack.push(p);
+                } else if p.extension().is_some_and(|x| x == "rs") {
+                    let rel = p.strip_prefix(root()).unwrap().to_string_lossy().into_owned();
+                    if !map.contains(&format!("`{rel}`")) {
+                        unnamed.push(rel);
+                    }
+                }
+            }
+        }
+    }
+    unnamed.sort();
+    assert!(
+        unnamed.is_empty(),
+        "source files docs/architecture.md does not name (add a line to its map):\n{}",
+        unnamed.join("\n")
+    );
 }

@@ -4,24 +4,29 @@
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
 
-/// Model families.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum ModelArg {
+pub use limpet_trainer::job_keys::OptimizerName;
+use serde::Deserialize;
+
+/// `[job].model` / `--model`: the model families.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelName {
     /// Multi-layer perceptron.
     Mlp,
     /// Small convolutional net.
     Convnet,
     /// GPT-style character transformer.
     Gpt,
-    /// LLaMA-family decoder (sized by --preset and the size flags, or by --init-from).
+    /// LLaMA-family decoder (sized by [model] / --preset and the size flags, or by init_from).
     Llama,
-    /// A TorchScript module (--module FILE, --loss).
+    /// A TorchScript module ([model].path / --module FILE, and its loss).
     Torchscript,
 }
 
-/// Datasets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum DataArg {
+/// `[job].data` / `--data`: the kinds of data.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum DataName {
     /// scikit-learn's 8x8 handwritten digits.
     Digits,
     /// Bytes of a text corpus (default: /usr/share/common-licenses).
@@ -34,13 +39,47 @@ pub enum DataArg {
     Synthetic,
 }
 
-/// Optimizers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum OptimizerArg {
-    /// AdamW.
-    Adamw,
-    /// SGD with momentum 0.9.
-    Sgd,
+impl DataName {
+    /// The name as written in the file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DataName::Digits => "digits",
+            DataName::Chars => "chars",
+            DataName::Tokens => "tokens",
+            DataName::Tensors => "tensors",
+            DataName::Synthetic => "synthetic",
+        }
+    }
+
+    /// Whether its samples are windows of a sequence (`[data].context` applies).
+    pub fn is_sequence(self) -> bool {
+        matches!(self, DataName::Chars | DataName::Tokens)
+    }
+}
+
+impl ModelName {
+    /// The name as written in the file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ModelName::Mlp => "mlp",
+            ModelName::Convnet => "convnet",
+            ModelName::Gpt => "gpt",
+            ModelName::Llama => "llama",
+            ModelName::Torchscript => "torchscript",
+        }
+    }
+
+    /// The trainer's model kind.
+    pub fn kind(self) -> limpet_trainer::ModelKind {
+        use limpet_trainer::ModelKind;
+        match self {
+            ModelName::Mlp => ModelKind::Mlp,
+            ModelName::Convnet => ModelKind::Convnet,
+            ModelName::Gpt => ModelKind::Gpt,
+            ModelName::Llama => ModelKind::Llama,
+            ModelName::Torchscript => ModelKind::Torchscript,
+        }
+    }
 }
 
 /// The job flags `limpet train` and `limpet plan` share. Optional so that `--resume` can
@@ -49,67 +88,16 @@ pub enum OptimizerArg {
 pub struct JobArgs {
     /// Model family [default: mlp].
     #[arg(long, value_enum)]
-    pub model: Option<ModelArg>,
+    pub model: Option<ModelName>,
     /// Dataset [default: digits; chars for gpt, tokens for llama, tensors for torchscript].
     #[arg(long, value_enum)]
-    pub data: Option<DataArg>,
+    pub data: Option<DataName>,
     /// Data file or directory (digits: a digits.csv.gz; chars: a text file or a directory).
     #[arg(long, value_name = "PATH")]
     pub data_path: Option<PathBuf>,
-    /// Total optimizer steps of the job.
-    #[arg(long)]
-    pub steps: Option<u64>,
-    /// Global batch size.
-    #[arg(long)]
-    pub batch: Option<usize>,
-    /// Largest micro-batch; larger shares accumulate gradients [default: --batch].
-    #[arg(long)]
-    pub micro_batch: Option<usize>,
-    /// Optimizer [default: adamw].
-    #[arg(long, value_enum)]
-    pub optimizer: Option<OptimizerArg>,
-    /// Peak learning rate.
-    #[arg(long)]
-    pub lr: Option<f64>,
-    /// Weight decay.
-    #[arg(long)]
-    pub weight_decay: Option<f64>,
-    /// AdamW's betas as BETA1,BETA2 [default: 0.9,0.999].
-    #[arg(long, value_parser = parse_betas)]
-    pub betas: Option<(f64, f64)>,
-    /// AdamW's epsilon [default: 1e-8].
-    #[arg(long)]
-    pub eps: Option<f64>,
-    /// Decay embeddings too [default: matrices only].
-    #[arg(long)]
-    pub decay_embeddings: bool,
-    /// Linear warmup steps.
-    #[arg(long)]
-    pub warmup: Option<u64>,
-    /// Clip the gradient's global norm to this value (0 turns clipping off).
-    #[arg(long)]
-    pub clip: Option<f64>,
-    /// The cosine schedule's floor as a fraction of the peak learning rate [default: 0.1].
-    #[arg(long)]
-    pub min_lr_ratio: Option<f64>,
-    /// The same bits whatever the number of ranks: canonical shards summed in fixed point.
-    #[arg(long)]
-    pub reproducible: bool,
-    /// Canonical shards per step of a --reproducible job [default: 8].
-    #[arg(long)]
-    pub shards: Option<usize>,
-    /// Recompute each block's activations in backward (--model llama).
-    #[arg(long)]
-    pub activation_checkpointing: bool,
-    /// Run the vocabulary head and loss this many positions at a time (--model llama).
-    #[arg(long)]
-    pub loss_chunk: Option<usize>,
-    /// Evaluate on the held-out split every N steps.
-    #[arg(long, value_name = "N")]
-    pub eval_every: Option<u64>,
-    /// Seed of initialization, sampling and the training RNG.
-    #[arg(long)]
-    pub seed: Option<u64>,
+    /// The training keys, spelled as in `[job]` (`--batch` is `global_batch`).
+    #[command(flatten)]
+    pub keys: limpet_trainer::job_keys::JobKeys,
     /// Tokens per sample for --data chars and tokens [default: 64 and 128].
     #[arg(long)]
     pub context: Option<usize>,
@@ -122,53 +110,6 @@ pub struct JobArgs {
     /// cpu, cuda, cuda:N or auto [default: cpu].
     #[arg(long)]
     pub device: Option<String>,
-    /// fp32 or bf16 (--model llama) [default: fp32].
-    #[arg(long)]
-    pub precision: Option<String>,
-}
-
-fn parse_betas(s: &str) -> Result<(f64, f64), String> {
-    let parse = |v: &str| v.trim().parse::<f64>().map_err(|e| format!("{v:?}: {e}"));
-    match s.split_once(',') {
-        Some((a, b)) => Ok((parse(a)?, parse(b)?)),
-        None => Err(format!("{s:?} is not BETA1,BETA2 (for example 0.9,0.95)")),
-    }
-}
-
-impl JobArgs {
-    /// The training keys these flags share with `[job]` in `limpetd`'s file.
-    pub fn keys(&self) -> limpet_trainer::job_keys::JobKeys {
-        use limpet_trainer::job_keys::OptimizerName;
-        limpet_trainer::job_keys::JobKeys {
-            steps: self.steps,
-            global_batch: self.batch,
-            micro_batch: self.micro_batch,
-            optimizer: self.optimizer.map(|o| match o {
-                OptimizerArg::Adamw => OptimizerName::Adamw,
-                OptimizerArg::Sgd => OptimizerName::Sgd,
-            }),
-            lr: self.lr,
-            weight_decay: self.weight_decay,
-            betas: self.betas,
-            eps: self.eps,
-            decay_embeddings: self.decay_embeddings.then_some(true),
-            warmup: self.warmup,
-            clip: self.clip,
-            min_lr_ratio: self.min_lr_ratio,
-            seed: self.seed,
-            precision: self.precision.clone(),
-            reproducible: self.reproducible.then_some(true),
-            shards: self.shards,
-            activation_checkpointing: self.activation_checkpointing.then_some(true),
-            loss_chunk: self.loss_chunk,
-            eval_every: self.eval_every,
-            // `limpet train` runs one rank: nothing to shard.
-            shard_state: None,
-            shard_replicas: None,
-            // One rank reduces nothing.
-            overlap: None,
-        }
-    }
 }
 
 /// Sizes of `--model llama`: the `[model]` keys of limpetd's configuration as flags.

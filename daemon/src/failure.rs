@@ -3,7 +3,7 @@
 //! that turns each kind into an exit status (systemd's unit keys its restart policy on it).
 
 use crate::config::ConfigErrors;
-use limpet_agent::runtime::AgentError;
+use limpet_agent::runtime::{AgentError, Fatal};
 use limpet_consensus::ConsensusError;
 use limpet_snapshot::SnapshotError;
 use limpet_trainer::TrainerError;
@@ -81,14 +81,14 @@ impl Failure {
         match self {
             Failure::Usage(_) | Failure::Config(_) => EXIT_USAGE,
             Failure::Within { source, .. } => source.exit_code(),
-            Failure::Consensus(c) | Failure::Agent(A::Consensus(c)) => consensus(c),
+            Failure::Consensus(c) | Failure::Agent(A::Fatal(Fatal::Consensus(c))) => consensus(c),
             Failure::Trainer(t) => trainer(t),
             // Start-up built the job from its configuration and data (Config::settle) before
             // the agent ran: a running rank's trainer failing (on a peer's state, a full
             // disk, a bug) is one systemd restarts.
-            Failure::Agent(A::Trainer(_)) => EXIT_FAILURE,
+            Failure::Agent(A::Fatal(Fatal::Trainer(_))) => EXIT_FAILURE,
             // The node's [job] is not the cluster's: the operator's to fix, a restart repeats it.
-            Failure::Agent(A::Job(_)) => EXIT_USAGE,
+            Failure::Agent(A::Fatal(Fatal::Job(_))) => EXIT_USAGE,
             Failure::Agent(_) => EXIT_FAILURE,
             Failure::Snapshot(_) => EXIT_DATA,
             Failure::Fleet(limpet_deploy::FleetError::Usage(_)) => EXIT_USAGE,
@@ -213,7 +213,7 @@ mod tests {
         assert_eq!(within.report(), "loading ckpt: checkpoint does not match the job: shapes differ");
         let other: Failure = std::io::Error::other("disk full").into();
         assert_eq!(other.exit_code(), EXIT_FAILURE);
-        let job: Failure = AgentError::Job("a vs b".into()).into();
+        let job: Failure = AgentError::from(Fatal::Job("a vs b".into())).into();
         assert_eq!(job.exit_code(), EXIT_USAGE);
         let lost: Failure = ConsensusError::NoLeader.into();
         assert_eq!(lost.exit_code(), EXIT_FAILURE);

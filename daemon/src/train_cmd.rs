@@ -1,7 +1,7 @@
 //! `limpet train`: one-process training with a progress bar, a step log, a loss plot and a
 //! final report; `--resume` continues a checkpointed job bit-exactly.
 
-use crate::args::{DataArg, JobArgs, ModelArg, TrainArgs};
+use crate::args::{DataName, JobArgs, ModelName, TrainArgs};
 use crate::UsageError;
 use crate::Within;
 use anyhow::Context;
@@ -76,7 +76,7 @@ pub fn run(args: TrainArgs) -> crate::Result<()> {
         out: out.clone(),
         stop_at: args.stop_at,
         checkpoint_every: args.checkpoint_every,
-        eval_every: args.job.eval_every,
+        eval_every: args.job.keys.eval_every,
     };
     let started = Instant::now();
     let mut pending: Option<StepRecord> = None;
@@ -235,21 +235,21 @@ pub(crate) fn device_from_flags(args: &JobArgs) -> crate::Result<limpet_trainer:
 
 /// The job the flags describe, on its loaded data.
 pub fn job_from_flags(args: &JobArgs) -> crate::Result<(JobSpec, Dataset)> {
-    let model = args.model.unwrap_or(ModelArg::Mlp);
+    let model = args.model.unwrap_or(ModelName::Mlp);
     let kind = match model {
-        ModelArg::Mlp => ModelKind::Mlp,
-        ModelArg::Convnet => ModelKind::Convnet,
-        ModelArg::Gpt => ModelKind::Gpt,
-        ModelArg::Llama => ModelKind::Llama,
-        ModelArg::Torchscript => ModelKind::Torchscript,
+        ModelName::Mlp => ModelKind::Mlp,
+        ModelName::Convnet => ModelKind::Convnet,
+        ModelName::Gpt => ModelKind::Gpt,
+        ModelName::Llama => ModelKind::Llama,
+        ModelName::Torchscript => ModelKind::Torchscript,
     };
     let data_arg = args.data.unwrap_or(match model {
-        ModelArg::Gpt => DataArg::Chars,
-        ModelArg::Llama => DataArg::Tokens,
-        ModelArg::Torchscript => DataArg::Tensors,
-        _ => DataArg::Digits,
+        ModelName::Gpt => DataName::Chars,
+        ModelName::Llama => DataName::Tokens,
+        ModelName::Torchscript => DataName::Tensors,
+        _ => DataName::Digits,
     });
-    if args.context.is_some() && !matches!(data_arg, DataArg::Chars | DataArg::Tokens) {
+    if args.context.is_some() && !matches!(data_arg, DataName::Chars | DataName::Tokens) {
         return Err(usage("--context applies only to --data chars and tokens"));
     }
     if args.context == Some(0) {
@@ -257,7 +257,7 @@ pub fn job_from_flags(args: &JobArgs) -> crate::Result<(JobSpec, Dataset)> {
     }
     let name = data_arg.to_possible_value().expect("every dataset has a name");
     let section = workload::DataSection { context: args.context };
-    let spec = workload::data_spec(name.get_name(), &section, args.seed.unwrap_or(0))?;
+    let spec = workload::data_spec(name.get_name(), &section, args.keys.seed.unwrap_or(0))?;
     let data = Dataset::load(&spec, args.data_path.as_deref())?;
     let mut job = workload::job_for(kind, &data, &args.llama.section(args.layers))
         .map_err(|e| usage(flag_names(&e.to_string())))?;
@@ -340,7 +340,7 @@ fn apply_flags(job: &mut JobSpec, a: &JobArgs) -> crate::Result<()> {
             )));
         }
     }
-    a.keys().apply(job).map_err(|e| usage(e.as_flag()))?;
+    a.keys.apply(job).map_err(|e| usage(e.as_flag()))?;
     apply_model_flags(job, a)
 }
 

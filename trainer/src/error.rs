@@ -81,3 +81,14 @@ impl TrainerError {
         TrainerError::Reduce { peer: None, detail: detail.into(), violation: false }
     }
 }
+
+impl From<limpet_decide::regroup::RegroupError> for TrainerError {
+    fn from(e: limpet_decide::regroup::RegroupError) -> Self {
+        use limpet_decide::regroup::RegroupError as R;
+        match e {
+            R::Record { .. } | R::Contradiction(_) => TrainerError::Mismatch(e.to_string()),
+            R::Lost(detail) => TrainerError::ShardLost(detail),
+            R::Bounds(detail) => TrainerError::Config(detail),
+        }
+    }
+}

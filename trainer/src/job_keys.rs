@@ -1,13 +1,10 @@
-//! The training keys `limpetd`'s `[job]` and `limpet train`'s flags share, and the one place
-//! they become part of a [`JobSpec`]: a job written in a file and the same job written as
-//! flags train identically (same optimizer defaults, warmup, clipping, schedule floor).
-//!
-//! What is here is everything after the spelling: defaults, checks, how each key changes the
-//! job. The spellings are the front ends' (`[job]` in limpet-daemon's `config/job.rs`, the
-//! flags in its `args.rs`): a file writes `betas = [0.9, 0.95]` and `reproducible = true`
-//! where a command line writes `--betas 0.9,0.95` and `--reproducible`. A test there
-//! (`every_training_key_is_spelled_in_the_file_and_as_a_flag`) names every field of
-//! [`JobKeys`], so a key cannot be added to one spelling alone.
+//! The training keys `limpetd`'s `[job]` and `limpet train`'s flags share, spelled once: one
+//! struct ([`JobKeys`]) is both the keys of the file (serde) and the flags (clap), and this
+//! is the one place they become part of a [`JobSpec`] (defaults, checks, how each key changes
+//! the job), so a job written in a file and the same job written as flags train identically.
+//! A file writes `betas = [0.9, 0.95]` and `reproducible = true` where a command line writes
+//! `--betas 0.9,0.95` and `--reproducible`; `global_batch` is `--batch`. Adding a key is a
+//! field here plus its effect in [`JobKeys::apply`].
 //!
 //! Every key is optional; an absent key keeps the model's default from
 //! [`JobSpec::defaults_with`]. Errors name the key as `[job].name`; the command line shows
@@ -19,7 +16,7 @@ use crate::JobSpec;
 use serde::{Deserialize, Serialize};
 
 /// `[job].optimizer` / `--optimizer`.
-#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum OptimizerName {
     /// AdamW.
@@ -34,54 +31,86 @@ pub const SGD_LR: f64 = 0.05;
 /// The peak learning rate a job gets when it switches to AdamW without naming one.
 pub const ADAMW_LR: f64 = 3e-3;
 
-/// The shared keys.
-#[derive(Clone, Debug, Default, PartialEq)]
+/// The shared keys. Each doc comment's first line is the flag's help.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, clap::Args)]
 pub struct JobKeys {
-    /// Total optimizer steps.
+    /// Total optimizer steps of the job.
+    #[arg(long)]
     pub steps: Option<u64>,
-    /// Global batch (`--batch`).
+    /// Global batch size.
+    #[arg(long = "batch", value_name = "SAMPLES")]
     pub global_batch: Option<usize>,
-    /// Largest micro-batch.
+    /// Largest micro-batch; larger shares accumulate gradients [default: the global batch].
+    #[arg(long)]
     pub micro_batch: Option<usize>,
-    /// The optimizer; switching it also switches to its default learning rate.
+    /// Optimizer [default: adamw]; switching it also switches to its default learning rate.
+    #[arg(long, value_enum)]
     pub optimizer: Option<OptimizerName>,
-    /// Peak learning rate.
+    /// Peak learning rate [default: the model's].
+    #[arg(long)]
     pub lr: Option<f64>,
-    /// Weight decay.
+    /// Weight decay [default: the model's].
+    #[arg(long)]
     pub weight_decay: Option<f64>,
-    /// AdamW's (beta1, beta2) (LLM recipes use (0.9, 0.95)).
+    /// AdamW's betas as BETA1,BETA2 [default: 0.9,0.999; LLM recipes use 0.9,0.95].
+    #[arg(long, value_parser = parse_betas)]
     pub betas: Option<(f64, f64)>,
-    /// AdamW's epsilon.
+    /// AdamW's epsilon [default: 1e-8].
+    #[arg(long)]
     pub eps: Option<f64>,
-    /// Decay embeddings too (default: no, as nanoGPT, torchtitan and HF Trainer).
+    /// Decay embeddings too [default: matrices only, as nanoGPT, torchtitan and HF Trainer].
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
     pub decay_embeddings: Option<bool>,
-    /// Linear warmup steps (default: a twentieth of the steps).
+    /// Linear warmup steps [default: a twentieth of the steps].
+    #[arg(long)]
     pub warmup: Option<u64>,
-    /// Gradient global-norm clip; 0 turns clipping off.
+    /// Clip the gradient's global norm to this value; 0 turns clipping off [default: 1.0].
+    #[arg(long)]
     pub clip: Option<f64>,
-    /// The cosine schedule's floor, as a fraction of the peak learning rate.
+    /// The cosine schedule's floor as a fraction of the peak learning rate [default: 0.1].
+    #[arg(long)]
     pub min_lr_ratio: Option<f64>,
-    /// Seed of initialization, sampling and the training RNG.
+    /// Seed of initialization, sampling and the training RNG [default: 0].
+    #[arg(long)]
     pub seed: Option<u64>,
-    /// `fp32` or `bf16`.
+    /// fp32 or bf16 (model llama) [default: fp32].
+    #[arg(long)]
     pub precision: Option<String>,
-    /// Bit-identical results whatever the world size (`train/exact.rs`).
+    /// The same bits whatever the number of ranks: canonical shards summed in fixed point.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
     pub reproducible: Option<bool>,
-    /// A reproducible job's canonical shards per step.
+    /// Canonical shards per step of a reproducible job [default: 8].
+    #[arg(long)]
     pub shards: Option<usize>,
-    /// Recompute activations in backward (model llama).
+    /// Recompute each block's activations in backward (model llama).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
     pub activation_checkpointing: Option<bool>,
-    /// Positions per chunk of the head and loss (model llama).
+    /// Run the vocabulary head and loss this many positions at a time (model llama).
+    #[arg(long)]
     pub loss_chunk: Option<usize>,
-    /// Held-out evaluation every this many steps (limpetd).
+    /// Evaluate on the held-out split every N steps.
+    #[arg(long, value_name = "N")]
     pub eval_every: Option<u64>,
     /// `none`, `optimizer` (ZeRO-1) or `optimizer+gradients` (ZeRO-2): spread the optimizer
-    /// state, and the reduced gradients, over the ranks (limpetd).
+    /// state, and the reduced gradients, over the ranks (limpetd only: one rank shards nothing).
+    #[arg(skip)]
     pub shard_state: Option<String>,
-    /// Other ranks holding each rank's shard (default 1).
+    /// Other ranks holding each rank's shard [default: 1] (limpetd only).
+    #[arg(skip)]
     pub shard_replicas: Option<usize>,
-    /// Reduce each bucket of gradients while backward goes on (default yes; limpetd).
+    /// Reduce each bucket of gradients while backward goes on [default: true] (limpetd only:
+    /// one rank reduces nothing).
+    #[arg(skip)]
     pub overlap: Option<bool>,
+}
+
+/// `--betas BETA1,BETA2`.
+fn parse_betas(s: &str) -> Result<(f64, f64), String> {
+    let parse = |v: &str| v.trim().parse::<f64>().map_err(|e| format!("{v:?}: {e}"));
+    match s.split_once(',') {
+        Some((a, b)) => Ok((parse(a)?, parse(b)?)),
+        None => Err(format!("{s:?} is not BETA1,BETA2 (for example 0.9,0.95)")),
+    }
 }
 
 /// A key with a bad value.

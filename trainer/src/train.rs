@@ -26,7 +26,7 @@ pub use exact::{MAX_SHARDS, SHARDS};
 pub use local::{LocalGroup, LocalRank, LocalSums};
 pub use overlap::OverlapProbe;
 pub use reduce::{NoReduce, Piece, Reduce};
-pub use shard::{CheckpointPart, RegroupBounds, ShardLayout};
+pub use shard::{CheckpointPart, ShardLayout};
 
 use crate::data::Dataset;
 use crate::job::JobSpec;
@@ -382,6 +382,20 @@ impl Trainer {
         self.finish_grads(loss_sum, (positions.end - positions.start) as f64)?;
         self.compute_ms = started.elapsed().as_secs_f64() * 1e3;
         Ok(self.grads.as_mut_slice())
+    }
+
+    /// Finishes the current step alone: the whole global batch on this rank (every rank's
+    /// share of it), then the update, as the step its group broke in would have gone. A
+    /// reproducible job's step is the same bits as the group's; any other rounds otherwise
+    /// (the same values summed in another order). For a survivor a step behind another,
+    /// which then checks the other's state against its own (the agent's entry).
+    pub fn finish_step_alone(&mut self) -> Result<StepStats, TrainerError> {
+        self.refuse_sharded("finishing a step alone")?;
+        if self.job.reproducible {
+            return self.exact_step(0, 1, &mut NoReduce);
+        }
+        self.compute_grads(0, 1)?;
+        self.apply_reduced()
     }
 
     /// Applies the update from `reduced`, a buffer summed over ranks elsewhere (the sum of

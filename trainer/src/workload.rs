@@ -11,7 +11,6 @@ use std::path::PathBuf;
 
 /// `[model]`: sizes of the model (each key overrides the preset or the default).
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct ModelSection {
     /// A named LLaMA size (`tiny`, `small`, `125m`, `350m`, `1b`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -61,7 +60,6 @@ pub struct ModelSection {
 
 /// `[data]`: how samples are cut from the data.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct DataSection {
     /// Tokens per sample for `chars` and `tokens` (default 64 and 128).
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -21,4 +21,16 @@ pub enum DecideError {
     /// The published states hold no copy of some block: the epoch cannot be entered.
     #[error("{0}")]
     NoSource(String),
+    /// Two survivors a step apart and no other: rank `ahead` applied step `step` before the
+    /// ring broke, rank `behind` did not. Not yet enterable: `behind` finishes the step alone
+    /// and then stands witness for `ahead`'s state (or refuses it).
+    #[error("the survivors {behind} and {ahead} are a step apart (the ring broke after rank {ahead} applied step {step} and before rank {behind} did): rank {behind} finishes the step alone to check rank {ahead}'s state")]
+    TornStep {
+        /// The rank at `step`.
+        behind: usize,
+        /// The rank at `step + 1`.
+        ahead: usize,
+        /// The step the ring broke in.
+        step: u64,
+    },
 }

@@ -9,6 +9,7 @@
 //! - `balance`: each step's samples shared out by measured speed (stragglers);
 //! - `reconcile`: the fleet reconciler's next step (launch, terminate, drain, scale or hold);
 //! - `scaling`: how many hosts are worth their price (the measured scaling curve);
+//! - `regroup`: how the ranks of a sharded job re-cut its state (who gives which block);
 //! - `entry`: how the ranks of a new epoch agree on one state (who copies what from whom);
 //! - `next`: what a rank's trainer loop does next (train, enter, sit out, finish, leave);
 //! - `bootstrap`: what a new leader does before the job is set (profile, resume, set);
@@ -27,6 +28,7 @@ pub mod next;
 pub mod planner;
 pub mod policy;
 pub mod reconcile;
+pub mod regroup;
 pub mod report;
 pub mod scaling;
 pub mod speed;

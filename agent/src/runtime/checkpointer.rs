@@ -563,16 +563,14 @@ fn load_record(
     local: Option<&Path>,
 ) -> Option<Trainer> {
     let loaded = step_dir_of(rec, local)
-        .ok_or_else(|| AgentError::Entry(format!("{} is not a checkpoint step here", rec.location)))
+        .ok_or_else(|| AgentError::entry(format!("{} is not a checkpoint step here", rec.location)))
         .and_then(|step_dir| {
             let root = step_dir.parent().unwrap_or(&step_dir);
             let listed = crate::checkpoint::listed_at(root, rec.step)?;
             let image = crate::checkpoint::load(&listed, job.model.num_blocks())?;
             // `has_hash`: a checkpoint an earlier build wrote is recorded in its hash's form.
             if !image.has_hash(&rec.content_hash) {
-                return Err(AgentError::Entry(
-                    "its content hash differs from the one recorded in the log".into(),
-                ));
+                return Err(AgentError::entry("its content hash differs from the one recorded in the log"));
             }
             let data = trainer.data().shallow_clone();
             let blocks = 0..job.model.num_blocks();

@@ -1,12 +1,18 @@
-//! The running agent's errors, kept apart by what the agent does about them. *Transient*
-//! ones (an entry whose peers did not come, a peer's state that did not arrive or did not
-//! verify, a plan the published states do not allow yet) end the attempt: the trainer loop
-//! waits for the log to change and tries the next epoch. *Fatal* ones (the trainer itself
-//! failed, a local file could not be written, a task failed) stop this agent with an error,
-//! and systemd restarts it; but for `Job` (this node's `[job]` is not the cluster's), whose
-//! exit status (64, `limpet_daemon::failure`) tells systemd a restart would only repeat it.
+//! The running agent's errors, typed by what the agent does about them. A [`Retryable`]
+//! one ends the attempt: a group whose collective broke (the step waits for the next
+//! epoch), an entry whose peers did not come, whose state did not arrive or verify, or whose
+//! published states do not allow a plan yet (the trainer loop waits for the log to change and
+//! tries again). A [`Fatal`] one stops this agent with an error, and systemd restarts it;
+//! but for [`Fatal::Job`] (this node's `[job]` is not the cluster's), whose exit status (64,
+//! `limpet_daemon::failure`) tells systemd a restart would only repeat it.
+//!
+//! The class is decided once, where an error becomes an [`AgentError`] (its `From`
+//! conversions): a trainer's failed collective is retryable, any other trainer error fatal. So
+//! a caller matches `AgentError::Retry` or propagates, and never has to know which variants
+//! of which source to pick out first.
 
 use crate::DataPlaneError;
+use limpet_consensus::state::NodeId;
 use limpet_snapshot::handoff::HandoffError;
 use limpet_snapshot::SnapshotError;
 use limpet_trainer::TrainerError;
@@ -14,9 +20,30 @@ use limpet_trainer::TrainerError;
 /// What went wrong in the running agent.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
+    /// Ends this attempt; the agent goes on.
+    #[error(transparent)]
+    Retry(Retryable),
+    /// Stops the agent.
+    #[error(transparent)]
+    Fatal(Fatal),
+}
+
+/// A failure between ranks: the attempt (a group's step, an entry) ends, the agent goes on.
+#[derive(Debug, thiserror::Error)]
+pub enum Retryable {
     /// The data plane failed (a peer closed, went silent, or broke the protocol).
     #[error(transparent)]
     DataPlane(#[from] DataPlaneError),
+    /// A collective or pipeline link failed inside the trainer's step.
+    #[error("{error}")]
+    Collective {
+        /// The peer the transport blames, when it knows one.
+        suspect: Option<NodeId>,
+        /// What failed.
+        error: String,
+        /// A peer's bytes broke the protocol (a bug or a hostile peer), not the network.
+        violation: bool,
+    },
     /// A state handoff from a peer failed.
     #[error("state handoff: {0}")]
     Handoff(#[from] HandoffError),
@@ -30,9 +57,25 @@ pub enum AgentError {
     /// What the ranks published cannot be used: a malformed record, or no copy of a block.
     #[error(transparent)]
     Decide(#[from] limpet_decide::DecideError),
-    /// The trainer failed on this rank.
+}
+
+impl Retryable {
+    /// The peer to blame and whether it broke the protocol, when this broke a group.
+    pub fn blame(&self) -> (Option<NodeId>, bool) {
+        match self {
+            Retryable::DataPlane(e) => (e.suspect(), e.is_violation()),
+            Retryable::Collective { suspect, violation, .. } => (*suspect, *violation),
+            _ => (None, false),
+        }
+    }
+}
+
+/// A failure of this agent: it stops.
+#[derive(Debug, thiserror::Error)]
+pub enum Fatal {
+    /// The trainer failed on this rank (other than a collective between ranks).
     #[error(transparent)]
-    Trainer(#[from] TrainerError),
+    Trainer(TrainerError),
     /// This node's `[job]` is not the job the cluster's log holds: it cannot train with it.
     #[error("this node's [job] is not the cluster's: {0} (ours vs the log's; every node of a cluster trains the job its first leader set)")]
     Job(String),
@@ -85,21 +128,59 @@ pub enum AgentError {
 impl AgentError {
     /// Whether this error stops the agent (as opposed to ending one attempt).
     pub fn is_fatal(&self) -> bool {
-        matches!(
-            self,
-            AgentError::Trainer(_)
-                | AgentError::Io { .. }
-                | AgentError::Job(_)
-                | AgentError::Consensus(_)
-                | AgentError::Task(_)
-                | AgentError::Stuck { .. }
-                | AgentError::Checkpoint(_)
-                | AgentError::FinalCheckpoint(_)
-                | AgentError::Resume { .. }
-                | AgentError::Encode { .. }
-        )
+        matches!(self, AgentError::Fatal(_))
+    }
+
+    /// An entry that cannot go on (yet): retryable.
+    pub fn entry(why: impl Into<String>) -> AgentError {
+        AgentError::Retry(Retryable::Entry(why.into()))
+    }
+
+    /// A local file or thread that could not be made: fatal.
+    pub fn io(what: impl Into<String>, source: std::io::Error) -> AgentError {
+        AgentError::Fatal(Fatal::Io { what: what.into(), source })
     }
 }
+
+impl From<Retryable> for AgentError {
+    fn from(e: Retryable) -> Self {
+        AgentError::Retry(e)
+    }
+}
+
+impl From<Fatal> for AgentError {
+    fn from(e: Fatal) -> Self {
+        AgentError::Fatal(e)
+    }
+}
+
+impl From<TrainerError> for AgentError {
+    /// A collective between ranks that failed is retryable; the trainer failing otherwise
+    /// (its configuration, a peer's state it refused, a full disk) is fatal.
+    fn from(e: TrainerError) -> Self {
+        match e {
+            TrainerError::Reduce { peer, violation, .. } => {
+                let error = e.to_string();
+                AgentError::Retry(Retryable::Collective { suspect: peer, error, violation })
+            }
+            e => AgentError::Fatal(Fatal::Trainer(e)),
+        }
+    }
+}
+
+/// Errors of a source whose class is fixed.
+macro_rules! class {
+    ($class:ident: $($t:ty),*) => {$(
+        impl From<$t> for AgentError {
+            fn from(e: $t) -> Self {
+                AgentError::$class(e.into())
+            }
+        }
+    )*};
+}
+
+class!(Retry: DataPlaneError, HandoffError, SnapshotError, limpet_decide::DecideError);
+class!(Fatal: limpet_consensus::ConsensusError, limpet_consensus::tasks::TaskFailed, crate::checkpoint::CheckpointError);
 
 #[cfg(test)]
 mod tests {
@@ -108,10 +189,19 @@ mod tests {
     #[test]
     fn failures_of_this_rank_are_fatal_and_failures_between_ranks_are_not() {
         assert!(AgentError::from(TrainerError::Config("x".into())).is_fatal());
-        let io = AgentError::Io { what: "the step log".into(), source: std::io::Error::other("disk full") };
-        assert!(io.is_fatal());
-        assert!(AgentError::Job("steps: 2 vs 1".into()).is_fatal());
+        assert!(AgentError::io("the step log", std::io::Error::other("disk full")).is_fatal());
+        assert!(AgentError::from(Fatal::Job("steps: 2 vs 1".into())).is_fatal());
         assert!(!AgentError::from(DataPlaneError::Protocol("bad frame".into())).is_fatal());
-        assert!(!AgentError::Entry("node 3 does not hash to what it announced".into()).is_fatal());
+        assert!(!AgentError::entry("node 3 does not hash to what it announced").is_fatal());
+        // A collective the trainer ran between ranks is the group's failure, not this rank's,
+        // and keeps the peer it names.
+        let reduce = TrainerError::Reduce { peer: Some(3), detail: "peer 3 closed".into(), violation: true };
+        match AgentError::from(reduce) {
+            AgentError::Retry(r @ Retryable::Collective { .. }) => {
+                assert_eq!(r.blame(), (Some(3), true));
+                assert_eq!(r.to_string(), "gradient reduce failed: peer 3 closed");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

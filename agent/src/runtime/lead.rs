@@ -5,7 +5,7 @@
 //! limpet-decide; this room only does the I/O.
 
 use super::config::{AgentConfig, Resume};
-use super::AgentError;
+use super::{AgentError, Fatal};
 use crate::report::AgentReport;
 use limpet_consensus::state::{Command, NodeId};
 use limpet_consensus::tasks::TaskFailed;
@@ -137,9 +137,11 @@ async fn find_resume_point(
     if required {
         // A shared mount that is not there yet (a missing directory, or the empty mount point
         // it is mounted on) must not read as "no checkpoint".
-        crate::checkpoint::trusted_dir(&dir).map_err(|source| AgentError::Resume {
-            during: "the checkpoint directory ([checkpoint].resume = \"required\" waits)",
-            source,
+        crate::checkpoint::trusted_dir(&dir).map_err(|source| {
+            AgentError::from(Fatal::Resume {
+                during: "the checkpoint directory ([checkpoint].resume = \"required\" waits)",
+                source,
+            })
         })?;
     }
     let job = job_value(cfg)?;
@@ -152,7 +154,10 @@ async fn find_resume_point(
             Ok(steps) if !steps.is_empty() => tracing::info!(?steps, "checkpoints fetched from S3"),
             Ok(_) => {}
             Err(source) if required => {
-                return Err(AgentError::Resume { during: "could not fetch checkpoints from S3", source })
+                return Err(AgentError::from(Fatal::Resume {
+                    during: "could not fetch checkpoints from S3",
+                    source,
+                }))
             }
             Err(e) => {
                 tracing::warn!(%e, "could not fetch checkpoints from S3; searching the local directory only")
@@ -164,7 +169,7 @@ async fn find_resume_point(
         tokio::task::spawn_blocking(move || crate::checkpoint::newest(&search, blocks, &job))
             .await
             .map_err(|e| {
-                AgentError::Task(TaskFailed { task: "resume-search".into(), what: e.to_string() })
+                AgentError::from(TaskFailed { task: "resume-search".into(), what: e.to_string() })
             })??;
     for why in &skipped {
         tracing::warn!(why, "not resuming from this checkpoint");
@@ -193,7 +198,7 @@ async fn job_document(cfg: &AgentConfig) -> Result<serde_json::Value, AgentError
             crate::stage::profile_model(&job, &data, 5)
         })
         .await
-        .map_err(|e| AgentError::Task(TaskFailed { task: "profile".into(), what: e.to_string() }))??;
+        .map_err(|e| AgentError::from(TaskFailed { task: "profile".into(), what: e.to_string() }))??;
         let pj = crate::planner::PipelineJob {
             profile,
             link: p.link,
@@ -202,12 +207,13 @@ async fn job_document(cfg: &AgentConfig) -> Result<serde_json::Value, AgentError
             mem_bytes: p.mem_bytes,
         };
         doc["pipeline"] = serde_json::to_value(pj)
-            .map_err(|source| AgentError::Encode { what: "the pipeline settings", source })?;
+            .map_err(|source| AgentError::from(Fatal::Encode { what: "the pipeline settings", source }))?;
     }
     Ok(doc)
 }
 
 /// The job spec as the log records it.
 fn job_value(cfg: &AgentConfig) -> Result<serde_json::Value, AgentError> {
-    serde_json::to_value(&cfg.job).map_err(|source| AgentError::Encode { what: "the job spec", source })
+    serde_json::to_value(&cfg.job)
+        .map_err(|source| AgentError::from(Fatal::Encode { what: "the job spec", source }))
 }

@@ -28,7 +28,7 @@ pub mod train_loop;
 
 pub use config::{AgentConfig, CheckpointSettings, PipelineSettings, Resume};
 pub use drill::Slowdown;
-pub use error::AgentError;
+pub use error::{AgentError, Fatal, Retryable};
 pub use tasks::Tasks;
 
 use crate::dataplane::handoff::handoff_loop;
@@ -143,7 +143,7 @@ impl Agent {
             Arc::new(move |peer| admits.read().expect("fetchers lock").contains(&peer));
         tasks
             .spawn_thread("handoff", move || handoff_loop(&serving, &offers, &stop, &may_fetch, &spawn))
-            .map_err(|source| AgentError::Io { what: "starting the handoff thread".into(), source })?;
+            .map_err(|source| AgentError::io("starting the handoff thread", source))?;
 
         let ncfg = node_config(&cfg, data_addr);
         let node = limpet_consensus::Node::start(ncfg.clone(), &tasks).await?;
@@ -255,7 +255,7 @@ impl Agent {
                 stop_serving.cancel();
                 r
             })
-            .map_err(|source| AgentError::Io { what: "starting the trainer thread".into(), source })?;
+            .map_err(|source| AgentError::io("starting the trainer thread", source))?;
         Ok(Agent { handle, tasks, trainer, control_addr, data_addr, id })
     }
 
@@ -305,7 +305,7 @@ impl Agent {
             Ok(r) => finish(&tasks, deadline, r).await,
             Err(_) => {
                 let _ = tasks.shutdown(deadline).await;
-                Err(AgentError::Stuck { limit: tasks::SHUTDOWN_LIMIT, after: tasks.fatal() })
+                Err(AgentError::from(Fatal::Stuck { limit: tasks::SHUTDOWN_LIMIT, after: tasks.fatal() }))
             }
         }
     }

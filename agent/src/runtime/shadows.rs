@@ -111,7 +111,7 @@ impl Shadows {
         let nb = trainer.job().model.num_blocks();
         let want = match epoch.layout.stage_blocks(nb) {
             Ok(stages) => stages[next % stages.len()].clone(),
-            Err(e) => return Err(AgentError::Entry(e.to_string())),
+            Err(e) => return Err(AgentError::entry(e.to_string())),
         };
         let (node, addr) = (epoch.ranks[next], addrs[next].clone());
         let round = self.round.fetch_add(1, Ordering::SeqCst) + 1;
@@ -174,7 +174,7 @@ impl Shadows {
         };
         l.tasks
             .spawn_thread("shadow", fetch_one)
-            .map_err(|source| AgentError::Io { what: "starting the shadow fetch".into(), source })
+            .map_err(|source| AgentError::io("starting the shadow fetch", source))
     }
 }
 

@@ -24,8 +24,9 @@ use super::checkpointer;
 use super::error::AgentError;
 use crate::Group;
 use limpet_consensus::state::{ClusterState, Epoch};
+use limpet_decide::regroup::RegroupBounds;
 use limpet_snapshot::StateImage;
-use limpet_trainer::{JobSpec, RegroupBounds, ShardLayout, Trainer, TrainerError};
+use limpet_trainer::{JobSpec, ShardLayout, Trainer, TrainerError};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -97,7 +98,7 @@ pub(super) fn enter(
             (Ok(s), None) => outcome = Some(Ok(s)),
             (Ok(s), Some(Ok(t))) if s == *t => {}
             (Ok(_), Some(_)) => {
-                return Err(AgentError::Entry(format!("epoch {}: local ranks rebuilt different steps", n.id)))
+                return Err(AgentError::entry(format!("epoch {}: local ranks rebuilt different steps", n.id)))
             }
         }
     }
@@ -416,7 +417,7 @@ fn back_to_checkpoint(
     read[group.rank()] = loaded.as_ref().map_or(0, |t| t.step() as i64 + 1);
     group.allreduce_sum_i64(&mut read, step_tag)?;
     if read.iter().all(|&r| r == 0) {
-        return Err(AgentError::Entry(format!(
+        return Err(AgentError::entry(format!(
             "epoch {}: {why}, and no rank can read a checkpoint the log records",
             n.id
         )));
@@ -448,13 +449,13 @@ fn own_final(trainer: &Trainer, job: &JobSpec, (state_dir, hash): (&Path, &str))
     let path = state_dir.join(limpet_trainer::CHECKPOINT_FILE);
     let loaded = limpet_snapshot::read_file(&path).map_err(AgentError::from).and_then(|image| {
         if image.meta().step != job.steps {
-            return Err(AgentError::Entry(format!(
+            return Err(AgentError::entry(format!(
                 "it is of step {}, not the job's last",
                 image.meta().step
             )));
         }
         if image.content_hash() != hash {
-            return Err(AgentError::Entry(format!(
+            return Err(AgentError::entry(format!(
                 "its content hash is {}, not the {hash} this process wrote",
                 image.content_hash()
             )));
@@ -510,7 +511,7 @@ fn regroup_bounds(trainer: &Trainer, job: &JobSpec, st: &ClusterState, n: &Epoch
             let held = earlier.iter().filter_map(|e| {
                 let q = e.ranks.iter().position(|&r| r == node)?;
                 (device < e.local_ranks_of(q)).then_some(())?;
-                layout_of(trainer, job, e, e.first_rank_of(q) + device as usize)
+                layout_of(trainer, job, e, e.first_rank_of(q) + device as usize).map(|l| l.facts())
             });
             bounds.layouts.push(held.collect());
         }

@@ -9,7 +9,7 @@
 use super::checkpointer::{Checkpointer, Sink};
 use super::config::AgentConfig;
 use super::entry::{self, Conn, Entering, Pending};
-use super::error::AgentError;
+use super::error::{AgentError, Fatal};
 use super::shadows::{Links, Shadows};
 use super::sharding::{self, Final};
 use super::tasks::Tasks;
@@ -78,6 +78,9 @@ pub(super) struct TrainLoop {
     final_written: Option<String>,
     /// The next epoch's ring connections, made ahead of its boundary.
     pending: Option<Pending>,
+    /// The content hash of this rank's state when it finished a torn step alone at an entry
+    /// (it then publishes that state as a witness, see `entry`), until an entry succeeds.
+    replayed: Option<String>,
     /// The last entry failure logged: (epoch, error).
     entry_failed: Option<(u64, String)>,
     /// The last epoch this rank trained in (kept through failed entries), for a sharded step
@@ -131,6 +134,7 @@ impl TrainLoop {
             final_state: None,
             final_written: None,
             pending: None,
+            replayed: None,
             entry_failed: None,
             last_epoch: None,
             grad_stats: None,
@@ -172,10 +176,11 @@ impl TrainLoop {
 
     pub fn run(mut self) -> Result<Exit, AgentError> {
         if let Some(path) = &self.cfg.step_log {
-            let f =
-                std::fs::OpenOptions::new().create(true).append(true).open(path).map_err(|source| {
-                    AgentError::Io { what: format!("step log {}", path.display()), source }
-                })?;
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map_err(|source| AgentError::io(format!("step log {}", path.display()), source))?;
             self.log = Some(f);
         }
         let me = self.cfg.id;
@@ -191,7 +196,7 @@ impl TrainLoop {
                 // collectives) if it entered.
                 if let Some(logged) = &st.job {
                     if let Some(diff) = self.cfg.job.diff_document(logged) {
-                        return Err(AgentError::Job(diff));
+                        return Err(AgentError::from(Fatal::Job(diff)));
                     }
                     self.job_checked = true;
                 }
@@ -261,7 +266,7 @@ impl TrainLoop {
                             Some(Final::Failed(e)) => Err(e),
                             None => limpet_trainer::save_checkpoint(&self.trainer, dir),
                         }
-                        .map_err(AgentError::FinalCheckpoint)?;
+                        .map_err(|e| AgentError::from(Fatal::FinalCheckpoint(e)))?;
                         self.final_written = Some(hash);
                         limpet_trainer::device::return_freed_host_memory();
                         // The process's peak resident memory, for `bench dp` and operators.
@@ -305,8 +310,9 @@ impl TrainLoop {
         let step = self.trainer.step();
         let group_rank = epoch.ranks.iter().position(|&r| r == self.cfg.id).unwrap_or(0);
         let (_, conn) = self.group.as_mut().expect("in a group");
-        // A failed collective or stage link: (the peer it names, the error, a violation?).
-        let outcome: Result<limpet_trainer::StepStats, (Option<NodeId>, String, bool)> = match conn {
+        // A failed collective or stage link is retryable (the group breaks; the agent goes
+        // on), anything else this rank's failure.
+        let outcome: Result<limpet_trainer::StepStats, AgentError> = match conn {
             // Hosts with several devices: ranks per device, the host's sum through memory.
             Conn::Ring(g) if !epoch.local_ranks.is_empty() => {
                 match super::local_ranks::step(
@@ -327,10 +333,7 @@ impl TrainLoop {
                         }
                         Ok(stats)
                     }
-                    Err(e @ limpet_trainer::TrainerError::Reduce { peer, violation, .. }) => {
-                        Err((peer, e.to_string(), violation))
-                    }
-                    Err(e) => return Err(e.into()),
+                    Err(e) => Err(e.into()),
                 }
             }
             // Sharded state: reduce-scatter, update the blocks held, allgather the parameters.
@@ -362,10 +365,7 @@ impl TrainLoop {
                         }
                         Ok(stats)
                     }
-                    Err(e @ limpet_trainer::TrainerError::Reduce { peer, violation, .. }) => {
-                        Err((peer, e.to_string(), violation))
-                    }
-                    Err(e) => return Err(e.into()),
+                    Err(e) => Err(e.into()),
                 }
             }
             // A reproducible job: whole canonical shards per rank, summed in fixed point (the
@@ -373,10 +373,7 @@ impl TrainLoop {
             Conn::Ring(g) if self.trainer.job().reproducible => {
                 match self.trainer.exact_step(g.rank(), g.world(), g) {
                     Ok(stats) => Ok(stats),
-                    Err(e @ limpet_trainer::TrainerError::Reduce { peer, violation, .. }) => {
-                        Err((peer, e.to_string(), violation))
-                    }
-                    Err(e) => return Err(e.into()),
+                    Err(e) => Err(e.into()),
                 }
             }
             Conn::Ring(g) => {
@@ -390,7 +387,7 @@ impl TrainLoop {
                 }
                 match g.allreduce_sum(buf, step) {
                     Ok(()) => Ok(self.trainer.apply_reduced()?),
-                    Err(e) => Err((e.suspect(), e.to_string(), e.is_violation())),
+                    Err(e) => Err(e.into()),
                 }
             }
             // A pipeline of hosts of several local ranks: each device a replica of the stage.
@@ -405,10 +402,7 @@ impl TrainLoop {
                         self.cfg.slowdown.stretch(Duration::from_secs_f64(own / 1e3));
                         Ok(stats)
                     }
-                    Err(e @ limpet_trainer::TrainerError::Reduce { peer, violation, .. }) => {
-                        Err((peer, e.to_string(), violation))
-                    }
-                    Err(e) => return Err(e.into()),
+                    Err(e) => Err(e.into()),
                 }
             }
             Conn::Stages(c) => match c.step(&mut self.trainer) {
@@ -416,15 +410,14 @@ impl TrainLoop {
                     self.cfg.slowdown.stretch(Duration::from_secs_f64(self.trainer.compute_ms() / 1e3));
                     Ok(stats)
                 }
-                Err(e @ limpet_trainer::TrainerError::Reduce { peer, violation, .. }) => {
-                    Err((peer, e.to_string(), violation))
-                }
-                Err(e) => return Err(e.into()),
+                Err(e) => Err(e.into()),
             },
         };
         let stats = match outcome {
             Ok(stats) => stats,
-            Err((suspect, error, violation)) => {
+            Err(AgentError::Retry(broke)) => {
+                let (suspect, violation) = broke.blame();
+                let error = broke.to_string();
                 // A sharded step applied before its parameters' allgather broke: logged, as
                 // the state moved on.
                 if let Some(done) = self.trainer.take_unlogged() {
@@ -444,6 +437,7 @@ impl TrainLoop {
                 self.beat_now.notify_one();
                 return Ok(());
             }
+            Err(fatal) => return Err(fatal),
         };
         let took = started.elapsed().as_secs_f64() * 1e3;
         self.step_time_ms = smooth(self.step_time_ms, took);
@@ -483,12 +477,12 @@ impl TrainLoop {
                     // Peers may be past it or still in it: the group is done, as after any
                     // failed collective (the step itself is applied and logged).
                     tracing::warn!(epoch = epoch.id, step = self.trainer.step(), %e, "could not gather the sharded state for a checkpoint; waiting for the next epoch");
-                    let (suspect, violation) = match &e {
-                        limpet_trainer::TrainerError::Reduce { peer, violation, .. } => (*peer, *violation),
-                        _ => (None, false),
+                    let error = e.to_string();
+                    let (suspect, violation) = match AgentError::from(e) {
+                        AgentError::Retry(broke) => broke.blame(),
+                        AgentError::Fatal(_) => (None, false),
                     };
-                    self.broken =
-                        Some(BrokenAt { at: Instant::now(), suspect, error: e.to_string(), violation });
+                    self.broken = Some(BrokenAt { at: Instant::now(), suspect, error, violation });
                     self.set_phase(Phase::Waiting);
                     self.beat_now.notify_one();
                     return Ok(());
@@ -590,8 +584,7 @@ impl TrainLoop {
         if let Some(f) = self.log.as_mut() {
             let mut s = serde_json::to_string(&line).expect("step lines serialize");
             s.push('\n');
-            f.write_all(s.as_bytes())
-                .map_err(|source| AgentError::Io { what: "writing the step log".into(), source })?;
+            f.write_all(s.as_bytes()).map_err(|source| AgentError::io("writing the step log", source))?;
         }
         if stats.step + 1 == self.trainer.job().steps {
             // Memory in the steady state (before a sharded job gathers its state for the
@@ -643,6 +636,7 @@ impl TrainLoop {
             followers: &mut self.followers,
             shadows: &mut self.shadows,
             pending: self.pending.take(),
+            replayed: &mut self.replayed,
             final_written: self.final_written.as_deref(),
             finished: self.finished,
         };

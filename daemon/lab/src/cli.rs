@@ -3,7 +3,7 @@
 //! start. None of it is needed to run a cluster; `limpet` and `limpetd` hold what is.
 
 use clap::{Args, Parser, Subcommand};
-use limpet_daemon::args::{value_name, DataArg, ModelArg};
+use limpet_daemon::args::{value_name, DataName, ModelName};
 use std::path::PathBuf;
 
 /// limpet-lab: the demo, scenarios, benchmarks and local clusters of limpet.
@@ -66,10 +66,10 @@ pub struct LocalUpArgs {
     pub dir: PathBuf,
     /// Model family.
     #[arg(long, value_enum, default_value = "mlp")]
-    pub model: ModelArg,
+    pub model: ModelName,
     /// Dataset.
     #[arg(long, value_enum, default_value = "digits")]
-    pub data: DataArg,
+    pub data: DataName,
     /// Total steps.
     #[arg(long, default_value_t = 2000)]
     pub steps: u64,

@@ -163,15 +163,15 @@ fn job_flags(j: &JobArgs) -> Vec<String> {
     push("model", name(&|| j.model.map(limpet_daemon::args::value_name)));
     push("data", name(&|| j.data.map(limpet_daemon::args::value_name)));
     push("data-path", j.data_path.as_ref().map(|p| p.display().to_string()));
-    push("steps", j.steps.map(|x| x.to_string()));
-    push("batch", j.batch.map(|x| x.to_string()));
-    push("micro-batch", j.micro_batch.map(|x| x.to_string()));
-    push("optimizer", j.optimizer.map(limpet_daemon::args::value_name));
-    push("lr", j.lr.map(|x| x.to_string()));
-    push("weight-decay", j.weight_decay.map(|x| x.to_string()));
-    push("warmup", j.warmup.map(|x| x.to_string()));
-    push("clip", j.clip.map(|x| x.to_string()));
-    push("seed", j.seed.map(|x| x.to_string()));
+    push("steps", j.keys.steps.map(|x| x.to_string()));
+    push("batch", j.keys.global_batch.map(|x| x.to_string()));
+    push("micro-batch", j.keys.micro_batch.map(|x| x.to_string()));
+    push("optimizer", j.keys.optimizer.map(limpet_daemon::args::value_name));
+    push("lr", j.keys.lr.map(|x| x.to_string()));
+    push("weight-decay", j.keys.weight_decay.map(|x| x.to_string()));
+    push("warmup", j.keys.warmup.map(|x| x.to_string()));
+    push("clip", j.keys.clip.map(|x| x.to_string()));
+    push("seed", j.keys.seed.map(|x| x.to_string()));
     push("context", j.context.map(|x| x.to_string()));
     push("layers", j.layers.map(|x| x.to_string()));
     v

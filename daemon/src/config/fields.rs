@@ -196,13 +196,12 @@ impl Config {
             );
         }
         let data = job.data.as_str();
-        if !["digits", "chars", "tokens", "tensors", "synthetic"].contains(&data) {
-            c.fail("[job].data", format!("{data:?} is not one of digits, chars, tokens, tensors, synthetic"));
-        }
         if ["tokens", "tensors"].contains(&data) && job.data_path.is_none() {
             c.fail("[job].data_path", format!("data {data:?} needs its files (data_path)"));
         }
-        let precision = c.take("[job].precision", limpet_trainer::model::Precision::parse(&job.precision));
+        let keys = &job.keys;
+        let precision = keys.precision.as_deref().map(limpet_trainer::model::Precision::parse);
+        let precision = precision.and_then(|p| c.take("[job].precision", p));
         if precision == Some(limpet_trainer::model::Precision::Bf16) && job.model != ModelName::Llama {
             c.fail("[job].precision", "\"bf16\" is available for model \"llama\" only");
         }
@@ -223,10 +222,10 @@ impl Config {
                 "the head shares the embedding, so the model cannot be split into pipeline stages",
             );
         }
-        if let Err(e) = job.keys().check() {
+        if let Err(e) = keys.check() {
             c.fail(&format!("[job].{}", e.key), e.detail);
         }
-        if job.reproducible == Some(true) {
+        if keys.reproducible == Some(true) {
             if job.policy != BatchPolicy::FixedGlobal {
                 c.fail(
                     "[job].reproducible",
@@ -243,9 +242,9 @@ impl Config {
         if pipelined {
             // Stages run their own forward and backward: refused rather than silently ignored.
             let unsupported = [
-                ("[job].activation_checkpointing", job.activation_checkpointing == Some(true)),
-                ("[job].loss_chunk", job.loss_chunk.is_some()),
-                ("[job].eval_every", job.eval_every.is_some()),
+                ("[job].activation_checkpointing", keys.activation_checkpointing == Some(true)),
+                ("[job].loss_chunk", keys.loss_chunk.is_some()),
+                ("[job].eval_every", keys.eval_every.is_some()),
                 ("[job].shard_state", self.sharded()),
             ];
             for (key, _) in unsupported.iter().filter(|(_, set)| *set) {
@@ -262,7 +261,7 @@ impl Config {
 
     /// Whether `[job].shard_state` shards anything.
     pub(super) fn sharded(&self) -> bool {
-        self.job.shard_state.as_deref().is_some_and(|s| s != "none")
+        self.job.keys.shard_state.as_deref().is_some_and(|s| s != "none")
     }
 
     fn check_timing(&self, c: &mut Checks) {

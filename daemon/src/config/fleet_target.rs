@@ -8,7 +8,6 @@ use std::collections::BTreeMap;
 
 /// `[capacity]`.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct CapacitySection {
     /// Hosts wanted.
     pub target: u32,

@@ -1,5 +1,5 @@
-//! `[job]` in a file and `limpet train`'s flags: two spellings of the same training keys,
-//! which give the same job.
+//! `[job]` in a file and `limpet train`'s flags: one definition of the training keys
+//! (`JobKeys`), read from TOML and from the command line alike, which give the same job.
 
 use super::tests::{example, secret};
 use super::*;
@@ -110,7 +110,7 @@ fn adamw_recipe_keys_from_the_file_equal_the_flags() {
 /// every field, so a key added to `JobKeys` does not build here until both spellings
 /// (`config/job.rs`, `args.rs`) carry it.
 #[test]
-fn every_training_key_is_spelled_in_the_file_and_as_a_flag() {
+fn every_training_key_reads_the_same_from_the_file_and_the_flags() {
     use clap::Parser;
     use limpet_trainer::job_keys::JobKeys;
     let s = secret();
@@ -119,7 +119,7 @@ fn every_training_key_is_spelled_in_the_file_and_as_a_flag() {
                 precision = \"bf16\"\nreproducible = true\nshards = 4\nactivation_checkpointing = true\n\
                 loss_chunk = 32\neval_every = 50\nshard_state = \"optimizer\"\nshard_replicas = 2\noverlap = false";
     let text = example(s.path()).replace("global_batch = 64", &format!("global_batch = 64\n{keys}"));
-    let from_file = Config::parse_unchecked(&text, "c.toml").unwrap().job.keys();
+    let from_file = Config::parse_unchecked(&text, "c.toml").unwrap().job.keys;
     let flags = crate::cli::Cli::parse_from([
         "limpet",
         "train",
@@ -162,56 +162,42 @@ fn every_training_key_is_spelled_in_the_file_and_as_a_flag() {
         "/nonexistent",
     ]);
     let crate::cli::Command::Train(args) = flags.command else { panic!("parsed as train") };
-    let JobKeys {
-        steps,
-        global_batch,
-        micro_batch,
-        optimizer,
-        lr,
-        weight_decay,
-        betas,
-        eps,
-        decay_embeddings,
-        warmup,
-        clip,
-        min_lr_ratio,
-        seed,
-        precision,
-        reproducible,
-        shards,
-        activation_checkpointing,
-        loss_chunk,
-        eval_every,
-        shard_state,
-        shard_replicas,
-        overlap,
-    } = from_file.clone();
-    let set = [
-        steps.is_some(),
-        global_batch.is_some(),
-        micro_batch.is_some(),
-        optimizer.is_some(),
-        lr.is_some(),
-        weight_decay.is_some(),
-        betas.is_some(),
-        eps.is_some(),
-        decay_embeddings.is_some(),
-        warmup.is_some(),
-        clip.is_some(),
-        min_lr_ratio.is_some(),
-        seed.is_some(),
-        precision.is_some(),
-        reproducible.is_some(),
-        shards.is_some(),
-        activation_checkpointing.is_some(),
-        loss_chunk.is_some(),
-        eval_every.is_some(),
-        shard_state.is_some(),
-        shard_replicas.is_some(),
-        overlap.is_some(),
-    ];
-    assert!(set.iter().all(|&s| s), "a key the file did not carry: {from_file:?}");
+    // Every key of the struct was set by the file (a key serde cannot read is unknown).
+    assert!(!format!("{from_file:?}").contains("None"), "a key the file did not carry: {from_file:?}");
     // `limpet train` runs one rank: sharding and overlap are limpetd's keys alone.
     let one_rank = JobKeys { shard_state: None, shard_replicas: None, overlap: None, ..from_file };
-    assert_eq!(args.job.keys(), one_rank);
+    assert_eq!(args.job.keys, one_rank);
+}
+
+/// A file with an unknown key and a bad value names both (an unknown key used to end the
+/// parse), each with its line; a missing training key is named as `[job].key`.
+#[test]
+fn an_unknown_key_is_reported_beside_every_other_error() {
+    let s = secret();
+    let text = example(s.path()).replace("global_batch = 64", "global_batch = 0\nbogus_key = 1\nlr = -1.0");
+    let errors = Config::parse(&text, "c.toml").unwrap_err();
+    let shown = errors.to_string();
+    let at = |key: &str| errors.all().iter().find(|e| e.key == key).and_then(|e| e.line);
+    assert!(shown.contains("[job].bogus_key") && shown.contains("unknown field `bogus_key`"), "{shown}");
+    assert!(shown.contains("[job].global_batch"), "{shown}");
+    let line = |k: &str| text.lines().position(|l| l.starts_with(k)).map(|i| i + 1);
+    assert_eq!(at("[job].bogus_key"), line("bogus_key"));
+    assert_eq!(at("[job].global_batch"), line("global_batch"));
+    // Unknown keys of other sections and a whole unknown section, all at once.
+    let text =
+        example(s.path()).replace("[job]", "[jobs]\nx = 1\n\n[job]").replace("control = ", "contorl = ");
+    let shown = Config::parse(&text, "c.toml").unwrap_err().to_string();
+    assert!(shown.contains("[jobs]") && shown.contains("unknown field `contorl`"), "{shown}");
+    // A value serde refuses stops the parse; the unknown keys met before it are named with it,
+    // and a training key (read after) is not taken for one.
+    let text = example(s.path())
+        .replace("[revocation]\n", "[revocation]\npoll = 2\n")
+        .replace("sources = [\"aws\"]", "sources = []");
+    let shown = Config::parse(&text, "c.toml").unwrap_err().to_string();
+    assert!(shown.contains("[revocation].sources") && shown.contains("unknown field `poll`"), "{shown}");
+    assert!(!shown.contains("global_batch") && !shown.contains("steps"), "{shown}");
+    // A training key left out is named in its section.
+    let text = example(s.path()).replace("global_batch = 64", "");
+    let shown = Config::parse(&text, "c.toml").unwrap_err().to_string();
+    assert!(shown.contains("[job].global_batch") && shown.contains("missing"), "{shown}");
 }

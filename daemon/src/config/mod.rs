@@ -1,5 +1,5 @@
 //! `limpetd`'s configuration file (TOML): parsed strictly (an unknown or misspelt key is an
-//! error), then checked for meaning. Every error names the file, the key and what is wrong,
+//! error, reported with every other problem the checks find), then checked for meaning. Every error names the file, the key and what is wrong,
 //! so `limpetd validate --config FILE` (systemd's `ExecStartPre`) stops a bad deployment
 //! before it starts. The keys are documented in `docs/limpetd.md`.
 
@@ -17,16 +17,16 @@ pub use devices::Devices;
 pub use fleet_target::CapacitySection;
 pub use job::JobSection;
 pub use limpet_trainer::job_keys::OptimizerName;
-pub use names::{DataPlaneMode, LogFormat, ModelName, SourceName, Sources};
+pub use names::{DataName, DataPlaneMode, LogFormat, ModelName, SourceName, Sources};
 pub use secret::{read_secret, MIN_SECRET_BYTES};
 pub use security::{SecuritySection, SsmSection};
 use serde::Deserialize;
 pub use settle::Settings;
 use std::path::{Path, PathBuf};
 
-/// The whole file.
+/// The whole file. No section denies unknown fields: serde would stop at the first, so the
+/// parse collects every key nothing reads and the checks report them beside the others.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct Config {
     /// This host.
     pub node: NodeSection,
@@ -58,6 +58,9 @@ pub struct Config {
     /// The file this was read from, for errors that name a key's line.
     #[serde(skip)]
     pub source: Source,
+    /// Keys no section reads (`[section].key`, or `[section]`).
+    #[serde(skip)]
+    pub unknown: Vec<String>,
 }
 
 /// A configuration's file name and text.
@@ -71,7 +74,6 @@ pub struct Source {
 
 /// `[checkpoint]`: periodic checkpoints that outlive every host, and resuming from them.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct CheckpointSection {
     /// Write one every this many steps (0: not by steps).
     #[serde(default)]
@@ -162,7 +164,6 @@ impl<'de> Deserialize<'de> for Stages {
 
 /// `[pipeline]`: split the model into stages across hosts, laid out by the planner.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct PipelineSection {
     /// Stages per data-parallel replica, or `"auto"`.
     pub stages: Stages,
@@ -198,7 +199,7 @@ fn default_latency_ms() -> f64 {
 
 /// `[timing]`: how fast failures are detected and transitions planned.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct TimingSection {
     /// Milliseconds between heartbeats.
     pub heartbeat_ms: u64,
@@ -233,7 +234,6 @@ impl Default for TimingSection {
 
 /// `[node]`.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct NodeSection {
     /// Unique name in the cluster.
     pub name: String,
@@ -295,7 +295,6 @@ fn default_data_congestion() -> String {
 
 /// `[cluster]`.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct ClusterSection {
     /// Cluster name.
     pub name: String,
@@ -346,7 +345,6 @@ fn default_straggler_steps() -> u64 {
 
 /// `[revocation]`.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct RevocationSection {
     /// `"auto"` (default: the cloud that answers), `"none"`, or a list of `aws`, `gcp`,
     /// `azure` (SIGTERM is always a drain).
@@ -404,33 +402,60 @@ impl Config {
 
     /// Parses and checks `text` (named `file` in errors).
     pub fn parse(text: &str, file: &str) -> Result<Config, ConfigErrors> {
-        let cfg = Config::parse_unchecked(text, file)?;
+        let cfg = Config::parse_keys(text, file)?;
         let mut c = check::Checks::new(file, text);
+        for key in &cfg.unknown {
+            c.fail(key, unknown(key));
+        }
+        for (key, set) in
+            [("steps", cfg.job.keys.steps.is_some()), ("global_batch", cfg.job.keys.global_batch.is_some())]
+        {
+            if !set {
+                c.fail(&format!("[job].{key}"), "missing: this key is required");
+            }
+        }
         cfg.fields(&mut c);
         c.finish()?;
         Ok(cfg)
     }
 
     /// Parses `text` without the checks that read files (for `limpetd fetch-credentials`,
-    /// which writes the files those checks read).
+    /// which writes the files those checks read); an unknown key is still refused.
     pub fn parse_unchecked(text: &str, file: &str) -> Result<Config, ConfigError> {
-        let mut cfg: Config = toml::from_str(text).map_err(|e| {
-            let missing = e.message().strip_prefix("missing field `").and_then(|m| m.strip_suffix('`'));
-            let (key, line, detail) = match missing {
-                // The parser names the table the key is missing from, not the key.
-                Some(field) => {
-                    let (key, line) = check::missing_key(text, e.span(), field);
-                    let what = if key.ends_with(']') { "section" } else { "key" };
-                    (key, line, format!("missing: this {what} is required"))
-                }
-                None => {
-                    let (key, line) =
-                        e.span().map_or(("(file)".into(), None), |s| check::key_at(text, s.start));
-                    (key, line, e.message().to_string())
-                }
-            };
-            ConfigError { file: file.to_string(), key, line, detail }
-        })?;
+        let cfg = Config::parse_keys(text, file).map_err(|e| e.first().clone())?;
+        match cfg.unknown.first() {
+            Some(key) => {
+                let line = check::line_of(text, key);
+                Err(ConfigError { file: file.into(), key: key.clone(), line, detail: unknown(key) })
+            }
+            None => Ok(cfg),
+        }
+    }
+
+    /// The sections as the file sets them, and the keys nothing reads. A value of the wrong
+    /// type (or a missing required one) stops the parse, named with its key and line beside
+    /// the unknown keys met before it (a misspelt required key is both).
+    fn parse_keys(text: &str, file: &str) -> Result<Config, ConfigErrors> {
+        let mut ignored = Vec::new();
+        let parsed = toml::Deserializer::parse(text)
+            .and_then(|de| serde_ignored::deserialize(de, |p| ignored.push(p.to_string())));
+        // Before `[job]`'s training keys are read, a key of `[job]` this parse skips may be one.
+        let outside_job = |ignored: &[String]| -> Vec<String> {
+            ignored.iter().filter(|p| !p.starts_with("job.")).cloned().collect()
+        };
+        let mut cfg: Config = parsed.map_err(|e| parse_error(text, file, e, &outside_job(&ignored)))?;
+        // `[job]`'s training keys, read from the same text (so their errors keep their line).
+        #[derive(Deserialize)]
+        struct Keys {
+            #[serde(default)]
+            job: limpet_trainer::job_keys::JobKeys,
+        }
+        let mut not_keys = Vec::new();
+        let parsed: Result<Keys, _> = toml::Deserializer::parse(text)
+            .and_then(|de| serde_ignored::deserialize(de, |p| not_keys.push(p.to_string())));
+        cfg.job.keys = parsed.map_err(|e| parse_error(text, file, e, &outside_job(&ignored)))?.job;
+        ignored.retain(|p| !p.starts_with("job.") || not_keys.contains(p));
+        cfg.unknown = ignored.iter().map(|p| section_key(p)).collect();
         cfg.source = Source { file: file.into(), text: text.into() };
         Ok(cfg)
     }
@@ -443,6 +468,48 @@ impl Config {
     /// The node's Raft id: as configured, or derived from the name.
     pub fn node_id(&self) -> u64 {
         self.node.id.unwrap_or_else(|| limpet_consensus::state::node_id_of_name(&self.node.name))
+    }
+}
+
+/// A parse error named by its key and line, after the keys nothing read before it.
+fn parse_error(text: &str, file: &str, e: toml::de::Error, ignored: &[String]) -> ConfigErrors {
+    let missing = e.message().strip_prefix("missing field `").and_then(|m| m.strip_suffix('`'));
+    let (key, line, detail) = match missing {
+        // The parser names the table the key is missing from, not the key.
+        Some(field) => {
+            let (key, line) = check::missing_key(text, e.span(), field);
+            let what = if key.ends_with(']') { "section" } else { "key" };
+            (key, line, format!("missing: this {what} is required"))
+        }
+        None => {
+            let (key, line) = e.span().map_or(("(file)".into(), None), |s| check::key_at(text, s.start));
+            (key, line, e.message().to_string())
+        }
+    };
+    let mut c = check::Checks::new(file, text);
+    for key in ignored.iter().map(|p| section_key(p)) {
+        c.fail(&key, unknown(&key));
+    }
+    c.push(ConfigError { file: file.to_string(), key, line, detail });
+    c.finish().expect_err("one error at least")
+}
+
+/// What is wrong with an unknown key or section.
+fn unknown(key: &str) -> String {
+    match key.split_once("].") {
+        Some((section, name)) => {
+            format!("unknown field `{name}`: {section}] has no such key (the keys are in docs/limpetd.md)")
+        }
+        None => format!("unknown section {key}"),
+    }
+}
+
+/// A path serde names (`job.bogus`, `security.ssm.x`, `bogus`) as errors name keys:
+/// `[job].bogus`, `[security.ssm].x`, `[bogus]`.
+fn section_key(path: &str) -> String {
+    match path.rsplit_once('.') {
+        Some((section, key)) => format!("[{section}].{key}"),
+        None => format!("[{path}]"),
     }
 }
 

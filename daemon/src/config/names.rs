@@ -25,46 +25,7 @@ pub enum LogFormat {
     Json,
 }
 
-/// `[job].model`.
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum ModelName {
-    /// A multi-layer perceptron.
-    Mlp,
-    /// A small convolutional network.
-    Convnet,
-    /// A character GPT.
-    Gpt,
-    /// A LLaMA-family decoder.
-    Llama,
-    /// A TorchScript module (`[model].path`).
-    Torchscript,
-}
-
-impl ModelName {
-    /// The name as written in the file.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ModelName::Mlp => "mlp",
-            ModelName::Convnet => "convnet",
-            ModelName::Gpt => "gpt",
-            ModelName::Llama => "llama",
-            ModelName::Torchscript => "torchscript",
-        }
-    }
-
-    /// The trainer's model kind.
-    pub fn kind(self) -> limpet_trainer::ModelKind {
-        use limpet_trainer::ModelKind;
-        match self {
-            ModelName::Mlp => ModelKind::Mlp,
-            ModelName::Convnet => ModelKind::Convnet,
-            ModelName::Gpt => ModelKind::Gpt,
-            ModelName::Llama => ModelKind::Llama,
-            ModelName::Torchscript => ModelKind::Torchscript,
-        }
-    }
-}
+pub use crate::args::{DataName, ModelName};
 
 /// A revocation source in `[revocation].sources`.
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]

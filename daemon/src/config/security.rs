@@ -8,7 +8,6 @@ use std::path::PathBuf;
 /// `[security]`: mutual TLS with certificates of the cluster CA (`limpet certs`), or, said
 /// in so many words, none.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct SecuritySection {
     /// Run without certificates: anyone who reaches the ports and knows the cluster secret
     /// is a member, and traffic is plain text. For a network you trust only.
@@ -36,7 +35,6 @@ pub struct SecuritySection {
 
 /// `[security.ssm]`.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct SsmSection {
     /// The cluster's parameter prefix (`limpet fleet up --ssm-prefix`, default
     /// `/limpet/CLUSTER`).

@@ -134,6 +134,7 @@ impl Config {
         let mut warnings = f.warnings;
         warnings.extend(self.write_path_warnings());
         warnings.extend(self.shard_warning());
+        warnings.extend(self.cpu_warning(limpet_trainer::device::gpu_count()));
         Ok(Settings {
             agent: a,
             metrics: f.metrics,
@@ -148,14 +149,14 @@ impl Config {
     /// overridden by what the file sets. Reads the data.
     pub fn job_spec(&self) -> Result<JobSpec, TrainerError> {
         let j = &self.job;
-        let spec = workload::data_spec(&j.data, &self.data, j.seed)?;
+        let spec = workload::data_spec(j.data.as_str(), &self.data, j.keys.seed.unwrap_or(0))?;
         let data = Dataset::load(&spec, j.data_path.as_deref())?;
         let mut model = self.model.clone();
         if j.layers.is_some() {
             model.layers = j.layers;
         }
         let mut job = workload::job_for(j.model.kind(), &data, &model)?;
-        j.keys()
+        j.keys
             .apply(&mut job)
             .map_err(|e| TrainerError::Key { key: format!("[job].{}", e.key), detail: e.detail })?;
         job.validate(&data)?;
@@ -196,17 +197,32 @@ impl Config {
         })
     }
 
+    /// A host with GPUs that would train on its CPU because nothing asked for the GPUs:
+    /// `[job].device` defaults to `"cpu"` and `[node].devices` is absent. Said at validate
+    /// and start-up rather than refused (a CPU job on a GPU host is legitimate, but rarely
+    /// meant).
+    pub fn cpu_warning(&self, gpus: usize) -> Option<String> {
+        let text = &self.source.text;
+        let said = super::check::line_of(text, "[job].device").is_some();
+        (gpus > 0 && self.node.devices.is_none() && !said).then(|| {
+            format!(
+                "[job].device: this host has {gpus} GPU(s) libtorch can use, and the job trains on its CPU (device defaults to \"cpu\"); set [node].devices = \"auto\" (every GPU, one rank each) or [job].device = \"auto\", or device = \"cpu\" to mean it"
+            )
+        })
+    }
+
     /// A reproducible job whose canonical shards do not divide evenly among the founders:
     /// every step, some hosts then run one shard's passes more than others, or sit idle (see
     /// docs/design.md, reproducible jobs). A later world may differ; the founders are the
     /// world the job is set up for.
     pub fn shard_warning(&self) -> Option<String> {
         let founders = self.cluster.bootstrap.len();
-        if self.job.reproducible != Some(true) || founders == 0 {
+        let keys = &self.job.keys;
+        if keys.reproducible != Some(true) || founders == 0 {
             return None;
         }
-        let k = self.job.shards.unwrap_or(limpet_trainer::SHARDS).min(self.job.global_batch as usize);
-        let said = if self.job.shards.is_some() { "" } else { " (the default)" };
+        let k = keys.shards.unwrap_or(limpet_trainer::SHARDS).min(self.job.global_batch() as usize);
+        let said = if keys.shards.is_some() { "" } else { " (the default)" };
         if k < founders {
             return Some(format!(
                 "[job].shards {k}{said} with {founders} founders: {} of them idle every step; shards = {founders} keeps each busy",

@@ -70,7 +70,10 @@ fn a_llama_on_token_shards_is_configured_by_model_and_data() {
         (cfg.model.preset.as_deref(), cfg.model.kv_heads, cfg.data.context),
         (Some("small"), Some(2), Some(256))
     );
-    assert_eq!((cfg.job.device.as_str(), cfg.job.precision.as_str()), ("auto", "bf16"));
+    assert_eq!(
+        (cfg.job.device.as_str(), cfg.job.keys.precision.as_deref().unwrap_or("fp32")),
+        ("auto", "bf16")
+    );
 }
 
 #[test]
@@ -119,7 +122,7 @@ fn errors_name_the_file_and_the_key() {
         &Dataset::load(&synthetic, None).unwrap(),
     )
     .unwrap();
-    Config::parse(&zero2, "limpet.toml").unwrap().job.keys().apply(&mut spec).unwrap();
+    Config::parse(&zero2, "limpet.toml").unwrap().job.keys.apply(&mut spec).unwrap();
     assert_eq!(spec.shard_state, Some(limpet_trainer::Sharding { replicas: 1, gradients: true }));
     let cases = [
         (good.replace("control = ", "contorl = "), "unknown field `contorl`"),
@@ -670,4 +673,19 @@ insecure = true
     let p = st.agent.pipeline.unwrap();
     assert_eq!((p.depth, p.mem_bytes, p.shadow_every, p.cuts), (Some(2), 8 << 30, 5, None));
     assert_eq!((p.link.bytes_per_s, p.link.latency_ms), (2e9, 0.5));
+}
+
+/// A GPU host whose file asks for no device trains on its CPU: validate and start-up say so,
+/// and stop saying so once the file names a device either way.
+#[test]
+fn a_gpu_host_left_on_the_cpu_is_warned() {
+    let s = secret();
+    let cfg = Config::parse(&example(s.path()), "c.toml").unwrap();
+    let warning = cfg.cpu_warning(2).expect("a warning on a host of 2 GPUs");
+    assert!(warning.contains("[job].device") && warning.contains("2 GPU"), "{warning}");
+    assert_eq!(cfg.cpu_warning(0), None);
+    for set in ["model = \"mlp\"\ndevice = \"cpu\"", "model = \"mlp\"\ndevice = \"auto\""] {
+        let text = example(s.path()).replace("model = \"mlp\"", set);
+        assert_eq!(Config::parse(&text, "c.toml").unwrap().cpu_warning(2), None, "{set}");
+    }
 }

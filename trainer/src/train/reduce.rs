@@ -4,16 +4,8 @@ use crate::TrainerError;
 use std::ops::Range;
 
 /// One piece of a [`Reduce::relay`]: the values `range` of rank `giver`'s buffer, which
-/// the ranks `to` take.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Piece {
-    /// The rank whose values these are.
-    pub giver: usize,
-    /// Which values of the buffer.
-    pub range: Range<usize>,
-    /// The ranks that take them (never the giver).
-    pub to: Vec<usize>,
-}
+/// the ranks `to` take (a regroup's plan decides them).
+pub use limpet_decide::regroup::Piece;
 
 /// Sums gradient buffers across ranks, in place. Implementations must leave every rank with
 /// the same bytes.

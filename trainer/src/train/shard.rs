@@ -30,17 +30,14 @@ mod regroup;
 mod whole;
 
 pub use part::CheckpointPart;
-pub use regroup::RegroupBounds;
 pub(in crate::train) use whole::OptimTensor;
 
 use super::{grads, Reduce, StepStats, Trainer};
 use crate::optim::{clip_to_norm, decays, scratch_for, sum_of_squares, update, Optimizer, OptimizerSpec};
 use crate::TrainerError;
+use limpet_decide::regroup::{cut, HeldLayout, KeptLayout};
 use std::ops::Range;
 use tch::{Device, Kind, Tensor};
-
-/// Blocks are cut at multiples of this many values (64 bytes), so none splits a cache line.
-const ALIGN: usize = 16;
 
 /// Which block of the flat gradient (and optimizer state) each rank owns, and which other
 /// hosts' blocks a rank also holds.
@@ -56,34 +53,6 @@ pub struct ShardLayout {
     counts: Vec<usize>,
     /// Which group the layout is of (the agent's epoch), so ranks tell layouts apart.
     tag: u64,
-}
-
-/// Where a layout's block `i` of `shards` starts, of a gradient of `len` values: near-equal
-/// cuts at multiples of [`ALIGN`].
-fn cut(len: usize, shards: usize, i: usize) -> usize {
-    if i == shards {
-        len
-    } else {
-        (i * len / shards) / ALIGN * ALIGN
-    }
-}
-
-/// The value ranges a rank holds in a layout over hosts of `m` block-holding ranks each,
-/// `shards` of them in all (hosts x `m`), of a gradient of `len` values: for shard rank `s`
-/// (host `s / m`'s local rank `s % m`), its block and the same local rank's on the
-/// `replicas` hosts before its own; for a rank that holds no block (`None`), nothing. What
-/// a peer's facts in a regroup give, without every host's count.
-pub(crate) fn held_ranges(
-    len: usize,
-    (shards, m): (usize, usize),
-    s: Option<usize>,
-    replicas: usize,
-) -> Vec<Range<usize>> {
-    let Some(s) = s else { return Vec::new() };
-    (0..=replicas)
-        .map(|k| (s + shards - (k * m) % shards) % shards)
-        .map(|b| cut(len, shards, b)..cut(len, shards, b + 1))
-        .collect()
 }
 
 /// Hosts' rank counts as a person reads them: `2` when every host has two, else the list.
@@ -219,6 +188,26 @@ impl ShardLayout {
     /// The rank of host `h`'s local rank `k`.
     fn rank_at(&self, h: usize, k: usize) -> usize {
         self.counts[..h].iter().sum::<usize>() + k
+    }
+
+    /// The layout as its holder states it in a regroup (and as the log's bounds name it).
+    pub fn facts(&self) -> HeldLayout {
+        let (shards, per_host) = self.shards();
+        HeldLayout {
+            tag: self.tag,
+            world: self.world(),
+            replicas: self.replicas,
+            rank: self.rank,
+            per_host,
+            place: self.shard_rank(),
+            shards,
+        }
+    }
+
+    /// The layout as a rank that keeps it states it in a regroup.
+    pub fn kept(&self) -> KeptLayout {
+        let (shards, per_host) = self.shards();
+        KeptLayout { replicas: self.replicas, per_host, place: self.shard_rank(), shards }
     }
 
     /// This rank's place among the block-holding ranks (`None`: it owns an empty block,

@@ -193,6 +193,58 @@ fn two_ranks_match_one() {
     }
 }
 
+/// A rank whose group broke after its peer applied a step, and before it did, finishes the
+/// step alone (the whole batch, from its own state): a reproducible job ends with the
+/// peer's bits, any other job with the peer's values to rounding (what the entry checks
+/// before it takes the peer's state).
+#[test]
+fn a_step_finished_alone_is_the_groups_step() {
+    for reproducible in [false, true] {
+        let data = synthetic();
+        let mut j = job(ModelKind::Mlp, &data, 30, 30);
+        j.reproducible = reproducible;
+        let mut ranks: Vec<Trainer> =
+            (0..2).map(|_| Trainer::try_new(j.clone(), synthetic()).unwrap()).collect();
+        let mut behind = None;
+        for step in 0..4 {
+            if step == 3 {
+                behind = Some(ranks[1].image().unwrap());
+            }
+            // A group a step: a rank's handle leaving ends the group's step.
+            let group = LocalGroup::new(2);
+            std::thread::scope(|s| {
+                for (r, t) in ranks.iter_mut().enumerate() {
+                    let group = &group;
+                    s.spawn(move || {
+                        let mut reduce = group.rank(r, None);
+                        match reproducible {
+                            true => t.exact_step(r, 2, &mut reduce),
+                            false => t.train_step(r, 2, &mut reduce),
+                        }
+                        .unwrap();
+                    });
+                }
+            });
+        }
+        let mut alone = Trainer::try_new(j, synthetic()).unwrap();
+        alone.load_image(&behind.unwrap()).unwrap();
+        assert_eq!(alone.step(), 3);
+        alone.finish_step_alone().unwrap();
+        assert_eq!((alone.step(), alone.cursor), (4, ranks[0].cursor));
+        if reproducible {
+            assert_eq!(alone.content_hash().unwrap(), ranks[0].content_hash().unwrap());
+        } else {
+            for (p, q) in params_of(&alone).iter().zip(params_of(&ranks[0])) {
+                assert!(
+                    p.allclose(&q, 1e-4, 1e-6, false),
+                    "max diff {}",
+                    (p - &q).abs().max().double_value(&[])
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn a_missing_share_is_detected() {
     let data = synthetic();

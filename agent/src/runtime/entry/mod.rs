@@ -18,6 +18,7 @@ use crate::stage::StageConnections;
 use crate::{Endpoint, Group};
 use limpet_consensus::state::{ClusterState, Epoch};
 use limpet_decide::entry::{hash_bytes, hex_of, plan, wire, Desc};
+use limpet_decide::DecideError;
 use limpet_snapshot::handoff::{fetch, label_of, FetchOptions, Offer, Server};
 use limpet_snapshot::StateImage;
 use limpet_trainer::Trainer;
@@ -62,6 +63,9 @@ pub(super) struct Entering<'a> {
     pub followers: &'a mut [Trainer],
     pub shadows: &'a mut Shadows,
     pub pending: Option<Pending>,
+    /// The content hash of this rank's live state when it finished a torn step alone (a
+    /// witness for the survivor that applied the step), until an entry succeeds.
+    pub replayed: &'a mut Option<String>,
     /// The content hash of the job's final checkpoint this process wrote into its state
     /// directory, once it did.
     pub final_written: Option<&'a str>,
@@ -94,7 +98,7 @@ pub(super) fn addrs_of(st: &ClusterState, n: &Epoch) -> Result<Vec<String>, Agen
         .map(|r| st.members.get(r).map(|m| m.spec.data_addr.clone()).unwrap_or_default())
         .collect();
     if addrs.iter().any(String::is_empty) {
-        return Err(AgentError::Entry(format!("epoch {}: a rank has no data address yet", n.id)));
+        return Err(AgentError::entry(format!("epoch {}: a rank has no data address yet", n.id)));
     }
     Ok(addrs)
 }
@@ -158,7 +162,7 @@ fn exchange_states(
     group.allgather(&words, &mut all, ENTRY_STEP)?;
     all.chunks(words.len())
         .enumerate()
-        .map(|(i, w)| wire::decode(w, nb).map_err(|e| AgentError::Entry(format!("node {}: {e}", n.ranks[i]))))
+        .map(|(i, w)| wire::decode(w, nb).map_err(|e| AgentError::entry(format!("node {}: {e}", n.ranks[i]))))
         .collect()
 }
 
@@ -207,16 +211,21 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     let nb = x.cfg.job.model.num_blocks();
     let ranks = exchange_states(&mut group, &mine.state, n, nb)?;
     let me = group.rank();
-    let stages = n.layout.stage_blocks(nb).map_err(|e| AgentError::Entry(e.to_string()))?;
+    let stages = n.layout.stage_blocks(nb).map_err(|e| AgentError::entry(e.to_string()))?;
     let target = stages[me % stages.len()].clone();
     let survivors = survivors_of(&st, n);
-    let plan = entry_plan(&ranks, me, target.clone(), nb, &survivors)?;
+    let plan = match entry_plan(&ranks, me, target.clone(), nb, &survivors) {
+        Err(DecideError::TornStep { behind, ahead, step }) if behind == me => {
+            return Err(finish_torn_step(&mut x, n, step, ahead));
+        }
+        plan => plan?,
+    };
     let mine = offer_live(&mut x, &mut group, n, (&ranks, &stages, nb, &survivors), mine)?;
     let redone = x.trainer.step().saturating_sub(plan.step);
     let (mut fetched_bytes, mut fetch_ms) = (0, 0);
     let repaired = plan.action == Entry::Repair;
     if plan.action != Entry::Keep {
-        if repaired {
+        if repaired && !ranks[me].replayed {
             tracing::warn!(
                 epoch = n.id,
                 step = plan.step,
@@ -238,6 +247,19 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
         }
         if let Some(r) = plan.reference {
             check_copied(&merged, &ranks, n, plan.step, r)?;
+        }
+        if ranks[me].replayed && repaired {
+            // This rank finished the torn step alone; the survivor that applied it on the
+            // ring must hold what that step gives, to rounding.
+            let own = x.trainer.image()?;
+            if let Err(why) = near(&own, &merged) {
+                let from = plan.reference.map_or(0, |r| n.ranks[r]);
+                return Err(AgentError::entry(format!(
+                    "epoch {}: node {from}'s state at step {} is not what the step gives from this rank's state: {why}",
+                    n.id, plan.step
+                )));
+            }
+            tracing::info!(epoch = n.id, step = plan.step, "the survivor's state at the torn step matches this rank's own finish of it, to rounding; taking it");
         }
         x.trainer.load_image(&merged)?;
         fetch_ms = started.elapsed().as_millis() as u64;
@@ -285,7 +307,73 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     // Whatever took this rank back (a rollback, or a step it alone applied), the steps it
     // leaves are trained again: they are out of the lineage, not applied twice.
     let redone_steps = redone.max(given_up);
+    *x.replayed = None;
+    // A torn step's finish is not a divergence repaired.
+    let repaired = repaired && !ranks[me].replayed;
     Ok(Entered { conn, lanes, fetched_bytes, fetch_ms, repaired, redone_steps, final_state: None })
+}
+
+/// This rank did not apply step `step` before its group broke and rank `ahead` did, and no
+/// third survivor tells which is right: it finishes the step alone from its own state (the
+/// whole batch), so that at the next attempt its state stands witness for `ahead`'s (the same
+/// bits in a reproducible job, else checked to rounding before it takes `ahead`'s). The entry
+/// then tries again; a failure to finish is this attempt's, too.
+fn finish_torn_step(x: &mut Entering<'_>, n: &Epoch, step: u64, ahead: usize) -> AgentError {
+    let started = Instant::now();
+    let done = x.trainer.finish_step_alone().and_then(|_| x.trainer.content_hash());
+    match done {
+        Ok(hash) => {
+            tracing::warn!(
+                epoch = n.id,
+                step,
+                peer = n.ranks[ahead],
+                ms = started.elapsed().as_millis() as u64,
+                "finished alone the step the ring broke in (the peer applied it, this rank had not), to check the peer's state"
+            );
+            *x.replayed = Some(hash);
+            AgentError::entry(format!(
+                "epoch {}: finished step {step} alone to check node {}'s; entering again",
+                n.id, n.ranks[ahead]
+            ))
+        }
+        Err(e) => AgentError::entry(format!("epoch {}: finishing step {step} alone: {e}", n.id)),
+    }
+}
+
+/// `theirs` is `own` to rounding: the same step, position and tensors, each within a
+/// thousandth of its norm (plus a floor for tensors near zero). What a step summed in another
+/// order changes; a state made up, or a step over other samples, is far outside it.
+fn near(own: &StateImage, theirs: &StateImage) -> Result<(), String> {
+    let (a, b) = (own.meta(), theirs.meta());
+    if (a.step, a.cursor, a.rng) != (b.step, b.cursor, b.rng) {
+        return Err(format!(
+            "step {}, cursor {}, rng {:?} against this rank's {}, {}, {:?}",
+            b.step, b.cursor, b.rng, a.step, a.cursor, a.rng
+        ));
+    }
+    let (mine, other) = (own.tensors(), theirs.tensors());
+    if mine.keys().ne(other.keys()) {
+        return Err("other tensors".into());
+    }
+    for (name, t) in mine {
+        let u = &other[name];
+        if t.dtype() != u.dtype() || t.shape() != u.shape() {
+            return Err(format!("{name}: another dtype or shape"));
+        }
+        let (Some(x), Some(y)) = (t.to_f32(), u.to_f32()) else {
+            if t.data() != u.data() {
+                return Err(format!("{name}: other values"));
+            }
+            continue;
+        };
+        let norm = x.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>().sqrt();
+        let diff = x.iter().zip(&y).map(|(p, q)| f64::from(p - q).powi(2)).sum::<f64>().sqrt();
+        let bound = 1e-3 * norm + 1e-5 * (x.len() as f64).sqrt();
+        if diff.is_nan() || diff > bound {
+            return Err(format!("{name} differs by {diff:.3e}, beyond {bound:.3e} (norm {norm:.3e})"));
+        }
+    }
+    Ok(())
 }
 
 /// What the entered epoch trains over, connected once every rank passed the entry's
@@ -346,7 +434,7 @@ fn check_copied(
 ) -> Result<(), AgentError> {
     let got = merged.content_hash().to_string();
     if hash_bytes(&got) != ranks[r].live.hash {
-        return Err(AgentError::Entry(format!(
+        return Err(AgentError::entry(format!(
             "epoch {}: the state assembled for step {step} hashes to {got}, node {} trains with {}",
             n.id,
             n.ranks[r],
@@ -386,6 +474,7 @@ fn publish(x: &mut Entering<'_>) -> Result<Published, AgentError> {
         live: Desc { step: x.trainer.step(), hash: hash_bytes(&hash), blocks: (held.start, held.end) },
         snaps: [slot(&snapshots, 0), slot(&snapshots, 1)],
         shadows: [slot(&shadows, 0), slot(&shadows, 1)],
+        replayed: x.replayed.as_deref() == Some(hash.as_str()),
     };
     Ok(Published { image: None, bytes, live_label, snapshots, shadows, state })
 }
@@ -417,7 +506,7 @@ fn offer_live(
     if offered || own_use {
         let image = x.trainer.image()?;
         if label_of(image.content_hash()) != mine.live_label {
-            return Err(AgentError::Entry("the live state changed after its hash was published".into()));
+            return Err(AgentError::entry("the live state changed after its hash was published"));
         }
         if offered {
             let encoded = image.encode()?;
@@ -459,14 +548,12 @@ fn assemble(
             };
             match keep {
                 None => mine.image.as_ref().ok_or_else(|| {
-                    AgentError::Entry("the plan copies this rank's live state, which it did not keep".into())
+                    AgentError::entry("the plan copies this rank's live state, which it did not keep")
                 })?,
                 Some(k) => {
                     fetched = StateImage::decode(&k.bytes)?;
                     if fetched.content_hash() != hex {
-                        return Err(AgentError::Entry(
-                            "a kept snapshot no longer hashes to its descriptor".into(),
-                        ));
+                        return Err(AgentError::entry("a kept snapshot no longer hashes to its descriptor"));
                     }
                     &fetched
                 }
@@ -482,7 +569,7 @@ fn assemble(
             let (img, bytes) =
                 fetch_state(x.endpoint, n.id, &format!("{src_node}@{}", addrs[*src]), label, most)?;
             if img.content_hash() != hex {
-                return Err(AgentError::Entry(format!(
+                return Err(AgentError::entry(format!(
                     "state from node {src_node} does not hash to what it announced"
                 )));
             }
@@ -565,4 +652,33 @@ fn fetch_state(
     let (bytes, stats) = fetch(&dialer, &[source.to_string()], &opts)?;
     crate::dataplane::count_bytes(false, "handoff", stats.bytes);
     Ok((StateImage::decode(&bytes)?, stats.bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::near;
+    use limpet_snapshot::{RawTensor, RngState, StateImage};
+    use std::collections::BTreeMap;
+
+    fn image(step: u64, values: &[f32]) -> StateImage {
+        let t = RawTensor::from_f32("param/b00.w", vec![values.len()], values).unwrap();
+        let tensors = BTreeMap::from([("param/b00.w".to_string(), t)]);
+        StateImage::new(step, step * 8, RngState::new(1), serde_json::json!({}), tensors)
+    }
+
+    /// What a torn step's finish accepts of the peer's state: rounding, not another step or
+    /// other values.
+    #[test]
+    fn a_peers_state_is_near_only_to_rounding() {
+        let own: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.37).sin()).collect();
+        let rounded: Vec<f32> = own.iter().map(|v| v * (1.0 + 1e-6)).collect();
+        assert_eq!(near(&image(4, &own), &image(4, &rounded)), Ok(()));
+        let mut moved = own.clone();
+        moved[17] += 0.5;
+        let e = near(&image(4, &own), &image(4, &moved)).unwrap_err();
+        assert!(e.contains("param/b00.w differs"), "{e}");
+        assert!(near(&image(4, &own), &image(5, &own)).unwrap_err().contains("step 5"));
+        let nan: Vec<f32> = own.iter().map(|_| f32::NAN).collect();
+        assert!(near(&image(4, &own), &image(4, &nan)).is_err());
+    }
 }

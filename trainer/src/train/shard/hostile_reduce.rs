@@ -1,7 +1,6 @@
 //! A group of two whose other member is hostile: its row of a regroup's facts is whatever it
-//! sends, and every value the state's allreduces carry from it is garbage. One file for the
-//! regroup's property tests and the fuzz target `regroup_facts` (which includes it by path;
-//! both bring `Reduce` and `TrainerError` into the including module).
+//! sends, and every value the state's allreduces carry from it is garbage (the regroup's
+//! property tests; the including module brings `Reduce` and `TrainerError` into scope).
 
 use super::{Reduce, TrainerError};
 

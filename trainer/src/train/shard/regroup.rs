@@ -1,18 +1,18 @@
-//! Rebuilding sharded optimizer state in a new group ([`Trainer::regroup`]): the ranks sum
-//! a row of facts each (layout, step, position, parameters' digest), check every row, agree
-//! on the step and on who gives each value, and move each slot (and the parameters, when a
-//! rank lacks them) through exact allreduces in which every value comes from one rank.
+//! Rebuilding sharded optimizer state in a new group ([`Trainer::regroup`]), executed: each
+//! rank states its state (`limpet_decide::regroup::RegroupFacts`), the group sums the rows,
+//! every rank computes the same plan from them (`limpet_decide::regroup::plan`), and this
+//! file carries it out: the exponents and a torn step's sum or norm, then each slot (and the
+//! parameters, where a rank lacks them) through relays in which every value comes from one
+//! rank.
 
 use super::{flat_values, unflatten, ShardLayout, ShardState};
 use crate::optim::Optimizer;
-use crate::train::{Piece, Reduce, StepStats, Trainer};
+use crate::train::{Reduce, StepStats, Trainer};
 use crate::TrainerError;
+use limpet_decide::regroup::{self, RegroupBounds, RegroupFacts, RegroupPlan, WORDS};
 use limpet_snapshot::RngState;
 use std::ops::Range;
 use tch::{Device, Kind, Tensor};
-
-mod bounds;
-pub use bounds::RegroupBounds;
 
 /// Feeds each tensor's values (as f32, one tensor's copy at a time) to `h`.
 fn hash_tensors<'a>(
@@ -27,119 +27,6 @@ fn hash_tensors<'a>(
         h.update(&bytes);
     }
     Ok(())
-}
-
-/// Values in each rank's row of a regroup's facts (see [`Trainer::regroup`]).
-const FACTS: usize = 25;
-
-/// The most ranks a layout in a regroup's facts may have, and the most replicas: bounds on
-/// what a peer's row can make this rank allocate and compute.
-const MOST_RANKS: i64 = 1 << 16;
-const MOST_REPLICAS: i64 = 64;
-
-/// The value ranges a layout of a rank holds, from its facts (a peer's word, checked): of
-/// `world` ranks, `m` block-holding ranks a host and `shards` in all, this rank's place among
-/// them plus one (`0`: it owns an empty block), `replicas`.
-fn checked_held(
-    n: usize,
-    world: i64,
-    [m, shards, s]: [i64; 3],
-    replicas: i64,
-) -> Result<Vec<Range<usize>>, String> {
-    if !(1..=world).contains(&m)
-        || !(1..=world).contains(&shards)
-        || shards % m != 0
-        || !(0..=shards).contains(&s)
-    {
-        return Err(format!("{world} ranks on hosts of {m} holding blocks, {shards} in all, this one {s}"));
-    }
-    let hosts = shards / m;
-    if hosts > 1 && replicas >= hosts {
-        let what = if m == 1 && shards == world { "ranks" } else { "hosts" };
-        let count = if what == "ranks" { world } else { hosts };
-        return Err(format!("{replicas} replicas of each shard need more than {count} {what}"));
-    }
-    let replicas = if hosts == 1 { 0 } else { replicas as usize };
-    let s = (s > 0).then(|| s as usize - 1);
-    Ok(super::held_ranges(n, (shards as usize, m as usize), s, replicas))
-}
-
-/// The values rank `j` holds in its layout, from its row of a regroup's facts, checked (a
-/// peer's word): `None` when it holds no shard.
-fn checked_layout(n: usize, j: usize, row: &[i64]) -> Result<Option<Vec<Range<usize>>>, TrainerError> {
-    let bad = |what: String| Err(TrainerError::Mismatch(format!("rank {j}'s facts in the regroup: {what}")));
-    let [tag, world, replicas, rank, step, pending, norm_at, _, whole, ..] = row else {
-        return bad(format!("{} values", row.len()));
-    };
-    if row.len() != FACTS {
-        return bad(format!("{} values", row.len()));
-    }
-    if !(0..=i64::MAX / 2).contains(step) || *norm_at < 0 || *tag < 0 {
-        return bad(format!("step {step}, tag {tag}, norm step {norm_at}"));
-    }
-    if [*pending, *whole, row[12], row[17]].iter().any(|f| !(0..=1).contains(f)) {
-        return bad("a flag that is neither 0 nor 1".into());
-    }
-    if !(0..=MOST_REPLICAS + 1).contains(&row[18])
-        || [row[20], row[24]].iter().any(|f| !(0..=MOST_RANKS).contains(f))
-        || !(0..=MOST_RANKS + 1).contains(&row[23])
-    {
-        return bad(format!(
-            "a target fact of {} (hosts of {} holding blocks, {} in all, this one {})",
-            row[18], row[20], row[24], row[23]
-        ));
-    }
-    if *world == 0 {
-        return Ok(None);
-    }
-    if !(1..=MOST_RANKS).contains(world)
-        || !(0..*world).contains(rank)
-        || !(0..=MOST_REPLICAS).contains(replicas)
-    {
-        return bad(format!("rank {rank} of {world} with {replicas} replicas"));
-    }
-    match checked_held(n, *world, [row[19], row[22], row[21]], *replicas) {
-        Ok(held) => Ok(Some(held)),
-        Err(e) => bad(e),
-    }
-}
-
-/// Who gives each value of `0..n`: `sources` are (rank, values it holds, preference: lower
-/// first); each value goes to the most preferred source holding it (then the lowest rank).
-/// The pieces in order, or the first range nobody holds.
-fn givers(
-    n: usize,
-    mut sources: Vec<(usize, Range<usize>, (u8, i64))>,
-) -> Result<Vec<(usize, Range<usize>)>, Range<usize>> {
-    sources.retain(|(_, r, _)| !r.is_empty() && r.end <= n);
-    sources.sort_by_key(|(j, _, pref)| (*pref, *j));
-    let mut cuts: Vec<usize> = sources.iter().flat_map(|(_, r, _)| [r.start, r.end]).chain([0, n]).collect();
-    cuts.sort_unstable();
-    cuts.dedup();
-    let mut by: Vec<Option<usize>> = vec![None; cuts.len().saturating_sub(1)];
-    for (j, r, _) in &sources {
-        // Ranges of one layout tile the values, so each layout walks each piece once.
-        let first = cuts.partition_point(|&c| c < r.start);
-        for (i, who) in by.iter_mut().enumerate().skip(first) {
-            if cuts[i + 1] > r.end {
-                break;
-            }
-            who.get_or_insert(*j);
-        }
-    }
-    let mut pieces: Vec<(usize, Range<usize>)> = Vec::new();
-    for (i, who) in by.iter().enumerate() {
-        let range = cuts[i]..cuts[i + 1];
-        match (who, pieces.last_mut()) {
-            (None, _) => {
-                let end = by[i..].iter().position(Option::is_some).map_or(n, |k| cuts[i + k]);
-                return Err(range.start..end);
-            }
-            (Some(j), Some((last, r))) if last == j && r.end == range.start => r.end = range.end,
-            (Some(j), _) => pieces.push((*j, range)),
-        }
-    }
-    Ok(pieces)
 }
 
 impl Trainer {
@@ -170,34 +57,25 @@ impl Trainer {
         Ok(*h.finalize().as_bytes())
     }
 
-    /// This rank's row of the regroup's facts (see [`Trainer::regroup`]), `f` values.
-    fn regroup_facts(&self, f: usize) -> Result<Vec<i64>, TrainerError> {
-        let mut row = vec![0i64; f];
-        row[4] = self.step as i64;
-        // Bit casts: a u64 goes through the sum unchanged, every other rank adds zero.
-        row[9..12].copy_from_slice(&[self.cursor as i64, self.rng.seed as i64, self.rng.draws as i64]);
-        if let Some(s) = &self.shard {
-            let l = &s.layout;
-            row[..4].copy_from_slice(&[l.tag as i64, l.world() as i64, l.replicas as i64, l.rank as i64]);
-            let (shards, m) = l.shards();
-            (row[19], row[21], row[22]) =
-                (m as i64, l.shard_rank().map_or(0, |s| s as i64 + 1), shards as i64);
-            row[5] = i64::from(s.pending == Some(self.step));
-            row[12] = i64::from(s.stale.is_some());
-            row[17] = i64::from(self.kept_sum().is_some());
-            if let Some((at, norm)) = s.last_norm {
-                row[6] = at as i64 + 1;
-                row[7] = norm.to_bits() as i64;
-            }
-        } else {
-            row[8] = i64::from(!self.optim.is_released());
-        }
+    /// What this rank states in a regroup (its target aside).
+    fn regroup_facts(&self) -> Result<RegroupFacts, TrainerError> {
         let mut h = blake3::Hasher::new();
         hash_tensors(&mut h, self.model.params().iter().map(|(_, p)| p))?;
-        for (k, w) in h.finalize().as_bytes().chunks(8).enumerate() {
-            row[13 + k] = i64::from_le_bytes(w.try_into().expect("8 bytes"));
-        }
-        Ok(row)
+        let shard = self.shard.as_ref();
+        Ok(RegroupFacts {
+            layout: shard.map(|s| s.layout.facts()),
+            step: self.step,
+            pending: shard.is_some_and(|s| s.pending == Some(self.step)),
+            last_norm: shard.and_then(|s| s.last_norm),
+            whole: shard.is_none() && !self.optim.is_released(),
+            cursor: self.cursor,
+            seed: self.rng.seed,
+            draws: self.rng.draws,
+            stale: shard.is_some_and(|s| s.stale.is_some()),
+            digest: *h.finalize().as_bytes(),
+            kept_sum: shard.is_some() && self.kept_sum().is_some(),
+            target: None,
+        })
     }
 
     /// Writes this rank's values `range` of optimizer slot `k` (of the parameters when `k`
@@ -282,134 +160,41 @@ impl Trainer {
                 return Err(TrainerError::Config(format!("a layout of {:?} for {n} values", t.blocks)));
             }
         }
-        // Every rank's layout (tag, world, replicas, rank), step, whether a step's gradient
-        // waits for its norm, the last norm it gathered, whether it holds the whole state,
-        // its position in the data (cursor, RNG seed and draws), whether its parameters are
-        // stale, their digest, whether it keeps the fixed-point sum of the reproducible
-        // step that brought it to its step, the layout it keeps (its replica count, one
-        // up; 0: the whole state), and of its layout and the one it keeps the block-holding
-        // ranks a host, its place among them (one up; 0: none) and their count: all decide
-        // alike from these.
-        const F: usize = FACTS;
-        let mut facts = vec![0i64; F * world];
-        let mut row = self.regroup_facts(F)?;
-        row[18] = target.as_ref().map_or(0, |t| t.replicas as i64 + 1);
-        if let Some(t) = &target {
-            let (shards, m) = t.shards();
-            (row[20], row[23], row[24]) =
-                (m as i64, t.shard_rank().map_or(0, |s| s as i64 + 1), shards as i64);
-        }
-        facts[F * rank..F * (rank + 1)].copy_from_slice(&row);
-        reduce.allreduce_sum_i64(&mut facts, step_tag)?;
-        if facts[F * rank..F * (rank + 1)] != row[..] {
+        let mut mine = self.regroup_facts()?;
+        mine.target = target.as_ref().map(ShardLayout::kept);
+        let row = mine.encode();
+        let mut words = vec![0i64; WORDS * world];
+        words[WORDS * rank..WORDS * (rank + 1)].copy_from_slice(&row);
+        reduce.allreduce_sum_i64(&mut words, step_tag)?;
+        if words[WORDS * rank..WORDS * (rank + 1)] != row[..] {
             return Err(TrainerError::Mismatch(
                 "a peer altered this rank's facts in the regroup's sum".into(),
             ));
         }
-        let fact = |j: usize, k: usize| facts[F * j + k];
-        let mut layouts = (0..world)
-            .map(|j| checked_layout(n, j, &facts[F * j..F * (j + 1)]))
-            .collect::<Result<Vec<_>, _>>()?;
-        // Whose whole state counts (with bounds, only one another host confirms).
-        let whole_ok = match bounds {
-            Some(b) => b.admit(&facts, &mut layouts)?,
-            None => vec![true; world],
-        };
-        let holders: Vec<usize> = (0..world).filter(|&j| layouts[j].is_some()).collect();
-        let Some(&newest) = holders.iter().max_by_key(|&&j| (fact(j, 0), fact(j, 4))) else {
-            return Ok(None);
-        };
-        let (tag, step) = (fact(newest, 0), fact(newest, 4));
-        let whole_at = |j: usize| (fact(j, 8) == 1 && whole_ok[j]).then(|| fact(j, 4));
-        if (0..world).filter_map(whole_at).any(|w| w > step) {
-            // Whole state further on than any shard: the entry copies it; nothing to rebuild.
-            return Ok(None);
+        let facts = regroup::decode_all(&words, world)?;
+        match regroup::plan(n, &facts, bounds, self.job.reproducible)? {
+            Some(plan) => self.carry_out(rank, target, &plan, step_tag, reduce).map(Some),
+            None => Ok(None),
         }
-        // The position every rank leaves with, checked before anything moves (every rank
-        // checks the same facts, so all refuse alike).
-        let (cursor, seed, draws) =
-            (fact(newest, 9) as u64, fact(newest, 10) as u64, fact(newest, 11) as u64);
-        if cursor < step as u64 || cursor > u64::MAX / 4 {
-            return Err(TrainerError::Mismatch(format!(
-                "rank {newest} is at step {step} with cursor {cursor}: {step} steps consume at least {step} samples"
-            )));
-        }
-        let same_layout = |a: usize, b: usize| {
-            (fact(a, 0), fact(a, 1), fact(a, 2), fact(a, 19), fact(a, 22))
-                == (fact(b, 0), fact(b, 1), fact(b, 2), fact(b, 19), fact(b, 22))
-                && layouts[a].is_some()
-        };
-        let of_newest = |j: usize| same_layout(j, newest);
-        // A step some ranks applied and others did not, because the norm's allgather failed
-        // on them: those have the step's gradient and finish it with the norm a peer of the
-        // same layout got for that step.
-        let norm_of_last = (0..world)
-            .find(|&j| of_newest(j) && fact(j, 6) > 0 && fact(j, 6) == step)
-            .map(|j| f64::from_bits(fact(j, 7) as u64));
-        let finishes =
-            |j: usize| of_newest(j) && fact(j, 4) == step - 1 && fact(j, 5) == 1 && norm_of_last.is_some();
-        // A reproducible step whose fixed-point sum broke on some ranks after others had
-        // all of it (a kill while the ring was gathering): those updated, these did not. A
-        // holder a step behind finishes it from the sum a peer at the step kept (the sum,
-        // the exponents and so the update are the same bits on every rank), so a block whose
-        // other holders are gone is not lost.
-        let sum_giver = (0..world).find(|&j| of_newest(j) && fact(j, 4) == step && fact(j, 17) == 1);
-        let reproducible = self.job.reproducible;
-        let catches_up = |j: usize| {
-            reproducible && sum_giver.is_some() && of_newest(j) && fact(j, 4) == step - 1 && fact(j, 5) == 0
-        };
-        let effective = |j: usize| if finishes(j) || catches_up(j) { step } else { fact(j, 4) };
-        // Who gives each value: a holder of the newest layout at the step, else a holder of
-        // another layout at that step (a rank whose last re-cut broke keeps the layout before
-        // it, whole, until one succeeds), else a rank with the whole state at that step.
-        let mut sources: Vec<(usize, Range<usize>, (u8, i64))> = Vec::new();
-        for j in (0..world).filter(|&j| effective(j) == step) {
-            match &layouts[j] {
-                Some(held) => {
-                    let class = u8::from(!of_newest(j));
-                    sources.extend(held.iter().map(|r| (j, r.clone(), (class, -fact(j, 0)))));
-                }
-                None if whole_at(j) == Some(step) => sources.push((j, 0..n, (2, 0))),
-                None => {}
-            }
-        }
-        // What each rank holds of the state at the step (it takes those values from itself:
-        // holders are bit-identical) and what it keeps afterwards.
-        let own: Vec<Vec<Range<usize>>> =
-            (0..world).map(|j| sources.iter().filter(|s| s.0 == j).map(|s| s.1.clone()).collect()).collect();
-        let keeps = (0..world)
-            .map(|j| match fact(j, 18) {
-                // Without a target at another step, a rank loads the whole state afterwards.
-                0 if effective(j) != step => Ok(Vec::new()),
-                0 => Ok(std::iter::once(0..n).collect()),
-                r => checked_held(n, world as i64, [fact(j, 20), fact(j, 24), fact(j, 23)], r - 1)
-                    .map_err(|e| TrainerError::Mismatch(format!("rank {j}'s target in the regroup: {e}"))),
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        // The parameters move only to a rank without those of the step rebuilt: one at
-        // another step, one finishing the step (its other blocks' parameters never came),
-        // one whose parameters' allgather broke.
-        let digest = |j: usize| &facts[F * j + 13..F * j + 17];
-        let params_to: Vec<bool> = (0..world)
-            .map(|j| {
-                fact(j, 4) != step
-                    || finishes(j)
-                    || catches_up(j)
-                    || fact(j, 12) == 1
-                    || digest(j) != digest(newest)
-            })
-            .collect();
-        let pieces = givers(n, sources).map_err(|gap| {
-            TrainerError::ShardLost(format!(
-                "no live rank holds values {gap:?} of the optimizer state at step {step} (layout {tag}): every holder is gone"
-            ))
-        })?;
+    }
+
+    /// Carries out a regroup's `plan` as rank `rank` (every rank of the group carries out
+    /// the same plan, so all take the same collectives): returns the step rebuilt.
+    fn carry_out(
+        &mut self,
+        rank: usize,
+        target: Option<ShardLayout>,
+        plan: &RegroupPlan,
+        step_tag: u64,
+        reduce: &mut dyn Reduce,
+    ) -> Result<u64, TrainerError> {
+        let (n, step) = (self.grads.grads_len(), plan.step);
         // A reproducible job's exponents for the next step are state, like its position:
         // every rank leaves with those of the rank it takes the position from. Taken before
         // anything here changes (every rank reaches this point), kept until the state is.
         let exponents = match self.job.reproducible {
             true => Some(exponents_of(
-                newest,
+                plan.newest,
                 rank,
                 self.exact_exponents.as_deref(),
                 self.model.params().len() + 1,
@@ -418,7 +203,7 @@ impl Trainer {
             )?),
             false => None,
         };
-        if let Some(giver) = sum_giver.filter(|_| (0..world).any(catches_up)) {
+        if let Some(giver) = plan.sum_giver.filter(|_| plan.catches_up.contains(&true)) {
             let sum = sum_of_step(
                 giver,
                 rank,
@@ -427,20 +212,20 @@ impl Trainer {
                 step_tag,
                 reduce,
             )?;
-            if catches_up(rank) {
+            if plan.catches_up[rank] {
                 let (acc, exps) = sum;
                 let layout = self.shard.as_ref().expect("a holder").layout.clone();
                 let next = self.dequantize_sum(&acc, &exps);
-                let stats = self.update_exact_held(&layout, next, step as u64 - 1)?;
+                let stats = self.update_exact_held(&layout, next, step - 1)?;
                 self.unlogged = Some(stats);
                 self.advance();
                 self.shard.as_mut().expect("a holder").stale =
                     Some("a step finished at a regroup that did not complete".into());
             }
         }
-        if finishes(rank) {
+        if plan.finishes[rank] {
             let layout = self.shard.as_ref().expect("a holder").layout.clone();
-            let norm = norm_of_last.expect("checked");
+            let norm = plan.norm.expect("a rank finishes with a norm");
             let lr = self.apply_held(&layout, norm);
             let sums = &self.grads.as_mut_slice()[n..];
             self.unlogged = Some(StepStats {
@@ -454,7 +239,7 @@ impl Trainer {
             });
             self.advance();
             let s = self.shard.as_mut().expect("a holder");
-            (s.pending, s.last_norm) = (None, Some((step as u64 - 1, norm)));
+            (s.pending, s.last_norm) = (None, Some((step - 1, norm)));
             // The other blocks' parameters come in this regroup: if it breaks, no step runs.
             s.stale = Some("a step finished at a regroup that did not complete".into());
         }
@@ -468,31 +253,23 @@ impl Trainer {
         let mut kept: Vec<(usize, Vec<Tensor>)> = keep.iter().map(|&b| (b, Vec::new())).collect();
         let mut whole: Vec<Vec<Tensor>> = Vec::new();
         let mut all = vec![0f32; n];
-        let rounds = if params_to.iter().any(|&m| m) { slots + 1 } else { slots };
-        // Each slot goes from its givers to the ranks that keep it and do not hold it; the
-        // parameters to the ranks that lack them.
-        let slot_moves = relay_pieces(&pieces, &keeps, &own);
-        let everything = |to: bool| std::iter::once(0..n).filter(|_| to).collect::<Vec<_>>();
-        let param_moves = relay_pieces(
-            &pieces,
-            &params_to.iter().map(|&m| everything(m)).collect::<Vec<_>>(),
-            &vec![Vec::new(); world],
-        );
-        let taken = |moves: &[Piece]| {
+        let rounds = if plan.moves_params() { slots + 1 } else { slots };
+        let taken = |moves: &[regroup::Piece]| {
             moves.iter().filter(|p| p.to.contains(&rank)).map(|p| p.range.len()).sum::<usize>()
         };
-        self.regroup_values = (slots * taken(&slot_moves) + (rounds - slots) * taken(&param_moves)) as u64;
+        self.regroup_values =
+            (slots * taken(&plan.slot_moves) + (rounds - slots) * taken(&plan.param_moves)) as u64;
         // Each slot, then the parameters (last, so a failure leaves them as they were): the
         // givers' values are copied, bit for bit.
         for k in 0..rounds {
             all.iter_mut().for_each(|v| *v = 0.0);
-            for (_, range) in pieces.iter().filter(|p| p.0 == rank) {
+            for (_, range) in plan.pieces.iter().filter(|p| p.0 == rank) {
                 self.give_values(k, range.clone(), &mut all)?;
             }
-            let moves = if k == slots { &param_moves } else { &slot_moves };
+            let moves = if k == slots { &plan.param_moves } else { &plan.slot_moves };
             reduce.relay(&mut all, moves, rank, step_tag)?;
             if k == slots {
-                if params_to[rank] {
+                if plan.params_to[rank] {
                     let values = unflatten(&all, params, device);
                     tch::no_grad(|| -> Result<(), TrainerError> {
                         for ((_, p), v) in params.iter().zip(&values) {
@@ -505,7 +282,7 @@ impl Trainer {
             }
             // What this rank holds at the step it takes from itself (a relay may have
             // passed other values over those places).
-            for range in &own[rank] {
+            for range in &plan.own[rank] {
                 self.give_values(k, range.clone(), &mut all)?;
             }
             if let Some(t) = &target {
@@ -516,22 +293,22 @@ impl Trainer {
                 whole.push(unflatten(&all, params, device));
             }
         }
-        if target.is_none() && self.step as i64 != step {
+        if target.is_none() && self.step != step {
             // Parameters of another step: this rank must load the whole state of `step`.
             self.shard = None;
             self.optim = Optimizer::new(self.optim.spec(), params);
-            return Ok(Some(step as u64));
+            return Ok(step);
         }
         if let Some(e) = exponents {
             self.exact_exponents = e;
         }
         if target.is_some() {
             // Every rank leaves at the step rebuilt, where the chosen layout's holder is.
-            if self.step as i64 != step {
+            if self.step != step {
                 self.unlogged = None;
             }
-            (self.step, self.cursor) = (step as u64, cursor);
-            self.rng = RngState { seed, draws };
+            (self.step, self.cursor) = (step, plan.cursor);
+            self.rng = RngState { seed: plan.seed, draws: plan.draws };
         }
         match target {
             Some(layout) => {
@@ -552,46 +329,8 @@ impl Trainer {
                 self.optim.restore(whole);
             }
         }
-        Ok(Some(step as u64))
+        Ok(step)
     }
-}
-
-/// What a relay moves so that every rank `j` ends with the values `takes[j]` in its buffer:
-/// each of `pieces` (its giver, its values) cut where a rank's takes begin or end, each part
-/// going to the ranks that take it and do not hold it already (`own[j]`; the giver holds its
-/// own). Adjacent parts of one giver going to the same ranks are one piece.
-fn relay_pieces(
-    pieces: &[(usize, Range<usize>)],
-    takes: &[Vec<Range<usize>>],
-    own: &[Vec<Range<usize>>],
-) -> Vec<Piece> {
-    let covers =
-        |set: &[Range<usize>], r: &Range<usize>| set.iter().any(|s| s.start <= r.start && r.end <= s.end);
-    let mut out: Vec<Piece> = Vec::new();
-    for (giver, range) in pieces {
-        let mut cuts = vec![range.start, range.end];
-        for t in takes.iter().chain(own).flatten() {
-            cuts.extend([t.start, t.end].into_iter().filter(|c| range.start < *c && *c < range.end));
-        }
-        cuts.sort_unstable();
-        cuts.dedup();
-        for w in cuts.windows(2) {
-            let part = w[0]..w[1];
-            let to: Vec<usize> = (0..takes.len())
-                .filter(|&j| j != *giver && covers(&takes[j], &part) && !covers(&own[j], &part))
-                .collect();
-            if to.is_empty() {
-                continue;
-            }
-            match out.last_mut() {
-                Some(p) if p.giver == *giver && p.range.end == part.start && p.to == to => {
-                    p.range.end = part.end
-                }
-                _ => out.push(Piece { giver: *giver, range: part, to }),
-            }
-        }
-    }
-    out
 }
 
 /// The fixed-point sum of a reproducible step and its exponents that rank `giver` kept
