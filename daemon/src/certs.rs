@@ -30,7 +30,7 @@ pub enum CertsCommand {
     Renew(RenewArgs),
     /// Revoke a certificate: every node of the cluster refuses it from now on (an operator's
     /// certificate proposes it).
-    Revoke(crate::actions::RevokeCertArgs),
+    Revoke(crate::propose_cmd::RevokeCertArgs),
 }
 
 /// `limpet certs renew`.
@@ -126,7 +126,7 @@ pub fn run(cmd: CertsCommand) -> crate::Result<()> {
                 println!("CA created: {} (key {})", cert.display(), key.display());
             }
         }
-        CertsCommand::Revoke(a) => crate::actions::revoke_certificate(a)?,
+        CertsCommand::Revoke(a) => crate::propose_cmd::revoke_certificate(a)?,
         CertsCommand::Renew(a) => {
             check_name(&a.name)?;
             let (cert, key) = (a.dir.join(format!("{}.pem", a.name)), a.dir.join(format!("{}.key", a.name)));

@@ -25,14 +25,14 @@ pub enum Command {
     #[command(subcommand)]
     Data(crate::data_cmd::DataCommand),
     /// Write a LLaMA checkpoint as a Hugging Face directory that `transformers` loads.
-    Export(crate::data_cmd::ExportArgs),
+    Export(crate::export_cmd::ExportArgs),
     /// Show the cluster: nodes with role and status, leader, epoch, step, loss, throughput,
     /// and recent transitions with cause, idle time and lost steps.
     Status(crate::status::StatusArgs),
     /// Ask a node to leave at the next epoch boundary.
-    Drain(crate::actions::DrainArgs),
+    Drain(crate::propose_cmd::DrainArgs),
     /// Inject a revocation: a spot notice (--in SECS) or a kill without notice (--hard).
-    Revoke(crate::actions::RevokeArgs),
+    Revoke(crate::propose_cmd::RevokeArgs),
     /// The cluster's certificates: a CA, node and operator certificates (mutual TLS).
     #[command(subcommand)]
     Certs(crate::certs::CertsCommand),
@@ -48,11 +48,11 @@ pub fn run(cli: Cli) -> crate::Result<()> {
     match cli.command {
         Command::Train(args) => crate::train_cmd::run(args),
         Command::Data(cmd) => crate::data_cmd::run(cmd),
-        Command::Export(args) => crate::data_cmd::export(args),
+        Command::Export(args) => crate::export_cmd::export(args),
         Command::Plan(args) => crate::plan_cmd::run(args),
         Command::Status(args) => crate::status::status(args),
-        Command::Drain(args) => crate::actions::drain(args),
-        Command::Revoke(args) => crate::actions::revoke(args),
+        Command::Drain(args) => crate::propose_cmd::drain(args),
+        Command::Revoke(args) => crate::propose_cmd::revoke(args),
         Command::Fleet(cmd) => crate::fleet_cmd::run(cmd),
         Command::Certs(cmd) => crate::certs::run(cmd),
         Command::Simulate(args) => crate::simulate::run(args),

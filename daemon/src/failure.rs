@@ -83,7 +83,7 @@ impl Failure {
             Failure::Within { source, .. } => source.exit_code(),
             Failure::Consensus(c) | Failure::Agent(A::Fatal(Fatal::Consensus(c))) => consensus(c),
             Failure::Trainer(t) => trainer(t),
-            // Start-up built the job from its configuration and data (Config::settle) before
+            // Start-up built the job from its configuration and data (Config::settings) before
             // the agent ran: a running rank's trainer failing (on a peer's state, a full
             // disk, a bug) is one systemd restarts.
             Failure::Agent(A::Fatal(Fatal::Trainer(_))) => EXIT_FAILURE,

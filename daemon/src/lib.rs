@@ -2,10 +2,16 @@
 //! endpoint and signals) and `limpet` (the operator's command line: status, drain, revoke,
 //! certificates, fleet, training and data commands), with their output. `src/bin` only
 //! calls into here. The demo, benchmarks and local clusters are the `limpet-lab` crate.
+//!
+//! One rule for the command line's modules: a command whose code is one file is
+//! `<command>_cmd.rs` (`train_cmd`, `plan_cmd`, `export_cmd`, `fleet_cmd`, `data_cmd` with
+//! `tokenize_cmd` for `data tokenize`, `credentials_cmd` for `limpetd fetch-credentials`,
+//! `propose_cmd` for the commands that propose to the cluster's log: `drain`, `revoke` and
+//! `certs revoke`); a command that is a room of its own is a folder or module named after it
+//! (`status/`, `simulate/`, `certs`).
 
 #![forbid(unsafe_code)]
 
-pub mod actions;
 pub mod args;
 pub mod certs;
 pub mod cli;
@@ -23,12 +29,14 @@ pub const VERSION: &str = if cfg!(feature = "lab") {
 pub mod config;
 pub mod credentials_cmd;
 pub mod data_cmd;
+pub mod export_cmd;
 pub mod failure;
 pub mod fleet_cmd;
 pub mod limpetd;
 pub mod metrics;
 pub mod plan_cmd;
 pub mod plot;
+pub mod propose_cmd;
 pub mod reconciler;
 pub mod simulate;
 pub mod status;

@@ -77,7 +77,7 @@ pub fn main(cli: LimpetdCli) -> crate::Result<()> {
     let path = cli.run.config.ok_or_else(|| UsageError("--config FILE is required".into()))?;
     let file = path.display().to_string();
     let text = Config::read(&path).map_err(crate::config::ConfigErrors::from)?;
-    let cfg = Config::parse_unchecked(&text, &file).map_err(crate::config::ConfigErrors::from)?;
+    let cfg = Config::parse_unchecked(&text, &file)?;
     let json = cli
         .run
         .log_format
@@ -87,7 +87,7 @@ pub fn main(cli: LimpetdCli) -> crate::Result<()> {
     limpet_trainer::set_threads(1);
     let backend = limpet_trainer::device::backend();
     tracing::info!(devices = backend.devices, device = %cfg.job.device, "libtorch: {backend}");
-    let settings = cfg.settle()?;
+    let settings = cfg.settings()?;
     for warning in &settings.warnings {
         tracing::warn!("{warning}");
     }
@@ -162,7 +162,7 @@ pub fn main(cli: LimpetdCli) -> crate::Result<()> {
 fn validate(config: &std::path::Path, json: bool) -> crate::Result<()> {
     let settled = Config::read(config).map_err(crate::config::ConfigErrors::from).and_then(|text| {
         let cfg = Config::parse_unchecked(&text, &config.display().to_string())?;
-        let settings = cfg.settle()?;
+        let settings = cfg.settings()?;
         Ok((cfg, settings))
     });
     let (cfg, settings) = match settled {

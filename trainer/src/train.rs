@@ -384,18 +384,26 @@ impl Trainer {
         Ok(self.grads.as_mut_slice())
     }
 
-    /// Finishes the current step alone: the whole global batch on this rank (every rank's
-    /// share of it), then the update, as the step its group broke in would have gone. A
-    /// reproducible job's step is the same bits as the group's; any other rounds otherwise
-    /// (the same values summed in another order). For a survivor a step behind another,
-    /// which then checks the other's state against its own (the agent's entry).
-    pub fn finish_step_alone(&mut self) -> Result<StepStats, TrainerError> {
+    /// Finishes the current step alone, as the step its group of `world` ranks broke in
+    /// would have gone: every rank's share computed here as that rank computed it (its
+    /// samples, micro-batches and dropout), summed, then the update. A reproducible job's
+    /// step is the same bits as the group's; any other rounds otherwise (the same values
+    /// summed in another order). For a survivor a step behind another, which then checks
+    /// the other's state against its own (the agent's entry).
+    pub fn finish_step_alone(&mut self, world: usize) -> Result<StepStats, TrainerError> {
         self.refuse_sharded("finishing a step alone")?;
         if self.job.reproducible {
             return self.exact_step(0, 1, &mut NoReduce);
         }
-        self.compute_grads(0, 1)?;
-        self.apply_reduced()
+        let mut sum: Vec<f32> = Vec::new();
+        for rank in 0..world.max(1) {
+            let part = self.compute_grads(rank, world.max(1))?;
+            match sum.is_empty() {
+                true => sum = part.to_vec(),
+                false => sum.iter_mut().zip(part.iter()).for_each(|(s, p)| *s += p),
+            }
+        }
+        self.apply_update(&sum)
     }
 
     /// Applies the update from `reduced`, a buffer summed over ranks elsewhere (the sum of

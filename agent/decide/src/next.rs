@@ -40,12 +40,12 @@ pub enum Action {
     /// The job's steps are done: write the final checkpoint (once) and wait.
     Finish {
         /// A next epoch to connect ahead of its boundary meanwhile.
-        preform: Option<Epoch>,
+        connect_ahead: Option<Epoch>,
     },
     /// Train one step in the current epoch.
     Train {
         /// A next epoch to connect ahead of its boundary first.
-        preform: Option<Epoch>,
+        connect_ahead: Option<Epoch>,
     },
 }
 
@@ -60,14 +60,14 @@ pub fn next_action(st: &ClusterState, me: NodeId, at: Position) -> Action {
         }
     }
     let newest = [st.current.as_ref(), st.scheduled.as_ref()].into_iter().flatten().max_by_key(|e| e.id);
-    let mut preform = None;
+    let mut connect_ahead = None;
     if let Some(n) = newest.filter(|n| n.id > at.epoch.unwrap_or(0)) {
         let at_boundary = at.step >= n.start_step;
         if n.ranks.contains(&me) {
             if at.epoch.is_none() || at.broken || at_boundary {
                 return Action::Enter(n.clone());
             }
-            preform = Some(n.clone());
+            connect_ahead = Some(n.clone());
         } else if at.epoch.is_some() && (at.broken || at_boundary) {
             return Action::SitOut(n.id);
         }
@@ -80,7 +80,7 @@ pub fn next_action(st: &ClusterState, me: NodeId, at: Position) -> Action {
         return Action::Wait { phase: Phase::Waiting, ms: 50 };
     }
     if at.step >= at.job_steps {
-        return Action::Finish { preform };
+        return Action::Finish { connect_ahead };
     }
-    Action::Train { preform }
+    Action::Train { connect_ahead }
 }

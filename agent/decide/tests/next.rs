@@ -41,14 +41,14 @@ fn at(epoch: Option<u64>, step: u64) -> Position {
 
 #[test]
 fn a_rank_in_the_current_epoch_trains() {
-    assert_eq!(next_action(&state(None), 2, at(Some(1), 10)), Action::Train { preform: None });
+    assert_eq!(next_action(&state(None), 2, at(Some(1), 10)), Action::Train { connect_ahead: None });
 }
 
 #[test]
 fn a_survivor_connects_the_next_epoch_early_and_switches_at_its_start() {
     let next = epoch(2, 20, &[1, 2]);
     let st = state(Some(next.clone()));
-    assert_eq!(next_action(&st, 1, at(Some(1), 15)), Action::Train { preform: Some(next.clone()) });
+    assert_eq!(next_action(&st, 1, at(Some(1), 15)), Action::Train { connect_ahead: Some(next.clone()) });
     assert_eq!(next_action(&st, 1, at(Some(1), 20)), Action::Enter(next.clone()));
     // A broken collective does not wait for the boundary.
     let broken = Position { broken: true, ..at(Some(1), 15) };
@@ -58,7 +58,7 @@ fn a_survivor_connects_the_next_epoch_early_and_switches_at_its_start() {
 #[test]
 fn a_rank_left_out_trains_to_the_boundary_then_sits_out() {
     let st = state(Some(epoch(2, 20, &[1, 2])));
-    assert_eq!(next_action(&st, 3, at(Some(1), 15)), Action::Train { preform: None });
+    assert_eq!(next_action(&st, 3, at(Some(1), 15)), Action::Train { connect_ahead: None });
     assert_eq!(next_action(&st, 3, at(Some(1), 20)), Action::SitOut(2));
     let broken = Position { broken: true, ..at(Some(1), 15) };
     assert_eq!(next_action(&st, 3, broken), Action::SitOut(2));
@@ -81,7 +81,7 @@ fn a_broken_rank_without_a_next_epoch_waits() {
 
 #[test]
 fn the_last_step_finishes() {
-    assert_eq!(next_action(&state(None), 2, at(Some(1), 100)), Action::Finish { preform: None });
+    assert_eq!(next_action(&state(None), 2, at(Some(1), 100)), Action::Finish { connect_ahead: None });
 }
 
 #[test]

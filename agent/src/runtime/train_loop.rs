@@ -78,9 +78,8 @@ pub(super) struct TrainLoop {
     final_written: Option<String>,
     /// The next epoch's ring connections, made ahead of its boundary.
     pending: Option<Pending>,
-    /// The content hash of this rank's state when it finished a torn step alone at an entry
-    /// (it then publishes that state as a witness, see `entry`), until an entry succeeds.
-    replayed: Option<String>,
+    /// What this rank did about a torn step at an entry (`entry::Torn`).
+    torn: entry::Torn,
     /// The last entry failure logged: (epoch, error).
     entry_failed: Option<(u64, String)>,
     /// The last epoch this rank trained in (kept through failed entries), for a sharded step
@@ -134,7 +133,7 @@ impl TrainLoop {
             final_state: None,
             final_written: None,
             pending: None,
-            replayed: None,
+            torn: entry::Torn::default(),
             entry_failed: None,
             last_epoch: None,
             grad_stats: None,
@@ -245,8 +244,8 @@ impl TrainLoop {
                     self.set_phase(phase);
                     self.wait_change(Duration::from_millis(ms));
                 }
-                Action::Finish { preform } => {
-                    self.preform(&st, preform.as_ref());
+                Action::Finish { connect_ahead } => {
+                    self.connect_ahead(&st, connect_ahead.as_ref());
                     if !self.finished && self.trainer.shard_layout().is_some() && self.final_state.is_none() {
                         // The final gather broke: the next entry gathers the state again.
                         self.wait_change(Duration::from_millis(200));
@@ -277,8 +276,8 @@ impl TrainLoop {
                     self.set_phase(Phase::Finished);
                     self.wait_change(Duration::from_millis(200));
                 }
-                Action::Train { preform } => {
-                    self.preform(&st, preform.as_ref());
+                Action::Train { connect_ahead } => {
+                    self.connect_ahead(&st, connect_ahead.as_ref());
                     let epoch = self.group.as_ref().expect("training is in a group").0.clone();
                     self.step(&epoch, &st)?;
                 }
@@ -296,10 +295,10 @@ impl TrainLoop {
         }
     }
 
-    fn preform(&mut self, st: &ClusterState, n: Option<&Epoch>) {
+    fn connect_ahead(&mut self, st: &ClusterState, n: Option<&Epoch>) {
         if let Some(n) = n {
             if let Ok(addrs) = entry::addrs_of(st, n) {
-                entry::preform(&mut self.pending, &self.endpoint, n, &addrs);
+                entry::connect_ahead(&mut self.pending, &self.endpoint, n, &addrs);
             }
         }
     }
@@ -636,7 +635,7 @@ impl TrainLoop {
             followers: &mut self.followers,
             shadows: &mut self.shadows,
             pending: self.pending.take(),
-            replayed: &mut self.replayed,
+            torn: &mut self.torn,
             final_written: self.final_written.as_deref(),
             finished: self.finished,
         };

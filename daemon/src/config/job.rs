@@ -37,7 +37,7 @@ pub struct JobSection {
 }
 
 impl JobSection {
-    /// Total optimizer steps (required: `Config::parse` refused a file without it).
+    /// Total optimizer steps (required: the checks refuse a file without it).
     pub fn steps(&self) -> u64 {
         self.keys.steps.unwrap_or(1)
     }

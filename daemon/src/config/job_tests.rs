@@ -196,6 +196,20 @@ fn an_unknown_key_is_reported_beside_every_other_error() {
     let shown = Config::parse(&text, "c.toml").unwrap_err().to_string();
     assert!(shown.contains("[revocation].sources") && shown.contains("unknown field `poll`"), "{shown}");
     assert!(!shown.contains("global_batch") && !shown.contains("steps"), "{shown}");
+    // Optional sections and nested tables name their keys as files write them, on their
+    // lines; a key above the first section is one.
+    let text =
+        format!("steps = 10\n{}", example(s.path()).replace("insecure = true", "insecure = true\nbogus = 1"));
+    let errors = Config::parse(&text, "c.toml").unwrap_err();
+    let at = |key: &str| errors.all().iter().find(|e| e.key == key).map(|e| e.line);
+    let bogus = text.lines().position(|l| l.starts_with("bogus")).map(|i| i + 1);
+    assert_eq!(at("[security].bogus"), Some(bogus), "{errors}");
+    assert_eq!(at("steps"), Some(Some(1)), "{errors}");
+    assert!(errors.to_string().contains("unknown top-level key `steps`"), "{errors}");
+    // Start-up and `limpetd validate` (parse_unchecked, then settings) report the same.
+    let text = example(s.path()).replace("global_batch = 64", "bogus_key = 1");
+    let shown = Config::parse_unchecked(&text, "c.toml").unwrap().settings().err().unwrap().to_string();
+    assert!(shown.contains("[job].bogus_key") && shown.contains("[job].global_batch: missing"), "{shown}");
     // A training key left out is named in its section.
     let text = example(s.path()).replace("global_batch = 64", "");
     let shown = Config::parse(&text, "c.toml").unwrap_err().to_string();

@@ -4,24 +4,24 @@
 //! before it starts. The keys are documented in `docs/limpetd.md`.
 
 mod check;
+mod choices;
 mod devices;
-mod fields;
 mod fleet_target;
 mod job;
-mod names;
 mod secret;
 mod security;
-mod settle;
+mod settings;
+mod values;
 pub use check::{ConfigError, ConfigErrors};
+pub use choices::{DataName, DataPlaneMode, LogFormat, ModelName, SourceName, Sources};
 pub use devices::Devices;
 pub use fleet_target::CapacitySection;
 pub use job::JobSection;
 pub use limpet_trainer::job_keys::OptimizerName;
-pub use names::{DataName, DataPlaneMode, LogFormat, ModelName, SourceName, Sources};
 pub use secret::{read_secret, MIN_SECRET_BYTES};
 pub use security::{SecuritySection, SsmSection};
 use serde::Deserialize;
-pub use settle::Settings;
+pub use settings::Settings;
 use std::path::{Path, PathBuf};
 
 /// The whole file. No section denies unknown fields: serde would stop at the first, so the
@@ -389,7 +389,7 @@ fn default_gcp() -> String {
 }
 
 impl Config {
-    /// Reads and checks `path` (every key, not yet the job's data: [`Config::settle`]).
+    /// Reads and checks `path` (every key, not yet the job's data: [`Config::settings`]).
     pub fn load(path: &Path) -> Result<Config, ConfigErrors> {
         Config::parse(&Config::read(path)?, &path.display().to_string())
     }
@@ -402,33 +402,33 @@ impl Config {
 
     /// Parses and checks `text` (named `file` in errors).
     pub fn parse(text: &str, file: &str) -> Result<Config, ConfigErrors> {
-        let cfg = Config::parse_keys(text, file)?;
+        let cfg = Config::parse_unchecked(text, file)?;
         let mut c = check::Checks::new(file, text);
-        for key in &cfg.unknown {
-            c.fail(key, unknown(key));
-        }
-        for (key, set) in
-            [("steps", cfg.job.keys.steps.is_some()), ("global_batch", cfg.job.keys.global_batch.is_some())]
-        {
-            if !set {
-                c.fail(&format!("[job].{key}"), "missing: this key is required");
-            }
-        }
-        cfg.fields(&mut c);
+        cfg.values(&mut c);
         c.finish()?;
         Ok(cfg)
     }
 
-    /// Parses `text` without the checks that read files (for `limpetd fetch-credentials`,
-    /// which writes the files those checks read); an unknown key is still refused.
-    pub fn parse_unchecked(text: &str, file: &str) -> Result<Config, ConfigError> {
-        let cfg = Config::parse_keys(text, file).map_err(|e| e.first().clone())?;
-        match cfg.unknown.first() {
-            Some(key) => {
-                let line = check::line_of(text, key);
-                Err(ConfigError { file: file.into(), key: key.clone(), line, detail: unknown(key) })
+    /// Parses `text` without the checks (for `limpetd fetch-credentials`, which writes the
+    /// files those checks read, and for start-up and `limpetd validate`, whose
+    /// [`Config::settings`] runs them): unknown keys are kept in `unknown` and reported by
+    /// the checks, beside every other problem.
+    pub fn parse_unchecked(text: &str, file: &str) -> Result<Config, ConfigErrors> {
+        Config::parse_keys(text, file)
+    }
+
+    /// Every key nothing reads and every required key missing, for the checks.
+    pub(super) fn keys_known(&self, c: &mut check::Checks) {
+        for key in &self.unknown {
+            c.push(unknown(&self.source.text, c.file(), key));
+        }
+        let keys = &self.job.keys;
+        for (key, set) in [("steps", keys.steps.is_some()), ("global_batch", keys.global_batch.is_some())] {
+            if !set {
+                let line = check::line_of(&self.source.text, "[job]");
+                let detail = "missing: this key is required".to_string();
+                c.push(ConfigError { file: c.file().into(), key: format!("[job].{key}"), line, detail });
             }
-            None => Ok(cfg),
         }
     }
 
@@ -488,28 +488,43 @@ fn parse_error(text: &str, file: &str, e: toml::de::Error, ignored: &[String]) -
     };
     let mut c = check::Checks::new(file, text);
     for key in ignored.iter().map(|p| section_key(p)) {
-        c.fail(&key, unknown(&key));
+        c.push(unknown(text, file, &key));
     }
     c.push(ConfigError { file: file.to_string(), key, line, detail });
     c.finish().expect_err("one error at least")
 }
 
-/// What is wrong with an unknown key or section.
-fn unknown(key: &str) -> String {
-    match key.split_once("].") {
-        Some((section, name)) => {
-            format!("unknown field `{name}`: {section}] has no such key (the keys are in docs/limpetd.md)")
-        }
-        None => format!("unknown section {key}"),
+/// An unknown key (`[section].key`), or a path of one name (`[name]`): a section of that
+/// name, or a key above the first section (`name`, on its line).
+fn unknown(text: &str, file: &str, key: &str) -> ConfigError {
+    let error = |key: &str, line, detail| ConfigError { file: file.into(), key: key.into(), line, detail };
+    if let Some((section, name)) = key.split_once("].") {
+        let detail =
+            format!("unknown field `{name}`: {section}] has no such key (the keys are in docs/limpetd.md)");
+        return error(key, check::line_of(text, key), detail);
     }
+    if let Some(line) = check::line_of(text, key) {
+        return error(key, Some(line), format!("unknown section {key}"));
+    }
+    let name = key.trim_start_matches('[').trim_end_matches(']');
+    // Above the first section's header.
+    let line = text
+        .lines()
+        .take_while(|l| !l.trim_start().starts_with('['))
+        .position(|l| l.split_once('=').is_some_and(|(k, _)| k.trim().trim_matches(['"', '\'']) == name))
+        .map(|i| i + 1);
+    let detail =
+        format!("unknown top-level key `{name}`: every key belongs in a section ([node], [job], ...)");
+    error(name, line, detail)
 }
 
-/// A path serde names (`job.bogus`, `security.ssm.x`, `bogus`) as errors name keys:
-/// `[job].bogus`, `[security.ssm].x`, `[bogus]`.
+/// A path serde names (`job.bogus`, `security.?.ssm.?.x` through optional sections, `bogus`)
+/// as errors name keys: `[job].bogus`, `[security.ssm].x`, `[bogus]`.
 fn section_key(path: &str) -> String {
-    match path.rsplit_once('.') {
-        Some((section, key)) => format!("[{section}].{key}"),
-        None => format!("[{path}]"),
+    let parts: Vec<&str> = path.split('.').filter(|p| *p != "?").collect();
+    match parts.split_last() {
+        Some((key, section)) if !section.is_empty() => format!("[{}].{key}", section.join(".")),
+        _ => format!("[{}]", parts.join(".")),
     }
 }
 

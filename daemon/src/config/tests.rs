@@ -532,17 +532,17 @@ fn settling_refuses_what_only_the_built_job_can_tell() {
         .replace("data = \"digits\"", "data = \"chars\"");
     let with_cuts =
         |cuts: &str, stages: usize| format!("{base}\n[pipeline]\nstages = {stages}\ncuts = {cuts}\n");
-    let ok = Config::parse(&with_cuts("[2]", 2), "c.toml").unwrap().settle().unwrap();
+    let ok = Config::parse(&with_cuts("[2]", 2), "c.toml").unwrap().settings().unwrap();
     assert_eq!(ok.agent.pipeline.as_ref().unwrap().cuts, Some(vec![2]));
     // The embedding, 4 layers and the head.
     assert_eq!(ok.agent.job.model.num_blocks(), 6);
     // The file's checks pass: only the model says 6 blocks.
     let past = Config::parse(&with_cuts("[2, 6]", 3), "c.toml").unwrap();
-    let e = past.settle().err().expect("a cut past the last block is refused");
+    let e = past.settings().err().expect("a cut past the last block is refused");
     assert_eq!(e.first().key, "[pipeline].cuts", "{e}");
     assert!(e.first().line.is_some() && e.to_string().contains("the model has 6 blocks"), "{e}");
     let missing = base.replace("data = \"chars\"", "data = \"tokens\"\ndata_path = \"/nonexistent/shards\"");
-    let e = Config::parse(&missing, "c.toml").unwrap().settle().err().expect("missing data is refused");
+    let e = Config::parse(&missing, "c.toml").unwrap().settings().err().expect("missing data is refused");
     assert_eq!(e.first().key, "[job].data_path", "{e}");
     assert!(e.to_string().contains("/nonexistent/shards"), "{e}");
 }
@@ -617,7 +617,7 @@ insecure = true
 "#,
         secret = s.path().display()
     );
-    let st = Config::parse(&text, "c.toml").unwrap().settle().unwrap();
+    let st = Config::parse(&text, "c.toml").unwrap().settings().unwrap();
     let a = &st.agent;
     assert_eq!((a.id, a.name.as_str(), a.cluster.as_str()), (7, "gpu-1", "demo"));
     assert_eq!(
@@ -669,7 +669,7 @@ insecure = true
             .replace("devices = [\"cpu\", \"cpu\"]\n", "")
             .replace("every_minutes = 2.5\n", "")
     );
-    let st = Config::parse(&piped, "c.toml").unwrap().settle().unwrap();
+    let st = Config::parse(&piped, "c.toml").unwrap().settings().unwrap();
     let p = st.agent.pipeline.unwrap();
     assert_eq!((p.depth, p.mem_bytes, p.shadow_every, p.cuts), (Some(2), 8 << 30, 5, None));
     assert_eq!((p.link.bytes_per_s, p.link.latency_ms), (2e9, 0.5));
@@ -688,4 +688,14 @@ fn a_gpu_host_left_on_the_cpu_is_warned() {
         let text = example(s.path()).replace("model = \"mlp\"", set);
         assert_eq!(Config::parse(&text, "c.toml").unwrap().cpu_warning(2), None, "{set}");
     }
+}
+
+/// serde's paths to unknown keys as errors name them: optional sections (`?`) and nested
+/// tables dropped into the section's name.
+#[test]
+fn unknown_paths_name_their_section() {
+    assert_eq!(section_key("job.bogus"), "[job].bogus");
+    assert_eq!(section_key("security.?.bogus"), "[security].bogus");
+    assert_eq!(section_key("security.?.ssm.?.x"), "[security.ssm].x");
+    assert_eq!(section_key("bogus"), "[bogus]");
 }

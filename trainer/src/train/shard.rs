@@ -27,10 +27,10 @@
 
 mod part;
 mod regroup;
-mod whole;
+mod unshard;
 
 pub use part::CheckpointPart;
-pub(in crate::train) use whole::OptimTensor;
+pub(in crate::train) use unshard::OptimTensor;
 
 use super::{grads, Reduce, StepStats, Trainer};
 use crate::optim::{clip_to_norm, decays, scratch_for, sum_of_squares, update, Optimizer, OptimizerSpec};

@@ -45,10 +45,6 @@ pub struct RankState {
     pub snaps: [Option<Desc>; 2],
     /// The next stage's states it keeps at those steps, newest first.
     pub shadows: [Option<Desc>; 2],
-    /// Its live state is the step its group broke in, finished alone from its own state
-    /// (see [`DecideError::TornStep`]): a witness for the survivor that applied that step,
-    /// never a source beside it (see [`agreed`]).
-    pub replayed: bool,
 }
 
 impl RankState {
@@ -96,18 +92,16 @@ fn add_source(sources: &mut Vec<(usize, Src, Vec<usize>)>, src: usize, kind: Src
 /// replica) is all there is; one survivor ahead of, or behind, another is one rank's word
 /// against another's. So a rank publishing a made-up state at a step above everyone's, or a
 /// rival of an honest one, is nobody's source.
-///
-/// A rank that finished a torn step alone ([`RankState::replayed`]) is a witness for the
-/// rival state of the survivor that applied the step: it counts with that state, not
-/// against it. (It checks that state against its own before it takes it: a step computed
-/// on one rank and on a ring differ in rounding only.)
 pub fn agreed(ranks: &[RankState], i: usize, survivors: &[bool]) -> bool {
     let d = ranks[i].live;
     let count = |x: &Desc| ranks.iter().filter(|r| r.live == *x).count();
-    let rival = |r: &RankState| r.live.step == d.step && r.live.blocks == d.blocks && r.live.hash != d.hash;
-    let witness = |r: &RankState| !ranks[i].replayed && r.replayed && rival(r);
-    let alike = count(&d) + ranks.iter().filter(|r| witness(r)).count();
-    let rivals = ranks.iter().filter(|r| rival(r) && !witness(r)).map(|r| count(&r.live)).max().unwrap_or(0);
+    let alike = count(&d);
+    let rivals = ranks
+        .iter()
+        .filter(|r| r.live.step == d.step && r.live.blocks == d.blocks && r.live.hash != d.hash)
+        .map(|r| count(&r.live))
+        .max()
+        .unwrap_or(0);
     if alike >= 2 || rivals > 0 {
         return alike > rivals;
     }
@@ -212,15 +206,20 @@ pub fn entry_plan(
 }
 
 /// Two survivors of the whole model a step apart, and no other: a ring broke after one
-/// applied the step in flight and before the other did. Neither's word is taken; the one
-/// behind can finish the step alone (its own state, the whole batch) and so check the other.
+/// applied the step in flight and before the other did. Neither's word is taken as it is:
+/// the one behind finishes the step alone (its own state, the whole batch), checks the other's
+/// state against its own, and takes it or refuses it; nobody else copies anything until the
+/// two publish one state.
 fn torn_step(ranks: &[RankState], survivors: &[usize], blocks: usize) -> Option<DecideError> {
     let &[a, b] = survivors else { return None };
     let (behind, ahead) = if ranks[a].live.step < ranks[b].live.step { (a, b) } else { (b, a) };
     let (x, y) = (ranks[behind].live, ranks[ahead].live);
     let whole = x.blocks == (0, blocks) && y.blocks == (0, blocks);
-    (whole && x.step.checked_add(1) == Some(y.step) && !ranks[behind].replayed)
-        .then_some(DecideError::TornStep { behind, ahead, step: x.step })
+    (whole && x.step.checked_add(1) == Some(y.step)).then_some(DecideError::TornStep {
+        behind,
+        ahead,
+        step: x.step,
+    })
 }
 
 /// The way back when some block has no agreed live holder: the newest step below `top` at
@@ -279,7 +278,7 @@ mod tests {
     use crate::entry::block_of;
 
     fn at(step: u64, hash: [u8; 32], blocks: (usize, usize)) -> RankState {
-        RankState { live: Desc { step, hash, blocks }, snaps: [None; 2], shadows: [None; 2], replayed: false }
+        RankState { live: Desc { step, hash, blocks }, snaps: [None; 2], shadows: [None; 2] }
     }
 
     /// Every rank trained in the epoch before, but those listed.
@@ -321,12 +320,12 @@ mod tests {
         assert!(e.contains("contradict each other"), "{e}");
     }
 
-    /// Two survivors a step apart, nobody else to confirm either: the one behind is told to
-    /// finish the step alone; afterwards its state stands witness for the other's (which it
-    /// repairs from, after checking it), and the same rows with a third survivor, a pipeline
-    /// stage or a gap of two steps are refused as before.
+    /// Two survivors a step apart, nobody else to confirm either: every rank's plan says
+    /// the one behind is to finish the step (nobody copies anything yet); once it took the
+    /// other's state, the two are alike and everyone enters. A third survivor, a pipeline
+    /// stage or a gap of two steps is not a torn step.
     #[test]
-    fn a_torn_step_is_finished_by_the_survivor_behind_and_then_confirms_the_other() {
+    fn a_torn_step_is_finished_by_the_survivor_behind_before_anyone_copies() {
         let (a, b, c) = ([1u8; 32], [2u8; 32], [3u8; 32]);
         let all = (0, 4);
         let torn = [at(6, b, all), at(7, a, all), at(0, c, all)];
@@ -335,30 +334,18 @@ mod tests {
             let e = entry_plan(&torn, me, 0..4, 4, &survivors).unwrap_err();
             assert_eq!(e, DecideError::TornStep { behind: 0, ahead: 1, step: 6 }, "rank {me}");
         }
-        // Rank 0 finished step 6 alone: its state rounds otherwise than the ring's, and it is a
-        // witness for rank 1's, which everyone takes.
-        let mut done = torn;
-        done[0] = RankState { replayed: true, ..at(7, c, all) };
-        let p = entry_plan(&done, 0, 0..4, 4, &survivors).unwrap();
-        assert_eq!((p.step, p.action, p.sources), (7, Entry::Repair, live(vec![(1, vec![0, 1, 2, 3])])));
-        assert_eq!(entry_plan(&done, 1, 0..4, 4, &survivors).unwrap().action, Entry::Keep);
+        let done = [at(7, a, all), at(7, a, all), at(0, c, all)];
+        assert_eq!(entry_plan(&done, 0, 0..4, 4, &survivors).unwrap().action, Entry::Keep);
         assert_eq!(
             entry_plan(&done, 2, 0..4, 4, &survivors).unwrap().sources,
-            live(vec![(1, vec![0, 1, 2, 3])])
+            live(vec![(0, vec![0, 1, 2, 3])])
         );
-        // Bit for bit the same (a reproducible job): simply two alike.
-        done[0] = RankState { replayed: true, ..at(7, a, all) };
-        assert_eq!(entry_plan(&done, 0, 0..4, 4, &survivors).unwrap().action, Entry::Keep);
-        // A replayed state is never a source of its own against the one it witnesses.
-        assert!(!agreed(&[RankState { replayed: true, ..at(7, c, all) }, at(7, a, all)], 0, &[true, true]));
-        // Not a torn step: a pipeline stage's two replicas, two steps apart, or a third survivor.
         let stage = [at(6, b, (0, 2)), at(7, a, (0, 2))];
         assert!(matches!(entry_plan(&stage, 0, 0..2, 4, &[true, true]), Err(DecideError::NoSource(_))));
         let apart = [at(5, b, all), at(7, a, all)];
         assert!(matches!(entry_plan(&apart, 0, 0..4, 4, &[true, true]), Err(DecideError::NoSource(_))));
-        // Once replayed, the same rows never ask for the step again.
-        let again = [RankState { replayed: true, ..at(6, b, all) }, at(7, a, all)];
-        assert!(matches!(entry_plan(&again, 0, 0..4, 4, &[true, true]), Err(DecideError::NoSource(_))));
+        let three = [at(6, b, all), at(7, a, all), at(7, c, all)];
+        assert!(!matches!(entry_plan(&three, 0, 0..4, 4, &[true; 3]), Err(DecideError::TornStep { .. })));
     }
 
     #[test]
@@ -393,9 +380,8 @@ mod tests {
                 live: d(23, b, (2, 4)),
                 snaps: [Some(d(20, sb, (2, 4))), None],
                 shadows: [Some(d(20, sa, (0, 2))), None],
-                replayed: false,
             },
-            RankState { live: d(0, a, (0, 4)), snaps: [None; 2], shadows: [None; 2], replayed: false },
+            RankState { live: d(0, a, (0, 4)), snaps: [None; 2], shadows: [None; 2] },
         ];
         let p = entry_plan(&ranks, 0, 0..2, 4, &but(ranks.len(), &[1])).unwrap();
         assert_eq!((p.step, p.action), (20, Entry::Rollback));
@@ -408,7 +394,6 @@ mod tests {
             live: d(33, b, (2, 4)),
             snaps: [Some(d(30, sb, (2, 4))), Some(d(20, sb, (2, 4)))],
             shadows: [Some(d(20, sa, (0, 2))), None],
-            replayed: false,
         }];
         let p = entry_plan(&late, 0, 0..4, 4, &but(late.len(), &[])).unwrap();
         assert_eq!(
@@ -460,9 +445,8 @@ mod tests {
         // Two survivors a step apart, or further, one of them the liar (an honest rank that
         // applied the step in flight would publish the same): one rank's word against
         // another's. Nobody enters, not even from the newcomer's older state. A step apart,
-        // the honest rank finishes the step alone first and then checks the liar's state
-        // against its own before it takes it (the newcomer's fetch waits on that check at
-        // the entry's barrier).
+        // the honest rank finishes the step alone and checks the liar's state against its
+        // own before it takes it; nobody copies anything meanwhile.
         for liar in [11, last, 0] {
             let two = [at(10, a, all), at(liar, fake, all), at(0, fresh, all)];
             let e = entry_plan(&two, 2, 0..4, 4, &but(3, &[2])).unwrap_err();

@@ -17,16 +17,12 @@ struct WireDesc {
     blocks: [u32; 2],
 }
 
-/// A rank's published states, in `KINDS` order, and its flags (bit 0: the live state
-/// finished a torn step alone).
+/// A rank's published states, in `KINDS` order.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Pod, Zeroable)]
 struct WireRank {
     descs: [WireDesc; KINDS.len()],
-    flags: u64,
 }
-
-const REPLAYED: u64 = 1;
 
 /// f32 words per rank in the allgather.
 pub const WORDS: usize = std::mem::size_of::<WireRank>() / 4;
@@ -36,7 +32,6 @@ const NONE: u64 = u64::MAX;
 /// `r` as allgather words.
 pub fn encode(r: &RankState) -> Vec<f32> {
     let mut w = WireRank::zeroed();
-    w.flags = (if r.replayed { REPLAYED } else { 0 }).to_le();
     for (slot, d) in w.descs.iter_mut().zip(KINDS.iter().map(|&k| r.desc(k))) {
         *slot = match d {
             Some(d) => WireDesc {
@@ -76,13 +71,7 @@ pub fn decode(words: &[f32], blocks: usize) -> Result<RankState, DecideError> {
         out[i] = Some(Desc { step, hash: d.hash, blocks: (lo, hi) });
     }
     let live = out[0].ok_or_else(|| DecideError::EntryRecord("has no live state".into()))?;
-    let flags = u64::from_le(w.flags);
-    if flags & !REPLAYED != 0 {
-        return Err(DecideError::EntryRecord(format!(
-            "has flags {flags:#x}, of which only bit 0 is defined"
-        )));
-    }
-    Ok(RankState { live, snaps: [out[1], out[2]], shadows: [out[3], out[4]], replayed: flags == REPLAYED })
+    Ok(RankState { live, snaps: [out[1], out[2]], shadows: [out[3], out[4]] })
 }
 
 #[cfg(test)]
@@ -93,12 +82,8 @@ mod tests {
     #[test]
     fn records_round_trip() {
         let live = Desc { step: 0x1_0000_0007, hash: [0xab; 32], blocks: (2, 5) };
-        let r = RankState {
-            live,
-            snaps: [Some(Desc { step: 5, ..live }), None],
-            shadows: [None, Some(live)],
-            replayed: true,
-        };
+        let r =
+            RankState { live, snaps: [Some(Desc { step: 5, ..live }), None], shadows: [None, Some(live)] };
         let w = encode(&r);
         assert_eq!(w.len(), WORDS);
         assert_eq!(decode(&w, 8).unwrap(), r);
@@ -107,7 +92,7 @@ mod tests {
     #[test]
     fn bad_records_are_refused_with_the_reason() {
         let live = Desc { step: 3, hash: [1; 32], blocks: (0, 4) };
-        let r = RankState { live, snaps: [None; 2], shadows: [None; 2], replayed: false };
+        let r = RankState { live, snaps: [None; 2], shadows: [None; 2] };
         assert!(decode(&encode(&r), 3).unwrap_err().to_string().contains("outside the model's 0..3"));
         assert!(decode(&encode(&r)[1..], 4).unwrap_err().to_string().contains("words"));
         let reversed = RankState { live: Desc { blocks: (3, 1), ..live }, ..r };

@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 
 /// The values of a configuration's keys, read once. Where a key was wrong, its value here is
 /// a stand-in: the checks' errors say so, and nothing is built from a file with errors.
-pub(super) struct Fields {
+pub(super) struct Values {
     pub control: SocketAddr,
     pub data: SocketAddr,
     pub secret: Vec<u8>,
@@ -43,7 +43,8 @@ fn http_url(url: &str) -> Result<(), String> {
 
 impl Config {
     /// Reads and checks every key, reporting each problem into `c`.
-    pub(super) fn fields(&self, c: &mut Checks) -> Fields {
+    pub(super) fn values(&self, c: &mut Checks) -> Values {
+        self.keys_known(c);
         let unspecified = SocketAddr::from(([0, 0, 0, 0], 0));
         let node = &self.node;
         if node.name.is_empty() {
@@ -120,7 +121,7 @@ impl Config {
                 c.fail("[capacity].spares", "is true, but [security.ssm] says nowhere to find them");
             }
         }
-        Fields {
+        Values {
             control,
             data,
             secret,

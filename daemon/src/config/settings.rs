@@ -1,6 +1,6 @@
 //! From a configuration file to what `limpetd` runs: the agent's configuration, the job it
 //! trains (its data read, its model built), and the service's own settings. Start-up and
-//! `limpetd validate` both call [`Config::settle`], so validate refuses exactly what start-up
+//! `limpetd validate` both call [`Config::settings`], so validate refuses exactly what start-up
 //! would, short of binding ports and joining.
 
 use super::check::Checks;
@@ -32,9 +32,9 @@ impl Config {
     /// Reads every key into its value, builds the job from its data and model, and checks
     /// what only the built job can tell (pipeline cuts within the model's blocks): every
     /// problem of the file, or what it runs.
-    pub fn settle(&self) -> Result<Settings, ConfigErrors> {
+    pub fn settings(&self) -> Result<Settings, ConfigErrors> {
         let mut c = Checks::new(&self.source.file, &self.source.text);
-        let f = self.fields(&mut c);
+        let f = self.values(&mut c);
         // The job is built from the keys above: with any of them wrong, its errors would be
         // echoes of the same problems.
         c.so_far()?;

@@ -1,6 +1,6 @@
-//! `limpet drain` and `limpet revoke`: cluster actions proposed through any node's consensus
-//! service (or, for a local cluster, through its fake metadata service and its processes),
-//! each reported in words or, with `--json`, as one object.
+//! `limpet drain`, `limpet revoke` and `limpet certs revoke`: cluster actions proposed
+//! through any node's consensus service (or, for a local cluster, through its fake metadata
+//! service and its processes), each reported in words or, with `--json`, as one object.
 
 use crate::status::{connect_any, explain, runtime, Target};
 use crate::UsageError;
