@@ -104,70 +104,12 @@ pub struct JobArgs {
     /// Layers of --model gpt [default: 2] or llama [default: the preset's].
     #[arg(long)]
     pub layers: Option<usize>,
-    /// The LLaMA model's sizes.
+    /// The model's keys, spelled as in `[model]` (`--module` is `path`).
     #[command(flatten)]
-    pub llama: LlamaFlags,
+    pub model_keys: limpet_trainer::workload::ModelSection,
     /// cpu, cuda, cuda:N or auto [default: cpu].
     #[arg(long)]
     pub device: Option<String>,
-}
-
-/// Sizes of `--model llama`: the `[model]` keys of limpetd's configuration as flags.
-#[derive(Debug, Clone, Default, Args)]
-pub struct LlamaFlags {
-    /// LLaMA size preset: tiny, small, 125m, 350m, 1b [default: tiny].
-    #[arg(long)]
-    pub preset: Option<String>,
-    /// LLaMA residual width.
-    #[arg(long)]
-    pub d_model: Option<usize>,
-    /// LLaMA query heads.
-    #[arg(long)]
-    pub heads: Option<usize>,
-    /// LLaMA key/value heads (fewer than --heads: grouped-query attention).
-    #[arg(long)]
-    pub kv_heads: Option<usize>,
-    /// LLaMA SwiGLU width.
-    #[arg(long)]
-    pub ffn: Option<usize>,
-    /// LLaMA vocabulary [default: the data's].
-    #[arg(long)]
-    pub vocab: Option<usize>,
-    /// LLaMA: share the embedding with the head.
-    #[arg(long)]
-    pub tie_embeddings: bool,
-    /// Start --model llama from a Hugging Face LLaMA directory (config.json + safetensors).
-    #[arg(long, value_name = "DIR")]
-    pub init_from: Option<PathBuf>,
-    /// --model torchscript: the module's file (torch.jit.script or trace, saved).
-    #[arg(long, value_name = "FILE")]
-    pub module: Option<PathBuf>,
-    /// --model torchscript: cross_entropy or mse on its output, or module (forward(x, y)
-    /// returns each sample's loss) [default: mse for float targets, else cross_entropy].
-    #[arg(long)]
-    pub loss: Option<String>,
-}
-
-impl LlamaFlags {
-    /// The `[model]` section these flags (and `--layers`) describe.
-    pub fn section(&self, layers: Option<usize>) -> limpet_trainer::workload::ModelSection {
-        limpet_trainer::workload::ModelSection {
-            preset: self.preset.clone(),
-            layers,
-            d_model: self.d_model,
-            heads: self.heads,
-            kv_heads: self.kv_heads,
-            ffn: self.ffn,
-            vocab: self.vocab,
-            context: None,
-            rope_theta: None,
-            norm_eps: None,
-            tie_embeddings: self.tie_embeddings.then_some(true),
-            init_from: self.init_from.clone(),
-            path: self.module.clone(),
-            loss: self.loss.clone(),
-        }
-    }
 }
 
 /// `limpet train`.

@@ -216,7 +216,7 @@ fn fresh(args: &TrainArgs) -> crate::Result<(Trainer, PathBuf)> {
     let (job, data) = job_from_flags(&args.job)?;
     let blocks = 0..job.model.num_blocks();
     let mut trainer = Trainer::on_device(job, data, blocks, device_from_flags(&args.job)?)?;
-    if let Some(dir) = &args.job.llama.init_from {
+    if let Some(dir) = &args.job.model_keys.init_from {
         trainer.init_from_hf(dir)?;
     }
     Ok((trainer, out))
@@ -259,7 +259,7 @@ pub fn job_from_flags(args: &JobArgs) -> crate::Result<(JobSpec, Dataset)> {
     let section = workload::DataSection { context: args.context };
     let spec = workload::data_spec(name.get_name(), &section, args.keys.seed.unwrap_or(0))?;
     let data = Dataset::load(&spec, args.data_path.as_deref())?;
-    let mut job = workload::job_for(kind, &data, &args.llama.section(args.layers))
+    let mut job = workload::job_for(kind, &data, &args.model_keys.with_layers(args.layers))
         .map_err(|e| usage(flag_names(&e.to_string())))?;
     apply_flags(&mut job, args)?;
     Ok((job, data))
@@ -295,7 +295,7 @@ fn resume(args: &TrainArgs, dir: &Path) -> crate::Result<(Trainer, PathBuf)> {
         )));
     }
     if let limpet_trainer::model::ModelSpec::Torchscript(s) = &job.model {
-        let module = args.job.llama.module.as_deref().ok_or_else(|| {
+        let module = args.job.model_keys.path.as_deref().ok_or_else(|| {
             usage(format!("{} trains a TorchScript module: give its file with --module", path.display()))
         })?;
         limpet_trainer::model::script::register_as(module, s).map_err(|e| usage(format!("--module: {e}")))?;

@@ -9,53 +9,77 @@ use crate::{JobSpec, ModelKind, TrainerError};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
-/// `[model]`: sizes of the model (each key overrides the preset or the default).
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+/// `[model]`: sizes of the model (each key overrides the preset or the default), and the
+/// same keys as `limpet train`'s flags (one definition for both; `layers` is the job's
+/// `--layers` there, and the model's `context` defaults to the data's window).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, clap::Args)]
 pub struct ModelSection {
-    /// A named LLaMA size (`tiny`, `small`, `125m`, `350m`, `1b`).
+    /// LLaMA size preset: tiny, small, 125m, 350m, 1b [default: tiny].
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[arg(long)]
     pub preset: Option<String>,
     /// Layers (LLaMA decoder layers, GPT transformer blocks).
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[arg(skip)]
     pub layers: Option<usize>,
-    /// Width of the residual stream (LLaMA).
+    /// LLaMA residual width.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[arg(long)]
     pub d_model: Option<usize>,
-    /// Query heads (LLaMA).
+    /// LLaMA query heads.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[arg(long)]
     pub heads: Option<usize>,
-    /// Key/value heads (LLaMA).
+    /// LLaMA key/value heads (fewer than the query heads: grouped-query attention).
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[arg(long)]
     pub kv_heads: Option<usize>,
-    /// SwiGLU hidden width (LLaMA).
+    /// LLaMA SwiGLU hidden width.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[arg(long)]
     pub ffn: Option<usize>,
-    /// Vocabulary size (default: the data's).
+    /// Vocabulary size [default: the data's].
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[arg(long)]
     pub vocab: Option<usize>,
-    /// Longest sequence (default: the data's window).
+    /// Longest sequence [default: the data's window].
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[arg(skip)]
     pub context: Option<usize>,
-    /// Rotary base (LLaMA).
+    /// LLaMA rotary base.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[arg(long)]
     pub rope_theta: Option<f64>,
-    /// RMSNorm epsilon (LLaMA).
+    /// LLaMA RMSNorm epsilon.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[arg(long)]
     pub norm_eps: Option<f64>,
-    /// Share the embedding with the head (LLaMA; one stage only).
+    /// LLaMA: share the embedding with the head (one pipeline stage only).
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
     pub tie_embeddings: Option<bool>,
-    /// A Hugging Face LLaMA directory to start from: its `config.json` sizes the model and
-    /// its weights replace the seed's.
+    /// Start a LLaMA from a Hugging Face directory (config.json + safetensors): its config
+    /// sizes the model and its weights replace the seed's.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[arg(long, value_name = "DIR")]
     pub init_from: Option<PathBuf>,
-    /// The TorchScript module's file (model `torchscript`).
+    /// Model torchscript: the module's file (torch.jit.script or trace, saved); `--module`
+    /// on the command line.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[arg(long = "module", value_name = "FILE")]
     pub path: Option<PathBuf>,
-    /// What a TorchScript module minimizes: `cross_entropy`, `mse` (on its output) or
-    /// `module` (it returns each sample's loss).
+    /// Model torchscript: cross_entropy or mse on its output, or module (forward(x, y)
+    /// returns each sample's loss) [default: mse for float targets, else cross_entropy].
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[arg(long)]
     pub loss: Option<String>,
+}
+
+impl ModelSection {
+    /// The same keys with `layers` (the job's `--layers` on the command line).
+    pub fn with_layers(&self, layers: Option<usize>) -> ModelSection {
+        ModelSection { layers, ..self.clone() }
+    }
 }
 
 /// `[data]`: how samples are cut from the data.

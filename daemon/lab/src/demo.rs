@@ -60,7 +60,7 @@ pub struct ScenarioArgs {
     pub context: Option<usize>,
     /// The LLaMA model's sizes.
     #[command(flatten)]
-    pub llama: limpet_daemon::args::LlamaFlags,
+    pub model_keys: limpet_trainer::workload::ModelSection,
     /// Total steps.
     #[arg(long, default_value_t = 1000)]
     pub steps: u64,
@@ -196,7 +196,7 @@ pub fn run(a: DemoArgs) -> limpet_daemon::Result<()> {
 /// Runs `limpet-lab scenario`.
 pub fn scenario(a: ScenarioArgs) -> limpet_daemon::Result<()> {
     let script = parse_script(&a.script)?;
-    if let Some(module) = &a.llama.module {
+    if let Some(module) = &a.model_keys.path {
         // This process evaluates the final checkpoint: it needs the module too.
         limpet_trainer::model::script::register(module)?;
     }
@@ -218,7 +218,7 @@ pub fn scenario(a: ScenarioArgs) -> limpet_daemon::Result<()> {
         tls: a.tls,
         data_path: a.data_path.clone(),
         data_section: limpet_trainer::workload::DataSection { context: a.context },
-        model_section: a.llama.section(a.layers.filter(|_| a.model == "llama")),
+        model_section: a.model_keys.with_layers(a.layers.filter(|_| a.model == "llama")),
         straggler_ratio: a.straggler_ratio,
         slow: a.slow.clone(),
         slow_factor: a.slow_factor.clone(),
