@@ -63,8 +63,8 @@ pub struct ModelSection {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[arg(long, value_name = "DIR")]
     pub init_from: Option<PathBuf>,
-    /// Model torchscript: the module's file (torch.jit.script or trace, saved); `--module`
-    /// on the command line.
+    /// Model torchscript: the module's file, torch.jit.script or trace, saved (`path` in a
+    /// file, `--module` as a flag).
     #[serde(skip_serializing_if = "Option::is_none")]
     #[arg(long = "module", value_name = "FILE")]
     pub path: Option<PathBuf>,
