@@ -636,6 +636,7 @@ impl TrainLoop {
             shadows: &mut self.shadows,
             pending: self.pending.take(),
             torn: &mut self.torn,
+            trained_world: self.last_epoch.as_ref().map(Epoch::total_ranks),
             final_written: self.final_written.as_deref(),
             finished: self.finished,
         };
