@@ -264,8 +264,7 @@ fn check_layout(world: i64, [m, shards, s]: [i64; 3], replicas: i64) -> Result<(
 impl HeldLayout {
     /// The value ranges it holds of a gradient of `n` values.
     pub fn held(&self, n: usize) -> Vec<Range<usize>> {
-        let replicas = if self.shards / self.per_host == 1 { 0 } else { self.replicas };
-        held_ranges(n, (self.shards, self.per_host), self.place, replicas)
+        held_of(n, self.shards, self.per_host, self.place, self.replicas)
     }
 
     /// What holders of one layout share: its tag, ranks, replicas and block-holding ranks.
@@ -277,7 +276,19 @@ impl HeldLayout {
 impl KeptLayout {
     /// The value ranges it keeps of a gradient of `n` values.
     pub fn held(&self, n: usize) -> Vec<Range<usize>> {
-        let replicas = if self.shards / self.per_host == 1 { 0 } else { self.replicas };
-        held_ranges(n, (self.shards, self.per_host), self.place, replicas)
+        held_of(n, self.shards, self.per_host, self.place, self.replicas)
     }
+}
+
+/// The value ranges of a layout's place among `shards` block-holding ranks, `per_host` a
+/// host, with `replicas` (none on a single host: a kill takes all its ranks at once).
+fn held_of(
+    n: usize,
+    shards: usize,
+    per_host: usize,
+    place: Option<usize>,
+    replicas: usize,
+) -> Vec<Range<usize>> {
+    let replicas = if shards / per_host == 1 { 0 } else { replicas };
+    held_ranges(n, (shards, per_host), place, replicas)
 }
