@@ -56,7 +56,7 @@ fn the_systemd_unit_passes_systemd_analyze_verify_and_outlasts_the_drain() {
     }
     // systemd's SIGKILL must come after limpetd's own deadline, but not long after.
     let stop: u64 = unit_value("TimeoutStopSec").parse().unwrap();
-    let grace = limpet_daemon::config::TimingSection::default().drain_grace_secs;
+    let grace = limpet_daemon::config::Timing::default().drain_grace_secs;
     assert!(stop > grace && stop <= grace + 30, "TimeoutStopSec={stop}, drain grace {grace} s");
     let watchdog: u64 = unit_value("WatchdogSec").parse().unwrap();
     assert!(watchdog >= 10, "a watchdog of {watchdog} s would kill an agent busy entering an epoch");

@@ -6,6 +6,7 @@
 //! planner, reports, entry planning) are the `limpet-decide` crate, re-exported here.
 
 pub mod checkpoint;
+pub mod config_value;
 pub mod dataplane;
 pub mod remote;
 pub mod revocation;

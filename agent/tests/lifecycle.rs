@@ -79,7 +79,7 @@ async fn an_agent_waiting_in_an_epoch_entry_stops_within_the_limit() {
     let mut cfg = config(dir.path());
     // The next epoch starts a step ahead: each step until then also tries (for up to 200 ms)
     // to connect the ghost's ring early.
-    cfg.lead = Duration::from_millis(1);
+    cfg.timing.lead_ms = 1;
     let agent = Agent::start(cfg).await.unwrap();
     until("it trains", Duration::from_secs(60), || report_of(&agent, 1).is_some_and(|r| r.applied_step >= 5))
         .await;

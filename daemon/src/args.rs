@@ -151,29 +151,4 @@ pub fn value_name<T: ValueEnum>(v: T) -> String {
     v.to_possible_value().map(|p| p.get_name().to_string()).unwrap_or_default()
 }
 
-/// Parses a byte size (`512M`, `16G`, `1.5GiB`, `4096`), for every flag and key that takes
-/// one. K, M, G and T count in powers of 1024 whether written `G`, `GB` or `GiB`, as memory
-/// is counted; the number and unit are bytesize's.
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    if t.starts_with('-') {
-        return Err(format!("{s:?} is negative: a size is a positive number like 512M or 16G"));
-    }
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let unit = match unit.trim().to_ascii_uppercase().trim_end_matches("IB").trim_end_matches('B') {
-        "" => "B".to_string(),
-        u @ ("K" | "M" | "G" | "T") => format!("{u}iB"),
-        _ => return Err(format!("{s:?} has unknown unit {:?} (use K, M, G or T)", unit.trim())),
-    };
-    let size: bytesize::ByteSize =
-        format!("{num} {unit}").parse().map_err(|_| format!("{s:?} is not a size like 512M or 16G"))?;
-    if size.as_u64() == 0 {
-        return Err(format!("{s:?} is not a positive size"));
-    }
-    // Sizes past an exbibyte are typos (and a saturated one would read as "everything").
-    if size.as_u64() > 1 << 60 {
-        return Err(format!("{s:?} is more than 1024 PiB"));
-    }
-    Ok(size.as_u64())
-}
+pub use limpet_agent::config_value::parse_bytes;

@@ -110,7 +110,7 @@ pub fn main(cli: LimpetdCli) -> crate::Result<()> {
     }
     agent_cfg.sources = watched.sources;
     if cfg.cluster.ec2_seeds && agent_cfg.bootstrap.is_none() {
-        let me = cfg.node.advertise_control.clone().unwrap_or_else(|| cfg.node.control.clone());
+        let me = cfg.node.advertise_control.unwrap_or(cfg.node.control).to_string();
         // A state directory with a consensus log belongs to a node that was admitted before.
         let fresh = !cfg.node.state_dir.join("consensus").exists();
         let found = rt.block_on(crate::fleet_cmd::ec2_seeds(
@@ -131,7 +131,7 @@ pub fn main(cli: LimpetdCli) -> crate::Result<()> {
                     cluster = %cfg.cluster.name,
                     "the oldest instance of the cluster, without state: founding it"
                 );
-                let data = cfg.node.advertise_data.clone().unwrap_or_else(|| cfg.node.data.clone());
+                let data = cfg.node.advertise_data.unwrap_or(cfg.node.data).to_string();
                 agent_cfg.bootstrap = Some(vec![MemberSpec {
                     id: cfg.node_id(),
                     name: cfg.node.name.clone(),
@@ -206,7 +206,7 @@ fn validate(config: &std::path::Path, json: bool) -> crate::Result<()> {
             "revocation": watched.to_json(),
             "model": model,
             "libtorch": backend,
-            "device": cfg.job.device,
+            "device": cfg.job.device.to_string(),
             "warnings": warnings,
         });
         println!("{v}");
@@ -220,7 +220,7 @@ fn validate(config: &std::path::Path, json: bool) -> crate::Result<()> {
         cfg.cluster.name
     );
     println!("revocation: {}", watched.summary());
-    println!("libtorch: {backend}; [job].device = {:?}", cfg.job.device);
+    println!("libtorch: {backend}; [job].device = \"{}\"", cfg.job.device);
     if watched.is_blind() {
         eprintln!("warning: this node would watch no revocation notices");
     }

@@ -47,6 +47,16 @@ impl DeviceChoice {
     }
 }
 
+impl std::fmt::Display for DeviceChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceChoice::Cpu => f.write_str("cpu"),
+            DeviceChoice::Cuda(n) => write!(f, "cuda:{n}"),
+            DeviceChoice::Auto => f.write_str("auto"),
+        }
+    }
+}
+
 /// Why a device setting cannot be used on this host.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum DeviceError {
@@ -94,36 +104,33 @@ pub enum DeviceError {
 /// The most devices (local ranks) one host may train with.
 pub const MAX_LOCAL_DEVICES: usize = 64;
 
-/// The devices of a host's local ranks, one rank each, on a host with `gpus` GPUs: `["auto"]`
-/// is every GPU (one CPU rank where there is none); otherwise each entry as
-/// [`DeviceChoice::parse`] reads it (`auto` alone), no GPU twice. CPU entries may repeat:
-/// several CPU ranks are how the tests run local ranks.
-pub fn local_devices(spec: &[String], gpus: usize) -> Result<Vec<Device>, DeviceError> {
+/// The devices of a host's local ranks, one rank each, on a host with `gpus` GPUs: `[Auto]`
+/// is every GPU (one CPU rank where there is none); otherwise each entry resolved (`auto`
+/// alone), no GPU twice. CPU entries may repeat: several CPU ranks are how the tests run
+/// local ranks.
+pub fn local_devices(spec: &[DeviceChoice], gpus: usize) -> Result<Vec<Device>, DeviceError> {
     if spec.is_empty() {
         return Err(DeviceError::NoneListed);
     }
     if spec.len() > MAX_LOCAL_DEVICES {
         return Err(DeviceError::TooMany(spec.len()));
     }
-    if let [only] = spec {
-        if only == "auto" {
-            return Ok(if gpus == 0 { vec![Device::Cpu] } else { (0..gpus).map(Device::Cuda).collect() });
-        }
+    if spec == [DeviceChoice::Auto] {
+        return Ok(if gpus == 0 { vec![Device::Cpu] } else { (0..gpus).map(Device::Cuda).collect() });
     }
     let mut out = Vec::with_capacity(spec.len());
-    for (i, name) in spec.iter().enumerate() {
+    for (i, &choice) in spec.iter().enumerate() {
         let at = |e: DeviceError| DeviceError::Entry { entry: i + 1, source: Box::new(e) };
-        let choice = DeviceChoice::parse(name).map_err(at)?;
         if choice == DeviceChoice::Auto {
             return Err(at(DeviceError::AutoNotAlone));
         }
         let d = choice.resolve_with(gpus).map_err(at)?;
         if d != Device::Cpu && out.contains(&d) {
-            return Err(at(DeviceError::Twice(name.clone())));
+            return Err(at(DeviceError::Twice(choice.to_string())));
         }
         if out.first().is_some_and(|&f: &Device| (f == Device::Cpu) != (d == Device::Cpu)) {
             // Local ranks apply the same bytes and must stay equal: one kind of device.
-            return Err(at(DeviceError::Mixed(name.clone())));
+            return Err(at(DeviceError::Mixed(choice.to_string())));
         }
         out.push(d);
     }
@@ -268,19 +275,19 @@ mod tests {
 
     #[test]
     fn a_hosts_devices_are_every_gpu_or_a_checked_list() {
-        let list = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let list = |v: &[&str]| v.iter().map(|s| DeviceChoice::parse(s).unwrap()).collect::<Vec<_>>();
         assert_eq!(local_devices(&list(&["auto"]), 0), Ok(vec![Device::Cpu]));
         assert_eq!(local_devices(&list(&["auto"]), 4).unwrap().len(), 4);
         assert_eq!(local_devices(&list(&["cpu", "cpu"]), 0), Ok(vec![Device::Cpu, Device::Cpu]));
         assert_eq!(local_devices(&list(&["cuda:1", "cuda"]), 2), Ok(vec![Device::Cuda(1), Device::Cuda(0)]));
+        assert!(DeviceChoice::parse("gpu").unwrap_err().to_string().contains("\"gpu\" is not one of"));
         for (bad, why) in [
             (list(&[]), "lists no device"),
-            (list(&["cuda:0", "cuda"]), "entry 2: cuda is listed twice"),
+            (list(&["cuda:0", "cuda"]), "entry 2: cuda:0 is listed twice"),
             (list(&["cuda:1", "cpu"]), "entry 2: cpu mixes the CPU with GPUs"),
             (list(&["cpu", "auto"]), "entry 2: \"auto\" stands alone"),
             (list(&["cuda:2"]), "entry 1: cuda:2 asked for"),
-            (list(&["gpu"]), "entry 1: \"gpu\" is not one of"),
-            (vec!["cpu".to_string(); 65], "more than 64"),
+            (vec![DeviceChoice::Cpu; 65], "more than 64"),
         ] {
             let e = local_devices(&bad, 2).unwrap_err().to_string();
             assert!(e.contains(why), "{bad:?}: {e}");

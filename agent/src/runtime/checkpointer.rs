@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 /// with `stages` pipeline stages. The time trigger only applies without stages: each stage
 /// decides alone, and only a step count gives them all the same answer.
 pub(crate) fn due(c: &CheckpointSettings, step: u64, stages: usize, since: Duration) -> bool {
-    (c.every_steps > 0 && step % c.every_steps == 0) || c.every.is_some_and(|d| stages == 1 && since >= d)
+    (c.every_steps > 0 && step % c.every_steps == 0) || c.every().is_some_and(|d| stages == 1 && since >= d)
 }
 
 /// One rank's checkpoint writer.
@@ -109,7 +109,7 @@ impl Checkpointer {
     /// or 0 without a copy: what the ranks of a sharded job compare, since a set of shards in
     /// S3 is whole only if every host copies its own to the same place.
     pub fn s3_digest(&self) -> i32 {
-        let Some(r) = self.settings.as_ref().and_then(|c| c.remote.as_ref()) else { return 0 };
+        let Some(r) = self.settings.as_ref().and_then(|c| c.s3.as_ref()) else { return 0 };
         let h = blake3::hash(format!("{}/{}", r.bucket, r.prefix).as_bytes());
         let v = u32::from_le_bytes(h.as_bytes()[..4].try_into().expect("four bytes"));
         (v % (1 << 24)) as i32 + 1
@@ -210,7 +210,7 @@ impl Checkpointer {
             // Not a state training went back from: no rank trains on it, and its objects
             // would take the names of a set of that step already there.
             for part in parts.iter().filter(|p| all_stand && p.copied_later() && p.abandoned().is_none()) {
-                if let Some(Err(e)) = part.copy(&part.kind.name().path(&part.settings.dir, part.step), false)
+                if let Some(Err(e)) = part.copy(&part.kind.name().path(part.settings.dir(), part.step), false)
                 {
                     part.not_copied(&e);
                     not_copied = not_copied.or_else(|| failure.lock().expect("failure lock").clone());
@@ -334,7 +334,7 @@ impl Part {
     /// not, the checkpoint is incomplete.
     fn write(&self) -> bool {
         let started = Instant::now();
-        let (dir, min_free) = (&self.settings.dir, self.settings.min_free);
+        let (dir, min_free) = (self.settings.dir(), self.settings.min_free.0);
         let written = match &self.kind {
             Kind::Blocks(blocks) => crate::checkpoint::write_part(dir, &self.image, blocks, min_free),
             Kind::Shard { index, parts, .. } => {
@@ -391,7 +391,7 @@ impl Part {
                     }
                 };
                 if let Err(e) =
-                    crate::checkpoint::prune(&self.settings.dir, self.settings.keep, self.model_blocks, job)
+                    crate::checkpoint::prune(self.settings.dir(), self.settings.keep, self.model_blocks, job)
                 {
                     tracing::warn!(%e, "could not delete old checkpoints");
                 }
@@ -422,16 +422,16 @@ impl Part {
     /// Whether this part's copy to S3 is made after the host's other parts are written: a
     /// shard other than 0 (shard 0's writer copies its own once the set is in).
     fn copied_later(&self) -> bool {
-        self.settings.remote.is_some() && matches!(self.kind, Kind::Shard { index, .. } if index != 0)
+        self.settings.s3.is_some() && matches!(self.kind, Kind::Shard { index, .. } if index != 0)
     }
 
     /// Copies the part written at `path` to S3, if configured (`None` if not), tagged with
     /// its job and, for a shard, the whole state's hash; then, with `prune`, deletes old steps
     /// there. Its URL.
     fn copy(&self, path: &Path, prune: bool) -> Option<Result<String, crate::checkpoint::CheckpointError>> {
-        let r = self.settings.remote.as_ref()?;
+        let r = self.settings.remote()?;
         let copied = self.rt.block_on(async {
-            let remote = self.remote.get_or_init(|| crate::remote::Remote::connect(r)).await;
+            let remote = self.remote.get_or_init(|| crate::remote::Remote::connect(&r)).await;
             let hash = self.image.content_hash().to_string();
             let job = limpet_snapshot::job_fingerprint(&self.image.meta().job);
             // A shard carries the whole state's hash (`hash` the log records): a set counts in
@@ -617,15 +617,13 @@ mod tests {
     use super::*;
 
     fn settings(every_steps: u64, every: Option<Duration>) -> CheckpointSettings {
+        let every_minutes = every.map_or(0.0, |d| d.as_secs_f64() / 60.0);
         CheckpointSettings {
-            every_steps,
-            every,
-            dir: PathBuf::new(),
+            every_minutes,
             keep: 2,
             resume: crate::runtime::Resume::Never,
-            remote: None,
-            min_free: 0,
-            shared: false,
+            min_free: crate::config_value::Reserve(0),
+            ..CheckpointSettings::every_steps(every_steps, PathBuf::new())
         }
     }
 
@@ -635,13 +633,9 @@ mod tests {
     #[test]
     fn the_s3_digest_names_the_bucket_and_prefix() {
         let with = |bucket: &str, prefix: &str, endpoint: Option<&str>| {
-            let remote = crate::remote::RemoteSettings {
-                bucket: bucket.into(),
-                prefix: prefix.into(),
-                endpoint: endpoint.map(Into::into),
-                region: None,
-            };
-            Checkpointer::new(Some(CheckpointSettings { remote: Some(remote), ..settings(10, None) }))
+            let s3 = crate::config_value::S3Url { bucket: bucket.into(), prefix: prefix.into() };
+            let s3_endpoint = endpoint.map(Into::into);
+            Checkpointer::new(Some(CheckpointSettings { s3: Some(s3), s3_endpoint, ..settings(10, None) }))
                 .s3_digest()
         };
         let a = with("ckpt", "runs/a", None);

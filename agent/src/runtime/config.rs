@@ -2,12 +2,15 @@
 //! policies its tasks run by. Built by `limpetd` from its file (or by tools directly);
 //! read-only once the agent starts.
 
+pub use crate::config_value::Stages;
+use crate::config_value::{Bytes, Reserve, S3Url};
 use crate::policy::{BaseBatch, BatchPolicy};
 use crate::revocation::Source;
 use limpet_consensus::state::{MemberSpec, NodeId};
 use limpet_trainer::JobSpec;
+use serde::Deserialize;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -82,22 +85,13 @@ pub struct AgentConfig {
     pub sources: Vec<Source>,
     /// Their poll interval.
     pub poll: Duration,
-    /// Heartbeat interval.
-    pub heartbeat: Duration,
-    /// Silence after which a node is failed.
-    pub heartbeat_timeout: Duration,
-    /// Data-plane timeout (a dead or silent peer is an error after this).
-    pub dp_timeout: Duration,
+    /// Heartbeats, failure detection, the raft tick and how far ahead changes are planned
+    /// (`[timing]`).
+    pub timing: Timing,
     /// TCP congestion control of data-plane sockets (`None`: the host's default).
     pub dp_congestion: Option<String>,
-    /// Raft tick.
-    pub tick: Duration,
     /// Append one JSON line per completed step here.
     pub step_log: Option<PathBuf>,
-    /// Time a planned epoch change is scheduled ahead of the furthest rank.
-    pub lead: Duration,
-    /// Margin kept before a revocation deadline.
-    pub notice_margin: Duration,
     /// Pipeline parallelism; `None` trains plain data parallelism.
     pub pipeline: Option<PipelineSettings>,
     /// Durable checkpoints; `None` writes only the final one.
@@ -110,31 +104,139 @@ pub struct AgentConfig {
     pub tls_data: bool,
 }
 
-/// An agent's pipeline settings. The node that sets the job profiles the model and records
-/// the profile with these in the job, so every leader plans from the same numbers.
-#[derive(Clone, Debug, PartialEq)]
+/// `[pipeline]`: split the model into stages across hosts, laid out by the planner. The node
+/// that sets the job profiles the model and records the profile with these in the job, so
+/// every leader plans from the same numbers.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 pub struct PipelineSettings {
-    /// Stages per replica, or `None` for the planner's choice.
-    pub depth: Option<usize>,
-    /// Forced block cuts instead of the planner's (the layout `--layout` names).
-    pub cuts: Option<Vec<usize>>,
-    /// Memory training may use on each host, bytes.
-    pub mem_bytes: u64,
-    /// The network between hosts.
-    pub link: crate::planner::Link,
+    /// Stages per data-parallel replica, or `"auto"` for the planner's choice.
+    pub stages: Stages,
+    /// Memory training may use on each device of a host (`16G`, `512M`, ...): a device of
+    /// several holds a copy of the host's stage.
+    #[serde(default = "default_memory")]
+    pub memory: Bytes,
+    /// Bandwidth between hosts, GB/s.
+    #[serde(default = "default_link_gbps")]
+    pub link_gbps: f64,
+    /// One-way latency between hosts, ms.
+    #[serde(default = "default_latency_ms")]
+    pub latency_ms: f64,
     /// Mirror each stage's state to its neighbouring stage every this many steps (0: off),
     /// so a stage with no live replica costs at most this many steps, not the job.
+    #[serde(default)]
     pub shadow_every: u64,
+    /// Force the layout's block cuts (where each stage after the first starts) instead of
+    /// the planner's; `stages` must then be their count plus one.
+    pub cuts: Option<Vec<usize>>,
+}
+
+fn default_memory() -> Bytes {
+    Bytes(16 << 30)
+}
+
+fn default_link_gbps() -> f64 {
+    1.0
+}
+
+fn default_latency_ms() -> f64 {
+    0.1
+}
+
+impl PipelineSettings {
+    /// Stages per replica, or `None` for the planner's choice.
+    pub fn depth(&self) -> Option<usize> {
+        match self.stages {
+            Stages::Fixed(n) => Some(n),
+            Stages::Auto => None,
+        }
+    }
+
+    /// The network between hosts.
+    pub fn link(&self) -> crate::planner::Link {
+        crate::planner::Link { bytes_per_s: self.link_gbps * 1e9, latency_ms: self.latency_ms }
+    }
+}
+
+/// `[timing]`: how fast failures are detected and transitions planned.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct Timing {
+    /// Milliseconds between heartbeats.
+    pub heartbeat_ms: u64,
+    /// Silence after which a node has failed, milliseconds.
+    pub failure_timeout_ms: u64,
+    /// A collective with no progress for this long fails, milliseconds.
+    pub data_timeout_ms: u64,
+    /// Raft tick, milliseconds (elections take 10-20 ticks).
+    pub raft_tick_ms: u64,
+    /// How far ahead of the furthest rank a planned change is scheduled, milliseconds.
+    pub lead_ms: u64,
+    /// Margin kept before a revocation deadline, milliseconds.
+    pub notice_margin_ms: u64,
+    /// After SIGTERM, how long the drain may take before `limpetd` exits regardless, seconds
+    /// (systemd's `TimeoutStopSec` should be a little longer).
+    pub drain_grace_secs: u64,
+}
+
+impl Default for Timing {
+    fn default() -> Timing {
+        Timing {
+            heartbeat_ms: 100,
+            failure_timeout_ms: 1000,
+            data_timeout_ms: 3000,
+            raft_tick_ms: 50,
+            lead_ms: 400,
+            notice_margin_ms: 1000,
+            drain_grace_secs: 90,
+        }
+    }
+}
+
+impl Timing {
+    /// Between heartbeats.
+    pub fn heartbeat(&self) -> Duration {
+        Duration::from_millis(self.heartbeat_ms)
+    }
+
+    /// Silence after which a node is failed.
+    pub fn failure_timeout(&self) -> Duration {
+        Duration::from_millis(self.failure_timeout_ms)
+    }
+
+    /// Data-plane timeout (a dead or silent peer is an error after this).
+    pub fn data_timeout(&self) -> Duration {
+        Duration::from_millis(self.data_timeout_ms)
+    }
+
+    /// The raft tick.
+    pub fn raft_tick(&self) -> Duration {
+        Duration::from_millis(self.raft_tick_ms)
+    }
+
+    /// How far ahead of the furthest rank a planned epoch change is scheduled.
+    pub fn lead(&self) -> Duration {
+        Duration::from_millis(self.lead_ms)
+    }
+
+    /// The margin kept before a revocation deadline.
+    pub fn notice_margin(&self) -> Duration {
+        Duration::from_millis(self.notice_margin_ms)
+    }
+
+    /// How long a SIGTERM drain may take.
+    pub fn drain_grace(&self) -> Duration {
+        Duration::from_secs(self.drain_grace_secs)
+    }
 }
 
 impl AgentConfig {
     /// What the leader's decisions depend on.
     pub fn leader_settings(&self) -> crate::leader::LeaderSettings {
         crate::leader::LeaderSettings {
-            heartbeat_ms: self.heartbeat.as_millis() as u64,
-            heartbeat_timeout_ms: self.heartbeat_timeout.as_millis() as u64,
-            lead_ms: self.lead.as_millis() as u64,
-            notice_margin_ms: self.notice_margin.as_millis() as u64,
+            heartbeat_ms: self.timing.heartbeat_ms,
+            heartbeat_timeout_ms: self.timing.failure_timeout_ms,
+            lead_ms: self.timing.lead_ms,
+            notice_margin_ms: self.timing.notice_margin_ms,
             min_nodes: self.min_nodes,
             policy: self.policy,
             base: BaseBatch {
@@ -181,14 +283,9 @@ impl AgentConfig {
             slowdown: Default::default(),
             sources: Vec::new(),
             poll: Duration::from_secs(2),
-            heartbeat: Duration::from_millis(100),
-            heartbeat_timeout: Duration::from_millis(1000),
-            dp_timeout: Duration::from_secs(3),
+            timing: Timing::default(),
             dp_congestion: Some(crate::dataplane::endpoint::DEFAULT_CONGESTION.to_string()),
-            tick: Duration::from_millis(50),
             step_log: None,
-            lead: Duration::from_millis(400),
-            notice_margin: Duration::from_millis(1000),
             pipeline: None,
             checkpoint: None,
             tls: None,
@@ -197,27 +294,89 @@ impl AgentConfig {
     }
 }
 
-/// When and where an agent writes checkpoints.
-#[derive(Clone, Debug, PartialEq)]
+/// `[checkpoint]`: periodic checkpoints that outlive every host, and resuming from them.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 pub struct CheckpointSettings {
-    /// Every this many steps (0: not by steps).
+    /// Write one every this many steps (0: not by steps).
+    #[serde(default)]
     pub every_steps: u64,
-    /// When this much time passed since the last (data-parallel jobs only).
-    pub every: Option<Duration>,
-    /// The directory (a shared mount survives losing every host).
-    pub dir: PathBuf,
-    /// How many checkpoints to keep.
+    /// Write one when this many minutes passed since the last (0: not by time; data-parallel
+    /// jobs only).
+    #[serde(default)]
+    pub every_minutes: f64,
+    /// Where (a shared mount survives losing every host); `limpetd` fills in
+    /// `STATE_DIR/checkpoints` when the file leaves it out.
+    pub dir: Option<PathBuf>,
+    /// How many checkpoints to keep (older ones are deleted).
+    #[serde(default = "default_keep")]
     pub keep: usize,
-    /// Whether (and how firmly) a new cluster resumes from the newest one found.
+    /// Whether a new cluster starts from the newest checkpoint of the same job: "required"
+    /// (waits for a missing directory), "if-present" (the default) or "never".
+    #[serde(default)]
     pub resume: Resume,
-    /// Also copy every part to S3-compatible storage (and resume from there).
-    pub remote: Option<crate::remote::RemoteSettings>,
-    /// Bytes a checkpoint must leave free on its disk (the raft log may share it).
-    pub min_free: u64,
-    /// Every host sees `dir` (a shared mount): a sharded job's ranks write their shards of
-    /// a checkpoint there at once instead of gathering the state whole (and, with `remote`,
-    /// each copies its own shard to S3).
+    /// Also copy every checkpoint to S3-compatible storage, `s3://BUCKET/PREFIX`; a new
+    /// cluster resumes from there when `dir` has nothing newer.
+    pub s3: Option<S3Url>,
+    /// An S3-compatible endpoint (`http://minio:9000`); default AWS's.
+    pub s3_endpoint: Option<String>,
+    /// The region (default: the SDK's: environment, profile, instance metadata).
+    pub s3_region: Option<String>,
+    /// What a checkpoint must leave free on its disk (`256M`, `2G`; `0` for no reserve): a
+    /// checkpoint that would leave less is not written (a warning, a metric and a status
+    /// line), so checkpoints never take the room the raft log needs when they share a disk.
+    #[serde(default = "default_min_free")]
+    pub min_free: Reserve,
+    /// Every host sees `dir` (a shared mount such as EFS): a job whose optimizer state is
+    /// sharded then writes each checkpoint as shards, one per rank, at once, instead of
+    /// gathering the whole state on every rank (with `s3`, each rank copies its own shard).
+    #[serde(default)]
     pub shared: bool,
+}
+
+fn default_keep() -> usize {
+    3
+}
+
+fn default_min_free() -> Reserve {
+    Reserve(256 << 20)
+}
+
+impl CheckpointSettings {
+    /// Checkpoints every `every_steps` steps and no other way (the rest as defaults).
+    pub fn every_steps(every_steps: u64, dir: PathBuf) -> CheckpointSettings {
+        CheckpointSettings {
+            every_steps,
+            every_minutes: 0.0,
+            dir: Some(dir),
+            keep: default_keep(),
+            resume: Resume::default(),
+            s3: None,
+            s3_endpoint: None,
+            s3_region: None,
+            min_free: default_min_free(),
+            shared: false,
+        }
+    }
+
+    /// The time between checkpoints, if they are timed.
+    pub fn every(&self) -> Option<Duration> {
+        (self.every_minutes > 0.0).then(|| Duration::from_secs_f64(self.every_minutes * 60.0))
+    }
+
+    /// The directory (`checkpoints` in the working directory when nobody set one).
+    pub fn dir(&self) -> &Path {
+        self.dir.as_deref().unwrap_or(Path::new("checkpoints"))
+    }
+
+    /// Where copies go in S3-compatible storage, if anywhere.
+    pub fn remote(&self) -> Option<crate::remote::RemoteSettings> {
+        self.s3.as_ref().map(|url| crate::remote::RemoteSettings {
+            bucket: url.bucket.clone(),
+            prefix: url.prefix.clone(),
+            endpoint: self.s3_endpoint.clone(),
+            region: self.s3_region.clone(),
+        })
+    }
 }
 
 /// How a new cluster treats its checkpoints (`[checkpoint].resume`).

@@ -39,7 +39,7 @@ pub(super) async fn heartbeats(
                 cfg.id,
                 cfg.tls.clone(),
             );
-            let budget = cfg.heartbeat.max(Duration::from_millis(200));
+            let budget = cfg.timing.heartbeat().max(Duration::from_millis(200));
             tasks.spawn("heartbeat-send", async move {
                 let send = async {
                     let cached = clients.lock().await.get(&addr).cloned();
@@ -63,7 +63,7 @@ pub(super) async fn heartbeats(
         }
         tokio::select! {
             _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(cfg.heartbeat) => {}
+            _ = tokio::time::sleep(cfg.timing.heartbeat()) => {}
             _ = now.notified() => {}
         }
     }

@@ -132,7 +132,7 @@ async fn find_resume_point(
     let Some(settings) = cfg.checkpoint.as_ref().filter(|c| c.resume != Resume::Never) else {
         return Ok(None);
     };
-    let dir = settings.dir.clone();
+    let dir = settings.dir().to_path_buf();
     let required = settings.resume == Resume::Required;
     if required {
         // A shared mount that is not there yet (a missing directory, or the empty mount point
@@ -146,9 +146,9 @@ async fn find_resume_point(
     }
     let job = job_value(cfg)?;
     let blocks = cfg.job.model.num_blocks();
-    if let Some(r) = &settings.remote {
+    if let Some(r) = settings.remote() {
         // Bring the newest copies home; the search below checks them like local files.
-        let remote = crate::remote::Remote::connect(r).await;
+        let remote = crate::remote::Remote::connect(&r).await;
         let fingerprint = limpet_snapshot::job_fingerprint(&job);
         match remote.fetch_newest(&dir, blocks, &fingerprint, settings.keep.max(1)).await {
             Ok(steps) if !steps.is_empty() => tracing::info!(?steps, "checkpoints fetched from S3"),
@@ -201,10 +201,10 @@ async fn job_document(cfg: &AgentConfig) -> Result<serde_json::Value, AgentError
         .map_err(|e| AgentError::from(TaskFailed { task: "profile".into(), what: e.to_string() }))??;
         let pj = crate::planner::PipelineJob {
             profile,
-            link: p.link,
-            depth: p.depth,
+            link: p.link(),
+            depth: p.depth(),
             cuts: p.cuts.clone(),
-            mem_bytes: p.mem_bytes,
+            mem_bytes: p.memory.0,
         };
         doc["pipeline"] = serde_json::to_value(pj)
             .map_err(|source| AgentError::from(Fatal::Encode { what: "the pipeline settings", source }))?;

@@ -26,7 +26,7 @@ mod sharding;
 pub mod tasks;
 pub mod train_loop;
 
-pub use config::{AgentConfig, CheckpointSettings, PipelineSettings, Resume};
+pub use config::{AgentConfig, CheckpointSettings, PipelineSettings, Resume, Stages, Timing};
 pub use drill::Slowdown;
 pub use error::{AgentError, Fatal, Retryable};
 pub use tasks::Tasks;
@@ -315,7 +315,7 @@ impl Agent {
 /// certificates and does not opt out).
 fn bind_data_plane(cfg: &AgentConfig, tasks: &Tasks) -> Result<Endpoint, AgentError> {
     let mut dp = DataPlaneConfig::new(cluster_id(&cfg.cluster), cfg.id, cfg.secret.to_vec());
-    dp.timeout = cfg.dp_timeout;
+    dp.timeout = cfg.timing.data_timeout();
     dp.congestion = cfg.dp_congestion.clone();
     if let (Some(tls), true) = (&cfg.tls, cfg.tls_data) {
         dp.tls = Some(crate::dataplane::DataTls::from_tls(tls)?);
@@ -397,7 +397,7 @@ fn node_config(cfg: &AgentConfig, data_addr: SocketAddr) -> NodeConfig {
     ncfg.advertise = cfg.advertise_control.clone();
     ncfg.data_addr =
         if cfg.advertise_data.is_empty() { data_addr.to_string() } else { cfg.advertise_data.clone() };
-    ncfg.tick = cfg.tick;
+    ncfg.tick = cfg.timing.raft_tick();
     ncfg.bootstrap = cfg.bootstrap.clone();
     ncfg.seeds = cfg.seeds.clone();
     ncfg.request_timeout = Duration::from_secs(3);

@@ -3,7 +3,6 @@
 //! file's mistakes instead of one per attempt.
 
 use std::fmt;
-use std::net::SocketAddr;
 
 /// A configuration problem: which file, key and line, and what is wrong. Shown as
 /// `FILE:LINE: [section].key: what` (as compilers show a line, so editors jump to it), or
@@ -108,16 +107,6 @@ impl<'a> Checks<'a> {
         r.map_err(|why| self.fail(key, why.to_string())).ok()
     }
 
-    /// `v` as `HOST:PORT`.
-    pub fn addr(&mut self, key: &str, v: &str) -> Option<SocketAddr> {
-        self.take(
-            key,
-            v.parse::<SocketAddr>().map_err(|e| {
-                format!("{v:?} is not IP:PORT ({e}; a host name such as localhost is not looked up)")
-            }),
-        )
-    }
-
     /// Every problem found so far, or none (then checks that need good values may go on).
     pub fn so_far(&mut self) -> Result<(), ConfigErrors> {
         if self.errors.is_empty() {
@@ -212,6 +201,7 @@ fn header(line: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::SocketAddr;
 
     #[test]
     fn a_key_is_found_on_its_line_in_its_own_section_only() {
@@ -230,7 +220,8 @@ mod tests {
     fn every_problem_is_kept_and_shown_on_its_own_line() {
         let text = "[node]\nname = \"\"\ncontrol = \"nowhere\"\n";
         let mut c = Checks::new("f.toml", text);
-        assert_eq!(c.addr("[node].control", "nowhere"), None);
+        use limpet_agent::config_value::FromText;
+        assert_eq!(c.take("[node].control", SocketAddr::from_text("nowhere")), None);
         c.fail("[node].name", "is empty");
         c.fail("[timing].lead_ms", "too small");
         let e = c.finish().unwrap_err();

@@ -6,6 +6,7 @@
 
 use super::{DataName, ModelName};
 use limpet_agent::policy::BatchPolicy;
+use limpet_trainer::device::DeviceChoice;
 use limpet_trainer::job_keys::JobKeys;
 use serde::Deserialize;
 use std::path::PathBuf;
@@ -28,8 +29,8 @@ pub struct JobSection {
     /// Transformer blocks of the `gpt` model (default 2).
     pub layers: Option<usize>,
     /// `cpu`, `cuda`, `cuda:N` or `auto` (default `cpu`; `[node].devices` overrides it).
-    #[serde(default = "default_device")]
-    pub device: String,
+    #[serde(default = "default_device", deserialize_with = "limpet_agent::config_value::read")]
+    pub device: DeviceChoice,
     /// The training keys (`steps`, `global_batch`, the optimizer, the schedule, ...):
     /// `steps` and `global_batch` are required in a file.
     #[serde(skip)]
@@ -37,19 +38,14 @@ pub struct JobSection {
 }
 
 impl JobSection {
-    /// Total optimizer steps (required: the checks refuse a file without it).
-    pub fn steps(&self) -> u64 {
-        self.keys.steps.unwrap_or(1)
-    }
-
     /// The global batch (required, as `steps`).
     pub fn global_batch(&self) -> u64 {
         self.keys.global_batch.unwrap_or(1) as u64
     }
 }
 
-fn default_device() -> String {
-    "cpu".into()
+fn default_device() -> DeviceChoice {
+    DeviceChoice::Cpu
 }
 
 fn default_policy() -> BatchPolicy {

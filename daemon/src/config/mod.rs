@@ -1,5 +1,7 @@
 //! `limpetd`'s configuration file (TOML): parsed strictly (an unknown or misspelt key is an
-//! error, reported with every other problem the checks find), then checked for meaning. Every error names the file, the key and what is wrong,
+//! error), its values read into their types as it is parsed (addresses, sizes, devices, stage
+//! counts: `limpet_agent::config_value`), then checked for meaning; every problem is reported
+//! at once, each naming the file, the key and line, and what is wrong,
 //! so `limpetd validate --config FILE` (systemd's `ExecStartPre`) stops a bad deployment
 //! before it starts. The keys are documented in `docs/limpetd.md`.
 
@@ -17,11 +19,14 @@ pub use choices::{DataName, DataPlaneMode, LogFormat, ModelName, SourceName, Sou
 pub use devices::Devices;
 pub use fleet_target::CapacitySection;
 pub use job::JobSection;
+use limpet_agent::config_value::{read, read_list, read_opt};
+pub use limpet_agent::runtime::{CheckpointSettings, PipelineSettings, Stages, Timing};
 pub use limpet_trainer::job_keys::OptimizerName;
 pub use secret::{read_secret, MIN_SECRET_BYTES};
 pub use security::{SecuritySection, SsmSection};
 use serde::Deserialize;
 pub use settings::Settings;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 /// The whole file. No section denies unknown fields: serde would stop at the first, so the
@@ -45,11 +50,11 @@ pub struct Config {
     pub revocation: RevocationSection,
     /// Failure detection and transition timing.
     #[serde(default)]
-    pub timing: TimingSection,
+    pub timing: Timing,
     /// Pipeline parallelism (absent: plain data parallelism).
-    pub pipeline: Option<PipelineSection>,
+    pub pipeline: Option<PipelineSettings>,
     /// Durable checkpoints (absent: only the final one).
-    pub checkpoint: Option<CheckpointSection>,
+    pub checkpoint: Option<CheckpointSettings>,
     /// Certificates, or `insecure = true` (required: limpetd does not run without one or
     /// the other).
     pub security: Option<SecuritySection>,
@@ -61,6 +66,10 @@ pub struct Config {
     /// Keys no section reads (`[section].key`, or `[section]`).
     #[serde(skip)]
     pub unknown: Vec<String>,
+    /// Values that did not read as their type (an address, a size, a device), each under its
+    /// key and line.
+    #[serde(skip)]
+    pub unread: Vec<ConfigError>,
 }
 
 /// A configuration's file name and text.
@@ -72,166 +81,6 @@ pub struct Source {
     pub text: String,
 }
 
-/// `[checkpoint]`: periodic checkpoints that outlive every host, and resuming from them.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-pub struct CheckpointSection {
-    /// Write one every this many steps (0: not by steps).
-    #[serde(default)]
-    pub every_steps: u64,
-    /// Write one when this many minutes passed since the last (0: not by time).
-    #[serde(default)]
-    pub every_minutes: f64,
-    /// Where (a shared mount survives losing every host); default `STATE_DIR/checkpoints`.
-    pub dir: Option<PathBuf>,
-    /// How many checkpoints to keep (older ones are deleted).
-    #[serde(default = "default_keep")]
-    pub keep: usize,
-    /// Whether a new cluster starts from the newest checkpoint of the same job: "required"
-    /// (waits for a missing directory), "if-present" (the default) or "never".
-    #[serde(default)]
-    pub resume: limpet_agent::runtime::Resume,
-    /// Also copy every checkpoint to S3-compatible storage, `s3://BUCKET/PREFIX`; a new
-    /// cluster resumes from there when `dir` has nothing newer.
-    pub s3: Option<String>,
-    /// An S3-compatible endpoint (`http://minio:9000`); default AWS's.
-    pub s3_endpoint: Option<String>,
-    /// The region (default: the SDK's: environment, profile, instance metadata).
-    pub s3_region: Option<String>,
-    /// What a checkpoint must leave free on its disk (`256M`, `2G`; `0` for no reserve): a
-    /// checkpoint that would leave less is not written (a warning, a metric and a status
-    /// line), so checkpoints never take the room the raft log needs when they share a disk.
-    #[serde(default = "default_min_free")]
-    pub min_free: String,
-    /// Every host sees `dir` (a shared mount such as EFS): a job whose optimizer state is
-    /// sharded then writes each checkpoint as shards, one per rank, at once, instead of
-    /// gathering the whole state on every rank (with `s3`, each rank copies its own shard).
-    #[serde(default)]
-    pub shared: bool,
-}
-
-fn default_keep() -> usize {
-    3
-}
-
-impl CheckpointSection {
-    /// `min_free` in bytes (`0` turns the reserve off).
-    pub fn min_free_bytes(&self) -> Result<u64, String> {
-        match self.min_free.trim() {
-            "0" => Ok(0),
-            s => crate::args::parse_bytes(s),
-        }
-    }
-}
-
-fn default_min_free() -> String {
-    "256M".into()
-}
-
-/// How many stages: a number, or `"auto"` for the planner's choice.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Stages {
-    /// Exactly this many stages per replica.
-    Fixed(usize),
-    /// `"auto"`.
-    Named(String),
-}
-
-impl<'de> Deserialize<'de> for Stages {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Stages, D::Error> {
-        struct V;
-        impl serde::de::Visitor<'_> for V {
-            type Value = Stages;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a positive number of stages or \"auto\"")
-            }
-            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Stages, E> {
-                usize::try_from(v)
-                    .map(Stages::Fixed)
-                    .map_err(|_| E::custom(format!("{v} stages is too many")))
-            }
-            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Stages, E> {
-                u64::try_from(v)
-                    .map_err(|_| E::custom(format!("{v} is not a positive number of stages or \"auto\"")))
-                    .and_then(|v| self.visit_u64(v))
-            }
-            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Stages, E> {
-                Ok(Stages::Named(v.to_string()))
-            }
-        }
-        d.deserialize_any(V)
-    }
-}
-
-/// `[pipeline]`: split the model into stages across hosts, laid out by the planner.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-pub struct PipelineSection {
-    /// Stages per data-parallel replica, or `"auto"`.
-    pub stages: Stages,
-    /// Memory training may use on each device of a host (`16G`, `512M`, ...): a device of
-    /// several holds a copy of the host's stage.
-    #[serde(default = "default_memory")]
-    pub memory: String,
-    /// Bandwidth between hosts, GB/s.
-    #[serde(default = "default_link_gbps")]
-    pub link_gbps: f64,
-    /// One-way latency between hosts, ms.
-    #[serde(default = "default_latency_ms")]
-    pub latency_ms: f64,
-    /// Mirror each stage's state to its neighbouring stage every this many steps (0: off).
-    #[serde(default)]
-    pub shadow_every: u64,
-    /// Force the layout's block cuts (where each stage after the first starts) instead of
-    /// the planner's; `stages` must then be their count plus one.
-    pub cuts: Option<Vec<usize>>,
-}
-
-fn default_memory() -> String {
-    "16G".into()
-}
-
-fn default_link_gbps() -> f64 {
-    1.0
-}
-
-fn default_latency_ms() -> f64 {
-    0.1
-}
-
-/// `[timing]`: how fast failures are detected and transitions planned.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(default)]
-pub struct TimingSection {
-    /// Milliseconds between heartbeats.
-    pub heartbeat_ms: u64,
-    /// Silence after which a node has failed, milliseconds.
-    pub failure_timeout_ms: u64,
-    /// A collective with no progress for this long fails, milliseconds.
-    pub data_timeout_ms: u64,
-    /// Raft tick, milliseconds (elections take 10-20 ticks).
-    pub raft_tick_ms: u64,
-    /// How far ahead of the furthest rank a planned change is scheduled, milliseconds.
-    pub lead_ms: u64,
-    /// Margin kept before a revocation deadline, milliseconds.
-    pub notice_margin_ms: u64,
-    /// After SIGTERM, how long the drain may take before `limpetd` exits regardless, seconds
-    /// (systemd's `TimeoutStopSec` should be a little longer).
-    pub drain_grace_secs: u64,
-}
-
-impl Default for TimingSection {
-    fn default() -> TimingSection {
-        TimingSection {
-            heartbeat_ms: 100,
-            failure_timeout_ms: 1000,
-            data_timeout_ms: 3000,
-            raft_tick_ms: 50,
-            lead_ms: 400,
-            notice_margin_ms: 1000,
-            drain_grace_secs: 90,
-        }
-    }
-}
-
 /// `[node]`.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 pub struct NodeSection {
@@ -240,13 +89,17 @@ pub struct NodeSection {
     /// Raft id (non-zero); derived from the name when absent.
     pub id: Option<u64>,
     /// Consensus (gRPC) listen address.
-    pub control: String,
+    #[serde(deserialize_with = "read")]
+    pub control: SocketAddr,
     /// Data-plane listen address.
-    pub data: String,
+    #[serde(deserialize_with = "read")]
+    pub data: SocketAddr,
     /// Control address peers use, if not the listen address.
-    pub advertise_control: Option<String>,
+    #[serde(default, deserialize_with = "read_opt")]
+    pub advertise_control: Option<SocketAddr>,
     /// Data address peers use, if not the listen address.
-    pub advertise_data: Option<String>,
+    #[serde(default, deserialize_with = "read_opt")]
+    pub advertise_data: Option<SocketAddr>,
     /// State directory (raft log, checkpoints).
     pub state_dir: PathBuf,
     /// Append one JSON line per completed step here.
@@ -254,7 +107,8 @@ pub struct NodeSection {
     /// File holding the cluster secret (at least 16 bytes).
     pub secret_file: PathBuf,
     /// Serve Prometheus metrics at `http://ADDR/metrics` (absent: no metrics endpoint).
-    pub metrics: Option<String>,
+    #[serde(default, deserialize_with = "read_opt")]
+    pub metrics: Option<SocketAddr>,
     /// Serve them over mutual TLS instead (`https://`): the node's certificate, and clients
     /// must present one of the cluster CA (`limpet certs issue prometheus --client`).
     #[serde(default)]
@@ -299,8 +153,8 @@ pub struct ClusterSection {
     /// Cluster name.
     pub name: String,
     /// Control addresses of members to join through.
-    #[serde(default)]
-    pub seeds: Vec<String>,
+    #[serde(default, deserialize_with = "read_list")]
+    pub seeds: Vec<SocketAddr>,
     /// Founding members `ID=ADDR`, identical on every founder (empty: join through seeds).
     #[serde(default)]
     pub bootstrap: Vec<String>,
@@ -422,6 +276,9 @@ impl Config {
         for key in &self.unknown {
             c.push(unknown(&self.source.text, c.file(), key));
         }
+        for e in &self.unread {
+            c.push(e.clone());
+        }
         let keys = &self.job.keys;
         for (key, set) in [("steps", keys.steps.is_some()), ("global_batch", keys.global_batch.is_some())] {
             if !set {
@@ -437,13 +294,26 @@ impl Config {
     /// the unknown keys met before it (a misspelt required key is both).
     fn parse_keys(text: &str, file: &str) -> Result<Config, ConfigErrors> {
         let mut ignored = Vec::new();
-        let parsed = toml::Deserializer::parse(text)
-            .and_then(|de| serde_ignored::deserialize(de, |p| ignored.push(p.to_string())));
+        let (parsed, unread) = limpet_agent::config_value::collect(|| {
+            toml::Deserializer::parse(text)
+                .and_then(|de| serde_ignored::deserialize(de, |p| ignored.push(p.to_string())))
+        });
+        // In the file's order (the parser visits tables in its own).
+        let mut unread = unread;
+        unread.sort_by_key(|u| u.span.start);
+        let unread: Vec<ConfigError> = unread
+            .into_iter()
+            .map(|u| {
+                let (key, line) = check::key_at(text, u.span.start);
+                ConfigError { file: file.into(), key, line, detail: u.detail }
+            })
+            .collect();
         // Before `[job]`'s training keys are read, a key of `[job]` this parse skips may be one.
         let outside_job = |ignored: &[String]| -> Vec<String> {
             ignored.iter().filter(|p| !p.starts_with("job.")).cloned().collect()
         };
-        let mut cfg: Config = parsed.map_err(|e| parse_error(text, file, e, &outside_job(&ignored)))?;
+        let mut cfg: Config =
+            parsed.map_err(|e| parse_error(text, file, e, &outside_job(&ignored), &unread))?;
         // `[job]`'s training keys, read from the same text (so their errors keep their line).
         #[derive(Deserialize)]
         struct Keys {
@@ -453,9 +323,10 @@ impl Config {
         let mut not_keys = Vec::new();
         let parsed: Result<Keys, _> = toml::Deserializer::parse(text)
             .and_then(|de| serde_ignored::deserialize(de, |p| not_keys.push(p.to_string())));
-        cfg.job.keys = parsed.map_err(|e| parse_error(text, file, e, &outside_job(&ignored)))?.job;
+        cfg.job.keys = parsed.map_err(|e| parse_error(text, file, e, &outside_job(&ignored), &unread))?.job;
         ignored.retain(|p| !p.starts_with("job.") || not_keys.contains(p));
         cfg.unknown = ignored.iter().map(|p| section_key(p)).collect();
+        cfg.unread = unread;
         cfg.source = Source { file: file.into(), text: text.into() };
         Ok(cfg)
     }
@@ -472,7 +343,13 @@ impl Config {
 }
 
 /// A parse error named by its key and line, after the keys nothing read before it.
-fn parse_error(text: &str, file: &str, e: toml::de::Error, ignored: &[String]) -> ConfigErrors {
+fn parse_error(
+    text: &str,
+    file: &str,
+    e: toml::de::Error,
+    ignored: &[String],
+    unread: &[ConfigError],
+) -> ConfigErrors {
     let missing = e.message().strip_prefix("missing field `").and_then(|m| m.strip_suffix('`'));
     let (key, line, detail) = match missing {
         // The parser names the table the key is missing from, not the key.
@@ -489,6 +366,9 @@ fn parse_error(text: &str, file: &str, e: toml::de::Error, ignored: &[String]) -
     let mut c = check::Checks::new(file, text);
     for key in ignored.iter().map(|p| section_key(p)) {
         c.push(unknown(text, file, &key));
+    }
+    for e in unread {
+        c.push(e.clone());
     }
     c.push(ConfigError { file: file.to_string(), key, line, detail });
     c.finish().expect_err("one error at least")

@@ -4,8 +4,8 @@
 //! would, short of binding ports and joining.
 
 use super::check::Checks;
-use super::{Config, ConfigErrors, Stages};
-use limpet_agent::runtime::{AgentConfig, CheckpointSettings, PipelineSettings};
+use super::{Config, ConfigErrors};
+use limpet_agent::runtime::AgentConfig;
 use limpet_trainer::data::Dataset;
 use limpet_trainer::{workload, JobSpec, TrainerError};
 use std::net::SocketAddr;
@@ -60,13 +60,15 @@ impl Config {
             f.secret,
             job,
         );
-        a.control = f.control;
-        a.data = f.data;
-        a.advertise_control = self.node.advertise_control.clone().unwrap_or_default();
-        a.advertise_data = self.node.advertise_data.clone().unwrap_or_default();
+        let node = &self.node;
+        let address = |a: Option<SocketAddr>| a.map(|a| a.to_string()).unwrap_or_default();
+        a.control = node.control;
+        a.data = node.data;
+        a.advertise_control = address(node.advertise_control);
+        a.advertise_data = address(node.advertise_data);
         a.base_world = self.job.base_world.unwrap_or(f.founders.len().max(1) as u64);
         a.bootstrap = (!f.founders.is_empty()).then_some(f.founders);
-        a.seeds = self.cluster.seeds.clone();
+        a.seeds = self.cluster.seeds.iter().map(SocketAddr::to_string).collect();
         a.data_path = self.job.data_path.clone();
         a.device = f.device;
         a.devices = f.devices;
@@ -78,20 +80,14 @@ impl Config {
         #[cfg(feature = "lab")]
         {
             a.slowdown = limpet_agent::runtime::Slowdown {
-                us_per_sample: self.node.slowdown_us_per_sample,
-                factor: self.node.slowdown_factor,
+                us_per_sample: node.slowdown_us_per_sample,
+                factor: node.slowdown_factor,
             };
         }
         a.poll = Duration::from_secs_f64(self.revocation.poll_secs);
-        let t = &self.timing;
-        a.heartbeat = Duration::from_millis(t.heartbeat_ms);
-        a.heartbeat_timeout = Duration::from_millis(t.failure_timeout_ms);
-        a.dp_timeout = Duration::from_millis(t.data_timeout_ms);
+        a.timing = self.timing.clone();
         a.dp_congestion = f.congestion;
-        a.tick = Duration::from_millis(t.raft_tick_ms);
-        a.lead = Duration::from_millis(t.lead_ms);
-        a.notice_margin = Duration::from_millis(t.notice_margin_ms);
-        a.step_log = self.node.step_log.clone();
+        a.step_log = node.step_log.clone();
         let mut metrics_tls = None;
         if let Some(tls) = f.tls {
             if self.node.metrics_tls {
@@ -106,30 +102,10 @@ impl Config {
             a.tls = Some(std::sync::Arc::new(tls));
             a.tls_data = self.tls().is_some_and(|s| s.data_plane == super::DataPlaneMode::Tls);
         }
-        a.pipeline = self.pipeline.as_ref().map(|p| PipelineSettings {
-            depth: match p.stages {
-                Stages::Fixed(n) => Some(n),
-                Stages::Named(_) => None,
-            },
-            mem_bytes: f.pipeline_memory,
-            link: limpet_agent::planner::Link { bytes_per_s: p.link_gbps * 1e9, latency_ms: p.latency_ms },
-            shadow_every: p.shadow_every,
-            cuts: p.cuts.clone(),
-        });
-        a.checkpoint = self.checkpoint.as_ref().map(|ck| CheckpointSettings {
-            every_steps: ck.every_steps,
-            every: (ck.every_minutes > 0.0).then(|| Duration::from_secs_f64(ck.every_minutes * 60.0)),
-            dir: self.checkpoint_dir().unwrap_or_default(),
-            keep: ck.keep,
-            resume: ck.resume,
-            min_free: f.min_free,
-            shared: ck.shared,
-            remote: f.s3.map(|(bucket, prefix)| limpet_agent::remote::RemoteSettings {
-                bucket,
-                prefix,
-                endpoint: ck.s3_endpoint.clone(),
-                region: ck.s3_region.clone(),
-            }),
+        a.pipeline = self.pipeline.clone();
+        a.checkpoint = self.checkpoint.clone().map(|mut ck| {
+            ck.dir = self.checkpoint_dir();
+            ck
         });
         let mut warnings = f.warnings;
         warnings.extend(self.write_path_warnings());
@@ -137,9 +113,9 @@ impl Config {
         warnings.extend(self.cpu_warning(limpet_trainer::device::gpu_count()));
         Ok(Settings {
             agent: a,
-            metrics: f.metrics,
+            metrics: self.node.metrics,
             metrics_tls,
-            grace: Duration::from_secs(t.drain_grace_secs),
+            grace: self.timing.drain_grace(),
             capacity: self.reconciler(),
             warnings,
         })

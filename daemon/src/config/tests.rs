@@ -1,4 +1,5 @@
 use super::*;
+use limpet_agent::config_value::Bytes;
 use limpet_agent::policy::BatchPolicy;
 
 pub(super) fn example(secret: &Path) -> String {
@@ -44,7 +45,7 @@ fn a_pipeline_section_parses() {
     let text = format!("{}\n[pipeline]\nstages = \"auto\"\nshadow_every = 10\n", example(s.path()));
     let cfg = Config::parse(&text, "limpet.toml").unwrap();
     let p = cfg.pipeline.unwrap();
-    assert_eq!((p.stages, p.shadow_every, p.memory.as_str()), (Stages::Named("auto".into()), 10, "16G"));
+    assert_eq!((p.stages, p.shadow_every, p.memory), (Stages::Auto, 10, Bytes(16 << 30)));
 }
 
 #[test]
@@ -71,8 +72,8 @@ fn a_llama_on_token_shards_is_configured_by_model_and_data() {
         (Some("small"), Some(2), Some(256))
     );
     assert_eq!(
-        (cfg.job.device.as_str(), cfg.job.keys.precision.as_deref().unwrap_or("fp32")),
-        ("auto", "bf16")
+        (cfg.job.device, cfg.job.keys.precision.as_deref().unwrap_or("fp32")),
+        (limpet_trainer::device::DeviceChoice::Auto, "bf16")
     );
 }
 
@@ -139,8 +140,8 @@ fn errors_name_the_file_and_the_key() {
         ),
         (format!("{good}\n[pipeline]\nstages = 0\n"), "[pipeline].stages"),
         (format!("{good}\n[pipeline]\nstages = \"many\"\n"), "[pipeline].stages"),
-        (format!("{good}\n[pipeline]\nstages = -2\n"), "-2 is not a positive number of stages or \"auto\""),
-        (format!("{good}\n[pipeline]\nstages = 1.5\n"), "a positive number of stages or \"auto\""),
+        (format!("{good}\n[pipeline]\nstages = -2\n"), "-2 is not a positive number of stages (or \"auto\")"),
+        (format!("{good}\n[pipeline]\nstages = 1.5\n"), "1.5 is not a positive number of stages (or \"auto\")"),
         (format!("{good}\n[pipeline]\nstages = 2\nmemory = \"lots\"\n"), "[pipeline].memory"),
         (format!("{good}\n[pipeline]\nstages = 2\ncuts = [2, 1]\n"), "[pipeline].cuts"),
         (format!("{good}\n[pipeline]\nstages = 3\ncuts = [2]\n"), "set stages = 2"),
@@ -493,6 +494,52 @@ fn every_problem_is_reported_at_once_with_its_line() {
     assert_eq!((e.first().key.as_str(), e.first().line), ("[timing].failure_timeout_ms", None));
 }
 
+/// Addresses, sizes, devices, stage counts and S3 URLs are read into their types as the file
+/// is parsed, and a value that does not read does not stop the parse: each is named with its
+/// key and line, beside the checks' own problems, in one run.
+#[test]
+fn values_that_do_not_read_are_all_named_at_once() {
+    let s = secret();
+    let text = example(s.path())
+        .replace("control = \"127.0.0.1:7400\"", "control = \"localhost:7400\"\nmetrics = \"9100\"\ndevices = [\"cpu\", \"tpu:0\"]")
+        .replace("steps = 400", "steps = 400\ndevice = \"gpu\"")
+        .replace("bootstrap = [\"1=127.0.0.1:7400\"]", "bootstrap = [\"1=127.0.0.1:7400\"]\nseeds = [\"127.0.0.1:7500\", \"seed-b\"]\nmin_nodes = 0")
+        + "\n[pipeline]\nstages = 0\nmemory = \"lots\"\n\n[checkpoint]\nevery_steps = 5\nmin_free = \"1Q\"\ns3 = \"http://bucket\"\n";
+    let e = Config::parse(&text, "c.toml").unwrap_err();
+    let line = |needle: &str| text.lines().position(|l| l.starts_with(needle)).map(|i| i + 1);
+    let found: Vec<(&str, Option<usize>)> = e.all().iter().map(|e| (e.key.as_str(), e.line)).collect();
+    for (key, at) in [
+        ("[node].control", "control = "),
+        ("[node].metrics", "metrics = "),
+        ("[node].devices", "devices = "),
+        ("[job].device", "device = "),
+        ("[cluster].seeds", "seeds = "),
+        ("[pipeline].stages", "stages = "),
+        ("[pipeline].memory", "memory = "),
+        ("[checkpoint].min_free", "min_free = "),
+        ("[checkpoint].s3", "s3 = "),
+        // A check's own problem, reported in the same run.
+        ("[cluster].min_nodes", "min_nodes = "),
+    ] {
+        assert!(found.contains(&(key, line(at))), "{key} on line {:?} not in {e}", line(at));
+    }
+    assert_eq!(found.len(), 10, "{e}");
+    let shown = e.to_string();
+    for detail in [
+        "\"localhost:7400\" is not IP:PORT",
+        "\"9100\" is not IP:PORT",
+        "entry 2: \"tpu:0\" is not one of",
+        "\"gpu\" is not one of",
+        "\"seed-b\" is not IP:PORT",
+        "0 is not a positive number of stages",
+        "\"lots\" has unknown unit",
+        "\"1Q\" has unknown unit",
+        "does not start with s3://",
+    ] {
+        assert!(shown.contains(detail), "{detail:?} not in {shown}");
+    }
+}
+
 /// Keys that would fail only once limpetd starts (two listeners on one port, a founder named
 /// twice, an empty directory that would put state in the working directory) or overflow
 /// (an hour-long heartbeat, twice over), each named.
@@ -638,20 +685,27 @@ insecure = true
     assert_eq!((a.base_world, a.policy, a.min_nodes), (4, BatchPolicy::Linear, 2));
     assert_eq!((a.straggler_ratio, a.straggler_steps), (2.0, 50));
     assert_eq!(a.poll, Duration::from_secs(3));
-    let ms = Duration::from_millis;
+    let t = &a.timing;
     assert_eq!(
-        (a.heartbeat, a.heartbeat_timeout, a.dp_timeout, a.tick, a.lead, a.notice_margin),
-        (ms(150), ms(900), ms(4000), ms(40), ms(300), ms(1500))
+        (
+            t.heartbeat_ms,
+            t.failure_timeout_ms,
+            t.data_timeout_ms,
+            t.raft_tick_ms,
+            t.lead_ms,
+            t.notice_margin_ms
+        ),
+        (150, 900, 4000, 40, 300, 1500)
     );
     assert_eq!(st.grace, Duration::from_secs(30));
     assert_eq!(a.job.steps, 400);
     let ck = a.checkpoint.as_ref().unwrap();
-    assert_eq!((ck.every_steps, ck.every, ck.keep), (10, Some(Duration::from_secs(150)), 5));
+    assert_eq!((ck.every_steps, ck.every(), ck.keep), (10, Some(Duration::from_secs(150)), 5));
     assert_eq!(
-        (ck.dir.clone(), ck.resume, ck.min_free),
-        (state.path().join("ck"), limpet_agent::runtime::Resume::Never, 1 << 30)
+        (ck.dir(), ck.resume, ck.min_free.0),
+        (state.path().join("ck").as_path(), limpet_agent::runtime::Resume::Never, 1 << 30)
     );
-    let remote = ck.remote.as_ref().unwrap();
+    let remote = ck.remote().unwrap();
     assert_eq!(
         (
             remote.bucket.as_str(),
@@ -671,8 +725,8 @@ insecure = true
     );
     let st = Config::parse(&piped, "c.toml").unwrap().settings().unwrap();
     let p = st.agent.pipeline.unwrap();
-    assert_eq!((p.depth, p.mem_bytes, p.shadow_every, p.cuts), (Some(2), 8 << 30, 5, None));
-    assert_eq!((p.link.bytes_per_s, p.link.latency_ms), (2e9, 0.5));
+    assert_eq!((p.depth(), p.memory.0, p.shadow_every, p.cuts.clone()), (Some(2), 8 << 30, 5, None));
+    assert_eq!((p.link().bytes_per_s, p.link().latency_ms), (2e9, 0.5));
 }
 
 /// A GPU host whose file asks for no device trains on its CPU: validate and start-up say so,

@@ -1,34 +1,27 @@
-//! What the parser cannot check: every key's value read into the type limpetd uses
-//! (addresses, devices, byte counts, certificates), ranges and combinations. This is the one
-//! place a configuration's strings are read; start-up and `limpetd validate` both take their
-//! values from here, and every problem is reported, not just the first.
+//! What the parser cannot check: ranges and combinations of keys, and the values that need
+//! the host or other files (the secret, certificates, devices resolved against this host's
+//! GPUs, the founders' list). Addresses, sizes, devices and stage counts are read into their
+//! types while the file is parsed (`limpet_agent::config_value`), and their errors reported
+//! here with the others; start-up and `limpetd validate` both take their values from here,
+//! and every problem is reported, not just the first.
 
 use super::check::Checks;
 use super::{parse_founders, read_secret, Config, ModelName, Stages};
+
 use limpet_agent::policy::BatchPolicy;
 use limpet_consensus::state::MemberSpec;
 use limpet_trainer::device::{Device, DeviceChoice};
-use std::net::SocketAddr;
 
 /// The values of a configuration's keys, read once. Where a key was wrong, its value here is
 /// a stand-in: the checks' errors say so, and nothing is built from a file with errors.
 pub(super) struct Values {
-    pub control: SocketAddr,
-    pub data: SocketAddr,
     pub secret: Vec<u8>,
     pub founders: Vec<MemberSpec>,
     pub device: DeviceChoice,
     /// `[node].devices`, resolved on this host (empty: absent).
     pub devices: Vec<Device>,
     pub congestion: Option<String>,
-    pub metrics: Option<SocketAddr>,
     pub tls: Option<limpet_consensus::tls::Tls>,
-    /// `[pipeline].memory`, bytes.
-    pub pipeline_memory: u64,
-    /// `[checkpoint].min_free`, bytes.
-    pub min_free: u64,
-    /// `[checkpoint].s3` as bucket and prefix.
-    pub s3: Option<(String, String)>,
     /// What the keys allow but may not mean.
     pub warnings: Vec<String>,
 }
@@ -45,7 +38,6 @@ impl Config {
     /// Reads and checks every key, reporting each problem into `c`.
     pub(super) fn values(&self, c: &mut Checks) -> Values {
         self.keys_known(c);
-        let unspecified = SocketAddr::from(([0, 0, 0, 0], 0));
         let node = &self.node;
         if node.name.is_empty() {
             c.fail("[node].name", "is empty");
@@ -53,23 +45,17 @@ impl Config {
         if node.id == Some(0) {
             c.fail("[node].id", "0 is reserved by raft");
         }
-        let control = c.addr("[node].control", &node.control).unwrap_or(unspecified);
-        let data = c.addr("[node].data", &node.data).unwrap_or(unspecified);
-        if let Some(a) = &node.advertise_control {
-            c.addr("[node].advertise_control", a);
-        }
-        if let Some(a) = &node.advertise_data {
-            c.addr("[node].advertise_data", a);
-        }
         let secret = c.take("[node].secret_file", read_secret(&node.secret_file)).unwrap_or_default();
         #[cfg(feature = "lab")]
         if !(node.slowdown_factor.is_finite() && (1.0..=100.0).contains(&node.slowdown_factor)) {
             c.fail("[node].slowdown_factor", format!("{} is not within 1..=100", node.slowdown_factor));
         }
-        let metrics = node.metrics.as_deref().and_then(|a| c.addr("[node].metrics", a));
         // Two listeners on one address: the second would fail to bind only at start.
-        let listeners =
-            [("[node].control", Some(control)), ("[node].data", Some(data)), ("[node].metrics", metrics)];
+        let listeners = [
+            ("[node].control", Some(node.control)),
+            ("[node].data", Some(node.data)),
+            ("[node].metrics", node.metrics),
+        ];
         for (i, (key, a)) in listeners.iter().enumerate() {
             let same = listeners[..i].iter().find(|(_, b)| a.is_some_and(|a| a.port() != 0 && Some(a) == *b));
             if let (Some((other, _)), Some(a)) = (same, a) {
@@ -108,8 +94,8 @@ impl Config {
         let (device, devices) = self.check_devices(c, &mut warnings);
         self.check_job(c);
         self.check_timing(c);
-        let pipeline_memory = self.check_pipeline(c);
-        let (min_free, s3) = self.check_checkpoint(c);
+        self.check_pipeline(c);
+        self.check_checkpoint(c);
         let r = self.revocation.poll_secs;
         if !(r.is_finite() && (0.1..=3600.0).contains(&r)) {
             c.fail("[revocation].poll_secs", format!("{r} is not within 0.1..=3600 s"));
@@ -121,30 +107,13 @@ impl Config {
                 c.fail("[capacity].spares", "is true, but [security.ssm] says nowhere to find them");
             }
         }
-        Values {
-            control,
-            data,
-            secret,
-            founders,
-            device,
-            devices,
-            congestion,
-            metrics,
-            tls,
-            pipeline_memory,
-            min_free,
-            s3,
-            warnings,
-        }
+        Values { secret, founders, device, devices, congestion, tls, warnings }
     }
 
     fn check_cluster(&self, c: &mut Checks) -> Vec<MemberSpec> {
         let cl = &self.cluster;
         if cl.name.is_empty() {
             c.fail("[cluster].name", "is empty");
-        }
-        for s in &cl.seeds {
-            c.addr("[cluster].seeds", s);
         }
         let founders =
             c.take("[cluster].bootstrap", parse_founders(&cl.bootstrap).map_err(|e| e.0)).unwrap_or_default();
@@ -169,10 +138,8 @@ impl Config {
 
     /// `[job].device`, and `[node].devices` on this host.
     fn check_devices(&self, c: &mut Checks, warnings: &mut Vec<String>) -> (DeviceChoice, Vec<Device>) {
-        let device = c.take("[job].device", DeviceChoice::parse(&self.job.device));
-        if let Some(d) = device {
-            c.take("[job].device", d.resolve());
-        }
+        let device = self.job.device;
+        c.take("[job].device", device.resolve());
         let devices = c.take("[node].devices", self.node.local_devices()).flatten().unwrap_or_default();
         // A pipelined epoch gives each host as many local ranks as its host with the fewest
         // has, and a pipe lane each, of which there are at most MAX_PIPELINE_LOCAL_RANKS.
@@ -183,7 +150,7 @@ impl Config {
                 devices.len()
             ));
         }
-        (device.unwrap_or(DeviceChoice::Cpu), devices)
+        (device, devices)
     }
 
     /// `[job]`, `[model]` and `[data]` as far as they can be checked without the data.
@@ -299,16 +266,9 @@ impl Config {
         }
     }
 
-    /// `[pipeline]`; its memory in bytes (0 without the section).
-    fn check_pipeline(&self, c: &mut Checks) -> u64 {
-        let Some(p) = &self.pipeline else { return 0 };
-        match &p.stages {
-            Stages::Fixed(0) => c.fail("[pipeline].stages", "must be at least 1 (or \"auto\")"),
-            Stages::Named(s) if s != "auto" => {
-                c.fail("[pipeline].stages", format!("{s:?} is neither a number nor \"auto\""))
-            }
-            _ => {}
-        }
+    /// `[pipeline]`.
+    fn check_pipeline(&self, c: &mut Checks) {
+        let Some(p) = &self.pipeline else { return };
         if let Some(cuts) = &p.cuts {
             if cuts.windows(2).any(|w| w[0] >= w[1]) || cuts.first() == Some(&0) {
                 c.fail("[pipeline].cuts", format!("{cuts:?} must increase and start after block 0"));
@@ -323,12 +283,11 @@ impl Config {
         if !(p.latency_ms.is_finite() && p.latency_ms >= 0.0) {
             c.fail("[pipeline].latency_ms", format!("{} is not a non-negative number", p.latency_ms));
         }
-        c.take("[pipeline].memory", crate::args::parse_bytes(&p.memory)).unwrap_or(0)
     }
 
-    /// `[checkpoint]`: its disk reserve in bytes, and the S3 bucket and prefix.
-    fn check_checkpoint(&self, c: &mut Checks) -> (u64, Option<(String, String)>) {
-        let Some(ck) = &self.checkpoint else { return (0, None) };
+    /// `[checkpoint]`.
+    fn check_checkpoint(&self, c: &mut Checks) {
+        let Some(ck) = &self.checkpoint else { return };
         // A year at most: beyond, it is no schedule (and no Duration).
         if !(ck.every_minutes.is_finite() && (0.0..=525_600.0).contains(&ck.every_minutes)) {
             c.fail(
@@ -342,9 +301,6 @@ impl Config {
         if ck.keep == 0 {
             c.fail("[checkpoint].keep", "must be at least 1");
         }
-        let min_free = c.take("[checkpoint].min_free", ck.min_free_bytes()).unwrap_or(0);
-        let s3 =
-            ck.s3.as_deref().and_then(|url| c.take("[checkpoint].s3", limpet_agent::remote::parse_url(url)));
         if let Some(url) = &ck.s3_endpoint {
             if ck.s3.is_none() {
                 c.fail("[checkpoint].s3_endpoint", "set s3 too (the bucket and prefix)");
@@ -357,7 +313,6 @@ impl Config {
             let which = if self.sharded() { "a job with sharded state" } else { "a pipelined job" };
             c.fail("[checkpoint].every_minutes", format!("{which} checkpoints by every_steps only"));
         }
-        (min_free, s3)
     }
 
     /// `[security]`: the node's certificates, loaded and checked (`None`: insecure, or wrong).

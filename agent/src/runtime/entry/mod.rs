@@ -177,7 +177,7 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     let give_up = give_up(x.watch, x.stop, n.id);
     let mut group = form_group(x.endpoint, x.pending.take(), n, &addrs, by, &give_up)?;
     let host = (&mut *x.trainer, &mut *x.followers);
-    let local = x.cfg.checkpoint.as_ref().map(|c| c.dir.as_path());
+    let local = x.cfg.checkpoint.as_ref().map(|c| c.dir());
     let dirs = (&x.cfg.job, local, x.final_written.map(|h| (x.cfg.state_dir.as_path(), h)));
     let final_dir = (!x.finished).then_some(x.cfg.state_dir.as_path());
     let given_up = match sharding::enter(host, &mut group, dirs, &st, n, ENTRY_STEP, final_dir)? {
