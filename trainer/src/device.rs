@@ -156,8 +156,25 @@ pub struct Backend {
     pub cuda_runtime: Option<String>,
     /// CUDA devices libtorch sees.
     pub devices: usize,
+    /// GPUs the NVIDIA driver lists (`/proc/driver/nvidia/gpus`), usable or not.
+    pub driver_gpus: usize,
     /// Why there are none, in words, when there are none.
     pub why_none: Option<String>,
+}
+
+impl Backend {
+    /// Why `"auto"` must not quietly mean the CPU here: the driver lists GPUs that libtorch
+    /// cannot use (a driver older than libtorch's CUDA runtime, `CUDA_VISIBLE_DEVICES=""`, a
+    /// CPU-only build on a GPU host). `None` where "auto" means what it says.
+    pub fn gpus_unusable(&self) -> Option<String> {
+        (self.devices == 0 && self.driver_gpus > 0).then(|| {
+            format!(
+                "the NVIDIA driver lists {} GPU(s) and libtorch can use none: {}",
+                self.driver_gpus,
+                self.why_none.as_deref().unwrap_or("no device")
+            )
+        })
+    }
 }
 
 impl std::fmt::Display for Backend {
@@ -165,6 +182,9 @@ impl std::fmt::Display for Backend {
         match (&self.why_none, &self.cuda_runtime) {
             (None, rt) => {
                 write!(f, "CUDA ({}), {} device(s)", rt.as_deref().unwrap_or("runtime unknown"), self.devices)
+            }
+            (Some(why), _) if self.driver_gpus > 0 => {
+                write!(f, "CPU only, with {} GPU(s) it cannot use: {why}", self.driver_gpus)
             }
             (Some(why), _) => write!(f, "CPU only: {why}"),
         }
@@ -175,11 +195,14 @@ impl std::fmt::Display for Backend {
 /// reports.
 pub fn backend() -> Backend {
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
-    backend_from(&maps, gpu_count(), std::path::Path::new("/proc/driver/nvidia/version").exists())
+    let mut b =
+        backend_from(&maps, gpu_count(), std::path::Path::new("/proc/driver/nvidia/version").exists());
+    b.driver_gpus = gpu_models().len();
+    b
 }
 
 /// [`backend`] from a process's memory map, the devices libtorch counts and whether an
-/// NVIDIA driver is loaded.
+/// NVIDIA driver is loaded (the GPUs it lists left at 0).
 pub fn backend_from(maps: &str, devices: usize, driver: bool) -> Backend {
     let loaded = |name: &str| {
         maps.lines().filter_map(|l| l.rsplit('/').next()).find(|f| f.starts_with(name)).map(str::to_string)
@@ -195,7 +218,7 @@ pub fn backend_from(maps: &str, devices: usize, driver: bool) -> Backend {
             "libtorch's CUDA backend and the NVIDIA driver are loaded, but libtorch sees no device (CUDA_VISIBLE_DEVICES, or a driver older than the CUDA runtime)".to_string()
         }
     });
-    Backend { cuda_backend, cuda_runtime, devices, why_none }
+    Backend { cuda_backend, cuda_runtime, devices, driver_gpus: 0, why_none }
 }
 
 /// The GPUs' model names as the NVIDIA driver lists them (`/proc/driver/nvidia/gpus/*/information`),
@@ -239,6 +262,12 @@ mod tests {
         assert!(b.cuda_backend && b.why_none.as_deref().unwrap().contains("no NVIDIA driver"), "{b:?}");
         assert_eq!(b.cuda_runtime.as_deref(), Some("libcudart.so.12"));
         assert!(backend_from(&cuda, 0, true).why_none.unwrap().contains("sees no device"));
+        // A driver listing GPUs libtorch cannot use is said, and "auto" must not hide it.
+        let old = Backend { driver_gpus: 4, ..backend_from(&cuda, 0, true) };
+        assert!(old.to_string().starts_with("CPU only, with 4 GPU(s) it cannot use: "), "{old}");
+        assert!(old.gpus_unusable().unwrap().contains("lists 4 GPU(s) and libtorch can use none"));
+        assert_eq!(backend_from(&cuda, 0, false).gpus_unusable(), None);
+        assert_eq!(Backend { driver_gpus: 4, ..backend_from(&cuda, 4, true) }.gpus_unusable(), None);
         let b = backend_from(&cuda, 8, true);
         assert_eq!(
             (b.why_none.clone(), b.to_string()),

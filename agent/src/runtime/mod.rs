@@ -413,8 +413,19 @@ fn node_config(cfg: &AgentConfig, data_addr: SocketAddr) -> NodeConfig {
         samples_per_sec_milli: 0,
         speed_milli: 0,
         ranks: cfg.devices.len().max(1) as u32,
+        device: if on_gpu(cfg) { "cuda" } else { "cpu" }.into(),
     };
     ncfg
+}
+
+/// Whether this host's ranks train on GPUs (`[node].devices`, else `[job].device` as it
+/// resolves here).
+fn on_gpu(cfg: &AgentConfig) -> bool {
+    let gpu = |d: &limpet_trainer::device::Device| *d != limpet_trainer::device::Device::Cpu;
+    match cfg.devices.as_slice() {
+        [] => cfg.device.resolve().is_ok_and(|d| gpu(&d)),
+        devices => devices.iter().any(gpu),
+    }
 }
 
 /// This host's memory (`MemTotal` of /proc/meminfo) in MiB; 0 where it cannot be read.

@@ -29,6 +29,10 @@ pub struct Hardware {
     /// of agents that train with one (0 reads as 1).
     #[serde(default, skip_serializing_if = "one_or_none")]
     pub ranks: u32,
+    /// What its ranks train on, `cuda` or `cpu` (empty in records of older agents): a GPU
+    /// host training on its CPU is worth seeing in `limpet status`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub device: String,
 }
 
 fn one_or_none(v: &u32) -> bool {
@@ -56,8 +60,9 @@ impl PartialEq for Hardware {
             samples_per_sec_milli,
             speed_milli,
             ranks: _,
+            device,
         } = self;
-        (instance_type, cpus, gpus, gpu_model, memory_mib, samples_per_sec_milli, speed_milli)
+        (instance_type, cpus, gpus, gpu_model, memory_mib, samples_per_sec_milli, speed_milli, device)
             == (
                 &o.instance_type,
                 &o.cpus,
@@ -66,6 +71,7 @@ impl PartialEq for Hardware {
                 &o.memory_mib,
                 &o.samples_per_sec_milli,
                 &o.speed_milli,
+                &o.device,
             )
             && self.local_ranks() == o.local_ranks()
     }

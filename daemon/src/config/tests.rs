@@ -540,6 +540,39 @@ fn values_that_do_not_read_are_all_named_at_once() {
     }
 }
 
+/// "auto" on a host whose driver lists GPUs libtorch cannot use is refused under the key
+/// that says it; "cpu" (or a host where "auto" finds its GPUs, or none at all) is not.
+#[test]
+fn auto_is_refused_where_the_gpus_are_there_but_unusable() {
+    use limpet_trainer::device::Backend;
+    let s = secret();
+    let backend = |devices, driver_gpus| Backend {
+        cuda_backend: true,
+        cuda_runtime: Some("libcudart.so.13".into()),
+        devices,
+        driver_gpus,
+        why_none: (devices == 0).then(|| "a driver older than the CUDA runtime".into()),
+    };
+    let with = |extra: &str, job_device: &str| {
+        let text = example(s.path())
+            .replace("secret_file", &format!("{extra}secret_file"))
+            .replace("steps = 400", &format!("steps = 400\ndevice = {job_device:?}"));
+        Config::parse_unchecked(&text, "c.toml").unwrap()
+    };
+    let (broken, fine, none) = (backend(0, 2), backend(2, 2), backend(0, 0));
+    let job_auto = with("", "auto");
+    let (key, why) = job_auto.auto_refusal(&broken).unwrap();
+    assert_eq!(key, "[job].device");
+    assert!(why.contains("lists 2 GPU(s) and libtorch can use none: a driver older"), "{why}");
+    assert!(why.contains("set \"cpu\""), "{why}");
+    assert_eq!(job_auto.auto_refusal(&fine), None);
+    assert_eq!(job_auto.auto_refusal(&none), None);
+    assert_eq!(with("", "cpu").auto_refusal(&broken), None);
+    let node_auto = with("devices = \"auto\"\n", "cpu");
+    assert_eq!(node_auto.auto_refusal(&broken).map(|(k, _)| k), Some("[node].devices"));
+    assert_eq!(with("devices = [\"cpu\", \"cpu\"]\n", "auto").auto_refusal(&broken), None);
+}
+
 /// Keys that would fail only once limpetd starts (two listeners on one port, a founder named
 /// twice, an empty directory that would put state in the working directory) or overflow
 /// (an hour-long heartbeat, twice over), each named.

@@ -140,6 +140,9 @@ impl Config {
     fn check_devices(&self, c: &mut Checks, warnings: &mut Vec<String>) -> (DeviceChoice, Vec<Device>) {
         let device = self.job.device;
         c.take("[job].device", device.resolve());
+        if let Some((key, why)) = self.auto_refusal(&limpet_trainer::device::backend()) {
+            c.fail(key, why);
+        }
         let devices = c.take("[node].devices", self.node.local_devices()).flatten().unwrap_or_default();
         // A pipelined epoch gives each host as many local ranks as its host with the fewest
         // has, and a pipe lane each, of which there are at most MAX_PIPELINE_LOCAL_RANKS.
@@ -151,6 +154,21 @@ impl Config {
             ));
         }
         (device, devices)
+    }
+
+    /// `"auto"` (`[node].devices`, or `[job].device` without it) on a host whose GPUs
+    /// libtorch cannot use: refused, since it would quietly train on the CPU; `"cpu"` says the
+    /// CPU is meant. The key and why.
+    pub fn auto_refusal(&self, backend: &limpet_trainer::device::Backend) -> Option<(&'static str, String)> {
+        let (key, auto) = match &self.node.devices {
+            Some(d) => ("[node].devices", d.0 == [DeviceChoice::Auto]),
+            None => ("[job].device", self.job.device == DeviceChoice::Auto),
+        };
+        let why = backend.gpus_unusable().filter(|_| auto)?;
+        Some((
+            key,
+            format!("\"auto\" would train on the CPU: {why}; fix that, or set \"cpu\" to train on the CPU"),
+        ))
     }
 
     /// `[job]`, `[model]` and `[data]` as far as they can be checked without the data.

@@ -332,6 +332,12 @@ fn host_line(h: &limpet_consensus::state::Hardware) -> String {
     if h.gpus > 0 {
         let model = if h.gpu_model.is_empty() { "GPU" } else { h.gpu_model.as_str() };
         s += &format!(", {}x {model}", h.gpus);
+    } else if !h.gpu_model.is_empty() {
+        // The driver lists GPUs libtorch cannot use (an old driver, a CPU-only build).
+        s += &format!(", {} unusable (libtorch sees no GPU)", h.gpu_model);
+    }
+    if h.device == "cpu" && (h.gpus > 0 || !h.gpu_model.is_empty()) {
+        s += ", training on the CPU";
     }
     if h.local_ranks() > 1 {
         // `[node].devices`: the host trains as this many ranks.
@@ -646,6 +652,16 @@ mod tests {
         assert_eq!(host_line(&old), "4 cpu, 1x GPU");
         let four = Hardware { ranks: 4, gpus: 4, ..gpu.clone() };
         assert_eq!(host_line(&four), "8 cpu, 4x NVIDIA A10G, 4 ranks");
+        // A GPU host training on its CPU, and one whose GPUs libtorch cannot use, say so.
+        let cpu_on_gpu_host = Hardware { device: "cpu".into(), ..gpu.clone() };
+        assert_eq!(host_line(&cpu_on_gpu_host), "8 cpu, 2x NVIDIA A10G, training on the CPU");
+        let unusable = Hardware { gpus: 0, device: "cpu".into(), ..gpu.clone() };
+        assert_eq!(
+            host_line(&unusable),
+            "8 cpu, NVIDIA A10G unusable (libtorch sees no GPU), training on the CPU"
+        );
+        assert_eq!(host_line(&Hardware { device: "cuda".into(), ..gpu.clone() }), "8 cpu, 2x NVIDIA A10G");
+        assert_eq!(host_line(&Hardware { device: "cpu".into(), ..cpu.clone() }), "2 cpu 23.5G");
         let slow = Hardware { speed_milli: 350, ..cpu.clone() };
         assert_eq!(host_line(&slow), "2 cpu 23.5G, speed x0.35");
     }

@@ -68,18 +68,18 @@ struct Layer {
 
 impl Layer {
     /// Inverted dropout with masks from the model's own generator (not libtorch's global one,
-    /// which other threads of the process advance).
+    /// which other threads of the process advance): one draw from it seeds a counter-based
+    /// hash of each element's index, computed where the activation is. The mask is then made
+    /// on the activation's device without a host value per element, and its bits are the
+    /// same on every device (integer arithmetic only).
     fn dropout(&self, x: Tensor, train: bool) -> Tensor {
         if !train || self.dropout == 0.0 {
             return x;
         }
         let keep = 1.0 - self.dropout;
-        let scale = (1.0 / keep) as f32;
-        let mut rng = self.rng.lock().expect("dropout generator lock");
-        let mask: Vec<f32> =
-            (0..x.numel()).map(|_| if rng.random::<f64>() < keep { scale } else { 0.0 }).collect();
-        let shape = x.size();
-        x * Tensor::from_slice(&mask).view(shape.as_slice())
+        let seed = self.rng.lock().expect("dropout generator lock").random::<u64>();
+        let mask = keep_mask(seed, &x.size(), keep, x.device()).to_kind(x.kind());
+        x * mask * (1.0 / keep)
     }
 
     fn attention(&self, x: &Tensor) -> Tensor {
@@ -101,5 +101,58 @@ impl ModuleT for Layer {
         let h = xs + self.dropout(self.attention(&self.ln1.forward(xs)), train);
         let m = self.out.forward(&self.fc.forward(&self.ln2.forward(&h)).gelu("none"));
         &h + self.dropout(m, train)
+    }
+}
+
+/// Which elements of a `shape` tensor dropout keeps (a Bool tensor on `device`), each with
+/// probability `keep`: a 32-bit hash of the element's index and `seed` (Wellons' lowbias32,
+/// with 31-bit multipliers so every product fits an i64 and no device's overflow behaviour
+/// matters), compared with `keep` scaled to 2^32.
+pub(super) fn keep_mask(seed: u64, shape: &[i64], keep: f64, device: tch::Device) -> Tensor {
+    const LOW: i64 = 0xffff_ffff;
+    let n: i64 = shape.iter().product();
+    let mix = |x: Tensor| {
+        let x = x.bitwise_xor_tensor(&x.bitwise_right_shift_tensor_scalar(16));
+        let x = (x * 0x7feb_352d_i64).bitwise_and(LOW);
+        let x = x.bitwise_xor_tensor(&x.bitwise_right_shift_tensor_scalar(15));
+        let x = (x * 0x5bd1_e995_i64).bitwise_and(LOW);
+        x.bitwise_xor_tensor(&x.bitwise_right_shift_tensor_scalar(16))
+    };
+    let index = Tensor::arange(n, (Kind::Int64, device));
+    // Both halves of the seed enter: the low one with the index, the high one after a round.
+    let x = mix(index.bitwise_and(LOW).bitwise_xor(seed as i64 & LOW));
+    let x = mix(x
+        .bitwise_xor((seed >> 32) as i64)
+        .bitwise_xor_tensor(&index.bitwise_right_shift_tensor_scalar(32)));
+    let threshold = (keep * 4_294_967_296.0).round() as i64;
+    x.lt(threshold).view(shape)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::keep_mask;
+    use tch::{Device, Kind};
+
+    /// A mask keeps about `keep` of the elements, the same ones for the same seed, and
+    /// others for a seed that differs in either half; the device the activation is on makes
+    /// it (here the CPU; the bits are integer arithmetic, the same on a GPU).
+    #[test]
+    fn a_dropout_mask_is_a_pure_function_of_its_seed() {
+        let shape = [4, 128, 256];
+        let m = keep_mask(7, &shape, 0.9, Device::Cpu);
+        assert_eq!((m.size(), m.kind(), m.device()), (shape.to_vec(), Kind::Bool, Device::Cpu));
+        let kept = m.to_kind(Kind::Float).mean(Kind::Float).double_value(&[]);
+        assert!((kept - 0.9).abs() < 0.005, "kept {kept}");
+        assert!(m.equal(&keep_mask(7, &shape, 0.9, Device::Cpu)));
+        for other in [8, 7 | (1 << 40)] {
+            let same = m.eq_tensor(&keep_mask(other, &shape, 0.9, Device::Cpu));
+            let agree = same.to_kind(Kind::Float).mean(Kind::Float).double_value(&[]);
+            // Two independent masks at 0.9 agree on 0.9² + 0.1² = 0.82 of the elements.
+            assert!((agree - 0.82).abs() < 0.01, "seed {other}: agree {agree}");
+        }
+        let half = keep_mask(1, &[100_000], 0.5, Device::Cpu).to_kind(Kind::Float);
+        // Neighbouring elements are not correlated (a weak hash would make runs).
+        let pairs = (half.narrow(0, 0, 99_999) * half.narrow(0, 1, 99_999)).mean(Kind::Float);
+        assert!((pairs.double_value(&[]) - 0.25).abs() < 0.01);
     }
 }

@@ -140,7 +140,10 @@ impl Rope {
     fn tables(&self, t: i64, head_dim: i64, device: tch::Device) -> (Tensor, Tensor) {
         let opts = (Kind::Float, device);
         let exponents = Tensor::arange_start_step(0, head_dim, 2, opts) / head_dim as f64;
-        let mut inv_freq = Tensor::from(self.theta as f32).to_device(device).pow(&exponents).reciprocal();
+        // Filled on the device: a host scalar copied there would wait for the device (a
+        // synchronization in every layer's forward).
+        let base = Tensor::full([0_i64; 0], f64::from(self.theta as f32), opts);
+        let mut inv_freq = base.pow(&exponents).reciprocal();
         let mut scale = 1.0;
         if let Some(s) = &self.scaling {
             inv_freq = s.rescale(&inv_freq, self.theta, head_dim);
