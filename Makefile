@@ -27,7 +27,7 @@ $(ENV_MK) $(VENV_STAMP) $(DIGITS) &: deploy/setup.sh
 	bash deploy/setup.sh
 	touch $(ENV_MK) $(VENV_STAMP) $(DIGITS)
 
-.PHONY: help setup build dist test long-test gpu-test lint unit fuzz-check fuzz bench demo clean
+.PHONY: help setup build dist test long-test gpu-test gpu-kit lint unit fuzz-check fuzz bench demo clean
 
 help:
 	@echo "make test    set up, then lint and run every test"
@@ -35,7 +35,8 @@ help:
 	@echo "make setup   install libtorch (torch==$(TORCH_VERSION) from PyPI) and data into $(LIMPET_CACHE)"
 	@echo "make fuzz    run each fuzz target for FUZZ_SECONDS (default 60)"
 	@echo "make dist    build the release tarballs deploy/cloud-init.yaml installs (dist/limpet-VERSION-linux-ARCH-{cuda,cpu}.tar.gz)"
-	@echo "make gpu-test  run the CUDA tests where libtorch sees a GPU (says so and skips them where not)"
+	@echo "make gpu-test  run the device tests on the first GPU where libtorch sees one (make test runs them on the CPU)"
+	@echo "make gpu-kit TORCH=2.11.0  build .gpu/: the device tests against that torch, run there by .gpu/gpu-check.sh"
 	@echo "make long-test  run the long multi-process scenarios make test leaves out (a few minutes)"
 	@echo "make bench   measure: raft commits, allreduce against gloo, hosts of 2 local ranks against 4 of one, state handoff against plain TCP, transitions against torchrun, planner predictions and pipelines, LLaMA training against transformers (small and 125m) and torchrun + DDP, sharded state's memory per rank against whole state (125m and 350m), memory on a 4 GiB dataset, activation checkpointing and a chunked loss at vocabulary 128k"
 
@@ -79,13 +80,20 @@ test: lint unit fuzz-check
 long-test: setup
 	cargo test -p limpet-daemon --test processes --locked -- --ignored
 
-# The CUDA tests are #[ignore]d in `make test` (no GPU here); this runs them where there is one.
+# The device tests (trainer/tests/cuda.rs) run on the CPU in `make test`; this runs them on
+# the first GPU where libtorch sees one.
 gpu-test: setup
 	@if "$(LIMPET_PYTHON)" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
-	    cargo test -p limpet-trainer --test cuda --locked -- --ignored; \
+	    LIMPET_TEST_DEVICE=cuda:0 CUBLAS_WORKSPACE_CONFIG=:4096:8 cargo test -p limpet-trainer --test cuda --locked -- --test-threads=1 --nocapture; \
 	else \
-	    echo "make gpu-test: skipped: libtorch sees no CUDA device on this host (trainer/tests/cuda.rs not run)"; \
+	    echo "make gpu-test: skipped: libtorch sees no CUDA device on this host (trainer/tests/cuda.rs ran on the CPU in make test)"; \
 	fi
+
+# A kit that proves the device paths on a GPU machine with its own Python torch and no Rust:
+# the device tests built against torch $(TORCH), with deploy/gpu-check.sh, in .gpu/.
+TORCH ?= 2.11.0
+gpu-kit: setup
+	deploy/gpu-kit.sh $(TORCH)
 
 fuzz: setup
 	command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked

@@ -1,5 +1,6 @@
 //! The trainer's build: libtorch's link settings, as every crate that links it has them
-//! (`deploy/link_libtorch.rs`), and `src/train/forget_grad.cpp`, compiled against the same
+//! (`deploy/link_libtorch.rs`), and its C++ shim (`src/train/forget_grad.cpp`,
+//! `src/kernels.cpp`: the libtorch calls tch does not expose), compiled against the same
 //! libtorch's headers with the settings torch-sys compiles its own C++ with.
 
 #[path = "../deploy/link_libtorch.rs"]
@@ -8,6 +9,7 @@ mod link_libtorch;
 fn main() {
     link_libtorch::main();
     println!("cargo:rerun-if-changed=src/train/forget_grad.cpp");
+    println!("cargo:rerun-if-changed=src/kernels.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH_INCLUDE");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     // torch-sys's choices: headers under LIBTORCH_INCLUDE when set, else beside the `lib/`
@@ -29,5 +31,6 @@ fn main() {
         .define("_GLIBCXX_USE_CXX11_ABI", abi.as_str())
         .warnings(false)
         .file("src/train/forget_grad.cpp")
+        .file("src/kernels.cpp")
         .compile("limpet_forget_grad");
 }

@@ -248,15 +248,16 @@ pub(crate) fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
         .unwrap_or_default()
 }
 
-/// Profiles `job`'s model on this host for the planner: every block's costs at the job's
-/// micro-batch, and the step's time outside the blocks.
+/// Profiles `job`'s model on `device` of this host for the planner: every block's costs at
+/// the job's micro-batch, and the step's time outside the blocks.
 pub fn profile_model(
     job: &limpet_trainer::JobSpec,
     data: &limpet_trainer::data::Dataset,
     reps: usize,
+    device: limpet_trainer::device::Device,
 ) -> Result<crate::planner::ModelProfile, limpet_trainer::TrainerError> {
-    let blocks = limpet_trainer::profile::profile_blocks(job, data, reps)?;
-    let overhead_ms = limpet_trainer::profile::profile_step_overhead(job, data, &blocks, reps)?;
+    let blocks = limpet_trainer::profile::profile_blocks(job, data, reps, device)?;
+    let overhead_ms = limpet_trainer::profile::profile_step_overhead(job, data, &blocks, reps, device)?;
     let model = serde_json::to_value(&job.model)
         .ok()
         .and_then(|v| v["kind"].as_str().map(str::to_string))

@@ -88,7 +88,7 @@ impl Failure {
             // disk, a bug) is one systemd restarts.
             Failure::Agent(A::Fatal(Fatal::Trainer(_))) => EXIT_FAILURE,
             // The node's [job] is not the cluster's: the operator's to fix, a restart repeats it.
-            Failure::Agent(A::Fatal(Fatal::Job(_))) => EXIT_USAGE,
+            Failure::Agent(A::Fatal(Fatal::Job(_) | Fatal::DeviceClass(_))) => EXIT_USAGE,
             Failure::Agent(_) => EXIT_FAILURE,
             Failure::Snapshot(_) => EXIT_DATA,
             Failure::Fleet(limpet_deploy::FleetError::Usage(_)) => EXIT_USAGE,

@@ -70,6 +70,12 @@ pub fn init_tracing_as(json: bool) {
 /// version with 0), runs it, and maps an error to its exit status after printing it as
 /// `NAME: error: cause`.
 pub fn main_with<C: clap::Parser>(name: &str, run: impl FnOnce(C) -> Result<()>) -> std::process::ExitCode {
+    // Deterministic cuBLAS (a reproducible job on a GPU) reads this when it starts, and the
+    // environment may be changed only while the process has one thread: now.
+    let (key, value) = limpet_trainer::device::CUBLAS_WORKSPACE;
+    if std::env::var_os(key).is_none() {
+        std::env::set_var(key, value);
+    }
     let cli = match C::try_parse() {
         Ok(cli) => cli,
         Err(e) => {

@@ -153,13 +153,14 @@ pub fn measure_loopback() -> std::io::Result<Link> {
     Ok(Link { bytes_per_s: BYTES as f64 / secs, latency_ms })
 }
 
-/// Profiles `job`'s blocks on this host.
+/// Profiles `job`'s blocks on this host's CPU (`limpet plan` runs where the operator is; a
+/// host's agent profiles on its own device).
 pub fn profile(
     job: &JobSpec,
     data: &limpet_trainer::data::Dataset,
     reps: usize,
 ) -> crate::Result<ModelProfile> {
-    Ok(limpet_agent::stage::profile_model(job, data, reps)?)
+    Ok(limpet_agent::stage::profile_model(job, data, reps, limpet_trainer::device::Device::Cpu)?)
 }
 
 #[derive(Serialize)]

@@ -91,6 +91,9 @@ pub enum DeviceError {
     /// The CPU listed with GPUs.
     #[error("{0} mixes the CPU with GPUs (one kind of device per host)")]
     Mixed(String),
+    /// A reproducible job cannot get deterministic kernels here.
+    #[error("a reproducible job on a GPU: {0}")]
+    Reproducible(String),
     /// What is wrong with one entry of a list (counted from 1).
     #[error("entry {entry}: {source}")]
     Entry {
@@ -232,6 +235,75 @@ pub fn gpu_models() -> Vec<String> {
         .collect();
     models.sort();
     models
+}
+
+/// What a reproducible job's bits depend on beyond the job: the kind of device and, for a
+/// GPU, its model (kernels differ between GPU generations), for the CPU its instruction set
+/// (libtorch's and the BLAS's kernels are chosen by the vector width the CPU has).
+pub fn device_class(device: Device) -> String {
+    match device {
+        Device::Cpu => {
+            #[cfg(target_arch = "x86_64")]
+            let width = if std::arch::is_x86_feature_detected!("avx512f") {
+                "+avx512"
+            } else if std::arch::is_x86_feature_detected!("avx2") {
+                "+avx2"
+            } else {
+                ""
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let width = "";
+            format!("cpu/{}{width}", std::env::consts::ARCH)
+        }
+        _ => format!("cuda/{}", gpu_models().first().map_or("unknown GPU", String::as_str)),
+    }
+}
+
+extern "C" {
+    /// `kernels.cpp`: the kernel choices a reproducible job needs on a GPU, on or off; 0, or
+    /// 1 when libtorch threw.
+    fn limpet_reproducible_kernels(on: std::os::raw::c_int) -> std::os::raw::c_int;
+    /// `kernels.cpp`: whether those choices are in force (1) or not (0).
+    fn limpet_reproducible_kernels_on() -> std::os::raw::c_int;
+}
+
+/// The CUDA setting deterministic cuBLAS needs (a workspace per stream of fixed size), read
+/// by cuBLAS when it starts: set in the process's environment before any thread runs
+/// (`limpetd` and `limpet` do at start), never later.
+pub const CUBLAS_WORKSPACE: (&str, &str) = ("CUBLAS_WORKSPACE_CONFIG", ":4096:8");
+
+/// Turns on, for the whole process, the kernel choices a reproducible job needs on a GPU
+/// (`kernels.cpp`: deterministic algorithms and cuDNN, no TF32, no reduced-precision
+/// reductions, SDPA's math kernel). Refused, naming the fix, where cuBLAS would not be
+/// deterministic because [`CUBLAS_WORKSPACE`] is not in the environment.
+pub fn reproducible_kernels() -> Result<(), DeviceError> {
+    let (name, value) = CUBLAS_WORKSPACE;
+    if std::env::var_os(name).is_none() {
+        return Err(DeviceError::Reproducible(format!(
+            "{name} is not set, and cuBLAS is deterministic only with it: start the process with {name}={value} (limpetd and limpet set it themselves)"
+        )));
+    }
+    set_reproducible_kernels(true)
+}
+
+/// The kernel choices of [`reproducible_kernels`], on or off (libtorch's defaults), without
+/// the environment's check.
+pub fn set_reproducible_kernels(on: bool) -> Result<(), DeviceError> {
+    // SAFETY: the function takes no pointers and changes libtorch's global settings only,
+    // which libtorch reads when it picks a kernel.
+    #[allow(unsafe_code)]
+    match unsafe { limpet_reproducible_kernels(on.into()) } {
+        0 => Ok(()),
+        _ => Err(DeviceError::Reproducible("libtorch threw while choosing deterministic kernels".into())),
+    }
+}
+
+/// Whether [`reproducible_kernels`]' choices are in force in this process.
+pub fn reproducible_kernels_on() -> bool {
+    // SAFETY: reads libtorch's global settings; no pointers.
+    #[allow(unsafe_code)]
+    let on = unsafe { limpet_reproducible_kernels_on() };
+    on == 1
 }
 
 /// Hands the heap's free pages back to the system. glibc keeps what a model-sized host

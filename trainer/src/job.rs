@@ -230,7 +230,10 @@ impl JobSpec {
     pub fn diff_document(&self, doc: &serde_json::Value) -> Option<String> {
         let mut theirs = doc.clone();
         if let Some(o) = theirs.as_object_mut() {
+            // What the log keeps beside the job: the leader's pipeline profile and a
+            // reproducible job's class of device (checked on its own).
             o.remove("pipeline");
+            o.remove("device_class");
         }
         match serde_json::from_value::<JobSpec>(theirs) {
             Ok(theirs) => self.diff(&theirs),

@@ -11,7 +11,7 @@ use crate::optim::Optimizer;
 use crate::TrainerError;
 use limpet_decide::planner::BlockCost;
 use std::time::Instant;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -27,18 +27,30 @@ fn intercept(at_n: f64, at_k: f64, n: usize, k: usize) -> f64 {
     ((at_k * n as f64 - at_n * k as f64) / (n - k) as f64).clamp(0.0, at_n)
 }
 
+/// Waits for `device`'s queued work, so that a clock read after it counts the work (a GPU
+/// runs asynchronously: without it a timing measures the launch, not the kernel).
+fn synchronize(device: Device) {
+    if let Device::Cuda(i) = device {
+        tch::Cuda::synchronize(i as i64);
+    }
+}
+
 /// Median forward and backward times of block `i` on input `x` (and the output).
 fn time_block(model: &Model, i: usize, x: &Tensor, reps: usize) -> Result<(f64, f64, Tensor), TrainerError> {
+    let device = model.device();
     let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
     let mut y = Tensor::new();
     for r in 0..=reps {
         let inp = if x.is_floating_point() { x.detach().set_requires_grad(true) } else { x.shallow_clone() };
+        synchronize(device);
         let t0 = Instant::now();
         y = model.block_forward(i, &inp, true);
+        synchronize(device);
         let t1 = Instant::now();
         // The gradient a later stage would send back: any tensor of the output's shape.
         let g = y.ones_like() * 1e-3;
         (&y * &g).sum(Kind::Float).f_backward()?;
+        synchronize(device);
         let t2 = Instant::now();
         if r > 0 {
             fwd.push((t1 - t0).as_secs_f64() * 1e3);
@@ -48,10 +60,16 @@ fn time_block(model: &Model, i: usize, x: &Tensor, reps: usize) -> Result<(f64, 
     Ok((median(fwd), median(bwd), y))
 }
 
-/// Profiles every block of `job`'s model at its micro-batch and at a quarter of it (to split
-/// each time into a per-call and a per-sample part), on real samples of `data`, repeating
-/// each measurement `reps` times (after one warm-up) and keeping the median.
-pub fn profile_blocks(job: &JobSpec, data: &Dataset, reps: usize) -> Result<Vec<BlockCost>, TrainerError> {
+/// Profiles every block of `job`'s model on `device` (where the host trains: a GPU host's
+/// speed is its GPU's) at its micro-batch and at a quarter of it (to split each time into a
+/// per-call and a per-sample part), on real samples of `data`, repeating each measurement
+/// `reps` times (after one warm-up) and keeping the median.
+pub fn profile_blocks(
+    job: &JobSpec,
+    data: &Dataset,
+    reps: usize,
+    device: Device,
+) -> Result<Vec<BlockCost>, TrainerError> {
     job.validate(data)?;
     if matches!(job.model, crate::model::ModelSpec::Torchscript(_)) {
         return Err(TrainerError::Config(
@@ -59,10 +77,11 @@ pub fn profile_blocks(job: &JobSpec, data: &Dataset, reps: usize) -> Result<Vec<
         ));
     }
     let reps = reps.max(1);
-    let model = Model::new(&job.model, job.seed)?;
+    let model = Model::build(&job.model, 0..job.model.num_blocks(), job.seed, device, job.precision)?;
     let mb = job.micro_batch.min(data.train.len()).max(1);
     let idx: Vec<i64> = (0..mb as i64).collect();
-    let (mut x, _) = data.train.batch(&idx)?;
+    let (x, _) = data.train.batch(&idx)?;
+    let mut x = x.to_device(device);
     let slots = job.optimizer.slots().len() as u64;
     let mut out = Vec::new();
     for i in model.blocks() {
@@ -75,8 +94,10 @@ pub fn profile_blocks(job: &JobSpec, data: &Dataset, reps: usize) -> Result<Vec<
         let mut optim = Optimizer::new(&job.optimizer, &params);
         let grad = Tensor::full([numel.max(1)], 1e-4, (Kind::Float, tch::Device::Cpu)).narrow(0, 0, numel);
         for r in 0..=reps {
+            synchronize(device);
             let t0 = Instant::now();
             optim.apply(&params, &grad, 0.0, r as u64 + 1);
+            synchronize(device);
             if r > 0 {
                 apply.push(t0.elapsed().as_secs_f64() * 1e3);
             }
@@ -112,14 +133,18 @@ pub fn profile_step_overhead(
     data: &Dataset,
     blocks: &[BlockCost],
     reps: usize,
+    device: Device,
 ) -> Result<f64, TrainerError> {
     let mut one = job.clone();
     one.global_batch = job.micro_batch;
-    let mut t = crate::Trainer::try_new(one, data.shallow_clone())?;
+    let all = 0..one.model.num_blocks();
+    let mut t = crate::Trainer::on_device(one, data.shallow_clone(), all, device)?;
     let mut times = Vec::new();
     for r in 0..=reps.max(1) {
+        synchronize(device);
         let t0 = Instant::now();
         t.compute_grads(0, 1)?;
+        synchronize(device);
         if r > 0 {
             times.push(t0.elapsed().as_secs_f64() * 1e3);
         }
@@ -141,7 +166,7 @@ mod tests {
                 .unwrap();
         let mut job = JobSpec::defaults_for(ModelKind::Mlp, &data).unwrap();
         job.micro_batch = 32;
-        let blocks = profile_blocks(&job, &data, 3).unwrap();
+        let blocks = profile_blocks(&job, &data, 3, Device::Cpu).unwrap();
         assert_eq!(blocks.len(), job.model.num_blocks());
         // 16 -> 128 -> 128 -> 4, f32, AdamW's two slots.
         assert_eq!(blocks[0].param_bytes, (16 * 128 + 128) * 4);
@@ -153,7 +178,7 @@ mod tests {
             assert!(b.saved_bytes > 0);
             assert!((0.0..=b.fwd_ms).contains(&b.fixed_fwd_ms), "{b:?}");
         }
-        let overhead = profile_step_overhead(&job, &data, &blocks, 3).unwrap();
+        let overhead = profile_step_overhead(&job, &data, &blocks, 3, Device::Cpu).unwrap();
         assert!(overhead.is_finite() && overhead >= 0.0);
     }
 }

@@ -161,6 +161,10 @@ impl Trainer {
         device: Device,
     ) -> Result<Self, TrainerError> {
         job.validate(&data)?;
+        if job.reproducible && device != Device::Cpu {
+            // The same bits on every rank need the same kernels: deterministic ones on a GPU.
+            crate::device::reproducible_kernels().map_err(|e| TrainerError::Config(e.to_string()))?;
+        }
         let model = Model::build(&job.model, blocks, job.seed, device, job.precision)?;
         let optim = Optimizer::new(&job.optimizer, model.params());
         let plan = BatchPlan::try_new(job.global_batch, job.micro_batch)?;

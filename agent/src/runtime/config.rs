@@ -249,6 +249,15 @@ impl AgentConfig {
         }
     }
 
+    /// The device this host's first rank trains on (`[node].devices`, else `[job].device` as
+    /// it resolves here; the CPU where it does not): where the host's speed is measured.
+    pub fn training_device(&self) -> limpet_trainer::device::Device {
+        match self.devices.first() {
+            Some(&d) => d,
+            None => self.device.resolve().unwrap_or(limpet_trainer::device::Device::Cpu),
+        }
+    }
+
     /// A configuration with the defaults for everything but identity, addresses and job.
     pub fn new(
         id: NodeId,

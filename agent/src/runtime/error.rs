@@ -3,7 +3,8 @@
 //! epoch), an entry whose peers did not come, whose state did not arrive or verify, or whose
 //! published states do not allow a plan yet (the trainer loop waits for the log to change and
 //! tries again). A [`Fatal`] one stops this agent with an error, and systemd restarts it;
-//! but for [`Fatal::Job`] (this node's `[job]` is not the cluster's), whose exit status (64,
+//! but for [`Fatal::Job`] (this node's `[job]` is not the cluster's) and [`Fatal::DeviceClass`]
+//! (a reproducible job of another class of device), whose exit status (64,
 //! `limpet_daemon::failure`) tells systemd a restart would only repeat it.
 //!
 //! The class is decided once, where an error becomes an [`AgentError`] (its `From`
@@ -79,6 +80,9 @@ pub enum Fatal {
     /// This node's `[job]` is not the job the cluster's log holds: it cannot train with it.
     #[error("this node's [job] is not the cluster's: {0} (ours vs the log's; every node of a cluster trains the job its first leader set)")]
     Job(String),
+    /// The cluster's reproducible job was set on another class of device than this host's.
+    #[error("{0}")]
+    DeviceClass(String),
     /// The consensus node could not start or be asked (at start-up, or a drain).
     #[error(transparent)]
     Consensus(#[from] limpet_consensus::ConsensusError),

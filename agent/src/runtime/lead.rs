@@ -187,15 +187,16 @@ async fn find_resume_point(
     }))
 }
 
-/// The job as the log records it: the trainer's job spec and, for a pipelined job, the
-/// pipeline settings with this node's profile of the model's blocks.
+/// The job as the log records it: the trainer's job spec; for a pipelined job, the pipeline
+/// settings with this node's profile of the model's blocks; for a reproducible one, the class
+/// of device this node trains on (its bits are that class's: `device_class_refusal`).
 async fn job_document(cfg: &AgentConfig) -> Result<serde_json::Value, AgentError> {
     let mut doc = job_value(cfg)?;
     if let Some(p) = &cfg.pipeline {
-        let (job, path) = (cfg.job.clone(), cfg.data_path.clone());
+        let (job, path, device) = (cfg.job.clone(), cfg.data_path.clone(), cfg.training_device());
         let profile = tokio::task::spawn_blocking(move || {
             let data = Dataset::load(&job.data, path.as_deref())?;
-            crate::stage::profile_model(&job, &data, 5)
+            crate::stage::profile_model(&job, &data, 5, device)
         })
         .await
         .map_err(|e| AgentError::from(TaskFailed { task: "profile".into(), what: e.to_string() }))??;
@@ -209,11 +210,49 @@ async fn job_document(cfg: &AgentConfig) -> Result<serde_json::Value, AgentError
         doc["pipeline"] = serde_json::to_value(pj)
             .map_err(|source| AgentError::from(Fatal::Encode { what: "the pipeline settings", source }))?;
     }
+    if cfg.job.reproducible {
+        doc[DEVICE_CLASS] = limpet_trainer::device::device_class(cfg.training_device()).into();
+    }
     Ok(doc)
+}
+
+/// The job document's key for a reproducible job's class of device.
+pub(crate) const DEVICE_CLASS: &str = "device_class";
+
+/// Why this node may not train the job the log holds, when the job is reproducible and was
+/// set on another class of device than `mine`: its bits are that class's (other kernels
+/// round otherwise), so a member of another class would diverge, silently, from the rest.
+pub(crate) fn device_class_refusal(logged: &serde_json::Value, mine: &str) -> Option<String> {
+    let theirs = logged.get(DEVICE_CLASS)?.as_str()?;
+    (theirs != mine).then(|| {
+        format!(
+            "this reproducible job trains on {theirs}, and this host on {mine}: its bits differ between classes of device, so this host cannot join it (run it on hosts of one class, or without reproducible)"
+        )
+    })
 }
 
 /// The job spec as the log records it.
 fn job_value(cfg: &AgentConfig) -> Result<serde_json::Value, AgentError> {
     serde_json::to_value(&cfg.job)
         .map_err(|source| AgentError::from(Fatal::Encode { what: "the job spec", source }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::device_class_refusal;
+
+    /// A reproducible job set on one class of device refuses a host of another, naming
+    /// both; a job without a class (not reproducible, or set before classes were recorded)
+    /// refuses nobody.
+    #[test]
+    fn a_reproducible_job_refuses_a_host_of_another_class_of_device() {
+        let logged = serde_json::json!({"reproducible": true, "device_class": "cuda/NVIDIA H100 80GB HBM3"});
+        let why = device_class_refusal(&logged, "cpu/x86_64+avx2").unwrap();
+        assert!(
+            why.contains("trains on cuda/NVIDIA H100 80GB HBM3, and this host on cpu/x86_64+avx2"),
+            "{why}"
+        );
+        assert_eq!(device_class_refusal(&logged, "cuda/NVIDIA H100 80GB HBM3"), None);
+        assert_eq!(device_class_refusal(&serde_json::json!({"reproducible": true}), "cpu/x86_64"), None);
+    }
 }

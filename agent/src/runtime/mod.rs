@@ -418,14 +418,9 @@ fn node_config(cfg: &AgentConfig, data_addr: SocketAddr) -> NodeConfig {
     ncfg
 }
 
-/// Whether this host's ranks train on GPUs (`[node].devices`, else `[job].device` as it
-/// resolves here).
+/// Whether this host's ranks train on GPUs.
 fn on_gpu(cfg: &AgentConfig) -> bool {
-    let gpu = |d: &limpet_trainer::device::Device| *d != limpet_trainer::device::Device::Cpu;
-    match cfg.devices.as_slice() {
-        [] => cfg.device.resolve().is_ok_and(|d| gpu(&d)),
-        devices => devices.iter().any(gpu),
-    }
+    cfg.training_device() != limpet_trainer::device::Device::Cpu
 }
 
 /// This host's memory (`MemTotal` of /proc/meminfo) in MiB; 0 where it cannot be read.
@@ -443,7 +438,7 @@ fn host_memory_mib() -> u64 {
 /// Milliseconds one forward and backward of every block of the job's model takes on this
 /// host at the job's micro-batch (a straggler drill's factor included).
 fn profile_here(cfg: &AgentConfig, data: &limpet_trainer::data::Dataset) -> Result<f64, TrainerError> {
-    let profile = crate::stage::profile_model(&cfg.job, data, 3)?;
+    let profile = crate::stage::profile_model(&cfg.job, data, 3, cfg.training_device())?;
     let ms: f64 = profile.blocks.iter().map(|b| b.fwd_ms + b.bwd_ms).sum();
     let took = cfg.slowdown.stretch(std::time::Duration::from_secs_f64(ms / 1e3));
     tracing::info!(

@@ -197,6 +197,10 @@ impl TrainLoop {
                     if let Some(diff) = self.cfg.job.diff_document(logged) {
                         return Err(AgentError::from(Fatal::Job(diff)));
                     }
+                    let mine = limpet_trainer::device::device_class(self.cfg.training_device());
+                    if let Some(why) = super::lead::device_class_refusal(logged, &mine) {
+                        return Err(AgentError::from(Fatal::DeviceClass(why)));
+                    }
                     self.job_checked = true;
                 }
             }

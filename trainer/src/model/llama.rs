@@ -159,6 +159,22 @@ impl Rope {
     }
 }
 
+/// Causal attention of `q` (`[b, h, t, hd]`) over `k` and `v` (`[b, kv, t, hd]`, `kv`
+/// dividing `h`): each group of `h / kv` query heads shares one K/V head, either through
+/// SDPA's own grouping or, with `expand`, by repeating each K/V head for its query heads
+/// first (the same values: what lets a fused kernel run where SDPA's grouping would not).
+fn attend(q: &Tensor, k: &Tensor, v: &Tensor, expand: bool) -> Tensor {
+    let (h, kv) = (q.size()[1], k.size()[1]);
+    if !expand || h == kv {
+        return Tensor::scaled_dot_product_attention::<Tensor>(q, k, v, None, 0.0, true, None, h != kv);
+    }
+    let repeat = |x: &Tensor| {
+        let (b, _, t, hd) = x.size4().expect("[batch, heads, time, head dim]");
+        x.unsqueeze(2).expand([b, kv, h / kv, t, hd], false).reshape([b, h, t, hd])
+    };
+    Tensor::scaled_dot_product_attention::<Tensor>(q, &repeat(k), &repeat(v), None, 0.0, true, None, false)
+}
+
 /// `x * cos + rotate_half(x) * sin` over the last dimension of `[b, h, t, hd]`.
 fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
     let half = x.size()[3] / 2;
@@ -188,7 +204,12 @@ impl Layer {
         let kind = q.kind();
         let (cos, sin) = (cos.to_kind(kind), sin.to_kind(kind));
         let (q, k) = (rotate(&q, &cos, &sin), rotate(&k, &cos, &sin));
-        let y = Tensor::scaled_dot_product_attention::<Tensor>(&q, &k, &v, None, 0.0, true, None, h != kv);
+        // In f32 on a GPU, SDPA's fused kernels take no grouped K/V (flash and cuDNN are
+        // 16-bit only, the memory-efficient one has no GQA), so it would fall back to the
+        // math kernel and keep every B x H x T x T probability for backward: K/V are
+        // expanded to every query head there instead.
+        let expand = h != kv && kind == Kind::Float && x.device() != tch::Device::Cpu;
+        let y = attend(&q, &k, &v, expand);
         let y = y.transpose(1, 2).contiguous().view([b, t, h * hd]);
         linear_b(&y, &self.wo, self.bo.as_ref(), self.cast).to_kind(Kind::Float)
     }
@@ -218,5 +239,41 @@ struct Head {
 impl ModuleT for Head {
     fn forward_t(&self, xs: &Tensor, _train: bool) -> Tensor {
         linear(&rms_norm(xs, &self.norm, self.eps), &self.head, self.cast).to_kind(Kind::Float)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::attend;
+    use tch::{Device, Kind, Tensor};
+
+    /// K/V heads expanded to every query head attend as SDPA's own grouping does, forward and
+    /// backward (the GPU path in f32; the CPU runs both ways here).
+    #[test]
+    fn expanded_kv_heads_attend_as_grouped_ones() {
+        tch::manual_seed(3);
+        let opts = (Kind::Float, Device::Cpu);
+        let q = Tensor::randn([2, 8, 16, 8], opts).set_requires_grad(true);
+        let k = Tensor::randn([2, 2, 16, 8], opts).set_requires_grad(true);
+        let v = Tensor::randn([2, 2, 16, 8], opts).set_requires_grad(true);
+        let mut grads = Vec::new();
+        let mut outs = Vec::new();
+        for expand in [false, true] {
+            let y = attend(&q, &k, &v, expand);
+            (&y * &y).sum(Kind::Float).backward();
+            grads.push([&q, &k, &v].map(|t| {
+                let g = t.grad().copy();
+                let _ = t.grad().zero_();
+                g
+            }));
+            outs.push(y.detach());
+        }
+        assert!(outs[0].allclose(&outs[1], 1e-5, 1e-6, false), "outputs differ");
+        for (a, b) in grads[0].iter().zip(&grads[1]) {
+            assert!(a.allclose(b, 1e-4, 1e-5, false), "gradients differ");
+        }
+        // Each query head of a group sees its group's K/V head: not another's.
+        let swapped = attend(&q, &k.flip([1]), &v.flip([1]), true);
+        assert!(!outs[1].allclose(&swapped.detach(), 1e-3, 1e-3, false));
     }
 }
