@@ -170,7 +170,10 @@ impl Trainer {
         let plan = BatchPlan::try_new(job.global_batch, job.micro_batch)?;
         let sampler = Sampler::new(job.seed, data.train.len());
         let rng = RngState::new(job.seed);
-        let grads = GradBuffer::new(model.params(), device)?;
+        // A job that gives its device gradients back between steps, or whose two buffers take
+        // them in turn, keeps each gradient its own.
+        let own = job.reproducible || job.shard_state.is_some_and(|s| s.gradients);
+        let grads = GradBuffer::new(model.params(), device, own)?;
         Ok(Trainer {
             job,
             data,
@@ -439,7 +442,7 @@ impl Trainer {
         let inv = 1.0 / samples;
         grad.iter_mut().for_each(|g| *g *= inv);
         let grad_norm = clip_global_norm(grad, self.job.clip_norm);
-        Ok(self.apply_clipped(loss, grad_norm, samples as usize, rank_mean_sq_sum))
+        self.apply_clipped(loss, grad_norm, samples as usize, rank_mean_sq_sum)
     }
 
     /// Steps the optimizer with the averaged, clipped gradient in the buffer and advances to
@@ -450,15 +453,15 @@ impl Trainer {
         grad_norm: f64,
         samples: usize,
         rank_mean_sq_sum: f64,
-    ) -> StepStats {
+    ) -> Result<StepStats, TrainerError> {
         let lr =
             self.job.optimizer.lr() * self.job.schedule.factor(self.step, self.job.steps) * self.lr_scale;
-        let g = self.grads.grads();
+        let g = self.grads.grads()?;
         self.optim.apply(self.model.params(), &g, lr, self.step + 1);
         let stats =
             StepStats { step: self.step, loss, lr, grad_norm, samples, rank_mean_sq_sum, agreed: false };
         self.advance();
-        stats
+        Ok(stats)
     }
 
     /// Seeds the stochastic layers for micro-batch `k` of a step, which starts at position

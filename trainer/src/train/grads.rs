@@ -2,19 +2,40 @@
 //! parameter order, then three scalars (the loss sum, the sample count and the squared norm
 //! of this rank's mean gradient).
 //!
-//! On the CPU the parameters' `.grad` tensors are views into this buffer, so backward
-//! accumulates straight into the bytes the ring reduces and the optimizer reads: no gradient
-//! copy and no second model-sized allocation per step. (libtorch's gradient accumulation adds
-//! into an existing `.grad` in place when autograd is not recording, which it never is
-//! during backward.) On another device the buffer is the host staging area: each
-//! parameter's gradient is copied into its place after backward, and the update takes each
-//! parameter's averaged part back, so no model-sized tensor is made on the device. A job
-//! that shards its gradients then makes each device gradient undefined (`p.grad = None`,
-//! through `forget_grad.cpp`), so between its copy and the next backward the device holds
-//! none of them.
+//! How the parameters' gradients reach it ([`Bind`]):
+//! - **Views** (the CPU): the parameters' `.grad` tensors are views into this buffer, so
+//!   backward accumulates straight into the bytes the ring reduces and the optimizer reads:
+//!   no gradient copy and no second model-sized allocation per step. (libtorch's gradient
+//!   accumulation adds into an existing `.grad` in place when autograd is not recording,
+//!   which it never is during backward.)
+//! - **Staged** (a GPU): the gradients are views into one flat buffer on the device, as
+//!   DDP's bucket views are, and this host buffer is its staging copy: a bucket crosses to
+//!   the host in one copy when backward is done with it (pinned memory on a GPU), and the
+//!   reduced gradient goes back in one copy before the update, which then runs on the
+//!   device. Host memory is only the inter-host leg's.
+//! - **Copied**: each parameter's gradient its own tensor, copied into its place after
+//!   backward, the update taking each parameter's averaged part back, so no model-sized
+//!   tensor is made on the device. A job that shards its gradients then makes each device
+//!   gradient undefined (`p.grad = None`, through `forget_grad.cpp`), so between its copy and
+//!   the next backward the device holds none of them; a reproducible job's two buffers take
+//!   the gradients in turn.
+//!
+//! The staged and copied ways run on the CPU too (the trainer's tests force them), where
+//! they must train the bits of the views.
 
 use crate::TrainerError;
 use tch::{Device, Kind, Tensor};
+
+/// How the parameters' gradients reach the buffer (see the module's note).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Bind {
+    /// Views of the host buffer itself.
+    Views,
+    /// Views of one flat buffer on this device, staged through the host buffer.
+    Staged(Device),
+    /// Each its own tensor, copied into the host buffer.
+    Copied,
+}
 
 #[derive(Debug)]
 pub(crate) struct GradBuffer {
@@ -24,27 +45,60 @@ pub(crate) struct GradBuffer {
     n: usize,
     /// The parameters' gradients are views into `flat`.
     bound: bool,
+    /// Staged: the `n` gradient values on the device, the parameters' gradients views of it.
+    staged: Option<Tensor>,
 }
 
 impl GradBuffer {
-    /// A zeroed buffer for `params`; on the CPU their gradients are rebound into it.
-    pub(crate) fn new(params: &[(String, Tensor)], device: Device) -> Result<Self, TrainerError> {
-        Self::with_binding(params, device == Device::Cpu)
+    /// A zeroed buffer for `params` on `device`: their gradients views of it on the CPU, of a
+    /// flat buffer on the device staged through it elsewhere, unless `own_gradients` (a job
+    /// that gives its device gradients back between steps, or a reproducible job's buffers
+    /// taking them in turn), when they stay their own and are copied in.
+    pub(crate) fn new(
+        params: &[(String, Tensor)],
+        device: Device,
+        own_gradients: bool,
+    ) -> Result<Self, TrainerError> {
+        let bind = match device {
+            Device::Cpu => Bind::Views,
+            _ if own_gradients => Bind::Copied,
+            d => Bind::Staged(d),
+        };
+        Self::with_binding(params, bind)
     }
 
-    /// A zeroed buffer for `params`, their gradients rebound into it when `bind`.
-    pub(crate) fn with_binding(params: &[(String, Tensor)], bind: bool) -> Result<Self, TrainerError> {
+    /// A zeroed buffer for `params`, their gradients reaching it as `bind` says.
+    pub(crate) fn with_binding(params: &[(String, Tensor)], bind: Bind) -> Result<Self, TrainerError> {
         let n: usize = params.iter().map(|(_, p)| p.numel()).sum();
-        let flat = Tensor::f_zeros([n as i64 + 3], (Kind::Float, Device::Cpu))?;
-        let mut buf = GradBuffer { flat, n, bound: false };
-        if bind {
-            buf.bind(params)?;
+        let mut flat = Tensor::f_zeros([n as i64 + 3], (Kind::Float, Device::Cpu))?;
+        if let Bind::Staged(d @ Device::Cuda(_)) = bind {
+            // Page-locked: a copy from the device lands without a bounce through a pageable
+            // buffer of the driver's.
+            flat = flat.f_pin_memory(d)?;
+        }
+        let mut buf = GradBuffer { flat, n, bound: false, staged: None };
+        match bind {
+            Bind::Views => buf.bind(params)?,
+            Bind::Staged(d) => {
+                let on_device = Tensor::f_zeros([n as i64], (Kind::Float, d))?;
+                buf.bind_to(params, &on_device)?;
+                buf.staged = Some(on_device);
+            }
+            Bind::Copied => {}
         }
         Ok(buf)
     }
 
     /// Makes every trainable parameter's `.grad` a view of its place in the buffer.
     fn bind(&mut self, params: &[(String, Tensor)]) -> Result<(), TrainerError> {
+        let flat = self.flat.shallow_clone();
+        self.bind_to(params, &flat)?;
+        self.bound = true;
+        Ok(())
+    }
+
+    /// Makes every trainable parameter's `.grad` a view of its place in `target` (zeroed).
+    fn bind_to(&mut self, params: &[(String, Tensor)], target: &Tensor) -> Result<(), TrainerError> {
         if !params.iter().any(|(_, p)| p.requires_grad()) {
             return Ok(());
         }
@@ -65,12 +119,11 @@ impl GradBuffer {
                         p.size()
                     )));
                 }
-                self.place(&g, p, offset)?;
+                place(target, &g, p, offset)?;
             }
             offset += n;
         }
-        self.bound = true;
-        let _ = self.flat.f_zero_()?;
+        let _ = target.shallow_clone().f_zero_()?;
         Ok(())
     }
 
@@ -83,7 +136,7 @@ impl GradBuffer {
     /// gradients' (a reproducible step keeps two shards' gradients in two buffers in turn).
     pub(crate) fn spare(&self) -> Result<GradBuffer, TrainerError> {
         let flat = Tensor::f_zeros([self.n as i64 + 3], (Kind::Float, Device::Cpu))?;
-        Ok(GradBuffer { flat, n: self.n, bound: false })
+        Ok(GradBuffer { flat, n: self.n, bound: false, staged: None })
     }
 
     /// Makes the parameters' gradients (which exist, f32 and shaped like their parameters)
@@ -94,17 +147,11 @@ impl GradBuffer {
         for (_, p) in params {
             let n = p.numel() as i64;
             if p.requires_grad() {
-                self.place(&p.grad(), p, offset)?;
+                place(&self.flat, &p.grad(), p, offset)?;
             }
             offset += n;
         }
         self.bound = true;
-        Ok(())
-    }
-
-    /// Makes `grad` (parameter `p`'s) a view of the buffer's values from `offset`.
-    fn place(&self, grad: &Tensor, p: &Tensor, offset: i64) -> Result<(), TrainerError> {
-        grad.shallow_clone().f_set_data(&self.flat.narrow(0, offset, p.numel() as i64).view_as(p))?;
         Ok(())
     }
 
@@ -122,6 +169,10 @@ impl GradBuffer {
             release(self.as_mut_slice());
         } else {
             let _ = self.flat.f_zero_()?;
+        }
+        if let Some(on_device) = &self.staged {
+            let _ = on_device.shallow_clone().f_zero_()?;
+            return Ok(());
         }
         if !self.bound {
             for (name, p) in params {
@@ -145,6 +196,9 @@ impl GradBuffer {
     pub(crate) fn collect(&mut self, params: &[(String, Tensor)], forget: bool) -> Result<(), TrainerError> {
         if self.bound {
             return Ok(());
+        }
+        if self.staged.is_some() {
+            return self.stage_range(&(0..self.n));
         }
         let mut offset = 0i64;
         for (name, p) in params {
@@ -187,6 +241,9 @@ impl GradBuffer {
         if self.bound {
             return Ok(());
         }
+        if self.staged.is_some() {
+            return self.stage_range(&(range.start..range.end.min(self.n)));
+        }
         let mut offset = 0usize;
         for (name, p) in params {
             let n = p.numel();
@@ -200,14 +257,41 @@ impl GradBuffer {
         Ok(())
     }
 
+    /// Staged: copies the device's values in `range` to the host buffer's, in one copy. It
+    /// waits for the device (a copy to pageable or pinned host memory on the current stream
+    /// returns once the values are there), so the host may read them at once.
+    fn stage_range(&mut self, range: &std::ops::Range<usize>) -> Result<(), TrainerError> {
+        let Some(on_device) = &self.staged else { return Ok(()) };
+        if range.is_empty() {
+            return Ok(());
+        }
+        let (at, len) = (range.start as i64, (range.end - range.start) as i64);
+        self.flat.narrow(0, at, len).f_copy_(&on_device.narrow(0, at, len))?;
+        Ok(())
+    }
+
     /// The buffer's memory, to be handed out one region at a time (see [`RawBuffer`]).
     pub(crate) fn raw(&mut self) -> RawBuffer {
         RawBuffer { ptr: self.flat.data_ptr() as *mut f32, len: self.n + 3 }
     }
 
-    /// The gradient part of the buffer, as a tensor over the host memory itself: the update
-    /// takes each parameter's part to the parameter's device as it reaches it.
-    pub(crate) fn grads(&self) -> Tensor {
+    /// The gradient part of the buffer, for the update: the host memory itself (the update
+    /// takes each parameter's part to the parameter's device as it reaches it), or, staged,
+    /// the device's buffer, once the host's values (reduced, scaled, clipped) are copied back
+    /// to it in one copy.
+    pub(crate) fn grads(&self) -> Result<Tensor, TrainerError> {
+        let host = self.flat.narrow(0, 0, self.n as i64);
+        match &self.staged {
+            Some(on_device) => {
+                on_device.shallow_clone().f_copy_(&host)?;
+                Ok(on_device.shallow_clone())
+            }
+            None => Ok(host),
+        }
+    }
+
+    /// The gradient part of the buffer as the host holds it (what the ring reduced).
+    pub(crate) fn host_grads(&self) -> Tensor {
         self.flat.narrow(0, 0, self.n as i64)
     }
 
@@ -222,6 +306,12 @@ impl GradBuffer {
         // while this borrow of `self` is alive.
         unsafe { std::slice::from_raw_parts_mut(self.flat.data_ptr() as *mut f32, len) }
     }
+}
+
+/// Makes `grad` (parameter `p`'s) a view of `target`'s values from `offset`.
+fn place(target: &Tensor, grad: &Tensor, p: &Tensor, offset: i64) -> Result<(), TrainerError> {
+    grad.shallow_clone().f_set_data(&target.narrow(0, offset, p.numel() as i64).view_as(p))?;
+    Ok(())
 }
 
 /// The buffer's memory as a pointer that may cross to the thread reducing it while this

@@ -351,6 +351,7 @@ mod tests {
     use super::*;
     use crate::model::ModelSpec;
     use crate::train::buckets::{set_bucket_values, BUCKET_VALUES};
+    use crate::train::grads::Bind;
     use crate::train::tests::{char_data, job, synthetic};
     use crate::{JobSpec, LocalGroup, ModelKind};
     use tch::Tensor;
@@ -480,18 +481,18 @@ mod tests {
     /// Two ranks (a host's local ranks: real threads, real sums; two, because a sum of two
     /// does not depend on which rank adds first) for `steps` steps; the losses, every rank's
     /// content hash, the lengths rank 0 summed and its parameters.
-    fn three(j: &JobSpec, shares: &[u64], steps: usize, device_path: bool) -> Outcome {
-        three_cap(j, shares, steps, device_path, 20_000)
+    fn three(j: &JobSpec, shares: &[u64], steps: usize, bind: Bind) -> Outcome {
+        three_cap(j, shares, steps, bind, 20_000)
     }
 
-    fn three_cap(j: &JobSpec, shares: &[u64], steps: usize, device_path: bool, cap: usize) -> Outcome {
+    fn three_cap(j: &JobSpec, shares: &[u64], steps: usize, bind: Bind, cap: usize) -> Outcome {
         let data = char_data();
         let mut ranks: Vec<Trainer> =
             (0..2).map(|_| Trainer::try_new(j.clone(), data.shallow_clone()).unwrap()).collect();
-        if device_path {
-            // What a GPU host runs: gradients copied into the host buffer bucket by bucket.
+        if bind != Bind::Views {
+            // What a GPU host runs: gradients reaching the host buffer bucket by bucket.
             for t in &mut ranks {
-                t.grads = crate::train::grads::GradBuffer::with_binding(t.model.params(), false).unwrap();
+                t.grads = crate::train::grads::GradBuffer::with_binding(t.model.params(), bind).unwrap();
             }
         }
         let mut losses = Vec::new();
@@ -545,16 +546,18 @@ mod tests {
         let j = job(ModelKind::Llama, &chars, 12, 2);
         let after = JobSpec { reduce_after_backward: true, ..j.clone() };
         for shares in [vec![5, 7], vec![0, 12]] {
-            let (l, hashes, lens, params) = three(&j, &shares, 4, false);
+            let (l, hashes, lens, params) = three(&j, &shares, 4, Bind::Views);
             // One bucket: the one sum of the whole buffer, the same bits as after backward.
-            let (lx, _, lensx, px) = three_cap(&j, &shares, 4, false, BUCKET_VALUES);
+            let (lx, _, lensx, px) = three_cap(&j, &shares, 4, Bind::Views, BUCKET_VALUES);
             assert_eq!(
                 lensx,
                 vec![Trainer::try_new(j.clone(), chars.shallow_clone()).unwrap().buffer_len(); 4]
             );
-            let (l2, hashes2, lens2, params2) = three(&after, &shares, 4, false);
-            let (l3, hashes3, lens3, _) = three(&j, &shares, 4, true);
+            let (l2, hashes2, lens2, params2) = three(&after, &shares, 4, Bind::Views);
+            let (l3, hashes3, lens3, _) = three(&j, &shares, 4, Bind::Copied);
             assert_eq!((&l3, &hashes3, &lens3), (&l, &hashes, &lens), "the device path reduced other bits");
+            let (l4, hashes4, lens4, _) = three(&j, &shares, 4, Bind::Staged(tch::Device::Cpu));
+            assert_eq!((&l4, &hashes4, &lens4), (&l, &hashes, &lens), "the staged path reduced other bits");
             assert!(hashes.iter().all(|h| h == &hashes[0]) && hashes2.iter().all(|h| h == &hashes2[0]));
             // A sum of two does not depend on the order it is taken in, and the gradients
             // are one backward pass's: buckets or not, the same bits (with more ranks, the

@@ -552,7 +552,7 @@ impl Trainer {
             .sqrt();
         // From here on the step is applied to the held blocks: a failure leaves the other
         // parameters a step behind, which a regroup rebuilds.
-        let stats = self.update_held(layout, step, norm, (loss_sum, samples, rank_mean_sq_sum));
+        let stats = self.update_held(layout, step, norm, (loss_sum, samples, rank_mean_sq_sum))?;
         self.gather_and_advance(layout, stats, reduce)
     }
 
@@ -565,13 +565,13 @@ impl Trainer {
         step: u64,
         norm: f64,
         (loss_sum, samples, rank_mean_sq_sum): (f32, f32, f64),
-    ) -> StepStats {
+    ) -> Result<StepStats, TrainerError> {
         {
             let s = self.shard.as_mut().expect("sharded");
             (s.pending, s.last_norm) = (None, Some((step, norm)));
         }
-        let lr = self.apply_held(layout, norm);
-        StepStats {
+        let lr = self.apply_held(layout, norm)?;
+        Ok(StepStats {
             step,
             loss: f64::from(loss_sum) / f64::from(samples),
             lr,
@@ -579,7 +579,7 @@ impl Trainer {
             samples: samples as usize,
             rank_mean_sq_sum,
             agreed: false,
-        }
+        })
     }
 
     /// The end of a reproducible step with sharded state: the buffer holds the whole summed
@@ -617,7 +617,7 @@ impl Trainer {
         let inv = 1.0 / samples;
         buf[..n].iter_mut().for_each(|g| *g *= inv);
         let norm = sum_of_squares(&buf[..n]).sqrt();
-        let stats = self.update_held(layout, step, norm, (loss_sum, samples, 0.0));
+        let stats = self.update_held(layout, step, norm, (loss_sum, samples, 0.0))?;
         if self.shards_gradients() {
             // Every rank summed the whole gradient; only the held blocks' was used.
             release_unheld(layout, &mut self.grads.as_mut_slice()[..n], 0);
@@ -647,18 +647,18 @@ impl Trainer {
 
     /// Clips the held blocks of the averaged gradient in the buffer to the global `norm` and
     /// updates the held blocks with them, as the current step; returns the learning rate.
-    fn apply_held(&mut self, layout: &ShardLayout, norm: f64) -> f64 {
+    fn apply_held(&mut self, layout: &ShardLayout, norm: f64) -> Result<f64, TrainerError> {
         let buf = self.grads.as_mut_slice();
         for b in layout.held() {
             clip_to_norm(&mut buf[layout.blocks[b].clone()], norm, self.job.clip_norm);
         }
         let lr =
             self.job.optimizer.lr() * self.job.schedule.factor(self.step, self.job.steps) * self.lr_scale;
-        let grad = self.grads.grads();
+        let grad = self.grads.grads()?;
         let spec = self.optim.spec().clone();
         let t = self.step + 1;
         self.shard.as_mut().expect("sharded").apply(&spec, self.model.params(), &grad, lr, t);
-        lr
+        Ok(lr)
     }
 
     /// The parameters from their owners: this rank's block into the gradient buffer (whose
@@ -678,7 +678,9 @@ impl Trainer {
         let own = layout.blocks[layout.rank].clone();
         let params = self.model.params();
         let src: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
-        let flat = self.grads.grads();
+        // The host's values, which the allgather below writes (staged gradients' device
+        // buffer is not the parameters').
+        let flat = self.grads.host_grads();
         for start in (0..n).step_by(window) {
             let range = start..(start + window).min(n);
             let mine = own.start.clamp(range.start, range.end)..own.end.clamp(range.start, range.end);

@@ -205,7 +205,7 @@ impl Trainer {
         let grad = &mut buf[..n];
         clip_to_norm(grad, norm, self.job.clip_norm);
         let loss = f64::from(scalars[1]) / f64::from(samples);
-        Ok(self.apply_clipped(loss, norm, samples as usize, f64::from(scalars[2])))
+        self.apply_clipped(loss, norm, samples as usize, f64::from(scalars[2]))
     }
 
     /// The shape of the activation a stage after the first receives for `rows` samples, where

@@ -1,6 +1,7 @@
 //! The trainer's contract: it learns, its state round-trips bit-exactly, resuming equals not
 //! stopping, micro-batching and splitting across ranks do not change the update.
 
+use super::grads::Bind;
 use super::*;
 use crate::data::{DataSpec, Dataset};
 use crate::optim::OptimizerSpec;
@@ -332,14 +333,31 @@ fn bound_and_collected_gradient_buffers_agree() {
     };
     let want = [2.0, 2.0, 2.0, 2.0, 10.0, 12.0, 0.0];
     let (bp, cp) = (params(), params());
-    let mut bound = super::grads::GradBuffer::with_binding(&bp, true).unwrap();
-    let mut collected = super::grads::GradBuffer::with_binding(&cp, false).unwrap();
+    let sp = params();
+    let mut bound = super::grads::GradBuffer::with_binding(&bp, Bind::Views).unwrap();
+    let mut collected = super::grads::GradBuffer::with_binding(&cp, Bind::Copied).unwrap();
+    let mut staged = super::grads::GradBuffer::with_binding(&sp, Bind::Staged(tch::Device::Cpu)).unwrap();
     assert!(bound.as_mut_slice().iter().all(|&v| v == 0.0));
     backward(&bp);
     backward(&cp);
+    backward(&sp);
+    // Staged: nothing reaches the host buffer until it is collected, then all at once.
+    assert!(staged.as_mut_slice().iter().all(|&v| v == 0.0));
     collected.collect(&cp, false).unwrap();
+    staged.collect(&sp, false).unwrap();
     assert_eq!(bound.as_mut_slice()[..7], want);
     assert_eq!(collected.as_mut_slice()[..7], want);
+    assert_eq!(staged.as_mut_slice()[..7], want);
+    // A bucket's range alone crosses, and only it.
+    staged.zero(&sp, false).unwrap();
+    backward(&sp);
+    staged.collect_range(&sp, &(4..6), false).unwrap();
+    assert_eq!(staged.as_mut_slice()[..7], [0.0, 0.0, 0.0, 0.0, 10.0, 12.0, 0.0]);
+    // What the update reads goes back to the device's buffer, which the gradients view.
+    staged.as_mut_slice()[4] = 5.0;
+    let g = staged.grads().unwrap();
+    assert_eq!(g.double_value(&[4]), 5.0);
+    assert_eq!(sp[1].1.grad().double_value(&[0]), 5.0);
     backward(&bp);
     let twice: Vec<f32> = want.iter().map(|v| v * 2.0).collect();
     assert_eq!(bound.as_mut_slice()[..7], twice[..]);
@@ -347,7 +365,7 @@ fn bound_and_collected_gradient_buffers_agree() {
     backward(&bp);
     assert_eq!(bound.as_mut_slice()[..7], want);
     // The gradient tensor the optimizer reads is the buffer itself.
-    let g = bound.grads();
+    let g = bound.grads().unwrap();
     bound.as_mut_slice()[0] = 42.0;
     assert_eq!(g.double_value(&[0]), 42.0);
 }
@@ -408,21 +426,29 @@ fn memory_plans_compute_the_same_update() {
     assert!(e.contains("activation_checkpointing applies to model llama"), "{e}");
 }
 
-/// The device path (gradients copied into the host buffer parameter by parameter, the update
-/// taking each parameter's part back) trains the bits of the CPU path, where gradients are
-/// views of the buffer: what a GPU host runs, on the CPU.
+/// The device paths train the bits of the CPU path, where gradients are views of the host
+/// buffer: gradients copied in parameter by parameter (the update taking each parameter's
+/// part back), and gradients staged through a flat buffer of the device's (one copy each way,
+/// the update reading the device's buffer): what a GPU host runs, on the CPU. The staged way
+/// also over local ranks and with the reduction overlapping backward.
 #[test]
-fn the_device_path_trains_the_bits_of_the_bound_buffer() {
+fn the_device_paths_train_the_bits_of_the_bound_buffer() {
     let data = synthetic();
     let j = job(ModelKind::Mlp, &data, 24, 8);
     let mut bound = Trainer::try_new(j.clone(), data.shallow_clone()).unwrap();
-    let mut copied = Trainer::try_new(j, data).unwrap();
-    copied.grads = super::grads::GradBuffer::with_binding(copied.model.params(), false).unwrap();
-    assert!(bound.grads.is_bound() && !copied.grads.is_bound());
+    let mut copied = Trainer::try_new(j.clone(), data.shallow_clone()).unwrap();
+    copied.grads = super::grads::GradBuffer::with_binding(copied.model.params(), Bind::Copied).unwrap();
+    let mut staged = Trainer::try_new(j, data).unwrap();
+    staged.grads =
+        super::grads::GradBuffer::with_binding(staged.model.params(), Bind::Staged(tch::Device::Cpu))
+            .unwrap();
+    assert!(bound.grads.is_bound() && !copied.grads.is_bound() && !staged.grads.is_bound());
     for _ in 0..3 {
         let a = bound.train_step(0, 1, &mut NoReduce).unwrap();
         let b = copied.train_step(0, 1, &mut NoReduce).unwrap();
-        assert_eq!(a.loss.to_bits(), b.loss.to_bits());
+        let c = staged.train_step(0, 1, &mut NoReduce).unwrap();
+        assert_eq!((a.loss.to_bits(), a.loss.to_bits()), (b.loss.to_bits(), c.loss.to_bits()));
     }
     assert_eq!(bound.content_hash().unwrap(), copied.content_hash().unwrap());
+    assert_eq!(bound.content_hash().unwrap(), staged.content_hash().unwrap());
 }

@@ -2,6 +2,7 @@
 //! `collective_tests.rs`).
 
 use super::*;
+use crate::train::grads::Bind;
 use crate::train::tests::{job, synthetic};
 use crate::{JobSpec, ModelKind, NoReduce, ShardLayout};
 use limpet_snapshot::RawTensor;
@@ -444,9 +445,13 @@ fn sharded_run(
     let mut ranks: Vec<Trainer> =
         (0..world).map(|_| Trainer::try_new(job.clone(), data()).unwrap()).collect();
     if device {
-        // The device path, on the CPU: gradients of their own, copied into the buffer.
+        // The device path, on the CPU, as a GPU takes it: gradients of their own, copied into
+        // the buffer, where they are given back between steps or a reproducible job's
+        // buffers take them in turn; else views of a flat buffer staged through the host's.
+        let own = job.reproducible || job.shard_state.is_some_and(|s| s.gradients);
+        let bind = if own { Bind::Copied } else { Bind::Staged(tch::Device::Cpu) };
         for t in &mut ranks {
-            t.grads = crate::train::grads::GradBuffer::with_binding(t.model.params(), false).unwrap();
+            t.grads = crate::train::grads::GradBuffer::with_binding(t.model.params(), bind).unwrap();
         }
     }
     shard(&mut ranks, hosts, replicas, 1);
@@ -472,7 +477,7 @@ fn sharded_run(
     let left: Vec<bool> = ranks
         .iter()
         .map(|t| {
-            t.grads.grads().abs().sum(tch::Kind::Float).double_value(&[]) > 0.0
+            t.grads.host_grads().abs().sum(tch::Kind::Float).double_value(&[]) > 0.0
                 || (!t.grads.is_bound() && t.model.params().iter().any(|(_, p)| p.grad().defined()))
         })
         .collect();
@@ -523,10 +528,14 @@ fn sharded_gradients_train_the_bits_of_sharded_state_and_keep_only_held_blocks()
                 "{case}: nothing kept outside held blocks"
             );
             assert!(left1.iter().all(|l| *l) && left2.iter().all(|l| !*l), "{case}: {left1:?} {left2:?}");
-            // The device path trains the bits of the host's (runs without it came first).
+            // The device paths (staged for sharded optimizer state, copied for sharded
+            // gradients) train the bits of the host's (runs without them came first).
             match device {
-                false => on_host.push((l2, h2)),
-                true => assert!(on_host[after as usize] == (l2, h2), "{case}: not the host path's bits"),
+                false => on_host.push(((l1, h1), (l2, h2))),
+                true => assert!(
+                    on_host[after as usize] == ((l1, h1), (l2, h2)),
+                    "{case}: not the host path's bits"
+                ),
             }
         }
     }

@@ -226,7 +226,7 @@ impl Trainer {
         if plan.finishes[rank] {
             let layout = self.shard.as_ref().expect("a holder").layout.clone();
             let norm = plan.norm.expect("a rank finishes with a norm");
-            let lr = self.apply_held(&layout, norm);
+            let lr = self.apply_held(&layout, norm)?;
             let sums = &self.grads.as_mut_slice()[n..];
             self.unlogged = Some(StepStats {
                 step: self.step,
