@@ -37,7 +37,7 @@ use crate::optim::{clip_to_norm, decays, scratch_for, sum_of_squares, update, Op
 use crate::TrainerError;
 use limpet_decide::regroup::{cut, HeldLayout, KeptLayout};
 use std::ops::Range;
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 
 /// Which block of the flat gradient (and optimizer state) each rank owns, and which other
 /// hosts' blocks a rank also holds.
@@ -738,16 +738,17 @@ pub(super) fn release_unheld(layout: &ShardLayout, values: &mut [f32], at: usize
     }
 }
 
-/// Parameter-shaped tensors on `device` from a flat vector in parameter order.
+/// Parameter-shaped tensors on `device` from a flat vector in parameter order, each made
+/// from its own part of `all`: no model-sized flat tensor on the device beside them (nor on
+/// the host), only one parameter's host copy at a time.
 fn unflatten(all: &[f32], params: &[(String, Tensor)], device: Device) -> Vec<Tensor> {
-    let flat = Tensor::from_slice(all).to_kind(Kind::Float).to_device(device);
-    let mut at = 0i64;
+    let mut at = 0usize;
     params
         .iter()
         .map(|(_, p)| {
-            let t = flat.narrow(0, at, p.numel() as i64).view_as(p).copy();
-            at += p.numel() as i64;
-            t
+            let part = &all[at..at + p.numel()];
+            at += p.numel();
+            Tensor::from_slice(part).view(p.size().as_slice()).to_device(device)
         })
         .collect()
 }
