@@ -69,9 +69,10 @@ unit: setup
 	cp $(TARGET_DIR)/debug/limpet $(TARGET_DIR)/debug/limpetd $(TARGET_DIR)/product/
 	LIMPET_PRODUCT_BINS=$(TARGET_DIR)/product cargo test --workspace --locked
 
-# The fuzz crate builds outside the workspace; checking it keeps the targets from rotting.
+# The fuzz crate builds outside the workspace; checking it keeps the targets from rotting. In
+# the workspace's target directory, it reuses what the lint built (torch-sys's C++ above all).
 fuzz-check: setup
-	cargo check --manifest-path fuzz/Cargo.toml --locked --quiet
+	cargo check --manifest-path fuzz/Cargo.toml --locked --quiet --target-dir $(TARGET_DIR)
 
 test: lint unit fuzz-check
 

@@ -171,6 +171,8 @@ fn limpetd_validate_accepts_a_good_file_and_names_the_bad_key() {
     };
     let ok = run(&good);
     assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    // What the ranks would train on here, resolved.
+    assert!(String::from_utf8_lossy(&ok.stdout).contains("trains on: cpu (one rank each)"));
     // Every problem at once, each at its line.
     let text = good.clone() + "\n[timing]\nheartbeat_ms = 500\nfailure_timeout_ms = 600\nraft_tick_ms = 1\n";
     let line = |key: &str| text.lines().position(|l| l.starts_with(key)).unwrap() + 1;

@@ -225,21 +225,17 @@ pub enum Stages {
 
 impl<'de> Deserialize<'de> for Stages {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Stages, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Written {
-            Count(i64),
-            Fraction(f64),
-            Word(String),
-        }
-        let convert = |w: Written| match w {
-            Written::Count(n) if n >= 1 => {
-                usize::try_from(n).map(Stages::Fixed).map_err(|_| format!("{n} stages is too many"))
-            }
-            Written::Count(n) => Err(format!("{n} is not a positive number of stages (or \"auto\")")),
-            Written::Fraction(x) => Err(format!("{x} is not a positive number of stages (or \"auto\")")),
-            Written::Word(w) if w == "auto" => Ok(Stages::Auto),
-            Written::Word(w) => Err(format!("{w:?} is neither a number nor \"auto\"")),
+        use serde_json::Value;
+        let convert = |written: Value| match written {
+            Value::Number(n) => match n.as_i64() {
+                Some(k) if k >= 1 => {
+                    usize::try_from(k).map(Stages::Fixed).map_err(|_| format!("{k} stages is too many"))
+                }
+                _ => Err(format!("{n} is not a positive number of stages (or \"auto\")")),
+            },
+            Value::String(w) if w == "auto" => Ok(Stages::Auto),
+            Value::String(w) => Err(format!("{w:?} is neither a number nor \"auto\"")),
+            other => Err(format!("{other} is neither a number of stages nor \"auto\"")),
         };
         read_as(d, convert, || Stages::Auto)
     }

@@ -193,6 +193,15 @@ fn validate(config: &std::path::Path, json: bool) -> crate::Result<()> {
         _ => None,
     };
     let warnings = settings.warnings;
+    // What the ranks train on here, resolved against this host: one rank per device.
+    let name = |d: &limpet_trainer::device::Device| match d {
+        limpet_trainer::device::Device::Cuda(i) => format!("cuda:{i}"),
+        other => format!("{other:?}").to_lowercase(),
+    };
+    let trains_on: Vec<String> = match settings.agent.devices.as_slice() {
+        [] => vec![name(&settings.agent.training_device())],
+        devices => devices.iter().map(name).collect(),
+    };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let watched = rt.block_on(crate::watch_sources::resolve(&cfg));
     let backend = limpet_trainer::device::backend();
@@ -207,6 +216,7 @@ fn validate(config: &std::path::Path, json: bool) -> crate::Result<()> {
             "model": model,
             "libtorch": backend,
             "device": cfg.job.device.to_string(),
+            "trains_on": trains_on,
             "warnings": warnings,
         });
         println!("{v}");
@@ -221,6 +231,7 @@ fn validate(config: &std::path::Path, json: bool) -> crate::Result<()> {
     );
     println!("revocation: {}", watched.summary());
     println!("libtorch: {backend}; [job].device = \"{}\"", cfg.job.device);
+    println!("trains on: {} (one rank each)", trains_on.join(", "));
     if watched.is_blind() {
         eprintln!("warning: this node would watch no revocation notices");
     }

@@ -237,11 +237,13 @@ pub fn gpu_models() -> Vec<String> {
     models
 }
 
-/// What a reproducible job's bits depend on beyond the job: the kind of device and, for a
-/// GPU, its model (kernels differ between GPU generations), for the CPU its instruction set
-/// (libtorch's and the BLAS's kernels are chosen by the vector width the CPU has).
+/// What a reproducible job's bits depend on beyond the job: the kind of device and, for GPUs,
+/// their models (kernels differ between GPU generations; every model of the host, so a host
+/// whose local ranks mix models is its own class), for the CPU its instruction set (libtorch's
+/// and the BLAS's kernels are chosen by the vector width the CPU has), and the libraries the
+/// kernels come from (libtorch's version, and CUDA's and cuDNN's on a GPU).
 pub fn device_class(device: Device) -> String {
-    match device {
+    let kind = match device {
         Device::Cpu => {
             #[cfg(target_arch = "x86_64")]
             let width = if std::arch::is_x86_feature_detected!("avx512f") {
@@ -255,8 +257,31 @@ pub fn device_class(device: Device) -> String {
             let width = "";
             format!("cpu/{}{width}", std::env::consts::ARCH)
         }
-        _ => format!("cuda/{}", gpu_models().first().map_or("unknown GPU", String::as_str)),
+        _ => {
+            let mut models = gpu_models();
+            models.dedup();
+            // Without the driver's list (some containers) the models are unknown: such hosts
+            // are one class among themselves, and no other.
+            let models = if models.is_empty() { "unknown GPU".to_string() } else { models.join(" + ") };
+            format!("cuda/{models}")
+        }
+    };
+    format!("{kind} ({})", library_versions())
+}
+
+/// libtorch's version, and CUDA's and cuDNN's where CUDA is loaded (`kernels.cpp`).
+pub fn library_versions() -> String {
+    let mut out = [0u8; 128];
+    // SAFETY: `out` is a live buffer of the length passed; the function writes at most that
+    // many bytes, ended by a zero.
+    #[allow(unsafe_code)]
+    let failed =
+        unsafe { limpet_library_versions(out.as_mut_ptr().cast(), out.len() as std::os::raw::c_int) };
+    if failed != 0 {
+        return "libraries unknown".into();
     }
+    let end = out.iter().position(|&b| b == 0).unwrap_or(out.len());
+    String::from_utf8_lossy(&out[..end]).into_owned()
 }
 
 extern "C" {
@@ -265,6 +290,11 @@ extern "C" {
     fn limpet_reproducible_kernels(on: std::os::raw::c_int) -> std::os::raw::c_int;
     /// `kernels.cpp`: whether those choices are in force (1) or not (0).
     fn limpet_reproducible_kernels_on() -> std::os::raw::c_int;
+    /// `kernels.cpp`: the libraries' versions as text into a buffer; 0, or 1 when it threw.
+    fn limpet_library_versions(
+        out: *mut std::os::raw::c_char,
+        len: std::os::raw::c_int,
+    ) -> std::os::raw::c_int;
 }
 
 /// The CUDA setting deterministic cuBLAS needs (a workspace per stream of fixed size), read
@@ -278,12 +308,17 @@ pub const CUBLAS_WORKSPACE: (&str, &str) = ("CUBLAS_WORKSPACE_CONFIG", ":4096:8"
 /// deterministic because [`CUBLAS_WORKSPACE`] is not in the environment.
 pub fn reproducible_kernels() -> Result<(), DeviceError> {
     let (name, value) = CUBLAS_WORKSPACE;
-    if std::env::var_os(name).is_none() {
-        return Err(DeviceError::Reproducible(format!(
+    // cuBLAS is deterministic with one of these two workspace settings only; libtorch would
+    // throw at the first matrix product with any other.
+    match std::env::var(name).as_deref() {
+        Ok(":4096:8" | ":16:8") => set_reproducible_kernels(true),
+        Ok(other) => Err(DeviceError::Reproducible(format!(
+            "{name}={other:?}, and cuBLAS is deterministic only with \":4096:8\" or \":16:8\": start the process with {name}={value}"
+        ))),
+        Err(_) => Err(DeviceError::Reproducible(format!(
             "{name} is not set, and cuBLAS is deterministic only with it: start the process with {name}={value} (limpetd and limpet set it themselves)"
-        )));
+        ))),
     }
-    set_reproducible_kernels(true)
 }
 
 /// The kernel choices of [`reproducible_kernels`], on or off (libtorch's defaults), without

@@ -90,6 +90,9 @@ fn local_step(ranks: &mut [Trainer]) {
 #[test]
 fn training_on_the_device_matches_the_cpu_and_images_move_between_them() {
     let dev = device();
+    // What the GPU check reports of the machine: the backend and the class of device.
+    eprintln!("libtorch: {}", limpet_trainer::device::backend());
+    eprintln!("device class: {}", limpet_trainer::device::device_class(dev));
     let on_dev = trained(dev, Precision::Fp32, 20);
     let cpu = trained(Device::Cpu, Precision::Fp32, 20);
     let diff = max_rel(&on_dev, &cpu);

@@ -11,24 +11,26 @@ pub struct Devices(pub Vec<DeviceChoice>);
 
 impl<'de> Deserialize<'de> for Devices {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Devices, D::Error> {
-        /// One entry or several, as written.
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Written {
-            One(String),
-            Many(Vec<String>),
-        }
-        let convert = |w: Written| {
-            let entries = match w {
-                Written::One(one) => return DeviceChoice::parse(&one).map(|d| Devices(vec![d])),
-                Written::Many(many) => many,
+        use serde_json::Value;
+        let convert = |written: Value| -> Result<Devices, String> {
+            let parse = |e: &Value| match e {
+                Value::String(name) => DeviceChoice::parse(name).map_err(|e| e.to_string()),
+                other => Err(format!("{other} is not a device name")),
             };
-            let entry = |(i, e): (usize, &String)| {
-                DeviceChoice::parse(e).map_err(|e| DeviceError::Entry { entry: i + 1, source: Box::new(e) })
-            };
-            entries.iter().enumerate().map(entry).collect::<Result<_, _>>().map(Devices)
+            match written {
+                Value::Array(entries) => entries
+                    .iter()
+                    .enumerate()
+                    .map(|(i, e)| parse(e).map_err(|why| format!("entry {}: {why}", i + 1)))
+                    .collect::<Result<_, _>>()
+                    .map(Devices),
+                Value::String(_) => parse(&written).map(|d| Devices(vec![d])),
+                other => {
+                    Err(format!("{other} is neither a device (\"auto\", \"cuda:0\") nor a list of them"))
+                }
+            }
         };
-        read_as(d, |w| convert(w).map_err(|e| e.to_string()), || Devices(vec![DeviceChoice::Cpu]))
+        read_as(d, convert, || Devices(vec![DeviceChoice::Cpu]))
     }
 }
 

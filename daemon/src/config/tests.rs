@@ -540,6 +540,34 @@ fn values_that_do_not_read_are_all_named_at_once() {
     }
 }
 
+/// A value of the wrong shape for a typed key is named in the key's own words, not the
+/// parser's.
+#[test]
+fn a_typed_key_of_the_wrong_shape_says_what_it_takes() {
+    let s = secret();
+    for (extra, key, want) in [
+        (
+            "[node]\ndevices = 5\n",
+            "[node].devices",
+            "5 is neither a device (\"auto\", \"cuda:0\") nor a list of them",
+        ),
+        ("[node]\ndevices = [\"cpu\", 1]\n", "[node].devices", "entry 2: 1 is not a device name"),
+        (
+            "[pipeline]\nstages = true\n",
+            "[pipeline].stages",
+            "true is neither a number of stages nor \"auto\"",
+        ),
+    ] {
+        let (section, line) = extra.split_once('\n').unwrap();
+        let text = example(s.path()).replacen(&format!("{section}\n"), &format!("{section}\n{line}"), 1);
+        let text = if text.contains(line) { text } else { format!("{text}\n{extra}") };
+        let e = Config::parse(&text, "c.toml").unwrap_err();
+        let found = e.all().iter().find(|e| e.key == key).unwrap_or_else(|| panic!("{key} not in {e}"));
+        assert!(found.detail.contains(want), "{key}: {}", found.detail);
+        assert!(found.line.is_some(), "{key}: no line");
+    }
+}
+
 /// "auto" on a host whose driver lists GPUs libtorch cannot use is refused under the key
 /// that says it; "cpu" (or a host where "auto" finds its GPUs, or none at all) is not.
 #[test]

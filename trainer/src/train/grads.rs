@@ -166,6 +166,13 @@ impl GradBuffer {
     /// undefined (backward then creates each as it reaches it).
     pub(crate) fn zero(&mut self, params: &[(String, Tensor)], give_back: bool) -> Result<(), TrainerError> {
         if give_back {
+            // Page-locked memory keeps its pages through the advice `release` gives: only a
+            // buffer of its own (never staged) is given back.
+            if self.staged.is_some() {
+                return Err(TrainerError::Config(
+                    "a staged gradient buffer cannot give its pages back".into(),
+                ));
+            }
             release(self.as_mut_slice());
         } else {
             let _ = self.flat.f_zero_()?;
