@@ -456,3 +456,5 @@ pub fn parse_founders(
 mod job_tests;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod values_tests;
