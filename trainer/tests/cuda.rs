@@ -70,20 +70,27 @@ fn max_rel(a: &Trainer, b: &Trainer) -> f64 {
         .fold(0.0, f64::max)
 }
 
-/// `ranks` (local ranks of one host, each on its thread) take one step each through a
-/// host group of their own.
-fn local_step(ranks: &mut [Trainer]) {
-    let n = ranks.len();
-    let group = LocalGroup::new(n);
+/// Runs `f` on every one of `ranks` (local ranks of one host, each on its thread) with its
+/// rank index and its reduce through a host group of their own.
+fn on_local_ranks(ranks: &mut [Trainer], f: impl Fn(usize, &mut Trainer, &mut (dyn Reduce + Send)) + Sync) {
+    let group = LocalGroup::new(ranks.len());
     std::thread::scope(|s| {
         for (i, t) in ranks.iter_mut().enumerate() {
-            let group = &group;
+            let (group, f) = (&group, &f);
             s.spawn(move || {
                 let mut alone = NoReduce;
                 let inter: Option<&mut (dyn Reduce + Send)> = if i == 0 { Some(&mut alone) } else { None };
-                t.train_step(i, n, &mut group.rank(i, inter)).unwrap();
+                f(i, t, &mut group.rank(i, inter));
             });
         }
+    });
+}
+
+/// `ranks` (local ranks of one host) take one step each.
+fn local_step(ranks: &mut [Trainer]) {
+    let n = ranks.len();
+    on_local_ranks(ranks, |i, t, reduce| {
+        t.train_step(i, n, reduce).unwrap();
     });
 }
 
@@ -200,18 +207,7 @@ fn sharded_optimizer_state_and_sharded_gradients_train_the_same_bits() {
         for _ in 0..job.steps {
             local_step(&mut ranks);
         }
-        let group = LocalGroup::new(2);
-        std::thread::scope(|s| {
-            for (i, t) in ranks.iter_mut().enumerate() {
-                let group = &group;
-                s.spawn(move || {
-                    let mut alone = NoReduce;
-                    let inter: Option<&mut (dyn Reduce + Send)> =
-                        if i == 0 { Some(&mut alone) } else { None };
-                    t.unshard(&mut group.rank(i, inter)).unwrap();
-                });
-            }
-        });
+        on_local_ranks(&mut ranks, |_, t, reduce| t.unshard(reduce).unwrap());
         // The tensors, not the content hash: that covers the job, which differs.
         ranks.iter().map(|t| t.image().unwrap().tensors().clone()).collect::<Vec<_>>()
     };
