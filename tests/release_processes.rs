@@ -29,7 +29,7 @@ fn the_release_tarball_runs_with_the_build_cache_hidden() {
             .arg(bins)
             .arg("--out")
             .arg(tmp.path().join(out))
-            .args(["--variant", "cpu"])
+            .args(["--variant", "cpu", "--fast"])
             .env("LIMPET_DIST_ALLOW_LAB", if allow_lab { "1" } else { "0" })
             .output()
             .unwrap()

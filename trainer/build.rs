@@ -1,7 +1,8 @@
 //! The trainer's build: libtorch's link settings, as every crate that links it has them
 //! (`deploy/link_libtorch.rs`), and its C++ shim (`src/train/forget_grad.cpp`,
-//! `src/kernels.cpp`: the libtorch calls tch does not expose), compiled against the same
-//! libtorch's headers with the settings torch-sys compiles its own C++ with.
+//! `src/kernels.cpp`, `src/fused_adamw.cpp`: the libtorch calls tch does not expose),
+//! compiled against the same libtorch's headers with the settings torch-sys compiles its own
+//! C++ with.
 
 #[path = "../deploy/link_libtorch.rs"]
 mod link_libtorch;
@@ -10,6 +11,7 @@ fn main() {
     link_libtorch::main();
     println!("cargo:rerun-if-changed=src/train/forget_grad.cpp");
     println!("cargo:rerun-if-changed=src/kernels.cpp");
+    println!("cargo:rerun-if-changed=src/fused_adamw.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH_INCLUDE");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     // torch-sys's choices: headers under LIBTORCH_INCLUDE when set, else beside the `lib/`
@@ -32,5 +34,6 @@ fn main() {
         .warnings(false)
         .file("src/train/forget_grad.cpp")
         .file("src/kernels.cpp")
+        .file("src/fused_adamw.cpp")
         .compile("limpet_forget_grad");
 }

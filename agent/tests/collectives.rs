@@ -90,6 +90,75 @@ proptest! {
         }
     }
 
+    /// With the first `lossy` values in bfloat16 on the wire: every rank still holds the same
+    /// bits; those values are bfloat16 numbers within one rounding a hop of the exact sum,
+    /// and the rest (a step's loss and sample count) are summed in f32 as ever.
+    #[test]
+    fn a_bf16_allreduce_rounds_alike_on_every_rank_and_keeps_the_rest_exact(
+        world in 1usize..=5,
+        len in 0usize..12_000,
+        cut in any::<u16>(),
+        small_chunks in any::<bool>(),
+    ) {
+        let lossy = cut as usize % (len + 1);
+        let order: Vec<u64> = (1..=world as u64).map(|n| n * 10).collect();
+        let chunk = if small_chunks { 4096 } else { 512 << 10 };
+        let results = on_every_rank(&order, chunk, |g, node| {
+            let mut buf = input(node, len);
+            g.allreduce_sum_bf16(&mut buf, lossy, 7).unwrap();
+            buf
+        });
+        let inputs: Vec<Vec<f32>> = order.iter().map(|&n| input(n, len)).collect();
+        for i in 0..len {
+            let exact: f64 = inputs.iter().map(|x| f64::from(x[i])).sum();
+            let scale: f64 = inputs.iter().map(|x| f64::from(x[i].abs())).sum::<f64>().max(1e-6);
+            let got = results[0][i];
+            if i < lossy && world > 1 {
+                prop_assert_eq!(got.to_bits() & 0xffff, 0, "element {} is not a bfloat16: {}", i, got);
+                // Each of the W roundings is within 2^-9 of its partial sum, at most `scale`.
+                let tol = world as f64 * 2f64.powi(-8) * scale;
+                prop_assert!((f64::from(got) - exact).abs() <= tol, "element {i}: {got} vs {exact}");
+            } else {
+                prop_assert!((f64::from(got) - exact).abs() <= 1e-5 * scale, "element {i}: {got} vs {exact}");
+            }
+        }
+        for r in &results[1..] {
+            prop_assert!(r.iter().zip(&results[0]).all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
+    }
+
+    /// A bfloat16 reduce-scatter: each block's owner and its replicas hold the same bfloat16
+    /// values, near the exact sum.
+    #[test]
+    fn a_bf16_reduce_scatter_gives_replicas_the_owners_bits(
+        world in 2usize..=5,
+        len in 1usize..6000,
+        replicas in 0usize..4,
+    ) {
+        let replicas = replicas.min(world - 1);
+        let blocks: Vec<std::ops::Range<usize>> = (0..world).map(|i| i * len / world..(i + 1) * len / world).collect();
+        let order: Vec<u64> = (1..=world as u64).collect();
+        let results = on_every_rank(&order, 4096, |g, node| {
+            let mut buf = input(node, len);
+            g.reduce_scatter_sum_bf16(&mut buf, &blocks, replicas, len, 3).unwrap();
+            buf
+        });
+        let inputs: Vec<Vec<f32>> = order.iter().map(|&n| input(n, len)).collect();
+        for b in 0..world {
+            let owner = &results[b];
+            for i in blocks[b].clone() {
+                let exact: f64 = inputs.iter().map(|x| f64::from(x[i])).sum();
+                let scale: f64 = inputs.iter().map(|x| f64::from(x[i].abs())).sum::<f64>().max(1e-6);
+                prop_assert_eq!(owner[i].to_bits() & 0xffff, 0);
+                prop_assert!((f64::from(owner[i]) - exact).abs() <= world as f64 * 2f64.powi(-8) * scale);
+                for k in 1..=replicas {
+                    let holder = &results[(b + k) % world];
+                    prop_assert_eq!(holder[i].to_bits(), owner[i].to_bits(), "block {} replica {}", b, k);
+                }
+            }
+        }
+    }
+
     /// Reduce-scatter over uneven (even empty) blocks: each rank's own block, and the
     /// `replicas` blocks before it, hold the exact sum (integer-valued floats: any order is
     /// exact), a replica bit-identical to its owner's block; allgather then delivers every

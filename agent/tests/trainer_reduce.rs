@@ -34,7 +34,38 @@ fn three_ranks_over_the_ring_train_like_one() {
     for _ in 0..12 {
         solo_losses.push(alone.train_step(0, 1, &mut NoReduce).unwrap().loss);
     }
+    let results = three_ranks(trainer);
+    // Every rank holds the same state, bit for bit.
+    assert!(results.iter().all(|(_, h)| *h == results[0].1));
+    // The same samples and the same update at every step: losses agree with the solo run
+    // up to the order in which floats were summed.
+    for (step, (a, b)) in solo_losses.iter().zip(&results[0].0).enumerate() {
+        assert!((a - b).abs() <= 1e-4 * a.abs().max(1.0), "step {step}: alone {a}, three ranks {b}");
+    }
+}
 
+/// `reduce_dtype = "bf16"`: the ring carries the gradients in bfloat16, and every rank still
+/// holds the same state, bit for bit; the losses stay close to the f32 ring's, and the
+/// states differ from it (the format did change what was summed).
+#[test]
+fn three_ranks_reducing_in_bf16_agree_bit_for_bit_and_train_close_to_f32() {
+    one_thread();
+    let f32_ring = three_ranks(trainer);
+    let bf16_ring = three_ranks(|| {
+        let (mut job, data) = job_and_data();
+        job.reduce_dtype = limpet_trainer::ReduceDtype::Bf16;
+        Trainer::try_new(job, data).unwrap()
+    });
+    assert!(bf16_ring.iter().all(|(_, h)| *h == bf16_ring[0].1), "the ranks of a bf16 ring diverged");
+    assert_ne!(bf16_ring[0].1, f32_ring[0].1, "bf16 on the wire trained the f32 ring's bits");
+    for (step, (a, b)) in f32_ring[0].0.iter().zip(&bf16_ring[0].0).enumerate() {
+        assert!((a - b).abs() <= 1e-2 * a.abs().max(1.0), "step {step}: f32 ring {a}, bf16 ring {b}");
+    }
+}
+
+/// Three ranks over a real ring, each training its share of 12 steps with a trainer of
+/// `make`: each rank's losses and content hash.
+fn three_ranks(make: impl Fn() -> Trainer + Sync) -> Vec<(Vec<f64>, String)> {
     let order = [5u64, 2, 9];
     let eps: Vec<Endpoint> = order
         .iter()
@@ -44,15 +75,15 @@ fn three_ranks_over_the_ring_train_like_one() {
         })
         .collect();
     let addrs: Vec<String> = eps.iter().map(|e| e.addr().to_string()).collect();
-    let results: Vec<(Vec<f64>, String)> = std::thread::scope(|s| {
+    std::thread::scope(|s| {
         let hs: Vec<_> = eps
             .iter()
             .enumerate()
             .map(|(rank, ep)| {
-                let addrs = &addrs;
+                let (addrs, make) = (&addrs, &make);
                 s.spawn(move || {
                     let mut g = ep.group(1, &order, addrs).unwrap();
-                    let mut t = trainer();
+                    let mut t = make();
                     let losses: Vec<f64> =
                         (0..12).map(|_| t.train_step(rank, 3, &mut g).unwrap().loss).collect();
                     (losses, t.content_hash().unwrap())
@@ -60,14 +91,7 @@ fn three_ranks_over_the_ring_train_like_one() {
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    // Every rank holds the same state, bit for bit.
-    assert!(results.iter().all(|(_, h)| *h == results[0].1));
-    // The same samples and the same update at every step: losses agree with the solo run
-    // up to the order in which floats were summed.
-    for (step, (a, b)) in solo_losses.iter().zip(&results[0].0).enumerate() {
-        assert!((a - b).abs() <= 1e-4 * a.abs().max(1.0), "step {step}: alone {a}, three ranks {b}");
-    }
+    })
 }
 
 /// An AdamW job with clipping that bites, for the sharded-state comparison.

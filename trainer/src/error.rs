@@ -92,3 +92,9 @@ impl From<limpet_decide::regroup::RegroupError> for TrainerError {
         }
     }
 }
+
+impl From<crate::optim::FusedError> for TrainerError {
+    fn from(e: crate::optim::FusedError) -> Self {
+        TrainerError::Torch(tch::TchError::Torch(e.to_string()))
+    }
+}

@@ -87,6 +87,38 @@ pub struct JobSpec {
     /// buckets change the order the ring sums in, and every rank must cut them alike.
     #[serde(default, skip_serializing_if = "is_off")]
     pub reduce_after_backward: bool,
+    /// The number format gradients travel in between ranks (`[job].reduce_dtype`): bfloat16
+    /// halves the ring's bytes, each rank summing in f32. Part of the job because every rank
+    /// must send alike. Absent in older images: f32.
+    #[serde(default, skip_serializing_if = "ReduceDtype::is_f32")]
+    pub reduce_dtype: ReduceDtype,
+}
+
+/// How gradients travel between ranks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReduceDtype {
+    /// As they are: the exact f32 sum of what every rank computed.
+    #[default]
+    Fp32,
+    /// Rounded to bfloat16 on the wire, summed in f32 at each rank: every rank still applies
+    /// the same bits, each value within a few bfloat16 roundings of the f32 sum.
+    Bf16,
+}
+
+impl ReduceDtype {
+    fn is_f32(&self) -> bool {
+        *self == ReduceDtype::Fp32
+    }
+
+    /// Parses `fp32` or `bf16`.
+    pub fn parse(s: &str) -> Result<Self, crate::NotOneOf> {
+        match s {
+            "fp32" => Ok(ReduceDtype::Fp32),
+            "bf16" => Ok(ReduceDtype::Bf16),
+            other => Err(crate::NotOneOf { got: other.into(), choices: "fp32, bf16" }),
+        }
+    }
 }
 
 /// How a job spreads its state over the ranks.
@@ -148,6 +180,7 @@ impl JobSpec {
             eval_every: None,
             shard_state: None,
             reduce_after_backward: false,
+            reduce_dtype: ReduceDtype::Fp32,
         }
     }
 

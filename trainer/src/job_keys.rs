@@ -102,6 +102,10 @@ pub struct JobKeys {
     /// one rank reduces nothing).
     #[arg(skip)]
     pub overlap: Option<bool>,
+    /// `fp32` or `bf16`: the number format gradients travel in between ranks, bf16 halving
+    /// the bytes, each rank summing in f32 [default: fp32] (limpetd only).
+    #[arg(skip)]
+    pub reduce_dtype: Option<String>,
 }
 
 /// `--betas BETA1,BETA2`.
@@ -234,6 +238,17 @@ impl JobKeys {
                 });
             }
         }
+        if let Some(d) = &self.reduce_dtype {
+            let dtype = crate::ReduceDtype::parse(d)
+                .map_err(|e| JobKeyError { key: "reduce_dtype", detail: e.to_string() })?;
+            if dtype == crate::ReduceDtype::Bf16 && self.reproducible == Some(true) {
+                return bad(
+                    "reduce_dtype",
+                    "\"bf16\" does not apply to a reproducible job, whose gradients travel as exact integers"
+                        .into(),
+                );
+            }
+        }
         Ok(())
     }
 
@@ -321,6 +336,10 @@ impl JobKeys {
         if let Some(o) = self.overlap {
             job.reduce_after_backward = !o;
         }
+        if let Some(d) = &self.reduce_dtype {
+            job.reduce_dtype = crate::ReduceDtype::parse(d)
+                .map_err(|e| JobKeyError { key: "reduce_dtype", detail: e.to_string() })?;
+        }
         let llama = matches!(job.model, ModelSpec::Llama(_));
         if let Some(a) = self.activation_checkpointing {
             if a && !llama {
@@ -338,9 +357,13 @@ impl JobKeys {
             job.loss_chunk = Some(c);
         }
         if job.reproducible {
-            // Canonical shards are the unit of computation: a micro-batch setting would only
-            // make two equal jobs look different.
-            job.micro_batch = job.global_batch;
+            // Canonical shards are the unit of computation. A micro-batch smaller than a shard
+            // raises their count (each is one forward and backward, and must fit as the
+            // micro-batch does); any other would only make two equal jobs look different.
+            let whole = crate::train::shard_count(job.shards, job.global_batch, job.global_batch);
+            if crate::train::shard_count(job.shards, job.global_batch, job.micro_batch) == whole {
+                job.micro_batch = job.global_batch;
+            }
         }
         if let Some(p) = &self.precision {
             job.precision =

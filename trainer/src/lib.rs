@@ -33,7 +33,7 @@ mod train;
 pub mod workload;
 
 pub use error::{Malformed, NotOneOf, TrainerError};
-pub use job::{JobSpec, ModelKind, Sharding};
+pub use job::{JobSpec, ModelKind, ReduceDtype, Sharding};
 pub use run::{
     peak_rss_bytes, pending_checkpoint_path, place_checkpoint, rss_bytes, run_local, save_checkpoint,
     save_image, Progress, RunOptions, RunReport, CHECKPOINT_FILE, PENDING_CHECKPOINT_FILE,

@@ -7,7 +7,7 @@
 use crate::data::Dataset;
 use crate::job::JobSpec;
 use crate::model::Model;
-use crate::optim::Optimizer;
+use crate::optim::{Kernels, Optimizer};
 use crate::TrainerError;
 use limpet_decide::planner::BlockCost;
 use std::time::Instant;
@@ -96,7 +96,7 @@ pub fn profile_blocks(
         for r in 0..=reps {
             synchronize(device);
             let t0 = Instant::now();
-            optim.apply(&params, &grad, 0.0, r as u64 + 1);
+            optim.apply(&params, &grad, 0.0, r as u64 + 1, Kernels::for_job(job.reproducible, device))?;
             synchronize(device);
             if r > 0 {
                 apply.push(t0.elapsed().as_secs_f64() * 1e3);

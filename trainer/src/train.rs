@@ -22,6 +22,7 @@ mod stage;
 
 pub use eval::EvalSums;
 
+pub(crate) use exact::shard_count;
 pub use exact::{MAX_SHARDS, SHARDS};
 pub use local::{LocalGroup, LocalRank, LocalSums};
 pub use overlap::OverlapProbe;
@@ -31,7 +32,7 @@ pub use shard::{CheckpointPart, ShardLayout};
 use crate::data::Dataset;
 use crate::job::JobSpec;
 use crate::model::Model;
-use crate::optim::{clip_global_norm, Optimizer};
+use crate::optim::{clip_global_norm, Kernels, Optimizer};
 use crate::sampler::{BatchPlan, Sampler};
 use crate::TrainerError;
 use grads::GradBuffer;
@@ -457,7 +458,13 @@ impl Trainer {
         let lr =
             self.job.optimizer.lr() * self.job.schedule.factor(self.step, self.job.steps) * self.lr_scale;
         let g = self.grads.grads()?;
-        self.optim.apply(self.model.params(), &g, lr, self.step + 1);
+        self.optim.apply(
+            self.model.params(),
+            &g,
+            lr,
+            self.step + 1,
+            Kernels::for_job(self.job.reproducible, self.model.device()),
+        )?;
         let stats =
             StepStats { step: self.step, loss, lr, grad_norm, samples, rank_mean_sq_sum, agreed: false };
         self.advance();
@@ -556,10 +563,20 @@ impl Trainer {
         if self.job.reproducible {
             return self.exact_step(rank, world, reduce);
         }
-        let step = self.step;
+        let (step, lossy) = (self.step, self.lossy_values());
         let buf = self.compute_grads(rank, world)?;
-        reduce.allreduce_sum(buf, step)?;
+        reduce.allreduce_sum_bf16(buf, lossy, step)?;
         self.apply_reduced()
+    }
+
+    /// How many values of the gradient buffer may travel between ranks in bfloat16: every
+    /// gradient when the job says `reduce_dtype = "bf16"`, else none. Never the step's loss
+    /// and sample count, which follow them.
+    pub fn lossy_values(&self) -> usize {
+        match self.job.reduce_dtype {
+            crate::ReduceDtype::Bf16 => self.grads.grads_len(),
+            crate::ReduceDtype::Fp32 => 0,
+        }
     }
 
     /// The whole state as a portable image (parameters, optimizer slots, step, cursor, RNG).

@@ -14,7 +14,9 @@
 //! Each segment is summed in one order around the ring and then copied, so every rank ends
 //! with bit-identical results. Payloads are the host's little-endian f32 bytes, or i64 for
 //! [`Group::allreduce_sum_i64`], whose integer sum is exact and the same in any order (what
-//! a reproducible job's fixed-point gradients need).
+//! a reproducible job's fixed-point gradients need), or bfloat16 for the part of a buffer
+//! [`Group::allreduce_sum_bf16`] is given (each rank summing in f32, the finished segment
+//! rounded by its owner before it goes round).
 
 use crate::dataplane::conn::Conn;
 use crate::dataplane::endpoint::Endpoint;
@@ -49,12 +51,29 @@ struct SendItem {
 struct RecvItem {
     range: Range<usize>,
     op: Op,
+    /// Once whole, the chunk is rounded to bfloat16 in place: an owner's summed segment
+    /// before it goes out in bfloat16, so that every rank ends with the same bits.
+    round: bool,
 }
 
 #[derive(Debug, Default)]
 struct Plan {
     sends: Vec<SendItem>,
     recvs: Vec<RecvItem>,
+    /// Elements below this index travel as bfloat16, the rest as f32 (chunks never straddle
+    /// it): 0 for an exact collective.
+    bf16_below: usize,
+}
+
+impl Plan {
+    /// Bytes one element of `range` takes on the wire.
+    fn width(&self, range: &Range<usize>) -> usize {
+        if range.end <= self.bf16_below {
+            2
+        } else {
+            4
+        }
+    }
 }
 
 /// The ranks of one epoch, connected in a ring.
@@ -197,11 +216,16 @@ impl Group {
         i * n / w..(i + 1) * n / w
     }
 
-    fn chunks(&self, r: Range<usize>) -> Vec<Range<usize>> {
+    /// `r` in chunks of at most `chunk_elems`, cut at `split` too (where a bfloat16 part of
+    /// the buffer ends) so that no chunk holds elements of both widths.
+    fn chunks(&self, r: Range<usize>, split: usize) -> Vec<Range<usize>> {
         let mut out = Vec::new();
         let mut s = r.start;
         while s < r.end {
-            let e = (s + self.chunk_elems).min(r.end);
+            let mut e = (s + self.chunk_elems).min(r.end);
+            if s < split && split < e {
+                e = split;
+            }
             out.push(s..e);
             s = e;
         }
@@ -211,6 +235,9 @@ impl Group {
     /// Plans a ring pass: at step `g`, send block `send_block(g)` and receive block
     /// `recv_block(g)` with `op(g)`; a send at step g > 0 waits for the same chunk received
     /// at step g - 1 (the ring forwards what it just received).
+    /// `bf16_below` as in [`Plan`]; `round(g)` marks step g's receives to be rounded to
+    /// bfloat16 once whole (their bfloat16 part).
+    #[allow(clippy::too_many_arguments)]
     fn ring_plan(
         &self,
         blocks: &[Range<usize>],
@@ -218,18 +245,21 @@ impl Group {
         send_block: impl Fn(usize) -> usize,
         recv_block: impl Fn(usize) -> usize,
         op: impl Fn(usize) -> Op,
+        bf16_below: usize,
+        round: impl Fn(usize) -> bool,
     ) -> Plan {
-        let mut plan = Plan::default();
+        let mut plan = Plan { bf16_below, ..Plan::default() };
         let mut prev_recv_start = 0;
         for g in 0..steps {
-            let send_chunks = self.chunks(blocks[send_block(g)].clone());
+            let send_chunks = self.chunks(blocks[send_block(g)].clone(), bf16_below);
             for (c, range) in send_chunks.into_iter().enumerate() {
                 let after = (g > 0).then_some(prev_recv_start + c);
                 plan.sends.push(SendItem { range, after });
             }
             prev_recv_start = plan.recvs.len();
-            for range in self.chunks(blocks[recv_block(g)].clone()) {
-                plan.recvs.push(RecvItem { range, op: op(g) });
+            for range in self.chunks(blocks[recv_block(g)].clone(), bf16_below) {
+                let round = round(g) && range.end <= bf16_below;
+                plan.recvs.push(RecvItem { range, op: op(g), round });
             }
         }
         plan
@@ -250,12 +280,37 @@ impl Group {
             return Ok(());
         }
         let blocks: Vec<Range<usize>> = (0..w).map(|i| self.segment(buf.len(), i)).collect();
-        let plan = self.allreduce_plan(&blocks, Op::Add);
+        let plan = self.allreduce_plan(&blocks, Op::Add, 0);
         self.run(&plan, buf, step, "allreduce")
     }
 
-    /// Reduce-scatter with `add` over `blocks` (one per rank), then allgather.
-    fn allreduce_plan(&self, blocks: &[Range<usize>], add: Op) -> Plan {
+    /// As [`Group::allreduce_sum`], with `buf[..lossy]` sent in bfloat16, half the bytes:
+    /// each rank adds what it receives into its f32 values and sends the sum rounded, and each
+    /// segment's last sum is rounded before it goes round, so every rank still ends with the
+    /// same bits (each value within a few bfloat16 roundings of the exact sum). The rest of
+    /// `buf` (a step's loss and sample count) is summed in f32 as ever.
+    pub fn allreduce_sum_bf16(
+        &mut self,
+        buf: &mut [f32],
+        lossy: usize,
+        step: u64,
+    ) -> Result<(), DataPlaneError> {
+        self.check()?;
+        let w = self.world();
+        if lossy > buf.len() {
+            return Err(DataPlaneError::Config(format!("{lossy} values in bfloat16 of {}", buf.len())));
+        }
+        if w == 1 {
+            return Ok(());
+        }
+        let blocks: Vec<Range<usize>> = (0..w).map(|i| self.segment(buf.len(), i)).collect();
+        let plan = self.allreduce_plan(&blocks, Op::Add, lossy);
+        self.run(&plan, buf, step, if lossy > 0 { "allreduce (bf16)" } else { "allreduce" })
+    }
+
+    /// Reduce-scatter with `add` over `blocks` (one per rank), then allgather; values below
+    /// `bf16_below` travel in bfloat16, each rank's own segment rounded once summed.
+    fn allreduce_plan(&self, blocks: &[Range<usize>], add: Op, bf16_below: usize) -> Plan {
         let (w, r) = (self.world(), self.rank);
         let rs = w - 1;
         self.ring_plan(
@@ -264,6 +319,8 @@ impl Group {
             |g| if g < rs { (r + w - g) % w } else { (r + 1 + w - (g - rs)) % w },
             |g| if g < rs { (r + 2 * w - g - 1) % w } else { (r + w - (g - rs)) % w },
             |g| if g < rs { add } else { Op::Copy },
+            bf16_below,
+            |g| g + 1 == rs,
         )
     }
 
@@ -278,7 +335,7 @@ impl Group {
         let n = buf.len();
         // Segments of whole i64s, counted in the f32 words the ring moves.
         let blocks: Vec<Range<usize>> = (0..w).map(|i| 2 * (i * n / w)..2 * ((i + 1) * n / w)).collect();
-        let plan = self.allreduce_plan(&blocks, Op::AddI64);
+        let plan = self.allreduce_plan(&blocks, Op::AddI64, 0);
         let words: &mut [f32] = bytemuck::cast_slice_mut(buf);
         self.run(&plan, words, step, "allreduce (i64)")
     }
@@ -310,11 +367,12 @@ impl Group {
         if w == 1 {
             return Ok(());
         }
-        let chunks = self.chunks(0..buf.len());
+        let chunks = self.chunks(0..buf.len(), 0);
         let mut plan = Plan::default();
         let last = (root + w - 1) % w;
         if self.rank != root {
-            plan.recvs = chunks.iter().map(|c| RecvItem { range: c.clone(), op: Op::Copy }).collect();
+            plan.recvs =
+                chunks.iter().map(|c| RecvItem { range: c.clone(), op: Op::Copy, round: false }).collect();
         }
         if self.rank != last {
             let relay = self.rank != root;
@@ -342,8 +400,15 @@ impl Group {
             return Ok(());
         }
         let blocks: Vec<Range<usize>> = (0..w).map(|i| i * m..(i + 1) * m).collect();
-        let plan =
-            self.ring_plan(&blocks, w - 1, |g| (r + w - g) % w, |g| (r + 2 * w - g - 1) % w, |_| Op::Copy);
+        let plan = self.ring_plan(
+            &blocks,
+            w - 1,
+            |g| (r + w - g) % w,
+            |g| (r + 2 * w - g - 1) % w,
+            |_| Op::Copy,
+            0,
+            |_| false,
+        );
         self.run(&plan, out, step, "allgather")
     }
 
@@ -379,7 +444,24 @@ impl Group {
         replicas: usize,
         step: u64,
     ) -> Result<(), DataPlaneError> {
+        self.reduce_scatter_sum_bf16(buf, blocks, replicas, 0, step)
+    }
+
+    /// As [`Group::reduce_scatter_sum`], with `buf[..lossy]` sent in bfloat16 as
+    /// [`Group::allreduce_sum_bf16`] sends it: each block's owner rounds its sum before it
+    /// goes to the replicas, so they hold the same bits.
+    pub fn reduce_scatter_sum_bf16(
+        &mut self,
+        buf: &mut [f32],
+        blocks: &[Range<usize>],
+        replicas: usize,
+        lossy: usize,
+        step: u64,
+    ) -> Result<(), DataPlaneError> {
         self.check()?;
+        if lossy > buf.len() {
+            return Err(DataPlaneError::Config(format!("{lossy} values in bfloat16 of {}", buf.len())));
+        }
         self.check_blocks(blocks, buf.len())?;
         let (w, r) = (self.world(), self.rank);
         if replicas >= w.max(2) {
@@ -397,8 +479,10 @@ impl Group {
             |g| (r + 3 * w - g - 1) % w,
             |g| (r + 3 * w - g - 2) % w,
             |g| if g < w - 1 { Op::Add } else { Op::Copy },
+            lossy,
+            |g| g + 2 == w,
         );
-        self.run(&plan, buf, step, "reduce-scatter")
+        self.run(&plan, buf, step, if lossy > 0 { "reduce-scatter (bf16)" } else { "reduce-scatter" })
     }
 
     /// Allgather in place: rank `i` contributes `buf[blocks[i]]`, and every rank ends with
@@ -415,8 +499,15 @@ impl Group {
         if w == 1 {
             return Ok(());
         }
-        let plan =
-            self.ring_plan(blocks, w - 1, |g| (r + w - g) % w, |g| (r + 2 * w - g - 1) % w, |_| Op::Copy);
+        let plan = self.ring_plan(
+            blocks,
+            w - 1,
+            |g| (r + w - g) % w,
+            |g| (r + 2 * w - g - 1) % w,
+            |_| Op::Copy,
+            0,
+            |_| false,
+        );
         self.run(&plan, buf, step, "allgather")
     }
 
@@ -440,11 +531,11 @@ impl Group {
         let during = format!("{what} #{seq} of step {step}, epoch {}", self.epoch);
         match self.drive(plan, buf, step, seq, &during) {
             Ok(()) => {
-                let frames = |items: &mut dyn Iterator<Item = usize>| {
-                    items.map(|len| (HEADER_LEN + 4 * len) as u64).sum::<u64>()
+                let frames = |items: &mut dyn Iterator<Item = &Range<usize>>| {
+                    items.map(|r| (HEADER_LEN + plan.width(r) * r.len()) as u64).sum::<u64>()
                 };
-                super::count_bytes(true, "ring", frames(&mut plan.sends.iter().map(|s| s.range.len())));
-                super::count_bytes(false, "ring", frames(&mut plan.recvs.iter().map(|r| r.range.len())));
+                super::count_bytes(true, "ring", frames(&mut plan.sends.iter().map(|s| &s.range)));
+                super::count_bytes(false, "ring", frames(&mut plan.recvs.iter().map(|r| &r.range)));
                 Ok(())
             }
             Err(e) => {

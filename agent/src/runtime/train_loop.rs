@@ -382,13 +382,14 @@ impl TrainLoop {
             Conn::Ring(g) => {
                 let samples = self.trainer.plan().share_in(g.rank(), g.world(), &epoch.shares).len();
                 let computing = Instant::now();
+                let lossy = self.trainer.lossy_values();
                 let buf = self.trainer.compute_grads(g.rank(), g.world())?;
                 self.cfg.slowdown.per_samples(samples);
                 let took = self.cfg.slowdown.stretch(computing.elapsed()).as_secs_f64() * 1e3;
                 if samples > 0 {
                     self.ms_per_sample = smooth(self.ms_per_sample, took / samples as f64);
                 }
-                match g.allreduce_sum(buf, step) {
+                match g.allreduce_sum_bf16(buf, lossy, step) {
                     Ok(()) => Ok(self.trainer.apply_reduced()?),
                     Err(e) => Err(e.into()),
                 }

@@ -82,6 +82,9 @@ pub struct DpWorkerArgs {
     /// Seed of the inputs in check mode.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Bench mode: send the values in bfloat16 (`Group::allreduce_sum_bf16`).
+    #[arg(long)]
+    pub bf16: bool,
 }
 
 fn parse_plan(plan: &[String]) -> Result<Vec<(usize, u64)>, UsageError> {
@@ -149,13 +152,14 @@ pub fn run_worker(args: DpWorkerArgs) -> limpet_daemon::Result<()> {
             for (step, &(bytes, iters)) in plan.iter().enumerate() {
                 let step = step as u64 * 1000;
                 let mut buf = vec![1.0f32; bytes / 4];
+                let lossy = if args.bf16 { buf.len() } else { 0 };
                 for w in 0..2 {
-                    g.allreduce_sum(&mut buf, step + w)?;
+                    g.allreduce_sum_bf16(&mut buf, lossy, step + w)?;
                 }
                 g.barrier(step + 2)?;
                 let t = Instant::now();
                 for i in 0..iters {
-                    g.allreduce_sum(&mut buf, step + 3 + i)?;
+                    g.allreduce_sum_bf16(&mut buf, lossy, step + 3 + i)?;
                 }
                 sizes.push(
                     serde_json::json!({"bytes": bytes, "seconds": t.elapsed().as_secs_f64() / iters as f64}),

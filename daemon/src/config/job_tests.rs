@@ -117,7 +117,8 @@ fn every_training_key_reads_the_same_from_the_file_and_the_flags() {
     let keys = "micro_batch = 16\noptimizer = \"adamw\"\nlr = 0.002\nweight_decay = 0.05\nbetas = [0.9, 0.95]\n\
                 eps = 1e-6\ndecay_embeddings = true\nwarmup = 7\nclip = 0.5\nmin_lr_ratio = 0.25\nseed = 3\n\
                 precision = \"bf16\"\nreproducible = true\nshards = 4\nactivation_checkpointing = true\n\
-                loss_chunk = 32\neval_every = 50\nshard_state = \"optimizer\"\nshard_replicas = 2\noverlap = false";
+                loss_chunk = 32\neval_every = 50\nshard_state = \"optimizer\"\nshard_replicas = 2\noverlap = false\n\
+                reduce_dtype = \"fp32\"";
     let text = example(s.path()).replace("global_batch = 64", &format!("global_batch = 64\n{keys}"));
     let from_file = Config::parse_unchecked(&text, "c.toml").unwrap().job.keys;
     let flags = crate::cli::Cli::parse_from([
@@ -164,8 +165,10 @@ fn every_training_key_reads_the_same_from_the_file_and_the_flags() {
     let crate::cli::Command::Train(args) = flags.command else { panic!("parsed as train") };
     // Every key of the struct was set by the file (a key serde cannot read is unknown).
     assert!(!format!("{from_file:?}").contains("None"), "a key the file did not carry: {from_file:?}");
-    // `limpet train` runs one rank: sharding and overlap are limpetd's keys alone.
-    let one_rank = JobKeys { shard_state: None, shard_replicas: None, overlap: None, ..from_file };
+    // `limpet train` runs one rank: sharding, overlap and the reduce's format are limpetd's
+    // keys alone.
+    let one_rank =
+        JobKeys { shard_state: None, shard_replicas: None, overlap: None, reduce_dtype: None, ..from_file };
     assert_eq!(args.job.keys, one_rank);
 }
 

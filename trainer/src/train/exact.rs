@@ -1,10 +1,12 @@
 //! Reproducible steps (`JobSpec::reproducible`): the same bits whatever the world size, the
-//! micro-batch, the transitions or the restarts.
+//! transitions or the restarts. The job's micro-batch is part of the job: it changes the bits
+//! only where it is smaller than a shard, whose count it then raises.
 //!
 //! An ordinary step sums gradients in f32 in an order that depends on how the batch was cut
 //! (micro-batches, ranks, the ring), so two runs agree only up to rounding. Here:
 //!
-//! 1. Each step's global batch is cut into at most [`SHARDS`] canonical shards whose bounds
+//! 1. Each step's global batch is cut into canonical shards ([`SHARDS`] unless the job says,
+//!    more where a shard would exceed the job's micro-batch: [`shard_count`]) whose bounds
 //!    depend only on the job; a shard's gradient is one forward and backward over exactly
 //!    its samples, so it is the same bits on whichever rank computes it (same binary, same
 //!    intra-op threads). Ranks take whole shards.
@@ -37,6 +39,16 @@ use fixed::{
 };
 use limpet_snapshot::{Dtype, RawTensor, StateImage};
 use std::ops::Range;
+
+/// How many canonical shards a step of `global_batch` samples is cut into: the job's
+/// `shards` (default [`SHARDS`]), more where a shard would exceed the job's micro-batch (a
+/// shard is one forward and backward, so a job sized to fit its micro-batch in device memory
+/// fits its shards too), at most one a sample and [`MAX_SHARDS`]. It depends on the job alone,
+/// never on the world, so every world cuts the same shards.
+pub(crate) fn shard_count(shards: Option<usize>, global_batch: usize, micro_batch: usize) -> usize {
+    let fit = global_batch.div_ceil(micro_batch.max(1));
+    shards.unwrap_or(SHARDS).max(fit).clamp(1, global_batch.min(MAX_SHARDS))
+}
 
 /// The image tensor holding a reproducible job's predicted exponents.
 pub const EXPONENTS: &str = "exact/exponents";
@@ -71,8 +83,7 @@ impl Trainer {
         let started = std::time::Instant::now();
         let step = self.step;
         self.exact_sum = None;
-        let b = self.plan.global_batch;
-        let k = self.job.shards.unwrap_or(SHARDS).clamp(1, b.min(MAX_SHARDS));
+        let k = shard_count(self.job.shards, self.plan.global_batch, self.job.micro_batch);
         let mine = shards_of(k, rank, world);
         let n = self.grads.grads_len();
         let tensors = self.model.params().len() + 1;
@@ -343,6 +354,44 @@ mod tests {
                 vals.fill(a);
             }
             Ok(())
+        }
+    }
+
+    /// A shard is at most the job's micro-batch (a shard is one forward and backward), so a
+    /// job sized to fit its micro-batch fits its shards; otherwise the count is the job's.
+    #[test]
+    fn shards_fit_the_micro_batch() {
+        assert_eq!(shard_count(None, 64, 64), SHARDS);
+        assert_eq!(shard_count(None, 64, 8), SHARDS, "eight shards of 8 fit");
+        assert_eq!(shard_count(None, 64, 4), 16);
+        assert_eq!(shard_count(None, 64, 5), 13, "shards of 4 or 5 samples, each at most 5");
+        assert_eq!(shard_count(Some(5), 64, 64), 5);
+        assert_eq!(shard_count(Some(32), 64, 16), 32);
+        assert_eq!(shard_count(None, 4, 1), 4);
+        assert_eq!(shard_count(None, 3, 64), 3, "at most one a sample");
+        assert_eq!(shard_count(None, 1 << 20, 1), MAX_SHARDS);
+        for (b, mb) in [(64, 5), (100, 7), (8, 3)] {
+            let k = shard_count(None, b, mb);
+            assert!((0..k).all(|j| shard(b, k, j).len() <= mb), "{b} over {k} shards, micro-batch {mb}");
+        }
+    }
+
+    /// A reproducible job keeps a micro-batch smaller than a shard (it sets the shard count)
+    /// and drops any other, which changes nothing.
+    #[test]
+    fn a_micro_batch_smaller_than_a_shard_is_kept_and_any_other_dropped() {
+        use crate::train::tests::{job, synthetic};
+        let data = synthetic();
+        for (micro, kept) in [(4, 4), (7, 7), (8, 64), (16, 64)] {
+            let mut j = job(crate::ModelKind::Mlp, &data, 32, 32);
+            let keys = crate::job_keys::JobKeys {
+                reproducible: Some(true),
+                global_batch: Some(64),
+                micro_batch: Some(micro),
+                ..Default::default()
+            };
+            keys.apply(&mut j).unwrap();
+            assert_eq!(j.micro_batch, kept, "micro-batch {micro}");
         }
     }
 

@@ -446,6 +446,16 @@ impl Reduce for LocalRank<'_> {
         self.all(buf, step, |c| &mut c.f32s, add, &|r, b, _, s| r.allreduce_sum(b, s), None)
     }
 
+    fn allreduce_sum_bf16(&mut self, buf: &mut [f32], lossy: usize, step: u64) -> Result<(), TrainerError> {
+        // Summed on the host in f32, then between hosts with each chunk's part below `lossy`
+        // in bfloat16.
+        let add = Local::Combine(|a: &mut f32, b| *a += b);
+        let between = |r: &mut dyn Reduce, b: &mut [f32], range: Range<usize>, s: u64| {
+            r.allreduce_sum_bf16(b, lossy.saturating_sub(range.start).min(range.len()), s)
+        };
+        self.all(buf, step, |c| &mut c.f32s, add, &between, None)
+    }
+
     fn allreduce_sum_i64(&mut self, buf: &mut [i64], step: u64) -> Result<(), TrainerError> {
         let add = Local::Combine(|a: &mut i64, b| *a = a.wrapping_add(b));
         self.all(buf, step, |s| &mut s.i64s, add, &|r, b, _, s| r.allreduce_sum_i64(b, s), None)
@@ -467,13 +477,25 @@ impl Reduce for LocalRank<'_> {
         replicas: usize,
         step: u64,
     ) -> Result<(), TrainerError> {
+        self.reduce_scatter_sum_bf16(buf, blocks, replicas, 0, step)
+    }
+
+    fn reduce_scatter_sum_bf16(
+        &mut self,
+        buf: &mut [f32],
+        blocks: &[Range<usize>],
+        replicas: usize,
+        lossy: usize,
+        step: u64,
+    ) -> Result<(), TrainerError> {
         // The host's sum of every value, then the hosts' reduce-scatter by host: this host
         // ends with its block and its replicas' hosts' blocks, which hold every block its
         // local ranks hold.
         let (hosts, _, counts) = self.host_blocks(blocks)?;
         let add = Local::Combine(|a: &mut f32, b| *a += b);
         let between = |r: &mut dyn Reduce, b: &mut [f32], range: Range<usize>, s: u64| {
-            r.reduce_scatter_sum(b, &within(&hosts, range), replicas, s)
+            let lossy = lossy.saturating_sub(range.start).min(range.len());
+            r.reduce_scatter_sum_bf16(b, &within(&hosts, range), replicas, lossy, s)
         };
         // Each device copies back only the blocks it holds (its own, and the same local
         // rank's on the hosts before: a layout over these hosts says which): the rest is

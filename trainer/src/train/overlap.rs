@@ -186,6 +186,7 @@ impl Trainer {
         let (tx, rx) = mpsc::channel::<Range<usize>>();
         let sharded = layout.as_ref();
         let give_back = self.shards_gradients();
+        let bf16 = self.lossy_values() > 0;
         let sums: &mut (dyn Reduce + Send) = &mut *reduce;
         let pool = self.bucket_thread()?;
         let mut reduced = None;
@@ -213,13 +214,15 @@ impl Trainer {
                                 values[grads + 2] =
                                     if count > 0.0 { (sq / (count * count)) as f32 } else { 0.0 };
                             }
+                            // A bucket's gradients in the job's format; the scalars in f32.
+                            let lossy = if bf16 { grads } else { 0 };
                             match sharded {
-                                None => sums.allreduce_sum(values, step)?,
+                                None => sums.allreduce_sum_bf16(values, lossy, step)?,
                                 Some(l) => {
                                     let (g, scalars) = values.split_at_mut(grads);
                                     if !g.is_empty() {
                                         let blocks = within(l.blocks(), range.start..range.start + grads);
-                                        sums.reduce_scatter_sum(g, &blocks, l.replicas(), step)?;
+                                        sums.reduce_scatter_sum_bf16(g, &blocks, l.replicas(), lossy, step)?;
                                         if give_back {
                                             super::shard::release_unheld(l, g, range.start);
                                         }

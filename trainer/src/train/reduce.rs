@@ -13,6 +13,15 @@ pub trait Reduce {
     /// Replaces `buf` with the elementwise sum of every rank's `buf` for `step`.
     fn allreduce_sum(&mut self, buf: &mut [f32], step: u64) -> Result<(), TrainerError>;
 
+    /// As [`Reduce::allreduce_sum`], with `buf[..lossy]` free to travel in bfloat16 (a job's
+    /// `reduce_dtype = "bf16"`): every rank must still end with the same bytes, and the rest
+    /// of `buf` (a step's loss and sample count) is summed in f32. This default sums it all
+    /// in f32, which is always allowed.
+    fn allreduce_sum_bf16(&mut self, buf: &mut [f32], lossy: usize, step: u64) -> Result<(), TrainerError> {
+        let _ = lossy;
+        self.allreduce_sum(buf, step)
+    }
+
     /// The same as exact integers (a reproducible job's fixed-point gradients).
     fn allreduce_sum_i64(&mut self, _buf: &mut [i64], _step: u64) -> Result<(), TrainerError> {
         Err(TrainerError::reduce("this reduce cannot sum integers: a reproducible job needs one that can"))
@@ -42,6 +51,20 @@ pub trait Reduce {
         _: u64,
     ) -> Result<(), TrainerError> {
         Err(TrainerError::reduce("this reduce cannot reduce-scatter: sharded state needs one that can"))
+    }
+
+    /// As [`Reduce::reduce_scatter_sum`], with `buf[..lossy]` free to travel in bfloat16, as
+    /// [`Reduce::allreduce_sum_bf16`]'s; this default sends it all in f32.
+    fn reduce_scatter_sum_bf16(
+        &mut self,
+        buf: &mut [f32],
+        blocks: &[Range<usize>],
+        replicas: usize,
+        lossy: usize,
+        step: u64,
+    ) -> Result<(), TrainerError> {
+        let _ = lossy;
+        self.reduce_scatter_sum(buf, blocks, replicas, step)
     }
 
     /// Fills every rank's `buf` with each rank `i`'s `buf[blocks[i]]`.

@@ -33,7 +33,9 @@ pub use part::CheckpointPart;
 pub(in crate::train) use unshard::OptimTensor;
 
 use super::{grads, Reduce, StepStats, Trainer};
-use crate::optim::{clip_to_norm, decays, scratch_for, sum_of_squares, update, Optimizer, OptimizerSpec};
+use crate::optim::{
+    clip_to_norm, decays, scratch_for, sum_of_squares, update_all, Kernels, Optimizer, OptimizerSpec, Part,
+};
 use crate::TrainerError;
 use limpet_decide::regroup::{cut, HeldLayout, KeptLayout};
 use std::ops::Range;
@@ -263,7 +265,15 @@ pub(crate) struct ShardState {
 
 impl ShardState {
     /// Updates every held block of `params` from the averaged, clipped gradient `grad`.
-    fn apply(&mut self, spec: &OptimizerSpec, params: &[(String, Tensor)], grad: &Tensor, lr: f64, t: u64) {
+    fn apply(
+        &mut self,
+        spec: &OptimizerSpec,
+        params: &[(String, Tensor)],
+        grad: &Tensor,
+        lr: f64,
+        t: u64,
+        kernels: Kernels,
+    ) -> Result<(), crate::optim::FusedError> {
         let device = params.first().map_or(Device::Cpu, |(_, p)| p.device());
         // The work space of the largest piece (a parameter's part in a block), as whole
         // state's is of the largest parameter: one of a whole block was 300 MB at 350m,
@@ -274,21 +284,25 @@ impl ShardState {
             .max()
             .unwrap_or(0);
         let scratch = scratch_for(&mut self.scratch, largest, device);
+        let mut parts = Vec::new();
+        // Views of the parameters made without autograd, as they are written.
         tch::no_grad(|| {
             for (b, slots) in &self.held {
                 let block = self.layout.blocks[*b].clone();
                 for piece in pieces(params, block.clone()) {
                     let (name, p) = (&params[piece.index].0, &params[piece.index].1);
                     let len = piece.range.len() as i64;
-                    let pv = p.view([-1]).narrow(0, (piece.range.start - piece.offset) as i64, len);
-                    let gv = grad.narrow(0, piece.range.start as i64, len).to_device(device);
                     let at = (piece.range.start - block.start) as i64;
-                    let mut sv: Vec<Tensor> = slots.iter().map(|s| s.narrow(0, at, len)).collect();
-                    let decays = decays(name, p.dim(), spec.decay_embeddings());
-                    update(spec, decays, &pv, &gv, &mut sv, &scratch.narrow(0, 0, len), lr, t);
+                    parts.push(Part {
+                        p: p.view([-1]).narrow(0, (piece.range.start - piece.offset) as i64, len),
+                        g: grad.narrow(0, piece.range.start as i64, len).to_device(device),
+                        slots: slots.iter().map(|s| s.narrow(0, at, len)).collect(),
+                        decays: decays(name, p.dim(), spec.decay_embeddings()),
+                    });
                 }
             }
         });
+        update_all(spec, kernels, parts, &scratch, lr, t)
     }
 }
 
@@ -469,8 +483,9 @@ impl Trainer {
         self.compute_grads(rank, world)?;
         let n = self.grads.grads_len();
         let give_back = self.shards_gradients();
+        let lossy = self.lossy_values();
         let buf = self.grads.as_mut_slice();
-        reduce.reduce_scatter_sum(&mut buf[..n], &layout.blocks, layout.replicas, step)?;
+        reduce.reduce_scatter_sum_bf16(&mut buf[..n], &layout.blocks, layout.replicas, lossy, step)?;
         if give_back {
             release_unheld(&layout, &mut buf[..n], 0);
         }
@@ -657,7 +672,8 @@ impl Trainer {
         let grad = self.grads.grads()?;
         let spec = self.optim.spec().clone();
         let t = self.step + 1;
-        self.shard.as_mut().expect("sharded").apply(&spec, self.model.params(), &grad, lr, t);
+        let kernels = Kernels::for_job(self.job.reproducible, self.model.device());
+        self.shard.as_mut().expect("sharded").apply(&spec, self.model.params(), &grad, lr, t, kernels)?;
         Ok(lr)
     }
 

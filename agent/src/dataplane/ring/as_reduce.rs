@@ -9,6 +9,15 @@ impl limpet_trainer::Reduce for Group {
         Group::allreduce_sum(self, buf, step).map_err(|e| e.into_trainer())
     }
 
+    fn allreduce_sum_bf16(
+        &mut self,
+        buf: &mut [f32],
+        lossy: usize,
+        step: u64,
+    ) -> Result<(), limpet_trainer::TrainerError> {
+        Group::allreduce_sum_bf16(self, buf, lossy, step).map_err(|e| e.into_trainer())
+    }
+
     fn allreduce_sum_i64(&mut self, buf: &mut [i64], step: u64) -> Result<(), limpet_trainer::TrainerError> {
         Group::allreduce_sum_i64(self, buf, step).map_err(|e| e.into_trainer())
     }
@@ -25,6 +34,17 @@ impl limpet_trainer::Reduce for Group {
         step: u64,
     ) -> Result<(), limpet_trainer::TrainerError> {
         Group::reduce_scatter_sum(self, buf, blocks, replicas, step).map_err(|e| e.into_trainer())
+    }
+
+    fn reduce_scatter_sum_bf16(
+        &mut self,
+        buf: &mut [f32],
+        blocks: &[Range<usize>],
+        replicas: usize,
+        lossy: usize,
+        step: u64,
+    ) -> Result<(), limpet_trainer::TrainerError> {
+        Group::reduce_scatter_sum_bf16(self, buf, blocks, replicas, lossy, step).map_err(|e| e.into_trainer())
     }
 
     fn allgather_blocks(

@@ -39,9 +39,9 @@ impl Group {
             if far == 0 || k > far {
                 continue;
             }
-            for range in self.chunks(range.clone()) {
+            for range in self.chunks(range.clone(), 0) {
                 let after = (k > 0).then(|| {
-                    plan.recvs.push(RecvItem { range: range.clone(), op: Op::Copy });
+                    plan.recvs.push(RecvItem { range: range.clone(), op: Op::Copy, round: false });
                     plan.recvs.len() - 1
                 });
                 if k < far {

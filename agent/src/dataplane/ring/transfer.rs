@@ -1,11 +1,14 @@
 //! Driving one collective's plan over the ring's two non-blocking sockets: one thread polls
 //! both, writes whatever is ready, reads whatever has arrived and sums it in place, and fails
 //! the collective on a timeout, a vanished or aborting peer, or a frame of another collective.
+//! A chunk of the plan's bfloat16 part goes out rounded from the f32 buffer (staged, as the
+//! socket takes it) and comes in added or copied into the f32 buffer as its values arrive.
 
 use super::{Group, Op, Plan};
 use crate::dataplane::conn::Conn;
 use crate::dataplane::frame::{Header, Kind, HEADER_LEN};
 use crate::dataplane::DataPlaneError;
+use half::bf16;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::AsFd;
@@ -35,6 +38,8 @@ impl Group {
             si: 0,
             sent: 0,
             send_hdr: [0; HEADER_LEN],
+            stage: Vec::new(),
+            staged: None,
             ri: 0,
             hdr_got: 0,
             got: 0,
@@ -42,7 +47,7 @@ impl Group {
             recv_hdr: [0; HEADER_LEN],
         };
         if let Some(first) = plan.sends.first() {
-            t.send_hdr = t.header(first.range.len());
+            t.send_hdr = t.header(&first.range);
         }
         let mut last_progress = Instant::now();
         // With TLS, encrypted bytes may still wait for the socket after the last send.
@@ -103,6 +108,10 @@ struct Transfer<'a> {
     si: usize,
     sent: usize,
     send_hdr: [u8; HEADER_LEN],
+    /// A bfloat16 send's values, rounded when it starts (its chunk is final by then), and
+    /// which send they are.
+    stage: Vec<bf16>,
+    staged: Option<usize>,
     /// The receive item under way: header bytes in, payload bytes in, elements summed so far.
     ri: usize,
     hdr_got: usize,
@@ -112,8 +121,8 @@ struct Transfer<'a> {
 }
 
 impl Transfer<'_> {
-    fn header(&self, elems: usize) -> [u8; HEADER_LEN] {
-        let len = (elems * 4) as u32;
+    fn header(&self, range: &std::ops::Range<usize>) -> [u8; HEADER_LEN] {
+        let len = (range.len() * self.plan.width(range)) as u32;
         Header { kind: Kind::Data, epoch: self.epoch, step: self.step, seq: self.seq, len }.encode()
     }
 
@@ -140,7 +149,16 @@ impl Transfer<'_> {
         let mut progressed = false;
         while self.can_send() {
             let item = &self.plan.sends[self.si];
-            let payload: &[u8] = bytemuck::cast_slice(&buf[item.range.clone()]);
+            let payload: &[u8] = if self.plan.width(&item.range) == 2 {
+                if self.staged != Some(self.si) {
+                    self.stage.clear();
+                    self.stage.extend(buf[item.range.clone()].iter().map(|v| bf16::from_f32(*v)));
+                    self.staged = Some(self.si);
+                }
+                bytemuck::cast_slice(&self.stage)
+            } else {
+                bytemuck::cast_slice(&buf[item.range.clone()])
+            };
             let res = if self.sent < HEADER_LEN {
                 (&*right).write(&self.send_hdr[self.sent..])
             } else {
@@ -160,7 +178,7 @@ impl Transfer<'_> {
                         self.si += 1;
                         self.sent = 0;
                         if let Some(next) = self.plan.sends.get(self.si) {
-                            self.send_hdr = self.header(next.range.len());
+                            self.send_hdr = self.header(&next.range);
                         }
                     }
                 }
@@ -190,9 +208,13 @@ impl Transfer<'_> {
         let mut progressed = false;
         while self.ri < self.plan.recvs.len() {
             let item = &self.plan.recvs[self.ri];
-            let bytes = item.range.len() * 4;
+            let width = self.plan.width(&item.range);
+            let bytes = item.range.len() * width;
             let res = if self.hdr_got < HEADER_LEN {
                 (&*left).read(&mut self.recv_hdr[self.hdr_got..])
+            } else if width == 2 {
+                let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut scratch[..item.range.len().div_ceil(2)]);
+                (&*left).read(&mut dst[self.got..bytes])
             } else if item.op == Op::Copy {
                 let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut buf[item.range.clone()]);
                 (&*left).read(&mut dst[self.got..])
@@ -220,7 +242,18 @@ impl Transfer<'_> {
                 }
             } else {
                 self.got += n;
-                if item.op == Op::AddI64 {
+                if width == 2 {
+                    // Whole bfloat16 values only, into the f32 buffer as they arrive.
+                    let upto = self.got / 2;
+                    let src: &[bf16] =
+                        &bytemuck::cast_slice(&scratch[..item.range.len().div_ceil(2)])[self.added..upto];
+                    let dst = &mut buf[item.range.start + self.added..item.range.start + upto];
+                    match item.op {
+                        Op::Copy => dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32()),
+                        _ => dst.iter_mut().zip(src).for_each(|(d, s)| *d += s.to_f32()),
+                    }
+                    self.added = upto;
+                } else if item.op == Op::AddI64 {
                     // Whole i64s only (two f32 words each). Both sides are 8-aligned: `buf` is
                     // an i64 buffer seen as words and chunks start at even words; the scratch
                     // is u64s.
@@ -245,6 +278,12 @@ impl Transfer<'_> {
                 }
             }
             if self.hdr_got == HEADER_LEN && self.got == bytes {
+                if item.round {
+                    // The owner's summed segment, as the others will receive it.
+                    for v in &mut buf[item.range.clone()] {
+                        *v = bf16::from_f32(*v).to_f32();
+                    }
+                }
                 self.ri += 1;
                 (self.hdr_got, self.got, self.added) = (0, 0, 0);
             }

@@ -37,6 +37,10 @@ pub struct BenchAllreduceArgs {
     /// always runs with the host's default).
     #[arg(long, default_value = limpet_agent::dataplane::endpoint::DEFAULT_CONGESTION)]
     pub congestion: String,
+    /// Also measure the ring sending bfloat16 (`[job].reduce_dtype = "bf16"`), in the same
+    /// rounds: half the bytes, a conversion at each hop.
+    #[arg(long)]
+    pub bf16: bool,
 }
 
 /// Per size, the median of several rounds' timings.
@@ -86,6 +90,8 @@ pub struct SizeReport {
     pub limpet_host_congestion: Option<Measurement>,
     /// gloo time / that ring's time.
     pub ratio_host_congestion: Option<f64>,
+    /// limpet's ring sending bfloat16, when measured (the f32 buffer's size and bandwidths).
+    pub limpet_bf16: Option<Measurement>,
 }
 
 fn measurement(bytes: usize, seconds: f64, world: u64) -> Measurement {
@@ -178,6 +184,7 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> limpet_daemon::Result<()> {
     spinner.set_message(format!("limpet ring allreduce, {} processes", args.world));
     // Alternate the two so that drift in the machine's state affects both alike.
     let (mut ours_rounds, mut theirs_rounds, mut tls_rounds) = (Vec::new(), Vec::new(), Vec::new());
+    let mut bf16_rounds = Vec::new();
     // When limpet's sockets use another algorithm than the host's default (which gloo
     // gets), the ring also runs with the host's default in the same rounds, so the report
     // shows the comparison on equal TCP settings too.
@@ -213,6 +220,15 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> limpet_daemon::Result<()> {
             with_tls.extend(["--tls-dir".to_string(), certs.path().display().to_string()]);
             tls_rounds.push(rank0_times(spawn_workers(&exe, &order, &with_tls)?)?);
         }
+        if args.bf16 {
+            spinner.set_message(format!(
+                "round {round}/{}: limpet ring allreduce in bfloat16, {} processes",
+                args.rounds, args.world
+            ));
+            let mut with_bf16 = worker_args.to_vec();
+            with_bf16.push("--bf16".to_string());
+            bf16_rounds.push(rank0_times(spawn_workers(&exe, &order, &with_bf16)?)?);
+        }
         if !args.no_gloo {
             spinner.set_message(format!(
                 "round {round}/{}: gloo allreduce (torch.distributed), {} processes",
@@ -225,8 +241,14 @@ pub fn bench_allreduce(args: BenchAllreduceArgs) -> limpet_daemon::Result<()> {
     let theirs = (!args.no_gloo).then(|| median_times(&theirs_rounds));
     let tls = args.tls.then(|| median_times(&tls_rounds));
     let host = also_host.then(|| median_times(&host_rounds));
+    let bf16 = args.bf16.then(|| median_times(&bf16_rounds));
     spinner.finish_and_clear();
-    let rows = size_rows(args.world, &ours, theirs.as_deref(), tls.as_deref(), host.as_deref());
+    let mut rows = size_rows(args.world, &ours, theirs.as_deref(), tls.as_deref(), host.as_deref());
+    if let Some(b) = &bf16 {
+        for (row, &(_, secs)) in rows.iter_mut().zip(b) {
+            row.limpet_bf16 = Some(measurement(row.bytes, secs, args.world));
+        }
+    }
     if args.json {
         println!(
             "{}",
@@ -276,6 +298,7 @@ fn size_rows(
                 limpet_tls,
                 limpet_host_congestion,
                 ratio_host_congestion,
+                limpet_bf16: None,
             }
         })
         .collect()
@@ -333,6 +356,25 @@ fn print_allreduce(
                 g.map_or("-".into(), |g| time(g.seconds)),
                 g.map_or("-".into(), |g| format!("{:.3}", g.busbw_gbps)),
                 r.ratio_host_congestion.map_or("-".into(), |x| format!("{x:.2}x")),
+            );
+        }
+    }
+    if args.bf16 {
+        println!("\nthe same ring sending bfloat16 (summed in f32 at each rank), same rounds; sizes are the f32 buffer's:");
+        println!(
+            "{:>8} | {:>10} {:>8} | {:>10} {:>8} | {:>9}",
+            "size", "f32", "busbw", "bf16", "busbw", "f32/bf16"
+        );
+        for r in rows {
+            let Some(b) = &r.limpet_bf16 else { continue };
+            println!(
+                "{:>8} | {:>10} {:>8.3} | {:>10} {:>8.3} | {:>8.2}x",
+                human(r.bytes),
+                time(r.limpet.seconds),
+                r.limpet.busbw_gbps,
+                time(b.seconds),
+                b.busbw_gbps,
+                r.limpet.seconds / b.seconds
             );
         }
     }
