@@ -274,14 +274,7 @@ impl Group {
 
     /// Replaces `buf` with the elementwise sum of every rank's `buf`.
     pub fn allreduce_sum(&mut self, buf: &mut [f32], step: u64) -> Result<(), DataPlaneError> {
-        self.check()?;
-        let w = self.world();
-        if w == 1 {
-            return Ok(());
-        }
-        let blocks: Vec<Range<usize>> = (0..w).map(|i| self.segment(buf.len(), i)).collect();
-        let plan = self.allreduce_plan(&blocks, Op::Add, 0);
-        self.run(&plan, buf, step, "allreduce")
+        self.allreduce_sum_bf16(buf, 0, step)
     }
 
     /// As [`Group::allreduce_sum`], with `buf[..lossy]` sent in bfloat16, half the bytes:

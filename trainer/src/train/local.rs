@@ -442,8 +442,7 @@ impl LocalRank<'_> {
 
 impl Reduce for LocalRank<'_> {
     fn allreduce_sum(&mut self, buf: &mut [f32], step: u64) -> Result<(), TrainerError> {
-        let add = Local::Combine(|a: &mut f32, b| *a += b);
-        self.all(buf, step, |c| &mut c.f32s, add, &|r, b, _, s| r.allreduce_sum(b, s), None)
+        self.allreduce_sum_bf16(buf, 0, step)
     }
 
     fn allreduce_sum_bf16(&mut self, buf: &mut [f32], lossy: usize, step: u64) -> Result<(), TrainerError> {
