@@ -1,6 +1,7 @@
 //! The trainer's build: libtorch's link settings, as every crate that links it has them
 //! (`deploy/link_libtorch.rs`), and its C++ shim (`src/train/forget_grad.cpp`,
-//! `src/kernels.cpp`, `src/fused_adamw.cpp`: the libtorch calls tch does not expose),
+//! `src/kernels.cpp`, `src/fused_adamw.cpp`, `src/device_streams.cpp`: the libtorch calls
+//! tch does not expose),
 //! compiled against the same libtorch's headers with the settings torch-sys compiles its own
 //! C++ with.
 
@@ -12,6 +13,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/train/forget_grad.cpp");
     println!("cargo:rerun-if-changed=src/kernels.cpp");
     println!("cargo:rerun-if-changed=src/fused_adamw.cpp");
+    println!("cargo:rerun-if-changed=src/device_streams.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH_INCLUDE");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     // torch-sys's choices: headers under LIBTORCH_INCLUDE when set, else beside the `lib/`
@@ -35,5 +37,6 @@ fn main() {
         .file("src/train/forget_grad.cpp")
         .file("src/kernels.cpp")
         .file("src/fused_adamw.cpp")
+        .file("src/device_streams.cpp")
         .compile("limpet_forget_grad");
 }

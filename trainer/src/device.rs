@@ -1,6 +1,10 @@
 //! Where a rank's parameters live: `cpu`, `cuda`, `cuda:N`, or `auto` (the first GPU when
 //! libtorch sees one, else the CPU), and what a host reports about its GPUs.
 
+mod streams;
+
+pub use streams::device_memory;
+pub(crate) use streams::{Ready, SideStream};
 use tch::Cuda;
 pub use tch::Device;
 

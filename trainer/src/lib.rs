@@ -40,7 +40,7 @@ pub use run::{
 };
 pub use train::{
     CheckpointPart, Eval, EvalSums, LocalGroup, LocalRank, LocalSums, NoReduce, OverlapProbe, Piece, Reduce,
-    ShardLayout, StepOrder, StepStats, Trainer, MAX_SHARDS, SHARDS,
+    ShardLayout, StepMode, StepOrder, StepOutcome, StepStats, Trainer, MAX_SHARDS, SHARDS,
 };
 
 /// Makes libtorch use `n` intra-op threads. limpet runs one thread per rank by default, so

@@ -1,7 +1,12 @@
 //! Optimizers whose state limpet owns: SGD with momentum and AdamW, written over plain tensors
 //! so every slot can be saved, hashed and sent to another host; the warmup + cosine learning-rate
-//! schedule; and global-norm gradient clipping.
+//! schedule; and global-norm gradient clipping (`optim/clip.rs`).
 
+mod clip;
+
+pub use clip::{
+    clip_global_norm, clip_to_norm, device_sum_of_squares, scale_and_clip_on_device, sum_of_squares,
+};
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
@@ -188,40 +193,6 @@ impl Schedule {
         let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
         self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine
     }
-}
-
-/// Scales `grad` so its L2 norm is at most `max_norm`; returns the norm before clipping.
-/// Computed in f64 over the reduced buffer, so every rank clips identically.
-pub fn clip_global_norm(grad: &mut [f32], max_norm: Option<f64>) -> f64 {
-    clip_to_norm(grad, sum_of_squares(grad).sqrt(), max_norm)
-}
-
-/// The sum of the squares of `values` in f64, in eight interleaved partial sums: a fixed
-/// order (so every rank gets the same bits) that the compiler can vectorise, which one
-/// running sum cannot be (each addition would wait for the one before).
-pub fn sum_of_squares(values: &[f32]) -> f64 {
-    let mut lanes = [0f64; 8];
-    let chunks = values.chunks_exact(8);
-    let tail = chunks.remainder();
-    for chunk in chunks {
-        for (lane, v) in lanes.iter_mut().zip(chunk) {
-            *lane += f64::from(*v) * f64::from(*v);
-        }
-    }
-    let body: f64 = lanes.iter().sum();
-    body + tail.iter().map(|v| f64::from(*v) * f64::from(*v)).sum::<f64>()
-}
-
-/// Scales `grad`, a part of a gradient whose whole norm is `norm` (a pipeline stage's
-/// slice), as [`clip_global_norm`] scales the whole; returns `norm`.
-pub fn clip_to_norm(grad: &mut [f32], norm: f64, max_norm: Option<f64>) -> f64 {
-    if let Some(max) = max_norm {
-        if norm > max {
-            let s = (max / (norm + 1e-6)) as f32;
-            grad.iter_mut().for_each(|g| *g *= s);
-        }
-    }
-    norm
 }
 
 /// Optimizer state: one tensor per (slot, parameter), in parameter order.
@@ -587,16 +558,6 @@ mod tests {
         {
             assert!(a.equal(b), "the {what} depend on where the tensor was cut");
         }
-    }
-
-    #[test]
-    fn clipping_caps_the_norm() {
-        let mut g = vec![3.0, 4.0];
-        assert_eq!(clip_global_norm(&mut g, Some(1.0)), 5.0);
-        assert!((g[0] - 0.6).abs() < 1e-5 && (g[1] - 0.8).abs() < 1e-5);
-        let mut g = vec![0.3, 0.4];
-        clip_global_norm(&mut g, Some(1.0));
-        assert_eq!(g, vec![0.3, 0.4]);
     }
 
     /// A new optimizer's state is zero without memory of its own (each tensor one zero seen

@@ -81,6 +81,11 @@ pub struct RunReport {
     /// The same, read after the last step and before the final evaluation and checkpoint
     /// (which holds a copy of the whole state as it encodes it).
     pub train_peak_rss_bytes: u64,
+    /// On a GPU, the device allocator's peak of bytes held for tensors through the last
+    /// step (libtorch's `max_memory_allocated`); absent on the CPU, whose resident size
+    /// above tells.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub train_peak_device_bytes: Option<u64>,
 }
 
 /// The process's peak resident set size so far, from `/proc/self/status`.
@@ -166,6 +171,8 @@ pub fn run_local(
         }
     }
     let train_peak_rss_bytes = peak_rss_bytes();
+    let train_peak_device_bytes =
+        crate::device::device_memory(trainer.model().device(), false)?.map(|(_, peak)| peak);
     let eval = trainer.evaluate()?;
     on_progress(&Progress::Eval { step: trainer.step(), eval });
     let (checkpoint, content_hash) = save_checkpoint(trainer, &opts.out)?;
@@ -187,5 +194,6 @@ pub fn run_local(
         content_hash,
         peak_rss_bytes: peak_rss_bytes(),
         train_peak_rss_bytes,
+        train_peak_device_bytes,
     })
 }

@@ -15,6 +15,7 @@ mod exact;
 mod file;
 mod grads;
 mod local;
+mod mode;
 mod overlap;
 mod reduce;
 mod shard;
@@ -25,6 +26,7 @@ pub use eval::EvalSums;
 pub(crate) use exact::shard_count;
 pub use exact::{MAX_SHARDS, SHARDS};
 pub use local::{LocalGroup, LocalRank, LocalSums};
+pub use mode::{StepMode, StepOutcome};
 pub use overlap::OverlapProbe;
 pub use reduce::{NoReduce, Piece, Reduce};
 pub use shard::{CheckpointPart, ShardLayout};
@@ -32,7 +34,7 @@ pub use shard::{CheckpointPart, ShardLayout};
 use crate::data::Dataset;
 use crate::job::JobSpec;
 use crate::model::Model;
-use crate::optim::{clip_global_norm, Kernels, Optimizer};
+use crate::optim::{clip_global_norm, scale_and_clip_on_device, Kernels, Optimizer};
 use crate::sampler::{BatchPlan, Sampler};
 use crate::TrainerError;
 use grads::GradBuffer;
@@ -375,6 +377,13 @@ impl Trainer {
     /// and the squared norm of the share's mean gradient. The caller sums the buffer over
     /// ranks in place, then calls [`Trainer::apply_reduced`].
     pub fn compute_grads(&mut self, rank: usize, world: usize) -> Result<&mut [f32], TrainerError> {
+        self.compute_share(rank, world, true)?;
+        Ok(self.grads.as_mut_slice())
+    }
+
+    /// [`Trainer::compute_grads`], leaving staged gradients on the device (the buffer's
+    /// gradient values then undefined) unless `stage`.
+    fn compute_share(&mut self, rank: usize, world: usize, stage: bool) -> Result<(), TrainerError> {
         let started = std::time::Instant::now();
         self.grads.zero(self.model.params(), self.shards_gradients())?;
         let share = self.plan.share_in(rank, world, &self.shares);
@@ -387,9 +396,9 @@ impl Trainer {
             let (x, y) = self.batch_on_device(&idx)?;
             loss_sum += self.model.loss_backward(&x, &y, self.job.memory_plan())?;
         }
-        self.finish_grads(loss_sum, (positions.end - positions.start) as f64)?;
+        self.finish_grads(loss_sum, (positions.end - positions.start) as f64, stage)?;
         self.compute_ms = started.elapsed().as_secs_f64() * 1e3;
-        Ok(self.grads.as_mut_slice())
+        Ok(())
     }
 
     /// Finishes the current step alone, as the step its group of `world` ranks broke in
@@ -432,35 +441,54 @@ impl Trainer {
     /// Applies the update from the trainer's buffer, which the caller summed over ranks in
     /// place after [`Trainer::compute_grads`], and advances to the next step.
     pub fn apply_reduced(&mut self) -> Result<StepStats, TrainerError> {
+        self.apply_sums(false)
+    }
+
+    /// [`Trainer::apply_reduced`], where staged gradients' sums are on the device already
+    /// when `on_device` (a reduce that summed them there), else in the host buffer.
+    fn apply_sums(&mut self, on_device: bool) -> Result<StepStats, TrainerError> {
         self.refuse_sharded("an unsharded step")?;
         let n = self.grads.grads_len();
+        let staged = self.grads.is_staged();
         let reduced = self.grads.as_mut_slice();
         let rank_mean_sq_sum = f64::from(reduced[n + 2]);
         let samples = reduced[n + 1];
         check_count(samples, self.plan.global_batch, "rank")?;
         let loss = f64::from(reduced[n]) / f64::from(samples);
-        let grad = &mut reduced[..n];
         let inv = 1.0 / samples;
+        if staged {
+            // The sum goes back to the device as the ring left it, in one copy (none when
+            // it was summed there), and is averaged, normed and clipped there: no pass over
+            // it on the host.
+            let g = match on_device {
+                true => self.grads.staged().expect("staged").shallow_clone(),
+                false => self.grads.grads()?,
+            };
+            let grad_norm = scale_and_clip_on_device(&g, inv, self.job.clip_norm)?;
+            return self.apply_clipped(loss, grad_norm, samples as usize, rank_mean_sq_sum, &g);
+        }
+        let grad = &mut reduced[..n];
         grad.iter_mut().for_each(|g| *g *= inv);
         let grad_norm = clip_global_norm(grad, self.job.clip_norm);
-        self.apply_clipped(loss, grad_norm, samples as usize, rank_mean_sq_sum)
+        let g = self.grads.grads()?;
+        self.apply_clipped(loss, grad_norm, samples as usize, rank_mean_sq_sum, &g)
     }
 
-    /// Steps the optimizer with the averaged, clipped gradient in the buffer and advances to
-    /// the next step.
+    /// Steps the optimizer with the averaged, clipped gradient `g` (the buffer's, as
+    /// [`grads::GradBuffer::grads`] gave it) and advances to the next step.
     fn apply_clipped(
         &mut self,
         loss: f64,
         grad_norm: f64,
         samples: usize,
         rank_mean_sq_sum: f64,
+        g: &Tensor,
     ) -> Result<StepStats, TrainerError> {
         let lr =
             self.job.optimizer.lr() * self.job.schedule.factor(self.step, self.job.steps) * self.lr_scale;
-        let g = self.grads.grads()?;
         self.optim.apply(
             self.model.params(),
-            &g,
+            g,
             lr,
             self.step + 1,
             Kernels::for_job(self.job.reproducible, self.model.device()),
@@ -533,40 +561,25 @@ impl Trainer {
     }
 
     /// Completes the buffer after this rank's backward passes: the gradients in place (copied
-    /// from the device when they are not views of it), then the loss sum, the sample count
+    /// from the device when they are not views of it, but for staged gradients left on the
+    /// device unless `stage`), then the loss sum, the sample count
     /// and the squared norm of the mean gradient.
-    fn finish_grads(&mut self, loss_sum: f64, count: f64) -> Result<(), TrainerError> {
-        self.grads.collect(self.model.params(), self.shards_gradients())?;
+    fn finish_grads(&mut self, loss_sum: f64, count: f64, stage: bool) -> Result<(), TrainerError> {
+        if stage || !self.grads.is_staged() {
+            self.grads.collect(self.model.params(), self.shards_gradients())?;
+        }
         let n = self.grads.grads_len();
+        // Staged: squared on the device, which holds the same values.
+        let on_device = self.grads.staged().map(crate::optim::device_sum_of_squares).transpose()?;
         let buf = self.grads.as_mut_slice();
-        let sq: f64 = buf[..n].iter().map(|&g| f64::from(g) * f64::from(g)).sum();
+        let sq: f64 = match on_device {
+            Some(sq) => sq,
+            None => buf[..n].iter().map(|&g| f64::from(g) * f64::from(g)).sum(),
+        };
         buf[n] = loss_sum as f32;
         buf[n + 1] = count as f32;
         buf[n + 2] = if count > 0.0 { (sq / (count * count)) as f32 } else { 0.0 };
         Ok(())
-    }
-
-    /// One whole step: compute this rank's share, reduce, apply (a reproducible job's way
-    /// when it is one).
-    pub fn train_step(
-        &mut self,
-        rank: usize,
-        world: usize,
-        reduce: &mut (dyn Reduce + Send),
-    ) -> Result<StepStats, TrainerError> {
-        if self.overlaps(world) {
-            return self.overlapped_step(rank, world, reduce);
-        }
-        if self.shard.is_some() && !self.job.reproducible {
-            return self.sharded_step(rank, world, reduce);
-        }
-        if self.job.reproducible {
-            return self.exact_step(rank, world, reduce);
-        }
-        let (step, lossy) = (self.step, self.lossy_values());
-        let buf = self.compute_grads(rank, world)?;
-        reduce.allreduce_sum_bf16(buf, lossy, step)?;
-        self.apply_reduced()
     }
 
     /// How many values of the gradient buffer may travel between ranks in bfloat16: every

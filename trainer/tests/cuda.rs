@@ -286,6 +286,8 @@ fn a_125m_step_time_on_the_device() {
     job.micro_batch = batch;
     job.steps = (steps + warmup) as u64;
     let mut t = Trainer::on_device(job.clone(), d, 0..job.model.num_blocks(), dev).unwrap();
+    // The peak from here: the model, its gradients and moments, and a step's activations.
+    limpet_trainer::device::device_memory(dev, true).unwrap();
     let mut times = Vec::new();
     for s in 0..steps + warmup {
         synchronize(dev);
@@ -297,9 +299,15 @@ fn a_125m_step_time_on_the_device() {
         }
     }
     let ms = times.iter().sum::<f64>() / times.len() as f64;
+    let (_, peak) = limpet_trainer::device::device_memory(dev, false).unwrap().expect("a GPU's allocator");
+    // Parameters, gradients and AdamW's two moments in f32 at the least: a reading below
+    // them is not the allocator's.
+    let state = 16 * spec.num_params();
+    assert!(peak >= state, "a peak of {peak} bytes for {state} bytes of state");
     println!(
         "{}",
-        serde_json::json!({"limpet_125m_ms_per_step": ms, "batch": batch, "context": context, "device": format!("{dev:?}")})
+        serde_json::json!({"limpet_125m_ms_per_step": ms, "batch": batch, "context": context, "device": format!("{dev:?}"),
+            "limpet_125m_peak_device_mib": peak as f64 / f64::from(1 << 20), "state_mib": state as f64 / f64::from(1 << 20)})
     );
     if let Ok(out) = std::env::var("LIMPET_GPU_OUT") {
         let config = limpet_trainer::hf::hf_config(&spec);

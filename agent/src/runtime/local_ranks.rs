@@ -18,7 +18,7 @@ use crate::dataplane::frame::MAX_LANES;
 use crate::stage::{caught, panic_text, slowest_compute_ms};
 use crate::Group;
 use limpet_consensus::state::Epoch;
-use limpet_trainer::{LocalGroup, LocalSums, Reduce, StepStats, Trainer, TrainerError};
+use limpet_trainer::{LocalGroup, LocalSums, Reduce, StepMode, StepStats, Trainer, TrainerError};
 use std::time::Instant;
 
 /// The ring lanes between the hosts of `epoch`: one per local rank of the host with the
@@ -161,10 +161,13 @@ impl RankThreads {
     }
 }
 
-/// Trains one step on node `me` (its index in `epoch`) with its local ranks: `leader` and as
-/// many of `followers` as the epoch gives it, the host's sum going between hosts through
-/// `ring` (lane 0, driven by the leader) and `lanes` (lane `k`, by local rank `k`).
+/// Trains one step on node `me` (its index in `epoch`) with its local ranks, each as `mode`
+/// says: `leader` and as many of `followers` as the epoch gives it, the host's sum going
+/// between hosts through `ring` (lane 0, driven by the leader) and `lanes` (lane `k`, by
+/// local rank `k`).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn step(
+    mode: StepMode,
     leader: &mut Trainer,
     followers: &mut [Trainer],
     epoch: &Epoch,
@@ -210,10 +213,10 @@ pub(super) fn step(
             let group = &group;
             s.spawn(move |_| {
                 let mut r = group.rank(i + 1, lane);
-                *slot = Some(caught(i + 1, || f.train_step(first + i + 1, world, &mut r)));
+                *slot = Some(caught(i + 1, || f.step_as(mode, first + i + 1, world, &mut r)));
             });
         }
-        leader.train_step(first, world, &mut group.rank(0, Some(ring as &mut (dyn Reduce + Send))))
+        leader.step_as(mode, first, world, &mut group.rank(0, Some(ring as &mut (dyn Reduce + Send))))
     });
     let theirs = theirs.into_iter().map(|r| r.expect("the scope ran every local rank"));
     // A local rank's own failure (not the ring's) is the host's: fatal, as the first

@@ -20,6 +20,7 @@ pub mod error;
 mod heartbeats;
 mod lead;
 mod local_ranks;
+mod one_step;
 mod revocations;
 mod shadows;
 mod sharding;

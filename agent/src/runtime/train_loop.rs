@@ -10,6 +10,7 @@ use super::checkpointer::{Checkpointer, Sink};
 use super::config::AgentConfig;
 use super::entry::{self, Conn, Entering, Pending};
 use super::error::{AgentError, Fatal};
+use super::one_step::{self, Host, HostStep};
 use super::shadows::{Links, Shadows};
 use super::sharding::{self, Final};
 use super::tasks::Tasks;
@@ -20,7 +21,7 @@ use limpet_consensus::state::{ClusterState, Epoch, NodeId};
 use limpet_consensus::{LocalState, NodeHandle};
 use limpet_decide::speed::{blend, smooth};
 use limpet_snapshot::handoff::Server;
-use limpet_trainer::Trainer;
+use limpet_trainer::{StepOutcome, Trainer, TrainerError};
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -57,7 +58,8 @@ pub(super) struct TrainLoop {
     rank_threads: super::local_ranks::RankThreads,
     pub checkpointer: Checkpointer,
     pub shadows: Shadows,
-    group: Option<(Epoch, Conn)>,
+    /// The epoch entered, its connections, and how this host steps in it (chosen there).
+    group: Option<(Epoch, Conn, HostStep)>,
     /// The ring's other lanes in the current group (hosts of several local ranks).
     lanes: Vec<crate::Group>,
     broken: Option<BrokenAt>,
@@ -144,7 +146,7 @@ impl TrainLoop {
     fn set_phase(&self, phase: Phase) {
         let mut p = self.progress.lock().expect("progress lock");
         p.phase = phase;
-        p.epoch = self.group.as_ref().map_or(0, |(e, _)| e.id);
+        p.epoch = self.group.as_ref().map_or(0, |(e, ..)| e.id);
         p.applied_step = self.trainer.step();
         p.step_time_ms = self.step_time_ms;
         p.broken = self.broken.as_ref().map(|b| Broken {
@@ -165,7 +167,7 @@ impl TrainLoop {
 
     fn position(&self) -> Position {
         Position {
-            epoch: self.group.as_ref().map(|(e, _)| e.id),
+            epoch: self.group.as_ref().map(|(e, ..)| e.id),
             step: self.trainer.step(),
             broken: self.broken.is_some(),
             was_member: self.was_member,
@@ -312,116 +314,24 @@ impl TrainLoop {
         let started = Instant::now();
         let step = self.trainer.step();
         let group_rank = epoch.ranks.iter().position(|&r| r == self.cfg.id).unwrap_or(0);
-        let (_, conn) = self.group.as_mut().expect("in a group");
-        // A failed collective or stage link is retryable (the group breaks; the agent goes
-        // on), anything else this rank's failure.
-        let outcome: Result<limpet_trainer::StepStats, AgentError> = match conn {
-            // Hosts with several devices: ranks per device, the host's sum through memory.
-            Conn::Ring(g) if !epoch.local_ranks.is_empty() => {
-                match super::local_ranks::step(
-                    &mut self.trainer,
-                    &mut self.followers,
-                    epoch,
-                    group_rank,
-                    (g, &mut self.lanes),
-                    &self.local_sums,
-                    &mut self.rank_threads,
-                ) {
-                    Ok((stats, local)) => {
-                        let own = Duration::from_secs_f64(local.compute_ms / 1e3)
-                            + self.cfg.slowdown.per_samples(local.samples);
-                        let took = self.cfg.slowdown.stretch(own).as_secs_f64() * 1e3;
-                        if local.samples > 0 {
-                            self.ms_per_sample = smooth(self.ms_per_sample, took / local.samples as f64);
-                        }
-                        Ok(stats)
-                    }
-                    Err(e) => Err(e.into()),
-                }
-            }
-            // Sharded state: reduce-scatter, update the blocks held, allgather the parameters.
-            // Overlapping backward: each bucket summed (or reduce-scattered) as backward ends it.
-            // (A reproducible job, sharded or not, takes its own arm below: canonical shards,
-            // not the speed-weighted shares timed here.)
-            Conn::Ring(g)
-                if !self.trainer.job().reproducible
-                    && (self.trainer.shard_layout().is_some() || self.trainer.overlaps(g.world())) =>
-            {
-                let samples = self.trainer.plan().share_in(g.rank(), g.world(), &epoch.shares).len();
-                // A straggler drill: the step times its own compute, so the drill's time is
-                // added to what it reports.
-                let drill = self.cfg.slowdown.per_samples(samples);
-                let (rank, world) = (g.rank(), g.world());
-                // Sharded state overlaps too (each bucket reduce-scattered), unless the job
-                // turned overlapping off or the model's backward does not split.
-                let done = if self.trainer.overlaps(world) {
-                    self.trainer.overlapped_step(rank, world, g)
-                } else {
-                    self.trainer.sharded_step(rank, world, g)
-                };
-                match done {
-                    Ok(stats) => {
-                        let own = Duration::from_secs_f64(self.trainer.compute_ms() / 1e3) + drill;
-                        let took = self.cfg.slowdown.stretch(own).as_secs_f64() * 1e3;
-                        if samples > 0 {
-                            self.ms_per_sample = smooth(self.ms_per_sample, took / samples as f64);
-                        }
-                        Ok(stats)
-                    }
-                    Err(e) => Err(e.into()),
-                }
-            }
-            // A reproducible job: whole canonical shards per rank, summed in fixed point (the
-            // speed-weighted shares do not apply: shards are the unit).
-            Conn::Ring(g) if self.trainer.job().reproducible => {
-                match self.trainer.exact_step(g.rank(), g.world(), g) {
-                    Ok(stats) => Ok(stats),
-                    Err(e) => Err(e.into()),
-                }
-            }
-            Conn::Ring(g) => {
-                let samples = self.trainer.plan().share_in(g.rank(), g.world(), &epoch.shares).len();
-                let computing = Instant::now();
-                let lossy = self.trainer.lossy_values();
-                let buf = self.trainer.compute_grads(g.rank(), g.world())?;
-                self.cfg.slowdown.per_samples(samples);
-                let took = self.cfg.slowdown.stretch(computing.elapsed()).as_secs_f64() * 1e3;
-                if samples > 0 {
-                    self.ms_per_sample = smooth(self.ms_per_sample, took / samples as f64);
-                }
-                match g.allreduce_sum_bf16(buf, lossy, step) {
-                    Ok(()) => Ok(self.trainer.apply_reduced()?),
-                    Err(e) => Err(e.into()),
-                }
-            }
-            // A pipeline of hosts of several local ranks: each device a replica of the stage.
-            Conn::Stages(c) if c.local_ranks() > 1 => {
-                let local = c.local_ranks();
-                let stepped = self.rank_threads.fit(local - 1).and_then(|pool| {
-                    c.step_local(&mut self.trainer, &mut self.followers, &self.local_sums, pool)
-                });
-                match stepped {
-                    Ok(stats) => {
-                        let own = crate::stage::slowest_compute_ms(&self.trainer, &self.followers, local);
-                        self.cfg.slowdown.stretch(Duration::from_secs_f64(own / 1e3));
-                        Ok(stats)
-                    }
-                    Err(e) => Err(e.into()),
-                }
-            }
-            Conn::Stages(c) => match c.step(&mut self.trainer) {
-                Ok(stats) => {
-                    self.cfg.slowdown.stretch(Duration::from_secs_f64(self.trainer.compute_ms() / 1e3));
-                    Ok(stats)
-                }
-                Err(e) => Err(e.into()),
-            },
+        let (_, conn, how) = self.group.as_mut().expect("in a group");
+        let host = Host {
+            trainer: &mut self.trainer,
+            followers: &mut self.followers,
+            sums: &self.local_sums,
+            threads: &mut self.rank_threads,
+            slowdown: &self.cfg.slowdown,
         };
+        // This rank's own failure is fatal (`?`); a broken collective or stage link ends the
+        // group, and the agent goes on.
+        let (outcome, work) = one_step::run(*how, host, epoch, group_rank, (conn, &mut self.lanes))?;
+        if let Some(w) = work.filter(|w| w.samples > 0) {
+            self.ms_per_sample = smooth(self.ms_per_sample, w.ms / w.samples as f64);
+        }
         let stats = match outcome {
-            Ok(stats) => stats,
-            Err(AgentError::Retry(broke)) => {
-                let (suspect, violation) = broke.blame();
-                let error = broke.to_string();
+            StepOutcome::Applied(stats) => stats,
+            StepOutcome::Peer { peer, detail, violation } => {
+                let error = TrainerError::Reduce { peer, detail, violation }.to_string();
                 // A sharded step applied before its parameters' allgather broke: logged, as
                 // the state moved on.
                 if let Some(done) = self.trainer.take_unlogged() {
@@ -436,12 +346,11 @@ impl TrainLoop {
                     tracing::warn!(epoch = epoch.id, step, %error, "collective failed; waiting for the next epoch");
                 }
                 self.in_flight = Some(step);
-                self.broken = Some(BrokenAt { at: Instant::now(), suspect, error, violation });
+                self.broken = Some(BrokenAt { at: Instant::now(), suspect: peer, error, violation });
                 self.set_phase(Phase::Waiting);
                 self.beat_now.notify_one();
                 return Ok(());
             }
-            Err(fatal) => return Err(fatal),
         };
         let took = started.elapsed().as_secs_f64() * 1e3;
         self.step_time_ms = smooth(self.step_time_ms, took);
@@ -459,7 +368,7 @@ impl TrainLoop {
         self.grad_stats = observe_gradients(self.grad_stats, &stats, replicas);
         let sink = Sink { me: self.cfg.id, handle: &self.handle, rt: &self.rt, tasks: &self.tasks };
         let mut gathered = None;
-        if let (Some(_), Some((_, Conn::Ring(g)))) = (self.trainer.shard_layout(), self.group.as_mut()) {
+        if let (Some(_), Some((_, Conn::Ring(g), _))) = (self.trainer.shard_layout(), self.group.as_mut()) {
             let nb = self.cfg.job.model.num_blocks();
             let host = (&mut self.trainer, self.followers.as_mut_slice());
             let writer = (&mut self.checkpointer, &sink);
@@ -537,7 +446,7 @@ impl TrainLoop {
     fn evaluate_if_due(&mut self, epoch: &Epoch) -> Result<Option<f64>, (Option<NodeId>, String, bool)> {
         let step = self.trainer.step();
         let due = self.trainer.job().eval_every.is_some_and(|e| step % e == 0);
-        let Some((_, Conn::Ring(g))) = self.group.as_mut().filter(|_| due) else { return Ok(None) };
+        let Some((_, Conn::Ring(g), _)) = self.group.as_mut().filter(|_| due) else { return Ok(None) };
         // Parts in proportion to the step's shares (a slower rank, a smaller part), so no rank
         // waits on another's evaluation past the collective's timeout.
         let share = self.trainer.plan().share_in(g.rank(), g.world(), &epoch.shares);
@@ -622,7 +531,7 @@ impl TrainLoop {
     /// Enters epoch `n` (see `entry`) and records the transition.
     fn enter(&mut self, n: &Epoch) -> Result<(), AgentError> {
         self.set_phase(Phase::Entering);
-        if let Some((e, _)) = &self.group {
+        if let Some((e, ..)) = &self.group {
             self.last_epoch = Some(e.clone());
         }
         // The old group is done; peers of older epochs are refused from now on.
@@ -692,7 +601,9 @@ impl TrainLoop {
         metrics::counter!("limpet_redone_steps_total").increment(t.redone_steps);
         metrics::gauge!("limpet_epoch").set(n.id as f64);
         metrics::gauge!("limpet_world_size").set(n.ranks.len() as f64);
-        self.group = Some((n.clone(), done.conn));
+        // How this host steps in the epoch, chosen once from what the entry made.
+        let how = HostStep::choose(&self.trainer, n, &done.conn);
+        self.group = Some((n.clone(), done.conn, how));
         self.lanes = done.lanes;
         self.broken = None;
         {

@@ -229,6 +229,10 @@ pub struct BenchMemoryArgs {
     /// Steps of each run.
     #[arg(long, default_value_t = 20)]
     pub steps: u64,
+    /// Where `limpet train` trains (`cpu`, `cuda:N`, `auto`): on a GPU the report adds the
+    /// device allocator's peak.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
     /// Also measure each rank's memory at world N (3 or more: at 2 one replica of each shard
     /// is the whole state) with its optimizer state sharded (each shard on one more rank)
     /// against the whole state on every rank: N agents each, on this machine, `--batch`
@@ -278,6 +282,8 @@ pub struct MemoryBenchReport {
     pub peak_rss_small: u64,
     /// `train_peak_rss_large / model_bytes`.
     pub ratio_to_model: f64,
+    /// On a GPU: the device allocator's peak through the steps on the large dataset.
+    pub train_peak_device_large: Option<u64>,
     /// With `--sharded-world`: each rank's memory, sharded against whole.
     pub sharded: Option<ShardedMemory>,
 }
@@ -318,11 +324,12 @@ pub fn bench_memory(a: BenchMemoryArgs, sharded: Option<ShardedMemory>) -> limpe
     sparse_shards(&large, a.dataset_gib << 30, vocab as u64)?;
     sparse_shards(&small, 1 << 20, vocab as u64)?;
     let exe = crate::local::limpet_path()?;
-    let peak = |data: &std::path::Path, out: &str| -> limpet_daemon::Result<(u64, u64)> {
+    let peak = |data: &std::path::Path, out: &str| -> limpet_daemon::Result<(u64, u64, Option<u64>)> {
         let run = Command::new(&exe)
             .args(["train", "--model", "llama", "--data", "tokens", "--json", "--preset", &a.preset])
             .args(["--vocab", &vocab.to_string(), "--context", &a.context.to_string()])
-            .args(["--batch", &a.batch.to_string(), "--steps", &a.steps.to_string(), "--out"])
+            .args(["--batch", &a.batch.to_string(), "--steps", &a.steps.to_string(), "--device", &a.device])
+            .arg("--out")
             .arg(tmp.path().join(out))
             .arg("--data-path")
             .arg(data)
@@ -333,10 +340,10 @@ pub fn bench_memory(a: BenchMemoryArgs, sharded: Option<ShardedMemory>) -> limpe
         }
         let v: serde_json::Value = serde_json::from_slice(&run.stdout)?;
         let get = |k: &str| v[k].as_u64().with_context(|| format!("no {k} in the report"));
-        Ok((get("peak_rss_bytes")?, get("train_peak_rss_bytes")?))
+        Ok((get("peak_rss_bytes")?, get("train_peak_rss_bytes")?, v["train_peak_device_bytes"].as_u64()))
     };
-    let (peak_rss_large, train_peak_rss_large) = peak(&large, "large")?;
-    let (peak_rss_small, _) = peak(&small, "small")?;
+    let (peak_rss_large, train_peak_rss_large, train_peak_device_large) = peak(&large, "large")?;
+    let (peak_rss_small, ..) = peak(&small, "small")?;
     let params = spec.num_params();
     let r = MemoryBenchReport {
         params,
@@ -346,6 +353,7 @@ pub fn bench_memory(a: BenchMemoryArgs, sharded: Option<ShardedMemory>) -> limpe
         train_peak_rss_large,
         peak_rss_small,
         ratio_to_model: train_peak_rss_large as f64 / (16 * params) as f64,
+        train_peak_device_large,
         sharded,
     };
     if a.json {
@@ -367,6 +375,14 @@ pub fn bench_memory(a: BenchMemoryArgs, sharded: Option<ShardedMemory>) -> limpe
             r.ratio_to_model
         );
         println!("  peak RSS with the final checkpoint  {:>8.0} MiB", mib(peak_rss_large));
+        if let Some(d) = train_peak_device_large {
+            println!(
+                "  device peak over the steps ({})    {:>8.0} MiB ({:.2}x the model)",
+                a.device,
+                mib(d),
+                d as f64 / (16 * params) as f64
+            );
+        }
         println!(
             "  peak RSS, 1 MiB dataset             {:>8.0} MiB (with the final checkpoint)",
             mib(peak_rss_small)

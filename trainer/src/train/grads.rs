@@ -10,7 +10,8 @@
 //!   which it never is during backward.)
 //! - **Staged** (a GPU): the gradients are views into one flat buffer on the device, as
 //!   DDP's bucket views are, and this host buffer is its staging copy: a bucket crosses to
-//!   the host in one copy when backward is done with it (pinned memory on a GPU), and the
+//!   the host in one copy when backward is done with it (pinned memory on a GPU, the copy
+//!   on a side stream while backward goes on: `device/streams.rs`), and the
 //!   reduced gradient goes back in one copy before the update, which then runs on the
 //!   device. Host memory is only the inter-host leg's.
 //! - **Copied**: each parameter's gradient its own tensor, copied into its place after
@@ -23,6 +24,7 @@
 //! The staged and copied ways run on the CPU too (the trainer's tests force them), where
 //! they must train the bits of the views.
 
+use crate::device::{Ready, SideStream};
 use crate::TrainerError;
 use tch::{Device, Kind, Tensor};
 
@@ -47,6 +49,8 @@ pub(crate) struct GradBuffer {
     bound: bool,
     /// Staged: the `n` gradient values on the device, the parameters' gradients views of it.
     staged: Option<Tensor>,
+    /// Staged: where the device's copies to this buffer are enqueued.
+    side: Option<SideStream>,
 }
 
 impl GradBuffer {
@@ -76,13 +80,14 @@ impl GradBuffer {
             // buffer of the driver's.
             flat = flat.f_pin_memory(d)?;
         }
-        let mut buf = GradBuffer { flat, n, bound: false, staged: None };
+        let mut buf = GradBuffer { flat, n, bound: false, staged: None, side: None };
         match bind {
             Bind::Views => buf.bind(params)?,
             Bind::Staged(d) => {
                 let on_device = Tensor::f_zeros([n as i64], (Kind::Float, d))?;
                 buf.bind_to(params, &on_device)?;
                 buf.staged = Some(on_device);
+                buf.side = Some(SideStream::of(d)?);
             }
             Bind::Copied => {}
         }
@@ -136,7 +141,7 @@ impl GradBuffer {
     /// gradients' (a reproducible step keeps two shards' gradients in two buffers in turn).
     pub(crate) fn spare(&self) -> Result<GradBuffer, TrainerError> {
         let flat = Tensor::f_zeros([self.n as i64 + 3], (Kind::Float, Device::Cpu))?;
-        Ok(GradBuffer { flat, n: self.n, bound: false, staged: None })
+        Ok(GradBuffer { flat, n: self.n, bound: false, staged: None, side: None })
     }
 
     /// Makes the parameters' gradients (which exist, f32 and shaped like their parameters)
@@ -205,7 +210,7 @@ impl GradBuffer {
             return Ok(());
         }
         if self.staged.is_some() {
-            return self.stage_range(&(0..self.n));
+            return self.stage_range(&(0..self.n))?.wait();
         }
         let mut offset = 0i64;
         for (name, p) in params {
@@ -238,15 +243,17 @@ impl GradBuffer {
     /// Brings the gradients of the parameters that lie in `range` of the buffer into it
     /// (nothing when they are views of it): what a step does for each bucket as backward
     /// finishes its blocks, before handing the bucket to the reduction. Writes nothing
-    /// outside `range`, which the reduction may be summing meanwhile.
+    /// outside `range`, which the reduction may be summing meanwhile. Staged, the copy may
+    /// still be in flight on the device's side stream: the host reads `range` only once the
+    /// returned [`Ready`] is waited for.
     pub(crate) fn collect_range(
         &mut self,
         params: &[(String, Tensor)],
         range: &std::ops::Range<usize>,
         forget: bool,
-    ) -> Result<(), TrainerError> {
+    ) -> Result<Ready, TrainerError> {
         if self.bound {
-            return Ok(());
+            return Ok(Ready::done());
         }
         if self.staged.is_some() {
             return self.stage_range(&(range.start..range.end.min(self.n)));
@@ -261,20 +268,30 @@ impl GradBuffer {
             }
             self.take(name, p, here.start as i64, forget)?;
         }
-        Ok(())
+        Ok(Ready::done())
     }
 
-    /// Staged: copies the device's values in `range` to the host buffer's, in one copy. It
-    /// waits for the device (a copy to pageable or pinned host memory on the current stream
-    /// returns once the values are there), so the host may read them at once.
-    fn stage_range(&mut self, range: &std::ops::Range<usize>) -> Result<(), TrainerError> {
-        let Some(on_device) = &self.staged else { return Ok(()) };
+    /// Staged: copies the device's values in `range` to the host buffer's, in one copy on
+    /// the device's side stream, after the work enqueued so far (see `device/streams.rs`):
+    /// the host reads them once the returned [`Ready`] is waited for.
+    fn stage_range(&mut self, range: &std::ops::Range<usize>) -> Result<Ready, TrainerError> {
+        let (Some(on_device), Some(side)) = (&self.staged, &self.side) else { return Ok(Ready::done()) };
         if range.is_empty() {
-            return Ok(());
+            return Ok(Ready::done());
         }
         let (at, len) = (range.start as i64, (range.end - range.start) as i64);
-        self.flat.narrow(0, at, len).f_copy_(&on_device.narrow(0, at, len))?;
-        Ok(())
+        side.copy_to_host(&self.flat.narrow(0, at, len), &on_device.narrow(0, at, len))
+    }
+
+    /// Whether the gradients are views of a device's buffer staged through this one.
+    pub(crate) fn is_staged(&self) -> bool {
+        self.staged.is_some()
+    }
+
+    /// Staged: the device's buffer of the `n` gradient values (the parameters' gradients are
+    /// views of it), as backward left it.
+    pub(crate) fn staged(&self) -> Option<&Tensor> {
+        self.staged.as_ref()
     }
 
     /// The buffer's memory, to be handed out one region at a time (see [`RawBuffer`]).

@@ -97,6 +97,9 @@ struct Chunk {
     f32s: Vec<f32>,
     i64s: Vec<i64>,
     i32s: Vec<i32>,
+    /// The sum of the chunk's gradient values on a device (see `local/on_device.rs`), where
+    /// the first local rank to reach it made it: kept from step to step.
+    dev: Option<Tensor>,
 }
 
 #[derive(Default)]
@@ -327,6 +330,85 @@ impl LocalRank<'_> {
         Ok((hosts, blocks[me].clone(), counts))
     }
 
+    /// The start of a collective of `len` values of type `ty` over `m` chunks: checked to
+    /// be what every other local rank gives (local ranks run the same code on the same job,
+    /// so a mismatch is a bug, not a peer), and the chunks' sums.
+    fn begin(&self, len: usize, ty: &'static str, m: usize) -> Result<Vec<Arc<Mutex<Chunk>>>, TrainerError> {
+        let shared = &self.shared;
+        let mut st = shared.lock();
+        if let Some(why) = &st.aborted {
+            return Err(TrainerError::reduce(why.clone()));
+        }
+        let shape = (len, ty);
+        if *st.shape.get_or_insert(shape) != shape {
+            let detail = format!(
+                "local rank {} reduces {} values of {}, another {:?}",
+                self.index, shape.0, shape.1, st.shape
+            );
+            st.aborted = Some(detail.clone());
+            shared.changed.notify_all();
+            return Err(TrainerError::Reduce { peer: None, detail, violation: true });
+        }
+        Ok(st.sums.first(m))
+    }
+
+    /// The chunks of `m` in the order this rank visits them: from a chunk of its own, so
+    /// that ranks seldom wait for one another.
+    fn order(&self, m: usize) -> impl Iterator<Item = usize> + Clone {
+        let start = if m == 0 { 0 } else { self.index * m / self.shared.n };
+        (0..m).map(move |j| (start + j) % m)
+    }
+
+    /// Once this rank's part is in every chunk's sum: waits for the others', then each lane
+    /// crosses its chunks (`each`, driven by the lane's local rank, in order: every host
+    /// cuts alike), then waits for the lanes. The outer error is the group's abort (return
+    /// at once); the inner one a lane's failure, which every local rank returns after the
+    /// collective's end.
+    #[allow(clippy::type_complexity)]
+    fn cross(
+        &mut self,
+        chunks: &[Arc<Mutex<Chunk>>],
+        ranges: &[Range<usize>],
+        each: &mut dyn FnMut(&mut dyn Reduce, &mut Chunk, Range<usize>) -> Result<(), TrainerError>,
+    ) -> Result<Result<(), TrainerError>, TrainerError> {
+        let shared = Arc::clone(&self.shared);
+        drop(shared.barrier(shared.lock(), |_| {})?);
+        if let Some(inter) = self.inter.as_mut() {
+            // The lanes run at once, the other local ranks wait on the condition variable
+            // meanwhile, and one that leaves can still say so. A lane that fails stops; the
+            // others finish theirs (their peers are still sending).
+            for (c, range) in chunks.iter().zip(ranges).skip(self.index).step_by(shared.lanes) {
+                let mut chunk = lock_chunk(c);
+                let crossed = each(&mut **inter, &mut chunk, range.clone());
+                // Never the state's lock under a chunk's (barrier 3 takes them the other way).
+                drop(chunk);
+                if let Err(e) = crossed {
+                    shared.lock().failed = Some(Failed::of(&e));
+                    break;
+                }
+            }
+        }
+        let st = shared.barrier(shared.lock(), |_| {})?;
+        Ok(match st.failed.clone() {
+            Some(f) => Err(f.error()),
+            None => Ok(()),
+        })
+    }
+
+    /// The collective's end: nobody starts the next collective's sums before every rank
+    /// has copied this one's.
+    fn end(&self, chunks: &[Arc<Mutex<Chunk>>]) -> Result<(), TrainerError> {
+        let shared = &self.shared;
+        drop(shared.barrier(shared.lock(), |s| {
+            s.failed = None;
+            s.shape = None;
+            for c in chunks {
+                lock_chunk(c).added = 0;
+            }
+        })?);
+        Ok(())
+    }
+
     /// The hierarchical collective: every local rank's `buf` combined into the host's sums
     /// (chunk by chunk, the ranks in parallel), each sum through its lane between hosts
     /// (driven by the local rank of that lane), and the result copied to every local rank.
@@ -339,31 +421,9 @@ impl LocalRank<'_> {
         between: Between<'_, T>,
         back: Option<&[Range<usize>]>,
     ) -> Result<(), TrainerError> {
-        let shared = Arc::clone(&self.shared);
-        let lanes = shared.lanes;
-        let ranges = cut(buf.len(), lanes);
-        let chunks = {
-            let mut st = shared.lock();
-            if let Some(why) = &st.aborted {
-                return Err(TrainerError::reduce(why.clone()));
-            }
-            let shape = (buf.len(), std::any::type_name::<T>());
-            if *st.shape.get_or_insert(shape) != shape {
-                // Local ranks run the same code on the same job: a bug, not a peer.
-                let detail = format!(
-                    "local rank {} reduces {} values of {}, another {:?}",
-                    self.index, shape.0, shape.1, st.shape
-                );
-                st.aborted = Some(detail.clone());
-                shared.changed.notify_all();
-                return Err(TrainerError::Reduce { peer: None, detail, violation: true });
-            }
-            st.sums.first(ranges.len())
-        };
-        // Each rank starts at a chunk of its own, so ranks seldom wait for one another.
-        let m = ranges.len();
-        let start = if m == 0 { 0 } else { self.index * m / shared.n };
-        for c in (0..m).map(|j| (start + j) % m) {
+        let ranges = cut(buf.len(), self.shared.lanes);
+        let chunks = self.begin(buf.len(), std::any::type_name::<T>(), ranges.len())?;
+        for c in self.order(ranges.len()) {
             let mut chunk = lock_chunk(&chunks[c]);
             let first = chunk.added == 0;
             chunk.added += 1;
@@ -388,32 +448,10 @@ impl LocalRank<'_> {
                 }
             }
         }
-        let st = shared.barrier(shared.lock(), |_| {})?;
-        drop(st);
-        if let Some(inter) = self.inter.as_mut() {
-            // This lane's chunks, in order (every host cuts alike); the lanes run at once,
-            // the other local ranks wait on the condition variable meanwhile, and one that
-            // leaves can still say so. A lane that fails stops; the others finish theirs
-            // (their peers are still sending), and every local rank returns the failure.
-            for (c, range) in chunks.iter().zip(&ranges).skip(self.index).step_by(lanes) {
-                let mut chunk = lock_chunk(c);
-                let crossed = between(&mut **inter, slot(&mut chunk), range.clone(), step);
-                // Never the state's lock under a chunk's (barrier 3 takes them the other way).
-                drop(chunk);
-                if let Err(e) = crossed {
-                    shared.lock().failed = Some(Failed::of(&e));
-                    break;
-                }
-            }
-        }
-        let st = shared.barrier(shared.lock(), |_| {})?;
-        let outcome = match st.failed.clone() {
-            Some(f) => Err(f.error()),
-            None => Ok(()),
-        };
-        drop(st);
+        let outcome = self
+            .cross(&chunks, &ranges, &mut |inter, chunk, range| between(inter, slot(chunk), range, step))?;
         if outcome.is_ok() {
-            for c in (0..m).map(|j| (start + j) % m) {
+            for c in self.order(ranges.len()) {
                 let mut chunk = lock_chunk(&chunks[c]);
                 let (range, sum) = (ranges[c].clone(), slot(&mut chunk));
                 match back {
@@ -428,14 +466,7 @@ impl LocalRank<'_> {
                 }
             }
         }
-        // Nobody starts the next collective's sums before every rank has copied this one.
-        drop(shared.barrier(shared.lock(), |s| {
-            s.failed = None;
-            s.shape = None;
-            for c in &chunks {
-                lock_chunk(c).added = 0;
-            }
-        })?);
+        self.end(&chunks)?;
         outcome
     }
 }
@@ -453,6 +484,20 @@ impl Reduce for LocalRank<'_> {
             r.allreduce_sum_bf16(b, lossy.saturating_sub(range.start).min(range.len()), s)
         };
         self.all(buf, step, |c| &mut c.f32s, add, &between, None)
+    }
+
+    fn sums_on_device(&self) -> bool {
+        true
+    }
+
+    fn allreduce_sum_on_device(
+        &mut self,
+        on_device: &Tensor,
+        buf: &mut [f32],
+        lossy: usize,
+        step: u64,
+    ) -> Result<(), TrainerError> {
+        self.all_on_device(on_device, buf, lossy, step)
     }
 
     fn allreduce_sum_i64(&mut self, buf: &mut [i64], step: u64) -> Result<(), TrainerError> {
@@ -697,6 +742,8 @@ impl Trainer {
         self.shares = leader.shares.clone();
     }
 }
+
+mod on_device;
 
 #[cfg(test)]
 mod tests;

@@ -11,6 +11,7 @@
 
 use super::buckets::{bucket_values, within};
 use super::{StepStats, Trainer};
+use crate::device::Ready;
 use crate::model::Model;
 use crate::{Reduce, TrainerError};
 use std::ops::Range;
@@ -183,10 +184,17 @@ impl Trainer {
         let count = (positions.end - positions.start) as f64;
         let raw = self.grads.raw();
         let end = raw.len();
-        let (tx, rx) = mpsc::channel::<Range<usize>>();
+        let (tx, rx) = mpsc::channel::<(Range<usize>, Ready)>();
         let sharded = layout.as_ref();
         let give_back = self.shards_gradients();
         let bf16 = self.lossy_values() > 0;
+        // Staged gradients that the reduce sums where they lie: buckets are handed over on
+        // the device, and only the lanes' chunks cross the host (see `local/on_device.rs`).
+        let on_device = match self.grads.staged() {
+            Some(t) if layout.is_none() && reduce.sums_on_device() => Some(t.shallow_clone()),
+            _ => None,
+        };
+        let staging = on_device.is_none();
         let sums: &mut (dyn Reduce + Send) = &mut *reduce;
         let pool = self.bucket_thread()?;
         let mut reduced = None;
@@ -200,7 +208,9 @@ impl Trainer {
                         // The squared norm of this rank's own gradient, bucket by bucket before
                         // each is summed; it goes into the scalars, which end the last bucket.
                         let mut sq = 0.0f64;
-                        for range in rx {
+                        for (range, ready) in rx {
+                            // A staged bucket's copy to the host, on the device's side stream.
+                            ready.wait()?;
                             probe.summing.store(true, Ordering::SeqCst);
                             let last = range.end == end;
                             // SAFETY: a range arrives here once its gradients are final; the
@@ -208,7 +218,16 @@ impl Trainer {
                             #[allow(unsafe_code)]
                             let values = unsafe { raw.region(range.clone()) };
                             let grads = if last { values.len() - 3 } else { values.len() };
-                            sq += values[..grads].iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>();
+                            let dev = match &on_device {
+                                Some(t) => Some(t.f_narrow(0, range.start as i64, grads as i64)?),
+                                None => None,
+                            };
+                            sq += match &dev {
+                                Some(d) => crate::optim::device_sum_of_squares(d)?,
+                                None => {
+                                    values[..grads].iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>()
+                                }
+                            };
                             if last {
                                 let count = f64::from(values[grads + 1]);
                                 values[grads + 2] =
@@ -217,7 +236,10 @@ impl Trainer {
                             // A bucket's gradients in the job's format; the scalars in f32.
                             let lossy = if bf16 { grads } else { 0 };
                             match sharded {
-                                None => sums.allreduce_sum_bf16(values, lossy, step)?,
+                                None => match &dev {
+                                    Some(d) => sums.allreduce_sum_on_device(d, values, lossy, step)?,
+                                    None => sums.allreduce_sum_bf16(values, lossy, step)?,
+                                },
                                 Some(l) => {
                                     let (g, scalars) = values.split_at_mut(grads);
                                     if !g.is_empty() {
@@ -243,7 +265,7 @@ impl Trainer {
                     Err(TrainerError::Config("the bucket-reducing thread panicked".into()))
                 }));
             });
-            let computed = self.backward_in_buckets(&micro, step_seed, &buckets, &tx, count);
+            let computed = self.backward_in_buckets(&micro, step_seed, &buckets, &tx, count, staging);
             if computed.is_ok() {
                 self.compute_ms = started.elapsed().as_secs_f64() * 1e3;
             }
@@ -259,7 +281,7 @@ impl Trainer {
         }
         // The sums are the group's: a count that is not the global batch is a rank that
         // broke the protocol (a share missing or doubled), not a network fault to retry.
-        self.apply_reduced().map_err(|e| match e {
+        self.apply_sums(!staging).map_err(|e| match e {
             TrainerError::Reduce { peer, detail, .. } => {
                 TrainerError::Reduce { peer, detail, violation: true }
             }
@@ -291,14 +313,16 @@ impl Trainer {
     /// sending each bucket to the reducing thread once its gradients are final (all of them
     /// in order when this rank has no samples), then the three scalars (the loss sum, the
     /// sample count, and the squared norm that the reducing thread fills in). A model of one
-    /// bucket sends it with the scalars, as one range: one sum a step.
+    /// bucket sends it with the scalars, as one range: one sum a step. Staged gradients
+    /// cross to the host buffer as their bucket is handed over only when `staging`.
     fn backward_in_buckets(
         &mut self,
         micro: &[Range<u64>],
         step_seed: u64,
         buckets: &Buckets,
-        tx: &mpsc::Sender<Range<usize>>,
+        tx: &mpsc::Sender<(Range<usize>, Ready)>,
         count: f64,
+        staging: bool,
     ) -> Result<(), TrainerError> {
         let n = self.grads.grads_len();
         // One bucket: it and the scalars after it are summed as one range. Several: the
@@ -308,12 +332,18 @@ impl Trainer {
         let forget = self.shards_gradients();
         let probe = Arc::clone(&self.overlap);
         let hand_over = |model: &Model, grads: &mut super::grads::GradBuffer, range: &Range<usize>| {
-            grads.collect_range(model.params(), range, forget)?;
+            let ready = match staging {
+                true => grads.collect_range(model.params(), range, forget)?,
+                false => Ready::done(),
+            };
             if !one || range.end < n {
                 probe.hand_over();
                 // A send fails only when the reducing thread has stopped on an error, which
                 // its join reports.
-                let _ = tx.send(range.clone());
+                let _ = tx.send((range.clone(), ready));
+            } else {
+                // Sent with the scalars below.
+                ready.wait()?;
             }
             Ok::<(), TrainerError>(())
         };
@@ -344,7 +374,7 @@ impl Trainer {
         let scalars = unsafe { mine.region(n..n + 3) };
         scalars[0] = loss_sum as f32;
         scalars[1] = count as f32;
-        let _ = tx.send(if one { 0..n + 3 } else { n..n + 3 });
+        let _ = tx.send((if one { 0..n + 3 } else { n..n + 3 }, Ready::done()));
         Ok(())
     }
 }

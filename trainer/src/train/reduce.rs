@@ -22,6 +22,33 @@ pub trait Reduce {
         self.allreduce_sum(buf, step)
     }
 
+    /// Whether this reduce sums gradients where they lie, device to device
+    /// ([`Reduce::allreduce_sum_on_device`]): a host's local ranks do (the device leg of
+    /// their hierarchical collective); a ring between hosts sums host memory.
+    fn sums_on_device(&self) -> bool {
+        false
+    }
+
+    /// As [`Reduce::allreduce_sum_bf16`], where `buf`'s first `on_device.numel()` values
+    /// are `on_device`'s (this rank's gradients on its device, not yet copied to `buf`) and
+    /// the rest are `buf`'s own (a step's scalars). Afterwards `on_device` holds the sums of
+    /// its values and `buf` of the rest; `buf`'s first values are left undefined where the
+    /// sum stayed on the devices. This default stages the values through `buf`: one copy to
+    /// the host, the host's collective, one copy back.
+    fn allreduce_sum_on_device(
+        &mut self,
+        on_device: &tch::Tensor,
+        buf: &mut [f32],
+        lossy: usize,
+        step: u64,
+    ) -> Result<(), TrainerError> {
+        let g = on_device.numel();
+        on_device.f_to_device(tch::Device::Cpu)?.f_copy_data(&mut buf[..g], g)?;
+        self.allreduce_sum_bf16(buf, lossy, step)?;
+        on_device.shallow_clone().f_copy_(&tch::Tensor::from_slice(&buf[..g]))?;
+        Ok(())
+    }
+
     /// The same as exact integers (a reproducible job's fixed-point gradients).
     fn allreduce_sum_i64(&mut self, _buf: &mut [i64], _step: u64) -> Result<(), TrainerError> {
         Err(TrainerError::reduce("this reduce cannot sum integers: a reproducible job needs one that can"))

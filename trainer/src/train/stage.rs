@@ -46,7 +46,7 @@ impl Trainer {
                 self.micro_backward(link, ends, k, &input, &out)?;
             }
         }
-        self.finish_grads(loss_sum, (positions.end - positions.start) as f64)?;
+        self.finish_grads(loss_sum, (positions.end - positions.start) as f64, true)?;
         self.compute_ms = (started.elapsed().as_secs_f64() * 1e3 - self.link_ms).max(0.0);
         self.reduce_stage(reduce)
     }
@@ -205,7 +205,8 @@ impl Trainer {
         let grad = &mut buf[..n];
         clip_to_norm(grad, norm, self.job.clip_norm);
         let loss = f64::from(scalars[1]) / f64::from(samples);
-        self.apply_clipped(loss, norm, samples as usize, f64::from(scalars[2]))
+        let g = self.grads.grads()?;
+        self.apply_clipped(loss, norm, samples as usize, f64::from(scalars[2]), &g)
     }
 
     /// The shape of the activation a stage after the first receives for `rows` samples, where

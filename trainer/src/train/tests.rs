@@ -351,7 +351,7 @@ fn bound_and_collected_gradient_buffers_agree() {
     // A bucket's range alone crosses, and only it.
     staged.zero(&sp, false).unwrap();
     backward(&sp);
-    staged.collect_range(&sp, &(4..6), false).unwrap();
+    staged.collect_range(&sp, &(4..6), false).unwrap().wait().unwrap();
     assert_eq!(staged.as_mut_slice()[..7], [0.0, 0.0, 0.0, 0.0, 10.0, 12.0, 0.0]);
     // What the update reads goes back to the device's buffer, which the gradients view.
     staged.as_mut_slice()[4] = 5.0;

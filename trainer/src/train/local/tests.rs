@@ -123,6 +123,57 @@ fn run(job: &JobSpec, hosts: &[usize], steps: usize) -> Vec<Vec<String>> {
     hashes
 }
 
+/// [`run`], every rank's gradients bound to its buffer as `bind` says.
+fn run_bound(job: &JobSpec, hosts: &[usize], steps: usize, bind: Bind) -> Vec<Vec<String>> {
+    let world: usize = hosts.iter().sum();
+    let mut ranks = trainers(job, hosts);
+    for t in &mut ranks {
+        t.grads = crate::train::grads::GradBuffer::with_binding(t.model.params(), bind).unwrap();
+    }
+    let mut hashes = Vec::new();
+    for _ in 0..steps {
+        on_hosts(&mut ranks, hosts, |r, t, local| t.train_step(r, world, local).unwrap());
+        hashes.push(ranks.iter().map(|t| t.content_hash().unwrap()).collect());
+    }
+    hashes
+}
+
+/// Local ranks whose gradients stay on their devices (staged, on the CPU twin) sum them
+/// device to device, only the lanes' chunks crossing the host: the bits of the host-memory
+/// path, with the reduction after backward and overlapped with it, over two lanes and over
+/// a host whose third local rank drives none, and a model large enough for several chunks.
+#[test]
+fn local_ranks_summing_on_their_devices_train_the_bits_of_the_host_path() {
+    let wide = JobSpec { reproducible: false, ..wide_exact_job() };
+    let values = Trainer::try_new(wide.clone(), synthetic()).unwrap().buffer_len();
+    assert!(cut(values, 2).len() == 2, "{values} values fill one lane");
+    let staged = Bind::Staged(tch::Device::Cpu);
+    for job in [wide.clone(), JobSpec { reduce_after_backward: true, ..wide.clone() }] {
+        for hosts in [&[2usize, 2][..], &[2], &[3, 2]] {
+            // Sums of three local ranks add in the order they reach a chunk: bits only
+            // for two.
+            if hosts.contains(&3) {
+                let got = run_bound(&job, hosts, 2, staged);
+                assert!(got.iter().all(|x| x.iter().all(|h| h == &x[0])), "{hosts:?}: ranks differ");
+                continue;
+            }
+            let want = run_bound(&job, hosts, 3, Bind::Views);
+            let got = run_bound(&job, hosts, 3, staged);
+            assert_eq!(got, want, "{hosts:?}, after backward: {}", job.reduce_after_backward);
+        }
+    }
+    // The host's sums really were on the devices: a chunk's sum tensor was made.
+    let sums = LocalSums::default();
+    let group = LocalGroup::with_sums(1, 0, 1, &sums);
+    let on_device = Tensor::from_slice(&[1.0f32, 2.0]);
+    let mut buf = [0.0f32, 0.0, 5.0];
+    group.rank(0, None).allreduce_sum_on_device(&on_device, &mut buf, 0, 0).unwrap();
+    assert_eq!(buf[2], 5.0);
+    let chunk = sums.first(1);
+    let dev = lock_chunk(&chunk[0]).dev.as_ref().map(|t| Vec::<f32>::try_from(t).unwrap());
+    assert_eq!(dev, Some(vec![1.0, 2.0]));
+}
+
 /// Shards every rank's state over hosts of `hosts` local ranks with `replicas`, as group
 /// `tag`.
 fn shard(ranks: &mut [Trainer], hosts: &[usize], replicas: usize, tag: u64) {
