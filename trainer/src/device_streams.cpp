@@ -12,6 +12,8 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <cstdint>
+#include <memory>
+#include <optional>
 
 // Each returns 0, or 1 when libtorch threw (nothing is left half done then).
 
@@ -33,6 +35,9 @@ extern "C" int limpet_side_stream(int type, int index, int64_t *id) {
 // current stream, without waiting for it: `*done` is an event that completes with the copy
 // (free it with `limpet_event_free`, after `limpet_event_wait`).
 extern "C" int limpet_copy_on_side(at::Tensor *dst, at::Tensor *src, int64_t id, void **done) {
+  // Once the copy is enqueued, a failure must not return before it ends: the caller would
+  // write the destination while it is still being copied into.
+  std::optional<c10::Stream> enqueued;
   try {
     const c10::Device d = src->device();
     c10::impl::VirtualGuardImpl guard(d.type());
@@ -45,14 +50,21 @@ extern "C" int limpet_copy_on_side(at::Tensor *dst, at::Tensor *src, int64_t id,
       c10::StreamGuard on_side(side);
       dst->copy_(*src, /*non_blocking=*/true);
     }
+    enqueued = side;
     // The source's memory is the side stream's too until the copy ends: the caching
     // allocator must not hand it out before.
     guard.recordDataPtrOnStream(src->storage().data_ptr(), side);
-    auto *event = new c10::Event(d.type());
+    auto event = std::make_unique<c10::Event>(d.type());
     event->record(side);
-    *done = event;
+    *done = event.release();
     return 0;
   } catch (...) {
+    if (enqueued.has_value()) {
+      try {
+        enqueued->synchronize();
+      } catch (...) {
+      }
+    }
     return 1;
   }
 }

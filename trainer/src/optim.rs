@@ -5,7 +5,8 @@
 mod clip;
 
 pub use clip::{
-    clip_global_norm, clip_to_norm, device_sum_of_squares, scale_and_clip_on_device, sum_of_squares,
+    clip_global_norm, clip_to_norm, device_squares, device_sum_of_squares, scale_and_clip_on_device,
+    sum_of_squares,
 };
 use serde::{Deserialize, Serialize};
 use tch::Tensor;

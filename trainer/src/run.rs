@@ -171,8 +171,9 @@ pub fn run_local(
         }
     }
     let train_peak_rss_bytes = peak_rss_bytes();
+    // A figure, not the run: a failed read is left out of the report.
     let train_peak_device_bytes =
-        crate::device::device_memory(trainer.model().device(), false)?.map(|(_, peak)| peak);
+        crate::device::device_memory(trainer.model().device(), false).ok().flatten().map(|(_, peak)| peak);
     let eval = trainer.evaluate()?;
     on_progress(&Progress::Eval { step: trainer.step(), eval });
     let (checkpoint, content_hash) = save_checkpoint(trainer, &opts.out)?;

@@ -603,6 +603,9 @@ impl TrainLoop {
         metrics::gauge!("limpet_world_size").set(n.ranks.len() as f64);
         // How this host steps in the epoch, chosen once from what the entry made.
         let how = HostStep::choose(&self.trainer, n, &done.conn);
+        // Sums kept on the devices are the last epoch's cut (and maybe its devices): made
+        // again at the first step that needs them.
+        self.local_sums.drop_device_sums();
         self.group = Some((n.clone(), done.conn, how));
         self.lanes = done.lanes;
         self.broken = None;

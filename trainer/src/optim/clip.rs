@@ -46,6 +46,12 @@ const DEVICE_NORM_PIECE: i64 = 1 << 20;
 /// device a piece at a time and read back once: what [`sum_of_squares`] computes on the
 /// host, in another order (its last bits may differ).
 pub fn device_sum_of_squares(values: &Tensor) -> Result<f64, tch::TchError> {
+    device_squares(values)?.f_double_value(&[])
+}
+
+/// [`device_sum_of_squares`] left on the device as a 0-dimensional f64 tensor: summed with
+/// others there, it is read (one wait for the device) once.
+pub fn device_squares(values: &Tensor) -> Result<Tensor, tch::TchError> {
     let n = values.numel() as i64;
     let mut total: Option<Tensor> = None;
     for at in (0..n).step_by(DEVICE_NORM_PIECE as usize) {
@@ -56,7 +62,10 @@ pub fn device_sum_of_squares(values: &Tensor) -> Result<f64, tch::TchError> {
             None => sq,
         });
     }
-    total.map_or(Ok(0.0), |t| t.f_double_value(&[]))
+    match total {
+        Some(t) => Ok(t),
+        None => Tensor::f_zeros([], (Kind::Double, values.device())),
+    }
 }
 
 /// Averages and clips a reduced gradient where it lies (a GPU's gradient buffer): multiplies

@@ -97,9 +97,10 @@ struct Chunk {
     f32s: Vec<f32>,
     i64s: Vec<i64>,
     i32s: Vec<i32>,
-    /// The sum of the chunk's gradient values on a device (see `local/on_device.rs`), where
-    /// the first local rank to reach it made it: kept from step to step.
-    dev: Option<Tensor>,
+    /// Sums of the chunk's gradient values on a device (see `local/on_device.rs`), one per
+    /// size and device the chunk has had (an overlapped step's buckets cut it differently):
+    /// kept from step to step, dropped with [`LocalSums::drop_device_sums`].
+    dev: Vec<Tensor>,
 }
 
 #[derive(Default)]
@@ -111,9 +112,11 @@ struct State {
     aborted: Option<String>,
     /// The host sums of the chunks, kept from step to step (see [`LocalSums`]).
     sums: LocalSums,
-    /// The current collective's length and element type, as its first local rank gave them:
-    /// every other rank must give the same.
-    shape: Option<(usize, &'static str)>,
+    /// The current collective's length, element type and values on the devices, as its
+    /// first local rank gave them: every other rank must give the same.
+    shape: Option<(usize, &'static str, usize)>,
+    /// Each local rank's device, as the current collective on the devices gave them.
+    devices: Vec<Option<tch::Device>>,
     /// The collective between hosts failed (every local rank returns it).
     failed: Option<Failed>,
 }
@@ -131,6 +134,14 @@ impl LocalSums {
             all.push(Arc::default());
         }
         all[..m].to_vec()
+    }
+
+    /// Frees the chunks' sums on the devices (an epoch that sums in host memory, or on
+    /// other devices, has no use for them).
+    pub fn drop_device_sums(&self) {
+        for c in self.0.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            lock_chunk(c).dev.clear();
+        }
     }
 
     /// Every chunk counts no rank's part yet (a group left aborted mid-sum leaves counts).
@@ -333,17 +344,21 @@ impl LocalRank<'_> {
     /// The start of a collective of `len` values of type `ty` over `m` chunks: checked to
     /// be what every other local rank gives (local ranks run the same code on the same job,
     /// so a mismatch is a bug, not a peer), and the chunks' sums.
-    fn begin(&self, len: usize, ty: &'static str, m: usize) -> Result<Vec<Arc<Mutex<Chunk>>>, TrainerError> {
+    fn begin(
+        &self,
+        (len, ty, on_device): (usize, &'static str, usize),
+        m: usize,
+    ) -> Result<Vec<Arc<Mutex<Chunk>>>, TrainerError> {
         let shared = &self.shared;
         let mut st = shared.lock();
         if let Some(why) = &st.aborted {
             return Err(TrainerError::reduce(why.clone()));
         }
-        let shape = (len, ty);
+        let shape = (len, ty, on_device);
         if *st.shape.get_or_insert(shape) != shape {
             let detail = format!(
-                "local rank {} reduces {} values of {}, another {:?}",
-                self.index, shape.0, shape.1, st.shape
+                "local rank {} reduces {len} values of {ty} ({on_device} on its device), another {:?}",
+                self.index, st.shape
             );
             st.aborted = Some(detail.clone());
             shared.changed.notify_all();
@@ -422,7 +437,7 @@ impl LocalRank<'_> {
         back: Option<&[Range<usize>]>,
     ) -> Result<(), TrainerError> {
         let ranges = cut(buf.len(), self.shared.lanes);
-        let chunks = self.begin(buf.len(), std::any::type_name::<T>(), ranges.len())?;
+        let chunks = self.begin((buf.len(), std::any::type_name::<T>(), 0), ranges.len())?;
         for c in self.order(ranges.len()) {
             let mut chunk = lock_chunk(&chunks[c]);
             let first = chunk.added == 0;

@@ -125,10 +125,19 @@ impl Trainer {
             self.compute_share(rank, world, false)?;
             let on_device = self.grads.staged().expect("staged").shallow_clone();
             reduce.allreduce_sum_on_device(&on_device, self.grads.as_mut_slice(), lossy, step)?;
-            return self.apply_sums(true);
+            return summed(self.apply_sums(true));
         }
         let buf = self.compute_grads(rank, world)?;
         reduce.allreduce_sum_bf16(buf, lossy, step)?;
-        self.apply_reduced()
+        summed(self.apply_reduced())
     }
+}
+
+/// An update from sums the group made: a count that is not the global batch is a rank that
+/// broke the protocol (a share missing or doubled), not a network fault to retry.
+pub(super) fn summed(applied: Result<StepStats, TrainerError>) -> Result<StepStats, TrainerError> {
+    applied.map_err(|e| match e {
+        TrainerError::Reduce { peer, detail, .. } => TrainerError::Reduce { peer, detail, violation: true },
+        other => other,
+    })
 }

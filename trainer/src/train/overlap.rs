@@ -208,6 +208,9 @@ impl Trainer {
                         // The squared norm of this rank's own gradient, bucket by bucket before
                         // each is summed; it goes into the scalars, which end the last bucket.
                         let mut sq = 0.0f64;
+                        // Staged on the devices: summed there and read once, at the last
+                        // bucket (a read waits for the device's queued work).
+                        let mut sq_on_device: Option<tch::Tensor> = None;
                         for (range, ready) in rx {
                             // A staged bucket's copy to the host, on the device's side stream.
                             ready.wait()?;
@@ -222,13 +225,25 @@ impl Trainer {
                                 Some(t) => Some(t.f_narrow(0, range.start as i64, grads as i64)?),
                                 None => None,
                             };
-                            sq += match &dev {
-                                Some(d) => crate::optim::device_sum_of_squares(d)?,
-                                None => {
-                                    values[..grads].iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>()
+                            match &dev {
+                                Some(d) => {
+                                    let here = crate::optim::device_squares(d)?;
+                                    sq_on_device = Some(match sq_on_device.take() {
+                                        Some(s) => s.f_add(&here)?,
+                                        None => here,
+                                    });
                                 }
-                            };
+                                None => {
+                                    sq += values[..grads]
+                                        .iter()
+                                        .map(|&g| f64::from(g) * f64::from(g))
+                                        .sum::<f64>()
+                                }
+                            }
                             if last {
+                                if let Some(s) = sq_on_device.take() {
+                                    sq += s.f_double_value(&[])?;
+                                }
                                 let count = f64::from(values[grads + 1]);
                                 values[grads + 2] =
                                     if count > 0.0 { (sq / (count * count)) as f32 } else { 0.0 };
@@ -279,14 +294,7 @@ impl Trainer {
         if let Some(l) = &layout {
             return self.finish_sharded(l, step, reduce);
         }
-        // The sums are the group's: a count that is not the global batch is a rank that
-        // broke the protocol (a share missing or doubled), not a network fault to retry.
-        self.apply_sums(!staging).map_err(|e| match e {
-            TrainerError::Reduce { peer, detail, .. } => {
-                TrainerError::Reduce { peer, detail, violation: true }
-            }
-            other => other,
-        })
+        super::mode::summed(self.apply_sums(!staging))
     }
 
     /// What watches this trainer's overlapped steps (see [`OverlapProbe`]): the same probe

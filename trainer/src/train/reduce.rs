@@ -43,6 +43,12 @@ pub trait Reduce {
         step: u64,
     ) -> Result<(), TrainerError> {
         let g = on_device.numel();
+        if g > buf.len() {
+            return Err(TrainerError::Config(format!(
+                "{g} values on the device for a buffer of {}",
+                buf.len()
+            )));
+        }
         on_device.f_to_device(tch::Device::Cpu)?.f_copy_data(&mut buf[..g], g)?;
         self.allreduce_sum_bf16(buf, lossy, step)?;
         on_device.shallow_clone().f_copy_(&tch::Tensor::from_slice(&buf[..g]))?;

@@ -4,12 +4,14 @@
 //!
 //! The shape is the host collective's (`local.rs`): the same chunks, lanes and barriers, so
 //! a host that sums on its devices and one that sums in host memory drive the ring alike.
-//! Per chunk, the first local rank to reach it copies its values into a sum on its own
-//! device (kept from step to step, where it was made); every other rank adds its values to
-//! it, copied peer to peer (over NVLink where the devices have it; on the CPU twin a plain
-//! add). The chunk's lane driver copies the sum to the host, crosses it, and copies the
-//! result back; every local rank then copies the sum onto its own device. The values past
-//! the gradients (a step's scalars) are summed in host memory beside them.
+//! Each chunk's sum lives on the device of the local rank that drives its lane (kept from
+//! step to step, one per size the chunk has had: together, one model-sized buffer spread
+//! over the lanes' devices). The first local rank to reach a chunk copies its values into
+//! the sum, every other adds its own, copied peer to peer (a chunk-sized temporary on the
+//! sum's device; over NVLink where the devices have it; on the CPU twin a plain add). The
+//! driver copies the sum to the host, crosses it, and copies the result back; every local
+//! rank then copies the sum onto its own device. The values past the gradients (a step's
+//! scalars) are summed in host memory beside them.
 //!
 //! This is the seam NCCL fills on a GPU host: a host's devices change only with the host,
 //! so a communicator over them would never need reconfiguring. Unverified on a GPU: the
@@ -19,6 +21,7 @@ use super::{lock_chunk, LocalRank};
 use crate::train::local::cut;
 use crate::TrainerError;
 use std::ops::Range;
+use std::sync::Arc;
 use tch::{Device, Tensor};
 
 impl LocalRank<'_> {
@@ -37,10 +40,21 @@ impl LocalRank<'_> {
                 buf.len()
             )));
         }
-        let ranges = cut(buf.len(), self.shared.lanes);
+        let lanes = self.shared.lanes;
+        let ranges = cut(buf.len(), lanes);
         // Its own kind: a local rank summing on its device beside one summing in host
-        // memory is a bug the shape check names.
-        let chunks = self.begin(buf.len(), "f32, gradients on the device", ranges.len())?;
+        // memory, or with another count on it, is a bug the shape check names.
+        let chunks = self.begin((buf.len(), "f32", g.max(1)), ranges.len())?;
+        // Every rank's device, known to all before any sum is made: a chunk's sum is on its
+        // lane driver's.
+        let devices = {
+            let shared = Arc::clone(&self.shared);
+            let mut st = shared.lock();
+            st.devices.resize(shared.n, None);
+            st.devices[self.index] = Some(on_device.device());
+            let st = shared.barrier(st, |_| {})?;
+            st.devices.clone()
+        };
         for c in self.order(ranges.len()) {
             let mut chunk = lock_chunk(&chunks[c]);
             let first = chunk.added == 0;
@@ -62,45 +76,40 @@ impl LocalRank<'_> {
                 continue;
             }
             let mine = on_device.f_narrow(0, dev.start as i64, dev.len() as i64)?;
-            match chunk.dev.as_mut() {
-                // A sum of the right size, wherever it was made: this rank's values copied
-                // into it (peer to peer across devices).
-                Some(s) if first && s.numel() == dev.len() => {
-                    s.f_copy_(&mine)?;
-                }
-                _ if first => chunk.dev = Some(mine.f_detach_copy()?),
-                Some(s) => {
-                    let _ = s.f_add_(&mine.f_to_device(s.device())?)?;
-                }
-                None => {
-                    return Err(TrainerError::Config(format!(
-                        "chunk {c}'s device sum is missing after {} local ranks added to it",
-                        chunk.added - 1
-                    )))
-                }
+            let owner = devices[c % lanes].unwrap_or(on_device.device());
+            let sum = sum_of(&mut chunk.dev, dev.len(), owner)?;
+            match first {
+                // Peer to peer across devices.
+                true => drop(sum.f_copy_(&mine)?),
+                false => drop(sum.f_add_(&mine.f_to_device(owner)?)?),
             }
         }
+        // A lane driver's chunks' sums are on its own device.
+        let own = on_device.device();
         let outcome = self.cross(&chunks, &ranges, &mut |inter, chunk, range| {
             let (dev, _) = split(&range, g);
             let lossy = lossy.saturating_sub(range.start).min(range.len());
-            if let Some(sum) = chunk.dev.as_mut().filter(|_| !dev.is_empty()) {
-                // Only the lane driver's chunks cross host memory, one copy each way.
-                sum.f_to_device(Device::Cpu)?.f_copy_data(&mut chunk.f32s[..dev.len()], dev.len())?;
-                inter.allreduce_sum_bf16(&mut chunk.f32s, lossy, step)?;
-                sum.f_copy_(&Tensor::from_slice(&chunk.f32s[..dev.len()]))?;
-                return Ok(());
+            if dev.is_empty() {
+                return inter.allreduce_sum_bf16(&mut chunk.f32s, lossy, step);
             }
-            inter.allreduce_sum_bf16(&mut chunk.f32s, lossy, step)
+            // Only the lane driver's chunks cross host memory: to it and back.
+            let sum = sum_of(&mut chunk.dev, dev.len(), own)?;
+            sum.f_to_device(Device::Cpu)?.f_copy_data(&mut chunk.f32s[..dev.len()], dev.len())?;
+            inter.allreduce_sum_bf16(&mut chunk.f32s, lossy, step)?;
+            sum.f_copy_(&Tensor::from_slice(&chunk.f32s[..dev.len()]))?;
+            Ok(())
         })?;
         if outcome.is_ok() {
             for c in self.order(ranges.len()) {
-                let chunk = lock_chunk(&chunks[c]);
+                let mut chunk = lock_chunk(&chunks[c]);
                 let range = ranges[c].clone();
                 let (dev, host) = split(&range, g);
                 for i in host {
                     buf[i] = chunk.f32s[i - range.start];
                 }
-                if let Some(sum) = chunk.dev.as_ref().filter(|_| !dev.is_empty()) {
+                if !dev.is_empty() {
+                    let owner = devices[c % lanes].unwrap_or(on_device.device());
+                    let sum = sum_of(&mut chunk.dev, dev.len(), owner)?;
                     on_device.f_narrow(0, dev.start as i64, dev.len() as i64)?.f_copy_(sum)?;
                 }
             }
@@ -108,6 +117,18 @@ impl LocalRank<'_> {
         self.end(&chunks)?;
         outcome
     }
+}
+
+/// A chunk's sum of `len` values on `device`: the one kept, else a new one kept from now.
+fn sum_of(sums: &mut Vec<Tensor>, len: usize, device: Device) -> Result<&mut Tensor, TrainerError> {
+    let at = match sums.iter().position(|t| t.numel() == len && t.device() == device) {
+        Some(at) => at,
+        None => {
+            sums.push(Tensor::f_empty([len as i64], (tch::Kind::Float, device))?);
+            sums.len() - 1
+        }
+    };
+    Ok(&mut sums[at])
 }
 
 /// A chunk's values that lie on the device (below `g`) and in host memory.

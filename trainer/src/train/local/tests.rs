@@ -170,8 +170,15 @@ fn local_ranks_summing_on_their_devices_train_the_bits_of_the_host_path() {
     group.rank(0, None).allreduce_sum_on_device(&on_device, &mut buf, 0, 0).unwrap();
     assert_eq!(buf[2], 5.0);
     let chunk = sums.first(1);
-    let dev = lock_chunk(&chunk[0]).dev.as_ref().map(|t| Vec::<f32>::try_from(t).unwrap());
-    assert_eq!(dev, Some(vec![1.0, 2.0]));
+    let dev: Vec<Vec<f32>> =
+        lock_chunk(&chunk[0]).dev.iter().map(|t| Vec::<f32>::try_from(t).unwrap()).collect();
+    assert_eq!(dev, [vec![1.0, 2.0]]);
+    // Kept for the next step, and given back when asked.
+    let next = LocalGroup::with_sums(1, 0, 1, &sums);
+    next.rank(0, None).allreduce_sum_on_device(&on_device, &mut buf, 0, 1).unwrap();
+    assert_eq!(lock_chunk(&chunk[0]).dev.len(), 1, "a sum of the same size made again");
+    sums.drop_device_sums();
+    assert!(lock_chunk(&chunk[0]).dev.is_empty());
 }
 
 /// Shards every rank's state over hosts of `hosts` local ranks with `replicas`, as group
