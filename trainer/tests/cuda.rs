@@ -315,6 +315,61 @@ fn a_125m_step_time_on_the_device() {
     }
 }
 
+/// Grouped-query attention in f32 on the device, forward and backward, as SDPA's own
+/// grouping runs it (its math kernel, which keeps every `B x H x T x T` probability) and as
+/// limpet runs it on a GPU (each K/V head repeated for its query heads, so a fused kernel
+/// takes it): the device allocator's peak either way, for a 1b preset's heads at batch 8 x
+/// 2048. Measured on a GPU only.
+#[test]
+fn grouped_query_attention_in_f32_peaks_lower_expanded() {
+    let dev = device();
+    if dev == Device::Cpu {
+        eprintln!(
+            "not measured: LIMPET_TEST_DEVICE is the CPU (the CPU's SDPA has no fused f32 kernel to reach)"
+        );
+        return;
+    }
+    let (b, h, kv, t, hd) = (8i64, 32i64, 8i64, 2048i64, 64i64);
+    let opts = (tch::Kind::Float, dev);
+    let peak_of = |expand: bool| {
+        let q = tch::Tensor::randn([b, h, t, hd], opts).set_requires_grad(true);
+        let k = tch::Tensor::randn([b, kv, t, hd], opts).set_requires_grad(true);
+        let v = tch::Tensor::randn([b, kv, t, hd], opts).set_requires_grad(true);
+        synchronize(dev);
+        limpet_trainer::device::device_memory(dev, true).unwrap();
+        let y = if expand {
+            let repeat =
+                |x: &tch::Tensor| x.unsqueeze(2).expand([b, kv, h / kv, t, hd], false).reshape([b, h, t, hd]);
+            tch::Tensor::scaled_dot_product_attention::<tch::Tensor>(
+                &q,
+                &repeat(&k),
+                &repeat(&v),
+                None,
+                0.0,
+                true,
+                None,
+                false,
+            )
+        } else {
+            tch::Tensor::scaled_dot_product_attention::<tch::Tensor>(&q, &k, &v, None, 0.0, true, None, true)
+        };
+        y.sum(tch::Kind::Float).backward();
+        synchronize(dev);
+        limpet_trainer::device::device_memory(dev, false).unwrap().expect("a GPU's allocator").1
+    };
+    let (grouped, expanded) = (peak_of(false), peak_of(true));
+    let mib = |x: u64| x as f64 / f64::from(1 << 20);
+    println!(
+        "{}",
+        serde_json::json!({"gqa_f32_peak_mib_grouped": mib(grouped), "gqa_f32_peak_mib_expanded": mib(expanded),
+            "shape": [b, h, kv, t, hd]})
+    );
+    assert!(
+        expanded < grouped,
+        "expanded K/V heads peaked at {expanded} bytes, SDPA's grouping at {grouped}"
+    );
+}
+
 /// The kernel choices a reproducible job makes on a GPU (deterministic algorithms, SDPA's
 /// math kernel, no TF32) hold for the whole process, so this test checks them in a process
 /// of its own (this binary again): refused without cuBLAS's workspace setting, naming it; in
