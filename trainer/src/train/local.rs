@@ -101,6 +101,9 @@ struct Chunk {
     /// size and device the chunk has had (an overlapped step's buckets cut it differently):
     /// kept from step to step, dropped with [`LocalSums::drop_device_sums`].
     dev: Vec<Tensor>,
+    /// The chunk in host memory as its lane driver crosses it between hosts, when its sum is
+    /// on a device: page-locked on a GPU, reused while the chunk keeps its size.
+    staging: Option<Tensor>,
 }
 
 #[derive(Default)]
@@ -140,7 +143,9 @@ impl LocalSums {
     /// other devices, has no use for them).
     pub fn drop_device_sums(&self) {
         for c in self.0.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-            lock_chunk(c).dev.clear();
+            let mut chunk = lock_chunk(c);
+            chunk.dev.clear();
+            chunk.staging = None;
         }
     }
 

@@ -25,10 +25,13 @@
 //! holder is gone cannot be rebuilt ([`TrainerError::ShardLost`]): the state must come from a
 //! checkpoint.
 
+mod layout;
 mod part;
 mod regroup;
 mod unshard;
 
+use layout::describe_counts;
+pub use layout::ShardLayout;
 pub use part::CheckpointPart;
 pub(in crate::train) use unshard::OptimTensor;
 
@@ -37,214 +40,8 @@ use crate::optim::{
     clip_to_norm, decays, scratch_for, sum_of_squares, update_all, Kernels, Optimizer, OptimizerSpec, Part,
 };
 use crate::TrainerError;
-use limpet_decide::regroup::{cut, HeldLayout, KeptLayout};
 use std::ops::Range;
 use tch::{Device, Tensor};
-
-/// Which block of the flat gradient (and optimizer state) each rank owns, and which other
-/// hosts' blocks a rank also holds.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ShardLayout {
-    blocks: Vec<Range<usize>>,
-    rank: usize,
-    replicas: usize,
-    /// Ranks on each host, in host order (host `h`'s ranks follow host `h - 1`'s). The
-    /// first `m` of every host (`m` the fewest any host has) hold the blocks, in the order of
-    /// a layout of hosts of `m`; a host's other ranks own an empty block at the end of its
-    /// own. A block's replicas are the same local rank's on the hosts after its owner's.
-    counts: Vec<usize>,
-    /// Which group the layout is of (the agent's epoch), so ranks tell layouts apart.
-    tag: u64,
-}
-
-/// Hosts' rank counts as a person reads them: `2` when every host has two, else the list.
-fn describe_counts(counts: &[usize]) -> String {
-    match counts.first() {
-        Some(&c) if counts.iter().all(|&x| x == c) => c.to_string(),
-        _ => format!("{counts:?}"),
-    }
-}
-
-impl ShardLayout {
-    /// Near-equal blocks of a gradient of `len` values over `world` ranks, one rank per
-    /// host; this rank is `rank` and holds the `replicas` blocks before its own too (none in
-    /// a world of one).
-    pub fn new(len: usize, world: usize, rank: usize, replicas: usize) -> Result<Self, TrainerError> {
-        ShardLayout::over_hosts(len, world, 1, rank, replicas)
-    }
-
-    /// The same over hosts of `per_host` local ranks each (`world` a multiple of it): rank
-    /// `rank` holds its own block and, for each of `replicas` hosts before its own around
-    /// the ring, the block of the same local rank there, so no two holders of a block share
-    /// a host. A single host holds no replicas: a kill takes all its ranks at once.
-    pub fn over_hosts(
-        len: usize,
-        world: usize,
-        per_host: usize,
-        rank: usize,
-        replicas: usize,
-    ) -> Result<Self, TrainerError> {
-        if per_host == 0 || world % per_host != 0 {
-            return Err(TrainerError::Config(format!(
-                "{world} ranks are not hosts of {per_host} local ranks each"
-            )));
-        }
-        ShardLayout::over_host_counts(len, &vec![per_host; world / per_host], rank, replicas)
-    }
-
-    /// The same over hosts of `counts[h]` local ranks (at least one each; ranks numbered
-    /// host after host). With `m` the fewest any host has, the first `m` local ranks of
-    /// every host hold blocks as over hosts of `m` (their replicas on other hosts, as
-    /// there); a host's ranks past `m` own empty blocks and hold nothing else, so hosts of
-    /// unequal device counts still shard (the state over `m` ranks a host; its other
-    /// devices train and take the gathered parameters).
-    pub fn over_host_counts(
-        len: usize,
-        counts: &[usize],
-        rank: usize,
-        replicas: usize,
-    ) -> Result<Self, TrainerError> {
-        let world: usize = counts.iter().sum();
-        if world == 0 || rank >= world || counts.contains(&0) {
-            return Err(TrainerError::Config(format!("rank {rank} of hosts of {counts:?} ranks")));
-        }
-        let hosts = counts.len();
-        if hosts > 1 && replicas >= hosts {
-            let (what, count) = if world == hosts { ("ranks", world) } else { ("hosts", hosts) };
-            return Err(TrainerError::Config(format!(
-                "{replicas} replicas of each shard need more than {count} {what}"
-            )));
-        }
-        let m = *counts.iter().min().expect("at least one host");
-        let shards = hosts * m;
-        let mut blocks = Vec::with_capacity(world);
-        for (h, &c) in counts.iter().enumerate() {
-            for k in 0..c {
-                blocks.push(match k < m {
-                    true => cut(len, shards, h * m + k)..cut(len, shards, h * m + k + 1),
-                    false => {
-                        let end = cut(len, shards, (h + 1) * m);
-                        end..end
-                    }
-                });
-            }
-        }
-        let replicas = if hosts == 1 { 0 } else { replicas };
-        Ok(ShardLayout { blocks, rank, replicas, counts: counts.to_vec(), tag: 0 })
-    }
-
-    /// The same layout, marked as the group `tag`'s.
-    pub fn tagged(mut self, tag: u64) -> Self {
-        self.tag = tag;
-        self
-    }
-
-    /// The group the layout is of.
-    pub fn tag(&self) -> u64 {
-        self.tag
-    }
-
-    /// One block per rank, in rank order, tiling the gradient.
-    pub fn blocks(&self) -> &[Range<usize>] {
-        &self.blocks
-    }
-
-    /// This rank.
-    pub fn rank(&self) -> usize {
-        self.rank
-    }
-
-    /// Ranks.
-    pub fn world(&self) -> usize {
-        self.blocks.len()
-    }
-
-    /// Other hosts' blocks (before its own, around the ring) each rank holds as well.
-    pub fn replicas(&self) -> usize {
-        self.replicas
-    }
-
-    /// Ranks on each host, in host order.
-    pub fn counts(&self) -> &[usize] {
-        &self.counts
-    }
-
-    /// Block-holding ranks on each host (the fewest ranks any host has), and those in all.
-    pub(crate) fn shards(&self) -> (usize, usize) {
-        let m = *self.counts.iter().min().expect("at least one host");
-        (self.counts.len() * m, m)
-    }
-
-    /// Rank `r`'s host and local rank.
-    fn place(&self, r: usize) -> (usize, usize) {
-        let mut first = 0;
-        for (h, &c) in self.counts.iter().enumerate() {
-            if r < first + c {
-                return (h, r - first);
-            }
-            first += c;
-        }
-        unreachable!("rank {r} of {} ranks", self.world())
-    }
-
-    /// The rank of host `h`'s local rank `k`.
-    fn rank_at(&self, h: usize, k: usize) -> usize {
-        self.counts[..h].iter().sum::<usize>() + k
-    }
-
-    /// The layout as its holder states it in a regroup (and as the log's bounds name it).
-    pub fn facts(&self) -> HeldLayout {
-        let (shards, per_host) = self.shards();
-        HeldLayout {
-            tag: self.tag,
-            world: self.world(),
-            replicas: self.replicas,
-            rank: self.rank,
-            per_host,
-            place: self.shard_rank(),
-            shards,
-        }
-    }
-
-    /// The layout as a rank that keeps it states it in a regroup.
-    pub fn kept(&self) -> KeptLayout {
-        let (shards, per_host) = self.shards();
-        KeptLayout { replicas: self.replicas, per_host, place: self.shard_rank(), shards }
-    }
-
-    /// This rank's place among the block-holding ranks (`None`: it owns an empty block,
-    /// past its host's first `m`).
-    pub(crate) fn shard_rank(&self) -> Option<usize> {
-        let (h, k) = self.place(self.rank);
-        let (_, m) = self.shards();
-        (k < m).then_some(h * m + k)
-    }
-
-    /// The blocks this rank holds: its own first, then the `replicas` hosts' before it (only
-    /// its own, empty, when it is past its host's first `m`).
-    pub fn held(&self) -> Vec<usize> {
-        let (h, k) = self.place(self.rank);
-        let (hosts, (_, m)) = (self.counts.len(), self.shards());
-        if k >= m {
-            return vec![self.rank];
-        }
-        (0..=self.replicas).map(|j| self.rank_at((h + hosts - j % hosts) % hosts, k)).collect()
-    }
-
-    /// The ranks holding block `b`: its owner first, then its replicas in order (none for a
-    /// block past the world).
-    pub fn holders(&self, b: usize) -> Vec<usize> {
-        if b >= self.world() {
-            return Vec::new();
-        }
-        let (h, k) = self.place(b);
-        let (hosts, (_, m)) = (self.counts.len(), self.shards());
-        if k >= m {
-            return vec![b];
-        }
-        (0..=self.replicas).map(|j| self.rank_at((h + j) % hosts, k)).collect()
-    }
-}
 
 /// The optimizer state of the blocks one rank holds: per block, one flat tensor per slot.
 #[derive(Debug)]
@@ -542,19 +339,17 @@ impl Trainer {
     ) -> Result<StepStats, TrainerError> {
         let (rank, world) = (layout.rank, layout.world());
         let n = self.grads.grads_len();
-        let held = layout.held();
+        let staged = self.grads.is_staged();
         let buf = self.grads.as_mut_slice();
         let (loss_sum, samples, rank_mean_sq_sum) = (buf[n], buf[n + 1], f64::from(buf[n + 2]));
         super::check_count(samples, self.plan.global_batch, "rank")?;
         let inv = 1.0 / samples;
-        for &b in &held {
-            buf[layout.blocks[b].clone()].iter_mut().for_each(|g| *g *= inv);
-        }
+        let own = sum_of_squares_held(self, layout, inv, staged)?;
         self.shard.as_mut().expect("sharded").pending = Some(step);
         // The global norm from each owner's block: each f64 sent as its bits in two f32
         // words (the ring copies them untouched) and summed in rank order, so every rank
         // gets the same bits.
-        let bits = sum_of_squares(&buf[layout.blocks[rank].clone()]).to_bits();
+        let bits = own.to_bits();
         let mut parts = vec![0f32; 2 * world];
         parts[2 * rank] = f32::from_bits((bits >> 32) as u32);
         parts[2 * rank + 1] = f32::from_bits(bits as u32);
@@ -641,6 +436,10 @@ impl Trainer {
         Ok(stats)
     }
 
+    /// The held blocks of the reduce-scattered gradient averaged (multiplied by `inv`), and
+    /// the sum of the squares of this rank's own block: on the host buffer, or, staged, on
+    /// the device's, once the host's sums are copied there (what [`Trainer::apply_held`]
+    /// then clips and updates from).
     /// The end of a sharded step once this rank's blocks are updated: the parameters
     /// gathered from their owners, and the next step. A failed gather still counts the step
     /// as applied (logged later) and marks the other parameters stale until a regroup.
@@ -663,13 +462,28 @@ impl Trainer {
     /// Clips the held blocks of the averaged gradient in the buffer to the global `norm` and
     /// updates the held blocks with them, as the current step; returns the learning rate.
     fn apply_held(&mut self, layout: &ShardLayout, norm: f64) -> Result<f64, TrainerError> {
-        let buf = self.grads.as_mut_slice();
-        for b in layout.held() {
-            clip_to_norm(&mut buf[layout.blocks[b].clone()], norm, self.job.clip_norm);
-        }
+        let grad = match self.grads.staged() {
+            // Staged: averaged on the device already (`sum_of_squares_held`), clipped there.
+            Some(g) => {
+                if let Some(max) = self.job.clip_norm.filter(|&max| norm > max) {
+                    let s = (max / (norm + 1e-6)) as f32;
+                    for b in layout.held() {
+                        let r = &layout.blocks[b];
+                        let _ = g.f_narrow(0, r.start as i64, r.len() as i64)?.f_mul_scalar_(f64::from(s))?;
+                    }
+                }
+                g.shallow_clone()
+            }
+            None => {
+                let buf = self.grads.as_mut_slice();
+                for b in layout.held() {
+                    clip_to_norm(&mut buf[layout.blocks[b].clone()], norm, self.job.clip_norm);
+                }
+                self.grads.grads()?
+            }
+        };
         let lr =
             self.job.optimizer.lr() * self.job.schedule.factor(self.step, self.job.steps) * self.lr_scale;
-        let grad = self.grads.grads()?;
         let spec = self.optim.spec().clone();
         let t = self.step + 1;
         let kernels = Kernels::for_job(self.job.reproducible, self.model.device());
@@ -767,6 +581,36 @@ fn unflatten(all: &[f32], params: &[(String, Tensor)], device: Device) -> Vec<Te
             Tensor::from_slice(part).view(p.size().as_slice()).to_device(device)
         })
         .collect()
+}
+
+/// The held blocks of the reduce-scattered gradient in `t`'s buffer averaged (multiplied by
+/// `inv`), and the sum of the squares of this rank's own block: on the host buffer, or, when
+/// `staged`, on the device's, once the host's sums are copied there in one copy (what
+/// [`Trainer::apply_held`] then clips and updates from, on the device).
+fn sum_of_squares_held(
+    t: &mut Trainer,
+    layout: &ShardLayout,
+    inv: f32,
+    staged: bool,
+) -> Result<f64, TrainerError> {
+    let own = layout.blocks[layout.rank].clone();
+    if staged {
+        let g = t.grads.grads()?;
+        for b in layout.held() {
+            let r = &layout.blocks[b];
+            let _ = g.f_narrow(0, r.start as i64, r.len() as i64)?.f_mul_scalar_(f64::from(inv))?;
+        }
+        return Ok(crate::optim::device_sum_of_squares(&g.f_narrow(
+            0,
+            own.start as i64,
+            own.len() as i64,
+        )?)?);
+    }
+    let buf = t.grads.as_mut_slice();
+    for b in layout.held() {
+        buf[layout.blocks[b].clone()].iter_mut().for_each(|g| *g *= inv);
+    }
+    Ok(sum_of_squares(&buf[own]))
 }
 
 #[cfg(test)]

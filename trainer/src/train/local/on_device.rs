@@ -9,7 +9,8 @@
 //! over the lanes' devices). The first local rank to reach a chunk copies its values into
 //! the sum, every other adds its own, copied peer to peer (a chunk-sized temporary on the
 //! sum's device; over NVLink where the devices have it; on the CPU twin a plain add). The
-//! driver copies the sum to the host, crosses it, and copies the result back; every local
+//! driver copies the sum to the host (a page-locked buffer of the chunk's, reused), crosses
+//! it, and copies the result back; every local
 //! rank then copies the sum onto its own device. The values past the gradients (a step's
 //! scalars) are summed in host memory beside them.
 //!
@@ -92,11 +93,16 @@ impl LocalRank<'_> {
             if dev.is_empty() {
                 return inter.allreduce_sum_bf16(&mut chunk.f32s, lossy, step);
             }
-            // Only the lane driver's chunks cross host memory: to it and back.
+            // Only the lane driver's chunks cross host memory, in a reused (page-locked)
+            // buffer: one copy from the device, the ring over it, one copy back.
+            let staging = staging_of(&mut chunk.staging, range.len(), own)?;
             let sum = sum_of(&mut chunk.dev, dev.len(), own)?;
-            sum.f_to_device(Device::Cpu)?.f_copy_data(&mut chunk.f32s[..dev.len()], dev.len())?;
-            inter.allreduce_sum_bf16(&mut chunk.f32s, lossy, step)?;
-            sum.f_copy_(&Tensor::from_slice(&chunk.f32s[..dev.len()]))?;
+            staging.f_narrow(0, 0, dev.len() as i64)?.f_copy_(sum)?;
+            let values = host_values(staging);
+            values[dev.len()..].copy_from_slice(&chunk.f32s[dev.len()..]);
+            inter.allreduce_sum_bf16(values, lossy, step)?;
+            chunk.f32s[dev.len()..].copy_from_slice(&values[dev.len()..]);
+            sum.f_copy_(&staging.f_narrow(0, 0, dev.len() as i64)?)?;
             Ok(())
         })?;
         if outcome.is_ok() {
@@ -129,6 +135,30 @@ fn sum_of(sums: &mut Vec<Tensor>, len: usize, device: Device) -> Result<&mut Ten
         }
     };
     Ok(&mut sums[at])
+}
+
+/// A chunk's host buffer of `len` f32 values for a sum on `device`: the one kept when it
+/// has that size, else a new one (page-locked where `device` is a GPU).
+fn staging_of(kept: &mut Option<Tensor>, len: usize, device: Device) -> Result<&mut Tensor, TrainerError> {
+    if kept.as_ref().is_none_or(|t| t.numel() != len) {
+        let host = Tensor::f_zeros([len as i64], (tch::Kind::Float, Device::Cpu))?;
+        *kept = Some(match device {
+            Device::Cpu => host,
+            d => host.f_pin_memory(d)?,
+        });
+    }
+    Ok(kept.as_mut().expect("made above"))
+}
+
+/// A contiguous f32 CPU tensor's values, borrowed as long as the tensor is.
+#[allow(unsafe_code)]
+fn host_values(t: &mut Tensor) -> &mut [f32] {
+    debug_assert!(t.device() == Device::Cpu && t.kind() == tch::Kind::Float && t.is_contiguous());
+    let len = t.numel();
+    // SAFETY: `t` is a contiguous f32 CPU tensor of `len` values made by `staging_of` and
+    // owned by a chunk whose lock the caller holds; nothing else reads or writes it while
+    // the `&mut` borrow of `t` lives.
+    unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, len) }
 }
 
 /// A chunk's values that lie on the device (below `g`) and in host memory.
