@@ -301,8 +301,9 @@ impl GradBuffer {
 
     /// The gradient part of the buffer, for the update: the host memory itself (the update
     /// takes each parameter's part to the parameter's device as it reaches it), or, staged,
-    /// the device's buffer, once the host's values (reduced, scaled, clipped) are copied back
-    /// to it in one copy.
+    /// the device's buffer, once the host's values are copied back to it in one copy (the
+    /// reduced sums, which the caller then averages and clips on the device, or values the
+    /// host averaged and clipped already).
     pub(crate) fn grads(&self) -> Result<Tensor, TrainerError> {
         let host = self.flat.narrow(0, 0, self.n as i64);
         match &self.staged {

@@ -427,6 +427,11 @@ impl Trainer {
         let inv = 1.0 / samples;
         buf[..n].iter_mut().for_each(|g| *g *= inv);
         let norm = sum_of_squares(&buf[..n]).sqrt();
+        if self.grads.is_staged() {
+            // `apply_held` reads staged gradients on the device: the averaged sum goes there.
+            // (Reproducible jobs keep each gradient its own; this keeps any other binding right.)
+            let _ = self.grads.grads()?;
+        }
         let stats = self.update_held(layout, step, norm, (loss_sum, samples, 0.0))?;
         if self.shards_gradients() {
             // Every rank summed the whole gradient; only the held blocks' was used.
@@ -436,10 +441,6 @@ impl Trainer {
         Ok(stats)
     }
 
-    /// The held blocks of the reduce-scattered gradient averaged (multiplied by `inv`), and
-    /// the sum of the squares of this rank's own block: on the host buffer, or, staged, on
-    /// the device's, once the host's sums are copied there (what [`Trainer::apply_held`]
-    /// then clips and updates from).
     /// The end of a sharded step once this rank's blocks are updated: the parameters
     /// gathered from their owners, and the next step. A failed gather still counts the step
     /// as applied (logged later) and marks the other parameters stale until a regroup.

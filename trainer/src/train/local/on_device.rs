@@ -153,7 +153,7 @@ fn staging_of(kept: &mut Option<Tensor>, len: usize, device: Device) -> Result<&
 /// A contiguous f32 CPU tensor's values, borrowed as long as the tensor is.
 #[allow(unsafe_code)]
 fn host_values(t: &mut Tensor) -> &mut [f32] {
-    debug_assert!(t.device() == Device::Cpu && t.kind() == tch::Kind::Float && t.is_contiguous());
+    assert!(t.device() == Device::Cpu && t.kind() == tch::Kind::Float && t.is_contiguous());
     let len = t.numel();
     // SAFETY: `t` is a contiguous f32 CPU tensor of `len` values made by `staging_of` and
     // owned by a chunk whose lock the caller holds; nothing else reads or writes it while

@@ -563,7 +563,10 @@ fn sharded_gradients_train_the_bits_of_sharded_state_and_keep_only_held_blocks()
     let base = job(ModelKind::Llama, &chars, 12, 2);
     // Two hosts: the threads standing for the ring between hosts sum in the order they
     // arrive, which only two operands make deterministic.
-    // (Two hosts of one rank hold no replica: one would be every block.)
+    // (Two hosts of one rank hold no replica: one would be every block.) On the device path
+    // a rank's own block's squares are summed on the device, in another order than the
+    // host's: the same bits unless the norm straddles a rounding of the f32 clip factor,
+    // which these steps' norms do not.
     for (hosts, replicas) in [(vec![2, 2], 1), (vec![1, 1], 0)] {
         let mut on_host = Vec::new();
         for (after, device) in [(false, false), (true, false), (false, true), (true, true)] {
