@@ -42,13 +42,7 @@ pub trait Reduce {
         lossy: usize,
         step: u64,
     ) -> Result<(), TrainerError> {
-        let g = on_device.numel();
-        if g > buf.len() {
-            return Err(TrainerError::Config(format!(
-                "{g} values on the device for a buffer of {}",
-                buf.len()
-            )));
-        }
+        let g = on_device_len(on_device, buf)?;
         on_device.f_to_device(tch::Device::Cpu)?.f_copy_data(&mut buf[..g], g)?;
         self.allreduce_sum_bf16(buf, lossy, step)?;
         on_device.shallow_clone().f_copy_(&tch::Tensor::from_slice(&buf[..g]))?;
@@ -157,6 +151,16 @@ pub(crate) fn relay_by_sums<R: Reduce + ?Sized>(
         at += p.range.len();
     }
     Ok(())
+}
+
+/// How many of `buf`'s values an [`Reduce::allreduce_sum_on_device`] call has on the device:
+/// `on_device`'s count, refused when it is more than `buf` holds.
+pub(crate) fn on_device_len(on_device: &tch::Tensor, buf: &[f32]) -> Result<usize, TrainerError> {
+    let g = on_device.numel();
+    if g > buf.len() {
+        return Err(TrainerError::Config(format!("{g} values on the device for a buffer of {}", buf.len())));
+    }
+    Ok(g)
 }
 
 /// The reduce of a single-process run: the local buffer already is the sum.

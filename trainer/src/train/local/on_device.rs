@@ -34,13 +34,7 @@ impl LocalRank<'_> {
         lossy: usize,
         step: u64,
     ) -> Result<(), TrainerError> {
-        let g = on_device.numel();
-        if g > buf.len() {
-            return Err(TrainerError::Config(format!(
-                "{g} values on the device for a buffer of {}",
-                buf.len()
-            )));
-        }
+        let g = crate::train::reduce::on_device_len(on_device, buf)?;
         let lanes = self.shared.lanes;
         let ranges = cut(buf.len(), lanes);
         // Its own kind: a local rank summing on its device beside one summing in host
