@@ -34,6 +34,8 @@ mod raft_processes;
 mod release_processes;
 #[path = "reproducible_processes.rs"]
 mod reproducible_processes;
+#[path = "scale_processes.rs"]
+mod scale_processes;
 #[path = "security_processes.rs"]
 mod security_processes;
 #[path = "sharded_processes.rs"]

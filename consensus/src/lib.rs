@@ -50,7 +50,10 @@ pub use membership::{VoterDecision, VoterPolicy};
 #[cfg(feature = "node")]
 pub use node::{LocalState, Node, NodeConfig, NodeHandle, NodeReport, Reports};
 #[cfg(feature = "node")]
-pub use service::{MAX_CONNECTIONS as MAX_CONTROL_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS};
+pub use service::{
+    address_cap, CONNECTIONS_PER_MEMBER, MAX_CONNECTIONS as MAX_CONTROL_CONNECTIONS,
+    MAX_CONNECTIONS_PER_ADDRESS,
+};
 pub use state::{ClusterState, Command, Epoch, Member, MemberSpec, MemberStatus, NodeId, ProposalId};
 #[cfg(feature = "node")]
 pub use storage::{AppliedState, Identity, LogStore, MemLog, SledLog};

@@ -10,7 +10,14 @@
 //!    demoted (or removed, when gone) in one joint-consensus change that also promotes healthy,
 //!    caught-up learners in their place.
 //! 5. While there are fewer voters than the target (the largest odd number not above
-//!    `max_voters` and the healthy candidates), healthy learners are promoted.
+//!    `max_voters` and the healthy candidates), healthy learners are promoted; while there
+//!    are more than `max_voters` (a cluster founded by many nodes), the extra voters become
+//!    learners.
+//! 6. While a zone (`Hardware::zone`, a failure domain) holds two voters more than another
+//!    zone with a ready learner, one of its voters (never the leader) is swapped for that
+//!    learner. Promotions (rules 4 and 5) pick learners of the zones with the fewest voters
+//!    first. So five voters over three zones sit 2-2-1, and losing any one zone keeps a
+//!    quorum.
 
 use crate::state::{Member, MemberStatus, NodeId};
 use std::collections::BTreeMap;
@@ -120,6 +127,36 @@ impl VoterView<'_> {
         }
     }
 
+    fn zone(&self, id: NodeId) -> &str {
+        self.members.get(&id).map_or("", |m| m.spec.hardware.zone.as_str())
+    }
+
+    /// Voters per zone, of `voters`.
+    fn per_zone(&self, voters: impl Iterator<Item = NodeId>) -> BTreeMap<&str, usize> {
+        let mut out = BTreeMap::new();
+        for v in voters {
+            *out.entry(self.zone(v)).or_insert(0) += 1;
+        }
+        out
+    }
+
+    /// Up to `n` of `candidates`, each from the zone with the fewest voters so far (counting
+    /// `staying` and those already picked); ties go to the candidates' order.
+    fn pick_spread(&self, staying: &[NodeId], candidates: &[NodeId], n: usize) -> Vec<NodeId> {
+        let mut counts = self.per_zone(staying.iter().copied());
+        let mut left: Vec<NodeId> = candidates.to_vec();
+        let mut out = Vec::new();
+        while out.len() < n && !left.is_empty() {
+            let k = (0..left.len())
+                .min_by_key(|&k| (counts.get(self.zone(left[k])).copied().unwrap_or(0), k))
+                .expect("not empty");
+            let id = left.remove(k);
+            *counts.entry(self.zone(id)).or_insert(0) += 1;
+            out.push(id);
+        }
+        out
+    }
+
     fn learner_ready(&self, id: NodeId, policy: &VoterPolicy) -> bool {
         self.status(id).is_some_and(MemberStatus::is_staying)
             && self.heard(id).is_some_and(|t| t <= policy.healthy_within_ticks)
@@ -186,6 +223,8 @@ pub fn plan(view: &VoterView<'_>, policy: &VoterPolicy) -> Option<(VoterDecision
         })
         .map(|m| m.spec.id)
         .collect();
+    // Failed learners stay: a node outside the configuration could not reach the leader to
+    // rejoin (raft forwards only a configured node's proposals).
     let remove: Vec<NodeId> = view
         .learners
         .iter()
@@ -208,7 +247,9 @@ pub fn plan(view: &VoterView<'_>, policy: &VoterPolicy) -> Option<(VoterDecision
     let candidates: Vec<NodeId> =
         view.learners.iter().copied().filter(|&l| view.learner_ready(l, policy)).collect();
     let target = largest_odd_at_most(policy.max_voters.min(staying + candidates.len())).max(1);
-    let promote: Vec<NodeId> = candidates.iter().copied().take(target.saturating_sub(staying)).collect();
+    let kept: Vec<NodeId> =
+        view.voters.iter().copied().filter(|v| !going.iter().any(|(g, _)| g == v)).collect();
+    let promote = view.pick_spread(&kept, &candidates, target.saturating_sub(staying));
 
     if !going.is_empty() {
         let (mut demote, mut remove) = (Vec::new(), Vec::new());
@@ -222,11 +263,49 @@ pub fn plan(view: &VoterView<'_>, policy: &VoterPolicy) -> Option<(VoterDecision
         let why = format!("{}; replacing with {promote:?}", reasons.join(", "));
         return Some((reconfigure(promote, demote, vec![], remove), why));
     }
+    if staying > policy.max_voters {
+        // More voters than allowed (a cluster founded by many nodes, all voting): every
+        // commit waits for a majority of them and every leader feeds them all, so the extra
+        // ones become learners, from the most crowded zones first, the leader never.
+        let mut counts = view.per_zone(kept.iter().copied());
+        let mut demote = Vec::new();
+        for _ in policy.max_voters..staying {
+            let pick = kept
+                .iter()
+                .copied()
+                .filter(|&v| v != view.me && !demote.contains(&v))
+                .max_by_key(|&v| (counts.get(view.zone(v)).copied().unwrap_or(0), v));
+            let Some(v) = pick else { break };
+            *counts.entry(view.zone(v)).or_insert(1) -= 1;
+            demote.push(v);
+        }
+        let why = format!("{staying} voters, at most {}: demoting {demote:?} to learners", policy.max_voters);
+        return Some((reconfigure(vec![], demote, vec![], vec![]), why));
+    }
     if !promote.is_empty() {
         let why = format!("{staying} voters, target {target}: promoting {promote:?}");
         return Some((reconfigure(promote, vec![], vec![], vec![]), why));
     }
-    None
+    spread_over_zones(view, &candidates)
+}
+
+/// Rule 6: one voter of the zone with the most voters swapped for a ready learner of a zone
+/// with at least two fewer, if there is one.
+fn spread_over_zones(view: &VoterView<'_>, ready: &[NodeId]) -> Option<(VoterDecision, String)> {
+    let counts = view.per_zone(view.voters.iter().copied());
+    let (&crowded, &most) = counts.iter().max_by_key(|&(z, n)| (*n, std::cmp::Reverse(*z)))?;
+    let learner = ready
+        .iter()
+        .copied()
+        .filter(|&l| counts.get(view.zone(l)).copied().unwrap_or(0) + 2 <= most)
+        .min_by_key(|&l| (counts.get(view.zone(l)).copied().unwrap_or(0), l))?;
+    let voter = view.voters.iter().copied().filter(|&v| v != view.me && view.zone(v) == crowded).max()?;
+    let why = format!(
+        "zone {crowded:?} holds {most} voters and zone {:?} {}: voter {voter} swapped for learner {learner}",
+        view.zone(learner),
+        counts.get(view.zone(learner)).copied().unwrap_or(0)
+    );
+    Some((reconfigure(vec![learner], vec![voter], vec![], vec![]), why))
 }
 
 fn leader_must_go(view: &VoterView<'_>) -> Option<String> {
@@ -300,6 +379,58 @@ mod tests {
             };
             plan(&view, &VoterPolicy::default())
         }
+    }
+
+    /// Nine nodes in three zones, founded with voters 1-5 in zones a, a, a, b, b: learners
+    /// are promoted from the emptiest zone, and the crowded zone's voters are swapped one at
+    /// a time until no zone holds two more than another, whence losing a zone keeps a quorum.
+    #[test]
+    fn voters_spread_over_zones_so_that_any_one_zone_can_be_lost() {
+        let zone = |id: NodeId| ["a", "a", "a", "b", "b", "c", "c", "b", "a"][id as usize - 1];
+        let mut w = World::new(&[1, 2, 3], &[4, 5, 6, 7, 8, 9]);
+        for (id, m) in w.members.iter_mut() {
+            m.spec.hardware.zone = zone(*id).into();
+        }
+        let (d, _) = w.plan(1).unwrap();
+        assert_eq!(d, reconfigure(vec![4, 6], vec![], vec![], vec![]), "one from b, one from c");
+        w.voters = vec![1, 2, 3, 4, 6];
+        w.learners = vec![5, 7, 8, 9];
+        // Zone a holds 3 voters, b and c one each: one of a's (never the leader) goes for a
+        // learner of b or c.
+        let (d, why) = w.plan(1).unwrap();
+        assert_eq!(d, reconfigure(vec![5], vec![3], vec![], vec![]), "{why}");
+        assert!(why.contains("zone \"a\" holds 3 voters"), "{why}");
+        w.voters = vec![1, 2, 4, 5, 6];
+        w.learners = vec![3, 7, 8, 9];
+        assert_eq!(w.plan(1), None, "2-2-1 stays");
+        let counts = w.voters.iter().fold(BTreeMap::new(), |mut m, &v| {
+            *m.entry(zone(v)).or_insert(0) += 1;
+            m
+        });
+        assert!(counts.values().all(|&n| w.voters.len() - n > w.voters.len() / 2), "{counts:?}");
+        // Without zones (all empty), nothing moves: the same as before zones existed.
+        let plain = World::new(&[1, 2, 3, 4, 5], &[6, 7]);
+        assert_eq!(plain.plan(1), None);
+    }
+
+    /// Forty founders all vote at first: all but five become learners in one change, the
+    /// leader staying a voter, the crowded zone giving up the most.
+    #[test]
+    fn a_cluster_founded_by_many_keeps_max_voters() {
+        let all: Vec<NodeId> = (1..=40).collect();
+        let mut w = World::new(&all, &[]);
+        for (id, m) in w.members.iter_mut() {
+            m.spec.hardware.zone = ["a", "b", "c"][(*id % 3) as usize].into();
+        }
+        let (d, why) = w.plan(40).unwrap();
+        let VoterDecision::Reconfigure { promote, demote, .. } = d else { panic!("{d:?}") };
+        assert!(promote.is_empty() && demote.len() == 35 && !demote.contains(&40), "{why}");
+        let left: Vec<NodeId> = all.iter().copied().filter(|v| !demote.contains(v)).collect();
+        let per = |z: NodeId| left.iter().filter(|&&v| v % 3 == z).count();
+        assert!((0..3).all(|z| (1..=2).contains(&per(z))), "{left:?}");
+        w.voters = left;
+        w.learners = demote;
+        assert_eq!(w.plan(40), None);
     }
 
     #[test]

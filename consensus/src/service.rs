@@ -20,36 +20,36 @@ pub(crate) fn serve(
     tasks: &crate::tasks::Tasks,
 ) -> Result<()> {
     use tokio_stream::StreamExt as _;
-    // At most MAX_CONNECTIONS at once, and MAX_CONNECTIONS_PER_ADDRESS from any one address
-    // (the rest are closed as they arrive, with a warning at most once a minute): a stranger
-    // opening connections, TLS or not, cannot exhaust the node's file descriptors or memory,
-    // nor take every slot from one host; a slot is held at most the TLS handshake's timeout
-    // by a client that never finishes it, and keepalive pings close connections whose peer
-    // has gone.
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-    let per_address: PerAddress = Arc::default();
+    // Connections are admitted by `Admission` (below): strangers share MAX_CONNECTIONS slots,
+    // MAX_CONNECTIONS_PER_ADDRESS from any one address, so a stranger opening connections,
+    // TLS or not, cannot exhaust the node's file descriptors or memory, nor take every slot
+    // from one host; members' addresses have slots of their own that grow with the members
+    // there, so the fleet's own channels never meet a stranger's cap. A slot is held at most
+    // the TLS handshake's timeout by a client that never finishes it, and keepalive pings
+    // close connections whose peer has gone. Rejections are warned about at most once a minute.
+    let admission = Arc::new(Admission::new(service.members.clone()));
     let mut warned: Option<std::time::Instant> = None;
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).filter_map(move |conn| {
         let io = match conn {
             Ok(io) => io,
             Err(e) => return Some(Err(e)),
         };
-        let ip = io.peer_addr().map(|a| a.ip()).ok();
-        let held = ip.and_then(|ip| Held::take(&per_address, ip));
-        let slot = Arc::clone(&slots).try_acquire_owned().ok();
-        match (ip.is_none() || held.is_some(), slot) {
-            (true, Some(slot)) => {
+        // IPv4 peers of a dual-stack listener arrive as ::ffff:a.b.c.d: counted as a.b.c.d.
+        let ip = io.peer_addr().map(|a| a.ip().to_canonical()).ok();
+        match admission.admit(ip) {
+            Ok(held) => {
                 let _ = io.set_nodelay(true);
-                Some(Ok(Capped { io, _slot: slot, _held: held }))
+                Some(Ok(Capped { io, _held: held }))
             }
-            _ => {
+            Err(refusal) => {
                 if warned.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
                     warned = Some(std::time::Instant::now());
                     let peer = io.peer_addr().map(|a| a.to_string()).unwrap_or_default();
                     tracing::warn!(
                         peer,
-                        limit = MAX_CONNECTIONS,
-                        per_address = MAX_CONNECTIONS_PER_ADDRESS,
+                        limit = refusal.limit,
+                        per_address = refusal.per_address,
+                        member = refusal.member,
                         "control-plane connections at the cap; closing new ones"
                     );
                 }
@@ -72,7 +72,11 @@ pub(crate) fn serve(
     let shutdown = tasks.token();
     tasks.spawn("control-server", async move {
         let served = builder
-            .add_service(pb::consensus_server::ConsensusServer::new(service))
+            .add_service(
+                pb::consensus_server::ConsensusServer::new(service)
+                    .max_decoding_message_size(crate::transport::MAX_REQUEST_BYTES)
+                    .max_encoding_message_size(crate::transport::MAX_MESSAGE_BYTES),
+            )
             .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
         tokio::pin!(served);
         // A graceful shutdown waits for every connection to close, and a client may hold one
@@ -98,39 +102,128 @@ pub const MAX_CALLS_PER_CONNECTION: usize = 32;
 /// How long connections may finish their calls once the node stops.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
 
-/// The most control-plane connections a node holds at once: every member's channel to it, the
-/// operators' and the agents', with room to spare.
+/// The most control-plane connections a node holds at once from strangers (addresses no
+/// member has): operators' tools, and anyone who reaches the port.
 pub const MAX_CONNECTIONS: usize = 512;
 
-/// The most control-plane connections from one address.
+/// The most control-plane connections from one stranger's address.
 pub const MAX_CONNECTIONS_PER_ADDRESS: usize = 64;
 
-/// Open connections by peer address.
-type PerAddress = Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>;
+/// Connection slots each member adds to its address and to the members' pool: its raft
+/// channel and heartbeat channel to this node, its operator's and its agent's calls.
+pub const CONNECTIONS_PER_MEMBER: usize = 8;
 
-/// One connection counted against its address, until dropped.
-struct Held(PerAddress, std::net::IpAddr);
+/// The most control-plane connections from an address where `members` members live (a real
+/// fleet has one a host; a lab machine runs many on one address).
+pub fn address_cap(members: usize) -> usize {
+    MAX_CONNECTIONS_PER_ADDRESS + members * CONNECTIONS_PER_MEMBER
+}
 
-impl Held {
-    /// Counts a connection from `ip`, unless that address is at its cap.
-    fn take(map: &PerAddress, ip: std::net::IpAddr) -> Option<Held> {
-        let mut m = map.lock().expect("per-address lock");
-        let n = m.entry(ip).or_insert(0);
-        if *n >= MAX_CONNECTIONS_PER_ADDRESS {
-            return None;
-        }
-        *n += 1;
-        Some(Held(Arc::clone(map), ip))
+/// Which pool a connection counts against.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+enum Pool {
+    Strangers,
+    Members,
+}
+
+/// Why a connection was closed as it arrived.
+struct Refusal {
+    limit: usize,
+    per_address: usize,
+    member: bool,
+}
+
+/// The connections open, per pool and per address, and the members' addresses as of the
+/// applied state (recomputed only when the state changes).
+struct Admission {
+    members: watch::Receiver<LocalState>,
+    inner: std::sync::Mutex<Counts>,
+}
+
+#[derive(Default)]
+struct Counts {
+    open: std::collections::HashMap<Pool, usize>,
+    per_address: std::collections::HashMap<std::net::IpAddr, usize>,
+    /// Members (not gone) per address, and in all, for the state at `of`.
+    member_ips: std::collections::HashMap<std::net::IpAddr, usize>,
+    live_members: usize,
+    of: Option<Arc<crate::state::ClusterState>>,
+}
+
+/// The IP address in a member's advertised `host:port` (a name that is not an address
+/// counts as none: the node does not resolve names as connections arrive).
+fn ip_of(addr: &str) -> Option<std::net::IpAddr> {
+    let hostport = addr.split_once("://").map_or(addr, |(_, rest)| rest);
+    let host = hostport.rsplit_once(':').map_or(hostport, |(h, _)| h);
+    host.trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse()
+        .ok()
+        .map(|ip: std::net::IpAddr| ip.to_canonical())
+}
+
+impl Admission {
+    fn new(members: watch::Receiver<LocalState>) -> Admission {
+        Admission { members, inner: std::sync::Mutex::default() }
     }
+
+    /// Counts a connection from `ip` against its pool and its address, unless either is
+    /// full. A peer whose address is unknown counts as a stranger without an address.
+    fn admit(self: &Arc<Self>, ip: Option<std::net::IpAddr>) -> std::result::Result<Held, Refusal> {
+        let state = Arc::clone(&self.members.borrow().state);
+        let mut c = self.inner.lock().expect("admission lock");
+        if !c.of.as_ref().is_some_and(|s| Arc::ptr_eq(s, &state)) {
+            c.member_ips.clear();
+            c.live_members = 0;
+            for m in state.members.values().filter(|m| m.status != crate::state::MemberStatus::Gone) {
+                c.live_members += 1;
+                let mut ips: Vec<_> =
+                    [&m.spec.control_addr, &m.spec.data_addr].into_iter().filter_map(|a| ip_of(a)).collect();
+                ips.dedup();
+                for ip in ips {
+                    *c.member_ips.entry(ip).or_insert(0) += 1;
+                }
+            }
+            c.of = Some(state);
+        }
+        let here = ip.and_then(|ip| c.member_ips.get(&ip).copied()).unwrap_or(0);
+        let (pool, limit, per_address) = if here > 0 {
+            (Pool::Members, MAX_CONNECTIONS + c.live_members * CONNECTIONS_PER_MEMBER, address_cap(here))
+        } else {
+            (Pool::Strangers, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS)
+        };
+        let open = c.open.get(&pool).copied().unwrap_or(0);
+        let at_address = ip.and_then(|ip| c.per_address.get(&ip).copied()).unwrap_or(0);
+        if open >= limit || at_address >= per_address {
+            return Err(Refusal { limit, per_address, member: here > 0 });
+        }
+        *c.open.entry(pool).or_insert(0) += 1;
+        if let Some(ip) = ip {
+            *c.per_address.entry(ip).or_insert(0) += 1;
+        }
+        Ok(Held { admission: Arc::clone(self), pool, ip })
+    }
+}
+
+/// One connection counted against its pool and address, until dropped.
+struct Held {
+    admission: Arc<Admission>,
+    pool: Pool,
+    ip: Option<std::net::IpAddr>,
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
-        let mut m = self.0.lock().expect("per-address lock");
-        if let Some(n) = m.get_mut(&self.1) {
-            *n -= 1;
-            if *n == 0 {
-                m.remove(&self.1);
+        let mut c = self.admission.inner.lock().expect("admission lock");
+        if let Some(n) = c.open.get_mut(&self.pool) {
+            *n = n.saturating_sub(1);
+        }
+        if let Some(ip) = self.ip {
+            if let Some(n) = c.per_address.get_mut(&ip) {
+                *n -= 1;
+                if *n == 0 {
+                    c.per_address.remove(&ip);
+                }
             }
         }
     }
@@ -140,8 +233,7 @@ impl Drop for Held {
 /// address's) until it closes.
 struct Capped {
     io: tokio::net::TcpStream,
-    _slot: tokio::sync::OwnedSemaphorePermit,
-    _held: Option<Held>,
+    _held: Held,
 }
 
 impl tonic::transport::server::Connected for Capped {
@@ -352,6 +444,7 @@ impl pb::consensus_server::Consensus for Service {
         let peer = self.caller(&req)?;
         self.authorize_role(peer, Need::Node)?;
         let batch = req.into_inner();
+        crate::transport::count_control_bytes(false, "raft", prost::Message::encoded_len(&batch));
         self.authorize_node(peer, batch.from, "a raft batch")?;
         let msgs = decode_batch(&batch, self.cluster_id, self.me).map_err(|e| {
             let e = match e {
@@ -466,6 +559,7 @@ impl pb::consensus_server::Consensus for Service {
         let peer = self.caller(&req)?;
         self.authorize_role(peer, Need::Node)?;
         let req = req.into_inner();
+        crate::transport::count_control_bytes(false, "report", prost::Message::encoded_len(&req));
         self.check_cluster(req.cluster_id, &req.cluster, "heartbeat")?;
         self.authorize_node(peer, req.from, "a heartbeat")?;
         // Only members report: a stranger's reports would only be noise, and a report for a

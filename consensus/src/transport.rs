@@ -121,6 +121,7 @@ impl PeerSender {
                     Some(t) => connect_pinned(&target, t, to),
                     None => connect_lazy(&target, None),
                 });
+                count_control_bytes(true, "raft", prost::Message::encoded_len(&batch));
                 let sent = tokio::time::timeout(Duration::from_secs(2), c.send(batch)).await;
                 let ok = matches!(sent, Ok(Ok(_)));
                 if !ok {
@@ -215,7 +216,7 @@ fn connect_pinned_with(
         Ok(e) => e.connect_timeout(Duration::from_secs(1)).connect_with_connector_lazy(connector),
         Err(_) => tonic::transport::Endpoint::from_static("http://0.0.0.0:1").connect_lazy(),
     };
-    pb::consensus_client::ConsensusClient::new(channel)
+    client(channel)
 }
 
 fn connect_lazy(
@@ -228,7 +229,36 @@ fn connect_lazy(
         // and is reported like any unreachable peer.
         Err(_) => tonic::transport::Endpoint::from_static("http://0.0.0.0:1").connect_lazy(),
     };
+    client(channel)
+}
+
+/// The largest reply a client decodes (every member's report, a read of the whole state):
+/// far above what a thousand hosts make (about 2 KB of state and at most 64 KiB of report
+/// each), and said, not left to tonic's 4 MiB default, which `limpet status` of a large
+/// cluster would pass. A client decodes replies only from nodes it chose.
+pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
+
+/// The largest request a node decodes, from anyone who reaches its port (anonymous reads,
+/// a cluster without certificates): a raft batch with a snapshot of the state of several
+/// thousand members fits, and 64 connections of an address, 32 calls each, cannot make the
+/// node hold more than this each. Snapshots past it would need sending in chunks.
+pub const MAX_REQUEST_BYTES: usize = 16 << 20;
+
+/// A client on `channel` taking and sending messages up to [`MAX_MESSAGE_BYTES`].
+fn client(
+    channel: tonic::transport::Channel,
+) -> pb::consensus_client::ConsensusClient<tonic::transport::Channel> {
     pb::consensus_client::ConsensusClient::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+/// Counts control-plane bytes this node sends or receives, by kind (`raft`, `report`): what
+/// `limpet-lab bench scale` divides by the time to get each node's control traffic.
+pub(crate) fn count_control_bytes(sent: bool, kind: &'static str, bytes: usize) {
+    let direction = if sent { "sent" } else { "received" };
+    metrics::counter!("limpet_control_bytes_total", "direction" => direction, "kind" => kind)
+        .increment(bytes as u64);
 }
 
 /// The answer to a read.
@@ -322,7 +352,7 @@ impl Client {
         Ok(Client {
             cluster_id: crate::state::cluster_id(cluster),
             cluster: cluster.to_string(),
-            inner: pb::consensus_client::ConsensusClient::new(channel),
+            inner: client(channel),
             tls,
             pinned,
         })
@@ -384,9 +414,7 @@ impl Client {
                     redirects += 1;
                     at = match &self.pinned {
                         Some(cfg) => connect_pinned_with(&addr, Arc::clone(cfg), leader),
-                        None => pb::consensus_client::ConsensusClient::new(
-                            connect_channel(&addr, self.tls.clone()).await?,
-                        ),
+                        None => client(connect_channel(&addr, self.tls.clone()).await?),
                     };
                 }
                 answer => break answer?.into_inner(),
@@ -430,6 +458,7 @@ impl Client {
     pub async fn heartbeat(&mut self, from: NodeId, report: Vec<u8>) -> Result<()> {
         let req =
             pb::HeartbeatRequest { cluster_id: self.cluster_id, from, report, cluster: self.cluster.clone() };
+        count_control_bytes(true, "report", prost::Message::encoded_len(&req));
         self.inner.heartbeat(req).await.map_err(status_error)?;
         Ok(())
     }

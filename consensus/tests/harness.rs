@@ -244,3 +244,53 @@ fn members_move_through_their_statuses_in_the_log() {
     assert_eq!(st.members[&4].status, MemberStatus::Draining);
     assert_eq!(st.members[&5].status, MemberStatus::Failed);
 }
+
+/// Nine nodes over three zones, joining zone by zone (a, a, a, a, then b, then c): the
+/// voters end spread 2-2-1 whatever the order of the joins, and with every node of zone a
+/// (the first leader among them) crashed at once, the rest elect a leader and commit.
+#[test]
+fn the_quorum_survives_the_loss_of_any_one_zone() {
+    let zone = |id: NodeId| match id {
+        1..=4 => "a",
+        5..=7 => "b",
+        _ => "c",
+    };
+    let with_zone = |id: NodeId| {
+        let mut m = spec(id);
+        m.hardware.zone = zone(id).into();
+        m
+    };
+    let mut net = Network::new(1, config(), 11);
+    assert!(net.run_until(100, |n| n.leader().is_some()), "no leader elected");
+    let hardware = Hardware { zone: "a".into(), ..Hardware::default() };
+    assert!(commit(&mut net, 1, Command::UpdateHardware { id: 1, hardware }));
+    for id in 2..=9 {
+        net.add_empty_node(id);
+        let leader = net.leader().unwrap();
+        assert!(commit(&mut net, leader, Command::Join { member: with_zone(id) }));
+        assert!(
+            net.run_until(200, |n| n.node(id).applied() > 0 && n.node(leader).state().learners.contains(&id)
+                || n.node(leader).state().voters.contains(&id)),
+            "node {id} did not join"
+        );
+    }
+    let spread = net.run_until(2000, |n| {
+        let Some(l) = n.leader() else { return false };
+        let s = n.node(l).status();
+        let per = |z: &str| s.voters.iter().filter(|&&v| zone(v) == z).count();
+        s.voters.len() == 5 && s.voters_outgoing.is_empty() && ["a", "b", "c"].iter().all(|z| per(z) <= 2)
+    });
+    let l = net.leader().unwrap();
+    assert!(spread, "voters not spread over the zones: {:?}", net.node(l).status());
+    converge(&mut net);
+    for id in 1..=4 {
+        net.crash(id);
+    }
+    assert!(
+        net.run_until(500, |n| n.leader().is_some_and(|l| zone(l) != "a")),
+        "no leader after zone a was lost"
+    );
+    let leader = net.leader().unwrap();
+    assert!(commit(&mut net, leader, bump(leader, 77)), "nothing commits without zone a");
+    assert_healthy(&net);
+}

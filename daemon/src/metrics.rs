@@ -52,6 +52,10 @@ pub const METRICS: &[(&str, &str)] = &[
     ("limpet_shard_losses_total", "Blocks of sharded optimizer state lost with every holder: back to a checkpoint."),
     ("limpet_checkpoint_seconds", "Time to encode and write one checkpoint part."),
     ("limpet_raft_term", "Raft term this node is in."),
+    (
+        "limpet_control_bytes_total",
+        "Control-plane bytes this node sent or received, by direction and kind (raft batches, heartbeat reports).",
+    ),
     ("limpet_raft_commit_index", "Newest log index this node knows to be committed."),
     ("limpet_raft_applied_index", "Newest log index applied to this node's cluster state."),
     ("limpet_raft_leader", "Raft id of the leader this node follows (0: none known)."),

@@ -11,7 +11,11 @@
 //!    than that at the measured step time. A notice a node reports before the log has it
 //!    counts the same: it goes into the very next epoch (with a failure it coincides with),
 //!    never behind a join or a change of shares.
-//! 3. A healthy joining member is added; it copies state from a live rank.
+//! 3. A healthy joining member is added; it copies state from a live rank. Joins come in
+//!    waves (a refill of spot capacity boots dozens of hosts over seconds): newcomers are
+//!    admitted together once no other has become ready for `JOIN_SETTLE_MS`, or once the
+//!    first has waited `JOIN_WAVE_MAX_MS`, or at once with a change the epoch makes anyway,
+//!    so a wave is one epoch (or a bounded few), not one per host.
 //! 4. With fewer candidates than `min_nodes`, nothing is scheduled (a scheduled epoch naming a
 //!    node that can no longer train is withdrawn): training pauses and waits.
 //! 5. A member that left the current epoch (leaving, draining) is removed.
@@ -94,7 +98,17 @@ pub struct View<'a> {
     /// that just died is lost until the node proposes it again; planned from the report,
     /// the node's leave goes into the very next epoch all the same.
     pub notices: &'a BTreeMap<NodeId, crate::report::PendingNotice>,
+    /// When the leader first heard each node outside the current epoch report in time
+    /// (unix ms): joins are admitted in waves (rule 3). A node absent has been ready since
+    /// ever.
+    pub ready_since: &'a BTreeMap<NodeId, u64>,
 }
+
+/// Joins are admitted in waves: newcomers wait until none has become ready for this long...
+pub const JOIN_SETTLE_MS: u64 = 1000;
+/// ...or until the first of them has waited this long, whichever is sooner. A change the
+/// epoch makes anyway (a failure, a notice, a drain) takes every ready newcomer at once.
+pub const JOIN_WAVE_MAX_MS: u64 = 5000;
 
 /// The controller's answer: commands to propose (maybe none) and why.
 #[derive(Clone, Debug, PartialEq)]
@@ -132,8 +146,17 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
     // 1. Failures among the current ranks.
     let failed = failures(view, cfg, &current_ranks, &mut commands, &mut causes);
 
-    // 2-3. Who trains next: survivors in order, then healthy newcomers by id.
-    let (ranks, newcomers) = candidates(view, cfg, &current_ranks, &failed, &mut causes);
+    // 2-3. Who trains next: survivors in order, then healthy newcomers by id, a wave of
+    // joins once it settled.
+    let (mut ranks, mut newcomers) = candidates(view, cfg, &current_ranks, &failed, &mut causes);
+    let waiting = join_wave_waits(view, &newcomers, causes.is_empty() && failed.is_empty());
+    if waiting {
+        // Those an epoch already scheduled takes stay in it (ranks may have entered it); the
+        // others wait for the next wave.
+        let planned = st.scheduled.as_ref().map(|e| e.ranks.as_slice()).unwrap_or_default();
+        ranks.retain(|r| !newcomers.contains(r) || planned.contains(r));
+        newcomers.retain(|n| planned.contains(n));
+    }
     // 6. With a pipelined job the planner lays the candidates out; some may stay spares.
     let (ranks, layout, micro) = match lay_out(view, cfg, ranks) {
         Ok(l) => l,
@@ -179,7 +202,14 @@ pub fn decide(view: &View<'_>, cfg: &ControllerConfig) -> Decision {
                 reason: "the change it made no longer applies".into(),
             });
         }
-        return Decision { commands, reason: "steady".into() };
+        let reason = if waiting {
+            format!(
+                "steady; newcomers wait for their wave to settle (no other ready for {JOIN_SETTLE_MS} ms, at most {JOIN_WAVE_MAX_MS} ms)"
+            )
+        } else {
+            "steady".into()
+        };
+        return Decision { commands, reason };
     }
     if ranks.len() < cfg.min_nodes.max(1) {
         // A scheduled epoch naming a node that can no longer train is withdrawn.
@@ -257,6 +287,28 @@ fn candidates(
     (ranks, newcomers)
 }
 
+/// Whether `newcomers` wait for their wave to settle: only when nothing else changes the
+/// epoch (`alone`), and until no newcomer became ready within `JOIN_SETTLE_MS` or the first
+/// has waited `JOIN_WAVE_MAX_MS`.
+/// The cluster's first epoch waits instead for every member still staying (its founders)
+/// to be ready, as long: a cluster forms whole, not with whoever booted first.
+fn join_wave_waits(view: &View<'_>, newcomers: &[NodeId], alone: bool) -> bool {
+    if newcomers.is_empty() || !alone {
+        return false;
+    }
+    let since: Vec<u64> = newcomers.iter().filter_map(|n| view.ready_since.get(n).copied()).collect();
+    let (Some(&first), Some(&last)) = (since.iter().min(), since.iter().max()) else { return false };
+    let waited = |t: u64| view.now_ms.saturating_sub(t);
+    if waited(first) >= JOIN_WAVE_MAX_MS {
+        return false;
+    }
+    if view.state.current.is_none() {
+        let st = view.state;
+        return st.members.values().any(|m| m.status.is_staying() && !newcomers.contains(&m.spec.id));
+    }
+    waited(last) < JOIN_SETTLE_MS
+}
+
 /// Fills the `slots` rank slots of `layout` (data-major) from `candidates`, slot by slot
 /// giving each the free candidate whose blocks in the `current` epoch overlap the slot's
 /// blocks most (ties: candidates' order). So survivors keep their stages, blocks move only
@@ -314,7 +366,7 @@ fn failures(
             if !matches!(status, None | Some(MemberStatus::Failed | MemberStatus::Gone)) {
                 let why = match view.progress.get(&r) {
                     Some(p) if p.heartbeat_age_ms == u64::MAX => {
-                        "a peer's collective failed on it and it went silent".to_string()
+                        "a peer's collective failed on it and it went silent or its port refuses".to_string()
                     }
                     Some(p) => format!("no heartbeat for {:.1} s", p.heartbeat_age_ms as f64 / 1e3),
                     None => "never heard from".to_string(),

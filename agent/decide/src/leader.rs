@@ -63,6 +63,71 @@ pub const MEASURE_STEPS: u64 = 50;
 
 /// The leader's decisions for the state `st`, the `reports` and the time `now_ms`.
 pub fn plan_round(s: &LeaderSettings, st: &ClusterState, reports: &Reports, now_ms: u64) -> Round {
+    plan_round_with(s, st, reports, now_ms, &Evidence::default())
+}
+
+/// What the leader learned itself, across rounds, beside the reports.
+#[derive(Clone, Debug, Default)]
+pub struct Evidence {
+    /// Suspects (see [`suspects`]) whose control port refused the leader's connection just
+    /// now: nothing listens there.
+    pub refused: std::collections::BTreeSet<NodeId>,
+    /// When each node outside the current epoch was first heard reporting in time (unix
+    /// ms), as [`Evidence::track_ready`] keeps it: joins are admitted in waves.
+    pub ready_since: BTreeMap<NodeId, u64>,
+}
+
+impl Evidence {
+    /// Notes, at `now_ms`, the nodes outside the current epoch that report in time (a
+    /// node's first such round starts its wait), forgetting those that train in it or went
+    /// quiet.
+    pub fn track_ready(&mut self, st: &ClusterState, reports: &Reports, timeout_ms: u64, now_ms: u64) {
+        let ranks = st.current.as_ref().map(|e| e.ranks.as_slice()).unwrap_or_default();
+        let ready: Vec<NodeId> = reports
+            .iter()
+            .filter(|(id, (age, _))| *age <= timeout_ms && !ranks.contains(id))
+            .filter(|(id, _)| st.members.get(id).is_some_and(|m| m.status.is_staying()))
+            .map(|(&id, _)| id)
+            .collect();
+        self.ready_since.retain(|id, _| ready.contains(id));
+        for id in ready {
+            self.ready_since.entry(id).or_insert(now_ms);
+        }
+    }
+}
+
+/// The peers the current epoch's live ranks say their collective broke on: those whose
+/// liveness the leader checks itself (`plan_round_with`'s `refused`).
+pub fn suspects(st: &ClusterState, reports: &Reports, timeout_ms: u64) -> Vec<NodeId> {
+    let Some(cur) = st.current.as_ref() else { return Vec::new() };
+    let mut out: Vec<NodeId> = reports
+        .values()
+        .filter(|(age, r)| *age <= timeout_ms && cur.ranks.contains(&r.node))
+        // A rank naming itself is no evidence (and would have the leader probe whatever
+        // address it advertises).
+        .filter_map(|(_, r)| {
+            r.broken.as_ref().filter(|b| b.epoch == cur.id)?.suspect.filter(|&s| s != r.node)
+        })
+        .filter(|id| cur.ranks.contains(id))
+        .collect();
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+/// [`plan_round`], with the evidence the leader gathered itself. A suspect whose port
+/// refused (`Evidence::refused`) has nothing listening there: the process is dead (a
+/// `kill -9`, a crash), and it is failed at once, without waiting for it to stay quiet. A
+/// stalled process still has its port open (the kernel accepts for it), so a slow host never
+/// takes this path. Newcomers are admitted in waves from `Evidence::ready_since`.
+pub fn plan_round_with(
+    s: &LeaderSettings,
+    st: &ClusterState,
+    reports: &Reports,
+    now_ms: u64,
+    evidence: &Evidence,
+) -> Round {
+    let refused = &evidence.refused;
     let timeout_ms = s.heartbeat_timeout_ms;
     let cur_id = st.current.as_ref().map_or(0, |e| e.id);
     let live = || reports.values().filter(|(age, _)| *age <= timeout_ms);
@@ -77,8 +142,8 @@ pub fn plan_round(s: &LeaderSettings, st: &ClusterState, reports: &Reports, now_
     let quiet = (s.heartbeat_ms * 3).max(300);
     for (_, r) in live().filter(|(_, r)| ranks.contains(&r.node)) {
         if let Some(b) = r.broken.as_ref().filter(|b| b.epoch == cur_id) {
-            if let Some(p) = b.suspect.and_then(|id| progress.get_mut(&id)) {
-                if p.heartbeat_age_ms > quiet {
+            if let Some((id, p)) = b.suspect.and_then(|id| Some((id, progress.get_mut(&id)?))) {
+                if p.heartbeat_age_ms > quiet || refused.contains(&id) {
                     p.heartbeat_age_ms = u64::MAX;
                 }
             }
@@ -135,6 +200,7 @@ pub fn plan_round(s: &LeaderSettings, st: &ClusterState, reports: &Reports, now_
         rebuild,
         ms_per_sample: &ms_per_sample,
         notices: &notices,
+        ready_since: &evidence.ready_since,
     };
     let decision = controller::decide(&view, &ccfg);
     let mut commands = decision.commands;

@@ -1,5 +1,5 @@
 //! What an agent tells the cluster about itself every heartbeat: its training progress,
-//! health and recent transitions. Sent as JSON to every member (consensus keeps it opaque,
+//! health and recent transitions. Sent as JSON to the leader and the voters (consensus keeps it opaque,
 //! stamped with its arrival time); the leader's controller reads progress and failures from
 //! it, and `limpet status` shows it. Decoding is strict and bounded: a report comes from the
 //! network.
@@ -13,6 +13,23 @@ pub const REPORT_VERSION: u32 = 1;
 
 /// How many transitions a report carries (the newest).
 pub const MAX_TRANSITIONS: usize = 16;
+
+/// The longest cause a report's transition carries: an epoch's cause is summarised past
+/// [`limpet_consensus::state::MAX_CAUSE_TEXT`], and one logged before that was is clipped,
+/// so sixteen transitions stay far below the report's size limit whatever the fleet.
+pub const MAX_TRANSITION_CAUSE: usize = 2 * limpet_consensus::state::MAX_CAUSE_TEXT;
+
+/// `cause` clipped to [`MAX_TRANSITION_CAUSE`] bytes (at a character boundary).
+pub fn clip_cause(cause: &str) -> String {
+    if cause.len() <= MAX_TRANSITION_CAUSE {
+        return cause.to_string();
+    }
+    let mut end = MAX_TRANSITION_CAUSE - 4;
+    while !cause.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{} ...", &cause[..end])
+}
 
 /// What the agent's trainer is doing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -193,7 +210,7 @@ impl AgentReport {
     /// claim to be someone else's.
     pub fn decode(bytes: &[u8], from: NodeId) -> Result<AgentReport, DecideError> {
         let bad = |detail: String| DecideError::Report { from, detail };
-        let r: AgentReport = serde_json::from_slice(bytes).map_err(|e| bad(e.to_string()))?;
+        let mut r: AgentReport = serde_json::from_slice(bytes).map_err(|e| bad(e.to_string()))?;
         if r.v != REPORT_VERSION {
             return Err(bad(format!("version {} (this build reads {REPORT_VERSION})", r.v)));
         }
@@ -202,6 +219,11 @@ impl AgentReport {
         }
         if r.transitions.len() > MAX_TRANSITIONS {
             return Err(bad(format!("{} transitions", r.transitions.len())));
+        }
+        // An agent of an earlier build sends its epochs' causes whole: clipped here, not
+        // refused (a refused report would make the node look silent).
+        for t in r.transitions.iter_mut().filter(|t| t.cause.len() > MAX_TRANSITION_CAUSE) {
+            t.cause = clip_cause(&t.cause);
         }
         if !(r.ms_per_sample.is_finite() && r.ms_per_sample >= 0.0) {
             return Err(bad(format!("{} ms per sample", r.ms_per_sample)));
@@ -272,6 +294,14 @@ mod tests {
         assert!(e.contains("a notice source of 65 bytes"), "{e}");
         let e = AgentReport::decode(&r.encode(), 8).unwrap_err().to_string();
         assert!(e.contains("report of node 8: claims to be node 7"), "{e}");
+        // A whole cause of an earlier build's epoch is clipped, not a reason to refuse.
+        let mut whole = r.clone();
+        whole.transitions[0].cause = "é".repeat(MAX_TRANSITION_CAUSE);
+        let read = AgentReport::decode(&whole.encode(), 7).unwrap();
+        assert!(
+            read.transitions[0].cause.len() <= MAX_TRANSITION_CAUSE
+                && read.transitions[0].cause.ends_with(" ...")
+        );
         let old = String::from_utf8(r.encode()).unwrap().replace("\"v\":1", "\"v\":9");
         assert!(AgentReport::decode(old.as_bytes(), 7).unwrap_err().to_string().contains("version 9"));
         let extra = String::from_utf8(r.encode()).unwrap().replacen('{', "{\"evil\":1,", 1);

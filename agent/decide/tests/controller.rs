@@ -37,6 +37,8 @@ struct Sim {
     speeds: BTreeMap<NodeId, f64>,
     /// Notices the nodes report, not yet in the log.
     notices: BTreeMap<NodeId, PendingNotice>,
+    /// When the leader first heard each node outside the epoch ready.
+    ready_since: BTreeMap<NodeId, u64>,
 }
 
 impl Sim {
@@ -45,7 +47,14 @@ impl Sim {
         let mut state = ClusterState::bootstrap("c", &members);
         state.apply(&Command::SetJob { job: serde_json::json!({"model": "mlp"}) }).unwrap();
         let progress = (1..=n).map(|i| (i, NodeProgress { applied_step: 0, heartbeat_age_ms: 0 })).collect();
-        Sim { state, progress, now: 1_000_000, speeds: BTreeMap::new(), notices: BTreeMap::new() }
+        Sim {
+            state,
+            progress,
+            now: 1_000_000,
+            speeds: BTreeMap::new(),
+            notices: BTreeMap::new(),
+            ready_since: BTreeMap::new(),
+        }
     }
 
     /// `n` nodes in their first epoch, `steps` steps in.
@@ -68,6 +77,7 @@ impl Sim {
             rebuild: false,
             ms_per_sample: &self.speeds,
             notices: &self.notices,
+            ready_since: &self.ready_since,
         }
     }
 
@@ -731,3 +741,6 @@ fn a_reported_notice_goes_into_the_very_next_epoch_with_the_failure() {
     assert_eq!(e.ranks, vec![1, 3], "{why}");
     assert!(e.cause.starts_with("notice for node 2 (reported: aws notice"), "{}", e.cause);
 }
+
+#[path = "controller/waves.rs"]
+mod waves;

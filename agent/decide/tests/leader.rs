@@ -124,6 +124,48 @@ fn a_quiet_peer_named_by_a_broken_collective_fails_before_the_timeout() {
     assert_eq!(next, Some(vec![1, 2]), "{round:?}");
 }
 
+/// A suspect whose control port refused the leader's connection is failed at once, though
+/// it reported 20 ms ago (a `kill -9` just now): the evidence is the leader's own. The same
+/// suspect with its port open (a stalled process: the kernel still accepts) waits for the
+/// quiet rule, and a port refusing without a rank naming its owner fails nobody.
+#[test]
+fn a_suspect_whose_port_refuses_fails_at_once_and_a_slow_one_does_not() {
+    use limpet_decide::leader::{plan_round_with, suspects, Evidence};
+    let (mut st, id) = founded();
+    st.apply(&Command::ActivateEpoch { id }).unwrap();
+    let mut reports: Reports = (1..=3).map(|n| (n, (0, report(n, id, 50)))).collect();
+    reports.insert(3, (20, report(3, id, 50)));
+    let refused = Evidence { refused: [3].into(), ..Evidence::default() };
+    let epoch_of = |round: &limpet_decide::leader::Round| {
+        round.commands.iter().find_map(|c| match c {
+            Command::ScheduleEpoch { epoch } => Some(epoch.ranks.clone()),
+            _ => None,
+        })
+    };
+    let nobody_named = plan_round_with(&settings(), &st, &reports, NOW, &refused);
+    assert_eq!(epoch_of(&nobody_named), None, "{nobody_named:?}");
+    let mut broken = report(1, id, 50);
+    broken.phase = Phase::Waiting;
+    broken.broken = Some(Broken {
+        epoch: id,
+        since_ms: 5,
+        suspect: Some(3),
+        error: "peer 3 reset".into(),
+        violation: false,
+    });
+    reports.insert(1, (0, broken));
+    assert_eq!(suspects(&st, &reports, 1000), vec![3]);
+    // A rank naming itself is no suspect (nor an address for the leader to probe).
+    let mut own = reports.clone();
+    own.get_mut(&1).unwrap().1.broken.as_mut().unwrap().suspect = Some(1);
+    assert_eq!(suspects(&st, &own, 1000), Vec::<NodeId>::new());
+    let slow = plan_round_with(&settings(), &st, &reports, NOW, &Evidence::default());
+    assert_eq!(epoch_of(&slow), None, "a stalled suspect failed early: {slow:?}");
+    let dead = plan_round_with(&settings(), &st, &reports, NOW, &refused);
+    assert!(dead.commands.iter().any(|c| matches!(c, Command::MarkFailed { id: 3, .. })), "{dead:?}");
+    assert_eq!(epoch_of(&dead), Some(vec![1, 2]), "{dead:?}");
+}
+
 /// What one rank reports of its ring and its pace steers nothing alone: a spare naming a
 /// quiet rank as its suspect does not fail it early, one rank's huge `since_ms` rebuilds
 /// nothing (above), and one rank's step time does not set the boundary's lead.

@@ -37,12 +37,15 @@ impl Dialer for HandoffDialer<'_> {
 /// Who may fetch state: a node id's verdict (the agent answers from the replicated state).
 pub type MayFetch = Arc<dyn Fn(u64) -> bool + Send + Sync>;
 
-/// The most handoff requests served at once; more are closed unanswered (the fetching side
-/// tries its next source). Several newcomers at an epoch change, each fetching in a few
-/// streams, and shadows.
+/// The most handoff requests served at once; more wait their turn in a queue (first come,
+/// first served) rather than fail the fetch. Several newcomers at an epoch change, each
+/// fetching in a few streams, and shadows.
 pub const MAX_HANDOFF_SERVES: usize = 32;
 /// Of those, from any one peer (its fetch's streams and a shadow's).
 pub const MAX_HANDOFF_SERVES_PER_PEER: usize = 8;
+/// Requests waiting for a slot; past this, new ones are closed unanswered (the fetching side
+/// tries its next source). A wave of a hundred joiners fits.
+pub const MAX_HANDOFF_QUEUED: usize = 512;
 
 /// Serves `server`'s offers on every authenticated handoff connection the endpoint accepts
 /// from a peer `may_fetch` admits, one thread per connection (at most
@@ -73,7 +76,7 @@ pub fn serve_handoff(
 pub type Spawn<'a> = dyn Fn(&'static str, Box<dyn FnOnce() + Send>) -> std::io::Result<()> + 'a;
 
 /// Serves handoff requests on the calling thread until `stop` says so (each request on a
-/// thread of its own, at most [`MAX_HANDOFF_SERVES`] at once, each read and write bounded by
+/// thread of its own, at most [`MAX_HANDOFF_SERVES`] at once and the rest queued, each read and write bounded by
 /// the endpoint's timeout), to peers `may_fetch` admits (current members: a removed node's
 /// certificate, or the secret alone, must not read the weights). `spawn` starts each
 /// request's thread.
@@ -86,8 +89,35 @@ pub fn handoff_loop(
 ) {
     let serving: Serving = Arc::default();
     let timeout = endpoint.config().timeout;
+    // Requests past the caps, oldest first, with when they arrived: one whose fetcher has
+    // given up (its read timeout passed) is dropped instead of served.
+    let mut waiting: std::collections::VecDeque<(u64, Conn, std::time::Instant)> = Default::default();
     while !stop() {
-        let Some((peer, conn)) = endpoint.accept_channel(Channel::Handoff, Duration::from_millis(200)) else {
+        // Past half the fetcher's timeout it would give up before the state is through.
+        waiting.retain(|(_, _, at)| at.elapsed() < timeout / 2);
+        let mut i = 0;
+        while i < waiting.len() {
+            match Slot::take(&serving, waiting[i].0) {
+                Some(slot) => {
+                    let (peer, conn, at) = waiting.remove(i).expect("index within the queue");
+                    // Removed from the cluster while it waited: no weights for it.
+                    if !may_fetch(peer) {
+                        tracing::warn!(peer, "queued state handoff refused: no longer a member");
+                        continue;
+                    }
+                    tracing::debug!(
+                        peer,
+                        queued_ms = at.elapsed().as_millis() as u64,
+                        "queued state handoff served"
+                    );
+                    serve_one(server, peer, conn, slot, timeout, spawn);
+                }
+                None => i += 1,
+            }
+        }
+        // While requests wait, slots are looked for often: they come back as serves end.
+        let wait = if waiting.is_empty() { Duration::from_millis(200) } else { Duration::from_millis(10) };
+        let Some((peer, conn)) = endpoint.accept_channel(Channel::Handoff, wait) else {
             continue;
         };
         if !may_fetch(peer) {
@@ -95,36 +125,48 @@ pub fn handoff_loop(
             continue;
         }
         // Taken before the thread, so it comes back even if no thread can be made.
-        let Some(slot) = Slot::take(&serving, peer) else {
-            tracing::warn!(
+        match Slot::take(&serving, peer) {
+            Some(slot) => serve_one(server, peer, conn, slot, timeout, spawn),
+            // One peer's requests wait at most twice its share of the slots: a member
+            // opening handoffs in a loop cannot fill the queue for everyone else.
+            None if waiting.len() < MAX_HANDOFF_QUEUED
+                && waiting.iter().filter(|(p, _, _)| *p == peer).count()
+                    < 2 * MAX_HANDOFF_SERVES_PER_PEER =>
+            {
+                waiting.push_back((peer, conn, std::time::Instant::now()))
+            }
+            None => tracing::warn!(
                 peer,
                 limit = MAX_HANDOFF_SERVES,
                 per_peer = MAX_HANDOFF_SERVES_PER_PEER,
-                "state handoff refused: serving at the cap"
-            );
-            continue;
-        };
-        if let Err(e) =
-            conn.set_read_timeout(Some(timeout)).and_then(|()| conn.set_write_timeout(Some(timeout)))
-        {
-            tracing::warn!(peer, %e, "state handoff dropped");
-            continue;
+                queued = MAX_HANDOFF_QUEUED,
+                "state handoff refused: serving and queue at the cap"
+            ),
         }
-        let server = server.clone();
-        let spawned = spawn(
-            "handoff-serve",
-            Box::new(move || {
-                let _slot = slot;
-                let mut conn = SentCounter(conn);
-                if let Err(e) = server.serve(&mut conn, None) {
-                    tracing::warn!(peer, %e, "state handoff to a peer failed");
-                }
-            }),
-        );
-        if let Err(e) = spawned {
-            // The closure, and the slot it held, went with the error.
-            tracing::warn!(peer, %e, "state handoff dropped: no thread");
-        }
+    }
+}
+
+/// Serves one request on a thread of its own, holding `slot` until it ends.
+fn serve_one(server: &Server, peer: u64, conn: Conn, slot: Slot, timeout: Duration, spawn: &Spawn) {
+    if let Err(e) = conn.set_read_timeout(Some(timeout)).and_then(|()| conn.set_write_timeout(Some(timeout)))
+    {
+        tracing::warn!(peer, %e, "state handoff dropped");
+        return;
+    }
+    let server = server.clone();
+    let spawned = spawn(
+        "handoff-serve",
+        Box::new(move || {
+            let _slot = slot;
+            let mut conn = SentCounter(conn);
+            if let Err(e) = server.serve(&mut conn, None) {
+                tracing::warn!(peer, %e, "state handoff to a peer failed");
+            }
+        }),
+    );
+    if let Err(e) = spawned {
+        // The closure, and the slot it held, went with the error.
+        tracing::warn!(peer, %e, "state handoff dropped: no thread");
     }
 }
 

@@ -1,5 +1,7 @@
 //! Announcing this node: proposes `Join` with its current addresses until the log holds them
-//! (a founder's data address, a restarted node's readmission), then ends.
+//! (a founder's data address, a restarted node's readmission); then, for the node's life,
+//! asks again whenever the log marks it failed while it trains (it was slow, or cut off, not
+//! dead: a live host is never out for good), backing off from one second to a minute.
 
 use limpet_consensus::state::{Command, MemberSpec, MemberStatus};
 use limpet_consensus::NodeHandle;
@@ -7,17 +9,62 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 /// Makes the log hold this node's current addresses (a founder's data address, a restarted
-/// node's readmission): proposes `Join` until it is applied.
+/// node's readmission): proposes `Join` until it is applied. Then watches the log: marked
+/// failed while this process lives, the node proposes `Join` again and comes back as a
+/// newcomer (copying state from live ranks at its next epoch).
 pub(super) async fn announce(handle: NodeHandle, me: MemberSpec, stop: CancellationToken) {
+    let mut watch = handle.watch();
+    let mut admitted = false;
+    // The status the log gave this node before the newest change: only a node failed while
+    // it was joining or active comes back (one failed on its way out, drained or noticed,
+    // stays out), and not more often than the backoff allows (a flapping host costs its
+    // cluster two epochs a time).
+    let mut before: Option<MemberStatus> = None;
+    let mut backoff = REJOIN_BACKOFF_MIN;
+    let mut last_rejoin: Option<tokio::time::Instant> = None;
     loop {
         let known = handle.watch().borrow().state.members.get(&me.id).cloned();
+        let status = known.as_ref().map(|m| m.status);
         let current = known.as_ref().is_some_and(|m| says(&m.spec, &me) && m.status.is_staying());
+        // Leaving, draining or removed (after leaving) are the node's own way out; before it
+        // was admitted, a failed or gone record is an earlier life's, which it replaces.
+        let out = matches!(status, Some(MemberStatus::Leaving | MemberStatus::Draining))
+            || (admitted && status == Some(MemberStatus::Gone));
+        let failed_in_training = status == Some(MemberStatus::Failed)
+            && matches!(before, Some(MemberStatus::Joining | MemberStatus::Active));
+        let due = !current && !out && (!admitted || failed_in_training);
         if current {
-            return;
+            admitted = true;
         }
-        if known.as_ref().is_some_and(|m| matches!(m.status, MemberStatus::Leaving | MemberStatus::Draining))
-        {
-            return;
+        if status != Some(MemberStatus::Failed) {
+            before = status;
+        }
+        if due && admitted {
+            if let Some(wait) =
+                last_rejoin.map(|t| (t + backoff).saturating_duration_since(tokio::time::Instant::now()))
+            {
+                if !wait.is_zero() {
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(wait) => {}
+                    }
+                }
+                backoff = (backoff * 2).min(REJOIN_BACKOFF_MAX);
+            }
+            last_rejoin = Some(tokio::time::Instant::now());
+        }
+        if !due {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                changed = watch.changed() => if changed.is_err() { return },
+            }
+            continue;
+        }
+        if admitted {
+            tracing::warn!(
+                node = me.id,
+                "the log marks this running node failed; asking to be admitted again"
+            );
         }
         let member = to_announce(known.as_ref().map(|m| &m.spec), &me);
         match handle.propose(Command::Join { member }, Some(Duration::from_secs(2))).await {
@@ -30,6 +77,12 @@ pub(super) async fn announce(handle: NodeHandle, me: MemberSpec, stop: Cancellat
         }
     }
 }
+
+/// The least time between two rejoins of a node the log marked failed while it ran; it
+/// doubles with each, up to [`REJOIN_BACKOFF_MAX`].
+const REJOIN_BACKOFF_MIN: Duration = Duration::from_secs(1);
+/// The most.
+const REJOIN_BACKOFF_MAX: Duration = Duration::from_secs(60);
 
 /// Whether the log's `record` of this node says what it announces (`me`): all of it but the
 /// speed the leader measured (`Hardware::speed_milli`), which the node's own word does not

@@ -50,6 +50,9 @@ pub struct AgentConfig {
     pub data: SocketAddr,
     /// Data-plane address peers use (empty: the bound one).
     pub advertise_data: String,
+    /// This host's failure domain (an availability zone, a rack; empty: not said), which
+    /// the voters are spread over.
+    pub zone: String,
     /// State directory.
     pub state_dir: PathBuf,
     /// Cluster secret.
@@ -275,6 +278,7 @@ impl AgentConfig {
             advertise_control: String::new(),
             data: "127.0.0.1:0".parse().expect("address"),
             advertise_data: String::new(),
+            zone: String::new(),
             state_dir,
             secret: Secret(secret),
             bootstrap: None,

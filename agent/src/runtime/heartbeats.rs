@@ -1,6 +1,8 @@
-//! Heartbeats: this agent's report (phase, step, suspect, transitions) to every member each
-//! interval, and at once when the trainer asks (after a collective failure). The leader's
-//! controller decides from these reports; the local copy serves `limpet status`.
+//! Heartbeats: this agent's report (phase, step, suspect, transitions) each interval, and at
+//! once when the trainer asks (after a collective failure), to the leader and to the voters
+//! that may succeed it: only a leader's controller reads reports, and only a voter can become
+//! leader, so a node sends at most `max_voters` + 1 reports an interval whatever the fleet's
+//! size, and receives reports only while it votes. The local copy serves `limpet status`.
 
 use super::config::AgentConfig;
 use super::tasks::Tasks;
@@ -12,8 +14,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Notify;
 
-/// Sends this agent's report to every member each interval (and at once when the trainer
-/// asks, after a collective failure), and keeps it locally too.
+/// Sends this agent's report to the leader and the voters each interval (and at once when
+/// the trainer asks, after a collective failure), and keeps it locally too.
 pub(super) async fn heartbeats(
     cfg: Arc<AgentConfig>,
     handle: NodeHandle,
@@ -26,19 +28,13 @@ pub(super) async fn heartbeats(
     loop {
         let report = progress.lock().expect("progress lock").encode();
         handle.reports().put(cfg.id, report.clone());
-        let state = Arc::clone(&handle.watch().borrow().state);
-        for m in state.members.values() {
-            if m.spec.id == cfg.id || m.status == MemberStatus::Gone {
-                continue;
-            }
-            let (addr, report, clients, cluster, me, tls) = (
-                m.spec.control_addr.clone(),
-                report.clone(),
-                Arc::clone(&clients),
-                cfg.cluster.clone(),
-                cfg.id,
-                cfg.tls.clone(),
-            );
+        let targets = recipients(&handle.watch().borrow(), cfg.id);
+        // Channels to nodes that no longer vote or lead are closed, so their connection slots
+        // come back.
+        clients.lock().await.retain(|addr, _| targets.contains(addr));
+        for addr in targets {
+            let (addr, report, clients, cluster, me, tls) =
+                (addr, report.clone(), Arc::clone(&clients), cfg.cluster.clone(), cfg.id, cfg.tls.clone());
             let budget = cfg.timing.heartbeat().max(Duration::from_millis(200));
             tasks.spawn("heartbeat-send", async move {
                 let send = async {
@@ -67,4 +63,20 @@ pub(super) async fn heartbeats(
             _ = now.notified() => {}
         }
     }
+}
+
+/// The control addresses a report goes to: the leader's and every voter's (the nodes that
+/// may lead next), this node's own left out, gone members too.
+fn recipients(local: &limpet_consensus::LocalState, me: limpet_consensus::state::NodeId) -> Vec<String> {
+    let st = &local.state;
+    let mut ids: Vec<_> = st.voters.clone();
+    ids.push(local.leader);
+    ids.sort_unstable();
+    ids.dedup();
+    ids.into_iter()
+        .filter(|&id| id != me)
+        .filter_map(|id| st.members.get(&id))
+        .filter(|m| m.status != MemberStatus::Gone)
+        .map(|m| m.spec.control_addr.clone())
+        .collect()
 }

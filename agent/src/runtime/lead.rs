@@ -26,6 +26,9 @@ pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: Cancel
     let mut last_reason = String::new();
     let mut last_stuck = None;
     let settings = cfg.leader_settings();
+    let mut evidence = crate::leader::Evidence::default();
+    // The term this node leads in, and since when.
+    let mut led_since: Option<(u64, Instant)> = None;
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
@@ -78,16 +81,55 @@ pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: Cancel
             }
             continue;
         }
-        let reports: BTreeMap<NodeId, (u64, AgentReport)> = handle
-            .reports()
-            .all()
-            .into_iter()
-            .filter_map(|r| {
-                let rep = AgentReport::decode(&r.report, r.node).ok()?;
-                Some((r.node, (r.age.as_millis() as u64, rep)))
-            })
-            .collect();
-        let round = crate::leader::plan_round(&settings, &local.state, &reports, super::now_ms());
+        let now = super::now_ms();
+        let st = Arc::clone(&local.state);
+        let (held, timeout_ms) = (handle.reports().all(), settings.heartbeat_timeout_ms);
+        let reports: BTreeMap<NodeId, (u64, AgentReport)> =
+            match tokio::task::spawn_blocking(move || decode_reports(held)).await {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::error!(%e, "decoding the reports failed");
+                    continue;
+                }
+            };
+        // Reports reach the voters only: a voter promoted lately, or one that was leaving the
+        // voters when it won, may hold old reports or none. Silence counts from this node's
+        // leadership at the earliest (as the voter controller counts it), and while a rank of
+        // the current epoch has sent it nothing yet, it decides nothing.
+        let leading =
+            led_since.filter(|(t, _)| *t == term).map_or(0, |(_, at)| at.elapsed().as_millis() as u64);
+        if led_since.is_none_or(|(t, _)| t != term) {
+            led_since = Some((term, Instant::now()));
+        }
+        let mut reports = reports;
+        for (age, _) in reports.values_mut() {
+            *age = (*age).min(leading);
+        }
+        let unheard = st.current.as_ref().is_some_and(|e| e.ranks.iter().any(|r| !reports.contains_key(r)));
+        if unheard && leading < timeout_ms {
+            continue;
+        }
+        let suspects = crate::leader::suspects(&st, &reports, timeout_ms);
+        evidence.refused = refusing(&st, &suspects).await;
+        evidence.track_ready(&st, &reports, timeout_ms, now);
+        // The round (every report read, the controller, for a pipelined job the planner)
+        // runs off the async workers, which the heartbeats and raft share.
+        let (s, ev) = (settings.clone(), std::mem::take(&mut evidence));
+        let planned = tokio::task::spawn_blocking(move || {
+            let round = crate::leader::plan_round_with(&s, &st, &reports, now, &ev);
+            (round, ev)
+        })
+        .await;
+        let round = match planned {
+            Ok((round, ev)) => {
+                evidence = ev;
+                round
+            }
+            Err(e) => {
+                tracing::error!(%e, "the leader's round failed");
+                continue;
+            }
+        };
         if round.stuck != last_stuck {
             match &round.stuck {
                 Some(s) => tracing::error!(
@@ -107,7 +149,13 @@ pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: Cancel
             tracing::info!(reason = %round.reason, "controller");
             last_reason = round.reason;
         }
-        for cmd in round.commands {
+        // A round of several decisions (a mass event's failures and the epoch answering them)
+        // is one entry: committed once, however many nodes it names.
+        let commands = match round.commands.len() {
+            0 | 1 => round.commands,
+            _ => vec![Command::Round { commands: round.commands }],
+        };
+        for cmd in commands {
             match handle.propose_leading(cmd.clone(), term, Some(Duration::from_secs(2))).await {
                 Ok(_) => {}
                 // Leadership moved on mid-round: the new leader decides from the whole log.
@@ -123,6 +171,42 @@ pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: Cancel
         }
     }
 }
+
+/// The reports held, decoded (one that does not decode is left out: its sender's fault).
+fn decode_reports(held: Vec<limpet_consensus::NodeReport>) -> BTreeMap<NodeId, (u64, AgentReport)> {
+    held.into_iter()
+        .filter_map(|r| {
+            let rep = AgentReport::decode(&r.report, r.node).ok()?;
+            Some((r.node, (r.age.as_millis() as u64, rep)))
+        })
+        .collect()
+}
+
+/// Of `suspects` (peers a rank's collective broke on), those whose control port refuses a
+/// connection now: nothing listens there, so the process is gone. Each is asked at once,
+/// and one that does not answer within the probe's time (a host that is down, a network
+/// that drops) is no evidence either way: the heartbeat timeout decides for it.
+async fn refusing(
+    st: &limpet_consensus::ClusterState,
+    suspects: &[NodeId],
+) -> std::collections::BTreeSet<NodeId> {
+    let mut probes = tokio::task::JoinSet::new();
+    for &id in suspects {
+        let Some(m) = st.members.get(&id) else { continue };
+        let addr = m.spec.control_addr.clone();
+        probes.spawn(async move {
+            let probe = tokio::net::TcpStream::connect(addr);
+            match tokio::time::timeout(PROBE_TIME, probe).await {
+                Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => Some(id),
+                _ => None,
+            }
+        });
+    }
+    probes.join_all().await.into_iter().flatten().collect()
+}
+
+/// How long the leader waits for a suspect's control port to answer.
+const PROBE_TIME: Duration = Duration::from_millis(50);
 
 /// The newest durable checkpoint of this agent's job in the configured directory, as the
 /// record a new cluster starts from (epoch 0: it predates every epoch of this cluster).

@@ -582,7 +582,7 @@ impl TrainLoop {
         let t = Transition {
             epoch: n.id,
             step: self.trainer.step(),
-            cause: n.cause.clone(),
+            cause: limpet_decide::report::clip_cause(&n.cause),
             idle_ms,
             // The step in flight is lost only if the new epoch computes it again: when a peer
             // finished it, this rank copied the result at entry and nothing was lost.

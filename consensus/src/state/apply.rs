@@ -9,6 +9,35 @@ use super::{
 use std::collections::BTreeMap;
 
 impl ClusterState {
+    /// Applies a round's commands in order until one is refused (those after it are
+    /// dropped, as a leader proposing them one by one stops at a refusal): `Ok` when the
+    /// first was applied, saying what each did; `Err` (state unchanged) when the first was
+    /// refused, or the round is empty or holds a round.
+    fn apply_round(&mut self, commands: &[Command]) -> Outcome {
+        if commands.is_empty() {
+            return Err(Refused("an empty round".into()));
+        }
+        if commands.iter().any(|c| matches!(c, Command::Round { .. })) {
+            return Err(Refused("a round within a round".into()));
+        }
+        let mut said = Vec::with_capacity(commands.len());
+        for (i, c) in commands.iter().enumerate() {
+            match self.apply(c) {
+                Ok(what) => said.push(what),
+                Err(Refused(why)) if i == 0 => return Err(Refused(why)),
+                Err(Refused(why)) => {
+                    said.push(format!(
+                        "{} refused ({why}); the round's {} command(s) after it dropped",
+                        c.kind(),
+                        commands.len() - i - 1
+                    ));
+                    break;
+                }
+            }
+        }
+        Ok(said.join("; "))
+    }
+
     /// Applies a command; `Ok` says what changed, `Err` why it was refused (state unchanged).
     pub fn apply(&mut self, command: &Command) -> Outcome {
         let outcome = match command {
@@ -42,6 +71,7 @@ impl ClusterState {
                 Some(_) => Err(Refused("a different job is already set; a running job cannot change".into())),
             },
             Command::ScheduleEpoch { epoch } => self.apply_schedule(epoch),
+            Command::Round { commands } => self.apply_round(commands),
             Command::ActivateEpoch { id } => match self.scheduled.take() {
                 Some(e) if e.id == *id => {
                     self.history.push(e.clone());

@@ -39,7 +39,7 @@ pub struct NotAllowed(pub String);
 /// | `Remove`, `RevokeCertificate` | no | yes | no | yes |
 /// | `UpdateHardware` | yes | no | no | yes |
 /// | `RecordCheckpoint` | the node that wrote it | no | no | yes |
-/// | `Activate`, `MarkFailed`, `RecordSpeed`, `SetJob`, `ScheduleEpoch`, `CancelEpoch`, `ActivateEpoch`, `RecordCapacity`, `RecordThroughput` | no | no | no | yes |
+/// | `Activate`, `MarkFailed`, `RecordSpeed`, `SetJob`, `ScheduleEpoch`, `CancelEpoch`, `ActivateEpoch`, `RecordCapacity`, `RecordThroughput`, `Round` | no | no | no | yes |
 impl Command {
     /// Whether `who` may propose this command; the reason when not.
     pub fn authorize(&self, who: Proposer) -> Result<(), NotAllowed> {
@@ -61,7 +61,8 @@ impl Command {
             | Command::CancelEpoch { .. }
             | Command::ActivateEpoch { .. }
             | Command::RecordCapacity { .. }
-            | Command::RecordThroughput { .. } => (false, false),
+            | Command::RecordThroughput { .. }
+            | Command::Round { .. } => (false, false),
         };
         let kind = self.kind();
         if who != Proposer::Leader {
@@ -98,10 +99,14 @@ impl Command {
     /// every snapshot (a gone member's record too), and `limpet status` prints it to an
     /// operator's terminal.
     pub fn check_words(&self) -> Result<(), NotAllowed> {
-        fn hardware(h: &super::Hardware) -> [(&'static str, &str); 2] {
+        if let Command::Round { commands } = self {
+            return commands.iter().try_for_each(Command::check_words);
+        }
+        fn hardware(h: &super::Hardware) -> [(&'static str, &str); 3] {
             [
                 ("hardware.instance_type", h.instance_type.as_str()),
                 ("hardware.gpu_model", h.gpu_model.as_str()),
+                ("hardware.zone", h.zone.as_str()),
             ]
         }
         let fields: Vec<(&str, &str)> = match self {
@@ -157,6 +162,7 @@ impl Command {
             Command::RecordCapacity { .. } => "record_capacity",
             Command::RecordThroughput { .. } => "record_throughput",
             Command::RevokeCertificate { .. } => "revoke_certificate",
+            Command::Round { .. } => "round",
         }
     }
 }
@@ -195,6 +201,7 @@ mod tests {
             Command::ActivateEpoch { id: 1 },
             Command::RecordCheckpoint { record },
             Command::RevokeCertificate { fingerprint: "ab".repeat(32), name: "n".into() },
+            Command::Round { commands: vec![Command::MarkFailed { id, reason: "t".into() }] },
         ]
     }
 

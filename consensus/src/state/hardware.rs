@@ -33,6 +33,10 @@ pub struct Hardware {
     /// host training on its CPU is worth seeing in `limpet status`.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub device: String,
+    /// Its failure domain (`[node].zone`: an availability zone, a rack), empty when not
+    /// said: the voters are spread over zones so that losing one keeps a quorum.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub zone: String,
 }
 
 fn one_or_none(v: &u32) -> bool {
@@ -61,8 +65,9 @@ impl PartialEq for Hardware {
             speed_milli,
             ranks: _,
             device,
+            zone,
         } = self;
-        (instance_type, cpus, gpus, gpu_model, memory_mib, samples_per_sec_milli, speed_milli, device)
+        (instance_type, cpus, gpus, gpu_model, memory_mib, samples_per_sec_milli, speed_milli, device, zone)
             == (
                 &o.instance_type,
                 &o.cpus,
@@ -72,6 +77,7 @@ impl PartialEq for Hardware {
                 &o.samples_per_sec_milli,
                 &o.speed_milli,
                 &o.device,
+                &o.zone,
             )
             && self.local_ranks() == o.local_ranks()
     }

@@ -15,7 +15,7 @@ mod hardware;
 mod revoked;
 mod throughput;
 pub use authority::{NotAllowed, Proposer};
-pub use cause::Cause;
+pub use cause::{Cause, MAX_CAUSE_TEXT};
 pub use fleet_log::{CapacityAction, CapacityLog, CapacityRecord, Market, Pool, MAX_CAPACITY_RECORDS};
 pub use hardware::Hardware;
 pub use revoked::{is_fingerprint, Revoked, MAX_REVOKED};
@@ -319,6 +319,13 @@ pub enum Command {
     RecordThroughput {
         /// At which world size, how fast.
         record: Throughput,
+    },
+    /// A leader's round of decisions as one entry (the failures of a mass event, removals
+    /// and the epoch answering them), committed once and applied in order; a command the
+    /// state refuses drops those after it, as if they had been proposed one by one.
+    Round {
+        /// The commands, in order (no round within a round).
+        commands: Vec<Command>,
     },
     /// An operator revoked a certificate: no node accepts it from now on.
     RevokeCertificate {

@@ -115,6 +115,9 @@ pub enum BenchCommand {
     /// Step time with one slow host: equal shares against shares by measured speed, next to
     /// the same cluster without it.
     Straggler(crate::straggler_bench::BenchStragglerArgs),
+    /// What running limpet costs as the fleet grows: control traffic and CPU per node and
+    /// on the leader, commit latency, a mass revocation and a wave of joins, per fleet size.
+    Scale(crate::scale_bench::BenchScaleArgs),
 }
 
 /// Runs a parsed command line.
@@ -145,6 +148,7 @@ pub fn run(cli: Cli) -> limpet_daemon::Result<()> {
         }
         Command::Bench(BenchCommand::Activations(args)) => crate::act_bench::run(args),
         Command::Bench(BenchCommand::Straggler(args)) => crate::straggler_bench::run(args),
+        Command::Bench(BenchCommand::Scale(args)) => crate::scale_bench::run(args),
     }
 }
 

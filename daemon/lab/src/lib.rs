@@ -1,7 +1,7 @@
 //! limpet's lab as a library: the demo (`demo`, which also drives scripted scenarios), trace
 //! replays checked against the simulation (`chaos`), local
 //! clusters on loopback (`local`) and the transitions their drivers see (`transitions`), the benchmarks (`raft_cmd`, `dp_cmd`, `elastic_bench`,
-//! `pipe_bench`, `train_bench`, `act_bench`) with the worker processes they start, and the `limpet-lab`
+//! `pipe_bench`, `train_bench`, `act_bench`, `scale_bench`) with the worker processes they start, and the `limpet-lab`
 //! command line (`cli`). Everything an operator runs is `limpet-daemon`; this crate only
 //! drives it, so the product binaries do not carry it.
 
@@ -22,6 +22,7 @@ pub mod fake_metadata;
 pub mod local;
 pub mod pipe_bench;
 pub mod raft_cmd;
+pub mod scale_bench;
 pub mod stats;
 pub mod steplog;
 pub mod straggler_bench;

@@ -100,6 +100,10 @@ pub struct NodeSection {
     /// Data address peers use, if not the listen address.
     #[serde(default, deserialize_with = "read_opt")]
     pub advertise_data: Option<SocketAddr>,
+    /// This host's failure domain: its availability zone, or a rack (absent: none said).
+    /// The cluster spreads its raft voters over zones, so losing any one keeps a quorum.
+    #[serde(default)]
+    pub zone: Option<String>,
     /// State directory (raft log, checkpoints).
     pub state_dir: PathBuf,
     /// Append one JSON line per completed step here.

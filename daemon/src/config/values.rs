@@ -45,6 +45,15 @@ impl Config {
         if node.id == Some(0) {
             c.fail("[node].id", "0 is reserved by raft");
         }
+        if let Some(zone) = &node.zone {
+            let word = |ch: char| ch.is_ascii_alphanumeric() || "-_.".contains(ch);
+            if zone.is_empty() || zone.len() > 64 || !zone.chars().all(word) {
+                c.fail(
+                    "[node].zone",
+                    format!("{zone:?} is not a zone name (1 to 64 letters, digits, '-', '_' or '.')"),
+                );
+            }
+        }
         let secret = c.take("[node].secret_file", read_secret(&node.secret_file)).unwrap_or_default();
         #[cfg(feature = "lab")]
         if !(node.slowdown_factor.is_finite() && (1.0..=100.0).contains(&node.slowdown_factor)) {

@@ -178,7 +178,16 @@ pub async fn gather(cluster: &str, addrs: &[String], tls: Option<&Tls>) -> crate
         let attempt = async {
             let (mut c, at) = connect_any(cluster, std::slice::from_ref(a), tls).await?;
             let read = c.read(false).await?;
-            let reports = c.reports().await?;
+            // Members report to the leader and the voters only: a learner holds its own
+            // report alone, so the reports come from the leader when another node answered.
+            let leader = read.state.members.get(&read.leader).map(|m| m.spec.control_addr.clone());
+            let reports = match leader.filter(|l| *l != at) {
+                Some(l) => match leader_reports(cluster, &l, tls).await {
+                    Some(r) => r,
+                    None => c.reports().await?,
+                },
+                None => c.reports().await?,
+            };
             Ok::<_, crate::Failure>((read, reports, at))
         };
         match tokio::time::timeout(Duration::from_secs(3), attempt).await {
@@ -190,6 +199,16 @@ pub async fn gather(cluster: &str, addrs: &[String], tls: Option<&Tls>) -> crate
         }
     }
     crate::fail!("no node answered: {}", errors.join("; "))
+}
+
+/// The leader's reports, if it answers within a second.
+async fn leader_reports(
+    cluster: &str,
+    addr: &str,
+    tls: Option<&Tls>,
+) -> Option<Vec<limpet_consensus::NodeReport>> {
+    let ask = async { Client::connect_with(addr, cluster, tls).await?.reports().await };
+    tokio::time::timeout(Duration::from_secs(1), ask).await.ok()?.ok()
 }
 
 /// `limpet status`.

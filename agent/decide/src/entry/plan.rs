@@ -124,7 +124,9 @@ pub fn agreed(ranks: &[RankState], i: usize, survivors: &[bool]) -> bool {
 /// *reference* is the first agreed rank at that step holding exactly `target`: a rank that
 /// holds the same blocks at the same step must match its hash or repair from it. Otherwise
 /// each block comes from this rank itself if its agreed state holds it at that step, else
-/// from the reference, else from the first agreed rank at that step that holds it.
+/// from one of the agreed ranks publishing the reference's state (chosen by this rank's
+/// index, so newcomers spread over them), else from the first agreed rank at that step that
+/// holds it.
 ///
 /// When no such step exists (a pipeline stage lost its only host), the epoch starts at the
 /// newest step below the highest agreed one at which agreed live states, kept snapshots and
@@ -191,11 +193,22 @@ pub fn entry_plan(
             reference,
         });
     }
+    // Every agreed rank holding the reference's very state serves it alike: newcomers spread
+    // over them (by rank), so K joiners copy from many holders at once, not all from one.
+    let served_by = reference.map(|r| {
+        let alike: Vec<usize> =
+            (0..ranks.len()).filter(|&i| i != me && ok[i] && ranks[i].live == ranks[r].live).collect();
+        if alike.is_empty() {
+            r
+        } else {
+            alike[me % alike.len()]
+        }
+    });
     let mut sources = Vec::new();
     for k in target {
         let src = if ok[me] && mine.step == top && mine.holds(k) {
             me
-        } else if let Some(r) = reference {
+        } else if let Some(r) = served_by {
             r
         } else {
             holder(top, k).expect("the step was chosen so that every block has an agreed holder")
@@ -413,6 +426,33 @@ mod tests {
             .contains("no kept snapshot covers the model"));
     }
 
+    /// Sixteen newcomers beside four survivors copy from all four, four each; a survivor
+    /// whose state differs from the others' serves nobody.
+    #[test]
+    fn newcomers_spread_over_the_holders_of_the_agreed_state() {
+        let (a, b, fresh) = ([1u8; 32], [3u8; 32], [2u8; 32]);
+        let all = (0, 4);
+        let mut ranks = vec![at(10, a, all); 4];
+        ranks.extend(std::iter::repeat_n(at(0, fresh, all), 16));
+        let survivors = but(ranks.len(), &(4..20).collect::<Vec<_>>());
+        let mut served = [0usize; 4];
+        for me in 4..20 {
+            let p = entry_plan(&ranks, me, 0..4, 4, &survivors).unwrap();
+            assert_eq!((p.step, p.action, p.reference), (10, Entry::CatchUp, Some(0)));
+            let [(src, Src::Live, blocks)] = p.sources.as_slice() else { panic!("{:?}", p.sources) };
+            assert_eq!(blocks, &vec![0, 1, 2, 3]);
+            served[*src] += 1;
+        }
+        assert_eq!(served, [4, 4, 4, 4]);
+        // Survivor 2 diverged: outvoted, it serves no newcomer (and repairs itself).
+        ranks[2] = at(10, b, all);
+        for me in 4..20 {
+            let p = entry_plan(&ranks, me, 0..4, 4, &survivors).unwrap();
+            assert!(p.sources.iter().all(|(src, _, _)| *src != 2), "{:?}", p.sources);
+        }
+        assert_eq!(entry_plan(&ranks, 2, 0..4, 4, &survivors).unwrap().action, Entry::Repair);
+    }
+
     /// A rank publishing a made-up state at a step above everyone's (the job's last, say),
     /// at a join and at a rebuild, or a rival of an honest state: no honest rank copies it,
     /// and the honest ranks' plans are what they would be without it.
@@ -428,7 +468,8 @@ mod tests {
         }
         let p = entry_plan(&join, 3, 0..4, 4, &but(join.len(), &[3])).unwrap();
         assert_eq!((p.step, p.action, p.reference), (10, Entry::CatchUp, Some(0)));
-        assert_eq!(p.sources, live(vec![(0, vec![0, 1, 2, 3])]));
+        // Either survivor serves the agreed state (rank 3 of two holders: the second).
+        assert_eq!(p.sources, live(vec![(1, vec![0, 1, 2, 3])]));
         // The liar's own plan takes it back to the agreed state.
         assert_eq!(
             entry_plan(&join, 2, 0..4, 4, &but(join.len(), &[3])).unwrap().sources,
