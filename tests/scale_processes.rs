@@ -3,7 +3,7 @@
 //! zone's worth of revocations at one instant (notices and `kill -9`), then a wave of joins.
 //! Checks what the fleet's cliffs broke: the cluster stays whole (no live agent marked
 //! failed), the mass revocation is one epoch (two when the kills are found before the
-//! notices are seen), and sixteen concurrent joiners enter in a wave (one epoch, or two),
+//! notices are seen), and sixteen concurrent joiners enter in a wave (at most three epochs),
 //! each on its first try, copying from several holders.
 
 use serde_json::Value;
@@ -44,8 +44,10 @@ fn a_fleet_past_one_addresss_share_stays_whole_through_a_mass_revocation_and_a_w
     assert_eq!(seen[0], ("first epoch".to_string(), FOUNDERS as u64), "{seen:#?}");
     // Then the revocation: one epoch, or two when the kills are found dead (at once, their
     // ports refusing the leader's probe) before the notices are seen (their metadata
-    // polled), the notices' then a planned change. Then the wave of joins in one epoch or
-    // two (hosts boot over seconds: the wave settles when none became ready for a second).
+    // polled), the notices' then a planned change. Then the wave of joins in at most three
+    // epochs (hosts boot over seconds on two busy cores: a wave settles once none became
+    // ready for 300 ms, or 3 s after its first; an epoch scheduled and superseded before
+    // any rank reached it is not one).
     // A live agent marked failed would have made another epoch, or a smaller world.
     let revoked = NOTICED.count() + KILLED.count();
     let mass: Vec<&(String, u64)> = seen[1..].iter().take_while(|(c, _)| !c.contains("join")).collect();
@@ -53,7 +55,7 @@ fn a_fleet_past_one_addresss_share_stays_whole_through_a_mass_revocation_and_a_w
     assert!(mass.iter().all(|(c, _)| c.contains("notice") || c.contains("failure")), "{seen:#?}");
     assert_eq!(mass.last().unwrap().1, (FOUNDERS - revoked) as u64, "{seen:#?}");
     let joins = &seen[1 + mass.len()..];
-    assert!((1..=2).contains(&joins.len()) && joins.iter().all(|(c, _)| c.contains("join")), "{seen:#?}");
+    assert!((1..=3).contains(&joins.len()) && joins.iter().all(|(c, _)| c.contains("join")), "{seen:#?}");
     assert_eq!(joins.last().unwrap().1, (FOUNDERS - revoked + JOINERS) as u64, "{seen:#?}");
     // Each joiner entered on its first try, and they copied from several holders.
     let mut sources = std::collections::BTreeSet::new();

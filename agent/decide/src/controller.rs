@@ -105,10 +105,10 @@ pub struct View<'a> {
 }
 
 /// Joins are admitted in waves: newcomers wait until none has become ready for this long...
-pub const JOIN_SETTLE_MS: u64 = 1000;
+pub const JOIN_SETTLE_MS: u64 = 300;
 /// ...or until the first of them has waited this long, whichever is sooner. A change the
 /// epoch makes anyway (a failure, a notice, a drain) takes every ready newcomer at once.
-pub const JOIN_WAVE_MAX_MS: u64 = 5000;
+pub const JOIN_WAVE_MAX_MS: u64 = 3000;
 
 /// The controller's answer: commands to propose (maybe none) and why.
 #[derive(Clone, Debug, PartialEq)]

@@ -5,7 +5,7 @@ use super::*;
 
 /// Sixteen hosts of a refill become ready over 1.5 s: while more keep coming, none is
 /// admitted; a second after the last, all sixteen come in one epoch. A wave that never
-/// settles is admitted 5 s after its first host anyway, and a failure meanwhile takes every
+/// settles is admitted `JOIN_WAVE_MAX_MS` after its first host anyway, and a failure meanwhile takes every
 /// ready newcomer at once.
 #[test]
 fn joins_are_admitted_in_waves() {
@@ -25,13 +25,13 @@ fn joins_are_admitted_in_waves() {
     let e = sim.state.scheduled.clone().unwrap_or_else(|| panic!("{why}"));
     assert_eq!(e.ranks, (1..=20).collect::<Vec<_>>(), "{why}");
     assert_eq!(e.sources.len(), 16);
-    // A trickle: a host every 500 ms never settles, and is admitted at the wave's bound.
+    // A trickle: a host every 200 ms never settles, and is admitted at the wave's bound.
     let mut sim = Sim::training(4, 10);
     let t0 = sim.now;
     for (k, id) in (5..=20).enumerate() {
         sim.state.apply(&Command::Join { member: spec(id) }).unwrap();
         sim.progress.insert(id, NodeProgress { applied_step: 0, heartbeat_age_ms: 0 });
-        sim.ready_since.insert(id, t0 + 500 * k as u64);
+        sim.ready_since.insert(id, t0 + 200 * k as u64);
     }
     sim.now = t0 + JOIN_WAVE_MAX_MS - 1;
     sim.control();
