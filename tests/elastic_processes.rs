@@ -496,7 +496,10 @@ fn a_slow_host_gets_fewer_samples_and_the_result_still_matches_one_process() {
 /// node-2's speed, and the planner places it: its stage holds no more blocks than node-1's
 /// (which blocks, the profile's costs decide), and the layout then stays (at most one
 /// re-plan). What it gains is measured by `limpet-lab bench straggler --pipeline 2`.
+/// Run by `make long-test`: the data-parallel straggler test covers the speed measure in
+/// `make test`.
 #[test]
+#[ignore = "a long scenario: `make long-test` runs it"]
 fn a_slow_pipeline_host_gets_fewer_blocks() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("pipeline");
@@ -544,7 +547,9 @@ fn a_slow_pipeline_host_gets_fewer_blocks() {
 /// The same straggler among hosts of two devices each (`--devices 2`, the ordinary float
 /// path): the leader judges speed per device, node-3's share is split over its two ranks, and
 /// the run still equals one process within the float tolerance.
+/// Run by `make long-test`, beside the one-device straggler test of `make test`.
 #[test]
+#[ignore = "a long scenario: `make long-test` runs it"]
 fn a_slow_host_of_two_devices_gets_fewer_samples_and_still_matches_one_process() {
     let tmp = tempfile::tempdir().unwrap();
     let slow =

@@ -218,7 +218,10 @@ fn hosts_of_two_devices_through_a_notice_a_join_a_kill_and_a_drain_change_no_bit
 /// the same epoch, or right after a `kill -9`. Long enough (5000 steps) that a newcomer,
 /// which takes a second or more to start on a loaded machine, trains; after the kill the
 /// cluster is below `--min-nodes 3`, so it waits for the newcomer.
+/// Run by `make long-test` (two minutes): a join after the first steps changes no bit in
+/// `a_notice_a_join_and_a_kill_change_no_bit`, in `make test`.
 #[test]
+#[ignore = "a long scenario: `make long-test` runs it"]
 fn joins_after_the_first_steps_change_no_bit() {
     const LONG: u64 = 5000;
     let tmp = tempfile::tempdir().unwrap();

@@ -16,8 +16,8 @@ proptest! {
     }
 
     #[test]
-    fn hellos_round_trip(cluster_id in any::<u64>(), node in any::<u64>(), epoch in any::<u64>(), c in 0usize..5, lane in 1..MAX_LANES, nonce in any::<[u8; 16]>()) {
-        let channel = [Channel::Ring, Channel::Handoff, Channel::Pipe, Channel::lane(lane).unwrap(), Channel::pipe(lane).unwrap()][c];
+    fn hellos_round_trip(cluster_id in any::<u64>(), node in any::<u64>(), epoch in any::<u64>(), c in 0usize..6, lane in 1..MAX_LANES, nonce in any::<[u8; 16]>()) {
+        let channel = [Channel::Ring, Channel::Handoff, Channel::Pipe, Channel::lane(lane).unwrap(), Channel::pipe(lane).unwrap(), Channel::Tree][c];
         let h = Hello { cluster_id, node, epoch, channel, nonce };
         prop_assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
     }
@@ -72,9 +72,11 @@ fn lane_refusals_name_the_problem() {
         far[7] = MAX_LANES as u8;
         assert!(Hello::decode(&far).unwrap_err().to_string().contains(&format!("{name} lane {MAX_LANES}")));
     }
-    let mut b = hello(Channel::Handoff);
-    b[7] = 1;
-    assert!(Hello::decode(&b).unwrap_err().to_string().contains("lane 1 of a channel that has none"));
+    for c in [Channel::Handoff, Channel::Tree] {
+        let mut b = hello(c);
+        b[7] = 1;
+        assert!(Hello::decode(&b).unwrap_err().to_string().contains("lane 1 of a channel that has none"));
+    }
     // Lane 0 is the ring (the pipe) itself, and only one spelling of it exists.
     assert_eq!(Channel::lane(0), Some(Channel::Ring));
     assert_eq!(Channel::lane(MAX_LANES), None);

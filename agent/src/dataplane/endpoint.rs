@@ -54,7 +54,15 @@ pub struct DataPlaneConfig {
     pub tls: Option<DataTls>,
     /// TCP congestion control of every data-plane socket (`None`: the host's default).
     pub congestion: Option<String>,
+    /// Groups of at least this many ranks connect a butterfly, over which small collectives
+    /// take log2(W) rounds instead of the ring's 2(W-1) hops (`ring/tree.rs`); smaller ones
+    /// use the ring for everything. `usize::MAX` keeps every group on the ring.
+    pub tree_min_world: usize,
 }
+
+/// Groups from this many ranks take small collectives over a butterfly: below it the ring's
+/// 2(W-1) hops are few (14 at 8) and its connections the only ones a group makes.
+pub const DEFAULT_TREE_MIN_WORLD: usize = 8;
 
 /// The congestion control data-plane sockets use unless configured otherwise. Pacing
 /// algorithms (bbr, the default on many hosts) pace every socket with kernel timers when the
@@ -117,6 +125,7 @@ impl DataPlaneConfig {
             chunk_bytes: 2 << 20,
             tls: None,
             congestion: Some(DEFAULT_CONGESTION.to_string()),
+            tree_min_world: DEFAULT_TREE_MIN_WORLD,
         }
     }
 

@@ -95,6 +95,9 @@ pub enum Channel {
     /// pipeline of hosts of several local ranks, local rank `k` of a stage's host is a
     /// replica of its own, linked to local rank `k` of the next stage's host.
     PipeLane(u8),
+    /// A link of a group's butterfly, both ways between two ranks, that small collectives
+    /// take in log2(W) rounds instead of the ring's 2(W-1) hops (`ring/tree.rs`).
+    Tree,
 }
 
 /// Most ring lanes between two hosts (the ring itself is lane 0): one per local rank of the
@@ -136,6 +139,7 @@ impl Channel {
             Channel::Pipe => (3, 0),
             Channel::Lane(l) => (1, l),
             Channel::PipeLane(l) => (3, l),
+            Channel::Tree => (4, 0),
         }
     }
 }
@@ -242,7 +246,8 @@ impl Hello {
             (3, 0) => Channel::Pipe,
             (3, l) if usize::from(l) < MAX_LANES => Channel::PipeLane(l),
             (3, l) => return Err(bad(format!("pipe lane {l} (at most {})", MAX_LANES - 1))),
-            (2, l) => return Err(bad(format!("lane {l} of a channel that has none"))),
+            (4, 0) => Channel::Tree,
+            (2 | 4, l) => return Err(bad(format!("lane {l} of a channel that has none"))),
             (c, _) => return Err(bad(format!("unknown channel {c}"))),
         };
         if b[48..] != [0u8; 8] {

@@ -17,6 +17,10 @@
 //! a reproducible job's fixed-point gradients need), or bfloat16 for the part of a buffer
 //! [`Group::allreduce_sum_bf16`] is given (each rank summing in f32, the finished segment
 //! rounded by its owner before it goes round).
+//!
+//! A group of many ranks also connects a butterfly (`ring/tree.rs`): its small collectives
+//! (a barrier, a step's scalars, an entry's gather) take log2(W) rounds of recursive doubling
+//! there instead of 2(W-1) hops around the ring, with results as bit-identical.
 
 use crate::dataplane::conn::Conn;
 use crate::dataplane::endpoint::Endpoint;
@@ -31,6 +35,10 @@ use std::time::{Duration, Instant};
 mod as_reduce;
 mod relay;
 mod transfer;
+mod tree;
+
+use tree::Combine;
+pub use tree::HOP_BYTES;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Op {
@@ -90,6 +98,8 @@ pub struct Group {
     /// Received bytes before they are added; held as u64s so that, seen as f32 words, any
     /// even offset is 8-aligned and i64 sums can read it in place.
     scratch: Vec<u64>,
+    /// The butterfly links small collectives take at large W (`tree.rs`).
+    tree: Option<Box<tree::Tree>>,
 }
 
 impl Group {
@@ -115,7 +125,9 @@ impl Group {
             )?);
             inc = Some(ep.accept_until(ranks[left], epoch, Channel::Ring, deadline, abort)?);
         }
-        Group::assemble(ep, epoch, ranks, out, inc)
+        let mut group = Group::assemble(ep, epoch, ranks, out, inc)?;
+        group.connect_tree(ep, addrs, deadline, abort)?;
+        Ok(group)
     }
 
     /// Checks a rank order and returns this node's right and left neighbours' positions
@@ -147,7 +159,8 @@ impl Group {
     }
 
     /// Builds a group from its two ring connections, made by the caller (the agent connects
-    /// the next epoch's ring while the current one still trains).
+    /// the next epoch's ring while the current one still trains); its butterfly links, if it
+    /// takes any, are [`Group::connect_tree`]'s.
     pub fn assemble(
         ep: &Endpoint,
         epoch: u64,
@@ -181,6 +194,7 @@ impl Group {
             seq: 0,
             broken: None,
             scratch: vec![0; ep.config().chunk_bytes / 8 + 1],
+            tree: None,
         })
     }
 
@@ -296,6 +310,9 @@ impl Group {
         if w == 1 {
             return Ok(());
         }
+        if lossy == 0 && self.picks_tree(4 * buf.len()) {
+            return self.tree_reduce(buf, Combine::Add, step, "allreduce");
+        }
         let blocks: Vec<Range<usize>> = (0..w).map(|i| self.segment(buf.len(), i)).collect();
         let plan = self.allreduce_plan(&blocks, Op::Add, lossy);
         self.run(&plan, buf, step, if lossy > 0 { "allreduce (bf16)" } else { "allreduce" })
@@ -326,10 +343,13 @@ impl Group {
             return Ok(());
         }
         let n = buf.len();
+        let words: &mut [f32] = bytemuck::cast_slice_mut(buf);
+        if self.picks_tree(8 * n) {
+            return self.tree_reduce(words, Combine::AddI64, step, "allreduce (i64)");
+        }
         // Segments of whole i64s, counted in the f32 words the ring moves.
         let blocks: Vec<Range<usize>> = (0..w).map(|i| 2 * (i * n / w)..2 * ((i + 1) * n / w)).collect();
         let plan = self.allreduce_plan(&blocks, Op::AddI64, 0);
-        let words: &mut [f32] = bytemuck::cast_slice_mut(buf);
         self.run(&plan, words, step, "allreduce (i64)")
     }
 
@@ -360,6 +380,12 @@ impl Group {
         if w == 1 {
             return Ok(());
         }
+        if self.picks_tree(4 * buf.len()) {
+            if self.rank != root {
+                buf.fill(0.0);
+            }
+            return self.tree_reduce(buf, Combine::Or, step, "broadcast");
+        }
         let chunks = self.chunks(0..buf.len(), 0);
         let mut plan = Plan::default();
         let last = (root + w - 1) % w;
@@ -387,6 +413,11 @@ impl Group {
                 "allgather output holds {}, not {w} x {m}",
                 out.len()
             )));
+        }
+        if w > 1 && self.picks_tree(4 * out.len()) {
+            out.fill(0.0);
+            out[r * m..(r + 1) * m].copy_from_slice(mine);
+            return self.tree_reduce(out, Combine::Or, step, "allgather");
         }
         out[r * m..(r + 1) * m].copy_from_slice(mine);
         if w == 1 {
@@ -492,6 +523,12 @@ impl Group {
         if w == 1 {
             return Ok(());
         }
+        if self.picks_tree(4 * buf.len()) {
+            let own = blocks[r].clone();
+            buf[..own.start].fill(0.0);
+            buf[own.end..].fill(0.0);
+            return self.tree_reduce(buf, Combine::Or, step, "allgather");
+        }
         let plan = self.ring_plan(
             blocks,
             w - 1,
@@ -549,6 +586,7 @@ impl Group {
         for s in [&self.right, &self.left].into_iter().flatten() {
             let _ = s.shutdown(Shutdown::Both);
         }
+        self.break_tree(step, seq);
     }
 }
 

@@ -118,6 +118,9 @@ pub enum BenchCommand {
     /// What running limpet costs as the fleet grows: control traffic and CPU per node and
     /// on the leader, commit latency, a mass revocation and a wave of joins, per fleet size.
     Scale(crate::scale_bench::BenchScaleArgs),
+    /// Barrier and allreduce time against the world size, up to a thousand ranks in one
+    /// process: as the group picks (butterfly or ring) next to the ring alone.
+    Collectives(crate::collectives_bench::BenchCollectivesArgs),
 }
 
 /// Runs a parsed command line.
@@ -149,6 +152,7 @@ pub fn run(cli: Cli) -> limpet_daemon::Result<()> {
         Command::Bench(BenchCommand::Activations(args)) => crate::act_bench::run(args),
         Command::Bench(BenchCommand::Straggler(args)) => crate::straggler_bench::run(args),
         Command::Bench(BenchCommand::Scale(args)) => crate::scale_bench::run(args),
+        Command::Bench(BenchCommand::Collectives(args)) => crate::collectives_bench::run(args),
     }
 }
 

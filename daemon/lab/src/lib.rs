@@ -14,6 +14,7 @@ pub mod chaos_measured;
 pub mod chaos_pick;
 pub mod chaos_runs;
 pub mod cli;
+pub mod collectives_bench;
 pub mod demo;
 pub mod dp_bench;
 pub mod dp_cmd;

@@ -14,6 +14,24 @@ use std::io::{ErrorKind, Read, Write};
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
+/// The two sockets a plan runs over, and whose they are: the ring's right and left
+/// neighbours, or one butterfly partner both ways (`tree.rs`).
+pub(super) struct Ends<'a> {
+    pub right: &'a Conn,
+    pub right_peer: u64,
+    pub left: &'a Conn,
+    pub left_peer: u64,
+}
+
+/// Which collective a plan's frames belong to, and how long it may make no progress.
+pub(super) struct Frames<'a> {
+    pub epoch: u64,
+    pub step: u64,
+    pub seq: u32,
+    pub timeout: Duration,
+    pub during: &'a str,
+}
+
 impl Group {
     pub(super) fn drive(
         &mut self,
@@ -27,70 +45,88 @@ impl Group {
         let (Some(right), Some(left)) = (self.right.as_ref(), self.left.as_ref()) else {
             return Ok(());
         };
-        let mut t = Transfer {
-            plan,
-            during,
-            epoch: self.epoch,
-            step,
-            seq,
+        let ends = Ends {
+            right,
             right_peer: self.ranks[(self.rank + 1) % w],
+            left,
             left_peer: self.ranks[(self.rank + w - 1) % w],
-            si: 0,
-            sent: 0,
-            send_hdr: [0; HEADER_LEN],
-            stage: Vec::new(),
-            staged: None,
-            ri: 0,
-            hdr_got: 0,
-            got: 0,
-            added: 0,
-            recv_hdr: [0; HEADER_LEN],
         };
-        if let Some(first) = plan.sends.first() {
-            t.send_hdr = t.header(&first.range);
-        }
-        let mut last_progress = Instant::now();
-        // With TLS, encrypted bytes may still wait for the socket after the last send.
-        while !t.done(right) {
-            let mut progressed = t.send(right, buf)?;
-            progressed |= t.flush(right)?;
-            progressed |= t.receive(left, buf, bytemuck::cast_slice_mut(&mut self.scratch))?;
-            if t.done(right) {
-                break;
-            }
-            let now = Instant::now();
-            if progressed {
-                last_progress = now;
-                continue;
-            }
-            let idle = now - last_progress;
-            let (want_send, want_recv) = (t.can_send() || right.has_pending(), t.ri < plan.recvs.len());
-            if idle >= self.timeout {
-                let peer = if want_recv { t.left_peer } else { t.right_peer };
-                return Err(DataPlaneError::Timeout {
-                    peer,
-                    waited: self.timeout,
-                    during: during.to_string(),
-                });
-            }
-            let mut fds = Vec::with_capacity(2);
-            if want_send {
-                fds.push(PollFd::new(right.as_fd(), PollFlags::POLLOUT));
-            }
-            if want_recv {
-                fds.push(PollFd::new(left.as_fd(), PollFlags::POLLIN));
-            }
-            let wait = (self.timeout - idle).min(Duration::from_millis(500));
-            let ms = PollTimeout::try_from(wait.as_millis().max(1) as i32).unwrap_or(PollTimeout::MAX);
-            match poll(&mut fds, ms) {
-                Ok(_) | Err(nix::errno::Errno::EINTR) => {}
-                Err(e) => {
-                    return Err(DataPlaneError::Io { what: "poll".into(), source: std::io::Error::from(e) });
-                }
-            }
-        }
-        Ok(())
+        let frames = Frames { epoch: self.epoch, step, seq, timeout: self.timeout, during };
+        drive_plan(&ends, &frames, plan, buf, bytemuck::cast_slice_mut(&mut self.scratch))
     }
+}
+
+/// Runs `plan` over `ends` until every send is out and every receive is in, or fails.
+/// `scratch` holds a chunk's received values before they are added (a plan of copies only
+/// needs none).
+pub(super) fn drive_plan(
+    ends: &Ends,
+    frames: &Frames,
+    plan: &Plan,
+    buf: &mut [f32],
+    scratch: &mut [f32],
+) -> Result<(), DataPlaneError> {
+    let (right, left) = (ends.right, ends.left);
+    let during = frames.during;
+    let mut t = Transfer {
+        plan,
+        during,
+        epoch: frames.epoch,
+        step: frames.step,
+        seq: frames.seq,
+        right_peer: ends.right_peer,
+        left_peer: ends.left_peer,
+        si: 0,
+        sent: 0,
+        send_hdr: [0; HEADER_LEN],
+        stage: Vec::new(),
+        staged: None,
+        ri: 0,
+        hdr_got: 0,
+        got: 0,
+        added: 0,
+        recv_hdr: [0; HEADER_LEN],
+    };
+    if let Some(first) = plan.sends.first() {
+        t.send_hdr = t.header(&first.range);
+    }
+    let mut last_progress = Instant::now();
+    // With TLS, encrypted bytes may still wait for the socket after the last send.
+    while !t.done(right) {
+        let mut progressed = t.send(right, buf)?;
+        progressed |= t.flush(right)?;
+        progressed |= t.receive(left, buf, scratch)?;
+        if t.done(right) {
+            break;
+        }
+        let now = Instant::now();
+        if progressed {
+            last_progress = now;
+            continue;
+        }
+        let idle = now - last_progress;
+        let (want_send, want_recv) = (t.can_send() || right.has_pending(), t.ri < plan.recvs.len());
+        if idle >= frames.timeout {
+            let peer = if want_recv { t.left_peer } else { t.right_peer };
+            return Err(DataPlaneError::Timeout { peer, waited: frames.timeout, during: during.to_string() });
+        }
+        let mut fds = Vec::with_capacity(2);
+        if want_send {
+            fds.push(PollFd::new(right.as_fd(), PollFlags::POLLOUT));
+        }
+        if want_recv {
+            fds.push(PollFd::new(left.as_fd(), PollFlags::POLLIN));
+        }
+        let wait = (frames.timeout - idle).min(Duration::from_millis(500));
+        let ms = PollTimeout::try_from(wait.as_millis().max(1) as i32).unwrap_or(PollTimeout::MAX);
+        match poll(&mut fds, ms) {
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => {
+                return Err(DataPlaneError::Io { what: "poll".into(), source: std::io::Error::from(e) });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// One collective in flight: the plan's send and receive cursors and what every frame of it

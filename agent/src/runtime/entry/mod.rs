@@ -556,7 +556,9 @@ fn form_group(
                 }
                 (None, None) => None,
             };
-            Group::assemble(endpoint, n.id, &n.ranks, p.right, left).map_err(AgentError::from)
+            let mut group = Group::assemble(endpoint, n.id, &n.ranks, p.right, left)?;
+            group.connect_tree(endpoint, addrs, by, give_up)?;
+            Ok(group)
         }
         _ => endpoint.group_until(n.id, &n.ranks, addrs, by, give_up).map_err(AgentError::from),
     }
