@@ -114,6 +114,8 @@ fuzz: setup
 bench: build
 	$(LAB) bench raft --nodes 5 --proposals 1000
 	$(LAB) bench raft --nodes 3 --proposals 1000
+	$(LAB) bench raft --nodes 5 --proposals 1000 --ballast 1000 --save-every 1
+	$(LAB) bench raft --nodes 5 --proposals 1000 --ballast 1000
 	$(LAB) bench allreduce --world 2 --sizes 4K,256K,4M,16M,64M --rounds 3 --bf16
 	$(LAB) bench allreduce --world 4 --sizes 4K,256K,4M,16M,64M --rounds 3
 	$(LAB) bench handoff --bytes 256M

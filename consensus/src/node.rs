@@ -53,6 +53,10 @@ pub struct NodeConfig {
     pub request_timeout: Duration,
     /// Mutual TLS for the gRPC server and every connection to peers; `None` is plain text.
     pub tls: Option<Arc<Tls>>,
+    /// The lab's: this many gone members' records in the founding state (identical on
+    /// every founder), so that a benchmark commits against a state of a large fleet's size.
+    #[cfg(feature = "lab")]
+    pub ballast: usize,
 }
 
 impl NodeConfig {
@@ -71,6 +75,8 @@ impl NodeConfig {
             seeds: Vec::new(),
             request_timeout: Duration::from_secs(5),
             tls: None,
+            #[cfg(feature = "lab")]
+            ballast: 0,
         }
     }
 }
@@ -176,7 +182,12 @@ impl Node {
         let cid = cluster_id(&cfg.core.cluster);
         let identity = Identity { format: SLED_FORMAT, cluster_id: cid, node_id: cfg.core.id };
         let store = SledLog::open(&cfg.state_dir.join("consensus"), identity)?;
-        let initial = cfg.bootstrap.as_ref().map(|m| ClusterState::bootstrap(&cfg.core.cluster, m));
+        #[allow(unused_mut)]
+        let mut initial = cfg.bootstrap.as_ref().map(|m| ClusterState::bootstrap(&cfg.core.cluster, m));
+        #[cfg(feature = "lab")]
+        if let Some(state) = initial.as_mut() {
+            add_ballast(state, cfg.ballast);
+        }
         let core = Core::open(cfg.core.clone(), store, initial.as_ref())?;
         let listener = tokio::net::TcpListener::bind(cfg.listen).await.map_err(|e| {
             let why = format!("cannot listen on {}: {e}", cfg.listen);
@@ -331,9 +342,32 @@ struct Loop {
     watch: watch::Sender<LocalState>,
 }
 
+/// `n` gone members with ids past any a lab cluster uses.
+#[cfg(feature = "lab")]
+fn add_ballast(state: &mut ClusterState, n: usize) {
+    for i in 0..n as u64 {
+        let id = 1_000_000 + i;
+        let spec = MemberSpec {
+            id,
+            name: format!("gone-{id}"),
+            control_addr: format!("10.{}.{}.{}:7000", (i >> 16) & 255, (i >> 8) & 255, i & 255),
+            data_addr: format!("10.{}.{}.{}:7001", (i >> 16) & 255, (i >> 8) & 255, i & 255),
+            hardware: Hardware {
+                instance_type: "g5.48xlarge".into(),
+                gpus: 8,
+                zone: format!("zone-{}", i % 3),
+                ..Hardware::default()
+            },
+        };
+        let reason = "revoked by the cloud (a spot notice), then removed".to_string();
+        let status = crate::state::MemberStatus::Gone;
+        state.members.insert(id, crate::state::Member { spec, status, reason, deadline_ms: None });
+    }
+}
+
 fn local_state(core: &Core<SledLog>) -> LocalState {
     LocalState {
-        state: Arc::new(core.state().clone()),
+        state: core.shared_state(),
         applied_index: core.applied(),
         leader: core.leader(),
         is_leader: core.is_leader(),
@@ -415,6 +449,10 @@ impl Loop {
             }
         }
         self.fail_all(|| ConsensusError::Shutdown);
+        // What was applied since the last write, so that a restart replays nothing.
+        if let Err(e) = self.core.save() {
+            tracing::warn!(node = self.cfg.core.id, %e, "the applied state was not written at the stop");
+        }
         tracing::info!(node = self.cfg.core.id, "consensus node stopped");
         Ok(())
     }

@@ -294,3 +294,40 @@ fn the_quorum_survives_the_loss_of_any_one_zone() {
     assert!(commit(&mut net, leader, bump(leader, 77)), "nothing commits without zone a");
     assert_healthy(&net);
 }
+
+/// The applied state is written every `save_every` entries, not every batch: a node killed
+/// in between restarts from the last written state and replays the rest from its own log,
+/// alone (cut off from its peers), to the same state. With `save_every` 1 every batch is
+/// written.
+#[test]
+fn a_node_restarts_from_its_last_written_state_and_replays_the_rest_of_its_log() {
+    use limpet_consensus::storage::LogStore as _;
+    for save_every in [32, 1] {
+        // Never written for time alone here: the test counts entries.
+        let mut net = Network::new(5, CoreConfig { save_every, save_ticks: 1 << 40, ..config() }, 11);
+        assert!(net.run_until(100, |n| n.leader().is_some()), "no leader elected");
+        let victim = (1..=5).find(|&i| Some(i) != net.leader()).unwrap();
+        for n in 0..10 {
+            assert!(commit(&mut net, victim, bump(victim, 100 + n)), "proposal {n} not applied");
+        }
+        converge(&mut net);
+        let speed =
+            |net: &Network| net.node(victim).state().members[&victim].spec.hardware.samples_per_sec_milli;
+        assert_eq!(speed(&net), 109);
+        let written = net.node(victim).store().applied_state().expect("a written state").index;
+        let applied = net.node(victim).applied();
+        if save_every == 1 {
+            assert_eq!(written, applied);
+        } else {
+            assert!(written < applied, "save_every {save_every}: state written at {written} of {applied}");
+        }
+        net.isolate(victim);
+        net.crash(victim);
+        net.restart(victim);
+        net.run(5);
+        assert_eq!(speed(&net), 109, "save_every {save_every}: the log after the written state was replayed");
+        assert_eq!(net.node(victim).applied(), applied);
+        net.heal();
+        converge(&mut net);
+    }
+}

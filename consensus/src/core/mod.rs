@@ -19,6 +19,7 @@ use raft::prelude::{
 };
 use raft::{RawNode, StateRole};
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 mod checks;
 
@@ -50,6 +51,13 @@ pub struct CoreConfig {
     pub heartbeat_tick: usize,
     /// Applied entries between snapshots (log compaction).
     pub snapshot_interval: u64,
+    /// Applied entries between writes of the applied state: the state is encoded and
+    /// written whole, so not for every batch. A restart replays the entries after the last
+    /// write from the log (compaction never passes it); a configuration change, a
+    /// compaction, `save_ticks` and a clean stop write it at once. 1 writes every batch.
+    pub save_every: u64,
+    /// The most ticks the applied state goes unwritten while entries are applied.
+    pub save_ticks: u64,
     /// Who votes.
     pub voters: VoterPolicy,
 }
@@ -63,6 +71,9 @@ impl CoreConfig {
             election_tick: 10,
             heartbeat_tick: 2,
             snapshot_interval: 1000,
+            save_every: 32,
+            // 1 s at limpetd's 100 ms ticks.
+            save_ticks: 10,
             voters: VoterPolicy::default(),
         }
     }
@@ -84,6 +95,9 @@ impl CoreConfig {
         }
         if self.snapshot_interval == 0 {
             return bad("snapshot_interval must be positive".into());
+        }
+        if self.save_every == 0 {
+            return bad("save_every must be positive".into());
         }
         self.voters.validate().map_err(ConsensusError::Config)
     }
@@ -145,8 +159,15 @@ pub struct Core<S: LogStore> {
     raw: RawNode<S>,
     cfg: CoreConfig,
     cluster_id: u64,
-    state: ClusterState,
+    /// Shared with readers ([`Core::shared_state`]): applying clones it only while one
+    /// still holds the previous state.
+    state: Arc<ClusterState>,
     applied: u64,
+    /// The applied index last written to the store, when, and whether a configuration
+    /// change since must be written at once (a snapshot for a new learner is made from it).
+    saved: u64,
+    saved_tick: u64,
+    save_now: bool,
     conf: ConfState,
     ticks: u64,
     heard: BTreeMap<NodeId, u64>,
@@ -202,8 +223,11 @@ impl<S: LogStore> Core<S> {
         Ok(Core {
             raw,
             cluster_id: cid,
-            state,
+            state: Arc::new(state),
             applied,
+            saved: applied,
+            saved_tick: 0,
+            save_now: false,
             conf,
             ticks: 0,
             heard: BTreeMap::new(),
@@ -229,6 +253,12 @@ impl<S: LogStore> Core<S> {
     /// The replicated state as applied here.
     pub fn state(&self) -> &ClusterState {
         &self.state
+    }
+
+    /// The replicated state as applied here, shared: what a node publishes to its readers
+    /// without copying it.
+    pub fn shared_state(&self) -> Arc<ClusterState> {
+        Arc::clone(&self.state)
     }
 
     /// The last applied index.
@@ -396,6 +426,7 @@ impl<S: LogStore> Core<S> {
             self.raw.advance_apply();
             self.maybe_compact()?;
         }
+        self.save_applied(false)?;
         let applied = self.applied;
         let (done, waiting): (Vec<_>, Vec<_>) =
             self.reads_waiting.drain(..).partition(|&(_, i)| i <= applied);
@@ -412,8 +443,9 @@ impl<S: LogStore> Core<S> {
         self.raw.mut_store().install_snapshot(&snap)?;
         let meta = snap.get_metadata();
         tracing::info!(node = self.cfg.id, index = meta.index, term = meta.term, "installed snapshot");
-        self.state = data.state;
+        self.state = Arc::new(data.state);
         self.applied = meta.index;
+        self.saved = meta.index;
         self.conf = meta.get_conf_state().clone();
         Ok(())
     }
@@ -439,15 +471,36 @@ impl<S: LogStore> Core<S> {
             }
         }
         self.applied = last;
-        let data = SnapshotData { v: FORMAT_VERSION, cluster_id: self.cluster_id, state: self.state.clone() };
-        let saved = AppliedState { index: last, conf: self.conf.clone(), data: data.encode() };
-        self.raw.mut_store().save_applied(&saved)
+        let due = self.save_now || self.applied >= self.saved + self.cfg.save_every;
+        self.save_applied(due)
+    }
+
+    /// Writes the applied state to the store if `due` or `save_ticks` have passed, and
+    /// anything was applied since the last write.
+    fn save_applied(&mut self, due: bool) -> Result<()> {
+        if self.applied == self.saved
+            || !(due || self.ticks >= self.saved_tick.saturating_add(self.cfg.save_ticks))
+        {
+            return Ok(());
+        }
+        let data = SnapshotData::encode_state(self.cluster_id, &self.state);
+        let saved = AppliedState { index: self.applied, conf: self.conf.clone(), data };
+        self.raw.mut_store().save_applied(&saved)?;
+        (self.saved, self.saved_tick, self.save_now) = (self.applied, self.ticks, false);
+        Ok(())
+    }
+
+    /// Writes what was applied since the last write (a clean stop: a restart then replays
+    /// nothing).
+    pub fn save(&mut self) -> Result<()> {
+        self.save_applied(true)?;
+        self.raw.mut_store().flush()
     }
 
     fn apply_normal(&mut self, e: &Entry) {
         let applied = match Proposal::decode(&e.data) {
             Ok(p) => {
-                let outcome = self.state.apply(&p.command);
+                let outcome = Arc::make_mut(&mut self.state).apply(&p.command);
                 if let Err(why) = &outcome {
                     tracing::debug!(index = e.index, %why, "command rejected");
                 }
@@ -471,7 +524,8 @@ impl<S: LogStore> Core<S> {
             Ok(conf) => {
                 let mut learners = conf.learners.clone();
                 learners.extend(conf.learners_next.iter().copied());
-                self.state.set_configuration(&conf.voters, &learners);
+                Arc::make_mut(&mut self.state).set_configuration(&conf.voters, &learners);
+                self.save_now = true;
                 tracing::info!(
                     node = self.cfg.id, index, voters = ?conf.voters, outgoing = ?conf.voters_outgoing,
                     learners = ?learners, "configuration applied"
@@ -485,6 +539,8 @@ impl<S: LogStore> Core<S> {
     fn maybe_compact(&mut self) -> Result<()> {
         let snap_index = self.raw.store().first_index()? - 1;
         if self.applied >= snap_index + self.cfg.snapshot_interval {
+            // Compaction snapshots the written state: everything applied first.
+            self.save_applied(true)?;
             self.raw.mut_store().compact_to_applied()?;
             tracing::debug!(node = self.cfg.id, index = self.applied, "log compacted into a snapshot");
         }

@@ -6,7 +6,7 @@ use super::{
     CheckpointRecord, ClusterState, Command, Epoch, Hardware, Member, MemberSpec, MemberStatus, NodeId,
     Outcome, Refused, MAX_CHECKPOINT_RECORDS, MAX_EPOCH_HISTORY,
 };
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 impl ClusterState {
     /// Applies a round's commands in order until one is refused (those after it are
@@ -153,6 +153,7 @@ impl ClusterState {
                     reason: format!("rejoined after {:?}", m.status),
                     deadline_ms: None,
                 };
+                self.gone.retain(|&g| g != spec.id);
                 Ok(format!("node {} rejoined", spec.id))
             }
             None => {
@@ -207,6 +208,10 @@ impl ClusterState {
         m.reason = reason.to_string();
         if to != MemberStatus::Leaving {
             m.deadline_ms = None;
+        }
+        if to == MemberStatus::Gone {
+            self.gone.push_back(id);
+            self.forget_gone();
         }
         Ok(format!("node {id}: {from:?} -> {to:?}"))
     }
@@ -280,6 +285,32 @@ impl ClusterState {
     pub fn set_configuration(&mut self, voters: &[NodeId], learners: &[NodeId]) {
         self.voters = sorted(voters);
         self.learners = sorted(learners);
+        self.forget_gone();
+    }
+
+    /// Drops the records of the members that left first while more than
+    /// [`super::MAX_GONE_RECORDS`] are kept, skipping any still in the raft configuration or
+    /// an epoch (until it leaves them).
+    fn forget_gone(&mut self) {
+        let mut excess = self.gone.len().saturating_sub(super::MAX_GONE_RECORDS);
+        if excess == 0 {
+            return;
+        }
+        let held = |st: &ClusterState, id: NodeId| {
+            st.voters.contains(&id)
+                || st.learners.contains(&id)
+                || [&st.current, &st.scheduled].into_iter().flatten().any(|e| e.ranks.contains(&id))
+        };
+        let mut kept = VecDeque::with_capacity(self.gone.len());
+        for id in std::mem::take(&mut self.gone) {
+            if excess > 0 && !held(self, id) {
+                self.members.remove(&id);
+                excess -= 1;
+            } else {
+                kept.push_back(id);
+            }
+        }
+        self.gone = kept;
     }
 }
 

@@ -20,7 +20,7 @@ pub use fleet_log::{CapacityAction, CapacityLog, CapacityRecord, Market, Pool, M
 pub use hardware::Hardware;
 pub use revoked::{is_fingerprint, Revoked, MAX_REVOKED};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 pub use throughput::{Throughput, ThroughputLog, MAX_THROUGHPUT_WORLDS};
 
 /// A node's id in the Raft group; never 0 (raft-rs reserves it).
@@ -34,6 +34,12 @@ pub const MAX_CHECKPOINT_RECORDS: usize = 16;
 
 /// How many started epochs the state remembers (the newest ones), for `limpet status`.
 pub const MAX_EPOCH_HISTORY: usize = 32;
+
+/// How many gone members' records the state keeps (the ones that left last): a fleet
+/// that churns through spot hosts for months would otherwise carry every host it ever had
+/// in every entry's state and every snapshot. A record still in the raft configuration or an
+/// epoch is kept past the count until it leaves them.
+pub const MAX_GONE_RECORDS: usize = 256;
 
 /// Where a member is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -191,8 +197,11 @@ pub struct CheckpointRecord {
 pub struct ClusterState {
     /// Cluster name; its hash is the cluster id on the wire.
     pub cluster: String,
-    /// Every member ever admitted, gone ones included.
+    /// Every member admitted, and the newest [`MAX_GONE_RECORDS`] of those gone.
     pub members: BTreeMap<NodeId, Member>,
+    /// The gone members whose records are kept, in the order they left.
+    #[serde(default, skip_serializing_if = "VecDeque::is_empty")]
+    pub gone: VecDeque<NodeId>,
     /// Raft voters, as of the last applied configuration change.
     pub voters: Vec<NodeId>,
     /// Raft learners, as of the last applied configuration change.
@@ -419,6 +428,19 @@ impl SnapshotData {
         serde_json::to_vec(self).expect("states always serialize")
     }
 
+    /// The bytes [`SnapshotData::encode`] gives for `state` of this build's format, without
+    /// a copy of the state.
+    pub fn encode_state(cluster_id: u64, state: &ClusterState) -> Vec<u8> {
+        #[derive(Serialize)]
+        struct Borrowed<'a> {
+            v: u32,
+            cluster_id: u64,
+            state: &'a ClusterState,
+        }
+        serde_json::to_vec(&Borrowed { v: FORMAT_VERSION, cluster_id, state })
+            .expect("states always serialize")
+    }
+
     /// Decodes and checks version, cluster and the state's own invariants.
     pub fn decode(bytes: &[u8], cluster_id: u64) -> Result<SnapshotData, DecodeError> {
         let d: SnapshotData = decode_versioned("snapshot", bytes, |d: &SnapshotData| d.v)?;
@@ -489,6 +511,7 @@ impl ClusterState {
         let mut state = ClusterState {
             cluster: cluster.to_string(),
             members: BTreeMap::new(),
+            gone: VecDeque::new(),
             voters: members.iter().map(|m| m.id).collect(),
             learners: Vec::new(),
             job: None,
@@ -526,6 +549,12 @@ impl ClusterState {
         }
         if let Some(v) = self.voters.iter().find(|v| self.learners.contains(v)) {
             return Err(Invalid(format!("node {v} is both voter and learner")));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for id in &self.gone {
+            if !seen.insert(*id) || self.members.get(id).is_none_or(|m| m.status != MemberStatus::Gone) {
+                return Err(Invalid(format!("node {id} is listed as gone twice or is not a gone member")));
+            }
         }
         if let (Some(c), Some(s)) = (&self.current, &self.scheduled) {
             if s.id <= c.id {

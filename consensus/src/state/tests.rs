@@ -318,3 +318,56 @@ fn a_members_word_does_not_set_its_measured_speed() {
         .0
         .contains("not a member"));
 }
+
+/// Gone members' records are bounded: past `MAX_GONE_RECORDS` the ones that left first are
+/// dropped, except one still a raft learner (kept, a later one dropped in its place, until
+/// the configuration lets it go); a gone member that rejoins is a member again and no longer
+/// counted.
+#[test]
+fn gone_records_are_bounded_and_the_newest_kept() {
+    let mut st = three();
+    let n = MAX_GONE_RECORDS as u64 + 40;
+    for id in 100..100 + n + 1 {
+        st.apply(&Command::Join { member: spec(id, &format!("n{id}")) }).unwrap();
+    }
+    st.set_configuration(&[1, 2, 3], &[100]);
+    for id in 100..100 + n {
+        st.apply(&Command::Remove { id, reason: "left".into() }).unwrap();
+    }
+    let gone = |st: &ClusterState| st.members.values().filter(|m| m.status == MemberStatus::Gone).count();
+    assert_eq!(gone(&st), MAX_GONE_RECORDS);
+    assert!(st.members.contains_key(&100), "a learner's record stays");
+    assert!(
+        !st.members.contains_key(&101) && !st.members.contains_key(&140),
+        "the first to leave went first"
+    );
+    assert!(st.members.contains_key(&141) && st.members.contains_key(&(100 + n - 1)));
+    assert_eq!(st.gone.len(), MAX_GONE_RECORDS);
+    // Out of the configuration, the learner's record is the first to go.
+    st.set_configuration(&[1, 2, 3], &[]);
+    st.apply(&Command::Remove { id: 100 + n, reason: "left".into() }).unwrap();
+    assert!(!st.members.contains_key(&100) && st.members.contains_key(&141));
+    assert_eq!((gone(&st), st.gone.len()), (MAX_GONE_RECORDS, MAX_GONE_RECORDS));
+    // A gone member that rejoins is counted no more; one whose record went joins anew.
+    let back = 100 + n - 1;
+    st.apply(&Command::Join { member: spec(back, "back") }).unwrap();
+    assert!(!st.gone.contains(&back) && st.members[&back].status == MemberStatus::Joining);
+    st.apply(&Command::Join { member: spec(101, "again") }).unwrap();
+    assert_eq!(st.members[&101].status, MemberStatus::Joining);
+    assert_eq!(st.validate(), Ok(()));
+    // The list survives the log's encoding, and a list naming a member that is not gone is
+    // refused.
+    let back_again = SnapshotData::decode(&SnapshotData::encode_state(7, &st), 7).unwrap().state;
+    assert_eq!(back_again.gone, st.gone);
+    let mut bad = st.clone();
+    bad.gone.push_back(1);
+    assert!(bad.validate().is_err());
+}
+
+/// The bytes written for the applied state without a copy are a snapshot's.
+#[test]
+fn a_state_encoded_in_place_is_a_snapshots_bytes() {
+    let st = three();
+    let whole = SnapshotData { v: FORMAT_VERSION, cluster_id: 9, state: st.clone() }.encode();
+    assert_eq!(SnapshotData::encode_state(9, &st), whole);
+}

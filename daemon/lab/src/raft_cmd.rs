@@ -42,6 +42,12 @@ pub struct RaftNodeArgs {
     /// Milliseconds per raft tick (elections after 10-20 ticks).
     #[arg(long, default_value_t = 100)]
     pub tick_ms: u64,
+    /// Applied entries between writes of the whole applied state (1: every batch).
+    #[arg(long, default_value_t = limpet_consensus::CoreConfig::new(1, "x").save_every)]
+    pub save_every: u64,
+    /// Gone members' records in the founding state, as a large fleet's state holds.
+    #[arg(long, default_value_t = 0)]
+    pub ballast: usize,
 }
 
 /// Runs one node until SIGTERM, SIGINT or a fatal storage error.
@@ -60,6 +66,8 @@ pub fn run_node(args: RaftNodeArgs) -> limpet_daemon::Result<()> {
     let mut cfg = NodeConfig::new(args.id, &args.cluster, &name, args.listen, args.dir.clone());
     cfg.tick = Duration::from_millis(args.tick_ms);
     cfg.seeds = args.seed.clone();
+    cfg.core.save_every = args.save_every;
+    cfg.ballast = args.ballast;
     if let Some(me) = founders.iter().find(|f| f.id == args.id) {
         cfg.advertise = me.control_addr.clone();
     }
@@ -107,6 +115,8 @@ pub struct RaftCluster {
     /// Each node's address, by id - 1.
     pub addrs: Vec<String>,
     children: Vec<Option<Child>>,
+    /// More arguments of every node's `raft-node`.
+    node_args: Vec<String>,
 }
 
 /// A loopback port nobody listens on right now (for child processes told their address).
@@ -165,6 +175,17 @@ impl RaftCluster {
     /// Starts `n` nodes of `exe raft-node` under `dir`: up to five founders (the voters), and
     /// the rest join through node 1 as learners.
     pub fn start(exe: &Path, n: usize, dir: &Path, tick_ms: u64) -> limpet_daemon::Result<RaftCluster> {
+        RaftCluster::start_with(exe, n, dir, tick_ms, Vec::new())
+    }
+
+    /// As [`RaftCluster::start`], each node given `node_args` too.
+    pub fn start_with(
+        exe: &Path,
+        n: usize,
+        dir: &Path,
+        tick_ms: u64,
+        node_args: Vec<String>,
+    ) -> limpet_daemon::Result<RaftCluster> {
         let n_founders = n.min(5);
         let addrs: Vec<String> = (0..n_founders)
             .map(|_| free_port().map(|p| format!("127.0.0.1:{p}")))
@@ -178,6 +199,7 @@ impl RaftCluster {
             founders,
             addrs,
             children: (0..n_founders).map(|_| None).collect(),
+            node_args,
         };
         for id in 1..=n_founders as u64 {
             c.spawn(id)?;
@@ -221,6 +243,7 @@ impl RaftCluster {
             .arg(&node_dir)
             .args(membership)
             .args(["--tick-ms", &self.tick_ms.to_string()])
+            .args(&self.node_args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
@@ -308,6 +331,13 @@ pub struct BenchRaftArgs {
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Applied entries between each node's writes of its whole applied state (1: every
+    /// batch, as before the state was written lazily).
+    #[arg(long, default_value_t = limpet_consensus::CoreConfig::new(1, "x").save_every)]
+    pub save_every: u64,
+    /// Gone members' records in the founding state: commits against a large fleet's state.
+    #[arg(long, default_value_t = 0)]
+    pub ballast: usize,
 }
 
 /// The benchmark's findings.
@@ -325,6 +355,10 @@ pub struct RaftBenchReport {
     pub concurrency: u64,
     /// Log index at the end (every proposal is one entry).
     pub final_index: u64,
+    /// Members in the state (the gone ones of `--ballast` included).
+    pub members: usize,
+    /// `--save-every`.
+    pub save_every: u64,
 }
 
 fn bump(id: u64, n: u64) -> Command {
@@ -345,7 +379,10 @@ pub fn bench(args: BenchRaftArgs) -> limpet_daemon::Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         let l = &report.latency_ms;
-        println!("raft membership log, {} nodes on loopback (sled, fsync per batch)", report.nodes);
+        println!(
+            "raft membership log, {} nodes on loopback (sled, fsync per batch; the state of {} members written every {} entries)",
+            report.nodes, report.members, report.save_every
+        );
         println!("  commit latency, one at a time ({} proposals):", report.proposals);
         println!("    p50 {:.2} ms   p90 {:.2} ms   p99 {:.2} ms   max {:.2} ms", l.p50, l.p90, l.p99, l.max);
         println!(
@@ -361,7 +398,13 @@ pub fn bench(args: BenchRaftArgs) -> limpet_daemon::Result<()> {
 }
 
 async fn bench_async(exe: &Path, dir: &Path, args: &BenchRaftArgs) -> limpet_daemon::Result<RaftBenchReport> {
-    let cluster = RaftCluster::start(exe, args.nodes as usize, dir, 100)?;
+    let node_args = vec![
+        "--save-every".into(),
+        args.save_every.to_string(),
+        "--ballast".into(),
+        args.ballast.to_string(),
+    ];
+    let cluster = RaftCluster::start_with(exe, args.nodes as usize, dir, 100, node_args)?;
     let leader = cluster.wait_for_leader(Duration::from_secs(30)).await?;
     let mut client = cluster.client(leader).await?;
     let bar = indicatif::ProgressBar::new(args.proposals * 2);
@@ -415,5 +458,7 @@ async fn bench_async(exe: &Path, dir: &Path, args: &BenchRaftArgs) -> limpet_dae
         throughput_per_sec: args.proposals as f64 / elapsed,
         concurrency: args.concurrency,
         final_index,
+        members: args.nodes as usize + args.ballast,
+        save_every: args.save_every,
     })
 }
