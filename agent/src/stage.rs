@@ -45,11 +45,25 @@ impl StageConnections {
     pub fn connect(
         ep: &Endpoint,
         epoch: u64,
-        (data, pipeline, local): (usize, usize, usize),
+        layout: (usize, usize, usize),
         ranks: &[u64],
         addrs: &[String],
         deadline: Instant,
         abort: &dyn Fn() -> bool,
+    ) -> Result<StageConnections, DataPlaneError> {
+        StageConnections::connect_with(ep, epoch, layout, ranks, addrs, (deadline, abort), true)
+    }
+
+    /// As [`StageConnections::connect`], the groups with butterfly links only if `tree`
+    /// (see [`Endpoint::group_until_with`]).
+    pub fn connect_with(
+        ep: &Endpoint,
+        epoch: u64,
+        (data, pipeline, local): (usize, usize, usize),
+        ranks: &[u64],
+        addrs: &[String],
+        (deadline, abort): (Instant, &dyn Fn() -> bool),
+        tree: bool,
     ) -> Result<StageConnections, DataPlaneError> {
         if data == 0
             || pipeline == 0
@@ -75,13 +89,13 @@ impl StageConnections {
         };
         let (rep_ranks, rep_addrs) = pick((0..data).map(|r| at(r, stage)).collect());
         let (st_ranks, st_addrs) = pick((0..pipeline).map(|s| at(replica, s)).collect());
-        let replicas = ep.group_until(epoch, &rep_ranks, &rep_addrs, deadline, abort)?;
+        let replicas = ep.group_until_with(epoch, &rep_ranks, &rep_addrs, (deadline, abort), tree)?;
         let lanes = if local > 1 {
             crate::dataplane::lanes::connect(ep, epoch, &rep_ranks, &rep_addrs, local, deadline, abort)?
         } else {
             Vec::new()
         };
-        let stages = ep.group_until(epoch, &st_ranks, &st_addrs, deadline, abort)?;
+        let stages = ep.group_until_with(epoch, &st_ranks, &st_addrs, (deadline, abort), tree)?;
         let prev = (stage > 0).then(|| ranks[at(replica, stage - 1)]);
         let next = (stage + 1 < pipeline)
             .then(|| (ranks[at(replica, stage + 1)], addrs[at(replica, stage + 1)].as_str()));

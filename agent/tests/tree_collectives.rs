@@ -173,3 +173,23 @@ fn a_rank_dying_mid_tree_fails_every_survivor() {
     let direct = results[1].as_ref().unwrap_err();
     assert_eq!(direct.suspect(), Some(109), "rank 1 takes rank 9's fold: {direct}");
 }
+
+/// Ranks that disagree on a collective's shape (here one rank names another broadcast root)
+/// fail it, at least one with a protocol error naming a partner, rather than or-ing
+/// mismatched blocks into a result no rank asked for.
+#[test]
+fn a_rank_running_another_shape_fails_the_collective() {
+    let out = on_every_rank(8, 8, |g, rank| {
+        let mut b = vec![rank as f32; 16];
+        let root = if rank == 5 { 2 } else { 3 };
+        g.broadcast(&mut b, root, 1)
+    });
+    assert!(out.iter().all(|r| r.is_err()), "{out:?}");
+    let violations: Vec<String> = out
+        .iter()
+        .filter_map(|r| r.as_ref().err())
+        .filter(|e| e.is_violation())
+        .map(|e| e.to_string())
+        .collect();
+    assert!(violations.iter().any(|m| m.contains("another shape")), "{out:?}");
+}

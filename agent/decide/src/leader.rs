@@ -75,32 +75,6 @@ pub struct Evidence {
     /// When each node outside the current epoch was first heard reporting in time (unix
     /// ms), as [`Evidence::track_ready`] keeps it: joins are admitted in waves.
     pub ready_since: BTreeMap<NodeId, u64>,
-    /// How long this node has led, ms: a member it never heard from has been silent at
-    /// least this long.
-    pub leading_ms: u64,
-}
-
-/// A failed member silent this long is removed (its record then bounded with the gone
-/// ones, and out of raft): a host that died for good. One that comes back within it rejoins
-/// as it is; later, it is admitted again as gone members are.
-pub const FORGET_FAILED_MS: u64 = 10 * 60 * 1000;
-
-/// Removals of the failed members outside every epoch that no report shows alive for
-/// [`FORGET_FAILED_MS`] (counted from this node's leadership at the earliest).
-pub fn forget_failed(st: &ClusterState, reports: &Reports, leading_ms: u64) -> Vec<Command> {
-    let in_epoch =
-        |id: &NodeId| [&st.current, &st.scheduled].into_iter().flatten().any(|e| e.ranks.contains(id));
-    st.members
-        .values()
-        .filter(|m| m.status == MemberStatus::Failed && !in_epoch(&m.spec.id))
-        .filter_map(|m| {
-            let silent = reports.get(&m.spec.id).map_or(leading_ms, |(age, _)| (*age).min(leading_ms));
-            (silent >= FORGET_FAILED_MS).then(|| Command::Remove {
-                id: m.spec.id,
-                reason: format!("failed, and silent for {} min", silent / 60_000),
-            })
-        })
-        .collect()
 }
 
 impl Evidence {
@@ -252,7 +226,6 @@ pub fn plan_round_with(
         commands.push(Command::RecordThroughput { record });
     }
     commands.extend(record_speeds(s, st, reports));
-    commands.extend(forget_failed(st, reports, evidence.leading_ms));
     let scheduling = commands.iter().any(|c| matches!(c, Command::ScheduleEpoch { .. }));
     let reason = match &stuck {
         Some(s) if !scheduling => s.to_string(),

@@ -51,12 +51,18 @@ pub enum Action {
 
 /// What node `me` at `at` does next, given the cluster state `st`. Pure.
 pub fn next_action(st: &ClusterState, me: NodeId, at: Position) -> Action {
-    if let Some(m) = st.members.get(&me) {
-        // A removed node stays until the log no longer counts it as a voter: leaving
-        // earlier could take the voters below a majority. One that starts out gone
-        // (restarted after a drain) waits to be admitted again instead.
-        if m.status == MemberStatus::Gone && at.was_member && at.epoch.is_none() && !st.voters.contains(&me) {
-            return Action::Removed(m.reason.clone());
+    // A removed node stays until the log no longer counts it as a voter: leaving earlier
+    // could take the voters below a majority. One that starts out gone (restarted after a
+    // drain) waits to be admitted again instead. A member's record is only ever dropped long
+    // after it left (the state keeps a bounded past), so one this process saw as a member
+    // and no longer finds has left too.
+    let left = match st.members.get(&me) {
+        Some(m) => (m.status == MemberStatus::Gone).then(|| m.reason.clone()),
+        None => Some("left the cluster (its record since dropped)".to_string()),
+    };
+    if let Some(why) = left {
+        if at.was_member && at.epoch.is_none() && !st.voters.contains(&me) {
+            return Action::Removed(why);
         }
     }
     let newest = [st.current.as_ref(), st.scheduled.as_ref()].into_iter().flatten().max_by_key(|e| e.id);

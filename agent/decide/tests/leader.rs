@@ -387,33 +387,3 @@ fn transient_breakage_at_one_step_is_rebuilt_with_growing_pauses_and_reported_st
     assert_eq!(rebuild_after_ms(rounds[4].0.as_ref(), 1000), Some(4000));
     assert_eq!(rebuild_after_ms(None, 1000), Some(1000));
 }
-
-/// A failed member silent for `FORGET_FAILED_MS` is removed; one reporting again, one
-/// heard lately, and any while this leader has led for less than that, are not.
-#[test]
-fn a_long_silent_failed_member_is_removed() {
-    use limpet_decide::leader::{forget_failed, FORGET_FAILED_MS};
-    let mut st = ClusterState::bootstrap("c", &[spec(1), spec(2), spec(3), spec(4), spec(5)]);
-    for id in [3, 4, 5] {
-        st.apply(&Command::MarkFailed { id, reason: "test".into() }).unwrap();
-    }
-    let long = FORGET_FAILED_MS + 1000;
-    // Node 3 was never heard; node 4 reports again; node 5 reported a minute ago.
-    let reports: Reports =
-        [(1, (0, report(1, 0, 0))), (4, (50, report(4, 0, 0))), (5, (60_000, report(5, 0, 0)))]
-            .into_iter()
-            .collect();
-    let removed = |cmds: Vec<Command>| -> Vec<NodeId> {
-        cmds.iter()
-            .filter_map(|c| match c {
-                Command::Remove { id, .. } => Some(*id),
-                _ => None,
-            })
-            .collect()
-    };
-    assert_eq!(removed(forget_failed(&st, &reports, long)), vec![3]);
-    assert_eq!(removed(forget_failed(&st, &reports, FORGET_FAILED_MS - 1)), Vec::<NodeId>::new());
-    let mut old = reports.clone();
-    old.insert(5, (long, report(5, 0, 0)));
-    assert_eq!(removed(forget_failed(&st, &old, long)), vec![3, 5]);
-}

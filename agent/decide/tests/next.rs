@@ -98,4 +98,12 @@ fn a_removed_node_leaves_once_it_is_no_voter_and_a_draining_one_reports_left() {
     // One that never was a member in this process (restarted after a drain) waits instead.
     let fresh = Position { was_member: false, ..at(None, 0) };
     assert!(matches!(next_action(&st, 3, fresh), Action::Wait { .. }));
+    // One whose record was dropped since (the state's bounded past) has left too.
+    let mut dropped = st.clone();
+    dropped.members.remove(&3);
+    dropped.gone.retain(|&g| g != 3);
+    assert!(
+        matches!(next_action(&dropped, 3, at(None, 40)), Action::Removed(why) if why.contains("dropped"))
+    );
+    assert!(matches!(next_action(&dropped, 3, fresh), Action::Wait { .. }));
 }

@@ -108,8 +108,8 @@ impl Group {
         epoch: u64,
         ranks: &[u64],
         addrs: &[String],
-        deadline: std::time::Instant,
-        abort: &dyn Fn() -> bool,
+        (deadline, abort): (std::time::Instant, &dyn Fn() -> bool),
+        tree: bool,
     ) -> Result<Group, DataPlaneError> {
         let (right, left) = Group::neighbours(ep, ranks, addrs)?;
         let (mut out, mut inc) = (None, None);
@@ -125,9 +125,7 @@ impl Group {
             )?);
             inc = Some(ep.accept_until(ranks[left], epoch, Channel::Ring, deadline, abort)?);
         }
-        let mut group = Group::assemble(ep, epoch, ranks, out, inc)?;
-        group.connect_tree(ep, addrs, deadline, abort)?;
-        Ok(group)
+        Group::assemble(ep, epoch, ranks, out, inc)?.with_tree(ep, addrs, (deadline, abort), tree)
     }
 
     /// Checks a rank order and returns this node's right and left neighbours' positions
@@ -311,7 +309,7 @@ impl Group {
             return Ok(());
         }
         if lossy == 0 && self.picks_tree(4 * buf.len()) {
-            return self.tree_reduce(buf, Combine::Add, step, "allreduce");
+            return self.tree_reduce(buf, Combine::Add, &[], step, "allreduce");
         }
         let blocks: Vec<Range<usize>> = (0..w).map(|i| self.segment(buf.len(), i)).collect();
         let plan = self.allreduce_plan(&blocks, Op::Add, lossy);
@@ -345,7 +343,7 @@ impl Group {
         let n = buf.len();
         let words: &mut [f32] = bytemuck::cast_slice_mut(buf);
         if self.picks_tree(8 * n) {
-            return self.tree_reduce(words, Combine::AddI64, step, "allreduce (i64)");
+            return self.tree_reduce(words, Combine::AddI64, &[], step, "allreduce (i64)");
         }
         // Segments of whole i64s, counted in the f32 words the ring moves.
         let blocks: Vec<Range<usize>> = (0..w).map(|i| 2 * (i * n / w)..2 * ((i + 1) * n / w)).collect();
@@ -380,11 +378,11 @@ impl Group {
         if w == 1 {
             return Ok(());
         }
-        if self.picks_tree(4 * buf.len()) {
+        if self.picks_tree_for(4 * buf.len(), 1) {
             if self.rank != root {
                 buf.fill(0.0);
             }
-            return self.tree_reduce(buf, Combine::Or, step, "broadcast");
+            return self.tree_reduce(buf, Combine::Or, &[1, root as u64], step, "broadcast");
         }
         let chunks = self.chunks(0..buf.len(), 0);
         let mut plan = Plan::default();
@@ -414,10 +412,10 @@ impl Group {
                 out.len()
             )));
         }
-        if w > 1 && self.picks_tree(4 * out.len()) {
+        if w > 1 && self.picks_tree_for(4 * out.len(), 1) {
             out.fill(0.0);
             out[r * m..(r + 1) * m].copy_from_slice(mine);
-            return self.tree_reduce(out, Combine::Or, step, "allgather");
+            return self.tree_reduce(out, Combine::Or, &[2, m as u64], step, "allgather");
         }
         out[r * m..(r + 1) * m].copy_from_slice(mine);
         if w == 1 {
@@ -523,11 +521,12 @@ impl Group {
         if w == 1 {
             return Ok(());
         }
-        if self.picks_tree(4 * buf.len()) {
+        if self.picks_tree_for(4 * buf.len(), 1) {
             let own = blocks[r].clone();
             buf[..own.start].fill(0.0);
             buf[own.end..].fill(0.0);
-            return self.tree_reduce(buf, Combine::Or, step, "allgather");
+            let shape: Vec<u64> = std::iter::once(3).chain(blocks.iter().map(|b| b.end as u64)).collect();
+            return self.tree_reduce(buf, Combine::Or, &shape, step, "allgather");
         }
         let plan = self.ring_plan(
             blocks,
@@ -596,7 +595,7 @@ impl Endpoint {
     /// Builds the collective group of `epoch`: `ranks` in rank order (node ids) and their
     /// data addresses; this node must be among them.
     pub fn group(&self, epoch: u64, ranks: &[u64], addrs: &[String]) -> Result<Group, DataPlaneError> {
-        Group::connect(self, epoch, ranks, addrs, Instant::now() + self.config().timeout, &|| false)
+        Group::connect(self, epoch, ranks, addrs, (Instant::now() + self.config().timeout, &|| false), true)
     }
 
     /// Forms a group whose members may arrive at different times: waits for the left
@@ -609,6 +608,20 @@ impl Endpoint {
         deadline: Instant,
         abort: &dyn Fn() -> bool,
     ) -> Result<Group, DataPlaneError> {
-        Group::connect(self, epoch, ranks, addrs, deadline, abort)
+        Group::connect(self, epoch, ranks, addrs, (deadline, abort), true)
+    }
+
+    /// As [`Endpoint::group_until`], with butterfly links only if `tree` (and the group is
+    /// large enough): every rank must pass the same, as every host of the epoch advertises
+    /// the butterfly or not.
+    pub fn group_until_with(
+        &self,
+        epoch: u64,
+        ranks: &[u64],
+        addrs: &[String],
+        (deadline, abort): (Instant, &dyn Fn() -> bool),
+        tree: bool,
+    ) -> Result<Group, DataPlaneError> {
+        Group::connect(self, epoch, ranks, addrs, (deadline, abort), tree)
     }
 }

@@ -112,7 +112,6 @@ pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: Cancel
         let suspects = crate::leader::suspects(&st, &reports, timeout_ms);
         evidence.refused = refusing(&st, &suspects).await;
         evidence.track_ready(&st, &reports, timeout_ms, now);
-        evidence.leading_ms = leading;
         // The round (every report read, the controller, for a pipelined job the planner)
         // runs off the async workers, which the heartbeats and raft share.
         let (s, ev) = (settings.clone(), std::mem::take(&mut evidence));

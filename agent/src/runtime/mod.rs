@@ -416,6 +416,7 @@ fn node_config(cfg: &AgentConfig, data_addr: SocketAddr) -> NodeConfig {
         ranks: cfg.devices.len().max(1) as u32,
         device: if on_gpu(cfg) { "cuda" } else { "cpu" }.into(),
         zone: cfg.zone.clone(),
+        butterfly: true,
     };
     ncfg
 }

@@ -292,6 +292,17 @@ impl ClusterState {
     /// [`super::MAX_GONE_RECORDS`] are kept, skipping any still in the raft configuration or
     /// an epoch (until it leaves them).
     fn forget_gone(&mut self) {
+        // Gone records from before the list was kept count too, as the first to have left
+        // (by id: the same order on every node).
+        let untracked: Vec<NodeId> = self
+            .members
+            .values()
+            .filter(|m| m.status == MemberStatus::Gone && !self.gone.contains(&m.spec.id))
+            .map(|m| m.spec.id)
+            .collect();
+        for id in untracked.into_iter().rev() {
+            self.gone.push_front(id);
+        }
         let mut excess = self.gone.len().saturating_sub(super::MAX_GONE_RECORDS);
         if excess == 0 {
             return;

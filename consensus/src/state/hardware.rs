@@ -37,6 +37,11 @@ pub struct Hardware {
     /// said: the voters are spread over zones so that losing one keeps a quorum.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub zone: String,
+    /// Its data plane takes small collectives over a butterfly (absent in records of older
+    /// agents): a group of many ranks connects one only when every rank's host does, so a
+    /// cluster upgraded host by host keeps forming its groups.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub butterfly: bool,
 }
 
 fn one_or_none(v: &u32) -> bool {
@@ -66,20 +71,31 @@ impl PartialEq for Hardware {
             ranks: _,
             device,
             zone,
+            butterfly,
         } = self;
-        (instance_type, cpus, gpus, gpu_model, memory_mib, samples_per_sec_milli, speed_milli, device, zone)
-            == (
-                &o.instance_type,
-                &o.cpus,
-                &o.gpus,
-                &o.gpu_model,
-                &o.memory_mib,
-                &o.samples_per_sec_milli,
-                &o.speed_milli,
-                &o.device,
-                &o.zone,
-            )
-            && self.local_ranks() == o.local_ranks()
+        (
+            instance_type,
+            cpus,
+            gpus,
+            gpu_model,
+            memory_mib,
+            samples_per_sec_milli,
+            speed_milli,
+            device,
+            zone,
+            butterfly,
+        ) == (
+            &o.instance_type,
+            &o.cpus,
+            &o.gpus,
+            &o.gpu_model,
+            &o.memory_mib,
+            &o.samples_per_sec_milli,
+            &o.speed_milli,
+            &o.device,
+            &o.zone,
+            &o.butterfly,
+        ) && self.local_ranks() == o.local_ranks()
     }
 }
 

@@ -12,10 +12,15 @@
 //! either order, and every rank ends bit-identical, as the ring's results are. Gathers and
 //! broadcasts take the same path as an or over zeroed blocks, exact for any bit pattern.
 //!
-//! A round moves the whole buffer (the ring moves 2(W-1)/W of it over 2(W-1) hops), so the
-//! tree takes a buffer only while the hops it saves cost more than the bytes it adds: with a
-//! hop's latency worth [`HOP_BYTES`] of transfer, while `rounds * bytes <= 2 * (W - 1) *
-//! HOP_BYTES + 2 * bytes`.
+//! A round moves the whole buffer (the ring moves 2(W-1)/W of it over 2(W-1) hops for a
+//! reduction, 1/W a hop over W-1 hops for a gather or a broadcast), so the tree takes a
+//! buffer only while the hops it saves cost more than the bytes it adds: with a hop's latency
+//! worth [`HOP_BYTES`] of transfer, while `rounds * bytes <= passes * ((W - 1) * HOP_BYTES +
+//! bytes)`, the ring making 2 passes for a reduction and 1 for the others.
+//!
+//! Every message starts with a tag of the collective's shape (its kind, length, root or
+//! blocks): a partner whose tag differs ran another collective, and the round fails with a
+//! protocol error, where an or of mismatched blocks would otherwise pass unnoticed.
 
 use super::transfer::{drive_plan, Ends, Frames};
 use super::{Group, Plan, RecvItem, SendItem};
@@ -120,13 +125,34 @@ impl Group {
         Ok(())
     }
 
-    /// Whether a collective whose rounds carry `bytes` (a reduction's buffer, a gather's
-    /// whole output) goes over the butterfly, where the group has one, rather than the ring.
+    /// The group, with its butterfly links connected if `tree` ([`Group::connect_tree`]).
+    pub fn with_tree(
+        mut self,
+        ep: &Endpoint,
+        addrs: &[String],
+        (deadline, abort): (Instant, &dyn Fn() -> bool),
+        tree: bool,
+    ) -> Result<Group, DataPlaneError> {
+        if tree {
+            self.connect_tree(ep, addrs, deadline, abort)?;
+        }
+        Ok(self)
+    }
+
+    /// Whether a reduction of `bytes` goes over the butterfly, where the group has one,
+    /// rather than the ring.
     pub fn picks_tree(&self, bytes: usize) -> bool {
+        self.picks_tree_for(bytes, 2)
+    }
+
+    /// As [`Group::picks_tree`], for a collective whose rounds carry `bytes` (a gather's
+    /// whole output) and that the ring runs in `passes` passes (2 for a reduction, 1 for a
+    /// gather or a broadcast).
+    pub(super) fn picks_tree_for(&self, bytes: usize, passes: usize) -> bool {
         let w = self.world();
-        self.tree
-            .as_ref()
-            .is_some_and(|t| t.depth.saturating_mul(bytes) <= 2 * (w - 1) * HOP_BYTES + 2 * bytes)
+        self.tree.as_ref().is_some_and(|t| {
+            t.depth.saturating_mul(bytes) <= passes.saturating_mul((w - 1) * HOP_BYTES + bytes)
+        })
     }
 
     /// Whether this group has butterfly links (a group of at least the endpoint's
@@ -136,11 +162,13 @@ impl Group {
     }
 
     /// Combines every rank's `buf` with `how`, over the butterfly; every rank ends with the
-    /// same bits.
+    /// same bits. `shape` describes the collective beyond its kind and length (a root, a
+    /// gather's blocks): every rank must give the same.
     pub(super) fn tree_reduce(
         &mut self,
         buf: &mut [f32],
         how: Combine,
+        shape: &[u64],
         step: u64,
         what: &str,
     ) -> Result<(), DataPlaneError> {
@@ -148,7 +176,8 @@ impl Group {
         self.seq = self.seq.wrapping_add(1);
         let during = format!("{what} #{seq} of step {step}, epoch {} (tree)", self.epoch);
         let frames = Frames { epoch: self.epoch, step, seq, timeout: self.timeout, during: &during };
-        match self.tree_rounds(buf, how, &frames) {
+        let tag = shape_tag(how, buf.len(), shape);
+        match self.tree_rounds(buf, how, tag, &frames) {
             Ok(()) => Ok(()),
             Err(e) => {
                 self.break_group(&e, step, seq);
@@ -157,36 +186,57 @@ impl Group {
         }
     }
 
-    fn tree_rounds(&self, buf: &mut [f32], how: Combine, frames: &Frames) -> Result<(), DataPlaneError> {
+    fn tree_rounds(
+        &self,
+        buf: &mut [f32],
+        how: Combine,
+        tag: u64,
+        frames: &Frames,
+    ) -> Result<(), DataPlaneError> {
         let tree = self.tree.as_ref().expect("a group with a butterfly");
         let n = buf.len();
-        // This rank's values, then the partner's, each half of an even number of words: u64s,
-        // so that i64s read in place.
-        let half = n.div_ceil(2) * 2;
+        // This rank's message, then the partner's: each the tag (two words) and the values,
+        // an even number of words; u64s, so that i64s read in place.
+        let half = 2 + n.div_ceil(2) * 2;
         let mut held = vec![0u64; half];
         let work: &mut [f32] = bytemuck::cast_slice_mut(&mut held);
-        work[..n].copy_from_slice(buf);
-        let mine = 0..n;
-        let theirs = half..half + n;
+        work[..2].copy_from_slice(bytemuck::cast_slice(&[tag]));
+        work[2..2 + n].copy_from_slice(buf);
+        let mine = 0..2 + n;
+        let theirs = half..half + 2 + n;
         let node = |p: usize| self.ranks[p];
+        let check = |work: &[f32], at: usize, p: usize| -> Result<(), DataPlaneError> {
+            if work[at..at + 2].iter().zip(&work[..2]).all(|(a, b)| a.to_bits() == b.to_bits()) {
+                return Ok(());
+            }
+            Err(DataPlaneError::Protocol(format!(
+                "node {} ran a collective of another shape (kind, root or blocks) during {}",
+                node(p),
+                frames.during
+            )))
+        };
         if tree.folded {
             let (p, c) = tree.fold.as_ref().expect("a rank past P folds");
             self.exchange(c, node(*p), frames, work, Some(&mine), None)?;
-            self.exchange(c, node(*p), frames, work, None, Some(&mine))?;
+            self.exchange(c, node(*p), frames, work, None, Some(&theirs))?;
+            check(work, half, *p)?;
+            work.copy_within(half + 2..half + 2 + n, 2);
         } else {
             if let Some((p, c)) = &tree.fold {
                 self.exchange(c, node(*p), frames, work, None, Some(&theirs))?;
+                check(work, half, *p)?;
                 combine(work, half, n, how);
             }
             for (p, c) in &tree.rounds {
                 self.exchange(c, node(*p), frames, work, Some(&mine), Some(&theirs))?;
+                check(work, half, *p)?;
                 combine(work, half, n, how);
             }
             if let Some((p, c)) = &tree.fold {
                 self.exchange(c, node(*p), frames, work, Some(&mine), None)?;
             }
         }
-        buf.copy_from_slice(&work[..n]);
+        buf.copy_from_slice(&work[2..2 + n]);
         Ok(())
     }
 
@@ -233,17 +283,29 @@ impl Group {
     }
 }
 
-/// `work[..n]` combined with the partner's `work[half..half + n]`, in place.
+/// A collective's shape as every rank must see it: FNV-1a over its kind, length and `shape`.
+fn shape_tag(how: Combine, n: usize, shape: &[u64]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for word in [how as u64, n as u64].into_iter().chain(shape.iter().copied()) {
+        for b in word.to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// This rank's values (`work[2..2 + n]`) combined with the partner's (`work[half + 2..]`),
+/// in place.
 fn combine(work: &mut [f32], half: usize, n: usize, how: Combine) {
     let (mine, rest) = work.split_at_mut(half);
-    let (mine, theirs) = (&mut mine[..n], &rest[..n]);
+    let (mine, theirs) = (&mut mine[2..2 + n], &rest[2..2 + n]);
     match how {
         Combine::Add => mine.iter_mut().zip(theirs).for_each(|(a, b)| *a += *b),
         Combine::Or => {
             mine.iter_mut().zip(theirs).for_each(|(a, b)| *a = f32::from_bits(a.to_bits() | b.to_bits()))
         }
         Combine::AddI64 => {
-            // Both halves start 8-aligned: `work` is u64s and `half` is even.
+            // Both start 8-aligned: `work` is u64s, and `half` and 2 are even.
             let a: &mut [i64] = bytemuck::cast_slice_mut(mine);
             let b: &[i64] = bytemuck::cast_slice(theirs);
             a.iter_mut().zip(b).for_each(|(a, b)| *a = a.wrapping_add(*b));

@@ -175,7 +175,8 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     let addrs = addrs_of(&st, n)?;
     let by = Instant::now() + ENTRY_WAIT;
     let give_up = give_up(x.watch, x.stop, n.id);
-    let mut group = form_group(x.endpoint, x.pending.take(), n, &addrs, by, &give_up)?;
+    let tree = limpet_decide::entry::butterfly(&st, n);
+    let mut group = form_group(x.endpoint, x.pending.take(), n, &addrs, (by, &give_up), tree)?;
     let host = (&mut *x.trainer, &mut *x.followers);
     let local = x.cfg.checkpoint.as_ref().map(|c| c.dir());
     let dirs = (&x.cfg.job, local, x.final_written.map(|h| (x.cfg.state_dir.as_path(), h)));
@@ -320,7 +321,9 @@ fn connect(
         // Every host of a pipelined epoch has as many local ranks (the controller's rule).
         let local = n.local_ranks_of(0) as usize;
         let layout = (n.layout.data as usize, n.layout.pipeline as usize, local);
-        let stages = StageConnections::connect(x.endpoint, n.id, layout, &n.ranks, addrs, by, give_up)?;
+        let tree = limpet_decide::entry::butterfly(&x.watch.borrow().state, n);
+        let stages =
+            StageConnections::connect_with(x.endpoint, n.id, layout, &n.ranks, addrs, (by, give_up), tree)?;
         if local > 1 {
             tracing::info!(
                 epoch = n.id,
@@ -543,8 +546,8 @@ fn form_group(
     pending: Option<Pending>,
     n: &Epoch,
     addrs: &[String],
-    by: Instant,
-    give_up: &dyn Fn() -> bool,
+    (by, give_up): (Instant, &dyn Fn() -> bool),
+    tree: bool,
 ) -> Result<Group, AgentError> {
     match pending {
         Some(p) if p.epoch == n.id => {
@@ -556,11 +559,10 @@ fn form_group(
                 }
                 (None, None) => None,
             };
-            let mut group = Group::assemble(endpoint, n.id, &n.ranks, p.right, left)?;
-            group.connect_tree(endpoint, addrs, by, give_up)?;
-            Ok(group)
+            let group = Group::assemble(endpoint, n.id, &n.ranks, p.right, left)?;
+            Ok(group.with_tree(endpoint, addrs, (by, give_up), tree)?)
         }
-        _ => endpoint.group_until(n.id, &n.ranks, addrs, by, give_up).map_err(AgentError::from),
+        _ => endpoint.group_until_with(n.id, &n.ranks, addrs, (by, give_up), tree).map_err(AgentError::from),
     }
 }
 
