@@ -134,6 +134,10 @@ pub struct ScenarioArgs {
     /// local default: processes sharing a few cores are noisy, not stragglers).
     #[arg(long, default_value_t = 0.0)]
     pub straggler_ratio: f64,
+    /// Every node's `[timing].failure_timeout_ms` (its default when absent): dozens of agents
+    /// sharing a few cores may go quiet longer than a host of its own ever would.
+    #[arg(long, value_name = "MS")]
+    pub failure_timeout_ms: Option<u64>,
     /// A straggler drill: NODE:US makes NODE sleep US microseconds per sample it computes.
     #[arg(long, value_parser = parse_slow)]
     pub slow: Option<(String, u64)>,
@@ -230,6 +234,7 @@ pub fn scenario(a: ScenarioArgs) -> limpet_daemon::Result<()> {
         }),
         devices: usize::from(a.devices),
         node_devices: a.node_devices.clone(),
+        extra_config: a.failure_timeout_ms.map(|ms| format!("[timing]\nfailure_timeout_ms = {ms}\n")),
         ..LocalJob::default()
     };
     let summary = run_scenario(&a.dir, a.nodes, job, &script, Duration::from_secs(a.timeout), !a.json)?;
