@@ -107,3 +107,18 @@ fn a_removed_node_leaves_once_it_is_no_voter_and_a_draining_one_reports_left() {
     );
     assert!(matches!(next_action(&dropped, 3, fresh), Action::Wait { .. }));
 }
+
+/// Groups connect a butterfly only when every rank's host advertises it
+/// (`limpet_decide::entry::butterfly`).
+#[test]
+fn a_butterfly_needs_every_rank() {
+    let with = |id: u64, butterfly: bool| {
+        let mut s = spec(id);
+        s.hardware.butterfly = butterfly;
+        s
+    };
+    let st = ClusterState::bootstrap("c", &[with(1, true), with(2, true), with(3, false)]);
+    assert!(limpet_decide::entry::butterfly(&st, &epoch(1, 0, &[1, 2])));
+    assert!(!limpet_decide::entry::butterfly(&st, &epoch(1, 0, &[1, 2, 3])));
+    assert!(!limpet_decide::entry::butterfly(&st, &epoch(1, 0, &[1, 9])), "a rank without a record");
+}

@@ -54,41 +54,6 @@ pub fn block_of(name: &str) -> Option<usize> {
 
 #[cfg(test)]
 mod tests {
-    use limpet_consensus::state::{ClusterState, Epoch, EpochBatch, Layout, MemberSpec};
-
-    /// The butterfly is used only when every rank's host advertises it.
-    #[test]
-    fn a_butterfly_needs_every_rank() {
-        let spec = |id: u64, butterfly: bool| {
-            let mut s = MemberSpec {
-                id,
-                name: format!("n{id}"),
-                control_addr: format!("10.0.0.{id}:1"),
-                data_addr: format!("10.0.0.{id}:2"),
-                hardware: Default::default(),
-            };
-            s.hardware.butterfly = butterfly;
-            s
-        };
-        let st = ClusterState::bootstrap("c", &[spec(1, true), spec(2, true), spec(3, false)]);
-        let epoch = |ranks: &[u64]| Epoch {
-            id: 1,
-            start_step: 0,
-            ranks: ranks.to_vec(),
-            layout: Layout::data_parallel(ranks.len()),
-            batch: EpochBatch { global_batch: 8, micro_batch: 8 },
-            lr_scale: 1.0,
-            sources: Default::default(),
-            cause: String::new(),
-            causes: Vec::new(),
-            shares: Vec::new(),
-            local_ranks: Vec::new(),
-        };
-        assert!(super::butterfly(&st, &epoch(&[1, 2])));
-        assert!(!super::butterfly(&st, &epoch(&[1, 2, 3])));
-        assert!(!super::butterfly(&st, &epoch(&[1, 9])), "a rank without a record");
-    }
-
     #[test]
     fn hashes_round_trip_through_hex() {
         let hex = "00ff10203040506070808090a0b0c0d0e0f0112233445566778899aabbccddee";
