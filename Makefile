@@ -39,7 +39,7 @@ help:
 	@echo "make gpu-test  run the device tests on the first GPU where libtorch sees one (make test runs them on the CPU)"
 	@echo "make gpu-kit TORCH=2.11.0  build .gpu/: the device tests against that torch, run there by .gpu/gpu-check.sh"
 	@echo "make long-test  run the long multi-process scenarios make test leaves out (a few minutes)"
-	@echo "make bench   measure: raft commits, allreduce against gloo (and in bfloat16), hosts of 2 local ranks against 4 of one, state handoff against plain TCP, transitions against torchrun, planner predictions and pipelines, LLaMA training against transformers (small and 125m) and torchrun + DDP, sharded state's memory per rank against whole state (125m and 350m), memory on a 4 GiB dataset, activation checkpointing and a chunked loss at vocabulary 128k, what grows with the fleet (8 to 48 agents), and barrier and allreduce time from 8 to 1024 ranks, butterfly against ring"
+	@echo "make bench   measure: raft commits, allreduce against gloo (and in bfloat16), hosts of 2 local ranks against 4 of one, state handoff against plain TCP, transitions against torchrun and torchft, planner predictions and pipelines, LLaMA training against transformers (small and 125m) and torchrun + DDP, sharded state's memory per rank against whole state (125m and 350m), memory on a 4 GiB dataset, activation checkpointing and a chunked loss at vocabulary 128k, what grows with the fleet (8 to 48 agents), and barrier and allreduce time from 8 to 1024 ranks, butterfly against ring"
 
 # The clone's links into the cache (.limpet/libtorch, which cargo builds against, and
 # .limpet/python) are made by setup.sh too, and may be missing while the cache is up to date:
@@ -112,6 +112,7 @@ fuzz: setup
 	    RUSTC_BOOTSTRAP=1 cargo fuzz run $$t -- -max_total_time=$(FUZZ_SECONDS) $$leaks || exit 1; done
 
 bench: build
+	bash deploy/setup.sh --bench
 	$(LAB) bench raft --nodes 5 --proposals 1000
 	$(LAB) bench raft --nodes 3 --proposals 1000
 	$(LAB) bench raft --nodes 5 --proposals 1000 --ballast 1000 --save-every 1

@@ -4,7 +4,8 @@
 #   - libtorch, from PyPI's torch wheel of the version tch expects, in a Python venv (the same
 #     venv gives the tests Python's torch, safetensors and transformers, and moto's local EC2
 #     API server);
-#   - scikit-learn's digits.csv.gz, taken out of its wheel (scikit-learn itself is not installed).
+#   - scikit-learn's digits.csv.gz, taken out of its wheel (scikit-learn itself is not installed);
+#   - with --bench, the peers only the benchmarks run (torchft).
 # Then writes a make fragment with the paths. Safe to run again: finished parts are skipped.
 set -euo pipefail
 
@@ -13,6 +14,7 @@ SKLEARN_VERSION=1.7.2
 MOTO_VERSION=5.2.5              # a local EC2 API server for the fleet tests
 TRANSFORMERS_VERSION=5.23.0     # the other side of the Hugging Face interop tests
 PYARROW_VERSION=26.0.1          # writes the Parquet files the tokenize tests read
+TORCHFT_VERSION=0.2.0           # a peer in `make bench` (bench elastic); only with --bench
 DIGITS_SHA256=09f66e6debdee2cd2b5ae59e0d6abbb73fc2b0e0185d2e1957e9ebb51e23aa22
 
 CACHE="${LIMPET_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/limpet}"
@@ -42,6 +44,7 @@ need_package() { # COMMAND PACKAGE WHY
 }
 need_package systemd-analyze systemd "for checking the systemd unit"
 need_package protoc protobuf-compiler "protoc, for raft-rs's prost codec"
+need_package ip iproute2 "ip, for the tests that give each agent a network namespace"
 need_package patchelf patchelf "the release tarball's rpath"
 need_package readelf binutils "readelf, for the test that reads the binaries' NEEDED libraries"
 # A C++ compiler builds torch-sys's bindings and the trainer's helper (trainer/build.rs).
@@ -80,6 +83,13 @@ if ! "$VENV/bin/python" -c "import pyarrow; assert pyarrow.__version__ == '$PYAR
     say "installing pyarrow==$PYARROW_VERSION into $VENV (Parquet files for the tokenize tests)"
     "$VENV/bin/pip" install -q --no-input --disable-pip-version-check --progress-bar off \
         "pyarrow==$PYARROW_VERSION" >&2
+fi
+
+if [ "${1:-}" = "--bench" ] &&
+    ! "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('torchft') == '$TORCHFT_VERSION'" 2>/dev/null; then
+    say "installing torchft==$TORCHFT_VERSION into $VENV (a peer of bench elastic)"
+    "$VENV/bin/pip" install -q --no-input --disable-pip-version-check --progress-bar off \
+        "torchft==$TORCHFT_VERSION" >&2
 fi
 
 TORCH_DIR=$("$VENV/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')

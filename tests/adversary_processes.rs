@@ -143,6 +143,7 @@ fn a_member_cannot_speak_as_another_or_crash_the_others_and_training_goes_on() {
                     from: other,
                     report: vec![],
                     cluster: String::new(),
+                    urgent: false,
                 })
                 .await
                 .unwrap_err();

@@ -150,6 +150,45 @@ fn a_notice_at_the_instant_of_a_kill_leaves_in_the_very_next_epoch() {
     );
 }
 
+/// A host stalled for 2 s (SIGSTOP, then SIGCONT) while its peers' collectives give up on it
+/// after 1 s is slow, not dead: its port still accepts, so neither the leader's probe nor the
+/// quiet rule fails it, and with a 5 s failure timeout it stays in the job. A `kill -9` of the
+/// leader later in the same job is found from the evidence (reset sockets, a refused port),
+/// long before that timeout.
+#[test]
+fn a_stalled_host_stays_and_a_killed_one_is_found_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let timeouts = ["--failure-timeout-ms", "5000", "--data-timeout-ms", "1000"];
+    let summary = scenario_with(
+        &tmp.path().join("stall"),
+        3,
+        "mlp",
+        3000,
+        "0.3:stall:follower:2000,0.7:kill:leader",
+        &[&["--policy", "fixed-global"][..], &timeouts].concat(),
+    );
+    let events: Vec<&str> =
+        summary["events"].as_array().unwrap().iter().map(|e| e[2].as_str().unwrap()).collect();
+    let id_in = |prefix: &str| -> String {
+        let e =
+            events.iter().find(|e| e.starts_with(prefix)).unwrap_or_else(|| panic!("{prefix}: {events:?}"));
+        e[prefix.len()..].split(|c: char| !c.is_ascii_digit()).next().unwrap().to_string()
+    };
+    let (stalled, killed) = (id_in("stall node-"), id_in("kill -9 node-"));
+    let causes: Vec<&str> =
+        summary["transitions"].as_array().unwrap().iter().map(|t| t["cause"].as_str().unwrap()).collect();
+    assert!(
+        !causes.iter().any(|c| c.contains(&format!("failure of node {stalled}"))),
+        "the stalled node {stalled} was failed: {causes:?}"
+    );
+    let kill = transition(&summary, &format!("failure of node {killed}"));
+    let idle = kill["idle_ms"].as_u64().unwrap();
+    assert!(idle < 2500, "the kill was not found before the 5 s timeout: {kill}");
+    // The stalled node trained to the end: it is in the last epoch.
+    let last = summary["transitions"].as_array().unwrap().last().unwrap();
+    assert_eq!(last["world"], 2, "{summary:#}");
+}
+
 #[test]
 fn limpetd_validate_accepts_a_good_file_and_names_the_bad_key() {
     let tmp = tempfile::tempdir().unwrap();

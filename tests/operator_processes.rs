@@ -227,8 +227,13 @@ fn status_by_address_named_step_logs_and_a_quiet_drain_of_the_leader() {
         let mut client = pb::consensus_client::ConsensusClient::connect(url).await.unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
         loop {
-            let beat =
-                pb::HeartbeatRequest { cluster_id: cid, from: gone, report: vec![], cluster: String::new() };
+            let beat = pb::HeartbeatRequest {
+                cluster_id: cid,
+                from: gone,
+                report: vec![],
+                cluster: String::new(),
+                urgent: false,
+            };
             match client.heartbeat(beat).await {
                 Err(e) if e.message().contains("has left the cluster") => break e,
                 _ if std::time::Instant::now() > deadline => {

@@ -1,6 +1,7 @@
 //! Real processes: three `limpet-lab raft-node`s on loopback with sled state directories. The
 //! leader is killed with SIGKILL; a new leader must commit within a few seconds, and the
-//! killed node, restarted from its directory, must catch up with its log intact.
+//! killed node, restarted from its directory, must catch up with its log intact. A node down
+//! while the others compacted their logs catches up by a snapshot sent in chunks.
 
 #[path = "common.rs"]
 mod common;
@@ -148,4 +149,48 @@ async fn a_revoked_voter_is_replaced_by_a_joined_learner_and_a_revoked_leader_ha
     assert_eq!(st.voters.len(), 2, "{st:?}");
     let (index, _) = c.propose(&bump(newcomer, 7), Duration::from_secs(5)).await.unwrap();
     assert!(index > st.commit);
+}
+
+/// A node that was down while the others compacted their logs catches up by a snapshot, its
+/// data sent in chunks (here of 512 bytes: this state's snapshot is several).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_behind_the_compacted_log_catches_up_by_a_snapshot_in_chunks() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = &common::lab_exe();
+    let args = ["--snapshot-interval", "10", "--snapshot-chunk-bytes", "512"].map(String::from).to_vec();
+    let mut cluster = RaftCluster::start_with(exe, 3, dir.path(), 50, args).unwrap();
+    let leader = cluster.wait_for_leader(Duration::from_secs(20)).await.unwrap();
+    let behind = (1..=3).find(|&i| i != leader).unwrap();
+    cluster.kill(behind);
+    let mut c = cluster.client(leader).await.unwrap();
+    let mut index = 0;
+    for n in 0..60 {
+        index = c.propose(&bump(1 + n % 3, n), Duration::from_secs(5)).await.unwrap().0;
+    }
+    cluster.spawn(behind).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut back = loop {
+        if let Ok(client) = cluster.client(behind).await {
+            break client;
+        }
+        assert!(Instant::now() < deadline, "node {behind} did not come back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    loop {
+        let st = back.status().await.unwrap();
+        if st.applied >= index {
+            break;
+        }
+        assert!(Instant::now() < deadline, "node {behind} stuck at {st:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let log = std::fs::read_to_string(dir.path().join(format!("node-{behind}/node.log"))).unwrap();
+    assert!(
+        log.contains("a snapshot received in chunks"),
+        "no chunked snapshot in node {behind}'s log:\n{log}"
+    );
+    let mut l = cluster.client(leader).await.unwrap();
+    let (mine, theirs) = (back.read(false).await.unwrap(), l.read(true).await.unwrap());
+    assert!(mine.applied_index >= index);
+    assert_eq!(mine.state.members, theirs.state.members);
 }

@@ -4,7 +4,8 @@
 //! Checks what the fleet's cliffs broke: the cluster stays whole (no live agent marked
 //! failed), the mass revocation is one epoch (two when the kills are found before the
 //! notices are seen), and sixteen concurrent joiners enter in a wave (at most three epochs),
-//! each on its first try, copying from several holders.
+//! each on its first try, copying from several holders. The same harness with each agent in
+//! a network namespace of its own, with its own address.
 
 use serde_json::Value;
 
@@ -83,4 +84,64 @@ fn a_fleet_past_one_addresss_share_stays_whole_through_a_mass_revocation_and_a_w
         }
     }
     assert!(sources.len() >= 4, "the joiners copied from {sources:?} only");
+}
+
+/// The same harness with each agent in a network namespace of its own, with its own address
+/// on one bridge (as on a fleet of hosts, where caps per address count one host each): the
+/// cluster forms, takes a notice, a `kill -9` (found at once: the killed agent's kernel
+/// refuses its port) and a join, and the namespaces and the bridge are gone after.
+#[test]
+fn agents_in_network_namespaces_of_their_own_train_through_a_notice_a_kill_and_a_join() {
+    use std::os::unix::fs::MetadataExt;
+    // /proc/self belongs to the process's effective user.
+    if std::fs::metadata("/proc/self").unwrap().uid() != 0 {
+        eprintln!("skipped: network namespaces need root (make test runs as root on CI)");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("spaces");
+    let args = [
+        "--nodes",
+        "5",
+        "--model",
+        "mlp",
+        "--data",
+        "synthetic",
+        "--batch",
+        "40",
+        "--netns",
+        "--failure-timeout-ms",
+        "3000",
+    ];
+    let summary = common::scenario_json(&dir, &args, 1500, "0.3:notice:node-4:60,0.3:kill:node-5,0.6:join");
+    let file: Value = serde_json::from_slice(&std::fs::read(dir.join("cluster.json")).unwrap()).unwrap();
+    let hosts: Vec<String> = file["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["control"].as_str().unwrap().rsplit_once(':').unwrap().0.to_string())
+        .collect();
+    assert_eq!(hosts.len(), 6, "{hosts:?}");
+    assert!(hosts.iter().all(|h| h.starts_with("10.")), "{hosts:?}");
+    assert_eq!(hosts.iter().collect::<std::collections::BTreeSet<_>>().len(), hosts.len(), "{hosts:?}");
+    let seen = causes(&summary);
+    assert_eq!(seen[0], ("first epoch".to_string(), 5), "{seen:#?}");
+    assert_eq!(seen.last().unwrap().1, 4, "{seen:#?}");
+    let kill = common::transition(&summary, "failure of node 5");
+    assert!(kill["idle_ms"].as_u64().unwrap() < 1500, "the kill waited for the 3 s timeout: {kill}");
+    // The fleet's /16 is gone with its bridge, and its namespaces with it.
+    let ip = |args: &[&str]| {
+        let out = std::process::Command::new("ip").args(args).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let net: String = hosts[0].split('.').take(2).collect::<Vec<_>>().join(".") + ".";
+    let addrs = ip(&["-o", "-4", "addr", "show"]);
+    assert!(!addrs.contains(&format!(" {net}")), "the fleet's bridge is still up:\n{addrs}");
+    let spaces: Vec<&str> =
+        file["nodes"].as_array().unwrap().iter().map(|n| n["netns"].as_str().unwrap()).collect();
+    let left = ip(&["netns", "list"]);
+    assert!(
+        spaces.iter().all(|s| !left.lines().any(|l| l.split_whitespace().next() == Some(s))),
+        "{spaces:?} left in:\n{left}"
+    );
 }

@@ -77,6 +77,12 @@ impl pb::consensus_server::Consensus for Redirector {
     ) -> Result<tonic::Response<pb::SendAck>, tonic::Status> {
         Err(tonic::Status::unimplemented("redirects only"))
     }
+    async fn send_snapshot_chunk(
+        &self,
+        _: tonic::Request<pb::SnapshotChunk>,
+    ) -> Result<tonic::Response<pb::SendAck>, tonic::Status> {
+        Err(tonic::Status::unimplemented("redirects only"))
+    }
     async fn propose(
         &self,
         _: tonic::Request<pb::ProposeRequest>,
@@ -192,7 +198,13 @@ fn a_cluster_with_certificates_trains_and_refuses_callers_without_the_right_one(
         // An operator may not speak for a node: no raft traffic, no joining.
         let mut op = raw_client(&addr, &ca, Some((&operator.cert, &operator.key))).await.unwrap();
         let e = op
-            .send(pb::RaftBatch { cluster_id: cid, from: 1, from_addr: String::new(), messages: vec![] })
+            .send(pb::RaftBatch {
+                cluster_id: cid,
+                from: 1,
+                from_addr: String::new(),
+                messages: vec![],
+                snapshot_chunked: false,
+            })
             .await
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
@@ -253,7 +265,7 @@ fn a_cluster_with_certificates_trains_and_refuses_callers_without_the_right_one(
             let (tx, mut reports) = tokio::sync::mpsc::unbounded_channel();
             let tasks = limpet_consensus::tasks::Tasks::new(tokio_util::sync::CancellationToken::new());
             let wrong = PeerSender::spawn(
-                cid,
+                (cid, limpet_consensus::chunks::SNAPSHOT_CHUNK_BYTES),
                 (3, String::new()),
                 2,
                 node1.clone(),
@@ -267,7 +279,7 @@ fn a_cluster_with_certificates_trains_and_refuses_callers_without_the_right_one(
             let r = tokio::time::timeout(Duration::from_secs(10), reports.recv()).await.unwrap().unwrap();
             assert!(matches!(r, PeerReport::Unreachable(2)), "{r:?}");
             let right = PeerSender::spawn(
-                cid,
+                (cid, limpet_consensus::chunks::SNAPSHOT_CHUNK_BYTES),
                 (3, String::new()),
                 1,
                 node1.clone(),

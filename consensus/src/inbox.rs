@@ -48,9 +48,19 @@ pub(crate) enum Request {
 /// The largest heartbeat report a node keeps.
 pub const MAX_REPORT_BYTES: usize = 64 << 10;
 
-/// Agents' latest heartbeat reports, keyed by sender, stamped with their arrival time here.
+/// Agents' latest heartbeat reports, keyed by sender, stamped with their arrival time here,
+/// and a wake-up for a report that should not wait for the leader's next round.
 #[derive(Clone, Default)]
-pub struct Reports(Arc<Mutex<ReportTable>>);
+pub struct Reports {
+    table: Arc<Mutex<ReportTable>>,
+    urgent: Arc<tokio::sync::Notify>,
+    /// When each sender last woke the leader.
+    urgent_at: Arc<Mutex<HashMap<NodeId, std::time::Instant>>>,
+}
+
+/// A sender's urgent reports wake the leader once in this long at most: a member that sends
+/// nothing else makes the leader's round run no more than twice as often.
+pub const URGENT_EVERY: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// Latest report per node, with its arrival time.
 type ReportTable = HashMap<NodeId, (std::time::Instant, Arc<Vec<u8>>)>;
@@ -58,13 +68,31 @@ type ReportTable = HashMap<NodeId, (std::time::Instant, Arc<Vec<u8>>)>;
 impl Reports {
     /// Keeps `report` as `node`'s latest.
     pub fn put(&self, node: NodeId, report: Vec<u8>) {
-        let mut t = self.0.lock().expect("reports lock");
+        let mut t = self.table.lock().expect("reports lock");
         t.insert(node, (std::time::Instant::now(), Arc::new(report)));
+    }
+
+    /// Says `node`'s report just kept is urgent (sent at once: its collective broke, a notice
+    /// came, it entered an epoch): one waiter in [`Reports::urgent`], or the next to wait,
+    /// wakes, unless `node` woke it less than [`URGENT_EVERY`] ago.
+    pub fn mark_urgent(&self, node: NodeId) {
+        let now = std::time::Instant::now();
+        let mut at = self.urgent_at.lock().expect("urgent lock");
+        if at.get(&node).is_some_and(|&t| now.duration_since(t) < URGENT_EVERY) {
+            return;
+        }
+        at.insert(node, now);
+        self.urgent.notify_one();
+    }
+
+    /// Waits until a report is marked urgent.
+    pub async fn urgent(&self) {
+        self.urgent.notified().await
     }
 
     /// Every report held, by node id.
     pub fn all(&self) -> Vec<NodeReport> {
-        let t = self.0.lock().expect("reports lock");
+        let t = self.table.lock().expect("reports lock");
         let mut v: Vec<NodeReport> = t
             .iter()
             .map(|(&node, (at, r))| NodeReport { node, age: at.elapsed(), report: r.to_vec() })

@@ -18,6 +18,8 @@
 //! Without the default `node` feature the crate is `state` and `membership` only.
 
 #[cfg(feature = "node")]
+pub mod chunks;
+#[cfg(feature = "node")]
 pub mod codec;
 #[cfg(feature = "node")]
 pub mod core;

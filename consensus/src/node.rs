@@ -53,6 +53,9 @@ pub struct NodeConfig {
     pub request_timeout: Duration,
     /// Mutual TLS for the gRPC server and every connection to peers; `None` is plain text.
     pub tls: Option<Arc<Tls>>,
+    /// Snapshot data past this many bytes travels in chunks of this size (at most
+    /// [`crate::chunks::SNAPSHOT_CHUNK_BYTES`], the default; smaller in tests).
+    pub snapshot_chunk_bytes: usize,
     /// The lab's: this many gone members' records in the founding state (identical on
     /// every founder), so that a benchmark commits against a state of a large fleet's size.
     #[cfg(feature = "lab")]
@@ -75,6 +78,7 @@ impl NodeConfig {
             seeds: Vec::new(),
             request_timeout: Duration::from_secs(5),
             tls: None,
+            snapshot_chunk_bytes: crate::chunks::SNAPSHOT_CHUNK_BYTES,
             #[cfg(feature = "lab")]
             ballast: 0,
         }
@@ -178,6 +182,13 @@ impl Node {
     /// Its tasks run under `tasks` (the server, the join, a sender per peer), whose root token
     /// stops the node; the event loop is [`Node::wait`]'s.
     pub async fn start(cfg: NodeConfig, tasks: &crate::tasks::Tasks) -> Result<Node> {
+        if !(1..=crate::chunks::SNAPSHOT_CHUNK_BYTES).contains(&cfg.snapshot_chunk_bytes) {
+            return Err(ConsensusError::Config(format!(
+                "snapshot_chunk_bytes {} is not within 1..={}",
+                cfg.snapshot_chunk_bytes,
+                crate::chunks::SNAPSHOT_CHUNK_BYTES
+            )));
+        }
         let shutdown = tasks.token();
         let cid = cluster_id(&cfg.core.cluster);
         let identity = Identity { format: SLED_FORMAT, cluster_id: cid, node_id: cfg.core.id };
@@ -224,6 +235,7 @@ impl Node {
             reports,
             tls: cfg.tls.as_ref().map(|t| t.anonymous_reads),
             members: handle.watch.clone(),
+            chunks: Default::default(),
         };
         serve(listener, service, cfg.tls.as_ref(), tasks)?;
         let me = MemberSpec {
@@ -623,7 +635,7 @@ impl Loop {
         if stale {
             let me = (self.cfg.core.id, self.me.control_addr.clone());
             let sender = PeerSender::spawn(
-                self.core.cluster_id(),
+                (self.core.cluster_id(), self.cfg.snapshot_chunk_bytes),
                 me,
                 to,
                 addr,

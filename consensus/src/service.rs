@@ -305,6 +305,8 @@ pub(crate) struct Service {
     pub(crate) tls: Option<bool>,
     /// This node's applied state, for who is a member.
     pub(crate) members: watch::Receiver<LocalState>,
+    /// Snapshots arriving in chunks.
+    pub(crate) chunks: Arc<crate::chunks::Assemblies>,
 }
 
 /// The cluster a request asked for, in words: the name it gives when that name is really
@@ -408,6 +410,29 @@ impl Service {
         })
     }
 
+    /// Puts the data that came in chunks back into the one snapshot message of a batch
+    /// marked so (a marked batch with no such message, or one with data, is refused).
+    fn join_chunks(&self, from: NodeId, msgs: &mut [raft::eraftpb::Message]) -> Result<()> {
+        let snapshot = raft::eraftpb::MessageType::MsgSnapshot;
+        let mut snaps = msgs.iter_mut().filter(|m| m.get_msg_type() == snapshot);
+        let (Some(m), None) = (snaps.next(), snaps.next()) else {
+            return Err(ConsensusError::Decode {
+                what: "raft batch",
+                detail: "marked as a chunked snapshot without exactly one snapshot message".into(),
+            });
+        };
+        if !m.get_snapshot().data.is_empty() {
+            return Err(ConsensusError::Decode {
+                what: "raft batch",
+                detail: "a chunked snapshot's message carries data of its own".into(),
+            });
+        }
+        let data = self.chunks.take(from, crate::chunks::snapshot_id(m))?;
+        tracing::info!(node = self.me, from, bytes = data.len(), "a snapshot received in chunks");
+        m.mut_snapshot().data = data;
+        Ok(())
+    }
+
     fn check_cluster(&self, got: u64, named: &str, what: &str) -> std::result::Result<(), tonic::Status> {
         if got != self.cluster_id {
             let e = ConsensusError::WrongCluster {
@@ -446,7 +471,7 @@ impl pb::consensus_server::Consensus for Service {
         let batch = req.into_inner();
         crate::transport::count_control_bytes(false, "raft", prost::Message::encoded_len(&batch));
         self.authorize_node(peer, batch.from, "a raft batch")?;
-        let msgs = decode_batch(&batch, self.cluster_id, self.me).map_err(|e| {
+        let refused = |e: ConsensusError| {
             let e = match e {
                 ConsensusError::WrongCluster { got, .. } => {
                     ConsensusError::WrongCluster { serves: format!("{:?}", self.cluster), got }
@@ -455,9 +480,44 @@ impl pb::consensus_server::Consensus for Service {
             };
             tracing::warn!(node = self.me, from = batch.from, %e, "raft batch refused");
             tonic::Status::from(e)
-        })?;
+        };
+        let mut msgs = decode_batch(&batch, self.cluster_id, self.me).map_err(refused)?;
+        if batch.snapshot_chunked {
+            self.join_chunks(batch.from, &mut msgs).map_err(refused)?;
+        }
         // A full queue means the node is behind; dropping is safe, raft retransmits.
         let _ = self.raft_tx.try_send(Request::Raft { from: batch.from, from_addr: batch.from_addr, msgs });
+        Ok(tonic::Response::new(pb::SendAck {}))
+    }
+
+    async fn send_snapshot_chunk(
+        &self,
+        req: tonic::Request<pb::SnapshotChunk>,
+    ) -> std::result::Result<tonic::Response<pb::SendAck>, tonic::Status> {
+        let peer = self.caller(&req)?;
+        self.authorize_role(peer, Need::Node)?;
+        let c = req.into_inner();
+        crate::transport::count_control_bytes(false, "snapshot", prost::Message::encoded_len(&c));
+        self.check_cluster(c.cluster_id, "", "snapshot chunk")?;
+        self.authorize_node(peer, c.from, "a snapshot chunk")?;
+        // Snapshots come from a leader, a member; a node with no state yet (joining) takes
+        // them from whoever its first leader is.
+        let member = {
+            let local = self.members.borrow();
+            let members = &local.state.members;
+            members.is_empty()
+                || members.get(&c.from).is_some_and(|m| m.status != crate::state::MemberStatus::Gone)
+        };
+        if !member {
+            return Err(tonic::Status::permission_denied(format!(
+                "node {} is not a member: no snapshot from it",
+                c.from
+            )));
+        }
+        self.chunks.add(c.from, (c.index, c.term), c.offset, c.total, &c.data).map_err(|e| {
+            tracing::warn!(node = self.me, from = c.from, %e, "snapshot chunk refused");
+            tonic::Status::from(e)
+        })?;
         Ok(tonic::Response::new(pb::SendAck {}))
     }
 
@@ -585,6 +645,9 @@ impl pb::consensus_server::Consensus for Service {
             .into());
         }
         self.reports.put(req.from, req.report);
+        if req.urgent {
+            self.reports.mark_urgent(req.from);
+        }
         Ok(tonic::Response::new(pb::HeartbeatReply {}))
     }
 

@@ -70,6 +70,7 @@ pub fn encode_batch(cluster_id: u64, from: NodeId, msgs: &[Message]) -> pb::Raft
         from,
         from_addr: String::new(),
         messages: msgs.iter().map(crate::codec::encode).collect(),
+        snapshot_chunked: false,
     }
 }
 
@@ -90,9 +91,10 @@ pub struct PeerSender {
 }
 
 impl PeerSender {
-    /// Starts the sender task for `to` at `addr`.
+    /// Starts the sender task for `to` at `addr` (snapshot data past `chunk` bytes goes in
+    /// chunks of that size).
     pub fn spawn(
-        cluster_id: u64,
+        (cluster_id, chunk): (u64, usize),
         (from, from_addr): (NodeId, String),
         to: NodeId,
         addr: String,
@@ -115,15 +117,31 @@ impl PeerSender {
                     }
                 }
                 let has_snapshot = msgs.iter().any(|m| m.get_msg_type() == MessageType::MsgSnapshot);
-                let mut batch = encode_batch(cluster_id, from, &msgs);
-                batch.from_addr.clone_from(&from_addr);
                 let c = client.get_or_insert_with(|| match tls.as_deref() {
                     Some(t) => connect_pinned(&target, t, to),
                     None => connect_lazy(&target, None),
                 });
-                count_control_bytes(true, "raft", prost::Message::encoded_len(&batch));
-                let sent = tokio::time::timeout(Duration::from_secs(2), c.send(batch)).await;
-                let ok = matches!(sent, Ok(Ok(_)));
+                // A large snapshot's data goes first, in chunks; the message follows without it.
+                let (mut ok, mut chunked) = (true, false);
+                if let Some(i) = crate::chunks::chunked_snapshot(&msgs, chunk) {
+                    let id = crate::chunks::snapshot_id(&msgs[i]);
+                    let data = msgs[i].mut_snapshot().take_data();
+                    match send_chunks(c, (cluster_id, from), id, &data, chunk).await {
+                        Chunks::Sent => chunked = true,
+                        Chunks::Failed => ok = false,
+                        // An older receiver has no chunk call: the whole snapshot, as it took
+                        // before, if it fits its request limit.
+                        Chunks::Unsupported => msgs[i].mut_snapshot().data = data,
+                    }
+                }
+                if ok {
+                    let mut batch = encode_batch(cluster_id, from, &msgs);
+                    batch.from_addr.clone_from(&from_addr);
+                    batch.snapshot_chunked = chunked;
+                    count_control_bytes(true, "raft", prost::Message::encoded_len(&batch));
+                    let sent = tokio::time::timeout(Duration::from_secs(2), c.send(batch)).await;
+                    ok = matches!(sent, Ok(Ok(_)));
+                }
                 if !ok {
                     client = None;
                     let _ = reports.send(PeerReport::Unreachable(to));
@@ -142,6 +160,48 @@ impl PeerSender {
     pub fn send(&self, msg: Message) -> bool {
         self.tx.try_send(msg).is_ok()
     }
+}
+
+/// How a snapshot's chunks went.
+enum Chunks {
+    /// Every one arrived.
+    Sent,
+    /// One did not: raft sends the snapshot again.
+    Failed,
+    /// The receiver has no chunk call (an older build).
+    Unsupported,
+}
+
+/// Sends snapshot `id`'s `data` in chunks of `chunk` bytes, in order, each within 2 s.
+async fn send_chunks(
+    c: &mut pb::consensus_client::ConsensusClient<tonic::transport::Channel>,
+    (cluster_id, from): (u64, NodeId),
+    id: crate::chunks::SnapshotId,
+    data: &[u8],
+    chunk: usize,
+) -> Chunks {
+    let total = data.len() as u64;
+    for (n, piece) in data.chunks(chunk.max(1)).enumerate() {
+        let req = pb::SnapshotChunk {
+            cluster_id,
+            from,
+            index: id.0,
+            term: id.1,
+            offset: (n * chunk.max(1)) as u64,
+            total,
+            data: piece.to_vec(),
+        };
+        count_control_bytes(true, "snapshot", prost::Message::encoded_len(&req));
+        match tokio::time::timeout(Duration::from_secs(2), c.send_snapshot_chunk(req)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(s)) if n == 0 && s.code() == tonic::Code::Unimplemented => return Chunks::Unsupported,
+            _ => {
+                tracing::debug!(from, offset = n * chunk, "a snapshot chunk was not delivered");
+                return Chunks::Failed;
+            }
+        }
+    }
+    Chunks::Sent
 }
 
 fn endpoint(addr: &str, tls: Option<&Tls>) -> Result<tonic::transport::Endpoint> {
@@ -241,7 +301,8 @@ pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
 /// The largest request a node decodes, from anyone who reaches its port (anonymous reads,
 /// a cluster without certificates): a raft batch with a snapshot of the state of several
 /// thousand members fits, and 64 connections of an address, 32 calls each, cannot make the
-/// node hold more than this each. Snapshots past it would need sending in chunks.
+/// node hold more than this each. Snapshots travel in chunks well below it, and a node
+/// assembles at most two at once from members (`crate::chunks`).
 pub const MAX_REQUEST_BYTES: usize = 16 << 20;
 
 /// A client on `channel` taking and sending messages up to [`MAX_MESSAGE_BYTES`].
@@ -454,10 +515,15 @@ impl Client {
             .map_err(|e| ConsensusError::Decode { what: "node status", detail: e.to_string() })
     }
 
-    /// Sends this agent's heartbeat report.
-    pub async fn heartbeat(&mut self, from: NodeId, report: Vec<u8>) -> Result<()> {
-        let req =
-            pb::HeartbeatRequest { cluster_id: self.cluster_id, from, report, cluster: self.cluster.clone() };
+    /// Sends this agent's heartbeat report (`urgent`: at once, after a collective failure).
+    pub async fn heartbeat(&mut self, from: NodeId, report: Vec<u8>, urgent: bool) -> Result<()> {
+        let req = pb::HeartbeatRequest {
+            cluster_id: self.cluster_id,
+            from,
+            report,
+            cluster: self.cluster.clone(),
+            urgent,
+        };
         count_control_bytes(true, "report", prost::Message::encoded_len(&req));
         self.inner.heartbeat(req).await.map_err(status_error)?;
         Ok(())

@@ -32,6 +32,9 @@ pub struct LocalNode {
     pub pid: u32,
     /// Process id of its fake metadata service.
     pub metadata_pid: u32,
+    /// The network namespace it runs in, if not the machine's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub netns: Option<String>,
 }
 
 /// `DIR/cluster.json`.

@@ -72,6 +72,9 @@ pub struct Evidence {
     /// Suspects (see [`suspects`]) whose control port refused the leader's connection just
     /// now: nothing listens there.
     pub refused: std::collections::BTreeSet<NodeId>,
+    /// Suspects whose control port accepted the leader's connection just now: the host is
+    /// up and something listens, so the process lives, if stalled or slow.
+    pub answered: std::collections::BTreeSet<NodeId>,
     /// When each node outside the current epoch was first heard reporting in time (unix
     /// ms), as [`Evidence::track_ready`] keeps it: joins are admitted in waves.
     pub ready_since: BTreeMap<NodeId, u64>,
@@ -118,8 +121,11 @@ pub fn suspects(st: &ClusterState, reports: &Reports, timeout_ms: u64) -> Vec<No
 /// [`plan_round`], with the evidence the leader gathered itself. A suspect whose port
 /// refused (`Evidence::refused`) has nothing listening there: the process is dead (a
 /// `kill -9`, a crash), and it is failed at once, without waiting for it to stay quiet. A
-/// stalled process still has its port open (the kernel accepts for it), so a slow host never
-/// takes this path. Newcomers are admitted in waves from `Evidence::ready_since`.
+/// stalled process still has its port open (the kernel accepts for it,
+/// `Evidence::answered`): it is alive, and only the failure timeout fails it, so a slow host
+/// never takes a fast path. A suspect whose port did not answer at all (a host gone, a
+/// network that drops) is failed once it has also been quiet for a few heartbeats.
+/// Newcomers are admitted in waves from `Evidence::ready_since`.
 pub fn plan_round_with(
     s: &LeaderSettings,
     st: &ClusterState,
@@ -137,13 +143,15 @@ pub fn plan_round_with(
         .collect();
     // Only a rank of the epoch can say its group broke (a spare's word is no reason).
     let ranks = st.current.as_ref().map(|e| e.ranks.as_slice()).unwrap_or_default();
-    // A live rank whose collective broke names the peer; if that peer has also gone quiet
-    // for a few heartbeats, it is dead: no need to wait out the whole timeout.
+    // A live rank whose collective broke names the peer; if nothing listens on that peer's
+    // port, or its host did not answer and it has also gone quiet for a few heartbeats, it
+    // is dead: no need to wait out the whole timeout. An answering port is a live process.
     let quiet = (s.heartbeat_ms * 3).max(300);
     for (_, r) in live().filter(|(_, r)| ranks.contains(&r.node)) {
         if let Some(b) = r.broken.as_ref().filter(|b| b.epoch == cur_id) {
             if let Some((id, p)) = b.suspect.and_then(|id| Some((id, progress.get_mut(&id)?))) {
-                if p.heartbeat_age_ms > quiet || refused.contains(&id) {
+                let silent = p.heartbeat_age_ms > quiet && !evidence.answered.contains(&id);
+                if silent || refused.contains(&id) {
                     p.heartbeat_age_ms = u64::MAX;
                 }
             }

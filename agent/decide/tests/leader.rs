@@ -1,6 +1,7 @@
 //! The leader's round, called directly: what it proposes from the replicated state and the
 //! agents' reports (a rank that entered a scheduled epoch activates it, a joiner that trains
-//! becomes active, a quiet peer named by a broken collective is treated as failed at once, and
+//! becomes active, a quiet peer named by a broken collective whose port does not answer is
+//! treated as failed at once (one whose port accepts lives, and waits for the timeout), and
 //! a group broken with everyone alive is rebuilt after the failure timeout).
 
 use limpet_consensus::state::{ClusterState, Command, MemberStatus, NodeId};
@@ -122,12 +123,24 @@ fn a_quiet_peer_named_by_a_broken_collective_fails_before_the_timeout() {
         _ => None,
     });
     assert_eq!(next, Some(vec![1, 2]), "{round:?}");
+    // The same quiet peer whose port accepted the leader's connection lives (stalled, or
+    // slow): only the failure timeout fails it.
+    use limpet_decide::leader::{plan_round_with, Evidence};
+    let answered = Evidence { answered: [3].into(), ..Evidence::default() };
+    let alive = plan_round_with(&settings(), &st, &reports, NOW, &answered);
+    assert!(!alive.commands.iter().any(|c| matches!(c, Command::MarkFailed { .. })), "{alive:?}");
+    reports.get_mut(&3).unwrap().0 = 1001;
+    let timed_out = plan_round_with(&settings(), &st, &reports, NOW, &answered);
+    assert!(
+        timed_out.commands.iter().any(|c| matches!(c, Command::MarkFailed { id: 3, .. })),
+        "{timed_out:?}"
+    );
 }
 
 /// A suspect whose control port refused the leader's connection is failed at once, though
 /// it reported 20 ms ago (a `kill -9` just now): the evidence is the leader's own. The same
-/// suspect with its port open (a stalled process: the kernel still accepts) waits for the
-/// quiet rule, and a port refusing without a rank naming its owner fails nobody.
+/// suspect not refusing waits (for the quiet rule if its port does not answer, for the
+/// timeout if it does), and a port refusing without a rank naming its owner fails nobody.
 #[test]
 fn a_suspect_whose_port_refuses_fails_at_once_and_a_slow_one_does_not() {
     use limpet_decide::leader::{plan_round_with, suspects, Evidence};

@@ -25,9 +25,15 @@ pub(super) async fn heartbeats(
 ) {
     let stop = tasks.token();
     let clients: Arc<tokio::sync::Mutex<HashMap<String, Client>>> = Arc::default();
+    // Whether this round was asked for at once (a collective failed, a notice came, an epoch
+    // was entered): the leader then reads the reports at once instead of at its next round.
+    let mut urgent = false;
     loop {
         let report = progress.lock().expect("progress lock").encode();
         handle.reports().put(cfg.id, report.clone());
+        if urgent {
+            handle.reports().mark_urgent(cfg.id);
+        }
         let targets = recipients(&handle.watch().borrow(), cfg.id);
         // Channels to nodes that no longer vote or lead are closed, so their connection slots
         // come back.
@@ -47,7 +53,7 @@ pub(super) async fn heartbeats(
                             c
                         }
                     };
-                    c.heartbeat(me, report).await
+                    c.heartbeat(me, report, urgent).await
                 };
                 match tokio::time::timeout(budget, send).await {
                     Ok(Ok(())) => {}
@@ -57,11 +63,11 @@ pub(super) async fn heartbeats(
                 }
             });
         }
-        tokio::select! {
+        urgent = tokio::select! {
             _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(cfg.timing.heartbeat()) => {}
-            _ = now.notified() => {}
-        }
+            _ = tokio::time::sleep(cfg.timing.heartbeat()) => false,
+            _ = now.notified() => true,
+        };
     }
 }
 

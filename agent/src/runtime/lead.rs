@@ -12,7 +12,7 @@ use limpet_consensus::tasks::TaskFailed;
 use limpet_consensus::NodeHandle;
 use limpet_decide::bootstrap::{BootStep, Bootstrap};
 use limpet_trainer::data::Dataset;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -29,11 +29,22 @@ pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: Cancel
     let mut evidence = crate::leader::Evidence::default();
     // The term this node leads in, and since when.
     let mut led_since: Option<(u64, Instant)> = None;
+    let mut round_at = Instant::now();
+    let inbox = handle.reports().clone();
     loop {
+        // A round every 50 ms (5 ms at least after the last one ended), and at once when a
+        // report comes at once (a collective broke): a dead peer is then failed without
+        // waiting for the next round. Urgent reports never make rounds start closer than
+        // 5 ms.
+        let next = (round_at + ROUND_EVERY).max(Instant::now() + ROUND_AT_MOST_EVERY);
         tokio::select! {
             _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+            _ = tokio::time::sleep_until(next.into()) => {}
+            _ = inbox.urgent() => {
+                tokio::time::sleep_until((round_at + ROUND_AT_MOST_EVERY).into()).await;
+            }
         }
+        round_at = Instant::now();
         let local = handle.watch().borrow().clone();
         if !local.is_leader && last_stuck.take().is_some() {
             // Said by whoever leads now.
@@ -110,7 +121,16 @@ pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: Cancel
             continue;
         }
         let suspects = crate::leader::suspects(&st, &reports, timeout_ms);
-        evidence.refused = refusing(&st, &suspects).await;
+        // A suspect whose port answered is alive to the leader until it reports again or is
+        // no longer suspected, and is not probed again meanwhile: a stalled process accepts
+        // nothing, and probes would fill its queue until one went unanswered.
+        let reported = |id: &NodeId| reports.get(id).is_some_and(|(age, _)| *age <= settings.heartbeat_ms);
+        evidence.answered.retain(|id| suspects.contains(id) && !reported(id));
+        let fresh: Vec<NodeId> =
+            suspects.iter().copied().filter(|id| !evidence.answered.contains(id)).collect();
+        let (refused, answered) = probe(&st, &fresh).await;
+        evidence.refused = refused;
+        evidence.answered.extend(answered);
         evidence.track_ready(&st, &reports, timeout_ms, now);
         // The round (every report read, the controller, for a pipelined job the planner)
         // runs off the async workers, which the heartbeats and raft share.
@@ -183,13 +203,14 @@ fn decode_reports(held: Vec<limpet_consensus::NodeReport>) -> BTreeMap<NodeId, (
 }
 
 /// Of `suspects` (peers a rank's collective broke on), those whose control port refuses a
-/// connection now: nothing listens there, so the process is gone. Each is asked at once,
-/// and one that does not answer within the probe's time (a host that is down, a network
-/// that drops) is no evidence either way: the heartbeat timeout decides for it.
-async fn refusing(
+/// connection now (nothing listens there, so the process is gone), and those whose port
+/// accepts (the process lives, stalled or not). Each is asked at once; one that does not
+/// answer within the probe's time (a host that is down, a network that drops) is in
+/// neither.
+async fn probe(
     st: &limpet_consensus::ClusterState,
     suspects: &[NodeId],
-) -> std::collections::BTreeSet<NodeId> {
+) -> (BTreeSet<NodeId>, BTreeSet<NodeId>) {
     let mut probes = tokio::task::JoinSet::new();
     for &id in suspects {
         let Some(m) = st.members.get(&id) else { continue };
@@ -197,13 +218,27 @@ async fn refusing(
         probes.spawn(async move {
             let probe = tokio::net::TcpStream::connect(addr);
             match tokio::time::timeout(PROBE_TIME, probe).await {
-                Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => Some(id),
+                Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => Some((id, false)),
+                Ok(Ok(_)) => Some((id, true)),
                 _ => None,
             }
         });
     }
-    probes.join_all().await.into_iter().flatten().collect()
+    let (mut refused, mut answered) = (BTreeSet::new(), BTreeSet::new());
+    for (id, alive) in probes.join_all().await.into_iter().flatten() {
+        if alive {
+            answered.insert(id)
+        } else {
+            refused.insert(id)
+        };
+    }
+    (refused, answered)
 }
+
+/// The leader's round: every this often, when nothing urgent comes.
+const ROUND_EVERY: Duration = Duration::from_millis(50);
+/// Rounds woken by urgent reports come no closer than this.
+const ROUND_AT_MOST_EVERY: Duration = Duration::from_millis(5);
 
 /// How long the leader waits for a suspect's control port to answer.
 const PROBE_TIME: Duration = Duration::from_millis(50);

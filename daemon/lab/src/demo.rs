@@ -114,10 +114,12 @@ pub struct ScenarioArgs {
     /// Global micro-batch (default: the batch).
     #[arg(long)]
     pub micro_batch: Option<u64>,
-    /// Events as FRACTION:ACTION[:NODE[:SECS]], comma-separated; actions: notice, join,
-    /// kill, drain, term (SIGTERM); NODE may be `leader` or `follower` (a rank of the
-    /// current epoch that does not lead); events at the same fraction fire together.
-    /// Example: 0.2:notice:node-2:20,0.5:join,0.7:kill:leader,0.7:join
+    /// Events as FRACTION:ACTION[:NODE[:SECS|MS]], comma-separated; actions: notice (SECS to
+    /// the revocation), join, kill, drain, term (SIGTERM), stall (SIGSTOP, then SIGCONT MS
+    /// later: a live host that stops answering for a while); NODE may be `leader` or
+    /// `follower` (a rank of the current epoch that does not lead); events at the same
+    /// fraction fire together.
+    /// Example: 0.2:notice:node-2:20,0.5:join,0.7:kill:leader,0.7:join,0.8:stall:follower:2000
     #[arg(long, default_value = "")]
     pub script: String,
     /// Give up after this many seconds.
@@ -138,6 +140,14 @@ pub struct ScenarioArgs {
     /// sharing a few cores may go quiet longer than a host of its own ever would.
     #[arg(long, value_name = "MS")]
     pub failure_timeout_ms: Option<u64>,
+    /// Every node's `[timing].data_timeout_ms`: how long a collective waits on a silent peer
+    /// before it breaks (its default when absent).
+    #[arg(long, value_name = "MS")]
+    pub data_timeout_ms: Option<u64>,
+    /// Each node in a network namespace of its own, with its own address (root only),
+    /// instead of every node on 127.0.0.1.
+    #[arg(long)]
+    pub netns: bool,
     /// A straggler drill: NODE:US makes NODE sleep US microseconds per sample it computes.
     #[arg(long, value_parser = parse_slow)]
     pub slow: Option<(String, u64)>,
@@ -234,7 +244,8 @@ pub fn scenario(a: ScenarioArgs) -> limpet_daemon::Result<()> {
         }),
         devices: usize::from(a.devices),
         node_devices: a.node_devices.clone(),
-        extra_config: a.failure_timeout_ms.map(|ms| format!("[timing]\nfailure_timeout_ms = {ms}\n")),
+        extra_config: timing_section(a.failure_timeout_ms, a.data_timeout_ms),
+        netns: a.netns,
         ..LocalJob::default()
     };
     let summary = run_scenario(&a.dir, a.nodes, job, &script, Duration::from_secs(a.timeout), !a.json)?;
@@ -244,6 +255,13 @@ pub fn scenario(a: ScenarioArgs) -> limpet_daemon::Result<()> {
         print_summary(&summary, &a.dir.join("demo.svg"));
     }
     check(&summary)
+}
+
+/// A `[timing]` section with the timeouts given, if any.
+fn timing_section(failure_ms: Option<u64>, data_ms: Option<u64>) -> Option<String> {
+    let keys = [("failure_timeout_ms", failure_ms), ("data_timeout_ms", data_ms)];
+    let lines: String = keys.iter().filter_map(|(k, v)| Some(format!("{k} = {}\n", (*v)?))).collect();
+    (!lines.is_empty()).then(|| format!("[timing]\n{lines}"))
 }
 
 fn check(s: &Summary) -> limpet_daemon::Result<()> {
@@ -278,10 +296,15 @@ pub fn parse_script(text: &str) -> limpet_daemon::Result<Vec<(f64, Action)>> {
             Some("kill") => Action::Kill { node: node(2)? },
             Some("drain") => Action::Drain { node: node(2)? },
             Some("term") => Action::Term { node: node(2)? },
+            Some("stall") => {
+                let ms = parts.get(3).ok_or_else(|| bad(format!("{item:?}: stall for how many ms?")))?;
+                let ms = ms.parse().map_err(|_| bad(format!("{item:?}: {ms:?} is not milliseconds")))?;
+                Action::Stall { node: node(2)?, ms }
+            }
             other => {
                 let other = other.unwrap_or("");
                 return Err(bad(format!(
-                    "{item:?}: action {other:?} is not notice, join, kill, drain or term"
+                    "{item:?}: action {other:?} is not notice, join, kill, drain, term or stall"
                 )));
             }
         };
@@ -318,6 +341,14 @@ pub enum Action {
         /// Which node (or `leader`).
         node: String,
     },
+    /// SIGSTOP to the node's limpetd, SIGCONT `ms` later: a live host that stops answering
+    /// for a while (a long pause, a swap storm). It should stay.
+    Stall {
+        /// Which node (or `leader`).
+        node: String,
+        /// How long, ms.
+        ms: u64,
+    },
 }
 
 impl Action {
@@ -328,6 +359,7 @@ impl Action {
             Action::Kill { node } => format!("kill -9 {node} (no notice)"),
             Action::Drain { node } => format!("drain {node}"),
             Action::Term { node } => format!("SIGTERM to {node}'s limpetd"),
+            Action::Stall { node, ms } => format!("stall {node} for {ms} ms (SIGSTOP, then SIGCONT)"),
         }
     }
 }
@@ -533,7 +565,8 @@ impl Player<'_> {
                     | Action::Term { node },
                     _,
                 ) => Some((node.clone(), false, Instant::now())),
-                (Action::Join, None) => None,
+                // A stalled node stays where it is: nothing to settle.
+                (Action::Join, None) | (Action::Stall { .. }, _) => None,
             };
             // Actions at the same point fire together (a kill and a join at one instant, two
             // joins in one epoch); otherwise the next waits for this one to settle.
@@ -609,6 +642,7 @@ fn resolve(action: &Action, doc: &StatusDoc) -> Action {
         Action::Kill { node } => Action::Kill { node: pick(node) },
         Action::Drain { node } => Action::Drain { node: pick(node) },
         Action::Term { node } => Action::Term { node: pick(node) },
+        Action::Stall { node, ms } => Action::Stall { node: pick(node), ms: *ms },
         Action::Join => Action::Join,
     }
 }
@@ -632,6 +666,18 @@ fn fire(
             nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGTERM)
                 .with_context(|| format!("SIGTERM to {node}"))
                 .map_err(Into::into)
+        }
+        Action::Stall { node, ms } => {
+            use nix::sys::signal::{kill, Signal};
+            let pid = nix::unistd::Pid::from_raw(cluster.file.node(node)?.pid as i32);
+            kill(pid, Signal::SIGSTOP).with_context(|| format!("SIGSTOP to {node}"))?;
+            let ms = *ms;
+            // The driver keeps polling status meanwhile; a thread wakes the node.
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(ms));
+                let _ = kill(pid, Signal::SIGCONT);
+            });
+            Ok(())
         }
         Action::Drain { node } => {
             let id = cluster.file.node(node)?.id;

@@ -2,12 +2,16 @@
 //! torchrun (PyTorch's elastic launcher, gloo backend) recovering from a killed worker on the
 //! same model and data in the same run.
 //!
-//! limpet: a local cluster trains the digits MLP through a spot notice, a join, and a
-//! `kill -9` of the Raft leader's host. Reported per transition: the ranks' idle time, lost
-//! steps, and for the kill the time from the kill to the next completed step (a new leader
-//! included). torchrun: `bench/torchrun_elastic.py` (checkpoint every 100 steps) with one
-//! worker killed at the same point of the job; reported: the time from the kill to the next
-//! completed step, and the steps redone from the checkpoint.
+//! limpet: a local cluster trains the digits MLP through a spot notice, a join, a `kill -9`
+//! of the Raft leader's host and one of another host. Reported per transition: the ranks'
+//! idle time, lost steps, and for the kills the time from the kill to the next completed
+//! step (a new leader included). torchrun: `bench/torchrun_elastic.py` (checkpoint every
+//! 100 steps) with one worker killed at the same point of the job; reported: the time from
+//! the kill to the next completed step, and the steps redone from the checkpoint. torchft:
+//! `bench/torchft_elastic.py`, replica groups of one process coordinated by torchft's
+//! lighthouse, one group killed; reported: the time from the kill to the survivors' first
+//! step committed without it, with `torchft_lighthouse`'s default join timeout (60 s) and
+//! with 100 ms.
 
 use crate::demo::{now_ms, run_scenario, Action};
 use crate::local::LocalJob;
@@ -36,6 +40,13 @@ pub struct BenchElasticArgs {
     /// How long to wait for torchrun's next step after the kill, seconds.
     #[arg(long, default_value_t = 60)]
     pub torchrun_wait: u64,
+    /// torchft's replica groups (one process each; one is killed).
+    #[arg(long, default_value_t = 3)]
+    pub torchft_replicas: usize,
+    /// Leave torchft out (it is installed by `bash deploy/setup.sh --bench`, which `make
+    /// bench` runs).
+    #[arg(long)]
+    pub no_torchft: bool,
     /// Instead of transitions: the step time of a reproducible job against the ordinary one,
     /// the same job on the same agents, one run after the other.
     #[arg(long)]
@@ -57,6 +68,9 @@ pub struct BenchElasticArgs {
     /// Print the results as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Keep the runs (step logs, node logs, the peers' logs) in this directory.
+    #[arg(long)]
+    pub dir: Option<std::path::PathBuf>,
 }
 
 /// `--reproducible`: median step times of both paths.
@@ -186,6 +200,9 @@ pub struct ElasticBench {
     pub sharded: Option<Vec<Measured>>,
     /// torchrun after a killed worker (MLP only: its script trains the MLP).
     pub torchrun: Option<Measured>,
+    /// torchft after a killed replica group, with `torchft_lighthouse`'s default join timeout and
+    /// with 100 ms (MLP only).
+    pub torchft: Vec<Measured>,
 }
 
 /// Runs the benchmark.
@@ -194,6 +211,7 @@ pub fn bench(a: BenchElasticArgs) -> limpet_daemon::Result<()> {
         return Err(limpet_daemon::UsageError("--nodes must be at least 3".into()).into());
     }
     let tmp = tempfile::tempdir()?;
+    let root = a.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
     let (model, data, global_batch) = match a.model.as_str() {
         "mlp" => ("mlp", "digits", 64),
         "gpt" => ("gpt", "chars", 32),
@@ -228,18 +246,19 @@ pub fn bench(a: BenchElasticArgs) -> limpet_daemon::Result<()> {
         (0.2, Action::Notice { node: "node-2".into(), in_secs: 30 }),
         (0.4, Action::Join),
         (0.6, Action::Kill { node: "leader".into() }),
+        (0.8, Action::Kill { node: "follower".into() }),
     ];
     eprintln!(
-        "limpet: {} agents, {model} on {data}, {} steps: notice, join, kill -9 of the leader",
+        "limpet: {} agents, {model} on {data}, {} steps: notice, join, kill -9 of the leader, kill -9 of another",
         a.nodes, a.steps
     );
-    let dir = tmp.path().join("limpet");
+    let dir = root.join("limpet");
     let (step_ms, limpet) = transitions(&dir, a.nodes, job.clone(), &script, !a.json)?;
     let sharded = match a.shard_replicas {
         Some(replicas) => {
             eprintln!("limpet, optimizer state sharded with {replicas} replica(s): the same transitions");
             let job = LocalJob { shard_state: Some(("optimizer".into(), replicas)), ..job };
-            Some(transitions(&tmp.path().join("sharded"), a.nodes, job, &script, !a.json)?.1)
+            Some(transitions(&root.join("sharded"), a.nodes, job, &script, !a.json)?.1)
         }
         None => None,
     };
@@ -248,11 +267,36 @@ pub fn bench(a: BenchElasticArgs) -> limpet_daemon::Result<()> {
             "torchrun: {} workers, the same MLP and data, checkpoint every 100 steps, one worker killed at 60%",
             a.nodes
         );
-        Some(torchrun(&tmp.path().join("torchrun"), a.nodes, a.steps, Duration::from_secs(a.torchrun_wait))?)
+        Some(torchrun(&root.join("torchrun"), a.nodes, a.steps, Duration::from_secs(a.torchrun_wait))?)
     } else {
         None
     };
-    let r = ElasticBench { step_ms, limpet, sharded, torchrun };
+    let mut torchft = Vec::new();
+    if model == "mlp" && !a.no_torchft {
+        // `torchft_lighthouse`'s defaults (a 60 s join timeout, 5 s heartbeat timeout), then
+        // its join timeout at 100 ms.
+        for join_ms in [60_000, 100] {
+            eprintln!(
+                "torchft: {} replica groups of one process, the same MLP and data, one killed at 60%, the lighthouse's join timeout {join_ms} ms",
+                a.torchft_replicas,
+            );
+            let dir = root.join(format!("torchft-{join_ms}"));
+            let r = crate::torchft_peer::run(&dir, a.torchft_replicas, a.steps / 2, join_ms)?;
+            let join =
+                if join_ms == 60_000 { "60 s, its default".to_string() } else { format!("{join_ms} ms") };
+            torchft.push(Measured {
+                event: format!("torchft: kill -9 of a replica group (join timeout {join})"),
+                idle_ms: None,
+                recovery_ms: r.recovery_ms,
+                lost_steps: r.lost_steps,
+                fetch_ms: None,
+                bytes: None,
+                goal: "(peer: quorum without the group)".into(),
+                met: r.recovery_ms.is_some(),
+            });
+        }
+    }
+    let r = ElasticBench { step_ms, limpet, sharded, torchrun, torchft };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
     } else {
@@ -315,20 +359,28 @@ fn measured(
             met: idle <= t.fetch_ms + 500,
         });
     }
-    if let Some(t) = find("failure of") {
-        let kill_at = s.events.iter().find(|e| e.2.starts_with("kill -9")).map(|e| e.1).unwrap_or(0);
+    // Each kill's transition names its node ("kill -9 node-3" -> "failure of node 3").
+    let kills = s.events.iter().filter_map(|e| Some((e.1, e.2.strip_prefix("kill -9 node-")?)));
+    for (i, (kill_at, rest)) in kills.enumerate() {
+        let id = rest.split(|c: char| !c.is_ascii_digit()).next().unwrap_or_default();
+        let Some(t) = find(&format!("failure of node {id}")) else { continue };
         let before = lines.iter().filter(|l| l.wall_ms <= kill_at).map(|l| l.epoch).max().unwrap_or(0);
         let next = lines.iter().filter(|l| l.wall_ms > kill_at && l.epoch > before).map(|l| l.wall_ms).min();
         let recovery = next.map(|n| n - kill_at);
+        // The script kills the leader first, then a host that does not lead.
+        let (event, goal, goal_ms) = match i {
+            0 => ("kill -9 of the leader's host", "kill to next step < 3 s", 3000),
+            _ => ("kill -9 of another host", "kill to next step <= 100 ms", 100),
+        };
         limpet.push(Measured {
-            event: "kill -9 of the leader's host".into(),
+            event: event.into(),
             idle_ms: t.idle_ms,
             recovery_ms: recovery,
             lost_steps: t.lost_steps,
             fetch_ms: Some(t.fetch_ms),
             bytes: Some(t.fetched_bytes),
-            goal: "kill to next step < 3 s".into(),
-            met: recovery.is_some_and(|r| r < 3000),
+            goal: goal.into(),
+            met: recovery.is_some_and(|r| r <= goal_ms),
         });
     }
     limpet
@@ -343,7 +395,8 @@ fn print_table(r: &ElasticBench) {
         "transition", "idle", "kill->step", "lost", "copy", "bytes", "goal"
     );
     let sharded = r.sharded.iter().flatten().map(|m| (m, "sharded: "));
-    let rows = r.limpet.iter().map(|m| (m, "")).chain(sharded).chain(r.torchrun.iter().map(|m| (m, "")));
+    let peers = r.torchrun.iter().chain(&r.torchft).map(|m| (m, ""));
+    let rows = r.limpet.iter().map(|m| (m, "")).chain(sharded).chain(peers);
     for (m, state) in rows {
         println!(
             "{:<42} {:>10} {:>14} {:>6} {:>10} {:>11}  {:<34} {}",
@@ -410,6 +463,19 @@ fn torchrun(dir: &Path, workers: usize, steps: u64, wait: Duration) -> limpet_da
     let pgid = nix::unistd::Pid::from_raw(child.id() as i32);
     let stop = |why: &str| {
         let _ = nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGKILL);
+        // Workers torchrun restarted run in sessions of their own, outside its group: each
+        // wrote its pid.
+        for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            if e.file_name().to_string_lossy().starts_with("pid-") {
+                let pid = std::fs::read_to_string(e.path()).ok().and_then(|p| p.trim().parse().ok());
+                if let Some(pid) = pid {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(pid),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                }
+            }
+        }
         eprintln!("torchrun: {why}");
     };
     let steps_file = dir.join("steps.jsonl");

@@ -117,6 +117,10 @@ pub struct LocalJob {
     /// `[job].overlap` (absent: the default, overlapping).
     #[serde(default)]
     pub overlap: Option<bool>,
+    /// Each node in a network namespace of its own with its own address (`netns.rs`; root
+    /// only), rather than every node on 127.0.0.1.
+    #[serde(default)]
+    pub netns: bool,
 }
 
 impl Default for LocalJob {
@@ -160,6 +164,7 @@ impl Default for LocalJob {
             devices: 0,
             node_devices: Vec::new(),
             overlap: None,
+            netns: false,
         }
     }
 }
@@ -179,7 +184,14 @@ pub struct LocalCluster {
     founders: Vec<String>,
     /// How the next node added is started: as systemd starts a `Type=notify` service.
     systemd: Option<SystemdEnv>,
+    /// Each node's network namespace, with `LocalJob::netns`.
+    spaces: HashMap<String, String>,
+    /// The namespaces' bridge (last: dropped after `down` stopped every process in them).
+    fleet: Option<crate::netns::Fleet>,
 }
+
+/// The ports of a node in a namespace of its own (every node has the whole range there).
+const NS_CONTROL_PORT: u16 = 7400;
 
 /// The environment systemd gives a `Type=notify` service with a watchdog.
 #[derive(Clone, Debug)]
@@ -254,7 +266,12 @@ impl LocalCluster {
             metadata: HashMap::new(),
             founders: Vec::new(),
             systemd: None,
+            spaces: HashMap::new(),
+            fleet: None,
         };
+        if c.job.netns {
+            c.fleet = Some(crate::netns::Fleet::new()?);
+        }
         if c.job.tls {
             let certs = c.certs_dir();
             limpet_daemon::certs::init(&certs, &c.file.cluster, 30)?;
@@ -267,9 +284,8 @@ impl LocalCluster {
             c.file.operator_tls =
                 Some(limpet_consensus::tls::TlsFiles { ca: certs.join("ca.pem"), cert, key });
         }
-        let controls: Vec<String> = (0..n)
-            .map(|_| free_port().map(|p| format!("127.0.0.1:{p}")))
-            .collect::<limpet_daemon::Result<_>>()?;
+        let controls: Vec<String> =
+            (1..=n as u64).map(|id| c.control_for(id)).collect::<limpet_daemon::Result<_>>()?;
         c.founders = controls.iter().enumerate().map(|(i, a)| format!("{}={a}", i + 1)).collect();
         for (i, control) in controls.iter().enumerate() {
             c.start_node(&format!("node-{}", i + 1), (i + 1) as u64, control, true)?;
@@ -280,6 +296,12 @@ impl LocalCluster {
     /// Adds a node that joins through the founders, started the way systemd starts a
     /// `Type=notify` service (`NOTIFY_SOCKET`, `WATCHDOG_USEC`, `WATCHDOG_PID`).
     pub fn add_as_service(&mut self, env: SystemdEnv) -> limpet_daemon::Result<String> {
+        if self.fleet.is_some() {
+            return Err(limpet_daemon::UsageError(
+                "a node started as a service runs outside any network namespace; this cluster's nodes each have one".into(),
+            )
+            .into());
+        }
         self.systemd = Some(env);
         let r = self.add();
         self.systemd = None;
@@ -295,7 +317,7 @@ impl LocalCluster {
     /// Adds a node named `name` (an instance id, say) that joins through the founders.
     pub fn add_named(&mut self, name: &str) -> limpet_daemon::Result<String> {
         let id = self.file.nodes.iter().map(|n| n.id).max().unwrap_or(0) + 1;
-        let control = format!("127.0.0.1:{}", free_port()?);
+        let control = self.control_for(id)?;
         self.start_node(name, id, &control, false)?;
         Ok(name.to_string())
     }
@@ -305,12 +327,38 @@ impl LocalCluster {
         self.dir.join("certs")
     }
 
+    /// Node `id`'s control address: a free port of loopback, or its namespace's address.
+    fn control_for(&self, id: u64) -> limpet_daemon::Result<String> {
+        Ok(match &self.fleet {
+            Some(f) => format!("{}:{NS_CONTROL_PORT}", f.address(id)),
+            None => format!("127.0.0.1:{}", free_port()?),
+        })
+    }
+
+    /// `program` started in node `name`'s namespace, if it has one.
+    fn in_space(&self, name: &str, program: &Path) -> Command {
+        match self.spaces.get(name) {
+            Some(ns) => crate::netns::Fleet::command(ns, program),
+            None => Command::new(program),
+        }
+    }
+
     fn start_node(&mut self, name: &str, id: u64, control: &str, founder: bool) -> limpet_daemon::Result<()> {
-        let data = format!("127.0.0.1:{}", free_port()?);
-        let md_addr = format!("127.0.0.1:{}", free_port()?);
-        let metrics = format!("127.0.0.1:{}", free_port()?);
+        let (data, md_addr, metrics) = match self.fleet.as_mut() {
+            Some(f) => {
+                let (ns, addr) = f.add(id)?;
+                self.spaces.insert(name.to_string(), ns);
+                let at = |p: u16| format!("{addr}:{p}");
+                (at(NS_CONTROL_PORT + 1), at(NS_CONTROL_PORT + 2), at(NS_CONTROL_PORT + 3))
+            }
+            None => {
+                let port = || free_port().map(|p| format!("127.0.0.1:{p}"));
+                (port()?, port()?, port()?)
+            }
+        };
         let log = self.dir.join(format!("{name}.log"));
-        let md_child = Command::new(&self.exe)
+        let md_child = self
+            .in_space(name, &self.exe)
             .args(["fake-metadata", "--listen", &md_addr])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -366,7 +414,7 @@ impl LocalCluster {
         }
         std::fs::write(&config, text).with_context(|| format!("writing {}", config.display()))?;
         let out = std::fs::File::create(&log)?;
-        let child = spawn_logged(self.limpetd_command(&config), out)?;
+        let child = spawn_logged(self.limpetd_command(name, &config), out)?;
         self.file.nodes.push(LocalNode {
             name: name.to_string(),
             id,
@@ -379,6 +427,7 @@ impl LocalCluster {
             step_log,
             pid: child.id(),
             metadata_pid: md_child.id(),
+            netns: self.spaces.get(name).cloned(),
         });
         self.children.insert(name.to_string(), child);
         self.metadata.insert(name.to_string(), md_child);
@@ -482,8 +531,9 @@ impl LocalCluster {
         ))
     }
 
-    /// The command that starts `limpetd` on `config`, under the fake systemd if there is one.
-    fn limpetd_command(&self, config: &Path) -> Command {
+    /// The command that starts `limpetd` on `config`, under the fake systemd if there is one,
+    /// in node `name`'s namespace if it has one.
+    fn limpetd_command(&self, name: &str, config: &Path) -> Command {
         let cmd = match &self.systemd {
             // systemd sets WATCHDOG_PID to the service's own pid: the shell's, which exec
             // hands to limpetd.
@@ -498,7 +548,7 @@ impl LocalCluster {
                 c
             }
             None => {
-                let mut c = Command::new(&self.limpetd);
+                let mut c = self.in_space(name, &self.limpetd);
                 c.args(["--config", &config.display().to_string()]).env_remove("NOTIFY_SOCKET");
                 c
             }
@@ -523,7 +573,7 @@ impl LocalCluster {
         }
         let node = self.file.node(name)?.clone();
         let out = std::fs::OpenOptions::new().append(true).create(true).open(&node.log)?;
-        let mut cmd = Command::new(&self.limpetd);
+        let mut cmd = self.in_space(name, &self.limpetd);
         cmd.args(["--config", &node.config.display().to_string()]).env_remove("NOTIFY_SOCKET");
         cmd.envs(self.job.env.iter().map(|(k, v)| (k, v)));
         let child = spawn_logged(cmd, out)?;

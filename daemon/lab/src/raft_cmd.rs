@@ -48,6 +48,12 @@ pub struct RaftNodeArgs {
     /// Gone members' records in the founding state, as a large fleet's state holds.
     #[arg(long, default_value_t = 0)]
     pub ballast: usize,
+    /// Applied entries between raft snapshots (compactions of the log).
+    #[arg(long, default_value_t = limpet_consensus::CoreConfig::new(1, "x").snapshot_interval)]
+    pub snapshot_interval: u64,
+    /// Snapshot data past this many bytes travels in chunks of this size.
+    #[arg(long, default_value_t = limpet_consensus::chunks::SNAPSHOT_CHUNK_BYTES)]
+    pub snapshot_chunk_bytes: usize,
 }
 
 /// Runs one node until SIGTERM, SIGINT or a fatal storage error.
@@ -68,6 +74,8 @@ pub fn run_node(args: RaftNodeArgs) -> limpet_daemon::Result<()> {
     cfg.seeds = args.seed.clone();
     cfg.core.save_every = args.save_every;
     cfg.ballast = args.ballast;
+    cfg.core.snapshot_interval = args.snapshot_interval;
+    cfg.snapshot_chunk_bytes = args.snapshot_chunk_bytes;
     if let Some(me) = founders.iter().find(|f| f.id == args.id) {
         cfg.advertise = me.control_addr.clone();
     }

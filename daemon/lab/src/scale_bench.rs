@@ -52,6 +52,10 @@ pub struct BenchScaleArgs {
     /// directory with `--dir`, else none).
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// Each agent in a network namespace of its own, with its own address (root only),
+    /// instead of every agent on 127.0.0.1.
+    #[arg(long)]
+    pub netns: bool,
 }
 
 /// One fleet size's figures (`--json` prints one a line).
@@ -102,7 +106,7 @@ pub fn run(a: BenchScaleArgs) -> limpet_daemon::Result<()> {
         eprintln!("{n} hosts: the control plane alone for {} s ...", a.window);
         let idle = control_plane(&root.join(format!("idle-{n}")), n, &a)?;
         eprintln!("{n} hosts: a mass revocation and a wave of joins ...");
-        let row = transitions(&root.join(format!("run-{n}")), n, a.steps, idle)?;
+        let row = transitions(&root.join(format!("run-{n}")), n, a.steps, a.netns, idle)?;
         if a.json {
             println!("{}", serde_json::to_string(&row)?);
         }
@@ -129,8 +133,9 @@ struct Idle {
     p99: f64,
 }
 
-fn job(n: usize, steps: u64, min_nodes: usize) -> LocalJob {
+fn job(n: usize, steps: u64, min_nodes: usize, netns: bool) -> LocalJob {
     LocalJob {
+        netns,
         model: "mlp".into(),
         data: "synthetic".into(),
         steps,
@@ -145,7 +150,7 @@ fn control_plane(dir: &Path, n: usize, a: &BenchScaleArgs) -> limpet_daemon::Res
     if dir.exists() {
         std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
     }
-    let mut cluster = LocalCluster::up(dir, n, job(n, 1_000_000, n + 1))?;
+    let mut cluster = LocalCluster::up(dir, n, job(n, 1_000_000, n + 1, a.netns))?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let file = cluster.file.clone();
     // Formed: a leader, every member admitted, at most five voters (the founders' extra
@@ -255,7 +260,7 @@ fn control_bytes(metrics_url: &str) -> f64 {
         .sum()
 }
 
-fn transitions(dir: &Path, n: usize, steps: u64, idle: Idle) -> limpet_daemon::Result<ScaleRow> {
+fn transitions(dir: &Path, n: usize, steps: u64, netns: bool, idle: Idle) -> limpet_daemon::Result<ScaleRow> {
     let revoked = (n / 4).max(1);
     let killed = (revoked / 3).max(1);
     let joins = (n / 4).max(1);
@@ -270,7 +275,7 @@ fn transitions(dir: &Path, n: usize, steps: u64, idle: Idle) -> limpet_daemon::R
     }
     script.extend((0..joins).map(|_| (0.4, Action::Join)));
     let started = now_ms();
-    let summary = run_scenario(dir, n, job(n, steps, 1), &script, Duration::from_secs(900), false)?;
+    let summary = run_scenario(dir, n, job(n, steps, 1, netns), &script, Duration::from_secs(900), false)?;
     let fired = |what: &str| summary.events.iter().filter(|e| e.2.contains(what)).map(|e| e.1).min();
     let joined_at = fired("joins").unwrap_or(started);
     let after: Vec<_> = summary.transitions.iter().skip(1).collect();
