@@ -72,9 +72,9 @@ impl Reports {
         t.insert(node, (std::time::Instant::now(), Arc::new(report)));
     }
 
-    /// Says `node`'s report just kept is urgent (sent at once: its collective broke, a notice
-    /// came, it entered an epoch): one waiter in [`Reports::urgent`], or the next to wait,
-    /// wakes, unless `node` woke it less than [`URGENT_EVERY`] ago.
+    /// Says `node`'s report just kept is urgent (sent at once: its collective broke): one
+    /// waiter in [`Reports::urgent`], or the next to wait, wakes, unless `node` woke it less
+    /// than [`URGENT_EVERY`] ago.
     pub fn mark_urgent(&self, node: NodeId) {
         let now = std::time::Instant::now();
         let mut at = self.urgent_at.lock().expect("urgent lock");

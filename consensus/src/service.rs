@@ -500,12 +500,14 @@ impl pb::consensus_server::Consensus for Service {
         crate::transport::count_control_bytes(false, "snapshot", prost::Message::encoded_len(&c));
         self.check_cluster(c.cluster_id, "", "snapshot chunk")?;
         self.authorize_node(peer, c.from, "a snapshot chunk")?;
-        // Snapshots come from a leader, a member; a node with no state yet (joining) takes
-        // them from whoever its first leader is.
+        // Snapshots come from a leader: a member, or the leader this node follows (one that
+        // joined while this node was behind is not in its state yet); a node with no state
+        // yet (joining) takes them from whoever its first leader is.
         let member = {
             let local = self.members.borrow();
             let members = &local.state.members;
             members.is_empty()
+                || c.from == local.leader
                 || members.get(&c.from).is_some_and(|m| m.status != crate::state::MemberStatus::Gone)
         };
         if !member {

@@ -130,8 +130,18 @@ impl PeerSender {
                         Chunks::Sent => chunked = true,
                         Chunks::Failed => ok = false,
                         // An older receiver has no chunk call: the whole snapshot, as it took
-                        // before, if it fits its request limit.
-                        Chunks::Unsupported => msgs[i].mut_snapshot().data = data,
+                        // before, if it fits its request limit (else nothing it could take).
+                        Chunks::Unsupported if data.len() + (64 << 10) <= MAX_REQUEST_BYTES => {
+                            msgs[i].mut_snapshot().data = data
+                        }
+                        Chunks::Unsupported => {
+                            tracing::warn!(
+                                to,
+                                bytes = data.len(),
+                                "a snapshot too large for a peer too old to take it in chunks"
+                            );
+                            ok = false;
+                        }
                     }
                 }
                 if ok {

@@ -25,13 +25,21 @@ pub(super) async fn heartbeats(
 ) {
     let stop = tasks.token();
     let clients: Arc<tokio::sync::Mutex<HashMap<String, Client>>> = Arc::default();
-    // Whether this round was asked for at once (a collective failed, a notice came, an epoch
-    // was entered): the leader then reads the reports at once instead of at its next round.
-    let mut urgent = false;
+    // Whether this round was asked for at once; such a round is urgent (the leader reads the
+    // reports at once instead of at its next round) only for a collective failure not sent
+    // as urgent before: a notice or an epoch entered waits for the round, so a fleet's
+    // transition does not run the leader's round once a report.
+    let mut at_once = false;
+    let mut last_urgent = None;
     loop {
-        let report = progress.lock().expect("progress lock").encode();
+        let (report, broken) = {
+            let p = progress.lock().expect("progress lock");
+            (p.encode(), p.broken.as_ref().map(|b| (b.epoch, b.suspect)))
+        };
+        let urgent = at_once && broken.is_some() && broken != last_urgent;
         handle.reports().put(cfg.id, report.clone());
         if urgent {
+            last_urgent = broken;
             handle.reports().mark_urgent(cfg.id);
         }
         let targets = recipients(&handle.watch().borrow(), cfg.id);
@@ -63,7 +71,7 @@ pub(super) async fn heartbeats(
                 }
             });
         }
-        urgent = tokio::select! {
+        at_once = tokio::select! {
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(cfg.timing.heartbeat()) => false,
             _ = now.notified() => true,

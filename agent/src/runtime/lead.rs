@@ -31,6 +31,8 @@ pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: Cancel
     let mut led_since: Option<(u64, Instant)> = None;
     let mut round_at = Instant::now();
     let inbox = handle.reports().clone();
+    // Suspects whose port accepted the leader's probe, and when.
+    let mut answered_at: BTreeMap<NodeId, Instant> = BTreeMap::new();
     loop {
         // A round every 50 ms (5 ms at least after the last one ended), and at once when a
         // report comes at once (a collective broke): a dead peer is then failed without
@@ -124,13 +126,17 @@ pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: Cancel
         // A suspect whose port answered is alive to the leader until it reports again or is
         // no longer suspected, and is not probed again meanwhile: a stalled process accepts
         // nothing, and probes would fill its queue until one went unanswered.
+        // Once a second it is asked again: a process that has died since refuses then.
         let reported = |id: &NodeId| reports.get(id).is_some_and(|(age, _)| *age <= settings.heartbeat_ms);
-        evidence.answered.retain(|id| suspects.contains(id) && !reported(id));
+        answered_at.retain(|id, at: &mut Instant| {
+            suspects.contains(id) && !reported(id) && at.elapsed() < REPROBE_ANSWERED
+        });
         let fresh: Vec<NodeId> =
-            suspects.iter().copied().filter(|id| !evidence.answered.contains(id)).collect();
+            suspects.iter().copied().filter(|id| !answered_at.contains_key(id)).collect();
         let (refused, answered) = probe(&st, &fresh).await;
         evidence.refused = refused;
-        evidence.answered.extend(answered);
+        answered_at.extend(answered.into_iter().map(|id| (id, Instant::now())));
+        evidence.answered = answered_at.keys().copied().collect();
         evidence.track_ready(&st, &reports, timeout_ms, now);
         // The round (every report read, the controller, for a pipelined job the planner)
         // runs off the async workers, which the heartbeats and raft share.
@@ -237,6 +243,9 @@ async fn probe(
 
 /// The leader's round: every this often, when nothing urgent comes.
 const ROUND_EVERY: Duration = Duration::from_millis(50);
+/// A suspect whose port answered is probed again after this long.
+const REPROBE_ANSWERED: Duration = Duration::from_secs(1);
+
 /// Rounds woken by urgent reports come no closer than this.
 const ROUND_AT_MOST_EVERY: Duration = Duration::from_millis(5);
 
