@@ -419,7 +419,8 @@ struct TorchLine {
     restart: u64,
 }
 
-fn torch_lines(path: &Path) -> Vec<TorchLine> {
+/// The JSON lines of a peer's step log that parse as `T` (none while it does not exist).
+pub(crate) fn json_lines<T: serde::de::DeserializeOwned>(path: &Path) -> Vec<T> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
         .lines()
@@ -489,7 +490,7 @@ fn torchrun(dir: &Path, workers: usize, steps: u64, wait: Duration) -> limpet_da
                 dir.join("torchrun.log").display()
             );
         }
-        if torch_lines(&steps_file).last().is_some_and(|l| l.step >= kill_step) {
+        if json_lines::<TorchLine>(&steps_file).last().is_some_and(|l| l.step >= kill_step) {
             break;
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -500,7 +501,7 @@ fn torchrun(dir: &Path, workers: usize, steps: u64, wait: Duration) -> limpet_da
     let give_up = Instant::now() + wait;
     let goal = "(peer: restart from checkpoint)".to_string();
     loop {
-        let lines = torch_lines(&steps_file);
+        let lines = json_lines::<TorchLine>(&steps_file);
         if let Some(l) = lines.iter().find(|l| l.restart > 0) {
             let last_before = lines.iter().filter(|x| x.restart == 0).map(|x| x.step).max().unwrap_or(0);
             let m = Measured {

@@ -17,11 +17,7 @@ struct Line {
 }
 
 fn lines(path: &Path) -> Vec<Line> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
+    crate::elastic_bench::json_lines(path)
 }
 
 /// The processes of one run, killed when it ends however it ends.
