@@ -474,11 +474,7 @@ pub(crate) fn replay(
     let lines: Vec<StepLine> =
         read_step_logs(&logs(&cluster))?.into_iter().filter(|l| l.wall_ms <= end_ms).collect();
     cluster.down();
-    let redone: Vec<(u64, u64)> = transitions
-        .iter()
-        .filter(|t| t.redone_steps > 0)
-        .map(|t| (t.step.saturating_sub(t.redone_steps), t.redone_steps))
-        .collect();
+    let redone = crate::transitions::redone(&transitions);
     let (points, twice) = merge(&lines, &killed, &redone);
     let rates = crate::chaos_measured::measured_rates(&lines, a.batch);
     let joins: Vec<f64> = started_at

@@ -598,13 +598,7 @@ fn summarize(
     cluster.down();
     let (test_loss, test_accuracy) = evaluate(&checkpoints, cluster.job.data_path.as_deref())?;
     let lines = read_step_logs(&cluster.file.nodes.iter().map(|n| n.step_log.clone()).collect::<Vec<_>>())?;
-    let redone: Vec<(u64, u64)> =
-        // The epoch starts where the furthest survivor was; a rollback went back from there.
-        transitions
-            .iter()
-            .filter(|t| t.redone_steps > 0)
-            .map(|t| (t.step.saturating_sub(t.redone_steps), t.redone_steps))
-            .collect();
+    let redone = crate::transitions::redone(&transitions);
     let (points, twice) = merge(&lines, &player.killed, &redone);
     let marks: Vec<(u64, String)> =
         transitions.iter().skip(1).map(|t| (t.step, short_cause(&t.cause))).collect();

@@ -15,7 +15,7 @@
 
 use crate::demo::{now_ms, run_scenario, Action};
 use crate::local::LocalJob;
-use crate::steplog::step_logs_in;
+use crate::steplog::{json_lines, step_logs_in};
 use anyhow::Context;
 use clap::Args;
 use serde::Serialize;
@@ -417,15 +417,6 @@ struct TorchLine {
     wall_ms: u64,
     step: u64,
     restart: u64,
-}
-
-/// The JSON lines of a peer's step log that parse as `T` (none while it does not exist).
-pub(crate) fn json_lines<T: serde::de::DeserializeOwned>(path: &Path) -> Vec<T> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
 }
 
 /// torchrun with `workers` processes of `script` in its own process group (so a stop kills

@@ -39,6 +39,16 @@ pub fn read_step_logs(paths: &[PathBuf]) -> limpet_daemon::Result<Vec<StepLine>>
     Ok(out)
 }
 
+/// The JSON lines of a peer's step log that parse as `T` (none while it does not exist; a
+/// line still being written is skipped).
+pub(crate) fn json_lines<T: serde::de::DeserializeOwned>(path: &Path) -> Vec<T> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
 /// Merges step logs into one point per step and counts steps completed in two different
 /// epochs by nodes that were not killed (a step applied, then redone, would show up here; a
 /// killed node's last step may legitimately be redone by the survivors, who never got it, and
@@ -113,6 +123,7 @@ pub fn stalls(lines: &[StepLine]) -> Vec<(u64, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use limpet_daemon::status::TransitionDoc;
 
     fn line(node: u64, epoch: u64, step: u64, wall_ms: u64) -> StepLine {
         StepLine {
@@ -154,6 +165,39 @@ mod tests {
         lines.extend((10..13).map(|s| line(3, 3, s, 3000 + s)));
         lines.extend((10..13).map(|s| line(1, 4, s, 4000 + s)));
         assert_eq!(merge(&lines, &[], &[(3, 2)]).1, 1 + 2);
+    }
+
+    #[test]
+    fn a_rank_that_alone_applied_the_step_in_flight_redoes_it_without_counting_twice() {
+        // Nodes 1 and 2 stand at step 203 (steps 0..203 applied) when the epoch is planned;
+        // node 2 then applies step 203 alone and goes back to 203 at the entry of epoch 2.
+        let mut lines: Vec<StepLine> =
+            (200..203).flat_map(|s| [line(1, 1, s, s), line(2, 1, s, s)]).collect();
+        lines.push(line(2, 1, 203, 203));
+        lines.extend((203..206).flat_map(|s| [line(1, 2, s, 1000 + s), line(2, 2, s, 1000 + s)]));
+        // What two reads of the status said: node 1's transition alone, then both nodes'.
+        let doc = |v: serde_json::Value| -> TransitionDoc { serde_json::from_value(v).unwrap() };
+        let first = doc(serde_json::json!({
+            "epoch": 2, "step": 203, "world": 2, "cause": "failure of node 3",
+            "idle_ms": 5, "lost_steps": 1, "fetched_bytes": 0,
+        }));
+        let second = doc(serde_json::json!({
+            "epoch": 2, "step": 203, "world": 2, "cause": "failure of node 3",
+            "idle_ms": 9, "lost_steps": 1, "fetched_bytes": 0, "redone_steps": 1, "redone_from": 203,
+        }));
+        let mut seen = BTreeMap::new();
+        for t in [&second, &first] {
+            let status = serde_json::json!({
+                "v": 1, "cluster": "c", "answered_by": "n", "leader": null, "term": 1, "epoch": null,
+                "scheduled": null, "step": 0, "total_steps": null, "nodes": [], "transitions": [t],
+            });
+            crate::transitions::remember(&mut seen, &serde_json::from_value(status).unwrap());
+        }
+        let seen: Vec<TransitionDoc> = seen.into_values().collect();
+        assert_eq!(crate::transitions::redone(&seen), vec![(203, 1)]);
+        assert_eq!(merge(&lines, &[], &crate::transitions::redone(&seen)).1, 0);
+        // Counted back from the epoch's start (as before), the redone step was missed.
+        assert_eq!(merge(&lines, &[], &[(202, 1)]).1, 1);
     }
 
     #[test]

@@ -17,7 +17,7 @@ struct Line {
 }
 
 fn lines(path: &Path) -> Vec<Line> {
-    crate::elastic_bench::json_lines(path)
+    crate::steplog::json_lines(path)
 }
 
 /// The processes of one run, killed when it ends however it ends.

@@ -20,11 +20,25 @@ pub fn remember(seen: &mut BTreeMap<u64, TransitionDoc>, doc: &StatusDoc) {
             t.idle_ms = t.idle_ms.max(old.idle_ms);
             t.lost_steps = t.lost_steps.max(old.lost_steps);
             t.redone_steps = t.redone_steps.max(old.redone_steps);
+            t.redone_from = match (t.redone_from, old.redone_from) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
             t.fetched_bytes = t.fetched_bytes.max(old.fetched_bytes);
             t.fetch_ms = t.fetch_ms.max(old.fetch_ms);
         }
         seen.insert(t.epoch, t);
     }
+}
+
+/// The steps trained again after a rank went back, as `(first, count)` for each transition
+/// that redid any: they left the lineage, so they are not applied twice. A status from an
+/// agent that does not say where it went back to counts back from the epoch's start.
+pub fn redone(seen: &[TransitionDoc]) -> Vec<(u64, u64)> {
+    seen.iter()
+        .filter(|t| t.redone_steps > 0)
+        .map(|t| (t.redone_from.unwrap_or(t.step.saturating_sub(t.redone_steps)), t.redone_steps))
+        .collect()
 }
 
 /// Reads a cluster's status every second on a thread of its own, so that a slow answer

@@ -85,10 +85,15 @@ pub struct TransitionDoc {
     /// so the new epoch computes them again (largest over ranks).
     pub lost_steps: Option<u64>,
     /// Redone steps (docs/status.md): steps already applied that are trained again after a
-    /// stage went back to a shadowed snapshot, or sharded state to a checkpoint (largest over
-    /// ranks; 0 unless a pipeline stage had no live replica or a shard no live holder).
+    /// stage went back to a shadowed snapshot, sharded state to a checkpoint, or a rank that
+    /// alone applied the step in flight to the step the others agree on (largest over ranks).
     #[serde(default)]
     pub redone_steps: u64,
+    /// The first of the redone steps: the step the ranks that went back entered at (the
+    /// epoch's `step` is where the furthest survivor stood by its last report, which a rank
+    /// that alone applied the step in flight had passed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub redone_from: Option<u64>,
     /// `DATAxPIPELINE`.
     #[serde(default)]
     pub layout: String,
@@ -311,6 +316,7 @@ fn transition_doc(st: &ClusterState, e: &limpet_consensus::state::Epoch, parsed:
         idle_ms: lived.iter().map(|t| t.idle_ms).max(),
         lost_steps: lived.iter().map(|t| t.lost_steps).max(),
         redone_steps: lived.iter().map(|t| t.redone_steps).max().unwrap_or(0),
+        redone_from: lived.iter().filter(|t| t.redone_steps > 0).map(|t| t.step).min(),
         layout: format!("{}x{}", e.layout.data, e.layout.pipeline),
         fetched_bytes: lived.iter().map(|t| t.fetched_bytes).sum(),
         fetch_ms: lived.iter().map(|t| t.fetch_ms).max().unwrap_or(0),
@@ -592,6 +598,7 @@ mod tests {
             idle_ms: Some(4),
             lost_steps: Some(0),
             redone_steps: 0,
+            redone_from: None,
             layout: "2x1".into(),
             fetched_bytes: 1_400_000,
             fetch_ms: 3,
