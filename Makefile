@@ -39,7 +39,7 @@ help:
 	@echo "make gpu-test  run the device tests on the first GPU where libtorch sees one (make test runs them on the CPU)"
 	@echo "make gpu-kit TORCH=2.11.0  build .gpu/: the device tests against that torch, run there by .gpu/gpu-check.sh"
 	@echo "make long-test  run the long multi-process scenarios make test leaves out (a few minutes)"
-	@echo "make bench   measure: raft commits, allreduce against gloo (and in bfloat16), hosts of 2 local ranks against 4 of one, state handoff against plain TCP, transitions against torchrun and torchft, planner predictions and pipelines, LLaMA training against transformers (small and 125m) and torchrun + DDP, sharded state's memory per rank against whole state (125m and 350m), memory on a 4 GiB dataset, activation checkpointing and a chunked loss at vocabulary 128k, what grows with the fleet (8 to 48 agents), and barrier and allreduce time from 8 to 1024 ranks, butterfly against ring"
+	@echo "make bench   measure: raft commits, allreduce against gloo (and in bfloat16), hosts of 2 local ranks against 4 of one, state handoff against plain TCP, transitions against torchrun and torchft, planner predictions and pipelines, LLaMA training against transformers (small and 125m) and torchrun + DDP, sharded state's memory per rank against whole state (125m and 350m), memory on a 4 GiB dataset, activation checkpointing and a chunked loss at vocabulary 128k, what grows with the fleet (8 to 48 agents), and barrier and allreduce time from 8 to 1024 ranks, butterfly against ring, and the leader's steady round from 16 to 256 hosts, a pipelined job's layout kept against worked out afresh"
 
 # The clone's links into the cache (.limpet/libtorch, which cargo builds against, and
 # .limpet/python) are made by setup.sh too, and may be missing while the cache is up to date:
@@ -126,6 +126,7 @@ bench: build
 	$(LAB) bench straggler --nodes 2 --pipeline 2 --steps 400
 	$(LAB) bench scale --hosts 8,16,32,48
 	$(LAB) bench collectives --ranks 8,64,256,1024 --sizes 4K,1M,64M --plot docs/collectives.svg
+	$(LAB) bench round --hosts 16,64,256
 	$(LAB) bench pipeline --model gpt --layers 4 --batch 32 --micro-batch 8 --hosts 2 --train-steps 40 --devices 2
 	$(LAB) bench pipeline --model gpt --layers 4 --batch 32 --micro-batch 8 --hosts 4 --train-steps 40 --chaos
 	$(LAB) bench train --preset small --batch 8 --context 256

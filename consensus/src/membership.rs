@@ -19,7 +19,7 @@
 //!    first. So five voters over three zones sit 2-2-1, and losing any one zone keeps a
 //!    quorum.
 
-use crate::state::{Member, MemberStatus, NodeId};
+use crate::state::{MemberStatus, NodeId};
 use std::collections::BTreeMap;
 
 /// Knobs of the controller.
@@ -70,7 +70,7 @@ pub struct VoterView<'a> {
     /// A leadership transfer is running.
     pub transferring: bool,
     /// Members as the replicated state has them.
-    pub members: &'a BTreeMap<NodeId, Member>,
+    pub members: &'a crate::state::Members,
     /// Ticks since the leader last heard from each peer (absent: never).
     pub heard_ago: &'a BTreeMap<NodeId, u64>,
     /// Each peer's matched log index.
@@ -328,7 +328,8 @@ fn reconfigure(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::{Hardware, MemberSpec};
+    use crate::state::{Hardware, Member, MemberSpec};
+    use std::sync::Arc;
 
     fn member(id: NodeId, status: MemberStatus) -> Member {
         Member {
@@ -346,7 +347,7 @@ mod tests {
     }
 
     struct World {
-        members: BTreeMap<NodeId, Member>,
+        members: crate::state::Members,
         heard: BTreeMap<NodeId, u64>,
         matched: BTreeMap<NodeId, u64>,
         voters: Vec<NodeId>,
@@ -357,7 +358,7 @@ mod tests {
         fn new(voters: &[NodeId], learners: &[NodeId]) -> World {
             let all: Vec<NodeId> = voters.iter().chain(learners).copied().collect();
             World {
-                members: all.iter().map(|&i| (i, member(i, MemberStatus::Active))).collect(),
+                members: all.iter().map(|&i| (i, Arc::new(member(i, MemberStatus::Active)))).collect(),
                 heard: all.iter().map(|&i| (i, 1)).collect(),
                 matched: all.iter().map(|&i| (i, 100)).collect(),
                 voters: voters.to_vec(),
@@ -389,7 +390,7 @@ mod tests {
         let zone = |id: NodeId| ["a", "a", "a", "b", "b", "c", "c", "b", "a"][id as usize - 1];
         let mut w = World::new(&[1, 2, 3], &[4, 5, 6, 7, 8, 9]);
         for (id, m) in w.members.iter_mut() {
-            m.spec.hardware.zone = zone(*id).into();
+            Arc::make_mut(m).spec.hardware.zone = zone(*id).into();
         }
         let (d, _) = w.plan(1).unwrap();
         assert_eq!(d, reconfigure(vec![4, 6], vec![], vec![], vec![]), "one from b, one from c");
@@ -420,7 +421,7 @@ mod tests {
         let all: Vec<NodeId> = (1..=40).collect();
         let mut w = World::new(&all, &[]);
         for (id, m) in w.members.iter_mut() {
-            m.spec.hardware.zone = ["a", "b", "c"][(*id % 3) as usize].into();
+            Arc::make_mut(m).spec.hardware.zone = ["a", "b", "c"][(*id % 3) as usize].into();
         }
         let (d, why) = w.plan(40).unwrap();
         let VoterDecision::Reconfigure { promote, demote, .. } = d else { panic!("{d:?}") };
@@ -462,7 +463,7 @@ mod tests {
     #[test]
     fn a_leaving_voter_is_swapped_for_a_learner_in_one_change() {
         let mut w = World::new(&[1, 2, 3], &[4]);
-        w.members.get_mut(&2).unwrap().status = MemberStatus::Leaving;
+        Arc::make_mut(w.members.get_mut(&2).unwrap()).status = MemberStatus::Leaving;
         let (d, why) = w.plan(1).unwrap();
         assert_eq!(d, reconfigure(vec![4], vec![2], vec![], vec![]));
         assert!(why.contains("voter 2 is Leaving"), "{why}");
@@ -471,14 +472,14 @@ mod tests {
     #[test]
     fn a_leaving_voter_without_replacement_is_still_demoted() {
         let mut w = World::new(&[1, 2, 3], &[]);
-        w.members.get_mut(&3).unwrap().status = MemberStatus::Draining;
+        Arc::make_mut(w.members.get_mut(&3).unwrap()).status = MemberStatus::Draining;
         assert_eq!(w.plan(1).unwrap().0, reconfigure(vec![], vec![3], vec![], vec![]));
     }
 
     #[test]
     fn a_leaving_leader_transfers_first() {
         let mut w = World::new(&[1, 2, 3], &[4]);
-        w.members.get_mut(&1).unwrap().status = MemberStatus::Leaving;
+        Arc::make_mut(w.members.get_mut(&1).unwrap()).status = MemberStatus::Leaving;
         w.matched.insert(2, 90);
         let (d, why) = w.plan(1).unwrap();
         assert_eq!(d, VoterDecision::TransferLeader { to: 3 }, "the most caught-up voter");
@@ -499,8 +500,8 @@ mod tests {
     #[test]
     fn new_members_become_learners_and_gone_ones_leave() {
         let mut w = World::new(&[1, 2, 3], &[4]);
-        w.members.insert(9, member(9, MemberStatus::Joining));
-        w.members.get_mut(&4).unwrap().status = MemberStatus::Gone;
+        w.members.insert(9, Arc::new(member(9, MemberStatus::Joining)));
+        Arc::make_mut(w.members.get_mut(&4).unwrap()).status = MemberStatus::Gone;
         let (d, _) = w.plan(1).unwrap();
         assert_eq!(d, reconfigure(vec![], vec![], vec![9], vec![4]));
     }
@@ -508,14 +509,14 @@ mod tests {
     #[test]
     fn a_gone_voter_is_removed_not_demoted() {
         let mut w = World::new(&[1, 2, 3], &[]);
-        w.members.get_mut(&2).unwrap().status = MemberStatus::Gone;
+        Arc::make_mut(w.members.get_mut(&2).unwrap()).status = MemberStatus::Gone;
         assert_eq!(w.plan(1).unwrap().0, reconfigure(vec![], vec![], vec![], vec![2]));
     }
 
     #[test]
     fn nothing_happens_while_a_change_is_pending() {
         let mut w = World::new(&[1], &[2, 3]);
-        w.members.get_mut(&1).unwrap().status = MemberStatus::Leaving;
+        Arc::make_mut(w.members.get_mut(&1).unwrap()).status = MemberStatus::Leaving;
         let view = VoterView {
             me: 1,
             voters: &w.voters,

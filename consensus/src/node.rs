@@ -373,7 +373,7 @@ fn add_ballast(state: &mut ClusterState, n: usize) {
         };
         let reason = "revoked by the cloud (a spot notice), then removed".to_string();
         let status = crate::state::MemberStatus::Gone;
-        state.members.insert(id, crate::state::Member { spec, status, reason, deadline_ms: None });
+        state.members.insert(id, Arc::new(crate::state::Member { spec, status, reason, deadline_ms: None }));
     }
 }
 

@@ -102,7 +102,53 @@ pub struct View<'a> {
     /// (unix ms): joins are admitted in waves (rule 3). A node absent has been ready since
     /// ever.
     pub ready_since: &'a BTreeMap<NodeId, u64>,
+    /// The layout a pipelined job was last given, kept between rounds (absent: worked out
+    /// afresh every round).
+    pub layouts: Option<&'a LayoutMemo>,
 }
+
+/// A pipelined job's layout (the planner's search and the hosts' placement), with what it
+/// was worked out from: the candidates, their measured speeds and devices, the current
+/// epoch and the job. The leader keeps it between rounds, so a round in which none of these
+/// changed reuses it: the planner runs on a change, not every 50 ms.
+#[derive(Debug, Default)]
+pub struct LayoutMemo {
+    last: std::sync::Mutex<Option<(LayoutKey, Laid)>>,
+    runs: std::sync::atomic::AtomicU64,
+}
+
+impl Clone for LayoutMemo {
+    fn clone(&self) -> Self {
+        let last = self.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        let runs = self.runs.load(std::sync::atomic::Ordering::Relaxed);
+        LayoutMemo { last: std::sync::Mutex::new(last), runs: runs.into() }
+    }
+}
+
+impl LayoutMemo {
+    /// How many times the layout was worked out rather than reused.
+    pub fn runs(&self) -> u64 {
+        self.runs.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// What a pipelined job's layout depends on besides the leader's fixed settings.
+#[derive(Clone, Debug, PartialEq)]
+struct LayoutKey {
+    /// The job's `pipeline` document (set once with the job; compared, not parsed).
+    pipeline: serde_json::Value,
+    candidates: Vec<NodeId>,
+    /// Each candidate's measured speed and usable devices.
+    hosts: Vec<(u64, u32)>,
+    /// The current epoch (an epoch never changes once started).
+    current: Option<u64>,
+    /// The settings a layout reads (not the lead in steps, which follows the step time).
+    min_nodes: usize,
+    policy: BatchPolicy,
+    base: BaseBatch,
+}
+
+type Laid = Result<(Vec<NodeId>, Layout, Option<u64>), String>;
 
 /// Joins are admitted in waves: newcomers wait until none has become ready for this long...
 pub const JOIN_SETTLE_MS: u64 = 300;
@@ -396,11 +442,41 @@ pub fn pipeline_job(st: &ClusterState) -> Option<PipelineJob> {
 /// The candidates' layout: data parallelism, or for a pipelined job the planner's layout
 /// with its micro-batch and the candidates it places (spares left out). The error says why
 /// the cluster pauses instead.
-fn lay_out(
-    view: &View<'_>,
-    cfg: &ControllerConfig,
-    mut ranks: Vec<NodeId>,
-) -> Result<(Vec<NodeId>, Layout, Option<u64>), String> {
+fn lay_out(view: &View<'_>, cfg: &ControllerConfig, ranks: Vec<NodeId>) -> Laid {
+    let st = view.state;
+    let (Some(memo), Some(pipeline)) = (view.layouts, st.job.as_ref().and_then(|j| j.get("pipeline"))) else {
+        return work_out_layout(view, cfg, ranks);
+    };
+    let hosts = ranks
+        .iter()
+        .map(|r| (st.members.get(r).map_or(0, |m| m.spec.hardware.speed_milli), usable_ranks(st, *r)))
+        .collect();
+    let current = st.current.as_ref().map(|e| e.id);
+    let mut last = memo.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some((k, laid)) = last.as_ref() {
+        let same = k.candidates == ranks && k.hosts == hosts && k.current == current;
+        let settings = (k.min_nodes, k.policy, k.base) == (cfg.min_nodes, cfg.policy, cfg.base);
+        if same && settings && k.pipeline == *pipeline {
+            return laid.clone();
+        }
+    }
+    memo.runs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let key = LayoutKey {
+        pipeline: pipeline.clone(),
+        candidates: ranks.clone(),
+        hosts,
+        current,
+        min_nodes: cfg.min_nodes,
+        policy: cfg.policy,
+        base: cfg.base,
+    };
+    let laid = work_out_layout(view, cfg, ranks);
+    *last = Some((key, laid.clone()));
+    laid
+}
+
+/// [`lay_out`] without the memo.
+fn work_out_layout(view: &View<'_>, cfg: &ControllerConfig, mut ranks: Vec<NodeId>) -> Laid {
     let st = view.state;
     let pipeline = match st.job.as_ref().and_then(|j| j.get("pipeline")) {
         None => None,

@@ -78,6 +78,8 @@ pub struct Evidence {
     /// When each node outside the current epoch was first heard reporting in time (unix
     /// ms), as [`Evidence::track_ready`] keeps it: joins are admitted in waves.
     pub ready_since: BTreeMap<NodeId, u64>,
+    /// A pipelined job's last layout, reused while nothing it depends on changed.
+    pub layouts: controller::LayoutMemo,
 }
 
 impl Evidence {
@@ -209,6 +211,7 @@ pub fn plan_round_with(
         ms_per_sample: &ms_per_sample,
         notices: &notices,
         ready_since: &evidence.ready_since,
+        layouts: Some(&evidence.layouts),
     };
     let decision = controller::decide(&view, &ccfg);
     let mut commands = decision.commands;

@@ -6,7 +6,7 @@
 use limpet_consensus::state::{
     ClusterState, Command, Hardware, MemberSpec, MemberStatus, NodeId, MAX_PIPELINE_LOCAL_RANKS,
 };
-use limpet_decide::controller::{decide, ControllerConfig, NodeProgress, View};
+use limpet_decide::controller::{decide, ControllerConfig, LayoutMemo, NodeProgress, View};
 use limpet_decide::planner::{BlockCost, Link, ModelProfile, PipelineJob, StepBatch};
 use limpet_decide::policy::{BaseBatch, BatchPolicy};
 use limpet_decide::report::PendingNotice;
@@ -39,6 +39,8 @@ struct Sim {
     notices: BTreeMap<NodeId, PendingNotice>,
     /// When the leader first heard each node outside the epoch ready.
     ready_since: BTreeMap<NodeId, u64>,
+    /// A pipelined job's layout, kept between rounds as the leader keeps it.
+    layouts: LayoutMemo,
 }
 
 impl Sim {
@@ -54,6 +56,7 @@ impl Sim {
             speeds: BTreeMap::new(),
             notices: BTreeMap::new(),
             ready_since: BTreeMap::new(),
+            layouts: LayoutMemo::default(),
         }
     }
 
@@ -78,6 +81,7 @@ impl Sim {
             ms_per_sample: &self.speeds,
             notices: &self.notices,
             ready_since: &self.ready_since,
+            layouts: Some(&self.layouts),
         }
     }
 
@@ -489,6 +493,49 @@ fn pipelined(n: u64, depth: Option<usize>) -> Sim {
     sim.state.apply(&Command::SetJob { job: doc }).unwrap();
     sim.progress = (1..=n).map(|i| (i, NodeProgress { applied_step: 0, heartbeat_age_ms: 0 })).collect();
     sim
+}
+
+/// The planner runs when what a layout depends on changed (a host's measured speed, a
+/// candidate gone or come, a new epoch), not every round, and what it reuses is what it
+/// would work out afresh.
+#[test]
+fn a_pipelined_layout_is_worked_out_again_only_when_its_inputs_change() {
+    let mut sim = pipelined(4, Some(2));
+    sim.control();
+    sim.start_scheduled();
+    sim.train(5);
+    // The epoch started: its first round works the layout out again.
+    let before = sim.layouts.runs();
+    decide(&sim.view(100.0), &config());
+    let runs = sim.layouts.runs();
+    assert_eq!(runs, before + 1);
+    let afresh = |sim: &Sim| decide(&View { layouts: None, ..sim.view(100.0) }, &config());
+    for _ in 0..20 {
+        let d = decide(&sim.view(100.0), &config());
+        assert_eq!(d, afresh(&sim));
+    }
+    assert_eq!(sim.layouts.runs(), runs, "steady rounds reuse the layout");
+    // The lead in steps follows the measured step time; no layout reads it.
+    let led = ControllerConfig { lead_steps: 7, ..config() };
+    assert_eq!(decide(&sim.view(30.0), &led), decide(&View { layouts: None, ..sim.view(30.0) }, &led));
+    assert_eq!(sim.layouts.runs(), runs, "another lead reuses the layout");
+    // A host's devices are what a pipeline's hosts train with: worked out again.
+    let hardware = Hardware { ranks: 2, gpus: 2, cpus: 2, ..Hardware::default() };
+    sim.state.apply(&Command::UpdateHardware { id: 2, hardware }).unwrap();
+    assert_eq!(decide(&sim.view(100.0), &config()), afresh(&sim));
+    let runs = runs + 1;
+    assert_eq!(sim.layouts.runs(), runs, "another host's devices");
+    // A measured speed changes the inputs: worked out again, once.
+    sim.state.apply(&Command::RecordSpeed { id: 3, speed_milli: 400 }).unwrap();
+    for _ in 0..3 {
+        assert_eq!(decide(&sim.view(100.0), &config()), afresh(&sim));
+    }
+    assert_eq!(sim.layouts.runs(), runs + 1);
+    // A host gone quiet leaves the candidates: again.
+    sim.progress.get_mut(&4).unwrap().heartbeat_age_ms = 10_000;
+    let d = decide(&sim.view(100.0), &config());
+    assert_eq!(d, afresh(&sim));
+    assert_eq!(sim.layouts.runs(), runs + 2, "{}", d.reason);
 }
 
 #[test]

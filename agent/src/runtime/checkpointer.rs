@@ -703,14 +703,14 @@ mod tests {
         for (id, status) in
             [(1, MemberStatus::Active), (2, MemberStatus::Leaving), (3, MemberStatus::Draining)]
         {
-            st.members.insert(id, member(id, status));
+            st.members.insert(id, std::sync::Arc::new(member(id, status)));
         }
         // Leaving and draining nodes still write what they took.
         assert_eq!(gone_writer(&st, &[1, 2, 3]), None);
-        st.members.get_mut(&3).unwrap().status = MemberStatus::Failed;
+        std::sync::Arc::make_mut(st.members.get_mut(&3).unwrap()).status = MemberStatus::Failed;
         assert_eq!(gone_writer(&st, &[1, 2, 3]).unwrap(), "node 3, a writer of the set, is Failed");
         assert_eq!(gone_writer(&st, &[1, 2]), None);
-        st.members.get_mut(&2).unwrap().status = MemberStatus::Gone;
+        std::sync::Arc::make_mut(st.members.get_mut(&2).unwrap()).status = MemberStatus::Gone;
         assert!(gone_writer(&st, &[1, 2]).unwrap().contains("node 2"));
         assert!(gone_writer(&st, &[1, 9]).unwrap().contains("node 9, a writer of the set, is no member"));
     }

@@ -499,7 +499,8 @@ const KNOWN_EPOCHS: usize = 16;
 /// What the log lets each device rank of epoch `n` claim in the re-cut: its host, and the
 /// layouts its device held in the log's recent epochs (the same device of the same node).
 fn regroup_bounds(trainer: &Trainer, job: &JobSpec, st: &ClusterState, n: &Epoch) -> RegroupBounds {
-    let mut earlier: Vec<&Epoch> = st.history.iter().chain(&st.current).filter(|e| e.id < n.id).collect();
+    let mut earlier: Vec<&Epoch> =
+        st.history.iter().map(|e| &**e).chain(&st.current).filter(|e| e.id < n.id).collect();
     earlier.sort_by_key(|e| std::cmp::Reverse(e.id));
     earlier.dedup_by_key(|e| e.id);
     earlier.truncate(KNOWN_EPOCHS);

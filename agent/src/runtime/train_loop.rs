@@ -70,6 +70,9 @@ pub(super) struct TrainLoop {
     /// The step in flight when a collective broke (since the last entry): lost unless a peer
     /// finished it and the next epoch starts after it.
     in_flight: Option<u64>,
+    /// Steps this rank went back at its last entry, and that epoch: said on its first step
+    /// line there (`StepLine::went_back`), so the step log itself shows the redone steps.
+    went_back: Option<(u64, u64)>,
     step_time_ms: f64,
     log: Option<std::fs::File>,
     finished: bool,
@@ -129,6 +132,7 @@ impl TrainLoop {
             job_checked: false,
             last_step_done: None,
             in_flight: None,
+            went_back: None,
             step_time_ms: 0.0,
             log: None,
             finished: false,
@@ -485,6 +489,7 @@ impl TrainLoop {
             loss: stats.loss,
             agreed: stats.agreed,
             eval_loss: eval,
+            went_back: self.went_back.take_if(|(e, _)| *e == epoch.id).map(|(_, k)| k),
             // A model of one bucket sums it with the scalars once backward has ended: nothing
             // to say.
             overlap: self
@@ -578,6 +583,12 @@ impl TrainLoop {
             );
             self.record_step(&step, &p, rank, 0.0, None)?;
         }
+        // After the last epoch's step above, which this entry did not redo. A rank that went
+        // back and broke before its first step there says so in the next epoch's first.
+        self.went_back = match done.redone_steps {
+            0 => self.went_back.map(|(_, k)| (n.id, k)),
+            k => Some((n.id, k)),
+        };
         let idle_ms = self.last_step_done.map_or(0, |t| t.elapsed().as_millis() as u64);
         let t = Transition {
             epoch: n.id,

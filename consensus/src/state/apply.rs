@@ -7,8 +7,14 @@ use super::{
     Outcome, Refused, MAX_CHECKPOINT_RECORDS, MAX_EPOCH_HISTORY,
 };
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
 
 impl ClusterState {
+    /// A member's record to change: copied first while a reader still holds it.
+    fn member_mut(&mut self, id: &NodeId) -> Option<&mut Member> {
+        self.members.get_mut(id).map(Arc::make_mut)
+    }
+
     /// Applies a round's commands in order until one is refused (those after it are
     /// dropped, as a leader proposing them one by one stops at a refusal): `Ok` when the
     /// first was applied, saying what each did; `Err` (state unchanged) when the first was
@@ -47,7 +53,7 @@ impl ClusterState {
             Command::Drain { id, reason } => self.set_status(*id, Transition::Drain, reason),
             Command::MarkFailed { id, reason } => self.set_status(*id, Transition::Fail, reason),
             Command::Remove { id, reason } => self.set_status(*id, Transition::Remove, reason),
-            Command::UpdateHardware { id, hardware } => match self.members.get_mut(id) {
+            Command::UpdateHardware { id, hardware } => match self.member_mut(id) {
                 Some(m) => {
                     let speed_milli = m.spec.hardware.speed_milli;
                     m.spec.hardware = Hardware { speed_milli, ..hardware.clone() };
@@ -55,7 +61,7 @@ impl ClusterState {
                 }
                 None => Err(Refused(format!("node {id} is not a member"))),
             },
-            Command::RecordSpeed { id, speed_milli } => match self.members.get_mut(id) {
+            Command::RecordSpeed { id, speed_milli } => match self.member_mut(id) {
                 Some(m) => {
                     m.spec.hardware.speed_milli = *speed_milli;
                     Ok(format!("node {id} measured at speed x{:.2}", *speed_milli as f64 / 1000.0))
@@ -74,7 +80,7 @@ impl ClusterState {
             Command::Round { commands } => self.apply_round(commands),
             Command::ActivateEpoch { id } => match self.scheduled.take() {
                 Some(e) if e.id == *id => {
-                    self.history.push(e.clone());
+                    self.history.push(Arc::new(e.clone()));
                     if self.history.len() > MAX_EPOCH_HISTORY {
                         self.history.remove(0);
                     }
@@ -136,10 +142,10 @@ impl ClusterState {
             if owner != spec.id || other == owner {
                 return Err(Refused(format!("name {:?} is taken by node {other}", spec.name)));
             }
-            let squatter = self.members.get_mut(&other).expect("found above");
+            let squatter = self.member_mut(&other).expect("found above");
             squatter.spec.name = format!("{}#{other}", spec.name);
         }
-        match self.members.get_mut(&spec.id) {
+        match self.member_mut(&spec.id) {
             Some(m) if m.status.is_staying() || m.status == MemberStatus::Draining => {
                 let speed_milli = m.spec.hardware.speed_milli;
                 m.spec = spec.clone();
@@ -159,12 +165,12 @@ impl ClusterState {
             None => {
                 self.members.insert(
                     spec.id,
-                    Member {
+                    Arc::new(Member {
                         spec: unmeasured(spec),
                         status: MemberStatus::Joining,
                         reason: "joined".into(),
                         deadline_ms: None,
-                    },
+                    }),
                 );
                 Ok(format!("node {} ({}) joined", spec.id, spec.name))
             }
@@ -172,7 +178,7 @@ impl ClusterState {
     }
 
     fn apply_notice(&mut self, id: NodeId, deadline_ms: u64, source: &str) -> Outcome {
-        let m = self.members.get_mut(&id).ok_or_else(|| Refused(format!("node {id} is not a member")))?;
+        let m = self.member_mut(&id).ok_or_else(|| Refused(format!("node {id} is not a member")))?;
         match m.status {
             MemberStatus::Failed | MemberStatus::Gone => {
                 Err(Refused(format!("node {id} is already {:?}", m.status)))
@@ -190,7 +196,7 @@ impl ClusterState {
     }
 
     fn set_status(&mut self, id: NodeId, t: Transition, reason: &str) -> Outcome {
-        let m = self.members.get_mut(&id).ok_or_else(|| Refused(format!("node {id} is not a member")))?;
+        let m = self.member_mut(&id).ok_or_else(|| Refused(format!("node {id} is not a member")))?;
         let from = m.status;
         let to = match (t, from) {
             (Transition::Activate, MemberStatus::Joining | MemberStatus::Active) => MemberStatus::Active,

@@ -21,6 +21,7 @@ pub use hardware::Hardware;
 pub use revoked::{is_fingerprint, Revoked, MAX_REVOKED};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
 pub use throughput::{Throughput, ThroughputLog, MAX_THROUGHPUT_WORLDS};
 
 /// A node's id in the Raft group; never 0 (raft-rs reserves it).
@@ -192,13 +193,18 @@ pub struct CheckpointRecord {
     pub node: NodeId,
 }
 
+/// Every member's record by id. A record is shared between the copies of the state (the
+/// one a node applies to and the one its readers still hold), so applying a batch copies
+/// the map's spine and the records the batch changes, not every record of the fleet.
+pub type Members = BTreeMap<NodeId, Arc<Member>>;
+
 /// The replicated state every agent trusts.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ClusterState {
     /// Cluster name; its hash is the cluster id on the wire.
     pub cluster: String,
     /// Every member admitted, and the newest [`MAX_GONE_RECORDS`] of those gone.
-    pub members: BTreeMap<NodeId, Member>,
+    pub members: Members,
     /// The gone members whose records are kept, in the order they left.
     #[serde(default, skip_serializing_if = "VecDeque::is_empty")]
     pub gone: VecDeque<NodeId>,
@@ -217,9 +223,10 @@ pub struct ClusterState {
     /// The highest epoch id ever scheduled (withdrawn ones included): ids are never reused.
     #[serde(default)]
     pub last_epoch_id: u64,
-    /// The newest started epochs, oldest first (the current one last).
+    /// The newest started epochs, oldest first (the current one last); shared between the
+    /// state's copies, as the members' records are.
     #[serde(default)]
-    pub history: Vec<Epoch>,
+    pub history: Vec<Arc<Epoch>>,
     /// The fleet reconciler's newest decisions.
     #[serde(default)]
     pub capacity: CapacityLog,
@@ -528,12 +535,12 @@ impl ClusterState {
         for m in members {
             state.members.insert(
                 m.id,
-                Member {
+                Arc::new(Member {
                     spec: m.clone(),
                     status: MemberStatus::Active,
                     reason: "bootstrap".into(),
                     deadline_ms: None,
-                },
+                }),
             );
         }
         state
@@ -592,7 +599,7 @@ impl ClusterState {
     pub fn member_named(&self, name: &str) -> Option<&Member> {
         let mut found: Vec<_> = self.members.values().filter(|m| m.spec.name == name).collect();
         found.sort_by_key(|m| m.status == MemberStatus::Gone);
-        found.first().copied()
+        found.first().map(|m| &***m)
     }
 }
 

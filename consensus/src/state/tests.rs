@@ -371,3 +371,30 @@ fn a_state_encoded_in_place_is_a_snapshots_bytes() {
     let whole = SnapshotData { v: FORMAT_VERSION, cluster_id: 9, state: st.clone() }.encode();
     assert_eq!(SnapshotData::encode_state(9, &st), whole);
 }
+
+/// Applying to a copy of the state (the one a node applies to while its readers hold the
+/// last) copies the records the command changes and shares every other; the copy the
+/// readers hold is unchanged, and both encode as plain records.
+#[test]
+fn a_copy_shares_the_records_a_command_leaves_alone() {
+    let held = three();
+    let mut next = held.clone();
+    let out = next.apply(&Command::Drain { id: 2, reason: "test".into() });
+    assert!(out.is_ok(), "{out:?}");
+    for id in [1, 3] {
+        assert!(Arc::ptr_eq(&held.members[&id], &next.members[&id]), "node {id} copied");
+    }
+    assert!(!Arc::ptr_eq(&held.members[&2], &next.members[&2]));
+    assert_eq!(held.members[&2].status, MemberStatus::Active);
+    assert_eq!(next.members[&2].status, MemberStatus::Draining);
+    // A refused command changes no record, shared or not.
+    let before = next.clone();
+    assert!(next.apply(&Command::Activate { id: 9 }).is_err());
+    assert_eq!(next, before);
+    // The records encode as themselves (as before they were shared): a state written by an
+    // older build reads back, and the reverse.
+    let json = serde_json::to_value(&next).unwrap();
+    assert_eq!(json["members"]["2"]["status"], serde_json::json!("Draining"), "{json}");
+    let back: ClusterState = serde_json::from_value(json).unwrap();
+    assert_eq!(back, next);
+}

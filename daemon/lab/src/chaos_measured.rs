@@ -186,6 +186,7 @@ mod tests {
             agreed: false,
             eval_loss: None,
             overlap: None,
+            went_back: None,
         };
         // World 2: steps every 10 ms; world 3: every 20 ms (its first step late: a transition).
         let mut lines: Vec<StepLine> = (0..11).map(|s| line(1, s, 10 * s, 2)).collect();

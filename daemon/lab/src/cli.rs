@@ -121,6 +121,9 @@ pub enum BenchCommand {
     /// Barrier and allreduce time against the world size, up to a thousand ranks in one
     /// process: as the group picks (butterfly or ring) next to the ring alone.
     Collectives(crate::collectives_bench::BenchCollectivesArgs),
+    /// What a steady round of the leader's controller costs against the fleet size, a
+    /// pipelined job's layout kept between rounds next to worked out afresh.
+    Round(crate::round_bench::BenchRoundArgs),
 }
 
 /// Runs a parsed command line.
@@ -153,6 +156,7 @@ pub fn run(cli: Cli) -> limpet_daemon::Result<()> {
         Command::Bench(BenchCommand::Straggler(args)) => crate::straggler_bench::run(args),
         Command::Bench(BenchCommand::Scale(args)) => crate::scale_bench::run(args),
         Command::Bench(BenchCommand::Collectives(args)) => crate::collectives_bench::run(args),
+        Command::Bench(BenchCommand::Round(args)) => crate::round_bench::run(args),
     }
 }
 

@@ -1,8 +1,10 @@
 //! limpet's lab as a library: the demo (`demo`, which also drives scripted scenarios), trace
-//! replays checked against the simulation (`chaos`), local
-//! clusters on loopback (`local`) and the transitions their drivers see (`transitions`), the benchmarks (`raft_cmd`, `dp_cmd`, `elastic_bench`,
-//! `pipe_bench`, `train_bench`, `act_bench`, `scale_bench`) with the worker processes they start, and the `limpet-lab`
-//! command line (`cli`). Everything an operator runs is `limpet-daemon`; this crate only
+//! replays checked against the simulation (`chaos`), local clusters on loopback or in
+//! network namespaces (`local`, `netns`) and the transitions their drivers see
+//! (`transitions`), the benchmarks (`raft_cmd`, `dp_cmd`, `elastic_bench`, `pipe_bench`,
+//! `train_bench`, `act_bench`, `scale_bench`, `collectives_bench`, `round_bench` and the
+//! rest named `*_bench`) with the worker processes they start, and the `limpet-lab` command
+//! line (`cli`). Everything an operator runs is `limpet-daemon`; this crate only
 //! drives it, so the product binaries do not carry it.
 
 #![forbid(unsafe_code)]
@@ -24,6 +26,7 @@ pub mod local;
 pub mod netns;
 pub mod pipe_bench;
 pub mod raft_cmd;
+pub mod round_bench;
 pub mod scale_bench;
 pub mod stats;
 pub mod steplog;

@@ -23,6 +23,7 @@ use limpet_consensus::state::Command;
 use limpet_consensus::Client;
 use limpet_daemon::status::gather;
 use serde::Serialize;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -68,6 +69,10 @@ pub struct ScaleRow {
     pub control_bytes_per_node_s: f64,
     /// The leader's.
     pub control_bytes_leader_s: f64,
+    /// `control_bytes_per_node_s` by kind and direction (`raft sent`, `report received`, ...).
+    pub control_kinds_per_node_s: BTreeMap<String, f64>,
+    /// The leader's, by kind and direction.
+    pub control_kinds_leader_s: BTreeMap<String, f64>,
     /// CPU of a node that does not lead, in cores (mean).
     pub node_cpu: f64,
     /// The leader's CPU, in cores.
@@ -127,6 +132,8 @@ pub fn run(a: BenchScaleArgs) -> limpet_daemon::Result<()> {
 struct Idle {
     bytes_node: f64,
     bytes_leader: f64,
+    kinds_node: BTreeMap<String, f64>,
+    kinds_leader: BTreeMap<String, f64>,
     cpu_node: f64,
     cpu_leader: f64,
     p50: f64,
@@ -177,7 +184,7 @@ fn control_plane(dir: &Path, n: usize, a: &BenchScaleArgs) -> limpet_daemon::Res
         std::thread::sleep(Duration::from_millis(500));
     };
     std::thread::sleep(Duration::from_secs(3));
-    let sample = || -> Vec<(u64, f64, f64)> {
+    let sample = || -> Vec<(u64, f64, BTreeMap<String, f64>)> {
         file.nodes.iter().map(|m| (m.id, cpu_seconds(m.pid), control_bytes(&m.metrics))).collect()
     };
     let before = sample();
@@ -187,13 +194,19 @@ fn control_plane(dir: &Path, n: usize, a: &BenchScaleArgs) -> limpet_daemon::Res
     let secs = t0.elapsed().as_secs_f64();
     let (mut cpu, mut bytes) = (Vec::new(), Vec::new());
     let (mut cpu_leader, mut bytes_leader) = (0.0, 0.0);
-    for ((id, c0, b0), (_, c1, b1)) in before.iter().zip(&after) {
-        let (c, b) = ((c1 - c0) / secs, (b1 - b0) / secs);
+    let (mut kinds_node, mut kinds_leader) = (BTreeMap::new(), BTreeMap::new());
+    for ((id, c0, k0), (_, c1, k1)) in before.iter().zip(&after) {
+        let rates: BTreeMap<String, f64> =
+            k1.iter().map(|(k, v1)| (k.clone(), (v1 - k0.get(k).copied().unwrap_or(0.0)) / secs)).collect();
+        let (c, b) = ((c1 - c0) / secs, rates.values().sum::<f64>());
         if *id == leader {
-            (cpu_leader, bytes_leader) = (c, b);
+            (cpu_leader, bytes_leader, kinds_leader) = (c, b, rates);
         } else {
             cpu.push(c);
             bytes.push(b);
+            for (k, v) in rates {
+                *kinds_node.entry(k).or_insert(0.0) += v / (n - 1).max(1) as f64;
+            }
         }
     }
     // Commits through the leader: its own hardware record, unchanged, proposed again.
@@ -218,6 +231,8 @@ fn control_plane(dir: &Path, n: usize, a: &BenchScaleArgs) -> limpet_daemon::Res
     Ok(Idle {
         bytes_node: mean(&bytes),
         bytes_leader,
+        kinds_node,
+        kinds_leader,
         cpu_node: mean(&cpu),
         cpu_leader,
         p50: pct(0.5),
@@ -250,14 +265,21 @@ fn clock_ticks() -> f64 {
     })
 }
 
-/// The control-plane bytes an agent counted, sent and received, from its metrics endpoint's
-/// URL (0 if it does not answer).
-fn control_bytes(metrics_url: &str) -> f64 {
+/// The control-plane bytes an agent counted, by kind and direction (`raft sent`, ...), from
+/// its metrics endpoint's URL (none if it does not answer).
+fn control_bytes(metrics_url: &str) -> BTreeMap<String, f64> {
     let page = crate::local::get_text(metrics_url).unwrap_or_default();
-    page.lines()
-        .filter(|l| l.starts_with("limpet_control_bytes_total"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    let label = |l: &str, name: &str| -> String {
+        let at = l.find(&format!("{name}=\"")).map(|i| i + name.len() + 2);
+        at.and_then(|i| Some(l[i..i + l[i..].find('"')?].to_string())).unwrap_or_default()
+    };
+    let mut out = BTreeMap::new();
+    for l in page.lines().filter(|l| l.starts_with("limpet_control_bytes_total")) {
+        if let Some(v) = l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) {
+            *out.entry(format!("{} {}", label(l, "kind"), label(l, "direction"))).or_insert(0.0) += v;
+        }
+    }
+    out
 }
 
 fn transitions(dir: &Path, n: usize, steps: u64, netns: bool, idle: Idle) -> limpet_daemon::Result<ScaleRow> {
@@ -292,6 +314,8 @@ fn transitions(dir: &Path, n: usize, steps: u64, netns: bool, idle: Idle) -> lim
         hosts: n,
         control_bytes_per_node_s: idle.bytes_node,
         control_bytes_leader_s: idle.bytes_leader,
+        control_kinds_per_node_s: idle.kinds_node,
+        control_kinds_leader_s: idle.kinds_leader,
         node_cpu: idle.cpu_node,
         leader_cpu: idle.cpu_leader,
         commit_p50_ms: idle.p50,
@@ -340,6 +364,14 @@ fn print_table(rows: &[ScaleRow]) {
             r.joins,
             r.joins_trained_in_s
         );
+    }
+    // What the control bytes are: raft's against the reports', each way.
+    let kinds = |m: &BTreeMap<String, f64>| -> String {
+        m.iter().map(|(k, v)| format!("{k} {v:.0}")).collect::<Vec<_>>().join(", ")
+    };
+    for r in rows {
+        println!("{} hosts, B/s a node: {}", r.hosts, kinds(&r.control_kinds_per_node_s));
+        println!("{} hosts, B/s the leader: {}", r.hosts, kinds(&r.control_kinds_leader_s));
     }
 }
 

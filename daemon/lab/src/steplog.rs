@@ -54,9 +54,12 @@ pub(crate) fn json_lines<T: serde::de::DeserializeOwned>(path: &Path) -> Vec<T> 
 /// killed node's last step may legitimately be redone by the survivors, who never got it, and
 /// so may the last step of a node that left: no state of a rank outside an epoch enters it).
 /// Steps
-/// `[start, start + n)` for each `(start, n)` of `redone` were trained again after a
-/// rollback: their earlier application left the lineage, so it does not count as twice.
+/// `[start, start + n)` for each `(start, n)` of `redone`, and of each line that says its
+/// rank went back (`StepLine::went_back`), were trained again after a rollback: their
+/// earlier application left the lineage, so it does not count as twice.
 pub fn merge(lines: &[StepLine], killed: &[u64], redone: &[(u64, u64)]) -> (Vec<ElasticPoint>, u64) {
+    let said: Vec<(u64, u64)> = lines.iter().filter_map(|l| Some((l.step, l.went_back?))).collect();
+    let redone: Vec<(u64, u64)> = redone.iter().copied().chain(said).collect();
     // Each node's last step, with its epoch: only that step of a node that left can be one
     // the survivors never got (every earlier one the whole group completed).
     let mut last: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
@@ -139,6 +142,7 @@ mod tests {
             agreed: false,
             eval_loss: None,
             overlap: None,
+            went_back: None,
         }
     }
 
@@ -154,6 +158,12 @@ mod tests {
         // A redone range that does not cover the repeats does not excuse them.
         let (_, twice) = merge(&lines, &[], &[(4, 1)]);
         assert_eq!(twice, 1);
+        // The rank's own first line of epoch 2 says it went back two steps: the same.
+        let mut said = lines.clone();
+        said.iter_mut().find(|l| l.epoch == 2).expect("epoch 2").went_back = Some(2);
+        assert_eq!(merge(&said, &[], &[]).1, 0);
+        said.iter_mut().find(|l| l.epoch == 2).expect("epoch 2").went_back = Some(1);
+        assert_eq!(merge(&said, &[], &[]).1, 1);
         // Node 2 left after its step 5 of epoch 1, which epoch 2 trained without it.
         lines.extend((0..6).map(|s| line(2, 1, s, 100 * s)));
         assert_eq!(merge(&lines, &[], &[(3, 2)]).1, 0);
