@@ -64,7 +64,27 @@ fn an_elastic_run_with_a_notice_a_join_and_a_kill_matches_one_uninterrupted_proc
     assert!(offered.contains(&join["epoch"].as_u64().unwrap()), "offered at epochs {offered:?}: {join}");
     assert!(!offered.contains(&1) && !offered.contains(&notice["epoch"].as_u64().unwrap()), "{offered:?}");
     let by_logs = lost_by_step_logs(&dir, kill["epoch"].as_u64().unwrap(), kill["step"].as_u64().unwrap());
-    assert_eq!(kill["lost_steps"].as_u64(), Some(by_logs), "{kill}");
+    // On a mismatch, what each rank said of the change (the step logs stay in the run's
+    // directory, gone with the test; these lines are what tell the two apart).
+    let said = || -> String {
+        let keep = ["entered epoch", "collective failed", "back to", "copied", "left training"];
+        let logs = common::node_logs(&dir);
+        let mut out: Vec<String> =
+            logs.lines().filter(|l| keep.iter().any(|k| l.contains(k))).map(str::to_string).collect();
+        let start = kill["step"].as_u64().unwrap_or(0);
+        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            if e.file_name().to_string_lossy().ends_with(".steps.jsonl") {
+                let text = std::fs::read_to_string(e.path()).unwrap_or_default();
+                let near = |l: &&str| {
+                    let v: serde_json::Value = serde_json::from_str(l).unwrap_or_default();
+                    v["step"].as_u64().is_some_and(|s| s + 3 >= start && s <= start + 1)
+                };
+                out.extend(text.lines().filter(near).map(|l| format!("{}: {l}", e.path().display())));
+            }
+        }
+        out.join("\n")
+    };
+    assert_eq!(kill["lost_steps"].as_u64(), Some(by_logs), "{kill}\n{}", said());
 
     let single = tmp.path().join("single");
     let single_report = train_alone(&single, &["--model", "mlp", "--data", "digits", "--batch", "64"], steps);

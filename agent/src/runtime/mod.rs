@@ -91,12 +91,12 @@ pub struct StepLine {
     /// reduced after backward, and for models of one bucket.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub overlap: Option<[usize; 2]>,
-    /// On a rank's first step of an epoch whose entry took it back (its state was newer than
-    /// the survivors' agreed step, or a stage or a shard went back to a snapshot): how many
-    /// steps it went back. Steps `step..step + went_back` were applied before and are trained
-    /// again, out of the old lineage. Absent otherwise.
+    /// On a rank's first step after an entry that took its state back (it was newer than the
+    /// survivors' agreed step, or a stage or a shard went back to a snapshot or a
+    /// checkpoint): `[from, to]`, the steps `from..to` it had applied and trains again, out
+    /// of the old lineage. Absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub went_back: Option<u64>,
+    pub went_back: Option<[u64; 2]>,
 }
 
 fn is_zero(v: &usize) -> bool {

@@ -70,9 +70,12 @@ pub(super) struct TrainLoop {
     /// The step in flight when a collective broke (since the last entry): lost unless a peer
     /// finished it and the next epoch starts after it.
     in_flight: Option<u64>,
-    /// Steps this rank went back at its last entry, and that epoch: said on its first step
-    /// line there (`StepLine::went_back`), so the step log itself shows the redone steps.
-    went_back: Option<(u64, u64)>,
+    /// The step this rank's state had reached since its last entry: an entry that leaves it
+    /// lower took the state back, whichever path did (a failed entry's included).
+    reached: u64,
+    /// Steps this rank went back, `[from, to)`, not yet said: on its next step line
+    /// (`StepLine::went_back`), so the step log itself shows the redone steps.
+    went_back: Option<[u64; 2]>,
     step_time_ms: f64,
     log: Option<std::fs::File>,
     finished: bool,
@@ -132,6 +135,7 @@ impl TrainLoop {
             job_checked: false,
             last_step_done: None,
             in_flight: None,
+            reached: 0,
             went_back: None,
             step_time_ms: 0.0,
             log: None,
@@ -477,6 +481,7 @@ impl TrainLoop {
         eval: Option<f64>,
     ) -> Result<(), AgentError> {
         let world = epoch.ranks.len();
+        self.reached = self.reached.max(stats.step + 1);
         let line = StepLine {
             wall_ms: super::now_ms(),
             step: stats.step,
@@ -489,7 +494,7 @@ impl TrainLoop {
             loss: stats.loss,
             agreed: stats.agreed,
             eval_loss: eval,
-            went_back: self.went_back.take_if(|(e, _)| *e == epoch.id).map(|(_, k)| k),
+            went_back: self.went_back.take(),
             // A model of one bucket sums it with the scalars once backward has ended: nothing
             // to say.
             overlap: self
@@ -544,6 +549,8 @@ impl TrainLoop {
         self.lanes.clear();
         // Made of the state this entry may change.
         self.drop_final();
+        // A step applied but not logged (its collectives broke after the update) counts too.
+        self.reached = self.reached.max(self.trainer.step());
         let x = Entering {
             cfg: &self.cfg,
             endpoint: &self.endpoint,
@@ -583,12 +590,16 @@ impl TrainLoop {
             );
             self.record_step(&step, &p, rank, 0.0, None)?;
         }
-        // After the last epoch's step above, which this entry did not redo. A rank that went
-        // back and broke before its first step there says so in the next epoch's first.
-        self.went_back = match done.redone_steps {
-            0 => self.went_back.map(|(_, k)| (n.id, k)),
-            k => Some((n.id, k)),
-        };
+        // After the last epoch's step above, which this entry did not redo. Steps gone back
+        // over and not said yet (a rank that broke before its next step) join them.
+        let at = self.trainer.step();
+        if at < self.reached {
+            self.went_back = Some(match self.went_back {
+                Some([from, to]) => [from.min(at), to.max(self.reached)],
+                None => [at, self.reached],
+            });
+        }
+        self.reached = at;
         let idle_ms = self.last_step_done.map_or(0, |t| t.elapsed().as_millis() as u64);
         let t = Transition {
             epoch: n.id,

@@ -54,12 +54,16 @@ pub(crate) fn json_lines<T: serde::de::DeserializeOwned>(path: &Path) -> Vec<T> 
 /// killed node's last step may legitimately be redone by the survivors, who never got it, and
 /// so may the last step of a node that left: no state of a rank outside an epoch enters it).
 /// Steps
-/// `[start, start + n)` for each `(start, n)` of `redone`, and of each line that says its
-/// rank went back (`StepLine::went_back`), were trained again after a rollback: their
-/// earlier application left the lineage, so it does not count as twice.
-pub fn merge(lines: &[StepLine], killed: &[u64], redone: &[(u64, u64)]) -> (Vec<ElasticPoint>, u64) {
-    let said: Vec<(u64, u64)> = lines.iter().filter_map(|l| Some((l.step, l.went_back?))).collect();
-    let redone: Vec<(u64, u64)> = redone.iter().copied().chain(said).collect();
+/// `[start, start + n)` for each `(epoch, start, n)` of `redone`, and of each line that says
+/// its rank went back (`StepLine::went_back`), were trained again after a rollback: their
+/// earlier application left the lineage, so it does not count as twice. A step is excused
+/// once for each epoch that went back over it, however many ranks or reports say so.
+pub fn merge(lines: &[StepLine], killed: &[u64], redone: &[(u64, u64, u64)]) -> (Vec<ElasticPoint>, u64) {
+    let said = lines.iter().filter_map(|l| {
+        let [from, to] = l.went_back?;
+        Some((l.epoch, from, to.saturating_sub(from)))
+    });
+    let redone: Vec<(u64, u64, u64)> = redone.iter().copied().chain(said).collect();
     // Each node's last step, with its epoch: only that step of a node that left can be one
     // the survivors never got (every earlier one the whole group completed).
     let mut last: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
@@ -82,7 +86,9 @@ pub fn merge(lines: &[StepLine], killed: &[u64], redone: &[(u64, u64)]) -> (Vec<
         .iter()
         .map(|(step, epochs)| {
             let survivors = epochs.values().filter(|l| !gone(l)).count() as u64;
-            let again = redone.iter().filter(|&&(s, n)| (s..s + n).contains(step)).count() as u64;
+            let again: std::collections::BTreeSet<u64> =
+                redone.iter().filter(|&&(_, s, n)| (s..s + n).contains(step)).map(|&(e, ..)| e).collect();
+            let again = again.len() as u64;
             twice += survivors.saturating_sub(1 + again);
             let l = epochs.values().next_back().expect("non-empty");
             let eval_loss = epochs.values().find_map(|l| l.eval_loss);
@@ -153,28 +159,33 @@ mod tests {
         lines.extend((3..8).map(|s| line(1, 2, s, 1000 + 100 * s)));
         let (points, twice) = merge(&lines, &[], &[]);
         assert_eq!((points.len(), twice), (8, 2));
-        let (_, twice) = merge(&lines, &[], &[(3, 2)]);
+        let (_, twice) = merge(&lines, &[], &[(2, 3, 2)]);
         assert_eq!(twice, 0);
         // A redone range that does not cover the repeats does not excuse them.
-        let (_, twice) = merge(&lines, &[], &[(4, 1)]);
+        let (_, twice) = merge(&lines, &[], &[(2, 4, 1)]);
         assert_eq!(twice, 1);
         // The rank's own first line of epoch 2 says it went back two steps: the same.
         let mut said = lines.clone();
-        said.iter_mut().find(|l| l.epoch == 2).expect("epoch 2").went_back = Some(2);
+        said.iter_mut().find(|l| l.epoch == 2).expect("epoch 2").went_back = Some([3, 5]);
         assert_eq!(merge(&said, &[], &[]).1, 0);
-        said.iter_mut().find(|l| l.epoch == 2).expect("epoch 2").went_back = Some(1);
+        // Said by the rank and by the status both, it is still one going back: a third
+        // application of step 4 (epoch 3, no rank going back) counts.
+        let mut third = said.clone();
+        third.push(line(1, 3, 4, 5000));
+        assert_eq!(merge(&third, &[], &[(2, 3, 2)]).1, 1);
+        said.iter_mut().find(|l| l.epoch == 2).expect("epoch 2").went_back = Some([4, 5]);
         assert_eq!(merge(&said, &[], &[]).1, 1);
         // Node 2 left after its step 5 of epoch 1, which epoch 2 trained without it.
         lines.extend((0..6).map(|s| line(2, 1, s, 100 * s)));
-        assert_eq!(merge(&lines, &[], &[(3, 2)]).1, 0);
+        assert_eq!(merge(&lines, &[], &[(2, 3, 2)]).1, 0);
         // Node 2 trained on in epoch 2: its step 5 was applied in both epochs.
         lines.push(line(2, 2, 6, 2000));
-        assert_eq!(merge(&lines, &[], &[(3, 2)]).1, 1);
+        assert_eq!(merge(&lines, &[], &[(2, 3, 2)]).1, 1);
         // Node 3 trained steps 10-12 alone in epoch 3 and left; epoch 4 trained them again:
         // only its last step is excused.
         lines.extend((10..13).map(|s| line(3, 3, s, 3000 + s)));
         lines.extend((10..13).map(|s| line(1, 4, s, 4000 + s)));
-        assert_eq!(merge(&lines, &[], &[(3, 2)]).1, 1 + 2);
+        assert_eq!(merge(&lines, &[], &[(2, 3, 2)]).1, 1 + 2);
     }
 
     #[test]
@@ -204,10 +215,10 @@ mod tests {
             crate::transitions::remember(&mut seen, &serde_json::from_value(status).unwrap());
         }
         let seen: Vec<TransitionDoc> = seen.into_values().collect();
-        assert_eq!(crate::transitions::redone(&seen), vec![(203, 1)]);
+        assert_eq!(crate::transitions::redone(&seen), vec![(2, 203, 1)]);
         assert_eq!(merge(&lines, &[], &crate::transitions::redone(&seen)).1, 0);
         // Counted back from the epoch's start (as before), the redone step was missed.
-        assert_eq!(merge(&lines, &[], &[(202, 1)]).1, 1);
+        assert_eq!(merge(&lines, &[], &[(2, 202, 1)]).1, 1);
     }
 
     #[test]

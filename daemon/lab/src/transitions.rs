@@ -31,13 +31,13 @@ pub fn remember(seen: &mut BTreeMap<u64, TransitionDoc>, doc: &StatusDoc) {
     }
 }
 
-/// The steps trained again after a rank went back, as `(first, count)` for each transition
-/// that redid any: they left the lineage, so they are not applied twice. A status from an
-/// agent that does not say where it went back to counts back from the epoch's start.
-pub fn redone(seen: &[TransitionDoc]) -> Vec<(u64, u64)> {
+/// The steps trained again after a rank went back, as `(epoch, first, count)` for each
+/// transition that redid any: they left the lineage, so they are not applied twice. A status
+/// from an agent that does not say where it went back to counts back from the epoch's start.
+pub fn redone(seen: &[TransitionDoc]) -> Vec<(u64, u64, u64)> {
     seen.iter()
         .filter(|t| t.redone_steps > 0)
-        .map(|t| (t.redone_from.unwrap_or(t.step.saturating_sub(t.redone_steps)), t.redone_steps))
+        .map(|t| (t.epoch, t.redone_from.unwrap_or(t.step.saturating_sub(t.redone_steps)), t.redone_steps))
         .collect()
 }
 
