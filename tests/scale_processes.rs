@@ -38,10 +38,13 @@ fn a_fleet_past_one_addresss_share_stays_whole_through_a_mass_revocation_and_a_w
     script.extend((0..JOINERS).map(|_| "0.6:join".to_string()));
     let founders = FOUNDERS.to_string();
     let batch = (FOUNDERS * 8).to_string();
-    // 52 agents on two cores (the founders, then the joiners booting, each loading libtorch)
-    // can leave a live one unheard for over a second; a fleet's hosts have cores of their own.
-    // The kills are still found at once, by the leader's probe of their ports.
+    // 52 agents on two cores (each loading libtorch) can leave a live one unheard for over a
+    // second; a fleet's hosts have cores of their own. The kills are still found at once, by
+    // the leader's probe of their ports. For the same reason the joiners boot with the
+    // founders and wait, loaded, until the script's join: loading libtorch on cores that 33
+    // agents keep busy took them 14-20 s, spread over 6 s, and the job could end first.
     let args = [
+        "--joiners-booted",
         "--nodes",
         &founders,
         "--model",

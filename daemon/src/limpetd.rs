@@ -97,6 +97,10 @@ pub fn main(cli: LimpetdCli) -> crate::Result<()> {
              and knows the cluster secret is a member, and traffic is plain text"
         );
     }
+    #[cfg(feature = "lab")]
+    if let Some(gate) = &cfg.node.start_gate {
+        wait_at_gate(gate);
+    }
     let mut agent_cfg = settings.agent;
     if let Some(step_log) = cli.run.step_log {
         agent_cfg.step_log = Some(step_log);
@@ -153,6 +157,18 @@ pub fn main(cli: LimpetdCli) -> crate::Result<()> {
     // device call) is not waited for again: the process ends with the error above.
     rt.shutdown_timeout(Duration::from_millis(500));
     result
+}
+
+/// Lab builds: a host booted ahead of its time waits here, libtorch loaded, until the lab
+/// opens its gate (the file appears). A wave of joiners then arrives at once, as hosts with
+/// cores of their own would, not spread over the seconds libtorch takes to load on cores that
+/// dozens of agents share.
+#[cfg(feature = "lab")]
+fn wait_at_gate(gate: &std::path::Path) {
+    tracing::info!(gate = %gate.display(), "booted; waiting at the start gate");
+    while !gate.exists() {
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// `limpetd validate`: everything start-up checks and builds (every key, the certificates,

@@ -13,7 +13,7 @@ use limpet_consensus::state::Command;
 use limpet_daemon::plot::elastic_svg;
 use limpet_daemon::status::{gather, StatusDoc, TransitionDoc};
 use serde::Serialize;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -154,6 +154,10 @@ pub struct ScenarioArgs {
     /// A straggler drill: NODE:F makes NODE compute as a host F times slower would.
     #[arg(long, value_parser = parse_slow_factor)]
     pub slow_factor: Option<(String, f64)>,
+    /// The script's joiners boot with the cluster and wait, libtorch loaded, until their
+    /// join: joins then cost the join, not a load slowed by the cores every agent shares.
+    #[arg(long)]
+    pub joiners_booted: bool,
 }
 
 fn parse_slow_factor(s: &str) -> Result<(String, f64), String> {
@@ -246,6 +250,7 @@ pub fn scenario(a: ScenarioArgs) -> limpet_daemon::Result<()> {
         node_devices: a.node_devices.clone(),
         extra_config: timing_section(a.failure_timeout_ms, a.data_timeout_ms),
         netns: a.netns,
+        joiners_booted: a.joiners_booted,
         ..LocalJob::default()
     };
     let summary = run_scenario(&a.dir, a.nodes, job, &script, Duration::from_secs(a.timeout), !a.json)?;
@@ -393,6 +398,8 @@ pub struct Summary {
 
 /// Longest a scripted action waits for the previous one to show in the epoch.
 const SETTLE_MAX: Duration = Duration::from_secs(10);
+/// Longest a joiner booted ahead may still be loading when its join comes.
+const BOOT_MAX: Duration = Duration::from_secs(120);
 
 /// Starts a local cluster in `dir`, plays `script`, waits for the job to finish, and
 /// writes `summary.json` and `demo.svg` there.
@@ -414,7 +421,14 @@ pub fn run_scenario(
     }
     let steps = job.steps;
     let started = Instant::now();
+    let booted_joins = job.joiners_booted;
     let mut cluster = LocalCluster::up(dir, nodes, job)?;
+    let booted: VecDeque<String> = if booted_joins {
+        let joins = script.iter().filter(|(_, a)| matches!(a, Action::Join)).count();
+        (0..joins).map(|_| cluster.add_booted()).collect::<limpet_daemon::Result<_>>()?
+    } else {
+        VecDeque::new()
+    };
     // With certificates, the driver is an operator: it reads status and drains with the
     // operator certificate the cluster was made with.
     let tls = match &cluster.file.operator_tls {
@@ -429,7 +443,8 @@ pub fn run_scenario(
             .expect("template")
             .progress_chars("=> "),
     );
-    let mut player = Player { script, steps, next: 0, settling: None, fired: Vec::new(), killed: Vec::new() };
+    let mut player =
+        Player { script, steps, next: 0, settling: None, fired: Vec::new(), killed: Vec::new(), booted };
     let deadline = Instant::now() + timeout;
     let mut last: Option<StatusDoc> = None;
     // Every transition seen (`transitions`): status shows the newest only.
@@ -520,6 +535,8 @@ struct Player<'a> {
     fired: Vec<(u64, u64, String)>,
     /// Ids of the nodes killed.
     killed: Vec<u64>,
+    /// Joiners booted ahead, waiting at their gates, in the order they join.
+    booted: VecDeque<String>,
 }
 
 impl Player<'_> {
@@ -553,7 +570,11 @@ impl Player<'_> {
                 self.killed.push(cluster.file.node(node)?.id);
             }
             let at = now_ms();
-            let joined = fire(cluster, rt, tls, &action)?;
+            let booted = matches!(action, Action::Join).then(|| self.booted.pop_front()).flatten();
+            let joined = match booted {
+                Some(name) => cluster.open_gate(&name, BOOT_MAX).map(|()| Some(name))?,
+                None => fire(cluster, rt, tls, &action)?,
+            };
             self.fired.push((doc.step, at, action.describe()));
             self.next += 1;
             self.settling = match (&action, joined) {

@@ -86,6 +86,10 @@ pub struct LocalJob {
     /// More sections for every node's configuration, as TOML (`[capacity]`, ...).
     #[serde(default)]
     pub extra_config: Option<String>,
+    /// A scenario's joiners boot with the cluster and wait, loaded, at start gates until the
+    /// script's join opens them ([`LocalCluster::add_booted`]).
+    #[serde(default)]
+    pub joiners_booted: bool,
     /// `[cluster].straggler_ratio` (0: off, the default here: processes sharing a few cores
     /// are noisy, not stragglers).
     #[serde(default)]
@@ -154,6 +158,7 @@ impl Default for LocalJob {
             data_section: Default::default(),
             model_section: Default::default(),
             extra_config: None,
+            joiners_booted: false,
             straggler_ratio: 0.0,
             slow: None,
             slow_factor: None,
@@ -184,6 +189,8 @@ pub struct LocalCluster {
     founders: Vec<String>,
     /// How the next node added is started: as systemd starts a `Type=notify` service.
     systemd: Option<SystemdEnv>,
+    /// The start gate of the next node added, if it boots ahead of its time.
+    gate: Option<PathBuf>,
     /// Each node's network namespace, with `LocalJob::netns`.
     spaces: HashMap<String, String>,
     /// The namespaces' bridge (last: dropped after `down` stopped every process in them).
@@ -266,6 +273,7 @@ impl LocalCluster {
             metadata: HashMap::new(),
             founders: Vec::new(),
             systemd: None,
+            gate: None,
             spaces: HashMap::new(),
             fleet: None,
         };
@@ -306,6 +314,44 @@ impl LocalCluster {
         let r = self.add();
         self.systemd = None;
         r
+    }
+
+    /// Adds a node that boots now and waits, loaded, at a start gate of its own until
+    /// [`LocalCluster::open_gate`]: a scripted join then costs the join, not libtorch's load on
+    /// cores the running agents share (a host of a fleet boots on cores of its own).
+    pub fn add_booted(&mut self) -> limpet_daemon::Result<String> {
+        let id = self.file.nodes.iter().map(|n| n.id).max().unwrap_or(0) + 1;
+        self.gate = Some(self.gate_of(&format!("node-{id}")));
+        let r = self.add();
+        self.gate = None;
+        r
+    }
+
+    fn gate_of(&self, name: &str) -> PathBuf {
+        self.dir.join(format!("{name}.gate"))
+    }
+
+    /// Lets a node added by [`LocalCluster::add_booted`] go on and join, once it waits at its
+    /// gate (its log says so; it may still be loading when its time comes), within `within`.
+    pub fn open_gate(&mut self, name: &str, within: Duration) -> limpet_daemon::Result<()> {
+        let log = self.file.node(name)?.log.clone();
+        let until = Instant::now() + within;
+        while !std::fs::read_to_string(&log).unwrap_or_default().contains("waiting at the start gate") {
+            if let Some((who, why)) = self.failed_to_start().filter(|(who, _)| who == name) {
+                limpet_daemon::fail!("{who}'s limpetd exited while it booted: {why}");
+            }
+            if Instant::now() > until {
+                limpet_daemon::fail!(
+                    "{name} did not boot within {} s (see {})",
+                    within.as_secs(),
+                    log.display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let gate = self.gate_of(name);
+        std::fs::write(&gate, b"").with_context(|| format!("opening {}", gate.display()))?;
+        Ok(())
     }
 
     /// Adds a node that joins through the founders.
@@ -387,6 +433,9 @@ impl LocalCluster {
         }
         if let Some((_, f)) = j.slow_factor.as_ref().filter(|(n, _)| n == name) {
             text += &format!("slowdown_factor = {f:?}\n\n");
+        }
+        if let Some(gate) = &self.gate {
+            text += &format!("start_gate = {:?}\n\n", gate.display().to_string());
         }
         text += &format!(
             "[cluster]\nname = {:?}\nmin_nodes = {}\nstraggler_ratio = {:?}\n",

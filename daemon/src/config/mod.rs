@@ -140,6 +140,11 @@ pub struct NodeSection {
     #[cfg(feature = "lab")]
     #[serde(default = "default_slowdown_factor")]
     pub slowdown_factor: f64,
+    /// A host booted ahead of its time waits, loaded, until this file exists (the lab opens
+    /// it when its script says the host joins). Lab builds only.
+    #[cfg(feature = "lab")]
+    #[serde(default)]
+    pub start_gate: Option<PathBuf>,
 }
 
 #[cfg(feature = "lab")]
