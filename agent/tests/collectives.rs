@@ -545,6 +545,26 @@ fn a_silent_peer_times_out_and_a_closed_one_fails_at_once() {
     assert!(msgs.iter().any(|m| m.contains("no progress")), "{msgs:?}");
 }
 
+/// A peer whose data port refuses (nothing listens: a dead process) is remembered as refusing
+/// for the heartbeats to name, and forgotten once a connection to it succeeds or the news
+/// is old.
+#[test]
+fn a_peer_whose_port_refuses_is_named_until_a_connection_succeeds() {
+    let (ep, peer) = (quick(1), quick(2));
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let closed = free.local_addr().unwrap().to_string();
+    drop(free);
+    let soon = std::time::Instant::now() + Duration::from_millis(100);
+    assert!(ep.connect_until(&closed, 2, 1, Channel::Ring, soon, &|| false).is_err());
+    assert_eq!(ep.refused_lately(Duration::from_secs(2)), vec![2]);
+    assert_eq!(ep.refused_lately(Duration::ZERO), Vec::<u64>::new(), "old news is dropped");
+    assert!(ep.connect_until(&closed, 2, 1, Channel::Ring, soon, &|| true).is_err());
+    let up = peer.addr().to_string();
+    let c = ep.connect(&up, 2, 1, Channel::Ring);
+    assert!(c.is_ok(), "{:?}", c.err());
+    assert_eq!(ep.refused_lately(Duration::from_secs(2)), Vec::<u64>::new());
+}
+
 /// Both ends of a data-plane connection run the configured congestion control (reno by
 /// default, which every host allows); `None` keeps the host's default; a name the host
 /// refuses keeps the default too, and the connection still works.

@@ -324,12 +324,14 @@ fn client(
         .max_encoding_message_size(MAX_MESSAGE_BYTES)
 }
 
-/// Counts control-plane bytes this node sends or receives, by kind (`raft`, `report`): what
-/// `limpet-lab bench scale` divides by the time to get each node's control traffic.
+/// Counts a control-plane message this node sends or receives and its bytes, by kind
+/// (`raft`, `report`): what `limpet-lab bench scale` divides by the time to get each node's
+/// control traffic, and by each other to get a message's mean size.
 pub(crate) fn count_control_bytes(sent: bool, kind: &'static str, bytes: usize) {
     let direction = if sent { "sent" } else { "received" };
     metrics::counter!("limpet_control_bytes_total", "direction" => direction, "kind" => kind)
         .increment(bytes as u64);
+    metrics::counter!("limpet_control_messages_total", "direction" => direction, "kind" => kind).increment(1);
 }
 
 /// The answer to a read.

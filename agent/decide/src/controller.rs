@@ -412,7 +412,8 @@ fn failures(
             if !matches!(status, None | Some(MemberStatus::Failed | MemberStatus::Gone)) {
                 let why = match view.progress.get(&r) {
                     Some(p) if p.heartbeat_age_ms == u64::MAX => {
-                        "a peer's collective failed on it and it went silent or its port refuses".to_string()
+                        "its port refuses the leader, or a peer's collective failed on it and it went silent"
+                            .to_string()
                     }
                     Some(p) => format!("no heartbeat for {:.1} s", p.heartbeat_age_ms as f64 / 1e3),
                     None => "never heard from".to_string(),

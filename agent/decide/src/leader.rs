@@ -101,17 +101,25 @@ impl Evidence {
     }
 }
 
-/// The peers the current epoch's live ranks say their collective broke on: those whose
-/// liveness the leader checks itself (`plan_round_with`'s `refused`).
+/// The most peers one report may name as refusing its connections (`AgentReport::refused`):
+/// a rank's word costs the leader a probe each, so one rank cannot have it probe the fleet.
+pub const MAX_REFUSED_NAMED: usize = 8;
+
+/// The peers the current epoch's live ranks say their collective broke on, or whose data
+/// port refused them while they connected a group (the next epoch's, say, where a peer
+/// killed since is named by no broken collective): those whose liveness the leader checks
+/// itself (`plan_round_with`'s `refused`).
 pub fn suspects(st: &ClusterState, reports: &Reports, timeout_ms: u64) -> Vec<NodeId> {
     let Some(cur) = st.current.as_ref() else { return Vec::new() };
     let mut out: Vec<NodeId> = reports
         .values()
         .filter(|(age, r)| *age <= timeout_ms && cur.ranks.contains(&r.node))
-        // A rank naming itself is no evidence (and would have the leader probe whatever
-        // address it advertises).
-        .filter_map(|(_, r)| {
-            r.broken.as_ref().filter(|b| b.epoch == cur.id)?.suspect.filter(|&s| s != r.node)
+        .flat_map(|(_, r)| {
+            let broke = r.broken.as_ref().filter(|b| b.epoch == cur.id).and_then(|b| b.suspect);
+            let refused = r.refused.iter().take(MAX_REFUSED_NAMED).copied();
+            // A rank naming itself is no evidence (and would have the leader probe whatever
+            // address it advertises).
+            broke.into_iter().chain(refused).filter(move |&s| s != r.node)
         })
         .filter(|id| cur.ranks.contains(id))
         .collect();
@@ -150,6 +158,14 @@ pub fn plan_round_with(
     // is dead: no need to wait out the whole timeout. An answering port is a live process.
     let quiet = (s.heartbeat_ms * 3).max(300);
     for (_, r) in live().filter(|(_, r)| ranks.contains(&r.node)) {
+        // A peer whose data port refused a rank, and whose control port refuses the leader
+        // too, is dead, in a broken collective or not (a peer killed after the ring broke
+        // is named only by the next epoch's connections).
+        for id in r.refused.iter().take(MAX_REFUSED_NAMED).filter(|id| refused.contains(id)) {
+            if let Some(p) = progress.get_mut(id) {
+                p.heartbeat_age_ms = u64::MAX;
+            }
+        }
         if let Some(b) = r.broken.as_ref().filter(|b| b.epoch == cur_id) {
             if let Some((id, p)) = b.suspect.and_then(|id| Some((id, progress.get_mut(&id)?))) {
                 let silent = p.heartbeat_age_ms > quiet && !evidence.answered.contains(&id);

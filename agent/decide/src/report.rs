@@ -129,6 +129,11 @@ pub struct AgentReport {
     /// The newest held-out evaluation of its epoch (`[job].eval_every`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval: Option<EvalPoint>,
+    /// Peers whose data port refused this node's connection lately (nothing listened there:
+    /// a dead process's kernel refuses for it), while it connected a group: the leader
+    /// probes them itself. Its word alone fails nobody.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub refused: Vec<NodeId>,
 }
 
 /// A held-out evaluation: summed over the ranks of an epoch, once per evaluated step.
@@ -198,6 +203,7 @@ impl AgentReport {
             checkpoint_error: None,
             notice: None,
             eval: None,
+            refused: Vec::new(),
         }
     }
 
@@ -270,6 +276,7 @@ mod tests {
             checkpoint_error: Some("No space left on device".into()),
             notice: Some(PendingNotice { deadline_ms: 1_700_000_120_000, source: "aws".into() }),
             eval: Some(EvalPoint { step: 100, loss: 2.25 }),
+            refused: vec![4],
             transitions: vec![Transition {
                 epoch: 3,
                 step: 100,

@@ -46,6 +46,7 @@ fn report(node: NodeId, epoch: u64, step: u64) -> AgentReport {
         checkpoint_error: None,
         notice: None,
         eval: None,
+        refused: Vec::new(),
     }
 }
 
@@ -135,6 +136,47 @@ fn a_quiet_peer_named_by_a_broken_collective_fails_before_the_timeout() {
         timed_out.commands.iter().any(|c| matches!(c, Command::MarkFailed { id: 3, .. })),
         "{timed_out:?}"
     );
+}
+
+/// A peer whose data port refused a rank's connection (the next epoch's ring, where a peer
+/// killed after the old ring broke is named by no broken collective) is probed, and failed at
+/// once when the leader's probe is refused too; the rank's word alone fails nobody, a rank
+/// naming itself is ignored, and one report names at most `MAX_REFUSED_NAMED` peers.
+#[test]
+fn a_peer_whose_data_port_refused_a_rank_is_failed_once_the_leaders_probe_is_refused_too() {
+    use limpet_decide::leader::{plan_round_with, suspects, Evidence, MAX_REFUSED_NAMED};
+    let mut st = ClusterState::bootstrap("c", &(1..=12).map(spec).collect::<Vec<_>>());
+    st.apply(&Command::SetJob { job: serde_json::json!({"model": "mlp"}) }).unwrap();
+    let fresh: Reports = (1..=12).map(|id| (id, (0, report(id, 0, 0)))).collect();
+    let round = plan_round(&settings(), &st, &fresh, NOW);
+    for c in &round.commands {
+        st.apply(c).unwrap();
+    }
+    let id = st.scheduled.as_ref().expect("the first epoch").id;
+    st.apply(&Command::ActivateEpoch { id }).unwrap();
+    let mut reports: Reports = (1..=12).map(|n| (n, (0, report(n, id, 50)))).collect();
+    reports.get_mut(&1).unwrap().1.refused = vec![1, 3];
+    assert_eq!(suspects(&st, &reports, 1000), vec![3], "a rank naming itself is no suspect");
+    let failed = |round: &limpet_decide::leader::Round| -> Vec<NodeId> {
+        round
+            .commands
+            .iter()
+            .filter_map(|c| match c {
+                Command::MarkFailed { id, .. } => Some(*id),
+                _ => None,
+            })
+            .collect()
+    };
+    let word_only = plan_round_with(&settings(), &st, &reports, NOW, &Evidence::default());
+    assert_eq!(failed(&word_only), Vec::<NodeId>::new(), "{word_only:?}");
+    let answered = Evidence { answered: [3].into(), ..Evidence::default() };
+    assert_eq!(failed(&plan_round_with(&settings(), &st, &reports, NOW, &answered)), Vec::<NodeId>::new());
+    let dead = Evidence { refused: [3].into(), ..Evidence::default() };
+    let round = plan_round_with(&settings(), &st, &reports, NOW, &dead);
+    assert_eq!(failed(&round), vec![3], "{round:?}");
+    // One report names a bounded number of peers to probe.
+    reports.get_mut(&2).unwrap().1.refused = (3..=12).collect();
+    assert_eq!(suspects(&st, &reports, 1000).len(), MAX_REFUSED_NAMED);
 }
 
 /// A suspect whose control port refused the leader's connection is failed at once, though

@@ -178,6 +178,8 @@ struct Shared {
     congestion_failed: AtomicBool,
     /// Fingerprints of the certificates the cluster revoked (refused at every TLS handshake).
     revoked: std::sync::RwLock<std::collections::HashSet<String>>,
+    /// Peers whose data port refused a connection, and when (cleared by one that succeeds).
+    refused: Mutex<HashMap<u64, Instant>>,
     /// Where handshake threads run.
     threads: Arc<dyn Threads>,
 }
@@ -304,6 +306,7 @@ impl Endpoint {
             stop: AtomicBool::new(false),
             congestion_failed: AtomicBool::new(false),
             revoked: Default::default(),
+            refused: Default::default(),
             threads: Arc::clone(&threads),
         });
         let accept = Arc::clone(&shared);
@@ -327,6 +330,17 @@ impl Endpoint {
     /// handshake from now on, in both directions.
     pub fn set_revoked(&self, fingerprints: std::collections::HashSet<String>) {
         *self.shared.revoked.write().expect("revoked lock") = fingerprints;
+    }
+
+    /// Peers whose data port refused this endpoint's connection within `within`, none
+    /// accepted since: nothing listened there, as where a process died (a peer still starting
+    /// refuses too: what it is, the leader's own probe tells).
+    pub fn refused_lately(&self, within: Duration) -> Vec<u64> {
+        let mut refused = self.shared.refused.lock().expect("refused lock");
+        refused.retain(|_, at| at.elapsed() <= within);
+        let mut out: Vec<u64> = refused.keys().copied().collect();
+        out.sort_unstable();
+        out
     }
 
     /// Refuses connections for epochs before `epoch` from now on and drops queued ones.
@@ -371,8 +385,16 @@ impl Endpoint {
                     a.next().ok_or_else(|| std::io::Error::from(std::io::ErrorKind::InvalidInput))
                 })
                 .and_then(|a| TcpStream::connect_timeout(&a, limit));
+            if let Err(e) = &attempt {
+                if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                    self.shared.refused.lock().expect("refused lock").insert(peer, Instant::now());
+                }
+            }
             match attempt {
-                Ok(s) => break s,
+                Ok(s) => {
+                    self.shared.refused.lock().expect("refused lock").remove(&peer);
+                    break s;
+                }
                 Err(e) if Instant::now() < deadline && !abort() => {
                     tracing::trace!(peer, addr, %e, "connect retry");
                     std::thread::sleep(Duration::from_millis(20));

@@ -574,6 +574,14 @@ impl Group {
         }
     }
 
+    /// Clones of every socket of the group: shutting them down from another thread breaks
+    /// a collective blocked on them at once, and its peers see the group closed.
+    pub fn sockets(&self) -> Vec<std::net::TcpStream> {
+        let ring =
+            [&self.right, &self.left].into_iter().flatten().filter_map(|c| c.socket().try_clone().ok());
+        ring.chain(self.tree_sockets()).collect()
+    }
+
     /// Tells the right neighbour we gave up, then closes both sockets so both neighbours
     /// see the failure at once.
     fn break_group(&mut self, e: &DataPlaneError, step: u64, seq: u32) {

@@ -6,6 +6,7 @@
 
 use super::config::AgentConfig;
 use super::tasks::Tasks;
+use crate::dataplane::endpoint::Endpoint;
 use crate::report::AgentReport;
 use limpet_consensus::state::MemberStatus;
 use limpet_consensus::{Client, NodeHandle};
@@ -14,12 +15,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Notify;
 
+/// How long a peer that refused this node's data connection is named in its reports.
+const REFUSED_NEWS: Duration = Duration::from_secs(2);
+
 /// Sends this agent's report to the leader and the voters each interval (and at once when
 /// the trainer asks, after a collective failure), and keeps it locally too.
 pub(super) async fn heartbeats(
     cfg: Arc<AgentConfig>,
     handle: NodeHandle,
-    progress: Arc<Mutex<AgentReport>>,
+    (progress, endpoint): (Arc<Mutex<AgentReport>>, Arc<Endpoint>),
     now: Arc<Notify>,
     tasks: Tasks,
 ) {
@@ -32,8 +36,11 @@ pub(super) async fn heartbeats(
     let mut at_once = false;
     let mut last_urgent = None;
     loop {
+        let readers_take_it = voters_read_refused(&handle.watch().borrow().state);
         let (report, broken) = {
-            let p = progress.lock().expect("progress lock");
+            let mut p = progress.lock().expect("progress lock");
+            p.refused = if readers_take_it { endpoint.refused_lately(REFUSED_NEWS) } else { Vec::new() };
+            p.refused.truncate(crate::leader::MAX_REFUSED_NAMED);
             (p.encode(), p.broken.as_ref().map(|b| (b.epoch, b.suspect)))
         };
         let urgent = at_once && broken.is_some() && broken != last_urgent;
@@ -77,6 +84,12 @@ pub(super) async fn heartbeats(
             _ = now.notified() => true,
         };
     }
+}
+
+/// Whether every voter (the leader among them) reads a report's `refused` peers: an older
+/// agent refuses a report with a field it does not know, and would take the sender for silent.
+fn voters_read_refused(st: &limpet_consensus::state::ClusterState) -> bool {
+    st.voters.iter().all(|v| st.members.get(v).is_some_and(|m| m.spec.hardware.refused_reports))
 }
 
 /// The control addresses a report goes to: the leader's and every voter's (the nodes that

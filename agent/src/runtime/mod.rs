@@ -199,7 +199,7 @@ impl Agent {
         let cfg = Arc::new(cfg);
         let progress = Arc::new(Mutex::new(AgentReport::new(cfg.id, std::process::id(), Phase::Starting)));
         let beat_now = Arc::new(Notify::new());
-        spawn_tasks(&tasks, &cfg, &handle, me, &progress, &beat_now);
+        spawn_tasks(&tasks, &cfg, &handle, me, (&progress, &endpoint), &beat_now);
 
         let device = match cfg.devices.first() {
             Some(&d) => d,
@@ -337,7 +337,7 @@ fn spawn_tasks(
     cfg: &Arc<AgentConfig>,
     handle: &NodeHandle,
     me: MemberSpec,
-    progress: &Arc<Mutex<AgentReport>>,
+    (progress, endpoint): (&Arc<Mutex<AgentReport>>, &Arc<Endpoint>),
     beat_now: &Arc<Notify>,
 ) {
     let stop = tasks.token();
@@ -345,7 +345,7 @@ fn spawn_tasks(
     let beats = heartbeats::heartbeats(
         Arc::clone(cfg),
         handle.clone(),
-        Arc::clone(progress),
+        (Arc::clone(progress), Arc::clone(endpoint)),
         Arc::clone(beat_now),
         tasks.clone(),
     );
@@ -423,6 +423,7 @@ fn node_config(cfg: &AgentConfig, data_addr: SocketAddr) -> NodeConfig {
         device: if on_gpu(cfg) { "cuda" } else { "cpu" }.into(),
         zone: cfg.zone.clone(),
         butterfly: true,
+        refused_reports: true,
     };
     ncfg
 }

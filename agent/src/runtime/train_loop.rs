@@ -230,7 +230,15 @@ impl TrainLoop {
                         // address retries at every change of the log.
                         let said = (n.id, e.to_string());
                         if self.entry_failed.as_ref() != Some(&said) {
-                            tracing::warn!(epoch = n.id, %e, fatal_elsewhere = e.is_fatal(), "could not enter the epoch");
+                            let st = Arc::clone(&self.watch.borrow().state);
+                            let mut live = [st.current.as_ref(), st.scheduled.as_ref()].into_iter().flatten();
+                            if live.any(|e| e.id == n.id) {
+                                tracing::warn!(epoch = n.id, %e, fatal_elsewhere = e.is_fatal(), "could not enter the epoch");
+                            } else {
+                                // Nothing failed: the epoch will never train (its group was
+                                // closed, or its peers left it, for the newer one).
+                                tracing::info!(epoch = n.id, %e, "gave up entering the epoch: a newer one replaced it");
+                            }
                             self.entry_failed = Some(said);
                         }
                         self.group = None;

@@ -42,6 +42,11 @@ pub struct Hardware {
     /// cluster upgraded host by host keeps forming its groups.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub butterfly: bool,
+    /// Its agent reads the peers a report says refused it (`refused`, absent in records of
+    /// older agents, whose reports refuse unknown fields): a node names them only once every
+    /// voter's record says so, so a cluster upgraded host by host drops no report.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub refused_reports: bool,
 }
 
 fn one_or_none(v: &u32) -> bool {
@@ -72,6 +77,7 @@ impl PartialEq for Hardware {
             device,
             zone,
             butterfly,
+            refused_reports,
         } = self;
         (
             instance_type,
@@ -84,6 +90,7 @@ impl PartialEq for Hardware {
             device,
             zone,
             butterfly,
+            refused_reports,
         ) == (
             &o.instance_type,
             &o.cpus,
@@ -95,6 +102,7 @@ impl PartialEq for Hardware {
             &o.device,
             &o.zone,
             &o.butterfly,
+            &o.refused_reports,
         ) && self.local_ranks() == o.local_ranks()
     }
 }

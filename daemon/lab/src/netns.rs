@@ -54,6 +54,32 @@ fn sweep() {
     }
 }
 
+/// The kernel's IPv4 neighbour (ARP) table is one for every namespace, and its hard limit
+/// is 1,024 entries by default; a fleet of N namespaces on one bridge fills about N² (the
+/// leader and the driver reach every node), so from 32 nodes new entries were refused
+/// ("neighbor table overflow"), packets to unresolved peers dropped and heartbeats lost.
+/// Raised, never lowered, to fit 256 nodes; left so after (another fleet may be running, and
+/// a larger table costs nothing until it fills).
+const NEIGHBOUR_LIMITS: [(&str, u64); 3] =
+    [("gc_thresh1", 8192), ("gc_thresh2", 32768), ("gc_thresh3", 65536)];
+
+fn raise_neighbour_table() {
+    for (key, want) in NEIGHBOUR_LIMITS {
+        let path = format!("/proc/sys/net/ipv4/neigh/default/{key}");
+        let Some(now) = std::fs::read_to_string(&path).ok().and_then(|v| v.trim().parse::<u64>().ok()) else {
+            continue;
+        };
+        if now < want {
+            match std::fs::write(&path, want.to_string()) {
+                Ok(()) => eprintln!(
+                    "limpet-lab: raised {path} from {now} to {want} (the fleet's namespaces share it)"
+                ),
+                Err(e) => eprintln!("limpet-lab: could not raise {path} from {now} to {want}: {e}"),
+            }
+        }
+    }
+}
+
 impl Fleet {
     /// A bridge on a /16 of 10.0.0.0/8 that no interface of this machine uses.
     pub fn new() -> limpet_daemon::Result<Fleet> {
@@ -73,6 +99,7 @@ impl Fleet {
         let _held = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
             .map_err(|(_, e)| anyhow::anyhow!("locking limpet-netns.lock: {e}"))?;
         sweep();
+        raise_neighbour_table();
         let tag = std::process::id();
         // Addresses and routes both: a route to a 10.x network (a VPN, a peered VPC) must
         // not be shadowed.

@@ -73,6 +73,11 @@ pub struct ScaleRow {
     pub control_kinds_per_node_s: BTreeMap<String, f64>,
     /// The leader's, by kind and direction.
     pub control_kinds_leader_s: BTreeMap<String, f64>,
+    /// Control-plane messages a node sends and receives per second, by kind and direction
+    /// (mean over the nodes that do not lead): with the bytes, a message's mean size.
+    pub control_messages_per_node_s: BTreeMap<String, f64>,
+    /// The leader's.
+    pub control_messages_leader_s: BTreeMap<String, f64>,
     /// CPU of a node that does not lead, in cores (mean).
     pub node_cpu: f64,
     /// The leader's CPU, in cores.
@@ -134,6 +139,8 @@ struct Idle {
     bytes_leader: f64,
     kinds_node: BTreeMap<String, f64>,
     kinds_leader: BTreeMap<String, f64>,
+    msgs_node: BTreeMap<String, f64>,
+    msgs_leader: BTreeMap<String, f64>,
     cpu_node: f64,
     cpu_leader: f64,
     p50: f64,
@@ -185,7 +192,7 @@ fn control_plane(dir: &Path, n: usize, a: &BenchScaleArgs) -> limpet_daemon::Res
     };
     std::thread::sleep(Duration::from_secs(3));
     let sample = || -> Vec<(u64, f64, BTreeMap<String, f64>)> {
-        file.nodes.iter().map(|m| (m.id, cpu_seconds(m.pid), control_bytes(&m.metrics))).collect()
+        file.nodes.iter().map(|m| (m.id, cpu_seconds(m.pid), control_counts(&m.metrics))).collect()
     };
     let before = sample();
     let t0 = Instant::now();
@@ -195,17 +202,25 @@ fn control_plane(dir: &Path, n: usize, a: &BenchScaleArgs) -> limpet_daemon::Res
     let (mut cpu, mut bytes) = (Vec::new(), Vec::new());
     let (mut cpu_leader, mut bytes_leader) = (0.0, 0.0);
     let (mut kinds_node, mut kinds_leader) = (BTreeMap::new(), BTreeMap::new());
+    let (mut msgs_node, mut msgs_leader) = (BTreeMap::new(), BTreeMap::new());
     for ((id, c0, k0), (_, c1, k1)) in before.iter().zip(&after) {
-        let rates: BTreeMap<String, f64> =
+        let all: BTreeMap<String, f64> =
             k1.iter().map(|(k, v1)| (k.clone(), (v1 - k0.get(k).copied().unwrap_or(0.0)) / secs)).collect();
+        let (msgs, rates): (BTreeMap<String, f64>, BTreeMap<String, f64>) =
+            all.into_iter().partition(|(k, _)| k.ends_with(MESSAGES));
+        let msgs: BTreeMap<String, f64> =
+            msgs.into_iter().map(|(k, v)| (k.trim_end_matches(MESSAGES).to_string(), v)).collect();
         let (c, b) = ((c1 - c0) / secs, rates.values().sum::<f64>());
         if *id == leader {
-            (cpu_leader, bytes_leader, kinds_leader) = (c, b, rates);
+            (cpu_leader, bytes_leader, kinds_leader, msgs_leader) = (c, b, rates, msgs);
         } else {
             cpu.push(c);
             bytes.push(b);
             for (k, v) in rates {
                 *kinds_node.entry(k).or_insert(0.0) += v / (n - 1).max(1) as f64;
+            }
+            for (k, v) in msgs {
+                *msgs_node.entry(k).or_insert(0.0) += v / (n - 1).max(1) as f64;
             }
         }
     }
@@ -233,6 +248,8 @@ fn control_plane(dir: &Path, n: usize, a: &BenchScaleArgs) -> limpet_daemon::Res
         bytes_leader,
         kinds_node,
         kinds_leader,
+        msgs_node,
+        msgs_leader,
         cpu_node: mean(&cpu),
         cpu_leader,
         p50: pct(0.5),
@@ -265,18 +282,26 @@ fn clock_ticks() -> f64 {
     })
 }
 
-/// The control-plane bytes an agent counted, by kind and direction (`raft sent`, ...), from
-/// its metrics endpoint's URL (none if it does not answer).
-fn control_bytes(metrics_url: &str) -> BTreeMap<String, f64> {
+/// The suffix of a message count's key in [`control_counts`].
+const MESSAGES: &str = " messages";
+
+/// The control-plane bytes and messages an agent counted, by kind and direction (`raft
+/// sent`, ..., and `raft sent messages`, ...), from its metrics endpoint's URL (none if it
+/// does not answer).
+fn control_counts(metrics_url: &str) -> BTreeMap<String, f64> {
     let page = crate::local::get_text(metrics_url).unwrap_or_default();
     let label = |l: &str, name: &str| -> String {
         let at = l.find(&format!("{name}=\"")).map(|i| i + name.len() + 2);
         at.and_then(|i| Some(l[i..i + l[i..].find('"')?].to_string())).unwrap_or_default()
     };
     let mut out = BTreeMap::new();
-    for l in page.lines().filter(|l| l.starts_with("limpet_control_bytes_total")) {
-        if let Some(v) = l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) {
-            *out.entry(format!("{} {}", label(l, "kind"), label(l, "direction"))).or_insert(0.0) += v;
+    for (metric, suffix) in [("limpet_control_bytes_total", ""), ("limpet_control_messages_total", MESSAGES)]
+    {
+        for l in page.lines().filter(|l| l.starts_with(metric)) {
+            if let Some(v) = l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) {
+                *out.entry(format!("{} {}{suffix}", label(l, "kind"), label(l, "direction")))
+                    .or_insert(0.0) += v;
+            }
         }
     }
     out
@@ -316,6 +341,8 @@ fn transitions(dir: &Path, n: usize, steps: u64, netns: bool, idle: Idle) -> lim
         control_bytes_leader_s: idle.bytes_leader,
         control_kinds_per_node_s: idle.kinds_node,
         control_kinds_leader_s: idle.kinds_leader,
+        control_messages_per_node_s: idle.msgs_node,
+        control_messages_leader_s: idle.msgs_leader,
         node_cpu: idle.cpu_node,
         leader_cpu: idle.cpu_leader,
         commit_p50_ms: idle.p50,
@@ -369,9 +396,27 @@ fn print_table(rows: &[ScaleRow]) {
     let kinds = |m: &BTreeMap<String, f64>| -> String {
         m.iter().map(|(k, v)| format!("{k} {v:.0}")).collect::<Vec<_>>().join(", ")
     };
+    // And their messages' mean sizes.
+    let sizes = |bytes: &BTreeMap<String, f64>, msgs: &BTreeMap<String, f64>| -> String {
+        msgs.iter()
+            .filter(|(_, m)| **m > 0.0)
+            .map(|(k, m)| format!("{k} {m:.1}/s of {:.0} B", bytes.get(k).copied().unwrap_or(0.0) / m))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     for r in rows {
         println!("{} hosts, B/s a node: {}", r.hosts, kinds(&r.control_kinds_per_node_s));
         println!("{} hosts, B/s the leader: {}", r.hosts, kinds(&r.control_kinds_leader_s));
+        println!(
+            "{} hosts, messages a node: {}",
+            r.hosts,
+            sizes(&r.control_kinds_per_node_s, &r.control_messages_per_node_s)
+        );
+        println!(
+            "{} hosts, messages the leader: {}",
+            r.hosts,
+            sizes(&r.control_kinds_leader_s, &r.control_messages_leader_s)
+        );
     }
 }
 

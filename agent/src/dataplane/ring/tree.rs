@@ -272,6 +272,12 @@ impl Group {
         Ok(())
     }
 
+    /// Clones of the butterfly links' sockets (see `Group::sockets`).
+    pub(super) fn tree_sockets(&self) -> Vec<std::net::TcpStream> {
+        let Some(tree) = &self.tree else { return Vec::new() };
+        tree.fold.iter().chain(&tree.rounds).filter_map(|(_, c)| c.socket().try_clone().ok()).collect()
+    }
+
     /// Tells each butterfly partner the collective is given up and closes the links.
     pub(super) fn break_tree(&self, step: u64, seq: u32) {
         let Some(tree) = &self.tree else { return };

@@ -7,6 +7,8 @@
 //! a bit-identical state, checked, not assumed. This module executes the plan; it also
 //! connects the next epoch's ring ahead of its boundary (`connect_ahead`).
 
+mod abandon;
+
 use super::checkpointer;
 use super::config::AgentConfig;
 use super::error::AgentError;
@@ -105,21 +107,6 @@ pub(super) fn addrs_of(st: &ClusterState, n: &Epoch) -> Result<Vec<String>, Agen
     Ok(addrs)
 }
 
-/// Whether waiting for `epoch_id`'s peers is pointless: a newer epoch is in the log, or the
-/// agent is stopping (so SIGTERM during an entry ends within the shutdown limit).
-fn give_up(
-    watch: &watch::Receiver<limpet_consensus::LocalState>,
-    stop: &CancellationToken,
-    epoch_id: u64,
-) -> impl Fn() -> bool {
-    let (watch, stop) = (watch.clone(), stop.clone());
-    move || {
-        let st = Arc::clone(&watch.borrow().state);
-        stop.is_cancelled()
-            || [st.current.as_ref(), st.scheduled.as_ref()].into_iter().flatten().any(|e| e.id > epoch_id)
-    }
-}
-
 /// Connects the next epoch's ring while the current one still trains, without ever
 /// waiting: the connection to the right neighbour is made once (its endpoint answers the
 /// handshake on its own threads), the left neighbour's is picked up whenever it has
@@ -174,9 +161,10 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     let st = Arc::clone(&x.watch.borrow().state);
     let addrs = addrs_of(&st, n)?;
     let by = Instant::now() + ENTRY_WAIT;
-    let give_up = give_up(x.watch, x.stop, n.id);
+    let give_up = abandon::give_up(x.watch, x.stop, n.id);
     let tree = limpet_decide::entry::butterfly(&st, n);
     let mut group = form_group(x.endpoint, x.pending.take(), n, &addrs, (by, &give_up), tree)?;
+    let abandon = abandon::Abandon::watch(&group, abandon::replaced(x.watch, x.stop, n.id));
     let host = (&mut *x.trainer, &mut *x.followers);
     let local = x.cfg.checkpoint.as_ref().map(|c| c.dir());
     let dirs = (&x.cfg.job, local, x.final_written.map(|h| (x.cfg.state_dir.as_path(), h)));
@@ -191,6 +179,7 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
             )?;
             x.trainer.set_shares(n.shares.clone());
             group.barrier(ENTRY_STEP)?;
+            drop(abandon);
             limpet_trainer::device::return_freed_host_memory();
             let (conn, lanes) = connect(&x, n, group, &addrs, &give_up)?;
             return Ok(Entered {
@@ -290,6 +279,7 @@ pub(super) fn enter(mut x: Entering<'_>, n: &Epoch) -> Result<Entered, AgentErro
     }
     sharding::shard_after_entry((&mut *x.trainer, &mut *x.followers), &x.cfg.job, n, me)?;
     group.barrier(ENTRY_STEP)?;
+    drop(abandon);
     // Every rank passed the barrier, so every copy of this rank's live state is done; the
     // next entry offers the state of its own step.
     x.server.withdraw(&live);
