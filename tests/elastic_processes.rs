@@ -32,16 +32,20 @@ fn scenario_with(dir: &Path, nodes: usize, model: &str, steps: u64, script: &str
 /// with no transition at all), which is why the comparison uses the MLP.
 const PARAM_TOLERANCE: f64 = 1e-2;
 
+/// The hosts lie in two zones (node N in zone (N-1) mod 2), so the epochs whose hosts span
+/// both with two in one (the first, and the join's) reduce in two levels, inside and across
+/// zones, and the others on the flat ring: the result is one process's either way.
 #[test]
 fn an_elastic_run_with_a_notice_a_join_and_a_kill_matches_one_uninterrupted_process() {
     let tmp = tempfile::tempdir().unwrap();
     let steps = 3000;
-    let summary = scenario(
+    let summary = scenario_with(
         &tmp.path().join("elastic"),
         3,
         "mlp",
         steps,
         "0.1:notice:node-2:20,0.3:join,0.7:kill:node-3",
+        &["--policy", "fixed-global", "--zones", "2"],
     );
     // With notice: no step lost, the others barely wait.
     let notice = transition(&summary, "notice for node 2");
@@ -63,6 +67,18 @@ fn an_elastic_run_with_a_notice_a_join_and_a_kill_matches_one_uninterrupted_proc
         .collect();
     assert!(offered.contains(&join["epoch"].as_u64().unwrap()), "offered at epochs {offered:?}: {join}");
     assert!(!offered.contains(&1) && !offered.contains(&notice["epoch"].as_u64().unwrap()), "{offered:?}");
+    // Two levels where the epoch's hosts span both zones with two in one: the first epoch
+    // (nodes 1-3), the join's (1, 3, 4); not the notice's (1 and 3, one zone).
+    let levels: Vec<u64> = common::node_logs(&dir)
+        .lines()
+        .filter_map(|l| l.split("rings inside and across zones connected epoch=").nth(1))
+        .map(|v| v.split(' ').next().unwrap().parse().unwrap())
+        .collect();
+    assert!(
+        levels.contains(&1) && levels.contains(&join["epoch"].as_u64().unwrap()),
+        "levels at {levels:?}: {join}"
+    );
+    assert!(!levels.contains(&notice["epoch"].as_u64().unwrap()), "levels at {levels:?}: {notice}");
     let by_logs = lost_by_step_logs(&dir, kill["epoch"].as_u64().unwrap(), kill["step"].as_u64().unwrap());
     // On a mismatch, what each rank said of the change (the step logs stay in the run's
     // directory, gone with the test; these lines are what tell the two apart).
@@ -337,8 +353,8 @@ fn cluster_commands_name_what_is_wrong() {
 /// controller re-plans each time, blocks move to the survivors (the spare included), and
 /// the lost stage comes back from its shadow on the neighbouring stage. The result matches
 /// an uninterrupted single-process run.
-/// Run by `make long-test` (about two minutes): the same scenario on hosts of two devices,
-/// below, runs in `make test` and covers this one's path and more.
+/// Run by `make long-test` (about a minute alone): the same scenario on hosts of two
+/// devices, below, runs in `make test` and covers this one's path and more.
 #[test]
 #[ignore = "a long scenario: `make long-test` runs it"]
 fn a_pipelined_job_survives_losing_stage_hosts_by_re_planning() {
@@ -360,7 +376,7 @@ fn a_pipelined_job_on_hosts_of_two_devices_survives_losing_stage_hosts() {
 /// loss against one uninterrupted process.
 fn pipelined_through_a_notice_and_a_kill(devices: u64) {
     let tmp = tempfile::tempdir().unwrap();
-    let steps = 400;
+    let steps = 200;
     let d = devices.to_string();
     let summary = scenario_with(
         &tmp.path().join("pipeline"),

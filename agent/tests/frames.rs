@@ -16,8 +16,8 @@ proptest! {
     }
 
     #[test]
-    fn hellos_round_trip(cluster_id in any::<u64>(), node in any::<u64>(), epoch in any::<u64>(), c in 0usize..6, lane in 1..MAX_LANES, nonce in any::<[u8; 16]>()) {
-        let channel = [Channel::Ring, Channel::Handoff, Channel::Pipe, Channel::lane(lane).unwrap(), Channel::pipe(lane).unwrap(), Channel::Tree][c];
+    fn hellos_round_trip(cluster_id in any::<u64>(), node in any::<u64>(), epoch in any::<u64>(), c in 0usize..8, lane in 1..MAX_LANES, nonce in any::<[u8; 16]>()) {
+        let channel = [Channel::Ring, Channel::Handoff, Channel::Pipe, Channel::lane(lane).unwrap(), Channel::pipe(lane).unwrap(), Channel::Tree, Channel::Zone, Channel::Across][c];
         let h = Hello { cluster_id, node, epoch, channel, nonce };
         prop_assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
     }
@@ -72,7 +72,7 @@ fn lane_refusals_name_the_problem() {
         far[7] = MAX_LANES as u8;
         assert!(Hello::decode(&far).unwrap_err().to_string().contains(&format!("{name} lane {MAX_LANES}")));
     }
-    for c in [Channel::Handoff, Channel::Tree] {
+    for c in [Channel::Handoff, Channel::Tree, Channel::Zone, Channel::Across] {
         let mut b = hello(c);
         b[7] = 1;
         assert!(Hello::decode(&b).unwrap_err().to_string().contains("lane 1 of a channel that has none"));

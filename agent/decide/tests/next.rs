@@ -122,3 +122,36 @@ fn a_butterfly_needs_every_rank() {
     assert!(!limpet_decide::entry::butterfly(&st, &epoch(1, 0, &[1, 2, 3])));
     assert!(!limpet_decide::entry::butterfly(&st, &epoch(1, 0, &[1, 9])), "a rank without a record");
 }
+
+/// An epoch's reductions take two levels only when its hosts span several zones, a zone
+/// holds more than one of them, and every rank's host advertises the levels
+/// (`limpet_decide::entry::zone_levels`).
+#[test]
+fn zone_levels_need_several_zones_and_every_rank() {
+    let with = |id: u64, zone: &str, levels: bool| {
+        let mut s = spec(id);
+        s.hardware.zone = zone.into();
+        s.hardware.zone_levels = levels;
+        s
+    };
+    let specs = [
+        with(1, "a", true),
+        with(2, "a", true),
+        with(3, "b", true),
+        with(4, "b", false),
+        with(5, "c", true),
+        with(6, "", true),
+    ];
+    let st = ClusterState::bootstrap("c", &specs);
+    let levels = |ranks: &[u64]| limpet_decide::entry::zone_levels(&st, &epoch(1, 0, ranks));
+    assert_eq!(levels(&[3, 1, 2]), Some(vec!["b".to_string(), "a".into(), "a".into()]));
+    assert_eq!(levels(&[1, 2, 3, 4]), None, "node 4 does not take them");
+    assert_eq!(levels(&[1, 2]), None, "one zone");
+    assert_eq!(levels(&[1, 3, 5]), None, "a host a zone is the flat ring");
+    assert_eq!(
+        levels(&[1, 2, 6]),
+        Some(vec!["a".to_string(), "a".into(), String::new()]),
+        "no zone is a zone"
+    );
+    assert_eq!(levels(&[1, 9]), None, "a rank without a record");
+}

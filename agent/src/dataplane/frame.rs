@@ -98,6 +98,12 @@ pub enum Channel {
     /// A link of a group's butterfly, both ways between two ranks, that small collectives
     /// take in log2(W) rounds instead of the ring's 2(W-1) hops (`ring/tree.rs`).
     Tree,
+    /// The ring of a group's ranks in one zone (from the left neighbour in the zone), the
+    /// first level of a large reduction across zones (`ring/levels.rs`).
+    Zone,
+    /// The ring of the ranks of the same place in each zone (from the left neighbour across
+    /// zones), the second level (`ring/levels.rs`).
+    Across,
 }
 
 /// Most ring lanes between two hosts (the ring itself is lane 0): one per local rank of the
@@ -140,6 +146,8 @@ impl Channel {
             Channel::Lane(l) => (1, l),
             Channel::PipeLane(l) => (3, l),
             Channel::Tree => (4, 0),
+            Channel::Zone => (5, 0),
+            Channel::Across => (6, 0),
         }
     }
 }
@@ -247,7 +255,9 @@ impl Hello {
             (3, l) if usize::from(l) < MAX_LANES => Channel::PipeLane(l),
             (3, l) => return Err(bad(format!("pipe lane {l} (at most {})", MAX_LANES - 1))),
             (4, 0) => Channel::Tree,
-            (2 | 4, l) => return Err(bad(format!("lane {l} of a channel that has none"))),
+            (5, 0) => Channel::Zone,
+            (6, 0) => Channel::Across,
+            (2 | 4 | 5 | 6, l) => return Err(bad(format!("lane {l} of a channel that has none"))),
             (c, _) => return Err(bad(format!("unknown channel {c}"))),
         };
         if b[48..] != [0u8; 8] {

@@ -21,6 +21,11 @@
 //! A group of many ranks also connects a butterfly (`ring/tree.rs`): its small collectives
 //! (a barrier, a step's scalars, an entry's gather) take log2(W) rounds of recursive doubling
 //! there instead of 2(W-1) hops around the ring, with results as bit-identical.
+//!
+//! A group whose hosts span several zones also connects two levels (`ring/levels.rs`): the
+//! reductions the butterfly does not take run on a ring inside each zone and one across
+//! zones, so the slow links between zones are crossed 2(Z-1) times a reduction instead of
+//! 2(W-1).
 
 use crate::dataplane::conn::Conn;
 use crate::dataplane::endpoint::Endpoint;
@@ -33,10 +38,12 @@ use std::time::{Duration, Instant};
 
 #[cfg(feature = "trainer")]
 mod as_reduce;
+mod levels;
 mod relay;
 mod transfer;
 mod tree;
 
+pub use levels::{spans_zones, zone_members};
 use tree::Combine;
 pub use tree::HOP_BYTES;
 
@@ -100,6 +107,12 @@ pub struct Group {
     scratch: Vec<u64>,
     /// The butterfly links small collectives take at large W (`tree.rs`).
     tree: Option<Box<tree::Tree>>,
+    /// The rings inside and across zones that the reductions the butterfly does not take
+    /// run on, when the ranks span several (`levels.rs`).
+    levels: Option<Box<levels::Levels>>,
+    /// Which ring this is in error messages: empty for a group's own, `zone ` or
+    /// `across-zone ` for its levels'.
+    label: &'static str,
 }
 
 impl Group {
@@ -111,21 +124,32 @@ impl Group {
         (deadline, abort): (std::time::Instant, &dyn Fn() -> bool),
         tree: bool,
     ) -> Result<Group, DataPlaneError> {
+        Group::connect_on(ep, epoch, ranks, addrs, (deadline, abort), Channel::Ring)?.with_tree(
+            ep,
+            addrs,
+            (deadline, abort),
+            tree,
+        )
+    }
+
+    /// A ring of `ranks` on `channel` (the group's own, or one of its levels'), without a
+    /// butterfly.
+    fn connect_on(
+        ep: &Endpoint,
+        epoch: u64,
+        ranks: &[u64],
+        addrs: &[String],
+        (deadline, abort): (std::time::Instant, &dyn Fn() -> bool),
+        channel: Channel,
+    ) -> Result<Group, DataPlaneError> {
         let (right, left) = Group::neighbours(ep, ranks, addrs)?;
         let (mut out, mut inc) = (None, None);
         if let (Some(right), Some(left)) = (right, left) {
             let connect_by = deadline.min(std::time::Instant::now() + ep.config().timeout);
-            out = Some(ep.connect_until(
-                &addrs[right],
-                ranks[right],
-                epoch,
-                Channel::Ring,
-                connect_by,
-                abort,
-            )?);
-            inc = Some(ep.accept_until(ranks[left], epoch, Channel::Ring, deadline, abort)?);
+            out = Some(ep.connect_until(&addrs[right], ranks[right], epoch, channel, connect_by, abort)?);
+            inc = Some(ep.accept_until(ranks[left], epoch, channel, deadline, abort)?);
         }
-        Group::assemble(ep, epoch, ranks, out, inc)?.with_tree(ep, addrs, (deadline, abort), tree)
+        Group::assemble(ep, epoch, ranks, out, inc)
     }
 
     /// Checks a rank order and returns this node's right and left neighbours' positions
@@ -193,6 +217,8 @@ impl Group {
             broken: None,
             scratch: vec![0; ep.config().chunk_bytes / 8 + 1],
             tree: None,
+            levels: None,
+            label: "",
         })
     }
 
@@ -216,16 +242,14 @@ impl Group {
     /// of its own, which its peers wait out inside the next one.
     pub fn set_patience(&mut self, timeout: Duration) {
         self.timeout = timeout;
+        if let Some(l) = &mut self.levels {
+            l.set_patience(timeout);
+        }
     }
 
     /// The epoch the group serves.
     pub fn epoch(&self) -> u64 {
         self.epoch
-    }
-
-    fn segment(&self, n: usize, i: usize) -> Range<usize> {
-        let w = self.world();
-        i * n / w..(i + 1) * n / w
     }
 
     /// `r` in chunks of at most `chunk_elems`, cut at `split` too (where a bfloat16 part of
@@ -311,9 +335,35 @@ impl Group {
         if lossy == 0 && self.picks_tree(4 * buf.len()) {
             return self.tree_reduce(buf, Combine::Add, &[], step, "allreduce");
         }
-        let blocks: Vec<Range<usize>> = (0..w).map(|i| self.segment(buf.len(), i)).collect();
-        let plan = self.allreduce_plan(&blocks, Op::Add, lossy);
-        self.run(&plan, buf, step, if lossy > 0 { "allreduce (bf16)" } else { "allreduce" })
+        if self.levels.is_some() {
+            return self.levels_reduce(buf, (1, Op::Add), lossy, step);
+        }
+        self.allreduce_op(buf, 1, Op::Add, lossy, step)
+    }
+
+    /// The ring's allreduce of `buf` as elements of `unit` words (segments of whole
+    /// elements), added with `add`, `buf[..lossy]` in bfloat16.
+    fn allreduce_op(
+        &mut self,
+        buf: &mut [f32],
+        unit: usize,
+        add: Op,
+        lossy: usize,
+        step: u64,
+    ) -> Result<(), DataPlaneError> {
+        let (w, n) = (self.world(), buf.len() / unit);
+        if w == 1 {
+            return Ok(());
+        }
+        let blocks: Vec<Range<usize>> =
+            (0..w).map(|i| unit * (i * n / w)..unit * ((i + 1) * n / w)).collect();
+        let plan = self.allreduce_plan(&blocks, add, lossy);
+        let what = match (add, lossy > 0) {
+            (Op::AddI64, _) => "allreduce (i64)",
+            (_, true) => "allreduce (bf16)",
+            _ => "allreduce",
+        };
+        self.run(&plan, buf, step, what)
     }
 
     /// Reduce-scatter with `add` over `blocks` (one per rank), then allgather; values below
@@ -345,10 +395,11 @@ impl Group {
         if self.picks_tree(8 * n) {
             return self.tree_reduce(words, Combine::AddI64, &[], step, "allreduce (i64)");
         }
+        if self.levels.is_some() {
+            return self.levels_reduce(words, (2, Op::AddI64), 0, step);
+        }
         // Segments of whole i64s, counted in the f32 words the ring moves.
-        let blocks: Vec<Range<usize>> = (0..w).map(|i| 2 * (i * n / w)..2 * ((i + 1) * n / w)).collect();
-        let plan = self.allreduce_plan(&blocks, Op::AddI64, 0);
-        self.run(&plan, words, step, "allreduce (i64)")
+        self.allreduce_op(words, 2, Op::AddI64, 0, step)
     }
 
     /// Replaces `vals` with the elementwise maximum over ranks (through an allgather: small
@@ -480,6 +531,29 @@ impl Group {
         lossy: usize,
         step: u64,
     ) -> Result<(), DataPlaneError> {
+        self.reduce_scatter_with(buf, blocks, replicas, (Op::Add, lossy), step)
+    }
+
+    /// A zone's reduce-scatter of two levels (`levels.rs`): `add` for the sums, no replicas.
+    fn reduce_scatter_op(
+        &mut self,
+        buf: &mut [f32],
+        blocks: &[Range<usize>],
+        add: Op,
+        lossy: usize,
+        step: u64,
+    ) -> Result<(), DataPlaneError> {
+        self.reduce_scatter_with(buf, blocks, 0, (add, lossy), step)
+    }
+
+    fn reduce_scatter_with(
+        &mut self,
+        buf: &mut [f32],
+        blocks: &[Range<usize>],
+        replicas: usize,
+        (add, lossy): (Op, usize),
+        step: u64,
+    ) -> Result<(), DataPlaneError> {
         self.check()?;
         if lossy > buf.len() {
             return Err(DataPlaneError::Config(format!("{lossy} values in bfloat16 of {}", buf.len())));
@@ -500,11 +574,16 @@ impl Group {
             w - 1 + replicas,
             |g| (r + 3 * w - g - 1) % w,
             |g| (r + 3 * w - g - 2) % w,
-            |g| if g < w - 1 { Op::Add } else { Op::Copy },
+            |g| if g < w - 1 { add } else { Op::Copy },
             lossy,
             |g| g + 2 == w,
         );
-        self.run(&plan, buf, step, if lossy > 0 { "reduce-scatter (bf16)" } else { "reduce-scatter" })
+        let what = match (add, lossy > 0) {
+            (Op::AddI64, _) => "reduce-scatter (i64)",
+            (_, true) => "reduce-scatter (bf16)",
+            _ => "reduce-scatter",
+        };
+        self.run(&plan, buf, step, what)
     }
 
     /// Allgather in place: rank `i` contributes `buf[blocks[i]]`, and every rank ends with
@@ -528,13 +607,31 @@ impl Group {
             let shape: Vec<u64> = std::iter::once(3).chain(blocks.iter().map(|b| b.end as u64)).collect();
             return self.tree_reduce(buf, Combine::Or, &shape, step, "allgather");
         }
+        self.allgather_op(buf, blocks, 0, step)
+    }
+
+    /// The ring's allgather of `blocks`, `buf[..bf16_below]` in bfloat16 (values already
+    /// rounded to it, which it carries exactly).
+    fn allgather_op(
+        &mut self,
+        buf: &mut [f32],
+        blocks: &[Range<usize>],
+        bf16_below: usize,
+        step: u64,
+    ) -> Result<(), DataPlaneError> {
+        self.check()?;
+        self.check_blocks(blocks, buf.len())?;
+        let (w, r) = (self.world(), self.rank);
+        if w == 1 {
+            return Ok(());
+        }
         let plan = self.ring_plan(
             blocks,
             w - 1,
             |g| (r + w - g) % w,
             |g| (r + 2 * w - g - 1) % w,
             |_| Op::Copy,
-            0,
+            bf16_below,
             |_| false,
         );
         self.run(&plan, buf, step, "allgather")
@@ -557,7 +654,7 @@ impl Group {
     fn run(&mut self, plan: &Plan, buf: &mut [f32], step: u64, what: &str) -> Result<(), DataPlaneError> {
         let seq = self.seq;
         self.seq = self.seq.wrapping_add(1);
-        let during = format!("{what} #{seq} of step {step}, epoch {}", self.epoch);
+        let during = format!("{}{what} #{seq} of step {step}, epoch {}", self.label, self.epoch);
         match self.drive(plan, buf, step, seq, &during) {
             Ok(()) => {
                 let frames = |items: &mut dyn Iterator<Item = &Range<usize>>| {
@@ -579,7 +676,7 @@ impl Group {
     pub fn sockets(&self) -> Vec<std::net::TcpStream> {
         let ring =
             [&self.right, &self.left].into_iter().flatten().filter_map(|c| c.socket().try_clone().ok());
-        ring.chain(self.tree_sockets()).collect()
+        ring.chain(self.tree_sockets()).chain(self.levels_sockets()).collect()
     }
 
     /// Tells the right neighbour we gave up, then closes both sockets so both neighbours
@@ -594,6 +691,7 @@ impl Group {
             let _ = s.shutdown(Shutdown::Both);
         }
         self.break_tree(step, seq);
+        self.break_levels(e, step);
     }
 }
 

@@ -47,6 +47,11 @@ pub struct Hardware {
     /// voter's record says so, so a cluster upgraded host by host drops no report.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub refused_reports: bool,
+    /// Its data plane takes large reductions in two levels, inside its zone and across
+    /// zones (absent in records of older agents): an epoch whose hosts span several zones
+    /// connects them only when every rank's host does.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub zone_levels: bool,
 }
 
 fn one_or_none(v: &u32) -> bool {
@@ -78,6 +83,7 @@ impl PartialEq for Hardware {
             zone,
             butterfly,
             refused_reports,
+            zone_levels,
         } = self;
         (
             instance_type,
@@ -91,6 +97,7 @@ impl PartialEq for Hardware {
             zone,
             butterfly,
             refused_reports,
+            zone_levels,
         ) == (
             &o.instance_type,
             &o.cpus,
@@ -103,6 +110,7 @@ impl PartialEq for Hardware {
             &o.zone,
             &o.butterfly,
             &o.refused_reports,
+            &o.zone_levels,
         ) && self.local_ranks() == o.local_ranks()
     }
 }

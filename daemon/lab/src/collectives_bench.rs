@@ -7,6 +7,11 @@
 //! All ranks share this machine's cores, where a fleet's hosts each have their own: the
 //! figures count every rank's CPU and copies on the same cores, so they bound a fleet's from
 //! above, and more so for large buffers, whose bytes one machine copies for every rank.
+//!
+//! With `--zones Z` the ranks lie in Z zones (contiguous in rank order) and every link
+//! between two zones goes through a relay that delays it by `--zone-delay-ms` each way
+//! and caps it at `--zone-mbit` (`delay_relay.rs`): as picked, large reductions then take the two levels (a ring inside
+//! each zone, one across), against the flat ring whose every step waits on a slow link.
 
 use anyhow::Context;
 use clap::Args;
@@ -39,6 +44,17 @@ pub struct BenchCollectivesArgs {
     /// An SVG of each figure against the world size.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// Zones the ranks lie in (contiguous in rank order): 1 for one network, 2 or more for
+    /// the two levels against the flat ring.
+    #[arg(long, default_value_t = 1)]
+    pub zones: usize,
+    /// One-way delay of every link between two zones, in milliseconds (with `--zones`).
+    #[arg(long, default_value_t = 1.0)]
+    pub zone_delay_ms: f64,
+    /// Each connection's rate between two zones, Mbit/s each way (0: unlimited; with
+    /// `--zones`).
+    #[arg(long, default_value_t = 0)]
+    pub zone_mbit: u64,
 }
 
 /// One timed collective (`--json` prints one a line).
@@ -52,8 +68,14 @@ pub struct CollectiveRow {
     pub bytes: usize,
     /// `auto` (what the group picks) or `ring` (the ring alone).
     pub mode: &'static str,
-    /// What ran: `tree` or `ring`.
+    /// What ran: `tree`, `levels` (inside and across zones) or `ring`.
     pub algorithm: &'static str,
+    /// Zones the ranks lay in.
+    pub zones: usize,
+    /// One-way delay between zones, ms (0 within one zone).
+    pub zone_delay_ms: f64,
+    /// Each connection's rate between zones, Mbit/s (0: unlimited).
+    pub zone_mbit: u64,
     /// Mean milliseconds per collective over the timed repetitions.
     pub ms: f64,
     /// Repetitions timed.
@@ -69,7 +91,23 @@ pub fn run(a: BenchCollectivesArgs) -> limpet_daemon::Result<()> {
     if a.ranks.iter().any(|&w| !(2..=4096).contains(&w)) {
         return Err(limpet_daemon::UsageError(format!("--ranks {:?}: each from 2 to 4096", a.ranks)).into());
     }
-    check_fd_limit(&a.ranks)?;
+    if a.zones == 0 || a.ranks.iter().any(|&w| w < a.zones) {
+        return Err(limpet_daemon::UsageError(format!(
+            "--zones {}: from 1 to the smallest world of --ranks {:?}",
+            a.zones, a.ranks
+        ))
+        .into());
+    }
+    if !(0.0..=1000.0).contains(&a.zone_delay_ms) {
+        return Err(limpet_daemon::UsageError(format!(
+            "--zone-delay-ms {}: from 0 to 1000",
+            a.zone_delay_ms
+        ))
+        .into());
+    }
+    let delay = if a.zones > 1 { Duration::from_secs_f64(a.zone_delay_ms / 1e3) } else { Duration::ZERO };
+    let link = (delay, if a.zones > 1 { a.zone_mbit } else { 0 });
+    check_fd_limit(&a.ranks, a.zones)?;
     let mut rows = Vec::new();
     for &w in &a.ranks {
         let keep: Vec<usize> =
@@ -82,12 +120,12 @@ pub fn run(a: BenchCollectivesArgs) -> limpet_daemon::Result<()> {
         }
         eprintln!("bench collectives: {w} ranks ...");
         let started = Instant::now();
-        let got = world(w, &keep, a.iters).with_context(|| format!("{w} ranks"))?;
+        let got = world(w, &keep, a.iters, (a.zones, link)).with_context(|| format!("{w} ranks"))?;
         eprintln!("bench collectives: {w} ranks done in {:.1} s", started.elapsed().as_secs_f64());
         if !a.json {
             for r in &got {
                 eprintln!(
-                    "  {:>9} {:>9} B {:>5} ({:>4}) {:>10.3} ms",
+                    "  {:>9} {:>9} B {:>5} ({:>6}) {:>10.3} ms",
                     r.op, r.bytes, r.mode, r.algorithm, r.ms
                 );
             }
@@ -108,9 +146,15 @@ pub fn run(a: BenchCollectivesArgs) -> limpet_daemon::Result<()> {
     Ok(())
 }
 
-/// The collectives of one world size: every rank's thread forms the group (ring and
-/// butterfly) and a ring-only group beside it, then times each collective in both.
-fn world(w: usize, sizes: &[usize], iters: usize) -> anyhow::Result<Vec<CollectiveRow>> {
+/// The collectives of one world size: every rank's thread forms the group (ring, butterfly
+/// and, across zones, two levels) and a ring-only group beside it, then times each
+/// collective in both.
+fn world(
+    w: usize,
+    sizes: &[usize],
+    iters: usize,
+    (zones, (delay, mbit)): (usize, (Duration, u64)),
+) -> anyhow::Result<Vec<CollectiveRow>> {
     let secret = b"bench-collectives-secret-0123456".to_vec();
     let eps = (0..w as u64)
         .map(|n| {
@@ -121,16 +165,35 @@ fn world(w: usize, sizes: &[usize], iters: usize) -> anyhow::Result<Vec<Collecti
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     let ranks: Vec<u64> = (1..=w as u64).collect();
-    let addrs: Vec<String> = eps.iter().map(|e| e.addr().to_string()).collect();
+    let zone_of: Vec<String> = (0..w).map(|i| format!("zone-{}", i * zones / w)).collect();
+    // Each zone's view of the others' addresses: a relay of the delay per rank of another
+    // zone, the rank itself within its own.
+    let mut views: Vec<Vec<String>> = Vec::new();
+    // Kept until the world's ranks are done, then stopped.
+    let mut relays = Vec::new();
+    for z in 0..zones {
+        let mut view = Vec::with_capacity(w);
+        for (i, ep) in eps.iter().enumerate() {
+            if i * zones / w == z || zones == 1 {
+                view.push(ep.addr().to_string());
+            } else {
+                let relay = crate::delay_relay::DelayRelay::start(ep.addr(), delay, mbit * 125_000)
+                    .context("starting a relay")?;
+                view.push(relay.addr().to_string());
+                relays.push(relay);
+            }
+        }
+        views.push(view);
+    }
     let results = std::thread::scope(|s| {
         let handles = eps
             .iter()
             .enumerate()
             .map(|(rank, ep)| {
-                let (ranks, addrs) = (&ranks, &addrs);
-                std::thread::Builder::new()
-                    .stack_size(512 << 10)
-                    .spawn_scoped(s, move || rank_work(ep, rank, ranks, addrs, sizes, iters))
+                let (ranks, addrs, zone_of) = (&ranks, &views[rank * zones / w], &zone_of);
+                std::thread::Builder::new().stack_size(512 << 10).spawn_scoped(s, move || {
+                    rank_work(ep, rank, (ranks, addrs, zone_of), sizes, iters, (delay, mbit))
+                })
             })
             .collect::<Result<Vec<_>, _>>()
             .context("spawning a rank's thread")?;
@@ -148,14 +211,16 @@ fn world(w: usize, sizes: &[usize], iters: usize) -> anyhow::Result<Vec<Collecti
 fn rank_work(
     ep: &Endpoint,
     rank: usize,
-    ranks: &[u64],
-    addrs: &[String],
+    (ranks, addrs, zone_of): (&[u64], &[String], &[String]),
     sizes: &[usize],
     iters: usize,
+    (delay, zone_mbit): (Duration, u64),
 ) -> anyhow::Result<Vec<CollectiveRow>> {
     let w = ranks.len();
     let by = Instant::now() + Duration::from_secs(300);
     let mut auto = ep.group_until(1, ranks, addrs, by, &|| false)?;
+    auto.connect_levels(ep, addrs, zone_of, (by, &|| false))?;
+    let zones = limpet_agent::dataplane::ring::zone_members(zone_of).len();
     let (right, left) = Group::neighbours(ep, ranks, addrs)?;
     let (right, left) = (right.expect("a world of two or more"), left.expect("a world of two or more"));
     let out = ep.connect_until(&addrs[right], ranks[right], 2, Channel::Ring, by, &|| false)?;
@@ -173,7 +238,11 @@ fn rank_work(
         let reps = (reps * 64 / w.max(64)).max(1);
         let mut buf = vec![1.0f32; n];
         for (mode, g) in [("auto", &mut auto), ("ring", &mut ring)] {
-            let algorithm = if g.picks_tree(bytes) { "tree" } else { "ring" };
+            let algorithm = match (g.picks_tree(bytes), g.has_levels()) {
+                (true, _) => "tree",
+                (false, true) => "levels",
+                (false, false) => "ring",
+            };
             let mut once = |g: &mut Group, step: u64| match op {
                 "barrier" => g.barrier(step),
                 _ => g.allreduce_sum(&mut buf, step),
@@ -188,17 +257,32 @@ fn rank_work(
             }
             let ms = t.elapsed().as_secs_f64() * 1e3 / reps as f64;
             if rank == 0 {
-                rows.push(CollectiveRow { ranks: w, op, bytes, mode, algorithm, ms, iters: reps });
+                let zone_delay_ms = delay.as_secs_f64() * 1e3;
+                rows.push(CollectiveRow {
+                    ranks: w,
+                    op,
+                    bytes,
+                    mode,
+                    algorithm,
+                    zones,
+                    zone_delay_ms,
+                    zone_mbit,
+                    ms,
+                    iters: reps,
+                });
             }
         }
     }
     Ok(rows)
 }
 
-/// A thousand ranks hold about 14 sockets each: a soft limit below what the worlds need is
-/// named before anything starts.
-fn check_fd_limit(ranks: &[usize]) -> limpet_daemon::Result<()> {
-    let need = ranks.iter().max().copied().unwrap_or(0) * 16 + 256;
+/// A thousand ranks hold about 14 sockets each, and across zones four more for the levels and
+/// about as many again in the relays (a listener per rank and other zone, two sockets per
+/// connection through one): a soft limit below what the worlds need is named before anything
+/// starts.
+fn check_fd_limit(ranks: &[usize], zones: usize) -> limpet_daemon::Result<()> {
+    let most = ranks.iter().max().copied().unwrap_or(0);
+    let need = most * 16 + 256 + if zones > 1 { most * (zones - 1 + 24) } else { 0 };
     let limits = std::fs::read_to_string("/proc/self/limits").unwrap_or_default();
     let soft = limits
         .lines()
@@ -216,11 +300,14 @@ fn check_fd_limit(ranks: &[usize]) -> limpet_daemon::Result<()> {
 }
 
 fn print_table(rows: &[CollectiveRow]) {
-    println!("{:>6} {:>9} {:>10} {:>5} {:>5} {:>11}", "RANKS", "OP", "BYTES", "MODE", "ALG", "MS");
+    println!(
+        "{:>6} {:>5} {:>9} {:>10} {:>5} {:>6} {:>11}",
+        "RANKS", "ZONES", "OP", "BYTES", "MODE", "ALG", "MS"
+    );
     for r in rows {
         println!(
-            "{:>6} {:>9} {:>10} {:>5} {:>5} {:>11.3}",
-            r.ranks, r.op, r.bytes, r.mode, r.algorithm, r.ms
+            "{:>6} {:>5} {:>9} {:>10} {:>5} {:>6} {:>11.3}",
+            r.ranks, r.zones, r.op, r.bytes, r.mode, r.algorithm, r.ms
         );
     }
 }

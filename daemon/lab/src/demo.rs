@@ -96,6 +96,9 @@ pub struct ScenarioArgs {
     /// repeatable.
     #[arg(long, value_name = "NODE:N", value_parser = parse_node_devices)]
     pub node_devices: Vec<(String, usize)>,
+    /// Zones the nodes lie in, node N in zone-((N-1) mod ZONES) ([node].zone); 0: none said.
+    #[arg(long, default_value_t = 0)]
+    pub zones: u16,
     /// Fewest nodes training continues with.
     #[arg(long, default_value_t = 1)]
     pub min_nodes: usize,
@@ -248,6 +251,7 @@ pub fn scenario(a: ScenarioArgs) -> limpet_daemon::Result<()> {
         }),
         devices: usize::from(a.devices),
         node_devices: a.node_devices.clone(),
+        zones: usize::from(a.zones),
         extra_config: timing_section(a.failure_timeout_ms, a.data_timeout_ms),
         netns: a.netns,
         joiners_booted: a.joiners_booted,

@@ -17,6 +17,7 @@ pub mod chaos_pick;
 pub mod chaos_runs;
 pub mod cli;
 pub mod collectives_bench;
+pub mod delay_relay;
 pub mod demo;
 pub mod dp_bench;
 pub mod dp_cmd;

@@ -118,6 +118,10 @@ pub struct LocalJob {
     /// The same for the nodes named, in place of `devices` (hosts of unequal devices).
     #[serde(default)]
     pub node_devices: Vec<(String, usize)>,
+    /// `[node].zone` of every node: node N in `zone-((N-1) mod zones)` (0: the key is left
+    /// out).
+    #[serde(default)]
+    pub zones: usize,
     /// `[job].overlap` (absent: the default, overlapping).
     #[serde(default)]
     pub overlap: Option<bool>,
@@ -168,6 +172,7 @@ impl Default for LocalJob {
             shard_state: None,
             devices: 0,
             node_devices: Vec::new(),
+            zones: 0,
             overlap: None,
             netns: false,
         }
@@ -427,6 +432,9 @@ impl LocalCluster {
         let devices = j.node_devices.iter().find(|(n, _)| n == name).map_or(j.devices, |(_, d)| *d);
         if devices > 1 {
             text += &format!("devices = [{}]\n\n", vec!["\"cpu\""; devices].join(", "));
+        }
+        if j.zones > 0 {
+            text += &format!("zone = \"zone-{}\"\n\n", (id - 1) % j.zones as u64);
         }
         if let Some((_, us)) = j.slow.as_ref().filter(|(n, _)| n == name) {
             text += &format!("slowdown_us_per_sample = {us}\n\n");

@@ -45,6 +45,26 @@ pub fn butterfly(st: &limpet_consensus::state::ClusterState, n: &limpet_consensu
     n.ranks.iter().all(|r| st.members.get(r).is_some_and(|m| m.spec.hardware.butterfly))
 }
 
+/// Each rank's zone (`[node].zone`, in rank order) when `n`'s hosts span several zones and
+/// every rank's host takes large reductions in two levels (as [`butterfly`], an older host
+/// refuses their links); `None` otherwise, when the epoch's reductions keep the flat ring.
+/// A host that names no zone is in the zone of the others that name none.
+pub fn zone_levels(
+    st: &limpet_consensus::state::ClusterState,
+    n: &limpet_consensus::state::Epoch,
+) -> Option<Vec<String>> {
+    let hw: Vec<_> =
+        n.ranks.iter().map(|r| st.members.get(r).map(|m| &m.spec.hardware)).collect::<Option<_>>()?;
+    if !hw.iter().all(|h| h.zone_levels) {
+        return None;
+    }
+    let zones: Vec<String> = hw.iter().map(|h| h.zone.clone()).collect();
+    let first = zones.first()?;
+    let several = zones.iter().any(|z| z != first);
+    let shared = zones.iter().enumerate().any(|(i, z)| zones[..i].contains(z));
+    (several && shared).then_some(zones)
+}
+
 /// The block a state tensor belongs to: `param/bNN.x` and `optim/<slot>/bNN.x` are block NN's.
 pub fn block_of(name: &str) -> Option<usize> {
     let leaf = name.rsplit('/').next()?;

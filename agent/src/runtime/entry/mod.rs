@@ -325,9 +325,16 @@ fn connect(
     }
     let count = super::local_ranks::lanes_of(n);
     let mut lanes = Vec::new();
+    let mut group = group;
     if count > 1 {
         lanes = crate::dataplane::lanes::connect(x.endpoint, n.id, &n.ranks, addrs, count, by, give_up)?;
         tracing::info!(epoch = n.id, lanes = count, "ring lanes connected, one per local rank");
+    } else if let Some(zones) = limpet_decide::entry::zone_levels(&x.watch.borrow().state, n) {
+        // Lanes cut a buffer between a host's local ranks, each its own ring: they keep the
+        // flat ring, the levels being for hosts of one rank.
+        group.connect_levels(x.endpoint, addrs, &zones, (by, give_up))?;
+        let spans = crate::dataplane::ring::zone_members(&zones).len();
+        tracing::info!(epoch = n.id, zones = spans, "rings inside and across zones connected");
     }
     Ok((Conn::Ring(group), lanes))
 }
