@@ -42,49 +42,98 @@ fn arb_input() -> impl Strategy<Value = PlanInput> {
         })
 }
 
+/// Inputs whose hosts repeat a few kinds (one speed and memory of two each), as fleets of a
+/// few instance types do: groups fall into classes of several alike.
+fn arb_fleet() -> impl Strategy<Value = PlanInput> {
+    (
+        arb_input(),
+        prop::collection::vec(
+            (prop::sample::select(vec![1.0, 2.0]), prop::sample::select(vec![1024u64, 4096])),
+            2..=7,
+        ),
+    )
+        .prop_map(|(mut inp, kinds)| {
+            inp.hosts = kinds
+                .into_iter()
+                .enumerate()
+                .map(|(i, (speed, mem_k))| HostSpec { name: format!("h{i}"), speed, mem_bytes: mem_k << 10 })
+                .collect();
+            inp
+        })
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(96))]
 
-    /// For every (data, pipeline) shape, the DP's best layout is as fast as the best that
-    /// exhaustive search finds, and exists exactly when some layout of that shape fits.
+    /// On random profiles and hosts.
     #[test]
     fn dp_equals_exhaustive_search(inp in arb_input()) {
-        let report = plan(&inp);
-        let shapes: Vec<_> = match &report {
-            Ok(r) => std::iter::once(&r.best).chain(&r.runners_up).cloned().collect(),
-            Err(_) => Vec::new(),
-        };
-        let h = inp.hosts.len();
-        for d in 1..=h {
-            for p in 1..=(h / d).min(inp.profile.blocks.len()) {
-                let reference = exhaustive(&inp, d, p);
-                let found = shapes.iter().find(|s| s.layout.data == d && s.layout.pipeline() == p);
-                match (reference, found) {
-                    (None, None) => {}
-                    (Some(r), Some(f)) => {
-                        prop_assert!((r.step_ms - f.step_ms).abs() <= 1e-9 * r.step_ms.max(1.0),
-                            "{d}x{p}: exhaustive {} ({}) vs DP {} ({})", r.step_ms, r.layout, f.step_ms, f.layout);
-                        // The DP's layout really has the time it claims, and fits.
-                        let again = predict(&inp, &f.layout).unwrap();
-                        prop_assert_eq!(again.step_ms, f.step_ms);
-                    }
-                    (r, f) => prop_assert!(false, "{d}x{p}: exhaustive {:?} vs DP {:?}",
-                        r.map(|p| p.layout.to_string()), f.map(|p| p.layout.to_string())),
+        dp_matches_exhaustive(&inp)?;
+    }
+
+    /// The same where hosts repeat a few kinds, so the DP counts groups by class.
+    #[test]
+    fn dp_equals_exhaustive_search_over_alike_groups(inp in arb_fleet()) {
+        dp_matches_exhaustive(&inp)?;
+    }
+}
+
+/// For every (data, pipeline) shape, the DP's best layout is as fast as the best that
+/// exhaustive search finds, and exists exactly when some layout of that shape fits.
+fn dp_matches_exhaustive(inp: &PlanInput) -> Result<(), TestCaseError> {
+    let report = plan(inp);
+    let shapes: Vec<_> = match &report {
+        Ok(r) => std::iter::once(&r.best).chain(&r.runners_up).cloned().collect(),
+        Err(_) => Vec::new(),
+    };
+    let h = inp.hosts.len();
+    for d in 1..=h {
+        for p in 1..=(h / d).min(inp.profile.blocks.len()) {
+            let reference = exhaustive(inp, d, p);
+            let found = shapes.iter().find(|s| s.layout.data == d && s.layout.pipeline() == p);
+            match (reference, found) {
+                (None, None) => {}
+                (Some(r), Some(f)) => {
+                    prop_assert!(
+                        (r.step_ms - f.step_ms).abs() <= 1e-9 * r.step_ms.max(1.0),
+                        "{d}x{p}: exhaustive {} ({}) vs DP {} ({})",
+                        r.step_ms,
+                        r.layout,
+                        f.step_ms,
+                        f.layout
+                    );
+                    // The DP's layout really has the time it claims, and fits.
+                    let again = predict(inp, &f.layout).unwrap();
+                    prop_assert_eq!(again.step_ms, f.step_ms);
                 }
-            }
-        }
-        if let Ok(r) = &report {
-            for other in &r.runners_up {
-                prop_assert!(r.best.step_ms <= other.step_ms);
-            }
-            for (s, st) in r.best.stages.iter().enumerate() {
-                for host in &r.best.layout.stages[s].hosts {
-                    let mem = inp.hosts.iter().find(|x| &x.name == host).unwrap().mem_bytes;
-                    prop_assert!(st.mem_bytes <= mem, "stage {} needs {} on {} with {}", s, st.mem_bytes, host, mem);
-                }
+                (r, f) => prop_assert!(
+                    false,
+                    "{d}x{p}: exhaustive {:?} vs DP {:?}",
+                    r.map(|p| p.layout.to_string()),
+                    f.map(|p| p.layout.to_string())
+                ),
             }
         }
     }
+    if let Ok(r) = &report {
+        for other in &r.runners_up {
+            prop_assert!(r.best.step_ms <= other.step_ms);
+        }
+        for (s, st) in r.best.stages.iter().enumerate() {
+            for host in &r.best.layout.stages[s].hosts {
+                let mem = inp.hosts.iter().find(|x| &x.name == host).unwrap().mem_bytes;
+                prop_assert!(
+                    st.mem_bytes <= mem,
+                    "stage {} needs {} on {} with {}",
+                    s,
+                    st.mem_bytes,
+                    host,
+                    mem
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 proptest! {

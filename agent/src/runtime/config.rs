@@ -53,6 +53,9 @@ pub struct AgentConfig {
     /// This host's failure domain (an availability zone, a rack; empty: not said), which
     /// the voters are spread over.
     pub zone: String,
+    /// Whether this host's data plane takes reductions in two levels across zones (advertised
+    /// in its record: an epoch takes them only when every host does).
+    pub zone_levels: bool,
     /// State directory.
     pub state_dir: PathBuf,
     /// Cluster secret.
@@ -279,6 +282,7 @@ impl AgentConfig {
             data: "127.0.0.1:0".parse().expect("address"),
             advertise_data: String::new(),
             zone: String::new(),
+            zone_levels: true,
             state_dir,
             secret: Secret(secret),
             bootstrap: None,

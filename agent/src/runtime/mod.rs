@@ -424,7 +424,7 @@ fn node_config(cfg: &AgentConfig, data_addr: SocketAddr) -> NodeConfig {
         zone: cfg.zone.clone(),
         butterfly: true,
         refused_reports: true,
-        zone_levels: true,
+        zone_levels: cfg.zone_levels,
     };
     ncfg
 }

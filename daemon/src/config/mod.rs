@@ -104,6 +104,11 @@ pub struct NodeSection {
     /// The cluster spreads its raft voters over zones, so losing any one keeps a quorum.
     #[serde(default)]
     pub zone: Option<String>,
+    /// Whether an epoch whose hosts span several zones may reduce in two levels, a ring
+    /// inside each zone and one across (default true); false keeps every epoch this host is
+    /// in on the flat ring.
+    #[serde(default = "yes")]
+    pub zone_levels: bool,
     /// State directory (raft log, checkpoints).
     pub state_dir: PathBuf,
     /// Append one JSON line per completed step here.
@@ -150,6 +155,10 @@ pub struct NodeSection {
 #[cfg(feature = "lab")]
 fn default_slowdown_factor() -> f64 {
     1.0
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn default_data_congestion() -> String {

@@ -67,6 +67,7 @@ impl Config {
         a.advertise_control = address(node.advertise_control);
         a.advertise_data = address(node.advertise_data);
         a.zone = node.zone.clone().unwrap_or_default();
+        a.zone_levels = node.zone_levels;
         a.base_world = self.job.base_world.unwrap_or(f.founders.len().max(1) as u64);
         a.bootstrap = (!f.founders.is_empty()).then_some(f.founders);
         a.seeds = self.cluster.seeds.iter().map(SocketAddr::to_string).collect();

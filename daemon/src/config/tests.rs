@@ -571,6 +571,8 @@ secret_file = "{secret}"
 metrics = "127.0.0.1:9100"
 data_congestion = "system"
 devices = ["cpu", "cpu"]
+zone = "us-east-1b"
+zone_levels = false
 
 [cluster]
 name = "demo"
@@ -632,6 +634,7 @@ insecure = true
     assert_eq!(st.metrics, Some("127.0.0.1:9100".parse().unwrap()));
     assert!(st.metrics_tls.is_none() && a.tls.is_none());
     assert_eq!(a.dp_congestion, None);
+    assert_eq!((a.zone.as_str(), a.zone_levels), ("us-east-1b", false));
     assert_eq!(a.devices.len(), 2);
     assert_eq!(a.seeds, ["127.0.0.1:7500"]);
     let founders: Vec<u64> = a.bootstrap.as_ref().unwrap().iter().map(|m| m.id).collect();

@@ -35,7 +35,9 @@
 //! # Search
 //!
 //! For every `(D, P)`, a dynamic program over (blocks placed, groups used) extends a partial
-//! pipeline by one stage at a time: the next contiguous block range on an unused group. The
+//! pipeline by one stage at a time: the next contiguous block range on an unused group.
+//! Groups alike in speed and memory are interchangeable, so a state counts how many of each
+//! such class it used (one count for a fleet of one instance type, not 2^groups masks). The
 //! step time is not a sum over stages (it has two maxima), so each DP cell keeps the Pareto
 //! front of (sum of `c`, max `c`, max `tail`); the front is exact, and [`exhaustive`] (every
 //! cut, every ordered choice of groups) confirms it in the tests.

@@ -1,11 +1,13 @@
 //! The search over layouts: for every (data, pipeline) shape, a dynamic program over
-//! (blocks placed, groups of equally fast hosts used) that keeps the Pareto front of partial
-//! pipelines, the exhaustive search it is tested against, and [`plan`], which ranks the best
-//! layout of every shape (the planner's "Search" section). Costs come from the parent's model.
+//! (blocks placed, groups of equally fast hosts used, counted per class of alike groups)
+//! that keeps the Pareto front of partial pipelines, the exhaustive search it is tested
+//! against, and [`plan`], which ranks the best layout of every shape (the planner's "Search"
+//! section). Costs come from the parent's model.
 
 use super::{predict, HostLayout, HostSpec, Plan, PlanError, PlanInput, PlanReport, StageLayout};
 
-/// Groups larger than this many per shape are not searched (the DP is exponential in groups).
+/// Groups past this many per shape are not searched (the DP's states grow with the product
+/// of its classes' sizes, 2^groups when every group differs).
 pub const MAX_GROUPS: usize = 12;
 
 /// A speed-sorted run of `d` hosts that holds one stage's replicas.
@@ -88,6 +90,65 @@ fn best_for_shape(input: &PlanInput, d: usize, p: usize) -> Option<Plan> {
         .min_by(|a, b| a.step_ms.total_cmp(&b.step_ms))
 }
 
+/// Groups alike in speed and memory are interchangeable (a fleet of one instance type is
+/// one class): the DP counts how many of each class a partial pipeline used, not which, so
+/// its states are the product of (class size + 1) rather than 2^groups.
+struct Classes {
+    /// Each class's groups, in group order (a path's stages take them in that order).
+    members: Vec<Vec<usize>>,
+    speed: Vec<f64>,
+    mem: Vec<u64>,
+    /// A state's count of class c is `(state / stride[c]) % (members[c].len() + 1)`.
+    stride: Vec<usize>,
+    states: usize,
+}
+
+impl Classes {
+    fn of(gs: &[Group]) -> Classes {
+        let (mut members, mut speed, mut mem): (Vec<Vec<usize>>, Vec<f64>, Vec<u64>) = Default::default();
+        for (g, group) in gs.iter().enumerate() {
+            let same = (0..members.len())
+                .find(|&c| speed[c].to_bits() == group.speed.to_bits() && mem[c] == group.mem);
+            match same {
+                Some(c) => members[c].push(g),
+                None => {
+                    members.push(vec![g]);
+                    speed.push(group.speed);
+                    mem.push(group.mem);
+                }
+            }
+        }
+        let mut stride = Vec::with_capacity(members.len());
+        let mut states = 1;
+        for m in &members {
+            stride.push(states);
+            states *= m.len() + 1;
+        }
+        Classes { members, speed, mem, stride, states }
+    }
+
+    fn used(&self, state: usize, c: usize) -> usize {
+        (state / self.stride[c]) % (self.members[c].len() + 1)
+    }
+
+    /// Groups a state has used in all.
+    fn total(&self, state: usize) -> usize {
+        (0..self.members.len()).map(|c| self.used(state, c)).sum()
+    }
+
+    /// A path of (end block, class) stages as (end block, group): each class's groups taken
+    /// in order.
+    fn groups_of(&self, path: &[(usize, usize)]) -> Vec<(usize, usize)> {
+        let mut next = vec![0; self.members.len()];
+        path.iter()
+            .map(|&(end, c)| {
+                next[c] += 1;
+                (end, self.members[c][next[c] - 1])
+            })
+            .collect()
+    }
+}
+
 fn best_for_micro(
     input: &PlanInput,
     gs: &[Group],
@@ -96,50 +157,64 @@ fn best_for_micro(
     (n, m): (usize, usize),
 ) -> Option<Plan> {
     let nb = input.profile.blocks.len();
-    let k = gs.len();
-    // front[i][mask]: partial pipelines placing blocks 0..i on the groups in mask.
-    let mut front: Vec<Vec<Vec<Partial>>> = vec![vec![Vec::new(); 1 << k]; nb + 1];
+    let cl = Classes::of(gs);
+    let by_total: Vec<Vec<usize>> = {
+        let mut v = vec![Vec::new(); p];
+        for state in 0..cl.states {
+            let t = cl.total(state);
+            if t < p {
+                v[t].push(state);
+            }
+        }
+        v
+    };
+    // front[i][state]: partial pipelines placing blocks 0..i on the groups a state counts;
+    // each path's stages are (end block, class).
+    let mut front: Vec<Vec<Vec<Partial>>> = vec![vec![Vec::new(); cl.states]; nb + 1];
     front[0][0].push(Partial { sum: 0.0, max: 0.0, tail: 0.0, path: Vec::new() });
     for i in 0..nb {
-        for mask in 0..(1usize << k) {
-            let s = mask.count_ones() as usize;
-            if s >= p || front[i][mask].is_empty() {
+        let (done, ahead) = front.split_at_mut(i + 1);
+        let here = &done[i];
+        for (s, states) in by_total.iter().enumerate() {
+            if states.iter().all(|&st| here[st].is_empty()) {
                 continue;
             }
-            let cur = std::mem::take(&mut front[i][mask]);
             // The last stage must take every remaining block; earlier ones leave at least one
             // block per remaining stage.
             let ends: Vec<usize> = if s + 1 == p { vec![nb] } else { (i + 1..=nb - (p - s - 1)).collect() };
-            for (g, group) in gs.iter().enumerate() {
-                if mask & (1 << g) != 0 {
-                    continue;
-                }
+            for c in 0..cl.members.len() {
                 for &j in &ends {
-                    let c = input.stage_cost((i, j), s, p, d, (n, m), group.speed);
-                    if c.mem_bytes > group.mem {
+                    // One stage's cost, whatever else the state holds.
+                    let cost = input.stage_cost((i, j), s, p, d, (n, m), cl.speed[c]);
+                    if cost.mem_bytes > cl.mem[c] {
                         continue;
                     }
-                    for part in &cur {
-                        let mut path = part.path.clone();
-                        path.push((j, g));
-                        push_pareto(
-                            &mut front[j][mask | (1 << g)],
-                            Partial {
-                                sum: part.sum + c.micro_ms,
-                                max: part.max.max(c.micro_ms),
-                                tail: part.tail.max(c.tail_ms),
-                                path,
-                            },
-                        );
+                    for &state in states {
+                        if cl.used(state, c) == cl.members[c].len() {
+                            continue;
+                        }
+                        let into = &mut ahead[j - i - 1][state + cl.stride[c]];
+                        for part in &here[state] {
+                            let mut path = part.path.clone();
+                            path.push((j, c));
+                            push_pareto(
+                                into,
+                                Partial {
+                                    sum: part.sum + cost.micro_ms,
+                                    max: part.max.max(cost.micro_ms),
+                                    tail: part.tail.max(cost.tail_ms),
+                                    path,
+                                },
+                            );
+                        }
                     }
                 }
             }
-            front[i][mask] = cur;
         }
     }
     let mut best: Option<(f64, &Partial)> = None;
-    for (mask, parts) in front[nb].iter().enumerate() {
-        if mask.count_ones() as usize != p {
+    for (state, parts) in front[nb].iter().enumerate() {
+        if cl.total(state) != p {
             continue;
         }
         for part in parts {
@@ -149,7 +224,7 @@ fn best_for_micro(
             }
         }
     }
-    best.map(|(_, part)| build_plan(input, gs, d, n, &part.path))
+    best.map(|(_, part)| build_plan(input, gs, d, n, &cl.groups_of(&part.path)))
 }
 
 /// The best layout with `d` replicas and `p` stages by trying every cut and every ordered
