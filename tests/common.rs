@@ -260,13 +260,16 @@ pub fn rogue_join(id: u64, name: &str) -> limpet_consensus::state::Command {
     }
 }
 
-/// What the step logs in `dir` say about the transition into epoch `epoch` starting at
-/// `start`: 1 when a survivor (a node that logged a step of that epoch) ended the old epochs
-/// at `start - 1`, so that, training on, it was computing `start` when the collective broke
-/// and that computation was thrown away (a lost step, which no step log ever shows); 0 when
-/// every survivor stopped earlier. The definition of docs/status.md.
-pub fn lost_by_step_logs(dir: &Path, epoch: u64, start: u64) -> u64 {
+/// What the step logs in `dir` say about the transition into epoch `epoch`, which starts at
+/// the first step its survivors (the nodes that logged a step of it) trained in it (the
+/// epoch's recorded start is the leader's estimate from reports, which survivors that were
+/// further along pass: they enter at the step they hold): 1 when a survivor ended the old
+/// epochs at `start - 1`, so that, training on, it was computing `start` when the
+/// collective broke and that computation was thrown away (a lost step, which no step log
+/// ever shows); 0 when every survivor stopped earlier. The definition of docs/status.md.
+pub fn lost_by_step_logs(dir: &Path, epoch: u64) -> u64 {
     let mut last_before = Vec::new();
+    let mut start = 0;
     for e in std::fs::read_dir(dir).unwrap().flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         if !name.ends_with(".steps.jsonl") {
@@ -288,6 +291,12 @@ pub fn lost_by_step_logs(dir: &Path, epoch: u64, start: u64) -> u64 {
         if let Some(b) = before {
             last_before.push(b);
         }
+        let first = lines
+            .iter()
+            .filter(|l| l["epoch"].as_u64() == Some(epoch))
+            .filter_map(|l| l["step"].as_u64())
+            .min();
+        start = start.max(first.unwrap_or(0));
     }
     assert!(
         !last_before.is_empty(),

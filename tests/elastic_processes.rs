@@ -79,7 +79,7 @@ fn an_elastic_run_with_a_notice_a_join_and_a_kill_matches_one_uninterrupted_proc
         "levels at {levels:?}: {join}"
     );
     assert!(!levels.contains(&notice["epoch"].as_u64().unwrap()), "levels at {levels:?}: {notice}");
-    let by_logs = lost_by_step_logs(&dir, kill["epoch"].as_u64().unwrap(), kill["step"].as_u64().unwrap());
+    let by_logs = lost_by_step_logs(&dir, kill["epoch"].as_u64().unwrap());
     // On a mismatch, what each rank said of the change (the step logs stay in the run's
     // directory, gone with the test; these lines are what tell the two apart).
     let said = || -> String {
