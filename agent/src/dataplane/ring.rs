@@ -91,6 +91,15 @@ impl Plan {
     }
 }
 
+/// A collective's name in errors: its kind and, for other sums than plain f32, how it adds.
+fn named(kind: &str, add: Op, lossy: usize) -> String {
+    match (add, lossy > 0) {
+        (Op::AddI64, _) => format!("{kind} (i64)"),
+        (_, true) => format!("{kind} (bf16)"),
+        _ => kind.to_string(),
+    }
+}
+
 /// The ranks of one epoch, connected in a ring.
 pub struct Group {
     epoch: u64,
@@ -358,12 +367,7 @@ impl Group {
         let blocks: Vec<Range<usize>> =
             (0..w).map(|i| unit * (i * n / w)..unit * ((i + 1) * n / w)).collect();
         let plan = self.allreduce_plan(&blocks, add, lossy);
-        let what = match (add, lossy > 0) {
-            (Op::AddI64, _) => "allreduce (i64)",
-            (_, true) => "allreduce (bf16)",
-            _ => "allreduce",
-        };
-        self.run(&plan, buf, step, what)
+        self.run(&plan, buf, step, &named("allreduce", add, lossy))
     }
 
     /// Reduce-scatter with `add` over `blocks` (one per rank), then allgather; values below
@@ -534,18 +538,6 @@ impl Group {
         self.reduce_scatter_with(buf, blocks, replicas, (Op::Add, lossy), step)
     }
 
-    /// A zone's reduce-scatter of two levels (`levels.rs`): `add` for the sums, no replicas.
-    fn reduce_scatter_op(
-        &mut self,
-        buf: &mut [f32],
-        blocks: &[Range<usize>],
-        add: Op,
-        lossy: usize,
-        step: u64,
-    ) -> Result<(), DataPlaneError> {
-        self.reduce_scatter_with(buf, blocks, 0, (add, lossy), step)
-    }
-
     fn reduce_scatter_with(
         &mut self,
         buf: &mut [f32],
@@ -578,12 +570,7 @@ impl Group {
             lossy,
             |g| g + 2 == w,
         );
-        let what = match (add, lossy > 0) {
-            (Op::AddI64, _) => "reduce-scatter (i64)",
-            (_, true) => "reduce-scatter (bf16)",
-            _ => "reduce-scatter",
-        };
-        self.run(&plan, buf, step, what)
+        self.run(&plan, buf, step, &named("reduce-scatter", add, lossy))
     }
 
     /// Allgather in place: rank `i` contributes `buf[blocks[i]]`, and every rank ends with

@@ -151,7 +151,7 @@ impl Group {
         let own = block(lv.place, n, lv.segments, unit);
         let done = lv
             .zone
-            .reduce_scatter_op(buf, &blocks, add, lossy, step)
+            .reduce_scatter_with(buf, &blocks, 0, (add, lossy), step)
             .and_then(|()| match &mut lv.across {
                 Some(across) => {
                     let part_lossy = lossy.clamp(own.start, own.end) - own.start;
