@@ -3,7 +3,7 @@
 //! a reader can hold, and every file is named in `docs/architecture.md`'s map. A cycle means
 //! two rooms that cannot be understood, tested or moved apart; the fix is to move what both
 //! need into a third. The size limit is a signal, not a rule for where to split: a file
-//! splits where a concern ends.
+//! splits where a concern ends. Beside them: the fuzz crate's lock holds the workspace's versions.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -282,4 +282,36 @@ fn every_source_file_is_named_in_the_architecture_map() {
         "source files docs/architecture.md does not name (add a line to its map):\n{}",
         unnamed.join("\n")
     );
+}
+
+/// Each package's versions in a Cargo.lock.
+fn locked(path: &Path) -> BTreeMap<String, BTreeSet<String>> {
+    let text = std::fs::read_to_string(path).unwrap();
+    let mut out: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for pkg in text.split("[[package]]").skip(1) {
+        let field = |k: &str| {
+            pkg.lines().find_map(|l| l.strip_prefix(k)).map(|v| v.trim().trim_matches('"').to_string())
+        };
+        if let (Some(name), Some(version)) = (field("name = "), field("version = ")) {
+            out.entry(name).or_default().insert(version);
+        }
+    }
+    out
+}
+
+/// The fuzz crate's lock holds the workspace's versions of every package both use, so the
+/// fuzz check in `make test` reuses the workspace's build scripts' runs (libtorch's C++ among
+/// them) rather than building other versions. After `cargo update`: copy Cargo.lock over
+/// fuzz/Cargo.lock and let cargo add libFuzzer (`cargo metadata --manifest-path fuzz/Cargo.toml`).
+#[test]
+fn the_fuzz_lock_pins_the_workspaces_versions() {
+    let (ws, fuzz) = (locked(&root().join("Cargo.lock")), locked(&root().join("fuzz/Cargo.lock")));
+    let differ: Vec<String> = fuzz
+        .iter()
+        .filter_map(|(name, v)| {
+            ws.get(name).filter(|w| *w != v).map(|w| format!("{name}: fuzz {v:?}, workspace {w:?}"))
+        })
+        .collect();
+    assert!(differ.is_empty(), "fuzz/Cargo.lock differs from Cargo.lock:\n{}", differ.join("\n"));
+    assert!(fuzz.contains_key("libfuzzer-sys") && fuzz.contains_key("tokio"), "{:?}", fuzz.keys());
 }

@@ -6,7 +6,8 @@
 //! micro-batch, at a learning rate where the ordinary path drifts.
 
 use serde_json::Value;
-use std::path::Path;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 #[path = "common.rs"]
@@ -38,6 +39,21 @@ fn train_for(out: &Path, extra: &[&str], steps: u64) -> Value {
         .unwrap();
     assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
     serde_json::from_slice(&run.stdout).unwrap()
+}
+
+/// One reproducible process's run of `steps` (its directory and report), trained once per
+/// test binary: several scenarios compare against the same reference.
+fn one_process(steps: u64) -> (PathBuf, Value) {
+    static RUNS: std::sync::Mutex<BTreeMap<u64, (PathBuf, Value)>> = std::sync::Mutex::new(BTreeMap::new());
+    let mut runs = RUNS.lock().unwrap_or_else(|e| e.into_inner());
+    runs.entry(steps)
+        .or_insert_with(|| {
+            let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("reproducible-one").join(steps.to_string());
+            let _ = std::fs::remove_dir_all(&dir);
+            let report = train_for(&dir, &["--reproducible"], steps);
+            (dir, report)
+        })
+        .clone()
 }
 
 /// The largest relative L2 difference between two runs' final parameters (reports or
@@ -153,7 +169,7 @@ fn a_notice_a_join_and_a_kill_change_no_bit() {
     // this job end before the first event).
     const LONG: u64 = 3000;
     let tmp = tempfile::tempdir().unwrap();
-    let one = train_for(&tmp.path().join("one"), &["--reproducible"], LONG);
+    let (one_dir, one) = one_process(LONG);
     let dir = tmp.path().join("elastic");
     let summary = scenario_for(&dir, 3, SCRIPT, &["--reproducible"], LONG);
     for cause in ["notice for node 2", "join of node 4", "failure of node 3"] {
@@ -163,11 +179,7 @@ fn a_notice_a_join_and_a_kill_change_no_bit() {
         hash(Path::new(summary["checkpoint"].as_str().unwrap())),
         one["content_hash"].as_str().unwrap()
     );
-    same_losses(
-        &agent_losses(&dir),
-        &train_losses(&tmp.path().join("one")),
-        "through a notice, a join and a kill",
-    );
+    same_losses(&agent_losses(&dir), &train_losses(&one_dir), "through a notice, a join and a kill");
     // The ordinary path through the same events leaves one process's result.
     let plain = train(&tmp.path().join("plain"), &[]);
     let ordinary = scenario_with(&tmp.path().join("ordinary"), 3, SCRIPT, &[]);
@@ -184,7 +196,7 @@ fn hosts_of_two_devices_through_a_notice_a_join_a_kill_and_a_drain_change_no_bit
     // Long enough that the events land inside training on a loaded machine.
     const LONG: u64 = 3000;
     let tmp = tempfile::tempdir().unwrap();
-    let one = train_for(&tmp.path().join("one"), &["--reproducible"], LONG);
+    let (one_dir, one) = one_process(LONG);
     let dir = tmp.path().join("devices");
     // The newcomer (node 4) is drained after the kill: one host of two ranks ends the job.
     let script = format!("{SCRIPT},0.85:drain:node-4");
@@ -194,7 +206,7 @@ fn hosts_of_two_devices_through_a_notice_a_join_a_kill_and_a_drain_change_no_bit
         one["content_hash"].as_str().unwrap(),
         "{summary:#}"
     );
-    same_losses(&agent_losses(&dir), &train_losses(&tmp.path().join("one")), "hosts of two devices");
+    same_losses(&agent_losses(&dir), &train_losses(&one_dir), "hosts of two devices");
     // Each host trained as two ranks: every epoch's devices are twice its hosts, through
     // the three hosts at the start, the two after the kill and the one after the drain,
     // which took both of the drained host's ranks at once and lost no step.
@@ -233,9 +245,9 @@ fn hosts_of_two_devices_through_a_notice_a_join_a_kill_and_a_drain_change_no_bit
 fn joins_after_the_first_steps_change_no_bit() {
     const LONG: u64 = 5000;
     let tmp = tempfile::tempdir().unwrap();
-    let one = train_for(&tmp.path().join("one"), &["--reproducible"], LONG);
+    let (one_dir, one) = one_process(LONG);
     let want = one["content_hash"].as_str().unwrap();
-    let losses = train_losses(&tmp.path().join("one"));
+    let losses = train_losses(&one_dir);
     for (name, script, newcomers, min_nodes) in [
         ("join", "0.05:join", &[4][..], "1"),
         ("two-joins", "0.05:join,0.05:join", &[4, 5][..], "1"),
@@ -311,7 +323,7 @@ fn sharded_state_through_a_notice_a_join_and_a_kill_changes_no_bit() {
     // Long enough that the events land inside training on a loaded machine.
     const LONG: u64 = 3000;
     let tmp = tempfile::tempdir().unwrap();
-    let one = train_for(&tmp.path().join("one"), &["--reproducible"], LONG);
+    let (one_dir, one) = one_process(LONG);
     let dir = tmp.path().join("sharded");
     let summary = scenario_for(&dir, 3, SCRIPT, &["--reproducible", "--shard-replicas", "1"], LONG);
     // The state was sharded from the first epoch and re-cut at every later entry (the
@@ -345,7 +357,7 @@ fn sharded_state_through_a_notice_a_join_and_a_kill_changes_no_bit() {
     assert_eq!(got.meta().step, want.meta().step);
     assert_ne!(got.meta().job, want.meta().job, "the sharded job names its sharding");
     assert_eq!(got.content_hash(), want.content_hash(), "{summary:#}");
-    same_losses(&agent_losses(&dir), &train_losses(&tmp.path().join("one")), "sharded state");
+    same_losses(&agent_losses(&dir), &train_losses(&one_dir), "sharded state");
     for cause in ["notice for node 2", "join of node 4", "failure of node 3"] {
         common::transition(&summary, cause);
     }
@@ -356,8 +368,10 @@ fn sharded_state_through_a_notice_a_join_and_a_kill_changes_no_bit() {
 /// device of the host before. Through a notice, a join and a `kill -9` of a host with both
 /// its ranks the state is re-cut at every entry, never made whole nor sent back to a
 /// checkpoint, and every step's loss and every tensor of the final state are one
-/// unsharded process's, bit for bit.
+/// unsharded process's, bit for bit. In `make long-test`: the hosts of unequal devices below
+/// take the same path, hosts of two devices among them.
 #[test]
+#[ignore = "a long scenario: `make long-test` runs it"]
 fn sharded_state_over_hosts_of_two_devices_changes_no_bit() {
     // Each device held its own block and that of the same device on the host before: host
     // 1's devices (ranks 2 and 3) held blocks 0 and 1, in the first epoch's six ranks.
@@ -373,7 +387,7 @@ fn sharded_state_over_hosts_of_two_devices_changes_no_bit() {
 fn sharded_over_devices_changes_no_bit(name: &str, extra: &[&str], held: &str) -> String {
     const LONG: u64 = 3000;
     let tmp = tempfile::tempdir().unwrap();
-    let one = train_for(&tmp.path().join("one"), &["--reproducible"], LONG);
+    let (one_dir, one) = one_process(LONG);
     let dir = tmp.path().join(name);
     let mut args = vec!["--reproducible", "--shard-replicas", "1"];
     args.extend_from_slice(extra);
@@ -402,7 +416,7 @@ fn sharded_over_devices_changes_no_bit(name: &str, extra: &[&str], held: &str) -
         );
     }
     assert_eq!(got.tensors().len(), want.tensors().len());
-    same_losses(&agent_losses(&dir), &train_losses(&tmp.path().join("one")), name);
+    same_losses(&agent_losses(&dir), &train_losses(&one_dir), name);
     for cause in ["notice for node 2", "join of node 4", "failure of node 3"] {
         common::transition(&summary, cause);
     }

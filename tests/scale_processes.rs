@@ -12,6 +12,14 @@ use serde_json::Value;
 #[path = "common.rs"]
 mod common;
 
+/// The two fleets here never run at once: each boots its agents on the same two cores, and a
+/// founder that beside the other fleet took too long to load libtorch missed its first epoch.
+static ONE_FLEET: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_fleet() -> std::sync::MutexGuard<'static, ()> {
+    ONE_FLEET.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Founders: past 33 on one address.
 const FOUNDERS: usize = 36;
 /// Revoked at once: a quarter of the fleet, a third of them without notice.
@@ -31,6 +39,7 @@ fn causes(summary: &Value) -> Vec<(String, u64)> {
 
 #[test]
 fn a_fleet_past_one_addresss_share_stays_whole_through_a_mass_revocation_and_a_wave_of_joins() {
+    let _alone = one_fleet();
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("fleet");
     let mut script: Vec<String> = NOTICED.map(|i| format!("0.3:notice:node-{i}:60")).collect();
@@ -110,6 +119,7 @@ fn agents_in_network_namespaces_of_their_own_train_through_a_notice_a_kill_and_a
         );
         return;
     }
+    let _alone = one_fleet();
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("spaces");
     let args = [

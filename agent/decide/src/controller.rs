@@ -155,6 +155,11 @@ pub const JOIN_SETTLE_MS: u64 = 300;
 /// ...or until the first of them has waited this long, whichever is sooner. A change the
 /// epoch makes anyway (a failure, a notice, a drain) takes every ready newcomer at once.
 pub const JOIN_WAVE_MAX_MS: u64 = 3000;
+/// The cluster's first epoch waits for its founders (the bootstrap's members) up to this long
+/// after the first was ready, not `JOIN_WAVE_MAX_MS`: a fleet's hosts boot over tens of
+/// seconds (libtorch alone takes seconds to load on a busy host), and a founder a few seconds
+/// late would otherwise miss the first epoch and cost the cluster a join epoch at once.
+pub const FORM_WAIT_MS: u64 = 30_000;
 
 /// The controller's answer: commands to propose (maybe none) and why.
 #[derive(Clone, Debug, PartialEq)]
@@ -337,7 +342,7 @@ fn candidates(
 /// epoch (`alone`), and until no newcomer became ready within `JOIN_SETTLE_MS` or the first
 /// has waited `JOIN_WAVE_MAX_MS`.
 /// The cluster's first epoch waits instead for every member still staying (its founders)
-/// to be ready, as long: a cluster forms whole, not with whoever booted first.
+/// to be ready, at most `FORM_WAIT_MS`: a cluster forms whole, not with whoever booted first.
 fn join_wave_waits(view: &View<'_>, newcomers: &[NodeId], alone: bool) -> bool {
     if newcomers.is_empty() || !alone {
         return false;
@@ -345,14 +350,12 @@ fn join_wave_waits(view: &View<'_>, newcomers: &[NodeId], alone: bool) -> bool {
     let since: Vec<u64> = newcomers.iter().filter_map(|n| view.ready_since.get(n).copied()).collect();
     let (Some(&first), Some(&last)) = (since.iter().min(), since.iter().max()) else { return false };
     let waited = |t: u64| view.now_ms.saturating_sub(t);
-    if waited(first) >= JOIN_WAVE_MAX_MS {
-        return false;
-    }
     if view.state.current.is_none() {
         let st = view.state;
-        return st.members.values().any(|m| m.status.is_staying() && !newcomers.contains(&m.spec.id));
+        return waited(first) < FORM_WAIT_MS
+            && st.members.values().any(|m| m.status.is_staying() && !newcomers.contains(&m.spec.id));
     }
-    waited(last) < JOIN_SETTLE_MS
+    waited(first) < JOIN_WAVE_MAX_MS && waited(last) < JOIN_SETTLE_MS
 }
 
 /// Fills the `slots` rank slots of `layout` (data-major) from `candidates`, slot by slot

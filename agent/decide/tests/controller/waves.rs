@@ -49,11 +49,12 @@ fn joins_are_admitted_in_waves() {
     assert_eq!(sim.state.scheduled.as_ref().unwrap().ranks, vec![1, 2, 3, 5], "{why}");
 }
 
-/// The first epoch waits for every founder to be ready (at most `JOIN_WAVE_MAX_MS` after
-/// the first was), so a cluster forms whole rather than with whoever booted first.
+/// The first epoch waits for every founder to be ready (at most `FORM_WAIT_MS` after the
+/// first was, well past a joining wave's bound), so a cluster forms whole rather than with
+/// whoever booted first.
 #[test]
 fn the_first_epoch_waits_for_every_founder_a_while() {
-    use limpet_decide::controller::JOIN_WAVE_MAX_MS;
+    use limpet_decide::controller::{FORM_WAIT_MS, JOIN_WAVE_MAX_MS};
     let mut sim = Sim::new(4);
     let t0 = sim.now;
     sim.progress.remove(&4);
@@ -73,7 +74,14 @@ fn the_first_epoch_waits_for_every_founder_a_while() {
     for id in 1..=3 {
         sim.ready_since.insert(id, sim.now);
     }
-    sim.now += JOIN_WAVE_MAX_MS;
+    let t0 = sim.now;
+    sim.now = t0 + JOIN_WAVE_MAX_MS;
+    sim.control();
+    assert!(sim.state.scheduled.is_none(), "formed without node 4 at a joining wave's bound");
+    sim.now = t0 + FORM_WAIT_MS - 1;
+    sim.control();
+    assert!(sim.state.scheduled.is_none(), "formed without node 4 before the bound");
+    sim.now = t0 + FORM_WAIT_MS;
     sim.control();
     assert_eq!(sim.state.scheduled.as_ref().unwrap().ranks, vec![1, 2, 3]);
 }
