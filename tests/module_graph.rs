@@ -299,7 +299,8 @@ fn locked(path: &Path) -> BTreeMap<String, BTreeSet<String>> {
     out
 }
 
-/// The fuzz crate's lock holds the workspace's versions of every package both use, so the
+/// The fuzz crate's lock holds only versions the workspace's lock holds of every package both
+/// use (the fuzz crate uses fewer of them), so the
 /// fuzz check in `make test` reuses the workspace's build scripts' runs (libtorch's C++ among
 /// them) rather than building other versions. After `cargo update`: copy Cargo.lock over
 /// fuzz/Cargo.lock and let cargo add libFuzzer (`cargo metadata --manifest-path fuzz/Cargo.toml`).
@@ -309,9 +310,9 @@ fn the_fuzz_lock_pins_the_workspaces_versions() {
     let differ: Vec<String> = fuzz
         .iter()
         .filter_map(|(name, v)| {
-            ws.get(name).filter(|w| *w != v).map(|w| format!("{name}: fuzz {v:?}, workspace {w:?}"))
+            ws.get(name).filter(|w| !v.is_subset(w)).map(|w| format!("{name}: fuzz {v:?}, workspace {w:?}"))
         })
         .collect();
-    assert!(differ.is_empty(), "fuzz/Cargo.lock differs from Cargo.lock:\n{}", differ.join("\n"));
+    assert!(differ.is_empty(), "fuzz/Cargo.lock has versions Cargo.lock has not:\n{}", differ.join("\n"));
     assert!(fuzz.contains_key("libfuzzer-sys") && fuzz.contains_key("tokio"), "{:?}", fuzz.keys());
 }

@@ -13,7 +13,8 @@ pub mod revocation;
 
 // The decisions the agent runs live in their own crate; their paths stay the agent's.
 pub use limpet_decide::{balance, controller, leader, planner, policy, reconcile, report, scaling, stuck};
-#[cfg(feature = "trainer")]
+// The control part of `runtime` builds without libtorch (the lab's synthetic agents); its
+// trainer loop and the pipeline stages need it.
 pub mod runtime;
 #[cfg(feature = "trainer")]
 pub mod stage;

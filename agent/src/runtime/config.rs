@@ -1,13 +1,12 @@
-//! The agent's configuration: who it is, where it listens, the job, and the timings and
-//! policies its tasks run by. Built by `limpetd` from its file (or by tools directly);
-//! read-only once the agent starts.
+//! The agent's configuration: who it is, where it listens, the timings and policies its
+//! tasks run by (`ControlConfig`, without libtorch), and the job it trains (`AgentConfig`).
+//! Built by `limpetd` from its file (or by tools directly); read-only once the agent starts.
 
 pub use crate::config_value::Stages;
 use crate::config_value::{Bytes, Reserve, S3Url};
 use crate::policy::{BaseBatch, BatchPolicy};
 use crate::revocation::Source;
 use limpet_consensus::state::{MemberSpec, NodeId};
-use limpet_trainer::JobSpec;
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -33,9 +32,11 @@ impl std::ops::Deref for Secret {
     }
 }
 
-/// Everything an agent needs to run.
+/// What the agent's control part runs by (its consensus node, data plane, heartbeats,
+/// revocation watchers and leader loop): everything but the job's training, so it builds
+/// without libtorch (the lab's synthetic agents run it alone).
 #[derive(Clone, Debug)]
-pub struct AgentConfig {
+pub struct ControlConfig {
     /// Raft id.
     pub id: NodeId,
     /// Unique name.
@@ -64,17 +65,6 @@ pub struct AgentConfig {
     pub bootstrap: Option<Vec<MemberSpec>>,
     /// Control addresses to join through.
     pub seeds: Vec<String>,
-    /// The job.
-    pub job: JobSpec,
-    /// Where the job's data is (if not the default).
-    pub data_path: Option<PathBuf>,
-    /// Where this rank's parameters and optimizer state live.
-    pub device: limpet_trainer::device::DeviceChoice,
-    /// This host's local ranks' devices (`[node].devices`), one trainer thread each; empty:
-    /// one rank on `device`.
-    pub devices: Vec<limpet_trainer::device::Device>,
-    /// The Hugging Face directory the job's weights start from (its fingerprint is in the job).
-    pub init_from: Option<PathBuf>,
     /// Batch / learning-rate policy.
     pub policy: BatchPolicy,
     /// World size the job's batch was declared for.
@@ -85,8 +75,6 @@ pub struct AgentConfig {
     pub straggler_ratio: f64,
     /// Steps of an epoch before its measured speeds count.
     pub straggler_steps: u64,
-    /// Straggler drills (they sleep in `lab` builds only).
-    pub slowdown: super::drill::Slowdown,
     /// Revocation sources to poll.
     pub sources: Vec<Source>,
     /// Their poll interval.
@@ -96,10 +84,6 @@ pub struct AgentConfig {
     pub timing: Timing,
     /// TCP congestion control of data-plane sockets (`None`: the host's default).
     pub dp_congestion: Option<String>,
-    /// Append one JSON line per completed step here.
-    pub step_log: Option<PathBuf>,
-    /// Pipeline parallelism; `None` trains plain data parallelism.
-    pub pipeline: Option<PipelineSettings>,
     /// Durable checkpoints; `None` writes only the final one.
     pub checkpoint: Option<CheckpointSettings>,
     /// Mutual TLS on the control plane (and, with `tls_data`, the data plane); `None` runs
@@ -108,6 +92,49 @@ pub struct AgentConfig {
     /// Encrypt data-plane connections too (TLS 1.3) when `tls` is set; otherwise they are
     /// authenticated by the cluster secret only.
     pub tls_data: bool,
+}
+
+/// Everything an agent needs to run: its control part and the job it trains. Reads of the
+/// control part's fields go through to it (`cfg.id`, `cfg.timing`).
+#[cfg(feature = "trainer")]
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    /// Who the agent is, where it listens, and how its control loops run (`ctl`, as
+    /// `control` is where the consensus node listens).
+    pub ctl: ControlConfig,
+    /// The job.
+    pub job: limpet_trainer::JobSpec,
+    /// Where the job's data is (if not the default).
+    pub data_path: Option<PathBuf>,
+    /// Where this rank's parameters and optimizer state live.
+    pub device: limpet_trainer::device::DeviceChoice,
+    /// This host's local ranks' devices (`[node].devices`), one trainer thread each; empty:
+    /// one rank on `device`.
+    pub devices: Vec<limpet_trainer::device::Device>,
+    /// The Hugging Face directory the job's weights start from (its fingerprint is in the job).
+    pub init_from: Option<PathBuf>,
+    /// Straggler drills (they sleep in `lab` builds only).
+    pub slowdown: super::drill::Slowdown,
+    /// Append one JSON line per completed step here.
+    pub step_log: Option<PathBuf>,
+    /// Pipeline parallelism; `None` trains plain data parallelism.
+    pub pipeline: Option<PipelineSettings>,
+}
+
+#[cfg(feature = "trainer")]
+impl std::ops::Deref for AgentConfig {
+    type Target = ControlConfig;
+
+    fn deref(&self) -> &ControlConfig {
+        &self.ctl
+    }
+}
+
+#[cfg(feature = "trainer")]
+impl std::ops::DerefMut for AgentConfig {
+    fn deref_mut(&mut self) -> &mut ControlConfig {
+        &mut self.ctl
+    }
 }
 
 /// `[pipeline]`: split the model into stages across hosts, laid out by the planner. The node
@@ -235,9 +262,10 @@ impl Timing {
     }
 }
 
-impl AgentConfig {
-    /// What the leader's decisions depend on.
-    pub fn leader_settings(&self) -> crate::leader::LeaderSettings {
+impl ControlConfig {
+    /// What the leader's decisions depend on, for a job of `global_batch` samples a step in
+    /// micro-batches of `micro_batch`.
+    pub fn leader_settings(&self, global_batch: u64, micro_batch: u64) -> crate::leader::LeaderSettings {
         crate::leader::LeaderSettings {
             heartbeat_ms: self.timing.heartbeat_ms,
             heartbeat_timeout_ms: self.timing.failure_timeout_ms,
@@ -245,14 +273,49 @@ impl AgentConfig {
             notice_margin_ms: self.timing.notice_margin_ms,
             min_nodes: self.min_nodes,
             policy: self.policy,
-            base: BaseBatch {
-                global_batch: self.job.global_batch as u64,
-                micro_batch: self.job.micro_batch as u64,
-                world: self.base_world.max(1),
-            },
+            base: BaseBatch { global_batch, micro_batch, world: self.base_world.max(1) },
             straggler_ratio: self.straggler_ratio,
             straggler_steps: self.straggler_steps,
         }
+    }
+
+    /// A configuration with the defaults for everything but identity and addresses.
+    pub fn new(id: NodeId, name: &str, cluster: &str, state_dir: PathBuf, secret: Vec<u8>) -> ControlConfig {
+        ControlConfig {
+            id,
+            name: name.to_string(),
+            cluster: cluster.to_string(),
+            control: "127.0.0.1:0".parse().expect("address"),
+            advertise_control: String::new(),
+            data: "127.0.0.1:0".parse().expect("address"),
+            advertise_data: String::new(),
+            zone: String::new(),
+            zone_levels: true,
+            state_dir,
+            secret: Secret(secret),
+            bootstrap: None,
+            seeds: Vec::new(),
+            policy: BatchPolicy::FixedGlobal,
+            base_world: 1,
+            min_nodes: 1,
+            straggler_ratio: crate::balance::DEFAULT_RATIO,
+            straggler_steps: 100,
+            sources: Vec::new(),
+            poll: Duration::from_secs(2),
+            timing: Timing::default(),
+            dp_congestion: Some(crate::dataplane::endpoint::DEFAULT_CONGESTION.to_string()),
+            checkpoint: None,
+            tls: None,
+            tls_data: true,
+        }
+    }
+}
+
+#[cfg(feature = "trainer")]
+impl AgentConfig {
+    /// What the leader's decisions depend on.
+    pub fn leader_settings(&self) -> crate::leader::LeaderSettings {
+        self.ctl.leader_settings(self.job.global_batch as u64, self.job.micro_batch as u64)
     }
 
     /// The device this host's first rank trains on (`[node].devices`, else `[job].device` as
@@ -271,42 +334,18 @@ impl AgentConfig {
         cluster: &str,
         state_dir: PathBuf,
         secret: Vec<u8>,
-        job: JobSpec,
+        job: limpet_trainer::JobSpec,
     ) -> AgentConfig {
         AgentConfig {
-            id,
-            name: name.to_string(),
-            cluster: cluster.to_string(),
-            control: "127.0.0.1:0".parse().expect("address"),
-            advertise_control: String::new(),
-            data: "127.0.0.1:0".parse().expect("address"),
-            advertise_data: String::new(),
-            zone: String::new(),
-            zone_levels: true,
-            state_dir,
-            secret: Secret(secret),
-            bootstrap: None,
-            seeds: Vec::new(),
+            ctl: ControlConfig::new(id, name, cluster, state_dir, secret),
             job,
             data_path: None,
             device: limpet_trainer::device::DeviceChoice::Cpu,
             devices: Vec::new(),
             init_from: None,
-            policy: BatchPolicy::FixedGlobal,
-            base_world: 1,
-            min_nodes: 1,
-            straggler_ratio: crate::balance::DEFAULT_RATIO,
-            straggler_steps: 100,
             slowdown: Default::default(),
-            sources: Vec::new(),
-            poll: Duration::from_secs(2),
-            timing: Timing::default(),
-            dp_congestion: Some(crate::dataplane::endpoint::DEFAULT_CONGESTION.to_string()),
             step_log: None,
             pipeline: None,
-            checkpoint: None,
-            tls: None,
-            tls_data: true,
         }
     }
 }

@@ -16,6 +16,7 @@ use crate::DataPlaneError;
 use limpet_consensus::state::NodeId;
 use limpet_snapshot::handoff::HandoffError;
 use limpet_snapshot::SnapshotError;
+#[cfg(feature = "trainer")]
 use limpet_trainer::TrainerError;
 
 /// What went wrong in the running agent.
@@ -75,6 +76,7 @@ impl Retryable {
 #[derive(Debug, thiserror::Error)]
 pub enum Fatal {
     /// The trainer failed on this rank (other than a collective between ranks).
+    #[cfg(feature = "trainer")]
     #[error(transparent)]
     Trainer(TrainerError),
     /// This node's `[job]` is not the job the cluster's log holds: it cannot train with it.
@@ -117,6 +119,7 @@ pub enum Fatal {
         source: serde_json::Error,
     },
     /// The job's result could not be written (where `limpet-lab demo` and operators find it).
+    #[cfg(feature = "trainer")]
     #[error("writing the final checkpoint: {0}")]
     FinalCheckpoint(#[source] TrainerError),
     /// A local file could not be written.
@@ -158,6 +161,7 @@ impl From<Fatal> for AgentError {
     }
 }
 
+#[cfg(feature = "trainer")]
 impl From<TrainerError> for AgentError {
     /// A collective between ranks that failed is retryable; the trainer failing otherwise
     /// (its configuration, a peer's state it refused, a full disk) is fatal.
@@ -186,7 +190,7 @@ macro_rules! class {
 class!(Retry: DataPlaneError, HandoffError, SnapshotError, limpet_decide::DecideError);
 class!(Fatal: limpet_consensus::ConsensusError, limpet_consensus::tasks::TaskFailed, crate::checkpoint::CheckpointError);
 
-#[cfg(test)]
+#[cfg(all(test, feature = "trainer"))]
 mod tests {
     use super::*;
 

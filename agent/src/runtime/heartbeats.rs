@@ -4,7 +4,7 @@
 //! leader, so a node sends at most `max_voters` + 1 reports an interval whatever the fleet's
 //! size, and receives reports only while it votes. The local copy serves `limpet status`.
 
-use super::config::AgentConfig;
+use super::config::ControlConfig;
 use super::tasks::Tasks;
 use crate::dataplane::endpoint::Endpoint;
 use crate::report::AgentReport;
@@ -21,7 +21,7 @@ const REFUSED_NEWS: Duration = Duration::from_secs(2);
 /// Sends this agent's report to the leader and the voters each interval (and at once when
 /// the trainer asks, after a collective failure), and keeps it locally too.
 pub(super) async fn heartbeats(
-    cfg: Arc<AgentConfig>,
+    cfg: Arc<ControlConfig>,
     handle: NodeHandle,
     (progress, endpoint): (Arc<Mutex<AgentReport>>, Arc<Endpoint>),
     now: Arc<Notify>,

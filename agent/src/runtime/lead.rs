@@ -4,28 +4,50 @@
 //! [`crate::leader::plan_round`] decides. The decisions themselves are pure and live in
 //! limpet-decide; this room only does the I/O.
 
-use super::config::{AgentConfig, Resume};
+use super::config::{ControlConfig, Resume};
 use super::{AgentError, Fatal};
 use crate::report::AgentReport;
 use limpet_consensus::state::{Command, NodeId};
 use limpet_consensus::tasks::TaskFailed;
 use limpet_consensus::NodeHandle;
 use limpet_decide::bootstrap::{BootStep, Bootstrap};
-use limpet_trainer::data::Dataset;
 use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
+/// What the leader loop needs of the job this node runs: the trainer's job (`AgentConfig`)
+/// or a synthetic one (the lab's agents without libtorch).
+pub trait LeadJob: Send + Sync + 'static {
+    /// The job as the log records it, before what the leader adds (a pipeline's profile): its
+    /// fingerprint names the job's checkpoints.
+    fn spec(&self) -> Result<serde_json::Value, AgentError>;
+    /// Blocks of the job's model (what a checkpoint of it holds).
+    fn blocks(&self) -> usize;
+    /// Samples a step, and a micro-batch's.
+    fn batch(&self) -> (u64, u64);
+    /// The document the leader sets: the spec, with what this node measured of the job (a
+    /// pipelined job's profile, a reproducible job's class of device).
+    fn document(&self) -> Pin<Box<dyn Future<Output = Result<serde_json::Value, AgentError>> + Send + '_>>;
+}
+
 /// While this node leads: sets the job, runs the controller on the reports, activates
 /// epochs that ranks entered and members that trained.
-pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: CancellationToken) {
+pub(super) async fn lead(
+    cfg: Arc<ControlConfig>,
+    spec: Arc<dyn LeadJob>,
+    handle: NodeHandle,
+    stop: CancellationToken,
+) {
     let mut job = None;
     let mut boot = Bootstrap::default();
     let booted = Instant::now();
     let mut last_reason = String::new();
     let mut last_stuck = None;
-    let settings = cfg.leader_settings();
+    let (global_batch, micro_batch) = spec.batch();
+    let settings = cfg.leader_settings(global_batch, micro_batch);
     let mut evidence = crate::leader::Evidence::default();
     // The term this node leads in, and since when.
     let mut led_since: Option<(u64, Instant)> = None;
@@ -62,14 +84,14 @@ pub(super) async fn lead(cfg: Arc<AgentConfig>, handle: NodeHandle, stop: Cancel
         if st.job.is_none() {
             let now = booted.elapsed().as_millis() as u64;
             match boot.next(now, job.is_some(), !st.checkpoints.is_empty()) {
-                BootStep::Profile => match job_document(&cfg).await {
+                BootStep::Profile => match spec.document().await {
                     Ok(doc) => job = Some(doc),
                     Err(e) => tracing::error!(%e, "could not profile the model for the pipeline planner"),
                 },
                 BootStep::Wait => {}
                 // A new cluster: start from the newest durable checkpoint of this job, if there
                 // is one. Recorded before the job, so the first epoch starts there.
-                BootStep::FindResume => match find_resume_point(&cfg).await {
+                BootStep::FindResume => match find_resume_point(&cfg, spec.as_ref()).await {
                     Ok(Some(record)) => {
                         match handle.propose_leading(Command::RecordCheckpoint { record }, term, None).await {
                             Ok(_) => boot.resume_settled(),
@@ -255,7 +277,8 @@ const PROBE_TIME: Duration = Duration::from_millis(50);
 /// The newest durable checkpoint of this agent's job in the configured directory, as the
 /// record a new cluster starts from (epoch 0: it predates every epoch of this cluster).
 async fn find_resume_point(
-    cfg: &AgentConfig,
+    cfg: &ControlConfig,
+    spec: &dyn LeadJob,
 ) -> Result<Option<limpet_consensus::state::CheckpointRecord>, AgentError> {
     let Some(settings) = cfg.checkpoint.as_ref().filter(|c| c.resume != Resume::Never) else {
         return Ok(None);
@@ -272,8 +295,8 @@ async fn find_resume_point(
             })
         })?;
     }
-    let job = job_value(cfg)?;
-    let blocks = cfg.job.model.num_blocks();
+    let job = spec.spec()?;
+    let blocks = spec.blocks();
     if let Some(r) = settings.remote() {
         // Bring the newest copies home; the search below checks them like local files.
         let remote = crate::remote::Remote::connect(&r).await;
@@ -315,41 +338,14 @@ async fn find_resume_point(
     }))
 }
 
-/// The job as the log records it: the trainer's job spec; for a pipelined job, the pipeline
-/// settings with this node's profile of the model's blocks; for a reproducible one, the class
-/// of device this node trains on (its bits are that class's: `device_class_refusal`).
-async fn job_document(cfg: &AgentConfig) -> Result<serde_json::Value, AgentError> {
-    let mut doc = job_value(cfg)?;
-    if let Some(p) = &cfg.pipeline {
-        let (job, path, device) = (cfg.job.clone(), cfg.data_path.clone(), cfg.training_device());
-        let profile = tokio::task::spawn_blocking(move || {
-            let data = Dataset::load(&job.data, path.as_deref())?;
-            crate::stage::profile_model(&job, &data, 5, device)
-        })
-        .await
-        .map_err(|e| AgentError::from(TaskFailed { task: "profile".into(), what: e.to_string() }))??;
-        let pj = crate::planner::PipelineJob {
-            profile,
-            link: p.link(),
-            depth: p.depth(),
-            cuts: p.cuts.clone(),
-            mem_bytes: p.memory.0,
-        };
-        doc["pipeline"] = serde_json::to_value(pj)
-            .map_err(|source| AgentError::from(Fatal::Encode { what: "the pipeline settings", source }))?;
-    }
-    if cfg.job.reproducible {
-        doc[DEVICE_CLASS] = limpet_trainer::device::device_class(cfg.training_device()).into();
-    }
-    Ok(doc)
-}
-
 /// The job document's key for a reproducible job's class of device.
+#[cfg(any(test, feature = "trainer"))]
 pub(crate) const DEVICE_CLASS: &str = "device_class";
 
 /// Why this node may not train the job the log holds, when the job is reproducible and was
 /// set on another class of device than `mine`: its bits are that class's (other kernels
 /// round otherwise), so a member of another class would diverge, silently, from the rest.
+#[cfg(any(test, feature = "trainer"))]
 pub(crate) fn device_class_refusal(logged: &serde_json::Value, mine: &str) -> Option<String> {
     let theirs = logged.get(DEVICE_CLASS)?.as_str()?;
     (theirs != mine).then(|| {
@@ -359,10 +355,54 @@ pub(crate) fn device_class_refusal(logged: &serde_json::Value, mine: &str) -> Op
     })
 }
 
-/// The job spec as the log records it.
-fn job_value(cfg: &AgentConfig) -> Result<serde_json::Value, AgentError> {
-    serde_json::to_value(&cfg.job)
-        .map_err(|source| AgentError::from(Fatal::Encode { what: "the job spec", source }))
+/// The trainer's job: its spec as the log records it; for a pipelined job, the pipeline
+/// settings with this node's profile of the model's blocks; for a reproducible one, the class
+/// of device this node trains on (its bits are that class's: `device_class_refusal`).
+#[cfg(feature = "trainer")]
+impl LeadJob for super::AgentConfig {
+    fn spec(&self) -> Result<serde_json::Value, AgentError> {
+        serde_json::to_value(&self.job)
+            .map_err(|source| AgentError::from(Fatal::Encode { what: "the job spec", source }))
+    }
+
+    fn blocks(&self) -> usize {
+        self.job.model.num_blocks()
+    }
+
+    fn batch(&self) -> (u64, u64) {
+        (self.job.global_batch as u64, self.job.micro_batch as u64)
+    }
+
+    fn document(&self) -> Pin<Box<dyn Future<Output = Result<serde_json::Value, AgentError>> + Send + '_>> {
+        Box::pin(async move {
+            let mut doc = self.spec()?;
+            if let Some(p) = &self.pipeline {
+                let (job, path, device) = (self.job.clone(), self.data_path.clone(), self.training_device());
+                let profile = tokio::task::spawn_blocking(move || {
+                    let data = limpet_trainer::data::Dataset::load(&job.data, path.as_deref())?;
+                    crate::stage::profile_model(&job, &data, 5, device)
+                })
+                .await
+                .map_err(|e| {
+                    AgentError::from(TaskFailed { task: "profile".into(), what: e.to_string() })
+                })??;
+                let pj = crate::planner::PipelineJob {
+                    profile,
+                    link: p.link(),
+                    depth: p.depth(),
+                    cuts: p.cuts.clone(),
+                    mem_bytes: p.memory.0,
+                };
+                doc["pipeline"] = serde_json::to_value(pj).map_err(|source| {
+                    AgentError::from(Fatal::Encode { what: "the pipeline settings", source })
+                })?;
+            }
+            if self.job.reproducible {
+                doc[DEVICE_CLASS] = limpet_trainer::device::device_class(self.training_device()).into();
+            }
+            Ok(doc)
+        })
+    }
 }
 
 #[cfg(test)]

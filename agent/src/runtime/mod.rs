@@ -9,9 +9,15 @@
 //! - one module per task: `announce`, `heartbeats`, `revocations`, `lead`;
 //! - `train_loop`: the trainer thread, deciding with the pure `next_action`;
 //! - `entry`: entering an epoch (its plan and wire codec are `limpet_decide::entry`);
-//! - `checkpointer` and `shadows`: the state copies a step leaves behind.
+//! - `checkpointer` and `shadows`: the state copies a step leaves behind;
+//! - `synthetic`: the control part with a training loop that needs no libtorch (the lab's
+//!   agents by the hundred).
+//!
+//! The control part (`start_control`, the tasks, `entry`'s protocol steps) builds without
+//! the `trainer` feature; the trainer loop and what it steps with need it.
 
 mod announce;
+#[cfg(feature = "trainer")]
 mod checkpointer;
 mod config;
 mod drill;
@@ -19,27 +25,36 @@ pub(crate) mod entry;
 pub mod error;
 mod heartbeats;
 mod lead;
+#[cfg(feature = "trainer")]
 mod local_ranks;
+#[cfg(feature = "trainer")]
 mod one_step;
 mod revocations;
+#[cfg(feature = "trainer")]
 mod shadows;
+#[cfg(feature = "trainer")]
 mod sharding;
+pub mod synthetic;
 pub mod tasks;
+#[cfg(feature = "trainer")]
 pub mod train_loop;
 
-pub use config::{AgentConfig, CheckpointSettings, PipelineSettings, Resume, Stages, Timing};
+#[cfg(feature = "trainer")]
+pub use config::AgentConfig;
+pub use config::{CheckpointSettings, ControlConfig, PipelineSettings, Resume, Stages, Timing};
 pub use drill::Slowdown;
 pub use error::{AgentError, Fatal, Retryable};
+pub use lead::LeadJob;
 pub use tasks::Tasks;
 
 use crate::dataplane::handoff::handoff_loop;
 use crate::dataplane::{DataPlaneConfig, Endpoint};
 use crate::report::{AgentReport, Phase};
-use limpet_consensus::state::{cluster_id, Command, Hardware, MemberSpec, MemberStatus, NodeId};
+use limpet_consensus::state::{cluster_id, Hardware, MemberSpec, MemberStatus, NodeId};
 use limpet_consensus::{NodeConfig, NodeHandle};
 use limpet_snapshot::handoff::Server;
-use limpet_trainer::data::Dataset;
-use limpet_trainer::{Trainer, TrainerError};
+#[cfg(feature = "trainer")]
+use limpet_trainer::{data::Dataset, Trainer, TrainerError};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -104,6 +119,7 @@ fn is_zero(v: &usize) -> bool {
 }
 
 /// A running agent.
+#[cfg(feature = "trainer")]
 pub struct Agent {
     handle: NodeHandle,
     tasks: Tasks,
@@ -117,6 +133,7 @@ pub(crate) fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
+#[cfg(feature = "trainer")]
 impl Agent {
     /// Starts every part of the agent under a root token of its own. Needs a multi-threaded
     /// tokio runtime.
@@ -128,78 +145,20 @@ impl Agent {
     pub async fn start_with(cfg: AgentConfig, tasks: Tasks) -> Result<Agent, AgentError> {
         let data = Dataset::load(&cfg.job.data, cfg.data_path.as_deref())?;
         cfg.job.validate(&data)?;
-        let endpoint = Arc::new(bind_data_plane(&cfg, &tasks)?);
-        let data_addr = endpoint.addr();
-        // Offers: the entry state, this rank's snapshot and the neighbour's it keeps, and
-        // their predecessors while receivers finish.
-        let server = Server::with_capacity(6);
-        // Serving ends with the trainer (which cancels this) or with everything (the root).
-        let stop_serving = tasks.token().child_token();
-        let (serving, offers, stopped) = (Arc::clone(&endpoint), server.clone(), stop_serving.clone());
-        let stop = move || stopped.is_cancelled();
-        let spawner = tasks.clone();
-        // Each request's transfer may outlast a stop (a slow reader): not waited for, but a
-        // panic in one is fatal like anywhere else.
-        let spawn =
-            move |name: &'static str, f: Box<dyn FnOnce() + Send>| spawner.spawn_detached_thread(name, f);
-        // Who may fetch state: the log's current members (not failed, not gone), filled in
-        // once the node runs; nobody before.
-        let fetchers: Arc<std::sync::RwLock<std::collections::BTreeSet<u64>>> = Arc::default();
-        let admits = Arc::clone(&fetchers);
-        let may_fetch: crate::dataplane::handoff::MayFetch =
-            Arc::new(move |peer| admits.read().expect("fetchers lock").contains(&peer));
-        tasks
-            .spawn_thread("handoff", move || handoff_loop(&serving, &offers, &stop, &may_fetch, &spawn))
-            .map_err(|source| AgentError::io("starting the handoff thread", source))?;
-
-        let ncfg = node_config(&cfg, data_addr);
-        let node = limpet_consensus::Node::start(ncfg.clone(), &tasks).await?;
-        let handle = node.handle();
-        let control_addr = node.addr();
-        let watcher = tasks.clone();
-        tasks.spawn("consensus", async move {
-            if let Err(e) = node.wait().await {
-                watcher.fail("consensus", &e.to_string());
-            }
-        });
-        let mut applied = handle.watch();
-        let done = tasks.token();
-        // The data plane refuses the certificates the log revokes, as the log says.
-        let revoking = Arc::clone(&endpoint);
-        tasks.spawn("handoff-members", async move {
-            loop {
-                let members: std::collections::BTreeSet<u64> = applied
-                    .borrow_and_update()
-                    .state
-                    .members
-                    .values()
-                    .filter(|m| !matches!(m.status, MemberStatus::Failed | MemberStatus::Gone))
-                    .map(|m| m.spec.id)
-                    .collect();
-                *fetchers.write().expect("fetchers lock") = members;
-                revoking.set_revoked(applied.borrow().state.revoked.0.keys().cloned().collect());
-                tokio::select! {
-                    changed = applied.changed() => if changed.is_err() { return },
-                    () = done.cancelled() => return,
-                }
-            }
-        });
-        let me = MemberSpec {
-            id: cfg.id,
-            name: cfg.name.clone(),
-            control_addr: if cfg.advertise_control.is_empty() {
-                control_addr.to_string()
-            } else {
-                cfg.advertise_control.clone()
-            },
-            data_addr: ncfg.data_addr.clone(),
-            hardware: ncfg.hardware.clone(),
+        let mut models = limpet_trainer::device::gpu_models();
+        models.dedup();
+        let hardware = Hardware {
+            gpus: limpet_trainer::device::gpu_count() as u32,
+            gpu_model: models.join(", "),
+            ranks: cfg.devices.len().max(1) as u32,
+            device: if on_gpu(&cfg) { "cuda" } else { "cpu" }.into(),
+            ..host_hardware(&cfg.ctl)
         };
-
         let cfg = Arc::new(cfg);
-        let progress = Arc::new(Mutex::new(AgentReport::new(cfg.id, std::process::id(), Phase::Starting)));
-        let beat_now = Arc::new(Notify::new());
-        spawn_tasks(&tasks, &cfg, &handle, me, (&progress, &endpoint), &beat_now);
+        let control = Arc::new(cfg.ctl.clone());
+        let job: Arc<dyn LeadJob> = Arc::clone(&cfg) as Arc<dyn LeadJob>;
+        let Control { handle, endpoint, server, progress, beat_now, stop_serving, control_addr, data_addr } =
+            start_control(control, hardware, job, &tasks).await?;
 
         let device = match cfg.devices.first() {
             Some(&d) => d,
@@ -289,7 +248,7 @@ impl Agent {
     /// Asks the cluster to let this node go (SIGTERM from systemd): it leaves at the next
     /// epoch boundary and is removed; `wait` then returns `Exit::Removed`.
     pub async fn drain_self(&self, reason: &str) -> Result<(), AgentError> {
-        let cmd = Command::Drain { id: self.id, reason: reason.to_string() };
+        let cmd = limpet_consensus::state::Command::Drain { id: self.id, reason: reason.to_string() };
         self.handle.propose(cmd, Some(Duration::from_secs(5))).await?;
         Ok(())
     }
@@ -299,28 +258,141 @@ impl Agent {
     /// [`tasks::SHUTDOWN_LIMIT`] to end; a fatal failure is this call's error.
     pub async fn wait(self) -> Result<Exit, AgentError> {
         let Agent { trainer, tasks, .. } = self;
-        let root = tasks.token();
-        let mut joined = tokio::task::spawn_blocking(move || trainer.join());
-        let deadline = tokio::select! {
-            r = &mut joined => {
-                let deadline = tokio::time::Instant::now() + tasks::SHUTDOWN_LIMIT;
-                return finish(&tasks, deadline, r).await;
-            }
-            _ = root.cancelled() => tokio::time::Instant::now() + tasks::SHUTDOWN_LIMIT,
-        };
-        match tokio::time::timeout_at(deadline, joined).await {
-            Ok(r) => finish(&tasks, deadline, r).await,
-            Err(_) => {
-                let _ = tasks.shutdown(deadline).await;
-                Err(AgentError::from(Fatal::Stuck { limit: tasks::SHUTDOWN_LIMIT, after: tasks.fatal() }))
-            }
+        wait_for(trainer, tasks).await
+    }
+}
+
+/// Waits until `trainer` (the thread that trains) ends, then stops every task of `tasks`.
+/// Once the root token is cancelled, everything has [`tasks::SHUTDOWN_LIMIT`] to end; a fatal
+/// failure is this call's error.
+async fn wait_for(
+    trainer: std::thread::JoinHandle<Result<Exit, AgentError>>,
+    tasks: Tasks,
+) -> Result<Exit, AgentError> {
+    let root = tasks.token();
+    let mut joined = tokio::task::spawn_blocking(move || trainer.join());
+    let deadline = tokio::select! {
+        r = &mut joined => {
+            let deadline = tokio::time::Instant::now() + tasks::SHUTDOWN_LIMIT;
+            return finish(&tasks, deadline, r).await;
+        }
+        _ = root.cancelled() => tokio::time::Instant::now() + tasks::SHUTDOWN_LIMIT,
+    };
+    match tokio::time::timeout_at(deadline, joined).await {
+        Ok(r) => finish(&tasks, deadline, r).await,
+        Err(_) => {
+            let _ = tasks.shutdown(deadline).await;
+            Err(AgentError::from(Fatal::Stuck { limit: tasks::SHUTDOWN_LIMIT, after: tasks.fatal() }))
         }
     }
 }
 
+/// The agent's control part, running: its data plane (with the state handoff server), its
+/// consensus node, and the tasks that keep it a member (announce, heartbeats, revocation
+/// watchers, the leader loop). What trains (the trainer loop, or the lab's synthetic one)
+/// runs beside it and reports through `progress`.
+pub struct Control {
+    /// The consensus node.
+    pub handle: NodeHandle,
+    /// The data-plane endpoint.
+    pub endpoint: Arc<Endpoint>,
+    /// The states this node offers its peers.
+    pub server: Server,
+    /// This node's report, which the heartbeats send.
+    pub progress: Arc<Mutex<AgentReport>>,
+    /// Asks the heartbeats to send the report at once.
+    pub beat_now: Arc<Notify>,
+    /// Ends the handoff server (when training ends).
+    pub stop_serving: CancellationToken,
+    /// The consensus node's bound address.
+    pub control_addr: SocketAddr,
+    /// The data plane's bound address.
+    pub data_addr: SocketAddr,
+}
+
+/// Starts the control part of an agent as tasks of `tasks`: a node of `hardware` training
+/// `job`. Needs a multi-threaded tokio runtime.
+pub async fn start_control(
+    cfg: Arc<ControlConfig>,
+    hardware: Hardware,
+    job: Arc<dyn LeadJob>,
+    tasks: &Tasks,
+) -> Result<Control, AgentError> {
+    let endpoint = Arc::new(bind_data_plane(&cfg, tasks)?);
+    let data_addr = endpoint.addr();
+    // Offers: the entry state, this rank's snapshot and the neighbour's it keeps, and
+    // their predecessors while receivers finish.
+    let server = Server::with_capacity(6);
+    // Serving ends with the trainer (which cancels this) or with everything (the root).
+    let stop_serving = tasks.token().child_token();
+    let (serving, offers, stopped) = (Arc::clone(&endpoint), server.clone(), stop_serving.clone());
+    let stop = move || stopped.is_cancelled();
+    let spawner = tasks.clone();
+    // Each request's transfer may outlast a stop (a slow reader): not waited for, but a
+    // panic in one is fatal like anywhere else.
+    let spawn = move |name: &'static str, f: Box<dyn FnOnce() + Send>| spawner.spawn_detached_thread(name, f);
+    // Who may fetch state: the log's current members (not failed, not gone), filled in
+    // once the node runs; nobody before.
+    let fetchers: Arc<std::sync::RwLock<std::collections::BTreeSet<u64>>> = Arc::default();
+    let admits = Arc::clone(&fetchers);
+    let may_fetch: crate::dataplane::handoff::MayFetch =
+        Arc::new(move |peer| admits.read().expect("fetchers lock").contains(&peer));
+    tasks
+        .spawn_thread("handoff", move || handoff_loop(&serving, &offers, &stop, &may_fetch, &spawn))
+        .map_err(|source| AgentError::io("starting the handoff thread", source))?;
+
+    let ncfg = node_config(&cfg, data_addr, hardware);
+    let node = limpet_consensus::Node::start(ncfg.clone(), tasks).await?;
+    let handle = node.handle();
+    let control_addr = node.addr();
+    let watcher = tasks.clone();
+    tasks.spawn("consensus", async move {
+        if let Err(e) = node.wait().await {
+            watcher.fail("consensus", &e.to_string());
+        }
+    });
+    let mut applied = handle.watch();
+    let done = tasks.token();
+    // The data plane refuses the certificates the log revokes, as the log says.
+    let revoking = Arc::clone(&endpoint);
+    tasks.spawn("handoff-members", async move {
+        loop {
+            let members: std::collections::BTreeSet<u64> = applied
+                .borrow_and_update()
+                .state
+                .members
+                .values()
+                .filter(|m| !matches!(m.status, MemberStatus::Failed | MemberStatus::Gone))
+                .map(|m| m.spec.id)
+                .collect();
+            *fetchers.write().expect("fetchers lock") = members;
+            revoking.set_revoked(applied.borrow().state.revoked.0.keys().cloned().collect());
+            tokio::select! {
+                changed = applied.changed() => if changed.is_err() { return },
+                () = done.cancelled() => return,
+            }
+        }
+    });
+    let me = MemberSpec {
+        id: cfg.id,
+        name: cfg.name.clone(),
+        control_addr: if cfg.advertise_control.is_empty() {
+            control_addr.to_string()
+        } else {
+            cfg.advertise_control.clone()
+        },
+        data_addr: ncfg.data_addr.clone(),
+        hardware: ncfg.hardware.clone(),
+    };
+    let progress = Arc::new(Mutex::new(AgentReport::new(cfg.id, std::process::id(), Phase::Starting)));
+    let beat_now = Arc::new(Notify::new());
+    spawn_tasks(tasks, (&cfg, job), &handle, me, (&progress, &endpoint), &beat_now);
+    Ok(Control { handle, endpoint, server, progress, beat_now, stop_serving, control_addr, data_addr })
+}
+
 /// The data-plane endpoint the configuration describes (TLS when the cluster has
 /// certificates and does not opt out).
-fn bind_data_plane(cfg: &AgentConfig, tasks: &Tasks) -> Result<Endpoint, AgentError> {
+fn bind_data_plane(cfg: &ControlConfig, tasks: &Tasks) -> Result<Endpoint, AgentError> {
     let mut dp = DataPlaneConfig::new(cluster_id(&cfg.cluster), cfg.id, cfg.secret.to_vec());
     dp.timeout = cfg.timing.data_timeout();
     dp.congestion = cfg.dp_congestion.clone();
@@ -334,7 +406,7 @@ fn bind_data_plane(cfg: &AgentConfig, tasks: &Tasks) -> Result<Endpoint, AgentEr
 /// watcher per revocation source.
 fn spawn_tasks(
     tasks: &Tasks,
-    cfg: &Arc<AgentConfig>,
+    (cfg, job): (&Arc<ControlConfig>, Arc<dyn LeadJob>),
     handle: &NodeHandle,
     me: MemberSpec,
     (progress, endpoint): (&Arc<Mutex<AgentReport>>, &Arc<Endpoint>),
@@ -350,7 +422,7 @@ fn spawn_tasks(
         tasks.clone(),
     );
     tasks.spawn("heartbeats", beats);
-    tasks.spawn("lead", lead::lead(Arc::clone(cfg), handle.clone(), stop.clone()));
+    tasks.spawn("lead", lead::lead(Arc::clone(cfg), job, handle.clone(), stop.clone()));
     for source in &cfg.sources {
         let report = (Arc::clone(progress), Arc::clone(beat_now));
         let watch = revocations::watch_revocations(
@@ -398,8 +470,8 @@ async fn finish(
     exit
 }
 
-/// The consensus node's configuration for this agent.
-fn node_config(cfg: &AgentConfig, data_addr: SocketAddr) -> NodeConfig {
+/// The consensus node's configuration for this agent, on a host of `hardware`.
+fn node_config(cfg: &ControlConfig, data_addr: SocketAddr, hardware: Hardware) -> NodeConfig {
     let mut ncfg = NodeConfig::new(cfg.id, &cfg.cluster, &cfg.name, cfg.control, cfg.state_dir.clone());
     ncfg.advertise = cfg.advertise_control.clone();
     ncfg.data_addr =
@@ -409,27 +481,31 @@ fn node_config(cfg: &AgentConfig, data_addr: SocketAddr) -> NodeConfig {
     ncfg.seeds = cfg.seeds.clone();
     ncfg.request_timeout = Duration::from_secs(3);
     ncfg.tls = cfg.tls.clone();
-    let mut models = limpet_trainer::device::gpu_models();
-    models.dedup();
-    ncfg.hardware = Hardware {
+    ncfg.hardware = hardware;
+    ncfg
+}
+
+/// This host as its record describes it, before its devices: one rank on the CPU.
+pub fn host_hardware(cfg: &ControlConfig) -> Hardware {
+    Hardware {
         instance_type: "local".into(),
         cpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
-        gpus: limpet_trainer::device::gpu_count() as u32,
-        gpu_model: models.join(", "),
+        gpus: 0,
+        gpu_model: String::new(),
         memory_mib: host_memory_mib(),
         samples_per_sec_milli: 0,
         speed_milli: 0,
-        ranks: cfg.devices.len().max(1) as u32,
-        device: if on_gpu(cfg) { "cuda" } else { "cpu" }.into(),
+        ranks: 1,
+        device: "cpu".into(),
         zone: cfg.zone.clone(),
         butterfly: true,
         refused_reports: true,
         zone_levels: cfg.zone_levels,
-    };
-    ncfg
+    }
 }
 
 /// Whether this host's ranks train on GPUs.
+#[cfg(feature = "trainer")]
 fn on_gpu(cfg: &AgentConfig) -> bool {
     cfg.training_device() != limpet_trainer::device::Device::Cpu
 }
@@ -448,6 +524,7 @@ fn host_memory_mib() -> u64 {
 
 /// Milliseconds one forward and backward of every block of the job's model takes on this
 /// host at the job's micro-batch (a straggler drill's factor included).
+#[cfg(feature = "trainer")]
 fn profile_here(cfg: &AgentConfig, data: &limpet_trainer::data::Dataset) -> Result<f64, TrainerError> {
     let profile = crate::stage::profile_model(&cfg.job, data, 3, cfg.training_device())?;
     let ms: f64 = profile.blocks.iter().map(|b| b.fwd_ms + b.bwd_ms).sum();

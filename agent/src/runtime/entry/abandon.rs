@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 /// Whether waiting for `epoch_id`'s peers is pointless: a newer epoch is in the log, or the
 /// agent is stopping (so SIGTERM during an entry ends within the shutdown limit).
-pub(super) fn give_up(
+pub(in crate::runtime) fn give_up(
     watch: &watch::Receiver<limpet_consensus::LocalState>,
     stop: &CancellationToken,
     epoch_id: u64,
@@ -27,7 +27,7 @@ pub(super) fn give_up(
 
 /// Whether epoch `epoch_id` can no longer train: neither current nor scheduled (a newer
 /// schedule replaced it before it began), or the agent stops.
-pub(super) fn replaced(
+pub(in crate::runtime) fn replaced(
     watch: &watch::Receiver<limpet_consensus::LocalState>,
     stop: &CancellationToken,
     epoch_id: u64,
@@ -48,12 +48,12 @@ pub(super) fn replaced(
 /// closed when the entry fails, not 20 ms later), and none is shut down after. A replaced
 /// epoch never trains: an id is scheduled only above every id before it, and only the
 /// scheduled one becomes current, so closing its group loses nothing.
-pub(super) struct Abandon {
+pub(in crate::runtime) struct Abandon {
     sockets: Arc<Mutex<Option<Vec<TcpStream>>>>,
 }
 
 impl Abandon {
-    pub(super) fn watch(group: &Group, replaced: impl Fn() -> bool + Send + 'static) -> Abandon {
+    pub(in crate::runtime) fn watch(group: &Group, replaced: impl Fn() -> bool + Send + 'static) -> Abandon {
         let sockets = Arc::new(Mutex::new(Some(group.sockets())));
         let held = Arc::clone(&sockets);
         let watcher = move || loop {
