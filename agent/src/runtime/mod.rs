@@ -214,14 +214,7 @@ impl Agent {
             fresh,
             followers,
         );
-        let trainer = std::thread::Builder::new()
-            .name("limpet-trainer".into())
-            .spawn(move || {
-                let r = looper.run();
-                stop_serving.cancel();
-                r
-            })
-            .map_err(|source| AgentError::io("starting the trainer thread", source))?;
+        let trainer = spawn_training("limpet-trainer", move || looper.run(), stop_serving)?;
         Ok(Agent { handle, tasks, trainer, control_addr, data_addr, id })
     }
 
@@ -283,6 +276,44 @@ async fn wait_for(
         Err(_) => {
             let _ = tasks.shutdown(deadline).await;
             Err(AgentError::from(Fatal::Stuck { limit: tasks::SHUTDOWN_LIMIT, after: tasks.fatal() }))
+        }
+    }
+}
+
+/// Starts the thread that trains (`run`, the trainer loop or the synthetic one) as `name`;
+/// the handoff server stops serving when it ends.
+fn spawn_training(
+    name: &str,
+    run: impl FnOnce() -> Result<Exit, AgentError> + Send + 'static,
+    stop_serving: CancellationToken,
+) -> Result<std::thread::JoinHandle<Result<Exit, AgentError>>, AgentError> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            let r = run();
+            stop_serving.cancel();
+            r
+        })
+        .map_err(|source| AgentError::io(format!("starting the {name} thread"), source))
+}
+
+/// A failed collective: when, the peer it names, the error, whether it broke the protocol.
+struct BrokenAt {
+    at: std::time::Instant,
+    suspect: Option<NodeId>,
+    error: String,
+    violation: bool,
+}
+
+impl BrokenAt {
+    /// It as a report says it, for the group of `epoch`.
+    fn report(&self, epoch: u64) -> crate::report::Broken {
+        crate::report::Broken {
+            epoch,
+            since_ms: self.at.elapsed().as_millis() as u64,
+            suspect: self.suspect,
+            error: self.error.clone(),
+            violation: self.violation,
         }
     }
 }

@@ -12,10 +12,13 @@
 use super::entry::{self, abandon, Pending, ENTRY_STEP, ENTRY_WAIT};
 use super::error::{AgentError, Fatal};
 use super::lead::LeadJob;
-use super::{host_hardware, start_control, wait_for, Control, ControlConfig, Exit, StepLine, Tasks};
-use crate::report::{AgentReport, Broken, Phase, Transition, MAX_TRANSITIONS};
+use super::{
+    host_hardware, spawn_training, start_control, wait_for, BrokenAt, Control, ControlConfig, Exit, StepLine,
+    Tasks,
+};
+use crate::report::{AgentReport, Phase, Transition, MAX_TRANSITIONS};
 use crate::{Endpoint, Group};
-use limpet_consensus::state::{Epoch, NodeId};
+use limpet_consensus::state::Epoch;
 use limpet_consensus::{LocalState, NodeHandle};
 use limpet_decide::entry::plan::{entry_plan, Entry, RankState, Src};
 use limpet_decide::entry::{hash_bytes, hex_of, Desc};
@@ -156,14 +159,7 @@ impl SyntheticAgent {
             ms_per_sample: 0.0,
             entry_failed: None,
         };
-        let looper = std::thread::Builder::new()
-            .name("limpet-synthetic".into())
-            .spawn(move || {
-                let r = looper.run();
-                stop_serving.cancel();
-                r
-            })
-            .map_err(|source| AgentError::io("starting the synthetic training thread", source))?;
+        let looper = spawn_training("limpet-synthetic", move || looper.run(), stop_serving)?;
         Ok(SyntheticAgent { handle, tasks, looper, progress, control_addr, data_addr })
     }
 
@@ -208,14 +204,6 @@ impl Drop for Offered {
     }
 }
 
-/// A failed collective: when, the peer it names, the error, whether it broke the protocol.
-struct BrokenAt {
-    at: Instant,
-    suspect: Option<NodeId>,
-    error: String,
-    violation: bool,
-}
-
 /// The synthetic training thread's state.
 struct Loop {
     cfg: Arc<ControlConfig>,
@@ -251,13 +239,7 @@ impl Loop {
         p.applied_step = self.step;
         p.step_time_ms = self.step_time_ms;
         p.ms_per_sample = self.ms_per_sample;
-        p.broken = self.broken.as_ref().map(|b| Broken {
-            epoch: p.epoch,
-            since_ms: b.at.elapsed().as_millis() as u64,
-            suspect: b.suspect,
-            error: b.error.clone(),
-            violation: b.violation,
-        });
+        p.broken = self.broken.as_ref().map(|b| b.report(p.epoch));
     }
 
     /// Waits up to `d` for the log to change since this loop last waited.

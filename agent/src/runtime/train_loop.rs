@@ -14,8 +14,8 @@ use super::one_step::{self, Host, HostStep};
 use super::shadows::{Links, Shadows};
 use super::sharding::{self, Final};
 use super::tasks::Tasks;
-use super::{Exit, StepLine};
-use crate::report::{AgentReport, Broken, Phase, Transition, MAX_TRANSITIONS};
+use super::{BrokenAt, Exit, StepLine};
+use crate::report::{AgentReport, Phase, Transition, MAX_TRANSITIONS};
 use crate::Endpoint;
 use limpet_consensus::state::{ClusterState, Epoch, NodeId};
 use limpet_consensus::{LocalState, NodeHandle};
@@ -28,14 +28,6 @@ use std::time::{Duration, Instant};
 use tokio::sync::{watch, Notify};
 
 pub use limpet_decide::next::{next_action, Action, Position};
-
-/// A failed collective: when, the peer it names, the error, whether it broke the protocol.
-struct BrokenAt {
-    at: Instant,
-    suspect: Option<NodeId>,
-    error: String,
-    violation: bool,
-}
 
 /// The trainer thread's state.
 pub(super) struct TrainLoop {
@@ -157,13 +149,7 @@ impl TrainLoop {
         p.epoch = self.group.as_ref().map_or(0, |(e, ..)| e.id);
         p.applied_step = self.trainer.step();
         p.step_time_ms = self.step_time_ms;
-        p.broken = self.broken.as_ref().map(|b| Broken {
-            epoch: p.epoch,
-            since_ms: b.at.elapsed().as_millis() as u64,
-            suspect: b.suspect,
-            error: b.error.clone(),
-            violation: b.violation,
-        });
+        p.broken = self.broken.as_ref().map(|b| b.report(p.epoch));
     }
 
     /// Waits up to `d` for the log to change since this loop last waited. (A clone of the
