@@ -27,7 +27,7 @@ $(ENV_MK) $(VENV_STAMP) $(DIGITS) &: deploy/setup.sh
 	bash deploy/setup.sh
 	touch $(ENV_MK) $(VENV_STAMP) $(DIGITS)
 
-.PHONY: help setup build dist test long-test gpu-test gpu-kit lint unit fuzz-check fuzz bench demo clean
+.PHONY: help setup build synthetic dist test long-test gpu-test gpu-kit lint unit fuzz-check fuzz bench demo clean
 
 help:
 	@echo "make test    set up, then lint and run every test"
@@ -38,8 +38,9 @@ help:
 	@echo "make dist    build the release tarballs deploy/cloud-init.yaml installs (dist/limpet-VERSION-linux-ARCH-{cuda,cpu}.tar.gz)"
 	@echo "make gpu-test  run the device tests on the first GPU where libtorch sees one (make test runs them on the CPU)"
 	@echo "make gpu-kit TORCH=2.11.0  build .gpu/: the device tests against that torch, run there by .gpu/gpu-check.sh"
+	@echo "make synthetic  build limpet-synthetic (bench/synthetic: limpetd's control part without libtorch, for lab fleets of hundreds)"
 	@echo "make long-test  run the long multi-process scenarios make test leaves out (a few minutes)"
-	@echo "make bench   measure: raft commits, allreduce against gloo (and in bfloat16), hosts of 2 local ranks against 4 of one, state handoff against plain TCP, transitions against torchrun and torchft, planner predictions and pipelines, LLaMA training against transformers (small and 125m) and torchrun + DDP, sharded state's memory per rank against whole state (125m and 350m), memory on a 4 GiB dataset, activation checkpointing and a chunked loss at vocabulary 128k, what grows with the fleet (8 to 48 agents), and barrier and allreduce time from 8 to 1024 ranks, butterfly against ring, and the leader's steady round from 16 to 256 hosts, a pipelined job's layout kept against worked out afresh"
+	@echo "make bench   measure: raft commits, allreduce against gloo (and in bfloat16), hosts of 2 local ranks against 4 of one, state handoff against plain TCP, transitions against torchrun and torchft, planner predictions and pipelines, LLaMA training against transformers (small and 125m) and torchrun + DDP, sharded state's memory per rank against whole state (125m and 350m), memory on a 4 GiB dataset, activation checkpointing and a chunked loss at vocabulary 128k, what grows with the fleet (8 to 48 agents, and 16 to 256 synthetic ones each in a network namespace), and barrier and allreduce time from 8 to 1024 ranks, butterfly against ring, and the leader's steady round from 16 to 256 hosts, a pipelined job's layout kept against worked out afresh"
 
 # The clone's links into the cache (.limpet/libtorch, which cargo builds against, and
 # .limpet/python) are made by setup.sh too, and may be missing while the cache is up to date:
@@ -77,14 +78,21 @@ unit: setup
 	cp $(TARGET_DIR)/debug/limpet $(TARGET_DIR)/debug/limpetd $(TARGET_DIR)/product/
 	$(LINTED) LIMPET_PRODUCT_BINS=$(TARGET_DIR)/product cargo test --workspace --locked
 
-# The fuzz crate builds outside the workspace; checking it keeps the targets from rotting. It
-# is also where the agent builds without the `trainer` feature (no libtorch: its control part
-# and the synthetic agents), so a warning there fails too.
+# The fuzz crate and the synthetic agent build outside the workspace; checking them keeps
+# them from rotting. They are also where the agent builds without the `trainer` feature (no
+# libtorch: its control part and the synthetic agents), so a warning there fails too.
 fuzz-check: setup
-	out=$$(cargo check --manifest-path fuzz/Cargo.toml --locked --quiet --target-dir $(TARGET_DIR) 2>&1) || { echo "$$out"; exit 1; }; \
-	    echo "$$out"; ! grep -q '^warning' <<<"$$out"
+	for m in fuzz/Cargo.toml bench/synthetic/Cargo.toml; do \
+	    out=$$(cargo check --manifest-path $$m --locked --quiet --target-dir $(TARGET_DIR) 2>&1) || { echo "$$out"; exit 1; }; \
+	    echo "$$out"; ! grep -q '^warning' <<<"$$out" || exit 1; done
 
 test: unit fuzz-check
+
+# The lab's synthetic agent (bench/synthetic: limpetd's control part without libtorch, for
+# fleets of hundreds of processes), a crate outside the workspace so that no workspace build
+# turns libtorch on in it; built beside limpet-lab, where the lab looks for it.
+synthetic: setup
+	cargo build --release --locked --manifest-path bench/synthetic/Cargo.toml --target-dir $(TARGET_DIR)
 
 # Scenarios of minutes that repeat what `make test` covers, or measure the lab's replays
 # against its simulation: #[ignore]d there, to keep `make test` under half an hour on two cores.
@@ -114,7 +122,7 @@ fuzz: setup
 	    leaks=; case $$t in dataplane_*) leaks=-detect_leaks=0;; esac; \
 	    RUSTC_BOOTSTRAP=1 cargo fuzz run $$t -- -max_total_time=$(FUZZ_SECONDS) $$leaks || exit 1; done
 
-bench: build
+bench: build synthetic
 	bash deploy/setup.sh --bench
 	$(LAB) bench raft --nodes 5 --proposals 1000
 	$(LAB) bench raft --nodes 3 --proposals 1000
@@ -128,6 +136,8 @@ bench: build
 	$(LAB) bench straggler
 	$(LAB) bench straggler --nodes 2 --pipeline 2 --steps 400
 	$(LAB) bench scale --hosts 8,16,32,48
+	$(LAB) bench scale --synthetic --netns --hosts 16,64 --steps 1000
+	$(LAB) bench scale --synthetic --netns --hosts 16,64,256 --control-only --plot docs/scale-synthetic.svg
 	$(LAB) bench collectives --ranks 8,64,256,1024 --sizes 4K,1M,64M --plot docs/collectives.svg
 	$(LAB) bench round --hosts 16,64,256
 	$(LAB) bench pipeline --model gpt --layers 4 --batch 32 --micro-batch 8 --hosts 2 --train-steps 40 --devices 2

@@ -3,7 +3,7 @@
 //! a reader can hold, and every file is named in `docs/architecture.md`'s map. A cycle means
 //! two rooms that cannot be understood, tested or moved apart; the fix is to move what both
 //! need into a third. The size limit is a signal, not a rule for where to split: a file
-//! splits where a concern ends. Beside them: the fuzz crate's lock holds the workspace's versions.
+//! splits where a concern ends. Beside them: the crates outside the workspace lock the workspace's versions.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -213,6 +213,7 @@ const TEST_DIRS: &[&str] = &[
     "snapshot/tests",
     "deploy/tests",
     "fuzz/fuzz_targets",
+    "bench/synthetic/src",
 ];
 
 #[test]
@@ -299,20 +300,26 @@ fn locked(path: &Path) -> BTreeMap<String, BTreeSet<String>> {
     out
 }
 
-/// The fuzz crate's lock holds only versions the workspace's lock holds of every package both
-/// use (the fuzz crate uses fewer of them), so the
-/// fuzz check in `make test` reuses the workspace's build scripts' runs (libtorch's C++ among
-/// them) rather than building other versions. After `cargo update`: copy Cargo.lock over
-/// fuzz/Cargo.lock and let cargo add libFuzzer (`cargo metadata --manifest-path fuzz/Cargo.toml`).
+/// The crates outside the workspace (the fuzz crate, the synthetic agent) lock only versions
+/// the workspace's lock holds of every package they share with it (they use fewer), so their
+/// builds in the workspace's target directory reuse its build scripts' runs (libtorch's and
+/// aws-lc's C++ among them) rather than building other versions. After `cargo update`: copy
+/// Cargo.lock over theirs and let cargo prune it and add what is theirs
+/// (`cargo metadata --manifest-path fuzz/Cargo.toml`, likewise bench/synthetic).
 #[test]
-fn the_fuzz_lock_pins_the_workspaces_versions() {
-    let (ws, fuzz) = (locked(&root().join("Cargo.lock")), locked(&root().join("fuzz/Cargo.lock")));
-    let differ: Vec<String> = fuzz
-        .iter()
-        .filter_map(|(name, v)| {
-            ws.get(name).filter(|w| !v.is_subset(w)).map(|w| format!("{name}: fuzz {v:?}, workspace {w:?}"))
-        })
-        .collect();
-    assert!(differ.is_empty(), "fuzz/Cargo.lock has versions Cargo.lock has not:\n{}", differ.join("\n"));
-    assert!(fuzz.contains_key("libfuzzer-sys") && fuzz.contains_key("tokio"), "{:?}", fuzz.keys());
+fn the_outside_crates_locks_pin_the_workspaces_versions() {
+    let ws = locked(&root().join("Cargo.lock"));
+    for (lock, own) in
+        [("fuzz/Cargo.lock", "libfuzzer-sys"), ("bench/synthetic/Cargo.lock", "limpet-synthetic")]
+    {
+        let theirs = locked(&root().join(lock));
+        let differ: Vec<String> = theirs
+            .iter()
+            .filter_map(|(name, v)| {
+                ws.get(name).filter(|w| !v.is_subset(w)).map(|w| format!("{name}: {v:?}, workspace {w:?}"))
+            })
+            .collect();
+        assert!(differ.is_empty(), "{lock} has versions Cargo.lock has not:\n{}", differ.join("\n"));
+        assert!(theirs.contains_key(own) && theirs.contains_key("tokio"), "{lock}: {:?}", theirs.keys());
+    }
 }

@@ -65,11 +65,12 @@ pub struct Network {
 }
 
 impl Network {
-    /// `voters` founding voters with ids 1..=voters; `cfg` is the template (its id ignored).
+    /// `voters` founders with ids 1..=voters, founded as a node founds them (the first
+    /// `FOUNDING_VOTERS` vote); `cfg` is the template (its id ignored).
     pub fn new(voters: u64, mut cfg: CoreConfig, seed: u64) -> Network {
         cfg.cluster = HARNESS_CLUSTER.into();
         let members: Vec<MemberSpec> = (1..=voters).map(spec).collect();
-        let initial = ClusterState::bootstrap(HARNESS_CLUSTER, &members);
+        let initial = ClusterState::founded(HARNESS_CLUSTER, &members, crate::state::FOUNDING_VOTERS);
         let mut net = Network {
             cfg,
             live: BTreeMap::new(),

@@ -11,8 +11,8 @@
 //!    caught-up learners in their place.
 //! 5. While there are fewer voters than the target (the largest odd number not above
 //!    `max_voters` and the healthy candidates), healthy learners are promoted; while there
-//!    are more than `max_voters` (a cluster founded by many nodes), the extra voters become
-//!    learners.
+//!    are more than `max_voters` (a smaller `max_voters` than the founding voters), the extra
+//!    voters become learners.
 //! 6. While a zone (`Hardware::zone`, a failure domain) holds two voters more than another
 //!    zone with a ready learner, one of its voters (never the leader) is swapped for that
 //!    learner. Promotions (rules 4 and 5) pick learners of the zones with the fewest voters
@@ -264,7 +264,7 @@ pub fn plan(view: &VoterView<'_>, policy: &VoterPolicy) -> Option<(VoterDecision
         return Some((reconfigure(promote, demote, vec![], remove), why));
     }
     if staying > policy.max_voters {
-        // More voters than allowed (a cluster founded by many nodes, all voting): every
+        // More voters than allowed (a `max_voters` below the founding voters'): every
         // commit waits for a majority of them and every leader feeds them all, so the extra
         // ones become learners, from the most crowded zones first, the leader never.
         let mut counts = view.per_zone(kept.iter().copied());
@@ -414,8 +414,9 @@ mod tests {
         assert_eq!(plain.plan(1), None);
     }
 
-    /// Forty founders all vote at first: all but five become learners in one change, the
-    /// leader staying a voter, the crowded zone giving up the most.
+    /// Forty voters (a configuration that allowed them, say) where five are allowed: all but
+    /// five become learners in one change, the leader staying a voter, the crowded zone
+    /// giving up the most.
     #[test]
     fn a_cluster_founded_by_many_keeps_max_voters() {
         let all: Vec<NodeId> = (1..=40).collect();

@@ -194,7 +194,10 @@ impl Node {
         let identity = Identity { format: SLED_FORMAT, cluster_id: cid, node_id: cfg.core.id };
         let store = SledLog::open(&cfg.state_dir.join("consensus"), identity)?;
         #[allow(unused_mut)]
-        let mut initial = cfg.bootstrap.as_ref().map(|m| ClusterState::bootstrap(&cfg.core.cluster, m));
+        let mut initial = cfg
+            .bootstrap
+            .as_ref()
+            .map(|m| ClusterState::founded(&cfg.core.cluster, m, crate::state::FOUNDING_VOTERS));
         #[cfg(feature = "lab")]
         if let Some(state) = initial.as_mut() {
             add_ballast(state, cfg.ballast);

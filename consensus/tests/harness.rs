@@ -160,6 +160,24 @@ fn a_revoked_leader_hands_over_before_it_is_replaced() {
     converge(&mut net);
 }
 
+/// A cluster founded by more nodes than may vote elects among the first `max_voters` only:
+/// the others are learners from the first entry, never candidates, and follow the log.
+#[test]
+fn founders_past_the_voter_limit_are_learners_from_the_start() {
+    let mut net = Network::new(9, config(), 13);
+    for id in 1..=9 {
+        let s = net.node(id).status();
+        assert_eq!((s.voters, s.learners), (vec![1, 2, 3, 4, 5], vec![6, 7, 8, 9]), "node {id} at start");
+    }
+    assert!(net.run_until(100, |n| n.leader().is_some()), "no leader");
+    assert!(net.leader().unwrap() <= 5, "a learner led: {:?}", net.leader());
+    let leader = net.leader().unwrap();
+    assert!(commit(&mut net, leader, Command::Notice { id: 9, deadline_ms: 1, source: "aws".into() }));
+    net.run(20);
+    assert_eq!(net.node(1).status().voters.len(), 5);
+    converge(&mut net);
+}
+
 #[test]
 fn joining_nodes_are_promoted_up_to_the_voter_limit() {
     let mut net = Network::new(1, config(), 3);

@@ -65,6 +65,9 @@ pub struct ControlConfig {
     pub bootstrap: Option<Vec<MemberSpec>>,
     /// Control addresses to join through.
     pub seeds: Vec<String>,
+    /// Most raft voters (odd; `[cluster].max_voters`, identical on every founder: the first
+    /// this many founders by id vote from the start).
+    pub max_voters: usize,
     /// Batch / learning-rate policy.
     pub policy: BatchPolicy,
     /// World size the job's batch was declared for.
@@ -295,6 +298,7 @@ impl ControlConfig {
             secret: Secret(secret),
             bootstrap: None,
             seeds: Vec::new(),
+            max_voters: limpet_consensus::membership::VoterPolicy::default().max_voters,
             policy: BatchPolicy::FixedGlobal,
             base_world: 1,
             min_nodes: 1,

@@ -130,11 +130,21 @@ pub(super) async fn lead(
         // Reports reach the voters only: a voter promoted lately, or one that was leaving the
         // voters when it won, may hold old reports or none. Silence counts from this node's
         // leadership at the earliest (as the voter controller counts it), and while a rank of
-        // the current epoch has sent it nothing yet, it decides nothing.
+        // the current epoch has sent it nothing yet, it decides nothing. A voter that did not
+        // lead got reports once a second (heartbeats.rs): for three intervals it waits for
+        // every rank's first report to it as leader, so it does not plan a boundary from
+        // steps a second old.
         let leading =
             led_since.filter(|(t, _)| *t == term).map_or(0, |(_, at)| at.elapsed().as_millis() as u64);
         if led_since.is_none_or(|(t, _)| t != term) {
             led_since = Some((term, Instant::now()));
+        }
+        let old_news = st
+            .current
+            .as_ref()
+            .is_some_and(|e| e.ranks.iter().any(|r| reports.get(r).is_none_or(|(age, _)| *age > leading)));
+        if old_news && leading < 3 * settings.heartbeat_ms {
+            continue;
         }
         let mut reports = reports;
         for (age, _) in reports.values_mut() {

@@ -510,6 +510,7 @@ fn node_config(cfg: &ControlConfig, data_addr: SocketAddr, hardware: Hardware) -
     ncfg.tick = cfg.timing.raft_tick();
     ncfg.bootstrap = cfg.bootstrap.clone();
     ncfg.seeds = cfg.seeds.clone();
+    ncfg.core.voters.max_voters = cfg.max_voters;
     ncfg.request_timeout = Duration::from_secs(3);
     ncfg.tls = cfg.tls.clone();
     ncfg.hardware = hardware;

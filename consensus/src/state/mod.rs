@@ -512,6 +512,10 @@ impl From<Refused> for Invalid {
 /// What the state machine made of a command: what it did, or why it refused it.
 pub type Outcome = Result<String, Refused>;
 
+/// How many founders vote in a cluster's first configuration: a constant of the code, the
+/// same on every founder whatever its configuration says (see [`ClusterState::founded`]).
+pub const FOUNDING_VOTERS: usize = 5;
+
 impl ClusterState {
     /// An empty cluster with the given bootstrap members (all Active) and voters.
     pub fn bootstrap(cluster: &str, members: &[MemberSpec]) -> ClusterState {
@@ -542,6 +546,23 @@ impl ClusterState {
                     deadline_ms: None,
                 }),
             );
+        }
+        state
+    }
+
+    /// A cluster founded by `members` (identical on every founder), of which the first
+    /// `max_voters` by id vote and the rest are learners from the start. Were every founder
+    /// a voter until a leader demoted the extras, a fleet of 64 founders had no leader: 64
+    /// candidates splitting the votes, each sending its reports to all 63 others, on cores
+    /// that could not keep up with that. Nodes pass [`FOUNDING_VOTERS`], never a configured
+    /// number: founders that disagreed on it would start from configurations whose
+    /// majorities need not overlap (raft-rs grants a vote to a candidate its configuration
+    /// holds as a learner), and two leaders could commit in one term. The leader's voter
+    /// controller then moves to `[cluster].max_voters` through the log.
+    pub fn founded(cluster: &str, members: &[MemberSpec], max_voters: usize) -> ClusterState {
+        let mut state = ClusterState::bootstrap(cluster, members);
+        if state.voters.len() > max_voters.max(1) {
+            state.learners = state.voters.split_off(max_voters.max(1));
         }
         state
     }

@@ -10,6 +10,18 @@ fn spec(id: NodeId, name: &str) -> MemberSpec {
     }
 }
 
+/// Founders past `max_voters` are learners from the start; every founder is a member.
+#[test]
+fn a_cluster_founded_by_many_votes_with_its_first_founders() {
+    let specs: Vec<MemberSpec> = (1..=7).rev().map(|i| spec(i, &format!("n{i}"))).collect();
+    let s = ClusterState::founded("c", &specs, 3);
+    assert_eq!((s.voters.clone(), s.learners.clone()), (vec![1, 2, 3], vec![4, 5, 6, 7]));
+    assert_eq!(s.members.len(), 7);
+    s.validate().unwrap();
+    let few = ClusterState::founded("c", &specs[4..], 5);
+    assert_eq!((few.voters, few.learners), (vec![1, 2, 3], vec![]));
+}
+
 fn three() -> ClusterState {
     ClusterState::bootstrap("c", &[spec(1, "a"), spec(2, "b"), spec(3, "c")])
 }

@@ -129,6 +129,15 @@ pub struct LocalJob {
     /// only), rather than every node on 127.0.0.1.
     #[serde(default)]
     pub netns: bool,
+    /// A synthetic job: the agents are `limpet-synthetic` (limpetd's control part with a
+    /// training loop that needs no libtorch, built by `make synthetic`), and so are their
+    /// fake metadata services; `model`, `data` and the trainer's keys are written but unread.
+    #[serde(default)]
+    pub synthetic: Option<limpet_agent::runtime::synthetic::SyntheticJob>,
+    /// Seconds between an agent's polls of its metadata service (default 0.2: a notice seen
+    /// at once; a fleet of hundreds on two cores polls less often).
+    #[serde(default)]
+    pub revocation_poll_s: Option<f64>,
 }
 
 impl Default for LocalJob {
@@ -175,6 +184,8 @@ impl Default for LocalJob {
             zones: 0,
             overlap: None,
             netns: false,
+            synthetic: None,
+            revocation_poll_s: None,
         }
     }
 }
@@ -226,6 +237,19 @@ pub fn limpet_path() -> limpet_daemon::Result<PathBuf> {
     product_path("limpet")
 }
 
+/// `limpet-synthetic` beside this executable: built outside the workspace (no workspace
+/// build may turn libtorch on in it) into the same target directory by `make synthetic`.
+pub fn synthetic_path() -> limpet_daemon::Result<PathBuf> {
+    let p = std::env::current_exe()?.with_file_name("limpet-synthetic");
+    if !p.exists() {
+        limpet_daemon::fail!(
+            "{} not found: build it with `make synthetic` (a crate of its own, bench/synthetic)",
+            p.display()
+        );
+    }
+    Ok(p)
+}
+
 fn product_path(name: &str) -> limpet_daemon::Result<PathBuf> {
     let p = std::env::current_exe()?.with_file_name(name);
     if !p.exists() {
@@ -237,7 +261,12 @@ fn product_path(name: &str) -> limpet_daemon::Result<PathBuf> {
 impl LocalCluster {
     /// Starts `n` founding nodes under `dir` training `job`, with this `limpet-lab` (for the
     /// fake metadata services) and the `limpetd` beside it.
+    /// A synthetic job's agents and metadata services are both `limpet-synthetic`.
     pub fn up(dir: &Path, n: usize, job: LocalJob) -> limpet_daemon::Result<LocalCluster> {
+        if job.synthetic.is_some() {
+            let synthetic = synthetic_path()?;
+            return LocalCluster::up_with(dir, n, job, &synthetic, &synthetic);
+        }
         LocalCluster::up_with(dir, n, job, &std::env::current_exe()?, &limpetd_path()?)
     }
 
@@ -464,8 +493,12 @@ impl LocalCluster {
             text += "\n[security]\ninsecure = true\n";
         }
         text += &format!(
-            "\n[revocation]\nsources = [\"aws\"]\npoll_secs = 0.2\naws_endpoint = \"http://{md_addr}\"\n"
+            "\n[revocation]\nsources = [\"aws\"]\npoll_secs = {:?}\naws_endpoint = \"http://{md_addr}\"\n",
+            j.revocation_poll_s.unwrap_or(0.2)
         );
+        if let Some(job) = &j.synthetic {
+            text += &format!("\n[synthetic]\n{}", toml::to_string(job)?);
+        }
         if let Some(extra) = &j.extra_config {
             text += &format!("\n{extra}\n");
         }
@@ -611,6 +644,11 @@ impl LocalCluster {
             }
         };
         let mut cmd = cmd;
+        if self.job.synthetic.is_some() {
+            // Hundreds of agents on one machine: glibc gives each thread that allocates an
+            // arena of its own (an agent runs about 50), which held 60-80 MB an idle agent.
+            cmd.env("MALLOC_ARENA_MAX", "2");
+        }
         cmd.envs(self.job.env.iter().map(|(k, v)| (k, v)));
         cmd
     }

@@ -11,6 +11,10 @@
 //! wave of joins (a quarter of the fleet booted at one instant): the epochs that took, the
 //! idle time, the steps lost, and the time from the joins to their first trained step.
 //!
+//! With `--synthetic` the agents are `limpet-synthetic` (the same control part, a training
+//! loop that sleeps its compute and sums its gradients over the group, a state of a chosen
+//! size that joiners copy): without libtorch's 200 MB each, hundreds fit this machine.
+//!
 //! All agents share this machine's cores (a real fleet's do not), so the figures are upper
 //! bounds of what a host spends; what the benchmark shows is how they grow with the fleet.
 
@@ -19,6 +23,7 @@ use crate::local::{LocalCluster, LocalJob};
 use crate::steplog::step_logs_in;
 use anyhow::Context;
 use clap::Args;
+use limpet_agent::runtime::synthetic::SyntheticJob;
 use limpet_consensus::state::Command;
 use limpet_consensus::Client;
 use limpet_daemon::status::gather;
@@ -57,6 +62,23 @@ pub struct BenchScaleArgs {
     /// instead of every agent on 127.0.0.1.
     #[arg(long)]
     pub netns: bool,
+    /// The control plane alone: no job is trained, so no revocation or joins are measured.
+    #[arg(long)]
+    pub control_only: bool,
+    /// Synthetic agents (`limpet-synthetic`: limpetd's control part with a training loop that
+    /// needs no libtorch, built by `make synthetic`) in limpetd's place, so hundreds fit this
+    /// machine's memory.
+    #[arg(long)]
+    pub synthetic: bool,
+    /// A synthetic step's compute, milliseconds (slept).
+    #[arg(long, default_value_t = 50)]
+    pub step_ms: u64,
+    /// A synthetic state's size, KiB: what a joiner copies.
+    #[arg(long, default_value_t = 4096)]
+    pub state_kib: usize,
+    /// A synthetic step's gradients, KiB: what the group sums each step.
+    #[arg(long, default_value_t = 64)]
+    pub grad_kib: usize,
 }
 
 /// One fleet size's figures (`--json` prints one a line).
@@ -86,6 +108,18 @@ pub struct ScaleRow {
     pub commit_p50_ms: f64,
     /// See `commit_p50_ms`.
     pub commit_p99_ms: f64,
+    /// Proposals that failed (no leader, a deadline passed) while they were timed.
+    pub proposals_failed: usize,
+    /// Raft terms that began while the proposals were timed (0: one leader throughout).
+    pub leader_changes: u64,
+    /// The transitions (absent with `--control-only`).
+    #[serde(flatten)]
+    pub moves: Option<Moves>,
+}
+
+/// A fleet size's transitions: a mass revocation and a wave of joins.
+#[derive(Clone, Debug, Serialize)]
+pub struct Moves {
     /// Hosts revoked at once (a third of them killed without notice).
     pub revoked: usize,
     /// Longest idle time of a rank at the revocation's epoch change(s), seconds.
@@ -115,8 +149,13 @@ pub fn run(a: BenchScaleArgs) -> limpet_daemon::Result<()> {
     for &n in &a.hosts {
         eprintln!("{n} hosts: the control plane alone for {} s ...", a.window);
         let idle = control_plane(&root.join(format!("idle-{n}")), n, &a)?;
-        eprintln!("{n} hosts: a mass revocation and a wave of joins ...");
-        let row = transitions(&root.join(format!("run-{n}")), n, a.steps, a.netns, idle)?;
+        let moves = if a.control_only {
+            None
+        } else {
+            eprintln!("{n} hosts: a mass revocation and a wave of joins ...");
+            Some(transitions(&root.join(format!("run-{n}")), n, &a)?)
+        };
+        let row = idle.row(n, moves);
         if a.json {
             println!("{}", serde_json::to_string(&row)?);
         }
@@ -145,17 +184,32 @@ struct Idle {
     cpu_leader: f64,
     p50: f64,
     p99: f64,
+    failed: usize,
+    terms: u64,
 }
 
-fn job(n: usize, steps: u64, min_nodes: usize, netns: bool) -> LocalJob {
+fn job(n: usize, steps: u64, min_nodes: usize, a: &BenchScaleArgs) -> LocalJob {
+    let global_batch = 8 * n as u64;
+    let synthetic = a.synthetic.then_some(SyntheticJob {
+        steps,
+        step_ms: a.step_ms,
+        state_bytes: a.state_kib << 10,
+        grad_bytes: a.grad_kib << 10,
+        seed: 0,
+        global_batch,
+    });
     LocalJob {
-        netns,
+        netns: a.netns,
         model: "mlp".into(),
         data: "synthetic".into(),
         steps,
-        global_batch: 8 * n as u64,
+        global_batch,
         policy: "fixed-global".into(),
         min_nodes,
+        // Each poll is two HTTP requests to the agent's metadata service on this machine's
+        // cores: at 256 agents, polled every 0.2 s, 2,560 a second.
+        revocation_poll_s: a.synthetic.then_some(1.0),
+        synthetic,
         ..LocalJob::default()
     }
 }
@@ -164,7 +218,7 @@ fn control_plane(dir: &Path, n: usize, a: &BenchScaleArgs) -> limpet_daemon::Res
     if dir.exists() {
         std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
     }
-    let mut cluster = LocalCluster::up(dir, n, job(n, 1_000_000, n + 1, a.netns))?;
+    let mut cluster = LocalCluster::up(dir, n, job(n, 1_000_000, n + 1, a))?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let file = cluster.file.clone();
     // Formed: a leader, every member admitted, at most five voters (the founders' extra
@@ -224,20 +278,57 @@ fn control_plane(dir: &Path, n: usize, a: &BenchScaleArgs) -> limpet_daemon::Res
             }
         }
     }
-    // Commits through the leader: its own hardware record, unchanged, proposed again.
-    let leader_addr = state.members[&leader].spec.control_addr.clone();
+    // Commits through the leader: its own hardware record, unchanged, proposed again. A
+    // proposal that fails (the leader lost its quorum, a connection waited past its
+    // deadline: hundreds of agents on two cores) is counted, and the next goes through
+    // whichever node leads then.
     let hardware = state.members[&leader].spec.hardware.clone();
-    let mut ms = rt.block_on(async {
-        let mut c = Client::connect(&leader_addr, &file.cluster).await?;
+    let seed = file.nodes[0].control.clone();
+    let (mut ms, failed, terms) = rt.block_on(async {
+        let read = |addr: String| {
+            let cluster = file.cluster.clone();
+            async move { Client::connect(&addr, &cluster).await?.read(false).await }
+        };
+        let term_before = read(seed.clone()).await.map_or(0, |r| r.term);
         let mut ms = Vec::with_capacity(a.proposals);
-        for _ in 0..a.proposals {
+        let mut failed = 0usize;
+        let mut client: Option<Client> = None;
+        while ms.len() < a.proposals && failed < 5 * a.proposals.max(4) {
+            if client.is_none() {
+                let addr = match read(seed.clone()).await {
+                    Ok(r) if r.leader != 0 => {
+                        r.state.members.get(&r.leader).map(|m| m.spec.control_addr.clone())
+                    }
+                    _ => None,
+                };
+                client = match addr {
+                    Some(addr) => Client::connect(&addr, &file.cluster).await.ok(),
+                    None => None,
+                };
+            }
+            let Some(c) = client.as_mut() else {
+                failed += 1;
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            };
             let cmd = Command::UpdateHardware { id: leader, hardware: hardware.clone() };
             let t = Instant::now();
-            c.propose(&cmd, Duration::from_secs(5)).await?;
-            ms.push(t.elapsed().as_secs_f64() * 1e3);
+            match c.propose(&cmd, Duration::from_secs(5)).await {
+                Ok(_) => ms.push(t.elapsed().as_secs_f64() * 1e3),
+                Err(e) => {
+                    failed += 1;
+                    eprintln!("{n} hosts: a proposal failed ({e}); through the leader then");
+                    client = None;
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
         }
-        Ok::<_, limpet_consensus::ConsensusError>(ms)
-    })?;
+        let term_after = read(seed.clone()).await.map_or(term_before, |r| r.term);
+        (ms, failed, term_after.saturating_sub(term_before))
+    });
+    if ms.is_empty() {
+        limpet_daemon::fail!("{n} hosts: no proposal committed in {failed} tries; logs in {}", dir.display());
+    }
     cluster.down();
     ms.sort_by(f64::total_cmp);
     let pct =
@@ -254,6 +345,8 @@ fn control_plane(dir: &Path, n: usize, a: &BenchScaleArgs) -> limpet_daemon::Res
         cpu_leader,
         p50: pct(0.5),
         p99: pct(0.99),
+        failed,
+        terms,
     })
 }
 
@@ -307,7 +400,28 @@ fn control_counts(metrics_url: &str) -> BTreeMap<String, f64> {
     out
 }
 
-fn transitions(dir: &Path, n: usize, steps: u64, netns: bool, idle: Idle) -> limpet_daemon::Result<ScaleRow> {
+impl Idle {
+    fn row(self, n: usize, moves: Option<Moves>) -> ScaleRow {
+        ScaleRow {
+            hosts: n,
+            control_bytes_per_node_s: self.bytes_node,
+            control_bytes_leader_s: self.bytes_leader,
+            control_kinds_per_node_s: self.kinds_node,
+            control_kinds_leader_s: self.kinds_leader,
+            control_messages_per_node_s: self.msgs_node,
+            control_messages_leader_s: self.msgs_leader,
+            node_cpu: self.cpu_node,
+            leader_cpu: self.cpu_leader,
+            commit_p50_ms: self.p50,
+            commit_p99_ms: self.p99,
+            proposals_failed: self.failed,
+            leader_changes: self.terms,
+            moves,
+        }
+    }
+}
+
+fn transitions(dir: &Path, n: usize, a: &BenchScaleArgs) -> limpet_daemon::Result<Moves> {
     let revoked = (n / 4).max(1);
     let killed = (revoked / 3).max(1);
     let joins = (n / 4).max(1);
@@ -322,7 +436,7 @@ fn transitions(dir: &Path, n: usize, steps: u64, netns: bool, idle: Idle) -> lim
     }
     script.extend((0..joins).map(|_| (0.4, Action::Join)));
     let started = now_ms();
-    let summary = run_scenario(dir, n, job(n, steps, 1, netns), &script, Duration::from_secs(900), false)?;
+    let summary = run_scenario(dir, n, job(n, a.steps, 1, a), &script, Duration::from_secs(900), false)?;
     let fired = |what: &str| summary.events.iter().filter(|e| e.2.contains(what)).map(|e| e.1).min();
     let joined_at = fired("joins").unwrap_or(started);
     let after: Vec<_> = summary.transitions.iter().skip(1).collect();
@@ -335,18 +449,7 @@ fn transitions(dir: &Path, n: usize, steps: u64, netns: bool, idle: Idle) -> lim
     let last_join = join_epochs.last().map(|t| t.epoch);
     let joined_first_step =
         lines.iter().filter(|l| Some(l.epoch) == last_join).map(|l| l.wall_ms).min().unwrap_or(joined_at);
-    Ok(ScaleRow {
-        hosts: n,
-        control_bytes_per_node_s: idle.bytes_node,
-        control_bytes_leader_s: idle.bytes_leader,
-        control_kinds_per_node_s: idle.kinds_node,
-        control_kinds_leader_s: idle.kinds_leader,
-        control_messages_per_node_s: idle.msgs_node,
-        control_messages_leader_s: idle.msgs_leader,
-        node_cpu: idle.cpu_node,
-        leader_cpu: idle.cpu_leader,
-        commit_p50_ms: idle.p50,
-        commit_p99_ms: idle.p99,
+    Ok(Moves {
         revoked,
         mass_revocation_idle_s: mass.iter().filter_map(|t| t.idle_ms).max().unwrap_or(0) as f64 / 1e3,
         mass_revocation_epochs: mass.len(),
@@ -375,8 +478,22 @@ fn print_table(rows: &[ScaleRow]) {
         "IN S"
     );
     for r in rows {
+        let moves = r.moves.as_ref().map_or_else(
+            || format!("{:>8} {:>9} {:>7} {:>5} {:>6} {:>8}", "-", "-", "-", "-", "-", "-"),
+            |m| {
+                format!(
+                    "{:>8} {:>9.2} {:>7} {:>5} {:>6} {:>8.2}",
+                    m.revoked,
+                    m.mass_revocation_idle_s,
+                    m.mass_revocation_epochs,
+                    m.lost_steps,
+                    m.joins,
+                    m.joins_trained_in_s
+                )
+            },
+        );
         println!(
-            "{:>6} {:>12.0} {:>12.0} {:>9.3} {:>9.3} {:>9.1} {:>9.1} {:>8} {:>9.2} {:>7} {:>5} {:>6} {:>8.2}",
+            "{:>6} {:>12.0} {:>12.0} {:>9.3} {:>9.3} {:>9.1} {:>9.1} {moves}",
             r.hosts,
             r.control_bytes_per_node_s,
             r.control_bytes_leader_s,
@@ -384,12 +501,6 @@ fn print_table(rows: &[ScaleRow]) {
             r.leader_cpu,
             r.commit_p50_ms,
             r.commit_p99_ms,
-            r.revoked,
-            r.mass_revocation_idle_s,
-            r.mass_revocation_epochs,
-            r.lost_steps,
-            r.joins,
-            r.joins_trained_in_s
         );
     }
     // What the control bytes are: raft's against the reports', each way.
@@ -430,21 +541,30 @@ fn plot_rows(path: &Path, rows: &[ScaleRow]) -> limpet_daemon::Result<()> {
         ("control bytes/s per node", |r| r.control_bytes_per_node_s, BLUE),
         ("leader CPU", |r| r.leader_cpu, RED),
         ("commit p99", |r| r.commit_p99_ms, GREEN),
-        ("mass revocation idle", |r| r.mass_revocation_idle_s, MAGENTA),
-        ("joins trained in", |r| r.joins_trained_in_s, BLACK),
+        (
+            "mass revocation idle",
+            |r| r.moves.as_ref().map_or(f64::NAN, |m| m.mass_revocation_idle_s),
+            MAGENTA,
+        ),
+        ("joins trained in", |r| r.moves.as_ref().map_or(f64::NAN, |m| m.joins_trained_in_s), BLACK),
     ];
     let x_max = rows.iter().map(|r| r.hosts).max().unwrap_or(1) as f64 * 1.05;
     let share = |f: fn(&ScaleRow) -> f64, r: &ScaleRow| f(r) / f(&rows[0]).max(1e-9);
-    let y_max =
-        figures.iter().flat_map(|(_, f, _)| rows.iter().map(move |r| share(*f, r))).fold(2.0_f64, f64::max)
-            * 1.1;
+    let y_max = figures
+        .iter()
+        .flat_map(|(_, f, _)| rows.iter().map(move |r| share(*f, r)))
+        .filter(|v| v.is_finite())
+        .fold(2.0_f64, f64::max)
+        * 1.1;
     draw_svg(path, (900, 480), |root| {
         let mut chart =
             chart_on(root, Some("limpet at scale: each figure over its value at the smallest fleet"), 40)
                 .build_cartesian_2d(0.0..x_max, 0.0..y_max)?;
         chart.configure_mesh().x_desc("hosts").y_desc("x the smallest fleet's").draw()?;
         for (name, f, colour) in figures {
-            let points: Vec<(f64, f64)> = rows.iter().map(|r| (r.hosts as f64, share(f, r))).collect();
+            // A figure not measured at a size (`--control-only`) has no point there.
+            let points: Vec<(f64, f64)> =
+                rows.iter().map(|r| (r.hosts as f64, share(f, r))).filter(|p| p.1.is_finite()).collect();
             chart
                 .draw_series(LineSeries::new(points.clone(), colour))?
                 .label(name)

@@ -71,6 +71,7 @@ impl Config {
         a.base_world = self.job.base_world.unwrap_or(f.founders.len().max(1) as u64);
         a.bootstrap = (!f.founders.is_empty()).then_some(f.founders);
         a.seeds = self.cluster.seeds.iter().map(SocketAddr::to_string).collect();
+        a.max_voters = self.cluster.max_voters;
         a.data_path = self.job.data_path.clone();
         a.device = f.device;
         a.devices = f.devices;

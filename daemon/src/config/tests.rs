@@ -639,6 +639,7 @@ insecure = true
     assert_eq!(a.seeds, ["127.0.0.1:7500"]);
     let founders: Vec<u64> = a.bootstrap.as_ref().unwrap().iter().map(|m| m.id).collect();
     assert_eq!(founders, [7, 8]);
+    assert_eq!(a.max_voters, 3);
     assert_eq!((a.base_world, a.policy, a.min_nodes), (4, BatchPolicy::Linear, 2));
     assert_eq!((a.straggler_ratio, a.straggler_steps), (2.0, 50));
     assert_eq!(a.poll, Duration::from_secs(3));
